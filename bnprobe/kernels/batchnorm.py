@@ -1,0 +1,381 @@
+"""Instrumented BatchNorm: training forward, inference forward and backward.
+
+Pure functions: arrays and a Policy in, frozen results out.  Every operation is
+rounded to the format the policy gives it, and every intermediate is recorded in
+the result's Trace.  Internally tensors are channel-first ``(C, R)`` float64
+arrays holding values of their format; outputs are returned in the layout and
+numpy dtype of their format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from bnprobe.errors import BNProbeError
+from bnprobe.formats import Format, get_format
+from bnprobe.kernels.layout import Layout, as_channel_vector, check_eps, check_momentum, layout_of
+from bnprobe.kernels.policy import Policy, get_policy
+from bnprobe.kernels.trace import Trace
+from bnprobe.numerics.arith import Arith, Tally, fma_wide
+from bnprobe.numerics.reduce import reduce_sum
+from bnprobe.numerics.rsqrt import rsqrt_exact
+from bnprobe.numerics.variance import moments
+
+__all__ = ["TrainResult", "InferResult", "BackwardResult", "forward_train", "forward_infer", "backward"]
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """Outputs of a training forward.
+
+    ``mean``, ``invstd`` and ``var`` (the biased batch variance) are the saved
+    statistics in the params format; ``running_mean`` / ``running_var`` are the
+    updated running statistics (None when none were given).
+    """
+
+    y: np.ndarray
+    mean: np.ndarray
+    invstd: np.ndarray
+    var: np.ndarray
+    running_mean: np.ndarray | None
+    running_var: np.ndarray | None
+    num_batches_tracked: int
+    trace: Trace
+
+
+@dataclass(frozen=True)
+class InferResult:
+    y: np.ndarray
+    trace: Trace
+
+
+@dataclass(frozen=True)
+class BackwardResult:
+    dx: np.ndarray
+    dgamma: np.ndarray
+    dbeta: np.ndarray
+    trace: Trace
+
+
+def _wider_or_equal(big: Format, small: Format) -> bool:
+    return big.precision >= small.precision and big.emax >= small.emax and big.emin <= small.emin
+
+
+class _Run:
+    """The arithmetic contexts of one kernel call and its trace."""
+
+    def __init__(self, policy: Policy, lay: Layout, keep_arrays: bool, meta: dict[str, Any]) -> None:
+        self.policy = policy
+        self.lay = lay
+        self.c = lay.channels
+        rng = np.random.default_rng(policy.seed)
+        spec = policy.spec
+        self.storage = Arith(policy.storage, spec, rng)
+        self.out = Arith(policy.storage, policy.output_spec, rng)
+        self.params = Arith(policy.params_format, spec, rng)
+        self.comp = Arith(policy.compute, spec, rng)
+        self.acc = Arith(policy.accumulate, spec, rng)
+        self.trace = Trace(self.c, keep_arrays, {
+            "policy": policy.name, "policy_detail": policy.to_dict(), "shape": lay.shape, "layout": lay.layout,
+            "channels": lay.channels, "reduce_size": lay.reduce_size, **meta})
+
+    def tally(self) -> Tally:
+        return Tally(self.c)
+
+    def rec(self, name: str, ar: Arith, wide: np.ndarray, tally: Tally | None = None,
+            negative: bool = False) -> np.ndarray:
+        """Round ``wide`` in ``ar``'s format and record it as stage ``name``."""
+        tally = tally if tally is not None else self.tally()
+        with np.errstate(all="ignore"):
+            wide = np.asarray(wide, dtype=np.float64)
+        value = ar.round(wide, tally)
+        self.trace.record(name, value, ar.fmt, wide=wide, tally=tally, check_negative=negative)
+        return value
+
+    def cast(self, name: str, value: np.ndarray, src: str, dst: Arith) -> np.ndarray:
+        """Convert between formats; recorded as a stage only when it can round."""
+        if _wider_or_equal(dst.fmt, get_format(src)):
+            return value
+        return self.rec(name, dst, value)
+
+    def load(self, name: str, a: np.ndarray, ar: Arith) -> np.ndarray:
+        """Round a caller's tensor to its storage format and record it (input-borne NaN/inf show here)."""
+        return self.rec(name, ar, self.lay.to_cr(a))
+
+    def param(self, v: np.ndarray) -> np.ndarray:
+        return self.params.round(v)
+
+    def rstd(self, var_eps: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """rstd (and std when the method forms it) from var + eps, in the accumulator format."""
+        acc = self.acc
+        with np.errstate(all="ignore"):
+            if self.policy.rsqrt == "exact":
+                t = self.tally()
+                if acc.spec.rounding == "nearest_even":
+                    value = rsqrt_exact(var_eps, acc.fmt)
+                    value = acc.round(value, t)  # applies saturation / flushing to the correct rounding
+                else:
+                    value = acc.round(1.0 / np.sqrt(var_eps), t)
+                self.trace.record("rstd", value, acc.fmt, wide=1.0 / np.sqrt(var_eps), tally=t)
+                return value, None
+            std = self.rec("std", acc, np.sqrt(var_eps))
+            return self.rec("rstd", acc, 1.0 / std), std
+
+    def normalise(self, xs: np.ndarray, mean: np.ndarray, rstd: np.ndarray, std: np.ndarray | None,
+                  gamma: np.ndarray, beta: np.ndarray) -> np.ndarray:
+        """y in the storage format from x, per-channel mean/rstd and the affine parameters."""
+        pol, acc, comp = self.policy, self.acc, self.comp
+        xc = self.cast("x_compute", xs, pol.storage, comp)
+        col = lambda v: comp.round(v)[:, None]  # noqa: E731 - per-channel value cast to compute, as a column
+
+        def mac(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+            """Record a*b + c as the 'affine' stage, fused or as two roundings."""
+            if pol.fma:
+                return self.rec("affine", comp, fma_wide(a, b, c, native=comp.native))
+            t = self.tally()
+            prod = comp.mul(a, b, t)
+            return self.rec("affine", comp, prod + c, t)
+
+        with np.errstate(all="ignore"):
+            ga, ba = acc.round(gamma), acc.round(beta)
+            if pol.y_formula == "xhat":
+                centered = self.rec("centered", comp, xc - col(mean))
+                xhat = self.rec("xhat", comp, centered * col(rstd))
+                affine = mac(xhat, col(gamma), col(beta))
+            elif pol.y_formula == "scale":
+                w = self.rec("w", acc, ga / std if std is not None else ga * rstd)
+                centered = self.rec("centered", comp, xc - col(mean))
+                affine = mac(centered, col(w), col(beta))
+            else:  # affine
+                mult = self.rec("mult", acc, ga / std if std is not None else ga * rstd)
+                if pol.fma:
+                    addend = self.rec("addend", acc, fma_wide(-mult, mean, ba, native=acc.native))
+                else:
+                    t = self.tally()
+                    addend = self.rec("addend", acc, ba - acc.mul(mult, mean, t), t)
+                affine = mac(xc, col(mult), col(addend))
+            return self.rec("y", self.out, affine)
+
+    def finish(self, a: np.ndarray, ar: Arith) -> np.ndarray:
+        """A channel-first stage value back in the caller's layout and the format's dtype."""
+        return self.lay.from_cr(a).astype(ar.fmt.dtype)
+
+    def vector(self, a: np.ndarray, ar: Arith) -> np.ndarray:
+        return np.asarray(a).astype(ar.fmt.dtype)
+
+
+def _check_train_size(lay: Layout) -> None:
+    if lay.reduce_size < 2:
+        raise BNProbeError(
+            f"training needs more than one value per channel for batch statistics and the unbiased running "
+            f"variance; x has shape {lay.shape}, so N*H*W = {lay.reduce_size}")
+
+
+def forward_train(
+    x: np.ndarray,
+    gamma: np.ndarray | None = None,
+    beta: np.ndarray | None = None,
+    running_mean: np.ndarray | None = None,
+    running_var: np.ndarray | None = None,
+    *,
+    momentum: float | None = 0.1,
+    eps: float = 1e-5,
+    policy: str | Policy = "fp32",
+    layout: str = "channels_first",
+    num_batches_tracked: int = 0,
+    keep_arrays: bool = True,
+) -> TrainResult:
+    """Training-mode BatchNorm: batch statistics, normalisation, running-stat update.
+
+    Running statistics follow PyTorch: ``running = (1 - m)·running + m·batch`` with
+    the unbiased variance (× R/(R−1)); ``momentum=None`` is the cumulative average
+    with factor ``1/(num_batches_tracked + 1)``.  gamma/beta default to 1/0.
+    """
+    pol = get_policy(policy)
+    lay = layout_of(x, layout)
+    _check_train_size(lay)
+    eps = check_eps(eps)
+    momentum = check_momentum(momentum)
+    if (running_mean is None) != (running_var is None):
+        raise BNProbeError("give both running_mean and running_var, or neither")
+    if int(num_batches_tracked) < 0:
+        raise BNProbeError(f"num_batches_tracked must be >= 0, got {num_batches_tracked}")
+    g = as_channel_vector("gamma", gamma, lay, 1.0)
+    b = as_channel_vector("beta", beta, lay, 0.0)
+    rm = as_channel_vector("running_mean", running_mean, lay, 0.0) if running_mean is not None else None
+    rv = as_channel_vector("running_var", running_var, lay, 1.0) if running_var is not None else None
+
+    run = _Run(pol, lay, keep_arrays, {"mode": "train", "eps": eps, "momentum": momentum})
+    acc, r = run.acc, lay.reduce_size
+    with np.errstate(all="ignore"):
+        xs = run.load("x", x, run.storage)
+        gp, bp = run.param(g), run.param(b)
+        xa = run.cast("x_acc", xs, pol.storage, acc)
+        m = moments(xa, acc, algorithm=pol.variance, order=pol.order, lanes=pol.lanes, tiles=pol.tiles,
+                    kahan=pol.kahan, mean_by=pol.mean_by, clamp=pol.clamp_var)
+        for sv in m.stages:
+            run.trace.record(sv.name, sv.value, sv.arith.fmt, wide=sv.wide, tally=sv.tally,
+                             check_negative=sv.check_negative)
+        mean, var = m.mean, m.var
+        eps_a = float(acc.round(eps))
+        run.trace.meta["eps_effective"] = eps_a
+        var_eps = run.rec("var_eps", acc, var + eps_a, negative=True)
+        rstd, std = run.rstd(var_eps)
+        y = run.normalise(xs, mean, rstd, std, gp, bp)
+
+        new_rm = new_rv = None
+        nbt = int(num_batches_tracked) + 1
+        if rm is not None and rv is not None:
+            f = momentum if momentum is not None else 1.0 / nbt
+            f_a, keep_a = acc.round(f), acc.round(1.0 - f)
+            factor = acc.round(r / (r - 1))
+            var_unbiased = run.rec("var_unbiased", acc, var * factor)
+            for name, old, batch in (("running_mean", rm, mean), ("running_var", rv, var_unbiased)):
+                t = run.tally()
+                old_a = acc.round(run.param(old))
+                upd = acc.round(acc.mul(keep_a, old_a, t) + acc.mul(f_a, batch, t), t)
+                stored = run.rec(name, run.params, upd, t)
+                if name == "running_mean":
+                    new_rm = stored
+                else:
+                    new_rv = stored
+    par = run.params
+    return TrainResult(
+        y=run.finish(y, run.out),
+        mean=run.vector(par.round(mean), par),
+        invstd=run.vector(par.round(rstd), par),
+        var=run.vector(par.round(var), par),
+        running_mean=None if new_rm is None else run.vector(new_rm, par),
+        running_var=None if new_rv is None else run.vector(new_rv, par),
+        num_batches_tracked=nbt,
+        trace=run.trace,
+    )
+
+
+def forward_infer(
+    x: np.ndarray,
+    gamma: np.ndarray | None,
+    beta: np.ndarray | None,
+    running_mean: np.ndarray,
+    running_var: np.ndarray,
+    *,
+    eps: float = 1e-5,
+    policy: str | Policy = "fp32",
+    layout: str = "channels_first",
+    keep_arrays: bool = True,
+) -> InferResult:
+    """Inference-mode BatchNorm: normalise with the running statistics."""
+    pol = get_policy(policy)
+    lay = layout_of(x, layout)
+    eps = check_eps(eps)
+    g = as_channel_vector("gamma", gamma, lay, 1.0)
+    b = as_channel_vector("beta", beta, lay, 0.0)
+    rm = as_channel_vector("running_mean", running_mean, lay)
+    rv = as_channel_vector("running_var", running_var, lay)
+    run = _Run(pol, lay, keep_arrays, {"mode": "infer", "eps": eps})
+    acc = run.acc
+    with np.errstate(all="ignore"):
+        xs = run.load("x", x, run.storage)
+        mean = acc.round(run.param(rm))
+        var = acc.round(run.param(rv))
+        eps_a = float(acc.round(eps))
+        run.trace.meta["eps_effective"] = eps_a
+        var_eps = run.rec("var_eps", acc, var + eps_a, negative=True)
+        rstd, std = run.rstd(var_eps)
+        y = run.normalise(xs, mean, rstd, std, run.param(g), run.param(b))
+    return InferResult(y=run.finish(y, run.out), trace=run.trace)
+
+
+def backward(
+    dy: np.ndarray,
+    x: np.ndarray,
+    gamma: np.ndarray | None,
+    saved_mean: np.ndarray,
+    saved_invstd: np.ndarray,
+    *,
+    policy: str | Policy = "fp32",
+    training: bool = True,
+    layout: str = "channels_first",
+    saved_var: np.ndarray | None = None,
+    eps: float = 1e-5,
+    keep_arrays: bool = True,
+) -> BackwardResult:
+    """Gradients dx, dgamma, dbeta of BatchNorm.
+
+    training=True differentiates through the batch statistics (``saved_mean`` /
+    ``saved_invstd`` from the forward); training=False treats them as constants
+    (pass the running mean and 1/sqrt(running_var + eps)).  The policy's
+    ``backward_formula`` picks the standard form or Ascend's BNTrainingReduceGrad
+    form; the latter recomputes sigma = sqrt(saved_var + eps) when ``saved_var``
+    is given (as the TBE kernels do), else uses sigma = 1/invstd.
+    """
+    pol = get_policy(policy)
+    lay = layout_of(x, layout)
+    if np.shape(dy) != lay.shape:
+        raise BNProbeError(f"dy has shape {np.shape(dy)} but x has shape {lay.shape}")
+    if training:
+        _check_train_size(lay)
+    g = as_channel_vector("gamma", gamma, lay, 1.0)
+    mu = as_channel_vector("saved_mean", saved_mean, lay)
+    inv = as_channel_vector("saved_invstd", saved_invstd, lay)
+    sv = as_channel_vector("saved_var", saved_var, lay) if saved_var is not None else None
+    eps = check_eps(eps)
+    run = _Run(pol, lay, keep_arrays, {"mode": "backward", "training": training, "eps": eps})
+    acc, comp, r = run.acc, run.comp, lay.reduce_size
+    col = lambda v: comp.round(v)[:, None]  # noqa: E731
+    with np.errstate(all="ignore"):
+        dys = run.load("dy", dy, run.storage)
+        xs = run.load("x", x, run.storage)
+        ga = acc.round(run.param(g))
+        mean = acc.round(run.param(mu))
+        invstd = acc.round(run.param(inv))
+        xc = run.cast("x_compute", xs, pol.storage, comp)
+        dyc = run.cast("dy_compute", dys, pol.storage, comp)
+        centered = run.rec("centered", comp, xc - col(mean))
+        xhat = run.rec("xhat", comp, centered * col(invstd))
+
+        dya = run.cast("dy_acc", dys, pol.storage, acc)
+        t = run.tally()
+        sum_dy = run.rec("sum_dy", acc, reduce_sum(dya, acc, order=pol.order, lanes=pol.lanes,
+                                                   kahan=pol.kahan, tally=t), t)
+        t = run.tally()
+        prod = acc.mul(dya, acc.round(xhat, t), t)
+        sum_dy_xhat = run.rec("sum_dy_xhat", acc, reduce_sum(prod, acc, order=pol.order, lanes=pol.lanes,
+                                                             kahan=pol.kahan, tally=t), t)
+        dbeta = run.rec("dbeta", run.params, sum_dy)
+        dgamma = run.rec("dgamma", run.params, sum_dy_xhat)
+
+        if not training:
+            scale = run.rec("scale", acc, ga * invstd)
+            dx_c = run.rec("dx_compute", comp, dyc * col(scale))
+        elif pol.backward_formula == "standard":
+            mean_dy = run.rec("mean_dy", acc, sum_dy / r)
+            mean_dy_xhat = run.rec("mean_dy_xhat", acc, sum_dy_xhat / r)
+            scale = run.rec("scale", acc, ga * invstd)
+            t = run.tally()
+            d = comp.sub(dyc, col(mean_dy), t)
+            d = comp.sub(d, comp.mul(xhat, col(mean_dy_xhat), t), t)
+            dx_c = run.rec("dx_compute", comp, d * col(scale), t)
+        else:  # ascend: BNTrainingReduceGrad
+            if sv is not None:
+                var_eps = acc.add(acc.round(run.param(sv)), acc.round(eps))
+                sigma = run.rec("std", acc, np.sqrt(var_eps))
+            else:
+                sigma = run.rec("std", acc, 1.0 / invstd)
+            dg_r = acc.div(sum_dy_xhat, float(r))
+            db_r = acc.div(sum_dy, float(r))
+            mult = run.rec("mult", acc, -dg_r / sigma)
+            t = run.tally()
+            addend = run.rec("addend", acc, acc.mul(acc.div(mean, sigma, t), dg_r, t) - db_r, t)
+            scale = run.rec("scale", acc, ga / sigma)
+            t = run.tally()
+            d = comp.add(dyc, comp.mul(xc, col(mult), t), t)
+            d = comp.add(d, col(addend), t)
+            dx_c = run.rec("dx_compute", comp, d * col(scale), t)
+        dx = run.rec("dx", run.out, dx_c)
+    par = run.params
+    return BackwardResult(dx=run.finish(dx, run.out), dgamma=run.vector(dgamma, par),
+                          dbeta=run.vector(dbeta, par), trace=run.trace)

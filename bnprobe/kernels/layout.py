@@ -1,0 +1,98 @@
+"""Tensor layouts and input validation for the BatchNorm kernels."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from bnprobe.errors import BNProbeError
+
+__all__ = ["LAYOUTS", "Layout", "layout_of", "as_channel_vector", "check_eps", "check_momentum"]
+
+LAYOUTS: tuple[str, ...] = ("channels_first", "channels_last")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the channels are in x, and how to move to and from channel-first ``(C, R)``."""
+
+    shape: tuple[int, ...]
+    layout: str
+
+    @property
+    def channel_axis(self) -> int:
+        return 1 if self.layout == "channels_first" or len(self.shape) == 2 else len(self.shape) - 1
+
+    @property
+    def channels(self) -> int:
+        return self.shape[self.channel_axis]
+
+    @property
+    def reduce_size(self) -> int:
+        """R = N * (spatial sizes): the number of values each channel's statistics see."""
+        return math.prod(self.shape) // max(self.channels, 1)
+
+    def to_cr(self, a: np.ndarray) -> np.ndarray:
+        a = np.asarray(a)
+        if a.shape != self.shape:
+            raise BNProbeError(f"expected shape {self.shape}, got {a.shape}")
+        return np.moveaxis(a, self.channel_axis, 0).reshape(self.channels, -1).astype(np.float64)
+
+    def from_cr(self, a: np.ndarray) -> np.ndarray:
+        moved = tuple(np.delete(np.array(self.shape), self.channel_axis))
+        return np.moveaxis(a.reshape((self.channels, *moved)), 0, self.channel_axis)
+
+
+def layout_of(x: np.ndarray, layout: str = "channels_first") -> Layout:
+    """Validate x's rank and the layout name; return the Layout."""
+    if layout not in LAYOUTS:
+        raise BNProbeError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
+    shape = tuple(int(s) for s in np.shape(x))
+    if not 2 <= len(shape) <= 5:
+        raise BNProbeError(
+            f"x must have 2 to 5 dimensions (N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W); got shape {shape}")
+    out = Layout(shape, layout)
+    if out.channels == 0 or out.reduce_size == 0:
+        raise BNProbeError(f"x has no elements to normalise (shape {shape})")
+    return out
+
+
+def as_channel_vector(name: str, v: object, lay: Layout, default: float | None = None) -> np.ndarray:
+    """A per-channel parameter as float64 ``(C,)``; None becomes ``default`` when one is given."""
+    if v is None:
+        if default is None:
+            raise BNProbeError(f"{name} is required")
+        return np.full(lay.channels, default, dtype=np.float64)
+    a = np.asarray(v)
+    if a.ndim != 1 or a.shape[0] != lay.channels:
+        raise BNProbeError(
+            f"{name} has shape {a.shape} but x has {lay.channels} channels "
+            f"(x shape {lay.shape}, {lay.layout}); expected ({lay.channels},)")
+    try:
+        return a.astype(np.float64)
+    except (TypeError, ValueError):
+        raise BNProbeError(f"{name} must hold numbers, got dtype {a.dtype}") from None
+
+
+def check_eps(eps: float) -> float:
+    try:
+        e = float(eps)
+    except (TypeError, ValueError):
+        raise BNProbeError(f"eps must be a number, got {eps!r}") from None
+    if not math.isfinite(e) or e <= 0:
+        raise BNProbeError(f"eps must be a finite number > 0, got {eps!r}")
+    return e
+
+
+def check_momentum(momentum: float | None) -> float | None:
+    if momentum is None:
+        return None
+    try:
+        m = float(momentum)
+    except (TypeError, ValueError):
+        raise BNProbeError(f"momentum must be a number in [0, 1] or None, got {momentum!r}") from None
+    if not 0.0 <= m <= 1.0:
+        raise BNProbeError(f"momentum must be in [0, 1] (PyTorch convention) or None, got {momentum!r}")
+    return m

@@ -1,0 +1,175 @@
+"""Policy: every numerical choice a BatchNorm kernel makes, in one frozen value."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields, replace
+
+from bnprobe.errors import BNProbeError
+from bnprobe.formats import get_format
+from bnprobe.numerics.reduce import ORDERS
+from bnprobe.numerics.rounding import OVERFLOWS, ROUNDINGS, SUBNORMALS, RoundingSpec
+from bnprobe.numerics.variance import MEAN_BY, VARIANCES
+
+__all__ = ["Policy", "PRESETS", "get_policy", "Y_FORMULAS", "RSQRT_METHODS", "BACKWARD_FORMULAS"]
+
+# How y is formed from the statistics:
+#   xhat   : xhat = (x - mean) * rstd; y = gamma * xhat + beta
+#   scale  : w = gamma * rstd; y = (x - mean) * w + beta          (Ascend BatchNormV3)
+#   affine : mult = gamma * rstd; addend = beta - mult * mean; y = mult * x + addend
+#            (Ascend TBE BNTrainingUpdate, PyTorch CPU)
+Y_FORMULAS: tuple[str, ...] = ("xhat", "scale", "affine")
+# exact    : rstd = 1/sqrt(var + eps) correctly rounded in one step
+# sqrt_div : std = fl(sqrt(var + eps)), then rstd = fl(1 / std) (and gamma / std where a formula needs it)
+RSQRT_METHODS: tuple[str, ...] = ("exact", "sqrt_div")
+# standard : dx = gamma*rstd*(dy - mean(dy) - xhat*mean(dy*xhat))
+# ascend   : dx = (dy + mult*x + addend) * gamma/sigma, mult = -(dgamma/R)/sigma,
+#            addend = (mean/sigma)(dgamma/R) - dbeta/R   (BNTrainingReduceGrad)
+BACKWARD_FORMULAS: tuple[str, ...] = ("standard", "ascend")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Formats, algorithms and rounding for one emulated BatchNorm.
+
+    storage: x, y, dy, dx.  params: gamma, beta, running and saved statistics
+    (``None`` = same as storage).  compute: the elementwise normalisation and
+    affine.  accumulate: sums, mean, variance, rstd and the running-stat update.
+    """
+
+    name: str = "custom"
+    storage: str = "fp32"
+    params: str | None = None
+    compute: str = "fp32"
+    accumulate: str = "fp32"
+    variance: str = "two_pass"
+    order: str = "pairwise"
+    lanes: int = 64
+    tiles: int = 8
+    kahan: bool = False
+    clamp_var: bool = False
+    mean_by: str = "divide"
+    rounding: str = "nearest_even"
+    output_rounding: str | None = None  # rounding of the final cast of y / dx; None = rounding
+    overflow: str = "ieee"
+    subnormals: str = "keep"
+    y_formula: str = "xhat"
+    fma: bool = False
+    rsqrt: str = "exact"
+    backward_formula: str = "standard"
+    seed: int = 0  # drives stochastic rounding
+
+    def __post_init__(self) -> None:
+        for attr in ("storage", "compute", "accumulate"):
+            object.__setattr__(self, attr, get_format(getattr(self, attr)).name)
+        if self.params is not None:
+            object.__setattr__(self, "params", get_format(self.params).name)
+        choices = {
+            "variance": VARIANCES, "order": ORDERS, "mean_by": MEAN_BY, "overflow": OVERFLOWS,
+            "subnormals": SUBNORMALS, "y_formula": Y_FORMULAS, "rsqrt": RSQRT_METHODS,
+            "backward_formula": BACKWARD_FORMULAS,
+        }
+        for attr, valid in choices.items():
+            if getattr(self, attr) not in valid:
+                raise BNProbeError(f"policy {attr}={getattr(self, attr)!r} is not one of: {', '.join(valid)}")
+        object.__setattr__(self, "rounding", RoundingSpec(self.rounding, self.overflow, self.subnormals).rounding)
+        if self.output_rounding is not None:
+            object.__setattr__(self, "output_rounding", RoundingSpec(self.output_rounding).rounding)
+        if self.lanes < 1 or self.tiles < 1:
+            raise BNProbeError(f"policy lanes and tiles must be >= 1, got lanes={self.lanes}, tiles={self.tiles}")
+        if self.kahan and self.order == "pairwise":
+            raise BNProbeError("policy kahan=True needs order=sequential or order=lanes")
+
+    @property
+    def params_format(self) -> str:
+        return self.params or self.storage
+
+    @property
+    def spec(self) -> RoundingSpec:
+        return RoundingSpec(self.rounding, self.overflow, self.subnormals)
+
+    @property
+    def output_spec(self) -> RoundingSpec:
+        return RoundingSpec(self.output_rounding or self.rounding, self.overflow, self.subnormals)
+
+    def golden(self) -> Policy:
+        """The same algorithm structure with every format fp64 and exact operations: the golden."""
+        return replace(self, name=f"{self.name}@fp64", storage="fp64", params="fp64", compute="fp64",
+                       accumulate="fp64", rounding="nearest_even", output_rounding=None, overflow="ieee",
+                       subnormals="keep", kahan=False, rsqrt="exact", clamp_var=False)
+
+    def with_options(self, **changes: object) -> Policy:
+        """A copy with some fields changed (unknown names are a BNProbeError)."""
+        known = {f.name for f in fields(self)}
+        bad = sorted(set(changes) - known)
+        if bad:
+            raise BNProbeError(f"unknown policy option(s) {', '.join(bad)}; valid: {', '.join(sorted(known))}")
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        """One line naming every choice that differs from the defaults."""
+        default = Policy()
+        parts = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
+                 if f.name != "name" and getattr(self, f.name) != getattr(default, f.name)]
+        return f"{self.name}: " + (", ".join(parts) if parts else "defaults")
+
+    def to_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+PRESETS: dict[str, Policy] = {
+    p.name: p
+    for p in (
+        Policy("fp64", storage="fp64", params="fp64", compute="fp64", accumulate="fp64"),
+        Policy("fp32", storage="fp32", params="fp32", compute="fp32", accumulate="fp32"),
+        # mixed precision as cuDNN, Ascend and PyTorch CPU do it: fp16 tensors,
+        # fp32 parameters, statistics and arithmetic
+        Policy("fp16", storage="fp16", params="fp32", compute="fp32", accumulate="fp32"),
+        Policy("bf16", storage="bf16", params="fp32", compute="fp32", accumulate="fp32"),
+        # everything in the 16-bit format, a naive port
+        Policy("fp16-acc16", storage="fp16", params="fp16", compute="fp16", accumulate="fp16"),
+        Policy("bf16-acc16", storage="bf16", params="bf16", compute="bf16", accumulate="bf16"),
+    )
+}
+
+
+def _parse_value(key: str, text: str) -> object:
+    field = {f.name: f for f in fields(Policy)}[key]
+    kind = str(field.type)
+    if "bool" in kind:
+        low = text.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise BNProbeError(f"policy option {key} takes true/false, got {text!r}")
+    if kind == "int":
+        try:
+            return int(text, 0)
+        except ValueError:
+            raise BNProbeError(f"policy option {key} takes an integer, got {text!r}") from None
+    if text.lower() == "none" and "None" in kind:
+        return None
+    return text
+
+
+def get_policy(spec: str | Policy) -> Policy:
+    """A preset by name, optionally with overrides: ``"fp16:variance=naive,order=sequential"``."""
+    if isinstance(spec, Policy):
+        return spec
+    base, _, rest = spec.strip().partition(":")
+    if base not in PRESETS:
+        raise BNProbeError(f"unknown policy {base!r}; presets: {', '.join(PRESETS)} (add overrides as name:key=value,...)")
+    policy = PRESETS[base]
+    if not rest:
+        return policy
+    changes: dict[str, object] = {}
+    for item in rest.split(","):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise BNProbeError(f"policy override {item!r} is not key=value")
+        if key not in {f.name for f in fields(Policy)}:
+            raise BNProbeError(f"unknown policy option {key!r}; valid: {', '.join(f.name for f in fields(Policy))}")
+        changes[key] = _parse_value(key, value.strip())
+    return policy.with_options(name=spec.strip(), **changes)

@@ -1,0 +1,152 @@
+"""The trace: every intermediate of a BatchNorm run, in order, with exception counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from bnprobe.errors import BNProbeError
+from bnprobe.formats import Format, get_format
+from bnprobe.numerics.arith import TALLY_FIELDS, Tally
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+__all__ = ["Stage", "Trace", "COUNTERS"]
+
+# Per-channel counters of every stage.  overflow: the wide value rounds beyond the
+# format's max (also when saturation hid it); saturated: clamped to ±max or NaN
+# set to 0; underflow: a nonzero wide value stored as zero; flushed: a subnormal
+# flushed to zero; subnormal: stored nonzero values below the smallest normal;
+# negative: a variance-like value below zero before any clamp.
+COUNTERS: tuple[str, ...] = ("nan", "posinf", "neginf", *TALLY_FIELDS, "subnormal", "negative")
+
+
+@dataclass
+class Stage:
+    """One named intermediate.
+
+    ``value`` holds the stored values (float64 carriers of ``format``) and
+    ``wide`` the float64 values they were rounded from (None where not kept).
+    Elementwise stages are channel-first ``(C, R)``; per-channel ones ``(C,)``.
+    """
+
+    name: str
+    format: str
+    value: np.ndarray | None
+    wide: np.ndarray | None
+    counters: dict[str, np.ndarray]
+    elementwise: bool
+    size: int
+    vmin: float
+    vmax: float
+    absmax: float
+
+    def count(self, counter: str) -> int:
+        return int(self.counters[counter].sum())
+
+    @property
+    def anomalies(self) -> dict[str, int]:
+        """Counters that are nonzero, summed over channels."""
+        return {k: int(v.sum()) for k, v in self.counters.items() if v.any()}
+
+
+def _range(v: np.ndarray) -> tuple[float, float, float]:
+    finite = v[np.isfinite(v)]
+    if finite.size == 0:
+        return float("nan"), float("nan"), float("nan")
+    return float(finite.min()), float(finite.max()), float(np.abs(finite).max())
+
+
+@dataclass
+class Trace:
+    """Stages in the order the kernel computed them, plus the run's metadata.
+
+    ``keep_arrays=False`` keeps only counters and ranges (for large tensors).
+    """
+
+    channels: int
+    keep_arrays: bool = True
+    meta: dict[str, Any] = field(default_factory=dict)
+    stages: list[Stage] = field(default_factory=list)
+
+    def record(self, name: str, value: np.ndarray, fmt: str | Format, *, wide: np.ndarray | None = None,
+               tally: Tally | None = None, check_negative: bool = False) -> None:
+        """Add a stage; counters are computed here from the stored and wide values."""
+        fmt = get_format(fmt)
+        value = np.asarray(value, dtype=np.float64)
+        c = self.channels
+        flat = value.reshape(c, -1)
+        counts: dict[str, np.ndarray] = {}
+        with np.errstate(invalid="ignore"):
+            counts["nan"] = np.isnan(flat).sum(axis=1)
+            counts["posinf"] = np.isposinf(flat).sum(axis=1)
+            counts["neginf"] = np.isneginf(flat).sum(axis=1)
+            for k in TALLY_FIELDS:
+                counts[k] = tally.counts[k].copy() if tally is not None else np.zeros(c, dtype=np.int64)
+            absval = np.abs(flat)
+            counts["subnormal"] = ((absval > 0) & (absval < fmt.tiny)).sum(axis=1)
+            if check_negative:
+                src = flat if wide is None else np.asarray(wide, dtype=np.float64).reshape(c, -1)
+                counts["negative"] = (src < 0).sum(axis=1)
+            else:
+                counts["negative"] = np.zeros(c, dtype=np.int64)
+        vmin, vmax, absmax = _range(flat)
+        keep = self.keep_arrays
+        self.stages.append(Stage(
+            name=name, format=fmt.name, value=value if keep else None,
+            wide=(np.asarray(wide, dtype=np.float64) if wide is not None and keep else None),
+            counters=counts, elementwise=value.ndim > 1, size=value.size,
+            vmin=vmin, vmax=vmax, absmax=absmax))
+
+    def names(self) -> list[str]:
+        return [s.name for s in self.stages]
+
+    def __contains__(self, name: str) -> bool:
+        return any(s.name == name for s in self.stages)
+
+    def __getitem__(self, name: str) -> Stage:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise BNProbeError(f"no stage {name!r} in this trace; stages: {', '.join(self.names())}")
+
+    def __iter__(self):
+        return iter(self.stages)
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    def first(self, counter: str) -> Stage | None:
+        """The first stage whose ``counter`` is nonzero."""
+        for s in self.stages:
+            if s.counters[counter].any():
+                return s
+        return None
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per stage: format, size, range and every counter summed over channels."""
+        import pandas as pd
+
+        rows = []
+        for i, s in enumerate(self.stages):
+            row: dict[str, Any] = {"order": i, "stage": s.name, "format": s.format,
+                                   "kind": "element" if s.elementwise else "channel", "size": s.size,
+                                   "min": s.vmin, "max": s.vmax, "absmax": s.absmax}
+            row.update({k: int(v.sum()) for k, v in s.counters.items()})
+            rows.append(row)
+        return pd.DataFrame(rows)
+
+    def channel_frame(self) -> pd.DataFrame:
+        """One row per (stage, channel) with every counter."""
+        import pandas as pd
+
+        rows = []
+        for s in self.stages:
+            for ch in range(self.channels):
+                row: dict[str, Any] = {"stage": s.name, "channel": ch}
+                row.update({k: int(v[ch]) for k, v in s.counters.items()})
+                rows.append(row)
+        return pd.DataFrame(rows)

@@ -1,0 +1,155 @@
+"""Arithmetic in an emulated format: each result formed in float64, rounded once.
+
+Why this is exact: for operands that are already values of a format with
+precision p, the float64 result of +, -, x, / and sqrt rounded again to p bits
+equals the directly rounded result whenever 53 >= 2p + 2 (Figueroa 1995; Flocq
+``Double_rounding.v``).  p = 24 (fp32), 11 (fp16) and 8 (bf16) all qualify; +, -
+and x of such operands are in fact exact in float64.  The fused multiply-add is
+handled separately: the product is exact in float64 (2p <= 53) and the sum's
+error is recovered with TwoSum, then folded in by rounding to odd, which makes
+the final single rounding correct (Boldo & Melquiond 2008).
+
+fp64 itself is native IEEE arithmetic (nearest-even); the FMA there is a*b + c
+with two roundings, which is documented, since the golden never needs one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from bnprobe.errors import BNProbeError
+from bnprobe.formats import Format, get_format
+from bnprobe.numerics.rounding import RoundingSpec, round_detail
+
+__all__ = ["Arith", "Tally", "TALLY_FIELDS", "add", "sub", "mul", "div", "sqrt", "fma"]
+
+TALLY_FIELDS: tuple[str, ...] = ("overflow", "saturated", "underflow", "flushed")
+
+
+class Tally:
+    """Counts rounding events per channel (axis 0 of every array it sees)."""
+
+    def __init__(self, channels: int) -> None:
+        self.channels = channels
+        self.counts: dict[str, np.ndarray] = {k: np.zeros(channels, dtype=np.int64) for k in TALLY_FIELDS}
+
+    def add(self, field: str, mask: np.ndarray) -> None:
+        if mask.ndim == 0 or not mask.any():
+            return
+        if mask.shape[0] != self.channels:
+            raise AssertionError(f"tally expects channel-first arrays, got shape {mask.shape}")
+        self.counts[field] += mask.reshape(self.channels, -1).sum(axis=1)
+
+    def merge(self, other: Tally) -> None:
+        for k in TALLY_FIELDS:
+            self.counts[k] += other.counts[k]
+
+
+class Arith:
+    """Operations in one format with one rounding spec; optionally tallies events.
+
+    All arrays are float64 carriers of ``fmt`` values.  ``rng`` drives stochastic
+    rounding and is shared, so a kernel run is reproducible from one seed.
+    """
+
+    def __init__(self, fmt: str | Format, spec: RoundingSpec | None = None,
+                 rng: np.random.Generator | None = None) -> None:
+        self.fmt = get_format(fmt)
+        self.spec = spec or RoundingSpec()
+        if self.spec.rounding == "stochastic" and rng is None:
+            rng = np.random.default_rng(0)
+        self.rng = rng
+        self.native = self.fmt.name == "fp64"
+
+    def __repr__(self) -> str:
+        return f"Arith({self.fmt.name}, {self.spec.rounding}, {self.spec.overflow}, {self.spec.subnormals})"
+
+    def round(self, wide: np.ndarray | float, tally: Tally | None = None) -> np.ndarray:
+        """Round float64 ``wide`` to this format, recording events in ``tally``."""
+        wide = np.asarray(wide, dtype=np.float64)
+        r, over, sat, flushed = round_detail(
+            wide, self.fmt, rounding=self.spec.rounding, overflow=self.spec.overflow,
+            subnormals=self.spec.subnormals, rng=self.rng)
+        if tally is not None and wide.ndim > 0:
+            tally.add("overflow", over)
+            tally.add("saturated", sat)
+            tally.add("flushed", flushed)
+            with np.errstate(invalid="ignore"):
+                tally.add("underflow", (wide != 0) & np.isfinite(wide) & (r == 0))
+        return r
+
+    def _op(self, f: Callable[..., np.ndarray], *args: np.ndarray, tally: Tally | None) -> np.ndarray:
+        with np.errstate(all="ignore"):
+            wide = f(*args)
+        return self.round(wide, tally)
+
+    def add(self, a: np.ndarray, b: np.ndarray, tally: Tally | None = None) -> np.ndarray:
+        return self._op(np.add, a, b, tally=tally)
+
+    def sub(self, a: np.ndarray, b: np.ndarray, tally: Tally | None = None) -> np.ndarray:
+        return self._op(np.subtract, a, b, tally=tally)
+
+    def mul(self, a: np.ndarray, b: np.ndarray, tally: Tally | None = None) -> np.ndarray:
+        return self._op(np.multiply, a, b, tally=tally)
+
+    def div(self, a: np.ndarray, b: np.ndarray, tally: Tally | None = None) -> np.ndarray:
+        return self._op(np.divide, a, b, tally=tally)
+
+    def sqrt(self, a: np.ndarray, tally: Tally | None = None) -> np.ndarray:
+        return self._op(np.sqrt, a, tally=tally)
+
+    def fma(self, a: np.ndarray, b: np.ndarray, c: np.ndarray, tally: Tally | None = None) -> np.ndarray:
+        """a*b + c with one rounding (exact for formats up to fp32)."""
+        return self.round(fma_wide(a, b, c, native=self.native), tally)
+
+
+def fma_wide(a: np.ndarray, b: np.ndarray, c: np.ndarray, *, native: bool = False) -> np.ndarray:
+    """a*b + c as a float64 that rounds correctly to any format of precision <= 51.
+
+    The product of two operands of at most 26 significant bits is exact in
+    float64; TwoSum gives the sum and its exact error; when the sum is inexact
+    it is replaced by its round-to-odd neighbour, which preserves the rounding
+    direction for every narrower format.
+    """
+    with np.errstate(all="ignore"):
+        a, b, c = (np.asarray(t, dtype=np.float64) for t in (a, b, c))
+        p = a * b
+        s = p + c
+        if native:
+            return s
+        bb = s - p
+        err = (p - (s - bb)) + (c - bb)
+        finite = np.isfinite(s) & np.isfinite(err)
+        bits = s.view(np.uint64) if s.ndim else np.asarray(s).reshape(1).view(np.uint64)
+        even = (bits.reshape(s.shape) & np.uint64(1)) == 0
+        fix = finite & (err != 0) & even
+        if np.any(fix):
+            s = np.where(fix, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    return s
+
+
+def _binary(name: str, f: Callable[[Arith], Callable[..., np.ndarray]]) -> Callable[..., np.ndarray]:
+    def op(*args: np.ndarray, fmt: str | Format, rounding: str = "nearest_even", overflow: str = "ieee",
+           subnormals: str = "keep", rng: np.random.Generator | None = None) -> np.ndarray:
+        ar = Arith(fmt, RoundingSpec(rounding, overflow, subnormals), rng)
+        for t in args:
+            t = np.asarray(t, dtype=np.float64)
+            with np.errstate(invalid="ignore"):
+                if not ar.native and np.any(ar.round(t)[np.isfinite(t)] != t[np.isfinite(t)]):
+                    raise BNProbeError(f"{name}: operands must already be {ar.fmt.name} values (round them first)")
+        return f(ar)(*args)
+
+    op.__name__ = name
+    op.__doc__ = (f"{name} of values of ``fmt``, formed exactly and rounded once "
+                  "(keyword-only rounding / overflow / subnormals as in ``round_to``).")
+    return op
+
+
+add = _binary("add", lambda a: a.add)
+sub = _binary("sub", lambda a: a.sub)
+mul = _binary("mul", lambda a: a.mul)
+div = _binary("div", lambda a: a.div)
+sqrt = _binary("sqrt", lambda a: a.sqrt)
+fma = _binary("fma", lambda a: a.fma)

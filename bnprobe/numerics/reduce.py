@@ -1,0 +1,139 @@
+"""Per-channel sums in an explicit accumulator format and order.
+
+Arrays are channel-first ``(C, R)``: each row is reduced independently and all
+rows advance together, so loops run over the reduction length (or over vector
+repeats), never over individual elements.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bnprobe.errors import BNProbeError
+from bnprobe.numerics.arith import Arith, Tally
+
+__all__ = ["ORDERS", "reduce_sum", "tree_sum"]
+
+ORDERS: tuple[str, ...] = ("sequential", "pairwise", "lanes")
+
+# numpy dtypes whose add.accumulate rounds every partial sum correctly to
+# nearest-even (fp16/bf16 ufuncs compute in float32 and round back, which is
+# exact by the double-rounding argument in arith.py).
+_ACCUMULATE_DTYPES = ("fp64", "fp32", "fp16", "bf16")
+
+
+def _accumulate_exact(x: np.ndarray, acc: Arith, tally: Tally | None) -> np.ndarray | None:
+    """Sequential sum along axis 1 by numpy's accumulate in the accumulator dtype, when that is exact.
+
+    Returns None when a rounding or subnormal mode (or a saturation that
+    actually happened) needs the general loop.
+    """
+    spec = acc.spec
+    if acc.fmt.name not in _ACCUMULATE_DTYPES or spec.rounding != "nearest_even" or spec.subnormals != "keep":
+        return None
+    with np.errstate(all="ignore"):
+        partial = np.add.accumulate(x.astype(acc.fmt.dtype), axis=1)
+        finite_in = np.isfinite(x)
+        bad = ~np.isfinite(partial) & np.logical_and.accumulate(finite_in, axis=1)
+    if spec.overflow == "saturate" and bad.any():
+        return None
+    if tally is not None and bad.any():
+        # a partial sum that turned non-finite while every addend so far was finite overflowed
+        first = bad & ~np.concatenate([np.zeros_like(bad[:, :1]), bad[:, :-1]], axis=1)
+        tally.add("overflow", first)
+    return partial[:, -1].astype(np.float64)
+
+
+def _sequential(x: np.ndarray, acc: Arith, tally: Tally | None, kahan: bool) -> np.ndarray:
+    """Sum along axis 1 in order, one rounding per addition (Kahan-compensated if asked)."""
+    if not kahan:
+        fast = _accumulate_exact(x, acc, tally)
+        if fast is not None:
+            return fast
+    s = acc.round(x[:, 0], tally)
+    comp = np.zeros_like(s)
+    for j in range(1, x.shape[1]):
+        xj = x[:, j]
+        if kahan:
+            y = acc.sub(xj, comp, tally)
+            t = acc.add(s, y, tally)
+            comp = acc.sub(acc.sub(t, s), y)
+            s = t
+        else:
+            s = acc.add(s, xj, tally)
+    return s
+
+
+def tree_sum(x: np.ndarray, acc: Arith, tally: Tally | None = None) -> np.ndarray:
+    """Pairwise sum along the last axis, the way vector units halve a buffer.
+
+    When the length n is not a power of two, the elements above the largest
+    power of two P <= n are first added onto the first n - P elements; then the
+    upper half is added onto the lower half until one element is left.
+    """
+    n = x.shape[-1]
+    if n == 0:
+        raise BNProbeError("cannot reduce an empty axis")
+    a = x
+    p = 1 << (n.bit_length() - 1)
+    if p != n:
+        head = acc.add(a[..., : n - p], a[..., p:], tally)
+        a = np.concatenate([head, a[..., n - p: p]], axis=-1)
+    while a.shape[-1] > 1:
+        h = a.shape[-1] // 2
+        a = acc.add(a[..., :h], a[..., h:], tally)
+    return a[..., 0]
+
+
+def _lanes(x: np.ndarray, acc: Arith, tally: Tally | None, lanes: int, kahan: bool) -> np.ndarray:
+    """L lanes accumulate vector repeats sequentially, then a pairwise tree across lanes.
+
+    Element j of the row goes to lane j mod L; the tail repeat is padded with
+    zeros, which changes no sum.
+    """
+    c, r = x.shape
+    reps = -(-r // lanes)
+    pad = reps * lanes - r
+    xp = np.concatenate([x, np.zeros((c, pad))], axis=1) if pad else x
+    rows = xp.reshape(c, reps, lanes).transpose(0, 2, 1).reshape(c * lanes, reps)
+    lane_tally = Tally(c * lanes) if tally is not None else None
+    per_lane = _sequential(rows, acc, lane_tally, kahan).reshape(c, lanes)
+    if tally is not None and lane_tally is not None:
+        for k, v in lane_tally.counts.items():
+            tally.counts[k] += v.reshape(c, lanes).sum(axis=1)
+    return tree_sum(per_lane, acc, tally)
+
+
+def reduce_sum(
+    x: np.ndarray,
+    acc: Arith,
+    *,
+    order: str = "pairwise",
+    lanes: int = 64,
+    kahan: bool = False,
+    tally: Tally | None = None,
+) -> np.ndarray:
+    """Sum each row of a ``(C, R)`` array in ``acc``'s format; returns ``(C,)`` float64.
+
+    order: ``sequential`` (left to right, one rounding per addition),
+    ``pairwise`` (halving tree, see :func:`tree_sum`), or ``lanes`` (``lanes``
+    sequential accumulators over vector repeats, then a tree across lanes).
+    ``kahan`` adds compensated summation to ``sequential`` and to each lane.
+    The addends must already be values of the accumulator format.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim != 2:
+        raise BNProbeError(f"reduce_sum expects a (C, R) array, got shape {x.shape}")
+    if x.shape[1] == 0:
+        raise BNProbeError("cannot reduce an empty axis (R = 0)")
+    if order == "sequential":
+        return _sequential(x, acc, tally, kahan)
+    if order == "pairwise":
+        if kahan:
+            raise BNProbeError("kahan compensation applies to the sequential and lanes orders, not pairwise")
+        return tree_sum(x, acc, tally)
+    if order == "lanes":
+        if lanes < 1:
+            raise BNProbeError(f"lanes must be >= 1, got {lanes}")
+        return _lanes(x, acc, tally, lanes, kahan)
+    raise BNProbeError(f"unknown reduction order {order!r}; valid: {', '.join(ORDERS)}")

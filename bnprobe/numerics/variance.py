@@ -1,0 +1,199 @@
+"""Per-channel mean and biased variance by the classic algorithms, every step rounded.
+
+Error bounds (Chan, Golub & LeVeque 1983; kappa = ||x||_2 / sqrt(S), u = unit roundoff):
+``naive`` N·kappa²·u (pairwise kappa²·u·log2 N), ``two_pass`` N·u + N²·kappa²·u²,
+``welford`` N·kappa·u (pairwise kappa·u·log2 N).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from bnprobe.errors import BNProbeError
+from bnprobe.numerics.arith import Arith, Tally
+from bnprobe.numerics.reduce import reduce_sum
+
+__all__ = ["VARIANCES", "MEAN_BY", "StageValue", "Moments", "moments"]
+
+VARIANCES: tuple[str, ...] = ("naive", "two_pass", "welford", "chan")
+MEAN_BY: tuple[str, ...] = ("divide", "reciprocal")
+
+
+@dataclass
+class StageValue:
+    """One computed intermediate: its stored value, the float64 value it was rounded from, and events."""
+
+    name: str
+    value: np.ndarray
+    wide: np.ndarray | None
+    arith: Arith
+    tally: Tally | None = None
+    check_negative: bool = False
+
+
+@dataclass
+class Moments:
+    mean: np.ndarray
+    var: np.ndarray  # biased, after the optional clamp at 0
+    stages: list[StageValue] = field(default_factory=list)
+
+
+def _scale_by_count(s: np.ndarray, count: np.ndarray | int, acc: Arith, mean_by: str,
+                    tally: Tally | None) -> tuple[np.ndarray, np.ndarray]:
+    """s / count, either as a correctly rounded division or as s · fl(1/count)."""
+    with np.errstate(all="ignore"):
+        if mean_by == "divide":
+            wide = s / count
+        elif mean_by == "reciprocal":
+            wide = s * acc.round(1.0 / np.asarray(count, dtype=np.float64))
+        else:
+            raise BNProbeError(f"unknown mean_by {mean_by!r}; valid: {', '.join(MEAN_BY)}")
+    return acc.round(wide, tally), wide
+
+
+def _tree(states: tuple[np.ndarray, ...], merge: Callable[..., tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
+    """Combine partial states along the last axis with the same halving tree as ``tree_sum``."""
+    n = states[0].shape[-1]
+    p = 1 << (n.bit_length() - 1)
+    if p != n:
+        head = merge(tuple(s[..., : n - p] for s in states), tuple(s[..., p:] for s in states))
+        states = tuple(np.concatenate([h, s[..., n - p: p]], axis=-1) for h, s in zip(head, states))
+    while states[0].shape[-1] > 1:
+        h = states[0].shape[-1] // 2
+        states = merge(tuple(s[..., :h] for s in states), tuple(s[..., h:] for s in states))
+    return tuple(s[..., 0] for s in states)
+
+
+def _chan_merge(acc: Arith, tally: Tally | None):
+    """Chan et al.'s pairwise update of (count, mean, M2), every operation rounded in ``acc``."""
+
+    def merge(a: tuple[np.ndarray, ...], b: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+        na, ma, m2a = a
+        nb, mb, m2b = b
+        n = na + nb  # counts are exact integers
+        with np.errstate(all="ignore"):
+            empty = n == 0
+            safe = np.where(empty, 1, n)
+            delta = acc.sub(mb, ma, tally)
+            mean = acc.add(ma, acc.mul(delta, acc.round(nb / safe), tally), tally)
+            cross = acc.mul(acc.mul(delta, delta, tally), acc.round(na * nb / safe), tally)
+            m2 = acc.add(acc.add(m2a, m2b, tally), cross, tally)
+        return n, np.where(empty, 0.0, mean), np.where(empty, 0.0, m2)
+
+    return merge
+
+
+def moments(
+    x: np.ndarray,
+    acc: Arith,
+    *,
+    algorithm: str = "two_pass",
+    order: str = "pairwise",
+    lanes: int = 64,
+    tiles: int = 8,
+    kahan: bool = False,
+    mean_by: str = "divide",
+    clamp: bool = False,
+) -> Moments:
+    """Mean and biased variance of each row of a ``(C, R)`` array of ``acc``-format values.
+
+    algorithm: ``naive`` (E[x²] − E[x]² from a sum and a sum of squares),
+    ``two_pass`` (mean, then the sum of squared deviations), ``welford`` (one
+    running update per lane of ``lanes``, lanes merged by Chan's formula),
+    ``chan`` (``tiles`` contiguous tiles, as on simulated cores, each two-pass,
+    merged by Chan's formula).  ``clamp`` sets a negative variance to 0.
+    """
+    c, r = x.shape
+    if algorithm not in VARIANCES:
+        raise BNProbeError(f"unknown variance algorithm {algorithm!r}; valid: {', '.join(VARIANCES)}")
+    red = dict(order=order, lanes=lanes, kahan=kahan)
+    stages: list[StageValue] = []
+
+    def stage(name: str, value: np.ndarray, wide: np.ndarray | None, tally: Tally | None,
+              negative: bool = False) -> None:
+        stages.append(StageValue(name, value, wide, acc, tally, negative))
+
+    with np.errstate(all="ignore"):
+        if algorithm == "naive":
+            t = Tally(c)
+            s = reduce_sum(x, acc, tally=t, **red)
+            stage("sum", s, x.sum(axis=1), t)
+            t = Tally(c)
+            sq = acc.mul(x, x, t)
+            q = reduce_sum(sq, acc, tally=t, **red)
+            stage("sum_sq", q, np.einsum("cr,cr->c", x, x), t)
+            t = Tally(c)
+            mean, wide = _scale_by_count(s, r, acc, mean_by, t)
+            stage("mean", mean, wide, t)
+            t = Tally(c)
+            ex2, wide = _scale_by_count(q, r, acc, mean_by, t)
+            stage("ex2", ex2, wide, t)
+            t = Tally(c)
+            msq = acc.mul(mean, mean, t)
+            stage("mean_sq", msq, mean * mean, t)
+            t = Tally(c)
+            wide = ex2 - msq
+            var = acc.round(wide, t)
+        elif algorithm == "two_pass":
+            t = Tally(c)
+            s = reduce_sum(x, acc, tally=t, **red)
+            stage("sum", s, x.sum(axis=1), t)
+            t = Tally(c)
+            mean, wide = _scale_by_count(s, r, acc, mean_by, t)
+            stage("mean", mean, wide, t)
+            t = Tally(c)
+            dev = acc.sub(x, mean[:, None], t)
+            q = reduce_sum(acc.mul(dev, dev, t), acc, tally=t, **red)
+            stage("sum_sq_dev", q, np.einsum("cr,cr->c", dev, dev), t)
+            t = Tally(c)
+            var, wide = _scale_by_count(q, r, acc, mean_by, t)
+        elif algorithm == "welford":
+            t = Tally(c)
+            reps = -(-r // lanes)
+            pad = reps * lanes - r
+            xp = np.concatenate([x, np.zeros((c, pad))], axis=1) if pad else x
+            blocks = xp.reshape(c, reps, lanes)
+            mean = np.zeros((c, lanes))
+            m2 = np.zeros((c, lanes))
+            lane_idx = np.arange(lanes)
+            for k in range(reps):
+                xk = blocks[:, k, :]
+                valid = (k * lanes + lane_idx) < r
+                delta = acc.sub(xk, mean, t)
+                new_mean = acc.add(mean, acc.div(delta, float(k + 1), t), t)
+                new_m2 = acc.add(m2, acc.mul(delta, acc.sub(xk, new_mean, t), t), t)
+                mean = np.where(valid, new_mean, mean)
+                m2 = np.where(valid, new_m2, m2)
+            counts = np.broadcast_to(((r - lane_idx + lanes - 1) // lanes).astype(np.float64), (c, lanes))
+            _, mean, m2 = _tree((counts, mean, m2), _chan_merge(acc, t))
+            stage("mean", mean, x.sum(axis=1) / r, t)
+            stage("m2", m2, None, t)
+            t = Tally(c)
+            var, wide = _scale_by_count(m2, r, acc, mean_by, t)
+        else:  # chan
+            t = Tally(c)
+            ntiles = max(1, min(tiles, r))
+            parts = np.array_split(np.arange(r), ntiles)
+            counts = np.empty((c, ntiles))
+            means = np.empty((c, ntiles))
+            m2s = np.empty((c, ntiles))
+            for i, idx in enumerate(parts):
+                xt = x[:, idx[0]: idx[-1] + 1]
+                st = reduce_sum(xt, acc, tally=t, **red)
+                mt, _ = _scale_by_count(st, len(idx), acc, mean_by, t)
+                dev = acc.sub(xt, mt[:, None], t)
+                counts[:, i] = len(idx)
+                means[:, i] = mt
+                m2s[:, i] = reduce_sum(acc.mul(dev, dev, t), acc, tally=t, **red)
+            _, mean, m2 = _tree((counts, means, m2s), _chan_merge(acc, t))
+            stage("mean", mean, x.sum(axis=1) / r, t)
+            stage("m2", m2, None, t)
+            t = Tally(c)
+            var, wide = _scale_by_count(m2, r, acc, mean_by, t)
+        if clamp:
+            var = np.where(var < 0, 0.0, var)
+        stage("var", var, wide, t, negative=True)
+    return Moments(mean=mean, var=var, stages=stages)
