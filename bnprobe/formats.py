@@ -123,7 +123,7 @@ FP8_E4M3FN = Format(
 )
 FP8_E5M2 = Format(
     "fp8_e5m2", np.dtype(ml_dtypes.float8_e5m2), 2, 5, -14, 15,
-    max=float.fromhex("0x1.8p+15"),  # 57344
+    max=float.fromhex("0x1.cp+15"),  # 57344
     tiny=float.fromhex("0x1p-14"),
     smallest_subnormal=float.fromhex("0x1p-16"),  # 1.52587890625e-05
 )

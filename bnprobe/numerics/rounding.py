@@ -162,9 +162,9 @@ def round_detail(
     fmt = get_format(fmt)
     rounding = _check_mode(rounding, overflow, subnormals)
     v = np.asarray(values)
-    if v.dtype != np.float64 and not (v.dtype == np.float32 and fmt.name == "bf16"):
-        v = v.astype(np.float64)
     with np.errstate(all="ignore"):
+        if v.dtype != np.float64 and not (v.dtype == np.float32 and fmt.name == "bf16"):
+            v = v.astype(np.float64)
         finite = np.isfinite(v)
         fast = None
         if rounding == "nearest_even" and fmt.has_inf:

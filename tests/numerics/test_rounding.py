@@ -1,0 +1,185 @@
+from fractions import Fraction
+
+import ml_dtypes
+import numpy as np
+import pytest
+from oracle import SPECS, round_fraction
+
+from bnprobe.errors import BNProbeError
+from bnprobe.formats import get_format
+from bnprobe.numerics.rounding import is_representable, round_detail, round_to, to_odd_fp32
+
+NARROW = ["fp16", "bf16"]
+ALL = ["fp32", "fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2"]
+MODES = ["nearest_even", "nearest_away", "toward_zero"]
+
+
+def all_patterns(name):
+    dt = get_format(name).dtype
+    bits = np.arange(2 ** (8 * dt.itemsize), dtype=np.uint16 if dt.itemsize == 2 else np.uint8)
+    return bits.view(dt)
+
+
+@pytest.mark.parametrize("name", NARROW + ["fp8_e4m3fn", "fp8_e5m2"])
+@pytest.mark.parametrize("overflow", ["ieee", "saturate"])
+def test_every_bit_pattern_round_trips(name, overflow):
+    vals = all_patterns(name)
+    with np.errstate(invalid="ignore"):
+        wide = vals.astype(np.float64)
+    finite = np.isfinite(wide)
+    out = round_to(wide, name, overflow=overflow)
+    np.testing.assert_array_equal(out[finite], wide[finite])
+    back = out[finite].astype(get_format(name).dtype)
+    np.testing.assert_array_equal(back.view(np.uint8), vals[finite].view(np.uint8))  # same bits, signed zeros too
+    if overflow == "ieee":
+        assert np.isnan(out[np.isnan(wide)]).all()
+        np.testing.assert_array_equal(out[np.isinf(wide)], wide[np.isinf(wide)])
+
+
+def dense_samples(name, rng, n=4000):
+    """Values of the format, the midpoints between neighbours (ties), and points just off them."""
+    p, emin, vmax = SPECS[name]
+    f = get_format(name)
+    with np.errstate(invalid="ignore"):
+        patterns = all_patterns(name).astype(np.float64) if f.itemsize <= 2 else None
+    vals = patterns if patterns is not None else (
+        rng.standard_normal(n) * 10.0 ** rng.integers(-40, 38, n)).astype(np.float32).astype(np.float64)
+    vals = vals[np.isfinite(vals) & (vals > 0)]
+    vals = rng.choice(vals, size=min(n, vals.size), replace=False)
+    gap = f.ulp(vals)
+    ties = vals + gap / 2  # exact midpoints (also above max, giving the overflow boundary)
+    near = np.concatenate([np.nextafter(ties, 0), np.nextafter(ties, np.inf)])
+    mixed = np.concatenate([vals, ties, near, -ties, -near, rng.standard_normal(n) * 1e3, [f.max + gap[0]]])
+    return mixed[np.isfinite(mixed)]
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("mode", MODES)
+def test_rounding_from_float64_matches_exact_rationals(name, mode):
+    rng = np.random.default_rng(7)
+    xs = dense_samples(name, rng)
+    got = round_to(xs, name, rounding=mode)
+    want = np.array([round_fraction(Fraction(float(v)), name, mode) for v in xs])
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_rounding_from_float32_matches_exact_rationals(name):
+    rng = np.random.default_rng(3)
+    xs = dense_samples(name, rng).astype(np.float32)
+    got = round_to(xs, name)
+    want = np.array([round_fraction(Fraction(float(v)), name) for v in xs])
+    np.testing.assert_array_equal(got, want)
+
+
+def test_bf16_from_float64_is_correct_where_ml_dtypes_is_not():
+    x = np.array([1 + 2.0**-8 + 2.0**-30])  # the facts file's example
+    assert round_to(x, "bf16")[0] == 1.0078125
+    assert float(x.astype(ml_dtypes.bfloat16)[0]) == 1.0  # ml_dtypes double-rounds through float32
+    rng = np.random.default_rng(0)
+    y = rng.standard_normal(2_000_000)
+    ours = round_to(y, "bf16")
+    theirs = y.astype(ml_dtypes.bfloat16).astype(np.float64)
+    differ = np.flatnonzero(ours != theirs)
+    assert 0 < differ.size < 100  # about 7 in a million
+    for i in differ[:20]:
+        assert ours[i] == round_fraction(Fraction(float(y[i])), "bf16")
+
+
+def test_to_odd_fp32():
+    x = np.array([1 + 2.0**-30, 1 + 2.0**-24 + 2.0**-40, 1.0, -(1 + 2.0**-30), 1e-50])
+    got = to_odd_fp32(x).astype(np.float64)
+    np.testing.assert_array_equal(got, [1 + 2.0**-23, 1 + 2.0**-23, 1.0, -(1 + 2.0**-23), 2.0**-149])
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_ties_away_differs_from_nearest_even_exactly_on_ties(name):
+    rng = np.random.default_rng(11)
+    xs = dense_samples(name, rng)
+    f = get_format(name)
+    lo = round_to(xs, name, rounding="toward_zero")
+    is_tie = np.isfinite(lo) & (np.abs(xs) - np.abs(lo) == f.ulp(lo) / 2)
+    differ = round_to(xs, name) != round_to(xs, name, rounding="nearest_away")
+    both_nan = np.isnan(round_to(xs, name)) & np.isnan(round_to(xs, name, rounding="nearest_away"))
+    differ &= ~both_nan
+    assert is_tie.any()
+    # on a tie they differ exactly when nearest-even went down (the lower neighbour is even)
+    lower_even = np.array([int(v.astype(f.dtype).view(np.uint16 if f.itemsize == 2 else (
+        np.uint8 if f.itemsize == 1 else np.uint32))) % 2 == 0 for v in np.abs(lo)])
+    np.testing.assert_array_equal(differ, is_tie & lower_even)
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16", "fp32"])
+def test_saturate_clamps_and_zeroes_nan(name):
+    f = get_format(name)
+    x = np.array([f.max * 4, -f.max * 4, np.inf, -np.inf, np.nan, 1.0])
+    out, over, sat, _ = round_detail(x, name, overflow="saturate")
+    np.testing.assert_array_equal(out, [f.max, -f.max, f.max, -f.max, 0.0, 1.0])
+    np.testing.assert_array_equal(over, [True, True, False, False, False, False])
+    np.testing.assert_array_equal(sat, [True, True, True, True, True, False])
+    ieee, over, _, _ = round_detail(x, name)
+    assert np.isinf(ieee[:2]).all() and over[:2].all()
+
+
+def test_overflow_threshold_is_max_plus_half_ulp():
+    f = get_format("fp16")
+    half = f.ulp(f.max) / 2
+    out = round_to(np.array([f.max + half, np.nextafter(f.max + half, 0)]), "fp16")
+    np.testing.assert_array_equal(out, [np.inf, f.max])
+    # toward zero never overflows to inf (IEEE 754 7.4)
+    assert round_to(np.array([1e9]), "fp16", rounding="toward_zero")[0] == f.max
+
+
+def test_directed_roundings():
+    x = np.array([1 + 2.0**-12, -(1 + 2.0**-12)])
+    np.testing.assert_array_equal(round_to(x, "fp16", rounding="up"), [1 + 2.0**-10, -1.0])
+    np.testing.assert_array_equal(round_to(x, "fp16", rounding="down"), [1.0, -(1 + 2.0**-10)])
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_subnormals_kept_or_flushed(name):
+    f = get_format(name)
+    x = np.array([f.smallest_subnormal * 3, -f.tiny / 2, f.tiny, f.smallest_subnormal / 4])
+    kept = round_to(x, name)
+    np.testing.assert_array_equal(kept, [f.smallest_subnormal * 3, -f.tiny / 2, f.tiny, 0.0])
+    flushed, _, _, fl = round_detail(x, name, subnormals="flush")
+    np.testing.assert_array_equal(flushed, [0.0, -0.0, f.tiny, 0.0])
+    assert np.signbit(flushed[1])
+    np.testing.assert_array_equal(fl, [True, True, False, False])
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16", "fp32"])
+def test_stochastic_rounding_is_unbiased(name):
+    f = get_format(name)
+    rng = np.random.default_rng(1234)
+    base = 1.0 + 3 * f.eps
+    frac = np.array([0.1, 0.25, 0.5, 0.9])
+    x = base + frac * f.eps
+    reps = 40_000
+    out = round_to(np.repeat(x, reps), name, rounding="stochastic", rng=rng).reshape(len(x), reps)
+    assert set(np.unique(out[0])) <= {base, base + f.eps}
+    p_up = (out == base + f.eps).mean(axis=1)
+    # binomial standard error sqrt(p(1-p)/n) <= 0.0025; allow 5 sigma
+    np.testing.assert_allclose(p_up, frac, atol=0.0125)
+    np.testing.assert_allclose(out.mean(axis=1), x, atol=5 * 0.5 * f.eps / np.sqrt(reps))
+
+
+def test_stochastic_needs_and_honours_seed():
+    x = np.full(1000, 1 + 2.0**-12)
+    a = round_to(x, "fp16", rounding="stochastic", seed=5)
+    b = round_to(x, "fp16", rounding="stochastic", seed=5)
+    np.testing.assert_array_equal(a, b)
+    with pytest.raises(BNProbeError, match="seeded generator"):
+        round_to(x, "fp16", rounding="stochastic")
+
+
+def test_bad_modes_are_errors():
+    with pytest.raises(BNProbeError, match="unknown rounding"):
+        round_to(1.0, "fp16", rounding="banker")
+    with pytest.raises(BNProbeError, match="unknown overflow"):
+        round_to(1.0, "fp16", overflow="wrap")
+
+
+def test_is_representable():
+    x = np.array([1.0, 1 + 2.0**-10, 1 + 2.0**-11, 65504.0, 65536.0, np.inf, np.nan])
+    np.testing.assert_array_equal(is_representable(x, "fp16"), [True, True, False, True, False, True, True])

@@ -1,0 +1,57 @@
+import ml_dtypes
+import numpy as np
+import pytest
+
+from bnprobe.errors import BNProbeError
+from bnprobe.formats import FORMATS, format_names, get_format
+
+FINFO = {
+    "fp64": np.finfo(np.float64), "fp32": np.finfo(np.float32), "fp16": np.finfo(np.float16),
+    "bf16": ml_dtypes.finfo(ml_dtypes.bfloat16), "fp8_e4m3fn": ml_dtypes.finfo(ml_dtypes.float8_e4m3fn),
+    "fp8_e5m2": ml_dtypes.finfo(ml_dtypes.float8_e5m2),
+}
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_limits_match_finfo(name):
+    f, fi = FORMATS[name], FINFO[name]
+    assert f.max == float(fi.max)
+    assert f.tiny == float(fi.tiny)
+    assert f.smallest_subnormal == float(fi.smallest_subnormal)
+    assert f.eps == float(fi.eps)
+    assert f.mantissa_bits == fi.nmant
+    assert f.emin == fi.minexp
+
+
+@pytest.mark.parametrize("alias,name", [
+    ("half", "fp16"), ("float16", "fp16"), ("FP16", "fp16"), ("bfloat16", "bf16"), ("float", "fp32"),
+    ("float32", "fp32"), ("double", "fp64"), ("float64", "fp64"), ("e4m3", "fp8_e4m3fn"), ("torch.float16", "fp16"),
+])
+def test_aliases(alias, name):
+    assert get_format(alias).name == name
+
+
+def test_dtype_lookup():
+    assert get_format(np.float16).name == "fp16"
+    assert get_format(np.dtype(ml_dtypes.bfloat16)).name == "bf16"
+
+
+def test_unknown_name_lists_valid_ones():
+    with pytest.raises(BNProbeError, match="unknown format 'fp12'.*fp16/float16/half.*bf16/bfloat16"):
+        get_format("fp12")
+    assert "half" in format_names()
+
+
+@pytest.mark.parametrize("name", ["fp64", "fp32", "fp16", "bf16"])
+def test_torch_dtype(name):
+    torch = pytest.importorskip("torch")
+    t = get_format(name).torch_dtype
+    assert torch.tensor([1.0], dtype=t).element_size() == get_format(name).itemsize
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp16", "bf16"])
+def test_ulp(name):
+    f = get_format(name)
+    one = np.array([1.0, 1.5, f.tiny, f.smallest_subnormal * 3, f.max])
+    expect = [f.eps, f.eps, f.smallest_subnormal, f.smallest_subnormal, f.eps * 2.0 ** f.emax]
+    np.testing.assert_array_equal(f.ulp(one), expect)
