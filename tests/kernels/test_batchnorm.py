@@ -1,0 +1,235 @@
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from bnprobe.errors import BNProbeError
+from bnprobe.kernels import COUNTERS, backward, forward_infer, forward_train, get_policy
+from bnprobe.numerics.rounding import is_representable
+
+PRESETS = ["fp64", "fp32", "fp16", "bf16", "fp16-acc16", "bf16-acc16"]
+
+
+def shapes():
+    return st.tuples(st.integers(1, 5), st.integers(1, 4), st.integers(1, 4), st.integers(1, 4)).filter(
+        lambda s: s[0] * s[2] * s[3] >= 2)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=shapes(), preset=st.sampled_from(PRESETS), data=st.data())
+def test_properties_of_training_forward(shape, preset, data):
+    pol = get_policy(preset)
+    x = data.draw(hnp.arrays(np.float64, shape, elements=st.floats(-100, 100, width=16)))
+    res = forward_train(x, policy=pol, running_mean=np.zeros(shape[1]), running_var=np.ones(shape[1]))
+    y = res.y.astype(np.float64)
+    assert y.shape == shape and res.y.dtype == pol_dtype(pol.storage)
+    assert np.isfinite(y).all()
+    assert is_representable(y, pol.storage).all()
+    assert (res.var.astype(np.float64) >= 0).all()  # two-pass never goes negative
+    assert (res.invstd.astype(np.float64) > 0).all()
+    # normalised output: per channel mean ~ 0 and |y| <= sqrt(R - 1) (exact arithmetic bound) up to rounding
+    r = shape[0] * shape[2] * shape[3]
+    tol = 0.05 if pol.storage in ("bf16",) or pol.accumulate in ("fp16", "bf16") else 0.01
+    assert np.abs(y).max() <= np.sqrt(r - 1) * (1 + tol) + tol
+    # the trace has the stages in computation order, each counter present
+    names = res.trace.names()
+    assert names.index("sum") < names.index("mean") < names.index("var") < names.index("rstd") < names.index("y")
+    for s in res.trace:
+        assert set(s.counters) == set(COUNTERS)
+
+
+def pol_dtype(fmt):
+    from bnprobe.formats import get_format
+
+    return get_format(fmt).dtype
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=shapes(), data=st.data())
+def test_fp64_backward_identities(shape, data):
+    """Training-mode gradients per channel: Σ dx = 0, dβ = Σ dy, dγ = Σ dy·x̂, and
+    Σ dx·x̂ = γρ·Σ(dy·x̂)·(1 − mean(x̂²)), which is 0 only when ε = 0 (mean(x̂²) = var/(var+ε))."""
+    x = data.draw(hnp.arrays(np.float64, shape, elements=st.floats(-10, 10)))
+    dy = data.draw(hnp.arrays(np.float64, shape, elements=st.floats(-10, 10)))
+    if np.ptp(x.swapaxes(0, 1).reshape(shape[1], -1), axis=1).min() < 1e-3:
+        return  # a (near-)constant channel makes x̂ meaningless; eps dominates
+    g = np.linspace(0.5, 2, shape[1])
+    f = forward_train(x, g, None, policy="fp64")
+    b = backward(dy, x, g, f.mean, f.invstd, policy="fp64")
+    xh = (x - f.mean.reshape(1, -1, 1, 1)) * f.invstd.reshape(1, -1, 1, 1)
+    ax = (0, 2, 3)
+    scale = np.abs(dy).sum(axis=ax) * np.abs(g) * f.invstd + 1e-300
+    assert np.all(np.abs(b.dx.sum(axis=ax)) <= 1e-11 * scale * (1 + np.abs(xh).max()))
+    expect = g * f.invstd * (dy * xh).sum(axis=ax) * (1 - (xh**2).mean(axis=ax))
+    assert np.all(np.abs((b.dx * xh).sum(axis=ax) - expect) <= 1e-11 * scale * (1 + np.abs(xh).max()) ** 2)
+    np.testing.assert_allclose(b.dbeta, dy.sum(axis=ax), rtol=1e-12, atol=1e-12 * np.abs(dy).sum())
+    np.testing.assert_allclose(b.dgamma, (dy * xh).sum(axis=ax), rtol=1e-10, atol=1e-12 * np.abs(dy * xh).sum())
+
+
+def test_channel_order_does_not_matter():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 6, 3, 3))
+    perm = rng.permutation(6)
+    a = forward_train(x, policy="fp16")
+    b = forward_train(x[:, perm], policy="fp16")
+    np.testing.assert_array_equal(a.y[:, perm], b.y)
+
+
+# ---- bad input: one clear error each --------------------------------------------------------
+
+X = np.random.default_rng(0).standard_normal((4, 3, 2, 2))
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: forward_train(np.ones(5)), r"2 to 5 dimensions.*got shape \(5,\)"),
+    (lambda: forward_train(np.ones((2, 3, 1, 1, 1, 1))), r"2 to 5 dimensions"),
+    (lambda: forward_train(X, np.ones(4)), r"gamma has shape \(4,\) but x has 3 channels"),
+    (lambda: forward_train(X, None, np.ones((3, 1))), r"beta has shape \(3, 1\)"),
+    (lambda: forward_train(X, running_mean=np.zeros(2), running_var=np.ones(3)), r"running_mean has shape \(2,\)"),
+    (lambda: forward_train(X, running_mean=np.zeros(3)), r"both running_mean and running_var"),
+    (lambda: forward_train(X, eps=0), r"eps must be a finite number > 0, got 0"),
+    (lambda: forward_train(X, eps=-1e-5), r"eps must be a finite number > 0"),
+    (lambda: forward_train(X, eps=float("nan")), r"eps must be a finite number > 0"),
+    (lambda: forward_train(X, momentum=1.5), r"momentum must be in \[0, 1\]"),
+    (lambda: forward_train(np.ones((1, 3))), r"more than one value per channel.*N\*H\*W = 1"),
+    (lambda: forward_train(np.ones((1, 3, 1, 1))), r"more than one value per channel"),
+    (lambda: forward_train(np.ones((0, 3))), r"no elements"),
+    (lambda: forward_train(X, layout="nhwc"), r"unknown layout 'nhwc'"),
+    (lambda: forward_train(X, policy="fp12"), r"unknown policy 'fp12'"),
+    (lambda: forward_train(X, policy="fp16:variance=magic"), r"variance='magic' is not one of"),
+    (lambda: forward_train(X, policy="fp16:colour=red"), r"unknown policy option 'colour'"),
+    (lambda: forward_infer(X, None, None, np.zeros(3), np.ones(4)), r"running_var has shape \(4,\)"),
+    (lambda: backward(np.ones((4, 3)), X, None, np.zeros(3), np.ones(3)), r"dy has shape \(4, 3\) but x"),
+    (lambda: backward(X, X, None, np.zeros(2), np.ones(3)), r"saved_mean has shape \(2,\)"),
+])
+def test_bad_input_is_one_clear_error(call, match):
+    with pytest.raises(BNProbeError, match=match) as info:
+        call()
+    assert "\n" not in str(info.value)
+
+
+def test_inference_accepts_a_single_value_per_channel():
+    y = forward_infer(np.ones((1, 3)), None, None, np.zeros(3), np.ones(3)).y
+    np.testing.assert_allclose(y, 1 / np.sqrt(1 + 1e-5), rtol=1e-6)
+
+
+# ---- non-finite input is reported, not a crash -----------------------------------------------
+
+def test_nan_and_inf_input_are_reported_as_input_borne():
+    x = X.copy()
+    x[0, 1, 0, 0] = np.nan
+    x[1, 2, 1, 1] = np.inf
+    res = forward_train(x, policy="fp16")
+    st = res.trace["x"]
+    np.testing.assert_array_equal(st.counters["nan"], [0, 1, 0])
+    np.testing.assert_array_equal(st.counters["posinf"], [0, 0, 1])
+    assert res.trace.first("nan").name == "x"
+    assert np.isnan(res.y[:, 1]).all()  # the channel's statistics are NaN
+    assert np.isfinite(res.y[:, 0]).all()  # other channels are untouched
+
+
+# ---- the trace's counters see what happens inside -------------------------------------------
+
+def test_fp16_sum_of_squares_overflow_is_located():
+    x = np.random.default_rng(1).standard_normal((8, 3, 4, 4))
+    x[:, 2] += 100.0  # 128 values of ~100: Σx² ≈ 1.3e6 > 65504; Σx ≈ 12800 fits
+    res = forward_train(x, policy="fp16-acc16:variance=naive")
+    assert res.trace.first("overflow").name == "sum_sq"
+    np.testing.assert_array_equal(res.trace["sum_sq"].counters["overflow"] > 0, [False, False, True])
+    assert res.trace["sum"].count("overflow") == 0
+    # the silent failure: var = inf, rstd = 0, so every y of the channel is beta (0), finite and plausible
+    assert res.trace["var"].counters["posinf"][2] == 1 and res.invstd[2] == 0
+    np.testing.assert_array_equal(res.y[:, 2].astype(np.float64), 0.0)
+    # two-pass keeps the squares small and does not overflow
+    ok = forward_train(x, policy="fp16-acc16")
+    assert ok.trace.first("overflow") is None
+
+
+def test_saturation_hides_overflow_as_a_finite_value_but_the_trace_sees_it():
+    x = np.random.default_rng(1).standard_normal((8, 2, 4, 4))
+    x[:, 1] += 100.0
+    res = forward_train(x, policy="fp16-acc16:variance=naive,overflow=saturate")
+    assert np.isfinite(res.y.astype(np.float64)).all()  # plausible-looking numbers...
+    assert res.trace["sum_sq"].counters["saturated"][1] > 0  # ...that the trace flags
+    assert res.trace["sum_sq"].counters["overflow"][1] > 0
+
+
+def test_negative_variance_counter():
+    rng = np.random.default_rng(0)
+    x = 1000.0 + rng.standard_normal((8, 64)) * 1e-4
+    res = forward_train(x, policy="fp32:variance=naive")
+    neg = res.trace["var"].counters["negative"]
+    assert neg.sum() > 0
+    clamped = forward_train(x, policy="fp32:variance=naive,clamp_var=true")
+    assert (clamped.var >= 0).all()
+    assert clamped.trace["var"].counters["negative"].sum() == neg.sum()  # still reported before the clamp
+
+
+def test_underflow_and_subnormal_counters():
+    x = np.random.default_rng(2).standard_normal((4, 2, 4, 4)) * 1e-3
+    res = forward_infer(x, np.full(2, 1e-3), np.zeros(2), np.zeros(2), np.ones(2), policy="fp16-acc16")
+    assert res.trace["y"].count("subnormal") > 0
+    flushed = forward_infer(x, np.full(2, 1e-3), np.zeros(2), np.zeros(2), np.ones(2),
+                            policy="fp16-acc16:subnormals=flush")
+    assert flushed.trace.first("flushed") is not None
+    assert flushed.trace.first("underflow") is not None
+
+
+def test_trace_frames():
+    res = forward_train(X, policy="fp16")
+    df = res.trace.to_frame()
+    assert list(df["stage"]) == res.trace.names()
+    assert {"stage", "format", "min", "max", *COUNTERS} <= set(df.columns)
+    ch = res.trace.channel_frame()
+    assert len(ch) == 3 * len(res.trace)
+    assert res.trace["y"].format == "fp16" and res.trace["mean"].format == "fp32"
+    with pytest.raises(BNProbeError, match="no stage 'nope'"):
+        res.trace["nope"]
+
+
+def test_keep_arrays_false_keeps_counters_only():
+    res = forward_train(X, policy="fp16", keep_arrays=False)
+    assert res.trace["y"].value is None and res.trace["y"].size == X.size
+
+
+@pytest.mark.parametrize("formula", ["xhat", "scale", "affine"])
+@pytest.mark.parametrize("rsqrt", ["exact", "sqrt_div"])
+@pytest.mark.parametrize("fma", [False, True])
+def test_formula_variants_record_their_stages(formula, rsqrt, fma):
+    res = forward_train(X, policy=f"fp16:y_formula={formula},rsqrt={rsqrt},fma={fma}")
+    names = res.trace.names()
+    expect = {"xhat": ["centered", "xhat"], "scale": ["w", "centered"], "affine": ["mult", "addend"]}[formula]
+    assert all(n in names for n in expect + ["affine", "y"])
+    assert ("std" in names) == (rsqrt == "sqrt_div")
+    gold = forward_train(X, policy="fp64")
+    np.testing.assert_allclose(res.y.astype(np.float64), gold.y, atol=4e-3)
+
+
+def test_momentum_none_is_cumulative_average():
+    rng = np.random.default_rng(3)
+    batches = [rng.standard_normal((6, 2)) + i for i in range(4)]
+    rm, rv, n = np.zeros(2), np.ones(2), 0
+    for b in batches:
+        r = forward_train(b, running_mean=rm, running_var=rv, momentum=None, num_batches_tracked=n, policy="fp64")
+        rm, rv, n = r.running_mean, r.running_var, r.num_batches_tracked
+    np.testing.assert_allclose(rm, np.mean([b.mean(axis=0) for b in batches], axis=0), rtol=1e-12)
+    np.testing.assert_allclose(rv, np.mean([b.var(axis=0, ddof=1) for b in batches], axis=0), rtol=1e-12)
+
+
+def test_stochastic_rounding_policy_is_reproducible():
+    a = forward_train(X, policy="fp16-acc16:rounding=stochastic,seed=4")
+    b = forward_train(X, policy="fp16-acc16:rounding=stochastic,seed=4")
+    c = forward_train(X, policy="fp16-acc16:rounding=stochastic,seed=5")
+    np.testing.assert_array_equal(a.y, b.y)
+    assert not np.array_equal(a.y, c.y)
+
+
+def test_bf16_output_ties_away():
+    pol = get_policy("bf16").with_options(output_rounding="nearest_away")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 2))
+    a = forward_train(x, policy=pol).y.astype(np.float64)
+    b = forward_train(x, policy="bf16").y.astype(np.float64)
+    assert is_representable(a, "bf16").all()
+    assert np.abs(a - b).max() <= np.abs(b).max() * 2.0**-7  # at most one ulp, only on ties
