@@ -1,0 +1,136 @@
+"""Stage-by-stage comparison of an emulated run against its FP64 golden on the same rounded inputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from bnprobe.errors import BNProbeError
+from bnprobe.formats import get_format
+from bnprobe.kernels import backward, forward_infer, forward_train, get_policy
+from bnprobe.kernels.policy import Policy
+from bnprobe.kernels.trace import Trace
+from bnprobe.numerics.rounding import round_to
+
+__all__ = ["StageError", "TraceComparison", "stage_errors", "trace_run", "MODES"]
+
+MODES: tuple[str, ...] = ("train", "infer", "backward")
+
+
+@dataclass(frozen=True)
+class StageError:
+    """Error of one stage against the golden's stage of the same name (NaN where not comparable)."""
+
+    stage: str
+    format: str
+    kind: str
+    size: int
+    vmin: float
+    vmax: float
+    max_abs_err: float
+    max_rel_err: float
+    max_ulp_err: float
+    mismatched_nonfinite: int
+    anomalies: dict[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["min"], d["max"] = d.pop("vmin"), d.pop("vmax")
+        return d
+
+
+@dataclass(frozen=True)
+class TraceComparison:
+    policy: Policy
+    mode: str
+    shape: tuple[int, ...]
+    meta: dict[str, Any]
+    rows: list[StageError] = field(default_factory=list)
+    trace: Trace | None = None
+    golden: Trace | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy.name, "policy_detail": self.policy.to_dict(), "mode": self.mode,
+                "shape": list(self.shape), "meta": self.meta, "stages": [r.to_dict() for r in self.rows]}
+
+
+def _errors(a: np.ndarray, g: np.ndarray, fmt: str) -> tuple[float, float, float, int]:
+    f = get_format(fmt)
+    with np.errstate(all="ignore"):
+        fa, fg = np.isfinite(a), np.isfinite(g)
+        mismatch = int(np.sum(fa != fg) + np.sum(~fa & ~fg & ~((a == g) | (np.isnan(a) & np.isnan(g)))))
+        both = fa & fg
+        if not both.any():
+            return float("nan"), float("nan"), float("nan"), mismatch
+        d = np.abs(a[both] - g[both])
+        gb = np.abs(g[both])
+        nz = gb > 0
+        rel = float(np.max(d[nz] / gb[nz])) if nz.any() else (0.0 if not d.any() else float("inf"))
+        ulp = float(np.max(d / f.ulp(g[both])))
+        return float(d.max()), rel, ulp, mismatch
+
+
+def stage_errors(trace: Trace, golden: Trace) -> list[StageError]:
+    """Per stage of ``trace``: range, anomalies, and the error against ``golden``'s stage of the same name."""
+    rows = []
+    for s in trace:
+        abs_e = rel_e = ulp_e = float("nan")
+        mism = 0
+        if s.name in golden and s.value is not None:
+            gs = golden[s.name]
+            if gs.value is not None and gs.value.shape == s.value.shape:
+                abs_e, rel_e, ulp_e, mism = _errors(s.value, gs.value, s.format)
+        rows.append(StageError(s.name, s.format, "element" if s.elementwise else "channel", s.size,
+                               s.vmin, s.vmax, abs_e, rel_e, ulp_e, mism, s.anomalies))
+    return rows
+
+
+def trace_run(
+    x: np.ndarray,
+    *,
+    policy: str | Policy,
+    mode: str = "train",
+    gamma: np.ndarray | None = None,
+    beta: np.ndarray | None = None,
+    running_mean: np.ndarray | None = None,
+    running_var: np.ndarray | None = None,
+    dy: np.ndarray | None = None,
+    eps: float = 1e-5,
+    momentum: float | None = 0.1,
+    layout: str = "channels_first",
+) -> TraceComparison:
+    """Run one BatchNorm layer under ``policy`` and under its FP64 golden on the same rounded inputs.
+
+    The inputs are first rounded to the policy's storage (x, dy) and params
+    formats; the golden (same algorithm, every format fp64) sees exactly those
+    values, so the errors reported are the kernel's own.
+    """
+    pol = get_policy(policy)
+    if mode not in MODES:
+        raise BNProbeError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
+    gold = pol.golden()
+    with np.errstate(all="ignore"):
+        xs = round_to(x, pol.storage)
+        rp = lambda v: None if v is None else round_to(np.asarray(v, dtype=np.float64), pol.params_format)  # noqa: E731
+        g, b, rm, rv = rp(gamma), rp(beta), rp(running_mean), rp(running_var)
+    common = dict(eps=eps, layout=layout)
+    if mode == "train":
+        res = forward_train(xs, g, b, rm, rv, momentum=momentum, policy=pol, **common)
+        ref = forward_train(xs, g, b, rm, rv, momentum=momentum, policy=gold, **common)
+    elif mode == "infer":
+        res = forward_infer(xs, g, b, rm, rv, policy=pol, **common)
+        ref = forward_infer(xs, g, b, rm, rv, policy=gold, **common)
+    else:
+        fw = forward_train(xs, g, b, policy=pol, keep_arrays=False, **common)
+        mean = fw.mean.astype(np.float64)
+        invstd = fw.invstd.astype(np.float64)
+        var = fw.var.astype(np.float64)
+        dys = round_to(dy if dy is not None else np.zeros_like(xs), pol.storage)
+        res = backward(dys, xs, g, mean, invstd, policy=pol, saved_var=var, **common)
+        ref = backward(dys, xs, g, mean, invstd, policy=gold, saved_var=var, **common)
+    meta = dict(res.trace.meta)
+    meta.pop("policy_detail", None)
+    return TraceComparison(policy=pol, mode=mode, shape=tuple(np.shape(x)), meta=meta,
+                           rows=stage_errors(res.trace, ref.trace), trace=res.trace, golden=ref.trace)

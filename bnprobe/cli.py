@@ -1,0 +1,188 @@
+"""The ``bnprobe`` command line: parse, call the library once, render.
+
+The only module that prints.  Bad input of any kind is one line on stderr,
+``bnprobe: error: ...``, and exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import click
+import typer
+
+from bnprobe import __version__
+from bnprobe.errors import BNProbeError
+
+app = typer.Typer(
+    name="bnprobe",
+    help="Numerical precision and debugging toolkit for BatchNorm: an FP64 golden, exact FP32/FP16/BF16 "
+         "emulation and instrumented kernels.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"bnprobe {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """bnprobe: BatchNorm precision checks."""
+
+
+def _json_default(o: Any) -> Any:
+    import numpy as np
+
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, tuple):
+        return list(o)
+    return str(o)
+
+
+def _clean(o: Any) -> Any:
+    """NaN/inf to strings so the JSON is standard."""
+    if isinstance(o, float) and not math.isfinite(o):
+        return "nan" if math.isnan(o) else ("inf" if o > 0 else "-inf")
+    if isinstance(o, dict):
+        return {k: _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    return o
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(_clean(json.loads(json.dumps(obj, default=_json_default))), indent=2)
+
+
+@app.command()
+def trace(
+    policy: str = typer.Option("fp16", help="Preset (fp64, fp32, fp16, bf16, fp16-acc16, bf16-acc16) "
+                                            "with optional overrides, e.g. 'fp16:variance=naive,order=lanes'."),
+    shape: str = typer.Option("8,16,14,14", help="Input shape N,C[,L|H,W|D,H,W] for generated input."),
+    seed: int = typer.Option(0, help="Seed of the generated input and parameters."),
+    mean: float = typer.Option(0.0, help="Mean of the generated input."),
+    std: float = typer.Option(1.0, help="Standard deviation of the generated input."),
+    dist: str = typer.Option("normal", help="Distribution: normal, uniform, student_t, constant."),
+    mode: str = typer.Option("train", help="train, infer or backward."),
+    eps: float = typer.Option(1e-5, help="BatchNorm epsilon (> 0)."),
+    momentum: float = typer.Option(0.1, help="Running-stat momentum (PyTorch convention)."),
+    layout: str = typer.Option("channels_first", help="channels_first or channels_last."),
+    input: Optional[Path] = typer.Option(None, "--input", help="Use this .npy/.npz tensor as x instead."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
+) -> None:
+    """Run one BatchNorm layer and show every stage: range, error vs the FP64 golden, anomalies."""
+    import numpy as np
+
+    from bnprobe.checks.stages import trace_run
+    from bnprobe.inputs import load_array, make_input, make_params, parse_shape
+    from bnprobe.kernels.layout import layout_of
+
+    if input is not None:
+        x = load_array(input)
+        source = str(input)
+    else:
+        x = make_input(parse_shape(shape), dist=dist, mean=mean, std=std, seed=seed)
+        source = f"{dist}(mean={mean:g}, std={std:g}), seed {seed}"
+    lay = layout_of(x, layout)
+    c = lay.channels
+    params = make_params(c, seed)
+    rng = np.random.default_rng([seed, 2])
+    dy = rng.standard_normal(x.shape) if mode == "backward" else None
+    cmp = trace_run(x, policy=policy, mode=mode, gamma=params["gamma"], beta=params["beta"],
+                    running_mean=np.full(c, mean), running_var=np.full(c, max(std, 0.0) ** 2),
+                    dy=dy, eps=eps, momentum=momentum, layout=layout)
+    if as_json:
+        out = cmp.to_dict()
+        out["input"] = source
+        typer.echo(_dumps(out))
+        return
+    from bnprobe._table import render_table
+
+    meta = cmp.meta
+    typer.echo(f"policy   {cmp.policy.describe()}")
+    typer.echo(f"input    {source}, shape {tuple(x.shape)} ({lay.layout}), C = {c}, R = N*spatial = "
+               f"{lay.reduce_size}")
+    typer.echo(f"mode     {mode}; eps {eps:g} (as used: {meta.get('eps_effective', eps):.6g})"
+               + (f", momentum {momentum:g}" if mode == "train" else ""))
+    typer.echo("errors   against the FP64 golden (same algorithm, same rounded inputs); "
+               "ulp = in the stage's own format")
+    typer.echo("")
+    rows = []
+    for r in cmp.rows:
+        d = r.to_dict()
+        d["anomalies"] = " ".join(f"{k}={v}" for k, v in r.anomalies.items()) or ""
+        if r.mismatched_nonfinite:
+            d["anomalies"] = (d["anomalies"] + f" nonfinite-vs-golden={r.mismatched_nonfinite}").strip()
+        rows.append(d)
+    typer.echo(render_table(rows, ["stage", "format", "kind", "min", "max", "max_abs_err", "max_rel_err",
+                                   "max_ulp_err", "anomalies"],
+                            headers=["stage", "format", "kind", "min", "max", "max abs err", "max rel err",
+                                     "max ulp", "anomalies"]))
+    inp = cmp.trace["x"] if cmp.trace is not None and "x" in cmp.trace else None
+    if inp is not None and (inp.count("nan") or inp.count("posinf") or inp.count("neginf")):
+        typer.echo("\nnote: NaN/inf present in the input itself (input-borne, not a kernel fault)")
+
+
+def _click_classes() -> tuple[type, type, type | None]:
+    """UsageError, ClickException and NoArgsIsHelpError of the click that typer runs on.
+
+    typer >= 0.29 vendors its own click, so ``click.exceptions`` would not match
+    what it raises; its BadParameter's bases are the right classes either way.
+    """
+    mro = {c.__name__: c for c in typer.BadParameter.__mro__}
+    module = sys.modules[mro["UsageError"].__module__]
+    return mro["UsageError"], mro["ClickException"], getattr(module, "NoArgsIsHelpError", None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point: one-line errors and exit status 2 for bad input."""
+    args = sys.argv[1:] if argv is None else argv
+    usage_error, click_exception, no_args = _click_classes()
+    exits = tuple({typer.Exit, click.exceptions.Exit})
+    aborts = tuple({typer.Abort, click.exceptions.Abort})
+    try:
+        rv = app(args=args, prog_name="bnprobe", standalone_mode=False)
+    except exits as exc:
+        return int(getattr(exc, "exit_code", 0))
+    except aborts:
+        typer.echo("bnprobe: aborted", err=True)
+        return 130
+    except Exception as exc:
+        if no_args is not None and isinstance(exc, no_args):
+            ctx = getattr(exc, "ctx", None)
+            typer.echo(ctx.get_help() if ctx is not None else str(exc))
+            return 0
+        if isinstance(exc, usage_error):
+            ctx = getattr(exc, "ctx", None)
+            cmd = ctx.command_path if ctx is not None else "bnprobe"
+            typer.echo(f"{cmd}: error: {exc.format_message()}", err=True)
+            return 2
+        if isinstance(exc, (click_exception, BNProbeError)):
+            msg = exc.format_message() if isinstance(exc, click_exception) else str(exc)
+            typer.echo(f"bnprobe: error: {msg}", err=True)
+            return 2
+        if isinstance(exc, BrokenPipeError):  # pragma: no cover - e.g. piped into head
+            return 0
+        raise
+    return int(rv) if isinstance(rv, int) else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,111 @@
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from bnprobe.cli import main
+
+
+def run(capsys, *args):
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("policy", ["fp16", "bf16", "fp32", "fp16-acc16"])
+@pytest.mark.parametrize("mode", ["train", "infer", "backward"])
+def test_trace_prints_stage_table(capsys, policy, mode):
+    code, out, err = run(capsys, "trace", "--policy", policy, "--mode", mode, "--shape", "4,3,5,5")
+    assert code == 0, err
+    assert err == ""
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("stage "))
+    stages = [line.split()[0] for line in lines[header + 2:] if line.strip() and not line.startswith("note")]
+    final = {"train": "y", "infer": "y", "backward": "dx"}[mode]
+    assert final in stages
+    assert "max abs err" in lines[header]
+    storage = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32", "fp16-acc16": "fp16"}[policy]
+    row = next(line for line in lines[header + 2:] if line.split()[0] == final)
+    assert row.split()[1] == storage
+
+
+def test_trace_json_is_valid_and_complete(capsys):
+    code, out, _ = run(capsys, "trace", "--json", "--shape", "4,2,3,3", "--policy", "bf16")
+    assert code == 0
+    doc = json.loads(out)
+    names = [s["stage"] for s in doc["stages"]]
+    assert names[0] == "x" and "rstd" in names and "running_var" in names
+    y = next(s for s in doc["stages"] if s["stage"] == "y")
+    assert y["format"] == "bf16" and 0 < y["max_abs_err"] < 0.05 and y["max_ulp_err"] <= 1.0
+
+
+def test_trace_reports_overflow_of_fp16_accumulation(capsys):
+    code, out, _ = run(capsys, "trace", "--policy", "fp16-acc16:variance=naive", "--shape", "8,4,8,8",
+                       "--mean", "100")
+    assert code == 0
+    row = next(line for line in out.splitlines() if line.startswith("sum_sq "))
+    assert "overflow=" in row and "posinf=4" in row
+
+
+def test_trace_with_input_file_and_nan(tmp_path, capsys):
+    x = np.random.default_rng(0).standard_normal((4, 3, 5))
+    x[0, 1, 2] = np.nan
+    p = tmp_path / "x.npy"
+    np.save(p, x)
+    code, out, _ = run(capsys, "trace", "--input", str(p))
+    assert code == 0
+    assert "input-borne" in out
+    x_row = next(line for line in out.splitlines() if line.startswith("x "))
+    assert "nan=1" in x_row
+
+
+@pytest.mark.parametrize("args,message", [
+    (["trace", "--foo"], "No such option: --foo"),
+    (["trace", "--shape", "3"], "must have 2 to 5 dimensions"),
+    (["trace", "--shape", "a,b"], "comma-separated list of integers"),
+    (["trace", "--policy", "fp12"], "unknown policy 'fp12'"),
+    (["trace", "--eps", "0"], "eps must be a finite number > 0"),
+    (["trace", "--eps", "-1"], "eps must be a finite number > 0"),
+    (["trace", "--mode", "sideways"], "unknown mode 'sideways'"),
+    (["trace", "--shape", "1,4"], "more than one value per channel"),
+    (["trace", "--input", "/nonexistent/x.npy"], "does not exist"),
+    (["trace", "--seed", "x"], "--seed"),
+    (["trace", "--dist", "cauchy"], "unknown distribution 'cauchy'"),
+    (["trace", "--layout", "nhwc"], "unknown layout 'nhwc'"),
+    (["trace", "--momentum", "2"], "momentum must be in [0, 1]"),
+    (["frobnicate"], "No such command"),
+])
+def test_bad_input_is_one_line_exit_2(capsys, args, message):
+    code, out, err = run(capsys, *args)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+def test_corrupt_input_file(tmp_path, capsys):
+    p = tmp_path / "x.npy"
+    p.write_bytes(b"not numpy at all")
+    code, _, err = run(capsys, "trace", "--input", str(p))
+    assert code == 2 and "not a .npy or .npz file" in err
+    q = tmp_path / "y.npy"
+    np.save(q, np.ones((4, 3)))
+    q.write_bytes(q.read_bytes()[:-8])  # truncated
+    code, _, err = run(capsys, "trace", "--input", str(q))
+    assert code == 2 and "not a readable .npy/.npz file" in err
+
+
+def test_console_script_and_module_entry_points():
+    for cmd in (["bnprobe"], [sys.executable, "-m", "bnprobe"]):
+        help_ = subprocess.run(cmd + ["--help"], capture_output=True, text=True, timeout=60)
+        assert help_.returncode == 0 and "trace" in help_.stdout
+        bad = subprocess.run(cmd + ["trace", "--nope"], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "Traceback" not in bad.stderr
+
+
+def test_cli_start_up_does_not_import_pandas_matplotlib_or_torch():
+    code = ("import sys; from bnprobe.cli import app; "
+            "print(' '.join(m for m in ('pandas', 'matplotlib', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == ""
