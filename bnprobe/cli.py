@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-import click
 import typer
 
 from bnprobe import __version__
@@ -155,13 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     """Console entry point: one-line errors and exit status 2 for bad input."""
     args = sys.argv[1:] if argv is None else argv
     usage_error, click_exception, no_args = _click_classes()
-    exits = tuple({typer.Exit, click.exceptions.Exit})
-    aborts = tuple({typer.Abort, click.exceptions.Abort})
     try:
         rv = app(args=args, prog_name="bnprobe", standalone_mode=False)
-    except exits as exc:
+    except typer.Exit as exc:
         return int(getattr(exc, "exit_code", 0))
-    except aborts:
+    except typer.Abort:
         typer.echo("bnprobe: aborted", err=True)
         return 130
     except Exception as exc:

@@ -21,6 +21,7 @@ from bnprobe.kernels.policy import Policy, get_policy
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.arith import Arith, Tally, fma_wide
 from bnprobe.numerics.reduce import reduce_sum
+from bnprobe.numerics.rounding import round_to
 from bnprobe.numerics.rsqrt import rsqrt_exact
 from bnprobe.numerics.variance import moments
 
@@ -60,27 +61,27 @@ class BackwardResult:
     trace: Trace
 
 
+# Channels are processed in blocks of at most this many values (32 MiB per float64 array).
+DEFAULT_CHUNK_ELEMENTS = 1 << 22
+
+
 def _wider_or_equal(big: Format, small: Format) -> bool:
     return big.precision >= small.precision and big.emax >= small.emax and big.emin <= small.emin
 
 
 class _Run:
-    """The arithmetic contexts of one kernel call and its trace."""
+    """The arithmetic contexts of one block of channels of a kernel call, and its trace."""
 
-    def __init__(self, policy: Policy, lay: Layout, keep_arrays: bool, meta: dict[str, Any]) -> None:
+    def __init__(self, policy: Policy, channels: int, keep_arrays: bool, rng: np.random.Generator) -> None:
         self.policy = policy
-        self.lay = lay
-        self.c = lay.channels
-        rng = np.random.default_rng(policy.seed)
+        self.c = channels
         spec = policy.spec
         self.storage = Arith(policy.storage, spec, rng)
         self.out = Arith(policy.storage, policy.output_spec, rng)
         self.params = Arith(policy.params_format, spec, rng)
         self.comp = Arith(policy.compute, spec, rng)
         self.acc = Arith(policy.accumulate, spec, rng)
-        self.trace = Trace(self.c, keep_arrays, {
-            "policy": policy.name, "policy_detail": policy.to_dict(), "shape": lay.shape, "layout": lay.layout,
-            "channels": lay.channels, "reduce_size": lay.reduce_size, **meta})
+        self.trace = Trace(channels, keep_arrays)
 
     def tally(self) -> Tally:
         return Tally(self.c)
@@ -102,8 +103,8 @@ class _Run:
         return self.rec(name, dst, value)
 
     def load(self, name: str, a: np.ndarray, ar: Arith) -> np.ndarray:
-        """Round a caller's tensor to its storage format and record it (input-borne NaN/inf show here)."""
-        return self.rec(name, ar, self.lay.to_cr(a))
+        """Round a block of a caller's tensor to its format and record it (input-borne NaN/inf show here)."""
+        return self.rec(name, ar, a)
 
     def param(self, v: np.ndarray) -> np.ndarray:
         return self.params.round(v)
@@ -159,12 +160,39 @@ class _Run:
                 affine = mac(xc, col(mult), col(addend))
             return self.rec("y", self.out, affine)
 
-    def finish(self, a: np.ndarray, ar: Arith) -> np.ndarray:
-        """A channel-first stage value back in the caller's layout and the format's dtype."""
-        return self.lay.from_cr(a).astype(ar.fmt.dtype)
 
-    def vector(self, a: np.ndarray, ar: Arith) -> np.ndarray:
-        return np.asarray(a).astype(ar.fmt.dtype)
+
+class _Blocks:
+    """Runs a kernel core over channel blocks so memory stays bounded, and assembles the results.
+
+    Channels are independent in BatchNorm, so the blocks give bit-identical
+    results to one pass (stochastic rounding draws from one seeded stream).
+    """
+
+    def __init__(self, policy: Policy, lay: Layout, keep_arrays: bool, chunk_elements: int | None,
+                 meta: dict[str, Any]) -> None:
+        self.policy, self.lay, self.keep = policy, lay, keep_arrays
+        self.slices = lay.chunks(chunk_elements)
+        self.rng = np.random.default_rng(policy.seed)
+        self.meta = {"policy": policy.name, "policy_detail": policy.to_dict(), "shape": lay.shape,
+                     "layout": lay.layout, "channels": lay.channels, "reduce_size": lay.reduce_size,
+                     "channel_blocks": len(self.slices), **meta}
+        self.traces: list[Trace] = []
+
+    def __iter__(self):
+        for sl in self.slices:
+            run = _Run(self.policy, sl.stop - sl.start, self.keep, self.rng)
+            yield sl, run
+            self.traces.append(run.trace)
+
+    def trace(self) -> Trace:
+        return Trace.concat(self.traces, self.meta)
+
+    def tensor(self, fmt: str) -> np.ndarray:
+        return np.empty(self.lay.shape, dtype=get_format(fmt).dtype)
+
+    def vector(self, fmt: str) -> np.ndarray:
+        return np.empty(self.lay.channels, dtype=get_format(fmt).dtype)
 
 
 def _check_train_size(lay: Layout) -> None:
@@ -187,6 +215,7 @@ def forward_train(
     layout: str = "channels_first",
     num_batches_tracked: int = 0,
     keep_arrays: bool = True,
+    chunk_elements: int | None = DEFAULT_CHUNK_ELEMENTS,
 ) -> TrainResult:
     """Training-mode BatchNorm: batch statistics, normalisation, running-stat update.
 
@@ -208,8 +237,33 @@ def forward_train(
     rm = as_channel_vector("running_mean", running_mean, lay, 0.0) if running_mean is not None else None
     rv = as_channel_vector("running_var", running_var, lay, 1.0) if running_var is not None else None
 
-    run = _Run(pol, lay, keep_arrays, {"mode": "train", "eps": eps, "momentum": momentum})
-    acc, r = run.acc, lay.reduce_size
+    blocks = _Blocks(pol, lay, keep_arrays, chunk_elements, {"mode": "train", "eps": eps, "momentum": momentum})
+    y = blocks.tensor(pol.storage)
+    pf = pol.params_format
+    saved = {k: blocks.vector(pf) for k in ("mean", "invstd", "var", "running_mean", "running_var")}
+    nbt = int(num_batches_tracked) + 1
+    for sl, run in blocks:
+        out = _train_block(run, lay.to_cr(x, sl), g[sl], b[sl], None if rm is None else rm[sl],
+                           None if rv is None else rv[sl], eps=eps, momentum=momentum, nbt=nbt,
+                           r=lay.reduce_size)
+        lay.place(y, out.pop("y"), sl)
+        for k, v in out.items():
+            saved[k][sl] = v
+    trace = blocks.trace()
+    trace.meta["eps_effective"] = float(round_to(eps, pol.accumulate))
+    return TrainResult(
+        y=y, mean=saved["mean"], invstd=saved["invstd"], var=saved["var"],
+        running_mean=saved["running_mean"] if rm is not None else None,
+        running_var=saved["running_var"] if rv is not None else None,
+        num_batches_tracked=nbt, trace=trace)
+
+
+def _train_block(run: _Run, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.ndarray | None,
+                 rv: np.ndarray | None, *, eps: float, momentum: float | None, nbt: int,
+                 r: int) -> dict[str, np.ndarray]:
+    """Training forward of one channel block (channel-first arrays); returns y and the statistics."""
+    pol, acc = run.policy, run.acc
+    out: dict[str, np.ndarray] = {}
     with np.errstate(all="ignore"):
         xs = run.load("x", x, run.storage)
         gp, bp = run.param(g), run.param(b)
@@ -220,14 +274,9 @@ def forward_train(
             run.trace.record(sv.name, sv.value, sv.arith.fmt, wide=sv.wide, tally=sv.tally,
                              check_negative=sv.check_negative)
         mean, var = m.mean, m.var
-        eps_a = float(acc.round(eps))
-        run.trace.meta["eps_effective"] = eps_a
-        var_eps = run.rec("var_eps", acc, var + eps_a, negative=True)
+        var_eps = run.rec("var_eps", acc, var + float(acc.round(eps)), negative=True)
         rstd, std = run.rstd(var_eps)
-        y = run.normalise(xs, mean, rstd, std, gp, bp)
-
-        new_rm = new_rv = None
-        nbt = int(num_batches_tracked) + 1
+        out["y"] = run.normalise(xs, mean, rstd, std, gp, bp)
         if rm is not None and rv is not None:
             f = momentum if momentum is not None else 1.0 / nbt
             f_a, keep_a = acc.round(f), acc.round(1.0 - f)
@@ -237,22 +286,10 @@ def forward_train(
                 t = run.tally()
                 old_a = acc.round(run.param(old))
                 upd = acc.round(acc.mul(keep_a, old_a, t) + acc.mul(f_a, batch, t), t)
-                stored = run.rec(name, run.params, upd, t)
-                if name == "running_mean":
-                    new_rm = stored
-                else:
-                    new_rv = stored
-    par = run.params
-    return TrainResult(
-        y=run.finish(y, run.out),
-        mean=run.vector(par.round(mean), par),
-        invstd=run.vector(par.round(rstd), par),
-        var=run.vector(par.round(var), par),
-        running_mean=None if new_rm is None else run.vector(new_rm, par),
-        running_var=None if new_rv is None else run.vector(new_rv, par),
-        num_batches_tracked=nbt,
-        trace=run.trace,
-    )
+                out[name] = run.rec(name, run.params, upd, t)
+        par = run.params
+        out["mean"], out["invstd"], out["var"] = par.round(mean), par.round(rstd), par.round(var)
+    return out
 
 
 def forward_infer(
@@ -266,6 +303,7 @@ def forward_infer(
     policy: str | Policy = "fp32",
     layout: str = "channels_first",
     keep_arrays: bool = True,
+    chunk_elements: int | None = DEFAULT_CHUNK_ELEMENTS,
 ) -> InferResult:
     """Inference-mode BatchNorm: normalise with the running statistics."""
     pol = get_policy(policy)
@@ -275,18 +313,20 @@ def forward_infer(
     b = as_channel_vector("beta", beta, lay, 0.0)
     rm = as_channel_vector("running_mean", running_mean, lay)
     rv = as_channel_vector("running_var", running_var, lay)
-    run = _Run(pol, lay, keep_arrays, {"mode": "infer", "eps": eps})
-    acc = run.acc
-    with np.errstate(all="ignore"):
-        xs = run.load("x", x, run.storage)
-        mean = acc.round(run.param(rm))
-        var = acc.round(run.param(rv))
-        eps_a = float(acc.round(eps))
-        run.trace.meta["eps_effective"] = eps_a
-        var_eps = run.rec("var_eps", acc, var + eps_a, negative=True)
-        rstd, std = run.rstd(var_eps)
-        y = run.normalise(xs, mean, rstd, std, run.param(g), run.param(b))
-    return InferResult(y=run.finish(y, run.out), trace=run.trace)
+    blocks = _Blocks(pol, lay, keep_arrays, chunk_elements, {"mode": "infer", "eps": eps})
+    y = blocks.tensor(pol.storage)
+    for sl, run in blocks:
+        acc = run.acc
+        with np.errstate(all="ignore"):
+            xs = run.load("x", lay.to_cr(x, sl), run.storage)
+            mean = acc.round(run.param(rm[sl]))
+            var = acc.round(run.param(rv[sl]))
+            var_eps = run.rec("var_eps", acc, var + float(acc.round(eps)), negative=True)
+            rstd, std = run.rstd(var_eps)
+            lay.place(y, run.normalise(xs, mean, rstd, std, run.param(g[sl]), run.param(b[sl])), sl)
+    trace = blocks.trace()
+    trace.meta["eps_effective"] = float(round_to(eps, pol.accumulate))
+    return InferResult(y=y, trace=trace)
 
 
 def backward(
@@ -302,6 +342,7 @@ def backward(
     saved_var: np.ndarray | None = None,
     eps: float = 1e-5,
     keep_arrays: bool = True,
+    chunk_elements: int | None = DEFAULT_CHUNK_ELEMENTS,
 ) -> BackwardResult:
     """Gradients dx, dgamma, dbeta of BatchNorm.
 
@@ -323,8 +364,21 @@ def backward(
     inv = as_channel_vector("saved_invstd", saved_invstd, lay)
     sv = as_channel_vector("saved_var", saved_var, lay) if saved_var is not None else None
     eps = check_eps(eps)
-    run = _Run(pol, lay, keep_arrays, {"mode": "backward", "training": training, "eps": eps})
-    acc, comp, r = run.acc, run.comp, lay.reduce_size
+    blocks = _Blocks(pol, lay, keep_arrays, chunk_elements, {"mode": "backward", "training": training, "eps": eps})
+    dx = blocks.tensor(pol.storage)
+    dgamma, dbeta = blocks.vector(pol.params_format), blocks.vector(pol.params_format)
+    for sl, run in blocks:
+        out = _backward_block(run, lay.to_cr(dy, sl), lay.to_cr(x, sl), g[sl], mu[sl], inv[sl],
+                              None if sv is None else sv[sl], eps=eps, training=training, r=lay.reduce_size)
+        lay.place(dx, out["dx"], sl)
+        dgamma[sl], dbeta[sl] = out["dgamma"], out["dbeta"]
+    return BackwardResult(dx=dx, dgamma=dgamma, dbeta=dbeta, trace=blocks.trace())
+
+
+def _backward_block(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray, inv: np.ndarray,
+                    sv: np.ndarray | None, *, eps: float, training: bool, r: int) -> dict[str, np.ndarray]:
+    """Backward of one channel block (channel-first arrays)."""
+    pol, acc, comp = run.policy, run.acc, run.comp
     col = lambda v: comp.round(v)[:, None]  # noqa: E731
     with np.errstate(all="ignore"):
         dys = run.load("dy", dy, run.storage)
@@ -376,6 +430,4 @@ def backward(
             d = comp.add(d, col(addend), t)
             dx_c = run.rec("dx_compute", comp, d * col(scale), t)
         dx = run.rec("dx", run.out, dx_c)
-    par = run.params
-    return BackwardResult(dx=run.finish(dx, run.out), dgamma=run.vector(dgamma, par),
-                          dbeta=run.vector(dbeta, par), trace=run.trace)
+    return {"dx": dx, "dgamma": dgamma, "dbeta": dbeta}

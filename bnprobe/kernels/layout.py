@@ -34,15 +34,30 @@ class Layout:
         """R = N * (spatial sizes): the number of values each channel's statistics see."""
         return math.prod(self.shape) // max(self.channels, 1)
 
-    def to_cr(self, a: np.ndarray) -> np.ndarray:
+    def to_cr(self, a: np.ndarray, channels: slice = slice(None)) -> np.ndarray:
+        """The given channels of ``a`` as a float64 channel-first ``(k, R)`` copy."""
         a = np.asarray(a)
         if a.shape != self.shape:
             raise BNProbeError(f"expected shape {self.shape}, got {a.shape}")
-        return np.moveaxis(a, self.channel_axis, 0).reshape(self.channels, -1).astype(np.float64)
+        part = np.moveaxis(a, self.channel_axis, 0)[channels]
+        with np.errstate(invalid="ignore"):
+            return part.reshape(part.shape[0], -1).astype(np.float64)
 
-    def from_cr(self, a: np.ndarray) -> np.ndarray:
-        moved = tuple(np.delete(np.array(self.shape), self.channel_axis))
-        return np.moveaxis(a.reshape((self.channels, *moved)), 0, self.channel_axis)
+    def place(self, out: np.ndarray, a: np.ndarray, channels: slice = slice(None)) -> None:
+        """Write a channel-first ``(k, R)`` block into ``out`` (shaped like x) at ``channels``."""
+        view = np.moveaxis(out, self.channel_axis, 0)[channels]
+        with np.errstate(invalid="ignore"):
+            view[...] = a.reshape(view.shape)
+
+    def chunks(self, max_elements: int | None) -> list[slice]:
+        """Channel blocks of at most ``max_elements`` values each (one channel at least), nearly equal."""
+        c, r = self.channels, self.reduce_size
+        if max_elements is None or c * r <= max_elements:
+            return [slice(0, c)]
+        per = max(1, max_elements // r)
+        n = -(-c // per)
+        per = -(-c // n)
+        return [slice(i, min(i + per, c)) for i in range(0, c, per)]
 
 
 def layout_of(x: np.ndarray, layout: str = "channels_first") -> Layout:

@@ -29,7 +29,9 @@ class Stage:
     """One named intermediate.
 
     ``value`` holds the stored values (float64 carriers of ``format``) and
-    ``wide`` the float64 values they were rounded from (None where not kept).
+    ``wide`` the float64 values they were rounded from (None where not kept); for
+    a reduction stage (a sum), ``wide`` is the sum of the same addends formed in
+    float64, i.e. the stage without its own rounding.
     Elementwise stages are channel-first ``(C, R)``; per-channel ones ``(C,)``.
     """
 
@@ -100,6 +102,34 @@ class Trace:
             wide=(np.asarray(wide, dtype=np.float64) if wide is not None and keep else None),
             counters=counts, elementwise=value.ndim > 1, size=value.size,
             vmin=vmin, vmax=vmax, absmax=absmax))
+
+    @classmethod
+    def concat(cls, parts: list[Trace], meta: dict[str, Any] | None = None) -> Trace:
+        """Join traces of consecutive channel blocks of one run into one trace over all channels."""
+        if len(parts) == 1:
+            if meta:
+                parts[0].meta.update(meta)
+            return parts[0]
+        first = parts[0]
+        out = cls(sum(p.channels for p in parts), first.keep_arrays, {**first.meta, **(meta or {})})
+        for i, s in enumerate(first.stages):
+            group = [p.stages[i] for p in parts]
+            if any(g.name != s.name for g in group):
+                raise AssertionError("channel blocks recorded different stages")
+
+            def cat(arrays: list[np.ndarray | None]) -> np.ndarray | None:
+                return None if any(a is None for a in arrays) else np.concatenate(arrays, axis=0)
+
+            finite = [g for g in group if not np.isnan(g.vmin)]
+            out.stages.append(Stage(
+                name=s.name, format=s.format, value=cat([g.value for g in group]),
+                wide=cat([g.wide for g in group]),
+                counters={k: np.concatenate([g.counters[k] for g in group]) for k in s.counters},
+                elementwise=s.elementwise, size=sum(g.size for g in group),
+                vmin=min((g.vmin for g in finite), default=float("nan")),
+                vmax=max((g.vmax for g in finite), default=float("nan")),
+                absmax=max((g.absmax for g in finite), default=float("nan"))))
+        return out
 
     def names(self) -> list[str]:
         return [s.name for s in self.stages]

@@ -233,3 +233,51 @@ def test_bf16_output_ties_away():
     b = forward_train(x, policy="bf16").y.astype(np.float64)
     assert is_representable(a, "bf16").all()
     assert np.abs(a - b).max() <= np.abs(b).max() * 2.0**-7  # at most one ulp, only on ties
+
+
+# ---- channel blocks: bounded memory, identical results --------------------------------------
+
+@pytest.mark.parametrize("preset", ["fp16", "bf16-acc16:variance=welford,order=lanes,lanes=8", "fp32:variance=chan"])
+@pytest.mark.parametrize("layout", ["channels_first", "channels_last"])
+def test_channel_blocks_give_identical_results(preset, layout):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4, 7, 6, 5)) * 3 + 1
+    if layout == "channels_last":
+        x = np.moveaxis(x, 1, -1).copy()
+    g, b, rm, rv = rng.uniform(0.5, 2, 7), rng.standard_normal(7), np.zeros(7), np.ones(7)
+    one = forward_train(x, g, b, rm, rv, policy=preset, layout=layout, chunk_elements=None)
+    blk = forward_train(x, g, b, rm, rv, policy=preset, layout=layout, chunk_elements=250)  # 2 channels a block
+    assert blk.trace.meta["channel_blocks"] == 4
+    for name in ("y", "mean", "invstd", "var", "running_mean", "running_var"):
+        np.testing.assert_array_equal(getattr(one, name), getattr(blk, name))
+    assert one.trace.names() == blk.trace.names()
+    for s1, s2 in zip(one.trace, blk.trace):
+        np.testing.assert_array_equal(s1.value, s2.value)
+        for k in COUNTERS:
+            np.testing.assert_array_equal(s1.counters[k], s2.counters[k])
+        assert (s1.vmin, s1.vmax, s1.size) == (s2.vmin, s2.vmax, s2.size)
+    dy = rng.standard_normal(x.shape)
+    b1 = backward(dy, x, g, one.mean, one.invstd, policy=preset, layout=layout, chunk_elements=None)
+    b2 = backward(dy, x, g, one.mean, one.invstd, policy=preset, layout=layout, chunk_elements=250)
+    for name in ("dx", "dgamma", "dbeta"):
+        np.testing.assert_array_equal(getattr(b1, name), getattr(b2, name))
+    i1 = forward_infer(x, g, b, rm, rv, policy=preset, layout=layout, chunk_elements=None)
+    i2 = forward_infer(x, g, b, rm, rv, policy=preset, layout=layout, chunk_elements=250)
+    np.testing.assert_array_equal(i1.y, i2.y)
+
+
+def test_peak_memory_is_bounded_by_the_block_size():
+    import tracemalloc
+
+    x = np.random.default_rng(0).standard_normal((16, 64, 32, 32)).astype(np.float32)  # 1M values, 4 MiB
+    tracemalloc.start()
+    forward_train(x, policy="fp16", keep_arrays=False, chunk_elements=1 << 16)
+    _, peak_small = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    tracemalloc.start()
+    forward_train(x, policy="fp16", keep_arrays=False, chunk_elements=None)
+    _, peak_whole = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    # the output (2 MiB fp16) plus a few float64 arrays of one block, vs several of the whole tensor
+    assert peak_small < 2.5 * x.nbytes
+    assert peak_whole > 3 * peak_small
