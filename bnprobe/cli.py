@@ -6,16 +6,15 @@ The only module that prints.  Bad input of any kind is one line on stderr,
 
 from __future__ import annotations
 
-import json
-import math
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import typer
 
 from bnprobe import __version__
 from bnprobe.errors import BNProbeError
+from bnprobe.reports import dumps_json
 
 app = typer.Typer(
     name="bnprobe",
@@ -39,35 +38,6 @@ def _version(value: bool) -> None:
 def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="Print the version and exit.")) -> None:
     """bnprobe: BatchNorm precision checks."""
-
-
-def _json_default(o: Any) -> Any:
-    import numpy as np
-
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if isinstance(o, tuple):
-        return list(o)
-    return str(o)
-
-
-def _clean(o: Any) -> Any:
-    """NaN/inf to strings so the JSON is standard."""
-    if isinstance(o, float) and not math.isfinite(o):
-        return "nan" if math.isnan(o) else ("inf" if o > 0 else "-inf")
-    if isinstance(o, dict):
-        return {k: _clean(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_clean(v) for v in o]
-    return o
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(_clean(json.loads(json.dumps(obj, default=_json_default))), indent=2)
 
 
 @app.command()
@@ -110,7 +80,7 @@ def trace(
     if as_json:
         out = cmp.to_dict()
         out["input"] = source
-        typer.echo(_dumps(out))
+        typer.echo(dumps_json(out))
         return
     from bnprobe._table import render_table
 
@@ -137,6 +107,100 @@ def trace(
     inp = cmp.trace["x"] if cmp.trace is not None and "x" in cmp.trace else None
     if inp is not None and (inp.count("nan") or inp.count("posinf") or inp.count("neginf")):
         typer.echo("\nnote: NaN/inf present in the input itself (input-borne, not a kernel fault)")
+
+
+def _int_list(text: str, what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(p, 0) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise BNProbeError(f"{what} must be a comma-separated list of integers, got {text!r}") from None
+    if not values:
+        raise BNProbeError(f"{what} is empty")
+    return values
+
+
+@app.command("rsqrt")
+def rsqrt_cmd(
+    op: str = typer.Option("rsqrt", help="rsqrt, reciprocal, sqrt or divide."),
+    format: str = typer.Option("fp32", "--format", help="fp32, fp16 or bf16."),
+    method: str = typer.Option("magic", help="exact, magic, table, frsqrte (rsqrt), frecpe (reciprocal), "
+                                              "exp_log (sqrt)."),
+    constant: Optional[str] = typer.Option(None, help="Bit-trick constant, e.g. 0x5f3759df (default per format)."),
+    bits: int = typer.Option(12, help="Significant fraction bits of a table estimate."),
+    newton: str = typer.Option("0,1,2", help="Newton (Heron for exp_log) step counts to analyse."),
+    form: str = typer.Option("standard", help="Newton form: standard, fma (Ascend 950) or arm (FRSQRTS)."),
+    working: Optional[str] = typer.Option(None, help="Format of the Newton steps (e.g. fp64, as the literature "
+                                                     "measures seeds); default: the format itself."),
+    subnormals: str = typer.Option("keep", help="keep, or zero (subnormal inputs treated as 0)."),
+    exhaustive: bool = typer.Option(False, "--exhaustive", help="Every positive finite input (fp32: all 2^31, "
+                                                                "minutes)."),
+    samples: Optional[int] = typer.Option(None, help="Analyse N random inputs instead."),
+    seed: int = typer.Option(0, help="Seed of the random inputs."),
+    out: Optional[Path] = typer.Option(None, help="Write CSV, JSON and the error plot (PNG) to this folder."),
+    force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
+) -> None:
+    """ULP and relative error of rsqrt / reciprocal / sqrt / divide methods as accelerators compute them.
+
+    Default domain: every input for fp16 and bf16; for fp32 a proven-reduced domain (one period, the
+    subnormals and the extreme binades) confirmed by random samples over the whole range.
+    """
+    from bnprobe._progress import Progress
+    from bnprobe._table import render_table
+    from bnprobe.checks.mathfn import MathSpec, analyze
+
+    try:
+        c = int(constant, 0) if constant is not None else None
+    except ValueError:
+        raise BNProbeError(f"--constant must be an integer such as 0x5f3759df, got {constant!r}") from None
+    spec = MathSpec(op=op, format=format, method=method, constant=c, bits=bits, form=form,
+                    subnormals=subnormals, working=working)
+    if exhaustive and samples is not None:
+        raise BNProbeError("give --exhaustive or --samples, not both")
+    if samples is not None and samples < 1:
+        raise BNProbeError(f"--samples must be >= 1, got {samples}")
+    domain = "exhaustive" if exhaustive else ("samples" if samples is not None else "auto")
+    steps = _int_list(newton, "--newton")
+    targets: list[Path] = []
+    if out is not None:
+        stem = f"{op}-{spec.format}-{method}"
+        targets = [out / f"{stem}.csv", out / f"{stem}.json", out / f"{stem}.png"]
+        from bnprobe.reports import check_targets
+
+        check_targets(targets, force=force)
+    bar = Progress(f"{spec.label()}")
+    try:
+        result = analyze(spec, steps, domain=domain, samples=samples or (1 << 20), seed=seed, progress=bar)
+    finally:
+        bar.close()
+    if out is not None:
+        from bnprobe.plots import plot_math_error
+        from bnprobe.reports import atomic_write_text, save_figure
+
+        atomic_write_text(targets[0], result.to_frame().to_csv(index=False))
+        atomic_write_text(targets[1], dumps_json(result.to_dict()))
+        if result.curve:
+            save_figure(plot_math_error(result), targets[2], dpi=120)
+        else:
+            targets = targets[:2]
+    if as_json:
+        typer.echo(dumps_json(result.to_dict()))
+        return
+    typer.echo(f"{spec.label()}: {spec.form} Newton form"
+               + (f", steps in {spec.working}" if spec.working else "") + f"; domain {result.domain}")
+    rows = [{**s.row(), "correct %": 100.0 * s.correctly_rounded} for s in result.steps]
+    typer.echo(render_table(rows, ["newton", "inputs", "max_ulp_normal", "mean_ulp_normal", "max_rel_normal",
+                                   "correct %", "max_ulp"],
+                            headers=["newton", "inputs", "max ulp", "mean ulp", "max rel err", "correct %",
+                                     "max ulp (incl. subnormal)"]))
+    last = result.steps[-1]
+    if last.worst:
+        typer.echo(f"\nworst normal inputs after {last.newton} step(s):")
+        typer.echo(render_table(last.worst[:5], ["x", "result", "exact", "ulp"]))
+    for note in result.notes:
+        typer.echo(f"note: {note}")
+    if targets:
+        typer.echo("wrote " + ", ".join(str(t) for t in targets))
 
 
 def _click_classes() -> tuple[type, type, type | None]:

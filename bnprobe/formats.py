@@ -77,11 +77,14 @@ class Format:
 
     def ulp(self, values: np.ndarray) -> np.ndarray:
         """Spacing of the format at each |value| (the ulp of the binade; subnormal spacing below tiny)."""
-        v = np.abs(np.asarray(values, dtype=np.float64))
-        with np.errstate(divide="ignore"):
-            _, e = np.frexp(v)  # v = m * 2**e with m in [0.5, 1)
-        e = np.maximum(e - 1, self.emin)
-        return np.ldexp(1.0, e - self.mantissa_bits)
+        v = np.asarray(values, dtype=np.float64)
+        # the binade's exponent from the float64 bits (float64 subnormals fall below every emin here)
+        e = ((v.view(np.uint64) >> np.uint64(52)) & np.uint64(0x7FF)).astype(np.int64) - 1023
+        e = np.maximum(e, self.emin) - self.mantissa_bits
+        if self.name == "fp64":
+            with np.errstate(over="ignore"):
+                return np.ldexp(1.0, e)
+        return ((e + 1023).astype(np.uint64) << np.uint64(52)).view(np.float64)  # 2**e, normal for e >= -1022
 
     def __str__(self) -> str:
         return self.name

@@ -109,3 +109,56 @@ def test_cli_start_up_does_not_import_pandas_matplotlib_or_torch():
             "print(' '.join(m for m in ('pandas', 'matplotlib', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == ""
+
+
+def test_rsqrt_reproduces_the_literature_table(capsys):
+    code, out, err = run(capsys, "rsqrt", "--format", "fp32", "--method", "magic", "--newton", "0,1,2",
+                         "--working", "fp64", "--samples", "200000")
+    assert code == 0, err
+    rows = [line.split() for line in out.splitlines() if line[:6].strip() in ("0", "1", "2")]
+    max_rel = [float(r[4]) for r in rows]
+    assert abs(max_rel[0] - 3.44e-2) < 0.01e-2 and abs(max_rel[1] - 1.752e-3) < 0.003e-3
+    assert abs(max_rel[2] - 4.60e-6) < 0.01e-6
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_rsqrt_exhaustive_16_bit(capsys, fmt):
+    code, out, _ = run(capsys, "rsqrt", "--format", fmt, "--method", "exact")
+    assert code == 0 and "domain exhaustive" in out
+    row = next(line for line in out.splitlines() if line.strip().startswith("0 "))
+    assert row.split()[2] in ("0.5", "0.4999", "0.5000") or float(row.split()[2]) <= 0.5
+    assert float(row.split()[5]) == 100.0
+
+
+def test_rsqrt_writes_files_and_refuses_to_overwrite(tmp_path, capsys):
+    args = ["rsqrt", "--format", "bf16", "--method", "table", "--bits", "7", "--out", str(tmp_path)]
+    code, out, _ = run(capsys, *args)
+    assert code == 0
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["rsqrt-bf16-table.csv", "rsqrt-bf16-table.json", "rsqrt-bf16-table.png"]
+    assert (tmp_path / "rsqrt-bf16-table.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import pandas as pd
+
+    df = pd.read_csv(tmp_path / "rsqrt-bf16-table.csv")
+    assert list(df["newton"]) == [0, 1, 2] and (df["inputs"] == 32639).all()
+    doc = json.loads((tmp_path / "rsqrt-bf16-table.json").read_text())
+    assert doc["steps"][0]["histogram"] and doc["steps"][2]["worst"]
+    code, _, err = run(capsys, *args)
+    assert code == 2 and "refusing to overwrite" in err
+    code, _, _ = run(capsys, *args, "--force")
+    assert code == 0
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["rsqrt", "--method", "guess", "--samples", "10"], "unknown rsqrt method"),
+    (["rsqrt", "--format", "fp64"], "supports fp32, fp16 and bf16"),
+    (["rsqrt", "--constant", "zz"], "--constant must be an integer"),
+    (["rsqrt", "--newton", "a"], "--newton must be a comma-separated list"),
+    (["rsqrt", "--exhaustive", "--samples", "5"], "not both"),
+    (["rsqrt", "--op", "exp"], "unknown op"),
+    (["rsqrt", "--samples", "0"], "--samples must be >= 1"),
+])
+def test_rsqrt_bad_input(capsys, args, message):
+    code, out, err = run(capsys, *args)
+    assert code == 2 and message in err and err.count("\n") == 1

@@ -22,7 +22,9 @@ from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.arith import Arith, Tally, fma_wide
 from bnprobe.numerics.reduce import reduce_sum
 from bnprobe.numerics.rounding import round_to
-from bnprobe.numerics.rsqrt import rsqrt_exact
+from bnprobe.numerics.rsqrt import divide
+from bnprobe.numerics.rsqrt import rsqrt as nrsqrt
+from bnprobe.numerics.rsqrt import sqrt as nsqrt
 from bnprobe.numerics.variance import moments
 
 __all__ = ["TrainResult", "InferResult", "BackwardResult", "forward_train", "forward_infer", "backward"]
@@ -109,21 +111,43 @@ class _Run:
     def param(self, v: np.ndarray) -> np.ndarray:
         return self.params.round(v)
 
+    def record(self, name: str, ar: Arith, value: np.ndarray, wide: np.ndarray, tally: Tally,
+               negative: bool = False) -> np.ndarray:
+        """Record a value computed by a multi-step method, with the ideal (float64) value as ``wide``."""
+        self.trace.record(name, value, ar.fmt, wide=wide, tally=tally, check_negative=negative)
+        return value
+
+    def div(self, a: np.ndarray, b: np.ndarray, tally: Tally | None = None) -> np.ndarray:
+        """a / b in the accumulator format by the policy's division method."""
+        pol = self.policy
+        return divide(a, b, self.acc, method=pol.division, recip_method=pol.recip, newton=pol.recip_newton,
+                      form=pol.newton_form, bits=pol.recip_bits, tally=tally)
+
+    def _rsqrt_options(self) -> dict[str, Any]:
+        pol = self.policy
+        estimate = pol.rsqrt not in ("exact", "sqrt_div")
+        return dict(method=pol.rsqrt if estimate else "exact", newton=pol.rsqrt_newton, form=pol.newton_form,
+                    constant=pol.rsqrt_constant, bits=pol.rsqrt_bits)
+
+    def sqrt(self, name: str, v: np.ndarray) -> np.ndarray:
+        """sqrt(v) in the accumulator format by the policy's sqrt method, recorded as ``name``."""
+        opts = self._rsqrt_options()
+        t = self.tally()
+        value = nsqrt(v, self.acc, method=self.policy.sqrt, rsqrt_method=opts.pop("method"), tally=t, **opts)
+        with np.errstate(all="ignore"):
+            return self.record(name, self.acc, value, np.sqrt(v), t)
+
     def rstd(self, var_eps: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """rstd (and std when the method forms it) from var + eps, in the accumulator format."""
-        acc = self.acc
+        acc, pol = self.acc, self.policy
         with np.errstate(all="ignore"):
-            if self.policy.rsqrt == "exact":
+            ideal = 1.0 / np.sqrt(var_eps)
+            if pol.rsqrt == "sqrt_div":
+                std = self.sqrt("std", var_eps)
                 t = self.tally()
-                if acc.spec.rounding == "nearest_even":
-                    value = rsqrt_exact(var_eps, acc.fmt)
-                    value = acc.round(value, t)  # applies saturation / flushing to the correct rounding
-                else:
-                    value = acc.round(1.0 / np.sqrt(var_eps), t)
-                self.trace.record("rstd", value, acc.fmt, wide=1.0 / np.sqrt(var_eps), tally=t)
-                return value, None
-            std = self.rec("std", acc, np.sqrt(var_eps))
-            return self.rec("rstd", acc, 1.0 / std), std
+                return self.record("rstd", acc, self.div(np.ones_like(std), std, t), ideal, t), std
+            t = self.tally()
+            return self.record("rstd", acc, nrsqrt(var_eps, acc, tally=t, **self._rsqrt_options()), ideal, t), None
 
     def normalise(self, xs: np.ndarray, mean: np.ndarray, rstd: np.ndarray, std: np.ndarray | None,
                   gamma: np.ndarray, beta: np.ndarray) -> np.ndarray:
@@ -147,11 +171,19 @@ class _Run:
                 xhat = self.rec("xhat", comp, centered * col(rstd))
                 affine = mac(xhat, col(gamma), col(beta))
             elif pol.y_formula == "scale":
-                w = self.rec("w", acc, ga / std if std is not None else ga * rstd)
+                if std is not None:
+                    t = self.tally()
+                    w = self.record("w", acc, self.div(ga, std, t), ga / std, t)
+                else:
+                    w = self.rec("w", acc, ga * rstd)
                 centered = self.rec("centered", comp, xc - col(mean))
                 affine = mac(centered, col(w), col(beta))
             else:  # affine
-                mult = self.rec("mult", acc, ga / std if std is not None else ga * rstd)
+                if std is not None:
+                    t = self.tally()
+                    mult = self.record("mult", acc, self.div(ga, std, t), ga / std, t)
+                else:
+                    mult = self.rec("mult", acc, ga * rstd)
                 if pol.fma:
                     addend = self.rec("addend", acc, fma_wide(-mult, mean, ba, native=acc.native))
                 else:
@@ -416,15 +448,18 @@ def _backward_block(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu:
         else:  # ascend: BNTrainingReduceGrad
             if sv is not None:
                 var_eps = acc.add(acc.round(run.param(sv)), acc.round(eps))
-                sigma = run.rec("std", acc, np.sqrt(var_eps))
+                sigma = run.sqrt("std", var_eps)
             else:
-                sigma = run.rec("std", acc, 1.0 / invstd)
+                t = run.tally()
+                sigma = run.record("std", acc, run.div(np.ones_like(invstd), invstd, t), 1.0 / invstd, t)
             dg_r = acc.div(sum_dy_xhat, float(r))
             db_r = acc.div(sum_dy, float(r))
-            mult = run.rec("mult", acc, -dg_r / sigma)
             t = run.tally()
-            addend = run.rec("addend", acc, acc.mul(acc.div(mean, sigma, t), dg_r, t) - db_r, t)
-            scale = run.rec("scale", acc, ga / sigma)
+            mult = run.record("mult", acc, run.div(-dg_r, sigma, t), -dg_r / sigma, t)
+            t = run.tally()
+            addend = run.rec("addend", acc, acc.mul(run.div(mean, sigma, t), dg_r, t) - db_r, t)
+            t = run.tally()
+            scale = run.record("scale", acc, run.div(ga, sigma, t), ga / sigma, t)
             t = run.tally()
             d = comp.add(dyc, comp.mul(xc, col(mult), t), t)
             d = comp.add(d, col(addend), t)

@@ -9,9 +9,11 @@ from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.numerics.reduce import ORDERS
 from bnprobe.numerics.rounding import OVERFLOWS, ROUNDINGS, SUBNORMALS, RoundingSpec
+from bnprobe.numerics.rsqrt import NEWTON_FORMS
 from bnprobe.numerics.variance import MEAN_BY, VARIANCES
 
-__all__ = ["Policy", "PRESETS", "get_policy", "Y_FORMULAS", "RSQRT_METHODS", "BACKWARD_FORMULAS"]
+__all__ = ["Policy", "PRESETS", "get_policy", "Y_FORMULAS", "RSQRT_METHODS", "BACKWARD_FORMULAS", "SQRT_METHODS",
+           "DIVISIONS", "RECIP_METHODS"]
 
 # How y is formed from the statistics:
 #   xhat   : xhat = (x - mean) * rstd; y = gamma * xhat + beta
@@ -20,8 +22,13 @@ __all__ = ["Policy", "PRESETS", "get_policy", "Y_FORMULAS", "RSQRT_METHODS", "BA
 #            (Ascend TBE BNTrainingUpdate, PyTorch CPU)
 Y_FORMULAS: tuple[str, ...] = ("xhat", "scale", "affine")
 # exact    : rstd = 1/sqrt(var + eps) correctly rounded in one step
-# sqrt_div : std = fl(sqrt(var + eps)), then rstd = fl(1 / std) (and gamma / std where a formula needs it)
-RSQRT_METHODS: tuple[str, ...] = ("exact", "sqrt_div")
+# sqrt_div : std = sqrt(var + eps) by the `sqrt` method, then rstd = 1 / std (and gamma / std where a
+#            formula needs it) by the `division` method
+# magic, table, frsqrte : a hardware estimate refined by rsqrt_newton steps (bnprobe.numerics.rsqrt)
+RSQRT_METHODS: tuple[str, ...] = ("exact", "sqrt_div", "magic", "table", "frsqrte")
+SQRT_METHODS: tuple[str, ...] = ("exact", "rsqrt", "exp_log")
+DIVISIONS: tuple[str, ...] = ("exact", "reciprocal")
+RECIP_METHODS: tuple[str, ...] = ("exact", "magic", "table", "frecpe")
 # standard : dx = gamma*rstd*(dy - mean(dy) - xhat*mean(dy*xhat))
 # ascend   : dx = (dy + mult*x + addend) * gamma/sigma, mult = -(dgamma/R)/sigma,
 #            addend = (mean/sigma)(dgamma/R) - dbeta/R   (BNTrainingReduceGrad)
@@ -56,6 +63,15 @@ class Policy:
     y_formula: str = "xhat"
     fma: bool = False
     rsqrt: str = "exact"
+    rsqrt_newton: int = 0
+    rsqrt_bits: int = 12
+    rsqrt_constant: int | None = None
+    newton_form: str = "standard"
+    sqrt: str = "exact"  # how sqrt(var + eps) is formed where a kernel needs sigma
+    division: str = "exact"  # a / b: one rounding, or a * reciprocal(b) as units without a divider do
+    recip: str = "table"  # the reciprocal estimate when division="reciprocal"
+    recip_newton: int = 2
+    recip_bits: int = 12
     backward_formula: str = "standard"
     seed: int = 0  # drives stochastic rounding
 
@@ -67,7 +83,8 @@ class Policy:
         choices = {
             "variance": VARIANCES, "order": ORDERS, "mean_by": MEAN_BY, "overflow": OVERFLOWS,
             "subnormals": SUBNORMALS, "y_formula": Y_FORMULAS, "rsqrt": RSQRT_METHODS,
-            "backward_formula": BACKWARD_FORMULAS,
+            "backward_formula": BACKWARD_FORMULAS, "sqrt": SQRT_METHODS, "division": DIVISIONS,
+            "recip": RECIP_METHODS, "newton_form": NEWTON_FORMS,
         }
         for attr, valid in choices.items():
             if getattr(self, attr) not in valid:
@@ -75,6 +92,15 @@ class Policy:
         object.__setattr__(self, "rounding", RoundingSpec(self.rounding, self.overflow, self.subnormals).rounding)
         if self.output_rounding is not None:
             object.__setattr__(self, "output_rounding", RoundingSpec(self.output_rounding).rounding)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if "int" in str(f.type) and not (value is None and "None" in str(f.type)) and (
+                    isinstance(value, bool) or not isinstance(value, int)):
+                raise BNProbeError(f"policy {f.name} must be an integer, got {value!r}")
+            if "bool" in str(f.type) and not isinstance(value, bool):
+                raise BNProbeError(f"policy {f.name} must be true or false, got {value!r}")
+        if min(self.rsqrt_newton, self.recip_newton) < 0 or min(self.rsqrt_bits, self.recip_bits) < 1:
+            raise BNProbeError("policy Newton step counts must be >= 0 and table bits >= 1")
         if self.lanes < 1 or self.tiles < 1:
             raise BNProbeError(f"policy lanes and tiles must be >= 1, got lanes={self.lanes}, tiles={self.tiles}")
         if self.kahan and self.order == "pairwise":
@@ -96,7 +122,8 @@ class Policy:
         """The same algorithm structure with every format fp64 and exact operations: the golden."""
         return replace(self, name=f"{self.name}@fp64", storage="fp64", params="fp64", compute="fp64",
                        accumulate="fp64", rounding="nearest_even", output_rounding=None, overflow="ieee",
-                       subnormals="keep", kahan=False, rsqrt="exact", clamp_var=False)
+                       subnormals="keep", kahan=False, rsqrt="sqrt_div" if self.rsqrt == "sqrt_div" else "exact",
+                       sqrt="exact", division="exact", clamp_var=False)
 
     def with_options(self, **changes: object) -> Policy:
         """A copy with some fields changed (unknown names are a BNProbeError)."""
@@ -143,13 +170,13 @@ def _parse_value(key: str, text: str) -> object:
         if low in ("0", "false", "no", "off"):
             return False
         raise BNProbeError(f"policy option {key} takes true/false, got {text!r}")
-    if kind == "int":
+    if text.lower() == "none" and "None" in kind:
+        return None
+    if "int" in kind:
         try:
             return int(text, 0)
         except ValueError:
             raise BNProbeError(f"policy option {key} takes an integer, got {text!r}") from None
-    if text.lower() == "none" and "None" in kind:
-        return None
     return text
 
 

@@ -6,7 +6,7 @@ from hypothesis.extra import numpy as hnp
 
 from bnprobe.errors import BNProbeError
 from bnprobe.kernels import COUNTERS, backward, forward_infer, forward_train, get_policy
-from bnprobe.numerics.rounding import is_representable
+from bnprobe.numerics.rounding import is_representable, round_to
 
 PRESETS = ["fp64", "fp32", "fp16", "bf16", "fp16-acc16", "bf16-acc16"]
 
@@ -281,3 +281,54 @@ def test_peak_memory_is_bounded_by_the_block_size():
     # the output (2 MiB fp16) plus a few float64 arrays of one block, vs several of the whole tensor
     assert peak_small < 2.5 * x.nbytes
     assert peak_whole > 3 * peak_small
+
+
+# ---- hardware-style rsqrt / division inside the kernels ---------------------------------------
+
+def rel_err(a, b):
+    return float(np.max(np.abs(np.asarray(a, dtype=np.float64) / np.asarray(b, dtype=np.float64) - 1)))
+
+
+def test_rsqrt_estimate_error_reaches_rstd_and_newton_removes_it():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 32, 4, 4)) * rng.uniform(0.3, 3, 32).reshape(1, 32, 1, 1)
+    gold = forward_train(x, policy="fp64")
+    seed = forward_train(x, policy="fp32:rsqrt=magic,rsqrt_newton=0")
+    one = forward_train(x, policy="fp32:rsqrt=magic,rsqrt_newton=1")
+    two = forward_train(x, policy="fp32:rsqrt=magic,rsqrt_newton=2")
+    assert 1e-2 < rel_err(seed.invstd, gold.invstd) <= 3.44e-2  # the bit-trick seed's known maximum
+    assert 1e-4 < rel_err(one.invstd, gold.invstd) <= 1.76e-3
+    assert rel_err(two.invstd, gold.invstd) <= 5e-6
+    # the normalised output inherits the rstd error, relative
+    assert rel_err(seed.y, gold.y) > 1e-2 > rel_err(two.y, gold.y)
+
+
+@pytest.mark.parametrize("policy,bound", [
+    ("fp32:rsqrt=frsqrte,rsqrt_newton=2,newton_form=arm", 1.4e-7),  # ARM: 1.31e-7 after two steps
+    ("fp32:rsqrt=table,rsqrt_bits=12,rsqrt_newton=1", 2e-7),
+    ("fp32:rsqrt=magic,rsqrt_newton=2,newton_form=fma", 4.8e-6),  # the bit-trick seed: 4.73e-6 after two
+    ("fp32:rsqrt=sqrt_div,sqrt=exp_log,division=reciprocal,recip=frecpe,recip_newton=2", 2e-7),
+    ("fp32:rsqrt=sqrt_div,sqrt=rsqrt,y_formula=affine,division=reciprocal", 2e-7),
+    ("fp16:rsqrt=magic,rsqrt_newton=2,y_formula=scale,rsqrt_constant=0x5f375a86", 4.8e-6),
+])
+def test_hardware_math_policies_stay_close_to_the_golden(policy, bound):
+    rng = np.random.default_rng(1)
+    x = round_to(rng.standard_normal((8, 8, 5, 5)) + 2, get_policy(policy).storage)  # golden on the same inputs
+    gold = forward_train(x, policy="fp64")
+    res = forward_train(x, policy=policy)
+    assert rel_err(res.invstd, gold.invstd) < bound
+    np.testing.assert_allclose(res.y.astype(np.float64), gold.y, atol=5e-3 if "fp16" in policy else 4e-5)
+    assert "rstd" in res.trace.names()
+
+
+def test_division_by_reciprocal_in_the_ascend_backward():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((8, 4, 6, 6))
+    dy = rng.standard_normal(x.shape)
+    f = forward_train(x, policy="fp32")
+    exact = backward(dy, x, None, f.mean, f.invstd, saved_var=f.var,
+                     policy="fp32:backward_formula=ascend")
+    recip = backward(dy, x, None, f.mean, f.invstd, saved_var=f.var,
+                     policy="fp32:backward_formula=ascend,division=reciprocal,recip=table,recip_newton=2")
+    assert not np.array_equal(exact.dx, recip.dx)  # the reciprocal path changes last bits...
+    np.testing.assert_allclose(recip.dx, exact.dx, rtol=0, atol=1e-5 * np.abs(exact.dx).max())  # ...only those
