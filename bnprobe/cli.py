@@ -193,6 +193,11 @@ def rsqrt_cmd(
                                    "correct %", "max_ulp"],
                             headers=["newton", "inputs", "max ulp", "mean ulp", "max rel err", "correct %",
                                      "max ulp (incl. subnormal)"]))
+    for st in result.steps:
+        if st.histogram:
+            total = sum(st.histogram.values())
+            parts = "  ".join(f"{k}: {100.0 * v / total:.3g}%" for k, v in st.histogram.items())
+            typer.echo(f"ulp histogram, {st.newton} step(s): {parts}")
     last = result.steps[-1]
     if last.worst:
         typer.echo(f"\nworst normal inputs after {last.newton} step(s):")
