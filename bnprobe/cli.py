@@ -208,6 +208,69 @@ def rsqrt_cmd(
         typer.echo("wrote " + ", ".join(str(t) for t in targets))
 
 
+@app.command("adapters")
+def adapters_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """List every kernel adapter, whether it is available here, and if not, why."""
+    from bnprobe._table import render_table
+    from bnprobe.adapters.registry import list_adapters
+
+    rows = list_adapters()
+    if as_json:
+        typer.echo(dumps_json(rows))
+        return
+    for r in rows:
+        r["status"] = "yes" if r["available"] else f"no: {r['why']}"
+    typer.echo(render_table(rows, ["name", "status", "description"], headers=["adapter", "available", "what"]))
+    typer.echo("\noptions: emulated:<policy>, ascend-tbe:chip=910,cores=8, dump:DIR[#msprobe.call]; "
+               "plugins: package.module:Name or the 'bnprobe.adapters' entry-point group")
+
+
+@app.command("dump")
+def dump_cmd(
+    adapter: str = typer.Option(..., "--adapter", help="Adapter to record, e.g. torch, ascend-tbe, emulated:fp16."),
+    out: Path = typer.Option(..., "--out", help="Folder to write bnprobe-dump.json and tensors.npz into."),
+    dtype: str = typer.Option("fp16", help="Format to run in: fp64, fp32, fp16, bf16."),
+    params: str = typer.Option("fp32", help="Parameter precision: fp32 (mixed precision) or same."),
+    shape: str = typer.Option("8,16,14,14", help="Shape of generated input N,C[,...]."),
+    seed: int = typer.Option(0, help="Seed of the generated input, parameters and dy."),
+    mean: float = typer.Option(0.0, help="Mean of the generated input."),
+    std: float = typer.Option(1.0, help="Standard deviation of the generated input."),
+    dist: str = typer.Option("normal", help="normal, uniform, student_t, constant."),
+    input: Optional[Path] = typer.Option(None, "--input", help="Use this .npy/.npz tensor as x."),
+    modes: str = typer.Option("train,infer,backward", help="Which calls to record."),
+    eps: float = typer.Option(1e-5, help="BatchNorm epsilon."),
+    momentum: float = typer.Option(0.1, help="Running-stat momentum."),
+    layout: str = typer.Option("channels_first", help="channels_first or channels_last."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing dump."),
+) -> None:
+    """Record an adapter's inputs and outputs as a bnprobe dump, to replay and compare anywhere."""
+    import numpy as np
+
+    from bnprobe.adapters import get_adapter
+    from bnprobe.adapters.dump import record, write_dump
+    from bnprobe.inputs import load_array, make_input, make_params, parse_shape
+    from bnprobe.kernels.layout import layout_of
+
+    wanted = tuple(m.strip() for m in modes.split(",") if m.strip())
+    bad = [m for m in wanted if m not in ("train", "infer", "backward")]
+    if bad or not wanted:
+        raise BNProbeError(f"--modes takes train, infer, backward; got {modes!r}")
+    a = get_adapter(adapter)
+    x = load_array(input) if input is not None else make_input(parse_shape(shape), dist=dist, mean=mean, std=std,
+                                                                   seed=seed)
+    lay = layout_of(x, layout)
+    c = lay.channels
+    prm = make_params(c, seed)
+    dy = np.random.default_rng([seed, 2]).standard_normal(x.shape)
+    rec = record(a, x=x, gamma=prm["gamma"], beta=prm["beta"], running_mean=np.full(c, mean),
+                 running_var=np.full(c, std**2 if std > 0 else 1.0), dy=dy, dtype=dtype, eps=eps, momentum=momentum,
+                 layout=layout, params=params, modes=wanted,
+                 meta={"seed": seed, "input": str(input) if input else f"{dist}(mean={mean}, std={std})"})
+    files = write_dump(rec, out, force=force)
+    typer.echo(f"recorded {a.name} ({', '.join(rec.modes)}) in {rec.dtype}: " + ", ".join(str(f) for f in files))
+    typer.echo(f"replay it as an adapter: --adapter dump:{out}")
+
+
 def _click_classes() -> tuple[type, type, type | None]:
     """UsageError, ClickException and NoArgsIsHelpError of the click that typer runs on.
 

@@ -162,3 +162,40 @@ def test_rsqrt_writes_files_and_refuses_to_overwrite(tmp_path, capsys):
 def test_rsqrt_bad_input(capsys, args, message):
     code, out, err = run(capsys, *args)
     assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_adapters_lists_every_adapter(capsys):
+    code, out, _ = run(capsys, "adapters")
+    assert code == 0
+    for name in ("reference", "emulated", "ascend-tbe", "ascend-bnv3", "ascend-950", "torch", "torch:cuda",
+                 "torch_npu", "dump"):
+        assert any(line.split()[0] == name for line in out.splitlines() if line.strip())
+    assert "no: torch has no CUDA device" in out or "yes" in out
+    code, out, _ = run(capsys, "adapters", "--json")
+    assert code == 0 and {r["name"] for r in json.loads(out)} >= {"reference", "ascend-tbe"}
+
+
+def test_dump_records_and_replays(tmp_path, capsys):
+    out_dir = tmp_path / "d"
+    code, out, err = run(capsys, "dump", "--adapter", "ascend-tbe", "--out", str(out_dir), "--dtype", "bf16",
+                         "--shape", "4,8,3,3")
+    assert code == 0, err
+    assert (out_dir / "bnprobe-dump.json").exists() and (out_dir / "tensors.npz").exists()
+    from bnprobe.adapters import get_adapter
+
+    rep = get_adapter(f"dump:{out_dir}")
+    assert rep.capabilities().formats == ("bf16",) and rep.capabilities().saved == "var"
+    code, _, err = run(capsys, "dump", "--adapter", "ascend-tbe", "--out", str(out_dir))
+    assert code == 2 and "refusing to overwrite" in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["dump", "--adapter", "nvidia", "--out", "/tmp/x"], "unknown adapter 'nvidia'"),
+    (["dump", "--adapter", "torch:cuda", "--out", "/tmp/x"], "torch:cuda"),
+    (["dump", "--adapter", "emulated:fp16", "--dtype", "bf16", "--out", "/tmp/x"], "does not run bf16 (it runs fp16)"),
+    (["dump", "--adapter", "reference", "--modes", "sideways", "--out", "/tmp/x"], "--modes takes"),
+    (["dump", "--out", "/tmp/x"], "--adapter"),
+])
+def test_dump_bad_input(capsys, args, message):
+    code, _, err = run(capsys, *args)
+    assert code == 2 and message in err and err.count("\n") == 1

@@ -22,7 +22,7 @@ from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.arith import Arith, Tally, fma_wide
 from bnprobe.numerics.reduce import reduce_sum
 from bnprobe.numerics.rounding import round_to
-from bnprobe.numerics.rsqrt import divide
+from bnprobe.numerics.rsqrt import divide, rsqrt_ascend950
 from bnprobe.numerics.rsqrt import rsqrt as nrsqrt
 from bnprobe.numerics.rsqrt import sqrt as nsqrt
 from bnprobe.numerics.variance import moments
@@ -83,7 +83,14 @@ class _Run:
         self.params = Arith(policy.params_format, spec, rng)
         self.comp = Arith(policy.compute, spec, rng)
         self.acc = Arith(policy.accumulate, spec, rng)
+        self.rng = rng
         self.trace = Trace(channels, keep_arrays)
+
+    def reduce(self, x: np.ndarray, tally: Tally) -> np.ndarray:
+        """A per-channel sum in the accumulator format, by the policy's order and core split."""
+        pol = self.policy
+        return reduce_sum(x, self.acc, order=pol.order, lanes=pol.lanes, kahan=pol.kahan, tally=tally,
+                          parts=pol.core_parts, combine=pol.core_combine, rng=self.rng)
 
     def tally(self) -> Tally:
         return Tally(self.c)
@@ -125,7 +132,7 @@ class _Run:
 
     def _rsqrt_options(self) -> dict[str, Any]:
         pol = self.policy
-        estimate = pol.rsqrt not in ("exact", "sqrt_div")
+        estimate = pol.rsqrt not in ("exact", "sqrt_div", "ascend950")
         return dict(method=pol.rsqrt if estimate else "exact", newton=pol.rsqrt_newton, form=pol.newton_form,
                     constant=pol.rsqrt_constant, bits=pol.rsqrt_bits)
 
@@ -147,6 +154,8 @@ class _Run:
                 t = self.tally()
                 return self.record("rstd", acc, self.div(np.ones_like(std), std, t), ideal, t), std
             t = self.tally()
+            if pol.rsqrt == "ascend950":
+                return self.record("rstd", acc, rsqrt_ascend950(var_eps, acc, tally=t), ideal, t), None
             return self.record("rstd", acc, nrsqrt(var_eps, acc, tally=t, **self._rsqrt_options()), ideal, t), None
 
     def normalise(self, xs: np.ndarray, mean: np.ndarray, rstd: np.ndarray, std: np.ndarray | None,
@@ -227,8 +236,8 @@ class _Blocks:
         return np.empty(self.lay.channels, dtype=get_format(fmt).dtype)
 
 
-def _check_train_size(lay: Layout) -> None:
-    if lay.reduce_size < 2:
+def _check_train_size(lay: Layout, policy: Policy | None = None) -> None:
+    if lay.reduce_size < 2 and (policy is None or policy.unbiased_r1 == "error"):
         raise BNProbeError(
             f"training needs more than one value per channel for batch statistics and the unbiased running "
             f"variance; x has shape {lay.shape}, so N*H*W = {lay.reduce_size}")
@@ -257,7 +266,7 @@ def forward_train(
     """
     pol = get_policy(policy)
     lay = layout_of(x, layout)
-    _check_train_size(lay)
+    _check_train_size(lay, pol)
     eps = check_eps(eps)
     momentum = check_momentum(momentum)
     if (running_mean is None) != (running_var is None):
@@ -301,7 +310,8 @@ def _train_block(run: _Run, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.
         gp, bp = run.param(g), run.param(b)
         xa = run.cast("x_acc", xs, pol.storage, acc)
         m = moments(xa, acc, algorithm=pol.variance, order=pol.order, lanes=pol.lanes, tiles=pol.tiles,
-                    kahan=pol.kahan, mean_by=pol.mean_by, clamp=pol.clamp_var)
+                    kahan=pol.kahan, mean_by=pol.mean_by, clamp=pol.clamp_var, parts=pol.core_parts,
+                    combine=pol.core_combine, rng=run.rng)
         for sv in m.stages:
             run.trace.record(sv.name, sv.value, sv.arith.fmt, wide=sv.wide, tally=sv.tally,
                              check_negative=sv.check_negative)
@@ -312,7 +322,10 @@ def _train_block(run: _Run, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.
         if rm is not None and rv is not None:
             f = momentum if momentum is not None else 1.0 / nbt
             f_a, keep_a = acc.round(f), acc.round(1.0 - f)
-            factor = acc.round(r / (r - 1))
+            if r > 1:
+                factor = acc.round(r / (r - 1))
+            else:  # R = 1: the policy says (TBE takes the factor as 0, BatchNormV3 gives NaN)
+                factor = 0.0 if pol.unbiased_r1 == "zero" else float("nan")
             var_unbiased = run.rec("var_unbiased", acc, var * factor)
             for name, old, batch in (("running_mean", rm, mean), ("running_var", rv, var_unbiased)):
                 t = run.tally()
@@ -390,7 +403,7 @@ def backward(
     if np.shape(dy) != lay.shape:
         raise BNProbeError(f"dy has shape {np.shape(dy)} but x has shape {lay.shape}")
     if training:
-        _check_train_size(lay)
+        _check_train_size(lay, pol)
     g = as_channel_vector("gamma", gamma, lay, 1.0)
     mu = as_channel_vector("saved_mean", saved_mean, lay)
     inv = as_channel_vector("saved_invstd", saved_invstd, lay)
@@ -425,12 +438,10 @@ def _backward_block(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu:
 
         dya = run.cast("dy_acc", dys, pol.storage, acc)
         t = run.tally()
-        sum_dy = run.rec("sum_dy", acc, reduce_sum(dya, acc, order=pol.order, lanes=pol.lanes,
-                                                   kahan=pol.kahan, tally=t), t)
+        sum_dy = run.rec("sum_dy", acc, run.reduce(dya, t), t)
         t = run.tally()
         prod = acc.mul(dya, acc.round(xhat, t), t)
-        sum_dy_xhat = run.rec("sum_dy_xhat", acc, reduce_sum(prod, acc, order=pol.order, lanes=pol.lanes,
-                                                             kahan=pol.kahan, tally=t), t)
+        sum_dy_xhat = run.rec("sum_dy_xhat", acc, run.reduce(prod, t), t)
         dbeta = run.rec("dbeta", run.params, sum_dy)
         dgamma = run.rec("dgamma", run.params, sum_dy_xhat)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields, replace
 
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
-from bnprobe.numerics.reduce import ORDERS
+from bnprobe.numerics.reduce import COMBINES, ORDERS
 from bnprobe.numerics.rounding import OVERFLOWS, ROUNDINGS, SUBNORMALS, RoundingSpec
 from bnprobe.numerics.rsqrt import NEWTON_FORMS
 from bnprobe.numerics.variance import MEAN_BY, VARIANCES
@@ -25,7 +25,11 @@ Y_FORMULAS: tuple[str, ...] = ("xhat", "scale", "affine")
 # sqrt_div : std = sqrt(var + eps) by the `sqrt` method, then rstd = 1 / std (and gamma / std where a
 #            formula needs it) by the `division` method
 # magic, table, frsqrte : a hardware estimate refined by rsqrt_newton steps (bnprobe.numerics.rsqrt)
-RSQRT_METHODS: tuple[str, ...] = ("exact", "sqrt_div", "magic", "table", "frsqrte")
+# ascend950 : r = 1/v, sqrt, one Newton step, one FMA-residual correction (Ascend 950)
+RSQRT_METHODS: tuple[str, ...] = ("exact", "sqrt_div", "magic", "table", "frsqrte", "ascend950")
+# the unbiased running variance needs R/(R-1); with R = 1 training is an error (PyTorch),
+# or the factor is taken as 0 (Ascend TBE) or the result is NaN (Ascend BatchNormV3)
+UNBIASED_R1: tuple[str, ...] = ("error", "zero", "nan")
 SQRT_METHODS: tuple[str, ...] = ("exact", "rsqrt", "exp_log")
 DIVISIONS: tuple[str, ...] = ("exact", "reciprocal")
 RECIP_METHODS: tuple[str, ...] = ("exact", "magic", "table", "frecpe")
@@ -73,6 +77,9 @@ class Policy:
     recip_newton: int = 2
     recip_bits: int = 12
     backward_formula: str = "standard"
+    core_parts: int = 1  # cores sharing one channel's reduction (N split across cores)
+    core_combine: str = "ordered"  # their partial sums added in core order, or by atomic adds (random order)
+    unbiased_r1: str = "error"
     seed: int = 0  # drives stochastic rounding
 
     def __post_init__(self) -> None:
@@ -84,7 +91,8 @@ class Policy:
             "variance": VARIANCES, "order": ORDERS, "mean_by": MEAN_BY, "overflow": OVERFLOWS,
             "subnormals": SUBNORMALS, "y_formula": Y_FORMULAS, "rsqrt": RSQRT_METHODS,
             "backward_formula": BACKWARD_FORMULAS, "sqrt": SQRT_METHODS, "division": DIVISIONS,
-            "recip": RECIP_METHODS, "newton_form": NEWTON_FORMS,
+            "recip": RECIP_METHODS, "newton_form": NEWTON_FORMS, "core_combine": COMBINES,
+            "unbiased_r1": UNBIASED_R1,
         }
         for attr, valid in choices.items():
             if getattr(self, attr) not in valid:
@@ -101,6 +109,8 @@ class Policy:
                 raise BNProbeError(f"policy {f.name} must be true or false, got {value!r}")
         if min(self.rsqrt_newton, self.recip_newton) < 0 or min(self.rsqrt_bits, self.recip_bits) < 1:
             raise BNProbeError("policy Newton step counts must be >= 0 and table bits >= 1")
+        if self.core_parts < 1:
+            raise BNProbeError(f"policy core_parts must be >= 1, got {self.core_parts}")
         if self.lanes < 1 or self.tiles < 1:
             raise BNProbeError(f"policy lanes and tiles must be >= 1, got lanes={self.lanes}, tiles={self.tiles}")
         if self.kahan and self.order == "pairwise":
@@ -123,7 +133,7 @@ class Policy:
         return replace(self, name=f"{self.name}@fp64", storage="fp64", params="fp64", compute="fp64",
                        accumulate="fp64", rounding="nearest_even", output_rounding=None, overflow="ieee",
                        subnormals="keep", kahan=False, rsqrt="sqrt_div" if self.rsqrt == "sqrt_div" else "exact",
-                       sqrt="exact", division="exact", clamp_var=False)
+                       sqrt="exact", division="exact", clamp_var=False, core_combine="ordered")
 
     def with_options(self, **changes: object) -> Policy:
         """A copy with some fields changed (unknown names are a BNProbeError)."""

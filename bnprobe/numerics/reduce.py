@@ -12,9 +12,12 @@ import numpy as np
 from bnprobe.errors import BNProbeError
 from bnprobe.numerics.arith import Arith, Tally
 
-__all__ = ["ORDERS", "reduce_sum", "tree_sum"]
+__all__ = ["ORDERS", "COMBINES", "reduce_sum", "tree_sum", "split_parts"]
 
 ORDERS: tuple[str, ...] = ("sequential", "pairwise", "lanes")
+# How per-core partial sums are combined: in core order, or by FP32 atomic adds whose
+# arrival order is random (seeded), as on Ascend A2/A3/910 when N or H is split across cores.
+COMBINES: tuple[str, ...] = ("ordered", "atomic")
 
 # numpy dtypes whose add.accumulate rounds every partial sum correctly to
 # nearest-even (fp16/bf16 ufuncs compute in float32 and round back, which is
@@ -104,6 +107,13 @@ def _lanes(x: np.ndarray, acc: Arith, tally: Tally | None, lanes: int, kahan: bo
     return tree_sum(per_lane, acc, tally)
 
 
+def split_parts(r: int, parts: int) -> list[slice]:
+    """Contiguous, nearly equal parts of a length-r axis (at most r of them), as cores take N*H*W."""
+    parts = max(1, min(parts, r))
+    bounds = np.linspace(0, r, parts + 1).round().astype(int)
+    return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 def reduce_sum(
     x: np.ndarray,
     acc: Arith,
@@ -112,6 +122,9 @@ def reduce_sum(
     lanes: int = 64,
     kahan: bool = False,
     tally: Tally | None = None,
+    parts: int = 1,
+    combine: str = "ordered",
+    rng: np.random.Generator | None = None,
 ) -> np.ndarray:
     """Sum each row of a ``(C, R)`` array in ``acc``'s format; returns ``(C,)`` float64.
 
@@ -126,6 +139,33 @@ def reduce_sum(
         raise BNProbeError(f"reduce_sum expects a (C, R) array, got shape {x.shape}")
     if x.shape[1] == 0:
         raise BNProbeError("cannot reduce an empty axis (R = 0)")
+    if parts > 1:
+        return _combine_parts(x, acc, order=order, lanes=lanes, kahan=kahan, tally=tally, parts=parts,
+                              combine=combine, rng=rng)
+    return _reduce_one(x, acc, order=order, lanes=lanes, kahan=kahan, tally=tally)
+
+
+def _combine_parts(x: np.ndarray, acc: Arith, *, order: str, lanes: int, kahan: bool, tally: Tally | None,
+                   parts: int, combine: str, rng: np.random.Generator | None) -> np.ndarray:
+    """Each simulated core reduces its contiguous part; the partials are then added one by one into
+    an accumulator that starts at zero, in core order or (atomic) in a random order per channel."""
+    if combine not in COMBINES:
+        raise BNProbeError(f"unknown combine {combine!r}; valid: {', '.join(COMBINES)}")
+    partial = np.stack([_reduce_one(x[:, sl], acc, order=order, lanes=lanes, kahan=kahan, tally=tally)
+                        for sl in split_parts(x.shape[1], parts)], axis=1)
+    if combine == "atomic":
+        if rng is None:
+            raise BNProbeError("atomic combine needs a seeded generator")
+        perm = np.argsort(rng.random(partial.shape), axis=1)
+        partial = np.take_along_axis(partial, perm, axis=1)
+    total = np.zeros(x.shape[0])
+    for j in range(partial.shape[1]):
+        total = acc.add(total, partial[:, j], tally)
+    return total
+
+
+def _reduce_one(x: np.ndarray, acc: Arith, *, order: str, lanes: int, kahan: bool,
+                tally: Tally | None) -> np.ndarray:
     if order == "sequential":
         return _sequential(x, acc, tally, kahan)
     if order == "pairwise":

@@ -25,7 +25,7 @@ from bnprobe.numerics.rounding import round_to
 
 __all__ = [
     "RSQRT_ESTIMATES", "RECIP_ESTIMATES", "SQRT_METHODS", "NEWTON_FORMS", "MAGIC_RSQRT", "MAGIC_RECIP",
-    "rsqrt_exact", "rsqrt", "reciprocal", "divide", "sqrt", "rsqrt_estimate", "recip_estimate", "succ", "pred",
+    "rsqrt_exact", "rsqrt", "rsqrt_ascend950", "reciprocal", "divide", "sqrt", "rsqrt_estimate", "recip_estimate", "succ", "pred",
 ]
 
 RSQRT_ESTIMATES: tuple[str, ...] = ("exact", "magic", "table", "frsqrte")
@@ -308,6 +308,26 @@ def rsqrt(x: np.ndarray, fmt: str | Format | Arith, *, method: str = "exact", ne
             y = np.where(zero, np.copysign(np.inf, x), y)
             y = np.where(np.isposinf(x), 0.0, y)
             y = np.where(np.isnan(x) | (x < 0) & ~zero, np.nan, y)
+    return y
+
+
+def rsqrt_ascend950(v: np.ndarray, fmt: str | Format | Arith, *, tally: Tally | None = None) -> np.ndarray:
+    """rstd as Ascend 950's BatchNorm computes it (from the public arch35 sources, see
+    shared/reference): r = 1/v; y = sqrt(r); y <- y*(1.5 - 0.5*v*y*y); then an FMA-compensated
+    residual s = 1 - v*y*y (one rounding) and y <- y + 0.5*y*s.  v = 0 -> +inf; v >= FLT_MAX -> 0."""
+    ar, _ = _arith(fmt, None)
+    v = np.asarray(v, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        pos = np.where((v > 0) & np.isfinite(v), v, 1.0)
+        r = ar.div(np.ones_like(pos), pos, tally)
+        y = ar.sqrt(r, tally)
+        h = ar.mul(0.5, pos, tally)
+        y = ar.mul(y, ar.sub(1.5, ar.mul(ar.mul(h, y, tally), y, tally), tally), tally)
+        s = ar.fma(-pos, ar.mul(y, y, tally), np.ones_like(y), tally)
+        y = ar.fma(ar.mul(0.5, y, tally), s, y, tally)
+        y = np.where(v == 0, np.inf, y)
+        y = np.where(v >= ar.fmt.max, 0.0, y)
+        y = np.where(np.isnan(v) | (v < 0), np.nan, y)
     return y
 
 

@@ -18,8 +18,11 @@ from bnprobe.numerics.reduce import reduce_sum
 
 __all__ = ["VARIANCES", "MEAN_BY", "StageValue", "Moments", "moments"]
 
-VARIANCES: tuple[str, ...] = ("naive", "two_pass", "welford", "chan")
-MEAN_BY: tuple[str, ...] = ("divide", "reciprocal")
+VARIANCES: tuple[str, ...] = ("naive", "two_pass", "welford", "welford_ascend", "chan")
+# divide: s / R, one rounding.  reciprocal: s * fl(1/R) (Ascend TBE).  prescaled: the addends are
+# scaled by 2^-k (2^k the next power of two >= R, exact) before summing, then the sum is
+# multiplied by fl(2^k / R) (Ascend BatchNormV3), which keeps large sums from overflowing.
+MEAN_BY: tuple[str, ...] = ("divide", "reciprocal", "prescaled")
 
 
 @dataclass
@@ -41,14 +44,23 @@ class Moments:
     stages: list[StageValue] = field(default_factory=list)
 
 
+def prescale_exponent(count: int) -> int:
+    """k with 2^k the smallest power of two >= count."""
+    return int(count - 1).bit_length()
+
+
 def _scale_by_count(s: np.ndarray, count: np.ndarray | int, acc: Arith, mean_by: str,
                     tally: Tally | None) -> tuple[np.ndarray, np.ndarray]:
-    """s / count, either as a correctly rounded division or as s · fl(1/count)."""
+    """s / count: a correctly rounded division, s · fl(1/count), or (prescaled: s already holds
+    the sum of x·2^-k) s · fl(2^k/count)."""
     with np.errstate(all="ignore"):
         if mean_by == "divide":
             wide = s / count
         elif mean_by == "reciprocal":
             wide = s * acc.round(1.0 / np.asarray(count, dtype=np.float64))
+        elif mean_by == "prescaled":
+            k = prescale_exponent(int(count))
+            wide = s * acc.round(2.0**k / float(count))
         else:
             raise BNProbeError(f"unknown mean_by {mean_by!r}; valid: {', '.join(MEAN_BY)}")
     return acc.round(wide, tally), wide
@@ -97,6 +109,9 @@ def moments(
     kahan: bool = False,
     mean_by: str = "divide",
     clamp: bool = False,
+    parts: int = 1,
+    combine: str = "ordered",
+    rng: np.random.Generator | None = None,
 ) -> Moments:
     """Mean and biased variance of each row of a ``(C, R)`` array of ``acc``-format values.
 
@@ -109,8 +124,12 @@ def moments(
     c, r = x.shape
     if algorithm not in VARIANCES:
         raise BNProbeError(f"unknown variance algorithm {algorithm!r}; valid: {', '.join(VARIANCES)}")
-    red = dict(order=order, lanes=lanes, kahan=kahan)
+    if mean_by == "prescaled" and algorithm not in ("naive", "two_pass"):
+        raise BNProbeError(f"mean_by=prescaled scales the sums of naive and two_pass, not {algorithm}")
+    red = dict(order=order, lanes=lanes, kahan=kahan, parts=parts, combine=combine, rng=rng)
     stages: list[StageValue] = []
+    # prescaled: every addend is multiplied by 2^-k first (exact unless it underflows)
+    pre = (lambda v: acc.round(v * 2.0 ** -prescale_exponent(r))) if mean_by == "prescaled" else (lambda v: v)
 
     def stage(name: str, value: np.ndarray, wide: np.ndarray | None, tally: Tally | None,
               negative: bool = False) -> None:
@@ -119,12 +138,12 @@ def moments(
     with np.errstate(all="ignore"):
         if algorithm == "naive":
             t = Tally(c)
-            s = reduce_sum(x, acc, tally=t, **red)
-            stage("sum", s, x.sum(axis=1), t)
+            s = reduce_sum(pre(x), acc, tally=t, **red)
+            stage("sum", s, pre(x).sum(axis=1), t)
             t = Tally(c)
-            sq = acc.mul(x, x, t)
+            sq = pre(acc.mul(x, x, t))
             q = reduce_sum(sq, acc, tally=t, **red)
-            stage("sum_sq", q, np.einsum("cr,cr->c", x, x), t)
+            stage("sum_sq", q, pre(x * x).sum(axis=1), t)
             t = Tally(c)
             mean, wide = _scale_by_count(s, r, acc, mean_by, t)
             stage("mean", mean, wide, t)
@@ -139,18 +158,18 @@ def moments(
             var = acc.round(wide, t)
         elif algorithm == "two_pass":
             t = Tally(c)
-            s = reduce_sum(x, acc, tally=t, **red)
-            stage("sum", s, x.sum(axis=1), t)
+            s = reduce_sum(pre(x), acc, tally=t, **red)
+            stage("sum", s, pre(x).sum(axis=1), t)
             t = Tally(c)
             mean, wide = _scale_by_count(s, r, acc, mean_by, t)
             stage("mean", mean, wide, t)
             t = Tally(c)
             dev = acc.sub(x, mean[:, None], t)
-            q = reduce_sum(acc.mul(dev, dev, t), acc, tally=t, **red)
-            stage("sum_sq_dev", q, np.einsum("cr,cr->c", dev, dev), t)
+            q = reduce_sum(pre(acc.mul(dev, dev, t)), acc, tally=t, **red)
+            stage("sum_sq_dev", q, pre(dev * dev).sum(axis=1), t)
             t = Tally(c)
             var, wide = _scale_by_count(q, r, acc, mean_by, t)
-        elif algorithm == "welford":
+        elif algorithm in ("welford", "welford_ascend"):
             t = Tally(c)
             reps = -(-r // lanes)
             pad = reps * lanes - r
@@ -162,9 +181,14 @@ def moments(
             for k in range(reps):
                 xk = blocks[:, k, :]
                 valid = (k * lanes + lane_idx) < r
+                n = float(k + 1)
                 delta = acc.sub(xk, mean, t)
-                new_mean = acc.add(mean, acc.div(delta, float(k + 1), t), t)
-                new_m2 = acc.add(m2, acc.mul(delta, acc.sub(xk, new_mean, t), t), t)
+                if algorithm == "welford":
+                    new_mean = acc.add(mean, acc.div(delta, n, t), t)
+                    new_m2 = acc.add(m2, acc.mul(delta, acc.sub(xk, new_mean, t), t), t)
+                else:  # Ascend BatchNormV3: mean += δ·fl(1/n); M2 += fl(δ²)·fl((n-1)/n)
+                    new_mean = acc.add(mean, acc.mul(delta, acc.round(1.0 / n), t), t)
+                    new_m2 = acc.add(m2, acc.mul(acc.mul(delta, delta, t), acc.round((n - 1) / n), t), t)
                 mean = np.where(valid, new_mean, mean)
                 m2 = np.where(valid, new_m2, m2)
             counts = np.broadcast_to(((r - lane_idx + lanes - 1) // lanes).astype(np.float64), (c, lanes))
@@ -182,12 +206,12 @@ def moments(
             m2s = np.empty((c, ntiles))
             for i, idx in enumerate(parts):
                 xt = x[:, idx[0]: idx[-1] + 1]
-                st = reduce_sum(xt, acc, tally=t, **red)
+                st = reduce_sum(xt, acc, tally=t, order=order, lanes=lanes, kahan=kahan)
                 mt, _ = _scale_by_count(st, len(idx), acc, mean_by, t)
                 dev = acc.sub(xt, mt[:, None], t)
                 counts[:, i] = len(idx)
                 means[:, i] = mt
-                m2s[:, i] = reduce_sum(acc.mul(dev, dev, t), acc, tally=t, **red)
+                m2s[:, i] = reduce_sum(acc.mul(dev, dev, t), acc, tally=t, order=order, lanes=lanes, kahan=kahan)
             _, mean, m2 = _tree((counts, means, m2s), _chan_merge(acc, t))
             stage("mean", mean, x.sum(axis=1) / r, t)
             stage("m2", m2, None, t)

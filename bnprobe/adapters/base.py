@@ -1,0 +1,225 @@
+"""The kernel adapter interface: one small Protocol every BatchNorm implementation is run through.
+
+Subclasses of :class:`BaseAdapter` fill in ``_forward_train_impl``, ``_forward_infer_impl`` and
+``_backward_impl``; the base validates inputs (shapes, channels, eps, dtype, mode), converts the
+inputs to the requested formats once, and checks what the implementation returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from bnprobe.errors import BNProbeError
+from bnprobe.formats import get_format
+from bnprobe.kernels.layout import Layout, as_channel_vector, check_eps, check_momentum, layout_of
+from bnprobe.kernels.trace import Trace
+from bnprobe.numerics.rounding import round_to
+
+__all__ = ["Capabilities", "ForwardOutput", "BackwardOutput", "KernelAdapter", "BaseAdapter", "PARAM_PRECISIONS",
+           "SAVED_KINDS", "Saved"]
+
+MODES = ("train", "infer", "backward")
+# what a training forward saves for the backward: mean + 1/sqrt(var + eps) (PyTorch, cuDNN, Ascend 950)
+# or mean + the biased variance (Ascend TBE and A2 BatchNormV3); a recording may have neither ("none")
+SAVED_KINDS = ("invstd", "var")
+# parameter (gamma, beta, running statistics) precision: as the input, or fp32 as under mixed precision
+PARAM_PRECISIONS = ("same", "fp32")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    formats: tuple[str, ...]
+    modes: tuple[str, ...] = MODES
+    layouts: tuple[str, ...] = ("channels_first", "channels_last")
+    saved: str = "invstd"
+    deterministic: bool = True
+    traced: bool = False  # returns a Trace of its intermediates
+    training_r1: bool = False  # accepts N*H*W = 1 in training
+    output: str | None = None  # format of y and dx when not the run's dtype (the reference returns fp64)
+
+
+@dataclass(frozen=True)
+class Saved:
+    """The statistics a training forward saved: mean plus invstd or the biased variance."""
+
+    mean: np.ndarray
+    kind: str  # "invstd" or "var"
+    value: np.ndarray
+
+    def invstd(self, eps: float) -> np.ndarray:
+        """1/sqrt(var + eps) in float64 (exact conversion when the kernel saved invstd)."""
+        v = np.asarray(self.value, dtype=np.float64)
+        with np.errstate(all="ignore"):
+            return v if self.kind == "invstd" else 1.0 / np.sqrt(v + eps)
+
+    def var(self, eps: float) -> np.ndarray:
+        v = np.asarray(self.value, dtype=np.float64)
+        with np.errstate(all="ignore"):
+            return v if self.kind == "var" else 1.0 / (v * v) - eps
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    y: np.ndarray
+    saved: Saved | None = None  # training only
+    running_mean: np.ndarray | None = None
+    running_var: np.ndarray | None = None
+    trace: Trace | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BackwardOutput:
+    dx: np.ndarray
+    dgamma: np.ndarray
+    dbeta: np.ndarray
+    trace: Trace | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class KernelAdapter(Protocol):
+    """What every BatchNorm implementation offers bnprobe's checks."""
+
+    name: str
+
+    def capabilities(self) -> Capabilities: ...
+
+    def forward_train(self, x: np.ndarray, gamma: np.ndarray | None, beta: np.ndarray | None,
+                      running_mean: np.ndarray | None, running_var: np.ndarray | None, *, dtype: str,
+                      momentum: float | None = 0.1, eps: float = 1e-5, layout: str = "channels_first",
+                      params: str = "fp32") -> ForwardOutput: ...
+
+    def forward_infer(self, x: np.ndarray, gamma: np.ndarray | None, beta: np.ndarray | None,
+                      running_mean: np.ndarray, running_var: np.ndarray, *, dtype: str, eps: float = 1e-5,
+                      layout: str = "channels_first", params: str = "fp32") -> ForwardOutput: ...
+
+    def backward(self, dy: np.ndarray, x: np.ndarray, gamma: np.ndarray | None, saved: Saved, *, dtype: str,
+                 eps: float = 1e-5, training: bool = True, layout: str = "channels_first",
+                 params: str = "fp32") -> BackwardOutput: ...
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Validated inputs: x (and dy) rounded to dtype, per-channel vectors rounded to the params format."""
+
+    lay: Layout
+    dtype: str
+    params: str
+    x: np.ndarray
+    vectors: dict[str, np.ndarray | None]
+
+
+class BaseAdapter:
+    """Input checks and conversions shared by every adapter."""
+
+    name: str = "base"
+
+    def capabilities(self) -> Capabilities:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<adapter {self.name}>"
+
+    # ---- checks ------------------------------------------------------------------------------
+    def _params_format(self, dtype: str, params: str) -> str:
+        if params not in PARAM_PRECISIONS:
+            raise BNProbeError(f"params must be one of {', '.join(PARAM_PRECISIONS)}, got {params!r}")
+        return dtype if params == "same" else ("fp64" if dtype == "fp64" else "fp32")
+
+    def _prepare(self, mode: str, x: np.ndarray, dtype: str, layout: str, params: str,
+                 vectors: dict[str, tuple[Any, float | None, bool]], exact: tuple[str, ...] = ()) -> Prepared:
+        """Validate; round x to dtype and the per-channel vectors to the params format (those named
+        in ``exact`` are kept as given: saved statistics are whatever the kernel saved)."""
+        caps = self.capabilities()
+        if mode not in caps.modes:
+            raise BNProbeError(f"adapter {self.name} does not support {mode} (it supports {', '.join(caps.modes)})")
+        fmt = get_format(dtype).name
+        if fmt not in caps.formats:
+            raise BNProbeError(f"adapter {self.name} does not run {fmt} (it runs {', '.join(caps.formats)})")
+        if layout not in caps.layouts:
+            raise BNProbeError(f"adapter {self.name} does not support layout {layout}")
+        lay = layout_of(x, layout)
+        pf = self._params_format(fmt, params)
+        out: dict[str, np.ndarray | None] = {}
+        for name, (value, default, required) in vectors.items():
+            if value is None and not required and default is None:
+                out[name] = None
+                continue
+            v = as_channel_vector(name, value, lay, default)
+            out[name] = v if name in exact else round_to(v, pf)
+        with np.errstate(invalid="ignore"):
+            xr = round_to(np.asarray(x, dtype=np.float64), fmt)
+        return Prepared(lay, fmt, pf, xr, out)
+
+    # ---- the public, checked entry points -----------------------------------------------------
+    def forward_train(self, x: np.ndarray, gamma: np.ndarray | None = None, beta: np.ndarray | None = None,
+                      running_mean: np.ndarray | None = None, running_var: np.ndarray | None = None, *,
+                      dtype: str, momentum: float | None = 0.1, eps: float = 1e-5,
+                      layout: str = "channels_first", params: str = "fp32") -> ForwardOutput:
+        if (running_mean is None) != (running_var is None):
+            raise BNProbeError("give both running_mean and running_var, or neither")
+        p = self._prepare("train", x, dtype, layout, params, {
+            "gamma": (gamma, 1.0, False), "beta": (beta, 0.0, False),
+            "running_mean": (running_mean, None, False), "running_var": (running_var, None, False)})
+        if p.lay.reduce_size < 2 and not self.capabilities().training_r1:
+            raise BNProbeError(
+                f"training needs more than one value per channel; x has shape {p.lay.shape}, so N*H*W = 1")
+        out = self._forward_train_impl(p, momentum=check_momentum(momentum), eps=check_eps(eps))
+        self._check_forward(out, p, training=True)
+        return out
+
+    def forward_infer(self, x: np.ndarray, gamma: np.ndarray | None, beta: np.ndarray | None,
+                      running_mean: np.ndarray, running_var: np.ndarray, *, dtype: str, eps: float = 1e-5,
+                      layout: str = "channels_first", params: str = "fp32") -> ForwardOutput:
+        p = self._prepare("infer", x, dtype, layout, params, {
+            "gamma": (gamma, 1.0, False), "beta": (beta, 0.0, False),
+            "running_mean": (running_mean, None, True), "running_var": (running_var, None, True)})
+        out = self._forward_infer_impl(p, eps=check_eps(eps))
+        self._check_forward(out, p, training=False)
+        return out
+
+    def backward(self, dy: np.ndarray, x: np.ndarray, gamma: np.ndarray | None, saved: Saved, *, dtype: str,
+                 eps: float = 1e-5, training: bool = True, layout: str = "channels_first",
+                 params: str = "fp32") -> BackwardOutput:
+        if np.shape(dy) != np.shape(x):
+            raise BNProbeError(f"dy has shape {np.shape(dy)} but x has shape {np.shape(x)}")
+        if not isinstance(saved, Saved) or saved.kind not in SAVED_KINDS:
+            raise BNProbeError("saved must be a Saved(mean, kind='invstd'|'var', value) from a training forward")
+        p = self._prepare("backward", x, dtype, layout, params, {
+            "gamma": (gamma, 1.0, False), "saved_mean": (saved.mean, None, True),
+            "saved_value": (saved.value, None, True)}, exact=("saved_mean", "saved_value"))
+        if training and p.lay.reduce_size < 2 and not self.capabilities().training_r1:
+            raise BNProbeError("training-mode backward needs more than one value per channel")
+        dyr = round_to(np.asarray(dy, dtype=np.float64), p.dtype)
+        sv = Saved(p.vectors["saved_mean"], saved.kind, p.vectors["saved_value"])  # type: ignore[arg-type]
+        out = self._backward_impl(p, dyr, sv, eps=check_eps(eps), training=training)
+        if out.dx.shape != p.lay.shape or out.dgamma.shape != (p.lay.channels,) or \
+                out.dbeta.shape != (p.lay.channels,):
+            raise AssertionError(f"adapter {self.name} returned gradients of the wrong shape")
+        return out
+
+    def _check_forward(self, out: ForwardOutput, p: Prepared, *, training: bool) -> None:
+        """The base promises these shapes to every check; an adapter that breaks them is a bug."""
+        if np.shape(out.y) != p.lay.shape:
+            raise AssertionError(f"adapter {self.name} returned y of shape {np.shape(out.y)}, not {p.lay.shape}")
+        if training and self.capabilities().saved != "none":
+            if out.saved is None or out.saved.kind != self.capabilities().saved:
+                raise AssertionError(f"adapter {self.name} must return the saved statistics it declares")
+            for v in (out.saved.mean, out.saved.value):
+                if np.shape(v) != (p.lay.channels,):
+                    raise AssertionError(f"adapter {self.name} returned saved statistics of the wrong shape")
+
+    # ---- to implement -------------------------------------------------------------------------
+    def _forward_train_impl(self, p: Prepared, *, momentum: float | None, eps: float) -> ForwardOutput:
+        raise BNProbeError(f"adapter {self.name} does not implement training forward")
+
+    def _forward_infer_impl(self, p: Prepared, *, eps: float) -> ForwardOutput:
+        raise BNProbeError(f"adapter {self.name} does not implement inference forward")
+
+    def _backward_impl(self, p: Prepared, dy: np.ndarray, saved: Saved, *, eps: float,
+                       training: bool) -> BackwardOutput:
+        raise BNProbeError(f"adapter {self.name} does not implement backward")

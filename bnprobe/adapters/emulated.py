@@ -1,0 +1,106 @@
+"""Adapters backed by bnprobe's instrumented kernels: the FP64 reference and any emulated Policy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from bnprobe.adapters.base import BackwardOutput, BaseAdapter, Capabilities, ForwardOutput, Prepared, Saved
+from bnprobe.errors import BNProbeError
+from bnprobe.kernels import backward, forward_infer, forward_train, get_policy
+from bnprobe.kernels.policy import Policy
+from bnprobe.numerics.arith import Arith
+from bnprobe.numerics.rsqrt import divide
+from bnprobe.numerics.rsqrt import sqrt as nsqrt
+
+__all__ = ["PolicyAdapter", "ReferenceAdapter", "EmulatedAdapter"]
+
+ALL_FORMATS = ("fp64", "fp32", "fp16", "bf16")
+
+
+class PolicyAdapter(BaseAdapter):
+    """Runs the instrumented kernels with a Policy chosen per call (by dtype, params format, shape, mode)."""
+
+    def __init__(self, name: str, make_policy: Callable[[Prepared, str], Policy], caps: Capabilities) -> None:
+        self.name = name
+        self._make_policy = make_policy
+        self._caps = caps
+
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    def policy(self, p: Prepared, mode: str) -> Policy:
+        return self._make_policy(p, mode)
+
+    def _saved(self, res: Any) -> Saved:
+        if self._caps.saved == "var":
+            return Saved(res.mean, "var", res.var)
+        return Saved(res.mean, "invstd", res.invstd)
+
+    def _forward_train_impl(self, p: Prepared, *, momentum: float | None, eps: float) -> ForwardOutput:
+        pol = self.policy(p, "train")
+        v = p.vectors
+        res = forward_train(p.x, v["gamma"], v["beta"], v["running_mean"], v["running_var"], momentum=momentum,
+                            eps=eps, policy=pol, layout=p.lay.layout)
+        return ForwardOutput(res.y, self._saved(res), res.running_mean, res.running_var, res.trace,
+                             {"policy": pol.describe()})
+
+    def _forward_infer_impl(self, p: Prepared, *, eps: float) -> ForwardOutput:
+        pol = self.policy(p, "infer")
+        v = p.vectors
+        res = forward_infer(p.x, v["gamma"], v["beta"], v["running_mean"], v["running_var"], eps=eps, policy=pol,
+                            layout=p.lay.layout)
+        return ForwardOutput(res.y, None, None, None, res.trace, {"policy": pol.describe()})
+
+    def _invstd_from_var(self, var: np.ndarray, eps: float, pol: Policy) -> np.ndarray:
+        """1/sqrt(var + eps) the way the policy's kernel recomputes it from a saved variance."""
+        acc = Arith(pol.accumulate, pol.spec)
+        with np.errstate(all="ignore"):
+            var_eps = acc.add(acc.round(var), acc.round(eps))
+            sigma = nsqrt(var_eps, acc, method=pol.sqrt)
+            return divide(np.ones_like(sigma), sigma, acc, method=pol.division, recip_method=pol.recip,
+                          newton=pol.recip_newton, form=pol.newton_form, bits=pol.recip_bits)
+
+    def _backward_impl(self, p: Prepared, dy: np.ndarray, saved: Saved, *, eps: float,
+                       training: bool) -> BackwardOutput:
+        pol = self.policy(p, "backward")
+        if saved.kind == "invstd":
+            invstd, var = saved.value, None
+        else:
+            var = saved.value
+            invstd = self._invstd_from_var(var, eps, pol)
+        res = backward(dy, p.x, p.vectors["gamma"], saved.mean, invstd, policy=pol, training=training,
+                       layout=p.lay.layout, saved_var=var, eps=eps)
+        return BackwardOutput(res.dx, res.dgamma, res.dbeta, res.trace, {"policy": pol.describe()})
+
+
+class ReferenceAdapter(PolicyAdapter):
+    """The FP64 golden: inputs rounded to the requested format, then everything computed in float64."""
+
+    def __init__(self) -> None:
+        gold = get_policy("fp64").with_options(name="reference")
+        super().__init__("reference", lambda p, mode: gold,
+                         Capabilities(formats=ALL_FORMATS, traced=True, output="fp64"))
+
+
+class EmulatedAdapter(PolicyAdapter):
+    """``emulated`` (the preset named by the dtype) or ``emulated:<policy spec>``."""
+
+    def __init__(self, spec: str = "") -> None:
+        if spec:
+            base = get_policy(spec)
+
+            def make(p: Prepared, mode: str) -> Policy:
+                if p.dtype != base.storage:
+                    raise BNProbeError(f"adapter emulated:{spec} runs {base.storage} only, not {p.dtype}")
+                return base
+
+            super().__init__(f"emulated:{spec}", make, Capabilities(formats=(base.storage,), traced=True,
+                                                                    training_r1=base.unbiased_r1 != "error"))
+        else:
+            def make(p: Prepared, mode: str) -> Policy:
+                return get_policy(p.dtype).with_options(name=f"emulated:{p.dtype}", params=p.params)
+
+            super().__init__("emulated", make, Capabilities(formats=ALL_FORMATS, traced=True))

@@ -1,0 +1,178 @@
+"""The lazy adapter registry: names to factories, with why an adapter is unavailable here."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+
+from bnprobe.adapters.base import KernelAdapter
+from bnprobe.errors import BNProbeError
+
+__all__ = ["get_adapter", "list_adapters", "AdapterInfo", "ENTRY_POINT_GROUP"]
+
+ENTRY_POINT_GROUP = "bnprobe.adapters"
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    name: str
+    description: str
+    why_unavailable: Callable[[], str | None]
+    make: Callable[[str], KernelAdapter]  # called with the text after "name:" ("" when none)
+    takes_options: str = ""
+
+    @property
+    def available(self) -> bool:
+        return self.why_unavailable() is None
+
+
+def _always() -> str | None:
+    return None
+
+
+def _torch(device: str) -> Callable[[], str | None]:
+    def why() -> str | None:
+        from bnprobe.adapters.torch_adapter import torch_unavailable
+
+        return torch_unavailable(device)
+
+    return why
+
+
+def _reference(opts: str) -> KernelAdapter:
+    from bnprobe.adapters.emulated import ReferenceAdapter
+
+    if opts:
+        raise BNProbeError("the reference adapter takes no options")
+    return ReferenceAdapter()
+
+
+def _emulated(opts: str) -> KernelAdapter:
+    from bnprobe.adapters.emulated import EmulatedAdapter
+
+    return EmulatedAdapter(opts)
+
+
+def _ascend(kernel: str) -> Callable[[str], KernelAdapter]:
+    def make(opts: str) -> KernelAdapter:
+        from bnprobe.adapters.ascend import AscendAdapter
+
+        return AscendAdapter(kernel, opts)
+
+    return make
+
+
+def _torch_make(device: str) -> Callable[[str], KernelAdapter]:
+    def make(opts: str) -> KernelAdapter:
+        from bnprobe.adapters.torch_adapter import TorchAdapter
+
+        if opts and device == "cpu" and opts in ("cuda", "npu"):
+            return TorchAdapter(opts)
+        if opts and opts != device:
+            raise BNProbeError(f"unknown torch device {opts!r}; use torch, torch:cuda or torch_npu")
+        return TorchAdapter(device)
+
+    return make
+
+
+def _dump(opts: str) -> KernelAdapter:
+    from bnprobe.adapters.dump import DumpAdapter, load_dump, read_msprobe
+
+    if not opts:
+        raise BNProbeError("the dump adapter needs a path: dump:DIR (a bnprobe or msprobe dump folder)")
+    path, _, call = opts.partition("#")
+    rec = read_msprobe(path, call) if call else load_dump(path)
+    return DumpAdapter(rec)
+
+
+BUILTIN: dict[str, AdapterInfo] = {a.name: a for a in (
+    AdapterInfo("reference", "FP64 golden: inputs rounded to the format, everything in float64", _always,
+                _reference),
+    AdapterInfo("emulated", "bnprobe's instrumented kernels; the preset of the dtype, or emulated:<policy>",
+                _always, _emulated, "policy spec, e.g. fp16-acc16:variance=naive"),
+    AdapterInfo("ascend-tbe", "Ascend BNTrainingReduce + BNTrainingUpdate (910 / A2 / A3), atomic multi-core sums",
+                _always, _ascend("tbe"), "chip=910|910b|910_93|310p|310, cores=N, seed=S"),
+    AdapterInfo("ascend-bnv3", "Ascend A2 BatchNormV3: pre-scaled two-pass below R=8192, 64-lane Welford above",
+                _always, _ascend("bnv3"), "chip=..., cores=N"),
+    AdapterInfo("ascend-950", "Ascend 950 BatchNormV3 (arch35): Newton+FMA rstd, deterministic Chan merge",
+                _always, _ascend("950"), "cores=N"),
+    AdapterInfo("torch", "PyTorch aten native_batch_norm on CPU", _torch("cpu"), _torch_make("cpu"), "cuda"),
+    AdapterInfo("torch:cuda", "PyTorch on a CUDA GPU", _torch("cuda"), _torch_make("cuda")),
+    AdapterInfo("torch_npu", "PyTorch with torch_npu on an Ascend NPU", _torch("npu"), _torch_make("npu")),
+    AdapterInfo("dump", "replay a bnprobe dump or an msprobe dump folder: dump:DIR[#Functional.batch_norm.0]",
+                _always, _dump, "path"),
+)}
+
+
+def _entry_points() -> dict[str, object]:
+    try:
+        return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    except Exception:  # noqa: BLE001 - broken metadata of some other package must not break bnprobe
+        return {}
+
+
+def _instantiate(obj: object, where: str) -> KernelAdapter:
+    adapter = obj() if isinstance(obj, type) or (callable(obj) and not isinstance(obj, KernelAdapter)) else obj
+    if not isinstance(adapter, KernelAdapter):
+        raise BNProbeError(f"{where} is not a KernelAdapter (it needs name, capabilities, forward_train, "
+                           "forward_infer and backward)")
+    return adapter
+
+
+def _plugin(spec: str) -> KernelAdapter:
+    module, _, attr = spec.partition(":")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        raise BNProbeError(f"cannot import plugin module {module!r}: {exc}") from None
+    if not hasattr(mod, attr):
+        raise BNProbeError(f"plugin module {module!r} has no {attr!r}")
+    return _instantiate(getattr(mod, attr), f"plugin {spec}")
+
+
+def get_adapter(spec: str | KernelAdapter) -> KernelAdapter:
+    """An adapter by name (``emulated:fp16``, ``ascend-tbe:chip=910``, ``dump:DIR``, ``pkg.mod:Name``...)."""
+    if not isinstance(spec, str):
+        return _instantiate(spec, repr(spec))
+    spec = spec.strip()
+    if spec in BUILTIN:
+        info, opts = BUILTIN[spec], ""
+    else:
+        head, sep, opts = spec.partition(":")
+        info = BUILTIN.get(head) if sep else None
+    if info is not None:
+        why = info.why_unavailable()
+        if why and not (info.name == "torch" and opts):
+            raise BNProbeError(f"adapter {info.name} is unavailable here: {why}")
+        return info.make(opts)
+    eps = _entry_points()
+    if spec in eps:
+        try:
+            obj = eps[spec].load()  # type: ignore[attr-defined]
+        except Exception as exc:  # noqa: BLE001
+            raise BNProbeError(f"plugin {spec!r} failed to load: {exc}") from None
+        return _instantiate(obj, f"plugin {spec!r}")
+    if ":" in spec and spec.partition(":")[0] not in BUILTIN:
+        return _plugin(spec)
+    known = ", ".join(list(BUILTIN) + list(eps))
+    raise BNProbeError(f"unknown adapter {spec!r}; known: {known}, or package.module:Name for a plugin")
+
+
+def list_adapters() -> list[dict[str, object]]:
+    """Every adapter bnprobe knows, whether it is available here, and if not, why."""
+    rows: list[dict[str, object]] = []
+    for info in BUILTIN.values():
+        why = info.why_unavailable()
+        rows.append({"name": info.name, "available": why is None, "why": why or "", "description": info.description,
+                     "options": info.takes_options})
+    for name, ep in _entry_points().items():
+        try:
+            _instantiate(ep.load(), name)  # type: ignore[attr-defined]
+            why = None
+        except Exception as exc:  # noqa: BLE001
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        rows.append({"name": name, "available": why is None, "why": why or "", "description": f"plugin ({ep.value})",
+                     "options": ""})
+    return rows
