@@ -271,6 +271,69 @@ def dump_cmd(
     typer.echo(f"replay it as an adapter: --adapter dump:{out}")
 
 
+def _write_reports(out: Path, stem: str, frame, doc: dict, markdown: str, force: bool) -> list[Path]:
+    """CSV, JSON and Markdown of one result into ``out``, atomically, never over existing files silently."""
+    from bnprobe.reports import atomic_write_text, check_targets
+
+    targets = [out / f"{stem}.csv", out / f"{stem}.json", out / f"{stem}.md"]
+    check_targets(targets, force=force)
+    atomic_write_text(targets[0], frame.to_csv(index=False))
+    atomic_write_text(targets[1], dumps_json(doc))
+    atomic_write_text(targets[2], markdown)
+    return targets
+
+
+@app.command("gradcheck")
+def gradcheck_cmd(
+    adapter: str = typer.Option("emulated", help="Adapter whose backward is checked."),
+    dtype: str = typer.Option("fp16", help="Format: fp16, bf16, fp32 or fp64."),
+    shape: str = typer.Option("4,3,5,5", help="Input shape N,C[,...]."),
+    mode: str = typer.Option("train", help="train or infer."),
+    seed: int = typer.Option(0, help="Seed of the generated inputs."),
+    formula: Optional[str] = typer.Option(None, help="Check a backward formula instead: standard, seed, ascend "
+                                                     "or module:function (f(dy, x, gamma, mean, var, eps) -> dx)."),
+    rtol: Optional[float] = typer.Option(None, help="Relative tolerance (give with --atol)."),
+    atol: Optional[float] = typer.Option(None, help="Absolute tolerance (give with --rtol)."),
+    eps: float = typer.Option(1e-5, help="BatchNorm epsilon."),
+    out: Optional[Path] = typer.Option(None, help="Write CSV, JSON and Markdown to this folder."),
+    force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
+) -> int:
+    """Numerical vs analytic gradients (FP64 finite differences), the adapter's backward vs the FP64
+    golden, the gradient identities, or a candidate backward formula. Exit 1 when a check fails."""
+    from bnprobe._table import render_table
+    from bnprobe.checks.gradcheck import check_formula, gradcheck
+    from bnprobe.inputs import parse_shape
+    from bnprobe.kernels.layout import check_eps
+
+    shp = parse_shape(shape)
+    check_eps(eps)
+    if formula is not None:
+        result = check_formula(formula, shp, seed=seed, eps=eps, rtol=rtol, atol=atol)
+    else:
+        result = gradcheck(adapter, dtype, shp, mode=mode, seed=seed, eps=eps, rtol=rtol, atol=atol)
+    rows = [{**r.to_dict(), "used %": 100.0 * r.used} for r in result.rows]
+    cols = ["check", "tensor", "status", "max_abs", "max_rel", "used %", "min_rtol", "where"]
+    heads = ["check", "tensor", "status", "max abs err", "max rel err", "tol used %", "needs rtol", "worst at"]
+    table = render_table(rows, cols, headers=heads)
+    title = (f"gradcheck {result.adapter} in {result.dtype}, {result.mode}, shape {tuple(result.shape)}, "
+             f"seed {result.seed}: {'PASS' if result else 'FAIL'}")
+    if out is not None:
+        md = f"# {title}\n\n```\n{table}\n```\n\n" + "\n".join(f"- {n}" for n in result.notes) + "\n"
+        stem = f"gradcheck-{result.adapter.replace(':', '_').replace('/', '_')}-{result.dtype}-{result.mode}"
+        written = _write_reports(out, stem, result.to_frame(), result.to_dict(), md, force)
+    if as_json:
+        typer.echo(dumps_json(result.to_dict()))
+    else:
+        typer.echo(title)
+        typer.echo(table)
+        for n in result.notes:
+            typer.echo(f"note: {n}")
+        if out is not None:
+            typer.echo("wrote " + ", ".join(str(w) for w in written))
+    return 0 if result else 1
+
+
 def _click_classes() -> tuple[type, type, type | None]:
     """UsageError, ClickException and NoArgsIsHelpError of the click that typer runs on.
 

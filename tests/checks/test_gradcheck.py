@@ -1,0 +1,133 @@
+"""gradcheck against deliberately wrong kernels, torch, the seed formula and tightened tolerances."""
+
+import numpy as np
+import pytest
+
+from bnprobe.adapters import BackwardOutput
+from bnprobe.adapters.emulated import ReferenceAdapter
+from bnprobe.checks.gradcheck import check_formula, formula_ascend, formula_standard, gradcheck, make_inputs
+from bnprobe.errors import BNProbeError
+
+
+class Buggy(ReferenceAdapter):
+    """The FP64 reference with one classic backward bug (as a user's plugin kernel would have)."""
+
+    def __init__(self, bug):
+        super().__init__()
+        self.bug = bug
+        self.name = f"buggy:{bug}"
+
+    def _backward_impl(self, p, dy, saved, *, eps, training):
+        x = p.x
+        ax = (0,) + tuple(range(2, x.ndim))
+        col = lambda v: np.asarray(v).reshape((1, -1) + (1,) * (x.ndim - 2))  # noqa: E731
+        mean, var, g = saved.mean, saved.var(eps), p.vectors["gamma"]
+        xhat = (x - col(mean)) / np.sqrt(col(var) + eps)
+        dbeta = dy.sum(axis=ax)
+        dgamma = (dy * xhat).sum(axis=ax)
+        factor = g / np.sqrt(var + eps)
+        z = xhat
+        if self.bug == "missing-sqrt":
+            factor = g / (var + eps)
+        elif self.bug == "x-not-xhat":
+            z = x
+        elif self.bug == "dgamma-without-rstd":
+            dgamma = (dy * (x - col(mean))).sum(axis=ax)
+        elif self.bug == "dbeta-mean":
+            dbeta = dy.mean(axis=ax)
+        if training:
+            dx = col(factor) * (dy - dy.mean(axis=ax, keepdims=True) - z * (dy * z).mean(axis=ax, keepdims=True))
+        else:
+            dx = dy * col(factor)
+        return BackwardOutput(dx, dgamma, dbeta)
+
+
+@pytest.mark.parametrize("bug,tensor", [("missing-sqrt", "dx"), ("x-not-xhat", "dx"),
+                                        ("dgamma-without-rstd", "dgamma"), ("dbeta-mean", "dbeta")])
+def test_a_buggy_backward_fails_on_the_right_tensor(bug, tensor):
+    r = gradcheck(Buggy(bug), "fp64", (4, 2, 3, 3))
+    assert not r
+    fd = {row.tensor for row in r.failed() if row.check == "finite-differences"}
+    vs = {row.tensor for row in r.failed() if row.check == "vs-fp64"}
+    assert fd == {tensor} and vs == {tensor}
+    # and where it can be seen, the identities point at it too
+    if bug == "dbeta-mean":
+        assert "dbeta = sum(dy)" in {row.tensor for row in r.failed()}
+
+
+def test_reference_passes_in_both_modes():
+    assert gradcheck("reference", "fp64")
+    assert gradcheck("reference", "fp64", mode="infer")
+    assert gradcheck("reference", "fp64", (16, 8, 10, 10))  # projections path
+
+
+def test_torch_passes():
+    pytest.importorskip("torch")
+    for dtype in ("fp64", "fp32", "fp16", "bf16"):
+        assert gradcheck("torch", dtype), dtype
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("seed", range(3))
+def test_low_precision_emulation_passes_default_and_fails_tightened_tolerances(dtype, seed):
+    small = (4, 2, 3, 3)
+    assert gradcheck("emulated", dtype, small, seed=seed)
+    assert gradcheck("emulated", dtype, small, seed=seed, mode="infer")
+    tight = gradcheck("emulated", dtype, small, seed=seed, rtol=1e-6, atol=1e-7)  # far below one ULP of the format
+    assert not tight and "dx" in {r.tensor for r in tight.failed() if r.check == "vs-fp64"}
+
+
+def test_smallest_passing_tolerance_is_reported_honestly():
+    r = gradcheck("emulated", "fp16")
+    dx = next(row for row in r.rows if row.check == "vs-fp64" and row.tensor == "dx")
+    # passing exactly at the reported atol (with the same rtol) and failing just below it
+    at_limit = gradcheck("emulated", "fp16", rtol=dx.rtol, atol=dx.min_atol * 1.0001 + 1e-300)
+    below = gradcheck("emulated", "fp16", rtol=0.0, atol=dx.max_abs * 0.99)
+    assert next(x for x in at_limit.rows if x.check == "vs-fp64" and x.tensor == "dx").passed
+    assert not next(x for x in below.rows if x.check == "vs-fp64" and x.tensor == "dx").passed
+
+
+def test_seed_formula_fails_and_the_fix_is_named():
+    r = check_formula("seed")
+    assert not r
+    by = {row.tensor: row.passed for row in r.rows if row.check == "formula"}
+    assert by == {"seed as printed: dx": False, "seed with √ on the factor: dx": False,
+                  "seed with x̂ in place of X: dx": False, "seed with both corrections: dx": True}
+    assert any("γ/√(σ²+ε)" in n and "x̂" in n for n in r.notes)
+
+
+@pytest.mark.parametrize("name", ["standard", "ascend"])
+def test_correct_formulas_pass(name):
+    assert check_formula(name)
+
+
+def test_formula_identities_by_hand():
+    """The two correct forms agree with each other (independent algebra) and with finite differences."""
+    inp = make_inputs((3, 2, 4), 1)
+    mean = inp.x.mean(axis=(0, 2))
+    var = inp.x.var(axis=(0, 2))
+    a = formula_standard(inp.dy, inp.x, inp.gamma, mean, var, 1e-5)
+    b = formula_ascend(inp.dy, inp.x, inp.gamma, mean, var, 1e-5)
+    np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def user_formula(dy, x, gamma, mean, var, eps):
+    return formula_standard(dy, x, gamma, mean, var, eps) * 1.01  # 1% off
+
+
+def test_user_formula_by_module_path():
+    r = check_formula("tests.checks.test_gradcheck:user_formula")
+    assert not r and any(row.tensor.endswith("dx") for row in r.failed())
+    with pytest.raises(BNProbeError, match="unknown formula"):
+        check_formula("nope")
+
+
+def test_bad_arguments():
+    with pytest.raises(BNProbeError, match="rtol and atol both"):
+        gradcheck("emulated", "fp16", rtol=1e-3)
+    with pytest.raises(BNProbeError, match="does not run fp64"):
+        gradcheck("ascend-tbe", "fp64")
+    with pytest.raises(BNProbeError, match="mode must be train or infer"):
+        gradcheck("reference", "fp64", mode="backward")
+    with pytest.raises(BNProbeError, match="more than one value per channel"):
+        gradcheck("reference", "fp64", (1, 3))
