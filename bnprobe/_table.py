@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["render_table", "fmt_num"]
+__all__ = ["render_table", "fmt_num", "markdown_table"]
 
 
 def fmt_num(v: Any) -> str:
@@ -42,4 +42,19 @@ def render_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], *,
 
     out = [line(headers), line(["-" * w for w in widths])]
     out += [line(row) for row in cells]
+    return "\n".join(out)
+
+
+def markdown_table(frame: Any, *, index: bool = False) -> str:
+    """A pandas DataFrame as a Markdown table (numbers formatted like the terminal tables)."""
+    df = frame.reset_index() if index else frame
+    cols = [str(c) if not isinstance(c, tuple) else " ".join(str(p) for p in c) for c in df.columns]
+    out = ["| " + " | ".join(cols) + " |", "| " + " | ".join("---" for _ in cols) + " |"]
+    for rec in df.itertuples(index=False):
+        cells = []
+        for v in rec:
+            if hasattr(v, "item"):
+                v = v.item()
+            cells.append(fmt_num(v).replace("|", "\\|"))
+        out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)

@@ -334,6 +334,82 @@ def gradcheck_cmd(
     return 0 if result else 1
 
 
+@app.command("compare-precision")
+def compare_precision_cmd(
+    adapters: str = typer.Option("emulated", help="Comma-separated adapters, e.g. emulated,ascend-tbe,torch."),
+    dtypes: str = typer.Option("fp16,bf16,fp32", help="Comma-separated formats."),
+    shape: Optional[str] = typer.Option(None, help="One input shape N,C[,...] instead of the ResNet-50 set."),
+    shapes: str = typer.Option("resnet50", help="Shape set when --shape is not given: resnet50."),
+    batch: int = typer.Option(2, help="Batch size of the ResNet-50 shapes (reduced to fit the machine)."),
+    dist: str = typer.Option("normal", help="Distribution of generated input: normal, uniform, student_t, constant."),
+    mean: float = typer.Option(0.0, help="Mean of the generated input."),
+    std: float = typer.Option(1.0, help="Standard deviation of the generated input."),
+    input: Optional[Path] = typer.Option(None, "--input", help="Real activations: .npy, .npz or a dump folder."),
+    stress: bool = typer.Option(True, "--stress/--no-stress", help="Add the stress inputs (large means, heavy "
+                                                                   "tails, near FP16 max, var near eps, ...)."),
+    mode: str = typer.Option("all", help="train, infer, backward or all."),
+    seed: int = typer.Option(0, help="Seed of generated inputs."),
+    rule: str = typer.Option("scaled", help="Verdict rule: scaled (default), accumulated or threshold (msprobe)."),
+    budget: bool = typer.Option(True, "--budget/--no-budget", help="Per-stage error budget (emulated kernels)."),
+    eps: float = typer.Option(1e-5, help="BatchNorm epsilon."),
+    out: Optional[Path] = typer.Option(None, help="Report folder (default reports/compare-precision-<time>)."),
+    format: str = typer.Option("csv,json,md,html", "--format", help="Report files to write."),
+) -> int:
+    """FP16/BF16/FP32 vs the FP64 golden for every BatchNorm output, per tensor, per channel and per
+    stage. Exit 0 when all are within standard, 1 when some are not."""
+    from bnprobe._progress import Progress
+    from bnprobe._table import render_table
+    from bnprobe.checks.compare import Case, compare_precision, resnet50_cases, stress_cases, summarize, write_report
+    from bnprobe.inputs import load_array, parse_shape
+    from bnprobe.kernels.layout import check_eps
+    from bnprobe.reports import new_report_dir
+
+    check_eps(eps)
+    fmts = tuple(f.strip() for f in format.split(",") if f.strip())
+    if input is not None:
+        if input.is_dir():
+            from bnprobe.adapters.dump import load_dump
+
+            rec = load_dump(input)
+            mode_used = rec.modes[0]
+            x = rec.tensors[mode_used]["inputs"]["x"]
+        else:
+            x = load_array(input)
+        cases = [Case(f"input/{input.name}", tuple(x.shape), x=x, seed=seed)]
+    elif shape is not None:
+        cases = [Case(f"{dist}(mean={mean:g}, std={std:g})", parse_shape(shape), dist, mean, std, seed)]
+    else:
+        if shapes != "resnet50":
+            raise BNProbeError(f"unknown shape set {shapes!r}; valid: resnet50 (or give --shape)")
+        if batch < 1:
+            raise BNProbeError(f"--batch must be >= 1, got {batch}")
+        cases = resnet50_cases(batch, seed, dist)
+    if stress and input is None and shape is None:
+        cases = cases + stress_cases(seed)
+    bar = Progress("compare-precision")
+    try:
+        result = compare_precision([a.strip() for a in adapters.split(",") if a.strip()],
+                                   tuple(d.strip() for d in dtypes.split(",") if d.strip()), cases, mode=mode,
+                                   eps=eps, seed=seed, rule=rule, budget=budget, progress=bar)
+    finally:
+        bar.close()
+    folder = out if out is not None else new_report_dir("reports", "compare-precision")
+    paths = write_report(result, folder, fmts) if fmts else []
+    rows = summarize(result)
+    for r in rows:
+        r["budget"] = f"{r['budget_top']} ({100 * r['budget_share']:.0f}%)" if r["budget_top"] else ""
+        r["worst / bound"] = r["worst_ratio"]
+    typer.echo(f"compare-precision: {len(cases)} inputs, {len(result.rows)} outputs compared with the FP64 golden "
+               f"in {result.meta['seconds']} s: " + ("all within standard" if result.passed else
+                                                     f"{int((result.rows['verdict'] == 'FAIL').sum())} over the standard"))
+    typer.echo(render_table(rows, ["adapter", "dtype", "checked", "failed", "worst", "worst / bound", "budget"],
+                            headers=["adapter", "format", "outputs", "failed", "worst output", "worst/bound",
+                                     "biggest error-budget item"]))
+    if paths:
+        typer.echo(f"report: {folder}/ ({', '.join(p.name for p in paths)})")
+    return 0 if result.passed else 1
+
+
 def _click_classes() -> tuple[type, type, type | None]:
     """UsageError, ClickException and NoArgsIsHelpError of the click that typer runs on.
 

@@ -10,9 +10,11 @@ import numpy as np
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
 
+    import pandas as pd
+
     from bnprobe.checks.mathfn import MathAnalysis
 
-__all__ = ["plot_math_error"]
+__all__ = ["plot_math_error", "plot_compare"]
 
 
 def plot_math_error(analysis: MathAnalysis) -> Figure:
@@ -45,4 +47,32 @@ def plot_math_error(analysis: MathAnalysis) -> Figure:
              "table": f", {spec.bits}-bit table"}.get(spec.method, "")
     working = f", Newton in {spec.working}" if spec.working and spec.working != spec.format else ""
     fig.suptitle(f"{spec.op} in {spec.format}: {spec.method} estimate{extra}, {spec.form} Newton form{working}")
+    return fig
+
+
+def plot_compare(rows: pd.DataFrame) -> Figure:
+    """Worst error per tensor and format, as a multiple of the standard's bound (log scale; 1 = the limit)."""
+    from matplotlib.figure import Figure
+
+    df = rows.copy()
+    df["ratio"] = (df["score"] / df["bound"]).clip(lower=1e-6)
+    tensors = [t for t in ("y", "y_infer", "saved_mean", "saved_invstd", "saved_var", "running_mean", "running_var",
+                           "dx", "dgamma", "dbeta") if t in set(df["tensor"])]
+    groups = sorted({(a, d) for a, d in zip(df["adapter"], df["dtype"])})
+    fig = Figure(figsize=(max(8, 1.1 * len(tensors) + 3), 4.8), layout="constrained")
+    ax = fig.subplots()
+    width = 0.8 / max(len(groups), 1)
+    for k, (adapter, dtype) in enumerate(groups):
+        sub = df[(df["adapter"] == adapter) & (df["dtype"] == dtype)]
+        worst = [float(sub[sub["tensor"] == t]["ratio"].max()) if (sub["tensor"] == t).any() else np.nan
+                 for t in tensors]
+        ax.bar(np.arange(len(tensors)) + (k - (len(groups) - 1) / 2) * width, worst, width,
+               label=f"{adapter} {dtype}")
+    ax.axhline(1.0, color="tab:red", linestyle="--", linewidth=1, label="standard's bound")
+    ax.set_yscale("log")
+    ax.set_xticks(np.arange(len(tensors)), tensors, rotation=20)
+    ax.set_ylabel("worst error / bound (over all inputs)")
+    ax.set_title("BatchNorm outputs vs the FP64 golden: worst error as a multiple of msprobe's bound")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
     return fig

@@ -10,10 +10,13 @@ Finite differences use torch.autograd.gradcheck's defaults.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 
-__all__ = ["GRAD_TOLERANCES", "FINITE_DIFFERENCE", "grad_tolerance", "check_rtol_atol"]
+__all__ = ["GRAD_TOLERANCES", "FINITE_DIFFERENCE", "MSPROBE_STANDARDS", "Standard", "grad_tolerance",
+           "check_rtol_atol"]
 
 GRAD_TOLERANCES: dict[str, tuple[float, float]] = {  # (rtol, atol)
     "fp64": (1e-7, 1e-7),
@@ -23,6 +26,25 @@ GRAD_TOLERANCES: dict[str, tuple[float, float]] = {  # (rtol, atol)
 }
 # torch.autograd.gradcheck: central differences with eps = 1e-6, atol = 1e-5, rtol = 1e-3
 FINITE_DIFFERENCE = {"eps": 1e-6, "atol": 1e-5, "rtol": 1e-3}
+
+
+@dataclass(frozen=True)
+class Standard:
+    """msprobe's precision standard for one output format (its API accuracy checker's table)."""
+
+    small_threshold: float  # |golden| <= this is a "small value"
+    small_atol: float  # small values pass when their absolute error is at most this
+    rtol: float  # other values pass when their relative error is at most this
+    error_floor: float  # denominator floor of the accumulated-error ratio
+    accumulated: float  # bound on |d - b| / max(|b|, floor) for reductions
+    ulp: float  # ULP threshold per element
+
+
+MSPROBE_STANDARDS: dict[str, Standard] = {
+    "fp16": Standard(2.0**-10, 2.0**-16, 2.0**-10, 2.0**-11, 2.0**-8, 1),
+    "bf16": Standard(2.0**-10, 1e-16, 2.0**-8, 2.0**-8, 2.0**-7, 1),
+    "fp32": Standard(2.0**-20, 2.0**-30, 2.0**-20, 2.0**-14, 2.0**-11, 32),
+}
 
 
 def check_rtol_atol(rtol: float | None, atol: float | None) -> None:

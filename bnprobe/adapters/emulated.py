@@ -25,6 +25,7 @@ class PolicyAdapter(BaseAdapter):
 
     def __init__(self, name: str, make_policy: Callable[[Prepared, str], Policy], caps: Capabilities) -> None:
         self.name = name
+        self.keep_arrays = True  # keep every intermediate in the traces (False: counters and ranges only)
         self._make_policy = make_policy
         self._caps = caps
 
@@ -33,6 +34,12 @@ class PolicyAdapter(BaseAdapter):
 
     def policy(self, p: Prepared, mode: str) -> Policy:
         return self._make_policy(p, mode)
+
+    def policy_for(self, x: np.ndarray, *, dtype: str, mode: str = "train", layout: str = "channels_first",
+                   params: str = "fp32") -> Policy:
+        """The Policy this adapter would run ``x`` with (for analyses that rerun the kernel themselves)."""
+        p = self._prepare("infer" if mode == "infer" else "train", x, dtype, layout, params, {})
+        return self.policy(p, mode)
 
     def _saved(self, res: Any) -> Saved:
         if self._caps.saved == "var":
@@ -43,7 +50,7 @@ class PolicyAdapter(BaseAdapter):
         pol = self.policy(p, "train")
         v = p.vectors
         res = forward_train(p.x, v["gamma"], v["beta"], v["running_mean"], v["running_var"], momentum=momentum,
-                            eps=eps, policy=pol, layout=p.lay.layout)
+                            eps=eps, policy=pol, layout=p.lay.layout, keep_arrays=self.keep_arrays)
         return ForwardOutput(res.y, self._saved(res), res.running_mean, res.running_var, res.trace,
                              {"policy": pol.describe()})
 
@@ -51,7 +58,7 @@ class PolicyAdapter(BaseAdapter):
         pol = self.policy(p, "infer")
         v = p.vectors
         res = forward_infer(p.x, v["gamma"], v["beta"], v["running_mean"], v["running_var"], eps=eps, policy=pol,
-                            layout=p.lay.layout)
+                            layout=p.lay.layout, keep_arrays=self.keep_arrays)
         return ForwardOutput(res.y, None, None, None, res.trace, {"policy": pol.describe()})
 
     def _invstd_from_var(self, var: np.ndarray, eps: float, pol: Policy) -> np.ndarray:
@@ -72,7 +79,7 @@ class PolicyAdapter(BaseAdapter):
             var = saved.value
             invstd = self._invstd_from_var(var, eps, pol)
         res = backward(dy, p.x, p.vectors["gamma"], saved.mean, invstd, policy=pol, training=training,
-                       layout=p.lay.layout, saved_var=var, eps=eps)
+                       layout=p.lay.layout, saved_var=var, eps=eps, keep_arrays=self.keep_arrays)
         return BackwardOutput(res.dx, res.dgamma, res.dbeta, res.trace, {"policy": pol.describe()})
 
 

@@ -74,9 +74,11 @@ def _wider_or_equal(big: Format, small: Format) -> bool:
 class _Run:
     """The arithmetic contexts of one block of channels of a kernel call, and its trace."""
 
-    def __init__(self, policy: Policy, channels: int, keep_arrays: bool, rng: np.random.Generator) -> None:
+    def __init__(self, policy: Policy, channels: int, keep_arrays: bool, rng: np.random.Generator,
+                 overrides: dict[str, np.ndarray] | None = None) -> None:
         self.policy = policy
         self.c = channels
+        self.overrides = overrides or {}
         spec = policy.spec
         self.storage = Arith(policy.storage, spec, rng)
         self.out = Arith(policy.storage, policy.output_spec, rng)
@@ -102,8 +104,7 @@ class _Run:
         with np.errstate(all="ignore"):
             wide = np.asarray(wide, dtype=np.float64)
         value = ar.round(wide, tally)
-        self.trace.record(name, value, ar.fmt, wide=wide, tally=tally, check_negative=negative)
-        return value
+        return self.record(name, ar, value, wide, tally, negative)
 
     def cast(self, name: str, value: np.ndarray, src: str, dst: Arith) -> np.ndarray:
         """Convert between formats; recorded as a stage only when it can round."""
@@ -120,7 +121,10 @@ class _Run:
 
     def record(self, name: str, ar: Arith, value: np.ndarray, wide: np.ndarray, tally: Tally,
                negative: bool = False) -> np.ndarray:
-        """Record a value computed by a multi-step method, with the ideal (float64) value as ``wide``."""
+        """Record a stage (a value computed in one or many steps, with ``wide`` its float64 value before the
+        last rounding) and return what flows downstream: the value, or the override given for ``name``."""
+        if name in self.overrides:
+            value = np.broadcast_to(np.asarray(self.overrides[name], dtype=np.float64), np.shape(value)).copy()
         self.trace.record(name, value, ar.fmt, wide=wide, tally=tally, check_negative=negative)
         return value
 
@@ -211,8 +215,9 @@ class _Blocks:
     """
 
     def __init__(self, policy: Policy, lay: Layout, keep_arrays: bool, chunk_elements: int | None,
-                 meta: dict[str, Any]) -> None:
+                 meta: dict[str, Any], overrides: dict[str, np.ndarray] | None = None) -> None:
         self.policy, self.lay, self.keep = policy, lay, keep_arrays
+        self.overrides = overrides or {}
         self.slices = lay.chunks(chunk_elements)
         self.rng = np.random.default_rng(policy.seed)
         self.meta = {"policy": policy.name, "policy_detail": policy.to_dict(), "shape": lay.shape,
@@ -222,7 +227,9 @@ class _Blocks:
 
     def __iter__(self):
         for sl in self.slices:
-            run = _Run(self.policy, sl.stop - sl.start, self.keep, self.rng)
+            # overrides are channel-first, (C,) or (C, R): take this block's channels
+            sub = {k: np.asarray(v)[sl] for k, v in self.overrides.items()}
+            run = _Run(self.policy, sl.stop - sl.start, self.keep, self.rng, sub)
             yield sl, run
             self.traces.append(run.trace)
 
@@ -257,6 +264,7 @@ def forward_train(
     num_batches_tracked: int = 0,
     keep_arrays: bool = True,
     chunk_elements: int | None = DEFAULT_CHUNK_ELEMENTS,
+    overrides: dict[str, np.ndarray] | None = None,
 ) -> TrainResult:
     """Training-mode BatchNorm: batch statistics, normalisation, running-stat update.
 
@@ -278,7 +286,8 @@ def forward_train(
     rm = as_channel_vector("running_mean", running_mean, lay, 0.0) if running_mean is not None else None
     rv = as_channel_vector("running_var", running_var, lay, 1.0) if running_var is not None else None
 
-    blocks = _Blocks(pol, lay, keep_arrays, chunk_elements, {"mode": "train", "eps": eps, "momentum": momentum})
+    blocks = _Blocks(pol, lay, keep_arrays, chunk_elements, {"mode": "train", "eps": eps, "momentum": momentum},
+                     overrides)
     y = blocks.tensor(pol.storage)
     pf = pol.params_format
     saved = {k: blocks.vector(pf) for k in ("mean", "invstd", "var", "running_mean", "running_var")}
@@ -311,7 +320,7 @@ def _train_block(run: _Run, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.
         xa = run.cast("x_acc", xs, pol.storage, acc)
         m = moments(xa, acc, algorithm=pol.variance, order=pol.order, lanes=pol.lanes, tiles=pol.tiles,
                     kahan=pol.kahan, mean_by=pol.mean_by, clamp=pol.clamp_var, parts=pol.core_parts,
-                    combine=pol.core_combine, rng=run.rng)
+                    combine=pol.core_combine, rng=run.rng, overrides=run.overrides)
         for sv in m.stages:
             run.trace.record(sv.name, sv.value, sv.arith.fmt, wide=sv.wide, tally=sv.tally,
                              check_negative=sv.check_negative)
@@ -349,6 +358,7 @@ def forward_infer(
     layout: str = "channels_first",
     keep_arrays: bool = True,
     chunk_elements: int | None = DEFAULT_CHUNK_ELEMENTS,
+    overrides: dict[str, np.ndarray] | None = None,
 ) -> InferResult:
     """Inference-mode BatchNorm: normalise with the running statistics."""
     pol = get_policy(policy)
@@ -358,7 +368,7 @@ def forward_infer(
     b = as_channel_vector("beta", beta, lay, 0.0)
     rm = as_channel_vector("running_mean", running_mean, lay)
     rv = as_channel_vector("running_var", running_var, lay)
-    blocks = _Blocks(pol, lay, keep_arrays, chunk_elements, {"mode": "infer", "eps": eps})
+    blocks = _Blocks(pol, lay, keep_arrays, chunk_elements, {"mode": "infer", "eps": eps}, overrides)
     y = blocks.tensor(pol.storage)
     for sl, run in blocks:
         acc = run.acc
@@ -388,6 +398,7 @@ def backward(
     eps: float = 1e-5,
     keep_arrays: bool = True,
     chunk_elements: int | None = DEFAULT_CHUNK_ELEMENTS,
+    overrides: dict[str, np.ndarray] | None = None,
 ) -> BackwardResult:
     """Gradients dx, dgamma, dbeta of BatchNorm.
 
@@ -409,7 +420,8 @@ def backward(
     inv = as_channel_vector("saved_invstd", saved_invstd, lay)
     sv = as_channel_vector("saved_var", saved_var, lay) if saved_var is not None else None
     eps = check_eps(eps)
-    blocks = _Blocks(pol, lay, keep_arrays, chunk_elements, {"mode": "backward", "training": training, "eps": eps})
+    blocks = _Blocks(pol, lay, keep_arrays, chunk_elements, {"mode": "backward", "training": training, "eps": eps},
+                     overrides)
     dx = blocks.tensor(pol.storage)
     dgamma, dbeta = blocks.vector(pol.params_format), blocks.vector(pol.params_format)
     for sl, run in blocks:

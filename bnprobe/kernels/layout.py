@@ -43,6 +43,12 @@ class Layout:
         with np.errstate(invalid="ignore"):
             return part.reshape(part.shape[0], -1).astype(np.float64)
 
+    def from_cr(self, a: np.ndarray) -> np.ndarray:
+        """A channel-first ``(C, R)`` array back in this layout."""
+        out = np.empty(self.shape, dtype=np.asarray(a).dtype)
+        self.place(out, a)
+        return out
+
     def place(self, out: np.ndarray, a: np.ndarray, channels: slice = slice(None)) -> None:
         """Write a channel-first ``(k, R)`` block into ``out`` (shaped like x) at ``channels``."""
         view = np.moveaxis(out, self.channel_axis, 0)[channels]

@@ -112,6 +112,7 @@ def moments(
     parts: int = 1,
     combine: str = "ordered",
     rng: np.random.Generator | None = None,
+    overrides: dict[str, np.ndarray] | None = None,
 ) -> Moments:
     """Mean and biased variance of each row of a ``(C, R)`` array of ``acc``-format values.
 
@@ -131,42 +132,47 @@ def moments(
     # prescaled: every addend is multiplied by 2^-k first (exact unless it underflows)
     pre = (lambda v: acc.round(v * 2.0 ** -prescale_exponent(r))) if mean_by == "prescaled" else (lambda v: v)
 
+    over = overrides or {}
+
     def stage(name: str, value: np.ndarray, wide: np.ndarray | None, tally: Tally | None,
-              negative: bool = False) -> None:
+              negative: bool = False) -> np.ndarray:
+        if name in over:
+            value = np.asarray(over[name], dtype=np.float64)
         stages.append(StageValue(name, value, wide, acc, tally, negative))
+        return value
 
     with np.errstate(all="ignore"):
         if algorithm == "naive":
             t = Tally(c)
             s = reduce_sum(pre(x), acc, tally=t, **red)
-            stage("sum", s, pre(x).sum(axis=1), t)
+            s = stage("sum", s, pre(x).sum(axis=1), t)
             t = Tally(c)
             sq = pre(acc.mul(x, x, t))
             q = reduce_sum(sq, acc, tally=t, **red)
-            stage("sum_sq", q, pre(x * x).sum(axis=1), t)
+            q = stage("sum_sq", q, pre(x * x).sum(axis=1), t)
             t = Tally(c)
             mean, wide = _scale_by_count(s, r, acc, mean_by, t)
-            stage("mean", mean, wide, t)
+            mean = stage("mean", mean, wide, t)
             t = Tally(c)
             ex2, wide = _scale_by_count(q, r, acc, mean_by, t)
-            stage("ex2", ex2, wide, t)
+            ex2 = stage("ex2", ex2, wide, t)
             t = Tally(c)
             msq = acc.mul(mean, mean, t)
-            stage("mean_sq", msq, mean * mean, t)
+            msq = stage("mean_sq", msq, mean * mean, t)
             t = Tally(c)
             wide = ex2 - msq
             var = acc.round(wide, t)
         elif algorithm == "two_pass":
             t = Tally(c)
             s = reduce_sum(pre(x), acc, tally=t, **red)
-            stage("sum", s, pre(x).sum(axis=1), t)
+            s = stage("sum", s, pre(x).sum(axis=1), t)
             t = Tally(c)
             mean, wide = _scale_by_count(s, r, acc, mean_by, t)
-            stage("mean", mean, wide, t)
+            mean = stage("mean", mean, wide, t)
             t = Tally(c)
             dev = acc.sub(x, mean[:, None], t)
             q = reduce_sum(pre(acc.mul(dev, dev, t)), acc, tally=t, **red)
-            stage("sum_sq_dev", q, pre(dev * dev).sum(axis=1), t)
+            q = stage("sum_sq_dev", q, pre(dev * dev).sum(axis=1), t)
             t = Tally(c)
             var, wide = _scale_by_count(q, r, acc, mean_by, t)
         elif algorithm in ("welford", "welford_ascend"):
@@ -193,8 +199,8 @@ def moments(
                 m2 = np.where(valid, new_m2, m2)
             counts = np.broadcast_to(((r - lane_idx + lanes - 1) // lanes).astype(np.float64), (c, lanes))
             _, mean, m2 = _tree((counts, mean, m2), _chan_merge(acc, t))
-            stage("mean", mean, x.sum(axis=1) / r, t)
-            stage("m2", m2, None, t)
+            mean = stage("mean", mean, x.sum(axis=1) / r, t)
+            m2 = stage("m2", m2, None, t)
             t = Tally(c)
             var, wide = _scale_by_count(m2, r, acc, mean_by, t)
         else:  # chan
@@ -213,11 +219,11 @@ def moments(
                 means[:, i] = mt
                 m2s[:, i] = reduce_sum(acc.mul(dev, dev, t), acc, tally=t, order=order, lanes=lanes, kahan=kahan)
             _, mean, m2 = _tree((counts, means, m2s), _chan_merge(acc, t))
-            stage("mean", mean, x.sum(axis=1) / r, t)
-            stage("m2", m2, None, t)
+            mean = stage("mean", mean, x.sum(axis=1) / r, t)
+            m2 = stage("m2", m2, None, t)
             t = Tally(c)
             var, wide = _scale_by_count(m2, r, acc, mean_by, t)
         if clamp:
             var = np.where(var < 0, 0.0, var)
-        stage("var", var, wide, t, negative=True)
+        var = stage("var", var, wide, t, negative=True)
     return Moments(mean=mean, var=var, stages=stages)

@@ -1,0 +1,490 @@
+"""compare-precision: every output of BatchNorm in each format against the FP64 golden on the same
+rounded inputs, per tensor, per channel, and per stage (an error budget).
+
+Verdicts use msprobe's standards (bnprobe.tolerances.MSPROBE_STANDARDS) by the output's format.
+The default, ``scaled``, is msprobe's rule for reduction-based operators, which BatchNorm is —
+|d - b| / max(|b|, floor) <= bound for every element, NaN/inf in the same places — with the
+denominator floor taken relative to the tensor's largest golden magnitude (floor · max|b|):
+msprobe's absolute floor assumes unit-scale outputs, but BatchNorm's gradients and sums cancel to
+values near zero whose absolute error is tiny against the tensor's own scale.  For the sums whose
+terms are known the floor is condition-aware: dbeta against Σ|dy|, dgamma against Σ|dy·x̂|, means
+against mean|x| (a sum's rounding error scales with its terms, not its result), and dx against the
+channel's largest γ·rstd·(|dy| + |mean(dy)| + |x̂|·|mean(dy·x̂)|), the magnitudes it is formed from
+(the statistics' errors reach every element of the channel).
+Variances keep their own scale, so the cancellation of a single-pass variance still counts.
+``accumulated`` is msprobe's rule as written (absolute floor).  ``threshold`` is
+msprobe's stricter rule for single elementwise operators (relative error <= rtol, or for small golden
+values absolute error <= small_atol); every output of BatchNorm passes through several roundings
+(x - mean, x̂, the affine, the cast), so a correct FP32 kernel fails it (rtol 2^-20) and so does any
+BF16 kernel near zero (small-value atol 1e-16): use it to see single-rounding-level differences.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from bnprobe.adapters import KernelAdapter, Saved, get_adapter
+from bnprobe.adapters.emulated import PolicyAdapter
+from bnprobe.errors import BNProbeError
+from bnprobe.formats import get_format
+from bnprobe.inputs import make_input, make_params
+from bnprobe.kernels import forward_train
+from bnprobe.kernels.layout import layout_of
+from bnprobe.metrics import compare, ulp_error
+from bnprobe.numerics.rounding import round_to
+from bnprobe.tolerances import MSPROBE_STANDARDS, Standard
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+__all__ = ["Case", "resnet50_cases", "stress_cases", "CompareResult", "compare_precision", "error_budget",
+           "verdict", "summarize", "markdown_summary", "budget_cause", "BUDGET_CHANNELS", "STANDARD_RULES"]
+
+BUDGET_CHANNELS = 8  # the error budget reruns the kernel on the first channels of a layer (channels are independent)
+ELEMENTWISE = ("y", "y_infer", "dx")
+
+# ResNet-50 (ImageNet, 224x224) BatchNorm layers: (name, C, H, W), one entry per distinct shape
+RESNET50_BN = [
+    ("bn1", 64, 112, 112), ("layer1.*.bn1", 64, 56, 56), ("layer1.*.bn3", 256, 56, 56),
+    ("layer2.0.bn1", 128, 56, 56), ("layer2.*.bn2", 128, 28, 28), ("layer2.*.bn3", 512, 28, 28),
+    ("layer3.0.bn1", 256, 28, 28), ("layer3.*.bn2", 256, 14, 14), ("layer3.*.bn3", 1024, 14, 14),
+    ("layer4.0.bn1", 512, 14, 14), ("layer4.*.bn2", 512, 7, 7), ("layer4.*.bn3", 2048, 7, 7),
+]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One input: a name, a shape and how to make x (or x itself, for real activations)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dist: str = "normal"
+    mean: float = 0.0
+    std: float = 1.0
+    seed: int = 0
+    x: np.ndarray | None = field(default=None, compare=False, repr=False)
+
+    def make(self) -> np.ndarray:
+        if self.x is not None:
+            return self.x
+        return make_input(self.shape, dist=self.dist, mean=self.mean, std=self.std, seed=self.seed)
+
+
+def resnet50_cases(batch: int = 2, seed: int = 0, dist: str = "normal") -> list[Case]:
+    """ResNet-50's BatchNorm shapes with the batch reduced to ``batch``."""
+    return [Case(f"resnet50/{name}", (batch, c, h, w), dist, seed=seed + i) for i, (name, c, h, w)
+            in enumerate(RESNET50_BN)]
+
+
+def stress_cases(seed: int = 0) -> list[Case]:
+    """Inputs that stress BatchNorm rather than uniform noise."""
+    s = (8, 16, 8, 8)
+    return [
+        Case("stress/normal", s, seed=seed),
+        *[Case(f"stress/mean/std={m:g}", s, mean=m, std=1.0, seed=seed) for m in (1e1, 1e2, 1e3, 1e4)],
+        Case("stress/heavy-tails", s, "student_t", seed=seed),
+        Case("stress/near-fp16-max", s, mean=0.0, std=8000.0, seed=seed),
+        Case("stress/var-near-eps", s, mean=0.5, std=math.sqrt(1e-5), seed=seed),
+        Case("stress/constant", s, "constant", mean=1.5, std=0.0, seed=seed),
+        Case("stress/R=2", (2, 16), seed=seed),
+        Case("stress/R=3", (3, 16), seed=seed),
+    ]
+
+
+# ---- verdicts ----------------------------------------------------------------------------------------
+
+STANDARD_RULES = ("scaled", "accumulated", "threshold")
+
+
+def verdict(actual: np.ndarray, golden: np.ndarray, fmt: str, rule: str = "scaled",
+            standards: dict[str, Standard] | None = None, scale: np.ndarray | None = None
+            ) -> tuple[bool, str, float, float]:
+    """msprobe's verdict for one tensor by ``rule`` (scaled, accumulated or threshold):
+    (passed, reason, score, bound) with score the worst error measure and bound its limit.
+
+    ``scale`` (same shape as golden) gives the scaled rule each element's natural magnitude."""
+    if rule not in STANDARD_RULES:
+        raise BNProbeError(f"unknown standard rule {rule!r}; valid: {', '.join(STANDARD_RULES)}")
+    std = (standards or MSPROBE_STANDARDS).get(get_format(fmt).name)
+    if std is None:
+        return True, "no standard for this format", 0.0, math.inf
+    a = np.asarray(actual, dtype=np.float64).reshape(-1)
+    g = np.asarray(golden, dtype=np.float64).reshape(-1)
+    fa, fg = np.isfinite(a), np.isfinite(g)
+    if np.any(fa != fg) or np.any(~fa & ~((a == g) | (np.isnan(a) & np.isnan(g)))):
+        return False, "NaN/inf where the golden has none (or the reverse)", math.inf, 0.0
+    sc = None if scale is None else np.broadcast_to(np.asarray(scale, dtype=np.float64), np.shape(golden)).reshape(-1)[fa]
+    a, g = a[fa], g[fa]
+    with np.errstate(all="ignore"):
+        d = np.abs(a - g)
+        if rule == "threshold":
+            small = np.abs(g) <= std.small_threshold
+            bad_small = int(np.sum(small & (d > std.small_atol)))
+            rel = d[~small] / np.abs(g[~small])
+            bad = int(np.sum(rel > std.rtol))
+            score = max(float(rel.max()) / std.rtol if rel.size else 0.0,
+                        float(d[small].max()) / std.small_atol if small.any() else 0.0) * std.rtol
+            if bad or bad_small:
+                return False, (f"{bad} element(s) over rtol {std.rtol:.3g}" if bad else "") + \
+                    (f"{'; ' if bad else ''}{bad_small} small value(s) over atol {std.small_atol:.3g}"
+                     if bad_small else ""), score, std.rtol
+            return True, f"within rtol {std.rtol:.3g} / small-value atol {std.small_atol:.3g}", score, std.rtol
+        if rule == "scaled":
+            mag = sc if sc is not None else np.full(g.shape, float(np.abs(g).max()) if g.size else 1.0)
+            floor = std.error_floor * np.where(mag > 0, mag, 1.0)
+        else:
+            floor = std.error_floor
+        ratio = d / np.maximum(np.abs(g), floor)
+        worst = float(ratio.max()) if ratio.size else 0.0
+        if worst > std.accumulated:
+            return False, f"accumulated error {worst:.3g} over {std.accumulated:.3g}", worst, std.accumulated
+        return True, f"accumulated error {worst:.3g} within {std.accumulated:.3g}", worst, std.accumulated
+
+
+# ---- one comparison ------------------------------------------------------------------------------------
+
+def _row(adapter: str, dtype: str, case: Case, tensor: str, actual: Any, golden: Any, fmt: str,
+         standards: dict[str, Standard] | None, rule: str, scale: np.ndarray | None = None) -> dict[str, Any]:
+    kind = "elementwise" if tensor in ELEMENTWISE else "reduction"
+    m = compare(actual, golden, fmt)
+    ok, why, score, bound = verdict(actual, golden, fmt, rule, standards, scale)
+    std = (standards or MSPROBE_STANDARDS).get(get_format(fmt).name)
+    ulp = ulp_error(np.asarray(actual, dtype=np.float64), np.asarray(golden, dtype=np.float64), fmt)
+    ulp = ulp[np.isfinite(ulp)]
+    over = float(np.mean(ulp > std.ulp)) if std is not None and ulp.size else 0.0
+    gg = np.abs(np.asarray(golden, dtype=np.float64).reshape(-1))
+    small = float(np.mean(gg <= std.small_threshold)) if std is not None and gg.size else 0.0
+    return {"adapter": adapter, "dtype": dtype, "case": case.name, "shape": "x".join(map(str, case.shape)),
+            "tensor": tensor, "format": fmt, "kind": kind, "verdict": "PASS" if ok else "FAIL", "why": why,
+            "score": score, "bound": bound,
+            **{k: v for k, v in m.to_dict().items() if k not in ("worst_index",)},
+            "ulp_over_threshold": over, "small_value_share": small}
+
+
+def _cr(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a, dtype=np.float64)
+    return np.moveaxis(a, 1, 0).reshape(a.shape[1], -1) if a.ndim > 1 else a[:, None]
+
+
+def _channels(adapter: str, dtype: str, case: Case, y: np.ndarray, gy: np.ndarray, var: np.ndarray,
+              gvar: np.ndarray, gmean: np.ndarray, eps: float, top: int) -> list[dict[str, Any]]:
+    """The worst channels of y, with what explains them."""
+    a, g = _cr(y), _cr(gy)
+    with np.errstate(all="ignore"):
+        err = np.nanmax(np.abs(a - g), axis=1)
+        var_rel = np.abs(np.asarray(var, dtype=np.float64) - gvar) / np.where(gvar > 0, gvar, np.nan)
+        m2v = gmean**2 / np.where(gvar > 0, gvar, np.nan)
+    r = a.shape[1]
+    order = np.argsort(-np.nan_to_num(err, nan=np.inf))[:top]
+    return [{"adapter": adapter, "dtype": dtype, "case": case.name, "channel": int(c), "y_max_abs_err": float(err[c]),
+             "var_rel_err": float(var_rel[c]), "mean2_over_var": float(m2v[c]), "var_over_eps": float(gvar[c] / eps),
+             "R": r} for c in order]
+
+
+def error_budget(adapter: PolicyAdapter, x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, *, dtype: str,
+                 eps: float = 1e-5, params: str = "fp32", channels: int = BUDGET_CHANNELS) -> list[dict[str, Any]]:
+    """Rerun the training forward with one stage at a time replaced by its FP64 value (the same stage of
+    the golden run on the same inputs); report how much of the output's error (RMSE of y against the
+    golden) disappears.  The output cast's share is y left unrounded.  Every stage downstream of an
+    error's source removes it too, so the *cause* is the earliest stage, in computation order, that
+    removes most of it (see :func:`budget_cause`).  Shares need not add up to 100%."""
+    k = min(channels, x.shape[1])
+    xs = np.ascontiguousarray(x[:, :k])
+    pf = dtype if params == "same" else ("fp64" if dtype == "fp64" else "fp32")
+    xs = round_to(xs, dtype)
+    g, b = round_to(gamma[:k], pf), round_to(beta[:k], pf)
+    pol = adapter.policy_for(xs, dtype=dtype, params=params)
+    pol = replace(pol, core_combine="ordered") if pol.core_combine == "atomic" else pol  # same order every rerun
+    gold = forward_train(xs, g, b, eps=eps, policy=pol.golden())
+    base = forward_train(xs, g, b, eps=eps, policy=pol)
+    gy = gold.trace["y"].value
+
+    def rmse(res: Any) -> float:
+        """Error of the y stage as the kernel formed it (the trace's value: an override of y survives there)."""
+        with np.errstate(all="ignore"):
+            return float(np.sqrt(np.nanmean((res.trace["y"].value - gy) ** 2)))
+
+    e0 = rmse(base)
+    rows = []
+    skip = {"x", "x_acc", "x_compute", "var_unbiased", "running_mean", "running_var"}
+    for st in base.trace:
+        if st.name in skip:
+            continue
+        if st.name == "y":  # the output cast: y at its unrounded (compute-format) value
+            ov, label = {"y": st.wide}, "y (output cast)"
+        elif st.name in gold.trace:
+            ov, label = {st.name: gold.trace[st.name].value}, st.name
+        else:
+            continue
+        e = rmse(forward_train(xs, g, b, eps=eps, policy=pol, overrides=ov))
+        removed = (1.0 - e / e0) if e0 > 0 else 0.0
+        rows.append({"adapter": adapter.name, "dtype": dtype, "order": len(rows), "stage": label,
+                     "format": st.format, "rmse_with_stage_exact": e, "rmse": e0, "error_removed": removed})
+    return rows
+
+
+def budget_cause(shares: list[tuple[str, float]], share: float = 0.9) -> tuple[str, float]:
+    """The earliest stage (``shares`` in computation order) removing at least ``share`` of the largest
+    removal: the intermediate where the error arises."""
+    if not shares:
+        return "", float("nan")
+    top = max(v for _, v in shares)
+    if not top > 0:
+        return "", top
+    for stage, v in shares:
+        if v >= share * top:
+            return stage, v
+    return shares[-1]
+
+
+# ---- the whole run ------------------------------------------------------------------------------------
+
+@dataclass
+class CompareResult:
+    rows: pd.DataFrame
+    channels: pd.DataFrame
+    budget: pd.DataFrame
+    meta: dict[str, Any]
+
+    @property
+    def passed(self) -> bool:
+        return bool((self.rows["verdict"] == "PASS").all()) if len(self.rows) else True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"meta": self.meta, "passed": self.passed, "rows": self.rows.to_dict(orient="records"),
+                "channels": self.channels.to_dict(orient="records"), "budget": self.budget.to_dict(orient="records")}
+
+
+MODES = ("train", "infer", "backward", "all")
+
+
+def compare_precision(
+    adapters: list[str | KernelAdapter] | None = None,
+    dtypes: tuple[str, ...] = ("fp16", "bf16", "fp32"),
+    cases: list[Case] | None = None,
+    *,
+    mode: str = "all",
+    eps: float = 1e-5,
+    momentum: float = 0.1,
+    params: str = "fp32",
+    seed: int = 0,
+    standards: dict[str, Standard] | None = None,
+    rule: str = "scaled",
+    budget: bool = True,
+    top_channels: int = 5,
+    progress: Callable[[int, int], None] | None = None,
+) -> CompareResult:
+    """Compare each adapter in each format with the FP64 golden on the same rounded inputs.
+
+    Default: the ``emulated`` adapter (each format's preset), fp16/bf16/fp32, ResNet-50's BatchNorm
+    shapes (batch 2) plus the stress suite, training forward, inference and backward.
+    """
+    import pandas as pd
+
+    if mode not in MODES:
+        raise BNProbeError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
+    if rule not in STANDARD_RULES:
+        raise BNProbeError(f"unknown standard rule {rule!r}; valid: {', '.join(STANDARD_RULES)}")
+    adapters = adapters or ["emulated"]
+    resolved = [get_adapter(a) if isinstance(a, str) else a for a in adapters]
+    fmts = [get_format(d).name for d in dtypes]
+    for a in resolved:
+        missing = [f for f in fmts if f not in a.capabilities().formats]
+        if missing:
+            raise BNProbeError(f"adapter {a.name} does not run {', '.join(missing)} "
+                               f"(it runs {', '.join(a.capabilities().formats)})")
+    cases = cases if cases is not None else resnet50_cases(seed=seed) + stress_cases(seed)
+    ref = get_adapter("reference")
+    for a in (ref, *resolved):  # traces are not needed here: keep counters only, not every intermediate
+        if isinstance(a, PolicyAdapter):
+            a.keep_arrays = False
+    modes = ("train", "infer", "backward") if mode == "all" else (mode,)
+    rows: list[dict[str, Any]] = []
+    chans: list[dict[str, Any]] = []
+    budgets: list[dict[str, Any]] = []
+    total, done = len(cases) * len(fmts) * len(resolved), 0
+    t0 = time.monotonic()
+    for case in cases:
+        x = case.make()
+        lay = layout_of(x)
+        c = lay.channels
+        prm = make_params(c, case.seed)
+        rm, rv = np.full(c, case.mean), np.full(c, max(case.std, 1e-3) ** 2)
+        dy = np.random.default_rng([case.seed, 3]).standard_normal(x.shape)
+        train_ok = lay.reduce_size > 1
+        for fmt in fmts:
+            pf = fmt if params == "same" else ("fp64" if fmt == "fp64" else "fp32")
+            xs, dys = round_to(x, fmt), round_to(dy, fmt)
+            g, b = round_to(prm["gamma"], pf), round_to(prm["beta"], pf)
+            rms, rvs = round_to(rm, pf), round_to(rv, pf)
+            common = dict(dtype=fmt, eps=eps, params=params)
+            gold_t = ref.forward_train(xs, g, b, rms, rvs, momentum=momentum, **common) if train_ok else None
+            # natural scales of the sums, per channel (see the module docstring)
+            xcr, dycr = lay.to_cr(xs), lay.to_cr(dys)
+            mean_scale = np.abs(xcr).mean(axis=1)
+            if train_ok:
+                gm, gv = gold_t.saved.mean.astype(np.float64), gold_t.saved.var(eps)
+                xhat = (xcr - gm[:, None]) / np.sqrt(gv[:, None] + eps)
+                dbeta_scale, dgamma_scale = np.abs(dycr).sum(axis=1), np.abs(dycr * xhat).sum(axis=1)
+                gr = np.abs(g) / np.sqrt(gv + eps)
+                terms = gr[:, None] * (np.abs(dycr) + np.abs(dycr.mean(axis=1))[:, None]
+                                       + np.abs(xhat) * np.abs((dycr * xhat).mean(axis=1))[:, None])
+                dx_scale = lay.from_cr(np.broadcast_to(terms.max(axis=1, keepdims=True), terms.shape))
+            for a in resolved:
+                caps = a.capabilities()
+                out_fmt = caps.output or fmt
+                def row(t: str, act: Any, gol: Any, f: str, sc: np.ndarray | None = None) -> None:
+                    rows.append(_row(a.name, fmt, case, t, act, gol, f, standards, rule, sc))
+                if "train" in modes and train_ok:
+                    out = a.forward_train(xs, g, b, rms, rvs, momentum=momentum, **common)
+                    row("y", out.y, gold_t.y, out_fmt)
+                    if out.saved is not None:
+                        kind = out.saved.kind
+                        sf = get_format(np.asarray(out.saved.value).dtype).name
+                        gval = gold_t.saved.var(eps) if kind == "var" else gold_t.saved.invstd(eps)
+                        row("saved_mean", out.saved.mean, gold_t.saved.mean, sf, mean_scale)
+                        row(f"saved_{kind}", out.saved.value, gval, sf)
+                        chans += _channels(a.name, fmt, case, out.y, gold_t.y, out.saved.var(eps),
+                                           gold_t.saved.var(eps), gold_t.saved.mean.astype(np.float64), eps,
+                                           top_channels)
+                    if out.running_mean is not None:
+                        row("running_mean", out.running_mean, gold_t.running_mean, pf,
+                            np.maximum(np.abs(rms), momentum * mean_scale))
+                        row("running_var", out.running_var, gold_t.running_var, pf)
+                if "infer" in modes:
+                    out_i = a.forward_infer(xs, g, b, rms, rvs, **common)
+                    row("y_infer", out_i.y, ref.forward_infer(xs, g, b, rms, rvs, **common).y, out_fmt)
+                if "backward" in modes and train_ok:
+                    saved = a.forward_train(xs, g, b, **common).saved
+                    if saved is not None:
+                        got = a.backward(dys, xs, g, saved, **common)
+                        gold_b = ref.backward(dys, xs, g, gold_t.saved, **common)
+                        row("dx", got.dx, gold_b.dx, out_fmt, dx_scale)
+                        row("dgamma", got.dgamma, gold_b.dgamma, pf, dgamma_scale)
+                        row("dbeta", got.dbeta, gold_b.dbeta, pf, dbeta_scale)
+                if budget and isinstance(a, PolicyAdapter) and a.name != "reference" and train_ok:
+                    for r in error_budget(a, xs, g, b, dtype=fmt, eps=eps, params=params):
+                        budgets.append({"case": case.name, **r})
+                done += 1
+                if progress:
+                    progress(done, total)
+    meta = {"adapters": [a.name for a in resolved], "dtypes": fmts, "mode": mode, "eps": eps, "momentum": momentum,
+            "params": params, "seed": seed, "cases": [{"name": c.name, "shape": list(c.shape), "dist": c.dist,
+                                                      "mean": c.mean, "std": c.std} for c in cases],
+            "seconds": round(time.monotonic() - t0, 3), "standards": "msprobe" if standards is None else "custom",
+            "rule": rule}
+    return CompareResult(pd.DataFrame(rows), pd.DataFrame(chans), pd.DataFrame(budgets), meta)
+
+
+def summarize(result: CompareResult) -> list[dict[str, Any]]:
+    """Per adapter and format: how many tensors were checked, how many failed, the worst one, and
+    the stage whose exact value removes most of the output's error."""
+    out = []
+    rows, budget = result.rows, result.budget
+    if not len(rows):
+        return out
+    for (adapter, dtype), sub in rows.groupby(["adapter", "dtype"], sort=False):
+        ratio = sub["score"] / sub["bound"]
+        worst = sub.loc[ratio.idxmax()]
+        item = {"adapter": adapter, "dtype": dtype, "checked": int(len(sub)),
+                "failed": int((sub["verdict"] == "FAIL").sum()),
+                "worst": f"{worst['tensor']} on {worst['case']}", "worst_ratio": float(ratio.max()),
+                "worst_why": worst["why"], "budget_top": "", "budget_share": float("nan")}
+        if len(budget):
+            b = budget[(budget["adapter"] == adapter) & (budget["dtype"] == dtype)]
+            if len(b):
+                mean = b.groupby("stage").agg(order=("order", "min"), removed=("error_removed", "mean"))
+                mean = mean.sort_values("order")
+                item["budget_top"], item["budget_share"] = budget_cause(list(zip(mean.index, mean["removed"])))
+        out.append(item)
+    return out
+
+
+def markdown_summary(result: CompareResult) -> str:
+    """The report's Markdown summary: verdicts per format, failures, worst channels, the error budget."""
+    import pandas as pd
+
+    from bnprobe._table import markdown_table
+
+    s = summarize(result)
+    lines = [f"# bnprobe compare-precision: {'all within standard' if result.passed else 'some outputs exceed the standard'}",
+             "", f"Adapters {', '.join(result.meta['adapters'])}; formats {', '.join(result.meta['dtypes'])}; "
+             f"{len(result.meta['cases'])} inputs; mode {result.meta['mode']}; rule {result.meta['rule']} "
+             f"(msprobe standards); {result.meta['seconds']} s.", "", "## Per format", "",
+             markdown_table(pd.DataFrame(s)) if s else "(nothing compared)", ""]
+    fails = result.rows[result.rows["verdict"] == "FAIL"] if len(result.rows) else result.rows
+    if len(fails):
+        lines += ["## Outputs over the standard", "",
+                  markdown_table(fails[["adapter", "dtype", "case", "tensor", "why", "max_abs", "max_rel",
+                                        "cosine"]]), ""]
+    if len(result.channels):
+        worst = result.channels.sort_values("y_max_abs_err", ascending=False).head(15)
+        lines += ["## Worst channels (y)", "",
+                  "mean²/var large: single-pass variance cancels; var/eps near 1: eps dominates the variance.", "",
+                  markdown_table(worst), ""]
+    if len(result.budget):
+        piv = result.budget.groupby(["adapter", "dtype", "stage"])["error_removed"].mean().unstack([0, 1])
+        lines += ["## Error budget (share of y's RMSE removed when the stage is exact, mean over inputs)", "",
+                  markdown_table(piv, index=True), ""]
+    return "\n".join(lines) + "\n"
+
+
+REPORT_FORMATS = ("csv", "json", "md", "html")
+
+
+def write_report(result: CompareResult, out: Any, formats: tuple[str, ...] = REPORT_FORMATS) -> list[Any]:
+    """Write the result's files into ``out`` (each through a temporary name); returns the paths."""
+    from pathlib import Path
+
+    from bnprobe.plots import plot_compare
+    from bnprobe.reports import atomic_write_text, check_targets, dumps_json, html_report
+
+    out = Path(out)
+    bad = [f for f in formats if f not in REPORT_FORMATS]
+    if bad:
+        raise BNProbeError(f"unknown report format(s) {', '.join(bad)}; valid: {', '.join(REPORT_FORMATS)}")
+    files: dict[str, Any] = {}
+    if "csv" in formats:
+        files.update({"compare.csv": result.rows.to_csv(index=False),
+                      "channels.csv": result.channels.to_csv(index=False),
+                      "budget.csv": result.budget.to_csv(index=False)})
+    if "json" in formats:
+        files["compare.json"] = dumps_json(result.to_dict())
+    md = markdown_summary(result)
+    if "md" in formats:
+        files["summary.md"] = md
+    if "html" in formats:
+        import pandas as pd
+
+        sections: list[tuple[str, Any]] = [("Per format", pd.DataFrame(summarize(result)))]
+        fails = result.rows[result.rows["verdict"] == "FAIL"] if len(result.rows) else result.rows
+        if len(fails):
+            sections.append(("Outputs over the standard", fails[["adapter", "dtype", "case", "tensor", "why",
+                                                                  "max_abs", "max_rel", "cosine", "ulp_max"]]))
+        if len(result.channels):
+            sections.append(("Worst channels of y (mean²/var: cancellation risk; var/eps: eps dominance)",
+                             result.channels.sort_values("y_max_abs_err", ascending=False).head(20)))
+        if len(result.budget):
+            piv = result.budget.groupby(["adapter", "dtype", "stage"])["error_removed"].mean().reset_index()
+            sections.append(("Error budget: share of y's RMSE removed when one stage is exact", piv))
+        sections.append(("Every output", result.rows[["adapter", "dtype", "case", "tensor", "verdict", "why", "cosine",
+                                                       "max_abs", "max_rel", "mean_rel", "rmse", "ratio_1e3",
+                                                       "ratio_5e3", "error_balance", "ulp_max"]]))
+        fig = plot_compare(result.rows) if len(result.rows) else None
+        title = "bnprobe compare-precision: " + ("all within standard" if result.passed else
+                                                 "some outputs exceed the standard")
+        intro = (f"Adapters {', '.join(result.meta['adapters'])}; formats {', '.join(result.meta['dtypes'])}; "
+                 f"{len(result.meta['cases'])} inputs; every output against the FP64 golden on the same rounded "
+                 f"inputs; msprobe's standards, rule '{result.meta['rule']}'.")
+        files["report.html"] = html_report(title, intro, sections, fig)
+    paths = [out / name for name in files]
+    check_targets(paths, force=False)
+    for p, text in zip(paths, files.values()):
+        atomic_write_text(p, text)
+    return paths
