@@ -69,6 +69,14 @@ def work():
     f = bnprobe.forward_train(x, None, None, np.zeros(64), np.ones(64), policy="bf16", keep_arrays=False)
     bnprobe.backward(dy, x, None, f.mean, f.invstd, policy="bf16", keep_arrays=False)
 """,
+    # ---- the main job's default run (target: peak <= 6x the largest fp32 input + 300 MB = 338 MB)
+    "compare-precision default run (ResNet-50 x2 + stress)": """
+import tempfile
+from bnprobe.cli import main
+def work():
+    with tempfile.TemporaryDirectory() as d:
+        main(["compare-precision", "--out", d + "/r"])
+""",
     # ---- start-up (target: bnprobe --help < 0.3 s more than python -c pass)
     "python -c pass (peer)": "SHELL:" + sys.executable + " -c pass",
     "bnprobe --help": "SHELL:" + sys.executable + " -m bnprobe --help",
@@ -85,6 +93,7 @@ TARGETS = {
     "bnprobe fp16 fwd+bwd 32x64x56x56": "<= 3x peer",
     "bnprobe bf16 fwd+bwd 32x64x56x56": "<= 3x peer",
     "bnprobe --help": "< peer + 0.3 s",
+    "compare-precision default run (ResNet-50 x2 + stress)": "peak <= 338 MB",
 }
 
 RUNNER = """

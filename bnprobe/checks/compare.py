@@ -9,8 +9,8 @@ msprobe's absolute floor assumes unit-scale outputs, but BatchNorm's gradients a
 values near zero whose absolute error is tiny against the tensor's own scale.  For the sums whose
 terms are known the floor is condition-aware: dbeta against Σ|dy|, dgamma against Σ|dy·x̂|, means
 against mean|x| (a sum's rounding error scales with its terms, not its result), and dx against the
-channel's largest γ·rstd·(|dy| + |mean(dy)| + |x̂|·|mean(dy·x̂)|), the magnitudes it is formed from
-(the statistics' errors reach every element of the channel).
+channel's γ·rstd·(max|dy| + |mean(dy)| + max|x̂|·|mean(dy·x̂)|), a bound on the magnitudes it is formed
+from (the statistics' errors reach every element of the channel).
 Variances keep their own scale, so the cancellation of a single-pass variance still counts.
 ``accumulated`` is msprobe's rule as written (absolute floor).  ``threshold`` is
 msprobe's stricter rule for single elementwise operators (relative error <= rtol, or for small golden
@@ -325,17 +325,22 @@ def compare_precision(
             rms, rvs = round_to(rm, pf), round_to(rv, pf)
             common = dict(dtype=fmt, eps=eps, params=params)
             gold_t = ref.forward_train(xs, g, b, rms, rvs, momentum=momentum, **common) if train_ok else None
-            # natural scales of the sums, per channel (see the module docstring)
-            xcr, dycr = lay.to_cr(xs), lay.to_cr(dys)
+            # natural scales of the sums, per channel (see the module docstring); temporaries freed at once
+            xcr = lay.to_cr(xs)
             mean_scale = np.abs(xcr).mean(axis=1)
             if train_ok:
                 gm, gv = gold_t.saved.mean.astype(np.float64), gold_t.saved.var(eps)
                 xhat = (xcr - gm[:, None]) / np.sqrt(gv[:, None] + eps)
+                del xcr
+                dycr = lay.to_cr(dys)
                 dbeta_scale, dgamma_scale = np.abs(dycr).sum(axis=1), np.abs(dycr * xhat).sum(axis=1)
                 gr = np.abs(g) / np.sqrt(gv + eps)
-                terms = gr[:, None] * (np.abs(dycr) + np.abs(dycr.mean(axis=1))[:, None]
-                                       + np.abs(xhat) * np.abs((dycr * xhat).mean(axis=1))[:, None])
-                dx_scale = lay.from_cr(np.broadcast_to(terms.max(axis=1, keepdims=True), terms.shape))
+                m1, m2 = np.abs(dycr.mean(axis=1)), np.abs((dycr * xhat).mean(axis=1))
+                dx_max = gr * (np.abs(dycr).max(axis=1) + m1 + np.abs(xhat).max(axis=1) * m2)
+                del xhat, dycr
+                dx_scale = dx_max.reshape([-1 if ax == lay.channel_axis else 1 for ax in range(len(lay.shape))])
+            else:
+                del xcr
             for a in resolved:
                 caps = a.capabilities()
                 out_fmt = caps.output or fmt

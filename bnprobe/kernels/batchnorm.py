@@ -63,8 +63,8 @@ class BackwardResult:
     trace: Trace
 
 
-# Channels are processed in blocks of at most this many values (32 MiB per float64 array).
-DEFAULT_CHUNK_ELEMENTS = 1 << 22
+# Channels are processed in blocks of at most this many values (8 MiB per float64 array).
+DEFAULT_CHUNK_ELEMENTS = 1 << 20
 
 
 def _wider_or_equal(big: Format, small: Format) -> bool:
