@@ -404,7 +404,7 @@ def compare_precision_cmd(
                                                      f"{int((result.rows['verdict'] == 'FAIL').sum())} over the standard"))
     typer.echo(render_table(rows, ["adapter", "dtype", "checked", "failed", "worst", "worst / bound", "budget"],
                             headers=["adapter", "format", "outputs", "failed", "worst output", "worst/bound",
-                                     "biggest error-budget item"]))
+                                     "error-budget cause (share)"]))
     if paths:
         typer.echo(f"report: {folder}/ ({', '.join(p.name for p in paths)})")
     return 0 if result.passed else 1
