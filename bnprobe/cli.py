@@ -410,6 +410,72 @@ def compare_precision_cmd(
     return 0 if result.passed else 1
 
 
+@app.command("overflow")
+def overflow_cmd(
+    adapter: str = typer.Option("emulated", help="Adapter to scan (a traced one shows every stage)."),
+    dtype: str = typer.Option("fp16", help="Format: fp16, bf16, fp32."),
+    accumulate: Optional[str] = typer.Option(None, help="Accumulator/compute format for emulated kernels, e.g. "
+                                                        "fp16 for a naive port."),
+    input: Optional[Path] = typer.Option(None, "--input", help="Input tensor .npy/.npz."),
+    shape: str = typer.Option("8,16,14,14", help="Shape of generated input."),
+    dist: str = typer.Option("normal", help="normal, uniform, student_t, constant."),
+    mean: float = typer.Option(0.0, help="Mean of the generated input."),
+    std: float = typer.Option(1.0, help="Standard deviation of the generated input."),
+    seed: int = typer.Option(0, help="Seed."),
+    mode: str = typer.Option("train", help="train, infer or backward."),
+    eps: float = typer.Option(1e-5, help="BatchNorm epsilon."),
+    out: Optional[Path] = typer.Option(None, help="Write CSV, JSON and Markdown to this folder."),
+    force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> int:
+    """Where, in which channel and why a BatchNorm goes non-finite or silently wrong; headroom predicted
+    from the input; remedies verified. Exit 0 when clean, 1 when anomalies are found."""
+    from bnprobe._table import render_table
+    from bnprobe.checks.overflow import scan
+    from bnprobe.inputs import load_array, make_input, parse_shape
+    from bnprobe.kernels.layout import check_eps
+
+    check_eps(eps)
+    x = load_array(input) if input is not None else make_input(parse_shape(shape), dist=dist, mean=mean, std=std,
+                                                                   seed=seed)
+    rep = scan(adapter, x, dtype=dtype, accumulate=accumulate, mode=mode, eps=eps, seed=seed)
+    frame = rep.to_frame()
+    head = [{**h.__dict__} for h in rep.headroom]
+    table = render_table(frame.to_dict(orient="records"), ["anomaly", "stage", "format", "channels", "count",
+                                                          "first_element", "detail"]) if len(frame) else "no anomalies"
+    htable = render_table(head, ["stage", "format", "predicted_max", "headroom_binades", "overflows", "actual_max",
+                                 "actually_overflowed"],
+                          headers=["stage", "format", "predicted |max|", "headroom (binades)", "predicted overflow",
+                                   "actual |max|", "overflowed"]) if head else ""
+    if out is not None:
+        md = f"# bnprobe overflow: {rep.adapter} in {rep.dtype}, {rep.mode}\n\n```\n{table}\n```\n\n" \
+             f"## Headroom\n\n```\n{htable}\n```\n"
+        written = _write_reports(out, f"overflow-{rep.adapter.replace(':', '_')}-{rep.dtype}-{rep.mode}", frame,
+                                 rep.to_dict(), md, force)
+    if as_json:
+        typer.echo(dumps_json(rep.to_dict()))
+        return 0 if rep.clean else 1
+    typer.echo(f"overflow scan of {rep.adapter} in {rep.dtype} ({rep.mode}): "
+               + ("clean" if rep.clean else f"{len(rep.findings)} finding(s)"))
+    typer.echo(table)
+    for f in rep.findings:
+        if f.remedies:
+            typer.echo(f"remedies for {f.anomaly} at {f.stage}: " + "; ".join(
+                f"{r.name} {'fixes it' if r.fixed else 'does not'} (max err {r.y_error:.3g})" for r in f.remedies))
+        typer.echo(f"  {f.anomaly}: input at {f.first_element}: {f.inputs}")
+    if htable:
+        typer.echo("\nheadroom predicted from the input's statistics, checked against the run:")
+        typer.echo(htable)
+    for s_ in rep.saturation:
+        typer.echo(f"{s_['overflow_mode']:>8} mode: outputs finite {100 * s_['finite_share']:.0f}%, max |output| "
+                   f"{s_['max_abs_output']:.4g}, max error {s_['max_abs_error']:.4g}")
+    for n in rep.notes:
+        typer.echo(f"note: {n}")
+    if out is not None:
+        typer.echo("wrote " + ", ".join(str(w) for w in written))
+    return 0 if rep.clean else 1
+
+
 def _click_classes() -> tuple[type, type, type | None]:
     """UsageError, ClickException and NoArgsIsHelpError of the click that typer runs on.
 
