@@ -22,6 +22,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# emulated forward + backward (train) on one ResNet-sized layer, timed without its trace arrays
+KERNEL_CASE = """
+import numpy as np
+import bnprobe
+WARMUP = True
+x = np.random.default_rng(0).standard_normal((32, 64, 56, 56)).astype(np.float32)
+dy = np.random.default_rng(1).standard_normal(x.shape).astype(np.float32)
+def work():
+    f = bnprobe.forward_train(x, None, None, np.zeros(64), np.ones(64), policy="{policy}", keep_arrays=False)
+    bnprobe.backward(dy, x, None, f.mean, f.invstd, policy="{policy}", keep_arrays=False)
+"""
+
 # Each case: (name, code run in a subprocess; it must set `work()`; setup is not timed).
 CASES: dict[str, str] = {
     # ---- rsqrt analysis (issue: exhaustive fp16/bf16 < 1 s; fp32 reduced+sampled < 2 min, < 2 GB)
@@ -49,26 +61,7 @@ def work():
     y = bn(x)
     y.backward(dy)
 """,
-    "bnprobe fp16 fwd+bwd 32x64x56x56": """
-import numpy as np
-import bnprobe
-WARMUP = True
-x = np.random.default_rng(0).standard_normal((32, 64, 56, 56)).astype(np.float32)
-dy = np.random.default_rng(1).standard_normal(x.shape).astype(np.float32)
-def work():
-    f = bnprobe.forward_train(x, None, None, np.zeros(64), np.ones(64), policy="fp16", keep_arrays=False)
-    bnprobe.backward(dy, x, None, f.mean, f.invstd, policy="fp16", keep_arrays=False)
-""",
-    "bnprobe bf16 fwd+bwd 32x64x56x56": """
-import numpy as np
-import bnprobe
-WARMUP = True
-x = np.random.default_rng(0).standard_normal((32, 64, 56, 56)).astype(np.float32)
-dy = np.random.default_rng(1).standard_normal(x.shape).astype(np.float32)
-def work():
-    f = bnprobe.forward_train(x, None, None, np.zeros(64), np.ones(64), policy="bf16", keep_arrays=False)
-    bnprobe.backward(dy, x, None, f.mean, f.invstd, policy="bf16", keep_arrays=False)
-""",
+    **{f"bnprobe {p} fwd+bwd 32x64x56x56": KERNEL_CASE.format(policy=p) for p in ("fp16", "bf16")},
     # ---- the main job's default run (target: peak <= 6x the largest fp32 input + 300 MB = 338 MB)
     "compare-precision default run (ResNet-50 x2 + stress)": """
 import tempfile

@@ -60,15 +60,11 @@ def trace(
     import numpy as np
 
     from bnprobe.checks.stages import trace_run
-    from bnprobe.inputs import load_array, make_input, make_params, parse_shape
+    from bnprobe.inputs import make_params
     from bnprobe.kernels.layout import layout_of
 
-    if input is not None:
-        x = load_array(input)
-        source = str(input)
-    else:
-        x = make_input(parse_shape(shape), dist=dist, mean=mean, std=std, seed=seed)
-        source = f"{dist}(mean={mean:g}, std={std:g}), seed {seed}"
+    x = _input_tensor(input, shape, dist, mean, std, seed)
+    source = str(input) if input is not None else f"{dist}(mean={mean:g}, std={std:g}), seed {seed}"
     lay = layout_of(x, layout)
     c = lay.channels
     params = make_params(c, seed)
@@ -107,6 +103,15 @@ def trace(
     inp = cmp.trace["x"] if cmp.trace is not None and "x" in cmp.trace else None
     if inp is not None and (inp.count("nan") or inp.count("posinf") or inp.count("neginf")):
         typer.echo("\nnote: NaN/inf present in the input itself (input-borne, not a kernel fault)")
+
+
+def _input_tensor(input: Optional[Path], shape: str, dist: str, mean: float, std: float, seed: int):  # noqa: ANN202
+    """The --input tensor, or one generated from --shape/--dist/--mean/--std/--seed."""
+    from bnprobe.inputs import load_array, make_input, parse_shape
+
+    if input is not None:
+        return load_array(input)
+    return make_input(parse_shape(shape), dist=dist, mean=mean, std=std, seed=seed)
 
 
 def _int_list(text: str, what: str) -> tuple[int, ...]:
@@ -248,7 +253,7 @@ def dump_cmd(
 
     from bnprobe.adapters import get_adapter
     from bnprobe.adapters.dump import record, write_dump
-    from bnprobe.inputs import load_array, make_input, make_params, parse_shape
+    from bnprobe.inputs import make_params
     from bnprobe.kernels.layout import layout_of
 
     wanted = tuple(m.strip() for m in modes.split(",") if m.strip())
@@ -256,8 +261,7 @@ def dump_cmd(
     if bad or not wanted:
         raise BNProbeError(f"--modes takes train, infer, backward; got {modes!r}")
     a = get_adapter(adapter)
-    x = load_array(input) if input is not None else make_input(parse_shape(shape), dist=dist, mean=mean, std=std,
-                                                                   seed=seed)
+    x = _input_tensor(input, shape, dist, mean, std, seed)
     lay = layout_of(x, layout)
     c = lay.channels
     prm = make_params(c, seed)
@@ -432,12 +436,10 @@ def overflow_cmd(
     from the input; remedies verified. Exit 0 when clean, 1 when anomalies are found."""
     from bnprobe._table import render_table
     from bnprobe.checks.overflow import scan
-    from bnprobe.inputs import load_array, make_input, parse_shape
     from bnprobe.kernels.layout import check_eps
 
     check_eps(eps)
-    x = load_array(input) if input is not None else make_input(parse_shape(shape), dist=dist, mean=mean, std=std,
-                                                                   seed=seed)
+    x = _input_tensor(input, shape, dist, mean, std, seed)
     rep = scan(adapter, x, dtype=dtype, accumulate=accumulate, mode=mode, eps=eps, seed=seed)
     frame = rep.to_frame()
     head = [{**h.__dict__} for h in rep.headroom]

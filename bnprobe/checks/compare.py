@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from bnprobe.adapters import KernelAdapter, Saved, get_adapter
+from bnprobe.adapters import KernelAdapter, get_adapter
 from bnprobe.adapters.emulated import PolicyAdapter
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format

@@ -335,7 +335,7 @@ def analyze(
         notes.append(f"Newton steps in {spec.working}, result not rounded to {spec.format}; ULPs are "
                      f"{spec.format} ULPs")
     steps = []
-    labels = [f"[0, 0.5]", "(0.5, 1]"] + [f"({HIST_EDGES[i]:g}, {HIST_EDGES[i + 1]:g}]"
+    labels = ["[0, 0.5]", "(0.5, 1]"] + [f"({HIST_EDGES[i]:g}, {HIST_EDGES[i + 1]:g}]"
                                           for i in range(2, len(HIST_EDGES) - 1)]
     for n in newton:
         steps.append(_step(n, accs[n], spec.rounds_result, labels,

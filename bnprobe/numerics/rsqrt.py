@@ -196,52 +196,42 @@ def _positive_normalish(x: np.ndarray, fmt: Format, subnormals: str) -> tuple[np
     return np.where(bad, 1.0, a), zero
 
 
-def rsqrt_estimate(x: np.ndarray, fmt: str | Format, method: str = "magic", *, constant: int | None = None,
-                   bits: int = 12, subnormals: str = "keep") -> np.ndarray:
-    """The hardware-style first approximation of 1/sqrt(|x|) as values of ``fmt`` (specials not patched)."""
+def _estimate(op: str, x: np.ndarray, fmt: str | Format, method: str, constant: int | None, bits: int,
+              subnormals: str) -> np.ndarray:
+    """The first approximation of 1/sqrt(|x|) (op rsqrt) or 1/|x| (op recip) as values of ``fmt``."""
+    rsq = op == "rsqrt"
     fmt = get_format(fmt)
-    x = np.asarray(x, dtype=np.float64)
-    a, _ = _positive_normalish(x, fmt, subnormals)
+    a, _ = _positive_normalish(np.asarray(x, dtype=np.float64), fmt, subnormals)
+    valid = RSQRT_ESTIMATES if rsq else RECIP_ESTIMATES
     with np.errstate(all="ignore"):
         if method == "exact":
-            return rsqrt_exact(a, fmt)
+            return rsqrt_exact(a, fmt) if rsq else round_to(1.0 / a, fmt)
         if method == "magic":
+            defaults = MAGIC_RSQRT if rsq else MAGIC_RECIP
             if constant is None:
-                if fmt.name not in MAGIC_RSQRT:
-                    raise BNProbeError(f"no default rsqrt constant for {fmt.name}; pass constant=")
-                constant = MAGIC_RSQRT[fmt.name]
-            return _magic(a, fmt, constant, 1)
+                if fmt.name not in defaults:
+                    raise BNProbeError(f"no default {op} constant for {fmt.name}; pass constant=")
+                constant = defaults[fmt.name]
+            return _magic(a, fmt, constant, 1 if rsq else 0)
         if method == "table":
             if not 1 <= bits <= fmt.mantissa_bits:
                 raise BNProbeError(f"table bits must be in 1..{fmt.mantissa_bits} for {fmt.name}, got {bits}")
-            return round_to(_table_rsqrt(a, bits), fmt)
-        if method == "frsqrte":
-            return round_to(_frsqrte(a), fmt)
-    raise BNProbeError(f"unknown rsqrt method {method!r}; valid: {', '.join(RSQRT_ESTIMATES)}")
+            return round_to(_table_rsqrt(a, bits) if rsq else _table_recip(a, bits), fmt)
+        if method == ("frsqrte" if rsq else "frecpe"):
+            return round_to(_frsqrte(a) if rsq else _frecpe(a), fmt)
+    raise BNProbeError(f"unknown {'rsqrt' if rsq else 'reciprocal'} method {method!r}; valid: {', '.join(valid)}")
+
+
+def rsqrt_estimate(x: np.ndarray, fmt: str | Format, method: str = "magic", *, constant: int | None = None,
+                   bits: int = 12, subnormals: str = "keep") -> np.ndarray:
+    """The hardware-style first approximation of 1/sqrt(|x|) as values of ``fmt`` (specials not patched)."""
+    return _estimate("rsqrt", x, fmt, method, constant, bits, subnormals)
 
 
 def recip_estimate(x: np.ndarray, fmt: str | Format, method: str = "magic", *, constant: int | None = None,
                    bits: int = 12, subnormals: str = "keep") -> np.ndarray:
     """The hardware-style first approximation of 1/|x| as values of ``fmt`` (specials not patched)."""
-    fmt = get_format(fmt)
-    x = np.asarray(x, dtype=np.float64)
-    a, _ = _positive_normalish(x, fmt, subnormals)
-    with np.errstate(all="ignore"):
-        if method == "exact":
-            return round_to(1.0 / a, fmt)
-        if method == "magic":
-            if constant is None:
-                if fmt.name not in MAGIC_RECIP:
-                    raise BNProbeError(f"no default reciprocal constant for {fmt.name}; pass constant=")
-                constant = MAGIC_RECIP[fmt.name]
-            return _magic(a, fmt, constant, 0)
-        if method == "table":
-            if not 1 <= bits <= fmt.mantissa_bits:
-                raise BNProbeError(f"table bits must be in 1..{fmt.mantissa_bits} for {fmt.name}, got {bits}")
-            return round_to(_table_recip(a, bits), fmt)
-        if method == "frecpe":
-            return round_to(_frecpe(a), fmt)
-    raise BNProbeError(f"unknown reciprocal method {method!r}; valid: {', '.join(RECIP_ESTIMATES)}")
+    return _estimate("recip", x, fmt, method, constant, bits, subnormals)
 
 
 # ---- Newton refinement ---------------------------------------------------------------------------
