@@ -478,6 +478,72 @@ def overflow_cmd(
     return 0 if rep.clean else 1
 
 
+@app.command("fold")
+def fold_cmd(
+    layer: str = typer.Option("conv2d", help="Built-in layer before the BatchNorm: conv2d or linear."),
+    weights: Optional[Path] = typer.Option(None, help=".npz with weight, gamma, beta, running_mean, running_var "
+                                                      "(optional bias, eps, groups, padding, x)."),
+    dtype: str = typer.Option("fp16", help="Format: fp16, bf16, fp32, fp64."),
+    accumulate: Optional[str] = typer.Option(None, help="Accumulator of the layer's dot products (default fp32)."),
+    eps: Optional[float] = typer.Option(None, help="BatchNorm epsilon (default: the layer's, 1e-5)."),
+    groups: int = typer.Option(1, help="Groups of the built-in conv2d (its 16 input channels must divide)."),
+    seed: int = typer.Option(0, help="Seed of the built-in layer."),
+    out: Optional[Path] = typer.Option(None, help="Write CSV, JSON and Markdown to this folder."),
+    force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> int:
+    """Check BatchNorm folding into a Conv2D/Linear (and fused forms) per output channel in a format.
+    Exit 1 when a channel's folded result breaks the standard."""
+    from bnprobe._table import render_table
+    from bnprobe.checks.fold import check_fold, load_layer, make_layer, torch_fusion_check
+
+    if groups < 1 or 16 % groups:
+        raise BNProbeError(f"--groups must divide the built-in conv2d's 16 input channels, got {groups}")
+    lay = load_layer(weights) if weights is not None else make_layer(layer, seed=seed, groups=groups)
+    rep = check_fold(lay, dtype, accumulate=accumulate, eps=eps)
+    try:
+        import torch  # noqa: F401
+
+        if lay.groups == 1 and rep.dtype in ("fp32", "fp64"):
+            rep.torch = torch_fusion_check(lay, rep.dtype)
+    except ImportError:
+        rep.notes.append("torch not installed: no comparison with torch.nn.utils.fusion")
+    ch = rep.channels
+    shown = ch.sort_values(["verdict", "A"], ascending=[True, False]).head(10)
+    table = render_table(shown.to_dict(orient="records"),
+                         ["channel", "A", "var_over_eps", "folded_w_absmax", "w_headroom_binades", "err_unfused",
+                          "err_folded", "verdict"],
+                         headers=["channel", "A", "var/eps", "max|W'|", "W' headroom", "err unfused", "err folded",
+                                  "verdict"])
+    if out is not None:
+        md = f"# bnprobe fold: {rep.layer} + BN in {rep.dtype}\n\n```\n{table}\n```\n"
+        written = _write_reports(out, f"fold-{rep.layer}-{rep.dtype}", ch, rep.to_dict(), md, force)
+    if as_json:
+        typer.echo(dumps_json(rep.to_dict()))
+        return 0 if rep.passed else 1
+    n_fail = int((ch.verdict == "FAIL").sum())
+    typer.echo(f"fold {rep.layer} + BatchNorm in {rep.dtype} (accumulate {rep.accumulate}), {len(ch)} output channels: "
+               + ("all pass" if rep.passed else f"{n_fail} break the standard")
+               + " (largest A / failing channels first)")
+    typer.echo(table)
+    typer.echo("\nforms, max |error| against the FP64 golden:")
+    typer.echo(render_table(rep.forms.to_dict(orient="records"), ["form", "max_abs_err"]))
+    e = rep.eps_rule
+    typer.echo(f"\neps rule (Ascend's folding pass: eps < 1e-8 becomes 1e-5): eps {e['eps']:g} -> "
+               f"{e['eps_after_rule']:g}; output changes by up to {e['max_abs_change']:.4g}")
+    if len(rep.wrong_stats):
+        typer.echo("folding with the wrong statistics changes the output by up to:")
+        typer.echo(render_table(rep.wrong_stats.to_dict(orient="records"), ["folded with", "max_abs_change"]))
+    if rep.torch:
+        typer.echo(f"torch.nn.utils.fusion ({rep.torch['torch']}, {rep.torch['dtype']}): folded weights differ by at "
+                   f"most {rep.torch['max_rel_weight_diff']:.3g} relative, bias {rep.torch['max_rel_bias_diff']:.3g}")
+    for n in rep.notes:
+        typer.echo(f"note: {n}")
+    if out is not None:
+        typer.echo("wrote " + ", ".join(str(w) for w in written))
+    return 0 if rep.passed else 1
+
+
 def _click_classes() -> tuple[type, type, type | None]:
     """UsageError, ClickException and NoArgsIsHelpError of the click that typer runs on.
 

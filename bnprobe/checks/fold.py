@@ -1,0 +1,368 @@
+"""BatchNorm folding and fusion for inference, checked in every format.
+
+Folding: A = γ/√(σ²+ε), B = β − γμ/√(σ²+ε); a preceding Conv2D or Linear gets W' = W·A (per
+output channel) and b' = b·A + B.  Folded and unfused (layer, then BN inference) are both computed
+in the format under test — inputs and weights stored in it, the layer's dot products accumulated in
+an explicit accumulator format — and compared with the FP64 unfused golden, per output channel.
+
+The verdict is msprobe's benchmark method (its rule for BatchNorm-level operators) with the unfused
+computation in the same format as the benchmark: a channel passes when folding's RMSE is at most 2x
+and its largest error at most 10x the unfused path's, each denominator floored at the format's
+error floor times the channel's RMS (fp16 2^-11, bf16 2^-8, fp32 2^-14).  Running the layer in a
+format at all costs precision; folding must not add materially to it.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from bnprobe.errors import BNProbeError
+from bnprobe.formats import get_format
+from bnprobe.kernels import forward_infer, get_policy
+from bnprobe.numerics.arith import Arith
+from bnprobe.numerics.reduce import reduce_sum
+from bnprobe.numerics.rounding import round_to
+from bnprobe.tolerances import MSPROBE_STANDARDS
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+__all__ = ["Layer", "FoldReport", "make_layer", "load_layer", "fold_params", "layer_forward", "check_fold",
+           "ASCEND_EPS_FLOOR", "ASCEND_EPS_REPLACEMENT"]
+
+# Ascend's Conv+BN folding pass on the host replaces an eps below 1e-8 by 1e-5
+ASCEND_EPS_FLOOR = 1e-8
+ASCEND_EPS_REPLACEMENT = 1e-5
+BENCHMARK_RMSE_RATIO = 2.0  # msprobe's benchmark limits (its loosest level, where BN falls)
+BENCHMARK_MAX_RATIO = 10.0
+
+
+@dataclass
+class Layer:
+    """A Conv2D (weight (Cout, Cin/groups, kh, kw)) or Linear (weight (Cout, Cin)) followed by BatchNorm."""
+
+    kind: str
+    weight: np.ndarray
+    bias: np.ndarray | None
+    gamma: np.ndarray
+    beta: np.ndarray
+    running_mean: np.ndarray
+    running_var: np.ndarray
+    eps: float = 1e-5
+    groups: int = 1
+    padding: int = 0
+    x: np.ndarray | None = None  # an input to run it on
+    batch_mean: np.ndarray | None = None  # statistics of the last training batch (for the wrong-stats check)
+    batch_var: np.ndarray | None = None
+    source: str = "built-in"
+
+    @property
+    def channels(self) -> int:
+        return self.weight.shape[0]
+
+
+def make_layer(kind: str = "conv2d", *, seed: int = 0, dead: int = 3, groups: int = 1) -> Layer:
+    """A random layer with realistic BN statistics, including ``dead`` near-dead channels whose running
+    variance is tiny (1e-7..1e-5): there A = γ/√(σ²+ε) is huge."""
+    rng = np.random.default_rng([seed, 0xF01D])
+    if kind == "conv2d":
+        cin, cout, k = 16, 32, 3
+        w = rng.standard_normal((cout, cin // groups, k, k)) * math.sqrt(2 / (cin * k * k / groups))
+        x = np.maximum(rng.standard_normal((2, cin, 12, 12)), 0) * 2  # post-ReLU activations
+    elif kind == "linear":
+        cin, cout = 64, 32
+        w = rng.standard_normal((cout, cin)) * math.sqrt(2 / cin)
+        x = np.maximum(rng.standard_normal((16, cin)), 0) * 2
+    else:
+        raise BNProbeError(f"unknown layer {kind!r}; valid: conv2d, linear")
+    bias = rng.normal(0, 0.1, cout)
+    z = _ref_forward(kind, x, w, bias, groups, 1 if kind == "conv2d" else 0)
+    ax = (0, 2, 3) if z.ndim == 4 else (0,)
+    bm, bv = z.mean(axis=ax), z.var(axis=ax)
+    rm = bm + rng.normal(0, 0.05, cout) * np.sqrt(bv)  # running stats near the batch's
+    rv = bv * rng.uniform(0.8, 1.2, cout)
+    dead_ch = rng.choice(cout, size=min(dead, cout), replace=False)
+    rv[dead_ch] = 10.0 ** rng.uniform(-7, -5, dead_ch.size)
+    gamma = rng.uniform(0.5, 1.5, cout)
+    return Layer(kind, w, bias, gamma, rng.normal(0, 0.1, cout), rm, rv, 1e-5, groups,
+                 1 if kind == "conv2d" else 0, x, bm, bv)
+
+
+def load_layer(path: str | Path) -> Layer:
+    """A layer from an .npz with weight, gamma, beta, running_mean, running_var (optional: bias, eps,
+    groups, padding, x, kind)."""
+    from bnprobe.inputs import load_array  # noqa: F401 - same error style for missing files
+
+    p = Path(path)
+    if not p.is_file():
+        raise BNProbeError(f"weights file {str(p)!r} does not exist")
+    try:
+        with np.load(p, allow_pickle=False) as z:
+            d = {k: z[k] for k in z.files}
+    except Exception as exc:  # noqa: BLE001
+        raise BNProbeError(f"{p}: not a readable .npz ({type(exc).__name__})") from None
+    need = [k for k in ("weight", "gamma", "beta", "running_mean", "running_var") if k not in d]
+    if need:
+        raise BNProbeError(f"{p}: missing array(s) {', '.join(need)}")
+    w = d["weight"].astype(np.float64)
+    kind = str(d["kind"]) if "kind" in d else ("conv2d" if w.ndim == 4 else "linear")
+    if (kind == "conv2d" and w.ndim != 4) or (kind == "linear" and w.ndim != 2):
+        raise BNProbeError(f"{p}: weight has shape {w.shape}, not a {kind} weight")
+    cout = w.shape[0]
+    for k in ("gamma", "beta", "running_mean", "running_var", "bias"):
+        if k in d and d[k].shape != (cout,):
+            raise BNProbeError(f"{p}: {k} has shape {d[k].shape} but the weight has {cout} output channels")
+    groups = int(d["groups"]) if "groups" in d else 1
+    cin = w.shape[1] * groups
+    x = d["x"].astype(np.float64) if "x" in d else (
+        np.maximum(np.random.default_rng(0).standard_normal((2, cin, 12, 12) if kind == "conv2d" else (16, cin)),
+                   0) * 2)
+    return Layer(kind, w, d["bias"].astype(np.float64) if "bias" in d else None, d["gamma"].astype(np.float64),
+                 d["beta"].astype(np.float64), d["running_mean"].astype(np.float64),
+                 d["running_var"].astype(np.float64), float(d["eps"]) if "eps" in d else 1e-5, groups,
+                 int(d["padding"]) if "padding" in d else (1 if kind == "conv2d" else 0), x, source=str(p))
+
+
+def fold_params(gamma: np.ndarray, beta: np.ndarray, mean: np.ndarray, var: np.ndarray, eps: float,
+                weight: np.ndarray, bias: np.ndarray | None, arith: Arith | None = None) -> tuple[np.ndarray, ...]:
+    """(A, B, W', b') with every operation rounded in ``arith``'s format (exact FP64 when None)."""
+    ar = arith or Arith("fp64")
+    with np.errstate(all="ignore"):
+        a = ar.div(ar.round(gamma), ar.sqrt(ar.add(ar.round(var), ar.round(eps))))
+        b = ar.sub(ar.round(beta), ar.mul(a, ar.round(mean)))
+        col = a.reshape((-1,) + (1,) * (weight.ndim - 1))
+        w2 = ar.mul(ar.round(weight), col)
+        b2 = b if bias is None else ar.add(ar.mul(ar.round(bias), a), b)
+    return a, b, w2, b2
+
+
+def _im2col(x: np.ndarray, kh: int, kw: int, pad: int) -> np.ndarray:
+    n, c, h, w = x.shape
+    xp = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    ho, wo = h + 2 * pad - kh + 1, w + 2 * pad - kw + 1
+    cols = np.lib.stride_tricks.sliding_window_view(xp, (kh, kw), axis=(2, 3))  # n, c, ho, wo, kh, kw
+    return cols.transpose(0, 2, 3, 1, 4, 5).reshape(n, ho, wo, c * kh * kw)
+
+
+def _ref_forward(kind: str, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, groups: int, pad: int) -> np.ndarray:
+    """The layer in FP64 (numpy einsum)."""
+    if kind == "linear":
+        z = x @ w.T
+        return z + (0 if b is None else b)
+    cout = w.shape[0]
+    g_out = cout // groups
+    outs = []
+    for g in range(groups):
+        xg = x[:, g * w.shape[1]:(g + 1) * w.shape[1]]
+        cols = _im2col(xg, w.shape[2], w.shape[3], pad)
+        outs.append(np.einsum("nhwk,ok->nohw", cols, w[g * g_out:(g + 1) * g_out].reshape(g_out, -1)))
+    z = np.concatenate(outs, axis=1)
+    return z + (0 if b is None else b.reshape(1, -1, 1, 1))
+
+
+def layer_forward(kind: str, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, *, groups: int = 1, pad: int = 0,
+                  accumulate: str = "fp32", out: str = "fp32", order: str = "pairwise") -> np.ndarray:
+    """The layer with every product rounded to the accumulator format and the dot products summed in it
+    (``order``), the bias added in it, then the result rounded to ``out``.  x and w must already be
+    values of their storage format."""
+    acc = Arith(accumulate)
+    if get_format(accumulate).name == "fp64":
+        z = _ref_forward(kind, x, w, b, groups, pad)
+        return round_to(z, out)
+    cout = w.shape[0]
+    if kind == "linear":
+        prods = acc.mul(x[:, None, :], w[None, :, :])  # n, cout, k
+        n = x.shape[0]
+        z = reduce_sum(prods.reshape(n * cout, -1), acc, order=order).reshape(n, cout)
+        if b is not None:
+            z = acc.add(z, acc.round(b))
+        return round_to(z, out)
+    g_out = cout // groups
+    outs = []
+    for g in range(groups):
+        xg = x[:, g * w.shape[1]:(g + 1) * w.shape[1]]
+        cols = _im2col(xg, w.shape[2], w.shape[3], pad)  # n, ho, wo, k
+        wg = w[g * g_out:(g + 1) * g_out].reshape(g_out, -1)
+        prods = acc.mul(cols[:, None], wg[None, :, None, None, :])  # n, o, ho, wo, k
+        n, o, ho, wo, k = prods.shape
+        outs.append(reduce_sum(prods.reshape(-1, k), acc, order=order).reshape(n, o, ho, wo))
+    z = np.concatenate(outs, axis=1)
+    if b is not None:
+        z = acc.add(z, acc.round(b).reshape(1, -1, 1, 1))
+    return round_to(z, out)
+
+
+@dataclass
+class FoldReport:
+    layer: str
+    dtype: str
+    accumulate: str
+    channels: pd.DataFrame  # per output channel
+    forms: pd.DataFrame  # folded vs unfused vs the other forms, per format
+    eps_rule: dict[str, Any]
+    wrong_stats: pd.DataFrame
+    torch: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool((self.channels["verdict"] == "PASS").all())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layer": self.layer, "dtype": self.dtype, "accumulate": self.accumulate, "passed": self.passed,
+                "channels": self.channels.to_dict(orient="records"), "forms": self.forms.to_dict(orient="records"),
+                "eps_rule": self.eps_rule, "wrong_stats": self.wrong_stats.to_dict(orient="records"),
+                "torch": self.torch, "notes": self.notes}
+
+
+def _per_channel(z: np.ndarray) -> np.ndarray:
+    return np.moveaxis(z, 1, 0).reshape(z.shape[1], -1)
+
+
+def check_fold(layer: Layer, dtype: str = "fp16", *, accumulate: str | None = None, eps: float | None = None,
+               relu: bool = True) -> FoldReport:
+    """Folded vs unfused in ``dtype`` against the FP64 golden, per output channel, with the risks explained."""
+    import pandas as pd
+
+    fmt = get_format(dtype)
+    acc = get_format(accumulate or ("fp64" if fmt.name == "fp64" else "fp32")).name
+    eps = layer.eps if eps is None else eps
+    if not eps > 0:
+        raise BNProbeError(f"eps must be > 0, got {eps}")
+    if layer.x is None:
+        raise BNProbeError("the layer has no input to run on")
+    kind, groups, pad = layer.kind, layer.groups, layer.padding
+    cout = layer.channels
+    pol = get_policy("fp64").with_options(name="fp64")
+    # golden: FP64 layer then BN inference on the same stored inputs
+    xs, ws = round_to(layer.x, fmt), round_to(layer.weight, fmt)
+    bs = None if layer.bias is None else round_to(layer.bias, fmt)
+    g, b, rm, rv = layer.gamma, layer.beta, layer.running_mean, layer.running_var
+    z_gold = _ref_forward(kind, xs, ws, bs, groups, pad)
+    y_gold = forward_infer(z_gold, g, b, rm, rv, eps=eps, policy=pol).y
+    a64, b64, w64, bb64 = fold_params(g, b, rm, rv, eps, ws, bs)
+    fold64 = _ref_forward(kind, xs, w64, bb64, groups, pad)
+    # unfused in the format: layer (explicit accumulator) -> stored in fmt -> BN inference policy of fmt
+    bn_pol = get_policy(fmt.name if fmt.name in ("fp64", "fp32") else fmt.name).with_options(
+        name=f"{fmt.name} BN inference", accumulate=acc if acc != "fp64" or fmt.name == "fp64" else "fp32")
+    z = layer_forward(kind, xs, ws, bs, groups=groups, pad=pad, accumulate=acc, out=fmt.name)
+    y_unfused = forward_infer(z, g, b, rm, rv, eps=eps, policy=bn_pol.with_options(y_formula="affine")).y
+    y_xhat = forward_infer(z, g, b, rm, rv, eps=eps, policy=bn_pol.with_options(y_formula="xhat")).y
+    # folded in the format: A, B, W', b' formed in the accumulator format, stored in fmt
+    pa = Arith(acc)
+    a, bb, w2, b2 = fold_params(g, b, rm, rv, eps, ws, bs, pa)
+    w2s, b2s = round_to(w2, fmt), round_to(b2, fmt)
+    y_folded = layer_forward(kind, xs, w2s, b2s, groups=groups, pad=pad, accumulate=acc, out=fmt.name)
+    relu_fused = round_to(np.maximum(y_unfused.astype(np.float64), 0), fmt) if relu else None
+    relu_unfused = np.maximum(round_to(y_unfused.astype(np.float64), fmt), 0) if relu else None
+    # per channel
+    yg, yf, yu = _per_channel(y_gold), _per_channel(y_folded.astype(np.float64)), _per_channel(
+        y_unfused.astype(np.float64))
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        # a channel whose folded weights overflowed is all NaN/inf: reported as non-finite below
+        warnings.filterwarnings("ignore", message="(All-NaN slice|Mean of empty slice)", category=RuntimeWarning)
+        err_f = np.nanmax(np.abs(yf - yg), axis=1)
+        err_u = np.nanmax(np.abs(yu - yg), axis=1)
+        wmax = np.nanmax(np.abs(w2.reshape(cout, -1)), axis=1)
+        wnum = w2.reshape(cout, -1)
+        w_rel = np.nanmax(np.abs(round_to(wnum, fmt) - wnum) / np.where(wnum != 0, np.abs(wnum), np.nan), axis=1)
+    std = MSPROBE_STANDARDS.get(fmt.name)
+    rows = []
+    for c in range(cout):
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.filterwarnings("ignore", message="(All-NaN slice|Mean of empty slice)", category=RuntimeWarning)
+            rms = float(np.sqrt(np.nanmean(yg[c] ** 2)))
+            floor = (std.error_floor if std else 0.0) * rms
+            rmse_f, rmse_u = (float(np.sqrt(np.nanmean((v - yg[c]) ** 2))) for v in (yf[c], yu[c]))
+            r_rmse = rmse_f / max(rmse_u, floor) if rmse_f > 0 else 0.0
+            r_max = float(err_f[c]) / max(float(err_u[c]), floor) if err_f[c] > 0 else 0.0
+            finite = bool(np.isfinite(yf[c]).all())
+        ok = finite and (std is None or (r_rmse <= BENCHMARK_RMSE_RATIO and r_max <= BENCHMARK_MAX_RATIO))
+        why = ("non-finite folded output" if not finite else
+               f"folded/unfused error: RMSE x{r_rmse:.3g} (limit {BENCHMARK_RMSE_RATIO:g}), max x{r_max:.3g} "
+               f"(limit {BENCHMARK_MAX_RATIO:g})")
+        with np.errstate(all="ignore"):
+            head = math.log2(fmt.max / wmax[c]) if wmax[c] > 0 and np.isfinite(wmax[c]) else -math.inf
+        rows.append({"channel": c, "A": float(a64[c]), "running_var": float(rv[c]), "var_over_eps": float(rv[c] / eps),
+                     "folded_w_absmax": float(wmax[c]), "w_headroom_binades": head,
+                     "w_overflows": bool(head < 0) or not np.all(np.isfinite(w2s.reshape(cout, -1)[c])),
+                     "w_rel_rounding": float(w_rel[c]), "err_folded": float(err_f[c]), "err_unfused": float(err_u[c]),
+                     "error_added_by_folding": float(err_f[c] - err_u[c]), "verdict": "PASS" if ok else "FAIL",
+                     "why": why})
+    ch = pd.DataFrame(rows)
+
+    def err(y: np.ndarray | None) -> float:
+        if y is None:
+            return math.nan
+        with np.errstate(all="ignore"):
+            d = np.abs(np.asarray(y, dtype=np.float64) - (np.maximum(y_gold, 0) if y is relu_fused or y is relu_unfused
+                                                             else y_gold))
+        return float(np.nanmax(d)) if np.isfinite(d).any() else math.inf
+
+    forms = pd.DataFrame([
+        {"form": "folded conv/linear (W' = W*A, b' = b*A + B)", "max_abs_err": err(y_folded)},
+        {"form": "unfused, BN as A*x + B", "max_abs_err": err(y_unfused)},
+        {"form": "unfused, BN as (x - mean)*rstd*gamma + beta", "max_abs_err": err(y_xhat)},
+        {"form": "BN + ReLU fused (ReLU before the output cast)", "max_abs_err": err(relu_fused)},
+        {"form": "BN then ReLU (cast, then ReLU)", "max_abs_err": err(relu_unfused)},
+        {"form": "FP64 folded vs FP64 unfused", "max_abs_err": float(np.max(np.abs(fold64 - y_gold)))},
+    ])
+    # Ascend's eps rule and wrong statistics, in FP64 (so only the rule / statistics differ)
+    eps_used = ASCEND_EPS_REPLACEMENT if eps < ASCEND_EPS_FLOOR else eps
+    y_rule = _ref_forward(kind, xs, *fold_params(g, b, rm, rv, eps_used, ws, bs)[2:], groups, pad)
+    eps_rule = {"eps": eps, "eps_after_rule": eps_used, "replaced": eps_used != eps,
+                "max_abs_change": float(np.max(np.abs(y_rule - y_gold)))}
+    wrong = []
+    r_count = int(np.prod(z_gold.shape)) // cout
+    if layer.batch_mean is not None and layer.batch_var is not None:
+        for label, m_, v_ in (("batch statistics instead of running", layer.batch_mean, layer.batch_var),
+                              ("running var made biased (x (R-1)/R)", rm, rv * (r_count - 1) / r_count),
+                              ("running var made 'unbiased' again (x R/(R-1))", rm, rv * r_count / (r_count - 1))):
+            yw = _ref_forward(kind, xs, *fold_params(g, b, m_, v_, eps, ws, bs)[2:], groups, pad)
+            wrong.append({"folded with": label, "max_abs_change": float(np.max(np.abs(yw - y_gold)))})
+    notes = []
+    risky = ch[ch.w_overflows | (ch.verdict == "FAIL")]
+    if len(risky):
+        notes.append(f"channels at risk: {risky.channel.tolist()} (A up to {risky.A.abs().max():.3g})")
+    return FoldReport(kind, fmt.name, acc, ch, forms, eps_rule, pd.DataFrame(wrong), None, notes)
+
+
+def torch_fusion_check(layer: Layer, dtype: str = "fp32") -> dict[str, Any]:
+    """bnprobe's folded weights against torch.nn.utils.fusion.fuse_conv_bn_eval (Conv2d) / fuse_linear_bn_eval."""
+    import torch
+    from torch.nn.utils import fusion
+
+    fmt = get_format(dtype)
+    td = fmt.torch_dtype
+    if layer.kind == "conv2d":
+        conv = torch.nn.Conv2d(layer.weight.shape[1] * layer.groups, layer.channels, layer.weight.shape[2:],
+                               padding=layer.padding, groups=layer.groups, bias=layer.bias is not None)
+    else:
+        conv = torch.nn.Linear(layer.weight.shape[1], layer.channels, bias=layer.bias is not None)
+    bn = torch.nn.BatchNorm2d(layer.channels, eps=layer.eps) if layer.kind == "conv2d" else \
+        torch.nn.BatchNorm1d(layer.channels, eps=layer.eps)
+    with torch.no_grad():
+        conv.weight.copy_(torch.from_numpy(layer.weight))
+        if layer.bias is not None:
+            conv.bias.copy_(torch.from_numpy(layer.bias))
+        bn.weight.copy_(torch.from_numpy(layer.gamma))
+        bn.bias.copy_(torch.from_numpy(layer.beta))
+        bn.running_mean.copy_(torch.from_numpy(layer.running_mean))
+        bn.running_var.copy_(torch.from_numpy(layer.running_var))
+    conv, bn = conv.to(td).eval(), bn.to(td).eval()
+    fused = fusion.fuse_conv_bn_eval(conv, bn) if layer.kind == "conv2d" else fusion.fuse_linear_bn_eval(conv, bn)
+    ws, bs = round_to(layer.weight, fmt), None if layer.bias is None else round_to(layer.bias, fmt)
+    pa = Arith(fmt)
+    _, _, w2, b2 = fold_params(layer.gamma, layer.beta, layer.running_mean, layer.running_var, layer.eps, ws, bs, pa)
+    tw = fused.weight.detach().to(torch.float64).numpy()
+    tb = fused.bias.detach().to(torch.float64).numpy()
+    with np.errstate(all="ignore"):
+        rel_w = float(np.max(np.abs(tw - w2) / np.maximum(np.abs(w2), 1e-30)))
+        rel_b = float(np.max(np.abs(tb - b2) / np.maximum(np.abs(b2), 1e-30)))
+    return {"torch": torch.__version__, "dtype": fmt.name, "max_rel_weight_diff": rel_w, "max_rel_bias_diff": rel_b}
