@@ -544,6 +544,98 @@ def fold_cmd(
     return 0 if rep.passed else 1
 
 
+@app.command("doctor")
+def doctor_cmd(
+    adapter: str = typer.Option("reference", help="Adapter to diagnose."),
+    dtype: Optional[str] = typer.Option(None, help="Format (default: fp64 if the adapter runs it, else its first)."),
+    seed: int = typer.Option(0, help="Seed of the diagnostic inputs."),
+    stability: bool = typer.Option(True, "--stability/--no-stability", help="Include the stress-input checks."),
+    out: Optional[Path] = typer.Option(None, help="Write CSV, JSON and Markdown to this folder."),
+    force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> int:
+    """The expert's checklist for a BatchNorm kernel: PASS/WARN/FAIL with evidence, and the known bug
+    each failure matches. Exit 0 when healthy, 1 when something failed."""
+    import pandas as pd
+
+    from bnprobe._table import render_table
+    from bnprobe.checks.doctor import doctor
+
+    rep = doctor(adapter, dtype, seed=seed, stability=stability)
+    rows = [i.to_dict() for i in rep.items]
+    table = render_table(rows, ["status", "name", "evidence"], headers=["status", "check", "evidence"])
+    if out is not None:
+        md = f"# bnprobe doctor: {rep.adapter} in {rep.dtype}\n\n```\n{table}\n```\n\ndiagnosis: " \
+             f"{'; '.join(rep.diagnosis) or 'none'}\n"
+        written = _write_reports(out, f"doctor-{rep.adapter.replace(':', '_')}-{rep.dtype}", pd.DataFrame(rows),
+                                 rep.to_dict(), md, force)
+    if as_json:
+        typer.echo(dumps_json(rep.to_dict()))
+        return 0 if rep.healthy else 1
+    typer.echo(f"doctor {rep.adapter} in {rep.dtype}: " + ("healthy" if rep.healthy else "something failed"))
+    typer.echo(table)
+    if rep.diagnosis:
+        typer.echo("diagnosis: " + "; ".join(rep.diagnosis))
+    for n in rep.notes:
+        typer.echo(f"note: {n}")
+    if out is not None:
+        typer.echo("wrote " + ", ".join(str(w) for w in written))
+    return 0 if rep.healthy else 1
+
+
+@app.command("shrink")
+def shrink_cmd(
+    adapter: str = typer.Option(..., "--adapter", help="Adapter whose comparison with the FP64 reference fails."),
+    dtype: str = typer.Option("fp16", help="Format."),
+    mode: str = typer.Option("train", help="train, infer or backward."),
+    predicate: str = typer.Option("compare", help="compare (vs the reference), overflow, or module:function "
+                                                  "(f(x) -> True when the case fails)."),
+    input: Optional[Path] = typer.Option(None, "--input", help="The failing input .npy/.npz."),
+    shape: str = typer.Option("16,64,28,28", help="Shape of generated input."),
+    dist: str = typer.Option("normal", help="normal, uniform, student_t, constant."),
+    mean: float = typer.Option(0.0, help="Mean of the generated input."),
+    std: float = typer.Option(1.0, help="Standard deviation of the generated input."),
+    seed: int = typer.Option(0, help="Seed."),
+    seconds: float = typer.Option(120.0, help="Time budget."),
+    out: Optional[Path] = typer.Option(None, help="Folder for x.npy, the dump and shrink.json "
+                                                  "(default reports/shrink-<time>)."),
+) -> int:
+    """Reduce a failing case (channels, batch, spatial size, then values) to a minimal one that still
+    fails; write it as a dump plus the exact command that replays it."""
+    from bnprobe._progress import Progress
+    from bnprobe.checks.shrink import compare_predicate, load_predicate, overflow_predicate, shrink, write_shrink
+    import numpy as np
+
+    from bnprobe.reports import new_report_dir
+
+    if mode not in ("train", "infer", "backward"):
+        raise BNProbeError(f"unknown mode {mode!r}; valid: train, infer, backward")
+    x = _input_tensor(input, shape, dist, mean, std, seed)
+    fails = (compare_predicate(adapter, dtype=dtype, mode=mode) if predicate == "compare" else
+             overflow_predicate(adapter, dtype=dtype, mode=mode) if predicate == "overflow" else
+             load_predicate(predicate))
+    bar = Progress("shrink")
+    steps = [0]
+
+    def tick(_: str) -> None:
+        steps[0] += 1
+        bar(min(steps[0], 20), 20)
+
+    try:
+        res = shrink(x, fails, seconds=seconds, progress=tick)
+    finally:
+        bar.close()
+    folder = out if out is not None else new_report_dir("reports", "shrink")
+    files, cmd = write_shrink(res, folder, adapter=adapter, dtype=dtype, mode=mode, predicate=predicate)
+    typer.echo(f"shrunk {tuple(res.original_shape)} ({int(np.prod(res.original_shape))} values) to "
+               f"{tuple(res.x.shape)} ({res.x.size} values) in {res.evaluations} checks, {res.seconds:.1f} s"
+               + (" (time budget reached)" if res.timed_out else ""))
+    typer.echo(f"x = {np.array2string(res.x.reshape(-1), precision=6, threshold=20)}")
+    typer.echo("wrote " + ", ".join(str(f) for f in files))
+    typer.echo(f"replay: {cmd}")
+    return 0
+
+
 def _click_classes() -> tuple[type, type, type | None]:
     """UsageError, ClickException and NoArgsIsHelpError of the click that typer runs on.
 

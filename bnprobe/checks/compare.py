@@ -177,7 +177,9 @@ def _channels(adapter: str, dtype: str, case: Case, y: np.ndarray, gy: np.ndarra
     """The worst channels of y, with what explains them."""
     a, g = _cr(y), _cr(gy)
     with np.errstate(all="ignore"):
-        err = np.nanmax(np.abs(a - g), axis=1)
+        d = np.abs(a - g)
+        err = np.where(np.isnan(d), -np.inf, d).max(axis=1)  # NaN for a channel whose error is all NaN
+        err = np.where(np.isneginf(err), np.nan, err)
         var_rel = np.abs(np.asarray(var, dtype=np.float64) - gvar) / np.where(gvar > 0, gvar, np.nan)
         m2v = gmean**2 / np.where(gvar > 0, gvar, np.nan)
     r = a.shape[1]
@@ -345,6 +347,11 @@ def compare_precision(
                 caps = a.capabilities()
                 out_fmt = caps.output or fmt
                 def row(t: str, act: Any, gol: Any, f: str, sc: np.ndarray | None = None) -> None:
+                    # judge an output by the format the adapter returned it in (fp16 parameters, say), falling
+                    # back to ``f`` for float64 arrays (the reference, or formats carried in float64)
+                    dt = np.asarray(act).dtype
+                    if dt != np.float64:
+                        f = get_format(dt).name
                     rows.append(_row(a.name, fmt, case, t, act, gol, f, standards, rule, sc))
                 if "train" in modes and train_ok:
                     out = a.forward_train(xs, g, b, rms, rvs, momentum=momentum, **common)
