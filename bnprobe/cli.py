@@ -636,6 +636,81 @@ def shrink_cmd(
     return 0
 
 
+@app.command("plot-stats")
+def plot_stats_cmd(
+    simulate: bool = typer.Option(False, "--simulate", help="Record a built-in training run (the default when no "
+                                                           "--log or --dumps is given)."),
+    steps: int = typer.Option(200, help="Steps of the simulated training run."),
+    policies: str = typer.Option("fp32,fp16,bf16", help="Policies of the simulated run, side by side."),
+    seed: int = typer.Option(0, help="Seed of the simulated run."),
+    log: Optional[Path] = typer.Option(None, "--log", help="CSV/Parquet log: step, layer, channel, mean, var "
+                                                           "[, running_mean, running_var]."),
+    dumps: Optional[Path] = typer.Option(None, "--dumps", help="Folder of dumps, one sub-folder per step."),
+    channels: int = typer.Option(6, help="Channels per figure (the most drifting first)."),
+    eps: float = typer.Option(1e-5, help="BatchNorm epsilon (for var/eps)."),
+    out: Optional[Path] = typer.Option(None, help="Output folder (default reports/plot-stats-<time>)."),
+    format: str = typer.Option("png", "--format", help="png or svg."),
+) -> int:
+    """Plot μ and σ² and the running statistics over training, per channel and per format, and flag
+    divergence, collapse toward eps, non-finite statistics and a wrong momentum. Exit 1 when flagged."""
+    from bnprobe.checks.stats import find, load_dump_series, load_log, simulate as run_simulation
+    from bnprobe.kernels.layout import check_eps
+    from bnprobe.plots import plot_channel_stats, plot_distributions, plot_divergence, plot_layer_summary
+    from bnprobe.reports import atomic_write_text, dumps_json, html_report, new_report_dir, save_figure
+
+    check_eps(eps)
+    if format not in ("png", "svg"):
+        raise BNProbeError(f"--format takes png or svg, got {format!r}")
+    if sum(v is not None for v in (log, dumps)) + bool(simulate) > 1:
+        raise BNProbeError("give one source: --simulate, --log or --dumps")
+    if channels < 1:
+        raise BNProbeError(f"--channels must be >= 1, got {channels}")
+    if log is not None:
+        df, source = load_log(log), str(log)
+    elif dumps is not None:
+        df, source = load_dump_series(dumps), str(dumps)
+    else:
+        pols = tuple(p.strip() for p in policies.split(",") if p.strip())
+        df, source = run_simulation(pols, steps=steps, seed=seed, eps=eps), f"simulated run, seed {seed}"
+    findings = find(df, eps=eps)
+    folder = out if out is not None else new_report_dir("reports", "plot-stats")
+    files = []
+    for pol in df["policy"].unique():
+        for layer in df[df["policy"] == pol]["layer"].unique():
+            name = f"stats-{pol}-{layer}.{format}".replace(":", "_").replace("/", "_")
+            save_figure(plot_channel_stats(df, pol, layer, channels), folder / name, dpi=110)
+            files.append((name, f"μ and σ² over steps: {layer}, {pol}"))
+        name = f"summary-{pol}.{format}".replace(":", "_")
+        save_figure(plot_layer_summary(df, pol), folder / name, dpi=110)
+        files.append((name, f"layer x step drift of the running mean: {pol}"))
+    if "fp32" in set(df["policy"]) and df["policy"].nunique() > 1:
+        save_figure(plot_divergence(df), folder / f"divergence.{format}", dpi=110)
+        files.append((f"divergence.{format}", "low precision vs fp32 over steps"))
+    save_figure(plot_distributions(df, eps), folder / f"distributions.{format}", dpi=110)
+    files.append((f"distributions.{format}", "mean²/var and var/eps per channel"))
+    atomic_write_text(folder / "stats.csv", df.to_csv(index=False))
+    atomic_write_text(folder / "findings.json", dumps_json([f.to_dict() for f in findings]))
+    lines = [f"# bnprobe plot-stats: {source}", "", f"{len(findings)} finding(s)", ""]
+    lines += [f"- **{f.kind}** ({f.policy} {f.layer}, step {f.step}"
+              + (f", channels {list(f.channels)[:8]}" if f.channels else "") + f"): {f.detail}" for f in findings]
+    lines += ["", "## Figures", ""] + [f"- [{desc}]({name})" for name, desc in files]
+    atomic_write_text(folder / "index.md", "\n".join(lines) + "\n")
+    import html as _html
+
+    body = "".join(f'<h2>{_html.escape(desc)}</h2><a href="{name}"><img src="{name}" alt="{_html.escape(desc)}"></a>'
+                   for name, desc in files)
+    page = html_report(f"bnprobe plot-stats: {source}", f"{len(findings)} finding(s)",
+                       [("Findings", "; ".join(f"{f.kind} ({f.policy} {f.layer}, step {f.step}): {f.detail}"
+                                               for f in findings) or "none")])
+    atomic_write_text(folder / "index.html", page.replace("</body>", body + "</body>"))
+    typer.echo(f"plot-stats ({source}): {df['step'].nunique()} steps, {df['layer'].nunique()} layer(s), "
+               f"{df['policy'].nunique()} run(s); {len(findings)} finding(s)")
+    for f in findings:
+        typer.echo(f"  {f.kind}: {f.policy} {f.layer} step {f.step}: {f.detail}")
+    typer.echo(f"figures and index: {folder}/index.html")
+    return 1 if findings else 0
+
+
 def _click_classes() -> tuple[type, type, type | None]:
     """UsageError, ClickException and NoArgsIsHelpError of the click that typer runs on.
 

@@ -14,7 +14,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from bnprobe.checks.mathfn import MathAnalysis
 
-__all__ = ["plot_math_error", "plot_compare"]
+__all__ = ["plot_math_error", "plot_compare", "plot_channel_stats", "plot_layer_summary", "plot_divergence",
+           "plot_distributions"]
 
 
 def plot_math_error(analysis: MathAnalysis) -> Figure:
@@ -75,4 +76,123 @@ def plot_compare(rows: pd.DataFrame) -> Figure:
     ax.set_title("BatchNorm outputs vs the FP64 golden: worst error as a multiple of msprobe's bound")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
+    return fig
+
+
+def _select_channels(g: pd.DataFrame, k: int) -> list[int]:
+    """The k most anomalous channels: largest drift of the running mean from the batch mean (in std)."""
+    last = g[g["step"] == g["step"].max()].set_index("channel")
+    if "running_mean" in last and last["running_mean"].notna().any():
+        score = (last["running_mean"] - last["mean"]).abs() / np.sqrt(last["var"].abs() + 1e-12)
+    else:
+        score = last["var"].abs()
+    return [int(c) for c in score.sort_values(ascending=False, na_position="first").index[:k]]
+
+
+def plot_channel_stats(df: pd.DataFrame, policy: str, layer: str, channels: int = 6) -> Figure:
+    """Batch mean and variance per channel over steps, with the running estimates dashed."""
+    from matplotlib.figure import Figure
+
+    g = df[(df["policy"] == policy) & (df["layer"] == layer)]
+    chans = _select_channels(g, channels)
+    fig = Figure(figsize=(10, 6.5), layout="constrained")
+    ax_m, ax_v = fig.subplots(2, 1, sharex=True)
+    colors = [f"C{i}" for i in range(10)]
+    for i, c in enumerate(chans):
+        s = g[g["channel"] == c].sort_values("step")
+        col = colors[i % len(colors)]
+        ax_m.plot(s["step"], s["mean"], color=col, linewidth=1, label=f"channel {c}")
+        ax_v.plot(s["step"], s["var"], color=col, linewidth=1)
+        if "running_mean" in s and s["running_mean"].notna().any():
+            ax_m.plot(s["step"], s["running_mean"], color=col, linewidth=1.5, linestyle="--")
+            ax_v.plot(s["step"], s["running_var"], color=col, linewidth=1.5, linestyle="--")
+    ax_m.set_ylabel("mean μ")
+    ax_v.set_ylabel("variance σ²")
+    ax_v.set_yscale("log")
+    ax_v.set_xlabel("training step")
+    ax_m.set_title("batch statistics (solid) and running estimates (dashed)", fontsize=9)
+    ax_m.legend(fontsize=7, ncol=3)
+    for ax in (ax_m, ax_v):
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(f"{layer} ({policy}): μ and σ² of the {len(chans)} most drifting channels")
+    return fig
+
+
+def plot_layer_summary(df: pd.DataFrame, policy: str) -> Figure:
+    """Layer x step heatmap of the median drift |running_mean - batch mean| / batch std."""
+    from matplotlib.figure import Figure
+
+    g = df[df["policy"] == policy].copy()
+    fig = Figure(figsize=(10, 1.2 + 0.5 * g["layer"].nunique()), layout="constrained")
+    ax = fig.subplots()
+    if "running_mean" not in g or g["running_mean"].isna().all():
+        g["drift"] = np.nan
+    else:
+        g["drift"] = (g["running_mean"] - g["mean"]).abs() / np.sqrt(g["var"].abs() + 1e-12)
+    piv = g.groupby(["layer", "step"])["drift"].median().unstack("step")
+    im = ax.imshow(piv.to_numpy(), aspect="auto", cmap="viridis", interpolation="nearest",
+                   extent=(piv.columns.min() - 0.5, piv.columns.max() + 0.5, len(piv) - 0.5, -0.5))
+    ax.set_yticks(range(len(piv)), piv.index)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("layer")
+    fig.colorbar(im, ax=ax, label="median |running mean − batch mean| / batch std")
+    ax.set_title(f"{policy}: how far the running mean trails the batch mean, per layer and step")
+    return fig
+
+
+def plot_divergence(df: pd.DataFrame, base: str = "fp32") -> Figure:
+    """Low precision vs ``base``: median relative error of the batch variance over steps, per policy and layer,
+    and a channel x step heatmap for the worst policy/layer."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 7.5), layout="constrained")
+    ax_l, ax_h = fig.subplots(2, 1)
+    ref = df[df["policy"] == base].set_index(["step", "layer", "channel"])["var"]
+    worst = None
+    for pol in [p for p in df["policy"].unique() if p != base]:
+        cur = df[df["policy"] == pol].set_index(["step", "layer", "channel"])["var"]
+        rel = ((cur - ref).abs() / ref.abs()).dropna().rename("rel").reset_index()
+        for layer, g in rel.groupby("layer"):
+            med = g.groupby("step")["rel"].median()
+            ax_l.plot(med.index, med.to_numpy(), label=f"{pol} {layer}")
+            if worst is None or med.max() > worst[0]:
+                worst = (med.max(), pol, layer, g)
+    ax_l.set_yscale("log")
+    ax_l.set_xlabel("training step")
+    ax_l.set_ylabel(f"median |σ² − σ²({base})| / σ²({base})")
+    ax_l.set_title(f"batch variance vs the {base} run (same data, each run trains its own weights)", fontsize=9)
+    ax_l.grid(True, alpha=0.3)
+    if worst is not None:
+        ax_l.legend(fontsize=7, ncol=2)
+        _, pol, layer, g = worst
+        piv = g.pivot(index="channel", columns="step", values="rel")
+        im = ax_h.imshow(np.log10(piv.to_numpy() + 1e-16), aspect="auto", cmap="magma", interpolation="nearest")
+        fig.colorbar(im, ax=ax_h, label="log10 relative error of σ²")
+        ax_h.set_xlabel("training step")
+        ax_h.set_ylabel("channel")
+        ax_h.set_title(f"{pol} {layer}: relative error of σ² per channel and step", fontsize=9)
+    fig.suptitle("low precision vs " + base)
+    return fig
+
+
+def plot_distributions(df: pd.DataFrame, eps: float = 1e-5) -> Figure:
+    """Per-channel mean²/var (cancellation risk of single-pass variance) and var/eps (eps dominance) at the last step."""
+    from matplotlib.figure import Figure
+
+    last = df[df["step"] == df["step"].max()]
+    fig = Figure(figsize=(10, 4), layout="constrained")
+    ax1, ax2 = fig.subplots(1, 2)
+    for (pol, layer), g in last.groupby(["policy", "layer"]):
+        with np.errstate(all="ignore"):
+            ax1.hist(np.log10(g["mean"] ** 2 / g["var"] + 1e-30), bins=30, alpha=0.5, label=f"{pol} {layer}")
+            ax2.hist(np.log10(g["var"] / eps), bins=30, alpha=0.5, label=f"{pol} {layer}")
+    ax1.axvline(np.log10(2.0**12), color="tab:red", linestyle="--", linewidth=1, label="fp32 single-pass loses half its digits")
+    ax1.set_xlabel("log10(mean² / var) per channel")
+    ax2.axvline(1.0, color="tab:red", linestyle="--", linewidth=1, label="var = 10·eps")
+    ax2.set_xlabel("log10(var / eps) per channel")
+    for ax in (ax1, ax2):
+        ax.set_ylabel("channels")
+        ax.legend(fontsize=6)
+        ax.grid(True, alpha=0.3)
+    fig.suptitle("where the risky channels are (last step)")
     return fig

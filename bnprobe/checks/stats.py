@@ -1,0 +1,284 @@
+"""Statistics of BatchNorm over training: record them, load them, find what is wrong with them.
+
+Sources: a built-in training run (a small numpy MLP with two BatchNorm layers trained by SGD on a
+seeded synthetic task, run under several policies side by side, BN computed by bnprobe's
+instrumented kernels); a log (CSV or Parquet with step, layer, channel, mean, var, and optionally
+running_mean, running_var); a series of dumps across steps; or a :class:`StatsRecorder` in a
+user's own loop.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from bnprobe.errors import BNProbeError
+from bnprobe.kernels import backward, forward_train, get_policy
+from bnprobe.numerics.rounding import round_to
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+__all__ = ["StatsRecorder", "simulate", "load_log", "load_dump_series", "Finding", "find", "REQUIRED_COLUMNS"]
+
+REQUIRED_COLUMNS = ("step", "layer", "channel", "mean", "var")
+OPTIONAL_COLUMNS = ("running_mean", "running_var")
+
+
+class StatsRecorder:
+    """Collects per-step, per-layer, per-channel statistics; ``frame()`` gives the log."""
+
+    def __init__(self, policy: str = "run") -> None:
+        self.policy = policy
+        self.rows: list[dict[str, Any]] = []
+
+    def record(self, step: int, layer: str, *, mean: np.ndarray, var: np.ndarray,
+               running_mean: np.ndarray | None = None, running_var: np.ndarray | None = None,
+               **per_channel: np.ndarray | float) -> None:
+        """One layer's statistics at one step (arrays of one value per channel; scalars are broadcast)."""
+        mean = np.asarray(mean, dtype=np.float64)
+        c = mean.size
+        cols: dict[str, np.ndarray] = {"mean": mean, "var": np.asarray(var, dtype=np.float64)}
+        if running_mean is not None:
+            cols["running_mean"] = np.asarray(running_mean, dtype=np.float64)
+            cols["running_var"] = np.asarray(running_var, dtype=np.float64)
+        for k, v in per_channel.items():
+            cols[k] = np.broadcast_to(np.asarray(v, dtype=np.float64), (c,))
+        for ch in range(c):
+            self.rows.append({"policy": self.policy, "step": int(step), "layer": layer, "channel": ch,
+                              **{k: float(v[ch]) for k, v in cols.items()}})
+
+    def record_result(self, step: int, layer: str, result: Any, **extra: np.ndarray | float) -> None:
+        """Record a bnprobe TrainResult (its saved statistics, running statistics and anomaly count)."""
+        anomalies = sum(sum(s.anomalies.values()) for s in result.trace) if result.trace is not None else 0
+        self.record(step, layer, mean=result.mean, var=result.var, running_mean=result.running_mean,
+                    running_var=result.running_var, rstd=result.invstd, anomalies=float(anomalies), **extra)
+
+    def frame(self) -> pd.DataFrame:
+        import pandas as pd
+
+        return pd.DataFrame(self.rows)
+
+
+# ---- the built-in training run -------------------------------------------------------------------------
+
+def _data(seed: int, n: int, dim: int = 16, classes: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng([seed, 0x57A7])
+    centres = rng.normal(0, 3, (classes, dim)) + 2.0  # features with nonzero means, as activations have
+    y = rng.integers(0, classes, n)
+    return centres[y] + rng.normal(0, 1, (n, dim)), y
+
+
+def simulate(policies: tuple[str, ...] = ("fp32", "fp16", "bf16"), *, steps: int = 200, batch: int = 64,
+             seed: int = 0, lr: float = 0.05, momentum: float = 0.1, eps: float = 1e-5) -> pd.DataFrame:
+    """Train the same MLP (16 → BN(32) → ReLU → 32 → BN(32) → ReLU → 4) under each policy, from the same
+    initial weights and batches, recording every BN layer's statistics per step."""
+    import pandas as pd
+
+    if steps < 1 or batch < 2:
+        raise BNProbeError(f"steps must be >= 1 and batch >= 2, got steps={steps}, batch={batch}")
+    pols = [get_policy(p) for p in policies]
+    x_all, y_all = _data(seed, steps * batch)
+    rng = np.random.default_rng([seed, 1])
+    init = {"w1": rng.normal(0, math.sqrt(2 / 16), (16, 32)), "w2": rng.normal(0, math.sqrt(2 / 32), (32, 32)),
+            "w3": rng.normal(0, math.sqrt(2 / 32), (32, 4))}
+    frames = []
+    for pol in pols:
+        rec = StatsRecorder(pol.name)
+        p = {k: v.copy() for k, v in init.items()}
+        bn = {name: {"g": np.ones(32), "b": np.zeros(32), "rm": np.zeros(32), "rv": np.ones(32)}
+              for name in ("bn1", "bn2")}
+        st = pol.storage
+        for t in range(steps):
+            xb, yb = x_all[t * batch:(t + 1) * batch], y_all[t * batch:(t + 1) * batch]
+            h1 = round_to(xb @ p["w1"], st)
+            r1 = forward_train(h1, bn["bn1"]["g"], bn["bn1"]["b"], bn["bn1"]["rm"], bn["bn1"]["rv"],
+                               momentum=momentum, eps=eps, policy=pol, keep_arrays=False)
+            a1 = np.maximum(r1.y.astype(np.float64), 0)
+            h2 = round_to(a1 @ p["w2"], st)
+            r2 = forward_train(h2, bn["bn2"]["g"], bn["bn2"]["b"], bn["bn2"]["rm"], bn["bn2"]["rv"],
+                               momentum=momentum, eps=eps, policy=pol, keep_arrays=False)
+            a2 = np.maximum(r2.y.astype(np.float64), 0)
+            logits = a2 @ p["w3"]
+            prob = np.exp(logits - logits.max(axis=1, keepdims=True))
+            prob /= prob.sum(axis=1, keepdims=True)
+            dlog = prob.copy()
+            dlog[np.arange(batch), yb] -= 1
+            dlog /= batch
+            da2 = round_to((dlog @ p["w3"].T) * (a2 > 0), st)
+            b2 = backward(da2, h2, bn["bn2"]["g"], r2.mean.astype(np.float64), r2.invstd.astype(np.float64),
+                          policy=pol, keep_arrays=False)
+            da1 = round_to((b2.dx.astype(np.float64) @ p["w2"].T) * (a1 > 0), st)
+            b1 = backward(da1, h1, bn["bn1"]["g"], r1.mean.astype(np.float64), r1.invstd.astype(np.float64),
+                          policy=pol, keep_arrays=False)
+            loss = float(-np.mean(np.log(np.maximum(prob[np.arange(batch), yb], 1e-30))))
+            for name, r, bw in (("bn1", r1, b1), ("bn2", r2, b2)):
+                y = r.y.astype(np.float64)
+                with np.errstate(all="ignore"):
+                    rec.record_result(t, name, r, y_min=y.min(axis=0), y_max=y.max(axis=0),
+                                      grad_gamma=np.abs(bw.dgamma.astype(np.float64)),
+                                      grad_norm_x=np.sqrt((bw.dx.astype(np.float64) ** 2).sum(axis=0)), loss=loss)
+                bn[name]["rm"] = r.running_mean.astype(np.float64)
+                bn[name]["rv"] = r.running_var.astype(np.float64)
+            p["w3"] -= lr * (a2.T @ dlog)
+            p["w2"] -= lr * (a1.T @ b2.dx.astype(np.float64))
+            p["w1"] -= lr * (xb.T @ b1.dx.astype(np.float64))
+            for name, bw in (("bn1", b1), ("bn2", b2)):
+                bn[name]["g"] -= lr * bw.dgamma.astype(np.float64)
+                bn[name]["b"] -= lr * bw.dbeta.astype(np.float64)
+        frames.append(rec.frame())
+    return pd.concat(frames, ignore_index=True)
+
+
+# ---- logs ---------------------------------------------------------------------------------------------
+
+def load_log(path: str | Path) -> pd.DataFrame:
+    """A CSV or Parquet log; a malformed one is a clear error naming the column or row."""
+    import pandas as pd
+
+    p = Path(path)
+    if not p.is_file():
+        raise BNProbeError(f"log {str(p)!r} does not exist")
+    try:
+        df = pd.read_parquet(p) if p.suffix in (".parquet", ".pq") else pd.read_csv(p)
+    except ImportError as exc:
+        raise BNProbeError(f"{p}: reading Parquet needs pyarrow or fastparquet ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - any parser failure is a malformed log to the user
+        raise BNProbeError(f"{p}: not a readable CSV/Parquet log ({type(exc).__name__}: {str(exc).splitlines()[0]})") \
+            from None
+    missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
+    if missing:
+        raise BNProbeError(f"{p}: missing column(s) {', '.join(missing)}; a log needs "
+                           f"{', '.join(REQUIRED_COLUMNS)} (and optionally {', '.join(OPTIONAL_COLUMNS)})")
+    if ("running_mean" in df.columns) != ("running_var" in df.columns):
+        raise BNProbeError(f"{p}: give both running_mean and running_var, or neither")
+    numeric = [c for c in ("step", "channel", "mean", "var", *OPTIONAL_COLUMNS) if c in df.columns]
+    for c in numeric:
+        conv = pd.to_numeric(df[c], errors="coerce")
+        bad = conv.isna() & df[c].notna()
+        if bad.any():
+            row = int(np.flatnonzero(bad.to_numpy())[0])
+            raise BNProbeError(f"{p}: row {row + 2} has a non-numeric {c} ({df[c].iloc[row]!r})")
+        df[c] = conv
+    if df["step"].isna().any() or df["channel"].isna().any():
+        row = int(np.flatnonzero((df["step"].isna() | df["channel"].isna()).to_numpy())[0])
+        raise BNProbeError(f"{p}: row {row + 2} has no step or channel")
+    df["step"], df["channel"] = df["step"].astype(int), df["channel"].astype(int)
+    df["layer"] = df["layer"].astype(str)
+    if "policy" not in df.columns:
+        df["policy"] = "log"
+    if df.duplicated(["policy", "step", "layer", "channel"]).any():
+        row = int(np.flatnonzero(df.duplicated(["policy", "step", "layer", "channel"]).to_numpy())[0])
+        raise BNProbeError(f"{p}: row {row + 2} repeats step/layer/channel of an earlier row")
+    return df
+
+
+def load_dump_series(folder: str | Path) -> pd.DataFrame:
+    """Statistics from a series of dumps, one sub-folder per step (sorted by name): bnprobe dumps with a
+    training record, or msprobe step folders.  Batch statistics come from x; running ones from the
+    recorded outputs where present."""
+    from bnprobe.adapters.dump import load_dump
+
+    root = Path(folder)
+    if not root.is_dir():
+        raise BNProbeError(f"dump series {str(root)!r} is not a folder")
+    subs = sorted(d for d in root.iterdir() if d.is_dir())
+    if not subs:
+        raise BNProbeError(f"{root}: no step sub-folders")
+    rec = StatsRecorder("dumps")
+    for step, d in enumerate(subs):
+        r = load_dump(d)
+        mode = "train" if "train" in r.tensors else r.modes[0]
+        x = r.tensors[mode]["inputs"]["x"]
+        ax = (0,) + tuple(range(2, x.ndim))
+        outs = r.tensors[mode]["outputs"]
+        rec.record(step, r.meta.get("call", "bn"), mean=x.mean(axis=ax), var=x.var(axis=ax),
+                   running_mean=outs.get("running_mean_out"), running_var=outs.get("running_var_out"))
+    return rec.frame()
+
+
+# ---- findings -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str
+    policy: str
+    layer: str
+    step: int
+    channels: tuple[int, ...]
+    detail: str
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["channels"] = list(self.channels)
+        return d
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    drift: float = 0.5  # |running_mean - recent batch mean| in recent batch std
+    var_ratio: float = 4.0  # running_var vs recent batch var, either way
+    collapse: float = 10.0  # var / eps below this: eps dominates the normalisation
+    window: int = 10  # recent steps the running estimates are compared with
+    momentum: float = 0.1
+
+
+def find(df: pd.DataFrame, *, eps: float = 1e-5, thresholds: Thresholds | None = None) -> list[Finding]:
+    """Running statistics diverging from the batch's, variance collapsing toward eps, non-finite
+    statistics, and a momentum that behaves like the wrong convention."""
+    th = thresholds or Thresholds()
+    out: list[Finding] = []
+    for (policy, layer), g in df.groupby(["policy", "layer"], sort=False):
+        g = g.sort_values(["step", "channel"])
+        steps = np.sort(g["step"].unique())
+        bad = g[~np.isfinite(g["mean"]) | ~np.isfinite(g["var"])]
+        if len(bad):
+            first = int(bad["step"].min())
+            out.append(Finding("non-finite statistics", policy, layer, first,
+                               tuple(sorted(bad[bad.step == first].channel.unique().tolist())),
+                               f"NaN/inf batch statistics from step {first} ({len(bad)} entries)"))
+        fin = g[np.isfinite(g["var"])]
+        low = fin[fin["var"] < th.collapse * eps]
+        if len(low):
+            first = int(low["step"].min())
+            out.append(Finding("variance collapsing toward eps", policy, layer, first,
+                               tuple(sorted(low[low.step == first].channel.unique().tolist())),
+                               f"batch variance below {th.collapse:g} x eps (= {th.collapse * eps:.3g}) from step "
+                               f"{first}: eps dominates the normalisation there"))
+        if "running_mean" not in g.columns or g["running_mean"].isna().all():
+            continue
+        last = steps[-min(th.window, len(steps)):]
+        recent = g[g.step.isin(last)].groupby("channel")[["mean", "var"]].mean()
+        final = g[g.step == steps[-1]].set_index("channel")
+        with np.errstate(all="ignore"):
+            drift = np.abs(final["running_mean"] - recent["mean"]) / np.sqrt(recent["var"] + eps)
+            ratio = (final["running_var"] + eps) / (recent["var"] + eps)
+        bad_ch = sorted(set(drift.index[drift > th.drift]) | set(ratio.index[(ratio > th.var_ratio) |
+                                                                            (ratio < 1 / th.var_ratio)]))
+        if len(steps) > th.window and bad_ch:
+            out.append(Finding("running statistics diverge from the batch statistics", policy, layer,
+                               int(steps[-1]), tuple(int(c) for c in bad_ch),
+                               f"at the last step: running_mean off by up to {np.nanmax(drift):.3g} std, running_var "
+                               f"x{np.nanmax(np.maximum(ratio, 1 / ratio)):.3g} of the last {len(last)} batches'"))
+        # the momentum actually applied: (rm_t - rm_{t-1}) / (batch_mean_t - rm_{t-1}), median over channels/steps
+        if len(steps) >= 3:
+            piv_rm = g.pivot(index="step", columns="channel", values="running_mean")
+            piv_m = g.pivot(index="step", columns="channel", values="mean")
+            with np.errstate(all="ignore"):
+                est = (piv_rm.diff() / (piv_m - piv_rm.shift())).to_numpy()[1:]
+            est = est[np.isfinite(est) & (np.abs((piv_m - piv_rm.shift()).to_numpy()[1:]) > 1e-6)]
+            if est.size:
+                m_est = float(np.median(est))
+                if abs(m_est - th.momentum) > 0.25 and abs(m_est - (1 - th.momentum)) < 0.1:
+                    out.append(Finding("momentum behaves like the wrong convention", policy, layer, int(steps[1]), (),
+                                       f"the running mean moves {m_est:.3g} of the way to each batch mean: momentum "
+                                       f"applied as 1-m (Keras convention) instead of m = {th.momentum:g}"))
+                elif abs(m_est - th.momentum) > 0.25:
+                    out.append(Finding("momentum behaves like the wrong convention", policy, layer, int(steps[1]), (),
+                                       f"the running mean moves {m_est:.3g} of the way to each batch mean, "
+                                       f"expected m = {th.momentum:g}"))
+    return out
