@@ -34,6 +34,16 @@ def work():
     bnprobe.backward(dy, x, None, f.mean, f.invstd, policy="{policy}", keep_arrays=False)
 """
 
+ROUND_CASE = """
+import numpy as np
+import ml_dtypes
+WARMUP = "pychop" not in {setup!r}  # a first call pays for fresh pages; pychop's 23 s is not worth doubling
+{setup}
+x = np.random.default_rng(0).standard_normal(25_000_000).astype(np.float32)
+def work():
+    {call}
+"""
+
 # Each case: (name, code run in a subprocess; it must set `work()`; setup is not timed).
 CASES: dict[str, str] = {
     # ---- rsqrt analysis (issue: exhaustive fp16/bf16 < 1 s; fp32 reduced+sampled < 2 min, < 2 GB)
@@ -70,6 +80,36 @@ def work():
     with tempfile.TemporaryDirectory() as d:
         main(["compare-precision", "--out", d + "/r"])
 """,
+    # ---- rounding 25M float32 values (target: within 1.5x of astype for nearest-even, faster than pychop)
+    **{f"round 25M f32 -> {f}: astype (peer)": ROUND_CASE.format(setup="", call=f"x.astype({dt})")
+       for f, dt in (("fp16", "np.float16"), ("bf16", "ml_dtypes.bfloat16"))},
+    **{f"round 25M f32 -> {f}: bnprobe round_to": ROUND_CASE.format(
+        setup="from bnprobe.numerics.rounding import round_to", call=f"round_to(x, '{f}')") for f in ("fp16", "bf16")},
+    **{f"round 25M f32 -> {f}: pychop (peer)": ROUND_CASE.format(
+        setup=f"from pychop import Chop\nchop = Chop({e}, {m}, rmode=1)", call="chop(x)")
+       for f, e, m in (("fp16", 5, 10), ("bf16", 8, 7))},
+    # ---- an fp16 forward, every operation rounded: bnprobe's kernel vs the same formula with pychop
+    "fp16 forward 8x64x28x28: pychop, rounding after each vectorised op (peer)": """
+import numpy as np
+from pychop import Chop
+c = Chop(5, 10, rmode=1)
+x = np.random.default_rng(0).standard_normal((8, 64, 28, 28))
+ax, r = (0, 2, 3), 8 * 28 * 28
+def work():
+    xs = c(x)
+    mean = c(c(xs.sum(axis=ax, keepdims=True)) / r)
+    d = c(xs - mean)
+    var = c(c(c(d * d).sum(axis=ax, keepdims=True)) / r)
+    rstd = c(1.0 / c(np.sqrt(c(var + 1e-5))))
+    y = c(c(d * rstd) * 1.0 + 0.0)
+""",
+    "fp16 forward 8x64x28x28: bnprobe fp16-acc16": """
+import numpy as np
+import bnprobe
+x = np.random.default_rng(0).standard_normal((8, 64, 28, 28))
+def work():
+    bnprobe.forward_train(x, policy="fp16-acc16", keep_arrays=False)
+""",
     # ---- start-up (target: bnprobe --help < 0.3 s more than python -c pass)
     "python -c pass (peer)": "SHELL:" + sys.executable + " -c pass",
     "bnprobe --help": "SHELL:" + sys.executable + " -m bnprobe --help",
@@ -78,7 +118,14 @@ PEERS = {
     "bnprobe fp16 fwd+bwd 32x64x56x56": "torch fp32 fwd+bwd 32x64x56x56 (peer)",
     "bnprobe bf16 fwd+bwd 32x64x56x56": "torch fp32 fwd+bwd 32x64x56x56 (peer)",
     "bnprobe --help": "python -c pass (peer)",
+    "round 25M f32 -> fp16: bnprobe round_to": "round 25M f32 -> fp16: astype (peer)",
+    "round 25M f32 -> bf16: bnprobe round_to": "round 25M f32 -> bf16: astype (peer)",
+    "round 25M f32 -> fp16: pychop (peer)": "round 25M f32 -> fp16: bnprobe round_to",
+    "round 25M f32 -> bf16: pychop (peer)": "round 25M f32 -> bf16: bnprobe round_to",
+    "fp16 forward 8x64x28x28: bnprobe fp16-acc16": "fp16 forward 8x64x28x28: pychop, rounding after each vectorised op (peer)",
 }
+# cases slow enough that one repetition tells the story
+SLOW = ("pychop", "rsqrt fp32", "compare-precision")
 TARGETS = {
     "rsqrt fp16 exhaustive (magic, 0-2 steps)": "< 1 s",
     "rsqrt bf16 exhaustive (magic, 0-2 steps)": "< 1 s",
@@ -87,6 +134,11 @@ TARGETS = {
     "bnprobe bf16 fwd+bwd 32x64x56x56": "<= 3x peer",
     "bnprobe --help": "< peer + 0.3 s",
     "compare-precision default run (ResNet-50 x2 + stress)": "peak <= 338 MB",
+    "round 25M f32 -> fp16: bnprobe round_to": "<= 1.5x astype",
+    "round 25M f32 -> bf16: bnprobe round_to": "<= 1.5x astype",
+    "round 25M f32 -> fp16: pychop (peer)": "> 1x (bnprobe faster)",
+    "round 25M f32 -> bf16: pychop (peer)": "> 1x (bnprobe faster)",
+    "fp16 forward 8x64x28x28: bnprobe fp16-acc16": "< 1x (bnprobe faster)",
 }
 
 RUNNER = """
@@ -111,12 +163,14 @@ def run_case(code: str) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def module_available(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
 def torch_available() -> bool:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return module_available("torch")
 
 
 def main() -> int:
@@ -134,14 +188,17 @@ def main() -> int:
         if "torch" in code and not torch_available():
             print(f"skip {name}: torch not installed", file=sys.stderr)
             continue
-        runs = [run_case(code) for _ in range(reps)]
+        if "pychop" in code and not module_available("pychop"):
+            print(f"skip {name}: pychop not installed (pip install 'bnprobe[bench]')", file=sys.stderr)
+            continue
+        runs = [run_case(code) for _ in range(1 if any(k in name for k in SLOW) else reps)]
         results[name] = {"seconds": statistics.median(r["seconds"] for r in runs),
                          "peak_mb": max(r["peak_mb"] for r in runs)}
         print(f"  {name}: {results[name]['seconds']:.3f} s", file=sys.stderr)
 
     lines = [f"bnprobe benchmarks, {time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, "
              f"Python {platform.python_version()}; median of {reps}", "",
-             "| case | time (s) | peak RSS (MB) | vs peer | target |", "| --- | ---: | ---: | ---: | --- |"]
+             "| case | time (s) | peak RSS (MB) | time / peer | target |", "| --- | ---: | ---: | ---: | --- |"]
     for name, r in results.items():
         peer = PEERS.get(name)
         ratio = ""

@@ -100,7 +100,8 @@ def _fast_nearest_even(v: np.ndarray, fmt: Format) -> np.ndarray | None:
     if name == "fp32":
         return v.astype(np.float32).astype(np.float64)
     if name == "fp16":
-        return v.astype(np.float16).astype(np.float64)  # numpy rounds float64->float16 directly and correctly
+        # numpy rounds float64->float16 and float32->float16 directly and correctly
+        return v.astype(np.float16).astype(np.float64)
     if name == "bf16":
         # ml_dtypes' float64->bf16 cast double-rounds through float32; round to odd first.
         src = v if v.dtype == np.float32 else to_odd_fp32(v)
@@ -223,6 +224,16 @@ def round_to(
     """
     if rng is None and seed is not None:
         rng = np.random.default_rng(seed)
+    if rounding == "nearest_even" and overflow == "ieee" and subnormals == "keep":
+        # the default spec needs no event masks: the correct cast alone (see _fast_nearest_even)
+        f = get_format(fmt)
+        v = np.asarray(values)
+        if f.has_inf and v.dtype in (np.float64, np.float32):
+            with np.errstate(all="ignore"):
+                fast = _fast_nearest_even(v if (v.dtype == np.float64 or f.name in ("bf16", "fp16", "fp32"))
+                                          else v.astype(np.float64), f)
+            if fast is not None:
+                return fast
     return round_detail(values, fmt, rounding=rounding, overflow=overflow, subnormals=subnormals, rng=rng)[0]
 
 
