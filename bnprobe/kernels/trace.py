@@ -56,10 +56,17 @@ class Stage:
 
 
 def _range(v: np.ndarray) -> tuple[float, float, float]:
-    finite = v[np.isfinite(v)]
-    if finite.size == 0:
+    """(min, max, max |v|) over the finite values."""
+    if v.size == 0:
         return float("nan"), float("nan"), float("nan")
-    return float(finite.min()), float(finite.max()), float(np.abs(finite).max())
+    with np.errstate(invalid="ignore"):
+        mn, mx = float(v.min()), float(v.max())  # NaN/inf propagate: finite results mean all values are
+    if not (np.isfinite(mn) and np.isfinite(mx)):
+        finite = v[np.isfinite(v)]
+        if finite.size == 0:
+            return float("nan"), float("nan"), float("nan")
+        mn, mx = float(finite.min()), float(finite.max())
+    return mn, mx, max(abs(mn), abs(mx))
 
 
 @dataclass
@@ -82,20 +89,25 @@ class Trace:
         c = self.channels
         flat = value.reshape(c, -1)
         counts: dict[str, np.ndarray] = {}
+        zeros = np.zeros(c, dtype=np.int64)
+        vmin, vmax, absmax = _range(flat)
         with np.errstate(invalid="ignore"):
-            counts["nan"] = np.isnan(flat).sum(axis=1)
-            counts["posinf"] = np.isposinf(flat).sum(axis=1)
-            counts["neginf"] = np.isneginf(flat).sum(axis=1)
+            all_finite = bool(flat.size) and np.isfinite(float(flat.min())) and np.isfinite(float(flat.max()))
+            if all_finite or flat.size == 0:
+                counts["nan"], counts["posinf"], counts["neginf"] = zeros, zeros.copy(), zeros.copy()
+            else:
+                counts["nan"] = np.isnan(flat).sum(axis=1)
+                counts["posinf"] = np.isposinf(flat).sum(axis=1)
+                counts["neginf"] = np.isneginf(flat).sum(axis=1)
             for k in TALLY_FIELDS:
-                counts[k] = tally.counts[k].copy() if tally is not None else np.zeros(c, dtype=np.int64)
-            absval = np.abs(flat)
-            counts["subnormal"] = ((absval > 0) & (absval < fmt.tiny)).sum(axis=1)
+                counts[k] = tally.counts[k].copy() if tally is not None else zeros.copy()
+            small = np.abs(flat) < fmt.tiny  # zeros included; subnormals are the nonzero ones
+            counts["subnormal"] = (small & (flat != 0)).sum(axis=1) if small.any() else zeros.copy()
             if check_negative:
                 src = flat if wide is None else np.asarray(wide, dtype=np.float64).reshape(c, -1)
                 counts["negative"] = (src < 0).sum(axis=1)
             else:
                 counts["negative"] = np.zeros(c, dtype=np.int64)
-        vmin, vmax, absmax = _range(flat)
         keep = self.keep_arrays
         self.stages.append(Stage(
             name=name, format=fmt.name, value=value if keep else None,

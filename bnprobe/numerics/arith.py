@@ -72,11 +72,20 @@ class Arith:
     def round(self, wide: np.ndarray | float, tally: Tally | None = None) -> np.ndarray:
         """Round float64 ``wide`` to this format, recording events in ``tally``."""
         wide = np.asarray(wide, dtype=np.float64)
-        if tally is None and self._plain:
+        if self._plain and (tally is None or wide.ndim == 0):
             if self.native:
                 return wide
             with np.errstate(all="ignore"):
                 return wide.astype(self.fmt.dtype).astype(np.float64)
+        if self._plain:
+            # the default spec with events counted: a finite result cannot have overflowed, nothing is
+            # saturated or flushed, and underflow shows as fewer nonzeros than before rounding
+            with np.errstate(all="ignore"):
+                r = wide if self.native else wide.astype(self.fmt.dtype).astype(np.float64)
+                if np.isfinite(r.min()) and np.isfinite(r.max()):
+                    if np.count_nonzero(r) != np.count_nonzero(wide):
+                        tally.add("underflow", (wide != 0) & np.isfinite(wide) & (r == 0))
+                    return r
         r, over, sat, flushed = round_detail(
             wide, self.fmt, rounding=self.spec.rounding, overflow=self.spec.overflow,
             subnormals=self.spec.subnormals, rng=self.rng)
