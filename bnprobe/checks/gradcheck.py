@@ -8,7 +8,6 @@ v^T J u plus sampled Jacobian entries for large ones.  Comparisons use |a - n| <
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -16,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from bnprobe._loading import load_callable
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
@@ -299,16 +299,9 @@ SEED_CORRECTIONS = [("as printed", False, False), ("with √ on the factor", Tru
 def _load_formula(spec: str) -> Formula:
     if spec in FORMULAS:
         return FORMULAS[spec]
-    module, sep, attr = spec.partition(":")
-    if not sep:
+    if ":" not in spec:
         raise BNProbeError(f"unknown formula {spec!r}; valid: {', '.join(FORMULAS)} or module:function")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise BNProbeError(f"cannot load formula {spec!r}: {exc}") from None
-    if not callable(fn):
-        raise BNProbeError(f"formula {spec!r} is not callable")
-    return fn
+    return load_callable(spec, "formula")
 
 
 def check_formula(spec: str, shape: tuple[int, ...] = (4, 3, 5, 5), *, seed: int = 0, eps: float = 1e-5,

@@ -9,7 +9,6 @@ command that replays the failure.
 
 from __future__ import annotations
 
-import importlib
 import shlex
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from bnprobe._loading import load_callable
 from bnprobe.adapters import get_adapter
 from bnprobe.errors import BNProbeError
 
@@ -58,14 +58,9 @@ def overflow_predicate(adapter: str, dtype: str = "fp16", mode: str = "train") -
 
 
 def load_predicate(spec: str) -> Predicate:
-    module, sep, attr = spec.partition(":")
-    if not sep:
+    if ":" not in spec:
         raise BNProbeError(f"--predicate takes compare, overflow or module:function, got {spec!r}")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise BNProbeError(f"cannot load predicate {spec!r}: {exc}") from None
-    return fn
+    return load_callable(spec, "predicate")
 
 
 @dataclass
