@@ -10,13 +10,12 @@ bug.  A bug is diagnosed when the adapter matches that bug's model and not the c
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-from bnprobe.adapters import KernelAdapter, Saved, get_adapter
+from bnprobe.adapters import KernelAdapter, get_adapter
 from bnprobe.adapters.emulated import PolicyAdapter
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format

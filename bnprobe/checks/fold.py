@@ -97,8 +97,6 @@ def make_layer(kind: str = "conv2d", *, seed: int = 0, dead: int = 3, groups: in
 def load_layer(path: str | Path) -> Layer:
     """A layer from an .npz with weight, gamma, beta, running_mean, running_var (optional: bias, eps,
     groups, padding, x, kind)."""
-    from bnprobe.inputs import load_array  # noqa: F401 - same error style for missing files
-
     p = Path(path)
     if not p.is_file():
         raise BNProbeError(f"weights file {str(p)!r} does not exist")
