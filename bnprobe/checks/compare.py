@@ -167,15 +167,10 @@ def _row(adapter: str, dtype: str, case: Case, tensor: str, actual: Any, golden:
             "ulp_over_threshold": over, "small_value_share": small}
 
 
-def _cr(a: np.ndarray) -> np.ndarray:
-    a = np.asarray(a, dtype=np.float64)
-    return np.moveaxis(a, 1, 0).reshape(a.shape[1], -1) if a.ndim > 1 else a[:, None]
-
-
 def _channels(adapter: str, dtype: str, case: Case, y: np.ndarray, gy: np.ndarray, var: np.ndarray,
               gvar: np.ndarray, gmean: np.ndarray, eps: float, top: int) -> list[dict[str, Any]]:
     """The worst channels of y, with what explains them."""
-    a, g = _cr(y), _cr(gy)
+    a, g = layout_of(y).to_cr(y), layout_of(gy).to_cr(gy)
     with np.errstate(all="ignore"):
         d = np.abs(a - g)
         err = np.where(np.isnan(d), -np.inf, d).max(axis=1)  # NaN for a channel whose error is all NaN

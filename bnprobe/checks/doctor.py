@@ -17,6 +17,7 @@ import numpy as np
 
 from bnprobe.adapters import KernelAdapter, get_adapter
 from bnprobe.adapters.emulated import PolicyAdapter
+from bnprobe.checks.gradcheck import _axes, _col
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.numerics.rounding import round_to
@@ -40,16 +41,12 @@ BUGS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _col(v: np.ndarray, ndim: int) -> np.ndarray:
-    return np.asarray(v).reshape((1, -1) + (1,) * (ndim - 2))
-
-
 def model(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, rm: np.ndarray, rv: np.ndarray, dy: np.ndarray,
           momentum: float, eps: float, bug: str | None = None) -> dict[str, np.ndarray]:
     """BatchNorm in FP64 (NC... layout), correct or with one bug from BUGS."""
     if bug is not None and bug not in BUGS:
         raise BNProbeError(f"unknown bug model {bug!r}")
-    ax = (0,) + tuple(range(2, x.ndim))
+    ax = _axes(x)
     n = x.ndim
     r = x.size // x.shape[1]
     mean, var = x.mean(axis=ax), x.var(axis=ax)

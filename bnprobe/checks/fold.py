@@ -25,6 +25,7 @@ import numpy as np
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.kernels import forward_infer, get_policy
+from bnprobe.kernels.layout import layout_of
 from bnprobe.numerics.arith import Arith
 from bnprobe.numerics.reduce import reduce_sum
 from bnprobe.numerics.rounding import round_to
@@ -219,10 +220,6 @@ class FoldReport:
                 "torch": self.torch, "notes": self.notes}
 
 
-def _per_channel(z: np.ndarray) -> np.ndarray:
-    return np.moveaxis(z, 1, 0).reshape(z.shape[1], -1)
-
-
 def check_fold(layer: Layer, dtype: str = "fp16", *, accumulate: str | None = None, eps: float | None = None,
                relu: bool = True) -> FoldReport:
     """Folded vs unfused in ``dtype`` against the FP64 golden, per output channel, with the risks explained."""
@@ -260,8 +257,8 @@ def check_fold(layer: Layer, dtype: str = "fp16", *, accumulate: str | None = No
     relu_fused = round_to(np.maximum(y_unfused.astype(np.float64), 0), fmt) if relu else None
     relu_unfused = np.maximum(round_to(y_unfused.astype(np.float64), fmt), 0) if relu else None
     # per channel
-    yg, yf, yu = _per_channel(y_gold), _per_channel(y_folded.astype(np.float64)), _per_channel(
-        y_unfused.astype(np.float64))
+    lay = layout_of(y_gold)  # outputs are (N, C) or (N, C, H, W): channel-first rows per output channel
+    yg, yf, yu = lay.to_cr(y_gold), lay.to_cr(y_folded), lay.to_cr(y_unfused)
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         # a channel whose folded weights overflowed is all NaN/inf: reported as non-finite below
         warnings.filterwarnings("ignore", message="(All-NaN slice|Mean of empty slice)", category=RuntimeWarning)

@@ -332,10 +332,10 @@ def scan(
     rng = np.random.default_rng([seed, 9])
     g = np.ones(c) if gamma is None else np.asarray(gamma, dtype=np.float64)
     b = np.zeros(c) if beta is None else np.asarray(beta, dtype=np.float64)
-    with np.errstate(all="ignore"):
-        rm, rv = np.nan_to_num(np.nanmean(lay.to_cr(x), axis=1)), np.nan_to_num(np.nanvar(lay.to_cr(x), axis=1), nan=1.0)
-    dy = rng.standard_normal(x.shape)
     x_cr = lay.to_cr(x)
+    with np.errstate(all="ignore"):
+        rm, rv = np.nan_to_num(np.nanmean(x_cr, axis=1)), np.nan_to_num(np.nanvar(x_cr, axis=1), nan=1.0)
+    dy = rng.standard_normal(x.shape)
     if not isinstance(a, PolicyAdapter):
         return _scan_outputs(a, x, fmt, mode, g, b, rm, rv, dy, eps, layout, lay, x_cr)
     pol = a.policy_for(round_to(x, fmt), dtype=fmt, mode=mode, layout=layout)

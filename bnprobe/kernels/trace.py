@@ -55,18 +55,19 @@ class Stage:
         return {k: int(v.sum()) for k, v in self.counters.items() if v.any()}
 
 
-def _range(v: np.ndarray) -> tuple[float, float, float]:
-    """(min, max, max |v|) over the finite values."""
+def _range(v: np.ndarray) -> tuple[float, float, float, bool]:
+    """(min, max, max |v|) over the finite values, and whether every value is finite."""
     if v.size == 0:
-        return float("nan"), float("nan"), float("nan")
+        return float("nan"), float("nan"), float("nan"), True
     with np.errstate(invalid="ignore"):
         mn, mx = float(v.min()), float(v.max())  # NaN/inf propagate: finite results mean all values are
-    if not (np.isfinite(mn) and np.isfinite(mx)):
-        finite = v[np.isfinite(v)]
-        if finite.size == 0:
-            return float("nan"), float("nan"), float("nan")
-        mn, mx = float(finite.min()), float(finite.max())
-    return mn, mx, max(abs(mn), abs(mx))
+    if np.isfinite(mn) and np.isfinite(mx):
+        return mn, mx, max(abs(mn), abs(mx)), True
+    finite = v[np.isfinite(v)]
+    if finite.size == 0:
+        return float("nan"), float("nan"), float("nan"), False
+    mn, mx = float(finite.min()), float(finite.max())
+    return mn, mx, max(abs(mn), abs(mx)), False
 
 
 @dataclass
@@ -90,10 +91,9 @@ class Trace:
         flat = value.reshape(c, -1)
         counts: dict[str, np.ndarray] = {}
         zeros = np.zeros(c, dtype=np.int64)
-        vmin, vmax, absmax = _range(flat)
+        vmin, vmax, absmax, all_finite = _range(flat)
         with np.errstate(invalid="ignore"):
-            all_finite = bool(flat.size) and np.isfinite(float(flat.min())) and np.isfinite(float(flat.max()))
-            if all_finite or flat.size == 0:
+            if all_finite:
                 counts["nan"], counts["posinf"], counts["neginf"] = zeros, zeros.copy(), zeros.copy()
             else:
                 counts["nan"] = np.isnan(flat).sum(axis=1)
