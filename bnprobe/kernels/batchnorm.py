@@ -5,6 +5,13 @@ rounded to the format the policy gives it, and every intermediate is recorded in
 the result's Trace.  Internally tensors are channel-first ``(C, R)`` float64
 arrays holding values of their format; outputs are returned in the layout and
 numpy dtype of their format.
+
+When the trace keeps no arrays and every operation is an fp32 one with the
+default rounding (the fp32, fp16 and bf16 presets: 16-bit tensors, fp32
+arithmetic), the tensors are float32 carriers instead: the same values, half the
+memory traffic, and fp32 arithmetic done by the CPU's own binary32 operations
+(see numerics/arith.py for why that is exact).  Outputs, statistics and trace
+counters are identical either way; tests/kernels/test_carriers.py checks it.
 """
 
 from __future__ import annotations
@@ -19,9 +26,9 @@ from bnprobe.formats import Format, get_format
 from bnprobe.kernels.layout import Layout, as_channel_vector, check_eps, check_momentum, layout_of
 from bnprobe.kernels.policy import Policy, get_policy
 from bnprobe.kernels.trace import Trace
-from bnprobe.numerics.arith import Arith, Tally, fma_wide
+from bnprobe.numerics.arith import Arith, Tally, fits_float32, fma_wide
 from bnprobe.numerics.reduce import reduce_sum
-from bnprobe.numerics.rounding import round_to
+from bnprobe.numerics.rounding import RoundingSpec, round_to
 from bnprobe.numerics.rsqrt import divide, rsqrt_ascend950
 from bnprobe.numerics.rsqrt import rsqrt as nrsqrt
 from bnprobe.numerics.rsqrt import sqrt as nsqrt
@@ -71,13 +78,23 @@ def _wider_or_equal(big: Format, small: Format) -> bool:
     return big.precision >= small.precision and big.emax >= small.emax and big.emin <= small.emin
 
 
+def carrier_for(policy: Policy, keep_arrays: bool, overrides: dict[str, np.ndarray] | None) -> type:
+    """float32 when a run can use float32 carriers (see the module notes), else float64."""
+    fp32 = all(get_format(f).name == "fp32" for f in (policy.params_format, policy.compute, policy.accumulate))
+    if (keep_arrays or overrides or not fp32 or not fits_float32(get_format(policy.storage))
+            or policy.spec != RoundingSpec()):
+        return np.float64
+    return np.float32
+
+
 class _Run:
     """The arithmetic contexts of one block of channels of a kernel call, and its trace."""
 
     def __init__(self, policy: Policy, channels: int, keep_arrays: bool, rng: np.random.Generator,
-                 overrides: dict[str, np.ndarray] | None = None) -> None:
+                 overrides: dict[str, np.ndarray] | None = None, carrier: type = np.float64) -> None:
         self.policy = policy
         self.c = channels
+        self.carrier = carrier
         self.overrides = overrides or {}
         spec = policy.spec
         self.storage = Arith(policy.storage, spec, rng)
@@ -99,12 +116,40 @@ class _Run:
 
     def rec(self, name: str, ar: Arith, wide: np.ndarray, tally: Tally | None = None,
             negative: bool = False) -> np.ndarray:
-        """Round ``wide`` in ``ar``'s format and record it as stage ``name``."""
+        """Round ``wide`` in ``ar``'s format and record it as stage ``name``.
+
+        ``wide`` holds values already formed (a float32 carrier is taken as it is); an expression of
+        several values goes through :meth:`op`, which rounds it as one operation in either carrier.
+        """
         tally = tally if tally is not None else self.tally()
         with np.errstate(all="ignore"):
-            wide = np.asarray(wide, dtype=np.float64)
-        value = ar.round(wide, tally)
+            wide = np.asarray(wide)
+            if wide.dtype != np.float32:
+                wide = wide.astype(np.float64, copy=False)
+        value = self.carried(ar.round(wide, tally), ar)
         return self.record(name, ar, value, wide, tally, negative)
+
+    def op(self, name: str, ar: Arith, f: Any, *args: np.ndarray, tally: Tally | None = None) -> np.ndarray:
+        """``f(*args)`` (np.add, np.subtract, np.multiply) formed exactly, rounded once in ``ar``'s
+        format, recorded as stage ``name``."""
+        tally = tally if tally is not None else self.tally()
+        if self.carrier is np.float32:
+            value = self.carried(ar._op(f, *args, tally=tally), ar)
+            return self.record(name, ar, value, None, tally)
+        with np.errstate(all="ignore"):
+            wide = f(*(np.asarray(a, dtype=np.float64) for a in args))
+        return self.rec(name, ar, wide, tally)
+
+    def carried(self, value: np.ndarray, ar: Arith) -> np.ndarray:
+        """An elementwise value in this run's carrier (exact: float32 only holds formats that fit)."""
+        if self.carrier is np.float32 and value.ndim == 2 and ar.fits32 and value.dtype != np.float32:
+            return value.astype(np.float32)
+        return value
+
+    def col(self, ar: Arith, v: np.ndarray) -> np.ndarray:
+        """A per-channel value rounded to ``ar``'s format, as a column in this run's carrier."""
+        c = ar.round(v)[:, None]
+        return c.astype(np.float32) if self.carrier is np.float32 and ar.fits32 else c
 
     def cast(self, name: str, value: np.ndarray, src: str, dst: Arith) -> np.ndarray:
         """Convert between formats; recorded as a stage only when it can round."""
@@ -114,7 +159,7 @@ class _Run:
 
     def load(self, name: str, a: np.ndarray, ar: Arith) -> np.ndarray:
         """Round a block of a caller's tensor to its format and record it (input-borne NaN/inf show here)."""
-        return self.rec(name, ar, a)
+        return self.rec(name, ar, a)  # rec returns it in this run's carrier
 
     def param(self, v: np.ndarray) -> np.ndarray:
         return self.params.round(v)
@@ -123,7 +168,7 @@ class _Run:
                negative: bool = False) -> np.ndarray:
         """Record a stage (a value computed in one or many steps, with ``wide`` its float64 value before the
         last rounding) and return what flows downstream: the value, or the override given for ``name``."""
-        if name in self.overrides:
+        if name in self.overrides:  # (overrides run in float64 carriers: see carrier_for)
             value = np.broadcast_to(np.asarray(self.overrides[name], dtype=np.float64), np.shape(value)).copy()
         self.trace.record(name, value, ar.fmt, wide=wide, tally=tally, check_negative=negative)
         return value
@@ -167,7 +212,7 @@ class _Run:
         """y in the storage format from x, per-channel mean/rstd and the affine parameters."""
         pol, acc, comp = self.policy, self.acc, self.comp
         xc = self.cast("x_compute", xs, pol.storage, comp)
-        col = lambda v: comp.round(v)[:, None]  # noqa: E731 - per-channel value cast to compute, as a column
+        col = lambda v: self.col(comp, v)  # noqa: E731 - per-channel value cast to compute, as a column
 
         def mac(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
             """Record a*b + c as the 'affine' stage, fused or as two roundings."""
@@ -175,13 +220,13 @@ class _Run:
                 return self.rec("affine", comp, fma_wide(a, b, c, native=comp.native))
             t = self.tally()
             prod = comp.mul(a, b, t)
-            return self.rec("affine", comp, prod + c, t)
+            return self.op("affine", comp, np.add, prod, c, tally=t)
 
         with np.errstate(all="ignore"):
             ga, ba = acc.round(gamma), acc.round(beta)
             if pol.y_formula == "xhat":
-                centered = self.rec("centered", comp, xc - col(mean))
-                xhat = self.rec("xhat", comp, centered * col(rstd))
+                centered = self.op("centered", comp, np.subtract, xc, col(mean))
+                xhat = self.op("xhat", comp, np.multiply, centered, col(rstd))
                 affine = mac(xhat, col(gamma), col(beta))
             elif pol.y_formula == "scale":
                 if std is not None:
@@ -189,7 +234,7 @@ class _Run:
                     w = self.record("w", acc, self.div(ga, std, t), ga / std, t)
                 else:
                     w = self.rec("w", acc, ga * rstd)
-                centered = self.rec("centered", comp, xc - col(mean))
+                centered = self.op("centered", comp, np.subtract, xc, col(mean))
                 affine = mac(centered, col(w), col(beta))
             else:  # affine
                 if std is not None:
@@ -224,12 +269,13 @@ class _Blocks:
                      "layout": lay.layout, "channels": lay.channels, "reduce_size": lay.reduce_size,
                      "channel_blocks": len(self.slices), **meta}
         self.traces: list[Trace] = []
+        self.carrier = carrier_for(policy, keep_arrays, overrides)
 
     def __iter__(self):
         for sl in self.slices:
             # overrides are channel-first, (C,) or (C, R): take this block's channels
             sub = {k: np.asarray(v)[sl] for k, v in self.overrides.items()}
-            run = _Run(self.policy, sl.stop - sl.start, self.keep, self.rng, sub)
+            run = _Run(self.policy, sl.stop - sl.start, self.keep, self.rng, sub, self.carrier)
             yield sl, run
             self.traces.append(run.trace)
 
@@ -293,7 +339,7 @@ def forward_train(
     saved = {k: blocks.vector(pf) for k in ("mean", "invstd", "var", "running_mean", "running_var")}
     nbt = int(num_batches_tracked) + 1
     for sl, run in blocks:
-        out = _train_block(run, lay.to_cr(x, sl), g[sl], b[sl], None if rm is None else rm[sl],
+        out = _train_block(run, lay.to_cr(x, sl, run.carrier), g[sl], b[sl], None if rm is None else rm[sl],
                            None if rv is None else rv[sl], eps=eps, momentum=momentum, nbt=nbt,
                            r=lay.reduce_size)
         lay.place(y, out.pop("y"), sl)
@@ -320,7 +366,7 @@ def _train_block(run: _Run, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.
         xa = run.cast("x_acc", xs, pol.storage, acc)
         m = moments(xa, acc, algorithm=pol.variance, order=pol.order, lanes=pol.lanes, tiles=pol.tiles,
                     kahan=pol.kahan, mean_by=pol.mean_by, clamp=pol.clamp_var, parts=pol.core_parts,
-                    combine=pol.core_combine, rng=run.rng, overrides=run.overrides)
+                    combine=pol.core_combine, rng=run.rng, overrides=run.overrides, wide_sums=run.trace.keep_arrays)
         for sv in m.stages:
             run.trace.record(sv.name, sv.value, sv.arith.fmt, wide=sv.wide, tally=sv.tally,
                              check_negative=sv.check_negative)
@@ -373,7 +419,7 @@ def forward_infer(
     for sl, run in blocks:
         acc = run.acc
         with np.errstate(all="ignore"):
-            xs = run.load("x", lay.to_cr(x, sl), run.storage)
+            xs = run.load("x", lay.to_cr(x, sl, run.carrier), run.storage)
             mean = acc.round(run.param(rm[sl]))
             var = acc.round(run.param(rv[sl]))
             var_eps = run.rec("var_eps", acc, var + float(acc.round(eps)), negative=True)
@@ -425,8 +471,9 @@ def backward(
     dx = blocks.tensor(pol.storage)
     dgamma, dbeta = blocks.vector(pol.params_format), blocks.vector(pol.params_format)
     for sl, run in blocks:
-        out = _backward_block(run, lay.to_cr(dy, sl), lay.to_cr(x, sl), g[sl], mu[sl], inv[sl],
-                              None if sv is None else sv[sl], eps=eps, training=training, r=lay.reduce_size)
+        out = _backward_block(run, lay.to_cr(dy, sl, run.carrier), lay.to_cr(x, sl, run.carrier), g[sl], mu[sl],
+                              inv[sl], None if sv is None else sv[sl], eps=eps, training=training,
+                              r=lay.reduce_size)
         lay.place(dx, out["dx"], sl)
         dgamma[sl], dbeta[sl] = out["dgamma"], out["dbeta"]
     return BackwardResult(dx=dx, dgamma=dgamma, dbeta=dbeta, trace=blocks.trace())
@@ -436,7 +483,7 @@ def _backward_block(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu:
                     sv: np.ndarray | None, *, eps: float, training: bool, r: int) -> dict[str, np.ndarray]:
     """Backward of one channel block (channel-first arrays)."""
     pol, acc, comp = run.policy, run.acc, run.comp
-    col = lambda v: comp.round(v)[:, None]  # noqa: E731
+    col = lambda v: run.col(comp, v)  # noqa: E731
     with np.errstate(all="ignore"):
         dys = run.load("dy", dy, run.storage)
         xs = run.load("x", x, run.storage)
@@ -445,8 +492,8 @@ def _backward_block(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu:
         invstd = acc.round(run.param(inv))
         xc = run.cast("x_compute", xs, pol.storage, comp)
         dyc = run.cast("dy_compute", dys, pol.storage, comp)
-        centered = run.rec("centered", comp, xc - col(mean))
-        xhat = run.rec("xhat", comp, centered * col(invstd))
+        centered = run.op("centered", comp, np.subtract, xc, col(mean))
+        xhat = run.op("xhat", comp, np.multiply, centered, col(invstd))
 
         dya = run.cast("dy_acc", dys, pol.storage, acc)
         t = run.tally()
@@ -459,7 +506,7 @@ def _backward_block(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu:
 
         if not training:
             scale = run.rec("scale", acc, ga * invstd)
-            dx_c = run.rec("dx_compute", comp, dyc * col(scale))
+            dx_c = run.op("dx_compute", comp, np.multiply, dyc, col(scale))
         elif pol.backward_formula == "standard":
             mean_dy = run.rec("mean_dy", acc, sum_dy / r)
             mean_dy_xhat = run.rec("mean_dy_xhat", acc, sum_dy_xhat / r)
@@ -467,7 +514,7 @@ def _backward_block(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu:
             t = run.tally()
             d = comp.sub(dyc, col(mean_dy), t)
             d = comp.sub(d, comp.mul(xhat, col(mean_dy_xhat), t), t)
-            dx_c = run.rec("dx_compute", comp, d * col(scale), t)
+            dx_c = run.op("dx_compute", comp, np.multiply, d, col(scale), tally=t)
         else:  # ascend: BNTrainingReduceGrad
             if sv is not None:
                 var_eps = acc.add(acc.round(run.param(sv)), acc.round(eps))
@@ -486,6 +533,6 @@ def _backward_block(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu:
             t = run.tally()
             d = comp.add(dyc, comp.mul(xc, col(mult), t), t)
             d = comp.add(d, col(addend), t)
-            dx_c = run.rec("dx_compute", comp, d * col(scale), t)
+            dx_c = run.op("dx_compute", comp, np.multiply, d, col(scale), tally=t)
         dx = run.rec("dx", run.out, dx_c)
     return {"dx": dx, "dgamma": dgamma, "dbeta": dbeta}

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from bnprobe.errors import BNProbeError
+from bnprobe.formats import get_format
+from bnprobe.numerics.arith import fits_float32
 
 __all__ = ["LAYOUTS", "Layout", "layout_of", "as_channel_vector", "check_eps", "check_momentum"]
 
@@ -34,14 +36,17 @@ class Layout:
         """R = N * (spatial sizes): the number of values each channel's statistics see."""
         return math.prod(self.shape) // max(self.channels, 1)
 
-    def to_cr(self, a: np.ndarray, channels: slice = slice(None)) -> np.ndarray:
-        """The given channels of ``a`` as a float64 channel-first ``(k, R)`` copy."""
+    def to_cr(self, a: np.ndarray, channels: slice = slice(None), carrier: type = np.float64) -> np.ndarray:
+        """The given channels of ``a`` as a channel-first ``(k, R)`` copy: float64, or float32 when
+        ``carrier`` is float32 and ``a`` holds values that float32 represents exactly (float32, float16,
+        bfloat16); a wider ``a`` stays float64 so that its values are not rounded here."""
         a = np.asarray(a)
         if a.shape != self.shape:
             raise BNProbeError(f"expected shape {self.shape}, got {a.shape}")
         part = np.moveaxis(a, self.channel_axis, 0)[channels]
+        dtype = np.float32 if carrier is np.float32 and _exact_in_float32(a.dtype) else np.float64
         with np.errstate(invalid="ignore"):
-            return part.reshape(part.shape[0], -1).astype(np.float64)
+            return part.reshape(part.shape[0], -1).astype(dtype)
 
     def from_cr(self, a: np.ndarray) -> np.ndarray:
         """A channel-first ``(C, R)`` array back in this layout."""
@@ -64,6 +69,14 @@ class Layout:
         n = -(-c // per)
         per = -(-c // n)
         return [slice(i, min(i + per, c)) for i in range(0, c, per)]
+
+
+def _exact_in_float32(dtype: np.dtype) -> bool:
+    """True when every value of ``dtype`` is exactly a float32 (float32, float16, bfloat16, FP8)."""
+    try:
+        return fits_float32(get_format(dtype))
+    except BNProbeError:
+        return False
 
 
 def layout_of(x: np.ndarray, layout: str = "channels_first") -> Layout:

@@ -86,7 +86,9 @@ class Trace:
                tally: Tally | None = None, check_negative: bool = False) -> None:
         """Add a stage; counters are computed here from the stored and wide values."""
         fmt = get_format(fmt)
-        value = np.asarray(value, dtype=np.float64)
+        value = np.asarray(value)
+        if value.dtype != np.float32:  # float32 carriers are read as they are (see numerics/arith.py)
+            value = value.astype(np.float64, copy=False)
         c = self.channels
         flat = value.reshape(c, -1)
         counts: dict[str, np.ndarray] = {}

@@ -11,6 +11,17 @@ the final single rounding correct (Boldo & Melquiond 2008).
 
 fp64 itself is native IEEE arithmetic (nearest-even); the FMA there is a*b + c
 with two roundings, which is documented, since the golden never needs one.
+
+float32 carriers: large elementwise arrays may instead be float32 arrays (every
+format here up to fp32 is exactly representable in binary32), which halves the
+memory traffic.  An fp32 operation on float32 operands is then IEEE binary32
+arithmetic itself, correctly rounded to nearest-even with gradual underflow, so
+it equals the float64 result rounded once; events are read off the result
+(a non-finite result sends the operation through the float64 route, whose
+overflow accounting is exact; an underflow is a zero product or quotient of
+nonzero finite operands).  Anything else — another format, another rounding
+spec, an operand that is not exactly a binary32 value — takes the float64 route
+and is converted back to float32 afterwards, which is exact.
 """
 
 from __future__ import annotations
@@ -23,7 +34,9 @@ from bnprobe.errors import BNProbeError
 from bnprobe.formats import Format, get_format
 from bnprobe.numerics.rounding import RoundingSpec, round_detail
 
-__all__ = ["Arith", "Tally", "TALLY_FIELDS", "add", "sub", "mul", "div", "sqrt", "fma"]
+__all__ = ["Arith", "Tally", "TALLY_FIELDS", "add", "sub", "mul", "div", "sqrt", "fma", "fits_float32"]
+
+_F32 = np.dtype(np.float32)
 
 TALLY_FIELDS: tuple[str, ...] = ("overflow", "saturated", "underflow", "flushed")
 
@@ -47,6 +60,29 @@ class Tally:
             self.counts[k] += other.counts[k]
 
 
+def fits_float32(fmt: Format) -> bool:
+    """True when every value of ``fmt`` is exactly a binary32 value (fp32, fp16, bf16, FP8)."""
+    return fmt.precision <= 24 and fmt.emax <= 127 and fmt.emin >= -126
+
+
+def _is_f32(a: object) -> bool:
+    return isinstance(a, np.ndarray) and a.dtype == _F32 and a.ndim > 0
+
+
+def _exact_f32(a: object) -> np.ndarray | None:
+    """``a`` as a float32 array when that is exact (NaN included), else None."""
+    arr = np.asarray(a)
+    if arr.dtype == _F32:
+        return arr
+    if arr.dtype.kind not in "fiu":
+        return None
+    with np.errstate(all="ignore"):
+        c = arr.astype(np.float32)
+        back = c.astype(arr.dtype) if arr.dtype.kind == "f" else c.astype(np.float64)
+        same = (back == arr) | (np.isnan(c) & np.isnan(arr)) if arr.dtype.kind == "f" else back == arr
+    return c if bool(np.all(same)) else None
+
+
 class Arith:
     """Operations in one format with one rounding spec; optionally tallies events.
 
@@ -65,12 +101,23 @@ class Arith:
         # nearest-even with IEEE overflow and gradual underflow is a plain correct cast for these
         # formats (see rounding._fast_nearest_even), used when no events are being counted
         self._plain = (self.spec == RoundingSpec() and self.fmt.name in ("fp64", "fp32", "fp16"))
+        self.fits32 = fits_float32(self.fmt)
+        # float32 carriers: fp32 with the default spec is binary32 arithmetic itself; fp16 and bf16
+        # with the default spec are one correct cast from binary32 (numpy, ml_dtypes)
+        self._native32 = self.fmt.name == "fp32" and self.spec == RoundingSpec()
+        self._cast32 = self.fmt.name in ("fp16", "bf16") and self.spec == RoundingSpec()
 
     def __repr__(self) -> str:
         return f"Arith({self.fmt.name}, {self.spec.rounding}, {self.spec.overflow}, {self.spec.subnormals})"
 
     def round(self, wide: np.ndarray | float, tally: Tally | None = None) -> np.ndarray:
-        """Round float64 ``wide`` to this format, recording events in ``tally``."""
+        """Round ``wide`` to this format, recording events in ``tally``.
+
+        float64 in, float64 out; a float32 array (a float32 carrier) comes back as
+        float32 when this format fits in binary32.
+        """
+        if self.fits32 and _is_f32(wide):
+            return self._round32(wide, tally)  # type: ignore[arg-type]
         wide = np.asarray(wide, dtype=np.float64)
         if self._plain and (tally is None or wide.ndim == 0):
             if self.native:
@@ -97,10 +144,48 @@ class Arith:
                 tally.add("underflow", (wide != 0) & np.isfinite(wide) & (r == 0))
         return r
 
+    def _round32(self, w: np.ndarray, tally: Tally | None) -> np.ndarray:
+        """round() of float32 carriers: the same values and events as the float64 route, in float32."""
+        if self._native32:
+            return w  # binary32 values are fp32 values: nothing rounds
+        if self._cast32:
+            with np.errstate(all="ignore"):
+                r = w.astype(self.fmt.dtype).astype(np.float32)
+                if tally is None:
+                    return r
+                if not np.isfinite(np.sum(r, dtype=np.float64)):
+                    # only non-finite results can be overflows (nearest-even, IEEE: never saturated/flushed)
+                    tally.add("overflow", np.isfinite(w) & ~np.isfinite(r))
+                if np.count_nonzero(r) != np.count_nonzero(w):
+                    tally.add("underflow", (w != 0) & np.isfinite(w) & (r == 0))
+            return r
+        return self.round(w.astype(np.float64), tally).astype(np.float32)
+
     def _op(self, f: Callable[..., np.ndarray], *args: np.ndarray, tally: Tally | None) -> np.ndarray:
+        if self.fits32 and any(_is_f32(a) for a in args):
+            return self._op32(f, args, tally)
         with np.errstate(all="ignore"):
             wide = f(*args)
         return self.round(wide, tally)
+
+    def _op32(self, f: Callable[..., np.ndarray], args: tuple[np.ndarray, ...], tally: Tally | None) -> np.ndarray:
+        """An operation on float32 carriers; the result is a float32 carrier (see the module notes)."""
+        if self._native32:
+            a32 = [_exact_f32(a) for a in args]
+            if all(a is not None for a in a32):
+                with np.errstate(all="ignore"):
+                    r = f(*a32)
+                    # a sum of finite values is finite or +-inf; NaN/inf anywhere make it non-finite
+                    if r.size == 0 or np.isfinite(np.sum(r, dtype=np.float64)):
+                        if tally is not None and f in (np.multiply, np.divide) and np.count_nonzero(r) != r.size:
+                            # a zero product/quotient of nonzero finite operands is an underflow
+                            a, b = a32
+                            under = (r == 0) & (a != 0) & (b != 0 if f is np.multiply else np.isfinite(b))
+                            tally.add("underflow", np.broadcast_to(under, r.shape))
+                        return r
+        with np.errstate(all="ignore"):
+            wide = f(*(np.asarray(a, dtype=np.float64) for a in args))
+        return self.round(wide, tally).astype(np.float32)
 
     def add(self, a: np.ndarray, b: np.ndarray, tally: Tally | None = None) -> np.ndarray:
         return self._op(np.add, a, b, tally=tally)

@@ -97,7 +97,7 @@ def _lanes(x: np.ndarray, acc: Arith, tally: Tally | None, lanes: int, kahan: bo
     c, r = x.shape
     reps = -(-r // lanes)
     pad = reps * lanes - r
-    xp = np.concatenate([x, np.zeros((c, pad))], axis=1) if pad else x
+    xp = np.concatenate([x, np.zeros((c, pad), dtype=x.dtype)], axis=1) if pad else x
     rows = xp.reshape(c, reps, lanes).transpose(0, 2, 1).reshape(c * lanes, reps)
     lane_tally = Tally(c * lanes) if tally is not None else None
     per_lane = _sequential(rows, acc, lane_tally, kahan).reshape(c, lanes)
@@ -128,21 +128,27 @@ def reduce_sum(
 ) -> np.ndarray:
     """Sum each row of a ``(C, R)`` array in ``acc``'s format; returns ``(C,)`` float64.
 
+    ``x`` may be float32 carriers (see arith.py); the sums are the same.
+
     order: ``sequential`` (left to right, one rounding per addition),
     ``pairwise`` (halving tree, see :func:`tree_sum`), or ``lanes`` (``lanes``
     sequential accumulators over vector repeats, then a tree across lanes).
     ``kahan`` adds compensated summation to ``sequential`` and to each lane.
     The addends must already be values of the accumulator format.
     """
-    x = np.asarray(x, dtype=np.float64)
+    x = np.asarray(x)
+    if x.dtype != np.float32 or not acc.fits32:  # float32 carriers stay float32 (see arith.py)
+        x = x.astype(np.float64, copy=False)
     if x.ndim != 2:
         raise BNProbeError(f"reduce_sum expects a (C, R) array, got shape {x.shape}")
     if x.shape[1] == 0:
         raise BNProbeError("cannot reduce an empty axis (R = 0)")
     if parts > 1:
-        return _combine_parts(x, acc, order=order, lanes=lanes, kahan=kahan, tally=tally, parts=parts,
-                              combine=combine, rng=rng)
-    return _reduce_one(x, acc, order=order, lanes=lanes, kahan=kahan, tally=tally)
+        total = _combine_parts(x, acc, order=order, lanes=lanes, kahan=kahan, tally=tally, parts=parts,
+                               combine=combine, rng=rng)
+    else:
+        total = _reduce_one(x, acc, order=order, lanes=lanes, kahan=kahan, tally=tally)
+    return np.asarray(total, dtype=np.float64)
 
 
 def _combine_parts(x: np.ndarray, acc: Arith, *, order: str, lanes: int, kahan: bool, tally: Tally | None,

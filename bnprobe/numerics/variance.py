@@ -113,6 +113,7 @@ def moments(
     combine: str = "ordered",
     rng: np.random.Generator | None = None,
     overrides: dict[str, np.ndarray] | None = None,
+    wide_sums: bool = True,
 ) -> Moments:
     """Mean and biased variance of each row of a ``(C, R)`` array of ``acc``-format values.
 
@@ -121,6 +122,8 @@ def moments(
     running update per lane of ``lanes``, lanes merged by Chan's formula),
     ``chan`` (``tiles`` contiguous tiles, as on simulated cores, each two-pass,
     merged by Chan's formula).  ``clamp`` sets a negative variance to 0.
+    ``wide_sums=False`` skips the float64 reference sums recorded as the stages'
+    ``wide`` values (a trace that keeps no arrays does not need them).
     """
     c, r = x.shape
     if algorithm not in VARIANCES:
@@ -134,6 +137,15 @@ def moments(
 
     over = overrides or {}
 
+    def wsum(v: np.ndarray, square: bool = False, prescaled: bool = True) -> np.ndarray | None:
+        """The float64 sum of each row of v (or of v², formed exactly), prescaled when the sums are;
+        None when not wanted."""
+        if not wide_sums:
+            return None
+        v = np.asarray(v, dtype=np.float64)
+        v = v * v if square else v
+        return (pre(v) if prescaled else v).sum(axis=1)
+
     def stage(name: str, value: np.ndarray, wide: np.ndarray | None, tally: Tally | None,
               negative: bool = False) -> np.ndarray:
         if name in over:
@@ -145,11 +157,11 @@ def moments(
         if algorithm == "naive":
             t = Tally(c)
             s = reduce_sum(pre(x), acc, tally=t, **red)
-            s = stage("sum", s, pre(x).sum(axis=1), t)
+            s = stage("sum", s, wsum(x), t)
             t = Tally(c)
             sq = pre(acc.mul(x, x, t))
             q = reduce_sum(sq, acc, tally=t, **red)
-            q = stage("sum_sq", q, pre(x * x).sum(axis=1), t)
+            q = stage("sum_sq", q, wsum(x, square=True), t)
             t = Tally(c)
             mean, wide = _scale_by_count(s, r, acc, mean_by, t)
             mean = stage("mean", mean, wide, t)
@@ -165,21 +177,21 @@ def moments(
         elif algorithm == "two_pass":
             t = Tally(c)
             s = reduce_sum(pre(x), acc, tally=t, **red)
-            s = stage("sum", s, pre(x).sum(axis=1), t)
+            s = stage("sum", s, wsum(x), t)
             t = Tally(c)
             mean, wide = _scale_by_count(s, r, acc, mean_by, t)
             mean = stage("mean", mean, wide, t)
             t = Tally(c)
             dev = acc.sub(x, mean[:, None], t)
             q = reduce_sum(pre(acc.mul(dev, dev, t)), acc, tally=t, **red)
-            q = stage("sum_sq_dev", q, pre(dev * dev).sum(axis=1), t)
+            q = stage("sum_sq_dev", q, wsum(dev, square=True), t)
             t = Tally(c)
             var, wide = _scale_by_count(q, r, acc, mean_by, t)
         elif algorithm in ("welford", "welford_ascend"):
             t = Tally(c)
             reps = -(-r // lanes)
             pad = reps * lanes - r
-            xp = np.concatenate([x, np.zeros((c, pad))], axis=1) if pad else x
+            xp = np.concatenate([x, np.zeros((c, pad), dtype=x.dtype)], axis=1) if pad else x
             blocks = xp.reshape(c, reps, lanes)
             mean = np.zeros((c, lanes))
             m2 = np.zeros((c, lanes))
@@ -199,7 +211,7 @@ def moments(
                 m2 = np.where(valid, new_m2, m2)
             counts = np.broadcast_to(((r - lane_idx + lanes - 1) // lanes).astype(np.float64), (c, lanes))
             _, mean, m2 = _tree((counts, mean, m2), _chan_merge(acc, t))
-            mean = stage("mean", mean, x.sum(axis=1) / r, t)
+            mean = stage("mean", mean, wsum(x, prescaled=False) / r if wide_sums else None, t)
             m2 = stage("m2", m2, None, t)
             t = Tally(c)
             var, wide = _scale_by_count(m2, r, acc, mean_by, t)
@@ -219,7 +231,7 @@ def moments(
                 means[:, i] = mt
                 m2s[:, i] = reduce_sum(acc.mul(dev, dev, t), acc, tally=t, order=order, lanes=lanes, kahan=kahan)
             _, mean, m2 = _tree((counts, means, m2s), _chan_merge(acc, t))
-            mean = stage("mean", mean, x.sum(axis=1) / r, t)
+            mean = stage("mean", mean, wsum(x, prescaled=False) / r if wide_sums else None, t)
             m2 = stage("m2", m2, None, t)
             t = Tally(c)
             var, wide = _scale_by_count(m2, r, acc, mean_by, t)

@@ -26,8 +26,14 @@ def test_properties_of_training_forward(shape, preset, data):
     assert y.shape == shape and res.y.dtype == pol_dtype(pol.storage)
     assert np.isfinite(y).all()
     assert is_representable(y, pol.storage).all()
-    assert (res.var.astype(np.float64) >= 0).all()  # two-pass never goes negative
-    assert (res.invstd.astype(np.float64) > 0).all()
+    var, invstd = res.var.astype(np.float64), res.invstd.astype(np.float64)
+    assert (var >= 0).all()  # two-pass never goes negative
+    # an fp16 accumulator overflows on sums of squared deviations past 65504 (values up to 100, R up to 80):
+    # var = inf, rstd = 0 and y = beta, with the overflow in the trace; otherwise rstd > 0
+    over = np.isinf(var)
+    assert not over.any() or pol.accumulate == "fp16"
+    assert (invstd[~over] > 0).all() and (invstd[over] == 0).all()
+    assert (res.trace["sum_sq_dev"].counters["overflow"][over] > 0).all()
     # normalised output: per channel mean ~ 0 and |y| <= sqrt(R - 1) (exact arithmetic bound) up to rounding
     r = shape[0] * shape[2] * shape[3]
     tol = 0.05 if pol.storage in ("bf16",) or pol.accumulate in ("fp16", "bf16") else 0.01

@@ -1,0 +1,145 @@
+"""float32 carriers (traces without arrays) give exactly what float64 carriers give.
+
+The float64 route is the one checked against exact rational arithmetic
+(tests/oracle.py), torch float64 and the error bounds; here every output,
+statistic and trace counter of the float32 route must equal it bit for bit,
+special values included.
+"""
+
+import numpy as np
+import pytest
+
+from bnprobe.kernels import backward, forward_infer, forward_train, get_policy
+from bnprobe.kernels.batchnorm import carrier_for
+from bnprobe.numerics.arith import Arith, Tally
+
+POLICIES = [
+    "fp32", "fp16", "bf16",
+    "fp16:variance=naive", "fp16:variance=welford,lanes=4", "bf16:variance=chan,tiles=3",
+    "bf16:variance=welford_ascend,lanes=5", "fp16:order=sequential", "fp16:order=lanes,lanes=8",
+    "fp32:order=sequential,kahan=true", "fp16:y_formula=scale", "bf16:y_formula=affine", "fp16:fma=true",
+    "bf16:y_formula=affine,fma=true", "fp16:rsqrt=magic,rsqrt_newton=1", "bf16:rsqrt=frsqrte,rsqrt_newton=2",
+    "fp16:rsqrt=sqrt_div,division=reciprocal", "fp16:backward_formula=ascend", "fp16:mean_by=reciprocal",
+    "fp16:mean_by=prescaled", "bf16:output_rounding=nearest_away", "fp16:core_parts=3,core_combine=atomic",
+    "fp16:clamp_var=true,variance=naive", "fp16:rsqrt=ascend950",
+]
+
+
+def _inputs(kind: str, dtype: type) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(abs(hash(kind)) % 2**32)
+    x = rng.standard_normal((4, 6, 3, 5))
+    dy = rng.standard_normal(x.shape)
+    if kind == "offset":  # large mean / small spread: cancellation in the statistics
+        x = 1000.0 + 0.01 * x
+    elif kind == "special":  # non-finite values in two channels, a constant channel
+        x[0, 1, 0, 0], x[2, 1, 1, 1], x[1, 2, 0, 3] = np.inf, -np.inf, np.nan
+        dy[3, 4, 2, 2] = np.nan
+        x[:, 3] = 2.5
+    elif kind == "huge":  # overflow of fp16 storage, of squares and sums in fp32
+        x[:, 0] *= 7e4
+        x[:, 1] *= 3e19
+        dy[:, 2] *= 6e4
+    elif kind == "tiny":  # fp16 subnormals and underflow; fp32 subnormal products
+        x[:, 0] *= 1e-6
+        x[:, 1] *= 1e-20
+        dy[:, 1] *= 1e-25
+        x[:, 2] = 0.0
+    elif kind == "relu":  # many exact zeros, in x and dy
+        x = np.maximum(x, 0.0)
+        dy = np.where(rng.random(x.shape) < 0.5, 0.0, dy)
+    return x.astype(dtype), dy.astype(dtype)
+
+
+def _same(a, b, what):
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    assert a.shape == b.shape, what
+    assert np.array_equal(a, b, equal_nan=True), what
+    assert np.array_equal(np.signbit(a), np.signbit(b)), f"{what}: signs of zero"
+
+
+def _same_trace(t64, t32, what):
+    assert t64.names() == t32.names(), what
+    for s64, s32 in zip(t64, t32):
+        for k in s64.counters:
+            _same(s64.counters[k], s32.counters[k], f"{what}: {s64.name}.{k}")
+        _same([s64.vmin, s64.vmax, s64.absmax], [s32.vmin, s32.vmax, s32.absmax], f"{what}: {s64.name} range")
+
+
+@pytest.mark.parametrize("kind", ["normal", "offset", "special", "huge", "tiny", "relu"])
+@pytest.mark.parametrize("spec", POLICIES)
+def test_float32_carriers_equal_float64_carriers(spec, kind):
+    pol = get_policy(spec)
+    assert carrier_for(pol, False, None) is np.float32
+    for dtype in (np.float32, np.float64):
+        x, dy = _inputs(kind, dtype)
+        c = x.shape[1]
+        args = dict(policy=pol, chunk_elements=3 * 60)  # two channel blocks
+        f64 = forward_train(x, None, None, np.zeros(c), np.ones(c), keep_arrays=True, **args)
+        f32 = forward_train(x, None, None, np.zeros(c), np.ones(c), keep_arrays=False, **args)
+        what = f"{spec} {kind} {dtype.__name__} forward"
+        for name in ("y", "mean", "invstd", "var", "running_mean", "running_var"):
+            _same(getattr(f64, name), getattr(f32, name), f"{what}: {name}")
+        _same_trace(f64.trace, f32.trace, what)
+        for training in (True, False):
+            b64 = backward(dy, x, None, f64.mean, f64.invstd, saved_var=f64.var, training=training,
+                           keep_arrays=True, **args)
+            b32 = backward(dy, x, None, f64.mean, f64.invstd, saved_var=f64.var, training=training,
+                           keep_arrays=False, **args)
+            what = f"{spec} {kind} {dtype.__name__} backward training={training}"
+            for name in ("dx", "dgamma", "dbeta"):
+                _same(getattr(b64, name), getattr(b32, name), f"{what}: {name}")
+            _same_trace(b64.trace, b32.trace, what)
+        i64 = forward_infer(x, None, None, f64.running_mean, f64.running_var, keep_arrays=True, **args)
+        i32 = forward_infer(x, None, None, f64.running_mean, f64.running_var, keep_arrays=False, **args)
+        _same(i64.y, i32.y, f"{spec} {kind} infer y")
+        _same_trace(i64.trace, i32.trace, f"{spec} {kind} infer")
+
+
+def test_float32_carriers_only_where_every_operation_is_fp32():
+    assert carrier_for(get_policy("fp16"), True, None) is np.float64  # arrays kept: float64 wides
+    assert carrier_for(get_policy("fp16"), False, {"mean": np.zeros(2)}) is np.float64  # overrides are float64
+    for spec in ("fp64", "fp16-acc16", "bf16-acc16", "fp16:compute=fp16", "fp16:rounding=toward_zero",
+                 "fp16:overflow=saturate", "fp16:subnormals=flush", "fp16:rounding=stochastic"):
+        assert carrier_for(get_policy(spec), False, None) is np.float64, spec
+
+
+def _special_fp32(rng, n):
+    v = rng.standard_normal(n) * 10.0 ** rng.integers(-45, 39, n)
+    v[:, :8] = [0.0, -0.0, np.inf, -np.inf, np.nan, 3.4e38, -1.2e-38, 1e-45]
+    with np.errstate(over="ignore"):
+        return v.astype(np.float32)
+
+
+@pytest.mark.parametrize("op", ["add", "sub", "mul", "div", "sqrt"])
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16"])
+def test_arith_on_float32_carriers_equals_the_float64_route(op, fmt):
+    rng = np.random.default_rng(7)
+    a = _special_fp32(rng, (3, 4000))
+    b = _special_fp32(rng, (3, 4000))
+    ar = Arith(fmt)
+    if fmt != "fp32":  # operands of the format itself
+        a, b = ar.round(a), ar.round(b)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    args32, args64 = ((a,), (a64,)) if op == "sqrt" else ((a, b), (a64, b64))
+    t32, t64 = Tally(3), Tally(3)
+    r32 = getattr(ar, op)(*args32, tally=t32)
+    r64 = getattr(ar, op)(*args64, tally=t64)
+    assert r32.dtype == np.float32 and r64.dtype == np.float64
+    _same(r32, r64, f"{fmt} {op}")
+    for k in t64.counts:
+        _same(t32.counts[k], t64.counts[k], f"{fmt} {op} tally {k}")
+    # the cases exercise what they are meant to: overflow and underflow both happen
+    if fmt == "fp32" and op == "mul":
+        assert t64.counts["overflow"].sum() > 0 and t64.counts["underflow"].sum() > 0
+
+
+def test_float32_operand_that_is_not_a_binary32_value_takes_the_float64_route():
+    ar = Arith("fp32")
+    a = np.full((2, 3), 3.0, dtype=np.float32)
+    b = np.full((2, 1), 1 + 2.0**-24 + 2.0**-50)  # not a binary32 value
+    r = ar.mul(a, b)
+    assert r.dtype == np.float32
+    # 3b = 3 + 0.75 ulp rounds once to 3 + 1 ulp; rounding b first (to 1 + 2^-23) would give a tie
+    # at 3 + 1.5 ulp and 3 + 2 ulp
+    assert np.all(r == np.float32(3 + 2.0**-22))
+    assert np.float32(3.0) * np.float32(b[0, 0]) == np.float32(3 + 2.0**-21)
