@@ -70,8 +70,10 @@ class BackwardResult:
     trace: Trace
 
 
-# Channels are processed in blocks of at most this many values (8 MiB per float64 array).
-DEFAULT_CHUNK_ELEMENTS = 1 << 20
+# Channels are processed in blocks of at most this many values (2 MiB per float64 array, 1 MiB per float32
+# one; at least one channel per block), small enough that a block's arrays stay in a core's L2 cache:
+# fwd+bwd of 32x64x56x56 took 0.37 s with 1 << 18 and 0.51 s with 1 << 20 (fp16 preset, 2-core Xeon).
+DEFAULT_CHUNK_ELEMENTS = 1 << 18
 
 
 def _wider_or_equal(big: Format, small: Format) -> bool:
@@ -85,6 +87,10 @@ def carrier_for(policy: Policy, keep_arrays: bool, overrides: dict[str, np.ndarr
             or policy.spec != RoundingSpec()):
         return np.float64
     return np.float32
+
+
+def _is_carrier(a: np.ndarray) -> bool:
+    return isinstance(a, np.ndarray) and a.dtype == np.float32 and a.ndim == 2
 
 
 class _Run:
@@ -128,6 +134,16 @@ class _Run:
                 wide = wide.astype(np.float64, copy=False)
         value = self.carried(ar.round(wide, tally), ar)
         return self.record(name, ar, value, wide, tally, negative)
+
+    def output(self, name: str, ar: Arith, wide: np.ndarray) -> np.ndarray:
+        """rec() of a final output (y, dx); returns it in the format's own dtype where the rounding made
+        that array anyway (float32 carriers), else as rec() does."""
+        if self.carrier is not np.float32 or not _is_carrier(wide) or name in self.overrides:
+            return self.rec(name, ar, wide)
+        t = self.tally()
+        value, narrow = ar.round_narrow(wide, t)
+        self.record(name, ar, value, wide, t)
+        return value if narrow is None else narrow
 
     def op(self, name: str, ar: Arith, f: Any, *args: np.ndarray, tally: Tally | None = None) -> np.ndarray:
         """``f(*args)`` (np.add, np.subtract, np.multiply) formed exactly, rounded once in ``ar``'s
@@ -248,7 +264,7 @@ class _Run:
                     t = self.tally()
                     addend = self.rec("addend", acc, ba - acc.mul(mult, mean, t), t)
                 affine = mac(xc, col(mult), col(addend))
-            return self.rec("y", self.out, affine)
+            return self.output("y", self.out, affine)
 
 
 
@@ -534,5 +550,5 @@ def _backward_block(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu:
             d = comp.add(dyc, comp.mul(xc, col(mult), t), t)
             d = comp.add(d, col(addend), t)
             dx_c = run.op("dx_compute", comp, np.multiply, d, col(scale), tally=t)
-        dx = run.rec("dx", run.out, dx_c)
+        dx = run.output("dx", run.out, dx_c)
     return {"dx": dx, "dgamma": dgamma, "dbeta": dbeta}

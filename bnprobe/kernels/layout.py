@@ -46,7 +46,10 @@ class Layout:
         part = np.moveaxis(a, self.channel_axis, 0)[channels]
         dtype = np.float32 if carrier is np.float32 and _exact_in_float32(a.dtype) else np.float64
         with np.errstate(invalid="ignore"):
-            return part.reshape(part.shape[0], -1).astype(dtype)
+            flat = part.reshape(part.shape[0], -1)  # a copy unless the block is contiguous already
+            if np.may_share_memory(flat, a):
+                return flat.astype(dtype)
+            return flat.astype(dtype, copy=False)
 
     def from_cr(self, a: np.ndarray) -> np.ndarray:
         """A channel-first ``(C, R)`` array back in this layout."""

@@ -70,6 +70,16 @@ def _range(v: np.ndarray) -> tuple[float, float, float, bool]:
     return mn, mx, max(abs(mn), abs(mx)), False
 
 
+def _subnormals(flat: np.ndarray, tiny: float) -> np.ndarray:
+    """Per row, the nonzero values below ``tiny`` in magnitude (NaN is not one)."""
+    small = np.abs(flat) < tiny  # zeros included
+    if not small.any():
+        return np.zeros(flat.shape[0], dtype=np.int64)
+    idx = np.flatnonzero(small)  # usually few: look only at those
+    nonzero = flat.reshape(-1)[idx] != 0
+    return np.bincount(idx[nonzero] // flat.shape[1], minlength=flat.shape[0]).astype(np.int64)
+
+
 @dataclass
 class Trace:
     """Stages in the order the kernel computed them, plus the run's metadata.
@@ -103,8 +113,7 @@ class Trace:
                 counts["neginf"] = np.isneginf(flat).sum(axis=1)
             for k in TALLY_FIELDS:
                 counts[k] = tally.counts[k].copy() if tally is not None else zeros.copy()
-            small = np.abs(flat) < fmt.tiny  # zeros included; subnormals are the nonzero ones
-            counts["subnormal"] = (small & (flat != 0)).sum(axis=1) if small.any() else zeros.copy()
+            counts["subnormal"] = _subnormals(flat, fmt.tiny)
             if check_negative:
                 src = flat if wide is None else np.asarray(wide, dtype=np.float64).reshape(c, -1)
                 counts["negative"] = (src < 0).sum(axis=1)

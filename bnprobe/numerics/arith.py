@@ -146,20 +146,29 @@ class Arith:
 
     def _round32(self, w: np.ndarray, tally: Tally | None) -> np.ndarray:
         """round() of float32 carriers: the same values and events as the float64 route, in float32."""
+        return self.round_narrow(w, tally)[0]
+
+    def round_narrow(self, w: np.ndarray, tally: Tally | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """Round float32 carriers ``w``: ``(result as float32, result in the format's own dtype or None)``.
+
+        The second array is the one a numpy cast made on the way (fp16, bf16), so a caller that stores the
+        result in the format's dtype need not convert again.
+        """
         if self._native32:
-            return w  # binary32 values are fp32 values: nothing rounds
+            return w, w  # binary32 values are fp32 values: nothing rounds
         if self._cast32:
             with np.errstate(all="ignore"):
-                r = w.astype(self.fmt.dtype).astype(np.float32)
+                narrow = w.astype(self.fmt.dtype)
+                r = narrow.astype(np.float32)
                 if tally is None:
-                    return r
-                if not np.isfinite(np.sum(r, dtype=np.float64)):
+                    return r, narrow
+                if not np.isfinite(np.sum(r)):
                     # only non-finite results can be overflows (nearest-even, IEEE: never saturated/flushed)
                     tally.add("overflow", np.isfinite(w) & ~np.isfinite(r))
-                if np.count_nonzero(r) != np.count_nonzero(w):
+                if (r == 0).any():  # an underflow leaves a zero
                     tally.add("underflow", (w != 0) & np.isfinite(w) & (r == 0))
-            return r
-        return self.round(w.astype(np.float64), tally).astype(np.float32)
+            return r, narrow
+        return self.round(w.astype(np.float64), tally).astype(np.float32), None
 
     def _op(self, f: Callable[..., np.ndarray], *args: np.ndarray, tally: Tally | None) -> np.ndarray:
         if self.fits32 and any(_is_f32(a) for a in args):
@@ -176,8 +185,8 @@ class Arith:
                 with np.errstate(all="ignore"):
                     r = f(*a32)
                     # a sum of finite values is finite or +-inf; NaN/inf anywhere make it non-finite
-                    if r.size == 0 or np.isfinite(np.sum(r, dtype=np.float64)):
-                        if tally is not None and f in (np.multiply, np.divide) and np.count_nonzero(r) != r.size:
+                    if r.size == 0 or np.isfinite(np.sum(r)):
+                        if tally is not None and f in (np.multiply, np.divide) and (r == 0).any():
                             # a zero product/quotient of nonzero finite operands is an underflow
                             a, b = a32
                             under = (r == 0) & (a != 0) & (b != 0 if f is np.multiply else np.isfinite(b))
