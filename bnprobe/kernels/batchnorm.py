@@ -97,10 +97,12 @@ class _Run:
     """The arithmetic contexts of one block of channels of a kernel call, and its trace."""
 
     def __init__(self, policy: Policy, channels: int, keep_arrays: bool, rng: np.random.Generator,
-                 overrides: dict[str, np.ndarray] | None = None, carrier: type = np.float64) -> None:
+                 overrides: dict[str, np.ndarray] | None = None, carrier: type = np.float64,
+                 sources: dict[str, np.dtype] | None = None) -> None:
         self.policy = policy
         self.c = channels
         self.carrier = carrier
+        self.sources = sources or {}  # dtypes of the caller's tensors, by stage name
         self.overrides = overrides or {}
         spec = policy.spec
         self.storage = Arith(policy.storage, spec, rng)
@@ -174,7 +176,17 @@ class _Run:
         return self.rec(name, dst, value)
 
     def load(self, name: str, a: np.ndarray, ar: Arith) -> np.ndarray:
-        """Round a block of a caller's tensor to its format and record it (input-borne NaN/inf show here)."""
+        """Round a block of a caller's tensor to its format and record it (input-borne NaN/inf show here).
+
+        A tensor already in the format's dtype is taken as it is when rounding cannot change it (IEEE
+        overflow and kept subnormals: every rounding mode leaves a value of the format unchanged) and
+        draws no random numbers (stochastic rounding does, and the run's stream must not shift).
+        """
+        spec = ar.spec
+        if (self.sources.get(name) == ar.fmt.dtype and spec.overflow == "ieee" and spec.subnormals == "keep"
+                and spec.rounding != "stochastic" and name not in self.overrides):
+            value = self.carried(np.asarray(a), ar)
+            return self.record(name, ar, value, value, self.tally())
         return self.rec(name, ar, a)  # rec returns it in this run's carrier
 
     def param(self, v: np.ndarray) -> np.ndarray:
@@ -276,8 +288,10 @@ class _Blocks:
     """
 
     def __init__(self, policy: Policy, lay: Layout, keep_arrays: bool, chunk_elements: int | None,
-                 meta: dict[str, Any], overrides: dict[str, np.ndarray] | None = None) -> None:
+                 meta: dict[str, Any], overrides: dict[str, np.ndarray] | None = None,
+                 sources: dict[str, np.ndarray] | None = None) -> None:
         self.policy, self.lay, self.keep = policy, lay, keep_arrays
+        self.sources = {k: np.asarray(v).dtype for k, v in (sources or {}).items()}
         self.overrides = overrides or {}
         self.slices = lay.chunks(chunk_elements)
         self.rng = np.random.default_rng(policy.seed)
@@ -291,7 +305,7 @@ class _Blocks:
         for sl in self.slices:
             # overrides are channel-first, (C,) or (C, R): take this block's channels
             sub = {k: np.asarray(v)[sl] for k, v in self.overrides.items()}
-            run = _Run(self.policy, sl.stop - sl.start, self.keep, self.rng, sub, self.carrier)
+            run = _Run(self.policy, sl.stop - sl.start, self.keep, self.rng, sub, self.carrier, self.sources)
             yield sl, run
             self.traces.append(run.trace)
 
@@ -349,7 +363,7 @@ def forward_train(
     rv = as_channel_vector("running_var", running_var, lay, 1.0) if running_var is not None else None
 
     blocks = _Blocks(pol, lay, keep_arrays, chunk_elements, {"mode": "train", "eps": eps, "momentum": momentum},
-                     overrides)
+                     overrides, {"x": x})
     y = blocks.tensor(pol.storage)
     pf = pol.params_format
     saved = {k: blocks.vector(pf) for k in ("mean", "invstd", "var", "running_mean", "running_var")}
@@ -430,7 +444,7 @@ def forward_infer(
     b = as_channel_vector("beta", beta, lay, 0.0)
     rm = as_channel_vector("running_mean", running_mean, lay)
     rv = as_channel_vector("running_var", running_var, lay)
-    blocks = _Blocks(pol, lay, keep_arrays, chunk_elements, {"mode": "infer", "eps": eps}, overrides)
+    blocks = _Blocks(pol, lay, keep_arrays, chunk_elements, {"mode": "infer", "eps": eps}, overrides, {"x": x})
     y = blocks.tensor(pol.storage)
     for sl, run in blocks:
         acc = run.acc
@@ -483,7 +497,7 @@ def backward(
     sv = as_channel_vector("saved_var", saved_var, lay) if saved_var is not None else None
     eps = check_eps(eps)
     blocks = _Blocks(pol, lay, keep_arrays, chunk_elements, {"mode": "backward", "training": training, "eps": eps},
-                     overrides)
+                     overrides, {"x": x, "dy": dy})
     dx = blocks.tensor(pol.storage)
     dgamma, dbeta = blocks.vector(pol.params_format), blocks.vector(pol.params_format)
     for sl, run in blocks:

@@ -211,8 +211,13 @@ def round_to(
     subnormals: str = "keep",
     rng: np.random.Generator | None = None,
     seed: int | None = None,
+    dtype: object = None,
 ) -> np.ndarray:
     """Round ``values`` to ``fmt`` and return them as float64 (each exactly a value of ``fmt``).
+
+    dtype: the result's numpy dtype instead of float64: any dtype that holds every value of ``fmt``
+    exactly, e.g. the format's own (``np.float16``, ``ml_dtypes.bfloat16``) to store the result
+    compactly, or ``np.float32`` for float32 carriers.  The values are the same.
 
     rounding: ``nearest_even`` (default), ``nearest_away`` (ties away from zero, how
     Ascend casts BF16 outputs), ``toward_zero``, ``up``, ``down``, ``stochastic``
@@ -224,6 +229,9 @@ def round_to(
     """
     if rng is None and seed is not None:
         rng = np.random.default_rng(seed)
+    if dtype is not None:
+        return _round_into(values, get_format(fmt), np.dtype(dtype), rounding=rounding, overflow=overflow,
+                           subnormals=subnormals, rng=rng)
     if rounding == "nearest_even" and overflow == "ieee" and subnormals == "keep":
         # the default spec needs no event masks: the correct cast alone (see _fast_nearest_even)
         f = get_format(fmt)
@@ -235,6 +243,27 @@ def round_to(
             if fast is not None:
                 return fast
     return round_detail(values, fmt, rounding=rounding, overflow=overflow, subnormals=subnormals, rng=rng)[0]
+
+
+def _round_into(values: np.ndarray | float, fmt: Format, dtype: np.dtype, **modes: object) -> np.ndarray:
+    """round_to with a result dtype other than float64 (see round_to)."""
+    try:
+        holder = FP64 if dtype == np.float64 else get_format(dtype)
+    except BNProbeError:
+        raise BNProbeError(f"dtype {dtype} cannot hold {fmt.name} values exactly") from None
+    if not (holder.precision >= fmt.precision and holder.emax >= fmt.emax and holder.emin <= fmt.emin):
+        raise BNProbeError(f"dtype {dtype} cannot hold {fmt.name} values exactly; use a dtype at least as wide")
+    v = np.asarray(values)
+    default = modes["rounding"] == "nearest_even" and modes["overflow"] == "ieee" and modes["subnormals"] == "keep"
+    if default and v.dtype in (np.float32, np.float64) and fmt.name in ("fp16", "bf16", "fp32"):
+        # one correct cast straight into the format's dtype (bf16 from float64: through round-to-odd)
+        src = to_odd_fp32(v) if fmt.name == "bf16" and v.dtype == np.float64 else v
+        with np.errstate(all="ignore"):
+            out = src.astype(fmt.dtype)
+            return out if out.dtype == dtype else out.astype(dtype)
+    r = round_to(values, fmt, **modes)  # type: ignore[arg-type]
+    with np.errstate(all="ignore"):
+        return r.astype(dtype)
 
 
 def is_representable(values: np.ndarray, fmt: str | Format) -> np.ndarray:

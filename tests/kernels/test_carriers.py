@@ -9,6 +9,7 @@ special values included.
 import numpy as np
 import pytest
 
+from bnprobe.formats import get_format
 from bnprobe.kernels import backward, forward_infer, forward_train, get_policy
 from bnprobe.kernels.batchnorm import carrier_for
 from bnprobe.numerics.arith import Arith, Tally
@@ -143,3 +144,27 @@ def test_float32_operand_that_is_not_a_binary32_value_takes_the_float64_route():
     # at 3 + 1.5 ulp and 3 + 2 ulp
     assert np.all(r == np.float32(3 + 2.0**-22))
     assert np.float32(3.0) * np.float32(b[0, 0]) == np.float32(3 + 2.0**-21)
+
+
+@pytest.mark.parametrize("kind", ["normal", "special", "huge", "tiny"])
+@pytest.mark.parametrize("spec", ["fp16", "bf16", "fp32", "fp16:overflow=saturate", "bf16:subnormals=flush",
+                                  "fp16:rounding=stochastic", "fp16-acc16"])
+def test_tensors_already_in_the_storage_format_give_what_their_float64_values_give(spec, kind):
+    pol = get_policy(spec)
+    x, dy = _inputs(kind, np.float64)
+    dt = np.dtype(get_format(pol.storage).dtype)
+    with np.errstate(over="ignore"):
+        xs, dys = x.astype(dt), dy.astype(dt)  # inputs in the storage dtype (skipped rounding when exact)
+    wide_x, wide_dy = xs.astype(np.float64), dys.astype(np.float64)  # the same values, rounded by the kernel
+    c = x.shape[1]
+    for keep in (True, False):
+        a = forward_train(xs, None, None, np.zeros(c), np.ones(c), policy=pol, keep_arrays=keep)
+        b = forward_train(wide_x, None, None, np.zeros(c), np.ones(c), policy=pol, keep_arrays=keep)
+        for name in ("y", "mean", "invstd", "var", "running_mean", "running_var"):
+            _same(getattr(a, name), getattr(b, name), f"{spec} {kind} keep={keep}: {name}")
+        _same_trace(a.trace, b.trace, f"{spec} {kind} keep={keep} forward")
+        ga = backward(dys, xs, None, a.mean, a.invstd, policy=pol, keep_arrays=keep)
+        gb = backward(wide_dy, wide_x, None, a.mean, a.invstd, policy=pol, keep_arrays=keep)
+        for name in ("dx", "dgamma", "dbeta"):
+            _same(getattr(ga, name), getattr(gb, name), f"{spec} {kind} keep={keep}: {name}")
+        _same_trace(ga.trace, gb.trace, f"{spec} {kind} keep={keep} backward")

@@ -72,6 +72,31 @@ def test_rounding_from_float32_matches_exact_rationals(name):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("name", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("src", [np.float64, np.float32])
+@pytest.mark.parametrize("mode", ["nearest_even", "nearest_away", "toward_zero"])
+def test_result_dtype_option_matches_exact_rationals(name, src, mode):
+    rng = np.random.default_rng(11)
+    with np.errstate(over="ignore"):
+        xs = np.concatenate([dense_samples(name, rng), [np.inf, -np.inf, np.nan, 0.0, -0.0]]).astype(src)
+    want = np.array([round_fraction(Fraction(float(v)), name, mode) if np.isfinite(v) and v != 0 else float(v)
+                     for v in xs])
+    for dtype in {get_format(name).dtype, np.dtype(np.float32), np.dtype(np.float64)}:
+        got = round_to(xs, name, rounding=mode, dtype=dtype)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(got.astype(np.float64), want)
+        num = ~np.isnan(want)
+        assert np.array_equal(np.signbit(got.astype(np.float64))[num], np.signbit(want)[num])
+
+
+def test_result_dtype_must_hold_the_format():
+    x = np.ones(3)
+    for name, dtype in (("fp32", np.float16), ("fp16", ml_dtypes.bfloat16), ("bf16", np.float16),
+                        ("fp32", np.int32)):
+        with pytest.raises(BNProbeError, match="cannot hold"):
+            round_to(x, name, dtype=dtype)
+
+
 def test_bf16_from_float64_is_correct_where_ml_dtypes_is_not():
     x = np.array([1 + 2.0**-8 + 2.0**-30])  # the facts file's example
     assert round_to(x, "bf16")[0] == 1.0078125
