@@ -25,10 +25,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # emulated forward + backward (train) on one ResNet-sized layer, timed without its trace arrays
 KERNEL_CASE = """
 import numpy as np
+import ml_dtypes
 import bnprobe
 WARMUP = True
-x = np.random.default_rng(0).standard_normal((32, 64, 56, 56)).astype(np.float32)
-dy = np.random.default_rng(1).standard_normal(x.shape).astype(np.float32)
+x = np.random.default_rng(0).standard_normal((32, 64, 56, 56)).astype({dtype})
+dy = np.random.default_rng(1).standard_normal(x.shape).astype({dtype})
 def work():
     f = bnprobe.forward_train(x, None, None, np.zeros(64), np.ones(64), policy="{policy}", keep_arrays=False)
     bnprobe.backward(dy, x, None, f.mean, f.invstd, policy="{policy}", keep_arrays=False)
@@ -71,7 +72,10 @@ def work():
     y = bn(x)
     y.backward(dy)
 """,
-    **{f"bnprobe {p} fwd+bwd 32x64x56x56": KERNEL_CASE.format(policy=p) for p in ("fp16", "bf16")},
+    **{f"bnprobe {p} fwd+bwd 32x64x56x56": KERNEL_CASE.format(policy=p, dtype="np.float32") for p in ("fp16", "bf16")},
+    # the same with the tensors already in the 16-bit format, as a model's activations are
+    **{f"bnprobe {p} fwd+bwd 32x64x56x56, {p} tensors": KERNEL_CASE.format(policy=p, dtype=d)
+       for p, d in (("fp16", "np.float16"), ("bf16", "ml_dtypes.bfloat16"))},
     # ---- the main job's default run (target: peak <= 6x the largest fp32 input + 300 MB = 338 MB)
     "compare-precision default run (ResNet-50 x2 + stress)": """
 import tempfile
@@ -124,12 +128,15 @@ def work():
 PEERS = {
     "bnprobe fp16 fwd+bwd 32x64x56x56": "torch fp32 fwd+bwd 32x64x56x56 (peer)",
     "bnprobe bf16 fwd+bwd 32x64x56x56": "torch fp32 fwd+bwd 32x64x56x56 (peer)",
+    "bnprobe fp16 fwd+bwd 32x64x56x56, fp16 tensors": "torch fp32 fwd+bwd 32x64x56x56 (peer)",
+    "bnprobe bf16 fwd+bwd 32x64x56x56, bf16 tensors": "torch fp32 fwd+bwd 32x64x56x56 (peer)",
     "bnprobe --help": "python -c pass (peer)",
     **{f"round 25M f32 -> {f}: bnprobe round_to{v}": f"round 25M f32 -> {f}: astype (peer)"
        for f in ("fp16", "bf16") for v in (f"(dtype={f})", "(dtype=float32)", " (float64, the default)")},
     "round 25M f32 -> fp16: pychop (peer)": "round 25M f32 -> fp16: bnprobe round_to(dtype=fp16)",
     "round 25M f32 -> bf16: pychop (peer)": "round 25M f32 -> bf16: bnprobe round_to(dtype=bf16)",
-    "fp16 forward 8x64x28x28: bnprobe fp16-acc16": "fp16 forward 8x64x28x28: pychop, rounding after each vectorised op (peer)",
+    "fp16 forward 8x64x28x28: bnprobe fp16-acc16":
+        "fp16 forward 8x64x28x28: pychop, rounding after each vectorised op (peer)",
 }
 # cases slow enough that one repetition tells the story
 SLOW = ("pychop", "rsqrt fp32", "compare-precision")
@@ -139,6 +146,8 @@ TARGETS = {
     "rsqrt fp32 reduced + 2^20 samples (magic, 0-2 steps)": "< 120 s, < 2 GB",
     "bnprobe fp16 fwd+bwd 32x64x56x56": "<= 3x peer",
     "bnprobe bf16 fwd+bwd 32x64x56x56": "<= 3x peer",
+    "bnprobe fp16 fwd+bwd 32x64x56x56, fp16 tensors": "<= 3x peer",
+    "bnprobe bf16 fwd+bwd 32x64x56x56, bf16 tensors": "<= 3x peer",
     "bnprobe --help": "< peer + 0.3 s",
     "compare-precision default run (ResNet-50 x2 + stress)": "peak <= 338 MB",
     "round 25M f32 -> fp16: bnprobe round_to(dtype=fp16)": "<= 1.5x astype",

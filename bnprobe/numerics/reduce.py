@@ -77,6 +77,10 @@ def tree_sum(x: np.ndarray, acc: Arith, tally: Tally | None = None) -> np.ndarra
     n = x.shape[-1]
     if n == 0:
         raise BNProbeError("cannot reduce an empty axis")
+    if acc.fits32 and acc._native32 and x.dtype == np.float32:
+        fast = _tree_sum_f32(x)
+        if fast is not None:
+            return fast
     a = x
     p = 1 << (n.bit_length() - 1)
     if p != n:
@@ -86,6 +90,32 @@ def tree_sum(x: np.ndarray, acc: Arith, tally: Tally | None = None) -> np.ndarra
         h = a.shape[-1] // 2
         a = acc.add(a[..., :h], a[..., h:], tally)
     return a[..., 0]
+
+
+def _tree_sum_f32(x: np.ndarray) -> np.ndarray | None:
+    """tree_sum of float32 carriers in fp32 (binary32 adds, the same order) in one buffer, or None when
+    an event may have happened: the caller then takes the general route, which counts it.
+
+    No addition of finite binary32 values underflows, and an overflow cannot be undone (inf plus
+    anything finite stays inf; inf plus -inf is NaN), so finite addends with finite sums had none.
+    """
+    n = x.shape[-1]
+    with np.errstate(all="ignore"):
+        if not np.isfinite(np.sum(x)):  # a NaN or inf addend (or a float32 overflow of this check)
+            return None
+        p = 1 << (n.bit_length() - 1)
+        buf = np.empty(x.shape[:-1] + (p,), dtype=np.float32)
+        if p != n:
+            np.add(x[..., : n - p], x[..., p:], out=buf[..., : n - p])
+            buf[..., n - p:] = x[..., n - p: p]
+        else:
+            buf[...] = x
+        h = p
+        while h > 1:
+            h //= 2
+            np.add(buf[..., :h], buf[..., h: 2 * h], out=buf[..., :h])
+        total = buf[..., 0].copy()
+    return total if np.isfinite(total).all() else None
 
 
 def _lanes(x: np.ndarray, acc: Arith, tally: Tally | None, lanes: int, kahan: bool) -> np.ndarray:

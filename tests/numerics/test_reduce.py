@@ -60,6 +60,24 @@ def test_pairwise_matches_scalar_tree(name, r):
     np.testing.assert_array_equal(got, [scalar_tree(row, name) for row in x])
 
 
+@pytest.mark.parametrize("order", ["pairwise", "sequential", "lanes"])
+@pytest.mark.parametrize("r", [1, 2, 7, 777, 1024])
+def test_float32_carriers_sum_like_the_scalar_loops_and_count_the_same_events(order, r):
+    x = data("fp32", c=4, r=r).astype(np.float32)
+    x[1, 0] = 3e38  # overflows the sum (an event the float32 route must count like the float64 one)
+    x[1, -1] = 3e38
+    x[2, r // 2] = np.nan
+    t32, t64 = Tally(4), Tally(4)
+    got = reduce_sum(x, Arith("fp32"), order=order, lanes=8, tally=t32)
+    ref = reduce_sum(x.astype(np.float64), Arith("fp32"), order=order, lanes=8, tally=t64)
+    np.testing.assert_array_equal(got, ref)
+    for k in t64.counts:
+        np.testing.assert_array_equal(t32.counts[k], t64.counts[k])
+    if order == "pairwise":  # rows without specials: the scalar tree itself
+        np.testing.assert_array_equal(got[[0, 3]], [scalar_tree(x[i], "fp32") for i in (0, 3)])
+        assert r < 2 or t64.counts["overflow"][1] > 0
+
+
 @pytest.mark.parametrize("name", list(SCALAR))
 @pytest.mark.parametrize("lanes", [1, 8, 64, 100])
 def test_lanes_match_scalar_loops(name, lanes):
