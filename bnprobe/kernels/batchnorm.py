@@ -152,7 +152,7 @@ class _Run:
         format, recorded as stage ``name``."""
         tally = tally if tally is not None else self.tally()
         if self.carrier is np.float32:
-            value = self.carried(ar._op(f, *args, tally=tally), ar)
+            value = self.carried(ar.apply(f, *args, tally=tally), ar)
             return self.record(name, ar, value, None, tally)
         with np.errstate(all="ignore"):
             wide = f(*(np.asarray(a, dtype=np.float64) for a in args))

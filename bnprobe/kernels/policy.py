@@ -196,7 +196,8 @@ def get_policy(spec: str | Policy) -> Policy:
         return spec
     base, _, rest = spec.strip().partition(":")
     if base not in PRESETS:
-        raise BNProbeError(f"unknown policy {base!r}; presets: {', '.join(PRESETS)} (add overrides as name:key=value,...)")
+        raise BNProbeError(
+            f"unknown policy {base!r}; presets: {', '.join(PRESETS)} (add overrides as name:key=value,...)")
     policy = PRESETS[base]
     if not rest:
         return policy

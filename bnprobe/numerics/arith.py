@@ -102,9 +102,9 @@ class Arith:
         # formats (see rounding._fast_nearest_even), used when no events are being counted
         self._plain = (self.spec == RoundingSpec() and self.fmt.name in ("fp64", "fp32", "fp16"))
         self.fits32 = fits_float32(self.fmt)
-        # float32 carriers: fp32 with the default spec is binary32 arithmetic itself; fp16 and bf16
-        # with the default spec are one correct cast from binary32 (numpy, ml_dtypes)
-        self._native32 = self.fmt.name == "fp32" and self.spec == RoundingSpec()
+        # float32 carriers: fp32 with the default spec is binary32 arithmetic itself (binary32: True);
+        # fp16 and bf16 with the default spec are one correct cast from binary32 (numpy, ml_dtypes)
+        self.binary32 = self.fmt.name == "fp32" and self.spec == RoundingSpec()
         self._cast32 = self.fmt.name in ("fp16", "bf16") and self.spec == RoundingSpec()
 
     def __repr__(self) -> str:
@@ -154,7 +154,7 @@ class Arith:
         The second array is the one a numpy cast made on the way (fp16, bf16), so a caller that stores the
         result in the format's dtype need not convert again.
         """
-        if self._native32:
+        if self.binary32:
             return w, w  # binary32 values are fp32 values: nothing rounds
         if self._cast32:
             with np.errstate(all="ignore"):
@@ -170,16 +170,17 @@ class Arith:
             return r, narrow
         return self.round(w.astype(np.float64), tally).astype(np.float32), None
 
-    def _op(self, f: Callable[..., np.ndarray], *args: np.ndarray, tally: Tally | None) -> np.ndarray:
+    def apply(self, f: Callable[..., np.ndarray], *args: np.ndarray, tally: Tally | None = None) -> np.ndarray:
+        """``f(*args)`` for one of np.add, np.subtract, np.multiply, np.divide, np.sqrt, rounded once."""
         if self.fits32 and any(_is_f32(a) for a in args):
-            return self._op32(f, args, tally)
+            return self._apply32(f, args, tally)
         with np.errstate(all="ignore"):
             wide = f(*args)
         return self.round(wide, tally)
 
-    def _op32(self, f: Callable[..., np.ndarray], args: tuple[np.ndarray, ...], tally: Tally | None) -> np.ndarray:
+    def _apply32(self, f: Callable[..., np.ndarray], args: tuple[np.ndarray, ...], tally: Tally | None) -> np.ndarray:
         """An operation on float32 carriers; the result is a float32 carrier (see the module notes)."""
-        if self._native32:
+        if self.binary32:
             a32 = [_exact_f32(a) for a in args]
             if all(a is not None for a in a32):
                 with np.errstate(all="ignore"):
@@ -197,19 +198,19 @@ class Arith:
         return self.round(wide, tally).astype(np.float32)
 
     def add(self, a: np.ndarray, b: np.ndarray, tally: Tally | None = None) -> np.ndarray:
-        return self._op(np.add, a, b, tally=tally)
+        return self.apply(np.add, a, b, tally=tally)
 
     def sub(self, a: np.ndarray, b: np.ndarray, tally: Tally | None = None) -> np.ndarray:
-        return self._op(np.subtract, a, b, tally=tally)
+        return self.apply(np.subtract, a, b, tally=tally)
 
     def mul(self, a: np.ndarray, b: np.ndarray, tally: Tally | None = None) -> np.ndarray:
-        return self._op(np.multiply, a, b, tally=tally)
+        return self.apply(np.multiply, a, b, tally=tally)
 
     def div(self, a: np.ndarray, b: np.ndarray, tally: Tally | None = None) -> np.ndarray:
-        return self._op(np.divide, a, b, tally=tally)
+        return self.apply(np.divide, a, b, tally=tally)
 
     def sqrt(self, a: np.ndarray, tally: Tally | None = None) -> np.ndarray:
-        return self._op(np.sqrt, a, tally=tally)
+        return self.apply(np.sqrt, a, tally=tally)
 
     def fma(self, a: np.ndarray, b: np.ndarray, c: np.ndarray, tally: Tally | None = None) -> np.ndarray:
         """a*b + c with one rounding (exact for formats up to fp32)."""

@@ -77,7 +77,7 @@ def tree_sum(x: np.ndarray, acc: Arith, tally: Tally | None = None) -> np.ndarra
     n = x.shape[-1]
     if n == 0:
         raise BNProbeError("cannot reduce an empty axis")
-    if acc.fits32 and acc._native32 and x.dtype == np.float32:
+    if acc.binary32 and x.dtype == np.float32:
         fast = _tree_sum_f32(x)
         if fast is not None:
             return fast

@@ -25,7 +25,8 @@ from bnprobe.numerics.rounding import round_to
 
 __all__ = [
     "RSQRT_ESTIMATES", "RECIP_ESTIMATES", "SQRT_METHODS", "NEWTON_FORMS", "MAGIC_RSQRT", "MAGIC_RECIP",
-    "rsqrt_exact", "rsqrt", "rsqrt_ascend950", "reciprocal", "divide", "sqrt", "rsqrt_estimate", "recip_estimate", "succ", "pred",
+    "rsqrt_exact", "rsqrt", "rsqrt_ascend950", "reciprocal", "divide", "sqrt", "rsqrt_estimate", "recip_estimate",
+    "succ", "pred",
 ]
 
 RSQRT_ESTIMATES: tuple[str, ...] = ("exact", "magic", "table", "frsqrte")

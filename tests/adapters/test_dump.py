@@ -153,7 +153,8 @@ def test_msprobe_directory_is_read(tmp_path, suffix):
     rec = load_dump(tmp_path)  # finds step0/rank0/dump.json and the first BatchNorm call
     assert rec.adapter == "msprobe:Aten.native_batch_norm.0" and rec.dtype == "fp16" and rec.params == "fp32"
     assert rec.modes == ("train", "backward") and rec.saved_kind == "invstd" and rec.eps == 1e-5
-    np.testing.assert_array_equal(rec.tensors["train"]["inputs"]["x"], tensors["Aten.native_batch_norm.0.forward.input.0"])
+    np.testing.assert_array_equal(rec.tensors["train"]["inputs"]["x"],
+                                  tensors["Aten.native_batch_norm.0.forward.input.0"])
     np.testing.assert_array_equal(rec.tensors["train"]["outputs"]["saved_value"], f.saved.value.astype(np.float32))
     np.testing.assert_array_equal(rec.tensors["backward"]["outputs"]["dgamma"], bw.dgamma.astype(np.float32))
     # the second call, by name: functional batch_norm in inference with eps from kwargs
