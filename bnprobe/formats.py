@@ -41,6 +41,10 @@ class Format:
     def precision(self) -> int:
         return self.mantissa_bits + 1
 
+    def holds(self, other: Format) -> bool:
+        """True when every value of ``other`` is exactly a value of this format."""
+        return self.precision >= other.precision and self.emax >= other.emax and self.emin <= other.emin
+
     @property
     def eps(self) -> float:
         """Distance from 1.0 to the next larger number: 2**-mantissa_bits."""

@@ -55,3 +55,15 @@ def test_ulp(name):
     one = np.array([1.0, 1.5, f.tiny, f.smallest_subnormal * 3, f.max])
     expect = [f.eps, f.eps, f.smallest_subnormal, f.smallest_subnormal, f.eps * 2.0 ** f.emax]
     np.testing.assert_array_equal(f.ulp(one), expect)
+
+
+def test_holds_is_exact_inclusion_of_the_value_sets():
+    from bnprobe.formats import FORMATS
+
+    for big in FORMATS.values():
+        for small in FORMATS.values():
+            if big.holds(small):  # every finite value of small, subnormals and max included, is one of big
+                vals = np.array([small.max, small.tiny, small.smallest_subnormal, 1 + small.eps])
+                assert np.all(vals.astype(big.dtype).astype(np.float64) == vals), (big.name, small.name)
+    assert FORMATS["fp32"].holds(FORMATS["bf16"]) and FORMATS["fp32"].holds(FORMATS["fp16"])
+    assert not FORMATS["bf16"].holds(FORMATS["fp16"]) and not FORMATS["fp16"].holds(FORMATS["bf16"])

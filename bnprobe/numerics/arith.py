@@ -31,7 +31,7 @@ from collections.abc import Callable
 import numpy as np
 
 from bnprobe.errors import BNProbeError
-from bnprobe.formats import Format, get_format
+from bnprobe.formats import FP32, Format, get_format
 from bnprobe.numerics.rounding import RoundingSpec, round_detail
 
 __all__ = ["Arith", "Tally", "TALLY_FIELDS", "add", "sub", "mul", "div", "sqrt", "fma", "fits_float32"]
@@ -62,7 +62,7 @@ class Tally:
 
 def fits_float32(fmt: Format) -> bool:
     """True when every value of ``fmt`` is exactly a binary32 value (fp32, fp16, bf16, FP8)."""
-    return fmt.precision <= 24 and fmt.emax <= 127 and fmt.emin >= -126
+    return FP32.holds(fmt)
 
 
 def _is_f32(a: object) -> bool:
@@ -117,7 +117,7 @@ class Arith:
         float32 when this format fits in binary32.
         """
         if self.fits32 and _is_f32(wide):
-            return self._round32(wide, tally)  # type: ignore[arg-type]
+            return self.round_narrow(wide, tally)[0]  # type: ignore[arg-type]
         wide = np.asarray(wide, dtype=np.float64)
         if self._plain and (tally is None or wide.ndim == 0):
             if self.native:
@@ -144,12 +144,9 @@ class Arith:
                 tally.add("underflow", (wide != 0) & np.isfinite(wide) & (r == 0))
         return r
 
-    def _round32(self, w: np.ndarray, tally: Tally | None) -> np.ndarray:
-        """round() of float32 carriers: the same values and events as the float64 route, in float32."""
-        return self.round_narrow(w, tally)[0]
-
     def round_narrow(self, w: np.ndarray, tally: Tally | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-        """Round float32 carriers ``w``: ``(result as float32, result in the format's own dtype or None)``.
+        """Round float32 carriers ``w``: ``(result as float32, result in the format's own dtype or None)``,
+        with the same values and events as the float64 route.
 
         The second array is the one a numpy cast made on the way (fp16, bf16), so a caller that stores the
         result in the format's dtype need not convert again.

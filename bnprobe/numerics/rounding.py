@@ -251,7 +251,7 @@ def _round_into(values: np.ndarray | float, fmt: Format, dtype: np.dtype, **mode
         holder = FP64 if dtype == np.float64 else get_format(dtype)
     except BNProbeError:
         raise BNProbeError(f"dtype {dtype} cannot hold {fmt.name} values exactly") from None
-    if not (holder.precision >= fmt.precision and holder.emax >= fmt.emax and holder.emin <= fmt.emin):
+    if not holder.holds(fmt):
         raise BNProbeError(f"dtype {dtype} cannot hold {fmt.name} values exactly; use a dtype at least as wide")
     v = np.asarray(values)
     default = modes["rounding"] == "nearest_even" and modes["overflow"] == "ieee" and modes["subnormals"] == "keep"
