@@ -287,6 +287,14 @@ def _write_reports(out: Path, stem: str, frame, doc: dict, markdown: str, force:
     return targets
 
 
+def _close(notes: list[str], written: list[Path] | None) -> None:
+    """A report's closing lines: its notes, and the files written (when any were)."""
+    for n in notes:
+        typer.echo(f"note: {n}")
+    if written is not None:
+        typer.echo("wrote " + ", ".join(str(w) for w in written))
+
+
 @app.command("gradcheck")
 def gradcheck_cmd(
     adapter: str = typer.Option("emulated", help="Adapter whose backward is checked."),
@@ -331,10 +339,7 @@ def gradcheck_cmd(
     else:
         typer.echo(title)
         typer.echo(table)
-        for n in result.notes:
-            typer.echo(f"note: {n}")
-        if out is not None:
-            typer.echo("wrote " + ", ".join(str(w) for w in written))
+        _close(result.notes, written if out is not None else None)
     return 0 if result else 1
 
 
@@ -471,10 +476,7 @@ def overflow_cmd(
     for s_ in rep.saturation:
         typer.echo(f"{s_['overflow_mode']:>8} mode: outputs finite {100 * s_['finite_share']:.0f}%, max |output| "
                    f"{s_['max_abs_output']:.4g}, max error {s_['max_abs_error']:.4g}")
-    for n in rep.notes:
-        typer.echo(f"note: {n}")
-    if out is not None:
-        typer.echo("wrote " + ", ".join(str(w) for w in written))
+    _close(rep.notes, written if out is not None else None)
     return 0 if rep.clean else 1
 
 
@@ -537,10 +539,7 @@ def fold_cmd(
     if rep.torch:
         typer.echo(f"torch.nn.utils.fusion ({rep.torch['torch']}, {rep.torch['dtype']}): folded weights differ by at "
                    f"most {rep.torch['max_rel_weight_diff']:.3g} relative, bias {rep.torch['max_rel_bias_diff']:.3g}")
-    for n in rep.notes:
-        typer.echo(f"note: {n}")
-    if out is not None:
-        typer.echo("wrote " + ", ".join(str(w) for w in written))
+    _close(rep.notes, written if out is not None else None)
     return 0 if rep.passed else 1
 
 
@@ -576,10 +575,7 @@ def doctor_cmd(
     typer.echo(table)
     if rep.diagnosis:
         typer.echo("diagnosis: " + "; ".join(rep.diagnosis))
-    for n in rep.notes:
-        typer.echo(f"note: {n}")
-    if out is not None:
-        typer.echo("wrote " + ", ".join(str(w) for w in written))
+    _close(rep.notes, written if out is not None else None)
     return 0 if rep.healthy else 1
 
 
