@@ -26,7 +26,7 @@ from bnprobe.formats import get_format
 from bnprobe.kernels.layout import Layout, as_channel_vector, check_eps, check_momentum, layout_of
 from bnprobe.kernels.policy import Policy, get_policy
 from bnprobe.kernels.trace import Trace
-from bnprobe.numerics.arith import Arith, Tally, fits_float32, fma_wide
+from bnprobe.numerics.arith import Arith, Tally, as_carrier, fits_float32, fma_wide
 from bnprobe.numerics.reduce import reduce_sum
 from bnprobe.numerics.rounding import RoundingSpec, round_to
 from bnprobe.numerics.rsqrt import divide, rsqrt_ascend950
@@ -85,10 +85,6 @@ def carrier_for(policy: Policy, keep_arrays: bool, overrides: dict[str, np.ndarr
     return np.float32
 
 
-def _is_carrier(a: np.ndarray) -> bool:
-    return isinstance(a, np.ndarray) and a.dtype == np.float32 and a.ndim == 2
-
-
 class _Run:
     """The arithmetic contexts of one block of channels of a kernel call, and its trace."""
 
@@ -127,16 +123,14 @@ class _Run:
         """
         tally = tally if tally is not None else self.tally()
         with np.errstate(all="ignore"):
-            wide = np.asarray(wide)
-            if wide.dtype != np.float32:
-                wide = wide.astype(np.float64, copy=False)
+            wide = as_carrier(wide)
         value = self.carried(ar.round(wide, tally), ar)
         return self.record(name, ar, value, wide, tally, negative)
 
     def output(self, name: str, ar: Arith, wide: np.ndarray) -> np.ndarray:
         """rec() of a final output (y, dx); returns it in the format's own dtype where the rounding made
         that array anyway (float32 carriers), else as rec() does."""
-        if self.carrier is not np.float32 or not _is_carrier(wide) or name in self.overrides:
+        if self.carrier is not np.float32 or wide.dtype != np.float32:  # (no overrides with float32 carriers)
             return self.rec(name, ar, wide)
         t = self.tally()
         value, narrow = ar.round_narrow(wide, t)
@@ -162,8 +156,7 @@ class _Run:
 
     def col(self, ar: Arith, v: np.ndarray) -> np.ndarray:
         """A per-channel value rounded to ``ar``'s format, as a column in this run's carrier."""
-        c = ar.round(v)[:, None]
-        return c.astype(np.float32) if self.carrier is np.float32 and ar.fits32 else c
+        return self.carried(ar.round(v)[:, None], ar)
 
     def cast(self, name: str, value: np.ndarray, src: str, dst: Arith) -> np.ndarray:
         """Convert between formats; recorded as a stage only when it can round."""

@@ -9,7 +9,7 @@ import numpy as np
 
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import Format, get_format
-from bnprobe.numerics.arith import TALLY_FIELDS, Tally
+from bnprobe.numerics.arith import TALLY_FIELDS, Tally, as_carrier
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -96,9 +96,7 @@ class Trace:
                tally: Tally | None = None, check_negative: bool = False) -> None:
         """Add a stage; counters are computed here from the stored and wide values."""
         fmt = get_format(fmt)
-        value = np.asarray(value)
-        if value.dtype != np.float32:  # float32 carriers are read as they are (see numerics/arith.py)
-            value = value.astype(np.float64, copy=False)
+        value = as_carrier(value)  # float32 carriers are read as they are (see numerics/arith.py)
         c = self.channels
         flat = value.reshape(c, -1)
         counts: dict[str, np.ndarray] = {}

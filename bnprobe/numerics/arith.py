@@ -34,7 +34,7 @@ from bnprobe.errors import BNProbeError
 from bnprobe.formats import FP32, Format, get_format
 from bnprobe.numerics.rounding import RoundingSpec, round_detail
 
-__all__ = ["Arith", "Tally", "TALLY_FIELDS", "add", "sub", "mul", "div", "sqrt", "fma", "fits_float32"]
+__all__ = ["Arith", "Tally", "TALLY_FIELDS", "add", "sub", "mul", "div", "sqrt", "fma", "fits_float32", "as_carrier"]
 
 _F32 = np.dtype(np.float32)
 
@@ -63,6 +63,12 @@ class Tally:
 def fits_float32(fmt: Format) -> bool:
     """True when every value of ``fmt`` is exactly a binary32 value (fp32, fp16, bf16, FP8)."""
     return FP32.holds(fmt)
+
+
+def as_carrier(a: object) -> np.ndarray:
+    """``a`` as an array of carriers: a float32 array as it is, anything else as float64."""
+    arr = np.asarray(a)
+    return arr if arr.dtype == _F32 else arr.astype(np.float64, copy=False)
 
 
 def _is_f32(a: object) -> bool:

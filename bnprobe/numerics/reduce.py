@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from bnprobe.errors import BNProbeError
-from bnprobe.numerics.arith import Arith, Tally
+from bnprobe.numerics.arith import Arith, Tally, as_carrier
 
 __all__ = ["ORDERS", "COMBINES", "reduce_sum", "tree_sum", "split_parts"]
 
@@ -166,9 +166,8 @@ def reduce_sum(
     ``kahan`` adds compensated summation to ``sequential`` and to each lane.
     The addends must already be values of the accumulator format.
     """
-    x = np.asarray(x)
-    if x.dtype != np.float32 or not acc.fits32:  # float32 carriers stay float32 (see arith.py)
-        x = x.astype(np.float64, copy=False)
+    # float32 carriers stay float32 (see arith.py) where the accumulator's values fit in them
+    x = as_carrier(x) if acc.fits32 else np.asarray(x, dtype=np.float64)
     if x.ndim != 2:
         raise BNProbeError(f"reduce_sum expects a (C, R) array, got shape {x.shape}")
     if x.shape[1] == 0:

@@ -92,21 +92,24 @@ def to_odd_fp32(values: np.ndarray) -> np.ndarray:
     return y
 
 
-def _fast_nearest_even(v: np.ndarray, fmt: Format) -> np.ndarray | None:
-    """Correct nearest-even rounding by casts known to be correct, or None if none applies."""
+def _cast_nearest_even(v: np.ndarray, fmt: Format) -> np.ndarray | None:
+    """float32/float64 ``v`` rounded to nearest-even in ``fmt``'s own dtype by one cast known to be correct,
+    or None if none applies."""
     name = fmt.name
-    if name == "fp64":
-        return v.astype(np.float64, copy=True)
-    if name == "fp32":
-        return v.astype(np.float32).astype(np.float64)
-    if name == "fp16":
-        # numpy rounds float64->float16 and float32->float16 directly and correctly
-        return v.astype(np.float16).astype(np.float64)
+    if name in ("fp64", "fp32", "fp16"):
+        # numpy rounds float64->float32/float16 and float32->float16 directly and correctly
+        return v.astype(fmt.dtype)
     if name == "bf16":
         # ml_dtypes' float64->bf16 cast double-rounds through float32; round to odd first.
         src = v if v.dtype == np.float32 else to_odd_fp32(v)
-        return src.astype(ml_dtypes.bfloat16).astype(np.float64)
+        return src.astype(ml_dtypes.bfloat16)
     return None
+
+
+def _fast_nearest_even(v: np.ndarray, fmt: Format) -> np.ndarray | None:
+    """Correct nearest-even rounding as float64 carriers, or None if no correct cast applies."""
+    r = _cast_nearest_even(v, fmt)
+    return None if r is None else r.astype(np.float64, copy=False)
 
 
 def _round_generic(a: np.ndarray, fmt: Format, rounding: str, negative: np.ndarray,
@@ -256,10 +259,8 @@ def _round_into(values: np.ndarray | float, fmt: Format, dtype: np.dtype, **mode
     v = np.asarray(values)
     default = modes["rounding"] == "nearest_even" and modes["overflow"] == "ieee" and modes["subnormals"] == "keep"
     if default and v.dtype in (np.float32, np.float64) and fmt.name in ("fp16", "bf16", "fp32"):
-        # one correct cast straight into the format's dtype (bf16 from float64: through round-to-odd)
-        src = to_odd_fp32(v) if fmt.name == "bf16" and v.dtype == np.float64 else v
         with np.errstate(all="ignore"):
-            out = src.astype(fmt.dtype)
+            out = _cast_nearest_even(v, fmt)  # straight into the format's dtype
             return out if out.dtype == dtype else out.astype(dtype)
     r = round_to(values, fmt, **modes)  # type: ignore[arg-type]
     with np.errstate(all="ignore"):
