@@ -19,7 +19,7 @@ from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.rounding import round_to
 
 __all__ = ["Capabilities", "ForwardOutput", "BackwardOutput", "KernelAdapter", "BaseAdapter", "PARAM_PRECISIONS",
-           "SAVED_KINDS", "Saved"]
+           "SAVED_KINDS", "Saved", "params_format", "params_mode"]
 
 MODES = ("train", "infer", "backward")
 # what a training forward saves for the backward: mean + 1/sqrt(var + eps) (PyTorch, cuDNN, Ascend 950)
@@ -27,6 +27,25 @@ MODES = ("train", "infer", "backward")
 SAVED_KINDS = ("invstd", "var")
 # parameter (gamma, beta, running statistics) precision: as the input, or fp32 as under mixed precision
 PARAM_PRECISIONS = ("same", "fp32")
+
+
+def params_format(dtype: str, params: str) -> str:
+    """The format of γ, β and the running statistics: the input's (``same``) or fp32 (fp64 for fp64)."""
+    if params not in PARAM_PRECISIONS:
+        raise BNProbeError(f"params must be one of {', '.join(PARAM_PRECISIONS)}, got {params!r}")
+    fmt = get_format(dtype).name
+    return fmt if params == "same" else ("fp64" if fmt == "fp64" else "fp32")
+
+
+def params_mode(dtype: str, fmt: str) -> str:
+    """The ``params`` choice that gives parameters in format ``fmt`` for input format ``dtype``."""
+    d, f = get_format(dtype).name, get_format(fmt).name
+    if f == d:
+        return "same"
+    if f == params_format(d, "fp32"):
+        return "fp32"
+    raise BNProbeError(f"parameters in {f} with input in {d}: bnprobe runs parameters in the input's format or "
+                       "in fp32")
 
 
 @dataclass(frozen=True)
@@ -125,11 +144,6 @@ class BaseAdapter:
         return f"<adapter {self.name}>"
 
     # ---- checks ------------------------------------------------------------------------------
-    def _params_format(self, dtype: str, params: str) -> str:
-        if params not in PARAM_PRECISIONS:
-            raise BNProbeError(f"params must be one of {', '.join(PARAM_PRECISIONS)}, got {params!r}")
-        return dtype if params == "same" else ("fp64" if dtype == "fp64" else "fp32")
-
     def _prepare(self, mode: str, x: np.ndarray, dtype: str, layout: str, params: str,
                  vectors: dict[str, tuple[Any, float | None, bool]], exact: tuple[str, ...] = ()) -> Prepared:
         """Validate; round x to dtype and the per-channel vectors to the params format (those named
@@ -143,7 +157,7 @@ class BaseAdapter:
         if layout not in caps.layouts:
             raise BNProbeError(f"adapter {self.name} does not support layout {layout}")
         lay = layout_of(x, layout)
-        pf = self._params_format(fmt, params)
+        pf = params_format(fmt, params)
         out: dict[str, np.ndarray | None] = {}
         for name, (value, default, required) in vectors.items():
             if value is None and not required and default is None:

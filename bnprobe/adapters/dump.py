@@ -13,10 +13,13 @@ for its BatchNorm APIs, forward and backward.
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import math
 import time
 import zipfile
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,25 +33,24 @@ from bnprobe.adapters.base import (
     KernelAdapter,
     Prepared,
     Saved,
+    SAVED_KINDS,
+    params_format,
+    params_mode,
 )
+from bnprobe.adapters.msprobe import MSPROBE_BN_APIS
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.numerics.rounding import is_representable
 from bnprobe.reports import atomic_write_bytes, atomic_write_text, check_targets
 
-__all__ = ["Recording", "write_dump", "load_dump", "DumpAdapter", "read_msprobe", "MSPROBE_BN_APIS", "META_NAME",
-           "TENSORS_NAME"]
+__all__ = ["Recording", "write_dump", "load_dump", "open_dump", "DumpAdapter", "read_msprobe", "record", "CallRef",
+           "RecordedCalls", "MSPROBE_BN_APIS", "META_NAME", "TENSORS_NAME", "CALLS_NAME"]
 
 META_NAME = "bnprobe-dump.json"
 TENSORS_NAME = "tensors.npz"
 FORMAT_TAG = "bnprobe-dump"
 
-# inputs and outputs of each mode, in a fixed vocabulary
-INPUTS = {"train": ("x", "gamma", "beta", "running_mean", "running_var"),
-          "infer": ("x", "gamma", "beta", "running_mean", "running_var"),
-          "backward": ("dy", "x", "gamma", "saved_mean", "saved_value")}
-OUTPUTS = {"train": ("y", "saved_mean", "saved_value", "running_mean_out", "running_var_out"),
-           "infer": ("y",), "backward": ("dx", "dgamma", "dbeta")}
+MODES = ("train", "infer", "backward")
 
 
 @dataclass
@@ -73,6 +75,28 @@ class Recording:
 
     def get(self, mode: str, io: str, name: str) -> np.ndarray | None:
         return self.tensors.get(mode, {}).get(io, {}).get(name)
+
+    @property
+    def training(self) -> bool:
+        """Whether the call ran in training mode (batch statistics)."""
+        return "train" in self.tensors or bool(self.meta.get("training", False))
+
+    @property
+    def params_mode(self) -> str:
+        """``same`` or ``fp32``: how the recorded parameter format relates to the input's."""
+        return params_mode(self.dtype, self.params)
+
+    def call_inputs(self) -> dict[str, Any]:
+        """Everything a kernel was called with: x, gamma, beta, running_mean, running_var (None where not
+        recorded), dy (None without a backward), eps, momentum, training, dtype, params ("same"/"fp32")."""
+        mode = "train" if "train" in self.tensors else ("infer" if "infer" in self.tensors else "backward")
+        ins = self.tensors[mode]["inputs"]
+        bw = self.tensors.get("backward", {}).get("inputs", {})
+        return {"x": ins["x"], "gamma": ins.get("gamma"), "beta": ins.get("beta"),
+                "running_mean": ins.get("running_mean", bw.get("saved_mean") if not self.training else None),
+                "running_var": ins.get("running_var", bw.get("saved_value") if not self.training else None),
+                "dy": bw.get("dy"), "eps": self.eps, "momentum": self.momentum, "training": self.training,
+                "dtype": self.dtype, "params": self.params_mode, "layout": self.layout}
 
 
 # ---- bnprobe's own format -------------------------------------------------------------------------
@@ -109,15 +133,8 @@ def write_dump(rec: Recording, out: str | Path, *, force: bool = False) -> list[
     return [tensor_path, meta_path]
 
 
-def load_dump(path: str | Path) -> Recording:
-    """Read a bnprobe dump folder (or msprobe dump folder), checking every tensor against the metadata."""
-    p = Path(path)
-    if not p.exists():
-        raise BNProbeError(f"dump {str(p)!r} does not exist")
-    if p.is_dir() and not (p / META_NAME).exists():
-        return read_msprobe(p)
-    meta_path = p if p.is_file() else p / META_NAME
-    folder = meta_path.parent
+def _read_meta(meta_path: Path) -> dict[str, Any]:
+    """A bnprobe dump's metadata, its keys and their JSON types checked."""
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError) as exc:
@@ -127,6 +144,42 @@ def load_dump(path: str | Path) -> Recording:
     for key in ("adapter", "dtype", "params", "layout", "eps", "records"):
         if key not in meta:
             raise BNProbeError(f"{meta_path}: metadata lacks {key!r}")
+    recs = meta["records"]
+    if not isinstance(recs, dict) or not recs or any(m not in MODES for m in recs):
+        raise BNProbeError(f"{meta_path}: \"records\" must map some of {', '.join(MODES)} to their tensors")
+    for mode, ios in recs.items():
+        if not isinstance(ios, dict) or not all(isinstance(v, dict) for v in ios.values()):
+            raise BNProbeError(f"{meta_path}: records of {mode} are not objects of tensors")
+        for io, named in ios.items():
+            for name, entry in named.items():
+                if not isinstance(entry, dict) or not isinstance(entry.get("key"), str) or \
+                        not isinstance(entry.get("shape"), list) or not isinstance(entry.get("format"), str):
+                    raise BNProbeError(f"{meta_path}: tensor {mode}.{io}.{name} lacks its key, shape or format")
+    eps = meta["eps"]
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise BNProbeError(f"{meta_path}: eps is {eps!r}, not a finite number > 0")
+    mom = meta.get("momentum")
+    if mom is not None and (isinstance(mom, bool) or not isinstance(mom, (int, float)) or not math.isfinite(mom)):
+        raise BNProbeError(f"{meta_path}: momentum is {mom!r}, not a finite number or null")
+    try:
+        get_format(str(meta["dtype"]))
+        get_format(str(meta["params"]))
+    except BNProbeError as exc:
+        raise BNProbeError(f"{meta_path}: {exc}") from None
+    return meta
+
+
+def load_dump(path: str | Path) -> Recording:
+    """Read a bnprobe dump folder, checking every tensor against the metadata (for an msprobe dump or a
+    model dump: its first call; :func:`open_dump` gives every call)."""
+    p = Path(path)
+    if not p.exists():
+        raise BNProbeError(f"dump {str(p)!r} does not exist")
+    if p.is_dir() and not (p / META_NAME).exists() or p.is_file() and p.name != META_NAME:
+        return open_dump(p).calls[0].load()
+    meta_path = p if p.is_file() else p / META_NAME
+    folder = meta_path.parent
+    meta = _read_meta(meta_path)
     tensor_path = folder / TENSORS_NAME
     if not tensor_path.is_file():
         raise BNProbeError(f"{tensor_path}: missing (the dump is incomplete)")
@@ -135,8 +188,12 @@ def load_dump(path: str | Path) -> Recording:
             stored = {k: npz[k] for k in npz.files}
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
         raise BNProbeError(f"{tensor_path}: corrupt ({str(exc).splitlines()[0]})") from None
-    rec = Recording(meta["adapter"], meta["dtype"], meta["params"], meta["layout"], float(meta["eps"]),
-                    meta.get("momentum"), meta.get("saved_kind"), meta=meta.get("meta", {}), source=str(folder))
+    inner = meta.get("meta") if isinstance(meta.get("meta"), dict) else {}
+    mom = meta.get("momentum")
+    rec = Recording(str(meta["adapter"]), get_format(str(meta["dtype"])).name, get_format(str(meta["params"])).name,
+                    str(meta["layout"]), float(meta["eps"]), None if mom is None else float(mom),
+                    meta.get("saved_kind") if meta.get("saved_kind") in SAVED_KINDS else None, meta=inner,
+                    source=str(folder))
     for mode, ios in meta["records"].items():
         for io, named in ios.items():
             for name, entry in named.items():
@@ -154,154 +211,135 @@ def load_dump(path: str | Path) -> Recording:
     return rec
 
 
-# ---- msprobe ---------------------------------------------------------------------------------
+# ---- many calls: model dumps (capture), msprobe dumps -------------------------------------------
 
-MSPROBE_BN_APIS = ("batch_norm", "native_batch_norm", "cudnn_batch_norm", "_native_batch_norm_legit",
-                   "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional")
-# positional order of each API's arguments
-_F_ORDER = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
-_ATEN_ORDER = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
-_NO_TRAINING_ORDER = ("input", "weight", "bias", "running_mean", "running_var", "momentum", "eps")
+CALLS_NAME = "bnprobe-calls.json"
+CALLS_TAG = "bnprobe-calls"
 
 
-def _find_dump_json(folder: Path) -> Path:
-    direct = folder / "dump.json"
-    if direct.is_file():
-        return direct
-    found = sorted(folder.glob("step*/rank*/dump.json")) + sorted(folder.glob("rank*/dump.json"))
-    if not found:
-        raise BNProbeError(f"{folder}: neither a bnprobe dump ({META_NAME}) nor an msprobe dump (dump.json)")
-    return found[0]
+@dataclass(frozen=True)
+class CallRef:
+    """One recorded BatchNorm call of a dump, nothing loaded: ``load()`` reads its tensors (a
+    :class:`Recording`), or for an msprobe statistics dump its summaries."""
+
+    name: str
+    module: str | None
+    shape: tuple[int, ...]
+    dtype: str
+    training: bool
+    has_backward: bool
+    task: str  # "tensor" or "statistics"
+    load: Callable[[], Any] = field(compare=False, repr=False)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.module})" if self.module and self.module != self.name else self.name
+
+    def matches(self, pattern: str) -> bool:
+        return any(fnmatch.fnmatchcase(s, pattern) for s in (self.name, self.label, self.module or ""))
 
 
-def _torch_dtype_name(s: str) -> str:
-    return get_format(s.replace("torch.", "")).name
+@dataclass(frozen=True)
+class RecordedCalls:
+    """The BatchNorm calls of a dump, in forward order."""
+
+    source: str
+    kind: str  # bnprobe, capture or msprobe
+    calls: tuple[CallRef, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def task(self) -> str:
+        return "statistics" if self.calls and all(c.task == "statistics" for c in self.calls) else "tensor"
+
+    def select(self, pattern: str | None) -> RecordedCalls:
+        """The calls whose name, module or label matches the glob ``pattern`` (all when None)."""
+        if not pattern:
+            return self
+        picked = tuple(c for c in self.calls if c.matches(pattern))
+        if not picked:
+            shown = ", ".join(c.label for c in self.calls[:8]) + (", ..." if len(self.calls) > 8 else "")
+            raise BNProbeError(f"{self.source}: no BatchNorm call matches {pattern!r}; it holds {shown}")
+        return replace(self, calls=picked)
+
+    def require_tensors(self, what: str) -> None:
+        if self.task == "statistics":
+            raise BNProbeError(f"{self.source} is a statistics-only msprobe dump (max/min/mean/norm, no tensors): "
+                               f"{what} needs a tensor dump (task \"tensor\"); bnprobe overflow reads the summaries")
 
 
-def _load_tensor(folder: Path, entry: dict[str, Any], where: str) -> tuple[np.ndarray, str]:
-    name = entry.get("data_name")
-    if not name:
-        raise BNProbeError(f"{where}: tensor record has no data_name")
-    path = folder / "dump_tensor_data" / name
-    if not path.is_file():
-        alt = [path.with_suffix(s) for s in (".npy", ".pt") if path.with_suffix(s).is_file()]
-        if not alt:
-            raise BNProbeError(f"{path}: missing (named in {where})")
-        path = alt[0]
+def _bnprobe_call(folder: Path, name: str | None = None, module: str | None = None) -> CallRef:
+    meta_path = folder / META_NAME
+    meta = _read_meta(meta_path)
+    recs = meta["records"]
+    mode = "train" if "train" in recs else ("infer" if "infer" in recs else next(iter(recs), None))
+    x = recs.get(mode, {}).get("inputs", {}).get("x") if mode else None
+    if not isinstance(x, dict) or not isinstance(x.get("shape"), list):
+        raise BNProbeError(f"{meta_path}: records no input x")
+    inner = meta.get("meta") if isinstance(meta.get("meta"), dict) else {}
+    training = "train" in recs or bool(inner.get("training", False))
+    return CallRef(name or str(inner.get("call") or folder.name), module, tuple(x["shape"]), str(meta["dtype"]),
+                   training, "backward" in recs, "tensor", lambda: load_dump(folder))
+
+
+def _model_calls(index: Path) -> RecordedCalls:
+    """A model dump written by :func:`bnprobe.capture`: an index and one bnprobe dump per call."""
     try:
-        if path.suffix == ".pt":
-            try:
-                import torch
-            except ImportError:
-                raise BNProbeError(f"{path}: a .pt tensor needs torch (pip install 'bnprobe[torch]')") from None
-            t = torch.load(path, map_location="cpu", weights_only=True)
-            a = t.detach().to(torch.float64).numpy()
-        else:
-            a = np.load(path, allow_pickle=False).astype(np.float64)
-    except BNProbeError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any reader failure is a corrupt file to the user
-        raise BNProbeError(f"{path}: corrupt or unreadable ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
-    shape = entry.get("shape")
-    if shape is not None and list(a.shape) != list(shape):
-        raise BNProbeError(f"{path}: shape {list(a.shape)} disagrees with dump.json's {list(shape)}")
-    fmt = _torch_dtype_name(entry.get("dtype", "torch.float32"))
-    return a, fmt
+        doc = json.loads(index.read_text())
+    except (OSError, ValueError) as exc:
+        raise BNProbeError(f"{index}: not readable JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != CALLS_TAG or not isinstance(doc.get("calls"), list):
+        raise BNProbeError(f"{index}: not a bnprobe model dump (no \"format\": \"{CALLS_TAG}\" with a calls list)")
+    calls = []
+    for i, e in enumerate(doc["calls"]):
+        if not isinstance(e, dict) or not isinstance(e.get("dir"), str) or not isinstance(e.get("name"), str):
+            raise BNProbeError(f"{index}: call {i} lacks its name or dir")
+        folder = (index.parent / e["dir"]).resolve()
+        if index.parent.resolve() not in folder.parents:
+            raise BNProbeError(f"{index}: call {e['name']!r} points outside the dump ({e['dir']!r})")
+        if not (folder / META_NAME).is_file():
+            raise BNProbeError(f"{folder}: missing (call {e['name']!r} named in {CALLS_NAME})")
+        calls.append(_bnprobe_call(folder, e["name"], e.get("module") if isinstance(e.get("module"), str) else None))
+    notes = tuple(str(n) for n in doc.get("notes", []) if isinstance(n, str)) if isinstance(doc.get("notes"), list) \
+        else ()
+    return RecordedCalls(str(index.parent), "capture", tuple(calls), notes)
 
 
-def _is_tensor(entry: Any) -> bool:
-    return isinstance(entry, dict) and "data_name" in entry
+def open_dump(spec: str | Path, calls: str | None = None) -> RecordedCalls:
+    """Every BatchNorm call of a dump: ``DIR`` (a bnprobe dump, a bnprobe model dump or an msprobe dump in
+    any of its layouts), the path of its ``dump.json`` / ``bnprobe-dump.json``, optionally ``#NAME``
+    (a call name, module name or glob) to select; ``calls`` selects by glob as well."""
+    text = str(spec)
+    path_text, _, name = text.partition("#")
+    p = Path(path_text)
+    if not p.exists():
+        raise BNProbeError(f"dump {path_text!r} does not exist")
+    if p.is_file() and p.name in (META_NAME, CALLS_NAME):
+        p = p.parent
+    if p.is_dir() and (p / CALLS_NAME).is_file():
+        found = _model_calls(p / CALLS_NAME)
+    elif p.is_dir() and (p / META_NAME).is_file():
+        found = RecordedCalls(str(p), "bnprobe", (_bnprobe_call(p),))
+    else:
+        from bnprobe.adapters.msprobe import find_dump_jsons, msprobe_calls
+
+        if p.is_dir() and not find_dump_jsons(p):
+            raise BNProbeError(f"{p}: neither a bnprobe dump ({META_NAME}, {CALLS_NAME}) nor an msprobe dump "
+                               "(dump.json, step*/proc*/, step*/rank*/, rank*/)")
+        ms, notes = msprobe_calls(p)
+        found = RecordedCalls(str(p), "msprobe", tuple(
+            CallRef(c.name, c.module, c.shape, c.dtype, c.training, c.has_backward, c.task, c.load) for c in ms),
+            tuple(notes))
+        if not found.calls:
+            raise BNProbeError(f"{p}: no BatchNorm call in the msprobe dump (looked for "
+                               f"{', '.join(MSPROBE_BN_APIS)})")
+    return found.select(name or None).select(calls)
 
 
 def read_msprobe(folder: str | Path, call: str | None = None) -> Recording:
     """The first BatchNorm call (or ``call``, e.g. ``Functional.batch_norm.0``) of an msprobe dump."""
-    folder = Path(folder)
-    dj = _find_dump_json(folder)
-    try:
-        doc = json.loads(dj.read_text())
-        data = doc["data"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise BNProbeError(f"{dj}: not an msprobe dump.json ({type(exc).__name__})") from None
-    calls = []
-    for key in data:
-        parts = key.split(".")
-        if len(parts) >= 4 and parts[-1] == "forward" and parts[-3] in MSPROBE_BN_APIS:
-            calls.append(".".join(parts[:-1]))
-    if not calls:
-        raise BNProbeError(f"{dj}: no BatchNorm API among {len(data)} records ({', '.join(MSPROBE_BN_APIS)})")
-    if call is None:
-        call = calls[0]
-    elif call not in calls:
-        raise BNProbeError(f"{dj}: no BatchNorm call {call!r}; found {', '.join(calls)}")
-    api_type, api = call.split(".")[0], call.split(".")[-2]
-    base = dj.parent
-    fwd = data[f"{call}.forward"]
-    order = _NO_TRAINING_ORDER if api.endswith("no_training") else (
-        _F_ORDER if api_type == "Functional" else _ATEN_ORDER)
-    args: dict[str, Any] = dict(zip(order, fwd.get("input_args", [])))
-    args.update(fwd.get("input_kwargs", {}) or {})
-    if "input" not in args or not _is_tensor(args["input"]):
-        raise BNProbeError(f"{dj}: {call}.forward has no input tensor")
-
-    def value(name: str, default: Any) -> Any:
-        e = args.get(name)
-        return e.get("value", default) if isinstance(e, dict) and not _is_tensor(e) else (default if e is None else e)
-
-    training = bool(value("training", not api.endswith("no_training")))
-    eps = float(value("eps", 1e-5))
-    momentum = value("momentum", 0.1)
-    x, dtype = _load_tensor(base, args["input"], f"{call}.forward input")
-    tensors: dict[str, np.ndarray] = {"x": x}
-    formats = {"x": dtype}
-    for ours, theirs in (("gamma", "weight"), ("beta", "bias"), ("running_mean", "running_mean"),
-                         ("running_var", "running_var")):
-        if _is_tensor(args.get(theirs)):
-            tensors[ours], formats[ours] = _load_tensor(base, args[theirs], f"{call}.forward {theirs}")
-    params = formats.get("gamma", formats.get("running_mean", dtype))
-    mode = "train" if training else "infer"
-    outs = [o for o in fwd.get("output", []) if _is_tensor(o)]
-    if not outs:
-        raise BNProbeError(f"{dj}: {call}.forward records no output tensor")
-    outputs: dict[str, np.ndarray] = {}
-    out_formats: dict[str, str] = {}
-    outputs["y"], out_formats["y"] = _load_tensor(base, outs[0], f"{call}.forward output 0")
-    saved_kind = None
-    if training and len(outs) >= 3:  # native variants: (y, save_mean, save_invstd[, ...])
-        outputs["saved_mean"], out_formats["saved_mean"] = _load_tensor(base, outs[1], f"{call}.forward output 1")
-        outputs["saved_value"], out_formats["saved_value"] = _load_tensor(base, outs[2], f"{call}.forward output 2")
-        saved_kind = "invstd"
-    rec = Recording(adapter=f"msprobe:{call}", dtype=dtype, params=params, layout="channels_first", eps=eps,
-                    momentum=None if momentum is None else float(momentum), saved_kind=saved_kind,
-                    meta={"framework": doc.get("framework"), "task": doc.get("task"), "call": call,
-                          "calls": calls}, source=str(dj))
-    rec.tensors[mode] = {"inputs": {k: v for k, v in tensors.items()}, "outputs": outputs}
-    for k in tensors:
-        rec.formats[f"{mode}.inputs.{k}"] = formats[k]
-    for k in outputs:
-        rec.formats[f"{mode}.outputs.{k}"] = out_formats[k]
-    bwd = data.get(f"{call}.backward")
-    if bwd is not None and saved_kind is not None:
-        grads_in = [o for o in bwd.get("input", []) if _is_tensor(o)]
-        grads_out = [o for o in bwd.get("output", []) if _is_tensor(o)]
-        if not grads_in or not grads_out:
-            raise BNProbeError(f"{dj}: {call}.backward lacks its gradient tensors")
-        dy, fdy = _load_tensor(base, grads_in[0], f"{call}.backward input 0")
-        loaded = [_load_tensor(base, o, f"{call}.backward output {i}") for i, o in enumerate(grads_out)]
-        dx = next((a for a, _ in loaded if a.shape == x.shape), None)
-        vecs = [(a, f) for a, f in loaded if a.shape == (x.shape[1],)]
-        if dx is None or len(vecs) < 2:
-            raise BNProbeError(f"{dj}: {call}.backward output does not hold dx, dweight and dbias")
-        rec.tensors["backward"] = {
-            "inputs": {"dy": dy, "x": x, "gamma": tensors.get("gamma", np.ones(x.shape[1])),
-                       "saved_mean": outputs["saved_mean"], "saved_value": outputs["saved_value"]},
-            "outputs": {"dx": dx, "dgamma": vecs[0][0], "dbeta": vecs[1][0]}}
-        rec.formats.update({"backward.inputs.dy": fdy, "backward.inputs.x": dtype,
-                            "backward.inputs.gamma": params, "backward.inputs.saved_mean": out_formats["saved_mean"],
-                            "backward.inputs.saved_value": out_formats["saved_value"],
-                            "backward.outputs.dx": dtype, "backward.outputs.dgamma": vecs[0][1],
-                            "backward.outputs.dbeta": vecs[1][1]})
-    return rec
-
+    found = open_dump(folder, call)
+    return found.calls[0].load()
 
 # ---- recording an adapter and replaying a recording ----------------------------------------------
 
@@ -313,7 +351,7 @@ def record(adapter: KernelAdapter, *, x: np.ndarray, gamma: np.ndarray | None, b
     from bnprobe.numerics.rounding import round_to
 
     fmt = get_format(dtype).name
-    pf = fmt if params == "same" else ("fp64" if fmt == "fp64" else "fp32")
+    pf = params_format(fmt, params)
     caps = adapter.capabilities()
     c = np.shape(x)[1] if layout == "channels_first" or np.ndim(x) == 2 else np.shape(x)[-1]
     g = round_to(np.ones(c) if gamma is None else np.asarray(gamma, dtype=np.float64), pf)
@@ -362,22 +400,73 @@ def record(adapter: KernelAdapter, *, x: np.ndarray, gamma: np.ndarray | None, b
 
 
 class DumpAdapter(BaseAdapter):
-    """Replays a Recording: given the recorded inputs, returns the recorded outputs."""
+    """Replays recorded calls: given a call's recorded inputs and scalars, returns its recorded outputs.
 
-    def __init__(self, rec: Recording) -> None:
-        self.rec = rec
-        self.name = f"dump:{rec.source or rec.adapter}"
+    Built on one :class:`Recording` or on a dump's :class:`RecordedCalls`; :meth:`bind` gives the
+    adapter of one call.  A call that differs from the recording in any tensor or scalar is an error
+    naming what differs: a replay never answers with the outputs of another call."""
+
+    def __init__(self, rec: Recording | RecordedCalls) -> None:
+        if isinstance(rec, Recording):
+            self.calls = RecordedCalls(rec.source or rec.adapter, "bnprobe", (
+                CallRef(str(rec.meta.get("call") or rec.adapter), None, tuple(rec.call_inputs()["x"].shape),
+                        rec.dtype, rec.training, "backward" in rec.tensors, "tensor", lambda: rec),))
+            self._rec: Recording | None = rec
+        else:
+            self.calls, self._rec = rec, None
+        self.name = f"dump:{self.calls.source}"
+
+    @property
+    def rec(self) -> Recording:
+        """The bound call's recording (a single-call dump binds its call on first use)."""
+        if self._rec is None:
+            if len(self.calls.calls) != 1:
+                raise BNProbeError(f"{self.name} holds {len(self.calls.calls)} BatchNorm calls; select one with "
+                                   "dump:DIR#NAME or --calls, or let the command run them one at a time")
+            self.calls.require_tensors("replaying a call")
+            self._rec = self.calls.calls[0].load()
+        return self._rec
+
+    def bind(self, rec: Recording) -> DumpAdapter:
+        """This dump's adapter for one of its calls (already loaded)."""
+        out = DumpAdapter(rec)
+        out.calls, out.name = self.calls, self.name
+        return out
 
     def capabilities(self) -> Capabilities:
+        if self._rec is None and (len(self.calls.calls) != 1 or self.calls.task != "tensor"):
+            cs = self.calls.calls
+            modes = {m for c in cs for m in (("train" if c.training else "infer"),
+                                              *(("backward",) if c.has_backward else ()))}
+            return Capabilities(formats=tuple(dict.fromkeys(c.dtype for c in cs)),
+                                modes=tuple(m for m in MODES if m in modes), layouts=("channels_first",),
+                                saved="none", deterministic=True, training_r1=True)
         return Capabilities(formats=(self.rec.dtype,), modes=self.rec.modes, layouts=(self.rec.layout,),
                             saved=self.rec.saved_kind or "none", deterministic=True, training_r1=True)
 
-    def _check_inputs(self, mode: str, given: dict[str, np.ndarray | None]) -> None:
-        want = self.rec.tensors[mode]["inputs"]
+    def _differs(self, what: str, asked: Any, recorded: Any) -> BNProbeError:
+        call = self.rec.meta.get("call") or "the recording"
+        return BNProbeError(f"{self.name}: the call asks {what} = {asked!r} but {call} was made with {what} = "
+                            f"{recorded!r}; a recording answers only its own call")
+
+    def _check_call(self, mode: str, given: dict[str, np.ndarray | None], p: Prepared, *, eps: float,
+                    momentum: float | None = None, training: bool | None = None) -> None:
+        rec = self.rec
+        if eps != rec.eps:
+            raise self._differs("eps", eps, rec.eps)
+        if p.params != rec.params:
+            raise self._differs("the parameter format", p.params, rec.params)
+        if training is not None and training != rec.training:
+            raise self._differs("training", training, rec.training)
+        want = rec.tensors[mode]["inputs"]
+        if mode == "train" and "running_mean" in want and momentum != rec.momentum:
+            raise self._differs("momentum", momentum, rec.momentum)
         for name, a in given.items():
-            if name not in want or a is None:
+            if name not in want:
                 continue
             b = want[name]
+            if a is None:
+                raise BNProbeError(f"{self.name}: the {mode} call gives no {name!r} but the recording has one")
             a = np.asarray(a, dtype=np.float64)
             if a.shape != b.shape or not np.array_equal(a, b, equal_nan=True):
                 raise BNProbeError(f"{self.name}: the {mode} input {name!r} differs from the recorded one; a dump "
@@ -396,7 +485,7 @@ class DumpAdapter(BaseAdapter):
         return a.astype(get_format(self.rec.formats[f"{mode}.outputs.{name}"]).dtype)
 
     def _forward_train_impl(self, p: Prepared, *, momentum: float | None, eps: float) -> ForwardOutput:
-        self._check_inputs("train", {"x": p.x, **p.vectors})
+        self._check_call("train", {"x": p.x, **p.vectors}, p, eps=eps, momentum=momentum)
         sm, sv = self._out("train", "saved_mean"), self._out("train", "saved_value")
         saved = Saved(sm, self.rec.saved_kind, sv) if sm is not None and sv is not None and self.rec.saved_kind \
             else None
@@ -404,14 +493,20 @@ class DumpAdapter(BaseAdapter):
                              self._out("train", "running_var_out"), meta={"replayed": self.rec.source})
 
     def _forward_infer_impl(self, p: Prepared, *, eps: float) -> ForwardOutput:
-        self._check_inputs("infer", {"x": p.x, **p.vectors})
+        self._check_call("infer", {"x": p.x, **p.vectors}, p, eps=eps)
         return ForwardOutput(self._out("infer", "y"), meta={"replayed": self.rec.source})
 
     def _backward_impl(self, p: Prepared, dy: np.ndarray, saved: Saved, *, eps: float,
                        training: bool) -> BackwardOutput:
-        self._check_inputs("backward", {"dy": dy, "x": p.x, "gamma": p.vectors["gamma"]})
-        return BackwardOutput(self._out("backward", "dx"), self._out("backward", "dgamma"),
-                              self._out("backward", "dbeta"), meta={"replayed": self.rec.source})
+        self._check_call("backward", {"dy": dy, "x": p.x, "gamma": p.vectors["gamma"]}, p, eps=eps, training=training)
+        c = p.lay.channels
+        dg, db = self._out("backward", "dgamma"), self._out("backward", "dbeta")
+        if dg is None or db is None:  # affine=False: no parameter gradients were recorded
+            nan = np.full(c, np.nan)
+            dg, db = (nan if dg is None else dg), (nan if db is None else db)
+        return BackwardOutput(self._out("backward", "dx"), dg, db, meta={"replayed": self.rec.source,
+                                                                          "affine": "dgamma" in
+                                                                          self.rec.tensors["backward"]["outputs"]})
 
     def _check_forward(self, out: ForwardOutput, p: Prepared, *, training: bool) -> None:
         if np.shape(out.y) != p.lay.shape:

@@ -78,13 +78,11 @@ def _torch_make(device: str) -> Callable[[str], KernelAdapter]:
 
 
 def _dump(opts: str) -> KernelAdapter:
-    from bnprobe.adapters.dump import DumpAdapter, load_dump, read_msprobe
+    from bnprobe.adapters.dump import DumpAdapter, open_dump
 
     if not opts:
         raise BNProbeError("the dump adapter needs a path: dump:DIR (a bnprobe or msprobe dump folder)")
-    path, _, call = opts.partition("#")
-    rec = read_msprobe(path, call) if call else load_dump(path)
-    return DumpAdapter(rec)
+    return DumpAdapter(open_dump(opts))
 
 
 BUILTIN: dict[str, AdapterInfo] = {a.name: a for a in (
@@ -101,7 +99,7 @@ BUILTIN: dict[str, AdapterInfo] = {a.name: a for a in (
     AdapterInfo("torch", "PyTorch aten native_batch_norm on CPU", _torch("cpu"), _torch_make("cpu"), "cuda"),
     AdapterInfo("torch:cuda", "PyTorch on a CUDA GPU", _torch("cuda"), _torch_make("cuda")),
     AdapterInfo("torch_npu", "PyTorch with torch_npu on an Ascend NPU", _torch("npu"), _torch_make("npu")),
-    AdapterInfo("dump", "replay a bnprobe dump or an msprobe dump folder: dump:DIR[#Functional.batch_norm.0]",
+    AdapterInfo("dump", "replay the BatchNorm calls of a bnprobe, capture or msprobe dump: dump:DIR[#CALL-GLOB]",
                 _always, _dump, "path"),
 )}
 

@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from bnprobe.adapters import KernelAdapter, get_adapter
+from bnprobe.adapters import KernelAdapter, Saved, get_adapter
+from bnprobe.adapters.base import params_format
+from bnprobe.adapters.dump import CallRef, DumpAdapter, RecordedCalls, Recording
 from bnprobe.adapters.emulated import PolicyAdapter
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
@@ -43,8 +45,9 @@ from bnprobe.tolerances import MSPROBE_STANDARDS, Standard
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-__all__ = ["Case", "resnet50_cases", "stress_cases", "CompareResult", "compare_precision", "error_budget",
-           "verdict", "summarize", "markdown_summary", "budget_cause", "BUDGET_CHANNELS", "STANDARD_RULES"]
+__all__ = ["Case", "resnet50_cases", "stress_cases", "recorded_cases", "CompareResult", "compare_precision",
+           "error_budget", "verdict", "summarize", "per_call", "markdown_summary", "budget_cause", "BUDGET_CHANNELS",
+           "STANDARD_RULES"]
 
 BUDGET_CHANNELS = 8  # the error budget reruns the kernel on the first channels of a layer (channels are independent)
 ELEMENTWISE = ("y", "y_infer", "dx")
@@ -69,11 +72,20 @@ class Case:
     std: float = 1.0
     seed: int = 0
     x: np.ndarray | None = field(default=None, compare=False, repr=False)
+    call: CallRef | None = field(default=None, compare=False, repr=False)  # a recorded call: all inputs from it
 
     def make(self) -> np.ndarray:
         if self.x is not None:
             return self.x
+        if self.call is not None:
+            return self.call.load().call_inputs()["x"]
         return make_input(self.shape, dist=self.dist, mean=self.mean, std=self.std, seed=self.seed)
+
+
+def recorded_cases(calls: RecordedCalls) -> list[Case]:
+    """One case per recorded BatchNorm call, in forward order (tensors are loaded one call at a time)."""
+    calls.require_tensors("comparing a call's outputs with the golden")
+    return [Case(c.label, c.shape, "recorded", seed=0, call=c) for c in calls.calls]
 
 
 def resnet50_cases(batch: int = 2, seed: int = 0, dist: str = "normal") -> list[Case]:
@@ -193,7 +205,7 @@ def error_budget(adapter: PolicyAdapter, x: np.ndarray, gamma: np.ndarray, beta:
     removes most of it (see :func:`budget_cause`).  Shares need not add up to 100%."""
     k = min(channels, x.shape[1])
     xs = np.ascontiguousarray(x[:, :k])
-    pf = dtype if params == "same" else ("fp64" if dtype == "fp64" else "fp32")
+    pf = params_format(dtype, params)
     xs = round_to(xs, dtype)
     g, b = round_to(gamma[:k], pf), round_to(beta[:k], pf)
     pol = adapter.policy_for(xs, dtype=dtype, params=params)
@@ -261,15 +273,153 @@ class CompareResult:
 MODES = ("train", "infer", "backward", "all")
 
 
+@dataclass
+class _Inputs:
+    """One case's inputs in one format, rounded as every adapter receives them."""
+
+    fmt: str
+    params: str  # same or fp32
+    pf: str  # the parameters' format
+    x: np.ndarray
+    gamma: np.ndarray | None
+    beta: np.ndarray | None
+    running_mean: np.ndarray | None
+    running_var: np.ndarray | None
+    dy: np.ndarray | None
+    eps: float
+    momentum: float | None
+    modes: tuple[str, ...]  # of train, infer, backward
+    training: bool = True
+    rec: Recording | None = None
+
+    @property
+    def common(self) -> dict[str, Any]:
+        return {"dtype": self.fmt, "eps": self.eps, "params": self.params}
+
+
+def _generated(case: Case, x: np.ndarray, fmt: str, params: str, eps: float, momentum: float | None,
+               modes: tuple[str, ...]) -> _Inputs:
+    lay = layout_of(x)
+    c = lay.channels
+    prm = make_params(c, case.seed)
+    pf = params_format(fmt, params)
+    dy = np.random.default_rng([case.seed, 3]).standard_normal(x.shape)
+    rm, rv = np.full(c, case.mean), np.full(c, max(case.std, 1e-3) ** 2)
+    train_ok = lay.reduce_size > 1
+    return _Inputs(fmt, params, pf, round_to(x, fmt), round_to(prm["gamma"], pf), round_to(prm["beta"], pf),
+                   round_to(rm, pf), round_to(rv, pf), round_to(dy, fmt), eps, momentum,
+                   tuple(m for m in modes if m == "infer" or train_ok))
+
+
+def _recorded(rec: Recording, modes: tuple[str, ...]) -> _Inputs:
+    """A recorded call's own inputs and scalars: the modes it recorded, in its formats."""
+    ci = rec.call_inputs()
+    kept = tuple(m for m in modes if m in rec.tensors and (m != "train" or rec.training))
+    return _Inputs(rec.dtype, ci["params"], rec.params, ci["x"], ci["gamma"], ci["beta"], ci["running_mean"],
+                   ci["running_var"], ci["dy"], rec.eps, rec.momentum, kept, rec.training, rec)
+
+
+def _scales(inp: _Inputs, gold_t: Any) -> dict[str, np.ndarray | None]:
+    """Natural scales of the sums, per channel (see the module docstring); temporaries freed at once."""
+    lay = layout_of(inp.x)
+    xcr = lay.to_cr(inp.x)
+    out: dict[str, np.ndarray | None] = {"mean": np.abs(xcr).mean(axis=1), "dx": None, "dgamma": None,
+                                         "dbeta": None}
+    if gold_t is None or inp.dy is None:
+        return out
+    eps = inp.eps
+    gm, gv = gold_t.saved.mean.astype(np.float64), gold_t.saved.var(eps)
+    xhat = (xcr - gm[:, None]) / np.sqrt(gv[:, None] + eps)
+    del xcr
+    dycr = lay.to_cr(inp.dy)
+    g = np.ones(lay.channels) if inp.gamma is None else inp.gamma
+    out["dbeta"], out["dgamma"] = np.abs(dycr).sum(axis=1), np.abs(dycr * xhat).sum(axis=1)
+    gr = np.abs(g) / np.sqrt(gv + eps)
+    m1, m2 = np.abs(dycr.mean(axis=1)), np.abs((dycr * xhat).mean(axis=1))
+    dx_max = gr * (np.abs(dycr).max(axis=1) + m1 + np.abs(xhat).max(axis=1) * m2)
+    out["dx"] = dx_max.reshape([-1 if ax == lay.channel_axis else 1 for ax in range(len(lay.shape))])
+    return out
+
+
+def _for_case(a: KernelAdapter, case: Case, rec: Recording | None) -> KernelAdapter:
+    """A dump adapter bound to the case's recorded call (another dump's call of the same name otherwise)."""
+    if not isinstance(a, DumpAdapter) or rec is None or case.call is None:
+        return a
+    if any(c is case.call for c in a.calls.calls):
+        return a.bind(rec)
+    match = [c for c in a.calls.calls if c.label == case.call.label]
+    if not match:
+        raise BNProbeError(f"{a.name} has no call {case.call.label!r} to replay on this case")
+    return a.bind(match[0].load())
+
+
+def _compare_adapter(a: KernelAdapter, ref: KernelAdapter, case: Case, inp: _Inputs, gold_t: Any,
+                     sc: dict[str, np.ndarray | None], standards: dict[str, Standard] | None, rule: str,
+                     budget: bool, top_channels: int, rows: list[dict[str, Any]], chans: list[dict[str, Any]],
+                     budgets: list[dict[str, Any]]) -> None:
+    """Every output of one adapter on one case against the golden."""
+    fmt, pf, eps, common = inp.fmt, inp.pf, inp.eps, inp.common
+    out_fmt = a.capabilities().output or fmt
+    xs, g, b, rms, rvs = inp.x, inp.gamma, inp.beta, inp.running_mean, inp.running_var
+
+    def row(t: str, act: Any, gol: Any, f: str, scale: np.ndarray | None = None) -> None:
+        # judge an output by the format the adapter returned it in (fp16 parameters, say), falling
+        # back to ``f`` for float64 arrays (the reference, or formats carried in float64)
+        dt = np.asarray(act).dtype
+        if dt != np.float64:
+            f = get_format(dt).name
+        rows.append(_row(a.name, fmt, case, t, act, gol, f, standards, rule, scale))
+
+    saved: Saved | None = None
+    if "train" in inp.modes:
+        out = a.forward_train(xs, g, b, rms, rvs, momentum=inp.momentum, **common)
+        saved = out.saved
+        row("y", out.y, gold_t.y, out_fmt)
+        if out.saved is not None:
+            kind = out.saved.kind
+            sf = get_format(np.asarray(out.saved.value).dtype).name
+            gval = gold_t.saved.var(eps) if kind == "var" else gold_t.saved.invstd(eps)
+            row("saved_mean", out.saved.mean, gold_t.saved.mean, sf, sc["mean"])
+            row(f"saved_{kind}", out.saved.value, gval, sf)
+            chans.extend(_channels(a.name, fmt, case, out.y, gold_t.y, out.saved.var(eps), gold_t.saved.var(eps),
+                                   gold_t.saved.mean.astype(np.float64), eps, top_channels))
+        if out.running_mean is not None and gold_t.running_mean is not None:
+            mom = 0.0 if inp.momentum is None else inp.momentum
+            row("running_mean", out.running_mean, gold_t.running_mean, pf,
+                np.maximum(np.abs(rms), mom * sc["mean"]))
+            row("running_var", out.running_var, gold_t.running_var, pf)
+    if "infer" in inp.modes:
+        out_i = a.forward_infer(xs, g, b, rms, rvs, **common)
+        row("y_infer", out_i.y, ref.forward_infer(xs, g, b, rms, rvs, **common).y, out_fmt)
+    if "backward" in inp.modes and inp.dy is not None:
+        if inp.training:
+            if saved is None and "train" not in inp.modes:
+                saved = a.forward_train(xs, g, b, **common).saved
+            # a kernel that saves nothing (a recorded functional call) recomputes its statistics itself
+            mine, gold_saved = saved if saved is not None else gold_t.saved, gold_t.saved
+        else:
+            mine = gold_saved = Saved(rms, "var", rvs)
+        got = a.backward(inp.dy, xs, g, mine, training=inp.training, **common)
+        gold_b = ref.backward(inp.dy, xs, g, gold_saved, training=inp.training, **common)
+        row("dx", got.dx, gold_b.dx, out_fmt, sc["dx"])
+        if not (got.meta.get("affine") is False):
+            row("dgamma", got.dgamma, gold_b.dgamma, pf, sc["dgamma"])
+            row("dbeta", got.dbeta, gold_b.dbeta, pf, sc["dbeta"])
+    if budget and isinstance(a, PolicyAdapter) and a.name != "reference" and gold_t is not None and g is not None \
+            and b is not None:
+        for r in error_budget(a, xs, g, b, dtype=fmt, eps=eps, params=inp.params):
+            budgets.append({"case": case.name, **r})
+
+
 def compare_precision(
     adapters: list[str | KernelAdapter] | None = None,
-    dtypes: tuple[str, ...] = ("fp16", "bf16", "fp32"),
+    dtypes: tuple[str, ...] | None = None,
     cases: list[Case] | None = None,
     *,
     mode: str = "all",
-    eps: float = 1e-5,
-    momentum: float = 0.1,
-    params: str = "fp32",
+    eps: float | None = None,
+    momentum: float | None = None,
+    params: str | None = None,
     seed: int = 0,
     standards: dict[str, Standard] | None = None,
     rule: str = "scaled",
@@ -280,7 +430,10 @@ def compare_precision(
     """Compare each adapter in each format with the FP64 golden on the same rounded inputs.
 
     Default: the ``emulated`` adapter (each format's preset), fp16/bf16/fp32, ResNet-50's BatchNorm
-    shapes (batch 2) plus the stress suite, training forward, inference and backward.
+    shapes (batch 2) plus the stress suite, training forward, inference and backward.  When an adapter
+    is a dump (and no cases are given) the cases are its recorded calls, each run on its own recorded
+    inputs, scalars and formats, one call at a time; ``dtypes``, ``eps``, ``momentum`` and ``params``
+    then must agree with the recording (None: as recorded).
     """
     import pandas as pd
 
@@ -290,103 +443,106 @@ def compare_precision(
         raise BNProbeError(f"unknown standard rule {rule!r}; valid: {', '.join(STANDARD_RULES)}")
     adapters = adapters or ["emulated"]
     resolved = [get_adapter(a) if isinstance(a, str) else a for a in adapters]
-    fmts = [get_format(d).name for d in dtypes]
+    dumps = [a for a in resolved if isinstance(a, DumpAdapter)]
+    if cases is None:
+        cases = recorded_cases(dumps[0].calls) if dumps else resnet50_cases(seed=seed) + stress_cases(seed)
+    fmts = [get_format(d).name for d in (dtypes or ("fp16", "bf16", "fp32"))]
+    recorded_fmts = list(dict.fromkeys(c.call.dtype for c in cases if c.call is not None))
+    if dtypes is not None:
+        off = [f for f in recorded_fmts if f not in fmts]
+        if off:
+            raise BNProbeError(f"the recording holds {', '.join(off)} calls; dtypes {', '.join(fmts)} contradict it")
     for a in resolved:
-        missing = [f for f in fmts if f not in a.capabilities().formats]
+        need = (fmts if any(c.call is None for c in cases) else []) + recorded_fmts
+        missing = [f for f in dict.fromkeys(need) if f not in a.capabilities().formats]
         if missing:
             raise BNProbeError(f"adapter {a.name} does not run {', '.join(missing)} "
                                f"(it runs {', '.join(a.capabilities().formats)})")
-    cases = cases if cases is not None else resnet50_cases(seed=seed) + stress_cases(seed)
     ref = get_adapter("reference")
-    for a in (ref, *resolved):  # traces are not needed here: keep counters only, not every intermediate
-        if isinstance(a, PolicyAdapter):
-            a.keep_arrays = False
     modes = ("train", "infer", "backward") if mode == "all" else (mode,)
     rows: list[dict[str, Any]] = []
     chans: list[dict[str, Any]] = []
     budgets: list[dict[str, Any]] = []
-    total, done = len(cases) * len(fmts) * len(resolved), 0
+    total = sum(1 if c.call is not None else len(fmts) for c in cases) * len(resolved)
+    done = 0
     t0 = time.monotonic()
-    for case in cases:
-        x = case.make()
-        lay = layout_of(x)
-        c = lay.channels
-        prm = make_params(c, case.seed)
-        rm, rv = np.full(c, case.mean), np.full(c, max(case.std, 1e-3) ** 2)
-        dy = np.random.default_rng([case.seed, 3]).standard_normal(x.shape)
-        train_ok = lay.reduce_size > 1
-        for fmt in fmts:
-            pf = fmt if params == "same" else ("fp64" if fmt == "fp64" else "fp32")
-            xs, dys = round_to(x, fmt), round_to(dy, fmt)
-            g, b = round_to(prm["gamma"], pf), round_to(prm["beta"], pf)
-            rms, rvs = round_to(rm, pf), round_to(rv, pf)
-            common = dict(dtype=fmt, eps=eps, params=params)
-            gold_t = ref.forward_train(xs, g, b, rms, rvs, momentum=momentum, **common) if train_ok else None
-            # natural scales of the sums, per channel (see the module docstring); temporaries freed at once
-            xcr = lay.to_cr(xs)
-            mean_scale = np.abs(xcr).mean(axis=1)
-            if train_ok:
-                gm, gv = gold_t.saved.mean.astype(np.float64), gold_t.saved.var(eps)
-                xhat = (xcr - gm[:, None]) / np.sqrt(gv[:, None] + eps)
-                del xcr
-                dycr = lay.to_cr(dys)
-                dbeta_scale, dgamma_scale = np.abs(dycr).sum(axis=1), np.abs(dycr * xhat).sum(axis=1)
-                gr = np.abs(g) / np.sqrt(gv + eps)
-                m1, m2 = np.abs(dycr.mean(axis=1)), np.abs((dycr * xhat).mean(axis=1))
-                dx_max = gr * (np.abs(dycr).max(axis=1) + m1 + np.abs(xhat).max(axis=1) * m2)
-                del xhat, dycr
-                dx_scale = dx_max.reshape([-1 if ax == lay.channel_axis else 1 for ax in range(len(lay.shape))])
+    # traces are not needed here: keep counters only, not every intermediate (restored afterwards)
+    kept = [(a, a.keep_arrays) for a in (ref, *resolved) if isinstance(a, PolicyAdapter)]
+    for a, _ in kept:
+        a.keep_arrays = False
+    try:
+        for case in cases:
+            if case.call is not None:
+                rec = case.call.load()
+                _agree(case.name, rec, eps, momentum, params)
+                per_fmt = [_recorded(rec, modes)]
             else:
-                del xcr
-            for a in resolved:
-                caps = a.capabilities()
-                out_fmt = caps.output or fmt
-                def row(t: str, act: Any, gol: Any, f: str, sc: np.ndarray | None = None) -> None:
-                    # judge an output by the format the adapter returned it in (fp16 parameters, say), falling
-                    # back to ``f`` for float64 arrays (the reference, or formats carried in float64)
-                    dt = np.asarray(act).dtype
-                    if dt != np.float64:
-                        f = get_format(dt).name
-                    rows.append(_row(a.name, fmt, case, t, act, gol, f, standards, rule, sc))
-                if "train" in modes and train_ok:
-                    out = a.forward_train(xs, g, b, rms, rvs, momentum=momentum, **common)
-                    row("y", out.y, gold_t.y, out_fmt)
-                    if out.saved is not None:
-                        kind = out.saved.kind
-                        sf = get_format(np.asarray(out.saved.value).dtype).name
-                        gval = gold_t.saved.var(eps) if kind == "var" else gold_t.saved.invstd(eps)
-                        row("saved_mean", out.saved.mean, gold_t.saved.mean, sf, mean_scale)
-                        row(f"saved_{kind}", out.saved.value, gval, sf)
-                        chans += _channels(a.name, fmt, case, out.y, gold_t.y, out.saved.var(eps),
-                                           gold_t.saved.var(eps), gold_t.saved.mean.astype(np.float64), eps,
-                                           top_channels)
-                    if out.running_mean is not None:
-                        row("running_mean", out.running_mean, gold_t.running_mean, pf,
-                            np.maximum(np.abs(rms), momentum * mean_scale))
-                        row("running_var", out.running_var, gold_t.running_var, pf)
-                if "infer" in modes:
-                    out_i = a.forward_infer(xs, g, b, rms, rvs, **common)
-                    row("y_infer", out_i.y, ref.forward_infer(xs, g, b, rms, rvs, **common).y, out_fmt)
-                if "backward" in modes and train_ok:
-                    saved = a.forward_train(xs, g, b, **common).saved
-                    if saved is not None:
-                        got = a.backward(dys, xs, g, saved, **common)
-                        gold_b = ref.backward(dys, xs, g, gold_t.saved, **common)
-                        row("dx", got.dx, gold_b.dx, out_fmt, dx_scale)
-                        row("dgamma", got.dgamma, gold_b.dgamma, pf, dgamma_scale)
-                        row("dbeta", got.dbeta, gold_b.dbeta, pf, dbeta_scale)
-                if budget and isinstance(a, PolicyAdapter) and a.name != "reference" and train_ok:
-                    for r in error_budget(a, xs, g, b, dtype=fmt, eps=eps, params=params):
-                        budgets.append({"case": case.name, **r})
-                done += 1
-                if progress:
-                    progress(done, total)
-    meta = {"adapters": [a.name for a in resolved], "dtypes": fmts, "mode": mode, "eps": eps, "momentum": momentum,
-            "params": params, "seed": seed, "cases": [{"name": c.name, "shape": list(c.shape), "dist": c.dist,
-                                                      "mean": c.mean, "std": c.std} for c in cases],
+                x = case.make()
+                e = 1e-5 if eps is None else eps
+                m = 0.1 if momentum is None else momentum
+                per_fmt = [_generated(case, x, f, params or "fp32", e, m, modes) for f in fmts]
+            for inp in per_fmt:
+                gold_t = None
+                if inp.training and layout_of(inp.x).reduce_size > 1 and ("train" in inp.modes or
+                                                                         "backward" in inp.modes):
+                    gold_t = ref.forward_train(inp.x, inp.gamma, inp.beta, inp.running_mean, inp.running_var,
+                                               momentum=inp.momentum, **inp.common)
+                sc = _scales(inp, gold_t)
+                for a in resolved:
+                    _compare_adapter(_for_case(a, case, inp.rec), ref, case, inp, gold_t, sc, standards, rule, budget,
+                                     top_channels, rows, chans, budgets)
+                    done += 1
+                    if progress:
+                        progress(done, total)
+    finally:
+        for a, keep in kept:
+            a.keep_arrays = keep
+    meta = {"adapters": [a.name for a in resolved],
+            "dtypes": list(dict.fromkeys(([] if all(c.call is not None for c in cases) else fmts) + recorded_fmts)),
+            "mode": mode, "eps": eps, "momentum": momentum, "params": params, "seed": seed,
+            "cases": [{"name": c.name, "shape": list(c.shape), "dist": c.dist, "mean": c.mean, "std": c.std}
+                      for c in cases],
+            "recorded": any(c.call is not None for c in cases),
             "seconds": round(time.monotonic() - t0, 3), "standards": "msprobe" if standards is None else "custom",
             "rule": rule}
+    if dumps:
+        meta["dump"] = {"source": dumps[0].calls.source, "kind": dumps[0].calls.kind,
+                        "notes": list(dumps[0].calls.notes)}
     return CompareResult(pd.DataFrame(rows), pd.DataFrame(chans), pd.DataFrame(budgets), meta)
+
+
+def _agree(name: str, rec: Recording, eps: float | None, momentum: float | None, params: str | None) -> None:
+    """Options given for a recorded call must be the recorded ones."""
+    if eps is not None and eps != rec.eps:
+        raise BNProbeError(f"{name} was recorded with eps {rec.eps:g}; eps {eps:g} contradicts it")
+    if momentum is not None and rec.momentum is not None and momentum != rec.momentum:
+        raise BNProbeError(f"{name} was recorded with momentum {rec.momentum:g}; momentum {momentum:g} contradicts it")
+    if params is not None and params != rec.params_mode:
+        raise BNProbeError(f"{name} was recorded with {rec.params} parameters ({rec.params_mode}); params {params} "
+                           "contradicts it")
+
+
+def per_call(result: CompareResult) -> list[dict[str, Any]]:
+    """Per case (a recorded call, in forward order) and adapter: outputs checked, failed, the worst."""
+    rows = result.rows
+    out: list[dict[str, Any]] = []
+    if not len(rows):
+        return out
+    order = {c["name"]: i for i, c in enumerate(result.meta["cases"])}
+    for (adapter, case), sub in rows.groupby(["adapter", "case"], sort=False):
+        ratio = sub["score"] / sub["bound"]
+        worst = sub.loc[ratio.idxmax()]
+        bad = sub[sub["verdict"] == "FAIL"]
+        out.append({"order": order.get(case, -1), "call": case, "adapter": adapter, "dtype": sub["dtype"].iloc[0],
+                    "outputs": int(len(sub)), "failed": int(len(bad)),
+                    "failing": ", ".join(bad["tensor"]), "worst": worst["tensor"], "worst_ratio": float(ratio.max())})
+    out.sort(key=lambda r: (r["order"], r["adapter"]))
+    return out
+
+
+def first_failing_call(result: CompareResult) -> dict[str, Any] | None:
+    """The first call (in forward order) with an output over the standard, or None."""
+    return next((r for r in per_call(result) if r["failed"]), None)
 
 
 def summarize(result: CompareResult) -> list[dict[str, Any]]:

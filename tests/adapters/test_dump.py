@@ -178,7 +178,7 @@ def test_msprobe_errors_name_the_file(tmp_path):
     victim.write_bytes(b"\x93NUMPY garbage")
     with pytest.raises(BNProbeError, match="forward.input.1.npy: corrupt"):
         load_dump(tmp_path)
-    with pytest.raises(BNProbeError, match="no BatchNorm call 'Functional.batch_norm.7'"):
+    with pytest.raises(BNProbeError, match="no BatchNorm call matches 'Functional.batch_norm.7'"):
         read_msprobe(tmp_path, "Functional.batch_norm.7")
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -1,0 +1,381 @@
+"""MindStudio Probe (msprobe) dumps: every BatchNorm call, forward and backward, as recordings.
+
+Layouts read (mindstudio-probe 26.x and older): ``step*/proc<pid>/`` (one process), ``step*/rank*/``
+and ``rank*/`` (torch.distributed), a folder holding ``dump.json``, or the path of ``dump.json``
+itself; tensors in ``dump_tensor_data/`` as ``.pt`` or ``.npy``.  The BatchNorm kernels are the API
+records ``Functional.batch_norm.N`` (what ``nn.BatchNorm1d/2d/3d`` call), ``Torch.batch_norm``,
+``Torch.native_batch_norm``, ``Aten.native_batch_norm`` and the other aten variants; the mix level's
+``Module.<path>.BatchNorm*.forward.K`` records name them (through ``construct.json``) and its
+``parameters_grad`` records are checked against the kernel's dγ and dβ.
+
+A ``statistics`` dump holds max/min/mean/norm per tensor and no tensors: its calls carry summaries
+only (see :attr:`MsprobeCall.task`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bnprobe.errors import BNProbeError
+from bnprobe.formats import get_format
+from bnprobe.numerics.rounding import is_representable
+
+__all__ = ["MSPROBE_BN_APIS", "MsprobeCall", "find_dump_jsons", "msprobe_calls", "read_call", "SUMMARY_KEYS"]
+
+MSPROBE_BN_APIS = ("batch_norm", "native_batch_norm", "cudnn_batch_norm", "_native_batch_norm_legit",
+                   "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional")
+SUMMARY_KEYS = ("Max", "Min", "Mean", "Norm")
+# positional order of each API's arguments
+_F_ORDER = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+_ATEN_ORDER = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
+_NO_TRAINING_ORDER = ("input", "weight", "bias", "running_mean", "running_var", "momentum", "eps")
+# msprobe's kwarg names for cudnn's arguments
+_ALIASES = {"exponential_average_factor": "momentum", "epsilon": "eps"}
+
+
+def find_dump_jsons(path: str | Path) -> list[Path]:
+    """Every ``dump.json`` a path stands for: the file itself, the folder's own, or those of its
+    ``step*/proc*``, ``step*/rank*`` and ``rank*`` sub-folders (sorted)."""
+    p = Path(path)
+    if p.is_file():
+        if p.name != "dump.json":
+            raise BNProbeError(f"{p}: not a dump.json (give an msprobe dump folder or its dump.json)")
+        return [p]
+    if not p.is_dir():
+        raise BNProbeError(f"dump {str(p)!r} does not exist")
+    if (p / "dump.json").is_file():
+        return [p / "dump.json"]
+    found = sorted({*p.glob("step*/proc*/dump.json"), *p.glob("step*/rank*/dump.json"), *p.glob("rank*/dump.json"),
+                    *p.glob("proc*/dump.json")})
+    return found
+
+
+@dataclass(frozen=True)
+class MsprobeCall:
+    """One BatchNorm kernel call of an msprobe dump (nothing loaded yet)."""
+
+    name: str  # e.g. Functional.batch_norm.0, prefixed with step/rank when a dump has several
+    api: str  # Functional.batch_norm.0
+    dump_json: Path
+    module: str | None  # Module.1.BatchNorm2d.forward.0 (mix level)
+    task: str  # tensor or statistics
+    shape: tuple[int, ...]
+    dtype: str
+    training: bool
+    has_backward: bool
+    load: Callable[[], Any] = field(compare=False, repr=False)  # -> Recording (or summaries for statistics)
+
+
+def _read_json(dj: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(dj.read_text())
+    except (OSError, ValueError) as exc:
+        raise BNProbeError(f"{dj}: not readable JSON ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("data"), dict):
+        raise BNProbeError(f"{dj}: not an msprobe dump.json (no \"data\" object)")
+    return doc
+
+
+def _api_of(call: str) -> tuple[str, str] | None:
+    """(api_type, api) of a record name without its .forward/.backward, when it is a BatchNorm kernel."""
+    parts = call.split(".")
+    if len(parts) < 3 or not parts[-1].isdigit() or parts[0] == "Module":
+        return None
+    api = parts[1]
+    return (parts[0], api) if api in MSPROBE_BN_APIS else None
+
+
+def _is_tensor(entry: Any) -> bool:
+    return isinstance(entry, dict) and str(entry.get("type", "")).endswith("Tensor")
+
+
+def _scalar(entry: Any, default: Any) -> Any:
+    if isinstance(entry, dict) and not _is_tensor(entry):
+        return entry.get("value", default)
+    return default if entry is None else entry
+
+
+def _args(call: str, api_type: str, api: str, fwd: dict[str, Any], where: str) -> dict[str, Any]:
+    order = _NO_TRAINING_ORDER if api.endswith("no_training") else (
+        _F_ORDER if api_type == "Functional" else _ATEN_ORDER)
+    pos = fwd.get("input_args", [])
+    kw = fwd.get("input_kwargs", {}) or {}
+    if not isinstance(pos, list) or not isinstance(kw, dict):
+        raise BNProbeError(f"{where}: {call}.forward has input_args/input_kwargs of the wrong JSON type")
+    args: dict[str, Any] = dict(zip(order, pos))
+    args.update({_ALIASES.get(k, k): v for k, v in kw.items()})
+    if not _is_tensor(args.get("input")):
+        raise BNProbeError(f"{where}: {call}.forward has no input tensor")
+    return args
+
+
+def _fmt(entry: dict[str, Any], where: str) -> str:
+    try:
+        return get_format(str(entry.get("dtype", "")).replace("torch.", "")).name
+    except BNProbeError:
+        raise BNProbeError(f"{where}: dtype {entry.get('dtype')!r} is not a floating format bnprobe knows") from None
+
+
+def _shape(entry: dict[str, Any], where: str) -> tuple[int, ...]:
+    s = entry.get("shape")
+    if not isinstance(s, list) or not all(isinstance(v, int) and v >= 0 for v in s):
+        raise BNProbeError(f"{where}: tensor record has no valid shape")
+    return tuple(s)
+
+
+def msprobe_calls(path: str | Path) -> tuple[list[MsprobeCall], list[str]]:
+    """Every BatchNorm call of an msprobe dump in forward order, and notes on what is not read."""
+    jsons = find_dump_jsons(path)
+    if not jsons:
+        raise BNProbeError(f"{path}: no msprobe dump.json (looked for dump.json, step*/proc*/, step*/rank*/, "
+                           "rank*/)")
+    root = Path(path) if Path(path).is_dir() else Path(path).parent
+    calls: list[MsprobeCall] = []
+    notes: list[str] = []
+    for dj in jsons:
+        doc = _read_json(dj)
+        data = doc["data"]
+        task = str(doc.get("task") or "tensor")
+        if task not in ("tensor", "statistics"):
+            raise BNProbeError(f"{dj}: task {task!r}; bnprobe reads msprobe's tensor and statistics dumps")
+        construct = _construct(dj.parent)
+        prefix = "" if len(jsons) == 1 else f"{dj.parent.relative_to(root).as_posix()}/"
+        found = 0
+        for key, fwd in data.items():
+            if not key.endswith(".forward"):
+                continue
+            call = key[: -len(".forward")]
+            api = _api_of(call)
+            if api is None:
+                continue
+            where = str(dj)
+            if not isinstance(fwd, dict):
+                raise BNProbeError(f"{where}: {key} is not a JSON object")
+            args = _args(call, *api, fwd, where)
+            x = args["input"]
+            training = bool(_scalar(args.get("training"), not api[1].endswith("no_training")))
+            calls.append(MsprobeCall(
+                name=prefix + call, api=call, dump_json=dj, module=construct.get(key), task=task,
+                shape=_shape(x, where), dtype=_fmt(x, where), training=training,
+                has_backward=f"{call}.backward" in data,
+                load=_loader(dj, call, task)))
+            found += 1
+        modules = [k for k in data if k.startswith("Module.") and ".BatchNorm" in k and ".forward." in k]
+        if not found and modules:
+            raise BNProbeError(f"{dj}: only module-level (L0) BatchNorm records ({modules[0]}, ...): they hold x, y, "
+                               "weight and bias but not eps, momentum, the running statistics or the training flag; "
+                               "dump at level L1 or mix")
+    if len(jsons) > 1:
+        notes.append(f"{len(jsons)} dump.json files (steps/ranks) read; calls are named by their folder")
+    return calls, notes
+
+
+def _construct(folder: Path) -> dict[str, str]:
+    """construct.json: API record -> enclosing module record (mix level); {} when absent or empty."""
+    p = folder / "construct.json"
+    if not p.is_file():
+        return {}
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(doc, dict) else {}
+
+
+def _loader(dj: Path, call: str, task: str) -> Callable[[], Any]:
+    def load() -> Any:
+        doc = _read_json(dj)
+        return read_call(dj, doc, call) if task == "tensor" else read_summaries(dj, doc, call)
+
+    return load
+
+
+def _load_tensor(folder: Path, entry: dict[str, Any], where: str) -> tuple[np.ndarray, str]:
+    """A recorded tensor as float64 (exact) and its format, checked against its dump.json record."""
+    name = entry.get("data_name")
+    if not isinstance(name, str) or not name:
+        raise BNProbeError(f"{where}: tensor record has no data_name (a statistics dump holds no tensors)")
+    path = folder / "dump_tensor_data" / name
+    if not path.is_file():
+        alt = [path.with_suffix(s) for s in (".npy", ".pt") if path.with_suffix(s).is_file()]
+        if not alt:
+            raise BNProbeError(f"{path}: missing (named in {where})")
+        path = alt[0]
+    fmt = _fmt(entry, where)
+    try:
+        if path.suffix == ".pt":
+            try:
+                import torch
+            except ImportError:
+                raise BNProbeError(f"{path}: a .pt tensor needs torch (pip install 'bnprobe[torch]')") from None
+            t = torch.load(path, map_location="cpu", weights_only=True)
+            if not isinstance(t, torch.Tensor):
+                raise BNProbeError(f"{path}: holds {type(t).__name__}, not a tensor")
+            stored = get_format(str(t.dtype).replace("torch.", "")).name if t.is_floating_point() else str(t.dtype)
+            a = t.detach().to(torch.float64).numpy()
+        else:
+            arr = np.load(path, allow_pickle=False)
+            stored = get_format(arr.dtype).name if np.issubdtype(arr.dtype, np.floating) else str(arr.dtype)
+            a = arr.astype(np.float64)
+    except BNProbeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any reader failure is a corrupt file to the user
+        raise BNProbeError(f"{path}: corrupt or unreadable ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+    if list(a.shape) != list(_shape(entry, where)):
+        raise BNProbeError(f"{path}: shape {list(a.shape)} disagrees with dump.json's {list(entry['shape'])}")
+    if stored != fmt and not (path.suffix == ".npy" and fmt == "bf16" and stored == "fp32"):
+        raise BNProbeError(f"{path}: holds {stored} data but dump.json says {entry.get('dtype')}")
+    if stored != fmt and not is_representable(a, fmt).all():
+        raise BNProbeError(f"{path}: holds values that are not {fmt}, as dump.json says")
+    return a, fmt
+
+
+def read_call(dj: Path, doc: dict[str, Any], call: str) -> Any:
+    """One BatchNorm call of an msprobe tensor dump as a Recording (forward, and backward when dumped)."""
+    from bnprobe.adapters.dump import Recording
+
+    data = doc["data"]
+    api_type, api = _api_of(call) or ("", "")
+    where = str(dj)
+    args = _args(call, api_type, api, data[f"{call}.forward"], where)
+    base = dj.parent
+    training = bool(_scalar(args.get("training"), not api.endswith("no_training")))
+    eps = _number(_scalar(args.get("eps"), 1e-5), "eps", call, where)
+    mom = _scalar(args.get("momentum"), 0.1)
+    momentum = None if mom is None else _number(mom, "momentum", call, where)
+    x, dtype = _load_tensor(base, args["input"], f"{call}.forward input")
+    tensors: dict[str, np.ndarray] = {"x": x}
+    formats = {"x": dtype}
+    for ours, theirs in (("gamma", "weight"), ("beta", "bias"), ("running_mean", "running_mean"),
+                         ("running_var", "running_var")):
+        if _is_tensor(args.get(theirs)):
+            tensors[ours], formats[ours] = _load_tensor(base, args[theirs], f"{call}.forward {theirs}")
+    params = formats.get("gamma", formats.get("running_mean", dtype))
+    outs = data[f"{call}.forward"].get("output", [])
+    outs = [o for o in (outs if isinstance(outs, list) else [outs]) if _is_tensor(o)]
+    if not outs:
+        raise BNProbeError(f"{where}: {call}.forward records no output tensor")
+    c = x.shape[1] if x.ndim > 1 else 0
+    outputs: dict[str, np.ndarray] = {}
+    out_formats: dict[str, str] = {}
+    outputs["y"], out_formats["y"] = _load_tensor(base, outs[0], f"{call}.forward output 0")
+    saved_kind = None
+    saved = [o for o in outs[1:3] if _shape(o, where) == (c,)]
+    if training and len(saved) == 2:  # native variants: (y, save_mean, save_invstd[, new running stats])
+        outputs["saved_mean"], out_formats["saved_mean"] = _load_tensor(base, saved[0], f"{call}.forward output 1")
+        outputs["saved_value"], out_formats["saved_value"] = _load_tensor(base, saved[1], f"{call}.forward output 2")
+        saved_kind = "invstd"
+    if api == "_native_batch_norm_legit_functional" and len(outs) >= 5:
+        outputs["running_mean_out"], out_formats["running_mean_out"] = _load_tensor(base, outs[3], f"{call} output 3")
+        outputs["running_var_out"], out_formats["running_var_out"] = _load_tensor(base, outs[4], f"{call} output 4")
+    mode = "train" if training else "infer"
+    rec = Recording(adapter=f"msprobe:{call}", dtype=dtype, params=params, layout="channels_first", eps=eps,
+                    momentum=momentum, saved_kind=saved_kind,
+                    meta={"framework": doc.get("framework"), "task": doc.get("task"), "level": doc.get("level"),
+                          "call": call, "training": training, "affine": "gamma" in tensors},
+                    source=str(dj))
+    rec.tensors[mode] = {"inputs": dict(tensors), "outputs": outputs}
+    rec.formats.update({f"{mode}.inputs.{k}": f for k, f in formats.items()})
+    rec.formats.update({f"{mode}.outputs.{k}": f for k, f in out_formats.items()})
+    bwd = data.get(f"{call}.backward")
+    if bwd is not None:
+        _read_backward(rec, base, where, call, bwd, tensors, formats, outputs, out_formats)
+    return rec
+
+
+def _number(v: Any, what: str, call: str, where: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise BNProbeError(f"{where}: {call} records {what} = {v!r}, not a finite number")
+    return float(v)
+
+
+def _read_backward(rec: Any, base: Path, where: str, call: str, bwd: Any, tensors: dict[str, np.ndarray],
+                   formats: dict[str, str], outputs: dict[str, np.ndarray], out_formats: dict[str, str]) -> None:
+    if not isinstance(bwd, dict):
+        raise BNProbeError(f"{where}: {call}.backward is not a JSON object")
+    x = tensors["x"]
+    grads_in = [o for o in bwd.get("input", []) or [] if _is_tensor(o)]
+    grads_out = [o for o in bwd.get("output", []) or [] if _is_tensor(o)]
+    if not grads_in or not grads_out:
+        raise BNProbeError(f"{where}: {call}.backward lacks its gradient tensors (dy in, dx out)")
+    dy, fdy = _load_tensor(base, grads_in[0], f"{call}.backward input 0")
+    if dy.shape != x.shape:
+        raise BNProbeError(f"{where}: {call}.backward input 0 has shape {list(dy.shape)}, x has {list(x.shape)}")
+    loaded = [(_shape(o, where), o, i) for i, o in enumerate(grads_out)]
+    dx_e = next(((o, i) for s, o, i in loaded if s == x.shape), None)
+    vecs = [(o, i) for s, o, i in loaded if s == (x.shape[1],)]
+    if dx_e is None:
+        raise BNProbeError(f"{where}: {call}.backward output holds no dx (no tensor of x's shape)")
+    affine = "gamma" in tensors and "beta" in tensors
+    if affine and len(vecs) < 2:
+        raise BNProbeError(f"{where}: {call}.backward output lacks the gradients of weight and bias")
+    dx, fdx = _load_tensor(base, dx_e[0], f"{call}.backward output {dx_e[1]}")
+    c = x.shape[1]
+    ins: dict[str, np.ndarray] = {"dy": dy, "x": x, "gamma": tensors.get("gamma", np.ones(c))}
+    fins = {"dy": fdy, "x": formats["x"], "gamma": formats.get("gamma", rec.params)}
+    if "saved_mean" in outputs:
+        ins.update(saved_mean=outputs["saved_mean"], saved_value=outputs["saved_value"])
+        fins.update(saved_mean=out_formats["saved_mean"], saved_value=out_formats["saved_value"])
+    elif not rec.meta["training"] and "running_mean" in tensors:  # inference backward: the running statistics
+        ins.update(saved_mean=tensors["running_mean"], saved_value=tensors["running_var"])
+        fins.update(saved_mean=formats["running_mean"], saved_value=formats["running_var"])
+    outs: dict[str, np.ndarray] = {"dx": dx}
+    fouts = {"dx": fdx}
+    if affine:
+        outs["dgamma"], fouts["dgamma"] = _load_tensor(base, vecs[0][0], f"{call}.backward output {vecs[0][1]}")
+        outs["dbeta"], fouts["dbeta"] = _load_tensor(base, vecs[1][0], f"{call}.backward output {vecs[1][1]}")
+    rec.tensors["backward"] = {"inputs": ins, "outputs": outs}
+    rec.formats.update({f"backward.inputs.{k}": f for k, f in fins.items()})
+    rec.formats.update({f"backward.outputs.{k}": f for k, f in fouts.items()})
+
+
+def read_summaries(dj: Path, doc: dict[str, Any], call: str) -> dict[str, dict[str, Any]]:
+    """A statistics-task call: per recorded tensor (``forward.input.x``, ``forward.output.y``,
+    ``backward.input.dy``, ``backward.output.dx``...), its dtype, shape and max/min/mean/norm."""
+    data = doc["data"]
+    api_type, api = _api_of(call) or ("", "")
+    where = str(dj)
+    fwd = data[f"{call}.forward"]
+    args = _args(call, api_type, api, fwd, where)
+    out: dict[str, dict[str, Any]] = {}
+
+    def put(key: str, e: Any) -> None:
+        if _is_tensor(e):
+            out[key] = {"dtype": _fmt(e, where), "shape": list(_shape(e, where)),
+                        **{k: _stat(e.get(k)) for k in SUMMARY_KEYS}}
+
+    for ours, theirs in (("x", "input"), ("gamma", "weight"), ("beta", "bias"), ("running_mean", "running_mean"),
+                         ("running_var", "running_var")):
+        put(f"forward.input.{ours}", args.get(theirs))
+    outs = fwd.get("output", [])
+    for i, e in enumerate(outs if isinstance(outs, list) else [outs]):
+        put(f"forward.output.{('y', 'saved_mean', 'saved_invstd', 'running_mean', 'running_var')[i] if i < 5 else i}",
+            e)
+    bwd = data.get(f"{call}.backward")
+    if isinstance(bwd, dict):
+        for i, e in enumerate(bwd.get("input", []) or []):
+            put(f"backward.input.{'dy' if i == 0 else i}", e)
+        names = iter(("dgamma", "dbeta"))
+        for i, e in enumerate(bwd.get("output", []) or []):
+            if _is_tensor(e):
+                put(f"backward.output.{'dx' if i == 0 else next(names, i)}", e)
+    return out
+
+
+def _stat(v: Any) -> float:
+    """A summary value as a float: msprobe writes inf/nan as strings or JSON Infinity/NaN."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            return math.nan
+    return math.nan
