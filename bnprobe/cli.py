@@ -345,75 +345,136 @@ def gradcheck_cmd(
 
 @app.command("compare-precision")
 def compare_precision_cmd(
-    adapters: str = typer.Option("emulated", help="Comma-separated adapters, e.g. emulated,ascend-tbe,torch."),
-    dtypes: str = typer.Option("fp16,bf16,fp32", help="Comma-separated formats."),
+    adapters: str = typer.Option("emulated", help="Comma-separated adapters, e.g. emulated,ascend-tbe,torch, or "
+                                                  "dump:DIR (every BatchNorm call of a bnprobe/msprobe dump)."),
+    dtypes: Optional[str] = typer.Option(None, help="Comma-separated formats (default fp16,bf16,fp32; a recording's "
+                                                    "own format)."),
     shape: Optional[str] = typer.Option(None, help="One input shape N,C[,...] instead of the ResNet-50 set."),
     shapes: str = typer.Option("resnet50", help="Shape set when --shape is not given: resnet50."),
-    batch: int = typer.Option(2, help="Batch size of the ResNet-50 shapes (reduced to fit the machine)."),
-    dist: str = typer.Option("normal", help="Distribution of generated input: normal, uniform, student_t, constant."),
-    mean: float = typer.Option(0.0, help="Mean of the generated input."),
-    std: float = typer.Option(1.0, help="Standard deviation of the generated input."),
-    input: Optional[Path] = typer.Option(None, "--input", help="Real activations: .npy, .npz or a dump folder."),
+    batch: Optional[int] = typer.Option(None, help="Batch size of the ResNet-50 shapes (default 2)."),
+    dist: Optional[str] = typer.Option(None, help="Distribution of generated input: normal, uniform, student_t, "
+                                                  "constant."),
+    mean: Optional[float] = typer.Option(None, help="Mean of the generated input (default 0)."),
+    std: Optional[float] = typer.Option(None, help="Standard deviation of the generated input (default 1)."),
+    input: Optional[Path] = typer.Option(None, "--input", help="Real activations: .npy, .npz, or a dump folder "
+                                                               "(every recorded call's inputs)."),
+    calls: Optional[str] = typer.Option(None, "--calls", help="Recorded calls to run (glob on the call or module "
+                                                              "name), e.g. '*layer1*'."),
     stress: bool = typer.Option(True, "--stress/--no-stress", help="Add the stress inputs (large means, heavy "
                                                                    "tails, near FP16 max, var near eps, ...)."),
     mode: str = typer.Option("all", help="train, infer, backward or all."),
     seed: int = typer.Option(0, help="Seed of generated inputs."),
     rule: str = typer.Option("scaled", help="Verdict rule: scaled (default), accumulated or threshold (msprobe)."),
     budget: bool = typer.Option(True, "--budget/--no-budget", help="Per-stage error budget (emulated kernels)."),
-    eps: float = typer.Option(1e-5, help="BatchNorm epsilon."),
+    eps: Optional[float] = typer.Option(None, help="BatchNorm epsilon (default 1e-5; a recording's own)."),
+    params: Optional[str] = typer.Option(None, help="Parameter format: fp32 (mixed precision, the default) or same "
+                                                    "(the input's format); a recording's own."),
     out: Optional[Path] = typer.Option(None, help="Report folder (default reports/compare-precision-<time>)."),
     format: str = typer.Option("csv,json,md,html", "--format", help="Report files to write."),
 ) -> int:
     """FP16/BF16/FP32 vs the FP64 golden for every BatchNorm output, per tensor, per channel and per
-    stage. Exit 0 when all are within standard, 1 when some are not."""
+    stage; on a dump, every recorded call on its own inputs. Exit 0 when all are within standard, 1 when
+    some are not."""
     from bnprobe._progress import Progress
     from bnprobe._table import render_table
-    from bnprobe.checks.compare import Case, compare_precision, resnet50_cases, stress_cases, summarize, write_report
+    from bnprobe.adapters import get_adapter
+    from bnprobe.adapters.base import PARAM_PRECISIONS
+    from bnprobe.adapters.dump import DumpAdapter
+    from bnprobe.checks.compare import (
+        REPORT_FORMATS,
+        Case,
+        compare_precision,
+        first_failing_call,
+        per_call,
+        recorded_cases,
+        resnet50_cases,
+        stress_cases,
+        summarize,
+        write_report,
+    )
     from bnprobe.inputs import load_array, parse_shape
     from bnprobe.kernels.layout import check_eps
     from bnprobe.reports import new_report_dir
 
-    check_eps(eps)
+    if eps is not None:
+        check_eps(eps)
+    if params is not None and params not in PARAM_PRECISIONS:
+        raise BNProbeError(f"--params takes {' or '.join(PARAM_PRECISIONS)}, got {params!r}")
     fmts = tuple(f.strip() for f in format.split(",") if f.strip())
-    if input is not None:
-        if input.is_dir():
-            from bnprobe.adapters.dump import load_dump
+    bad = [f for f in fmts if f not in REPORT_FORMATS]
+    if bad:
+        raise BNProbeError(f"--format: unknown report format(s) {', '.join(bad)}; valid: {', '.join(REPORT_FORMATS)}")
+    names = [a.strip() for a in adapters.split(",") if a.strip()]
+    if not names:
+        raise BNProbeError("--adapters is empty")
+    resolved = [get_adapter(a) for a in names]
+    dumps = [a for a in resolved if isinstance(a, DumpAdapter)]
+    recorded = None
+    if input is not None and input.is_dir():
+        if dumps:
+            raise BNProbeError("--input DIR and a dump adapter both give the recorded inputs; give one of them")
+        from bnprobe.adapters.dump import open_dump
 
-            rec = load_dump(input)
-            mode_used = rec.modes[0]
-            x = rec.tensors[mode_used]["inputs"]["x"]
-        else:
-            x = load_array(input)
+        recorded = open_dump(input, calls)
+    elif dumps:
+        recorded = dumps[0].calls.select(calls)
+        dumps[0].calls = recorded
+    elif calls is not None:
+        raise BNProbeError("--calls selects recorded calls: give a dump (--adapters dump:DIR or --input DIR)")
+    if recorded is not None:
+        given = [f"--{n}" for n, v in (("shape", shape), ("batch", batch), ("dist", dist), ("mean", mean),
+                                        ("std", std)) if v is not None]
+        if given:
+            raise BNProbeError(f"{', '.join(given)} contradict{'s' if len(given) == 1 else ''} the recording: its "
+                               "calls bring their own inputs")
+        cases = recorded_cases(recorded)
+    elif input is not None:
+        x = load_array(input)
         cases = [Case(f"input/{input.name}", tuple(x.shape), x=x, seed=seed)]
     elif shape is not None:
-        cases = [Case(f"{dist}(mean={mean:g}, std={std:g})", parse_shape(shape), dist, mean, std, seed)]
+        d, m, s_ = dist or "normal", 0.0 if mean is None else mean, 1.0 if std is None else std
+        cases = [Case(f"{d}(mean={m:g}, std={s_:g})", parse_shape(shape), d, m, s_, seed)]
     else:
         if shapes != "resnet50":
             raise BNProbeError(f"unknown shape set {shapes!r}; valid: resnet50 (or give --shape)")
-        if batch < 1:
-            raise BNProbeError(f"--batch must be >= 1, got {batch}")
-        cases = resnet50_cases(batch, seed, dist)
-    if stress and input is None and shape is None:
+        b = 2 if batch is None else batch
+        if b < 1:
+            raise BNProbeError(f"--batch must be >= 1, got {b}")
+        cases = resnet50_cases(b, seed, dist or "normal")
+    if stress and input is None and shape is None and recorded is None:
         cases = cases + stress_cases(seed)
+    folder = out if out is not None else new_report_dir("reports", "compare-precision")
+    dts = tuple(d.strip() for d in dtypes.split(",") if d.strip()) if dtypes is not None else None
+    if dts == ():
+        raise BNProbeError("--dtypes is empty")
     bar = Progress("compare-precision")
     try:
-        result = compare_precision([a.strip() for a in adapters.split(",") if a.strip()],
-                                   tuple(d.strip() for d in dtypes.split(",") if d.strip()), cases, mode=mode,
-                                   eps=eps, seed=seed, rule=rule, budget=budget, progress=bar)
+        result = compare_precision(resolved, dts, cases, mode=mode, eps=eps, params=params, seed=seed, rule=rule,
+                                   budget=budget, progress=bar)
     finally:
         bar.close()
-    folder = out if out is not None else new_report_dir("reports", "compare-precision")
     paths = write_report(result, folder, fmts) if fmts else []
     rows = summarize(result)
     for r in rows:
         r["budget"] = f"{r['budget_top']} ({100 * r['budget_share']:.0f}%)" if r["budget_top"] else ""
         r["worst / bound"] = r["worst_ratio"]
-    typer.echo(f"compare-precision: {len(cases)} inputs, {len(result.rows)} outputs compared with the FP64 golden "
+    what = f"{len(cases)} recorded call(s) of {recorded.source}" if recorded is not None else f"{len(cases)} inputs"
+    typer.echo(f"compare-precision: {what}, {len(result.rows)} outputs compared with the FP64 golden "
                f"in {result.meta['seconds']} s: " + ("all within standard" if result.passed else
                                                      f"{int((result.rows['verdict'] == 'FAIL').sum())} over the standard"))
     typer.echo(render_table(rows, ["adapter", "dtype", "checked", "failed", "worst", "worst / bound", "budget"],
                             headers=["adapter", "format", "outputs", "failed", "worst output", "worst/bound",
                                      "error-budget cause (share)"]))
+    if recorded is not None:
+        typer.echo("")
+        typer.echo(render_table(per_call(result), ["order", "call", "adapter", "dtype", "outputs", "failed", "failing"],
+                                headers=["#", "call (forward order)", "adapter", "format", "outputs", "failed",
+                                         "over the standard"]))
+        first = first_failing_call(result)
+        typer.echo("first call over the standard: " + (f"#{first['order']} {first['call']} ({first['failing']}, "
+                                                       f"{first['adapter']})" if first else "none"))
+        for n in recorded.notes:
+            typer.echo(f"note: {n}")
     if paths:
         typer.echo(f"report: {folder}/ ({', '.join(p.name for p in paths)})")
     return 0 if result.passed else 1

@@ -581,6 +581,16 @@ def markdown_summary(result: CompareResult) -> str:
              f"{len(result.meta['cases'])} inputs; mode {result.meta['mode']}; rule {result.meta['rule']} "
              f"(msprobe standards); {result.meta['seconds']} s.", "", "## Per format", "",
              markdown_table(pd.DataFrame(s)) if s else "(nothing compared)", ""]
+    if result.meta.get("recorded"):
+        first = first_failing_call(result)
+        lines += ["## Recorded calls, in forward order", "",
+                  "Each call is judged on its own recorded inputs, so the error shown is the kernel's own, not the "
+                  "error its input carried from upstream layers.", "",
+                  "First call over the standard: " + (f"#{first['order']} {first['call']} ({first['failing']}, "
+                                                      f"{first['adapter']})" if first else "none") + ".", "",
+                  markdown_table(pd.DataFrame(per_call(result))), ""]
+        for n in result.meta.get("dump", {}).get("notes", []):
+            lines += [f"Note: {n}", ""]
     fails = result.rows[result.rows["verdict"] == "FAIL"] if len(result.rows) else result.rows
     if len(fails):
         lines += ["## Outputs over the standard", "",
@@ -626,6 +636,11 @@ def write_report(result: CompareResult, out: Any, formats: tuple[str, ...] = REP
         import pandas as pd
 
         sections: list[tuple[str, Any]] = [("Per format", pd.DataFrame(summarize(result)))]
+        if result.meta.get("recorded"):
+            first = first_failing_call(result)
+            sections.append(("Recorded calls in forward order (first over the standard: "
+                             + (f"#{first['order']} {first['call']}" if first else "none") + ")",
+                             pd.DataFrame(per_call(result))))
         fails = result.rows[result.rows["verdict"] == "FAIL"] if len(result.rows) else result.rows
         if len(fails):
             sections.append(("Outputs over the standard", fails[["adapter", "dtype", "case", "tensor", "why",
