@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from bnprobe.adapters import get_adapter
-from bnprobe.adapters.dump import DumpAdapter, load_dump, read_msprobe, record, write_dump
+from bnprobe.adapters import Saved
+from bnprobe.adapters.dump import DumpAdapter, load_dump, open_dump, read_msprobe, record, write_dump
 from bnprobe.errors import BNProbeError
 
 
@@ -184,3 +185,107 @@ def test_msprobe_errors_name_the_file(tmp_path):
     empty.mkdir()
     with pytest.raises(BNProbeError, match="neither a bnprobe dump"):
         load_dump(empty)
+
+
+# ---- replays answer only their own call ------------------------------------------------------------
+
+@pytest.mark.parametrize("change,match", [
+    (dict(eps=0.5), r"asks eps = 0.5 but .* was made with eps = 1e-05"),
+    (dict(momentum=0.3), r"asks momentum = 0.3 but .* momentum = 0.1"),
+    (dict(params="same"), r"asks the parameter format = 'fp16' but .* = 'fp32'"),
+])
+def test_a_replay_with_other_scalars_names_the_argument(tmp_path, change, match):
+    rec = recorded(tmp_path)
+    rep = DumpAdapter(load_dump(tmp_path))
+    i = rep.inputs("train")
+    kw = dict(dtype="fp16", eps=1e-5, momentum=0.1, params="fp32")
+    out = rep.forward_train(i["x"], i["gamma"], i["beta"], i["running_mean"], i["running_var"], **kw)
+    np.testing.assert_array_equal(out.y.astype(np.float64), rec.tensors["train"]["outputs"]["y"])
+    with pytest.raises(BNProbeError, match=match):
+        rep.forward_train(i["x"], i["gamma"], i["beta"], i["running_mean"], i["running_var"], **{**kw, **change})
+
+
+def test_a_replay_without_the_recorded_running_stats_or_in_the_other_mode_is_refused(tmp_path):
+    recorded(tmp_path)
+    rep = DumpAdapter(load_dump(tmp_path))
+    i = rep.inputs("train")
+    with pytest.raises(BNProbeError, match="gives no 'running_mean' but the recording has one"):
+        rep.forward_train(i["x"], i["gamma"], i["beta"], dtype="fp16")
+    b = rep.inputs("backward")
+    with pytest.raises(BNProbeError, match=r"asks training = False but .* training = True"):
+        rep.backward(b["dy"], b["x"], b["gamma"], Saved(b["saved_mean"], "invstd", b["saved_value"]), dtype="fp16",
+                     training=False)
+    with pytest.raises(BNProbeError, match="asks eps = 0.001"):
+        rep.backward(b["dy"], b["x"], b["gamma"], Saved(b["saved_mean"], "invstd", b["saved_value"]), dtype="fp16",
+                     eps=1e-3)
+
+
+def test_msprobe_layouts_as_msprobe_26_writes_them(tmp_path):
+    """step0/proc<pid>/ (one process), the folder holding dump.json, and the path of dump.json itself."""
+    build_msprobe(tmp_path)
+    (tmp_path / "step0" / "rank0").rename(tmp_path / "step0" / "proc4242")
+    base = tmp_path / "step0" / "proc4242"
+    for spec in (tmp_path, base, base / "dump.json", f"{base / 'dump.json'}#Functional.batch_norm.*"):
+        calls = open_dump(spec)
+        assert calls.kind == "msprobe"
+        names = [c.name for c in calls.calls]
+        assert names == (["Functional.batch_norm.1"] if "#" in str(spec) else
+                         ["Aten.native_batch_norm.0", "Functional.batch_norm.1"])
+    calls = open_dump(tmp_path)
+    assert [c.training for c in calls.calls] == [True, False] and [c.has_backward for c in calls.calls] == [True, False]
+    assert calls.calls[0].shape == (4, 3, 2, 2) and calls.calls[0].dtype == "fp16"
+    with pytest.raises(BNProbeError, match="no BatchNorm call matches 'nope'"):
+        open_dump(tmp_path, "nope")
+
+
+def test_several_steps_are_all_read_and_named_by_folder(tmp_path):
+    build_msprobe(tmp_path / "a")
+    (tmp_path / "a" / "step0").rename(tmp_path / "step0")
+    build_msprobe(tmp_path / "b")
+    (tmp_path / "b" / "step0").rename(tmp_path / "step1")
+    calls = open_dump(tmp_path)
+    assert [c.name for c in calls.calls] == ["step0/rank0/Aten.native_batch_norm.0", "step0/rank0/Functional.batch_norm.1",
+                                             "step1/rank0/Aten.native_batch_norm.0", "step1/rank0/Functional.batch_norm.1"]
+    assert any("2 dump.json files" in n for n in calls.notes)
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda d: d.write_text("{broken"), "not readable JSON"),
+    (lambda d: d.write_text('{"task": "tensor"}'), r"no \"data\" object"),
+    (lambda d: d.write_text(json.dumps({"data": {"Functional.batch_norm.0.forward": {"input_args": {}}}})),
+     "input_args/input_kwargs of the wrong JSON type"),
+    (lambda d: d.write_text(json.dumps({"data": {"Functional.batch_norm.0.forward": {"input_args": [3]}}})),
+     "has no input tensor"),
+    (lambda d: d.write_text(json.dumps({"data": {"Functional.relu.0.forward": {}}})), "no BatchNorm call"),
+    (lambda d: d.write_text(json.dumps({"data": {"Module.bn.BatchNorm2d.forward.0": {}}})), "module-level"),
+])
+def test_broken_msprobe_metadata_is_one_line(tmp_path, damage, match):
+    build_msprobe(tmp_path)
+    damage(tmp_path / "step0" / "rank0" / "dump.json")
+    with pytest.raises(BNProbeError, match=match) as info:
+        [c.load() for c in open_dump(tmp_path).calls]
+    assert "\n" not in str(info.value)
+
+
+def test_backward_without_its_gradients_is_an_error(tmp_path):
+    build_msprobe(tmp_path)
+    dj = tmp_path / "step0" / "rank0" / "dump.json"
+    doc = json.loads(dj.read_text())
+    doc["data"]["Aten.native_batch_norm.0.backward"]["output"] = []
+    dj.write_text(json.dumps(doc))
+    with pytest.raises(BNProbeError, match="backward lacks its gradient tensors"):
+        open_dump(tmp_path).calls[0].load()
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"records": []}, "records"), ({"records": {"train": {"inputs": {"x": {"shape": [1]}}}}}, "lacks its key"),
+    ({"eps": "1e-5"}, "eps is '1e-5'"), ({"eps": None}, "eps is None"), ({"momentum": "x"}, "momentum is 'x'"),
+    ({"dtype": "int8"}, "int8"),
+])
+def test_malformed_bnprobe_metadata_is_one_line(tmp_path, bad, match):
+    recorded(tmp_path)
+    meta = json.loads((tmp_path / "bnprobe-dump.json").read_text())
+    meta.update(bad)
+    (tmp_path / "bnprobe-dump.json").write_text(json.dumps(meta))
+    with pytest.raises(BNProbeError, match=match):
+        load_dump(tmp_path)
