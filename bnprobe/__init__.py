@@ -41,4 +41,15 @@ __all__ = [
     "BackwardResult",
     "Trace",
     "Stage",
+    "capture",
+    "Capture",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``capture`` and ``Capture`` are imported on first use (they pull in the dump readers)."""
+    if name in ("capture", "Capture"):
+        from bnprobe import _capture
+
+        return getattr(_capture, name)
+    raise AttributeError(f"module 'bnprobe' has no attribute {name!r}")

@@ -44,7 +44,7 @@ from bnprobe.numerics.rounding import is_representable
 from bnprobe.reports import atomic_write_bytes, atomic_write_text, check_targets
 
 __all__ = ["Recording", "write_dump", "load_dump", "open_dump", "DumpAdapter", "read_msprobe", "record", "CallRef",
-           "RecordedCalls", "MSPROBE_BN_APIS", "META_NAME", "TENSORS_NAME", "CALLS_NAME"]
+           "RecordedCalls", "read_calls", "MSPROBE_BN_APIS", "META_NAME", "TENSORS_NAME", "CALLS_NAME", "CALLS_TAG"]
 
 META_NAME = "bnprobe-dump.json"
 TENSORS_NAME = "tensors.npz"
@@ -282,24 +282,32 @@ def _bnprobe_call(folder: Path, name: str | None = None, module: str | None = No
                    training, "backward" in recs, "tensor", lambda: load_dump(folder))
 
 
-def _model_calls(index: Path) -> RecordedCalls:
-    """A model dump written by :func:`bnprobe.capture`: an index and one bnprobe dump per call."""
+def read_calls(folder: str | Path) -> dict[str, Any]:
+    """The index of a model dump (``bnprobe-calls.json``), checked for its format tag and call list."""
+    index = Path(folder) / CALLS_NAME
     try:
         doc = json.loads(index.read_text())
     except (OSError, ValueError) as exc:
         raise BNProbeError(f"{index}: not readable JSON ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != CALLS_TAG or not isinstance(doc.get("calls"), list):
         raise BNProbeError(f"{index}: not a bnprobe model dump (no \"format\": \"{CALLS_TAG}\" with a calls list)")
+    for i, c in enumerate(doc["calls"]):
+        if not isinstance(c, dict) or not all(isinstance(c.get(k), str) for k in ("name", "dir", "module")):
+            raise BNProbeError(f"{index}: call {i} lacks its name, dir or module")
+    return doc
+
+
+def _model_calls(index: Path) -> RecordedCalls:
+    """A model dump written by :func:`bnprobe.capture`: an index and one bnprobe dump per call."""
+    doc = read_calls(index.parent)
     calls = []
-    for i, e in enumerate(doc["calls"]):
-        if not isinstance(e, dict) or not isinstance(e.get("dir"), str) or not isinstance(e.get("name"), str):
-            raise BNProbeError(f"{index}: call {i} lacks its name or dir")
+    for e in doc["calls"]:
         folder = (index.parent / e["dir"]).resolve()
         if index.parent.resolve() not in folder.parents:
             raise BNProbeError(f"{index}: call {e['name']!r} points outside the dump ({e['dir']!r})")
         if not (folder / META_NAME).is_file():
             raise BNProbeError(f"{folder}: missing (call {e['name']!r} named in {CALLS_NAME})")
-        calls.append(_bnprobe_call(folder, e["name"], e.get("module") if isinstance(e.get("module"), str) else None))
+        calls.append(_bnprobe_call(folder, e["name"], e["module"]))
     notes = tuple(str(n) for n in doc.get("notes", []) if isinstance(n, str)) if isinstance(doc.get("notes"), list) \
         else ()
     return RecordedCalls(str(index.parent), "capture", tuple(calls), notes)
@@ -499,14 +507,13 @@ class DumpAdapter(BaseAdapter):
     def _backward_impl(self, p: Prepared, dy: np.ndarray, saved: Saved, *, eps: float,
                        training: bool) -> BackwardOutput:
         self._check_call("backward", {"dy": dy, "x": p.x, "gamma": p.vectors["gamma"]}, p, eps=eps, training=training)
-        c = p.lay.channels
-        dg, db = self._out("backward", "dgamma"), self._out("backward", "dbeta")
-        if dg is None or db is None:  # affine=False: no parameter gradients were recorded
-            nan = np.full(c, np.nan)
-            dg, db = (nan if dg is None else dg), (nan if db is None else db)
-        return BackwardOutput(self._out("backward", "dx"), dg, db, meta={"replayed": self.rec.source,
-                                                                          "affine": "dgamma" in
-                                                                          self.rec.tensors["backward"]["outputs"]})
+        # a gradient the kernel did not compute (x without requires_grad, affine=False) was not recorded:
+        # NaN in its place, and meta["missing"] names it so checks leave it out
+        got = {k: self._out("backward", k) for k in ("dx", "dgamma", "dbeta")}
+        missing = tuple(k for k, v in got.items() if v is None)
+        fill = {"dx": p.lay.shape, "dgamma": (p.lay.channels,), "dbeta": (p.lay.channels,)}
+        dx, dg, db = (np.full(fill[k], np.nan) if v is None else v for k, v in got.items())
+        return BackwardOutput(dx, dg, db, meta={"replayed": self.rec.source, "missing": missing})
 
     def _check_forward(self, out: ForwardOutput, p: Prepared, *, training: bool) -> None:
         if np.shape(out.y) != p.lay.shape:

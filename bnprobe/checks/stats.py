@@ -179,9 +179,12 @@ def load_log(path: str | Path) -> pd.DataFrame:
 
 def load_dump_series(folder: str | Path) -> pd.DataFrame:
     """Statistics from a series of dumps, one sub-folder per step (sorted by name): bnprobe dumps with a
-    training record, or msprobe step folders.  Batch statistics come from x; running ones from the
-    recorded outputs where present."""
+    training record, msprobe step folders, or model dumps written by :func:`bnprobe.capture.capture`
+    (``bnprobe-calls.json``; one layer per module, named by its module path).  Batch statistics are
+    the ones the kernel saved where recorded (mean, and 1/invstd² - eps), else computed from x; running
+    ones come from the recorded outputs of a training call, or the inputs of an inference call."""
     from bnprobe.adapters.dump import load_dump
+    from bnprobe.adapters.dump import CALLS_NAME
 
     root = Path(folder)
     if not root.is_dir():
@@ -191,14 +194,50 @@ def load_dump_series(folder: str | Path) -> pd.DataFrame:
         raise BNProbeError(f"{root}: no step sub-folders")
     rec = StatsRecorder("dumps")
     for step, d in enumerate(subs):
+        if (d / CALLS_NAME).is_file():
+            for layer, r in _model_dump_layers(d):
+                rec.record(step, layer, **_dump_statistics(r, model_dump=True))
+            continue
         r = load_dump(d)
-        mode = "train" if "train" in r.tensors else r.modes[0]
-        x = r.tensors[mode]["inputs"]["x"]
-        ax = (0,) + tuple(range(2, x.ndim))
-        outs = r.tensors[mode]["outputs"]
-        rec.record(step, r.meta.get("call", "bn"), mean=x.mean(axis=ax), var=x.var(axis=ax),
-                   running_mean=outs.get("running_mean_out"), running_var=outs.get("running_var_out"))
+        rec.record(step, r.meta.get("call", "bn"), **_dump_statistics(r, model_dump=False))
     return rec.frame()
+
+
+def _model_dump_layers(folder: Path) -> list[tuple[str, Any]]:
+    """One Recording per module of a model dump: its last training call in the step, else its last call."""
+    from bnprobe.adapters.dump import load_dump
+    from bnprobe.adapters.dump import read_calls
+
+    picked: dict[str, dict[str, Any]] = {}
+    for c in read_calls(folder)["calls"]:
+        prev = picked.get(c["module"])
+        if prev is None or c.get("training", False) or not prev.get("training", False):
+            picked[c["module"]] = c
+    return [(module, load_dump(folder / c["dir"])) for module, c in picked.items()]
+
+
+def _dump_statistics(r: Any, *, model_dump: bool) -> dict[str, np.ndarray | None]:
+    """Batch mean/var (biased) and running statistics of one recorded call, in float64.  For a call of a
+    model dump, the saved statistics and an inference call's running statistics (its inputs) are used;
+    other dumps keep the older reading (statistics of x, running statistics from the outputs only)."""
+    mode = "train" if "train" in r.tensors else r.modes[0]
+    ins, outs = r.tensors[mode]["inputs"], r.tensors[mode]["outputs"]
+    sm, sv = outs.get("saved_mean"), outs.get("saved_value")
+    if model_dump and mode == "train" and sm is not None and sv is not None and r.saved_kind in ("invstd", "var"):
+        with np.errstate(all="ignore"):
+            var = sv if r.saved_kind == "var" else 1.0 / (sv * sv) - r.eps
+        mean = sm
+    else:
+        x = ins["x"]
+        ax = (0,) + tuple(range(2, x.ndim))
+        mean, var = x.mean(axis=ax), x.var(axis=ax)
+    if mode == "train" or not model_dump:
+        rm, rv = outs.get("running_mean_out"), outs.get("running_var_out")
+    else:
+        rm, rv = ins.get("running_mean"), ins.get("running_var")
+    if rm is None or rv is None:
+        rm = rv = None
+    return {"mean": mean, "var": var, "running_mean": rm, "running_var": rv}
 
 
 # ---- findings -------------------------------------------------------------------------------------

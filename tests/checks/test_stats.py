@@ -1,8 +1,11 @@
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
 
-from bnprobe.checks.stats import StatsRecorder, find, load_log, simulate
+from bnprobe.adapters.dump import Recording, write_dump
+from bnprobe.checks.stats import StatsRecorder, find, load_dump_series, load_log, simulate
 from bnprobe.cli import main
 from bnprobe.errors import BNProbeError
 from bnprobe.kernels import forward_train
@@ -130,3 +133,79 @@ def test_cli(tmp_path, capsys):
     assert (tmp_path / "o2" / "distributions.svg").read_text().lstrip().startswith("<?xml")
     assert main(["plot-stats", "--log", str(tmp_path / "nope.csv")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+# ---- dump series ------------------------------------------------------------------------------------
+
+def _call(name: str, x: np.ndarray, *, training: bool, saved: tuple | None = None, running: tuple | None = None,
+          running_out: tuple | None = None) -> Recording:
+    """A hand-made bnprobe dump of one call (fp32 values, exactly representable)."""
+    c = x.shape[1]
+    mode = "train" if training else "infer"
+    rec = Recording(f"capture:{name}", "fp32", "fp32", "channels_first", 0.25, 0.1,
+                    "invstd" if saved else None, meta={"call": name, "training": training})
+    ins = {"x": x, "gamma": np.ones(c), "beta": np.zeros(c)}
+    if running:
+        ins["running_mean"], ins["running_var"] = running
+    outs = {"y": np.zeros_like(x)}
+    if saved:
+        outs["saved_mean"], outs["saved_value"] = saved
+    if running_out:
+        outs["running_mean_out"], outs["running_var_out"] = running_out
+    rec.tensors[mode] = {"inputs": ins, "outputs": outs}
+    rec.formats = {f"{mode}.{io}.{k}": "fp32" for io, d in (("inputs", ins), ("outputs", outs)) for k in d}
+    return rec
+
+
+def _model_dump(folder, calls: list[tuple[str, str, Recording]]) -> None:
+    entries = []
+    for order, (module, name, rec) in enumerate(calls):
+        d = f"{order:04d}-{module}-{name.split('#')[1]}"
+        write_dump(rec, folder / d)
+        entries.append({"name": name, "dir": d, "module": module, "type": "BatchNorm1d",
+                        "index": int(name.split("#")[1]), "order": order, "training": rec.meta["training"],
+                        "backward": False})
+    (folder / "bnprobe-calls.json").write_text(json.dumps({"format": "bnprobe-calls", "version": 1,
+                                                           "source": "capture", "calls": entries}))
+
+
+def test_dump_series_of_model_dumps_gives_one_layer_per_module(tmp_path):
+    x = np.array([[1.0, 2.0], [3.0, 6.0]])  # batch mean (2, 4), biased var (1, 4)
+    one, two = (np.ones(2), np.ones(2)), (np.full(2, 2.0), np.full(2, 3.0))
+    for step in range(2):
+        _model_dump(tmp_path / "series" / f"step{step}", [
+            # a training call whose kernel saved mean (5, 7) and invstd (0.5, 0.25): those are the statistics,
+            # not x's: var = 1/invstd^2 - eps = (4 - 0.25, 16 - 0.25)
+            ("block.bn", "block.bn#0", _call("block.bn#0", x, training=True,
+                                             saved=(np.array([5.0, 7.0]), np.array([0.5, 0.25])),
+                                             running=one, running_out=two)),
+            # an inference call of the same module later in the step: the training call is the layer's
+            ("block.bn", "block.bn#1", _call("block.bn#1", x + step, training=False, running=two)),
+            # a module with inference calls only: statistics of x, running statistics as they were used
+            ("head.bn", "head.bn#0", _call("head.bn#0", x + step, training=False, running=one)),
+            ("head.bn", "head.bn#1", _call("head.bn#1", x + 10 * step, training=False, running=two)),
+        ])
+    df = load_dump_series(tmp_path / "series")
+    assert sorted(df["layer"].unique()) == ["block.bn", "head.bn"] and len(df) == 2 * 2 * 2
+    assert not df.duplicated(["step", "layer", "channel"]).any()
+    for step in range(2):
+        bn = df[(df.step == step) & (df.layer == "block.bn")].sort_values("channel")
+        assert bn["mean"].tolist() == [5.0, 7.0] and bn["var"].tolist() == [3.75, 15.75]
+        assert bn["running_mean"].tolist() == [2.0, 2.0] and bn["running_var"].tolist() == [3.0, 3.0]
+        head = df[(df.step == step) & (df.layer == "head.bn")].sort_values("channel")  # its last call
+        assert head["mean"].tolist() == [2.0 + 10 * step, 4.0 + 10 * step] and head["var"].tolist() == [1.0, 4.0]
+        assert head["running_mean"].tolist() == [2.0, 2.0]
+
+
+def test_dump_series_of_single_dumps_reads_as_before(tmp_path):
+    x = np.array([[1.0, 2.0], [3.0, 6.0]])
+    for step in range(2):
+        rec = _call("Functional.batch_norm.0", x + step, training=True,
+                    saved=(np.array([5.0, 7.0]), np.array([0.5, 0.25])), running=(np.zeros(2), np.ones(2)),
+                    running_out=(np.full(2, 0.5), np.ones(2)))
+        write_dump(rec, tmp_path / "series" / f"step{step}")
+    df = load_dump_series(tmp_path / "series")
+    assert df["layer"].unique().tolist() == ["Functional.batch_norm.0"]
+    got = df[df.step == 1].sort_values("channel")
+    assert got["mean"].tolist() == [3.0, 5.0] and got["var"].tolist() == [1.0, 4.0]  # from x, as before
+    assert got["running_mean"].tolist() == [0.5, 0.5]

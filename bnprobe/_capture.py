@@ -1,0 +1,412 @@
+"""Record every BatchNorm call of a live PyTorch model as bnprobe dumps (a "model dump").
+
+``with capture(model, "out/"): ...`` hooks each BatchNorm module of ``model`` (every subclass of
+``torch.nn.modules.batchnorm._BatchNorm``: BatchNorm1d/2d/3d, SyncBatchNorm, LazyBatchNorm*) and, on a
+clean exit, writes one bnprobe dump per call plus an index::
+
+    OUT/bnprobe-calls.json           the calls in forward order (name, dir, module, type, index, ...)
+    OUT/<dir>/bnprobe-dump.json      one bnprobe dump per call (bnprobe.adapters.dump.write_dump)
+    OUT/<dir>/tensors.npz
+
+What each call records: the inputs as they were before the call (x, γ, β, running statistics), eps and
+the momentum factor torch applied; y; in training the statistics the kernel itself saved (mean, invstd),
+read from y's autograd node, and the running statistics after the call; and, when a backward runs inside
+the context, what that node received and produced (dy; dx, dγ, dβ).  Tensors are copied to CPU in their
+own dtype when the hook runs and widened to float64 (exactly) when written.
+
+torch is imported only when a capture starts: bnprobe imports without it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import numpy as np
+
+from bnprobe.adapters.dump import CALLS_NAME, CALLS_TAG, META_NAME, TENSORS_NAME, Recording, read_calls, write_dump
+from bnprobe.errors import BNProbeError
+from bnprobe.formats import get_format
+from bnprobe.reports import atomic_write_text, dumps_json
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["capture", "Capture", "DEFAULT_MAX_BYTES"]
+
+DEFAULT_MAX_BYTES = 2 * 1024**3  # 2 GiB of captured tensors held in memory until the context exits
+
+# autograd nodes of the BatchNorm kernels: _saved_result1 is the saved mean, _saved_result2 the saved
+# 1/sqrt(var + eps) (cuDNN's and MIOpen's "save_var" hold the inverse standard deviation as well)
+_BN_NODES = ("NativeBatchNormBackward0", "CudnnBatchNormBackward0", "MiopenBatchNormBackward0",
+             "NativeBatchNormLegitBackward0", "NativeBatchNormLegitBackward1",
+             "NativeBatchNormLegitNoTrainingBackward0", "BatchNormWithUpdateBackward0",
+             "BatchNormNoUpdateBackward0")
+_VECTORS_PER_CALL = 12  # γ, β, running stats in and out, saved stats, dγ, dβ: an upper bound
+
+
+def _format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    """An exact CPU copy in the tensor's own dtype (bfloat16 as ml_dtypes.bfloat16, bit for bit)."""
+    import torch
+
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        bits = t.contiguous().view(torch.int16).to("cpu").numpy()
+        return np.array(bits, copy=True).view(get_format("bf16").dtype)
+    if t.dtype not in (torch.float16, torch.float32, torch.float64):
+        raise BNProbeError(f"capture records float16/bfloat16/float32/float64 tensors, got {t.dtype}")
+    return np.array(t.to("cpu").numpy(), copy=True, order="C")
+
+
+def _memory_format(t: torch.Tensor) -> str:
+    """How x is laid out in memory: the CPU kernels take a different path (and round differently) for
+    channels-last tensors, so a replay needs to know."""
+    import torch
+
+    if t.is_contiguous():
+        return "contiguous"
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+        return "channels_last"
+    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
+        return "channels_last_3d"
+    return "strided"
+
+
+def _dir_token(module: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", module) or "root"
+
+
+@dataclass
+class _Call:
+    """One BatchNorm call while it is being recorded: arrays in their own dtypes."""
+
+    name: str
+    module: str
+    type: str
+    index: int
+    order: int
+    training: bool
+    eps: float
+    momentum: float | None
+    meta: dict[str, Any]
+    inputs: dict[str, np.ndarray]
+    outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    grads_in: dict[str, np.ndarray] = field(default_factory=dict)  # dy
+    grads_out: dict[str, np.ndarray] = field(default_factory=dict)  # dx, dgamma, dbeta
+    backward_runs: int = 0
+
+    @property
+    def dir(self) -> str:
+        return f"{self.order:04d}-{_dir_token(self.module)}-{self.index}"
+
+    def recording(self, torch_version: str) -> Recording:
+        """The call as a bnprobe Recording (float64 arrays, each a value of its format)."""
+        def fmt(a: np.ndarray) -> str:
+            return get_format(a.dtype).name
+
+        ins = self.inputs
+        has_saved = "saved_mean" in self.outputs and "saved_value" in self.outputs
+        has_backward = self.backward_runs > 0
+        saved_kind = ("invstd" if has_saved else None) if self.training else ("var" if has_backward else None)
+        meta = {"call": self.name, "module": self.module, "type": self.type, "index": self.index,
+                "order": self.order, "torch": torch_version, "training": self.training, **self.meta,
+                "backward": has_backward}
+        if has_backward:
+            meta["backward_runs"] = self.backward_runs
+            if not self.training:
+                meta["saved_kind"] = "var"  # the backward of an inference call reads the running statistics
+        rec = Recording(adapter=f"capture:{self.name}", dtype=fmt(ins["x"]), params=fmt(ins["gamma"]),
+                        layout="channels_first", eps=self.eps, momentum=self.momentum, saved_kind=saved_kind,
+                        meta=meta)
+
+        def put(mode: str, io: str, named: dict[str, np.ndarray]) -> None:
+            for name, a in named.items():
+                rec.tensors.setdefault(mode, {}).setdefault(io, {})[name] = a.astype(np.float64)
+                rec.formats[f"{mode}.{io}.{name}"] = fmt(a)
+
+        mode = "train" if self.training else "infer"
+        put(mode, "inputs", ins)
+        put(mode, "outputs", self.outputs)
+        if has_backward:
+            if self.training:
+                saved = {"saved_mean": self.outputs["saved_mean"], "saved_value": self.outputs["saved_value"]}
+            else:
+                saved = {"saved_mean": ins["running_mean"], "saved_value": ins["running_var"]}
+            put("backward", "inputs", {**self.grads_in, "x": ins["x"], "gamma": ins["gamma"], **saved})
+            put("backward", "outputs", self.grads_out)
+        return rec
+
+
+class Capture:
+    """The context manager :func:`capture` returns; see there.  After a clean exit ``calls`` holds the
+    recorded call names in forward order, ``skipped`` the calls not recorded per module, ``written`` the
+    files written."""
+
+    def __init__(self, model: torch.nn.Module, out: str | Path, *, force: bool = False, backward: bool = True,
+                 calls_per_module: int | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        if calls_per_module is not None and (not isinstance(calls_per_module, int) or calls_per_module < 1):
+            raise BNProbeError(f"calls_per_module must be a positive integer or None, got {calls_per_module!r}")
+        if not isinstance(max_bytes, int) or max_bytes < 1:
+            raise BNProbeError(f"max_bytes must be a positive integer, got {max_bytes!r}")
+        self.model = model
+        self.out = Path(out)
+        self.force = force
+        self.backward = backward
+        self.calls_per_module = calls_per_module
+        self.max_bytes = max_bytes
+        self.calls: list[str] = []
+        self.skipped: dict[str, int] = {}
+        self.written: list[Path] = []
+        self.reserved_bytes = 0
+        self._records: list[_Call] = []
+        self._counts: dict[str, int] = {}
+        self._pending: dict[int, _Call | None] = {}
+        self._handles: list[Any] = []
+        self._error: BNProbeError | None = None
+        self._entered = False
+        self._torch: Any = None
+
+    # ---- entering: checks, then hooks ------------------------------------------------------------
+    def _check_out(self) -> None:
+        out = self.out
+        if out.exists() and not out.is_dir():
+            raise BNProbeError(f"{out} is a file; capture writes a folder")
+        if not out.is_dir() or self.force:
+            return
+        for p in (out / CALLS_NAME, out / META_NAME):
+            if p.exists():
+                raise BNProbeError(f"{p} exists; refusing to overwrite a dump (pass force=True, or choose another "
+                                   "out)")
+        partial = sorted(d for d in out.iterdir() if (d / META_NAME).is_file())
+        if partial:
+            raise BNProbeError(f"{out} holds dump folders without an index ({partial[0].name}, ...), an incomplete "
+                               "capture; refusing to write into it (pass force=True, or choose another out)")
+
+    def __enter__(self) -> Capture:
+        try:
+            import torch
+            from torch.nn.modules.batchnorm import _BatchNorm
+        except ImportError:
+            raise BNProbeError("capture needs torch (pip install 'bnprobe[torch]')") from None
+        if self._entered:
+            raise BNProbeError("a capture context is entered once; make a new capture(...) for another run")
+        if not isinstance(self.model, torch.nn.Module):
+            raise BNProbeError(f"capture needs a torch.nn.Module, got {type(self.model).__name__}")
+        self._check_out()
+        modules = [(path, m) for path, m in self.model.named_modules() if isinstance(m, _BatchNorm)]
+        if not modules:
+            raise BNProbeError(f"{type(self.model).__name__} has no BatchNorm module (a subclass of "
+                               "torch.nn.modules.batchnorm._BatchNorm) to capture")
+        self._torch = torch
+        self._entered = True
+        try:
+            for path, m in modules:
+                self._handles.append(m.register_forward_pre_hook(self._pre_hook(path), with_kwargs=True))
+                self._handles.append(m.register_forward_hook(self._post_hook(path), with_kwargs=True))
+        except BaseException:
+            self._remove_hooks()
+            raise
+        return self
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._pending.clear()
+
+    # ---- hooks -------------------------------------------------------------------------------------
+    def _refuse(self, message: str) -> NoReturn:
+        self._error = BNProbeError(message)
+        raise self._error
+
+    def _pre_hook(self, path: str) -> Callable[..., None]:
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if self._error is not None:  # the body went on after a refusal: record nothing more
+                self._pending[id(module)] = None
+                return
+            index = self._counts.get(path, 0)
+            self._counts[path] = index + 1
+            if self.calls_per_module is not None and index >= self.calls_per_module:
+                self.skipped[path] = self.skipped.get(path, 0) + 1
+                self._pending[id(module)] = None
+                return
+            x = args[0] if args else kwargs.get("input")
+            if not isinstance(x, self._torch.Tensor):
+                self._refuse(f"{path}: BatchNorm called without a tensor input")
+            self._pending[id(module)] = self._start(module, path, index, x)
+        return hook
+
+    def _start(self, module: Any, path: str, index: int, x: torch.Tensor) -> _Call:
+        torch = self._torch
+        name = f"{path}#{index}"
+        channels = x.shape[1] if x.dim() > 1 else 0
+        grad_possible = self.backward and torch.is_grad_enabled() and (
+            x.requires_grad or any(p is not None and p.requires_grad for p in (module.weight, module.bias)))
+        need = x.numel() * x.element_size() * (4 if grad_possible else 2) + channels * 8 * _VECTORS_PER_CALL
+        if self.reserved_bytes + need > self.max_bytes:
+            self._refuse(f"capture needs {_format_bytes(self.reserved_bytes + need)} to record {name} (x "
+                         f"{tuple(x.shape)} {str(x.dtype).replace('torch.', '')}, {len(self._records)} calls before "
+                         f"it), over max_bytes = {_format_bytes(self.max_bytes)}: record fewer calls "
+                         "(calls_per_module), a smaller batch, or raise max_bytes")
+        self.reserved_bytes += need
+        # what torch.nn.modules.batchnorm passes to F.batch_norm
+        training = bool(module.training or (module.running_mean is None and module.running_var is None))
+        pass_stats = not module.training or module.track_running_stats
+        rm = module.running_mean if pass_stats else None
+        rv = module.running_var if pass_stats else None
+        affine = module.weight is not None
+        inputs = {"x": _to_numpy(x)}
+        if affine:
+            inputs["gamma"], inputs["beta"] = _to_numpy(module.weight), _to_numpy(module.bias)
+        else:  # the kernel's parameter dtype: the running statistics', else the input's
+            pdt = get_format(str(rm.dtype)).dtype if rm is not None else inputs["x"].dtype
+            inputs["gamma"], inputs["beta"] = np.ones(channels, dtype=pdt), np.zeros(channels, dtype=pdt)
+        if rm is not None and rv is not None:
+            inputs["running_mean"], inputs["running_var"] = _to_numpy(rm), _to_numpy(rv)
+        meta: dict[str, Any] = {
+            "affine": affine, "track_running_stats": bool(module.track_running_stats),
+            "momentum_none": module.momentum is None, "memory_format": _memory_format(x), "device": str(x.device),
+            "requires_grad": {"x": bool(x.requires_grad), "gamma": bool(affine and module.weight.requires_grad),
+                              "beta": bool(affine and module.bias.requires_grad)}}
+        return _Call(name, path, type(module).__name__, index, len(self._records), training, float(module.eps),
+                     None, meta, inputs)
+
+    def _post_hook(self, path: str) -> Callable[..., None]:
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            call = self._pending.pop(id(module), None)
+            if call is None:
+                return
+            self._finish(module, call, output)
+            self._records.append(call)
+            self.calls.append(call.name)
+        return hook
+
+    def _finish(self, module: Any, call: _Call, y: Any) -> None:
+        torch = self._torch
+        if not isinstance(y, torch.Tensor):
+            self._refuse(f"{call.name}: the module returned {type(y).__name__}, not a tensor")
+        # the factor torch used (torch.nn.modules.batchnorm): momentum=None is the cumulative average
+        nbt = module.num_batches_tracked
+        if module.training and module.track_running_stats and nbt is not None:
+            call.momentum = 1.0 / float(nbt) if module.momentum is None else float(module.momentum)
+        else:
+            call.momentum = 0.0 if module.momentum is None else float(module.momentum)
+        call.outputs["y"] = _to_numpy(y)
+        node = y.grad_fn
+        node_name = type(node).__name__ if node is not None else None
+        call.meta["grad_fn"] = node_name
+        is_bn_node = node_name in _BN_NODES
+        if call.training:
+            if is_bn_node:
+                mean, invstd = node._saved_result1, node._saved_result2
+                call.outputs["saved_mean"], call.outputs["saved_value"] = _to_numpy(mean), _to_numpy(invstd)
+            else:
+                call.meta["saved"] = ("not recorded: the forward built no autograd graph (torch.no_grad, or "
+                                      "nothing requires grad)" if node is None else
+                                      f"not recorded: y comes from {node_name}, not a BatchNorm kernel's node")
+            if "running_mean" in call.inputs:
+                call.outputs["running_mean_out"] = _to_numpy(module.running_mean)
+                call.outputs["running_var_out"] = _to_numpy(module.running_var)
+        kernel_x = getattr(node, "_saved_input", None) if is_bn_node else None
+        if isinstance(kernel_x, torch.Tensor) and get_format(str(kernel_x.dtype)).dtype != call.inputs["x"].dtype:
+            # an autocast that casts BatchNorm's input: the recorded x is the module's, not the kernel's
+            call.meta["kernel_input_dtype"] = str(kernel_x.dtype).replace("torch.", "")
+        if self.backward and is_bn_node:
+            self._handles.append(node.register_hook(self._grad_hook(call)))
+        elif self.backward and node is not None:
+            call.meta["backward_note"] = f"not hooked: y comes from {node_name}, not a BatchNorm kernel's node"
+
+    def _grad_hook(self, call: _Call) -> Callable[..., None]:
+        def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
+            call.backward_runs += 1
+            if call.backward_runs > 1:  # retain_graph: keep the first backward
+                return
+            if grad_outputs and grad_outputs[0] is not None:
+                call.grads_in["dy"] = _to_numpy(grad_outputs[0])
+                call.meta["dy_memory_format"] = _memory_format(grad_outputs[0])
+            missing = {}
+            req = call.meta["requires_grad"]
+            for i, (name, why) in enumerate((("dx", "x"), ("dgamma", "gamma"), ("dbeta", "beta"))):
+                g = grad_inputs[i] if i < len(grad_inputs) else None
+                if g is not None:
+                    call.grads_out[name] = _to_numpy(g)
+                elif not call.meta["affine"] and name != "dx":
+                    missing[name] = "not computed: affine=False"
+                elif not req[why]:
+                    missing[name] = f"not computed: {why} does not require grad"
+                else:
+                    missing[name] = "not computed by the kernel"
+            if missing:
+                call.meta["backward_missing"] = missing
+        return hook
+
+    # ---- leaving: write ----------------------------------------------------------------------------
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._remove_hooks()
+        if exc_type is not None:
+            return  # the body failed: write nothing, let its exception through
+        if self._error is not None:
+            raise BNProbeError(f"{self._error} (caught inside the capture; nothing written)")
+        self.written = self._write()
+
+    def _index(self, version: str) -> dict[str, Any]:
+        calls = [{"name": c.name, "dir": c.dir, "module": c.module, "type": c.type, "index": c.index,
+                  "order": c.order, "training": c.training, "backward": c.backward_runs > 0} for c in self._records]
+        notes = [f"{m}: {n} call(s) after the first {self.calls_per_module} not recorded (calls_per_module)"
+                 for m, n in self.skipped.items()]
+        return {"format": CALLS_TAG, "version": 1, "source": "capture", "torch": version, "calls": calls,
+                "calls_per_module": self.calls_per_module, "skipped": dict(self.skipped), "notes": notes}
+
+    def _write(self) -> list[Path]:
+        out = self.out
+        index_path = out / CALLS_NAME
+        stale: list[Path] = []
+        if self.force and index_path.is_file():
+            try:
+                stale = [out / c["dir"] for c in read_calls(out)["calls"]]
+            except BNProbeError:
+                stale = []
+            index_path.unlink()  # while the call folders change, the folder is not a complete dump
+        version = str(self._torch.__version__)
+        written: list[Path] = []
+        for call in self._records:
+            written += write_dump(call.recording(version), out / call.dir, force=self.force)
+        keep = {out / c.dir for c in self._records}
+        for d in stale:  # folders of the overwritten capture that this one does not reuse
+            if d in keep or not d.is_dir() or out.resolve() not in d.resolve().parents:
+                continue
+            for name in (META_NAME, TENSORS_NAME):
+                (d / name).unlink(missing_ok=True)
+            if not any(d.iterdir()):
+                d.rmdir()
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(index_path, dumps_json(self._index(version)))
+        written.append(index_path)
+        self._records.clear()  # the tensors are on disk now
+        return written
+
+
+def capture(model: torch.nn.Module, out: str | Path, *, force: bool = False, backward: bool = True,
+            calls_per_module: int | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> Capture:
+    """A context manager recording every call of ``model``'s BatchNorm modules inside it into ``out``.
+
+    ``out`` must not hold a dump yet unless ``force``.  ``backward``: also record the backward of each call
+    that runs inside the context.  ``calls_per_module``: keep only each module's first N calls (the index
+    lists the rest as skipped).  ``max_bytes``: refuse (BNProbeError, nothing written) before the tensors
+    held in memory would exceed it.  Nothing is written if the body raises; the index is written last.
+    """
+    return Capture(model, out, force=force, backward=backward, calls_per_module=calls_per_module,
+                   max_bytes=max_bytes)
