@@ -19,7 +19,6 @@ torch is imported only when a capture starts: bnprobe imports without it.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field

@@ -11,7 +11,8 @@ __all__ = ["load_callable"]
 
 
 def load_callable(spec: str, what: str) -> Any:
-    """The callable ``attribute`` of ``module`` named by ``spec`` (``module:attribute``); ``what`` names it in errors."""
+    """The callable ``attribute`` of ``module`` named by ``spec`` (``module:attribute``); ``what`` names it in
+    errors."""
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr:
         raise BNProbeError(f"{what} {spec!r} is not module:function")

@@ -459,9 +459,10 @@ def compare_precision_cmd(
         r["budget"] = f"{r['budget_top']} ({100 * r['budget_share']:.0f}%)" if r["budget_top"] else ""
         r["worst / bound"] = r["worst_ratio"]
     what = f"{len(cases)} recorded call(s) of {recorded.source}" if recorded is not None else f"{len(cases)} inputs"
+    n_fail = int((result.rows["verdict"] == "FAIL").sum()) if len(result.rows) else 0
     typer.echo(f"compare-precision: {what}, {len(result.rows)} outputs compared with the FP64 golden "
                f"in {result.meta['seconds']} s: " + ("all within standard" if result.passed else
-                                                     f"{int((result.rows['verdict'] == 'FAIL').sum())} over the standard"))
+                                                     f"{n_fail} over the standard"))
     typer.echo(render_table(rows, ["adapter", "dtype", "checked", "failed", "worst", "worst / bound", "budget"],
                             headers=["adapter", "format", "outputs", "failed", "worst output", "worst/bound",
                                      "error-budget cause (share)"]))

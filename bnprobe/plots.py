@@ -176,7 +176,8 @@ def plot_divergence(df: pd.DataFrame, base: str = "fp32") -> Figure:
 
 
 def plot_distributions(df: pd.DataFrame, eps: float = 1e-5) -> Figure:
-    """Per-channel mean²/var (cancellation risk of single-pass variance) and var/eps (eps dominance) at the last step."""
+    """Per-channel mean²/var (cancellation risk of single-pass variance) and var/eps (eps dominance) at the last
+    step."""
     from matplotlib.figure import Figure
 
     last = df[df["step"] == df["step"].max()]
@@ -186,7 +187,8 @@ def plot_distributions(df: pd.DataFrame, eps: float = 1e-5) -> Figure:
         with np.errstate(all="ignore"):
             ax1.hist(np.log10(g["mean"] ** 2 / g["var"] + 1e-30), bins=30, alpha=0.5, label=f"{pol} {layer}")
             ax2.hist(np.log10(g["var"] / eps), bins=30, alpha=0.5, label=f"{pol} {layer}")
-    ax1.axvline(np.log10(2.0**12), color="tab:red", linestyle="--", linewidth=1, label="fp32 single-pass loses half its digits")
+    ax1.axvline(np.log10(2.0**12), color="tab:red", linestyle="--", linewidth=1,
+                label="fp32 single-pass loses half its digits")
     ax1.set_xlabel("log10(mean² / var) per channel")
     ax2.axvline(1.0, color="tab:red", linestyle="--", linewidth=1, label="var = 10·eps")
     ax2.set_xlabel("log10(var / eps) per channel")

@@ -314,7 +314,7 @@ def _dump_all(root: Path, jobs):
     print(f"msprobe imported in {time.time() - t0:.1f} s", flush=True)
     cfg = root / CONFIG
     dbg = None
-    for k, (spec, model, x, v, weights) in enumerate(jobs):
+    for spec, model, x, v, weights in jobs:
         dump_path = root / spec.name
         _write_config(cfg, spec, dump_path)
         if dbg is None:

@@ -364,7 +364,8 @@ def record(adapter: KernelAdapter, *, x: np.ndarray, gamma: np.ndarray | None, b
     c = np.shape(x)[1] if layout == "channels_first" or np.ndim(x) == 2 else np.shape(x)[-1]
     g = round_to(np.ones(c) if gamma is None else np.asarray(gamma, dtype=np.float64), pf)
     b = round_to(np.zeros(c) if beta is None else np.asarray(beta, dtype=np.float64), pf)
-    rm, rv = round_to(np.asarray(running_mean, dtype=np.float64), pf), round_to(np.asarray(running_var, dtype=np.float64), pf)
+    rm = round_to(np.asarray(running_mean, dtype=np.float64), pf)
+    rv = round_to(np.asarray(running_var, dtype=np.float64), pf)
     xs, dys = round_to(np.asarray(x, dtype=np.float64), fmt), round_to(np.asarray(dy, dtype=np.float64), fmt)
     rec = Recording(adapter.name, fmt, pf, layout, eps, momentum, caps.saved, meta=dict(meta or {}))
 

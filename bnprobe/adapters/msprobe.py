@@ -227,7 +227,8 @@ def _load_tensor(folder: Path, entry: dict[str, Any], where: str) -> tuple[np.nd
     except BNProbeError:
         raise
     except Exception as exc:  # noqa: BLE001 - any reader failure is a corrupt file to the user
-        raise BNProbeError(f"{path}: corrupt or unreadable ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise BNProbeError(f"{path}: corrupt or unreadable ({type(exc).__name__}: {first})") from None
     if list(a.shape) != list(_shape(entry, where)):
         raise BNProbeError(f"{path}: shape {list(a.shape)} disagrees with dump.json's {list(entry['shape'])}")
     if stored != fmt and not (path.suffix == ".npy" and fmt == "bf16" and stored == "fp32"):

@@ -131,7 +131,8 @@ def verdict(actual: np.ndarray, golden: np.ndarray, fmt: str, rule: str = "scale
     fa, fg = np.isfinite(a), np.isfinite(g)
     if np.any(fa != fg) or np.any(~fa & ~((a == g) | (np.isnan(a) & np.isnan(g)))):
         return False, "NaN/inf where the golden has none (or the reverse)", math.inf, 0.0
-    sc = None if scale is None else np.broadcast_to(np.asarray(scale, dtype=np.float64), np.shape(golden)).reshape(-1)[fa]
+    sc = None if scale is None else \
+        np.broadcast_to(np.asarray(scale, dtype=np.float64), np.shape(golden)).reshape(-1)[fa]
     a, g = a[fa], g[fa]
     with np.errstate(all="ignore"):
         d = np.abs(a - g)
@@ -578,7 +579,8 @@ def markdown_summary(result: CompareResult) -> str:
     from bnprobe._table import markdown_table
 
     s = summarize(result)
-    lines = [f"# bnprobe compare-precision: {'all within standard' if result.passed else 'some outputs exceed the standard'}",
+    verdict_text = "all within standard" if result.passed else "some outputs exceed the standard"
+    lines = [f"# bnprobe compare-precision: {verdict_text}",
              "", f"Adapters {', '.join(result.meta['adapters'])}; formats {', '.join(result.meta['dtypes'])}; "
              f"{len(result.meta['cases'])} inputs; mode {result.meta['mode']}; rule {result.meta['rule']} "
              f"(msprobe standards); {result.meta['seconds']} s.", "", "## Per format", "",

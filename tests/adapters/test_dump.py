@@ -244,8 +244,8 @@ def test_several_steps_are_all_read_and_named_by_folder(tmp_path):
     build_msprobe(tmp_path / "b")
     (tmp_path / "b" / "step0").rename(tmp_path / "step1")
     calls = open_dump(tmp_path)
-    assert [c.name for c in calls.calls] == ["step0/rank0/Aten.native_batch_norm.0", "step0/rank0/Functional.batch_norm.1",
-                                             "step1/rank0/Aten.native_batch_norm.0", "step1/rank0/Functional.batch_norm.1"]
+    assert [c.name for c in calls.calls] == [f"step{s}/rank0/{n}" for s in (0, 1)
+                                             for n in ("Aten.native_batch_norm.0", "Functional.batch_norm.1")]
     assert any("2 dump.json files" in n for n in calls.notes)
 
 
