@@ -2,6 +2,9 @@
 
     python examples/capture_cnn.py [FP32_OUT [FP16_OUT]]     # default: new folders under reports/
 
+Then runs ``bnprobe compare-precision`` on both captures: every call judged against the FP64 golden on
+its own recorded inputs, torch's CPU kernel beside it, and the first call over the standard named.
+
 One training step (forward, loss, backward) of the same CNN from the same weights and batch, once as
 built and once after ``model.half()``; each is recorded by ``bnprobe.capture`` into a model
 dump: ``bnprobe-calls.json`` (the calls in forward order) and one bnprobe dump per call (inputs,
@@ -64,7 +67,15 @@ def main(argv: list[str]) -> int:
             return 2
         print(f"{name}: loss {loss:.4f}; captured {len(cap.calls)} BatchNorm calls "
               f"({', '.join(cap.calls)}) into {out}")
-    # next: compare the two captures, call by call (compare-precision on the captured folders)
+    # each capture judged call by call on its own recorded inputs, with torch's CPU kernel beside it
+    from bnprobe.cli import main as bnprobe
+
+    for out in outs:
+        print(f"\n$ bnprobe compare-precision --adapters dump:{out},torch --no-budget --out {out}/report")
+        rc = bnprobe(["compare-precision", "--adapters", f"dump:{out},torch", "--no-budget", "--out",
+                      str(out / "report")])
+        if rc not in (0, 1):
+            return rc
     return 0
 
 

@@ -6,9 +6,27 @@ import pytest
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
 
+# what each example must print (its point), and the arguments it is run with (folders under tmp_path)
+EXPECT = {
+    "fp16_statistics.py": ([], ["first overflow: sum_sq in channels [3]", "first overflow: none"]),
+    "plugin_adapter.py": ([], ["numpy-fp32: max |y - reference| ="]),
+    "capture_cnn.py": (["{tmp}/fp32", "{tmp}/fp16"], ["captured 3 BatchNorm calls (bn1#0, bn2#0, bn3#0)",
+                                                      "3 recorded call(s) of {tmp}/fp32", "first call over the standard:",
+                                                      "3 recorded call(s) of {tmp}/fp16"]),
+}
+
+
+def test_every_example_has_expectations():
+    assert sorted(p.name for p in EXAMPLES) == sorted(EXPECT)
+
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
-def test_example_runs(script):
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+def test_example_runs(script, tmp_path):
+    if script.name == "capture_cnn.py":
+        pytest.importorskip("torch")
+    args, wanted = EXPECT[script.name]
+    out = subprocess.run([sys.executable, str(script), *(a.format(tmp=tmp_path) for a in args)],
+                         capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip()
+    for w in wanted:
+        assert w.format(tmp=tmp_path) in out.stdout, out.stdout

@@ -233,7 +233,8 @@ class CallRef:
 
     @property
     def label(self) -> str:
-        return f"{self.name} ({self.module})" if self.module and self.module != self.name else self.name
+        shown = self.module and not self.name.startswith(f"{self.module}#")  # capture names calls module#index
+        return f"{self.name} ({self.module})" if shown else self.name
 
     def matches(self, pattern: str) -> bool:
         return any(fnmatch.fnmatchcase(s, pattern) for s in (self.name, self.label, self.module or ""))
