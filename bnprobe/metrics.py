@@ -1,54 +1,300 @@
-"""Comparison metrics with MindStudio Probe's (msprobe) definitions, so figures line up with what
-Ascend users know (shared/reference/msprobe-metrics.md), plus the smallest tolerance that passes.
+"""Comparison metrics with MindStudio Probe's (msprobe 26.2.0) definitions and values, so figures line up
+with what Ascend users know (shared/reference/msprobe-metrics.md), plus the smallest tolerance that passes.
 
-``actual`` is compared with ``golden``; both are widened to float64 first (BF16 included).
-Comparing never raises.
+msprobe defines its metrics in two tools, not always alike; both are mirrored, under distinct names:
+
+* its dump **compare** (``msprobe compare``, ``msprobe/core/compare``): ``cosine`` (Cosine), ``euclidean``
+  (EucDist), ``max_abs`` (MaxAbsErr), ``max_rel`` (MaxRelativeErr), ``ratio_1e3`` / ``ratio_5e3`` (One
+  Thousandth / Five Thousandths Err Ratio) and ``accuracy_reached`` (Accuracy Reached or Not);
+* its API **accuracy checker** (``msprobe/pytorch/api_accuracy_checker``), whose benchmark method judges
+  every floating output in 26.2.0: ``checker_max_rel``, ``mean_rel``, ``rmse`` (small values left out),
+  ``small_value_err_ratio``, ``error_balance``, ``ulp_max`` / ``ulp_mean``, and :func:`benchmark`, its
+  verdict on a device's metrics against a bench device's, both against one golden.
+
+Every field is computed with msprobe's own operations in msprobe's own dtypes (for data of at most fp32 its
+relative errors are float32 figures) and kept at full precision; :meth:`Comparison.msprobe_row` gives the
+compare's figures as msprobe prints them (12 decimals, cosine rounded to 6 above 0.9999, its words where
+it computes nothing).  Comparing never raises.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
+from bnprobe.errors import BNProbeError
 from bnprobe.formats import Format, get_format
 
-__all__ = ["Comparison", "compare", "cosine", "ulp_error", "min_atol", "min_rtol", "MSPROBE_ULP_BITS"]
+__all__ = ["Comparison", "compare", "cosine", "ulp_error", "min_atol", "min_rtol", "BenchmarkResult", "benchmark",
+           "BENCHMARK_METRICS",
+           "benchmark_verdict", "benchmark_level", "CheckerStandard", "MSPROBE_CHECKER", "MSPROBE_BENCHMARK_LIMITS",
+           "MSPROBE_BENCHMARK_APIS", "MSPROBE_COMPARE_LIMITS", "MSPROBE_CSV_DECIMALS", "MSPROBE_ULP_BITS"]
 
-# msprobe's ULP: (actual - golden) * 2^(mantissa - e), e = floor(log2|golden|) clamped at the format's
-# minimum normal exponent
-MSPROBE_ULP_BITS = {"fp16": (10, -14), "bf16": (7, -126), "fp32": (23, -126), "fp64": (52, -1022)}
+
+# ==== msprobe 26.2.0's constants: the ONE table of this module (to move to bnprobe/tolerances.py) ====
+# Each entry names where msprobe keeps it.
+
+@dataclass(frozen=True)
+class CheckerStandard:
+    """The accuracy checker's values for one output format (its benchmark method and ULP error)."""
+
+    device: type  # how it holds the device output (torch has no numpy bf16: bf16 is read as float32)
+    bench: type  # how it holds the golden, computed one precision level up (fp16/bf16 -> fp32, fp32 -> fp64)
+    rel_eps: float  # added to |golden| in relative errors (get_abs_bench_with_eps: the golden's eps, bf16 2^-8)
+    small_value: float  # |golden| <= this is a small value (StandardConfig._small_value)
+    small_value_atol: float  # a small value errs above this (StandardConfig._benchmark_small_value_atol)
+    error_floor: float  # floor of the bench metric in the ratios (StandardConfig._minmum_err)
+    ulp_mantissa: int  # ULP_PARAMETERS exponent_num
+    ulp_min_exp: int  # ULP_PARAMETERS min_eb
+    ulp_dtype: type  # get_ulp_err works in float64 for fp32 outputs, float32 otherwise
+    msprobe: bool = True  # False: msprobe has no such entry; bnprobe's extension with its "default" values
+
+
+_F32_EPS = float.fromhex("0x1p-23")  # 1.1920928955078125e-07, np.finfo(float32).eps
+_F64_EPS = float.fromhex("0x1p-52")  # 2.220446049250313e-16
+MSPROBE_CHECKER: dict[str, CheckerStandard] = {
+    "fp16": CheckerStandard(np.float16, np.float32, _F32_EPS, 2.0**-10, 1e-16, 2.0**-11, 10, -14, np.float32),
+    "bf16": CheckerStandard(np.float32, np.float32, 2.0**-8, 2.0**-10, 1e-16, 2.0**-8, 7, -126, np.float32),
+    "fp32": CheckerStandard(np.float32, np.float64, _F64_EPS, 2.0**-20, 2.0**-30, 2.0**-14, 23, -126, np.float64),
+    # msprobe skips float64 outputs and judges fp8 ones by ULP alone: its "default" entries, the formats' own ULP
+    "fp64": CheckerStandard(np.float64, np.float64, _F64_EPS, 2.0**-20, 2.0**-30, 2.0**-14, 52, -1022, np.float64,
+                            msprobe=False),
+    "fp8_e4m3fn": CheckerStandard(np.float32, np.float32, _F32_EPS, 2.0**-20, 2.0**-30, 2.0**-14, 3, -6, np.float64,
+                                  msprobe=False),
+    "fp8_e5m2": CheckerStandard(np.float32, np.float32, _F32_EPS, 2.0**-20, 2.0**-30, 2.0**-14, 2, -14, np.float64,
+                                msprobe=False),
+}
+# benchmark verdict: error when device metric / max(bench metric, error_floor) exceeds the limit
+# (StandardConfig.get_benchmark_ratio_threshold by API level; small_value and eb: get_benchmark_threshold).
+# Error balance is judged but left out of the result (BenchmarkPrecisionCompare._get_status).
+MSPROBE_BENCHMARK_LIMITS: dict[str, dict[str, float]] = {
+    "L0": {"small_value": 2.0, "rmse": 2.0, "max_rel": 10.0, "mean_rel": 2.0, "eb": 2.0},
+    "L1": {"small_value": 2.0, "rmse": 1.5, "max_rel": 5.0, "mean_rel": 1.5, "eb": 2.0},
+    "L2": {"small_value": 2.0, "rmse": 1.2, "max_rel": 2.0, "mean_rel": 1.2, "eb": 2.0},
+}
+MSPROBE_BENCHMARK_APIS: dict[str, frozenset[str]] = {  # StandardConfig.L1_API_LIST / L2_API_LIST; others L0
+    "L1": frozenset({"embedding", "npu_fusion_attention_grad", "npu_fusion_attention", "scatter_", "scatter_add_"}),
+    "L2": frozenset({"addmm", "npu_cross_entropy_loss", "npu_cross_entropy_loss_backward", "GELU", "layer_norm",
+                     "matmul", "mm", "index", "one_hot", "sum", "npu_rms_norm", "npu_rms_norm_backward",
+                     "nonzero"}),
+}
+MSPROBE_CSV_DECIMALS = 14  # the checker's detail CSV writes float64 metrics with this many decimals (precision)
+MSPROBE_COMPARE_LIMITS: dict[str, float] = {  # CompareConst
+    "thousandth": 0.001,  # THOUSAND_RATIO_THRESHOLD
+    "five_thousandths": 0.005,  # FIVE_THOUSAND_RATIO_THRESHOLD
+    "cosine_rounded_above": 0.9999,  # COSINE_THRESHOLD: a cosine above it is printed with 6 decimals
+    "decimals": 12,  # format_value
+    # check_accuracy: "No" when (cos < 0.99 and MaxAbsErr > 0.001) or cos < 0.9 or MaxAbsErr > 1
+    "cos": 0.99, "max_abs": 0.001, "cos_min": 0.9, "max_abs_max": 1.0,
+}
+# ==== end of msprobe's constants ======================================================================
+
+# msprobe's ULP: |actual - golden| * 2^(mantissa - e), e = floor(log2|golden|) clamped at the minimum exponent
+MSPROBE_ULP_BITS = {k: (s.ulp_mantissa, s.ulp_min_exp) for k, s in MSPROBE_CHECKER.items() if k[:3] != "fp8"}
+
+# how msprobe's compare holds a tensor of each format (read_pt_data: bf16 and fp8 become float32)
+_HELD = {"fp64": np.float64, "fp32": np.float32, "fp16": np.float16, "bf16": np.float32,
+         "fp8_e4m3fn": np.float32, "fp8_e5m2": np.float32}
+_COLUMNS = ("Cosine", "EucDist", "MaxAbsErr", "MaxRelativeErr", "One Thousandth Err Ratio",
+            "Five Thousandths Err Ratio")
+_SCALAR_MSG = "This is type of 0-d tensor, can not calculate"  # CompareConst.ERR_SCALAR_INPUT
+_NAN = float("nan")
+BENCHMARK_METRICS = ("small_value", "rmse", "max_rel", "mean_rel", "eb")
+_JUDGED = ("small_value", "rmse", "max_rel", "mean_rel")  # the metrics in the benchmark's result
+_CSV_NAMES = {"small_value": "小值域错误占比", "rmse": "均方根误差", "max_rel": "相对误差最大值",
+              "mean_rel": "相对误差平均值", "eb": "误差均衡性"}  # ApiPrecisionCompareColumn, for its messages
+
+
+def _array(x: Any) -> np.ndarray:
+    """``x`` as numpy, as msprobe reads a tensor: a torch bf16 or fp8 tensor becomes float32."""
+    if type(x).__module__.split(".")[0] == "torch":
+        t = x.detach().cpu()
+        if t.is_floating_point() and str(t.dtype) not in ("torch.float64", "torch.float32", "torch.float16"):
+            t = t.float()
+        return t.numpy()
+    return np.asarray(x)
 
 
 def _f64(a: Any) -> np.ndarray:
     with np.errstate(invalid="ignore"):
-        return np.asarray(a, dtype=np.float64).reshape(-1)
+        return np.asarray(_array(a)).astype(np.float64).reshape(-1)
 
 
-def cosine(actual: np.ndarray, golden: np.ndarray) -> float:
-    """Cosine similarity; 1.0 when both norms are (nearly) zero, as msprobe defines it."""
-    a, g = _f64(actual), _f64(golden)
-    na, ng = float(np.linalg.norm(a)), float(np.linalg.norm(g))
-    tiny = np.finfo(np.float64).eps
-    if na <= tiny and ng <= tiny:
-        return 1.0
-    if na <= tiny or ng <= tiny:
-        return 0.0
-    return float(np.dot(a, g) / (na * ng))
+def _format_value(v: float) -> float:
+    """msprobe's format_value: the figure as printed with 12 decimals."""
+    return float(f"{v:.{int(MSPROBE_COMPARE_LIMITS['decimals'])}f}")
 
 
-def ulp_error(actual: np.ndarray, golden: np.ndarray, fmt: str | Format) -> np.ndarray:
-    """Per-element error in ULPs of ``fmt`` at the golden value (msprobe's definition)."""
-    name = get_format(fmt).name
-    mant, emin = MSPROBE_ULP_BITS.get(name, (get_format(name).mantissa_bits, get_format(name).emin))
-    a, g = _f64(actual), _f64(golden)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        e = np.floor(np.log2(np.abs(g)))
-    e = np.where(np.isfinite(e), np.maximum(e, emin), emin).astype(np.int64)
-    with np.errstate(invalid="ignore", over="ignore"):
-        return np.abs(a - g) / np.ldexp(1.0, e - mant)  # 2^(e - mant) >= 2^-1074: never zero
+# ---- msprobe's compare --------------------------------------------------------------------------------
+
+def _cosine(n: np.ndarray, b: np.ndarray) -> tuple[float, Any, str]:
+    """alg_cosine_similarity.compare on 1-D float64 data: (value, as msprobe returns it, message)."""
+    if n.size == 1:  # validate_numpy
+        return _NAN, "unsupported", "This is a 1-d tensor of length 1."
+    tiny = np.finfo(float).eps  # Const.FLOAT_EPSILON, on the norms
+    with np.errstate(all="ignore"):
+        num = np.dot(n, b)
+        a_norm, b_norm = np.linalg.norm(n), np.linalg.norm(b)
+        if a_norm <= tiny and b_norm <= tiny:
+            return 1.0, 1.0, ""
+        if a_norm <= tiny:
+            return _NAN, "Nan", "Cannot compare by Cosine Similarity, All the data is Zero in npu dump data."
+        if b_norm <= tiny:
+            return _NAN, "Nan", "Cannot compare by Cosine Similarity, All the data is Zero in Bench dump data."
+        cos = num / (a_norm * b_norm)
+    if np.isnan(cos):
+        return _NAN, "Nan", "Cannot compare by Cosine Similarity, the dump data has NaN."
+    shown = _format_value(cos)
+    if shown > MSPROBE_COMPARE_LIMITS["cosine_rounded_above"]:
+        shown = round(shown, 6)
+    return float(cos), shown, ""
+
+
+def _relative_err(n: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """get_relative_err: |(n - b) / b| in result_type(n, b, float32), that type's eps added to both where b = 0."""
+    with np.errstate(all="ignore"):
+        rt = np.result_type(n, b, np.float32)
+        zero = b == 0
+        nn, bb = n.astype(rt), b.astype(rt)
+        eps = np.finfo(rt).eps
+        nn[zero] += eps
+        bb[zero] += eps
+        return np.abs(np.divide(nn - bb, bb))
+
+
+def _check_accuracy(cos: Any, max_abs: Any) -> str:
+    """check_accuracy (msprobe/core/compare/multiprocessing_compute.py) on the compare's printed figures."""
+    if cos == "shape unmatched":
+        return "Unmatched"
+    if "None" in (cos, max_abs):
+        return "None"
+    if cos == "N/A" or max_abs == "N/A":
+        return "No"
+    try:
+        c, m = float(cos), float(max_abs)
+    except ValueError:
+        return "None"
+    lim = MSPROBE_COMPARE_LIMITS
+    if c < lim["cos"] and m > lim["max_abs"]:
+        return "No"
+    if c < lim["cos_min"] or m > lim["max_abs_max"]:
+        return "No"
+    return "Yes"
+
+
+def _compare_figures(x: np.ndarray, y: np.ndarray, n: np.ndarray, b: np.ndarray
+                     ) -> tuple[list[float], list[Any], str]:
+    """msprobe's six compare columns on data that passed its checks (``x``, ``y``: the pair in float64, 1-D;
+    ``n``, ``b``: the same as msprobe holds them, for the relative errors).  A single element is a 0-d tensor to
+    msprobe (read_pt_data squeezes it): only MaxAbsErr and MaxRelativeErr, in the data's own dtypes."""
+    raw: list[float] = []
+    shown: list[Any] = []
+    msgs: list[str] = []
+    lim = MSPROBE_COMPARE_LIMITS
+    if x.size == 1:
+        n0, b0 = n.reshape(()), b.reshape(())
+        msgs.append("This is type of 0-d tensor, can not calculate 'Cosine', 'EucDist', 'One Thousandth Err Ratio' "
+                    "and 'Five Thousandths Err Ratio'. ")  # ValidateTensor._check_scalar
+        with np.errstate(all="ignore"):
+            figures: list[Any] = [None, None, np.max(np.abs(n0 - b0)), np.max(np.abs(_relative_err(n0, b0))),
+                                  None, None]
+    else:
+        with np.errstate(all="ignore"):
+            rel = _relative_err(n, b)
+            count = rel.size
+            figures = ["cos",  # _cosine, below
+                       np.linalg.norm(x - y, ord=2), np.max(np.abs(x - y)), np.max(np.abs(rel)),
+                       np.sum(rel < lim["thousandth"]) / count, np.sum(rel < lim["five_thousandths"]) / count]
+    for col, v in zip(_COLUMNS, figures):
+        if v is None:  # validate_numpy / calc_relative_err_ratio on a 0-d tensor
+            raw.append(_NAN)
+            shown.append("unsupported")
+            msgs.append(_SCALAR_MSG)
+        elif col == "Cosine":
+            r, s, m = _cosine(x, y)
+            raw.append(r)
+            shown.append(s)
+            msgs.append(m)
+        elif col == "EucDist":  # printed unformatted
+            raw.append(float(v))
+            shown.append(float(v))
+        elif col in ("MaxAbsErr", "MaxRelativeErr") and np.isnan(v):
+            raw.append(_NAN)
+            shown.append("Nan")
+            what = "MaxAbsError" if col == "MaxAbsErr" else "MaxRelativeError"
+            msgs.append(f"Cannot compare by {what}, the data contains nan/inf/-inf in dump data.")
+        else:
+            raw.append(float(v))
+            shown.append(_format_value(v))
+    return raw, shown, "".join(msgs)
+
+
+# ---- msprobe's accuracy checker ----------------------------------------------------------------------
+
+def _checker(actual: np.ndarray, golden: np.ndarray, std: CheckerStandard) -> dict[str, Any]:
+    """BenchmarkCompare._compute_metrics and get_ulp_err on one output, as numpy scalars in msprobe's dtypes
+    (they decide how its CSV writes them): the device output held as msprobe holds it, the golden one
+    precision level up."""
+    with np.errstate(all="ignore"):
+        device = actual.astype(std.device)
+        bench = golden.astype(std.bench)
+        abs_bench = np.abs(bench)  # get_abs_bench_with_eps
+        abs_bench_with_eps = abs_bench + std.rel_eps
+        # get_finite_and_infinite_mask: the golden judged finite in the device's dtype
+        both_finite = np.logical_and(np.isfinite(device), np.isfinite(bench.astype(device.dtype)))
+        inf_nan = np.logical_not(both_finite)
+        abs_err = np.abs(device - bench)  # get_abs_err
+        small = np.logical_and(np.less_equal(abs_bench, std.small_value), both_finite)  # get_small_value_mask
+        rel_err = np.where(np.logical_or(small, inf_nan), -1, abs_err / abs_bench_with_eps)  # get_rel_err
+        greater = np.greater(abs_err, std.small_value_atol)
+        n_small = np.sum(small)  # get_small_value_err_ratio
+        small_ratio = 0 if n_small == 0 else np.sum(np.logical_and(small, greater)) / n_small
+        left_out = np.logical_or(inf_nan, small)  # get_rmse, with msprobe's correction for what it leaves out
+        mse = np.mean(np.square(np.where(left_out, 0, abs_err)))
+        mse = mse * (abs_err.size / (abs_err.size - np.sum(left_out) + 0.0001) + 0.0001)
+        rmse = np.sqrt(mse)
+        diff = device - bench.astype(device.dtype)  # get_error_balance: the golden cast to the output's dtype
+        larger, smaller = np.sum(np.greater(diff, 0)), np.sum(np.less(diff, 0))
+        eb = abs(larger - smaller) / bench.size if bench.size > 0 else 0
+        max_rel = np.max(rel_err) if np.max(rel_err) >= 0 else 0  # get_max_rel_err
+        kept = rel_err[rel_err >= 0]  # get_mean_rel_err
+        mean_rel = np.mean(kept) if kept.size > 0 else 0
+        ulp = _ulp(device, bench, std)
+    return {"small_value": small_ratio, "rmse": rmse, "max_rel": max_rel, "mean_rel": mean_rel, "eb": eb,
+            "ulp_max": np.max(ulp), "ulp_mean": np.mean(ulp)}
+
+
+def _ulp(device: np.ndarray, bench: np.ndarray, std: CheckerStandard) -> np.ndarray:
+    """get_ulp_err: |device - golden| * 2^(mantissa - e) with e = floor(log2|golden|), 0 where the golden is 0,
+    at least the minimum exponent; float32 arithmetic except for fp32 outputs (for bf16 the factor overflows
+    to inf when e < -120, as in msprobe).  Formats msprobe has no ULP for: the same in float64."""
+    with np.errstate(all="ignore"):
+        abs_bench = np.abs(bench)
+        eb = np.where(abs_bench == 0, 0, np.floor(np.log2(abs_bench)))
+        eb = np.maximum(eb, std.ulp_min_exp)
+        if not std.msprobe:  # 2^(mantissa - e) would overflow float64 for fp64 near 0: divide instead
+            e64 = eb.astype(np.int64) - std.ulp_mantissa
+            return np.abs((device.astype(np.float64) - bench.astype(np.float64)) / np.ldexp(1.0, e64))
+        dt = std.ulp_dtype
+        return np.abs((device.astype(dt) - bench).astype(dt) * np.exp2(-eb + std.ulp_mantissa).astype(dt))
+
+
+def ulp_error(actual: Any, golden: Any, fmt: str | Format) -> np.ndarray:
+    """Per-element ULP error of ``actual`` (values of ``fmt``) against ``golden``, msprobe's get_ulp_err
+    (1-D, float64 values); see :data:`MSPROBE_CHECKER` for how each format is held."""
+    std = MSPROBE_CHECKER[get_format(fmt).name]
+    with np.errstate(over="ignore"):
+        device, bench = _f64(actual).astype(std.device), _f64(golden).astype(std.bench)
+    return _ulp(device, bench, std).astype(np.float64)
+
+
+def cosine(actual: Any, golden: Any) -> float:
+    """msprobe's compare cosine (alg_cosine_similarity): 1.0 when both norms are at most float64's eps, NaN
+    when one is (msprobe: "Nan"), or for a single element (msprobe: "unsupported")."""
+    return _cosine(_f64(actual), _f64(golden))[0]
 
 
 def min_atol(actual: np.ndarray, golden: np.ndarray, rtol: float) -> float:
@@ -72,64 +318,247 @@ def min_rtol(actual: np.ndarray, golden: np.ndarray, atol: float) -> float:
     return float(need.max())
 
 
+# ---- the comparison ----------------------------------------------------------------------------------
+
 @dataclass(frozen=True)
 class Comparison:
-    """msprobe's element-wise metrics for one tensor, plus tolerance figures.
+    """msprobe's metrics of one tensor against its golden (the msprobe function each mirrors: by its field).
 
-    ``nan_mismatch``: NaN/inf positions differ (msprobe then reports "Nan"); where they match those
-    elements are zeroed before the metrics, as msprobe does.
+    Compare (msprobe compare): ``cosine``, ``euclidean``, ``max_abs``, ``max_rel``, ``ratio_1e3``,
+    ``ratio_5e3``, ``accuracy_reached`` ("Yes", "No", "Unmatched" or "None", msprobe's words).  NaN where msprobe
+    computes nothing (its "Nan", "N/A", "unsupported"): see ``msprobe_row()`` and ``problem``.
+    Accuracy checker (benchmark method): ``checker_max_rel``, ``mean_rel``, ``rmse``, ``small_value_err_ratio``,
+    ``error_balance``, ``ulp_max``, ``ulp_mean``.
+
+    ``nan_mismatch``: msprobe's check failed — the positions of inf (either sign) or of NaN differ; its compare
+    then reports N/A.  Where they match msprobe zeroes those elements first, so +inf against -inf is a match.
+    ``nonfinite_mismatch``: bnprobe's stricter check — some element is not the same non-finite value on both
+    sides (+inf against -inf, inf against NaN, a non-finite value against a finite one).
+    ``worst_index``: the element with the largest |actual - golden| where both are finite (-1 if none).
+    ``problem``: msprobe's message for the tensor ("" when it has none), or why nothing could be compared.
     """
 
+    # which msprobe function each field mirrors (compare: msprobe/core/compare/algorithm/builtin_algorithm;
+    # checker: msprobe/pytorch/api_accuracy_checker/compare/algorithm.py)
     size: int
-    cosine: float
-    euclidean: float
-    max_abs: float
-    max_rel: float
-    mean_rel: float
-    rmse: float
-    ratio_1e3: float  # share of elements with relative error < 0.001
-    ratio_5e3: float
-    error_balance: float  # |#(a > g) - #(a < g)| / n
-    ulp_max: float
-    ulp_mean: float
+    cosine: float  # alg_cosine_similarity.compare
+    euclidean: float  # alg_euclidean_distance.compare
+    max_abs: float  # alg_max_absolute_error.compare
+    max_rel: float  # alg_max_relative_error.compare (get_relative_err): compare's MaxRelativeErr
+    mean_rel: float  # checker get_mean_rel_err: small values left out
+    rmse: float  # checker get_rmse: small values left out, with its correction
+    ratio_1e3: float  # alg_one_thousand_error.compare (calc_relative_err_ratio): share with relative error < 0.001
+    ratio_5e3: float  # alg_five_thousand_error.compare
+    error_balance: float  # checker get_error_balance: |#(a > g) - #(a < g)| / n, the golden cast to a's dtype
+    ulp_max: float  # checker get_ulp_err, then UlpCompare._stat_max_ulp_err
+    ulp_mean: float  # UlpCompare._stat_mean_ulp_err
     worst_index: int
-    nan_mismatch: bool
-    accuracy_reached: str  # msprobe's verdict: "Yes", "No" or "Nan"
+    nan_mismatch: bool  # npy_compare.handle_inf_nan failed
+    accuracy_reached: str  # multiprocessing_compute.check_accuracy
+    checker_max_rel: float = _NAN  # checker get_max_rel_err: small values left out
+    small_value_err_ratio: float = _NAN  # checker get_small_value_err_ratio
+    nonfinite_mismatch: bool = False
+    problem: str = ""
+    _printed: tuple[Any, ...] = field(default=(), repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("_printed")
+        return d
+
+    def msprobe_row(self) -> dict[str, Any]:
+        """The compare's row as msprobe writes it: its column names, figures printed with 12 decimals (EucDist
+        unrounded, cosine with 6 above 0.9999), "Nan" / "N/A" / "unsupported" / "shape unmatched" where it
+        computes nothing, Accuracy Reached or Not and Err_message."""
+        return dict(zip((*_COLUMNS, "Accuracy Reached or Not", "Err_message"), self._printed))
 
 
-def compare(actual: np.ndarray, golden: np.ndarray, fmt: str | Format = "fp32") -> Comparison:
-    """msprobe's metrics of ``actual`` against ``golden`` (ULPs in ``fmt``)."""
-    a, g = _f64(actual), _f64(golden)
-    if a.shape != g.shape:
-        raise ValueError(f"compare: actual has {a.size} elements, golden {g.size}")
-    fin_a, fin_g = np.isfinite(a), np.isfinite(g)
-    same_nonfinite = (~fin_a == ~fin_g) & ((a == g) | (np.isnan(a) & np.isnan(g)) | (fin_a & fin_g))
-    nan_mismatch = bool(np.any(fin_a != fin_g) or not np.all(same_nonfinite))
-    a = np.where(fin_a & fin_g, a, 0.0)
-    g = np.where(fin_a & fin_g, g, 0.0)
-    n = max(a.size, 1)
-    d = np.abs(a - g)
-    tiny = np.finfo(np.float64).eps
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rel = d / np.where(g == 0, tiny, np.abs(g))  # eps only where golden is 0
-    ulp = ulp_error(a, g, fmt)
-    cos = cosine(a, g)
-    max_abs = float(d.max()) if d.size else 0.0
-    if nan_mismatch:
-        verdict = "Nan"
-    elif (cos < 0.99 and max_abs > 0.001) or cos < 0.9 or max_abs > 1:
-        verdict = "No"
-    else:
-        verdict = "Yes"
-    return Comparison(
-        size=int(a.size), cosine=cos, euclidean=float(np.linalg.norm(a - g)), max_abs=max_abs,
-        max_rel=float(rel.max()) if rel.size else 0.0, mean_rel=float(rel.mean()) if rel.size else 0.0,
-        rmse=float(math.sqrt(float(np.mean((a - g) ** 2)))) if a.size else 0.0,
-        ratio_1e3=float(np.mean(rel < 1e-3)) if rel.size else 1.0,
-        ratio_5e3=float(np.mean(rel < 5e-3)) if rel.size else 1.0,
-        error_balance=float(abs(int(np.sum(a > g)) - int(np.sum(a < g))) / n),
-        ulp_max=float(ulp.max()) if ulp.size else 0.0, ulp_mean=float(ulp.mean()) if ulp.size else 0.0,
-        worst_index=int(np.argmax(d)) if d.size else -1, nan_mismatch=nan_mismatch, accuracy_reached=verdict)
+def _unusable(size: int, word: str, accuracy: str, problem: str, printed_msg: str = "") -> Comparison:
+    printed = (*(word,) * len(_COLUMNS), accuracy, printed_msg or problem)
+    return Comparison(size, *(_NAN,) * 11, -1, False, accuracy, problem=problem, _printed=printed)
+
+
+def compare(actual: Any, golden: Any, fmt: str | Format = "fp32", *, golden_fmt: str | Format | None = None
+            ) -> Comparison:
+    """msprobe's metrics of ``actual`` (values of ``fmt``; numpy, torch or a list) against ``golden``.
+
+    Compare figures: cosine, EucDist and MaxAbsErr in float64 of the values given; relative errors in
+    float32 for data of at most fp32, as msprobe computes them (a golden with more digits is rounded to
+    float32 for them).  ``golden_fmt="fp64"``: the golden is float64 data, and msprobe's numpy promotion then
+    computes the relative errors in float64, eps 2^-52 where the golden is 0 (its message on differing dtypes
+    included).  Checker figures: the golden held one precision level up (fp16/bf16 -> fp32, fp32 -> fp64),
+    as msprobe's accuracy checker computes it.  Never raises: an unusable pair gives NaN figures and a
+    ``problem``.
+    """
+    try:
+        f = get_format(fmt)
+        gf = None if golden_fmt is None else get_format(golden_fmt)
+        a_in, g_in = _array(actual), _array(golden)
+        a, g = a_in.astype(np.float64), g_in.astype(np.float64)
+    except (BNProbeError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+        return _unusable(0, "unsupported", "None", f"cannot compare: {exc}")
+    if a.size == 0:  # ValidateTensor: empty, then shape (as read_pt_data squeezes it), 0-d, inf/nan, dtype
+        return _unusable(0, "unsupported", "None", "This is empty data, can not compare.")
+    if np.squeeze(a).shape != np.squeeze(g).shape:
+        return _unusable(int(a.size), "shape unmatched", "Unmatched",
+                         f"Shape of NPU and bench tensor do not match. Skipped. (actual {tuple(a.shape)}, golden "
+                         f"{tuple(g.shape)})", "Shape of NPU and bench tensor do not match. Skipped.")
+    g = g.reshape(a.shape)
+    std = MSPROBE_CHECKER[f.name]
+    checker = {k: float(v) for k, v in _checker(a, g, std).items()}
+    # the compare's data, flat, as msprobe holds it: the output in its format; the golden in golden_fmt when
+    # given, else like the output when it holds fmt's values (a dump pair), else float32 (float64 for fp64)
+    n_dt = _HELD[f.name]
+    x, y = a.reshape(-1).copy(), g.reshape(-1).copy()
+    with np.errstate(all="ignore"):
+        if gf is not None:
+            b_dt = _HELD[gf.name]
+            y = y.astype(b_dt).astype(np.float64)
+        else:
+            exact = np.array_equal(y.astype(n_dt).astype(np.float64), y, equal_nan=True)
+            b_dt = n_dt if exact else (np.float64 if n_dt is np.float64 else np.float32)
+    dtype_msg = "Dtype of NPU and bench tensor do not match." if b_dt != n_dt and gf is not None else ""
+    n_inf, b_inf, n_nan, b_nan = np.isinf(x), np.isinf(y), np.isnan(x), np.isnan(y)
+    fin = ~(n_inf | n_nan) & ~(b_inf | b_nan)
+    with np.errstate(invalid="ignore"):
+        same = fin | (n_nan & b_nan) | (n_inf & (x == y))
+    # handle_inf_nan: a match when the inf positions (either sign) and NaN positions agree
+    nan_mismatch = not (np.array_equal(n_inf, b_inf) and np.array_equal(n_nan, b_nan))
+    worst = int(np.argmax(np.abs(np.where(fin, x, 0.0) - np.where(fin, y, 0.0))))
+    common = dict(size=int(x.size), mean_rel=checker["mean_rel"], rmse=checker["rmse"], error_balance=checker["eb"],
+                  ulp_max=checker["ulp_max"], ulp_mean=checker["ulp_mean"], worst_index=worst,
+                  nan_mismatch=nan_mismatch, checker_max_rel=checker["max_rel"],
+                  small_value_err_ratio=checker["small_value"], nonfinite_mismatch=not bool(same.all()))
+    if x.size > 1 and nan_mismatch:  # a 0-d tensor skips msprobe's inf/nan check
+        msg = "The position of inf or nan in NPU and bench Tensor do not match."
+        return Comparison(cosine=_NAN, euclidean=_NAN, max_abs=_NAN, max_rel=_NAN, ratio_1e3=_NAN, ratio_5e3=_NAN,
+                          accuracy_reached="No", problem=msg, _printed=(*("N/A",) * len(_COLUMNS), "No", msg),
+                          **common)
+    if x.size > 1:
+        bad = n_inf | n_nan
+        x[bad] = 0.0
+        y[bad] = 0.0
+    with np.errstate(all="ignore"):
+        n, b = x.astype(n_dt), y.astype(b_dt)
+    raw, shown, msg = _compare_figures(x, y, n, b)
+    if x.size > 1:  # ValidateTensor stops at the 0-d check, before the dtype one
+        msg = dtype_msg + msg
+    accuracy = _check_accuracy(shown[0], shown[2])
+    return Comparison(cosine=raw[0], euclidean=raw[1], max_abs=raw[2], max_rel=raw[3], ratio_1e3=raw[4],
+                      ratio_5e3=raw[5], accuracy_reached=accuracy, problem=msg, _printed=(*shown, accuracy, msg),
+                      **common)
+
+
+# ---- the benchmark verdict ---------------------------------------------------------------------------
+
+def benchmark_level(api: str) -> str:
+    """msprobe's benchmark level of an API (StandardConfig.get_api_level): L2, L1, or L0 (batch_norm)."""
+    return next((lvl for lvl in ("L2", "L1") if api in MSPROBE_BENCHMARK_APIS[lvl]), "L0")
+
+
+@dataclass(frozen=True)
+class BenchmarkResult:
+    """msprobe's benchmark verdict on one floating output (BenchmarkPrecisionCompare): each device metric over
+    the bench device's (floored at the format's error floor), an error above its level's limit.  ``result``:
+    "pass" or "error" (26.2.0 never gives "warning" here), "skip" where msprobe's benchmark does not judge.
+    ``device`` / ``bench``: the metrics as its CSV carries them; ``needed``: the largest ratio / limit over the
+    judged metrics — the smallest scale of the limits that would have passed (inf for an inf/NaN mismatch).
+    Truthy when it passed."""
+
+    fmt: str
+    level: str
+    result: str
+    ratios: dict[str, float]
+    status: dict[str, str]
+    limits: dict[str, float]
+    device: dict[str, float]
+    bench: dict[str, float]
+    floor: float
+    needed: float
+    message: str = ""
+    problem: str = ""
+
+    def __bool__(self) -> bool:
+        return self.result == "pass"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "passed": bool(self)}
+
+
+def _as_written(v: Any) -> float:
+    """A checker metric as api_precision_compare reads it back: the detail CSV holds a Python float (numpy
+    float64 included) with 14 decimals (Comparator._get_acc_check_detail), anything else (float32) as str()."""
+    if isinstance(v, float):
+        return float(f"{v:.{MSPROBE_CSV_DECIMALS}f}")
+    return float(str(v))
+
+
+def _skip(fmt: str, level: str, problem: str) -> BenchmarkResult:
+    return BenchmarkResult(fmt, level, "skip", {}, {}, {}, {}, {}, _NAN, _NAN, problem=problem)
+
+
+def _judged(fmt: str | Format, level: str) -> tuple[str, str]:
+    """(format name, "") when msprobe's benchmark judges ``fmt`` at ``level``, else (name, why not)."""
+    try:
+        f = get_format(fmt).name
+    except BNProbeError as exc:
+        return str(fmt), str(exc)
+    if level not in MSPROBE_BENCHMARK_LIMITS:
+        return f, f"unknown benchmark level {level!r}; valid: {', '.join(MSPROBE_BENCHMARK_LIMITS)}"
+    if f not in ("fp16", "bf16", "fp32"):
+        return f, "msprobe's benchmark judges fp16, bf16 and fp32 outputs (it skips float64, judges fp8 by ULP)"
+    return f, ""
+
+
+def benchmark_verdict(device: Mapping[str, Any], bench: Mapping[str, Any], fmt: str | Format = "fp16", *,
+                      level: str = "L0") -> BenchmarkResult:
+    """msprobe's benchmark verdict from the metrics of a device (``device``) and a bench device (``bench``)
+    against the same golden, keyed as :data:`BENCHMARK_METRICS` (small_value, rmse, max_rel, mean_rel, eb)."""
+    f, why = _judged(fmt, level)
+    if why:
+        return _skip(f, level, why)
+    floor = MSPROBE_CHECKER[f].error_floor
+    limits = MSPROBE_BENCHMARK_LIMITS[level]
+    dev = {k: _as_written(device[k]) for k in BENCHMARK_METRICS}
+    ben = {k: _as_written(bench[k]) for k in BENCHMARK_METRICS}
+    ratios: dict[str, float] = {}
+    status: dict[str, str] = {}
+    message = ""
+    for k in BENCHMARK_METRICS:
+        x, y = dev[k], ben[k]
+        if not (np.isfinite(x) and np.isfinite(y)):  # check_inf_or_nan
+            same = x == y if (np.isinf(x) and np.isinf(y)) else (np.isnan(x) and np.isnan(y))
+            ratios[k] = _NAN
+            status[k] = "pass" if same else "error"
+            message += f"{_CSV_NAMES[k]}同为同号inf或nan\n" if same else f"{_CSV_NAMES[k]}inf或nan不一致\n"
+            continue
+        ratios[k] = abs(x) / max(abs(y), floor)  # calc_ratio: the floor applies to the bench metric
+        status[k] = "error" if ratios[k] > limits[k] else "pass"  # _get_single_metric_status
+    shares = [np.inf if status[k] == "error" and np.isnan(ratios[k]) else
+              (0.0 if np.isnan(ratios[k]) else ratios[k] / limits[k]) for k in _JUDGED]
+    result = "error" if any(status[k] == "error" for k in _JUDGED) else "pass"
+    return BenchmarkResult(f, level, result, ratios, status, dict(limits), dev, ben, floor, float(max(shares)),
+                           message)
+
+
+def benchmark(actual: Any, bench: Any, golden: Any, fmt: str | Format = "fp16", *, level: str = "L0"
+              ) -> BenchmarkResult:
+    """msprobe's benchmark verdict on a device output ``actual`` and a bench device's output ``bench`` (values of
+    ``fmt``) against one ``golden`` (held one precision level up, as its accuracy checker computes it).  The
+    level is the API's (:func:`benchmark_level`; BatchNorm is L0).  Never raises."""
+    name, why = _judged(fmt, level)
+    if why:
+        return _skip(name, level, why)
+    try:
+        a, b, g = (_array(v).astype(np.float64) for v in (actual, bench, golden))
+    except (TypeError, ValueError, AttributeError, RuntimeError) as exc:
+        return _skip(name, level, f"cannot compare: {exc}")
+    if g.size == 0:
+        return _skip(name, level, "There is not bench calculation result.")
+    std = MSPROBE_CHECKER[name]
+    for who, v in (("device", a), ("bench", b)):
+        if v.shape != g.shape:
+            return BenchmarkResult(name, level, "error", {}, {}, dict(MSPROBE_BENCHMARK_LIMITS[level]), {}, {},
+                                   std.error_floor, np.inf,
+                                   problem=f"the {who} output's shape {v.shape} is not the golden's {g.shape}")
+    return benchmark_verdict(_checker(a, g, std), _checker(b, g, std), name, level=level)
