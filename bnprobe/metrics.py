@@ -541,6 +541,21 @@ def benchmark_verdict(device: Mapping[str, Any], bench: Mapping[str, Any], fmt: 
                            message)
 
 
+def checker_metrics(actual: Any, golden: Any, fmt: str | Format = "fp16") -> dict[str, Any] | None:
+    """The accuracy checker's metrics of one output against the golden, keyed as :data:`BENCHMARK_METRICS`
+    (what :func:`benchmark_verdict` takes), or None when they cannot be computed (format, shape)."""
+    name, why = _judged(fmt, "L0")
+    if why:
+        return None
+    try:
+        a, g = (_array(v).astype(np.float64) for v in (actual, golden))
+    except (TypeError, ValueError, AttributeError, RuntimeError):
+        return None
+    if g.size == 0 or a.shape != g.shape:
+        return None
+    return _checker(a, g, MSPROBE_CHECKER[name])
+
+
 def benchmark(actual: Any, bench: Any, golden: Any, fmt: str | Format = "fp16", *, level: str = "L0"
               ) -> BenchmarkResult:
     """msprobe's benchmark verdict on a device output ``actual`` and a bench device's output ``bench`` (values of

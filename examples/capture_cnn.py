@@ -3,7 +3,7 @@
     python examples/capture_cnn.py [FP32_OUT [FP16_OUT]]     # default: new folders under reports/
 
 Then runs ``bnprobe compare-precision`` on both captures: every call judged against the FP64 golden on
-its own recorded inputs, torch's CPU kernel beside it, and the first call over the standard named.
+its own recorded inputs, torch's CPU kernel beside it, and the first call that fails named.
 
 One training step (forward, loss, backward) of the same CNN from the same weights and batch, once as
 built and once after ``model.half()``; each is recorded by ``bnprobe.capture`` into a model

@@ -15,7 +15,7 @@ from bnprobe.numerics.arith import Arith
 from bnprobe.numerics.rsqrt import divide
 from bnprobe.numerics.rsqrt import sqrt as nsqrt
 
-__all__ = ["PolicyAdapter", "ReferenceAdapter", "EmulatedAdapter"]
+__all__ = ["PolicyAdapter", "ReferenceAdapter", "EmulatedAdapter", "CarefulAdapter"]
 
 ALL_FORMATS = ("fp64", "fp32", "fp16", "bf16")
 
@@ -111,3 +111,20 @@ class EmulatedAdapter(PolicyAdapter):
                 return get_policy(p.dtype).with_options(name=f"emulated:{p.dtype}", params=p.params)
 
             super().__init__("emulated", make, Capabilities(formats=ALL_FORMATS, traced=True))
+
+
+class CarefulAdapter(PolicyAdapter):
+    """``careful``: the bench compare-precision judges kernels against, in the role msprobe gives a GPU —
+    each format's preset (fp32 sums, statistics and arithmetic, two-pass variance, pairwise order) with
+    the run's parameter format, doing what framework kernels do where the interface decides: with
+    same-format parameters it normalises with the statistics as stored (in that format), as PyTorch's
+    CPU kernel does, and inference is the folded y = x·A + B of cuDNN, PyTorch and Ascend's BNInfer.
+    A kernel is not asked to beat what its interface keeps or the practice every framework follows."""
+
+    def __init__(self) -> None:
+        def make(p: Prepared, mode: str) -> Policy:
+            narrow = p.params == p.dtype and p.dtype not in ("fp32", "fp64")
+            return get_policy(p.dtype).with_options(name=f"careful:{p.dtype}", params=p.params, stored_stats=narrow,
+                                                    y_formula="affine" if mode == "infer" else "xhat")
+
+        super().__init__("careful", make, Capabilities(formats=ALL_FORMATS, traced=True))

@@ -38,7 +38,7 @@ from bnprobe.formats import get_format
 from bnprobe.inputs import make_input, make_params
 from bnprobe.kernels import forward_train
 from bnprobe.kernels.layout import layout_of
-from bnprobe.metrics import compare, ulp_error
+from bnprobe.metrics import benchmark, benchmark_verdict, checker_metrics, compare, ulp_error
 from bnprobe.numerics.rounding import round_to
 from bnprobe.tolerances import MSPROBE_STANDARDS, Standard
 
@@ -112,6 +112,16 @@ def stress_cases(seed: int = 0) -> list[Case]:
 # ---- verdicts ----------------------------------------------------------------------------------------
 
 STANDARD_RULES = ("scaled", "accumulated", "threshold")
+RULES = ("benchmark", *STANDARD_RULES)
+
+
+def beyond_rounding(actual: np.ndarray, golden: np.ndarray, fmt: str) -> np.ndarray:
+    """|actual − golden| less half an ulp of ``fmt`` at the golden (subnormal spacing included), floored at
+    0: the error beyond the output format's own rounding, so a correctly rounded result has none."""
+    a = np.asarray(actual, dtype=np.float64)
+    g = np.asarray(golden, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        return np.maximum(np.abs(a - g) - 0.5 * get_format(fmt).ulp(g), 0.0)
 
 
 def verdict(actual: np.ndarray, golden: np.ndarray, fmt: str, rule: str = "scaled",
@@ -120,22 +130,28 @@ def verdict(actual: np.ndarray, golden: np.ndarray, fmt: str, rule: str = "scale
     """msprobe's verdict for one tensor by ``rule`` (scaled, accumulated or threshold):
     (passed, reason, score, bound) with score the worst error measure and bound its limit.
 
+    Every rule measures the error beyond the output format's own rounding (:func:`beyond_rounding`),
+    so the correctly rounded golden always passes; non-finite values must be where the golden
+    rounded to ``fmt`` has them (a golden beyond the format's range rounds to ±inf).
     ``scale`` (same shape as golden) gives the scaled rule each element's natural magnitude."""
     if rule not in STANDARD_RULES:
         raise BNProbeError(f"unknown standard rule {rule!r}; valid: {', '.join(STANDARD_RULES)}")
-    std = (standards or MSPROBE_STANDARDS).get(get_format(fmt).name)
+    f = get_format(fmt)
+    std = (standards or MSPROBE_STANDARDS).get(f.name)
     if std is None:
         return True, "no standard for this format", 0.0, math.inf
     a = np.asarray(actual, dtype=np.float64).reshape(-1)
     g = np.asarray(golden, dtype=np.float64).reshape(-1)
-    fa, fg = np.isfinite(a), np.isfinite(g)
-    if np.any(fa != fg) or np.any(~fa & ~((a == g) | (np.isnan(a) & np.isnan(g)))):
-        return False, "NaN/inf where the golden has none (or the reverse)", math.inf, 0.0
+    with np.errstate(all="ignore"):
+        gr = round_to(g, f.name)  # where the format itself overflows, the correctly rounded result is ±inf
+    fa, fg = np.isfinite(a), np.isfinite(gr)
+    if np.any(fa != fg) or np.any(~fa & ~((a == gr) | (np.isnan(a) & np.isnan(gr)))):
+        return False, "NaN/inf where the golden rounded to the format has none (or the reverse)", math.inf, 0.0
     sc = None if scale is None else \
         np.broadcast_to(np.asarray(scale, dtype=np.float64), np.shape(golden)).reshape(-1)[fa]
     a, g = a[fa], g[fa]
     with np.errstate(all="ignore"):
-        d = np.abs(a - g)
+        d = beyond_rounding(a, g, f.name)
         if rule == "threshold":
             small = np.abs(g) <= std.small_threshold
             bad_small = int(np.sum(small & (d > std.small_atol)))
@@ -156,28 +172,76 @@ def verdict(actual: np.ndarray, golden: np.ndarray, fmt: str, rule: str = "scale
         ratio = d / np.maximum(np.abs(g), floor)
         worst = float(ratio.max()) if ratio.size else 0.0
         if worst > std.accumulated:
-            return False, f"accumulated error {worst:.3g} over {std.accumulated:.3g}", worst, std.accumulated
+            k = int(np.sum(ratio > std.accumulated))
+            w = int(np.argmax(ratio))
+            where = int(np.flatnonzero(fa)[w])
+            return False, (f"Mismatched elements: {k} / {ratio.size} ({100.0 * k / ratio.size:.3g}%); greatest "
+                           f"accumulated error {worst:.3g} at index {where} ({a[w]:.6g} vs {g[w]:.6g}, "
+                           f"{std.accumulated:.3g} allowed)"), worst, std.accumulated
         return True, f"accumulated error {worst:.3g} within {std.accumulated:.3g}", worst, std.accumulated
 
 
-# ---- one comparison ------------------------------------------------------------------------------------
+def _benchmark(actual: Any, bench: Any, golden: Any, fmt: str) -> Any:
+    """msprobe's benchmark verdict; ``bench`` is the bench's output or a :class:`_BenchOutput` that keeps its
+    metrics (computed once per output, and reused whole when ``actual`` is the bench's own array)."""
+    if not isinstance(bench, _BenchOutput):
+        return benchmark(actual, bench, golden, fmt)
+    if bench.metrics is None:
+        bench.metrics = checker_metrics(bench.value, golden, fmt)
+    dev = bench.metrics if actual is bench.value else checker_metrics(actual, golden, fmt)
+    if dev is None or bench.metrics is None:
+        return benchmark(actual, bench.value, golden, fmt)
+    return benchmark_verdict(dev, bench.metrics, fmt)
+
+
+@dataclass
+class _BenchOutput:
+    value: Any
+    metrics: dict[str, Any] | None = None
+
 
 def _row(adapter: str, dtype: str, case: Case, tensor: str, actual: Any, golden: Any, fmt: str,
-         standards: dict[str, Standard] | None, rule: str, scale: np.ndarray | None = None) -> dict[str, Any]:
+         standards: dict[str, Standard] | None, rule: str, scale: np.ndarray | None = None,
+         bench: Any = None, bench_name: str = "", explain: str = "") -> dict[str, Any]:
+    """One output's row: msprobe's metrics; the kernel verdict (by default msprobe's benchmark method against
+    the bench's output, else the absolute ``rule``); the format check (the absolute scaled rule), with what
+    explains a format that falls short."""
     kind = "elementwise" if tensor in ELEMENTWISE else "reduction"
     m = compare(actual, golden, fmt)
-    ok, why, score, bound = verdict(actual, golden, fmt, rule, standards, scale)
+    ok_abs, why_abs, score_abs, bound_abs = verdict(actual, golden, fmt, "scaled" if rule == "benchmark" else rule,
+                                                    standards, scale)
+    extra: dict[str, Any] = {}
+    if rule == "benchmark" and bench is not None:
+        b = _benchmark(actual, bench, golden, fmt)
+        ok = b.result != "error"
+        ratios = ", ".join(f"{k} {v:.3g}/{b.limits[k]:g}" for k, v in b.ratios.items() if k in b.limits)
+        why = f"{'within' if ok else 'over'} msprobe's benchmark vs {bench_name} (ratio/limit: {ratios})" + \
+            (f"; {b.problem}" if b.problem else "")
+        score, bound = float(b.needed), 1.0
+        extra = {f"bench_{k}": v for k, v in b.ratios.items()}
+    else:
+        ok, why, score, bound = ok_abs, why_abs, score_abs, bound_abs
     std = (standards or MSPROBE_STANDARDS).get(get_format(fmt).name)
     ulp = ulp_error(np.asarray(actual, dtype=np.float64), np.asarray(golden, dtype=np.float64), fmt)
     ulp = ulp[np.isfinite(ulp)]
     over = float(np.mean(ulp > std.ulp)) if std is not None and ulp.size else 0.0
     gg = np.abs(np.asarray(golden, dtype=np.float64).reshape(-1))
     small = float(np.mean(gg <= std.small_threshold)) if std is not None and gg.size else 0.0
+    f = get_format(fmt)
+    with np.errstate(all="ignore"):
+        sub = float(np.mean((gg > 0) & (gg < 2.0 ** f.emin))) if gg.size and f.name != "fp64" else 0.0
+        ovf = float(np.mean(gg > f.max)) if gg.size and np.isfinite(f.max) else 0.0
+    why_fmt = ""
+    if not ok_abs:
+        notes = [n for n in (f"{100 * sub:.3g}% of the golden in {f.name}'s subnormal range" if sub else "",
+                             f"{100 * ovf:.3g}% beyond {f.name}'s largest value" if ovf else "", explain) if n]
+        why_fmt = why_abs + (f" — {'; '.join(notes)}" if notes else "")
     return {"adapter": adapter, "dtype": dtype, "case": case.name, "shape": "x".join(map(str, case.shape)),
             "tensor": tensor, "format": fmt, "kind": kind, "verdict": "PASS" if ok else "FAIL", "why": why,
-            "score": score, "bound": bound,
+            "score": score, "bound": bound, "format_check": "ok" if ok_abs else "WARN", "format_why": why_fmt,
+            "format_score": score_abs, "format_bound": bound_abs, **extra,
             **{k: v for k, v in m.to_dict().items() if k not in ("worst_index",)},
-            "ulp_over_threshold": over, "small_value_share": small}
+            "ulp_over_threshold": over, "small_value_share": small, "subnormal_share": sub}
 
 
 def _channels(adapter: str, dtype: str, case: Case, y: np.ndarray, gy: np.ndarray, var: np.ndarray,
@@ -354,44 +418,42 @@ def _for_case(a: KernelAdapter, case: Case, rec: Recording | None) -> KernelAdap
     return a.bind(match[0].load())
 
 
-def _compare_adapter(a: KernelAdapter, ref: KernelAdapter, case: Case, inp: _Inputs, gold_t: Any,
-                     sc: dict[str, np.ndarray | None], standards: dict[str, Standard] | None, rule: str,
-                     budget: bool, top_channels: int, rows: list[dict[str, Any]], chans: list[dict[str, Any]],
-                     budgets: list[dict[str, Any]]) -> None:
-    """Every output of one adapter on one case against the golden."""
+def _outputs(a: KernelAdapter, ref: KernelAdapter, inp: _Inputs, gold_t: Any, sc: dict[str, np.ndarray | None],
+             ) -> tuple[list[tuple[str, Any, Any, str, np.ndarray | None]], dict[str, Any]]:
+    """Run ``a`` on one case in every mode the case asks for: (tensor, actual, golden, format, scale) per
+    output, and what the rows need besides (the forward's y and saved statistics, stored-statistics shares)."""
     fmt, pf, eps, common = inp.fmt, inp.pf, inp.eps, inp.common
     out_fmt = a.capabilities().output or fmt
     xs, g, b, rms, rvs = inp.x, inp.gamma, inp.beta, inp.running_mean, inp.running_var
+    outs: list[tuple[str, Any, Any, str, np.ndarray | None]] = []
+    info: dict[str, Any] = {}
 
-    def row(t: str, act: Any, gol: Any, f: str, scale: np.ndarray | None = None) -> None:
+    def put(t: str, act: Any, gol: Any, f: str, scale: np.ndarray | None = None) -> None:
         # judge an output by the format the adapter returned it in (fp16 parameters, say), falling
         # back to ``f`` for float64 arrays (the reference, or formats carried in float64)
         dt = np.asarray(act).dtype
-        if dt != np.float64:
-            f = get_format(dt).name
-        rows.append(_row(a.name, fmt, case, t, act, gol, f, standards, rule, scale))
+        outs.append((t, act, gol, get_format(dt).name if dt != np.float64 else f, scale))
 
     saved: Saved | None = None
     if "train" in inp.modes:
         out = a.forward_train(xs, g, b, rms, rvs, momentum=inp.momentum, **common)
         saved = out.saved
-        row("y", out.y, gold_t.y, out_fmt)
+        put("y", out.y, gold_t.y, out_fmt)
+        info["y"] = out.y
         if out.saved is not None:
             kind = out.saved.kind
             sf = get_format(np.asarray(out.saved.value).dtype).name
             gval = gold_t.saved.var(eps) if kind == "var" else gold_t.saved.invstd(eps)
-            row("saved_mean", out.saved.mean, gold_t.saved.mean, sf, sc["mean"])
-            row(f"saved_{kind}", out.saved.value, gval, sf)
-            chans.extend(_channels(a.name, fmt, case, out.y, gold_t.y, out.saved.var(eps), gold_t.saved.var(eps),
-                                   gold_t.saved.mean.astype(np.float64), eps, top_channels))
+            put("saved_mean", out.saved.mean, gold_t.saved.mean, sf, sc["mean"])
+            put(f"saved_{kind}", out.saved.value, gval, sf)
+            info["saved"] = out.saved
         if out.running_mean is not None and gold_t.running_mean is not None:
             mom = 0.0 if inp.momentum is None else inp.momentum
-            row("running_mean", out.running_mean, gold_t.running_mean, pf,
-                np.maximum(np.abs(rms), mom * sc["mean"]))
-            row("running_var", out.running_var, gold_t.running_var, pf)
+            put("running_mean", out.running_mean, gold_t.running_mean, pf, np.maximum(np.abs(rms), mom * sc["mean"]))
+            put("running_var", out.running_var, gold_t.running_var, pf)
     if "infer" in inp.modes:
         out_i = a.forward_infer(xs, g, b, rms, rvs, **common)
-        row("y_infer", out_i.y, ref.forward_infer(xs, g, b, rms, rvs, **common).y, out_fmt)
+        put("y_infer", out_i.y, ref.forward_infer(xs, g, b, rms, rvs, **common).y, out_fmt)
     if "backward" in inp.modes and inp.dy is not None:
         if inp.training:
             if saved is None and "train" not in inp.modes:
@@ -407,11 +469,86 @@ def _compare_adapter(a: KernelAdapter, ref: KernelAdapter, case: Case, inp: _Inp
                                       ("dgamma", got.dgamma, gold_b.dgamma, pf, sc["dgamma"]),
                                       ("dbeta", got.dbeta, gold_b.dbeta, pf, sc["dbeta"])):
             if t not in missing:
-                row(t, act, gol, f, scale)
-    if budget and isinstance(a, PolicyAdapter) and a.name != "reference" and gold_t is not None and g is not None \
-            and b is not None:
-        for r in error_budget(a, xs, g, b, dtype=fmt, eps=eps, params=inp.params):
+                put(t, act, gol, f, scale)
+        if inp.training and saved is not None and "dx" not in missing and a is not ref:
+            info["stored_share"] = _stored_share(ref, inp, saved, got.dx, gold_b.dx)
+    return outs, info
+
+
+def _stored_share(ref: KernelAdapter, inp: _Inputs, saved: Saved, dx: np.ndarray, gold_dx: np.ndarray) -> float:
+    """The share of dx's error (RMSE against the golden) that the kernel's stored statistics explain: the
+    golden backward recomputed from the statistics exactly as stored removes that share."""
+    stored = Saved(np.asarray(saved.mean, dtype=np.float64), saved.kind, np.asarray(saved.value, dtype=np.float64))
+    gold2 = ref.backward(inp.dy, inp.x, inp.gamma, stored, training=True, **inp.common).dx
+    with np.errstate(all="ignore"):
+        d = np.asarray(dx, dtype=np.float64)
+        e0 = float(np.sqrt(np.nanmean((d - gold_dx) ** 2)))
+        e1 = float(np.sqrt(np.nanmean((d - gold2) ** 2)))
+    return max(0.0, 1.0 - e1 / e0) if e0 > 0 else 0.0
+
+
+def _explain(inp: _Inputs, gold_t: Any) -> str:
+    """What makes the data hard for a format: mean²/var (cancellation), var/eps (eps dominance), R."""
+    lay = layout_of(inp.x)
+    parts = [f"R = {lay.reduce_size}"]
+    if gold_t is not None and gold_t.saved is not None:
+        m = np.asarray(gold_t.saved.mean, dtype=np.float64)
+        v = gold_t.saved.var(inp.eps)
+        with np.errstate(all="ignore"):
+            r = m * m / np.where(v > 0, v, np.nan)
+            m2v = float(np.max(r[np.isfinite(r)])) if np.isfinite(r).any() else float("inf")
+            ve = float(np.min(v / inp.eps)) if v.size else float("nan")
+        parts = [f"max mean²/var {m2v:.3g}", f"min var/eps {ve:.3g}", *parts]
+    if inp.pf not in ("fp32", "fp64"):
+        parts.append(f"statistics and parameters in {inp.pf}")
+    return ", ".join(parts)
+
+
+def _compare_adapter(a: KernelAdapter, ref: KernelAdapter, case: Case, inp: _Inputs, gold_t: Any,
+                     sc: dict[str, np.ndarray | None], standards: dict[str, Standard] | None, rule: str,
+                     budget: bool, top_channels: int, rows: list[dict[str, Any]], chans: list[dict[str, Any]],
+                     budgets: list[dict[str, Any]], bench: tuple[str, dict[str, Any], Any, Any] | None = None) -> None:
+    """Every output of one adapter on one case against the golden (and the bench's outputs)."""
+    fmt, eps = inp.fmt, inp.eps
+    bench_name, bench_out, bench_run, bench_pol = bench if bench is not None else ("", {}, None, None)
+    if bench_run is not None and bench_pol is not None and _policy(a, inp) == bench_pol:
+        outs, info = bench_run  # the same kernel as the bench: its outputs, not a second run
+    else:
+        outs, info = _outputs(a, ref, inp, gold_t, sc)
+    explain = _explain(inp, gold_t)
+    for t, act, gol, f, scale in outs:
+        r = _row(a.name, fmt, case, t, act, gol, f, standards, rule, scale, bench_out.get(t), bench_name, explain)
+        if t == "dx" and "stored_share" in info:
+            r["stored_stats_share"] = info["stored_share"]
+        rows.append(r)
+    if "saved" in info:
+        chans.extend(_channels(a.name, fmt, case, info["y"], gold_t.y, info["saved"].var(eps),
+                               gold_t.saved.var(eps), gold_t.saved.mean.astype(np.float64), eps, top_channels))
+    if budget and isinstance(a, PolicyAdapter) and a.name != "reference" and gold_t is not None and \
+            inp.gamma is not None and inp.beta is not None:
+        for r in error_budget(a, inp.x, inp.gamma, inp.beta, dtype=fmt, eps=eps, params=inp.params):
             budgets.append({"case": case.name, **r})
+
+
+def _policy(a: KernelAdapter, inp: _Inputs) -> Any:
+    """The policy an emulated adapter runs this case with (its name aside), or None for other kernels."""
+    if not isinstance(a, PolicyAdapter) or a.name == "reference":
+        return None
+    return replace(a.policy_for(inp.x, dtype=inp.fmt, params=inp.params), name="")
+
+
+def _bench(bench: KernelAdapter, ref: KernelAdapter, inp: _Inputs, gold_t: Any,
+           sc: dict[str, np.ndarray | None]) -> tuple[str, dict[str, Any], Any, Any]:
+    """The bench on one case: its name, its outputs by tensor name (saved statistics under both names), the
+    run itself and its policy (an adapter running the same policy reuses the run)."""
+    run = _outputs(bench, ref, inp, gold_t, sc)
+    outs, info = run
+    got = {t: _BenchOutput(act) for t, act, *_ in outs}
+    if "saved" in info:
+        s = info["saved"]
+        for kind, value in (("invstd", s.invstd(inp.eps)), ("var", s.var(inp.eps))):
+            got.setdefault(f"saved_{kind}", _BenchOutput(value))
+    return bench.name, got, run, _policy(bench, inp)
 
 
 def compare_precision(
@@ -425,7 +562,8 @@ def compare_precision(
     params: str | None = None,
     seed: int = 0,
     standards: dict[str, Standard] | None = None,
-    rule: str = "scaled",
+    rule: str = "benchmark",
+    bench: str | KernelAdapter = "careful",
     budget: bool = True,
     top_channels: int = 5,
     progress: Callable[[int, int], None] | None = None,
@@ -442,8 +580,8 @@ def compare_precision(
 
     if mode not in MODES:
         raise BNProbeError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
-    if rule not in STANDARD_RULES:
-        raise BNProbeError(f"unknown standard rule {rule!r}; valid: {', '.join(STANDARD_RULES)}")
+    if rule not in RULES:
+        raise BNProbeError(f"unknown rule {rule!r}; valid: {', '.join(RULES)}")
     adapters = adapters or ["emulated"]
     resolved = [get_adapter(a) if isinstance(a, str) else a for a in adapters]
     dumps = [a for a in resolved if isinstance(a, DumpAdapter)]
@@ -462,6 +600,15 @@ def compare_precision(
             raise BNProbeError(f"adapter {a.name} does not run {', '.join(missing)} "
                                f"(it runs {', '.join(a.capabilities().formats)})")
     ref = get_adapter("reference")
+    bench_a = (get_adapter(bench) if isinstance(bench, str) else bench) if rule == "benchmark" else None
+    if bench_a is not None:
+        if isinstance(bench_a, DumpAdapter):
+            raise BNProbeError("the bench must be a kernel bnprobe can run on every input (a dump replays only its "
+                               "own)")
+        need = list(dict.fromkeys((fmts if any(c.call is None for c in cases) else []) + recorded_fmts))
+        missing = [f for f in need if f not in bench_a.capabilities().formats]
+        if missing:
+            raise BNProbeError(f"bench {bench_a.name} does not run {', '.join(missing)}")
     modes = ("train", "infer", "backward") if mode == "all" else (mode,)
     rows: list[dict[str, Any]] = []
     chans: list[dict[str, Any]] = []
@@ -470,7 +617,8 @@ def compare_precision(
     done = 0
     t0 = time.monotonic()
     # traces are not needed here: keep counters only, not every intermediate (restored afterwards)
-    kept = [(a, a.keep_arrays) for a in (ref, *resolved) if isinstance(a, PolicyAdapter)]
+    runs = (ref, *resolved, *([bench_a] if bench_a else []))
+    kept = [(a, a.keep_arrays) for a in runs if isinstance(a, PolicyAdapter)]
     for a, _ in kept:
         a.keep_arrays = False
     try:
@@ -491,9 +639,10 @@ def compare_precision(
                     gold_t = ref.forward_train(inp.x, inp.gamma, inp.beta, inp.running_mean, inp.running_var,
                                                momentum=inp.momentum, **inp.common)
                 sc = _scales(inp, gold_t)
+                bench_out = _bench(bench_a, ref, inp, gold_t, sc) if bench_a else None
                 for a in resolved:
                     _compare_adapter(_for_case(a, case, inp.rec), ref, case, inp, gold_t, sc, standards, rule, budget,
-                                     top_channels, rows, chans, budgets)
+                                     top_channels, rows, chans, budgets, bench_out)
                     done += 1
                     if progress:
                         progress(done, total)
@@ -507,7 +656,7 @@ def compare_precision(
                       for c in cases],
             "recorded": any(c.call is not None for c in cases),
             "seconds": round(time.monotonic() - t0, 3), "standards": "msprobe" if standards is None else "custom",
-            "rule": rule}
+            "rule": rule, "bench": bench_a.name if bench_a is not None else None}
     if dumps:
         meta["dump"] = {"source": dumps[0].calls.source, "kind": dumps[0].calls.kind,
                         "notes": list(dumps[0].calls.notes)}
@@ -544,7 +693,7 @@ def per_call(result: CompareResult) -> list[dict[str, Any]]:
 
 
 def first_failing_call(result: CompareResult) -> dict[str, Any] | None:
-    """The first call (in forward order) with an output over the standard, or None."""
+    """The first call (in forward order) with a failing output, or None."""
     return next((r for r in per_call(result) if r["failed"]), None)
 
 
@@ -558,8 +707,12 @@ def summarize(result: CompareResult) -> list[dict[str, Any]]:
     for (adapter, dtype), sub in rows.groupby(["adapter", "dtype"], sort=False):
         ratio = sub["score"] / sub["bound"]
         worst = sub.loc[ratio.idxmax()]
+        warn = sub[sub["format_check"] == "WARN"]
+        fworst = (warn["format_score"] / warn["format_bound"]).idxmax() if len(warn) else None
         item = {"adapter": adapter, "dtype": dtype, "checked": int(len(sub)),
                 "failed": int((sub["verdict"] == "FAIL").sum()),
+                "format_warnings": int(len(warn)),
+                "format_worst": "" if fworst is None else f"{sub.loc[fworst, 'tensor']} on {sub.loc[fworst, 'case']}",
                 "worst": f"{worst['tensor']} on {worst['case']}", "worst_ratio": float(ratio.max()),
                 "worst_why": worst["why"], "budget_top": "", "budget_share": float("nan")}
         if len(budget):
@@ -579,27 +732,27 @@ def markdown_summary(result: CompareResult) -> str:
     from bnprobe._table import markdown_table
 
     s = summarize(result)
-    verdict_text = "all within standard" if result.passed else "some outputs exceed the standard"
-    lines = [f"# bnprobe compare-precision: {verdict_text}",
-             "", f"Adapters {', '.join(result.meta['adapters'])}; formats {', '.join(result.meta['dtypes'])}; "
-             f"{len(result.meta['cases'])} inputs; mode {result.meta['mode']}; rule {result.meta['rule']} "
-             f"(msprobe standards); {result.meta['seconds']} s.", "", "## Per format", "",
-             markdown_table(pd.DataFrame(s)) if s else "(nothing compared)", ""]
+    lines = [f"# {report_title(result)}", "", report_intro(result) + f" {result.meta['seconds']} s.", "",
+             "## Per format", "", markdown_table(pd.DataFrame(s)) if s else "(nothing compared)", ""]
     if result.meta.get("recorded"):
         first = first_failing_call(result)
         lines += ["## Recorded calls, in forward order", "",
                   "Each call is judged on its own recorded inputs, so the error shown is the kernel's own, not the "
                   "error its input carried from upstream layers.", "",
-                  "First call over the standard: " + (f"#{first['order']} {first['call']} ({first['failing']}, "
+                  "First call that fails: " + (f"#{first['order']} {first['call']} ({first['failing']}, "
                                                       f"{first['adapter']})" if first else "none") + ".", "",
                   markdown_table(pd.DataFrame(per_call(result))), ""]
         for n in result.meta.get("dump", {}).get("notes", []):
             lines += [f"Note: {n}", ""]
     fails = result.rows[result.rows["verdict"] == "FAIL"] if len(result.rows) else result.rows
     if len(fails):
-        lines += ["## Outputs over the standard", "",
+        lines += ["## Outputs that fail", "",
                   markdown_table(fails[["adapter", "dtype", "case", "tensor", "why", "max_abs", "max_rel",
                                         "cosine"]]), ""]
+    warns = result.rows[result.rows["format_check"] == "WARN"] if len(result.rows) else result.rows
+    if len(warns):
+        lines += ["## Format warnings: error over msprobe's absolute standard (the format, not the kernel)", "",
+                  markdown_table(warns[["adapter", "dtype", "case", "tensor", "format_why"]]), ""]
     if len(result.channels):
         worst = result.channels.sort_values("y_max_abs_err", ascending=False).head(15)
         lines += ["## Worst channels (y)", "",
@@ -613,6 +766,20 @@ def markdown_summary(result: CompareResult) -> str:
 
 
 REPORT_FORMATS = ("csv", "json", "md", "html")
+
+
+def report_title(result: CompareResult) -> str:
+    return "bnprobe compare-precision: " + ("every output passes" if result.passed else "some outputs fail")
+
+
+def report_intro(result: CompareResult) -> str:
+    m = result.meta
+    judged = (f"msprobe's benchmark method against the bench '{m['bench']}' (a kernel in the same formats), both "
+              "against the FP64 golden" if m["rule"] == "benchmark" else f"msprobe's absolute rule '{m['rule']}'")
+    return (f"Adapters {', '.join(m['adapters'])}; formats {', '.join(m['dtypes'])}; {len(m['cases'])} inputs; "
+            f"mode {m['mode']}; every output against the FP64 golden on the same rounded inputs, judged by "
+            f"{judged}; format warnings by msprobe's absolute standard (rule 'scaled', beyond the format's own "
+            "rounding).")
 
 
 def write_report(result: CompareResult, out: Any, formats: tuple[str, ...] = REPORT_FORMATS) -> list[Any]:
@@ -642,29 +809,29 @@ def write_report(result: CompareResult, out: Any, formats: tuple[str, ...] = REP
         sections: list[tuple[str, Any]] = [("Per format", pd.DataFrame(summarize(result)))]
         if result.meta.get("recorded"):
             first = first_failing_call(result)
-            sections.append(("Recorded calls in forward order (first over the standard: "
+            sections.append(("Recorded calls in forward order (first that fails: "
                              + (f"#{first['order']} {first['call']}" if first else "none") + ")",
                              pd.DataFrame(per_call(result))))
         fails = result.rows[result.rows["verdict"] == "FAIL"] if len(result.rows) else result.rows
         if len(fails):
-            sections.append(("Outputs over the standard", fails[["adapter", "dtype", "case", "tensor", "why",
-                                                                  "max_abs", "max_rel", "cosine", "ulp_max"]]))
+            sections.append(("Outputs that fail", fails[["adapter", "dtype", "case", "tensor", "why",
+                                                         "max_abs", "max_rel", "cosine", "ulp_max"]]))
+        warns = result.rows[result.rows["format_check"] == "WARN"] if len(result.rows) else result.rows
+        if len(warns):
+            sections.append(("Format warnings: error over msprobe's absolute standard (the format, not the kernel)",
+                             warns[["adapter", "dtype", "case", "tensor", "format_why"]]))
         if len(result.channels):
             sections.append(("Worst channels of y (mean²/var: cancellation risk; var/eps: eps dominance)",
                              result.channels.sort_values("y_max_abs_err", ascending=False).head(20)))
         if len(result.budget):
             piv = result.budget.groupby(["adapter", "dtype", "stage"])["error_removed"].mean().reset_index()
             sections.append(("Error budget: share of y's RMSE removed when one stage is exact", piv))
-        sections.append(("Every output", result.rows[["adapter", "dtype", "case", "tensor", "verdict", "why", "cosine",
-                                                       "max_abs", "max_rel", "mean_rel", "rmse", "ratio_1e3",
-                                                       "ratio_5e3", "error_balance", "ulp_max"]]))
+        sections.append(("Every output", result.rows[["adapter", "dtype", "case", "tensor", "verdict", "why",
+                                                       "format_check", "cosine", "max_abs", "max_rel", "mean_rel",
+                                                       "rmse", "ratio_1e3", "ratio_5e3", "error_balance",
+                                                       "ulp_max"]]))
         fig = plot_compare(result.rows) if len(result.rows) else None
-        title = "bnprobe compare-precision: " + ("all within standard" if result.passed else
-                                                 "some outputs exceed the standard")
-        intro = (f"Adapters {', '.join(result.meta['adapters'])}; formats {', '.join(result.meta['dtypes'])}; "
-                 f"{len(result.meta['cases'])} inputs; every output against the FP64 golden on the same rounded "
-                 f"inputs; msprobe's standards, rule '{result.meta['rule']}'.")
-        files["report.html"] = html_report(title, intro, sections, fig)
+        files["report.html"] = html_report(report_title(result), report_intro(result), sections, fig)
     paths = [out / name for name in files]
     check_targets(paths, force=False)
     for p, text in zip(paths, files.values()):

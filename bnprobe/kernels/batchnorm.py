@@ -392,7 +392,10 @@ def _train_block(run: _Run, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.
         mean, var = m.mean, m.var
         var_eps = run.rec("var_eps", acc, var + float(acc.round(eps)), negative=True)
         rstd, std = run.rstd(var_eps)
-        out["y"] = run.normalise(xs, mean, rstd, std, gp, bp)
+        if pol.stored_stats:  # y from the statistics as stored (params format), not as computed
+            out["y"] = run.normalise(xs, run.params.round(mean), run.params.round(rstd), None, gp, bp)
+        else:
+            out["y"] = run.normalise(xs, mean, rstd, std, gp, bp)
         if rm is not None and rv is not None:
             f = momentum if momentum is not None else 1.0 / nbt
             f_a, keep_a = acc.round(f), acc.round(1.0 - f)

@@ -77,6 +77,9 @@ class Policy:
     recip_newton: int = 2
     recip_bits: int = 12
     backward_formula: str = "standard"
+    # normalise with the batch statistics rounded to the params format, as the interface stores them
+    # (PyTorch's CPU kernel does this with same-format parameters: model.half(), model.bfloat16())
+    stored_stats: bool = False
     core_parts: int = 1  # cores sharing one channel's reduction (N split across cores)
     core_combine: str = "ordered"  # their partial sums added in core order, or by atomic adds (random order)
     unbiased_r1: str = "error"

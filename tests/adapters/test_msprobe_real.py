@@ -86,7 +86,7 @@ def test_compare_precision_runs_on_every_call_of_every_dump(msprobe_dumps, name,
                "--format", "json"])
     out = capsys.readouterr().out
     assert rc in (0, 1), out
-    assert f"{d['n_bn_calls']} recorded call(s)" in out and "first call over the standard:" in out
+    assert f"{d['n_bn_calls']} recorded call(s)" in out and "first call that fails:" in out
     for c in d["calls"]:
         assert c["api_name"] in out
 

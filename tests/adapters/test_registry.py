@@ -11,7 +11,7 @@ from bnprobe.errors import BNProbeError
 
 def test_list_has_every_builtin_with_availability():
     rows = {r["name"]: r for r in list_adapters()}
-    for name in ("reference", "emulated", "ascend-tbe", "ascend-bnv3", "ascend-950", "torch", "torch:cuda",
+    for name in ("reference", "emulated", "careful", "ascend-tbe", "ascend-bnv3", "ascend-950", "torch", "torch:cuda",
                  "torch_npu", "dump"):
         assert name in rows
         assert rows[name]["available"] or rows[name]["why"]
@@ -19,7 +19,7 @@ def test_list_has_every_builtin_with_availability():
 
 
 def test_unknown_name_lists_the_known_ones():
-    with pytest.raises(BNProbeError, match=r"unknown adapter 'nvidia'; known: reference, emulated, ascend-tbe"):
+    with pytest.raises(BNProbeError, match=r"unknown adapter 'nvidia'; known: reference, emulated, careful, ascend-tbe"):
         get_adapter("nvidia")
 
 
