@@ -198,20 +198,28 @@ def _benchmark(actual: Any, bench: Any, golden: Any, fmt: str) -> Any:
 class _BenchOutput:
     value: Any
     metrics: dict[str, Any] | None = None
+    format_check: tuple[bool, str, float, float] | None = None  # the absolute standard on the bench's output
 
 
 def _row(adapter: str, dtype: str, case: Case, tensor: str, actual: Any, golden: Any, fmt: str,
          standards: dict[str, Standard] | None, rule: str, scale: np.ndarray | None = None,
          bench: Any = None, bench_name: str = "", explain: str = "") -> dict[str, Any]:
     """One output's row: msprobe's metrics; the kernel verdict (by default msprobe's benchmark method against
-    the bench's output, else the absolute ``rule``); the format check (the absolute scaled rule), with what
-    explains a format that falls short."""
+    the bench's output, else the absolute ``rule`` on the kernel's output); the format check — is the format
+    adequate for this data: the bench's output (a careful kernel in the same formats) by the absolute scaled
+    rule, or the kernel's own output when there is no bench — with what explains a format that falls short."""
     kind = "elementwise" if tensor in ELEMENTWISE else "reduction"
     m = compare(actual, golden, fmt)
-    ok_abs, why_abs, score_abs, bound_abs = verdict(actual, golden, fmt, "scaled" if rule == "benchmark" else rule,
-                                                    standards, scale)
+    if rule != "benchmark":
+        ok_abs, why_abs, score_abs, bound_abs = verdict(actual, golden, fmt, rule, standards, scale)
+    if isinstance(bench, _BenchOutput):
+        if bench.format_check is None:
+            bench.format_check = verdict(bench.value, golden, fmt, "scaled", standards, scale)
+        f_ok, f_why, f_score, f_bound = bench.format_check
+    else:
+        f_ok, f_why, f_score, f_bound = verdict(actual, golden, fmt, "scaled", standards, scale)
     extra: dict[str, Any] = {}
-    if rule == "benchmark" and bench is not None:
+    if rule == "benchmark":
         b = _benchmark(actual, bench, golden, fmt)
         ok = b.result != "error"
         ratios = ", ".join(f"{k} {v:.3g}/{b.limits[k]:g}" for k, v in b.ratios.items() if k in b.limits)
@@ -232,14 +240,15 @@ def _row(adapter: str, dtype: str, case: Case, tensor: str, actual: Any, golden:
         sub = float(np.mean((gg > 0) & (gg < 2.0 ** f.emin))) if gg.size and f.name != "fp64" else 0.0
         ovf = float(np.mean(gg > f.max)) if gg.size and np.isfinite(f.max) else 0.0
     why_fmt = ""
-    if not ok_abs:
+    if not f_ok:
         notes = [n for n in (f"{100 * sub:.3g}% of the golden in {f.name}'s subnormal range" if sub else "",
                              f"{100 * ovf:.3g}% beyond {f.name}'s largest value" if ovf else "", explain) if n]
-        why_fmt = why_abs + (f" — {'; '.join(notes)}" if notes else "")
+        who = f"{bench_name} (the bench)" if isinstance(bench, _BenchOutput) else "this kernel"
+        why_fmt = f"{who}: {f_why}" + (f" — {'; '.join(notes)}" if notes else "")
     return {"adapter": adapter, "dtype": dtype, "case": case.name, "shape": "x".join(map(str, case.shape)),
             "tensor": tensor, "format": fmt, "kind": kind, "verdict": "PASS" if ok else "FAIL", "why": why,
-            "score": score, "bound": bound, "format_check": "ok" if ok_abs else "WARN", "format_why": why_fmt,
-            "format_score": score_abs, "format_bound": bound_abs, **extra,
+            "score": score, "bound": bound, "format_check": "ok" if f_ok else "WARN", "format_why": why_fmt,
+            "format_score": f_score, "format_bound": f_bound, **extra,
             **{k: v for k, v in m.to_dict().items() if k not in ("worst_index",)},
             "ulp_over_threshold": over, "small_value_share": small, "subnormal_share": sub}
 
@@ -563,7 +572,7 @@ def compare_precision(
     seed: int = 0,
     standards: dict[str, Standard] | None = None,
     rule: str = "benchmark",
-    bench: str | KernelAdapter = "careful",
+    bench: str | KernelAdapter | None = "careful",
     budget: bool = True,
     top_channels: int = 5,
     progress: Callable[[int, int], None] | None = None,
@@ -600,7 +609,9 @@ def compare_precision(
             raise BNProbeError(f"adapter {a.name} does not run {', '.join(missing)} "
                                f"(it runs {', '.join(a.capabilities().formats)})")
     ref = get_adapter("reference")
-    bench_a = (get_adapter(bench) if isinstance(bench, str) else bench) if rule == "benchmark" else None
+    bench_a = (get_adapter(bench) if isinstance(bench, str) else bench) if bench is not None else None
+    if bench_a is None and rule == "benchmark":
+        raise BNProbeError("the benchmark rule needs a bench (e.g. careful or torch)")
     if bench_a is not None:
         if isinstance(bench_a, DumpAdapter):
             raise BNProbeError("the bench must be a kernel bnprobe can run on every input (a dump replays only its "
