@@ -371,6 +371,12 @@ def record(adapter: KernelAdapter, *, x: np.ndarray, gamma: np.ndarray | None, b
     rec = Recording(adapter.name, fmt, pf, layout, eps, momentum, caps.saved, meta=dict(meta or {}))
 
     def put(mode: str, io: str, name: str, a: np.ndarray, f: str) -> None:
+        # an output is stored in the format the kernel returned it in (the reference returns float64)
+        dt = np.asarray(a).dtype
+        if io == "outputs" and dt != np.float64:
+            f = get_format(dt).name
+        elif io == "outputs":
+            f = "fp64"
         rec.tensors.setdefault(mode, {}).setdefault(io, {})[name] = np.asarray(a, dtype=np.float64)
         rec.formats[f"{mode}.{io}.{name}"] = f
 

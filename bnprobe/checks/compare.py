@@ -124,6 +124,22 @@ def beyond_rounding(actual: np.ndarray, golden: np.ndarray, fmt: str) -> np.ndar
         return np.maximum(np.abs(a - g) - 0.5 * get_format(fmt).ulp(g), 0.0)
 
 
+def nonfinite_mismatch(actual: np.ndarray, golden: np.ndarray, fmt: str) -> str:
+    """Where NaN/±inf in ``actual`` differ from the golden rounded to ``fmt`` (a golden beyond the format's
+    range rounds to ±inf), a sentence saying how many and where; "" when they agree."""
+    a = np.asarray(actual, dtype=np.float64).reshape(-1)
+    with np.errstate(all="ignore"):
+        gr = round_to(np.asarray(golden, dtype=np.float64).reshape(-1), get_format(fmt).name)
+    fa, fg = np.isfinite(a), np.isfinite(gr)
+    wrong = (fa != fg) | (~fa & ~((a == gr) | (np.isnan(a) & np.isnan(gr))))
+    if not wrong.any():
+        return ""
+    k = int(wrong.sum())
+    i = int(np.argmax(wrong))
+    return (f"NaN/inf where the golden rounded to the format has none (or the reverse): {k} / {a.size} elements, "
+            f"first at index {i} ({a[i]:.6g} vs {gr[i]:.6g})")
+
+
 def verdict(actual: np.ndarray, golden: np.ndarray, fmt: str, rule: str = "scaled",
             standards: dict[str, Standard] | None = None, scale: np.ndarray | None = None
             ) -> tuple[bool, str, float, float]:
@@ -142,11 +158,10 @@ def verdict(actual: np.ndarray, golden: np.ndarray, fmt: str, rule: str = "scale
         return True, "no standard for this format", 0.0, math.inf
     a = np.asarray(actual, dtype=np.float64).reshape(-1)
     g = np.asarray(golden, dtype=np.float64).reshape(-1)
-    with np.errstate(all="ignore"):
-        gr = round_to(g, f.name)  # where the format itself overflows, the correctly rounded result is ±inf
-    fa, fg = np.isfinite(a), np.isfinite(gr)
-    if np.any(fa != fg) or np.any(~fa & ~((a == gr) | (np.isnan(a) & np.isnan(gr)))):
-        return False, "NaN/inf where the golden rounded to the format has none (or the reverse)", math.inf, 0.0
+    bad = nonfinite_mismatch(a, g, f.name)
+    if bad:
+        return False, bad, math.inf, 0.0
+    fa = np.isfinite(a)
     sc = None if scale is None else \
         np.broadcast_to(np.asarray(scale, dtype=np.float64), np.shape(golden)).reshape(-1)[fa]
     a, g = a[fa], g[fa]
@@ -221,11 +236,13 @@ def _row(adapter: str, dtype: str, case: Case, tensor: str, actual: Any, golden:
     extra: dict[str, Any] = {}
     if rule == "benchmark":
         b = _benchmark(actual, bench, golden, fmt)
-        ok = b.result != "error"
+        # msprobe's metrics leave non-finite elements out: NaN/inf the golden has not is judged here
+        broken = nonfinite_mismatch(actual, golden, fmt)
+        ok = b.result != "error" and not broken
         ratios = ", ".join(f"{k} {v:.3g}/{b.limits[k]:g}" for k, v in b.ratios.items() if k in b.limits)
-        why = f"{'within' if ok else 'over'} msprobe's benchmark vs {bench_name} (ratio/limit: {ratios})" + \
-            (f"; {b.problem}" if b.problem else "")
-        score, bound = float(b.needed), 1.0
+        why = broken or (f"{'within' if ok else 'over'} msprobe's benchmark vs {bench_name} (ratio/limit: {ratios})"
+                         + (f"; {b.problem}" if b.problem else ""))
+        score, bound = (math.inf if broken else float(b.needed)), 1.0
         extra = {f"bench_{k}": v for k, v in b.ratios.items()}
     else:
         ok, why, score, bound = ok_abs, why_abs, score_abs, bound_abs
@@ -466,7 +483,7 @@ def _outputs(a: KernelAdapter, ref: KernelAdapter, inp: _Inputs, gold_t: Any, sc
     if "backward" in inp.modes and inp.dy is not None:
         if inp.training:
             if saved is None and "train" not in inp.modes:
-                saved = a.forward_train(xs, g, b, **common).saved
+                saved = a.forward_train(xs, g, b, rms, rvs, momentum=inp.momentum, **common).saved
             # a kernel that saves nothing (a recorded functional call) recomputes its statistics itself
             mine, gold_saved = saved if saved is not None else gold_t.saved, gold_t.saved
         else:

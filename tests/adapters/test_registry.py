@@ -19,7 +19,8 @@ def test_list_has_every_builtin_with_availability():
 
 
 def test_unknown_name_lists_the_known_ones():
-    with pytest.raises(BNProbeError, match=r"unknown adapter 'nvidia'; known: reference, emulated, careful, ascend-tbe"):
+    with pytest.raises(BNProbeError,
+                       match=r"unknown adapter 'nvidia'; known: reference, emulated, careful, ascend-tbe"):
         get_adapter("nvidia")
 
 
