@@ -42,37 +42,58 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 
 @app.command()
 def trace(
-    policy: str = typer.Option("fp16", help="Preset (fp64, fp32, fp16, bf16, fp16-acc16, bf16-acc16) "
-                                            "with optional overrides, e.g. 'fp16:variance=naive,order=lanes'."),
-    shape: str = typer.Option("8,16,14,14", help="Input shape N,C[,L|H,W|D,H,W] for generated input."),
-    seed: int = typer.Option(0, help="Seed of the generated input and parameters."),
-    mean: float = typer.Option(0.0, help="Mean of the generated input."),
-    std: float = typer.Option(1.0, help="Standard deviation of the generated input."),
-    dist: str = typer.Option("normal", help="Distribution: normal, uniform, student_t, constant."),
-    mode: str = typer.Option("train", help="train, infer or backward."),
-    eps: float = typer.Option(1e-5, help="BatchNorm epsilon (> 0)."),
-    momentum: float = typer.Option(0.1, help="Running-stat momentum (PyTorch convention)."),
-    layout: str = typer.Option("channels_first", help="channels_first or channels_last."),
-    input: Optional[Path] = typer.Option(None, "--input", help="Use this .npy/.npz tensor as x instead."),
+    policy: Optional[str] = typer.Option(None, help="Preset (fp64, fp32, fp16, bf16, fp16-acc16, bf16-acc16) with "
+                                                    "optional overrides, e.g. 'fp16:variance=naive,order=lanes' "
+                                                    "(default fp16; for a recorded call, its format's preset)."),
+    shape: Optional[str] = typer.Option(None, help="Input shape N,C[,L|H,W|D,H,W] for generated input "
+                                                   "(default 8,16,14,14)."),
+    seed: Optional[int] = typer.Option(None, help="Seed of the generated input and parameters (default 0)."),
+    mean: Optional[float] = typer.Option(None, help="Mean of the generated input (default 0)."),
+    std: Optional[float] = typer.Option(None, help="Standard deviation of the generated input (default 1)."),
+    dist: Optional[str] = typer.Option(None, help="Distribution: normal (default), uniform, student_t, constant."),
+    mode: Optional[str] = typer.Option(None, help="train (default; a recorded call's own), infer or backward."),
+    eps: Optional[float] = typer.Option(None, help="BatchNorm epsilon (> 0; default 1e-5)."),
+    momentum: Optional[float] = typer.Option(None, help="Running-stat momentum (PyTorch convention; default 0.1)."),
+    layout: Optional[str] = typer.Option(None, help="channels_first (default) or channels_last."),
+    input: Optional[Path] = typer.Option(None, "--input", help="Use this .npy/.npz tensor as x instead, or a dump "
+                                                               "DIR[#NAME] of one call (all its inputs and scalars)."),
+    calls: Optional[str] = typer.Option(None, "--calls", help="The recorded call to trace (glob), when --input is a "
+                                                              "dump of several."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
 ) -> None:
     """Run one BatchNorm layer and show every stage: range, error vs the FP64 golden, anomalies."""
     import numpy as np
 
-    from bnprobe.checks.stages import trace_run
+    from bnprobe.checks.recorded import given, is_dump_path, one_call, refuse
+    from bnprobe.checks.stages import trace_recorded, trace_run
     from bnprobe.inputs import make_params
-    from bnprobe.kernels.layout import layout_of
+    from bnprobe.kernels.layout import Layout, layout_of
 
-    x = _input_tensor(input, shape, dist, mean, std, seed)
-    source = str(input) if input is not None else f"{dist}(mean={mean:g}, std={std:g}), seed {seed}"
-    lay = layout_of(x, layout)
-    c = lay.channels
-    params = make_params(c, seed)
-    rng = np.random.default_rng([seed, 2])
-    dy = rng.standard_normal(x.shape) if mode == "backward" else None
-    cmp = trace_run(x, policy=policy, mode=mode, gamma=params["gamma"], beta=params["beta"],
-                    running_mean=np.full(c, mean), running_var=np.full(c, max(std, 0.0) ** 2),
-                    dy=dy, eps=eps, momentum=momentum, layout=layout)
+    if input is not None and is_dump_path(input):
+        call, rec = one_call(input, calls, "trace")
+        refuse(given(shape=shape, seed=seed, mean=mean, std=std, dist=dist, eps=eps, momentum=momentum),
+               str(input).partition("#")[0])
+        if layout is not None and layout != rec.layout:
+            raise BNProbeError(f"--layout {layout} contradicts the recording: {call.label} is {rec.layout}")
+        cmp = trace_recorded(rec, policy=policy, mode=mode, label=call.label)
+        source = f"recorded call {call.label} of {str(input).partition('#')[0]} (its γ, β, running statistics, dy)"
+        mode, eps_v, mom_v, lay = cmp.mode, rec.eps, rec.momentum, Layout(tuple(cmp.shape), rec.layout)
+    else:
+        if calls is not None:
+            raise BNProbeError("--calls selects recorded calls: give a dump as --input DIR")
+        mode, eps_v, mom_v = mode or "train", 1e-5 if eps is None else eps, 0.1 if momentum is None else momentum
+        m, s, sd, d = 0.0 if mean is None else mean, 1.0 if std is None else std, 0 if seed is None else seed, \
+            dist or "normal"
+        x = _input_tensor(input, shape or "8,16,14,14", d, m, s, sd)
+        source = str(input) if input is not None else f"{d}(mean={m:g}, std={s:g}), seed {sd}"
+        lay = layout_of(x, layout or "channels_first")
+        c = lay.channels
+        params = make_params(c, sd)
+        rng = np.random.default_rng([sd, 2])
+        dy = rng.standard_normal(x.shape) if mode == "backward" else None
+        cmp = trace_run(x, policy=policy or "fp16", mode=mode, gamma=params["gamma"], beta=params["beta"],
+                        running_mean=np.full(c, m), running_var=np.full(c, max(s, 0.0) ** 2),
+                        dy=dy, eps=eps_v, momentum=mom_v, layout=lay.layout)
     if as_json:
         out = cmp.to_dict()
         out["input"] = source
@@ -82,20 +103,21 @@ def trace(
 
     meta = cmp.meta
     typer.echo(f"policy   {cmp.policy.describe()}")
-    typer.echo(f"input    {source}, shape {tuple(x.shape)} ({lay.layout}), C = {c}, R = N*spatial = "
+    typer.echo(f"input    {source}, shape {tuple(lay.shape)} ({lay.layout}), C = {lay.channels}, R = N*spatial = "
                f"{lay.reduce_size}")
-    typer.echo(f"mode     {mode}; eps {eps:g} (as used: {meta.get('eps_effective', eps):.6g})"
-               + (f", momentum {momentum:g}" if mode == "train" else ""))
+    typer.echo(f"mode     {mode}; eps {eps_v:g} (as used: {meta.get('eps_effective', eps_v):.6g})"
+               + ((f", momentum {mom_v:g}" if mom_v is not None else ", momentum None (cumulative average)")
+                  if mode == "train" else ""))
     typer.echo("errors   against the FP64 golden (same algorithm, same rounded inputs); "
                "ulp = in the stage's own format")
     typer.echo("")
     rows = []
     for r in cmp.rows:
-        d = r.to_dict()
-        d["anomalies"] = " ".join(f"{k}={v}" for k, v in r.anomalies.items()) or ""
+        d_ = r.to_dict()
+        d_["anomalies"] = " ".join(f"{k}={v}" for k, v in r.anomalies.items()) or ""
         if r.mismatched_nonfinite:
-            d["anomalies"] = (d["anomalies"] + f" nonfinite-vs-golden={r.mismatched_nonfinite}").strip()
-        rows.append(d)
+            d_["anomalies"] = (d_["anomalies"] + f" nonfinite-vs-golden={r.mismatched_nonfinite}").strip()
+        rows.append(d_)
     typer.echo(render_table(rows, ["stage", "format", "kind", "min", "max", "max_abs_err", "max_rel_err",
                                    "max_ulp_err", "anomalies"],
                             headers=["stage", "format", "kind", "min", "max", "max abs err", "max rel err",
@@ -297,33 +319,86 @@ def _close(notes: list[str], written: list[Path] | None) -> None:
 
 @app.command("gradcheck")
 def gradcheck_cmd(
-    adapter: str = typer.Option("emulated", help="Adapter whose backward is checked."),
-    dtype: str = typer.Option("fp16", help="Format: fp16, bf16, fp32 or fp64."),
-    shape: str = typer.Option("4,3,5,5", help="Input shape N,C[,...]."),
-    mode: str = typer.Option("train", help="train or infer."),
-    seed: int = typer.Option(0, help="Seed of the generated inputs."),
+    adapter: str = typer.Option("emulated", help="Adapter whose backward is checked, or dump:DIR[#NAME] (every "
+                                                 "recorded call, each on its own inputs)."),
+    dtype: Optional[str] = typer.Option(None, help="Format: fp16 (default), bf16, fp32 or fp64; a recording's own."),
+    shape: Optional[str] = typer.Option(None, help="Input shape N,C[,...] of generated inputs (default 4,3,5,5)."),
+    mode: Optional[str] = typer.Option(None, help="train (default) or infer; a recording's own."),
+    seed: Optional[int] = typer.Option(None, help="Seed of the generated inputs (default 0)."),
     formula: Optional[str] = typer.Option(None, help="Check a backward formula instead: standard, seed, ascend "
                                                      "or module:function (f(dy, x, gamma, mean, var, eps) -> dx)."),
     rtol: Optional[float] = typer.Option(None, help="Relative tolerance (give with --atol)."),
     atol: Optional[float] = typer.Option(None, help="Absolute tolerance (give with --rtol)."),
-    eps: float = typer.Option(1e-5, help="BatchNorm epsilon."),
+    eps: Optional[float] = typer.Option(None, help="BatchNorm epsilon (default 1e-5; a recording's own)."),
+    input: Optional[Path] = typer.Option(None, "--input", help="A dump folder (bnprobe or msprobe): run the adapter "
+                                                               "on every recorded call's own inputs."),
+    calls: Optional[str] = typer.Option(None, "--calls", help="Recorded calls to check (glob on the call or module "
+                                                              "name), e.g. '*layer1*'."),
     out: Optional[Path] = typer.Option(None, help="Write CSV, JSON and Markdown to this folder."),
     force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
 ) -> int:
     """Numerical vs analytic gradients (FP64 finite differences), the adapter's backward vs the FP64
-    golden, the gradient identities, or a candidate backward formula. Exit 1 when a check fails."""
+    golden, the gradient identities, or a candidate backward formula; on a dump, every recorded call on
+    its own inputs. Exit 1 when a check fails."""
     from bnprobe._table import render_table
-    from bnprobe.checks.gradcheck import check_formula, gradcheck
+    from bnprobe.checks.gradcheck import check_formula, gradcheck, gradcheck_recorded
+    from bnprobe.checks.recorded import check_options, given, is_dump_path, recording_of
     from bnprobe.inputs import parse_shape
     from bnprobe.kernels.layout import check_eps
 
-    shp = parse_shape(shape)
-    check_eps(eps)
+    if eps is not None:
+        check_eps(eps)
+    if input is not None and not is_dump_path(input):
+        raise BNProbeError(f"--input {input}: gradcheck takes a dump folder (bnprobe or msprobe) as --input")
+    recorded = recording_of(adapter, input, calls)
+    if recorded is not None:
+        if formula is not None:
+            raise BNProbeError("--formula checks a formula on generated inputs: it contradicts the recording; drop "
+                               "one of them")
+        check_options(recorded, given=given(shape=shape, eps=eps, seed=seed), dtype=dtype)
+        run = gradcheck_recorded(recorded, mode=mode, rtol=rtol, atol=atol)
+        summary = []
+        failed = []
+        for i, res in enumerate(run.results):
+            bad = res.failed()
+            fd = [r for r in res.rows if r.check == "finite-differences"]
+            summary.append({"#": i, "call": res.call, "format": res.dtype, "mode": res.mode, "checks": len(res.rows),
+                            "failed": len(bad), "failing": ", ".join(dict.fromkeys(r.tensor for r in bad)),
+                            "fd": ("full" if any(r.detail.startswith("full") for r in fd) else "projections")
+                            if fd else "-", "used %": 100.0 * max((r.used for r in res.rows), default=0.0)})
+            failed += [{**r.to_dict(), "call": res.call, "used %": 100.0 * r.used} for r in bad]
+        table = render_table(summary, ["#", "call", "format", "mode", "checks", "failed", "failing", "fd", "used %"],
+                             headers=["#", "call (forward order)", "format", "mode", "checks", "failed", "failing",
+                                      "finite diff.", "worst tol used %"])
+        title = (f"gradcheck {run.kernel} on {len(run.results)} recorded call(s) of {run.source}: "
+                 f"{'PASS' if run else 'FAIL'}")
+        if out is not None:
+            md = f"# {title}\n\n```\n{table}\n```\n\n" + "\n".join(f"- {n}" for n in run.notes) + "\n"
+            stem = f"gradcheck-{run.kernel.replace(':', '_').replace('/', '_')}-recorded"
+            written = _write_reports(out, stem, run.to_frame(), run.to_dict(), md, force)
+        if as_json:
+            typer.echo(dumps_json(run.to_dict()))
+            return 0 if run else 1
+        typer.echo(title)
+        typer.echo(table)
+        if failed:
+            typer.echo("\nfailed checks:")
+            typer.echo(render_table(failed, ["call", "check", "tensor", "max_abs", "used %", "min_atol", "min_rtol",
+                                             "where"],
+                                    headers=["call", "check", "tensor", "max abs err", "tol used %", "needs atol",
+                                             "needs rtol", "worst at"]))
+        notes = list(run.notes) + [f"{r.call}: {n}" for r in run.results for n in r.notes
+                                   if not n.startswith("finite differences on")]
+        _close(notes, written if out is not None else None)
+        return 0 if run else 1
+    shp = parse_shape(shape or "4,3,5,5")
+    e = 1e-5 if eps is None else eps
+    s = 0 if seed is None else seed
     if formula is not None:
-        result = check_formula(formula, shp, seed=seed, eps=eps, rtol=rtol, atol=atol)
+        result = check_formula(formula, shp, seed=s, eps=e, rtol=rtol, atol=atol)
     else:
-        result = gradcheck(adapter, dtype, shp, mode=mode, seed=seed, eps=eps, rtol=rtol, atol=atol)
+        result = gradcheck(adapter, dtype or "fp16", shp, mode=mode or "train", seed=s, eps=e, rtol=rtol, atol=atol)
     rows = [{**r.to_dict(), "used %": 100.0 * r.used} for r in result.rows]
     cols = ["check", "tensor", "status", "max_abs", "max_rel", "used %", "min_rtol", "where"]
     heads = ["check", "tensor", "status", "max abs err", "max rel err", "tol used %", "needs rtol", "worst at"]
@@ -364,7 +439,11 @@ def compare_precision_cmd(
                                                                    "tails, near FP16 max, var near eps, ...)."),
     mode: str = typer.Option("all", help="train, infer, backward or all."),
     seed: int = typer.Option(0, help="Seed of generated inputs."),
-    rule: str = typer.Option("scaled", help="Verdict rule: scaled (default), accumulated or threshold (msprobe)."),
+    rule: str = typer.Option("benchmark", help="Kernel verdict: benchmark (msprobe's method: the kernel's error "
+                                               "against the bench's, both against the FP64 golden), or an absolute "
+                                               "rule: scaled, accumulated, threshold."),
+    bench: str = typer.Option("careful", help="The bench of the benchmark rule: a careful kernel in the same "
+                                              "formats (careful), or any runnable adapter, e.g. torch."),
     budget: bool = typer.Option(True, "--budget/--no-budget", help="Per-stage error budget (emulated kernels)."),
     eps: Optional[float] = typer.Option(None, help="BatchNorm epsilon (default 1e-5; a recording's own)."),
     params: Optional[str] = typer.Option(None, help="Parameter format: fp32 (mixed precision, the default) or same "
@@ -450,7 +529,7 @@ def compare_precision_cmd(
     bar = Progress("compare-precision")
     try:
         result = compare_precision(resolved, dts, cases, mode=mode, eps=eps, params=params, seed=seed, rule=rule,
-                                   budget=budget, progress=bar)
+                                   bench=bench, budget=budget, progress=bar)
     finally:
         bar.close()
     paths = write_report(result, folder, fmts) if fmts else []
@@ -460,19 +539,24 @@ def compare_precision_cmd(
         r["worst / bound"] = r["worst_ratio"]
     what = f"{len(cases)} recorded call(s) of {recorded.source}" if recorded is not None else f"{len(cases)} inputs"
     n_fail = int((result.rows["verdict"] == "FAIL").sum()) if len(result.rows) else 0
-    typer.echo(f"compare-precision: {what}, {len(result.rows)} outputs compared with the FP64 golden "
-               f"in {result.meta['seconds']} s: " + ("all within standard" if result.passed else
-                                                     f"{n_fail} over the standard"))
-    typer.echo(render_table(rows, ["adapter", "dtype", "checked", "failed", "worst", "worst / bound", "budget"],
+    n_warn = int((result.rows["format_check"] == "WARN").sum()) if len(result.rows) else 0
+    judged = (f"against the bench ({result.meta['bench']}) by msprobe's benchmark method"
+              if result.meta["rule"] == "benchmark" else f"by the absolute rule '{result.meta['rule']}'")
+    typer.echo(f"compare-precision: {what}, {len(result.rows)} outputs compared with the FP64 golden in "
+               f"{result.meta['seconds']} s, judged {judged}: "
+               + ("all pass" if result.passed else f"{n_fail} fail")
+               + f"; {n_warn} format warning(s) (error over msprobe's absolute standard; not a kernel fault)")
+    typer.echo(render_table(rows, ["adapter", "dtype", "checked", "failed", "worst", "worst / bound",
+                                   "format_warnings", "format_worst", "budget"],
                             headers=["adapter", "format", "outputs", "failed", "worst output", "worst/bound",
-                                     "error-budget cause (share)"]))
+                                     "format warnings", "worst format warning", "error-budget cause (share)"]))
     if recorded is not None:
         typer.echo("")
         typer.echo(render_table(per_call(result), ["order", "call", "adapter", "dtype", "outputs", "failed", "failing"],
                                 headers=["#", "call (forward order)", "adapter", "format", "outputs", "failed",
-                                         "over the standard"]))
+                                         "failing outputs"]))
         first = first_failing_call(result)
-        typer.echo("first call over the standard: " + (f"#{first['order']} {first['call']} ({first['failing']}, "
+        typer.echo("first call that fails: " + (f"#{first['order']} {first['call']} ({first['failing']}, "
                                                        f"{first['adapter']})" if first else "none"))
         for n in recorded.notes:
             typer.echo(f"note: {n}")
@@ -483,31 +567,85 @@ def compare_precision_cmd(
 
 @app.command("overflow")
 def overflow_cmd(
-    adapter: str = typer.Option("emulated", help="Adapter to scan (a traced one shows every stage)."),
-    dtype: str = typer.Option("fp16", help="Format: fp16, bf16, fp32."),
+    adapter: str = typer.Option("emulated", help="Adapter to scan (a traced one shows every stage), or "
+                                                 "dump:DIR[#NAME] (every recorded call's outputs vs the golden)."),
+    dtype: Optional[str] = typer.Option(None, help="Format: fp16 (default), bf16, fp32; a recording's own."),
     accumulate: Optional[str] = typer.Option(None, help="Accumulator/compute format for emulated kernels, e.g. "
                                                         "fp16 for a naive port."),
-    input: Optional[Path] = typer.Option(None, "--input", help="Input tensor .npy/.npz."),
-    shape: str = typer.Option("8,16,14,14", help="Shape of generated input."),
-    dist: str = typer.Option("normal", help="normal, uniform, student_t, constant."),
-    mean: float = typer.Option(0.0, help="Mean of the generated input."),
-    std: float = typer.Option(1.0, help="Standard deviation of the generated input."),
-    seed: int = typer.Option(0, help="Seed."),
-    mode: str = typer.Option("train", help="train, infer or backward."),
-    eps: float = typer.Option(1e-5, help="BatchNorm epsilon."),
+    input: Optional[Path] = typer.Option(None, "--input", help="Input tensor .npy/.npz, or a dump folder (the adapter "
+                                                               "on every recorded call's own inputs)."),
+    calls: Optional[str] = typer.Option(None, "--calls", help="Recorded calls to scan (glob on the call or module "
+                                                              "name)."),
+    shape: Optional[str] = typer.Option(None, help="Shape of generated input (default 8,16,14,14)."),
+    dist: Optional[str] = typer.Option(None, help="normal (default), uniform, student_t, constant."),
+    mean: Optional[float] = typer.Option(None, help="Mean of the generated input (default 0)."),
+    std: Optional[float] = typer.Option(None, help="Standard deviation of the generated input (default 1)."),
+    seed: Optional[int] = typer.Option(None, help="Seed (default 0)."),
+    mode: Optional[str] = typer.Option(None, help="train (default), infer or backward; on a recording: every mode "
+                                                  "each call recorded unless given."),
+    eps: Optional[float] = typer.Option(None, help="BatchNorm epsilon (default 1e-5; a recording's own)."),
     out: Optional[Path] = typer.Option(None, help="Write CSV, JSON and Markdown to this folder."),
     force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> int:
     """Where, in which channel and why a BatchNorm goes non-finite or silently wrong; headroom predicted
-    from the input; remedies verified. Exit 0 when clean, 1 when anomalies are found."""
+    from the input; remedies verified; on a dump, every recorded call's outputs against the golden (an
+    msprobe statistics dump: its summaries). Exit 0 when clean, 1 when anomalies are found."""
     from bnprobe._table import render_table
-    from bnprobe.checks.overflow import scan
+    from bnprobe.checks.overflow import scan, scan_recorded
+    from bnprobe.checks.recorded import check_options, given, recording_of
     from bnprobe.kernels.layout import check_eps
 
-    check_eps(eps)
-    x = _input_tensor(input, shape, dist, mean, std, seed)
-    rep = scan(adapter, x, dtype=dtype, accumulate=accumulate, mode=mode, eps=eps, seed=seed)
+    if eps is not None:
+        check_eps(eps)
+    if mode not in (None, "train", "infer", "backward"):
+        raise BNProbeError(f"unknown mode {mode!r}; valid: train, infer, backward")
+    recorded = recording_of(adapter, input, calls)
+    if recorded is not None:
+        check_options(recorded, given=given(shape=shape, dist=dist, mean=mean, std=std, seed=seed, eps=eps,
+                                            accumulate=accumulate), dtype=dtype, mode=mode)
+        run = scan_recorded(recorded, mode=mode)
+        frame = run.to_frame()
+        summary = []
+        for i, rep in enumerate(run.results):
+            tight = min(rep.headroom, key=lambda h: h.headroom_binades, default=None)
+            summary.append({"#": i, "call": rep.call, "format": rep.dtype, "mode": rep.mode,
+                            "findings": len(rep.findings),
+                            "anomalies": ", ".join(dict.fromkeys(f"{f.anomaly}@{f.stage}" for f in rep.findings)),
+                            "headroom": f"{tight.headroom_binades:.1f} ({tight.stage})" if tight else ""})
+        table = render_table(summary, ["#", "call", "format", "mode", "findings", "anomalies", "headroom"],
+                             headers=["#", "call (forward order)", "format", "mode", "findings", "anomaly@output",
+                                      "least headroom, binades (stage)"])
+        ftable = render_table(frame.to_dict(orient="records"), ["call", "anomaly", "stage", "format", "channels",
+                                                               "count", "first_element", "detail"],
+                              headers=["call", "anomaly", "output", "format", "channels", "count", "first element",
+                                       "detail"]) if len(frame) else "no anomalies"
+        title = (f"overflow scan of {run.kernel} on {len(run.results)} recorded call(s) of {run.source}: "
+                 + ("clean" if run else f"{sum(len(r.findings) for r in run.results)} finding(s)"))
+        if out is not None:
+            md = f"# {title}\n\n```\n{table}\n```\n\n## Findings\n\n```\n{ftable}\n```\n\n" + \
+                 "\n".join(f"- {n}" for n in run.notes) + "\n"
+            written = _write_reports(out, f"overflow-{run.kernel.replace(':', '_').replace('/', '_')}-recorded", frame,
+                                     run.to_dict(), md, force)
+        if as_json:
+            typer.echo(dumps_json(run.to_dict()))
+            return 0 if run else 1
+        typer.echo(title)
+        typer.echo(table)
+        if len(frame):
+            typer.echo("")
+            typer.echo(ftable)
+        notes = list(run.notes) + [f"{r.call}: {n}" for r in run.results for n in r.notes
+                                   if not n.startswith(("headroom of the sums is predicted", "policy:"))]
+        heads = [n for r in run.results for n in r.notes if n.startswith("headroom of the sums is predicted")]
+        _close(notes + heads[:1], written if out is not None else None)
+        return 0 if run else 1
+    check_eps(1e-5 if eps is None else eps)
+    s = 0 if seed is None else seed
+    x = _input_tensor(input, shape or "8,16,14,14", dist or "normal", 0.0 if mean is None else mean,
+                      1.0 if std is None else std, s)
+    rep = scan(adapter, x, dtype=dtype or "fp16", accumulate=accumulate, mode=mode or "train",
+               eps=1e-5 if eps is None else eps, seed=s)
     frame = rep.to_frame()
     head = [{**h.__dict__} for h in rep.headroom]
     table = render_table(frame.to_dict(orient="records"), ["anomaly", "stage", "format", "channels", "count",
@@ -607,22 +745,67 @@ def fold_cmd(
 
 @app.command("doctor")
 def doctor_cmd(
-    adapter: str = typer.Option("reference", help="Adapter to diagnose."),
-    dtype: Optional[str] = typer.Option(None, help="Format (default: fp64 if the adapter runs it, else its first)."),
-    seed: int = typer.Option(0, help="Seed of the diagnostic inputs."),
-    stability: bool = typer.Option(True, "--stability/--no-stability", help="Include the stress-input checks."),
+    adapter: str = typer.Option("reference", help="Adapter to diagnose, or dump:DIR[#NAME] (every recorded call on "
+                                                  "its own inputs)."),
+    dtype: Optional[str] = typer.Option(None, help="Format (default: fp64 if the adapter runs it, else its first; a "
+                                                   "recording's own)."),
+    seed: Optional[int] = typer.Option(None, help="Seed of the diagnostic inputs (default 0)."),
+    stability: Optional[bool] = typer.Option(None, "--stability/--no-stability",
+                                             help="Include the stress-input checks (default on; not on a recording)."),
+    input: Optional[Path] = typer.Option(None, "--input", help="A dump folder (bnprobe or msprobe): diagnose the "
+                                                               "adapter on every recorded call's own inputs."),
+    calls: Optional[str] = typer.Option(None, "--calls", help="Recorded calls to diagnose (glob on the call or module "
+                                                              "name)."),
     out: Optional[Path] = typer.Option(None, help="Write CSV, JSON and Markdown to this folder."),
     force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> int:
     """The expert's checklist for a BatchNorm kernel: PASS/WARN/FAIL with evidence, and the known bug
-    each failure matches. Exit 0 when healthy, 1 when something failed."""
+    each failure matches; on a dump, every recorded call's outputs on its own inputs. Exit 0 when
+    healthy, 1 when something failed."""
     import pandas as pd
 
     from bnprobe._table import render_table
-    from bnprobe.checks.doctor import doctor
+    from bnprobe.checks.doctor import doctor, doctor_recorded
+    from bnprobe.checks.recorded import check_options, given, is_dump_path, recording_of
 
-    rep = doctor(adapter, dtype, seed=seed, stability=stability)
+    if input is not None and not is_dump_path(input):
+        raise BNProbeError(f"--input {input}: doctor takes a dump folder (bnprobe or msprobe) as --input")
+    recorded = recording_of(adapter, input, calls)
+    if recorded is not None:
+        check_options(recorded, given=given(seed=seed, stability=True if stability else None), dtype=dtype)
+        run = doctor_recorded(recorded, dtype=dtype)
+        summary, items = [], []
+        for i, rep in enumerate(run.results):
+            bad = [it for it in rep.items if it.status != "PASS"]
+            summary.append({"#": i, "call": rep.call, "format": rep.dtype,
+                             "status": "healthy" if rep.healthy else "FAIL", "items": len(rep.items),
+                             "failed": sum(it.status == "FAIL" for it in rep.items),
+                             "diagnosis": "; ".join(rep.diagnosis)})
+            items += [{"call": rep.call, **it.to_dict()} for it in bad]
+        table = render_table(summary, ["#", "call", "format", "status", "items", "failed", "diagnosis"],
+                             headers=["#", "call (forward order)", "format", "status", "items", "failed",
+                                      "diagnosis"])
+        title = (f"doctor {run.kernel} on {len(run.results)} recorded call(s) of {run.source}: "
+                 + ("healthy" if run else "something failed"))
+        if out is not None:
+            rows = [{"call": rep.call, **it.to_dict()} for rep in run.results for it in rep.items]
+            md = f"# {title}\n\n```\n{table}\n```\n\n" + "\n".join(f"- {n}" for n in run.notes) + "\n"
+            written = _write_reports(out, f"doctor-{run.kernel.replace(':', '_').replace('/', '_')}-recorded",
+                                     pd.DataFrame(rows), run.to_dict(), md, force)
+        if as_json:
+            typer.echo(dumps_json(run.to_dict()))
+            return 0 if run else 1
+        typer.echo(title)
+        typer.echo(table)
+        if items:
+            typer.echo("")
+            typer.echo(render_table(items, ["call", "status", "name", "evidence"],
+                                    headers=["call", "status", "check", "evidence"]))
+        notes = list(run.notes) + [f"{rep.call}: {n}" for rep in run.results for n in rep.notes]
+        _close(notes, written if out is not None else None)
+        return 0 if run else 1
+    rep = doctor(adapter, dtype, seed=0 if seed is None else seed, stability=True if stability is None else stability)
     rows = [i.to_dict() for i in rep.items]
     table = render_table(rows, ["status", "name", "evidence"], headers=["status", "check", "evidence"])
     if out is not None:
@@ -643,17 +826,21 @@ def doctor_cmd(
 
 @app.command("shrink")
 def shrink_cmd(
-    adapter: str = typer.Option(..., "--adapter", help="Adapter whose comparison with the FP64 reference fails."),
-    dtype: str = typer.Option("fp16", help="Format."),
-    mode: str = typer.Option("train", help="train, infer or backward."),
+    adapter: str = typer.Option(..., "--adapter", help="Adapter whose comparison with the FP64 reference fails (a "
+                                                       "runnable one: a dump cannot be rerun on smaller inputs)."),
+    dtype: Optional[str] = typer.Option(None, help="Format (default fp16; a recording's own)."),
+    mode: Optional[str] = typer.Option(None, help="train (default), infer or backward."),
     predicate: str = typer.Option("compare", help="compare (vs the reference), overflow, or module:function "
                                                   "(f(x) -> True when the case fails)."),
-    input: Optional[Path] = typer.Option(None, "--input", help="The failing input .npy/.npz."),
-    shape: str = typer.Option("16,64,28,28", help="Shape of generated input."),
-    dist: str = typer.Option("normal", help="normal, uniform, student_t, constant."),
-    mean: float = typer.Option(0.0, help="Mean of the generated input."),
-    std: float = typer.Option(1.0, help="Standard deviation of the generated input."),
-    seed: int = typer.Option(0, help="Seed."),
+    input: Optional[Path] = typer.Option(None, "--input", help="The failing input .npy/.npz, or a dump folder "
+                                                               "DIR[#NAME] of one call (its x, γ, β, eps, ...)."),
+    calls: Optional[str] = typer.Option(None, "--calls", help="The recorded call to shrink (glob), when --input is "
+                                                              "a dump of several."),
+    shape: Optional[str] = typer.Option(None, help="Shape of generated input (default 16,64,28,28)."),
+    dist: Optional[str] = typer.Option(None, help="normal (default), uniform, student_t, constant."),
+    mean: Optional[float] = typer.Option(None, help="Mean of the generated input (default 0)."),
+    std: Optional[float] = typer.Option(None, help="Standard deviation of the generated input (default 1)."),
+    seed: Optional[int] = typer.Option(None, help="Seed (default 0)."),
     seconds: float = typer.Option(120.0, help="Time budget."),
     out: Optional[Path] = typer.Option(None, help="Folder for x.npy, the dump and shrink.json "
                                                   "(default reports/shrink-<time>)."),
@@ -661,16 +848,45 @@ def shrink_cmd(
     """Reduce a failing case (channels, batch, spatial size, then values) to a minimal one that still
     fails; write it as a dump plus the exact command that replays it."""
     from bnprobe._progress import Progress
-    from bnprobe.checks.shrink import compare_predicate, load_predicate, overflow_predicate, shrink, write_shrink
+    from bnprobe.checks.recorded import check_options, given, recording_of
+    from bnprobe.checks.shrink import (
+        RecordedParams,
+        compare_predicate,
+        load_predicate,
+        overflow_predicate,
+        runnable,
+        shrink,
+        write_shrink,
+    )
     import numpy as np
 
     from bnprobe.reports import new_report_dir
 
-    if mode not in ("train", "infer", "backward"):
+    if mode not in (None, "train", "infer", "backward"):
         raise BNProbeError(f"unknown mode {mode!r}; valid: train, infer, backward")
-    x = _input_tensor(input, shape, dist, mean, std, seed)
-    fails = (compare_predicate(adapter, dtype=dtype, mode=mode) if predicate == "compare" else
-             overflow_predicate(adapter, dtype=dtype, mode=mode) if predicate == "overflow" else
+    a = runnable(adapter)
+    recorded = recording_of(a, input, calls)
+    params = None
+    if recorded is not None:
+        recorded.calls.require_tensors("shrink")
+        found = recorded.calls.calls
+        if len(found) != 1:
+            shown = ", ".join(c.label for c in found[:4]) + (", ..." if len(found) > 4 else "")
+            raise BNProbeError(f"{recorded.calls.source} holds {len(found)} BatchNorm calls ({shown}); shrink takes "
+                               "one: select it with DIR#NAME or --calls")
+        check_options(recorded, given=given(shape=shape, dist=dist, mean=mean, std=std, seed=seed), dtype=dtype,
+                      mode=mode)
+        rec = found[0].load()
+        ci = rec.call_inputs()
+        x = ci["x"] if rec.layout == "channels_first" or ci["x"].ndim <= 2 else np.moveaxis(ci["x"], -1, 1)
+        params = RecordedParams.of(rec, found[0].label)
+        dtype, mode = rec.dtype, mode or ("train" if rec.training else "infer")
+    else:
+        x = _input_tensor(input, shape or "16,64,28,28", dist or "normal", 0.0 if mean is None else mean,
+                          1.0 if std is None else std, 0 if seed is None else seed)
+        dtype, mode = dtype or "fp16", mode or "train"
+    fails = (compare_predicate(a, dtype=dtype, mode=mode, recorded=params) if predicate == "compare" else
+             overflow_predicate(a, dtype=dtype, mode=mode, recorded=params) if predicate == "overflow" else
              load_predicate(predicate))
     bar = Progress("shrink")
     steps = [0]
@@ -684,10 +900,14 @@ def shrink_cmd(
     finally:
         bar.close()
     folder = out if out is not None else new_report_dir("reports", "shrink")
-    files, cmd = write_shrink(res, folder, adapter=adapter, dtype=dtype, mode=mode, predicate=predicate)
+    files, cmd = write_shrink(res, folder, adapter=adapter, dtype=dtype, mode=mode, predicate=predicate,
+                              recorded=params)
     typer.echo(f"shrunk {tuple(res.original_shape)} ({int(np.prod(res.original_shape))} values) to "
                f"{tuple(res.x.shape)} ({res.x.size} values) in {res.evaluations} checks, {res.seconds:.1f} s"
                + (" (time budget reached)" if res.timed_out else ""))
+    if params is not None:
+        typer.echo(f"input: recorded call {params.source} (its γ, β, running statistics, eps {params.eps:g}, "
+                   f"momentum, {dtype}); channels kept: {res.channels.tolist() if res.channels is not None else 'all'}")
     typer.echo(f"x = {np.array2string(res.x.reshape(-1), precision=6, threshold=20)}")
     typer.echo("wrote " + ", ".join(str(f) for f in files))
     typer.echo(f"replay: {cmd}")

@@ -5,6 +5,12 @@ eps, R = 32 so that R/(R-1) is visible, momentum 0.1 so that 1-m is visible).  E
 outputs — the training y, the saved statistics, the running statistics, the inference y, the
 gradients — is compared with an FP64 model of BatchNorm and with the same model carrying one known
 bug.  A bug is diagnosed when the adapter matches that bug's model and not the correct one.
+
+On a recording (:func:`doctor_recorded`) the inputs are the recorded ones and cannot be changed: each
+call's recorded outputs are judged against the FP64 golden on its own inputs, at the tolerance of the
+format each was returned in, and matched against the bug models on those same inputs; the items that
+need reruns on other data are listed as skipped, and bugs that the call's data cannot tell apart from
+correct BatchNorm are named.
 """
 
 from __future__ import annotations
@@ -16,14 +22,16 @@ from typing import Any
 import numpy as np
 
 from bnprobe.adapters import KernelAdapter, get_adapter
+from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.adapters.emulated import PolicyAdapter
-from bnprobe.checks.gradcheck import _axes, _col
+from bnprobe.checks.gradcheck import _axes, _channels_first, _col
+from bnprobe.checks.recorded import CallRun, PerCall, Recorded, check_options, runs
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.numerics.rounding import round_to
 from bnprobe.tolerances import grad_tolerance
 
-__all__ = ["BUGS", "Item", "DoctorReport", "doctor", "model"]
+__all__ = ["BUGS", "Item", "DoctorReport", "doctor", "doctor_recorded", "model", "SKIPPED_ON_RECORDINGS"]
 
 # Each known bug, with the outputs it changes
 BUGS: dict[str, tuple[str, ...]] = {
@@ -42,8 +50,9 @@ BUGS: dict[str, tuple[str, ...]] = {
 
 
 def model(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, rm: np.ndarray, rv: np.ndarray, dy: np.ndarray,
-          momentum: float, eps: float, bug: str | None = None) -> dict[str, np.ndarray]:
-    """BatchNorm in FP64 (NC... layout), correct or with one bug from BUGS."""
+          momentum: float, eps: float, bug: str | None = None, *, training: bool = True) -> dict[str, np.ndarray]:
+    """BatchNorm in FP64 (NC... layout), correct or with one bug from BUGS; ``training=False``: the backward
+    is that of inference (normalised with the running statistics)."""
     if bug is not None and bug not in BUGS:
         raise BNProbeError(f"unknown bug model {bug!r}")
     ax = _axes(x)
@@ -79,6 +88,12 @@ def model(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, rm: np.ndarray, rv
     factor = gamma / (v_t + eps) if bug == "dx factor without the square root (the seed's formula)" else gamma * rstd
     z = x if bug == "dx uses x instead of x-hat" else xhat
     dx = _col(factor, n) * (dy - dy.mean(axis=ax, keepdims=True) - z * (dy * z).mean(axis=ax, keepdims=True))
+    if not training:  # y = γ·(x - rm)·rstd(rv) + β: the statistics are constants
+        rs = rstd_of(rv)
+        dgamma = (dy * (x - _col(rm, n))).sum(axis=ax) if bug == "dgamma missing the rstd factor" else \
+            (dy * (x - _col(rm, n)) * _col(rs, n)).sum(axis=ax)
+        factor = gamma / (rv + eps) if bug == "dx factor without the square root (the seed's formula)" else gamma * rs
+        dx = _col(factor, n) * dy
     return {"y_train": y, "saved_mean": m_t, "saved_invstd": rstd, "running_mean": new_rm, "running_var": new_rv,
             "y_infer": y_inf, "dx": dx, "dgamma": dgamma, "dbeta": dbeta}
 
@@ -108,13 +123,19 @@ class DoctorReport:
     diagnosis: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
+    call: str | None = None  # the recorded call diagnosed (its label), None for the diagnostic inputs
+
     @property
     def healthy(self) -> bool:
         return all(i.status != "FAIL" for i in self.items)
 
+    def __bool__(self) -> bool:
+        return self.healthy
+
     def to_dict(self) -> dict[str, Any]:
-        return {"adapter": self.adapter, "dtype": self.dtype, "healthy": self.healthy, "diagnosis": self.diagnosis,
-                "items": [i.to_dict() for i in self.items], "notes": self.notes}
+        return {**({} if self.call is None else {"call": self.call}), "adapter": self.adapter, "dtype": self.dtype,
+                "healthy": self.healthy, "diagnosis": self.diagnosis, "items": [i.to_dict() for i in self.items],
+                "notes": self.notes}
 
 
 def _rel_dist(a: dict[str, np.ndarray], b: dict[str, np.ndarray], keys: tuple[str, ...]) -> float:
@@ -146,8 +167,14 @@ def _inputs(seed: int) -> dict[str, Any]:
 
 def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None, *, seed: int = 0,
            stability: bool = True) -> DoctorReport:
-    """Run the checklist on ``adapter`` in ``dtype`` (default: fp64 when it runs it, else fp32)."""
+    """Run the checklist on ``adapter`` in ``dtype`` (default: fp64 when it runs it, else fp32).  A dump
+    adapter of one call is diagnosed on its recorded inputs (:func:`doctor_recorded` does every call)."""
     a = get_adapter(adapter) if isinstance(adapter, str) else adapter
+    if isinstance(a, DumpAdapter):
+        if len(a.calls.calls) != 1:
+            raise BNProbeError(f"{a.name} holds {len(a.calls.calls)} BatchNorm calls: doctor_recorded diagnoses each "
+                               "(or select one with dump:DIR#NAME)")
+        return doctor_recorded(Recorded(a, a.calls), dtype=dtype).results[0]
     caps = a.capabilities()
     fmt = get_format(dtype).name if dtype else ("fp64" if "fp64" in caps.formats else caps.formats[0])
     if fmt not in caps.formats:
@@ -224,7 +251,8 @@ def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None,
         items.append(Item("determinism", "PASS", "the same inputs twice give the same bits"))
     else:
         with np.errstate(all="ignore"):
-            diff = float(np.nanmax(np.abs(np.asarray(again.y, dtype=np.float64) - np.asarray(out_t.y, dtype=np.float64))))
+            diff = float(np.nanmax(np.abs(np.asarray(again.y, dtype=np.float64)
+                                          - np.asarray(out_t.y, dtype=np.float64))))
         items.append(Item("determinism", "WARN", f"two runs on the same inputs differ by up to {diff:.3g} "
                                                  "(non-deterministic reduction order)"))
     if stability and fmt != "fp64":
@@ -250,8 +278,142 @@ def _stability(a: KernelAdapter, fmt: str) -> Item:
         findings = [f"{f.anomaly} at {f.stage}" for f in rep.findings]
     if not len(fails) and not findings:
         return Item("low-precision stability (stress inputs)", "PASS",
-                    "compare-precision within standard on normal, mean/std = 100 and heavy-tailed inputs; overflow scan clean")
+                    "compare-precision within standard on normal, mean/std = 100 and heavy-tailed inputs; "
+                    "overflow scan clean")
     what = [f"{row.tensor} on {row.case}" for row in fails.itertuples()][:4]
     return Item("low-precision stability (stress inputs)", "WARN",
                 "; ".join(filter(None, [("over the standard: " + ", ".join(what)) if what else "",
                                         ("overflow scan: " + ", ".join(findings)) if findings else ""])))
+
+
+# ---- recorded calls ---------------------------------------------------------------------------------
+
+SKIPPED_ON_RECORDINGS = (
+    "momentum=None is a cumulative average (needs a rerun with momentum=None)",
+    "determinism (needs a second run on the same inputs)",
+    "low-precision stability on stress inputs (needs runs on other data)",
+    "bug models on the designed diagnostic input (variance near eps, R = 32): only the recorded inputs are used",
+)
+OUTPUT_GROUP = {"y_train": "y_train", "saved_mean": "saved", "saved_invstd": "saved", "running_mean": "running",
+                "running_var": "running", "y_infer": "y_infer", "dx": "backward", "dgamma": "backward",
+                "dbeta": "backward"}
+# the outputs whose natural scale (what they are formed from) bounds the error of a correct kernel
+# where the value itself cancels toward zero
+NATURAL = ("saved_mean", "running_mean", "dx", "dgamma", "dbeta")
+
+
+def doctor_recorded(recorded: Recorded, *, dtype: str | None = None) -> PerCall:
+    """The checklist on every selected call of a recording, in forward order, one at a time, on its own
+    recorded inputs and scalars: each output the call returned (for a dump: the recorded one) against the
+    FP64 golden, at the tolerance of the format it was returned in, and against the bug models on the same
+    inputs.  One :class:`DoctorReport` per call; the items a recording cannot run are in the notes."""
+    recorded.calls.require_tensors("doctor")
+    check_options(recorded, dtype=dtype)
+    reports = [_doctor_call(recorded, run) for _, _, run in runs(recorded)]
+    notes = [f"skipped on a recording: {s}" for s in SKIPPED_ON_RECORDINGS
+             if not (s.startswith("determinism") and not recorded.replay)]
+    return PerCall("doctor", recorded.kernel.name, recorded.calls.source, recorded.calls.kind, reports,
+                   notes + list(recorded.calls.notes))
+
+
+def _distance(got: Any, want: Any, natural: float) -> float:
+    """max |got - want| over max(max |want|, natural): NaN/inf in the same places count as equal."""
+    a, b = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        d = np.where((a == b) | (np.isnan(a) & np.isnan(b)), 0.0, np.abs(a - b))
+        worst = float(np.max(np.where(np.isnan(d), np.inf, d))) if d.size else 0.0
+        fb = np.abs(b[np.isfinite(b)])
+        scale = max(float(fb.max()) if fb.size else 0.0, natural if math.isfinite(natural) else 0.0, 1e-300)
+    return worst / scale
+
+
+def _doctor_call(recorded: Recorded, run: CallRun) -> DoctorReport:
+    rec, ci, fmt, eps = run.rec, run.inputs, run.fmt, run.eps
+    layout = rec.layout
+    cf = lambda a: None if a is None else np.asarray(_channels_first(np.asarray(a, dtype=np.float64), layout))  # noqa: E731
+    x = cf(ci["x"])
+    c = x.shape[1]
+    g = np.ones(c) if ci["gamma"] is None else np.asarray(ci["gamma"], dtype=np.float64)
+    b = np.zeros(c) if ci["beta"] is None else np.asarray(ci["beta"], dtype=np.float64)
+    have_running = ci["running_mean"] is not None and ci["running_var"] is not None
+    rm = np.asarray(ci["running_mean"], dtype=np.float64) if have_running else np.zeros(c)
+    rv = np.asarray(ci["running_var"], dtype=np.float64) if have_running else np.ones(c)
+    dy = cf(rec.tensors.get("backward", {}).get("inputs", {}).get("dy"))
+    mom = rec.momentum
+    got = {k: cf(v) if k in ("y_train", "y_infer", "dx") else np.asarray(v, dtype=np.float64)
+           for k, v in run.got.items()}
+    gold = {k: cf(v) if k in ("y_train", "y_infer", "dx") else v for k, v in run.gold.items()}
+    natural = {k: float(np.nanmax(v)) if np.size(v) else 0.0 for k, v in run.scales.items() if k in NATURAL}
+    tol = {k: max(4 * grad_tolerance(run.formats[k])[0], 1e-9) for k in got}
+    training = rec.training
+    items: list[Item] = []
+    diagnosis: list[str] = []
+    notes = list(run.notes)
+    if "running_mean" in got and mom is None:
+        notes.append("momentum None (cumulative average): the running statistics' update is not checked")
+        got.pop("running_mean"), got.pop("running_var")
+    keys_of = {group: tuple(k for k in keys if k in got) for group, keys in GROUPS.items()}
+
+    def ratio(vals: dict[str, np.ndarray], keys: tuple[str, ...], against: dict[str, np.ndarray]) -> float:
+        return max(_distance(against[k], vals[k], natural.get(k, 0.0)) / tol[k] for k in keys)
+
+    # per bug model and checked group: (the kernel's outputs against the model, whether the model is within
+    # tolerance of the golden — then this call's data cannot show the bug); one model in memory at a time
+    fit: dict[str, dict[str, tuple[float, bool]]] = {}
+    with np.errstate(all="ignore"):
+        args = (x, g, b, rm, rv, np.zeros_like(x) if dy is None else dy, 0.1 if mom is None else mom, eps)
+        for bug, affected in BUGS.items():
+            todo = [gr for gr in affected if keys_of[gr]]
+            if not todo or (bug == "training uses running statistics" and not have_running):
+                continue
+            m = model(*args, bug, training=training)
+            fit[bug] = {gr: (ratio(m, keys_of[gr], got), ratio(m, keys_of[gr], gold) <= 1) for gr in todo}
+            del m
+
+    def check(name: str, group: str, what: str) -> None:
+        keys = keys_of[group]
+        if not keys:
+            return
+        r0 = ratio(gold, keys, got)
+        bugs = [bug for bug in fit if group in fit[bug]]
+        fmts = ", ".join(dict.fromkeys(run.formats[k] for k in keys))
+        if r0 <= 1:
+            items.append(Item(name, "PASS", f"{what} match the FP64 golden on the recorded inputs (largest error "
+                                            f"{100 * r0:.3g}% of the {fmts} tolerance)"))
+            return
+        matches = tuple(bug for bug in bugs if fit[bug][group][0] <= 1)
+        diagnosis.extend(bg for bg in matches if bg not in diagnosis)
+        items.append(Item(name, "FAIL", f"{what} differ from the FP64 golden on the recorded inputs by {r0:.3g}x "
+                                        f"the {fmts} tolerance"
+                          + (f"; they match the model of: {'; '.join(matches)}" if matches else
+                             "; no known bug model matches"), matches))
+
+    check("training forward: batch statistics, epsilon inside the square root", "y_train", "training outputs y")
+    check("saved statistics: mean and 1/sqrt(biased variance + eps)", "saved", "saved mean and 1/sqrt(var+eps)")
+    check("running statistics: PyTorch momentum convention, unbiased running_var", "running",
+          "updated running_mean / running_var")
+    check("train/eval switch: inference normalises with the running statistics", "y_infer", "inference outputs y")
+    check("backward: dx, dgamma, dbeta", "backward", "gradients")
+    if training and "train" in rec.tensors and "running_mean" not in run.got:
+        notes.append("the updated running statistics are not in the recording: their momentum and unbiased "
+                     "variance are not checked")
+    if "backward" not in rec.tensors:
+        notes.append("no backward recorded: the gradients are not checked")
+    stat_fmt = get_format(recorded.kernel.policy_for(x, dtype=fmt).accumulate) \
+        if isinstance(recorded.kernel, PolicyAdapter) else get_format("fp64" if fmt == "fp64" else "fp32")
+    items.append(Item("epsilon is resolvable in the statistics' format", "WARN" if eps < stat_fmt.eps / 2 else "PASS",
+                      f"eps {eps:g} is below half the {stat_fmt.name} spacing at 1 ({stat_fmt.eps / 2:.3g}): var + eps "
+                      "== var for var >= 1, so eps only acts on small variances" if eps < stat_fmt.eps / 2 else
+                      f"eps {eps:g} vs {stat_fmt.name} spacing at 1 {stat_fmt.eps:.3g}"))
+    if not recorded.replay and "train" in rec.tensors:
+        ins = rec.tensors["train"]["inputs"]
+        again = [recorded.kernel.forward_train(ins["x"], ins.get("gamma"), ins.get("beta"), dtype=fmt, eps=eps,
+                                               layout=layout, params=ci["params"]).y for _ in range(2)]
+        same = np.array_equal(np.asarray(again[0]), np.asarray(again[1]), equal_nan=True)
+        items.append(Item("determinism", "PASS" if same else "WARN", "the recorded inputs twice give the same bits"
+                          if same else "two runs on the recorded inputs differ (non-deterministic reduction order)"))
+    unseen = [bug for bug, groups in fit.items() if all(hidden for _, hidden in groups.values())]
+    if unseen:
+        notes.append("on this call's data these bugs look like correct BatchNorm (within tolerance) and cannot be "
+                     "seen: " + "; ".join(unseen))
+    return DoctorReport(run.kernel, fmt, items, diagnosis, notes, run.label)

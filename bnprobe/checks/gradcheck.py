@@ -4,6 +4,12 @@ the identities BatchNorm's gradients obey, and candidate backward formulas.
 Numerical gradients are central differences in FP64 (torch.autograd.gradcheck's eps, atol, rtol):
 the full Jacobian of y with respect to (x, gamma, beta) for small tensors, random projections
 v^T J u plus sampled Jacobian entries for large ones.  Comparisons use |a - n| <= atol + rtol·|n|.
+
+On a recording (:func:`gradcheck_recorded`) every call is checked on its own recorded inputs: the
+finite differences run on the golden at those inputs (its first channels: channels are independent),
+the kernel's backward (the recorded one, for a dump) is compared with the golden's on the same inputs,
+with atol relative to each gradient's natural scale (recorded data is not of unit scale), and the
+identities are checked on the kernel's gradients.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import numpy as np
 
 from bnprobe._loading import load_callable
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
+from bnprobe.adapters.dump import DumpAdapter
+from bnprobe.checks.recorded import CallRun, PerCall, Recorded, check_options, runs
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.kernels.layout import layout_of
@@ -24,9 +32,12 @@ from bnprobe.metrics import compare, min_atol, min_rtol
 from bnprobe.numerics.rounding import round_to
 from bnprobe.tolerances import FINITE_DIFFERENCE, check_rtol_atol, grad_tolerance
 
-__all__ = ["GradRow", "GradcheckResult", "gradcheck", "check_formula", "FORMULAS", "FULL_JACOBIAN_MAX"]
+__all__ = ["GradRow", "GradcheckResult", "gradcheck", "gradcheck_recorded", "check_formula", "FORMULAS",
+           "FULL_JACOBIAN_MAX", "FD_CHANNELS"]
 
 FULL_JACOBIAN_MAX = 250_000  # entries M*P up to which the full Jacobian is formed
+FD_CHANNELS = 8  # finite differences at a recorded call's inputs look at its first channels (they are independent)
+FD_RECORDED_FULL_MAX = 20_000  # a recording may hold many calls: projections beyond this many Jacobian entries
 FD_PROJECTIONS = 12
 FD_SAMPLED_ROWS = 8
 FD_SAMPLED_COLS = 24
@@ -68,6 +79,7 @@ class GradcheckResult:
     seed: int
     rows: list[GradRow]
     notes: list[str] = field(default_factory=list)
+    call: str | None = None  # the recorded call checked (its label), None for generated inputs
 
     def __bool__(self) -> bool:
         return all(r.passed for r in self.rows)
@@ -78,32 +90,51 @@ class GradcheckResult:
     def to_frame(self):  # -> pandas.DataFrame
         import pandas as pd
 
-        return pd.DataFrame([{"adapter": self.adapter, "dtype": self.dtype, "mode": self.mode, **r.to_dict()}
+        call = {} if self.call is None else {"call": self.call}
+        return pd.DataFrame([{**call, "adapter": self.adapter, "dtype": self.dtype, "mode": self.mode, **r.to_dict()}
                              for r in self.rows])
 
     def to_dict(self) -> dict[str, Any]:
-        return {"adapter": self.adapter, "dtype": self.dtype, "mode": self.mode, "shape": list(self.shape),
-                "seed": self.seed, "passed": bool(self), "notes": self.notes,
-                "rows": [r.to_dict() for r in self.rows]}
+        return {**({} if self.call is None else {"call": self.call}), "adapter": self.adapter, "dtype": self.dtype,
+                "mode": self.mode, "shape": list(self.shape), "seed": self.seed, "passed": bool(self),
+                "notes": self.notes, "rows": [r.to_dict() for r in self.rows]}
 
 
 def _row(check: str, tensor: str, actual: np.ndarray, expected: np.ndarray, rtol: float, atol: float, *,
-         fmt: str = "fp64", where_of: Callable[[int], str] | None = None, detail: str = "") -> GradRow:
+         fmt: str = "fp64", where_of: Callable[[int], str] | None = None, detail: str = "",
+         scale: np.ndarray | None = None, equal_nan: bool = False) -> GradRow:
+    """|a - e| <= atol·scale + rtol·|e| elementwise (scale 1 when None); ``equal_nan``: NaN/inf where the
+    expected value has the same one counts as equal (an input-borne NaN is not the kernel's error)."""
     a = np.asarray(actual, dtype=np.float64).reshape(-1)
     e = np.asarray(expected, dtype=np.float64).reshape(-1)
+    s = np.ones_like(e) if scale is None else np.broadcast_to(np.asarray(scale, dtype=np.float64),
+                                                               np.shape(expected)).reshape(-1)
     with np.errstate(invalid="ignore"):
         d = np.abs(a - e)
+        if equal_nan:
+            d = np.where((a == e) | (np.isnan(a) & np.isnan(e)), 0.0, d)
         finite = np.isfinite(d)
-        ok = bool(finite.all() and np.all(d <= atol + rtol * np.abs(e)))
+        allowed = atol * s + rtol * np.abs(e)
+        ok = bool(finite.all() and np.all(d <= allowed))
         rel = d / np.where(e == 0, np.nan, np.abs(e))
-        used = d / (atol + rtol * np.abs(e))
-        used = np.where(d == 0, 0.0, used)
+        used = np.where(d == 0, 0.0, d / allowed)
     m = compare(a, e, fmt)
     worst = int(np.nanargmax(np.where(finite, used, np.inf))) if d.size else 0
+    if not finite.all():
+        need_atol = need_rtol = math.inf
+    elif scale is None:
+        need_atol, need_rtol = min_atol(a, e, rtol), min_rtol(a, e, atol)
+    else:  # atol as a multiple of the scale
+        with np.errstate(all="ignore"):
+            excess = d - rtol * np.abs(e)
+            per = np.where(excess <= 0, 0.0, np.where(s > 0, excess / np.where(s > 0, s, 1.0), np.inf))
+            over = d - atol * s
+            ge = np.abs(e)
+            per_r = np.where(over <= 0, 0.0, np.where(ge > 0, over / np.where(ge > 0, ge, 1.0), np.inf))
+        need_atol = float(per.max()) if per.size else 0.0
+        need_rtol = float(per_r.max()) if per_r.size else 0.0
     return GradRow(check, tensor, ok, float(np.nanmax(d)) if d.size else 0.0,
-                   float(np.nanmax(rel)) if np.isfinite(rel).any() else 0.0, rtol, atol,
-                   min_atol(a, e, rtol) if finite.all() else math.inf,
-                   min_rtol(a, e, atol) if finite.all() else math.inf,
+                   float(np.nanmax(rel)) if np.isfinite(rel).any() else 0.0, rtol, atol, need_atol, need_rtol,
                    float(np.nanmax(np.where(finite, used, np.inf))) if d.size else 0.0,
                    where_of(worst) if where_of else str(worst), detail, m.cosine, m.ratio_1e3, m.ratio_5e3, m.ulp_max)
 
@@ -143,7 +174,7 @@ def _where(shape: tuple[int, ...]) -> Callable[[int], str]:
 # ---- finite differences -------------------------------------------------------------------------
 
 def _fd_check(adapter: KernelAdapter, inp: Inputs, mode: str, eps: float, h: float, rtol: float, atol: float,
-              rng: np.random.Generator) -> tuple[list[GradRow], str]:
+              rng: np.random.Generator, full_max: int = FULL_JACOBIAN_MAX) -> tuple[list[GradRow], str]:
     x, g, b = inp.x, inp.gamma, inp.beta
     c = g.size
     shape = x.shape
@@ -171,7 +202,7 @@ def _fd_check(adapter: KernelAdapter, inp: Inputs, mode: str, eps: float, h: flo
 
     blocks = {"dx": slice(0, m), "dgamma": slice(m, m + c), "dbeta": slice(m + c, p)}
     rows = []
-    if m * p <= FULL_JACOBIAN_MAX:
+    if m * p <= full_max:
         num = np.empty((m, p))
         for i in range(p):
             e = np.zeros(p)
@@ -181,7 +212,7 @@ def _fd_check(adapter: KernelAdapter, inp: Inputs, mode: str, eps: float, h: flo
         for name, sl in blocks.items():
             cols = sl.stop - sl.start
 
-            def where(k: int, sl: slice = sl, cols: int = cols) -> str:
+            def where(k: int, sl: slice = sl, cols: int = cols, name: str = name) -> str:
                 j, i = divmod(k, cols)
                 return f"d y{tuple(int(v) for v in np.unravel_index(j, shape))} / d {name[1:]}[{i}]"
 
@@ -217,23 +248,32 @@ def _fd_check(adapter: KernelAdapter, inp: Inputs, mode: str, eps: float, h: flo
 
 # ---- identities -----------------------------------------------------------------------------------
 
-def _identities(dx: np.ndarray, dg: np.ndarray, db: np.ndarray, inp: Inputs, xs: np.ndarray, dys: np.ndarray,
-                g: np.ndarray, mean: np.ndarray, var: np.ndarray, eps: float, tol: float) -> list[GradRow]:
+def _identities(dx: np.ndarray, dg: np.ndarray | None, db: np.ndarray | None, inp: Inputs | None, xs: np.ndarray,
+                dys: np.ndarray, g: np.ndarray, mean: np.ndarray, var: np.ndarray, eps: float, tol: float,
+                dx_scale: np.ndarray | None = None, layout: str = "channels_first") -> list[GradRow]:
     """Per channel, relative to each identity's own scale:
-    Σ dx = 0;  Σ dx·x̂ = γ·rstd·Σ(dy·x̂)·(1 - mean(x̂²)) (= 0 only when eps = 0);  dβ = Σ dy;  dγ = Σ dy·x̂."""
-    lay = layout_of(xs)
+    Σ dx = 0;  Σ dx·x̂ = γ·rstd·Σ(dy·x̂)·(1 - mean(x̂²)) (= 0 only when eps = 0);  dβ = Σ dy;  dγ = Σ dy·x̂.
+    ``dx_scale`` (per channel, the magnitude dx is formed from) keeps the dx identities' scales from
+    vanishing where dx itself cancels (dy constant over a channel: dx is rounding noise around 0)."""
+    lay = layout_of(xs, layout)
     cr = lambda a: lay.to_cr(np.asarray(a, dtype=np.float64))  # noqa: E731
     dxc, dyc, xc = cr(dx), cr(dys), cr(xs)
     rstd = 1 / np.sqrt(var + eps)
     xhat = (xc - mean[:, None]) * rstd[:, None]
+    s_dx, s_dxx = np.abs(dxc).sum(axis=1), np.abs(dxc * xhat).sum(axis=1)
+    if dx_scale is not None:
+        s_dx = np.maximum(s_dx, dx_scale * xc.shape[1])
+        s_dxx = np.maximum(s_dxx, dx_scale * np.abs(xhat).sum(axis=1))
     checks = [
-        ("sum(dx) = 0", dxc.sum(axis=1), np.zeros(len(g)), np.abs(dxc).sum(axis=1)),
+        ("sum(dx) = 0", dxc.sum(axis=1), np.zeros(len(g)), s_dx),
         ("sum(dx*xhat) = g*rstd*sum(dy*xhat)*(1-mean(xhat^2))", (dxc * xhat).sum(axis=1),
-         g * rstd * (dyc * xhat).sum(axis=1) * (1 - (xhat**2).mean(axis=1)), np.abs(dxc * xhat).sum(axis=1)),
-        ("dbeta = sum(dy)", np.asarray(db, dtype=np.float64), dyc.sum(axis=1), np.abs(dyc).sum(axis=1)),
-        ("dgamma = sum(dy*xhat)", np.asarray(dg, dtype=np.float64), (dyc * xhat).sum(axis=1),
-         np.abs(dyc * xhat).sum(axis=1)),
+         g * rstd * (dyc * xhat).sum(axis=1) * (1 - (xhat**2).mean(axis=1)), s_dxx),
     ]
+    if db is not None:
+        checks.append(("dbeta = sum(dy)", np.asarray(db, dtype=np.float64), dyc.sum(axis=1), np.abs(dyc).sum(axis=1)))
+    if dg is not None:
+        checks.append(("dgamma = sum(dy*xhat)", np.asarray(dg, dtype=np.float64), (dyc * xhat).sum(axis=1),
+                       np.abs(dyc * xhat).sum(axis=1)))
     rows = []
     for name, got, want, scale in checks:
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -268,7 +308,8 @@ def formula_standard(dy, x, gamma, mean, var, eps):  # noqa: ANN001, ANN201 - th
 
 
 def formula_ascend(dy, x, gamma, mean, var, eps):  # noqa: ANN001, ANN201
-    """BNTrainingReduceGrad: σ = √(var+ε); mult = −(dγ/R)/σ; addend = (μ/σ)(dγ/R) − dβ/R; dx = (dy + mult·x + addend)·γ/σ."""
+    """BNTrainingReduceGrad: σ = √(var+ε); mult = −(dγ/R)/σ; addend = (μ/σ)(dγ/R) − dβ/R;
+    dx = (dy + mult·x + addend)·γ/σ."""
     ax, n = _axes(x), x.ndim
     r = x.size // x.shape[1]
     sigma = np.sqrt(var + eps)
@@ -339,7 +380,8 @@ def check_formula(spec: str, shape: tuple[int, ...] = (4, 3, 5, 5), *, seed: int
         for name, got, want in zip(names, outs, golds):
             if np.shape(got) != np.shape(want):
                 rows.append(GradRow("formula", f"{label}: {name}", False, math.inf, math.inf, rt, at, math.inf,
-                                    math.inf, math.inf, "", f"returned shape {np.shape(got)}, expected {np.shape(want)}"))
+                                    math.inf, math.inf, "",
+                                    f"returned shape {np.shape(got)}, expected {np.shape(want)}"))
                 ok = False
                 continue
             r = _row("formula", f"{label}: {name}", got, want, rt, at,
@@ -366,23 +408,38 @@ def check_formula(spec: str, shape: tuple[int, ...] = (4, 3, 5, 5), *, seed: int
 
 def gradcheck(
     adapter: str | KernelAdapter = "emulated",
-    dtype: str = "fp16",
-    shape: tuple[int, ...] = (4, 3, 5, 5),
+    dtype: str | None = None,
+    shape: tuple[int, ...] | None = None,
     *,
-    mode: str = "train",
+    mode: str | None = None,
     seed: int = 0,
-    eps: float = 1e-5,
+    eps: float | None = None,
     rtol: float | None = None,
     atol: float | None = None,
     params: str = "fp32",
 ) -> GradcheckResult:
-    """Finite differences in FP64, the adapter's backward in ``dtype`` vs the FP64 golden, and
-    (training) the gradient identities.  Truthy when every check passed."""
-    if mode not in ("train", "infer"):
+    """Finite differences in FP64, the adapter's backward in ``dtype`` (default fp16) vs the FP64 golden,
+    and (training, the default ``mode``) the gradient identities, on generated inputs of ``shape``
+    (default (4, 3, 5, 5)) with ``eps`` (default 1e-5).  Truthy when every check passed.
+
+    A dump adapter of one call runs on that call's recorded inputs (:func:`gradcheck_recorded` runs every
+    call of a dump); ``shape`` and ``eps`` then contradict it, and ``dtype`` and ``mode`` must agree."""
+    if mode not in (None, "train", "infer"):
         raise BNProbeError(f"gradcheck mode must be train or infer, got {mode!r}")
     check_rtol_atol(rtol, atol)
     a = get_adapter(adapter) if isinstance(adapter, str) else adapter
-    fmt = get_format(dtype).name
+    if isinstance(a, DumpAdapter):
+        recorded = Recorded(a, a.calls)
+        check_options(recorded, given=tuple(n for n, v in (("shape", shape), ("eps", eps)) if v is not None),
+                      dtype=dtype)
+        if len(a.calls.calls) != 1:
+            raise BNProbeError(f"{a.name} holds {len(a.calls.calls)} BatchNorm calls: gradcheck_recorded checks each "
+                               "(or select one with dump:DIR#NAME)")
+        return gradcheck_recorded(recorded, mode=mode, rtol=rtol, atol=atol, seed=seed).results[0]
+    fmt = get_format(dtype or "fp16").name
+    shape = (4, 3, 5, 5) if shape is None else tuple(shape)
+    mode = mode or "train"
+    eps = 1e-5 if eps is None else eps
     caps = a.capabilities()
     if fmt not in caps.formats:
         raise BNProbeError(f"adapter {a.name} does not run {fmt} (it runs {', '.join(caps.formats)})")
@@ -427,3 +484,103 @@ def gradcheck(
         mean, var = gsaved.mean.astype(np.float64), gsaved.var(eps)
         rows += _identities(got.dx, got.dgamma, got.dbeta, inp, xs, dys, g, mean, var, eps, rt)
     return GradcheckResult(a.name, fmt, mode, tuple(shape), seed, rows, notes)
+
+
+# ---- recorded calls ---------------------------------------------------------------------------------
+
+def _channels_first(a: np.ndarray | None, layout: str) -> np.ndarray | None:
+    if a is None or layout == "channels_first" or np.ndim(a) <= 2:
+        return a
+    return np.moveaxis(np.asarray(a), -1, 1)
+
+
+def _per_element(scale: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A per-channel scale broadcastable against a channel-first tensor of ``shape``."""
+    return np.asarray(scale).reshape((1, -1) + (1,) * (len(shape) - 2)) if len(shape) > 1 else np.asarray(scale)
+
+
+def gradcheck_recorded(recorded: Recorded, *, mode: str | None = None, rtol: float | None = None,
+                       atol: float | None = None, seed: int = 0) -> PerCall:
+    """Every selected call of a recording, in forward order, one at a time, on its own recorded inputs,
+    scalars and formats: finite differences in FP64 at those inputs (on the golden, or on a runnable
+    adapter that runs fp64), the kernel's backward (a dump's: the recorded dx, dγ, dβ) vs the golden's,
+    and (training calls) the gradient identities of the kernel's gradients.  ``mode`` (train or infer),
+    when given, must be the mode of every call.  One :class:`GradcheckResult` per call."""
+    if mode not in (None, "train", "infer"):
+        raise BNProbeError(f"gradcheck mode must be train or infer, got {mode!r}")
+    check_rtol_atol(rtol, atol)
+    recorded.calls.require_tensors("gradcheck")
+    if mode is not None:
+        off = [c for c in recorded.calls.calls if c.training != (mode == "train")]
+        if off:
+            raise BNProbeError(f"--mode {mode} contradicts the recording: {off[0].label} was recorded in "
+                               f"{'training' if off[0].training else 'eval'} mode")
+    check_options(recorded)
+    results = []
+    for i, _, run in runs(recorded, modes=("backward",), skip_missing=True):
+        results.append(_gradcheck_call(recorded, run, rtol, atol, np.random.default_rng([seed, 7, i])))
+    notes = list(recorded.calls.notes)
+    return PerCall("gradcheck", recorded.kernel.name, recorded.calls.source, recorded.calls.kind, results, notes)
+
+
+def _gradcheck_call(recorded: Recorded, run: CallRun, rtol: float | None, atol: float | None,
+                    rng: np.random.Generator) -> GradcheckResult:
+    rec, ci = run.rec, run.inputs
+    fmt, eps, training, layout = run.fmt, run.eps, rec.training, rec.layout
+    mode = "train" if training else "infer"
+    x = _channels_first(ci["x"], layout)
+    c = x.shape[1]
+    rows: list[GradRow] = []
+    notes = list(run.notes)
+    ref = get_adapter("reference")
+    ref.keep_arrays = False  # type: ignore[attr-defined]  # finite differences need y only
+    kernel = recorded.kernel
+    caps = kernel.capabilities()
+    # 1. finite differences in FP64 at the recorded inputs, on the first channels
+    fd_target = kernel if not recorded.replay and "fp64" in caps.formats and "backward" in caps.modes else ref
+    k = min(FD_CHANNELS, c)
+    vec = lambda v, default: (np.full(c, default) if v is None else np.asarray(v, dtype=np.float64))[:k]  # noqa: E731
+    rm, rv = ci["running_mean"], ci["running_var"]
+    if not np.all(np.isfinite(x)):
+        notes.append("x holds NaN/inf (input-borne): no finite differences")
+    elif not training and (rm is None or rv is None):
+        notes.append("an eval-mode call without running statistics: no finite differences")
+    elif training and x.size // c < 2:
+        notes.append("N*H*W = 1: no training-mode finite differences")
+    else:
+        inp = Inputs(np.ascontiguousarray(x[:, :k]), vec(ci["gamma"], 1.0), vec(ci["beta"], 0.0),
+                     np.zeros_like(x[:, :k]), vec(rm, 0.0), vec(rv, 1.0))
+        fd_rows, how = _fd_check(fd_target, inp, mode, eps, FINITE_DIFFERENCE["eps"], FINITE_DIFFERENCE["rtol"],
+                                 FINITE_DIFFERENCE["atol"], rng, FD_RECORDED_FULL_MAX)
+        rows += fd_rows
+        notes.append(f"finite differences on {fd_target.name} in fp64 at the recorded inputs"
+                     + (f" (channels 0-{k - 1} of {c}; channels are independent)" if k < c else "") + f": {how}")
+    # 2. the kernel's backward vs the golden's on the recorded inputs
+    if "dx" not in run.got:
+        notes.append("no backward recorded: only the finite differences on the golden at the call's inputs")
+        return GradcheckResult(run.kernel, fmt, mode, tuple(np.shape(ci["x"])), 0, rows, notes, run.label)
+    rt, at = grad_tolerance(fmt, rtol, atol)
+    where_x, where_c = _where(x.shape), _where((c,))
+    what = "the recorded backward" if recorded.replay else f"{run.kernel}'s backward"
+    for name in ("dx", "dgamma", "dbeta"):
+        if name not in run.got:
+            continue
+        actual, golden = run.got[name], run.gold[name]
+        scale = run.scales.get(name)
+        if name == "dx":
+            actual, golden = _channels_first(actual, layout), _channels_first(golden, layout)
+            scale = None if scale is None else _per_element(scale, x.shape)
+        rows.append(_row("vs-fp64", name, actual, golden, rt, at, fmt=run.formats[name],
+                         where_of=where_x if name == "dx" else where_c, scale=scale, equal_nan=True,
+                         detail=f"{what} in {fmt} vs FP64 on the recorded inputs; atol relative to the "
+                                "gradient's natural scale"))
+    if "dgamma" not in run.got:
+        notes.append("affine=False: no dgamma, dbeta recorded")
+    # 3. identities of the kernel's gradients (training)
+    if training and run.gold_saved is not None:
+        g = np.ones(c) if ci["gamma"] is None else np.asarray(ci["gamma"], dtype=np.float64)
+        dy = _channels_first(rec.tensors["backward"]["inputs"]["dy"], layout)
+        mean, var = np.asarray(run.gold_saved.mean, dtype=np.float64), run.gold_saved.var(eps)
+        rows += _identities(_channels_first(run.got["dx"], layout), run.got.get("dgamma"), run.got.get("dbeta"), None,
+                            x, dy, g, mean, var, eps, rt, dx_scale=run.scales.get("dx"))
+    return GradcheckResult(run.kernel, fmt, mode, tuple(np.shape(ci["x"])), 0, rows, notes, run.label)

@@ -7,7 +7,15 @@ subnormal results, flush-to-zero, negative variance, and catastrophic cancellati
 lost in E[x²] − E[x]² or in x − mean, estimated from the statistics).  NaN/inf already in the input
 is reported as input-borne.  Before running, the headroom of each stage is predicted from the
 input's per-channel statistics alone; after, each finding's remedies are verified by rerunning.
-Adapters without a trace (torch, dumps) are checked at their outputs.
+Adapters without a trace (torch) are checked at their outputs.
+
+A recording (:func:`scan_recorded`) has no trace and cannot be rerun: each call's recorded outputs are
+compared with the FP64 golden on the call's own inputs — NaN/inf where the golden is finite (and
+finite values where it is not), values beyond the format (overflow) or held at its maximum
+(saturation), outputs (channels) entirely zero or constant where the golden is not, the running
+statistics' update beyond its format, NaN/inf already in the inputs (input-borne) — with the headroom
+predicted from the recorded input.  An msprobe statistics-only dump is read from its summaries
+(max/min/mean/norm per tensor).
 """
 
 from __future__ import annotations
@@ -19,10 +27,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bnprobe.adapters import KernelAdapter, get_adapter
+from bnprobe.adapters.dump import CallRef, DumpAdapter
 from bnprobe.adapters.emulated import PolicyAdapter
+from bnprobe.checks.recorded import CallRun, PerCall, Recorded, check_options, runs
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
-from bnprobe.kernels import backward, forward_infer, forward_train
+from bnprobe.kernels import backward, forward_infer, forward_train, get_policy
 from bnprobe.kernels.layout import layout_of
 from bnprobe.kernels.policy import Policy
 from bnprobe.kernels.trace import Trace
@@ -31,10 +41,10 @@ from bnprobe.numerics.rounding import round_to
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-__all__ = ["Finding", "Headroom", "OverflowReport", "scan", "predict_headroom", "ANOMALIES"]
+__all__ = ["Finding", "Headroom", "OverflowReport", "scan", "scan_recorded", "predict_headroom", "ANOMALIES"]
 
 ANOMALIES = ("input_nonfinite", "nan", "inf", "overflow", "saturated", "underflow", "flushed", "subnormal",
-             "negative_var", "cancellation")
+             "negative_var", "cancellation", "hidden_nonfinite", "zero_output", "constant_output")
 # a channel of an elementwise stage is flagged for subnormal/underflow results only when more than this
 # share of its values (and at least ELEMENTWISE_MIN of them) are: isolated tiny values of ordinary
 # data are harmless, a channel working in the subnormal range is not
@@ -93,10 +103,14 @@ class OverflowReport:
     headroom: list[Headroom]
     saturation: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    call: str | None = None  # the recorded call scanned (its label), None for a given input
 
     @property
     def clean(self) -> bool:
         return not self.findings
+
+    def __bool__(self) -> bool:
+        return self.clean
 
     def to_frame(self) -> pd.DataFrame:
         import pandas as pd
@@ -107,11 +121,15 @@ class OverflowReport:
             d["channels"] = ",".join(map(str, f.channels[:8])) + ("..." if len(f.channels) > 8 else "")
             d["remedies"] = "; ".join(f"{r.name}: {'fixes' if r.fixed else 'does not fix'}" for r in f.remedies)
             rows.append(d)
-        return pd.DataFrame(rows, columns=["anomaly", "stage", "format", "channels", "count", "first_element",
-                                           "inputs", "detail", "input_borne", "remedies"])
+        frame = pd.DataFrame(rows, columns=["anomaly", "stage", "format", "channels", "count", "first_element",
+                                            "inputs", "detail", "input_borne", "remedies"])
+        if self.call is not None:
+            frame.insert(0, "call", self.call)
+        return frame
 
     def to_dict(self) -> dict[str, Any]:
-        return {"adapter": self.adapter, "dtype": self.dtype, "mode": self.mode, "policy": self.policy,
+        return {**({} if self.call is None else {"call": self.call}), "adapter": self.adapter, "dtype": self.dtype,
+                "mode": self.mode, "policy": self.policy,
                 "clean": self.clean, "findings": [f.to_dict() for f in self.findings],
                 "headroom": [asdict(h) for h in self.headroom], "saturation": self.saturation, "notes": self.notes}
 
@@ -290,9 +308,9 @@ def _nanmax_abs(a: np.ndarray) -> float:
 
 
 def _run(policy: Policy, mode: str, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.ndarray, rv: np.ndarray,
-         dy: np.ndarray, eps: float, layout: str) -> tuple[np.ndarray, Trace]:
+         dy: np.ndarray, eps: float, layout: str, momentum: float | None = 0.1) -> tuple[np.ndarray, Trace]:
     if mode == "train":
-        r = forward_train(x, g, b, rm, rv, eps=eps, policy=policy, layout=layout)
+        r = forward_train(x, g, b, rm, rv, momentum=momentum, eps=eps, policy=policy, layout=layout)
         return r.y, r.trace
     if mode == "infer":
         r = forward_infer(x, g, b, rm, rv, eps=eps, policy=policy, layout=layout)
@@ -307,26 +325,48 @@ def scan(
     adapter: str | KernelAdapter = "emulated",
     x: np.ndarray | None = None,
     *,
-    dtype: str = "fp16",
+    dtype: str | None = None,
     accumulate: str | None = None,
-    mode: str = "train",
+    mode: str | None = None,
     gamma: np.ndarray | None = None,
     beta: np.ndarray | None = None,
-    eps: float = 1e-5,
+    eps: float | None = None,
     layout: str = "channels_first",
     seed: int = 0,
     cancel_digits: float = 0.75,
     remedies: bool = True,
+    running_mean: np.ndarray | None = None,
+    running_var: np.ndarray | None = None,
+    dy: np.ndarray | None = None,
+    momentum: float | None = 0.1,
+    params: str = "fp32",
 ) -> OverflowReport:
-    """Find anomalies of one BatchNorm run.  ``accumulate`` (emulated adapters) sets the accumulator
-    and compute format, e.g. fp16 for a naive port.  ``cancel_digits``: flag cancellation when this
-    share of the accumulator's decimal digits is lost."""
-    if mode not in ("train", "infer", "backward"):
+    """Find anomalies of one BatchNorm run of ``x`` in ``dtype`` (default fp16), ``mode`` (default train),
+    with ``eps`` (default 1e-5).  ``accumulate`` (emulated adapters) sets the accumulator and compute
+    format, e.g. fp16 for a naive port.  ``cancel_digits``: flag cancellation when this share of the
+    accumulator's decimal digits is lost.  The running statistics (default: x's per-channel mean and
+    variance) and dy (default: seeded standard normal) can be given, as a recording has them.
+
+    A dump adapter of one call is scanned on its recorded inputs, ``x`` None (:func:`scan_recorded`
+    scans every call of a dump)."""
+    if mode not in (None, "train", "infer", "backward"):
         raise BNProbeError(f"unknown mode {mode!r}; valid: train, infer, backward")
+    a = get_adapter(adapter) if isinstance(adapter, str) else adapter
+    if isinstance(a, DumpAdapter):
+        given = tuple(n for n, v in (("x", x), ("accumulate", accumulate), ("gamma", gamma), ("beta", beta),
+                                     ("eps", eps), ("running_mean", running_mean), ("running_var", running_var),
+                                     ("dy", dy)) if v is not None)
+        recorded = Recorded(a, a.calls)
+        check_options(recorded, given=given, dtype=dtype, mode=mode)
+        if len(a.calls.calls) != 1:
+            raise BNProbeError(f"{a.name} holds {len(a.calls.calls)} BatchNorm calls: scan_recorded scans each "
+                               "(or select one with dump:DIR#NAME)")
+        return scan_recorded(recorded, mode=mode).results[0]
     if x is None:
         raise BNProbeError("scan needs an input tensor x")
-    a = get_adapter(adapter) if isinstance(adapter, str) else adapter
-    fmt = get_format(dtype).name
+    fmt = get_format(dtype or "fp16").name
+    mode = mode or "train"
+    eps = 1e-5 if eps is None else eps
     lay = layout_of(x, layout)
     c = lay.channels
     rng = np.random.default_rng([seed, 9])
@@ -334,35 +374,38 @@ def scan(
     b = np.zeros(c) if beta is None else np.asarray(beta, dtype=np.float64)
     x_cr = lay.to_cr(x)
     with np.errstate(all="ignore"):
-        rm, rv = np.nan_to_num(np.nanmean(x_cr, axis=1)), np.nan_to_num(np.nanvar(x_cr, axis=1), nan=1.0)
-    dy = rng.standard_normal(x.shape)
+        rm = np.nan_to_num(np.nanmean(x_cr, axis=1)) if running_mean is None else \
+            np.asarray(running_mean, dtype=np.float64)
+        rv = np.nan_to_num(np.nanvar(x_cr, axis=1), nan=1.0) if running_var is None else \
+            np.asarray(running_var, dtype=np.float64)
+    dy = rng.standard_normal(x.shape) if dy is None else np.asarray(dy, dtype=np.float64)
     if not isinstance(a, PolicyAdapter):
-        return _scan_outputs(a, x, fmt, mode, g, b, rm, rv, dy, eps, layout, lay, x_cr)
-    pol = a.policy_for(round_to(x, fmt), dtype=fmt, mode=mode, layout=layout)
+        return _scan_outputs(a, x, fmt, mode, g, b, rm, rv, dy, eps, layout, lay, x_cr, momentum, params)
+    pol = a.policy_for(round_to(x, fmt), dtype=fmt, mode=mode, layout=layout, params=params)
     if accumulate is not None:
         pol = pol.with_options(accumulate=get_format(accumulate).name, compute=get_format(accumulate).name)
     xs = round_to(x, fmt)
     pf = pol.params_format
     g, b, rm, rv = (round_to(v, pf) for v in (g, b, rm, rv))
     head = predict_headroom(xs, pol, g, b, eps, layout)
-    y, trace = _run(pol, mode, xs, g, b, rm, rv, round_to(dy, fmt), eps, layout)
+    y, trace = _run(pol, mode, xs, g, b, rm, rv, round_to(dy, fmt), eps, layout, momentum)
     for i, h in enumerate(head):
         if h.stage in trace:
             st = trace[h.stage]
             over = bool(st.counters["overflow"].any() or st.counters["posinf"].any() or st.counters["neginf"].any())
             head[i] = replace(h, actual_max=st.absmax, actually_overflowed=over)
     findings = _locate(trace, lay, x_cr, cancel_digits)
-    gold_y, _ = _run(pol.golden(), mode, xs, g, b, rm, rv, round_to(dy, fmt), eps, layout)
+    gold_y, _ = _run(pol.golden(), mode, xs, g, b, rm, rv, round_to(dy, fmt), eps, layout, momentum)
     with np.errstate(all="ignore"):
         base_err = _nanmax_abs(np.asarray(y, dtype=np.float64) - gold_y)
     if remedies:
         findings = [_with_remedies(f, pol, mode, xs, g, b, rm, rv, round_to(dy, fmt), eps, layout, gold_y, lay,
-                                   x_cr, cancel_digits) for f in findings]
+                                   x_cr, cancel_digits, momentum) for f in findings]
     sat = []
     if pol.overflow == "ieee" and any(f.anomaly in ("overflow", "inf") for f in findings):
         for mode_name in ("ieee", "saturate"):
             p2 = pol.with_options(overflow=mode_name)
-            y2, _ = _run(p2, mode, xs, g, b, rm, rv, round_to(dy, fmt), eps, layout)
+            y2, _ = _run(p2, mode, xs, g, b, rm, rv, round_to(dy, fmt), eps, layout, momentum)
             y2 = np.asarray(y2, dtype=np.float64)
             with np.errstate(all="ignore"):
                 sat.append({"overflow_mode": mode_name, "finite_share": float(np.mean(np.isfinite(y2))),
@@ -374,14 +417,14 @@ def scan(
 
 def _with_remedies(f: Finding, pol: Policy, mode: str, xs: np.ndarray, g: np.ndarray, b: np.ndarray,
                    rm: np.ndarray, rv: np.ndarray, dy: np.ndarray, eps: float, layout: str, gold_y: np.ndarray,
-                   lay: Any, x_cr: np.ndarray, cancel_digits: float) -> Finding:
+                   lay: Any, x_cr: np.ndarray, cancel_digits: float, momentum: float | None = 0.1) -> Finding:
     if f.input_borne or f.anomaly == "input_nonfinite":
         return f
     tried = []
     for name, change, eps_mult in _remedies_for(f.anomaly, f.stage, pol):
         try:
             p2 = pol.with_options(**change)
-            y2, tr2 = _run(p2, mode, xs, g, b, rm, rv, dy, eps * eps_mult, layout)
+            y2, tr2 = _run(p2, mode, xs, g, b, rm, rv, dy, eps * eps_mult, layout, momentum)
         except BNProbeError as exc:
             tried.append(Remedy(name, str(change), False, math.nan, f"not applicable: {exc}"))
             continue
@@ -403,21 +446,247 @@ def _with_remedies(f: Finding, pol: Policy, mode: str, xs: np.ndarray, g: np.nda
 
 def _scan_outputs(a: KernelAdapter, x: np.ndarray, fmt: str, mode: str, g: np.ndarray, b: np.ndarray,
                   rm: np.ndarray, rv: np.ndarray, dy: np.ndarray, eps: float, layout: str, lay: Any,
-                  x_cr: np.ndarray) -> OverflowReport:
+                  x_cr: np.ndarray, momentum: float | None = 0.1, params: str = "fp32") -> OverflowReport:
     """An adapter without a trace: NaN/inf/saturation at its outputs only."""
     from bnprobe.kernels.trace import Trace as _Trace
 
     xs = round_to(x, fmt)
+    common = dict(dtype=fmt, eps=eps, layout=layout, params=params)
     if mode == "train":
-        out = a.forward_train(xs, g, b, rm, rv, dtype=fmt, eps=eps, layout=layout).y
+        out = a.forward_train(xs, g, b, rm, rv, momentum=momentum, **common).y
     elif mode == "infer":
-        out = a.forward_infer(xs, g, b, rm, rv, dtype=fmt, eps=eps, layout=layout).y
+        out = a.forward_infer(xs, g, b, rm, rv, **common).y
     else:
-        saved = a.forward_train(xs, g, b, dtype=fmt, eps=eps, layout=layout).saved
-        out = a.backward(round_to(dy, fmt), xs, g, saved, dtype=fmt, eps=eps, layout=layout).dx
+        saved = a.forward_train(xs, g, b, **common).saved
+        out = a.backward(round_to(dy, fmt), xs, g, saved, **common).dx
     tr = _Trace(lay.channels)
     tr.record("x", lay.to_cr(xs), fmt)
     tr.record("output", lay.to_cr(np.asarray(out, dtype=np.float64)), a.capabilities().output or fmt)
     findings = _locate(tr, lay, x_cr, cancel_digits=math.inf)
     return OverflowReport(a.name, fmt, mode, "(no trace: outputs only)", findings, [], [],
                           [f"{a.name} exposes no trace: only its outputs were scanned"])
+
+
+# ---- recorded calls: outputs against the golden ---------------------------------------------------------
+
+ELEMENTWISE_OUTPUTS = ("y_train", "y_infer", "dx")
+_INPUTS = ("x", "gamma", "beta", "running_mean", "running_var", "dy")
+
+
+def scan_recorded(recorded: Recorded, *, mode: str | None = None) -> PerCall:
+    """Every selected call of a recording, in forward order, one at a time: its outputs (the recorded ones,
+    for a dump) against the FP64 golden on its own recorded inputs, and its inputs; ``mode`` (train, infer
+    or backward) restricts the outputs to that call's.  An msprobe statistics-only dump is read from its
+    summaries.  A runnable adapter on the recorded inputs is scanned with :func:`scan` (its trace), one
+    report per call and mode.  One :class:`OverflowReport` per call (and mode)."""
+    if mode not in (None, "train", "infer", "backward"):
+        raise BNProbeError(f"unknown mode {mode!r}; valid: train, infer, backward")
+    calls = recorded.calls
+    check_options(recorded, mode=mode)
+    if calls.task == "statistics":
+        if not recorded.replay:
+            calls.require_tensors(f"running {recorded.kernel.name} on the recorded inputs")
+        reports = [_scan_summaries(recorded.kernel.name, c, c.load(), mode) for c in calls.calls]
+        notes = ["a statistics-only dump (max/min/mean/norm per tensor): comparing the outputs with the FP64 golden, "
+                 "locating NaN/inf, constant channels, the running statistics' values and the headroom of the sums "
+                 "need a tensor dump (msprobe task \"tensor\")"]
+        return PerCall("overflow", recorded.kernel.name, calls.source, calls.kind, reports, notes + list(calls.notes))
+    if not recorded.replay:
+        reports = []
+        for c in calls.calls:
+            rec = c.load()
+            for m in (mode,) if mode else rec.modes:
+                reports.append(_scan_runnable(recorded.kernel, rec, m, f"{c.label} [{m}]"))
+        return PerCall("overflow", recorded.kernel.name, calls.source, calls.kind, reports, list(calls.notes))
+    reports = [_scan_call(run) for _, _, run in runs(recorded, modes=(mode,) if mode else None)]
+    notes = ["a recording has no trace and cannot be rerun: findings come from its outputs against the FP64 golden "
+             "on the same inputs; no remedies are tried"]
+    return PerCall("overflow", recorded.kernel.name, calls.source, calls.kind, reports, notes + list(calls.notes))
+
+
+def _scan_runnable(a: KernelAdapter, rec: Any, mode: str, label: str) -> OverflowReport:
+    """A runnable adapter scanned on one recorded call's inputs and scalars in one of its modes."""
+    ins = rec.tensors[mode]["inputs"]
+    ci = rec.call_inputs()
+    dy = rec.tensors.get("backward", {}).get("inputs", {}).get("dy")
+    rep = scan(a, ins["x"], dtype=rec.dtype, mode=mode, gamma=ins.get("gamma", ci["gamma"]),
+               beta=ins.get("beta", ci["beta"]), eps=rec.eps, layout=rec.layout,
+               running_mean=ins.get("running_mean", ci["running_mean"]),
+               running_var=ins.get("running_var", ci["running_var"]), dy=dy, momentum=rec.momentum,
+               params=ci["params"])
+    rep.call = label
+    return rep
+
+
+def _finding(anomaly: str, stage: str, fmt: str, mask: np.ndarray, elementwise: bool, lay: Any, x_cr: np.ndarray,
+             detail: str, input_borne: bool = False) -> Finding:
+    """A finding from a mask of the output (channel-first (C, R) for elementwise outputs, (C,) otherwise)."""
+    per_ch = mask.reshape(mask.shape[0], -1).sum(axis=1)
+    chans = np.flatnonzero(per_ch)
+    first = int(np.flatnonzero(mask.reshape(-1))[0])
+    return Finding(anomaly, stage, fmt, tuple(chans.tolist()), int(per_ch.sum()),
+                   _index_str(first, lay, elementwise), _input_at(first, x_cr, elementwise), detail, input_borne)
+
+
+def _output_findings(key: str, got: Any, gold: Any, fmt: str, lay: Any, x_cr: np.ndarray,
+                     input_bad: bool) -> list[Finding]:
+    """Anomalies of one output against the golden's value of it on the same inputs."""
+    elementwise = key in ELEMENTWISE_OUTPUTS
+    conv = (lambda a: lay.to_cr(np.asarray(a, dtype=np.float64))) if elementwise else \
+        (lambda a: np.asarray(a, dtype=np.float64))  # noqa: E731
+    a, g = conv(got), conv(gold)
+    f = get_format(fmt)
+    with np.errstate(all="ignore"):
+        gr = round_to(g, fmt)  # the golden as the format holds it: inf where the exact value is beyond it
+        g_bad, a_fin = ~np.isfinite(g), np.isfinite(a)
+        over = np.isfinite(g) & ~np.isfinite(gr)
+        plain = ~g_bad & ~over
+    out: list[Finding] = []
+
+    def add(anomaly: str, mask: np.ndarray, detail: str, borne: bool = False) -> None:
+        if mask.any():
+            out.append(_finding(anomaly, key, f.name, mask, elementwise, lay, x_cr, detail, borne))
+
+    add("nan", plain & np.isnan(a), "NaN where the FP64 golden on the same inputs is finite")
+    add("inf", plain & np.isinf(a), f"±inf where the FP64 golden on the same inputs is finite and within {f.name}")
+    add("overflow", over & ~a_fin, f"the exact value is beyond the {f.name} maximum {f.max:.6g}: the format cannot "
+                                   "hold it")
+    add("saturated", (over & a_fin) | (plain & a_fin & (np.abs(a) == f.max) & (np.abs(gr) != f.max)),
+        f"held at ±{f.max:.6g} (the {f.name} maximum) where the exact value is not: a finite, plausible-looking "
+        "wrong number")
+    add("hidden_nonfinite", g_bad & a_fin, "finite where the FP64 golden is NaN/inf: a NaN/inf replaced by a "
+                                           "plausible-looking number")
+    add("nan" if np.isnan(a[g_bad & ~a_fin]).any() else "inf", g_bad & ~a_fin,
+        "NaN/inf as the FP64 golden has them" + (" (follows from NaN/inf in the input)" if input_bad else ""),
+        input_bad)
+    with np.errstate(all="ignore"):
+        fin_g = np.where(np.isfinite(gr), np.abs(gr), 0.0)
+        if elementwise:
+            zero_a = np.all(a == 0, axis=1)
+            gold_nonzero = fin_g.max(axis=1) >= f.tiny
+            ok_a = np.all(a_fin, axis=1)
+            const_a = ok_a & np.all(a == a[:, :1], axis=1) & ~zero_a & (a.shape[1] > 1)
+            fin = np.isfinite(gr)
+            spread = np.where(fin, gr, -np.inf).max(axis=1) - np.where(fin, gr, np.inf).min(axis=1)
+            varied = np.where(np.isfinite(spread), spread, 0.0) > 4 * f.eps * fin_g.max(axis=1)
+            zero_ch, const_ch = zero_a & gold_nonzero, const_a & varied
+        else:
+            zero_ch = np.zeros(a.shape[0], dtype=bool)
+            if np.all(a == 0) and fin_g.max(initial=0.0) >= f.tiny:
+                zero_ch = fin_g >= f.tiny
+            const_ch = np.zeros(a.shape[0], dtype=bool)
+    if zero_ch.any():
+        mask = np.broadcast_to(zero_ch[:, None], a.shape) if elementwise else zero_ch
+        add("zero_output", mask & True, "entirely zero where the FP64 golden is not" +
+            (" (per channel)" if elementwise else ""))
+    if const_ch.any():
+        add("constant_output", np.broadcast_to(const_ch[:, None], a.shape) & True,
+            "one value over the whole channel where the FP64 golden varies")
+    return out
+
+
+def _scan_call(run: CallRun) -> OverflowReport:
+    rec, ci, fmt = run.rec, run.inputs, run.fmt
+    lay = layout_of(ci["x"], rec.layout)
+    x_cr = lay.to_cr(ci["x"])
+    dy = rec.tensors.get("backward", {}).get("inputs", {}).get("dy")
+    findings: list[Finding] = []
+    inputs = {**{k: ci[k] for k in _INPUTS if k != "dy"}, "dy": dy if "dx" in run.got else None}
+    bad_inputs = []
+    for name, v in inputs.items():
+        if v is None:
+            continue
+        elementwise = name in ("x", "dy")
+        m = ~np.isfinite(lay.to_cr(v) if elementwise else np.asarray(v, dtype=np.float64))
+        if m.any():
+            bad_inputs.append(name)
+            vf = rec.params if not elementwise else fmt
+            findings.append(_finding("input_nonfinite", name, vf, m, elementwise, lay, x_cr,
+                                     "NaN/inf present in the recorded input itself: input-borne, not a kernel fault",
+                                     True))
+    for key, got in run.got.items():
+        findings += _output_findings(key, got, run.gold[key], run.formats[key], lay, x_cr, bool(bad_inputs))
+    notes = list(run.notes)
+    for key in ("running_mean", "running_var"):
+        if key in run.gold and key not in run.got:
+            g = run.gold[key]
+            with np.errstate(all="ignore"):
+                over = np.isfinite(g) & ~np.isfinite(round_to(g, rec.params))
+            if over.any():
+                findings.append(_finding("overflow", key, rec.params, over, False, lay, x_cr,
+                                         f"(not in the recording) the FP64 update is beyond the {rec.params} maximum: "
+                                         "the kernel's running statistic cannot be finite", bool(bad_inputs)))
+    head: list[Headroom] = []
+    y = run.got.get("y_train", run.got.get("y_infer"))
+    if y is not None:
+        g = None if ci["gamma"] is None else np.asarray(ci["gamma"], dtype=np.float64)
+        b = None if ci["beta"] is None else np.asarray(ci["beta"], dtype=np.float64)
+        pol = get_policy(fmt).with_options(params=rec.params)
+        head = predict_headroom(np.asarray(ci["x"], dtype=np.float64), pol, g, b, run.eps, rec.layout)
+        if "y_train" not in run.got:  # inference computes no statistics: only x and y apply
+            head = [h for h in head if h.stage in ("x", "y")]
+        actual = {"x": np.asarray(ci["x"], dtype=np.float64), "y": np.asarray(y, dtype=np.float64)}
+        for i, h in enumerate(head):
+            if h.stage in actual:
+                v = actual[h.stage]
+                head[i] = replace(h, actual_max=_nanmax_abs(np.where(np.isfinite(v), v, np.nan)),
+                                  actually_overflowed=bool(np.isinf(v).any()))
+        notes.append(f"headroom of the sums is predicted for bnprobe's {fmt} preset ({pol.describe()}): the "
+                     "recording does not show the kernel's intermediates")
+    return OverflowReport(run.kernel, fmt, "+".join(run.modes), "(recorded outputs vs the FP64 golden)", findings,
+                          head, [], notes, run.label)
+
+
+def _scan_summaries(adapter: str, call: CallRef, summaries: dict[str, dict[str, Any]],
+                    mode: str | None) -> OverflowReport:
+    """An msprobe statistics-only call: findings from each tensor's max/min/mean/norm."""
+    findings: list[Finding] = []
+    notes: list[str] = []
+    keep = {None: ("forward", "backward"), "train": ("forward",), "infer": ("forward",),
+            "backward": ("forward.input", "backward")}[mode]
+    items = {k: v for k, v in summaries.items() if k.startswith(keep)}
+
+    def nonfinite(s: dict[str, Any]) -> bool:
+        return any(not math.isfinite(s.get(k, math.nan)) for k in ("Max", "Min"))
+
+    def summary(s: dict[str, Any]) -> str:
+        return ", ".join(f"{k} {s.get(k, math.nan):.6g}" for k in ("Max", "Min", "Mean", "Norm"))
+
+    x = summaries.get("forward.input.x", {})
+    dy = summaries.get("backward.input.dy", {})
+    for key, s in items.items():
+        kind, io, name = key.split(".", 2)
+        try:
+            f = get_format(str(s.get("dtype")))
+        except BNProbeError:
+            continue
+        stats = [s.get(k, math.nan) for k in ("Max", "Min", "Mean", "Norm")]
+        if all(math.isfinite(v) for v in stats[:2]) and not all(math.isfinite(v) for v in stats[2:]):
+            notes.append(f"{key}: Max and Min are finite but the Mean/Norm summary is not: the summary overflowed "
+                         "in its own arithmetic, the tensor is finite")
+        elif nonfinite(s):
+            what = "nan" if any(math.isnan(v) for v in stats[:2]) else "inf"
+            if io == "input":
+                findings.append(Finding("input_nonfinite", name, f.name, (), 0, "(summaries only)", summary(s),
+                                        f"the {kind} input {name} is already NaN/inf: input-borne, not a kernel "
+                                        "fault", True))
+            else:
+                borne = nonfinite(x) if x else False
+                if kind == "backward" and dy:
+                    borne = borne or nonfinite(dy)
+                findings.append(Finding(what, name, f.name, (), 0, "(summaries only)", summary(s),
+                                        f"the {kind} output {name} holds {'NaN' if what == 'nan' else '±inf'}"
+                                        + (" (follows from NaN/inf in the input)" if borne else ""), borne))
+            continue
+        if io == "output" and any(abs(v) == f.max for v in stats[:2] if math.isfinite(v)):
+            findings.append(Finding("saturated", name, f.name, (), 0, "(summaries only)", summary(s),
+                                    f"the {kind} output {name} reaches ±{f.max:.6g}, the {f.name} maximum: saturated "
+                                    "or overflowed (a tensor dump tells which)"))
+    y = items.get("forward.output.y")
+    g = summaries.get("forward.input.gamma")
+    if y and x and y.get("Max") == 0 and y.get("Min") == 0 and x.get("Max") != x.get("Min") and \
+            not (g and g.get("Max") == 0 and g.get("Min") == 0):
+        findings.append(Finding("zero_output", "y", str(y.get("dtype")), (), 0, "(summaries only)", summary(y),
+                                "y is entirely zero (Max = Min = 0) while x varies (Max != Min)"))
+    return OverflowReport(adapter, call.dtype, mode or "statistics", "(msprobe summaries: max/min/mean/norm)",
+                          findings, [], [], notes, call.label)

@@ -5,6 +5,10 @@ batch, then each spatial axis, then the values: the coarsest rounding (fewest si
 that still fails, then element by element toward the channel's mean.  Deterministic, bounded in
 time.  The result is written as ``x.npy``, a bnprobe dump of the adapter on it, and the exact
 command that replays the failure.
+
+A recorded call's x can be shrunk with its own γ, β, running statistics, eps, momentum and parameter
+format (:class:`RecordedParams`): the per-channel values follow the channels that are kept.  A dump
+itself cannot be shrunk (it answers only its own inputs); shrink reruns a runnable adapter.
 """
 
 from __future__ import annotations
@@ -19,41 +23,155 @@ from typing import Any
 import numpy as np
 
 from bnprobe._loading import load_callable
-from bnprobe.adapters import get_adapter
+from bnprobe.adapters import KernelAdapter, get_adapter
 from bnprobe.errors import BNProbeError
+from bnprobe.formats import get_format
 
-__all__ = ["ShrinkResult", "shrink", "compare_predicate", "overflow_predicate", "load_predicate", "write_shrink"]
+__all__ = ["ShrinkResult", "shrink", "compare_predicate", "overflow_predicate", "load_predicate", "write_shrink",
+           "RecordedParams", "runnable"]
 
-Predicate = Callable[[np.ndarray], bool]
+Predicate = Callable[..., bool]  # f(x) -> True when the case fails (built-in ones also take channels=)
 
 
-def compare_predicate(adapter: str, against: str = "reference", dtype: str = "fp16", mode: str = "train") -> Predicate:
-    """Fails when compare-precision finds an output of ``adapter`` over the standard on x."""
-    from bnprobe.checks.compare import Case, compare_precision
+@dataclass(frozen=True)
+class RecordedParams:
+    """A recorded call's per-channel parameters and scalars, kept with its x while it shrinks."""
+
+    gamma: np.ndarray | None
+    beta: np.ndarray | None
+    running_mean: np.ndarray | None
+    running_var: np.ndarray | None
+    eps: float
+    momentum: float | None
+    params: str  # same or fp32
+    source: str = ""
+
+    @classmethod
+    def of(cls, rec: Any, source: str = "") -> RecordedParams:
+        """The parameters and scalars of a :class:`~bnprobe.adapters.dump.Recording`."""
+        ci = rec.call_inputs()
+        return cls(ci["gamma"], ci["beta"], ci["running_mean"], ci["running_var"], rec.eps, rec.momentum,
+                   ci["params"], source)
+
+    def channels(self, idx: np.ndarray | None) -> RecordedParams:
+        """The same parameters for the kept channels ``idx`` (all when None)."""
+        if idx is None:
+            return self
+        pick = lambda v: None if v is None else np.asarray(v, dtype=np.float64)[idx]  # noqa: E731
+        return RecordedParams(pick(self.gamma), pick(self.beta), pick(self.running_mean), pick(self.running_var),
+                              self.eps, self.momentum, self.params, self.source)
+
+    def inputs(self, x: np.ndarray) -> dict[str, np.ndarray | None]:
+        """x with these parameters, running statistics (0 and 1 where none were recorded) and dy (seeded by x's
+        shape: the same for the predicate, the dump written and its replay)."""
+        c = x.shape[1]
+        return {"x": x, "gamma": self.gamma, "beta": self.beta,
+                "running_mean": np.zeros(c) if self.running_mean is None else self.running_mean,
+                "running_var": np.ones(c) if self.running_var is None else self.running_var,
+                "dy": np.random.default_rng([0, 3]).standard_normal(x.shape)}
+
+    def recording(self, x: np.ndarray, dtype: str, modes: tuple[str, ...]) -> Any:
+        """The inputs of :meth:`inputs` as a Recording without outputs: what compare-precision runs an adapter
+        on (``--input DIR``), each tensor rounded to its format."""
+        from bnprobe.adapters.base import params_format
+        from bnprobe.adapters.dump import Recording
+        from bnprobe.numerics.rounding import round_to
+
+        fmt = get_format(dtype).name
+        pf = params_format(fmt, self.params)
+        ins = self.inputs(x)
+        c = x.shape[1]
+        vec = {k: round_to(np.full(c, d) if ins[k] is None else np.asarray(ins[k], dtype=np.float64), pf)
+               for k, d in (("gamma", 1.0), ("beta", 0.0), ("running_mean", 0.0), ("running_var", 1.0))}
+        xs, dy = round_to(x, fmt), round_to(ins["dy"], fmt)  # type: ignore[arg-type]
+        rec = Recording("shrink", fmt, pf, "channels_first", self.eps, self.momentum, None,
+                        meta={"training": mode_training(modes), "call": self.source or "shrink"})
+        for mode in modes:
+            named = {"x": xs, **vec} if mode != "backward" else {"dy": dy, "x": xs, "gamma": vec["gamma"]}
+            rec.tensors[mode] = {"inputs": named, "outputs": {}}
+            rec.formats.update({f"{mode}.inputs.{k}": fmt if k in ("x", "dy") else pf for k in named})
+        return rec
+
+    def record(self, adapter: KernelAdapter, x: np.ndarray, dtype: str, modes: tuple[str, ...]) -> Any:
+        """A recording of ``adapter`` on :meth:`inputs`."""
+        from bnprobe.adapters.dump import record
+
+        ins = self.inputs(x)
+        return record(adapter, x=x, gamma=self.gamma, beta=self.beta, running_mean=ins["running_mean"],
+                      running_var=ins["running_var"], dy=ins["dy"], dtype=dtype, eps=self.eps,
+                      momentum=self.momentum, params=self.params, modes=modes,
+                      meta={"training": mode_training(modes), "shrunk_from": self.source})
+
+
+def mode_training(modes: tuple[str, ...]) -> bool:
+    """Whether a recording of ``modes`` is of a training call (an inference-only one is not)."""
+    return "train" in modes or "backward" in modes
+
+
+def runnable(adapter: str | KernelAdapter) -> KernelAdapter:
+    """The adapter to rerun on smaller inputs; a dump (it answers only its own inputs) is an error."""
+    from bnprobe.adapters.dump import DumpAdapter
+
+    a = get_adapter(adapter) if isinstance(adapter, str) else adapter
+    if isinstance(a, DumpAdapter):
+        raise BNProbeError(f"{a.name} cannot be rerun on smaller inputs: shrink needs a runnable adapter; give the "
+                           "recording as --input DIR[#CALL] with --adapter torch, emulated:fp16, ... to shrink its x")
+    return a
+
+
+def _record_modes(mode: str) -> tuple[str, ...]:
+    return {"train": ("train",), "infer": ("infer",), "backward": ("train", "backward")}[mode]
+
+
+def compare_predicate(adapter: str | KernelAdapter, against: str = "reference", dtype: str = "fp16",
+                      mode: str = "train", *, recorded: RecordedParams | None = None) -> Predicate:
+    """Fails when compare-precision finds an output of ``adapter`` over the standard on x (with a recorded
+    call's parameters and scalars when ``recorded`` is given)."""
+    from bnprobe.adapters.dump import CallRef, RecordedCalls
+    from bnprobe.checks.compare import Case, compare_precision, recorded_cases
 
     if against != "reference":
         raise BNProbeError("shrink compares against the FP64 reference (--against reference)")
-    a = get_adapter(adapter)
+    a = runnable(adapter)
 
-    def fails(x: np.ndarray) -> bool:
+    def fails(x: np.ndarray, channels: np.ndarray | None = None) -> bool:
         if mode != "infer" and x.size // x.shape[1] < 2:
             return False
-        r = compare_precision([a], (dtype,), [Case("shrink", tuple(x.shape), x=x)], mode=mode, budget=False)
+        if recorded is None:
+            r = compare_precision([a], (dtype,), [Case("shrink", tuple(x.shape), x=x)], mode=mode, budget=False)
+        else:  # the adapter on the recorded call's parameters and scalars, as compare-precision --input DIR runs it
+            rec = recorded.channels(channels).recording(x, dtype, _record_modes(mode))
+            call = CallRef(str(rec.meta["call"]), None, tuple(x.shape), rec.dtype, rec.training,
+                           "backward" in rec.tensors, "tensor", lambda: rec)
+            r = compare_precision([a], None, recorded_cases(RecordedCalls("shrink", "bnprobe", (call,))), mode=mode,
+                                  budget=False)
         return bool((r.rows["verdict"] == "FAIL").any())
 
+    fails.takes_channels = True  # type: ignore[attr-defined]
     return fails
 
 
-def overflow_predicate(adapter: str, dtype: str = "fp16", mode: str = "train") -> Predicate:
+def overflow_predicate(adapter: str | KernelAdapter, dtype: str = "fp16", mode: str = "train", *,
+                       recorded: RecordedParams | None = None) -> Predicate:
     """Fails when the overflow scan finds an anomaly (input-borne ones excluded)."""
     from bnprobe.checks.overflow import scan
 
-    def fails(x: np.ndarray) -> bool:
+    a = runnable(adapter)
+
+    def fails(x: np.ndarray, channels: np.ndarray | None = None) -> bool:
         if mode != "infer" and x.size // x.shape[1] < 2:
             return False
-        rep = scan(adapter, x, dtype=dtype, mode=mode, remedies=False)
+        if recorded is None:
+            rep = scan(a, x, dtype=dtype, mode=mode, remedies=False)
+        else:  # as overflow --input DIR scans the dump written
+            p = recorded.channels(channels)
+            ins = p.inputs(x)
+            rep = scan(a, x, dtype=dtype, mode=mode, remedies=False, gamma=p.gamma, beta=p.beta, eps=p.eps,
+                       running_mean=ins["running_mean"], running_var=ins["running_var"], dy=ins["dy"],
+                       momentum=p.momentum, params=p.params)
         return any(not f.input_borne for f in rep.findings)
 
+    fails.takes_channels = True  # type: ignore[attr-defined]
     return fails
 
 
@@ -71,9 +189,11 @@ class ShrinkResult:
     evaluations: int = 0
     seconds: float = 0.0
     timed_out: bool = False
+    channels: np.ndarray | None = None  # the original channels kept, in order
 
     def to_dict(self) -> dict[str, Any]:
         return {"shape": list(self.x.shape), "elements": int(self.x.size), "original_shape": list(self.original_shape),
+                "channels": None if self.channels is None else self.channels.tolist(),
                 "steps": self.steps, "evaluations": self.evaluations, "seconds": round(self.seconds, 3),
                 "timed_out": self.timed_out, "x": self.x.tolist()}
 
@@ -86,9 +206,13 @@ def shrink(x: np.ndarray, fails: Predicate, *, seconds: float = 120.0,
         raise BNProbeError(f"x must have 2 to 5 dimensions, got shape {x.shape}")
     res = ShrinkResult(x, tuple(x.shape))
     t0 = time.monotonic()
+    chans = np.arange(x.shape[1])
+    per_channel = bool(getattr(fails, "takes_channels", False))
 
-    def test(candidate: np.ndarray) -> bool:
+    def test(candidate: np.ndarray, kept: np.ndarray | None = None) -> bool:
         res.evaluations += 1
+        if per_channel:
+            return bool(fails(np.ascontiguousarray(candidate), channels=chans if kept is None else kept))
         return bool(fails(np.ascontiguousarray(candidate)))
 
     if not test(x):
@@ -99,14 +223,15 @@ def shrink(x: np.ndarray, fails: Predicate, *, seconds: float = 120.0,
         return res.timed_out
 
     def bisect(axis: int, label: str) -> None:
-        nonlocal x
+        nonlocal x, chans
         while x.shape[axis] > 1 and not out_of_time():
             h = x.shape[axis] // 2
             lo, hi = np.take(x, range(h), axis=axis), np.take(x, range(h, x.shape[axis]), axis=axis)
-            if test(lo):
-                x = lo
-            elif test(hi):
-                x = hi
+            c_lo, c_hi = (chans[:h], chans[h:]) if axis == 1 else (chans, chans)
+            if test(lo, c_lo):
+                x, chans = lo, c_lo
+            elif test(hi, c_hi):
+                x, chans = hi, c_hi
             else:
                 break
             res.steps.append(f"{label} -> {x.shape[axis]}: shape {x.shape}")
@@ -143,6 +268,7 @@ def shrink(x: np.ndarray, fails: Predicate, *, seconds: float = 120.0,
                     res.steps.append(f"x{idx} -> {value:g}")
                     break
     res.x = x
+    res.channels = chans
     res.seconds = time.monotonic() - t0
     return res
 
@@ -153,8 +279,10 @@ def _round_bits(x: np.ndarray, bits: int) -> np.ndarray:
 
 
 def write_shrink(result: ShrinkResult, out: str | Path, *, adapter: str, dtype: str, mode: str,
-                 predicate: str = "compare") -> tuple[list[Path], str]:
-    """x.npy, a bnprobe dump of the adapter on it, shrink.json, and the command that replays the failure."""
+                 predicate: str = "compare", recorded: RecordedParams | None = None) -> tuple[list[Path], str]:
+    """x.npy, a bnprobe dump of the adapter on it, shrink.json, and the command that replays the failure
+    (with ``recorded``: the dump carries the recorded call's parameters and scalars, and the replay runs the
+    adapter on the dump's inputs)."""
     from bnprobe.adapters.dump import record, write_dump
     from bnprobe.reports import atomic_write_bytes, atomic_write_text, check_targets, dumps_json
 
@@ -168,19 +296,28 @@ def write_shrink(result: ShrinkResult, out: str | Path, *, adapter: str, dtype: 
     atomic_write_bytes(xpath, buf.getvalue())
     c = result.x.shape[1]
     files = [xpath]
+    modes = ("train", "infer") if result.x.size // c < 2 else ("train", "infer", "backward")
     try:
-        rec = record(get_adapter(adapter), x=result.x, gamma=None, beta=None, running_mean=np.zeros(c),
-                     running_var=np.ones(c), dy=np.ones_like(result.x), dtype=dtype,
-                     modes=("train", "infer") if result.x.size // c < 2 else ("train", "infer", "backward"),
-                     meta={"shrunk_from": list(result.original_shape)})
+        if recorded is not None:
+            rec = recorded.channels(result.channels).record(get_adapter(adapter), result.x, dtype, modes)
+            rec.meta["shrunk_from"] = list(result.original_shape)
+        else:
+            rec = record(get_adapter(adapter), x=result.x, gamma=None, beta=None, running_mean=np.zeros(c),
+                         running_var=np.ones(c), dy=np.ones_like(result.x), dtype=dtype, modes=modes,
+                         meta={"shrunk_from": list(result.original_shape)})
         files += write_dump(rec, out / "dump")
     except BNProbeError as exc:  # the dump is a convenience; the replay command is what matters
+        if recorded is not None:
+            raise
         result.steps.append(f"no dump written: {exc}")
+    # with recorded parameters the replay reruns the adapter on the dump's inputs (x, γ, β, eps, ...)
+    given = f"--input {out / 'dump'}" if recorded is not None else f"--dtype {dtype} --input {xpath}"
     if predicate == "overflow":
-        cmd = f"bnprobe overflow --adapter {shlex.quote(adapter)} --dtype {dtype} --mode {mode} --input {xpath}"
+        cmd = f"bnprobe overflow --adapter {shlex.quote(adapter)} --mode {mode} {given}"
     else:
-        cmd = (f"bnprobe compare-precision --adapters {shlex.quote(adapter)} --dtypes {dtype} --mode {mode} "
-               f"--input {xpath} --no-budget --out {out / 'replay-report'}")
+        given = f"--input {out / 'dump'}" if recorded is not None else f"--dtypes {dtype} --input {xpath}"
+        cmd = (f"bnprobe compare-precision --adapters {shlex.quote(adapter)} --mode {mode} {given} --no-budget "
+               f"--out {out / 'replay-report'}")
     atomic_write_text(jpath, dumps_json({**result.to_dict(), "adapter": adapter, "dtype": dtype, "mode": mode,
                                          "predicate": predicate, "replay": cmd}))
     files.append(jpath)

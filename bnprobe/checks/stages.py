@@ -1,4 +1,5 @@
-"""Stage-by-stage comparison of an emulated run against its FP64 golden on the same rounded inputs."""
+"""Stage-by-stage comparison of an emulated run against its FP64 golden on the same rounded inputs
+(generated ones, or a recorded call's own inputs and scalars: :func:`trace_recorded`)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from bnprobe.formats import get_format
 from bnprobe.kernels import backward, forward_infer, forward_train, get_policy
 from bnprobe.kernels.policy import Policy
 from bnprobe.kernels.trace import Trace
-from bnprobe.numerics.rounding import round_to
+from bnprobe.numerics.rounding import is_representable, round_to
 
-__all__ = ["StageError", "TraceComparison", "stage_errors", "trace_run", "MODES"]
+__all__ = ["StageError", "TraceComparison", "stage_errors", "trace_run", "trace_recorded", "MODES"]
 
 MODES: tuple[str, ...] = ("train", "infer", "backward")
 
@@ -134,3 +135,38 @@ def trace_run(
     meta.pop("policy_detail", None)
     return TraceComparison(policy=pol, mode=mode, shape=tuple(np.shape(x)), meta=meta,
                            rows=stage_errors(res.trace, ref.trace), trace=res.trace, golden=ref.trace)
+
+
+def trace_recorded(rec: Any, *, policy: str | Policy | None = None, mode: str | None = None,
+                   label: str = "") -> TraceComparison:
+    """One recorded call (a :class:`~bnprobe.adapters.dump.Recording`) traced on its own inputs and scalars
+    (x, γ, β, running statistics, dy, eps, momentum, layout) under ``policy`` — default: the preset of the
+    recorded format with the recorded parameter format — in ``mode`` (default: the call's own).  A policy
+    that would round the recorded inputs, or a mode the call did not record, is an error."""
+    name = label or str(rec.meta.get("call") or rec.source or "the recorded call")
+    fmt = rec.dtype
+    pol = get_policy(policy) if policy is not None else get_policy(fmt).with_options(params=rec.params)
+    if pol.storage != fmt:
+        raise BNProbeError(f"policy {pol.name} stores {pol.storage}, but {name} was recorded in {fmt}: its inputs "
+                           f"would be rounded; give a {fmt} policy (or leave --policy out)")
+    ci = rec.call_inputs()
+    for key in ("gamma", "beta", "running_mean", "running_var"):
+        v = ci[key]
+        if v is not None and not is_representable(np.asarray(v, dtype=np.float64), pol.params_format).all():
+            raise BNProbeError(f"policy {pol.name} keeps parameters in {pol.params_format}, but {name}'s {key} is "
+                               f"{rec.params}: it would be rounded; give a policy with params={rec.params}")
+    mode = mode or ("train" if rec.training else "infer")
+    if mode not in MODES:
+        raise BNProbeError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
+    if mode == "backward" and not ("backward" in rec.tensors and rec.training):
+        raise BNProbeError(f"--mode backward contradicts the recording: {name} has no training-mode backward "
+                           f"(it recorded {', '.join(rec.modes)})")
+    if mode != "backward" and mode not in rec.tensors:
+        raise BNProbeError(f"--mode {mode} contradicts the recording: {name} recorded no {mode} call (it recorded "
+                           f"{', '.join(rec.modes)})")
+    src = rec.tensors["infer" if mode == "infer" else ("train" if "train" in rec.tensors else "backward")]["inputs"]
+    dy = rec.tensors["backward"]["inputs"]["dy"] if mode == "backward" else None
+    return trace_run(src["x"], policy=pol, mode=mode, gamma=src.get("gamma", ci["gamma"]),
+                     beta=src.get("beta", ci["beta"]), running_mean=src.get("running_mean"),
+                     running_var=src.get("running_var"), dy=dy, eps=rec.eps, momentum=rec.momentum,
+                     layout=rec.layout)

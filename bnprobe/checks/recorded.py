@@ -1,0 +1,325 @@
+"""Checks over the BatchNorm calls of a recording, each call on its own recorded inputs and scalars.
+
+A recording (the ``dump:DIR`` adapter, or ``--input DIR`` with a runnable adapter) holds calls made
+with their own x, γ, β, running statistics, eps, momentum, training flag, parameter format and dy.
+Each call is loaded, run through the kernel under test (the recording replayed, or a runnable adapter
+on the recorded inputs) and through the FP64 golden on exactly those inputs, checked and dropped:
+memory stays bounded by one call.  Options that describe generated input contradict a recording;
+:func:`check_options` rejects them before any work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bnprobe.adapters import KernelAdapter, Saved, get_adapter
+from bnprobe.adapters.dump import CALLS_NAME, META_NAME, CallRef, DumpAdapter, RecordedCalls, Recording, open_dump
+from bnprobe.errors import BNProbeError
+from bnprobe.formats import get_format
+from bnprobe.kernels.layout import layout_of
+
+__all__ = ["Recorded", "CallRun", "PerCall", "recording_of", "is_dump_path", "check_options", "runs", "run_call",
+           "given", "refuse", "one_call", "OUTPUT_MODE"]
+
+# each output a check can judge, and the mode whose call returns it
+OUTPUT_MODE = {"y_train": "train", "saved_mean": "train", "saved_invstd": "train", "running_mean": "train",
+               "running_var": "train", "y_infer": "infer", "dx": "backward", "dgamma": "backward",
+               "dbeta": "backward"}
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What a check runs over: the kernel under test and the recorded calls that give its inputs."""
+
+    kernel: KernelAdapter
+    calls: RecordedCalls
+
+    @property
+    def replay(self) -> bool:
+        """True when the kernel is the recording itself (its outputs are the recorded ones)."""
+        return isinstance(self.kernel, DumpAdapter)
+
+
+def is_dump_path(path: str | Path) -> bool:
+    """Whether ``--input`` names a dump (a folder, ``DIR#NAME``, or a dump's JSON) rather than a tensor file."""
+    head = Path(str(path).partition("#")[0])
+    return head.is_dir() or head.name in (META_NAME, CALLS_NAME, "dump.json")
+
+
+def recording_of(adapter: str | KernelAdapter, input: str | Path | None = None,
+                 calls: str | None = None) -> Recorded | None:
+    """The recording a command runs over: ``adapter`` when it is a dump, or the dump ``input`` names (with
+    a runnable adapter); ``calls`` selects calls by glob.  None when neither is a recording."""
+    a = get_adapter(adapter) if isinstance(adapter, str) else adapter
+    dump_input = input is not None and is_dump_path(input)
+    if isinstance(a, DumpAdapter):
+        if input is not None:
+            raise BNProbeError(f"--input and the dump adapter {a.name} both give the inputs: a dump runs on its own "
+                               "recorded inputs; drop --input")
+        return Recorded(a, a.calls.select(calls))
+    if dump_input:
+        return Recorded(a, open_dump(input, calls))  # type: ignore[arg-type]
+    if calls is not None:
+        raise BNProbeError("--calls selects recorded calls: give a dump (--adapter dump:DIR or --input DIR)")
+    return None
+
+
+def given(**options: Any) -> tuple[str, ...]:
+    """The command-line names (``--shape``, ...) of the options that were given (not None)."""
+    return tuple(f"--{k.replace('_', '-')}" for k, v in options.items() if v is not None)
+
+
+def one_call(spec: str | Path, calls: str | None = None, what: str = "this command") -> tuple[CallRef, Recording]:
+    """The one recorded call a dump (``DIR``, ``DIR#NAME``; ``calls`` a glob) selects, loaded."""
+    found = open_dump(spec, calls)
+    found.require_tensors(what)
+    if len(found.calls) != 1:
+        shown = ", ".join(c.label for c in found.calls[:4]) + (", ..." if len(found.calls) > 4 else "")
+        raise BNProbeError(f"{found.source} holds {len(found.calls)} BatchNorm calls ({shown}); {what} takes one: "
+                           "select it with DIR#NAME or --calls")
+    c = found.calls[0]
+    return c, c.load()
+
+
+def refuse(names: tuple[str, ...], source: str) -> None:
+    """Options of generated input (``names``, as given) contradict a recording: a one-line error naming them."""
+    if names:
+        raise BNProbeError(f"{', '.join(names)} contradict{'s' if len(names) == 1 else ''} the recording {source}: "
+                           "its calls bring their own inputs and scalars")
+
+
+def check_options(recorded: Recorded, *, given: tuple[str, ...] = (), dtype: str | None = None,
+                  mode: str | None = None) -> None:
+    """Refuse, before any work, options that contradict the recording: ``given`` names options of generated
+    input that were set; ``dtype`` must be every selected call's format; ``mode`` one every call recorded."""
+    refuse(given, recorded.calls.source)
+    calls = recorded.calls.calls
+    if dtype is not None:
+        fmt = get_format(dtype).name
+        off = [c for c in calls if c.dtype != fmt]
+        if off:
+            more = f" (and {len(off) - 1} more)" if len(off) > 1 else ""
+            raise BNProbeError(f"--dtype {fmt} contradicts the recording: {off[0].label} was recorded in "
+                               f"{off[0].dtype}{more}; select calls with --calls")
+    if not recorded.replay:
+        runs_ = recorded.kernel.capabilities().formats
+        off = [c for c in calls if c.dtype not in runs_]
+        if off:
+            raise BNProbeError(f"adapter {recorded.kernel.name} does not run {off[0].dtype} (it runs "
+                               f"{', '.join(runs_)}), the format of recorded call {off[0].label}")
+    if mode is not None:
+        for c in calls:
+            why = ("was recorded in eval mode" if mode == "train" and not c.training else
+                   "has no recorded backward" if mode == "backward" and not c.has_backward else "")
+            if mode == "infer" and c.training:  # a bnprobe dump may hold a training call's inference too
+                has_infer = recorded.calls.kind != "msprobe" and "infer" in getattr(c.load(), "tensors", {})
+                why = "" if has_infer else "was recorded in training mode (no inference call)"
+            if why:
+                raise BNProbeError(f"--mode {mode} contradicts the recording: {c.label} {why}; leave --mode out "
+                                   "to check what each call recorded, or select calls with --calls")
+
+
+@dataclass
+class CallRun:
+    """One recorded call through the kernel under test and through the FP64 golden, on the recorded inputs.
+
+    ``got`` and ``gold`` map the outputs (names of :data:`OUTPUT_MODE`) to arrays: the kernel's in the
+    dtype it returned them in, the golden's in float64 (``gold`` may also hold the running statistics'
+    update that a recording lacks).  ``scales`` holds, per channel, the natural magnitude of the outputs
+    that can cancel to near zero (what they are formed from)."""
+
+    index: int
+    label: str
+    kernel: str
+    rec: Recording
+    modes: tuple[str, ...]
+    got: dict[str, np.ndarray] = field(default_factory=dict)
+    gold: dict[str, np.ndarray] = field(default_factory=dict)
+    formats: dict[str, str] = field(default_factory=dict)  # the format each output was returned in
+    gold_saved: Saved | None = None  # the golden's statistics of a training call (its batch mean and variance)
+    scales: dict[str, np.ndarray] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fmt(self) -> str:
+        return self.rec.dtype
+
+    @property
+    def eps(self) -> float:
+        return self.rec.eps
+
+    @property
+    def inputs(self) -> dict[str, Any]:
+        """The recorded inputs and scalars (``Recording.call_inputs``)."""
+        return self.rec.call_inputs()
+
+    def put(self, key: str, got: Any, gold: Any, fmt: str) -> None:
+        """Keep an output of both; ``fmt`` is the format it was returned in unless its dtype says otherwise."""
+        dt = np.asarray(got).dtype
+        self.got[key], self.gold[key] = got, np.asarray(gold, dtype=np.float64)
+        self.formats[key] = fmt if dt == np.float64 else get_format(dt).name
+
+
+def run_call(kernel: KernelAdapter, rec: Recording, *, modes: tuple[str, ...] | None = None, index: int = 0,
+             label: str | None = None, ref: KernelAdapter | None = None, skip_missing: bool = False) -> CallRun:
+    """Run one recorded call: the kernel (a dump is bound to this call and replays it) and the golden, each
+    on the call's recorded inputs, scalars and formats, in ``modes`` (default: every mode it recorded).
+    A mode the call did not record is an error, or with ``skip_missing`` left out."""
+    ref = ref or get_adapter("reference")
+    name = label or str(rec.meta.get("call") or rec.source or rec.adapter)
+    k = kernel.bind(rec) if isinstance(kernel, DumpAdapter) else kernel
+    wanted = rec.modes if modes is None else tuple(modes)
+    missing = [m for m in wanted if m not in rec.tensors]
+    if skip_missing:
+        wanted, missing = tuple(m for m in wanted if m in rec.tensors), []
+    if missing:
+        raise BNProbeError(f"{name} recorded no {missing[0]} call (it recorded {', '.join(rec.modes)})")
+    run = CallRun(index, name, k.name, rec, wanted)
+    ci = rec.call_inputs()
+    out_fmt = k.capabilities().output or rec.dtype  # y and dx (the reference returns float64 values)
+    vec_fmt = "fp64" if k.capabilities().output == "fp64" else rec.params
+    eps, mom, training = rec.eps, rec.momentum, rec.training
+    common: dict[str, Any] = dict(dtype=rec.dtype, eps=eps, layout=rec.layout, params=ci["params"])
+    lay = layout_of(ci["x"], rec.layout)
+    gold_t = None
+    if training and ("train" in wanted or "backward" in wanted):
+        if lay.reduce_size < 2:
+            run.notes.append("N*H*W = 1: the training golden is undefined; training outputs not checked")
+            wanted = tuple(m for m in wanted if m == "infer")
+            run.modes = wanted
+        else:
+            gold_t = ref.forward_train(ci["x"], ci["gamma"], ci["beta"], ci["running_mean"], ci["running_var"],
+                                       momentum=mom, **common)
+            run.gold_saved = gold_t.saved
+    saved: Saved | None = None
+    if "train" in wanted and gold_t is not None:
+        ins = rec.tensors["train"]["inputs"]
+        out = k.forward_train(ins["x"], ins.get("gamma"), ins.get("beta"), ins.get("running_mean"),
+                              ins.get("running_var"), momentum=mom, **common)
+        saved = out.saved
+        run.put("y_train", out.y, gold_t.y, out_fmt)
+        if out.saved is not None:
+            sf = get_format(np.asarray(out.saved.value).dtype).name
+            run.put("saved_mean", out.saved.mean, gold_t.saved.mean, sf)
+            inv = out.saved.invstd(eps)  # a saved variance is judged through the invstd it stands for
+            run.put("saved_invstd", inv.astype(np.asarray(out.saved.value).dtype) if out.saved.kind == "invstd"
+                    else inv, gold_t.saved.invstd(eps), sf)
+        if out.running_mean is not None and out.running_var is not None and gold_t.running_mean is not None:
+            run.put("running_mean", out.running_mean, gold_t.running_mean, vec_fmt)
+            run.put("running_var", out.running_var, gold_t.running_var, vec_fmt)
+        elif gold_t.running_mean is not None:  # not recorded (updated in place): the golden's update only
+            run.gold["running_mean"] = np.asarray(gold_t.running_mean, dtype=np.float64)
+            run.gold["running_var"] = np.asarray(gold_t.running_var, dtype=np.float64)
+    if "infer" in wanted:
+        ins = rec.tensors["infer"]["inputs"]
+        args = (ins["x"], ins.get("gamma"), ins.get("beta"), ins.get("running_mean"), ins.get("running_var"))
+        run.put("y_infer", k.forward_infer(*args, **common).y, ref.forward_infer(*args, **common).y, out_fmt)
+    bw_ins = rec.tensors.get("backward", {}).get("inputs", {})
+    if "backward" in wanted and bw_ins.get("dy") is not None and (gold_t is not None or not training):
+        x, g, dy = bw_ins["x"], bw_ins.get("gamma"), bw_ins["dy"]
+        if training:
+            if saved is None and k.capabilities().saved != "none" and ("train" in rec.tensors or
+                                                                       not isinstance(k, DumpAdapter)):
+                ins = rec.tensors.get("train", {}).get("inputs", {"x": x, "gamma": g})
+                saved = k.forward_train(ins["x"], ins.get("gamma"), ins.get("beta"), ins.get("running_mean"),
+                                        ins.get("running_var"), momentum=mom, **common).saved
+            # a call recorded without its saved statistics (msprobe's functional batch_norm) recomputes them
+            mine, gold_saved = (saved if saved is not None else gold_t.saved), gold_t.saved  # type: ignore[union-attr]
+        else:
+            rm = bw_ins.get("saved_mean", ci["running_mean"])
+            rv = bw_ins.get("saved_value", ci["running_var"])
+            mine = gold_saved = Saved(np.asarray(rm, dtype=np.float64), "var", np.asarray(rv, dtype=np.float64))
+        got = k.backward(dy, x, g, mine, training=training, **common)
+        gb = ref.backward(dy, x, g, gold_saved, training=training, **common)
+        run.put("dx", got.dx, gb.dx, out_fmt)
+        if got.meta.get("affine") is not False:
+            run.put("dgamma", got.dgamma, gb.dgamma, vec_fmt)
+            run.put("dbeta", got.dbeta, gb.dbeta, vec_fmt)
+        run.scales.update(_backward_scales(x, dy, g, gold_saved, eps, rec.layout))
+    elif "backward" in wanted:
+        run.notes.append("no backward recorded (no dy)")
+    if "x" in ci and ("saved_mean" in run.got or "running_mean" in run.got):
+        xcr = lay.to_cr(ci["x"])
+        with np.errstate(all="ignore"):
+            mean_abs = np.nanmean(np.abs(xcr), axis=1)
+        run.scales["saved_mean"] = mean_abs
+        rm = ci["running_mean"]
+        m = 0.0 if mom is None else mom
+        run.scales["running_mean"] = np.maximum(np.abs(rm) if rm is not None else 0.0, m * mean_abs)
+    return run
+
+
+def _backward_scales(x: np.ndarray, dy: np.ndarray, gamma: np.ndarray | None, saved: Saved, eps: float,
+                     layout: str) -> dict[str, np.ndarray]:
+    """Per channel, the magnitudes the gradients are formed from: dβ = Σdy against Σ|dy|, dγ = Σdy·x̂ against
+    Σ|dy·x̂|, dx against γ·rstd·(max|dy| + |mean dy| + max|x̂|·|mean(dy·x̂)|)."""
+    lay = layout_of(x, layout)
+    xcr, dycr = lay.to_cr(x), lay.to_cr(dy)
+    mean, var = np.asarray(saved.mean, dtype=np.float64), saved.var(eps)
+    with np.errstate(all="ignore"):
+        rstd = 1.0 / np.sqrt(var + eps)
+        xhat = (xcr - mean[:, None]) * rstd[:, None]
+        g = np.ones(lay.channels) if gamma is None else np.abs(np.asarray(gamma, dtype=np.float64))
+        prod = dycr * xhat
+        dx = g * rstd * (np.nanmax(np.abs(dycr), axis=1) + np.abs(np.nanmean(dycr, axis=1))
+                         + np.nanmax(np.abs(xhat), axis=1) * np.abs(np.nanmean(prod, axis=1)))
+        return {"dx": dx, "dgamma": np.nansum(np.abs(prod), axis=1), "dbeta": np.nansum(np.abs(dycr), axis=1)}
+
+
+def runs(recorded: Recorded, modes: tuple[str, ...] | None = None,
+         skip_missing: bool = False) -> Iterator[tuple[int, CallRef, CallRun]]:
+    """(index, CallRef, CallRun) for every selected call in forward order, one call in memory at a time
+    (``modes``: the modes to run, None for every mode each call recorded; see :func:`run_call`)."""
+    recorded.calls.require_tensors("running a recorded call")
+    ref = get_adapter("reference")
+    # only outputs are compared: the instrumented kernels keep counters, not every intermediate (restored after)
+    ref.keep_arrays = False  # type: ignore[attr-defined]
+    kernel = recorded.kernel
+    kept = getattr(kernel, "keep_arrays", None)
+    if kept is not None:
+        kernel.keep_arrays = False  # type: ignore[attr-defined]
+    try:
+        for i, c in enumerate(recorded.calls.calls):
+            rec = c.load()
+            yield i, c, run_call(kernel, rec, modes=modes, index=i, label=c.label, ref=ref,
+                                 skip_missing=skip_missing)
+    finally:
+        if kept is not None:
+            kernel.keep_arrays = kept  # type: ignore[attr-defined]
+
+
+@dataclass
+class PerCall:
+    """A check's results over the calls of a recording, in forward order: one result per call, each
+    truthy when its call passed; truthy when every call passed."""
+
+    check: str
+    kernel: str
+    source: str
+    kind: str
+    results: list[Any]
+    notes: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return all(bool(r) for r in self.results)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self)
+
+    def to_frame(self):  # -> pandas.DataFrame
+        """The results' frames (each with its call column) one after the other."""
+        import pandas as pd
+
+        frames = [r.to_frame() for r in self.results if hasattr(r, "to_frame")]
+        frames = [f for f in frames if len(f)]
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"check": self.check, "adapter": self.kernel, "source": self.source, "kind": self.kind,
+                "passed": bool(self), "notes": self.notes, "calls": [r.to_dict() for r in self.results]}
