@@ -540,12 +540,11 @@ def compare_precision_cmd(
     what = f"{len(cases)} recorded call(s) of {recorded.source}" if recorded is not None else f"{len(cases)} inputs"
     n_fail = int((result.rows["verdict"] == "FAIL").sum()) if len(result.rows) else 0
     n_warn = int((result.rows["format_check"] == "WARN").sum()) if len(result.rows) else 0
-    judged = (f"against the bench ({result.meta['bench']}) by msprobe's benchmark method"
-              if result.meta["rule"] == "benchmark" else f"by the absolute rule '{result.meta['rule']}'")
-    typer.echo(f"compare-precision: {what}, {len(result.rows)} outputs compared with the FP64 golden in "
-               f"{result.meta['seconds']} s, judged {judged}: "
-               + ("all pass" if result.passed else f"{n_fail} fail")
-               + f"; {n_warn} format warning(s) (error over msprobe's absolute standard; not a kernel fault)")
+    judged = (f"benchmark vs {result.meta['bench']}" if result.meta["rule"] == "benchmark"
+              else f"absolute rule {result.meta['rule']}")
+    typer.echo(f"compare-precision: {what}, {len(result.rows)} outputs vs the FP64 golden ({judged}), "
+               f"{result.meta['seconds']} s: " + ("all pass" if result.passed else f"{n_fail} fail")
+               + f"; {n_warn} format warning(s)")
     typer.echo(render_table(rows, ["adapter", "dtype", "checked", "failed", "worst", "worst / bound",
                                    "format_warnings", "format_worst", "budget"],
                             headers=["adapter", "format", "outputs", "failed", "worst output", "worst/bound",
