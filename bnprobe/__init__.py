@@ -2,54 +2,58 @@
 
 An FP64 golden, exact FP32/FP16/BF16 emulation of every operation, and
 instrumented BatchNorm kernels whose Trace records every intermediate.
+
+The public names are imported on first use, so ``import bnprobe`` (and ``bnprobe --help``) stays fast.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from bnprobe.errors import BNProbeError
-from bnprobe.formats import FORMATS, Format, get_format
-from bnprobe.kernels import (
-    PRESETS,
-    BackwardResult,
-    InferResult,
-    Policy,
-    Stage,
-    Trace,
-    TrainResult,
-    backward,
-    forward_infer,
-    forward_train,
-    get_policy,
-)
-from bnprobe.numerics.rounding import round_to
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "__version__",
-    "BNProbeError",
-    "Format",
-    "FORMATS",
-    "get_format",
-    "round_to",
-    "Policy",
-    "PRESETS",
-    "get_policy",
-    "forward_train",
-    "forward_infer",
-    "backward",
-    "TrainResult",
-    "InferResult",
-    "BackwardResult",
-    "Trace",
-    "Stage",
-    "capture",
-    "Capture",
-]
+# public name -> the module that defines it
+_LAZY = {
+    "FORMATS": "bnprobe.formats", "Format": "bnprobe.formats", "get_format": "bnprobe.formats",
+    "round_to": "bnprobe.numerics.rounding",
+    **{n: "bnprobe.kernels" for n in ("PRESETS", "BackwardResult", "InferResult", "Policy", "Stage", "Trace",
+                                      "TrainResult", "backward", "forward_infer", "forward_train", "get_policy")},
+    "capture": "bnprobe._capture", "Capture": "bnprobe._capture",
+}
+
+__all__ = ["__version__", "BNProbeError", "FORMATS", "Format", "get_format", "round_to", "PRESETS", "BackwardResult",
+           "InferResult", "Policy", "Stage", "Trace", "TrainResult", "backward", "forward_infer", "forward_train",
+           "get_policy", "capture", "Capture"]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from bnprobe._capture import Capture, capture
+    from bnprobe.formats import FORMATS, Format, get_format
+    from bnprobe.kernels import (
+        PRESETS,
+        BackwardResult,
+        InferResult,
+        Policy,
+        Stage,
+        Trace,
+        TrainResult,
+        backward,
+        forward_infer,
+        forward_train,
+        get_policy,
+    )
+    from bnprobe.numerics.rounding import round_to
 
 
 def __getattr__(name: str) -> object:
-    """``capture`` and ``Capture`` are imported on first use (they pull in the dump readers)."""
-    if name in ("capture", "Capture"):
-        from bnprobe import _capture
-
-        return getattr(_capture, name)
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'bnprobe' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

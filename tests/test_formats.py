@@ -67,3 +67,17 @@ def test_holds_is_exact_inclusion_of_the_value_sets():
                 assert np.all(vals.astype(big.dtype).astype(np.float64) == vals), (big.name, small.name)
     assert FORMATS["fp32"].holds(FORMATS["bf16"]) and FORMATS["fp32"].holds(FORMATS["fp16"])
     assert not FORMATS["bf16"].holds(FORMATS["fp16"]) and not FORMATS["fp16"].holds(FORMATS["bf16"])
+
+
+def test_the_package_imports_its_public_names_on_first_use():
+    """``import bnprobe`` loads neither numpy-heavy modules nor torch until a name is used, and every name in
+    __all__ resolves."""
+    import subprocess
+    import sys
+
+    code = ("import sys, bnprobe\n"
+            "assert 'bnprobe.kernels' not in sys.modules and 'ml_dtypes' not in sys.modules, sorted(sys.modules)\n"
+            "[getattr(bnprobe, n) for n in bnprobe.__all__]\n"
+            "assert 'torch' not in sys.modules\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
