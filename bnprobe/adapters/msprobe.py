@@ -165,7 +165,7 @@ def msprobe_calls(path: str | Path) -> tuple[list[MsprobeCall], list[str]]:
                 name=prefix + call, api=call, dump_json=dj, module=construct.get(key), task=task,
                 shape=_shape(x, where), dtype=_fmt(x, where), training=training,
                 has_backward=f"{call}.backward" in data,
-                load=_loader(dj, call, task)))
+                load=_loader(dj, call, task, construct.get(key))))
             found += 1
         modules = [k for k in data if k.startswith("Module.") and ".BatchNorm" in k and ".forward." in k]
         if not found and modules:
@@ -189,10 +189,10 @@ def _construct(folder: Path) -> dict[str, str]:
     return {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(doc, dict) else {}
 
 
-def _loader(dj: Path, call: str, task: str) -> Callable[[], Any]:
+def _loader(dj: Path, call: str, task: str, module: str | None = None) -> Callable[[], Any]:
     def load() -> Any:
         doc = _read_json(dj)
-        return read_call(dj, doc, call) if task == "tensor" else read_summaries(dj, doc, call)
+        return read_call(dj, doc, call, module) if task == "tensor" else read_summaries(dj, doc, call)
 
     return load
 
@@ -238,8 +238,10 @@ def _load_tensor(folder: Path, entry: dict[str, Any], where: str) -> tuple[np.nd
     return a, fmt
 
 
-def read_call(dj: Path, doc: dict[str, Any], call: str) -> Any:
-    """One BatchNorm call of an msprobe tensor dump as a Recording (forward, and backward when dumped)."""
+def read_call(dj: Path, doc: dict[str, Any], call: str, module: str | None = None) -> Any:
+    """One BatchNorm call of an msprobe tensor dump as a Recording (forward, and backward when dumped).
+    ``module``: the enclosing module's forward record (mix level), whose ``parameters_grad`` record is
+    checked against the call's dγ and dβ."""
     from bnprobe.adapters.dump import Recording
 
     data = doc["data"]
@@ -288,7 +290,31 @@ def read_call(dj: Path, doc: dict[str, Any], call: str) -> Any:
     bwd = data.get(f"{call}.backward")
     if bwd is not None:
         _read_backward(rec, base, where, call, bwd, tensors, formats, outputs, out_formats)
+        if module:
+            _check_parameters_grad(rec, data, base, module)
     return rec
+
+
+def _check_parameters_grad(rec: Any, data: dict[str, Any], base: Path, module: str) -> None:
+    """The mix level's ``Module.<path>.<Class>.parameters_grad.K`` holds the module's weight and bias gradients:
+    they equal the kernel's dγ and dβ unless the module ran more than once (they accumulate); say which."""
+    key = module.replace(".forward.", ".parameters_grad.")
+    pg = data.get(key)
+    outs = rec.tensors["backward"]["outputs"]
+    if not isinstance(pg, dict):
+        return
+    for ours, theirs in (("dgamma", "weight"), ("dbeta", "bias")):
+        entries = pg.get(theirs)
+        entries = [e for e in (entries if isinstance(entries, list) else [entries]) if _is_tensor(e)]
+        if not entries or ours not in outs:
+            continue
+        a, _ = _load_tensor(base, entries[0], f"{key} {theirs}")
+        same = a.shape == outs[ours].shape and np.array_equal(a, outs[ours], equal_nan=True)
+        rec.meta.setdefault("checks", []).append(f"{key} {theirs} {'equals' if same else 'differs from'} {ours}")
+        if not same:
+            rec.meta.setdefault("notes", []).append(
+                f"{key}: the module's {theirs} gradient differs from the kernel's {ours} (the module ran more than "
+                "once, so its parameter gradients accumulate); the kernel's own output is judged")
 
 
 def _number(v: Any, what: str, call: str, where: str) -> float:

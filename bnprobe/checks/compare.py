@@ -641,6 +641,7 @@ def compare_precision(
     rows: list[dict[str, Any]] = []
     chans: list[dict[str, Any]] = []
     budgets: list[dict[str, Any]] = []
+    notes: list[str] = []
     total = sum(1 if c.call is not None else len(fmts) for c in cases) * len(resolved)
     done = 0
     t0 = time.monotonic()
@@ -654,6 +655,7 @@ def compare_precision(
             if case.call is not None:
                 rec = case.call.load()
                 _agree(case.name, rec, eps, momentum, params)
+                notes.extend(f"{case.name}: {n}" for n in rec.meta.get("notes", []))
                 per_fmt = [_recorded(rec, modes)]
             else:
                 x = case.make()
@@ -684,7 +686,7 @@ def compare_precision(
                       for c in cases],
             "recorded": any(c.call is not None for c in cases),
             "seconds": round(time.monotonic() - t0, 3), "standards": "msprobe" if standards is None else "custom",
-            "rule": rule, "bench": bench_a.name if bench_a is not None else None}
+            "rule": rule, "bench": bench_a.name if bench_a is not None else None, "notes": notes}
     if dumps:
         meta["dump"] = {"source": dumps[0].calls.source, "kind": dumps[0].calls.kind,
                         "notes": list(dumps[0].calls.notes)}
@@ -770,7 +772,7 @@ def markdown_summary(result: CompareResult) -> str:
                   "First call that fails: " + (f"#{first['order']} {first['call']} ({first['failing']}, "
                                                       f"{first['adapter']})" if first else "none") + ".", "",
                   markdown_table(pd.DataFrame(per_call(result))), ""]
-        for n in result.meta.get("dump", {}).get("notes", []):
+        for n in [*result.meta.get("dump", {}).get("notes", []), *result.meta.get("notes", [])]:
             lines += [f"Note: {n}", ""]
     fails = result.rows[result.rows["verdict"] == "FAIL"] if len(result.rows) else result.rows
     if len(fails):

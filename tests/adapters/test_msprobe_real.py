@@ -67,6 +67,18 @@ def test_each_call_reads_and_replays_torch_bit_for_bit(msprobe_dumps, name):
                        **{**common, "eps": ci["eps"] * 2})
 
 
+@pytest.mark.parametrize("name", ["mix-fp32", "mix-fp16"])
+def test_mix_level_parameter_gradients_are_checked_against_the_kernel(msprobe_dumps, name):
+    root, manifest = msprobe_dumps
+    d = manifest["dumps"][name]
+    for ref, want in zip(open_dump(root / d["dump_path"]).calls, d["calls"]):
+        rec = ref.load()
+        if want["mix_module"] and want["has_backward"]:
+            assert rec.meta["checks"] == [f"{ref.module.replace('.forward.', '.parameters_grad.')} {p} equals {g}"
+                                          for p, g in (("weight", "dgamma"), ("bias", "dbeta"))]
+            assert not rec.meta.get("notes")
+
+
 def test_a_dump_json_path_and_a_call_selection(msprobe_dumps):
     root, manifest = msprobe_dumps
     d = manifest["dumps"]["mix-fp32"]
