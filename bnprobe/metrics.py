@@ -27,6 +27,14 @@ import numpy as np
 
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import Format, get_format
+from bnprobe.tolerances import (  # msprobe 26.2.0's constants, with every other threshold (re-exported here)
+    MSPROBE_BENCHMARK_APIS,
+    MSPROBE_BENCHMARK_LIMITS,
+    MSPROBE_CHECKER,
+    MSPROBE_COMPARE_LIMITS,
+    MSPROBE_CSV_DECIMALS,
+    CheckerStandard,
+)
 
 __all__ = ["Comparison", "compare", "cosine", "ulp_error", "min_atol", "min_rtol", "BenchmarkResult", "benchmark",
            "BENCHMARK_METRICS",
@@ -34,63 +42,6 @@ __all__ = ["Comparison", "compare", "cosine", "ulp_error", "min_atol", "min_rtol
            "MSPROBE_BENCHMARK_APIS", "MSPROBE_COMPARE_LIMITS", "MSPROBE_CSV_DECIMALS", "MSPROBE_ULP_BITS"]
 
 
-# ==== msprobe 26.2.0's constants: the ONE table of this module (to move to bnprobe/tolerances.py) ====
-# Each entry names where msprobe keeps it.
-
-@dataclass(frozen=True)
-class CheckerStandard:
-    """The accuracy checker's values for one output format (its benchmark method and ULP error)."""
-
-    device: type  # how it holds the device output (torch has no numpy bf16: bf16 is read as float32)
-    bench: type  # how it holds the golden, computed one precision level up (fp16/bf16 -> fp32, fp32 -> fp64)
-    rel_eps: float  # added to |golden| in relative errors (get_abs_bench_with_eps: the golden's eps, bf16 2^-8)
-    small_value: float  # |golden| <= this is a small value (StandardConfig._small_value)
-    small_value_atol: float  # a small value errs above this (StandardConfig._benchmark_small_value_atol)
-    error_floor: float  # floor of the bench metric in the ratios (StandardConfig._minmum_err)
-    ulp_mantissa: int  # ULP_PARAMETERS exponent_num
-    ulp_min_exp: int  # ULP_PARAMETERS min_eb
-    ulp_dtype: type  # get_ulp_err works in float64 for fp32 outputs, float32 otherwise
-    msprobe: bool = True  # False: msprobe has no such entry; bnprobe's extension with its "default" values
-
-
-_F32_EPS = float.fromhex("0x1p-23")  # 1.1920928955078125e-07, np.finfo(float32).eps
-_F64_EPS = float.fromhex("0x1p-52")  # 2.220446049250313e-16
-MSPROBE_CHECKER: dict[str, CheckerStandard] = {
-    "fp16": CheckerStandard(np.float16, np.float32, _F32_EPS, 2.0**-10, 1e-16, 2.0**-11, 10, -14, np.float32),
-    "bf16": CheckerStandard(np.float32, np.float32, 2.0**-8, 2.0**-10, 1e-16, 2.0**-8, 7, -126, np.float32),
-    "fp32": CheckerStandard(np.float32, np.float64, _F64_EPS, 2.0**-20, 2.0**-30, 2.0**-14, 23, -126, np.float64),
-    # msprobe skips float64 outputs and judges fp8 ones by ULP alone: its "default" entries, the formats' own ULP
-    "fp64": CheckerStandard(np.float64, np.float64, _F64_EPS, 2.0**-20, 2.0**-30, 2.0**-14, 52, -1022, np.float64,
-                            msprobe=False),
-    "fp8_e4m3fn": CheckerStandard(np.float32, np.float32, _F32_EPS, 2.0**-20, 2.0**-30, 2.0**-14, 3, -6, np.float64,
-                                  msprobe=False),
-    "fp8_e5m2": CheckerStandard(np.float32, np.float32, _F32_EPS, 2.0**-20, 2.0**-30, 2.0**-14, 2, -14, np.float64,
-                                msprobe=False),
-}
-# benchmark verdict: error when device metric / max(bench metric, error_floor) exceeds the limit
-# (StandardConfig.get_benchmark_ratio_threshold by API level; small_value and eb: get_benchmark_threshold).
-# Error balance is judged but left out of the result (BenchmarkPrecisionCompare._get_status).
-MSPROBE_BENCHMARK_LIMITS: dict[str, dict[str, float]] = {
-    "L0": {"small_value": 2.0, "rmse": 2.0, "max_rel": 10.0, "mean_rel": 2.0, "eb": 2.0},
-    "L1": {"small_value": 2.0, "rmse": 1.5, "max_rel": 5.0, "mean_rel": 1.5, "eb": 2.0},
-    "L2": {"small_value": 2.0, "rmse": 1.2, "max_rel": 2.0, "mean_rel": 1.2, "eb": 2.0},
-}
-MSPROBE_BENCHMARK_APIS: dict[str, frozenset[str]] = {  # StandardConfig.L1_API_LIST / L2_API_LIST; others L0
-    "L1": frozenset({"embedding", "npu_fusion_attention_grad", "npu_fusion_attention", "scatter_", "scatter_add_"}),
-    "L2": frozenset({"addmm", "npu_cross_entropy_loss", "npu_cross_entropy_loss_backward", "GELU", "layer_norm",
-                     "matmul", "mm", "index", "one_hot", "sum", "npu_rms_norm", "npu_rms_norm_backward",
-                     "nonzero"}),
-}
-MSPROBE_CSV_DECIMALS = 14  # the checker's detail CSV writes float64 metrics with this many decimals (precision)
-MSPROBE_COMPARE_LIMITS: dict[str, float] = {  # CompareConst
-    "thousandth": 0.001,  # THOUSAND_RATIO_THRESHOLD
-    "five_thousandths": 0.005,  # FIVE_THOUSAND_RATIO_THRESHOLD
-    "cosine_rounded_above": 0.9999,  # COSINE_THRESHOLD: a cosine above it is printed with 6 decimals
-    "decimals": 12,  # format_value
-    # check_accuracy: "No" when (cos < 0.99 and MaxAbsErr > 0.001) or cos < 0.9 or MaxAbsErr > 1
-    "cos": 0.99, "max_abs": 0.001, "cos_min": 0.9, "max_abs_max": 1.0,
-}
-# ==== end of msprobe's constants ======================================================================
 
 # msprobe's ULP: |actual - golden| * 2^(mantissa - e), e = floor(log2|golden|) clamped at the minimum exponent
 MSPROBE_ULP_BITS = {k: (s.ulp_mantissa, s.ulp_min_exp) for k, s in MSPROBE_CHECKER.items() if k[:3] != "fp8"}
