@@ -6,6 +6,8 @@ statistic and trace counter of the float32 route must equal it bit for bit,
 special values included.
 """
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -27,7 +29,7 @@ POLICIES = [
 
 
 def _inputs(kind: str, dtype: type) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(abs(hash(kind)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(kind.encode()))
     x = rng.standard_normal((4, 6, 3, 5))
     dy = rng.standard_normal(x.shape)
     if kind == "offset":  # large mean / small spread: cancellation in the statistics

@@ -1,5 +1,7 @@
 """The FP64 kernels against torch float64 (an independent implementation), to 1e-12 relative."""
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -29,7 +31,7 @@ def make(shape, seed, channels_last=False):
 @pytest.mark.parametrize("momentum", [0.1, 0.5, None])
 @pytest.mark.parametrize("eps", [1e-5, 1e-3])
 def test_train_forward_backward_match_torch(shape, momentum, eps):
-    x, g, b, rm, rv = make(shape, hash((shape, momentum, eps)) % 1000)
+    x, g, b, rm, rv = make(shape, zlib.crc32(repr((shape, momentum, eps)).encode()) % 1000)
     nbt = 3
     r = forward_train(x, g, b, rm, rv, momentum=momentum, eps=eps, policy=GOLD, num_batches_tracked=nbt)
     xt = torch.tensor(x, requires_grad=True)

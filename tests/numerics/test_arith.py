@@ -1,3 +1,4 @@
+import zlib
 from fractions import Fraction
 
 import numpy as np
@@ -34,7 +35,7 @@ OPS = {
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("op", list(OPS))
 def test_binary_ops_are_correctly_rounded(name, op):
-    rng = np.random.default_rng(hash((name, op)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr((name, op)).encode()))
     a, b = operands(name, 1500, rng), operands(name, 1500, rng)
     a, b = a[: min(a.size, b.size)], b[: min(a.size, b.size)]
     got = getattr(arith, op)(a, b, fmt=name)
