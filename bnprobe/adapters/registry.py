@@ -98,8 +98,8 @@ BUILTIN: dict[str, AdapterInfo] = {a.name: a for a in (
                 _reference),
     AdapterInfo("emulated", "bnprobe's instrumented kernels; the preset of the dtype, or emulated:<policy>",
                 _always, _emulated, "policy spec, e.g. fp16-acc16:variance=naive"),
-    AdapterInfo("careful", "the bench of compare-precision: each format's preset with the run's parameter format, "
-                "normalising with the statistics as stored", _always, _careful),
+    AdapterInfo("careful", "the bench of compare-precision: a careful kernel in the run's formats", _always,
+                _careful),
     AdapterInfo("ascend-tbe", "Ascend BNTrainingReduce + BNTrainingUpdate (910 / A2 / A3), atomic multi-core sums",
                 _always, _ascend("tbe"), "chip=910|910b|910_93|310p|310, cores=N, seed=S"),
     AdapterInfo("ascend-bnv3", "Ascend A2 BatchNormV3: pre-scaled two-pass below R=8192, 64-lane Welford above",
