@@ -583,6 +583,9 @@ def overflow_cmd(
     mode: Optional[str] = typer.Option(None, help="train (default), infer or backward; on a recording: every mode "
                                                   "each call recorded unless given."),
     eps: Optional[float] = typer.Option(None, help="BatchNorm epsilon (default 1e-5; a recording's own)."),
+    params: Optional[str] = typer.Option(None, help="Parameter format: fp32 (mixed precision, the default) or same "
+                                                    "(γ, β, running and saved statistics in the input's format); a "
+                                                    "recording's own."),
     out: Optional[Path] = typer.Option(None, help="Write CSV, JSON and Markdown to this folder."),
     force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
@@ -592,17 +595,18 @@ def overflow_cmd(
     msprobe statistics dump: its summaries). Exit 0 when clean, 1 when anomalies are found."""
     from bnprobe._table import render_table
     from bnprobe.checks.overflow import scan, scan_recorded
-    from bnprobe.checks.recorded import check_options, given, recording_of
+    from bnprobe.checks.recorded import check_options, check_params, given, recording_of
     from bnprobe.kernels.layout import check_eps
 
     if eps is not None:
         check_eps(eps)
+    check_params(params)
     if mode not in (None, "train", "infer", "backward"):
         raise BNProbeError(f"unknown mode {mode!r}; valid: train, infer, backward")
     recorded = recording_of(adapter, input, calls)
     if recorded is not None:
         check_options(recorded, given=given(shape=shape, dist=dist, mean=mean, std=std, seed=seed, eps=eps,
-                                            accumulate=accumulate), dtype=dtype, mode=mode)
+                                            accumulate=accumulate), dtype=dtype, mode=mode, params=params)
         run = scan_recorded(recorded, mode=mode)
         frame = run.to_frame()
         summary = []
@@ -644,7 +648,7 @@ def overflow_cmd(
     x = _input_tensor(input, shape or "8,16,14,14", dist or "normal", 0.0 if mean is None else mean,
                       1.0 if std is None else std, s)
     rep = scan(adapter, x, dtype=dtype or "fp16", accumulate=accumulate, mode=mode or "train",
-               eps=1e-5 if eps is None else eps, seed=s)
+               eps=1e-5 if eps is None else eps, seed=s, params=params)
     frame = rep.to_frame()
     head = [{**h.__dict__} for h in rep.headroom]
     table = render_table(frame.to_dict(orient="records"), ["anomaly", "stage", "format", "channels", "count",
@@ -661,7 +665,8 @@ def overflow_cmd(
     if as_json:
         typer.echo(dumps_json(rep.to_dict()))
         return 0 if rep.clean else 1
-    typer.echo(f"overflow scan of {rep.adapter} in {rep.dtype} ({rep.mode}): "
+    typer.echo(f"overflow scan of {rep.adapter} in {rep.dtype} ({rep.mode}"
+               + (f", params {params}" if params is not None else "") + "): "
                + ("clean" if rep.clean else f"{len(rep.findings)} finding(s)"))
     typer.echo(table)
     for f in rep.findings:

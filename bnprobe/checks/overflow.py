@@ -7,15 +7,17 @@ subnormal results, flush-to-zero, negative variance, and catastrophic cancellati
 lost in E[x²] − E[x]² or in x − mean, estimated from the statistics).  NaN/inf already in the input
 is reported as input-borne.  Before running, the headroom of each stage is predicted from the
 input's per-channel statistics alone; after, each finding's remedies are verified by rerunning.
-Adapters without a trace (torch) are checked at their outputs.
+Adapters without a trace (torch, plugins) are judged by their outputs against the FP64 golden on the
+same rounded inputs, exactly as a recording's are (below), and in training also by the inference the
+step's running statistics give (an inf running_var destroys it).
 
 A recording (:func:`scan_recorded`) has no trace and cannot be rerun: each call's recorded outputs are
 compared with the FP64 golden on the call's own inputs — NaN/inf where the golden is finite (and
 finite values where it is not), values beyond the format (overflow) or held at its maximum
 (saturation), outputs (channels) entirely zero or constant where the golden is not, the running
-statistics' update beyond its format, NaN/inf already in the inputs (input-borne) — with the headroom
-predicted from the recorded input.  An msprobe statistics-only dump is read from its summaries
-(max/min/mean/norm per tensor).
+statistics' update beyond its format, a saved invstd or running_var that underflows (to zero or to a
+subnormal), NaN/inf already in the inputs (input-borne) — with the headroom predicted from the recorded
+input.  An msprobe statistics-only dump is read from its summaries (max/min/mean/norm per tensor).
 """
 
 from __future__ import annotations
@@ -29,7 +31,16 @@ import numpy as np
 from bnprobe.adapters import KernelAdapter, get_adapter
 from bnprobe.adapters.dump import CallRef, DumpAdapter
 from bnprobe.adapters.emulated import PolicyAdapter
-from bnprobe.checks.recorded import CallRun, PerCall, Recorded, check_options, runs
+from bnprobe.checks.recorded import (
+    CallRun,
+    PerCall,
+    Recorded,
+    check_options,
+    check_params,
+    generated_call,
+    run_call,
+    runs,
+)
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.kernels import backward, forward_infer, forward_train, get_policy
@@ -339,13 +350,14 @@ def scan(
     running_var: np.ndarray | None = None,
     dy: np.ndarray | None = None,
     momentum: float | None = 0.1,
-    params: str = "fp32",
+    params: str | None = None,
 ) -> OverflowReport:
     """Find anomalies of one BatchNorm run of ``x`` in ``dtype`` (default fp16), ``mode`` (default train),
     with ``eps`` (default 1e-5).  ``accumulate`` (emulated adapters) sets the accumulator and compute
     format, e.g. fp16 for a naive port.  ``cancel_digits``: flag cancellation when this share of the
     accumulator's decimal digits is lost.  The running statistics (default: x's per-channel mean and
-    variance) and dy (default: seeded standard normal) can be given, as a recording has them.
+    variance) and dy (default: seeded standard normal) can be given, as a recording has them; ``params``:
+    γ, β and the running and saved statistics in fp32 (default) or the input's format (same).
 
     A dump adapter of one call is scanned on its recorded inputs, ``x`` None (:func:`scan_recorded`
     scans every call of a dump)."""
@@ -357,11 +369,13 @@ def scan(
                                      ("eps", eps), ("running_mean", running_mean), ("running_var", running_var),
                                      ("dy", dy)) if v is not None)
         recorded = Recorded(a, a.calls)
-        check_options(recorded, given=given, dtype=dtype, mode=mode)
+        check_options(recorded, given=given, dtype=dtype, mode=mode, params=params)
         if len(a.calls.calls) != 1:
             raise BNProbeError(f"{a.name} holds {len(a.calls.calls)} BatchNorm calls: scan_recorded scans each "
                                "(or select one with dump:DIR#NAME)")
         return scan_recorded(recorded, mode=mode).results[0]
+    check_params(params)
+    params = params or "fp32"
     if x is None:
         raise BNProbeError("scan needs an input tensor x")
     fmt = get_format(dtype or "fp16").name
@@ -380,7 +394,7 @@ def scan(
             np.asarray(running_var, dtype=np.float64)
     dy = rng.standard_normal(x.shape) if dy is None else np.asarray(dy, dtype=np.float64)
     if not isinstance(a, PolicyAdapter):
-        return _scan_outputs(a, x, fmt, mode, g, b, rm, rv, dy, eps, layout, lay, x_cr, momentum, params)
+        return _scan_outputs(a, x, fmt, mode, g, b, rm, rv, dy, eps, layout, momentum, params)
     pol = a.policy_for(round_to(x, fmt), dtype=fmt, mode=mode, layout=layout, params=params)
     if accumulate is not None:
         pol = pol.with_options(accumulate=get_format(accumulate).name, compute=get_format(accumulate).name)
@@ -445,44 +459,45 @@ def _with_remedies(f: Finding, pol: Policy, mode: str, xs: np.ndarray, g: np.nda
 
 
 def _scan_outputs(a: KernelAdapter, x: np.ndarray, fmt: str, mode: str, g: np.ndarray, b: np.ndarray,
-                  rm: np.ndarray, rv: np.ndarray, dy: np.ndarray, eps: float, layout: str, lay: Any,
-                  x_cr: np.ndarray, momentum: float | None = 0.1, params: str = "fp32") -> OverflowReport:
-    """An adapter without a trace: NaN/inf/saturation at its outputs only."""
-    from bnprobe.kernels.trace import Trace as _Trace
-
-    xs = round_to(x, fmt)
-    common = dict(dtype=fmt, eps=eps, layout=layout, params=params)
-    if mode == "train":
-        out = a.forward_train(xs, g, b, rm, rv, momentum=momentum, **common).y
-    elif mode == "infer":
-        out = a.forward_infer(xs, g, b, rm, rv, **common).y
-    else:
-        saved = a.forward_train(xs, g, b, **common).saved
-        out = a.backward(round_to(dy, fmt), xs, g, saved, **common).dx
-    tr = _Trace(lay.channels)
-    tr.record("x", lay.to_cr(xs), fmt)
-    tr.record("output", lay.to_cr(np.asarray(out, dtype=np.float64)), a.capabilities().output or fmt)
-    findings = _locate(tr, lay, x_cr, cancel_digits=math.inf)
-    return OverflowReport(a.name, fmt, mode, "(no trace: outputs only)", findings, [], [],
-                          [f"{a.name} exposes no trace: only its outputs were scanned"])
+                  rm: np.ndarray, rv: np.ndarray, dy: np.ndarray, eps: float, layout: str,
+                  momentum: float | None = 0.1, params: str = "fp32") -> OverflowReport:
+    """An adapter without a trace on generated inputs: its outputs against the FP64 golden on the same
+    rounded inputs, exactly as a recorded call's are judged (:func:`_scan_call`); in training also the
+    inference the step's running statistics give (``y_eval``)."""
+    modes = {"train": ("train",), "infer": ("infer",), "backward": ("backward",)}[mode]
+    rec = generated_call(x, gamma=g, beta=b, running_mean=rm, running_var=rv, dy=dy, dtype=fmt, params=params,
+                         eps=eps, momentum=momentum, layout=layout,
+                         modes=("train", "backward") if mode == "backward" else modes, label="generated")
+    run = run_call(a, rec, modes=modes, label=a.name, after_step=mode == "train")
+    rep = _scan_call(run, policy="(no trace: outputs vs the FP64 golden)")
+    rep.call = None
+    rep.mode = mode
+    rep.notes.insert(0, f"{a.name} exposes no trace: its outputs were compared with the FP64 golden on the same "
+                        "rounded inputs" + (", and the inference the step's running statistics give (y_eval)"
+                                            if "y_eval" in run.got else ""))
+    return rep
 
 
 # ---- recorded calls: outputs against the golden ---------------------------------------------------------
 
-ELEMENTWISE_OUTPUTS = ("y_train", "y_infer", "dx")
+ELEMENTWISE_OUTPUTS = ("y_train", "y_infer", "dx", "y_eval")
+# per-channel outputs that are positive by nature: a zero is an underflow, a subnormal a loss of precision
+POSITIVE_OUTPUTS = ("saved_invstd", "running_var")
+WHERE = {"y_eval": "inference with the running statistics the training step left: "}
 _INPUTS = ("x", "gamma", "beta", "running_mean", "running_var", "dy")
 
 
-def scan_recorded(recorded: Recorded, *, mode: str | None = None) -> PerCall:
+def scan_recorded(recorded: Recorded, *, mode: str | None = None, params: str | None = None) -> PerCall:
     """Every selected call of a recording, in forward order, one at a time: its outputs (the recorded ones,
     for a dump) against the FP64 golden on its own recorded inputs, and its inputs; ``mode`` (train, infer
-    or backward) restricts the outputs to that call's.  An msprobe statistics-only dump is read from its
+    or backward) restricts the outputs to that call's; ``params`` (same or fp32), when given, must be every
+    call's parameter format.  An msprobe statistics-only dump is read from its
     summaries.  A runnable adapter on the recorded inputs is scanned with :func:`scan` (its trace), one
     report per call and mode.  One :class:`OverflowReport` per call (and mode)."""
     if mode not in (None, "train", "infer", "backward"):
         raise BNProbeError(f"unknown mode {mode!r}; valid: train, infer, backward")
     calls = recorded.calls
-    check_options(recorded, mode=mode)
+    check_options(recorded, mode=mode, params=params)
     if calls.task == "statistics":
         if not recorded.replay:
             calls.require_tensors(f"running {recorded.kernel.name} on the recorded inputs")
@@ -545,7 +560,8 @@ def _output_findings(key: str, got: Any, gold: Any, fmt: str, lay: Any, x_cr: np
 
     def add(anomaly: str, mask: np.ndarray, detail: str, borne: bool = False) -> None:
         if mask.any():
-            out.append(_finding(anomaly, key, f.name, mask, elementwise, lay, x_cr, detail, borne))
+            out.append(_finding(anomaly, key, f.name, mask, elementwise, lay, x_cr, WHERE.get(key, "") + detail,
+                                borne))
 
     add("nan", plain & np.isnan(a), "NaN where the FP64 golden on the same inputs is finite")
     add("inf", plain & np.isinf(a), f"±inf where the FP64 golden on the same inputs is finite and within {f.name}")
@@ -556,6 +572,17 @@ def _output_findings(key: str, got: Any, gold: Any, fmt: str, lay: Any, x_cr: np
         "wrong number")
     add("hidden_nonfinite", g_bad & a_fin, "finite where the FP64 golden is NaN/inf: a NaN/inf replaced by a "
                                            "plausible-looking number")
+    if key in POSITIVE_OUTPUTS:
+        with np.errstate(all="ignore"):
+            under = plain & (a == 0) & (g != 0)
+            sub = plain & a_fin & (a != 0) & (np.abs(a) < f.tiny)
+        lost = under & (gr == 0)
+        add("underflow", under, "zero where the FP64 golden is not" + (
+            f" (the exact value is below half the smallest {f.name} subnormal {f.smallest_subnormal:.3g}: the format "
+            "cannot hold it)" if lost.all() else "" if not lost.any() else
+            f" (some exact values are below what {f.name} can hold)"))
+        add("subnormal", sub, f"a subnormal {f.name} value (below the smallest normal {f.tiny:.3g}): bits of "
+                              "precision lost wherever it is used")
     add("nan" if np.isnan(a[g_bad & ~a_fin]).any() else "inf", g_bad & ~a_fin,
         "NaN/inf as the FP64 golden has them" + (" (follows from NaN/inf in the input)" if input_bad else ""),
         input_bad)
@@ -585,7 +612,7 @@ def _output_findings(key: str, got: Any, gold: Any, fmt: str, lay: Any, x_cr: np
     return out
 
 
-def _scan_call(run: CallRun) -> OverflowReport:
+def _scan_call(run: CallRun, policy: str = "(recorded outputs vs the FP64 golden)") -> OverflowReport:
     rec, ci, fmt = run.rec, run.inputs, run.fmt
     lay = layout_of(ci["x"], rec.layout)
     x_cr = lay.to_cr(ci["x"])
@@ -602,7 +629,7 @@ def _scan_call(run: CallRun) -> OverflowReport:
             bad_inputs.append(name)
             vf = rec.params if not elementwise else fmt
             findings.append(_finding("input_nonfinite", name, vf, m, elementwise, lay, x_cr,
-                                     "NaN/inf present in the recorded input itself: input-borne, not a kernel fault",
+                                     "NaN/inf present in the input itself: input-borne, not a kernel fault",
                                      True))
     for key, got in run.got.items():
         findings += _output_findings(key, got, run.gold[key], run.formats[key], lay, x_cr, bool(bad_inputs))
@@ -632,8 +659,8 @@ def _scan_call(run: CallRun) -> OverflowReport:
                 head[i] = replace(h, actual_max=_nanmax_abs(np.where(np.isfinite(v), v, np.nan)),
                                   actually_overflowed=bool(np.isinf(v).any()))
         notes.append(f"headroom of the sums is predicted for bnprobe's {fmt} preset ({pol.describe()}): the "
-                     "recording does not show the kernel's intermediates")
-    return OverflowReport(run.kernel, fmt, "+".join(run.modes), "(recorded outputs vs the FP64 golden)", findings,
+                     "kernel's intermediates are not seen")
+    return OverflowReport(run.kernel, fmt, "+".join(run.modes), policy, findings,
                           head, [], notes, run.label)
 
 

@@ -18,18 +18,19 @@ from typing import Any
 import numpy as np
 
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
+from bnprobe.adapters.base import PARAM_PRECISIONS, params_format
 from bnprobe.adapters.dump import CALLS_NAME, META_NAME, CallRef, DumpAdapter, RecordedCalls, Recording, open_dump
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.kernels.layout import layout_of
 
-__all__ = ["Recorded", "CallRun", "PerCall", "recording_of", "is_dump_path", "check_options", "runs", "run_call",
-           "given", "refuse", "one_call", "OUTPUT_MODE"]
+__all__ = ["Recorded", "CallRun", "PerCall", "recording_of", "is_dump_path", "check_options", "check_params", "runs",
+           "run_call", "generated_call", "given", "refuse", "one_call", "OUTPUT_MODE"]
 
 # each output a check can judge, and the mode whose call returns it
 OUTPUT_MODE = {"y_train": "train", "saved_mean": "train", "saved_invstd": "train", "running_mean": "train",
                "running_var": "train", "y_infer": "infer", "dx": "backward", "dgamma": "backward",
-               "dbeta": "backward"}
+               "dbeta": "backward", "y_eval": "train"}
 
 
 @dataclass(frozen=True)
@@ -93,12 +94,26 @@ def refuse(names: tuple[str, ...], source: str) -> None:
                            "its calls bring their own inputs and scalars")
 
 
+def check_params(params: str | None) -> None:
+    """``params`` must be None (a recording's own, or fp32) or one of ``fp32`` and ``same``."""
+    if params is not None and params not in PARAM_PRECISIONS:
+        raise BNProbeError(f"--params takes {' or '.join(PARAM_PRECISIONS)}, got {params!r}")
+
+
 def check_options(recorded: Recorded, *, given: tuple[str, ...] = (), dtype: str | None = None,
-                  mode: str | None = None) -> None:
+                  mode: str | None = None, params: str | None = None) -> None:
     """Refuse, before any work, options that contradict the recording: ``given`` names options of generated
-    input that were set; ``dtype`` must be every selected call's format; ``mode`` one every call recorded."""
+    input that were set; ``dtype`` must be every selected call's format; ``mode`` one every call recorded;
+    ``params`` (same or fp32) every call's parameter format."""
     refuse(given, recorded.calls.source)
+    check_params(params)
     calls = recorded.calls.calls
+    if params is not None:
+        for c in calls:
+            rec = c.load()
+            if isinstance(rec, Recording) and rec.params_mode != params:
+                raise BNProbeError(f"--params {params} contradicts the recording: {c.label} was recorded with "
+                                   f"{rec.params} parameters in {rec.dtype} ({rec.params_mode})")
     if dtype is not None:
         fmt = get_format(dtype).name
         off = [c for c in calls if c.dtype != fmt]
@@ -165,11 +180,48 @@ class CallRun:
         self.formats[key] = fmt if dt == np.float64 else get_format(dt).name
 
 
+def generated_call(x: np.ndarray, *, gamma: np.ndarray | None, beta: np.ndarray | None, running_mean: np.ndarray,
+                   running_var: np.ndarray, dy: np.ndarray | None, dtype: str, params: str = "fp32", eps: float = 1e-5,
+                   momentum: float | None = 0.1, layout: str = "channels_first",
+                   modes: tuple[str, ...] = ("train", "infer", "backward"), label: str = "generated",
+                   meta: dict[str, Any] | None = None) -> Recording:
+    """Generated inputs as a call without outputs, each tensor rounded to its format (x, dy to ``dtype``; γ, β
+    and the running statistics to the ``params`` format): what :func:`run_call` runs a kernel and the golden
+    on, as it runs a recorded call.  ``modes`` with ``backward`` is a training call (it needs ``dy``)."""
+    from bnprobe.numerics.rounding import round_to
+
+    fmt = get_format(dtype).name
+    pf = params_format(fmt, params)
+    c = layout_of(x, layout).channels
+    with np.errstate(all="ignore"):
+        vec = {k: round_to(np.full(c, d) if v is None else np.asarray(v, dtype=np.float64), pf)
+               for k, v, d in (("gamma", gamma, 1.0), ("beta", beta, 0.0), ("running_mean", running_mean, 0.0),
+                               ("running_var", running_var, 1.0))}
+        xs = round_to(np.asarray(x, dtype=np.float64), fmt)
+    training = "train" in modes or "backward" in modes
+    rec = Recording(label, fmt, pf, layout, eps, momentum, None,
+                    meta={**(meta or {}), "training": training, "call": label})
+    for mode in modes:
+        if mode == "backward":
+            if dy is None:
+                raise BNProbeError("a backward call needs dy")
+            named = {"dy": round_to(np.asarray(dy, dtype=np.float64), fmt), "x": xs, "gamma": vec["gamma"]}
+        else:
+            named = {"x": xs, **vec}
+        rec.tensors[mode] = {"inputs": named, "outputs": {}}
+        rec.formats.update({f"{mode}.inputs.{k}": fmt if k in ("x", "dy") else pf for k in named})
+    return rec
+
+
 def run_call(kernel: KernelAdapter, rec: Recording, *, modes: tuple[str, ...] | None = None, index: int = 0,
-             label: str | None = None, ref: KernelAdapter | None = None, skip_missing: bool = False) -> CallRun:
+             label: str | None = None, ref: KernelAdapter | None = None, skip_missing: bool = False,
+             after_step: bool = False) -> CallRun:
     """Run one recorded call: the kernel (a dump is bound to this call and replays it) and the golden, each
     on the call's recorded inputs, scalars and formats, in ``modes`` (default: every mode it recorded).
-    A mode the call did not record is an error, or with ``skip_missing`` left out."""
+    A mode the call did not record is an error, or with ``skip_missing`` left out.  ``after_step`` (a
+    runnable kernel's training call that updates running statistics): also ``y_eval``, the inference on the
+    same x with the running statistics the step left, against the golden's inference with the FP64 update
+    (not rounded to the parameter format: an update beyond the format shows where it is used)."""
     ref = ref or get_adapter("reference")
     name = label or str(rec.meta.get("call") or rec.source or rec.adapter)
     k = kernel.bind(rec) if isinstance(kernel, DumpAdapter) else kernel
@@ -215,6 +267,13 @@ def run_call(kernel: KernelAdapter, rec: Recording, *, modes: tuple[str, ...] | 
         elif gold_t.running_mean is not None:  # not recorded (updated in place): the golden's update only
             run.gold["running_mean"] = np.asarray(gold_t.running_mean, dtype=np.float64)
             run.gold["running_var"] = np.asarray(gold_t.running_var, dtype=np.float64)
+        if after_step and not isinstance(k, DumpAdapter) and "running_var" in run.got:
+            wide = dict(common, params="fp32")  # holds every fp16/bf16 value and the update beyond them
+            y_eval = k.forward_infer(ins["x"], ins.get("gamma"), ins.get("beta"), out.running_mean, out.running_var,
+                                     **common).y
+            g_eval = ref.forward_infer(ins["x"], ins.get("gamma"), ins.get("beta"), gold_t.running_mean,
+                                       gold_t.running_var, **wide).y
+            run.put("y_eval", y_eval, g_eval, out_fmt)
     if "infer" in wanted:
         ins = rec.tensors["infer"]["inputs"]
         args = (ins["x"], ins.get("gamma"), ins.get("beta"), ins.get("running_mean"), ins.get("running_var"))

@@ -25,7 +25,6 @@ import numpy as np
 from bnprobe._loading import load_callable
 from bnprobe.adapters import KernelAdapter, get_adapter
 from bnprobe.errors import BNProbeError
-from bnprobe.formats import get_format
 
 __all__ = ["ShrinkResult", "shrink", "compare_predicate", "overflow_predicate", "load_predicate", "write_shrink",
            "RecordedParams", "runnable"]
@@ -73,24 +72,12 @@ class RecordedParams:
     def recording(self, x: np.ndarray, dtype: str, modes: tuple[str, ...]) -> Any:
         """The inputs of :meth:`inputs` as a Recording without outputs: what compare-precision runs an adapter
         on (``--input DIR``), each tensor rounded to its format."""
-        from bnprobe.adapters.base import params_format
-        from bnprobe.adapters.dump import Recording
-        from bnprobe.numerics.rounding import round_to
+        from bnprobe.checks.recorded import generated_call
 
-        fmt = get_format(dtype).name
-        pf = params_format(fmt, self.params)
         ins = self.inputs(x)
-        c = x.shape[1]
-        vec = {k: round_to(np.full(c, d) if ins[k] is None else np.asarray(ins[k], dtype=np.float64), pf)
-               for k, d in (("gamma", 1.0), ("beta", 0.0), ("running_mean", 0.0), ("running_var", 1.0))}
-        xs, dy = round_to(x, fmt), round_to(ins["dy"], fmt)  # type: ignore[arg-type]
-        rec = Recording("shrink", fmt, pf, "channels_first", self.eps, self.momentum, None,
-                        meta={"training": mode_training(modes), "call": self.source or "shrink"})
-        for mode in modes:
-            named = {"x": xs, **vec} if mode != "backward" else {"dy": dy, "x": xs, "gamma": vec["gamma"]}
-            rec.tensors[mode] = {"inputs": named, "outputs": {}}
-            rec.formats.update({f"{mode}.inputs.{k}": fmt if k in ("x", "dy") else pf for k in named})
-        return rec
+        return generated_call(x, gamma=self.gamma, beta=self.beta, running_mean=ins["running_mean"],
+                              running_var=ins["running_var"], dy=ins["dy"], dtype=dtype, params=self.params,
+                              eps=self.eps, momentum=self.momentum, modes=modes, label=self.source or "shrink")
 
     def record(self, adapter: KernelAdapter, x: np.ndarray, dtype: str, modes: tuple[str, ...]) -> Any:
         """A recording of ``adapter`` on :meth:`inputs`."""
@@ -124,9 +111,11 @@ def _record_modes(mode: str) -> tuple[str, ...]:
 
 
 def compare_predicate(adapter: str | KernelAdapter, against: str = "reference", dtype: str = "fp16",
-                      mode: str = "train", *, recorded: RecordedParams | None = None) -> Predicate:
+                      mode: str = "train", *, recorded: RecordedParams | None = None,
+                      params: str = "fp32") -> Predicate:
     """Fails when compare-precision finds an output of ``adapter`` over the standard on x (with a recorded
-    call's parameters and scalars when ``recorded`` is given)."""
+    call's parameters and scalars when ``recorded`` is given, else parameters in fp32 or, ``params`` same,
+    in the input's format)."""
     from bnprobe.adapters.dump import CallRef, RecordedCalls
     from bnprobe.checks.compare import Case, compare_precision, recorded_cases
 
@@ -138,7 +127,8 @@ def compare_predicate(adapter: str | KernelAdapter, against: str = "reference", 
         if mode != "infer" and x.size // x.shape[1] < 2:
             return False
         if recorded is None:
-            r = compare_precision([a], (dtype,), [Case("shrink", tuple(x.shape), x=x)], mode=mode, budget=False)
+            r = compare_precision([a], (dtype,), [Case("shrink", tuple(x.shape), x=x)], mode=mode, budget=False,
+                                  params=params)
         else:  # the adapter on the recorded call's parameters and scalars, as compare-precision --input DIR runs it
             rec = recorded.channels(channels).recording(x, dtype, _record_modes(mode))
             call = CallRef(str(rec.meta["call"]), None, tuple(x.shape), rec.dtype, rec.training,
@@ -152,8 +142,9 @@ def compare_predicate(adapter: str | KernelAdapter, against: str = "reference", 
 
 
 def overflow_predicate(adapter: str | KernelAdapter, dtype: str = "fp16", mode: str = "train", *,
-                       recorded: RecordedParams | None = None) -> Predicate:
-    """Fails when the overflow scan finds an anomaly (input-borne ones excluded)."""
+                       recorded: RecordedParams | None = None, params: str = "fp32") -> Predicate:
+    """Fails when the overflow scan finds an anomaly (input-borne ones excluded); ``params`` as in
+    :func:`compare_predicate`."""
     from bnprobe.checks.overflow import scan
 
     a = runnable(adapter)
@@ -162,7 +153,7 @@ def overflow_predicate(adapter: str | KernelAdapter, dtype: str = "fp16", mode: 
         if mode != "infer" and x.size // x.shape[1] < 2:
             return False
         if recorded is None:
-            rep = scan(a, x, dtype=dtype, mode=mode, remedies=False)
+            rep = scan(a, x, dtype=dtype, mode=mode, remedies=False, params=params)
         else:  # as overflow --input DIR scans the dump written
             p = recorded.channels(channels)
             ins = p.inputs(x)
@@ -279,10 +270,11 @@ def _round_bits(x: np.ndarray, bits: int) -> np.ndarray:
 
 
 def write_shrink(result: ShrinkResult, out: str | Path, *, adapter: str, dtype: str, mode: str,
-                 predicate: str = "compare", recorded: RecordedParams | None = None) -> tuple[list[Path], str]:
+                 predicate: str = "compare", recorded: RecordedParams | None = None,
+                 params: str = "fp32") -> tuple[list[Path], str]:
     """x.npy, a bnprobe dump of the adapter on it, shrink.json, and the command that replays the failure
     (with ``recorded``: the dump carries the recorded call's parameters and scalars, and the replay runs the
-    adapter on the dump's inputs)."""
+    adapter on the dump's inputs; else parameters as ``params``)."""
     from bnprobe.adapters.dump import record, write_dump
     from bnprobe.reports import atomic_write_bytes, atomic_write_text, check_targets, dumps_json
 
@@ -303,7 +295,7 @@ def write_shrink(result: ShrinkResult, out: str | Path, *, adapter: str, dtype: 
             rec.meta["shrunk_from"] = list(result.original_shape)
         else:
             rec = record(get_adapter(adapter), x=result.x, gamma=None, beta=None, running_mean=np.zeros(c),
-                         running_var=np.ones(c), dy=np.ones_like(result.x), dtype=dtype, modes=modes,
+                         running_var=np.ones(c), dy=np.ones_like(result.x), dtype=dtype, modes=modes, params=params,
                          meta={"shrunk_from": list(result.original_shape)})
         files += write_dump(rec, out / "dump")
     except BNProbeError as exc:  # the dump is a convenience; the replay command is what matters
@@ -311,14 +303,16 @@ def write_shrink(result: ShrinkResult, out: str | Path, *, adapter: str, dtype: 
             raise
         result.steps.append(f"no dump written: {exc}")
     # with recorded parameters the replay reruns the adapter on the dump's inputs (x, γ, β, eps, ...)
-    given = f"--input {out / 'dump'}" if recorded is not None else f"--dtype {dtype} --input {xpath}"
+    prm = "" if recorded is not None or params == "fp32" else f" --params {params}"
+    given = f"--input {out / 'dump'}" if recorded is not None else f"--dtype {dtype}{prm} --input {xpath}"
     if predicate == "overflow":
         cmd = f"bnprobe overflow --adapter {shlex.quote(adapter)} --mode {mode} {given}"
     else:
-        given = f"--input {out / 'dump'}" if recorded is not None else f"--dtypes {dtype} --input {xpath}"
+        given = f"--input {out / 'dump'}" if recorded is not None else f"--dtypes {dtype}{prm} --input {xpath}"
         cmd = (f"bnprobe compare-precision --adapters {shlex.quote(adapter)} --mode {mode} {given} --no-budget "
                f"--out {out / 'replay-report'}")
     atomic_write_text(jpath, dumps_json({**result.to_dict(), "adapter": adapter, "dtype": dtype, "mode": mode,
+                                         "params": recorded.params if recorded is not None else params,
                                          "predicate": predicate, "replay": cmd}))
     files.append(jpath)
     return files, cmd

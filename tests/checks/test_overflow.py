@@ -9,6 +9,8 @@ from bnprobe.errors import BNProbeError
 from bnprobe.inputs import make_input
 from bnprobe.kernels import get_policy
 
+from .bn_plugins import Fp16RunningVar, InvstdFlushed, NumpyBN, ZeroY
+
 
 def by(rep):
     return {f.anomaly: f for f in rep.findings}
@@ -126,3 +128,83 @@ def test_cli(capsys, tmp_path):
     with pytest.raises(BNProbeError, match="needs an input"):
         scan("emulated", None)
     assert math.isinf(predict_headroom(np.zeros((4, 2)), get_policy("fp16"))[0].headroom_binades)
+
+
+# ---- kernels without a trace (plugins): outputs against the golden, never "clean" when they are wrong ----------
+
+def alternating(a, shape=(8, 2, 2, 2)):
+    """Channel 0 ordinary, channel 1 = ±a (mean 0, Σ(x - mean)² = R·a², biased variance a²)."""
+    x = make_input(shape, seed=0)
+    x[:, 1] = np.where(np.indices(x[:, 1].shape).sum(axis=0) % 2, a, -a)
+    return x
+
+
+@pytest.mark.parametrize("params", ["fp32", "same"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_a_plugin_whose_y_is_all_zero_is_never_clean(dtype, params):
+    x = make_input((4, 3, 2, 2), seed=0)
+    for mode, outputs in (("train", {"y_train", "y_eval"}), ("infer", {"y_infer"})):
+        assert scan(NumpyBN(), x, dtype=dtype, mode=mode, params=params)  # the same kernel without the fault
+        rep = scan(ZeroY(), x, dtype=dtype, mode=mode, params=params)
+        zero = [f for f in rep.findings if f.anomaly == "zero_output"]
+        assert not rep and {f.stage for f in zero} == outputs, rep.findings
+        assert all(f.channels == (0, 1, 2) and f.count == x.size and f.format == dtype for f in zero)
+
+
+@pytest.mark.parametrize("a,overflows", [(44.0, False), (46.0, True)])
+def test_a_running_variance_summed_in_fp16_overflows_and_destroys_inference(a, overflows):
+    """params=same in fp16: Σ(x - mean)² = 32·a² is 61952 (held by fp16) or 67712 (beyond 65504) while the
+    variance itself (a²·32/31 ≈ 2000) is well inside fp16; a kernel that sums in fp16 gets inf, and the
+    inference with that running_var returns β (= 0 here) for the whole channel."""
+    x = alternating(a)
+    assert (32 * a * a > 65504) == overflows
+    assert scan(NumpyBN(), x, dtype="fp16", params="same")  # a correct kernel: nothing to find
+    rep = scan(Fp16RunningVar(), x, dtype="fp16", params="same")
+    got = {(f.anomaly, f.stage, f.channels) for f in rep.findings}
+    assert got == ({("inf", "running_var", (1,)), ("zero_output", "y_eval", (1,))} if overflows else set())
+    if overflows:
+        f = next(f for f in rep.findings if f.stage == "y_eval")
+        assert f.detail.startswith("inference with the running statistics the training step left")
+
+
+def test_a_running_variance_beyond_the_parameters_format_is_found_for_a_correct_kernel():
+    x = alternating(300.0)  # variance 9e4·32/31: beyond fp16 (65504), x itself well inside
+    rep = scan(NumpyBN(), x, dtype="fp16", params="same", running_var=np.ones(2), momentum=1.0)
+    assert {(f.anomaly, f.stage, f.channels) for f in rep.findings} == {("overflow", "running_var", (1,)),
+                                                                        ("zero_output", "y_eval", (1,))}
+    assert scan(NumpyBN(), x, dtype="fp16", params="fp32", momentum=1.0)  # fp32 running statistics hold it
+
+
+@pytest.mark.parametrize("a,expect", [(16000.0, set()), (20000.0, {"subnormal"})])
+def test_a_saved_invstd_that_underflows(a, expect):
+    """params=same in fp16: invstd = 1/a is 6.25e-5 (normal) or 5e-5 (below fp16's smallest normal 6.1e-5,
+    a subnormal); a kernel that flushes subnormals saves 0, and its dx and dγ for that channel are 0.
+    (momentum 0 keeps the running variance, which fp16 could not hold, at 1.)"""
+    x = alternating(a)
+    kw = dict(dtype="fp16", params="same", running_var=np.ones(2), momentum=0.0)
+    rep = scan(NumpyBN(), x, **kw)
+    assert {f.anomaly for f in rep.findings} == expect and all(f.stage == "saved_invstd" for f in rep.findings)
+    flushed = scan(InvstdFlushed(), x, **kw)
+    assert {(f.anomaly, f.stage, f.channels) for f in flushed.findings} == (
+        {("underflow", "saved_invstd", (1,))} if expect else set())
+    if expect:
+        back = scan(InvstdFlushed(), x, mode="backward", **kw)
+        assert {(f.anomaly, f.stage, f.channels) for f in back.findings} >= {("zero_output", "dx", (1,))}
+
+
+def test_cli_scans_a_plugin_with_same_format_parameters(capsys):
+    code = main(["overflow", "--adapter", "tests.checks.bn_plugins:ZeroY", "--dtype", "bf16", "--params", "same",
+                 "--shape", "4,3,2,2"])
+    out = capsys.readouterr().out
+    assert code == 1 and "(train, params same): 2 finding(s)" in out and "zero_output  y_eval" in out
+    assert main(["overflow", "--params", "bf16"]) == 2
+    assert "--params takes same or fp32" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_torch_with_same_format_parameters_raises_no_false_alarm(dtype):
+    pytest.importorskip("torch")
+    x = make_input((8, 16, 7, 7), seed=0) * 2 + 0.5
+    for mode in ("train", "infer", "backward"):
+        rep = scan("torch", x, dtype=dtype, mode=mode, params="same")
+        assert rep, [(f.anomaly, f.stage, f.count) for f in rep.findings]
