@@ -55,6 +55,9 @@ def trace(
     eps: Optional[float] = typer.Option(None, help="BatchNorm epsilon (> 0; default 1e-5)."),
     momentum: Optional[float] = typer.Option(None, help="Running-stat momentum (PyTorch convention; default 0.1)."),
     layout: Optional[str] = typer.Option(None, help="channels_first (default) or channels_last."),
+    params: Optional[str] = typer.Option(None, help="Parameter format: fp32 or same (γ, β, running and saved "
+                                                    "statistics in the input's format); default: the policy's own "
+                                                    "(a recording's own)."),
     input: Optional[Path] = typer.Option(None, "--input", help="Use this .npy/.npz tensor as x instead, or a dump "
                                                                "DIR[#NAME] of one call (all its inputs and scalars)."),
     calls: Optional[str] = typer.Option(None, "--calls", help="The recorded call to trace (glob), when --input is a "
@@ -64,18 +67,19 @@ def trace(
     """Run one BatchNorm layer and show every stage: range, error vs the FP64 golden, anomalies."""
     import numpy as np
 
-    from bnprobe.checks.recorded import given, is_dump_path, one_call, refuse
+    from bnprobe.checks.recorded import check_params, given, is_dump_path, one_call, refuse
     from bnprobe.checks.stages import trace_recorded, trace_run
     from bnprobe.inputs import make_params
     from bnprobe.kernels.layout import Layout, layout_of
 
+    check_params(params)
     if input is not None and is_dump_path(input):
         call, rec = one_call(input, calls, "trace")
         refuse(given(shape=shape, seed=seed, mean=mean, std=std, dist=dist, eps=eps, momentum=momentum),
                str(input).partition("#")[0])
         if layout is not None and layout != rec.layout:
             raise BNProbeError(f"--layout {layout} contradicts the recording: {call.label} is {rec.layout}")
-        cmp = trace_recorded(rec, policy=policy, mode=mode, label=call.label)
+        cmp = trace_recorded(rec, policy=policy, mode=mode, label=call.label, params=params)
         source = f"recorded call {call.label} of {str(input).partition('#')[0]} (its γ, β, running statistics, dy)"
         mode, eps_v, mom_v, lay = cmp.mode, rec.eps, rec.momentum, Layout(tuple(cmp.shape), rec.layout)
     else:
@@ -88,12 +92,12 @@ def trace(
         source = str(input) if input is not None else f"{d}(mean={m:g}, std={s:g}), seed {sd}"
         lay = layout_of(x, layout or "channels_first")
         c = lay.channels
-        params = make_params(c, sd)
+        prm = make_params(c, sd)
         rng = np.random.default_rng([sd, 2])
         dy = rng.standard_normal(x.shape) if mode == "backward" else None
-        cmp = trace_run(x, policy=policy or "fp16", mode=mode, gamma=params["gamma"], beta=params["beta"],
+        cmp = trace_run(x, policy=policy or "fp16", mode=mode, gamma=prm["gamma"], beta=prm["beta"],
                         running_mean=np.full(c, m), running_var=np.full(c, max(s, 0.0) ** 2),
-                        dy=dy, eps=eps_v, momentum=mom_v, layout=lay.layout)
+                        dy=dy, eps=eps_v, momentum=mom_v, layout=lay.layout, params=params)
     if as_json:
         out = cmp.to_dict()
         out["input"] = source
@@ -330,6 +334,9 @@ def gradcheck_cmd(
     rtol: Optional[float] = typer.Option(None, help="Relative tolerance (give with --atol)."),
     atol: Optional[float] = typer.Option(None, help="Absolute tolerance (give with --rtol)."),
     eps: Optional[float] = typer.Option(None, help="BatchNorm epsilon (default 1e-5; a recording's own)."),
+    params: Optional[str] = typer.Option(None, help="Parameter format: fp32 (mixed precision, the default) or same "
+                                                    "(γ, β, running and saved statistics in the input's format); a "
+                                                    "recording's own."),
     input: Optional[Path] = typer.Option(None, "--input", help="A dump folder (bnprobe or msprobe): run the adapter "
                                                                "on every recorded call's own inputs."),
     calls: Optional[str] = typer.Option(None, "--calls", help="Recorded calls to check (glob on the call or module "
@@ -343,12 +350,13 @@ def gradcheck_cmd(
     its own inputs. Exit 1 when a check fails."""
     from bnprobe._table import render_table
     from bnprobe.checks.gradcheck import check_formula, gradcheck, gradcheck_recorded
-    from bnprobe.checks.recorded import check_options, given, is_dump_path, recording_of
+    from bnprobe.checks.recorded import check_options, check_params, given, is_dump_path, recording_of
     from bnprobe.inputs import parse_shape
     from bnprobe.kernels.layout import check_eps
 
     if eps is not None:
         check_eps(eps)
+    check_params(params)
     if input is not None and not is_dump_path(input):
         raise BNProbeError(f"--input {input}: gradcheck takes a dump folder (bnprobe or msprobe) as --input")
     recorded = recording_of(adapter, input, calls)
@@ -356,7 +364,7 @@ def gradcheck_cmd(
         if formula is not None:
             raise BNProbeError("--formula checks a formula on generated inputs: it contradicts the recording; drop "
                                "one of them")
-        check_options(recorded, given=given(shape=shape, eps=eps, seed=seed), dtype=dtype)
+        check_options(recorded, given=given(shape=shape, eps=eps, seed=seed), dtype=dtype, params=params)
         run = gradcheck_recorded(recorded, mode=mode, rtol=rtol, atol=atol)
         summary = []
         failed = []
@@ -396,15 +404,19 @@ def gradcheck_cmd(
     e = 1e-5 if eps is None else eps
     s = 0 if seed is None else seed
     if formula is not None:
+        if params is not None:
+            raise BNProbeError("--formula checks a formula in FP64: --params does not apply; drop it")
         result = check_formula(formula, shp, seed=s, eps=e, rtol=rtol, atol=atol)
     else:
-        result = gradcheck(adapter, dtype or "fp16", shp, mode=mode or "train", seed=s, eps=e, rtol=rtol, atol=atol)
+        result = gradcheck(adapter, dtype or "fp16", shp, mode=mode or "train", seed=s, eps=e, rtol=rtol, atol=atol,
+                           params=params)
     rows = [{**r.to_dict(), "used %": 100.0 * r.used} for r in result.rows]
     cols = ["check", "tensor", "status", "max_abs", "max_rel", "used %", "min_rtol", "where"]
     heads = ["check", "tensor", "status", "max abs err", "max rel err", "tol used %", "needs rtol", "worst at"]
     table = render_table(rows, cols, headers=heads)
-    title = (f"gradcheck {result.adapter} in {result.dtype}, {result.mode}, shape {tuple(result.shape)}, "
-             f"seed {result.seed}: {'PASS' if result else 'FAIL'}")
+    title = (f"gradcheck {result.adapter} in {result.dtype}"
+             + (f" (params {params})" if params is not None and formula is None else "")
+             + f", {result.mode}, shape {tuple(result.shape)}, seed {result.seed}: {'PASS' if result else 'FAIL'}")
     if out is not None:
         md = f"# {title}\n\n```\n{table}\n```\n\n" + "\n".join(f"- {n}" for n in result.notes) + "\n"
         stem = f"gradcheck-{result.adapter.replace(':', '_').replace('/', '_')}-{result.dtype}-{result.mode}"
@@ -833,6 +845,9 @@ def shrink_cmd(
     adapter: str = typer.Option(..., "--adapter", help="Adapter whose comparison with the FP64 reference fails (a "
                                                        "runnable one: a dump cannot be rerun on smaller inputs)."),
     dtype: Optional[str] = typer.Option(None, help="Format (default fp16; a recording's own)."),
+    params: Optional[str] = typer.Option(None, help="Parameter format: fp32 (mixed precision, the default) or same "
+                                                    "(γ, β, running and saved statistics in the input's format); a "
+                                                    "recording's own."),
     mode: Optional[str] = typer.Option(None, help="train (default), infer or backward."),
     predicate: str = typer.Option("compare", help="compare (vs the reference), overflow, or module:function "
                                                   "(f(x) -> True when the case fails)."),
@@ -852,7 +867,7 @@ def shrink_cmd(
     """Reduce a failing case (channels, batch, spatial size, then values) to a minimal one that still
     fails; write it as a dump plus the exact command that replays it."""
     from bnprobe._progress import Progress
-    from bnprobe.checks.recorded import check_options, given, recording_of
+    from bnprobe.checks.recorded import check_options, check_params, given, recording_of
     from bnprobe.checks.shrink import (
         RecordedParams,
         compare_predicate,
@@ -868,9 +883,10 @@ def shrink_cmd(
 
     if mode not in (None, "train", "infer", "backward"):
         raise BNProbeError(f"unknown mode {mode!r}; valid: train, infer, backward")
+    check_params(params)
     a = runnable(adapter)
     recorded = recording_of(a, input, calls)
-    params = None
+    kept = None
     if recorded is not None:
         recorded.calls.require_tensors("shrink")
         found = recorded.calls.calls
@@ -879,19 +895,20 @@ def shrink_cmd(
             raise BNProbeError(f"{recorded.calls.source} holds {len(found)} BatchNorm calls ({shown}); shrink takes "
                                "one: select it with DIR#NAME or --calls")
         check_options(recorded, given=given(shape=shape, dist=dist, mean=mean, std=std, seed=seed), dtype=dtype,
-                      mode=mode)
+                      mode=mode, params=params)
         rec = found[0].load()
         ci = rec.call_inputs()
         x = ci["x"] if rec.layout == "channels_first" or ci["x"].ndim <= 2 else np.moveaxis(ci["x"], -1, 1)
-        params = RecordedParams.of(rec, found[0].label)
+        kept = RecordedParams.of(rec, found[0].label)
+        params = kept.params
         dtype, mode = rec.dtype, mode or ("train" if rec.training else "infer")
     else:
         x = _input_tensor(input, shape or "16,64,28,28", dist or "normal", 0.0 if mean is None else mean,
                           1.0 if std is None else std, 0 if seed is None else seed)
-        dtype, mode = dtype or "fp16", mode or "train"
-    fails = (compare_predicate(a, dtype=dtype, mode=mode, recorded=params) if predicate == "compare" else
-             overflow_predicate(a, dtype=dtype, mode=mode, recorded=params) if predicate == "overflow" else
-             load_predicate(predicate))
+        dtype, mode, params = dtype or "fp16", mode or "train", params or "fp32"
+    fails = (compare_predicate(a, dtype=dtype, mode=mode, recorded=kept, params=params) if predicate == "compare"
+             else overflow_predicate(a, dtype=dtype, mode=mode, recorded=kept, params=params)
+             if predicate == "overflow" else load_predicate(predicate))
     bar = Progress("shrink")
     steps = [0]
 
@@ -905,13 +922,14 @@ def shrink_cmd(
         bar.close()
     folder = out if out is not None else new_report_dir("reports", "shrink")
     files, cmd = write_shrink(res, folder, adapter=adapter, dtype=dtype, mode=mode, predicate=predicate,
-                              recorded=params)
+                              recorded=kept, params=params)
     typer.echo(f"shrunk {tuple(res.original_shape)} ({int(np.prod(res.original_shape))} values) to "
                f"{tuple(res.x.shape)} ({res.x.size} values) in {res.evaluations} checks, {res.seconds:.1f} s"
                + (" (time budget reached)" if res.timed_out else ""))
-    if params is not None:
-        typer.echo(f"input: recorded call {params.source} (its γ, β, running statistics, eps {params.eps:g}, "
-                   f"momentum, {dtype}); channels kept: {res.channels.tolist() if res.channels is not None else 'all'}")
+    if kept is not None:
+        typer.echo(f"input: recorded call {kept.source} (its γ, β, running statistics, eps {kept.eps:g}, "
+                   f"momentum, {dtype}, params {kept.params}); channels kept: "
+                   f"{res.channels.tolist() if res.channels is not None else 'all'}")
     typer.echo(f"x = {np.array2string(res.x.reshape(-1), precision=6, threshold=20)}")
     typer.echo("wrote " + ", ".join(str(f) for f in files))
     typer.echo(f"replay: {cmd}")

@@ -23,6 +23,7 @@ import numpy as np
 
 from bnprobe._loading import load_callable
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
+from bnprobe.adapters.base import params_format
 from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.checks.recorded import CallRun, PerCall, Recorded, check_options, runs
 from bnprobe.errors import BNProbeError
@@ -416,14 +417,16 @@ def gradcheck(
     eps: float | None = None,
     rtol: float | None = None,
     atol: float | None = None,
-    params: str = "fp32",
+    params: str | None = None,
 ) -> GradcheckResult:
     """Finite differences in FP64, the adapter's backward in ``dtype`` (default fp16) vs the FP64 golden,
     and (training, the default ``mode``) the gradient identities, on generated inputs of ``shape``
-    (default (4, 3, 5, 5)) with ``eps`` (default 1e-5).  Truthy when every check passed.
+    (default (4, 3, 5, 5)) with ``eps`` (default 1e-5) and parameters (γ, β, running and saved statistics)
+    in fp32 (default) or the input's format (``params`` same).  Truthy when every check passed.
 
     A dump adapter of one call runs on that call's recorded inputs (:func:`gradcheck_recorded` runs every
-    call of a dump); ``shape`` and ``eps`` then contradict it, and ``dtype`` and ``mode`` must agree."""
+    call of a dump); ``shape`` and ``eps`` then contradict it, and ``dtype``, ``mode`` and ``params`` must
+    agree."""
     if mode not in (None, "train", "infer"):
         raise BNProbeError(f"gradcheck mode must be train or infer, got {mode!r}")
     check_rtol_atol(rtol, atol)
@@ -431,12 +434,13 @@ def gradcheck(
     if isinstance(a, DumpAdapter):
         recorded = Recorded(a, a.calls)
         check_options(recorded, given=tuple(n for n, v in (("shape", shape), ("eps", eps)) if v is not None),
-                      dtype=dtype)
+                      dtype=dtype, params=params)
         if len(a.calls.calls) != 1:
             raise BNProbeError(f"{a.name} holds {len(a.calls.calls)} BatchNorm calls: gradcheck_recorded checks each "
                                "(or select one with dump:DIR#NAME)")
         return gradcheck_recorded(recorded, mode=mode, rtol=rtol, atol=atol, seed=seed).results[0]
     fmt = get_format(dtype or "fp16").name
+    params = params or "fp32"
     shape = (4, 3, 5, 5) if shape is None else tuple(shape)
     mode = mode or "train"
     eps = 1e-5 if eps is None else eps
@@ -458,7 +462,7 @@ def gradcheck(
     rows += fd_rows
     notes.append(f"finite differences on {fd_target.name} in fp64: {how}")
     # 2. the adapter's backward in its format vs the FP64 golden on the same rounded inputs
-    pf = fmt if params == "same" else ("fp64" if fmt == "fp64" else "fp32")
+    pf = params_format(fmt, params)
     xs, dys = round_to(inp.x, fmt), round_to(inp.dy, fmt)
     g, b = round_to(inp.gamma, pf), round_to(inp.beta, pf)
     rm, rv = round_to(inp.running_mean, pf), round_to(inp.running_var, pf)
@@ -500,12 +504,13 @@ def _per_element(scale: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def gradcheck_recorded(recorded: Recorded, *, mode: str | None = None, rtol: float | None = None,
-                       atol: float | None = None, seed: int = 0) -> PerCall:
+                       atol: float | None = None, seed: int = 0, params: str | None = None) -> PerCall:
     """Every selected call of a recording, in forward order, one at a time, on its own recorded inputs,
     scalars and formats: finite differences in FP64 at those inputs (on the golden, or on a runnable
     adapter that runs fp64), the kernel's backward (a dump's: the recorded dx, dγ, dβ) vs the golden's,
     and (training calls) the gradient identities of the kernel's gradients.  ``mode`` (train or infer),
-    when given, must be the mode of every call.  One :class:`GradcheckResult` per call."""
+    when given, must be the mode of every call, and ``params`` (same or fp32) every call's parameter format.
+    One :class:`GradcheckResult` per call."""
     if mode not in (None, "train", "infer"):
         raise BNProbeError(f"gradcheck mode must be train or infer, got {mode!r}")
     check_rtol_atol(rtol, atol)
@@ -515,7 +520,7 @@ def gradcheck_recorded(recorded: Recorded, *, mode: str | None = None, rtol: flo
         if off:
             raise BNProbeError(f"--mode {mode} contradicts the recording: {off[0].label} was recorded in "
                                f"{'training' if off[0].training else 'eval'} mode")
-    check_options(recorded)
+    check_options(recorded, params=params)
     results = []
     for i, _, run in runs(recorded, modes=("backward",), skip_missing=True):
         results.append(_gradcheck_call(recorded, run, rtol, atol, np.random.default_rng([seed, 7, i])))

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from bnprobe.adapters.base import params_format
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.kernels import backward, forward_infer, forward_train, get_policy
@@ -101,14 +102,18 @@ def trace_run(
     eps: float = 1e-5,
     momentum: float | None = 0.1,
     layout: str = "channels_first",
+    params: str | None = None,
 ) -> TraceComparison:
     """Run one BatchNorm layer under ``policy`` and under its FP64 golden on the same rounded inputs.
 
     The inputs are first rounded to the policy's storage (x, dy) and params
     formats; the golden (same algorithm, every format fp64) sees exactly those
-    values, so the errors reported are the kernel's own.
+    values, so the errors reported are the kernel's own.  ``params`` (fp32 or
+    same) sets the params format of the policy (default: the policy's own).
     """
     pol = get_policy(policy)
+    if params is not None:
+        pol = pol.with_options(params=params_format(pol.storage, params))
     if mode not in MODES:
         raise BNProbeError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
     gold = pol.golden()
@@ -138,13 +143,17 @@ def trace_run(
 
 
 def trace_recorded(rec: Any, *, policy: str | Policy | None = None, mode: str | None = None,
-                   label: str = "") -> TraceComparison:
+                   label: str = "", params: str | None = None) -> TraceComparison:
     """One recorded call (a :class:`~bnprobe.adapters.dump.Recording`) traced on its own inputs and scalars
     (x, γ, β, running statistics, dy, eps, momentum, layout) under ``policy`` — default: the preset of the
     recorded format with the recorded parameter format — in ``mode`` (default: the call's own).  A policy
-    that would round the recorded inputs, or a mode the call did not record, is an error."""
+    that would round the recorded inputs, a mode the call did not record, or ``params`` (same or fp32)
+    other than the recorded parameter format, is an error."""
     name = label or str(rec.meta.get("call") or rec.source or "the recorded call")
     fmt = rec.dtype
+    if params is not None and params != rec.params_mode:
+        raise BNProbeError(f"--params {params} contradicts the recording: {name} was recorded with {rec.params} "
+                           f"parameters in {fmt} ({rec.params_mode})")
     pol = get_policy(policy) if policy is not None else get_policy(fmt).with_options(params=rec.params)
     if pol.storage != fmt:
         raise BNProbeError(f"policy {pol.name} stores {pol.storage}, but {name} was recorded in {fmt}: its inputs "

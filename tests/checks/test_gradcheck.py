@@ -7,6 +7,8 @@ from bnprobe.adapters import BackwardOutput
 from bnprobe.adapters.emulated import ReferenceAdapter
 from bnprobe.checks.gradcheck import check_formula, formula_ascend, formula_standard, gradcheck, make_inputs
 from bnprobe.errors import BNProbeError
+from bnprobe.metrics import cosine
+from bnprobe.tolerances import grad_tolerance
 
 
 class Buggy(ReferenceAdapter):
@@ -64,7 +66,8 @@ def test_reference_passes_in_both_modes():
 def test_torch_passes():
     pytest.importorskip("torch")
     for dtype in ("fp64", "fp32", "fp16", "bf16"):
-        assert gradcheck("torch", dtype), dtype
+        for params in ("fp32", "same"):
+            assert gradcheck("torch", dtype, (4, 2, 3, 3), params=params), (dtype, params)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -131,3 +134,70 @@ def test_bad_arguments():
         gradcheck("reference", "fp64", mode="backward")
     with pytest.raises(BNProbeError, match="more than one value per channel"):
         gradcheck("reference", "fp64", (1, 3))
+
+
+class OneElementOff(ReferenceAdapter):
+    """The FP64 reference with dx's smallest element moved by ``by`` times its own allowance atol + rtol·|dx|."""
+
+    def __init__(self, by, fmt):
+        super().__init__()
+        self.by, self.tol = by, grad_tolerance(fmt)
+        self.name = f"one-element-off*{by:g}"
+
+    def _backward_impl(self, p, dy, saved, *, eps, training):
+        out = super()._backward_impl(p, dy, saved, eps=eps, training=training)
+        dx = np.array(out.dx, dtype=np.float64)
+        i = np.unravel_index(np.argmin(np.abs(dx)), dx.shape)
+        rtol, atol = self.tol
+        self.move = self.by * (atol + rtol * abs(dx[i]))
+        dx[i] += self.move
+        self.where, self.largest = i, float(np.abs(dx).max())
+        return BackwardOutput(dx, out.dgamma, out.dbeta)
+
+
+@pytest.mark.parametrize("fmt", ["fp64", "fp32", "fp16", "bf16"])
+def test_one_small_element_breaks_its_own_tolerance_while_the_largest_would_pass(fmt):
+    """Elementwise |a - e| <= atol + rtol·|e|: the smallest element of dx moved by 1.5x its own allowance fails,
+    though the move is within what the tensor's largest element is allowed (a max-based rule would pass it);
+    moved by 0.9x its allowance it passes."""
+    rtol, atol = grad_tolerance(fmt)
+    off = OneElementOff(1.5, fmt)
+    r = gradcheck(off, fmt, (4, 2, 3, 3))
+    assert off.move < atol + rtol * off.largest  # the largest element's allowance would forgive it
+    bad = [row for row in r.failed() if row.check == "vs-fp64"]
+    assert [row.tensor for row in bad] == ["dx"] and 1.4 < bad[0].used < 1.6
+    assert bad[0].where == f"index {tuple(int(v) for v in off.where)} (channel {int(off.where[1])})"
+    assert next(row for row in gradcheck(OneElementOff(0.9, fmt), fmt, (4, 2, 3, 3)).rows
+                if row.check == "vs-fp64" and row.tensor == "dx").passed
+
+
+def test_cosine_of_a_gradient_and_its_negation_is_minus_one():
+    g = np.random.default_rng(0).standard_normal(100)
+    # msprobe's dot(a, b) / (|a|·|b|): the product of the two rounded norms may be an ulp off |g|²
+    assert cosine(-g, g) == pytest.approx(-1.0, abs=2**-52) and cosine(-g, g) == -cosine(g, g)
+    assert cosine(-np.ones(4), np.ones(4)) == -1.0  # exact where the norms are (|g| = 2)
+    r = gradcheck(Negated(), "fp64", (4, 2, 3, 3))
+    row = next(x for x in r.rows if x.check == "vs-fp64" and x.tensor == "dx")
+    assert not row.passed and row.cosine == pytest.approx(-1.0, abs=1e-12)
+
+
+class Negated(ReferenceAdapter):
+    """dx with the wrong sign."""
+
+    def __init__(self):
+        super().__init__()
+        self.name = "negated-dx"
+
+    def _backward_impl(self, p, dy, saved, *, eps, training):
+        out = super()._backward_impl(p, dy, saved, eps=eps, training=training)
+        return BackwardOutput(-np.asarray(out.dx), out.dgamma, out.dbeta)
+
+
+def test_cli_params(capsys):
+    from bnprobe.cli import main
+
+    args = ["gradcheck", "--adapter", "emulated", "--dtype", "bf16", "--params", "same", "--shape", "4,2,3,3"]
+    assert main(args) == 0
+    assert "in bf16 (params same)" in capsys.readouterr().out
+    assert main(["gradcheck", "--formula", "seed", "--params", "same"]) == 2
+    assert "--params does not apply" in capsys.readouterr().err
