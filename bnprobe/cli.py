@@ -765,42 +765,58 @@ def doctor_cmd(
                                                   "its own inputs)."),
     dtype: Optional[str] = typer.Option(None, help="Format (default: fp64 if the adapter runs it, else its first; a "
                                                    "recording's own)."),
+    params: Optional[str] = typer.Option(None, help="Parameter format: fp32 (mixed precision, the default) or same "
+                                                    "(γ, β, running and saved statistics in the input's format); a "
+                                                    "recording's own."),
     seed: Optional[int] = typer.Option(None, help="Seed of the diagnostic inputs (default 0)."),
     stability: Optional[bool] = typer.Option(None, "--stability/--no-stability",
-                                             help="Include the stress-input checks (default on; not on a recording)."),
-    input: Optional[Path] = typer.Option(None, "--input", help="A dump folder (bnprobe or msprobe): diagnose the "
-                                                               "adapter on every recorded call's own inputs."),
+                                             help="Include the stress inputs (default on; a replayed dump cannot "
+                                                  "run them)."),
+    input: Optional[Path] = typer.Option(None, "--input", help="Your input too: a tensor .npy/.npz (x), or a dump "
+                                                               "folder (the adapter on every recorded call's own "
+                                                               "inputs)."),
     calls: Optional[str] = typer.Option(None, "--calls", help="Recorded calls to diagnose (glob on the call or module "
                                                               "name)."),
     out: Optional[Path] = typer.Option(None, help="Write CSV, JSON and Markdown to this folder."),
     force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> int:
-    """The expert's checklist for a BatchNorm kernel: PASS/WARN/FAIL with evidence, and the known bug
-    each failure matches; on a dump, every recorded call's outputs on its own inputs. Exit 0 when
-    healthy, 1 when something failed."""
+    """The expert's checklist for a BatchNorm kernel on a diagnostic input, stress inputs and yours:
+    PASS/WARN/FAIL with evidence, the known bug each failure matches, and what is wrong where none
+    does; on a dump, every recorded call's outputs on its own inputs. Exit 0 when healthy, 1 when
+    something failed."""
     import pandas as pd
 
     from bnprobe._table import render_table
     from bnprobe.checks.doctor import doctor, doctor_recorded
-    from bnprobe.checks.recorded import check_options, given, is_dump_path, recording_of
+    from bnprobe.checks.recorded import check_options, check_params, given, is_dump_path, recording_of
+    from bnprobe.inputs import load_array
 
-    if input is not None and not is_dump_path(input):
-        raise BNProbeError(f"--input {input}: doctor takes a dump folder (bnprobe or msprobe) as --input")
-    recorded = recording_of(adapter, input, calls)
+    def details(failed: list[tuple[str, tuple[str, ...] | list[str]]]) -> None:
+        """What is wrong, per failing check, one line per input and output."""
+        for name, lines in failed:
+            if lines:
+                typer.echo(f"\n{name}:")
+                for line in lines:
+                    typer.echo(f"  {line}")
+
+    check_params(params)
+    tensor = input if input is not None and not is_dump_path(input) else None
+    recorded = recording_of(adapter, None if tensor is not None else input, calls)
     if recorded is not None:
-        check_options(recorded, given=given(seed=seed, stability=True if stability else None), dtype=dtype)
-        run = doctor_recorded(recorded, dtype=dtype)
+        refused = dict(seed=seed, stability=None if stability is None or not recorded.replay else True)
+        check_options(recorded, given=given(**refused), dtype=dtype, params=params)
+        run = doctor_recorded(recorded, dtype=dtype, params=params, stability=stability is not False)
         summary, items = [], []
         for i, rep in enumerate(run.results):
             bad = [it for it in rep.items if it.status != "PASS"]
-            summary.append({"#": i, "call": rep.call, "format": rep.dtype,
-                             "status": "healthy" if rep.healthy else "FAIL", "items": len(rep.items),
-                             "failed": sum(it.status == "FAIL" for it in rep.items),
-                             "diagnosis": "; ".join(rep.diagnosis)})
+            summary.append({"#": i, "call": rep.call, "format": rep.dtype, "params": rep.params,
+                            "status": "healthy" if rep.healthy else "FAIL", "items": len(rep.items),
+                            "failed": sum(it.status == "FAIL" for it in rep.items),
+                            "diagnosis": "; ".join(rep.diagnosis)})
             items += [{"call": rep.call, **it.to_dict()} for it in bad]
-        table = render_table(summary, ["#", "call", "format", "status", "items", "failed", "diagnosis"],
-                             headers=["#", "call (forward order)", "format", "status", "items", "failed",
+        table = render_table(summary, ["#", "call", "format", "params", "status", "items", "failed", "diagnosis"],
+                             headers=["#", "call (forward order)", "format", "params", "status", "items", "failed",
                                       "diagnosis"])
         title = (f"doctor {run.kernel} on {len(run.results)} recorded call(s) of {run.source}: "
                  + ("healthy" if run else "something failed"))
@@ -818,22 +834,30 @@ def doctor_cmd(
             typer.echo("")
             typer.echo(render_table(items, ["call", "status", "name", "evidence"],
                                     headers=["call", "status", "check", "evidence"]))
+            details([(f"{it['call']}: {it['name']}", it["details"]) for it in items])
         notes = list(run.notes) + [f"{rep.call}: {n}" for rep in run.results for n in rep.notes]
         _close(notes, written if out is not None else None)
         return 0 if run else 1
-    rep = doctor(adapter, dtype, seed=0 if seed is None else seed, stability=True if stability is None else stability)
+    if calls is not None:
+        raise BNProbeError("--calls selects recorded calls: give a dump (--adapter dump:DIR or --input DIR)")
+    rep = doctor(adapter, dtype, seed=0 if seed is None else seed, stability=True if stability is None else stability,
+                 params=params, x=None if tensor is None else load_array(tensor))
     rows = [i.to_dict() for i in rep.items]
     table = render_table(rows, ["status", "name", "evidence"], headers=["status", "check", "evidence"])
+    title = f"doctor {rep.adapter} in {rep.dtype}, params {rep.params}: " + \
+        ("healthy" if rep.healthy else "something failed")
     if out is not None:
-        md = f"# bnprobe doctor: {rep.adapter} in {rep.dtype}\n\n```\n{table}\n```\n\ndiagnosis: " \
-             f"{'; '.join(rep.diagnosis) or 'none'}\n"
+        md = f"# bnprobe {title}\n\n```\n{table}\n```\n\ndiagnosis: {'; '.join(rep.diagnosis) or 'none'}\n\n" + \
+            "".join(f"- {it.name}: {d}\n" for it in rep.items for d in it.details)
         written = _write_reports(out, f"doctor-{rep.adapter.replace(':', '_')}-{rep.dtype}", pd.DataFrame(rows),
                                  rep.to_dict(), md, force)
     if as_json:
         typer.echo(dumps_json(rep.to_dict()))
         return 0 if rep.healthy else 1
-    typer.echo(f"doctor {rep.adapter} in {rep.dtype}: " + ("healthy" if rep.healthy else "something failed"))
+    typer.echo(title)
+    typer.echo(f"inputs: {', '.join(rep.inputs)}")
     typer.echo(table)
+    details([(it.name, it.details) for it in rep.items])
     if rep.diagnosis:
         typer.echo("diagnosis: " + "; ".join(rep.diagnosis))
     _close(rep.notes, written if out is not None else None)

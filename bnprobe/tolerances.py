@@ -19,13 +19,23 @@ from bnprobe.formats import get_format
 
 __all__ = ["GRAD_TOLERANCES", "FINITE_DIFFERENCE", "MSPROBE_STANDARDS", "Standard", "grad_tolerance",
            "check_rtol_atol", "CheckerStandard", "MSPROBE_CHECKER", "MSPROBE_BENCHMARK_LIMITS",
-           "MSPROBE_BENCHMARK_APIS", "MSPROBE_CSV_DECIMALS", "MSPROBE_COMPARE_LIMITS"]
+           "MSPROBE_BENCHMARK_APIS", "MSPROBE_CSV_DECIMALS", "MSPROBE_COMPARE_LIMITS", "DOCTOR_TOLERANCES",
+           "doctor_tolerance"]
 
 GRAD_TOLERANCES: dict[str, tuple[float, float]] = {  # (rtol, atol)
     "fp64": (1e-7, 1e-7),
     "fp32": (1e-5, 1e-5),
     "fp16": (2e-3, 2e-3),  # about two ULPs (2 * 2^-10)
     "bf16": (1.6e-2, 1.6e-2),  # about two ULPs (2 * 2^-7); torch.testing's bf16 rtol
+}
+# doctor: an output passes when, per channel, max |actual - expected| <= rtol · max(max |expected|, the
+# channel's natural scale: what the output is formed from); four times the gradient rtol of the format the
+# output is returned in (a few ULPs of the largest value: the output's rounding plus the accumulated error)
+DOCTOR_TOLERANCES: dict[str, float] = {
+    "fp64": 4e-7,
+    "fp32": 4e-5,
+    "fp16": 8e-3,  # 4 * 2e-3: about 8 ULPs of fp16 (2^-10) relative to the largest value
+    "bf16": 6.4e-2,  # 4 * 1.6e-2: about 8 ULPs of bf16 (2^-7) relative to the largest value
 }
 # torch.autograd.gradcheck: central differences with eps = 1e-6, atol = 1e-5, rtol = 1e-3
 FINITE_DIFFERENCE = {"eps": 1e-6, "atol": 1e-5, "rtol": 1e-3}
@@ -123,3 +133,8 @@ MSPROBE_COMPARE_LIMITS: dict[str, float] = {  # CompareConst
     "cos": 0.99, "max_abs": 0.001, "cos_min": 0.9, "max_abs_max": 1.0,
 }
 # ==== end of msprobe's constants ======================================================================
+
+
+def doctor_tolerance(fmt: str) -> float:
+    """The doctor's rtol for an output returned in ``fmt`` (relative to the channel's scale)."""
+    return DOCTOR_TOLERANCES[get_format(fmt).name]

@@ -1,106 +1,190 @@
 """bnprobe doctor: the expert's checklist for a BatchNorm kernel, with the known bug each failure matches.
 
-The adapter runs on an input made to tell the classic bugs apart (channels whose variance is near
-eps, R = 32 so that R/(R-1) is visible, momentum 0.1 so that 1-m is visible).  Each group of its
-outputs — the training y, the saved statistics, the running statistics, the inference y, the
-gradients — is compared with an FP64 model of BatchNorm and with the same model carrying one known
-bug.  A bug is diagnosed when the adapter matches that bug's model and not the correct one.
+The kernel runs on a set of inputs, each made to show some bugs: a diagnostic input that tells the
+classic bugs apart (channels whose variance is above, near and far below eps, R = 32 so that R/(R-1)
+is visible, running statistics far from the batch's, dy built so that each term of dx carries weight
+in some channel), and stress inputs on which real kernels go wrong (a large mean, var ≈ eps, a large
+variance, constant channels, R = 2, inference after several training steps, sums large enough to lose
+bits in a 16-bit accumulator), plus the user's own input when given.  On each input every group of
+outputs — the training y, the saved statistics, the running statistics, the inference y, the gradients,
+the inference after the steps — is compared with the FP64 golden on the same rounded inputs (the
+reference adapter, parameters in the run's format), output by output at the tolerance of the format the
+kernel returned it in, per channel, relative to the channel's largest expected value or its natural
+scale (what the output is formed from), whichever is larger.  A group that fails on any input fails the
+kernel.  A bug is diagnosed when the model of BatchNorm with that bug matches the kernel on every input
+(and the correct model does not on some); where no model matches, the item says which outputs are wrong
+on which input, and how (torch.testing style).
 
-On a recording (:func:`doctor_recorded`) the inputs are the recorded ones and cannot be changed: each
-call's recorded outputs are judged against the FP64 golden on its own inputs, at the tolerance of the
-format each was returned in, and matched against the bug models on those same inputs; the items that
-need reruns on other data are listed as skipped, and bugs that the call's data cannot tell apart from
-correct BatchNorm are named.
+On a recording (:func:`doctor_recorded`) each call's recorded outputs are judged the same way on its own
+inputs; a runnable kernel given a recording as input also gets the checklist on the diagnostic and stress
+inputs.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from bnprobe.adapters import KernelAdapter, get_adapter
+from bnprobe.adapters.base import params_format
 from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.adapters.emulated import PolicyAdapter
 from bnprobe.checks.gradcheck import _axes, _channels_first, _col
-from bnprobe.checks.recorded import CallRun, PerCall, Recorded, check_options, runs
+from bnprobe.checks.recorded import (
+    CallRun,
+    PerCall,
+    Recorded,
+    check_options,
+    check_params,
+    generated_call,
+    run_call,
+    runs,
+)
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.numerics.rounding import round_to
-from bnprobe.tolerances import grad_tolerance
+from bnprobe.tolerances import doctor_tolerance
 
-__all__ = ["BUGS", "Item", "DoctorReport", "doctor", "doctor_recorded", "model", "SKIPPED_ON_RECORDINGS"]
+__all__ = ["BUGS", "Item", "DoctorReport", "Probe", "doctor", "doctor_recorded", "model", "probes",
+           "SKIPPED_ON_RECORDINGS"]
 
-# Each known bug, with the outputs it changes
+# ---- the bug models -------------------------------------------------------------------------------
+
+EPS_ON_SIGMA = "eps added to sigma instead of sigma^2"
+EPS_MISSING = "eps missing"
+SQRT_MISSING = "square root missing: normalised by var + eps"
+UNBIASED = "unbiased variance used for normalisation"
+TRAIN_RUNNING = "training uses running statistics"
+NO_CENTER = "mean not subtracted: y = gamma*x*rstd + beta"
+SWAPPED = "gamma and beta swapped in y"
+BIASED_RUNNING = "running_var updated with the biased variance"
+KERAS = "momentum applied as 1-m (Keras convention)"
+NOT_UPDATED = "running statistics not updated"
+PLUS_EPS = "running_var updated with var + eps"
+INFER_BATCH = "inference uses batch statistics"
+DROP_MEAN = "dx missing its -mean(dy) term"
+DROP_XHAT = "dx missing its -x-hat*mean(dy*x-hat) term"
+SUM_DY = "dx subtracts sum(dy) instead of mean(dy)"
+SUM_DY_XHAT = "dx subtracts x-hat*sum(dy*x-hat) instead of x-hat*mean(dy*x-hat)"
+PLUS_XHAT = "dx adds x-hat*mean(dy*x-hat) instead of subtracting it"
+DX_NO_SQRT = "dx factor without the square root: gamma/(var+eps)"
+DX_NO_GAMMA = "dx factor missing gamma"
+DX_X = "dx uses x instead of x-hat"
+DX_CENTERED = "dx uses x-mean instead of x-hat"
+SEED = "dx is the seed's dL/dX as printed: gamma/(var+eps)*(dy - mean(dy) - x*mean(dy*x))"
+DG_NO_RSTD = "dgamma missing the rstd factor"
+DG_X = "dgamma uses x instead of x-hat"
+DG_MEAN = "dgamma is the mean of dy*x-hat instead of the sum"
+DB_MEAN = "dbeta is the mean of dy instead of the sum"
+DG_DB_SWAPPED = "dgamma and dbeta swapped"
+
+_NORMALISE = ("y_train", "saved", "y_infer", "backward", "y_eval")
+# each known bug, with the groups of outputs it changes
 BUGS: dict[str, tuple[str, ...]] = {
-    "eps added to sigma instead of sigma^2": ("y_train", "saved", "y_infer", "backward"),
-    "eps missing": ("y_train", "saved", "y_infer", "backward"),
-    "unbiased variance used for normalisation": ("y_train", "saved", "backward"),
-    "running_var updated with the biased variance": ("running",),
-    "momentum applied as 1-m (Keras convention)": ("running",),
-    "inference uses batch statistics": ("y_infer",),
-    "training uses running statistics": ("y_train", "saved"),
-    "dgamma missing the rstd factor": ("backward",),
-    "dbeta is the mean of dy instead of the sum": ("backward",),
-    "dx factor without the square root (the seed's formula)": ("backward",),
-    "dx uses x instead of x-hat": ("backward",),
+    EPS_ON_SIGMA: _NORMALISE,
+    EPS_MISSING: _NORMALISE,
+    SQRT_MISSING: _NORMALISE,
+    UNBIASED: ("y_train", "saved", "backward"),
+    TRAIN_RUNNING: ("y_train", "saved", "backward"),
+    NO_CENTER: ("y_train", "y_infer", "y_eval"),
+    SWAPPED: ("y_train", "y_infer", "y_eval"),
+    BIASED_RUNNING: ("running", "y_eval"),
+    KERAS: ("running", "y_eval"),
+    NOT_UPDATED: ("running", "y_eval"),
+    PLUS_EPS: ("running", "y_eval"),
+    INFER_BATCH: ("y_infer", "y_eval"),
+    **{bug: ("backward",) for bug in (DROP_MEAN, DROP_XHAT, SUM_DY, SUM_DY_XHAT, PLUS_XHAT, DX_NO_SQRT, DX_NO_GAMMA,
+                                      DX_X, DX_CENTERED, SEED, DG_NO_RSTD, DG_X, DG_MEAN, DB_MEAN, DG_DB_SWAPPED)},
 }
+GROUPS = {"y_train": ("y_train",), "saved": ("saved_mean", "saved_invstd"), "running": ("running_mean", "running_var"),
+          "y_infer": ("y_infer",), "backward": ("dx", "dgamma", "dbeta"), "y_eval": ("y_eval",)}
+CHECKS = {  # group: (checklist item, what its outputs are)
+    "y_train": ("training forward: batch statistics, epsilon inside the square root", "training outputs y"),
+    "saved": ("saved statistics: mean and 1/sqrt(biased variance + eps)", "saved mean and 1/sqrt(var+eps)"),
+    "running": ("running statistics: PyTorch momentum convention, unbiased running_var",
+                "updated running_mean / running_var"),
+    "y_infer": ("train/eval switch: inference normalises with the running statistics", "inference outputs y"),
+    "backward": ("backward: dx, dgamma, dbeta", "gradients"),
+    "y_eval": ("eval after several training steps: inference with the running statistics they left",
+               "inference outputs y after the steps"),
+}
+ELEMENTWISE = ("y_train", "y_infer", "dx", "y_eval")
 
 
 def model(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, rm: np.ndarray, rv: np.ndarray, dy: np.ndarray,
-          momentum: float, eps: float, bug: str | None = None, *, training: bool = True) -> dict[str, np.ndarray]:
+          momentum: float, eps: float, bug: str | None = None, *, training: bool = True,
+          saved: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """BatchNorm in FP64 (NC... layout), correct or with one bug from BUGS; ``training=False``: the backward
-    is that of inference (normalised with the running statistics)."""
+    is that of inference (normalised with the running statistics); ``saved`` (mean, invstd): the training
+    backward from these statistics, as a kernel's backward takes what its forward stored."""
     if bug is not None and bug not in BUGS:
         raise BNProbeError(f"unknown bug model {bug!r}")
-    ax = _axes(x)
-    n = x.ndim
+    ax, n = _axes(x), x.ndim
     r = x.size // x.shape[1]
+    col = lambda v: _col(v, n)  # noqa: E731
     mean, var = x.mean(axis=ax), x.var(axis=ax)
-    unbiased = var * r / (r - 1)
+    unbiased = var * r / (r - 1) if r > 1 else np.full_like(var, np.nan)
 
     def rstd_of(v: np.ndarray) -> np.ndarray:
-        if bug == "eps added to sigma instead of sigma^2":
+        if bug == EPS_ON_SIGMA:
             return 1 / (np.sqrt(v) + eps)
-        if bug == "eps missing":
+        if bug == EPS_MISSING:
             return 1 / np.sqrt(v)
+        if bug == SQRT_MISSING:
+            return 1 / (v + eps)
         return 1 / np.sqrt(v + eps)
 
-    m_t, v_t = (rm, rv) if bug == "training uses running statistics" else (mean, var)
-    if bug == "unbiased variance used for normalisation":
-        v_t = unbiased
+    def y_of(m: np.ndarray, rs: np.ndarray) -> np.ndarray:
+        if bug == NO_CENTER:
+            return col(gamma * rs) * x + col(beta)
+        xh = (x - col(m)) * col(rs)
+        return col(beta) * xh + col(gamma) if bug == SWAPPED else col(gamma) * xh + col(beta)
+
+    m_t, v_t = (rm, rv) if bug == TRAIN_RUNNING else (mean, unbiased if bug == UNBIASED else var)
     rstd = rstd_of(v_t)
-    xhat = (x - _col(m_t, n)) * _col(rstd, n)
-    y = _col(gamma, n) * xhat + _col(beta, n)
-    if bug == "momentum applied as 1-m (Keras convention)":
-        new_rm, new_rv = momentum * rm + (1 - momentum) * mean, momentum * rv + (1 - momentum) * unbiased
+    xhat = (x - col(m_t)) * col(rstd)
+    batch_var = var if bug == BIASED_RUNNING else (unbiased + eps if bug == PLUS_EPS else unbiased)
+    if bug == KERAS:
+        new_rm, new_rv = momentum * rm + (1 - momentum) * mean, momentum * rv + (1 - momentum) * batch_var
+    elif bug == NOT_UPDATED:
+        new_rm, new_rv = rm, rv
     else:
-        new_rm = (1 - momentum) * rm + momentum * mean
-        new_rv = (1 - momentum) * rv + momentum * (var if bug == "running_var updated with the biased variance"
-                                                   else unbiased)
-    mi, vi = (mean, var) if bug == "inference uses batch statistics" else (rm, rv)
-    y_inf = _col(gamma, n) * (x - _col(mi, n)) * _col(rstd_of(vi), n) + _col(beta, n)
-    dbeta = dy.mean(axis=ax) if bug == "dbeta is the mean of dy instead of the sum" else dy.sum(axis=ax)
-    dgamma = (dy * (x - _col(m_t, n))).sum(axis=ax) if bug == "dgamma missing the rstd factor" else \
-        (dy * xhat).sum(axis=ax)
-    factor = gamma / (v_t + eps) if bug == "dx factor without the square root (the seed's formula)" else gamma * rstd
-    z = x if bug == "dx uses x instead of x-hat" else xhat
-    dx = _col(factor, n) * (dy - dy.mean(axis=ax, keepdims=True) - z * (dy * z).mean(axis=ax, keepdims=True))
-    if not training:  # y = γ·(x - rm)·rstd(rv) + β: the statistics are constants
-        rs = rstd_of(rv)
-        dgamma = (dy * (x - _col(rm, n))).sum(axis=ax) if bug == "dgamma missing the rstd factor" else \
-            (dy * (x - _col(rm, n)) * _col(rs, n)).sum(axis=ax)
-        factor = gamma / (rv + eps) if bug == "dx factor without the square root (the seed's formula)" else gamma * rs
-        dx = _col(factor, n) * dy
-    return {"y_train": y, "saved_mean": m_t, "saved_invstd": rstd, "running_mean": new_rm, "running_var": new_rv,
-            "y_infer": y_inf, "dx": dx, "dgamma": dgamma, "dbeta": dbeta}
+        new_rm, new_rv = (1 - momentum) * rm + momentum * mean, (1 - momentum) * rv + momentum * batch_var
+    mi, vi = (mean, var) if bug == INFER_BATCH else (rm, rv)
+    if training and saved is not None:
+        m_b, rs_b = np.asarray(saved[0], dtype=np.float64), np.asarray(saved[1], dtype=np.float64)
+        v_b = 1 / (rs_b * rs_b) - eps
+        xh_b = (x - col(m_b)) * col(rs_b)
+    elif training:
+        m_b, v_b, rs_b, xh_b = m_t, v_t, rstd, xhat
+    else:  # y = γ·(x - rm)·rstd(rv) + β: the statistics are constants
+        m_b, v_b = rm, rv
+        rs_b = rstd_of(rv)
+        xh_b = (x - col(rm)) * col(rs_b)
+    dbeta = dy.sum(axis=ax)
+    dgamma = {DG_NO_RSTD: lambda: (dy * (x - col(m_b))).sum(axis=ax), DG_X: lambda: (dy * x).sum(axis=ax),
+              DG_MEAN: lambda: (dy * xh_b).mean(axis=ax)}.get(bug, lambda: (dy * xh_b).sum(axis=ax))()
+    if bug == DB_MEAN:
+        dbeta = dy.mean(axis=ax)
+    if bug == DG_DB_SWAPPED:
+        dgamma, dbeta = dbeta, dgamma
+    factor = {DX_NO_SQRT: gamma / (v_b + eps), SEED: gamma / (v_b + eps), DX_NO_GAMMA: rs_b}.get(bug, gamma * rs_b)
+    if training:
+        z = {DX_X: x, SEED: x, DX_CENTERED: x - col(m_b)}.get(bug, xh_b)
+        t1 = 0.0 if bug == DROP_MEAN else dy.sum(axis=ax, keepdims=True) / (1 if bug == SUM_DY else r)
+        t2 = 0.0 if bug == DROP_XHAT else (dy * z).sum(axis=ax, keepdims=True) / (1 if bug == SUM_DY_XHAT else r)
+        dx = col(factor) * (dy - t1 + (1.0 if bug == PLUS_XHAT else -1.0) * z * t2)
+    else:
+        dx = col(factor) * dy
+    return {"y_train": y_of(m_t, rstd), "saved_mean": m_t, "saved_invstd": rstd, "running_mean": new_rm,
+            "running_var": new_rv, "y_infer": y_of(mi, rstd_of(vi)), "dx": dx, "dgamma": dgamma, "dbeta": dbeta}
 
 
-GROUPS = {"y_train": ("y_train",), "saved": ("saved_mean", "saved_invstd"), "running": ("running_mean", "running_var"),
-          "y_infer": ("y_infer",), "backward": ("dx", "dgamma", "dbeta")}
-
+# ---- reports ----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Item:
@@ -108,10 +192,12 @@ class Item:
     status: str  # PASS, WARN, FAIL
     evidence: str
     matches: tuple[str, ...] = ()
+    details: tuple[str, ...] = ()  # what is wrong, per input and output (torch.testing style)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["matches"] = list(self.matches)
+        d["details"] = list(self.details)
         return d
 
 
@@ -124,6 +210,8 @@ class DoctorReport:
     notes: list[str] = field(default_factory=list)
 
     call: str | None = None  # the recorded call diagnosed (its label), None for the diagnostic inputs
+    params: str | None = None  # the parameters' format (fp32, same...), None when not known
+    inputs: tuple[str, ...] = ()  # the inputs the checklist ran on
 
     @property
     def healthy(self) -> bool:
@@ -134,156 +222,501 @@ class DoctorReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {**({} if self.call is None else {"call": self.call}), "adapter": self.adapter, "dtype": self.dtype,
-                "healthy": self.healthy, "diagnosis": self.diagnosis, "items": [i.to_dict() for i in self.items],
-                "notes": self.notes}
+                "params": self.params, "inputs": list(self.inputs), "healthy": self.healthy,
+                "diagnosis": self.diagnosis, "items": [i.to_dict() for i in self.items], "notes": self.notes}
 
 
-def _rel_dist(a: dict[str, np.ndarray], b: dict[str, np.ndarray], keys: tuple[str, ...]) -> float:
-    """The largest error of a against b over the keys, each relative to b's largest magnitude."""
-    worst = 0.0
-    for k in keys:
-        if k not in a or a[k] is None:
+# ---- comparing one group of outputs -------------------------------------------------------------------
+
+@dataclass
+class _Outputs:
+    """One input's outputs (channels-first): the kernel's, the golden's, and the bug models' on the same inputs,
+    each model computed when first asked for."""
+
+    name: str
+    got: dict[str, np.ndarray]
+    gold: dict[str, np.ndarray]
+    formats: dict[str, str]
+    natural: dict[str, np.ndarray]
+    models: Callable[[str], dict[str, np.ndarray]] | None
+    stored: Callable[[str | None], dict[str, np.ndarray]] | None = None  # backward from the kernel's statistics
+    skip: tuple[str, ...] = ()
+    checks: dict[str, Check] = field(default_factory=dict)  # the groups judged on this input
+    _cache: dict[tuple[str | None, bool], dict[str, np.ndarray]] = field(default_factory=dict)
+
+    def model(self, bug: str | None, stored: bool = False) -> dict[str, np.ndarray]:
+        key = (bug, stored)
+        if key not in self._cache:
+            with np.errstate(all="ignore"):
+                self._cache[key] = (self.stored if stored else self.models)(bug)  # type: ignore[misc, arg-type]
+        return self._cache[key]
+
+    def distance(self, keys: tuple[str, ...], want: dict[str, np.ndarray], describe: bool = False,
+                 got: dict[str, np.ndarray] | None = None) -> tuple[float, list[str]]:
+        """The worst of the outputs ``keys`` against ``want`` (see :func:`_compare`), and what is wrong."""
+        worst, wrong = 0.0, []
+        for k in keys:
+            r, why = _compare(k, (got or self.got)[k], want[k], self.natural.get(k), self.formats[k], describe)
+            worst = max(worst, r)
+            if why:
+                wrong.append(why)
+        return worst, wrong
+
+
+@dataclass
+class Check:
+    """One group of outputs on one input: how far from the golden, and (asked) how far from each bug model."""
+
+    group: str
+    input: str
+    ratio: float  # worst error / allowed over the group's outputs (<= 1 passes)
+    formats: str
+    wrong: list[str] = field(default_factory=list)  # per failing output, what is wrong, torch.testing style
+    keys: tuple[str, ...] = ()
+    outputs: _Outputs | None = field(default=None, repr=False)
+    from_stored: bool = False  # judged against the backward of the statistics as stored (closer than the FP64 one)
+
+    @property
+    def passed(self) -> bool:
+        return self.ratio <= 1
+
+    def fit(self, bug: str) -> float:
+        """The kernel's distance to the model of ``bug`` (<= 1: the model fits), inf when not modelled here."""
+        o = self.outputs
+        if o is None or o.models is None or bug in o.skip or self.group not in BUGS[bug]:
+            return math.inf
+        fit = o.distance(self.keys, o.model(bug))[0]
+        saved = o.checks.get("saved")
+        if fit > 1 and self.group == "backward" and o.stored is not None and saved is not None and \
+                (saved.fit(bug) <= 1 if "saved" in BUGS[bug] else saved.passed):
+            # the bug's backward from the statistics the kernel stored, when they are the bug's statistics
+            fit = min(fit, o.distance(self.keys, o.model(bug, stored=True))[0])
+        return fit
+
+    def hidden(self, bug: str) -> bool | None:
+        """Whether the model of ``bug`` is within tolerance of the golden (this input cannot show the bug)."""
+        o = self.outputs
+        if o is None or o.models is None or bug in o.skip or self.group not in BUGS[bug]:
+            return None
+        return o.distance(self.keys, o.gold, got=o.model(bug))[0] <= 1
+
+
+def _error(a: np.ndarray, w: np.ndarray, fmt: str) -> np.ndarray:
+    """|a - w| beyond half an ulp of the output's format at w (a correctly rounded result has none, underflow
+    to zero and subnormal spacing included); 0 for NaN with NaN and for ±inf where w rounds to that inf in the
+    format (beyond its range: the format cannot hold it, not the kernel's error); inf for other NaN/inf."""
+    f = get_format(fmt)
+    with np.errstate(all="ignore"):
+        d = np.abs(a - w)
+        d -= 0.5 * f.ulp(w)
+        np.maximum(d, 0.0, out=d)
+        if np.isfinite(d).all():
+            return d
+        wr = round_to(w, f.name) if f.name != "fp64" else w
+        same = (a == w) | (np.isnan(a) & np.isnan(w)) | (np.isinf(a) & (a == wr))
+        return np.where(same, 0.0, np.where(np.isnan(d), np.inf, d))
+
+
+def _compare(key: str, got: np.ndarray, want: np.ndarray, natural: np.ndarray | None, fmt: str,
+             describe: bool = False) -> tuple[float, str]:
+    """Per channel, the error beyond the format's rounding over rtol · max(max |want|, natural), the worst over
+    the channels; with ``describe``, the failure in torch.testing's words."""
+    a, w = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    rtol = doctor_tolerance(fmt)
+    ch = 1 if a.ndim > 1 else 0
+    d = _error(a, w, fmt)
+    with np.errstate(all="ignore"):
+        wf = np.abs(w)
+        if not np.isfinite(wf).all():
+            wf = np.where(np.isfinite(wf), wf, 0.0)
+        peak = wf.max(axis=tuple(i for i in range(a.ndim) if i != ch)) if a.ndim > 1 else wf
+        scale = peak if natural is None else np.maximum(peak, natural)
+        np.maximum(scale, 1e-300, out=scale)
+        shape = [1] * a.ndim
+        shape[ch] = -1
+        allowed = rtol * scale.reshape(shape)
+        used = d / allowed
+    ratio = float(used.max()) if used.size else 0.0
+    if not describe or ratio <= 1:
+        return ratio, ""
+    bad = used > 1
+    k, total = int(bad.sum()), used.size
+    i = int(np.argmax(used))
+    idx = np.unravel_index(i, a.shape)
+    where = f"index {tuple(int(v) for v in idx)} (channel {int(idx[ch])})" if a.ndim > 1 else f"channel {i}"
+    return ratio, (f"{key} ({fmt}): Mismatched elements: {k} / {total} ({100.0 * k / total:.3g}%); greatest error "
+                   f"{abs(float(a.flat[i]) - float(w.flat[i])):.3g} at {where}: {float(a.flat[i]):.6g} vs "
+                   f"{float(w.flat[i]):.6g} expected ({float(np.broadcast_to(allowed, a.shape).flat[i]):.3g} "
+                   f"allowed beyond half an ulp: rtol {rtol:g} of the channel's scale; it passes from rtol "
+                   f"{ratio * rtol:.3g})")
+
+
+def _judge(name: str, got: dict[str, np.ndarray], gold: dict[str, np.ndarray], formats: dict[str, str],
+           natural: dict[str, np.ndarray], models: Callable[[str], dict[str, np.ndarray]] | None,
+           skip: tuple[str, ...] = (),
+           stored: Callable[[str | None], dict[str, np.ndarray]] | None = None) -> dict[str, Check]:
+    """Every group of outputs present in ``got`` on one input against the golden; each group's bug models
+    (``models(bug)``, all outputs channels-first) are compared with the kernel when asked (:meth:`Check.fit`);
+    ``skip``: bugs this input cannot model.  ``stored(bug)``: the backward (correct for None) from the
+    statistics the kernel saved; when they pass their own check, the gradients are judged against that golden
+    as well and pass by the closer one (a correct backward cannot undo the rounding of what its forward
+    stored)."""
+    o = _Outputs(name, got, gold, formats,
+                 {k: np.nan_to_num(np.asarray(v, dtype=np.float64).reshape(-1)) for k, v in natural.items()},
+                 models, stored, skip)
+    out: dict[str, Check] = {}
+    for gr, keys in GROUPS.items():
+        keys = tuple(k for k in keys if k in got)
+        if not keys:
             continue
-        x, y = np.asarray(a[k], dtype=np.float64), np.asarray(b[k], dtype=np.float64)
-        with np.errstate(all="ignore"):
-            d = float(np.max(np.abs(x - y))) / max(float(np.max(np.abs(y))), 1e-300)
-        worst = max(worst, d if math.isfinite(d) else math.inf)
-    return worst
+        worst, wrong = o.distance(keys, gold, describe=True)
+        from_stored = False
+        if gr == "backward" and stored is not None and "saved" in out and out["saved"].passed \
+                and len(out["saved"].keys) == 2:
+            alt = o.distance(keys, o.model(None, stored=True))[0]
+            if alt < worst:  # closer to the backward of the statistics as stored
+                from_stored = True
+                worst, wrong = (alt, []) if alt <= 1 else (alt, wrong)
+        out[gr] = Check(gr, name, worst, ", ".join(dict.fromkeys(formats[k] for k in keys)), wrong, keys, o,
+                        from_stored)
+    o.checks = out
+    return out
 
 
-def _inputs(seed: int) -> dict[str, Any]:
-    """x with channels whose variance is near eps, R = 32, gamma/beta/running stats distinct from 1/0."""
+def _items(checks: list[dict[str, Check]], on: str, unseen: bool = False) -> tuple[list[Item], list[str], list[str]]:
+    """One item per group over every input it was checked on; the bugs whose model fits the kernel on all of
+    them are its diagnosis.  (items, diagnosis, notes; with ``unseen`` a note naming the bugs no input shows)"""
+    items: list[Item] = []
+    diagnosis: list[str] = []
+    for gr, (name, what) in CHECKS.items():
+        cs = [c[gr] for c in checks if gr in c]
+        if not cs:
+            continue
+        fmts = ", ".join(dict.fromkeys(f for c in cs for f in c.formats.split(", ")))
+        failing = [c for c in cs if not c.passed]
+        worst = max(cs, key=lambda c: c.ratio)
+        if not failing:
+            where = f" on {len(cs)} inputs" if len(cs) > 1 else f" {on or 'on ' + cs[0].input}"
+            stored = [c.input for c in cs if c.from_stored]
+            items.append(Item(name, "PASS", f"{what} match the FP64 golden{where} (largest error "
+                                            f"{100 * worst.ratio:.3g}% of the {fmts} tolerance"
+                                            + (f", on {worst.input})" if len(cs) > 1 else ")")
+                                            + (f"; judged from the statistics as the kernel stored them (closer than "
+                                               f"from the FP64 ones) on {', '.join(stored)}" if stored else "")))
+            continue
+        order = failing + [c for c in cs if c.passed]  # the failing inputs reject most models first
+        matches = tuple(bug for bug in BUGS if gr in BUGS[bug] and all(c.fit(bug) <= 1 for c in order))
+        diagnosis.extend(b for b in matches if b not in diagnosis)
+        names = [c.input for c in failing]
+        items.append(Item(name, "FAIL", f"{what} wrong on {len(failing)} of {len(cs)} input(s) ({', '.join(names)})"
+                          + (f"; they match the model of: {'; '.join(matches)}" if matches else
+                             "; no known bug model matches"), matches,
+                          tuple(f"on {c.input}: {w}" for c in failing for w in c.wrong)))
+    notes = []
+    if unseen:
+        hid = {bug: [c[gr].hidden(bug) for c in checks for gr in c] for bug in BUGS}
+        bugs = [bug for bug, hs in hid.items() if any(h is not None for h in hs) and all(h is not False for h in hs)]
+        if bugs:
+            notes.append("on this call's data these bugs look like correct BatchNorm (within tolerance) and cannot "
+                         "be seen: " + "; ".join(bugs))
+    return items, diagnosis, notes
+
+
+def _returned(a: Any, fallback: str) -> str:
+    """The format an output was returned in: its dtype's, or ``fallback`` for float64 arrays."""
+    dt = np.asarray(a).dtype
+    return fallback if dt == np.float64 else get_format(dt).name
+
+
+def _natural(run: CallRun, x: np.ndarray) -> dict[str, np.ndarray]:
+    """Per channel, the magnitude each output is formed from (see the module docstring): y from x·rstd·γ and
+    μ·rstd·γ plus β; the inference y from x and the running mean; the sums from their terms."""
+    ci = run.inputs
+    c = x.shape[1]
+    g = np.ones(c) if ci["gamma"] is None else np.abs(np.asarray(ci["gamma"], dtype=np.float64))
+    b = np.zeros(c) if ci["beta"] is None else np.abs(np.asarray(ci["beta"], dtype=np.float64))
+    ax = _axes(x)
+    with np.errstate(all="ignore"):
+        mean_abs = np.nanmean(np.abs(x), axis=ax)
+        out = {k: np.asarray(v, dtype=np.float64) for k, v in run.scales.items()}
+        if "dx" in out:
+            out["dx"] = out["dx"].reshape(-1)
+        if run.gold_saved is not None:
+            rs = 1 / np.sqrt(run.gold_saved.var(run.eps) + run.eps)
+            out["y_train"] = g * rs * mean_abs + b
+        if ci["running_mean"] is not None and ci["running_var"] is not None:
+            rm = np.abs(np.asarray(ci["running_mean"], dtype=np.float64))
+            rs = 1 / np.sqrt(np.asarray(ci["running_var"], dtype=np.float64) + run.eps)
+            out["y_infer"] = g * rs * (mean_abs + rm) + b
+    return out
+
+
+# ---- the inputs ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Probe:
+    """One input of the checklist (NC... layout, float64 before rounding to the run's formats)."""
+
+    name: str
+    x: np.ndarray
+    gamma: np.ndarray
+    beta: np.ndarray
+    running_mean: np.ndarray
+    running_var: np.ndarray
+    dy: np.ndarray | None
+    eps: float = 1e-5
+    momentum: float = 0.1
+    steps: tuple[np.ndarray, ...] = ()  # training batches before the inference on x (eval after several steps)
+
+
+def _running(rng: np.random.Generator, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Running statistics far from the batch's (1.5 std away, 0.3 x or 3 x the variance), so that momentum and
+    the train/eval switch show."""
+    ax = _axes(x)
+    mean, std = x.mean(axis=ax), x.std(axis=ax)
+    c = mean.size
+    sign = np.where(np.arange(c) % 2, -1.0, 1.0)
+    return mean + 1.5 * sign * np.maximum(std, 0.1), np.where(np.arange(c) % 2, 3.0, 0.3) * np.maximum(std, 0.1) ** 2
+
+
+def _diagnostic(seed: int) -> Probe:
+    """Channels of variance 4, 1 and 0.25 (shifted), 1e-4, 4e-6 (< eps) and 1e-10 (std ≈ eps), R = 32; γ and
+    β away from 1 and 0 and from each other; dy = a·x̂ + b + noise per channel, so that -mean(dy) dominates
+    dx in one channel, -x̂·mean(dy·x̂) in another and the factor γ·rstd shows in the noise-led channels."""
     rng = np.random.default_rng([seed, 0xD0C])
-    c = 6
-    std = np.array([2.0, 1.0, 0.5, 1e-2, 4e-3, 2e-3])  # var 4 ... 4e-6 (eps = 1e-5)
-    # small-variance channels are centred: the correctness items must see bugs, not cancellation
-    # (precision loss is the stability item's business)
-    shift = np.where(std >= 0.5, rng.normal(0, 1, c), 0.0)
-    x = rng.standard_normal((8, c, 2, 2)) * std.reshape(1, c, 1, 1) + shift.reshape(1, c, 1, 1)
-    return {"x": x, "gamma": rng.uniform(0.5, 1.5, c), "beta": rng.normal(0, 0.3, c),
-            "rm": rng.normal(0, 0.5, c), "rv": rng.uniform(0.5, 2.0, c) * std**2, "dy": rng.standard_normal(x.shape),
-            "momentum": 0.1, "eps": 1e-5}
+    std = np.array([2.0, 1.0, 0.5, 1e-2, 2e-3, 1e-5])
+    shift = np.array([1.0, -0.7, 0.3, 0.0, 0.0, 0.0])
+    c = std.size
+    col = (1, c, 1, 1)
+    x = rng.standard_normal((8, c, 2, 2)) * std.reshape(col) + shift.reshape(col)
+    xhat = (x - x.mean(axis=(0, 2, 3), keepdims=True)) / x.std(axis=(0, 2, 3), keepdims=True)
+    a = np.array([1.5, -0.3, 0.1, 0.5, 0.8, -0.5])
+    b = np.array([0.2, -1.5, 0.1, 0.5, -0.6, 0.4])
+    noise = np.array([0.3, 0.3, 1.0, 1.0, 0.5, 1.0])
+    dy = a.reshape(col) * xhat + b.reshape(col) + noise.reshape(col) * rng.standard_normal(x.shape)
+    mean = x.mean(axis=(0, 2, 3))
+    var = x.var(axis=(0, 2, 3))
+    rm = mean + np.array([2.0, -2.0, 2.0, -2.0, 2.0, -2.0]) * std
+    rv = var * np.array([3.0, 0.3, 2.5, 0.4, 3.0, 0.25])
+    return Probe("diagnostic", x, np.array([0.6, 1.4, 0.75, 1.3, 0.8, 1.25]),
+                 np.array([0.3, -0.4, 0.2, -0.25, 0.5, -0.1]), rm, rv, dy)
+
+
+def _stress(name: str, x: np.ndarray, seed: int) -> Probe:
+    rng = np.random.default_rng([seed, len(name)])
+    c = x.shape[1]
+    rm, rv = _running(rng, x)
+    return Probe(name, x, rng.uniform(0.5, 1.5, c), rng.normal(0.0, 0.3, c), rm, rv, rng.standard_normal(x.shape))
+
+
+def probes(seed: int = 0, *, stress: bool = True) -> list[Probe]:
+    """The checklist's inputs: the diagnostic input, then (``stress``) the stress inputs."""
+    out = [_diagnostic(seed)]
+    if not stress:
+        return out
+    rng = np.random.default_rng([seed, 0x57E5])
+    n = lambda *shape: rng.standard_normal(shape)  # noqa: E731
+    means = np.array([1e2, -1e2, 1e3, -1e3]).reshape(1, 4, 1, 1)
+    const = n(8, 4, 2, 2)
+    const[:, 1], const[:, 2], const[:, 3] = 1.5, -2.0, 0.0
+    steps = tuple(n(8, 3, 2, 2) * s + m for s, m in ((1.0, 0.5), (2.0, -1.0), (0.5, 2.0), (1.5, 0.0)))
+    out += [
+        _stress("stress/large-mean", n(8, 4, 4, 4) + means, seed),
+        _stress("stress/var-near-eps", 0.5 + math.sqrt(1e-5) * n(8, 4, 4, 4), seed),
+        _stress("stress/large-variance", 100.0 * n(8, 4, 4, 4), seed),
+        _stress("stress/constant-channels", const, seed),
+        _stress("stress/R=2", n(2, 4) * np.array([1.0, 3.0, 0.2, 10.0]), seed),
+        _stress("stress/16-bit-sums", 4.0 + n(16, 2, 8, 8), seed),
+    ]
+    ev = _stress("stress/eval-after-steps", n(8, 3, 2, 2) + 0.5, seed)
+    out.append(Probe(ev.name, ev.x, ev.gamma, ev.beta, np.zeros(3), np.ones(3), None, steps=steps))
+    return out
+
+
+def user_probe(x: np.ndarray, seed: int = 0, name: str = "input") -> Probe:
+    """The user's tensor as an input of the checklist (γ, β, running statistics and dy seeded)."""
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim < 2:
+        raise BNProbeError(f"x must have 2 to 5 dimensions, got shape {x.shape}")
+    return _stress(name, x, seed)
+
+
+# ---- running the kernel on one input ------------------------------------------------------------------
+
+def _probe_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, params: str) -> dict[str, Check]:
+    if p.steps:
+        return _steps_checks(a, ref, p, fmt, params)
+    caps = a.capabilities()
+    r = p.x.size // p.x.shape[1]
+    modes = ("train", "infer", "backward") if r > 1 else ("infer",)
+    modes = tuple(m for m in modes if m in caps.modes and (m != "backward" or caps.saved != "none"))
+    rec = generated_call(p.x, gamma=p.gamma, beta=p.beta, running_mean=p.running_mean, running_var=p.running_var,
+                         dy=p.dy, dtype=fmt, params=params, eps=p.eps, momentum=p.momentum, modes=modes,
+                         label=p.name)
+    run = run_call(a, rec, ref=ref, label=p.name)
+    ci = rec.call_inputs()
+    x = ci["x"]
+    vec = {k: np.asarray(ci[k], dtype=np.float64) for k in ("gamma", "beta", "running_mean", "running_var")}
+    dy = ci["dy"] if ci["dy"] is not None else np.zeros_like(x)
+    args = (x, vec["gamma"], vec["beta"], vec["running_mean"], vec["running_var"], dy, p.momentum, p.eps)
+    got = {k: np.asarray(v, dtype=np.float64) for k, v in run.got.items()}
+    return _judge(p.name, got, run.gold, run.formats, _natural(run, x), lambda bug: model(*args, bug),
+                  stored=_stored(args, got))
+
+
+def _stored(args: tuple[Any, ...], got: dict[str, np.ndarray], training: bool = True,
+            ) -> Callable[[str | None], dict[str, np.ndarray]] | None:
+    """The backward models from the statistics the kernel saved (see :func:`_judge`)."""
+    if not training or "saved_mean" not in got or "saved_invstd" not in got:
+        return None
+    saved = (got["saved_mean"], got["saved_invstd"])
+    return lambda bug: model(*args, bug, saved=saved)
+
+
+def _steps_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, params: str) -> dict[str, Check]:
+    """Training steps on ``p.steps`` then inference on ``p.x``, with the running statistics the steps left: the
+    kernel's chain against the golden's (the reference, its update kept in the parameters' format after each
+    step as a kernel keeps it) and the bug models' chains."""
+    caps = a.capabilities()
+    if "train" not in caps.modes or "infer" not in caps.modes:
+        return {}
+    pf = params_format(fmt, params)
+    common = dict(dtype=fmt, eps=p.eps, params=params)
+    batches = [round_to(s, fmt) for s in p.steps]
+    x = round_to(p.x, fmt)
+    g, b = round_to(p.gamma, pf), round_to(p.beta, pf)
+    rm0, rv0 = round_to(p.running_mean, pf), round_to(p.running_var, pf)
+    k_rm, k_rv, g_rm, g_rv = rm0, rv0, rm0, rv0
+    with np.errstate(all="ignore"):
+        for xb in batches:
+            out = a.forward_train(xb, g, b, k_rm, k_rv, momentum=p.momentum, **common)
+            if out.running_mean is None or out.running_var is None:
+                return {}
+            k_rm, k_rv = out.running_mean, out.running_var
+            gt = ref.forward_train(xb, g, b, g_rm, g_rv, momentum=p.momentum, **common)
+            g_rm, g_rv = round_to(gt.running_mean, pf), round_to(gt.running_var, pf)
+        y = a.forward_infer(x, g, b, k_rm, k_rv, **common).y
+        gy = ref.forward_infer(x, g, b, g_rm, g_rv, **common).y
+
+        def models(bug: str) -> dict[str, np.ndarray]:
+            rm, rv = rm0, rv0
+            for xb in batches:
+                m = model(xb, g, b, rm, rv, np.zeros_like(xb), p.momentum, p.eps, bug)
+                rm, rv = round_to(m["running_mean"], pf), round_to(m["running_var"], pf)
+            m = model(x, g, b, rm, rv, np.zeros_like(x), p.momentum, p.eps, bug)
+            return {"running_mean": rm, "running_var": rv, "y_eval": m["y_infer"]}
+
+        out_fmt, vec_fmt = caps.output or fmt, "fp64" if caps.output == "fp64" else pf
+        got = {"running_mean": k_rm, "running_var": k_rv, "y_eval": y}
+        gold = {"running_mean": g_rm, "running_var": g_rv, "y_eval": gy}
+        formats = {k: _returned(v, out_fmt if k == "y_eval" else vec_fmt) for k, v in got.items()}
+        ax = _axes(x)
+        mean_abs = np.max([np.abs(bt).mean(axis=ax) for bt in batches], axis=0)
+        natural = {"running_mean": np.maximum(np.abs(g_rm), p.momentum * mean_abs),
+                   "y_eval": np.abs(g) / np.sqrt(g_rv + p.eps) * (np.abs(x).mean(axis=ax) + np.abs(g_rm))
+                   + np.abs(b)}
+    got = {k: np.asarray(v, dtype=np.float64) for k, v in got.items()}
+    return _judge(p.name, got, {k: np.asarray(v, dtype=np.float64) for k, v in gold.items()}, formats, natural,
+                  models)
 
 
 def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None, *, seed: int = 0,
-           stability: bool = True) -> DoctorReport:
-    """Run the checklist on ``adapter`` in ``dtype`` (default: fp64 when it runs it, else fp32).  A dump
-    adapter of one call is diagnosed on its recorded inputs (:func:`doctor_recorded` does every call)."""
+           stability: bool = True, params: str | None = None, x: np.ndarray | None = None) -> DoctorReport:
+    """Run the checklist on ``adapter`` in ``dtype`` (default: fp64 when it runs it, else its first format)
+    with parameters (γ, β, running and saved statistics) in fp32 or the input's format (``params`` same), on
+    the diagnostic input, the stress inputs (``stability``) and ``x`` when given.  A dump adapter of one call
+    is diagnosed on its recorded inputs (:func:`doctor_recorded` does every call)."""
     a = get_adapter(adapter) if isinstance(adapter, str) else adapter
+    check_params(params)
     if isinstance(a, DumpAdapter):
         if len(a.calls.calls) != 1:
             raise BNProbeError(f"{a.name} holds {len(a.calls.calls)} BatchNorm calls: doctor_recorded diagnoses each "
                                "(or select one with dump:DIR#NAME)")
-        return doctor_recorded(Recorded(a, a.calls), dtype=dtype).results[0]
+        if x is not None:
+            raise BNProbeError(f"--input and the dump adapter {a.name} both give the inputs: drop --input")
+        return doctor_recorded(Recorded(a, a.calls), dtype=dtype, params=params).results[0]
     caps = a.capabilities()
     fmt = get_format(dtype).name if dtype else ("fp64" if "fp64" in caps.formats else caps.formats[0])
     if fmt not in caps.formats:
         raise BNProbeError(f"adapter {a.name} does not run {fmt} (it runs {', '.join(caps.formats)})")
-    inp = _inputs(seed)
-    pf = "fp64" if fmt == "fp64" else "fp32"
-    x, dy = round_to(inp["x"], fmt), round_to(inp["dy"], fmt)
-    g, b, rm, rv = (round_to(inp[k], pf) for k in ("gamma", "beta", "rm", "rv"))
-    m, eps = inp["momentum"], inp["eps"]
-    common = dict(dtype=fmt, eps=eps)
-    out_t = a.forward_train(x, g, b, rm, rv, momentum=m, **common)
-    got: dict[str, np.ndarray] = {"y_train": out_t.y, "running_mean": out_t.running_mean,
-                                  "running_var": out_t.running_var}
-    if out_t.saved is not None:
-        got["saved_mean"], got["saved_invstd"] = out_t.saved.mean, out_t.saved.invstd(eps)
-    got["y_infer"] = a.forward_infer(x, g, b, rm, rv, **common).y
-    if out_t.saved is not None and "backward" in caps.modes:
-        bw = a.backward(dy, x, g, out_t.saved, **common)
-        got.update(dx=bw.dx, dgamma=bw.dgamma, dbeta=bw.dbeta)
-    rtol, _ = grad_tolerance(fmt)
-    tol = max(4 * rtol, 1e-9)  # outputs are compared relative to their largest magnitude
-    correct = model(x, g, b, rm, rv, dy, m, eps)
-    models = {bug: model(x, g, b, rm, rv, dy, m, eps, bug) for bug in BUGS}
-    items: list[Item] = []
-    diagnosis: list[str] = []
-
-    def check(name: str, group: str, what: str) -> None:
-        keys = GROUPS[group]
-        d0 = _rel_dist(got, correct, keys)
-        if d0 <= tol:
-            items.append(Item(name, "PASS", f"{what} match FP64 BatchNorm (largest relative error {d0:.2g}, "
-                                            f"tolerance {tol:.2g})"))
-            return
-        matches = tuple(bug for bug, groups in BUGS.items() if group in groups
-                        and _rel_dist(got, models[bug], keys) <= tol)
-        diagnosis.extend(bg for bg in matches if bg not in diagnosis)
-        items.append(Item(name, "FAIL", f"{what} differ from FP64 BatchNorm by {d0:.3g} (relative)"
-                          + (f"; they match the model of: {'; '.join(matches)}" if matches else
-                             "; no known bug model matches"), matches))
-
-    check("training forward: batch statistics, epsilon inside the square root", "y_train", "training outputs y")
-    if "saved_mean" in got:
-        check("saved statistics: mean and 1/sqrt(biased variance + eps)", "saved", "saved mean and 1/sqrt(var+eps)")
-    if out_t.running_mean is not None:
-        check("running statistics: PyTorch momentum convention, unbiased running_var", "running",
-              "updated running_mean / running_var")
-    check("train/eval switch: inference normalises with the running statistics", "y_infer", "inference outputs y")
-    if "dx" in got:
-        check("backward: dx, dgamma, dbeta", "backward", "gradients")
-    # momentum=None: PyTorch's cumulative average; for a first batch the running stats become the batch's
+    prm = params or "fp32"
+    todo = probes(seed, stress=stability) + ([user_probe(x, seed)] if x is not None else [])
+    ref = get_adapter("reference")
+    ref.keep_arrays = False  # type: ignore[attr-defined]
+    checks: list[dict[str, Check]] = []
+    notes: list[str] = []
+    kept = getattr(a, "keep_arrays", None)
+    if kept is not None:  # only outputs are compared: no intermediates kept
+        a.keep_arrays = False  # type: ignore[attr-defined]
     try:
-        none = a.forward_train(x, g, b, rm, rv, momentum=None, **common)
-        if none.running_mean is not None:
-            want = model(x, g, b, rm, rv, dy, 1.0, eps)
-            d = _rel_dist({"running_mean": none.running_mean, "running_var": none.running_var}, want, GROUPS["running"])
-            items.append(Item("momentum=None is a cumulative average", "PASS" if d <= tol else "FAIL",
-                              f"first batch with momentum=None: running stats vs the batch's, relative error {d:.2g}"))
+        for p in todo:
+            try:
+                checks.append(_probe_checks(a, ref, p, fmt, prm))
+            except BNProbeError as exc:
+                notes.append(f"{p.name} not run: {exc}")
+    finally:
+        if kept is not None:
+            a.keep_arrays = kept  # type: ignore[attr-defined]
+    items, diagnosis, more = _items(checks, "")
+    notes += more
+    diag = todo[0]
+    items.append(_momentum_none(a, ref, diag, fmt, prm))
+    items.append(_epsilon(a, diag.x, fmt, diag.eps, prm))
+    items.append(_determinism(a, diag, fmt, prm))
+    notes.append("that inference leaves the running statistics unchanged cannot be observed through the adapter "
+                 "interface (forward_infer returns none); bnprobe's own kernels guarantee it")
+    return DoctorReport(a.name, fmt, items, diagnosis, notes, params=prm, inputs=tuple(p.name for p in todo))
+
+
+def _momentum_none(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, params: str) -> Item:
+    """momentum=None: PyTorch's cumulative average; for a first batch the running stats become the batch's."""
+    name = "momentum=None is a cumulative average"
+    try:
+        rec = generated_call(p.x, gamma=p.gamma, beta=p.beta, running_mean=p.running_mean,
+                             running_var=p.running_var, dy=None, dtype=fmt, params=params, eps=p.eps, momentum=None,
+                             modes=("train",), label=p.name)
+        run = run_call(a, rec, ref=ref, label=p.name)
     except BNProbeError as exc:
-        items.append(Item("momentum=None is a cumulative average", "WARN", f"not supported: {exc}"))
-    # epsilon sane for the format the statistics are computed in
-    stat_fmt = get_format(a.policy_for(x, dtype=fmt).accumulate) if isinstance(a, PolicyAdapter) else \
-        get_format("fp64" if fmt == "fp64" else "fp32")
+        return Item(name, "WARN", f"not supported: {exc}")
+    keys = [k for k in GROUPS["running"] if k in run.got]
+    if not keys:
+        return Item(name, "WARN", "the kernel returns no running statistics")
+    nat = _natural(run, rec.call_inputs()["x"])
+    res = [_compare(k, run.got[k], run.gold[k], nat.get(k), run.formats[k], describe=True) for k in keys]
+    worst = max(r for r, _ in res)
+    fmts = ", ".join(dict.fromkeys(run.formats[k] for k in keys))
+    if worst <= 1:
+        return Item(name, "PASS", f"first batch with momentum=None: the running statistics are the batch's "
+                                  f"(largest error {100 * worst:.3g}% of the {fmts} tolerance)")
+    return Item(name, "FAIL", "first batch with momentum=None: the running statistics are not the batch's", (),
+                tuple(f"on {p.name} with momentum=None: {why}" for _, why in res if why))
+
+
+def _epsilon(a: KernelAdapter, x: np.ndarray, fmt: str, eps: float, params: str) -> Item:
+    """eps sane for the format the statistics are computed in."""
+    stat_fmt = get_format(a.policy_for(round_to(x, fmt), dtype=fmt, params=params).accumulate) \
+        if isinstance(a, PolicyAdapter) else get_format("fp64" if fmt == "fp64" else "fp32")
+    name = "epsilon is resolvable in the statistics' format"
     if eps < stat_fmt.eps / 2:
-        items.append(Item("epsilon is resolvable in the statistics' format", "WARN",
-                          f"eps {eps:g} is below half the {stat_fmt.name} spacing at 1 ({stat_fmt.eps / 2:.3g}): "
-                          "var + eps == var for var >= 1, so eps only acts on small variances"))
-    else:
-        items.append(Item("epsilon is resolvable in the statistics' format", "PASS",
-                          f"eps {eps:g} vs {stat_fmt.name} spacing at 1 {stat_fmt.eps:.3g}"))
-    # determinism
-    again = a.forward_train(x, g, b, rm, rv, momentum=m, **common)
-    same = np.array_equal(np.asarray(again.y), np.asarray(out_t.y), equal_nan=True)
-    if same:
-        items.append(Item("determinism", "PASS", "the same inputs twice give the same bits"))
-    else:
-        with np.errstate(all="ignore"):
-            diff = float(np.nanmax(np.abs(np.asarray(again.y, dtype=np.float64)
-                                          - np.asarray(out_t.y, dtype=np.float64))))
-        items.append(Item("determinism", "WARN", f"two runs on the same inputs differ by up to {diff:.3g} "
-                                                 "(non-deterministic reduction order)"))
-    if stability and fmt != "fp64":
-        items.append(_stability(a, fmt))
-    notes = ["no update of the running statistics in inference mode cannot be observed through the adapter "
-             "interface (forward_infer returns none); it is guaranteed for bnprobe's own kernels"]
-    return DoctorReport(a.name, fmt, items, diagnosis, notes)
+        return Item(name, "WARN", f"eps {eps:g} is below half the {stat_fmt.name} spacing at 1 "
+                                  f"({stat_fmt.eps / 2:.3g}): var + eps == var for var >= 1, so eps only acts on "
+                                  "small variances")
+    return Item(name, "PASS", f"eps {eps:g} vs {stat_fmt.name} spacing at 1 {stat_fmt.eps:.3g}")
 
 
-def _stability(a: KernelAdapter, fmt: str) -> Item:
-    """Low-precision stability: the overflow scan and compare-precision on stress inputs."""
-    from bnprobe.checks.compare import compare_precision, stress_cases
-
-    cases = [c for c in stress_cases() if c.name in ("stress/normal", "stress/mean/std=100", "stress/heavy-tails")]
-    r = compare_precision([a], (fmt,), cases, mode="train", budget=False)
-    fails = r.rows[r.rows.verdict == "FAIL"]
-    findings: list[str] = []
-    if isinstance(a, PolicyAdapter):
-        from bnprobe.checks.overflow import scan
-        from bnprobe.inputs import make_input
-
-        rep = scan(a, make_input((8, 16, 8, 8), mean=100.0), dtype=fmt, remedies=False)
-        findings = [f"{f.anomaly} at {f.stage}" for f in rep.findings]
-    if not len(fails) and not findings:
-        return Item("low-precision stability (stress inputs)", "PASS",
-                    "compare-precision within standard on normal, mean/std = 100 and heavy-tailed inputs; "
-                    "overflow scan clean")
-    what = [f"{row.tensor} on {row.case}" for row in fails.itertuples()][:4]
-    return Item("low-precision stability (stress inputs)", "WARN",
-                "; ".join(filter(None, [("over the standard: " + ", ".join(what)) if what else "",
-                                        ("overflow scan: " + ", ".join(findings)) if findings else ""])))
+def _determinism(a: KernelAdapter, p: Probe, fmt: str, params: str) -> Item:
+    pf = params_format(fmt, params)
+    x = round_to(p.x, fmt)
+    args = (x, round_to(p.gamma, pf), round_to(p.beta, pf), round_to(p.running_mean, pf),
+            round_to(p.running_var, pf))
+    ys = [np.asarray(a.forward_train(*args, momentum=p.momentum, dtype=fmt, eps=p.eps, params=params).y)
+          for _ in range(2)]
+    if np.array_equal(ys[0], ys[1], equal_nan=True):
+        return Item("determinism", "PASS", "the same inputs twice give the same bits")
+    with np.errstate(all="ignore"):
+        diff = float(np.nanmax(np.abs(ys[0].astype(np.float64) - ys[1].astype(np.float64))))
+    return Item("determinism", "WARN", f"two runs on the same inputs differ by up to {diff:.3g} "
+                                       "(non-deterministic reduction order)")
 
 
 # ---- recorded calls ---------------------------------------------------------------------------------
@@ -291,40 +724,32 @@ def _stability(a: KernelAdapter, fmt: str) -> Item:
 SKIPPED_ON_RECORDINGS = (
     "momentum=None is a cumulative average (needs a rerun with momentum=None)",
     "determinism (needs a second run on the same inputs)",
-    "low-precision stability on stress inputs (needs runs on other data)",
-    "bug models on the designed diagnostic input (variance near eps, R = 32): only the recorded inputs are used",
+    "the checklist on the diagnostic and stress inputs (needs runs on other data)",
 )
-OUTPUT_GROUP = {"y_train": "y_train", "saved_mean": "saved", "saved_invstd": "saved", "running_mean": "running",
-                "running_var": "running", "y_infer": "y_infer", "dx": "backward", "dgamma": "backward",
-                "dbeta": "backward"}
-# the outputs whose natural scale (what they are formed from) bounds the error of a correct kernel
-# where the value itself cancels toward zero
-NATURAL = ("saved_mean", "running_mean", "dx", "dgamma", "dbeta")
 
 
-def doctor_recorded(recorded: Recorded, *, dtype: str | None = None) -> PerCall:
+def doctor_recorded(recorded: Recorded, *, dtype: str | None = None, params: str | None = None,
+                    stability: bool = True) -> PerCall:
     """The checklist on every selected call of a recording, in forward order, one at a time, on its own
     recorded inputs and scalars: each output the call returned (for a dump: the recorded one) against the
     FP64 golden, at the tolerance of the format it was returned in, and against the bug models on the same
-    inputs.  One :class:`DoctorReport` per call; the items a recording cannot run are in the notes."""
+    inputs.  One :class:`DoctorReport` per call; a runnable kernel also gets the checklist on the diagnostic
+    and stress inputs (``stability``) in each format and parameter format the calls were recorded in, as a
+    report of its own; the items a replay cannot run are in the notes."""
     recorded.calls.require_tensors("doctor")
-    check_options(recorded, dtype=dtype)
-    reports = [_doctor_call(recorded, run) for _, _, run in runs(recorded)]
-    notes = [f"skipped on a recording: {s}" for s in SKIPPED_ON_RECORDINGS
-             if not (s.startswith("determinism") and not recorded.replay)]
+    check_options(recorded, dtype=dtype, params=params)
+    reports, kinds = [], {}
+    for _, _, run in runs(recorded):
+        reports.append(_doctor_call(recorded, run))
+        kinds[(run.fmt, run.inputs["params"])] = None
+    notes = [f"skipped on a recording: {s}" for s in SKIPPED_ON_RECORDINGS] if recorded.replay else []
+    if not recorded.replay:
+        for fmt, prm in kinds:
+            rep = doctor(recorded.kernel, fmt, params=prm, stability=stability)
+            rep.call = f"(diagnostic and stress inputs, {fmt}, params {prm})"
+            reports.append(rep)
     return PerCall("doctor", recorded.kernel.name, recorded.calls.source, recorded.calls.kind, reports,
                    notes + list(recorded.calls.notes))
-
-
-def _distance(got: Any, want: Any, natural: float) -> float:
-    """max |got - want| over max(max |want|, natural): NaN/inf in the same places count as equal."""
-    a, b = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
-    with np.errstate(all="ignore"):
-        d = np.where((a == b) | (np.isnan(a) & np.isnan(b)), 0.0, np.abs(a - b))
-        worst = float(np.max(np.where(np.isnan(d), np.inf, d))) if d.size else 0.0
-        fb = np.abs(b[np.isfinite(b)])
-        scale = max(float(fb.max()) if fb.size else 0.0, natural if math.isfinite(natural) else 0.0, 1e-300)
-    return worst / scale
 
 
 def _doctor_call(recorded: Recorded, run: CallRun) -> DoctorReport:
@@ -340,71 +765,23 @@ def _doctor_call(recorded: Recorded, run: CallRun) -> DoctorReport:
     rv = np.asarray(ci["running_var"], dtype=np.float64) if have_running else np.ones(c)
     dy = cf(rec.tensors.get("backward", {}).get("inputs", {}).get("dy"))
     mom = rec.momentum
-    got = {k: cf(v) if k in ("y_train", "y_infer", "dx") else np.asarray(v, dtype=np.float64)
-           for k, v in run.got.items()}
-    gold = {k: cf(v) if k in ("y_train", "y_infer", "dx") else v for k, v in run.gold.items()}
-    natural = {k: float(np.nanmax(v)) if np.size(v) else 0.0 for k, v in run.scales.items() if k in NATURAL}
-    tol = {k: max(4 * grad_tolerance(run.formats[k])[0], 1e-9) for k in got}
-    training = rec.training
-    items: list[Item] = []
-    diagnosis: list[str] = []
+    got = {k: cf(v) if k in ELEMENTWISE else np.asarray(v, dtype=np.float64) for k, v in run.got.items()}
+    gold = {k: cf(v) if k in ELEMENTWISE else v for k, v in run.gold.items()}
     notes = list(run.notes)
     if "running_mean" in got and mom is None:
         notes.append("momentum None (cumulative average): the running statistics' update is not checked")
         got.pop("running_mean"), got.pop("running_var")
-    keys_of = {group: tuple(k for k in keys if k in got) for group, keys in GROUPS.items()}
-
-    def ratio(vals: dict[str, np.ndarray], keys: tuple[str, ...], against: dict[str, np.ndarray]) -> float:
-        return max(_distance(against[k], vals[k], natural.get(k, 0.0)) / tol[k] for k in keys)
-
-    # per bug model and checked group: (the kernel's outputs against the model, whether the model is within
-    # tolerance of the golden — then this call's data cannot show the bug); one model in memory at a time
-    fit: dict[str, dict[str, tuple[float, bool]]] = {}
-    with np.errstate(all="ignore"):
-        args = (x, g, b, rm, rv, np.zeros_like(x) if dy is None else dy, 0.1 if mom is None else mom, eps)
-        for bug, affected in BUGS.items():
-            todo = [gr for gr in affected if keys_of[gr]]
-            if not todo or (bug == "training uses running statistics" and not have_running):
-                continue
-            m = model(*args, bug, training=training)
-            fit[bug] = {gr: (ratio(m, keys_of[gr], got), ratio(m, keys_of[gr], gold) <= 1) for gr in todo}
-            del m
-
-    def check(name: str, group: str, what: str) -> None:
-        keys = keys_of[group]
-        if not keys:
-            return
-        r0 = ratio(gold, keys, got)
-        bugs = [bug for bug in fit if group in fit[bug]]
-        fmts = ", ".join(dict.fromkeys(run.formats[k] for k in keys))
-        if r0 <= 1:
-            items.append(Item(name, "PASS", f"{what} match the FP64 golden on the recorded inputs (largest error "
-                                            f"{100 * r0:.3g}% of the {fmts} tolerance)"))
-            return
-        matches = tuple(bug for bug in bugs if fit[bug][group][0] <= 1)
-        diagnosis.extend(bg for bg in matches if bg not in diagnosis)
-        items.append(Item(name, "FAIL", f"{what} differ from the FP64 golden on the recorded inputs by {r0:.3g}x "
-                                        f"the {fmts} tolerance"
-                          + (f"; they match the model of: {'; '.join(matches)}" if matches else
-                             "; no known bug model matches"), matches))
-
-    check("training forward: batch statistics, epsilon inside the square root", "y_train", "training outputs y")
-    check("saved statistics: mean and 1/sqrt(biased variance + eps)", "saved", "saved mean and 1/sqrt(var+eps)")
-    check("running statistics: PyTorch momentum convention, unbiased running_var", "running",
-          "updated running_mean / running_var")
-    check("train/eval switch: inference normalises with the running statistics", "y_infer", "inference outputs y")
-    check("backward: dx, dgamma, dbeta", "backward", "gradients")
-    if training and "train" in rec.tensors and "running_mean" not in run.got:
+    args = (x, g, b, rm, rv, np.zeros_like(x) if dy is None else dy, 0.1 if mom is None else mom, eps)
+    checks = _judge(run.label, got, gold, run.formats, _natural(run, x),
+                    lambda bug: model(*args, bug, training=rec.training),
+                    skip=() if have_running else (TRAIN_RUNNING,), stored=_stored(args, got, rec.training))
+    items, diagnosis, unseen = _items([checks], "on the recorded inputs", unseen=True)
+    if rec.training and "train" in rec.tensors and "running_mean" not in run.got:
         notes.append("the updated running statistics are not in the recording: their momentum and unbiased "
                      "variance are not checked")
     if "backward" not in rec.tensors:
         notes.append("no backward recorded: the gradients are not checked")
-    stat_fmt = get_format(recorded.kernel.policy_for(x, dtype=fmt).accumulate) \
-        if isinstance(recorded.kernel, PolicyAdapter) else get_format("fp64" if fmt == "fp64" else "fp32")
-    items.append(Item("epsilon is resolvable in the statistics' format", "WARN" if eps < stat_fmt.eps / 2 else "PASS",
-                      f"eps {eps:g} is below half the {stat_fmt.name} spacing at 1 ({stat_fmt.eps / 2:.3g}): var + eps "
-                      "== var for var >= 1, so eps only acts on small variances" if eps < stat_fmt.eps / 2 else
-                      f"eps {eps:g} vs {stat_fmt.name} spacing at 1 {stat_fmt.eps:.3g}"))
+    items.append(_epsilon(recorded.kernel, x, fmt, eps, ci["params"]))
     if not recorded.replay and "train" in rec.tensors:
         ins = rec.tensors["train"]["inputs"]
         again = [recorded.kernel.forward_train(ins["x"], ins.get("gamma"), ins.get("beta"), dtype=fmt, eps=eps,
@@ -412,8 +789,6 @@ def _doctor_call(recorded: Recorded, run: CallRun) -> DoctorReport:
         same = np.array_equal(np.asarray(again[0]), np.asarray(again[1]), equal_nan=True)
         items.append(Item("determinism", "PASS" if same else "WARN", "the recorded inputs twice give the same bits"
                           if same else "two runs on the recorded inputs differ (non-deterministic reduction order)"))
-    unseen = [bug for bug, groups in fit.items() if all(hidden for _, hidden in groups.values())]
-    if unseen:
-        notes.append("on this call's data these bugs look like correct BatchNorm (within tolerance) and cannot be "
-                     "seen: " + "; ".join(unseen))
-    return DoctorReport(run.kernel, fmt, items, diagnosis, notes, run.label)
+    notes += unseen
+    return DoctorReport(run.kernel, fmt, items, diagnosis, notes, run.label, params=ci["params"],
+                        inputs=(run.label,))

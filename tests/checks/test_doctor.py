@@ -1,105 +1,166 @@
-"""doctor on deliberately buggy kernels (written independently through the adapter API, not with the
-doctor's own models), on healthy ones, and shrink on a failing layer."""
+"""doctor on deliberately buggy kernels (plugins written independently with numpy in bn_plugins.py, not with
+the doctor's own models), in every format at the tolerance that format gets, on healthy kernels, at the edge
+of its tolerance, on the stress inputs; and shrink on a failing layer."""
 
 import json
+
 import numpy as np
 import pytest
 
-from bnprobe.adapters import BackwardOutput, ForwardOutput, Saved
-from bnprobe.adapters.emulated import ReferenceAdapter
-from bnprobe.checks.doctor import BUGS, doctor
+from bnprobe.checks import doctor as D
+from bnprobe.checks.doctor import BUGS, doctor, model, probes
 from bnprobe.checks.shrink import compare_predicate, shrink
 from bnprobe.cli import main
 from bnprobe.errors import BNProbeError
 from bnprobe.inputs import make_input
+from bnprobe.tolerances import DOCTOR_TOLERANCES
 
+from .bn_plugins import BUGS as PLANTED
+from .bn_plugins import NaiveVariance, NumpyBN, ScaledInvstd
 
-class Buggy(ReferenceAdapter):
-    """The FP64 reference with one classic bug patched into what it returns."""
+PLUGINS = "tests.checks.bn_plugins"
 
-    def __init__(self, bug):
-        super().__init__()
-        self.bug = bug
-        self.name = f"buggy:{bug}"
-
-    def _stats(self, x):
-        ax = (0,) + tuple(range(2, x.ndim))
-        return x.mean(axis=ax), x.var(axis=ax), x.size // x.shape[1]
-
-    def _forward_train_impl(self, p, *, momentum, eps):
-        m = momentum if momentum is not None else 1.0
-        if self.bug == "momentum as 1-m":
-            out = super()._forward_train_impl(p, momentum=1 - m, eps=eps)
-            return out
-        out = super()._forward_train_impl(p, momentum=momentum, eps=eps)
-        x = p.x
-        mean, var, r = self._stats(x)
-        col = lambda v: v.reshape((1, -1) + (1,) * (x.ndim - 2))  # noqa: E731
-        g, b = p.vectors["gamma"], p.vectors["beta"]
-        if self.bug == "biased running var":
-            rv = (1 - m) * p.vectors["running_var"] + m * var
-            return ForwardOutput(out.y, out.saved, out.running_mean, rv)
-        if self.bug == "eps on sigma":
-            inv = 1 / (np.sqrt(var) + eps)
-            y = (x - col(mean)) * col(inv * g) + col(b)
-            return ForwardOutput(y, Saved(mean, "invstd", inv), out.running_mean, out.running_var)
-        if self.bug == "training uses running stats":
-            rm, rv = p.vectors["running_mean"], p.vectors["running_var"]
-            inv = 1 / np.sqrt(rv + eps)
-            y = (x - col(rm)) * col(inv * g) + col(b)
-            return ForwardOutput(y, Saved(rm, "invstd", inv), out.running_mean, out.running_var)
-        return out
-
-    def _forward_infer_impl(self, p, *, eps):
-        if self.bug == "inference uses batch stats":
-            x = p.x
-            mean, var, _ = self._stats(x)
-            col = lambda v: v.reshape((1, -1) + (1,) * (x.ndim - 2))  # noqa: E731
-            return ForwardOutput((x - col(mean)) / np.sqrt(col(var) + eps) * col(p.vectors["gamma"])
-                                 + col(p.vectors["beta"]))
-        return super()._forward_infer_impl(p, eps=eps)
-
-    def _backward_impl(self, p, dy, saved, *, eps, training):
-        out = super()._backward_impl(p, dy, saved, eps=eps, training=training)
-        if self.bug == "dgamma without rstd":
-            return BackwardOutput(out.dx, out.dgamma / saved.invstd(eps), out.dbeta)
-        if self.bug == "dbeta mean":
-            return BackwardOutput(out.dx, out.dgamma, out.dbeta / (p.x.size // p.x.shape[1]))
-        return out
-
-
-CASES = {
-    "biased running var": "running_var updated with the biased variance",
-    "momentum as 1-m": "momentum applied as 1-m (Keras convention)",
-    "eps on sigma": "eps added to sigma instead of sigma^2",
-    "inference uses batch stats": "inference uses batch statistics",
-    "training uses running stats": "training uses running statistics",
-    "dgamma without rstd": "dgamma missing the rstd factor",
-    "dbeta mean": "dbeta is the mean of dy instead of the sum",
+# each planted bug (bn_plugins) and the doctor's name for it
+DIAGNOSIS = {
+    "eps-on-sigma": D.EPS_ON_SIGMA, "eps-missing": D.EPS_MISSING, "no-sqrt": D.SQRT_MISSING,
+    "unbiased-normalise": D.UNBIASED, "train-uses-running": D.TRAIN_RUNNING, "mean-not-subtracted": D.NO_CENTER,
+    "gamma-beta-swapped": D.SWAPPED, "biased-running-var": D.BIASED_RUNNING, "momentum-1-m": D.KERAS,
+    "running-not-updated": D.NOT_UPDATED, "running-var-plus-eps": D.PLUS_EPS, "infer-uses-batch": D.INFER_BATCH,
+    "dx-drops-mean": D.DROP_MEAN, "dx-drops-xhat-term": D.DROP_XHAT, "dx-sum-dy": D.SUM_DY,
+    "dx-sum-dy-xhat": D.SUM_DY_XHAT, "dx-plus-xhat-term": D.PLUS_XHAT, "dx-no-sqrt": D.DX_NO_SQRT,
+    "dx-no-gamma": D.DX_NO_GAMMA, "dx-x-for-xhat": D.DX_X, "dx-centered-for-xhat": D.DX_CENTERED,
+    "dx-seed": D.SEED, "dgamma-no-rstd": D.DG_NO_RSTD, "dgamma-x": D.DG_X, "dgamma-mean": D.DG_MEAN,
+    "dbeta-mean": D.DB_MEAN, "dgamma-dbeta-swapped": D.DG_DB_SWAPPED,
 }
+FORMATS = ("fp64", "fp32", "fp16", "bf16")
 
 
-@pytest.mark.parametrize("bug,expected", list(CASES.items()))
-def test_each_buggy_kernel_is_diagnosed_as_exactly_its_bug(bug, expected):
-    rep = doctor(Buggy(bug), stability=False)
+def failed(rep):
+    return {i.name: i for i in rep.items if i.status == "FAIL"}
+
+
+def test_every_bug_model_has_a_planted_kernel():
+    assert set(DIAGNOSIS) == set(PLANTED) and set(DIAGNOSIS.values()) == set(BUGS)
+
+
+@pytest.mark.parametrize("fmt,params", [(f, "fp32") for f in FORMATS] + [("fp16", "same"), ("bf16", "same")])
+@pytest.mark.parametrize("bug", list(DIAGNOSIS))
+def test_each_buggy_kernel_is_diagnosed_as_exactly_its_bug(bug, fmt, params):
+    """Every output judged at the tolerance of the format the kernel returned it in (y, dx in fmt; statistics
+    and dγ, dβ in fp32, or in fmt with params=same; for fp32 and fp64 inputs same is fp32)."""
+    rep = doctor(NumpyBN(bug), fmt, params=params)
     assert not rep.healthy
-    assert rep.diagnosis == [expected], rep.diagnosis
-    assert expected in BUGS
+    assert rep.diagnosis == [DIAGNOSIS[bug]], (rep.diagnosis, [i.evidence for i in failed(rep).values()])
+    checklist = {name for name, _ in D.CHECKS.values()}
+    for item in failed(rep).values():  # every failing check names the bug, and shows what is wrong where
+        assert item.matches == ((DIAGNOSIS[bug],) if item.name in checklist else ()) and item.details, item
+        assert all("Mismatched elements:" in d and "expected" in d for d in item.details)
 
 
-@pytest.mark.parametrize("adapter,dtype", [("reference", None), ("torch", None), ("torch", "fp32"),
-                                           ("emulated", "fp16"), ("emulated", "bf16"), ("ascend-bnv3", "fp16")])
+@pytest.mark.parametrize("params", ["fp32", "same"])
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16"])
+def test_torch_is_never_diagnosed_with_a_bug(fmt, params):
+    pytest.importorskip("torch")
+    rep = doctor("torch", fmt, params=params)
+    assert rep.healthy and not rep.diagnosis, [(i.name, i.evidence, i.details) for i in rep.items]
+    assert len(rep.inputs) == len(probes()) and rep.params == params
+
+
+@pytest.mark.parametrize("adapter,dtype", [("reference", None), ("careful", "fp16"), ("emulated", "bf16"),
+                                           ("ascend-bnv3", "fp16"), ("ascend-950", "fp32")])
 def test_healthy_kernels_get_a_clean_bill(adapter, dtype):
-    if adapter == "torch":
-        pytest.importorskip("torch")
     rep = doctor(adapter, dtype)
-    assert rep.healthy and not rep.diagnosis, [(i.name, i.status, i.evidence) for i in rep.items]
+    assert rep.healthy and not rep.diagnosis, [(i.name, i.evidence, i.details) for i in rep.items]
 
 
-def test_non_determinism_and_stress_are_warnings_not_failures():
+def test_the_bf16_gaps_are_closed():
+    """A dx without its last term was diagnosed as "x instead of x-hat" in bf16, and a running_var with the
+    biased variance passed, its fp32 running statistics judged at bf16's tolerance."""
+    rep = doctor(NumpyBN("dx-drops-xhat-term"), "bf16")
+    assert rep.diagnosis == [D.DROP_XHAT]
+    rep = doctor(NumpyBN("biased-running-var"), "bf16")
+    item = failed(rep)["running statistics: PyTorch momentum convention, unbiased running_var"]
+    assert rep.diagnosis == [D.BIASED_RUNNING] and any("running_var (fp32)" in d for d in item.details)
+
+
+@pytest.mark.parametrize("fmt,params", [("fp16", "same"), ("bf16", "same"), ("fp32", "fp32"), ("fp16", "fp32")])
+def test_the_tolerance_of_the_format_returned_in_at_its_edge(fmt, params):
+    """A saved invstd off by a factor 1 + δ, and nothing else wrong (only the saved-statistics check can see it),
+    returned in fp16 or bf16 (params=same) or fp32: within the doctor's rtol for that format it passes, beyond
+    it fails.  The band between 0.95 and 1.15 x rtol is the format's own rounding: the error beyond half an ulp
+    of the expected value is what counts, and the kernel's value is itself rounded (up to 1 ulp = 2^-10 of
+    fp16's, 2^-7 of bf16's largest relative spacing)."""
+    saved_fmt = fmt if params == "same" else "fp32"
+    rtol = DOCTOR_TOLERANCES[saved_fmt]
+    assert doctor(ScaledInvstd(0.95 * rtol), fmt, params=params)
+    rep = doctor(ScaledInvstd(1.15 * rtol), fmt, params=params)
+    assert list(failed(rep)) == ["saved statistics: mean and 1/sqrt(biased variance + eps)"] and not rep.diagnosis
+    assert all(f"saved_invstd ({saved_fmt})" in d for d in failed(rep)["saved statistics: mean and 1/sqrt("
+                                                                         "biased variance + eps)"].details)
+    if saved_fmt != "fp32":  # an error fp16/bf16 forgive but fp32 does not: the format decides
+        assert not doctor(ScaledInvstd(0.95 * rtol), fmt, params="fp32")
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16"])
+def test_a_kernel_the_stress_inputs_show_wrong_never_gets_a_clean_bill(fmt):
+    """E[x²] - E[x]² in float32 is right on the diagnostic input and wrong where the mean is large."""
+    assert doctor(NaiveVariance(), fmt, stability=False)  # the diagnostic input alone cannot see it
+    rep = doctor(NaiveVariance(), fmt)
+    assert not rep and not rep.diagnosis
+    item = failed(rep)["saved statistics: mean and 1/sqrt(biased variance + eps)"]
+    assert "stress/large-mean" in item.evidence and "no known bug model matches" in item.evidence
+    assert any(d.startswith("on stress/large-mean: saved_invstd") and "at channel" in d for d in item.details)
+
+
+def test_sums_that_lose_bits_in_a_16_bit_accumulator():
+    rep = doctor("emulated:bf16-acc16:order=sequential", "bf16")
+    assert not rep and "stress/16-bit-sums" in failed(rep)["training forward: batch statistics, epsilon inside "
+                                                           "the square root"].evidence
+
+
+def test_the_naive_variance_of_ascend_tbe_fails_on_stress_inputs_and_its_nondeterminism_warns():
     rep = doctor("ascend-tbe", "fp32")
     st = {i.name: i.status for i in rep.items}
-    assert rep.healthy and st["determinism"] == "WARN"
+    assert st["determinism"] == "WARN" and not rep.healthy and not rep.diagnosis
+    wrong_on = {d.partition(":")[0] for i in failed(rep).values() for d in i.details}
+    assert wrong_on == {"on stress/large-mean", "on stress/var-near-eps"}  # cancellation in E[x²] - E[x]²
+
+
+def test_no_known_bug_is_said_with_what_is_wrong_where():
+    rep = doctor(NumpyBN(scaled="dx", scale=0.1), "fp32")  # dx 10% too large
+    item = failed(rep)["backward: dx, dgamma, dbeta"]
+    assert not rep.diagnosis and "no known bug model matches" in item.evidence
+    d = item.details[0]
+    assert d.startswith("on diagnostic: dx (fp32): Mismatched elements: ") and "index (" in d and "channel" in d
+
+
+def test_the_models_are_batchnorm():
+    """The correct model against a hand-written BatchNorm, and the seed's formula exactly as printed."""
+    rng = np.random.default_rng(0)
+    x, dy = rng.standard_normal((4, 2, 3)) * 2 + 1, rng.standard_normal((4, 2, 3))
+    g, b, rm, rv = np.array([0.7, 1.3]), np.array([0.1, -0.2]), np.zeros(2), np.ones(2)
+    m = model(x, g, b, rm, rv, dy, 0.1, 1e-5)
+    mu, var = x.mean(axis=(0, 2), keepdims=True), x.var(axis=(0, 2), keepdims=True)
+    xh = (x - mu) / np.sqrt(var + 1e-5)
+    c = g.reshape(1, 2, 1)
+    np.testing.assert_allclose(m["y_train"], c * xh + b.reshape(1, 2, 1), rtol=1e-13)
+    dx = c / np.sqrt(var + 1e-5) * (dy - dy.mean(axis=(0, 2), keepdims=True)
+                                   - xh * (dy * xh).mean(axis=(0, 2), keepdims=True))
+    np.testing.assert_allclose(m["dx"], dx, rtol=1e-12, atol=1e-12)
+    seed = model(x, g, b, rm, rv, dy, 0.1, 1e-5, D.SEED)["dx"]
+    printed = c / (var + 1e-5) * (dy - dy.mean(axis=(0, 2), keepdims=True) - x * (dy * x).mean(axis=(0, 2),
+                                                                                                keepdims=True))
+    np.testing.assert_allclose(seed, printed, rtol=1e-13)
+
+
+def test_your_input_is_one_more_input(tmp_path, capsys):
+    x = make_input((4, 3, 2, 2), mean=5.0, seed=3)
+    rep = doctor(NumpyBN(), "fp16", x=x)
+    assert rep and rep.inputs[-1] == "input"
+    np.save(tmp_path / "x.npy", x)
+    code = main(["doctor", "--adapter", f"{PLUGINS}:DropsTerm", "--dtype", "bf16", "--input", str(tmp_path / "x.npy")])
+    out = capsys.readouterr().out
+    assert code == 1 and "stress/eval-after-steps, input" in out and D.DROP_XHAT in out
 
 
 def test_eps_below_the_statistics_resolution_warns():
@@ -131,8 +192,26 @@ def test_shrink_cli_writes_a_replay_that_reproduces(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_shrink_with_same_format_parameters_replays_with_them(tmp_path, capsys):
+    out = tmp_path / "s"
+    code = main(["shrink", "--adapter", "emulated:fp16-acc16:variance=naive", "--params", "same", "--mean", "100",
+                 "--shape", "8,4,8,8", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    doc = json.loads((out / "shrink.json").read_text())
+    assert doc["params"] == "same" and "--params same" in doc["replay"]
+    assert json.loads((out / "dump" / "bnprobe-dump.json").read_text())["params"] == "fp16"
+    assert main(doc["replay"].split()[1:]) == 1
+    capsys.readouterr()
+
+
 def test_doctor_cli(capsys):
     assert main(["doctor"]) == 0
     assert "healthy" in capsys.readouterr().out
     assert main(["doctor", "--adapter", "ascend-tbe", "--dtype", "fp64"]) == 2
     assert "does not run fp64" in capsys.readouterr().err
+    assert main(["doctor", "--adapter", f"{PLUGINS}:BiasedRunningVar", "--dtype", "bf16", "--params", "same"]) == 1
+    out = capsys.readouterr().out
+    assert "params same" in out and f"diagnosis: {D.BIASED_RUNNING}" in out
+    assert "on stress/R=2: running_var (bf16)" in out
+    assert main(["doctor", "--params", "fp16"]) == 2
+    assert "--params takes same or fp32" in capsys.readouterr().err

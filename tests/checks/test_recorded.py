@@ -364,7 +364,7 @@ def test_cli_on_a_recording(correct_fp16, tmp_path, capsys):
     doc = json.loads(out)
     assert code == 0 and [c["call"] for c in doc["calls"]] == ["bn2 (net.bn2)"]
     code, out, _ = run_cli(capsys, "doctor", "--adapter", f"dump:{correct_fp16}")
-    assert "skipped on a recording: determinism" in out and "low-precision stability" in out
+    assert "skipped on a recording: determinism" in out and "the checklist on the diagnostic and stress" in out
 
 
 def test_cli_fails_a_wrong_kernel(tmp_path, capsys):
@@ -395,6 +395,10 @@ def one_call(tmp_path):
     (["overflow", "--accumulate", "fp16"], "--accumulate contradicts"),
     (["overflow", "--mode", "infer"], "--mode infer contradicts the recording"),
     (["overflow", "--calls", "nothing"], "no BatchNorm call matches 'nothing'"),
+    (["gradcheck", "--params", "same"], "--params same contradicts the recording: d was recorded with fp32 parameters"),
+    (["doctor", "--params", "same"], "--params same contradicts the recording"),
+    (["overflow", "--params", "same"], "--params same contradicts the recording"),
+    (["doctor", "--params", "fp16"], "--params takes same or fp32, got 'fp16'"),
     (["shrink"], "cannot be rerun on smaller inputs"),
 ])
 def test_contradicting_options_are_one_line_exit_2(one_call, capsys, args, message):
@@ -411,6 +415,9 @@ def test_contradicting_options_are_one_line_exit_2(one_call, capsys, args, messa
     (["shrink", "--adapter", "emulated", "--dtype", "bf16"], "--dtype bf16 contradicts"),
     (["shrink", "--adapter", "emulated", "--mean", "100"], "--mean contradicts"),
     (["gradcheck", "--adapter", "emulated:fp32"], "adapter emulated:fp32 does not run fp16"),
+    (["trace", "--params", "same"], "--params same contradicts the recording: d was recorded with fp32 parameters"),
+    (["shrink", "--adapter", "emulated", "--params", "same"], "--params same contradicts the recording"),
+    (["doctor", "--adapter", "emulated", "--params", "same"], "--params same contradicts the recording"),
 ])
 def test_input_dir_options_that_contradict_it(one_call, capsys, args, message):
     code, out, err = run_cli(capsys, *args, "--input", one_call)
