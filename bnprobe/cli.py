@@ -279,9 +279,11 @@ def dump_cmd(
 
     from bnprobe.adapters import get_adapter
     from bnprobe.adapters.dump import record, write_dump
+    from bnprobe.checks.recorded import check_params
     from bnprobe.inputs import make_params
     from bnprobe.kernels.layout import layout_of
 
+    check_params(params)
     wanted = tuple(m.strip() for m in modes.split(",") if m.strip())
     bad = [m for m in wanted if m not in ("train", "infer", "backward")]
     if bad or not wanted:

@@ -273,6 +273,7 @@ class Check:
     formats: str
     wrong: list[str] = field(default_factory=list)  # per failing output, what is wrong, torch.testing style
     keys: tuple[str, ...] = ()
+    beyond: list[str] = field(default_factory=list)  # outputs whose exact value the format cannot hold
     outputs: _Outputs | None = field(default=None, repr=False)
     from_stored: bool = False  # judged against the backward of the statistics as stored (closer than the FP64 one)
 
@@ -351,16 +352,32 @@ def _compare(key: str, got: np.ndarray, want: np.ndarray, natural: np.ndarray | 
                    f"{ratio * rtol:.3g})")
 
 
+def _beyond(key: str, want: np.ndarray, fmt: str) -> str:
+    """Where the exact value of an output is finite but its format holds only ±inf, or (the statistics that are
+    positive by nature) nonzero but its format holds only 0."""
+    w = np.asarray(want, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        r = round_to(w, fmt) if fmt != "fp64" else w
+        over = np.isfinite(w) & np.isinf(r)
+        under = np.isfinite(w) & (w != 0) & (r == 0) & (key in ("saved_invstd", "running_var"))
+    f = get_format(fmt)
+    what = [f"{int(m.sum())} / {m.size} beyond {f.name}'s maximum {f.max:.6g} (inf)" for m in (over,) if m.any()] + \
+        [f"{int(m.sum())} / {m.size} below half {f.name}'s smallest subnormal (0)" for m in (under,) if m.any()]
+    return f"{key} ({fmt}): " + ", ".join(what) if what else ""
+
+
 def _judge(name: str, got: dict[str, np.ndarray], gold: dict[str, np.ndarray], formats: dict[str, str],
            natural: dict[str, np.ndarray], models: Callable[[str], dict[str, np.ndarray]] | None,
            skip: tuple[str, ...] = (),
-           stored: Callable[[str | None], dict[str, np.ndarray]] | None = None) -> dict[str, Check]:
+           stored: Callable[[str | None], dict[str, np.ndarray]] | None = None, ranges: bool = True,
+           ) -> dict[str, Check]:
     """Every group of outputs present in ``got`` on one input against the golden; each group's bug models
     (``models(bug)``, all outputs channels-first) are compared with the kernel when asked (:meth:`Check.fit`);
     ``skip``: bugs this input cannot model.  ``stored(bug)``: the backward (correct for None) from the
     statistics the kernel saved; when they pass their own check, the gradients are judged against that golden
     as well and pass by the closer one (a correct backward cannot undo the rounding of what its forward
-    stored)."""
+    stored).  ``ranges``: note the outputs whose exact values their formats cannot hold (the user's data; the
+    designed inputs stay inside the formats where it matters)."""
     o = _Outputs(name, got, gold, formats,
                  {k: np.nan_to_num(np.asarray(v, dtype=np.float64).reshape(-1)) for k, v in natural.items()},
                  models, stored, skip)
@@ -377,8 +394,8 @@ def _judge(name: str, got: dict[str, np.ndarray], gold: dict[str, np.ndarray], f
             if alt < worst:  # closer to the backward of the statistics as stored
                 from_stored = True
                 worst, wrong = (alt, []) if alt <= 1 else (alt, wrong)
-        out[gr] = Check(gr, name, worst, ", ".join(dict.fromkeys(formats[k] for k in keys)), wrong, keys, o,
-                        from_stored)
+        out[gr] = Check(gr, name, worst, ", ".join(dict.fromkeys(formats[k] for k in keys)), wrong, keys,
+                        [b for k in keys if ranges and (b := _beyond(k, gold[k], formats[k]))], o, from_stored)
     o.checks = out
     return out
 
@@ -412,6 +429,11 @@ def _items(checks: list[dict[str, Check]], on: str, unseen: bool = False) -> tup
                           + (f"; they match the model of: {'; '.join(matches)}" if matches else
                              "; no known bug model matches"), matches,
                           tuple(f"on {c.input}: {w}" for c in failing for w in c.wrong)))
+    beyond = [f"on {c.input}: {b}" for ch in checks for c in ch.values() for b in c.beyond]
+    if beyond:
+        items.append(Item("the outputs' formats hold their values", "WARN", "some exact values are beyond the range "
+                          "of the format the kernel returns them in: no kernel can return them (the format is the "
+                          "cause; bnprobe overflow locates them)", (), tuple(beyond)))
     notes = []
     if unseen:
         hid = {bug: [c[gr].hidden(bug) for c in checks for gr in c] for bug in BUGS}
@@ -533,12 +555,16 @@ def probes(seed: int = 0, *, stress: bool = True) -> list[Probe]:
     return out
 
 
-def user_probe(x: np.ndarray, seed: int = 0, name: str = "input") -> Probe:
-    """The user's tensor as an input of the checklist (γ, β, running statistics and dy seeded)."""
+USER = "input"
+
+
+def user_probe(x: np.ndarray, seed: int = 0, name: str = USER) -> Probe:
+    """The user's tensor as an input of the checklist (γ, β and dy seeded, running statistics 0 and 1)."""
     x = np.asarray(x, dtype=np.float64)
     if x.ndim < 2:
         raise BNProbeError(f"x must have 2 to 5 dimensions, got shape {x.shape}")
-    return _stress(name, x, seed)
+    p = _stress(name, x, seed)
+    return Probe(name, x, p.gamma, p.beta, np.zeros(x.shape[1]), np.ones(x.shape[1]), p.dy)
 
 
 # ---- running the kernel on one input ------------------------------------------------------------------
@@ -561,7 +587,7 @@ def _probe_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
     args = (x, vec["gamma"], vec["beta"], vec["running_mean"], vec["running_var"], dy, p.momentum, p.eps)
     got = {k: np.asarray(v, dtype=np.float64) for k, v in run.got.items()}
     return _judge(p.name, got, run.gold, run.formats, _natural(run, x), lambda bug: model(*args, bug),
-                  stored=_stored(args, got))
+                  stored=_stored(args, got), ranges=p.name == USER)
 
 
 def _stored(args: tuple[Any, ...], got: dict[str, np.ndarray], training: bool = True,

@@ -16,7 +16,7 @@ from bnprobe.inputs import make_input
 from bnprobe.tolerances import DOCTOR_TOLERANCES
 
 from .bn_plugins import BUGS as PLANTED
-from .bn_plugins import NaiveVariance, NumpyBN, ScaledInvstd
+from .bn_plugins import Fp16RunningVar, InvstdFlushed, NaiveVariance, NumpyBN, ScaledInvstd, ZeroY
 
 PLUGINS = "tests.checks.bn_plugins"
 
@@ -161,6 +161,26 @@ def test_your_input_is_one_more_input(tmp_path, capsys):
     code = main(["doctor", "--adapter", f"{PLUGINS}:DropsTerm", "--dtype", "bf16", "--input", str(tmp_path / "x.npy")])
     out = capsys.readouterr().out
     assert code == 1 and "stress/eval-after-steps, input" in out and D.DROP_XHAT in out
+
+
+def test_kernels_without_a_trace_are_judged_by_their_outputs():
+    """A y that is all zero, a running variance summed in fp16 (inf on the large-variance input), a saved invstd
+    flushed to zero (the user's input with std 20000: invstd 5e-5 is an fp16 subnormal): each fails where it
+    shows; the correct kernel on the same input passes and warns that fp16 cannot hold its running variance."""
+    assert set(failed(doctor(ZeroY(), "fp16"))) == {name for gr, (name, _) in D.CHECKS.items()
+                                                   if gr in ("y_train", "y_infer", "y_eval")}
+    rep = doctor(Fp16RunningVar(), "fp16", params="same")
+    assert [d.partition(": Mismatched")[0] for i in failed(rep).values() for d in i.details] == [
+        "on stress/large-variance: running_var (fp16)"]
+    x = make_input((8, 2, 2, 2), seed=0)
+    x[:, 1] = np.where(np.indices(x[:, 1].shape).sum(axis=0) % 2, 2e4, -2e4)
+    rep = doctor(InvstdFlushed(), "fp16", params="same", x=x)
+    assert {d.partition(": Mismatched")[0] for i in failed(rep).values() for d in i.details} == {
+        "on input: saved_invstd (fp16)", "on input: dx (fp16)"}
+    rep = doctor(NumpyBN(), "fp16", params="same", x=x)
+    warn = {i.name: i for i in rep.items}["the outputs' formats hold their values"]
+    assert rep and warn.status == "WARN" and warn.details == ("on input: running_var (fp16): 1 / 2 beyond fp16's "
+                                                              "maximum 65504 (inf)",)
 
 
 def test_eps_below_the_statistics_resolution_warns():

@@ -481,3 +481,11 @@ def test_every_command_runs_on_every_real_msprobe_dump(msprobe_dumps, capsys):
             assert len(doc["calls"]) == len(spec["calls"]), (name, cmd)
             if cmd == "doctor":  # torch's own kernel: no bug model matches it
                 assert not [c["diagnosis"] for c in doc["calls"] if c["diagnosis"]], (name, doc)
+
+
+def test_dump_params_takes_same_or_fp32(tmp_path, capsys):
+    code, out, err = run_cli(capsys, "dump", "--adapter", "reference", "--out", tmp_path / "d", "--params", "fp16")
+    assert code == 2 and out == "" and err == "bnprobe: error: --params takes same or fp32, got 'fp16'\n"
+    code, out, err = run_cli(capsys, "dump", "--adapter", "reference", "--out", tmp_path / "d", "--params", "same",
+                             "--dtype", "bf16", "--shape", "4,2,2,2")
+    assert code == 0 and open_dump(tmp_path / "d").calls[0].load().params == "bf16"
