@@ -444,6 +444,13 @@ def test_trace_runs_the_recorded_call(one_call, capsys):
     assert code == 0 and doc["mode"] == "backward" and doc["shape"] == [4, 3, 2, 2]
 
 
+def test_trace_params_sets_the_parameters_format(capsys):
+    code, out, err = run_cli(capsys, "trace", "--params", "same", "--shape", "4,2,3,3")
+    assert code == 0 and out.splitlines()[0] == "policy   fp16: storage=fp16, params=fp16", err
+    code, out, err = run_cli(capsys, "trace", "--policy", "bf16-acc16", "--params", "fp32", "--shape", "4,2,3,3")
+    assert code == 0 and "params=fp32" in out.splitlines()[0], err
+
+
 def test_shrink_takes_x_and_its_parameters_from_the_recording(tmp_path, capsys):
     """A recorded call with mean 100 fails the fp16-accumulating naive variance; shrink keeps the recorded γ,
     β and eps with the channels it keeps, and the replay it writes fails the same way."""
