@@ -128,8 +128,12 @@ def nonfinite_mismatch(actual: np.ndarray, golden: np.ndarray, fmt: str) -> str:
     """Where NaN/±inf in ``actual`` differ from the golden rounded to ``fmt`` (a golden beyond the format's
     range rounds to ±inf), a sentence saying how many and where; "" when they agree."""
     a = np.asarray(actual, dtype=np.float64).reshape(-1)
+    g = np.asarray(golden, dtype=np.float64).reshape(-1)
+    f = get_format(fmt)
+    if a.size and np.isfinite(a).all() and np.isfinite(g).all() and float(np.abs(g).max()) <= f.max:
+        return ""  # all finite, and no golden value can round to ±inf
     with np.errstate(all="ignore"):
-        gr = round_to(np.asarray(golden, dtype=np.float64).reshape(-1), get_format(fmt).name)
+        gr = round_to(g, f.name)
     fa, fg = np.isfinite(a), np.isfinite(gr)
     wrong = (fa != fg) | (~fa & ~((a == gr) | (np.isnan(a) & np.isnan(gr))))
     if not wrong.any():
