@@ -122,3 +122,13 @@ def test_options_contradicting_a_recording_name_the_conflict(msprobe_dumps, opti
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and ("contradict" in err), err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_mode_no_call_recorded_is_refused_not_passed(msprobe_dumps, tmp_path, capsys):
+    root, manifest = msprobe_dumps
+    d = manifest["dumps"]["L1-fp32"]  # training calls only
+    rc = main(["compare-precision", "--adapters", f"dump:{root / d['dump_path']}", "--mode", "infer", "--out",
+               str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--mode infer: no call" in err and err.count("\n") == 1
+    assert not (tmp_path / "r").exists()
