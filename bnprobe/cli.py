@@ -576,8 +576,8 @@ def compare_precision_cmd(
         first = first_failing_call(result)
         typer.echo("first call that fails: " + (f"#{first['order']} {first['call']} ({first['failing']}, "
                                                        f"{first['adapter']})" if first else "none"))
-        for n in [*recorded.notes, *result.meta["notes"]]:
-            typer.echo(f"note: {n}")
+    for n in [*(recorded.notes if recorded is not None else ()), *result.meta["notes"]]:
+        typer.echo(f"note: {n}")
     if paths:
         typer.echo(f"report: {folder}/ ({', '.join(p.name for p in paths)})")
     return 0 if result.passed else 1

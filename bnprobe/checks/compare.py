@@ -667,6 +667,11 @@ def compare_precision(
                 m = 0.1 if momentum is None else momentum
                 per_fmt = [_generated(case, x, f, params or "fp32", e, m, modes) for f in fmts]
             for inp in per_fmt:
+                for what, t in (("x", inp.x), ("dy", inp.dy)):
+                    bad = 0 if t is None else int(np.size(t) - np.count_nonzero(np.isfinite(t)))
+                    if bad:  # input-borne: the golden is non-finite there too, so the verdicts cannot see it
+                        notes.append(f"{case.name} ({inp.fmt}): {what} holds {bad} NaN/inf value(s) of {np.size(t)}; "
+                                     "outputs that depend on them are non-finite in the golden too")
                 gold_t = None
                 if inp.training and layout_of(inp.x).reduce_size > 1 and ("train" in inp.modes or
                                                                          "backward" in inp.modes):
@@ -768,6 +773,8 @@ def markdown_summary(result: CompareResult) -> str:
     s = summarize(result)
     lines = [f"# {report_title(result)}", "", report_intro(result) + f" {result.meta['seconds']} s.", "",
              "## Per format", "", markdown_table(pd.DataFrame(s)) if s else "(nothing compared)", ""]
+    for n in [] if result.meta.get("recorded") else result.meta.get("notes", []):
+        lines += [f"Note: {n}", ""]
     if result.meta.get("recorded"):
         first = first_failing_call(result)
         lines += ["## Recorded calls, in forward order", "",

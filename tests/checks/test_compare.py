@@ -225,3 +225,14 @@ def test_stored_statistics_explain_the_backward_error():
     r = compare_precision(["torch"], ("fp32",), [Case("mean=1e3", (8, 16, 8, 8), mean=1e3)], budget=False)
     dx = r.rows[r.rows.tensor == "dx"].iloc[0]
     assert r.passed and dx.stored_stats_share > 0.5
+
+
+def test_nan_in_the_input_is_said_not_silently_passed(tmp_path, capsys):
+    x = np.random.default_rng(0).standard_normal((4, 3, 5, 5))
+    x[0, 1, 2, 2] = np.nan
+    np.save(tmp_path / "x.npy", x)
+    rc = main(["compare-precision", "--input", str(tmp_path / "x.npy"), "--dtypes", "fp32", "--no-budget", "--out",
+               str(tmp_path / "r")])
+    out = capsys.readouterr().out
+    assert rc in (0, 1) and "x holds 1 NaN/inf value(s) of 300" in out
+    assert "x holds 1 NaN/inf" in (tmp_path / "r" / "summary.md").read_text()
