@@ -521,8 +521,7 @@ def compare_precision_cmd(
             raise BNProbeError(f"{', '.join(given)} contradict{'s' if len(given) == 1 else ''} the recording: its "
                                "calls bring their own inputs")
         cases = recorded_cases(recorded)
-        has = {"train": any(c.training for c in recorded.calls), "infer": any(not c.training for c in recorded.calls),
-               "backward": any(c.has_backward for c in recorded.calls)}
+        has = {m: any(m in c.modes for c in recorded.calls) for m in ("train", "infer", "backward")}
         if mode in has and not has[mode]:
             raise BNProbeError(f"--mode {mode}: no call of {recorded.source} recorded it (it recorded "
                                f"{', '.join(m for m, v in has.items() if v)})")

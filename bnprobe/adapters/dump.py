@@ -230,6 +230,12 @@ class CallRef:
     has_backward: bool
     task: str  # "tensor" or "statistics"
     load: Callable[[], Any] = field(compare=False, repr=False)
+    recorded: tuple[str, ...] = ()  # the modes recorded (train, infer, backward) where known without loading
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The modes this call recorded: as stored, or its training flag and whether a backward was dumped."""
+        return self.recorded or ("train" if self.training else "infer", *(("backward",) if self.has_backward else ()))
 
     @property
     def label(self) -> str:
@@ -280,7 +286,8 @@ def _bnprobe_call(folder: Path, name: str | None = None, module: str | None = No
     inner = meta.get("meta") if isinstance(meta.get("meta"), dict) else {}
     training = "train" in recs or bool(inner.get("training", False))
     return CallRef(name or str(inner.get("call") or folder.name), module, tuple(x["shape"]), str(meta["dtype"]),
-                   training, "backward" in recs, "tensor", lambda: load_dump(folder))
+                   training, "backward" in recs, "tensor", lambda: load_dump(folder),
+                   tuple(m for m in MODES if m in recs))
 
 
 def read_calls(folder: str | Path) -> dict[str, Any]:

@@ -289,3 +289,9 @@ def test_malformed_bnprobe_metadata_is_one_line(tmp_path, bad, match):
     (tmp_path / "bnprobe-dump.json").write_text(json.dumps(meta))
     with pytest.raises(BNProbeError, match=match):
         load_dump(tmp_path)
+
+
+def test_a_call_lists_the_modes_it_recorded_without_loading(tmp_path):
+    recorded(tmp_path)
+    (call,) = open_dump(tmp_path).calls
+    assert call.modes == ("train", "infer", "backward")
