@@ -150,6 +150,8 @@ def _read_meta(meta_path: Path) -> dict[str, Any]:
     for mode, ios in recs.items():
         if not isinstance(ios, dict) or not all(isinstance(v, dict) for v in ios.values()):
             raise BNProbeError(f"{meta_path}: records of {mode} are not objects of tensors")
+        if not isinstance(ios.get("inputs"), dict) or not isinstance(ios.get("outputs"), dict):
+            raise BNProbeError(f"{meta_path}: records of {mode} lack their inputs or outputs")
         for io, named in ios.items():
             for name, entry in named.items():
                 if not isinstance(entry, dict) or not isinstance(entry.get("key"), str) or \
@@ -176,7 +178,9 @@ def load_dump(path: str | Path) -> Recording:
     if not p.exists():
         raise BNProbeError(f"dump {str(p)!r} does not exist")
     if p.is_dir() and not (p / META_NAME).exists() or p.is_file() and p.name != META_NAME:
-        return open_dump(p).calls[0].load()
+        found = open_dump(p)
+        found.require_tensors("reading a call's tensors")
+        return found.calls[0].load()
     meta_path = p if p.is_file() else p / META_NAME
     folder = meta_path.parent
     meta = _read_meta(meta_path)
@@ -308,6 +312,8 @@ def read_calls(folder: str | Path) -> dict[str, Any]:
 def _model_calls(index: Path) -> RecordedCalls:
     """A model dump written by :func:`bnprobe.capture`: an index and one bnprobe dump per call."""
     doc = read_calls(index.parent)
+    if not doc["calls"]:
+        raise BNProbeError(f"{index}: the model dump holds no BatchNorm call")
     calls = []
     for e in doc["calls"]:
         folder = (index.parent / e["dir"]).resolve()
@@ -355,6 +361,7 @@ def open_dump(spec: str | Path, calls: str | None = None) -> RecordedCalls:
 def read_msprobe(folder: str | Path, call: str | None = None) -> Recording:
     """The first BatchNorm call (or ``call``, e.g. ``Functional.batch_norm.0``) of an msprobe dump."""
     found = open_dump(folder, call)
+    found.require_tensors("reading a call's tensors")
     return found.calls[0].load()
 
 # ---- recording an adapter and replaying a recording ----------------------------------------------
@@ -375,7 +382,8 @@ def record(adapter: KernelAdapter, *, x: np.ndarray, gamma: np.ndarray | None, b
     rm = round_to(np.asarray(running_mean, dtype=np.float64), pf)
     rv = round_to(np.asarray(running_var, dtype=np.float64), pf)
     xs, dys = round_to(np.asarray(x, dtype=np.float64), fmt), round_to(np.asarray(dy, dtype=np.float64), fmt)
-    rec = Recording(adapter.name, fmt, pf, layout, eps, momentum, caps.saved, meta=dict(meta or {}))
+    rec = Recording(adapter.name, fmt, pf, layout, eps, momentum, caps.saved,
+                    meta={**(meta or {}), "training": "train" in modes or "backward" in modes})
 
     def put(mode: str, io: str, name: str, a: np.ndarray, f: str) -> None:
         # an output is stored in the format the kernel returned it in (the reference returns float64)
@@ -484,9 +492,14 @@ class DumpAdapter(BaseAdapter):
         want = rec.tensors[mode]["inputs"]
         if mode == "train" and "running_mean" in want and momentum != rec.momentum:
             raise self._differs("momentum", momentum, rec.momentum)
+        # what the recording lacks must be what its absence means: γ = 1, β = 0, no running statistics
+        absent = {"gamma": 1.0, "beta": 0.0}
         for name, a in given.items():
             if name not in want:
-                continue
+                if a is None or (name in absent and np.all(np.asarray(a, dtype=np.float64) == absent[name])):
+                    continue
+                raise BNProbeError(f"{self.name}: the {mode} call gives {name!r} but the recording has none (a call "
+                                   "without it); a dump replays only its own inputs")
             b = want[name]
             if a is None:
                 raise BNProbeError(f"{self.name}: the {mode} call gives no {name!r} but the recording has one")
@@ -521,7 +534,13 @@ class DumpAdapter(BaseAdapter):
 
     def _backward_impl(self, p: Prepared, dy: np.ndarray, saved: Saved, *, eps: float,
                        training: bool) -> BackwardOutput:
-        self._check_call("backward", {"dy": dy, "x": p.x, "gamma": p.vectors["gamma"]}, p, eps=eps, training=training)
+        given = {"dy": dy, "x": p.x, "gamma": p.vectors["gamma"]}
+        if "saved_mean" in self.rec.tensors["backward"]["inputs"] and self.rec.saved_kind:
+            # the statistics the recorded backward was given: the same ones, of the same kind
+            if saved.kind != self.rec.saved_kind:
+                raise self._differs("saved statistics of kind", saved.kind, self.rec.saved_kind)
+            given.update(saved_mean=saved.mean, saved_value=saved.value)
+        self._check_call("backward", given, p, eps=eps, training=training)
         # a gradient the kernel did not compute (x without requires_grad, affine=False) was not recorded:
         # NaN in its place, and meta["missing"] names it so checks leave it out
         got = {k: self._out("backward", k) for k in ("dx", "dgamma", "dbeta")}

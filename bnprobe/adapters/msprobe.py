@@ -98,7 +98,9 @@ def _is_tensor(entry: Any) -> bool:
 
 def _scalar(entry: Any, default: Any) -> Any:
     if isinstance(entry, dict) and not _is_tensor(entry):
-        return entry.get("value", default)
+        entry = entry.get("value", default)
+    if isinstance(entry, str) and entry.lower() in ("true", "false"):  # a bool written as text
+        return entry.lower() == "true"
     return default if entry is None else entry
 
 
@@ -254,6 +256,8 @@ def read_call(dj: Path, doc: dict[str, Any], call: str, module: str | None = Non
     mom = _scalar(args.get("momentum"), 0.1)
     momentum = None if mom is None else _number(mom, "momentum", call, where)
     x, dtype = _load_tensor(base, args["input"], f"{call}.forward input")
+    if x.ndim < 2:
+        raise BNProbeError(f"{where}: {call}.forward input has shape {list(x.shape)}; BatchNorm takes N, C[, ...]")
     tensors: dict[str, np.ndarray] = {"x": x}
     formats = {"x": dtype}
     for ours, theirs in (("gamma", "weight"), ("beta", "bias"), ("running_mean", "running_mean"),

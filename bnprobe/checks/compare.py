@@ -409,6 +409,12 @@ def _generated(case: Case, x: np.ndarray, fmt: str, params: str, eps: float, mom
 def _recorded(rec: Recording, modes: tuple[str, ...]) -> _Inputs:
     """A recorded call's own inputs and scalars: the modes it recorded, in its formats."""
     ci = rec.call_inputs()
+    name = rec.meta.get("call") or rec.source
+    if ci["layout"] != "channels_first":
+        raise BNProbeError(f"{name} is recorded {ci['layout']}: compare-precision takes channels_first recordings")
+    if rec.training and layout_of(ci["x"]).reduce_size < 2:
+        raise BNProbeError(f"{name}: a training call with one value per channel (N*H*W = 1) has no batch statistics "
+                           "to compare")
     kept = tuple(m for m in modes if m in rec.tensors and (m != "train" or rec.training))
     return _Inputs(rec.dtype, ci["params"], rec.params, ci["x"], ci["gamma"], ci["beta"], ci["running_mean"],
                    ci["running_var"], ci["dy"], rec.eps, rec.momentum, kept, rec.training, rec)

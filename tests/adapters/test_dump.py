@@ -278,7 +278,9 @@ def test_backward_without_its_gradients_is_an_error(tmp_path):
 
 
 @pytest.mark.parametrize("bad,match", [
-    ({"records": []}, "records"), ({"records": {"train": {"inputs": {"x": {"shape": [1]}}}}}, "lacks its key"),
+    ({"records": []}, "records"),
+    ({"records": {"train": {"inputs": {"x": {"shape": [1]}}, "outputs": {}}}}, "lacks its key"),
+    ({"records": {"train": {"inputs": {}}}}, "lack their inputs or outputs"),
     ({"eps": "1e-5"}, "eps is '1e-5'"), ({"eps": None}, "eps is None"), ({"momentum": "x"}, "momentum is 'x'"),
     ({"dtype": "int8"}, "int8"),
 ])
@@ -295,3 +297,40 @@ def test_a_call_lists_the_modes_it_recorded_without_loading(tmp_path):
     recorded(tmp_path)
     (call,) = open_dump(tmp_path).calls
     assert call.modes == ("train", "infer", "backward")
+
+
+def test_a_replay_refuses_what_the_recording_lacks_and_other_saved_statistics(tmp_path):
+    """A call recorded without γ/β or running statistics answers only a call without them; a backward
+    recorded with saved statistics answers only those statistics."""
+    rec = recorded(tmp_path)
+    ins = rec.tensors["train"]["inputs"]
+    del ins["gamma"], ins["running_mean"], ins["running_var"]
+    rep = DumpAdapter(rec)
+    i = rep.inputs("train")
+    with pytest.raises(BNProbeError, match="gives 'gamma' but the recording has none"):
+        rep.forward_train(i["x"], np.full(3, 5.0), i["beta"], dtype="fp16")
+    with pytest.raises(BNProbeError, match="gives 'running_mean' but the recording has none"):
+        rep.forward_train(i["x"], None, i["beta"], np.zeros(3), np.ones(3), dtype="fp16")
+    rep.forward_train(i["x"], None, i["beta"], dtype="fp16")  # γ absent means γ = 1
+    b = DumpAdapter(load_dump(tmp_path)).inputs("backward")
+    rep = DumpAdapter(load_dump(tmp_path))
+    good = Saved(b["saved_mean"], "invstd", b["saved_value"])
+    rep.backward(b["dy"], b["x"], b["gamma"], good, dtype="fp16")
+    with pytest.raises(BNProbeError, match="'saved_mean' differs"):
+        rep.backward(b["dy"], b["x"], b["gamma"], Saved(b["saved_mean"] + 1, "invstd", b["saved_value"]), dtype="fp16")
+    with pytest.raises(BNProbeError, match="saved statistics of kind"):
+        rep.backward(b["dy"], b["x"], b["gamma"], Saved(b["saved_mean"], "var", b["saved_value"]), dtype="fp16")
+
+
+def test_a_backward_only_recording_is_a_training_call(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 3, 5, 5))
+    rec = record(get_adapter("reference"), x=x, gamma=None, beta=None, running_mean=np.zeros(3),
+                 running_var=np.ones(3), dy=rng.standard_normal(x.shape), dtype="fp32", modes=("backward",))
+    assert rec.training and rec.call_inputs()["running_mean"] is None
+
+
+def test_an_empty_model_dump_is_one_line(tmp_path):
+    (tmp_path / "bnprobe-calls.json").write_text(json.dumps({"format": "bnprobe-calls", "calls": []}))
+    with pytest.raises(BNProbeError, match="holds no BatchNorm call"):
+        load_dump(tmp_path)
