@@ -71,7 +71,7 @@ class Recording:
 
     @property
     def modes(self) -> tuple[str, ...]:
-        return tuple(m for m in ("train", "infer", "backward") if m in self.tensors)
+        return tuple(m for m in MODES if m in self.tensors)
 
     def get(self, mode: str, io: str, name: str) -> np.ndarray | None:
         return self.tensors.get(mode, {}).get(io, {}).get(name)
@@ -467,8 +467,7 @@ class DumpAdapter(BaseAdapter):
     def capabilities(self) -> Capabilities:
         if self._rec is None and (len(self.calls.calls) != 1 or self.calls.task != "tensor"):
             cs = self.calls.calls
-            modes = {m for c in cs for m in (("train" if c.training else "infer"),
-                                              *(("backward",) if c.has_backward else ()))}
+            modes = {m for c in cs for m in c.modes}
             return Capabilities(formats=tuple(dict.fromkeys(c.dtype for c in cs)),
                                 modes=tuple(m for m in MODES if m in modes), layouts=("channels_first",),
                                 saved="none", deterministic=True, training_r1=True)
