@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
-from bnprobe.adapters.base import KernelAdapter
+from bnprobe._loading import binds, first_line, kind_of, raised, resolve
+from bnprobe.adapters.base import BaseAdapter, KernelAdapter
 from bnprobe.errors import BNProbeError
 
 __all__ = ["get_adapter", "list_adapters", "AdapterInfo", "ENTRY_POINT_GROUP"]
@@ -121,23 +122,43 @@ def _entry_points() -> dict[str, object]:
         return {}
 
 
-def _instantiate(obj: object, where: str) -> KernelAdapter:
-    adapter = obj() if isinstance(obj, type) or (callable(obj) and not isinstance(obj, KernelAdapter)) else obj
-    if not isinstance(adapter, KernelAdapter):
-        raise BNProbeError(f"{where} is not a KernelAdapter (it needs name, capabilities, forward_train, "
-                           "forward_infer and backward)")
+_METHODS = ("capabilities", "forward_train", "forward_infer", "backward")
+_NOT_ADAPTER = "not a KernelAdapter (it needs name, capabilities, forward_train, forward_infer and backward)"
+
+
+def _construct(make: Callable[[], object], where: str) -> object:
+    if not binds(make):
+        raise BNProbeError(f"{where} cannot be called without arguments, as bnprobe makes an adapter")
+    try:
+        return make()
+    except BNProbeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a plugin's constructor may raise anything
+        raise BNProbeError(raised(where, exc)) from None
+
+
+def _instantiate(obj: object, where: str, module: str | None = None) -> KernelAdapter:
+    """The adapter ``obj`` is (an instance) or makes (a KernelAdapter class, or a Python function of
+    ``module`` taking no arguments), its kind checked before it is called."""
+    if isinstance(obj, type):
+        if not (issubclass(obj, BaseAdapter) or all(callable(getattr(obj, m, None)) for m in _METHODS)):
+            raise BNProbeError(f"{where} is {kind_of(obj)}, {_NOT_ADAPTER}")
+        adapter = _construct(obj, where)
+    elif isinstance(obj, KernelAdapter):
+        adapter = obj
+    elif inspect.isfunction(obj) and (module is None or obj.__module__ == module):
+        adapter = _construct(obj, where)
+    else:
+        raise BNProbeError(f"{where} is {kind_of(obj)}, not a KernelAdapter class or instance, nor a factory "
+                           f"function{'' if module is None else f' of {module}'}")
+    if isinstance(adapter, type) or not isinstance(adapter, KernelAdapter):
+        raise BNProbeError(f"{where} made {kind_of(adapter)}, {_NOT_ADAPTER}")
     return adapter
 
 
 def _plugin(spec: str) -> KernelAdapter:
-    module, _, attr = spec.partition(":")
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as exc:
-        raise BNProbeError(f"cannot import plugin module {module!r}: {exc}") from None
-    if not hasattr(mod, attr):
-        raise BNProbeError(f"plugin module {module!r} has no {attr!r}")
-    return _instantiate(getattr(mod, attr), f"plugin {spec}")
+    mod, obj = resolve(spec, "plugin")
+    return _instantiate(obj, f"plugin {spec!r}", mod.__name__)
 
 
 def get_adapter(spec: str | KernelAdapter) -> KernelAdapter:
@@ -160,8 +181,8 @@ def get_adapter(spec: str | KernelAdapter) -> KernelAdapter:
         try:
             obj = eps[spec].load()  # type: ignore[attr-defined]
         except Exception as exc:  # noqa: BLE001
-            raise BNProbeError(f"plugin {spec!r} failed to load: {exc}") from None
-        return _instantiate(obj, f"plugin {spec!r}")
+            raise BNProbeError(f"plugin {spec!r} failed to load: {first_line(exc)}") from None
+        return _instantiate(obj, f"plugin {spec!r}", getattr(eps[spec], "module", None))
     if ":" in spec and spec.partition(":")[0] not in BUILTIN:
         return _plugin(spec)
     known = ", ".join(list(BUILTIN) + list(eps))

@@ -343,7 +343,7 @@ def _load_formula(spec: str) -> Formula:
         return FORMULAS[spec]
     if ":" not in spec:
         raise BNProbeError(f"unknown formula {spec!r}; valid: {', '.join(FORMULAS)} or module:function")
-    return load_callable(spec, "formula")
+    return load_callable(spec, "formula", ("dy", "x", "gamma", "mean", "var", "eps"))
 
 
 def check_formula(spec: str, shape: tuple[int, ...] = (4, 3, 5, 5), *, seed: int = 0, eps: float = 1e-5,

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe._loading import load_callable
+from bnprobe._loading import binds, load_callable, raised
 from bnprobe.adapters import KernelAdapter, get_adapter
 from bnprobe.errors import BNProbeError
 
@@ -167,9 +167,23 @@ def overflow_predicate(adapter: str | KernelAdapter, dtype: str = "fp16", mode: 
 
 
 def load_predicate(spec: str) -> Predicate:
+    """The user's predicate ``module:function``, f(x) -> True when the case fails (f(x, channels=...) when the
+    function sets ``takes_channels``), checked before it is called; what it raises is a one-line error."""
     if ":" not in spec:
         raise BNProbeError(f"--predicate takes compare, overflow or module:function, got {spec!r}")
-    return load_callable(spec, "predicate")
+    fn = load_callable(spec, "predicate", ("x",))
+    takes = bool(getattr(fn, "takes_channels", False))
+    if takes and not binds(fn, None, channels=None):
+        raise BNProbeError(f"predicate {spec!r} sets takes_channels but has no channels= parameter")
+
+    def fails(x: np.ndarray, channels: np.ndarray | None = None) -> bool:
+        try:
+            return bool(fn(x, channels=channels) if takes else fn(x))
+        except Exception as exc:  # noqa: BLE001 - a user's predicate may fail in any way
+            raise BNProbeError(raised(f"predicate {spec!r}", exc)) from None
+
+    fails.takes_channels = takes  # type: ignore[attr-defined]
+    return fails
 
 
 @dataclass

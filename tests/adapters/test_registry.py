@@ -1,3 +1,6 @@
+import math
+import os
+import re
 import sys
 import types
 
@@ -49,7 +52,7 @@ def test_plugin_by_module_path(monkeypatch):
     monkeypatch.setitem(sys.modules, "my_kernels", mod)
     a = get_adapter("my_kernels:Tiny")
     assert a.name == "tiny" and a.forward_train(np.ones((4, 2)), dtype="fp32").y.shape == (4, 2)
-    with pytest.raises(BNProbeError, match="is not a KernelAdapter"):
+    with pytest.raises(BNProbeError, match="is an object, not a KernelAdapter"):
         get_adapter("my_kernels:not_an_adapter")
     with pytest.raises(BNProbeError, match="has no 'Nope'"):
         get_adapter("my_kernels:Nope")
@@ -75,7 +78,7 @@ def test_plugin_by_entry_point(monkeypatch):
     rows = {r["name"]: r for r in list_adapters()}
     assert rows["vendor-bn"]["available"] and not rows["broken-bn"]["available"]
     assert "vendor SDK missing" in rows["broken-bn"]["why"]
-    with pytest.raises(BNProbeError, match="failed to load: vendor SDK missing"):
+    with pytest.raises(BNProbeError, match="failed to load: ImportError: vendor SDK missing"):
         get_adapter("broken-bn")
 
 
@@ -86,3 +89,162 @@ def test_base_checks_what_an_adapter_returns():
 
     with pytest.raises(AssertionError, match="returned y of shape"):
         Wrong().forward_train(np.ones((4, 2)), dtype="fp32")
+
+
+def _one_line(exc_info) -> str:
+    msg = str(exc_info.value)
+    assert type(exc_info.value) is BNProbeError and msg and "\n" not in msg
+    return msg
+
+
+@pytest.fixture
+def plugin_modules(monkeypatch, tmp_path):
+    """A module of plugin candidates, one that does not parse and one that raises as it is imported."""
+    called = []
+    mod = types.ModuleType("cand_kernels")
+
+    def factory():
+        called.append("factory")
+        return Tiny()
+
+    def wants_args(opts):
+        called.append("wants_args")
+        return Tiny()
+
+    def makes_int():
+        return 3
+
+    def boom():
+        raise RuntimeError("no device\nsecond line")
+
+    class Loud(Tiny):
+        def __init__(self):
+            raise KeyError("vendor_lib")
+
+    class NotAdapter:
+        def __init__(self):
+            called.append("NotAdapter")
+
+    for f in (factory, wants_args, makes_int, boom):
+        f.__module__ = "cand_kernels"
+    mod.__dict__.update(factory=factory, wants_args=wants_args, makes_int=makes_int, boom=boom, Loud=Loud,
+                        NotAdapter=NotAdapter, instance=Tiny(), sqrt=math.sqrt, abort=os.abort,
+                        foreign=registry.list_adapters, number=3)
+    monkeypatch.setitem(sys.modules, "cand_kernels", mod)
+    (tmp_path / "cand_broken.py").write_text("def f(:\n")
+    (tmp_path / "cand_raises.py").write_text("raise RuntimeError('vendor SDK not configured')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return called
+
+
+@pytest.mark.parametrize("spec, message", [
+    (":Name", r"':Name' is not package.module:name"),
+    (".:X", r"'.:X' is not package.module:name"),
+    ("a..b:X", r"'a..b:X' is not package.module:name"),
+    ("cand_kernels:", r"is not package.module:name"),
+    ("cand_kernels:a.b", r"is not package.module:name"),
+    ("math:sqrt", r"'math:sqrt' is in the standard library \(math\)"),
+    ("os:abort", r"'os:abort' is in the standard library \(os\)"),
+    ("cand_broken:f", r"cannot import plugin module 'cand_broken': SyntaxError: "),
+    ("cand_raises:f", r"cannot import plugin module 'cand_raises': RuntimeError: vendor SDK not configured"),
+    ("cand_kernels:sqrt", r"is a built-in function, not a KernelAdapter class or instance, nor a factory function"),
+    ("cand_kernels:abort", r"is a built-in function, not a KernelAdapter"),
+    ("cand_kernels:foreign", r"is a function of module bnprobe.adapters.registry, not a KernelAdapter"),
+    ("cand_kernels:number", r"is an int, not a KernelAdapter"),
+    ("cand_kernels:NotAdapter", r"is the class NotAdapter, not a KernelAdapter"),
+    ("cand_kernels:wants_args", r"cannot be called without arguments"),
+    ("cand_kernels:makes_int", r"'cand_kernels:makes_int' made an int, not a KernelAdapter"),
+    ("cand_kernels:boom", r"^plugin 'cand_kernels:boom' raised RuntimeError: no device$"),
+    ("cand_kernels:Loud", r"^plugin 'cand_kernels:Loud' raised KeyError: 'vendor_lib'$"),
+])
+def test_plugin_of_the_wrong_kind_is_refused_before_it_is_called(plugin_modules, spec, message):
+    with pytest.raises(BNProbeError) as e:
+        get_adapter(spec)
+    assert re.search(message, _one_line(e))
+    assert plugin_modules == []  # neither the wrong kind nor a class that is no adapter was called
+
+
+def test_plugin_factory_function_and_instance(plugin_modules):
+    assert get_adapter("cand_kernels:factory").name == "tiny" and plugin_modules == ["factory"]
+    assert get_adapter("cand_kernels:instance").name == "tiny"
+
+
+def test_entry_point_of_the_wrong_kind(monkeypatch):
+    class EP:
+        name, value, module = "vendor-bn", "os:abort", "os"
+
+        def load(self):
+            return os.abort
+
+    monkeypatch.setattr(registry, "_entry_points", lambda: {"vendor-bn": EP()})
+    with pytest.raises(BNProbeError, match="is a built-in function, not a KernelAdapter") as e:
+        get_adapter("vendor-bn")
+    _one_line(e)
+
+
+def seven(dy, x, gamma, mean, var, eps, extra):
+    return dy
+
+
+def halves(x):
+    return x.shape[1] > 1
+
+
+def by_channel(x, channels=None):
+    return x.shape[1] > 1
+
+
+by_channel.takes_channels = True
+
+
+def no_channels(x):
+    return True
+
+
+no_channels.takes_channels = True
+
+
+def crashes(x):
+    raise ZeroDivisionError("division by zero\nin the user's code")
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("os:getcwd", r"predicate 'os:getcwd' is in the standard library"),
+    (":f", r"predicate ':f' is not package.module:name"),
+    ("tests.adapters.test_registry:Tiny", r"is the class Tiny, not a Python function f\(x\)"),
+    ("tests.adapters.test_registry:seven", r"takes \(dy, x, gamma, mean, var, eps, extra\): it is called as f\(x\)"),
+    ("tests.adapters.test_registry:no_channels", r"sets takes_channels but has no channels= parameter"),
+])
+def test_predicate_of_the_wrong_kind(spec, message):
+    from bnprobe.checks.shrink import load_predicate
+
+    with pytest.raises(BNProbeError) as e:
+        load_predicate(spec)
+    assert re.search(message, _one_line(e))
+
+
+def test_user_predicate_runs_and_what_it_raises_is_one_line():
+    from bnprobe.checks.shrink import load_predicate, shrink
+
+    x = np.random.default_rng(0).standard_normal((4, 6, 2))
+    assert shrink(x, load_predicate("tests.adapters.test_registry:halves"), seconds=5).x.shape[1] == 2
+    assert shrink(x, load_predicate("tests.adapters.test_registry:by_channel"), seconds=5).x.shape[1] == 2
+    with pytest.raises(BNProbeError) as e:
+        shrink(x, load_predicate("tests.adapters.test_registry:crashes"))
+    assert _one_line(e) == ("predicate 'tests.adapters.test_registry:crashes' raised ZeroDivisionError: "
+                            "division by zero")
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("math:sqrt", r"formula 'math:sqrt' is in the standard library"),
+    ("tests.adapters.test_registry:halves",
+     r"takes \(x\): it is called as f\(dy, x, gamma, mean, var, eps\)"),
+    ("tests.adapters.test_registry:seven", r"takes \(dy, x, gamma, mean, var, eps, extra\)"),
+    ("tests.adapters.test_registry:np", r"is a module, not a Python function"),
+])
+def test_formula_of_the_wrong_kind(spec, message):
+    from bnprobe.checks.gradcheck import check_formula
+
+    with pytest.raises(BNProbeError) as e:
+        check_formula(spec)
+    assert re.search(message, _one_line(e))
