@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import math
 import time
 import zipfile
 from collections.abc import Callable
@@ -37,9 +36,10 @@ from bnprobe.adapters.base import (
     params_format,
     params_mode,
 )
-from bnprobe.adapters.msprobe import MSPROBE_BN_APIS
+from bnprobe.adapters.msprobe import MSPROBE_BN_APIS, check_eps_momentum, npy_header
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
+from bnprobe.kernels.layout import LAYOUTS
 from bnprobe.numerics.rounding import is_representable
 from bnprobe.reports import atomic_write_bytes, atomic_write_text, check_targets
 
@@ -51,6 +51,9 @@ TENSORS_NAME = "tensors.npz"
 FORMAT_TAG = "bnprobe-dump"
 
 MODES = ("train", "infer", "backward")
+# the tensors a recorded mode cannot lack (a backward may lack a gradient the kernel did not compute)
+REQUIRED = {"train": ({"x"}, {"y"}), "infer": ({"x", "running_mean", "running_var"}, {"y"}),
+            "backward": ({"dy", "x"}, set())}
 
 
 @dataclass
@@ -144,6 +147,11 @@ def _read_meta(meta_path: Path) -> dict[str, Any]:
     for key in ("adapter", "dtype", "params", "layout", "eps", "records"):
         if key not in meta:
             raise BNProbeError(f"{meta_path}: metadata lacks {key!r}")
+    for key in ("adapter", "dtype", "params", "layout"):
+        if not isinstance(meta[key], str):
+            raise BNProbeError(f"{meta_path}: {key} is {meta[key]!r}, not a string")
+    if meta["layout"] not in LAYOUTS:
+        raise BNProbeError(f"{meta_path}: layout is {meta['layout']!r}, not one of {', '.join(LAYOUTS)}")
     recs = meta["records"]
     if not isinstance(recs, dict) or not recs or any(m not in MODES for m in recs):
         raise BNProbeError(f"{meta_path}: \"records\" must map some of {', '.join(MODES)} to their tensors")
@@ -157,18 +165,60 @@ def _read_meta(meta_path: Path) -> dict[str, Any]:
                 if not isinstance(entry, dict) or not isinstance(entry.get("key"), str) or \
                         not isinstance(entry.get("shape"), list) or not isinstance(entry.get("format"), str):
                     raise BNProbeError(f"{meta_path}: tensor {mode}.{io}.{name} lacks its key, shape or format")
-    eps = meta["eps"]
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
-        raise BNProbeError(f"{meta_path}: eps is {eps!r}, not a finite number > 0")
-    mom = meta.get("momentum")
-    if mom is not None and (isinstance(mom, bool) or not isinstance(mom, (int, float)) or not math.isfinite(mom)):
-        raise BNProbeError(f"{meta_path}: momentum is {mom!r}, not a finite number or null")
+                if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in entry["shape"]):
+                    raise BNProbeError(f"{meta_path}: tensor {mode}.{io}.{name} has shape {entry['shape']!r}, not a "
+                                       "list of integers >= 0")
+                try:
+                    get_format(entry["format"])
+                except BNProbeError as exc:
+                    raise BNProbeError(f"{meta_path}: tensor {mode}.{io}.{name}: {exc}") from None
+        for io, need in zip(("inputs", "outputs"), REQUIRED[mode]):
+            if need - set(ios[io]):
+                raise BNProbeError(f"{meta_path}: records of {mode} lack the {io} "
+                                   f"{', '.join(sorted(need - set(ios[io])))}")
     try:
-        get_format(str(meta["dtype"]))
-        get_format(str(meta["params"]))
+        get_format(meta["dtype"])
+        params = get_format(meta["params"]).name
     except BNProbeError as exc:
         raise BNProbeError(f"{meta_path}: {exc}") from None
+    check_eps_momentum(meta["eps"], meta.get("momentum"), params, str(meta_path))
+    if meta.get("saved_kind") not in (None, "none", *SAVED_KINDS):
+        raise BNProbeError(f"{meta_path}: saved_kind is {meta['saved_kind']!r}, not one of {', '.join(SAVED_KINDS)}, "
+                           "none or null")
+    inner = meta.get("meta")
+    if inner is not None and not isinstance(inner, dict) or \
+            isinstance(inner, dict) and not isinstance(inner.get("training", False), bool):
+        raise BNProbeError(f"{meta_path}: \"meta\" must be an object whose training, when given, is true or false")
     return meta
+
+
+def _read_tensors(tensor_path: Path, shapes: dict[str, list[int]]) -> dict[str, np.ndarray]:
+    """The arrays ``shapes`` names from a dump's tensors.npz, each member's header checked against its shape in
+    the metadata (and its float32/float64 storage) before its data is read."""
+    out: dict[str, np.ndarray] = {}
+    try:
+        with zipfile.ZipFile(tensor_path) as zf:
+            members = {i.filename.removesuffix(".npy"): i for i in zf.infolist()}
+            for key, shape in shapes.items():
+                info = members.get(key)
+                if info is None:
+                    raise BNProbeError(f"{tensor_path}: tensor {key!r} named in {META_NAME} is missing")
+                with zf.open(info) as fh:
+                    found, dtype = npy_header(fh, f"{tensor_path}: tensor {key!r}", info.file_size)
+                if list(found) != list(shape):
+                    raise BNProbeError(f"{tensor_path}: tensor {key!r} has shape {list(found)} but {META_NAME} "
+                                       f"says {shape}")
+                if dtype not in (np.float32, np.float64):
+                    raise BNProbeError(f"{tensor_path}: tensor {key!r} is stored as {dtype}, not float32 or float64 "
+                                       "as bnprobe writes it")
+                with zf.open(info) as fh:
+                    out[key] = np.lib.format.read_array(fh, allow_pickle=False)
+    except BNProbeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - zip, zlib and numpy errors alike: a damaged file
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise BNProbeError(f"{tensor_path}: corrupt ({first})") from None
+    return out
 
 
 def load_dump(path: str | Path) -> Recording:
@@ -187,11 +237,8 @@ def load_dump(path: str | Path) -> Recording:
     tensor_path = folder / TENSORS_NAME
     if not tensor_path.is_file():
         raise BNProbeError(f"{tensor_path}: missing (the dump is incomplete)")
-    try:
-        with open(tensor_path, "rb") as fh, np.load(fh, allow_pickle=False) as npz:
-            stored = {k: npz[k] for k in npz.files}
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        raise BNProbeError(f"{tensor_path}: corrupt ({str(exc).splitlines()[0]})") from None
+    stored = _read_tensors(tensor_path, {e["key"]: e["shape"] for ios in meta["records"].values()
+                                         for named in ios.values() for e in named.values()})
     inner = meta.get("meta") if isinstance(meta.get("meta"), dict) else {}
     mom = meta.get("momentum")
     rec = Recording(str(meta["adapter"]), get_format(str(meta["dtype"])).name, get_format(str(meta["params"])).name,
@@ -202,12 +249,10 @@ def load_dump(path: str | Path) -> Recording:
         for io, named in ios.items():
             for name, entry in named.items():
                 key = entry["key"]
-                if key not in stored:
-                    raise BNProbeError(f"{tensor_path}: tensor {key!r} named in {META_NAME} is missing")
                 a = stored[key].astype(np.float64)
                 if list(a.shape) != list(entry["shape"]):
                     raise BNProbeError(f"{tensor_path}: tensor {key!r} has shape {list(a.shape)} but {META_NAME} "
-                                       f"says {entry['shape']}")
+                                       f"says {entry['shape']} for {mode}.{io}.{name}")
                 if not is_representable(a, entry["format"]).all():
                     raise BNProbeError(f"{tensor_path}: tensor {key!r} holds values that are not {entry['format']}")
                 rec.tensors.setdefault(mode, {}).setdefault(io, {})[name] = a

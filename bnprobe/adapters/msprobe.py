@@ -16,18 +16,23 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
+import warnings
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
+from numpy.lib import format as npy_format
 
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.numerics.rounding import is_representable
 
-__all__ = ["MSPROBE_BN_APIS", "MsprobeCall", "find_dump_jsons", "msprobe_calls", "read_call", "SUMMARY_KEYS"]
+__all__ = ["MSPROBE_BN_APIS", "MsprobeCall", "find_dump_jsons", "msprobe_calls", "read_call", "SUMMARY_KEYS",
+           "npy_header", "check_eps_momentum"]
 
 MSPROBE_BN_APIS = ("batch_norm", "native_batch_norm", "cudnn_batch_norm", "_native_batch_norm_legit",
                    "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional")
@@ -80,6 +85,8 @@ def _read_json(dj: Path) -> dict[str, Any]:
         raise BNProbeError(f"{dj}: not readable JSON ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("data"), dict):
         raise BNProbeError(f"{dj}: not an msprobe dump.json (no \"data\" object)")
+    if doc.get("task") is not None and not isinstance(doc["task"], str):
+        raise BNProbeError(f"{dj}: \"task\" is {doc['task']!r}, not a string")
     return doc
 
 
@@ -108,7 +115,8 @@ def _args(call: str, api_type: str, api: str, fwd: dict[str, Any], where: str) -
     order = _NO_TRAINING_ORDER if api.endswith("no_training") else (
         _F_ORDER if api_type == "Functional" else _ATEN_ORDER)
     pos = fwd.get("input_args", [])
-    kw = fwd.get("input_kwargs", {}) or {}
+    kw = fwd.get("input_kwargs", {})
+    kw = {} if kw is None else kw
     if not isinstance(pos, list) or not isinstance(kw, dict):
         raise BNProbeError(f"{where}: {call}.forward has input_args/input_kwargs of the wrong JSON type")
     args: dict[str, Any] = dict(zip(order, pos))
@@ -116,6 +124,23 @@ def _args(call: str, api_type: str, api: str, fwd: dict[str, Any], where: str) -
     if not _is_tensor(args.get("input")):
         raise BNProbeError(f"{where}: {call}.forward has no input tensor")
     return args
+
+
+def _list(record: dict[str, Any], key: str, where: str) -> list[Any]:
+    """``record[key]`` as a list (one record is a list of one), [] when absent."""
+    v = record.get(key)
+    if v is None:
+        return []
+    if isinstance(v, dict):
+        return [v]
+    if not isinstance(v, list):
+        raise BNProbeError(f"{where} has {key} of the wrong JSON type ({type(v).__name__}, not a list)")
+    return v
+
+
+def _entries(record: dict[str, Any], key: str, where: str) -> list[Any]:
+    """The tensor records of ``record[key]``."""
+    return [e for e in _list(record, key, where) if _is_tensor(e)]
 
 
 def _fmt(entry: dict[str, Any], where: str) -> str:
@@ -162,7 +187,7 @@ def msprobe_calls(path: str | Path) -> tuple[list[MsprobeCall], list[str]]:
                 raise BNProbeError(f"{where}: {key} is not a JSON object")
             args = _args(call, *api, fwd, where)
             x = args["input"]
-            training = bool(_scalar(args.get("training"), not api[1].endswith("no_training")))
+            training = _training(args, api[1], call, where)
             calls.append(MsprobeCall(
                 name=prefix + call, api=call, dump_json=dj, module=construct.get(key), task=task,
                 shape=_shape(x, where), dtype=_fmt(x, where), training=training,
@@ -199,40 +224,103 @@ def _loader(dj: Path, call: str, task: str, module: str | None = None) -> Callab
     return load
 
 
+def npy_header(fh: IO[bytes], where: str, size: int) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype a .npy stream of ``size`` bytes declares, read from its header without loading the
+    data; a header that does not parse, object (pickled) data, or a stream shorter than the header says are
+    errors."""
+    try:
+        version = npy_format.read_magic(fh)
+        if version not in ((1, 0), (2, 0)):
+            raise ValueError(f"version {version[0]}.{version[1]}")
+        read = npy_format.read_array_header_1_0 if version == (1, 0) else npy_format.read_array_header_2_0
+        shape, _, dtype = read(fh)
+    except Exception as exc:  # noqa: BLE001 - whatever a damaged header raises
+        raise BNProbeError(f"{where}: corrupt .npy header ({type(exc).__name__}: {_first(exc)})") from None
+    if dtype.hasobject:
+        raise BNProbeError(f"{where}: holds Python objects (a pickle); bnprobe refuses to unpickle")
+    need = fh.tell() + math.prod(shape) * dtype.itemsize
+    if size < need:
+        raise BNProbeError(f"{where}: {size} bytes, shorter than the {need} its header declares for shape "
+                           f"{list(shape)} of {dtype}")
+    return tuple(shape), dtype
+
+
+def _first(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+
+
+def _tensor_path(folder: Path, name: str, where: str) -> Path:
+    """The file of ``data_name`` inside ``dump_tensor_data`` (with its .npy/.pt suffix when the name has none);
+    a name that leads outside that folder is refused."""
+    data_dir = folder / "dump_tensor_data"
+    inside = data_dir.resolve()
+    path = data_dir / name
+    alt = [path, path.with_suffix(".npy"), path.with_suffix(".pt")]
+    for p in alt:
+        if Path(name).is_absolute() or not p.resolve().is_relative_to(inside):
+            raise BNProbeError(f"{folder / 'dump.json'}: {where}: data_name {name!r} points outside the dump's "
+                               "dump_tensor_data folder; refused")
+    found = next((p for p in alt if p.is_file()), None)
+    if found is None:
+        raise BNProbeError(f"{path}: missing (named in {where})")
+    return found
+
+
+def _load_pt(path: Path, declared: Any) -> tuple[np.ndarray, str]:
+    try:
+        import torch
+    except ImportError:
+        raise BNProbeError(f"{path}: a .pt tensor needs torch (pip install 'bnprobe[torch]')") from None
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as zf:
+            if any(i.compress_type != zipfile.ZIP_STORED for i in zf.infolist()):
+                raise BNProbeError(f"{path}: has compressed members, which torch.save never writes; refused")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on pickle protocols are no concern of the user's
+            t = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # torch's message: its own advice (not passed on), then why its weights-only reader stopped
+        why = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and not
+               ln.startswith(("Weights only load failed", "Please file an issue", "Check the documentation"))]
+        raise BNProbeError(f"{path}: refused to unpickle, it is not a plain tensor file"
+                           f"{f' ({why[0]})' if why else ''}; bnprobe loads .pt files weights-only and runs no "
+                           "code from a file") from None
+    if not isinstance(t, torch.Tensor):
+        raise BNProbeError(f"{path}: holds {type(t).__name__}, not a tensor")
+    if not t.is_floating_point():
+        raise BNProbeError(f"{path}: holds {t.dtype} data but dump.json says {declared}")
+    return t.detach().to(torch.float64).numpy(), get_format(str(t.dtype).replace("torch.", "")).name
+
+
+def _load_npy(path: Path, shape: tuple[int, ...], declared: Any) -> tuple[np.ndarray, str]:
+    with open(path, "rb") as fh:
+        found, dtype = npy_header(fh, str(path), path.stat().st_size)
+    if found != shape:
+        raise BNProbeError(f"{path}: shape {list(found)} disagrees with dump.json's {list(shape)}")
+    if dtype.kind != "f":
+        raise BNProbeError(f"{path}: holds {dtype} data but dump.json says {declared}")
+    arr = np.load(path, allow_pickle=False)
+    return arr.astype(np.float64), get_format(arr.dtype).name
+
+
 def _load_tensor(folder: Path, entry: dict[str, Any], where: str) -> tuple[np.ndarray, str]:
     """A recorded tensor as float64 (exact) and its format, checked against its dump.json record."""
     name = entry.get("data_name")
     if not isinstance(name, str) or not name:
         raise BNProbeError(f"{where}: tensor record has no data_name (a statistics dump holds no tensors)")
-    path = folder / "dump_tensor_data" / name
-    if not path.is_file():
-        alt = [path.with_suffix(s) for s in (".npy", ".pt") if path.with_suffix(s).is_file()]
-        if not alt:
-            raise BNProbeError(f"{path}: missing (named in {where})")
-        path = alt[0]
+    path = _tensor_path(folder, name, where)
     fmt = _fmt(entry, where)
+    shape = _shape(entry, where)
     try:
-        if path.suffix == ".pt":
-            try:
-                import torch
-            except ImportError:
-                raise BNProbeError(f"{path}: a .pt tensor needs torch (pip install 'bnprobe[torch]')") from None
-            t = torch.load(path, map_location="cpu", weights_only=True)
-            if not isinstance(t, torch.Tensor):
-                raise BNProbeError(f"{path}: holds {type(t).__name__}, not a tensor")
-            stored = get_format(str(t.dtype).replace("torch.", "")).name if t.is_floating_point() else str(t.dtype)
-            a = t.detach().to(torch.float64).numpy()
-        else:
-            arr = np.load(path, allow_pickle=False)
-            stored = get_format(arr.dtype).name if np.issubdtype(arr.dtype, np.floating) else str(arr.dtype)
-            a = arr.astype(np.float64)
+        a, stored = _load_pt(path, entry.get("dtype")) if path.suffix == ".pt" else \
+            _load_npy(path, shape, entry.get("dtype"))
     except BNProbeError:
         raise
     except Exception as exc:  # noqa: BLE001 - any reader failure is a corrupt file to the user
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        raise BNProbeError(f"{path}: corrupt or unreadable ({type(exc).__name__}: {first})") from None
-    if list(a.shape) != list(_shape(entry, where)):
-        raise BNProbeError(f"{path}: shape {list(a.shape)} disagrees with dump.json's {list(entry['shape'])}")
+        raise BNProbeError(f"{path}: corrupt or unreadable ({type(exc).__name__}: {_first(exc)})") from None
+    if list(a.shape) != list(shape):
+        raise BNProbeError(f"{path}: shape {list(a.shape)} disagrees with dump.json's {list(shape)}")
     if stored != fmt and not (path.suffix == ".npy" and fmt == "bf16" and stored == "fp32"):
         raise BNProbeError(f"{path}: holds {stored} data but dump.json says {entry.get('dtype')}")
     if stored != fmt and not is_representable(a, fmt).all():
@@ -251,10 +339,7 @@ def read_call(dj: Path, doc: dict[str, Any], call: str, module: str | None = Non
     where = str(dj)
     args = _args(call, api_type, api, data[f"{call}.forward"], where)
     base = dj.parent
-    training = bool(_scalar(args.get("training"), not api.endswith("no_training")))
-    eps = _number(_scalar(args.get("eps"), 1e-5), "eps", call, where)
-    mom = _scalar(args.get("momentum"), 0.1)
-    momentum = None if mom is None else _number(mom, "momentum", call, where)
+    training = _training(args, api, call, where)
     x, dtype = _load_tensor(base, args["input"], f"{call}.forward input")
     if x.ndim < 2:
         raise BNProbeError(f"{where}: {call}.forward input has shape {list(x.shape)}; BatchNorm takes N, C[, ...]")
@@ -265,8 +350,9 @@ def read_call(dj: Path, doc: dict[str, Any], call: str, module: str | None = Non
         if _is_tensor(args.get(theirs)):
             tensors[ours], formats[ours] = _load_tensor(base, args[theirs], f"{call}.forward {theirs}")
     params = formats.get("gamma", formats.get("running_mean", dtype))
-    outs = data[f"{call}.forward"].get("output", [])
-    outs = [o for o in (outs if isinstance(outs, list) else [outs]) if _is_tensor(o)]
+    eps, momentum = check_eps_momentum(_present(args, "eps", 1e-5, call, where),
+                                       _present(args, "momentum", 0.1, call, where), params, f"{where}: {call}")
+    outs = _entries(data[f"{call}.forward"], "output", f"{where}: {call}.forward")
     if not outs:
         raise BNProbeError(f"{where}: {call}.forward records no output tensor")
     c = x.shape[1] if x.ndim > 1 else 0
@@ -321,10 +407,35 @@ def _check_parameters_grad(rec: Any, data: dict[str, Any], base: Path, module: s
                 "once, so its parameter gradients accumulate); the kernel's own output is judged")
 
 
-def _number(v: Any, what: str, call: str, where: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise BNProbeError(f"{where}: {call} records {what} = {v!r}, not a finite number")
-    return float(v)
+def _present(args: dict[str, Any], name: str, default: Any, call: str, where: str) -> Any:
+    """The recorded value of argument ``name`` (``default`` when the call did not pass it); a value recorded as
+    null is an error, not the default."""
+    if name not in args:
+        return default
+    v = _scalar(args[name], None)
+    if v is None:
+        raise BNProbeError(f"{where}: {call} records {name} = null")
+    return v
+
+
+def _training(args: dict[str, Any], api: str, call: str, where: str) -> bool:
+    t = _present(args, "training", not api.endswith("no_training"), call, where)
+    if not isinstance(t, bool):
+        raise BNProbeError(f"{where}: {call} records training = {t!r}, not true or false")
+    return t
+
+
+def check_eps_momentum(eps: Any, momentum: Any, params: str, where: str) -> tuple[float, float | None]:
+    """A recording's eps (a number > 0 within the range of its parameter format ``params``) and momentum (null
+    or a number in [0, 1]), as floats."""
+    fmt = get_format(params)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps <= fmt.max:
+        raise BNProbeError(f"{where} records eps = {eps!r}, not a number > 0 within the range of {fmt.name} "
+                           f"(the parameter format, max {fmt.max:.4g})")
+    if momentum is not None and (isinstance(momentum, bool) or not isinstance(momentum, (int, float))
+                                 or not 0 <= momentum <= 1):
+        raise BNProbeError(f"{where} records momentum = {momentum!r}, not a number in [0, 1] or null")
+    return float(eps), None if momentum is None else float(momentum)
 
 
 def _read_backward(rec: Any, base: Path, where: str, call: str, bwd: Any, tensors: dict[str, np.ndarray],
@@ -332,8 +443,8 @@ def _read_backward(rec: Any, base: Path, where: str, call: str, bwd: Any, tensor
     if not isinstance(bwd, dict):
         raise BNProbeError(f"{where}: {call}.backward is not a JSON object")
     x = tensors["x"]
-    grads_in = [o for o in bwd.get("input", []) or [] if _is_tensor(o)]
-    grads_out = [o for o in bwd.get("output", []) or [] if _is_tensor(o)]
+    grads_in = _entries(bwd, "input", f"{where}: {call}.backward")
+    grads_out = _entries(bwd, "output", f"{where}: {call}.backward")
     if not grads_in or not grads_out:
         raise BNProbeError(f"{where}: {call}.backward lacks its gradient tensors (dy in, dx out)")
     dy, fdy = _load_tensor(base, grads_in[0], f"{call}.backward input 0")
@@ -385,16 +496,15 @@ def read_summaries(dj: Path, doc: dict[str, Any], call: str) -> dict[str, dict[s
     for ours, theirs in (("x", "input"), ("gamma", "weight"), ("beta", "bias"), ("running_mean", "running_mean"),
                          ("running_var", "running_var")):
         put(f"forward.input.{ours}", args.get(theirs))
-    outs = fwd.get("output", [])
-    for i, e in enumerate(outs if isinstance(outs, list) else [outs]):
+    for i, e in enumerate(_list(fwd, "output", f"{where}: {call}.forward")):
         put(f"forward.output.{('y', 'saved_mean', 'saved_invstd', 'running_mean', 'running_var')[i] if i < 5 else i}",
             e)
     bwd = data.get(f"{call}.backward")
     if isinstance(bwd, dict):
-        for i, e in enumerate(bwd.get("input", []) or []):
+        for i, e in enumerate(_list(bwd, "input", f"{where}: {call}.backward")):
             put(f"backward.input.{'dy' if i == 0 else i}", e)
         names = iter(("dgamma", "dbeta"))
-        for i, e in enumerate(bwd.get("output", []) or []):
+        for i, e in enumerate(_list(bwd, "output", f"{where}: {call}.backward")):
             if _is_tensor(e):
                 put(f"backward.output.{'dx' if i == 0 else next(names, i)}", e)
     return out

@@ -1,4 +1,9 @@
 import json
+import os
+import pickle
+import re
+import zipfile
+from io import BytesIO
 
 import numpy as np
 import pytest
@@ -281,7 +286,7 @@ def test_backward_without_its_gradients_is_an_error(tmp_path):
     ({"records": []}, "records"),
     ({"records": {"train": {"inputs": {"x": {"shape": [1]}}, "outputs": {}}}}, "lacks its key"),
     ({"records": {"train": {"inputs": {}}}}, "lack their inputs or outputs"),
-    ({"eps": "1e-5"}, "eps is '1e-5'"), ({"eps": None}, "eps is None"), ({"momentum": "x"}, "momentum is 'x'"),
+    ({"eps": "1e-5"}, "eps = '1e-5'"), ({"eps": None}, "eps = None"), ({"momentum": "x"}, "momentum = 'x'"),
     ({"dtype": "int8"}, "int8"),
 ])
 def test_malformed_bnprobe_metadata_is_one_line(tmp_path, bad, match):
@@ -334,3 +339,209 @@ def test_an_empty_model_dump_is_one_line(tmp_path):
     (tmp_path / "bnprobe-calls.json").write_text(json.dumps({"format": "bnprobe-calls", "calls": []}))
     with pytest.raises(BNProbeError, match="holds no BatchNorm call"):
         load_dump(tmp_path)
+
+
+# ---- hostile dumps: every malformed file a one-line error, nothing unpickled ------------------------------------
+
+def one_line(info):
+    msg = str(info.value)
+    assert type(info.value) is BNProbeError and msg and "\n" not in msg
+    return msg
+
+
+def _set(path, value):
+    """A change to a JSON document: ``value`` at ``path`` (a list of keys), or the key removed (value KeyError)."""
+    def change(doc):
+        for k in path[:-1]:
+            doc = doc[k]
+        if value is KeyError:
+            del doc[path[-1]]
+        else:
+            doc[path[-1]] = value
+    return change
+
+
+X = ["records", "train", "inputs", "x"]
+
+
+@pytest.mark.parametrize("change,match", [
+    (_set(["records"], {}), '"records" must map'), (_set(["records"], "s"), '"records" must map'),
+    (_set(["records"], None), '"records" must map'), (_set(["records", "train"], []), "not objects of tensors"),
+    (_set(X, KeyError), "records of train lack the inputs x"),
+    (_set(["records", "train", "outputs", "y"], KeyError), "records of train lack the outputs y"),
+    (_set(["records", "infer", "inputs", "running_var"], KeyError), "records of infer lack the inputs running_var"),
+    (_set(["records", "backward", "inputs", "dy"], KeyError), "records of backward lack the inputs dy"),
+    (_set(X + ["key"], KeyError), "train.inputs.x lacks its key"),
+    (_set(X + ["shape"], [-4, 3, 5, 5]), r"has shape \[-4, 3, 5, 5\], not a list of integers >= 0"),
+    (_set(X + ["shape"], [4.5, 3, 5, 5]), "not a list of integers >= 0"),
+    (_set(X + ["shape"], [True, 3, 5, 5]), "not a list of integers >= 0"),
+    (_set(X + ["shape"], [100000, 100000]), r"has shape \[4, 3, 5, 5\] but bnprobe-dump.json says \[100000, 100000\]"),
+    (_set(X + ["key"], "train.inputs.gamma"), r"has shape \[3\] but bnprobe-dump.json says \[4, 3, 5, 5\] for train"),
+    (_set(X + ["format"], "int8"), r"tensor train.inputs.x: unknown format 'int8'"),
+    (_set(["eps"], "NaN"), "records eps = 'NaN', not a number > 0"), (_set(["eps"], float("nan")), "eps = nan"),
+    (_set(["eps"], -1e-5), "eps = -1e-05"), (_set(["eps"], 0), "eps = 0,"),
+    (_set(["eps"], 1e300), r"eps = 1e\+300, not a number > 0 within the range of fp32"),
+    (_set(["momentum"], -1), r"momentum = -1, not a number in \[0, 1\] or null"),
+    (_set(["momentum"], [0.1]), r"momentum = \[0.1\]"),
+    (_set(["layout"], "weird"), "layout is 'weird', not one of channels_first, channels_last"),
+    (_set(["dtype"], 3), "dtype is 3, not a string"), (_set(["adapter"], [1]), "adapter is"),
+    (_set(["saved_kind"], "mean"), "saved_kind is 'mean'"),
+    (_set(["meta"], [1]), '"meta" must be an object'), (_set(["meta", "training"], "no"), "training, when given"),
+])
+def test_hostile_bnprobe_metadata_is_one_line(tmp_path, change, match):
+    recorded(tmp_path)
+    meta = json.loads((tmp_path / "bnprobe-dump.json").read_text())
+    change(meta)
+    (tmp_path / "bnprobe-dump.json").write_text(json.dumps(meta))
+    with pytest.raises(BNProbeError) as info:
+        [c.load() for c in open_dump(tmp_path).calls]
+    assert re.search(match, one_line(info))
+
+
+@pytest.mark.parametrize("value,match", [
+    (np.ones((4, 3, 5, 5), np.complex64), "stored as complex64, not float32 or float64"),
+    (np.ones((4, 3, 5, 5), np.int32), "stored as int32"), (np.full((4, 3, 5, 5), "a"), "stored as <U1"),
+    (np.ones((2, 3), np.float32), r"has shape \[2, 3\] but bnprobe-dump.json says \[4, 3, 5, 5\]"),
+])
+def test_hostile_tensors_npz_is_one_line_and_nothing_is_cast_away(tmp_path, value, match):
+    recorded(tmp_path)
+    with np.load(tmp_path / "tensors.npz") as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["train.inputs.x"] = value
+    np.savez(tmp_path / "tensors.npz", **arrays)
+    with pytest.raises(BNProbeError) as info:
+        load_dump(tmp_path)
+    assert re.search(match, one_line(info))
+
+
+def test_a_huge_shape_in_an_npz_header_is_refused_before_reading(tmp_path):
+    """A member whose header declares 100000 x 100000 in a few bytes: refused from its header."""
+    recorded(tmp_path)
+    meta = json.loads((tmp_path / "bnprobe-dump.json").read_text())
+    meta["records"]["train"]["inputs"]["x"]["shape"] = [100000, 100000]
+    (tmp_path / "bnprobe-dump.json").write_text(json.dumps(meta))
+    with np.load(tmp_path / "tensors.npz") as z:
+        arrays = {k: z[k] for k in z.files if k != "train.inputs.x"}
+    np.savez(tmp_path / "tensors.npz", **arrays)
+    header = BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (100000, 100000)})
+    with zipfile.ZipFile(tmp_path / "tensors.npz", "a") as zf:
+        zf.writestr("train.inputs.x.npy", header.getvalue())
+    with pytest.raises(BNProbeError) as info:
+        load_dump(tmp_path)
+    assert re.search(r"tensor 'train.inputs.x': 128 bytes, shorter than the 40000000128 its header declares",
+                     one_line(info))
+
+
+A = ["data", "Aten.native_batch_norm.0.forward"]
+B = ["data", "Aten.native_batch_norm.0.backward"]
+
+
+@pytest.mark.parametrize("change,match", [
+    (_set(["data"], []), r"no \"data\" object"), (_set(["data"], None), r"no \"data\" object"),
+    (_set(["task"], []), r"\"task\" is \[\], not a string"),
+    (_set(A, "s"), "forward is not a JSON object"),
+    (_set(A + ["input_kwargs"], []), "input_args/input_kwargs of the wrong JSON type"),
+    (_set(A + ["output"], "s"), r"forward has output of the wrong JSON type \(str, not a list\)"),
+    (_set(A + ["output"], 3), "forward has output of the wrong JSON type"),
+    (_set(B + ["input"], 3), r"backward has input of the wrong JSON type \(int, not a list\)"),
+    (_set(B + ["output"], "s"), "backward has output of the wrong JSON type"),
+    (_set(A + ["input_args", 0, "shape"], [-4, 3, 2, 2]), "tensor record has no valid shape"),
+    (_set(A + ["input_args", 7, "value"], "1e-5"), "records eps = '1e-5', not a number > 0"),
+    (_set(A + ["input_args", 7, "value"], None), "records eps = null"),
+    (_set(A + ["input_args", 7], None), "records eps = null"),
+    (_set(A + ["input_args", 7, "value"], -1e-5), "records eps = -1e-05"),
+    (_set(A + ["input_args", 7, "value"], 0), "records eps = 0,"),
+    (_set(A + ["input_args", 7, "value"], 1e300), r"eps = 1e\+300, not a number > 0 within the range of fp32"),
+    (_set(A + ["input_args", 6, "value"], None), "records momentum = null"),
+    (_set(A + ["input_args", 6, "value"], -3), r"records momentum = -3, not a number in \[0, 1\]"),
+    (_set(A + ["input_args", 6, "value"], [0.1]), "records momentum = \\[0.1\\]"),
+    (_set(A + ["input_args", 5, "value"], "maybe"), "records training = 'maybe', not true or false"),
+    (_set(A + ["input_args", 5, "value"], None), "records training = null"),
+    (_set(["data", "Functional.batch_norm.1.forward", "input_kwargs", "training", "value"], None),
+     "Functional.batch_norm.1 records training = null"),
+    (_set(A + ["input_args", 0, "data_name"], "../../../../../../../../etc/passwd"),
+     r"data_name '\.\./(\.\./)*etc/passwd' points outside the dump's dump_tensor_data folder; refused"),
+    (_set(A + ["input_args", 0, "data_name"], "/etc/passwd"), "'/etc/passwd' points outside"),
+    (_set(A + ["input_args", 0, "data_name"], "../dump.json"), "'../dump.json' points outside"),
+])
+def test_hostile_msprobe_metadata_is_one_line(tmp_path, change, match):
+    build_msprobe(tmp_path)
+    dj = tmp_path / "step0" / "rank0" / "dump.json"
+    doc = json.loads(dj.read_text())
+    change(doc)
+    dj.write_text(json.dumps(doc))
+    with pytest.raises(BNProbeError) as info:
+        [c.load() for c in open_dump(tmp_path).calls]
+    assert re.search(match, one_line(info))
+
+
+def _npy_header_only(path, shape, descr="<f2"):
+    with open(path, "wb") as fh:
+        np.lib.format.write_array_header_1_0(fh, {"descr": descr, "fortran_order": False, "shape": shape})
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda p: _npy_header_only(p, (100000, 100000)),
+     r"128 bytes, shorter than the 20000000128 its header declares for shape \[100000, 100000\]"),
+    (lambda p: _npy_header_only(p, (4, 3, 2, 2)), "128 bytes, shorter than the 224 its header declares"),
+    (lambda p: np.save(p, np.ones((4, 3, 2, 3), np.float16)), r"shape \[4, 3, 2, 3\] disagrees with dump.json's"),
+    (lambda p: np.save(p, np.array([None] * 48).reshape(4, 3, 2, 2), allow_pickle=True),
+     r"holds Python objects \(a pickle\); bnprobe refuses to unpickle"),
+    (lambda p: np.save(p, np.ones((4, 3, 2, 2), np.complex64)),
+     "holds complex64 data but dump.json says torch.float16"),
+    (lambda p: (p.unlink(), p.symlink_to("/etc/passwd")), "points outside the dump's dump_tensor_data folder"),
+])
+def test_hostile_npy_tensor_is_one_line(tmp_path, damage, match):
+    build_msprobe(tmp_path)
+    damage(tmp_path / "step0/rank0/dump_tensor_data/Aten.native_batch_norm.0.forward.input.0.npy")
+    with pytest.raises(BNProbeError) as info:
+        open_dump(tmp_path).calls[0].load()
+    assert re.search(match, one_line(info))
+
+
+class _Malicious:
+    def __reduce__(self):
+        return (os.system, ("echo unpickled > unpickled.txt",))
+
+
+@pytest.mark.parametrize("how", ["zip", "legacy", "compressed"])
+def test_a_malicious_pt_is_refused_and_never_run(tmp_path, monkeypatch, how):
+    torch = pytest.importorskip("torch")
+    build_msprobe(tmp_path, ".pt")
+    victim = tmp_path / "step0/rank0/dump_tensor_data/Aten.native_batch_norm.0.forward.input.0.pt"
+    if how == "zip":
+        torch.save({"x": _Malicious()}, victim)
+    elif how == "legacy":
+        victim.write_bytes(pickle.dumps(_Malicious()))
+    else:  # deflated members, which torch.save never writes
+        plain = zipfile.ZipFile(BytesIO(victim.read_bytes()))
+        with zipfile.ZipFile(victim, "w", zipfile.ZIP_DEFLATED) as zf:
+            for info in plain.infolist():
+                zf.writestr(info.filename, plain.read(info))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(BNProbeError) as info:
+        open_dump(tmp_path).calls[0].load()
+    msg = one_line(info)
+    assert not (tmp_path / "unpickled.txt").exists()
+    assert "weights_only" not in msg and "False" not in msg
+    assert ("has compressed members" if how == "compressed" else
+            "refused to unpickle, it is not a plain tensor file") in msg
+    if how == "zip":
+        assert "GLOBAL posix.system" in msg
+
+
+@pytest.mark.parametrize("command", [["compare-precision", "--no-budget"], ["overflow"]])
+def test_the_cli_says_a_hostile_dump_in_one_line(tmp_path, capsys, command):
+    from bnprobe.cli import main
+
+    build_msprobe(tmp_path / "dump")
+    dj = tmp_path / "dump" / "step0" / "rank0" / "dump.json"
+    doc = json.loads(dj.read_text())
+    doc["data"]["Aten.native_batch_norm.0.backward"]["input"] = 3
+    dj.write_text(json.dumps(doc))
+    out = ["--out", str(tmp_path / "report")] if command[0] == "compare-precision" else []
+    assert main([*command, "--input", str(tmp_path / "dump"), *out]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bnprobe: error: ") and err.count("\n") == 1 and "wrong JSON type" in err
+    assert not (tmp_path / "report").exists()
