@@ -34,8 +34,8 @@ from bnprobe.tolerances import MSPROBE_STANDARDS
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-__all__ = ["Layer", "FoldReport", "make_layer", "load_layer", "fold_params", "layer_forward", "check_fold",
-           "ASCEND_EPS_FLOOR", "ASCEND_EPS_REPLACEMENT"]
+__all__ = ["Layer", "FoldReport", "make_layer", "load_layer", "check_layer", "fold_params", "layer_forward",
+           "check_fold", "ASCEND_EPS_FLOOR", "ASCEND_EPS_REPLACEMENT"]
 
 # Ascend's Conv+BN folding pass on the host replaces an eps below 1e-8 by 1e-5
 ASCEND_EPS_FLOOR = 1e-8
@@ -95,9 +95,33 @@ def make_layer(kind: str = "conv2d", *, seed: int = 0, dead: int = 3, groups: in
                  1 if kind == "conv2d" else 0, x, bm, bv)
 
 
+def _real(p: Path, name: str, a: np.ndarray) -> np.ndarray:
+    """``a`` as float64, refused unless it holds real numbers that convert exactly (no complex, text or bool)."""
+    if a.dtype.kind not in "iuf":
+        raise BNProbeError(f"{p}: {name} holds {a.dtype} values, not real numbers")
+    out = a.astype(np.float64)
+    if a.dtype.kind in "iu" and not np.array_equal(out.astype(a.dtype), a):
+        raise BNProbeError(f"{p}: {name} holds integers too large to be exact in float64")
+    return out
+
+
+def _scalar(p: Path, name: str, a: np.ndarray, kind: type) -> Any:
+    """The one value of ``a`` as ``kind`` (int: an integral number; float; str)."""
+    if a.size != 1:
+        raise BNProbeError(f"{p}: {name} has shape {a.shape}, not a single value")
+    v = a.reshape(()).item()
+    if kind is str:
+        if not isinstance(v, str):
+            raise BNProbeError(f"{p}: {name} is {v!r}, not a text")
+        return v
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)):
+        raise BNProbeError(f"{p}: {name} is {v!r}, not {'an integer' if kind is int else 'a number'}")
+    return kind(v)
+
+
 def load_layer(path: str | Path) -> Layer:
     """A layer from an .npz with weight, gamma, beta, running_mean, running_var (optional: bias, eps,
-    groups, padding, x, kind)."""
+    groups, padding, x, kind), checked as :func:`check_layer` does."""
     p = Path(path)
     if not p.is_file():
         raise BNProbeError(f"weights file {str(p)!r} does not exist")
@@ -109,23 +133,77 @@ def load_layer(path: str | Path) -> Layer:
     need = [k for k in ("weight", "gamma", "beta", "running_mean", "running_var") if k not in d]
     if need:
         raise BNProbeError(f"{p}: missing array(s) {', '.join(need)}")
-    w = d["weight"].astype(np.float64)
-    kind = str(d["kind"]) if "kind" in d else ("conv2d" if w.ndim == 4 else "linear")
+    arrays = {k: _real(p, k, d[k]) for k in ("weight", "gamma", "beta", "running_mean", "running_var", "bias", "x")
+              if k in d}
+    w = arrays["weight"]
+    kind = _scalar(p, "kind", d["kind"], str) if "kind" in d else ("conv2d" if w.ndim == 4 else "linear")
+    if kind not in ("conv2d", "linear"):
+        raise BNProbeError(f"{p}: kind is {kind!r}; valid: conv2d, linear")
     if (kind == "conv2d" and w.ndim != 4) or (kind == "linear" and w.ndim != 2):
         raise BNProbeError(f"{p}: weight has shape {w.shape}, not a {kind} weight")
     cout = w.shape[0]
     for k in ("gamma", "beta", "running_mean", "running_var", "bias"):
         if k in d and d[k].shape != (cout,):
             raise BNProbeError(f"{p}: {k} has shape {d[k].shape} but the weight has {cout} output channels")
-    groups = int(d["groups"]) if "groups" in d else 1
+    groups = _scalar(p, "groups", d["groups"], int) if "groups" in d else 1
+    if groups < 1:
+        raise BNProbeError(f"{p}: groups is {groups}, not an integer >= 1")
     cin = w.shape[1] * groups
-    x = d["x"].astype(np.float64) if "x" in d else (
+    x = arrays["x"] if "x" in d else (
         np.maximum(np.random.default_rng(0).standard_normal((2, cin, 12, 12) if kind == "conv2d" else (16, cin)),
                    0) * 2)
-    return Layer(kind, w, d["bias"].astype(np.float64) if "bias" in d else None, d["gamma"].astype(np.float64),
-                 d["beta"].astype(np.float64), d["running_mean"].astype(np.float64),
-                 d["running_var"].astype(np.float64), float(d["eps"]) if "eps" in d else 1e-5, groups,
-                 int(d["padding"]) if "padding" in d else (1 if kind == "conv2d" else 0), x, source=str(p))
+    layer = Layer(kind, w, arrays.get("bias"), arrays["gamma"], arrays["beta"], arrays["running_mean"],
+                  arrays["running_var"], _scalar(p, "eps", d["eps"], float) if "eps" in d else 1e-5, groups,
+                  _scalar(p, "padding", d["padding"], int) if "padding" in d else (1 if kind == "conv2d" else 0), x,
+                  source=str(p))
+    try:
+        check_layer(layer)
+    except BNProbeError as exc:
+        raise BNProbeError(f"{p}: {exc}") from None
+    return layer
+
+
+def check_layer(layer: Layer) -> None:
+    """Refuse a layer whose parts do not fit together: its kind, groups and padding, the weight and
+    the per-channel vectors, the input's shape and channels (never truncated), the kernel against the input."""
+    w, kind = np.asarray(layer.weight), layer.kind
+    if kind not in ("conv2d", "linear"):
+        raise BNProbeError(f"unknown layer {kind!r}; valid: conv2d, linear")
+    if w.ndim != (4 if kind == "conv2d" else 2) or 0 in w.shape:
+        raise BNProbeError(f"weight has shape {w.shape}, not a non-empty {kind} weight")
+    arrays = {"weight": w, "gamma": layer.gamma, "beta": layer.beta, "running_mean": layer.running_mean,
+              "running_var": layer.running_var, "bias": layer.bias, "x": layer.x}
+    for name, a in arrays.items():
+        if a is not None and np.iscomplexobj(a):
+            raise BNProbeError(f"{name} is complex: folding takes real numbers")
+    cout = w.shape[0]
+    for name in ("gamma", "beta", "running_mean", "running_var", "bias"):
+        a = arrays[name]
+        if a is not None and np.shape(a) != (cout,):
+            raise BNProbeError(f"{name} has shape {np.shape(a)} but the weight has {cout} output channels")
+    groups, pad = layer.groups, layer.padding
+    if not isinstance(groups, (int, np.integer)) or groups < 1 or cout % groups:
+        raise BNProbeError(f"groups is {groups!r}: it must be an integer >= 1 dividing the {cout} output channels")
+    if kind == "linear" and groups != 1:
+        raise BNProbeError(f"groups is {groups}: a linear layer has none (groups 1)")
+    x = layer.x
+    if x is None:
+        return
+    want = (f"(N, {w.shape[1] * groups}, H, W)" if kind == "conv2d" else f"(N, {w.shape[1]})")
+    if np.ndim(x) != w.ndim or np.shape(x)[1] != w.shape[1] * groups or np.size(x) == 0:
+        raise BNProbeError(f"x has shape {np.shape(x)}; the {kind} weight {w.shape}"
+                           f"{f' with groups {groups}' if groups > 1 else ''} takes a non-empty {want}")
+    if kind == "conv2d":
+        kh, kw = w.shape[2:]
+        # beyond k - 1 a padded row or column meets no input at all
+        if not isinstance(pad, (int, np.integer)) or not 0 <= pad < min(kh, kw):
+            raise BNProbeError(f"padding is {pad!r}: it must be an integer from 0 to {min(kh, kw) - 1} for a "
+                               f"{kh}x{kw} kernel")
+        h, wd = np.shape(x)[2:]
+        if h + 2 * pad < kh or wd + 2 * pad < kw:
+            raise BNProbeError(f"the {kh}x{kw} kernel is larger than x's {h}x{wd} plane padded by {pad}")
+    elif pad != 0:
+        raise BNProbeError(f"padding is {pad!r}: a linear layer has none (padding 0)")
 
 
 def fold_params(gamma: np.ndarray, beta: np.ndarray, mean: np.ndarray, var: np.ndarray, eps: float,
@@ -232,6 +310,7 @@ def check_fold(layer: Layer, dtype: str = "fp16", *, accumulate: str | None = No
         raise BNProbeError(f"eps must be > 0, got {eps}")
     if layer.x is None:
         raise BNProbeError("the layer has no input to run on")
+    check_layer(layer)
     kind, groups, pad = layer.kind, layer.groups, layer.padding
     cout = layer.channels
     pol = get_policy("fp64").with_options(name="fp64")
@@ -322,6 +401,15 @@ def check_fold(layer: Layer, dtype: str = "fp16", *, accumulate: str | None = No
             yw = _ref_forward(kind, xs, *fold_params(g, b, m_, v_, eps, ws, bs)[2:], groups, pad)
             wrong.append({"folded with": label, "max_abs_change": float(np.max(np.abs(yw - y_gold)))})
     notes = []
+    inputs = {"x": layer.x, "weight": layer.weight, "bias": layer.bias, "gamma": g, "beta": b, "running_mean": rm,
+              "running_var": rv}
+    nonfinite = [k for k, v in inputs.items() if v is not None and not np.isfinite(v).all()]
+    if nonfinite:
+        notes.append(f"NaN or inf in {', '.join(nonfinite)}: the outputs they reach are non-finite on every path")
+    bad_var = np.flatnonzero(np.asarray(rv, dtype=np.float64) < 0)
+    if bad_var.size:
+        notes.append(f"running_var is negative at channel(s) {bad_var.tolist()}: not a variance; A = γ/√(σ²+ε) is "
+                     "NaN where σ²+ε < 0")
     risky = ch[ch.w_overflows | (ch.verdict == "FAIL")]
     if len(risky):
         notes.append(f"channels at risk: {risky.channel.tolist()} (A up to {risky.A.abs().max():.3g})")

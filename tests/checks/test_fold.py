@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pytest
 
@@ -132,3 +134,83 @@ def test_cli(tmp_path, capsys):
     capsys.readouterr()
     assert main(["fold", "--layer", "mlp"]) == 2
     assert "unknown layer" in capsys.readouterr().err
+
+
+def _npz(tmp_path, lay, **change):
+    arrays = dict(weight=lay.weight, gamma=lay.gamma, beta=lay.beta, running_mean=lay.running_mean,
+                  running_var=lay.running_var, bias=lay.bias, x=lay.x)
+    arrays.update(change)
+    p = tmp_path / "w.npz"
+    np.savez(p, **{k: v for k, v in arrays.items() if v is not None})
+    return p
+
+
+CONV = make_layer("conv2d")  # weight (32, 16, 3, 3), x (2, 16, 12, 12)
+LINEAR = make_layer("linear")  # weight (32, 64), x (16, 64)
+
+
+@pytest.mark.parametrize("lay,change,match", [
+    (CONV, dict(x=np.ones((2, 20, 12, 12))),
+     r"x has shape \(2, 20, 12, 12\); the conv2d weight \(32, 16, 3, 3\) takes a non-empty \(N, 16, H, W\)"),
+    (CONV, dict(x=np.ones((2, 8, 12, 12))), r"x has shape \(2, 8, 12, 12\)"),
+    (CONV, dict(x=np.ones((2, 16, 12))), r"x has shape \(2, 16, 12\)"),
+    (CONV, dict(x=np.ones((0, 16, 12, 12))), r"x has shape \(0, 16, 12, 12\)"),
+    (LINEAR, dict(x=np.ones((16, 70))), r"x has shape \(16, 70\); the linear weight \(32, 64\) takes .* \(N, 64\)"),
+    (CONV, dict(weight=CONV.weight + 1j), "weight holds complex128 values, not real numbers"),
+    (CONV, dict(gamma=CONV.gamma.astype(np.complex64)), "gamma holds complex64 values"),
+    (CONV, dict(x=CONV.x.astype(np.complex64)), "x holds complex64 values"),
+    (CONV, dict(weight=CONV.weight.astype(str)), "weight holds <U32 values"),
+    (CONV, dict(running_var=CONV.running_var > 0), "running_var holds bool values"),
+    (CONV, dict(weight=np.full(CONV.weight.shape, 2**60 + 1)), "integers too large to be exact in float64"),
+    (CONV, dict(groups=0), "groups is 0, not an integer >= 1"),
+    (CONV, dict(groups=-2), "groups is -2, not an integer >= 1"),
+    (CONV, dict(groups=1.5), "groups is 1.5, not an integer"),
+    (CONV, dict(groups=np.array([1, 2])), r"groups has shape \(2,\), not a single value"),
+    (CONV, dict(groups=3, weight=np.ones((32, 5, 3, 3)), x=np.ones((2, 15, 12, 12))),
+     "groups is 3: it must be an integer >= 1 dividing the 32 output channels"),
+    (LINEAR, dict(groups=2, weight=np.ones((32, 32))), "a linear layer has none"),
+    (CONV, dict(padding=-1), "padding is -1: it must be an integer from 0 to 2 for a 3x3 kernel"),
+    (CONV, dict(padding=3), "padding is 3: it must be an integer from 0 to 2"),
+    (CONV, dict(padding=10**6), "padding is 1000000"),
+    (CONV, dict(padding=1.7), "padding is 1.7, not an integer"),
+    (LINEAR, dict(padding=1), "padding is 1: a linear layer has none"),
+    (CONV, dict(kind="conv3d"), "kind is 'conv3d'; valid: conv2d, linear"),
+    (CONV, dict(kind=np.array(["conv2d", "linear"])), r"kind has shape \(2,\)"),
+    (CONV, dict(weight=np.ones((32, 16, 15, 15))), "the 15x15 kernel is larger than x's 12x12 plane padded by 1"),
+    (CONV, dict(eps=np.array([1e-5, 1e-5])), r"eps has shape \(2,\), not a single value"),
+    (CONV, dict(eps="abc"), "eps is 'abc', not a number"),
+])
+def test_weights_that_do_not_fit_are_one_line_errors(tmp_path, lay, change, match):
+    """Nothing truncated, cast away or left to numpy's broadcasting: each is refused, naming the shapes."""
+    with pytest.raises(BNProbeError) as info:
+        check_fold(load_layer(_npz(tmp_path, lay, **change)), "fp16")
+    msg = str(info.value)
+    assert type(info.value) is BNProbeError and "\n" not in msg
+    assert re.search(match, msg)
+
+
+def test_the_edges_of_groups_and_padding_are_accepted(tmp_path):
+    for change in (dict(padding=0), dict(padding=2), dict(groups=2, weight=CONV.weight[:, :8])):
+        assert len(check_fold(load_layer(_npz(tmp_path, CONV, **change)), "fp16").channels) == 32
+    lin = load_layer(_npz(tmp_path, LINEAR, weight=(LINEAR.weight * 8).astype(np.int64)))
+    assert check_fold(lin, "fp16").channels.shape[0] == 32
+
+
+def test_negative_or_nan_statistics_are_reported_not_refused(tmp_path):
+    rv = CONV.running_var.copy()
+    rv[[1, 4]] = -1.0
+    rep = check_fold(load_layer(_npz(tmp_path, CONV, running_var=rv)), "fp16")
+    assert any("running_var is negative at channel(s) [1, 4]" in n for n in rep.notes)
+    assert set(rep.channels.query("verdict == 'FAIL'").channel) >= {1, 4}
+    x = CONV.x.copy()
+    x[0, 0, 0, 0] = np.nan
+    rep = check_fold(load_layer(_npz(tmp_path, CONV, x=x)), "fp16")
+    assert any(n.startswith("NaN or inf in x") for n in rep.notes)
+
+
+def test_cli_refuses_truncating_weights_in_one_line(tmp_path, capsys):
+    p = _npz(tmp_path, CONV, x=np.ones((2, 20, 12, 12)))
+    assert main(["fold", "--weights", str(p), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bnprobe: error: ") and err.count("\n") == 1 and "x has shape (2, 20, 12, 12)" in err
+    assert not (tmp_path / "o").exists()
