@@ -6,6 +6,7 @@ The only module that prints.  Bad input of any kind is one line on stderr,
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Optional
@@ -36,8 +37,15 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                       help="Print the version and exit.")) -> None:
+                                       help="Print the version and exit."),
+          max_memory: Optional[str] = typer.Option(None, "--max-memory", metavar="SIZE",
+                                                   help="Refuse runs estimated to need more memory than SIZE (e.g. "
+                                                        "4G; default: the memory available, or $BNPROBE_MAX_MEMORY). "
+                                                        "Also accepted after the command.")) -> None:
     """bnprobe: BatchNorm precision checks."""
+    from bnprobe.guard import parse_size, set_memory_limit
+
+    set_memory_limit(parse_size(max_memory) if max_memory is not None else None)
 
 
 @app.command()
@@ -74,7 +82,7 @@ def trace(
 
     check_params(params)
     if input is not None and is_dump_path(input):
-        call, rec = one_call(input, calls, "trace")
+        call, rec = one_call(input, calls, "trace", guard="trace")
         refuse(given(shape=shape, seed=seed, mean=mean, std=std, dist=dist, eps=eps, momentum=momentum),
                str(input).partition("#")[0])
         if layout is not None and layout != rec.layout:
@@ -88,7 +96,7 @@ def trace(
         mode, eps_v, mom_v = mode or "train", 1e-5 if eps is None else eps, 0.1 if momentum is None else momentum
         m, s, sd, d = 0.0 if mean is None else mean, 1.0 if std is None else std, 0 if seed is None else seed, \
             dist or "normal"
-        x = _input_tensor(input, shape or "8,16,14,14", d, m, s, sd)
+        x = _input_tensor("trace", input, shape or "8,16,14,14", d, m, s, sd)
         source = str(input) if input is not None else f"{d}(mean={m:g}, std={s:g}), seed {sd}"
         lay = layout_of(x, layout or "channels_first")
         c = lay.channels
@@ -131,13 +139,31 @@ def trace(
         typer.echo("\nnote: NaN/inf present in the input itself (input-borne, not a kernel fault)")
 
 
-def _input_tensor(input: Optional[Path], shape: str, dist: str, mean: float, std: float, seed: int):  # noqa: ANN202
-    """The --input tensor, or one generated from --shape/--dist/--mean/--std/--seed."""
-    from bnprobe.inputs import load_array, make_input, parse_shape
+def _input_tensor(command: str, input: Optional[Path], shape: str, dist: str, mean: float, std: float,  # noqa: ANN202
+                  seed: int):
+    """The --input tensor, or one generated from --shape/--dist/--mean/--std/--seed; refused before it is loaded
+    or made when ``command`` on it would exceed the memory limit."""
+    from bnprobe.guard import require_run
+    from bnprobe.inputs import array_header, load_array, make_input, parse_shape
 
     if input is not None:
+        shp = array_header(input)[0]
+        require_run(command, shp, f"{command} on {input} (shape {shp})")
         return load_array(input)
-    return make_input(parse_shape(shape), dist=dist, mean=mean, std=std, seed=seed)
+    shp = parse_shape(shape)
+    require_run(command, shp)
+    return make_input(shp, dist=dist, mean=mean, std=std, seed=seed)
+
+
+def _guard_recorded(command: str, recorded) -> None:  # noqa: ANN001 - Recorded | RecordedCalls
+    """Refuse a run over recorded calls when its largest call (they are loaded one at a time) would not fit."""
+    from bnprobe.guard import require_run
+
+    calls = getattr(recorded, "calls", recorded)
+    calls = getattr(calls, "calls", calls)
+    biggest = max(calls, key=lambda c: math.prod(c.shape), default=None)
+    if biggest is not None:
+        require_run(command, tuple(biggest.shape), f"{command} on {biggest.label} (shape {tuple(biggest.shape)})")
 
 
 def _int_list(text: str, what: str) -> tuple[int, ...]:
@@ -192,28 +218,22 @@ def rsqrt_cmd(
         raise BNProbeError(f"--samples must be >= 1, got {samples}")
     domain = "exhaustive" if exhaustive else ("samples" if samples is not None else "auto")
     steps = _int_list(newton, "--newton")
-    targets: list[Path] = []
-    if out is not None:
-        stem = f"{op}-{spec.format}-{method}"
-        targets = [out / f"{stem}.csv", out / f"{stem}.json", out / f"{stem}.png"]
-        from bnprobe.reports import check_targets
-
-        check_targets(targets, force=force)
+    stem = f"{op}-{spec.format}-{method}"
+    sink = _output(out, force, "", f"{stem}.csv", f"{stem}.json", f"{stem}.png")
     bar = Progress(f"{spec.label()}")
     try:
         result = analyze(spec, steps, domain=domain, samples=samples or (1 << 20), seed=seed, progress=bar)
     finally:
         bar.close()
-    if out is not None:
+    targets: list[Path] = []
+    if sink is not None:
         from bnprobe.plots import plot_math_error
-        from bnprobe.reports import atomic_write_text, save_figure
 
-        atomic_write_text(targets[0], result.to_frame().to_csv(index=False))
-        atomic_write_text(targets[1], dumps_json(result.to_dict()))
+        sink.write_text(f"{stem}.csv", result.to_frame().to_csv(index=False))
+        sink.write_text(f"{stem}.json", dumps_json(result.to_dict()))
         if result.curve:
-            save_figure(plot_math_error(result), targets[2], dpi=120)
-        else:
-            targets = targets[:2]
+            sink.save_figure(f"{stem}.png", plot_math_error(result), dpi=120)
+        targets = sink.commit()
     if as_json:
         typer.echo(dumps_json(result.to_dict()))
         return
@@ -284,12 +304,13 @@ def dump_cmd(
     from bnprobe.kernels.layout import layout_of
 
     check_params(params)
+    _output(out, force, "", "bnprobe-dump.json", "tensors.npz")
     wanted = tuple(m.strip() for m in modes.split(",") if m.strip())
     bad = [m for m in wanted if m not in ("train", "infer", "backward")]
     if bad or not wanted:
         raise BNProbeError(f"--modes takes train, infer, backward; got {modes!r}")
     a = get_adapter(adapter)
-    x = _input_tensor(input, shape, dist, mean, std, seed)
+    x = _input_tensor("dump", input, shape, dist, mean, std, seed)
     lay = layout_of(x, layout)
     c = lay.channels
     prm = make_params(c, seed)
@@ -303,16 +324,30 @@ def dump_cmd(
     typer.echo(f"replay it as an adapter: --adapter dump:{out}")
 
 
-def _write_reports(out: Path, stem: str, frame, doc: dict, markdown: str, force: bool) -> list[Path]:
-    """CSV, JSON and Markdown of one result into ``out``, atomically, never over existing files silently."""
-    from bnprobe.reports import atomic_write_text, check_targets
+_SINKS: list = []  # the output folders of the running command: discarded by main() when it fails
 
-    targets = [out / f"{stem}.csv", out / f"{stem}.json", out / f"{stem}.md"]
-    check_targets(targets, force=force)
-    atomic_write_text(targets[0], frame.to_csv(index=False))
-    atomic_write_text(targets[1], dumps_json(doc))
-    atomic_write_text(targets[2], markdown)
-    return targets
+
+def _output(out: Optional[Path], force: bool, stem: str = "", *names: str):  # noqa: ANN202 - OutputDir | None
+    """The run's output folder, checked and created now, before any work (``None`` without ``--out`` unless
+    ``stem`` names a default ``reports/<stem>-<time>``); the files ``names`` refused now if they exist. A run that
+    fails leaves neither the folder (when it created it) nor any file in it."""
+    if out is None and not stem:
+        return None
+    from bnprobe.reports import output_dir
+
+    sink = output_dir(out, stem, force=force)
+    _SINKS.append(sink)
+    sink.claim(*names)
+    return sink
+
+
+def _write_reports(sink, stem: str, frame, doc: dict, markdown: str) -> list[Path]:
+    """CSV, JSON and Markdown of one result into the output folder, all or nothing, never over existing files
+    without ``--force``."""
+    sink.write_text(f"{stem}.csv", frame.to_csv(index=False))
+    sink.write_text(f"{stem}.json", dumps_json(doc))
+    sink.write_text(f"{stem}.md", markdown)
+    return sink.commit()
 
 
 def _close(notes: list[str], written: list[Path] | None) -> None:
@@ -353,6 +388,7 @@ def gradcheck_cmd(
     from bnprobe._table import render_table
     from bnprobe.checks.gradcheck import check_formula, gradcheck, gradcheck_recorded
     from bnprobe.checks.recorded import check_options, check_params, given, is_dump_path, recording_of
+    from bnprobe.guard import require_run
     from bnprobe.inputs import parse_shape
     from bnprobe.kernels.layout import check_eps
 
@@ -361,8 +397,10 @@ def gradcheck_cmd(
     check_params(params)
     if input is not None and not is_dump_path(input):
         raise BNProbeError(f"--input {input}: gradcheck takes a dump folder (bnprobe or msprobe) as --input")
+    sink = _output(out, force)
     recorded = recording_of(adapter, input, calls)
     if recorded is not None:
+        _guard_recorded("gradcheck", recorded)
         if formula is not None:
             raise BNProbeError("--formula checks a formula on generated inputs: it contradicts the recording; drop "
                                "one of them")
@@ -386,7 +424,7 @@ def gradcheck_cmd(
         if out is not None:
             md = f"# {title}\n\n```\n{table}\n```\n\n" + "\n".join(f"- {n}" for n in run.notes) + "\n"
             stem = f"gradcheck-{run.kernel.replace(':', '_').replace('/', '_')}-recorded"
-            written = _write_reports(out, stem, run.to_frame(), run.to_dict(), md, force)
+            written = _write_reports(sink, stem, run.to_frame(), run.to_dict(), md)
         if as_json:
             typer.echo(dumps_json(run.to_dict()))
             return 0 if run else 1
@@ -403,6 +441,7 @@ def gradcheck_cmd(
         _close(notes, written if out is not None else None)
         return 0 if run else 1
     shp = parse_shape(shape or "4,3,5,5")
+    require_run("gradcheck", shp)
     e = 1e-5 if eps is None else eps
     s = 0 if seed is None else seed
     if formula is not None:
@@ -422,7 +461,7 @@ def gradcheck_cmd(
     if out is not None:
         md = f"# {title}\n\n```\n{table}\n```\n\n" + "\n".join(f"- {n}" for n in result.notes) + "\n"
         stem = f"gradcheck-{result.adapter.replace(':', '_').replace('/', '_')}-{result.dtype}-{result.mode}"
-        written = _write_reports(out, stem, result.to_frame(), result.to_dict(), md, force)
+        written = _write_reports(sink, stem, result.to_frame(), result.to_dict(), md)
     if as_json:
         typer.echo(dumps_json(result.to_dict()))
     else:
@@ -464,6 +503,7 @@ def compare_precision_cmd(
                                                     "(the input's format); a recording's own."),
     out: Optional[Path] = typer.Option(None, help="Report folder (default reports/compare-precision-<time>)."),
     format: str = typer.Option("csv,json,md,html", "--format", help="Report files to write."),
+    force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out."),
 ) -> int:
     """FP16/BF16/FP32 vs the FP64 golden for every BatchNorm output, per tensor, per channel and per
     stage; on a dump, every recorded call on its own inputs. Exit 0 when all are within standard, 1 when
@@ -480,14 +520,15 @@ def compare_precision_cmd(
         first_failing_call,
         per_call,
         recorded_cases,
+        report_files,
         resnet50_cases,
         stress_cases,
         summarize,
         write_report,
     )
-    from bnprobe.inputs import load_array, parse_shape
+    from bnprobe.guard import require_run
+    from bnprobe.inputs import parse_shape
     from bnprobe.kernels.layout import check_eps
-    from bnprobe.reports import new_report_dir
 
     if eps is not None:
         check_eps(eps)
@@ -509,6 +550,7 @@ def compare_precision_cmd(
         from bnprobe.adapters.dump import open_dump
 
         recorded = open_dump(input, calls)
+        _guard_recorded("compare-precision", recorded)
     elif dumps:
         recorded = dumps[0].calls.select(calls)
         dumps[0].calls = recorded
@@ -526,7 +568,7 @@ def compare_precision_cmd(
             raise BNProbeError(f"--mode {mode}: no call of {recorded.source} recorded it (it recorded "
                                f"{', '.join(m for m, v in has.items() if v)})")
     elif input is not None:
-        x = load_array(input)
+        x = _input_tensor("compare-precision", input, "", "", 0.0, 1.0, seed)
         cases = [Case(f"input/{input.name}", tuple(x.shape), x=x, seed=seed)]
     elif shape is not None:
         d, m, s_ = dist or "normal", 0.0 if mean is None else mean, 1.0 if std is None else std
@@ -540,17 +582,19 @@ def compare_precision_cmd(
         cases = resnet50_cases(b, seed, dist or "normal")
     if stress and input is None and shape is None and recorded is None:
         cases = cases + stress_cases(seed)
-    folder = out if out is not None else new_report_dir("reports", "compare-precision")
     dts = tuple(d.strip() for d in dtypes.split(",") if d.strip()) if dtypes is not None else None
     if dts == ():
         raise BNProbeError("--dtypes is empty")
+    biggest = max(cases, key=lambda c: math.prod(c.shape))
+    require_run("compare-precision", biggest.shape, f"compare-precision on {biggest.name} (shape {biggest.shape})")
+    sink = _output(out, force, "compare-precision", *report_files(fmts)) if fmts else None
     bar = Progress("compare-precision")
     try:
         result = compare_precision(resolved, dts, cases, mode=mode, eps=eps, params=params, seed=seed, rule=rule,
                                    bench=bench, budget=budget, progress=bar)
     finally:
         bar.close()
-    paths = write_report(result, folder, fmts) if fmts else []
+    paths = write_report(result, sink, fmts) if sink is not None else []
     rows = summarize(result)
     for r in rows:
         r["budget"] = f"{r['budget_top']} ({100 * r['budget_share']:.0f}%)" if r["budget_top"] else ""
@@ -578,7 +622,7 @@ def compare_precision_cmd(
     for n in [*(recorded.notes if recorded is not None else ()), *result.meta["notes"]]:
         typer.echo(f"note: {n}")
     if paths:
-        typer.echo(f"report: {folder}/ ({', '.join(p.name for p in paths)})")
+        typer.echo(f"report: {sink.path}/ ({', '.join(p.name for p in paths)})")
     return 0 if result.passed else 1
 
 
@@ -621,8 +665,10 @@ def overflow_cmd(
     check_params(params)
     if mode not in (None, "train", "infer", "backward"):
         raise BNProbeError(f"unknown mode {mode!r}; valid: train, infer, backward")
+    sink = _output(out, force)
     recorded = recording_of(adapter, input, calls)
     if recorded is not None:
+        _guard_recorded("overflow", recorded)
         check_options(recorded, given=given(shape=shape, dist=dist, mean=mean, std=std, seed=seed, eps=eps,
                                             accumulate=accumulate), dtype=dtype, mode=mode, params=params)
         run = scan_recorded(recorded, mode=mode)
@@ -646,8 +692,8 @@ def overflow_cmd(
         if out is not None:
             md = f"# {title}\n\n```\n{table}\n```\n\n## Findings\n\n```\n{ftable}\n```\n\n" + \
                  "\n".join(f"- {n}" for n in run.notes) + "\n"
-            written = _write_reports(out, f"overflow-{run.kernel.replace(':', '_').replace('/', '_')}-recorded", frame,
-                                     run.to_dict(), md, force)
+            written = _write_reports(sink, f"overflow-{run.kernel.replace(':', '_').replace('/', '_')}-recorded", frame,
+                                     run.to_dict(), md)
         if as_json:
             typer.echo(dumps_json(run.to_dict()))
             return 0 if run else 1
@@ -663,7 +709,7 @@ def overflow_cmd(
         return 0 if run else 1
     check_eps(1e-5 if eps is None else eps)
     s = 0 if seed is None else seed
-    x = _input_tensor(input, shape or "8,16,14,14", dist or "normal", 0.0 if mean is None else mean,
+    x = _input_tensor("overflow", input, shape or "8,16,14,14", dist or "normal", 0.0 if mean is None else mean,
                       1.0 if std is None else std, s)
     rep = scan(adapter, x, dtype=dtype or "fp16", accumulate=accumulate, mode=mode or "train",
                eps=1e-5 if eps is None else eps, seed=s, params=params)
@@ -678,8 +724,8 @@ def overflow_cmd(
     if out is not None:
         md = f"# bnprobe overflow: {rep.adapter} in {rep.dtype}, {rep.mode}\n\n```\n{table}\n```\n\n" \
              f"## Headroom\n\n```\n{htable}\n```\n"
-        written = _write_reports(out, f"overflow-{rep.adapter.replace(':', '_')}-{rep.dtype}-{rep.mode}", frame,
-                                 rep.to_dict(), md, force)
+        written = _write_reports(sink, f"overflow-{rep.adapter.replace(':', '_')}-{rep.dtype}-{rep.mode}", frame,
+                                 rep.to_dict(), md)
     if as_json:
         typer.echo(dumps_json(rep.to_dict()))
         return 0 if rep.clean else 1
@@ -723,6 +769,7 @@ def fold_cmd(
 
     if groups < 1 or 16 % groups:
         raise BNProbeError(f"--groups must divide the built-in conv2d's 16 input channels, got {groups}")
+    sink = _output(out, force)
     lay = load_layer(weights) if weights is not None else make_layer(layer, seed=seed, groups=groups)
     rep = check_fold(lay, dtype, accumulate=accumulate, eps=eps)
     try:
@@ -741,7 +788,7 @@ def fold_cmd(
                                   "verdict"])
     if out is not None:
         md = f"# bnprobe fold: {rep.layer} + BN in {rep.dtype}\n\n```\n{table}\n```\n"
-        written = _write_reports(out, f"fold-{rep.layer}-{rep.dtype}", ch, rep.to_dict(), md, force)
+        written = _write_reports(sink, f"fold-{rep.layer}-{rep.dtype}", ch, rep.to_dict(), md)
     if as_json:
         typer.echo(dumps_json(rep.to_dict()))
         return 0 if rep.passed else 1
@@ -796,7 +843,6 @@ def doctor_cmd(
     from bnprobe._table import render_table
     from bnprobe.checks.doctor import doctor, doctor_recorded
     from bnprobe.checks.recorded import check_options, check_params, given, is_dump_path, recording_of
-    from bnprobe.inputs import load_array
 
     def details(failed: list[tuple[str, tuple[str, ...] | list[str]]]) -> None:
         """What is wrong, per failing check, one line per input and output."""
@@ -808,8 +854,10 @@ def doctor_cmd(
 
     check_params(params)
     tensor = input if input is not None and not is_dump_path(input) else None
+    sink = _output(out, force)
     recorded = recording_of(adapter, None if tensor is not None else input, calls)
     if recorded is not None:
+        _guard_recorded("doctor", recorded)
         refused = dict(seed=seed, stability=None if stability is None or not recorded.replay else True)
         check_options(recorded, given=given(**refused), dtype=dtype, params=params)
         run = doctor_recorded(recorded, dtype=dtype, params=params, stability=stability is not False)
@@ -829,8 +877,8 @@ def doctor_cmd(
         if out is not None:
             rows = [{"call": rep.call, **it.to_dict()} for rep in run.results for it in rep.items]
             md = f"# {title}\n\n```\n{table}\n```\n\n" + "\n".join(f"- {n}" for n in run.notes) + "\n"
-            written = _write_reports(out, f"doctor-{run.kernel.replace(':', '_').replace('/', '_')}-recorded",
-                                     pd.DataFrame(rows), run.to_dict(), md, force)
+            written = _write_reports(sink, f"doctor-{run.kernel.replace(':', '_').replace('/', '_')}-recorded",
+                                     pd.DataFrame(rows), run.to_dict(), md)
         if as_json:
             typer.echo(dumps_json(run.to_dict()))
             return 0 if run else 1
@@ -847,7 +895,7 @@ def doctor_cmd(
     if calls is not None:
         raise BNProbeError("--calls selects recorded calls: give a dump (--adapter dump:DIR or --input DIR)")
     rep = doctor(adapter, dtype, seed=0 if seed is None else seed, stability=True if stability is None else stability,
-                 params=params, x=None if tensor is None else load_array(tensor))
+                 params=params, x=None if tensor is None else _input_tensor("doctor", tensor, "", "", 0.0, 1.0, 0))
     rows = [i.to_dict() for i in rep.items]
     table = render_table(rows, ["status", "name", "evidence"], headers=["status", "check", "evidence"])
     title = f"doctor {rep.adapter} in {rep.dtype}, params {rep.params}: " + \
@@ -855,8 +903,8 @@ def doctor_cmd(
     if out is not None:
         md = f"# bnprobe {title}\n\n```\n{table}\n```\n\ndiagnosis: {'; '.join(rep.diagnosis) or 'none'}\n\n" + \
             "".join(f"- {it.name}: {d}\n" for it in rep.items for d in it.details)
-        written = _write_reports(out, f"doctor-{rep.adapter.replace(':', '_')}-{rep.dtype}", pd.DataFrame(rows),
-                                 rep.to_dict(), md, force)
+        written = _write_reports(sink, f"doctor-{rep.adapter.replace(':', '_')}-{rep.dtype}", pd.DataFrame(rows),
+                                 rep.to_dict(), md)
     if as_json:
         typer.echo(dumps_json(rep.to_dict()))
         return 0 if rep.healthy else 1
@@ -890,9 +938,10 @@ def shrink_cmd(
     mean: Optional[float] = typer.Option(None, help="Mean of the generated input (default 0)."),
     std: Optional[float] = typer.Option(None, help="Standard deviation of the generated input (default 1)."),
     seed: Optional[int] = typer.Option(None, help="Seed (default 0)."),
-    seconds: float = typer.Option(120.0, help="Time budget."),
+    seconds: float = typer.Option(120.0, help="Time budget in seconds (> 0)."),
     out: Optional[Path] = typer.Option(None, help="Folder for x.npy, the dump and shrink.json "
                                                   "(default reports/shrink-<time>)."),
+    force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out."),
 ) -> int:
     """Reduce a failing case (channels, batch, spatial size, then values) to a minimal one that still
     fails; write it as a dump plus the exact command that replays it."""
@@ -909,15 +958,17 @@ def shrink_cmd(
     )
     import numpy as np
 
-    from bnprobe.reports import new_report_dir
-
     if mode not in (None, "train", "infer", "backward"):
         raise BNProbeError(f"unknown mode {mode!r}; valid: train, infer, backward")
+    if not 0 < seconds <= 86400:
+        raise BNProbeError(f"--seconds must be > 0 and at most 86400 (a day), got {seconds}")
     check_params(params)
+    sink = _output(out, force, "shrink")
     a = runnable(adapter)
     recorded = recording_of(a, input, calls)
     kept = None
     if recorded is not None:
+        _guard_recorded("shrink", recorded)
         recorded.calls.require_tensors("shrink")
         found = recorded.calls.calls
         if len(found) != 1:
@@ -933,7 +984,7 @@ def shrink_cmd(
         params = kept.params
         dtype, mode = rec.dtype, mode or ("train" if rec.training else "infer")
     else:
-        x = _input_tensor(input, shape or "16,64,28,28", dist or "normal", 0.0 if mean is None else mean,
+        x = _input_tensor("shrink", input, shape or "16,64,28,28", dist or "normal", 0.0 if mean is None else mean,
                           1.0 if std is None else std, 0 if seed is None else seed)
         dtype, mode, params = dtype or "fp16", mode or "train", params or "fp32"
     fails = (compare_predicate(a, dtype=dtype, mode=mode, recorded=kept, params=params) if predicate == "compare"
@@ -950,8 +1001,7 @@ def shrink_cmd(
         res = shrink(x, fails, seconds=seconds, progress=tick)
     finally:
         bar.close()
-    folder = out if out is not None else new_report_dir("reports", "shrink")
-    files, cmd = write_shrink(res, folder, adapter=adapter, dtype=dtype, mode=mode, predicate=predicate,
+    files, cmd = write_shrink(res, sink.path, adapter=adapter, dtype=dtype, mode=mode, predicate=predicate,
                               recorded=kept, params=params)
     typer.echo(f"shrunk {tuple(res.original_shape)} ({int(np.prod(res.original_shape))} values) to "
                f"{tuple(res.x.shape)} ({res.x.size} values) in {res.evaluations} checks, {res.seconds:.1f} s"
@@ -980,13 +1030,14 @@ def plot_stats_cmd(
     eps: float = typer.Option(1e-5, help="BatchNorm epsilon (for var/eps)."),
     out: Optional[Path] = typer.Option(None, help="Output folder (default reports/plot-stats-<time>)."),
     format: str = typer.Option("png", "--format", help="png or svg."),
+    force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out."),
 ) -> int:
     """Plot μ and σ² and the running statistics over training, per channel and per format, and flag
     divergence, collapse toward eps, non-finite statistics and a wrong momentum. Exit 1 when flagged."""
     from bnprobe.checks.stats import find, load_dump_series, load_log, simulate as run_simulation
     from bnprobe.kernels.layout import check_eps
     from bnprobe.plots import plot_channel_stats, plot_distributions, plot_divergence, plot_layer_summary
-    from bnprobe.reports import atomic_write_text, dumps_json, html_report, new_report_dir, save_figure
+    from bnprobe.reports import dumps_json, html_report
 
     check_eps(eps)
     if format not in ("png", "svg"):
@@ -995,6 +1046,7 @@ def plot_stats_cmd(
         raise BNProbeError("give one source: --simulate, --log or --dumps")
     if channels < 1:
         raise BNProbeError(f"--channels must be >= 1, got {channels}")
+    sink = _output(out, force, "plot-stats", "stats.csv", "findings.json", "index.md", "index.html")
     if log is not None:
         df, source = load_log(log), str(log)
     elif dumps is not None:
@@ -1003,28 +1055,27 @@ def plot_stats_cmd(
         pols = tuple(p.strip() for p in policies.split(",") if p.strip())
         df, source = run_simulation(pols, steps=steps, seed=seed, eps=eps), f"simulated run, seed {seed}"
     findings = find(df, eps=eps)
-    folder = out if out is not None else new_report_dir("reports", "plot-stats")
     files = []
     for pol in df["policy"].unique():
         for layer in df[df["policy"] == pol]["layer"].unique():
             name = f"stats-{pol}-{layer}.{format}".replace(":", "_").replace("/", "_")
-            save_figure(plot_channel_stats(df, pol, layer, channels), folder / name, dpi=110)
+            sink.save_figure(name, plot_channel_stats(df, pol, layer, channels), dpi=110)
             files.append((name, f"μ and σ² over steps: {layer}, {pol}"))
         name = f"summary-{pol}.{format}".replace(":", "_")
-        save_figure(plot_layer_summary(df, pol), folder / name, dpi=110)
+        sink.save_figure(name, plot_layer_summary(df, pol), dpi=110)
         files.append((name, f"layer x step drift of the running mean: {pol}"))
     if "fp32" in set(df["policy"]) and df["policy"].nunique() > 1:
-        save_figure(plot_divergence(df), folder / f"divergence.{format}", dpi=110)
+        sink.save_figure(f"divergence.{format}", plot_divergence(df), dpi=110)
         files.append((f"divergence.{format}", "low precision vs fp32 over steps"))
-    save_figure(plot_distributions(df, eps), folder / f"distributions.{format}", dpi=110)
+    sink.save_figure(f"distributions.{format}", plot_distributions(df, eps), dpi=110)
     files.append((f"distributions.{format}", "mean²/var and var/eps per channel"))
-    atomic_write_text(folder / "stats.csv", df.to_csv(index=False))
-    atomic_write_text(folder / "findings.json", dumps_json([f.to_dict() for f in findings]))
+    sink.write_text("stats.csv", df.to_csv(index=False))
+    sink.write_text("findings.json", dumps_json([f.to_dict() for f in findings]))
     lines = [f"# bnprobe plot-stats: {source}", "", f"{len(findings)} finding(s)", ""]
     lines += [f"- **{f.kind}** ({f.policy} {f.layer}, step {f.step}"
               + (f", channels {list(f.channels)[:8]}" if f.channels else "") + f"): {f.detail}" for f in findings]
     lines += ["", "## Figures", ""] + [f"- [{desc}]({name})" for name, desc in files]
-    atomic_write_text(folder / "index.md", "\n".join(lines) + "\n")
+    sink.write_text("index.md", "\n".join(lines) + "\n")
     import html as _html
 
     body = "".join(f'<h2>{_html.escape(desc)}</h2><a href="{name}"><img src="{name}" alt="{_html.escape(desc)}"></a>'
@@ -1032,12 +1083,13 @@ def plot_stats_cmd(
     page = html_report(f"bnprobe plot-stats: {source}", f"{len(findings)} finding(s)",
                        [("Findings", "; ".join(f"{f.kind} ({f.policy} {f.layer}, step {f.step}): {f.detail}"
                                                for f in findings) or "none")])
-    atomic_write_text(folder / "index.html", page.replace("</body>", body + "</body>"))
+    sink.write_text("index.html", page.replace("</body>", body + "</body>"))
+    sink.commit()
     typer.echo(f"plot-stats ({source}): {df['step'].nunique()} steps, {df['layer'].nunique()} layer(s), "
                f"{df['policy'].nunique()} run(s); {len(findings)} finding(s)")
     for f in findings:
         typer.echo(f"  {f.kind}: {f.policy} {f.layer} step {f.step}: {f.detail}")
-    typer.echo(f"figures and index: {folder}/index.html")
+    typer.echo(f"figures and index: {sink.path}/index.html")
     return 1 if findings else 0
 
 
@@ -1052,12 +1104,52 @@ def _click_classes() -> tuple[type, type, type | None]:
     return mro["UsageError"], mro["ClickException"], getattr(module, "NoArgsIsHelpError", None)
 
 
+def _hoist_max_memory(args: list[str]) -> list[str]:
+    """``--max-memory SIZE`` anywhere on the line is the root option (it applies to every command)."""
+    for i, a in enumerate(args):
+        if a == "--":
+            break
+        if a.startswith("--max-memory="):
+            return [a, *args[:i], *args[i + 1:]]
+        if a == "--max-memory" and i + 1 < len(args):
+            return [a, args[i + 1], *args[:i], *args[i + 2:]]
+    return args
+
+
+def _report_warnings(caught: list) -> None:
+    """Warnings raised during the run (numpy's, torch's...), each distinct one once, as one line on stderr."""
+    seen: dict[str, int] = {}
+    for w in caught:
+        text = " ".join(str(w.message).split())
+        seen[text] = seen.get(text, 0) + 1
+    for text, n in seen.items():
+        typer.echo(f"bnprobe: note: a library warned: {text[:300]}" + (f" ({n} times)" if n > 1 else ""), err=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point: one-line errors and exit status 2 for bad input."""
-    args = sys.argv[1:] if argv is None else argv
+    """Console entry point: one-line errors and exit status 2 for bad input; warnings reported once, not leaked."""
+    import warnings
+
+    args = _hoist_max_memory(list(sys.argv[1:] if argv is None else argv))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = _run(args)
+    if code in (0, 1):
+        _report_warnings(caught)
+    return code
+
+
+def _run(args: list[str]) -> int:
     usage_error, click_exception, no_args = _click_classes()
     try:
-        rv = app(args=args, prog_name="bnprobe", standalone_mode=False)
+        try:
+            rv = app(args=args, prog_name="bnprobe", standalone_mode=False)
+        except BaseException:
+            for sink in _SINKS:
+                sink.discard()
+            raise
+        finally:
+            _SINKS.clear()
     except typer.Exit as exc:
         return int(getattr(exc, "exit_code", 0))
     except typer.Abort:
@@ -1079,6 +1171,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if isinstance(exc, BrokenPipeError):  # pragma: no cover - e.g. piped into head
             return 0
+        if isinstance(exc, MemoryError):  # the guard's estimate was short of what the allocator could give
+            from bnprobe.guard import format_size, memory_limit
+
+            limit, source = memory_limit()
+            typer.echo(f"bnprobe: error: ran out of memory (the {format_size(limit)} {source}); give a smaller "
+                       "input or fewer calls", err=True)
+            return 2
         raise
     return int(rv) if isinstance(rv, int) else 0
 

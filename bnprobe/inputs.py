@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 import zipfile
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
 from bnprobe.errors import BNProbeError
 
-__all__ = ["DISTRIBUTIONS", "make_input", "make_params", "parse_shape", "load_array"]
+__all__ = ["DISTRIBUTIONS", "make_input", "make_params", "parse_shape", "load_array", "array_header"]
 
 # normal: N(mean, std²); uniform: same mean and std; student_t: heavy tails (3 degrees of
 # freedom, scaled to the same std); constant: every value equal to mean (var = 0, eps decides).
@@ -57,36 +58,83 @@ def make_params(channels: int, seed: int = 0) -> dict[str, np.ndarray]:
     return {"gamma": rng.uniform(0.5, 1.5, channels), "beta": rng.normal(0.0, 0.1, channels)}
 
 
-def load_array(path: str | Path, key: str = "x") -> np.ndarray:
-    """Load a tensor from ``.npy`` or ``.npz`` (array ``key``, or the only array) as float64."""
+def _npy_header(fh: BinaryIO, size: int, where: str) -> tuple[tuple[int, ...], np.dtype]:
+    """Shape and dtype from a .npy header, checked against the ``size`` bytes actually there; nothing loaded."""
+    from numpy.lib import format as npformat
+
+    try:
+        version = npformat.read_magic(fh)
+        read = npformat.read_array_header_1_0 if version == (1, 0) else npformat.read_array_header_2_0
+        shape, _, dtype = read(fh, max_header_size=100_000)
+    except (ValueError, OSError, EOFError, SyntaxError, TypeError) as exc:
+        raise BNProbeError(f"{where}: not a readable .npy array ({str(exc).splitlines()[0] if str(exc) else exc})") \
+            from None
+    if dtype.hasobject:
+        raise BNProbeError(f"{where}: holds Python objects (dtype {dtype}); bnprobe never unpickles data")
+    if not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise BNProbeError(f"{where}: bad shape {shape} in its header")
+    need = math.prod(shape) * dtype.itemsize
+    have = size - fh.tell()
+    if need > have:
+        raise BNProbeError(f"{where}: its header declares shape {shape} ({need:,} bytes of {dtype}) but the file "
+                           f"holds {max(have, 0):,}: truncated or forged")
+    return tuple(shape), dtype
+
+
+def array_header(path: str | Path, key: str = "x") -> tuple[tuple[int, ...], np.dtype, str]:
+    """Shape, dtype and array name of what :func:`load_array` would load, read from the headers alone."""
     p = Path(path)
     if not p.is_file():
         raise BNProbeError(f"input file {str(p)!r} does not exist")
     with open(p, "rb") as fh:
         magic = fh.read(6)
-    if magic[:4] == b"PK\x03\x04":
-        kind = "npz"
-    elif magic == b"\x93NUMPY":
-        kind = "npy"
-    else:
+    if magic == b"\x93NUMPY":
+        with open(p, "rb") as fh:
+            shape, dtype = _npy_header(fh, p.stat().st_size, str(p))
+        return shape, dtype, ""
+    if magic[:4] != b"PK\x03\x04":
         raise BNProbeError(f"{p}: not a .npy or .npz file (its first bytes are neither a NUMPY header nor a zip)")
     try:
-        if kind == "npz":
+        with zipfile.ZipFile(p) as z:
+            members = {n[:-4]: n for n in z.namelist() if n.endswith(".npy")}
+            if key in members:
+                name = key
+            elif len(members) == 1:
+                name = next(iter(members))
+            elif not members:
+                raise BNProbeError(f"{p}: a zip without any .npy array")
+            else:
+                raise BNProbeError(f"{p}: no array {key!r} among {', '.join(members)}")
+            info = z.getinfo(members[name])
+            with z.open(info) as fh:
+                shape, dtype = _npy_header(fh, info.file_size, f"{p}[{name}]")
+    except (zipfile.BadZipFile, OSError, EOFError, NotImplementedError, RuntimeError) as exc:
+        raise BNProbeError(f"{p}: not a readable .npz file ({str(exc).splitlines()[0] if str(exc) else exc})") \
+            from None
+    return shape, dtype, name
+
+
+def load_array(path: str | Path, key: str = "x") -> np.ndarray:
+    """Load a tensor from ``.npy`` or ``.npz`` (array ``key``, or the only array) as float64.
+
+    The headers are read first: an object array, a header promising more data than the file holds, or an array
+    too large for the memory limit (:mod:`bnprobe.guard`) is refused before anything is allocated."""
+    from bnprobe.guard import PER_ELEMENT, format_size, require
+
+    p = Path(path)
+    shape, dtype, name = array_header(p, key)
+    if not (np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)):
+        raise BNProbeError(f"{p}: expected a real numeric array, got {dtype}")
+    n = math.prod(shape)
+    require(n * (dtype.itemsize + PER_ELEMENT["load"]),
+            f"loading {p} (shape {shape}, {dtype}, {format_size(n * dtype.itemsize)})")
+    try:
+        if name:
             with np.load(p, allow_pickle=False) as z:
-                names = list(z.files)
-                if key in names:
-                    a = z[key]
-                elif len(names) == 1:
-                    a = z[names[0]]
-                else:
-                    raise BNProbeError(f"{p}: no array {key!r} among {', '.join(names)}")
+                a = z[name]
         else:
             a = np.load(p, allow_pickle=False)
-    except BNProbeError:
-        raise
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
         raise BNProbeError(f"{p}: not a readable .npy/.npz file ({str(exc).splitlines()[0]})") from None
-    if not isinstance(a, np.ndarray) or not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)):
-        raise BNProbeError(f"{p}: expected a numeric array, got {getattr(a, 'dtype', type(a))}")
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):
         return a.astype(np.float64)

@@ -4,49 +4,20 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from bnprobe.errors import BNProbeError
+from bnprobe._files import (
+    OutputDir,
+    atomic_write_bytes,
+    atomic_write_text,
+    check_targets,
+    output_dir,
+    save_figure,
+)
 
 __all__ = ["atomic_write_text", "atomic_write_bytes", "save_figure", "check_targets", "to_jsonable", "dumps_json",
-           "new_report_dir", "html_report"]
-
-
-def _atomic(path: Path, write: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    _atomic(Path(path), lambda fh: fh.write(text.encode("utf-8")))
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    _atomic(Path(path), lambda fh: fh.write(data))
-
-
-def save_figure(fig: Any, path: str | Path, **kwargs: Any) -> None:
-    """Save a matplotlib Figure through a temporary file (format from the suffix)."""
-    p = Path(path)
-    _atomic(p, lambda fh: fig.savefig(fh, format=p.suffix.lstrip(".") or "png", **kwargs))
-
-
-def check_targets(paths: list[Path], *, force: bool) -> None:
-    """Refuse to overwrite existing report files unless ``force``."""
-    existing = [str(p) for p in paths if p.exists()]
-    if existing and not force:
-        raise BNProbeError(f"{existing[0]} exists; refusing to overwrite (pass --force, or choose another --out)")
+           "new_report_dir", "html_report", "output_dir", "OutputDir"]
 
 
 def to_jsonable(o: Any) -> Any:
@@ -71,15 +42,8 @@ def dumps_json(o: Any) -> str:
 
 
 def new_report_dir(root: str | Path, stem: str) -> Path:
-    """reports/<stem>-<timestamp>, with a numeric suffix if that exists already (never reuse a folder)."""
-    import time
-
-    base = Path(root) / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    path, k = base, 1
-    while path.exists():
-        path = base.with_name(f"{base.name}-{k}")
-        k += 1
-    return path
+    """A new, empty ``<root>/<stem>-<timestamp>[-k]`` folder, created now (no other run can get the same one)."""
+    return output_dir(None, stem, root=root).path
 
 
 _HTML = """<!doctype html>

@@ -93,7 +93,7 @@ def test_corrupt_input_file(tmp_path, capsys):
     np.save(q, np.ones((4, 3)))
     q.write_bytes(q.read_bytes()[:-8])  # truncated
     code, _, err = run(capsys, "trace", "--input", str(q))
-    assert code == 2 and "not a readable .npy/.npz file" in err
+    assert code == 2 and "truncated or forged" in err
 
 
 def test_console_script_and_module_entry_points():

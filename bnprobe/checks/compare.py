@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["Case", "resnet50_cases", "stress_cases", "recorded_cases", "CompareResult", "compare_precision",
            "error_budget", "verdict", "summarize", "per_call", "markdown_summary", "budget_cause", "BUDGET_CHANNELS",
-           "STANDARD_RULES"]
+           "STANDARD_RULES", "write_report", "report_files", "REPORT_FORMATS"]
 
 BUDGET_CHANNELS = 8  # the error budget reruns the kernel on the first channels of a layer (channels are independent)
 ELEMENTWISE = ("y", "y_infer", "dx")
@@ -836,14 +836,20 @@ def report_intro(result: CompareResult) -> str:
             "rounding).")
 
 
+def report_files(formats: tuple[str, ...] = REPORT_FORMATS) -> list[str]:
+    """The names of the files :func:`write_report` writes for ``formats``."""
+    names = {"csv": ["compare.csv", "channels.csv", "budget.csv"], "json": ["compare.json"], "md": ["summary.md"],
+             "html": ["report.html"]}
+    return [n for f in formats for n in names.get(f, [])]
+
+
 def write_report(result: CompareResult, out: Any, formats: tuple[str, ...] = REPORT_FORMATS) -> list[Any]:
-    """Write the result's files into ``out`` (each through a temporary name); returns the paths."""
-    from pathlib import Path
-
+    """Write the result's files into ``out`` (a folder path, or an :class:`~bnprobe.reports.OutputDir`): all or
+    none, never over an existing file unless the OutputDir allows it; returns the paths."""
     from bnprobe.plots import plot_compare
-    from bnprobe.reports import atomic_write_text, check_targets, dumps_json, html_report
+    from bnprobe.reports import OutputDir, dumps_json, html_report, output_dir
 
-    out = Path(out)
+    sink = out if isinstance(out, OutputDir) else output_dir(out, "compare-precision")
     bad = [f for f in formats if f not in REPORT_FORMATS]
     if bad:
         raise BNProbeError(f"unknown report format(s) {', '.join(bad)}; valid: {', '.join(REPORT_FORMATS)}")
@@ -886,8 +892,6 @@ def write_report(result: CompareResult, out: Any, formats: tuple[str, ...] = REP
                                                        "ulp_max"]]))
         fig = plot_compare(result.rows) if len(result.rows) else None
         files["report.html"] = html_report(report_title(result), report_intro(result), sections, fig)
-    paths = [out / name for name in files]
-    check_targets(paths, force=False)
-    for p, text in zip(paths, files.values()):
-        atomic_write_text(p, text)
-    return paths
+    for name, text in files.items():
+        sink.write_text(name, text)
+    return sink.commit()

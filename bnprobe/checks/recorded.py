@@ -75,8 +75,10 @@ def given(**options: Any) -> tuple[str, ...]:
     return tuple(f"--{k.replace('_', '-')}" for k, v in options.items() if v is not None)
 
 
-def one_call(spec: str | Path, calls: str | None = None, what: str = "this command") -> tuple[CallRef, Recording]:
-    """The one recorded call a dump (``DIR``, ``DIR#NAME``; ``calls`` a glob) selects, loaded."""
+def one_call(spec: str | Path, calls: str | None = None, what: str = "this command",
+             guard: str | None = None) -> tuple[CallRef, Recording]:
+    """The one recorded call a dump (``DIR``, ``DIR#NAME``; ``calls`` a glob) selects, loaded; with ``guard`` (a
+    command of :data:`bnprobe.guard.PER_ELEMENT`) refused before loading when that command would not fit."""
     found = open_dump(spec, calls)
     found.require_tensors(what)
     if len(found.calls) != 1:
@@ -84,6 +86,10 @@ def one_call(spec: str | Path, calls: str | None = None, what: str = "this comma
         raise BNProbeError(f"{found.source} holds {len(found.calls)} BatchNorm calls ({shown}); {what} takes one: "
                            "select it with DIR#NAME or --calls")
     c = found.calls[0]
+    if guard is not None:
+        from bnprobe.guard import require_run
+
+        require_run(guard, tuple(c.shape), f"{guard} on {c.label} (shape {tuple(c.shape)})")
     return c, c.load()
 
 

@@ -1,0 +1,134 @@
+"""The resource guard: a run's peak memory is estimated from its shapes **before** anything is allocated, and a run
+that would not fit is refused with one line naming the size and the limit.
+
+The limit is the memory available to this process (``MemAvailable``, and the cgroup's own limit when it is lower),
+or what ``--max-memory`` / ``BNPROBE_MAX_MEMORY`` set.  The estimates are per command: a fixed base (the
+interpreter, numpy, pandas, matplotlib) plus bytes per element of the largest input the run holds at once (the
+kernels work one call and one channel block at a time, the recorded calls are loaded one at a time).  The
+per-element figures are the measured growth of each command's peak resident memory between a 0.5 M and a 4.2 M
+element input (``/usr/bin/time -f %M``), times 1.3; ``tests/test_guard.py`` re-measures them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+
+from bnprobe.errors import BNProbeError
+
+__all__ = ["ENV", "BASE_BYTES", "PER_ELEMENT", "parse_size", "format_size", "available_memory", "memory_limit",
+           "set_memory_limit", "require", "require_run", "run_bytes"]
+
+ENV = "BNPROBE_MAX_MEMORY"
+
+#: Resident memory of a command before its data: Python, numpy, pandas, matplotlib's first figure.
+BASE_BYTES = 256 * 2**20
+
+#: Peak bytes per element of the largest input a command holds at once (measured slope × 1.3).  trace keeps every
+#: stage's array (≈ 30 float64 copies); compare-precision holds the golden, each format's outputs, their metrics
+#: and the bench's; gradcheck the finite-difference probes besides.
+PER_ELEMENT: dict[str, int] = {
+    "trace": 380,
+    "overflow": 380,
+    "compare-precision": 380,
+    "shrink": 320,
+    "doctor": 200,
+    "gradcheck": 460,
+    "dump": 440,
+    "fold": 200,
+    "load": 16,
+}
+
+_override: int | None = None
+
+
+def parse_size(text: str) -> int:
+    """``'512M'``, ``'4G'``, ``'1.5GiB'``, ``'2000000'`` (bytes) -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*", str(text))
+    if not m:
+        raise BNProbeError(f"memory size {text!r} is not a number with an optional unit (K, M, G, T), e.g. 4G")
+    value = float(m.group(1)) * 1024 ** "bkmgt".index((m.group(2) or "b").lower())
+    if not math.isfinite(value) or value < 1 or value > 2**62:
+        raise BNProbeError(f"memory size {text!r} must be between 1 byte and 4 EiB")
+    return int(value)
+
+
+def format_size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def available_memory() -> tuple[int, str]:
+    """Bytes this process can still allocate, and where the figure comes from."""
+    found: list[tuple[int, str]] = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append((int(line.split()[1]) * 1024, "available memory"))
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    cg_max, cg_now = _read_int("/sys/fs/cgroup/memory.max"), _read_int("/sys/fs/cgroup/memory.current")
+    if cg_max is None:  # cgroup v1
+        cg_max = _read_int("/sys/fs/cgroup/memory/memory.limit_in_bytes")
+        cg_now = _read_int("/sys/fs/cgroup/memory/memory.usage_in_bytes")
+    if cg_max is not None and cg_max < 2**60:
+        found.append((max(cg_max - (cg_now or 0), 0), "memory left in this cgroup"))
+    if not found:
+        try:
+            found.append((os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "available memory"))
+        except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+            found.append((8 * 2**30, "assumed memory (8 GiB; set --max-memory)"))
+    return min(found)
+
+
+def set_memory_limit(nbytes: int | None) -> None:
+    """Set the limit for this process (``--max-memory``); ``None`` restores the default."""
+    global _override
+    _override = nbytes
+
+
+def memory_limit() -> tuple[int, str]:
+    """The limit in bytes and its source: ``--max-memory``, else ``BNPROBE_MAX_MEMORY``, else what is available."""
+    if _override is not None:
+        return _override, "--max-memory limit"
+    env = os.environ.get(ENV)
+    if env:
+        try:
+            return parse_size(env), f"{ENV} limit"
+        except BNProbeError as exc:
+            raise BNProbeError(f"{ENV}: {exc}") from None
+    return available_memory()
+
+
+def require(nbytes: float, what: str) -> None:
+    """Refuse, before allocating, a run estimated to need ``nbytes``."""
+    limit, source = memory_limit()
+    if nbytes > limit:
+        raise BNProbeError(f"{what} needs about {format_size(nbytes)} of memory, more than the {format_size(limit)} "
+                           f"{source} (--max-memory SIZE sets the limit; a smaller shape or fewer calls need less)")
+
+
+def run_bytes(command: str, elements: int) -> int:
+    """The estimated peak memory of ``command`` on an input of ``elements`` values."""
+    return BASE_BYTES + PER_ELEMENT[command] * int(elements)
+
+
+def require_run(command: str, shape: tuple[int, ...] | int, what: str | None = None) -> None:
+    """Refuse ``command`` on an input of ``shape`` (or that many elements) when it would exceed the limit."""
+    elements = shape if isinstance(shape, int) else math.prod(shape)
+    label = what or (f"{command} on shape {tuple(shape)}" if not isinstance(shape, int)
+                     else f"{command} on {elements:,} values")
+    require(run_bytes(command, elements), label)

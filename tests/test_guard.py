@@ -1,0 +1,160 @@
+"""The resource guard: refusals before allocation, and its estimates checked against the peak resident memory the
+kernel measures for a real run (``getrusage``), not against bnprobe's own figures."""
+
+import math
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from bnprobe.cli import main
+from bnprobe.errors import BNProbeError
+from bnprobe.guard import (
+    ENV,
+    available_memory,
+    format_size,
+    memory_limit,
+    parse_size,
+    require_run,
+    run_bytes,
+    set_memory_limit,
+)
+
+
+@pytest.fixture(autouse=True)
+def _no_limit(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    set_memory_limit(None)
+    yield
+    set_memory_limit(None)
+
+
+def run(capsys, *args):
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("text, expected", [("512M", 512 * 2**20), ("4G", 4 * 2**30), ("1.5GiB", 3 * 2**29),
+                                            ("2000000", 2_000_000), ("64k", 65536), ("1T", 2**40), ("3 MB", 3 << 20)])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "abc", "-1G", "0", "1X", "nan", "1e400", "G"])
+def test_parse_size_refuses(text):
+    with pytest.raises(BNProbeError) as e:
+        parse_size(text)
+    assert "\n" not in str(e.value)
+
+
+def test_available_memory_is_what_proc_says():
+    avail, source = available_memory()
+    with open("/proc/meminfo") as fh:
+        line = next(li for li in fh if li.startswith("MemAvailable:"))
+    proc = int(line.split()[1]) * 1024
+    assert 0 < avail <= proc * 1.05 and source
+
+
+def test_limit_sources(monkeypatch):
+    monkeypatch.setenv(ENV, "300M")
+    assert memory_limit() == (300 * 2**20, f"{ENV} limit")
+    set_memory_limit(2**30)
+    assert memory_limit() == (2**30, "--max-memory limit")
+    set_memory_limit(None)
+    monkeypatch.setenv(ENV, "lots")
+    with pytest.raises(BNProbeError, match=ENV):
+        memory_limit()
+
+
+def test_require_run_names_size_and_limit():
+    set_memory_limit(100 * 2**20)
+    with pytest.raises(BNProbeError) as e:
+        require_run("trace", (46340, 46340))
+    msg = str(e.value)
+    assert "trace on shape (46340, 46340)" in msg and format_size(run_bytes("trace", 46340**2)) in msg
+    assert "100.0 MiB --max-memory limit" in msg and "\n" not in msg
+    with pytest.raises(BNProbeError):  # the limit is on the whole process: the interpreter and libraries count
+        require_run("trace", (2, 3, 4, 4))
+    set_memory_limit(300 * 2**20)
+    require_run("trace", (2, 3, 4, 4))
+
+
+@pytest.mark.parametrize("argv", [
+    ["--max-memory", "200M", "trace", "--shape", "46340,46340"],
+    ["trace", "--shape", "1,128,1024,1024", "--max-memory", "200M"],
+    ["trace", "--max-memory=200M", "--shape", "1,128,1024,1024"],
+    ["overflow", "--shape", "64,256,64,64", "--max-memory", "200M"],
+    ["gradcheck", "--shape", "64,256,64,64", "--max-memory", "200M"],
+    ["compare-precision", "--shape", "64,256,64,64", "--max-memory", "200M", "--no-stress"],
+    ["compare-precision", "--batch", "4096", "--max-memory", "200M"],
+    ["shrink", "--adapter", "emulated", "--shape", "64,256,64,64", "--max-memory", "200M"],
+    ["dump", "--adapter", "emulated", "--shape", "64,256,64,64", "--out", "d", "--max-memory", "200M"],
+])
+def test_cli_refuses_before_allocating(capsys, tmp_path, monkeypatch, argv):
+    monkeypatch.chdir(tmp_path)
+    t0 = time.monotonic()
+    code, out, err = run(capsys, *argv)
+    assert code == 2, err
+    assert err.count("\n") == 1 and "needs about" in err and "--max-memory limit" in err
+    assert time.monotonic() - t0 < 5  # refused up front, not after a run
+    assert list(tmp_path.iterdir()) == []  # no report folder, no dump folder left behind
+
+
+def test_env_limit_and_bad_option(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(ENV, "150M")
+    code, _, err = run(capsys, "trace", "--shape", "64,256,64,64")
+    assert code == 2 and f"{ENV} limit" in err
+    code, _, err = run(capsys, "trace", "--max-memory", "lots")
+    assert code == 2 and err.startswith("bnprobe: error: memory size 'lots'")
+
+
+def test_forged_npy_header_refused_before_loading(capsys, tmp_path):
+    header = "{'descr': '<f8', 'fortran_order': False, 'shape': (100000, 100000), }"
+    header += " " * (117 - len(header)) + "\n"
+    p = tmp_path / "forged.npy"
+    p.write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode())
+    assert p.stat().st_size == 128
+    for cmd in (["trace"], ["overflow"], ["compare-precision", "--no-stress"], ["doctor"],
+                ["shrink", "--adapter", "emulated"]):
+        code, _, err = run(capsys, *cmd, "--input", str(p), "--out" if cmd[0] != "trace" else "--json",
+                           *([str(tmp_path / "o")] if cmd[0] != "trace" else []))
+        assert code == 2 and "truncated or forged" in err and err.count("\n") == 1, (cmd, err)
+    assert not (tmp_path / "o").exists()
+
+
+def test_big_npy_refused_under_limit(capsys, tmp_path):
+    p = tmp_path / "x.npy"
+    np.save(p, np.zeros((16, 64, 32, 32), np.float32))  # 4 MiB on disk, 1 M values
+    code, _, err = run(capsys, "--max-memory", "300M", "trace", "--input", str(p))
+    assert code == 2 and "trace on" in err and "needs about" in err
+
+
+def _peak_rss(argv: list[str]) -> int:
+    """Peak resident bytes of ``bnprobe argv`` in a child process, as the kernel accounts it."""
+    code = ("import resource, subprocess, sys; r = subprocess.run([sys.executable, '-m', 'bnprobe', *sys.argv[1:]], "
+            "stdout=subprocess.DEVNULL, stderr=subprocess.PIPE); assert r.returncode in (0, 1), r.stderr; "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)")
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, check=True)
+    return int(out.stdout.strip())
+
+
+@pytest.mark.parametrize("command, extra", [("trace", ["--mode", "backward"]), ("overflow", ["--mode", "backward"]),
+                                            ("compare-precision", ["--no-stress", "--format", "csv", "--out", "{o}"])])
+def test_estimate_bounds_the_measured_peak(tmp_path, command, extra):
+    """The estimate is above what the run really takes, and not far above (a guard refusing runs that fit would
+    be a false alarm): checked at two sizes, so both the base and the per-element figure are tested."""
+    peaks = {}
+    for shape in ((4, 64, 32, 32), (16, 64, 32, 32)):
+        n = math.prod(shape)
+        args = [a.replace("{o}", str(tmp_path / f"o{n}")) for a in extra]
+        peak = _peak_rss([command, "--shape", ",".join(map(str, shape)), *args])
+        est = run_bytes(command, n)
+        assert peak <= est, f"{command} {shape}: measured {format_size(peak)} > estimated {format_size(est)}"
+        peaks[n] = peak
+    (n0, p0), (n1, p1) = sorted(peaks.items())
+    slope = (p1 - p0) / (n1 - n0)
+    assert slope <= run_bytes(command, 1) - run_bytes(command, 0) <= 2.5 * slope + 64, (command, slope)
