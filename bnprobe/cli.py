@@ -7,6 +7,7 @@ The only module that prints.  Bad input of any kind is one line on stderr,
 from __future__ import annotations
 
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -55,7 +56,7 @@ def trace(
                                                     "(default fp16; for a recorded call, its format's preset)."),
     shape: Optional[str] = typer.Option(None, help="Input shape N,C[,L|H,W|D,H,W] for generated input "
                                                    "(default 8,16,14,14)."),
-    seed: Optional[int] = typer.Option(None, help="Seed of the generated input and parameters (default 0)."),
+    seed: Optional[int] = typer.Option(None, min=0, help="Seed of the generated input and parameters (default 0)."),
     mean: Optional[float] = typer.Option(None, help="Mean of the generated input (default 0)."),
     std: Optional[float] = typer.Option(None, help="Standard deviation of the generated input (default 1)."),
     dist: Optional[str] = typer.Option(None, help="Distribution: normal (default), uniform, student_t, constant."),
@@ -192,7 +193,7 @@ def rsqrt_cmd(
     exhaustive: bool = typer.Option(False, "--exhaustive", help="Every positive finite input (fp32: all 2^31, "
                                                                 "minutes)."),
     samples: Optional[int] = typer.Option(None, help="Analyse N random inputs instead."),
-    seed: int = typer.Option(0, help="Seed of the random inputs."),
+    seed: int = typer.Option(0, min=0, help="Seed of the random inputs."),
     out: Optional[Path] = typer.Option(None, help="Write CSV, JSON and the error plot (PNG) to this folder."),
     force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
@@ -283,7 +284,7 @@ def dump_cmd(
     dtype: str = typer.Option("fp16", help="Format to run in: fp64, fp32, fp16, bf16."),
     params: str = typer.Option("fp32", help="Parameter precision: fp32 (mixed precision) or same."),
     shape: str = typer.Option("8,16,14,14", help="Shape of generated input N,C[,...]."),
-    seed: int = typer.Option(0, help="Seed of the generated input, parameters and dy."),
+    seed: int = typer.Option(0, min=0, help="Seed of the generated input, parameters and dy."),
     mean: float = typer.Option(0.0, help="Mean of the generated input."),
     std: float = typer.Option(1.0, help="Standard deviation of the generated input."),
     dist: str = typer.Option("normal", help="normal, uniform, student_t, constant."),
@@ -365,7 +366,7 @@ def gradcheck_cmd(
     dtype: Optional[str] = typer.Option(None, help="Format: fp16 (default), bf16, fp32 or fp64; a recording's own."),
     shape: Optional[str] = typer.Option(None, help="Input shape N,C[,...] of generated inputs (default 4,3,5,5)."),
     mode: Optional[str] = typer.Option(None, help="train (default) or infer; a recording's own."),
-    seed: Optional[int] = typer.Option(None, help="Seed of the generated inputs (default 0)."),
+    seed: Optional[int] = typer.Option(None, min=0, help="Seed of the generated inputs (default 0)."),
     formula: Optional[str] = typer.Option(None, help="Check a backward formula instead: standard, seed, ascend "
                                                      "or module:function (f(dy, x, gamma, mean, var, eps) -> dx)."),
     rtol: Optional[float] = typer.Option(None, help="Relative tolerance (give with --atol)."),
@@ -479,7 +480,8 @@ def compare_precision_cmd(
                                                     "own format)."),
     shape: Optional[str] = typer.Option(None, help="One input shape N,C[,...] instead of the ResNet-50 set."),
     shapes: str = typer.Option("resnet50", help="Shape set when --shape is not given: resnet50."),
-    batch: Optional[int] = typer.Option(None, help="Batch size of the ResNet-50 shapes (default 2)."),
+    batch: Optional[int] = typer.Option(None, min=1, max=65_536,
+                                        help="Batch size of the ResNet-50 shapes (default 2)."),
     dist: Optional[str] = typer.Option(None, help="Distribution of generated input: normal, uniform, student_t, "
                                                   "constant."),
     mean: Optional[float] = typer.Option(None, help="Mean of the generated input (default 0)."),
@@ -491,7 +493,7 @@ def compare_precision_cmd(
     stress: bool = typer.Option(True, "--stress/--no-stress", help="Add the stress inputs (large means, heavy "
                                                                    "tails, near FP16 max, var near eps, ...)."),
     mode: str = typer.Option("all", help="train, infer, backward or all."),
-    seed: int = typer.Option(0, help="Seed of generated inputs."),
+    seed: int = typer.Option(0, min=0, help="Seed of generated inputs."),
     rule: str = typer.Option("benchmark", help="Kernel verdict: benchmark (msprobe's method: the kernel's error "
                                                "against the bench's, both against the FP64 golden), or an absolute "
                                                "rule: scaled, accumulated, threshold."),
@@ -641,7 +643,7 @@ def overflow_cmd(
     dist: Optional[str] = typer.Option(None, help="normal (default), uniform, student_t, constant."),
     mean: Optional[float] = typer.Option(None, help="Mean of the generated input (default 0)."),
     std: Optional[float] = typer.Option(None, help="Standard deviation of the generated input (default 1)."),
-    seed: Optional[int] = typer.Option(None, help="Seed (default 0)."),
+    seed: Optional[int] = typer.Option(None, min=0, help="Seed (default 0)."),
     mode: Optional[str] = typer.Option(None, help="train (default), infer or backward; on a recording: every mode "
                                                   "each call recorded unless given."),
     eps: Optional[float] = typer.Option(None, help="BatchNorm epsilon (default 1e-5; a recording's own)."),
@@ -757,7 +759,7 @@ def fold_cmd(
     accumulate: Optional[str] = typer.Option(None, help="Accumulator of the layer's dot products (default fp32)."),
     eps: Optional[float] = typer.Option(None, help="BatchNorm epsilon (default: the layer's, 1e-5)."),
     groups: int = typer.Option(1, help="Groups of the built-in conv2d (its 16 input channels must divide)."),
-    seed: int = typer.Option(0, help="Seed of the built-in layer."),
+    seed: int = typer.Option(0, min=0, help="Seed of the built-in layer."),
     out: Optional[Path] = typer.Option(None, help="Write CSV, JSON and Markdown to this folder."),
     force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
@@ -821,7 +823,7 @@ def doctor_cmd(
     params: Optional[str] = typer.Option(None, help="Parameter format: fp32 (mixed precision, the default) or same "
                                                     "(γ, β, running and saved statistics in the input's format); a "
                                                     "recording's own."),
-    seed: Optional[int] = typer.Option(None, help="Seed of the diagnostic inputs (default 0)."),
+    seed: Optional[int] = typer.Option(None, min=0, help="Seed of the diagnostic inputs (default 0)."),
     stability: Optional[bool] = typer.Option(None, "--stability/--no-stability",
                                              help="Include the stress inputs (default on; a replayed dump cannot "
                                                   "run them)."),
@@ -937,7 +939,7 @@ def shrink_cmd(
     dist: Optional[str] = typer.Option(None, help="normal (default), uniform, student_t, constant."),
     mean: Optional[float] = typer.Option(None, help="Mean of the generated input (default 0)."),
     std: Optional[float] = typer.Option(None, help="Standard deviation of the generated input (default 1)."),
-    seed: Optional[int] = typer.Option(None, help="Seed (default 0)."),
+    seed: Optional[int] = typer.Option(None, min=0, help="Seed (default 0)."),
     seconds: float = typer.Option(120.0, help="Time budget in seconds (> 0)."),
     out: Optional[Path] = typer.Option(None, help="Folder for x.npy, the dump and shrink.json "
                                                   "(default reports/shrink-<time>)."),
@@ -1020,9 +1022,9 @@ def shrink_cmd(
 def plot_stats_cmd(
     simulate: bool = typer.Option(False, "--simulate", help="Record a built-in training run (the default when no "
                                                            "--log or --dumps is given)."),
-    steps: int = typer.Option(200, help="Steps of the simulated training run."),
+    steps: int = typer.Option(200, min=1, max=20_000, help="Steps of the simulated training run (1 to 20000)."),
     policies: str = typer.Option("fp32,fp16,bf16", help="Policies of the simulated run, side by side."),
-    seed: int = typer.Option(0, help="Seed of the simulated run."),
+    seed: int = typer.Option(0, min=0, help="Seed of the simulated run."),
     log: Optional[Path] = typer.Option(None, "--log", help="CSV/Parquet log: step, layer, channel, mean, var "
                                                            "[, running_mean, running_var]."),
     dumps: Optional[Path] = typer.Option(None, "--dumps", help="Folder of dumps, one sub-folder per step."),
@@ -1053,15 +1055,26 @@ def plot_stats_cmd(
         df, source = load_dump_series(dumps), str(dumps)
     else:
         pols = tuple(p.strip() for p in policies.split(",") if p.strip())
+        if not pols:
+            raise BNProbeError("--policies is empty")
         df, source = run_simulation(pols, steps=steps, seed=seed, eps=eps), f"simulated run, seed {seed}"
     findings = find(df, eps=eps)
-    files = []
+    files: list[tuple[str, str]] = []
+
+    def file_name(stem: str) -> str:
+        """A file name from user-given layer and policy names: safe characters only, never two alike."""
+        base = re.sub(r"[^A-Za-z0-9._-]+", "_", stem).strip("._")[:100] or "figure"
+        name, k = f"{base}.{format}", 1
+        while any(name == f for f, _ in files):
+            name, k = f"{base}-{k}.{format}", k + 1
+        return name
+
     for pol in df["policy"].unique():
         for layer in df[df["policy"] == pol]["layer"].unique():
-            name = f"stats-{pol}-{layer}.{format}".replace(":", "_").replace("/", "_")
+            name = file_name(f"stats-{pol}-{layer}")
             sink.save_figure(name, plot_channel_stats(df, pol, layer, channels), dpi=110)
             files.append((name, f"μ and σ² over steps: {layer}, {pol}"))
-        name = f"summary-{pol}.{format}".replace(":", "_")
+        name = file_name(f"summary-{pol}")
         sink.save_figure(name, plot_layer_summary(df, pol), dpi=110)
         files.append((name, f"layer x step drift of the running mean: {pol}"))
     if "fp32" in set(df["policy"]) and df["policy"].nunique() > 1:
@@ -1078,8 +1091,8 @@ def plot_stats_cmd(
     sink.write_text("index.md", "\n".join(lines) + "\n")
     import html as _html
 
-    body = "".join(f'<h2>{_html.escape(desc)}</h2><a href="{name}"><img src="{name}" alt="{_html.escape(desc)}"></a>'
-                   for name, desc in files)
+    body = "".join(f'<h2>{_html.escape(desc)}</h2><a href="{_html.escape(name)}"><img src="{_html.escape(name)}" '
+                   f'alt="{_html.escape(desc)}"></a>' for name, desc in files)
     page = html_report(f"bnprobe plot-stats: {source}", f"{len(findings)} finding(s)",
                        [("Findings", "; ".join(f"{f.kind} ({f.policy} {f.layer}, step {f.step}): {f.detail}"
                                                for f in findings) or "none")])

@@ -199,3 +199,51 @@ def test_dump_records_and_replays(tmp_path, capsys):
 def test_dump_bad_input(capsys, args, message):
     code, _, err = run(capsys, *args)
     assert code == 2 and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["trace", "--seed", "-1"], "--seed"),
+    (["compare-precision", "--seed", "-1"], "--seed"),
+    (["trace", "--eps", "1e300"], "at most 65504"),
+    (["trace", "--eps", "0"], "eps must be a finite number > 0"),
+    (["trace", "--policy", "fp16:lanes=1000000000"], "lanes must be 1 to 4096"),
+    (["trace", "--policy", "fp16:rsqrt_newton=99"], "Newton step counts must be 0 to 8"),
+    (["compare-precision", "--batch", "0"], "--batch"),
+    (["compare-precision", "--batch", "10000000"], "--batch"),
+    (["plot-stats", "--steps", "1000000000"], "--steps"),
+    (["plot-stats", "--policies", " , "], "--policies is empty"),
+    (["shrink", "--adapter", "emulated", "--seconds", "-1"], "--seconds must be > 0"),
+    (["shrink", "--adapter", "emulated", "--seconds", "nan"], "--seconds must be > 0"),
+])
+def test_bounded_options_are_one_line_errors(capsys, tmp_path, monkeypatch, argv, why):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and err.count("\n") == 1 and why in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plot_stats_escapes_layer_names(capsys, tmp_path):
+    import csv
+
+    log = tmp_path / "log.csv"
+    with open(log, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["step", "layer", "channel", "mean", "var"])
+        for step in range(4):
+            for layer in ('<script>alert(1)</script>', 'a"b', "../../evil"):
+                w.writerows([step, layer, c, 0.1 * step, 1.0] for c in range(2))
+    code, _, err = run(capsys, "plot-stats", "--log", str(log), "--out", str(tmp_path / "o"))
+    assert code in (0, 1), err
+    page = (tmp_path / "o" / "index.html").read_text()
+    assert "<script>" not in page and "&lt;script&gt;" in page and 'a"b' not in page
+    names = [p.name for p in (tmp_path / "o").iterdir()]
+    assert all(set(n) <= set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-") for n in names)
+    assert not (tmp_path / "evil.png").exists() and len([n for n in names if n.startswith("stats-")]) == 3
+
+
+def test_doctor_says_when_your_input_is_not_finite(capsys, tmp_path):
+    p = tmp_path / "nan.npy"
+    np.save(p, np.full((2, 3, 4, 4), np.nan))
+    code, out, err = run(capsys, "doctor", "--input", str(p), "--no-stability")
+    assert code in (0, 1) and "your input holds 96 NaN/inf value(s) of 96" in out
+    assert "Warning" not in err

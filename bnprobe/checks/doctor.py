@@ -691,6 +691,10 @@ def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None,
     items.append(_determinism(a, diag, fmt, prm))
     notes.append("that inference leaves the running statistics unchanged cannot be observed through the adapter "
                  "interface (forward_infer returns none); bnprobe's own kernels guarantee it")
+    if x is not None and not np.isfinite(x).all():
+        bad = int(np.size(x) - np.isfinite(x).sum())
+        notes.insert(0, f"your input holds {bad} NaN/inf value(s) of {np.size(x)}: outputs that depend on them are "
+                        f"non-finite in the golden too, so the checks on '{USER}' cannot see a kernel fault there")
     return DoctorReport(a.name, fmt, items, diagnosis, notes, params=prm, inputs=tuple(p.name for p in todo))
 
 

@@ -120,6 +120,8 @@ def check_eps(eps: float) -> float:
         raise BNProbeError(f"eps must be a number, got {eps!r}") from None
     if not math.isfinite(e) or e <= 0:
         raise BNProbeError(f"eps must be a finite number > 0, got {eps!r}")
+    if e > 65504.0:  # BatchNorm's eps is a small regulariser; above fp16's largest value it is not even stored
+        raise BNProbeError(f"eps must be at most 65504 (the largest fp16 value), got {eps!r}")
     return e
 
 

@@ -110,12 +110,16 @@ class Policy:
                 raise BNProbeError(f"policy {f.name} must be an integer, got {value!r}")
             if "bool" in str(f.type) and not isinstance(value, bool):
                 raise BNProbeError(f"policy {f.name} must be true or false, got {value!r}")
-        if min(self.rsqrt_newton, self.recip_newton) < 0 or min(self.rsqrt_bits, self.recip_bits) < 1:
-            raise BNProbeError("policy Newton step counts must be >= 0 and table bits >= 1")
-        if self.core_parts < 1:
-            raise BNProbeError(f"policy core_parts must be >= 1, got {self.core_parts}")
-        if self.lanes < 1 or self.tiles < 1:
-            raise BNProbeError(f"policy lanes and tiles must be >= 1, got lanes={self.lanes}, tiles={self.tiles}")
+        if not (0 <= min(self.rsqrt_newton, self.recip_newton) <= max(self.rsqrt_newton, self.recip_newton) <= 8) \
+                or not 1 <= min(self.rsqrt_bits, self.recip_bits) <= max(self.rsqrt_bits, self.recip_bits) <= 23:
+            raise BNProbeError("policy Newton step counts must be 0 to 8 and table bits 1 to 23, got "
+                               f"rsqrt_newton={self.rsqrt_newton}, recip_newton={self.recip_newton}, "
+                               f"rsqrt_bits={self.rsqrt_bits}, recip_bits={self.recip_bits}")
+        # lanes, tiles and core parts are hardware widths: a few thousand at most (each lane holds one accumulator
+        # per channel, so 10**9 lanes would be gigabytes of partial sums)
+        for name in ("core_parts", "lanes", "tiles"):
+            if not 1 <= getattr(self, name) <= 4096:
+                raise BNProbeError(f"policy {name} must be 1 to 4096, got {getattr(self, name)}")
         if self.kahan and self.order == "pairwise":
             raise BNProbeError("policy kahan=True needs order=sequential or order=lanes")
 
