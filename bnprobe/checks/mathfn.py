@@ -30,14 +30,31 @@ import numpy as np
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import Format, get_format
 from bnprobe.numerics.arith import Arith
-from bnprobe.numerics.rsqrt import MAGIC_RECIP, MAGIC_RSQRT, divide, reciprocal, rsqrt, rsqrt_exact, sqrt
+from bnprobe.numerics.rsqrt import (
+    MAGIC_RECIP,
+    MAGIC_RSQRT,
+    NEWTON_FORMS,
+    RECIP_ESTIMATES,
+    RSQRT_ESTIMATES,
+    divide,
+    reciprocal,
+    rsqrt,
+    rsqrt_exact,
+    sqrt,
+)
 
-__all__ = ["OPS", "MathSpec", "StepResult", "MathAnalysis", "analyze", "HIST_EDGES"]
+__all__ = ["OPS", "MathSpec", "StepResult", "MathAnalysis", "analyze", "HIST_EDGES", "METHODS", "MAX_SAMPLES",
+           "MAX_NEWTON"]
 
 OPS: tuple[str, ...] = ("rsqrt", "reciprocal", "sqrt", "divide")
 # ULP-error histogram bins: [0, 0.5], (0.5, 1], (1, 2], (2, 4] ... (2**20, inf)
 HIST_EDGES: tuple[float, ...] = (0.0, 0.5, 1.0) + tuple(2.0**k for k in range(1, 21)) + (np.inf,)
 CHUNK = 1 << 22
+# the methods of each operation (divide: the reciprocal estimate of a * recip(b))
+METHODS: dict[str, tuple[str, ...]] = {"rsqrt": RSQRT_ESTIMATES, "reciprocal": RECIP_ESTIMATES,
+                                       "divide": RECIP_ESTIMATES, "sqrt": ("exact", "exp_log", *RSQRT_ESTIMATES[1:])}
+MAX_SAMPLES = 1 << 26  # random inputs (or pairs): 2**26 float64 values are 0.5 GiB per array
+MAX_NEWTON = 8  # Newton / Heron steps: each doubles the correct bits; 8 is past any format's precision
 
 
 @dataclass(frozen=True)
@@ -65,9 +82,29 @@ class MathSpec:
         object.__setattr__(self, "format", fmt.name)
         if self.working is not None:
             object.__setattr__(self, "working", get_format(self.working).name)
+        if self.method not in METHODS[self.op]:
+            raise BNProbeError(f"unknown {self.op} method {self.method!r}; valid: {', '.join(METHODS[self.op])}")
+        if self.form not in NEWTON_FORMS:
+            raise BNProbeError(f"unknown Newton form {self.form!r}; valid: {', '.join(NEWTON_FORMS)}")
+        if self.subnormals not in ("keep", "zero"):
+            raise BNProbeError(f"subnormals must be 'keep' or 'zero', got {self.subnormals!r}")
+        if self.constant is not None and self.method != "magic":
+            raise BNProbeError(f"a constant is the magic method's; the {self.method} method takes none")
         if self.method == "magic" and self.constant is None:
             table = MAGIC_RECIP if self.op in ("reciprocal", "divide") else MAGIC_RSQRT
             object.__setattr__(self, "constant", table[fmt.name])
+        if self.method == "magic":
+            # the seed is a value of the format: a positive finite bit pattern (0 and the inf/NaN patterns are not)
+            top = _bit_of(fmt.max, fmt)
+            c = self.constant
+            if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 1 <= c <= top:
+                shown = f"{c:#x}" if isinstance(c, (int, np.integer)) and not isinstance(c, bool) else repr(c)
+                raise BNProbeError(f"magic constant {shown} is not a positive finite {fmt.name} bit pattern: it must "
+                                   f"be in 0x1..{top:#x}")
+        if self.method == "table" and not (isinstance(self.bits, (int, np.integer))
+                                           and 1 <= self.bits <= fmt.mantissa_bits):
+            raise BNProbeError(f"table bits must be an integer in 1..{fmt.mantissa_bits} for {fmt.name}, got "
+                               f"{self.bits!r}")
 
     @property
     def rounds_result(self) -> bool:
@@ -119,7 +156,8 @@ class _Acc:
     n_normal: int = 0
     sum_ulp_normal: float = 0.0
     correct: int = 0
-    nonfinite: int = 0
+    nonfinite: int = 0  # non-finite results
+    nonfinite_mismatch: int = 0  # of which the correctly rounded result differs
     hist: np.ndarray = field(default_factory=lambda: np.zeros(len(HIST_EDGES) - 1, dtype=np.int64))
     worst: list[tuple[float, float, float, float]] = field(default_factory=list)  # (ulp, x, got, exact), normal x
     worst_subnormal: list[tuple[float, float, float, float]] = field(default_factory=list)
@@ -127,11 +165,17 @@ class _Acc:
     def update(self, x: np.ndarray, got: np.ndarray, correct: np.ndarray, exact: np.ndarray, fmt: Format,
                keep_worst: int) -> None:
         with np.errstate(all="ignore"):
+            same = (got == correct) | (np.isnan(got) & np.isnan(correct))
+            # a non-finite result the correctly rounded one does not share (it is finite, or another non-finite
+            # value) is the method's defect, an infinite error; one it shares is the format's overflow
+            wrong = ~np.isfinite(got) & ~same
+            self.nonfinite += int(np.sum(~np.isfinite(got)))
+            self.nonfinite_mismatch += int(np.sum(wrong))
             finite = np.isfinite(got) & np.isfinite(exact)
-            self.nonfinite += int(np.sum(~finite & (got != exact)))
-            g, e, xx = got[finite], exact[finite], x[finite]
-            ulp = np.abs(g - e) / fmt.ulp(e)
-            rel = np.abs(g - e) / np.abs(e)
+            pick = finite | wrong
+            g, e, xx = got[pick], exact[pick], x[pick]
+            ulp = np.where(wrong[pick], np.inf, np.abs(g - e) / fmt.ulp(e))
+            rel = np.where(wrong[pick], np.inf, np.abs(g - e) / np.abs(e))
             normal = np.abs(xx) >= fmt.tiny
         self.n += int(x.size)
         self.correct += int(np.sum((got == correct) | (np.isnan(got) & np.isnan(correct))))
@@ -171,7 +215,8 @@ class StepResult:
     max_rel_normal: float
     mean_ulp_normal: float
     correctly_rounded: float  # fraction of inputs whose result equals the correctly rounded one (NaN if unrounded)
-    nonfinite_mismatch: int
+    nonfinite: int  # results that are ±inf or NaN
+    nonfinite_mismatch: int  # of which the correctly rounded result is finite or another value: infinite errors
     histogram: dict[str, int]
     worst: list[dict[str, float]]  # normal inputs
     worst_subnormal: list[dict[str, float]]
@@ -181,7 +226,7 @@ class StepResult:
         return {"newton": self.newton, "inputs": self.inputs, "max_ulp": self.max_ulp, "mean_ulp": self.mean_ulp,
                 "max_rel": self.max_rel, "max_ulp_normal": self.max_ulp_normal,
                 "max_rel_normal": self.max_rel_normal, "mean_ulp_normal": self.mean_ulp_normal,
-                "correctly_rounded": self.correctly_rounded,
+                "correctly_rounded": self.correctly_rounded, "nonfinite": self.nonfinite,
                 "nonfinite_mismatch": self.nonfinite_mismatch, "confirmation_max_ulp": self.confirmation_max_ulp}
 
 
@@ -218,7 +263,7 @@ def _step(n: int, a: _Acc, rounded: bool, labels: list[str], confirmation: float
         max_ulp_normal=a.max_ulp_normal, max_rel_normal=a.max_rel_normal,
         mean_ulp_normal=a.sum_ulp_normal / max(a.n_normal, 1),
         correctly_rounded=a.correct / max(a.n, 1) if rounded else float("nan"),
-        nonfinite_mismatch=a.nonfinite,
+        nonfinite=a.nonfinite, nonfinite_mismatch=a.nonfinite_mismatch,
         histogram={lab: int(c) for lab, c in zip(labels, a.hist) if c},
         worst=_rows(a.worst), worst_subnormal=_rows(a.worst_subnormal), confirmation_max_ulp=confirmation)
 
@@ -267,8 +312,14 @@ def analyze(
         domain = "exhaustive" if fmt.itemsize == 2 else "reduced"
     if domain not in ("exhaustive", "reduced", "samples"):
         raise BNProbeError(f"unknown domain {domain!r}; valid: auto, exhaustive, reduced, samples")
-    if any(n < 0 for n in newton) or not newton:
-        raise BNProbeError(f"newton steps must be a non-empty list of integers >= 0, got {list(newton)}")
+    newton = tuple(newton)
+    if not newton or any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= MAX_NEWTON
+                         for n in newton) or len(set(newton)) != len(newton):
+        raise BNProbeError(f"newton steps must be distinct integers from 0 to {MAX_NEWTON}, got {list(newton)}")
+    if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or not 1 <= samples <= MAX_SAMPLES:
+        raise BNProbeError(f"samples must be an integer from 1 to {MAX_SAMPLES} (2**26), got {samples!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise BNProbeError(f"seed must be an integer >= 0, got {seed!r}")
     if spec.method == "exact":
         newton = (0,)
     rng = np.random.default_rng(seed)
@@ -340,7 +391,22 @@ def analyze(
     for n in newton:
         steps.append(_step(n, accs[n], spec.rounds_result, labels,
                            None if confirm is None else confirm[n].max_ulp_normal))
-    return MathAnalysis(spec, domain, steps, curve.result(), notes)
+    return MathAnalysis(spec, domain, steps, curve.result(), notes + _nonfinite_notes(spec, steps))
+
+
+def _nonfinite_notes(spec: MathSpec, steps: list[StepResult]) -> list[str]:
+    """What the non-finite results are: the format's own overflow, or the method's defects."""
+    notes = []
+    for s in steps:
+        if s.nonfinite > s.nonfinite_mismatch:
+            notes.append(f"newton={s.newton}: {s.nonfinite - s.nonfinite_mismatch} of {s.inputs} results are inf as "
+                         f"the correctly rounded ones are (the exact value is beyond {spec.format}'s range): the "
+                         "format's overflow, not the method's")
+        if s.nonfinite_mismatch:
+            notes.append(f"newton={s.newton}: {s.nonfinite_mismatch} of {s.inputs} results are inf or NaN where the "
+                         "correctly rounded result is finite or another value: the method's defect, counted as an "
+                         "infinite error")
+    return notes
 
 
 class _Curve:
@@ -393,4 +459,4 @@ def _analyze_divide(spec: MathSpec, newton: tuple[int, ...], samples: int, rng: 
         accs[n].update(b, got, correct, exact, fmt, worst)
     steps = [_step(n, accs[n], True, [], None) for n in newton]
     return MathAnalysis(spec, "samples", steps, {}, [f"{n_pairs} random pairs a in [1, 2), b over the full range; "
-                                                     "worst inputs list b"])
+                                                     "worst inputs list b", *_nonfinite_notes(spec, steps)])

@@ -1,5 +1,7 @@
 """rsqrt / reciprocal / sqrt methods against the literature and exact references."""
 
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -208,3 +210,91 @@ def test_bad_arguments():
         MathSpec("rsqrt", "fp64", "magic")
     with pytest.raises(BNProbeError, match="unknown op"):
         MathSpec("exp", "fp32", "magic")
+
+
+# ---- hostile options: refused at their edges; non-finite results counted, never hidden --------------------------
+
+TOP = {"fp32": 0x7F7FFFFF, "fp16": 0x7BFF, "bf16": 0x7F7F}  # bit pattern of each format's largest finite value
+MANTISSA = {"fp32": 23, "fp16": 10, "bf16": 7}
+
+
+def one_line(info):
+    msg = str(info.value)
+    assert type(info.value) is BNProbeError and msg and "\n" not in msg
+    return msg
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16"])
+def test_magic_constant_is_a_positive_finite_bit_pattern(fmt):
+    for ok in (1, TOP[fmt]):
+        assert MathSpec("rsqrt", fmt, "magic", constant=ok).constant == ok
+    for bad in (0, TOP[fmt] + 1, -1):
+        with pytest.raises(BNProbeError) as info:
+            MathSpec("rsqrt", fmt, "magic", constant=bad)
+        assert f"must be in 0x1..{TOP[fmt]:#x}" in one_line(info)
+    with pytest.raises(BNProbeError) as info:
+        MathSpec("rsqrt", fmt, "table", constant=1, bits=4)
+    assert "the table method takes none" in one_line(info)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16"])
+def test_table_bits_within_the_format(fmt):
+    for ok in (1, MANTISSA[fmt]):
+        MathSpec("reciprocal", fmt, "table", bits=ok)
+    for bad in (0, MANTISSA[fmt] + 1):
+        with pytest.raises(BNProbeError) as info:
+            MathSpec("reciprocal", fmt, "table", bits=bad)
+        assert f"in 1..{MANTISSA[fmt]} for {fmt}, got {bad}" in one_line(info)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(newton=(9,)), "newton steps must be distinct integers from 0 to 8, got \\[9\\]"),
+    (dict(newton=(-1,)), "from 0 to 8, got \\[-1\\]"), (dict(newton=(1, 1)), "got \\[1, 1\\]"),
+    (dict(newton=()), "got \\[\\]"),
+    (dict(samples=0), "samples must be an integer from 1 to 67108864"),
+    (dict(samples=(1 << 26) + 1), "samples must be an integer from 1 to 67108864 \\(2\\*\\*26\\), got 67108865"),
+    (dict(seed=-1), "seed must be an integer >= 0, got -1"),
+])
+def test_unbounded_options_are_refused(kw, message):
+    with pytest.raises(BNProbeError) as info:
+        analyze(MathSpec("rsqrt", "fp16", "magic"), **{"newton": (0,), "domain": "samples", **kw})
+    assert re.search(message, one_line(info))
+
+
+def test_the_option_edges_are_accepted():
+    a = analyze(MathSpec("rsqrt", "fp32", "magic"), (0, 8), domain="samples", samples=1, seed=0)
+    assert [s.newton for s in a.steps] == [0, 8] and a.steps[0].inputs == 1
+
+
+def test_reciprocal_overflow_of_the_format_is_counted_and_not_a_defect():
+    """1/x beyond fp16's range (x below 1/65520, where rounding reaches inf) is inf for the correctly rounded
+    result too: every result counted as non-finite, none as the method's defect, the ULP figures finite."""
+    x = np.arange(1, 0x7C00, dtype=np.uint16).view(np.float16).astype(np.float64)
+    overflowing = int(np.count_nonzero(x < 1 / 65520))  # 65520 = 65504 + half an ulp rounds to inf
+    assert overflowing == 256
+    for method in ("frecpe", "exact"):
+        a = analyze(MathSpec("reciprocal", "fp16", method), (2,) if method == "frecpe" else (0,))
+        s = a.steps[0]
+        assert (s.nonfinite, s.nonfinite_mismatch) == (overflowing, 0)
+        assert np.isfinite(s.max_ulp) and s.max_ulp < 2
+        assert any(f"{overflowing} of {s.inputs} results are inf as the correctly rounded" in n for n in a.notes)
+
+
+def test_non_finite_results_of_a_bad_method_are_infinite_errors_not_max_ulp_0():
+    """fp16 rsqrt with the valid but worst constant 0x1: after a Newton step nearly every result is inf or NaN;
+    the maximum ULP error says inf, not the 0 of the few finite ones."""
+    a = analyze(MathSpec("rsqrt", "fp16", "magic", constant=1), (1,))
+    s = a.steps[0]
+    assert s.nonfinite == s.nonfinite_mismatch > 0.99 * s.inputs
+    assert s.max_ulp == s.max_ulp_normal == s.mean_ulp_normal == np.inf
+    assert s.worst and s.worst[0]["ulp"] == np.inf and not np.isfinite(s.worst[0]["result"])
+
+
+def test_divide_splits_the_formats_overflow_from_the_methods_defects():
+    a = analyze(MathSpec("divide", "fp16", "magic"), (2,), samples=1 << 14)
+    exact = analyze(MathSpec("divide", "fp16", "exact"), (0,), samples=1 << 14)
+    s, e = a.steps[0], exact.steps[0]
+    assert e.nonfinite > 0 and e.nonfinite_mismatch == 0 and np.isfinite(e.max_ulp)  # a/b overflows fp16
+    # the method's inf where the quotient overflows is the format's (some such pairs it leaves finite)
+    assert 0 < s.nonfinite - s.nonfinite_mismatch <= e.nonfinite
+    assert s.nonfinite_mismatch > 0 and s.max_ulp == np.inf
