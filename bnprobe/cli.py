@@ -1184,6 +1184,11 @@ def _run(args: list[str]) -> int:
             return 2
         if isinstance(exc, BrokenPipeError):  # pragma: no cover - e.g. piped into head
             return 0
+        if isinstance(exc, OSError):  # a path the user gave: too long, unreadable, a full disk...
+            name = exc.filename if exc.filename is not None else ""
+            typer.echo(f"bnprobe: error: {str(name)[:200]}{': ' if name else ''}"
+                       f"{exc.strerror or type(exc).__name__}", err=True)
+            return 2
         if isinstance(exc, MemoryError):  # the guard's estimate was short of what the allocator could give
             from bnprobe.guard import format_size, memory_limit
 
