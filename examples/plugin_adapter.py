@@ -1,12 +1,14 @@
 """A user plugin: your own BatchNorm behind bnprobe's adapter interface.
 
-    bnprobe dump --adapter examples.plugin_adapter:NumpyFP32BatchNorm --dtype fp32 --out /tmp/mine
+    PYTHONPATH=. bnprobe dump --adapter examples.plugin_adapter:NumpyFP32BatchNorm --dtype fp32 --out /tmp/mine
     python examples/plugin_adapter.py        # runs it against the FP64 reference
 
 Subclass BaseAdapter, declare what you support in capabilities(), and fill in the three
 ``_*_impl`` methods; the base class validates shapes, channels, eps and dtype and rounds the
 inputs to the requested format before calling you.  Packages can also register adapters
-under the entry-point group ``bnprobe.adapters``.
+under the entry-point group ``bnprobe.adapters``.  (From the repository root the module is
+found through ``PYTHONPATH=.``: the ``bnprobe`` command, like every console script, does not put
+the current folder on Python's path, and bnprobe never adds it for you.)
 """
 
 from __future__ import annotations
