@@ -17,6 +17,14 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["plot_math_error", "plot_compare", "plot_channel_stats", "plot_layer_summary", "plot_divergence",
            "plot_distributions"]
 
+MAX_LABELLED_ROWS = 60  # heatmap rows that get a name each; beyond, every k-th
+MAX_LEGEND = 12  # lines named in a legend; the others are drawn unnamed
+
+
+def _text(name: object) -> str:
+    """A user's name (layer, run) as literal figure text: ``$`` would start matplotlib's math mode."""
+    return str(name).replace("$", r"\$")
+
 
 def plot_math_error(analysis: MathAnalysis) -> Figure:
     """Signed relative error against the input over two binades [1, 4), one panel per Newton step."""
@@ -101,7 +109,7 @@ def plot_channel_stats(df: pd.DataFrame, policy: str, layer: str, channels: int 
     for i, c in enumerate(chans):
         s = g[g["channel"] == c].sort_values("step")
         col = colors[i % len(colors)]
-        ax_m.plot(s["step"], s["mean"], color=col, linewidth=1, label=f"channel {c}")
+        ax_m.plot(s["step"], s["mean"], color=col, linewidth=1, label=f"channel {c}" if i < MAX_LEGEND else None)
         ax_v.plot(s["step"], s["var"], color=col, linewidth=1)
         if "running_mean" in s and s["running_mean"].notna().any():
             ax_m.plot(s["step"], s["running_mean"], color=col, linewidth=1.5, linestyle="--")
@@ -111,10 +119,10 @@ def plot_channel_stats(df: pd.DataFrame, policy: str, layer: str, channels: int 
     ax_v.set_yscale("log")
     ax_v.set_xlabel("training step")
     ax_m.set_title("batch statistics (solid) and running estimates (dashed)", fontsize=9)
-    ax_m.legend(fontsize=7, ncol=3)
+    ax_m.legend(fontsize=7, ncol=3, loc="upper right")
     for ax in (ax_m, ax_v):
         ax.grid(True, alpha=0.3)
-    fig.suptitle(f"{layer} ({policy}): μ and σ² of the {len(chans)} most drifting channels")
+    fig.suptitle(f"{_text(layer)} ({_text(policy)}): μ and σ² of the {len(chans)} most drifting channels")
     return fig
 
 
@@ -123,7 +131,7 @@ def plot_layer_summary(df: pd.DataFrame, policy: str) -> Figure:
     from matplotlib.figure import Figure
 
     g = df[df["policy"] == policy].copy()
-    fig = Figure(figsize=(10, 1.2 + 0.5 * g["layer"].nunique()), layout="constrained")
+    fig = Figure(figsize=(10, 1.2 + 0.5 * min(g["layer"].nunique(), MAX_LABELLED_ROWS)), layout="constrained")
     ax = fig.subplots()
     if "running_mean" not in g or g["running_mean"].isna().all():
         g["drift"] = np.nan
@@ -132,11 +140,12 @@ def plot_layer_summary(df: pd.DataFrame, policy: str) -> Figure:
     piv = g.groupby(["layer", "step"])["drift"].median().unstack("step")
     im = ax.imshow(piv.to_numpy(), aspect="auto", cmap="viridis", interpolation="nearest",
                    extent=(piv.columns.min() - 0.5, piv.columns.max() + 0.5, len(piv) - 0.5, -0.5))
-    ax.set_yticks(range(len(piv)), piv.index)
+    every = -(-len(piv) // MAX_LABELLED_ROWS)
+    ax.set_yticks(range(0, len(piv), every), [_text(n) for n in piv.index[::every]])
     ax.set_xlabel("training step")
-    ax.set_ylabel("layer")
+    ax.set_ylabel("layer" if every == 1 else f"layer (every {every}th named)")
     fig.colorbar(im, ax=ax, label="median |running mean − batch mean| / batch std")
-    ax.set_title(f"{policy}: how far the running mean trails the batch mean, per layer and step")
+    ax.set_title(f"{_text(policy)}: how far the running mean trails the batch mean, per layer and step")
     return fig
 
 
@@ -149,12 +158,14 @@ def plot_divergence(df: pd.DataFrame, base: str = "fp32") -> Figure:
     ax_l, ax_h = fig.subplots(2, 1)
     ref = df[df["policy"] == base].set_index(["step", "layer", "channel"])["var"]
     worst = None
+    named = 0
     for pol in [p for p in df["policy"].unique() if p != base]:
         cur = df[df["policy"] == pol].set_index(["step", "layer", "channel"])["var"]
         rel = ((cur - ref).abs() / ref.abs()).dropna().rename("rel").reset_index()
         for layer, g in rel.groupby("layer"):
             med = g.groupby("step")["rel"].median()
-            ax_l.plot(med.index, med.to_numpy(), label=f"{pol} {layer}")
+            ax_l.plot(med.index, med.to_numpy(), label=f"{_text(pol)} {_text(layer)}" if named < MAX_LEGEND else None)
+            named += 1
             if worst is None or med.max() > worst[0]:
                 worst = (med.max(), pol, layer, g)
     ax_l.set_yscale("log")
@@ -163,15 +174,15 @@ def plot_divergence(df: pd.DataFrame, base: str = "fp32") -> Figure:
     ax_l.set_title(f"batch variance vs the {base} run (same data, each run trains its own weights)", fontsize=9)
     ax_l.grid(True, alpha=0.3)
     if worst is not None:
-        ax_l.legend(fontsize=7, ncol=2)
+        ax_l.legend(fontsize=7, ncol=2, loc="upper right")
         _, pol, layer, g = worst
         piv = g.pivot(index="channel", columns="step", values="rel")
         im = ax_h.imshow(np.log10(piv.to_numpy() + 1e-16), aspect="auto", cmap="magma", interpolation="nearest")
         fig.colorbar(im, ax=ax_h, label="log10 relative error of σ²")
         ax_h.set_xlabel("training step")
         ax_h.set_ylabel("channel")
-        ax_h.set_title(f"{pol} {layer}: relative error of σ² per channel and step", fontsize=9)
-    fig.suptitle("low precision vs " + base)
+        ax_h.set_title(f"{_text(pol)} {_text(layer)}: relative error of σ² per channel and step", fontsize=9)
+    fig.suptitle("low precision vs " + _text(base))
     return fig
 
 
@@ -183,10 +194,14 @@ def plot_distributions(df: pd.DataFrame, eps: float = 1e-5) -> Figure:
     last = df[df["step"] == df["step"].max()]
     fig = Figure(figsize=(10, 4), layout="constrained")
     ax1, ax2 = fig.subplots(1, 2)
-    for (pol, layer), g in last.groupby(["policy", "layer"]):
-        with np.errstate(all="ignore"):
-            ax1.hist(np.log10(g["mean"] ** 2 / g["var"] + 1e-30), bins=30, alpha=0.5, label=f"{pol} {layer}")
-            ax2.hist(np.log10(g["var"] / eps), bins=30, alpha=0.5, label=f"{pol} {layer}")
+    for k, ((pol, layer), g) in enumerate(last.groupby(["policy", "layer"])):
+        with np.errstate(all="ignore"):  # NaN, inf and negative variances are left out (find() reports them)
+            risk = np.log10(g["mean"].to_numpy() ** 2 / g["var"].to_numpy() + 1e-30)
+            dominance = np.log10(g["var"].to_numpy() / eps)
+        for ax, v in ((ax1, risk), (ax2, dominance)):
+            if np.isfinite(v).any():
+                ax.hist(v[np.isfinite(v)], bins=30, alpha=0.5,
+                        label=f"{_text(pol)} {_text(layer)}" if k < MAX_LEGEND else None)
     ax1.axvline(np.log10(2.0**12), color="tab:red", linestyle="--", linewidth=1,
                 label="fp32 single-pass loses half its digits")
     ax1.set_xlabel("log10(mean² / var) per channel")
@@ -194,7 +209,7 @@ def plot_distributions(df: pd.DataFrame, eps: float = 1e-5) -> Figure:
     ax2.set_xlabel("log10(var / eps) per channel")
     for ax in (ax1, ax2):
         ax.set_ylabel("channels")
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=6, loc="upper right")
         ax.grid(True, alpha=0.3)
     fig.suptitle("where the risky channels are (last step)")
     return fig

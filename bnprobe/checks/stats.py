@@ -23,10 +23,14 @@ from bnprobe.numerics.rounding import round_to
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-__all__ = ["StatsRecorder", "simulate", "load_log", "load_dump_series", "Finding", "find", "REQUIRED_COLUMNS"]
+__all__ = ["StatsRecorder", "simulate", "load_log", "load_dump_series", "Finding", "find", "REQUIRED_COLUMNS",
+           "MAX_ROWS", "MAX_LAYERS"]
 
 REQUIRED_COLUMNS = ("step", "layer", "channel", "mean", "var")
 OPTIONAL_COLUMNS = ("running_mean", "running_var")
+MAX_ROWS = 10_000_000  # log rows (one per step, layer and channel): about 1 GiB in pandas
+MAX_LAYERS = 512  # (run, layer) pairs: plot-stats draws a figure for each
+MAX_STEP = 2**53  # steps and channels are integers exact in float64
 
 
 class StatsRecorder:
@@ -156,21 +160,43 @@ def load_log(path: str | Path) -> pd.DataFrame:
                            f"{', '.join(REQUIRED_COLUMNS)} (and optionally {', '.join(OPTIONAL_COLUMNS)})")
     if ("running_mean" in df.columns) != ("running_var" in df.columns):
         raise BNProbeError(f"{p}: give both running_mean and running_var, or neither")
+    if df.empty:
+        raise BNProbeError(f"{p}: the log holds no rows")
+    if len(df) > MAX_ROWS:
+        raise BNProbeError(f"{p}: {len(df)} rows, more than the {MAX_ROWS} plot-stats reads")
+
+    def first(bad: Any) -> int:  # the file's line of the first bad row (after the header)
+        return int(np.flatnonzero(np.asarray(bad))[0]) + 2
+
     numeric = [c for c in ("step", "channel", "mean", "var", *OPTIONAL_COLUMNS) if c in df.columns]
     for c in numeric:
+        if df[c].dtype == bool:
+            raise BNProbeError(f"{p}: column {c} holds true/false, not numbers")
         conv = pd.to_numeric(df[c], errors="coerce")
         bad = conv.isna() & df[c].notna()
         if bad.any():
-            row = int(np.flatnonzero(bad.to_numpy())[0])
-            raise BNProbeError(f"{p}: row {row + 2} has a non-numeric {c} ({df[c].iloc[row]!r})")
+            raise BNProbeError(f"{p}: row {first(bad)} has a non-numeric {c} ({df[c].iloc[first(bad) - 2]!r})")
         df[c] = conv
-    if df["step"].isna().any() or df["channel"].isna().any():
-        row = int(np.flatnonzero((df["step"].isna() | df["channel"].isna()).to_numpy())[0])
-        raise BNProbeError(f"{p}: row {row + 2} has no step or channel")
-    df["step"], df["channel"] = df["step"].astype(int), df["channel"].astype(int)
-    df["layer"] = df["layer"].astype(str)
+    for c in ("step", "channel"):
+        v = df[c].to_numpy(dtype=np.float64)
+        if np.isnan(v).any():
+            raise BNProbeError(f"{p}: row {first(np.isnan(v))} has no {c}")
+        bad = (v != np.round(v)) | (v < 0) | (v > MAX_STEP)
+        if bad.any():
+            raise BNProbeError(f"{p}: row {first(bad)} has {c} {v[first(bad) - 2]:g}, not an integer from 0 to 2**53")
+        df[c] = v.astype(np.int64)
+    for c in ("layer", "policy"):
+        if c in df.columns:
+            blank = df[c].isna() | (df[c].astype(str).str.strip() == "")
+            if blank.any():
+                raise BNProbeError(f"{p}: row {first(blank)} has no {c} name")
+            df[c] = df[c].astype(str)
     if "policy" not in df.columns:
         df["policy"] = "log"
+    pairs = len(df.groupby(["policy", "layer"], sort=False))
+    if pairs > MAX_LAYERS:
+        raise BNProbeError(f"{p}: {pairs} (run, layer) pairs, more than the {MAX_LAYERS} plot-stats draws a figure "
+                           "for; split the log")
     if df.duplicated(["policy", "step", "layer", "channel"]).any():
         row = int(np.flatnonzero(df.duplicated(["policy", "step", "layer", "channel"]).to_numpy())[0])
         raise BNProbeError(f"{p}: row {row + 2} repeats step/layer/channel of an earlier row")
@@ -268,19 +294,35 @@ class Thresholds:
 
 def find(df: pd.DataFrame, *, eps: float = 1e-5, thresholds: Thresholds | None = None) -> list[Finding]:
     """Running statistics diverging from the batch's, variance collapsing toward eps, non-finite
-    statistics, and a momentum that behaves like the wrong convention."""
+    statistics, negative variances (data to report: a one-pass variance cancelling gives them), and a
+    momentum that behaves like the wrong convention."""
     th = thresholds or Thresholds()
     out: list[Finding] = []
+
+    def first_of(kind: str, policy: str, layer: str, rows: pd.DataFrame, detail: str) -> None:
+        """A finding at the first step of ``rows``, naming that step's channels."""
+        first = int(rows["step"].min())
+        chans = tuple(sorted(rows[rows.step == first].channel.unique().tolist()))
+        out.append(Finding(kind, policy, layer, first, chans, detail.format(first=first, n=len(rows))))
+
     for (policy, layer), g in df.groupby(["policy", "layer"], sort=False):
         g = g.sort_values(["step", "channel"])
         steps = np.sort(g["step"].unique())
-        bad = g[~np.isfinite(g["mean"]) | ~np.isfinite(g["var"])]
+        # running statistics a log leaves empty throughout were not recorded; any other NaN/inf is a finding
+        cols = ["mean", "var", *(c for c in OPTIONAL_COLUMNS if c in g.columns and g[c].notna().any())]
+        finite = np.isfinite(g[cols].to_numpy(dtype=np.float64))
+        bad = g[~finite.all(axis=1)]
         if len(bad):
-            first = int(bad["step"].min())
-            out.append(Finding("non-finite statistics", policy, layer, first,
-                               tuple(sorted(bad[bad.step == first].channel.unique().tolist())),
-                               f"NaN/inf batch statistics from step {first} ({len(bad)} entries)"))
-        fin = g[np.isfinite(g["var"])]
+            which = [c for c, ok in zip(cols, finite.all(axis=0)) if not ok]
+            first_of("non-finite statistics", policy, layer, bad,
+                     f"NaN/inf {', '.join(which)} from step {{first}} ({{n}} entries)")
+        # a variance below zero is no variance: a one-pass E[x²] - E[x]² cancelling in its format gives one
+        for c, what in (("var", "batch"), ("running_var", "running")):
+            if c in cols and (g[c] < 0).any():
+                first_of(f"negative {what} variance", policy, layer, g[g[c] < 0],
+                         f"{what} variance below 0 from step {{first}} ({{n}} entries): not a variance; a one-pass "
+                         "E[x²] - E[x]² that cancels in its format gives this")
+        fin = g[np.isfinite(g["var"]) & (g["var"] >= 0)]
         low = fin[fin["var"] < th.collapse * eps]
         if len(low):
             first = int(low["step"].min())
@@ -299,10 +341,12 @@ def find(df: pd.DataFrame, *, eps: float = 1e-5, thresholds: Thresholds | None =
         bad_ch = sorted(set(drift.index[drift > th.drift]) | set(ratio.index[(ratio > th.var_ratio) |
                                                                             (ratio < 1 / th.var_ratio)]))
         if len(steps) > th.window and bad_ch:
+            with np.errstate(all="ignore"):
+                worst_drift, worst_ratio = _max(drift), _max(np.maximum(ratio, 1 / ratio))
             out.append(Finding("running statistics diverge from the batch statistics", policy, layer,
                                int(steps[-1]), tuple(int(c) for c in bad_ch),
-                               f"at the last step: running_mean off by up to {np.nanmax(drift):.3g} std, running_var "
-                               f"x{np.nanmax(np.maximum(ratio, 1 / ratio)):.3g} of the last {len(last)} batches'"))
+                               f"at the last step: running_mean off by up to {worst_drift:.3g} std, running_var "
+                               f"x{worst_ratio:.3g} of the last {len(last)} batches'"))
         # the momentum actually applied: (rm_t - rm_{t-1}) / (batch_mean_t - rm_{t-1}), median over channels/steps
         if len(steps) >= 3:
             piv_rm = g.pivot(index="step", columns="channel", values="running_mean")
@@ -321,3 +365,10 @@ def find(df: pd.DataFrame, *, eps: float = 1e-5, thresholds: Thresholds | None =
                                        f"the running mean moves {m_est:.3g} of the way to each batch mean, "
                                        f"expected m = {th.momentum:g}"))
     return out
+
+
+def _max(v: Any) -> float:
+    """The largest finite value of ``v`` (NaN when there is none)."""
+    a = np.asarray(v, dtype=np.float64)
+    a = a[np.isfinite(a)]
+    return float(a.max()) if a.size else math.nan

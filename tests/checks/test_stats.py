@@ -1,4 +1,5 @@
 import json
+import re
 
 import numpy as np
 import pandas as pd
@@ -209,3 +210,98 @@ def test_dump_series_of_single_dumps_reads_as_before(tmp_path):
     got = df[df.step == 1].sort_values("channel")
     assert got["mean"].tolist() == [3.0, 5.0] and got["var"].tolist() == [1.0, 4.0]  # from x, as before
     assert got["running_mean"].tolist() == [0.5, 0.5]
+
+
+# ---- hostile logs: one-line errors, or findings for data that is merely bad -------------------------------------
+
+def _log(steps=12, layers=("bn1",), channels=3, seed=0):
+    rng = np.random.default_rng(seed)
+    rows = [{"step": s, "layer": layer, "channel": c, "mean": rng.normal(), "var": rng.uniform(0.5, 2),
+             "running_mean": 0.0, "running_var": 1.0}
+            for s in range(steps) for layer in layers for c in range(channels)]
+    return pd.DataFrame(rows)
+
+
+def _render(df):
+    import io
+
+    for pol in df["policy"].unique():
+        for layer in df[df["policy"] == pol]["layer"].unique()[:2]:
+            plot_channel_stats(df, pol, layer, 6).savefig(io.BytesIO(), format="png", dpi=30)
+        plot_layer_summary(df, pol).savefig(io.BytesIO(), format="png", dpi=30)
+    if "fp32" in set(df["policy"]) and df["policy"].nunique() > 1:
+        plot_divergence(df).savefig(io.BytesIO(), format="png", dpi=30)
+    plot_distributions(df).savefig(io.BytesIO(), format="png", dpi=30)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("step,layer,channel,mean,var\n", "the log holds no rows"),
+    ("step,layer,channel,mean\n0,bn,0,1\n", "missing column"),
+    ("step,layer,channel,mean,var\n0,bn,0,abc,1\n", r"row 2 has a non-numeric mean \('abc'\)"),
+    ("step,layer,channel,mean,var\n0,bn,0,1,True\n", "column var holds true/false, not numbers"),
+    ("step,layer,channel,mean,var\n0,bn,0,1,1\n0.5,bn,0,1,1\n", "row 3 has step 0.5, not an integer from 0 to 2"),
+    ("step,layer,channel,mean,var\n-1,bn,0,1,1\n", "row 2 has step -1, not an integer"),
+    ("step,layer,channel,mean,var\n0,bn,-1,1,1\n", "row 2 has channel -1, not an integer"),
+    ("step,layer,channel,mean,var\n99999999999999999999,bn,0,1,1\n", "row 2 has step 1e\\+20"),
+    ("step,layer,channel,mean,var\n0,,0,1,1\n", "row 2 has no layer name"),
+    ("step,layer,channel,mean,var,policy\n0,bn,0,1,1,\n", "row 2 has no policy name"),
+])
+def test_malformed_logs_are_one_line_errors(tmp_path, text, match):
+    p = tmp_path / "log.csv"
+    p.write_text(text)
+    with pytest.raises(BNProbeError) as info:
+        load_log(p)
+    assert type(info.value) is BNProbeError and "\n" not in str(info.value)
+    assert re.search(match, str(info.value))
+
+
+def test_the_step_and_layer_bounds_at_their_edges(tmp_path, monkeypatch):
+    from bnprobe.checks import stats
+
+    p = tmp_path / "log.csv"
+    p.write_text(f"step,layer,channel,mean,var\n{2**53},bn,0,1,1\n")
+    assert int(load_log(p)["step"].iloc[0]) == 2**53
+    _log(steps=1, layers=("a", "b", "c"), channels=1).to_csv(p, index=False)
+    monkeypatch.setattr(stats, "MAX_LAYERS", 3)
+    assert load_log(p)["layer"].nunique() == 3
+    monkeypatch.setattr(stats, "MAX_LAYERS", 2)
+    with pytest.raises(BNProbeError, match=r"3 \(run, layer\) pairs, more than the 2 plot-stats draws"):
+        load_log(p)
+    monkeypatch.setattr(stats, "MAX_ROWS", 2)
+    with pytest.raises(BNProbeError, match="3 rows, more than the 2 plot-stats reads"):
+        load_log(p)
+
+
+@pytest.mark.parametrize("column,value,kind,detail", [
+    ("var", -0.5, "negative batch variance", "batch variance below 0 from step 4"),
+    ("running_var", -3.0, "negative running variance", "running variance below 0 from step 4"),
+    ("var", np.nan, "non-finite statistics", "NaN/inf var from step 4"),
+    ("running_mean", np.inf, "non-finite statistics", "NaN/inf running_mean from step 4"),
+])
+def test_negative_or_nan_statistics_are_findings_not_crashes(tmp_path, column, value, kind, detail):
+    """A NaN or negative variance is data (a one-pass variance cancelling gives one): reported, and every figure
+    still drawn."""
+    df = _log()
+    df.loc[(df.step == 4) & (df.channel == 1), column] = value
+    p = tmp_path / "log.csv"
+    df.to_csv(p, index=False)
+    got = load_log(p)
+    f = next(f for f in find(got) if f.kind == kind)
+    assert f.step == 4 and f.channels == (1,) and f.detail.startswith(detail)
+    assert all(x.kind != "variance collapsing toward eps" for x in find(got))
+    _render(got)
+
+
+def test_all_nan_or_negative_variances_and_odd_names_still_plot(tmp_path):
+    df = _log(layers=("$\\undefined$", "<script>alert(1)</script>", "a$b"))
+    df["var"] = np.nan
+    df.loc[df.layer == "a$b", "var"] = -1.0
+    p = tmp_path / "log.csv"
+    df.to_csv(p, index=False)
+    got = load_log(p)
+    kinds = {f.kind for f in find(got)}
+    assert {"non-finite statistics", "negative batch variance"} <= kinds
+    _render(got)
+    many = _log(steps=2, layers=tuple(f"l{i}" for i in range(80)), channels=1)
+    many["policy"] = "log"
+    _render(many)
