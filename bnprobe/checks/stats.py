@@ -225,7 +225,7 @@ def load_dump_series(folder: str | Path) -> pd.DataFrame:
                 rec.record(step, layer, **_dump_statistics(r, model_dump=True))
             continue
         r = load_dump(d)
-        rec.record(step, r.meta.get("call", "bn"), **_dump_statistics(r, model_dump=False))
+        rec.record(step, str(r.meta.get("call") or "bn"), **_dump_statistics(r, model_dump=False))
     return rec.frame()
 
 

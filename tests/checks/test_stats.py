@@ -305,3 +305,14 @@ def test_all_nan_or_negative_variances_and_odd_names_still_plot(tmp_path):
     many = _log(steps=2, layers=tuple(f"l{i}" for i in range(80)), channels=1)
     many["policy"] = "log"
     _render(many)
+
+
+def test_a_dump_series_whose_call_name_is_not_text_names_the_layer_by_its_text(tmp_path):
+    x = np.array([[1.0, 2.0], [3.0, 6.0]])
+    for step in range(2):
+        rec = _call("bn", x + step, training=True, saved=(np.array([5.0, 7.0]), np.array([0.5, 0.25])),
+                    running=(np.zeros(2), np.ones(2)), running_out=(np.full(2, 0.5), np.ones(2)))
+        rec.meta["call"] = [1, 2]  # metadata of the wrong JSON type: a label all the same, never a crash
+        write_dump(rec, tmp_path / "series" / f"step{step}")
+    df = load_dump_series(tmp_path / "series")
+    assert df["layer"].unique().tolist() == ["[1, 2]"] and isinstance(find(df), list)
