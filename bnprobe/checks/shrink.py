@@ -13,6 +13,7 @@ itself cannot be shrunk (it answers only its own inputs); shrink reruns a runnab
 
 from __future__ import annotations
 
+import math
 import shlex
 import time
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from bnprobe.adapters import KernelAdapter, get_adapter
 from bnprobe.errors import BNProbeError
 
 __all__ = ["ShrinkResult", "shrink", "compare_predicate", "overflow_predicate", "load_predicate", "write_shrink",
-           "RecordedParams", "runnable"]
+           "RecordedParams", "runnable", "check_x"]
 
 Predicate = Callable[..., bool]  # f(x) -> True when the case fails (built-in ones also take channels=)
 
@@ -106,6 +107,16 @@ def runnable(adapter: str | KernelAdapter) -> KernelAdapter:
     return a
 
 
+def check_x(x: np.ndarray) -> None:
+    """Refuse an input shrink cannot run: not 2 to 5 dimensions, or an empty dimension (no channel, batch or
+    spatial extent)."""
+    shape = np.shape(x)
+    if not 2 <= len(shape) <= 5:
+        raise BNProbeError(f"x must have 2 to 5 dimensions (N, C[, ...]), got shape {shape}")
+    if 0 in shape:
+        raise BNProbeError(f"x has shape {shape}: shrink needs at least one value along every dimension")
+
+
 def _record_modes(mode: str) -> tuple[str, ...]:
     return {"train": ("train",), "infer": ("infer",), "backward": ("train", "backward")}[mode]
 
@@ -124,6 +135,7 @@ def compare_predicate(adapter: str | KernelAdapter, against: str = "reference", 
     a = runnable(adapter)
 
     def fails(x: np.ndarray, channels: np.ndarray | None = None) -> bool:
+        check_x(x)
         if mode != "infer" and x.size // x.shape[1] < 2:
             return False
         if recorded is None:
@@ -150,6 +162,7 @@ def overflow_predicate(adapter: str | KernelAdapter, dtype: str = "fp16", mode: 
     a = runnable(adapter)
 
     def fails(x: np.ndarray, channels: np.ndarray | None = None) -> bool:
+        check_x(x)
         if mode != "infer" and x.size // x.shape[1] < 2:
             return False
         if recorded is None:
@@ -207,8 +220,9 @@ def shrink(x: np.ndarray, fails: Predicate, *, seconds: float = 120.0,
            progress: Callable[[str], None] | None = None) -> ShrinkResult:
     """The smallest input found that still fails ``fails`` (which must fail on ``x``)."""
     x = np.asarray(x, dtype=np.float64)
-    if x.ndim < 2:
-        raise BNProbeError(f"x must have 2 to 5 dimensions, got shape {x.shape}")
+    check_x(x)
+    if not 0 <= seconds < math.inf:
+        raise BNProbeError(f"seconds must be a finite number >= 0, got {seconds}")
     res = ShrinkResult(x, tuple(x.shape))
     t0 = time.monotonic()
     chans = np.arange(x.shape[1])

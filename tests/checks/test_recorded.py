@@ -496,3 +496,38 @@ def test_dump_params_takes_same_or_fp32(tmp_path, capsys):
     code, out, err = run_cli(capsys, "dump", "--adapter", "reference", "--out", tmp_path / "d", "--params", "same",
                              "--dtype", "bf16", "--shape", "4,2,2,2")
     assert code == 0 and open_dump(tmp_path / "d").calls[0].load().params == "bf16"
+
+
+# ---- shrink on inputs it cannot run: one line, before any check runs -------------------------------------------
+
+@pytest.mark.parametrize("shape,message", [
+    ((4, 0, 3), r"x has shape \(4, 0, 3\): shrink needs at least one value along every dimension"),
+    ((0, 3, 2), r"x has shape \(0, 3, 2\)"), ((4, 3, 0, 2), r"x has shape \(4, 3, 0, 2\)"),
+    ((5,), r"x must have 2 to 5 dimensions \(N, C\[, \.\.\.\]\), got shape \(5,\)"),
+    ((), r"got shape \(\)"), ((1, 1, 1, 1, 1, 1), r"got shape \(1, 1, 1, 1, 1, 1\)"),
+])
+def test_shrink_refuses_empty_and_shapeless_inputs(tmp_path, capsys, shape, message):
+    from bnprobe.checks.shrink import compare_predicate, overflow_predicate, shrink
+
+    calls = []
+    with pytest.raises(BNProbeError, match=message) as info:
+        shrink(np.ones(shape), lambda x: calls.append(x) or True)
+    assert "\n" not in str(info.value) and calls == []
+    for predicate in (compare_predicate("emulated:fp16"), overflow_predicate("emulated:fp16")):
+        if len(shape) >= 2:  # the predicates check what they are given as well
+            with pytest.raises(BNProbeError, match=message):
+                predicate(np.ones(shape))
+    np.save(tmp_path / "x.npy", np.ones(shape))
+    code, out, err = run_cli(capsys, "shrink", "--adapter", "emulated:fp16", "--input", tmp_path / "x.npy",
+                             "--out", tmp_path / "o")
+    assert code == 2 and err.startswith("bnprobe: error: ") and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_shrink_takes_the_smallest_input_and_a_finite_time():
+    from bnprobe.checks.shrink import shrink
+
+    assert shrink(np.ones((1, 1)), lambda x: True).x.shape == (1, 1)
+    for seconds in (-1.0, math.inf, math.nan):
+        with pytest.raises(BNProbeError, match="seconds must be a finite number >= 0"):
+            shrink(np.ones((2, 2)), lambda x: True, seconds=seconds)
