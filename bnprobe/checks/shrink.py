@@ -332,13 +332,14 @@ def write_shrink(result: ShrinkResult, out: str | Path, *, adapter: str, dtype: 
         result.steps.append(f"no dump written: {exc}")
     # with recorded parameters the replay reruns the adapter on the dump's inputs (x, γ, β, eps, ...)
     prm = "" if recorded is not None or params == "fp32" else f" --params {params}"
-    given = f"--input {out / 'dump'}" if recorded is not None else f"--dtype {dtype}{prm} --input {xpath}"
+    q = lambda path: shlex.quote(str(path))  # noqa: E731 - a user's folder may hold spaces or ; $ `
+    given = f"--input {q(out / 'dump')}" if recorded is not None else f"--dtype {dtype}{prm} --input {q(xpath)}"
     if predicate == "overflow":
         cmd = f"bnprobe overflow --adapter {shlex.quote(adapter)} --mode {mode} {given}"
     else:
-        given = f"--input {out / 'dump'}" if recorded is not None else f"--dtypes {dtype}{prm} --input {xpath}"
+        given = f"--input {q(out / 'dump')}" if recorded is not None else f"--dtypes {dtype}{prm} --input {q(xpath)}"
         cmd = (f"bnprobe compare-precision --adapters {shlex.quote(adapter)} --mode {mode} {given} --no-budget "
-               f"--out {out / 'replay-report'}")
+               f"--out {q(out / 'replay-report')}")
     atomic_write_text(jpath, dumps_json({**result.to_dict(), "adapter": adapter, "dtype": dtype, "mode": mode,
                                          "params": recorded.params if recorded is not None else params,
                                          "predicate": predicate, "replay": cmd}))

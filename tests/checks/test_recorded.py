@@ -531,3 +531,17 @@ def test_shrink_takes_the_smallest_input_and_a_finite_time():
     for seconds in (-1.0, math.inf, math.nan):
         with pytest.raises(BNProbeError, match="seconds must be a finite number >= 0"):
             shrink(np.ones((2, 2)), lambda x: True, seconds=seconds)
+
+
+def test_the_replay_command_quotes_a_users_folder(tmp_path):
+    import shlex
+
+    from bnprobe.checks.shrink import compare_predicate, shrink, write_shrink
+
+    x = np.random.default_rng(0).standard_normal((4, 2, 2, 2)) + 100.0
+    res = shrink(x, compare_predicate("emulated:fp16-acc16:variance=naive", dtype="fp16"), seconds=20)
+    out = tmp_path / "my run; echo $HOME"
+    files, cmd = write_shrink(res, out, adapter="emulated:fp16-acc16:variance=naive", dtype="fp16", mode="train")
+    words = shlex.split(cmd)
+    assert words[words.index("--input") + 1] == str(out / "x.npy") and (out / "x.npy") in files
+    assert words[words.index("--out") + 1] == str(out / "replay-report")
