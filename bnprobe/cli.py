@@ -242,9 +242,9 @@ def rsqrt_cmd(
                + (f", steps in {spec.working}" if spec.working else "") + f"; domain {result.domain}")
     rows = [{**s.row(), "correct %": 100.0 * s.correctly_rounded} for s in result.steps]
     typer.echo(render_table(rows, ["newton", "inputs", "max_ulp_normal", "mean_ulp_normal", "max_rel_normal",
-                                   "correct %", "max_ulp"],
+                                   "correct %", "max_ulp", "nonfinite", "nonfinite_mismatch"],
                             headers=["newton", "inputs", "max ulp", "mean ulp", "max rel err", "correct %",
-                                     "max ulp (incl. subnormal)"]))
+                                     "max ulp (incl. subnormal)", "non-finite", "of which wrong"]))
     for st in result.steps:
         if st.histogram:
             total = sum(st.histogram.values())
@@ -965,7 +965,7 @@ def shrink_cmd(
     if not 0 < seconds <= 86400:
         raise BNProbeError(f"--seconds must be > 0 and at most 86400 (a day), got {seconds}")
     check_params(params)
-    sink = _output(out, force, "shrink")
+    sink = _output(out, force, "shrink", "x.npy", "shrink.json")
     a = runnable(adapter)
     recorded = recording_of(a, input, calls)
     kept = None
@@ -1003,7 +1003,7 @@ def shrink_cmd(
         res = shrink(x, fails, seconds=seconds, progress=tick)
     finally:
         bar.close()
-    files, cmd = write_shrink(res, sink.path, adapter=adapter, dtype=dtype, mode=mode, predicate=predicate,
+    files, cmd = write_shrink(res, sink, adapter=adapter, dtype=dtype, mode=mode, predicate=predicate,
                               recorded=kept, params=params)
     typer.echo(f"shrunk {tuple(res.original_shape)} ({int(np.prod(res.original_shape))} values) to "
                f"{tuple(res.x.shape)} ({res.x.size} values) in {res.evaluations} checks, {res.seconds:.1f} s"

@@ -134,3 +134,15 @@ def test_a_failing_run_leaves_no_report_folder(capsys, tmp_path, monkeypatch):
     code, _, err = run(capsys, "compare-precision", "--shape", "2,3,4,4", "--no-stress", "--dtypes", "fp99")
     assert code == 2
     assert not (tmp_path / "reports").exists()
+
+
+def test_shrink_refuses_up_front_and_forces(capsys, tmp_path):
+    (tmp_path / "x.npy").write_text("mine")
+    args = ["shrink", "--adapter", "ascend-tbe", "--mean", "100", "--shape", "4,8,8,8", "--out", str(tmp_path)]
+    code, out, err = run(capsys, *args)
+    assert code == 2 and "x.npy exists" in err and out == ""
+    assert tree(tmp_path) == ["x.npy"] and (tmp_path / "x.npy").read_text() == "mine"
+    code, out, err = run(capsys, *args, "--force")
+    assert code == 0, err
+    assert {"x.npy", "shrink.json", "dump", "dump/bnprobe-dump.json", "dump/tensors.npz"} == set(tree(tmp_path))
+    assert stat.S_IMODE((tmp_path / "shrink.json").stat().st_mode) == file_mode()

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from bnprobe._files import OutputDir
 from bnprobe._loading import binds, load_callable, raised
 from bnprobe.adapters import KernelAdapter, get_adapter
 from bnprobe.errors import BNProbeError
@@ -297,26 +298,28 @@ def _round_bits(x: np.ndarray, bits: int) -> np.ndarray:
     return np.ldexp(np.round(m * 2.0**bits) / 2.0**bits, e)
 
 
-def write_shrink(result: ShrinkResult, out: str | Path, *, adapter: str, dtype: str, mode: str,
+def write_shrink(result: ShrinkResult, out: str | Path | OutputDir, *, adapter: str, dtype: str, mode: str,
                  predicate: str = "compare", recorded: RecordedParams | None = None,
                  params: str = "fp32") -> tuple[list[Path], str]:
     """x.npy, a bnprobe dump of the adapter on it, shrink.json, and the command that replays the failure
     (with ``recorded``: the dump carries the recorded call's parameters and scalars, and the replay runs the
-    adapter on the dump's inputs; else parameters as ``params``)."""
-    from bnprobe.adapters.dump import record, write_dump
-    from bnprobe.reports import atomic_write_bytes, atomic_write_text, check_targets, dumps_json
-
-    out = Path(out)
-    xpath, jpath = out / "x.npy", out / "shrink.json"
-    check_targets([xpath, jpath], force=False)
+    adapter on the dump's inputs; else parameters as ``params``).  ``out``: a folder, or the run's
+    :class:`~bnprobe.reports.OutputDir` (whose ``force`` applies); x.npy and shrink.json are renamed into place
+    only when everything else succeeded."""
     import io
 
+    from bnprobe.adapters.dump import record, write_dump
+    from bnprobe.reports import dumps_json, output_dir
+
+    sink = out if isinstance(out, OutputDir) else output_dir(out, "shrink")
+    folder = sink.path
+    sink.claim("x.npy", "shrink.json")
+    c = result.x.shape[1]
+    modes = ("train", "infer") if result.x.size // c < 2 else ("train", "infer", "backward")
     buf = io.BytesIO()
     np.save(buf, result.x)
-    atomic_write_bytes(xpath, buf.getvalue())
-    c = result.x.shape[1]
+    xpath = sink.write_bytes("x.npy", buf.getvalue())
     files = [xpath]
-    modes = ("train", "infer") if result.x.size // c < 2 else ("train", "infer", "backward")
     try:
         if recorded is not None:
             rec = recorded.channels(result.channels).record(get_adapter(adapter), result.x, dtype, modes)
@@ -325,23 +328,25 @@ def write_shrink(result: ShrinkResult, out: str | Path, *, adapter: str, dtype: 
             rec = record(get_adapter(adapter), x=result.x, gamma=None, beta=None, running_mean=np.zeros(c),
                          running_var=np.ones(c), dy=np.ones_like(result.x), dtype=dtype, modes=modes, params=params,
                          meta={"shrunk_from": list(result.original_shape)})
-        files += write_dump(rec, out / "dump")
+        files += write_dump(rec, folder / "dump", force=sink.force)
     except BNProbeError as exc:  # the dump is a convenience; the replay command is what matters
         if recorded is not None:
+            sink.discard()
             raise
         result.steps.append(f"no dump written: {exc}")
     # with recorded parameters the replay reruns the adapter on the dump's inputs (x, γ, β, eps, ...)
     prm = "" if recorded is not None or params == "fp32" else f" --params {params}"
     q = lambda path: shlex.quote(str(path))  # noqa: E731 - a user's folder may hold spaces or ; $ `
-    given = f"--input {q(out / 'dump')}" if recorded is not None else f"--dtype {dtype}{prm} --input {q(xpath)}"
+    given = f"--input {q(folder / 'dump')}" if recorded is not None else f"--dtype {dtype}{prm} --input {q(xpath)}"
     if predicate == "overflow":
         cmd = f"bnprobe overflow --adapter {shlex.quote(adapter)} --mode {mode} {given}"
     else:
-        given = f"--input {q(out / 'dump')}" if recorded is not None else f"--dtypes {dtype}{prm} --input {q(xpath)}"
+        given = (f"--input {q(folder / 'dump')}" if recorded is not None
+                 else f"--dtypes {dtype}{prm} --input {q(xpath)}")
         cmd = (f"bnprobe compare-precision --adapters {shlex.quote(adapter)} --mode {mode} {given} --no-budget "
-               f"--out {q(out / 'replay-report')}")
-    atomic_write_text(jpath, dumps_json({**result.to_dict(), "adapter": adapter, "dtype": dtype, "mode": mode,
-                                         "params": recorded.params if recorded is not None else params,
-                                         "predicate": predicate, "replay": cmd}))
-    files.append(jpath)
+               f"--out {q(folder / 'replay-report')}")
+    files.append(sink.write_text("shrink.json", dumps_json({
+        **result.to_dict(), "adapter": adapter, "dtype": dtype, "mode": mode,
+        "params": recorded.params if recorded is not None else params, "predicate": predicate, "replay": cmd})))
+    sink.commit()
     return files, cmd
