@@ -36,7 +36,7 @@ from bnprobe.adapters.base import (
     params_format,
     params_mode,
 )
-from bnprobe.adapters.msprobe import MSPROBE_BN_APIS, check_eps_momentum, npy_header
+from bnprobe.adapters.msprobe import MSPROBE_BN_APIS, check_eps_momentum, npy_header, read_json
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.kernels.layout import LAYOUTS
@@ -138,10 +138,7 @@ def write_dump(rec: Recording, out: str | Path, *, force: bool = False) -> list[
 
 def _read_meta(meta_path: Path) -> dict[str, Any]:
     """A bnprobe dump's metadata, its keys and their JSON types checked."""
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise BNProbeError(f"{meta_path}: not readable JSON ({exc})") from None
+    meta = read_json(meta_path)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_TAG:
         raise BNProbeError(f"{meta_path}: not a bnprobe dump (no \"format\": \"{FORMAT_TAG}\")")
     for key in ("adapter", "dtype", "params", "layout", "eps", "records"):
@@ -342,10 +339,7 @@ def _bnprobe_call(folder: Path, name: str | None = None, module: str | None = No
 def read_calls(folder: str | Path) -> dict[str, Any]:
     """The index of a model dump (``bnprobe-calls.json``), checked for its format tag and call list."""
     index = Path(folder) / CALLS_NAME
-    try:
-        doc = json.loads(index.read_text())
-    except (OSError, ValueError) as exc:
-        raise BNProbeError(f"{index}: not readable JSON ({exc})") from None
+    doc = read_json(index)
     if not isinstance(doc, dict) or doc.get("format") != CALLS_TAG or not isinstance(doc.get("calls"), list):
         raise BNProbeError(f"{index}: not a bnprobe model dump (no \"format\": \"{CALLS_TAG}\" with a calls list)")
     for i, c in enumerate(doc["calls"]):

@@ -32,7 +32,7 @@ from bnprobe.formats import get_format
 from bnprobe.numerics.rounding import is_representable
 
 __all__ = ["MSPROBE_BN_APIS", "MsprobeCall", "find_dump_jsons", "msprobe_calls", "read_call", "SUMMARY_KEYS",
-           "npy_header", "check_eps_momentum"]
+           "npy_header", "check_eps_momentum", "read_json"]
 
 MSPROBE_BN_APIS = ("batch_norm", "native_batch_norm", "cudnn_batch_norm", "_native_batch_norm_legit",
                    "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional")
@@ -78,11 +78,22 @@ class MsprobeCall:
     load: Callable[[], Any] = field(compare=False, repr=False)  # -> Recording (or summaries for statistics)
 
 
-def _read_json(dj: Path) -> dict[str, Any]:
+def read_json(path: Path) -> Any:
+    """The JSON document of a dump's metadata file; a file that cannot be read or parsed (bad bytes, bad JSON,
+    arrays or objects nested deeper than the parser's recursion limit, too large to hold) is a one-line error
+    naming it."""
     try:
-        doc = json.loads(dj.read_text())
+        return json.loads(path.read_text())
+    except RecursionError:
+        raise BNProbeError(f"{path}: not readable JSON (nested too deeply to parse)") from None
+    except MemoryError:
+        raise BNProbeError(f"{path}: not readable JSON (too large to parse in the memory available)") from None
     except (OSError, ValueError) as exc:
-        raise BNProbeError(f"{dj}: not readable JSON ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+        raise BNProbeError(f"{path}: not readable JSON ({type(exc).__name__}: {_first(exc)})") from None
+
+
+def _read_json(dj: Path) -> dict[str, Any]:
+    doc = read_json(dj)
     if not isinstance(doc, dict) or not isinstance(doc.get("data"), dict):
         raise BNProbeError(f"{dj}: not an msprobe dump.json (no \"data\" object)")
     if doc.get("task") is not None and not isinstance(doc["task"], str):
@@ -205,14 +216,18 @@ def msprobe_calls(path: str | Path) -> tuple[list[MsprobeCall], list[str]]:
 
 
 def _construct(folder: Path) -> dict[str, str]:
-    """construct.json: API record -> enclosing module record (mix level); {} when absent or empty."""
+    """construct.json: API record -> enclosing module record (mix level); {} when absent or empty (msprobe writes
+    it empty below the mix level).  A construct.json that is there but does not parse is a one-line error naming
+    it, as for dump.json."""
     p = folder / "construct.json"
     if not p.is_file():
         return {}
     try:
-        doc = json.loads(p.read_text())
-    except (OSError, ValueError):
-        return {}
+        if not p.read_bytes().strip():
+            return {}
+    except OSError as exc:
+        raise BNProbeError(f"{p}: not readable ({type(exc).__name__}: {_first(exc)})") from None
+    doc = read_json(p)
     return {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(doc, dict) else {}
 
 

@@ -545,3 +545,46 @@ def test_the_cli_says_a_hostile_dump_in_one_line(tmp_path, capsys, command):
     err = capsys.readouterr().err
     assert err.startswith("bnprobe: error: ") and err.count("\n") == 1 and "wrong JSON type" in err
     assert not (tmp_path / "report").exists()
+
+
+# ---- JSON that does not parse: nested too deeply, bad bytes -- one line naming the file ------------------------
+
+DEEP = "[" * 200_000 + "]" * 200_000
+
+
+def _model_dump(tmp_path):
+    recorded(tmp_path / "calls" / "bn1")
+    (tmp_path / "bnprobe-calls.json").write_text(json.dumps(
+        {"format": "bnprobe-calls", "calls": [{"name": "bn1", "dir": "calls/bn1", "module": "bn1"}]}))
+    return tmp_path / "bnprobe-calls.json"
+
+
+@pytest.mark.parametrize("where,text", [
+    ("bnprobe", DEEP), ("bnprobe", '{"format": "bnprobe-dump", "meta": ' + DEEP + "}"),
+    ("calls", DEEP), ("msprobe", DEEP),
+    ("msprobe", '{"task": "tensor", "data": {"Aten.native_batch_norm.0.forward": ' + DEEP + "}}"),
+    ("construct", DEEP), ("construct", "{broken"),
+])
+def test_json_nested_too_deeply_or_broken_is_one_line_naming_the_file(tmp_path, where, text):
+    if where == "bnprobe":
+        recorded(tmp_path)
+        victim = tmp_path / "bnprobe-dump.json"
+    elif where == "calls":
+        victim = _model_dump(tmp_path)
+    else:
+        build_msprobe(tmp_path)
+        victim = tmp_path / "step0" / "rank0" / ("dump.json" if where == "msprobe" else "construct.json")
+    victim.write_text(text)
+    with pytest.raises(BNProbeError) as info:
+        [c.load() for c in open_dump(tmp_path).calls]
+    msg = one_line(info)
+    assert msg.startswith(f"{victim}: not readable JSON"), msg
+    if text.startswith("[") or "[[" in text:
+        assert "nested too deeply" in msg
+
+
+def test_an_empty_construct_json_is_no_module_map(tmp_path):
+    """msprobe writes construct.json empty below the mix level: that is no error."""
+    build_msprobe(tmp_path)
+    (tmp_path / "step0" / "rank0" / "construct.json").write_text("")
+    assert [c.module for c in open_dump(tmp_path).calls] == [None, None]
