@@ -134,7 +134,29 @@ def _args(call: str, api_type: str, api: str, fwd: dict[str, Any], where: str) -
     args.update({_ALIASES.get(k, k): v for k, v in kw.items()})
     if not _is_tensor(args.get("input")):
         raise BNProbeError(f"{where}: {call}.forward has no input tensor")
+    keyword = {_ALIASES.get(k, k): k for k in kw}
+    for name in _TENSOR_ARGS:
+        v = args.get(name)
+        # a tensor argument is a tensor record, or None (recorded as null or as a record whose value is null)
+        if v is not None and not _is_tensor(v) and not (isinstance(v, dict) and v.get("value") is None):
+            at = f"input_kwargs.{keyword[name]}" if name in keyword else f"input_args[{order.index(name)}]"
+            raise BNProbeError(f"{where}: {call}.forward {name} ({at}) is {_json_kind(v)}, not a tensor record or "
+                               "null")
     return args
+
+
+_TENSOR_ARGS = ("weight", "bias", "running_mean", "running_var")
+
+
+def _json_kind(v: Any) -> str:
+    """What a JSON value is, for an error message."""
+    if isinstance(v, dict):
+        return f"an object of type {str(v.get('type'))[:40]!r}" if "type" in v else "an object without a type"
+    if isinstance(v, list):
+        return f"a list of {len(v)} value{'s' if len(v) != 1 else ''}"
+    if isinstance(v, str):
+        return f"the string {v[:40]!r}"
+    return f"{'a boolean' if isinstance(v, bool) else 'the number'} {json.dumps(v)}"
 
 
 def _list(record: dict[str, Any], key: str, where: str) -> list[Any]:

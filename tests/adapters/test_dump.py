@@ -588,3 +588,36 @@ def test_an_empty_construct_json_is_no_module_map(tmp_path):
     build_msprobe(tmp_path)
     (tmp_path / "step0" / "rank0" / "construct.json").write_text("")
     assert [c.module for c in open_dump(tmp_path).calls] == [None, None]
+
+
+@pytest.mark.parametrize("where,value,match", [
+    (("input_args", 1), [1, 2, 3], r"forward weight \(input_args\[1\]\) is a list of 3 values, not a tensor record"),
+    (("input_args", 2), "bias", r"forward bias \(input_args\[2\]\) is the string 'bias'"),
+    (("input_args", 3), 0.5, r"forward running_mean \(input_args\[3\]\) is the number 0.5"),
+    (("input_kwargs", "running_var"), True, r"forward running_var \(input_kwargs.running_var\) is a boolean true"),
+    (("input_args", 1), {"type": "float", "value": 1.0}, r"forward weight \(input_args\[1\]\) is an object of type "
+                                                          "'float'"),
+])
+def test_an_msprobe_tensor_argument_that_is_no_tensor_record_is_one_line(tmp_path, where, value, match):
+    """weight, bias and the running statistics are tensor records or null (None): anything else is a damaged
+    dump, not a call without them (which read on would have γ = 1 and a backward that does not fit)."""
+    build_msprobe(tmp_path)
+    dj = tmp_path / "step0" / "rank0" / "dump.json"
+    doc = json.loads(dj.read_text())
+    doc["data"]["Aten.native_batch_norm.0.forward"][where[0]][where[1]] = value
+    dj.write_text(json.dumps(doc))
+    with pytest.raises(BNProbeError) as info:
+        [c.load() for c in open_dump(tmp_path).calls]
+    assert re.search(r"dump.json: Aten.native_batch_norm.0." + match, one_line(info))
+
+
+@pytest.mark.parametrize("none", [None, {}, {"type": "NoneType", "value": None}])
+def test_an_msprobe_tensor_argument_recorded_as_none_is_no_argument(tmp_path, none):
+    build_msprobe(tmp_path)
+    dj = tmp_path / "step0" / "rank0" / "dump.json"
+    doc = json.loads(dj.read_text())
+    fwd = doc["data"]["Functional.batch_norm.1.forward"]
+    fwd["input_kwargs"]["weight"] = none
+    dj.write_text(json.dumps(doc))
+    rec = read_msprobe(tmp_path, "Functional.batch_norm.1")
+    assert "gamma" not in rec.tensors["infer"]["inputs"]
