@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe._loading import load_callable
+from bnprobe._loading import first_line, kind_of, load_callable, raised
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
 from bnprobe.adapters.base import params_format
 from bnprobe.adapters.dump import DumpAdapter
@@ -134,7 +134,7 @@ def _row(check: str, tensor: str, actual: np.ndarray, expected: np.ndarray, rtol
             per_r = np.where(over <= 0, 0.0, np.where(ge > 0, over / np.where(ge > 0, ge, 1.0), np.inf))
         need_atol = float(per.max()) if per.size else 0.0
         need_rtol = float(per_r.max()) if per_r.size else 0.0
-    return GradRow(check, tensor, ok, float(np.nanmax(d)) if d.size else 0.0,
+    return GradRow(check, tensor, ok, float(np.nanmax(d)) if (~np.isnan(d)).any() else math.nan if d.size else 0.0,
                    float(np.nanmax(rel)) if np.isfinite(rel).any() else 0.0, rtol, atol, need_atol, need_rtol,
                    float(np.nanmax(np.where(finite, used, np.inf))) if d.size else 0.0,
                    where_of(worst) if where_of else str(worst), detail, m.cosine, m.ratio_1e3, m.ratio_5e3, m.ulp_max)
@@ -277,13 +277,18 @@ def _identities(dx: np.ndarray, dg: np.ndarray | None, db: np.ndarray | None, in
                        np.abs(dyc * xhat).sum(axis=1)))
     rows = []
     for name, got, want, scale in checks:
-        with np.errstate(invalid="ignore", divide="ignore"):
-            resid = np.abs(got - want) / np.where(scale > 0, scale, 1.0)
-        worst = int(np.nanargmax(resid)) if resid.size else 0
-        ok = bool(np.all(np.isfinite(resid)) and resid.max() <= tol)
-        rows.append(GradRow("identity", name, ok, float(np.max(np.abs(got - want))), float(np.nanmax(resid)), tol, 0.0,
-                            float(np.nanmax(resid)), float(np.nanmax(resid)), float(np.nanmax(resid)) / tol if tol else
-                            math.inf, f"channel {worst}", "residual relative to the identity's own scale, per channel"))
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            diff = np.abs(got - want)
+            resid = diff / np.where(scale > 0, scale, 1.0)
+        # a NaN/inf residual (a NaN gradient, an overflowing sum) fails its channel: the worst, infinitely far off
+        bad = ~np.isfinite(resid)
+        worst = int(np.argmax(bad)) if bad.any() else int(np.argmax(resid)) if resid.size else 0
+        top = math.inf if bad.any() else float(resid.max()) if resid.size else 0.0
+        big = math.inf if not np.isfinite(diff).all() else float(diff.max()) if diff.size else 0.0
+        ok = top <= tol
+        rows.append(GradRow("identity", name, ok, big, top, tol, 0.0, top, top, top / tol if tol else math.inf,
+                            f"channel {worst}" + (" (NaN/inf)" if bad.any() else ""),
+                            "residual relative to the identity's own scale, per channel"))
     return rows
 
 
@@ -346,6 +351,25 @@ def _load_formula(spec: str) -> Formula:
     return load_callable(spec, "formula", ("dy", "x", "gamma", "mean", "var", "eps"))
 
 
+def _failed_formula(tensor: str, rtol: float, atol: float, why: str) -> GradRow:
+    """The row of a formula output that could not be compared (``why``: one line)."""
+    return GradRow("formula", tensor, False, math.inf, math.inf, rtol, atol, math.inf, math.inf, math.inf, "", why)
+
+
+def _real_array(value: Any) -> tuple[np.ndarray, str | None]:
+    """A formula's output as a float64 array, or why it is none (one line): a complex, object, string or ragged
+    result is refused, not cast (a cast would drop an imaginary part with only a warning)."""
+    try:
+        with np.errstate(all="ignore"):
+            a = np.asarray(value)
+            if a.dtype.kind not in "biuf":
+                what = "an array" if isinstance(value, np.ndarray) else kind_of(value)
+                return np.empty(0), f"returned {what} of dtype {a.dtype}, not a real array"
+            return a.astype(np.float64), None
+    except Exception as exc:  # noqa: BLE001 - whatever the user's object raises on conversion
+        return np.empty(0), f"returned {kind_of(value)}, not an array ({first_line(exc)})"
+
+
 def check_formula(spec: str, shape: tuple[int, ...] = (4, 3, 5, 5), *, seed: int = 0, eps: float = 1e-5,
                   rtol: float | None = None, atol: float | None = None) -> GradcheckResult:
     """Check a backward formula ``f(dy, x, gamma, mean, var, eps) -> dx`` (or (dx, dgamma, dbeta)) in FP64
@@ -371,18 +395,22 @@ def check_formula(spec: str, shape: tuple[int, ...] = (4, 3, 5, 5), *, seed: int
             with np.errstate(all="ignore"):
                 out = fn(inp.dy.copy(), inp.x.copy(), inp.gamma.copy(), mean.copy(), var.copy(), eps)
         except Exception as exc:  # noqa: BLE001 - a user's formula may fail in any way; report it
-            rows.append(GradRow("formula", f"{label}: dx", False, math.inf, math.inf, rt, at, math.inf, math.inf,
-                                math.inf, "", f"raised {type(exc).__name__}: {exc}"))
+            rows.append(_failed_formula(f"{label}: dx", rt, at, raised("the formula", exc)))
             continue
         outs = out if isinstance(out, tuple) else (out,)
         names = ("dx", "dgamma", "dbeta")
         golds = (gold.dx, gold.dgamma, gold.dbeta)
+        if not outs or len(outs) > len(names):
+            rows.append(_failed_formula(f"{label}: dx", rt, at, f"returned a tuple of {len(outs)}, not dx or "
+                                                                 "(dx, dgamma, dbeta)"))
+            continue
         ok = True
         for name, got, want in zip(names, outs, golds):
-            if np.shape(got) != np.shape(want):
-                rows.append(GradRow("formula", f"{label}: {name}", False, math.inf, math.inf, rt, at, math.inf,
-                                    math.inf, math.inf, "",
-                                    f"returned shape {np.shape(got)}, expected {np.shape(want)}"))
+            got, why = _real_array(got)
+            if why is None and got.shape != np.shape(want):
+                why = f"returned shape {got.shape}, expected {np.shape(want)}"
+            if why is not None:
+                rows.append(_failed_formula(f"{label}: {name}", rt, at, why))
                 ok = False
                 continue
             r = _row("formula", f"{label}: {name}", got, want, rt, at,
@@ -567,8 +595,11 @@ def _gradcheck_call(recorded: Recorded, run: CallRun, rtol: float | None, atol: 
     rt, at = grad_tolerance(fmt, rtol, atol)
     where_x, where_c = _where(x.shape), _where((c,))
     what = "the recorded backward" if recorded.replay else f"{run.kernel}'s backward"
+    # a replay answers only the gradients the call recorded (its kernel computed): affine=False records no dγ, dβ
+    recorded_out = rec.tensors.get("backward", {}).get("outputs", {}) if recorded.replay else run.got
+    got = {k: v for k, v in run.got.items() if k in recorded_out}
     for name in ("dx", "dgamma", "dbeta"):
-        if name not in run.got:
+        if name not in got:
             continue
         actual, golden = run.got[name], run.gold[name]
         scale = run.scales.get(name)
@@ -579,13 +610,13 @@ def _gradcheck_call(recorded: Recorded, run: CallRun, rtol: float | None, atol: 
                          where_of=where_x if name == "dx" else where_c, scale=scale, equal_nan=True,
                          detail=f"{what} in {fmt} vs FP64 on the recorded inputs; atol relative to the "
                                 "gradient's natural scale"))
-    if "dgamma" not in run.got:
+    if "dgamma" not in got:
         notes.append("affine=False: no dgamma, dbeta recorded")
     # 3. identities of the kernel's gradients (training)
-    if training and run.gold_saved is not None:
+    if training and run.gold_saved is not None and "dx" in got:
         g = np.ones(c) if ci["gamma"] is None else np.asarray(ci["gamma"], dtype=np.float64)
         dy = _channels_first(rec.tensors["backward"]["inputs"]["dy"], layout)
         mean, var = np.asarray(run.gold_saved.mean, dtype=np.float64), run.gold_saved.var(eps)
-        rows += _identities(_channels_first(run.got["dx"], layout), run.got.get("dgamma"), run.got.get("dbeta"), None,
+        rows += _identities(_channels_first(got["dx"], layout), got.get("dgamma"), got.get("dbeta"), None,
                             x, dy, g, mean, var, eps, rt, dx_scale=run.scales.get("dx"))
     return GradcheckResult(run.kernel, fmt, mode, tuple(np.shape(ci["x"])), 0, rows, notes, run.label)

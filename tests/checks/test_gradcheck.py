@@ -201,3 +201,85 @@ def test_cli_params(capsys):
     assert "in bf16 (params same)" in capsys.readouterr().out
     assert main(["gradcheck", "--formula", "seed", "--params", "same"]) == 2
     assert "--params does not apply" in capsys.readouterr().err
+
+
+class NanDgamma(ReferenceAdapter):
+    """A backward whose dγ is NaN in every channel."""
+
+    def __init__(self):
+        super().__init__()
+        self.name = "nan-dgamma"
+
+    def _backward_impl(self, p, dy, saved, *, eps, training):
+        out = super()._backward_impl(p, dy, saved, eps=eps, training=training)
+        return BackwardOutput(out.dx, np.full_like(np.asarray(out.dgamma, dtype=np.float64), np.nan), out.dbeta)
+
+
+def test_a_nan_gradient_fails_its_identity_instead_of_crashing():
+    """An all-NaN dγ used to end in numpy's 'All-NaN slice encountered' ValueError in the identities."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = gradcheck(NanDgamma(), "fp64", (4, 2, 3, 3))
+    row = next(x for x in r.rows if x.check == "identity" and x.tensor == "dgamma = sum(dy*xhat)")
+    assert not row.passed and row.used == np.inf and row.where == "channel 0 (NaN/inf)"
+    assert next(x for x in r.rows if x.check == "identity" and x.tensor == "dbeta = sum(dy)").passed
+
+
+def test_a_recorded_call_without_dgamma_dbeta_is_judged_on_dx_alone(tmp_path):
+    """affine=False: the recording holds no dγ, dβ (the replay answers NaN for them); gradcheck leaves them out
+    and says so, rather than failing them or crashing on their all-NaN identities."""
+    from bnprobe.adapters import get_adapter
+    from bnprobe.adapters.dump import record, write_dump
+    from bnprobe.checks.gradcheck import gradcheck_recorded
+    from bnprobe.checks.recorded import recording_of
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 3, 5, 5))
+    rec = record(get_adapter("reference"), x=x, gamma=None, beta=None, running_mean=np.zeros(3),
+                 running_var=np.ones(3), dy=rng.standard_normal(x.shape), dtype="fp32")
+    for name in ("dgamma", "dbeta"):
+        del rec.tensors["backward"]["outputs"][name]
+    write_dump(rec, tmp_path)
+    (result,) = gradcheck_recorded(recording_of(f"dump:{tmp_path}")).results
+    assert result, [row.to_dict() for row in result.failed()]
+    assert {row.tensor for row in result.rows if row.check == "vs-fp64"} == {"dx"}
+    assert not [row for row in result.rows if row.check != "finite-differences"  # (those are the golden's)
+                and ("dgamma" in row.tensor or "dbeta" in row.tensor)]
+    assert any("no dgamma, dbeta recorded" in n for n in result.notes)
+
+
+def formula_raises_two_lines(dy, x, gamma, mean, var, eps):
+    raise RuntimeError("first line\nsecond line")
+
+
+def formula_complex(dy, x, gamma, mean, var, eps):
+    return formula_standard(dy, x, gamma, mean, var, eps) + 1j
+
+
+def formula_nothing(dy, x, gamma, mean, var, eps):
+    return ()
+
+
+def formula_ragged(dy, x, gamma, mean, var, eps):
+    return [[1.0], [1.0, 2.0]]
+
+
+@pytest.mark.parametrize("name,detail", [
+    ("formula_raises_two_lines", "the formula raised RuntimeError: first line"),
+    ("formula_complex", "returned an array of dtype complex128, not a real array"),
+    ("formula_nothing", "returned a tuple of 0, not dx or (dx, dgamma, dbeta)"),
+    ("formula_ragged", "returned a list, not an array (ValueError: "),
+])
+def test_a_formula_that_fails_or_returns_no_real_array_is_one_failing_row(name, detail):
+    """The row's detail is one line (a multi-line exception message is cut to its first), and a complex result
+    is refused rather than cast with a ComplexWarning; a formula that returns nothing does not pass."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = check_formula(f"tests.checks.test_gradcheck:{name}")
+    assert not r
+    (row,) = [x for x in r.rows if x.check == "formula"]
+    assert row.detail.startswith(detail) and "\n" not in row.detail and row.tensor.endswith("dx")
