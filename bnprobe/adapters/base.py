@@ -7,6 +7,8 @@ inputs to the requested formats once, and checks what the implementation returns
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -132,13 +134,24 @@ class Prepared:
     vectors: dict[str, np.ndarray | None]
 
 
+@contextmanager
+def _implements(adapter: Any, what: str) -> Iterator[None]:
+    """A NotImplementedError from an adapter's own method (a plugin's stub) is a one-line error naming it."""
+    try:
+        yield
+    except NotImplementedError as exc:
+        text = str(exc).strip()
+        raise BNProbeError(f"adapter {getattr(adapter, 'name', type(adapter).__name__)} does not implement {what}"
+                           + (f" ({text.splitlines()[0]})" if text else "")) from None
+
+
 class BaseAdapter:
     """Input checks and conversions shared by every adapter."""
 
     name: str = "base"
 
-    def capabilities(self) -> Capabilities:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def capabilities(self) -> Capabilities:
+        raise BNProbeError(f"adapter {self.name} does not implement capabilities()")
 
     def __repr__(self) -> str:
         return f"<adapter {self.name}>"
@@ -182,7 +195,8 @@ class BaseAdapter:
         if p.lay.reduce_size < 2 and not self.capabilities().training_r1:
             raise BNProbeError(
                 f"training needs more than one value per channel; x has shape {p.lay.shape}, so N*H*W = 1")
-        out = self._forward_train_impl(p, momentum=check_momentum(momentum), eps=check_eps(eps))
+        with _implements(self, "training forward"):
+            out = self._forward_train_impl(p, momentum=check_momentum(momentum), eps=check_eps(eps))
         self._check_forward(out, p, training=True)
         return out
 
@@ -192,7 +206,8 @@ class BaseAdapter:
         p = self._prepare("infer", x, dtype, layout, params, {
             "gamma": (gamma, 1.0, False), "beta": (beta, 0.0, False),
             "running_mean": (running_mean, None, True), "running_var": (running_var, None, True)})
-        out = self._forward_infer_impl(p, eps=check_eps(eps))
+        with _implements(self, "inference forward"):
+            out = self._forward_infer_impl(p, eps=check_eps(eps))
         self._check_forward(out, p, training=False)
         return out
 
@@ -210,7 +225,8 @@ class BaseAdapter:
             raise BNProbeError("training-mode backward needs more than one value per channel")
         dyr = round_to(np.asarray(dy, dtype=np.float64), p.dtype)
         sv = Saved(p.vectors["saved_mean"], saved.kind, p.vectors["saved_value"])  # type: ignore[arg-type]
-        out = self._backward_impl(p, dyr, sv, eps=check_eps(eps), training=training)
+        with _implements(self, "backward"):
+            out = self._backward_impl(p, dyr, sv, eps=check_eps(eps), training=training)
         if out.dx.shape != p.lay.shape or out.dgamma.shape != (p.lay.channels,) or \
                 out.dbeta.shape != (p.lay.channels,):
             raise AssertionError(f"adapter {self.name} returned gradients of the wrong shape")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 from bnprobe._loading import binds, first_line, kind_of, raised, resolve
-from bnprobe.adapters.base import BaseAdapter, KernelAdapter
+from bnprobe.adapters.base import BaseAdapter, Capabilities, KernelAdapter
 from bnprobe.errors import BNProbeError
 
 __all__ = ["get_adapter", "list_adapters", "AdapterInfo", "ENTRY_POINT_GROUP"]
@@ -124,11 +125,51 @@ def _entry_points() -> dict[str, object]:
 
 _METHODS = ("capabilities", "forward_train", "forward_infer", "backward")
 _NOT_ADAPTER = "not a KernelAdapter (it needs name, capabilities, forward_train, forward_infer and backward)"
+# what a BaseAdapter subclass implements to compute anything (the public methods, or their _impl hooks)
+_COMPUTES = ("_forward_train_impl", "_forward_infer_impl", "_backward_impl", "forward_train", "forward_infer",
+             "backward")
+
+
+def _class_problem(cls: type) -> str | None:
+    """Why the class ``cls`` makes no usable adapter (not one, abstract, or BaseAdapter's unimplemented
+    methods left as they are), judged without calling it; None when it does."""
+    if not (issubclass(cls, BaseAdapter) or all(callable(getattr(cls, m, None)) for m in _METHODS)):
+        return _NOT_ADAPTER
+    if inspect.isabstract(cls):
+        return f"an abstract class (it does not implement {', '.join(sorted(cls.__abstractmethods__))})"
+    if issubclass(cls, BaseAdapter):
+        if getattr(cls, "capabilities", None) is BaseAdapter.capabilities:
+            return "an adapter base class that does not implement capabilities()"
+        if all(getattr(cls, m, None) is getattr(BaseAdapter, m) for m in _COMPUTES):
+            return ("an adapter base class that implements none of forward_train, forward_infer and backward "
+                    "(nor their _impl methods)")
+    return None
+
+
+def _check_kind(obj: object, where: str, module: str | None = None) -> str:
+    """What ``obj`` is as an adapter -- ``class``, ``instance`` or ``factory`` (a Python function of ``module``
+    taking no arguments) -- judged **without calling anything of it**; anything else is a one-line error."""
+    if isinstance(obj, type):
+        why = _class_problem(obj)
+        if why:
+            raise BNProbeError(f"{where} is {kind_of(obj)}, {why}")
+        if not binds(obj):
+            raise BNProbeError(f"{where} cannot be called without arguments, as bnprobe makes an adapter")
+        return "class"
+    if isinstance(obj, KernelAdapter):
+        why = _class_problem(type(obj))
+        if why:
+            raise BNProbeError(f"{where} is an instance of {type(obj).__name__}, {why}")
+        return "instance"
+    if inspect.isfunction(obj) and (module is None or obj.__module__ == module):
+        if not binds(obj):
+            raise BNProbeError(f"{where} cannot be called without arguments, as bnprobe makes an adapter")
+        return "factory"
+    raise BNProbeError(f"{where} is {kind_of(obj)}, not a KernelAdapter class or instance, nor a factory "
+                       f"function{'' if module is None else f' of {module}'}")
 
 
 def _construct(make: Callable[[], object], where: str) -> object:
-    if not binds(make):
-        raise BNProbeError(f"{where} cannot be called without arguments, as bnprobe makes an adapter")
     try:
         return make()
     except BNProbeError:
@@ -137,23 +178,31 @@ def _construct(make: Callable[[], object], where: str) -> object:
         raise BNProbeError(raised(where, exc)) from None
 
 
-def _instantiate(obj: object, where: str, module: str | None = None) -> KernelAdapter:
+def _instantiate(obj: object, where: str, module: str | None = None, *, plugin: bool = True) -> KernelAdapter:
     """The adapter ``obj`` is (an instance) or makes (a KernelAdapter class, or a Python function of
-    ``module`` taking no arguments), its kind checked before it is called."""
-    if isinstance(obj, type):
-        if not (issubclass(obj, BaseAdapter) or all(callable(getattr(obj, m, None)) for m in _METHODS)):
-            raise BNProbeError(f"{where} is {kind_of(obj)}, {_NOT_ADAPTER}")
-        adapter = _construct(obj, where)
-    elif isinstance(obj, KernelAdapter):
-        adapter = obj
-    elif inspect.isfunction(obj) and (module is None or obj.__module__ == module):
-        adapter = _construct(obj, where)
-    else:
-        raise BNProbeError(f"{where} is {kind_of(obj)}, not a KernelAdapter class or instance, nor a factory "
-                           f"function{'' if module is None else f' of {module}'}")
+    ``module`` taking no arguments), its kind checked before it is called, and what it made checked; a
+    ``plugin``'s capabilities() must answer a Capabilities (asked once, here, so that a plugin that does not
+    implement it is refused before any check runs)."""
+    kind = _check_kind(obj, where, module)
+    adapter = obj if kind == "instance" else _construct(obj, where)  # type: ignore[operator]
     if isinstance(adapter, type) or not isinstance(adapter, KernelAdapter):
         raise BNProbeError(f"{where} made {kind_of(adapter)}, {_NOT_ADAPTER}")
-    return adapter
+    if kind == "factory" and _class_problem(type(adapter)):
+        raise BNProbeError(f"{where} made an instance of {type(adapter).__name__}, {_class_problem(type(adapter))}")
+    if not plugin:
+        return adapter  # type: ignore[return-value]
+    try:
+        caps = adapter.capabilities()
+    except NotImplementedError:
+        raise BNProbeError(f"{where}: adapter {getattr(adapter, 'name', '?')!r} does not implement "
+                           "capabilities()") from None
+    except BNProbeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the plugin's own code
+        raise BNProbeError(raised(f"{where}: capabilities()", exc)) from None
+    if not isinstance(caps, Capabilities):
+        raise BNProbeError(f"{where}: capabilities() returned {kind_of(caps)}, not a Capabilities")
+    return adapter  # type: ignore[return-value]
 
 
 def _plugin(spec: str) -> KernelAdapter:
@@ -161,10 +210,30 @@ def _plugin(spec: str) -> KernelAdapter:
     return _instantiate(obj, f"plugin {spec!r}", mod.__name__)
 
 
+def _entry_point_module(ep: object) -> str:
+    return str(getattr(ep, "module", None) or str(getattr(ep, "value", "")).partition(":")[0].strip())
+
+
+def _load_entry_point(name: str, ep: object) -> tuple[object, str]:
+    """The object a ``bnprobe.adapters`` entry point names (its module imported: an installed package's) and
+    that module, its kind checked; nothing of it is called.  A standard-library target is refused unloaded."""
+    module = _entry_point_module(ep)
+    where = f"plugin {name!r} ({getattr(ep, 'value', '?')})"
+    if module.partition(".")[0] in sys.stdlib_module_names:
+        raise BNProbeError(f"{where} is in the standard library ({module}): an adapter entry point names code of "
+                           "its own package")
+    try:
+        obj = ep.load()  # type: ignore[attr-defined]
+    except Exception as exc:  # noqa: BLE001
+        raise BNProbeError(f"plugin {name!r} failed to load: {first_line(exc)}") from None
+    _check_kind(obj, where, module)
+    return obj, module
+
+
 def get_adapter(spec: str | KernelAdapter) -> KernelAdapter:
     """An adapter by name (``emulated:fp16``, ``ascend-tbe:chip=910``, ``dump:DIR``, ``pkg.mod:Name``...)."""
     if not isinstance(spec, str):
-        return _instantiate(spec, repr(spec))
+        return _instantiate(spec, repr(spec), plugin=False)
     spec = spec.strip()
     if spec in BUILTIN:
         info, opts = BUILTIN[spec], ""
@@ -178,11 +247,8 @@ def get_adapter(spec: str | KernelAdapter) -> KernelAdapter:
         return info.make(opts)
     eps = _entry_points()
     if spec in eps:
-        try:
-            obj = eps[spec].load()  # type: ignore[attr-defined]
-        except Exception as exc:  # noqa: BLE001
-            raise BNProbeError(f"plugin {spec!r} failed to load: {first_line(exc)}") from None
-        return _instantiate(obj, f"plugin {spec!r}", getattr(eps[spec], "module", None))
+        obj, module = _load_entry_point(spec, eps[spec])
+        return _instantiate(obj, f"plugin {spec!r} ({getattr(eps[spec], 'value', '?')})", module)
     if ":" in spec and spec.partition(":")[0] not in BUILTIN:
         return _plugin(spec)
     known = ", ".join(list(BUILTIN) + list(eps))
@@ -197,11 +263,12 @@ def list_adapters() -> list[dict[str, object]]:
         rows.append({"name": info.name, "available": why is None, "why": why or "", "description": info.description,
                      "options": info.takes_options})
     for name, ep in _entry_points().items():
+        # loaded (its module imported) and its kind checked, never called: listing runs no plugin's code
         try:
-            _instantiate(ep.load(), name)  # type: ignore[attr-defined]
+            _load_entry_point(name, ep)
             why = None
-        except Exception as exc:  # noqa: BLE001
-            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        except BNProbeError as exc:
+            why = str(exc)
         rows.append({"name": name, "available": why is None, "why": why or "", "description": f"plugin ({ep.value})",
                      "options": ""})
     return rows

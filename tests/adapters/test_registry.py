@@ -1,3 +1,4 @@
+import abc
 import math
 import os
 import re
@@ -170,15 +171,28 @@ def test_plugin_factory_function_and_instance(plugin_modules):
 
 
 def test_entry_point_of_the_wrong_kind(monkeypatch):
+    loaded = []
+
     class EP:
         name, value, module = "vendor-bn", "os:abort", "os"
 
         def load(self):
+            loaded.append(self.value)
             return os.abort
 
-    monkeypatch.setattr(registry, "_entry_points", lambda: {"vendor-bn": EP()})
-    with pytest.raises(BNProbeError, match="is a built-in function, not a KernelAdapter") as e:
+    class Builtin(EP):
+        name, value, module = "vendor-sqrt", "cand_kernels:sqrt", "cand_kernels"
+
+        def load(self):
+            return math.sqrt
+
+    monkeypatch.setattr(registry, "_entry_points", lambda: {"vendor-bn": EP(), "vendor-sqrt": Builtin()})
+    with pytest.raises(BNProbeError, match=r"'vendor-bn' \(os:abort\) is in the standard library \(os\)") as e:
         get_adapter("vendor-bn")
+    _one_line(e)
+    assert loaded == []  # refused by its name, not even imported
+    with pytest.raises(BNProbeError, match="is a built-in function, not a KernelAdapter") as e:
+        get_adapter("vendor-sqrt")
     _one_line(e)
 
 
@@ -248,3 +262,114 @@ def test_formula_of_the_wrong_kind(spec, message):
     with pytest.raises(BNProbeError) as e:
         check_formula(spec)
     assert re.search(message, _one_line(e))
+
+
+# ---- abstract and unimplemented adapters; entry points listed without calling them -----------------------------
+
+class OnlyCapabilities(BaseAdapter):
+    name = "only-caps"
+
+    def capabilities(self):
+        return Capabilities(formats=("fp32",))
+
+
+class Stubbed(Tiny):
+    name = "stubbed"
+
+    def _backward_impl(self, p, dy, saved, *, eps, training):
+        raise NotImplementedError("coming in v2\nsecond line")
+
+
+class ProtocolStub:
+    """Has every method of the protocol, but capabilities() is a stub."""
+
+    name = "protocol-stub"
+
+    def capabilities(self):
+        raise NotImplementedError
+
+    forward_train = forward_infer = backward = capabilities
+
+
+class Abstract(BaseAdapter, abc.ABC):
+    @abc.abstractmethod
+    def capabilities(self):
+        ...
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("bnprobe.adapters.base:BaseAdapter", r"is the class BaseAdapter, an adapter base class that does not implement "
+                                          r"capabilities\(\)$"),
+    ("tests.adapters.test_registry:Abstract", r"is the class Abstract, an abstract class \(it does not implement "
+                                              r"capabilities\)$"),
+    ("tests.adapters.test_registry:OnlyCapabilities", r"implements none of forward_train, forward_infer and backward"),
+    ("tests.adapters.test_registry:ProtocolStub", r"^plugin 'tests.adapters.test_registry:ProtocolStub': adapter "
+                                                  r"'protocol-stub' does not implement capabilities\(\)$"),
+])
+def test_an_abstract_or_unimplemented_adapter_is_refused_before_it_runs(spec, message):
+    """The base class itself used to be made and then fail with a bare NotImplementedError at run time."""
+    with pytest.raises(BNProbeError) as e:
+        get_adapter(spec)
+    assert re.search(message, _one_line(e))
+    with pytest.raises(BNProbeError, match="does not implement capabilities"):
+        BaseAdapter().capabilities()
+
+
+def test_a_not_implemented_method_at_run_time_is_one_line():
+    a = get_adapter("tests.adapters.test_registry:Stubbed")
+    f = a.forward_train(np.ones((4, 2)), dtype="fp32")
+    with pytest.raises(BNProbeError) as e:
+        a.backward(np.ones((4, 2)), np.ones((4, 2)), None, f.saved, dtype="fp32")
+    assert _one_line(e) == "adapter stubbed does not implement backward (coming in v2)"
+
+
+def test_listing_entry_points_calls_no_factory(monkeypatch):
+    """``bnprobe adapters`` loads each entry point's object and judges its kind, but never calls it: a factory,
+    a class's constructor or a standard-library function (os.abort) would run the plugin's code just to list it."""
+    called, loaded = [], []
+    mod = types.ModuleType("vendor_eps")
+
+    def factory():
+        called.append("factory")
+        return Tiny()
+
+    def takes_args(x):
+        called.append("takes_args")
+
+    class Made(Tiny):
+        def __init__(self):
+            called.append("Made")
+
+    factory.__module__ = takes_args.__module__ = "vendor_eps"
+    mod.__dict__.update(factory=factory, takes_args=takes_args, Made=Made, foreign=registry.list_adapters)
+    monkeypatch.setitem(sys.modules, "vendor_eps", mod)
+
+    class EP:
+        def __init__(self, name, value):
+            self.name, self.value = name, value
+            self.module, _, self.attr = value.partition(":")
+
+        def load(self):
+            loaded.append(self.value)
+            return getattr(sys.modules[self.module], self.attr) if self.module == "vendor_eps" else os.abort
+
+    eps = {n: EP(n, v) for n, v in (("f", "vendor_eps:factory"), ("c", "vendor_eps:Made"),
+                                    ("args", "vendor_eps:takes_args"), ("foreign", "vendor_eps:foreign"),
+                                    ("abort", "os:abort"), ("base", "bnprobe.adapters.base:BaseAdapter"))}
+    eps["base"].load = lambda: BaseAdapter
+    monkeypatch.setattr(registry, "_entry_points", lambda: eps)
+    rows = {r["name"]: r for r in list_adapters()}
+    assert called == [] and "os:abort" not in loaded
+    assert rows["f"]["available"] and rows["c"]["available"]
+    assert re.search(r"'abort' \(os:abort\) is in the standard library", rows["abort"]["why"])
+    assert "cannot be called without arguments" in rows["args"]["why"]
+    assert "not a KernelAdapter class or instance, nor a factory function of vendor_eps" in rows["foreign"]["why"]
+    assert "an adapter base class" in rows["base"]["why"]
+    assert not any(rows[n]["available"] for n in ("abort", "args", "foreign", "base"))
+    assert all("\n" not in r["why"] for r in rows.values())
+    # asking for one refuses it before calling it, too; the good ones are made on request
+    for name in ("abort", "args", "foreign", "base"):
+        with pytest.raises(BNProbeError):
+            get_adapter(name)
+    assert called == [] and "os:abort" not in loaded
+    assert get_adapter("f").name == "tiny" and called == ["factory"]
