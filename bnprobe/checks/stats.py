@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from bnprobe._loading import first_line
 from bnprobe.errors import BNProbeError
 from bnprobe.kernels import backward, forward_train, get_policy
 from bnprobe.numerics.rounding import round_to
@@ -149,11 +150,10 @@ def load_log(path: str | Path) -> pd.DataFrame:
         raise BNProbeError(f"log {str(p)!r} does not exist")
     try:
         df = pd.read_parquet(p) if p.suffix in (".parquet", ".pq") else pd.read_csv(p)
-    except ImportError as exc:
-        raise BNProbeError(f"{p}: reading Parquet needs pyarrow or fastparquet ({exc})") from None
+    except ImportError:  # pandas' message is several lines of advice: ours is one
+        raise BNProbeError(f"{p}: reading Parquet needs pyarrow or fastparquet (pip install pyarrow)") from None
     except Exception as exc:  # noqa: BLE001 - any parser failure is a malformed log to the user
-        raise BNProbeError(f"{p}: not a readable CSV/Parquet log ({type(exc).__name__}: {str(exc).splitlines()[0]})") \
-            from None
+        raise BNProbeError(f"{p}: not a readable CSV/Parquet log ({first_line(exc)})") from None
     missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
     if missing:
         raise BNProbeError(f"{p}: missing column(s) {', '.join(missing)}; a log needs "

@@ -316,3 +316,32 @@ def test_a_dump_series_whose_call_name_is_not_text_names_the_layer_by_its_text(t
         write_dump(rec, tmp_path / "series" / f"step{step}")
     df = load_dump_series(tmp_path / "series")
     assert df["layer"].unique().tolist() == ["[1, 2]"] and isinstance(find(df), list)
+
+
+PANDAS_PARQUET_ADVICE = ("Unable to find a usable engine; tried using: 'pyarrow', 'fastparquet'.\n"
+                         "A suitable version of pyarrow or fastparquet is required for parquet support.\n"
+                         "Trying to import the above resulted in these errors:\n - Missing optional dependency")
+
+
+@pytest.mark.parametrize("name,reader,exc,match", [
+    ("log.parquet", "read_parquet", ImportError(PANDAS_PARQUET_ADVICE),
+     r"log.parquet: reading Parquet needs pyarrow or fastparquet \(pip install pyarrow\)$"),
+    ("log.parquet", "read_parquet", ValueError("bad magic\nsecond line"),
+     r"log.parquet: not a readable CSV/Parquet log \(ValueError: bad magic\)$"),
+    ("log.csv", "read_csv", ValueError(""), r"log.csv: not a readable CSV/Parquet log \(ValueError\)$"),
+    ("log.csv", "read_csv", RecursionError("deep\n"), r"not a readable CSV/Parquet log \(RecursionError: deep\)$"),
+])
+def test_an_unreadable_log_is_one_line_whatever_the_reader_says(tmp_path, monkeypatch, name, reader, exc, match):
+    """pandas' ImportError without pyarrow is four lines of advice (it was passed on whole), and an exception
+    without a message ended in an IndexError."""
+    p = tmp_path / name
+    p.write_bytes(b"PAR1 junk PAR1")
+
+    def fail(*args, **kwargs):
+        raise exc
+
+    monkeypatch.setattr(pd, reader, fail)
+    with pytest.raises(BNProbeError) as info:
+        load_log(p)
+    assert type(info.value) is BNProbeError and "\n" not in str(info.value)
+    assert re.search(match, str(info.value))
