@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import math
 import warnings
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from bnprobe._loading import first_line
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.kernels import forward_infer, get_policy
@@ -35,7 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
 __all__ = ["Layer", "FoldReport", "make_layer", "load_layer", "check_layer", "fold_params", "layer_forward",
-           "check_fold", "ASCEND_EPS_FLOOR", "ASCEND_EPS_REPLACEMENT"]
+           "check_fold", "fold_bytes", "ASCEND_EPS_FLOOR", "ASCEND_EPS_REPLACEMENT"]
 
 # Ascend's Conv+BN folding pass on the host replaces an eps below 1e-8 by 1e-5
 ASCEND_EPS_FLOOR = 1e-8
@@ -119,17 +121,49 @@ def _scalar(p: Path, name: str, a: np.ndarray, kind: type) -> Any:
     return kind(v)
 
 
+def _read_npz(p: Path) -> dict[str, np.ndarray]:
+    """Every array of an .npz, each member's .npy header read first: a member that is not a .npy array (raw bytes,
+    a pickle: numpy would hand them back as bytes), holds Python objects or is shorter than its header says is
+    refused, and all of them together are checked against the memory limit before any data is read."""
+    from bnprobe.adapters.msprobe import npy_header
+    from bnprobe.guard import PER_ELEMENT, format_size, require
+
+    try:
+        with zipfile.ZipFile(p) as zf:
+            headers = {}
+            for info in zf.infolist():
+                key = info.filename.removesuffix(".npy")
+                with zf.open(info) as fh:
+                    magic = fh.read(6)
+                if not info.filename.endswith(".npy") or magic != b"\x93NUMPY":
+                    raise BNProbeError(f"{p}: member {info.filename!r} is not a .npy array (np.savez writes only "
+                                       ".npy members); refused, nothing in it is loaded or unpickled")
+                if key in headers:
+                    raise BNProbeError(f"{p}: member {info.filename!r} is there twice")
+                with zf.open(info) as fh:
+                    headers[key] = (info, *npy_header(fh, f"{p}: {key}", info.file_size))
+            values = sum(math.prod(shape) for _, shape, _ in headers.values())
+            stored = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in headers.values())
+            # the arrays as stored and as float64, plus the loader's own per-value overhead
+            require(stored + values * (8 + PER_ELEMENT["load"]), f"loading {p} ({format_size(stored)} of arrays)")
+            out = {}
+            for key, (info, _, _) in headers.items():
+                with zf.open(info) as fh:
+                    out[key] = np.lib.format.read_array(fh, allow_pickle=False)
+            return out
+    except BNProbeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - zip, zlib and numpy errors alike: a damaged file
+        raise BNProbeError(f"{p}: not a readable .npz ({first_line(exc)})") from None
+
+
 def load_layer(path: str | Path) -> Layer:
     """A layer from an .npz with weight, gamma, beta, running_mean, running_var (optional: bias, eps,
     groups, padding, x, kind), checked as :func:`check_layer` does."""
     p = Path(path)
     if not p.is_file():
         raise BNProbeError(f"weights file {str(p)!r} does not exist")
-    try:
-        with np.load(p, allow_pickle=False) as z:
-            d = {k: z[k] for k in z.files}
-    except Exception as exc:  # noqa: BLE001
-        raise BNProbeError(f"{p}: not a readable .npz ({type(exc).__name__})") from None
+    d = _read_npz(p)
     need = [k for k in ("weight", "gamma", "beta", "running_mean", "running_var") if k not in d]
     if need:
         raise BNProbeError(f"{p}: missing array(s) {', '.join(need)}")
@@ -204,6 +238,40 @@ def check_layer(layer: Layer) -> None:
             raise BNProbeError(f"the {kh}x{kw} kernel is larger than x's {h}x{wd} plane padded by {pad}")
     elif pad != 0:
         raise BNProbeError(f"padding is {pad!r}: a linear layer has none (padding 0)")
+
+
+#: fold's peak memory, in bytes per value (the slopes of ``/usr/bin/time -f %M bnprobe fold --weights W.npz`` between
+#: two sizes of each quantity, x 1.3): per product of the widest group of ``layer_forward`` (N·(Cout/g)·Ho·Wo·
+#: (Cin/g·kh·kw): every product rounded to the accumulator, then summed; 25 B measured), per im2col column value
+#: (N·Ho·Wo·(Cin/g·kh·kw) of a group; 8 B), per output value (N·Cout·Ho·Wo: every path's output in float64, their
+#: channel rows, errors and the wrong-statistics variants; 163 B) and per input value (x stored, rounded and
+#: regrouped; 28 B).  An fp64 accumulator runs the einsum golden alone: no products are held.
+FOLD_BYTES_PER_PRODUCT = 33
+FOLD_BYTES_PER_COLUMN = 11
+FOLD_BYTES_PER_OUTPUT = 212
+FOLD_BYTES_PER_INPUT = 37
+
+
+def fold_bytes(kind: str, x_shape: tuple[int, ...], w_shape: tuple[int, ...], *, groups: int = 1, pad: int = 0,
+               accumulate: str = "fp32") -> int:
+    """The estimated peak memory of :func:`check_fold` on a layer of these shapes (see FOLD_BYTES_PER_*)."""
+    from bnprobe.guard import BASE_BYTES
+
+    n, cout = int(x_shape[0]), int(w_shape[0])
+    if kind == "conv2d":
+        h, w = int(x_shape[2]), int(x_shape[3])
+        kh, kw = int(w_shape[2]), int(w_shape[3])
+        spatial = max(h + 2 * pad - kh + 1, 0) * max(w + 2 * pad - kw + 1, 0)
+        k = int(w_shape[1]) * kh * kw  # (Cin/g)·kh·kw
+    else:
+        spatial, k = 1, int(w_shape[1])
+    columns = n * spatial * k
+    products = columns * (cout // max(groups, 1))
+    outputs = n * cout * spatial
+    inputs = math.prod(int(d) for d in x_shape)
+    held = 0 if get_format(accumulate).name == "fp64" else products
+    return (BASE_BYTES + FOLD_BYTES_PER_PRODUCT * held + FOLD_BYTES_PER_COLUMN * columns
+            + FOLD_BYTES_PER_OUTPUT * outputs + FOLD_BYTES_PER_INPUT * inputs)
 
 
 def fold_params(gamma: np.ndarray, beta: np.ndarray, mean: np.ndarray, var: np.ndarray, eps: float,
@@ -313,6 +381,11 @@ def check_fold(layer: Layer, dtype: str = "fp16", *, accumulate: str | None = No
     check_layer(layer)
     kind, groups, pad = layer.kind, layer.groups, layer.padding
     cout = layer.channels
+    from bnprobe.guard import require
+
+    require(fold_bytes(kind, np.shape(layer.x), np.shape(layer.weight), groups=groups, pad=pad, accumulate=acc),
+            f"fold of a {kind} layer (weight {tuple(np.shape(layer.weight))}"
+            f"{f', groups {groups}' if groups > 1 else ''}) on x of shape {tuple(np.shape(layer.x))}")
     pol = get_policy("fp64").with_options(name="fp64")
     # golden: FP64 layer then BN inference on the same stored inputs
     xs, ws = round_to(layer.x, fmt), round_to(layer.weight, fmt)

@@ -214,3 +214,104 @@ def test_cli_refuses_truncating_weights_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("bnprobe: error: ") and err.count("\n") == 1 and "x has shape (2, 20, 12, 12)" in err
     assert not (tmp_path / "o").exists()
+
+
+# ---- members that are no .npy array; memory ---------------------------------------------------------------------
+
+class Evil:
+    """Unpickling it would leave a marker file."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _with_member(tmp_path, name, data):
+    import zipfile
+
+    p = _npz(tmp_path, CONV)
+    with zipfile.ZipFile(p, "a") as z:
+        z.writestr(name, data)
+    return p
+
+
+@pytest.mark.parametrize("name", ["beta2.npy", "notes.txt"])
+def test_a_member_that_is_no_npy_array_is_refused_and_never_unpickled(tmp_path, name):
+    """np.load hands such a member back as raw bytes: it ended in AttributeError: 'bytes' object has no
+    attribute 'dtype'."""
+    import pickle
+
+    marker = tmp_path / "unpickled"
+    p = _with_member(tmp_path, name, pickle.dumps(Evil(marker)))
+    with pytest.raises(BNProbeError) as info:
+        load_layer(p)
+    msg = str(info.value)
+    assert type(info.value) is BNProbeError and "\n" not in msg
+    assert msg == (f"{p}: member {name!r} is not a .npy array (np.savez writes only .npy members); refused, nothing "
+                   "in it is loaded or unpickled")
+    assert not marker.exists()
+
+
+def test_a_truncated_or_object_member_is_refused_from_its_header(tmp_path):
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, np.zeros((1000, 1000)))
+    p = _with_member(tmp_path, "big.npy", buf.getvalue()[:4096])
+    with pytest.raises(BNProbeError, match=r"big: 4096 bytes, shorter than the \d+ its header declares"):
+        load_layer(p)
+    buf = io.BytesIO()
+    np.save(buf, np.array([1, "a"], dtype=object), allow_pickle=True)
+    p = _with_member(tmp_path, "obj.npy", buf.getvalue())
+    with pytest.raises(BNProbeError, match="obj: holds Python objects"):
+        load_layer(p)
+
+
+def test_a_layer_too_large_for_the_memory_limit_is_refused_before_it_runs(tmp_path, capsys):
+    """x (8, 16, 64, 64) through 64 3x3 filters: 302 M products, each rounded and summed in float64 carriers,
+    about 10 GiB at fold's peak; refused at once under --max-memory."""
+    import time
+
+    from bnprobe.checks.fold import fold_bytes
+    from bnprobe.guard import set_memory_limit
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 16, 3, 3))
+    p = _npz(tmp_path, CONV, weight=w, gamma=np.ones(64), beta=np.zeros(64), running_mean=np.zeros(64),
+             running_var=np.ones(64), bias=None, x=rng.standard_normal((8, 16, 64, 64)))
+    est = fold_bytes("conv2d", (8, 16, 64, 64), w.shape, pad=1)
+    assert 8 * 2**30 < est < 16 * 2**30
+    assert fold_bytes("conv2d", (8, 16, 64, 64), w.shape, pad=1, accumulate="fp64") < 2**30  # no products held
+    t0 = time.monotonic()
+    try:
+        assert main(["--max-memory", "2G", "fold", "--weights", str(p), "--out", str(tmp_path / "o")]) == 2
+    finally:
+        set_memory_limit(None)
+    err = capsys.readouterr().err
+    assert time.monotonic() - t0 < 5 and err.count("\n") == 1
+    assert err.startswith("bnprobe: error: fold of a conv2d layer (weight (64, 16, 3, 3)) on x of shape "
+                          "(8, 16, 64, 64) needs about ") and "--max-memory limit" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_fold_estimate_bounds_the_measured_peak(tmp_path):
+    """The estimate is above the peak resident memory of a real run (getrusage of a child process), and not
+    more than twice it."""
+    import subprocess
+    import sys
+
+    from bnprobe.checks.fold import fold_bytes
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((32, 16, 3, 3))
+    x = rng.standard_normal((4, 16, 32, 32))  # 18.9 M products
+    p = _npz(tmp_path, CONV, weight=w, x=x)
+    code = ("import resource, subprocess, sys; r = subprocess.run([sys.executable, '-m', 'bnprobe', 'fold', "
+            "'--weights', sys.argv[1]], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE); "
+            "assert r.returncode in (0, 1), r.stderr; print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    out = subprocess.run([sys.executable, "-c", code, str(p)], capture_output=True, text=True, check=True)
+    peak = int(out.stdout.strip()) * 1024
+    est = fold_bytes("conv2d", x.shape, w.shape, pad=1)
+    assert peak <= est <= 2 * peak, (peak, est)
