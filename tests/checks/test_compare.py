@@ -122,7 +122,7 @@ def test_default_run_writes_every_file_and_never_clobbers(tmp_path, monkeypatch,
     (["compare-precision", "--dtypes", "fp64", "--adapters", "ascend-tbe"], "does not run fp64"),
     (["compare-precision", "--rule", "vibes", "--shape", "4,3"], "unknown rule"),
     (["compare-precision", "--shapes", "vgg", "--no-stress"], "unknown shape set"),
-    (["compare-precision", "--batch", "0"], "--batch must be >= 1"),
+    (["compare-precision", "--batch", "0"], "Invalid value for '--batch'"),
     (["compare-precision", "--shape", "4,3", "--format", "pdf"], "unknown report format"),
     (["compare-precision", "--input", "/nope.npy"], "does not exist"),
 ])
