@@ -157,7 +157,8 @@ def _check_kind(obj: object, where: str, module: str | None = None) -> str:
             raise BNProbeError(f"{where} cannot be called without arguments, as bnprobe makes an adapter")
         return "class"
     if isinstance(obj, KernelAdapter):
-        why = _class_problem(type(obj))
+        # (an object that has the protocol's methods as its own attributes is judged by them alone)
+        why = _class_problem(type(obj)) if isinstance(obj, BaseAdapter) else None
         if why:
             raise BNProbeError(f"{where} is an instance of {type(obj).__name__}, {why}")
         return "instance"
@@ -187,7 +188,7 @@ def _instantiate(obj: object, where: str, module: str | None = None, *, plugin: 
     adapter = obj if kind == "instance" else _construct(obj, where)  # type: ignore[operator]
     if isinstance(adapter, type) or not isinstance(adapter, KernelAdapter):
         raise BNProbeError(f"{where} made {kind_of(adapter)}, {_NOT_ADAPTER}")
-    if kind == "factory" and _class_problem(type(adapter)):
+    if kind == "factory" and isinstance(adapter, BaseAdapter) and _class_problem(type(adapter)):
         raise BNProbeError(f"{where} made an instance of {type(adapter).__name__}, {_class_problem(type(adapter))}")
     if not plugin:
         return adapter  # type: ignore[return-value]

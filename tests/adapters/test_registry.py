@@ -291,6 +291,10 @@ class ProtocolStub:
     forward_train = forward_infer = backward = capabilities
 
 
+def makes_base():
+    return BaseAdapter()
+
+
 class Abstract(BaseAdapter, abc.ABC):
     @abc.abstractmethod
     def capabilities(self):
@@ -303,6 +307,8 @@ class Abstract(BaseAdapter, abc.ABC):
     ("tests.adapters.test_registry:Abstract", r"is the class Abstract, an abstract class \(it does not implement "
                                               r"capabilities\)$"),
     ("tests.adapters.test_registry:OnlyCapabilities", r"implements none of forward_train, forward_infer and backward"),
+    ("tests.adapters.test_registry:makes_base", r"made an instance of BaseAdapter, an adapter base class that does "
+                                                r"not implement capabilities\(\)$"),
     ("tests.adapters.test_registry:ProtocolStub", r"^plugin 'tests.adapters.test_registry:ProtocolStub': adapter "
                                                   r"'protocol-stub' does not implement capabilities\(\)$"),
 ])
