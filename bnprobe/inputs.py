@@ -11,7 +11,7 @@ import numpy as np
 
 from bnprobe.errors import BNProbeError
 
-__all__ = ["DISTRIBUTIONS", "make_input", "make_params", "parse_shape", "load_array", "array_header"]
+__all__ = ["DISTRIBUTIONS", "make_input", "make_params", "parse_shape", "load_array", "array_header", "npy_header"]
 
 # normal: N(mean, std²); uniform: same mean and std; student_t: heavy tails (3 degrees of
 # freedom, scaled to the same std); constant: every value equal to mean (var = 0, eps decides).
@@ -58,26 +58,29 @@ def make_params(channels: int, seed: int = 0) -> dict[str, np.ndarray]:
     return {"gamma": rng.uniform(0.5, 1.5, channels), "beta": rng.normal(0.0, 0.1, channels)}
 
 
-def _npy_header(fh: BinaryIO, size: int, where: str) -> tuple[tuple[int, ...], np.dtype]:
-    """Shape and dtype from a .npy header, checked against the ``size`` bytes actually there; nothing loaded."""
+def npy_header(fh: BinaryIO, where: str, size: int) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype a .npy stream of ``size`` bytes declares, read from its header without loading the
+    data (the one reader of untrusted .npy headers: inputs, dump tensors, fold weights); a header that does not
+    parse, object (pickled) data, a bad shape or a stream shorter than the header says are one-line errors."""
     from numpy.lib import format as npformat
 
     try:
         version = npformat.read_magic(fh)
+        if version not in ((1, 0), (2, 0)):
+            raise ValueError(f"version {version[0]}.{version[1]}")
         read = npformat.read_array_header_1_0 if version == (1, 0) else npformat.read_array_header_2_0
-        shape, _, dtype = read(fh, max_header_size=100_000)
+        shape, _, dtype = read(fh)
     except Exception as exc:  # noqa: BLE001 - a forged header can fail numpy's parser in any way (TokenError...)
-        raise BNProbeError(f"{where}: not a readable .npy array ({str(exc).splitlines()[0] if str(exc) else exc})") \
-            from None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise BNProbeError(f"{where}: corrupt .npy header ({type(exc).__name__}: {first})") from None
     if dtype.hasobject:
-        raise BNProbeError(f"{where}: holds Python objects (dtype {dtype}); bnprobe never unpickles data")
+        raise BNProbeError(f"{where}: holds Python objects (a pickle); bnprobe refuses to unpickle")
     if not all(isinstance(d, int) and d >= 0 for d in shape):
         raise BNProbeError(f"{where}: bad shape {shape} in its header")
-    need = math.prod(shape) * dtype.itemsize
-    have = size - fh.tell()
-    if need > have:
-        raise BNProbeError(f"{where}: its header declares shape {shape} ({need:,} bytes of {dtype}) but the file "
-                           f"holds {max(have, 0):,}: truncated or forged")
+    need = fh.tell() + math.prod(shape) * dtype.itemsize
+    if size < need:
+        raise BNProbeError(f"{where}: {size} bytes, shorter than the {need} its header declares for shape "
+                           f"{list(shape)} of {dtype} (truncated or forged)")
     return tuple(shape), dtype
 
 
@@ -90,7 +93,7 @@ def array_header(path: str | Path, key: str = "x") -> tuple[tuple[int, ...], np.
         magic = fh.read(6)
     if magic == b"\x93NUMPY":
         with open(p, "rb") as fh:
-            shape, dtype = _npy_header(fh, p.stat().st_size, str(p))
+            shape, dtype = npy_header(fh, str(p), p.stat().st_size)
         return shape, dtype, ""
     if magic[:4] != b"PK\x03\x04":
         raise BNProbeError(f"{p}: not a .npy or .npz file (its first bytes are neither a NUMPY header nor a zip)")
@@ -107,7 +110,7 @@ def array_header(path: str | Path, key: str = "x") -> tuple[tuple[int, ...], np.
                 raise BNProbeError(f"{p}: no array {key!r} among {', '.join(members)}")
             info = z.getinfo(members[name])
             with z.open(info) as fh:
-                shape, dtype = _npy_header(fh, info.file_size, f"{p}[{name}]")
+                shape, dtype = npy_header(fh, f"{p}[{name}]", info.file_size)
     except (zipfile.BadZipFile, OSError, EOFError, NotImplementedError, RuntimeError) as exc:
         raise BNProbeError(f"{p}: not a readable .npz file ({str(exc).splitlines()[0] if str(exc) else exc})") \
             from None

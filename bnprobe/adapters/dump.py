@@ -36,12 +36,13 @@ from bnprobe.adapters.base import (
     params_format,
     params_mode,
 )
-from bnprobe.adapters.msprobe import MSPROBE_BN_APIS, check_eps_momentum, npy_header, read_json
+from bnprobe.adapters.msprobe import MSPROBE_BN_APIS, check_eps_momentum, read_json
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
+from bnprobe.inputs import npy_header
 from bnprobe.kernels.layout import LAYOUTS
 from bnprobe.numerics.rounding import is_representable
-from bnprobe.reports import atomic_write_bytes, atomic_write_text, check_targets
+from bnprobe._files import atomic_write_bytes, atomic_write_text, check_targets
 
 __all__ = ["Recording", "write_dump", "load_dump", "open_dump", "DumpAdapter", "read_msprobe", "record", "CallRef",
            "RecordedCalls", "read_calls", "MSPROBE_BN_APIS", "META_NAME", "TENSORS_NAME", "CALLS_NAME", "CALLS_TAG"]

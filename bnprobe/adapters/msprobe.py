@@ -22,17 +22,17 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
-from numpy.lib import format as npy_format
 
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
+from bnprobe.inputs import npy_header
 from bnprobe.numerics.rounding import is_representable
 
 __all__ = ["MSPROBE_BN_APIS", "MsprobeCall", "find_dump_jsons", "msprobe_calls", "read_call", "SUMMARY_KEYS",
-           "npy_header", "check_eps_momentum", "read_json"]
+           "check_eps_momentum", "read_json"]
 
 MSPROBE_BN_APIS = ("batch_norm", "native_batch_norm", "cudnn_batch_norm", "_native_batch_norm_legit",
                    "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional")
@@ -259,27 +259,6 @@ def _loader(dj: Path, call: str, task: str, module: str | None = None) -> Callab
         return read_call(dj, doc, call, module) if task == "tensor" else read_summaries(dj, doc, call)
 
     return load
-
-
-def npy_header(fh: IO[bytes], where: str, size: int) -> tuple[tuple[int, ...], np.dtype]:
-    """The shape and dtype a .npy stream of ``size`` bytes declares, read from its header without loading the
-    data; a header that does not parse, object (pickled) data, or a stream shorter than the header says are
-    errors."""
-    try:
-        version = npy_format.read_magic(fh)
-        if version not in ((1, 0), (2, 0)):
-            raise ValueError(f"version {version[0]}.{version[1]}")
-        read = npy_format.read_array_header_1_0 if version == (1, 0) else npy_format.read_array_header_2_0
-        shape, _, dtype = read(fh)
-    except Exception as exc:  # noqa: BLE001 - whatever a damaged header raises
-        raise BNProbeError(f"{where}: corrupt .npy header ({type(exc).__name__}: {_first(exc)})") from None
-    if dtype.hasobject:
-        raise BNProbeError(f"{where}: holds Python objects (a pickle); bnprobe refuses to unpickle")
-    need = fh.tell() + math.prod(shape) * dtype.itemsize
-    if size < need:
-        raise BNProbeError(f"{where}: {size} bytes, shorter than the {need} its header declares for shape "
-                           f"{list(shape)} of {dtype}")
-    return tuple(shape), dtype
 
 
 def _first(exc: BaseException) -> str:

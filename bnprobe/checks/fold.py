@@ -125,7 +125,7 @@ def _read_npz(p: Path) -> dict[str, np.ndarray]:
     """Every array of an .npz, each member's .npy header read first: a member that is not a .npy array (raw bytes,
     a pickle: numpy would hand them back as bytes), holds Python objects or is shorter than its header says is
     refused, and all of them together are checked against the memory limit before any data is read."""
-    from bnprobe.adapters.msprobe import npy_header
+    from bnprobe.inputs import npy_header
     from bnprobe.guard import PER_ELEMENT, format_size, require
 
     try:
