@@ -301,10 +301,11 @@ def run_call(kernel: KernelAdapter, rec: Recording, *, modes: tuple[str, ...] | 
             mine = gold_saved = Saved(np.asarray(rm, dtype=np.float64), "var", np.asarray(rv, dtype=np.float64))
         got = k.backward(dy, x, g, mine, training=training, **common)
         gb = ref.backward(dy, x, g, gold_saved, training=training, **common)
-        run.put("dx", got.dx, gb.dx, out_fmt)
-        if got.meta.get("affine") is not False:
-            run.put("dgamma", got.dgamma, gb.dgamma, vec_fmt)
-            run.put("dbeta", got.dbeta, gb.dbeta, vec_fmt)
+        missing = got.meta.get("missing", ())  # gradients the recorded kernel did not compute (affine=False...)
+        for name, mine_g, gold_g, fmt_g in (("dx", got.dx, gb.dx, out_fmt), ("dgamma", got.dgamma, gb.dgamma, vec_fmt),
+                                            ("dbeta", got.dbeta, gb.dbeta, vec_fmt)):
+            if name not in missing and (name == "dx" or got.meta.get("affine") is not False):
+                run.put(name, mine_g, gold_g, fmt_g)
         run.scales.update(_backward_scales(x, dy, g, gold_saved, eps, rec.layout))
     elif "backward" in wanted:
         run.notes.append("no backward recorded (no dy)")

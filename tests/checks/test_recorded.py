@@ -545,3 +545,19 @@ def test_the_replay_command_quotes_a_users_folder(tmp_path):
     words = shlex.split(cmd)
     assert words[words.index("--input") + 1] == str(out / "x.npy") and (out / "x.npy") in files
     assert words[words.index("--out") + 1] == str(out / "replay-report")
+
+
+def test_gradients_a_recording_lacks_are_not_kernel_faults(capsys, tmp_path):
+    """affine=False: the recorded kernel computed no dgamma/dbeta; overflow and doctor must not call the NaN the
+    replay puts in their place a fault."""
+    torch = pytest.importorskip("torch")
+    import bnprobe
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, affine=False)).train()
+    with bnprobe.capture(m, tmp_path / "naff"):
+        m(torch.randn(4, 3, 8, 8)).sum().backward()
+    for cmd in ("overflow", "doctor"):
+        code, out, err = run_cli(capsys, cmd, "--adapter", f"dump:{tmp_path / 'naff'}")
+        assert code == 0, (cmd, out, err)
+        assert "nan@dgamma" not in out and "NaN where the FP64 golden" not in out
