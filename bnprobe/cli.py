@@ -1184,6 +1184,10 @@ def _run(args: list[str]) -> int:
             return 2
         if isinstance(exc, BrokenPipeError):  # pragma: no cover - e.g. piped into head
             return 0
+        if isinstance(exc, NotImplementedError):  # a plugin adapter without a method this command needs
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else "a method this command needs"
+            typer.echo(f"bnprobe: error: an adapter does not implement {first[:200]}", err=True)
+            return 2
         if isinstance(exc, OSError):  # a path the user gave: too long, unreadable, a full disk...
             name = exc.filename if exc.filename is not None else ""
             typer.echo(f"bnprobe: error: {str(name)[:200]}{': ' if name else ''}"

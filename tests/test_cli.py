@@ -247,3 +247,22 @@ def test_doctor_says_when_your_input_is_not_finite(capsys, tmp_path):
     code, out, err = run(capsys, "doctor", "--input", str(p), "--no-stability")
     assert code in (0, 1) and "your input holds 96 NaN/inf value(s) of 96" in out
     assert "Warning" not in err
+
+
+def test_a_plugin_that_is_not_a_base_adapter_and_lacks_a_method(capsys, tmp_path, monkeypatch):
+    """A duck-typed plugin (not a BaseAdapter) raising NotImplementedError at run time is one line, exit 2."""
+    (tmp_path / "duckplug.py").write_text(
+        "from bnprobe.adapters import Capabilities\n"
+        "class Duck:\n"
+        "    name = 'duck'\n"
+        "    def capabilities(self):\n"
+        "        return Capabilities(formats=('fp32',), modes=('train', 'infer', 'backward'))\n"
+        "    def forward_train(self, *a, **k):\n"
+        "        raise NotImplementedError('training forward (duck)')\n"
+        "    def forward_infer(self, *a, **k):\n"
+        "        raise NotImplementedError\n"
+        "    def backward(self, *a, **k):\n"
+        "        raise NotImplementedError\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = run(capsys, "gradcheck", "--adapter", "duckplug:Duck", "--dtype", "fp32")
+    assert code == 2 and err.count("\n") == 1 and "does not implement" in err, err

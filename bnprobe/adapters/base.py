@@ -229,19 +229,19 @@ class BaseAdapter:
             out = self._backward_impl(p, dyr, sv, eps=check_eps(eps), training=training)
         if out.dx.shape != p.lay.shape or out.dgamma.shape != (p.lay.channels,) or \
                 out.dbeta.shape != (p.lay.channels,):
-            raise AssertionError(f"adapter {self.name} returned gradients of the wrong shape")
+            raise BNProbeError(f"adapter {self.name} returned gradients of the wrong shape")
         return out
 
     def _check_forward(self, out: ForwardOutput, p: Prepared, *, training: bool) -> None:
         """The base promises these shapes to every check; an adapter that breaks them is a bug."""
         if np.shape(out.y) != p.lay.shape:
-            raise AssertionError(f"adapter {self.name} returned y of shape {np.shape(out.y)}, not {p.lay.shape}")
+            raise BNProbeError(f"adapter {self.name} returned y of shape {np.shape(out.y)}, not {p.lay.shape}")
         if training and self.capabilities().saved != "none":
             if out.saved is None or out.saved.kind != self.capabilities().saved:
-                raise AssertionError(f"adapter {self.name} must return the saved statistics it declares")
+                raise BNProbeError(f"adapter {self.name} must return the saved statistics it declares")
             for v in (out.saved.mean, out.saved.value):
                 if np.shape(v) != (p.lay.channels,):
-                    raise AssertionError(f"adapter {self.name} returned saved statistics of the wrong shape")
+                    raise BNProbeError(f"adapter {self.name} returned saved statistics of the wrong shape")
 
     # ---- to implement -------------------------------------------------------------------------
     def _forward_train_impl(self, p: Prepared, *, momentum: float | None, eps: float) -> ForwardOutput:

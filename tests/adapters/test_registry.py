@@ -88,7 +88,7 @@ def test_base_checks_what_an_adapter_returns():
         def _forward_train_impl(self, p, *, momentum, eps):
             return ForwardOutput(np.zeros((1,)), None)
 
-    with pytest.raises(AssertionError, match="returned y of shape"):
+    with pytest.raises(BNProbeError, match="returned y of shape"):
         Wrong().forward_train(np.ones((4, 2)), dtype="fp32")
 
 
