@@ -43,13 +43,14 @@ _WRAPPER = ("import resource, subprocess, sys; r = subprocess.run([sys.executabl
             "print(r.stderr.strip()[-300:])")
 
 
-def measure(command: str, shape: tuple[int, ...]) -> tuple[int, float]:
+def measure(command: str, shape: tuple[int, ...], limit: int) -> tuple[int, float]:
     """Peak resident bytes and seconds of ``bnprobe command --shape shape``, in a wrapper process of its own (the
     kernel's maximum over that wrapper's children is this run's alone)."""
     with tempfile.TemporaryDirectory() as tmp:
         argv = [a.replace("{tmp}", tmp) for a in ARGS[command]]
         t0 = time.monotonic()
-        r = subprocess.run([sys.executable, "-c", _WRAPPER, command, "--shape", ",".join(map(str, shape)), *argv],
+        r = subprocess.run([sys.executable, "-c", _WRAPPER, "--max-memory", str(limit), command, "--shape",
+                            ",".join(map(str, shape)), *argv],
                            capture_output=True, text=True, check=True)
         seconds = time.monotonic() - t0
     first, _, err = r.stdout.partition("\n")
@@ -76,7 +77,7 @@ def main() -> int:
         est = run_bytes(command, math.prod(shape))
         peak, secs = "", ""
         if command in wanted and n > 0:
-            p, s = measure(command, shape)
+            p, s = measure(command, shape, limit)  # the same limit as here, whatever frees up meanwhile
             peak, secs = format_size(p), f"{s:.0f}"
             if p > limit:
                 peak += " (!! over the limit)"
