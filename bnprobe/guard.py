@@ -86,6 +86,18 @@ def available_memory() -> tuple[int, str]:
         cg_now = _read_int("/sys/fs/cgroup/memory/memory.usage_in_bytes")
     if cg_max is not None and cg_max < 2**60:
         found.append((max(cg_max - (cg_now or 0), 0), "memory left in this cgroup"))
+    try:  # an address-space limit (ulimit -v): what is left of it
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            vm = 0
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("VmSize:"):
+                    vm = int(line.split()[1]) * 1024
+            found.append((max(soft - vm, 0), "address space left under ulimit -v"))
+    except (ImportError, OSError, ValueError, IndexError):  # pragma: no cover - not Linux
+        pass
     if not found:
         try:
             found.append((os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "available memory"))

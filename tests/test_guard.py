@@ -158,3 +158,11 @@ def test_estimate_bounds_the_measured_peak(tmp_path, command, extra):
     (n0, p0), (n1, p1) = sorted(peaks.items())
     slope = (p1 - p0) / (n1 - n0)
     assert slope <= run_bytes(command, 1) - run_bytes(command, 0) <= 2.5 * slope + 64, (command, slope)
+
+
+def test_an_address_space_limit_is_the_limit():
+    """Under ``ulimit -v`` the guard refuses what the allocator would refuse, instead of a MemoryError."""
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, resource.RLIM_INFINITY)); "
+            "from bnprobe.cli import main; raise SystemExit(main(['trace', '--shape', '64,64,56,56']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 2 and "address space left under ulimit -v" in r.stderr and r.stderr.count("\n") == 1
