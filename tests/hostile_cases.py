@@ -1153,16 +1153,9 @@ def option_cases() -> list[Case]:
     return out
 
 
-WRITERS: dict[str, tuple[str, ...]] = {
-    "rsqrt": ("rsqrt", "--format", "fp16"),
-    "dump": ("dump", "--adapter", "emulated", "--shape", "2,3,4,4"),
-    "gradcheck": ("gradcheck", "--shape", "2,3,2,2"),
-    "compare-precision": CP + ("--shape", "2,3,4,4"),
-    "overflow": ("overflow", "--shape", "2,3,4,4"),
-    "fold": ("fold",),
-    "doctor": ("doctor", "--no-stability"),
-    "shrink": ("shrink", "--adapter", "emulated:fp16-acc16", "--shape", "2,3,4,4", "--mean", "1000", "--seconds",
-               "5"),
+WRITERS: dict[str, tuple[str, ...]] = {  # BASE's invocations, without an --out of their own
+    **{c: BASE[c] for c in ("rsqrt", "gradcheck", "compare-precision", "overflow", "fold", "doctor", "shrink")},
+    "dump": tuple(a for a in BASE["dump"] if a not in ("--out", "{cwd}/dumpout")),
     "plot-stats": PLOT_LOG,
 }
 DEFAULT_REPORT_WRITERS = ("compare-precision", "shrink", "plot-stats")
