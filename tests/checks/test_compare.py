@@ -95,8 +95,10 @@ def test_bad_arguments():
 
 
 def test_default_run_writes_every_file_and_never_clobbers(tmp_path, monkeypatch, capsys):
+    """Every default report file, in a default folder, never over an earlier run's (on a small shape: the ResNet-50
+    verdicts are test_emulated_presets_pass_resnet50_and_a_naive_port_does_not's)."""
     monkeypatch.chdir(tmp_path)
-    code = main(["compare-precision"])
+    code = main(["compare-precision", "--shape", "4,8,5,5", "--mean", "3"])
     out = capsys.readouterr().out
     assert code in (0, 1) and "report: reports/compare-precision-" in out
     first = next((tmp_path / "reports").iterdir())
@@ -105,9 +107,8 @@ def test_default_run_writes_every_file_and_never_clobbers(tmp_path, monkeypatch,
     html = (first / "report.html").read_text()
     assert "data:image/png;base64," in html and "<table" in html and "Error budget" in html
     df = pd.read_csv(first / "compare.csv")
-    assert {"fp16", "bf16", "fp32"} == set(df.dtype) and len(df) > 500
-    resnet = df[df.case.str.startswith("resnet50")]
-    assert (resnet.verdict == "PASS").all()  # the emulated presets are within standard on ResNet-50 shapes
+    assert {"fp16", "bf16", "fp32"} == set(df.dtype) and set(df.tensor) >= {"y", "dx", "dgamma", "running_var"}
+    assert len(pd.read_csv(first / "budget.csv")) > 0 and len(pd.read_csv(first / "channels.csv")) > 0
     before = {p.name: p.read_bytes() for p in first.iterdir()}
     code = main(["compare-precision", "--shape", "4,3,5,5", "--no-budget", "--dtypes", "fp16"])
     capsys.readouterr()
