@@ -730,10 +730,10 @@ def overflow_cmd(
                                  rep.to_dict(), md)
     if as_json:
         typer.echo(dumps_json(rep.to_dict()))
-        return 0 if rep.clean else 1
+        return 0 if rep.passed else 1
     typer.echo(f"overflow scan of {rep.adapter} in {rep.dtype} ({rep.mode}"
                + (f", params {params}" if params is not None else "") + "): "
-               + ("clean" if rep.clean else f"{len(rep.findings)} finding(s)"))
+               + ("clean" if rep.passed else f"{len(rep.findings)} finding(s)"))
     typer.echo(table)
     for f in rep.findings:
         if f.remedies:
@@ -747,7 +747,7 @@ def overflow_cmd(
         typer.echo(f"{s_['overflow_mode']:>8} mode: outputs finite {100 * s_['finite_share']:.0f}%, max |output| "
                    f"{s_['max_abs_output']:.4g}, max error {s_['max_abs_error']:.4g}")
     _close(rep.notes, written if out is not None else None)
-    return 0 if rep.clean else 1
+    return 0 if rep.passed else 1
 
 
 @app.command("fold")
@@ -867,7 +867,7 @@ def doctor_cmd(
         for i, rep in enumerate(run.results):
             bad = [it for it in rep.items if it.status != "PASS"]
             summary.append({"#": i, "call": rep.call, "format": rep.dtype, "params": rep.params,
-                            "status": "healthy" if rep.healthy else "FAIL", "items": len(rep.items),
+                            "status": "healthy" if rep.passed else "FAIL", "items": len(rep.items),
                             "failed": sum(it.status == "FAIL" for it in rep.items),
                             "diagnosis": "; ".join(rep.diagnosis)})
             items += [{"call": rep.call, **it.to_dict()} for it in bad]
@@ -901,7 +901,7 @@ def doctor_cmd(
     rows = [i.to_dict() for i in rep.items]
     table = render_table(rows, ["status", "name", "evidence"], headers=["status", "check", "evidence"])
     title = f"doctor {rep.adapter} in {rep.dtype}, params {rep.params}: " + \
-        ("healthy" if rep.healthy else "something failed")
+        ("healthy" if rep.passed else "something failed")
     if out is not None:
         md = f"# bnprobe {title}\n\n```\n{table}\n```\n\ndiagnosis: {'; '.join(rep.diagnosis) or 'none'}\n\n" + \
             "".join(f"- {it.name}: {d}\n" for it in rep.items for d in it.details)
@@ -909,7 +909,7 @@ def doctor_cmd(
                                  rep.to_dict(), md)
     if as_json:
         typer.echo(dumps_json(rep.to_dict()))
-        return 0 if rep.healthy else 1
+        return 0 if rep.passed else 1
     typer.echo(title)
     typer.echo(f"inputs: {', '.join(rep.inputs)}")
     typer.echo(table)
@@ -917,7 +917,7 @@ def doctor_cmd(
     if rep.diagnosis:
         typer.echo("diagnosis: " + "; ".join(rep.diagnosis))
     _close(rep.notes, written if out is not None else None)
-    return 0 if rep.healthy else 1
+    return 0 if rep.passed else 1
 
 
 @app.command("shrink")

@@ -431,11 +431,15 @@ class BenchmarkResult:
     message: str = ""
     problem: str = ""
 
-    def __bool__(self) -> bool:
+    @property
+    def passed(self) -> bool:
         return self.result == "pass"
 
+    def __bool__(self) -> bool:
+        return self.passed
+
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "passed": bool(self)}
+        return {**asdict(self), "passed": self.passed}
 
 
 def _as_written(v: Any) -> float:

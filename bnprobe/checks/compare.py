@@ -362,6 +362,9 @@ class CompareResult:
     def passed(self) -> bool:
         return bool((self.rows["verdict"] == "PASS").all()) if len(self.rows) else True
 
+    def __bool__(self) -> bool:
+        return self.passed
+
     def to_dict(self) -> dict[str, Any]:
         return {"meta": self.meta, "passed": self.passed, "rows": self.rows.to_dict(orient="records"),
                 "channels": self.channels.to_dict(orient="records"), "budget": self.budget.to_dict(orient="records")}

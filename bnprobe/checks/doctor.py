@@ -214,11 +214,17 @@ class DoctorReport:
     inputs: tuple[str, ...] = ()  # the inputs the checklist ran on
 
     @property
-    def healthy(self) -> bool:
+    def passed(self) -> bool:
+        """No checklist item failed (every result type answers with ``.passed`` and ``bool``)."""
         return all(i.status != "FAIL" for i in self.items)
 
+    @property
+    def healthy(self) -> bool:
+        """The same as :attr:`passed` (the name its JSON report keeps)."""
+        return self.passed
+
     def __bool__(self) -> bool:
-        return self.healthy
+        return self.passed
 
     def to_dict(self) -> dict[str, Any]:
         return {**({} if self.call is None else {"call": self.call}), "adapter": self.adapter, "dtype": self.dtype,

@@ -359,6 +359,9 @@ class FoldReport:
     def passed(self) -> bool:
         return bool((self.channels["verdict"] == "PASS").all())
 
+    def __bool__(self) -> bool:
+        return self.passed
+
     def to_dict(self) -> dict[str, Any]:
         return {"layer": self.layer, "dtype": self.dtype, "accumulate": self.accumulate, "passed": self.passed,
                 "channels": self.channels.to_dict(orient="records"), "forms": self.forms.to_dict(orient="records"),

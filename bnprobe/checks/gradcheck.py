@@ -82,8 +82,12 @@ class GradcheckResult:
     notes: list[str] = field(default_factory=list)
     call: str | None = None  # the recorded call checked (its label), None for generated inputs
 
-    def __bool__(self) -> bool:
+    @property
+    def passed(self) -> bool:
         return all(r.passed for r in self.rows)
+
+    def __bool__(self) -> bool:
+        return self.passed
 
     def failed(self) -> list[GradRow]:
         return [r for r in self.rows if not r.passed]

@@ -52,7 +52,7 @@ from bnprobe.numerics.rounding import round_to
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-__all__ = ["Finding", "Headroom", "OverflowReport", "scan", "scan_recorded", "predict_headroom", "ANOMALIES"]
+__all__ = ["OverflowFinding", "Headroom", "OverflowReport", "scan", "scan_recorded", "predict_headroom", "ANOMALIES"]
 
 ANOMALIES = ("input_nonfinite", "nan", "inf", "overflow", "saturated", "underflow", "flushed", "subnormal",
              "negative_var", "cancellation", "hidden_nonfinite", "zero_output", "constant_output")
@@ -74,7 +74,7 @@ class Remedy:
 
 
 @dataclass(frozen=True)
-class Finding:
+class OverflowFinding:
     anomaly: str
     stage: str
     format: str
@@ -110,18 +110,24 @@ class OverflowReport:
     dtype: str
     mode: str
     policy: str
-    findings: list[Finding]
+    findings: list[OverflowFinding]
     headroom: list[Headroom]
     saturation: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     call: str | None = None  # the recorded call scanned (its label), None for a given input
 
     @property
-    def clean(self) -> bool:
+    def passed(self) -> bool:
+        """No finding (every result type answers with ``.passed`` and ``bool``)."""
         return not self.findings
 
+    @property
+    def clean(self) -> bool:
+        """The same as :attr:`passed` (the name its JSON report keeps)."""
+        return self.passed
+
     def __bool__(self) -> bool:
-        return self.clean
+        return self.passed
 
     def to_frame(self) -> pd.DataFrame:
         import pandas as pd
@@ -228,8 +234,8 @@ COUNTER_OF = {"nan": ("nan",), "inf": ("posinf", "neginf"), "overflow": ("overfl
               "negative_var": ("negative",)}
 
 
-def _locate(trace: Trace, lay: Any, x_cr: np.ndarray, cancel_digits: float) -> list[Finding]:
-    findings: list[Finding] = []
+def _locate(trace: Trace, lay: Any, x_cr: np.ndarray, cancel_digits: float) -> list[OverflowFinding]:
+    findings: list[OverflowFinding] = []
     input_bad = np.zeros(lay.channels, dtype=bool)
     if "x" in trace:
         xs = trace["x"]
@@ -238,7 +244,8 @@ def _locate(trace: Trace, lay: Any, x_cr: np.ndarray, cancel_digits: float) -> l
             input_bad = bad > 0
             m = ~np.isfinite(xs.value) if xs.value is not None else None
             first = int(np.flatnonzero(m.reshape(-1))[0]) if m is not None and m.any() else 0
-            findings.append(Finding("input_nonfinite", "x", xs.format, tuple(np.flatnonzero(input_bad).tolist()),
+            findings.append(OverflowFinding("input_nonfinite", "x", xs.format,
+                                            tuple(np.flatnonzero(input_bad).tolist()),
                                     int(bad.sum()), _index_str(first, lay, True), _input_at(first, x_cr, True),
                                     "NaN/inf present in the input itself: input-borne, not a kernel fault", True))
     for anomaly, counters in COUNTER_OF.items():
@@ -266,7 +273,7 @@ def _locate(trace: Trace, lay: Any, x_cr: np.ndarray, cancel_digits: float) -> l
                 "subnormal": f"results below the smallest {st.format} normal {get_format(st.format).tiny:.3g}",
                 "negative_var": "the variance came out negative before any clamp (cancellation)",
             }[anomaly] + (" (follows from NaN/inf in the input)" if borne else "")
-            findings.append(Finding(anomaly, st.name, st.format, tuple(chans.tolist()), int(per_ch.sum()),
+            findings.append(OverflowFinding(anomaly, st.name, st.format, tuple(chans.tolist()), int(per_ch.sum()),
                                     _index_str(first, lay, elementwise), _input_at(first, x_cr, elementwise),
                                     detail, borne))
             break  # the first stage where this anomaly appears
@@ -282,7 +289,7 @@ def _locate(trace: Trace, lay: Any, x_cr: np.ndarray, cancel_digits: float) -> l
         if bad.size:
             c = int(bad[np.argmax(lost[bad])])
             what = "E[x²] − E[x]²" if where == "var" else "x − mean"
-            findings.append(Finding("cancellation", where, fmt.name, tuple(bad.tolist()), int(bad.size),
+            findings.append(OverflowFinding("cancellation", where, fmt.name, tuple(bad.tolist()), int(bad.size),
                                     f"channel {c}", _input_at(c, x_cr, False),
                                     f"{what} loses ~{lost[c]:.1f} of {digits:.1f} decimal digits "
                                     f"(mean²/var = {mu[c] ** 2 / var[c]:.3g})"))
@@ -429,9 +436,9 @@ def scan(
     return OverflowReport(a.name, fmt, mode, pol.name, findings, head, sat, notes)
 
 
-def _with_remedies(f: Finding, pol: Policy, mode: str, xs: np.ndarray, g: np.ndarray, b: np.ndarray,
+def _with_remedies(f: OverflowFinding, pol: Policy, mode: str, xs: np.ndarray, g: np.ndarray, b: np.ndarray,
                    rm: np.ndarray, rv: np.ndarray, dy: np.ndarray, eps: float, layout: str, gold_y: np.ndarray,
-                   lay: Any, x_cr: np.ndarray, cancel_digits: float, momentum: float | None = 0.1) -> Finding:
+                   lay: Any, x_cr: np.ndarray, cancel_digits: float, momentum: float | None = 0.1) -> OverflowFinding:
     if f.input_borne or f.anomaly == "input_nonfinite":
         return f
     tried = []
@@ -534,17 +541,17 @@ def _scan_runnable(a: KernelAdapter, rec: Any, mode: str, label: str) -> Overflo
 
 
 def _finding(anomaly: str, stage: str, fmt: str, mask: np.ndarray, elementwise: bool, lay: Any, x_cr: np.ndarray,
-             detail: str, input_borne: bool = False) -> Finding:
+             detail: str, input_borne: bool = False) -> OverflowFinding:
     """A finding from a mask of the output (channel-first (C, R) for elementwise outputs, (C,) otherwise)."""
     per_ch = mask.reshape(mask.shape[0], -1).sum(axis=1)
     chans = np.flatnonzero(per_ch)
     first = int(np.flatnonzero(mask.reshape(-1))[0])
-    return Finding(anomaly, stage, fmt, tuple(chans.tolist()), int(per_ch.sum()),
+    return OverflowFinding(anomaly, stage, fmt, tuple(chans.tolist()), int(per_ch.sum()),
                    _index_str(first, lay, elementwise), _input_at(first, x_cr, elementwise), detail, input_borne)
 
 
 def _output_findings(key: str, got: Any, gold: Any, fmt: str, lay: Any, x_cr: np.ndarray,
-                     input_bad: bool) -> list[Finding]:
+                     input_bad: bool) -> list[OverflowFinding]:
     """Anomalies of one output against the golden's value of it on the same inputs."""
     elementwise = key in ELEMENTWISE_OUTPUTS
     conv = (lambda a: lay.to_cr(np.asarray(a, dtype=np.float64))) if elementwise else \
@@ -556,7 +563,7 @@ def _output_findings(key: str, got: Any, gold: Any, fmt: str, lay: Any, x_cr: np
         g_bad, a_fin = ~np.isfinite(g), np.isfinite(a)
         over = np.isfinite(g) & ~np.isfinite(gr)
         plain = ~g_bad & ~over
-    out: list[Finding] = []
+    out: list[OverflowFinding] = []
 
     def add(anomaly: str, mask: np.ndarray, detail: str, borne: bool = False) -> None:
         if mask.any():
@@ -617,7 +624,7 @@ def _scan_call(run: CallRun, policy: str = "(recorded outputs vs the FP64 golden
     lay = layout_of(ci["x"], rec.layout)
     x_cr = lay.to_cr(ci["x"])
     dy = rec.tensors.get("backward", {}).get("inputs", {}).get("dy")
-    findings: list[Finding] = []
+    findings: list[OverflowFinding] = []
     inputs = {**{k: ci[k] for k in _INPUTS if k != "dy"}, "dy": dy if "dx" in run.got else None}
     bad_inputs = []
     for name, v in inputs.items():
@@ -667,7 +674,7 @@ def _scan_call(run: CallRun, policy: str = "(recorded outputs vs the FP64 golden
 def _scan_summaries(adapter: str, call: CallRef, summaries: dict[str, dict[str, Any]],
                     mode: str | None) -> OverflowReport:
     """An msprobe statistics-only call: findings from each tensor's max/min/mean/norm."""
-    findings: list[Finding] = []
+    findings: list[OverflowFinding] = []
     notes: list[str] = []
     keep = {None: ("forward", "backward"), "train": ("forward",), "infer": ("forward",),
             "backward": ("forward.input", "backward")}[mode]
@@ -694,26 +701,26 @@ def _scan_summaries(adapter: str, call: CallRef, summaries: dict[str, dict[str, 
         elif nonfinite(s):
             what = "nan" if any(math.isnan(v) for v in stats[:2]) else "inf"
             if io == "input":
-                findings.append(Finding("input_nonfinite", name, f.name, (), 0, "(summaries only)", summary(s),
+                findings.append(OverflowFinding("input_nonfinite", name, f.name, (), 0, "(summaries only)", summary(s),
                                         f"the {kind} input {name} is already NaN/inf: input-borne, not a kernel "
                                         "fault", True))
             else:
                 borne = nonfinite(x) if x else False
                 if kind == "backward" and dy:
                     borne = borne or nonfinite(dy)
-                findings.append(Finding(what, name, f.name, (), 0, "(summaries only)", summary(s),
+                findings.append(OverflowFinding(what, name, f.name, (), 0, "(summaries only)", summary(s),
                                         f"the {kind} output {name} holds {'NaN' if what == 'nan' else '±inf'}"
                                         + (" (follows from NaN/inf in the input)" if borne else ""), borne))
             continue
         if io == "output" and any(abs(v) == f.max for v in stats[:2] if math.isfinite(v)):
-            findings.append(Finding("saturated", name, f.name, (), 0, "(summaries only)", summary(s),
+            findings.append(OverflowFinding("saturated", name, f.name, (), 0, "(summaries only)", summary(s),
                                     f"the {kind} output {name} reaches ±{f.max:.6g}, the {f.name} maximum: saturated "
                                     "or overflowed (a tensor dump tells which)"))
     y = items.get("forward.output.y")
     g = summaries.get("forward.input.gamma")
     if y and x and y.get("Max") == 0 and y.get("Min") == 0 and x.get("Max") != x.get("Min") and \
             not (g and g.get("Max") == 0 and g.get("Min") == 0):
-        findings.append(Finding("zero_output", "y", str(y.get("dtype")), (), 0, "(summaries only)", summary(y),
+        findings.append(OverflowFinding("zero_output", "y", str(y.get("dtype")), (), 0, "(summaries only)", summary(y),
                                 "y is entirely zero (Max = Min = 0) while x varies (Max != Min)"))
     return OverflowReport(adapter, call.dtype, mode or "statistics", "(msprobe summaries: max/min/mean/norm)",
                           findings, [], [], notes, call.label)

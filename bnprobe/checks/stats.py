@@ -24,7 +24,7 @@ from bnprobe.numerics.rounding import round_to
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-__all__ = ["StatsRecorder", "simulate", "load_log", "load_dump_series", "Finding", "find", "REQUIRED_COLUMNS",
+__all__ = ["StatsRecorder", "simulate", "load_log", "load_dump_series", "StatsFinding", "find", "REQUIRED_COLUMNS",
            "MAX_ROWS", "MAX_LAYERS"]
 
 REQUIRED_COLUMNS = ("step", "layer", "channel", "mean", "var")
@@ -269,7 +269,7 @@ def _dump_statistics(r: Any, *, model_dump: bool) -> dict[str, np.ndarray | None
 # ---- findings -------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Finding:
+class StatsFinding:
     kind: str
     policy: str
     layer: str
@@ -292,18 +292,18 @@ class Thresholds:
     momentum: float = 0.1
 
 
-def find(df: pd.DataFrame, *, eps: float = 1e-5, thresholds: Thresholds | None = None) -> list[Finding]:
+def find(df: pd.DataFrame, *, eps: float = 1e-5, thresholds: Thresholds | None = None) -> list[StatsFinding]:
     """Running statistics diverging from the batch's, variance collapsing toward eps, non-finite
     statistics, negative variances (data to report: a one-pass variance cancelling gives them), and a
     momentum that behaves like the wrong convention."""
     th = thresholds or Thresholds()
-    out: list[Finding] = []
+    out: list[StatsFinding] = []
 
     def first_of(kind: str, policy: str, layer: str, rows: pd.DataFrame, detail: str) -> None:
         """A finding at the first step of ``rows``, naming that step's channels."""
         first = int(rows["step"].min())
         chans = tuple(sorted(rows[rows.step == first].channel.unique().tolist()))
-        out.append(Finding(kind, policy, layer, first, chans, detail.format(first=first, n=len(rows))))
+        out.append(StatsFinding(kind, policy, layer, first, chans, detail.format(first=first, n=len(rows))))
 
     for (policy, layer), g in df.groupby(["policy", "layer"], sort=False):
         g = g.sort_values(["step", "channel"])
@@ -326,7 +326,7 @@ def find(df: pd.DataFrame, *, eps: float = 1e-5, thresholds: Thresholds | None =
         low = fin[fin["var"] < th.collapse * eps]
         if len(low):
             first = int(low["step"].min())
-            out.append(Finding("variance collapsing toward eps", policy, layer, first,
+            out.append(StatsFinding("variance collapsing toward eps", policy, layer, first,
                                tuple(sorted(low[low.step == first].channel.unique().tolist())),
                                f"batch variance below {th.collapse:g} x eps (= {th.collapse * eps:.3g}) from step "
                                f"{first}: eps dominates the normalisation there"))
@@ -343,7 +343,7 @@ def find(df: pd.DataFrame, *, eps: float = 1e-5, thresholds: Thresholds | None =
         if len(steps) > th.window and bad_ch:
             with np.errstate(all="ignore"):
                 worst_drift, worst_ratio = _max(drift), _max(np.maximum(ratio, 1 / ratio))
-            out.append(Finding("running statistics diverge from the batch statistics", policy, layer,
+            out.append(StatsFinding("running statistics diverge from the batch statistics", policy, layer,
                                int(steps[-1]), tuple(int(c) for c in bad_ch),
                                f"at the last step: running_mean off by up to {worst_drift:.3g} std, running_var "
                                f"x{worst_ratio:.3g} of the last {len(last)} batches'"))
@@ -357,11 +357,13 @@ def find(df: pd.DataFrame, *, eps: float = 1e-5, thresholds: Thresholds | None =
             if est.size:
                 m_est = float(np.median(est))
                 if abs(m_est - th.momentum) > 0.25 and abs(m_est - (1 - th.momentum)) < 0.1:
-                    out.append(Finding("momentum behaves like the wrong convention", policy, layer, int(steps[1]), (),
+                    out.append(StatsFinding("momentum behaves like the wrong convention", policy, layer,
+                                            int(steps[1]), (),
                                        f"the running mean moves {m_est:.3g} of the way to each batch mean: momentum "
                                        f"applied as 1-m (Keras convention) instead of m = {th.momentum:g}"))
                 elif abs(m_est - th.momentum) > 0.25:
-                    out.append(Finding("momentum behaves like the wrong convention", policy, layer, int(steps[1]), (),
+                    out.append(StatsFinding("momentum behaves like the wrong convention", policy, layer,
+                                            int(steps[1]), (),
                                        f"the running mean moves {m_est:.3g} of the way to each batch mean, "
                                        f"expected m = {th.momentum:g}"))
     return out

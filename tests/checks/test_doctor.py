@@ -49,7 +49,7 @@ def test_each_buggy_kernel_is_diagnosed_as_exactly_its_bug(bug, fmt, params):
     """Every output judged at the tolerance of the format the kernel returned it in (y, dx in fmt; statistics
     and dγ, dβ in fp32, or in fmt with params=same; for fp32 and fp64 inputs same is fp32)."""
     rep = doctor(NumpyBN(bug), fmt, params=params)
-    assert not rep.healthy
+    assert not rep.passed
     assert rep.diagnosis == [DIAGNOSIS[bug]], (rep.diagnosis, [i.evidence for i in failed(rep).values()])
     checklist = {name for name, _ in D.CHECKS.values()}
     for item in failed(rep).values():  # every failing check names the bug, and shows what is wrong where
@@ -62,7 +62,7 @@ def test_each_buggy_kernel_is_diagnosed_as_exactly_its_bug(bug, fmt, params):
 def test_torch_is_never_diagnosed_with_a_bug(fmt, params):
     pytest.importorskip("torch")
     rep = doctor("torch", fmt, params=params)
-    assert rep.healthy and not rep.diagnosis, [(i.name, i.evidence, i.details) for i in rep.items]
+    assert rep.passed and not rep.diagnosis, [(i.name, i.evidence, i.details) for i in rep.items]
     assert len(rep.inputs) == len(probes()) and rep.params == params
 
 
@@ -70,7 +70,7 @@ def test_torch_is_never_diagnosed_with_a_bug(fmt, params):
                                            ("ascend-bnv3", "fp16"), ("ascend-950", "fp32")])
 def test_healthy_kernels_get_a_clean_bill(adapter, dtype):
     rep = doctor(adapter, dtype)
-    assert rep.healthy and not rep.diagnosis, [(i.name, i.evidence, i.details) for i in rep.items]
+    assert rep.passed and not rep.diagnosis, [(i.name, i.evidence, i.details) for i in rep.items]
 
 
 def test_the_bf16_gaps_are_closed():
@@ -121,7 +121,7 @@ def test_sums_that_lose_bits_in_a_16_bit_accumulator():
 def test_the_naive_variance_of_ascend_tbe_fails_on_stress_inputs_and_its_nondeterminism_warns():
     rep = doctor("ascend-tbe", "fp32")
     st = {i.name: i.status for i in rep.items}
-    assert st["determinism"] == "WARN" and not rep.healthy and not rep.diagnosis
+    assert st["determinism"] == "WARN" and not rep.passed and not rep.diagnosis
     wrong_on = {d.partition(":")[0] for i in failed(rep).values() for d in i.details}
     assert wrong_on == {"on stress/large-mean", "on stress/var-near-eps"}  # cancellation in E[x²] - E[x]²
 
