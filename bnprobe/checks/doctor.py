@@ -33,7 +33,6 @@ from bnprobe.adapters import KernelAdapter, get_adapter
 from bnprobe.adapters.base import params_format
 from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.adapters.emulated import PolicyAdapter
-from bnprobe.checks.gradcheck import _axes, _channels_first, _col
 from bnprobe.checks.recorded import (
     CallRun,
     PerCall,
@@ -46,6 +45,7 @@ from bnprobe.checks.recorded import (
 )
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
+from bnprobe.kernels.layout import channel_column, reduce_axes, to_channels_first
 from bnprobe.numerics.rounding import round_to
 from bnprobe.tolerances import doctor_tolerance
 
@@ -123,9 +123,9 @@ def model(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, rm: np.ndarray, rv
     backward from these statistics, as a kernel's backward takes what its forward stored."""
     if bug is not None and bug not in BUGS:
         raise BNProbeError(f"unknown bug model {bug!r}")
-    ax, n = _axes(x), x.ndim
+    ax, n = reduce_axes(x), x.ndim
     r = x.size // x.shape[1]
-    col = lambda v: _col(v, n)  # noqa: E731
+    col = lambda v: channel_column(v, n)  # noqa: E731
     mean, var = x.mean(axis=ax), x.var(axis=ax)
     unbiased = var * r / (r - 1) if r > 1 else np.full_like(var, np.nan)
 
@@ -463,7 +463,7 @@ def _natural(run: CallRun, x: np.ndarray) -> dict[str, np.ndarray]:
     c = x.shape[1]
     g = np.ones(c) if ci["gamma"] is None else np.abs(np.asarray(ci["gamma"], dtype=np.float64))
     b = np.zeros(c) if ci["beta"] is None else np.abs(np.asarray(ci["beta"], dtype=np.float64))
-    ax = _axes(x)
+    ax = reduce_axes(x)
     with np.errstate(all="ignore"):
         mean_abs = np.nanmean(np.abs(x), axis=ax)
         out = {k: np.asarray(v, dtype=np.float64) for k, v in run.scales.items()}
@@ -500,7 +500,7 @@ class Probe:
 def _running(rng: np.random.Generator, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Running statistics far from the batch's (1.5 std away, 0.3 x or 3 x the variance), so that momentum and
     the train/eval switch show."""
-    ax = _axes(x)
+    ax = reduce_axes(x)
     mean, std = x.mean(axis=ax), x.std(axis=ax)
     c = mean.size
     sign = np.where(np.arange(c) % 2, -1.0, 1.0)
@@ -642,7 +642,7 @@ def _steps_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
         got = {"running_mean": k_rm, "running_var": k_rv, "y_eval": y}
         gold = {"running_mean": g_rm, "running_var": g_rv, "y_eval": gy}
         formats = {k: _returned(v, out_fmt if k == "y_eval" else vec_fmt) for k, v in got.items()}
-        ax = _axes(x)
+        ax = reduce_axes(x)
         mean_abs = np.max([np.abs(bt).mean(axis=ax) for bt in batches], axis=0)
         natural = {"running_mean": np.maximum(np.abs(g_rm), p.momentum * mean_abs),
                    "y_eval": np.abs(g) / np.sqrt(g_rv + p.eps) * (np.abs(x).mean(axis=ax) + np.abs(g_rm))
@@ -791,7 +791,7 @@ def doctor_recorded(recorded: Recorded, *, dtype: str | None = None, params: str
 def _doctor_call(recorded: Recorded, run: CallRun) -> DoctorReport:
     rec, ci, fmt, eps = run.rec, run.inputs, run.fmt, run.eps
     layout = rec.layout
-    cf = lambda a: None if a is None else np.asarray(_channels_first(np.asarray(a, dtype=np.float64), layout))  # noqa: E731
+    cf = lambda a: None if a is None else np.asarray(to_channels_first(np.asarray(a, dtype=np.float64), layout))  # noqa: E731
     x = cf(ci["x"])
     c = x.shape[1]
     g = np.ones(c) if ci["gamma"] is None else np.asarray(ci["gamma"], dtype=np.float64)

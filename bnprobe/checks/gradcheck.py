@@ -28,7 +28,7 @@ from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.checks.recorded import CallRun, PerCall, Recorded, check_options, runs
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
-from bnprobe.kernels.layout import layout_of
+from bnprobe.kernels.layout import channel_column, layout_of, reduce_axes, to_channels_first
 from bnprobe.metrics import compare, min_atol, min_rtol
 from bnprobe.numerics.rounding import round_to
 from bnprobe.tolerances import FINITE_DIFFERENCE, check_rtol_atol, grad_tolerance
@@ -301,43 +301,36 @@ def _identities(dx: np.ndarray, dg: np.ndarray | None, db: np.ndarray | None, in
 Formula = Callable[..., Any]
 
 
-def _axes(x: np.ndarray) -> tuple[int, ...]:
-    return (0,) + tuple(range(2, x.ndim))
-
-
-def _col(v: np.ndarray, ndim: int) -> np.ndarray:
-    return np.asarray(v).reshape((1, -1) + (1,) * (ndim - 2))
-
-
 def formula_standard(dy, x, gamma, mean, var, eps):  # noqa: ANN001, ANN201 - the documented formula signature
     """dx = γ/√(σ²+ε) · (dy − mean(dy) − x̂·mean(dy·x̂))."""
-    ax, n = _axes(x), x.ndim
-    xhat = (x - _col(mean, n)) / np.sqrt(_col(var, n) + eps)
-    return _col(gamma / np.sqrt(var + eps), n) * (dy - dy.mean(axis=ax, keepdims=True)
+    ax, n = reduce_axes(x), x.ndim
+    xhat = (x - channel_column(mean, n)) / np.sqrt(channel_column(var, n) + eps)
+    return channel_column(gamma / np.sqrt(var + eps), n) * (dy - dy.mean(axis=ax, keepdims=True)
                                                    - xhat * (dy * xhat).mean(axis=ax, keepdims=True))
 
 
 def formula_ascend(dy, x, gamma, mean, var, eps):  # noqa: ANN001, ANN201
     """BNTrainingReduceGrad: σ = √(var+ε); mult = −(dγ/R)/σ; addend = (μ/σ)(dγ/R) − dβ/R;
     dx = (dy + mult·x + addend)·γ/σ."""
-    ax, n = _axes(x), x.ndim
+    ax, n = reduce_axes(x), x.ndim
     r = x.size // x.shape[1]
     sigma = np.sqrt(var + eps)
-    xhat = (x - _col(mean, n)) / _col(sigma, n)
+    xhat = (x - channel_column(mean, n)) / channel_column(sigma, n)
     dg, db = (dy * xhat).sum(axis=ax), dy.sum(axis=ax)
     mult = -(dg / r) / sigma
     addend = (mean / sigma) * (dg / r) - db / r
-    return (dy + _col(mult, n) * x + _col(addend, n)) * _col(gamma / sigma, n)
+    return (dy + channel_column(mult, n) * x + channel_column(addend, n)) * channel_column(gamma / sigma, n)
 
 
 def seed_formula(use_sqrt: bool = False, use_xhat: bool = False) -> Formula:
     """The seed document's ∂L/∂X = γ/(σ²+ε)·(dY − mean(dY) − X·mean(dY·X)), optionally corrected."""
 
     def f(dy, x, gamma, mean, var, eps):  # noqa: ANN001, ANN202
-        ax, n = _axes(x), x.ndim
+        ax, n = reduce_axes(x), x.ndim
         factor = gamma / (np.sqrt(var + eps) if use_sqrt else (var + eps))
-        z = (x - _col(mean, n)) / np.sqrt(_col(var, n) + eps) if use_xhat else x
-        return _col(factor, n) * (dy - dy.mean(axis=ax, keepdims=True) - z * (dy * z).mean(axis=ax, keepdims=True))
+        z = (x - channel_column(mean, n)) / np.sqrt(channel_column(var, n) + eps) if use_xhat else x
+        return channel_column(factor, n) * (dy - dy.mean(axis=ax, keepdims=True)
+                                            - z * (dy * z).mean(axis=ax, keepdims=True))
 
     return f
 
@@ -524,12 +517,6 @@ def gradcheck(
 
 # ---- recorded calls ---------------------------------------------------------------------------------
 
-def _channels_first(a: np.ndarray | None, layout: str) -> np.ndarray | None:
-    if a is None or layout == "channels_first" or np.ndim(a) <= 2:
-        return a
-    return np.moveaxis(np.asarray(a), -1, 1)
-
-
 def _per_element(scale: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """A per-channel scale broadcastable against a channel-first tensor of ``shape``."""
     return np.asarray(scale).reshape((1, -1) + (1,) * (len(shape) - 2)) if len(shape) > 1 else np.asarray(scale)
@@ -565,7 +552,7 @@ def _gradcheck_call(recorded: Recorded, run: CallRun, rtol: float | None, atol: 
     rec, ci = run.rec, run.inputs
     fmt, eps, training, layout = run.fmt, run.eps, rec.training, rec.layout
     mode = "train" if training else "infer"
-    x = _channels_first(ci["x"], layout)
+    x = to_channels_first(ci["x"], layout)
     c = x.shape[1]
     rows: list[GradRow] = []
     notes = list(run.notes)
@@ -608,7 +595,7 @@ def _gradcheck_call(recorded: Recorded, run: CallRun, rtol: float | None, atol: 
         actual, golden = run.got[name], run.gold[name]
         scale = run.scales.get(name)
         if name == "dx":
-            actual, golden = _channels_first(actual, layout), _channels_first(golden, layout)
+            actual, golden = to_channels_first(actual, layout), to_channels_first(golden, layout)
             scale = None if scale is None else _per_element(scale, x.shape)
         rows.append(_row("vs-fp64", name, actual, golden, rt, at, fmt=run.formats[name],
                          where_of=where_x if name == "dx" else where_c, scale=scale, equal_nan=True,
@@ -619,8 +606,8 @@ def _gradcheck_call(recorded: Recorded, run: CallRun, rtol: float | None, atol: 
     # 3. identities of the kernel's gradients (training)
     if training and run.gold_saved is not None and "dx" in got:
         g = np.ones(c) if ci["gamma"] is None else np.asarray(ci["gamma"], dtype=np.float64)
-        dy = _channels_first(rec.tensors["backward"]["inputs"]["dy"], layout)
+        dy = to_channels_first(rec.tensors["backward"]["inputs"]["dy"], layout)
         mean, var = np.asarray(run.gold_saved.mean, dtype=np.float64), run.gold_saved.var(eps)
-        rows += _identities(_channels_first(got["dx"], layout), got.get("dgamma"), got.get("dbeta"), None,
+        rows += _identities(to_channels_first(got["dx"], layout), got.get("dgamma"), got.get("dbeta"), None,
                             x, dy, g, mean, var, eps, rt, dx_scale=run.scales.get("dx"))
     return GradcheckResult(run.kernel, fmt, mode, tuple(np.shape(ci["x"])), 0, rows, notes, run.label)

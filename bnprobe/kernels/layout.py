@@ -11,7 +11,8 @@ from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.numerics.arith import fits_float32
 
-__all__ = ["LAYOUTS", "Layout", "layout_of", "as_channel_vector", "check_eps", "check_momentum"]
+__all__ = ["LAYOUTS", "Layout", "layout_of", "as_channel_vector", "check_eps", "check_momentum", "reduce_axes",
+           "channel_column", "to_channels_first"]
 
 LAYOUTS: tuple[str, ...] = ("channels_first", "channels_last")
 
@@ -111,6 +112,23 @@ def as_channel_vector(name: str, v: object, lay: Layout, default: float | None =
         return a.astype(np.float64)
     except (TypeError, ValueError):
         raise BNProbeError(f"{name} must hold numbers, got dtype {a.dtype}") from None
+
+
+def reduce_axes(x: np.ndarray) -> tuple[int, ...]:
+    """The axes BatchNorm reduces over in a channels-first tensor: all but axis 1."""
+    return (0,) + tuple(range(2, np.ndim(x)))
+
+
+def channel_column(v: np.ndarray, ndim: int) -> np.ndarray:
+    """A per-channel vector shaped to broadcast against a channels-first tensor of ``ndim`` dimensions."""
+    return np.asarray(v).reshape((1, -1) + (1,) * (ndim - 2))
+
+
+def to_channels_first(a: np.ndarray | None, layout: str) -> np.ndarray | None:
+    """``a`` in channels-first order (``None`` and 1-D/2-D tensors as they are)."""
+    if a is None or layout == "channels_first" or np.ndim(a) <= 2:
+        return a
+    return np.moveaxis(np.asarray(a), -1, 1)
 
 
 def check_eps(eps: float) -> float:
