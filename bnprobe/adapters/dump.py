@@ -29,6 +29,7 @@ from bnprobe.adapters.base import (
     BaseAdapter,
     Capabilities,
     ForwardOutput,
+    MODES,
     KernelAdapter,
     Prepared,
     Saved,
@@ -51,7 +52,6 @@ META_NAME = "bnprobe-dump.json"
 TENSORS_NAME = "tensors.npz"
 FORMAT_TAG = "bnprobe-dump"
 
-MODES = ("train", "infer", "backward")
 # the tensors a recorded mode cannot lack (a backward may lack a gradient the kernel did not compute)
 REQUIRED = {"train": ({"x"}, {"y"}), "infer": ({"x", "running_mean", "running_var"}, {"y"}),
             "backward": ({"dy", "x"}, set())}

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
-from bnprobe.adapters.base import params_format
+from bnprobe.adapters.base import MODES, params_format
 from bnprobe.adapters.dump import CallRef, DumpAdapter, RecordedCalls, Recording
 from bnprobe.adapters.emulated import PolicyAdapter
 from bnprobe.errors import BNProbeError
@@ -370,7 +370,7 @@ class CompareResult:
                 "channels": self.channels.to_dict(orient="records"), "budget": self.budget.to_dict(orient="records")}
 
 
-MODES = ("train", "infer", "backward", "all")
+COMPARE_MODES = (*MODES, "all")  # compare-precision also takes every mode at once
 
 
 @dataclass
@@ -624,8 +624,8 @@ def compare_precision(
     """
     import pandas as pd
 
-    if mode not in MODES:
-        raise BNProbeError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
+    if mode not in COMPARE_MODES:
+        raise BNProbeError(f"unknown mode {mode!r}; valid: {', '.join(COMPARE_MODES)}")
     if rule not in RULES:
         raise BNProbeError(f"unknown rule {rule!r}; valid: {', '.join(RULES)}")
     adapters = adapters or ["emulated"]

@@ -61,7 +61,6 @@ ANOMALIES = ("input_nonfinite", "nan", "inf", "overflow", "saturated", "underflo
 # data are harmless, a channel working in the subnormal range is not
 ELEMENTWISE_SHARE = 0.01
 ELEMENTWISE_MIN = 3
-VARIANCE_STAGES = ("var", "var_eps", "sum_sq_dev", "m2")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.adapters.base import params_format
+from bnprobe.adapters.base import MODES, params_format
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.kernels import backward, forward_infer, forward_train, get_policy
@@ -18,7 +18,6 @@ from bnprobe.numerics.rounding import is_representable, round_to
 
 __all__ = ["StageError", "TraceComparison", "stage_errors", "trace_run", "trace_recorded", "MODES"]
 
-MODES: tuple[str, ...] = ("train", "infer", "backward")
 
 
 @dataclass(frozen=True)

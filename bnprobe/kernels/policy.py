@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 from dataclasses import dataclass, fields, replace
 
 from bnprobe.errors import BNProbeError
@@ -37,6 +39,13 @@ RECIP_METHODS: tuple[str, ...] = ("exact", "magic", "table", "frecpe")
 # ascend   : dx = (dy + mult*x + addend) * gamma/sigma, mult = -(dgamma/R)/sigma,
 #            addend = (mean/sigma)(dgamma/R) - dbeta/R   (BNTrainingReduceGrad)
 BACKWARD_FORMULAS: tuple[str, ...] = ("standard", "ascend")
+
+
+@functools.cache
+def _field_types() -> dict[str, tuple[type, ...]]:
+    """Each Policy field's types from its annotation (``int | None`` -> (int, NoneType)), read with
+    :func:`typing.get_type_hints` rather than by matching the annotation's text."""
+    return {name: typing.get_args(t) or (t,) for name, t in typing.get_type_hints(Policy).items()}
 
 
 @dataclass(frozen=True)
@@ -104,11 +113,12 @@ class Policy:
         if self.output_rounding is not None:
             object.__setattr__(self, "output_rounding", RoundingSpec(self.output_rounding).rounding)
         for f in fields(self):
-            value = getattr(self, f.name)
-            if "int" in str(f.type) and not (value is None and "None" in str(f.type)) and (
-                    isinstance(value, bool) or not isinstance(value, int)):
+            value, takes = getattr(self, f.name), _field_types()[f.name]
+            if value is None and type(None) in takes:
+                continue
+            if int in takes and (isinstance(value, bool) or not isinstance(value, int)):
                 raise BNProbeError(f"policy {f.name} must be an integer, got {value!r}")
-            if "bool" in str(f.type) and not isinstance(value, bool):
+            if bool in takes and not isinstance(value, bool):
                 raise BNProbeError(f"policy {f.name} must be true or false, got {value!r}")
         if not (0 <= min(self.rsqrt_newton, self.recip_newton) <= max(self.rsqrt_newton, self.recip_newton) <= 8) \
                 or not 1 <= min(self.rsqrt_bits, self.recip_bits) <= max(self.rsqrt_bits, self.recip_bits) <= 23:
@@ -218,3 +228,4 @@ def get_policy(spec: str | Policy) -> Policy:
             raise BNProbeError(f"unknown policy option {key!r}; valid: {', '.join(f.name for f in fields(Policy))}")
         changes[key] = _parse_value(key, value.strip())
     return policy.with_options(name=spec.strip(), **changes)
+

@@ -8,7 +8,6 @@ rounding explicit and lets callers see the value before and after rounding.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import ml_dtypes
 import numpy as np
@@ -27,9 +26,6 @@ __all__ = [
     "is_representable",
 ]
 
-Rounding = Literal["nearest_even", "nearest_away", "toward_zero", "up", "down", "stochastic"]
-Overflow = Literal["ieee", "saturate"]
-Subnormals = Literal["keep", "flush"]
 
 ROUNDINGS: tuple[str, ...] = ("nearest_even", "nearest_away", "toward_zero", "up", "down", "stochastic")
 OVERFLOWS: tuple[str, ...] = ("ieee", "saturate")
