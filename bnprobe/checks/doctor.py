@@ -789,7 +789,7 @@ def doctor_recorded(recorded: Recorded, *, dtype: str | None = None, params: str
 
 
 def _doctor_call(recorded: Recorded, run: CallRun) -> DoctorReport:
-    rec, ci, fmt, eps = run.rec, run.inputs, run.fmt, run.eps
+    rec, ci, fmt, eps = run.recording, run.inputs, run.fmt, run.eps
     layout = rec.layout
     cf = lambda a: None if a is None else np.asarray(to_channels_first(np.asarray(a, dtype=np.float64), layout))  # noqa: E731
     x = cf(ci["x"])

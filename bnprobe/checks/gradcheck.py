@@ -549,7 +549,7 @@ def gradcheck_recorded(recorded: Recorded, *, mode: str | None = None, rtol: flo
 
 def _gradcheck_call(recorded: Recorded, run: CallRun, rtol: float | None, atol: float | None,
                     rng: np.random.Generator) -> GradcheckResult:
-    rec, ci = run.rec, run.inputs
+    rec, ci = run.recording, run.inputs
     fmt, eps, training, layout = run.fmt, run.eps, rec.training, rec.layout
     mode = "train" if training else "infer"
     x = to_channels_first(ci["x"], layout)

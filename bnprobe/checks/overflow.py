@@ -619,7 +619,7 @@ def _output_findings(key: str, got: Any, gold: Any, fmt: str, lay: Any, x_cr: np
 
 
 def _scan_call(run: CallRun, policy: str = "(recorded outputs vs the FP64 golden)") -> OverflowReport:
-    rec, ci, fmt = run.rec, run.inputs, run.fmt
+    rec, ci, fmt = run.recording, run.inputs, run.fmt
     lay = layout_of(ci["x"], rec.layout)
     x_cr = lay.to_cr(ci["x"])
     dy = rec.tensors.get("backward", {}).get("inputs", {}).get("dy")

@@ -157,7 +157,7 @@ class CallRun:
     index: int
     label: str
     kernel: str
-    rec: Recording
+    recording: Recording  # the call as recorded: its inputs, scalars, formats and outputs
     modes: tuple[str, ...]
     got: dict[str, np.ndarray] = field(default_factory=dict)
     gold: dict[str, np.ndarray] = field(default_factory=dict)
@@ -168,16 +168,16 @@ class CallRun:
 
     @property
     def fmt(self) -> str:
-        return self.rec.dtype
+        return self.recording.dtype
 
     @property
     def eps(self) -> float:
-        return self.rec.eps
+        return self.recording.eps
 
     @property
     def inputs(self) -> dict[str, Any]:
         """The recorded inputs and scalars (``Recording.call_inputs``)."""
-        return self.rec.call_inputs()
+        return self.recording.call_inputs()
 
     def put(self, key: str, got: Any, gold: Any, fmt: str) -> None:
         """Keep an output of both; ``fmt`` is the format it was returned in unless its dtype says otherwise."""
