@@ -144,6 +144,30 @@ def nonfinite_mismatch(actual: np.ndarray, golden: np.ndarray, fmt: str) -> str:
             f"first at index {i} ({a[i]:.6g} vs {gr[i]:.6g})")
 
 
+def _where(flat: int, shape: tuple[int, ...]) -> str:
+    """Where element ``flat`` of a channels-first tensor of ``shape`` is, as torch.testing says it: its index and
+    channel."""
+    if len(shape) <= 1:
+        return f"channel {flat}"
+    idx = tuple(int(v) for v in np.unravel_index(flat, shape))
+    return f"index {idx} (channel {idx[1]})"
+
+
+def _greatest(actual: Any, bench: Any, golden: Any, bench_name: str) -> str:
+    """Where a kernel that fails the benchmark errs most: the element, its value, the expected value and the bench's
+    value there (what a careful kernel in the same formats gets)."""
+    a = np.asarray(actual, dtype=np.float64)
+    g = np.asarray(golden, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        d = np.where(np.isfinite(a) & np.isfinite(g), np.abs(a - g), -1.0).reshape(-1)
+    if not d.size or d.max() <= 0:
+        return ""
+    i = int(np.argmax(d))
+    bv = np.asarray(bench, dtype=np.float64).reshape(-1)[i] if bench is not None else math.nan
+    return (f"; greatest error {d[i]:.3g} at {_where(i, a.shape)}: {a.reshape(-1)[i]:.6g} vs "
+            f"{g.reshape(-1)[i]:.6g} expected ({bench_name}: {bv:.6g})")
+
+
 def verdict(actual: np.ndarray, golden: np.ndarray, fmt: str, rule: str = "scaled",
             standards: dict[str, Standard] | None = None, scale: np.ndarray | None = None
             ) -> tuple[bool, str, float, float]:
@@ -173,15 +197,18 @@ def verdict(actual: np.ndarray, golden: np.ndarray, fmt: str, rule: str = "scale
         d = beyond_rounding(a, g, f.name)
         if rule == "threshold":
             small = np.abs(g) <= std.small_threshold
-            bad_small = int(np.sum(small & (d > std.small_atol)))
-            rel = d[~small] / np.abs(g[~small])
-            bad = int(np.sum(rel > std.rtol))
-            score = max(float(rel.max()) / std.rtol if rel.size else 0.0,
-                        float(d[small].max()) / std.small_atol if small.any() else 0.0) * std.rtol
+            used = np.where(small, d / std.small_atol, d / np.where(small, 1.0, np.abs(g)) / std.rtol)
+            bad_small = int(np.sum(small & (used > 1)))
+            bad = int(np.sum(~small & (used > 1)))
+            score = (float(used.max()) if used.size else 0.0) * std.rtol
             if bad or bad_small:
-                return False, (f"{bad} element(s) over rtol {std.rtol:.3g}" if bad else "") + \
-                    (f"{'; ' if bad else ''}{bad_small} small value(s) over atol {std.small_atol:.3g}"
-                     if bad_small else ""), score, std.rtol
+                w = int(np.argmax(used))
+                allowed = std.small_atol if small[w] else std.rtol * abs(g[w])
+                return False, (f"Mismatched elements: {bad + bad_small} / {used.size} "
+                               f"({100.0 * (bad + bad_small) / used.size:.3g}%: {bad} over rtol {std.rtol:.3g}, "
+                               f"{bad_small} small value(s) over atol {std.small_atol:.3g}); greatest at "
+                               f"{_where(int(np.flatnonzero(fa)[w]), np.shape(golden))}: {a[w]:.6g} vs {g[w]:.6g} "
+                               f"expected ({allowed:.3g} allowed beyond rounding)"), score, std.rtol
             return True, f"within rtol {std.rtol:.3g} / small-value atol {std.small_atol:.3g}", score, std.rtol
         if rule == "scaled":
             mag = sc if sc is not None else np.full(g.shape, float(np.abs(g).max()) if g.size else 1.0)
@@ -194,9 +221,12 @@ def verdict(actual: np.ndarray, golden: np.ndarray, fmt: str, rule: str = "scale
             k = int(np.sum(ratio > std.accumulated))
             w = int(np.argmax(ratio))
             where = int(np.flatnonzero(fa)[w])
+            allowed = std.accumulated * max(abs(g[w]), float(np.asarray(floor).reshape(-1)[w])
+                                            if np.ndim(floor) else float(floor))
             return False, (f"Mismatched elements: {k} / {ratio.size} ({100.0 * k / ratio.size:.3g}%); greatest "
-                           f"accumulated error {worst:.3g} at index {where} ({a[w]:.6g} vs {g[w]:.6g}, "
-                           f"{std.accumulated:.3g} allowed)"), worst, std.accumulated
+                           f"accumulated error {worst:.3g} at {_where(where, np.shape(golden))}: {a[w]:.6g} vs "
+                           f"{g[w]:.6g} expected ({allowed:.3g} allowed beyond rounding: "
+                           f"{std.accumulated:.3g} of the reference)"), worst, std.accumulated
         return True, f"accumulated error {worst:.3g} within {std.accumulated:.3g}", worst, std.accumulated
 
 
@@ -247,7 +277,9 @@ def _row(adapter: str, dtype: str, case: Case, tensor: str, actual: Any, golden:
         ok = b.result != "error" and not broken
         ratios = ", ".join(f"{k} {v:.3g}/{b.limits[k]:g}" for k, v in b.ratios.items() if k in b.limits)
         why = broken or (f"{'within' if ok else 'over'} msprobe's benchmark vs {bench_name} (ratio/limit: {ratios})"
-                         + (f"; {b.problem}" if b.problem else ""))
+                         + (f"; {b.problem}" if b.problem else "")
+                         + ("" if ok else _greatest(actual, bench.value if isinstance(bench, _BenchOutput) else bench,
+                                                    golden, bench_name)))
         score, bound = (math.inf if broken else float(b.needed)), 1.0
         extra = {f"bench_{k}": v for k, v in b.ratios.items()}
     else:

@@ -237,3 +237,32 @@ def test_nan_in_the_input_is_said_not_silently_passed(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc in (0, 1) and "x holds 1 NaN/inf value(s) of 300" in out
     assert "x holds 1 NaN/inf" in (tmp_path / "r" / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("rule", ["threshold", "accumulated", "scaled"])
+def test_failure_message_says_where_like_torch_testing(rule):
+    """"Mismatched elements: k / n (p%)", the worst element's index and channel, its value, the expected value
+    and what was allowed, like torch.testing.assert_close."""
+    g = np.random.default_rng(0).standard_normal((2, 3, 4, 4))
+    a = g.copy()
+    a[1, 2, 3, 0] += 0.5
+    a[0, 1, 0, 0] += 0.25
+    ok, why, _, _ = verdict(a.astype(np.float16), g, "fp16", rule)
+    assert not ok
+    assert why.startswith("Mismatched elements: 2 / 96 (2.08%")
+    assert "index (1, 2, 3, 0) (channel 2)" in why
+    assert f"{float(np.float16(a[1, 2, 3, 0])):.6g} vs {g[1, 2, 3, 0]:.6g} expected" in why and "allowed" in why
+    v = np.linspace(1, 2, 5)
+    ok, why, _, _ = verdict(np.where(np.arange(5) == 3, v + 0.5, v).astype(np.float16), v, "fp16", rule)
+    assert not ok and "at channel 3:" in why
+
+
+def test_benchmark_failure_says_where_the_kernel_errs_most():
+    res = compare_precision(["emulated:fp16-acc16:variance=naive"], ("fp16",),
+                            [Case("mean30", (8, 16, 14, 14), "normal", 30.0, 1.0, 0)], mode="train", budget=False)
+    fails = res.rows[res.rows["verdict"] == "FAIL"]
+    assert len(fails)
+    y = fails[fails["tensor"] == "y"].iloc[0]["why"]
+    assert "greatest error" in y and "(channel " in y and "expected (careful: " in y
+    passing = res.rows[res.rows["verdict"] == "PASS"]["why"]
+    assert not passing.str.contains("greatest error").any()  # a passing row's reason is unchanged
