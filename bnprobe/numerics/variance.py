@@ -98,6 +98,135 @@ def _chan_merge(acc: Arith, tally: Tally | None):
     return merge
 
 
+@dataclass
+class _Stages:
+    """The stages one moments computation records, in order, with the caller's overrides applied; ``pre`` is the
+    prescaling of the sums (identity unless mean_by=prescaled)."""
+
+    acc: Arith
+    pre: Callable[[np.ndarray], np.ndarray]
+    wide_sums: bool
+    overrides: dict[str, np.ndarray]
+    stages: list[StageValue] = field(default_factory=list)
+
+    def wsum(self, v: np.ndarray, square: bool = False, prescaled: bool = True) -> np.ndarray | None:
+        """The float64 sum of each row of v (or of v², formed exactly), prescaled when the sums are; None when
+        not wanted."""
+        if not self.wide_sums:
+            return None
+        v = np.asarray(v, dtype=np.float64)
+        v = v * v if square else v
+        return (self.pre(v) if prescaled else v).sum(axis=1)
+
+    def __call__(self, name: str, value: np.ndarray, wide: np.ndarray | None, tally: Tally | None,
+                 negative: bool = False) -> np.ndarray:
+        if name in self.overrides:
+            value = np.asarray(self.overrides[name], dtype=np.float64)
+        self.stages.append(StageValue(name, value, wide, self.acc, tally, negative))
+        return value
+
+
+_Result = tuple[np.ndarray, np.ndarray, "np.ndarray | None", Tally]  # mean, variance, its float64 value, tally
+
+
+def _naive(x: np.ndarray, acc: Arith, stage: _Stages, red: dict, mean_by: str) -> _Result:
+    """E[x²] − E[x]² from a sum and a sum of squares."""
+    c, r = x.shape
+    t = Tally(c)
+    s = stage("sum", reduce_sum(stage.pre(x), acc, tally=t, **red), stage.wsum(x), t)
+    t = Tally(c)
+    q = reduce_sum(stage.pre(acc.mul(x, x, t)), acc, tally=t, **red)
+    q = stage("sum_sq", q, stage.wsum(x, square=True), t)
+    t = Tally(c)
+    mean, wide = _scale_by_count(s, r, acc, mean_by, t)
+    mean = stage("mean", mean, wide, t)
+    t = Tally(c)
+    ex2, wide = _scale_by_count(q, r, acc, mean_by, t)
+    ex2 = stage("ex2", ex2, wide, t)
+    t = Tally(c)
+    msq = stage("mean_sq", acc.mul(mean, mean, t), mean * mean, t)
+    t = Tally(c)
+    wide = ex2 - msq
+    return mean, acc.round(wide, t), wide, t
+
+
+def _two_pass(x: np.ndarray, acc: Arith, stage: _Stages, red: dict, mean_by: str) -> _Result:
+    """The mean, then the sum of squared deviations from it."""
+    c, r = x.shape
+    t = Tally(c)
+    s = stage("sum", reduce_sum(stage.pre(x), acc, tally=t, **red), stage.wsum(x), t)
+    t = Tally(c)
+    mean, wide = _scale_by_count(s, r, acc, mean_by, t)
+    mean = stage("mean", mean, wide, t)
+    t = Tally(c)
+    dev = acc.sub(x, mean[:, None], t)
+    q = reduce_sum(stage.pre(acc.mul(dev, dev, t)), acc, tally=t, **red)
+    q = stage("sum_sq_dev", q, stage.wsum(dev, square=True), t)
+    t = Tally(c)
+    var, wide = _scale_by_count(q, r, acc, mean_by, t)
+    return mean, var, wide, t
+
+
+def _welford(x: np.ndarray, acc: Arith, stage: _Stages, algorithm: str, lanes: int, mean_by: str) -> _Result:
+    """One running update per lane of ``lanes`` (welford; or welford_ascend, BatchNormV3's update), the lanes
+    merged by Chan's formula."""
+    c, r = x.shape
+    t = Tally(c)
+    reps = -(-r // lanes)
+    pad = reps * lanes - r
+    xp = np.concatenate([x, np.zeros((c, pad), dtype=x.dtype)], axis=1) if pad else x
+    blocks = xp.reshape(c, reps, lanes)
+    mean = np.zeros((c, lanes))
+    m2 = np.zeros((c, lanes))
+    lane_idx = np.arange(lanes)
+    for k in range(reps):
+        xk = blocks[:, k, :]
+        valid = (k * lanes + lane_idx) < r
+        n = float(k + 1)
+        delta = acc.sub(xk, mean, t)
+        if algorithm == "welford":
+            new_mean = acc.add(mean, acc.div(delta, n, t), t)
+            new_m2 = acc.add(m2, acc.mul(delta, acc.sub(xk, new_mean, t), t), t)
+        else:  # Ascend BatchNormV3: mean += δ·fl(1/n); M2 += fl(δ²)·fl((n-1)/n)
+            new_mean = acc.add(mean, acc.mul(delta, acc.round(1.0 / n), t), t)
+            new_m2 = acc.add(m2, acc.mul(acc.mul(delta, delta, t), acc.round((n - 1) / n), t), t)
+        mean = np.where(valid, new_mean, mean)
+        m2 = np.where(valid, new_m2, m2)
+    counts = np.broadcast_to(((r - lane_idx + lanes - 1) // lanes).astype(np.float64), (c, lanes))
+    return _merged(x, acc, stage, _tree((counts, mean, m2), _chan_merge(acc, t)), t, mean_by)
+
+
+def _chan(x: np.ndarray, acc: Arith, stage: _Stages, tiles: int, red: dict, mean_by: str) -> _Result:
+    """``tiles`` contiguous tiles, as on simulated cores, each two-pass, merged by Chan's formula."""
+    c, r = x.shape
+    t = Tally(c)
+    ntiles = max(1, min(tiles, r))
+    pieces = np.array_split(np.arange(r), ntiles)
+    counts, means, m2s = np.empty((c, ntiles)), np.empty((c, ntiles)), np.empty((c, ntiles))
+    tile_red = {k: red[k] for k in ("order", "lanes", "kahan")}
+    for i, idx in enumerate(pieces):
+        xt = x[:, idx[0]: idx[-1] + 1]
+        st = reduce_sum(xt, acc, tally=t, **tile_red)
+        mt, _ = _scale_by_count(st, len(idx), acc, mean_by, t)
+        dev = acc.sub(xt, mt[:, None], t)
+        counts[:, i] = len(idx)
+        means[:, i] = mt
+        m2s[:, i] = reduce_sum(acc.mul(dev, dev, t), acc, tally=t, **tile_red)
+    return _merged(x, acc, stage, _tree((counts, means, m2s), _chan_merge(acc, t)), t, mean_by)
+
+
+def _merged(x: np.ndarray, acc: Arith, stage: _Stages, merged: tuple[np.ndarray, ...], t: Tally,
+            mean_by: str) -> _Result:
+    """The stages of a merged (count, mean, M2) state, and the variance M2 / count."""
+    c, r = x.shape
+    _, mean, m2 = merged
+    mean = stage("mean", mean, stage.wsum(x, prescaled=False) / r if stage.wide_sums else None, t)
+    m2 = stage("m2", m2, None, t)
+    t = Tally(c)
+    var, wide = _scale_by_count(m2, r, acc, mean_by, t)
+    return mean, var, wide, t
+
+
 def moments(
     x: np.ndarray,
     acc: Arith,
@@ -125,117 +254,25 @@ def moments(
     ``wide_sums=False`` skips the float64 reference sums recorded as the stages'
     ``wide`` values (a trace that keeps no arrays does not need them).
     """
-    c, r = x.shape
+    r = x.shape[1]
     if algorithm not in VARIANCES:
         raise BNProbeError(f"unknown variance algorithm {algorithm!r}; valid: {', '.join(VARIANCES)}")
     if mean_by == "prescaled" and algorithm not in ("naive", "two_pass"):
         raise BNProbeError(f"mean_by=prescaled scales the sums of naive and two_pass, not {algorithm}")
     red = dict(order=order, lanes=lanes, kahan=kahan, parts=parts, combine=combine, rng=rng)
-    stages: list[StageValue] = []
     # prescaled: every addend is multiplied by 2^-k first (exact unless it underflows)
     pre = (lambda v: acc.round(v * 2.0 ** -prescale_exponent(r))) if mean_by == "prescaled" else (lambda v: v)
-
-    over = overrides or {}
-
-    def wsum(v: np.ndarray, square: bool = False, prescaled: bool = True) -> np.ndarray | None:
-        """The float64 sum of each row of v (or of v², formed exactly), prescaled when the sums are;
-        None when not wanted."""
-        if not wide_sums:
-            return None
-        v = np.asarray(v, dtype=np.float64)
-        v = v * v if square else v
-        return (pre(v) if prescaled else v).sum(axis=1)
-
-    def stage(name: str, value: np.ndarray, wide: np.ndarray | None, tally: Tally | None,
-              negative: bool = False) -> np.ndarray:
-        if name in over:
-            value = np.asarray(over[name], dtype=np.float64)
-        stages.append(StageValue(name, value, wide, acc, tally, negative))
-        return value
-
+    stage = _Stages(acc, pre, wide_sums, overrides or {})
     with np.errstate(all="ignore"):
         if algorithm == "naive":
-            t = Tally(c)
-            s = reduce_sum(pre(x), acc, tally=t, **red)
-            s = stage("sum", s, wsum(x), t)
-            t = Tally(c)
-            sq = pre(acc.mul(x, x, t))
-            q = reduce_sum(sq, acc, tally=t, **red)
-            q = stage("sum_sq", q, wsum(x, square=True), t)
-            t = Tally(c)
-            mean, wide = _scale_by_count(s, r, acc, mean_by, t)
-            mean = stage("mean", mean, wide, t)
-            t = Tally(c)
-            ex2, wide = _scale_by_count(q, r, acc, mean_by, t)
-            ex2 = stage("ex2", ex2, wide, t)
-            t = Tally(c)
-            msq = acc.mul(mean, mean, t)
-            msq = stage("mean_sq", msq, mean * mean, t)
-            t = Tally(c)
-            wide = ex2 - msq
-            var = acc.round(wide, t)
+            mean, var, wide, t = _naive(x, acc, stage, red, mean_by)
         elif algorithm == "two_pass":
-            t = Tally(c)
-            s = reduce_sum(pre(x), acc, tally=t, **red)
-            s = stage("sum", s, wsum(x), t)
-            t = Tally(c)
-            mean, wide = _scale_by_count(s, r, acc, mean_by, t)
-            mean = stage("mean", mean, wide, t)
-            t = Tally(c)
-            dev = acc.sub(x, mean[:, None], t)
-            q = reduce_sum(pre(acc.mul(dev, dev, t)), acc, tally=t, **red)
-            q = stage("sum_sq_dev", q, wsum(dev, square=True), t)
-            t = Tally(c)
-            var, wide = _scale_by_count(q, r, acc, mean_by, t)
+            mean, var, wide, t = _two_pass(x, acc, stage, red, mean_by)
         elif algorithm in ("welford", "welford_ascend"):
-            t = Tally(c)
-            reps = -(-r // lanes)
-            pad = reps * lanes - r
-            xp = np.concatenate([x, np.zeros((c, pad), dtype=x.dtype)], axis=1) if pad else x
-            blocks = xp.reshape(c, reps, lanes)
-            mean = np.zeros((c, lanes))
-            m2 = np.zeros((c, lanes))
-            lane_idx = np.arange(lanes)
-            for k in range(reps):
-                xk = blocks[:, k, :]
-                valid = (k * lanes + lane_idx) < r
-                n = float(k + 1)
-                delta = acc.sub(xk, mean, t)
-                if algorithm == "welford":
-                    new_mean = acc.add(mean, acc.div(delta, n, t), t)
-                    new_m2 = acc.add(m2, acc.mul(delta, acc.sub(xk, new_mean, t), t), t)
-                else:  # Ascend BatchNormV3: mean += δ·fl(1/n); M2 += fl(δ²)·fl((n-1)/n)
-                    new_mean = acc.add(mean, acc.mul(delta, acc.round(1.0 / n), t), t)
-                    new_m2 = acc.add(m2, acc.mul(acc.mul(delta, delta, t), acc.round((n - 1) / n), t), t)
-                mean = np.where(valid, new_mean, mean)
-                m2 = np.where(valid, new_m2, m2)
-            counts = np.broadcast_to(((r - lane_idx + lanes - 1) // lanes).astype(np.float64), (c, lanes))
-            _, mean, m2 = _tree((counts, mean, m2), _chan_merge(acc, t))
-            mean = stage("mean", mean, wsum(x, prescaled=False) / r if wide_sums else None, t)
-            m2 = stage("m2", m2, None, t)
-            t = Tally(c)
-            var, wide = _scale_by_count(m2, r, acc, mean_by, t)
+            mean, var, wide, t = _welford(x, acc, stage, algorithm, lanes, mean_by)
         else:  # chan
-            t = Tally(c)
-            ntiles = max(1, min(tiles, r))
-            parts = np.array_split(np.arange(r), ntiles)
-            counts = np.empty((c, ntiles))
-            means = np.empty((c, ntiles))
-            m2s = np.empty((c, ntiles))
-            for i, idx in enumerate(parts):
-                xt = x[:, idx[0]: idx[-1] + 1]
-                st = reduce_sum(xt, acc, tally=t, order=order, lanes=lanes, kahan=kahan)
-                mt, _ = _scale_by_count(st, len(idx), acc, mean_by, t)
-                dev = acc.sub(xt, mt[:, None], t)
-                counts[:, i] = len(idx)
-                means[:, i] = mt
-                m2s[:, i] = reduce_sum(acc.mul(dev, dev, t), acc, tally=t, order=order, lanes=lanes, kahan=kahan)
-            _, mean, m2 = _tree((counts, means, m2s), _chan_merge(acc, t))
-            mean = stage("mean", mean, wsum(x, prescaled=False) / r if wide_sums else None, t)
-            m2 = stage("m2", m2, None, t)
-            t = Tally(c)
-            var, wide = _scale_by_count(m2, r, acc, mean_by, t)
+            mean, var, wide, t = _chan(x, acc, stage, tiles, red, mean_by)
         if clamp:
             var = np.where(var < 0, 0.0, var)
         var = stage("var", var, wide, t, negative=True)
-    return Moments(mean=mean, var=var, stages=stages)
+    return Moments(mean=mean, var=var, stages=stage.stages)
