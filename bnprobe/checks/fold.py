@@ -369,26 +369,33 @@ class FoldReport:
                 "torch": self.torch, "notes": self.notes}
 
 
-def check_fold(layer: Layer, dtype: str = "fp16", *, accumulate: str | None = None, eps: float | None = None,
-               relu: bool = True) -> FoldReport:
-    """Folded vs unfused in ``dtype`` against the FP64 golden, per output channel, with the risks explained."""
-    import pandas as pd
+@dataclass
+class _Fold:
+    """One layer run every way check_fold compares: the FP64 golden, unfused and folded in the format, ReLU fused or
+    not; ``xs``/``ws``/``bs`` are the inputs as stored in the format."""
 
-    fmt = get_format(dtype)
-    acc = get_format(accumulate or ("fp64" if fmt.name == "fp64" else "fp32")).name
-    eps = layer.eps if eps is None else eps
-    if not eps > 0:
-        raise BNProbeError(f"eps must be > 0, got {eps}")
-    if layer.x is None:
-        raise BNProbeError("the layer has no input to run on")
-    check_layer(layer)
+    layer: Layer
+    fmt: Any
+    acc: str
+    eps: float
+    xs: np.ndarray
+    ws: np.ndarray
+    bs: np.ndarray | None
+    z_gold: np.ndarray
+    y_gold: np.ndarray
+    a64: np.ndarray
+    fold64: np.ndarray
+    w2: np.ndarray
+    w2s: np.ndarray
+    y_unfused: np.ndarray
+    y_xhat: np.ndarray
+    y_folded: np.ndarray
+    relu_fused: np.ndarray | None
+    relu_unfused: np.ndarray | None
+
+
+def _run_fold(layer: Layer, fmt: Any, acc: str, eps: float, relu: bool) -> _Fold:
     kind, groups, pad = layer.kind, layer.groups, layer.padding
-    cout = layer.channels
-    from bnprobe.guard import require
-
-    require(fold_bytes(kind, np.shape(layer.x), np.shape(layer.weight), groups=groups, pad=pad, accumulate=acc),
-            f"fold of a {kind} layer (weight {tuple(np.shape(layer.weight))}"
-            f"{f', groups {groups}' if groups > 1 else ''}) on x of shape {tuple(np.shape(layer.x))}")
     pol = get_policy("fp64").with_options(name="fp64")
     # golden: FP64 layer then BN inference on the same stored inputs
     xs, ws = round_to(layer.x, fmt), round_to(layer.weight, fmt)
@@ -405,22 +412,30 @@ def check_fold(layer: Layer, dtype: str = "fp16", *, accumulate: str | None = No
     y_unfused = forward_infer(z, g, b, rm, rv, eps=eps, policy=bn_pol.with_options(y_formula="affine")).y
     y_xhat = forward_infer(z, g, b, rm, rv, eps=eps, policy=bn_pol.with_options(y_formula="xhat")).y
     # folded in the format: A, B, W', b' formed in the accumulator format, stored in fmt
-    pa = Arith(acc)
-    a, bb, w2, b2 = fold_params(g, b, rm, rv, eps, ws, bs, pa)
+    _, _, w2, b2 = fold_params(g, b, rm, rv, eps, ws, bs, Arith(acc))
     w2s, b2s = round_to(w2, fmt), round_to(b2, fmt)
     y_folded = layer_forward(kind, xs, w2s, b2s, groups=groups, pad=pad, accumulate=acc, out=fmt.name)
     relu_fused = round_to(np.maximum(y_unfused.astype(np.float64), 0), fmt) if relu else None
     relu_unfused = np.maximum(round_to(y_unfused.astype(np.float64), fmt), 0) if relu else None
-    # per channel
-    lay = layout_of(y_gold)  # outputs are (N, C) or (N, C, H, W): channel-first rows per output channel
-    yg, yf, yu = lay.to_cr(y_gold), lay.to_cr(y_folded), lay.to_cr(y_unfused)
+    return _Fold(layer, fmt, acc, eps, xs, ws, bs, z_gold, y_gold, a64, fold64, w2, w2s, y_unfused, y_xhat, y_folded,
+                 relu_fused, relu_unfused)
+
+
+def _channel_table(f: _Fold) -> Any:
+    """Per output channel: folded vs unfused error against the golden (msprobe's benchmark ratios), the folded
+    weights' headroom and rounding, the verdict."""
+    import pandas as pd
+
+    fmt, cout, rv, eps = f.fmt, f.layer.channels, f.layer.running_var, f.eps
+    lay = layout_of(f.y_gold)  # outputs are (N, C) or (N, C, H, W): channel-first rows per output channel
+    yg, yf, yu = lay.to_cr(f.y_gold), lay.to_cr(f.y_folded), lay.to_cr(f.y_unfused)
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         # a channel whose folded weights overflowed is all NaN/inf: reported as non-finite below
         warnings.filterwarnings("ignore", message="(All-NaN slice|Mean of empty slice)", category=RuntimeWarning)
         err_f = np.nanmax(np.abs(yf - yg), axis=1)
         err_u = np.nanmax(np.abs(yu - yg), axis=1)
-        wmax = np.nanmax(np.abs(w2.reshape(cout, -1)), axis=1)
-        wnum = w2.reshape(cout, -1)
+        wmax = np.nanmax(np.abs(f.w2.reshape(cout, -1)), axis=1)
+        wnum = f.w2.reshape(cout, -1)
         w_rel = np.nanmax(np.abs(round_to(wnum, fmt) - wnum) / np.where(wnum != 0, np.abs(wnum), np.nan), axis=1)
     std = MSPROBE_STANDARDS.get(fmt.name)
     rows = []
@@ -439,57 +454,105 @@ def check_fold(layer: Layer, dtype: str = "fp16", *, accumulate: str | None = No
                f"(limit {BENCHMARK_MAX_RATIO:g})")
         with np.errstate(all="ignore"):
             head = math.log2(fmt.max / wmax[c]) if wmax[c] > 0 and np.isfinite(wmax[c]) else -math.inf
-        rows.append({"channel": c, "A": float(a64[c]), "running_var": float(rv[c]), "var_over_eps": float(rv[c] / eps),
-                     "folded_w_absmax": float(wmax[c]), "w_headroom_binades": head,
-                     "w_overflows": bool(head < 0) or not np.all(np.isfinite(w2s.reshape(cout, -1)[c])),
+        rows.append({"channel": c, "A": float(f.a64[c]), "running_var": float(rv[c]),
+                     "var_over_eps": float(rv[c] / eps), "folded_w_absmax": float(wmax[c]),
+                     "w_headroom_binades": head,
+                     "w_overflows": bool(head < 0) or not np.all(np.isfinite(f.w2s.reshape(cout, -1)[c])),
                      "w_rel_rounding": float(w_rel[c]), "err_folded": float(err_f[c]), "err_unfused": float(err_u[c]),
                      "error_added_by_folding": float(err_f[c] - err_u[c]), "verdict": "PASS" if ok else "FAIL",
                      "why": why})
-    ch = pd.DataFrame(rows)
+    return pd.DataFrame(rows)
+
+
+def _forms_table(f: _Fold) -> Any:
+    """The largest error of each way to compute the layer (folded, unfused affine or x-hat, ReLU fused or not)."""
+    import pandas as pd
 
     def err(y: np.ndarray | None) -> float:
         if y is None:
             return math.nan
         with np.errstate(all="ignore"):
-            d = np.abs(np.asarray(y, dtype=np.float64) - (np.maximum(y_gold, 0) if y is relu_fused or y is relu_unfused
-                                                             else y_gold))
+            d = np.abs(np.asarray(y, dtype=np.float64) - (np.maximum(f.y_gold, 0)
+                                                          if y is f.relu_fused or y is f.relu_unfused else f.y_gold))
         return float(np.nanmax(d)) if np.isfinite(d).any() else math.inf
 
-    forms = pd.DataFrame([
-        {"form": "folded conv/linear (W' = W*A, b' = b*A + B)", "max_abs_err": err(y_folded)},
-        {"form": "unfused, BN as A*x + B", "max_abs_err": err(y_unfused)},
-        {"form": "unfused, BN as (x - mean)*rstd*gamma + beta", "max_abs_err": err(y_xhat)},
-        {"form": "BN + ReLU fused (ReLU before the output cast)", "max_abs_err": err(relu_fused)},
-        {"form": "BN then ReLU (cast, then ReLU)", "max_abs_err": err(relu_unfused)},
-        {"form": "FP64 folded vs FP64 unfused", "max_abs_err": float(np.max(np.abs(fold64 - y_gold)))},
+    return pd.DataFrame([
+        {"form": "folded conv/linear (W' = W*A, b' = b*A + B)", "max_abs_err": err(f.y_folded)},
+        {"form": "unfused, BN as A*x + B", "max_abs_err": err(f.y_unfused)},
+        {"form": "unfused, BN as (x - mean)*rstd*gamma + beta", "max_abs_err": err(f.y_xhat)},
+        {"form": "BN + ReLU fused (ReLU before the output cast)", "max_abs_err": err(f.relu_fused)},
+        {"form": "BN then ReLU (cast, then ReLU)", "max_abs_err": err(f.relu_unfused)},
+        {"form": "FP64 folded vs FP64 unfused", "max_abs_err": float(np.max(np.abs(f.fold64 - f.y_gold)))},
     ])
-    # Ascend's eps rule and wrong statistics, in FP64 (so only the rule / statistics differ)
-    eps_used = ASCEND_EPS_REPLACEMENT if eps < ASCEND_EPS_FLOOR else eps
-    y_rule = _ref_forward(kind, xs, *fold_params(g, b, rm, rv, eps_used, ws, bs)[2:], groups, pad)
-    eps_rule = {"eps": eps, "eps_after_rule": eps_used, "replaced": eps_used != eps,
-                "max_abs_change": float(np.max(np.abs(y_rule - y_gold)))}
+
+
+def _eps_rule(f: _Fold) -> dict[str, Any]:
+    """Ascend's eps rule, in FP64 (so only the rule differs)."""
+    ly = f.layer
+    eps_used = ASCEND_EPS_REPLACEMENT if f.eps < ASCEND_EPS_FLOOR else f.eps
+    y_rule = _ref_forward(ly.kind, f.xs, *fold_params(ly.gamma, ly.beta, ly.running_mean, ly.running_var, eps_used,
+                                                      f.ws, f.bs)[2:], ly.groups, ly.padding)
+    return {"eps": f.eps, "eps_after_rule": eps_used, "replaced": eps_used != f.eps,
+            "max_abs_change": float(np.max(np.abs(y_rule - f.y_gold)))}
+
+
+def _wrong_statistics(f: _Fold) -> Any:
+    """Folding with the wrong statistics (batch instead of running, biased/unbiased mix-ups), in FP64."""
+    import pandas as pd
+
+    ly = f.layer
+    rm, rv = ly.running_mean, ly.running_var
     wrong = []
-    r_count = int(np.prod(z_gold.shape)) // cout
-    if layer.batch_mean is not None and layer.batch_var is not None:
-        for label, m_, v_ in (("batch statistics instead of running", layer.batch_mean, layer.batch_var),
+    r_count = int(np.prod(f.z_gold.shape)) // ly.channels
+    if ly.batch_mean is not None and ly.batch_var is not None:
+        for label, m_, v_ in (("batch statistics instead of running", ly.batch_mean, ly.batch_var),
                               ("running var made biased (x (R-1)/R)", rm, rv * (r_count - 1) / r_count),
                               ("running var made 'unbiased' again (x R/(R-1))", rm, rv * r_count / (r_count - 1))):
-            yw = _ref_forward(kind, xs, *fold_params(g, b, m_, v_, eps, ws, bs)[2:], groups, pad)
-            wrong.append({"folded with": label, "max_abs_change": float(np.max(np.abs(yw - y_gold)))})
+            yw = _ref_forward(ly.kind, f.xs, *fold_params(ly.gamma, ly.beta, m_, v_, f.eps, f.ws, f.bs)[2:],
+                              ly.groups, ly.padding)
+            wrong.append({"folded with": label, "max_abs_change": float(np.max(np.abs(yw - f.y_gold)))})
+    return pd.DataFrame(wrong)
+
+
+def _fold_notes(layer: Layer, ch: Any) -> list[str]:
     notes = []
-    inputs = {"x": layer.x, "weight": layer.weight, "bias": layer.bias, "gamma": g, "beta": b, "running_mean": rm,
-              "running_var": rv}
+    inputs = {"x": layer.x, "weight": layer.weight, "bias": layer.bias, "gamma": layer.gamma, "beta": layer.beta,
+              "running_mean": layer.running_mean, "running_var": layer.running_var}
     nonfinite = [k for k, v in inputs.items() if v is not None and not np.isfinite(v).all()]
     if nonfinite:
         notes.append(f"NaN or inf in {', '.join(nonfinite)}: the outputs they reach are non-finite on every path")
-    bad_var = np.flatnonzero(np.asarray(rv, dtype=np.float64) < 0)
+    bad_var = np.flatnonzero(np.asarray(layer.running_var, dtype=np.float64) < 0)
     if bad_var.size:
         notes.append(f"running_var is negative at channel(s) {bad_var.tolist()}: not a variance; A = γ/√(σ²+ε) is "
                      "NaN where σ²+ε < 0")
     risky = ch[ch.w_overflows | (ch.verdict == "FAIL")]
     if len(risky):
         notes.append(f"channels at risk: {risky.channel.tolist()} (A up to {risky.A.abs().max():.3g})")
-    return FoldReport(kind, fmt.name, acc, ch, forms, eps_rule, pd.DataFrame(wrong), None, notes)
+    return notes
+
+
+def check_fold(layer: Layer, dtype: str = "fp16", *, accumulate: str | None = None, eps: float | None = None,
+               relu: bool = True) -> FoldReport:
+    """Folded vs unfused in ``dtype`` against the FP64 golden, per output channel, with the risks explained."""
+    from bnprobe.guard import require
+
+    fmt = get_format(dtype)
+    acc = get_format(accumulate or ("fp64" if fmt.name == "fp64" else "fp32")).name
+    eps = layer.eps if eps is None else eps
+    if not eps > 0:
+        raise BNProbeError(f"eps must be > 0, got {eps}")
+    if layer.x is None:
+        raise BNProbeError("the layer has no input to run on")
+    check_layer(layer)
+    kind, groups = layer.kind, layer.groups
+    require(fold_bytes(kind, np.shape(layer.x), np.shape(layer.weight), groups=groups, pad=layer.padding,
+                       accumulate=acc),
+            f"fold of a {kind} layer (weight {tuple(np.shape(layer.weight))}"
+            f"{f', groups {groups}' if groups > 1 else ''}) on x of shape {tuple(np.shape(layer.x))}")
+    f = _run_fold(layer, fmt, acc, eps, relu)
+    ch = _channel_table(f)
+    return FoldReport(kind, fmt.name, acc, ch, _forms_table(f), _eps_rule(f), _wrong_statistics(f), None,
+                      _fold_notes(layer, ch))
 
 
 def torch_fusion_check(layer: Layer, dtype: str = "fp32") -> dict[str, Any]:
