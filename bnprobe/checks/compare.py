@@ -629,6 +629,59 @@ def _bench(bench: KernelAdapter, ref: KernelAdapter, inp: _Inputs, gold_t: Any,
     return bench.name, got, run, _policy(bench, inp)
 
 
+def _check_formats(resolved: list[KernelAdapter], bench_a: KernelAdapter | None, cases: list[Case],
+                   fmts: list[str], recorded_fmts: list[str], dtypes: tuple[str, ...] | None) -> None:
+    """Refuse, before any work, formats that contradict a recording or that an adapter or the bench cannot run."""
+    if dtypes is not None:
+        off = [f for f in recorded_fmts if f not in fmts]
+        if off:
+            raise BNProbeError(f"the recording holds {', '.join(off)} calls; dtypes {', '.join(fmts)} contradict it")
+    need = list(dict.fromkeys((fmts if any(c.call is None for c in cases) else []) + recorded_fmts))
+    for a in resolved:
+        missing = [f for f in need if f not in a.capabilities().formats]
+        if missing:
+            raise BNProbeError(f"adapter {a.name} does not run {', '.join(missing)} "
+                               f"(it runs {', '.join(a.capabilities().formats)})")
+    if bench_a is not None:
+        if isinstance(bench_a, DumpAdapter):
+            raise BNProbeError("the bench must be a kernel bnprobe can run on every input (a dump replays only its "
+                               "own)")
+        missing = [f for f in need if f not in bench_a.capabilities().formats]
+        if missing:
+            raise BNProbeError(f"bench {bench_a.name} does not run {', '.join(missing)}")
+
+
+def _case_inputs(case: Case, fmts: list[str], modes: tuple[str, ...], eps: float | None, momentum: float | None,
+                 params: str | None, notes: list[str]) -> list[_Inputs]:
+    """A case's inputs, one per format (a recorded call: its own, in its format), with what they hold that the
+    verdicts cannot see (NaN/inf: the golden is non-finite there too) said in ``notes``."""
+    if case.call is not None:
+        rec = case.call.load()
+        _agree(case.name, rec, eps, momentum, params)
+        notes.extend(f"{case.name}: {n}" for n in rec.meta.get("notes", []))
+        per_fmt = [_recorded(rec, modes)]
+    else:
+        x = case.make()
+        e = 1e-5 if eps is None else eps
+        m = 0.1 if momentum is None else momentum
+        per_fmt = [_generated(case, x, f, params or "fp32", e, m, modes) for f in fmts]
+    for inp in per_fmt:
+        for what, t in (("x", inp.x), ("dy", inp.dy)):
+            bad = 0 if t is None else int(np.size(t) - np.count_nonzero(np.isfinite(t)))
+            if bad:
+                notes.append(f"{case.name} ({inp.fmt}): {what} holds {bad} NaN/inf value(s) of {np.size(t)}; "
+                             "outputs that depend on them are non-finite in the golden too")
+    return per_fmt
+
+
+def _golden_train(ref: KernelAdapter, inp: _Inputs) -> Any:
+    """The golden's training forward of a case, when it has one (its statistics are what backward uses)."""
+    if inp.training and layout_of(inp.x).reduce_size > 1 and ("train" in inp.modes or "backward" in inp.modes):
+        return ref.forward_train(inp.x, inp.gamma, inp.beta, inp.running_mean, inp.running_var,
+                                 momentum=inp.momentum, **inp.common)
+    return None
+
+
 def compare_precision(
     adapters: list[str | KernelAdapter] | None = None,
     dtypes: tuple[str, ...] | None = None,
@@ -660,40 +713,19 @@ def compare_precision(
         raise BNProbeError(f"unknown mode {mode!r}; valid: {', '.join(COMPARE_MODES)}")
     if rule not in RULES:
         raise BNProbeError(f"unknown rule {rule!r}; valid: {', '.join(RULES)}")
-    adapters = adapters or ["emulated"]
-    resolved = [get_adapter(a) if isinstance(a, str) else a for a in adapters]
+    resolved = [get_adapter(a) if isinstance(a, str) else a for a in (adapters or ["emulated"])]
     dumps = [a for a in resolved if isinstance(a, DumpAdapter)]
     if cases is None:
         cases = recorded_cases(dumps[0].calls) if dumps else resnet50_cases(seed=seed) + stress_cases(seed)
     fmts = [get_format(d).name for d in (dtypes or ("fp16", "bf16", "fp32"))]
     recorded_fmts = list(dict.fromkeys(c.call.dtype for c in cases if c.call is not None))
-    if dtypes is not None:
-        off = [f for f in recorded_fmts if f not in fmts]
-        if off:
-            raise BNProbeError(f"the recording holds {', '.join(off)} calls; dtypes {', '.join(fmts)} contradict it")
-    for a in resolved:
-        need = (fmts if any(c.call is None for c in cases) else []) + recorded_fmts
-        missing = [f for f in dict.fromkeys(need) if f not in a.capabilities().formats]
-        if missing:
-            raise BNProbeError(f"adapter {a.name} does not run {', '.join(missing)} "
-                               f"(it runs {', '.join(a.capabilities().formats)})")
-    ref = get_adapter("reference")
     bench_a = (get_adapter(bench) if isinstance(bench, str) else bench) if bench is not None else None
     if bench_a is None and rule == "benchmark":
         raise BNProbeError("the benchmark rule needs a bench (e.g. careful or torch)")
-    if bench_a is not None:
-        if isinstance(bench_a, DumpAdapter):
-            raise BNProbeError("the bench must be a kernel bnprobe can run on every input (a dump replays only its "
-                               "own)")
-        need = list(dict.fromkeys((fmts if any(c.call is None for c in cases) else []) + recorded_fmts))
-        missing = [f for f in need if f not in bench_a.capabilities().formats]
-        if missing:
-            raise BNProbeError(f"bench {bench_a.name} does not run {', '.join(missing)}")
+    _check_formats(resolved, bench_a, cases, fmts, recorded_fmts, dtypes)
+    ref = get_adapter("reference")
     modes = ("train", "infer", "backward") if mode == "all" else (mode,)
-    rows: list[dict[str, Any]] = []
-    chans: list[dict[str, Any]] = []
-    budgets: list[dict[str, Any]] = []
-    notes: list[str] = []
+    rows, chans, budgets, notes = [], [], [], []  # the three tables' rows, and what the verdicts cannot show
     total = sum(1 if c.call is not None else len(fmts) for c in cases) * len(resolved)
     done = 0
     t0 = time.monotonic()
@@ -704,27 +736,8 @@ def compare_precision(
         a.keep_arrays = False
     try:
         for case in cases:
-            if case.call is not None:
-                rec = case.call.load()
-                _agree(case.name, rec, eps, momentum, params)
-                notes.extend(f"{case.name}: {n}" for n in rec.meta.get("notes", []))
-                per_fmt = [_recorded(rec, modes)]
-            else:
-                x = case.make()
-                e = 1e-5 if eps is None else eps
-                m = 0.1 if momentum is None else momentum
-                per_fmt = [_generated(case, x, f, params or "fp32", e, m, modes) for f in fmts]
-            for inp in per_fmt:
-                for what, t in (("x", inp.x), ("dy", inp.dy)):
-                    bad = 0 if t is None else int(np.size(t) - np.count_nonzero(np.isfinite(t)))
-                    if bad:  # input-borne: the golden is non-finite there too, so the verdicts cannot see it
-                        notes.append(f"{case.name} ({inp.fmt}): {what} holds {bad} NaN/inf value(s) of {np.size(t)}; "
-                                     "outputs that depend on them are non-finite in the golden too")
-                gold_t = None
-                if inp.training and layout_of(inp.x).reduce_size > 1 and ("train" in inp.modes or
-                                                                         "backward" in inp.modes):
-                    gold_t = ref.forward_train(inp.x, inp.gamma, inp.beta, inp.running_mean, inp.running_var,
-                                               momentum=inp.momentum, **inp.common)
+            for inp in _case_inputs(case, fmts, modes, eps, momentum, params, notes):
+                gold_t = _golden_train(ref, inp)
                 sc = _scales(inp, gold_t)
                 bench_out = _bench(bench_a, ref, inp, gold_t, sc) if bench_a else None
                 for a in resolved:
