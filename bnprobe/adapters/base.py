@@ -21,7 +21,7 @@ from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.rounding import round_to
 
 __all__ = ["Capabilities", "ForwardOutput", "BackwardOutput", "KernelAdapter", "BaseAdapter", "PARAM_PRECISIONS",
-           "SAVED_KINDS", "Saved", "params_format", "params_mode"]
+           "SAVED_KINDS", "Saved", "params_format", "params_mode", "stored_inputs", "MODES"]
 
 MODES = ("train", "infer", "backward")
 # what a training forward saves for the backward: mean + 1/sqrt(var + eps) (PyTorch, cuDNN, Ascend 950)
@@ -37,6 +37,17 @@ def params_format(dtype: str, params: str) -> str:
         raise BNProbeError(f"params must be one of {', '.join(PARAM_PRECISIONS)}, got {params!r}")
     fmt = get_format(dtype).name
     return fmt if params == "same" else ("fp64" if fmt == "fp64" else "fp32")
+
+
+def stored_inputs(dtype: str, params: str, x: Any, dy: Any = None, gamma: Any = None, beta: Any = None,
+                  running_mean: Any = None, running_var: Any = None) -> tuple[Any, ...]:
+    """The inputs as a kernel in ``dtype`` stores them: x and dy rounded to ``dtype``; γ, β and the running
+    statistics to the parameter format (:func:`params_format`); ``None`` stays ``None``.  (x, dy, γ, β, running
+    mean, running var)."""
+    pf = params_format(dtype, params)
+    fmt = get_format(dtype).name
+    return tuple(None if v is None else round_to(v, f) for v, f in ((x, fmt), (dy, fmt), (gamma, pf), (beta, pf),
+                                                                    (running_mean, pf), (running_var, pf)))
 
 
 def params_mode(dtype: str, fmt: str) -> str:

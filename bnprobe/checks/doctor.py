@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from bnprobe.adapters import KernelAdapter, get_adapter
-from bnprobe.adapters.base import params_format
+from bnprobe.adapters.base import params_format, stored_inputs
 from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.adapters.emulated import PolicyAdapter
 from bnprobe.checks.recorded import (
@@ -615,9 +615,7 @@ def _steps_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
     pf = params_format(fmt, params)
     common = dict(dtype=fmt, eps=p.eps, params=params)
     batches = [round_to(s, fmt) for s in p.steps]
-    x = round_to(p.x, fmt)
-    g, b = round_to(p.gamma, pf), round_to(p.beta, pf)
-    rm0, rv0 = round_to(p.running_mean, pf), round_to(p.running_var, pf)
+    x, _, g, b, rm0, rv0 = stored_inputs(fmt, params, p.x, None, p.gamma, p.beta, p.running_mean, p.running_var)
     k_rm, k_rv, g_rm, g_rv = rm0, rv0, rm0, rv0
     with np.errstate(all="ignore"):
         for xb in batches:
@@ -741,10 +739,8 @@ def _epsilon(a: KernelAdapter, x: np.ndarray, fmt: str, eps: float, params: str)
 
 
 def _determinism(a: KernelAdapter, p: Probe, fmt: str, params: str) -> Item:
-    pf = params_format(fmt, params)
-    x = round_to(p.x, fmt)
-    args = (x, round_to(p.gamma, pf), round_to(p.beta, pf), round_to(p.running_mean, pf),
-            round_to(p.running_var, pf))
+    x, _, *prm = stored_inputs(fmt, params, p.x, None, p.gamma, p.beta, p.running_mean, p.running_var)
+    args = (x, *prm)
     ys = [np.asarray(a.forward_train(*args, momentum=p.momentum, dtype=fmt, eps=p.eps, params=params).y)
           for _ in range(2)]
     if np.array_equal(ys[0], ys[1], equal_nan=True):

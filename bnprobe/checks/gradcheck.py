@@ -23,14 +23,13 @@ import numpy as np
 
 from bnprobe._loading import first_line, kind_of, load_callable, raised
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
-from bnprobe.adapters.base import params_format
+from bnprobe.adapters.base import params_format, stored_inputs
 from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.checks.recorded import CallRun, PerCall, Recorded, check_options, runs
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.kernels.layout import channel_column, layout_of, reduce_axes, to_channels_first
 from bnprobe.metrics import compare, min_atol, min_rtol
-from bnprobe.numerics.rounding import round_to
 from bnprobe.tolerances import FINITE_DIFFERENCE, check_rtol_atol, grad_tolerance
 
 __all__ = ["GradRow", "GradcheckResult", "gradcheck", "gradcheck_recorded", "check_formula", "FORMULAS",
@@ -488,9 +487,8 @@ def gradcheck(
     notes.append(f"finite differences on {fd_target.name} in fp64: {how}")
     # 2. the adapter's backward in its format vs the FP64 golden on the same rounded inputs
     pf = params_format(fmt, params)
-    xs, dys = round_to(inp.x, fmt), round_to(inp.dy, fmt)
-    g, b = round_to(inp.gamma, pf), round_to(inp.beta, pf)
-    rm, rv = round_to(inp.running_mean, pf), round_to(inp.running_var, pf)
+    xs, dys, g, b, rm, rv = stored_inputs(fmt, params, inp.x, inp.dy, inp.gamma, inp.beta, inp.running_mean,
+                                          inp.running_var)
     train = mode == "train"
     if train:
         saved = a.forward_train(xs, g, b, dtype=fmt, eps=eps, params=params).saved
