@@ -20,7 +20,7 @@ from bnprobe.formats import get_format
 __all__ = ["GRAD_TOLERANCES", "FINITE_DIFFERENCE", "MSPROBE_STANDARDS", "Standard", "grad_tolerance",
            "check_rtol_atol", "CheckerStandard", "MSPROBE_CHECKER", "MSPROBE_BENCHMARK_LIMITS",
            "MSPROBE_BENCHMARK_APIS", "MSPROBE_CSV_DECIMALS", "MSPROBE_COMPARE_LIMITS", "DOCTOR_TOLERANCES",
-           "doctor_tolerance"]
+           "doctor_tolerance", "KERNEL_AGREEMENT"]
 
 GRAD_TOLERANCES: dict[str, tuple[float, float]] = {  # (rtol, atol)
     "fp64": (1e-7, 1e-7),
@@ -38,6 +38,11 @@ DOCTOR_TOLERANCES: dict[str, float] = {
     "bf16": 6.4e-2,  # 4 * 1.6e-2: about 8 ULPs of bf16 (2^-7) relative to the largest value
 }
 # torch.autograd.gradcheck: central differences with eps = 1e-6, atol = 1e-5, rtol = 1e-3
+#: How far two correct kernels' outputs may lie apart on unit-scale inputs (the largest absolute difference of y; dx
+#: twice that): different reduction orders, rsqrt methods and output rounding, a few ULPs at |y| of a few units.
+#: The adapter contract and the torch adapter's tests both hold kernels to it.
+KERNEL_AGREEMENT: dict[str, float] = {"fp64": 1e-12, "fp32": 2e-5, "fp16": 1e-2, "bf16": 8e-2}
+
 FINITE_DIFFERENCE = {"eps": 1e-6, "atol": 1e-5, "rtol": 1e-3}
 
 
