@@ -34,10 +34,10 @@ def test_verdict_rules_by_hand():
 
 
 def test_emulated_presets_pass_resnet50_and_a_naive_port_does_not():
-    cases = resnet50_cases(batch=1)[-3:]  # the three layer4 shapes, batch 1
+    cases = resnet50_cases(batch=1)  # every ResNet-50 BatchNorm shape, batch 1 (the default run's, at half the batch)
     good = compare_precision(["emulated"], ("fp16", "bf16", "fp32"), cases, budget=False)
     assert good.passed, good.rows[good.rows.verdict == "FAIL"][["dtype", "case", "tensor", "why"]]
-    naive = compare_precision(["emulated:fp16-acc16"], ("fp16",), cases, budget=False)
+    naive = compare_precision(["emulated:fp16-acc16"], ("fp16",), cases[-3:], budget=False)
     assert not naive.passed
 
 
