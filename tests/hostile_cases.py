@@ -383,54 +383,15 @@ def _bnprobe_tensor_damage(kind: str) -> Callable[[Ctx], dict]:
 
 def msprobe_dump(folder: Path, *, suffix: str = ".npy") -> Path:
     """A small msprobe L1 tensor dump of one aten native_batch_norm call (forward and backward), as msprobe
-    writes it (step0/rank0/dump.json + dump_tensor_data/); same layout as tests/adapters/test_dump.py."""
-    from bnprobe.adapters import get_adapter
+    writes it (step0/rank0/dump.json + dump_tensor_data/): tests/adapters/test_dump.py's, its other calls left
+    out."""
+    from tests.adapters.test_dump import build_msprobe
 
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((4, 3, 2, 2)).astype(np.float16)
-    w, b = rng.uniform(0.5, 1.5, 3).astype(np.float32), rng.normal(0, 0.1, 3).astype(np.float32)
-    rm, rv = np.zeros(3, np.float32), np.ones(3, np.float32)
-    ref = get_adapter("reference")
-    f = ref.forward_train(x.astype(np.float64), w, b, rm, rv, dtype="fp16")
-    dy = rng.standard_normal(x.shape).astype(np.float16)
-    bw = ref.backward(dy.astype(np.float64), x.astype(np.float64), w, f.saved, dtype="fp16")
+    build_msprobe(folder, suffix)
     rank = folder / "step0" / "rank0"
-    data_dir = rank / "dump_tensor_data"
-    data_dir.mkdir(parents=True)
-
-    def entry(name: str, a: np.ndarray) -> dict:
-        fname = name + suffix
-        if suffix == ".pt":
-            import torch
-
-            torch.save(torch.from_numpy(np.ascontiguousarray(a)), data_dir / fname)
-        else:
-            np.save(data_dir / fname, a)
-        return {"type": "torch.Tensor", "dtype": {np.dtype(np.float16): "torch.float16",
-                                                  np.dtype(np.float32): "torch.float32"}[a.dtype],
-                "shape": list(a.shape), "Max": float(a.max()), "Min": float(a.min()), "Mean": float(a.mean()),
-                "Norm": float(np.linalg.norm(a)), "requires_grad": False, "data_name": fname}
-
-    api = "Aten.native_batch_norm.0"
-    y = f.y.astype(np.float16)
-    data = {
-        f"{api}.forward": {
-            "input_args": [entry(f"{api}.forward.input.0", x), entry(f"{api}.forward.input.1", w),
-                           entry(f"{api}.forward.input.2", b), entry(f"{api}.forward.input.3", rm),
-                           entry(f"{api}.forward.input.4", rv), {"type": "bool", "value": True},
-                           {"type": "float", "value": 0.1}, {"type": "float", "value": 1e-5}],
-            "input_kwargs": {},
-            "output": [entry(f"{api}.forward.output.0", y),
-                       entry(f"{api}.forward.output.1", f.saved.mean.astype(np.float32)),
-                       entry(f"{api}.forward.output.2", f.saved.value.astype(np.float32))]},
-        f"{api}.backward": {
-            "input": [entry(f"{api}.backward.input.0", dy)],
-            "output": [entry(f"{api}.backward.output.0", bw.dx.astype(np.float16)),
-                       entry(f"{api}.backward.output.1", bw.dgamma.astype(np.float32)),
-                       entry(f"{api}.backward.output.2", bw.dbeta.astype(np.float32))]},
-    }
-    (rank / "dump.json").write_text(json.dumps({"task": "tensor", "level": "L1", "framework": "pytorch",
-                                                "dump_data_dir": str(data_dir), "data": data}))
+    doc = json.loads((rank / "dump.json").read_text())
+    doc["data"] = {k: v for k, v in doc["data"].items() if k.startswith("Aten.native_batch_norm.0.")}
+    (rank / "dump.json").write_text(json.dumps(doc))
     return rank
 
 
