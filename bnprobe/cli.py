@@ -156,17 +156,6 @@ def _input_tensor(command: str, input: Optional[Path], shape: str, dist: str, me
     return make_input(shp, dist=dist, mean=mean, std=std, seed=seed)
 
 
-def _guard_recorded(command: str, recorded) -> None:  # noqa: ANN001 - Recorded | RecordedCalls
-    """Refuse a run over recorded calls when its largest call (they are loaded one at a time) would not fit."""
-    from bnprobe.guard import require_run
-
-    calls = getattr(recorded, "calls", recorded)
-    calls = getattr(calls, "calls", calls)
-    biggest = max(calls, key=lambda c: math.prod(c.shape), default=None)
-    if biggest is not None:
-        require_run(command, tuple(biggest.shape), f"{command} on {biggest.label} (shape {tuple(biggest.shape)})")
-
-
 def _int_list(text: str, what: str) -> tuple[int, ...]:
     try:
         values = tuple(int(p, 0) for p in text.split(",") if p.strip())
@@ -399,9 +388,8 @@ def gradcheck_cmd(
     if input is not None and not is_dump_path(input):
         raise BNProbeError(f"--input {input}: gradcheck takes a dump folder (bnprobe or msprobe) as --input")
     sink = _output(out, force)
-    recorded = recording_of(adapter, input, calls)
+    recorded = recording_of(adapter, input, calls, guard="gradcheck")
     if recorded is not None:
-        _guard_recorded("gradcheck", recorded)
         if formula is not None:
             raise BNProbeError("--formula checks a formula on generated inputs: it contradicts the recording; drop "
                                "one of them")
@@ -551,8 +539,7 @@ def compare_precision_cmd(
             raise BNProbeError("--input DIR and a dump adapter both give the recorded inputs; give one of them")
         from bnprobe.adapters.dump import open_dump
 
-        recorded = open_dump(input, calls)
-        _guard_recorded("compare-precision", recorded)
+        recorded = open_dump(input, calls)  # its calls are cases: the memory check of the largest case covers them
     elif dumps:
         recorded = dumps[0].calls.select(calls)
         dumps[0].calls = recorded
@@ -668,9 +655,8 @@ def overflow_cmd(
     if mode not in (None, "train", "infer", "backward"):
         raise BNProbeError(f"unknown mode {mode!r}; valid: train, infer, backward")
     sink = _output(out, force)
-    recorded = recording_of(adapter, input, calls)
+    recorded = recording_of(adapter, input, calls, guard="overflow")
     if recorded is not None:
-        _guard_recorded("overflow", recorded)
         check_options(recorded, given=given(shape=shape, dist=dist, mean=mean, std=std, seed=seed, eps=eps,
                                             accumulate=accumulate), dtype=dtype, mode=mode, params=params)
         run = scan_recorded(recorded, mode=mode)
@@ -857,9 +843,8 @@ def doctor_cmd(
     check_params(params)
     tensor = input if input is not None and not is_dump_path(input) else None
     sink = _output(out, force)
-    recorded = recording_of(adapter, None if tensor is not None else input, calls)
+    recorded = recording_of(adapter, None if tensor is not None else input, calls, guard="doctor")
     if recorded is not None:
-        _guard_recorded("doctor", recorded)
         refused = dict(seed=seed, stability=None if stability is None or not recorded.replay else True)
         check_options(recorded, given=given(**refused), dtype=dtype, params=params)
         run = doctor_recorded(recorded, dtype=dtype, params=params, stability=stability is not False)
@@ -967,10 +952,9 @@ def shrink_cmd(
     check_params(params)
     sink = _output(out, force, "shrink", "x.npy", "shrink.json")
     a = runnable(adapter)
-    recorded = recording_of(a, input, calls)
+    recorded = recording_of(a, input, calls, guard="shrink")
     kept = None
     if recorded is not None:
-        _guard_recorded("shrink", recorded)
         recorded.calls.require_tensors("shrink")
         found = recorded.calls.calls
         if len(found) != 1:

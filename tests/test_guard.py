@@ -166,3 +166,16 @@ def test_an_address_space_limit_is_the_limit():
             "from bnprobe.cli import main; raise SystemExit(main(['trace', '--shape', '64,64,56,56']))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 2 and "address space left under ulimit -v" in r.stderr and r.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv", [["overflow", "--adapter", "dump:{d}"], ["doctor", "--adapter", "dump:{d}"],
+                                  ["gradcheck", "--adapter", "dump:{d}"], ["trace", "--input", "{d}"],
+                                  ["shrink", "--adapter", "emulated", "--input", "{d}"],
+                                  ["compare-precision", "--adapters", "dump:{d}"]])
+def test_recorded_calls_are_guarded_before_loading(capsys, tmp_path, monkeypatch, argv):
+    """A dump's calls are checked against the limit by their recorded shapes, before any tensor is read."""
+    monkeypatch.chdir(tmp_path)
+    assert run(capsys, "dump", "--adapter", "emulated", "--shape", "2,3,4,4", "--out", "d")[0] == 0
+    code, _, err = run(capsys, "--max-memory", "200M", *[a.replace("{d}", "d") for a in argv])
+    assert code == 2 and "needs about" in err and "(shape (2, 3, 4, 4))" in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]

@@ -10,6 +10,8 @@ memory stays bounded by one call.  Options that describe generated input contrad
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,22 +54,37 @@ def is_dump_path(path: str | Path) -> bool:
     return head.is_dir() or head.name in (META_NAME, CALLS_NAME, "dump.json")
 
 
+def require_calls(command: str, calls: list[CallRef]) -> None:
+    """Refuse ``command`` over recorded ``calls`` when its largest call (they are loaded one at a time) would not
+    fit in memory (:mod:`bnprobe.guard`); nothing is loaded."""
+    from bnprobe.guard import require_run
+
+    biggest = max(calls, key=lambda c: math.prod(c.shape), default=None)
+    if biggest is not None:
+        require_run(command, tuple(biggest.shape), f"{command} on {biggest.label} (shape {tuple(biggest.shape)})")
+
+
 def recording_of(adapter: str | KernelAdapter, input: str | Path | None = None,
-                 calls: str | None = None) -> Recorded | None:
+                 calls: str | None = None, guard: str | None = None) -> Recorded | None:
     """The recording a command runs over: ``adapter`` when it is a dump, or the dump ``input`` names (with
-    a runnable adapter); ``calls`` selects calls by glob.  None when neither is a recording."""
+    a runnable adapter); ``calls`` selects calls by glob.  None when neither is a recording.  With ``guard`` (a
+    command of :data:`bnprobe.guard.PER_ELEMENT`) refused when that command would not fit (:func:`require_calls`)."""
     a = get_adapter(adapter) if isinstance(adapter, str) else adapter
     dump_input = input is not None and is_dump_path(input)
     if isinstance(a, DumpAdapter):
         if input is not None:
             raise BNProbeError(f"--input and the dump adapter {a.name} both give the inputs: a dump runs on its own "
                                "recorded inputs; drop --input")
-        return Recorded(a, a.calls.select(calls))
-    if dump_input:
-        return Recorded(a, open_dump(input, calls))  # type: ignore[arg-type]
-    if calls is not None:
+        found = Recorded(a, a.calls.select(calls))
+    elif dump_input:
+        found = Recorded(a, open_dump(input, calls))  # type: ignore[arg-type]
+    elif calls is not None:
         raise BNProbeError("--calls selects recorded calls: give a dump (--adapter dump:DIR or --input DIR)")
-    return None
+    else:
+        return None
+    if guard is not None:
+        require_calls(guard, found.calls.calls)
+    return found
 
 
 def given(**options: Any) -> tuple[str, ...]:
@@ -87,9 +104,7 @@ def one_call(spec: str | Path, calls: str | None = None, what: str = "this comma
                            "select it with DIR#NAME or --calls")
     c = found.calls[0]
     if guard is not None:
-        from bnprobe.guard import require_run
-
-        require_run(guard, tuple(c.shape), f"{guard} on {c.label} (shape {tuple(c.shape)})")
+        require_calls(guard, [c])
     return c, c.load()
 
 
