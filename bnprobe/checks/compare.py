@@ -37,7 +37,7 @@ from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.inputs import make_input, make_params
 from bnprobe.kernels import forward_train
-from bnprobe.kernels.layout import layout_of
+from bnprobe.kernels.layout import element_at, layout_of
 from bnprobe.metrics import benchmark, benchmark_verdict, checker_metrics, compare, ulp_error
 from bnprobe.numerics.rounding import round_to
 from bnprobe.tolerances import MSPROBE_STANDARDS, Standard
@@ -144,15 +144,6 @@ def nonfinite_mismatch(actual: np.ndarray, golden: np.ndarray, fmt: str) -> str:
             f"first at index {i} ({a[i]:.6g} vs {gr[i]:.6g})")
 
 
-def _where(flat: int, shape: tuple[int, ...]) -> str:
-    """Where element ``flat`` of a channels-first tensor of ``shape`` is, as torch.testing says it: its index and
-    channel."""
-    if len(shape) <= 1:
-        return f"channel {flat}"
-    idx = tuple(int(v) for v in np.unravel_index(flat, shape))
-    return f"index {idx} (channel {idx[1]})"
-
-
 def _greatest(actual: Any, bench: Any, golden: Any, bench_name: str) -> str:
     """Where a kernel that fails the benchmark errs most: the element, its value, the expected value and the bench's
     value there (what a careful kernel in the same formats gets)."""
@@ -164,7 +155,7 @@ def _greatest(actual: Any, bench: Any, golden: Any, bench_name: str) -> str:
         return ""
     i = int(np.argmax(d))
     bv = np.asarray(bench, dtype=np.float64).reshape(-1)[i] if bench is not None else math.nan
-    return (f"; greatest error {d[i]:.3g} at {_where(i, a.shape)}: {a.reshape(-1)[i]:.6g} vs "
+    return (f"; greatest error {d[i]:.3g} at {element_at(i, a.shape)}: {a.reshape(-1)[i]:.6g} vs "
             f"{g.reshape(-1)[i]:.6g} expected ({bench_name}: {bv:.6g})")
 
 
@@ -207,7 +198,7 @@ def verdict(actual: np.ndarray, golden: np.ndarray, fmt: str, rule: str = "scale
                 return False, (f"Mismatched elements: {bad + bad_small} / {used.size} "
                                f"({100.0 * (bad + bad_small) / used.size:.3g}%: {bad} over rtol {std.rtol:.3g}, "
                                f"{bad_small} small value(s) over atol {std.small_atol:.3g}); greatest at "
-                               f"{_where(int(np.flatnonzero(fa)[w]), np.shape(golden))}: {a[w]:.6g} vs {g[w]:.6g} "
+                               f"{element_at(int(np.flatnonzero(fa)[w]), np.shape(golden))}: {a[w]:.6g} vs {g[w]:.6g} "
                                f"expected ({allowed:.3g} allowed beyond rounding)"), score, std.rtol
             return True, f"within rtol {std.rtol:.3g} / small-value atol {std.small_atol:.3g}", score, std.rtol
         if rule == "scaled":
@@ -224,7 +215,7 @@ def verdict(actual: np.ndarray, golden: np.ndarray, fmt: str, rule: str = "scale
             allowed = std.accumulated * max(abs(g[w]), float(np.asarray(floor).reshape(-1)[w])
                                             if np.ndim(floor) else float(floor))
             return False, (f"Mismatched elements: {k} / {ratio.size} ({100.0 * k / ratio.size:.3g}%); greatest "
-                           f"accumulated error {worst:.3g} at {_where(where, np.shape(golden))}: {a[w]:.6g} vs "
+                           f"accumulated error {worst:.3g} at {element_at(where, np.shape(golden))}: {a[w]:.6g} vs "
                            f"{g[w]:.6g} expected ({allowed:.3g} allowed beyond rounding: "
                            f"{std.accumulated:.3g} of the reference)"), worst, std.accumulated
         return True, f"accumulated error {worst:.3g} within {std.accumulated:.3g}", worst, std.accumulated

@@ -45,7 +45,7 @@ from bnprobe.checks.recorded import (
 )
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
-from bnprobe.kernels.layout import channel_column, reduce_axes, to_channels_first
+from bnprobe.kernels.layout import channel_column, element_at, reduce_axes, to_channels_first
 from bnprobe.numerics.rounding import round_to
 from bnprobe.tolerances import doctor_tolerance
 
@@ -349,8 +349,7 @@ def _compare(key: str, got: np.ndarray, want: np.ndarray, natural: np.ndarray | 
     bad = used > 1
     k, total = int(bad.sum()), used.size
     i = int(np.argmax(used))
-    idx = np.unravel_index(i, a.shape)
-    where = f"index {tuple(int(v) for v in idx)} (channel {int(idx[ch])})" if a.ndim > 1 else f"channel {i}"
+    where = element_at(i, a.shape, ch)
     return ratio, (f"{key} ({fmt}): Mismatched elements: {k} / {total} ({100.0 * k / total:.3g}%); greatest error "
                    f"{abs(float(a.flat[i]) - float(w.flat[i])):.3g} at {where}: {float(a.flat[i]):.6g} vs "
                    f"{float(w.flat[i]):.6g} expected ({float(np.broadcast_to(allowed, a.shape).flat[i]):.3g} "

@@ -14,6 +14,7 @@ identities are checked on the kernel's gradients.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -28,7 +29,7 @@ from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.checks.recorded import CallRun, PerCall, Recorded, check_options, runs
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
-from bnprobe.kernels.layout import channel_column, layout_of, reduce_axes, to_channels_first
+from bnprobe.kernels.layout import channel_column, element_at, layout_of, reduce_axes, to_channels_first
 from bnprobe.metrics import compare, min_atol, min_rtol
 from bnprobe.tolerances import FINITE_DIFFERENCE, check_rtol_atol, grad_tolerance
 
@@ -166,13 +167,8 @@ def make_inputs(shape: tuple[int, ...], seed: int = 0) -> Inputs:
 
 
 def _where(shape: tuple[int, ...]) -> Callable[[int], str]:
-    def where(i: int) -> str:
-        if len(shape) == 1:
-            return f"channel {i}"
-        idx = np.unravel_index(i, shape)
-        return f"index {tuple(int(v) for v in idx)} (channel {int(idx[1])})"
-
-    return where
+    """Where element i of a tensor of ``shape`` is (:func:`~bnprobe.kernels.layout.element_at`)."""
+    return functools.partial(element_at, shape=tuple(shape))
 
 
 # ---- finite differences -------------------------------------------------------------------------

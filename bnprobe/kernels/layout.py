@@ -12,7 +12,7 @@ from bnprobe.formats import get_format
 from bnprobe.numerics.arith import fits_float32
 
 __all__ = ["LAYOUTS", "Layout", "layout_of", "as_channel_vector", "check_eps", "check_momentum", "reduce_axes",
-           "channel_column", "to_channels_first"]
+           "channel_column", "to_channels_first", "element_at"]
 
 LAYOUTS: tuple[str, ...] = ("channels_first", "channels_last")
 
@@ -112,6 +112,15 @@ def as_channel_vector(name: str, v: object, lay: Layout, default: float | None =
         return a.astype(np.float64)
     except (TypeError, ValueError):
         raise BNProbeError(f"{name} must hold numbers, got dtype {a.dtype}") from None
+
+
+def element_at(flat: int, shape: tuple[int, ...], channel_axis: int = 1) -> str:
+    """Where element ``flat`` of a tensor of ``shape`` is, as torch.testing says it: ``index (n, c, h, w)
+    (channel c)``; ``channel i`` for a per-channel vector."""
+    if len(shape) <= 1:
+        return f"channel {flat}"
+    idx = tuple(int(v) for v in np.unravel_index(flat, shape))
+    return f"index {idx} (channel {idx[channel_axis]})"
 
 
 def reduce_axes(x: np.ndarray) -> tuple[int, ...]:
