@@ -22,14 +22,28 @@ _LAZY = {
     **{n: "bnprobe.kernels" for n in ("PRESETS", "BackwardResult", "InferResult", "Policy", "Stage", "Trace",
                                       "TrainResult", "backward", "forward_infer", "forward_train", "get_policy")},
     "capture": "bnprobe._capture", "Capture": "bnprobe._capture",
+    **{n: "bnprobe.checks" for n in ("compare_precision", "gradcheck", "check_formula", "doctor", "shrink",
+                                     "scan_overflow", "find_stats_problems", "check_fold", "trace_run")},
 }
 
 __all__ = ["__version__", "BNProbeError", "FORMATS", "Format", "get_format", "round_to", "PRESETS", "BackwardResult",
            "InferResult", "Policy", "Stage", "Trace", "TrainResult", "backward", "forward_infer", "forward_train",
-           "get_policy", "capture", "Capture"]
+           "get_policy", "capture", "Capture", "compare_precision", "gradcheck", "check_formula", "doctor", "shrink",
+           "scan_overflow", "find_stats_problems", "check_fold", "trace_run"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from bnprobe._capture import Capture, capture
+    from bnprobe.checks import (
+        check_fold,
+        check_formula,
+        compare_precision,
+        doctor,
+        find_stats_problems,
+        gradcheck,
+        scan_overflow,
+        shrink,
+        trace_run,
+    )
     from bnprobe.formats import FORMATS, Format, get_format
     from bnprobe.kernels import (
         PRESETS,

@@ -376,7 +376,7 @@ def gradcheck_cmd(
     golden, the gradient identities, or a candidate backward formula; on a dump, every recorded call on
     its own inputs. Exit 1 when a check fails."""
     from bnprobe._table import render_table
-    from bnprobe.checks.gradcheck import check_formula, gradcheck, gradcheck_recorded
+    from bnprobe.checks.gradients import check_formula, gradcheck, gradcheck_recorded
     from bnprobe.checks.recorded import check_options, check_params, given, is_dump_path, recording_of
     from bnprobe.guard import require_run
     from bnprobe.inputs import parse_shape
@@ -829,7 +829,7 @@ def doctor_cmd(
     import pandas as pd
 
     from bnprobe._table import render_table
-    from bnprobe.checks.doctor import doctor, doctor_recorded
+    from bnprobe.checks.diagnosis import doctor, doctor_recorded
     from bnprobe.checks.recorded import check_options, check_params, given, is_dump_path, recording_of
 
     def details(failed: list[tuple[str, tuple[str, ...] | list[str]]]) -> None:
@@ -934,7 +934,7 @@ def shrink_cmd(
     fails; write it as a dump plus the exact command that replays it."""
     from bnprobe._progress import Progress
     from bnprobe.checks.recorded import check_options, check_params, given, recording_of
-    from bnprobe.checks.shrink import (
+    from bnprobe.checks.shrinking import (
         RecordedParams,
         compare_predicate,
         load_predicate,

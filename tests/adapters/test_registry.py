@@ -230,7 +230,7 @@ def crashes(x):
     ("tests.adapters.test_registry:no_channels", r"sets takes_channels but has no channels= parameter"),
 ])
 def test_predicate_of_the_wrong_kind(spec, message):
-    from bnprobe.checks.shrink import load_predicate
+    from bnprobe.checks.shrinking import load_predicate
 
     with pytest.raises(BNProbeError) as e:
         load_predicate(spec)
@@ -238,7 +238,7 @@ def test_predicate_of_the_wrong_kind(spec, message):
 
 
 def test_user_predicate_runs_and_what_it_raises_is_one_line():
-    from bnprobe.checks.shrink import load_predicate, shrink
+    from bnprobe.checks.shrinking import load_predicate, shrink
 
     x = np.random.default_rng(0).standard_normal((4, 6, 2))
     assert shrink(x, load_predicate("tests.adapters.test_registry:halves"), seconds=5).x.shape[1] == 2
@@ -257,7 +257,7 @@ def test_user_predicate_runs_and_what_it_raises_is_one_line():
     ("tests.adapters.test_registry:np", r"is a module, not a Python function"),
 ])
 def test_formula_of_the_wrong_kind(spec, message):
-    from bnprobe.checks.gradcheck import check_formula
+    from bnprobe.checks.gradients import check_formula
 
     with pytest.raises(BNProbeError) as e:
         check_formula(spec)

@@ -15,8 +15,8 @@ import pytest
 from bnprobe.adapters import BackwardOutput, Capabilities, ForwardOutput, Saved, get_adapter
 from bnprobe.adapters.base import BaseAdapter
 from bnprobe.adapters.dump import CALLS_NAME, CALLS_TAG, DumpAdapter, open_dump, record, write_dump
-from bnprobe.checks.doctor import doctor, doctor_recorded
-from bnprobe.checks.gradcheck import gradcheck, gradcheck_recorded
+from bnprobe.checks.diagnosis import doctor, doctor_recorded
+from bnprobe.checks.gradients import gradcheck, gradcheck_recorded
 from bnprobe.checks.overflow import scan, scan_recorded
 from bnprobe.checks.recorded import recording_of
 from bnprobe.cli import main
@@ -507,7 +507,7 @@ def test_dump_params_takes_same_or_fp32(tmp_path, capsys):
     ((), r"got shape \(\)"), ((1, 1, 1, 1, 1, 1), r"got shape \(1, 1, 1, 1, 1, 1\)"),
 ])
 def test_shrink_refuses_empty_and_shapeless_inputs(tmp_path, capsys, shape, message):
-    from bnprobe.checks.shrink import compare_predicate, overflow_predicate, shrink
+    from bnprobe.checks.shrinking import compare_predicate, overflow_predicate, shrink
 
     calls = []
     with pytest.raises(BNProbeError, match=message) as info:
@@ -525,7 +525,7 @@ def test_shrink_refuses_empty_and_shapeless_inputs(tmp_path, capsys, shape, mess
 
 
 def test_shrink_takes_the_smallest_input_and_a_finite_time():
-    from bnprobe.checks.shrink import shrink
+    from bnprobe.checks.shrinking import shrink
 
     assert shrink(np.ones((1, 1)), lambda x: True).x.shape == (1, 1)
     for seconds in (-1.0, math.inf, math.nan):
@@ -536,7 +536,7 @@ def test_shrink_takes_the_smallest_input_and_a_finite_time():
 def test_the_replay_command_quotes_a_users_folder(tmp_path):
     import shlex
 
-    from bnprobe.checks.shrink import compare_predicate, shrink, write_shrink
+    from bnprobe.checks.shrinking import compare_predicate, shrink, write_shrink
 
     x = np.random.default_rng(0).standard_normal((4, 2, 2, 2)) + 100.0
     res = shrink(x, compare_predicate("emulated:fp16-acc16:variance=naive", dtype="fp16"), seconds=20)

@@ -5,7 +5,7 @@ import pytest
 
 from bnprobe.adapters import BackwardOutput
 from bnprobe.adapters.emulated import ReferenceAdapter
-from bnprobe.checks.gradcheck import check_formula, formula_ascend, formula_standard, gradcheck, make_inputs
+from bnprobe.checks.gradients import check_formula, formula_ascend, formula_standard, gradcheck, make_inputs
 from bnprobe.errors import BNProbeError
 from bnprobe.metrics import cosine
 from bnprobe.tolerances import grad_tolerance
@@ -119,7 +119,7 @@ def user_formula(dy, x, gamma, mean, var, eps):
 
 
 def test_user_formula_by_module_path():
-    r = check_formula("tests.checks.test_gradcheck:user_formula")
+    r = check_formula("tests.checks.test_gradients:user_formula")
     assert not r and any(row.tensor.endswith("dx") for row in r.failed())
     with pytest.raises(BNProbeError, match="unknown formula"):
         check_formula("nope")
@@ -232,7 +232,7 @@ def test_a_recorded_call_without_dgamma_dbeta_is_judged_on_dx_alone(tmp_path):
     and says so, rather than failing them or crashing on their all-NaN identities."""
     from bnprobe.adapters import get_adapter
     from bnprobe.adapters.dump import record, write_dump
-    from bnprobe.checks.gradcheck import gradcheck_recorded
+    from bnprobe.checks.gradients import gradcheck_recorded
     from bnprobe.checks.recorded import recording_of
 
     rng = np.random.default_rng(0)
@@ -279,7 +279,7 @@ def test_a_formula_that_fails_or_returns_no_real_array_is_one_failing_row(name, 
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        r = check_formula(f"tests.checks.test_gradcheck:{name}")
+        r = check_formula(f"tests.checks.test_gradients:{name}")
     assert not r
     (row,) = [x for x in r.rows if x.check == "formula"]
     assert row.detail.startswith(detail) and "\n" not in row.detail and row.tensor.endswith("dx")

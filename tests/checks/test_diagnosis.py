@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from bnprobe.checks import doctor as D
-from bnprobe.checks.doctor import BUGS, doctor, model, probes
-from bnprobe.checks.shrink import compare_predicate, shrink
+from bnprobe.checks import diagnosis as D
+from bnprobe.checks.diagnosis import BUGS, doctor, model, probes
+from bnprobe.checks.shrinking import compare_predicate, shrink
 from bnprobe.cli import main
 from bnprobe.errors import BNProbeError
 from bnprobe.inputs import make_input
