@@ -31,7 +31,7 @@ import numpy as np
 from bnprobe.adapters.dump import CALLS_NAME, CALLS_TAG, META_NAME, TENSORS_NAME, Recording, read_calls, write_dump
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
-from bnprobe.reports import atomic_write_text, dumps_json
+from bnprobe._files import atomic_write_text, dumps_json
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

@@ -14,6 +14,8 @@
 from __future__ import annotations
 
 import errno
+import json
+import math
 import os
 import tempfile
 import time
@@ -24,9 +26,30 @@ from typing import Any, BinaryIO
 from bnprobe.errors import BNProbeError
 
 __all__ = ["atomic_write_text", "atomic_write_bytes", "check_targets", "output_dir", "OutputDir", "file_mode",
-           "save_figure"]
+           "save_figure", "to_jsonable", "dumps_json"]
 
 _UMASK: int | None = None
+
+
+def to_jsonable(o: Any) -> Any:
+    """numpy scalars/arrays to Python, NaN/inf to strings, tuples to lists."""
+    import numpy as np
+
+    if isinstance(o, dict):
+        return {str(k): to_jsonable(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [to_jsonable(v) for v in o]
+    if isinstance(o, np.ndarray):
+        return to_jsonable(o.tolist())
+    if isinstance(o, np.generic):
+        return to_jsonable(o.item())
+    if isinstance(o, float) and not math.isfinite(o):
+        return "nan" if math.isnan(o) else ("inf" if o > 0 else "-inf")
+    return o
+
+
+def dumps_json(o: Any) -> str:
+    return json.dumps(to_jsonable(o), indent=2, default=str)
 
 
 def file_mode() -> int:

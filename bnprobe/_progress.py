@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 
 class Progress:
@@ -31,6 +32,22 @@ class Progress:
         self.stream.write(f"\r{self.label} [{bar}] {frac:6.1%}  {elapsed:6.1f}s  eta {eta:6.1f}s")
         self.stream.flush()
         self.drawn = True
+
+    def steps(self, total: int) -> Callable[[Any], None]:
+        """A callback drawing one step per call, up to ``total`` (for work whose length is not known ahead)."""
+        done = [0]
+
+        def tick(_: Any = None) -> None:
+            done[0] += 1
+            self(min(done[0], total), total)
+
+        return tick
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         if self.enabled and self.drawn:

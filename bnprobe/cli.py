@@ -6,8 +6,6 @@ The only module that prints.  Bad input of any kind is one line on stderr,
 
 from __future__ import annotations
 
-import math
-import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -49,6 +47,54 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     set_memory_limit(parse_size(max_memory) if max_memory is not None else None)
 
 
+# ---- options several commands share ------------------------------------------------------------------
+
+_PARAMS = typer.Option(None, help="Parameter format: fp32 (mixed precision, the default) or same (γ, β, running and "
+                                  "saved statistics in the input's format); a recording's own.")
+_EPS = typer.Option(None, help="BatchNorm epsilon (> 0; default 1e-5; a recording's own).")
+_SEED = typer.Option(None, min=0, help="Seed of the generated input and parameters (default 0).")
+_MEAN = typer.Option(None, help="Mean of the generated input (default 0).")
+_STD = typer.Option(None, help="Standard deviation of the generated input (default 1).")
+_DIST = typer.Option(None, help="Distribution of the generated input: normal (default), uniform, student_t, constant.")
+_OUT = typer.Option(None, help="Write CSV, JSON and Markdown to this folder.")
+_FORCE = typer.Option(False, "--force", help="Overwrite existing files in --out.")
+_JSON = typer.Option(False, "--json", help="Print JSON instead of the table.")
+
+
+def _calls(what: str):  # noqa: ANN202 - typer's OptionInfo
+    return typer.Option(None, "--calls", help=f"Recorded calls to {what} (glob on the call or module name), e.g. "
+                                              "'*layer1*'.")
+
+
+def _show(report, sink=None, as_json: bool = False) -> int:  # noqa: ANN001 - Report, OutputDir | None
+    """Write the report's files (when there is an output folder), then print its JSON or its text; exit status 0
+    when it passed, 1 when not."""
+    from bnprobe.reports import write_result
+
+    written = write_result(sink, report) if sink is not None else None
+    _echo(report.lines(written) if not as_json else [dumps_json(report.doc)])
+    return 0 if report.passed else 1
+
+
+def _echo(lines: list[str]) -> None:
+    for line in lines:
+        typer.echo(line)
+
+
+def _check_common(eps: Optional[float] = None, params: Optional[str] = None, mode: Optional[str] = None) -> None:
+    """The options most commands share, checked before any work."""
+    from bnprobe.checks.recorded import check_params
+    from bnprobe.kernels.layout import check_eps
+
+    if eps is not None:
+        check_eps(eps)
+    check_params(params)
+    if mode not in (None, "train", "infer", "backward"):
+        raise BNProbeError(f"unknown mode {mode!r}; valid: train, infer, backward")
+
+
+# ---- commands ---------------------------------------------------------------------------------------
+
 @app.command()
 def trace(
     policy: Optional[str] = typer.Option(None, help="Preset (fp64, fp32, fp16, bf16, fp16-acc16, bf16-acc16) with "
@@ -56,32 +102,29 @@ def trace(
                                                     "(default fp16; for a recorded call, its format's preset)."),
     shape: Optional[str] = typer.Option(None, help="Input shape N,C[,L|H,W|D,H,W] for generated input "
                                                    "(default 8,16,14,14)."),
-    seed: Optional[int] = typer.Option(None, min=0, help="Seed of the generated input and parameters (default 0)."),
-    mean: Optional[float] = typer.Option(None, help="Mean of the generated input (default 0)."),
-    std: Optional[float] = typer.Option(None, help="Standard deviation of the generated input (default 1)."),
-    dist: Optional[str] = typer.Option(None, help="Distribution: normal (default), uniform, student_t, constant."),
+    seed: Optional[int] = _SEED, mean: Optional[float] = _MEAN, std: Optional[float] = _STD,
+    dist: Optional[str] = _DIST,
     mode: Optional[str] = typer.Option(None, help="train (default; a recorded call's own), infer or backward."),
-    eps: Optional[float] = typer.Option(None, help="BatchNorm epsilon (> 0; default 1e-5)."),
+    eps: Optional[float] = _EPS,
     momentum: Optional[float] = typer.Option(None, help="Running-stat momentum (PyTorch convention; default 0.1)."),
     layout: Optional[str] = typer.Option(None, help="channels_first (default) or channels_last."),
-    params: Optional[str] = typer.Option(None, help="Parameter format: fp32 or same (γ, β, running and saved "
-                                                    "statistics in the input's format); default: the policy's own "
-                                                    "(a recording's own)."),
+    params: Optional[str] = _PARAMS,
     input: Optional[Path] = typer.Option(None, "--input", help="Use this .npy/.npz tensor as x instead, or a dump "
                                                                "DIR[#NAME] of one call (all its inputs and scalars)."),
     calls: Optional[str] = typer.Option(None, "--calls", help="The recorded call to trace (glob), when --input is a "
                                                               "dump of several."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
+    as_json: bool = _JSON,
 ) -> None:
     """Run one BatchNorm layer and show every stage: range, error vs the FP64 golden, anomalies."""
     import numpy as np
 
-    from bnprobe.checks.recorded import check_params, given, is_dump_path, one_call, refuse
+    from bnprobe.checks.recorded import given, is_dump_path, one_call, refuse
     from bnprobe.checks.stages import trace_recorded, trace_run
-    from bnprobe.inputs import make_params
+    from bnprobe.inputs import input_tensor, make_params
     from bnprobe.kernels.layout import Layout, layout_of
+    from bnprobe.reports.checks import trace_lines
 
-    check_params(params)
+    _check_common(params=params)
     if input is not None and is_dump_path(input):
         call, rec = one_call(input, calls, "trace", guard="trace")
         refuse(given(shape=shape, seed=seed, mean=mean, std=std, dist=dist, eps=eps, momentum=momentum),
@@ -90,70 +133,21 @@ def trace(
             raise BNProbeError(f"--layout {layout} contradicts the recording: {call.label} is {rec.layout}")
         cmp = trace_recorded(rec, policy=policy, mode=mode, label=call.label, params=params)
         source = f"recorded call {call.label} of {str(input).partition('#')[0]} (its γ, β, running statistics, dy)"
-        mode, eps_v, mom_v, lay = cmp.mode, rec.eps, rec.momentum, Layout(tuple(cmp.shape), rec.layout)
+        eps_v, mom_v, lay = rec.eps, rec.momentum, Layout(tuple(cmp.shape), rec.layout)
     else:
         if calls is not None:
             raise BNProbeError("--calls selects recorded calls: give a dump as --input DIR")
-        mode, eps_v, mom_v = mode or "train", 1e-5 if eps is None else eps, 0.1 if momentum is None else momentum
-        m, s, sd, d = 0.0 if mean is None else mean, 1.0 if std is None else std, 0 if seed is None else seed, \
-            dist or "normal"
-        x = _input_tensor("trace", input, shape or "8,16,14,14", d, m, s, sd)
+        eps_v, mom_v = 1e-5 if eps is None else eps, 0.1 if momentum is None else momentum
+        m, s, sd, d = 0.0 if mean is None else mean, 1.0 if std is None else std, seed or 0, dist or "normal"
+        x = input_tensor("trace", input, shape or "8,16,14,14", d, m, s, sd)
         source = str(input) if input is not None else f"{d}(mean={m:g}, std={s:g}), seed {sd}"
         lay = layout_of(x, layout or "channels_first")
-        c = lay.channels
-        prm = make_params(c, sd)
-        rng = np.random.default_rng([sd, 2])
-        dy = rng.standard_normal(x.shape) if mode == "backward" else None
-        cmp = trace_run(x, policy=policy or "fp16", mode=mode, gamma=prm["gamma"], beta=prm["beta"],
-                        running_mean=np.full(c, m), running_var=np.full(c, max(s, 0.0) ** 2),
+        prm = make_params(lay.channels, sd)
+        dy = np.random.default_rng([sd, 2]).standard_normal(x.shape) if mode == "backward" else None
+        cmp = trace_run(x, policy=policy or "fp16", mode=mode or "train", gamma=prm["gamma"], beta=prm["beta"],
+                        running_mean=np.full(lay.channels, m), running_var=np.full(lay.channels, max(s, 0.0) ** 2),
                         dy=dy, eps=eps_v, momentum=mom_v, layout=lay.layout, params=params)
-    if as_json:
-        out = cmp.to_dict()
-        out["input"] = source
-        typer.echo(dumps_json(out))
-        return
-    from bnprobe._table import render_table
-
-    meta = cmp.meta
-    typer.echo(f"policy   {cmp.policy.describe()}")
-    typer.echo(f"input    {source}, shape {tuple(lay.shape)} ({lay.layout}), C = {lay.channels}, R = N*spatial = "
-               f"{lay.reduce_size}")
-    typer.echo(f"mode     {mode}; eps {eps_v:g} (as used: {meta.get('eps_effective', eps_v):.6g})"
-               + ((f", momentum {mom_v:g}" if mom_v is not None else ", momentum None (cumulative average)")
-                  if mode == "train" else ""))
-    typer.echo("errors   against the FP64 golden (same algorithm, same rounded inputs); "
-               "ulp = in the stage's own format")
-    typer.echo("")
-    rows = []
-    for r in cmp.rows:
-        d_ = r.to_dict()
-        d_["anomalies"] = " ".join(f"{k}={v}" for k, v in r.anomalies.items()) or ""
-        if r.mismatched_nonfinite:
-            d_["anomalies"] = (d_["anomalies"] + f" nonfinite-vs-golden={r.mismatched_nonfinite}").strip()
-        rows.append(d_)
-    typer.echo(render_table(rows, ["stage", "format", "kind", "min", "max", "max_abs_err", "max_rel_err",
-                                   "max_ulp_err", "anomalies"],
-                            headers=["stage", "format", "kind", "min", "max", "max abs err", "max rel err",
-                                     "max ulp", "anomalies"]))
-    inp = cmp.trace["x"] if cmp.trace is not None and "x" in cmp.trace else None
-    if inp is not None and (inp.count("nan") or inp.count("posinf") or inp.count("neginf")):
-        typer.echo("\nnote: NaN/inf present in the input itself (input-borne, not a kernel fault)")
-
-
-def _input_tensor(command: str, input: Optional[Path], shape: str, dist: str, mean: float, std: float,  # noqa: ANN202
-                  seed: int):
-    """The --input tensor, or one generated from --shape/--dist/--mean/--std/--seed; refused before it is loaded
-    or made when ``command`` on it would exceed the memory limit."""
-    from bnprobe.guard import require_run
-    from bnprobe.inputs import array_header, load_array, make_input, parse_shape
-
-    if input is not None:
-        shp = array_header(input)[0]
-        require_run(command, shp, f"{command} on {input} (shape {shp})")
-        return load_array(input)
-    shp = parse_shape(shape)
-    require_run(command, shp)
-    return make_input(shp, dist=dist, mean=mean, std=std, seed=seed)
+    _echo([dumps_json({**cmp.to_dict(), "input": source})] if as_json else trace_lines(cmp, source, lay, eps_v, mom_v))
 
 
 def _int_list(text: str, what: str) -> tuple[int, ...]:
@@ -184,8 +178,8 @@ def rsqrt_cmd(
     samples: Optional[int] = typer.Option(None, help="Analyse N random inputs instead."),
     seed: int = typer.Option(0, min=0, help="Seed of the random inputs."),
     out: Optional[Path] = typer.Option(None, help="Write CSV, JSON and the error plot (PNG) to this folder."),
-    force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
+    force: bool = _FORCE,
+    as_json: bool = _JSON,
 ) -> None:
     """ULP and relative error of rsqrt / reciprocal / sqrt / divide methods as accelerators compute them.
 
@@ -193,8 +187,8 @@ def rsqrt_cmd(
     subnormals and the extreme binades) confirmed by random samples over the whole range.
     """
     from bnprobe._progress import Progress
-    from bnprobe._table import render_table
     from bnprobe.checks.mathfn import MathSpec, analyze
+    from bnprobe.reports.rsqrt import math_files, math_lines, write_math
 
     try:
         c = int(constant, 0) if constant is not None else None
@@ -206,47 +200,15 @@ def rsqrt_cmd(
         raise BNProbeError("give --exhaustive or --samples, not both")
     if samples is not None and samples < 1:
         raise BNProbeError(f"--samples must be >= 1, got {samples}")
-    domain = "exhaustive" if exhaustive else ("samples" if samples is not None else "auto")
     steps = _int_list(newton, "--newton")
     stem = f"{op}-{spec.format}-{method}"
-    sink = _output(out, force, "", f"{stem}.csv", f"{stem}.json", f"{stem}.png")
-    bar = Progress(f"{spec.label()}")
-    try:
-        result = analyze(spec, steps, domain=domain, samples=samples or (1 << 20), seed=seed, progress=bar)
-    finally:
-        bar.close()
-    targets: list[Path] = []
-    if sink is not None:
-        from bnprobe.plots import plot_math_error
-
-        sink.write_text(f"{stem}.csv", result.to_frame().to_csv(index=False))
-        sink.write_text(f"{stem}.json", dumps_json(result.to_dict()))
-        if result.curve:
-            sink.save_figure(f"{stem}.png", plot_math_error(result), dpi=120)
-        targets = sink.commit()
-    if as_json:
-        typer.echo(dumps_json(result.to_dict()))
-        return
-    typer.echo(f"{spec.label()}: {spec.form} Newton form"
-               + (f", steps in {spec.working}" if spec.working else "") + f"; domain {result.domain}")
-    rows = [{**s.row(), "correct %": 100.0 * s.correctly_rounded} for s in result.steps]
-    typer.echo(render_table(rows, ["newton", "inputs", "max_ulp_normal", "mean_ulp_normal", "max_rel_normal",
-                                   "correct %", "max_ulp", "nonfinite", "nonfinite_mismatch"],
-                            headers=["newton", "inputs", "max ulp", "mean ulp", "max rel err", "correct %",
-                                     "max ulp (incl. subnormal)", "non-finite", "of which wrong"]))
-    for st in result.steps:
-        if st.histogram:
-            total = sum(st.histogram.values())
-            parts = "  ".join(f"{k}: {100.0 * v / total:.3g}%" for k, v in st.histogram.items())
-            typer.echo(f"ulp histogram, {st.newton} step(s): {parts}")
-    last = result.steps[-1]
-    if last.worst:
-        typer.echo(f"\nworst normal inputs after {last.newton} step(s):")
-        typer.echo(render_table(last.worst[:5], ["x", "result", "exact", "ulp"]))
-    for note in result.notes:
-        typer.echo(f"note: {note}")
-    if targets:
-        typer.echo("wrote " + ", ".join(str(t) for t in targets))
+    sink = _output(out, force, "", *math_files(stem))
+    with Progress(spec.label()) as bar:
+        result = analyze(spec, steps, domain="exhaustive" if exhaustive else "samples" if samples is not None
+                         else "auto", samples=samples or (1 << 20), seed=seed, progress=bar)
+    written = write_math(result, sink, stem) if sink is not None else []
+    _echo([dumps_json(result.to_dict())] if as_json else
+          math_lines(result) + (["wrote " + ", ".join(str(t) for t in written)] if written else []))
 
 
 @app.command("adapters")
@@ -289,20 +251,18 @@ def dump_cmd(
 
     from bnprobe.adapters import get_adapter
     from bnprobe.adapters.dump import record, write_dump
-    from bnprobe.checks.recorded import check_params
-    from bnprobe.inputs import make_params
+    from bnprobe.inputs import input_tensor, make_params
     from bnprobe.kernels.layout import layout_of
 
-    check_params(params)
+    _check_common(params=params)
     _output(out, force, "", "bnprobe-dump.json", "tensors.npz")
     wanted = tuple(m.strip() for m in modes.split(",") if m.strip())
     bad = [m for m in wanted if m not in ("train", "infer", "backward")]
     if bad or not wanted:
         raise BNProbeError(f"--modes takes train, infer, backward; got {modes!r}")
     a = get_adapter(adapter)
-    x = _input_tensor("dump", input, shape, dist, mean, std, seed)
-    lay = layout_of(x, layout)
-    c = lay.channels
+    x = input_tensor("dump", input, shape, dist, mean, std, seed)
+    c = layout_of(x, layout).channels
     prm = make_params(c, seed)
     dy = np.random.default_rng([seed, 2]).standard_normal(x.shape)
     rec = record(a, x=x, gamma=prm["gamma"], beta=prm["beta"], running_mean=np.full(c, mean),
@@ -331,23 +291,6 @@ def _output(out: Optional[Path], force: bool, stem: str = "", *names: str):  # n
     return sink
 
 
-def _write_reports(sink, stem: str, frame, doc: dict, markdown: str) -> list[Path]:
-    """CSV, JSON and Markdown of one result into the output folder, all or nothing, never over existing files
-    without ``--force``."""
-    sink.write_text(f"{stem}.csv", frame.to_csv(index=False))
-    sink.write_text(f"{stem}.json", dumps_json(doc))
-    sink.write_text(f"{stem}.md", markdown)
-    return sink.commit()
-
-
-def _close(notes: list[str], written: list[Path] | None) -> None:
-    """A report's closing lines: its notes, and the files written (when any were)."""
-    for n in notes:
-        typer.echo(f"note: {n}")
-    if written is not None:
-        typer.echo("wrote " + ", ".join(str(w) for w in written))
-
-
 @app.command("gradcheck")
 def gradcheck_cmd(
     adapter: str = typer.Option("emulated", help="Adapter whose backward is checked, or dump:DIR[#NAME] (every "
@@ -355,36 +298,30 @@ def gradcheck_cmd(
     dtype: Optional[str] = typer.Option(None, help="Format: fp16 (default), bf16, fp32 or fp64; a recording's own."),
     shape: Optional[str] = typer.Option(None, help="Input shape N,C[,...] of generated inputs (default 4,3,5,5)."),
     mode: Optional[str] = typer.Option(None, help="train (default) or infer; a recording's own."),
-    seed: Optional[int] = typer.Option(None, min=0, help="Seed of the generated inputs (default 0)."),
+    seed: Optional[int] = _SEED,
     formula: Optional[str] = typer.Option(None, help="Check a backward formula instead: standard, seed, ascend "
                                                      "or module:function (f(dy, x, gamma, mean, var, eps) -> dx)."),
     rtol: Optional[float] = typer.Option(None, help="Relative tolerance (give with --atol)."),
     atol: Optional[float] = typer.Option(None, help="Absolute tolerance (give with --rtol)."),
-    eps: Optional[float] = typer.Option(None, help="BatchNorm epsilon (default 1e-5; a recording's own)."),
-    params: Optional[str] = typer.Option(None, help="Parameter format: fp32 (mixed precision, the default) or same "
-                                                    "(γ, β, running and saved statistics in the input's format); a "
-                                                    "recording's own."),
+    eps: Optional[float] = _EPS,
+    params: Optional[str] = _PARAMS,
     input: Optional[Path] = typer.Option(None, "--input", help="A dump folder (bnprobe or msprobe): run the adapter "
                                                                "on every recorded call's own inputs."),
-    calls: Optional[str] = typer.Option(None, "--calls", help="Recorded calls to check (glob on the call or module "
-                                                              "name), e.g. '*layer1*'."),
-    out: Optional[Path] = typer.Option(None, help="Write CSV, JSON and Markdown to this folder."),
-    force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
+    calls: Optional[str] = _calls("check"),
+    out: Optional[Path] = _OUT,
+    force: bool = _FORCE,
+    as_json: bool = _JSON,
 ) -> int:
     """Numerical vs analytic gradients (FP64 finite differences), the adapter's backward vs the FP64
     golden, the gradient identities, or a candidate backward formula; on a dump, every recorded call on
     its own inputs. Exit 1 when a check fails."""
-    from bnprobe._table import render_table
     from bnprobe.checks.gradients import check_formula, gradcheck, gradcheck_recorded
-    from bnprobe.checks.recorded import check_options, check_params, given, is_dump_path, recording_of
+    from bnprobe.checks.recorded import check_options, given, is_dump_path, recording_of
     from bnprobe.guard import require_run
     from bnprobe.inputs import parse_shape
-    from bnprobe.kernels.layout import check_eps
+    from bnprobe.reports.checks import gradcheck_recorded_report, gradcheck_report
 
-    if eps is not None:
-        check_eps(eps)
-    check_params(params)
+    _check_common(eps=eps, params=params)
     if input is not None and not is_dump_path(input):
         raise BNProbeError(f"--input {input}: gradcheck takes a dump folder (bnprobe or msprobe) as --input")
     sink = _output(out, force)
@@ -394,70 +331,18 @@ def gradcheck_cmd(
             raise BNProbeError("--formula checks a formula on generated inputs: it contradicts the recording; drop "
                                "one of them")
         check_options(recorded, given=given(shape=shape, eps=eps, seed=seed), dtype=dtype, params=params)
-        run = gradcheck_recorded(recorded, mode=mode, rtol=rtol, atol=atol)
-        summary = []
-        failed = []
-        for i, res in enumerate(run.results):
-            bad = res.failed()
-            fd = [r for r in res.rows if r.check == "finite-differences"]
-            summary.append({"#": i, "call": res.call, "format": res.dtype, "mode": res.mode, "checks": len(res.rows),
-                            "failed": len(bad), "failing": ", ".join(dict.fromkeys(r.tensor for r in bad)),
-                            "fd": ("full" if any(r.detail.startswith("full") for r in fd) else "projections")
-                            if fd else "-", "used %": 100.0 * max((r.used for r in res.rows), default=0.0)})
-            failed += [{**r.to_dict(), "call": res.call, "used %": 100.0 * r.used} for r in bad]
-        table = render_table(summary, ["#", "call", "format", "mode", "checks", "failed", "failing", "fd", "used %"],
-                             headers=["#", "call (forward order)", "format", "mode", "checks", "failed", "failing",
-                                      "finite diff.", "worst tol used %"])
-        title = (f"gradcheck {run.kernel} on {len(run.results)} recorded call(s) of {run.source}: "
-                 f"{'PASS' if run else 'FAIL'}")
-        if out is not None:
-            md = f"# {title}\n\n```\n{table}\n```\n\n" + "\n".join(f"- {n}" for n in run.notes) + "\n"
-            stem = f"gradcheck-{run.kernel.replace(':', '_').replace('/', '_')}-recorded"
-            written = _write_reports(sink, stem, run.to_frame(), run.to_dict(), md)
-        if as_json:
-            typer.echo(dumps_json(run.to_dict()))
-            return 0 if run else 1
-        typer.echo(title)
-        typer.echo(table)
-        if failed:
-            typer.echo("\nfailed checks:")
-            typer.echo(render_table(failed, ["call", "check", "tensor", "max_abs", "used %", "min_atol", "min_rtol",
-                                             "where"],
-                                    headers=["call", "check", "tensor", "max abs err", "tol used %", "needs atol",
-                                             "needs rtol", "worst at"]))
-        notes = list(run.notes) + [f"{r.call}: {n}" for r in run.results for n in r.notes
-                                   if not n.startswith("finite differences on")]
-        _close(notes, written if out is not None else None)
-        return 0 if run else 1
+        return _show(gradcheck_recorded_report(gradcheck_recorded(recorded, mode=mode, rtol=rtol, atol=atol)), sink,
+                     as_json)
     shp = parse_shape(shape or "4,3,5,5")
     require_run("gradcheck", shp)
-    e = 1e-5 if eps is None else eps
-    s = 0 if seed is None else seed
+    e, s = 1e-5 if eps is None else eps, seed or 0
     if formula is not None:
         if params is not None:
             raise BNProbeError("--formula checks a formula in FP64: --params does not apply; drop it")
-        result = check_formula(formula, shp, seed=s, eps=e, rtol=rtol, atol=atol)
-    else:
-        result = gradcheck(adapter, dtype or "fp16", shp, mode=mode or "train", seed=s, eps=e, rtol=rtol, atol=atol,
-                           params=params)
-    rows = [{**r.to_dict(), "used %": 100.0 * r.used} for r in result.rows]
-    cols = ["check", "tensor", "status", "max_abs", "max_rel", "used %", "min_rtol", "where"]
-    heads = ["check", "tensor", "status", "max abs err", "max rel err", "tol used %", "needs rtol", "worst at"]
-    table = render_table(rows, cols, headers=heads)
-    title = (f"gradcheck {result.adapter} in {result.dtype}"
-             + (f" (params {params})" if params is not None and formula is None else "")
-             + f", {result.mode}, shape {tuple(result.shape)}, seed {result.seed}: {'PASS' if result else 'FAIL'}")
-    if out is not None:
-        md = f"# {title}\n\n```\n{table}\n```\n\n" + "\n".join(f"- {n}" for n in result.notes) + "\n"
-        stem = f"gradcheck-{result.adapter.replace(':', '_').replace('/', '_')}-{result.dtype}-{result.mode}"
-        written = _write_reports(sink, stem, result.to_frame(), result.to_dict(), md)
-    if as_json:
-        typer.echo(dumps_json(result.to_dict()))
-    else:
-        typer.echo(title)
-        typer.echo(table)
-        _close(result.notes, written if out is not None else None)
-    return 0 if result else 1
+        return _show(gradcheck_report(check_formula(formula, shp, seed=s, eps=e, rtol=rtol, atol=atol)), sink, as_json)
+    result = gradcheck(adapter, dtype or "fp16", shp, mode=mode or "train", seed=s, eps=e, rtol=rtol, atol=atol,
+                       params=params)
+    return _show(gradcheck_report(result, params), sink, as_json)
 
 
 @app.command("compare-precision")
@@ -470,14 +355,10 @@ def compare_precision_cmd(
     shapes: str = typer.Option("resnet50", help="Shape set when --shape is not given: resnet50."),
     batch: Optional[int] = typer.Option(None, min=1, max=65_536,
                                         help="Batch size of the ResNet-50 shapes (default 2)."),
-    dist: Optional[str] = typer.Option(None, help="Distribution of generated input: normal, uniform, student_t, "
-                                                  "constant."),
-    mean: Optional[float] = typer.Option(None, help="Mean of the generated input (default 0)."),
-    std: Optional[float] = typer.Option(None, help="Standard deviation of the generated input (default 1)."),
+    dist: Optional[str] = _DIST, mean: Optional[float] = _MEAN, std: Optional[float] = _STD,
     input: Optional[Path] = typer.Option(None, "--input", help="Real activations: .npy, .npz, or a dump folder "
                                                                "(every recorded call's inputs)."),
-    calls: Optional[str] = typer.Option(None, "--calls", help="Recorded calls to run (glob on the call or module "
-                                                              "name), e.g. '*layer1*'."),
+    calls: Optional[str] = _calls("run"),
     stress: bool = typer.Option(True, "--stress/--no-stress", help="Add the stress inputs (large means, heavy "
                                                                    "tails, near FP16 max, var near eps, ...)."),
     mode: str = typer.Option("all", help="train, infer, backward or all."),
@@ -488,128 +369,41 @@ def compare_precision_cmd(
     bench: str = typer.Option("careful", help="The bench of the benchmark rule: a careful kernel in the same "
                                               "formats (careful), or any runnable adapter, e.g. torch."),
     budget: bool = typer.Option(True, "--budget/--no-budget", help="Per-stage error budget (emulated kernels)."),
-    eps: Optional[float] = typer.Option(None, help="BatchNorm epsilon (default 1e-5; a recording's own)."),
-    params: Optional[str] = typer.Option(None, help="Parameter format: fp32 (mixed precision, the default) or same "
-                                                    "(the input's format); a recording's own."),
+    eps: Optional[float] = _EPS,
+    params: Optional[str] = _PARAMS,
     out: Optional[Path] = typer.Option(None, help="Report folder (default reports/compare-precision-<time>)."),
     format: str = typer.Option("csv,json,md,html", "--format", help="Report files to write."),
-    force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out."),
+    force: bool = _FORCE,
 ) -> int:
     """FP16/BF16/FP32 vs the FP64 golden for every BatchNorm output, per tensor, per channel and per
     stage; on a dump, every recorded call on its own inputs. Exit 0 when all are within standard, 1 when
     some are not."""
     from bnprobe._progress import Progress
-    from bnprobe._table import render_table
     from bnprobe.adapters import get_adapter
-    from bnprobe.adapters.base import PARAM_PRECISIONS
-    from bnprobe.adapters.dump import DumpAdapter
-    from bnprobe.checks.compare import (
-        REPORT_FORMATS,
-        Case,
-        compare_precision,
-        first_failing_call,
-        per_call,
-        recorded_cases,
-        report_files,
-        resnet50_cases,
-        stress_cases,
-        summarize,
-        write_report,
-    )
-    from bnprobe.guard import require_run
-    from bnprobe.inputs import parse_shape
-    from bnprobe.kernels.layout import check_eps
+    from bnprobe.checks.compare import compare_precision, select_cases
+    from bnprobe.reports.compare import compare_lines, report_files, report_formats, write_report
 
-    if eps is not None:
-        check_eps(eps)
-    if params is not None and params not in PARAM_PRECISIONS:
-        raise BNProbeError(f"--params takes {' or '.join(PARAM_PRECISIONS)}, got {params!r}")
-    fmts = tuple(f.strip() for f in format.split(",") if f.strip())
-    bad = [f for f in fmts if f not in REPORT_FORMATS]
-    if bad:
-        raise BNProbeError(f"--format: unknown report format(s) {', '.join(bad)}; valid: {', '.join(REPORT_FORMATS)}")
+    _check_common(eps=eps, params=params)
+    try:
+        fmts = report_formats(format)
+    except BNProbeError as exc:
+        raise BNProbeError(f"--format: {exc}") from None
     names = [a.strip() for a in adapters.split(",") if a.strip()]
     if not names:
         raise BNProbeError("--adapters is empty")
-    resolved = [get_adapter(a) for a in names]
-    dumps = [a for a in resolved if isinstance(a, DumpAdapter)]
-    recorded = None
-    if input is not None and input.is_dir():
-        if dumps:
-            raise BNProbeError("--input DIR and a dump adapter both give the recorded inputs; give one of them")
-        from bnprobe.adapters.dump import open_dump
-
-        recorded = open_dump(input, calls)  # its calls are cases: the memory check of the largest case covers them
-    elif dumps:
-        recorded = dumps[0].calls.select(calls)
-        dumps[0].calls = recorded
-    elif calls is not None:
-        raise BNProbeError("--calls selects recorded calls: give a dump (--adapters dump:DIR or --input DIR)")
-    if recorded is not None:
-        given = [f"--{n}" for n, v in (("shape", shape), ("batch", batch), ("dist", dist), ("mean", mean),
-                                        ("std", std)) if v is not None]
-        if given:
-            raise BNProbeError(f"{', '.join(given)} contradict{'s' if len(given) == 1 else ''} the recording: its "
-                               "calls bring their own inputs")
-        cases = recorded_cases(recorded)
-        has = {m: any(m in c.modes for c in recorded.calls) for m in ("train", "infer", "backward")}
-        if mode in has and not has[mode]:
-            raise BNProbeError(f"--mode {mode}: no call of {recorded.source} recorded it (it recorded "
-                               f"{', '.join(m for m, v in has.items() if v)})")
-    elif input is not None:
-        x = _input_tensor("compare-precision", input, "", "", 0.0, 1.0, seed)
-        cases = [Case(f"input/{input.name}", tuple(x.shape), x=x, seed=seed)]
-    elif shape is not None:
-        d, m, s_ = dist or "normal", 0.0 if mean is None else mean, 1.0 if std is None else std
-        cases = [Case(f"{d}(mean={m:g}, std={s_:g})", parse_shape(shape), d, m, s_, seed)]
-    else:
-        if shapes != "resnet50":
-            raise BNProbeError(f"unknown shape set {shapes!r}; valid: resnet50 (or give --shape)")
-        b = 2 if batch is None else batch
-        if b < 1:
-            raise BNProbeError(f"--batch must be >= 1, got {b}")
-        cases = resnet50_cases(b, seed, dist or "normal")
-    if stress and input is None and shape is None and recorded is None:
-        cases = cases + stress_cases(seed)
+    resolved, cases, recorded = select_cases([get_adapter(a) for a in names], input=input, calls=calls, shape=shape,
+                                             shapes=shapes, batch=batch, dist=dist, mean=mean, std=std, seed=seed,
+                                             mode=mode, stress=stress)
     dts = tuple(d.strip() for d in dtypes.split(",") if d.strip()) if dtypes is not None else None
     if dts == ():
         raise BNProbeError("--dtypes is empty")
-    biggest = max(cases, key=lambda c: math.prod(c.shape))
-    require_run("compare-precision", biggest.shape, f"compare-precision on {biggest.name} (shape {biggest.shape})")
     sink = _output(out, force, "compare-precision", *report_files(fmts)) if fmts else None
-    bar = Progress("compare-precision")
-    try:
+    with Progress("compare-precision") as bar:
         result = compare_precision(resolved, dts, cases, mode=mode, eps=eps, params=params, seed=seed, rule=rule,
                                    bench=bench, budget=budget, progress=bar)
-    finally:
-        bar.close()
     paths = write_report(result, sink, fmts) if sink is not None else []
-    rows = summarize(result)
-    for r in rows:
-        r["budget"] = f"{r['budget_top']} ({100 * r['budget_share']:.0f}%)" if r["budget_top"] else ""
-        r["worst / bound"] = r["worst_ratio"]
     what = f"{len(cases)} recorded call(s) of {recorded.source}" if recorded is not None else f"{len(cases)} inputs"
-    n_fail = int((result.rows["verdict"] == "FAIL").sum()) if len(result.rows) else 0
-    n_warn = int((result.rows["format_check"] == "WARN").sum()) if len(result.rows) else 0
-    judged = (f"benchmark vs {result.meta['bench']}" if result.meta["rule"] == "benchmark"
-              else f"absolute rule {result.meta['rule']}")
-    typer.echo(f"compare-precision: {what}, {len(result.rows)} outputs vs the FP64 golden ({judged}), "
-               f"{result.meta['seconds']} s: " + ("all pass" if result.passed else f"{n_fail} fail")
-               + f"; {n_warn} format warning(s)")
-    typer.echo(render_table(rows, ["adapter", "dtype", "checked", "failed", "worst", "worst / bound",
-                                   "format_warnings", "format_worst", "budget"],
-                            headers=["adapter", "format", "outputs", "failed", "worst output", "worst/bound",
-                                     "format warnings", "worst format warning", "error-budget cause (share)"]))
-    if recorded is not None:
-        typer.echo("")
-        typer.echo(render_table(per_call(result), ["order", "call", "adapter", "dtype", "outputs", "failed", "failing"],
-                                headers=["#", "call (forward order)", "adapter", "format", "outputs", "failed",
-                                         "failing outputs"]))
-        first = first_failing_call(result)
-        typer.echo("first call that fails: " + (f"#{first['order']} {first['call']} ({first['failing']}, "
-                                                       f"{first['adapter']})" if first else "none"))
-    for n in [*(recorded.notes if recorded is not None else ()), *result.meta["notes"]]:
-        typer.echo(f"note: {n}")
+    _echo(compare_lines(result, what, recorded.notes if recorded is not None else (), recorded is not None))
     if paths:
         typer.echo(f"report: {sink.path}/ ({', '.join(p.name for p in paths)})")
     return 0 if result.passed else 1
@@ -624,116 +418,38 @@ def overflow_cmd(
                                                         "fp16 for a naive port."),
     input: Optional[Path] = typer.Option(None, "--input", help="Input tensor .npy/.npz, or a dump folder (the adapter "
                                                                "on every recorded call's own inputs)."),
-    calls: Optional[str] = typer.Option(None, "--calls", help="Recorded calls to scan (glob on the call or module "
-                                                              "name)."),
+    calls: Optional[str] = _calls("scan"),
     shape: Optional[str] = typer.Option(None, help="Shape of generated input (default 8,16,14,14)."),
-    dist: Optional[str] = typer.Option(None, help="normal (default), uniform, student_t, constant."),
-    mean: Optional[float] = typer.Option(None, help="Mean of the generated input (default 0)."),
-    std: Optional[float] = typer.Option(None, help="Standard deviation of the generated input (default 1)."),
-    seed: Optional[int] = typer.Option(None, min=0, help="Seed (default 0)."),
+    dist: Optional[str] = _DIST, mean: Optional[float] = _MEAN, std: Optional[float] = _STD,
+    seed: Optional[int] = _SEED,
     mode: Optional[str] = typer.Option(None, help="train (default), infer or backward; on a recording: every mode "
                                                   "each call recorded unless given."),
-    eps: Optional[float] = typer.Option(None, help="BatchNorm epsilon (default 1e-5; a recording's own)."),
-    params: Optional[str] = typer.Option(None, help="Parameter format: fp32 (mixed precision, the default) or same "
-                                                    "(γ, β, running and saved statistics in the input's format); a "
-                                                    "recording's own."),
-    out: Optional[Path] = typer.Option(None, help="Write CSV, JSON and Markdown to this folder."),
-    force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    eps: Optional[float] = _EPS,
+    params: Optional[str] = _PARAMS,
+    out: Optional[Path] = _OUT,
+    force: bool = _FORCE,
+    as_json: bool = _JSON,
 ) -> int:
     """Where, in which channel and why a BatchNorm goes non-finite or silently wrong; headroom predicted
     from the input; remedies verified; on a dump, every recorded call's outputs against the golden (an
     msprobe statistics dump: its summaries). Exit 0 when clean, 1 when anomalies are found."""
-    from bnprobe._table import render_table
     from bnprobe.checks.overflow import scan, scan_recorded
-    from bnprobe.checks.recorded import check_options, check_params, given, recording_of
-    from bnprobe.kernels.layout import check_eps
+    from bnprobe.checks.recorded import check_options, given, recording_of
+    from bnprobe.inputs import input_tensor
+    from bnprobe.reports.checks import overflow_recorded_report, overflow_report
 
-    if eps is not None:
-        check_eps(eps)
-    check_params(params)
-    if mode not in (None, "train", "infer", "backward"):
-        raise BNProbeError(f"unknown mode {mode!r}; valid: train, infer, backward")
+    _check_common(eps=eps, params=params, mode=mode)
     sink = _output(out, force)
     recorded = recording_of(adapter, input, calls, guard="overflow")
     if recorded is not None:
         check_options(recorded, given=given(shape=shape, dist=dist, mean=mean, std=std, seed=seed, eps=eps,
                                             accumulate=accumulate), dtype=dtype, mode=mode, params=params)
-        run = scan_recorded(recorded, mode=mode)
-        frame = run.to_frame()
-        summary = []
-        for i, rep in enumerate(run.results):
-            tight = min(rep.headroom, key=lambda h: h.headroom_binades, default=None)
-            summary.append({"#": i, "call": rep.call, "format": rep.dtype, "mode": rep.mode,
-                            "findings": len(rep.findings),
-                            "anomalies": ", ".join(dict.fromkeys(f"{f.anomaly}@{f.stage}" for f in rep.findings)),
-                            "headroom": f"{tight.headroom_binades:.1f} ({tight.stage})" if tight else ""})
-        table = render_table(summary, ["#", "call", "format", "mode", "findings", "anomalies", "headroom"],
-                             headers=["#", "call (forward order)", "format", "mode", "findings", "anomaly@output",
-                                      "least headroom, binades (stage)"])
-        ftable = render_table(frame.to_dict(orient="records"), ["call", "anomaly", "stage", "format", "channels",
-                                                               "count", "first_element", "detail"],
-                              headers=["call", "anomaly", "output", "format", "channels", "count", "first element",
-                                       "detail"]) if len(frame) else "no anomalies"
-        title = (f"overflow scan of {run.kernel} on {len(run.results)} recorded call(s) of {run.source}: "
-                 + ("clean" if run else f"{sum(len(r.findings) for r in run.results)} finding(s)"))
-        if out is not None:
-            md = f"# {title}\n\n```\n{table}\n```\n\n## Findings\n\n```\n{ftable}\n```\n\n" + \
-                 "\n".join(f"- {n}" for n in run.notes) + "\n"
-            written = _write_reports(sink, f"overflow-{run.kernel.replace(':', '_').replace('/', '_')}-recorded", frame,
-                                     run.to_dict(), md)
-        if as_json:
-            typer.echo(dumps_json(run.to_dict()))
-            return 0 if run else 1
-        typer.echo(title)
-        typer.echo(table)
-        if len(frame):
-            typer.echo("")
-            typer.echo(ftable)
-        notes = list(run.notes) + [f"{r.call}: {n}" for r in run.results for n in r.notes
-                                   if not n.startswith(("headroom of the sums is predicted", "policy:"))]
-        heads = [n for r in run.results for n in r.notes if n.startswith("headroom of the sums is predicted")]
-        _close(notes + heads[:1], written if out is not None else None)
-        return 0 if run else 1
-    check_eps(1e-5 if eps is None else eps)
-    s = 0 if seed is None else seed
-    x = _input_tensor("overflow", input, shape or "8,16,14,14", dist or "normal", 0.0 if mean is None else mean,
-                      1.0 if std is None else std, s)
+        return _show(overflow_recorded_report(scan_recorded(recorded, mode=mode)), sink, as_json)
+    x = input_tensor("overflow", input, shape or "8,16,14,14", dist or "normal", 0.0 if mean is None else mean,
+                     1.0 if std is None else std, seed or 0)
     rep = scan(adapter, x, dtype=dtype or "fp16", accumulate=accumulate, mode=mode or "train",
-               eps=1e-5 if eps is None else eps, seed=s, params=params)
-    frame = rep.to_frame()
-    head = [{**h.__dict__} for h in rep.headroom]
-    table = render_table(frame.to_dict(orient="records"), ["anomaly", "stage", "format", "channels", "count",
-                                                          "first_element", "detail"]) if len(frame) else "no anomalies"
-    htable = render_table(head, ["stage", "format", "predicted_max", "headroom_binades", "overflows", "actual_max",
-                                 "actually_overflowed"],
-                          headers=["stage", "format", "predicted |max|", "headroom (binades)", "predicted overflow",
-                                   "actual |max|", "overflowed"]) if head else ""
-    if out is not None:
-        md = f"# bnprobe overflow: {rep.adapter} in {rep.dtype}, {rep.mode}\n\n```\n{table}\n```\n\n" \
-             f"## Headroom\n\n```\n{htable}\n```\n"
-        written = _write_reports(sink, f"overflow-{rep.adapter.replace(':', '_')}-{rep.dtype}-{rep.mode}", frame,
-                                 rep.to_dict(), md)
-    if as_json:
-        typer.echo(dumps_json(rep.to_dict()))
-        return 0 if rep.passed else 1
-    typer.echo(f"overflow scan of {rep.adapter} in {rep.dtype} ({rep.mode}"
-               + (f", params {params}" if params is not None else "") + "): "
-               + ("clean" if rep.passed else f"{len(rep.findings)} finding(s)"))
-    typer.echo(table)
-    for f in rep.findings:
-        if f.remedies:
-            typer.echo(f"remedies for {f.anomaly} at {f.stage}: " + "; ".join(
-                f"{r.name} {'fixes it' if r.fixed else 'does not'} (max err {r.y_error:.3g})" for r in f.remedies))
-        typer.echo(f"  {f.anomaly}: input at {f.first_element}: {f.inputs}")
-    if htable:
-        typer.echo("\nheadroom predicted from the input's statistics, checked against the run:")
-        typer.echo(htable)
-    for s_ in rep.saturation:
-        typer.echo(f"{s_['overflow_mode']:>8} mode: outputs finite {100 * s_['finite_share']:.0f}%, max |output| "
-                   f"{s_['max_abs_output']:.4g}, max error {s_['max_abs_error']:.4g}")
-    _close(rep.notes, written if out is not None else None)
-    return 0 if rep.passed else 1
+               eps=1e-5 if eps is None else eps, seed=seed or 0, params=params)
+    return _show(overflow_report(rep, params), sink, as_json)
 
 
 @app.command("fold")
@@ -746,58 +462,21 @@ def fold_cmd(
     eps: Optional[float] = typer.Option(None, help="BatchNorm epsilon (default: the layer's, 1e-5)."),
     groups: int = typer.Option(1, help="Groups of the built-in conv2d (its 16 input channels must divide)."),
     seed: int = typer.Option(0, min=0, help="Seed of the built-in layer."),
-    out: Optional[Path] = typer.Option(None, help="Write CSV, JSON and Markdown to this folder."),
-    force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    out: Optional[Path] = _OUT,
+    force: bool = _FORCE,
+    as_json: bool = _JSON,
 ) -> int:
     """Check BatchNorm folding into a Conv2D/Linear (and fused forms) per output channel in a format.
     Exit 1 when a channel's folded result breaks the standard."""
-    from bnprobe._table import render_table
-    from bnprobe.checks.fold import check_fold, load_layer, make_layer, torch_fusion_check
+    from bnprobe.checks.fold import check_fold, load_layer, make_layer
+    from bnprobe.reports.checks import fold_report
 
     if groups < 1 or 16 % groups:
         raise BNProbeError(f"--groups must divide the built-in conv2d's 16 input channels, got {groups}")
     sink = _output(out, force)
     lay = load_layer(weights) if weights is not None else make_layer(layer, seed=seed, groups=groups)
-    rep = check_fold(lay, dtype, accumulate=accumulate, eps=eps)
-    try:
-        import torch  # noqa: F401
-
-        if lay.groups == 1 and rep.dtype in ("fp32", "fp64"):
-            rep.torch = torch_fusion_check(lay, rep.dtype)
-    except ImportError:
-        rep.notes.append("torch not installed: no comparison with torch.nn.utils.fusion")
-    ch = rep.channels
-    shown = ch.sort_values(["verdict", "A"], ascending=[True, False]).head(10)
-    table = render_table(shown.to_dict(orient="records"),
-                         ["channel", "A", "var_over_eps", "folded_w_absmax", "w_headroom_binades", "err_unfused",
-                          "err_folded", "verdict"],
-                         headers=["channel", "A", "var/eps", "max|W'|", "W' headroom", "err unfused", "err folded",
-                                  "verdict"])
-    if out is not None:
-        md = f"# bnprobe fold: {rep.layer} + BN in {rep.dtype}\n\n```\n{table}\n```\n"
-        written = _write_reports(sink, f"fold-{rep.layer}-{rep.dtype}", ch, rep.to_dict(), md)
-    if as_json:
-        typer.echo(dumps_json(rep.to_dict()))
-        return 0 if rep.passed else 1
-    n_fail = int((ch.verdict == "FAIL").sum())
-    typer.echo(f"fold {rep.layer} + BatchNorm in {rep.dtype} (accumulate {rep.accumulate}), {len(ch)} output channels: "
-               + ("all pass" if rep.passed else f"{n_fail} break the standard")
-               + " (largest A / failing channels first)")
-    typer.echo(table)
-    typer.echo("\nforms, max |error| against the FP64 golden:")
-    typer.echo(render_table(rep.forms.to_dict(orient="records"), ["form", "max_abs_err"]))
-    e = rep.eps_rule
-    typer.echo(f"\neps rule (Ascend's folding pass: eps < 1e-8 becomes 1e-5): eps {e['eps']:g} -> "
-               f"{e['eps_after_rule']:g}; output changes by up to {e['max_abs_change']:.4g}")
-    if len(rep.wrong_stats):
-        typer.echo("folding with the wrong statistics changes the output by up to:")
-        typer.echo(render_table(rep.wrong_stats.to_dict(orient="records"), ["folded with", "max_abs_change"]))
-    if rep.torch:
-        typer.echo(f"torch.nn.utils.fusion ({rep.torch['torch']}, {rep.torch['dtype']}): folded weights differ by at "
-                   f"most {rep.torch['max_rel_weight_diff']:.3g} relative, bias {rep.torch['max_rel_bias_diff']:.3g}")
-    _close(rep.notes, written if out is not None else None)
-    return 0 if rep.passed else 1
+    return _show(fold_report(check_fold(lay, dtype, accumulate=accumulate, eps=eps, against_torch=True)), sink,
+                 as_json)
 
 
 @app.command("doctor")
@@ -806,9 +485,7 @@ def doctor_cmd(
                                                   "its own inputs)."),
     dtype: Optional[str] = typer.Option(None, help="Format (default: fp64 if the adapter runs it, else its first; a "
                                                    "recording's own)."),
-    params: Optional[str] = typer.Option(None, help="Parameter format: fp32 (mixed precision, the default) or same "
-                                                    "(γ, β, running and saved statistics in the input's format); a "
-                                                    "recording's own."),
+    params: Optional[str] = _PARAMS,
     seed: Optional[int] = typer.Option(None, min=0, help="Seed of the diagnostic inputs (default 0)."),
     stability: Optional[bool] = typer.Option(None, "--stability/--no-stability",
                                              help="Include the stress inputs (default on; a replayed dump cannot "
@@ -816,31 +493,21 @@ def doctor_cmd(
     input: Optional[Path] = typer.Option(None, "--input", help="Your input too: a tensor .npy/.npz (x), or a dump "
                                                                "folder (the adapter on every recorded call's own "
                                                                "inputs)."),
-    calls: Optional[str] = typer.Option(None, "--calls", help="Recorded calls to diagnose (glob on the call or module "
-                                                              "name)."),
-    out: Optional[Path] = typer.Option(None, help="Write CSV, JSON and Markdown to this folder."),
-    force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    calls: Optional[str] = _calls("diagnose"),
+    out: Optional[Path] = _OUT,
+    force: bool = _FORCE,
+    as_json: bool = _JSON,
 ) -> int:
     """The expert's checklist for a BatchNorm kernel on a diagnostic input, stress inputs and yours:
     PASS/WARN/FAIL with evidence, the known bug each failure matches, and what is wrong where none
     does; on a dump, every recorded call's outputs on its own inputs. Exit 0 when healthy, 1 when
     something failed."""
-    import pandas as pd
-
-    from bnprobe._table import render_table
     from bnprobe.checks.diagnosis import doctor, doctor_recorded
-    from bnprobe.checks.recorded import check_options, check_params, given, is_dump_path, recording_of
+    from bnprobe.checks.recorded import check_options, given, is_dump_path, recording_of
+    from bnprobe.inputs import input_tensor
+    from bnprobe.reports.checks import doctor_recorded_report, doctor_report
 
-    def details(failed: list[tuple[str, tuple[str, ...] | list[str]]]) -> None:
-        """What is wrong, per failing check, one line per input and output."""
-        for name, lines in failed:
-            if lines:
-                typer.echo(f"\n{name}:")
-                for line in lines:
-                    typer.echo(f"  {line}")
-
-    check_params(params)
+    _check_common(params=params)
     tensor = input if input is not None and not is_dump_path(input) else None
     sink = _output(out, force)
     recorded = recording_of(adapter, None if tensor is not None else input, calls, guard="doctor")
@@ -848,61 +515,12 @@ def doctor_cmd(
         refused = dict(seed=seed, stability=None if stability is None or not recorded.replay else True)
         check_options(recorded, given=given(**refused), dtype=dtype, params=params)
         run = doctor_recorded(recorded, dtype=dtype, params=params, stability=stability is not False)
-        summary, items = [], []
-        for i, rep in enumerate(run.results):
-            bad = [it for it in rep.items if it.status != "PASS"]
-            summary.append({"#": i, "call": rep.call, "format": rep.dtype, "params": rep.params,
-                            "status": "healthy" if rep.passed else "FAIL", "items": len(rep.items),
-                            "failed": sum(it.status == "FAIL" for it in rep.items),
-                            "diagnosis": "; ".join(rep.diagnosis)})
-            items += [{"call": rep.call, **it.to_dict()} for it in bad]
-        table = render_table(summary, ["#", "call", "format", "params", "status", "items", "failed", "diagnosis"],
-                             headers=["#", "call (forward order)", "format", "params", "status", "items", "failed",
-                                      "diagnosis"])
-        title = (f"doctor {run.kernel} on {len(run.results)} recorded call(s) of {run.source}: "
-                 + ("healthy" if run else "something failed"))
-        if out is not None:
-            rows = [{"call": rep.call, **it.to_dict()} for rep in run.results for it in rep.items]
-            md = f"# {title}\n\n```\n{table}\n```\n\n" + "\n".join(f"- {n}" for n in run.notes) + "\n"
-            written = _write_reports(sink, f"doctor-{run.kernel.replace(':', '_').replace('/', '_')}-recorded",
-                                     pd.DataFrame(rows), run.to_dict(), md)
-        if as_json:
-            typer.echo(dumps_json(run.to_dict()))
-            return 0 if run else 1
-        typer.echo(title)
-        typer.echo(table)
-        if items:
-            typer.echo("")
-            typer.echo(render_table(items, ["call", "status", "name", "evidence"],
-                                    headers=["call", "status", "check", "evidence"]))
-            details([(f"{it['call']}: {it['name']}", it["details"]) for it in items])
-        notes = list(run.notes) + [f"{rep.call}: {n}" for rep in run.results for n in rep.notes]
-        _close(notes, written if out is not None else None)
-        return 0 if run else 1
+        return _show(doctor_recorded_report(run), sink, as_json)
     if calls is not None:
         raise BNProbeError("--calls selects recorded calls: give a dump (--adapter dump:DIR or --input DIR)")
-    rep = doctor(adapter, dtype, seed=0 if seed is None else seed, stability=True if stability is None else stability,
-                 params=params, x=None if tensor is None else _input_tensor("doctor", tensor, "", "", 0.0, 1.0, 0))
-    rows = [i.to_dict() for i in rep.items]
-    table = render_table(rows, ["status", "name", "evidence"], headers=["status", "check", "evidence"])
-    title = f"doctor {rep.adapter} in {rep.dtype}, params {rep.params}: " + \
-        ("healthy" if rep.passed else "something failed")
-    if out is not None:
-        md = f"# bnprobe {title}\n\n```\n{table}\n```\n\ndiagnosis: {'; '.join(rep.diagnosis) or 'none'}\n\n" + \
-            "".join(f"- {it.name}: {d}\n" for it in rep.items for d in it.details)
-        written = _write_reports(sink, f"doctor-{rep.adapter.replace(':', '_')}-{rep.dtype}", pd.DataFrame(rows),
-                                 rep.to_dict(), md)
-    if as_json:
-        typer.echo(dumps_json(rep.to_dict()))
-        return 0 if rep.passed else 1
-    typer.echo(title)
-    typer.echo(f"inputs: {', '.join(rep.inputs)}")
-    typer.echo(table)
-    details([(it.name, it.details) for it in rep.items])
-    if rep.diagnosis:
-        typer.echo("diagnosis: " + "; ".join(rep.diagnosis))
-    _close(rep.notes, written if out is not None else None)
-    return 0 if rep.passed else 1
+    rep = doctor(adapter, dtype, seed=seed or 0, stability=stability is not False, params=params,
+                 x=None if tensor is None else input_tensor("doctor", tensor))
+    return _show(doctor_report(rep), sink, as_json)
 
 
 @app.command("shrink")
@@ -910,9 +528,7 @@ def shrink_cmd(
     adapter: str = typer.Option(..., "--adapter", help="Adapter whose comparison with the FP64 reference fails (a "
                                                        "runnable one: a dump cannot be rerun on smaller inputs)."),
     dtype: Optional[str] = typer.Option(None, help="Format (default fp16; a recording's own)."),
-    params: Optional[str] = typer.Option(None, help="Parameter format: fp32 (mixed precision, the default) or same "
-                                                    "(γ, β, running and saved statistics in the input's format); a "
-                                                    "recording's own."),
+    params: Optional[str] = _PARAMS,
     mode: Optional[str] = typer.Option(None, help="train (default), infer or backward."),
     predicate: str = typer.Option("compare", help="compare (vs the reference), overflow, or module:function "
                                                   "(f(x) -> True when the case fails)."),
@@ -921,84 +537,42 @@ def shrink_cmd(
     calls: Optional[str] = typer.Option(None, "--calls", help="The recorded call to shrink (glob), when --input is "
                                                               "a dump of several."),
     shape: Optional[str] = typer.Option(None, help="Shape of generated input (default 16,64,28,28)."),
-    dist: Optional[str] = typer.Option(None, help="normal (default), uniform, student_t, constant."),
-    mean: Optional[float] = typer.Option(None, help="Mean of the generated input (default 0)."),
-    std: Optional[float] = typer.Option(None, help="Standard deviation of the generated input (default 1)."),
-    seed: Optional[int] = typer.Option(None, min=0, help="Seed (default 0)."),
+    dist: Optional[str] = _DIST, mean: Optional[float] = _MEAN, std: Optional[float] = _STD,
+    seed: Optional[int] = _SEED,
     seconds: float = typer.Option(120.0, help="Time budget in seconds (> 0)."),
     out: Optional[Path] = typer.Option(None, help="Folder for x.npy, the dump and shrink.json "
                                                   "(default reports/shrink-<time>)."),
-    force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out."),
+    force: bool = _FORCE,
 ) -> int:
     """Reduce a failing case (channels, batch, spatial size, then values) to a minimal one that still
     fails; write it as a dump plus the exact command that replays it."""
     from bnprobe._progress import Progress
-    from bnprobe.checks.recorded import check_options, check_params, given, recording_of
-    from bnprobe.checks.shrinking import (
-        RecordedParams,
-        compare_predicate,
-        load_predicate,
-        overflow_predicate,
-        runnable,
-        shrink,
-        write_shrink,
-    )
-    import numpy as np
+    from bnprobe.checks.recorded import given, recording_of
+    from bnprobe.checks.shrinking import predicate_for, recorded_case, runnable, shrink
+    from bnprobe.inputs import input_tensor
+    from bnprobe.reports.shrink import shrink_lines, write_shrink
 
-    if mode not in (None, "train", "infer", "backward"):
-        raise BNProbeError(f"unknown mode {mode!r}; valid: train, infer, backward")
+    _check_common(params=params, mode=mode)
     if not 0 < seconds <= 86400:
         raise BNProbeError(f"--seconds must be > 0 and at most 86400 (a day), got {seconds}")
-    check_params(params)
     sink = _output(out, force, "shrink", "x.npy", "shrink.json")
     a = runnable(adapter)
     recorded = recording_of(a, input, calls, guard="shrink")
     kept = None
     if recorded is not None:
-        recorded.calls.require_tensors("shrink")
-        found = recorded.calls.calls
-        if len(found) != 1:
-            shown = ", ".join(c.label for c in found[:4]) + (", ..." if len(found) > 4 else "")
-            raise BNProbeError(f"{recorded.calls.source} holds {len(found)} BatchNorm calls ({shown}); shrink takes "
-                               "one: select it with DIR#NAME or --calls")
-        check_options(recorded, given=given(shape=shape, dist=dist, mean=mean, std=std, seed=seed), dtype=dtype,
-                      mode=mode, params=params)
-        rec = found[0].load()
-        ci = rec.call_inputs()
-        x = ci["x"] if rec.layout == "channels_first" or ci["x"].ndim <= 2 else np.moveaxis(ci["x"], -1, 1)
-        kept = RecordedParams.of(rec, found[0].label)
+        x, kept, dtype, mode = recorded_case(recorded, given=given(shape=shape, dist=dist, mean=mean, std=std,
+                                                                   seed=seed), dtype=dtype, mode=mode, params=params)
         params = kept.params
-        dtype, mode = rec.dtype, mode or ("train" if rec.training else "infer")
     else:
-        x = _input_tensor("shrink", input, shape or "16,64,28,28", dist or "normal", 0.0 if mean is None else mean,
-                          1.0 if std is None else std, 0 if seed is None else seed)
+        x = input_tensor("shrink", input, shape or "16,64,28,28", dist or "normal", 0.0 if mean is None else mean,
+                         1.0 if std is None else std, seed or 0)
         dtype, mode, params = dtype or "fp16", mode or "train", params or "fp32"
-    fails = (compare_predicate(a, dtype=dtype, mode=mode, recorded=kept, params=params) if predicate == "compare"
-             else overflow_predicate(a, dtype=dtype, mode=mode, recorded=kept, params=params)
-             if predicate == "overflow" else load_predicate(predicate))
-    bar = Progress("shrink")
-    steps = [0]
-
-    def tick(_: str) -> None:
-        steps[0] += 1
-        bar(min(steps[0], 20), 20)
-
-    try:
-        res = shrink(x, fails, seconds=seconds, progress=tick)
-    finally:
-        bar.close()
+    fails = predicate_for(predicate, a, dtype=dtype, mode=mode, recorded=kept, params=params)
+    with Progress("shrink") as bar:
+        res = shrink(x, fails, seconds=seconds, progress=bar.steps(20))
     files, cmd = write_shrink(res, sink, adapter=adapter, dtype=dtype, mode=mode, predicate=predicate,
                               recorded=kept, params=params)
-    typer.echo(f"shrunk {tuple(res.original_shape)} ({int(np.prod(res.original_shape))} values) to "
-               f"{tuple(res.x.shape)} ({res.x.size} values) in {res.evaluations} checks, {res.seconds:.1f} s"
-               + (" (time budget reached)" if res.timed_out else ""))
-    if kept is not None:
-        typer.echo(f"input: recorded call {kept.source} (its γ, β, running statistics, eps {kept.eps:g}, "
-                   f"momentum, {dtype}, params {kept.params}); channels kept: "
-                   f"{res.channels.tolist() if res.channels is not None else 'all'}")
-    typer.echo(f"x = {np.array2string(res.x.reshape(-1), precision=6, threshold=20)}")
-    typer.echo("wrote " + ", ".join(str(f) for f in files))
-    typer.echo(f"replay: {cmd}")
+    _echo(shrink_lines(res, files, cmd, dtype, kept))
     return 0
 
 
@@ -1016,23 +590,21 @@ def plot_stats_cmd(
     eps: float = typer.Option(1e-5, help="BatchNorm epsilon (for var/eps)."),
     out: Optional[Path] = typer.Option(None, help="Output folder (default reports/plot-stats-<time>)."),
     format: str = typer.Option("png", "--format", help="png or svg."),
-    force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out."),
+    force: bool = _FORCE,
 ) -> int:
     """Plot μ and σ² and the running statistics over training, per channel and per format, and flag
     divergence, collapse toward eps, non-finite statistics and a wrong momentum. Exit 1 when flagged."""
     from bnprobe.checks.stats import find, load_dump_series, load_log, simulate as run_simulation
-    from bnprobe.kernels.layout import check_eps
-    from bnprobe.plots import plot_channel_stats, plot_distributions, plot_divergence, plot_layer_summary
-    from bnprobe.reports import dumps_json, html_report
+    from bnprobe.reports.stats import STATS_FILES, stats_lines, write_stats
 
-    check_eps(eps)
+    _check_common(eps=eps)
     if format not in ("png", "svg"):
         raise BNProbeError(f"--format takes png or svg, got {format!r}")
     if sum(v is not None for v in (log, dumps)) + bool(simulate) > 1:
         raise BNProbeError("give one source: --simulate, --log or --dumps")
     if channels < 1:
         raise BNProbeError(f"--channels must be >= 1, got {channels}")
-    sink = _output(out, force, "plot-stats", "stats.csv", "findings.json", "index.md", "index.html")
+    sink = _output(out, force, "plot-stats", *STATS_FILES)
     if log is not None:
         df, source = load_log(log), str(log)
     elif dumps is not None:
@@ -1043,52 +615,9 @@ def plot_stats_cmd(
             raise BNProbeError("--policies is empty")
         df, source = run_simulation(pols, steps=steps, seed=seed, eps=eps), f"simulated run, seed {seed}"
     findings = find(df, eps=eps)
-    files: list[tuple[str, str]] = []
-
-    def file_name(stem: str) -> str:
-        """A file name from user-given layer and policy names: safe characters only, never two alike."""
-        base = re.sub(r"[^A-Za-z0-9._-]+", "_", stem).strip("._")[:100] or "figure"
-        name, k = f"{base}.{format}", 1
-        while any(name == f for f, _ in files):
-            name, k = f"{base}-{k}.{format}", k + 1
-        return name
-
-    for pol in df["policy"].unique():
-        for layer in df[df["policy"] == pol]["layer"].unique():
-            name = file_name(f"stats-{pol}-{layer}")
-            sink.save_figure(name, plot_channel_stats(df, pol, layer, channels), dpi=110)
-            files.append((name, f"μ and σ² over steps: {layer}, {pol}"))
-        name = file_name(f"summary-{pol}")
-        sink.save_figure(name, plot_layer_summary(df, pol), dpi=110)
-        files.append((name, f"layer x step drift of the running mean: {pol}"))
-    if "fp32" in set(df["policy"]) and df["policy"].nunique() > 1:
-        sink.save_figure(f"divergence.{format}", plot_divergence(df), dpi=110)
-        files.append((f"divergence.{format}", "low precision vs fp32 over steps"))
-    sink.save_figure(f"distributions.{format}", plot_distributions(df, eps), dpi=110)
-    files.append((f"distributions.{format}", "mean²/var and var/eps per channel"))
-    sink.write_text("stats.csv", df.to_csv(index=False))
-    sink.write_text("findings.json", dumps_json([f.to_dict() for f in findings]))
-    lines = [f"# bnprobe plot-stats: {source}", "", f"{len(findings)} finding(s)", ""]
-    lines += [f"- **{f.kind}** ({f.policy} {f.layer}, step {f.step}"
-              + (f", channels {list(f.channels)[:8]}" if f.channels else "") + f"): {f.detail}" for f in findings]
-    lines += ["", "## Figures", ""] + [f"- [{desc}]({name})" for name, desc in files]
-    sink.write_text("index.md", "\n".join(lines) + "\n")
-    import html as _html
-
-    body = "".join(f'<h2>{_html.escape(desc)}</h2><a href="{_html.escape(name)}"><img src="{_html.escape(name)}" '
-                   f'alt="{_html.escape(desc)}"></a>' for name, desc in files)
-    page = html_report(f"bnprobe plot-stats: {source}", f"{len(findings)} finding(s)",
-                       [("Findings", "; ".join(f"{f.kind} ({f.policy} {f.layer}, step {f.step}): {f.detail}"
-                                               for f in findings) or "none")])
-    sink.write_text("index.html", page.replace("</body>", body + "</body>"))
-    sink.commit()
-    typer.echo(f"plot-stats ({source}): {df['step'].nunique()} steps, {df['layer'].nunique()} layer(s), "
-               f"{df['policy'].nunique()} run(s); {len(findings)} finding(s)")
-    for f in findings:
-        typer.echo(f"  {f.kind}: {f.policy} {f.layer} step {f.step}: {f.detail}")
-    typer.echo(f"figures and index: {sink.path}/index.html")
+    write_stats(df, findings, source, sink, eps=eps, channels=channels, ext=format)
+    _echo(stats_lines(df, findings, source, sink))
     return 1 if findings else 0
-
 
 def _click_classes() -> tuple[type, type, type | None]:
     """UsageError, ClickException and NoArgsIsHelpError of the click that typer runs on.

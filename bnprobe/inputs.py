@@ -141,3 +141,18 @@ def load_array(path: str | Path, key: str = "x") -> np.ndarray:
         raise BNProbeError(f"{p}: not a readable .npy/.npz file ({str(exc).splitlines()[0]})") from None
     with np.errstate(invalid="ignore", over="ignore"):
         return a.astype(np.float64)
+
+
+def input_tensor(command: str, path: str | Path | None, shape: str = "", dist: str = "normal", mean: float = 0.0,
+                 std: float = 1.0, seed: int = 0) -> np.ndarray:
+    """The tensor at ``path`` (``.npy``/``.npz``), or one generated from ``shape``/``dist``/``mean``/``std``/``seed``;
+    refused before it is loaded or made when ``command`` on it would exceed the memory limit."""
+    from bnprobe.guard import require_run
+
+    if path is not None:
+        shp = array_header(Path(path))[0]
+        require_run(command, shp, f"{command} on {path} (shape {shp})")
+        return load_array(path)
+    shp = parse_shape(shape)
+    require_run(command, shp)
+    return make_input(shp, dist=dist, mean=mean, std=std, seed=seed)

@@ -25,6 +25,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -46,8 +47,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
 __all__ = ["Case", "resnet50_cases", "stress_cases", "recorded_cases", "CompareResult", "compare_precision",
-           "error_budget", "verdict", "summarize", "per_call", "markdown_summary", "budget_cause", "BUDGET_CHANNELS",
-           "STANDARD_RULES", "write_report", "report_files", "REPORT_FORMATS"]
+           "error_budget", "select_cases", "verdict", "summarize", "per_call", "first_failing_call", "budget_cause",
+           "BUDGET_CHANNELS", "STANDARD_RULES"]
 
 BUDGET_CHANNELS = 8  # the error budget reruns the kernel on the first channels of a layer (channels are independent)
 ELEMENTWISE = ("y", "y_infer", "dx")
@@ -816,121 +817,55 @@ def summarize(result: CompareResult) -> list[dict[str, Any]]:
     return out
 
 
-def markdown_summary(result: CompareResult) -> str:
-    """The report's Markdown summary: verdicts per format, failures, worst channels, the error budget."""
-    import pandas as pd
+def select_cases(adapters: list[KernelAdapter], *, input: str | Path | None = None, calls: str | None = None,
+                 shape: str | None = None, shapes: str = "resnet50", batch: int | None = None, dist: str | None = None,
+                 mean: float | None = None, std: float | None = None, seed: int = 0, mode: str = "all",
+                 stress: bool = True) -> tuple[list[KernelAdapter], list[Case], RecordedCalls | None]:
+    """What compare-precision runs on, checked before any run: a dump's calls (``input`` a dump folder, or a
+    dump adapter among ``adapters``, selected by ``calls``), the tensor at ``input``, one generated ``shape``,
+    or ResNet-50's shapes at ``batch`` (2) plus the stress inputs (``stress``).  Options that contradict a
+    recording, and a run the memory limit cannot hold (its largest case), are refused.  Returns the adapters
+    (a dump adapter replaced by one of the selected calls: the caller's is not changed), the cases and the
+    recorded calls (or None)."""
+    from bnprobe.adapters.dump import open_dump
+    from bnprobe.guard import require_run
+    from bnprobe.inputs import input_tensor, parse_shape
 
-    from bnprobe._table import markdown_table
-
-    s = summarize(result)
-    lines = [f"# {report_title(result)}", "", report_intro(result) + f" {result.meta['seconds']} s.", "",
-             "## Per format", "", markdown_table(pd.DataFrame(s)) if s else "(nothing compared)", ""]
-    for n in [] if result.meta.get("recorded") else result.meta.get("notes", []):
-        lines += [f"Note: {n}", ""]
-    if result.meta.get("recorded"):
-        first = first_failing_call(result)
-        lines += ["## Recorded calls, in forward order", "",
-                  "Each call is judged on its own recorded inputs, so the error shown is the kernel's own, not the "
-                  "error its input carried from upstream layers.", "",
-                  "First call that fails: " + (f"#{first['order']} {first['call']} ({first['failing']}, "
-                                                      f"{first['adapter']})" if first else "none") + ".", "",
-                  markdown_table(pd.DataFrame(per_call(result))), ""]
-        for n in [*result.meta.get("dump", {}).get("notes", []), *result.meta.get("notes", [])]:
-            lines += [f"Note: {n}", ""]
-    fails = result.rows[result.rows["verdict"] == "FAIL"] if len(result.rows) else result.rows
-    if len(fails):
-        lines += ["## Outputs that fail", "",
-                  markdown_table(fails[["adapter", "dtype", "case", "tensor", "why", "max_abs", "max_rel",
-                                        "cosine"]]), ""]
-    warns = result.rows[result.rows["format_check"] == "WARN"] if len(result.rows) else result.rows
-    if len(warns):
-        lines += ["## Format warnings: error over msprobe's absolute standard (the format, not the kernel)", "",
-                  markdown_table(warns[["adapter", "dtype", "case", "tensor", "format_why"]]), ""]
-    if len(result.channels):
-        worst = result.channels.sort_values("y_max_abs_err", ascending=False).head(15)
-        lines += ["## Worst channels (y)", "",
-                  "mean²/var large: single-pass variance cancels; var/eps near 1: eps dominates the variance.", "",
-                  markdown_table(worst), ""]
-    if len(result.budget):
-        piv = result.budget.groupby(["adapter", "dtype", "stage"])["error_removed"].mean().unstack([0, 1])
-        lines += ["## Error budget (share of y's RMSE removed when the stage is exact, mean over inputs)", "",
-                  markdown_table(piv, index=True), ""]
-    return "\n".join(lines) + "\n"
-
-
-REPORT_FORMATS = ("csv", "json", "md", "html")
-
-
-def report_title(result: CompareResult) -> str:
-    return "bnprobe compare-precision: " + ("every output passes" if result.passed else "some outputs fail")
-
-
-def report_intro(result: CompareResult) -> str:
-    m = result.meta
-    judged = (f"msprobe's benchmark method against the bench '{m['bench']}' (a kernel in the same formats), both "
-              "against the FP64 golden" if m["rule"] == "benchmark" else f"msprobe's absolute rule '{m['rule']}'")
-    return (f"Adapters {', '.join(m['adapters'])}; formats {', '.join(m['dtypes'])}; {len(m['cases'])} inputs; "
-            f"mode {m['mode']}; every output against the FP64 golden on the same rounded inputs, judged by "
-            f"{judged}; format warnings by msprobe's absolute standard (rule 'scaled', beyond the format's own "
-            "rounding).")
-
-
-def report_files(formats: tuple[str, ...] = REPORT_FORMATS) -> list[str]:
-    """The names of the files :func:`write_report` writes for ``formats``."""
-    names = {"csv": ["compare.csv", "channels.csv", "budget.csv"], "json": ["compare.json"], "md": ["summary.md"],
-             "html": ["report.html"]}
-    return [n for f in formats for n in names.get(f, [])]
-
-
-def write_report(result: CompareResult, out: Any, formats: tuple[str, ...] = REPORT_FORMATS) -> list[Any]:
-    """Write the result's files into ``out`` (a folder path, or an :class:`~bnprobe.reports.OutputDir`): all or
-    none, never over an existing file unless the OutputDir allows it; returns the paths."""
-    from bnprobe.plots import plot_compare
-    from bnprobe.reports import OutputDir, dumps_json, html_report, output_dir
-
-    sink = out if isinstance(out, OutputDir) else output_dir(out, "compare-precision")
-    bad = [f for f in formats if f not in REPORT_FORMATS]
-    if bad:
-        raise BNProbeError(f"unknown report format(s) {', '.join(bad)}; valid: {', '.join(REPORT_FORMATS)}")
-    files: dict[str, Any] = {}
-    if "csv" in formats:
-        files.update({"compare.csv": result.rows.to_csv(index=False),
-                      "channels.csv": result.channels.to_csv(index=False),
-                      "budget.csv": result.budget.to_csv(index=False)})
-    if "json" in formats:
-        files["compare.json"] = dumps_json(result.to_dict())
-    md = markdown_summary(result)
-    if "md" in formats:
-        files["summary.md"] = md
-    if "html" in formats:
-        import pandas as pd
-
-        sections: list[tuple[str, Any]] = [("Per format", pd.DataFrame(summarize(result)))]
-        if result.meta.get("recorded"):
-            first = first_failing_call(result)
-            sections.append(("Recorded calls in forward order (first that fails: "
-                             + (f"#{first['order']} {first['call']}" if first else "none") + ")",
-                             pd.DataFrame(per_call(result))))
-        fails = result.rows[result.rows["verdict"] == "FAIL"] if len(result.rows) else result.rows
-        if len(fails):
-            sections.append(("Outputs that fail", fails[["adapter", "dtype", "case", "tensor", "why",
-                                                         "max_abs", "max_rel", "cosine", "ulp_max"]]))
-        warns = result.rows[result.rows["format_check"] == "WARN"] if len(result.rows) else result.rows
-        if len(warns):
-            sections.append(("Format warnings: error over msprobe's absolute standard (the format, not the kernel)",
-                             warns[["adapter", "dtype", "case", "tensor", "format_why"]]))
-        if len(result.channels):
-            sections.append(("Worst channels of y (mean²/var: cancellation risk; var/eps: eps dominance)",
-                             result.channels.sort_values("y_max_abs_err", ascending=False).head(20)))
-        if len(result.budget):
-            piv = result.budget.groupby(["adapter", "dtype", "stage"])["error_removed"].mean().reset_index()
-            sections.append(("Error budget: share of y's RMSE removed when one stage is exact", piv))
-        sections.append(("Every output", result.rows[["adapter", "dtype", "case", "tensor", "verdict", "why",
-                                                       "format_check", "cosine", "max_abs", "max_rel", "mean_rel",
-                                                       "rmse", "ratio_1e3", "ratio_5e3", "error_balance",
-                                                       "ulp_max"]]))
-        fig = plot_compare(result.rows) if len(result.rows) else None
-        files["report.html"] = html_report(report_title(result), report_intro(result), sections, fig)
-    for name, text in files.items():
-        sink.write_text(name, text)
-    return sink.commit()
+    dumps = [a for a in adapters if isinstance(a, DumpAdapter)]
+    recorded = None
+    if input is not None and Path(input).is_dir():
+        if dumps:
+            raise BNProbeError("--input DIR and a dump adapter both give the recorded inputs; give one of them")
+        recorded = open_dump(input, calls)
+    elif dumps:
+        recorded = dumps[0].calls.select(calls)
+        adapters = [DumpAdapter(recorded) if a is dumps[0] else a for a in adapters]
+    elif calls is not None:
+        raise BNProbeError("--calls selects recorded calls: give a dump (--adapters dump:DIR or --input DIR)")
+    if recorded is not None:
+        given = [f"--{n}" for n, v in (("shape", shape), ("batch", batch), ("dist", dist), ("mean", mean),
+                                        ("std", std)) if v is not None]
+        if given:
+            raise BNProbeError(f"{', '.join(given)} contradict{'s' if len(given) == 1 else ''} the recording: its "
+                               "calls bring their own inputs")
+        cases = recorded_cases(recorded)
+        has = {m: any(m in c.modes for c in recorded.calls) for m in MODES}
+        if mode in has and not has[mode]:
+            raise BNProbeError(f"--mode {mode}: no call of {recorded.source} recorded it (it recorded "
+                               f"{', '.join(m for m, v in has.items() if v)})")
+    elif input is not None:
+        x = input_tensor("compare-precision", input, seed=seed)
+        cases = [Case(f"input/{Path(input).name}", tuple(x.shape), x=x, seed=seed)]
+    elif shape is not None:
+        d, m, s = dist or "normal", 0.0 if mean is None else mean, 1.0 if std is None else std
+        cases = [Case(f"{d}(mean={m:g}, std={s:g})", parse_shape(shape), d, m, s, seed)]
+    else:
+        if shapes != "resnet50":
+            raise BNProbeError(f"unknown shape set {shapes!r}; valid: resnet50 (or give --shape)")
+        if batch is not None and batch < 1:
+            raise BNProbeError(f"--batch must be >= 1, got {batch}")
+        cases = resnet50_cases(2 if batch is None else batch, seed, dist or "normal")
+        cases += stress_cases(seed) if stress else []
+    biggest = max(cases, key=lambda c: math.prod(c.shape))
+    require_run("compare-precision", biggest.shape, f"compare-precision on {biggest.name} (shape {biggest.shape})")
+    return adapters, cases, recorded

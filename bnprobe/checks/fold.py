@@ -532,8 +532,10 @@ def _fold_notes(layer: Layer, ch: Any) -> list[str]:
 
 
 def check_fold(layer: Layer, dtype: str = "fp16", *, accumulate: str | None = None, eps: float | None = None,
-               relu: bool = True) -> FoldReport:
-    """Folded vs unfused in ``dtype`` against the FP64 golden, per output channel, with the risks explained."""
+               relu: bool = True, against_torch: bool = False) -> FoldReport:
+    """Folded vs unfused in ``dtype`` against the FP64 golden, per output channel, with the risks explained;
+    with ``against_torch``, the folded weights also against torch's fusion (fp32/fp64 ungrouped layers; a note
+    when torch is not installed)."""
     from bnprobe.guard import require
 
     fmt = get_format(dtype)
@@ -551,8 +553,17 @@ def check_fold(layer: Layer, dtype: str = "fp16", *, accumulate: str | None = No
             f"{f', groups {groups}' if groups > 1 else ''}) on x of shape {tuple(np.shape(layer.x))}")
     f = _run_fold(layer, fmt, acc, eps, relu)
     ch = _channel_table(f)
-    return FoldReport(kind, fmt.name, acc, ch, _forms_table(f), _eps_rule(f), _wrong_statistics(f), None,
-                      _fold_notes(layer, ch))
+    rep = FoldReport(kind, fmt.name, acc, ch, _forms_table(f), _eps_rule(f), _wrong_statistics(f), None,
+                     _fold_notes(layer, ch))
+    if against_torch:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            rep.notes.append("torch not installed: no comparison with torch.nn.utils.fusion")
+        else:
+            if groups == 1 and rep.dtype in ("fp32", "fp64"):
+                rep.torch = torch_fusion_check(layer, rep.dtype)
+    return rep
 
 
 def torch_fusion_check(layer: Layer, dtype: str = "fp32") -> dict[str, Any]:

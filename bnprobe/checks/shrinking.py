@@ -14,21 +14,19 @@ itself cannot be shrunk (it answers only its own inputs); shrink reruns a runnab
 from __future__ import annotations
 
 import math
-import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bnprobe._files import OutputDir
 from bnprobe._loading import binds, load_callable, raised
 from bnprobe.adapters import KernelAdapter, get_adapter
 from bnprobe.errors import BNProbeError
 
-__all__ = ["ShrinkResult", "shrink", "compare_predicate", "overflow_predicate", "load_predicate", "write_shrink",
+__all__ = ["ShrinkResult", "shrink", "compare_predicate", "overflow_predicate", "load_predicate", "recorded_case",
+           "predicate_for",
            "RecordedParams", "runnable", "check_x"]
 
 Predicate = Callable[..., bool]  # f(x) -> True when the case fails (built-in ones also take channels=)
@@ -298,55 +296,33 @@ def _round_bits(x: np.ndarray, bits: int) -> np.ndarray:
     return np.ldexp(np.round(m * 2.0**bits) / 2.0**bits, e)
 
 
-def write_shrink(result: ShrinkResult, out: str | Path | OutputDir, *, adapter: str, dtype: str, mode: str,
-                 predicate: str = "compare", recorded: RecordedParams | None = None,
-                 params: str = "fp32") -> tuple[list[Path], str]:
-    """x.npy, a bnprobe dump of the adapter on it, shrink.json, and the command that replays the failure
-    (with ``recorded``: the dump carries the recorded call's parameters and scalars, and the replay runs the
-    adapter on the dump's inputs; else parameters as ``params``).  ``out``: a folder, or the run's
-    :class:`~bnprobe.reports.OutputDir` (whose ``force`` applies); x.npy and shrink.json are renamed into place
-    only when everything else succeeded."""
-    import io
+def recorded_case(recorded: Any, *, given: tuple[str, ...] = (), dtype: str | None = None, mode: str | None = None,
+                  params: str | None = None) -> tuple[np.ndarray, RecordedParams, str, str]:
+    """The one call a recording selects (a :class:`~bnprobe.checks.recorded.Recorded`), to shrink: its x
+    (channels first), its parameters and scalars, its format and the mode (``mode``, else the call's own).
+    Refused: a recording of several calls or without tensors, and options (``given``, ``dtype``, ``mode``,
+    ``params``) that contradict it."""
+    from bnprobe.checks.recorded import check_options
 
-    from bnprobe.adapters.dump import record, write_dump
-    from bnprobe.reports import dumps_json, output_dir
+    recorded.calls.require_tensors("shrink")
+    found = recorded.calls.calls
+    if len(found) != 1:
+        shown = ", ".join(c.label for c in found[:4]) + (", ..." if len(found) > 4 else "")
+        raise BNProbeError(f"{recorded.calls.source} holds {len(found)} BatchNorm calls ({shown}); shrink takes "
+                           "one: select it with DIR#NAME or --calls")
+    check_options(recorded, given=given, dtype=dtype, mode=mode, params=params)
+    rec = found[0].load()
+    x = rec.call_inputs()["x"]
+    x = x if rec.layout == "channels_first" or x.ndim <= 2 else np.moveaxis(x, -1, 1)
+    return x, RecordedParams.of(rec, found[0].label), rec.dtype, mode or ("train" if rec.training else "infer")
 
-    sink = out if isinstance(out, OutputDir) else output_dir(out, "shrink")
-    folder = sink.path
-    sink.claim("x.npy", "shrink.json")
-    c = result.x.shape[1]
-    modes = ("train", "infer") if result.x.size // c < 2 else ("train", "infer", "backward")
-    buf = io.BytesIO()
-    np.save(buf, result.x)
-    xpath = sink.write_bytes("x.npy", buf.getvalue())
-    files = [xpath]
-    try:
-        if recorded is not None:
-            rec = recorded.channels(result.channels).record(get_adapter(adapter), result.x, dtype, modes)
-            rec.meta["shrunk_from"] = list(result.original_shape)
-        else:
-            rec = record(get_adapter(adapter), x=result.x, gamma=None, beta=None, running_mean=np.zeros(c),
-                         running_var=np.ones(c), dy=np.ones_like(result.x), dtype=dtype, modes=modes, params=params,
-                         meta={"shrunk_from": list(result.original_shape)})
-        files += write_dump(rec, folder / "dump", force=sink.force)
-    except BNProbeError as exc:  # the dump is a convenience; the replay command is what matters
-        if recorded is not None:
-            sink.discard()
-            raise
-        result.steps.append(f"no dump written: {exc}")
-    # with recorded parameters the replay reruns the adapter on the dump's inputs (x, γ, β, eps, ...)
-    prm = "" if recorded is not None or params == "fp32" else f" --params {params}"
-    q = lambda path: shlex.quote(str(path))  # noqa: E731 - a user's folder may hold spaces or ; $ `
-    given = f"--input {q(folder / 'dump')}" if recorded is not None else f"--dtype {dtype}{prm} --input {q(xpath)}"
-    if predicate == "overflow":
-        cmd = f"bnprobe overflow --adapter {shlex.quote(adapter)} --mode {mode} {given}"
-    else:
-        given = (f"--input {q(folder / 'dump')}" if recorded is not None
-                 else f"--dtypes {dtype}{prm} --input {q(xpath)}")
-        cmd = (f"bnprobe compare-precision --adapters {shlex.quote(adapter)} --mode {mode} {given} --no-budget "
-               f"--out {q(folder / 'replay-report')}")
-    files.append(sink.write_text("shrink.json", dumps_json({
-        **result.to_dict(), "adapter": adapter, "dtype": dtype, "mode": mode,
-        "params": recorded.params if recorded is not None else params, "predicate": predicate, "replay": cmd})))
-    sink.commit()
-    return files, cmd
+
+def predicate_for(name: str, adapter: KernelAdapter, *, dtype: str, mode: str, recorded: RecordedParams | None,
+                  params: str) -> Predicate:
+    """The failure to keep while shrinking: ``compare`` (vs the reference), ``overflow``, or a user's
+    ``module:function``."""
+    if name == "compare":
+        return compare_predicate(adapter, dtype=dtype, mode=mode, recorded=recorded, params=params)
+    if name == "overflow":
+        return overflow_predicate(adapter, dtype=dtype, mode=mode, recorded=recorded, params=params)
+    return load_predicate(name)

@@ -536,7 +536,8 @@ def test_shrink_takes_the_smallest_input_and_a_finite_time():
 def test_the_replay_command_quotes_a_users_folder(tmp_path):
     import shlex
 
-    from bnprobe.checks.shrinking import compare_predicate, shrink, write_shrink
+    from bnprobe.checks.shrinking import compare_predicate, shrink
+    from bnprobe.reports.shrink import write_shrink
 
     x = np.random.default_rng(0).standard_normal((4, 2, 2, 2)) + 100.0
     res = shrink(x, compare_predicate("emulated:fp16-acc16:variance=naive", dtype="fp16"), seconds=20)

@@ -1,0 +1,245 @@
+"""The reports of gradcheck, overflow, doctor, fold and trace: terminal text, CSV, JSON and Markdown.
+
+Each function takes a check's result and returns a :class:`~bnprobe.reports.Report`; nothing here prints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bnprobe._table import render_table
+from bnprobe.reports import Report, file_stem
+
+__all__ = ["gradcheck_report", "gradcheck_recorded_report", "overflow_report", "overflow_recorded_report",
+           "doctor_report", "doctor_recorded_report", "fold_report", "trace_lines"]
+
+
+def _markdown(title: str, table: str, notes: list[str] | tuple[str, ...], *sections: tuple[str, str]) -> str:
+    """``# title``, the table as a code block, each (heading, table) section, then the notes as a list."""
+    md = f"# {title}\n\n```\n{table}\n```\n\n" + "".join(f"## {h}\n\n```\n{t}\n```\n\n" for h, t in sections)
+    return md + "\n".join(f"- {n}" for n in notes) + "\n"
+
+
+def _verdict(passed: bool) -> str:
+    return "PASS" if passed else "FAIL"
+
+
+# ---- gradcheck --------------------------------------------------------------------------------------
+
+def gradcheck_report(result: Any, params: str | None = None) -> Report:
+    """One gradcheck result (an adapter's backward or a formula, on generated inputs)."""
+    rows = [{**r.to_dict(), "used %": 100.0 * r.used} for r in result.rows]
+    table = render_table(rows, ["check", "tensor", "status", "max_abs", "max_rel", "used %", "min_rtol", "where"],
+                         headers=["check", "tensor", "status", "max abs err", "max rel err", "tol used %",
+                                  "needs rtol", "worst at"])
+    title = (f"gradcheck {result.adapter} in {result.dtype}" + (f" (params {params})" if params is not None else "")
+             + f", {result.mode}, shape {tuple(result.shape)}, seed {result.seed}: {_verdict(result.passed)}")
+    return Report(title, [table], list(result.notes), result.passed, result.to_dict(),
+                  file_stem("gradcheck", result.adapter, result.dtype, result.mode), result.to_frame(),
+                  _markdown(title, table, result.notes))
+
+
+def gradcheck_recorded_report(run: Any) -> Report:
+    """gradcheck on every recorded call: one row per call, then the failed checks."""
+    summary, failed = [], []
+    for i, res in enumerate(run.results):
+        bad = res.failed()
+        fd = [r for r in res.rows if r.check == "finite-differences"]
+        summary.append({"#": i, "call": res.call, "format": res.dtype, "mode": res.mode, "checks": len(res.rows),
+                        "failed": len(bad), "failing": ", ".join(dict.fromkeys(r.tensor for r in bad)),
+                        "fd": ("full" if any(r.detail.startswith("full") for r in fd) else "projections")
+                        if fd else "-", "used %": 100.0 * max((r.used for r in res.rows), default=0.0)})
+        failed += [{**r.to_dict(), "call": res.call, "used %": 100.0 * r.used} for r in bad]
+    table = render_table(summary, ["#", "call", "format", "mode", "checks", "failed", "failing", "fd", "used %"],
+                         headers=["#", "call (forward order)", "format", "mode", "checks", "failed", "failing",
+                                  "finite diff.", "worst tol used %"])
+    title = (f"gradcheck {run.kernel} on {len(run.results)} recorded call(s) of {run.source}: "
+             f"{_verdict(run.passed)}")
+    blocks = [table]
+    if failed:
+        blocks += ["\nfailed checks:",
+                   render_table(failed, ["call", "check", "tensor", "max_abs", "used %", "min_atol", "min_rtol",
+                                         "where"],
+                                headers=["call", "check", "tensor", "max abs err", "tol used %", "needs atol",
+                                         "needs rtol", "worst at"])]
+    notes = list(run.notes) + [f"{r.call}: {n}" for r in run.results for n in r.notes
+                               if not n.startswith("finite differences on")]
+    return Report(title, blocks, notes, run.passed, run.to_dict(), file_stem("gradcheck", run.kernel, "recorded"),
+                  run.to_frame(), _markdown(title, table, run.notes))
+
+
+# ---- overflow ---------------------------------------------------------------------------------------
+
+_HEADROOM_NOTE = "headroom of the sums is predicted"
+
+
+def overflow_report(rep: Any, params: str | None = None) -> Report:
+    """The overflow scan of one run: findings, the remedies tried, headroom predicted vs actual, saturation."""
+    frame = rep.to_frame()
+    table = render_table(frame.to_dict(orient="records"), ["anomaly", "stage", "format", "channels", "count",
+                                                          "first_element", "detail"]) if len(frame) else "no anomalies"
+    head = [{**h.__dict__} for h in rep.headroom]
+    htable = render_table(head, ["stage", "format", "predicted_max", "headroom_binades", "overflows", "actual_max",
+                                 "actually_overflowed"],
+                          headers=["stage", "format", "predicted |max|", "headroom (binades)", "predicted overflow",
+                                   "actual |max|", "overflowed"]) if head else ""
+    title = (f"overflow scan of {rep.adapter} in {rep.dtype} ({rep.mode}"
+             + (f", params {params}" if params is not None else "") + "): "
+             + ("clean" if rep.passed else f"{len(rep.findings)} finding(s)"))
+    blocks = [table]
+    for f in rep.findings:
+        if f.remedies:
+            blocks.append(f"remedies for {f.anomaly} at {f.stage}: " + "; ".join(
+                f"{r.name} {'fixes it' if r.fixed else 'does not'} (max err {r.y_error:.3g})" for r in f.remedies))
+        blocks.append(f"  {f.anomaly}: input at {f.first_element}: {f.inputs}")
+    if htable:
+        blocks += ["\nheadroom predicted from the input's statistics, checked against the run:", htable]
+    blocks += [f"{s['overflow_mode']:>8} mode: outputs finite {100 * s['finite_share']:.0f}%, max |output| "
+               f"{s['max_abs_output']:.4g}, max error {s['max_abs_error']:.4g}" for s in rep.saturation]
+    md = (f"# bnprobe overflow: {rep.adapter} in {rep.dtype}, {rep.mode}\n\n```\n{table}\n```\n\n"
+          f"## Headroom\n\n```\n{htable}\n```\n")
+    return Report(title, blocks, list(rep.notes), rep.passed, rep.to_dict(),
+                  file_stem("overflow", rep.adapter, rep.dtype, rep.mode), frame, md)
+
+
+def overflow_recorded_report(run: Any) -> Report:
+    """The overflow scan of every recorded call: one row per call, then every finding."""
+    frame = run.to_frame()
+    summary = []
+    for i, rep in enumerate(run.results):
+        tight = min(rep.headroom, key=lambda h: h.headroom_binades, default=None)
+        summary.append({"#": i, "call": rep.call, "format": rep.dtype, "mode": rep.mode, "findings": len(rep.findings),
+                        "anomalies": ", ".join(dict.fromkeys(f"{f.anomaly}@{f.stage}" for f in rep.findings)),
+                        "headroom": f"{tight.headroom_binades:.1f} ({tight.stage})" if tight else ""})
+    table = render_table(summary, ["#", "call", "format", "mode", "findings", "anomalies", "headroom"],
+                         headers=["#", "call (forward order)", "format", "mode", "findings", "anomaly@output",
+                                  "least headroom, binades (stage)"])
+    ftable = render_table(frame.to_dict(orient="records"), ["call", "anomaly", "stage", "format", "channels",
+                                                           "count", "first_element", "detail"],
+                          headers=["call", "anomaly", "output", "format", "channels", "count", "first element",
+                                   "detail"]) if len(frame) else "no anomalies"
+    title = (f"overflow scan of {run.kernel} on {len(run.results)} recorded call(s) of {run.source}: "
+             + ("clean" if run.passed else f"{sum(len(r.findings) for r in run.results)} finding(s)"))
+    notes = list(run.notes) + [f"{r.call}: {n}" for r in run.results for n in r.notes
+                               if not n.startswith((_HEADROOM_NOTE, "policy:"))]
+    heads = [n for r in run.results for n in r.notes if n.startswith(_HEADROOM_NOTE)]
+    return Report(title, [table, *(["", ftable] if len(frame) else [])], notes + heads[:1], run.passed,
+                  run.to_dict(), file_stem("overflow", run.kernel, "recorded"), frame,
+                  _markdown(title, table, run.notes, ("Findings", ftable)))
+
+
+# ---- doctor -----------------------------------------------------------------------------------------
+
+def _details(failed: list[tuple[str, Any]]) -> list[str]:
+    """What is wrong, per failing check, one line per input and output."""
+    out: list[str] = []
+    for name, lines in failed:
+        if lines:
+            out += [f"\n{name}:", *(f"  {line}" for line in lines)]
+    return out
+
+
+def doctor_report(rep: Any) -> Report:
+    """The checklist on one kernel: PASS/WARN/FAIL per item with its evidence, the details of what is wrong and
+    the known bugs that match."""
+    import pandas as pd
+
+    rows = [i.to_dict() for i in rep.items]
+    table = render_table(rows, ["status", "name", "evidence"], headers=["status", "check", "evidence"])
+    title = f"doctor {rep.adapter} in {rep.dtype}, params {rep.params}: " + \
+        ("healthy" if rep.passed else "something failed")
+    blocks = [f"inputs: {', '.join(rep.inputs)}", table, *_details([(it.name, it.details) for it in rep.items])]
+    if rep.diagnosis:
+        blocks.append("diagnosis: " + "; ".join(rep.diagnosis))
+    md = (f"# bnprobe {title}\n\n```\n{table}\n```\n\ndiagnosis: {'; '.join(rep.diagnosis) or 'none'}\n\n"
+          + "".join(f"- {it.name}: {d}\n" for it in rep.items for d in it.details))
+    return Report(title, blocks, list(rep.notes), rep.passed, rep.to_dict(),
+                  file_stem("doctor", rep.adapter, rep.dtype), pd.DataFrame(rows), md)
+
+
+def doctor_recorded_report(run: Any) -> Report:
+    """The checklist on every recorded call: one row per call, then the items that did not pass."""
+    import pandas as pd
+
+    summary, items = [], []
+    for i, rep in enumerate(run.results):
+        summary.append({"#": i, "call": rep.call, "format": rep.dtype, "params": rep.params,
+                        "status": "healthy" if rep.passed else "FAIL", "items": len(rep.items),
+                        "failed": sum(it.status == "FAIL" for it in rep.items), "diagnosis": "; ".join(rep.diagnosis)})
+        items += [{"call": rep.call, **it.to_dict()} for it in rep.items if it.status != "PASS"]
+    table = render_table(summary, ["#", "call", "format", "params", "status", "items", "failed", "diagnosis"],
+                         headers=["#", "call (forward order)", "format", "params", "status", "items", "failed",
+                                  "diagnosis"])
+    title = (f"doctor {run.kernel} on {len(run.results)} recorded call(s) of {run.source}: "
+             + ("healthy" if run.passed else "something failed"))
+    blocks = [table]
+    if items:
+        blocks += ["", render_table(items, ["call", "status", "name", "evidence"],
+                                    headers=["call", "status", "check", "evidence"]),
+                   *_details([(f"{it['call']}: {it['name']}", it["details"]) for it in items])]
+    notes = list(run.notes) + [f"{rep.call}: {n}" for rep in run.results for n in rep.notes]
+    every = pd.DataFrame([{"call": rep.call, **it.to_dict()} for rep in run.results for it in rep.items])
+    return Report(title, blocks, notes, run.passed, run.to_dict(), file_stem("doctor", run.kernel, "recorded"),
+                  every, _markdown(title, table, run.notes))
+
+
+# ---- fold -------------------------------------------------------------------------------------------
+
+def fold_report(rep: Any) -> Report:
+    """Folding per output channel (largest A and failing channels first), the fused forms, the eps rule, the
+    wrong statistics and torch's fusion."""
+    ch = rep.channels
+    shown = ch.sort_values(["verdict", "A"], ascending=[True, False]).head(10)
+    table = render_table(shown.to_dict(orient="records"),
+                         ["channel", "A", "var_over_eps", "folded_w_absmax", "w_headroom_binades", "err_unfused",
+                          "err_folded", "verdict"],
+                         headers=["channel", "A", "var/eps", "max|W'|", "W' headroom", "err unfused", "err folded",
+                                  "verdict"])
+    n_fail = int((ch.verdict == "FAIL").sum())
+    title = (f"fold {rep.layer} + BatchNorm in {rep.dtype} (accumulate {rep.accumulate}), {len(ch)} output channels: "
+             + ("all pass" if rep.passed else f"{n_fail} break the standard") + " (largest A / failing channels first)")
+    e = rep.eps_rule
+    blocks = [table, "\nforms, max |error| against the FP64 golden:",
+              render_table(rep.forms.to_dict(orient="records"), ["form", "max_abs_err"]),
+              f"\neps rule (Ascend's folding pass: eps < 1e-8 becomes 1e-5): eps {e['eps']:g} -> "
+              f"{e['eps_after_rule']:g}; output changes by up to {e['max_abs_change']:.4g}"]
+    if len(rep.wrong_stats):
+        blocks += ["folding with the wrong statistics changes the output by up to:",
+                   render_table(rep.wrong_stats.to_dict(orient="records"), ["folded with", "max_abs_change"])]
+    if rep.torch:
+        blocks.append(f"torch.nn.utils.fusion ({rep.torch['torch']}, {rep.torch['dtype']}): folded weights differ by "
+                      f"at most {rep.torch['max_rel_weight_diff']:.3g} relative, bias "
+                      f"{rep.torch['max_rel_bias_diff']:.3g}")
+    md = f"# bnprobe fold: {rep.layer} + BN in {rep.dtype}\n\n```\n{table}\n```\n"
+    return Report(title, blocks, list(rep.notes), rep.passed, rep.to_dict(), file_stem("fold", rep.layer, rep.dtype),
+                  ch, md)
+
+
+# ---- trace ------------------------------------------------------------------------------------------
+
+def trace_lines(cmp: Any, source: str, lay: Any, eps: float, momentum: float | None) -> list[str]:
+    """A traced run, stage by stage: range, error against the FP64 golden, anomalies."""
+    meta = cmp.meta
+    lines = [f"policy   {cmp.policy.describe()}",
+             f"input    {source}, shape {tuple(lay.shape)} ({lay.layout}), C = {lay.channels}, R = N*spatial = "
+             f"{lay.reduce_size}",
+             f"mode     {cmp.mode}; eps {eps:g} (as used: {meta.get('eps_effective', eps):.6g})"
+             + ((f", momentum {momentum:g}" if momentum is not None else ", momentum None (cumulative average)")
+                if cmp.mode == "train" else ""),
+             "errors   against the FP64 golden (same algorithm, same rounded inputs); ulp = in the stage's own format",
+             ""]
+    rows = []
+    for r in cmp.rows:
+        d = r.to_dict()
+        d["anomalies"] = " ".join(f"{k}={v}" for k, v in r.anomalies.items()) or ""
+        if r.mismatched_nonfinite:
+            d["anomalies"] = (d["anomalies"] + f" nonfinite-vs-golden={r.mismatched_nonfinite}").strip()
+        rows.append(d)
+    lines.append(render_table(rows, ["stage", "format", "kind", "min", "max", "max_abs_err", "max_rel_err",
+                                     "max_ulp_err", "anomalies"],
+                              headers=["stage", "format", "kind", "min", "max", "max abs err", "max rel err",
+                                       "max ulp", "anomalies"]))
+    inp = cmp.trace["x"] if cmp.trace is not None and "x" in cmp.trace else None
+    if inp is not None and (inp.count("nan") or inp.count("posinf") or inp.count("neginf")):
+        lines.append("\nnote: NaN/inf present in the input itself (input-borne, not a kernel fault)")
+    return lines
