@@ -47,6 +47,10 @@ BUGS = {
     "dgamma-mean": "dgamma = mean(dy*xhat)",
     "dbeta-mean": "dbeta = mean(dy)",
     "dgamma-dbeta-swapped": "dgamma = sum(dy), dbeta = sum(dy*xhat)",
+    # y as returned
+    "nan-channel": "y of channel 0 is NaN",
+    "zero-channel": "y of channel 0 is zero",
+    "saturate": "y beyond the format's maximum is returned as the maximum, not inf",
 }
 
 
@@ -97,6 +101,17 @@ class NumpyBN(BaseAdapter):
                 return xhat * self._col(b, x) + self._col(g, x)
             return xhat * self._col(g, x) + self._col(b, x)
 
+    def _returned(self, y, fmt):
+        """y cast to the format it is returned in, with the output bugs."""
+        y = np.array(y, dtype=np.float64)
+        if self.bug in ("nan-channel", "zero-channel"):
+            y[:, 0] = np.nan if self.bug == "nan-channel" else 0.0
+        out = _cast(y, fmt)
+        if self.bug == "saturate":
+            big = float(ml_dtypes.finfo(NP[fmt]).max)
+            out = np.where(np.isinf(out), np.sign(out) * big, out).astype(NP[fmt])
+        return out
+
     def _forward_train_impl(self, p, *, momentum, eps):
         x, ax = p.x, self._ax(p.x)
         r = x.size // x.shape[1]
@@ -120,7 +135,7 @@ class NumpyBN(BaseAdapter):
             else:
                 new_rm, new_rv = (1 - m) * rm + m * mean, (1 - m) * rv + m * batch_var
             new_rm, new_rv = _cast(new_rm, p.params), _cast(self._k("running_var", new_rv), p.params)
-        return ForwardOutput(_cast(y, p.dtype), Saved(_cast(m_n, p.params), "invstd", _cast(rstd, p.params)),
+        return ForwardOutput(self._returned(y, p.dtype), Saved(_cast(m_n, p.params), "invstd", _cast(rstd, p.params)),
                              new_rm, new_rv)
 
     def _forward_infer_impl(self, p, *, eps):
@@ -128,7 +143,7 @@ class NumpyBN(BaseAdapter):
         mean, var = v["running_mean"], v["running_var"]
         if self.bug == "infer-uses-batch":
             mean, var = x.mean(axis=self._ax(x)), x.var(axis=self._ax(x))
-        return ForwardOutput(_cast(self._y(x, mean, self._rstd(var, eps), v["gamma"], v["beta"]), p.dtype))
+        return ForwardOutput(self._returned(self._y(x, mean, self._rstd(var, eps), v["gamma"], v["beta"]), p.dtype))
 
     def _backward_impl(self, p, dy, saved, *, eps, training):
         x, ax, g = p.x, self._ax(p.x), p.vectors["gamma"]

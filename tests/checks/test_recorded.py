@@ -2,18 +2,16 @@
 and scalars, a wrong kernel's recording fails, a correct one's (numpy's, torch's) does not, and options that
 contradict a recording are one-line errors.
 
-The kernels recorded here are written with numpy in this file (outputs cast with numpy / ml_dtypes), not
-with bnprobe's kernels, so the checks are judged against an independent implementation."""
+The kernels recorded here are tests/checks/bn_plugins.py's, written in float64 numpy (outputs cast with numpy /
+ml_dtypes), not with bnprobe's kernels, so the checks are judged against an independent implementation."""
 
 import json
 import math
 
-import ml_dtypes
 import numpy as np
 import pytest
 
-from bnprobe.adapters import BackwardOutput, Capabilities, ForwardOutput, Saved, get_adapter
-from bnprobe.adapters.base import BaseAdapter
+from bnprobe.adapters import get_adapter
 from bnprobe.adapters.dump import CALLS_NAME, CALLS_TAG, DumpAdapter, open_dump, record, write_dump
 from bnprobe.checks.diagnosis import doctor, doctor_recorded
 from bnprobe.checks.gradients import gradcheck, gradcheck_recorded
@@ -21,79 +19,8 @@ from bnprobe.checks.overflow import scan, scan_recorded
 from bnprobe.checks.recorded import recording_of
 from bnprobe.cli import main
 from bnprobe.errors import BNProbeError
+from tests.checks.bn_plugins import NumpyBN
 
-NP = {"fp64": np.float64, "fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
-BUGS = ("biased-running-var", "dx-drops-term", "nan-channel", "zero-channel", "saturate")
-
-
-class NumpyBN(BaseAdapter):
-    """BatchNorm in float64 numpy, each output cast to its format as a framework returns it; ``bug``
-    plants one fault."""
-
-    def __init__(self, bug=None):
-        assert bug in (None, *BUGS)
-        self.bug = bug
-        self.name = f"numpy-bn:{bug}" if bug else "numpy-bn"
-
-    def capabilities(self):
-        return Capabilities(formats=tuple(NP), saved="invstd", layouts=("channels_first",))
-
-    @staticmethod
-    def _ax(x):
-        return (0,) + tuple(range(2, x.ndim))
-
-    @staticmethod
-    def _col(v, x):
-        return np.asarray(v, dtype=np.float64).reshape((1, -1) + (1,) * (x.ndim - 2))
-
-    def _out(self, y, p):
-        y = np.asarray(y, dtype=np.float64)
-        if self.bug == "nan-channel":
-            y = y.copy()
-            y[:, 0] = np.nan
-        if self.bug == "zero-channel":
-            y = y.copy()
-            y[:, 0] = 0.0
-        with np.errstate(over="ignore"):
-            out = y.astype(NP[p.dtype])
-        if self.bug == "saturate":
-            big = float(np.finfo(NP[p.dtype]).max) if p.dtype != "bf16" else float(ml_dtypes.finfo(NP["bf16"]).max)
-            out = np.where(np.isinf(out), np.sign(out) * big, out).astype(NP[p.dtype])
-        return out
-
-    def _forward_train_impl(self, p, *, momentum, eps):
-        x, ax = p.x, self._ax(p.x)
-        r = x.size // x.shape[1]
-        mean, var = x.mean(axis=ax), x.var(axis=ax)
-        inv = 1.0 / np.sqrt(var + eps)
-        g, b = p.vectors["gamma"], p.vectors["beta"]
-        y = (x - self._col(mean, x)) * self._col(inv * g, x) + self._col(b, x)
-        rm, rv = p.vectors["running_mean"], p.vectors["running_var"]
-        new_rm = new_rv = None
-        if rm is not None:
-            m = 1.0 if momentum is None else momentum
-            new_rv = (1 - m) * rv + m * (var if self.bug == "biased-running-var" else var * r / (r - 1))
-            with np.errstate(over="ignore"):  # IEEE: beyond the format is inf
-                new_rm, new_rv = ((1 - m) * rm + m * mean).astype(NP[p.params]), new_rv.astype(NP[p.params])
-        sf = np.float64 if p.dtype == "fp64" else np.float32
-        return ForwardOutput(self._out(y, p), Saved(mean.astype(sf), "invstd", inv.astype(sf)), new_rm, new_rv)
-
-    def _forward_infer_impl(self, p, *, eps):
-        x, v = p.x, p.vectors
-        y = (x - self._col(v["running_mean"], x)) / np.sqrt(self._col(v["running_var"], x) + eps)
-        return ForwardOutput(self._out(y * self._col(v["gamma"], x) + self._col(v["beta"], x), p))
-
-    def _backward_impl(self, p, dy, saved, *, eps, training):
-        x, ax, g = p.x, self._ax(p.x), p.vectors["gamma"]
-        mean, inv = np.asarray(saved.mean, dtype=np.float64), saved.invstd(eps)
-        xhat = (x - self._col(mean, x)) * self._col(inv, x)
-        if training:
-            term = 0.0 if self.bug == "dx-drops-term" else xhat * (dy * xhat).mean(axis=ax, keepdims=True)
-            dx = self._col(g * inv, x) * (dy - dy.mean(axis=ax, keepdims=True) - term)
-        else:
-            dx = self._col(g * inv, x) * dy
-        return BackwardOutput(dx.astype(NP[p.dtype]), (dy * xhat).sum(axis=ax).astype(NP[p.params]),
-                              dy.sum(axis=ax).astype(NP[p.params]))
 
 
 # the calls of a small model: (name, x shape, eps, momentum, params, modes); channels are centred so that
@@ -227,7 +154,7 @@ def test_a_biased_running_variance_is_diagnosed(tmp_path, dtype):
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_a_dx_without_its_last_term_fails_gradcheck_and_doctor(tmp_path, dtype):
-    rec = recording_of(f"dump:{model_dump(tmp_path, NumpyBN('dx-drops-term'), dtype, CALLS[:2])}")
+    rec = recording_of(f"dump:{model_dump(tmp_path, NumpyBN('dx-drops-xhat-term'), dtype, CALLS[:2])}")
     g = gradcheck_recorded(rec)
     assert not g
     for r in g.results:
@@ -368,7 +295,7 @@ def test_cli_on_a_recording(correct_fp16, tmp_path, capsys):
 
 
 def test_cli_fails_a_wrong_kernel(tmp_path, capsys):
-    model_dump(tmp_path, NumpyBN("dx-drops-term"), "fp16", CALLS[:2])
+    model_dump(tmp_path, NumpyBN("dx-drops-xhat-term"), "fp16", CALLS[:2])
     code, out, _ = run_cli(capsys, "gradcheck", "--adapter", f"dump:{tmp_path}")
     assert code == 1 and "failed checks" in out
 
