@@ -691,7 +691,7 @@ def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None,
     diag = todo[0]
     items.append(_momentum_none(a, ref, diag, fmt, prm))
     items.append(_epsilon(a, diag.x, fmt, diag.eps, prm))
-    items.append(_determinism(a, diag, fmt, prm))
+    items.append(_determinism(_forward_twice(a, diag, fmt, prm)))
     notes.append("that inference leaves the running statistics unchanged cannot be observed through the adapter "
                  "interface (forward_infer returns none); bnprobe's own kernels guarantee it")
     if x is not None and not np.isfinite(x).all():
@@ -737,17 +737,21 @@ def _epsilon(a: KernelAdapter, x: np.ndarray, fmt: str, eps: float, params: str)
     return Item(name, "PASS", f"eps {eps:g} vs {stat_fmt.name} spacing at 1 {stat_fmt.eps:.3g}")
 
 
-def _determinism(a: KernelAdapter, p: Probe, fmt: str, params: str) -> Item:
-    x, _, *prm = stored_inputs(fmt, params, p.x, None, p.gamma, p.beta, p.running_mean, p.running_var)
-    args = (x, *prm)
-    ys = [np.asarray(a.forward_train(*args, momentum=p.momentum, dtype=fmt, eps=p.eps, params=params).y)
-          for _ in range(2)]
+def _determinism(run: Callable[[], Any], inputs: str = "the same inputs") -> Item:
+    """``run`` twice (a kernel's forward on ``inputs``): the same bits, or by how much two runs differ."""
+    ys = [np.asarray(run()) for _ in range(2)]
     if np.array_equal(ys[0], ys[1], equal_nan=True):
-        return Item("determinism", "PASS", "the same inputs twice give the same bits")
+        return Item("determinism", "PASS", f"{inputs} twice give the same bits")
     with np.errstate(all="ignore"):
         diff = float(np.nanmax(np.abs(ys[0].astype(np.float64) - ys[1].astype(np.float64))))
-    return Item("determinism", "WARN", f"two runs on the same inputs differ by up to {diff:.3g} "
+    return Item("determinism", "WARN", f"two runs on {inputs} differ by up to {diff:.3g} "
                                        "(non-deterministic reduction order)")
+
+
+def _forward_twice(a: KernelAdapter, p: Probe, fmt: str, params: str) -> Callable[[], Any]:
+    """The training forward of ``a`` on the probe's inputs, as stored in ``fmt`` and ``params``."""
+    x, _, *prm = stored_inputs(fmt, params, p.x, None, p.gamma, p.beta, p.running_mean, p.running_var)
+    return lambda: a.forward_train(x, *prm, momentum=p.momentum, dtype=fmt, eps=p.eps, params=params).y
 
 
 # ---- recorded calls ---------------------------------------------------------------------------------
@@ -815,11 +819,9 @@ def _doctor_call(recorded: Recorded, run: CallRun) -> DoctorReport:
     items.append(_epsilon(recorded.kernel, x, fmt, eps, ci["params"]))
     if not recorded.replay and "train" in rec.tensors:
         ins = rec.tensors["train"]["inputs"]
-        again = [recorded.kernel.forward_train(ins["x"], ins.get("gamma"), ins.get("beta"), dtype=fmt, eps=eps,
-                                               layout=layout, params=ci["params"]).y for _ in range(2)]
-        same = np.array_equal(np.asarray(again[0]), np.asarray(again[1]), equal_nan=True)
-        items.append(Item("determinism", "PASS" if same else "WARN", "the recorded inputs twice give the same bits"
-                          if same else "two runs on the recorded inputs differ (non-deterministic reduction order)"))
+        items.append(_determinism(lambda: recorded.kernel.forward_train(
+            ins["x"], ins.get("gamma"), ins.get("beta"), dtype=fmt, eps=eps, layout=layout, params=ci["params"]).y,
+            "the recorded inputs"))
     notes += unseen
     return DoctorReport(run.kernel, fmt, items, diagnosis, notes, run.label, params=ci["params"],
                         inputs=(run.label,))

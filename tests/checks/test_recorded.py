@@ -489,3 +489,13 @@ def test_gradients_a_recording_lacks_are_not_kernel_faults(capsys, tmp_path):
         code, out, err = run_cli(capsys, cmd, "--adapter", f"dump:{tmp_path / 'naff'}")
         assert code == 0, (cmd, out, err)
         assert "nan@dgamma" not in out and "NaN where the FP64 golden" not in out
+
+
+def test_a_nondeterministic_kernel_warns_on_the_recorded_inputs_with_by_how_much(tmp_path):
+    """ascend-tbe reduces its channels in an order that varies between runs: doctor on a recording reruns it on
+    the recorded inputs and says by how much two runs differ, as it does on its own inputs."""
+    write_dump(record_call(NumpyBN(), (8, 4, 16, 16), "fp32", mean=3.0), tmp_path)
+    run = doctor_recorded(recording_of("ascend-tbe", tmp_path), stability=False)
+    item = next(i for i in run.results[0].items if i.name == "determinism")
+    assert item.status == "WARN" and item.evidence.startswith("two runs on the recorded inputs differ by up to ")
+    assert float(item.evidence.split("up to ")[1].split()[0]) > 0
