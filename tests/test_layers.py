@@ -1,0 +1,61 @@
+"""The package's layers hold: no module imports one of a higher layer (function-level imports included).
+
+Run ``python tests/test_layers.py`` to print the graph's summary and any upward arrow."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "bnprobe"
+# bottom to top; a module may import its own layer and those below it
+LAYERS = (("errors", "_files", "_table", "_progress", "_loading", "tolerances", "formats", "guard"),
+          ("numerics", "inputs"), ("kernels",), ("metrics",), ("adapters", "_capture"), ("checks",), ("plots",),
+          ("reports",), ("cli", "__main__", "__init__"))
+
+
+def layer_of(module: str) -> int:
+    parts = module.split(".")
+    head = parts[1] if len(parts) > 1 else "__init__"
+    return next(i for i, names in enumerate(LAYERS) if head in names)
+
+
+def arrows() -> tuple[int, list[str]]:
+    """(imports between bnprobe modules, the upward ones as text)."""
+    count, up = 0, []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        module = ".".join(rel.parts).removesuffix(".__init__") if rel.name != "__init__" or len(rel.parts) > 2 \
+            else "bnprobe.__init__"
+        me = layer_of(module)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = ["bnprobe.__init__" if node.module == "bnprobe" else node.module]
+            else:
+                continue
+            for t in (t for t in targets if t.startswith("bnprobe.")):
+                count += 1
+                if layer_of(t) > me:
+                    up.append(f"{module} (layer {me}) imports {t} (layer {layer_of(t)}), line {node.lineno}")
+    return count, up
+
+
+def test_every_module_has_a_layer_and_no_import_points_up():
+    count, up = arrows()
+    assert count > 200 and not up, "\n".join(up)
+
+
+def test_an_upward_import_would_be_seen(tmp_path, monkeypatch):
+    """The check can fail: a kernel module importing the reports is an upward arrow."""
+    pkg = tmp_path / "bnprobe"
+    (pkg / "kernels").mkdir(parents=True)
+    (pkg / "kernels" / "bad.py").write_text("def f():\n    from bnprobe.reports import dumps_json\n")
+    monkeypatch.setattr(__import__(__name__, fromlist=["x"]), "PACKAGE", pkg)
+    assert arrows() == (1, ["bnprobe.kernels.bad (layer 2) imports bnprobe.reports (layer 7), line 2"])
+
+
+if __name__ == "__main__":
+    n, upward = arrows()
+    print(f"{n} imports between bnprobe modules; layers, bottom to top: "
+          + " < ".join("{" + ", ".join(names) + "}" for names in LAYERS))
+    print(f"upward arrows: {len(upward)}", *upward, sep="\n")
