@@ -7,6 +7,7 @@ inputs to the requested formats once, and checks what the implementation returns
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,7 +22,8 @@ from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.rounding import round_to
 
 __all__ = ["Capabilities", "ForwardOutput", "BackwardOutput", "KernelAdapter", "BaseAdapter", "PARAM_PRECISIONS",
-           "SAVED_KINDS", "Saved", "params_format", "params_mode", "stored_inputs", "MODES"]
+           "SAVED_KINDS", "Saved", "params_format", "params_mode", "stored_inputs", "MODES",
+           "counters_only"]
 
 MODES = ("train", "infer", "backward")
 # what a training forward saves for the backward: mean + 1/sqrt(var + eps) (PyTorch, cuDNN, Ascend 950)
@@ -264,3 +266,13 @@ class BaseAdapter:
     def _backward_impl(self, p: Prepared, dy: np.ndarray, saved: Saved, *, eps: float,
                        training: bool) -> BackwardOutput:
         raise BNProbeError(f"adapter {self.name} does not implement backward")
+
+
+def counters_only(adapter: Any) -> Any:
+    """``adapter``, or for one that keeps its traces' arrays (``keep_arrays``) a copy keeping counters and ranges
+    only: for checks that compare outputs and need no intermediates.  The caller's adapter is not changed."""
+    if not getattr(adapter, "keep_arrays", False):
+        return adapter
+    twin = copy.copy(adapter)
+    twin.keep_arrays = False
+    return twin

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
-from bnprobe.adapters.base import MODES, params_format
+from bnprobe.adapters.base import MODES, counters_only, params_format
 from bnprobe.adapters.dump import CallRef, DumpAdapter, RecordedCalls, Recording
 from bnprobe.adapters.emulated import PolicyAdapter
 from bnprobe.errors import BNProbeError
@@ -721,26 +721,20 @@ def compare_precision(
     total = sum(1 if c.call is not None else len(fmts) for c in cases) * len(resolved)
     done = 0
     t0 = time.monotonic()
-    # traces are not needed here: keep counters only, not every intermediate (restored afterwards)
-    runs = (ref, *resolved, *([bench_a] if bench_a else []))
-    kept = [(a, a.keep_arrays) for a in runs if isinstance(a, PolicyAdapter)]
-    for a, _ in kept:
-        a.keep_arrays = False
-    try:
-        for case in cases:
-            for inp in _case_inputs(case, fmts, modes, eps, momentum, params, notes):
-                gold_t = _golden_train(ref, inp)
-                sc = _scales(inp, gold_t)
-                bench_out = _bench(bench_a, ref, inp, gold_t, sc) if bench_a else None
-                for a in resolved:
-                    _compare_adapter(_for_case(a, case, inp.rec), ref, case, inp, gold_t, sc, standards, rule, budget,
-                                     top_channels, rows, chans, budgets, bench_out)
-                    done += 1
-                    if progress:
-                        progress(done, total)
-    finally:
-        for a, keep in kept:
-            a.keep_arrays = keep
+    # traces are not needed here: counters only, not every intermediate (on copies: the caller's are unchanged)
+    ref, bench_a = counters_only(ref), counters_only(bench_a)
+    runs = [counters_only(a) for a in resolved]
+    for case in cases:
+        for inp in _case_inputs(case, fmts, modes, eps, momentum, params, notes):
+            gold_t = _golden_train(ref, inp)
+            sc = _scales(inp, gold_t)
+            bench_out = _bench(bench_a, ref, inp, gold_t, sc) if bench_a else None
+            for a in runs:
+                _compare_adapter(_for_case(a, case, inp.rec), ref, case, inp, gold_t, sc, standards, rule, budget,
+                                 top_channels, rows, chans, budgets, bench_out)
+                done += 1
+                if progress:
+                    progress(done, total)
     meta = {"adapters": [a.name for a in resolved],
             "dtypes": list(dict.fromkeys(([] if all(c.call is not None for c in cases) else fmts) + recorded_fmts)),
             "mode": mode, "eps": eps, "momentum": momentum, "params": params, "seed": seed,

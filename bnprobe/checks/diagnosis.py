@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from bnprobe.adapters import KernelAdapter, get_adapter
-from bnprobe.adapters.base import params_format, stored_inputs
+from bnprobe.adapters.base import counters_only, params_format, stored_inputs
 from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.adapters.emulated import PolicyAdapter
 from bnprobe.checks.recorded import (
@@ -670,22 +670,15 @@ def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None,
         raise BNProbeError(f"adapter {a.name} does not run {fmt} (it runs {', '.join(caps.formats)})")
     prm = params or "fp32"
     todo = probes(seed, stress=stability) + ([user_probe(x, seed)] if x is not None else [])
-    ref = get_adapter("reference")
-    ref.keep_arrays = False  # type: ignore[attr-defined]
+    ref = counters_only(get_adapter("reference"))
+    a = counters_only(a)  # only outputs are compared: no intermediates kept (on a copy: the caller's is unchanged)
     checks: list[dict[str, Check]] = []
     notes: list[str] = []
-    kept = getattr(a, "keep_arrays", None)
-    if kept is not None:  # only outputs are compared: no intermediates kept
-        a.keep_arrays = False  # type: ignore[attr-defined]
-    try:
-        for p in todo:
-            try:
-                checks.append(_probe_checks(a, ref, p, fmt, prm))
-            except BNProbeError as exc:
-                notes.append(f"{p.name} not run: {exc}")
-    finally:
-        if kept is not None:
-            a.keep_arrays = kept  # type: ignore[attr-defined]
+    for p in todo:
+        try:
+            checks.append(_probe_checks(a, ref, p, fmt, prm))
+        except BNProbeError as exc:
+            notes.append(f"{p.name} not run: {exc}")
     items, diagnosis, more = _items(checks, "")
     notes += more
     diag = todo[0]

@@ -24,7 +24,7 @@ import numpy as np
 
 from bnprobe._loading import first_line, kind_of, load_callable, raised
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
-from bnprobe.adapters.base import params_format, stored_inputs
+from bnprobe.adapters.base import counters_only, params_format, stored_inputs
 from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.checks.recorded import CallRun, PerCall, Recorded, check_options, runs
 from bnprobe.errors import BNProbeError
@@ -550,8 +550,7 @@ def _gradcheck_call(recorded: Recorded, run: CallRun, rtol: float | None, atol: 
     c = x.shape[1]
     rows: list[GradRow] = []
     notes = list(run.notes)
-    ref = get_adapter("reference")
-    ref.keep_arrays = False  # type: ignore[attr-defined]  # finite differences need y only
+    ref = counters_only(get_adapter("reference"))  # finite differences need y only
     kernel = recorded.kernel
     caps = kernel.capabilities()
     # 1. finite differences in FP64 at the recorded inputs, on the first channels
