@@ -120,6 +120,20 @@ def _record_modes(mode: str) -> tuple[str, ...]:
     return {"train": ("train",), "infer": ("infer",), "backward": ("train", "backward")}[mode]
 
 
+def _predicate(fails_on: Callable[[np.ndarray, np.ndarray | None], bool], mode: str) -> Predicate:
+    """A predicate on x (and the channels kept) from ``fails_on``: x checked first; a training batch of one
+    value per channel (no batch statistics) never fails."""
+
+    def fails(x: np.ndarray, channels: np.ndarray | None = None) -> bool:
+        check_x(x)
+        if mode != "infer" and x.size // x.shape[1] < 2:
+            return False
+        return fails_on(x, channels)
+
+    fails.takes_channels = True  # type: ignore[attr-defined]
+    return fails
+
+
 def compare_predicate(adapter: str | KernelAdapter, against: str = "reference", dtype: str = "fp16",
                       mode: str = "train", *, recorded: RecordedParams | None = None,
                       params: str = "fp32") -> Predicate:
@@ -133,10 +147,7 @@ def compare_predicate(adapter: str | KernelAdapter, against: str = "reference", 
         raise BNProbeError("shrink compares against the FP64 reference (--against reference)")
     a = runnable(adapter)
 
-    def fails(x: np.ndarray, channels: np.ndarray | None = None) -> bool:
-        check_x(x)
-        if mode != "infer" and x.size // x.shape[1] < 2:
-            return False
+    def fails(x: np.ndarray, channels: np.ndarray | None) -> bool:
         if recorded is None:
             r = compare_precision([a], (dtype,), [Case("shrink", tuple(x.shape), x=x)], mode=mode, budget=False,
                                   params=params)
@@ -148,8 +159,7 @@ def compare_predicate(adapter: str | KernelAdapter, against: str = "reference", 
                                   budget=False)
         return bool((r.rows["verdict"] == "FAIL").any())
 
-    fails.takes_channels = True  # type: ignore[attr-defined]
-    return fails
+    return _predicate(fails, mode)
 
 
 def overflow_predicate(adapter: str | KernelAdapter, dtype: str = "fp16", mode: str = "train", *,
@@ -160,10 +170,7 @@ def overflow_predicate(adapter: str | KernelAdapter, dtype: str = "fp16", mode: 
 
     a = runnable(adapter)
 
-    def fails(x: np.ndarray, channels: np.ndarray | None = None) -> bool:
-        check_x(x)
-        if mode != "infer" and x.size // x.shape[1] < 2:
-            return False
+    def fails(x: np.ndarray, channels: np.ndarray | None) -> bool:
         if recorded is None:
             rep = scan(a, x, dtype=dtype, mode=mode, remedies=False, params=params)
         else:  # as overflow --input DIR scans the dump written
@@ -174,8 +181,7 @@ def overflow_predicate(adapter: str | KernelAdapter, dtype: str = "fp16", mode: 
                        momentum=p.momentum, params=p.params)
         return any(not f.input_borne for f in rep.findings)
 
-    fails.takes_channels = True  # type: ignore[attr-defined]
-    return fails
+    return _predicate(fails, mode)
 
 
 def load_predicate(spec: str) -> Predicate:
