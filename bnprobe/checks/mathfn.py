@@ -292,6 +292,115 @@ def _ranges(fmt: Format, domain: str) -> list[tuple[int, int]]:
             (_bit_of(fmt.tiny, fmt), _bit_of(fmt.tiny * 4, fmt)), (_bit_of(2.0 ** (fmt.emax - 1), fmt), hi)]
 
 
+def _check_args(fmt: Format, domain: str, newton: tuple[int, ...], samples: int,
+                seed: int) -> tuple[str, tuple[int, ...]]:
+    """The domain (``auto`` resolved for ``fmt``) and the Newton step counts, after refusing invalid arguments."""
+    if domain == "auto":
+        domain = "exhaustive" if fmt.itemsize == 2 else "reduced"
+    if domain not in ("exhaustive", "reduced", "samples"):
+        raise BNProbeError(f"unknown domain {domain!r}; valid: auto, exhaustive, reduced, samples")
+    newton = tuple(newton)
+    if not newton or any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= MAX_NEWTON
+                         for n in newton) or len(set(newton)) != len(newton):
+        raise BNProbeError(f"newton steps must be distinct integers from 0 to {MAX_NEWTON}, got {list(newton)}")
+    if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or not 1 <= samples <= MAX_SAMPLES:
+        raise BNProbeError(f"samples must be an integer from 1 to {MAX_SAMPLES} (2**26), got {samples!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise BNProbeError(f"seed must be an integer >= 0, got {seed!r}")
+    return domain, newton
+
+
+@dataclass(frozen=True)
+class _Feed:
+    """Runs ``spec`` after each number of Newton steps on bit patterns of its format, into per-step accumulators
+    (and, asked to, into the error curve)."""
+
+    spec: MathSpec
+    fmt: Format
+    newton: tuple[int, ...]
+    worst: int  # worst inputs each accumulator keeps
+    curve: _Curve
+
+    def __call__(self, bits: np.ndarray, target: dict[int, _Acc], fold_curve: bool = False) -> None:
+        """Every step count's results on the inputs ``bits`` into ``target``, folded into the curve if asked."""
+        x = _values(bits, self.fmt)
+        correct, exact = self.spec.reference(x)
+        for n in self.newton:
+            got = self.spec.compute(x, n)
+            target[n].update(x, got, correct, exact, self.fmt, self.worst)
+            if fold_curve:
+                self.curve.fold(bits, got, exact, n)
+
+    def accumulators(self) -> dict[int, _Acc]:
+        """A fresh accumulator per Newton step count."""
+        return {n: _Acc() for n in self.newton}
+
+
+def _sweep_samples(feed: _Feed, accs: dict[int, _Acc], samples: int, rng: np.random.Generator,
+                   progress: Callable[[int, int], None] | None) -> None:
+    """``samples`` random positive finite inputs in chunks; the curve from every 2**s-th input of [1, 4)."""
+    lo, hi = _positive_bits(feed.fmt)
+    done = 0
+    for i in range(0, samples, CHUNK):
+        c = rng.integers(lo, hi, size=min(CHUNK, samples - i))
+        feed(c, accs)
+        done += c.size
+        if progress:
+            progress(done, samples)
+    # s chosen for about 2**18 points of the curve
+    curve = feed.curve
+    stride = max(1, (curve.stop - curve.start) >> 18)
+    feed(np.arange(curve.start, curve.stop, stride, dtype=np.int64), feed.accumulators(), True)
+
+
+def _sweep_ranges(feed: _Feed, accs: dict[int, _Acc], domain: str,
+                  progress: Callable[[int, int], None] | None) -> None:
+    """Every input of the domain's bit-pattern ranges in chunks, those of [1, 4) into the curve too."""
+    ranges = _ranges(feed.fmt, domain)
+    total = sum(b - a for a, b in ranges)
+    done = 0
+    curve = feed.curve
+    for a, b in ranges:
+        for start in range(a, b, CHUNK):
+            stop = min(b, start + CHUNK)
+            chunk = np.arange(start, stop, dtype=np.int64)
+            in_curve = (chunk >= curve.start) & (chunk < curve.stop)
+            if in_curve.all():
+                feed(chunk, accs, True)
+            elif in_curve.any():
+                feed(chunk[in_curve], accs, True)
+                feed(chunk[~in_curve], accs)
+            else:
+                feed(chunk, accs)
+            done += stop - start
+            if progress:
+                progress(done, total)
+
+
+def _confirm_reduced(feed: _Feed, accs: dict[int, _Acc], samples: int,
+                     rng: np.random.Generator) -> tuple[dict[int, _Acc], list[str]]:
+    """The reduced domain's confirmation: ``samples`` random inputs over the full range, and notes saying whether
+    they stay within the reduced domain's maximum."""
+    lo, hi = _positive_bits(feed.fmt)
+    confirm = feed.accumulators()
+    feed(rng.integers(lo, hi, size=samples), confirm)
+    notes = []
+    for n in feed.newton:
+        if confirm[n].max_ulp > accs[n].max_ulp or confirm[n].max_ulp_normal > accs[n].max_ulp_normal:
+            notes.append(f"newton={n}: the full-range sample found {confirm[n].max_ulp:.4g} ulp, more than "
+                         f"the reduced domain's {accs[n].max_ulp:.4g}: the reduction does not hold here")
+    if not notes:
+        notes.append(f"reduced domain confirmed: {samples} random inputs over the full range stay within "
+                     "the reduced domain's maximum")
+    return confirm, notes
+
+
+def _hist_labels() -> list[str]:
+    """The ULP-error histogram's bin labels, one per bin of :data:`HIST_EDGES`."""
+    return ["[0, 0.5]", "(0.5, 1]"] + [f"({HIST_EDGES[i]:g}, {HIST_EDGES[i + 1]:g}]"
+                                       for i in range(2, len(HIST_EDGES) - 1)]
+
+
 def analyze(
     spec: MathSpec,
     newton: tuple[int, ...] = (0, 1, 2),
@@ -308,90 +417,26 @@ def analyze(
     reduced for fp32).  ``progress(done, total)`` is called after each chunk.
     """
     fmt = get_format(spec.format)
-    if domain == "auto":
-        domain = "exhaustive" if fmt.itemsize == 2 else "reduced"
-    if domain not in ("exhaustive", "reduced", "samples"):
-        raise BNProbeError(f"unknown domain {domain!r}; valid: auto, exhaustive, reduced, samples")
-    newton = tuple(newton)
-    if not newton or any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= MAX_NEWTON
-                         for n in newton) or len(set(newton)) != len(newton):
-        raise BNProbeError(f"newton steps must be distinct integers from 0 to {MAX_NEWTON}, got {list(newton)}")
-    if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or not 1 <= samples <= MAX_SAMPLES:
-        raise BNProbeError(f"samples must be an integer from 1 to {MAX_SAMPLES} (2**26), got {samples!r}")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise BNProbeError(f"seed must be an integer >= 0, got {seed!r}")
+    domain, newton = _check_args(fmt, domain, newton, samples, seed)
     if spec.method == "exact":
         newton = (0,)
     rng = np.random.default_rng(seed)
-    lo, hi = _positive_bits(fmt)
-    notes: list[str] = []
     if spec.op == "divide":
         return _analyze_divide(spec, newton, samples, rng, worst)
-
-    accs = {n: _Acc() for n in newton}
-    curve = _Curve(fmt, newton)
-
-    def feed(bits: np.ndarray, target: dict[int, _Acc], fold_curve: bool = False) -> None:
-        x = _values(bits, fmt)
-        correct, exact = spec.reference(x)
-        for n in newton:
-            got = spec.compute(x, n)
-            target[n].update(x, got, correct, exact, fmt, worst)
-            if fold_curve:
-                curve.fold(bits, got, exact, n)
-
+    feed = _Feed(spec, fmt, newton, worst, _Curve(fmt, newton))
+    accs = feed.accumulators()
     if domain == "samples":
-        total = samples
-        done = 0
-        for i in range(0, samples, CHUNK):
-            c = rng.integers(lo, hi, size=min(CHUNK, samples - i))
-            feed(c, accs)
-            done += c.size
-            if progress:
-                progress(done, total)
-        # the curve from every 2**s-th input of [1, 4), s chosen for about 2**18 points
-        stride = max(1, (curve.stop - curve.start) >> 18)
-        feed(np.arange(curve.start, curve.stop, stride, dtype=np.int64), {n: _Acc() for n in newton}, True)
+        _sweep_samples(feed, accs, samples, rng, progress)
     else:
-        ranges = _ranges(fmt, domain)
-        total = sum(b - a for a, b in ranges)
-        done = 0
-        for a, b in ranges:
-            for start in range(a, b, CHUNK):
-                stop = min(b, start + CHUNK)
-                chunk = np.arange(start, stop, dtype=np.int64)
-                in_curve = (chunk >= curve.start) & (chunk < curve.stop)
-                if in_curve.all():
-                    feed(chunk, accs, True)
-                elif in_curve.any():
-                    feed(chunk[in_curve], accs, True)
-                    feed(chunk[~in_curve], accs)
-                else:
-                    feed(chunk, accs)
-                done += stop - start
-                if progress:
-                    progress(done, total)
-    confirm: dict[int, _Acc] | None = None
-    if domain == "reduced":
-        confirm = {n: _Acc() for n in newton}
-        feed(rng.integers(lo, hi, size=samples), confirm)
-        for n in newton:
-            if confirm[n].max_ulp > accs[n].max_ulp or confirm[n].max_ulp_normal > accs[n].max_ulp_normal:
-                notes.append(f"newton={n}: the full-range sample found {confirm[n].max_ulp:.4g} ulp, more than "
-                             f"the reduced domain's {accs[n].max_ulp:.4g}: the reduction does not hold here")
-        if not notes:
-            notes.append(f"reduced domain confirmed: {samples} random inputs over the full range stay within "
-                         "the reduced domain's maximum")
+        _sweep_ranges(feed, accs, domain, progress)
+    confirm, notes = _confirm_reduced(feed, accs, samples, rng) if domain == "reduced" else (None, [])
     if not spec.rounds_result:
         notes.append(f"Newton steps in {spec.working}, result not rounded to {spec.format}; ULPs are "
                      f"{spec.format} ULPs")
-    steps = []
-    labels = ["[0, 0.5]", "(0.5, 1]"] + [f"({HIST_EDGES[i]:g}, {HIST_EDGES[i + 1]:g}]"
-                                          for i in range(2, len(HIST_EDGES) - 1)]
-    for n in newton:
-        steps.append(_step(n, accs[n], spec.rounds_result, labels,
-                           None if confirm is None else confirm[n].max_ulp_normal))
-    return MathAnalysis(spec, domain, steps, curve.result(), notes + _nonfinite_notes(spec, steps))
+    labels = _hist_labels()
+    steps = [_step(n, accs[n], spec.rounds_result, labels, None if confirm is None else confirm[n].max_ulp_normal)
+             for n in newton]
+    return MathAnalysis(spec, domain, steps, feed.curve.result(), notes + _nonfinite_notes(spec, steps))
 
 
 def _nonfinite_notes(spec: MathSpec, steps: list[StepResult]) -> list[str]:
