@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.adapters import KernelAdapter, Saved, get_adapter
+from bnprobe.adapters import ForwardOutput, KernelAdapter, Saved, get_adapter
 from bnprobe.adapters.base import PARAM_PRECISIONS, params_format
 from bnprobe.adapters.dump import CALLS_NAME, META_NAME, CallRef, DumpAdapter, RecordedCalls, Recording, open_dump
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
-from bnprobe.kernels.layout import layout_of
+from bnprobe.kernels.layout import Layout, layout_of
 
 __all__ = ["Recorded", "CallRun", "PerCall", "recording_of", "is_dump_path", "check_options", "check_params", "runs",
            "run_call", "generated_call", "given", "refuse", "one_call", "OUTPUT_MODE"]
@@ -234,6 +234,161 @@ def generated_call(x: np.ndarray, *, gamma: np.ndarray | None, beta: np.ndarray 
     return rec
 
 
+@dataclass(frozen=True)
+class _Call:
+    """What every part of one call's run shares: the kernel (a dump bound to the call), the golden, the call with its
+    recorded inputs and scalars, the keywords of every kernel call and the formats the outputs are returned in."""
+
+    kernel: KernelAdapter
+    ref: KernelAdapter
+    rec: Recording
+    ci: dict[str, Any]  # rec.call_inputs()
+    eps: float
+    momentum: float | None
+    training: bool
+    common: dict[str, Any]  # dtype, eps, layout and params of every kernel call
+    out_fmt: str  # y and dx (the reference returns float64 values)
+    vec_fmt: str  # the running statistics, dγ and dβ
+
+    def kernel_train(self, ins: dict[str, Any]) -> ForwardOutput:
+        """The kernel's training step on the inputs ``ins`` (x, and γ, β, running statistics where given)."""
+        return self.kernel.forward_train(ins["x"], ins.get("gamma"), ins.get("beta"), ins.get("running_mean"),
+                                         ins.get("running_var"), momentum=self.momentum, **self.common)
+
+
+def _call_of(kernel: KernelAdapter, ref: KernelAdapter, rec: Recording) -> _Call:
+    """The shared setting of one call's run with ``kernel`` (already bound to the call)."""
+    ci = rec.call_inputs()
+    out_fmt = kernel.capabilities().output or rec.dtype
+    vec_fmt = "fp64" if kernel.capabilities().output == "fp64" else rec.params
+    eps, mom, training = rec.eps, rec.momentum, rec.training
+    common: dict[str, Any] = dict(dtype=rec.dtype, eps=eps, layout=rec.layout, params=ci["params"])
+    return _Call(kernel, ref, rec, ci, eps, mom, training, common, out_fmt, vec_fmt)
+
+
+def _wanted_modes(rec: Recording, modes: tuple[str, ...] | None, skip_missing: bool, name: str) -> tuple[str, ...]:
+    """The modes to run: ``modes`` (default every mode the call recorded); one it did not record is an error, or
+    with ``skip_missing`` left out."""
+    wanted = rec.modes if modes is None else tuple(modes)
+    if skip_missing:
+        return tuple(m for m in wanted if m in rec.tensors)
+    missing = [m for m in wanted if m not in rec.tensors]
+    if missing:
+        raise BNProbeError(f"{name} recorded no {missing[0]} call (it recorded {', '.join(rec.modes)})")
+    return wanted
+
+
+def _train_golden(c: _Call, run: CallRun, reduce_size: int) -> ForwardOutput | None:
+    """The golden's training step on the call's inputs, for a training call run in train or backward mode (None
+    otherwise).  With one value per channel (N*H*W = 1) it is undefined: only inference is left to check."""
+    if not (c.training and ("train" in run.modes or "backward" in run.modes)):
+        return None
+    if reduce_size < 2:
+        run.notes.append("N*H*W = 1: the training golden is undefined; training outputs not checked")
+        run.modes = tuple(m for m in run.modes if m == "infer")
+        return None
+    ci = c.ci
+    gold_t = c.ref.forward_train(ci["x"], ci["gamma"], ci["beta"], ci["running_mean"], ci["running_var"],
+                                 momentum=c.momentum, **c.common)
+    run.gold_saved = gold_t.saved
+    return gold_t
+
+
+def _run_train(c: _Call, run: CallRun, gold_t: ForwardOutput, after_step: bool) -> Saved | None:
+    """The kernel's training step on the recorded train inputs against the golden's: y, the saved statistics and
+    the running statistics' update (the golden's alone when the recording lacks it), with ``after_step`` also
+    ``y_eval``.  Returns the statistics the kernel saved."""
+    ins = c.rec.tensors["train"]["inputs"]
+    out = c.kernel_train(ins)
+    run.put("y_train", out.y, gold_t.y, c.out_fmt)
+    if out.saved is not None:
+        sf = get_format(np.asarray(out.saved.value).dtype).name
+        run.put("saved_mean", out.saved.mean, gold_t.saved.mean, sf)
+        inv = out.saved.invstd(c.eps)  # a saved variance is judged through the invstd it stands for
+        run.put("saved_invstd", inv.astype(np.asarray(out.saved.value).dtype) if out.saved.kind == "invstd"
+                else inv, gold_t.saved.invstd(c.eps), sf)
+    if out.running_mean is not None and out.running_var is not None and gold_t.running_mean is not None:
+        run.put("running_mean", out.running_mean, gold_t.running_mean, c.vec_fmt)
+        run.put("running_var", out.running_var, gold_t.running_var, c.vec_fmt)
+    elif gold_t.running_mean is not None:  # not recorded (updated in place): the golden's update only
+        run.gold["running_mean"] = np.asarray(gold_t.running_mean, dtype=np.float64)
+        run.gold["running_var"] = np.asarray(gold_t.running_var, dtype=np.float64)
+    if after_step and not isinstance(c.kernel, DumpAdapter) and "running_var" in run.got:
+        _run_eval_after_step(c, run, ins, out, gold_t)
+    return out.saved
+
+
+def _run_eval_after_step(c: _Call, run: CallRun, ins: dict[str, Any], out: ForwardOutput,
+                         gold_t: ForwardOutput) -> None:
+    """``y_eval``: the kernel's inference on the step's x with the running statistics its step left, against the
+    golden's inference with the golden's update."""
+    wide = dict(c.common, params="fp32")  # holds every fp16/bf16 value and the update beyond them
+    y_eval = c.kernel.forward_infer(ins["x"], ins.get("gamma"), ins.get("beta"), out.running_mean, out.running_var,
+                                    **c.common).y
+    g_eval = c.ref.forward_infer(ins["x"], ins.get("gamma"), ins.get("beta"), gold_t.running_mean,
+                                 gold_t.running_var, **wide).y
+    run.put("y_eval", y_eval, g_eval, c.out_fmt)
+
+
+def _run_infer(c: _Call, run: CallRun) -> None:
+    """The kernel's inference on the recorded infer inputs against the golden's."""
+    ins = c.rec.tensors["infer"]["inputs"]
+    args = (ins["x"], ins.get("gamma"), ins.get("beta"), ins.get("running_mean"), ins.get("running_var"))
+    run.put("y_infer", c.kernel.forward_infer(*args, **c.common).y, c.ref.forward_infer(*args, **c.common).y,
+            c.out_fmt)
+
+
+def _backward_stats(c: _Call, bw_ins: dict[str, Any], gold_t: ForwardOutput | None,
+                    saved: Saved | None) -> tuple[Saved, Saved]:
+    """The statistics the kernel's and the golden's backward use.  Training: the saved ones (the kernel's from its
+    training step, run here when the train mode was not; the golden's where the kernel has none); eval: the
+    recorded running statistics, for both."""
+    if c.training:
+        if saved is None and c.kernel.capabilities().saved != "none" and ("train" in c.rec.tensors or
+                                                                         not isinstance(c.kernel, DumpAdapter)):
+            saved = c.kernel_train(c.rec.tensors.get("train", {}).get("inputs", {"x": bw_ins["x"],
+                                                                               "gamma": bw_ins.get("gamma")})).saved
+        # a call recorded without its saved statistics (msprobe's functional batch_norm) recomputes them
+        return (saved if saved is not None else gold_t.saved), gold_t.saved  # type: ignore[union-attr]
+    rm = bw_ins.get("saved_mean", c.ci["running_mean"])
+    rv = bw_ins.get("saved_value", c.ci["running_var"])
+    both = Saved(np.asarray(rm, dtype=np.float64), "var", np.asarray(rv, dtype=np.float64))
+    return both, both
+
+
+def _run_backward(c: _Call, run: CallRun, gold_t: ForwardOutput | None, saved: Saved | None) -> None:
+    """The kernel's dx, dγ and dβ against the golden's on the recorded backward inputs, and the scales they are
+    formed from; a note when the backward cannot run (no dy recorded, or no training golden)."""
+    bw_ins = c.rec.tensors.get("backward", {}).get("inputs", {})
+    if bw_ins.get("dy") is None or (gold_t is None and c.training):
+        run.notes.append("no backward recorded (no dy)")
+        return
+    x, g, dy = bw_ins["x"], bw_ins.get("gamma"), bw_ins["dy"]
+    mine, gold_saved = _backward_stats(c, bw_ins, gold_t, saved)
+    got = c.kernel.backward(dy, x, g, mine, training=c.training, **c.common)
+    gb = c.ref.backward(dy, x, g, gold_saved, training=c.training, **c.common)
+    missing = got.meta.get("missing", ())  # gradients the recorded kernel did not compute (affine=False...)
+    for name, mine_g, gold_g, fmt_g in (("dx", got.dx, gb.dx, c.out_fmt), ("dgamma", got.dgamma, gb.dgamma, c.vec_fmt),
+                                        ("dbeta", got.dbeta, gb.dbeta, c.vec_fmt)):
+        if name not in missing and (name == "dx" or got.meta.get("affine") is not False):
+            run.put(name, mine_g, gold_g, fmt_g)
+    run.scales.update(_backward_scales(x, dy, g, gold_saved, c.eps, c.rec.layout))
+
+
+def _mean_scales(c: _Call, run: CallRun, lay: Layout) -> None:
+    """Per channel, the scales of the saved mean (mean |x|) and of the running mean's update (|running mean|, or
+    momentum * mean |x| when larger), when either was checked."""
+    ci = c.ci
+    if "x" in ci and ("saved_mean" in run.got or "running_mean" in run.got):
+        xcr = lay.to_cr(ci["x"])
+        with np.errstate(all="ignore"):
+            mean_abs = np.nanmean(np.abs(xcr), axis=1)
+        run.scales["saved_mean"] = mean_abs
+        rm = ci["running_mean"]
+        m = 0.0 if c.momentum is None else c.momentum
+        run.scales["running_mean"] = np.maximum(np.abs(rm) if rm is not None else 0.0, m * mean_abs)
+
+
 def run_call(kernel: KernelAdapter, rec: Recording, *, modes: tuple[str, ...] | None = None, index: int = 0,
              label: str | None = None, ref: KernelAdapter | None = None, skip_missing: bool = False,
              after_step: bool = False) -> CallRun:
@@ -246,92 +401,16 @@ def run_call(kernel: KernelAdapter, rec: Recording, *, modes: tuple[str, ...] | 
     ref = ref or get_adapter("reference")
     name = label or str(rec.meta.get("call") or rec.source or rec.adapter)
     k = kernel.bind(rec) if isinstance(kernel, DumpAdapter) else kernel
-    wanted = rec.modes if modes is None else tuple(modes)
-    missing = [m for m in wanted if m not in rec.tensors]
-    if skip_missing:
-        wanted, missing = tuple(m for m in wanted if m in rec.tensors), []
-    if missing:
-        raise BNProbeError(f"{name} recorded no {missing[0]} call (it recorded {', '.join(rec.modes)})")
-    run = CallRun(index, name, k.name, rec, wanted)
-    ci = rec.call_inputs()
-    out_fmt = k.capabilities().output or rec.dtype  # y and dx (the reference returns float64 values)
-    vec_fmt = "fp64" if k.capabilities().output == "fp64" else rec.params
-    eps, mom, training = rec.eps, rec.momentum, rec.training
-    common: dict[str, Any] = dict(dtype=rec.dtype, eps=eps, layout=rec.layout, params=ci["params"])
-    lay = layout_of(ci["x"], rec.layout)
-    gold_t = None
-    if training and ("train" in wanted or "backward" in wanted):
-        if lay.reduce_size < 2:
-            run.notes.append("N*H*W = 1: the training golden is undefined; training outputs not checked")
-            wanted = tuple(m for m in wanted if m == "infer")
-            run.modes = wanted
-        else:
-            gold_t = ref.forward_train(ci["x"], ci["gamma"], ci["beta"], ci["running_mean"], ci["running_var"],
-                                       momentum=mom, **common)
-            run.gold_saved = gold_t.saved
-    saved: Saved | None = None
-    if "train" in wanted and gold_t is not None:
-        ins = rec.tensors["train"]["inputs"]
-        out = k.forward_train(ins["x"], ins.get("gamma"), ins.get("beta"), ins.get("running_mean"),
-                              ins.get("running_var"), momentum=mom, **common)
-        saved = out.saved
-        run.put("y_train", out.y, gold_t.y, out_fmt)
-        if out.saved is not None:
-            sf = get_format(np.asarray(out.saved.value).dtype).name
-            run.put("saved_mean", out.saved.mean, gold_t.saved.mean, sf)
-            inv = out.saved.invstd(eps)  # a saved variance is judged through the invstd it stands for
-            run.put("saved_invstd", inv.astype(np.asarray(out.saved.value).dtype) if out.saved.kind == "invstd"
-                    else inv, gold_t.saved.invstd(eps), sf)
-        if out.running_mean is not None and out.running_var is not None and gold_t.running_mean is not None:
-            run.put("running_mean", out.running_mean, gold_t.running_mean, vec_fmt)
-            run.put("running_var", out.running_var, gold_t.running_var, vec_fmt)
-        elif gold_t.running_mean is not None:  # not recorded (updated in place): the golden's update only
-            run.gold["running_mean"] = np.asarray(gold_t.running_mean, dtype=np.float64)
-            run.gold["running_var"] = np.asarray(gold_t.running_var, dtype=np.float64)
-        if after_step and not isinstance(k, DumpAdapter) and "running_var" in run.got:
-            wide = dict(common, params="fp32")  # holds every fp16/bf16 value and the update beyond them
-            y_eval = k.forward_infer(ins["x"], ins.get("gamma"), ins.get("beta"), out.running_mean, out.running_var,
-                                     **common).y
-            g_eval = ref.forward_infer(ins["x"], ins.get("gamma"), ins.get("beta"), gold_t.running_mean,
-                                       gold_t.running_var, **wide).y
-            run.put("y_eval", y_eval, g_eval, out_fmt)
-    if "infer" in wanted:
-        ins = rec.tensors["infer"]["inputs"]
-        args = (ins["x"], ins.get("gamma"), ins.get("beta"), ins.get("running_mean"), ins.get("running_var"))
-        run.put("y_infer", k.forward_infer(*args, **common).y, ref.forward_infer(*args, **common).y, out_fmt)
-    bw_ins = rec.tensors.get("backward", {}).get("inputs", {})
-    if "backward" in wanted and bw_ins.get("dy") is not None and (gold_t is not None or not training):
-        x, g, dy = bw_ins["x"], bw_ins.get("gamma"), bw_ins["dy"]
-        if training:
-            if saved is None and k.capabilities().saved != "none" and ("train" in rec.tensors or
-                                                                       not isinstance(k, DumpAdapter)):
-                ins = rec.tensors.get("train", {}).get("inputs", {"x": x, "gamma": g})
-                saved = k.forward_train(ins["x"], ins.get("gamma"), ins.get("beta"), ins.get("running_mean"),
-                                        ins.get("running_var"), momentum=mom, **common).saved
-            # a call recorded without its saved statistics (msprobe's functional batch_norm) recomputes them
-            mine, gold_saved = (saved if saved is not None else gold_t.saved), gold_t.saved  # type: ignore[union-attr]
-        else:
-            rm = bw_ins.get("saved_mean", ci["running_mean"])
-            rv = bw_ins.get("saved_value", ci["running_var"])
-            mine = gold_saved = Saved(np.asarray(rm, dtype=np.float64), "var", np.asarray(rv, dtype=np.float64))
-        got = k.backward(dy, x, g, mine, training=training, **common)
-        gb = ref.backward(dy, x, g, gold_saved, training=training, **common)
-        missing = got.meta.get("missing", ())  # gradients the recorded kernel did not compute (affine=False...)
-        for name, mine_g, gold_g, fmt_g in (("dx", got.dx, gb.dx, out_fmt), ("dgamma", got.dgamma, gb.dgamma, vec_fmt),
-                                            ("dbeta", got.dbeta, gb.dbeta, vec_fmt)):
-            if name not in missing and (name == "dx" or got.meta.get("affine") is not False):
-                run.put(name, mine_g, gold_g, fmt_g)
-        run.scales.update(_backward_scales(x, dy, g, gold_saved, eps, rec.layout))
-    elif "backward" in wanted:
-        run.notes.append("no backward recorded (no dy)")
-    if "x" in ci and ("saved_mean" in run.got or "running_mean" in run.got):
-        xcr = lay.to_cr(ci["x"])
-        with np.errstate(all="ignore"):
-            mean_abs = np.nanmean(np.abs(xcr), axis=1)
-        run.scales["saved_mean"] = mean_abs
-        rm = ci["running_mean"]
-        m = 0.0 if mom is None else mom
-        run.scales["running_mean"] = np.maximum(np.abs(rm) if rm is not None else 0.0, m * mean_abs)
+    run = CallRun(index, name, k.name, rec, _wanted_modes(rec, modes, skip_missing, name))
+    c = _call_of(k, ref, rec)
+    lay = layout_of(c.ci["x"], rec.layout)
+    gold_t = _train_golden(c, run, lay.reduce_size)
+    saved = _run_train(c, run, gold_t, after_step) if "train" in run.modes and gold_t is not None else None
+    if "infer" in run.modes:
+        _run_infer(c, run)
+    if "backward" in run.modes:
+        _run_backward(c, run, gold_t, saved)
+    _mean_scales(c, run, lay)
     return run
 
 
