@@ -338,6 +338,12 @@ def _run(policy: Policy, mode: str, x: np.ndarray, g: np.ndarray, b: np.ndarray,
     return r.dx, r.trace
 
 
+def _check_mode(mode: str | None) -> None:
+    """``mode`` must be None (each call's own, or train) or one of train, infer and backward."""
+    if mode not in (None, "train", "infer", "backward"):
+        raise BNProbeError(f"unknown mode {mode!r}; valid: train, infer, backward")
+
+
 def scan(
     adapter: str | KernelAdapter = "emulated",
     x: np.ndarray | None = None,
@@ -367,19 +373,12 @@ def scan(
 
     A dump adapter of one call is scanned on its recorded inputs, ``x`` None (:func:`scan_recorded`
     scans every call of a dump)."""
-    if mode not in (None, "train", "infer", "backward"):
-        raise BNProbeError(f"unknown mode {mode!r}; valid: train, infer, backward")
+    _check_mode(mode)
     a = get_adapter(adapter) if isinstance(adapter, str) else adapter
     if isinstance(a, DumpAdapter):
-        given = tuple(n for n, v in (("x", x), ("accumulate", accumulate), ("gamma", gamma), ("beta", beta),
-                                     ("eps", eps), ("running_mean", running_mean), ("running_var", running_var),
-                                     ("dy", dy)) if v is not None)
-        recorded = Recorded(a, a.calls)
-        check_options(recorded, given=given, dtype=dtype, mode=mode, params=params)
-        if len(a.calls.calls) != 1:
-            raise BNProbeError(f"{a.name} holds {len(a.calls.calls)} BatchNorm calls: scan_recorded scans each "
-                               "(or select one with dump:DIR#NAME)")
-        return scan_recorded(recorded, mode=mode).results[0]
+        inputs = dict(x=x, accumulate=accumulate, gamma=gamma, beta=beta, eps=eps, running_mean=running_mean,
+                      running_var=running_var, dy=dy)
+        return _scan_dump_call(a, inputs, dtype=dtype, mode=mode, params=params)
     check_params(params)
     params = params or "fp32"
     if x is None:
@@ -388,51 +387,101 @@ def scan(
     mode = mode or "train"
     eps = 1e-5 if eps is None else eps
     lay = layout_of(x, layout)
-    c = lay.channels
-    rng = np.random.default_rng([seed, 9])
-    g = np.ones(c) if gamma is None else np.asarray(gamma, dtype=np.float64)
-    b = np.zeros(c) if beta is None else np.asarray(beta, dtype=np.float64)
     x_cr = lay.to_cr(x)
+    g, b, rm, rv, dy = _run_inputs(x, x_cr, lay.channels, seed, gamma, beta, running_mean, running_var, dy)
+    if not isinstance(a, PolicyAdapter):
+        return _scan_outputs(a, x, fmt, mode, g, b, rm, rv, dy, eps, layout, momentum, params)
+    xs = round_to(x, fmt)
+    pol = _traced_policy(a, xs, fmt, mode, layout, params, accumulate)
+    pf = pol.params_format
+    g, b, rm, rv = (round_to(v, pf) for v in (g, b, rm, rv))
+    args = (xs, g, b, rm, rv, round_to(dy, fmt), eps, layout, momentum)
+    return _scan_traced(a.name, fmt, pol, mode, args, lay, x_cr, cancel_digits, remedies)
+
+
+def _scan_dump_call(a: DumpAdapter, inputs: dict[str, Any], *, dtype: str | None, mode: str | None,
+                    params: str | None) -> OverflowReport:
+    """A dump adapter of one call scanned on its recorded inputs.  ``inputs`` (scan's input options by name) must
+    all be None: a recording brings its own; ``dtype``, ``mode`` and ``params`` must agree with it."""
+    given = tuple(n for n, v in inputs.items() if v is not None)
+    recorded = Recorded(a, a.calls)
+    check_options(recorded, given=given, dtype=dtype, mode=mode, params=params)
+    if len(a.calls.calls) != 1:
+        raise BNProbeError(f"{a.name} holds {len(a.calls.calls)} BatchNorm calls: scan_recorded scans each "
+                           "(or select one with dump:DIR#NAME)")
+    return scan_recorded(recorded, mode=mode).results[0]
+
+
+def _traced_policy(a: PolicyAdapter, xs: np.ndarray, fmt: str, mode: str, layout: str, params: str,
+                   accumulate: str | None) -> Policy:
+    """The policy ``a`` runs ``xs`` with, its accumulator and compute format set to ``accumulate`` when given."""
+    pol = a.policy_for(xs, dtype=fmt, mode=mode, layout=layout, params=params)
+    if accumulate is None:
+        return pol
+    return pol.with_options(accumulate=get_format(accumulate).name, compute=get_format(accumulate).name)
+
+
+def _run_inputs(x: np.ndarray, x_cr: np.ndarray, channels: int, seed: int, gamma: np.ndarray | None,
+                beta: np.ndarray | None, running_mean: np.ndarray | None, running_var: np.ndarray | None,
+                dy: np.ndarray | None) -> tuple[np.ndarray, ...]:
+    """γ, β, the running statistics and dy of a run of x (``x_cr``: channel-first (C, R)), in float64: as given, or
+    the defaults (γ = 1, β = 0, x's per-channel mean and variance, dy seeded standard normal)."""
+    rng = np.random.default_rng([seed, 9])
+    g = np.ones(channels) if gamma is None else np.asarray(gamma, dtype=np.float64)
+    b = np.zeros(channels) if beta is None else np.asarray(beta, dtype=np.float64)
     with np.errstate(all="ignore"):
         rm = np.nan_to_num(np.nanmean(x_cr, axis=1)) if running_mean is None else \
             np.asarray(running_mean, dtype=np.float64)
         rv = np.nan_to_num(np.nanvar(x_cr, axis=1), nan=1.0) if running_var is None else \
             np.asarray(running_var, dtype=np.float64)
     dy = rng.standard_normal(x.shape) if dy is None else np.asarray(dy, dtype=np.float64)
-    if not isinstance(a, PolicyAdapter):
-        return _scan_outputs(a, x, fmt, mode, g, b, rm, rv, dy, eps, layout, momentum, params)
-    pol = a.policy_for(round_to(x, fmt), dtype=fmt, mode=mode, layout=layout, params=params)
-    if accumulate is not None:
-        pol = pol.with_options(accumulate=get_format(accumulate).name, compute=get_format(accumulate).name)
-    xs = round_to(x, fmt)
-    pf = pol.params_format
-    g, b, rm, rv = (round_to(v, pf) for v in (g, b, rm, rv))
+    return g, b, rm, rv, dy
+
+
+def _scan_traced(adapter: str, fmt: str, pol: Policy, mode: str, args: tuple[Any, ...], lay: Any, x_cr: np.ndarray,
+                 cancel_digits: float, remedies: bool) -> OverflowReport:
+    """A traced kernel run in ``fmt`` with ``pol`` on ``args`` (:func:`_run`'s x, γ, β, running statistics and dy,
+    each rounded to its format, then eps, layout, momentum): the headroom predicted and measured, the anomalies
+    located at their first stage, each one's remedies tried (``remedies``), and IEEE against saturating overflow
+    compared when it overflowed."""
+    xs, g, b, rm, rv, dy, eps, layout, momentum = args
     head = predict_headroom(xs, pol, g, b, eps, layout)
-    y, trace = _run(pol, mode, xs, g, b, rm, rv, round_to(dy, fmt), eps, layout, momentum)
+    y, trace = _run(pol, mode, *args)
+    head = _measured(head, trace)
+    findings = _locate(trace, lay, x_cr, cancel_digits)
+    gold_y, _ = _run(pol.golden(), mode, *args)
+    with np.errstate(all="ignore"):
+        base_err = _nanmax_abs(np.asarray(y, dtype=np.float64) - gold_y)
+    if remedies:
+        findings = [_with_remedies(f, pol, mode, xs, g, b, rm, rv, dy, eps, layout, gold_y, lay, x_cr, cancel_digits,
+                                   momentum) for f in findings]
+    sat = []
+    if pol.overflow == "ieee" and any(f.anomaly in ("overflow", "inf") for f in findings):
+        sat = [_overflow_mode_run(pol, overflow, mode, args, gold_y) for overflow in ("ieee", "saturate")]
+    notes = [f"policy: {pol.describe()}", f"max |output - FP64 golden| = {base_err:.4g}"]
+    return OverflowReport(adapter, fmt, mode, pol.name, findings, head, sat, notes)
+
+
+def _measured(head: list[Headroom], trace: Trace) -> list[Headroom]:
+    """The predicted headroom with each traced stage's actual maximum and whether it overflowed."""
     for i, h in enumerate(head):
         if h.stage in trace:
             st = trace[h.stage]
             over = bool(st.counters["overflow"].any() or st.counters["posinf"].any() or st.counters["neginf"].any())
             head[i] = replace(h, actual_max=st.absmax, actually_overflowed=over)
-    findings = _locate(trace, lay, x_cr, cancel_digits)
-    gold_y, _ = _run(pol.golden(), mode, xs, g, b, rm, rv, round_to(dy, fmt), eps, layout, momentum)
+    return head
+
+
+def _overflow_mode_run(pol: Policy, overflow: str, mode: str, args: tuple[Any, ...],
+                       gold_y: np.ndarray) -> dict[str, Any]:
+    """The run with ``pol`` in the overflow mode ``overflow`` (ieee or saturate): the share of finite outputs, the
+    largest finite output and the largest error against the golden ``gold_y``."""
+    y2, _ = _run(pol.with_options(overflow=overflow), mode, *args)
+    y2 = np.asarray(y2, dtype=np.float64)
     with np.errstate(all="ignore"):
-        base_err = _nanmax_abs(np.asarray(y, dtype=np.float64) - gold_y)
-    if remedies:
-        findings = [_with_remedies(f, pol, mode, xs, g, b, rm, rv, round_to(dy, fmt), eps, layout, gold_y, lay,
-                                   x_cr, cancel_digits, momentum) for f in findings]
-    sat = []
-    if pol.overflow == "ieee" and any(f.anomaly in ("overflow", "inf") for f in findings):
-        for mode_name in ("ieee", "saturate"):
-            p2 = pol.with_options(overflow=mode_name)
-            y2, _ = _run(p2, mode, xs, g, b, rm, rv, round_to(dy, fmt), eps, layout, momentum)
-            y2 = np.asarray(y2, dtype=np.float64)
-            with np.errstate(all="ignore"):
-                sat.append({"overflow_mode": mode_name, "finite_share": float(np.mean(np.isfinite(y2))),
-                            "max_abs_output": _nanmax_abs(np.where(np.isfinite(y2), y2, np.nan)),
-                            "max_abs_error": _nanmax_abs(y2 - gold_y)})
-    notes = [f"policy: {pol.describe()}", f"max |output - FP64 golden| = {base_err:.4g}"]
-    return OverflowReport(a.name, fmt, mode, pol.name, findings, head, sat, notes)
+        return {"overflow_mode": overflow, "finite_share": float(np.mean(np.isfinite(y2))),
+                "max_abs_output": _nanmax_abs(np.where(np.isfinite(y2), y2, np.nan)),
+                "max_abs_error": _nanmax_abs(y2 - gold_y)}
 
 
 def _with_remedies(f: OverflowFinding, pol: Policy, mode: str, xs: np.ndarray, g: np.ndarray, b: np.ndarray,
@@ -500,8 +549,7 @@ def scan_recorded(recorded: Recorded, *, mode: str | None = None, params: str | 
     call's parameter format.  An msprobe statistics-only dump is read from its
     summaries.  A runnable adapter on the recorded inputs is scanned with :func:`scan` (its trace), one
     report per call and mode.  One :class:`OverflowReport` per call (and mode)."""
-    if mode not in (None, "train", "infer", "backward"):
-        raise BNProbeError(f"unknown mode {mode!r}; valid: train, infer, backward")
+    _check_mode(mode)
     calls = recorded.calls
     check_options(recorded, mode=mode, params=params)
     if calls.task == "statistics":
