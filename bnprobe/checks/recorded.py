@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from bnprobe.adapters import ForwardOutput, KernelAdapter, Saved, get_adapter
-from bnprobe.adapters.base import PARAM_PRECISIONS, params_format
+from bnprobe.adapters.base import PARAM_PRECISIONS, counters_only, params_format
 from bnprobe.adapters.dump import CALLS_NAME, META_NAME, CallRef, DumpAdapter, RecordedCalls, Recording, open_dump
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
@@ -436,21 +436,13 @@ def runs(recorded: Recorded, modes: tuple[str, ...] | None = None,
     """(index, CallRef, CallRun) for every selected call in forward order, one call in memory at a time
     (``modes``: the modes to run, None for every mode each call recorded; see :func:`run_call`)."""
     recorded.calls.require_tensors("running a recorded call")
-    ref = get_adapter("reference")
-    # only outputs are compared: the instrumented kernels keep counters, not every intermediate (restored after)
-    ref.keep_arrays = False  # type: ignore[attr-defined]
-    kernel = recorded.kernel
-    kept = getattr(kernel, "keep_arrays", None)
-    if kept is not None:
-        kernel.keep_arrays = False  # type: ignore[attr-defined]
-    try:
-        for i, c in enumerate(recorded.calls.calls):
-            rec = c.load()
-            yield i, c, run_call(kernel, rec, modes=modes, index=i, label=c.label, ref=ref,
-                                 skip_missing=skip_missing)
-    finally:
-        if kept is not None:
-            kernel.keep_arrays = kept  # type: ignore[attr-defined]
+    # only outputs are compared: the instrumented kernels keep counters, not every intermediate (on copies: the
+    # caller's kernel is unchanged)
+    ref = counters_only(get_adapter("reference"))
+    kernel = counters_only(recorded.kernel)
+    for i, c in enumerate(recorded.calls.calls):
+        rec = c.load()
+        yield i, c, run_call(kernel, rec, modes=modes, index=i, label=c.label, ref=ref, skip_missing=skip_missing)
 
 
 @dataclass
