@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import pickle
+import re
 import warnings
 import zipfile
 from collections.abc import Callable
@@ -47,7 +48,8 @@ _ALIASES = {"exponential_average_factor": "momentum", "epsilon": "eps"}
 
 def find_dump_jsons(path: str | Path) -> list[Path]:
     """Every ``dump.json`` a path stands for: the file itself, the folder's own, or those of its
-    ``step*/proc*``, ``step*/rank*`` and ``rank*`` sub-folders (sorted)."""
+    ``step*/proc*``, ``step*/rank*`` and ``rank*`` sub-folders, in step then rank order (numbers compared as
+    numbers: step2 before step10)."""
     p = Path(path)
     if p.is_file():
         if p.name != "dump.json":
@@ -57,9 +59,10 @@ def find_dump_jsons(path: str | Path) -> list[Path]:
         raise BNProbeError(f"dump {str(p)!r} does not exist")
     if (p / "dump.json").is_file():
         return [p / "dump.json"]
-    found = sorted({*p.glob("step*/proc*/dump.json"), *p.glob("step*/rank*/dump.json"), *p.glob("rank*/dump.json"),
-                    *p.glob("proc*/dump.json")})
-    return found
+    found = {*p.glob("step*/proc*/dump.json"), *p.glob("step*/rank*/dump.json"), *p.glob("rank*/dump.json"),
+             *p.glob("proc*/dump.json")}
+    return sorted(found, key=lambda f: [(0, int(t), "") if t.isdigit() else (1, 0, t)
+                                        for t in re.split(r"(\d+)", f.relative_to(p).as_posix())])
 
 
 @dataclass(frozen=True)

@@ -194,9 +194,6 @@ def many_steps(tmp_path_factory):
     return _generate(tmp_path_factory.mktemp("msprobe-steps"), 11, 1, False)
 
 
-@pytest.mark.xfail(strict=True, reason="bnprobe.adapters.msprobe.find_dump_jsons sorts the step*/rank* paths as "
-                   "text, so step10 comes before step2 (and rank10 before rank2): past 10 steps or ranks the calls "
-                   "are not in step (forward) order")
 def test_steps_past_nine_stay_in_step_order(many_steps):
     root, manifest = many_steps
     base = dump_path(root, manifest)
