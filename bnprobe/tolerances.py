@@ -20,7 +20,7 @@ from bnprobe.formats import get_format
 __all__ = ["GRAD_TOLERANCES", "FINITE_DIFFERENCE", "MSPROBE_STANDARDS", "Standard", "grad_tolerance",
            "check_rtol_atol", "CheckerStandard", "MSPROBE_CHECKER", "MSPROBE_BENCHMARK_LIMITS",
            "MSPROBE_BENCHMARK_APIS", "MSPROBE_CSV_DECIMALS", "MSPROBE_COMPARE_LIMITS", "DOCTOR_TOLERANCES",
-           "doctor_tolerance", "KERNEL_AGREEMENT"]
+           "doctor_tolerance", "KERNEL_AGREEMENT", "ACCUMULATION_FORMAT", "accumulation_bound"]
 
 GRAD_TOLERANCES: dict[str, tuple[float, float]] = {  # (rtol, atol)
     "fp64": (1e-7, 1e-7),
@@ -143,3 +143,18 @@ MSPROBE_COMPARE_LIMITS: dict[str, float] = {  # CompareConst
 def doctor_tolerance(fmt: str) -> float:
     """The doctor's rtol for an output returned in ``fmt`` (relative to the channel's scale)."""
     return DOCTOR_TOLERANCES[get_format(fmt).name]
+
+
+#: the format a correct kernel accumulates sums in, by the format of its data: fp32 for 16-bit and 32-bit data (what
+#: PyTorch, cuDNN and Ascend's kernels do), fp64 for fp64.  compare-precision's benchmark rule does not fail a
+#: per-channel sum or mean whose every error is within what such an accumulation of its terms can produce,
+#: γ_R·Σ|terms| (γ_R = R·u/(1 - R·u), R terms, u this format's unit roundoff) plus half an ulp of the output: on a
+#: sum that cancels, any two correct kernels differ by rounding noise that msprobe's relative metrics magnify.
+ACCUMULATION_FORMAT: dict[str, str] = {"fp64": "fp64", "fp32": "fp32", "fp16": "fp32", "bf16": "fp32"}
+
+
+def accumulation_bound(fmt: str, terms: int) -> float:
+    """γ_R of the accumulation format of ``fmt`` for ``terms`` terms (the relative bound of a sum's rounding
+    error against the sum of the terms' magnitudes, in any order)."""
+    u = get_format(ACCUMULATION_FORMAT.get(get_format(fmt).name, "fp32")).unit_roundoff
+    return terms * u / (1 - terms * u) if terms * u < 1 else float("inf")
