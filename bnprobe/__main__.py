@@ -4,4 +4,5 @@ import sys
 
 from bnprobe.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a worker process started with spawn imports the main module again
+    sys.exit(main())

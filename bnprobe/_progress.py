@@ -17,7 +17,7 @@ class Progress:
         self.last = 0.0
         self.drawn = False
 
-    def __call__(self, done: int, total: int) -> None:
+    def __call__(self, done: int, total: int, suffix: str = "") -> None:
         if not self.enabled:
             return
         now = time.monotonic()
@@ -29,7 +29,8 @@ class Progress:
         bar = "#" * int(frac * width) + "." * (width - int(frac * width))
         elapsed = now - self.start
         eta = elapsed / frac - elapsed if frac > 0 else float("nan")
-        self.stream.write(f"\r{self.label} [{bar}] {frac:6.1%}  {elapsed:6.1f}s  eta {eta:6.1f}s")
+        self.stream.write(f"\r{self.label} [{bar}] {frac:6.1%}  {elapsed:6.1f}s  eta {eta:6.1f}s"
+                          + (f"  {suffix}" if suffix else ""))
         self.stream.flush()
         self.drawn = True
 

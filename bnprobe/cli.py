@@ -61,6 +61,16 @@ _FORCE = typer.Option(False, "--force", help="Overwrite existing files in --out.
 _JSON = typer.Option(False, "--json", help="Print JSON instead of the table.")
 
 
+_SWEEP = typer.Option(False, "--sweep", help="Run every recorded call as one task of a sweep, in parallel (automatic "
+                                             "when the dump root holds several step*/rank* dumps).")
+_WORKERS = typer.Option(None, min=1, max=1024, help="Sweep: local worker processes (default: the cores).")
+_SCHEDULER = typer.Option(None, "--scheduler", metavar="ADDR",
+                          help="Sweep on a dask.distributed cluster, e.g. tcp://HOST:8786 (default $BNPROBE_SCHEDULER; "
+                               "needs bnprobe[dist]); its workers read the dump files themselves.")
+_RESUME = typer.Option(False, "--resume", help="Sweep: continue the interrupted sweep in --out, keeping its finished "
+                                               "calls.")
+
+
 def _calls(what: str):  # noqa: ANN202 - typer's OptionInfo
     return typer.Option(None, "--calls", help=f"Recorded calls to {what} (glob on the call or module name), e.g. "
                                               "'*layer1*'.")
@@ -91,6 +101,70 @@ def _check_common(eps: Optional[float] = None, params: Optional[str] = None, mod
     check_params(params)
     if mode not in (None, "train", "infer", "backward"):
         raise BNProbeError(f"unknown mode {mode!r}; valid: train, infer, backward")
+
+
+def _sweep_root(adapter: str, input: Optional[Path], flags: tuple) -> Optional[tuple[Path, Optional[str]]]:
+    """(dump root, the runnable adapter or None for the recorded outputs) when this run is a sweep: asked for
+    (``flags``: --sweep, --workers, --scheduler, --resume), or a dump root holding several step/rank dumps."""
+    from bnprobe.sweep import dump_leaves
+
+    asked = any(f not in (None, False) for f in flags)
+    if adapter.startswith("dump:") and "#" not in adapter:
+        root, runnable = Path(adapter[len("dump:"):]), None
+    elif input is not None and input.is_dir():
+        root, runnable = input, adapter
+    elif asked:
+        raise BNProbeError("--sweep, --workers, --scheduler and --resume run over a dump root: give --input ROOT or "
+                           "an adapter dump:ROOT")
+    else:
+        return None
+    return (root, runnable) if asked or (root.is_dir() and len(dump_leaves(root)) > 1) else None
+
+
+def _check_sweep(as_json: bool, options: tuple[str, ...], root: str) -> None:
+    """Options a sweep does not take: --json (its report is a folder) and those its recordings give."""
+    from bnprobe.checks.recorded import refuse
+
+    if as_json:
+        raise BNProbeError("a sweep writes its report to a folder (--out; sweep.json in it): drop --json")
+    refuse(options, root)
+
+
+def _run_sweep(command: str, found: tuple[Path, Optional[str]], calls: Optional[str], out: Optional[Path],
+               force: bool, workers: Optional[int], scheduler: Optional[str], resume: bool, **spec) -> int:
+    """A check over every (step, rank, call) of a dump root, one task each, then its report."""
+    import math
+    import os
+    import time
+
+    from bnprobe._progress import Progress
+    from bnprobe.guard import format_size, require, run_bytes
+    from bnprobe.reports.sweep import SWEEP_FILES, sweep_lines, write_sweep
+    from bnprobe.sweep import Journal, SweepResult, SweepSpec, check_plan, header, plan, run_sweep, scheduler_address
+
+    root, runnable = found
+    address = scheduler_address(scheduler)
+    if resume and out is None:
+        raise BNProbeError("--resume continues the sweep in --out DIR: give that folder")
+    sweep_spec = SweepSpec(command, runnable, **spec)
+    tasks = plan(root, calls)
+    check_plan(tasks, sweep_spec)
+    n = 1 if address else min(workers or os.cpu_count() or 1, len(tasks))
+    biggest = max(tasks, key=lambda t: math.prod(t.shape))
+    need = run_bytes(command, math.prod(biggest.shape)) * n  # each worker holds one call at a time
+    require(need, f"{command} sweep on {n} worker(s), the largest call {biggest.key} (shape {biggest.shape}, "
+                  f"{format_size(need // n)} each)")
+    sink = _output(out, force, f"{command}-sweep", *SWEEP_FILES)
+    journal = Journal(sink.path, header(root, sweep_spec, calls))
+    t0 = time.monotonic()
+    with Progress(f"{command} sweep") as bar:
+        rows = run_sweep(tasks, sweep_spec, workers=n, scheduler=address, journal=journal, resume=resume, force=force,
+                         progress=lambda d, t, f: bar(d, t, f"{d}/{t} calls, {f} failed to run"))
+    result = SweepResult(command, str(root), rows, round(time.monotonic() - t0, 1),
+                         f"dask scheduler {address}" if address else f"{n} local worker(s)")
+    write_sweep(result, sink)
+    _echo(sweep_lines(result, sink.path))
+    return 0 if result.passed else 1
 
 
 # ---- commands ---------------------------------------------------------------------------------------
@@ -374,6 +448,8 @@ def compare_precision_cmd(
     out: Optional[Path] = typer.Option(None, help="Report folder (default reports/compare-precision-<time>)."),
     format: str = typer.Option("csv,json,md,html", "--format", help="Report files to write."),
     force: bool = _FORCE,
+    sweep: bool = _SWEEP, workers: Optional[int] = _WORKERS, scheduler: Optional[str] = _SCHEDULER,
+    resume: bool = _RESUME,
 ) -> int:
     """FP16/BF16/FP32 vs the FP64 golden for every BatchNorm output, per tensor, per channel and per
     stage; on a dump, every recorded call on its own inputs. Exit 0 when all are within standard, 1 when
@@ -381,6 +457,7 @@ def compare_precision_cmd(
     from bnprobe._progress import Progress
     from bnprobe.adapters import get_adapter
     from bnprobe.checks.compare import compare_precision, select_cases
+    from bnprobe.checks.recorded import given
     from bnprobe.reports.compare import compare_lines, report_files, report_formats, write_report
 
     _check_common(eps=eps, params=params)
@@ -391,6 +468,13 @@ def compare_precision_cmd(
     names = [a.strip() for a in adapters.split(",") if a.strip()]
     if not names:
         raise BNProbeError("--adapters is empty")
+    if (found := _sweep_root(names[0], input, (sweep, workers, scheduler, resume))) is not None:
+        if len(names) > 1:
+            raise BNProbeError("a sweep runs one adapter over the dump root (or its recorded outputs): give one")
+        _check_sweep(False, given(dtypes=dtypes, shape=shape, batch=batch, dist=dist, mean=mean, std=std, eps=eps,
+                                  params=params), str(found[0]))
+        return _run_sweep("compare-precision", found, calls, out, force, workers, scheduler, resume, mode=mode,
+                          rule=rule, bench=bench, budget=budget)
     resolved, cases, recorded = select_cases([get_adapter(a) for a in names], input=input, calls=calls, shape=shape,
                                              shapes=shapes, batch=batch, dist=dist, mean=mean, std=std, seed=seed,
                                              mode=mode, stress=stress)
@@ -429,6 +513,8 @@ def overflow_cmd(
     out: Optional[Path] = _OUT,
     force: bool = _FORCE,
     as_json: bool = _JSON,
+    sweep: bool = _SWEEP, workers: Optional[int] = _WORKERS, scheduler: Optional[str] = _SCHEDULER,
+    resume: bool = _RESUME,
 ) -> int:
     """Where, in which channel and why a BatchNorm goes non-finite or silently wrong; headroom predicted
     from the input; remedies verified; on a dump, every recorded call's outputs against the golden (an
@@ -439,6 +525,10 @@ def overflow_cmd(
     from bnprobe.reports.checks import overflow_recorded_report, overflow_report
 
     _check_common(eps=eps, params=params, mode=mode)
+    if (found := _sweep_root(adapter, input, (sweep, workers, scheduler, resume))) is not None:
+        _check_sweep(as_json, given(dtype=dtype, accumulate=accumulate, shape=shape, dist=dist, mean=mean, std=std,
+                                   seed=seed, eps=eps, params=params), str(found[0]))
+        return _run_sweep("overflow", found, calls, out, force, workers, scheduler, resume, mode=mode)
     sink = _output(out, force)
     recorded = recording_of(adapter, input, calls, guard="overflow")
     if recorded is not None:
@@ -497,6 +587,8 @@ def doctor_cmd(
     out: Optional[Path] = _OUT,
     force: bool = _FORCE,
     as_json: bool = _JSON,
+    sweep: bool = _SWEEP, workers: Optional[int] = _WORKERS, scheduler: Optional[str] = _SCHEDULER,
+    resume: bool = _RESUME,
 ) -> int:
     """The expert's checklist for a BatchNorm kernel on a diagnostic input, stress inputs and yours:
     PASS/WARN/FAIL with evidence, the known bug each failure matches, and what is wrong where none
@@ -508,6 +600,9 @@ def doctor_cmd(
     from bnprobe.reports.checks import doctor_recorded_report, doctor_report
 
     _check_common(params=params)
+    if (found := _sweep_root(adapter, input, (sweep, workers, scheduler, resume))) is not None:
+        _check_sweep(as_json, given(dtype=dtype, params=params, seed=seed, stability=stability), str(found[0]))
+        return _run_sweep("doctor", found, calls, out, force, workers, scheduler, resume)
     tensor = input if input is not None and not is_dump_path(input) else None
     sink = _output(out, force)
     recorded = recording_of(adapter, None if tensor is not None else input, calls, guard="doctor")

@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from bnprobe.checks.mathfn import MathAnalysis
 
 __all__ = ["plot_math_error", "plot_compare", "plot_channel_stats", "plot_layer_summary", "plot_divergence",
-           "plot_distributions"]
+           "plot_distributions", "plot_sweep_heatmap"]
 
 MAX_LABELLED_ROWS = 60  # heatmap rows that get a name each; beyond, every k-th
 MAX_LEGEND = 12  # lines named in a legend; the others are drawn unnamed
@@ -212,4 +212,27 @@ def plot_distributions(df: pd.DataFrame, eps: float = 1e-5) -> Figure:
         ax.legend(fontsize=6, loc="upper right")
         ax.grid(True, alpha=0.3)
     fig.suptitle("where the risky channels are (last step)")
+    return fig
+
+
+def plot_sweep_heatmap(table: pd.DataFrame, across: str, what: str) -> Figure:
+    """Layer (forward order) x ``across`` (``step`` or ``rank``) heatmap of a sweep's worst score per cell (the
+    largest over the other axis): ``what`` says what the score is.  Errors and missing cells are blank."""
+    from matplotlib.figure import Figure
+
+    order = table.groupby("layer", sort=False)["order"].min().sort_values()
+    piv = table.pivot_table(index="layer", columns=across, values="score", aggfunc="max").reindex(order.index)
+    fig = Figure(figsize=(max(6.0, 1.0 + 0.6 * piv.shape[1]), 1.4 + 0.32 * min(len(piv), MAX_LABELLED_ROWS)),
+                 layout="constrained")
+    ax = fig.subplots()
+    data = piv.to_numpy(dtype=float)
+    im = ax.imshow(np.ma.masked_invalid(data), aspect="auto", cmap="magma_r", interpolation="nearest",
+                   vmin=0.0, vmax=max(1.0, float(np.nanmax(data))) if np.isfinite(data).any() else 1.0)
+    every = -(-len(piv) // MAX_LABELLED_ROWS) if len(piv) else 1
+    ax.set_yticks(range(0, len(piv), every), [_text(n) for n in piv.index[::every]])
+    ax.set_xticks(range(piv.shape[1]), [_text(c) for c in piv.columns])
+    ax.set_xlabel(across)
+    ax.set_ylabel("layer, forward order" if every == 1 else f"layer, forward order (every {every}th named)")
+    fig.colorbar(im, ax=ax, label=_text(what))
+    ax.set_title(f"{_text(what)}: the worst per layer and {across}")
     return fig

@@ -18,3 +18,26 @@ def msprobe_dumps(tmp_path_factory):
     root = tmp_path_factory.mktemp("msprobe")
     make_dumps(root)
     return root, json.loads((root / MANIFEST).read_text())
+
+
+def generate_ranks(root, steps, world, statistics):
+    """(root, manifest): real msprobe dumps of a DDP training run on ``world`` gloo processes over ``steps`` steps
+    (tests/msprobe_ranks.py), with torch's values for every call."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("msprobe")  # the bare package only; msprobe.pytorch is imported in the worker processes
+    import json
+
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed's gloo backend is unavailable in this torch build: no multi-rank dumps")
+    from msprobe_ranks import MANIFEST, make_rank_dumps
+
+    make_rank_dumps(root, steps, world, statistics=statistics)
+    return root, json.loads((root / MANIFEST).read_text())
+
+
+@pytest.fixture(scope="session")
+def msprobe_ranks(tmp_path_factory):
+    """(root, manifest): 2 ranks x 2 steps of real msprobe dumps, a tensor and a statistics dump of one run."""
+    return generate_ranks(tmp_path_factory.mktemp("msprobe-ranks"), 2, 2, True)
+

@@ -8,7 +8,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "bnprobe"
 # bottom to top; a module may import its own layer and those below it
 LAYERS = (("errors", "_files", "_table", "_progress", "_loading", "tolerances", "formats", "guard"),
-          ("numerics", "inputs"), ("kernels",), ("metrics",), ("adapters", "_capture"), ("checks",), ("plots",),
+          ("numerics", "inputs"), ("kernels",), ("metrics",), ("adapters", "_capture"), ("checks",), ("sweep",),
+          ("plots",),
           ("reports",), ("cli", "__main__", "__init__"))
 
 
@@ -51,7 +52,7 @@ def test_an_upward_import_would_be_seen(tmp_path, monkeypatch):
     (pkg / "kernels").mkdir(parents=True)
     (pkg / "kernels" / "bad.py").write_text("def f():\n    from bnprobe.reports import dumps_json\n")
     monkeypatch.setattr(__import__(__name__, fromlist=["x"]), "PACKAGE", pkg)
-    assert arrows() == (1, ["bnprobe.kernels.bad (layer 2) imports bnprobe.reports (layer 7), line 2"])
+    assert arrows() == (1, ["bnprobe.kernels.bad (layer 2) imports bnprobe.reports (layer 8), line 2"])
 
 
 if __name__ == "__main__":

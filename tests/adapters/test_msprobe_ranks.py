@@ -3,7 +3,6 @@ torch.distributed with gloo and DistributedDataParallel, two processes on localh
 every BatchNorm call of every step and rank is found in order, named by its folder, and its forward and backward
 tensors are torch's bit for bit."""
 
-import json
 from itertools import product
 
 import numpy as np
@@ -12,28 +11,18 @@ import pytest
 from bnprobe.adapters.dump import open_dump
 from bnprobe.adapters.msprobe import find_dump_jsons, msprobe_calls
 from bnprobe.errors import BNProbeError
+from tests.conftest import generate_ranks
 
 STEPS, WORLD = 2, 2
 RECORDED = (("x", "x"), ("gamma", "weight"), ("beta", "bias"), ("running_mean", "running_mean"),
             ("running_var", "running_var"), ("dy", "dy"))  # call_inputs() key -> expected field
 
 
-def _generate(root, steps, world, statistics):
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("msprobe")  # the bare package only; msprobe.pytorch is imported in the worker processes
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_gloo_available()):
-        pytest.skip("torch.distributed's gloo backend is unavailable in this torch build: no multi-rank dumps")
-    from msprobe_ranks import MANIFEST, make_rank_dumps
-
-    make_rank_dumps(root, steps, world, statistics=statistics)
-    return root, json.loads((root / MANIFEST).read_text())
-
-
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    """(root, manifest): 2 ranks x 2 steps, a tensor dump and a statistics dump of the same training run."""
-    return _generate(tmp_path_factory.mktemp("msprobe-ranks"), STEPS, WORLD, True)
+def ranks(msprobe_ranks):
+    """(root, manifest): 2 ranks x 2 steps, a tensor dump and a statistics dump of the same training run (made once
+    per session: tests/conftest.py)."""
+    return msprobe_ranks
 
 
 def dump_path(root, manifest, name="tensor"):
@@ -191,7 +180,7 @@ def test_one_step_one_rank_or_one_dump_json(ranks):
 @pytest.fixture(scope="module")
 def many_steps(tmp_path_factory):
     """(root, manifest): one rank, 11 steps (step0 ... step10), tensor dump only."""
-    return _generate(tmp_path_factory.mktemp("msprobe-steps"), 11, 1, False)
+    return generate_ranks(tmp_path_factory.mktemp("msprobe-steps"), 11, 1, False)
 
 
 def test_steps_past_nine_stay_in_step_order(many_steps):

@@ -1,0 +1,490 @@
+"""Sweeps: a check over every BatchNorm call of every step and rank of a dump root, one task per call.
+
+A dump root holds one dump per step and rank (msprobe's ``step*/rank*/`` and ``step*/proc*/``, bnprobe's capture
+folders ``step*/rank*/``) or a single dump.  :func:`plan` lists the tasks without loading a tensor; each task
+(:func:`run_task`) opens its own dump, loads only its own call's tensors and returns one row of plain values, so
+nothing large travels between processes.  :func:`run_sweep` runs the tasks
+
+- in this process (``workers=1``), or on local worker processes (``workers>1``; no set-up, no dask needed), or
+- on a ``dask.distributed`` cluster (``scheduler="tcp://HOST:8786"``; the ``bnprobe[dist]`` extra): the workers
+  read the dump paths themselves (a shared filesystem), so tensors never pass through the scheduler.
+
+A task that fails (an unreadable file, a lost worker) is retried once, then reported as an error row; it never
+stops the others.  Every finished row is appended to a journal as it arrives, so an interrupted sweep resumes
+without redoing finished tasks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bnprobe.errors import BNProbeError
+
+__all__ = ["SWEEP_COMMANDS", "Task", "SweepSpec", "plan", "dump_leaves", "run_task", "run_sweep", "Journal",
+           "scheduler_address", "SweepResult", "SCORES", "header", "error_row", "check_plan"]
+
+SWEEP_COMMANDS = ("compare-precision", "doctor", "overflow")
+JOURNAL = "sweep-journal.jsonl"
+_MARKERS = ("dump.json", "bnprobe-dump.json", "bnprobe-calls.json")
+_LEVELS = ("", "step*", "rank*", "proc*", "step*/rank*", "step*/proc*")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One BatchNorm call of one dump of the root: what a worker needs to find it, nothing loaded."""
+
+    key: str  # step/rank/call: unique in the sweep
+    leaf: str  # the folder of its dump
+    call: str  # the call's name in that dump
+    step: int  # -1 when the dump's path names no step
+    rank: str  # "0", "1", "proc4242"; "" when the path names none
+    order: int  # forward order within its dump
+    layer: str  # the same for the same layer across steps and ranks (module path, else the call name)
+    shape: tuple[int, ...]
+    dtype: str
+    task: str = "tensor"  # msprobe's task: tensor, or statistics (summaries only)
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """What every task runs: the check (``command``) and its options, as plain values."""
+
+    command: str
+    adapter: str | None = None  # None: the recorded outputs; else a runnable adapter (re-run on the inputs)
+    mode: str | None = None
+    rule: str = "benchmark"
+    bench: str = "careful"
+    budget: bool = False
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.command not in SWEEP_COMMANDS:
+            raise BNProbeError(f"a sweep runs {', '.join(SWEEP_COMMANDS)}, not {self.command!r}")
+
+
+def _step_rank(rel: Path) -> tuple[int, str]:
+    step, rank = -1, ""
+    for part in rel.parts:
+        if m := re.fullmatch(r"step(\d+)", part):
+            step = int(m.group(1))
+        elif m := re.fullmatch(r"(?:rank|proc)(\d+)", part):
+            rank = m.group(1) if part.startswith("rank") else part
+    return step, rank
+
+
+def _holds_dump(p: Path) -> bool:
+    return p.is_dir() and any((p / m).is_file() for m in _MARKERS)
+
+
+def _where(root: Path, p: Path) -> tuple[int, tuple[int, int | str], str]:
+    """Sort key of a dump folder: step, then rank (numerically), then path."""
+    step, rank = _step_rank(p.relative_to(root))
+    return step, _rank_key(rank), str(p)
+
+
+def dump_leaves(root: str | Path) -> list[Path]:
+    """The folders of the dumps under ``root``: itself when it holds one, else its ``step*``, ``rank*``, ``proc*``,
+    ``step*/rank*`` and ``step*/proc*`` folders holding an msprobe ``dump.json`` or a bnprobe dump, in step and rank
+    order."""
+    root = Path(root)
+    if not root.is_dir():
+        raise BNProbeError(f"sweep root {root}: not a folder")
+    if _holds_dump(root):
+        return [root]
+    found = {p for level in _LEVELS if level for p in root.glob(level) if _holds_dump(p)}
+    if not found:
+        raise BNProbeError(f"sweep root {root}: no dump in it or in its step*/, rank*/, proc*/ folders")
+    return sorted(found, key=lambda p: _where(root, p))
+
+
+def plan(root: str | Path, calls: str | None = None) -> list[Task]:
+    """Every BatchNorm call of every dump under ``root`` (``calls``: a glob on the call or module name), in step,
+    rank and forward order; nothing but the dumps' JSON is read."""
+    from bnprobe.adapters.dump import open_dump
+
+    root = Path(root)
+    tasks: list[Task] = []
+    for leaf in dump_leaves(root):
+        rel = leaf.relative_to(root)
+        step, rank = _step_rank(rel)
+        found = open_dump(leaf)
+        order = {c.name: i for i, c in enumerate(found.calls)}
+        for c in (c for c in found.calls if not calls or c.matches(calls)):
+            where = rel.as_posix() if rel.parts else "."
+            layer = c.module or ("(the dump's call)" if c.name == leaf.name else c.name)  # bnprobe dump: one call
+            tasks.append(Task(f"{where}/{c.name}", str(leaf), c.name, step, rank, order[c.name], layer,
+                              tuple(c.shape), c.dtype, c.task))
+    if not tasks:
+        raise BNProbeError(f"sweep root {root}: no BatchNorm call matches {calls!r}" if calls else
+                           f"sweep root {root}: no BatchNorm call in its dumps")
+    return tasks
+
+
+def check_plan(tasks: list[Task], spec: SweepSpec) -> None:
+    """Refuse, before any task runs, a check that needs tensors over statistics-only dumps."""
+    stats = [t for t in tasks if t.task == "statistics"]
+    if stats and spec.command != "overflow":
+        raise BNProbeError(f"{stats[0].leaf} is a statistics-only msprobe dump (max/min/mean/norm, no tensors): "
+                           f"{spec.command} needs a tensor dump (task \"tensor\"); bnprobe overflow reads the "
+                           "summaries")
+
+
+# ---- one task (runs in a worker) ---------------------------------------------------------------------
+
+def _one_call(task: Task) -> Any:
+    """The task's call alone, as a RecordedCalls (its dump's JSON read again, its tensors not yet)."""
+    from dataclasses import replace
+
+    from bnprobe.adapters.dump import open_dump
+
+    found = open_dump(task.leaf)
+    picked = tuple(c for c in found.calls if c.name == task.call)
+    if not picked:
+        raise BNProbeError(f"{task.leaf}: call {task.call} is no longer in the dump")
+    return replace(found, source=task.key, calls=picked)
+
+
+def _compare_row(one: Any, spec: SweepSpec) -> dict[str, Any]:
+    from bnprobe.adapters import get_adapter
+    from bnprobe.adapters.dump import DumpAdapter
+    from bnprobe.checks.compare import compare_precision, recorded_cases
+
+    adapter = DumpAdapter(one) if spec.adapter is None else get_adapter(spec.adapter)
+    r = compare_precision([adapter], None, recorded_cases(one), mode=spec.mode or "all", rule=spec.rule,
+                          bench=spec.bench, budget=spec.budget)
+    rows = r.rows
+    if not len(rows):
+        return {"verdict": "PASS", "score": 0.0, "outputs": 0, "failing": "", "worst": "", "notes": r.meta["notes"]}
+    ratio = rows["score"] / rows["bound"]
+    worst = rows.loc[ratio.idxmax()]
+    bad = rows[rows["verdict"] == "FAIL"]
+    return {"verdict": "PASS" if r.passed else "FAIL", "score": float(ratio.max()), "outputs": int(len(rows)),
+            "failing": ", ".join(bad["tensor"]), "worst": str(worst["tensor"]),
+            "format_warnings": int((rows["format_check"] == "WARN").sum()), "notes": r.meta["notes"],
+            "statistics": _statistics(rows)}
+
+
+def _statistics(rows: Any) -> dict[str, float]:
+    """The errors of the saved and running statistics (for ranks that disagree): tensor -> max |error|."""
+    keep = rows[rows["tensor"].isin(["saved_mean", "saved_invstd", "running_mean", "running_var"])]
+    return {str(t): float(v) for t, v in zip(keep["tensor"], keep["max_abs"])}
+
+
+def _doctor_row(one: Any, spec: SweepSpec) -> dict[str, Any]:
+    from bnprobe.adapters import get_adapter
+    from bnprobe.adapters.dump import DumpAdapter
+    from bnprobe.checks.diagnosis import doctor_recorded
+    from bnprobe.checks.recorded import Recorded
+
+    kernel = DumpAdapter(one) if spec.adapter is None else get_adapter(spec.adapter)
+    rep = doctor_recorded(Recorded(kernel, one), stability=False).results[0]
+    failed = [i.name for i in rep.items if i.status == "FAIL"]
+    return {"verdict": "PASS" if rep.passed else "FAIL", "score": float(len(failed)), "outputs": len(rep.items),
+            "failing": "; ".join(failed), "worst": "; ".join(rep.diagnosis), "notes": list(rep.notes)}
+
+
+def _overflow_row(one: Any, spec: SweepSpec) -> dict[str, Any]:
+    from bnprobe.adapters import get_adapter
+    from bnprobe.adapters.dump import DumpAdapter
+    from bnprobe.checks.overflow import scan_recorded
+    from bnprobe.checks.recorded import Recorded
+
+    kernel = DumpAdapter(one) if spec.adapter is None else get_adapter(spec.adapter)
+    run = scan_recorded(Recorded(kernel, one), mode=spec.mode)
+    findings = [f for rep in run.results for f in rep.findings]
+    return {"verdict": "PASS" if run.passed else "FAIL", "score": float(len(findings)), "outputs": len(run.results),
+            "failing": ", ".join(dict.fromkeys(f"{f.anomaly}@{f.stage}" for f in findings)), "worst": "",
+            "notes": [n for rep in run.results for n in rep.notes]}
+
+
+_ROWS: dict[str, Callable[[Any, SweepSpec], dict[str, Any]]] = {
+    "compare-precision": _compare_row, "doctor": _doctor_row, "overflow": _overflow_row}
+
+
+def run_task(task: Task, spec: SweepSpec) -> dict[str, Any]:
+    """Run the sweep's check on one call (loading only its tensors); one row of plain values.  Raises on
+    failure: the engine retries once and then records the error."""
+    import socket
+    import warnings
+
+    t0 = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        row = _ROWS[spec.command](_one_call(task), spec)
+    row["notes"] = list(dict.fromkeys([*row.get("notes", []), *(f"a library warned: {w.message}" for w in caught)]))
+    return {**_base(task), **row, "status": "ok", "seconds": round(time.monotonic() - t0, 4),
+            "worker": f"{socket.gethostname()}:{os.getpid()}"}
+
+
+def _base(task: Task) -> dict[str, Any]:
+    return {"key": task.key, "step": task.step, "rank": task.rank, "order": task.order, "layer": task.layer,
+            "call": task.call, "shape": "x".join(map(str, task.shape)), "dtype": task.dtype}
+
+
+def error_row(task: Task, message: str, attempts: int) -> dict[str, Any]:
+    """The row of a task that failed ``attempts`` times."""
+    return {**_base(task), "status": "error", "verdict": "ERROR", "score": float("nan"), "outputs": 0,
+            "failing": "", "worst": "", "notes": [], "error": message, "attempts": attempts, "seconds": 0.0,
+            "worker": ""}
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:300] if isinstance(exc, BNProbeError) else \
+        f"{type(exc).__name__}: {text[0][:300] if text else ''}".rstrip(": ")
+
+
+# ---- the journal: finished rows, appended as they arrive -----------------------------------------------
+
+class Journal:
+    """``sweep-journal.jsonl`` in the output folder: a header naming the sweep, then one finished row per line
+    (flushed at once), so an interrupted sweep resumes where it stopped."""
+
+    def __init__(self, folder: Path, header: dict[str, Any]) -> None:
+        self.path = Path(folder) / JOURNAL
+        self.header = header
+
+    def finished(self, resume: bool, force: bool) -> dict[str, dict[str, Any]]:
+        """The rows already finished (with ``resume``; errors are redone), after checking the journal is this
+        sweep's; without ``resume`` an existing journal is refused unless ``force``."""
+        if not self.path.exists():
+            if resume:
+                raise BNProbeError(f"--resume: no sweep journal in {self.path.parent}")
+            return {}
+        if not resume:
+            if not force:
+                raise BNProbeError(f"{self.path} exists: a sweep ran there; --resume to continue it, --force to "
+                                   "start it again")
+            self.path.unlink()
+            return {}
+        lines = self.path.read_text(encoding="utf-8").splitlines()
+        try:
+            head = json.loads(lines[0]) if lines else None
+        except ValueError:
+            head = None
+        if head != self.header:
+            raise BNProbeError(f"--resume: {self.path} is the journal of another sweep (a different root, command "
+                               "or options)")
+        done: dict[str, dict[str, Any]] = {}
+        for line in lines[1:]:
+            try:
+                row = json.loads(line)
+            except ValueError:  # the line being written when the sweep was interrupted
+                continue
+            if isinstance(row, dict) and row.get("status") == "ok" and isinstance(row.get("key"), str):
+                done[row["key"]] = row
+        return done
+
+    def open(self, rows: Iterable[dict[str, Any]]) -> None:
+        """Start the journal afresh with the header and the rows kept from a resumed run."""
+        with open(self.path, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(self.header) + "\n")
+            for row in rows:
+                fh.write(json.dumps(row, default=str) + "\n")
+
+    def add(self, row: dict[str, Any]) -> None:
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(row, default=str) + "\n")
+            fh.flush()
+
+
+# ---- engines -----------------------------------------------------------------------------------------
+
+def scheduler_address(given: str | None) -> str | None:
+    """``--scheduler``, else ``$BNPROBE_SCHEDULER``; checked to be ``tcp://HOST:PORT`` (or tls://...)."""
+    address = given if given is not None else os.environ.get("BNPROBE_SCHEDULER") or None
+    if address is not None and not re.fullmatch(r"(tcp|tls|inproc|ucx)://[^\s/]+(:\d+)?/?", address):
+        raise BNProbeError(f"--scheduler takes a dask scheduler address such as tcp://HOST:8786, got {address!r}")
+    return address
+
+
+def _local(todo: list[Task], spec: SweepSpec, workers: int, finish: Callable[[Task, Any, int], bool]) -> None:
+    """Run ``todo`` here (one worker) or on ``workers`` local processes; ``finish(task, result or exception,
+    attempt)`` returns True when the task should run again."""
+    if workers <= 1:
+        for task in todo:
+            attempt = 1
+            while True:
+                try:
+                    result: Any = run_task(task, spec)
+                except Exception as exc:  # noqa: BLE001 - reported in the task's row, never stops the sweep
+                    result = exc
+                if not finish(task, result, attempt):
+                    break
+                attempt += 1
+        return
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures.process import BrokenProcessPool
+
+    pending = [(t, 1) for t in todo]
+    # fork is quick and needs no importable __main__; a process that loaded torch (its OpenMP threads do not
+    # survive a fork) starts its workers fresh
+    ctx = multiprocessing.get_context("spawn" if "torch" in sys.modules or not hasattr(os, "fork") else "fork")
+    while pending:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            running = {pool.submit(run_task, t, spec): (t, a) for t, a in pending}
+            pending = []
+            broken = False
+            while running:
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    task, attempt = running.pop(fut)
+                    try:
+                        result = fut.result()
+                    except BrokenProcessPool as exc:  # a worker died: this task and the others still running
+                        broken, result = True, BNProbeError(f"worker lost ({first_line(exc)})")
+                    except Exception as exc:  # noqa: BLE001
+                        result = exc
+                    if finish(task, result, attempt):
+                        (pending.append((task, attempt + 1)) if broken else
+                         running.setdefault(pool.submit(run_task, task, spec), (task, attempt + 1)))
+                if broken:
+                    break
+
+
+def _dask(todo: list[Task], spec: SweepSpec, address: str, finish: Callable[[Task, Any, int], bool]) -> None:
+    """Run ``todo`` on the dask.distributed cluster at ``address``; a task whose worker is lost is rescheduled by
+    dask itself, and one that fails is retried once here."""
+    try:
+        from distributed import Client, as_completed
+    except ImportError:
+        raise BNProbeError("--scheduler needs dask.distributed: pip install 'bnprobe[dist]'") from None
+    try:
+        client = Client(address, timeout=10, set_as_default=False)
+    except (OSError, TimeoutError) as exc:
+        raise BNProbeError(f"cannot reach the dask scheduler at {address}: {first_line(exc)}") from None
+    try:
+        futures = {client.submit(run_task, t, spec, key=f"bnprobe-{t.key}-1", pure=False): (t, 1) for t in todo}
+        with client.as_current():
+            queue = as_completed(list(futures))
+        for fut in queue:
+            task, attempt = futures.pop(fut)
+            try:
+                result: Any = fut.result()
+            except Exception as exc:  # noqa: BLE001 - KilledWorker, the task's own error...
+                result = exc
+            if finish(task, result, attempt):
+                again = client.submit(run_task, task, spec, key=f"bnprobe-{task.key}-{attempt + 1}", pure=False)
+                futures[again] = (task, attempt + 1)
+                queue.add(again)
+    finally:
+        client.close()
+
+
+def run_sweep(tasks: list[Task], spec: SweepSpec, *, workers: int = 1, scheduler: str | None = None,
+              journal: Journal | None = None, resume: bool = False, force: bool = False,
+              progress: Callable[[int, int, int], None] | None = None) -> list[dict[str, Any]]:
+    """Every task's row (finished ones of a resumed sweep reused), in step, rank and forward order.  Each
+    failure is retried once; ``progress(done, total, failed)`` after each row."""
+    done = journal.finished(resume, force) if journal is not None else {}
+    rows = {k: v for k, v in done.items() if any(t.key == k for t in tasks)}
+    if journal is not None:
+        journal.open(rows.values())
+    todo = [t for t in tasks if t.key not in rows]
+    failed = [0]
+
+    def finish(task: Task, result: Any, attempt: int) -> bool:
+        if isinstance(result, BaseException):
+            if attempt < 2:
+                return True
+            row = error_row(task, first_line(result), attempt)
+            failed[0] += 1
+        else:
+            row = {**result, "attempts": attempt}
+        rows[task.key] = row
+        if journal is not None:
+            journal.add(row)
+        if progress is not None:
+            progress(len(rows), len(tasks), failed[0])
+        return False
+
+    if progress is not None:
+        progress(len(rows), len(tasks), 0)
+    if scheduler is not None:
+        _dask(todo, spec, scheduler, finish)
+    else:
+        _local(todo, spec, workers, finish)
+    return [rows[t.key] for t in tasks]
+
+
+def header(root: str | Path, spec: SweepSpec, calls: str | None) -> dict[str, Any]:
+    """What identifies a sweep in its journal: root, check, options."""
+    return {"bnprobe-sweep": 1, "root": str(Path(root).resolve()), "calls": calls, **asdict(spec)}
+
+
+# ---- the sweep's result --------------------------------------------------------------------------------
+
+SCORES = {"compare-precision": "error / bound of the worst output", "doctor": "failed checklist items",
+          "overflow": "anomalies found"}
+
+
+@dataclass
+class SweepResult:
+    """Every task's row and what they say together: the first call over the standard per step and rank (forward
+    order), and the ranks that disagree on the same layer and step."""
+
+    command: str
+    root: str
+    rows: list[dict[str, Any]]
+    seconds: float = 0.0
+    engine: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(r["verdict"] == "PASS" for r in self.rows)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def to_frame(self) -> Any:
+        """One row per (step, rank, call): lists and mappings as text, so CSV and Parquet hold them."""
+        import pandas as pd
+
+        flat = [{k: ("; ".join(map(str, v)) if isinstance(v, list) else json.dumps(v) if isinstance(v, dict) else v)
+                 for k, v in r.items()} for r in self.rows]
+        return pd.DataFrame(flat)
+
+    def first_failing(self) -> list[dict[str, Any]]:
+        """Per step and rank, the first call (forward order) that fails or errs."""
+        first: dict[tuple[int, str], dict[str, Any]] = {}
+        for r in sorted(self.rows, key=lambda r: r["order"]):
+            if r["verdict"] != "PASS":
+                first.setdefault((r["step"], r["rank"]), r)
+        return [{"step": s, "rank": k, "order": r["order"], "call": r["call"], "layer": r["layer"],
+                 "verdict": r["verdict"], "failing": r["failing"] or r.get("error", "")}
+                for (s, k), r in sorted(first.items(), key=lambda kv: (kv[0][0], _rank_key(kv[0][1])))]
+
+    def disagreements(self) -> list[dict[str, Any]]:
+        """Layers and steps on which ranks reach different verdicts on their own data."""
+        groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
+        for r in self.rows:
+            groups.setdefault((r["step"], r["layer"]), []).append(r)
+        out = []
+        for (step, layer), rs in groups.items():
+            verdicts = {r["verdict"] for r in rs}
+            if len(rs) > 1 and len(verdicts) > 1:
+                out.append({"step": step, "layer": layer, "what": "verdicts differ",
+                            "ranks": ", ".join(f"{r['rank'] or '-'}: {r['verdict']}"
+                                               + (f" ({r['failing']})" if r["failing"] else "") for r in rs)})
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"command": self.command, "root": self.root, "passed": self.passed, "tasks": len(self.rows),
+                "failed": sum(r["verdict"] == "FAIL" for r in self.rows),
+                "errors": sum(r["verdict"] == "ERROR" for r in self.rows), "seconds": self.seconds,
+                "engine": self.engine, "score": SCORES[self.command], "first_failing": self.first_failing(),
+                "disagreements": self.disagreements(), "notes": self.notes, "rows": self.rows}
+
+
+def _rank_key(rank: str) -> tuple[int, int | str]:
+    return (0, int(rank)) if rank.isdigit() else (1, rank)
