@@ -417,6 +417,9 @@ def analyze(
     reduced for fp32).  ``progress(done, total)`` is called after each chunk.
     """
     fmt = get_format(spec.format)
+    if spec.op == "divide" and (spec.subnormals != "keep" or spec.working is not None or domain == "exhaustive"):
+        raise BNProbeError("divide is analysed on random pairs in its own format: --subnormals zero, --working and "
+                           "--exhaustive do not apply; drop them")
     domain, newton = _check_args(fmt, domain, newton, samples, seed)
     if spec.method == "exact":
         newton = (0,)
@@ -502,6 +505,7 @@ def _analyze_divide(spec: MathSpec, newton: tuple[int, ...], samples: int, rng: 
             got = divide(a, b, fmt, method="reciprocal", recip_method=spec.method, newton=n,
                          form=spec.form, constant=spec.constant, bits=spec.bits)
         accs[n].update(b, got, correct, exact, fmt, worst)
-    steps = [_step(n, accs[n], True, [], None) for n in newton]
+    steps = [_step(n, accs[n], True, _hist_labels(), None) for n in newton]
+    capped = [f"{samples} pairs asked: capped at {n_pairs}"] if n_pairs < samples else []
     return MathAnalysis(spec, "samples", steps, {}, [f"{n_pairs} random pairs a in [1, 2), b over the full range; "
-                                                     "worst inputs list b", *_nonfinite_notes(spec, steps)])
+                                                     "worst inputs list b", *capped, *_nonfinite_notes(spec, steps)])

@@ -390,6 +390,9 @@ def scan(
     x_cr = lay.to_cr(x)
     g, b, rm, rv, dy = _run_inputs(x, x_cr, lay.channels, seed, gamma, beta, running_mean, running_var, dy)
     if not isinstance(a, PolicyAdapter):
+        if accumulate is not None:
+            raise BNProbeError(f"--accumulate sets the accumulator of an emulated kernel; {a.name} computes in its "
+                               "own: drop it")
         return _scan_outputs(a, x, fmt, mode, g, b, rm, rv, dy, eps, layout, momentum, params)
     xs = round_to(x, fmt)
     pol = _traced_policy(a, xs, fmt, mode, layout, params, accumulate)

@@ -208,3 +208,10 @@ def test_torch_with_same_format_parameters_raises_no_false_alarm(dtype):
     for mode in ("train", "infer", "backward"):
         rep = scan("torch", x, dtype=dtype, mode=mode, params="same")
         assert rep, [(f.anomaly, f.stage, f.count) for f in rep.findings]
+
+
+def test_accumulate_is_refused_for_a_kernel_that_is_not_emulated():
+    """--accumulate would be silently ignored by torch's kernel (it computes in its own accumulator)."""
+    pytest.importorskip("torch")
+    with pytest.raises(BNProbeError, match="--accumulate sets the accumulator of an emulated kernel"):
+        scan("torch", np.ones((2, 3, 2, 2)), dtype="fp16", accumulate="fp16")

@@ -298,3 +298,18 @@ def test_divide_splits_the_formats_overflow_from_the_methods_defects():
     # the method's inf where the quotient overflows is the format's (some such pairs it leaves finite)
     assert 0 < s.nonfinite - s.nonfinite_mismatch <= e.nonfinite
     assert s.nonfinite_mismatch > 0 and s.max_ulp == np.inf
+
+
+def test_divide_has_its_histogram_and_refuses_options_it_does_not_model():
+    """The ULP histogram of a divide is filled like the others', and options the
+    divide analysis does not model are refused instead of ignored."""
+    from bnprobe.checks.mathfn import MathSpec, analyze
+
+    res = analyze(MathSpec(op="divide", format="fp16", method="magic"), (0, 1), samples=4000, seed=3)
+    for st in res.steps:
+        assert st.histogram and 3600 < sum(st.histogram.values()) <= 4000  # the finite results, as for rsqrt
+    for bad in (dict(subnormals="zero"), dict(working="fp64")):
+        with pytest.raises(BNProbeError, match="do not apply"):
+            analyze(MathSpec(op="divide", format="fp16", method="magic", **bad), (0,), samples=100)
+    with pytest.raises(BNProbeError, match="do not apply"):
+        analyze(MathSpec(op="divide", format="fp16", method="magic"), (0,), domain="exhaustive")
