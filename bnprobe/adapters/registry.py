@@ -74,6 +74,12 @@ def _ascend(kernel: str) -> Callable[[str], KernelAdapter]:
     return make
 
 
+def _syncbn(opts: str) -> KernelAdapter:
+    from bnprobe.adapters.syncbn import SyncBNAdapter
+
+    return SyncBNAdapter.from_options(opts)
+
+
 def _torch_make(device: str) -> Callable[[str], KernelAdapter]:
     def make(opts: str) -> KernelAdapter:
         from bnprobe.adapters.torch_adapter import TorchAdapter
@@ -108,6 +114,9 @@ BUILTIN: dict[str, AdapterInfo] = {a.name: a for a in (
                 _always, _ascend("bnv3"), "chip=..., cores=N"),
     AdapterInfo("ascend-950", "Ascend 950 BatchNormV3 (arch35): Newton+FMA rstd, deterministic Chan merge",
                 _always, _ascend("950"), "cores=N"),
+    AdapterInfo("syncbn", "SyncBatchNorm emulated: the batch split into ranks, per-rank statistics merged through an "
+                "all-reduce", _always, _syncbn,
+                "ranks=3+8+5|world=K, merge=chan|sums|unweighted, reduce=fp32|fp16|bf16"),
     AdapterInfo("torch", "PyTorch aten native_batch_norm on CPU", _torch("cpu"), _torch_make("cpu"), "cuda"),
     AdapterInfo("torch:cuda", "PyTorch on a CUDA GPU", _torch("cuda"), _torch_make("cuda")),
     AdapterInfo("torch_npu", "PyTorch with torch_npu on an Ascend NPU", _torch("npu"), _torch_make("npu")),
