@@ -20,7 +20,8 @@ from bnprobe.formats import get_format
 __all__ = ["GRAD_TOLERANCES", "FINITE_DIFFERENCE", "MSPROBE_STANDARDS", "Standard", "grad_tolerance",
            "check_rtol_atol", "CheckerStandard", "MSPROBE_CHECKER", "MSPROBE_BENCHMARK_LIMITS",
            "MSPROBE_BENCHMARK_APIS", "MSPROBE_CSV_DECIMALS", "MSPROBE_COMPARE_LIMITS", "DOCTOR_TOLERANCES",
-           "doctor_tolerance", "KERNEL_AGREEMENT", "ACCUMULATION_FORMAT", "accumulation_bound"]
+           "doctor_tolerance", "KERNEL_AGREEMENT", "RANK_TOLERANCES", "ACCUMULATION_FORMAT",
+           "accumulation_bound"]
 
 GRAD_TOLERANCES: dict[str, tuple[float, float]] = {  # (rtol, atol)
     "fp64": (1e-7, 1e-7),
@@ -44,6 +45,19 @@ DOCTOR_TOLERANCES: dict[str, float] = {
 KERNEL_AGREEMENT: dict[str, float] = {"fp64": 1e-12, "fp32": 4e-6, "fp16": 8e-3, "bf16": 6e-2}
 
 FINITE_DIFFERENCE = {"eps": 1e-6, "atol": 1e-5, "rtol": 1e-3}
+
+#: check_ranks: which statistics a rank of a multi-rank step normalised with.  Statistics match a reference on a
+#: channel when the errors they put into x̂ -- |mean - reference mean|·invstd and |invstd / reference invstd - 1| --
+#: are each within (sum_ulps + sqrt(count))·u·(1 + |mean|·invstd), u the unit roundoff of the accumulation format
+#: (fp32; fp64 for fp64 data): a reduction of ``count`` values near |mean| errs by log2(count) (a tree) to
+#: sqrt(count) (a typical sequential sum) units of u·|mean|, and a Chan merge carries the rank means' error into
+#: the variance; plus stored_ulps·u of the format the statistics were saved in (their own rounding), and for
+#: statistics recovered from y (none saved) the bound of that fit's error from y's elements, each off by half an
+#: ulp of y's format plus elementwise_ulps·u of the accumulation format of |y| + |β| + |x·γ·invstd|.
+#: running_ulps: ranks that used the same statistics hold the same running statistics after the step (one
+#: deterministic update: bit-identical); a difference beyond this many ulps of the parameter format is another update.
+RANK_TOLERANCES: dict[str, float] = {"sum_ulps": 16.0, "stored_ulps": 2.0, "elementwise_ulps": 4.0,
+                                     "running_ulps": 4.0}
 
 
 @dataclass(frozen=True)
