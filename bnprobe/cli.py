@@ -140,7 +140,17 @@ def _run_sweep(command: str, found: tuple[Path, Optional[str]], calls: Optional[
     from bnprobe._progress import Progress
     from bnprobe.guard import format_size, require, run_bytes
     from bnprobe.reports.sweep import SWEEP_FILES, sweep_lines, write_sweep
-    from bnprobe.sweep import Journal, SweepResult, SweepSpec, check_plan, header, plan, run_sweep, scheduler_address
+    from bnprobe.sweep import (
+        Journal,
+        SweepResult,
+        SweepSpec,
+        check_plan,
+        header,
+        plan,
+        rank_groups,
+        run_sweep,
+        scheduler_address,
+    )
 
     root, runnable = found
     address = scheduler_address(scheduler)
@@ -149,19 +159,20 @@ def _run_sweep(command: str, found: tuple[Path, Optional[str]], calls: Optional[
     sweep_spec = SweepSpec(command, runnable, **spec)
     tasks = plan(root, calls)
     check_plan(tasks, sweep_spec)
-    n = 1 if address else min(workers or os.cpu_count() or 1, len(tasks))
-    biggest = max(tasks, key=lambda t: math.prod(t.shape))
-    need = run_bytes(command, math.prod(biggest.shape)) * n  # each worker holds one call at a time
-    require(need, f"{command} sweep on {n} worker(s), the largest call {biggest.key} (shape {biggest.shape}, "
+    items = [*tasks, *rank_groups(tasks)]  # each call, then each layer and step several ranks recorded
+    n = 1 if address else min(workers or os.cpu_count() or 1, len(items))
+    biggest = max(items, key=lambda t: math.prod(t.shape))
+    need = run_bytes(command, math.prod(biggest.shape)) * n  # each worker holds one task's tensors at a time
+    require(need, f"{command} sweep on {n} worker(s), the largest task {biggest.key} (shape {biggest.shape}, "
                   f"{format_size(need // n)} each)")
     sink = _output(out, force, f"{command}-sweep", *SWEEP_FILES)
     journal = Journal(sink.path, header(root, sweep_spec, calls))
     t0 = time.monotonic()
     with Progress(f"{command} sweep") as bar:
-        rows = run_sweep(tasks, sweep_spec, workers=n, scheduler=address, journal=journal, resume=resume, force=force,
+        rows = run_sweep(items, sweep_spec, workers=n, scheduler=address, journal=journal, resume=resume, force=force,
                          progress=lambda d, t, f: bar(d, t, f"{d}/{t} calls, {f} failed to run"))
-    result = SweepResult(command, str(root), rows, round(time.monotonic() - t0, 1),
-                         f"dask scheduler {address}" if address else f"{n} local worker(s)")
+    result = SweepResult.of(command, str(root), rows, seconds=round(time.monotonic() - t0, 1),
+                            engine=f"dask scheduler {address}" if address else f"{n} local worker(s)")
     write_sweep(result, sink)
     _echo(sweep_lines(result, sink.path))
     return 0 if result.passed else 1

@@ -29,7 +29,8 @@ from typing import Any
 from bnprobe.errors import BNProbeError
 
 __all__ = ["SWEEP_COMMANDS", "Task", "SweepSpec", "plan", "dump_leaves", "run_task", "run_sweep", "Journal",
-           "scheduler_address", "SweepResult", "SCORES", "header", "error_row", "check_plan"]
+           "scheduler_address", "SweepResult", "SCORES", "header", "error_row", "check_plan", "RankGroup",
+           "rank_groups"]
 
 SWEEP_COMMANDS = ("compare-precision", "doctor", "overflow")
 JOURNAL = "sweep-journal.jsonl"
@@ -51,6 +52,23 @@ class Task:
     shape: tuple[int, ...]
     dtype: str
     task: str = "tensor"  # msprobe's task: tensor, or statistics (summaries only)
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    """One layer at one step across its ranks: the statistics each rank used, checked against the golden of the
+    concatenated batch (:func:`bnprobe.checks.ranks.check_ranks`)."""
+
+    key: str  # ranks:step/layer
+    step: int
+    layer: str
+    members: tuple[Task, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The concatenated batch's shape (for the memory estimate)."""
+        first = self.members[0].shape
+        return (sum(t.shape[0] for t in self.members), *first[1:])
 
 
 @dataclass(frozen=True)
@@ -137,6 +155,16 @@ def check_plan(tasks: list[Task], spec: SweepSpec) -> None:
                            "summaries")
 
 
+def rank_groups(tasks: list[Task]) -> list[RankGroup]:
+    """The (step, layer) pairs that several ranks of a tensor dump recorded: one rank check each."""
+    groups: dict[tuple[int, str], list[Task]] = {}
+    for t in tasks:
+        if t.task == "tensor" and t.rank:
+            groups.setdefault((t.step, t.layer), []).append(t)
+    return [RankGroup(f"ranks:{step}/{layer}", step, layer, tuple(ts)) for (step, layer), ts in groups.items()
+            if len({t.rank for t in ts}) > 1]
+
+
 # ---- one task (runs in a worker) ---------------------------------------------------------------------
 
 def _one_call(task: Task) -> Any:
@@ -209,19 +237,45 @@ _ROWS: dict[str, Callable[[Any, SweepSpec], dict[str, Any]]] = {
     "compare-precision": _compare_row, "doctor": _doctor_row, "overflow": _overflow_row}
 
 
-def run_task(task: Task, spec: SweepSpec) -> dict[str, Any]:
-    """Run the sweep's check on one call (loading only its tensors); one row of plain values.  Raises on
-    failure: the engine retries once and then records the error."""
+def _ranks_row(group: RankGroup) -> dict[str, Any]:
+    """The rank check of one layer at one step: each rank's recording loaded (one call per rank)."""
+    from bnprobe.checks.ranks import check_ranks
+
+    recs = {i: _one_call(t).calls[0].load() for i, t in enumerate(group.members)}
+    rep = check_ranks(recs, call=group.layer)
+    return {"key": group.key, "step": group.step, "layer": group.layer,
+            "ranks": ", ".join(t.rank for t in group.members), "kind": rep.kind,
+            "verdict": "PASS" if rep.passed else "FAIL", "summary": rep.summary, "failures": list(rep.failures),
+            "notes": list(rep.notes)}
+
+
+def run_task(task: Task | RankGroup, spec: SweepSpec) -> dict[str, Any]:
+    """Run the sweep's check on one call (loading only its tensors), or the rank check of one layer and step;
+    one row of plain values.  Raises on failure: the engine retries once and then records the error."""
     import socket
     import warnings
 
     t0 = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        if isinstance(task, RankGroup):
+            row = _ranks_row(task)
+            return {**row, "status": "ok", "seconds": round(time.monotonic() - t0, 4),
+                    "worker": f"{socket.gethostname()}:{os.getpid()}", "worker_peak_mb": _peak_mb()}
         row = _ROWS[spec.command](_one_call(task), spec)
     row["notes"] = list(dict.fromkeys([*row.get("notes", []), *(f"a library warned: {w.message}" for w in caught)]))
     return {**_base(task), **row, "status": "ok", "seconds": round(time.monotonic() - t0, 4),
-            "worker": f"{socket.gethostname()}:{os.getpid()}"}
+            "worker": f"{socket.gethostname()}:{os.getpid()}", "worker_peak_mb": _peak_mb()}
+
+
+def _peak_mb() -> float:
+    """This process's peak resident memory so far, in MiB (what a worker has needed for its largest call)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on Windows
+        return float("nan")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (1 << 20 if sys.platform == "darwin" else 1 << 10), 1)
 
 
 def _base(task: Task) -> dict[str, Any]:
@@ -229,11 +283,16 @@ def _base(task: Task) -> dict[str, Any]:
             "call": task.call, "shape": "x".join(map(str, task.shape)), "dtype": task.dtype}
 
 
-def error_row(task: Task, message: str, attempts: int) -> dict[str, Any]:
+def error_row(task: Task | RankGroup, message: str, attempts: int) -> dict[str, Any]:
     """The row of a task that failed ``attempts`` times."""
+    if isinstance(task, RankGroup):
+        return {"key": task.key, "step": task.step, "layer": task.layer,
+                "ranks": ", ".join(t.rank for t in task.members), "kind": "", "verdict": "ERROR", "summary": "",
+                "failures": [], "notes": [], "status": "error", "error": message, "attempts": attempts,
+                "seconds": 0.0, "worker": "", "worker_peak_mb": float("nan")}
     return {**_base(task), "status": "error", "verdict": "ERROR", "score": float("nan"), "outputs": 0,
             "failing": "", "worst": "", "notes": [], "error": message, "attempts": attempts, "seconds": 0.0,
-            "worker": ""}
+            "worker": "", "worker_peak_mb": float("nan")}
 
 
 def first_line(exc: BaseException) -> str:
@@ -434,14 +493,31 @@ class SweepResult:
 
     command: str
     root: str
-    rows: list[dict[str, Any]]
+    rows: list[dict[str, Any]]  # one per call
     seconds: float = 0.0
     engine: str = ""
     notes: list[str] = field(default_factory=list)
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # one per (step, layer) several ranks recorded
+
+    @classmethod
+    def of(cls, command: str, root: str, rows: list[dict[str, Any]], **kw: Any) -> SweepResult:
+        """From :func:`run_sweep`'s rows: the calls' and the rank checks' apart.  Where every rank of a layer and
+        step normalised with the global statistics (SyncBatchNorm), a call's own check against its slice of the
+        batch does not apply: its verdict is the rank check's, against the concatenated batch."""
+        ranks = [r for r in rows if r["key"].startswith("ranks:")]
+        calls = [dict(r) for r in rows if not r["key"].startswith("ranks:")]
+        sync = {(r["step"], r["layer"]): r for r in ranks if r.get("kind") == "syncbn"}
+        for row in calls:
+            if (g := sync.get((row["step"], row["layer"]))) is not None and row["status"] == "ok":
+                row.update(verdict=g["verdict"], failing="" if g["verdict"] == "PASS" else "; ".join(g["failures"]),
+                           judged_by="ranks", notes=[*row.get("notes", []), "SyncBatchNorm: this rank normalised "
+                                                     "with the global statistics; judged by the rank check against "
+                                                     "the concatenated batch, not its own slice"])
+        return cls(command, root, calls, ranks=ranks, **kw)
 
     @property
     def passed(self) -> bool:
-        return all(r["verdict"] == "PASS" for r in self.rows)
+        return all(r["verdict"] == "PASS" for r in (*self.rows, *self.ranks))
 
     def __bool__(self) -> bool:
         return self.passed
@@ -465,7 +541,8 @@ class SweepResult:
                 for (s, k), r in sorted(first.items(), key=lambda kv: (kv[0][0], _rank_key(kv[0][1])))]
 
     def disagreements(self) -> list[dict[str, Any]]:
-        """Layers and steps on which ranks reach different verdicts on their own data."""
+        """Layers and steps on which ranks reach different verdicts on their own data, or used statistics that
+        the concatenated batch does not explain (the rank checks that failed or could not run)."""
         groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
         for r in self.rows:
             groups.setdefault((r["step"], r["layer"]), []).append(r)
@@ -476,6 +553,9 @@ class SweepResult:
                 out.append({"step": step, "layer": layer, "what": "verdicts differ",
                             "ranks": ", ".join(f"{r['rank'] or '-'}: {r['verdict']}"
                                                + (f" ({r['failing']})" if r["failing"] else "") for r in rs)})
+        out += [{"step": r["step"], "layer": r["layer"], "what": "statistics" if r["verdict"] == "FAIL" else
+                 "rank check could not run", "ranks": r["summary"] or r.get("error", "")}
+                for r in self.ranks if r["verdict"] != "PASS"]
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -483,7 +563,8 @@ class SweepResult:
                 "failed": sum(r["verdict"] == "FAIL" for r in self.rows),
                 "errors": sum(r["verdict"] == "ERROR" for r in self.rows), "seconds": self.seconds,
                 "engine": self.engine, "score": SCORES[self.command], "first_failing": self.first_failing(),
-                "disagreements": self.disagreements(), "notes": self.notes, "rows": self.rows}
+                "disagreements": self.disagreements(), "notes": self.notes, "rows": self.rows,
+                "ranks": self.ranks}
 
 
 def _rank_key(rank: str) -> tuple[int, int | str]:

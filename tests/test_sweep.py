@@ -15,7 +15,7 @@ from bnprobe.sweep import SweepResult, SweepSpec, Journal, dump_leaves, header, 
 from tests.checks.bn_plugins import NumpyBN
 
 RANKS = ("0", "1", "10")  # "10" sorts after "1" and "2" numerically, not as text
-TIMING = ("seconds", "worker", "attempts")
+TIMING = ("seconds", "worker", "attempts", "worker_peak_mb")
 
 
 def _call(adapter, seed, mean=0.5, shape=(4, 3, 2, 2)):
@@ -155,8 +155,8 @@ def test_commands_sweep_a_root_of_steps_and_ranks_and_write_one_report(tmp_path,
         code, text, err = cli(capsys, command, flag, f"dump:{root}", "--out", str(out), "--workers", "2")
         assert err == "" and f"{command} sweep of {root}: 6 calls (2 step(s) x 3 rank(s))" in text
         files = sorted(p.name for p in out.iterdir())
-        assert files == ["heatmap-layer-rank.png", "heatmap-layer-step.png", "summary.md", "sweep-journal.jsonl",
-                         "sweep.csv", "sweep.json", "sweep.parquet"]
+        assert files == ["heatmap-layer-rank.png", "heatmap-layer-step.png", "ranks.csv", "summary.md",
+                         "sweep-journal.jsonl", "sweep.csv", "sweep.json", "sweep.parquet"]
         doc = json.loads((out / "sweep.json").read_text())
         assert doc["tasks"] == 6 and doc["errors"] == 0
         if command != "overflow":  # the running variance is the fault: the outputs' scan has nothing to say
@@ -239,3 +239,33 @@ def test_a_sweep_of_real_msprobe_ranks_and_steps(msprobe_ranks, tmp_path, capsys
     assert code in (0, 1) and "overflow sweep" in out and err == ""
     code, out, err = cli(capsys, "doctor", "--adapter", f"dump:{stats}", "--out", str(tmp_path / "d"))
     assert code == 2 and "statistics-only" in err and not (tmp_path / "d").exists()
+
+
+def _syncbn_root(root, merge, ranks=(2, 14), steps=1):
+    """Per-rank bnprobe dumps of an emulated SyncBatchNorm step (ranks of unequal sizes, channels whose rank means
+    differ), as a multi-rank run writes them: step<k>/rank<r>/."""
+    from bnprobe.adapters.syncbn import SyncBNAdapter, rank_recordings
+
+    rng = np.random.default_rng(5)
+    n = sum(ranks)
+    x = rng.standard_normal((n, 3, 2, 2)) + np.repeat([0.0, 3.0], ranks)[:, None, None, None]
+    for s in range(steps):
+        recs = rank_recordings(SyncBNAdapter(ranks, merge=merge), x + s, np.ones(3), np.zeros(3), np.zeros(3),
+                               np.ones(3), rng.standard_normal(x.shape), dtype="fp32")
+        for r, rec in recs.items():
+            write_dump(rec, root / f"step{s}" / f"rank{r}")
+    return root
+
+
+def test_the_statistics_each_rank_used_are_checked_against_the_concatenated_batch(tmp_path, capsys):
+    """A SyncBatchNorm whose merge ignores the ranks' counts (2 and 14 samples) is named by the sweep's rank check
+    and fails it; the correct merge (Chan's) reads as SyncBatchNorm and passes; real DDP ranks read as local."""
+    good = _syncbn_root(tmp_path / "chan", "chan")
+    bad = _syncbn_root(tmp_path / "unweighted", "unweighted")
+    code, out, err = cli(capsys, "doctor", "--adapter", f"dump:{good}", "--out", str(tmp_path / "g"))
+    assert code == 0 and "1 layer(s) x step checked across ranks (syncbn 1)" in out, out + err
+    code, out, err = cli(capsys, "doctor", "--adapter", f"dump:{bad}", "--out", str(tmp_path / "b"))
+    doc = json.loads((tmp_path / "b" / "sweep.json").read_text())
+    assert code == 1 and doc["ranks"][0]["verdict"] == "FAIL" and "unweighted" in doc["ranks"][0]["summary"]
+    assert any(d["what"] == "statistics" for d in doc["disagreements"]) and "statistics" in out
+    assert (tmp_path / "b" / "ranks.csv").is_file()

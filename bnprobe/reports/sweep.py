@@ -3,6 +3,7 @@ layer x step and layer x rank heatmaps of the worst score; and the terminal text
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,11 @@ def _title(result: SweepResult) -> str:
     ranks = len({r["rank"] for r in result.rows})
     return (f"{result.command} sweep of {result.root}: {len(result.rows)} calls ({steps} step(s) x {ranks} rank(s)), "
             + ("all pass" if result.passed else f"{failed} fail" + (f", {errors} could not run" if errors else ""))
+            + (f"; {len(result.ranks)} layer(s) x step checked across ranks ("
+               + ", ".join(f"{k} {n}" for k, n in Counter(r["kind"] or "error" for r in result.ranks).items()) + ")"
+               + (f", {bad} not explained by the concatenated batch" if (bad := sum(r["verdict"] != "PASS"
+                                                                                   for r in result.ranks)) else "")
+               if result.ranks else "")
             + f"; {result.seconds:.1f} s on {result.engine}")
 
 
@@ -51,7 +57,9 @@ def _markdown(result: SweepResult, frame: Any) -> str:
              markdown_table(pd.DataFrame(result.first_failing())) if result.first_failing() else "none", "",
              "## Ranks that disagree on the same layer and step", "",
              markdown_table(pd.DataFrame(result.disagreements())) if result.disagreements() else "none", "",
-             "## Calls that fail or could not run", "",
+             "## Statistics across ranks (each layer and step, against the concatenated batch)", "",
+             "\n".join(f"- step {r['step']}: {r['summary'] or r.get('error', '')}" for r in result.ranks) or "none",
+             "", "## Calls that fail or could not run", "",
              markdown_table(bad[cols]) if len(bad) else "none", "", "## Figures", "",
              "- [layer x step](heatmap-layer-step.png)", "- [layer x rank](heatmap-layer-rank.png)", ""]
     return "\n".join(parts + [f"Note: {n}" for n in result.notes]) + "\n"
@@ -68,6 +76,10 @@ def write_sweep(result: SweepResult, sink: OutputDir) -> list[Path]:
         result.notes.append("no Parquet table: install pyarrow (pip install 'bnprobe[dist]')")
     else:
         sink.write_bytes("sweep.parquet", data)
+    if result.ranks:
+        import pandas as pd
+
+        sink.write_text("ranks.csv", pd.DataFrame(result.ranks).to_csv(index=False))
     sink.write_text("sweep.json", dumps_json(result.to_dict()))
     ok = frame[frame["verdict"] != "ERROR"]
     if len(ok):
