@@ -309,8 +309,9 @@ def adapters_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON.
     for r in rows:
         r["status"] = "yes" if r["available"] else f"no: {r['why']}"
     typer.echo(render_table(rows, ["name", "status", "description"], headers=["adapter", "available", "what"]))
-    typer.echo("\noptions: emulated:<policy>, ascend-tbe:chip=910,cores=8, dump:DIR[#CALL-GLOB]; "
-               "plugins: package.module:Name or the 'bnprobe.adapters' entry-point group")
+    typer.echo("\noptions: emulated:<policy>, ascend-tbe:chip=910,cores=8, syncbn:ranks=2+14,merge=chan|sums|"
+               "unweighted,reduce=fp16, dump:DIR[#CALL-GLOB]; plugins: package.module:Name or the 'bnprobe.adapters' "
+               "entry-point group")
 
 
 @app.command("dump")

@@ -94,7 +94,8 @@ def sweep_lines(result: SweepResult, folder: Path | None = None) -> list[str]:
     """The terminal text: the verdict line, the first failing call per step and rank, the ranks that disagree,
     the calls that could not run, the notes and where the report is."""
     lines = [_title(result)]
-    first = result.first_failing()
+    first = [{**f, "failing": f["failing"] if len(f["failing"]) <= 90 else f["failing"][:89] + "…"}
+             for f in result.first_failing()]
     if first:
         lines += ["", "first call that fails, per step and rank (forward order):",
                   render_table(first, ["step", "rank", "order", "call", "verdict", "failing"],
