@@ -358,10 +358,17 @@ class Journal:
 # ---- engines -----------------------------------------------------------------------------------------
 
 def scheduler_address(given: str | None) -> str | None:
-    """``--scheduler``, else ``$BNPROBE_SCHEDULER``; checked to be ``tcp://HOST:PORT`` (or tls://...)."""
+    """``--scheduler``, else ``$BNPROBE_SCHEDULER``; checked to be ``tcp://HOST:PORT`` (or tls://...), with
+    dask.distributed installed to reach it."""
     address = given if given is not None else os.environ.get("BNPROBE_SCHEDULER") or None
-    if address is not None and not re.fullmatch(r"(tcp|tls|inproc|ucx)://[^\s/]+(:\d+)?/?", address):
+    if address is None:
+        return None
+    if not re.fullmatch(r"(tcp|tls|inproc|ucx)://[^\s/]+(:\d+)?/?", address):
         raise BNProbeError(f"--scheduler takes a dask scheduler address such as tcp://HOST:8786, got {address!r}")
+    try:
+        import distributed  # noqa: F401
+    except ImportError:
+        raise BNProbeError("--scheduler needs dask.distributed: pip install 'bnprobe[dist]'") from None
     return address
 
 

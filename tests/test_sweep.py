@@ -269,3 +269,24 @@ def test_the_statistics_each_rank_used_are_checked_against_the_concatenated_batc
     assert code == 1 and doc["ranks"][0]["verdict"] == "FAIL" and "unweighted" in doc["ranks"][0]["summary"]
     assert any(d["what"] == "statistics" for d in doc["disagreements"]) and "statistics" in out
     assert (tmp_path / "b" / "ranks.csv").is_file()
+
+
+def test_a_scheduler_without_dask_says_which_extra_to_install(tmp_path, capsys, monkeypatch):
+    import sys
+
+    root = make_root(tmp_path / "run", steps=1)
+    monkeypatch.setitem(sys.modules, "distributed", None)  # as if bnprobe[dist] were not installed
+    code, out, err = cli(capsys, "overflow", "--adapter", f"dump:{root}", "--scheduler", "tcp://127.0.0.1:1",
+                         "--out", str(tmp_path / "o"))
+    assert code == 2 and "pip install 'bnprobe[dist]'" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()  # nothing left behind
+
+
+def test_the_scheduler_can_come_from_the_environment(tmp_path, capsys, monkeypatch, cluster):
+    root = make_root(tmp_path / "run", steps=1)
+    monkeypatch.setenv("BNPROBE_SCHEDULER", cluster.scheduler_address)
+    code, out, err = cli(capsys, "compare-precision", "--adapters", f"dump:{root}", "--out", str(tmp_path / "o"))
+    assert code == 0 and f"on dask scheduler {cluster.scheduler_address}" in out, out + err
+    monkeypatch.setenv("BNPROBE_SCHEDULER", "nonsense")
+    code, out, err = cli(capsys, "compare-precision", "--adapters", f"dump:{root}", "--out", str(tmp_path / "p"))
+    assert code == 2 and "--scheduler takes a dask scheduler address" in err
