@@ -233,7 +233,8 @@ def test_a_sweep_of_real_msprobe_ranks_and_steps(msprobe_ranks, tmp_path, capsys
     stats = root / manifest["dumps"]["statistics"]["dump_path"]
     tasks = plan(tensor)
     assert [(t.step, t.rank) for t in tasks][::4] == [(0, "0"), (0, "1"), (1, "0"), (1, "1")] and len(tasks) == 16
-    code, out, err = cli(capsys, "compare-precision", "--adapters", f"dump:{tensor}", "--out", str(tmp_path / "t"))
+    code, out, err = cli(capsys, "compare-precision", "--adapters", f"dump:{tensor}", "--out", str(tmp_path / "t"),
+                         "--workers", "1")
     assert code == 0 and "16 calls (2 step(s) x 2 rank(s)), all pass" in out, out + err
     code, out, err = cli(capsys, "overflow", "--adapter", f"dump:{stats}", "--out", str(tmp_path / "s"))
     assert code in (0, 1) and "overflow sweep" in out and err == ""

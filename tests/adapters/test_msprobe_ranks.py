@@ -11,7 +11,6 @@ import pytest
 from bnprobe.adapters.dump import open_dump
 from bnprobe.adapters.msprobe import find_dump_jsons, msprobe_calls
 from bnprobe.errors import BNProbeError
-from tests.conftest import generate_ranks
 
 STEPS, WORLD = 2, 2
 RECORDED = (("x", "x"), ("gamma", "weight"), ("beta", "bias"), ("running_mean", "running_mean"),
@@ -177,17 +176,19 @@ def test_one_step_one_rank_or_one_dump_json(ranks):
         f"step{k}/rank{r}/{apis[2]}" for k in range(STEPS) for r in range(WORLD)]
 
 
-@pytest.fixture(scope="module")
-def many_steps(tmp_path_factory):
-    """(root, manifest): one rank, 11 steps (step0 ... step10), tensor dump only."""
-    return generate_ranks(tmp_path_factory.mktemp("msprobe-steps"), 11, 1, False)
+def test_steps_and_ranks_past_nine_stay_in_numeric_order(ranks, tmp_path):
+    """msprobe names its folders step<k>/rank<r> with no padding: step10 and rank10 must come after step2 and
+    rank2 (the real folders of the 2-step, 2-rank dump, copied to steps 0..10 and ranks 0, 1, 2, 10)."""
+    import shutil
 
-
-def test_steps_past_nine_stay_in_step_order(many_steps):
-    root, manifest = many_steps
+    root, manifest = ranks
     base = dump_path(root, manifest)
-    assert sorted(p.name for p in base.iterdir()) == sorted(f"step{k}" for k in range(11))  # what msprobe wrote
-    assert len(open_dump(base).calls) == 11 * len(manifest["calls"])  # every call is found
-    assert [p.parent.relative_to(base).as_posix() for p in find_dump_jsons(base)] == [
-        f"step{k}/rank0" for k in range(11)]
-    assert [c.name for c in open_dump(base).calls] == [f"{r['folder']}/{r['api_name']}" for r in manifest["records"]]
+    order = [(k, r) for k in range(11) for r in (0, 1, 2, 10)]
+    for k, r in reversed(order):  # created in reverse, so no file-system order can pass for the right one
+        shutil.copytree(base / f"step{k % 2}" / f"rank{r % 2}", tmp_path / f"step{k}" / f"rank{r}")
+    assert [p.parent.relative_to(tmp_path).as_posix() for p in find_dump_jsons(tmp_path)] == [
+        f"step{k}/rank{r}" for k, r in order]
+    calls = open_dump(tmp_path).calls
+    assert len(calls) == len(order) * len(manifest["calls"])  # every call is found, in step, rank, forward order
+    assert [c.name for c in calls] == [f"step{k}/rank{r}/{call['api_name']}" for k, r in order
+                                       for call in manifest["calls"]]
