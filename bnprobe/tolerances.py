@@ -21,7 +21,7 @@ __all__ = ["GRAD_TOLERANCES", "FINITE_DIFFERENCE", "MSPROBE_STANDARDS", "Standar
            "check_rtol_atol", "CheckerStandard", "MSPROBE_CHECKER", "MSPROBE_BENCHMARK_LIMITS",
            "MSPROBE_BENCHMARK_APIS", "MSPROBE_CSV_DECIMALS", "MSPROBE_COMPARE_LIMITS", "DOCTOR_TOLERANCES",
            "doctor_tolerance", "KERNEL_AGREEMENT", "RANK_TOLERANCES", "ACCUMULATION_FORMAT",
-           "accumulation_bound"]
+           "accumulation_bound", "SMALL_VALUE_ULPS"]
 
 GRAD_TOLERANCES: dict[str, tuple[float, float]] = {  # (rtol, atol)
     "fp64": (1e-7, 1e-7),
@@ -165,6 +165,13 @@ def doctor_tolerance(fmt: str) -> float:
 #: γ_R·Σ|terms| (γ_R = R·u/(1 - R·u), R terms, u this format's unit roundoff) plus half an ulp of the output: on a
 #: sum that cancels, any two correct kernels differ by rounding noise that msprobe's relative metrics magnify.
 ACCUMULATION_FORMAT: dict[str, str] = {"fp64": "fp64", "fp32": "fp32", "fp16": "fp32", "bf16": "fp32"}
+
+
+#: compare-precision's benchmark rule does not fail an elementwise output only on msprobe's small-value ratio when each
+#: output near zero errs by at most this many units of the accumulation format's unit roundoff times its natural
+#: magnitude |x·rstd·γ| + |μ·rstd·γ| + |β|, plus half an ulp: y = (x - μ)·rstd·γ + β rounds about four times on
+#: values of that size and inherits the statistics' rounding (a few units more), so near zero it cancels to noise.
+SMALL_VALUE_ULPS = 8.0
 
 
 def accumulation_bound(fmt: str, terms: int) -> float:
