@@ -362,24 +362,33 @@ def _real_array(value: Any) -> tuple[np.ndarray, str | None]:
         return np.empty(0), f"returned {kind_of(value)}, not an array ({first_line(exc)})"
 
 
+@functools.lru_cache(maxsize=8)
+def _golden_fd_rows(shape: tuple[int, ...], seed: int, eps: float) -> tuple[GradRow, ...]:
+    """The FP64 golden's own gradients checked by finite differences on the formula check's inputs (the same for
+    every formula on the same shape, seed and eps: computed once)."""
+    inp = make_inputs(shape, seed)
+    fd_rows, _ = _fd_check(get_adapter("reference"), inp, "train", eps, FINITE_DIFFERENCE["eps"],
+                           FINITE_DIFFERENCE["rtol"], FINITE_DIFFERENCE["atol"], np.random.default_rng(seed))
+    return tuple(replace(r, tensor=f"reference {r.tensor}", detail="the golden's own gradients, by finite "
+                         "differences") for r in fd_rows)
+
+
 def check_formula(spec: str, shape: tuple[int, ...] = (4, 3, 5, 5), *, seed: int = 0, eps: float = 1e-5,
                   rtol: float | None = None, atol: float | None = None) -> GradcheckResult:
     """Check a backward formula ``f(dy, x, gamma, mean, var, eps) -> dx`` (or (dx, dgamma, dbeta)) in FP64
     against the analytic gradient (itself checked by finite differences).  For ``seed``, also try the
     candidate corrections alone and together and say which combination passes."""
     rt, at = grad_tolerance("fp64", rtol, atol)
+    # the formula is loaded and checked before anything is computed
+    candidates = [(f"seed {label}", seed_formula(s, xh)) for label, s, xh in SEED_CORRECTIONS] if spec == "seed" \
+        else [(spec, _load_formula(spec))]
     inp = make_inputs(shape, seed)
     ref = get_adapter("reference")
     f = ref.forward_train(inp.x, inp.gamma, inp.beta, dtype="fp64", eps=eps)
     gold = ref.backward(inp.dy, inp.x, inp.gamma, f.saved, dtype="fp64", eps=eps)
     mean, var = f.saved.mean.astype(np.float64), f.saved.var(eps)
-    fd_rows, _ = _fd_check(ref, inp, "train", eps, FINITE_DIFFERENCE["eps"], FINITE_DIFFERENCE["rtol"],
-                           FINITE_DIFFERENCE["atol"], np.random.default_rng(seed))
-    rows = [replace(r, tensor=f"reference {r.tensor}", detail="the golden's own gradients, by finite differences")
-            for r in fd_rows]
+    rows = list(_golden_fd_rows(tuple(shape), seed, eps))
     notes: list[str] = []
-    candidates = [(f"seed {label}", seed_formula(s, xh)) for label, s, xh in SEED_CORRECTIONS] if spec == "seed" \
-        else [(spec, _load_formula(spec))]
     where = _where(inp.x.shape)
     passing = []
     for label, fn in candidates:
