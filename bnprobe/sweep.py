@@ -437,7 +437,8 @@ def _local(todo: list[Task], spec: SweepSpec, workers: int, finish: Callable[[Ta
                     if finish(task, result, attempt):
                         (pending.append((task, attempt + 1)) if broken else
                          running.setdefault(pool.submit(run_task, task, spec), (task, attempt + 1)))
-                if broken:
+                if broken:  # the tasks still queued or running on the broken pool run again on a new one
+                    pending.extend(running.values())
                     break
 
 
