@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bnprobe._loading import first_line
 from bnprobe.errors import BNProbeError
 
 __all__ = ["SWEEP_COMMANDS", "Task", "SweepSpec", "plan", "dump_leaves", "run_task", "run_sweep", "Journal",
@@ -243,10 +244,8 @@ def _ranks_row(group: RankGroup) -> dict[str, Any]:
 
     recs = {i: _one_call(t).calls[0].load() for i, t in enumerate(group.members)}
     rep = check_ranks(recs, call=group.layer)
-    return {"key": group.key, "step": group.step, "layer": group.layer,
-            "ranks": ", ".join(t.rank for t in group.members), "kind": rep.kind,
-            "verdict": "PASS" if rep.passed else "FAIL", "summary": rep.summary, "failures": list(rep.failures),
-            "notes": list(rep.notes)}
+    return {"kind": rep.kind, "verdict": "PASS" if rep.passed else "FAIL", "summary": rep.summary,
+            "failures": list(rep.failures), "notes": list(rep.notes)}
 
 
 _MALLOC_TUNED = False
@@ -282,11 +281,7 @@ def run_task(task: Task | RankGroup, spec: SweepSpec) -> dict[str, Any]:
     t0 = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        if isinstance(task, RankGroup):
-            row = _ranks_row(task)
-            return {**row, "status": "ok", "seconds": round(time.monotonic() - t0, 4),
-                    "worker": f"{socket.gethostname()}:{os.getpid()}", "worker_peak_mb": _peak_mb()}
-        row = _ROWS[spec.command](_one_call(task), spec)
+        row = _ranks_row(task) if isinstance(task, RankGroup) else _ROWS[spec.command](_one_call(task), spec)
     row["notes"] = list(dict.fromkeys([*row.get("notes", []), *(f"a library warned: {w.message}" for w in caught)]))
     return {**_base(task), **row, "status": "ok", "seconds": round(time.monotonic() - t0, 4),
             "worker": f"{socket.gethostname()}:{os.getpid()}", "worker_peak_mb": _peak_mb()}
@@ -302,7 +297,11 @@ def _peak_mb() -> float:
     return round(peak / (1 << 20 if sys.platform == "darwin" else 1 << 10), 1)
 
 
-def _base(task: Task) -> dict[str, Any]:
+def _base(task: Task | RankGroup) -> dict[str, Any]:
+    """What identifies a task's row."""
+    if isinstance(task, RankGroup):
+        return {"key": task.key, "step": task.step, "layer": task.layer,
+                "ranks": ", ".join(t.rank for t in task.members)}
     return {"key": task.key, "step": task.step, "rank": task.rank, "order": task.order, "layer": task.layer,
             "call": task.call, "shape": "x".join(map(str, task.shape)), "dtype": task.dtype}
 
@@ -310,19 +309,18 @@ def _base(task: Task) -> dict[str, Any]:
 def error_row(task: Task | RankGroup, message: str, attempts: int) -> dict[str, Any]:
     """The row of a task that failed ``attempts`` times."""
     if isinstance(task, RankGroup):
-        return {"key": task.key, "step": task.step, "layer": task.layer,
-                "ranks": ", ".join(t.rank for t in task.members), "kind": "", "verdict": "ERROR", "summary": "",
-                "failures": [], "notes": [], "status": "error", "error": message, "attempts": attempts,
-                "seconds": 0.0, "worker": "", "worker_peak_mb": float("nan")}
+        return {**_base(task), "kind": "", "verdict": "ERROR", "summary": "", "failures": [], "notes": [],
+                "status": "error", "error": message, "attempts": attempts, "seconds": 0.0, "worker": "",
+                "worker_peak_mb": float("nan")}
     return {**_base(task), "status": "error", "verdict": "ERROR", "score": float("nan"), "outputs": 0,
             "failing": "", "worst": "", "notes": [], "error": message, "attempts": attempts, "seconds": 0.0,
             "worker": "", "worker_peak_mb": float("nan")}
 
 
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:300] if isinstance(exc, BNProbeError) else \
-        f"{type(exc).__name__}: {text[0][:300] if text else ''}".rstrip(": ")
+def _reason(exc: BaseException) -> str:
+    """A failed task's reason, one line: a BNProbeError's own message, else ``TypeName: first line``."""
+    text = str(exc).strip()
+    return (text.splitlines()[0] if isinstance(exc, BNProbeError) and text else first_line(exc))[:300]
 
 
 # ---- the journal: finished rows, appended as they arrive -----------------------------------------------
@@ -431,7 +429,7 @@ def _local(todo: list[Task], spec: SweepSpec, workers: int, finish: Callable[[Ta
                     try:
                         result = fut.result()
                     except BrokenProcessPool as exc:  # a worker died: this task and the others still running
-                        broken, result = True, BNProbeError(f"worker lost ({first_line(exc)})")
+                        broken, result = True, BNProbeError(f"worker lost ({_reason(exc)})")
                     except Exception as exc:  # noqa: BLE001
                         result = exc
                     if finish(task, result, attempt):
@@ -452,7 +450,7 @@ def _dask(todo: list[Task], spec: SweepSpec, address: str, finish: Callable[[Tas
     try:
         client = Client(address, timeout=10, set_as_default=False)
     except (OSError, TimeoutError) as exc:
-        raise BNProbeError(f"cannot reach the dask scheduler at {address}: {first_line(exc)}") from None
+        raise BNProbeError(f"cannot reach the dask scheduler at {address}: {_reason(exc)}") from None
     try:
         futures = {client.submit(run_task, t, spec, key=f"bnprobe-{t.key}-1", pure=False): (t, 1) for t in todo}
         with client.as_current():
@@ -487,7 +485,7 @@ def run_sweep(tasks: list[Task], spec: SweepSpec, *, workers: int = 1, scheduler
         if isinstance(result, BaseException):
             if attempt < 2:
                 return True
-            row = error_row(task, first_line(result), attempt)
+            row = error_row(task, _reason(result), attempt)
             failed[0] += 1
         else:
             row = {**result, "attempts": attempt}
