@@ -20,7 +20,7 @@ from bnprobe.formats import get_format
 __all__ = ["GRAD_TOLERANCES", "FINITE_DIFFERENCE", "MSPROBE_STANDARDS", "Standard", "grad_tolerance",
            "check_rtol_atol", "CheckerStandard", "MSPROBE_CHECKER", "MSPROBE_BENCHMARK_LIMITS",
            "MSPROBE_BENCHMARK_APIS", "MSPROBE_CSV_DECIMALS", "MSPROBE_COMPARE_LIMITS", "DOCTOR_TOLERANCES",
-           "doctor_tolerance", "KERNEL_AGREEMENT", "RANK_TOLERANCES", "ACCUMULATION_FORMAT",
+           "doctor_tolerance", "KERNEL_AGREEMENT", "RANK_TOLERANCES", "ACCUMULATION_FORMAT", "accumulation_format",
            "accumulation_bound", "SMALL_VALUE_ULPS"]
 
 GRAD_TOLERANCES: dict[str, tuple[float, float]] = {  # (rtol, atol)
@@ -174,8 +174,13 @@ ACCUMULATION_FORMAT: dict[str, str] = {"fp64": "fp64", "fp32": "fp32", "fp16": "
 SMALL_VALUE_ULPS = 8.0
 
 
+def accumulation_format(fmt: str) -> str:
+    """The format a correct kernel accumulates ``fmt`` data in (:data:`ACCUMULATION_FORMAT`; fp32 for others)."""
+    return ACCUMULATION_FORMAT.get(get_format(fmt).name, "fp32")
+
+
 def accumulation_bound(fmt: str, terms: int) -> float:
     """γ_R of the accumulation format of ``fmt`` for ``terms`` terms (the relative bound of a sum's rounding
     error against the sum of the terms' magnitudes, in any order)."""
-    u = get_format(ACCUMULATION_FORMAT.get(get_format(fmt).name, "fp32")).unit_roundoff
+    u = get_format(accumulation_format(fmt)).unit_roundoff
     return terms * u / (1 - terms * u) if terms * u < 1 else float("inf")

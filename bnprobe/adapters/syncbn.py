@@ -52,6 +52,7 @@ from bnprobe.adapters.base import (
 )
 from bnprobe.adapters.dump import Recording
 from bnprobe.errors import BNProbeError
+from bnprobe.tolerances import accumulation_format
 from bnprobe.formats import get_format
 from bnprobe.kernels.layout import layout_of
 from bnprobe.numerics.arith import Arith
@@ -69,8 +70,9 @@ _OPTIONS = ("ranks", "world", "merge", "reduce")
 
 
 def compute_format(dtype: str) -> str:
-    """The format SyncBatchNorm computes statistics in for inputs in ``dtype``: fp64 for fp64, else fp32."""
-    return "fp64" if get_format(dtype).name == "fp64" else "fp32"
+    """The format SyncBatchNorm computes statistics in for inputs in ``dtype``: fp64 for fp64, else fp32 (the
+    accumulation format of :mod:`bnprobe.tolerances`)."""
+    return accumulation_format(dtype)
 
 
 def split_ranks(batch: int, ranks: tuple[int, ...] | None = None, world: int = 2) -> tuple[int, ...]:

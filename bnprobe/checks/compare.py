@@ -42,11 +42,11 @@ from bnprobe.kernels.layout import element_at, layout_of
 from bnprobe.metrics import benchmark, benchmark_verdict, checker_metrics, compare, ulp_error
 from bnprobe.numerics.rounding import round_to
 from bnprobe.tolerances import (
-    ACCUMULATION_FORMAT,
     MSPROBE_STANDARDS,
     SMALL_VALUE_ULPS,
     Standard,
     accumulation_bound,
+    accumulation_format,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -249,7 +249,7 @@ def _within_accumulation(tensor: str, actual: Any, golden: Any, fmt: str, scale:
         return None
     worst = int(np.argmax(used))
     return float(used[worst]), (
-        f"within the rounding of a {ACCUMULATION_FORMAT.get(get_format(fmt).name, 'fp32')} accumulation of its "
+        f"within the rounding of a {accumulation_format(fmt)} accumulation of its "
         f"{terms} terms: every error at most {100 * used[worst]:.3g}% of γ_{terms}·Σ|terms| + ½ ulp (channel "
         f"{worst}: {a[worst]:.6g} vs {g[worst]:.6g} expected, terms' magnitude {np.reshape(scale, -1)[worst]:.4g}: "
         "the sum cancels, so its relative error is rounding noise)")
@@ -270,7 +270,7 @@ def _small_values_rounded(b: Any, actual: Any, golden: Any, fmt: str,
     small = np.abs(g) <= std.small_threshold
     if a.shape != g.shape or not small.any():
         return None
-    u = get_format(ACCUMULATION_FORMAT.get(get_format(fmt).name, "fp32")).unit_roundoff
+    u = get_format(accumulation_format(fmt)).unit_roundoff
     with np.errstate(all="ignore"):
         bound = SMALL_VALUE_ULPS * u * natural()[small] + 0.5 * get_format(fmt).ulp(g[small])
         used = np.abs(a[small] - g[small]) / bound
@@ -279,7 +279,7 @@ def _small_values_rounded(b: Any, actual: Any, golden: Any, fmt: str,
     return float(used.max()), (
         f"within a correct kernel's rounding: the {int(small.sum())} output(s) near zero (|golden| <= "
         f"{std.small_threshold:g}) that msprobe's small-value ratio counts each err at most {100 * used.max():.3g}% "
-        f"of {SMALL_VALUE_ULPS:g} ulps of {ACCUMULATION_FORMAT.get(get_format(fmt).name, 'fp32')} times "
+        f"of {SMALL_VALUE_ULPS:g} ulps of {accumulation_format(fmt)} times "
         "|x·rstd·γ| + |μ·rstd·γ| + |β| (y cancels there), and every other metric is within the benchmark")
 
 
