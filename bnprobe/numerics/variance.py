@@ -16,7 +16,7 @@ from bnprobe.errors import BNProbeError
 from bnprobe.numerics.arith import Arith, Tally
 from bnprobe.numerics.reduce import reduce_sum
 
-__all__ = ["VARIANCES", "MEAN_BY", "StageValue", "Moments", "moments"]
+__all__ = ["VARIANCES", "MEAN_BY", "StageValue", "Moments", "Sums", "moments", "prescale_exponent"]
 
 VARIANCES: tuple[str, ...] = ("naive", "two_pass", "welford", "welford_ascend", "chan")
 # divide: s / R, one rounding.  reciprocal: s * fl(1/R) (Ascend TBE).  prescaled: the addends are
@@ -126,17 +126,37 @@ class _Stages:
         return value
 
 
+class Sums:
+    """The per-channel sums the naive and two-pass algorithms need, each addend rounded in ``acc`` and
+    prescaled by ``pre``, summed by reduce_sum with the options ``red``."""
+
+    def __init__(self, acc: Arith, pre: Callable[[np.ndarray], np.ndarray], red: dict) -> None:
+        self.acc, self.pre, self.red = acc, pre, red
+
+    def total(self, x: np.ndarray, t: Tally) -> np.ndarray:
+        """The sum of x."""
+        return reduce_sum(self.pre(x), self.acc, tally=t, **self.red)
+
+    def squares(self, x: np.ndarray, t: Tally) -> np.ndarray:
+        """The sum of x*x."""
+        return reduce_sum(self.pre(self.acc.mul(x, x, t)), self.acc, tally=t, **self.red)
+
+    def deviations(self, x: np.ndarray, mean: np.ndarray, t: Tally) -> tuple[np.ndarray, np.ndarray | None]:
+        """The sum of (x - mean)² and the deviations x - mean (None where they were not kept)."""
+        dev = self.acc.sub(x, mean[:, None], t)
+        return reduce_sum(self.pre(self.acc.mul(dev, dev, t)), self.acc, tally=t, **self.red), dev
+
+
 _Result = tuple[np.ndarray, np.ndarray, "np.ndarray | None", Tally]  # mean, variance, its float64 value, tally
 
 
-def _naive(x: np.ndarray, acc: Arith, stage: _Stages, red: dict, mean_by: str) -> _Result:
+def _naive(x: np.ndarray, acc: Arith, stage: _Stages, sums: Sums, mean_by: str) -> _Result:
     """E[x²] − E[x]² from a sum and a sum of squares."""
     c, r = x.shape
     t = Tally(c)
-    s = stage("sum", reduce_sum(stage.pre(x), acc, tally=t, **red), stage.wsum(x), t)
+    s = stage("sum", sums.total(x, t), stage.wsum(x), t)
     t = Tally(c)
-    q = reduce_sum(stage.pre(acc.mul(x, x, t)), acc, tally=t, **red)
-    q = stage("sum_sq", q, stage.wsum(x, square=True), t)
+    q = stage("sum_sq", sums.squares(x, t), stage.wsum(x, square=True), t)
     t = Tally(c)
     mean, wide = _scale_by_count(s, r, acc, mean_by, t)
     mean = stage("mean", mean, wide, t)
@@ -150,17 +170,16 @@ def _naive(x: np.ndarray, acc: Arith, stage: _Stages, red: dict, mean_by: str) -
     return mean, acc.round(wide, t), wide, t
 
 
-def _two_pass(x: np.ndarray, acc: Arith, stage: _Stages, red: dict, mean_by: str) -> _Result:
+def _two_pass(x: np.ndarray, acc: Arith, stage: _Stages, sums: Sums, mean_by: str) -> _Result:
     """The mean, then the sum of squared deviations from it."""
     c, r = x.shape
     t = Tally(c)
-    s = stage("sum", reduce_sum(stage.pre(x), acc, tally=t, **red), stage.wsum(x), t)
+    s = stage("sum", sums.total(x, t), stage.wsum(x), t)
     t = Tally(c)
     mean, wide = _scale_by_count(s, r, acc, mean_by, t)
     mean = stage("mean", mean, wide, t)
     t = Tally(c)
-    dev = acc.sub(x, mean[:, None], t)
-    q = reduce_sum(stage.pre(acc.mul(dev, dev, t)), acc, tally=t, **red)
+    q, dev = sums.deviations(x, mean, t)
     q = stage("sum_sq_dev", q, stage.wsum(dev, square=True), t)
     t = Tally(c)
     var, wide = _scale_by_count(q, r, acc, mean_by, t)
@@ -243,6 +262,7 @@ def moments(
     rng: np.random.Generator | None = None,
     overrides: dict[str, np.ndarray] | None = None,
     wide_sums: bool = True,
+    sums: Sums | None = None,
 ) -> Moments:
     """Mean and biased variance of each row of a ``(C, R)`` array of ``acc``-format values.
 
@@ -252,7 +272,8 @@ def moments(
     ``chan`` (``tiles`` contiguous tiles, as on simulated cores, each two-pass,
     merged by Chan's formula).  ``clamp`` sets a negative variance to 0.
     ``wide_sums=False`` skips the float64 reference sums recorded as the stages'
-    ``wide`` values (a trace that keeps no arrays does not need them).
+    ``wide`` values (a trace that keeps no arrays does not need them).  ``sums`` forms the naive and
+    two-pass sums instead of :class:`Sums` (the compiled route's, bnprobe.kernels.fused; the same values).
     """
     r = x.shape[1]
     if algorithm not in VARIANCES:
@@ -265,9 +286,9 @@ def moments(
     stage = _Stages(acc, pre, wide_sums, overrides or {})
     with np.errstate(all="ignore"):
         if algorithm == "naive":
-            mean, var, wide, t = _naive(x, acc, stage, red, mean_by)
+            mean, var, wide, t = _naive(x, acc, stage, sums or Sums(acc, pre, red), mean_by)
         elif algorithm == "two_pass":
-            mean, var, wide, t = _two_pass(x, acc, stage, red, mean_by)
+            mean, var, wide, t = _two_pass(x, acc, stage, sums or Sums(acc, pre, red), mean_by)
         elif algorithm in ("welford", "welford_ascend"):
             mean, var, wide, t = _welford(x, acc, stage, algorithm, lanes, mean_by)
         else:  # chan
