@@ -104,9 +104,9 @@ def test_console_script_and_module_entry_points():
         assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "Traceback" not in bad.stderr
 
 
-def test_cli_start_up_does_not_import_pandas_matplotlib_or_torch():
+def test_cli_start_up_does_not_import_pandas_matplotlib_torch_numba_or_dask():
     code = ("import sys; from bnprobe.cli import app; "
-            "print(' '.join(m for m in ('pandas', 'matplotlib', 'torch') if m in sys.modules))")
+            "print(' '.join(m for m in ('pandas', 'matplotlib', 'torch', 'numba', 'dask') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == ""
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
+from bnprobe.kernels.fused import COMPILED_CHUNK_ELEMENTS, Fused, Source, compiled_route
 from bnprobe.kernels.layout import Layout, as_channel_vector, check_eps, check_momentum, layout_of
 from bnprobe.kernels.policy import Policy, get_policy
 from bnprobe.kernels.trace import Trace
@@ -90,7 +91,8 @@ class _Run:
 
     def __init__(self, policy: Policy, channels: int, keep_arrays: bool, rng: np.random.Generator,
                  overrides: dict[str, np.ndarray] | None = None, carrier: type = np.float64,
-                 sources: dict[str, np.dtype] | None = None) -> None:
+                 sources: dict[str, np.dtype] | None = None, dest: Source | None = None,
+                 compiled: bool = False) -> None:
         self.policy = policy
         self.c = channels
         self.carrier = carrier
@@ -104,10 +106,17 @@ class _Run:
         self.acc = Arith(policy.accumulate, spec, rng)
         self.rng = rng
         self.trace = Trace(channels, keep_arrays)
+        # the compiled route's passes (tensors arrive as Sources, y / dx is written to dest), or None
+        self.fused = Fused(self, dest) if compiled else None
 
-    def reduce(self, x: np.ndarray, tally: Tally) -> np.ndarray:
-        """A per-channel sum in the accumulator format, by the policy's order and core split."""
+    def reduce(self, x: np.ndarray, tally: Tally, times: np.ndarray | None = None) -> np.ndarray:
+        """A per-channel sum in the accumulator format, by the policy's order and core split: of x, or of
+        x * round(times) with both roundings' events counted."""
         pol = self.policy
+        if self.fused is not None and pol.core_parts == 1:
+            return self.fused.reduce(x, tally, times)
+        if times is not None:
+            x = self.acc.mul(x, self.acc.round(times, tally), tally)
         return reduce_sum(x, self.acc, order=pol.order, lanes=pol.lanes, kahan=pol.kahan, tally=tally,
                           parts=pol.core_parts, combine=pol.core_combine, rng=self.rng)
 
@@ -162,6 +171,8 @@ class _Run:
         """Convert between formats; recorded as a stage only when it can round."""
         if dst.fmt.holds(get_format(src)):
             return value
+        if self.fused is not None:
+            return self.fused.cast(name, value, dst)
         return self.rec(name, dst, value)
 
     def load(self, name: str, a: np.ndarray, ar: Arith) -> np.ndarray:
@@ -171,6 +182,8 @@ class _Run:
         overflow and kept subnormals: every rounding mode leaves a value of the format unchanged) and
         draws no random numbers (stochastic rounding does, and the run's stream must not shift).
         """
+        if self.fused is not None:
+            return self.fused.load(name, a, ar)
         spec = ar.spec
         if (self.sources.get(name) == ar.fmt.dtype and spec.overflow == "ieee" and spec.subnormals == "keep"
                 and spec.rounding != "stochastic" and name not in self.overrides):
@@ -225,48 +238,59 @@ class _Run:
             return self.record("rstd", acc, nrsqrt(var_eps, acc, tally=t, **self._rsqrt_options()), ideal, t), None
 
     def normalise(self, xs: np.ndarray, mean: np.ndarray, rstd: np.ndarray, std: np.ndarray | None,
-                  gamma: np.ndarray, beta: np.ndarray) -> np.ndarray:
-        """y in the storage format from x, per-channel mean/rstd and the affine parameters."""
-        pol, acc, comp = self.policy, self.acc, self.comp
-        xc = self.cast("x_compute", xs, pol.storage, comp)
-        col = lambda v: self.col(comp, v)  # noqa: E731 - per-channel value cast to compute, as a column
-
-        def mac(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-            """Record a*b + c as the 'affine' stage, fused or as two roundings."""
-            if pol.fma:
-                return self.rec("affine", comp, fma_wide(a, b, c, native=comp.native))
-            t = self.tally()
-            prod = comp.mul(a, b, t)
-            return self.op("affine", comp, np.add, prod, c, tally=t)
-
+                  gamma: np.ndarray, beta: np.ndarray) -> np.ndarray | None:
+        """y in the storage format from x, per-channel mean/rstd and the affine parameters (None when the
+        compiled route wrote it to its destination)."""
+        pol, comp = self.policy, self.comp
+        at = len(self.trace.stages)  # x_compute comes first
+        xc = xs if self.fused is not None else self.cast("x_compute", xs, pol.storage, comp)
         with np.errstate(all="ignore"):
-            ga, ba = acc.round(gamma), acc.round(beta)
-            if pol.y_formula == "xhat":
-                centered = self.op("centered", comp, np.subtract, xc, col(mean))
-                xhat = self.op("xhat", comp, np.multiply, centered, col(rstd))
-                affine = mac(xhat, col(gamma), col(beta))
-            elif pol.y_formula == "scale":
-                if std is not None:
-                    t = self.tally()
-                    w = self.record("w", acc, self.div(ga, std, t), ga / std, t)
-                else:
-                    w = self.rec("w", acc, ga * rstd)
-                centered = self.op("centered", comp, np.subtract, xc, col(mean))
-                affine = mac(centered, col(w), col(beta))
-            else:  # affine
-                if std is not None:
-                    t = self.tally()
-                    mult = self.record("mult", acc, self.div(ga, std, t), ga / std, t)
-                else:
-                    mult = self.rec("mult", acc, ga * rstd)
+            cols = self._coefficients(mean, rstd, std, gamma, beta)
+            if self.fused is not None:
+                self.fused.normalise(xs, pol.y_formula, cols, at)
+                return None
+            c = [self.col(comp, v) for v in cols]
+
+            def mac(a: np.ndarray, b: np.ndarray, d: np.ndarray) -> np.ndarray:
+                """Record a*b + d as the 'affine' stage, fused or as two roundings."""
                 if pol.fma:
-                    addend = self.rec("addend", acc, fma_wide(-mult, mean, ba, native=acc.native))
-                else:
-                    t = self.tally()
-                    addend = self.rec("addend", acc, ba - acc.mul(mult, mean, t), t)
-                affine = mac(xc, col(mult), col(addend))
+                    return self.rec("affine", comp, fma_wide(a, b, d, native=comp.native))
+                t = self.tally()
+                prod = comp.mul(a, b, t)
+                return self.op("affine", comp, np.add, prod, d, tally=t)
+
+            if pol.y_formula == "xhat":
+                centered = self.op("centered", comp, np.subtract, xc, c[0])
+                xhat = self.op("xhat", comp, np.multiply, centered, c[1])
+                affine = mac(xhat, c[2], c[3])
+            elif pol.y_formula == "scale":
+                centered = self.op("centered", comp, np.subtract, xc, c[0])
+                affine = mac(centered, c[1], c[2])
+            else:  # affine
+                affine = mac(xc, c[0], c[1])
             return self.output("y", self.out, affine)
 
+    def _coefficients(self, mean: np.ndarray, rstd: np.ndarray, std: np.ndarray | None, gamma: np.ndarray,
+                      beta: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The per-channel values the y formula applies to x (recording those it computes):
+        xhat (mean, rstd, gamma, beta), scale (mean, w, beta), affine (mult, addend)."""
+        pol, acc = self.policy, self.acc
+        ga, ba = acc.round(gamma), acc.round(beta)
+        if pol.y_formula == "xhat":
+            return mean, rstd, gamma, beta
+        if std is not None:
+            t = self.tally()
+            w = self.record("w" if pol.y_formula == "scale" else "mult", acc, self.div(ga, std, t), ga / std, t)
+        else:
+            w = self.rec("w" if pol.y_formula == "scale" else "mult", acc, ga * rstd)
+        if pol.y_formula == "scale":
+            return mean, w, beta
+        if pol.fma:
+            addend = self.rec("addend", acc, fma_wide(-w, mean, ba, native=acc.native))
+        else:
+            t = self.tally()
+            addend = self.rec("addend", acc, ba - acc.mul(w, mean, t), t)
+        return w, addend
 
 
 class _Blocks:
@@ -282,6 +306,9 @@ class _Blocks:
         self.policy, self.lay, self.keep = policy, lay, keep_arrays
         self.sources = {k: np.asarray(v).dtype for k, v in (sources or {}).items()}
         self.overrides = overrides or {}
+        self.compiled = compiled_route(policy, keep_arrays, overrides)
+        if self.compiled and chunk_elements == DEFAULT_CHUNK_ELEMENTS:
+            chunk_elements = COMPILED_CHUNK_ELEMENTS
         self.slices = lay.chunks(chunk_elements)
         self.rng = np.random.default_rng(policy.seed)
         self.meta = {"policy": policy.name, "policy_detail": policy.to_dict(), "shape": lay.shape,
@@ -289,20 +316,44 @@ class _Blocks:
                      "channel_blocks": len(self.slices), **meta}
         self.traces: list[Trace] = []
         self.carrier = carrier_for(policy, keep_arrays, overrides)
+        self.meta["route"] = "compiled" if self.compiled else f"{np.dtype(self.carrier).name} carriers"
+        self._views: dict[int, np.ndarray] = {}
+        self._dest: np.ndarray | None = None
 
     def __iter__(self):
         for sl in self.slices:
             # overrides are channel-first, (C,) or (C, R): take this block's channels
             sub = {k: np.asarray(v)[sl] for k, v in self.overrides.items()}
-            run = _Run(self.policy, sl.stop - sl.start, self.keep, self.rng, sub, self.carrier, self.sources)
+            dest = Source.of(self._dest[:, sl]) if self.compiled and self._dest is not None else None
+            run = _Run(self.policy, sl.stop - sl.start, self.keep, self.rng, sub, self.carrier, self.sources,
+                       dest, self.compiled)
             yield sl, run
             self.traces.append(run.trace)
 
     def trace(self) -> Trace:
         return Trace.concat(self.traces, self.meta)
 
+    def source(self, a: np.ndarray, sl: slice, carrier: type) -> np.ndarray | Source:
+        """A block of channels of a caller's tensor as the route takes it: a channel-first (k, R) copy, or
+        (compiled) an (N, k, S) view of it."""
+        if not self.compiled:
+            return self.lay.to_cr(a, sl, carrier)
+        view = self._views.get(id(a))
+        if view is None:
+            view = self._views[id(a)] = self.lay.view3(a)
+        return Source.of(view[:, sl])
+
+    def place(self, out: np.ndarray, block: np.ndarray | None, sl: slice) -> None:
+        """Write a channel-first block into ``out`` (the compiled route wrote it already: None)."""
+        if block is not None:
+            self.lay.place(out, block, sl)
+
     def tensor(self, fmt: str) -> np.ndarray:
-        return np.empty(self.lay.shape, dtype=get_format(fmt).dtype)
+        """The call's output tensor (the compiled route writes y or dx straight into it)."""
+        out = np.empty(self.lay.shape, dtype=get_format(fmt).dtype)
+        if self.compiled:
+            self._dest = self.lay.view3(out)
+        return out
 
     def vector(self, fmt: str) -> np.ndarray:
         return np.empty(self.lay.channels, dtype=get_format(fmt).dtype)
@@ -358,10 +409,10 @@ def forward_train(
     saved = {k: blocks.vector(pf) for k in ("mean", "invstd", "var", "running_mean", "running_var")}
     nbt = int(num_batches_tracked) + 1
     for sl, run in blocks:
-        out = _train_block(run, lay.to_cr(x, sl, run.carrier), g[sl], b[sl], None if rm is None else rm[sl],
+        out = _train_block(run, blocks.source(x, sl, run.carrier), g[sl], b[sl], None if rm is None else rm[sl],
                            None if rv is None else rv[sl], eps=eps, momentum=momentum, nbt=nbt,
                            r=lay.reduce_size)
-        lay.place(y, out.pop("y"), sl)
+        blocks.place(y, out.pop("y"), sl)
         for k, v in out.items():
             saved[k][sl] = v
     trace = blocks.trace()
@@ -385,7 +436,8 @@ def _train_block(run: _Run, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.
         xa = run.cast("x_acc", xs, pol.storage, acc)
         m = moments(xa, acc, algorithm=pol.variance, order=pol.order, lanes=pol.lanes, tiles=pol.tiles,
                     kahan=pol.kahan, mean_by=pol.mean_by, clamp=pol.clamp_var, parts=pol.core_parts,
-                    combine=pol.core_combine, rng=run.rng, overrides=run.overrides, wide_sums=run.trace.keep_arrays)
+                    combine=pol.core_combine, rng=run.rng, overrides=run.overrides, wide_sums=run.trace.keep_arrays,
+                    sums=None if run.fused is None else run.fused.sums(r))
         for sv in m.stages:
             run.trace.record(sv.name, sv.value, sv.arith.fmt, wide=sv.wide, tally=sv.tally,
                              check_negative=sv.check_negative)
@@ -441,12 +493,12 @@ def forward_infer(
     for sl, run in blocks:
         acc = run.acc
         with np.errstate(all="ignore"):
-            xs = run.load("x", lay.to_cr(x, sl, run.carrier), run.storage)
+            xs = run.load("x", blocks.source(x, sl, run.carrier), run.storage)
             mean = acc.round(run.param(rm[sl]))
             var = acc.round(run.param(rv[sl]))
             var_eps = run.rec("var_eps", acc, var + float(acc.round(eps)), negative=True)
             rstd, std = run.rstd(var_eps)
-            lay.place(y, run.normalise(xs, mean, rstd, std, run.param(g[sl]), run.param(b[sl])), sl)
+            blocks.place(y, run.normalise(xs, mean, rstd, std, run.param(g[sl]), run.param(b[sl])), sl)
     trace = blocks.trace()
     trace.meta["eps_effective"] = float(round_to(eps, pol.accumulate))
     return InferResult(y=y, trace=trace)
@@ -493,19 +545,19 @@ def backward(
     dx = blocks.tensor(pol.storage)
     dgamma, dbeta = blocks.vector(pol.params_format), blocks.vector(pol.params_format)
     for sl, run in blocks:
-        out = _backward_block(run, lay.to_cr(dy, sl, run.carrier), lay.to_cr(x, sl, run.carrier), g[sl], mu[sl],
-                              inv[sl], None if sv is None else sv[sl], eps=eps, training=training,
+        out = _backward_block(run, blocks.source(dy, sl, run.carrier), blocks.source(x, sl, run.carrier), g[sl],
+                              mu[sl], inv[sl], None if sv is None else sv[sl], eps=eps, training=training,
                               r=lay.reduce_size)
-        lay.place(dx, out["dx"], sl)
+        blocks.place(dx, out["dx"], sl)
         dgamma[sl], dbeta[sl] = out["dgamma"], out["dbeta"]
     return BackwardResult(dx=dx, dgamma=dgamma, dbeta=dbeta, trace=blocks.trace())
 
 
-def _backward_block(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray, inv: np.ndarray,
-                    sv: np.ndarray | None, *, eps: float, training: bool, r: int) -> dict[str, np.ndarray]:
-    """Backward of one channel block (channel-first arrays)."""
+def _backward_block(run: _Run, dy: np.ndarray | Source, x: np.ndarray | Source, g: np.ndarray, mu: np.ndarray,
+                    inv: np.ndarray, sv: np.ndarray | None, *, eps: float, training: bool,
+                    r: int) -> dict[str, np.ndarray | None]:
+    """Backward of one channel block (channel-first arrays; dx is None when the compiled route wrote it)."""
     pol, acc, comp = run.policy, run.acc, run.comp
-    col = lambda v: run.col(comp, v)  # noqa: E731
     with np.errstate(all="ignore"):
         dys = run.load("dy", dy, run.storage)
         xs = run.load("x", x, run.storage)
@@ -514,47 +566,63 @@ def _backward_block(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu:
         invstd = acc.round(run.param(inv))
         xc = run.cast("x_compute", xs, pol.storage, comp)
         dyc = run.cast("dy_compute", dys, pol.storage, comp)
-        centered = run.op("centered", comp, np.subtract, xc, col(mean))
-        xhat = run.op("xhat", comp, np.multiply, centered, col(invstd))
+        if run.fused is not None:
+            xhat = run.fused.center_scale(xc, mean, invstd)
+        else:
+            centered = run.op("centered", comp, np.subtract, xc, run.col(comp, mean))
+            xhat = run.op("xhat", comp, np.multiply, centered, run.col(comp, invstd))
 
         dya = run.cast("dy_acc", dys, pol.storage, acc)
         t = run.tally()
         sum_dy = run.rec("sum_dy", acc, run.reduce(dya, t), t)
         t = run.tally()
-        prod = acc.mul(dya, acc.round(xhat, t), t)
-        sum_dy_xhat = run.rec("sum_dy_xhat", acc, run.reduce(prod, t), t)
+        sum_dy_xhat = run.rec("sum_dy_xhat", acc, run.reduce(dya, t, times=xhat), t)
         dbeta = run.rec("dbeta", run.params, sum_dy)
         dgamma = run.rec("dgamma", run.params, sum_dy_xhat)
-
-        if not training:
-            scale = run.rec("scale", acc, ga * invstd)
-            dx_c = run.op("dx_compute", comp, np.multiply, dyc, col(scale))
-        elif pol.backward_formula == "standard":
-            mean_dy = run.rec("mean_dy", acc, sum_dy / r)
-            mean_dy_xhat = run.rec("mean_dy_xhat", acc, sum_dy_xhat / r)
-            scale = run.rec("scale", acc, ga * invstd)
-            t = run.tally()
-            d = comp.sub(dyc, col(mean_dy), t)
-            d = comp.sub(d, comp.mul(xhat, col(mean_dy_xhat), t), t)
-            dx_c = run.op("dx_compute", comp, np.multiply, d, col(scale), tally=t)
+        formula, cols = _dx_coefficients(run, ga, mean, invstd, sum_dy, sum_dy_xhat, sv, eps=eps,
+                                         training=training, r=r)
+        if run.fused is not None:
+            run.fused.dx(formula, dyc, xhat, xc, cols)
+            return {"dx": None, "dgamma": dgamma, "dbeta": dbeta}
+        c = [run.col(comp, v) for v in cols]
+        t = run.tally()
+        if formula == "constant":
+            d = dyc
+        elif formula == "standard":
+            d = comp.sub(dyc, c[0], t)
+            d = comp.sub(d, comp.mul(xhat, c[1], t), t)
         else:  # ascend: BNTrainingReduceGrad
-            if sv is not None:
-                var_eps = acc.add(acc.round(run.param(sv)), acc.round(eps))
-                sigma = run.sqrt("std", var_eps)
-            else:
-                t = run.tally()
-                sigma = run.record("std", acc, run.div(np.ones_like(invstd), invstd, t), 1.0 / invstd, t)
-            dg_r = acc.div(sum_dy_xhat, float(r))
-            db_r = acc.div(sum_dy, float(r))
-            t = run.tally()
-            mult = run.record("mult", acc, run.div(-dg_r, sigma, t), -dg_r / sigma, t)
-            t = run.tally()
-            addend = run.rec("addend", acc, acc.mul(run.div(mean, sigma, t), dg_r, t) - db_r, t)
-            t = run.tally()
-            scale = run.record("scale", acc, run.div(ga, sigma, t), ga / sigma, t)
-            t = run.tally()
-            d = comp.add(dyc, comp.mul(xc, col(mult), t), t)
-            d = comp.add(d, col(addend), t)
-            dx_c = run.op("dx_compute", comp, np.multiply, d, col(scale), tally=t)
+            d = comp.add(dyc, comp.mul(xc, c[0], t), t)
+            d = comp.add(d, c[1], t)
+        dx_c = run.op("dx_compute", comp, np.multiply, d, c[-1], tally=t)
         dx = run.output("dx", run.out, dx_c)
     return {"dx": dx, "dgamma": dgamma, "dbeta": dbeta}
+
+
+def _dx_coefficients(run: _Run, ga: np.ndarray, mean: np.ndarray, invstd: np.ndarray, sum_dy: np.ndarray,
+                     sum_dy_xhat: np.ndarray, sv: np.ndarray | None, *, eps: float, training: bool,
+                     r: int) -> tuple[str, tuple[np.ndarray, ...]]:
+    """The dx formula and its per-channel values, recording those it computes: constant (statistics taken as
+    constants: dy·scale), standard (mean_dy, mean_dy_xhat, scale) or ascend (mult, addend, scale)."""
+    pol, acc = run.policy, run.acc
+    if not training:
+        return "constant", (run.rec("scale", acc, ga * invstd),)
+    if pol.backward_formula == "standard":
+        mean_dy = run.rec("mean_dy", acc, sum_dy / r)
+        mean_dy_xhat = run.rec("mean_dy_xhat", acc, sum_dy_xhat / r)
+        return "standard", (mean_dy, mean_dy_xhat, run.rec("scale", acc, ga * invstd))
+    if sv is not None:
+        var_eps = acc.add(acc.round(run.param(sv)), acc.round(eps))
+        sigma = run.sqrt("std", var_eps)
+    else:
+        t = run.tally()
+        sigma = run.record("std", acc, run.div(np.ones_like(invstd), invstd, t), 1.0 / invstd, t)
+    dg_r = acc.div(sum_dy_xhat, float(r))
+    db_r = acc.div(sum_dy, float(r))
+    t = run.tally()
+    mult = run.record("mult", acc, run.div(-dg_r, sigma, t), -dg_r / sigma, t)
+    t = run.tally()
+    addend = run.rec("addend", acc, acc.mul(run.div(mean, sigma, t), dg_r, t) - db_r, t)
+    t = run.tally()
+    scale = run.record("scale", acc, run.div(ga, sigma, t), ga / sigma, t)
+    return "ascend", (mult, addend, scale)

@@ -52,6 +52,16 @@ class Layout:
                 return flat.astype(dtype)
             return flat.astype(dtype, copy=False)
 
+    def view3(self, a: np.ndarray) -> np.ndarray:
+        """``a`` as ``(N, C, S)`` with S the product of the other axes: a view for both layouts (a copy only
+        when ``a`` itself is strided so that no view exists); row c of :meth:`to_cr` is ``[:, c, :]``
+        read in order."""
+        a = np.asarray(a)
+        if a.shape != self.shape:
+            raise BNProbeError(f"expected shape {self.shape}, got {a.shape}")
+        moved = np.moveaxis(a, self.channel_axis, 1)
+        return moved.reshape(moved.shape[0], moved.shape[1], -1)
+
     def from_cr(self, a: np.ndarray) -> np.ndarray:
         """A channel-first ``(C, R)`` array back in this layout."""
         out = np.empty(self.shape, dtype=np.asarray(a).dtype)

@@ -56,18 +56,19 @@ class Stage:
 
 
 def _range(v: np.ndarray) -> tuple[float, float, float, bool]:
-    """(min, max, max |v|) over the finite values, and whether every value is finite."""
+    """(min, max, max |v|) over the finite values, and whether every value is finite.  A zero bound is +0:
+    which of -0 and +0 a minimum returns depends on the order it looks at them, which routes do not share."""
     if v.size == 0:
         return float("nan"), float("nan"), float("nan"), True
     with np.errstate(invalid="ignore"):
         mn, mx = float(v.min()), float(v.max())  # NaN/inf propagate: finite results mean all values are
     if np.isfinite(mn) and np.isfinite(mx):
-        return mn, mx, max(abs(mn), abs(mx)), True
+        return mn + 0.0, mx + 0.0, max(abs(mn), abs(mx)), True
     finite = v[np.isfinite(v)]
     if finite.size == 0:
         return float("nan"), float("nan"), float("nan"), False
     mn, mx = float(finite.min()), float(finite.max())
-    return mn, mx, max(abs(mn), abs(mx)), False
+    return mn + 0.0, mx + 0.0, max(abs(mn), abs(mx)), False
 
 
 def _subnormals(flat: np.ndarray, tiny: float) -> np.ndarray:
@@ -123,6 +124,24 @@ class Trace:
             wide=(np.asarray(wide, dtype=np.float64) if wide is not None and keep else None),
             counters=counts, elementwise=value.ndim > 1, size=value.size,
             vmin=vmin, vmax=vmax, absmax=absmax))
+
+    def record_counts(self, name: str, fmt: str | Format, counts: np.ndarray, ranges: np.ndarray, size: int,
+                      at: int | None = None) -> None:
+        """Add an elementwise stage whose counters were counted where it was computed (the compiled route):
+        ``counts`` is ``(C, 8)`` in COUNTERS' order without ``negative``, ``ranges`` ``(C, 2)`` the least and
+        greatest finite value of each channel (+inf / -inf where it has none).  ``at`` inserts it before
+        the stage at that index instead of appending it."""
+        if self.keep_arrays:
+            raise AssertionError("a stage counted elsewhere has no arrays to keep")
+        c = self.channels
+        counters = {k: np.ascontiguousarray(counts[:, i]) for i, k in enumerate(COUNTERS[:-1])}
+        counters["negative"] = np.zeros(c, dtype=np.int64)
+        lo, hi = float(ranges[:, 0].min()) + 0.0, float(ranges[:, 1].max()) + 0.0  # a zero bound is +0 (_range)
+        if not np.isfinite(lo):  # no finite value anywhere
+            lo = hi = float("nan")
+        stage = Stage(name=name, format=get_format(fmt).name, value=None, wide=None, counters=counters,
+                      elementwise=True, size=size, vmin=lo, vmax=hi, absmax=max(abs(lo), abs(hi)))
+        self.stages.insert(len(self.stages) if at is None else at, stage)
 
     @classmethod
     def concat(cls, parts: list[Trace], meta: dict[str, Any] | None = None) -> Trace:

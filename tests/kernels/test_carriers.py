@@ -1,9 +1,9 @@
-"""float32 carriers (traces without arrays) give exactly what float64 carriers give.
+"""float32 carriers and the compiled route (traces without arrays) give exactly what float64 carriers give.
 
 The float64 route is the one checked against exact rational arithmetic
 (tests/oracle.py), torch float64 and the error bounds; here every output,
-statistic and trace counter of the float32 route must equal it bit for bit,
-special values included.
+statistic and trace counter and range of the float32 route and of the compiled
+(numba) route must equal it bit for bit, special values included.
 """
 
 import zlib
@@ -26,6 +26,10 @@ POLICIES = [
     "fp16:mean_by=prescaled", "bf16:output_rounding=nearest_away", "fp16:core_parts=3,core_combine=atomic",
     "fp16:clamp_var=true,variance=naive", "fp16:rsqrt=ascend950",
 ]
+
+
+# the trace counters the compiled route's cases made nonzero (see test_the_compiled_cases_hit_every_counter)
+_SEEN_COUNTERS: set[str] = set()
 
 
 def _inputs(kind: str, dtype: type) -> tuple[np.ndarray, np.ndarray]:
@@ -57,7 +61,10 @@ def _same(a, b, what):
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     assert a.shape == b.shape, what
     assert np.array_equal(a, b, equal_nan=True), what
-    assert np.array_equal(np.signbit(a), np.signbit(b)), f"{what}: signs of zero"
+    # signs of zeros must agree; a NaN's sign is not a value (IEEE 754 leaves it open when both operands of an
+    # operation are NaN, and compilers may swap the operands of + and x)
+    number = ~np.isnan(a)
+    assert np.array_equal(np.signbit(a[number]), np.signbit(b[number])), f"{what}: signs of zero"
 
 
 def _same_trace(t64, t32, what):
@@ -68,9 +75,16 @@ def _same_trace(t64, t32, what):
         _same([s64.vmin, s64.vmax, s64.absmax], [s32.vmin, s32.vmax, s32.absmax], f"{what}: {s64.name} range")
 
 
+@pytest.fixture(params=["float32 carriers", "compiled"])
+def route(request, monkeypatch):
+    """The route a trace without arrays takes: BNPROBE_JIT=0 gives the float32 carriers."""
+    monkeypatch.setenv("BNPROBE_JIT", "1" if request.param == "compiled" else "0")
+    return request.param
+
+
 @pytest.mark.parametrize("kind", ["normal", "offset", "special", "huge", "tiny", "relu"])
 @pytest.mark.parametrize("spec", POLICIES)
-def test_float32_carriers_equal_float64_carriers(spec, kind):
+def test_float32_carriers_and_compiled_route_equal_float64_carriers(spec, kind, route):
     pol = get_policy(spec)
     assert carrier_for(pol, False, None) is np.float32
     for dtype in (np.float32, np.float64):
@@ -79,10 +93,13 @@ def test_float32_carriers_equal_float64_carriers(spec, kind):
         args = dict(policy=pol, chunk_elements=3 * 60)  # two channel blocks
         f64 = forward_train(x, None, None, np.zeros(c), np.ones(c), keep_arrays=True, **args)
         f32 = forward_train(x, None, None, np.zeros(c), np.ones(c), keep_arrays=False, **args)
-        what = f"{spec} {kind} {dtype.__name__} forward"
+        assert (f64.trace.meta["route"], f32.trace.meta["route"]) == ("float64 carriers", route)
+        what = f"{spec} {kind} {dtype.__name__} {route} forward"
         for name in ("y", "mean", "invstd", "var", "running_mean", "running_var"):
             _same(getattr(f64, name), getattr(f32, name), f"{what}: {name}")
         _same_trace(f64.trace, f32.trace, what)
+        if route == "compiled":
+            _SEEN_COUNTERS.update(k for s in f32.trace for k, v in s.counters.items() if v.any())
         for training in (True, False):
             b64 = backward(dy, x, None, f64.mean, f64.invstd, saved_var=f64.var, training=training,
                            keep_arrays=True, **args)
@@ -170,3 +187,59 @@ def test_tensors_already_in_the_storage_format_give_what_their_float64_values_gi
         for name in ("dx", "dgamma", "dbeta"):
             _same(getattr(ga, name), getattr(gb, name), f"{spec} {kind} keep={keep}: {name}")
         _same_trace(ga.trace, gb.trace, f"{spec} {kind} keep={keep} backward")
+
+
+# policies the compiled route runs that float32 carriers do not: fp64 parameters, 16-bit arithmetic, other roundings,
+# saturation and flushing (with their events), and variance algorithms whose sums stay in numpy
+COMPILED_ONLY = [
+    "fp16:params=fp64", "fp16-acc16", "bf16-acc16", "fp16:overflow=saturate",
+    "bf16-acc16:overflow=saturate,y_formula=affine",
+    "bf16:subnormals=flush", "fp16-acc16:subnormals=flush,order=sequential,kahan=true",
+    "fp16:rounding=toward_zero", "bf16:rounding=up,order=lanes,lanes=4", "fp16-acc16:rounding=down,y_formula=scale",
+    "fp16:rounding=nearest_away,fma=true", "fp16:compute=fp16,backward_formula=ascend",
+    "fp32:accumulate=fp16,variance=naive,mean_by=prescaled", "fp16-acc16:variance=welford,lanes=4",
+    "bf16-acc16:variance=chan,tiles=3,rsqrt=sqrt_div", "fp16:core_parts=3", "fp16-acc16:stored_stats=true",
+    "bf16:output_rounding=toward_zero,overflow=saturate",
+    "fp32:variance=naive,order=sequential",  # its E[x²] - E[x]² of the offset input is negative in 5 channels
+]
+
+
+def _runs(pol, x, dy, keep):
+    c = x.shape[1]
+    args = dict(policy=pol, chunk_elements=3 * 60, keep_arrays=keep)
+    f = forward_train(x, None, None, np.zeros(c), np.ones(c), **args)
+    out = {"forward": f}
+    for training in (True, False):
+        out[f"backward training={training}"] = backward(dy, x, None, f.mean, f.invstd, saved_var=f.var,
+                                                        training=training, **args)
+    out["infer"] = forward_infer(x, None, None, f.running_mean, f.running_var, **args)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["normal", "offset", "special", "huge", "tiny", "relu"])
+@pytest.mark.parametrize("spec", COMPILED_ONLY)
+def test_compiled_route_equals_float64_route_where_float32_carriers_do_not_apply(spec, kind, monkeypatch):
+    monkeypatch.setenv("BNPROBE_JIT", "1")
+    pol = get_policy(spec)
+    for dtype in (np.float32, np.float64):
+        x, dy = _inputs(kind, dtype)
+        ref, got = _runs(pol, x, dy, True), _runs(pol, x, dy, False)
+        for mode, r in ref.items():
+            g = got[mode]
+            assert g.trace.meta["route"] == "compiled", spec
+            what = f"{spec} {kind} {dtype.__name__} {mode}"
+            for name in ("y", "mean", "invstd", "var", "running_mean", "running_var", "dx", "dgamma", "dbeta"):
+                if hasattr(r, name):
+                    _same(getattr(r, name), getattr(g, name), f"{what}: {name}")
+            _same_trace(r.trace, g.trace, what)
+            _SEEN_COUNTERS.update(k for s in g.trace for k, v in s.counters.items() if v.any())
+
+
+def test_the_compiled_cases_hit_every_counter():
+    """Run after the matrices above (same module, in order): every trace counter was nonzero in some compiled
+    run, so a counter the compiled route got wrong could not hide behind zeros."""
+    from bnprobe.kernels.trace import COUNTERS
+
+    if len(_SEEN_COUNTERS) == 0:
+        pytest.skip("the compiled matrix did not run in this session (selected alone)")
+    assert set(COUNTERS) <= _SEEN_COUNTERS, set(COUNTERS) - _SEEN_COUNTERS

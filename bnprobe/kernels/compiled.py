@@ -1,0 +1,838 @@
+"""The compiled route: BatchNorm's elementwise passes and reductions as numba kernels.
+
+Imported only when a kernel runs with the compiled route (see ``bnprobe.kernels.jit``), so that
+``import bnprobe`` and ``bnprobe --help`` never load numba.
+
+Semantics are the float64 route's, operation for operation: each operation is formed in float64
+(exact for +, -, x of values of formats up to fp32; +, -, x, / rounded twice, float64 then the target,
+equal to one rounding since 53 >= 2p + 2, see numerics/arith.py) and rounded once to its format by
+:func:`_rnd`, which reproduces ``numerics.rounding.round_detail`` (every mode but stochastic, IEEE or
+saturating overflow, kept or flushed subnormals) and ``Arith.round``'s events: overflow, saturated,
+underflow, flushed.  Reductions add in the policy's order (``numerics.reduce``).  Each pass also counts,
+per channel and stage, what ``Trace.record`` counts: NaN, +inf, -inf, the events, subnormals, and the
+range of the finite values.
+
+A format is passed as a tuple of floats (:data:`SPEC_FIELDS`).  Channels run in parallel (``prange``);
+each channel is computed by one thread from start to end, so results do not depend on the thread count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import overload
+
+# a format and its rounding, as the tuple of floats the kernels take
+SPEC_FIELDS: tuple[str, ...] = ("kind", "mantissa_bits", "emin", "rounding", "saturate", "flush", "max", "tiny")
+KIND_FP64, KIND_FP32, KIND_BITS = 0.0, 1.0, 2.0  # identity; a float32 cast (nearest-even); integer rounding
+ROUNDING_CODES: dict[str, int] = {"nearest_even": 0, "nearest_away": 1, "toward_zero": 2, "up": 3, "down": 4}
+# counters of one stage, in Trace's order (COUNTERS without "negative", which no elementwise stage has)
+N_COUNTS = 8
+_NAN, _POSINF, _NEGINF, _OVERFLOW, _SATURATED, _UNDERFLOW, _FLUSHED, _SUBNORMAL = range(8)
+# events of one rounding, as bits
+EV_OVERFLOW, EV_SATURATED, EV_UNDERFLOW, EV_FLUSHED = 1, 2, 4, 8
+# how a source tensor's values are held: float32/float64 as they are, or 16-bit patterns
+SRC_FLOAT, SRC_FP16_BITS, SRC_BF16_BITS = 0, 1, 2
+# reduction orders and the addends a reduction forms
+ORDER_CODES: dict[str, int] = {"sequential": 0, "pairwise": 1, "lanes": 2}
+ADD_X, ADD_SQUARE, ADD_DEV_SQUARE, ADD_PRODUCT = 0, 1, 2, 3
+# y formulas (policy.Y_FORMULAS) and dx formulas
+Y_XHAT, Y_SCALE, Y_AFFINE = 0, 1, 2
+DX_STANDARD, DX_ASCEND, DX_CONSTANT = 0, 1, 2
+
+_MAXF64 = 1.7976931348623157e308
+_FRAC = (1 << 52) - 1
+
+_opts = dict(cache=True, nogil=True)
+# the rounding is inlined by numba itself (8x faster per value than a call).  No helper called per value
+# takes an array: a call counts references to its array arguments (atomic adds), which made passes 20x
+# slower; counters are carried in tuples instead (see _note) and written to arrays once per channel.
+_inline = dict(_opts, inline="always")
+
+
+@njit(**_opts)
+def _pow2(q):
+    """2.0**q for -1022 <= q <= 1023, from its bits."""
+    return np.int64((q + 1023) << 52).view(np.float64)
+
+
+@njit(**_opts)
+def _round_bits(v, s):
+    """Finite, nonzero v rounded to the format of spec s with an unbounded exponent above and gradual
+    underflow below, then overflow to inf or max as round_detail does; (value, overflowed)."""
+    mant = np.int64(s[1])
+    emin = np.int64(s[2])
+    mode = np.int64(s[3])
+    neg = v < 0.0
+    u = np.float64(abs(v)).view(np.int64)
+    big_e = u >> 52
+    if big_e == 0:  # a float64 subnormal: far below every format rounded here
+        e = np.int64(-1022)
+        m = u
+    else:
+        e = big_e - 1023
+        m = (u & _FRAC) | (np.int64(1) << 52)
+    sh = 52 - mant
+    if e < emin:
+        sh += emin - e
+    if sh > 60:  # below a quarter of the smallest subnormal: only its nonzero-ness matters
+        m = np.int64(1)
+        sh = np.int64(60)
+    r = m >> sh
+    rem = m & ((np.int64(1) << sh) - 1)
+    half = np.int64(1) << (sh - 1)
+    if mode == 0:
+        if rem > half or (rem == half and (r & 1) == 1):
+            r += 1
+    elif mode == 1:
+        if rem >= half:
+            r += 1
+    elif mode == 3:
+        if rem != 0 and not neg:
+            r += 1
+    elif mode == 4:
+        if rem != 0 and neg:
+            r += 1
+    q = (e if e > emin else emin) - mant
+    mag = np.float64(r) * _pow2(q)
+    over = mag > s[6]
+    if over:  # IEEE 754 7.4: roundings that point back toward zero give max
+        to_max = mode == 2 or (mode == 3 and neg) or (mode == 4 and not neg)
+        mag = s[6] if to_max else np.inf
+    return (-mag if neg else mag), over
+
+
+@njit(**_opts)
+def _round_nearest_even(v, s):
+    """_round_bits for nearest-even, by one float64 addition: adding C = 1.5 * 2^(q + 52), with 2^q the
+    format's quantum at v, rounds v to a multiple of 2^q (ties to even: C / 2^q is even), and
+    subtracting C is exact.  Values from 2^128 up overflow every format rounded here."""
+    e = ((np.float64(v).view(np.int64) >> 52) & 0x7FF) - 1023
+    if e >= 128:
+        return (-np.inf if v < 0.0 else np.inf), True
+    emin = np.int64(s[2])
+    q = (e if e > emin else emin) - np.int64(s[1])
+    c = np.int64((q + 1075) << 52 | (np.int64(1) << 51)).view(np.float64)
+    r = (v + c) - c
+    if r == 0.0:
+        return (-0.0 if v < 0.0 else 0.0), False
+    if abs(r) > s[6]:
+        return (-np.inf if v < 0.0 else np.inf), True
+    return r, False
+
+
+@njit(**_opts)
+def _rnd(v, s):
+    """v (a float64) rounded to the format of spec s: (value, event bits), as Arith.round with a tally."""
+    kind = s[0]
+    if kind == 0.0:
+        return v, 0
+    ev = 0
+    r = v
+    if abs(v) <= _MAXF64 and v != 0.0:
+        if kind == 1.0:
+            r = np.float64(np.float32(v))
+            if abs(r) > _MAXF64:
+                ev = EV_OVERFLOW
+        else:
+            r, over = _round_nearest_even(v, s) if s[3] == 0.0 else _round_bits(v, s)
+            if over:
+                ev = EV_OVERFLOW
+    if s[4] != 0.0:  # saturate: inf to +-max, NaN to 0
+        if r != r:
+            r = 0.0
+            ev |= EV_SATURATED
+        elif abs(r) > _MAXF64:
+            r = -s[6] if v < 0.0 else s[6]
+            ev |= EV_SATURATED
+    if s[5] != 0.0 and r != 0.0 and abs(r) < s[7]:
+        r = -0.0 if r < 0.0 else 0.0
+        ev |= EV_FLUSHED
+    if r == 0.0 and v != 0.0 and abs(v) <= _MAXF64:
+        ev |= EV_UNDERFLOW
+    return r, ev
+
+
+# ---- counters, carried per stage as a tuple (nan, posinf, neginf, overflow, saturated, underflow, flushed,
+# subnormal, least finite, greatest finite) and written once per channel
+
+@njit(**_opts)
+def _stat0():
+    z = np.int64(0)
+    return (z, z, z, z, z, z, z, z, np.inf, -np.inf)
+
+
+@njit(**_opts)
+def _ev(st, ev):
+    """st with one rounding's events added."""
+    if ev == 0:
+        return st
+    return (st[0], st[1], st[2], st[3] + (ev & EV_OVERFLOW), st[4] + ((ev >> 1) & 1), st[5] + ((ev >> 2) & 1),
+            st[6] + ((ev >> 3) & 1), st[7], st[8], st[9])
+
+
+@njit(**_opts)
+def _note(st, r, ev, tiny):
+    """st with stored value r (and the events of the rounding that made it) counted."""
+    a = abs(r)
+    nan, pos, neg, sub, lo, hi = st[0], st[1], st[2], st[7], st[8], st[9]
+    if a <= _MAXF64:
+        if r < lo:
+            lo = r
+        if r > hi:
+            hi = r
+        if a < tiny and a != 0.0:
+            sub += 1
+    elif r != r:
+        nan += 1
+    elif r > 0.0:
+        pos += 1
+    else:
+        neg += 1
+    return _ev((nan, pos, neg, st[3], st[4], st[5], st[6], sub, lo, hi), ev)
+
+
+@njit(**_opts)
+def _put(cnt, rg, c, j, st):
+    cnt[c, j, 0], cnt[c, j, 1], cnt[c, j, 2], cnt[c, j, 3] = st[0], st[1], st[2], st[3]
+    cnt[c, j, 4], cnt[c, j, 5], cnt[c, j, 6], cnt[c, j, 7] = st[4], st[5], st[6], st[7]
+    rg[c, j, 0], rg[c, j, 1] = st[8], st[9]
+
+
+@njit(**_opts)
+def _tally(t, ev):
+    """A reduction's tally (overflow, saturated, underflow, flushed) with one rounding's events added."""
+    if ev == 0:
+        return t
+    return (t[0] + (ev & EV_OVERFLOW), t[1] + ((ev >> 1) & 1), t[2] + ((ev >> 2) & 1), t[3] + ((ev >> 3) & 1))
+
+
+@njit(**_opts)
+def _fma_wide(a, b, c, native):
+    """a*b + c as a float64 that rounds correctly to any narrower format (numerics.arith.fma_wide)."""
+    p = a * b
+    s = p + c
+    if native:
+        return s
+    bb = s - p
+    err = (p - (s - bb)) + (c - bb)
+    if abs(s) <= _MAXF64 and abs(err) <= _MAXF64 and err != 0.0:
+        bits = np.float64(s).view(np.int64)
+        if (bits & 1) == 0:
+            s = np.nextafter(s, np.inf if err > 0 else -np.inf)
+    return s
+
+
+def _value(v, kind, lut):
+    """One source value as a float64 (compiled for each source dtype by the overload below)."""
+    raise NotImplementedError  # pragma: no cover - only its compiled overload runs
+
+
+@overload(_value)
+def _value_impl(v, kind, lut):
+    if isinstance(v, types.Integer):  # a 16-bit pattern: fp16 through the table, bf16 by a shift
+        def bits(v, kind, lut):
+            if kind == SRC_FP16_BITS:
+                return np.float64(lut[v])
+            return np.float64(np.uint32(np.int64(v) << 16).view(np.float32))
+        return bits
+
+    def value(v, kind, lut):
+        return np.float64(v)
+    return value
+
+
+@njit(**_opts)
+def _bits16(r, kind):
+    """The 16-bit pattern of r, a value of fp16 (kind SRC_FP16_BITS) or bf16; a NaN keeps its sign."""
+    if kind == SRC_BF16_BITS:
+        b = np.float32(r).view(np.int32)
+        h = (b >> 16) & 0xFFFF
+        if r != r:
+            h |= 0x0040
+        return np.uint16(h)
+    sign = 0x8000 if np.float64(r).view(np.int64) < 0 else 0
+    a = abs(r)
+    if a != a:
+        return np.uint16(sign | 0x7E00)
+    if a > 65504.0:
+        return np.uint16(sign | 0x7C00)
+    if a < 6.103515625e-05:  # subnormal or zero: a multiple of 2^-24
+        return np.uint16(sign | np.int64(a * 16777216.0))
+    b = np.float32(a).view(np.int32)
+    return np.uint16(sign | (((b >> 23) - 112) << 10) | ((b >> 13) & 0x3FF))
+
+
+def _new_stats(k, stages):
+    cnt = np.zeros((k, stages, N_COUNTS), dtype=np.int64)
+    rg = np.empty((k, stages, 2), dtype=np.float64)
+    rg[:, :, 0] = np.inf
+    rg[:, :, 1] = -np.inf
+    return cnt, rg
+
+
+new_stats = njit(**_opts)(_new_stats)
+
+
+@njit(parallel=True, **_opts)
+def load(src, kind, lut, dst, s):
+    """Round each value of a source tensor block (N, k, S) to the format of s into dst (k, N*S), counting
+    the stage (one: the loaded tensor)."""
+    nn, k, ss = src.shape
+    cnt, rg = new_stats(k, 1)
+    tiny = s[7]
+    for c in prange(k):
+        st = _stat0()
+        for n in range(nn):
+            base = n * ss
+            for i in range(ss):
+                r, ev = _rnd(_value(src[n, c, i], kind, lut), s)
+                dst[c, base + i] = r
+                st = _note(st, r, ev, tiny)
+        _put(cnt, rg, c, 0, st)
+    return cnt, rg
+
+
+@njit(parallel=True, **_opts)
+def cast(src, dst, s):
+    """Round a (k, R) block to the format of s into dst, counting the stage."""
+    k, rr = src.shape
+    cnt, rg = new_stats(k, 1)
+    tiny = s[7]
+    for c in prange(k):
+        st = _stat0()
+        for i in range(rr):
+            r, ev = _rnd(np.float64(src[c, i]), s)
+            dst[c, i] = r
+            st = _note(st, r, ev, tiny)
+        _put(cnt, rg, c, 0, st)
+    return cnt, rg
+
+
+@njit(**_opts)
+def _seq(buf, start, step, count, s, kahan, t):
+    """Sequential sum of buf[start], buf[start + step], ... (count values), one rounding per addition."""
+    acc, ev = _rnd(buf[start], s)
+    t = _tally(t, ev)
+    comp = 0.0
+    for j in range(1, count):
+        xj = buf[start + j * step]
+        if kahan:
+            y, ev = _rnd(xj - comp, s)
+            t = _tally(t, ev)
+            tt, ev = _rnd(acc + y, s)
+            t = _tally(t, ev)
+            d, _ = _rnd(tt - acc, s)
+            comp, _ = _rnd(d - y, s)
+            acc = tt
+        else:
+            acc, ev = _rnd(acc + xj, s)
+            t = _tally(t, ev)
+    return acc, t
+
+
+@njit(**_opts)
+def _tree(buf, n, s, t):
+    """numerics.reduce.tree_sum over buf[:n] in place: the top n - P onto the first, then halving."""
+    p = np.int64(1)
+    while p * 2 <= n:
+        p *= 2
+    for i in range(n - p):
+        buf[i], ev = _rnd(buf[i] + buf[p + i], s)
+        t = _tally(t, ev)
+    h = p
+    while h > 1:
+        h //= 2
+        for i in range(h):
+            buf[i], ev = _rnd(buf[i] + buf[i + h], s)
+            t = _tally(t, ev)
+    return buf[0], t
+
+
+@njit(**_opts)
+def _addend(x, bv, mv, op, s, t):
+    """One addend of a reduction (x, x², (x - m)² or x·round(b)), rounded, and the tally with its events."""
+    if op == ADD_X:
+        return x, t
+    if op == ADD_SQUARE:
+        v, ev = _rnd(x * x, s)
+    elif op == ADD_DEV_SQUARE:
+        d, ev = _rnd(x - mv, s)
+        t = _tally(t, ev)
+        v, ev = _rnd(d * d, s)
+    else:
+        bb, ev = _rnd(bv, s)
+        t = _tally(t, ev)
+        v, ev = _rnd(x * bb, s)
+    return v, _tally(t, ev)
+
+
+@njit(parallel=True, **_opts)
+def reduce(a, b, m, op, s, order, lanes, kahan, prescale):
+    """Per-channel sums of a (k, R) block's addends (op: x, x², (x - m)², x·round(b)) in the accumulator
+    format s, by order (sequential, pairwise, lanes), each addend first scaled by ``prescale`` (rounded,
+    events not counted) when it is not 0; (sums, tally [overflow, saturated, underflow, flushed])."""
+    k, rr = a.shape
+    sums = np.empty(k, dtype=np.float64)
+    tallies = np.zeros((k, 4), dtype=np.int64)
+    width = rr
+    if order == 2:
+        width = -(-rr // lanes) * lanes
+    for c in prange(k):
+        z = np.int64(0)
+        t = (z, z, z, z)
+        buf = np.zeros(width, dtype=np.float64)
+        mv = m[c]
+        for i in range(rr):
+            v, t = _addend(np.float64(a[c, i]), np.float64(b[c, i]), mv, op, s, t)
+            if prescale != 0.0:
+                v, _ = _rnd(v * prescale, s)
+            buf[i] = v
+        if order == 0:
+            total, t = _seq(buf, 0, 1, rr, s, kahan, t)
+        elif order == 1:
+            total, t = _tree(buf, rr, s, t)
+        else:
+            reps = width // lanes
+            per_lane = np.empty(lanes, dtype=np.float64)
+            for ln in range(lanes):
+                per_lane[ln], t = _seq(buf, ln, lanes, reps, s, kahan, t)
+            total, t = _tree(per_lane, lanes, s, t)
+        sums[c] = total
+        tallies[c, 0], tallies[c, 1], tallies[c, 2], tallies[c, 3] = t[0], t[1], t[2], t[3]
+    return sums, tallies
+
+
+@njit(**_opts)
+def _mac(a, b, c, fma, native, s):
+    """a*b + c in the format of s, fused (one rounding) or as two roundings: (value, the product's events,
+    the sum's events)."""
+    if fma:
+        r, ev = _rnd(_fma_wide(a, b, c, native), s)
+        return r, 0, ev
+    p, ev1 = _rnd(a * b, s)
+    r, ev2 = _rnd(p + c, s)
+    return r, ev1, ev2
+
+
+# normalise's stages, in the order Trace records them
+N_X_COMPUTE, N_CENTERED, N_XHAT, N_AFFINE, N_Y = range(5)
+
+
+@njit(parallel=True, **_opts)
+def normalise(xs, cols, formula, fma, xcast, comp, out, dst, dst_kind):
+    """y from a (k, R) block of storage values: x_compute (when xcast), centered, xhat and the affine
+    by the y formula, then y rounded to the output spec and written to dst (N, k, S); cols are the
+    per-channel values the formula needs, already in the compute format:
+    xhat (mean, rstd, gamma, beta), scale (mean, w, beta), affine (mult, addend)."""
+    k, rr = xs.shape
+    nn, _, ss = dst.shape
+    cnt, rg = new_stats(k, 5)
+    ct, ot = comp[7], out[7]
+    native = comp[0] == 0.0
+    for c in prange(k):
+        c0, c1, c2, c3 = cols[c, 0], cols[c, 1], cols[c, 2], cols[c, 3]
+        s_x, s_c, s_h, s_a, s_y = _stat0(), _stat0(), _stat0(), _stat0(), _stat0()
+        for n in range(nn):
+            base = n * ss
+            for i in range(ss):
+                x = np.float64(xs[c, base + i])
+                if xcast:
+                    x, ev = _rnd(x, comp)
+                    s_x = _note(s_x, x, ev, ct)
+                if formula == Y_AFFINE:
+                    a, e1, e2 = _mac(x, c0, c1, fma, native, comp)
+                else:
+                    d, ev = _rnd(x - c0, comp)
+                    s_c = _note(s_c, d, ev, ct)
+                    if formula == Y_XHAT:
+                        h, ev = _rnd(d * c1, comp)
+                        s_h = _note(s_h, h, ev, ct)
+                        a, e1, e2 = _mac(h, c2, c3, fma, native, comp)
+                    else:
+                        a, e1, e2 = _mac(d, c1, c2, fma, native, comp)
+                s_a = _note(_ev(s_a, e1), a, e2, ct)
+                y, ev = _rnd(a, out)
+                s_y = _note(s_y, y, ev, ot)
+                if dst_kind == SRC_FLOAT:
+                    dst[n, c, i] = y
+                else:
+                    dst[n, c, i] = _bits16(y, dst_kind)
+        _put(cnt, rg, c, N_X_COMPUTE, s_x)
+        _put(cnt, rg, c, N_CENTERED, s_c)
+        _put(cnt, rg, c, N_XHAT, s_h)
+        _put(cnt, rg, c, N_AFFINE, s_a)
+        _put(cnt, rg, c, N_Y, s_y)
+    return cnt, rg
+
+
+@njit(parallel=True, **_opts)
+def center_scale(xc, mean, invstd, comp, xhat):
+    """centered = x - mean and xhat = centered * invstd in the compute format (the backward's), xhat
+    written to a (k, R) block; two stages."""
+    k, rr = xc.shape
+    cnt, rg = new_stats(k, 2)
+    ct = comp[7]
+    for c in prange(k):
+        mu, iv = mean[c], invstd[c]
+        s_c, s_h = _stat0(), _stat0()
+        for i in range(rr):
+            d, ev = _rnd(np.float64(xc[c, i]) - mu, comp)
+            s_c = _note(s_c, d, ev, ct)
+            h, ev = _rnd(d * iv, comp)
+            s_h = _note(s_h, h, ev, ct)
+            xhat[c, i] = h
+        _put(cnt, rg, c, 0, s_c)
+        _put(cnt, rg, c, 1, s_h)
+    return cnt, rg
+
+
+@njit(parallel=True, **_opts)
+def dx(dyc, xhat, xc, cols, formula, comp, out, dst, dst_kind):
+    """dx_compute by the dx formula and dx rounded to the output spec, written to dst (N, k, S); two
+    stages.  standard: (dy - mean_dy - xhat·mean_dy_xhat)·scale, cols (mean_dy, mean_dy_xhat, scale);
+    ascend: (dy + x·mult + addend)·scale, cols (mult, addend, scale); constant: dy·scale, cols (scale)."""
+    k, rr = dyc.shape
+    nn, _, ss = dst.shape
+    cnt, rg = new_stats(k, 2)
+    ct, ot = comp[7], out[7]
+    for c in prange(k):
+        c0, c1, c2 = cols[c, 0], cols[c, 1], cols[c, 2]
+        s_d, s_y = _stat0(), _stat0()
+        for n in range(nn):
+            base = n * ss
+            for i in range(ss):
+                j = base + i
+                g = np.float64(dyc[c, j])
+                if formula == DX_STANDARD:
+                    d, e1 = _rnd(g - c0, comp)
+                    p, e2 = _rnd(np.float64(xhat[c, j]) * c1, comp)
+                    d, e3 = _rnd(d - p, comp)
+                    v, e4 = _rnd(d * c2, comp)
+                elif formula == DX_ASCEND:
+                    p, e1 = _rnd(np.float64(xc[c, j]) * c0, comp)
+                    d, e2 = _rnd(g + p, comp)
+                    d, e3 = _rnd(d + c1, comp)
+                    v, e4 = _rnd(d * c2, comp)
+                else:
+                    e1, e2, e3 = 0, 0, 0
+                    v, e4 = _rnd(g * c0, comp)
+                s_d = _note(_ev(_ev(_ev(s_d, e1), e2), e3), v, e4, ct)
+                y, ev = _rnd(v, out)
+                s_y = _note(s_y, y, ev, ot)
+                if dst_kind == SRC_FLOAT:
+                    dst[n, c, i] = y
+                else:
+                    dst[n, c, i] = _bits16(y, dst_kind)
+        _put(cnt, rg, c, 0, s_d)
+        _put(cnt, rg, c, 1, s_y)
+    return cnt, rg
+
+
+# ---- the fast kernels: binary32 arithmetic where every operation is an fp32 one with the default rounding
+# (the fp32, fp16 and bf16 presets and their common variants).  An fp32 operation on binary32 values is the
+# CPU's own binary32 operation (see numerics/arith.py), so the values are computed in float32 directly.  They
+# count what is common (ranges, subnormals) and flag a channel where anything rarer may have happened (a
+# non-finite value, an overflow, an underflow); the caller then runs the general kernel for the block, whose
+# counting is complete.  A flagged block therefore costs two passes, an unflagged one gives the same values,
+# ranges and counters as the general kernel.
+
+_F32_TINY = np.float32(1.1754943508222875e-38)
+_F32_MAX = np.float32(3.4028234663852886e38)
+_F16_TINY = np.float32(6.103515625e-05)
+OUT_FP32, OUT_FP16, OUT_BF16 = 0, 1, 2  # formats of a fast kernel's stored tensor (nearest-even)
+
+
+@njit(**_opts)
+def _f16_rne_bits(a):
+    """float32 a rounded to the nearest-even fp16, as its bit pattern (F. Giesen's float_to_half_fast3_rtne)."""
+    u = np.int64(np.float32(a).view(np.int32))
+    sign = (u >> 16) & 0x8000
+    f = u & 0x7FFFFFFF
+    if f >= 0x47800000:  # 65536 and up, inf, NaN
+        o = 0x7E00 if f > 0x7F800000 else 0x7C00
+    elif f < 0x38800000:  # below 2^-14: the subnormal range, rounded by adding 0.5 in binary32
+        v = np.float32(np.int32(f).view(np.float32) + np.float32(0.5))
+        o = np.int64(v.view(np.int32)) - 0x3F000000
+    else:
+        f = f - 939524096 + 0xFFF + ((f >> 13) & 1)  # rebias the exponent (15 - 127 << 23), round to even
+        o = f >> 13
+    return np.uint16(sign | o)
+
+
+@njit(**_opts)
+def _bf16_rne_bits(a):
+    """float32 a rounded to the nearest-even bf16, as its bit pattern (NaN stays a NaN)."""
+    u = np.int64(np.float32(a).view(np.int32)) & 0xFFFFFFFF
+    if a != a:
+        return np.uint16(((u >> 16) | 0x40) & 0xFFFF)
+    return np.uint16(((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF)
+
+
+@njit(**_opts)
+def _out32(a, out_kind, lut):
+    """float32 a stored in the output format (nearest-even): (value as float32, bit pattern or 0)."""
+    if out_kind == OUT_FP16:
+        h = _f16_rne_bits(a)
+        return lut[h], h
+    if out_kind == OUT_BF16:
+        h = _bf16_rne_bits(a)
+        return np.uint32(np.int64(h) << 16).view(np.float32), h
+    return a, np.uint16(0)
+
+
+@njit(fastmath={"nnan", "nsz"}, **_opts)
+def _lo(a, b):
+    """min for a range: no NaN reaches it unflagged and a zero bound's sign is not kept (Trace reports +0),
+    which lets the loop be vectorised."""
+    return a if a < b else b
+
+
+@njit(fastmath={"nnan", "nsz"}, **_opts)
+def _hi(a, b):
+    return a if a > b else b
+
+
+@njit(**_opts)
+def _finite32(v):
+    return abs(v) <= _F32_MAX
+
+
+@njit(**_opts)
+def _put_fast(cnt, rg, c, j, lo, hi, sub):
+    cnt[c, j, _SUBNORMAL] = sub
+    rg[c, j, 0], rg[c, j, 1] = lo, hi
+
+
+@njit(parallel=True, **_opts)
+def load_fast(src, kind, lut, dst, out_kind):
+    """load() for a float32 or 16-bit source into fp32, fp16 or bf16 storage (nearest-even); (cnt, rg, flag)."""
+    nn, k, ss = src.shape
+    cnt, rg = new_stats(k, 1)
+    flag = np.zeros(k, dtype=np.int64)
+    tiny = _F16_TINY if out_kind == OUT_FP16 else _F32_TINY
+    same = (kind == SRC_FP16_BITS and out_kind == OUT_FP16) or (kind == SRC_BF16_BITS and out_kind == OUT_BF16)
+    for c in prange(k):
+        lo, hi, sub, bad = np.float32(np.inf), np.float32(-np.inf), 0, 0
+        for n in range(nn):
+            base = n * ss
+            for i in range(ss):
+                x = np.float32(_value(src[n, c, i], kind, lut))
+                v = x if same else _out32(x, out_kind, lut)[0]
+                dst[c, base + i] = v
+                lo = _lo(lo, v)
+                hi = _hi(hi, v)
+                a = abs(v)
+                sub += (a < tiny) & (a != 0)
+                bad += (not (a <= _F32_MAX)) | ((v == 0) & (x != 0))
+        _put_fast(cnt, rg, c, 0, lo, hi, sub)
+        flag[c] = bad
+    return cnt, rg, flag
+
+
+@njit(**_opts)
+def _mul_ok(p, a, b):
+    """False when a binary32 product may have overflowed or underflowed (or is not finite)."""
+    return abs(p) <= _F32_MAX and not (p == 0 and a != 0 and b != 0)
+
+
+@njit(parallel=True, **_opts)
+def reduce_fast(a, b, m, op, order, lanes, prescale):
+    """reduce() in binary32 (no Kahan): (sums, tallies (zero), flag)."""
+    k, rr = a.shape
+    sums = np.empty(k, dtype=np.float64)
+    tallies = np.zeros((k, 4), dtype=np.int64)
+    flag = np.zeros(k, dtype=np.int64)
+    width = rr
+    if order == 2:
+        width = -(-rr // lanes) * lanes
+    pre = np.float32(prescale)
+    for c in prange(k):
+        buf = np.zeros(width, dtype=np.float32)
+        mv = np.float32(m[c])
+        bad = 0
+        for i in range(rr):
+            x = a[c, i]
+            if op == ADD_X:
+                v = x
+            elif op == ADD_SQUARE:
+                v = x * x
+                bad += not _mul_ok(v, x, x)
+            elif op == ADD_DEV_SQUARE:
+                d = x - mv
+                v = d * d
+                bad += not _mul_ok(v, d, d)
+            else:
+                bv = b[c, i]
+                v = x * bv
+                bad += not _mul_ok(v, x, bv)
+            if prescale != 0.0:
+                v = v * pre
+            buf[i] = v
+        if order == 0:
+            s = buf[0]
+            for j in range(1, rr):
+                s += buf[j]
+        else:
+            n = rr
+            if order == 2:
+                reps = width // lanes
+                for ln in range(lanes):
+                    s = buf[ln]
+                    for j in range(1, reps):
+                        s += buf[ln + j * lanes]
+                    buf[ln] = s
+                n = lanes
+            p = 1
+            while p * 2 <= n:
+                p *= 2
+            for i in range(n - p):
+                buf[i] += buf[p + i]
+            h = p
+            while h > 1:
+                h //= 2
+                for i in range(h):
+                    buf[i] += buf[i + h]
+            s = buf[0]
+        sums[c] = s
+        flag[c] = bad + (not _finite32(s))
+    return sums, tallies, flag
+
+
+@njit(parallel=True, **_opts)
+def normalise_fast(xs, cols, formula, dst, out_kind, lut):
+    """normalise() in binary32 (no FMA, no cast of x), y stored nearest-even; (cnt, rg, flag)."""
+    k, rr = xs.shape
+    nn, _, ss = dst.shape
+    cnt, rg = new_stats(k, 5)
+    flag = np.zeros(k, dtype=np.int64)
+    otiny = _F16_TINY if out_kind == OUT_FP16 else _F32_TINY
+    for c in prange(k):
+        c0, c1 = np.float32(cols[c, 0]), np.float32(cols[c, 1])
+        c2, c3 = np.float32(cols[c, 2]), np.float32(cols[c, 3])
+        inf = np.float32(np.inf)
+        lo1, hi1, lo2, hi2, lo3, hi3, lo4, hi4 = inf, -inf, inf, -inf, inf, -inf, inf, -inf
+        s1, s2, s3, s4, bad = 0, 0, 0, 0, 0
+        for n in range(nn):
+            base = n * ss
+            for i in range(ss):
+                x = xs[c, base + i]
+                if formula == Y_AFFINE:
+                    p = x * c0
+                    bad += not _mul_ok(p, x, c0)
+                    av = p + c1
+                else:
+                    d = x - c0
+                    lo1 = _lo(lo1, d)
+                    hi1 = _hi(hi1, d)
+                    s1 += (abs(d) < _F32_TINY) & (d != 0)
+                    bad += not _finite32(d)
+                    if formula == Y_XHAT:
+                        h = d * c1
+                        bad += not _mul_ok(h, d, c1)
+                        lo2 = _lo(lo2, h)
+                        hi2 = _hi(hi2, h)
+                        s2 += (abs(h) < _F32_TINY) & (h != 0)
+                        p = h * c2
+                        bad += not _mul_ok(p, h, c2)
+                        av = p + c3
+                    else:
+                        p = d * c1
+                        bad += not _mul_ok(p, d, c1)
+                        av = p + c2
+                lo3 = _lo(lo3, av)
+                hi3 = _hi(hi3, av)
+                s3 += (abs(av) < _F32_TINY) & (av != 0)
+                y, bits = _out32(av, out_kind, lut)
+                lo4 = _lo(lo4, y)
+                hi4 = _hi(hi4, y)
+                s4 += (abs(y) < otiny) & (y != 0)
+                bad += (not _finite32(y)) | ((y == 0) & (av != 0))
+                if out_kind == OUT_FP32:
+                    dst[n, c, i] = y
+                else:
+                    dst[n, c, i] = bits
+        _put_fast(cnt, rg, c, N_CENTERED, lo1, hi1, s1)
+        _put_fast(cnt, rg, c, N_XHAT, lo2, hi2, s2)
+        _put_fast(cnt, rg, c, N_AFFINE, lo3, hi3, s3)
+        _put_fast(cnt, rg, c, N_Y, lo4, hi4, s4)
+        flag[c] = bad
+    return cnt, rg, flag
+
+
+@njit(parallel=True, **_opts)
+def center_scale_fast(xc, mean, invstd, xhat):
+    """center_scale() in binary32; (cnt, rg, flag)."""
+    k, rr = xc.shape
+    cnt, rg = new_stats(k, 2)
+    flag = np.zeros(k, dtype=np.int64)
+    for c in prange(k):
+        mu, iv = np.float32(mean[c]), np.float32(invstd[c])
+        inf = np.float32(np.inf)
+        lo1, hi1, lo2, hi2, s1, s2, bad = inf, -inf, inf, -inf, 0, 0, 0
+        for i in range(rr):
+            d = xc[c, i] - mu
+            h = d * iv
+            xhat[c, i] = h
+            lo1 = _lo(lo1, d)
+            hi1 = _hi(hi1, d)
+            lo2 = _lo(lo2, h)
+            hi2 = _hi(hi2, h)
+            s1 += (abs(d) < _F32_TINY) & (d != 0)
+            s2 += (abs(h) < _F32_TINY) & (h != 0)
+            bad += (not _finite32(d)) | (not _mul_ok(h, d, iv))
+        _put_fast(cnt, rg, c, 0, lo1, hi1, s1)
+        _put_fast(cnt, rg, c, 1, lo2, hi2, s2)
+        flag[c] = bad
+    return cnt, rg, flag
+
+
+@njit(parallel=True, **_opts)
+def dx_fast(dyc, xhat, xc, cols, formula, dst, out_kind, lut):
+    """dx() in binary32, dx stored nearest-even; (cnt, rg, flag)."""
+    k, rr = dyc.shape
+    nn, _, ss = dst.shape
+    cnt, rg = new_stats(k, 2)
+    flag = np.zeros(k, dtype=np.int64)
+    otiny = _F16_TINY if out_kind == OUT_FP16 else _F32_TINY
+    for c in prange(k):
+        c0, c1, c2 = np.float32(cols[c, 0]), np.float32(cols[c, 1]), np.float32(cols[c, 2])
+        inf = np.float32(np.inf)
+        lo1, hi1, lo2, hi2, s1, s2, bad = inf, -inf, inf, -inf, 0, 0, 0
+        for n in range(nn):
+            base = n * ss
+            for i in range(ss):
+                j = base + i
+                g = dyc[c, j]
+                if formula == DX_STANDARD:
+                    hx = xhat[c, j]
+                    p = hx * c1
+                    d = (g - c0) - p
+                    v = d * c2
+                    bad += (not _mul_ok(p, hx, c1)) | (not _finite32(d))
+                elif formula == DX_ASCEND:
+                    xv = xc[c, j]
+                    p = xv * c0
+                    d = (g + p) + c1
+                    v = d * c2
+                    bad += (not _mul_ok(p, xv, c0)) | (not _finite32(d))
+                else:
+                    d = g
+                    v = g * c0
+                bad += not _mul_ok(v, d, c2 if formula != DX_CONSTANT else c0)
+                lo1 = _lo(lo1, v)
+                hi1 = _hi(hi1, v)
+                s1 += (abs(v) < _F32_TINY) & (v != 0)
+                y, bits = _out32(v, out_kind, lut)
+                lo2 = _lo(lo2, y)
+                hi2 = _hi(hi2, y)
+                s2 += (abs(y) < otiny) & (y != 0)
+                bad += (not _finite32(y)) | ((y == 0) & (v != 0))
+                if out_kind == OUT_FP32:
+                    dst[n, c, i] = y
+                else:
+                    dst[n, c, i] = bits
+        _put_fast(cnt, rg, c, 0, lo1, hi1, s1)
+        _put_fast(cnt, rg, c, 1, lo2, hi2, s2)
+        flag[c] = bad
+    return cnt, rg, flag

@@ -1,0 +1,295 @@
+"""The compiled route's Python side: which runs take it, and the passes a kernel block makes with it.
+
+A run takes the compiled route (``bnprobe.kernels.compiled``, numba) when its trace keeps no arrays,
+no stage is overridden, every format is fp64, fp32, fp16 or bf16, no rounding is stochastic (its random
+stream is drawn by numpy), and ``BNPROBE_JIT`` is not ``0``.  The elementwise passes (loading a tensor,
+casts, the normalisation and affine, dx) and the per-channel sums run compiled; the per-channel
+statistics between them (mean, variance, rstd, the coefficients) are the numpy code every route shares,
+and so are the variance algorithms without a compiled sum (welford, chan) and a reduction split
+across cores.  Results, saved and running statistics and every trace counter and range equal the
+numpy routes' (tests/kernels/test_carriers.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import threading
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from bnprobe.numerics.arith import Arith, Tally
+from bnprobe.numerics.rounding import RoundingSpec
+from bnprobe.numerics.variance import prescale_exponent
+
+__all__ = ["JIT_ENV", "jit_enabled", "compiled_route", "Source", "Fused", "ROUTES", "COMPILED_CHUNK_ELEMENTS"]
+
+JIT_ENV = "BNPROBE_JIT"
+_FORMATS = frozenset(("fp64", "fp32", "fp16", "bf16"))
+# the route a kernel call took, as its trace's meta["route"] says
+ROUTES: tuple[str, ...] = ("compiled", "float32 carriers", "float64 carriers")
+# the compiled route's channel blocks: larger than numpy's (its passes keep no temporaries per operation),
+# so that each parallel pass has channels for every thread: fwd+bwd of 32x64x56x56 (fp16) took 0.34 s in
+# blocks of 2^18 values and 0.24 s in blocks of 2^21 (2 cores)
+COMPILED_CHUNK_ELEMENTS = 1 << 21
+# numba's default threading layer (workqueue) aborts when two threads run parallel kernels at once (a dask
+# worker's threads can): kernel calls take turns
+_KERNEL_LOCK = threading.Lock()
+
+
+def jit_enabled() -> bool:
+    """False when ``BNPROBE_JIT`` is 0/false/no/off, or numba is not installed."""
+    if os.environ.get(JIT_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return _numba_installed()
+
+
+@functools.cache
+def _numba_installed() -> bool:
+    return importlib.util.find_spec("numba") is not None
+
+
+def compiled_route(policy: Any, keep_arrays: bool, overrides: dict[str, np.ndarray] | None) -> bool:
+    """Whether a kernel call with this policy takes the compiled route (see the module notes)."""
+    if keep_arrays or overrides or not jit_enabled():
+        return False
+    formats = {policy.storage, policy.params_format, policy.compute, policy.accumulate}
+    if not formats <= _FORMATS or "stochastic" in (policy.rounding, policy.output_spec.rounding):
+        return False
+    if formats == {"fp64"}:  # numpy's float64 arithmetic is already native and vectorised: nothing to gain
+        return False
+    # fp64 arithmetic is taken as native (no rounding, no events): right for the default spec only
+    return "fp64" not in formats or (policy.spec == RoundingSpec() and policy.output_spec == RoundingSpec())
+
+
+@functools.cache
+def kernels() -> ModuleType:
+    """The numba kernels, imported (and compiled, or loaded from numba's cache) on first use.
+
+    Compiled kernels are cached (``cache=True``) beside the module, or where the package directory is not
+    writable in numba's user-wide cache directory (``$NUMBA_CACHE_DIR``, else the platform's user cache)."""
+    from bnprobe.kernels import compiled
+
+    return _Locked(compiled)
+
+
+class _Locked:
+    """The kernels module with every kernel call taken under one lock (see _KERNEL_LOCK)."""
+
+    def __init__(self, module: ModuleType) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._module, name)
+        if not callable(attr) or not hasattr(attr, "py_func"):
+            return attr
+
+        def call(*args: Any) -> Any:
+            with _KERNEL_LOCK:
+                return attr(*args)
+        return call
+
+
+@functools.cache
+def _fp16_table() -> np.ndarray:
+    return np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+
+
+def spec_vector(ar: Arith) -> tuple[float, ...]:
+    """The format and rounding of ``ar`` as the vector the kernels take (compiled.SPEC_FIELDS)."""
+    k = kernels()
+    fmt, spec = ar.fmt, ar.spec
+    if fmt.name == "fp64":
+        kind = k.KIND_FP64
+    elif fmt.name == "fp32" and spec.rounding == "nearest_even":
+        kind = k.KIND_FP32
+    else:
+        kind = k.KIND_BITS
+    # a tuple, not an array: numba keeps a tuple's fields in registers (an array's reloads cost 8x per value)
+    return tuple(float(v) for v in (kind, fmt.mantissa_bits, fmt.emin, k.ROUNDING_CODES[spec.rounding],
+                                    spec.overflow == "saturate", spec.subnormals == "flush", fmt.max, fmt.tiny))
+
+
+@dataclass(frozen=True)
+class Source:
+    """A block of channels of a caller's tensor as ``(N, k, S)``, with how its values are held."""
+
+    view: np.ndarray
+    kind: int
+
+    @classmethod
+    def of(cls, view3: np.ndarray) -> Source:
+        k = kernels()
+        name = view3.dtype.name
+        if name == "float16":
+            return cls(view3.view(np.uint16), k.SRC_FP16_BITS)
+        if name == "bfloat16":
+            return cls(view3.view(np.uint16), k.SRC_BF16_BITS)
+        if view3.dtype in (np.float32, np.float64):
+            return cls(view3, k.SRC_FLOAT)
+        return cls(view3.astype(np.float64), k.SRC_FLOAT)  # integers, FP8 and others: their exact values
+
+
+class Fused:
+    """The compiled passes of one block of a kernel call; stages go to ``trace`` in the numpy order."""
+
+    def __init__(self, run: Any, dest: Source | None = None) -> None:
+        self.run = run
+        self.k = kernels()
+        self.dest = dest  # where y or dx is written
+        self._specs: dict[int, tuple[float, ...]] = {}
+        # binary32 kernels apply: every operation fp32 with the default rounding (float32 carriers), the
+        # stored tensors rounded to nearest-even (see compiled.py's fast kernels)
+        self.fast = run.carrier is np.float32 and run.out.spec == RoundingSpec()
+
+    def _out_kind(self, ar: Arith) -> int | None:
+        """The fast kernels' code for a stored format, or None where they do not apply."""
+        return {"fp32": self.k.OUT_FP32, "fp16": self.k.OUT_FP16, "bf16": self.k.OUT_BF16}.get(ar.fmt.name)
+
+    def _fast(self, fast_result: tuple, general: Any) -> tuple:
+        """A fast kernel's (cnt, rg) when no channel was flagged, else the general kernel's (``general()``)."""
+        *result, flag = fast_result
+        return general() if flag.any() else tuple(result)
+
+    def spec(self, ar: Arith) -> tuple[float, ...]:
+        v = self._specs.get(id(ar))
+        if v is None:
+            v = self._specs[id(ar)] = spec_vector(ar)
+        return v
+
+    def _record(self, names: tuple[str | None, ...], fmts: tuple[Arith, ...], cnt: np.ndarray, rg: np.ndarray,
+                size: int, at: int | None = None) -> None:
+        for j, (name, ar) in enumerate(zip(names, fmts)):
+            if name is not None:
+                self.run.trace.record_counts(name, ar.fmt, cnt[:, j], rg[:, j], size, at)
+                at = None if at is None else at + 1
+
+    def load(self, name: str, src: Source, ar: Arith) -> np.ndarray:
+        """A caller's tensor block rounded to ``ar``'s format, as a (k, R) block of carriers; stage ``name``."""
+        nn, kk, ss = src.view.shape
+        dst = np.empty((kk, nn * ss), dtype=self.run.carrier)
+        lut = _fp16_table()
+
+        def general():
+            return self.k.load(src.view, src.kind, lut, dst, self.spec(ar))
+        if self.fast and src.view.dtype != np.float64:
+            cnt, rg = self._fast(self.k.load_fast(src.view, src.kind, lut, dst, self._out_kind(ar)), general)
+        else:
+            cnt, rg = general()
+        self._record((name,), (ar,), cnt, rg, dst.size)
+        return dst
+
+    def cast(self, name: str, block: np.ndarray, ar: Arith) -> np.ndarray:
+        """A (k, R) block rounded to ``ar``'s format; stage ``name``."""
+        dst = np.empty_like(block)
+        cnt, rg = self.k.cast(block, dst, self.spec(ar))
+        self._record((name,), (ar,), cnt, rg, dst.size)
+        return dst
+
+    def reduce(self, a: np.ndarray, t: Tally, b: np.ndarray | None = None, *, op: int | None = None,
+               mean: np.ndarray | None = None, prescale: float = 0.0) -> np.ndarray:
+        """The per-channel sum of a's addends (op, see compiled.reduce; x·round(b) when b is given) in the
+        accumulator format by the policy's order; the events go to ``t``."""
+        run, k = self.run, self.k
+        pol = run.policy
+        if op is None:
+            op = k.ADD_X if b is None else k.ADD_PRODUCT
+        bb, mm, order = a if b is None else b, np.zeros(a.shape[0]) if mean is None else mean, k.ORDER_CODES[pol.order]
+
+        def general():
+            return k.reduce(a, bb, mm, op, self.spec(run.acc), order, pol.lanes, pol.kahan, prescale)
+        if self.fast and not pol.kahan:
+            sums, tallies = self._fast(k.reduce_fast(a, bb, mm, op, order, pol.lanes, prescale), general)
+        else:
+            sums, tallies = general()
+        for i, key in enumerate(("overflow", "saturated", "underflow", "flushed")):
+            t.counts[key] += tallies[:, i]
+        return sums
+
+    def sums(self, r: int) -> _Sums | None:
+        """The two-pass and naive algorithms' sums, compiled (None where the policy splits them across cores:
+        numpy's reduce_sum does that)."""
+        pol = self.run.policy
+        if pol.core_parts > 1:
+            return None
+        return _Sums(self, 2.0 ** -prescale_exponent(r) if pol.mean_by == "prescaled" else 0.0)
+
+    def normalise(self, xs: np.ndarray, formula: str, cols: tuple[np.ndarray, ...], at: int) -> None:
+        """y from a block of storage values and the formula's per-channel values (see compiled.normalise),
+        written to ``dest``; x_compute is recorded at index ``at`` (before the per-channel stages the
+        formula's coefficients recorded), the rest appended."""
+        run, k = self.run, self.k
+        pol, comp = run.policy, run.comp
+        code = {"xhat": k.Y_XHAT, "scale": k.Y_SCALE, "affine": k.Y_AFFINE}[formula]
+        table = np.zeros((xs.shape[0], 4))
+        for i, v in enumerate(cols):
+            table[:, i] = comp.round(v)
+        xcast = not comp.fmt.holds(run.storage.fmt)
+        out_kind = self._out_kind(run.out)
+
+        def general():
+            return k.normalise(xs, table, code, pol.fma, xcast, self.spec(comp), self.spec(run.out), self.dest.view,
+                               self.dest.kind)
+        if self.fast and not pol.fma and not xcast and out_kind is not None:
+            cnt, rg = self._fast(k.normalise_fast(xs, table, code, self.dest.view, out_kind, _fp16_table()), general)
+        else:
+            cnt, rg = general()
+        self._record(("x_compute" if xcast else None,), (comp,), cnt, rg, xs.size, at)
+        names = {"xhat": ("centered", "xhat"), "scale": ("centered", None), "affine": (None, None)}[formula]
+        self._record((None, *names, "affine", "y"), (comp, comp, comp, comp, run.out), cnt, rg, xs.size)
+
+    def center_scale(self, xc: np.ndarray, mean: np.ndarray, invstd: np.ndarray) -> np.ndarray:
+        """The backward's centered and xhat stages; returns xhat."""
+        comp = self.run.comp
+        xhat = np.empty_like(xc)
+        mean, invstd = comp.round(mean), comp.round(invstd)
+
+        def general():
+            return self.k.center_scale(xc, mean, invstd, self.spec(comp), xhat)
+        if self.fast:
+            cnt, rg = self._fast(self.k.center_scale_fast(xc, mean, invstd, xhat), general)
+        else:
+            cnt, rg = general()
+        self._record(("centered", "xhat"), (comp, comp), cnt, rg, xc.size)
+        return xhat
+
+    def dx(self, formula: str, dyc: np.ndarray, xhat: np.ndarray, xc: np.ndarray,
+           cols: tuple[np.ndarray, ...]) -> None:
+        """dx_compute and dx by the dx formula (compiled.dx), dx written to ``dest``."""
+        run, k = self.run, self.k
+        comp = run.comp
+        table = np.zeros((dyc.shape[0], 3))
+        for i, v in enumerate(cols):
+            table[:, i] = comp.round(v)
+        code = {"standard": k.DX_STANDARD, "ascend": k.DX_ASCEND, "constant": k.DX_CONSTANT}[formula]
+        out_kind = self._out_kind(run.out)
+
+        def general():
+            return k.dx(dyc, xhat, xc, table, code, self.spec(comp), self.spec(run.out), self.dest.view,
+                        self.dest.kind)
+        if self.fast and out_kind is not None:
+            cnt, rg = self._fast(k.dx_fast(dyc, xhat, xc, table, code, self.dest.view, out_kind, _fp16_table()),
+                                 general)
+        else:
+            cnt, rg = general()
+        self._record(("dx_compute", "dx"), (comp, run.out), cnt, rg, dyc.size)
+
+
+class _Sums:
+    """numerics.variance.Sums, compiled: the same sums, each addend prescaled by ``prescale`` (0: not)."""
+
+    def __init__(self, fused: Fused, prescale: float) -> None:
+        self.fused, self.prescale = fused, prescale
+
+    def total(self, x: np.ndarray, t: Tally) -> np.ndarray:
+        return self.fused.reduce(x, t, op=self.fused.k.ADD_X, prescale=self.prescale)
+
+    def squares(self, x: np.ndarray, t: Tally) -> np.ndarray:
+        return self.fused.reduce(x, t, op=self.fused.k.ADD_SQUARE, prescale=self.prescale)
+
+    def deviations(self, x: np.ndarray, mean: np.ndarray, t: Tally) -> tuple[np.ndarray, None]:
+        return self.fused.reduce(x, t, op=self.fused.k.ADD_DEV_SQUARE, mean=mean, prescale=self.prescale), None

@@ -1,0 +1,183 @@
+"""The compiled route (bnprobe.kernels.compiled / fused) beyond the equality matrix of test_carriers.py:
+its roundings against numpy's and ml_dtypes' casts and round_detail, bit for bit; the fast binary32 kernels
+taken where they apply and left for the general ones where something rare happened; results that do not
+depend on the thread count, the layout or concurrent callers; and the switches that choose the route."""
+
+import threading
+import zlib
+
+import ml_dtypes
+import numba
+import numpy as np
+import pytest
+from numba import njit
+
+from bnprobe.kernels import backward, forward_infer, forward_train
+from bnprobe.kernels import compiled as K
+from bnprobe.kernels import fused
+from bnprobe.numerics.arith import Arith
+from bnprobe.numerics.rounding import RoundingSpec, round_detail
+
+
+@pytest.fixture(autouse=True)
+def jit_on(monkeypatch):
+    monkeypatch.setenv("BNPROBE_JIT", "1")
+
+
+@njit
+def _rnd_all(v, s):
+    r = np.empty_like(v)
+    ev = np.empty(v.shape, dtype=np.int64)
+    for i in range(v.size):
+        r[i], ev[i] = K._rnd(v[i], s)
+    return r, ev
+
+
+@njit
+def _bits_all(a, bf16):
+    out = np.empty(a.shape, dtype=np.uint16)
+    for i in range(a.size):
+        out[i] = K._bf16_rne_bits(a[i]) if bf16 else K._f16_rne_bits(a[i])
+    return out
+
+
+def _edges(fmt: str) -> np.ndarray:
+    """Values around every boundary of fmt: max and the overflow midpoint, the smallest normal, the
+    subnormals and half the smallest one, ties at several exponents, zeros, infinities, NaN."""
+    f = Arith(fmt).fmt
+    ulp_max = 2.0 ** (f.emax - f.mantissa_bits)
+    sub = f.smallest_subnormal
+    pts = [f.max, f.max + ulp_max / 2, f.max + ulp_max / 4, f.tiny, f.tiny - sub / 2, sub, sub / 2, 3 * sub / 2,
+           sub / 4, 1.0 + f.eps / 2, 1.0 + 3 * f.eps / 2, 1.0 + f.eps / 2 + 2.0 ** -60, 2.0 ** f.emin * 1.5,
+           1e-300, 5e-324, 1e300]
+    pts = np.array(pts)
+    near = np.concatenate([np.nextafter(pts, np.inf), np.nextafter(pts, -np.inf), pts])
+    return np.concatenate([near, -near, [0.0, -0.0, np.inf, -np.inf, np.nan]])
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("rounding", ["nearest_even", "nearest_away", "toward_zero", "up", "down"])
+@pytest.mark.parametrize("overflow,subnormals", [("ieee", "keep"), ("saturate", "flush")])
+def test_compiled_rounding_equals_round_detail_with_its_events(fmt, rounding, overflow, subnormals):
+    rng = np.random.default_rng(zlib.crc32(f"{fmt}{rounding}".encode()))
+    scale = {"fp32": 140, "fp16": 30, "bf16": 140}[fmt]
+    v = rng.standard_normal(200_000) * 2.0 ** rng.integers(-scale, scale, 200_000)
+    v = np.concatenate([v, _edges(fmt)])
+    spec = RoundingSpec(rounding, overflow, subnormals)
+    ar = Arith(fmt, spec)
+    r, ev = _rnd_all(v, fused.spec_vector(ar))
+    want, over, sat, flushed = round_detail(v, fmt, rounding=rounding, overflow=overflow, subnormals=subnormals)
+    with np.errstate(invalid="ignore"):
+        under = (v != 0) & np.isfinite(v) & (want == 0)
+    assert np.array_equal(r, want, equal_nan=True)
+    assert np.array_equal(np.signbit(r[~np.isnan(r)]), np.signbit(want[~np.isnan(want)]))
+    for bit, mask in ((K.EV_OVERFLOW, over), (K.EV_SATURATED, sat), (K.EV_UNDERFLOW, under),
+                      (K.EV_FLUSHED, flushed)):
+        assert np.array_equal((ev & bit) != 0, mask), (bit, np.flatnonzero(((ev & bit) != 0) != mask)[:5])
+    assert over.any() and under.any()  # the boundaries were reached
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_binary32_to_16_bit_roundings_equal_numpy_and_ml_dtypes(bf16):
+    """Every 97th float32 bit pattern (44 million) plus the boundaries, against the library casts."""
+    bits = np.arange(0, 1 << 32, 97, dtype=np.uint64).astype(np.uint32)
+    with np.errstate(over="ignore"):
+        edges = [_edges(f).astype(np.float32) for f in ("fp16", "bf16")]
+    a = np.concatenate([bits.view(np.float32), *edges])
+    got = _bits_all(a, bf16)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = a.astype(ml_dtypes.bfloat16 if bf16 else np.float16).view(np.uint16)
+    nan = np.isnan(a)
+    assert np.array_equal(got[~nan], want[~nan])
+    g = got[nan].view(ml_dtypes.bfloat16 if bf16 else np.float16).astype(np.float32)
+    assert np.isnan(g).all() and np.array_equal(np.signbit(g), np.signbit(a[nan]))
+
+
+def _case(kind: str, shape=(6, 5, 7, 9), dtype=np.float32):
+    rng = np.random.default_rng(zlib.crc32(kind.encode()))
+    x = rng.standard_normal(shape)
+    if kind == "special":
+        x[0, 1, 0, 0] = np.inf
+    return x.astype(dtype), rng.standard_normal(shape).astype(dtype)
+
+
+def _all(policy, x, dy, keep, **kw):
+    c = x.shape[1] if kw.get("layout", "channels_first") == "channels_first" else x.shape[-1]
+    f = forward_train(x, None, None, np.zeros(c), np.ones(c), policy=policy, keep_arrays=keep, **kw)
+    b = backward(dy, x, None, f.mean, f.invstd, policy=policy, keep_arrays=keep, **kw)
+    i = forward_infer(x, None, None, f.running_mean, f.running_var, policy=policy, keep_arrays=keep, **kw)
+    return f, b, i
+
+
+def _same_runs(a, b):
+    for ra, rb in zip(a, b):
+        for name in ("y", "mean", "invstd", "var", "running_mean", "running_var", "dx", "dgamma", "dbeta"):
+            if hasattr(ra, name):
+                va, vb = (np.asarray(getattr(r, name), dtype=np.float64) for r in (ra, rb))
+                assert np.array_equal(va, vb, equal_nan=True), name
+        assert ra.trace.names() == rb.trace.names()
+        for sa, sb in zip(ra.trace, rb.trace):
+            assert all(np.array_equal(sa.counters[k], sb.counters[k]) for k in sa.counters), sa.name
+            assert np.array_equal([sa.vmin, sa.vmax], [sb.vmin, sb.vmax], equal_nan=True), sa.name
+
+
+def test_fast_kernels_run_where_they_apply_and_the_general_ones_take_over_a_flagged_block(monkeypatch):
+    seen = []
+    real = fused.Fused._fast
+
+    def spy(self, result, general):
+        seen.append(bool(result[-1].any()))
+        return real(self, result, general)
+
+    monkeypatch.setattr(fused.Fused, "_fast", spy)
+    for kind, flagged in (("normal", False), ("special", True)):
+        seen.clear()
+        x, dy = _case(kind)
+        got = _all("fp16", x, dy, False)
+        assert seen and any(seen) == flagged and all(r.trace.meta["route"] == "compiled" for r in got)
+        _same_runs(_all("fp16", x, dy, True), got)
+
+
+@pytest.mark.parametrize("shape,layout", [((7, 6), "channels_first"), ((4, 3, 11), "channels_first"),
+                                          ((2, 3, 4, 5, 6), "channels_first"), ((3, 5, 4, 6), "channels_last")])
+def test_compiled_route_in_every_layout_and_rank(shape, layout):
+    x, dy = _case("normal", shape)
+    for policy in ("fp16", "bf16:y_formula=affine", "fp16-acc16"):
+        _same_runs(_all(policy, x, dy, True, layout=layout), _all(policy, x, dy, False, layout=layout))
+
+
+def test_results_do_not_depend_on_the_thread_count_or_on_concurrent_callers():
+    x, dy = _case("normal", (16, 12, 9, 9))
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = _all("bf16", x, dy, False)
+    finally:
+        numba.set_num_threads(before)
+    _same_runs(one, _all("bf16", x, dy, False))
+    results, errors = [], []
+
+    def work():
+        try:
+            results.append(_all("bf16", x, dy, False))
+        except Exception as e:  # noqa: BLE001 - any error in a thread is reported by the assertion below
+            errors.append(e)
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 3
+    for r in results:
+        _same_runs(one, r)
+
+
+def test_the_route_is_recorded_and_switched_off_by_the_environment(monkeypatch):
+    x, _ = _case("normal")
+    route = lambda policy, keep=False: forward_train(x, policy=policy, keep_arrays=keep).trace.meta["route"]  # noqa: E731
+    assert route("fp16") == "compiled" and route("fp16-acc16") == "compiled"
+    assert route("fp16", keep=True) == "float64 carriers"  # arrays kept: the float64 route
+    assert route("fp64") == "float64 carriers"  # native float64 already
+    assert route("fp16:rounding=stochastic") == "float64 carriers"  # numpy draws its random stream
+    monkeypatch.setenv("BNPROBE_JIT", "0")
+    assert route("fp16") == "float32 carriers" and route("fp16-acc16") == "float64 carriers"
