@@ -317,14 +317,14 @@ class _Blocks:
         self.traces: list[Trace] = []
         self.carrier = carrier_for(policy, keep_arrays, overrides)
         self.meta["route"] = "compiled" if self.compiled else f"{np.dtype(self.carrier).name} carriers"
-        self._views: dict[int, np.ndarray] = {}
-        self._dest: np.ndarray | None = None
+        self._views: dict[int, Source] = {}
+        self._dest: Source | None = None
 
     def __iter__(self):
         for sl in self.slices:
             # overrides are channel-first, (C,) or (C, R): take this block's channels
             sub = {k: np.asarray(v)[sl] for k, v in self.overrides.items()}
-            dest = Source.of(self._dest[:, sl]) if self.compiled and self._dest is not None else None
+            dest = self._dest.block(sl) if self._dest is not None else None
             run = _Run(self.policy, sl.stop - sl.start, self.keep, self.rng, sub, self.carrier, self.sources,
                        dest, self.compiled)
             yield sl, run
@@ -338,10 +338,10 @@ class _Blocks:
         (compiled) an (N, k, S) view of it."""
         if not self.compiled:
             return self.lay.to_cr(a, sl, carrier)
-        view = self._views.get(id(a))
-        if view is None:
-            view = self._views[id(a)] = self.lay.view3(a)
-        return Source.of(view[:, sl])
+        src = self._views.get(id(a))
+        if src is None:
+            src = self._views[id(a)] = Source.of(self.lay.view3(a))
+        return src.block(sl)
 
     def place(self, out: np.ndarray, block: np.ndarray | None, sl: slice) -> None:
         """Write a channel-first block into ``out`` (the compiled route wrote it already: None)."""
@@ -352,7 +352,7 @@ class _Blocks:
         """The call's output tensor (the compiled route writes y or dx straight into it)."""
         out = np.empty(self.lay.shape, dtype=get_format(fmt).dtype)
         if self.compiled:
-            self._dest = self.lay.view3(out)
+            self._dest = Source.of(self.lay.view3(out))
         return out
 
     def vector(self, fmt: str) -> np.ndarray:

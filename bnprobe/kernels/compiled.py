@@ -275,10 +275,11 @@ new_stats = njit(**_opts)(_new_stats)
 
 
 @njit(parallel=True, **_opts)
-def load(src, kind, lut, dst, s):
-    """Round each value of a source tensor block (N, k, S) to the format of s into dst (k, N*S), counting
-    the stage (one: the loaded tensor)."""
-    nn, k, ss = src.shape
+def load(src, off, kind, lut, dst, s):
+    """Round each value of channels off..off+k of a source tensor (N, C, S) to the format of s into dst
+    (k, N*S), counting the stage (one: the loaded tensor).  The whole tensor is passed, not a slice of it,
+    so that numba knows a channels-first tensor's rows are contiguous (and vectorises their loops)."""
+    nn, ss, k = src.shape[0], src.shape[2], dst.shape[0]
     cnt, rg = new_stats(k, 1)
     tiny = s[7]
     for c in prange(k):
@@ -286,7 +287,7 @@ def load(src, kind, lut, dst, s):
         for n in range(nn):
             base = n * ss
             for i in range(ss):
-                r, ev = _rnd(_value(src[n, c, i], kind, lut), s)
+                r, ev = _rnd(_value(src[n, off + c, i], kind, lut), s)
                 dst[c, base + i] = r
                 st = _note(st, r, ev, tiny)
         _put(cnt, rg, c, 0, st)
@@ -420,7 +421,7 @@ N_X_COMPUTE, N_CENTERED, N_XHAT, N_AFFINE, N_Y = range(5)
 
 
 @njit(parallel=True, **_opts)
-def normalise(xs, cols, formula, fma, xcast, comp, out, dst, dst_kind):
+def normalise(xs, cols, formula, fma, xcast, comp, out, dst, off, dst_kind):
     """y from a (k, R) block of storage values: x_compute (when xcast), centered, xhat and the affine
     by the y formula, then y rounded to the output spec and written to dst (N, k, S); cols are the
     per-channel values the formula needs, already in the compute format:
@@ -455,9 +456,9 @@ def normalise(xs, cols, formula, fma, xcast, comp, out, dst, dst_kind):
                 y, ev = _rnd(a, out)
                 s_y = _note(s_y, y, ev, ot)
                 if dst_kind == SRC_FLOAT:
-                    dst[n, c, i] = y
+                    dst[n, off + c, i] = y
                 else:
-                    dst[n, c, i] = _bits16(y, dst_kind)
+                    dst[n, off + c, i] = _bits16(y, dst_kind)
         _put(cnt, rg, c, N_X_COMPUTE, s_x)
         _put(cnt, rg, c, N_CENTERED, s_c)
         _put(cnt, rg, c, N_XHAT, s_h)
@@ -488,7 +489,7 @@ def center_scale(xc, mean, invstd, comp, xhat):
 
 
 @njit(parallel=True, **_opts)
-def dx(dyc, xhat, xc, cols, formula, comp, out, dst, dst_kind):
+def dx(dyc, xhat, xc, cols, formula, comp, out, dst, off, dst_kind):
     """dx_compute by the dx formula and dx rounded to the output spec, written to dst (N, k, S); two
     stages.  standard: (dy - mean_dy - xhat·mean_dy_xhat)·scale, cols (mean_dy, mean_dy_xhat, scale);
     ascend: (dy + x·mult + addend)·scale, cols (mult, addend, scale); constant: dy·scale, cols (scale)."""
@@ -521,9 +522,9 @@ def dx(dyc, xhat, xc, cols, formula, comp, out, dst, dst_kind):
                 y, ev = _rnd(v, out)
                 s_y = _note(s_y, y, ev, ot)
                 if dst_kind == SRC_FLOAT:
-                    dst[n, c, i] = y
+                    dst[n, off + c, i] = y
                 else:
-                    dst[n, c, i] = _bits16(y, dst_kind)
+                    dst[n, off + c, i] = _bits16(y, dst_kind)
         _put(cnt, rg, c, 0, s_d)
         _put(cnt, rg, c, 1, s_y)
     return cnt, rg
@@ -605,9 +606,9 @@ def _put_fast(cnt, rg, c, j, lo, hi, sub):
 
 
 @njit(parallel=True, **_opts)
-def load_fast(src, kind, lut, dst, out_kind):
+def load_fast(src, off, kind, lut, dst, out_kind):
     """load() for a float32 or 16-bit source into fp32, fp16 or bf16 storage (nearest-even); (cnt, rg, flag)."""
-    nn, k, ss = src.shape
+    nn, ss, k = src.shape[0], src.shape[2], dst.shape[0]
     cnt, rg = new_stats(k, 1)
     flag = np.zeros(k, dtype=np.int64)
     tiny = _F16_TINY if out_kind == OUT_FP16 else _F32_TINY
@@ -617,7 +618,7 @@ def load_fast(src, kind, lut, dst, out_kind):
         for n in range(nn):
             base = n * ss
             for i in range(ss):
-                x = np.float32(_value(src[n, c, i], kind, lut))
+                x = np.float32(_value(src[n, off + c, i], kind, lut))
                 v = x if same else _out32(x, out_kind, lut)[0]
                 dst[c, base + i] = v
                 lo = _lo(lo, v)
@@ -700,7 +701,7 @@ def reduce_fast(a, b, m, op, order, lanes, prescale):
 
 
 @njit(parallel=True, **_opts)
-def normalise_fast(xs, cols, formula, dst, out_kind, lut):
+def normalise_fast(xs, cols, formula, dst, off, out_kind, lut):
     """normalise() in binary32 (no FMA, no cast of x), y stored nearest-even; (cnt, rg, flag)."""
     k, rr = xs.shape
     nn, _, ss = dst.shape
@@ -749,9 +750,9 @@ def normalise_fast(xs, cols, formula, dst, out_kind, lut):
                 s4 += (abs(y) < otiny) & (y != 0)
                 bad += (not _finite32(y)) | ((y == 0) & (av != 0))
                 if out_kind == OUT_FP32:
-                    dst[n, c, i] = y
+                    dst[n, off + c, i] = y
                 else:
-                    dst[n, c, i] = bits
+                    dst[n, off + c, i] = bits
         _put_fast(cnt, rg, c, N_CENTERED, lo1, hi1, s1)
         _put_fast(cnt, rg, c, N_XHAT, lo2, hi2, s2)
         _put_fast(cnt, rg, c, N_AFFINE, lo3, hi3, s3)
@@ -788,7 +789,7 @@ def center_scale_fast(xc, mean, invstd, xhat):
 
 
 @njit(parallel=True, **_opts)
-def dx_fast(dyc, xhat, xc, cols, formula, dst, out_kind, lut):
+def dx_fast(dyc, xhat, xc, cols, formula, dst, off, out_kind, lut):
     """dx() in binary32, dx stored nearest-even; (cnt, rg, flag)."""
     k, rr = dyc.shape
     nn, _, ss = dst.shape
@@ -829,9 +830,9 @@ def dx_fast(dyc, xhat, xc, cols, formula, dst, out_kind, lut):
                 s2 += (abs(y) < otiny) & (y != 0)
                 bad += (not _finite32(y)) | ((y == 0) & (v != 0))
                 if out_kind == OUT_FP32:
-                    dst[n, c, i] = y
+                    dst[n, off + c, i] = y
                 else:
-                    dst[n, c, i] = bits
+                    dst[n, off + c, i] = bits
         _put_fast(cnt, rg, c, 0, lo1, hi1, s1)
         _put_fast(cnt, rg, c, 1, lo2, hi2, s2)
         flag[c] = bad

@@ -16,7 +16,7 @@ import functools
 import importlib.util
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -116,10 +116,12 @@ def spec_vector(ar: Arith) -> tuple[float, ...]:
 
 @dataclass(frozen=True)
 class Source:
-    """A block of channels of a caller's tensor as ``(N, k, S)``, with how its values are held."""
+    """A caller's tensor as ``(N, C, S)`` (the whole of it: see compiled.load), with how its values are held,
+    and the block of channels a kernel call reads or writes."""
 
     view: np.ndarray
     kind: int
+    channels: slice = field(default_factory=lambda: slice(0, 0))
 
     @classmethod
     def of(cls, view3: np.ndarray) -> Source:
@@ -132,6 +134,13 @@ class Source:
         if view3.dtype in (np.float32, np.float64):
             return cls(view3, k.SRC_FLOAT)
         return cls(view3.astype(np.float64), k.SRC_FLOAT)  # integers, FP8 and others: their exact values
+
+    def block(self, channels: slice) -> Source:
+        return Source(self.view, self.kind, channels)
+
+    @property
+    def offset(self) -> int:
+        return self.channels.start
 
 
 class Fused:
@@ -170,14 +179,15 @@ class Fused:
 
     def load(self, name: str, src: Source, ar: Arith) -> np.ndarray:
         """A caller's tensor block rounded to ``ar``'s format, as a (k, R) block of carriers; stage ``name``."""
-        nn, kk, ss = src.view.shape
-        dst = np.empty((kk, nn * ss), dtype=self.run.carrier)
+        nn, ss = src.view.shape[0], src.view.shape[2]
+        dst = np.empty((src.channels.stop - src.channels.start, nn * ss), dtype=self.run.carrier)
         lut = _fp16_table()
 
         def general():
-            return self.k.load(src.view, src.kind, lut, dst, self.spec(ar))
+            return self.k.load(src.view, src.offset, src.kind, lut, dst, self.spec(ar))
         if self.fast and src.view.dtype != np.float64:
-            cnt, rg = self._fast(self.k.load_fast(src.view, src.kind, lut, dst, self._out_kind(ar)), general)
+            cnt, rg = self._fast(self.k.load_fast(src.view, src.offset, src.kind, lut, dst, self._out_kind(ar)),
+                                 general)
         else:
             cnt, rg = general()
         self._record((name,), (ar,), cnt, rg, dst.size)
@@ -233,9 +243,10 @@ class Fused:
 
         def general():
             return k.normalise(xs, table, code, pol.fma, xcast, self.spec(comp), self.spec(run.out), self.dest.view,
-                               self.dest.kind)
+                               self.dest.offset, self.dest.kind)
         if self.fast and not pol.fma and not xcast and out_kind is not None:
-            cnt, rg = self._fast(k.normalise_fast(xs, table, code, self.dest.view, out_kind, _fp16_table()), general)
+            cnt, rg = self._fast(k.normalise_fast(xs, table, code, self.dest.view, self.dest.offset, out_kind,
+                                                  _fp16_table()), general)
         else:
             cnt, rg = general()
         self._record(("x_compute" if xcast else None,), (comp,), cnt, rg, xs.size, at)
@@ -270,10 +281,10 @@ class Fused:
 
         def general():
             return k.dx(dyc, xhat, xc, table, code, self.spec(comp), self.spec(run.out), self.dest.view,
-                        self.dest.kind)
+                        self.dest.offset, self.dest.kind)
         if self.fast and out_kind is not None:
-            cnt, rg = self._fast(k.dx_fast(dyc, xhat, xc, table, code, self.dest.view, out_kind, _fp16_table()),
-                                 general)
+            cnt, rg = self._fast(k.dx_fast(dyc, xhat, xc, table, code, self.dest.view, self.dest.offset, out_kind,
+                                           _fp16_table()), general)
         else:
             cnt, rg = general()
         self._record(("dx_compute", "dx"), (comp, run.out), cnt, rg, dyc.size)
