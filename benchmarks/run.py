@@ -22,8 +22,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# emulated forward + backward (train) on one ResNet-sized layer, timed without its trace arrays
+# emulated forward + backward (train) on one ResNet-sized layer, timed without its trace arrays (keep=False)
+# by the compiled route (jit=1, the default) or the numpy route (jit=0)
 KERNEL_CASE = """
+import os
+os.environ["BNPROBE_JIT"] = "{jit}"
 import numpy as np
 import ml_dtypes
 import bnprobe
@@ -31,8 +34,23 @@ WARMUP = True
 x = np.random.default_rng(0).standard_normal((32, 64, 56, 56)).astype({dtype})
 dy = np.random.default_rng(1).standard_normal(x.shape).astype({dtype})
 def work():
-    f = bnprobe.forward_train(x, None, None, np.zeros(64), np.ones(64), policy="{policy}", keep_arrays=False)
-    bnprobe.backward(dy, x, None, f.mean, f.invstd, policy="{policy}", keep_arrays=False)
+    f = bnprobe.forward_train(x, None, None, np.zeros(64), np.ones(64), policy="{policy}", keep_arrays={keep})
+    bnprobe.backward(dy, x, None, f.mean, f.invstd, policy="{policy}", keep_arrays={keep})
+"""
+
+# the first call of the compiled kernels in a fresh process with an empty numba cache: what a first run pays
+# (compilation), then a second process with the cache filled (loading them)
+COLD_CASE = """
+import os, tempfile
+CACHE = os.environ.setdefault("NUMBA_CACHE_DIR", tempfile.mkdtemp(prefix="bnprobe-numba-"))
+import numpy as np
+import bnprobe
+x = np.random.default_rng(0).standard_normal((4, 8, 5, 5)).astype(np.float32)
+def work():
+    for policy in {policies}:
+        f = bnprobe.forward_train(x, None, None, np.zeros(8), np.ones(8), policy=policy, keep_arrays=False)
+        bnprobe.backward(x, x, None, f.mean, f.invstd, policy=policy, keep_arrays=False)
+        bnprobe.forward_infer(x, None, None, f.running_mean, f.running_var, policy=policy, keep_arrays=False)
 """
 
 ROUND_CASE = """
@@ -72,13 +90,32 @@ def work():
     y = bn(x)
     y.backward(dy)
 """,
-    **{f"bnprobe {p} fwd+bwd 32x64x56x56": KERNEL_CASE.format(policy=p, dtype="np.float32") for p in ("fp16", "bf16")},
+    **{f"bnprobe {p} fwd+bwd 32x64x56x56": KERNEL_CASE.format(policy=p, dtype="np.float32", jit=1, keep=False)
+       for p in ("fp16", "bf16")},
     # the same with the tensors already in the 16-bit format, as a model's activations are
-    **{f"bnprobe {p} fwd+bwd 32x64x56x56, {p} tensors": KERNEL_CASE.format(policy=p, dtype=d)
+    **{f"bnprobe {p} fwd+bwd 32x64x56x56, {p} tensors": KERNEL_CASE.format(policy=p, dtype=d, jit=1, keep=False)
        for p, d in (("fp16", "np.float16"), ("bf16", "ml_dtypes.bfloat16"))},
+    # the numpy route (BNPROBE_JIT=0), and the full trace arrays kept (the float64 route, no target)
+    **{f"bnprobe {p} fwd+bwd 32x64x56x56, numpy route": KERNEL_CASE.format(policy=p, dtype="np.float32", jit=0,
+                                                                           keep=False) for p in ("fp16", "bf16")},
+    **{f"bnprobe {p} fwd+bwd 32x64x56x56, trace arrays kept": KERNEL_CASE.format(
+        policy=p, dtype="np.float32", jit=1, keep=True) for p in ("fp16", "bf16")},
+    # compilation: the presets' fast kernels, then the general ones (every pass of a 16-bit-arithmetic port)
+    "compiled kernels cold, fp32/fp16/bf16 presets (empty numba cache)": "COLD:" + COLD_CASE.format(
+        policies=("fp32", "fp16", "bf16")),
+    "compiled kernels cold, general kernels (fp16-acc16, bf16 saturate)": "COLD:" + COLD_CASE.format(
+        policies=("fp16-acc16", "bf16:overflow=saturate")),
     # ---- the main job's default run (target: peak <= 6x the largest fp32 input + 300 MB = 338 MB)
     "compare-precision default run (ResNet-50 x2 + stress)": """
 import tempfile
+from bnprobe.cli import main
+def work():
+    with tempfile.TemporaryDirectory() as d:
+        main(["compare-precision", "--out", d + "/r"])
+""",
+    "compare-precision default run, numpy route (BNPROBE_JIT=0)": """
+import os, tempfile
+os.environ["BNPROBE_JIT"] = "0"
 from bnprobe.cli import main
 def work():
     with tempfile.TemporaryDirectory() as d:
@@ -130,6 +167,10 @@ PEERS = {
     "bnprobe bf16 fwd+bwd 32x64x56x56": "torch fp32 fwd+bwd 32x64x56x56 (peer)",
     "bnprobe fp16 fwd+bwd 32x64x56x56, fp16 tensors": "torch fp32 fwd+bwd 32x64x56x56 (peer)",
     "bnprobe bf16 fwd+bwd 32x64x56x56, bf16 tensors": "torch fp32 fwd+bwd 32x64x56x56 (peer)",
+    **{f"bnprobe {p} fwd+bwd 32x64x56x56, {v}": "torch fp32 fwd+bwd 32x64x56x56 (peer)"
+       for p in ("fp16", "bf16") for v in ("numpy route", "trace arrays kept")},
+    "compare-precision default run, numpy route (BNPROBE_JIT=0)":
+        "compare-precision default run (ResNet-50 x2 + stress)",
     "bnprobe --help": "python -c pass (peer)",
     **{f"round 25M f32 -> {f}: bnprobe round_to{v}": f"round 25M f32 -> {f}: astype (peer)"
        for f in ("fp16", "bf16") for v in (f"(dtype={f})", "(dtype=float32)", " (float64, the default)")},
@@ -139,15 +180,16 @@ PEERS = {
         "fp16 forward 8x64x28x28: pychop, rounding after each vectorised op (peer)",
 }
 # cases slow enough that one repetition tells the story
-SLOW = ("pychop", "rsqrt fp32", "compare-precision")
+SLOW = ("pychop", "rsqrt fp32", "compare-precision", "cold")
 TARGETS = {
     "rsqrt fp16 exhaustive (magic, 0-2 steps)": "< 1 s",
     "rsqrt bf16 exhaustive (magic, 0-2 steps)": "< 1 s",
     "rsqrt fp32 reduced + 2^20 samples (magic, 0-2 steps)": "< 120 s, < 2 GB",
-    "bnprobe fp16 fwd+bwd 32x64x56x56": "<= 3x peer",
-    "bnprobe bf16 fwd+bwd 32x64x56x56": "<= 3x peer",
-    "bnprobe fp16 fwd+bwd 32x64x56x56, fp16 tensors": "<= 3x peer",
-    "bnprobe bf16 fwd+bwd 32x64x56x56, bf16 tensors": "<= 3x peer",
+    "bnprobe fp16 fwd+bwd 32x64x56x56": "<= 2x peer",
+    "bnprobe bf16 fwd+bwd 32x64x56x56": "<= 2x peer",
+    "bnprobe fp16 fwd+bwd 32x64x56x56, fp16 tensors": "<= 2x peer",
+    "bnprobe bf16 fwd+bwd 32x64x56x56, bf16 tensors": "<= 2x peer",
+    "compare-precision default run, numpy route (BNPROBE_JIT=0)": ">= 3x (the compiled route faster)",
     "bnprobe --help": "< peer + 0.3 s",
     "compare-precision default run (ResNet-50 x2 + stress)": "peak <= 338 MB",
     "round 25M f32 -> fp16: bnprobe round_to(dtype=fp16)": "<= 1.5x astype",
@@ -170,6 +212,18 @@ print(json.dumps({{"seconds": dt, "peak_mb": resource.getrusage(resource.RUSAGE_
 
 
 def run_case(code: str) -> dict[str, float]:
+    if code.startswith("COLD:"):  # no warm-up: the first call is the case; the cache directory is removed after
+        import shutil
+        import tempfile
+
+        cache = tempfile.mkdtemp(prefix="bnprobe-numba-")
+        try:
+            env = {**os.environ, "NUMBA_CACHE_DIR": cache}
+            out = subprocess.run([sys.executable, "-c", RUNNER.format(code=code[5:])], check=True,
+                                 capture_output=True, text=True, cwd=ROOT, env=env)
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
     if code.startswith("SHELL:"):
         t = time.perf_counter()
         subprocess.run(code[6:].split(), check=True, capture_output=True, cwd=ROOT)
