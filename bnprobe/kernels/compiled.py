@@ -595,8 +595,20 @@ def _hi(a, b):
 
 
 @njit(**_opts)
+def _range32(lo, hi, sub, v, tiny):
+    """A fast kernel's range and subnormal count of one stage with value v counted."""
+    return _lo(lo, v), _hi(hi, v), sub + ((abs(v) < tiny) & (v != 0))
+
+
+@njit(**_opts)
 def _finite32(v):
     return abs(v) <= _F32_MAX
+
+
+@njit(**_opts)
+def _out_bad(y, v):
+    """Whether storing v as y may have overflowed or underflowed."""
+    return (not _finite32(y)) | ((y == 0) & (v != 0))
 
 
 @njit(**_opts)
@@ -621,11 +633,8 @@ def load_fast(src, off, kind, lut, dst, out_kind):
                 x = np.float32(_value(src[n, off + c, i], kind, lut))
                 v = x if same else _out32(x, out_kind, lut)[0]
                 dst[c, base + i] = v
-                lo = _lo(lo, v)
-                hi = _hi(hi, v)
-                a = abs(v)
-                sub += (a < tiny) & (a != 0)
-                bad += (not (a <= _F32_MAX)) | ((v == 0) & (x != 0))
+                lo, hi, sub = _range32(lo, hi, sub, v, tiny)
+                bad += (not _finite32(v)) | ((v == 0) & (x != 0))
         _put_fast(cnt, rg, c, 0, lo, hi, sub)
         flag[c] = bad
     return cnt, rg, flag
@@ -724,16 +733,12 @@ def normalise_fast(xs, cols, formula, dst, off, out_kind, lut):
                     av = p + c1
                 else:
                     d = x - c0
-                    lo1 = _lo(lo1, d)
-                    hi1 = _hi(hi1, d)
-                    s1 += (abs(d) < _F32_TINY) & (d != 0)
+                    lo1, hi1, s1 = _range32(lo1, hi1, s1, d, _F32_TINY)
                     bad += not _finite32(d)
                     if formula == Y_XHAT:
                         h = d * c1
                         bad += not _mul_ok(h, d, c1)
-                        lo2 = _lo(lo2, h)
-                        hi2 = _hi(hi2, h)
-                        s2 += (abs(h) < _F32_TINY) & (h != 0)
+                        lo2, hi2, s2 = _range32(lo2, hi2, s2, h, _F32_TINY)
                         p = h * c2
                         bad += not _mul_ok(p, h, c2)
                         av = p + c3
@@ -741,18 +746,11 @@ def normalise_fast(xs, cols, formula, dst, off, out_kind, lut):
                         p = d * c1
                         bad += not _mul_ok(p, d, c1)
                         av = p + c2
-                lo3 = _lo(lo3, av)
-                hi3 = _hi(hi3, av)
-                s3 += (abs(av) < _F32_TINY) & (av != 0)
+                lo3, hi3, s3 = _range32(lo3, hi3, s3, av, _F32_TINY)
                 y, bits = _out32(av, out_kind, lut)
-                lo4 = _lo(lo4, y)
-                hi4 = _hi(hi4, y)
-                s4 += (abs(y) < otiny) & (y != 0)
-                bad += (not _finite32(y)) | ((y == 0) & (av != 0))
-                if out_kind == OUT_FP32:
-                    dst[n, off + c, i] = y
-                else:
-                    dst[n, off + c, i] = bits
+                lo4, hi4, s4 = _range32(lo4, hi4, s4, y, otiny)
+                bad += _out_bad(y, av)
+                dst[n, off + c, i] = y if out_kind == OUT_FP32 else bits
         _put_fast(cnt, rg, c, N_CENTERED, lo1, hi1, s1)
         _put_fast(cnt, rg, c, N_XHAT, lo2, hi2, s2)
         _put_fast(cnt, rg, c, N_AFFINE, lo3, hi3, s3)
@@ -775,12 +773,8 @@ def center_scale_fast(xc, mean, invstd, xhat):
             d = xc[c, i] - mu
             h = d * iv
             xhat[c, i] = h
-            lo1 = _lo(lo1, d)
-            hi1 = _hi(hi1, d)
-            lo2 = _lo(lo2, h)
-            hi2 = _hi(hi2, h)
-            s1 += (abs(d) < _F32_TINY) & (d != 0)
-            s2 += (abs(h) < _F32_TINY) & (h != 0)
+            lo1, hi1, s1 = _range32(lo1, hi1, s1, d, _F32_TINY)
+            lo2, hi2, s2 = _range32(lo2, hi2, s2, h, _F32_TINY)
             bad += (not _finite32(d)) | (not _mul_ok(h, d, iv))
         _put_fast(cnt, rg, c, 0, lo1, hi1, s1)
         _put_fast(cnt, rg, c, 1, lo2, hi2, s2)
@@ -821,18 +815,11 @@ def dx_fast(dyc, xhat, xc, cols, formula, dst, off, out_kind, lut):
                     d = g
                     v = g * c0
                 bad += not _mul_ok(v, d, c2 if formula != DX_CONSTANT else c0)
-                lo1 = _lo(lo1, v)
-                hi1 = _hi(hi1, v)
-                s1 += (abs(v) < _F32_TINY) & (v != 0)
+                lo1, hi1, s1 = _range32(lo1, hi1, s1, v, _F32_TINY)
                 y, bits = _out32(v, out_kind, lut)
-                lo2 = _lo(lo2, y)
-                hi2 = _hi(hi2, y)
-                s2 += (abs(y) < otiny) & (y != 0)
-                bad += (not _finite32(y)) | ((y == 0) & (v != 0))
-                if out_kind == OUT_FP32:
-                    dst[n, off + c, i] = y
-                else:
-                    dst[n, off + c, i] = bits
+                lo2, hi2, s2 = _range32(lo2, hi2, s2, y, otiny)
+                bad += _out_bad(y, v)
+                dst[n, off + c, i] = y if out_kind == OUT_FP32 else bits
         _put_fast(cnt, rg, c, 0, lo1, hi1, s1)
         _put_fast(cnt, rg, c, 1, lo2, hi2, s2)
         flag[c] = bad

@@ -75,44 +75,43 @@ def _same_trace(t64, t32, what):
         _same([s64.vmin, s64.vmax, s64.absmax], [s32.vmin, s32.vmax, s32.absmax], f"{what}: {s64.name} range")
 
 
-@pytest.fixture(params=["float32 carriers", "compiled"])
-def route(request, monkeypatch):
-    """The route a trace without arrays takes: BNPROBE_JIT=0 gives the float32 carriers."""
-    monkeypatch.setenv("BNPROBE_JIT", "1" if request.param == "compiled" else "0")
-    return request.param
+def _runs(pol, x, dy, keep):
+    """Forward, backward (through the statistics and with them constant) and inference, in two channel blocks."""
+    c = x.shape[1]
+    args = dict(policy=pol, chunk_elements=3 * 60, keep_arrays=keep)
+    f = forward_train(x, None, None, np.zeros(c), np.ones(c), **args)
+    out = {"forward": f}
+    for training in (True, False):
+        out[f"backward training={training}"] = backward(dy, x, None, f.mean, f.invstd, saved_var=f.var,
+                                                        training=training, **args)
+    out["infer"] = forward_infer(x, None, None, f.running_mean, f.running_var, **args)
+    return out
+
+
+def _same_runs(ref, got, route, what):
+    """Every output, statistic, trace counter and range of ``got`` (a trace without arrays) equals ``ref``."""
+    for mode, r in ref.items():
+        g = got[mode]
+        assert (r.trace.meta["route"], g.trace.meta["route"]) == ("float64 carriers", route), what
+        for name in ("y", "mean", "invstd", "var", "running_mean", "running_var", "dx", "dgamma", "dbeta"):
+            if hasattr(r, name):
+                _same(getattr(r, name), getattr(g, name), f"{what} {mode}: {name}")
+        _same_trace(r.trace, g.trace, f"{what} {mode}")
+        if route == "compiled":
+            _SEEN_COUNTERS.update(k for s in g.trace for k, v in s.counters.items() if v.any())
 
 
 @pytest.mark.parametrize("kind", ["normal", "offset", "special", "huge", "tiny", "relu"])
 @pytest.mark.parametrize("spec", POLICIES)
-def test_float32_carriers_and_compiled_route_equal_float64_carriers(spec, kind, route):
+def test_float32_carriers_and_compiled_route_equal_float64_carriers(spec, kind, monkeypatch):
     pol = get_policy(spec)
     assert carrier_for(pol, False, None) is np.float32
     for dtype in (np.float32, np.float64):
         x, dy = _inputs(kind, dtype)
-        c = x.shape[1]
-        args = dict(policy=pol, chunk_elements=3 * 60)  # two channel blocks
-        f64 = forward_train(x, None, None, np.zeros(c), np.ones(c), keep_arrays=True, **args)
-        f32 = forward_train(x, None, None, np.zeros(c), np.ones(c), keep_arrays=False, **args)
-        assert (f64.trace.meta["route"], f32.trace.meta["route"]) == ("float64 carriers", route)
-        what = f"{spec} {kind} {dtype.__name__} {route} forward"
-        for name in ("y", "mean", "invstd", "var", "running_mean", "running_var"):
-            _same(getattr(f64, name), getattr(f32, name), f"{what}: {name}")
-        _same_trace(f64.trace, f32.trace, what)
-        if route == "compiled":
-            _SEEN_COUNTERS.update(k for s in f32.trace for k, v in s.counters.items() if v.any())
-        for training in (True, False):
-            b64 = backward(dy, x, None, f64.mean, f64.invstd, saved_var=f64.var, training=training,
-                           keep_arrays=True, **args)
-            b32 = backward(dy, x, None, f64.mean, f64.invstd, saved_var=f64.var, training=training,
-                           keep_arrays=False, **args)
-            what = f"{spec} {kind} {dtype.__name__} backward training={training}"
-            for name in ("dx", "dgamma", "dbeta"):
-                _same(getattr(b64, name), getattr(b32, name), f"{what}: {name}")
-            _same_trace(b64.trace, b32.trace, what)
-        i64 = forward_infer(x, None, None, f64.running_mean, f64.running_var, keep_arrays=True, **args)
-        i32 = forward_infer(x, None, None, f64.running_mean, f64.running_var, keep_arrays=False, **args)
-        _same(i64.y, i32.y, f"{spec} {kind} infer y")
-        _same_trace(i64.trace, i32.trace, f"{spec} {kind} infer")
+        ref = _runs(pol, x, dy, True)
+        for route, jit in (("float32 carriers", "0"), ("compiled", "1")):
+            monkeypatch.setenv("BNPROBE_JIT", jit)
+            _same_runs(ref, _runs(pol, x, dy, False), route, f"{spec} {kind} {dtype.__name__} {route}")
 
 
 def test_float32_carriers_only_where_every_operation_is_fp32():
@@ -204,18 +203,6 @@ COMPILED_ONLY = [
 ]
 
 
-def _runs(pol, x, dy, keep):
-    c = x.shape[1]
-    args = dict(policy=pol, chunk_elements=3 * 60, keep_arrays=keep)
-    f = forward_train(x, None, None, np.zeros(c), np.ones(c), **args)
-    out = {"forward": f}
-    for training in (True, False):
-        out[f"backward training={training}"] = backward(dy, x, None, f.mean, f.invstd, saved_var=f.var,
-                                                        training=training, **args)
-    out["infer"] = forward_infer(x, None, None, f.running_mean, f.running_var, **args)
-    return out
-
-
 @pytest.mark.parametrize("kind", ["normal", "offset", "special", "huge", "tiny", "relu"])
 @pytest.mark.parametrize("spec", COMPILED_ONLY)
 def test_compiled_route_equals_float64_route_where_float32_carriers_do_not_apply(spec, kind, monkeypatch):
@@ -223,16 +210,7 @@ def test_compiled_route_equals_float64_route_where_float32_carriers_do_not_apply
     pol = get_policy(spec)
     for dtype in (np.float32, np.float64):
         x, dy = _inputs(kind, dtype)
-        ref, got = _runs(pol, x, dy, True), _runs(pol, x, dy, False)
-        for mode, r in ref.items():
-            g = got[mode]
-            assert g.trace.meta["route"] == "compiled", spec
-            what = f"{spec} {kind} {dtype.__name__} {mode}"
-            for name in ("y", "mean", "invstd", "var", "running_mean", "running_var", "dx", "dgamma", "dbeta"):
-                if hasattr(r, name):
-                    _same(getattr(r, name), getattr(g, name), f"{what}: {name}")
-            _same_trace(r.trace, g.trace, what)
-            _SEEN_COUNTERS.update(k for s in g.trace for k, v in s.counters.items() if v.any())
+        _same_runs(_runs(pol, x, dy, True), _runs(pol, x, dy, False), "compiled", f"{spec} {kind} {dtype.__name__}")
 
 
 def test_the_compiled_cases_hit_every_counter():
