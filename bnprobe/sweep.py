@@ -394,6 +394,13 @@ def scheduler_address(given: str | None) -> str | None:
     return address
 
 
+def _start_method() -> str:
+    """fork is quick and needs no importable __main__; a process that loaded torch or ran a compiled kernel
+    (their OpenMP threads do not survive a fork: the child aborts) starts its workers fresh."""
+    threaded = "torch" in sys.modules or "bnprobe.kernels.compiled" in sys.modules
+    return "spawn" if threaded or not hasattr(os, "fork") else "fork"
+
+
 def _local(todo: list[Task], spec: SweepSpec, workers: int, finish: Callable[[Task, Any, int], bool]) -> None:
     """Run ``todo`` here (one worker) or on ``workers`` local processes; ``finish(task, result or exception,
     attempt)`` returns True when the task should run again."""
@@ -414,9 +421,7 @@ def _local(todo: list[Task], spec: SweepSpec, workers: int, finish: Callable[[Ta
     from concurrent.futures.process import BrokenProcessPool
 
     pending = [(t, 1) for t in todo]
-    # fork is quick and needs no importable __main__; a process that loaded torch (its OpenMP threads do not
-    # survive a fork) starts its workers fresh
-    ctx = multiprocessing.get_context("spawn" if "torch" in sys.modules or not hasattr(os, "fork") else "fork")
+    ctx = multiprocessing.get_context(_start_method())
     while pending:
         with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
             running = {pool.submit(run_task, t, spec): (t, a) for t, a in pending}

@@ -3,6 +3,8 @@ dask.distributed cluster; a failure is retried once and reported, never stops th
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -292,3 +294,17 @@ def test_the_scheduler_can_come_from_the_environment(tmp_path, capsys, monkeypat
     monkeypatch.setenv("BNPROBE_SCHEDULER", "nonsense")
     code, out, err = cli(capsys, "compare-precision", "--adapters", f"dump:{root}", "--out", str(tmp_path / "p"))
     assert code == 2 and "--scheduler takes a dask scheduler address" in err
+
+
+def test_local_workers_are_spawned_once_a_compiled_kernel_has_run():
+    """numba's OpenMP threads do not survive a fork (the child aborts): after a compiled kernel, workers start
+    fresh; before, they are forked (quicker)."""
+    code = ("import sys, numpy as np\n"
+            "from bnprobe import sweep, forward_train\n"
+            "before = sweep._start_method()\n"
+            "r = forward_train(np.ones((2, 3, 4), np.float32) * np.arange(4), policy='fp16', keep_arrays=False)\n"
+            "print(before, r.trace.meta['route'], sweep._start_method())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "BNPROBE_JIT": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["fork", "compiled", "spawn"]
