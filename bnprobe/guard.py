@@ -3,8 +3,9 @@ that would not fit is refused with one line naming the size and the limit.
 
 The limit is the memory available to this process (``MemAvailable``, and the cgroup's own limit when it is lower),
 or what ``--max-memory`` / ``BNPROBE_MAX_MEMORY`` set.  The estimates are per command: a fixed base (the
-interpreter, numpy, pandas, matplotlib) plus bytes per element of the largest input the run holds at once (the
-kernels work one call and one channel block at a time, the recorded calls are loaded one at a time).  The
+interpreter, numpy, pandas, matplotlib; numba's compiler where the kernels may take the compiled route) plus
+bytes per element of the largest input the run holds at once (the kernels work one call and one channel block
+at a time, the recorded calls are loaded one at a time).  The
 per-element figures are the measured growth of each command's peak resident memory between a 0.5 M and a 4.2 M
 element input (``/usr/bin/time -f %M``), times 1.3; ``tests/test_guard.py`` re-measures them.
 """
@@ -16,10 +17,11 @@ import os
 import re
 from pathlib import Path
 
+from bnprobe._jit import jit_enabled
 from bnprobe.errors import BNProbeError
 
-__all__ = ["ENV", "BASE_BYTES", "PER_ELEMENT", "parse_size", "format_size", "available_memory", "memory_limit",
-           "set_memory_limit", "require", "require_run", "run_bytes"]
+__all__ = ["ENV", "BASE_BYTES", "COMPILED_BYTES", "PER_ELEMENT", "parse_size", "format_size", "available_memory",
+           "memory_limit", "set_memory_limit", "require", "require_run", "run_bytes"]
 
 ENV = "BNPROBE_MAX_MEMORY"
 
@@ -42,6 +44,11 @@ PER_ELEMENT: dict[str, int] = {
     "fold": 200,
     "load": 16,
 }
+
+#: numba and its compiler, for commands whose kernels may take the compiled route (bnprobe.kernels.fused):
+#: measured +131 MB to run cached kernels and +257 MB peak for a first run that compiles them (2 cores, x86_64).
+COMPILED_BYTES = 288 * 2**20
+_NO_COMPILED_ROUTE = frozenset(("trace", "load"))  # trace keeps every stage's array: the float64 route
 
 _override: int | None = None
 
@@ -136,8 +143,10 @@ def require(nbytes: float, what: str) -> None:
 
 
 def run_bytes(command: str, elements: int) -> int:
-    """The estimated peak memory of ``command`` on an input of ``elements`` values."""
-    return BASE_BYTES + PER_ELEMENT[command] * int(elements)
+    """The estimated peak memory of ``command`` on an input of ``elements`` values (with the compiled route's
+    numba where the command's kernels may take it)."""
+    jit = COMPILED_BYTES if command not in _NO_COMPILED_ROUTE and jit_enabled() else 0
+    return BASE_BYTES + jit + PER_ELEMENT[command] * int(elements)
 
 
 def require_run(command: str, shape: tuple[int, ...] | int, what: str | None = None) -> None:

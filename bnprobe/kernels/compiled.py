@@ -242,27 +242,6 @@ def _value_impl(v, kind, lut):
     return value
 
 
-@njit(**_opts)
-def _bits16(r, kind):
-    """The 16-bit pattern of r, a value of fp16 (kind SRC_FP16_BITS) or bf16; a NaN keeps its sign."""
-    if kind == SRC_BF16_BITS:
-        b = np.float32(r).view(np.int32)
-        h = (b >> 16) & 0xFFFF
-        if r != r:
-            h |= 0x0040
-        return np.uint16(h)
-    sign = 0x8000 if np.float64(r).view(np.int64) < 0 else 0
-    a = abs(r)
-    if a != a:
-        return np.uint16(sign | 0x7E00)
-    if a > 65504.0:
-        return np.uint16(sign | 0x7C00)
-    if a < 6.103515625e-05:  # subnormal or zero: a multiple of 2^-24
-        return np.uint16(sign | np.int64(a * 16777216.0))
-    b = np.float32(a).view(np.int32)
-    return np.uint16(sign | (((b >> 23) - 112) << 10) | ((b >> 13) & 0x3FF))
-
-
 def _new_stats(k, stages):
     cnt = np.zeros((k, stages, N_COUNTS), dtype=np.int64)
     rg = np.empty((k, stages, 2), dtype=np.float64)
@@ -275,28 +254,9 @@ new_stats = njit(**_opts)(_new_stats)
 
 
 @njit(parallel=True, **_opts)
-def load(src, off, kind, lut, dst, s):
-    """Round each value of channels off..off+k of a source tensor (N, C, S) to the format of s into dst
-    (k, N*S), counting the stage (one: the loaded tensor).  The whole tensor is passed, not a slice of it,
-    so that numba knows a channels-first tensor's rows are contiguous (and vectorises their loops)."""
-    nn, ss, k = src.shape[0], src.shape[2], dst.shape[0]
-    cnt, rg = new_stats(k, 1)
-    tiny = s[7]
-    for c in prange(k):
-        st = _stat0()
-        for n in range(nn):
-            base = n * ss
-            for i in range(ss):
-                r, ev = _rnd(_value(src[n, off + c, i], kind, lut), s)
-                dst[c, base + i] = r
-                st = _note(st, r, ev, tiny)
-        _put(cnt, rg, c, 0, st)
-    return cnt, rg
-
-
-@njit(parallel=True, **_opts)
 def cast(src, dst, s):
-    """Round a (k, R) block to the format of s into dst, counting the stage."""
+    """Round a (k, R) float64 block to the format of s into dst, counting the stage (the general kernels take
+    and give float64 blocks only, so that each is compiled once: the caller converts)."""
     k, rr = src.shape
     cnt, rg = new_stats(k, 1)
     tiny = s[7]
@@ -421,44 +381,38 @@ N_X_COMPUTE, N_CENTERED, N_XHAT, N_AFFINE, N_Y = range(5)
 
 
 @njit(parallel=True, **_opts)
-def normalise(xs, cols, formula, fma, xcast, comp, out, dst, off, dst_kind):
+def normalise(xs, cols, formula, fma, xcast, comp, out, y_out):
     """y from a (k, R) block of storage values: x_compute (when xcast), centered, xhat and the affine
-    by the y formula, then y rounded to the output spec and written to dst (N, k, S); cols are the
+    by the y formula, then y rounded to the output spec into the (k, R) block y_out; cols are the
     per-channel values the formula needs, already in the compute format:
     xhat (mean, rstd, gamma, beta), scale (mean, w, beta), affine (mult, addend)."""
     k, rr = xs.shape
-    nn, _, ss = dst.shape
     cnt, rg = new_stats(k, 5)
     ct, ot = comp[7], out[7]
     native = comp[0] == 0.0
     for c in prange(k):
         c0, c1, c2, c3 = cols[c, 0], cols[c, 1], cols[c, 2], cols[c, 3]
         s_x, s_c, s_h, s_a, s_y = _stat0(), _stat0(), _stat0(), _stat0(), _stat0()
-        for n in range(nn):
-            base = n * ss
-            for i in range(ss):
-                x = np.float64(xs[c, base + i])
-                if xcast:
-                    x, ev = _rnd(x, comp)
-                    s_x = _note(s_x, x, ev, ct)
-                if formula == Y_AFFINE:
-                    a, e1, e2 = _mac(x, c0, c1, fma, native, comp)
+        for i in range(rr):
+            x = xs[c, i]
+            if xcast:
+                x, ev = _rnd(x, comp)
+                s_x = _note(s_x, x, ev, ct)
+            if formula == Y_AFFINE:
+                a, e1, e2 = _mac(x, c0, c1, fma, native, comp)
+            else:
+                d, ev = _rnd(x - c0, comp)
+                s_c = _note(s_c, d, ev, ct)
+                if formula == Y_XHAT:
+                    h, ev = _rnd(d * c1, comp)
+                    s_h = _note(s_h, h, ev, ct)
+                    a, e1, e2 = _mac(h, c2, c3, fma, native, comp)
                 else:
-                    d, ev = _rnd(x - c0, comp)
-                    s_c = _note(s_c, d, ev, ct)
-                    if formula == Y_XHAT:
-                        h, ev = _rnd(d * c1, comp)
-                        s_h = _note(s_h, h, ev, ct)
-                        a, e1, e2 = _mac(h, c2, c3, fma, native, comp)
-                    else:
-                        a, e1, e2 = _mac(d, c1, c2, fma, native, comp)
-                s_a = _note(_ev(s_a, e1), a, e2, ct)
-                y, ev = _rnd(a, out)
-                s_y = _note(s_y, y, ev, ot)
-                if dst_kind == SRC_FLOAT:
-                    dst[n, off + c, i] = y
-                else:
-                    dst[n, off + c, i] = _bits16(y, dst_kind)
+                    a, e1, e2 = _mac(d, c1, c2, fma, native, comp)
+            s_a = _note(_ev(s_a, e1), a, e2, ct)
+            y, ev = _rnd(a, out)
+            s_y = _note(s_y, y, ev, ot)
+            y_out[c, i] = y
         _put(cnt, rg, c, N_X_COMPUTE, s_x)
         _put(cnt, rg, c, N_CENTERED, s_c)
         _put(cnt, rg, c, N_XHAT, s_h)
@@ -478,7 +432,7 @@ def center_scale(xc, mean, invstd, comp, xhat):
         mu, iv = mean[c], invstd[c]
         s_c, s_h = _stat0(), _stat0()
         for i in range(rr):
-            d, ev = _rnd(np.float64(xc[c, i]) - mu, comp)
+            d, ev = _rnd(xc[c, i] - mu, comp)
             s_c = _note(s_c, d, ev, ct)
             h, ev = _rnd(d * iv, comp)
             s_h = _note(s_h, h, ev, ct)
@@ -489,42 +443,35 @@ def center_scale(xc, mean, invstd, comp, xhat):
 
 
 @njit(parallel=True, **_opts)
-def dx(dyc, xhat, xc, cols, formula, comp, out, dst, off, dst_kind):
-    """dx_compute by the dx formula and dx rounded to the output spec, written to dst (N, k, S); two
+def dx(dyc, xhat, xc, cols, formula, comp, out, dx_out):
+    """dx_compute by the dx formula and dx rounded to the output spec into the (k, R) block dx_out; two
     stages.  standard: (dy - mean_dy - xhat·mean_dy_xhat)·scale, cols (mean_dy, mean_dy_xhat, scale);
     ascend: (dy + x·mult + addend)·scale, cols (mult, addend, scale); constant: dy·scale, cols (scale)."""
     k, rr = dyc.shape
-    nn, _, ss = dst.shape
     cnt, rg = new_stats(k, 2)
     ct, ot = comp[7], out[7]
     for c in prange(k):
         c0, c1, c2 = cols[c, 0], cols[c, 1], cols[c, 2]
         s_d, s_y = _stat0(), _stat0()
-        for n in range(nn):
-            base = n * ss
-            for i in range(ss):
-                j = base + i
-                g = np.float64(dyc[c, j])
-                if formula == DX_STANDARD:
-                    d, e1 = _rnd(g - c0, comp)
-                    p, e2 = _rnd(np.float64(xhat[c, j]) * c1, comp)
-                    d, e3 = _rnd(d - p, comp)
-                    v, e4 = _rnd(d * c2, comp)
-                elif formula == DX_ASCEND:
-                    p, e1 = _rnd(np.float64(xc[c, j]) * c0, comp)
-                    d, e2 = _rnd(g + p, comp)
-                    d, e3 = _rnd(d + c1, comp)
-                    v, e4 = _rnd(d * c2, comp)
-                else:
-                    e1, e2, e3 = 0, 0, 0
-                    v, e4 = _rnd(g * c0, comp)
-                s_d = _note(_ev(_ev(_ev(s_d, e1), e2), e3), v, e4, ct)
-                y, ev = _rnd(v, out)
-                s_y = _note(s_y, y, ev, ot)
-                if dst_kind == SRC_FLOAT:
-                    dst[n, off + c, i] = y
-                else:
-                    dst[n, off + c, i] = _bits16(y, dst_kind)
+        for j in range(rr):
+            g = dyc[c, j]
+            if formula == DX_STANDARD:
+                d, e1 = _rnd(g - c0, comp)
+                p, e2 = _rnd(xhat[c, j] * c1, comp)
+                d, e3 = _rnd(d - p, comp)
+                v, e4 = _rnd(d * c2, comp)
+            elif formula == DX_ASCEND:
+                p, e1 = _rnd(xc[c, j] * c0, comp)
+                d, e2 = _rnd(g + p, comp)
+                d, e3 = _rnd(d + c1, comp)
+                v, e4 = _rnd(d * c2, comp)
+            else:
+                e1, e2, e3 = 0, 0, 0
+                v, e4 = _rnd(g * c0, comp)
+            s_d = _note(_ev(_ev(_ev(s_d, e1), e2), e3), v, e4, ct)
+            y, ev = _rnd(v, out)
+            s_y = _note(s_y, y, ev, ot)
+            dx_out[c, j] = y
         _put(cnt, rg, c, 0, s_d)
         _put(cnt, rg, c, 1, s_y)
     return cnt, rg

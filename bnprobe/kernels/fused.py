@@ -13,8 +13,6 @@ numpy routes' (tests/kernels/test_carriers.py).
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 import threading
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -22,13 +20,13 @@ from typing import Any
 
 import numpy as np
 
+from bnprobe._jit import JIT_ENV, jit_enabled
 from bnprobe.numerics.arith import Arith, Tally
 from bnprobe.numerics.rounding import RoundingSpec
 from bnprobe.numerics.variance import prescale_exponent
 
 __all__ = ["JIT_ENV", "jit_enabled", "compiled_route", "Source", "Fused", "ROUTES", "COMPILED_CHUNK_ELEMENTS"]
 
-JIT_ENV = "BNPROBE_JIT"
 _FORMATS = frozenset(("fp64", "fp32", "fp16", "bf16"))
 # the route a kernel call took, as its trace's meta["route"] says
 ROUTES: tuple[str, ...] = ("compiled", "float32 carriers", "float64 carriers")
@@ -39,18 +37,6 @@ COMPILED_CHUNK_ELEMENTS = 1 << 21
 # numba's default threading layer (workqueue) aborts when two threads run parallel kernels at once (a dask
 # worker's threads can): kernel calls take turns
 _KERNEL_LOCK = threading.Lock()
-
-
-def jit_enabled() -> bool:
-    """False when ``BNPROBE_JIT`` is 0/false/no/off, or numba is not installed."""
-    if os.environ.get(JIT_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return False
-    return _numba_installed()
-
-
-@functools.cache
-def _numba_installed() -> bool:
-    return importlib.util.find_spec("numba") is not None
 
 
 def compiled_route(policy: Any, keep_arrays: bool, overrides: dict[str, np.ndarray] | None) -> bool:
@@ -116,27 +102,37 @@ def spec_vector(ar: Arith) -> tuple[float, ...]:
 
 @dataclass(frozen=True)
 class Source:
-    """A caller's tensor as ``(N, C, S)`` (the whole of it: see compiled.load), with how its values are held,
-    and the block of channels a kernel call reads or writes."""
+    """A caller's tensor as ``(N, C, S)`` (the whole of it: see compiled.load_fast), as the kernels read it
+    (16-bit formats as their bit patterns) and as it is (``values``), with the block of channels a kernel call
+    reads or writes."""
 
     view: np.ndarray
     kind: int
+    values: np.ndarray
     channels: slice = field(default_factory=lambda: slice(0, 0))
 
     @classmethod
     def of(cls, view3: np.ndarray) -> Source:
         k = kernels()
         name = view3.dtype.name
-        if name == "float16":
-            return cls(view3.view(np.uint16), k.SRC_FP16_BITS)
-        if name == "bfloat16":
-            return cls(view3.view(np.uint16), k.SRC_BF16_BITS)
-        if view3.dtype in (np.float32, np.float64):
-            return cls(view3, k.SRC_FLOAT)
-        return cls(view3.astype(np.float64), k.SRC_FLOAT)  # integers, FP8 and others: their exact values
+        if name in ("float16", "bfloat16"):
+            return cls(view3.view(np.uint16), k.SRC_FP16_BITS if name == "float16" else k.SRC_BF16_BITS, view3)
+        return cls(view3, k.SRC_FLOAT, view3)  # float32 read by the fast kernels, the rest by numpy (general)
 
     def block(self, channels: slice) -> Source:
-        return Source(self.view, self.kind, channels)
+        return Source(self.view, self.kind, self.values, channels)
+
+    def rows(self) -> np.ndarray:
+        """This block's values as a channel-first (k, R) float64 copy (what the general kernels take)."""
+        part = self.values[:, self.channels, :]
+        with np.errstate(invalid="ignore"):
+            return np.ascontiguousarray(part.transpose(1, 0, 2), dtype=np.float64).reshape(part.shape[1], -1)
+
+    def put(self, rows: np.ndarray) -> None:
+        """Write a channel-first (k, R) block of values of this tensor's format into this block."""
+        part = self.values[:, self.channels, :]
+        with np.errstate(all="ignore"):
+            part[...] = rows.reshape(part.shape[1], part.shape[0], part.shape[2]).transpose(1, 0, 2)
 
     @property
     def offset(self) -> int:
@@ -184,8 +180,11 @@ class Fused:
         lut = _fp16_table()
 
         def general():
-            return self.k.load(src.view, src.offset, src.kind, lut, dst, self.spec(ar))
-        if self.fast and src.view.dtype != np.float64:
+            out = np.empty(dst.shape)
+            result = self.k.cast(src.rows(), out, self.spec(ar))
+            dst[...] = out  # exact: the carrier holds the format
+            return result
+        if self.fast and (src.kind != self.k.SRC_FLOAT or src.view.dtype == np.float32):
             cnt, rg = self._fast(self.k.load_fast(src.view, src.offset, src.kind, lut, dst, self._out_kind(ar)),
                                  general)
         else:
@@ -195,10 +194,10 @@ class Fused:
 
     def cast(self, name: str, block: np.ndarray, ar: Arith) -> np.ndarray:
         """A (k, R) block rounded to ``ar``'s format; stage ``name``."""
-        dst = np.empty_like(block)
-        cnt, rg = self.k.cast(block, dst, self.spec(ar))
-        self._record((name,), (ar,), cnt, rg, dst.size)
-        return dst
+        out = np.empty(block.shape)
+        cnt, rg = self.k.cast(np.asarray(block, dtype=np.float64), out, self.spec(ar))
+        self._record((name,), (ar,), cnt, rg, out.size)
+        return out.astype(block.dtype, copy=False)  # exact: the carrier holds the format
 
     def reduce(self, a: np.ndarray, t: Tally, b: np.ndarray | None = None, *, op: int | None = None,
                mean: np.ndarray | None = None, prescale: float = 0.0) -> np.ndarray:
@@ -211,7 +210,9 @@ class Fused:
         bb, mm, order = a if b is None else b, np.zeros(a.shape[0]) if mean is None else mean, k.ORDER_CODES[pol.order]
 
         def general():
-            return k.reduce(a, bb, mm, op, self.spec(run.acc), order, pol.lanes, pol.kahan, prescale)
+            f64 = np.float64
+            return k.reduce(np.asarray(a, f64), np.asarray(bb, f64), mm, op, self.spec(run.acc), order, pol.lanes,
+                            pol.kahan, prescale)
         if self.fast and not pol.kahan:
             sums, tallies = self._fast(k.reduce_fast(a, bb, mm, op, order, pol.lanes, prescale), general)
         else:
@@ -242,8 +243,11 @@ class Fused:
         out_kind = self._out_kind(run.out)
 
         def general():
-            return k.normalise(xs, table, code, pol.fma, xcast, self.spec(comp), self.spec(run.out), self.dest.view,
-                               self.dest.offset, self.dest.kind)
+            y = np.empty(xs.shape)
+            result = k.normalise(np.asarray(xs, dtype=np.float64), table, code, pol.fma, xcast, self.spec(comp),
+                                 self.spec(run.out), y)
+            self.dest.put(y)
+            return result
         if self.fast and not pol.fma and not xcast and out_kind is not None:
             cnt, rg = self._fast(k.normalise_fast(xs, table, code, self.dest.view, self.dest.offset, out_kind,
                                                   _fp16_table()), general)
@@ -260,7 +264,10 @@ class Fused:
         mean, invstd = comp.round(mean), comp.round(invstd)
 
         def general():
-            return self.k.center_scale(xc, mean, invstd, self.spec(comp), xhat)
+            out = np.empty(xc.shape)
+            result = self.k.center_scale(np.asarray(xc, dtype=np.float64), mean, invstd, self.spec(comp), out)
+            xhat[...] = out  # exact: the carrier holds the compute format
+            return result
         if self.fast:
             cnt, rg = self._fast(self.k.center_scale_fast(xc, mean, invstd, xhat), general)
         else:
@@ -280,8 +287,11 @@ class Fused:
         out_kind = self._out_kind(run.out)
 
         def general():
-            return k.dx(dyc, xhat, xc, table, code, self.spec(comp), self.spec(run.out), self.dest.view,
-                        self.dest.offset, self.dest.kind)
+            f64, out = np.float64, np.empty(dyc.shape)
+            result = k.dx(np.asarray(dyc, f64), np.asarray(xhat, f64), np.asarray(xc, f64), table, code,
+                          self.spec(comp), self.spec(run.out), out)
+            self.dest.put(out)
+            return result
         if self.fast and out_kind is not None:
             cnt, rg = self._fast(k.dx_fast(dyc, xhat, xc, table, code, self.dest.view, self.dest.offset, out_kind,
                                            _fp16_table()), general)
