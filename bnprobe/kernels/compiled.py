@@ -1,6 +1,6 @@
 """The compiled route: BatchNorm's elementwise passes and reductions as numba kernels.
 
-Imported only when a kernel runs with the compiled route (see ``bnprobe.kernels.jit``), so that
+Imported only when a kernel runs with the compiled route (see ``bnprobe.kernels.fused``), so that
 ``import bnprobe`` and ``bnprobe --help`` never load numba.
 
 Semantics are the float64 route's, operation for operation: each operation is formed in float64
@@ -566,7 +566,9 @@ def _put_fast(cnt, rg, c, j, lo, hi, sub):
 
 @njit(parallel=True, **_opts)
 def load_fast(src, off, kind, lut, dst, out_kind):
-    """load() for a float32 or 16-bit source into fp32, fp16 or bf16 storage (nearest-even); (cnt, rg, flag)."""
+    """Round channels off..off+k of a float32 or 16-bit source tensor (N, C, S) to fp32, fp16 or bf16 storage
+    (nearest-even) into dst (k, N*S), counting the loaded tensor's stage; (cnt, rg, flag).  The whole tensor is
+    passed, not a slice of it, so that numba knows a channels-first tensor's rows are contiguous."""
     nn, ss, k = src.shape[0], src.shape[2], dst.shape[0]
     cnt, rg = new_stats(k, 1)
     flag = np.zeros(k, dtype=np.int64)

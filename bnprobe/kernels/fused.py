@@ -20,16 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe._jit import JIT_ENV, jit_enabled
+from bnprobe._jit import jit_enabled
 from bnprobe.numerics.arith import Arith, Tally
 from bnprobe.numerics.rounding import RoundingSpec
 from bnprobe.numerics.variance import prescale_exponent
 
-__all__ = ["JIT_ENV", "jit_enabled", "compiled_route", "Source", "Fused", "ROUTES", "COMPILED_CHUNK_ELEMENTS"]
+__all__ = ["compiled_route", "Source", "Fused", "COMPILED_CHUNK_ELEMENTS"]
 
 _FORMATS = frozenset(("fp64", "fp32", "fp16", "bf16"))
-# the route a kernel call took, as its trace's meta["route"] says
-ROUTES: tuple[str, ...] = ("compiled", "float32 carriers", "float64 carriers")
 # the compiled route's channel blocks: larger than numpy's (its passes keep no temporaries per operation),
 # so that each parallel pass has channels for every thread: fwd+bwd of 32x64x56x56 (fp16) took 0.34 s in
 # blocks of 2^18 values and 0.24 s in blocks of 2^21 (2 cores)
@@ -160,6 +158,14 @@ class Fused:
         *result, flag = fast_result
         return general() if flag.any() else tuple(result)
 
+    def _columns(self, cols: tuple[np.ndarray, ...], width: int) -> np.ndarray:
+        """Per-channel values rounded to the compute format, as the (k, width) table a kernel reads (unused
+        columns zero)."""
+        table = np.zeros((len(cols[0]), width))
+        for i, v in enumerate(cols):
+            table[:, i] = self.run.comp.round(v)
+        return table
+
     def spec(self, ar: Arith) -> tuple[float, ...]:
         v = self._specs.get(id(ar))
         if v is None:
@@ -236,9 +242,7 @@ class Fused:
         run, k = self.run, self.k
         pol, comp = run.policy, run.comp
         code = {"xhat": k.Y_XHAT, "scale": k.Y_SCALE, "affine": k.Y_AFFINE}[formula]
-        table = np.zeros((xs.shape[0], 4))
-        for i, v in enumerate(cols):
-            table[:, i] = comp.round(v)
+        table = self._columns(cols, 4)
         xcast = not comp.fmt.holds(run.storage.fmt)
         out_kind = self._out_kind(run.out)
 
@@ -280,9 +284,7 @@ class Fused:
         """dx_compute and dx by the dx formula (compiled.dx), dx written to ``dest``."""
         run, k = self.run, self.k
         comp = run.comp
-        table = np.zeros((dyc.shape[0], 3))
-        for i, v in enumerate(cols):
-            table[:, i] = comp.round(v)
+        table = self._columns(cols, 3)
         code = {"standard": k.DX_STANDARD, "ascend": k.DX_ASCEND, "constant": k.DX_CONSTANT}[formula]
         out_kind = self._out_kind(run.out)
 
