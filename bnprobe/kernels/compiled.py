@@ -19,8 +19,9 @@ each channel is computed by one thread from start to end, so results do not depe
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
 # a format and its rounding, as the tuple of floats the kernels take
 SPEC_FIELDS: tuple[str, ...] = ("kind", "mantissa_bits", "emin", "rounding", "saturate", "flush", "max", "tiny")
@@ -233,7 +234,7 @@ def _value_impl(v, kind, lut):
     if isinstance(v, types.Integer):  # a 16-bit pattern: fp16 through the table, bf16 by a shift
         def bits(v, kind, lut):
             if kind == SRC_FP16_BITS:
-                return np.float64(lut[v])
+                return np.float64(_f16_value(v, lut))
             return np.float64(np.uint32(np.int64(v) << 16).view(np.float32))
         return bits
 
@@ -479,11 +480,17 @@ def dx(dyc, xhat, xc, cols, formula, comp, out, dx_out):
 
 # ---- the fast kernels: binary32 arithmetic where every operation is an fp32 one with the default rounding
 # (the fp32, fp16 and bf16 presets and their common variants).  An fp32 operation on binary32 values is the
-# CPU's own binary32 operation (see numerics/arith.py), so the values are computed in float32 directly.  They
-# count what is common (ranges, subnormals) and flag a channel where anything rarer may have happened (a
-# non-finite value, an overflow, an underflow); the caller then runs the general kernel for the block, whose
-# counting is complete.  A flagged block therefore costs two passes, an unflagged one gives the same values,
-# ranges and counters as the general kernel.
+# CPU's own binary32 operation (see numerics/arith.py), so the values are computed in float32 directly.
+# Their loops are written to be vectorised by LLVM:
+# - a pass's ranges come from one per-value minimum and maximum, taken on integer keys (_key: integer
+#   min/max vectorise, float ones do not); the other stages' ranges are those bounds carried through the
+#   same operations after the loop, since each stage is a monotone function of that value (a correctly
+#   rounded x - c, x·c, x + c and a rounding to a format never reverse the order of two values);
+# - what a 16-bit stored tensor commonly has (subnormals, values lost to zero) is counted;
+# - anything rarer (a non-finite value, an overflow, a binary32 subnormal stage value, a product lost to
+#   underflow) flags the channel, and the caller computes that channel again with the general kernel,
+#   whose counting is complete.
+# An unflagged channel therefore gives the general kernel's values, ranges and counters.
 
 _F32_TINY = np.float32(1.1754943508222875e-38)
 _F32_MAX = np.float32(3.4028234663852886e38)
@@ -508,6 +515,64 @@ def _f16_rne_bits(a):
     return np.uint16(sign | o)
 
 
+def _host_converts_half() -> bool:
+    """Whether this CPU converts binary32 <-> fp16 in hardware (x86 F16C, every AArch64), so that LLVM's
+    fptrunc/fpext to half compile to instructions (vcvtps2ph/vcvtph2ps, fcvt) and vectorise; elsewhere they
+    would be library calls numba may not link, and the bit arithmetic and table above are used."""
+    import platform
+
+    from llvmlite import binding
+
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return True
+    return bool(binding.get_host_cpu_features().get("f16c", False))
+
+
+# numba's cache is keyed by the CPU and its features, so a kernel cached with one choice is not loaded on
+# a CPU that needs the other
+HALF_NATIVE = _host_converts_half()
+
+
+@intrinsic
+def _f32_to_half(typingctx, v):
+    """binary32 v rounded to fp16 (IEEE nearest-even, overflow to inf, subnormals kept), as its bit pattern."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.uint16(types.float32), codegen
+
+
+@intrinsic
+def _half_to_f32(typingctx, h):
+    """The fp16 bit pattern h as a binary32 (exact)."""
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+def _f16_bits(a):
+    """float32 a rounded to the nearest-even fp16's bit pattern: the hardware's conversion or _f16_rne_bits."""
+    raise NotImplementedError  # pragma: no cover - only its compiled overload runs
+
+
+@overload(_f16_bits)
+def _f16_bits_impl(a):
+    if HALF_NATIVE:
+        return lambda a: _f32_to_half(np.float32(a))
+    return lambda a: _f16_rne_bits(a)
+
+
+def _f16_value(h, lut):
+    """An fp16 bit pattern's value as a binary32: the hardware's conversion or the 65,536-entry table."""
+    raise NotImplementedError  # pragma: no cover - only its compiled overload runs
+
+
+@overload(_f16_value)
+def _f16_value_impl(h, lut):
+    if HALF_NATIVE:
+        return lambda h, lut: _half_to_f32(np.uint16(h))
+    return lambda h, lut: lut[h]
+
+
 @njit(**_opts)
 def _bf16_rne_bits(a):
     """float32 a rounded to the nearest-even bf16, as its bit pattern (NaN stays a NaN)."""
@@ -521,30 +586,28 @@ def _bf16_rne_bits(a):
 def _out32(a, out_kind, lut):
     """float32 a stored in the output format (nearest-even): (value as float32, bit pattern or 0)."""
     if out_kind == OUT_FP16:
-        h = _f16_rne_bits(a)
-        return lut[h], h
+        h = _f16_bits(a)
+        return _f16_value(h, lut), h
     if out_kind == OUT_BF16:
         h = _bf16_rne_bits(a)
         return np.uint32(np.int64(h) << 16).view(np.float32), h
     return a, np.uint16(0)
 
 
-@njit(fastmath={"nnan", "nsz"}, **_opts)
-def _lo(a, b):
-    """min for a range: no NaN reaches it unflagged and a zero bound's sign is not kept (Trace reports +0),
-    which lets the loop be vectorised."""
-    return a if a < b else b
-
-
-@njit(fastmath={"nnan", "nsz"}, **_opts)
-def _hi(a, b):
-    return a if a > b else b
+@njit(**_opts)
+def _key(v):
+    """An integer ordered as binary32 values compare (-0 just below +0; NaN is flagged elsewhere)."""
+    b = np.float32(v).view(np.int32)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
 
 
 @njit(**_opts)
-def _range32(lo, hi, sub, v, tiny):
-    """A fast kernel's range and subnormal count of one stage with value v counted."""
-    return _lo(lo, v), _hi(hi, v), sub + ((abs(v) < tiny) & (v != 0))
+def _unkey(k):
+    """The binary32 value of a _key."""
+    return np.int32(k ^ ((k >> 31) & 0x7FFFFFFF)).view(np.float32)
+
+
+_KEY_LO, _KEY_HI = np.int64(np.iinfo(np.int32).max), np.int64(np.iinfo(np.int32).min)  # empty range
 
 
 @njit(**_opts)
@@ -553,15 +616,28 @@ def _finite32(v):
 
 
 @njit(**_opts)
-def _out_bad(y, v):
-    """Whether storing v as y may have overflowed or underflowed."""
-    return (not _finite32(y)) | ((y == 0) & (v != 0))
+def _small32(v):
+    """v is a binary32 subnormal."""
+    return (abs(v) < _F32_TINY) & (v != 0)
 
 
 @njit(**_opts)
-def _put_fast(cnt, rg, c, j, lo, hi, sub):
-    cnt[c, j, _SUBNORMAL] = sub
-    rg[c, j, 0], rg[c, j, 1] = lo, hi
+def _gone32(p, a, b):
+    """Binary32 product p = a·b of nonzero operands is subnormal or zero (an underflow, or a subnormal that a
+    stage would count)."""
+    return (abs(p) < _F32_TINY) & (a != 0) & (b != 0)
+
+
+@njit(**_opts)
+def _put_range(rg, c, j, a, b):
+    """Stage j's range from its values at the two ends of the range of the value it is monotone in."""
+    rg[c, j, 0], rg[c, j, 1] = min(a, b), max(a, b)
+
+
+@njit(**_opts)
+def _stored(cnt, c, j, sub, lost):
+    """A stored tensor's counts: subnormals and nonzero values stored as zero (underflow)."""
+    cnt[c, j, _SUBNORMAL], cnt[c, j, _UNDERFLOW] = sub, lost
 
 
 @njit(parallel=True, **_opts)
@@ -575,24 +651,26 @@ def load_fast(src, off, kind, lut, dst, out_kind):
     tiny = _F16_TINY if out_kind == OUT_FP16 else _F32_TINY
     same = (kind == SRC_FP16_BITS and out_kind == OUT_FP16) or (kind == SRC_BF16_BITS and out_kind == OUT_BF16)
     for c in prange(k):
-        lo, hi, sub, bad = np.float32(np.inf), np.float32(-np.inf), 0, 0
+        klo, khi, sub, lost, bad = _KEY_LO, _KEY_HI, 0, 0, 0
         for n in range(nn):
             base = n * ss
             for i in range(ss):
                 x = np.float32(_value(src[n, off + c, i], kind, lut))
                 v = x if same else _out32(x, out_kind, lut)[0]
                 dst[c, base + i] = v
-                lo, hi, sub = _range32(lo, hi, sub, v, tiny)
-                bad += (not _finite32(v)) | ((v == 0) & (x != 0))
-        _put_fast(cnt, rg, c, 0, lo, hi, sub)
+                kx = _key(x)
+                klo, khi = min(klo, kx), max(khi, kx)
+                bad += not _finite32(v)
+                sub += (abs(v) < tiny) & (v != 0)
+                lost += (v == 0) & (x != 0)
         flag[c] = bad
+        if nn * ss > 0:
+            lo, hi = _unkey(klo), _unkey(khi)
+            if not same:
+                lo, hi = _out32(lo, out_kind, lut)[0], _out32(hi, out_kind, lut)[0]
+            _put_range(rg, c, 0, lo, hi)
+        _stored(cnt, c, 0, sub, lost)
     return cnt, rg, flag
-
-
-@njit(**_opts)
-def _mul_ok(p, a, b):
-    """False when a binary32 product may have overflowed or underflowed (or is not finite)."""
-    return abs(p) <= _F32_MAX and not (p == 0 and a != 0 and b != 0)
 
 
 @njit(parallel=True, **_opts)
@@ -609,38 +687,42 @@ def reduce_fast(a, b, m, op, order, lanes, prescale):
     for c in prange(k):
         buf = np.zeros(width, dtype=np.float32)
         mv = np.float32(m[c])
-        bad = 0
-        for i in range(rr):
-            x = a[c, i]
-            if op == ADD_X:
-                v = x
-            elif op == ADD_SQUARE:
+        lost = 0  # a product of nonzero addends lost to zero: an underflow event
+        if op == ADD_X:
+            for i in range(rr):
+                buf[i] = a[c, i]
+        elif op == ADD_SQUARE:
+            for i in range(rr):
+                x = a[c, i]
                 v = x * x
-                bad += not _mul_ok(v, x, x)
-            elif op == ADD_DEV_SQUARE:
-                d = x - mv
+                lost += (v == 0) & (x != 0)
+                buf[i] = v
+        elif op == ADD_DEV_SQUARE:
+            for i in range(rr):
+                d = a[c, i] - mv
                 v = d * d
-                bad += not _mul_ok(v, d, d)
-            else:
-                bv = b[c, i]
+                lost += (v == 0) & (d != 0)
+                buf[i] = v
+        else:
+            for i in range(rr):
+                x, bv = a[c, i], b[c, i]
                 v = x * bv
-                bad += not _mul_ok(v, x, bv)
-            if prescale != 0.0:
-                v = v * pre
-            buf[i] = v
+                lost += (v == 0) & (x != 0) & (bv != 0)
+                buf[i] = v
+        if prescale != 0.0:
+            for i in range(rr):
+                buf[i] *= pre
         if order == 0:
             s = buf[0]
             for j in range(1, rr):
                 s += buf[j]
         else:
             n = rr
-            if order == 2:
-                reps = width // lanes
-                for ln in range(lanes):
-                    s = buf[ln]
-                    for j in range(1, reps):
-                        s += buf[ln + j * lanes]
-                    buf[ln] = s
+            if order == 2:  # lane l adds buf[l], buf[l + lanes], ... in turn: all lanes at once, row by row
+                for j in range(1, width // lanes):
+                    row = j * lanes
+                    for ln in range(lanes):
+                        buf[ln] += buf[row + ln]
                 n = lanes
             p = 1
             while p * 2 <= n:
@@ -654,8 +736,27 @@ def reduce_fast(a, b, m, op, order, lanes, prescale):
                     buf[i] += buf[i + h]
             s = buf[0]
         sums[c] = s
-        flag[c] = bad + (not _finite32(s))
+        flag[c] = lost + (not _finite32(s))  # an inf or NaN addend, or an overflow, leaves the sum not finite
     return sums, tallies, flag
+
+
+@njit(**_opts)
+def _y32(x, c0, c1, c2, c3, formula):
+    """normalise's binary32 stages of one stored x by the y formula, (centered, xhat, affine, rare): rare when
+    a stage value is subnormal or a product lost to underflow (unused stages repeat another)."""
+    if formula == Y_AFFINE:
+        p = x * c0
+        av = p + c1
+        return x, x, av, _gone32(p, x, c0) | _small32(av)
+    d = x - c0
+    if formula == Y_XHAT:
+        h = d * c1
+        p = h * c2
+        av = p + c3
+        return d, h, av, _small32(d) | _gone32(h, d, c1) | _gone32(p, h, c2) | _small32(av)
+    p = d * c1
+    av = p + c2
+    return d, d, av, _small32(d) | _gone32(p, d, c1) | _small32(av)
 
 
 @njit(parallel=True, **_opts)
@@ -669,42 +770,28 @@ def normalise_fast(xs, cols, formula, dst, off, out_kind, lut):
     for c in prange(k):
         c0, c1 = np.float32(cols[c, 0]), np.float32(cols[c, 1])
         c2, c3 = np.float32(cols[c, 2]), np.float32(cols[c, 3])
-        inf = np.float32(np.inf)
-        lo1, hi1, lo2, hi2, lo3, hi3, lo4, hi4 = inf, -inf, inf, -inf, inf, -inf, inf, -inf
-        s1, s2, s3, s4, bad = 0, 0, 0, 0, 0
+        klo, khi, sub, lost, bad = _KEY_LO, _KEY_HI, 0, 0, 0
         for n in range(nn):
             base = n * ss
             for i in range(ss):
                 x = xs[c, base + i]
-                if formula == Y_AFFINE:
-                    p = x * c0
-                    bad += not _mul_ok(p, x, c0)
-                    av = p + c1
-                else:
-                    d = x - c0
-                    lo1, hi1, s1 = _range32(lo1, hi1, s1, d, _F32_TINY)
-                    bad += not _finite32(d)
-                    if formula == Y_XHAT:
-                        h = d * c1
-                        bad += not _mul_ok(h, d, c1)
-                        lo2, hi2, s2 = _range32(lo2, hi2, s2, h, _F32_TINY)
-                        p = h * c2
-                        bad += not _mul_ok(p, h, c2)
-                        av = p + c3
-                    else:
-                        p = d * c1
-                        bad += not _mul_ok(p, d, c1)
-                        av = p + c2
-                lo3, hi3, s3 = _range32(lo3, hi3, s3, av, _F32_TINY)
+                kx = _key(x)
+                klo, khi = min(klo, kx), max(khi, kx)
+                _, _, av, rare = _y32(x, c0, c1, c2, c3, formula)
                 y, bits = _out32(av, out_kind, lut)
-                lo4, hi4, s4 = _range32(lo4, hi4, s4, y, otiny)
-                bad += _out_bad(y, av)
+                bad += rare | (not _finite32(y))  # av not finite leaves y not finite
+                sub += (abs(y) < otiny) & (y != 0)
+                lost += (y == 0) & (av != 0)
                 dst[n, off + c, i] = y if out_kind == OUT_FP32 else bits
-        _put_fast(cnt, rg, c, N_CENTERED, lo1, hi1, s1)
-        _put_fast(cnt, rg, c, N_XHAT, lo2, hi2, s2)
-        _put_fast(cnt, rg, c, N_AFFINE, lo3, hi3, s3)
-        _put_fast(cnt, rg, c, N_Y, lo4, hi4, s4)
         flag[c] = bad
+        if rr > 0:
+            d0, h0, a0, _ = _y32(_unkey(klo), c0, c1, c2, c3, formula)
+            d1, h1, a1, _ = _y32(_unkey(khi), c0, c1, c2, c3, formula)
+            _put_range(rg, c, N_CENTERED, d0, d1)
+            _put_range(rg, c, N_XHAT, h0, h1)
+            _put_range(rg, c, N_AFFINE, a0, a1)
+            _put_range(rg, c, N_Y, _out32(a0, out_kind, lut)[0], _out32(a1, out_kind, lut)[0])
+        _stored(cnt, c, N_Y, sub, lost)
     return cnt, rg, flag
 
 
@@ -716,18 +803,20 @@ def center_scale_fast(xc, mean, invstd, xhat):
     flag = np.zeros(k, dtype=np.int64)
     for c in prange(k):
         mu, iv = np.float32(mean[c]), np.float32(invstd[c])
-        inf = np.float32(np.inf)
-        lo1, hi1, lo2, hi2, s1, s2, bad = inf, -inf, inf, -inf, 0, 0, 0
+        klo, khi, bad = _KEY_LO, _KEY_HI, 0
         for i in range(rr):
-            d = xc[c, i] - mu
+            x = xc[c, i]
+            kx = _key(x)
+            klo, khi = min(klo, kx), max(khi, kx)
+            d = x - mu
             h = d * iv
             xhat[c, i] = h
-            lo1, hi1, s1 = _range32(lo1, hi1, s1, d, _F32_TINY)
-            lo2, hi2, s2 = _range32(lo2, hi2, s2, h, _F32_TINY)
-            bad += (not _finite32(d)) | (not _mul_ok(h, d, iv))
-        _put_fast(cnt, rg, c, 0, lo1, hi1, s1)
-        _put_fast(cnt, rg, c, 1, lo2, hi2, s2)
+            bad += _small32(d) | _gone32(h, d, iv) | (not _finite32(h))
         flag[c] = bad
+        if rr > 0:
+            d0, d1 = _unkey(klo) - mu, _unkey(khi) - mu
+            _put_range(rg, c, 0, d0, d1)
+            _put_range(rg, c, 1, d0 * iv, d1 * iv)
     return cnt, rg, flag
 
 
@@ -741,8 +830,7 @@ def dx_fast(dyc, xhat, xc, cols, formula, dst, off, out_kind, lut):
     otiny = _F16_TINY if out_kind == OUT_FP16 else _F32_TINY
     for c in prange(k):
         c0, c1, c2 = np.float32(cols[c, 0]), np.float32(cols[c, 1]), np.float32(cols[c, 2])
-        inf = np.float32(np.inf)
-        lo1, hi1, lo2, hi2, s1, s2, bad = inf, -inf, inf, -inf, 0, 0, 0
+        klo, khi, sub, lost, bad = _KEY_LO, _KEY_HI, 0, 0, 0
         for n in range(nn):
             base = n * ss
             for i in range(ss):
@@ -753,23 +841,27 @@ def dx_fast(dyc, xhat, xc, cols, formula, dst, off, out_kind, lut):
                     p = hx * c1
                     d = (g - c0) - p
                     v = d * c2
-                    bad += (not _mul_ok(p, hx, c1)) | (not _finite32(d))
+                    rare = _gone32(p, hx, c1) | _gone32(v, d, c2)
                 elif formula == DX_ASCEND:
                     xv = xc[c, j]
                     p = xv * c0
                     d = (g + p) + c1
                     v = d * c2
-                    bad += (not _mul_ok(p, xv, c0)) | (not _finite32(d))
+                    rare = _gone32(p, xv, c0) | _gone32(v, d, c2)
                 else:
-                    d = g
                     v = g * c0
-                bad += not _mul_ok(v, d, c2 if formula != DX_CONSTANT else c0)
-                lo1, hi1, s1 = _range32(lo1, hi1, s1, v, _F32_TINY)
+                    rare = _gone32(v, g, c0)
+                kv = _key(v)  # dx_compute's range; dx is monotone in it
+                klo, khi = min(klo, kv), max(khi, kv)
                 y, bits = _out32(v, out_kind, lut)
-                lo2, hi2, s2 = _range32(lo2, hi2, s2, y, otiny)
-                bad += _out_bad(y, v)
+                bad += rare | (not _finite32(y))  # v not finite leaves y not finite
+                sub += (abs(y) < otiny) & (y != 0)
+                lost += (y == 0) & (v != 0)
                 dst[n, off + c, i] = y if out_kind == OUT_FP32 else bits
-        _put_fast(cnt, rg, c, 0, lo1, hi1, s1)
-        _put_fast(cnt, rg, c, 1, lo2, hi2, s2)
         flag[c] = bad
+        if rr > 0:
+            v0, v1 = _unkey(klo), _unkey(khi)
+            _put_range(rg, c, 0, v0, v1)
+            _put_range(rg, c, 1, _out32(v0, out_kind, lut)[0], _out32(v1, out_kind, lut)[0])
+        _stored(cnt, c, 1, sub, lost)
     return cnt, rg, flag

@@ -153,10 +153,18 @@ class Fused:
         """The fast kernels' code for a stored format, or None where they do not apply."""
         return {"fp32": self.k.OUT_FP32, "fp16": self.k.OUT_FP16, "bf16": self.k.OUT_BF16}.get(ar.fmt.name)
 
-    def _fast(self, fast_result: tuple, general: Any) -> tuple:
-        """A fast kernel's (cnt, rg) when no channel was flagged, else the general kernel's (``general()``)."""
+    @staticmethod
+    def _fast(fast_result: tuple, general: Any) -> tuple:
+        """A fast kernel's results (arrays indexed by channel first), with the channels it flagged computed
+        again by the general kernel: ``general(sel)`` computes (and writes) the block's channels ``sel``, a
+        slice, and returns their results.  A rare event costs its channels, not the block."""
         *result, flag = fast_result
-        return general() if flag.any() else tuple(result)
+        bad = np.flatnonzero(flag)
+        for run in np.split(bad, np.flatnonzero(np.diff(bad) != 1) + 1) if bad.size else ():
+            sel = slice(int(run[0]), int(run[-1]) + 1)
+            for whole, part in zip(result, general(sel)):
+                whole[sel] = part
+        return tuple(result)
 
     def _columns(self, cols: tuple[np.ndarray, ...], width: int) -> np.ndarray:
         """Per-channel values rounded to the compute format, as the (k, width) table a kernel reads (unused
@@ -185,16 +193,16 @@ class Fused:
         dst = np.empty((src.channels.stop - src.channels.start, nn * ss), dtype=self.run.carrier)
         lut = _fp16_table()
 
-        def general():
-            out = np.empty(dst.shape)
-            result = self.k.cast(src.rows(), out, self.spec(ar))
-            dst[...] = out  # exact: the carrier holds the format
+        def general(sel: slice) -> tuple:
+            out = np.empty(dst[sel].shape)
+            result = self.k.cast(src.block(_within(src.channels, sel)).rows(), out, self.spec(ar))
+            dst[sel] = out  # exact: the carrier holds the format
             return result
         if self.fast and (src.kind != self.k.SRC_FLOAT or src.view.dtype == np.float32):
             cnt, rg = self._fast(self.k.load_fast(src.view, src.offset, src.kind, lut, dst, self._out_kind(ar)),
                                  general)
         else:
-            cnt, rg = general()
+            cnt, rg = general(slice(None))
         self._record((name,), (ar,), cnt, rg, dst.size)
         return dst
 
@@ -215,14 +223,14 @@ class Fused:
             op = k.ADD_X if b is None else k.ADD_PRODUCT
         bb, mm, order = a if b is None else b, np.zeros(a.shape[0]) if mean is None else mean, k.ORDER_CODES[pol.order]
 
-        def general():
+        def general(sel: slice) -> tuple:
             f64 = np.float64
-            return k.reduce(np.asarray(a, f64), np.asarray(bb, f64), mm, op, self.spec(run.acc), order, pol.lanes,
-                            pol.kahan, prescale)
+            return k.reduce(np.asarray(a[sel], f64), np.asarray(bb[sel], f64), mm[sel], op, self.spec(run.acc),
+                            order, pol.lanes, pol.kahan, prescale)
         if self.fast and not pol.kahan:
             sums, tallies = self._fast(k.reduce_fast(a, bb, mm, op, order, pol.lanes, prescale), general)
         else:
-            sums, tallies = general()
+            sums, tallies = general(slice(None))
         for i, key in enumerate(("overflow", "saturated", "underflow", "flushed")):
             t.counts[key] += tallies[:, i]
         return sums
@@ -246,17 +254,17 @@ class Fused:
         xcast = not comp.fmt.holds(run.storage.fmt)
         out_kind = self._out_kind(run.out)
 
-        def general():
-            y = np.empty(xs.shape)
-            result = k.normalise(np.asarray(xs, dtype=np.float64), table, code, pol.fma, xcast, self.spec(comp),
-                                 self.spec(run.out), y)
-            self.dest.put(y)
+        def general(sel: slice) -> tuple:
+            y = np.empty(xs[sel].shape)
+            result = k.normalise(np.asarray(xs[sel], dtype=np.float64), table[sel], code, pol.fma, xcast,
+                                 self.spec(comp), self.spec(run.out), y)
+            self.dest.block(_within(self.dest.channels, sel)).put(y)
             return result
         if self.fast and not pol.fma and not xcast and out_kind is not None:
             cnt, rg = self._fast(k.normalise_fast(xs, table, code, self.dest.view, self.dest.offset, out_kind,
                                                   _fp16_table()), general)
         else:
-            cnt, rg = general()
+            cnt, rg = general(slice(None))
         self._record(("x_compute" if xcast else None,), (comp,), cnt, rg, xs.size, at)
         names = {"xhat": ("centered", "xhat"), "scale": ("centered", None), "affine": (None, None)}[formula]
         self._record((None, *names, "affine", "y"), (comp, comp, comp, comp, run.out), cnt, rg, xs.size)
@@ -267,15 +275,16 @@ class Fused:
         xhat = np.empty_like(xc)
         mean, invstd = comp.round(mean), comp.round(invstd)
 
-        def general():
-            out = np.empty(xc.shape)
-            result = self.k.center_scale(np.asarray(xc, dtype=np.float64), mean, invstd, self.spec(comp), out)
-            xhat[...] = out  # exact: the carrier holds the compute format
+        def general(sel: slice) -> tuple:
+            out = np.empty(xc[sel].shape)
+            result = self.k.center_scale(np.asarray(xc[sel], dtype=np.float64), mean[sel], invstd[sel],
+                                         self.spec(comp), out)
+            xhat[sel] = out  # exact: the carrier holds the compute format
             return result
         if self.fast:
             cnt, rg = self._fast(self.k.center_scale_fast(xc, mean, invstd, xhat), general)
         else:
-            cnt, rg = general()
+            cnt, rg = general(slice(None))
         self._record(("centered", "xhat"), (comp, comp), cnt, rg, xc.size)
         return xhat
 
@@ -288,18 +297,24 @@ class Fused:
         code = {"standard": k.DX_STANDARD, "ascend": k.DX_ASCEND, "constant": k.DX_CONSTANT}[formula]
         out_kind = self._out_kind(run.out)
 
-        def general():
-            f64, out = np.float64, np.empty(dyc.shape)
-            result = k.dx(np.asarray(dyc, f64), np.asarray(xhat, f64), np.asarray(xc, f64), table, code,
-                          self.spec(comp), self.spec(run.out), out)
-            self.dest.put(out)
+        def general(sel: slice) -> tuple:
+            f64, out = np.float64, np.empty(dyc[sel].shape)
+            result = k.dx(np.asarray(dyc[sel], f64), np.asarray(xhat[sel], f64), np.asarray(xc[sel], f64),
+                          table[sel], code, self.spec(comp), self.spec(run.out), out)
+            self.dest.block(_within(self.dest.channels, sel)).put(out)
             return result
         if self.fast and out_kind is not None:
             cnt, rg = self._fast(k.dx_fast(dyc, xhat, xc, table, code, self.dest.view, self.dest.offset, out_kind,
                                            _fp16_table()), general)
         else:
-            cnt, rg = general()
+            cnt, rg = general(slice(None))
         self._record(("dx_compute", "dx"), (comp, run.out), cnt, rg, dyc.size)
+
+
+def _within(channels: slice, sel: slice) -> slice:
+    """The tensor's channels of the block's channels ``sel`` (a slice of a block of ``channels``)."""
+    start, stop, _ = sel.indices(channels.stop - channels.start)
+    return slice(channels.start + start, channels.start + stop)
 
 
 class _Sums:

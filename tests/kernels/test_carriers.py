@@ -28,6 +28,8 @@ POLICIES = [
 ]
 
 
+GAMMA = np.array([1.0, -0.75, 0.0, 1.5, -2.0, 0.5])
+BETA = np.array([0.0, 0.25, -1.0, 0.0, 3.0, -0.5])
 # the trace counters the compiled route's cases made nonzero (see test_the_compiled_cases_hit_every_counter)
 _SEEN_COUNTERS: set[str] = set()
 
@@ -79,12 +81,15 @@ def _runs(pol, x, dy, keep):
     """Forward, backward (through the statistics and with them constant) and inference, in two channel blocks."""
     c = x.shape[1]
     args = dict(policy=pol, chunk_elements=3 * 60, keep_arrays=keep)
-    f = forward_train(x, None, None, np.zeros(c), np.ones(c), **args)
+    # gamma of both signs and zero: y is increasing, decreasing or constant in x (the compiled route's
+    # ranges are carried through monotone stages)
+    g, b = GAMMA[:c].astype(x.dtype), BETA[:c].astype(x.dtype)
+    f = forward_train(x, g, b, np.zeros(c), np.ones(c), **args)
     out = {"forward": f}
     for training in (True, False):
-        out[f"backward training={training}"] = backward(dy, x, None, f.mean, f.invstd, saved_var=f.var,
+        out[f"backward training={training}"] = backward(dy, x, g, f.mean, f.invstd, saved_var=f.var,
                                                         training=training, **args)
-    out["infer"] = forward_infer(x, None, None, f.running_mean, f.running_var, **args)
+    out["infer"] = forward_infer(x, g, b, f.running_mean, f.running_var, **args)
     return out
 
 

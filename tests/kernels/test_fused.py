@@ -34,10 +34,23 @@ def _rnd_all(v, s):
 
 
 @njit
-def _bits_all(a, bf16):
+def _bits_all(a, which):
     out = np.empty(a.shape, dtype=np.uint16)
     for i in range(a.size):
-        out[i] = K._bf16_rne_bits(a[i]) if bf16 else K._f16_rne_bits(a[i])
+        if which == "bf16":
+            out[i] = K._bf16_rne_bits(a[i])
+        elif which == "fp16 bits":
+            out[i] = K._f16_rne_bits(a[i])
+        else:  # the conversion the kernels use on this CPU (its hardware's where it has one)
+            out[i] = K._f16_bits(a[i])
+    return out
+
+
+@njit
+def _values_all(h, lut):
+    out = np.empty(h.shape, dtype=np.float32)
+    for i in range(h.size):
+        out[i] = K._f16_value(h[i], lut)
     return out
 
 
@@ -77,14 +90,16 @@ def test_compiled_rounding_equals_round_detail_with_its_events(fmt, rounding, ov
     assert over.any() and under.any()  # the boundaries were reached
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_binary32_to_16_bit_roundings_equal_numpy_and_ml_dtypes(bf16):
-    """Every 389th float32 bit pattern (11 million) plus the boundaries, against the library casts."""
+@pytest.mark.parametrize("which", ["fp16 bits", "fp16 host", "bf16"])
+def test_binary32_to_16_bit_roundings_equal_numpy_and_ml_dtypes(which):
+    """Every 389th float32 bit pattern (11 million) plus the boundaries, against the library casts: the bit
+    arithmetic, and the conversion the kernels use on this CPU (``HALF_NATIVE``: its hardware's)."""
+    bf16 = which == "bf16"
     bits = np.arange(0, 1 << 32, 389, dtype=np.uint64).astype(np.uint32)
     with np.errstate(over="ignore"):
         edges = [_edges(f).astype(np.float32) for f in ("fp16", "bf16")]
     a = np.concatenate([bits.view(np.float32), *edges])
-    got = _bits_all(a, bf16)
+    got = _bits_all(a, which)
     with np.errstate(over="ignore", invalid="ignore"):
         want = a.astype(ml_dtypes.bfloat16 if bf16 else np.float16).view(np.uint16)
     nan = np.isnan(a)
@@ -93,11 +108,21 @@ def test_binary32_to_16_bit_roundings_equal_numpy_and_ml_dtypes(bf16):
     assert np.isnan(g).all() and np.array_equal(np.signbit(g), np.signbit(a[nan]))
 
 
+def test_every_fp16_pattern_reads_as_numpy_reads_it():
+    h = np.arange(1 << 16, dtype=np.uint16)
+    want = h.view(np.float16).astype(np.float32)
+    got = _values_all(h, fused._fp16_table())
+    nan = np.isnan(want)
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))  # zeros' signs included
+    assert np.isnan(got[nan]).all() and np.array_equal(np.signbit(got[nan]), np.signbit(want[nan]))
+
+
 def _case(kind: str, shape=(6, 5, 7, 9), dtype=np.float32):
     rng = np.random.default_rng(zlib.crc32(kind.encode()))
     x = rng.standard_normal(shape)
     if kind == "special":
         x[0, 1, 0, 0] = np.inf
+        x[2, 3, 1, 1] = -np.inf  # two flagged channels apart: each redone on its own
     return x.astype(dtype), rng.standard_normal(shape).astype(dtype)
 
 
@@ -125,11 +150,18 @@ def test_fast_kernels_run_where_they_apply_and_the_general_ones_take_over_a_flag
     seen = []
     real = fused.Fused._fast
 
-    def spy(self, result, general):
-        seen.append(bool(result[-1].any()))
-        return real(self, result, general)
+    def spy(result, general):
+        flagged, redone = set(np.flatnonzero(result[-1])), set()
 
-    monkeypatch.setattr(fused.Fused, "_fast", spy)
+        def counted(sel):
+            redone.update(range(sel.start, sel.stop))
+            return general(sel)
+        seen.append(bool(flagged))
+        out = real(result, counted)
+        assert redone == flagged  # the general kernels redo the flagged channels, and no others
+        return out
+
+    monkeypatch.setattr(fused.Fused, "_fast", staticmethod(spy))
     for kind, flagged in (("normal", False), ("special", True)):
         seen.clear()
         x, dy = _case(kind)
