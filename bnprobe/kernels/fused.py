@@ -78,6 +78,17 @@ class _Locked:
         return call
 
 
+# the fast kernels' formats, as the dtypes that name them (compiled.FP16_BITS, BF16_BITS: 16-bit patterns)
+_TAGS = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.uint16), "bf16": np.dtype(np.int16)}
+_BITS = {"float16": _TAGS["fp16"], "bfloat16": _TAGS["bf16"]}
+
+
+@functools.cache
+def _tag(name: str) -> np.ndarray:
+    """An empty array whose dtype names format ``name`` to a fast kernel."""
+    return np.empty(0, dtype=_TAGS[name])
+
+
 @functools.cache
 def _fp16_table() -> np.ndarray:
     return np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
@@ -101,24 +112,20 @@ def spec_vector(ar: Arith) -> tuple[float, ...]:
 @dataclass(frozen=True)
 class Source:
     """A caller's tensor as ``(N, C, S)`` (the whole of it: see compiled.load_fast), as the kernels read it
-    (16-bit formats as their bit patterns) and as it is (``values``), with the block of channels a kernel call
-    reads or writes."""
+    (16-bit formats as their bit patterns: compiled.FP16_BITS, BF16_BITS) and as it is (``values``), with the
+    block of channels a kernel call reads or writes."""
 
     view: np.ndarray
-    kind: int
     values: np.ndarray
     channels: slice = field(default_factory=lambda: slice(0, 0))
 
     @classmethod
     def of(cls, view3: np.ndarray) -> Source:
-        k = kernels()
-        name = view3.dtype.name
-        if name in ("float16", "bfloat16"):
-            return cls(view3.view(np.uint16), k.SRC_FP16_BITS if name == "float16" else k.SRC_BF16_BITS, view3)
-        return cls(view3, k.SRC_FLOAT, view3)  # float32 read by the fast kernels, the rest by numpy (general)
+        bits = _BITS.get(view3.dtype.name)
+        return cls(view3 if bits is None else view3.view(bits), view3)
 
     def block(self, channels: slice) -> Source:
-        return Source(self.view, self.kind, self.values, channels)
+        return Source(self.view, self.values, channels)
 
     def rows(self) -> np.ndarray:
         """This block's values as a channel-first (k, R) float64 copy (what the general kernels take)."""
@@ -149,9 +156,9 @@ class Fused:
         # stored tensors rounded to nearest-even (see compiled.py's fast kernels)
         self.fast = run.carrier is np.float32 and run.out.spec == RoundingSpec()
 
-    def _out_kind(self, ar: Arith) -> int | None:
-        """The fast kernels' code for a stored format, or None where they do not apply."""
-        return {"fp32": self.k.OUT_FP32, "fp16": self.k.OUT_FP16, "bf16": self.k.OUT_BF16}.get(ar.fmt.name)
+    def _stores(self, ar: Arith) -> bool:
+        """Whether the fast kernels store ``ar``'s format (into ``dest``, when one is written)."""
+        return ar.fmt.name in _TAGS and (self.dest is None or self.dest.view.dtype == _TAGS[ar.fmt.name])
 
     @staticmethod
     def _fast(fast_result: tuple, general: Any) -> tuple:
@@ -198,9 +205,8 @@ class Fused:
             result = self.k.cast(src.block(_within(src.channels, sel)).rows(), out, self.spec(ar))
             dst[sel] = out  # exact: the carrier holds the format
             return result
-        if self.fast and (src.kind != self.k.SRC_FLOAT or src.view.dtype == np.float32):
-            cnt, rg = self._fast(self.k.load_fast(src.view, src.offset, src.kind, lut, dst, self._out_kind(ar)),
-                                 general)
+        if self.fast and src.view.dtype in _TAGS.values() and ar.fmt.name in _TAGS:
+            cnt, rg = self._fast(self.k.load_fast(src.view, src.offset, lut, dst, _tag(ar.fmt.name)), general)
         else:
             cnt, rg = general(slice(None))
         self._record((name,), (ar,), cnt, rg, dst.size)
@@ -252,7 +258,6 @@ class Fused:
         code = {"xhat": k.Y_XHAT, "scale": k.Y_SCALE, "affine": k.Y_AFFINE}[formula]
         table = self._columns(cols, 4)
         xcast = not comp.fmt.holds(run.storage.fmt)
-        out_kind = self._out_kind(run.out)
 
         def general(sel: slice) -> tuple:
             y = np.empty(xs[sel].shape)
@@ -260,8 +265,8 @@ class Fused:
                                  self.spec(comp), self.spec(run.out), y)
             self.dest.block(_within(self.dest.channels, sel)).put(y)
             return result
-        if self.fast and not pol.fma and not xcast and out_kind is not None:
-            cnt, rg = self._fast(k.normalise_fast(xs, table, code, self.dest.view, self.dest.offset, out_kind,
+        if self.fast and not pol.fma and not xcast and self._stores(run.out):
+            cnt, rg = self._fast(k.normalise_fast(xs, table, code, self.dest.view, self.dest.offset,
                                                   _fp16_table()), general)
         else:
             cnt, rg = general(slice(None))
@@ -295,7 +300,6 @@ class Fused:
         comp = run.comp
         table = self._columns(cols, 3)
         code = {"standard": k.DX_STANDARD, "ascend": k.DX_ASCEND, "constant": k.DX_CONSTANT}[formula]
-        out_kind = self._out_kind(run.out)
 
         def general(sel: slice) -> tuple:
             f64, out = np.float64, np.empty(dyc[sel].shape)
@@ -303,8 +307,8 @@ class Fused:
                           table[sel], code, self.spec(comp), self.spec(run.out), out)
             self.dest.block(_within(self.dest.channels, sel)).put(out)
             return result
-        if self.fast and out_kind is not None:
-            cnt, rg = self._fast(k.dx_fast(dyc, xhat, xc, table, code, self.dest.view, self.dest.offset, out_kind,
+        if self.fast and self._stores(run.out):
+            cnt, rg = self._fast(k.dx_fast(dyc, xhat, xc, table, code, self.dest.view, self.dest.offset,
                                            _fp16_table()), general)
         else:
             cnt, rg = general(slice(None))
