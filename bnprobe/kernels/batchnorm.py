@@ -559,24 +559,31 @@ def _backward_block(run: _Run, dy: np.ndarray | Source, x: np.ndarray | Source, 
     """Backward of one channel block (channel-first arrays; dx is None when the compiled route wrote it)."""
     pol, acc, comp = run.policy, run.acc, run.comp
     with np.errstate(all="ignore"):
-        dys = run.load("dy", dy, run.storage)
-        xs = run.load("x", x, run.storage)
-        ga = acc.round(run.param(g))
-        mean = acc.round(run.param(mu))
-        invstd = acc.round(run.param(inv))
-        xc = run.cast("x_compute", xs, pol.storage, comp)
-        dyc = run.cast("dy_compute", dys, pol.storage, comp)
-        if run.fused is not None:
-            xhat = run.fused.center_scale(xc, mean, invstd)
+        first = None if run.fused is None else run.fused.backward_first(dy, x, mu, inv)
+        if first is not None:  # loads, centered, xhat and both sums in one compiled pass
+            mean, invstd, dys, xs, xhat, sums, tallies = first
+            ga = acc.round(run.param(g))
+            xc, dyc = xs, dys
+            sum_dy = run.rec("sum_dy", acc, sums[:, 0], run.fused.tally(run.tally(), tallies[:, 0]))
+            sum_dy_xhat = run.rec("sum_dy_xhat", acc, sums[:, 1], run.fused.tally(run.tally(), tallies[:, 1]))
         else:
-            centered = run.op("centered", comp, np.subtract, xc, run.col(comp, mean))
-            xhat = run.op("xhat", comp, np.multiply, centered, run.col(comp, invstd))
-
-        dya = run.cast("dy_acc", dys, pol.storage, acc)
-        t = run.tally()
-        sum_dy = run.rec("sum_dy", acc, run.reduce(dya, t), t)
-        t = run.tally()
-        sum_dy_xhat = run.rec("sum_dy_xhat", acc, run.reduce(dya, t, times=xhat), t)
+            dys = run.load("dy", dy, run.storage)
+            xs = run.load("x", x, run.storage)
+            ga = acc.round(run.param(g))
+            mean = acc.round(run.param(mu))
+            invstd = acc.round(run.param(inv))
+            xc = run.cast("x_compute", xs, pol.storage, comp)
+            dyc = run.cast("dy_compute", dys, pol.storage, comp)
+            if run.fused is not None:
+                xhat = run.fused.center_scale(xc, mean, invstd)
+            else:
+                centered = run.op("centered", comp, np.subtract, xc, run.col(comp, mean))
+                xhat = run.op("xhat", comp, np.multiply, centered, run.col(comp, invstd))
+            dya = run.cast("dy_acc", dys, pol.storage, acc)
+            t = run.tally()
+            sum_dy = run.rec("sum_dy", acc, run.reduce(dya, t), t)
+            t = run.tally()
+            sum_dy_xhat = run.rec("sum_dy_xhat", acc, run.reduce(dya, t, times=xhat), t)
         dbeta = run.rec("dbeta", run.params, sum_dy)
         dgamma = run.rec("dgamma", run.params, sum_dy_xhat)
         formula, cols = _dx_coefficients(run, ga, mean, invstd, sum_dy, sum_dy_xhat, sv, eps=eps,

@@ -698,14 +698,10 @@ def reduce_fast(a, b, m, op, order, lanes, prescale):
     sums = np.empty(k, dtype=np.float64)
     tallies = np.zeros((k, 4), dtype=np.int64)
     flag = np.zeros(k, dtype=np.int64)
-    width = rr
-    if order == 2:
-        width = -(-rr // lanes) * lanes
     pre = np.float32(prescale)
-    # one buffer per thread, not per channel: a fresh buffer of this size is mapped and faulted in each time
-    scratch = np.empty((THREAD_SLOTS, width), dtype=np.float32)
+    scratch = _scratch(rr, order, lanes, 1)
     for c in prange(k):
-        buf = scratch[get_thread_id()]
+        buf = scratch[get_thread_id(), 0]
         buf[rr:] = 0.0  # the lanes' padding
         mv = np.float32(m[c])
         lost = 0  # a product of nonzero addends lost to zero: an underflow event
@@ -733,32 +729,111 @@ def reduce_fast(a, b, m, op, order, lanes, prescale):
         if prescale != 0.0:
             for i in range(rr):
                 buf[i] *= pre
-        if order == 0:
-            s = buf[0]
-            for j in range(1, rr):
-                s += buf[j]
-        else:
-            n = rr
-            if order == 2:  # lane l adds buf[l], buf[l + lanes], ... in turn: all lanes at once, row by row
-                for j in range(1, width // lanes):
-                    row = j * lanes
-                    for ln in range(lanes):
-                        buf[ln] += buf[row + ln]
-                n = lanes
-            p = 1
-            while p * 2 <= n:
-                p *= 2
-            for i in range(n - p):
-                buf[i] += buf[p + i]
-            h = p
-            while h > 1:
-                h //= 2
-                for i in range(h):
-                    buf[i] += buf[i + h]
-            s = buf[0]
+        s = _sum32(buf, rr, order, lanes)
         sums[c] = s
         flag[c] = lost + (not _finite32(s))  # an inf or NaN addend, or an overflow, leaves the sum not finite
     return sums, tallies, flag
+
+
+@njit(**_opts)
+def _scratch(rr, order, lanes, count):
+    """``count`` buffers of addends per thread (a fresh buffer per channel is mapped and faulted in each
+    time), each as wide as the order needs (lanes: whole rows, the last padded with zeros)."""
+    width = -(-rr // lanes) * lanes if order == 2 else rr
+    return np.empty((THREAD_SLOTS, count, width), dtype=np.float32)
+
+
+@njit(**_opts)
+def _sum32(buf, rr, order, lanes):
+    """The binary32 sum of addends buf[:rr] in the policy's order (numerics.reduce); buf is overwritten (and
+    read to its end, zeros after rr, for the lanes order)."""
+    if order == 0:
+        s = buf[0]
+        for j in range(1, rr):
+            s += buf[j]
+        return s
+    n = rr
+    if order == 2:  # lane l adds buf[l], buf[l + lanes], ... in turn: all lanes at once, row by row
+        for j in range(1, buf.size // lanes):
+            row = j * lanes
+            for ln in range(lanes):
+                buf[ln] += buf[row + ln]
+        n = lanes
+    p = 1
+    while p * 2 <= n:
+        p *= 2
+    for i in range(n - p):
+        buf[i] += buf[p + i]
+    h = p
+    while h > 1:
+        h //= 2
+        for i in range(h):
+            buf[i] += buf[i + h]
+    return buf[0]
+
+
+@njit(parallel=True, **_opts)
+def backward_fast(dy_src, x_src, off, lut, tag, mean, invstd, order, lanes, dys, xs, xhat):
+    """The backward's first pass in binary32, over channels off..off+k of the tensors dy and x (N, C, S): both
+    loaded (rounded to the storage format of ``tag``'s dtype) into the (k, N*S) carriers dys and xs, centered
+    = x - mean and xhat = centered·invstd into xhat, and the sums of dy and of dy·xhat by the order; (cnt, rg
+    of the stages dy, x, centered, xhat; sums (k, 2); flag).  For runs whose compute and accumulator formats
+    are fp32 (no cast between the stages)."""
+    nn, ss, k = x_src.shape[0], x_src.shape[2], xs.shape[0]
+    rr = nn * ss
+    cnt, rg = new_stats(k, 4)
+    sums = np.empty((k, 2), dtype=np.float64)
+    flag = np.zeros(k, dtype=np.int64)
+    tiny = _tiny(tag)
+    same_dy, same_x = dy_src.dtype == tag.dtype, x_src.dtype == tag.dtype
+    scratch = _scratch(rr, order, lanes, 2)
+    for c in prange(k):
+        mu, iv = np.float32(mean[c]), np.float32(invstd[c])
+        tid = get_thread_id()
+        b_dy, b_dyh = scratch[tid, 0], scratch[tid, 1]
+        b_dy[rr:] = 0.0
+        b_dyh[rr:] = 0.0
+        kglo, kghi, kxlo, kxhi = _KEY_LO, _KEY_HI, _KEY_LO, _KEY_HI
+        gsub, glost, xsub, xlost, bad = 0, 0, 0, 0, 0
+        for n in range(nn):
+            base = n * ss
+            for i in range(ss):
+                j = base + i
+                g0 = np.float32(_value(dy_src[n, off + c, i], lut))
+                g = g0 if same_dy else _store(g0, tag, lut)[0]
+                x0 = np.float32(_value(x_src[n, off + c, i], lut))
+                x = x0 if same_x else _store(x0, tag, lut)[0]
+                dys[c, j], xs[c, j] = g, x
+                kg, kx = _key(g0), _key(x0)
+                kglo, kghi, kxlo, kxhi = min(kglo, kg), max(kghi, kg), min(kxlo, kx), max(kxhi, kx)
+                gsub += (abs(g) < tiny) & (g != 0)
+                glost += (g == 0) & (g0 != 0)
+                xsub += (abs(x) < tiny) & (x != 0)
+                xlost += (x == 0) & (x0 != 0)
+                d = x - mu
+                h = d * iv
+                xhat[c, j] = h
+                p = g * h
+                b_dy[j], b_dyh[j] = g, p
+                bad += _small32(d) | _gone32(h, d, iv) | ((p == 0) & (g != 0) & (h != 0))
+        s_dy, s_dyh = _sum32(b_dy, rr, order, lanes), _sum32(b_dyh, rr, order, lanes)
+        sums[c, 0], sums[c, 1] = s_dy, s_dyh
+        # a non-finite dy or x (or an overflow: loading, centering, scaling, the sums) leaves a sum not finite
+        flag[c] = bad + (not _finite32(s_dy)) + (not _finite32(s_dyh))
+        if rr > 0:
+            glo, ghi, xlo, xhi = _unkey(kglo), _unkey(kghi), _unkey(kxlo), _unkey(kxhi)
+            if not same_dy:
+                glo, ghi = _store(glo, tag, lut)[0], _store(ghi, tag, lut)[0]
+            if not same_x:
+                xlo, xhi = _store(xlo, tag, lut)[0], _store(xhi, tag, lut)[0]
+            _put_range(rg, c, 0, glo, ghi)
+            _put_range(rg, c, 1, xlo, xhi)
+            d0, d1 = xlo - mu, xhi - mu
+            _put_range(rg, c, 2, d0, d1)
+            _put_range(rg, c, 3, d0 * iv, d1 * iv)
+        _stored(cnt, c, 0, gsub, glost)
+        _stored(cnt, c, 1, xsub, xlost)
+    return cnt, rg, sums, flag
 
 
 @njit(**_opts)

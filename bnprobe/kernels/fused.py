@@ -237,9 +237,54 @@ class Fused:
             sums, tallies = self._fast(k.reduce_fast(a, bb, mm, op, order, pol.lanes, prescale), general)
         else:
             sums, tallies = general(slice(None))
+        self.tally(t, tallies)
+        return sums
+
+    def backward_first(self, dy: Source, x: Source, mu: np.ndarray,
+                       inv: np.ndarray) -> tuple[np.ndarray, ...] | None:
+        """The backward's first pass (compiled.backward_fast): dy and x loaded, centered, xhat and the sums of dy
+        and dy·xhat, stages recorded from dy to xhat; (mean, invstd, dys, xs, xhat, sums (k, 2), tallies (k, 2,
+        4)), or None where the policy needs the separate passes (formats other than fp32 compute and
+        accumulator, cores, Kahan)."""
+        run, k = self.run, self.k
+        pol, st = run.policy, run.storage
+        if not (self.fast and pol.core_parts == 1 and not pol.kahan and st.fmt.name in _TAGS
+                and dy.view.dtype in _TAGS.values() and x.view.dtype in _TAGS.values()
+                and run.comp.fmt.name == run.acc.fmt.name == "fp32"):
+            return None
+        mean, invstd = run.acc.round(run.param(mu)), run.acc.round(run.param(inv))
+        nk, rr = x.channels.stop - x.channels.start, x.view.shape[0] * x.view.shape[2]
+        dys, xs, xhat = (np.empty((nk, rr), dtype=np.float32) for _ in range(3))
+        order, z = k.ORDER_CODES[pol.order], np.zeros(nk)
+        tallies = np.zeros((nk, 2, 4), dtype=np.int64)
+
+        def general(sel: slice) -> tuple:
+            f64, blk = np.float64, _within(x.channels, sel)
+            parts = []
+            for src, dst in ((dy, dys), (x, xs)):
+                out = np.empty(dst[sel].shape)
+                parts.append(k.cast(src.block(blk).rows(), out, self.spec(st)))
+                dst[sel] = out
+            out = np.empty(xs[sel].shape)
+            parts.append(k.center_scale(np.asarray(xs[sel], f64), mean[sel], invstd[sel], self.spec(run.comp), out))
+            xhat[sel] = out
+            acc, a = self.spec(run.acc), np.asarray(dys[sel], f64)
+            s1, t1 = k.reduce(a, a, z[sel], k.ADD_X, acc, order, pol.lanes, False, 0.0)
+            s2, t2 = k.reduce(a, np.asarray(xhat[sel], f64), z[sel], k.ADD_PRODUCT, acc, order, pol.lanes, False, 0.0)
+            cnt = np.concatenate([parts[0][0], parts[1][0], parts[2][0]], axis=1)
+            rg = np.concatenate([parts[0][1], parts[1][1], parts[2][1]], axis=1)
+            return cnt, rg, np.stack([s1, s2], axis=1), np.stack([t1, t2], axis=1)
+        result = k.backward_fast(dy.view, x.view, x.offset, _fp16_table(), _tag(st.fmt.name), mean, invstd, order,
+                                 pol.lanes, dys, xs, xhat)
+        cnt, rg, sums, tallies = self._fast((*result[:3], tallies, result[3]), general)
+        self._record(("dy", "x", "centered", "xhat"), (st, st, run.comp, run.comp), cnt, rg, xs.size)
+        return mean, invstd, dys, xs, xhat, sums, tallies
+
+    def tally(self, t: Tally, tallies: np.ndarray) -> Tally:
+        """``t`` with a kernel's events (k, [overflow, saturated, underflow, flushed]) added."""
         for i, key in enumerate(("overflow", "saturated", "underflow", "flushed")):
             t.counts[key] += tallies[:, i]
-        return sums
+        return t
 
     def sums(self, r: int) -> _Sums | None:
         """The two-pass and naive algorithms' sums, compiled (None where the policy splits them across cores:
