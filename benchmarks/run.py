@@ -5,8 +5,9 @@
 Every case runs in a fresh subprocess (so its peak memory is its own) and is
 repeated; the median wall time is reported, with the ratio to the peer measured
 in the same run.  Cases of tens of milliseconds (the kernels and their torch
-peer) time the median of 9 calls in each subprocess, after one untimed call.  Absolute times vary between machines and runs; the ratios are
-what to compare.  Results are printed and written to reports/benchmarks.md.
+peer) time the median of 15 calls in each subprocess, after three untimed ones.
+Absolute times vary between machines and runs; the ratios are what to compare.
+Results are printed and written to reports/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ os.environ["BNPROBE_JIT"] = "{jit}"
 import numpy as np
 import ml_dtypes
 import bnprobe
-WARMUP = True
 REPEAT = {repeat}
+WARMUP = 3 if REPEAT > 1 else 1  # a process's first few calls took up to 2x the later ones (the peer's alike)
 x = np.random.default_rng(0).standard_normal((32, 64, 56, 56)).astype({dtype})
 dy = np.random.default_rng(1).standard_normal(x.shape).astype({dtype})
 def work():
@@ -83,8 +84,8 @@ def work(): analyze(MathSpec("rsqrt", "fp32", "magic"), (0, 1, 2))
     # ---- kernels: emulated forward + backward vs torch CPU FP32 forward + backward, 32x64x56x56
     "torch fp32 fwd+bwd 32x64x56x56 (peer)": """
 import torch
-WARMUP = True
-REPEAT = 9
+WARMUP = 3
+REPEAT = 15
 torch.manual_seed(0)
 x = torch.randn(32, 64, 56, 56, requires_grad=True)
 bn = torch.nn.BatchNorm2d(64)
@@ -94,10 +95,10 @@ def work():
     y.backward(dy)
 """,
     **{f"bnprobe {p} fwd+bwd 32x64x56x56": KERNEL_CASE.format(policy=p, dtype="np.float32", jit=1, keep=False,
-                                                              repeat=9) for p in ("fp16", "bf16")},
+                                                              repeat=15) for p in ("fp16", "bf16")},
     # the same with the tensors already in the 16-bit format, as a model's activations are
     **{f"bnprobe {p} fwd+bwd 32x64x56x56, {p} tensors": KERNEL_CASE.format(policy=p, dtype=d, jit=1, keep=False,
-                                                                          repeat=9)
+                                                                          repeat=15)
        for p, d in (("fp16", "np.float16"), ("bf16", "ml_dtypes.bfloat16"))},
     # the numpy route (BNPROBE_JIT=0), and the full trace arrays kept (the float64 route, no target)
     **{f"bnprobe {p} fwd+bwd 32x64x56x56, numpy route": KERNEL_CASE.format(policy=p, dtype="np.float32", jit=0,
@@ -207,8 +208,8 @@ TARGETS = {
 RUNNER = """
 import json, resource, sys, time
 {code}
-if globals().get("WARMUP"):
-    work()  # one untimed call: first-call set-up (allocator, thread pools) is not what is measured
+for _ in range(int(globals().get("WARMUP", 0))):
+    work()  # untimed calls: first-call set-up (allocator, thread pools) is not what is measured
 times = []
 for _ in range(globals().get("REPEAT", 1)):  # cases of tens of milliseconds: the median of several calls
     t = time.perf_counter()
