@@ -560,10 +560,9 @@ def _backward_block(run: _Run, dy: np.ndarray | Source, x: np.ndarray | Source, 
     pol, acc, comp = run.policy, run.acc, run.comp
     with np.errstate(all="ignore"):
         first = None if run.fused is None else run.fused.backward_first(dy, x, mu, inv)
-        if first is not None:  # loads, centered, xhat and both sums in one compiled pass
-            mean, invstd, dys, xs, xhat, sums, tallies = first
+        if first is not None:  # loads, centered, xhat and both sums in one compiled pass, nothing stored
+            mean, invstd, sums, tallies = first
             ga = acc.round(run.param(g))
-            xc, dyc = xs, dys
             sum_dy = run.rec("sum_dy", acc, sums[:, 0], run.fused.tally(run.tally(), tallies[:, 0]))
             sum_dy_xhat = run.rec("sum_dy_xhat", acc, sums[:, 1], run.fused.tally(run.tally(), tallies[:, 1]))
         else:
@@ -588,6 +587,9 @@ def _backward_block(run: _Run, dy: np.ndarray | Source, x: np.ndarray | Source, 
         dgamma = run.rec("dgamma", run.params, sum_dy_xhat)
         formula, cols = _dx_coefficients(run, ga, mean, invstd, sum_dy, sum_dy_xhat, sv, eps=eps,
                                          training=training, r=r)
+        if first is not None:
+            run.fused.dx_source(dy, x, mean, invstd, formula, cols)
+            return {"dx": None, "dgamma": dgamma, "dbeta": dbeta}
         if run.fused is not None:
             run.fused.dx(formula, dyc, xhat, xc, cols)
             return {"dx": None, "dgamma": dgamma, "dbeta": dbeta}

@@ -773,13 +773,13 @@ def _sum32(buf, rr, order, lanes):
 
 
 @njit(parallel=True, **_opts)
-def backward_fast(dy_src, x_src, off, lut, tag, mean, invstd, order, lanes, dys, xs, xhat):
+def backward_fast(dy_src, x_src, off, k, lut, tag, mean, invstd, order, lanes):
     """The backward's first pass in binary32, over channels off..off+k of the tensors dy and x (N, C, S): both
-    loaded (rounded to the storage format of ``tag``'s dtype) into the (k, N*S) carriers dys and xs, centered
-    = x - mean and xhat = centered·invstd into xhat, and the sums of dy and of dy·xhat by the order; (cnt, rg
-    of the stages dy, x, centered, xhat; sums (k, 2); flag).  For runs whose compute and accumulator formats
-    are fp32 (no cast between the stages)."""
-    nn, ss, k = x_src.shape[0], x_src.shape[2], xs.shape[0]
+    loaded (rounded to the storage format of ``tag``'s dtype), centered = x - mean, xhat = centered·invstd,
+    and the sums of dy and of dy·xhat by the order; (cnt, rg of the stages dy, x, centered, xhat; sums (k, 2);
+    flag).  Nothing is stored: dx_source_fast computes the values again.  For runs whose compute and
+    accumulator formats are fp32 (no cast between the stages)."""
+    nn, ss = x_src.shape[0], x_src.shape[2]
     rr = nn * ss
     cnt, rg = new_stats(k, 4)
     sums = np.empty((k, 2), dtype=np.float64)
@@ -803,7 +803,6 @@ def backward_fast(dy_src, x_src, off, lut, tag, mean, invstd, order, lanes, dys,
                 g = g0 if same_dy else _store(g0, tag, lut)[0]
                 x0 = np.float32(_value(x_src[n, off + c, i], lut))
                 x = x0 if same_x else _store(x0, tag, lut)[0]
-                dys[c, j], xs[c, j] = g, x
                 kg, kx = _key(g0), _key(x0)
                 kglo, kghi, kxlo, kxhi = min(kglo, kg), max(kghi, kg), min(kxlo, kx), max(kxhi, kx)
                 gsub += (abs(g) < tiny) & (g != 0)
@@ -812,7 +811,6 @@ def backward_fast(dy_src, x_src, off, lut, tag, mean, invstd, order, lanes, dys,
                 xlost += (x == 0) & (x0 != 0)
                 d = x - mu
                 h = d * iv
-                xhat[c, j] = h
                 p = g * h
                 b_dy[j], b_dyh[j] = g, p
                 bad += _small32(d) | _gone32(h, d, iv) | ((p == 0) & (g != 0) & (h != 0))
@@ -836,6 +834,74 @@ def backward_fast(dy_src, x_src, off, lut, tag, mean, invstd, order, lanes, dys,
     return cnt, rg, sums, flag
 
 
+@njit(inline="always", **_opts)
+def _dx_row(dy_src, x_src, n, ch, ss, lut, tag, mu, iv, c0, c1, c2, dst, formula, st):
+    """dx_source_fast over row n of channel ch; st: (key range of dx_compute, subnormals and values lost to
+    zero of dx, flags).  Inlined by numba at each call with ``formula`` a constant, so that LLVM folds the
+    formula's branches and vectorises the loop (a branch on it in the loop kept it scalar: 2x slower)."""
+    klo, khi, sub, lost, bad = st
+    otiny = _tiny(dst)
+    same_dy, same_x = dy_src.dtype == tag.dtype, x_src.dtype == tag.dtype
+    for i in range(ss):
+        g0 = np.float32(_value(dy_src[n, ch, i], lut))
+        g = g0 if same_dy else _store(g0, tag, lut)[0]
+        if formula == DX_STANDARD:
+            x0 = np.float32(_value(x_src[n, ch, i], lut))
+            hx = ((x0 if same_x else _store(x0, tag, lut)[0]) - mu) * iv
+            p = hx * c1
+            d = (g - c0) - p
+            v = d * c2
+            rare = _gone32(p, hx, c1) | _gone32(v, d, c2)
+        elif formula == DX_ASCEND:
+            x0 = np.float32(_value(x_src[n, ch, i], lut))
+            xv = x0 if same_x else _store(x0, tag, lut)[0]
+            p = xv * c0
+            d = (g + p) + c1
+            v = d * c2
+            rare = _gone32(p, xv, c0) | _gone32(v, d, c2)
+        else:
+            v = g * c0
+            rare = _gone32(v, g, c0)
+        kv = _key(v)  # dx_compute's range; dx is monotone in it
+        klo, khi = min(klo, kv), max(khi, kv)
+        y, bits = _store(v, dst, lut)
+        bad += rare | (not _finite32(y))  # v not finite leaves y not finite
+        sub += (abs(y) < otiny) & (y != 0)
+        lost += (y == 0) & (v != 0)
+        dst[n, ch, i] = bits
+    return klo, khi, sub, lost, bad
+
+
+@njit(parallel=True, **_opts)
+def dx_source_fast(dy_src, x_src, off, lut, tag, mean, invstd, cols, formula, dst):
+    """dx_fast() reading dy and x from the tensors (N, C, S) as backward_fast does (rounded to the storage
+    format of ``tag``'s dtype; xhat formed again as there), dx stored into the same channels of dst in the
+    format of its dtype; (cnt, rg, flag)."""
+    nn, ss = x_src.shape[0], x_src.shape[2]
+    k = mean.shape[0]
+    cnt, rg = new_stats(k, 2)
+    flag = np.zeros(k, dtype=np.int64)
+    for c in prange(k):
+        c0, c1, c2 = np.float32(cols[c, 0]), np.float32(cols[c, 1]), np.float32(cols[c, 2])
+        mu, iv = np.float32(mean[c]), np.float32(invstd[c])
+        st = (_KEY_LO, _KEY_HI, 0, 0, 0)
+        for n in range(nn):
+            if formula == DX_STANDARD:
+                st = _dx_row(dy_src, x_src, n, off + c, ss, lut, tag, mu, iv, c0, c1, c2, dst, DX_STANDARD, st)
+            elif formula == DX_ASCEND:
+                st = _dx_row(dy_src, x_src, n, off + c, ss, lut, tag, mu, iv, c0, c1, c2, dst, DX_ASCEND, st)
+            else:
+                st = _dx_row(dy_src, x_src, n, off + c, ss, lut, tag, mu, iv, c0, c1, c2, dst, DX_CONSTANT, st)
+        klo, khi, sub, lost, bad = st
+        flag[c] = bad
+        if nn * ss > 0:
+            v0, v1 = _unkey(klo), _unkey(khi)
+            _put_range(rg, c, 0, v0, v1)
+            _put_range(rg, c, 1, _store(v0, dst, lut)[0], _store(v1, dst, lut)[0])
+        _stored(cnt, c, 1, sub, lost)
+    return cnt, rg, flag
+
+
 @njit(**_opts)
 def _y32(x, c0, c1, c2, c3, formula):
     """normalise's binary32 stages of one stored x by the y formula, (centered, xhat, affine, rare): rare when
@@ -855,6 +921,26 @@ def _y32(x, c0, c1, c2, c3, formula):
     return d, d, av, _small32(d) | _gone32(p, d, c1) | _small32(av)
 
 
+@njit(inline="always", **_opts)
+def _y_row(xs, c, n, ss, dst, ch, lut, c0, c1, c2, c3, formula, st):
+    """normalise_fast over row n of the block's channel c (channel ch of dst); st: (key range of x,
+    subnormals and values lost to zero of y, flags).  Inlined with ``formula`` a constant, as _dx_row."""
+    klo, khi, sub, lost, bad = st
+    otiny = _tiny(dst)
+    base = n * ss
+    for i in range(ss):
+        x = xs[c, base + i]
+        kx = _key(x)
+        klo, khi = min(klo, kx), max(khi, kx)
+        _, _, av, rare = _y32(x, c0, c1, c2, c3, formula)
+        y, bits = _store(av, dst, lut)
+        bad += rare | (not _finite32(y))  # av not finite leaves y not finite
+        sub += (abs(y) < otiny) & (y != 0)
+        lost += (y == 0) & (av != 0)
+        dst[n, ch, i] = bits
+    return klo, khi, sub, lost, bad
+
+
 @njit(parallel=True, **_opts)
 def normalise_fast(xs, cols, formula, dst, off, lut):
     """normalise() in binary32 (no FMA, no cast of x), y stored nearest-even in the format of dst's dtype;
@@ -863,23 +949,18 @@ def normalise_fast(xs, cols, formula, dst, off, lut):
     nn, _, ss = dst.shape
     cnt, rg = new_stats(k, 5)
     flag = np.zeros(k, dtype=np.int64)
-    otiny = _tiny(dst)
     for c in prange(k):
         c0, c1 = np.float32(cols[c, 0]), np.float32(cols[c, 1])
         c2, c3 = np.float32(cols[c, 2]), np.float32(cols[c, 3])
-        klo, khi, sub, lost, bad = _KEY_LO, _KEY_HI, 0, 0, 0
+        st = (_KEY_LO, _KEY_HI, 0, 0, 0)
         for n in range(nn):
-            base = n * ss
-            for i in range(ss):
-                x = xs[c, base + i]
-                kx = _key(x)
-                klo, khi = min(klo, kx), max(khi, kx)
-                _, _, av, rare = _y32(x, c0, c1, c2, c3, formula)
-                y, bits = _store(av, dst, lut)
-                bad += rare | (not _finite32(y))  # av not finite leaves y not finite
-                sub += (abs(y) < otiny) & (y != 0)
-                lost += (y == 0) & (av != 0)
-                dst[n, off + c, i] = bits
+            if formula == Y_XHAT:
+                st = _y_row(xs, c, n, ss, dst, off + c, lut, c0, c1, c2, c3, Y_XHAT, st)
+            elif formula == Y_SCALE:
+                st = _y_row(xs, c, n, ss, dst, off + c, lut, c0, c1, c2, c3, Y_SCALE, st)
+            else:
+                st = _y_row(xs, c, n, ss, dst, off + c, lut, c0, c1, c2, c3, Y_AFFINE, st)
+        klo, khi, sub, lost, bad = st
         flag[c] = bad
         if rr > 0:
             d0, h0, a0, _ = _y32(_unkey(klo), c0, c1, c2, c3, formula)

@@ -245,9 +245,9 @@ class Fused:
     def backward_first(self, dy: Source, x: Source, mu: np.ndarray,
                        inv: np.ndarray) -> tuple[np.ndarray, ...] | None:
         """The backward's first pass (compiled.backward_fast): dy and x loaded, centered, xhat and the sums of dy
-        and dy·xhat, stages recorded from dy to xhat; (mean, invstd, dys, xs, xhat, sums (k, 2), tallies (k, 2,
-        4)), or None where the policy needs the separate passes (formats other than fp32 compute and
-        accumulator, cores, Kahan)."""
+        and dy·xhat, stages recorded from dy to xhat, nothing stored (dx_source computes the values again);
+        (mean, invstd, sums (k, 2), tallies (k, 2, 4)), or None where the policy needs the separate passes
+        (compute or accumulator not fp32, a reduction split across cores, Kahan)."""
         run, k = self.run, self.k
         pol, st = run.policy, run.storage
         if not (self.fast and pol.core_parts == 1 and not pol.kahan and st.fmt.name in _TAGS
@@ -255,32 +255,58 @@ class Fused:
                 and run.comp.fmt.name == run.acc.fmt.name == "fp32"):
             return None
         mean, invstd = run.acc.round(run.param(mu)), run.acc.round(run.param(inv))
-        nk, rr = x.channels.stop - x.channels.start, x.view.shape[0] * x.view.shape[2]
-        dys, xs, xhat = (np.empty((nk, rr), dtype=np.float32) for _ in range(3))
-        order, z = k.ORDER_CODES[pol.order], np.zeros(nk)
-        tallies = np.zeros((nk, 2, 4), dtype=np.int64)
+        nk = x.channels.stop - x.channels.start
+        order = k.ORDER_CODES[pol.order]
 
         def general(sel: slice) -> tuple:
-            f64, blk = np.float64, _within(x.channels, sel)
-            parts = []
-            for src, dst in ((dy, dys), (x, xs)):
-                out = np.empty(dst[sel].shape)
-                parts.append(k.cast(src.block(blk).rows(), out, self.spec(st)))
-                dst[sel] = out
-            out = np.empty(xs[sel].shape)
-            parts.append(k.center_scale(np.asarray(xs[sel], f64), mean[sel], invstd[sel], self.spec(run.comp), out))
-            xhat[sel] = out
-            acc, a = self.spec(run.acc), np.asarray(dys[sel], f64)
-            s1, t1 = k.reduce(a, a, z[sel], k.ADD_X, acc, order, pol.lanes, False, 0.0)
-            s2, t2 = k.reduce(a, np.asarray(xhat[sel], f64), z[sel], k.ADD_PRODUCT, acc, order, pol.lanes, False, 0.0)
-            cnt = np.concatenate([parts[0][0], parts[1][0], parts[2][0]], axis=1)
-            rg = np.concatenate([parts[0][1], parts[1][1], parts[2][1]], axis=1)
+            dys, xs, xhat, (cnt, rg) = self._carriers(dy, x, mean, invstd, sel)
+            acc, z = self.spec(run.acc), np.zeros(len(dys))
+            s1, t1 = k.reduce(dys, dys, z, k.ADD_X, acc, order, pol.lanes, False, 0.0)
+            s2, t2 = k.reduce(dys, xhat, z, k.ADD_PRODUCT, acc, order, pol.lanes, False, 0.0)
             return cnt, rg, np.stack([s1, s2], axis=1), np.stack([t1, t2], axis=1)
-        result = k.backward_fast(dy.view, x.view, x.offset, _fp16_table(), _tag(st.fmt.name), mean, invstd, order,
-                                 pol.lanes, dys, xs, xhat)
-        cnt, rg, sums, tallies = self._fast((*result[:3], tallies, result[3]), general)
-        self._record(("dy", "x", "centered", "xhat"), (st, st, run.comp, run.comp), cnt, rg, xs.size)
-        return mean, invstd, dys, xs, xhat, sums, tallies
+        cnt, rg, sums, flag = k.backward_fast(dy.view, x.view, x.offset, nk, _fp16_table(), _tag(st.fmt.name), mean,
+                                              invstd, order, pol.lanes)
+        cnt, rg, sums, tallies = self._fast((cnt, rg, sums, np.zeros((nk, 2, 4), dtype=np.int64), flag), general)
+        self._record(("dy", "x", "centered", "xhat"), (st, st, run.comp, run.comp), cnt, rg,
+                     nk * x.view.shape[0] * x.view.shape[2])
+        return mean, invstd, sums, tallies
+
+    def _carriers(self, dy: Source, x: Source, mean: np.ndarray, invstd: np.ndarray,
+                  sel: slice) -> tuple[np.ndarray, ...]:
+        """The general kernels' dy, x and xhat of the block's channels ``sel`` (float64 (k, R)), and the (cnt,
+        rg) of the stages dy, x, centered, xhat."""
+        run, k = self.run, self.k
+        parts, rows = [], []
+        for src in (dy, x):
+            a = src.block(_within(src.channels, sel)).rows()
+            out = np.empty(a.shape)
+            parts.append(k.cast(a, out, self.spec(run.storage)))
+            rows.append(out)
+        xhat = np.empty(rows[1].shape)
+        parts.append(k.center_scale(rows[1], mean[sel], invstd[sel], self.spec(run.comp), xhat))
+        cnt, rg = (np.concatenate([p[i] for p in parts], axis=1) for i in (0, 1))
+        return rows[0], rows[1], xhat, (cnt, rg)
+
+    def dx_source(self, dy: Source, x: Source, mean: np.ndarray, invstd: np.ndarray, formula: str,
+                  cols: tuple[np.ndarray, ...]) -> None:
+        """dx() after backward_first: dy, x and xhat formed again from the tensors (compiled.dx_source_fast)."""
+        run, k = self.run, self.k
+        table = self._columns(cols, 3)
+        code = {"standard": k.DX_STANDARD, "ascend": k.DX_ASCEND, "constant": k.DX_CONSTANT}[formula]
+
+        def general(sel: slice) -> tuple:
+            dys, xs, xhat, _ = self._carriers(dy, x, mean, invstd, sel)
+            out = np.empty(dys.shape)
+            result = k.dx(dys, xhat, xs, table[sel], code, self.spec(run.comp), self.spec(run.out), out)
+            self.dest.block(_within(self.dest.channels, sel)).put(out)
+            return result
+        nk = x.channels.stop - x.channels.start
+        if self._stores(run.out):
+            cnt, rg = self._fast(k.dx_source_fast(dy.view, x.view, x.offset, _fp16_table(), _tag(run.storage.fmt.name),
+                                                  mean, invstd, table, code, self.dest.view), general)
+        else:
+            cnt, rg = general(slice(None))
+        self._record(("dx_compute", "dx"), (run.comp, run.out), cnt, rg, nk * x.view.shape[0] * x.view.shape[2])
 
     def tally(self, t: Tally, tallies: np.ndarray) -> Tally:
         """``t`` with a kernel's events (k, [overflow, saturated, underflow, flushed]) added."""
