@@ -44,7 +44,9 @@ Y_XHAT, Y_SCALE, Y_AFFINE = 0, 1, 2
 DX_STANDARD, DX_ASCEND, DX_CONSTANT = 0, 1, 2
 
 _MAXF64 = 1.7976931348623157e308
-THREAD_SLOTS = config.NUMBA_NUM_THREADS  # numba's thread ids are below this
+# numba's thread ids are below this: read in each process and passed to the kernels (a cached kernel must not
+# keep the value of the process that compiled it)
+THREAD_SLOTS = config.NUMBA_NUM_THREADS
 _FRAC = (1 << 52) - 1
 
 _opts = dict(cache=True, nogil=True)
@@ -692,16 +694,16 @@ def load_fast(src, off, lut, dst, tag):
 
 
 @njit(parallel=True, **_opts)
-def reduce_fast(a, b, m, op, order, lanes, prescale):
+def reduce_fast(a, b, m, op, order, lanes, prescale, slots):
     """reduce() in binary32 (no Kahan): (sums, tallies (zero), flag)."""
     k, rr = a.shape
     sums = np.empty(k, dtype=np.float64)
     tallies = np.zeros((k, 4), dtype=np.int64)
     flag = np.zeros(k, dtype=np.int64)
     pre = np.float32(prescale)
-    scratch = _scratch(rr, order, lanes, 1)
+    scratch = _scratch(rr, order, lanes, 1, slots)
     for c in prange(k):
-        buf = scratch[get_thread_id(), 0]
+        buf = _buffer(scratch, 0)
         buf[rr:] = 0.0  # the lanes' padding
         mv = np.float32(m[c])
         lost = 0  # a product of nonzero addends lost to zero: an underflow event
@@ -736,11 +738,20 @@ def reduce_fast(a, b, m, op, order, lanes, prescale):
 
 
 @njit(**_opts)
-def _scratch(rr, order, lanes, count):
-    """``count`` buffers of addends per thread (a fresh buffer per channel is mapped and faulted in each
-    time), each as wide as the order needs (lanes: whole rows, the last padded with zeros)."""
+def _scratch(rr, order, lanes, count, slots):
+    """``count`` buffers of addends for each of ``slots`` threads (a fresh buffer per channel is mapped and
+    faulted in each time), each as wide as the order needs (lanes: whole rows, the last padded with zeros)."""
     width = -(-rr // lanes) * lanes if order == 2 else rr
-    return np.empty((THREAD_SLOTS, count, width), dtype=np.float32)
+    return np.empty((slots, count, width), dtype=np.float32)
+
+
+@njit(**_opts)
+def _buffer(scratch, j):
+    """The calling thread's buffer j of _scratch (a fresh one should its thread id be beyond them)."""
+    tid = get_thread_id()
+    if tid < scratch.shape[0]:
+        return scratch[tid, j]
+    return np.zeros(scratch.shape[2], dtype=np.float32)
 
 
 @njit(**_opts)
@@ -773,7 +784,7 @@ def _sum32(buf, rr, order, lanes):
 
 
 @njit(parallel=True, **_opts)
-def backward_fast(dy_src, x_src, off, k, lut, tag, mean, invstd, order, lanes):
+def backward_fast(dy_src, x_src, off, k, lut, tag, mean, invstd, order, lanes, slots):
     """The backward's first pass in binary32, over channels off..off+k of the tensors dy and x (N, C, S): both
     loaded (rounded to the storage format of ``tag``'s dtype), centered = x - mean, xhat = centered·invstd,
     and the sums of dy and of dy·xhat by the order; (cnt, rg of the stages dy, x, centered, xhat; sums (k, 2);
@@ -786,11 +797,10 @@ def backward_fast(dy_src, x_src, off, k, lut, tag, mean, invstd, order, lanes):
     flag = np.zeros(k, dtype=np.int64)
     tiny = _tiny(tag)
     same_dy, same_x = dy_src.dtype == tag.dtype, x_src.dtype == tag.dtype
-    scratch = _scratch(rr, order, lanes, 2)
+    scratch = _scratch(rr, order, lanes, 2, slots)
     for c in prange(k):
         mu, iv = np.float32(mean[c]), np.float32(invstd[c])
-        tid = get_thread_id()
-        b_dy, b_dyh = scratch[tid, 0], scratch[tid, 1]
+        b_dy, b_dyh = _buffer(scratch, 0), _buffer(scratch, 1)
         b_dy[rr:] = 0.0
         b_dyh[rr:] = 0.0
         kglo, kghi, kxlo, kxhi = _KEY_LO, _KEY_HI, _KEY_LO, _KEY_HI

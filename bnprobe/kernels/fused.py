@@ -236,7 +236,8 @@ class Fused:
             return k.reduce(np.asarray(a[sel], f64), np.asarray(bb[sel], f64), mm[sel], op, self.spec(run.acc),
                             order, pol.lanes, pol.kahan, prescale)
         if self.fast and not pol.kahan:
-            sums, tallies = self._fast(k.reduce_fast(a, bb, mm, op, order, pol.lanes, prescale), general)
+            sums, tallies = self._fast(k.reduce_fast(a, bb, mm, op, order, pol.lanes, prescale, k.THREAD_SLOTS),
+                                       general)
         else:
             sums, tallies = general(slice(None))
         self.tally(t, tallies)
@@ -265,7 +266,7 @@ class Fused:
             s2, t2 = k.reduce(dys, xhat, z, k.ADD_PRODUCT, acc, order, pol.lanes, False, 0.0)
             return cnt, rg, np.stack([s1, s2], axis=1), np.stack([t1, t2], axis=1)
         cnt, rg, sums, flag = k.backward_fast(dy.view, x.view, x.offset, nk, _fp16_table(), _tag(st.fmt.name), mean,
-                                              invstd, order, pol.lanes)
+                                              invstd, order, pol.lanes, k.THREAD_SLOTS)
         cnt, rg, sums, tallies = self._fast((cnt, rg, sums, np.zeros((nk, 2, 4), dtype=np.int64), flag), general)
         self._record(("dy", "x", "centered", "xhat"), (st, st, run.comp, run.comp), cnt, rg,
                      nk * x.view.shape[0] * x.view.shape[2])

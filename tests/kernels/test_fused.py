@@ -16,6 +16,7 @@ from bnprobe.kernels import backward, forward_infer, forward_train
 from bnprobe.kernels import compiled as K
 from bnprobe.kernels import fused
 from bnprobe.numerics.arith import Arith
+from bnprobe.numerics.reduce import reduce_sum
 from bnprobe.numerics.rounding import RoundingSpec, round_detail
 
 
@@ -213,3 +214,16 @@ def test_the_route_is_recorded_and_switched_off_by_the_environment(monkeypatch):
     assert route("fp16:rounding=stochastic") == "float64 carriers"  # numpy draws its random stream
     monkeypatch.setenv("BNPROBE_JIT", "0")
     assert route("fp16") == "float32 carriers" and route("fp16-acc16") == "float64 carriers"
+
+
+def test_reductions_do_not_depend_on_the_thread_slots_their_process_has():
+    """The per-thread addend buffers are sized by the process's NUMBA_NUM_THREADS, passed at each call (a cached
+    kernel must not keep the count of the process that compiled it); a thread beyond them takes its own."""
+    a = np.random.default_rng(3).standard_normal((5, 1001)).astype(np.float32)
+    m = np.zeros(5)
+    for order in (0, 1, 2):
+        want = K.reduce_fast(a, a, m, K.ADD_SQUARE, order, 64, 0.0, K.THREAD_SLOTS)
+        got = K.reduce_fast(a, a, m, K.ADD_SQUARE, order, 64, 0.0, 0)  # no slots: every thread its own buffer
+        assert all(np.array_equal(w, g) for w, g in zip(want, got))
+        name = ("sequential", "pairwise", "lanes")[order]
+        assert np.array_equal(got[0], reduce_sum((a * a).astype(np.float64), Arith("fp32"), order=name, lanes=64))
