@@ -247,13 +247,16 @@ class Fused:
                        inv: np.ndarray) -> tuple[np.ndarray, ...] | None:
         """The backward's first pass (compiled.backward_fast): dy and x loaded, centered, xhat and the sums of dy
         and dy·xhat, stages recorded from dy to xhat, nothing stored (dx_source computes the values again);
-        (mean, invstd, sums (k, 2), tallies (k, 2, 4)), or None where the policy needs the separate passes
-        (compute or accumulator not fp32, a reduction split across cores, Kahan)."""
+        (mean, invstd, sums (k, 2), tallies (k, 2, 4)), or None where the run takes the separate passes
+        (compute or accumulator not fp32, a reduction split across cores, Kahan, a channels_last tensor)."""
         run, k = self.run, self.k
         pol, st = run.policy, run.storage
         if not (self.fast and pol.core_parts == 1 and not pol.kahan and st.fmt.name in _TAGS
                 and dy.view.dtype in _TAGS.values() and x.view.dtype in _TAGS.values()
-                and run.comp.fmt.name == run.acc.fmt.name == "fp32"):
+                and run.comp.fmt.name == run.acc.fmt.name == "fp32"
+                # channels_last views read a value per row (no vectorising to gain), and each layout compiles
+                # its own kernels: they take the separate passes
+                and dy.view.flags.c_contiguous and x.view.flags.c_contiguous):
             return None
         mean, invstd = run.acc.round(run.param(mu)), run.acc.round(run.param(inv))
         nk = x.channels.stop - x.channels.start
