@@ -195,7 +195,7 @@ def test_sweep_flags_need_a_dump_root(capsys):
 def cluster():
     distributed = pytest.importorskip("distributed")
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                                  dashboard_address=None, silence_logs=50) as c:
+                                  dashboard_address=":0", silence_logs=50) as c:  # (None still took 8787)
         yield c
 
 
