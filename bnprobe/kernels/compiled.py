@@ -515,15 +515,20 @@ def _f16_rne_bits(a):
 
 
 def _host_converts_half() -> bool:
-    """Whether this CPU converts binary32 <-> fp16 in hardware (x86 F16C, every AArch64), so that LLVM's
-    fptrunc/fpext to half compile to instructions (vcvtps2ph/vcvtph2ps, fcvt) and vectorise; elsewhere they
-    would be library calls numba may not link, and the bit arithmetic and table above are used."""
+    """Whether the CPU numba compiles for converts binary32 <-> fp16 in hardware (x86 F16C, every AArch64), so
+    that LLVM's fptrunc/fpext to half compile to instructions (vcvtps2ph/vcvtph2ps, fcvt) and vectorise;
+    elsewhere they would be calls to compiler-rt's __truncsfhf2, which numba does not link (the process
+    aborts), and the bit arithmetic and table above are used.  numba's target is this CPU unless
+    NUMBA_CPU_NAME / NUMBA_CPU_FEATURES name another (e.g. ``generic``, for caches shared between CPUs)."""
     import platform
 
     from llvmlite import binding
+    from numba.core import config
 
     if platform.machine().lower() in ("aarch64", "arm64"):
         return True
+    if config.CPU_NAME not in (None, "host") or config.CPU_FEATURES:
+        return "+f16c" in (config.CPU_FEATURES or "").replace(" ", "").split(",")
     return bool(binding.get_host_cpu_features().get("f16c", False))
 
 

@@ -129,6 +129,12 @@ class Source:
     def block(self, channels: slice) -> Source:
         return Source(self.view, self.values, channels)
 
+    @property
+    def fast(self) -> bool:
+        """Whether the fast kernels read this tensor: float32, fp16 or bf16 (an integer tensor of 16 bits has
+        the dtype of the bit patterns, but its values are integers: numpy converts it)."""
+        return self.values.dtype.name in ("float32", "float16", "bfloat16")
+
     def rows(self) -> np.ndarray:
         """This block's values as a channel-first (k, R) float64 copy (what the general kernels take)."""
         part = self.values[:, self.channels, :]
@@ -207,7 +213,7 @@ class Fused:
             result = self.k.cast(src.block(_within(src.channels, sel)).rows(), out, self.spec(ar))
             dst[sel] = out  # exact: the carrier holds the format
             return result
-        if self.fast and src.view.dtype in _TAGS.values() and ar.fmt.name in _TAGS:
+        if self.fast and src.fast and ar.fmt.name in _TAGS:
             cnt, rg = self._fast(self.k.load_fast(src.view, src.offset, lut, dst, _tag(ar.fmt.name)), general)
         else:
             cnt, rg = general(slice(None))
@@ -252,7 +258,7 @@ class Fused:
         run, k = self.run, self.k
         pol, st = run.policy, run.storage
         if not (self.fast and pol.core_parts == 1 and not pol.kahan and st.fmt.name in _TAGS
-                and dy.view.dtype in _TAGS.values() and x.view.dtype in _TAGS.values()
+                and dy.fast and x.fast
                 and run.comp.fmt.name == run.acc.fmt.name == "fp32"
                 # channels_last views read a value per row (no vectorising to gain), and each layout compiles
                 # its own kernels: they take the separate passes

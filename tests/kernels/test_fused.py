@@ -3,6 +3,9 @@ its roundings against numpy's and ml_dtypes' casts and round_detail, bit for bit
 taken where they apply and left for the general ones where something rare happened; results that do not
 depend on the thread count, the layout or concurrent callers; and the switches that choose the route."""
 
+import os
+import subprocess
+import sys
 import threading
 import zlib
 
@@ -227,3 +230,34 @@ def test_reductions_do_not_depend_on_the_thread_slots_their_process_has():
         assert all(np.array_equal(w, g) for w, g in zip(want, got))
         name = ("sequential", "pairwise", "lanes")[order]
         assert np.array_equal(got[0], reduce_sum((a * a).astype(np.float64), Arith("fp32"), order=name, lanes=64))
+
+
+@pytest.mark.parametrize("dtype", [np.int16, np.uint16, np.int32])
+def test_integer_tensors_are_read_by_value_not_as_16_bit_patterns(dtype, monkeypatch):
+    """An int16 / uint16 tensor has the dtype the fast kernels hold bf16 / fp16 bit patterns in; its values
+    are integers, converted as the numpy route converts them."""
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 8, (3, 4, 5)).astype(dtype)  # as bit patterns: tiny subnormals, nothing flagged
+    dy = rng.integers(0, 5, x.shape).astype(dtype)
+    for policy in ("bf16", "fp16"):
+        got = _all(policy, x, dy, False)
+        assert all(r.trace.meta["route"] == "compiled" for r in got)
+        monkeypatch.setenv("BNPROBE_JIT", "0")
+        want = _all(policy, x, dy, False)
+        monkeypatch.delenv("BNPROBE_JIT")
+        _same_runs(want, got)
+
+
+def test_a_generic_cpu_target_rounds_fp16_by_bit_arithmetic():
+    """With NUMBA_CPU_NAME=generic (caches shared between CPUs) LLVM's half conversions would be calls numba
+    does not link (the process aborted): the kernels use the bit arithmetic, whatever this CPU has."""
+    code = ("import numpy as np\n"
+            "from numba import njit\n"
+            "from bnprobe.kernels import compiled as K\n"
+            "f = njit(lambda a: K._f16_bits(a))\n"
+            "a = np.float32(1 + 2.0 ** -11)\n"  # a tie: to even, 1.0
+            "print(K.HALF_NATIVE, hex(f(a)), hex(f(np.float32(65520.0))), hex(f(np.float32(-2.0 ** -25))))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "NUMBA_CPU_NAME": "generic", "NUMBA_CPU_FEATURES": ""})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "0x3c00", "0x7c00", "0x8000"]
