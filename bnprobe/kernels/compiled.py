@@ -854,37 +854,48 @@ def _dx_row(dy_src, x_src, n, ch, ss, lut, tag, mu, iv, c0, c1, c2, dst, formula
     """dx_source_fast over row n of channel ch; st: (key range of dx_compute, subnormals and values lost to
     zero of dx, flags).  Inlined by numba at each call with ``formula`` a constant, so that LLVM folds the
     formula's branches and vectorises the loop (a branch on it in the loop kept it scalar: 2x slower)."""
-    klo, khi, sub, lost, bad = st
     otiny = _tiny(dst)
     same_dy, same_x = dy_src.dtype == tag.dtype, x_src.dtype == tag.dtype
     for i in range(ss):
         g0 = np.float32(_value(dy_src[n, ch, i], lut))
         g = g0 if same_dy else _store(g0, tag, lut)[0]
-        if formula == DX_STANDARD:
-            x0 = np.float32(_value(x_src[n, ch, i], lut))
-            hx = ((x0 if same_x else _store(x0, tag, lut)[0]) - mu) * iv
-            p = hx * c1
-            d = (g - c0) - p
-            v = d * c2
-            rare = _gone32(p, hx, c1) | _gone32(v, d, c2)
-        elif formula == DX_ASCEND:
+        xv = np.float32(0.0)
+        if formula != DX_CONSTANT:  # (x is not read where the formula does not need it)
             x0 = np.float32(_value(x_src[n, ch, i], lut))
             xv = x0 if same_x else _store(x0, tag, lut)[0]
-            p = xv * c0
-            d = (g + p) + c1
-            v = d * c2
-            rare = _gone32(p, xv, c0) | _gone32(v, d, c2)
-        else:
-            v = g * c0
-            rare = _gone32(v, g, c0)
-        kv = _key(v)  # dx_compute's range; dx is monotone in it
-        klo, khi = min(klo, kv), max(khi, kv)
-        y, bits = _store(v, dst, lut)
-        bad += rare | (not _finite32(y))  # v not finite leaves y not finite
-        sub += (abs(y) < otiny) & (y != 0)
-        lost += (y == 0) & (v != 0)
-        dst[n, ch, i] = bits
-    return klo, khi, sub, lost, bad
+        v, rare = _dx32(g, (xv - mu) * iv, xv, c0, c1, c2, formula)
+        st = _dx_out(v, rare, dst, n, ch, i, lut, otiny, st)
+    return st
+
+
+@njit(**_opts)
+def _dx32(g, hx, xv, c0, c1, c2, formula):
+    """dx_compute of one dy by the dx formula in binary32 (xhat hx, x xv), and whether it is rare: a product
+    lost to underflow, or subnormal."""
+    if formula == DX_STANDARD:
+        p = hx * c1
+        d = (g - c0) - p
+        v = d * c2
+        return v, _gone32(p, hx, c1) | _gone32(v, d, c2)
+    if formula == DX_ASCEND:
+        p = xv * c0
+        d = (g + p) + c1
+        v = d * c2
+        return v, _gone32(p, xv, c0) | _gone32(v, d, c2)
+    v = g * c0
+    return v, _gone32(v, g, c0)
+
+
+@njit(**_opts)
+def _dx_out(v, rare, dst, n, ch, i, lut, otiny, st):
+    """dx_compute v stored as dx at dst[n, ch, i]; st (key range of dx_compute, subnormals and values lost to
+    zero of dx, flags) with it counted."""
+    klo, khi, sub, lost, bad = st
+    kv = _key(v)  # dx_compute's range; dx is monotone in it
+    y, bits = _store(v, dst, lut)
+    dst[n, ch, i] = bits
+    return (min(klo, kv), max(khi, kv), sub + ((abs(y) < otiny) & (y != 0)), lost + ((y == 0) & (v != 0)),
+            bad + (rare | (not _finite32(y))))  # v not finite leaves y not finite
 
 
 @njit(parallel=True, **_opts)
@@ -1008,34 +1019,14 @@ def dx_fast(dyc, xhat, xc, cols, formula, dst, off, lut):
     otiny = _tiny(dst)
     for c in prange(k):
         c0, c1, c2 = np.float32(cols[c, 0]), np.float32(cols[c, 1]), np.float32(cols[c, 2])
-        klo, khi, sub, lost, bad = _KEY_LO, _KEY_HI, 0, 0, 0
+        st = (_KEY_LO, _KEY_HI, 0, 0, 0)
         for n in range(nn):
             base = n * ss
             for i in range(ss):
                 j = base + i
-                g = dyc[c, j]
-                if formula == DX_STANDARD:
-                    hx = xhat[c, j]
-                    p = hx * c1
-                    d = (g - c0) - p
-                    v = d * c2
-                    rare = _gone32(p, hx, c1) | _gone32(v, d, c2)
-                elif formula == DX_ASCEND:
-                    xv = xc[c, j]
-                    p = xv * c0
-                    d = (g + p) + c1
-                    v = d * c2
-                    rare = _gone32(p, xv, c0) | _gone32(v, d, c2)
-                else:
-                    v = g * c0
-                    rare = _gone32(v, g, c0)
-                kv = _key(v)  # dx_compute's range; dx is monotone in it
-                klo, khi = min(klo, kv), max(khi, kv)
-                y, bits = _store(v, dst, lut)
-                bad += rare | (not _finite32(y))  # v not finite leaves y not finite
-                sub += (abs(y) < otiny) & (y != 0)
-                lost += (y == 0) & (v != 0)
-                dst[n, off + c, i] = bits
+                v, rare = _dx32(dyc[c, j], xhat[c, j], xc[c, j], c0, c1, c2, formula)
+                st = _dx_out(v, rare, dst, n, off + c, i, lut, otiny, st)
+        klo, khi, sub, lost, bad = st
         flag[c] = bad
         if rr > 0:
             v0, v1 = _unkey(klo), _unkey(khi)
