@@ -34,8 +34,7 @@ _NAN, _POSINF, _NEGINF, _OVERFLOW, _SATURATED, _UNDERFLOW, _FLUSHED, _SUBNORMAL 
 EV_OVERFLOW, EV_SATURATED, EV_UNDERFLOW, EV_FLUSHED = 1, 2, 4, 8
 # how the fast kernels hold a 16-bit tensor: as its bit patterns, fp16 in uint16 and bf16 in int16 arrays, so
 # that an array's dtype tells its format when a kernel is compiled (a format known then is worth 1.5x per
-# pass: no branch on it in the loop)
-FP16_BITS, BF16_BITS = np.uint16, np.int16
+# pass: no branch on it in the loop); fused._TAGS names them
 # reduction orders and the addends a reduction forms
 ORDER_CODES: dict[str, int] = {"sequential": 0, "pairwise": 1, "lanes": 2}
 ADD_X, ADD_SQUARE, ADD_DEV_SQUARE, ADD_PRODUCT = 0, 1, 2, 3
@@ -587,7 +586,7 @@ def _bf16_rne_bits(a):
 
 
 def _store(a, tag, lut):
-    """float32 a stored nearest-even in the format of ``tag``'s dtype (float32; FP16_BITS, BF16_BITS):
+    """float32 a stored nearest-even in the format of ``tag``'s dtype (float32, uint16 fp16 bits, int16 bf16 bits):
     (its value as a float32, what an array of that dtype holds)."""
     raise NotImplementedError  # pragma: no cover - only its compiled overload runs
 

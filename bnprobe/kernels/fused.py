@@ -80,7 +80,7 @@ class _Locked:
         return call
 
 
-# the fast kernels' formats, as the dtypes that name them (compiled.FP16_BITS, BF16_BITS: 16-bit patterns)
+# the fast kernels' formats, as the dtypes that name them (16-bit formats held as their bit patterns)
 _TAGS = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.uint16), "bf16": np.dtype(np.int16)}
 _BITS = {"float16": _TAGS["fp16"], "bfloat16": _TAGS["bf16"]}
 
@@ -114,7 +114,7 @@ def spec_vector(ar: Arith) -> tuple[float, ...]:
 @dataclass(frozen=True)
 class Source:
     """A caller's tensor as ``(N, C, S)`` (the whole of it: see compiled.load_fast), as the kernels read it
-    (16-bit formats as their bit patterns: compiled.FP16_BITS, BF16_BITS) and as it is (``values``), with the
+    (16-bit formats as their bit patterns, see _TAGS) and as it is (``values``), with the
     block of channels a kernel call reads or writes."""
 
     view: np.ndarray
