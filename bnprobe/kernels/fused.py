@@ -29,11 +29,12 @@ __all__ = ["compiled_route", "Source", "Fused", "COMPILED_CHUNK_ELEMENTS"]
 
 _FORMATS = frozenset(("fp64", "fp32", "fp16", "bf16"))
 # the compiled route's channel blocks: larger than numpy's (its passes keep no temporaries per operation: a
-# block holds three float32 carriers, 48 MiB at most), so that each parallel pass has channels for every
+# block holds three float32 carriers, 96 MiB at most), so that each parallel pass has channels for every
 # thread and a call few blocks' Python: fwd+bwd of 32x64x56x56 (fp16) took 0.34 s in blocks of 2^18 values and
 # 0.24 s in blocks of 2^21 (2 cores); after the fast kernels were vectorised, 62 ms in blocks of 2^21 and
-# 55 ms in blocks of 2^22
-COMPILED_CHUNK_ELEMENTS = 1 << 22
+# 55 ms in blocks of 2^22; then 50-61 ms in blocks of 2^22 and 43-55 ms in one block of 2^23 (three rounds
+# alternating in one process)
+COMPILED_CHUNK_ELEMENTS = 1 << 23
 # numba's default threading layer (workqueue) aborts when two threads run parallel kernels at once (a dask
 # worker's threads can): kernel calls take turns
 _KERNEL_LOCK = threading.Lock()
