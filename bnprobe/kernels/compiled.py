@@ -619,9 +619,9 @@ def _tiny_impl(tag):
 
 @njit(**_opts)
 def _key(v):
-    """An integer ordered as binary32 values compare (-0 just below +0; NaN is flagged elsewhere)."""
+    """An int32 ordered as binary32 values compare (-0 just below +0; NaN is flagged elsewhere)."""
     b = np.float32(v).view(np.int32)
-    return b ^ ((b >> 31) & 0x7FFFFFFF)
+    return np.int32(b ^ ((b >> 31) & 0x7FFFFFFF))
 
 
 @njit(**_opts)
@@ -630,7 +630,23 @@ def _unkey(k):
     return np.int32(k ^ ((k >> 31) & 0x7FFFFFFF)).view(np.float32)
 
 
-_KEY_LO, _KEY_HI = np.int64(np.iinfo(np.int32).max), np.int64(np.iinfo(np.int32).min)  # empty range
+_KEY_LO, _KEY_HI = np.int32(np.iinfo(np.int32).max), np.int32(np.iinfo(np.int32).min)  # empty range
+_I0 = np.int32(0)
+
+
+@njit(**_opts)
+def _count(a, cond):
+    """int32 count a, plus one where cond.  The loops keep their per-value keys, counts and flags in int32 (a
+    row's counts, added to a channel's int64 total after each row: rows are shorter than 2^31, see
+    fused.ROW_MAX): an int64 one halves the vector width of the whole loop (numba widens int32 arithmetic
+    to int64 unless it is narrowed back: backward_fast took 12 ms per 2^22.6 values so, 8 ms with int32)."""
+    return np.int32(a + np.int32(cond))
+
+
+@njit(**_opts)
+def _mark(a, cond):
+    """int32 flag a, set where cond (a flag is only tested for nonzero: no count to overflow)."""
+    return np.int32(a | np.int32(cond))
 
 
 @njit(**_opts)
@@ -675,18 +691,21 @@ def load_fast(src, off, lut, dst, tag):
     tiny = _tiny(tag)
     same = src.dtype == tag.dtype  # a 16-bit tensor in its own format: nothing to round
     for c in prange(k):
-        klo, khi, sub, lost, bad = _KEY_LO, _KEY_HI, 0, 0, 0
+        klo, khi, sub, lost, bad = _KEY_LO, _KEY_HI, 0, 0, _I0
         for n in range(nn):
             base = n * ss
+            rsub, rlost = _I0, _I0
             for i in range(ss):
                 x = np.float32(_value(src[n, off + c, i], lut))
                 v = x if same else _store(x, tag, lut)[0]
                 dst[c, base + i] = v
                 kx = _key(x)
                 klo, khi = min(klo, kx), max(khi, kx)
-                bad += not _finite32(v)
-                sub += (abs(v) < tiny) & (v != 0)
-                lost += (v == 0) & (x != 0)
+                bad = _mark(bad, not _finite32(v))
+                rsub = _count(rsub, (abs(v) < tiny) & (v != 0))
+                rlost = _count(rlost, (v == 0) & (x != 0))
+            sub += rsub
+            lost += rlost
         flag[c] = bad
         if nn * ss > 0:
             lo, hi = _unkey(klo), _unkey(khi)
@@ -710,7 +729,7 @@ def reduce_fast(a, b, m, op, order, lanes, prescale, slots):
         buf = _buffer(scratch, 0)
         buf[rr:] = 0.0  # the lanes' padding
         mv = np.float32(m[c])
-        lost = 0  # a product of nonzero addends lost to zero: an underflow event
+        lost = _I0  # a product of nonzero addends lost to zero: an underflow event (a flag)
         if op == ADD_X:
             for i in range(rr):
                 buf[i] = a[c, i]
@@ -718,19 +737,19 @@ def reduce_fast(a, b, m, op, order, lanes, prescale, slots):
             for i in range(rr):
                 x = a[c, i]
                 v = x * x
-                lost += (v == 0) & (x != 0)
+                lost = _mark(lost, (v == 0) & (x != 0))
                 buf[i] = v
         elif op == ADD_DEV_SQUARE:
             for i in range(rr):
                 d = a[c, i] - mv
                 v = d * d
-                lost += (v == 0) & (d != 0)
+                lost = _mark(lost, (v == 0) & (d != 0))
                 buf[i] = v
         else:
             for i in range(rr):
                 x, bv = a[c, i], b[c, i]
                 v = x * bv
-                lost += (v == 0) & (x != 0) & (bv != 0)
+                lost = _mark(lost, (v == 0) & (x != 0) & (bv != 0))
                 buf[i] = v
         if prescale != 0.0:
             for i in range(rr):
@@ -808,9 +827,10 @@ def backward_fast(dy_src, x_src, off, k, lut, tag, mean, invstd, order, lanes, s
         b_dy[rr:] = 0.0
         b_dyh[rr:] = 0.0
         kglo, kghi, kxlo, kxhi = _KEY_LO, _KEY_HI, _KEY_LO, _KEY_HI
-        gsub, glost, xsub, xlost, bad = 0, 0, 0, 0, 0
+        gsub, glost, xsub, xlost, bad = 0, 0, 0, 0, _I0
         for n in range(nn):
             base = n * ss
+            rgsub, rglost, rxsub, rxlost = _I0, _I0, _I0, _I0
             for i in range(ss):
                 j = base + i
                 g0 = np.float32(_value(dy_src[n, off + c, i], lut))
@@ -819,15 +839,16 @@ def backward_fast(dy_src, x_src, off, k, lut, tag, mean, invstd, order, lanes, s
                 x = x0 if same_x else _store(x0, tag, lut)[0]
                 kg, kx = _key(g0), _key(x0)
                 kglo, kghi, kxlo, kxhi = min(kglo, kg), max(kghi, kg), min(kxlo, kx), max(kxhi, kx)
-                gsub += (abs(g) < tiny) & (g != 0)
-                glost += (g == 0) & (g0 != 0)
-                xsub += (abs(x) < tiny) & (x != 0)
-                xlost += (x == 0) & (x0 != 0)
+                rgsub = _count(rgsub, (abs(g) < tiny) & (g != 0))
+                rglost = _count(rglost, (g == 0) & (g0 != 0))
+                rxsub = _count(rxsub, (abs(x) < tiny) & (x != 0))
+                rxlost = _count(rxlost, (x == 0) & (x0 != 0))
                 d = x - mu
                 h = d * iv
                 p = g * h
                 b_dy[j], b_dyh[j] = g, p
-                bad += _small32(d) | _gone32(h, d, iv) | ((p == 0) & (g != 0) & (h != 0))
+                bad = _mark(bad, _small32(d) | _gone32(h, d, iv) | ((p == 0) & (g != 0) & (h != 0)))
+            gsub, glost, xsub, xlost = gsub + rgsub, glost + rglost, xsub + rxsub, xlost + rxlost
         s_dy, s_dyh = _sum32(b_dy, rr, order, lanes), _sum32(b_dyh, rr, order, lanes)
         sums[c, 0], sums[c, 1] = s_dy, s_dyh
         # a non-finite dy or x (or an overflow: loading, centering, scaling, the sums) leaves a sum not finite
@@ -850,9 +871,10 @@ def backward_fast(dy_src, x_src, off, k, lut, tag, mean, invstd, order, lanes, s
 
 @njit(inline="always", **_opts)
 def _dx_row(dy_src, x_src, n, ch, ss, lut, tag, mu, iv, c0, c1, c2, dst, formula, st):
-    """dx_source_fast over row n of channel ch; st: (key range of dx_compute, subnormals and values lost to
-    zero of dx, flags).  Inlined by numba at each call with ``formula`` a constant, so that LLVM folds the
-    formula's branches and vectorises the loop (a branch on it in the loop kept it scalar: 2x slower)."""
+    """dx_source_fast over row n of channel ch; st: (key range of dx_compute, the row's subnormals and values
+    lost to zero of dx, flag), all int32 (_count).  Inlined by numba at each call with ``formula`` a constant,
+    so that LLVM folds the formula's branches and vectorises the loop (a branch on it in the loop kept it
+    scalar: 2x slower)."""
     otiny = _tiny(dst)
     same_dy, same_x = dy_src.dtype == tag.dtype, x_src.dtype == tag.dtype
     for i in range(ss):
@@ -887,14 +909,14 @@ def _dx32(g, hx, xv, c0, c1, c2, formula):
 
 @njit(**_opts)
 def _dx_out(v, rare, dst, n, ch, i, lut, otiny, st):
-    """dx_compute v stored as dx at dst[n, ch, i]; st (key range of dx_compute, subnormals and values lost to
-    zero of dx, flags) with it counted."""
+    """dx_compute v stored as dx at dst[n, ch, i]; st (key range of dx_compute, the row's subnormals and values
+    lost to zero of dx, flag; int32) with it counted."""
     klo, khi, sub, lost, bad = st
     kv = _key(v)  # dx_compute's range; dx is monotone in it
     y, bits = _store(v, dst, lut)
     dst[n, ch, i] = bits
-    return (min(klo, kv), max(khi, kv), sub + ((abs(y) < otiny) & (y != 0)), lost + ((y == 0) & (v != 0)),
-            bad + (rare | (not _finite32(y))))  # v not finite leaves y not finite
+    return (min(klo, kv), max(khi, kv), _count(sub, (abs(y) < otiny) & (y != 0)), _count(lost, (y == 0) & (v != 0)),
+            _mark(bad, rare | (not _finite32(y))))  # v not finite leaves y not finite
 
 
 @njit(parallel=True, **_opts)
@@ -909,15 +931,18 @@ def dx_source_fast(dy_src, x_src, off, lut, tag, mean, invstd, cols, formula, ds
     for c in prange(k):
         c0, c1, c2 = np.float32(cols[c, 0]), np.float32(cols[c, 1]), np.float32(cols[c, 2])
         mu, iv = np.float32(mean[c]), np.float32(invstd[c])
-        st = (_KEY_LO, _KEY_HI, 0, 0, 0)
+        klo, khi, sub, lost, bad = _KEY_LO, _KEY_HI, 0, 0, _I0
         for n in range(nn):
+            st = (klo, khi, _I0, _I0, bad)
             if formula == DX_STANDARD:
                 st = _dx_row(dy_src, x_src, n, off + c, ss, lut, tag, mu, iv, c0, c1, c2, dst, DX_STANDARD, st)
             elif formula == DX_ASCEND:
                 st = _dx_row(dy_src, x_src, n, off + c, ss, lut, tag, mu, iv, c0, c1, c2, dst, DX_ASCEND, st)
             else:
                 st = _dx_row(dy_src, x_src, n, off + c, ss, lut, tag, mu, iv, c0, c1, c2, dst, DX_CONSTANT, st)
-        klo, khi, sub, lost, bad = st
+            klo, khi, rsub, rlost, bad = st
+            sub += rsub
+            lost += rlost
         flag[c] = bad
         if nn * ss > 0:
             v0, v1 = _unkey(klo), _unkey(khi)
@@ -958,19 +983,22 @@ def normalise_fast(xs, cols, formula, dst, off, lut):
     for c in prange(k):
         c0, c1 = np.float32(cols[c, 0]), np.float32(cols[c, 1])
         c2, c3 = np.float32(cols[c, 2]), np.float32(cols[c, 3])
-        klo, khi, sub, lost, bad = _KEY_LO, _KEY_HI, 0, 0, 0
+        klo, khi, sub, lost, bad = _KEY_LO, _KEY_HI, 0, 0, _I0
         for n in range(nn):  # (the formula's branch is not unswitched as in dx_source_fast: 1.06x for +3 s compiling)
             base = n * ss
+            rsub, rlost = _I0, _I0
             for i in range(ss):
                 x = xs[c, base + i]
                 kx = _key(x)
                 klo, khi = min(klo, kx), max(khi, kx)
                 _, _, av, rare = _y32(x, c0, c1, c2, c3, formula)
                 y, bits = _store(av, dst, lut)
-                bad += rare | (not _finite32(y))  # av not finite leaves y not finite
-                sub += (abs(y) < otiny) & (y != 0)
-                lost += (y == 0) & (av != 0)
+                bad = _mark(bad, rare | (not _finite32(y)))  # av not finite leaves y not finite
+                rsub = _count(rsub, (abs(y) < otiny) & (y != 0))
+                rlost = _count(rlost, (y == 0) & (av != 0))
                 dst[n, off + c, i] = bits
+            sub += rsub
+            lost += rlost
         flag[c] = bad
         if rr > 0:
             d0, h0, a0, _ = _y32(_unkey(klo), c0, c1, c2, c3, formula)
@@ -991,7 +1019,7 @@ def center_scale_fast(xc, mean, invstd, xhat):
     flag = np.zeros(k, dtype=np.int64)
     for c in prange(k):
         mu, iv = np.float32(mean[c]), np.float32(invstd[c])
-        klo, khi, bad = _KEY_LO, _KEY_HI, 0
+        klo, khi, bad = _KEY_LO, _KEY_HI, _I0
         for i in range(rr):
             x = xc[c, i]
             kx = _key(x)
@@ -999,7 +1027,7 @@ def center_scale_fast(xc, mean, invstd, xhat):
             d = x - mu
             h = d * iv
             xhat[c, i] = h
-            bad += _small32(d) | _gone32(h, d, iv) | (not _finite32(h))
+            bad = _mark(bad, _small32(d) | _gone32(h, d, iv) | (not _finite32(h)))
         flag[c] = bad
         if rr > 0:
             d0, d1 = _unkey(klo) - mu, _unkey(khi) - mu
@@ -1018,14 +1046,17 @@ def dx_fast(dyc, xhat, xc, cols, formula, dst, off, lut):
     otiny = _tiny(dst)
     for c in prange(k):
         c0, c1, c2 = np.float32(cols[c, 0]), np.float32(cols[c, 1]), np.float32(cols[c, 2])
-        st = (_KEY_LO, _KEY_HI, 0, 0, 0)
+        klo, khi, sub, lost, bad = _KEY_LO, _KEY_HI, 0, 0, _I0
         for n in range(nn):
             base = n * ss
+            st = (klo, khi, _I0, _I0, bad)
             for i in range(ss):
                 j = base + i
                 v, rare = _dx32(dyc[c, j], xhat[c, j], xc[c, j], c0, c1, c2, formula)
                 st = _dx_out(v, rare, dst, n, off + c, i, lut, otiny, st)
-        klo, khi, sub, lost, bad = st
+            klo, khi, rsub, rlost, bad = st
+            sub += rsub
+            lost += rlost
         flag[c] = bad
         if rr > 0:
             v0, v1 = _unkey(klo), _unkey(khi)

@@ -35,6 +35,8 @@ _FORMATS = frozenset(("fp64", "fp32", "fp16", "bf16"))
 # 55 ms in blocks of 2^22; then 50-61 ms in blocks of 2^22 and 43-55 ms in one block of 2^23 (three rounds
 # alternating in one process)
 COMPILED_CHUNK_ELEMENTS = 1 << 23
+# the fast kernels count a row of a tensor (N, C, S) in int32 (compiled._count): longer rows take the general kernels
+ROW_MAX = 2**31 - 1
 # numba's default threading layer (workqueue) aborts when two threads run parallel kernels at once (a dask
 # worker's threads can): kernel calls take turns
 _KERNEL_LOCK = threading.Lock()
@@ -133,8 +135,9 @@ class Source:
     @property
     def fast(self) -> bool:
         """Whether the fast kernels read this tensor: float32, fp16 or bf16 (an integer tensor of 16 bits has
-        the dtype of the bit patterns, but its values are integers: numpy converts it)."""
-        return self.values.dtype.name in ("float32", "float16", "bfloat16")
+        the dtype of the bit patterns, but its values are integers: numpy converts it), in rows they count
+        (ROW_MAX)."""
+        return self.values.dtype.name in ("float32", "float16", "bfloat16") and self.view.shape[2] <= ROW_MAX
 
     def rows(self) -> np.ndarray:
         """This block's values as a channel-first (k, R) float64 copy (what the general kernels take)."""
@@ -167,7 +170,8 @@ class Fused:
 
     def _stores(self, ar: Arith) -> bool:
         """Whether the fast kernels store ``ar``'s format (into ``dest``, when one is written)."""
-        return ar.fmt.name in _TAGS and (self.dest is None or self.dest.view.dtype == _TAGS[ar.fmt.name])
+        return ar.fmt.name in _TAGS and (self.dest is None or (self.dest.view.dtype == _TAGS[ar.fmt.name]
+                                                             and self.dest.view.shape[2] <= ROW_MAX))
 
     @staticmethod
     def _fast(fast_result: tuple, general: Any) -> tuple:

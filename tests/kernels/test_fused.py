@@ -174,6 +174,33 @@ def test_fast_kernels_run_where_they_apply_and_the_general_ones_take_over_a_flag
         _same_runs(_all("fp16", x, dy, True), got)
 
 
+def test_counts_add_up_over_rows_and_longer_rows_take_the_general_kernels(monkeypatch):
+    """The fast kernels count each row of (N, C, S) in int32 and add the rows' counts per channel; rows longer
+    than fused.ROW_MAX (2^31 - 1; made small here: no test holds such a row) take the general kernels.  Every row
+    of x and dy has fp16 subnormals and values lost to zero; all three runs (numpy route, fast kernels, general
+    kernels) agree on every output and counter."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((4, 3, 5, 6)) * 2.0 ** -14  # about a third of the values below fp16's smallest normal
+    x[:, :, 0, :2] = 2.0 ** -26  # below half the smallest fp16 subnormal: stored as zero
+    x, dy = x.astype(np.float32), (x * 3).astype(np.float32)
+    ran = []
+    for name in ("load_fast", "normalise_fast", "backward_fast", "dx_source_fast"):
+        monkeypatch.setattr(K, name, lambda *a, _real=getattr(K, name), _name=name: ran.append(_name) or _real(*a))
+    fast = _all("fp16", x, dy, False)
+    assert set(ran) == {"load_fast", "normalise_fast", "backward_fast", "dx_source_fast"}
+    assert all(r.trace.meta["route"] == "compiled" for r in fast)
+    counts = {s.name: (s.counters["subnormal"], s.counters["underflow"]) for s in fast[0].trace}
+    assert (counts["x"][0] > 4).all() and (counts["x"][1] == 4 * 2).all()  # in every channel, from every row
+    ran.clear()
+    monkeypatch.setattr(fused, "ROW_MAX", 29)  # rows of 30 values
+    general = _all("fp16", x, dy, False)
+    assert not ran and all(r.trace.meta["route"] == "compiled" for r in general)
+    monkeypatch.setenv("BNPROBE_JIT", "0")
+    numpy_route = _all("fp16", x, dy, False)
+    _same_runs(numpy_route, fast)
+    _same_runs(numpy_route, general)
+
+
 @pytest.mark.parametrize("shape,layout", [((7, 6), "channels_first"), ((4, 3, 11), "channels_first"),
                                           ((2, 3, 4, 5, 6), "channels_first"), ((3, 5, 4, 6), "channels_last")])
 def test_compiled_route_in_every_layout_and_rank(shape, layout):
