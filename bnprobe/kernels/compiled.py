@@ -238,7 +238,7 @@ def _value_impl(v, lut):
     if v == types.uint16:  # fp16 bits
         return lambda v, lut: np.float64(_f16_value(v, lut))
     if v == types.int16:  # bf16 bits
-        return lambda v, lut: np.float64(np.uint32((np.int64(v) & 0xFFFF) << 16).view(np.float32))
+        return lambda v, lut: np.float64(_bf16_value(np.uint16(v)))
     return lambda v, lut: np.float64(v)
 
 
@@ -578,11 +578,19 @@ def _f16_value_impl(h, lut):
 
 @njit(**_opts)
 def _bf16_rne_bits(a):
-    """float32 a rounded to the nearest-even bf16, as its bit pattern (NaN stays a NaN)."""
-    u = np.int64(np.float32(a).view(np.int32)) & 0xFFFFFFFF
-    if a != a:
-        return np.uint16(((u >> 16) | 0x40) & 0xFFFF)
-    return np.uint16(((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF)
+    """float32 a rounded to the nearest-even bf16, as its bit pattern (NaN stays a NaN, made quiet).  In uint32
+    arithmetic, every step narrowed back (numba widens it to 64 bits, which halves a loop's vector width):
+    no finite or infinite pattern carries out of 32 bits."""
+    b = np.float32(a).view(np.uint32)
+    r = np.uint32(b + np.uint32(np.uint32(0x7FFF) + np.uint32(np.uint32(b >> np.uint32(16)) & np.uint32(1))))
+    q = np.uint32(np.uint32(b >> np.uint32(16)) | np.uint32(0x40))
+    return np.uint16(q if a != a else np.uint32(r >> np.uint32(16)))
+
+
+@njit(**_opts)
+def _bf16_value(h):
+    """The bf16 bit pattern h (uint16) as a binary32 (exact)."""
+    return np.uint32(np.uint32(h) << np.uint32(16)).view(np.float32)
 
 
 def _store(a, tag, lut):
@@ -601,7 +609,7 @@ def _store_impl(a, tag, lut):
     if tag.dtype == types.int16:
         def bf16(a, tag, lut):
             h = _bf16_rne_bits(a)
-            return np.uint32(np.int64(h) << 16).view(np.float32), np.int16(h)
+            return _bf16_value(h), np.int16(h)
         return bf16
     return lambda a, tag, lut: (np.float32(a), np.float32(a))
 
