@@ -121,6 +121,25 @@ def test_every_fp16_pattern_reads_as_numpy_reads_it():
     assert np.isnan(got[nan]).all() and np.array_equal(np.signbit(got[nan]), np.signbit(want[nan]))
 
 
+@njit
+def _source_values(h, lut):
+    out = np.empty(h.shape, dtype=np.float64)
+    for i in range(h.size):
+        out[i] = K._value(h[i], lut)
+    return out
+
+
+def test_every_bf16_pattern_reads_as_ml_dtypes_reads_it():
+    """A bf16 tensor reaches the fast kernels as its bit patterns in int16 (fused._TAGS)."""
+    h = np.arange(1 << 16, dtype=np.uint16)
+    with np.errstate(invalid="ignore"):  # (ml_dtypes' cast of a NaN pattern)
+        want = h.view(ml_dtypes.bfloat16).astype(np.float64)
+    got = _source_values(h.view(np.int16), fused._fp16_table())
+    nan = np.isnan(want)
+    assert np.array_equal(got[~nan].view(np.uint64), want[~nan].view(np.uint64))  # zeros' signs included
+    assert np.isnan(got[nan]).all() and np.array_equal(np.signbit(got[nan]), np.signbit(want[nan]))
+
+
 def _case(kind: str, shape=(6, 5, 7, 9), dtype=np.float32):
     rng = np.random.default_rng(zlib.crc32(kind.encode()))
     x = rng.standard_normal(shape)
