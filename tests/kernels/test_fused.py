@@ -193,29 +193,52 @@ def test_fast_kernels_run_where_they_apply_and_the_general_ones_take_over_a_flag
         _same_runs(_all("fp16", x, dy, True), got)
 
 
-def test_counts_add_up_over_rows_and_longer_rows_take_the_general_kernels(monkeypatch):
+def _tiny_runs(x, dy, layout):
+    """fp16 forward, backward and inference (with the batch statistics) with gamma 2^-23 and eps 2^-60 (x is
+    near 2^-14: eps would dominate its variance): xhat of order 1, so y and dx in fp16's subnormal range, some
+    lost to zero."""
+    c = x.shape[1] if layout == "channels_first" else x.shape[-1]
+    g, eps = np.full(c, 2.0 ** -23), 2.0 ** -60
+    kw = dict(policy="fp16", keep_arrays=False, layout=layout, eps=eps)
+    f = forward_train(x, g, None, np.zeros(c), np.ones(c), **kw)
+    b = backward(dy, x, g, f.mean, f.invstd, **kw)
+    i = forward_infer(x, g, None, f.mean, f.var, **kw)
+    return f, b, i
+
+
+@pytest.mark.parametrize("layout", ["channels_first", "channels_last"])
+def test_counts_add_up_over_rows_and_longer_rows_take_the_general_kernels(layout, monkeypatch):
     """The fast kernels count each row of (N, C, S) in int32 and add the rows' counts per channel; rows longer
-    than fused.ROW_MAX (2^31 - 1; made small here: no test holds such a row) take the general kernels.  Every row
-    of x and dy has fp16 subnormals and values lost to zero; all three runs (numpy route, fast kernels, general
-    kernels) agree on every output and counter."""
+    than fused.ROW_MAX (2^31 - 1; made small here: no test holds such a row) take the general kernels.  In every
+    channel, the stored x, dy, y and dx have fp16 subnormals and values lost to zero, over several rows; all
+    three runs (numpy route, fast kernels, general kernels) agree on every output and counter.  channels_first
+    takes the fused backward (backward_fast, dx_source_fast), channels_last the separate passes (dx_fast)."""
     rng = np.random.default_rng(11)
-    x = rng.standard_normal((4, 3, 5, 6)) * 2.0 ** -14  # about a third of the values below fp16's smallest normal
-    x[:, :, 0, :2] = 2.0 ** -26  # below half the smallest fp16 subnormal: stored as zero
-    x, dy = x.astype(np.float32), (x * 3).astype(np.float32)
+    x = rng.standard_normal((4, 3, 5, 6)) * 2.0 ** -14  # about 70% below fp16's smallest normal, 2^-14
+    x[:, :, 0, :2] = 2.0 ** -26  # below half fp16's smallest subnormal (2^-24): stored as zero
+    dy = rng.standard_normal(x.shape) * 2.0 ** -12
+    dy[:, :, 1, :2] = 2.0 ** -27
+    if layout == "channels_last":
+        x, dy = (np.ascontiguousarray(np.moveaxis(a, 1, -1)) for a in (x, dy))
+    x, dy = x.astype(np.float32), dy.astype(np.float32)
+    kernels = {"load_fast", "normalise_fast",
+               *(("backward_fast", "dx_source_fast") if layout == "channels_first" else ("dx_fast",))}
     ran = []
-    for name in ("load_fast", "normalise_fast", "backward_fast", "dx_source_fast"):
+    for name in kernels:
         monkeypatch.setattr(K, name, lambda *a, _real=getattr(K, name), _name=name: ran.append(_name) or _real(*a))
-    fast = _all("fp16", x, dy, False)
-    assert set(ran) == {"load_fast", "normalise_fast", "backward_fast", "dx_source_fast"}
-    assert all(r.trace.meta["route"] == "compiled" for r in fast)
-    counts = {s.name: (s.counters["subnormal"], s.counters["underflow"]) for s in fast[0].trace}
-    assert (counts["x"][0] > 4).all() and (counts["x"][1] == 4 * 2).all()  # in every channel, from every row
+    fast = _tiny_runs(x, dy, layout)
+    assert set(ran) == kernels and all(r.trace.meta["route"] == "compiled" for r in fast)
+    for run, stages in zip(fast, (("x", "y"), ("dy", "x", "dx"), ("y",))):
+        for name in stages:
+            s = run.trace[name]
+            assert (s.counters["subnormal"] > 0).all() and (s.counters["underflow"] > 0).all(), name
+    assert (fast[0].trace["x"].counters["underflow"] == 4 * 2).all()  # two from each of the four rows
     ran.clear()
     monkeypatch.setattr(fused, "ROW_MAX", 29)  # rows of 30 values
-    general = _all("fp16", x, dy, False)
+    general = _tiny_runs(x, dy, layout)
     assert not ran and all(r.trace.meta["route"] == "compiled" for r in general)
     monkeypatch.setenv("BNPROBE_JIT", "0")
-    numpy_route = _all("fp16", x, dy, False)
+    numpy_route = _tiny_runs(x, dy, layout)
     _same_runs(numpy_route, fast)
     _same_runs(numpy_route, general)
 
