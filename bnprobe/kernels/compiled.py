@@ -32,9 +32,10 @@ N_COUNTS = 8
 _NAN, _POSINF, _NEGINF, _OVERFLOW, _SATURATED, _UNDERFLOW, _FLUSHED, _SUBNORMAL = range(8)
 # events of one rounding, as bits
 EV_OVERFLOW, EV_SATURATED, EV_UNDERFLOW, EV_FLUSHED = 1, 2, 4, 8
-# how the fast kernels hold a 16-bit tensor: as its bit patterns, fp16 in uint16 and bf16 in int16 arrays, so
-# that an array's dtype tells its format when a kernel is compiled (a format known then is worth 1.5x per
-# pass: no branch on it in the loop); fused._TAGS names them
+# (the fast kernels hold a 16-bit tensor as its bit patterns, fp16 in uint16 and bf16 in int16 arrays, so that
+# an array's dtype tells its format when a kernel is compiled (a format known then is worth 1.5x per pass: no
+# branch on it in the loop); fused._TAGS names those dtypes, the overloads _value, _store and _tiny read them)
+
 # reduction orders and the addends a reduction forms
 ORDER_CODES: dict[str, int] = {"sequential": 0, "pairwise": 1, "lanes": 2}
 ADD_X, ADD_SQUARE, ADD_DEV_SQUARE, ADD_PRODUCT = 0, 1, 2, 3

@@ -29,11 +29,11 @@ __all__ = ["compiled_route", "Source", "Fused", "COMPILED_CHUNK_ELEMENTS"]
 
 _FORMATS = frozenset(("fp64", "fp32", "fp16", "bf16"))
 # the compiled route's channel blocks: larger than numpy's (its passes keep no temporaries per operation: a
-# block holds three float32 carriers, 96 MiB at most), so that each parallel pass has channels for every
-# thread and a call few blocks' Python: fwd+bwd of 32x64x56x56 (fp16) took 0.34 s in blocks of 2^18 values and
-# 0.24 s in blocks of 2^21 (2 cores); after the fast kernels were vectorised, 62 ms in blocks of 2^21 and
-# 55 ms in blocks of 2^22; then 50-61 ms in blocks of 2^22 and 43-55 ms in one block of 2^23 (three rounds
-# alternating in one process)
+# block holds three float32 carriers, 96 MiB at most unless one channel alone is longer), so that each parallel
+# pass has channels for every thread and a call few blocks' Python: fwd+bwd of 32x64x56x56 (fp16) took 0.34 s
+# in blocks of 2^18 values and 0.24 s in blocks of 2^21 (2 cores); after the fast kernels were vectorised,
+# 62 ms in blocks of 2^21 and 55 ms in blocks of 2^22; then 50-61 ms in blocks of 2^22 and 43-55 ms in one
+# block of 2^23 (three rounds alternating in one process)
 COMPILED_CHUNK_ELEMENTS = 1 << 23
 # the fast kernels count a row of a tensor (N, C, S) in int32 (compiled._count): longer rows take the general kernels
 ROW_MAX = 2**31 - 1
