@@ -13,10 +13,11 @@ numpy routes' (tests/kernels/test_carriers.py).
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -79,8 +80,41 @@ class _Locked:
 
         def call(*args: Any) -> Any:
             with _KERNEL_LOCK:
+                announce_compiling(attr)
                 return attr(*args)
         return call
+
+
+# a first run compiles the kernels for a minute or more (65 s for the presets' on 2 cores): said once per process,
+# on a terminal
+_ANNOUNCED = threading.Event()
+
+
+def _compiles(kernel: Any) -> bool:
+    """Whether calling numba dispatcher ``kernel`` compiles it: nothing of it compiled in this process yet, and
+    nothing in numba's cache for it (its index is missing, or was written for another version of the source).
+    False where the cache cannot be read this way (numba's cache index is not public API)."""
+    if kernel.overloads:
+        return False
+    try:
+        return not kernel._cache._cache_file._load_index()
+    except Exception:  # noqa: BLE001 - a numba without these internals: say nothing, compile as ever
+        return False
+
+
+def announce_compiling(kernel: Any, stream: TextIO | None = None) -> None:
+    """One line on ``stream`` (stderr) when it is a terminal and calling ``kernel`` is about to compile the kernels;
+    once per process."""
+    if _ANNOUNCED.is_set() or kernel.overloads:
+        return
+    stream = stream if stream is not None else sys.stderr
+    if not stream.isatty() or not _compiles(kernel):
+        return
+    _ANNOUNCED.set()
+    where = getattr(getattr(kernel, "_cache", None), "_cache_path", "numba's cache")
+    stream.write(f"bnprobe: compiling its numba kernels for this machine, once: about a minute or two "
+                 f"(later runs load them from {where})\n")
+    stream.flush()
 
 
 # the fast kernels' formats, as the dtypes that name them (16-bit formats held as their bit patterns)

@@ -3,6 +3,8 @@ its roundings against numpy's and ml_dtypes' casts and round_detail, bit for bit
 taken where they apply and left for the general ones where something rare happened; results that do not
 depend on the thread count, the layout or concurrent callers; and the switches that choose the route."""
 
+import importlib.util
+import io
 import os
 import subprocess
 import sys
@@ -315,3 +317,38 @@ def test_a_generic_cpu_target_rounds_fp16_by_bit_arithmetic():
                          env={**os.environ, "NUMBA_CPU_NAME": "generic", "NUMBA_CPU_FEATURES": ""})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "0x3c00", "0x7c00", "0x8000"]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def _module(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_first_compile_is_announced_once_on_a_terminal_and_a_cached_kernel_is_not(tmp_path, monkeypatch):
+    """A first run compiles the kernels for a minute or more: one line says so on a terminal (not when piped),
+    once per process; a kernel numba's cache holds loads silently."""
+    src = tmp_path / "cold_kernel.py"
+    src.write_text("from numba import njit\n\n@njit(cache=True)\ndef f(a):\n    return a + 1\n")
+    cold = _module(src, "cold_kernel_a").f
+    monkeypatch.setattr(fused, "_ANNOUNCED", threading.Event())
+    piped = io.StringIO()
+    fused.announce_compiling(cold, piped)
+    assert piped.getvalue() == ""  # not a terminal
+    term = _Terminal()
+    fused.announce_compiling(cold, term)
+    fused.announce_compiling(cold, term)
+    assert term.getvalue().count("compiling its numba kernels") == 1 and str(tmp_path) in term.getvalue()
+    assert cold(1) == 2  # compiled, and written to the cache beside the source
+    monkeypatch.setattr(fused, "_ANNOUNCED", threading.Event())
+    warm = _module(src, "cold_kernel_b").f  # a new process's view: nothing compiled yet, the cache filled
+    assert not warm.overloads and not fused._compiles(warm)
+    term = _Terminal()
+    fused.announce_compiling(warm, term)
+    assert term.getvalue() == ""
