@@ -167,11 +167,15 @@ class Source:
         return Source(self.view, self.values, channels)
 
     @property
+    def counted(self) -> bool:
+        """Whether the fast kernels can count this tensor's rows (ROW_MAX)."""
+        return self.view.shape[2] <= ROW_MAX
+
+    @property
     def fast(self) -> bool:
         """Whether the fast kernels read this tensor: float32, fp16 or bf16 (an integer tensor of 16 bits has
-        the dtype of the bit patterns, but its values are integers: numpy converts it), in rows they count
-        (ROW_MAX)."""
-        return self.values.dtype.name in ("float32", "float16", "bfloat16") and self.view.shape[2] <= ROW_MAX
+        the dtype of the bit patterns, but its values are integers: numpy converts it), in rows they count."""
+        return self.values.dtype.name in ("float32", "float16", "bfloat16") and self.counted
 
     def rows(self) -> np.ndarray:
         """This block's values as a channel-first (k, R) float64 copy (what the general kernels take)."""
@@ -205,7 +209,7 @@ class Fused:
     def _stores(self, ar: Arith) -> bool:
         """Whether the fast kernels store ``ar``'s format (into ``dest``, when one is written)."""
         return ar.fmt.name in _TAGS and (self.dest is None or (self.dest.view.dtype == _TAGS[ar.fmt.name]
-                                                             and self.dest.view.shape[2] <= ROW_MAX))
+                                                             and self.dest.counted))
 
     @staticmethod
     def _fast(fast_result: tuple, general: Any) -> tuple:
