@@ -34,27 +34,31 @@ from bnprobe.adapters import KernelAdapter, Saved, get_adapter
 from bnprobe.adapters.base import MODES, counters_only, params_format
 from bnprobe.adapters.dump import CallRef, DumpAdapter, RecordedCalls, Recording
 from bnprobe.adapters.emulated import PolicyAdapter
+from bnprobe.checks.rules import (
+    RULES,
+    BenchOutput,
+    absolute,
+    benchmark_of,
+    greatest_error,
+    nonfinite_mismatch,
+    small_values_rounded,
+    within_accumulation,
+)
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.inputs import make_input, make_params
 from bnprobe.kernels import forward_train
-from bnprobe.kernels.layout import element_at, layout_of
-from bnprobe.metrics import benchmark, benchmark_verdict, checker_metrics, compare, ulp_error
+from bnprobe.kernels.layout import layout_of
+from bnprobe.metrics import compare, ulp_error
 from bnprobe.numerics.rounding import round_to
-from bnprobe.tolerances import (
-    MSPROBE_STANDARDS,
-    SMALL_VALUE_ULPS,
-    Standard,
-    accumulation_bound,
-    accumulation_format,
-)
+from bnprobe.tolerances import MSPROBE_STANDARDS, Standard
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
 __all__ = ["Case", "resnet50_cases", "stress_cases", "recorded_cases", "CompareResult", "compare_precision",
-           "error_budget", "select_cases", "verdict", "summarize", "per_call", "first_failing_call", "budget_cause",
-           "BUDGET_CHANNELS", "STANDARD_RULES"]
+           "error_budget", "select_cases", "summarize", "per_call", "first_failing_call", "budget_cause",
+           "BUDGET_CHANNELS"]
 
 BUDGET_CHANNELS = 8  # the error budget reruns the kernel on the first channels of a layer (channels are independent)
 ELEMENTWISE = ("y", "y_infer", "dx")
@@ -116,173 +120,6 @@ def stress_cases(seed: int = 0) -> list[Case]:
     ]
 
 
-# ---- verdicts ----------------------------------------------------------------------------------------
-
-STANDARD_RULES = ("scaled", "accumulated", "threshold")
-RULES = ("benchmark", *STANDARD_RULES)
-
-
-def beyond_rounding(actual: np.ndarray, golden: np.ndarray, fmt: str) -> np.ndarray:
-    """|actual − golden| less half an ulp of ``fmt`` at the golden (subnormal spacing included), floored at
-    0: the error beyond the output format's own rounding, so a correctly rounded result has none."""
-    a = np.asarray(actual, dtype=np.float64)
-    g = np.asarray(golden, dtype=np.float64)
-    with np.errstate(all="ignore"):
-        return np.maximum(np.abs(a - g) - 0.5 * get_format(fmt).ulp(g), 0.0)
-
-
-def nonfinite_mismatch(actual: np.ndarray, golden: np.ndarray, fmt: str) -> str:
-    """Where NaN/±inf in ``actual`` differ from the golden rounded to ``fmt`` (a golden beyond the format's
-    range rounds to ±inf), a sentence saying how many and where; "" when they agree."""
-    a = np.asarray(actual, dtype=np.float64).reshape(-1)
-    g = np.asarray(golden, dtype=np.float64).reshape(-1)
-    f = get_format(fmt)
-    if a.size and np.isfinite(a).all() and np.isfinite(g).all() and float(np.abs(g).max()) <= f.max:
-        return ""  # all finite, and no golden value can round to ±inf
-    with np.errstate(all="ignore"):
-        gr = round_to(g, f.name)
-    fa, fg = np.isfinite(a), np.isfinite(gr)
-    wrong = (fa != fg) | (~fa & ~((a == gr) | (np.isnan(a) & np.isnan(gr))))
-    if not wrong.any():
-        return ""
-    k = int(wrong.sum())
-    i = int(np.argmax(wrong))
-    return (f"NaN/inf where the golden rounded to the format has none (or the reverse): {k} / {a.size} elements, "
-            f"first at index {i} ({a[i]:.6g} vs {gr[i]:.6g})")
-
-
-def _greatest(actual: Any, bench: Any, golden: Any, bench_name: str) -> str:
-    """Where a kernel that fails the benchmark errs most: the element, its value, the expected value and the bench's
-    value there (what a careful kernel in the same formats gets)."""
-    a = np.asarray(actual, dtype=np.float64)
-    g = np.asarray(golden, dtype=np.float64)
-    with np.errstate(all="ignore"):
-        d = np.where(np.isfinite(a) & np.isfinite(g), np.abs(a - g), -1.0).reshape(-1)
-    if not d.size or d.max() <= 0:
-        return ""
-    i = int(np.argmax(d))
-    bv = np.asarray(bench, dtype=np.float64).reshape(-1)[i] if bench is not None else math.nan
-    return (f"; greatest error {d[i]:.3g} at {element_at(i, a.shape)}: {a.reshape(-1)[i]:.6g} vs "
-            f"{g.reshape(-1)[i]:.6g} expected ({bench_name}: {bv:.6g})")
-
-
-def verdict(actual: np.ndarray, golden: np.ndarray, fmt: str, rule: str = "scaled",
-            standards: dict[str, Standard] | None = None, scale: np.ndarray | None = None
-            ) -> tuple[bool, str, float, float]:
-    """msprobe's verdict for one tensor by ``rule`` (scaled, accumulated or threshold):
-    (passed, reason, score, bound) with score the worst error measure and bound its limit.
-
-    Every rule measures the error beyond the output format's own rounding (:func:`beyond_rounding`),
-    so the correctly rounded golden always passes; non-finite values must be where the golden
-    rounded to ``fmt`` has them (a golden beyond the format's range rounds to ±inf).
-    ``scale`` (same shape as golden) gives the scaled rule each element's natural magnitude."""
-    if rule not in STANDARD_RULES:
-        raise BNProbeError(f"unknown standard rule {rule!r}; valid: {', '.join(STANDARD_RULES)}")
-    f = get_format(fmt)
-    std = (standards or MSPROBE_STANDARDS).get(f.name)
-    if std is None:
-        return True, "no standard for this format", 0.0, math.inf
-    a = np.asarray(actual, dtype=np.float64).reshape(-1)
-    g = np.asarray(golden, dtype=np.float64).reshape(-1)
-    bad = nonfinite_mismatch(a, g, f.name)
-    if bad:
-        return False, bad, math.inf, 0.0
-    fa = np.isfinite(a)
-    sc = None if scale is None else \
-        np.broadcast_to(np.asarray(scale, dtype=np.float64), np.shape(golden)).reshape(-1)[fa]
-    a, g = a[fa], g[fa]
-    with np.errstate(all="ignore"):
-        d = beyond_rounding(a, g, f.name)
-        if rule == "threshold":
-            small = np.abs(g) <= std.small_threshold
-            used = np.where(small, d / std.small_atol, d / np.where(small, 1.0, np.abs(g)) / std.rtol)
-            bad_small = int(np.sum(small & (used > 1)))
-            bad = int(np.sum(~small & (used > 1)))
-            score = (float(used.max()) if used.size else 0.0) * std.rtol
-            if bad or bad_small:
-                w = int(np.argmax(used))
-                allowed = std.small_atol if small[w] else std.rtol * abs(g[w])
-                return False, (f"Mismatched elements: {bad + bad_small} / {used.size} "
-                               f"({100.0 * (bad + bad_small) / used.size:.3g}%: {bad} over rtol {std.rtol:.3g}, "
-                               f"{bad_small} small value(s) over atol {std.small_atol:.3g}); greatest at "
-                               f"{element_at(int(np.flatnonzero(fa)[w]), np.shape(golden))}: {a[w]:.6g} vs {g[w]:.6g} "
-                               f"expected ({allowed:.3g} allowed beyond rounding)"), score, std.rtol
-            return True, f"within rtol {std.rtol:.3g} / small-value atol {std.small_atol:.3g}", score, std.rtol
-        if rule == "scaled":
-            mag = sc if sc is not None else np.full(g.shape, float(np.abs(g).max()) if g.size else 1.0)
-            floor = std.error_floor * np.where(mag > 0, mag, 1.0)
-        else:
-            floor = std.error_floor
-        ratio = d / np.maximum(np.abs(g), floor)
-        worst = float(ratio.max()) if ratio.size else 0.0
-        if worst > std.accumulated:
-            k = int(np.sum(ratio > std.accumulated))
-            w = int(np.argmax(ratio))
-            where = int(np.flatnonzero(fa)[w])
-            allowed = std.accumulated * max(abs(g[w]), float(np.asarray(floor).reshape(-1)[w])
-                                            if np.ndim(floor) else float(floor))
-            return False, (f"Mismatched elements: {k} / {ratio.size} ({100.0 * k / ratio.size:.3g}%); greatest "
-                           f"accumulated error {worst:.3g} at {element_at(where, np.shape(golden))}: {a[w]:.6g} vs "
-                           f"{g[w]:.6g} expected ({allowed:.3g} allowed beyond rounding: "
-                           f"{std.accumulated:.3g} of the reference)"), worst, std.accumulated
-        return True, f"accumulated error {worst:.3g} within {std.accumulated:.3g}", worst, std.accumulated
-
-
-SUMS = ("saved_mean", "dgamma", "dbeta")  # per-channel sums (or means) of R terms, scaled by Σ|terms| (mean |x|)
-
-
-def _within_accumulation(tensor: str, actual: Any, golden: Any, fmt: str, scale: np.ndarray | None,
-                         case: Case) -> tuple[float, str] | None:
-    """For a per-channel sum or mean whose every error is within what a correct kernel's accumulation of its R
-    terms can produce (:func:`~bnprobe.tolerances.accumulation_bound` times the terms' magnitude, plus half an
-    ulp of the output): (the largest share of that bound used, why); else None."""
-    if tensor not in SUMS or scale is None:
-        return None
-    g = np.asarray(golden, dtype=np.float64).reshape(-1)
-    a = np.asarray(actual, dtype=np.float64).reshape(-1)
-    terms = math.prod(case.shape) // max(g.size, 1)
-    with np.errstate(all="ignore"):
-        bound = accumulation_bound(fmt, terms) * np.asarray(scale, dtype=np.float64).reshape(-1) \
-            + 0.5 * get_format(fmt).ulp(g)
-        used = np.abs(a - g) / bound
-    if a.shape != g.shape or not np.all(np.isfinite(used)) or not np.all(used <= 1.0):
-        return None
-    worst = int(np.argmax(used))
-    return float(used[worst]), (
-        f"within the rounding of a {accumulation_format(fmt)} accumulation of its "
-        f"{terms} terms: every error at most {100 * used[worst]:.3g}% of γ_{terms}·Σ|terms| + ½ ulp (channel "
-        f"{worst}: {a[worst]:.6g} vs {g[worst]:.6g} expected, terms' magnitude {np.reshape(scale, -1)[worst]:.4g}: "
-        "the sum cancels, so its relative error is rounding noise)")
-
-
-def _small_values_rounded(b: Any, actual: Any, golden: Any, fmt: str,
-                          natural: Callable[[], np.ndarray] | None) -> tuple[float, str] | None:
-    """When msprobe's benchmark fails an elementwise output only on its small-value ratio (a few outputs near
-    zero, where y = x̂·γ + β cancels) and each of those outputs is within what a correct kernel's rounding gives
-    (SMALL_VALUE_ULPS units of its accumulation format times the output's natural magnitude |x·rstd·γ| +
-    |μ·rstd·γ| + |β|, plus half an ulp): (the largest share of that bound used, why); else None."""
-    failing = [k for k, v in b.status.items() if v == "error"]
-    std = MSPROBE_STANDARDS.get(get_format(fmt).name)
-    if natural is None or failing != ["small_value"] or std is None:
-        return None
-    g = np.asarray(golden, dtype=np.float64)
-    a = np.asarray(actual, dtype=np.float64)
-    small = np.abs(g) <= std.small_threshold
-    if a.shape != g.shape or not small.any():
-        return None
-    u = get_format(accumulation_format(fmt)).unit_roundoff
-    with np.errstate(all="ignore"):
-        bound = SMALL_VALUE_ULPS * u * natural()[small] + 0.5 * get_format(fmt).ulp(g[small])
-        used = np.abs(a[small] - g[small]) / bound
-    if not np.all(np.isfinite(used)) or not np.all(used <= 1.0):
-        return None
-    return float(used.max()), (
-        f"within a correct kernel's rounding: the {int(small.sum())} output(s) near zero (|golden| <= "
-        f"{std.small_threshold:g}) that msprobe's small-value ratio counts each err at most {100 * used.max():.3g}% "
-        f"of {SMALL_VALUE_ULPS:g} ulps of {accumulation_format(fmt)} times "
-        "|x·rstd·γ| + |μ·rstd·γ| + |β| (y cancels there), and every other metric is within the benchmark")
-
-
 def _y_natural(inp: _Inputs, gold_t: Any) -> np.ndarray:
     """Per element of y, the magnitude it is formed from: |x·rstd·γ| + |μ·rstd·γ| + |β| (golden statistics)."""
     lay = layout_of(inp.x)
@@ -293,26 +130,6 @@ def _y_natural(inp: _Inputs, gold_t: Any) -> np.ndarray:
     rg = np.abs(r * g)
     mu = np.abs(gold_t.saved.mean.astype(np.float64)) * rg + np.abs(b)
     return np.abs(np.asarray(inp.x, dtype=np.float64)) * rg.reshape(shape) + mu.reshape(shape)
-
-
-def _benchmark(actual: Any, bench: Any, golden: Any, fmt: str) -> Any:
-    """msprobe's benchmark verdict; ``bench`` is the bench's output or a :class:`_BenchOutput` that keeps its
-    metrics (computed once per output, and reused whole when ``actual`` is the bench's own array)."""
-    if not isinstance(bench, _BenchOutput):
-        return benchmark(actual, bench, golden, fmt)
-    if bench.metrics is None:
-        bench.metrics = checker_metrics(bench.value, golden, fmt)
-    dev = bench.metrics if actual is bench.value else checker_metrics(actual, golden, fmt)
-    if dev is None or bench.metrics is None:
-        return benchmark(actual, bench.value, golden, fmt)
-    return benchmark_verdict(dev, bench.metrics, fmt)
-
-
-@dataclass
-class _BenchOutput:
-    value: Any
-    metrics: dict[str, Any] | None = None
-    format_check: tuple[bool, str, float, float] | None = None  # the absolute standard on the bench's output
 
 
 def _row(adapter: str, dtype: str, case: Case, tensor: str, actual: Any, golden: Any, fmt: str,
@@ -326,29 +143,30 @@ def _row(adapter: str, dtype: str, case: Case, tensor: str, actual: Any, golden:
     kind = "elementwise" if tensor in ELEMENTWISE else "reduction"
     m = compare(actual, golden, fmt)
     if rule != "benchmark":
-        ok_abs, why_abs, score_abs, bound_abs = verdict(actual, golden, fmt, rule, standards, scale)
-    if isinstance(bench, _BenchOutput):
+        ok_abs, why_abs, score_abs, bound_abs = absolute(actual, golden, fmt, rule, standards, scale)
+    if isinstance(bench, BenchOutput):
         if bench.format_check is None:
-            bench.format_check = verdict(bench.value, golden, fmt, "scaled", standards, scale)
+            bench.format_check = absolute(bench.value, golden, fmt, "scaled", standards, scale)
         f_ok, f_why, f_score, f_bound = bench.format_check
     elif rule == "scaled":  # no bench: the kernel's own output, already judged by this rule
         f_ok, f_why, f_score, f_bound = ok_abs, why_abs, score_abs, bound_abs
     else:
-        f_ok, f_why, f_score, f_bound = verdict(actual, golden, fmt, "scaled", standards, scale)
+        f_ok, f_why, f_score, f_bound = absolute(actual, golden, fmt, "scaled", standards, scale)
     extra: dict[str, Any] = {}
     if rule == "benchmark":
-        b = _benchmark(actual, bench, golden, fmt)
+        b = benchmark_of(actual, bench, golden, fmt)
         # msprobe's metrics leave non-finite elements out: NaN/inf the golden has not is judged here
         broken = nonfinite_mismatch(actual, golden, fmt)
         ok = b.result != "error" and not broken
         ratios = ", ".join(f"{k} {v:.3g}/{b.limits[k]:g}" for k, v in b.ratios.items() if k in b.limits)
         why = broken or (f"{'within' if ok else 'over'} msprobe's benchmark vs {bench_name} (ratio/limit: {ratios})"
                          + (f"; {b.problem}" if b.problem else "")
-                         + ("" if ok else _greatest(actual, bench.value if isinstance(bench, _BenchOutput) else bench,
-                                                    golden, bench_name)))
+                         + ("" if ok else greatest_error(actual, bench.value if isinstance(bench, BenchOutput)
+                                                        else bench, golden, bench_name)))
         score, bound = (math.inf if broken else float(b.needed)), 1.0
-        if not ok and not broken and ((within := _within_accumulation(tensor, actual, golden, fmt, scale, case))
-                                      or (within := _small_values_rounded(b, actual, golden, fmt, natural))):
+        terms = math.prod(case.shape) // max(np.size(golden), 1)
+        if not ok and not broken and ((within := within_accumulation(tensor, actual, golden, fmt, scale, terms))
+                                      or (within := small_values_rounded(b, actual, golden, fmt, natural))):
             ok, score, why = True, within[0], f"{within[1]} (msprobe's benchmark alone would fail it: {ratios})"
         extra = {f"bench_{k}": v for k, v in b.ratios.items()}
     else:
@@ -367,7 +185,7 @@ def _row(adapter: str, dtype: str, case: Case, tensor: str, actual: Any, golden:
     if not f_ok:
         notes = [n for n in (f"{100 * sub:.3g}% of the golden in {f.name}'s subnormal range" if sub else "",
                              f"{100 * ovf:.3g}% beyond {f.name}'s largest value" if ovf else "", explain) if n]
-        who = f"{bench_name} (the bench)" if isinstance(bench, _BenchOutput) else "this kernel"
+        who = f"{bench_name} (the bench)" if isinstance(bench, BenchOutput) else "this kernel"
         why_fmt = f"{who}: {f_why}" + (f" — {'; '.join(notes)}" if notes else "")
     return {"adapter": adapter, "dtype": dtype, "case": case.name, "shape": "x".join(map(str, case.shape)),
             "tensor": tensor, "format": fmt, "kind": kind, "verdict": "PASS" if ok else "FAIL", "why": why,
@@ -692,11 +510,11 @@ def _bench(bench: KernelAdapter, ref: KernelAdapter, inp: _Inputs, gold_t: Any,
     run itself and its policy (an adapter running the same policy reuses the run)."""
     run = _outputs(bench, ref, inp, gold_t, sc)
     outs, info = run
-    got = {t: _BenchOutput(act) for t, act, *_ in outs}
+    got = {t: BenchOutput(act) for t, act, *_ in outs}
     if "saved" in info:
         s = info["saved"]
         for kind, value in (("invstd", s.invstd(inp.eps)), ("var", s.var(inp.eps))):
-            got.setdefault(f"saved_{kind}", _BenchOutput(value))
+            got.setdefault(f"saved_{kind}", BenchOutput(value))
     return bench.name, got, run, _policy(bench, inp)
 
 

@@ -43,11 +43,11 @@ from bnprobe.checks.recorded import (
     run_call,
     runs,
 )
+from bnprobe.checks.rules import beyond_format, channel_rule
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
-from bnprobe.kernels.layout import channel_column, element_at, reduce_axes, to_channels_first
+from bnprobe.kernels.layout import channel_column, reduce_axes, to_channels_first
 from bnprobe.numerics.rounding import round_to
-from bnprobe.tolerances import doctor_tolerance
 
 __all__ = ["BUGS", "Item", "DoctorReport", "Probe", "doctor", "doctor_recorded", "model", "probes",
            "SKIPPED_ON_RECORDINGS"]
@@ -259,10 +259,11 @@ class _Outputs:
 
     def distance(self, keys: tuple[str, ...], want: dict[str, np.ndarray], describe: bool = False,
                  got: dict[str, np.ndarray] | None = None) -> tuple[float, list[str]]:
-        """The worst of the outputs ``keys`` against ``want`` (see :func:`_compare`), and what is wrong."""
+        """The worst of the outputs ``keys`` against ``want`` (see :func:`~bnprobe.checks.rules.channel_rule`), and
+        what is wrong."""
         worst, wrong = 0.0, []
         for k in keys:
-            r, why = _compare(k, (got or self.got)[k], want[k], self.natural.get(k), self.formats[k], describe)
+            r, why = channel_rule(k, (got or self.got)[k], want[k], self.natural.get(k), self.formats[k], describe)
             worst = max(worst, r)
             if why:
                 wrong.append(why)
@@ -308,69 +309,6 @@ class Check:
         return o.distance(self.keys, o.gold, got=o.model(bug))[0] <= 1
 
 
-def _error(a: np.ndarray, w: np.ndarray, fmt: str) -> np.ndarray:
-    """|a - w| beyond half an ulp of the output's format at w (a correctly rounded result has none, underflow
-    to zero and subnormal spacing included); 0 for NaN with NaN and for ±inf where w rounds to that inf in the
-    format (beyond its range: the format cannot hold it, not the kernel's error); inf for other NaN/inf."""
-    f = get_format(fmt)
-    with np.errstate(all="ignore"):
-        d = np.abs(a - w)
-        d -= 0.5 * f.ulp(w)
-        np.maximum(d, 0.0, out=d)
-        if np.isfinite(d).all():
-            return d
-        wr = round_to(w, f.name) if f.name != "fp64" else w
-        same = (a == w) | (np.isnan(a) & np.isnan(w)) | (np.isinf(a) & (a == wr))
-        return np.where(same, 0.0, np.where(np.isnan(d), np.inf, d))
-
-
-def _compare(key: str, got: np.ndarray, want: np.ndarray, natural: np.ndarray | None, fmt: str,
-             describe: bool = False) -> tuple[float, str]:
-    """Per channel, the error beyond the format's rounding over rtol · max(max |want|, natural), the worst over
-    the channels; with ``describe``, the failure in torch.testing's words."""
-    a, w = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
-    rtol = doctor_tolerance(fmt)
-    ch = 1 if a.ndim > 1 else 0
-    d = _error(a, w, fmt)
-    with np.errstate(all="ignore"):
-        wf = np.abs(w)
-        if not np.isfinite(wf).all():
-            wf = np.where(np.isfinite(wf), wf, 0.0)
-        peak = wf.max(axis=tuple(i for i in range(a.ndim) if i != ch)) if a.ndim > 1 else wf
-        scale = peak if natural is None else np.maximum(peak, natural)
-        np.maximum(scale, 1e-300, out=scale)
-        shape = [1] * a.ndim
-        shape[ch] = -1
-        allowed = rtol * scale.reshape(shape)
-        used = d / allowed
-    ratio = float(used.max()) if used.size else 0.0
-    if not describe or ratio <= 1:
-        return ratio, ""
-    bad = used > 1
-    k, total = int(bad.sum()), used.size
-    i = int(np.argmax(used))
-    where = element_at(i, a.shape, ch)
-    return ratio, (f"{key} ({fmt}): Mismatched elements: {k} / {total} ({100.0 * k / total:.3g}%); greatest error "
-                   f"{abs(float(a.flat[i]) - float(w.flat[i])):.3g} at {where}: {float(a.flat[i]):.6g} vs "
-                   f"{float(w.flat[i]):.6g} expected ({float(np.broadcast_to(allowed, a.shape).flat[i]):.3g} "
-                   f"allowed beyond half an ulp: rtol {rtol:g} of the channel's scale; it passes from rtol "
-                   f"{ratio * rtol:.3g})")
-
-
-def _beyond(key: str, want: np.ndarray, fmt: str) -> str:
-    """Where the exact value of an output is finite but its format holds only ±inf, or (the statistics that are
-    positive by nature) nonzero but its format holds only 0."""
-    w = np.asarray(want, dtype=np.float64)
-    with np.errstate(all="ignore"):
-        r = round_to(w, fmt) if fmt != "fp64" else w
-        over = np.isfinite(w) & np.isinf(r)
-        under = np.isfinite(w) & (w != 0) & (r == 0) & (key in ("saved_invstd", "running_var"))
-    f = get_format(fmt)
-    what = [f"{int(m.sum())} / {m.size} beyond {f.name}'s maximum {f.max:.6g} (inf)" for m in (over,) if m.any()] + \
-        [f"{int(m.sum())} / {m.size} below half {f.name}'s smallest subnormal (0)" for m in (under,) if m.any()]
-    return f"{key} ({fmt}): " + ", ".join(what) if what else ""
-
-
 def _judge(name: str, got: dict[str, np.ndarray], gold: dict[str, np.ndarray], formats: dict[str, str],
            natural: dict[str, np.ndarray], models: Callable[[str], dict[str, np.ndarray]] | None,
            skip: tuple[str, ...] = (),
@@ -400,7 +338,7 @@ def _judge(name: str, got: dict[str, np.ndarray], gold: dict[str, np.ndarray], f
                 from_stored = True
                 worst, wrong = (alt, []) if alt <= 1 else (alt, wrong)
         out[gr] = Check(gr, name, worst, ", ".join(dict.fromkeys(formats[k] for k in keys)), wrong, keys,
-                        [b for k in keys if ranges and (b := _beyond(k, gold[k], formats[k]))], o, from_stored)
+                        [b for k in keys if ranges and (b := beyond_format(k, gold[k], formats[k]))], o, from_stored)
     o.checks = out
     return out
 
@@ -708,7 +646,7 @@ def _momentum_none(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, par
     if not keys:
         return Item(name, "WARN", "the kernel returns no running statistics")
     nat = _natural(run, rec.call_inputs()["x"])
-    res = [_compare(k, run.got[k], run.gold[k], nat.get(k), run.formats[k], describe=True) for k in keys]
+    res = [channel_rule(k, run.got[k], run.gold[k], nat.get(k), run.formats[k], describe=True) for k in keys]
     worst = max(r for r, _ in res)
     fmts = ", ".join(dict.fromkeys(run.formats[k] for k in keys))
     if worst <= 1:

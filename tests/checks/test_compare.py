@@ -11,29 +11,11 @@ from bnprobe.checks.compare import (
     recorded_cases,
     resnet50_cases,
     stress_cases,
-    verdict,
 )
 from bnprobe.cli import main
 from bnprobe.errors import BNProbeError
 from bnprobe.numerics.rounding import round_to
 from tests.checks.bn_plugins import NumpyBN
-
-
-def test_verdict_rules_by_hand():
-    g = np.array([1.0, 2.0, 1e-6])
-    # fp32 accumulated: (|d-b| - half an fp32 ulp at b) / max(|b|, 2^-14) <= 2^-11 (4.88e-4); at b = 1 and 2
-    # half an ulp is 2^-24 relative
-    ok, why, score, bound = verdict(g * (1 + 4e-4), g, "fp32", "accumulated")
-    assert ok and bound == 2.0**-11 and score == pytest.approx(4e-4 - 2.0**-24, rel=1e-6)
-    bad = g.copy()
-    bad[2] += 1e-7  # 1e-7 / 2^-14 = 1.6e-3 > bound with msprobe's absolute floor...
-    assert not verdict(bad, g, "fp32", "accumulated")[0]
-    assert verdict(bad, g, "fp32", "scaled")[0] is False  # ...and with the floor relative to max|b| = 2
-    assert verdict(bad, g, "fp32", "scaled", scale=np.array([1.0, 2.0, 1e4]))[0]  # a large natural scale
-    # threshold: relative error <= 2^-20 for fp32
-    assert not verdict(g * (1 + 2e-6), g, "fp32", "threshold")[0]
-    assert verdict(g * (1 + 5e-7), g, "fp32", "threshold")[0]
-    assert not verdict(np.array([1.0, np.nan]), np.array([1.0, 2.0]), "fp16")[0]
 
 
 def test_emulated_presets_pass_resnet50_and_a_naive_port_does_not():
@@ -143,47 +125,6 @@ def test_cli_bad_input(tmp_path, monkeypatch, capsys, args, message):
 OUTPUT_FORMATS = ("fp16", "bf16", "fp32")
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("fmt", OUTPUT_FORMATS)
-@pytest.mark.parametrize("rule", ["scaled", "accumulated", "threshold"])
-def test_the_correctly_rounded_golden_always_passes(seed, fmt, rule):
-    """Every output of every stress input, rounded once from the FP64 golden to the output's format, passes
-    every rule: the only error left is the format's own rounding (subnormals, tiny values and all)."""
-    ref = get_adapter("reference")
-    for case in stress_cases(seed):
-        x = case.make()
-        c = x.shape[1]
-        g, b = np.random.default_rng(seed).uniform(0.5, 1.5, c), np.zeros(c)
-        f = ref.forward_train(x, g, b, np.zeros(c), np.ones(c), dtype=fmt)
-        dy = np.random.default_rng([seed, 1]).standard_normal(x.shape) * (300.0 if seed == 2 else 1.0)
-        bw = ref.backward(dy, x, g, f.saved, dtype=fmt)
-        inf = ref.forward_infer(x, g, b, np.zeros(c), np.ones(c), dtype=fmt)
-        for name, gold in (("y", f.y), ("mean", f.saved.mean), ("invstd", f.saved.value),
-                           ("running_var", f.running_var), ("y_infer", inf.y), ("dx", bw.dx),
-                           ("dgamma", bw.dgamma), ("dbeta", bw.dbeta)):
-            with np.errstate(all="ignore"):
-                rounded = round_to(gold, fmt)
-            ok, why, *_ = verdict(rounded, gold, fmt, rule)
-            assert ok, f"{case.name} {name} in {fmt}: {why}"
-
-
-@pytest.mark.parametrize("fmt", OUTPUT_FORMATS)
-def test_the_rounding_floor_is_exactly_half_an_ulp(fmt):
-    """Just inside and just outside each rule's bound once half an ulp of the format is taken off: the
-    floor forgives the format's own rounding and nothing more."""
-    from bnprobe.formats import get_format
-    from bnprobe.tolerances import MSPROBE_STANDARDS
-
-    std, f = MSPROBE_STANDARDS[fmt], get_format(fmt)
-    g = np.array([0.75, 1.0, 1.5])  # |g| above the small-value threshold and the accumulated floor
-    half = 0.5 * f.ulp(g)
-    for rule, bound in (("threshold", std.rtol), ("accumulated", std.accumulated)):
-        assert verdict(g + half + 0.99 * bound * g, g, fmt, rule)[0], rule
-        assert not verdict(g + half + 1.01 * bound * g, g, fmt, rule)[0], rule
-    tiny = np.array([f.smallest_subnormal * 3, 0.0])  # subnormal spacing at the bottom of the range
-    assert verdict(tiny + 0.5 * f.smallest_subnormal, tiny, fmt, "threshold")[0]
-
-
 def test_subnormal_gradients_of_a_correct_kernel_pass():
     """Issue: torch in fp16 at std 300 gives dx in fp16's subnormal range, every element the golden rounded;
     the old rule failed it."""
@@ -242,24 +183,6 @@ def test_nan_in_the_input_is_said_not_silently_passed(tmp_path, capsys):
     assert "x holds 1 NaN/inf" in (tmp_path / "r" / "summary.md").read_text()
 
 
-@pytest.mark.parametrize("rule", ["threshold", "accumulated", "scaled"])
-def test_failure_message_says_where_like_torch_testing(rule):
-    """"Mismatched elements: k / n (p%)", the worst element's index and channel, its value, the expected value
-    and what was allowed, like torch.testing.assert_close."""
-    g = np.random.default_rng(0).standard_normal((2, 3, 4, 4))
-    a = g.copy()
-    a[1, 2, 3, 0] += 0.5
-    a[0, 1, 0, 0] += 0.25
-    ok, why, _, _ = verdict(a.astype(np.float16), g, "fp16", rule)
-    assert not ok
-    assert why.startswith("Mismatched elements: 2 / 96 (2.08%")
-    assert "index (1, 2, 3, 0) (channel 2)" in why
-    assert f"{float(np.float16(a[1, 2, 3, 0])):.6g} vs {g[1, 2, 3, 0]:.6g} expected" in why and "allowed" in why
-    v = np.linspace(1, 2, 5)
-    ok, why, _, _ = verdict(np.where(np.arange(5) == 3, v + 0.5, v).astype(np.float16), v, "fp16", rule)
-    assert not ok and "at channel 3:" in why
-
-
 def test_benchmark_failure_says_where_the_kernel_errs_most():
     res = compare_precision(["emulated:fp16-acc16:variance=naive"], ("fp16",),
                             [Case("mean30", (8, 16, 14, 14), "normal", 30.0, 1.0, 0)], mode="train", budget=False)
@@ -312,27 +235,3 @@ def test_a_cancelling_sum_in_another_order_is_not_failed_for_its_rounding_noise(
         assert _dbeta_row(NumpyBN("dbeta-mean"), seed, tmp_path / f"bad{seed}")["verdict"] == "FAIL"
     assert seen_benchmark_fail >= 1  # the edge is reached: without the rounding bound, a correct kernel failed
 
-
-def test_outputs_near_zero_within_a_correct_kernels_rounding_do_not_fail_the_small_value_ratio_alone():
-    """y = x̂·γ + β cancels near zero: an output there errs by a few units of fp32 times its natural magnitude,
-    which msprobe's small-value ratio (absolute error above 1e-9 for |golden| <= 2^-20) counts as a failure when
-    the bench happens to round it better. Within 8 units passes, saying so; 1.5 times that, or any other metric
-    failing too, does not."""
-    from types import SimpleNamespace
-
-    from bnprobe.checks.compare import _small_values_rounded
-    from bnprobe.tolerances import MSPROBE_STANDARDS, SMALL_VALUE_ULPS
-
-    u = 2.0 ** -24
-    natural = np.array([4.0, 4.0, 3.0])  # |x·rstd·γ| + |μ·rstd·γ| + |β| per output
-    golden = np.array([1.5, 2e-8, -0.75])  # the second is a small value for fp32
-    assert abs(golden[1]) <= MSPROBE_STANDARDS["fp32"].small_threshold
-    only_small = SimpleNamespace(status={"small_value": "error", "rmse": "pass", "max_rel": "pass"})
-    half_ulp = 0.5 * float(np.spacing(np.float32(2e-8)))
-    edge = SMALL_VALUE_ULPS * u * 4.0 + half_ulp
-    ok = _small_values_rounded(only_small, golden + [0, 0.95 * edge, 0], golden, "fp32", lambda: natural)
-    assert ok is not None and 0.9 < ok[0] <= 1.0 and "1 output(s) near zero" in ok[1]
-    assert _small_values_rounded(only_small, golden + [0, 1.5 * edge, 0], golden, "fp32", lambda: natural) is None
-    also_rmse = SimpleNamespace(status={"small_value": "error", "rmse": "error"})
-    assert _small_values_rounded(also_rmse, golden + [0, 0.5 * edge, 0], golden, "fp32", lambda: natural) is None
-    assert _small_values_rounded(only_small, golden, golden, "fp32", None) is None  # no natural scale: no say

@@ -1,0 +1,327 @@
+"""The judge: every rule that decides whether an output of BatchNorm is right, in one place.
+
+Each rule measures the error *beyond the output format's own rounding* (half an ulp of the format at the
+golden, subnormal spacing included: :func:`beyond_rounding`), so the correctly rounded golden always passes,
+and treats non-finite values alike (:func:`nonfinite_mismatch`: NaN/±inf must be where the golden rounded to
+the format has them).  The rules:
+
+- :func:`absolute`: msprobe's absolute standards (``scaled``, ``accumulated``, ``threshold``) for one tensor;
+- :func:`benchmark_rule`: msprobe's benchmark method against a bench's output, with the two exemptions for
+  errors a correct kernel makes too (:func:`within_accumulation` for per-channel sums,
+  :func:`small_values_rounded` for outputs that cancel to near zero);
+- :func:`channel_rule`: the doctor's per-channel rule (rtol of the channel's scale).
+
+Every failure is described by one builder, :func:`mismatch`, in torch.testing's words.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from bnprobe.errors import BNProbeError
+from bnprobe.formats import get_format
+from bnprobe.kernels.layout import element_at
+from bnprobe.metrics import benchmark, benchmark_verdict, checker_metrics
+from bnprobe.numerics.rounding import round_to
+from bnprobe.tolerances import (
+    MSPROBE_STANDARDS,
+    SMALL_VALUE_ULPS,
+    Standard,
+    accumulation_bound,
+    accumulation_format,
+    doctor_tolerance,
+)
+
+__all__ = ["Verdict", "STANDARD_RULES", "RULES", "SUMS", "beyond_rounding", "excess", "nonfinite_mismatch",
+           "mismatch", "greatest_error", "absolute", "within_accumulation", "small_values_rounded", "BenchOutput",
+           "benchmark_of", "channel_rule", "beyond_format"]
+
+STANDARD_RULES = ("scaled", "accumulated", "threshold")
+RULES = ("benchmark", *STANDARD_RULES)
+SUMS = ("saved_mean", "dgamma", "dbeta")  # per-channel sums (or means) of R terms, scaled by Σ|terms| (mean |x|)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One rule's judgement of one tensor: whether it passed, why, the worst error measure (``score``) and its
+    limit (``bound``).  Truthy when it passed; unpacks as (passed, why, score, bound)."""
+
+    passed: bool
+    why: str
+    score: float
+    bound: float
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def __iter__(self):  # noqa: ANN204 - (passed, why, score, bound)
+        return iter((self.passed, self.why, self.score, self.bound))
+
+
+# ---- rounding and non-finite values ---------------------------------------------------------------------
+
+def beyond_rounding(actual: np.ndarray, golden: np.ndarray, fmt: str) -> np.ndarray:
+    """|actual − golden| less half an ulp of ``fmt`` at the golden (subnormal spacing included), floored at
+    0: the error beyond the output format's own rounding, so a correctly rounded result has none."""
+    a = np.asarray(actual, dtype=np.float64)
+    g = np.asarray(golden, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        return np.maximum(np.abs(a - g) - 0.5 * get_format(fmt).ulp(g), 0.0)
+
+
+def excess(actual: np.ndarray, expected: np.ndarray, fmt: str) -> np.ndarray:
+    """:func:`beyond_rounding` with non-finite values judged per element: 0 for NaN with NaN and for ±inf where
+    ``expected`` rounds to that inf in the format (beyond its range: the format cannot hold it, not the kernel's
+    error); inf for other NaN/inf."""
+    f = get_format(fmt)
+    a, w = actual, expected
+    with np.errstate(all="ignore"):
+        d = np.abs(a - w)
+        d -= 0.5 * f.ulp(w)
+        np.maximum(d, 0.0, out=d)
+        if np.isfinite(d).all():
+            return d
+        wr = round_to(w, f.name) if f.name != "fp64" else w
+        same = (a == w) | (np.isnan(a) & np.isnan(w)) | (np.isinf(a) & (a == wr))
+        return np.where(same, 0.0, np.where(np.isnan(d), np.inf, d))
+
+
+def nonfinite_mismatch(actual: np.ndarray, golden: np.ndarray, fmt: str) -> str:
+    """Where NaN/±inf in ``actual`` differ from the golden rounded to ``fmt`` (a golden beyond the format's
+    range rounds to ±inf), a sentence saying how many and where; "" when they agree."""
+    a = np.asarray(actual, dtype=np.float64).reshape(-1)
+    g = np.asarray(golden, dtype=np.float64).reshape(-1)
+    f = get_format(fmt)
+    if a.size and np.isfinite(a).all() and np.isfinite(g).all() and float(np.abs(g).max()) <= f.max:
+        return ""  # all finite, and no golden value can round to ±inf
+    with np.errstate(all="ignore"):
+        gr = round_to(g, f.name)
+    fa, fg = np.isfinite(a), np.isfinite(gr)
+    wrong = (fa != fg) | (~fa & ~((a == gr) | (np.isnan(a) & np.isnan(gr))))
+    if not wrong.any():
+        return ""
+    k = int(wrong.sum())
+    i = int(np.argmax(wrong))
+    return (f"NaN/inf where the golden rounded to the format has none (or the reverse): {k} / {a.size} elements, "
+            f"first at index {i} ({a[i]:.6g} vs {gr[i]:.6g})")
+
+
+# ---- the words of a failure -------------------------------------------------------------------------------
+
+def mismatch(k: int, n: int, *, where: str, actual: float, expected: float, allowed: float, beyond: str,
+             breakdown: str = "", greatest: str = "") -> str:
+    """A failure in torch.testing's words: "Mismatched elements: k / n (p%...); greatest ... at <where>: actual vs
+    expected expected (<allowed> allowed beyond <beyond>)".  ``breakdown`` follows the percentage inside its
+    parentheses, ``greatest`` names the measure (e.g. "error 0.01")."""
+    g = f" {greatest}" if greatest else ""
+    return (f"Mismatched elements: {k} / {n} ({100.0 * k / n:.3g}%{breakdown}); greatest{g} at {where}: "
+            f"{actual:.6g} vs {expected:.6g} expected ({allowed:.3g} allowed beyond {beyond})")
+
+
+def greatest_error(actual: Any, bench: Any, golden: Any, bench_name: str) -> str:
+    """Where a kernel that fails the benchmark errs most: the element, its value, the expected value and the bench's
+    value there (what a careful kernel in the same formats gets); "" when it does not err."""
+    a = np.asarray(actual, dtype=np.float64)
+    g = np.asarray(golden, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        d = np.where(np.isfinite(a) & np.isfinite(g), np.abs(a - g), -1.0).reshape(-1)
+    if not d.size or d.max() <= 0:
+        return ""
+    i = int(np.argmax(d))
+    bv = np.asarray(bench, dtype=np.float64).reshape(-1)[i] if bench is not None else math.nan
+    return (f"; greatest error {d[i]:.3g} at {element_at(i, a.shape)}: {a.reshape(-1)[i]:.6g} vs "
+            f"{g.reshape(-1)[i]:.6g} expected ({bench_name}: {bv:.6g})")
+
+
+# ---- msprobe's absolute standards ---------------------------------------------------------------------------
+
+def absolute(actual: np.ndarray, golden: np.ndarray, fmt: str, rule: str = "scaled",
+             standards: dict[str, Standard] | None = None, scale: np.ndarray | None = None) -> Verdict:
+    """msprobe's verdict for one tensor by ``rule`` (scaled, accumulated or threshold), with score the worst
+    error measure and bound its limit.
+
+    Every rule measures the error beyond the output format's own rounding (:func:`beyond_rounding`), so the
+    correctly rounded golden always passes; non-finite values must be where the golden rounded to ``fmt`` has
+    them.  ``scaled`` floors the relative error's denominator at ``error_floor`` times each element's natural
+    magnitude ``scale`` (same shape as golden; default the tensor's largest golden magnitude), ``accumulated``
+    at msprobe's absolute floor; ``threshold`` is msprobe's rule for single elementwise operators (relative
+    error <= rtol, or for small golden values absolute error <= small_atol)."""
+    if rule not in STANDARD_RULES:
+        raise BNProbeError(f"unknown standard rule {rule!r}; valid: {', '.join(STANDARD_RULES)}")
+    f = get_format(fmt)
+    std = (standards or MSPROBE_STANDARDS).get(f.name)
+    if std is None:
+        return Verdict(True, "no standard for this format", 0.0, math.inf)
+    a = np.asarray(actual, dtype=np.float64).reshape(-1)
+    g = np.asarray(golden, dtype=np.float64).reshape(-1)
+    bad = nonfinite_mismatch(a, g, f.name)
+    if bad:
+        return Verdict(False, bad, math.inf, 0.0)
+    fa = np.isfinite(a)
+    sc = None if scale is None else \
+        np.broadcast_to(np.asarray(scale, dtype=np.float64), np.shape(golden)).reshape(-1)[fa]
+    a, g = a[fa], g[fa]
+    with np.errstate(all="ignore"):
+        d = beyond_rounding(a, g, f.name)
+        if rule == "threshold":
+            return _threshold(a, g, d, std, lambda w: element_at(int(np.flatnonzero(fa)[w]), np.shape(golden)))
+        if rule == "scaled":
+            mag = sc if sc is not None else np.full(g.shape, float(np.abs(g).max()) if g.size else 1.0)
+            floor = std.error_floor * np.where(mag > 0, mag, 1.0)
+        else:
+            floor = std.error_floor
+        ratio = d / np.maximum(np.abs(g), floor)
+        worst = float(ratio.max()) if ratio.size else 0.0
+        if worst > std.accumulated:
+            w = int(np.argmax(ratio))
+            allowed = std.accumulated * max(abs(g[w]), float(np.asarray(floor).reshape(-1)[w])
+                                            if np.ndim(floor) else float(floor))
+            why = mismatch(int(np.sum(ratio > std.accumulated)), ratio.size,
+                           where=element_at(int(np.flatnonzero(fa)[w]), np.shape(golden)), actual=a[w],
+                           expected=g[w], allowed=allowed, greatest=f"accumulated error {worst:.3g}",
+                           beyond=f"rounding: {std.accumulated:.3g} of the reference")
+            return Verdict(False, why, worst, std.accumulated)
+        return Verdict(True, f"accumulated error {worst:.3g} within {std.accumulated:.3g}", worst, std.accumulated)
+
+
+def _threshold(a: np.ndarray, g: np.ndarray, d: np.ndarray, std: Standard, where: Callable[[int], str]) -> Verdict:
+    """msprobe's threshold rule on finite values ``a`` against ``g`` with errors ``d`` beyond rounding."""
+    small = np.abs(g) <= std.small_threshold
+    used = np.where(small, d / std.small_atol, d / np.where(small, 1.0, np.abs(g)) / std.rtol)
+    bad_small = int(np.sum(small & (used > 1)))
+    bad = int(np.sum(~small & (used > 1)))
+    score = (float(used.max()) if used.size else 0.0) * std.rtol
+    if bad or bad_small:
+        w = int(np.argmax(used))
+        allowed = std.small_atol if small[w] else std.rtol * abs(g[w])
+        why = mismatch(bad + bad_small, used.size, where=where(w), actual=a[w], expected=g[w], allowed=allowed,
+                       beyond="rounding", breakdown=f": {bad} over rtol {std.rtol:.3g}, {bad_small} small value(s) "
+                                                    f"over atol {std.small_atol:.3g}")
+        return Verdict(False, why, score, std.rtol)
+    return Verdict(True, f"within rtol {std.rtol:.3g} / small-value atol {std.small_atol:.3g}", score, std.rtol)
+
+
+# ---- msprobe's benchmark method and its exemptions ------------------------------------------------------------
+
+@dataclass
+class BenchOutput:
+    """A bench's output of one tensor, with its metrics and its absolute verdict computed once and kept."""
+
+    value: Any
+    metrics: dict[str, Any] | None = None
+    format_check: Verdict | None = None  # the absolute standard on the bench's output
+
+
+def benchmark_of(actual: Any, bench: Any, golden: Any, fmt: str) -> Any:
+    """msprobe's benchmark verdict; ``bench`` is the bench's output or a :class:`BenchOutput` that keeps its
+    metrics (computed once per output, and reused whole when ``actual`` is the bench's own array)."""
+    if not isinstance(bench, BenchOutput):
+        return benchmark(actual, bench, golden, fmt)
+    if bench.metrics is None:
+        bench.metrics = checker_metrics(bench.value, golden, fmt)
+    dev = bench.metrics if actual is bench.value else checker_metrics(actual, golden, fmt)
+    if dev is None or bench.metrics is None:
+        return benchmark(actual, bench.value, golden, fmt)
+    return benchmark_verdict(dev, bench.metrics, fmt)
+
+
+def within_accumulation(tensor: str, actual: Any, golden: Any, fmt: str, scale: np.ndarray | None,
+                        terms: int) -> tuple[float, str] | None:
+    """For a per-channel sum or mean of ``terms`` terms whose every error is within what a correct kernel's
+    accumulation can produce (:func:`~bnprobe.tolerances.accumulation_bound` times the terms' magnitude
+    ``scale``, plus half an ulp of the output): (the largest share of that bound used, why); else None."""
+    if tensor not in SUMS or scale is None:
+        return None
+    g = np.asarray(golden, dtype=np.float64).reshape(-1)
+    a = np.asarray(actual, dtype=np.float64).reshape(-1)
+    with np.errstate(all="ignore"):
+        bound = accumulation_bound(fmt, terms) * np.asarray(scale, dtype=np.float64).reshape(-1) \
+            + 0.5 * get_format(fmt).ulp(g)
+        used = np.abs(a - g) / bound
+    if a.shape != g.shape or not np.all(np.isfinite(used)) or not np.all(used <= 1.0):
+        return None
+    worst = int(np.argmax(used))
+    return float(used[worst]), (
+        f"within the rounding of a {accumulation_format(fmt)} accumulation of its "
+        f"{terms} terms: every error at most {100 * used[worst]:.3g}% of γ_{terms}·Σ|terms| + ½ ulp (channel "
+        f"{worst}: {a[worst]:.6g} vs {g[worst]:.6g} expected, terms' magnitude {np.reshape(scale, -1)[worst]:.4g}: "
+        "the sum cancels, so its relative error is rounding noise)")
+
+
+def small_values_rounded(b: Any, actual: Any, golden: Any, fmt: str,
+                         natural: Callable[[], np.ndarray] | None) -> tuple[float, str] | None:
+    """When msprobe's benchmark ``b`` fails an elementwise output only on its small-value ratio (a few outputs near
+    zero, where y = x̂·γ + β cancels) and each of those outputs is within what a correct kernel's rounding gives
+    (SMALL_VALUE_ULPS units of its accumulation format times the output's natural magnitude |x·rstd·γ| +
+    |μ·rstd·γ| + |β|, plus half an ulp): (the largest share of that bound used, why); else None."""
+    failing = [k for k, v in b.status.items() if v == "error"]
+    std = MSPROBE_STANDARDS.get(get_format(fmt).name)
+    if natural is None or failing != ["small_value"] or std is None:
+        return None
+    g = np.asarray(golden, dtype=np.float64)
+    a = np.asarray(actual, dtype=np.float64)
+    small = np.abs(g) <= std.small_threshold
+    if a.shape != g.shape or not small.any():
+        return None
+    u = get_format(accumulation_format(fmt)).unit_roundoff
+    with np.errstate(all="ignore"):
+        bound = SMALL_VALUE_ULPS * u * natural()[small] + 0.5 * get_format(fmt).ulp(g[small])
+        used = np.abs(a[small] - g[small]) / bound
+    if not np.all(np.isfinite(used)) or not np.all(used <= 1.0):
+        return None
+    return float(used.max()), (
+        f"within a correct kernel's rounding: the {int(small.sum())} output(s) near zero (|golden| <= "
+        f"{std.small_threshold:g}) that msprobe's small-value ratio counts each err at most {100 * used.max():.3g}% "
+        f"of {SMALL_VALUE_ULPS:g} ulps of {accumulation_format(fmt)} times "
+        "|x·rstd·γ| + |μ·rstd·γ| + |β| (y cancels there), and every other metric is within the benchmark")
+
+
+# ---- the doctor's per-channel rule ------------------------------------------------------------------------------
+
+def channel_rule(key: str, got: np.ndarray, want: np.ndarray, natural: np.ndarray | None, fmt: str,
+                 describe: bool = False) -> tuple[float, str]:
+    """Per channel, the error beyond the format's rounding (:func:`excess`) over rtol · max(max |want|, natural),
+    the worst over the channels (<= 1 passes); with ``describe``, the failure in torch.testing's words."""
+    a, w = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    rtol = doctor_tolerance(fmt)
+    ch = 1 if a.ndim > 1 else 0
+    d = excess(a, w, fmt)
+    with np.errstate(all="ignore"):
+        wf = np.abs(w)
+        if not np.isfinite(wf).all():
+            wf = np.where(np.isfinite(wf), wf, 0.0)
+        peak = wf.max(axis=tuple(i for i in range(a.ndim) if i != ch)) if a.ndim > 1 else wf
+        scale = peak if natural is None else np.maximum(peak, natural)
+        np.maximum(scale, 1e-300, out=scale)
+        shape = [1] * a.ndim
+        shape[ch] = -1
+        allowed = rtol * scale.reshape(shape)
+        used = d / allowed
+    ratio = float(used.max()) if used.size else 0.0
+    if not describe or ratio <= 1:
+        return ratio, ""
+    i = int(np.argmax(used))
+    av, wv = float(a.flat[i]), float(w.flat[i])
+    return ratio, f"{key} ({fmt}): " + mismatch(
+        int((used > 1).sum()), used.size, where=element_at(i, a.shape, ch), actual=av, expected=wv,
+        allowed=float(np.broadcast_to(allowed, a.shape).flat[i]), greatest=f"error {abs(av - wv):.3g}",
+        beyond=f"half an ulp: rtol {rtol:g} of the channel's scale; it passes from rtol {ratio * rtol:.3g}")
+
+
+def beyond_format(key: str, want: np.ndarray, fmt: str) -> str:
+    """Where the exact value of an output is finite but its format holds only ±inf, or (the statistics that are
+    positive by nature) nonzero but its format holds only 0; "" when the format holds it."""
+    w = np.asarray(want, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        r = round_to(w, fmt) if fmt != "fp64" else w
+        over = np.isfinite(w) & np.isinf(r)
+        under = np.isfinite(w) & (w != 0) & (r == 0) & (key in ("saved_invstd", "running_var"))
+    f = get_format(fmt)
+    what = [f"{int(m.sum())} / {m.size} beyond {f.name}'s maximum {f.max:.6g} (inf)" for m in (over,) if m.any()] + \
+        [f"{int(m.sum())} / {m.size} below half {f.name}'s smallest subnormal (0)" for m in (under,) if m.any()]
+    return f"{key} ({fmt}): " + ", ".join(what) if what else ""

@@ -1,0 +1,185 @@
+"""The judge's rules (bnprobe.checks.rules): each at its edge, by hand and against the correctly rounded golden."""
+
+import numpy as np
+import pytest
+
+from bnprobe.adapters import get_adapter
+from bnprobe.checks.compare import stress_cases
+from bnprobe.checks.rules import absolute
+from bnprobe.numerics.rounding import round_to
+
+OUTPUT_FORMATS = ("fp16", "bf16", "fp32")
+
+
+def test_verdict_rules_by_hand():
+    g = np.array([1.0, 2.0, 1e-6])
+    # fp32 accumulated: (|d-b| - half an fp32 ulp at b) / max(|b|, 2^-14) <= 2^-11 (4.88e-4); at b = 1 and 2
+    # half an ulp is 2^-24 relative
+    ok, why, score, bound = absolute(g * (1 + 4e-4), g, "fp32", "accumulated")
+    assert ok and bound == 2.0**-11 and score == pytest.approx(4e-4 - 2.0**-24, rel=1e-6)
+    bad = g.copy()
+    bad[2] += 1e-7  # 1e-7 / 2^-14 = 1.6e-3 > bound with msprobe's absolute floor...
+    assert not absolute(bad, g, "fp32", "accumulated").passed
+    assert absolute(bad, g, "fp32", "scaled").passed is False  # ...and with the floor relative to max|b| = 2
+    assert absolute(bad, g, "fp32", "scaled", scale=np.array([1.0, 2.0, 1e4])).passed  # a large natural scale
+    # threshold: relative error <= 2^-20 for fp32
+    assert not absolute(g * (1 + 2e-6), g, "fp32", "threshold").passed
+    assert absolute(g * (1 + 5e-7), g, "fp32", "threshold").passed
+    assert not absolute(np.array([1.0, np.nan]), np.array([1.0, 2.0]), "fp16").passed
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("fmt", OUTPUT_FORMATS)
+@pytest.mark.parametrize("rule", ["scaled", "accumulated", "threshold"])
+def test_the_correctly_rounded_golden_always_passes(seed, fmt, rule):
+    """Every output of every stress input, rounded once from the FP64 golden to the output's format, passes
+    every rule: the only error left is the format's own rounding (subnormals, tiny values and all)."""
+    ref = get_adapter("reference")
+    for case in stress_cases(seed):
+        x = case.make()
+        c = x.shape[1]
+        g, b = np.random.default_rng(seed).uniform(0.5, 1.5, c), np.zeros(c)
+        f = ref.forward_train(x, g, b, np.zeros(c), np.ones(c), dtype=fmt)
+        dy = np.random.default_rng([seed, 1]).standard_normal(x.shape) * (300.0 if seed == 2 else 1.0)
+        bw = ref.backward(dy, x, g, f.saved, dtype=fmt)
+        inf = ref.forward_infer(x, g, b, np.zeros(c), np.ones(c), dtype=fmt)
+        for name, gold in (("y", f.y), ("mean", f.saved.mean), ("invstd", f.saved.value),
+                           ("running_var", f.running_var), ("y_infer", inf.y), ("dx", bw.dx),
+                           ("dgamma", bw.dgamma), ("dbeta", bw.dbeta)):
+            with np.errstate(all="ignore"):
+                rounded = round_to(gold, fmt)
+            ok, why, *_ = absolute(rounded, gold, fmt, rule)
+            assert ok, f"{case.name} {name} in {fmt}: {why}"
+
+
+@pytest.mark.parametrize("fmt", OUTPUT_FORMATS)
+def test_the_rounding_floor_is_exactly_half_an_ulp(fmt):
+    """Just inside and just outside each rule's bound once half an ulp of the format is taken off: the
+    floor forgives the format's own rounding and nothing more."""
+    from bnprobe.formats import get_format
+    from bnprobe.tolerances import MSPROBE_STANDARDS
+
+    std, f = MSPROBE_STANDARDS[fmt], get_format(fmt)
+    g = np.array([0.75, 1.0, 1.5])  # |g| above the small-value threshold and the accumulated floor
+    half = 0.5 * f.ulp(g)
+    for rule, bound in (("threshold", std.rtol), ("accumulated", std.accumulated)):
+        assert absolute(g + half + 0.99 * bound * g, g, fmt, rule).passed, rule
+        assert not absolute(g + half + 1.01 * bound * g, g, fmt, rule).passed, rule
+    tiny = np.array([f.smallest_subnormal * 3, 0.0])  # subnormal spacing at the bottom of the range
+    assert absolute(tiny + 0.5 * f.smallest_subnormal, tiny, fmt, "threshold").passed
+
+
+@pytest.mark.parametrize("rule", ["threshold", "accumulated", "scaled"])
+def test_failure_message_says_where_like_torch_testing(rule):
+    """"Mismatched elements: k / n (p%)", the worst element's index and channel, its value, the expected value
+    and what was allowed, like torch.testing.assert_close."""
+    g = np.random.default_rng(0).standard_normal((2, 3, 4, 4))
+    a = g.copy()
+    a[1, 2, 3, 0] += 0.5
+    a[0, 1, 0, 0] += 0.25
+    ok, why, _, _ = absolute(a.astype(np.float16), g, "fp16", rule)
+    assert not ok
+    assert why.startswith("Mismatched elements: 2 / 96 (2.08%")
+    assert "index (1, 2, 3, 0) (channel 2)" in why
+    assert f"{float(np.float16(a[1, 2, 3, 0])):.6g} vs {g[1, 2, 3, 0]:.6g} expected" in why and "allowed" in why
+    v = np.linspace(1, 2, 5)
+    ok, why, _, _ = absolute(np.where(np.arange(5) == 3, v + 0.5, v).astype(np.float16), v, "fp16", rule)
+    assert not ok and "at channel 3:" in why
+
+
+def test_outputs_near_zero_within_a_correct_kernels_rounding_do_not_fail_the_small_value_ratio_alone():
+    """y = x̂·γ + β cancels near zero: an output there errs by a few units of fp32 times its natural magnitude,
+    which msprobe's small-value ratio (absolute error above 1e-9 for |golden| <= 2^-20) counts as a failure when
+    the bench happens to round it better. Within 8 units passes, saying so; 1.5 times that, or any other metric
+    failing too, does not."""
+    from types import SimpleNamespace
+
+    from bnprobe.checks.rules import small_values_rounded
+    from bnprobe.tolerances import MSPROBE_STANDARDS, SMALL_VALUE_ULPS
+
+    u = 2.0 ** -24
+    natural = np.array([4.0, 4.0, 3.0])  # |x·rstd·γ| + |μ·rstd·γ| + |β| per output
+    golden = np.array([1.5, 2e-8, -0.75])  # the second is a small value for fp32
+    assert abs(golden[1]) <= MSPROBE_STANDARDS["fp32"].small_threshold
+    only_small = SimpleNamespace(status={"small_value": "error", "rmse": "pass", "max_rel": "pass"})
+    half_ulp = 0.5 * float(np.spacing(np.float32(2e-8)))
+    assert SMALL_VALUE_ULPS == 8.0
+    edge = 8.0 * u * 4.0 + half_ulp  # the constant by value: loosening it lets 1.5 x the edge pass
+    ok = small_values_rounded(only_small, golden + [0, 0.95 * edge, 0], golden, "fp32", lambda: natural)
+    assert ok is not None and 0.9 < ok[0] <= 1.0 and "1 output(s) near zero" in ok[1]
+    assert small_values_rounded(only_small, golden + [0, 1.5 * edge, 0], golden, "fp32", lambda: natural) is None
+    also_rmse = SimpleNamespace(status={"small_value": "error", "rmse": "error"})
+    assert small_values_rounded(also_rmse, golden + [0, 0.5 * edge, 0], golden, "fp32", lambda: natural) is None
+    assert small_values_rounded(only_small, golden, golden, "fp32", None) is None  # no natural scale: no say
+
+
+def test_the_rules_constants_by_value():
+    """The tolerances every rule reads, pinned by value (msprobe's by its own table: tests/test_metrics_msprobe.py
+    checks them against msprobe's functions), so that loosening one fails here."""
+    from bnprobe.tolerances import (
+        DOCTOR_TOLERANCES,
+        GRAD_TOLERANCES,
+        MSPROBE_STANDARDS,
+        SMALL_VALUE_ULPS,
+        accumulation_bound,
+    )
+
+    assert SMALL_VALUE_ULPS == 8.0
+    assert DOCTOR_TOLERANCES == {"fp64": 4e-7, "fp32": 4e-5, "fp16": 8e-3, "bf16": 6.4e-2}
+    assert GRAD_TOLERANCES == {"fp64": (1e-7, 1e-7), "fp32": (1e-5, 1e-5), "fp16": (2e-3, 2e-3),
+                               "bf16": (1.6e-2, 1.6e-2)}
+    fp16 = MSPROBE_STANDARDS["fp16"]
+    assert (fp16.small_threshold, fp16.small_atol, fp16.rtol, fp16.error_floor, fp16.accumulated) == \
+        (2.0**-10, 2.0**-16, 2.0**-10, 2.0**-11, 2.0**-8)
+    assert accumulation_bound("fp16", 1000) == pytest.approx(1000 * 2.0**-24, rel=1e-4)  # fp32 accumulation
+
+
+@pytest.mark.parametrize("fmt,rtol", [("fp64", 4e-7), ("fp32", 4e-5), ("fp16", 8e-3), ("bf16", 6.4e-2)])
+def test_the_doctors_rule_at_its_edge(fmt, rtol):
+    """A wrong output just beyond the doctor's tolerance fails, just inside passes; the tolerance by value, so a
+    looser table fails the first assertion."""
+    from bnprobe.checks.rules import channel_rule
+    from bnprobe.formats import get_format
+
+    want = np.array([[1.0, -0.5, 0.25], [2.0, 0.125, -1.0]]).T.reshape(3, 2)  # 3 elements per channel, 2 channels
+    scale = np.abs(want).max(axis=0)
+    half = 0.5 * get_format(fmt).ulp(want)
+    for share, passes in ((0.98, True), (1.02, False)):
+        got = want + half + share * rtol * scale
+        ratio, why = channel_rule("y", got, want, None, fmt, describe=True)
+        assert (ratio <= 1) is passes, (fmt, share, ratio)
+        assert passes or why.startswith(f"y ({fmt}): Mismatched elements: 6 / 6 (100%); greatest error ")
+
+
+@pytest.mark.parametrize("fmt", OUTPUT_FORMATS)
+def test_the_small_value_exemption_at_its_edge_in_every_format(fmt):
+    """The small-value exemption forgives 8 units of the accumulation format (fp32) times the natural magnitude
+    plus half an ulp, in every format it is used with, and not 1.1 times that."""
+    from types import SimpleNamespace
+
+    from bnprobe.checks.rules import small_values_rounded
+    from bnprobe.formats import get_format
+    from bnprobe.tolerances import MSPROBE_STANDARDS
+
+    only_small = SimpleNamespace(status={"small_value": "error"})
+    tiny = MSPROBE_STANDARDS[fmt].small_threshold / 4
+    golden = np.array([1.0, tiny])
+    natural = np.array([3.0, 3.0])
+    edge = 8.0 * 2.0**-24 * 3.0 + 0.5 * float(get_format(fmt).ulp(np.array([tiny]))[0])
+    assert small_values_rounded(only_small, golden + [0, 0.99 * edge], golden, fmt, lambda: natural) is not None
+    assert small_values_rounded(only_small, golden + [0, 1.1 * edge], golden, fmt, lambda: natural) is None
+
+
+@pytest.mark.parametrize("fmt", OUTPUT_FORMATS)
+def test_the_accumulation_exemption_at_its_edge(fmt):
+    """A per-channel sum within γ_R·Σ|terms| + half an ulp is forgiven, just beyond it is not; and only sums are."""
+    from bnprobe.checks.rules import within_accumulation
+    from bnprobe.formats import get_format
+
+    terms, mag = 1024, np.array([500.0, 800.0])
+    golden = np.array([1e-3, -2e-3])
+    gamma = terms * 2.0**-24 / (1 - terms * 2.0**-24)
+    edge = gamma * mag + 0.5 * get_format(fmt).ulp(golden)
+    assert within_accumulation("dbeta", golden + 0.99 * edge, golden, fmt, mag, terms) is not None
+    assert within_accumulation("dbeta", golden + 1.01 * edge, golden, fmt, mag, terms) is None
+    assert within_accumulation("dx", golden + 0.5 * edge, golden, fmt, mag, terms) is None  # not a sum
