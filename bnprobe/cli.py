@@ -468,7 +468,8 @@ def compare_precision_cmd(
     some are not."""
     from bnprobe._progress import Progress
     from bnprobe.adapters import get_adapter
-    from bnprobe.checks.compare import compare_precision, select_cases
+    from bnprobe.checks.cases import select_cases
+    from bnprobe.checks.compare import compare_precision
     from bnprobe.checks.recorded import given
     from bnprobe.reports.compare import compare_lines, report_files, report_formats, write_report
 

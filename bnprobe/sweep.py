@@ -184,7 +184,8 @@ def _one_call(task: Task) -> Any:
 def _compare_row(one: Any, spec: SweepSpec) -> dict[str, Any]:
     from bnprobe.adapters import get_adapter
     from bnprobe.adapters.dump import DumpAdapter
-    from bnprobe.checks.compare import compare_precision, recorded_cases
+    from bnprobe.checks.cases import recorded_cases
+    from bnprobe.checks.compare import compare_precision
 
     adapter = DumpAdapter(one) if spec.adapter is None else get_adapter(spec.adapter)
     r = compare_precision([adapter], None, recorded_cases(one), mode=spec.mode or "all", rule=spec.rule,

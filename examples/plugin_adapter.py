@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bnprobe.adapters import BackwardOutput, BaseAdapter, Capabilities, ForwardOutput, Saved
-from bnprobe.adapters.base import Prepared
+from bnprobe.adapters import BackwardOutput, BaseAdapter, Capabilities, ForwardOutput, Prepared, Saved
 
 
 class NumpyFP32BatchNorm(BaseAdapter):

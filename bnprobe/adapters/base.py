@@ -73,6 +73,7 @@ class Capabilities:
     traced: bool = False  # returns a Trace of its intermediates
     training_r1: bool = False  # accepts N*H*W = 1 in training
     output: str | None = None  # format of y and dx when not the run's dtype (the reference returns fp64)
+    recorded: bool = False  # replays a recording: answers only its own calls, bound to one with bind(recording)
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,12 @@
 """compare-precision: every output of BatchNorm in each format against the FP64 golden on the same
 rounded inputs, per tensor, per channel, and per stage (an error budget).
 
-Verdicts use msprobe's standards (bnprobe.tolerances.MSPROBE_STANDARDS) by the output's format.
-The default, ``scaled``, is msprobe's rule for reduction-based operators, which BatchNorm is —
-|d - b| / max(|b|, floor) <= bound for every element, NaN/inf in the same places — with the
-denominator floor taken relative to the tensor's largest golden magnitude (floor · max|b|):
-msprobe's absolute floor assumes unit-scale outputs, but BatchNorm's gradients and sums cancel to
-values near zero whose absolute error is tiny against the tensor's own scale.  For the sums whose
-terms are known the floor is condition-aware: dbeta against Σ|dy|, dgamma against Σ|dy·x̂|, means
-against mean|x| (a sum's rounding error scales with its terms, not its result), and dx against the
-channel's γ·rstd·(max|dy| + |mean(dy)| + max|x̂|·|mean(dy·x̂)|), a bound on the magnitudes it is formed
-from (the statistics' errors reach every element of the channel).
-Variances keep their own scale, so the cancellation of a single-pass variance still counts.
-``accumulated`` is msprobe's rule as written (absolute floor).  ``threshold`` is
-msprobe's stricter rule for single elementwise operators (relative error <= rtol, or for small golden
-values absolute error <= small_atol); every output of BatchNorm passes through several roundings
-(x - mean, x̂, the affine, the cast), so a correct FP32 kernel fails it (rtol 2^-20) and so does any
-BF16 kernel near zero (small-value atol 1e-16): use it to see single-rounding-level differences.
+Each output answers two questions (the rules are :mod:`bnprobe.checks.rules`'): is this kernel as accurate
+as a careful kernel in the same formats — the verdict, by default msprobe's *benchmark* method against a
+bench (``careful``) run on the same inputs — and is the format adequate for this data — a *format
+warning*: the bench's own output by msprobe's absolute ``scaled`` rule, with what explains it.  ``rule``
+(``scaled``, ``accumulated``, ``threshold``) makes the verdict one of msprobe's absolute rules instead.
+The kernels run on the engine (:mod:`bnprobe.checks.run`); the inputs are :mod:`bnprobe.checks.cases`'.
 """
 
 from __future__ import annotations
@@ -24,16 +14,17 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
-from bnprobe.adapters.base import MODES, counters_only, params_format
-from bnprobe.adapters.dump import CallRef, DumpAdapter, RecordedCalls, Recording
-from bnprobe.adapters.emulated import PolicyAdapter
+from bnprobe.adapters.base import MODES, counters_only
+from bnprobe.adapters.dump import Recording
+from bnprobe.call import EPS, MOMENTUM, BNCall
+from bnprobe.checks.budget import budget_cause, error_budget
+from bnprobe.checks.cases import Case, recorded_cases, resnet50_cases, stress_cases
 from bnprobe.checks.rules import (
     RULES,
     BenchOutput,
@@ -44,102 +35,51 @@ from bnprobe.checks.rules import (
     small_values_rounded,
     within_accumulation,
 )
+from bnprobe.checks.run import CallRun, Golden, call_of, generated_call, run_call
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
-from bnprobe.inputs import make_input, make_params
-from bnprobe.kernels import forward_train
+from bnprobe.inputs import make_params
 from bnprobe.kernels.layout import layout_of
 from bnprobe.metrics import compare, ulp_error
-from bnprobe.numerics.rounding import round_to
 from bnprobe.tolerances import MSPROBE_STANDARDS, Standard
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-__all__ = ["Case", "resnet50_cases", "stress_cases", "recorded_cases", "CompareResult", "compare_precision",
-           "error_budget", "select_cases", "summarize", "per_call", "first_failing_call", "budget_cause",
-           "BUDGET_CHANNELS"]
+__all__ = ["CompareResult", "compare_precision", "summarize", "per_call", "first_failing_call", "COMPARE_MODES"]
 
-BUDGET_CHANNELS = 8  # the error budget reruns the kernel on the first channels of a layer (channels are independent)
 ELEMENTWISE = ("y", "y_infer", "dx")
 
-# ResNet-50 (ImageNet, 224x224) BatchNorm layers: (name, C, H, W), one entry per distinct shape
-RESNET50_BN = [
-    ("bn1", 64, 112, 112), ("layer1.*.bn1", 64, 56, 56), ("layer1.*.bn3", 256, 56, 56),
-    ("layer2.0.bn1", 128, 56, 56), ("layer2.*.bn2", 128, 28, 28), ("layer2.*.bn3", 512, 28, 28),
-    ("layer3.0.bn1", 256, 28, 28), ("layer3.*.bn2", 256, 14, 14), ("layer3.*.bn3", 1024, 14, 14),
-    ("layer4.0.bn1", 512, 14, 14), ("layer4.*.bn2", 512, 7, 7), ("layer4.*.bn3", 2048, 7, 7),
-]
+
+def _y_natural(call: Any, stats: Saved) -> np.ndarray:
+    """Per element of y, the magnitude it is formed from: |x·rstd·γ| + |μ·rstd·γ| + |β| (golden statistics)."""
+    lay = layout_of(call.x)
+    shape = [-1 if ax == lay.channel_axis else 1 for ax in range(len(lay.shape))]
+    r = stats.invstd(call.eps).astype(np.float64)
+    g = np.ones(lay.channels) if call.gamma is None else np.asarray(call.gamma, dtype=np.float64)
+    b = np.zeros(lay.channels) if call.beta is None else np.asarray(call.beta, dtype=np.float64)
+    rg = np.abs(r * g)
+    mu = np.abs(stats.mean.astype(np.float64)) * rg + np.abs(b)
+    return np.abs(np.asarray(call.x, dtype=np.float64)) * rg.reshape(shape) + mu.reshape(shape)
 
 
 @dataclass(frozen=True)
-class Case:
-    """One input: a name, a shape and how to make x (or x itself, for real activations)."""
+class _Judging:
+    """How every row of a run is judged: the standards, the rule, and the bench's name."""
 
-    name: str
-    shape: tuple[int, ...]
-    dist: str = "normal"
-    mean: float = 0.0
-    std: float = 1.0
-    seed: int = 0
-    x: np.ndarray | None = field(default=None, compare=False, repr=False)
-    call: CallRef | None = field(default=None, compare=False, repr=False)  # a recorded call: all inputs from it
-
-    def make(self) -> np.ndarray:
-        if self.x is not None:
-            return self.x
-        if self.call is not None:
-            return self.call.load().call_inputs()["x"]
-        return make_input(self.shape, dist=self.dist, mean=self.mean, std=self.std, seed=self.seed)
+    standards: dict[str, Standard] | None
+    rule: str
+    bench_name: str = ""
 
 
-def recorded_cases(calls: RecordedCalls) -> list[Case]:
-    """One case per recorded BatchNorm call, in forward order (tensors are loaded one call at a time)."""
-    calls.require_tensors("comparing a call's outputs with the golden")
-    return [Case(c.label, c.shape, "recorded", seed=0, call=c) for c in calls.calls]
-
-
-def resnet50_cases(batch: int = 2, seed: int = 0, dist: str = "normal") -> list[Case]:
-    """ResNet-50's BatchNorm shapes with the batch reduced to ``batch``."""
-    return [Case(f"resnet50/{name}", (batch, c, h, w), dist, seed=seed + i) for i, (name, c, h, w)
-            in enumerate(RESNET50_BN)]
-
-
-def stress_cases(seed: int = 0) -> list[Case]:
-    """Inputs that stress BatchNorm rather than uniform noise."""
-    s = (8, 16, 8, 8)
-    return [
-        Case("stress/normal", s, seed=seed),
-        *[Case(f"stress/mean/std={m:g}", s, mean=m, std=1.0, seed=seed) for m in (1e1, 1e2, 1e3, 1e4)],
-        Case("stress/heavy-tails", s, "student_t", seed=seed),
-        Case("stress/near-fp16-max", s, mean=0.0, std=8000.0, seed=seed),
-        Case("stress/var-near-eps", s, mean=0.5, std=math.sqrt(1e-5), seed=seed),
-        Case("stress/constant", s, "constant", mean=1.5, std=0.0, seed=seed),
-        Case("stress/R=2", (2, 16), seed=seed),
-        Case("stress/R=3", (3, 16), seed=seed),
-    ]
-
-
-def _y_natural(inp: _Inputs, gold_t: Any) -> np.ndarray:
-    """Per element of y, the magnitude it is formed from: |x·rstd·γ| + |μ·rstd·γ| + |β| (golden statistics)."""
-    lay = layout_of(inp.x)
-    shape = [-1 if ax == lay.channel_axis else 1 for ax in range(len(lay.shape))]
-    r = gold_t.saved.invstd(inp.eps).astype(np.float64)
-    g = np.ones(lay.channels) if inp.gamma is None else np.asarray(inp.gamma, dtype=np.float64)
-    b = np.zeros(lay.channels) if inp.beta is None else np.asarray(inp.beta, dtype=np.float64)
-    rg = np.abs(r * g)
-    mu = np.abs(gold_t.saved.mean.astype(np.float64)) * rg + np.abs(b)
-    return np.abs(np.asarray(inp.x, dtype=np.float64)) * rg.reshape(shape) + mu.reshape(shape)
-
-
-def _row(adapter: str, dtype: str, case: Case, tensor: str, actual: Any, golden: Any, fmt: str,
-         standards: dict[str, Standard] | None, rule: str, scale: np.ndarray | None = None,
-         bench: Any = None, bench_name: str = "", explain: str = "",
+def _row(j: _Judging, adapter: str, dtype: str, case: Case, tensor: str, actual: Any, golden: Any, fmt: str, *,
+         scale: np.ndarray | None = None, bench: Any = None, explain: str = "",
          natural: Callable[[], np.ndarray] | None = None) -> dict[str, Any]:
     """One output's row: msprobe's metrics; the kernel verdict (by default msprobe's benchmark method against
     the bench's output, else the absolute ``rule`` on the kernel's output); the format check — is the format
     adequate for this data: the bench's output (a careful kernel in the same formats) by the absolute scaled
     rule, or the kernel's own output when there is no bench — with what explains a format that falls short."""
+    standards, rule, bench_name = j.standards, j.rule, j.bench_name
     kind = "elementwise" if tensor in ELEMENTWISE else "reduction"
     m = compare(actual, golden, fmt)
     if rule != "benchmark":
@@ -195,7 +135,7 @@ def _row(adapter: str, dtype: str, case: Case, tensor: str, actual: Any, golden:
             "ulp_over_threshold": over, "small_value_share": small, "subnormal_share": sub}
 
 
-def _channels(adapter: str, dtype: str, case: Case, y: np.ndarray, gy: np.ndarray, var: np.ndarray,
+def _channels(adapter: str, dtype: str, case: Case, y: np.ndarray, gy: np.ndarray, *, var: np.ndarray,
               gvar: np.ndarray, gmean: np.ndarray, eps: float, top: int) -> list[dict[str, Any]]:
     """The worst channels of y, with what explains them."""
     a, g = layout_of(y).to_cr(y), layout_of(gy).to_cr(gy)
@@ -211,64 +151,6 @@ def _channels(adapter: str, dtype: str, case: Case, y: np.ndarray, gy: np.ndarra
              "var_rel_err": float(var_rel[c]), "mean2_over_var": float(m2v[c]), "var_over_eps": float(gvar[c] / eps),
              "R": r} for c in order]
 
-
-def error_budget(adapter: PolicyAdapter, x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, *, dtype: str,
-                 eps: float = 1e-5, params: str = "fp32", channels: int = BUDGET_CHANNELS) -> list[dict[str, Any]]:
-    """Rerun the training forward with one stage at a time replaced by its FP64 value (the same stage of
-    the golden run on the same inputs); report how much of the output's error (RMSE of y against the
-    golden) disappears.  The output cast's share is y left unrounded.  Every stage downstream of an
-    error's source removes it too, so the *cause* is the earliest stage, in computation order, that
-    removes most of it (see :func:`budget_cause`).  Shares need not add up to 100%."""
-    k = min(channels, x.shape[1])
-    xs = np.ascontiguousarray(x[:, :k])
-    pf = params_format(dtype, params)
-    xs = round_to(xs, dtype)
-    g, b = round_to(gamma[:k], pf), round_to(beta[:k], pf)
-    pol = adapter.policy_for(xs, dtype=dtype, params=params)
-    pol = replace(pol, core_combine="ordered") if pol.core_combine == "atomic" else pol  # same order every rerun
-    gold = forward_train(xs, g, b, eps=eps, policy=pol.golden())
-    base = forward_train(xs, g, b, eps=eps, policy=pol)
-    gy = gold.trace["y"].value
-
-    def rmse(res: Any) -> float:
-        """Error of the y stage as the kernel formed it (the trace's value: an override of y survives there)."""
-        with np.errstate(all="ignore"):
-            return float(np.sqrt(np.nanmean((res.trace["y"].value - gy) ** 2)))
-
-    e0 = rmse(base)
-    rows = []
-    skip = {"x", "x_acc", "x_compute", "var_unbiased", "running_mean", "running_var"}
-    for st in base.trace:
-        if st.name in skip:
-            continue
-        if st.name == "y":  # the output cast: y at its unrounded (compute-format) value
-            ov, label = {"y": st.wide}, "y (output cast)"
-        elif st.name in gold.trace:
-            ov, label = {st.name: gold.trace[st.name].value}, st.name
-        else:
-            continue
-        e = rmse(forward_train(xs, g, b, eps=eps, policy=pol, overrides=ov))
-        removed = (1.0 - e / e0) if e0 > 0 else 0.0
-        rows.append({"adapter": adapter.name, "dtype": dtype, "order": len(rows), "stage": label,
-                     "format": st.format, "rmse_with_stage_exact": e, "rmse": e0, "error_removed": removed})
-    return rows
-
-
-def budget_cause(shares: list[tuple[str, float]], share: float = 0.9) -> tuple[str, float]:
-    """The earliest stage (``shares`` in computation order) removing at least ``share`` of the largest
-    removal: the intermediate where the error arises."""
-    if not shares:
-        return "", float("nan")
-    top = max(v for _, v in shares)
-    if not top > 0:
-        return "", top
-    for stage, v in shares:
-        if v >= share * top:
-            return stage, v
-    return shares[-1]
-
-
-# ---- the whole run ------------------------------------------------------------------------------------
 
 @dataclass
 class CompareResult:
@@ -293,229 +175,195 @@ COMPARE_MODES = (*MODES, "all")  # compare-precision also takes every mode at on
 
 
 @dataclass
-class _Inputs:
-    """One case's inputs in one format, rounded as every adapter receives them."""
+class _CaseCall:
+    """One case in one format: the call every adapter runs on, the modes asked of it, and its golden."""
 
-    fmt: str
-    params: str  # same or fp32
-    pf: str  # the parameters' format
-    x: np.ndarray
-    gamma: np.ndarray | None
-    beta: np.ndarray | None
-    running_mean: np.ndarray | None
-    running_var: np.ndarray | None
-    dy: np.ndarray | None
-    eps: float
-    momentum: float | None
-    modes: tuple[str, ...]  # of train, infer, backward
-    training: bool = True
-    rec: Recording | None = None
-    goldens: dict[str, Any] = field(default_factory=dict)  # inference y and backward of the golden, once per case
+    case: Case
+    rec: Recording
+    modes: tuple[str, ...]
+    golden: Golden
 
     @property
-    def common(self) -> dict[str, Any]:
-        return {"dtype": self.fmt, "eps": self.eps, "params": self.params}
+    def gold_train(self) -> Any:
+        """The golden's training forward, for a training call run in train or backward mode (else None)."""
+        c = self.golden.call
+        if c.training and self.golden.reduce_size > 1 and ("train" in self.modes or "backward" in self.modes):
+            return self.golden.train()
+        return None
 
 
 def _generated(case: Case, x: np.ndarray, fmt: str, params: str, eps: float, momentum: float | None,
-               modes: tuple[str, ...]) -> _Inputs:
+               modes: tuple[str, ...]) -> tuple[Recording, tuple[str, ...]]:
+    """A generated case in one format: γ, β from the case's seed, running statistics at the case's mean and
+    variance, dy ~ N(0, 1); training modes only where N*H*W > 1."""
     lay = layout_of(x)
     c = lay.channels
     prm = make_params(c, case.seed)
-    pf = params_format(fmt, params)
     dy = np.random.default_rng([case.seed, 3]).standard_normal(x.shape)
-    rm, rv = np.full(c, case.mean), np.full(c, max(case.std, 1e-3) ** 2)
-    train_ok = lay.reduce_size > 1
-    return _Inputs(fmt, params, pf, round_to(x, fmt), round_to(prm["gamma"], pf), round_to(prm["beta"], pf),
-                   round_to(rm, pf), round_to(rv, pf), round_to(dy, fmt), eps, momentum,
-                   tuple(m for m in modes if m == "infer" or train_ok))
+    kept = tuple(m for m in modes if m == "infer" or lay.reduce_size > 1)
+    call = BNCall(x, prm["gamma"], prm["beta"], np.full(c, case.mean), np.full(c, max(case.std, 1e-3) ** 2), dy,
+                  eps, momentum, dtype=fmt, params=params)
+    rec = generated_call(call, modes=kept, label=case.name)
+    return rec, kept
 
 
-def _recorded(rec: Recording, modes: tuple[str, ...]) -> _Inputs:
+def _recorded(rec: Recording, modes: tuple[str, ...]) -> tuple[Recording, tuple[str, ...]]:
     """A recorded call's own inputs and scalars: the modes it recorded, in its formats."""
-    ci = rec.call_inputs()
     name = rec.meta.get("call") or rec.source
-    if ci["layout"] != "channels_first":
-        raise BNProbeError(f"{name} is recorded {ci['layout']}: compare-precision takes channels_first recordings")
-    if rec.training and layout_of(ci["x"]).reduce_size < 2:
+    if rec.layout != "channels_first":
+        raise BNProbeError(f"{name} is recorded {rec.layout}: compare-precision takes channels_first recordings")
+    if rec.training and layout_of(call_of(rec).x).reduce_size < 2:
         raise BNProbeError(f"{name}: a training call with one value per channel (N*H*W = 1) has no batch statistics "
                            "to compare")
-    kept = tuple(m for m in modes if m in rec.tensors and (m != "train" or rec.training))
-    return _Inputs(rec.dtype, ci["params"], rec.params, ci["x"], ci["gamma"], ci["beta"], ci["running_mean"],
-                   ci["running_var"], ci["dy"], rec.eps, rec.momentum, kept, rec.training, rec)
+    return rec, tuple(m for m in modes if m in rec.tensors and (m != "train" or rec.training))
 
 
-def _scales(inp: _Inputs, gold_t: Any) -> dict[str, np.ndarray | None]:
-    """Natural scales of the sums, per channel (see the module docstring); temporaries freed at once."""
-    lay = layout_of(inp.x)
-    xcr = lay.to_cr(inp.x)
-    out: dict[str, np.ndarray | None] = {"mean": np.abs(xcr).mean(axis=1), "dx": None, "dgamma": None,
-                                         "dbeta": None}
-    if gold_t is None or inp.dy is None:
-        return out
-    eps = inp.eps
-    gm, gv = gold_t.saved.mean.astype(np.float64), gold_t.saved.var(eps)
-    xhat = (xcr - gm[:, None]) / np.sqrt(gv[:, None] + eps)
-    del xcr
-    dycr = lay.to_cr(inp.dy)
-    g = np.ones(lay.channels) if inp.gamma is None else inp.gamma
-    out["dbeta"], out["dgamma"] = np.abs(dycr).sum(axis=1), np.abs(dycr * xhat).sum(axis=1)
-    gr = np.abs(g) / np.sqrt(gv + eps)
-    m1, m2 = np.abs(dycr.mean(axis=1)), np.abs((dycr * xhat).mean(axis=1))
-    dx_max = gr * (np.abs(dycr).max(axis=1) + m1 + np.abs(xhat).max(axis=1) * m2)
-    out["dx"] = dx_max.reshape([-1 if ax == lay.channel_axis else 1 for ax in range(len(lay.shape))])
+def _case_calls(case: Case, fmts: list[str], modes: tuple[str, ...], opts: dict[str, Any], ref: KernelAdapter,
+                notes: list[str]) -> list[_CaseCall]:
+    """A case's calls, one per format (a recorded call: its own, in its format), with what they hold that the
+    verdicts cannot see (NaN/inf: the golden is non-finite there too) said in ``notes``."""
+    eps, momentum, params = opts["eps"], opts["momentum"], opts["params"]
+    if case.call is not None:
+        rec = case.call.load()
+        _agree(case.name, rec, eps, momentum, params)
+        notes.extend(f"{case.name}: {n}" for n in rec.meta.get("notes", []))
+        per_fmt = [_recorded(rec, modes)]
+    else:
+        x = case.make()
+        per_fmt = [_generated(case, x, f, params or "fp32", EPS if eps is None else eps,
+                              MOMENTUM if momentum is None else momentum, modes) for f in fmts]
+    out = []
+    for rec, kept in per_fmt:
+        cc = _CaseCall(case, rec, kept, Golden(ref, rec))
+        call = cc.golden.call
+        for what, t in (("x", call.x), ("dy", call.dy)):
+            bad = 0 if t is None else int(np.size(t) - np.count_nonzero(np.isfinite(t)))
+            if bad:
+                notes.append(f"{case.name} ({rec.dtype}): {what} holds {bad} NaN/inf value(s) of {np.size(t)}; "
+                             "outputs that depend on them are non-finite in the golden too")
+        out.append(cc)
     return out
 
 
-def _for_case(a: KernelAdapter, case: Case, rec: Recording | None) -> KernelAdapter:
-    """A dump adapter bound to the case's recorded call (another dump's call of the same name otherwise)."""
-    if not isinstance(a, DumpAdapter) or rec is None or case.call is None:
-        return a
-    if any(c is case.call for c in a.calls.calls):
-        return a.bind(rec)
-    match = [c for c in a.calls.calls if c.label == case.call.label]
+def _replaying(a: KernelAdapter, cc: _CaseCall) -> Recording | None:
+    """For a dump adapter, the recording it replays on this case: the case's own call when it is one of the
+    dump's, else the dump's call of the same name (None for a runnable kernel)."""
+    case = cc.case
+    if not a.capabilities().recorded or case.call is None:
+        return None
+    calls = a.calls.calls  # type: ignore[attr-defined]
+    if any(c is case.call for c in calls):
+        return cc.rec
+    match = [c for c in calls if c.label == case.call.label]
     if not match:
         raise BNProbeError(f"{a.name} has no call {case.call.label!r} to replay on this case")
-    return a.bind(match[0].load())
+    return match[0].load()
 
 
-def _outputs(a: KernelAdapter, ref: KernelAdapter, inp: _Inputs, gold_t: Any, sc: dict[str, np.ndarray | None],
-             ) -> tuple[list[tuple[str, Any, Any, str, np.ndarray | None]], dict[str, Any]]:
-    """Run ``a`` on one case in every mode the case asks for: (tensor, actual, golden, format, scale) per
-    output, and what the rows need besides (the forward's y and saved statistics, stored-statistics shares)."""
-    fmt, pf, eps, common = inp.fmt, inp.pf, inp.eps, inp.common
-    out_fmt = a.capabilities().output or fmt
-    xs, g, b, rms, rvs = inp.x, inp.gamma, inp.beta, inp.running_mean, inp.running_var
-    outs: list[tuple[str, Any, Any, str, np.ndarray | None]] = []
-    info: dict[str, Any] = {}
-
-    def put(t: str, act: Any, gol: Any, f: str, scale: np.ndarray | None = None) -> None:
-        # judge an output by the format the adapter returned it in (fp16 parameters, say), falling
-        # back to ``f`` for float64 arrays (the reference, or formats carried in float64)
-        dt = np.asarray(act).dtype
-        outs.append((t, act, gol, get_format(dt).name if dt != np.float64 else f, scale))
-
-    saved: Saved | None = None
-    if "train" in inp.modes:
-        out = a.forward_train(xs, g, b, rms, rvs, momentum=inp.momentum, **common)
-        saved = out.saved
-        put("y", out.y, gold_t.y, out_fmt)
-        info["y"] = out.y
-        if out.saved is not None:
-            kind = out.saved.kind
-            sf = get_format(np.asarray(out.saved.value).dtype).name
-            gval = gold_t.saved.var(eps) if kind == "var" else gold_t.saved.invstd(eps)
-            put("saved_mean", out.saved.mean, gold_t.saved.mean, sf, sc["mean"])
-            put(f"saved_{kind}", out.saved.value, gval, sf)
-            info["saved"] = out.saved
-        if out.running_mean is not None and gold_t.running_mean is not None:
-            mom = 0.0 if inp.momentum is None else inp.momentum
-            put("running_mean", out.running_mean, gold_t.running_mean, pf, np.maximum(np.abs(rms), mom * sc["mean"]))
-            put("running_var", out.running_var, gold_t.running_var, pf)
-    if "infer" in inp.modes:
-        out_i = a.forward_infer(xs, g, b, rms, rvs, **common)
-        if "y_infer" not in inp.goldens:
-            inp.goldens["y_infer"] = ref.forward_infer(xs, g, b, rms, rvs, **common).y
-        put("y_infer", out_i.y, inp.goldens["y_infer"], out_fmt)
-    if "backward" in inp.modes and inp.dy is not None:
-        if inp.training:
-            if saved is None and "train" not in inp.modes:
-                saved = a.forward_train(xs, g, b, rms, rvs, momentum=inp.momentum, **common).saved
-            # a kernel that saves nothing (a recorded functional call) recomputes its statistics itself
-            mine, gold_saved = saved if saved is not None else gold_t.saved, gold_t.saved
-        else:
-            mine = gold_saved = Saved(rms, "var", rvs)
-        got = a.backward(inp.dy, xs, g, mine, training=inp.training, **common)
-        if "backward" not in inp.goldens:  # the same for every adapter: the golden's own statistics
-            inp.goldens["backward"] = ref.backward(inp.dy, xs, g, gold_saved, training=inp.training, **common)
-        gold_b = inp.goldens["backward"]
-        missing = got.meta.get("missing", ())  # gradients a recorded kernel did not compute
-        for t, act, gol, f, scale in (("dx", got.dx, gold_b.dx, out_fmt, sc["dx"]),
-                                      ("dgamma", got.dgamma, gold_b.dgamma, pf, sc["dgamma"]),
-                                      ("dbeta", got.dbeta, gold_b.dbeta, pf, sc["dbeta"])):
-            if t not in missing:
-                put(t, act, gol, f, scale)
-        if inp.training and saved is not None and "dx" not in missing and a is not ref:
-            info["stored_share"] = _stored_share(ref, inp, saved, got.dx, gold_b.dx)
-    return outs, info
+def _run(a: KernelAdapter, cc: _CaseCall) -> CallRun:
+    """``a`` on one case call, through the engine (its golden shared with every other kernel on the call)."""
+    return run_call(a, cc.rec, modes=cc.modes, label=cc.case.name, golden=cc.golden, quiet=True,
+                    replay=_replaying(a, cc))
 
 
-def _stored_share(ref: KernelAdapter, inp: _Inputs, saved: Saved, dx: np.ndarray, gold_dx: np.ndarray) -> float:
+def _scale(run: CallRun, key: str) -> np.ndarray | None:
+    """The natural scale of output ``key`` (broadcastable to it), or None."""
+    sc = run.scales.get(key)
+    if sc is None or key not in ("saved_mean", "running_mean", "dx", "dgamma", "dbeta"):
+        return None
+    if key == "dx":
+        lay = layout_of(run.inputs.x)
+        return sc.reshape([-1 if ax == lay.channel_axis else 1 for ax in range(len(lay.shape))])
+    return sc
+
+
+def _stored_share(ref: KernelAdapter, run: CallRun, gold_dx: np.ndarray) -> float:
     """The share of dx's error (RMSE against the golden) that the kernel's stored statistics explain: the
     golden backward recomputed from the statistics exactly as stored removes that share."""
-    stored = Saved(np.asarray(saved.mean, dtype=np.float64), saved.kind, np.asarray(saved.value, dtype=np.float64))
-    gold2 = ref.backward(inp.dy, inp.x, inp.gamma, stored, training=True, **inp.common).dx
+    saved, call = run.saved, run.inputs
+    stored = Saved(np.asarray(saved.mean, dtype=np.float64), saved.kind,  # type: ignore[union-attr]
+                   np.asarray(saved.value, dtype=np.float64))  # type: ignore[union-attr]
+    gold2 = ref.backward(call.dy, call.x, call.gamma, stored, training=True, **call.kernel_options).dx
     with np.errstate(all="ignore"):
-        d = np.asarray(dx, dtype=np.float64)
+        d = np.asarray(run.got["dx"], dtype=np.float64)
         e0 = float(np.sqrt(np.nanmean((d - gold_dx) ** 2)))
         e1 = float(np.sqrt(np.nanmean((d - gold2) ** 2)))
     return max(0.0, 1.0 - e1 / e0) if e0 > 0 else 0.0
 
 
-def _explain(inp: _Inputs, gold_t: Any) -> str:
+def _explain(call: Any, gold_t: Any, pf: str) -> str:
     """What makes the data hard for a format: mean²/var (cancellation), var/eps (eps dominance), R."""
-    lay = layout_of(inp.x)
+    lay = layout_of(call.x)
     parts = [f"R = {lay.reduce_size}"]
     if gold_t is not None and gold_t.saved is not None:
         m = np.asarray(gold_t.saved.mean, dtype=np.float64)
-        v = gold_t.saved.var(inp.eps)
+        v = gold_t.saved.var(call.eps)
         with np.errstate(all="ignore"):
             r = m * m / np.where(v > 0, v, np.nan)
             m2v = float(np.max(r[np.isfinite(r)])) if np.isfinite(r).any() else float("inf")
-            ve = float(np.min(v / inp.eps)) if v.size else float("nan")
+            ve = float(np.min(v / call.eps)) if v.size else float("nan")
         parts = [f"max mean²/var {m2v:.3g}", f"min var/eps {ve:.3g}", *parts]
-    if inp.pf not in ("fp32", "fp64"):
-        parts.append(f"statistics and parameters in {inp.pf}")
+    if pf not in ("fp32", "fp64"):
+        parts.append(f"statistics and parameters in {pf}")
     return ", ".join(parts)
 
 
-def _compare_adapter(a: KernelAdapter, ref: KernelAdapter, case: Case, inp: _Inputs, gold_t: Any,
-                     sc: dict[str, np.ndarray | None], standards: dict[str, Standard] | None, rule: str,
-                     budget: bool, top_channels: int, rows: list[dict[str, Any]], chans: list[dict[str, Any]],
-                     budgets: list[dict[str, Any]], bench: tuple[str, dict[str, Any], Any, Any] | None = None) -> None:
-    """Every output of one adapter on one case against the golden (and the bench's outputs)."""
-    fmt, eps = inp.fmt, inp.eps
-    bench_name, bench_out, bench_run, bench_pol = bench if bench is not None else ("", {}, None, None)
-    if bench_run is not None and bench_pol is not None and _policy(a, inp) == bench_pol:
-        outs, info = bench_run  # the same kernel as the bench: its outputs, not a second run
+@dataclass
+class _Tables:
+    """The rows of the run's three tables, as they are made."""
+
+    rows: list[dict[str, Any]]
+    chans: list[dict[str, Any]]
+    budgets: list[dict[str, Any]]
+
+
+def _compare_adapter(a: KernelAdapter, cc: _CaseCall, j: _Judging, tables: _Tables, *, budget: bool,
+                     top_channels: int, ref: KernelAdapter, bench: tuple[dict[str, Any], CallRun, Any] | None) -> None:
+    """Every output of one adapter on one case call against the golden (and the bench's outputs)."""
+    bench_out, bench_run, bench_pol = bench if bench is not None else ({}, None, None)
+    fmt, case, call = cc.rec.dtype, cc.case, cc.golden.call
+    if bench_run is not None and bench_pol is not None and _policy(a, cc.rec) == bench_pol:
+        run = bench_run  # the same kernel as the bench: its outputs, not a second run
     else:
-        outs, info = _outputs(a, ref, inp, gold_t, sc)
-    explain = _explain(inp, gold_t)
-    for t, act, gol, f, scale in outs:
-        natural = (lambda: _y_natural(inp, gold_t)) if t == "y" and gold_t is not None else None
-        r = _row(a.name, fmt, case, t, act, gol, f, standards, rule, scale, bench_out.get(t), bench_name, explain,
-                 natural)
-        if t == "dx" and "stored_share" in info:
-            r["stored_stats_share"] = info["stored_share"]
-        rows.append(r)
-    if "saved" in info:
-        chans.extend(_channels(a.name, fmt, case, info["y"], gold_t.y, info["saved"].var(eps),
-                               gold_t.saved.var(eps), gold_t.saved.mean.astype(np.float64), eps, top_channels))
-    if budget and isinstance(a, PolicyAdapter) and a.name != "reference" and gold_t is not None and \
-            inp.gamma is not None and inp.beta is not None:
-        for r in error_budget(a, inp.x, inp.gamma, inp.beta, dtype=fmt, eps=eps, params=inp.params):
-            budgets.append({"case": case.name, **r})
+        run = _run(a, cc)
+    gold_t = cc.gold_train
+    explain = _explain(call, gold_t, cc.rec.params)
+    for t, act in run.got.items():
+        natural = (lambda: _y_natural(call, gold_t.saved)) if t == "y" and gold_t is not None else None
+        r = _row(j, a.name, fmt, case, t, act, run.gold[t], run.formats[t], scale=_scale(run, t),
+                 bench=bench_out.get(t), explain=explain, natural=natural)
+        if t == "dx" and call.training and run.saved is not None:
+            r["stored_stats_share"] = _stored_share(ref, run, run.gold["dx"])
+        tables.rows.append(r)
+    if "y" in run.got and run.saved is not None:
+        eps = call.eps
+        tables.chans.extend(_channels(a.name, fmt, case, run.got["y"], gold_t.y, var=run.saved.var(eps),
+                                      gvar=gold_t.saved.var(eps), gmean=gold_t.saved.mean.astype(np.float64), eps=eps,
+                                      top=top_channels))
+    if budget and callable(getattr(a, "policy_for", None)) and a.name != "reference" and gold_t is not None and \
+            call.gamma is not None and call.beta is not None:
+        for r in error_budget(a, call.x, call.gamma, call.beta, dtype=fmt, eps=call.eps, params=call.params):
+            tables.budgets.append({"case": case.name, **r})
 
 
-def _policy(a: KernelAdapter, inp: _Inputs) -> Any:
-    """The policy an emulated adapter runs this case with (its name aside), or None for other kernels."""
-    if not isinstance(a, PolicyAdapter) or a.name == "reference":
+def _policy(a: KernelAdapter, rec: Recording) -> Any:
+    """The policy an emulated adapter runs this call with (its name aside), or None for other kernels."""
+    if not callable(getattr(a, "policy_for", None)) or a.name == "reference":
         return None
-    return replace(a.policy_for(inp.x, dtype=inp.fmt, params=inp.params), name="")
+    call = call_of(rec)
+    return replace(a.policy_for(call.x, dtype=rec.dtype, params=call.params), name="")
 
 
-def _bench(bench: KernelAdapter, ref: KernelAdapter, inp: _Inputs, gold_t: Any,
-           sc: dict[str, np.ndarray | None]) -> tuple[str, dict[str, Any], Any, Any]:
-    """The bench on one case: its name, its outputs by tensor name (saved statistics under both names), the
-    run itself and its policy (an adapter running the same policy reuses the run)."""
-    run = _outputs(bench, ref, inp, gold_t, sc)
-    outs, info = run
-    got = {t: BenchOutput(act) for t, act, *_ in outs}
-    if "saved" in info:
-        s = info["saved"]
-        for kind, value in (("invstd", s.invstd(inp.eps)), ("var", s.var(inp.eps))):
+def _bench(bench: KernelAdapter, cc: _CaseCall) -> tuple[dict[str, Any], CallRun, Any]:
+    """The bench on one case call: its outputs by tensor name (saved statistics under both names), the run itself
+    and its policy (an adapter running the same policy reuses the run)."""
+    run = _run(bench, cc)
+    got = {t: BenchOutput(act) for t, act in run.got.items()}
+    if run.saved is not None and "y" in run.got:
+        s, eps = run.saved, cc.golden.call.eps
+        for kind, value in (("invstd", s.invstd(eps)), ("var", s.var(eps))):
             got.setdefault(f"saved_{kind}", BenchOutput(value))
-    return bench.name, got, run, _policy(bench, inp)
+    return got, run, _policy(bench, cc.rec)
 
 
 def _check_formats(resolved: list[KernelAdapter], bench_a: KernelAdapter | None, cases: list[Case],
@@ -532,43 +380,12 @@ def _check_formats(resolved: list[KernelAdapter], bench_a: KernelAdapter | None,
             raise BNProbeError(f"adapter {a.name} does not run {', '.join(missing)} "
                                f"(it runs {', '.join(a.capabilities().formats)})")
     if bench_a is not None:
-        if isinstance(bench_a, DumpAdapter):
+        if bench_a.capabilities().recorded:
             raise BNProbeError("the bench must be a kernel bnprobe can run on every input (a dump replays only its "
                                "own)")
         missing = [f for f in need if f not in bench_a.capabilities().formats]
         if missing:
             raise BNProbeError(f"bench {bench_a.name} does not run {', '.join(missing)}")
-
-
-def _case_inputs(case: Case, fmts: list[str], modes: tuple[str, ...], eps: float | None, momentum: float | None,
-                 params: str | None, notes: list[str]) -> list[_Inputs]:
-    """A case's inputs, one per format (a recorded call: its own, in its format), with what they hold that the
-    verdicts cannot see (NaN/inf: the golden is non-finite there too) said in ``notes``."""
-    if case.call is not None:
-        rec = case.call.load()
-        _agree(case.name, rec, eps, momentum, params)
-        notes.extend(f"{case.name}: {n}" for n in rec.meta.get("notes", []))
-        per_fmt = [_recorded(rec, modes)]
-    else:
-        x = case.make()
-        e = 1e-5 if eps is None else eps
-        m = 0.1 if momentum is None else momentum
-        per_fmt = [_generated(case, x, f, params or "fp32", e, m, modes) for f in fmts]
-    for inp in per_fmt:
-        for what, t in (("x", inp.x), ("dy", inp.dy)):
-            bad = 0 if t is None else int(np.size(t) - np.count_nonzero(np.isfinite(t)))
-            if bad:
-                notes.append(f"{case.name} ({inp.fmt}): {what} holds {bad} NaN/inf value(s) of {np.size(t)}; "
-                             "outputs that depend on them are non-finite in the golden too")
-    return per_fmt
-
-
-def _golden_train(ref: KernelAdapter, inp: _Inputs) -> Any:
-    """The golden's training forward of a case, when it has one (its statistics are what backward uses)."""
-    if inp.training and layout_of(inp.x).reduce_size > 1 and ("train" in inp.modes or "backward" in inp.modes):
-        return ref.forward_train(inp.x, inp.gamma, inp.beta, inp.running_mean, inp.running_var,
-                                 momentum=inp.momentum, **inp.common)
-    return None
 
 
 def compare_precision(
@@ -603,7 +420,7 @@ def compare_precision(
     if rule not in RULES:
         raise BNProbeError(f"unknown rule {rule!r}; valid: {', '.join(RULES)}")
     resolved = [get_adapter(a) if isinstance(a, str) else a for a in (adapters or ["emulated"])]
-    dumps = [a for a in resolved if isinstance(a, DumpAdapter)]
+    dumps = [a for a in resolved if a.capabilities().recorded]
     if cases is None:
         cases = recorded_cases(dumps[0].calls) if dumps else resnet50_cases(seed=seed) + stress_cases(seed)
     fmts = [get_format(d).name for d in (dtypes or ("fp16", "bf16", "fp32"))]
@@ -614,21 +431,21 @@ def compare_precision(
     _check_formats(resolved, bench_a, cases, fmts, recorded_fmts, dtypes)
     ref = get_adapter("reference")
     modes = ("train", "infer", "backward") if mode == "all" else (mode,)
-    rows, chans, budgets, notes = [], [], [], []  # the three tables' rows, and what the verdicts cannot show
+    tables, notes = _Tables([], [], []), []  # the three tables' rows, and what the verdicts cannot show
     total = sum(1 if c.call is not None else len(fmts) for c in cases) * len(resolved)
     done = 0
     t0 = time.monotonic()
     # traces are not needed here: counters only, not every intermediate (on copies: the caller's are unchanged)
     ref, bench_a = counters_only(ref), counters_only(bench_a)
     runs = [counters_only(a) for a in resolved]
+    j = _Judging(standards, rule, bench_a.name if bench_a is not None else "")
+    opts = {"eps": eps, "momentum": momentum, "params": params}
     for case in cases:
-        for inp in _case_inputs(case, fmts, modes, eps, momentum, params, notes):
-            gold_t = _golden_train(ref, inp)
-            sc = _scales(inp, gold_t)
-            bench_out = _bench(bench_a, ref, inp, gold_t, sc) if bench_a else None
+        for cc in _case_calls(case, fmts, modes, opts, ref, notes):
+            bench_out = _bench(bench_a, cc) if bench_a else None
             for a in runs:
-                _compare_adapter(_for_case(a, case, inp.rec), ref, case, inp, gold_t, sc, standards, rule, budget,
-                                 top_channels, rows, chans, budgets, bench_out)
+                _compare_adapter(a, cc, j, tables, budget=budget, top_channels=top_channels, ref=ref,
+                                 bench=bench_out)
                 done += 1
                 if progress:
                     progress(done, total)
@@ -643,7 +460,7 @@ def compare_precision(
     if dumps:
         meta["dump"] = {"source": dumps[0].calls.source, "kind": dumps[0].calls.kind,
                         "notes": list(dumps[0].calls.notes)}
-    return CompareResult(pd.DataFrame(rows), pd.DataFrame(chans), pd.DataFrame(budgets), meta)
+    return CompareResult(pd.DataFrame(tables.rows), pd.DataFrame(tables.chans), pd.DataFrame(tables.budgets), meta)
 
 
 def _agree(name: str, rec: Recording, eps: float | None, momentum: float | None, params: str | None) -> None:
@@ -706,57 +523,3 @@ def summarize(result: CompareResult) -> list[dict[str, Any]]:
                 item["budget_top"], item["budget_share"] = budget_cause(list(zip(mean.index, mean["removed"])))
         out.append(item)
     return out
-
-
-def select_cases(adapters: list[KernelAdapter], *, input: str | Path | None = None, calls: str | None = None,
-                 shape: str | None = None, shapes: str = "resnet50", batch: int | None = None, dist: str | None = None,
-                 mean: float | None = None, std: float | None = None, seed: int = 0, mode: str = "all",
-                 stress: bool = True) -> tuple[list[KernelAdapter], list[Case], RecordedCalls | None]:
-    """What compare-precision runs on, checked before any run: a dump's calls (``input`` a dump folder, or a
-    dump adapter among ``adapters``, selected by ``calls``), the tensor at ``input``, one generated ``shape``,
-    or ResNet-50's shapes at ``batch`` (2) plus the stress inputs (``stress``).  Options that contradict a
-    recording, and a run the memory limit cannot hold (its largest case), are refused.  Returns the adapters
-    (a dump adapter replaced by one of the selected calls: the caller's is not changed), the cases and the
-    recorded calls (or None)."""
-    from bnprobe.adapters.dump import open_dump
-    from bnprobe.guard import require_run
-    from bnprobe.inputs import input_tensor, parse_shape
-
-    dumps = [a for a in adapters if isinstance(a, DumpAdapter)]
-    recorded = None
-    if input is not None and Path(input).is_dir():
-        if dumps:
-            raise BNProbeError("--input DIR and a dump adapter both give the recorded inputs; give one of them")
-        recorded = open_dump(input, calls)
-    elif dumps:
-        recorded = dumps[0].calls.select(calls)
-        adapters = [DumpAdapter(recorded) if a is dumps[0] else a for a in adapters]
-    elif calls is not None:
-        raise BNProbeError("--calls selects recorded calls: give a dump (--adapters dump:DIR or --input DIR)")
-    if recorded is not None:
-        given = [f"--{n}" for n, v in (("shape", shape), ("batch", batch), ("dist", dist), ("mean", mean),
-                                        ("std", std)) if v is not None]
-        if given:
-            raise BNProbeError(f"{', '.join(given)} contradict{'s' if len(given) == 1 else ''} the recording: its "
-                               "calls bring their own inputs")
-        cases = recorded_cases(recorded)
-        has = {m: any(m in c.modes for c in recorded.calls) for m in MODES}
-        if mode in has and not has[mode]:
-            raise BNProbeError(f"--mode {mode}: no call of {recorded.source} recorded it (it recorded "
-                               f"{', '.join(m for m, v in has.items() if v)})")
-    elif input is not None:
-        x = input_tensor("compare-precision", input, seed=seed)
-        cases = [Case(f"input/{Path(input).name}", tuple(x.shape), x=x, seed=seed)]
-    elif shape is not None:
-        d, m, s = dist or "normal", 0.0 if mean is None else mean, 1.0 if std is None else std
-        cases = [Case(f"{d}(mean={m:g}, std={s:g})", parse_shape(shape), d, m, s, seed)]
-    else:
-        if shapes != "resnet50":
-            raise BNProbeError(f"unknown shape set {shapes!r}; valid: resnet50 (or give --shape)")
-        if batch is not None and batch < 1:
-            raise BNProbeError(f"--batch must be >= 1, got {batch}")
-        cases = resnet50_cases(2 if batch is None else batch, seed, dist or "normal")
-        cases += stress_cases(seed) if stress else []
-    biggest = max(cases, key=lambda c: math.prod(c.shape))
-    require_run("compare-precision", biggest.shape, f"compare-precision on {biggest.name} (shape {biggest.shape})")
-    return adapters, cases, recorded

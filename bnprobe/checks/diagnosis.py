@@ -31,158 +31,17 @@ import numpy as np
 
 from bnprobe.adapters import KernelAdapter, get_adapter
 from bnprobe.adapters.base import counters_only, params_format, stored_inputs
-from bnprobe.adapters.dump import DumpAdapter
-from bnprobe.adapters.emulated import PolicyAdapter
-from bnprobe.checks.recorded import (
-    CallRun,
-    PerCall,
-    Recorded,
-    check_options,
-    check_params,
-    generated_call,
-    run_call,
-    runs,
-)
+from bnprobe.call import BNCall
+from bnprobe.checks.bugs import BUGS, CHECKS, ELEMENTWISE, GROUPS, TRAIN_RUNNING, describe, model
+from bnprobe.checks.recorded import PerCall, Recorded, check_options, check_params
+from bnprobe.checks.run import CallRun, generated_call, run_call, runs
 from bnprobe.checks.rules import beyond_format, channel_rule
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
-from bnprobe.kernels.layout import channel_column, reduce_axes, to_channels_first
+from bnprobe.kernels.layout import reduce_axes, to_channels_first
 from bnprobe.numerics.rounding import round_to
 
-__all__ = ["BUGS", "Item", "DoctorReport", "Probe", "doctor", "doctor_recorded", "model", "probes",
-           "SKIPPED_ON_RECORDINGS"]
-
-# ---- the bug models -------------------------------------------------------------------------------
-
-EPS_ON_SIGMA = "eps added to sigma instead of sigma^2"
-EPS_MISSING = "eps missing"
-SQRT_MISSING = "square root missing: normalised by var + eps"
-UNBIASED = "unbiased variance used for normalisation"
-TRAIN_RUNNING = "training uses running statistics"
-NO_CENTER = "mean not subtracted: y = gamma*x*rstd + beta"
-SWAPPED = "gamma and beta swapped in y"
-BIASED_RUNNING = "running_var updated with the biased variance"
-KERAS = "momentum applied as 1-m (Keras convention)"
-NOT_UPDATED = "running statistics not updated"
-PLUS_EPS = "running_var updated with var + eps"
-INFER_BATCH = "inference uses batch statistics"
-DROP_MEAN = "dx missing its -mean(dy) term"
-DROP_XHAT = "dx missing its -x-hat*mean(dy*x-hat) term"
-SUM_DY = "dx subtracts sum(dy) instead of mean(dy)"
-SUM_DY_XHAT = "dx subtracts x-hat*sum(dy*x-hat) instead of x-hat*mean(dy*x-hat)"
-PLUS_XHAT = "dx adds x-hat*mean(dy*x-hat) instead of subtracting it"
-DX_NO_SQRT = "dx factor without the square root: gamma/(var+eps)"
-DX_NO_GAMMA = "dx factor missing gamma"
-DX_X = "dx uses x instead of x-hat"
-DX_CENTERED = "dx uses x-mean instead of x-hat"
-SEED = "dx is the seed's dL/dX as printed: gamma/(var+eps)*(dy - mean(dy) - x*mean(dy*x))"
-DG_NO_RSTD = "dgamma missing the rstd factor"
-DG_X = "dgamma uses x instead of x-hat"
-DG_MEAN = "dgamma is the mean of dy*x-hat instead of the sum"
-DB_MEAN = "dbeta is the mean of dy instead of the sum"
-DG_DB_SWAPPED = "dgamma and dbeta swapped"
-
-_NORMALISE = ("y_train", "saved", "y_infer", "backward", "y_eval")
-# each known bug, with the groups of outputs it changes
-BUGS: dict[str, tuple[str, ...]] = {
-    EPS_ON_SIGMA: _NORMALISE,
-    EPS_MISSING: _NORMALISE,
-    SQRT_MISSING: _NORMALISE,
-    UNBIASED: ("y_train", "saved", "backward"),
-    TRAIN_RUNNING: ("y_train", "saved", "backward"),
-    NO_CENTER: ("y_train", "y_infer", "y_eval"),
-    SWAPPED: ("y_train", "y_infer", "y_eval"),
-    BIASED_RUNNING: ("running", "y_eval"),
-    KERAS: ("running", "y_eval"),
-    NOT_UPDATED: ("running", "y_eval"),
-    PLUS_EPS: ("running", "y_eval"),
-    INFER_BATCH: ("y_infer", "y_eval"),
-    **{bug: ("backward",) for bug in (DROP_MEAN, DROP_XHAT, SUM_DY, SUM_DY_XHAT, PLUS_XHAT, DX_NO_SQRT, DX_NO_GAMMA,
-                                      DX_X, DX_CENTERED, SEED, DG_NO_RSTD, DG_X, DG_MEAN, DB_MEAN, DG_DB_SWAPPED)},
-}
-GROUPS = {"y_train": ("y_train",), "saved": ("saved_mean", "saved_invstd"), "running": ("running_mean", "running_var"),
-          "y_infer": ("y_infer",), "backward": ("dx", "dgamma", "dbeta"), "y_eval": ("y_eval",)}
-CHECKS = {  # group: (checklist item, what its outputs are)
-    "y_train": ("training forward: batch statistics, epsilon inside the square root", "training outputs y"),
-    "saved": ("saved statistics: mean and 1/sqrt(biased variance + eps)", "saved mean and 1/sqrt(var+eps)"),
-    "running": ("running statistics: PyTorch momentum convention, unbiased running_var",
-                "updated running_mean / running_var"),
-    "y_infer": ("train/eval switch: inference normalises with the running statistics", "inference outputs y"),
-    "backward": ("backward: dx, dgamma, dbeta", "gradients"),
-    "y_eval": ("eval after several training steps: inference with the running statistics they left",
-               "inference outputs y after the steps"),
-}
-ELEMENTWISE = ("y_train", "y_infer", "dx", "y_eval")
-
-
-def model(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, rm: np.ndarray, rv: np.ndarray, dy: np.ndarray,
-          momentum: float, eps: float, bug: str | None = None, *, training: bool = True,
-          saved: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """BatchNorm in FP64 (NC... layout), correct or with one bug from BUGS; ``training=False``: the backward
-    is that of inference (normalised with the running statistics); ``saved`` (mean, invstd): the training
-    backward from these statistics, as a kernel's backward takes what its forward stored."""
-    if bug is not None and bug not in BUGS:
-        raise BNProbeError(f"unknown bug model {bug!r}")
-    ax, n = reduce_axes(x), x.ndim
-    r = x.size // x.shape[1]
-    col = lambda v: channel_column(v, n)  # noqa: E731
-    mean, var = x.mean(axis=ax), x.var(axis=ax)
-    unbiased = var * r / (r - 1) if r > 1 else np.full_like(var, np.nan)
-
-    def rstd_of(v: np.ndarray) -> np.ndarray:
-        if bug == EPS_ON_SIGMA:
-            return 1 / (np.sqrt(v) + eps)
-        if bug == EPS_MISSING:
-            return 1 / np.sqrt(v)
-        if bug == SQRT_MISSING:
-            return 1 / (v + eps)
-        return 1 / np.sqrt(v + eps)
-
-    def y_of(m: np.ndarray, rs: np.ndarray) -> np.ndarray:
-        if bug == NO_CENTER:
-            return col(gamma * rs) * x + col(beta)
-        xh = (x - col(m)) * col(rs)
-        return col(beta) * xh + col(gamma) if bug == SWAPPED else col(gamma) * xh + col(beta)
-
-    m_t, v_t = (rm, rv) if bug == TRAIN_RUNNING else (mean, unbiased if bug == UNBIASED else var)
-    rstd = rstd_of(v_t)
-    xhat = (x - col(m_t)) * col(rstd)
-    batch_var = var if bug == BIASED_RUNNING else (unbiased + eps if bug == PLUS_EPS else unbiased)
-    if bug == KERAS:
-        new_rm, new_rv = momentum * rm + (1 - momentum) * mean, momentum * rv + (1 - momentum) * batch_var
-    elif bug == NOT_UPDATED:
-        new_rm, new_rv = rm, rv
-    else:
-        new_rm, new_rv = (1 - momentum) * rm + momentum * mean, (1 - momentum) * rv + momentum * batch_var
-    mi, vi = (mean, var) if bug == INFER_BATCH else (rm, rv)
-    if training and saved is not None:
-        m_b, rs_b = np.asarray(saved[0], dtype=np.float64), np.asarray(saved[1], dtype=np.float64)
-        v_b = 1 / (rs_b * rs_b) - eps
-        xh_b = (x - col(m_b)) * col(rs_b)
-    elif training:
-        m_b, v_b, rs_b, xh_b = m_t, v_t, rstd, xhat
-    else:  # y = γ·(x - rm)·rstd(rv) + β: the statistics are constants
-        m_b, v_b = rm, rv
-        rs_b = rstd_of(rv)
-        xh_b = (x - col(rm)) * col(rs_b)
-    dbeta = dy.sum(axis=ax)
-    dgamma = {DG_NO_RSTD: lambda: (dy * (x - col(m_b))).sum(axis=ax), DG_X: lambda: (dy * x).sum(axis=ax),
-              DG_MEAN: lambda: (dy * xh_b).mean(axis=ax)}.get(bug, lambda: (dy * xh_b).sum(axis=ax))()
-    if bug == DB_MEAN:
-        dbeta = dy.mean(axis=ax)
-    if bug == DG_DB_SWAPPED:
-        dgamma, dbeta = dbeta, dgamma
-    factor = {DX_NO_SQRT: gamma / (v_b + eps), SEED: gamma / (v_b + eps), DX_NO_GAMMA: rs_b}.get(bug, gamma * rs_b)
-    if training:
-        z = {DX_X: x, SEED: x, DX_CENTERED: x - col(m_b)}.get(bug, xh_b)
-        t1 = 0.0 if bug == DROP_MEAN else dy.sum(axis=ax, keepdims=True) / (1 if bug == SUM_DY else r)
-        t2 = 0.0 if bug == DROP_XHAT else (dy * z).sum(axis=ax, keepdims=True) / (1 if bug == SUM_DY_XHAT else r)
-        dx = col(factor) * (dy - t1 + (1.0 if bug == PLUS_XHAT else -1.0) * z * t2)
-    else:
-        dx = col(factor) * dy
-    return {"y_train": y_of(m_t, rstd), "saved_mean": m_t, "saved_invstd": rstd, "running_mean": new_rm,
-            "running_var": new_rv, "y_infer": y_of(mi, rstd_of(vi)), "dx": dx, "dgamma": dgamma, "dbeta": dbeta}
-
+__all__ = ["Item", "DoctorReport", "Probe", "doctor", "doctor_recorded", "probes", "SKIPPED_ON_RECORDINGS"]
 
 # ---- reports ----------------------------------------------------------------------------------------
 
@@ -310,7 +169,7 @@ class Check:
 
 
 def _judge(name: str, got: dict[str, np.ndarray], gold: dict[str, np.ndarray], formats: dict[str, str],
-           natural: dict[str, np.ndarray], models: Callable[[str], dict[str, np.ndarray]] | None,
+           natural: dict[str, np.ndarray], *, models: Callable[[str], dict[str, np.ndarray]] | None,
            skip: tuple[str, ...] = (),
            stored: Callable[[str | None], dict[str, np.ndarray]] | None = None, ranges: bool = True,
            ) -> dict[str, Check]:
@@ -366,11 +225,11 @@ def _items(checks: list[dict[str, Check]], on: str, unseen: bool = False) -> tup
             continue
         order = failing + [c for c in cs if c.passed]  # the failing inputs reject most models first
         matches = tuple(bug for bug in BUGS if gr in BUGS[bug] and all(c.fit(bug) <= 1 for c in order))
-        diagnosis.extend(b for b in matches if b not in diagnosis)
+        diagnosis.extend(describe(b) for b in matches if describe(b) not in diagnosis)
         names = [c.input for c in failing]
         items.append(Item(name, "FAIL", f"{what} wrong on {len(failing)} of {len(cs)} input(s) ({', '.join(names)})"
-                          + (f"; they match the model of: {'; '.join(matches)}" if matches else
-                             "; no known bug model matches"), matches,
+                          + (f"; they match the model of: {'; '.join(map(describe, matches))}" if matches else
+                             "; no known bug model matches"), tuple(map(describe, matches)),
                           tuple(f"on {c.input}: {w}" for c in failing for w in c.wrong)))
     beyond = [f"on {c.input}: {b}" for ch in checks for c in ch.values() for b in c.beyond]
     if beyond:
@@ -383,7 +242,7 @@ def _items(checks: list[dict[str, Check]], on: str, unseen: bool = False) -> tup
         bugs = [bug for bug, hs in hid.items() if any(h is not None for h in hs) and all(h is not False for h in hs)]
         if bugs:
             notes.append("on this call's data these bugs look like correct BatchNorm (within tolerance) and cannot "
-                         "be seen: " + "; ".join(bugs))
+                         "be seen: " + "; ".join(map(describe, bugs)))
     return items, diagnosis, notes
 
 
@@ -398,8 +257,8 @@ def _natural(run: CallRun, x: np.ndarray) -> dict[str, np.ndarray]:
     μ·rstd·γ plus β; the inference y from x and the running mean; the sums from their terms."""
     ci = run.inputs
     c = x.shape[1]
-    g = np.ones(c) if ci["gamma"] is None else np.abs(np.asarray(ci["gamma"], dtype=np.float64))
-    b = np.zeros(c) if ci["beta"] is None else np.abs(np.asarray(ci["beta"], dtype=np.float64))
+    g = np.ones(c) if ci.gamma is None else np.abs(np.asarray(ci.gamma, dtype=np.float64))
+    b = np.zeros(c) if ci.beta is None else np.abs(np.asarray(ci.beta, dtype=np.float64))
     ax = reduce_axes(x)
     with np.errstate(all="ignore"):
         mean_abs = np.nanmean(np.abs(x), axis=ax)
@@ -408,10 +267,10 @@ def _natural(run: CallRun, x: np.ndarray) -> dict[str, np.ndarray]:
             out["dx"] = out["dx"].reshape(-1)
         if run.gold_saved is not None:
             rs = 1 / np.sqrt(run.gold_saved.var(run.eps) + run.eps)
-            out["y_train"] = g * rs * mean_abs + b
-        if ci["running_mean"] is not None and ci["running_var"] is not None:
-            rm = np.abs(np.asarray(ci["running_mean"], dtype=np.float64))
-            rs = 1 / np.sqrt(np.asarray(ci["running_var"], dtype=np.float64) + run.eps)
+            out["y"] = g * rs * mean_abs + b
+        if ci.running_mean is not None and ci.running_var is not None:
+            rm = np.abs(np.asarray(ci.running_mean, dtype=np.float64))
+            rs = 1 / np.sqrt(np.asarray(ci.running_var, dtype=np.float64) + run.eps)
             out["y_infer"] = g * rs * (mean_abs + rm) + b
     return out
 
@@ -420,18 +279,18 @@ def _natural(run: CallRun, x: np.ndarray) -> dict[str, np.ndarray]:
 
 @dataclass(frozen=True)
 class Probe:
-    """One input of the checklist (NC... layout, float64 before rounding to the run's formats)."""
+    """One input of the checklist: a named call (NC... layout, float64 before rounding to the run's formats; its
+    dtype and params are set per run), and for the eval-after-steps input the training batches before it."""
 
     name: str
-    x: np.ndarray
-    gamma: np.ndarray
-    beta: np.ndarray
-    running_mean: np.ndarray
-    running_var: np.ndarray
-    dy: np.ndarray | None
-    eps: float = 1e-5
-    momentum: float = 0.1
+    call: BNCall
     steps: tuple[np.ndarray, ...] = ()  # training batches before the inference on x (eval after several steps)
+
+
+def _probe(name: str, x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, running_mean: np.ndarray,
+           running_var: np.ndarray, dy: np.ndarray | None, steps: tuple[np.ndarray, ...] = ()) -> Probe:
+    """A probe with BatchNorm's default ε and momentum."""
+    return Probe(name, BNCall(x, gamma, beta, running_mean, running_var, dy), steps)
 
 
 def _running(rng: np.random.Generator, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -463,7 +322,7 @@ def _diagnostic(seed: int) -> Probe:
     var = x.var(axis=(0, 2, 3))
     rm = mean + np.array([2.0, -2.0, 2.0, -2.0, 2.0, -2.0]) * std
     rv = var * np.array([3.0, 0.3, 2.5, 0.4, 3.0, 0.25])
-    return Probe("diagnostic", x, np.array([0.6, 1.4, 0.75, 1.3, 0.8, 1.25]),
+    return _probe("diagnostic", x, np.array([0.6, 1.4, 0.75, 1.3, 0.8, 1.25]),
                  np.array([0.3, -0.4, 0.2, -0.25, 0.5, -0.1]), rm, rv, dy)
 
 
@@ -471,7 +330,7 @@ def _stress(name: str, x: np.ndarray, seed: int) -> Probe:
     rng = np.random.default_rng([seed, len(name)])
     c = x.shape[1]
     rm, rv = _running(rng, x)
-    return Probe(name, x, rng.uniform(0.5, 1.5, c), rng.normal(0.0, 0.3, c), rm, rv, rng.standard_normal(x.shape))
+    return _probe(name, x, rng.uniform(0.5, 1.5, c), rng.normal(0.0, 0.3, c), rm, rv, rng.standard_normal(x.shape))
 
 
 def probes(seed: int = 0, *, stress: bool = True) -> list[Probe]:
@@ -494,7 +353,7 @@ def probes(seed: int = 0, *, stress: bool = True) -> list[Probe]:
         _stress("stress/16-bit-sums", 4.0 + n(16, 2, 8, 8), seed),
     ]
     ev = _stress("stress/eval-after-steps", n(8, 3, 2, 2) + 0.5, seed)
-    out.append(Probe(ev.name, ev.x, ev.gamma, ev.beta, np.zeros(3), np.ones(3), None, steps=steps))
+    out.append(Probe(ev.name, ev.call.with_(running_mean=np.zeros(3), running_var=np.ones(3), dy=None), steps))
     return out
 
 
@@ -507,7 +366,7 @@ def user_probe(x: np.ndarray, seed: int = 0, name: str = USER) -> Probe:
     if x.ndim < 2:
         raise BNProbeError(f"x must have 2 to 5 dimensions, got shape {x.shape}")
     p = _stress(name, x, seed)
-    return Probe(name, x, p.gamma, p.beta, np.zeros(x.shape[1]), np.ones(x.shape[1]), p.dy)
+    return Probe(name, p.call.with_(running_mean=np.zeros(x.shape[1]), running_var=np.ones(x.shape[1])))
 
 
 # ---- running the kernel on one input ------------------------------------------------------------------
@@ -516,20 +375,19 @@ def _probe_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
     if p.steps:
         return _steps_checks(a, ref, p, fmt, params)
     caps = a.capabilities()
-    r = p.x.size // p.x.shape[1]
+    r = p.call.x.size // p.call.x.shape[1]
     modes = ("train", "infer", "backward") if r > 1 else ("infer",)
     modes = tuple(m for m in modes if m in caps.modes and (m != "backward" or caps.saved != "none"))
-    rec = generated_call(p.x, gamma=p.gamma, beta=p.beta, running_mean=p.running_mean, running_var=p.running_var,
-                         dy=p.dy, dtype=fmt, params=params, eps=p.eps, momentum=p.momentum, modes=modes,
-                         label=p.name)
+    rec = generated_call(p.call.with_(dtype=fmt, params=params), modes=modes, label=p.name)
     run = run_call(a, rec, ref=ref, label=p.name)
-    ci = rec.call_inputs()
-    x = ci["x"]
-    vec = {k: np.asarray(ci[k], dtype=np.float64) for k in ("gamma", "beta", "running_mean", "running_var")}
-    dy = ci["dy"] if ci["dy"] is not None else np.zeros_like(x)
-    args = (x, vec["gamma"], vec["beta"], vec["running_mean"], vec["running_var"], dy, p.momentum, p.eps)
-    got = {k: np.asarray(v, dtype=np.float64) for k, v in run.got.items()}
-    return _judge(p.name, got, run.gold, run.formats, _natural(run, x), lambda bug: model(*args, bug),
+    ci = run.inputs
+    x = ci.x
+    vec = {k: np.asarray(getattr(ci, k), dtype=np.float64) for k in ("gamma", "beta", "running_mean", "running_var")}
+    dy = ci.dy if ci.dy is not None else np.zeros_like(x)
+    args = (x, vec["gamma"], vec["beta"], vec["running_mean"], vec["running_var"], dy, p.call.momentum, p.call.eps)
+    got, gold, formats = run.invstd_view()
+    got = {k: np.asarray(v, dtype=np.float64) for k, v in got.items()}
+    return _judge(p.name, got, gold, formats, _natural(run, x), models=lambda bug: model(*args, bug=bug),
                   stored=_stored(args, got), ranges=p.name == USER)
 
 
@@ -539,28 +397,29 @@ def _stored(args: tuple[Any, ...], got: dict[str, np.ndarray], training: bool = 
     if not training or "saved_mean" not in got or "saved_invstd" not in got:
         return None
     saved = (got["saved_mean"], got["saved_invstd"])
-    return lambda bug: model(*args, bug, saved=saved)
+    return lambda bug: model(*args, bug=bug, saved=saved)
 
 
 def _steps_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, params: str) -> dict[str, Check]:
-    """Training steps on ``p.steps`` then inference on ``p.x``, with the running statistics the steps left: the
+    """Training steps on ``p.steps`` then inference on ``p.call.x``, with the running statistics the steps left: the
     kernel's chain against the golden's (the reference, its update kept in the parameters' format after each
     step as a kernel keeps it) and the bug models' chains."""
     caps = a.capabilities()
     if "train" not in caps.modes or "infer" not in caps.modes:
         return {}
     pf = params_format(fmt, params)
-    common = dict(dtype=fmt, eps=p.eps, params=params)
+    common = dict(dtype=fmt, eps=p.call.eps, params=params)
     batches = [round_to(s, fmt) for s in p.steps]
-    x, _, g, b, rm0, rv0 = stored_inputs(fmt, params, p.x, None, p.gamma, p.beta, p.running_mean, p.running_var)
+    c = p.call
+    x, _, g, b, rm0, rv0 = stored_inputs(fmt, params, c.x, None, c.gamma, c.beta, c.running_mean, c.running_var)
     k_rm, k_rv, g_rm, g_rv = rm0, rv0, rm0, rv0
     with np.errstate(all="ignore"):
         for xb in batches:
-            out = a.forward_train(xb, g, b, k_rm, k_rv, momentum=p.momentum, **common)
+            out = a.forward_train(xb, g, b, k_rm, k_rv, momentum=p.call.momentum, **common)
             if out.running_mean is None or out.running_var is None:
                 return {}
             k_rm, k_rv = out.running_mean, out.running_var
-            gt = ref.forward_train(xb, g, b, g_rm, g_rv, momentum=p.momentum, **common)
+            gt = ref.forward_train(xb, g, b, g_rm, g_rv, momentum=p.call.momentum, **common)
             g_rm, g_rv = round_to(gt.running_mean, pf), round_to(gt.running_var, pf)
         y = a.forward_infer(x, g, b, k_rm, k_rv, **common).y
         gy = ref.forward_infer(x, g, b, g_rm, g_rv, **common).y
@@ -568,9 +427,9 @@ def _steps_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
         def models(bug: str) -> dict[str, np.ndarray]:
             rm, rv = rm0, rv0
             for xb in batches:
-                m = model(xb, g, b, rm, rv, np.zeros_like(xb), p.momentum, p.eps, bug)
+                m = model(xb, g, b, rm, rv, np.zeros_like(xb), p.call.momentum, p.call.eps, bug=bug)
                 rm, rv = round_to(m["running_mean"], pf), round_to(m["running_var"], pf)
-            m = model(x, g, b, rm, rv, np.zeros_like(x), p.momentum, p.eps, bug)
+            m = model(x, g, b, rm, rv, np.zeros_like(x), p.call.momentum, p.call.eps, bug=bug)
             return {"running_mean": rm, "running_var": rv, "y_eval": m["y_infer"]}
 
         out_fmt, vec_fmt = caps.output or fmt, "fp64" if caps.output == "fp64" else pf
@@ -579,12 +438,12 @@ def _steps_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
         formats = {k: _returned(v, out_fmt if k == "y_eval" else vec_fmt) for k, v in got.items()}
         ax = reduce_axes(x)
         mean_abs = np.max([np.abs(bt).mean(axis=ax) for bt in batches], axis=0)
-        natural = {"running_mean": np.maximum(np.abs(g_rm), p.momentum * mean_abs),
-                   "y_eval": np.abs(g) / np.sqrt(g_rv + p.eps) * (np.abs(x).mean(axis=ax) + np.abs(g_rm))
+        natural = {"running_mean": np.maximum(np.abs(g_rm), p.call.momentum * mean_abs),
+                   "y_eval": np.abs(g) / np.sqrt(g_rv + p.call.eps) * (np.abs(x).mean(axis=ax) + np.abs(g_rm))
                    + np.abs(b)}
     got = {k: np.asarray(v, dtype=np.float64) for k, v in got.items()}
     return _judge(p.name, got, {k: np.asarray(v, dtype=np.float64) for k, v in gold.items()}, formats, natural,
-                  models)
+                  models=models)
 
 
 def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None, *, seed: int = 0,
@@ -595,7 +454,7 @@ def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None,
     is diagnosed on its recorded inputs (:func:`doctor_recorded` does every call)."""
     a = get_adapter(adapter) if isinstance(adapter, str) else adapter
     check_params(params)
-    if isinstance(a, DumpAdapter):
+    if a.capabilities().recorded:
         if len(a.calls.calls) != 1:
             raise BNProbeError(f"{a.name} holds {len(a.calls.calls)} BatchNorm calls: doctor_recorded diagnoses each "
                                "(or select one with dump:DIR#NAME)")
@@ -621,8 +480,8 @@ def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None,
     notes += more
     diag = todo[0]
     items.append(_momentum_none(a, ref, diag, fmt, prm))
-    items.append(_epsilon(a, diag.x, fmt, diag.eps, prm))
-    items.append(_determinism(_forward_twice(a, diag, fmt, prm)))
+    items.append(_epsilon(a, diag.call.x, fmt, diag.call.eps, prm))
+    items.append(_determinism(_forward_twice(a, diag, fmt, prm), caps.deterministic))
     notes.append("that inference leaves the running statistics unchanged cannot be observed through the adapter "
                  "interface (forward_infer returns none); bnprobe's own kernels guarantee it")
     if x is not None and not np.isfinite(x).all():
@@ -636,16 +495,15 @@ def _momentum_none(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, par
     """momentum=None: PyTorch's cumulative average; for a first batch the running stats become the batch's."""
     name = "momentum=None is a cumulative average"
     try:
-        rec = generated_call(p.x, gamma=p.gamma, beta=p.beta, running_mean=p.running_mean,
-                             running_var=p.running_var, dy=None, dtype=fmt, params=params, eps=p.eps, momentum=None,
-                             modes=("train",), label=p.name)
+        rec = generated_call(p.call.with_(dy=None, dtype=fmt, params=params, momentum=None), modes=("train",),
+                             label=p.name)
         run = run_call(a, rec, ref=ref, label=p.name)
     except BNProbeError as exc:
         return Item(name, "WARN", f"not supported: {exc}")
     keys = [k for k in GROUPS["running"] if k in run.got]
     if not keys:
         return Item(name, "WARN", "the kernel returns no running statistics")
-    nat = _natural(run, rec.call_inputs()["x"])
+    nat = _natural(run, run.inputs.x)
     res = [channel_rule(k, run.got[k], run.gold[k], nat.get(k), run.formats[k], describe=True) for k in keys]
     worst = max(r for r, _ in res)
     fmts = ", ".join(dict.fromkeys(run.formats[k] for k in keys))
@@ -659,7 +517,7 @@ def _momentum_none(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, par
 def _epsilon(a: KernelAdapter, x: np.ndarray, fmt: str, eps: float, params: str) -> Item:
     """eps sane for the format the statistics are computed in."""
     stat_fmt = get_format(a.policy_for(round_to(x, fmt), dtype=fmt, params=params).accumulate) \
-        if isinstance(a, PolicyAdapter) else get_format("fp64" if fmt == "fp64" else "fp32")
+        if callable(getattr(a, "policy_for", None)) else get_format("fp64" if fmt == "fp64" else "fp32")
     name = "epsilon is resolvable in the statistics' format"
     if eps < stat_fmt.eps / 2:
         return Item(name, "WARN", f"eps {eps:g} is below half the {stat_fmt.name} spacing at 1 "
@@ -668,21 +526,26 @@ def _epsilon(a: KernelAdapter, x: np.ndarray, fmt: str, eps: float, params: str)
     return Item(name, "PASS", f"eps {eps:g} vs {stat_fmt.name} spacing at 1 {stat_fmt.eps:.3g}")
 
 
-def _determinism(run: Callable[[], Any], inputs: str = "the same inputs") -> Item:
-    """``run`` twice (a kernel's forward on ``inputs``): the same bits, or by how much two runs differ."""
+def _determinism(run: Callable[[], Any], declared: bool, inputs: str = "the same inputs") -> Item:
+    """``run`` twice (a kernel's forward on ``inputs``): the same bits, or by how much two runs differ — a failure
+    for a kernel that declares itself deterministic (``declared``, its capabilities), a warning otherwise."""
     ys = [np.asarray(run()) for _ in range(2)]
     if np.array_equal(ys[0], ys[1], equal_nan=True):
         return Item("determinism", "PASS", f"{inputs} twice give the same bits")
     with np.errstate(all="ignore"):
         diff = float(np.nanmax(np.abs(ys[0].astype(np.float64) - ys[1].astype(np.float64))))
+    if declared:
+        return Item("determinism", "FAIL", f"two runs on {inputs} differ by up to {diff:.3g}, but the kernel "
+                                           "declares itself deterministic (Capabilities.deterministic)")
     return Item("determinism", "WARN", f"two runs on {inputs} differ by up to {diff:.3g} "
                                        "(non-deterministic reduction order)")
 
 
 def _forward_twice(a: KernelAdapter, p: Probe, fmt: str, params: str) -> Callable[[], Any]:
     """The training forward of ``a`` on the probe's inputs, as stored in ``fmt`` and ``params``."""
-    x, _, *prm = stored_inputs(fmt, params, p.x, None, p.gamma, p.beta, p.running_mean, p.running_var)
-    return lambda: a.forward_train(x, *prm, momentum=p.momentum, dtype=fmt, eps=p.eps, params=params).y
+    c = p.call
+    x, _, *prm = stored_inputs(fmt, params, c.x, None, c.gamma, c.beta, c.running_mean, c.running_var)
+    return lambda: a.forward_train(x, *prm, momentum=p.call.momentum, dtype=fmt, eps=p.call.eps, params=params).y
 
 
 # ---- recorded calls ---------------------------------------------------------------------------------
@@ -707,7 +570,7 @@ def doctor_recorded(recorded: Recorded, *, dtype: str | None = None, params: str
     reports, kinds = [], {}
     for _, _, run in runs(recorded):
         reports.append(_doctor_call(recorded, run))
-        kinds[(run.fmt, run.inputs["params"])] = None
+        kinds[(run.fmt, run.inputs.params)] = None
     notes = [f"skipped on a recording: {s}" for s in SKIPPED_ON_RECORDINGS] if recorded.replay else []
     if not recorded.replay:
         for fmt, prm in kinds:
@@ -722,24 +585,25 @@ def _doctor_call(recorded: Recorded, run: CallRun) -> DoctorReport:
     rec, ci, fmt, eps = run.recording, run.inputs, run.fmt, run.eps
     layout = rec.layout
     cf = lambda a: None if a is None else np.asarray(to_channels_first(np.asarray(a, dtype=np.float64), layout))  # noqa: E731
-    x = cf(ci["x"])
+    x = cf(ci.x)
     c = x.shape[1]
-    g = np.ones(c) if ci["gamma"] is None else np.asarray(ci["gamma"], dtype=np.float64)
-    b = np.zeros(c) if ci["beta"] is None else np.asarray(ci["beta"], dtype=np.float64)
-    have_running = ci["running_mean"] is not None and ci["running_var"] is not None
-    rm = np.asarray(ci["running_mean"], dtype=np.float64) if have_running else np.zeros(c)
-    rv = np.asarray(ci["running_var"], dtype=np.float64) if have_running else np.ones(c)
+    g = np.ones(c) if ci.gamma is None else np.asarray(ci.gamma, dtype=np.float64)
+    b = np.zeros(c) if ci.beta is None else np.asarray(ci.beta, dtype=np.float64)
+    have_running = ci.running_mean is not None and ci.running_var is not None
+    rm = np.asarray(ci.running_mean, dtype=np.float64) if have_running else np.zeros(c)
+    rv = np.asarray(ci.running_var, dtype=np.float64) if have_running else np.ones(c)
     dy = cf(rec.tensors.get("backward", {}).get("inputs", {}).get("dy"))
     mom = rec.momentum
-    got = {k: cf(v) if k in ELEMENTWISE else np.asarray(v, dtype=np.float64) for k, v in run.got.items()}
-    gold = {k: cf(v) if k in ELEMENTWISE else v for k, v in run.gold.items()}
+    got, gold, formats = run.invstd_view()
+    got = {k: cf(v) if k in ELEMENTWISE else np.asarray(v, dtype=np.float64) for k, v in got.items()}
+    gold = {k: cf(v) if k in ELEMENTWISE else v for k, v in gold.items()}
     notes = list(run.notes)
     if "running_mean" in got and mom is None:
         notes.append("momentum None (cumulative average): the running statistics' update is not checked")
         got.pop("running_mean"), got.pop("running_var")
     args = (x, g, b, rm, rv, np.zeros_like(x) if dy is None else dy, 0.1 if mom is None else mom, eps)
-    checks = _judge(run.label, got, gold, run.formats, _natural(run, x),
-                    lambda bug: model(*args, bug, training=rec.training),
+    checks = _judge(run.label, got, gold, formats, _natural(run, x),
+                    models=lambda bug: model(*args, bug=bug, training=rec.training),
                     skip=() if have_running else (TRAIN_RUNNING,), stored=_stored(args, got, rec.training))
     items, diagnosis, unseen = _items([checks], "on the recorded inputs", unseen=True)
     if rec.training and "train" in rec.tensors and "running_mean" not in run.got:
@@ -747,12 +611,12 @@ def _doctor_call(recorded: Recorded, run: CallRun) -> DoctorReport:
                      "variance are not checked")
     if "backward" not in rec.tensors:
         notes.append("no backward recorded: the gradients are not checked")
-    items.append(_epsilon(recorded.kernel, x, fmt, eps, ci["params"]))
+    items.append(_epsilon(recorded.kernel, x, fmt, eps, ci.params))
     if not recorded.replay and "train" in rec.tensors:
         ins = rec.tensors["train"]["inputs"]
         items.append(_determinism(lambda: recorded.kernel.forward_train(
-            ins["x"], ins.get("gamma"), ins.get("beta"), dtype=fmt, eps=eps, layout=layout, params=ci["params"]).y,
-            "the recorded inputs"))
+            ins["x"], ins.get("gamma"), ins.get("beta"), dtype=fmt, eps=eps, layout=layout, params=ci.params).y,
+            recorded.kernel.capabilities().deterministic, "the recorded inputs"))
     notes += unseen
-    return DoctorReport(run.kernel, fmt, items, diagnosis, notes, run.label, params=ci["params"],
+    return DoctorReport(run.kernel, fmt, items, diagnosis, notes, run.label, params=ci.params,
                         inputs=(run.label,))

@@ -25,8 +25,8 @@ import numpy as np
 from bnprobe._loading import first_line, kind_of, load_callable, raised
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
 from bnprobe.adapters.base import counters_only, params_format, stored_inputs
-from bnprobe.adapters.dump import DumpAdapter
-from bnprobe.checks.recorded import CallRun, PerCall, Recorded, check_options, runs
+from bnprobe.checks.recorded import PerCall, Recorded, check_options
+from bnprobe.checks.run import CallRun, runs
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.kernels.layout import channel_column, element_at, layout_of, reduce_axes, to_channels_first
@@ -173,8 +173,9 @@ def _where(shape: tuple[int, ...]) -> Callable[[int], str]:
 
 # ---- finite differences -------------------------------------------------------------------------
 
-def _fd_check(adapter: KernelAdapter, inp: Inputs, mode: str, eps: float, h: float, rtol: float, atol: float,
-              rng: np.random.Generator, full_max: int = FULL_JACOBIAN_MAX) -> tuple[list[GradRow], str]:
+def _fd_check(adapter: KernelAdapter, inp: Inputs, mode: str, eps: float, rng: np.random.Generator,
+              full_max: int = FULL_JACOBIAN_MAX) -> tuple[list[GradRow], str]:
+    h, rtol, atol = FINITE_DIFFERENCE["eps"], FINITE_DIFFERENCE["rtol"], FINITE_DIFFERENCE["atol"]
     x, g, b = inp.x, inp.gamma, inp.beta
     c = g.size
     shape = x.shape
@@ -248,7 +249,7 @@ def _fd_check(adapter: KernelAdapter, inp: Inputs, mode: str, eps: float, h: flo
 
 # ---- identities -----------------------------------------------------------------------------------
 
-def _identities(dx: np.ndarray, dg: np.ndarray | None, db: np.ndarray | None, inp: Inputs | None, xs: np.ndarray,
+def _identities(dx: np.ndarray, dg: np.ndarray | None, db: np.ndarray | None, inp: Inputs | None, *, xs: np.ndarray,
                 dys: np.ndarray, g: np.ndarray, mean: np.ndarray, var: np.ndarray, eps: float, tol: float,
                 dx_scale: np.ndarray | None = None, layout: str = "channels_first") -> list[GradRow]:
     """Per channel, relative to each identity's own scale:
@@ -367,8 +368,7 @@ def _golden_fd_rows(shape: tuple[int, ...], seed: int, eps: float) -> tuple[Grad
     """The FP64 golden's own gradients checked by finite differences on the formula check's inputs (the same for
     every formula on the same shape, seed and eps: computed once)."""
     inp = make_inputs(shape, seed)
-    fd_rows, _ = _fd_check(get_adapter("reference"), inp, "train", eps, FINITE_DIFFERENCE["eps"],
-                           FINITE_DIFFERENCE["rtol"], FINITE_DIFFERENCE["atol"], np.random.default_rng(seed))
+    fd_rows, _ = _fd_check(get_adapter("reference"), inp, "train", eps, np.random.default_rng(seed))
     return tuple(replace(r, tensor=f"reference {r.tensor}", detail="the golden's own gradients, by finite "
                          "differences") for r in fd_rows)
 
@@ -460,7 +460,7 @@ def gradcheck(
         raise BNProbeError(f"gradcheck mode must be train or infer, got {mode!r}")
     check_rtol_atol(rtol, atol)
     a = get_adapter(adapter) if isinstance(adapter, str) else adapter
-    if isinstance(a, DumpAdapter):
+    if a.capabilities().recorded:
         recorded = Recorded(a, a.calls)
         check_options(recorded, given=tuple(n for n, v in (("shape", shape), ("eps", eps)) if v is not None),
                       dtype=dtype, params=params)
@@ -486,8 +486,7 @@ def gradcheck(
     ref = get_adapter("reference")
     # 1. finite differences in FP64 on the adapter's own forward if it runs fp64, else on the reference
     fd_target = a if "fp64" in caps.formats and "backward" in caps.modes else ref
-    fd_rows, how = _fd_check(fd_target, inp, mode, eps, FINITE_DIFFERENCE["eps"], FINITE_DIFFERENCE["rtol"],
-                             FINITE_DIFFERENCE["atol"], rng)
+    fd_rows, how = _fd_check(fd_target, inp, mode, eps, rng)
     rows += fd_rows
     notes.append(f"finite differences on {fd_target.name} in fp64: {how}")
     # 2. the adapter's backward in its format vs the FP64 golden on the same rounded inputs
@@ -514,7 +513,8 @@ def gradcheck(
     # 3. identities of the adapter's own gradients (training)
     if train:
         mean, var = gsaved.mean.astype(np.float64), gsaved.var(eps)
-        rows += _identities(got.dx, got.dgamma, got.dbeta, inp, xs, dys, g, mean, var, eps, rt)
+        rows += _identities(got.dx, got.dgamma, got.dbeta, inp, xs=xs, dys=dys, g=g, mean=mean, var=var, eps=eps,
+                            tol=rt)
     return GradcheckResult(a.name, fmt, mode, tuple(shape), seed, rows, notes)
 
 
@@ -555,7 +555,7 @@ def _gradcheck_call(recorded: Recorded, run: CallRun, rtol: float | None, atol: 
     rec, ci = run.recording, run.inputs
     fmt, eps, training, layout = run.fmt, run.eps, rec.training, rec.layout
     mode = "train" if training else "infer"
-    x = to_channels_first(ci["x"], layout)
+    x = to_channels_first(ci.x, layout)
     c = x.shape[1]
     rows: list[GradRow] = []
     notes = list(run.notes)
@@ -566,7 +566,7 @@ def _gradcheck_call(recorded: Recorded, run: CallRun, rtol: float | None, atol: 
     fd_target = kernel if not recorded.replay and "fp64" in caps.formats and "backward" in caps.modes else ref
     k = min(FD_CHANNELS, c)
     vec = lambda v, default: (np.full(c, default) if v is None else np.asarray(v, dtype=np.float64))[:k]  # noqa: E731
-    rm, rv = ci["running_mean"], ci["running_var"]
+    rm, rv = ci.running_mean, ci.running_var
     if not np.all(np.isfinite(x)):
         notes.append("x holds NaN/inf (input-borne): no finite differences")
     elif not training and (rm is None or rv is None):
@@ -574,17 +574,16 @@ def _gradcheck_call(recorded: Recorded, run: CallRun, rtol: float | None, atol: 
     elif training and x.size // c < 2:
         notes.append("N*H*W = 1: no training-mode finite differences")
     else:
-        inp = Inputs(np.ascontiguousarray(x[:, :k]), vec(ci["gamma"], 1.0), vec(ci["beta"], 0.0),
+        inp = Inputs(np.ascontiguousarray(x[:, :k]), vec(ci.gamma, 1.0), vec(ci.beta, 0.0),
                      np.zeros_like(x[:, :k]), vec(rm, 0.0), vec(rv, 1.0))
-        fd_rows, how = _fd_check(fd_target, inp, mode, eps, FINITE_DIFFERENCE["eps"], FINITE_DIFFERENCE["rtol"],
-                                 FINITE_DIFFERENCE["atol"], rng, FD_RECORDED_FULL_MAX)
+        fd_rows, how = _fd_check(fd_target, inp, mode, eps, rng, FD_RECORDED_FULL_MAX)
         rows += fd_rows
         notes.append(f"finite differences on {fd_target.name} in fp64 at the recorded inputs"
                      + (f" (channels 0-{k - 1} of {c}; channels are independent)" if k < c else "") + f": {how}")
     # 2. the kernel's backward vs the golden's on the recorded inputs
     if "dx" not in run.got:
         notes.append("no backward recorded: only the finite differences on the golden at the call's inputs")
-        return GradcheckResult(run.kernel, fmt, mode, tuple(np.shape(ci["x"])), 0, rows, notes, run.label)
+        return GradcheckResult(run.kernel, fmt, mode, tuple(np.shape(ci.x)), 0, rows, notes, run.label)
     rt, at = grad_tolerance(fmt, rtol, atol)
     where_x, where_c = _where(x.shape), _where((c,))
     what = "the recorded backward" if recorded.replay else f"{run.kernel}'s backward"
@@ -607,9 +606,9 @@ def _gradcheck_call(recorded: Recorded, run: CallRun, rtol: float | None, atol: 
         notes.append("affine=False: no dgamma, dbeta recorded")
     # 3. identities of the kernel's gradients (training)
     if training and run.gold_saved is not None and "dx" in got:
-        g = np.ones(c) if ci["gamma"] is None else np.asarray(ci["gamma"], dtype=np.float64)
+        g = np.ones(c) if ci.gamma is None else np.asarray(ci.gamma, dtype=np.float64)
         dy = to_channels_first(rec.tensors["backward"]["inputs"]["dy"], layout)
         mean, var = np.asarray(run.gold_saved.mean, dtype=np.float64), run.gold_saved.var(eps)
         rows += _identities(to_channels_first(got["dx"], layout), got.get("dgamma"), got.get("dbeta"), None,
-                            x, dy, g, mean, var, eps, rt, dx_scale=run.scales.get("dx"))
-    return GradcheckResult(run.kernel, fmt, mode, tuple(np.shape(ci["x"])), 0, rows, notes, run.label)
+                            xs=x, dys=dy, g=g, mean=mean, var=var, eps=eps, tol=rt, dx_scale=run.scales.get("dx"))
+    return GradcheckResult(run.kernel, fmt, mode, tuple(np.shape(ci.x)), 0, rows, notes, run.label)

@@ -31,16 +31,9 @@ import numpy as np
 from bnprobe.adapters import KernelAdapter, get_adapter
 from bnprobe.adapters.dump import CallRef, DumpAdapter
 from bnprobe.adapters.emulated import PolicyAdapter
-from bnprobe.checks.recorded import (
-    CallRun,
-    PerCall,
-    Recorded,
-    check_options,
-    check_params,
-    generated_call,
-    run_call,
-    runs,
-)
+from bnprobe.call import BNCall
+from bnprobe.checks.recorded import PerCall, Recorded, check_options, check_params
+from bnprobe.checks.run import CallRun, call_of, generated_call, run_call, runs
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.kernels import backward, forward_infer, forward_train, get_policy
@@ -523,9 +516,8 @@ def _scan_outputs(a: KernelAdapter, x: np.ndarray, fmt: str, mode: str, g: np.nd
     rounded inputs, exactly as a recorded call's are judged (:func:`_scan_call`); in training also the
     inference the step's running statistics give (``y_eval``)."""
     modes = {"train": ("train",), "infer": ("infer",), "backward": ("backward",)}[mode]
-    rec = generated_call(x, gamma=g, beta=b, running_mean=rm, running_var=rv, dy=dy, dtype=fmt, params=params,
-                         eps=eps, momentum=momentum, layout=layout,
-                         modes=("train", "backward") if mode == "backward" else modes, label="generated")
+    call = BNCall(x, g, b, rm, rv, dy, eps, momentum, dtype=fmt, params=params, layout=layout)
+    rec = generated_call(call, modes=("train", "backward") if mode == "backward" else modes, label="generated")
     run = run_call(a, rec, modes=modes, label=a.name, after_step=mode == "train")
     rep = _scan_call(run, policy="(no trace: outputs vs the FP64 golden)")
     rep.call = None
@@ -538,7 +530,7 @@ def _scan_outputs(a: KernelAdapter, x: np.ndarray, fmt: str, mode: str, g: np.nd
 
 # ---- recorded calls: outputs against the golden ---------------------------------------------------------
 
-ELEMENTWISE_OUTPUTS = ("y_train", "y_infer", "dx", "y_eval")
+ELEMENTWISE_OUTPUTS = ("y", "y_infer", "dx", "y_eval")
 # per-channel outputs that are positive by nature: a zero is an underflow, a subnormal a loss of precision
 POSITIVE_OUTPUTS = ("saved_invstd", "running_var")
 WHERE = {"y_eval": "inference with the running statistics the training step left: "}
@@ -579,13 +571,13 @@ def scan_recorded(recorded: Recorded, *, mode: str | None = None, params: str | 
 def _scan_runnable(a: KernelAdapter, rec: Any, mode: str, label: str) -> OverflowReport:
     """A runnable adapter scanned on one recorded call's inputs and scalars in one of its modes."""
     ins = rec.tensors[mode]["inputs"]
-    ci = rec.call_inputs()
+    ci = call_of(rec)
     dy = rec.tensors.get("backward", {}).get("inputs", {}).get("dy")
-    rep = scan(a, ins["x"], dtype=rec.dtype, mode=mode, gamma=ins.get("gamma", ci["gamma"]),
-               beta=ins.get("beta", ci["beta"]), eps=rec.eps, layout=rec.layout,
-               running_mean=ins.get("running_mean", ci["running_mean"]),
-               running_var=ins.get("running_var", ci["running_var"]), dy=dy, momentum=rec.momentum,
-               params=ci["params"])
+    rep = scan(a, ins["x"], dtype=rec.dtype, mode=mode, gamma=ins.get("gamma", ci.gamma),
+               beta=ins.get("beta", ci.beta), eps=rec.eps, layout=rec.layout,
+               running_mean=ins.get("running_mean", ci.running_mean),
+               running_var=ins.get("running_var", ci.running_var), dy=dy, momentum=rec.momentum,
+               params=ci.params)
     rep.call = label
     return rep
 
@@ -671,11 +663,11 @@ def _output_findings(key: str, got: Any, gold: Any, fmt: str, lay: Any, x_cr: np
 
 def _scan_call(run: CallRun, policy: str = "(recorded outputs vs the FP64 golden)") -> OverflowReport:
     rec, ci, fmt = run.recording, run.inputs, run.fmt
-    lay = layout_of(ci["x"], rec.layout)
-    x_cr = lay.to_cr(ci["x"])
+    lay = layout_of(ci.x, rec.layout)
+    x_cr = lay.to_cr(ci.x)
     dy = rec.tensors.get("backward", {}).get("inputs", {}).get("dy")
     findings: list[OverflowFinding] = []
-    inputs = {**{k: ci[k] for k in _INPUTS if k != "dy"}, "dy": dy if "dx" in run.got else None}
+    inputs = {**{k: getattr(ci, k) for k in _INPUTS if k != "dy"}, "dy": dy if "dx" in run.got else None}
     bad_inputs = []
     for name, v in inputs.items():
         if v is None:
@@ -688,8 +680,9 @@ def _scan_call(run: CallRun, policy: str = "(recorded outputs vs the FP64 golden
             findings.append(_finding("input_nonfinite", name, vf, m, elementwise, lay, x_cr,
                                      "NaN/inf present in the input itself: input-borne, not a kernel fault",
                                      True))
-    for key, got in run.got.items():
-        findings += _output_findings(key, got, run.gold[key], run.formats[key], lay, x_cr, bool(bad_inputs))
+    got_, gold_, formats_ = run.invstd_view()
+    for key, got in got_.items():
+        findings += _output_findings(key, got, gold_[key], formats_[key], lay, x_cr, bool(bad_inputs))
     notes = list(run.notes)
     for key in ("running_mean", "running_var"):
         if key in run.gold and key not in run.got:
@@ -701,15 +694,15 @@ def _scan_call(run: CallRun, policy: str = "(recorded outputs vs the FP64 golden
                                          f"(not in the recording) the FP64 update is beyond the {rec.params} maximum: "
                                          "the kernel's running statistic cannot be finite", bool(bad_inputs)))
     head: list[Headroom] = []
-    y = run.got.get("y_train", run.got.get("y_infer"))
+    y = run.got.get("y", run.got.get("y_infer"))
     if y is not None:
-        g = None if ci["gamma"] is None else np.asarray(ci["gamma"], dtype=np.float64)
-        b = None if ci["beta"] is None else np.asarray(ci["beta"], dtype=np.float64)
+        g = None if ci.gamma is None else np.asarray(ci.gamma, dtype=np.float64)
+        b = None if ci.beta is None else np.asarray(ci.beta, dtype=np.float64)
         pol = get_policy(fmt).with_options(params=rec.params)
-        head = predict_headroom(np.asarray(ci["x"], dtype=np.float64), pol, g, b, run.eps, rec.layout)
-        if "y_train" not in run.got:  # inference computes no statistics: only x and y apply
+        head = predict_headroom(np.asarray(ci.x, dtype=np.float64), pol, g, b, run.eps, rec.layout)
+        if "y" not in run.got:  # inference computes no statistics: only x and y apply
             head = [h for h in head if h.stage in ("x", "y")]
-        actual = {"x": np.asarray(ci["x"], dtype=np.float64), "y": np.asarray(y, dtype=np.float64)}
+        actual = {"x": np.asarray(ci.x, dtype=np.float64), "y": np.asarray(y, dtype=np.float64)}
         for i, h in enumerate(head):
             if h.stage in actual:
                 v = actual[h.stage]

@@ -72,12 +72,13 @@ class RecordedParams:
     def recording(self, x: np.ndarray, dtype: str, modes: tuple[str, ...]) -> Any:
         """The inputs of :meth:`inputs` as a Recording without outputs: what compare-precision runs an adapter
         on (``--input DIR``), each tensor rounded to its format."""
-        from bnprobe.checks.recorded import generated_call
+        from bnprobe.call import BNCall
+        from bnprobe.checks.run import generated_call
 
         ins = self.inputs(x)
-        return generated_call(x, gamma=self.gamma, beta=self.beta, running_mean=ins["running_mean"],
-                              running_var=ins["running_var"], dy=ins["dy"], dtype=dtype, params=self.params,
-                              eps=self.eps, momentum=self.momentum, modes=modes, label=self.source or "shrink")
+        call = BNCall(x, self.gamma, self.beta, ins["running_mean"], ins["running_var"], ins["dy"], self.eps,
+                      self.momentum, dtype=dtype, params=self.params)
+        return generated_call(call, modes=modes, label=self.source or "shrink")
 
     def record(self, adapter: KernelAdapter, x: np.ndarray, dtype: str, modes: tuple[str, ...]) -> Any:
         """A recording of ``adapter`` on :meth:`inputs`."""
@@ -97,10 +98,8 @@ def mode_training(modes: tuple[str, ...]) -> bool:
 
 def runnable(adapter: str | KernelAdapter) -> KernelAdapter:
     """The adapter to rerun on smaller inputs; a dump (it answers only its own inputs) is an error."""
-    from bnprobe.adapters.dump import DumpAdapter
-
     a = get_adapter(adapter) if isinstance(adapter, str) else adapter
-    if isinstance(a, DumpAdapter):
+    if a.capabilities().recorded:
         raise BNProbeError(f"{a.name} cannot be rerun on smaller inputs: shrink needs a runnable adapter; give the "
                            "recording as --input DIR[#CALL] with --adapter torch, emulated:fp16, ... to shrink its x")
     return a
@@ -141,7 +140,8 @@ def compare_predicate(adapter: str | KernelAdapter, against: str = "reference", 
     call's parameters and scalars when ``recorded`` is given, else parameters in fp32 or, ``params`` same,
     in the input's format)."""
     from bnprobe.adapters.dump import CallRef, RecordedCalls
-    from bnprobe.checks.compare import Case, compare_precision, recorded_cases
+    from bnprobe.checks.cases import Case, recorded_cases
+    from bnprobe.checks.compare import compare_precision
 
     if against != "reference":
         raise BNProbeError("shrink compares against the FP64 reference (--against reference)")

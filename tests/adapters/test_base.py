@@ -4,7 +4,8 @@ import numpy as np
 
 from bnprobe.adapters import get_adapter
 from bnprobe.adapters.base import counters_only
-from bnprobe.checks.compare import Case, compare_precision
+from bnprobe.checks.cases import Case
+from bnprobe.checks.compare import compare_precision
 from bnprobe.checks.diagnosis import doctor
 
 

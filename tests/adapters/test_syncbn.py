@@ -10,7 +10,8 @@ import pytest
 from bnprobe.adapters import Saved, get_adapter
 from bnprobe.adapters.dump import load_dump, write_dump
 from bnprobe.adapters.syncbn import SyncBNAdapter, rank_recordings, split_ranks
-from bnprobe.checks.compare import Case, compare_precision
+from bnprobe.checks.cases import Case
+from bnprobe.checks.compare import compare_precision
 from bnprobe.errors import BNProbeError
 from oracle import round_fraction, round_sqrt
 

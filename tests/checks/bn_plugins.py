@@ -9,8 +9,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from bnprobe.adapters import BackwardOutput, Capabilities, ForwardOutput, Saved
-from bnprobe.adapters.base import BaseAdapter
+from bnprobe.adapters import BackwardOutput, BaseAdapter, Capabilities, ForwardOutput, Saved
 
 NP = {"fp64": np.float64, "fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
 

@@ -4,14 +4,9 @@ import pytest
 
 from bnprobe.adapters import BackwardOutput, get_adapter
 from bnprobe.adapters.dump import DumpAdapter, open_dump, record, write_dump
-from bnprobe.checks.compare import (
-    Case,
-    compare_precision,
-    error_budget,
-    recorded_cases,
-    resnet50_cases,
-    stress_cases,
-)
+from bnprobe.checks.budget import error_budget
+from bnprobe.checks.cases import Case, recorded_cases, resnet50_cases, stress_cases
+from bnprobe.checks.compare import compare_precision
 from bnprobe.cli import main
 from bnprobe.errors import BNProbeError
 from bnprobe.numerics.rounding import round_to
@@ -36,7 +31,7 @@ def test_single_pass_variance_fails_where_it_cancels():
 
 
 def cause(rows):
-    from bnprobe.checks.compare import budget_cause
+    from bnprobe.checks.budget import budget_cause
 
     df = pd.DataFrame(rows).sort_values("order")
     return budget_cause(list(zip(df.stage, df.error_removed)))

@@ -7,8 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from bnprobe.checks import diagnosis as D
-from bnprobe.checks.diagnosis import BUGS, doctor, model, probes
+from bnprobe.checks import bugs as D
+from bnprobe.checks.bugs import BUGS, describe, model
+from bnprobe.checks.diagnosis import doctor, probes
 from bnprobe.checks.shrinking import compare_predicate, shrink
 from bnprobe.cli import main
 from bnprobe.errors import BNProbeError
@@ -50,10 +51,10 @@ def test_each_buggy_kernel_is_diagnosed_as_exactly_its_bug(bug, fmt, params):
     and dγ, dβ in fp32, or in fmt with params=same; for fp32 and fp64 inputs same is fp32)."""
     rep = doctor(NumpyBN(bug), fmt, params=params)
     assert not rep.passed
-    assert rep.diagnosis == [DIAGNOSIS[bug]], (rep.diagnosis, [i.evidence for i in failed(rep).values()])
+    assert rep.diagnosis == [describe(DIAGNOSIS[bug])], (rep.diagnosis, [i.evidence for i in failed(rep).values()])
     checklist = {name for name, _ in D.CHECKS.values()}
     for item in failed(rep).values():  # every failing check names the bug, and shows what is wrong where
-        assert item.matches == ((DIAGNOSIS[bug],) if item.name in checklist else ()) and item.details, item
+        assert item.matches == ((describe(DIAGNOSIS[bug]),) if item.name in checklist else ()) and item.details, item
         assert all("Mismatched elements:" in d and "expected" in d for d in item.details)
 
 
@@ -77,10 +78,10 @@ def test_the_bf16_gaps_are_closed():
     """A dx without its last term was diagnosed as "x instead of x-hat" in bf16, and a running_var with the
     biased variance passed, its fp32 running statistics judged at bf16's tolerance."""
     rep = doctor(NumpyBN("dx-drops-xhat-term"), "bf16")
-    assert rep.diagnosis == [D.DROP_XHAT]
+    assert rep.diagnosis == [describe(D.DROP_XHAT)]
     rep = doctor(NumpyBN("biased-running-var"), "bf16")
     item = failed(rep)["running statistics: PyTorch momentum convention, unbiased running_var"]
-    assert rep.diagnosis == [D.BIASED_RUNNING] and any("running_var (fp32)" in d for d in item.details)
+    assert rep.diagnosis == [describe(D.BIASED_RUNNING)] and any("running_var (fp32)" in d for d in item.details)
 
 
 @pytest.mark.parametrize("fmt,params", [("fp16", "same"), ("bf16", "same"), ("fp32", "fp32"), ("fp16", "fp32")])
@@ -143,11 +144,11 @@ def test_the_models_are_batchnorm():
     mu, var = x.mean(axis=(0, 2), keepdims=True), x.var(axis=(0, 2), keepdims=True)
     xh = (x - mu) / np.sqrt(var + 1e-5)
     c = g.reshape(1, 2, 1)
-    np.testing.assert_allclose(m["y_train"], c * xh + b.reshape(1, 2, 1), rtol=1e-13)
+    np.testing.assert_allclose(m["y"], c * xh + b.reshape(1, 2, 1), rtol=1e-13)
     dx = c / np.sqrt(var + 1e-5) * (dy - dy.mean(axis=(0, 2), keepdims=True)
                                    - xh * (dy * xh).mean(axis=(0, 2), keepdims=True))
     np.testing.assert_allclose(m["dx"], dx, rtol=1e-12, atol=1e-12)
-    seed = model(x, g, b, rm, rv, dy, 0.1, 1e-5, D.SEED)["dx"]
+    seed = model(x, g, b, rm, rv, dy, 0.1, 1e-5, bug=D.SEED)["dx"]
     printed = c / (var + 1e-5) * (dy - dy.mean(axis=(0, 2), keepdims=True) - x * (dy * x).mean(axis=(0, 2),
                                                                                                 keepdims=True))
     np.testing.assert_allclose(seed, printed, rtol=1e-13)
@@ -160,7 +161,7 @@ def test_your_input_is_one_more_input(tmp_path, capsys):
     np.save(tmp_path / "x.npy", x)
     code = main(["doctor", "--adapter", f"{PLUGINS}:DropsTerm", "--dtype", "bf16", "--input", str(tmp_path / "x.npy")])
     out = capsys.readouterr().out
-    assert code == 1 and "stress/eval-after-steps, input" in out and D.DROP_XHAT in out
+    assert code == 1 and "stress/eval-after-steps, input" in out and describe(D.DROP_XHAT) in out
 
 
 def test_kernels_without_a_trace_are_judged_by_their_outputs():
@@ -231,7 +232,36 @@ def test_doctor_cli(capsys):
     assert "does not run fp64" in capsys.readouterr().err
     assert main(["doctor", "--adapter", f"{PLUGINS}:BiasedRunningVar", "--dtype", "bf16", "--params", "same"]) == 1
     out = capsys.readouterr().out
-    assert "params same" in out and f"diagnosis: {D.BIASED_RUNNING}" in out
+    assert "params same" in out and f"diagnosis: {describe(D.BIASED_RUNNING)}" in out
     assert "on stress/R=2: running_var (bf16)" in out
     assert main(["doctor", "--params", "fp16"]) == 2
     assert "--params takes same or fp32" in capsys.readouterr().err
+
+
+class _Jittery(NumpyBN):
+    """A kernel whose y differs from run to run by one part in 1e-6 (a reduction order that changes)."""
+
+    def __init__(self, declared):
+        super().__init__()
+        self.declared, self.runs = declared, 0
+
+    def capabilities(self):
+        from dataclasses import replace
+
+        return replace(super().capabilities(), deterministic=self.declared)
+
+    def _forward_train_impl(self, p, *, momentum, eps):
+        from dataclasses import replace
+
+        out = super()._forward_train_impl(p, momentum=momentum, eps=eps)
+        self.runs += 1
+        return replace(out, y=(out.y.astype(np.float64) * (1 + 1e-6 * self.runs)).astype(out.y.dtype))
+
+
+@pytest.mark.parametrize("declared,status", [(True, "FAIL"), (False, "WARN")])
+def test_determinism_is_judged_by_what_the_kernel_declares(declared, status):
+    """Capabilities.deterministic is read: two different runs fail a kernel that declares itself deterministic and
+    only warn for one that does not."""
+    rep = doctor(_Jittery(declared), "fp32", stability=False)
+    item = next(i for i in rep.items if i.name == "determinism")
+    assert item.status == status, item.evidence

@@ -143,7 +143,7 @@ def alternating(a, shape=(8, 2, 2, 2)):
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 def test_a_plugin_whose_y_is_all_zero_is_never_clean(dtype, params):
     x = make_input((4, 3, 2, 2), seed=0)
-    for mode, outputs in (("train", {"y_train", "y_eval"}), ("infer", {"y_infer"})):
+    for mode, outputs in (("train", {"y", "y_eval"}), ("infer", {"y_infer"})):
         assert scan(NumpyBN(), x, dtype=dtype, mode=mode, params=params)  # the same kernel without the fault
         rep = scan(ZeroY(), x, dtype=dtype, mode=mode, params=params)
         zero = [f for f in rep.findings if f.anomaly == "zero_output"]

@@ -175,7 +175,7 @@ def by(rep):
 def test_overflow_finds_what_the_outputs_do_wrong(tmp_path, bug, anomaly, dtype):
     write_dump(record_call(NumpyBN(bug), (4, 3, 2, 2), dtype, modes=("train",)), tmp_path)
     rep = scan(f"dump:{tmp_path}")
-    f = by(rep)[(anomaly, "y_train")]
+    f = by(rep)[(anomaly, "y")]
     assert f.channels == (0,) and f.count == 16 and not f.input_borne
     assert rep.call == tmp_path.name and not rep
 
@@ -197,7 +197,7 @@ def test_y_at_and_beyond_the_fp16_maximum(tmp_path, beta, expect):
     rep = edge_call(tmp_path, NumpyBN(), beta)
     assert [f.anomaly for f in rep.findings] == ([expect] if expect else [])
     if expect:
-        f = by(rep)[("overflow", "y_train")]
+        f = by(rep)[("overflow", "y")]
         assert f.channels == (1,) and f.count == 16 and "beyond the fp16 maximum" in f.detail
 
 
@@ -230,7 +230,7 @@ def test_nan_in_the_recorded_input_is_input_borne(tmp_path):
     f = by(scan(f"dump:{tmp_path}"))
     assert f[("input_nonfinite", "x")].input_borne and f[("input_nonfinite", "x")].channels == (2,)
     assert f[("input_nonfinite", "x")].first_element == "index (1, 2, 0, 1) (channel 2)"
-    assert f[("nan", "y_train")].input_borne and f[("nan", "y_train")].channels == (2,)
+    assert f[("nan", "y")].input_borne and f[("nan", "y")].channels == (2,)
     assert ("nan", "running_mean") in f and f[("nan", "running_mean")].input_borne
 
 

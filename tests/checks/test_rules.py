@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from bnprobe.adapters import get_adapter
-from bnprobe.checks.compare import stress_cases
+from bnprobe.checks.cases import stress_cases
 from bnprobe.checks.rules import absolute
 from bnprobe.numerics.rounding import round_to
 

@@ -1,0 +1,51 @@
+"""One BatchNorm call: its inputs, scalars and formats, as one typed value.
+
+Every check runs a kernel and the FP64 golden on a :class:`BNCall` — a recorded call's (a dump's), a generated
+one's, a probe's — and the defaults of BatchNorm's scalars are defined here once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+__all__ = ["BNCall", "EPS", "MOMENTUM"]
+
+EPS = 1e-5  # BatchNorm's epsilon where none is given (PyTorch's, and every framework's BatchNorm2d default)
+MOMENTUM = 0.1  # the running statistics' momentum where none is given (PyTorch's convention: new = (1-m)·old + m·batch)
+
+
+@dataclass(frozen=True, eq=False)
+class BNCall:
+    """What a BatchNorm kernel is called with: x (and dy for the backward) in ``dtype``; γ, β and the running
+    statistics (None where the call has none) in the parameter format (``params``: ``same`` as x, or ``fp32``);
+    ε, momentum (None: a cumulative average), the training flag and the layout of x."""
+
+    x: np.ndarray
+    gamma: np.ndarray | None = None
+    beta: np.ndarray | None = None
+    running_mean: np.ndarray | None = None
+    running_var: np.ndarray | None = None
+    dy: np.ndarray | None = None
+    eps: float = EPS
+    momentum: float | None = MOMENTUM
+    training: bool = True
+    dtype: str = "fp32"
+    params: str = "fp32"
+    layout: str = "channels_first"
+
+    @property
+    def kernel_options(self) -> dict[str, Any]:
+        """The keywords every kernel call of this call takes (dtype, eps, layout, params)."""
+        return {"dtype": self.dtype, "eps": self.eps, "layout": self.layout, "params": self.params}
+
+    @property
+    def has_running(self) -> bool:
+        """Whether the call has both running statistics."""
+        return self.running_mean is not None and self.running_var is not None
+
+    def with_(self, **changes: Any) -> BNCall:
+        """A copy with ``changes`` (field=value)."""
+        return replace(self, **changes)

@@ -1,0 +1,179 @@
+"""The doctor's catalogue of known BatchNorm bugs: each bug's id, what it is in words, the groups of outputs it
+changes, and :func:`model`, BatchNorm in FP64 with one of them.
+
+The ids are stable names for programs (``eps-on-sigma``...); reports print the words (:data:`TEXT`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bnprobe.errors import BNProbeError
+from bnprobe.kernels.layout import channel_column, reduce_axes
+
+__all__ = ["BUGS", "TEXT", "GROUPS", "CHECKS", "model", "describe"]
+
+EPS_ON_SIGMA = "eps-on-sigma"
+EPS_MISSING = "eps-missing"
+SQRT_MISSING = "no-sqrt"
+UNBIASED = "unbiased-normalise"
+TRAIN_RUNNING = "train-uses-running"
+NO_CENTER = "mean-not-subtracted"
+SWAPPED = "gamma-beta-swapped"
+BIASED_RUNNING = "biased-running-var"
+KERAS = "momentum-1-m"
+NOT_UPDATED = "running-not-updated"
+PLUS_EPS = "running-var-plus-eps"
+INFER_BATCH = "infer-uses-batch"
+DROP_MEAN = "dx-drops-mean"
+DROP_XHAT = "dx-drops-xhat-term"
+SUM_DY = "dx-sum-dy"
+SUM_DY_XHAT = "dx-sum-dy-xhat"
+PLUS_XHAT = "dx-plus-xhat-term"
+DX_NO_SQRT = "dx-no-sqrt"
+DX_NO_GAMMA = "dx-no-gamma"
+DX_X = "dx-x-for-xhat"
+DX_CENTERED = "dx-centered-for-xhat"
+SEED = "dx-seed"
+DG_NO_RSTD = "dgamma-no-rstd"
+DG_X = "dgamma-x"
+DG_MEAN = "dgamma-mean"
+DB_MEAN = "dbeta-mean"
+DG_DB_SWAPPED = "dgamma-dbeta-swapped"
+
+#: each bug in words, as reports say it
+TEXT: dict[str, str] = {
+    EPS_ON_SIGMA: "eps added to sigma instead of sigma^2",
+    EPS_MISSING: "eps missing",
+    SQRT_MISSING: "square root missing: normalised by var + eps",
+    UNBIASED: "unbiased variance used for normalisation",
+    TRAIN_RUNNING: "training uses running statistics",
+    NO_CENTER: "mean not subtracted: y = gamma*x*rstd + beta",
+    SWAPPED: "gamma and beta swapped in y",
+    BIASED_RUNNING: "running_var updated with the biased variance",
+    KERAS: "momentum applied as 1-m (Keras convention)",
+    NOT_UPDATED: "running statistics not updated",
+    PLUS_EPS: "running_var updated with var + eps",
+    INFER_BATCH: "inference uses batch statistics",
+    DROP_MEAN: "dx missing its -mean(dy) term",
+    DROP_XHAT: "dx missing its -x-hat*mean(dy*x-hat) term",
+    SUM_DY: "dx subtracts sum(dy) instead of mean(dy)",
+    SUM_DY_XHAT: "dx subtracts x-hat*sum(dy*x-hat) instead of x-hat*mean(dy*x-hat)",
+    PLUS_XHAT: "dx adds x-hat*mean(dy*x-hat) instead of subtracting it",
+    DX_NO_SQRT: "dx factor without the square root: gamma/(var+eps)",
+    DX_NO_GAMMA: "dx factor missing gamma",
+    DX_X: "dx uses x instead of x-hat",
+    DX_CENTERED: "dx uses x-mean instead of x-hat",
+    SEED: "dx is the seed's dL/dX as printed: gamma/(var+eps)*(dy - mean(dy) - x*mean(dy*x))",
+    DG_NO_RSTD: "dgamma missing the rstd factor",
+    DG_X: "dgamma uses x instead of x-hat",
+    DG_MEAN: "dgamma is the mean of dy*x-hat instead of the sum",
+    DB_MEAN: "dbeta is the mean of dy instead of the sum",
+    DG_DB_SWAPPED: "dgamma and dbeta swapped",
+}
+
+_NORMALISE = ("y_train", "saved", "y_infer", "backward", "y_eval")
+# each known bug, with the groups of outputs it changes
+BUGS: dict[str, tuple[str, ...]] = {  # id: the groups it changes
+    EPS_ON_SIGMA: _NORMALISE,
+    EPS_MISSING: _NORMALISE,
+    SQRT_MISSING: _NORMALISE,
+    UNBIASED: ("y_train", "saved", "backward"),
+    TRAIN_RUNNING: ("y_train", "saved", "backward"),
+    NO_CENTER: ("y_train", "y_infer", "y_eval"),
+    SWAPPED: ("y_train", "y_infer", "y_eval"),
+    BIASED_RUNNING: ("running", "y_eval"),
+    KERAS: ("running", "y_eval"),
+    NOT_UPDATED: ("running", "y_eval"),
+    PLUS_EPS: ("running", "y_eval"),
+    INFER_BATCH: ("y_infer", "y_eval"),
+    **{bug: ("backward",) for bug in (DROP_MEAN, DROP_XHAT, SUM_DY, SUM_DY_XHAT, PLUS_XHAT, DX_NO_SQRT, DX_NO_GAMMA,
+                                      DX_X, DX_CENTERED, SEED, DG_NO_RSTD, DG_X, DG_MEAN, DB_MEAN, DG_DB_SWAPPED)},
+}
+GROUPS = {"y_train": ("y",), "saved": ("saved_mean", "saved_invstd"), "running": ("running_mean", "running_var"),
+          "y_infer": ("y_infer",), "backward": ("dx", "dgamma", "dbeta"), "y_eval": ("y_eval",)}
+CHECKS = {  # group: (checklist item, what its outputs are)
+    "y_train": ("training forward: batch statistics, epsilon inside the square root", "training outputs y"),
+    "saved": ("saved statistics: mean and 1/sqrt(biased variance + eps)", "saved mean and 1/sqrt(var+eps)"),
+    "running": ("running statistics: PyTorch momentum convention, unbiased running_var",
+                "updated running_mean / running_var"),
+    "y_infer": ("train/eval switch: inference normalises with the running statistics", "inference outputs y"),
+    "backward": ("backward: dx, dgamma, dbeta", "gradients"),
+    "y_eval": ("eval after several training steps: inference with the running statistics they left",
+               "inference outputs y after the steps"),
+}
+ELEMENTWISE = ("y", "y_infer", "dx", "y_eval")
+
+
+def model(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, rm: np.ndarray, rv: np.ndarray, dy: np.ndarray,
+          momentum: float, eps: float, *, bug: str | None = None, training: bool = True,
+          saved: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """BatchNorm in FP64 (NC... layout), correct or with one bug from BUGS; ``training=False``: the backward
+    is that of inference (normalised with the running statistics); ``saved`` (mean, invstd): the training
+    backward from these statistics, as a kernel's backward takes what its forward stored."""
+    if bug is not None and bug not in BUGS:
+        raise BNProbeError(f"unknown bug model {bug!r}")
+    ax, n = reduce_axes(x), x.ndim
+    r = x.size // x.shape[1]
+    col = lambda v: channel_column(v, n)  # noqa: E731
+    mean, var = x.mean(axis=ax), x.var(axis=ax)
+    unbiased = var * r / (r - 1) if r > 1 else np.full_like(var, np.nan)
+
+    def rstd_of(v: np.ndarray) -> np.ndarray:
+        if bug == EPS_ON_SIGMA:
+            return 1 / (np.sqrt(v) + eps)
+        if bug == EPS_MISSING:
+            return 1 / np.sqrt(v)
+        if bug == SQRT_MISSING:
+            return 1 / (v + eps)
+        return 1 / np.sqrt(v + eps)
+
+    def y_of(m: np.ndarray, rs: np.ndarray) -> np.ndarray:
+        if bug == NO_CENTER:
+            return col(gamma * rs) * x + col(beta)
+        xh = (x - col(m)) * col(rs)
+        return col(beta) * xh + col(gamma) if bug == SWAPPED else col(gamma) * xh + col(beta)
+
+    m_t, v_t = (rm, rv) if bug == TRAIN_RUNNING else (mean, unbiased if bug == UNBIASED else var)
+    rstd = rstd_of(v_t)
+    xhat = (x - col(m_t)) * col(rstd)
+    batch_var = var if bug == BIASED_RUNNING else (unbiased + eps if bug == PLUS_EPS else unbiased)
+    if bug == KERAS:
+        new_rm, new_rv = momentum * rm + (1 - momentum) * mean, momentum * rv + (1 - momentum) * batch_var
+    elif bug == NOT_UPDATED:
+        new_rm, new_rv = rm, rv
+    else:
+        new_rm, new_rv = (1 - momentum) * rm + momentum * mean, (1 - momentum) * rv + momentum * batch_var
+    mi, vi = (mean, var) if bug == INFER_BATCH else (rm, rv)
+    if training and saved is not None:
+        m_b, rs_b = np.asarray(saved[0], dtype=np.float64), np.asarray(saved[1], dtype=np.float64)
+        v_b = 1 / (rs_b * rs_b) - eps
+        xh_b = (x - col(m_b)) * col(rs_b)
+    elif training:
+        m_b, v_b, rs_b, xh_b = m_t, v_t, rstd, xhat
+    else:  # y = γ·(x - rm)·rstd(rv) + β: the statistics are constants
+        m_b, v_b = rm, rv
+        rs_b = rstd_of(rv)
+        xh_b = (x - col(rm)) * col(rs_b)
+    dbeta = dy.sum(axis=ax)
+    dgamma = {DG_NO_RSTD: lambda: (dy * (x - col(m_b))).sum(axis=ax), DG_X: lambda: (dy * x).sum(axis=ax),
+              DG_MEAN: lambda: (dy * xh_b).mean(axis=ax)}.get(bug, lambda: (dy * xh_b).sum(axis=ax))()
+    if bug == DB_MEAN:
+        dbeta = dy.mean(axis=ax)
+    if bug == DG_DB_SWAPPED:
+        dgamma, dbeta = dbeta, dgamma
+    factor = {DX_NO_SQRT: gamma / (v_b + eps), SEED: gamma / (v_b + eps), DX_NO_GAMMA: rs_b}.get(bug, gamma * rs_b)
+    if training:
+        z = {DX_X: x, SEED: x, DX_CENTERED: x - col(m_b)}.get(bug, xh_b)
+        t1 = 0.0 if bug == DROP_MEAN else dy.sum(axis=ax, keepdims=True) / (1 if bug == SUM_DY else r)
+        t2 = 0.0 if bug == DROP_XHAT else (dy * z).sum(axis=ax, keepdims=True) / (1 if bug == SUM_DY_XHAT else r)
+        dx = col(factor) * (dy - t1 + (1.0 if bug == PLUS_XHAT else -1.0) * z * t2)
+    else:
+        dx = col(factor) * dy
+    return {"y": y_of(m_t, rstd), "saved_mean": m_t, "saved_invstd": rstd, "running_mean": new_rm,
+            "running_var": new_rv, "y_infer": y_of(mi, rstd_of(vi)), "dx": dx, "dgamma": dgamma, "dbeta": dbeta}
+
+
+def describe(bug: str) -> str:
+    """A bug's id in words."""
+    return TEXT[bug]
+

@@ -1,0 +1,374 @@
+"""The run engine: a kernel and the FP64 golden on one BatchNorm call, every output in one vocabulary.
+
+Every check (compare-precision, doctor, gradcheck, overflow, shrink, sweeps) runs its kernels here: a call —
+recorded (a dump's) or generated (:func:`generated_call`) — goes through the kernel under test (a dump is bound
+to the call and replays it) and through the golden on exactly the call's inputs, scalars and formats, in the
+modes asked for.  The result, a :class:`CallRun`, names each output by :data:`OUTPUT_MODE`'s keys: ``y`` (the
+training forward's), ``saved_mean`` and ``saved_invstd`` or ``saved_var`` (as the kernel saved it),
+``running_mean``, ``running_var``, ``y_infer``, ``y_eval`` (inference after the step), ``dx``, ``dgamma``,
+``dbeta``; and per channel the natural scale of the outputs that can cancel to near zero (what they are formed
+from).  The golden of a call is computed once however many kernels run on it (:class:`Golden`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from bnprobe.adapters import BackwardOutput, ForwardOutput, KernelAdapter, Saved, get_adapter
+from bnprobe.adapters.base import counters_only, params_format
+from bnprobe.adapters.dump import Recording
+from bnprobe.call import BNCall
+from bnprobe.errors import BNProbeError
+from bnprobe.formats import get_format
+from bnprobe.kernels.layout import layout_of
+
+__all__ = ["CallRun", "Golden", "OUTPUT_MODE", "call_of", "generated_call", "run_call", "runs", "natural_scales"]
+
+# each output a check can judge, and the mode whose call returns it
+OUTPUT_MODE = {"y": "train", "saved_mean": "train", "saved_invstd": "train", "saved_var": "train",
+               "running_mean": "train", "running_var": "train", "y_infer": "infer", "dx": "backward",
+               "dgamma": "backward", "dbeta": "backward", "y_eval": "train"}
+
+
+def call_of(rec: Recording) -> BNCall:
+    """The call a recording holds: its inputs, scalars and formats (:meth:`Recording.call_inputs`)."""
+    ci = rec.call_inputs()
+    return BNCall(ci["x"], ci["gamma"], ci["beta"], ci["running_mean"], ci["running_var"], ci["dy"], ci["eps"],
+                  ci["momentum"], ci["training"], ci["dtype"], ci["params"], ci["layout"])
+
+
+@dataclass
+class CallRun:
+    """One call through the kernel under test and through the FP64 golden.
+
+    ``got`` and ``gold`` map the outputs (names of :data:`OUTPUT_MODE`) to arrays: the kernel's in the dtype it
+    returned them in, the golden's in float64 (``gold`` may also hold the running statistics' update that a
+    recording lacks).  ``formats``: the format each output was returned in.  ``scales``: per channel, the natural
+    magnitude of the outputs that can cancel to near zero (:func:`natural_scales`)."""
+
+    index: int
+    label: str
+    kernel: str
+    recording: Recording  # the call as recorded (or generated): its inputs, scalars, formats and outputs
+    modes: tuple[str, ...]
+    got: dict[str, np.ndarray] = field(default_factory=dict)
+    gold: dict[str, np.ndarray] = field(default_factory=dict)
+    formats: dict[str, str] = field(default_factory=dict)
+    gold_saved: Saved | None = None  # the golden's statistics of a training call (its batch mean and variance)
+    saved: Saved | None = None  # the statistics the kernel's training forward saved (what its backward used)
+    scales: dict[str, np.ndarray] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    call: BNCall | None = None
+
+    @property
+    def fmt(self) -> str:
+        return self.recording.dtype
+
+    @property
+    def eps(self) -> float:
+        return self.recording.eps
+
+    @property
+    def inputs(self) -> BNCall:
+        """The call's inputs and scalars."""
+        if self.call is None:
+            self.call = call_of(self.recording)
+        return self.call
+
+    def put(self, key: str, got: Any, gold: Any, fmt: str) -> None:
+        """Keep an output of both; ``fmt`` is the format it was returned in unless its dtype says otherwise."""
+        dt = np.asarray(got).dtype
+        self.got[key], self.gold[key] = got, np.asarray(gold, dtype=np.float64)
+        self.formats[key] = fmt if dt == np.float64 else get_format(dt).name
+
+    def invstd_view(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, str]]:
+        """(got, gold, formats) with a saved variance replaced by the 1/sqrt(var + eps) it stands for (float64,
+        judged in the format it was saved in): for checks that judge every kernel's saved statistics as invstd."""
+        got, gold, formats = dict(self.got), dict(self.gold), dict(self.formats)
+        if "saved_var" in got:
+            got["saved_invstd"] = Saved(got["saved_mean"], "var", got.pop("saved_var")).invstd(self.eps)
+            gold.pop("saved_var")
+            gold["saved_invstd"] = self.gold_saved.invstd(self.eps)  # type: ignore[union-attr]
+            formats["saved_invstd"] = formats.pop("saved_var")
+        return got, gold, formats
+
+
+def generated_call(call: BNCall, *, modes: tuple[str, ...] = ("train", "infer", "backward"),
+                   label: str = "generated", meta: dict[str, Any] | None = None) -> Recording:
+    """Generated inputs (``call``: x, γ, β, running statistics, dy in float64, with the format, parameter format,
+    scalars and layout to run them in) as a call without outputs, each tensor rounded to its format (x, dy to
+    ``call.dtype``; γ, β and the running statistics to the parameter format; γ, β, the running statistics 1, 0,
+    0, 1 where None): what :func:`run_call` runs a kernel and the golden on, as it runs a recorded call.
+    ``modes`` with ``backward`` is a training call (it needs ``dy``)."""
+    from bnprobe.numerics.rounding import round_to
+
+    fmt = get_format(call.dtype).name
+    pf = params_format(fmt, call.params)
+    c = layout_of(call.x, call.layout).channels
+    with np.errstate(all="ignore"):
+        vec = {k: round_to(np.full(c, d) if v is None else np.asarray(v, dtype=np.float64), pf)
+               for k, v, d in (("gamma", call.gamma, 1.0), ("beta", call.beta, 0.0),
+                               ("running_mean", call.running_mean, 0.0), ("running_var", call.running_var, 1.0))}
+        xs = round_to(np.asarray(call.x, dtype=np.float64), fmt)
+    training = "train" in modes or "backward" in modes
+    rec = Recording(label, fmt, pf, call.layout, call.eps, call.momentum, None,
+                    meta={**(meta or {}), "training": training, "call": label})
+    for mode in modes:
+        if mode == "backward":
+            if call.dy is None:
+                raise BNProbeError("a backward call needs dy")
+            named = {"dy": round_to(np.asarray(call.dy, dtype=np.float64), fmt), "x": xs, "gamma": vec["gamma"]}
+            if "train" not in modes:  # the inputs of the training forward that saves the backward's statistics
+                named.update({k: vec[k] for k in ("beta", "running_mean", "running_var")})
+        else:
+            named = {"x": xs, **vec}
+        rec.tensors[mode] = {"inputs": named, "outputs": {}}
+        rec.formats.update({f"{mode}.inputs.{k}": fmt if k in ("x", "dy") else pf for k in named})
+    return rec
+
+
+class Golden:
+    """The FP64 golden's outputs on one call, each computed once, when first asked for: every kernel run on the
+    call (and the bench) is judged against the same arrays."""
+
+    def __init__(self, ref: KernelAdapter, rec: Recording) -> None:
+        self.ref, self.rec, self.call = ref, rec, call_of(rec)
+        self._cache: dict[str, Any] = {}
+
+    @property
+    def reduce_size(self) -> int:
+        return layout_of(self.call.x, self.rec.layout).reduce_size
+
+    def train(self) -> ForwardOutput:
+        """The golden's training step on the call's inputs."""
+        if "train" not in self._cache:
+            c = self.call
+            self._cache["train"] = self.ref.forward_train(c.x, c.gamma, c.beta, c.running_mean, c.running_var,
+                                                          momentum=c.momentum, **c.kernel_options)
+        return self._cache["train"]
+
+    def infer(self, ins: dict[str, Any]) -> np.ndarray:
+        """The golden's inference y on the recorded inference inputs ``ins``."""
+        if "infer" not in self._cache:
+            self._cache["infer"] = self.ref.forward_infer(ins["x"], ins.get("gamma"), ins.get("beta"),
+                                                          ins.get("running_mean"), ins.get("running_var"),
+                                                          **self.call.kernel_options).y
+        return self._cache["infer"]
+
+    def backward(self, dy: np.ndarray, x: np.ndarray, gamma: np.ndarray | None, saved: Saved) -> BackwardOutput:
+        """The golden's backward from ``saved`` (the golden's own statistics: the same for every kernel)."""
+        if "backward" not in self._cache:
+            self._cache["backward"] = self.ref.backward(dy, x, gamma, saved, training=self.call.training,
+                                                        **self.call.kernel_options)
+        return self._cache["backward"]
+
+
+@dataclass(frozen=True)
+class _Setting:
+    """What every part of one call's run shares: the kernel (a dump bound to the call), the golden, the call and
+    the formats the outputs are returned in."""
+
+    kernel: KernelAdapter
+    golden: Golden
+    rec: Recording
+    call: BNCall
+    out_fmt: str  # y and dx (the reference returns float64 values)
+    vec_fmt: str  # the running statistics, dγ and dβ
+
+    def kernel_train(self, ins: dict[str, Any]) -> ForwardOutput:
+        """The kernel's training step on the inputs ``ins`` (x, and γ, β, running statistics where given)."""
+        return self.kernel.forward_train(ins["x"], ins.get("gamma"), ins.get("beta"), ins.get("running_mean"),
+                                         ins.get("running_var"), momentum=self.call.momentum,
+                                         **self.call.kernel_options)
+
+
+def _wanted_modes(rec: Recording, modes: tuple[str, ...] | None, skip_missing: bool, name: str) -> tuple[str, ...]:
+    """The modes to run: ``modes`` (default every mode the call recorded); one it did not record is an error, or
+    with ``skip_missing`` left out."""
+    wanted = rec.modes if modes is None else tuple(modes)
+    if skip_missing:
+        return tuple(m for m in wanted if m in rec.tensors)
+    missing = [m for m in wanted if m not in rec.tensors]
+    if missing:
+        raise BNProbeError(f"{name} recorded no {missing[0]} call (it recorded {', '.join(rec.modes)})")
+    return wanted
+
+
+def _train_golden(s: _Setting, run: CallRun, quiet: bool) -> ForwardOutput | None:
+    """The golden's training step on the call's inputs, for a training call run in train or backward mode (None
+    otherwise).  With one value per channel (N*H*W = 1) it is undefined: only inference is left to check."""
+    if not (s.call.training and ("train" in run.modes or "backward" in run.modes)):
+        return None
+    if s.golden.reduce_size < 2:
+        if not quiet:
+            run.notes.append("N*H*W = 1: the training golden is undefined; training outputs not checked")
+        run.modes = tuple(m for m in run.modes if m == "infer")
+        return None
+    gold_t = s.golden.train()
+    run.gold_saved = gold_t.saved
+    return gold_t
+
+
+def _run_train(s: _Setting, run: CallRun, gold_t: ForwardOutput, after_step: bool) -> None:
+    """The kernel's training step on the recorded train inputs against the golden's: y, the saved statistics (as
+    saved) and the running statistics' update (the golden's alone when the recording lacks it), with
+    ``after_step`` also ``y_eval``."""
+    ins = s.rec.tensors["train"]["inputs"]
+    out = s.kernel_train(ins)
+    run.put("y", out.y, gold_t.y, s.out_fmt)
+    run.saved = out.saved
+    if out.saved is not None:
+        kind, eps = out.saved.kind, s.call.eps
+        sf = get_format(np.asarray(out.saved.value).dtype).name
+        run.put("saved_mean", out.saved.mean, gold_t.saved.mean, sf)
+        run.put(f"saved_{kind}", out.saved.value,
+                gold_t.saved.var(eps) if kind == "var" else gold_t.saved.invstd(eps), sf)
+    if out.running_mean is not None and out.running_var is not None and gold_t.running_mean is not None:
+        run.put("running_mean", out.running_mean, gold_t.running_mean, s.vec_fmt)
+        run.put("running_var", out.running_var, gold_t.running_var, s.vec_fmt)
+    elif gold_t.running_mean is not None:  # not recorded (updated in place): the golden's update only
+        run.gold["running_mean"] = np.asarray(gold_t.running_mean, dtype=np.float64)
+        run.gold["running_var"] = np.asarray(gold_t.running_var, dtype=np.float64)
+    if after_step and not s.kernel.capabilities().recorded and "running_var" in run.got:
+        _run_eval_after_step(s, run, ins, out, gold_t)
+
+
+def _run_eval_after_step(s: _Setting, run: CallRun, ins: dict[str, Any], out: ForwardOutput,
+                         gold_t: ForwardOutput) -> None:
+    """``y_eval``: the kernel's inference on the step's x with the running statistics its step left, against the
+    golden's inference with the golden's update (not rounded to the parameter format: an update beyond the
+    format shows where it is used)."""
+    opts = s.call.kernel_options
+    wide = dict(opts, params="fp32")  # holds every fp16/bf16 value and the update beyond them
+    y_eval = s.kernel.forward_infer(ins["x"], ins.get("gamma"), ins.get("beta"), out.running_mean, out.running_var,
+                                    **opts).y
+    g_eval = s.golden.ref.forward_infer(ins["x"], ins.get("gamma"), ins.get("beta"), gold_t.running_mean,
+                                        gold_t.running_var, **wide).y
+    run.put("y_eval", y_eval, g_eval, s.out_fmt)
+
+
+def _run_infer(s: _Setting, run: CallRun) -> None:
+    """The kernel's inference on the recorded infer inputs against the golden's."""
+    ins = s.rec.tensors["infer"]["inputs"]
+    y = s.kernel.forward_infer(ins["x"], ins.get("gamma"), ins.get("beta"), ins.get("running_mean"),
+                               ins.get("running_var"), **s.call.kernel_options).y
+    run.put("y_infer", y, s.golden.infer(ins), s.out_fmt)
+
+
+def _backward_stats(s: _Setting, run: CallRun, bw_ins: dict[str, Any], gold_t: ForwardOutput | None,
+                    ) -> tuple[Saved, Saved]:
+    """The statistics the kernel's and the golden's backward use.  Training: the saved ones (the kernel's from its
+    training step, run here when the train mode was not; the golden's where the kernel saves none — a call
+    recorded without its saved statistics, such as msprobe's functional batch_norm, recomputes them); eval: the
+    recorded statistics of the backward, else the running statistics, for both."""
+    caps = s.kernel.capabilities()
+    if s.call.training:
+        if run.saved is None and caps.saved != "none" and "train" not in run.modes and \
+                ("train" in s.rec.tensors or not caps.recorded):
+            ins = s.rec.tensors["train"]["inputs"] if "train" in s.rec.tensors else bw_ins
+            run.saved = s.kernel_train(ins).saved
+        return (run.saved if run.saved is not None else gold_t.saved), gold_t.saved  # type: ignore[union-attr]
+    rm = bw_ins.get("saved_mean", s.call.running_mean)
+    rv = bw_ins.get("saved_value", s.call.running_var)
+    both = Saved(np.asarray(rm, dtype=np.float64), "var", np.asarray(rv, dtype=np.float64))
+    return both, both
+
+
+def _run_backward(s: _Setting, run: CallRun, gold_t: ForwardOutput | None) -> Saved | None:
+    """The kernel's dx, dγ and dβ against the golden's on the recorded backward inputs; a note when the backward
+    cannot run (no dy recorded, or no training golden).  Returns the statistics the golden's backward used."""
+    bw_ins = s.rec.tensors.get("backward", {}).get("inputs", {})
+    if bw_ins.get("dy") is None or (gold_t is None and s.call.training):
+        run.notes.append("no backward recorded (no dy)")
+        return None
+    x, g, dy = bw_ins["x"], bw_ins.get("gamma"), bw_ins["dy"]
+    mine, gold_saved = _backward_stats(s, run, bw_ins, gold_t)
+    got = s.kernel.backward(dy, x, g, mine, training=s.call.training, **s.call.kernel_options)
+    gb = s.golden.backward(dy, x, g, gold_saved)
+    missing = got.meta.get("missing", ())  # gradients the recorded kernel did not compute (affine=False...)
+    for name, mine_g, gold_g, fmt_g in (("dx", got.dx, gb.dx, s.out_fmt), ("dgamma", got.dgamma, gb.dgamma, s.vec_fmt),
+                                        ("dbeta", got.dbeta, gb.dbeta, s.vec_fmt)):
+        if name not in missing and (name == "dx" or got.meta.get("affine") is not False):
+            run.put(name, mine_g, gold_g, fmt_g)
+    return gold_saved
+
+
+def natural_scales(call: BNCall, stats: Saved | None, dy: np.ndarray | None) -> dict[str, np.ndarray]:
+    """Per channel, the magnitudes the outputs that can cancel to near zero are formed from: the saved mean's,
+    mean |x|; the running mean's update, |running mean| or momentum · mean |x| when larger; with the statistics
+    ``stats`` the backward used and ``dy``: dβ = Σdy against Σ|dy|, dγ = Σdy·x̂ against Σ|dy·x̂|, dx against
+    |γ|·rstd·(max|dy| + |mean dy| + max|x̂|·|mean(dy·x̂)|).  NaN values are left out."""
+    lay = layout_of(call.x, call.layout)
+    xcr = lay.to_cr(call.x)
+    out: dict[str, np.ndarray] = {}
+    # a channel whose values are all NaN has a NaN scale (numpy warns of the empty slice: not a finding)
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mean_abs = np.nanmean(np.abs(xcr), axis=1)
+        out["saved_mean"] = mean_abs
+        m = 0.0 if call.momentum is None else call.momentum
+        rm = call.running_mean
+        out["running_mean"] = np.maximum(np.abs(rm) if rm is not None else 0.0, m * mean_abs)
+        if stats is None or dy is None:
+            return out
+        eps = call.eps
+        gm, gv = np.asarray(stats.mean, dtype=np.float64), stats.var(eps)
+        xhat = (xcr - gm[:, None]) / np.sqrt(gv[:, None] + eps)
+        del xcr
+        dycr = lay.to_cr(dy)
+        g = np.ones(lay.channels) if call.gamma is None else np.asarray(call.gamma, dtype=np.float64)
+        prod = dycr * xhat
+        out["dbeta"], out["dgamma"] = np.nansum(np.abs(dycr), axis=1), np.nansum(np.abs(prod), axis=1)
+        gr = np.abs(g) / np.sqrt(gv + eps)
+        m1, m2 = np.abs(np.nanmean(dycr, axis=1)), np.abs(np.nanmean(prod, axis=1))
+        out["dx"] = gr * (np.nanmax(np.abs(dycr), axis=1) + m1 + np.nanmax(np.abs(xhat), axis=1) * m2)
+    return out
+
+
+def run_call(kernel: KernelAdapter, rec: Recording, *, modes: tuple[str, ...] | None = None, index: int = 0,
+             label: str | None = None, ref: KernelAdapter | None = None, skip_missing: bool = False,
+             after_step: bool = False, golden: Golden | None = None, quiet: bool = False,
+             replay: Recording | None = None) -> CallRun:
+    """Run one call: the kernel (a dump is bound to this call and replays it) and the golden, each on the call's
+    inputs, scalars and formats, in ``modes`` (default: every mode it recorded).  A mode the call did not record
+    is an error, or with ``skip_missing`` left out.  ``after_step`` (a runnable kernel's training call that updates
+    running statistics): also ``y_eval``.  ``golden``: the call's :class:`Golden`, shared between the kernels run
+    on it (default: a new one on ``ref``, the reference adapter).  ``quiet``: no note for what is not checked.
+    ``replay``: the recording a dump adapter replays, when not ``rec`` itself (another dump's call of the name)."""
+    name = label or str(rec.meta.get("call") or rec.source or rec.adapter)
+    caps = kernel.capabilities()
+    k = kernel.bind(replay or rec) if caps.recorded else kernel
+    golden = golden or Golden(ref or get_adapter("reference"), rec)
+    call = golden.call
+    run = CallRun(index, name, k.name, rec, _wanted_modes(rec, modes, skip_missing, name), call=call)
+    out_fmt = caps.output or rec.dtype
+    s = _Setting(k, golden, rec, call, out_fmt, "fp64" if caps.output == "fp64" else rec.params)
+    gold_t = _train_golden(s, run, quiet)
+    if "train" in run.modes and gold_t is not None:
+        _run_train(s, run, gold_t, after_step)
+    if "infer" in run.modes:
+        _run_infer(s, run)
+    stats = _run_backward(s, run, gold_t) if "backward" in run.modes else None
+    bw_dy = rec.tensors.get("backward", {}).get("inputs", {}).get("dy") if stats is not None else None
+    run.scales = natural_scales(call, stats, bw_dy)
+    return run
+
+
+def runs(recorded: Any, modes: tuple[str, ...] | None = None,
+         skip_missing: bool = False) -> Iterator[tuple[int, Any, CallRun]]:
+    """(index, CallRef, CallRun) for every selected call of ``recorded`` (a :class:`~bnprobe.checks.recorded
+    .Recorded`) in forward order, one call in memory at a time (``modes``: the modes to run, None for every mode
+    each call recorded; see :func:`run_call`)."""
+    recorded.calls.require_tensors("running a recorded call")
+    # only outputs are compared: the instrumented kernels keep counters, not every intermediate (on copies: the
+    # caller's kernel is unchanged)
+    ref = counters_only(get_adapter("reference"))
+    kernel = counters_only(recorded.kernel)
+    for i, c in enumerate(recorded.calls.calls):
+        rec = c.load()
+        yield i, c, run_call(kernel, rec, modes=modes, index=i, label=c.label, ref=ref, skip_missing=skip_missing)

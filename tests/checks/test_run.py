@@ -1,0 +1,133 @@
+"""The run engine (bnprobe.checks.run): one vocabulary of outputs, one golden per call, and the behaviour chosen
+where compare-precision's former engine and the recorded-call engine had drifted apart."""
+
+import numpy as np
+import pytest
+
+from bnprobe.adapters import get_adapter
+from bnprobe.call import EPS, MOMENTUM, BNCall
+from bnprobe.checks.cases import Case
+from bnprobe.checks.compare import compare_precision
+from bnprobe.checks.run import OUTPUT_MODE, Golden, generated_call, run_call
+from tests.checks.bn_plugins import NumpyBN
+
+
+def _call(dtype="fp32", shape=(4, 3, 5, 5), seed=0, **kw):
+    rng = np.random.default_rng(seed)
+    c = shape[1]
+    return BNCall(rng.standard_normal(shape) * 2 + 1, rng.uniform(0.5, 1.5, c), rng.normal(0, 0.3, c),
+                  np.zeros(c), np.ones(c), rng.standard_normal(shape), dtype=dtype, **kw)
+
+
+def test_the_defaults_are_defined_once():
+    assert (EPS, MOMENTUM) == (1e-5, 0.1)
+    c = BNCall(np.zeros((2, 3)))
+    assert (c.eps, c.momentum, c.training, c.params, c.layout) == (1e-5, 0.1, True, "fp32", "channels_first")
+
+
+@pytest.mark.parametrize("adapter,saved", [("emulated", "saved_invstd"), ("ascend-tbe", "saved_var")])
+def test_one_vocabulary_and_statistics_as_saved(adapter, saved):
+    """Every output is named by OUTPUT_MODE; y is "y"; the saved statistic keeps the kind the kernel saved (a
+    variance is not turned into an invstd by the engine), and invstd_view gives the invstd it stands for."""
+    rec = generated_call(_call(), label="c")
+    run = run_call(get_adapter(adapter), rec)
+    assert set(run.got) <= set(OUTPUT_MODE) and "y" in run.got and saved in run.got
+    assert list(run.got) == [k for k in ("y", "saved_mean", saved, "running_mean", "running_var", "y_infer", "dx",
+                                         "dgamma", "dbeta") if k in run.got]
+    got, gold, formats = run.invstd_view()
+    assert "saved_var" not in got and formats["saved_invstd"] == run.formats[saved]
+    np.testing.assert_allclose(gold["saved_invstd"], run.gold_saved.invstd(rec.eps), rtol=0)
+    if saved == "saved_var":
+        np.testing.assert_allclose(got["saved_invstd"], 1 / np.sqrt(run.got["saved_var"].astype(np.float64) + EPS))
+
+
+class _CountingReference:
+    """The reference adapter, counting its calls."""
+
+    def __init__(self):
+        self.ref, self.calls = get_adapter("reference"), 0
+        self.name = self.ref.name
+
+    def capabilities(self):
+        return self.ref.capabilities()
+
+    def __getattr__(self, name):
+        fn = getattr(self.ref, name)
+
+        def counted(*a, **k):
+            self.calls += 1
+            return fn(*a, **k)
+        return counted
+
+
+def test_the_golden_of_a_call_is_computed_once_for_every_kernel():
+    ref = _CountingReference()
+    rec = generated_call(_call(), label="c")
+    golden = Golden(ref, rec)
+    for name in ("emulated", "careful", "ascend-tbe"):
+        run_call(get_adapter(name), rec, golden=golden)
+    assert ref.calls == 3  # one training forward, one inference, one backward
+
+
+def test_compare_and_the_engine_judge_the_same_arrays():
+    """compare-precision's rows are the engine's outputs: each row's msprobe metrics are those of the engine's
+    arrays in the format the engine says each was returned in."""
+    case = Case("c", (4, 3, 5, 5), mean=1.0, std=2.0, seed=3)
+    r = compare_precision(["emulated:fp16-acc16"], ("fp16",), [case], budget=False).rows.set_index("tensor")
+    from bnprobe.checks.compare import _generated
+
+    rec, modes = _generated(case, case.make(), "fp16", "fp32", EPS, MOMENTUM, ("train", "infer", "backward"))
+    run = run_call(get_adapter("emulated:fp16-acc16"), rec, modes=modes)
+    from bnprobe.metrics import compare
+
+    assert list(r.index) == list(run.got)
+    for key in run.got:
+        m = compare(run.got[key], run.gold[key], run.formats[key])
+        assert r.loc[key, "format"] == run.formats[key]
+        assert (r.loc[key, "max_abs"], r.loc[key, "rmse"]) == (m.max_abs, m.rmse), key
+
+
+def test_an_eval_mode_backward_has_natural_scales():
+    """(Drift resolved: compare-precision's engine gave an eval-mode backward no natural scale.) The scales of dx,
+    dγ, dβ come from the statistics the backward used: the running statistics in eval mode."""
+    call = _call(training=False)
+    rec = generated_call(call, modes=("infer",), label="c")
+    rec.tensors["backward"] = {"inputs": {"dy": rec.tensors["infer"]["inputs"]["x"] * 0 + 1.0,
+                                          "x": rec.tensors["infer"]["inputs"]["x"],
+                                          "gamma": rec.tensors["infer"]["inputs"]["gamma"]}, "outputs": {}}
+    run = run_call(get_adapter("emulated"), rec)
+    assert {"dx", "dgamma", "dbeta"} <= set(run.scales) and np.all(np.isfinite(run.scales["dx"]))
+
+
+def test_scales_leave_nan_out():
+    """(Drift resolved: one engine took mean/max, the other nanmean/nanmax.) A NaN in x leaves the other values'
+    scales of its channel finite."""
+    call = _call()
+    x = call.x.copy()
+    x[0, 1, 0, 0] = np.nan
+    run = run_call(get_adapter("emulated"), generated_call(call.with_(x=x), label="c"))
+    assert np.all(np.isfinite(run.scales["saved_mean"]))
+
+
+class _SavesNothing(NumpyBN):
+    """A correct kernel that saves no statistics (as a recorded functional call): its backward recomputes them."""
+
+    def capabilities(self):
+        from dataclasses import replace
+
+        return replace(super().capabilities(), saved="none")
+
+    def _forward_train_impl(self, p, *, momentum, eps):
+        from dataclasses import replace
+
+        return replace(super()._forward_train_impl(p, momentum=momentum, eps=eps), saved=None)
+
+
+def test_a_kernel_that_saves_nothing_is_backpropagated_from_the_golden_statistics():
+    """(One rule for "the kernel saved no statistics".) A kernel declaring saved="none" whose training forward
+    returns no statistics: its backward gets the golden's, in backward-only mode as with the forward."""
+    k = _SavesNothing()
+    for modes in (("train", "backward"), ("backward",)):
+        run = run_call(k, generated_call(_call(), modes=modes, label="c"), modes=("backward",))
+        assert run.saved is None and "dx" in run.got
+        np.testing.assert_allclose(run.got["dx"], run.gold["dx"], rtol=1e-5, atol=1e-6)
