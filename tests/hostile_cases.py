@@ -262,7 +262,7 @@ NEEDS_TORCH = {"pt-malicious", "pt-malicious-as-npz", "pt-legacy-malicious"}
 def bnprobe_dump(folder: Path, *, meta: dict | None = None, dtype: str = "fp16") -> Path:
     """A valid bnprobe dump of one small call (train, infer, backward), written by bnprobe's own writer."""
     from bnprobe.adapters import get_adapter
-    from bnprobe.adapters.dump import record, write_dump
+    from bnprobe.recordings import record, write_dump
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 3, 2, 2)) + 2.0

@@ -32,7 +32,7 @@ import numpy as np
 
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
 from bnprobe.adapters.base import MODES, counters_only, params_format
-from bnprobe.adapters.dump import CallRef, DumpAdapter, RecordedCalls, Recording
+from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.adapters.emulated import PolicyAdapter
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
@@ -41,6 +41,7 @@ from bnprobe.kernels import forward_train
 from bnprobe.kernels.layout import element_at, layout_of
 from bnprobe.metrics import benchmark, benchmark_verdict, checker_metrics, compare, ulp_error
 from bnprobe.numerics.rounding import round_to
+from bnprobe.recordings import CallRef, RecordedCalls, Recording
 from bnprobe.tolerances import (
     MSPROBE_STANDARDS,
     SMALL_VALUE_ULPS,
@@ -900,7 +901,7 @@ def select_cases(adapters: list[KernelAdapter], *, input: str | Path | None = No
     recording, and a run the memory limit cannot hold (its largest case), are refused.  Returns the adapters
     (a dump adapter replaced by one of the selected calls: the caller's is not changed), the cases and the
     recorded calls (or None)."""
-    from bnprobe.adapters.dump import open_dump
+    from bnprobe.recordings import open_dump
     from bnprobe.guard import require_run
     from bnprobe.inputs import input_tensor, parse_shape
 

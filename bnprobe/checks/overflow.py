@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bnprobe.adapters import KernelAdapter, get_adapter
-from bnprobe.adapters.dump import CallRef, DumpAdapter
+from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.adapters.emulated import PolicyAdapter
 from bnprobe.checks.recorded import (
     CallRun,
@@ -48,6 +48,7 @@ from bnprobe.kernels.layout import layout_of
 from bnprobe.kernels.policy import Policy
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.rounding import round_to
+from bnprobe.recordings import CallRef
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd

@@ -21,10 +21,11 @@ import numpy as np
 
 from bnprobe.adapters import ForwardOutput, KernelAdapter, Saved, get_adapter
 from bnprobe.adapters.base import PARAM_PRECISIONS, counters_only, params_format
-from bnprobe.adapters.dump import CALLS_NAME, META_NAME, CallRef, DumpAdapter, RecordedCalls, Recording, open_dump
+from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.kernels.layout import Layout, layout_of
+from bnprobe.recordings import CALLS_NAME, META_NAME, CallRef, RecordedCalls, Recording, open_dump
 
 __all__ = ["Recorded", "CallRun", "PerCall", "recording_of", "is_dump_path", "check_options", "check_params", "runs",
            "run_call", "generated_call", "given", "refuse", "one_call", "OUTPUT_MODE"]

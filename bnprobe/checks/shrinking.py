@@ -47,7 +47,7 @@ class RecordedParams:
 
     @classmethod
     def of(cls, rec: Any, source: str = "") -> RecordedParams:
-        """The parameters and scalars of a :class:`~bnprobe.adapters.dump.Recording`."""
+        """The parameters and scalars of a :class:`~bnprobe.recordings.Recording`."""
         ci = rec.call_inputs()
         return cls(ci["gamma"], ci["beta"], ci["running_mean"], ci["running_var"], rec.eps, rec.momentum,
                    ci["params"], source)
@@ -81,7 +81,7 @@ class RecordedParams:
 
     def record(self, adapter: KernelAdapter, x: np.ndarray, dtype: str, modes: tuple[str, ...]) -> Any:
         """A recording of ``adapter`` on :meth:`inputs`."""
-        from bnprobe.adapters.dump import record
+        from bnprobe.recordings import record
 
         ins = self.inputs(x)
         return record(adapter, x=x, gamma=self.gamma, beta=self.beta, running_mean=ins["running_mean"],
@@ -140,7 +140,7 @@ def compare_predicate(adapter: str | KernelAdapter, against: str = "reference", 
     """Fails when compare-precision finds an output of ``adapter`` over the standard on x (with a recorded
     call's parameters and scalars when ``recorded`` is given, else parameters in fp32 or, ``params`` same,
     in the input's format)."""
-    from bnprobe.adapters.dump import CallRef, RecordedCalls
+    from bnprobe.recordings import CallRef, RecordedCalls
     from bnprobe.checks.compare import Case, compare_precision, recorded_cases
 
     if against != "reference":

@@ -143,7 +143,7 @@ def trace_run(
 
 def trace_recorded(rec: Any, *, policy: str | Policy | None = None, mode: str | None = None,
                    label: str = "", params: str | None = None) -> TraceComparison:
-    """One recorded call (a :class:`~bnprobe.adapters.dump.Recording`) traced on its own inputs and scalars
+    """One recorded call (a :class:`~bnprobe.recordings.Recording`) traced on its own inputs and scalars
     (x, γ, β, running statistics, dy, eps, momentum, layout) under ``policy`` — default: the preset of the
     recorded format with the recorded parameter format — in ``mode`` (default: the call's own).  A policy
     that would round the recorded inputs, a mode the call did not record, or ``params`` (same or fp32)

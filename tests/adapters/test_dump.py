@@ -10,8 +10,9 @@ import pytest
 
 from bnprobe.adapters import get_adapter
 from bnprobe.adapters import Saved
-from bnprobe.adapters.dump import DumpAdapter, load_dump, open_dump, read_msprobe, record, write_dump
+from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.errors import BNProbeError
+from bnprobe.recordings import load_dump, open_dump, read_msprobe, record, write_dump
 
 
 def recorded(tmp_path, adapter="emulated", dtype="fp16"):

@@ -8,9 +8,9 @@ from itertools import product
 import numpy as np
 import pytest
 
-from bnprobe.adapters.dump import open_dump
-from bnprobe.adapters.msprobe import find_dump_jsons, msprobe_calls
 from bnprobe.errors import BNProbeError
+from bnprobe.recordings import open_dump
+from bnprobe.recordings.msprobe import find_dump_jsons, msprobe_calls
 
 STEPS, WORLD = 2, 2
 RECORDED = (("x", "x"), ("gamma", "weight"), ("beta", "bias"), ("running_mean", "running_mean"),
@@ -78,7 +78,7 @@ def test_every_call_of_every_step_and_rank_in_forward_order(ranks, name):
         assert got.module is None  # level L1 writes no construct.json entries
     # the lower-level reader agrees, and each call points at its own step's and rank's dump.json
     ms, notes = msprobe_calls(dump_path(root, manifest, name))
-    assert [c.name for c in ms] == want and notes == list(found.notes)
+    assert [c.ref.name for c in ms] == want and notes == list(found.notes)
     for c, rec in zip(ms, manifest["records"]):
         assert c.api == rec["api_name"]
         assert c.dump_json == dump_path(root, manifest, name) / rec["folder"] / "dump.json"

@@ -3,7 +3,7 @@ import pandas as pd
 import pytest
 
 from bnprobe.adapters import BackwardOutput, get_adapter
-from bnprobe.adapters.dump import DumpAdapter, open_dump, record, write_dump
+from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.checks.compare import (
     Case,
     compare_precision,
@@ -16,6 +16,7 @@ from bnprobe.checks.compare import (
 from bnprobe.cli import main
 from bnprobe.errors import BNProbeError
 from bnprobe.numerics.rounding import round_to
+from bnprobe.recordings import open_dump, record, write_dump
 from tests.checks.bn_plugins import NumpyBN
 
 
