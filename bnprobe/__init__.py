@@ -21,7 +21,7 @@ _LAZY = {
     "round_to": "bnprobe.numerics.rounding",
     **{n: "bnprobe.kernels" for n in ("PRESETS", "BackwardResult", "InferResult", "Policy", "Stage", "Trace",
                                       "TrainResult", "backward", "forward_infer", "forward_train", "get_policy")},
-    "capture": "bnprobe._capture", "Capture": "bnprobe._capture",
+    "capture": "bnprobe.recordings.capture", "Capture": "bnprobe.recordings.capture",
     **{n: "bnprobe.checks" for n in ("compare_precision", "gradcheck", "check_formula", "doctor", "shrink",
                                      "scan_overflow", "find_stats_problems", "check_fold", "trace_run")},
 }
@@ -32,7 +32,7 @@ __all__ = ["__version__", "BNProbeError", "FORMATS", "Format", "get_format", "ro
            "scan_overflow", "find_stats_problems", "check_fold", "trace_run"]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from bnprobe._capture import Capture, capture
+    from bnprobe.recordings.capture import Capture, capture
     from bnprobe.checks import (
         check_fold,
         check_formula,

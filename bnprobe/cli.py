@@ -336,7 +336,7 @@ def dump_cmd(
     import numpy as np
 
     from bnprobe.adapters import get_adapter
-    from bnprobe.adapters.dump import record, write_dump
+    from bnprobe.recordings import record, write_dump
     from bnprobe.inputs import input_tensor, make_params
     from bnprobe.kernels.layout import layout_of
 

@@ -127,7 +127,7 @@ def dump_leaves(root: str | Path) -> list[Path]:
 def plan(root: str | Path, calls: str | None = None) -> list[Task]:
     """Every BatchNorm call of every dump under ``root`` (``calls``: a glob on the call or module name), in step,
     rank and forward order; nothing but the dumps' JSON is read."""
-    from bnprobe.adapters.dump import open_dump
+    from bnprobe.recordings import open_dump
 
     root = Path(root)
     tasks: list[Task] = []
@@ -172,7 +172,7 @@ def _one_call(task: Task) -> Any:
     """The task's call alone, as a RecordedCalls (its dump's JSON read again, its tensors not yet)."""
     from dataclasses import replace
 
-    from bnprobe.adapters.dump import open_dump
+    from bnprobe.recordings import open_dump
 
     found = open_dump(task.leaf)
     picked = tuple(c for c in found.calls if c.name == task.call)

@@ -18,7 +18,7 @@ Kinds are crossed with the commands that take them: the kinds issue 20 names wit
 with one or two commands in rotation, so that every command meets many kinds and the file runs in about a minute.
 ``must_refuse`` marks inputs that are invalid beyond doubt (exit 2 is the only right answer); every other case
 may also be accepted with a result.  Nothing here imports bnprobe at module level; setups write valid dumps with
-bnprobe's own writer (as tests/adapters/test_dump.py does) and then damage them.
+bnprobe's own writer (as tests/recordings/test_dumps.py does) and then damage them.
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ NEEDS_TORCH = {"pt-malicious", "pt-malicious-as-npz", "pt-legacy-malicious"}
 def bnprobe_dump(folder: Path, *, meta: dict | None = None, dtype: str = "fp16") -> Path:
     """A valid bnprobe dump of one small call (train, infer, backward), written by bnprobe's own writer."""
     from bnprobe.adapters import get_adapter
-    from bnprobe.adapters.dump import record, write_dump
+    from bnprobe.recordings import record, write_dump
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 3, 2, 2)) + 2.0
@@ -383,9 +383,9 @@ def _bnprobe_tensor_damage(kind: str) -> Callable[[Ctx], dict]:
 
 def msprobe_dump(folder: Path, *, suffix: str = ".npy") -> Path:
     """A small msprobe L1 tensor dump of one aten native_batch_norm call (forward and backward), as msprobe
-    writes it (step0/rank0/dump.json + dump_tensor_data/): tests/adapters/test_dump.py's, its other calls left
+    writes it (step0/rank0/dump.json + dump_tensor_data/): tests/recordings/test_dumps.py's, its other calls left
     out."""
-    from tests.adapters.test_dump import build_msprobe
+    from tests.recordings.test_dumps import build_msprobe
 
     build_msprobe(folder, suffix)
     rank = folder / "step0" / "rank0"

@@ -3,7 +3,7 @@
 msprobe runs in a child process: this file run as a script (``_oracle`` below, which imports nothing from
 bnprobe).  Importing msprobe's compare algorithms loads ~500 modules and puts a stub at
 ``sys.modules["tensorflow"]``; its accuracy checker imports ``msprobe.pytorch`` (the PrecisionDebugger and all,
-~1100 modules, 3-4 s) — no torch function is patched, but tests/adapters/test_msprobe_fixtures.py requires that
+~1100 modules, 3-4 s) — no torch function is patched, but tests/recordings/test_msprobe_fixtures.py requires that
 no msprobe submodule enters the test process.
 
 The oracle feeds msprobe the tensors as it reads them itself: torch tensors of the format, bf16 converted to

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bnprobe.adapters.dump import record, write_dump
 from bnprobe.cli import main
 from bnprobe.errors import BNProbeError
+from bnprobe.recordings import record, write_dump
 from bnprobe.sweep import SweepResult, SweepSpec, Journal, dump_leaves, header, plan, run_sweep
 from tests.checks.bn_plugins import NumpyBN
 

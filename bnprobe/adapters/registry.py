@@ -94,7 +94,8 @@ def _torch_make(device: str) -> Callable[[str], KernelAdapter]:
 
 
 def _dump(opts: str) -> KernelAdapter:
-    from bnprobe.adapters.dump import DumpAdapter, open_dump
+    from bnprobe.adapters.dump import DumpAdapter
+    from bnprobe.recordings import open_dump
 
     if not opts:
         raise BNProbeError("the dump adapter needs a path: dump:DIR (a bnprobe or msprobe dump folder)")

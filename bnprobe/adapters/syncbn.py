@@ -29,7 +29,7 @@ global count (``batch_norm_backward_elemt``).  dγ and dβ are the ranks' partia
 format (what plain BatchNorm on the whole batch computes); each rank's own partials are in the backward's
 ``meta`` (``rank_dgamma``, ``rank_dbeta``): PyTorch's SyncBatchNorm returns those and leaves the sum to DDP.
 
-:func:`rank_recordings` turns one call into the per-rank :class:`~bnprobe.adapters.dump.Recording` s a real
+:func:`rank_recordings` turns one call into the per-rank :class:`~bnprobe.recordings.Recording` s a real
 multi-rank run would dump, for ``step*/rank*/`` dump folders.
 """
 
@@ -50,7 +50,6 @@ from bnprobe.adapters.base import (
     params_format,
     stored_inputs,
 )
-from bnprobe.adapters.dump import Recording
 from bnprobe.errors import BNProbeError
 from bnprobe.tolerances import accumulation_format
 from bnprobe.formats import get_format
@@ -59,6 +58,7 @@ from bnprobe.numerics.arith import Arith
 from bnprobe.numerics.reduce import reduce_sum
 from bnprobe.numerics.rounding import round_to
 from bnprobe.numerics.variance import moments
+from bnprobe.recordings import Recording
 
 __all__ = ["MERGES", "REDUCE_FORMATS", "GRADS", "SyncBNAdapter", "split_ranks", "compute_format",
            "rank_recordings"]

@@ -11,7 +11,8 @@ import numpy as np
 
 from bnprobe.adapters import KernelAdapter
 from bnprobe.adapters.base import MODES
-from bnprobe.adapters.dump import CallRef, DumpAdapter, RecordedCalls
+from bnprobe.adapters.dump import DumpAdapter
+from bnprobe.recordings import CallRef, RecordedCalls
 from bnprobe.errors import BNProbeError
 from bnprobe.inputs import make_input
 
@@ -43,7 +44,7 @@ class Case:
         if self.x is not None:
             return self.x
         if self.call is not None:
-            return self.call.load().call_inputs()["x"]
+            return self.call.load().call().x
         return make_input(self.shape, dist=self.dist, mean=self.mean, std=self.std, seed=self.seed)
 
 
@@ -84,7 +85,7 @@ def select_cases(adapters: list[KernelAdapter], *, input: str | Path | None = No
     recording, and a run the memory limit cannot hold (its largest case), are refused.  Returns the adapters
     (a dump adapter replaced by one of the selected calls: the caller's is not changed), the cases and the
     recorded calls (or None)."""
-    from bnprobe.adapters.dump import open_dump
+    from bnprobe.recordings import open_dump
     from bnprobe.guard import require_run
     from bnprobe.inputs import input_tensor, parse_shape
 

@@ -21,7 +21,6 @@ import numpy as np
 
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
 from bnprobe.adapters.base import MODES, counters_only
-from bnprobe.adapters.dump import Recording
 from bnprobe.call import EPS, MOMENTUM, BNCall
 from bnprobe.checks.budget import budget_cause, error_budget
 from bnprobe.checks.cases import Case, recorded_cases, resnet50_cases, stress_cases
@@ -35,12 +34,13 @@ from bnprobe.checks.rules import (
     small_values_rounded,
     within_accumulation,
 )
-from bnprobe.checks.run import CallRun, Golden, call_of, generated_call, run_call
+from bnprobe.checks.run import CallRun, Golden, generated_call, run_call
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.inputs import make_params
 from bnprobe.kernels.layout import layout_of
 from bnprobe.metrics import compare, ulp_error
+from bnprobe.recordings import Recording
 from bnprobe.tolerances import MSPROBE_STANDARDS, Standard
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -212,7 +212,7 @@ def _recorded(rec: Recording, modes: tuple[str, ...]) -> tuple[Recording, tuple[
     name = rec.meta.get("call") or rec.source
     if rec.layout != "channels_first":
         raise BNProbeError(f"{name} is recorded {rec.layout}: compare-precision takes channels_first recordings")
-    if rec.training and layout_of(call_of(rec).x).reduce_size < 2:
+    if rec.training and layout_of(rec.call().x).reduce_size < 2:
         raise BNProbeError(f"{name}: a training call with one value per channel (N*H*W = 1) has no batch statistics "
                            "to compare")
     return rec, tuple(m for m in modes if m in rec.tensors and (m != "train" or rec.training))
@@ -350,7 +350,7 @@ def _policy(a: KernelAdapter, rec: Recording) -> Any:
     """The policy an emulated adapter runs this call with (its name aside), or None for other kernels."""
     if not callable(getattr(a, "policy_for", None)) or a.name == "reference":
         return None
-    call = call_of(rec)
+    call = rec.call()
     return replace(a.policy_for(call.x, dtype=rec.dtype, params=call.params), name="")
 
 

@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bnprobe.adapters import KernelAdapter, get_adapter
-from bnprobe.adapters.dump import CallRef, DumpAdapter
+from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.adapters.emulated import PolicyAdapter
 from bnprobe.call import BNCall
 from bnprobe.checks.recorded import PerCall, Recorded, check_options, check_params
-from bnprobe.checks.run import CallRun, call_of, generated_call, run_call, runs
+from bnprobe.checks.run import CallRun, generated_call, run_call, runs
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.kernels import backward, forward_infer, forward_train, get_policy
@@ -41,6 +41,7 @@ from bnprobe.kernels.layout import layout_of
 from bnprobe.kernels.policy import Policy
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.rounding import round_to
+from bnprobe.recordings import CallRef
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -571,7 +572,7 @@ def scan_recorded(recorded: Recorded, *, mode: str | None = None, params: str | 
 def _scan_runnable(a: KernelAdapter, rec: Any, mode: str, label: str) -> OverflowReport:
     """A runnable adapter scanned on one recorded call's inputs and scalars in one of its modes."""
     ins = rec.tensors[mode]["inputs"]
-    ci = call_of(rec)
+    ci = rec.call()
     dy = rec.tensors.get("backward", {}).get("inputs", {}).get("dy")
     rep = scan(a, ins["x"], dtype=rec.dtype, mode=mode, gamma=ins.get("gamma", ci.gamma),
                beta=ins.get("beta", ci.beta), eps=rec.eps, layout=rec.layout,

@@ -32,11 +32,11 @@ from typing import Any
 import numpy as np
 
 from bnprobe.adapters.base import Saved
-from bnprobe.adapters.dump import Recording
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.kernels.layout import layout_of
 from bnprobe.numerics.rounding import round_to
+from bnprobe.recordings import Recording
 from bnprobe.tolerances import ACCUMULATION_FORMAT, RANK_TOLERANCES
 
 __all__ = ["USED", "MERGE_VARIANTS", "RankRow", "RankReport", "check_ranks", "variant_statistics",

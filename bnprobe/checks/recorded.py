@@ -19,9 +19,9 @@ from typing import Any
 
 from bnprobe.adapters import KernelAdapter, get_adapter
 from bnprobe.adapters.base import PARAM_PRECISIONS
-from bnprobe.adapters.dump import CALLS_NAME, META_NAME, CallRef, RecordedCalls, Recording, open_dump
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
+from bnprobe.recordings import CALLS_NAME, META_NAME, CallRef, RecordedCalls, Recording, open_dump
 
 __all__ = ["Recorded", "PerCall", "recording_of", "is_dump_path", "check_options", "check_params", "given", "refuse",
            "one_call"]

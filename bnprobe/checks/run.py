@@ -21,25 +21,18 @@ import numpy as np
 
 from bnprobe.adapters import BackwardOutput, ForwardOutput, KernelAdapter, Saved, get_adapter
 from bnprobe.adapters.base import counters_only, params_format
-from bnprobe.adapters.dump import Recording
+from bnprobe.recordings import Recording
 from bnprobe.call import BNCall
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.kernels.layout import layout_of
 
-__all__ = ["CallRun", "Golden", "OUTPUT_MODE", "call_of", "generated_call", "run_call", "runs", "natural_scales"]
+__all__ = ["CallRun", "Golden", "OUTPUT_MODE", "generated_call", "run_call", "runs", "natural_scales"]
 
 # each output a check can judge, and the mode whose call returns it
 OUTPUT_MODE = {"y": "train", "saved_mean": "train", "saved_invstd": "train", "saved_var": "train",
                "running_mean": "train", "running_var": "train", "y_infer": "infer", "dx": "backward",
                "dgamma": "backward", "dbeta": "backward", "y_eval": "train"}
-
-
-def call_of(rec: Recording) -> BNCall:
-    """The call a recording holds: its inputs, scalars and formats (:meth:`Recording.call_inputs`)."""
-    ci = rec.call_inputs()
-    return BNCall(ci["x"], ci["gamma"], ci["beta"], ci["running_mean"], ci["running_var"], ci["dy"], ci["eps"],
-                  ci["momentum"], ci["training"], ci["dtype"], ci["params"], ci["layout"])
 
 
 @dataclass
@@ -77,7 +70,7 @@ class CallRun:
     def inputs(self) -> BNCall:
         """The call's inputs and scalars."""
         if self.call is None:
-            self.call = call_of(self.recording)
+            self.call = self.recording.call()
         return self.call
 
     def put(self, key: str, got: Any, gold: Any, fmt: str) -> None:
@@ -137,7 +130,7 @@ class Golden:
     call (and the bench) is judged against the same arrays."""
 
     def __init__(self, ref: KernelAdapter, rec: Recording) -> None:
-        self.ref, self.rec, self.call = ref, rec, call_of(rec)
+        self.ref, self.rec, self.call = ref, rec, rec.call()
         self._cache: dict[str, Any] = {}
 
     @property

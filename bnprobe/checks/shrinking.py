@@ -47,10 +47,10 @@ class RecordedParams:
 
     @classmethod
     def of(cls, rec: Any, source: str = "") -> RecordedParams:
-        """The parameters and scalars of a :class:`~bnprobe.adapters.dump.Recording`."""
-        ci = rec.call_inputs()
-        return cls(ci["gamma"], ci["beta"], ci["running_mean"], ci["running_var"], rec.eps, rec.momentum,
-                   ci["params"], source)
+        """The parameters and scalars of a :class:`~bnprobe.recordings.Recording`."""
+        ci = rec.call()
+        return cls(ci.gamma, ci.beta, ci.running_mean, ci.running_var, rec.eps, rec.momentum,
+                   ci.params, source)
 
     def channels(self, idx: np.ndarray | None) -> RecordedParams:
         """The same parameters for the kept channels ``idx`` (all when None)."""
@@ -82,7 +82,7 @@ class RecordedParams:
 
     def record(self, adapter: KernelAdapter, x: np.ndarray, dtype: str, modes: tuple[str, ...]) -> Any:
         """A recording of ``adapter`` on :meth:`inputs`."""
-        from bnprobe.adapters.dump import record
+        from bnprobe.recordings import record
 
         ins = self.inputs(x)
         return record(adapter, x=x, gamma=self.gamma, beta=self.beta, running_mean=ins["running_mean"],
@@ -139,7 +139,7 @@ def compare_predicate(adapter: str | KernelAdapter, against: str = "reference", 
     """Fails when compare-precision finds an output of ``adapter`` over the standard on x (with a recorded
     call's parameters and scalars when ``recorded`` is given, else parameters in fp32 or, ``params`` same,
     in the input's format)."""
-    from bnprobe.adapters.dump import CallRef, RecordedCalls
+    from bnprobe.recordings import CallRef, RecordedCalls
     from bnprobe.checks.cases import Case, recorded_cases
     from bnprobe.checks.compare import compare_precision
 
@@ -318,7 +318,7 @@ def recorded_case(recorded: Any, *, given: tuple[str, ...] = (), dtype: str | No
                            "one: select it with DIR#NAME or --calls")
     check_options(recorded, given=given, dtype=dtype, mode=mode, params=params)
     rec = found[0].load()
-    x = rec.call_inputs()["x"]
+    x = rec.call().x
     x = x if rec.layout == "channels_first" or x.ndim <= 2 else np.moveaxis(x, -1, 1)
     return x, RecordedParams.of(rec, found[0].label), rec.dtype, mode or ("train" if rec.training else "infer")
 

@@ -143,7 +143,7 @@ def trace_run(
 
 def trace_recorded(rec: Any, *, policy: str | Policy | None = None, mode: str | None = None,
                    label: str = "", params: str | None = None) -> TraceComparison:
-    """One recorded call (a :class:`~bnprobe.adapters.dump.Recording`) traced on its own inputs and scalars
+    """One recorded call (a :class:`~bnprobe.recordings.Recording`) traced on its own inputs and scalars
     (x, γ, β, running statistics, dy, eps, momentum, layout) under ``policy`` — default: the preset of the
     recorded format with the recorded parameter format — in ``mode`` (default: the call's own).  A policy
     that would round the recorded inputs, a mode the call did not record, or ``params`` (same or fp32)
@@ -157,9 +157,9 @@ def trace_recorded(rec: Any, *, policy: str | Policy | None = None, mode: str | 
     if pol.storage != fmt:
         raise BNProbeError(f"policy {pol.name} stores {pol.storage}, but {name} was recorded in {fmt}: its inputs "
                            f"would be rounded; give a {fmt} policy (or leave --policy out)")
-    ci = rec.call_inputs()
+    ci = rec.call()
     for key in ("gamma", "beta", "running_mean", "running_var"):
-        v = ci[key]
+        v = getattr(ci, key)
         if v is not None and not is_representable(np.asarray(v, dtype=np.float64), pol.params_format).all():
             raise BNProbeError(f"policy {pol.name} keeps parameters in {pol.params_format}, but {name}'s {key} is "
                                f"{rec.params}: it would be rounded; give a policy with params={rec.params}")
@@ -174,7 +174,7 @@ def trace_recorded(rec: Any, *, policy: str | Policy | None = None, mode: str | 
                            f"{', '.join(rec.modes)})")
     src = rec.tensors["infer" if mode == "infer" else ("train" if "train" in rec.tensors else "backward")]["inputs"]
     dy = rec.tensors["backward"]["inputs"]["dy"] if mode == "backward" else None
-    return trace_run(src["x"], policy=pol, mode=mode, gamma=src.get("gamma", ci["gamma"]),
-                     beta=src.get("beta", ci["beta"]), running_mean=src.get("running_mean"),
+    return trace_run(src["x"], policy=pol, mode=mode, gamma=src.get("gamma", ci.gamma),
+                     beta=src.get("beta", ci.beta), running_mean=src.get("running_mean"),
                      running_var=src.get("running_var"), dy=dy, eps=rec.eps, momentum=rec.momentum,
                      layout=rec.layout)

@@ -209,8 +209,7 @@ def load_dump_series(folder: str | Path) -> pd.DataFrame:
     (``bnprobe-calls.json``; one layer per module, named by its module path).  Batch statistics are
     the ones the kernel saved where recorded (mean, and 1/invstd² - eps), else computed from x; running
     ones come from the recorded outputs of a training call, or the inputs of an inference call."""
-    from bnprobe.adapters.dump import load_dump
-    from bnprobe.adapters.dump import CALLS_NAME
+    from bnprobe.recordings import CALLS_NAME, load_dump
 
     root = Path(folder)
     if not root.is_dir():
@@ -231,8 +230,7 @@ def load_dump_series(folder: str | Path) -> pd.DataFrame:
 
 def _model_dump_layers(folder: Path) -> list[tuple[str, Any]]:
     """One Recording per module of a model dump: its last training call in the step, else its last call."""
-    from bnprobe.adapters.dump import load_dump
-    from bnprobe.adapters.dump import read_calls
+    from bnprobe.recordings import load_dump, read_calls
 
     picked: dict[str, dict[str, Any]] = {}
     for c in read_calls(folder)["calls"]:

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 
 from bnprobe.adapters import get_adapter
-from bnprobe.adapters.dump import record, write_dump
 from bnprobe.checks.shrinking import RecordedParams, ShrinkResult
 from bnprobe.errors import BNProbeError
+from bnprobe.recordings import record, write_dump
 from bnprobe.reports import OutputDir, dumps_json, output_dir
 
 __all__ = ["write_shrink", "shrink_lines"]

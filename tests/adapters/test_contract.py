@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from bnprobe.adapters import Saved, get_adapter, list_adapters
-from bnprobe.adapters.dump import DumpAdapter, record
+from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.errors import BNProbeError
+from bnprobe.recordings import record
 from bnprobe.formats import get_format
 from bnprobe.tolerances import KERNEL_AGREEMENT as TOL  # |y - reference| allowed per format
 
@@ -120,7 +121,7 @@ def test_bad_input_is_a_clear_error(adapter, call, match):
 
 def test_a_replayed_dump_passes_the_contract(tmp_path, reference):
     """A dump replays exactly what was recorded, and only for the recorded inputs."""
-    from bnprobe.adapters.dump import load_dump, write_dump
+    from bnprobe.recordings import load_dump, write_dump
 
     x, g, b, rm, rv = make((4, 4, 5, 6), seed=3)
     dy = np.random.default_rng(4).standard_normal(x.shape)

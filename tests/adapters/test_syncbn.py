@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from bnprobe.adapters import Saved, get_adapter
-from bnprobe.adapters.dump import load_dump, write_dump
 from bnprobe.adapters.syncbn import SyncBNAdapter, rank_recordings, split_ranks
 from bnprobe.checks.cases import Case
 from bnprobe.checks.compare import compare_precision
 from bnprobe.errors import BNProbeError
+from bnprobe.recordings import load_dump, write_dump
 from oracle import round_fraction, round_sqrt
 
 torch = pytest.importorskip("torch")

@@ -3,13 +3,14 @@ import pandas as pd
 import pytest
 
 from bnprobe.adapters import BackwardOutput, get_adapter
-from bnprobe.adapters.dump import DumpAdapter, open_dump, record, write_dump
+from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.checks.budget import error_budget
 from bnprobe.checks.cases import Case, recorded_cases, resnet50_cases, stress_cases
 from bnprobe.checks.compare import compare_precision
 from bnprobe.cli import main
 from bnprobe.errors import BNProbeError
 from bnprobe.numerics.rounding import round_to
+from bnprobe.recordings import open_dump, record, write_dump
 from tests.checks.bn_plugins import NumpyBN
 
 

@@ -231,9 +231,9 @@ def test_a_recorded_call_without_dgamma_dbeta_is_judged_on_dx_alone(tmp_path):
     """affine=False: the recording holds no dγ, dβ (the replay answers NaN for them); gradcheck leaves them out
     and says so, rather than failing them or crashing on their all-NaN identities."""
     from bnprobe.adapters import get_adapter
-    from bnprobe.adapters.dump import record, write_dump
     from bnprobe.checks.gradients import gradcheck_recorded
     from bnprobe.checks.recorded import recording_of
+    from bnprobe.recordings import record, write_dump
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((4, 3, 5, 5))

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from bnprobe.adapters import get_adapter
-from bnprobe.adapters.dump import load_dump, record, write_dump
 from bnprobe.adapters.syncbn import rank_recordings
 from bnprobe.checks.ranks import check_ranks, statistics_tolerance
 from bnprobe.errors import BNProbeError
+from bnprobe.recordings import load_dump, record, write_dump
 
 DTYPES = ["fp32", "fp16", "bf16"]
 EPS = 1e-5

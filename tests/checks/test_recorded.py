@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 
 from bnprobe.adapters import get_adapter
-from bnprobe.adapters.dump import CALLS_NAME, CALLS_TAG, DumpAdapter, open_dump, record, write_dump
+from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.checks.diagnosis import doctor, doctor_recorded
 from bnprobe.checks.gradients import gradcheck, gradcheck_recorded
 from bnprobe.checks.overflow import scan, scan_recorded
 from bnprobe.checks.recorded import recording_of
 from bnprobe.cli import main
 from bnprobe.errors import BNProbeError
+from bnprobe.recordings import CALLS_NAME, CALLS_TAG, open_dump, record, write_dump
 from tests.checks.bn_plugins import NumpyBN
 
 

@@ -5,12 +5,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from bnprobe.adapters.dump import Recording, write_dump
 from bnprobe.checks.stats import StatsRecorder, find, load_dump_series, load_log, simulate
 from bnprobe.cli import main
 from bnprobe.errors import BNProbeError
 from bnprobe.kernels import forward_train
 from bnprobe.plots import plot_channel_stats, plot_distributions, plot_divergence, plot_layer_summary
+from bnprobe.recordings import Recording, write_dump
 
 
 @pytest.fixture(scope="module")

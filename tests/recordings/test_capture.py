@@ -14,11 +14,10 @@ import sys
 import numpy as np
 import pytest
 
-from bnprobe.adapters.dump import load_dump
 from bnprobe import capture
-from bnprobe.adapters.dump import CALLS_NAME, read_calls
 from bnprobe.checks.stats import load_dump_series
 from bnprobe.errors import BNProbeError
+from bnprobe.recordings import CALLS_NAME, load_dump, read_calls
 
 torch = pytest.importorskip("torch")
 nn = torch.nn

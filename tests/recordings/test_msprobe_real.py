@@ -5,10 +5,11 @@ them, and every command runs on every dump."""
 import numpy as np
 import pytest
 
-from bnprobe.adapters.dump import DumpAdapter, open_dump
+from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.adapters import Saved
 from bnprobe.cli import main
 from bnprobe.errors import BNProbeError
+from bnprobe.recordings import open_dump
 
 TENSOR_DUMPS = ("L1-fp32", "L1-fp16", "L1-bf16", "mix-fp32", "mix-fp16", "eval-fp32")
 
@@ -39,32 +40,32 @@ def test_each_call_reads_and_replays_torch_bit_for_bit(msprobe_dumps, name):
     dump = DumpAdapter(open_dump(root / d["dump_path"]))
     for ref, want in zip(dump.calls.calls, d["calls"]):
         rec = ref.load()
-        ci = rec.call_inputs()
-        assert ci["eps"] == want["eps"] and ci["momentum"] == want["momentum"] and ci["training"] == want["training"]
-        assert rec.params == d["dtype"] and ci["params"] == "same"  # model.half(): parameters in the input's format
+        ci = rec.call()
+        assert ci.eps == want["eps"] and ci.momentum == want["momentum"] and ci.training == want["training"]
+        assert rec.params == d["dtype"] and ci.params == "same"  # model.half(): parameters in the input's format
         for ours, theirs in (("x", "x"), ("gamma", "weight"), ("beta", "bias"), ("running_mean", "running_mean"),
                              ("running_var", "running_var"), ("dy", "dy")):
-            np.testing.assert_array_equal(ci[ours], expected(root, want, theirs), err_msg=f"{ref.name} {ours}")
+            np.testing.assert_array_equal(getattr(ci, ours), expected(root, want, theirs), err_msg=f"{ref.name} {ours}")
         a = dump.bind(rec)
-        common = dict(dtype=rec.dtype, eps=ci["eps"], params=ci["params"])
-        if ci["training"]:
-            out = a.forward_train(ci["x"], ci["gamma"], ci["beta"], ci["running_mean"], ci["running_var"],
-                                  momentum=ci["momentum"], **common)
-            saved = out.saved or Saved(np.zeros(ci["x"].shape[1]), "invstd", np.ones(ci["x"].shape[1]))
+        common = dict(dtype=rec.dtype, eps=ci.eps, params=ci.params)
+        if ci.training:
+            out = a.forward_train(ci.x, ci.gamma, ci.beta, ci.running_mean, ci.running_var,
+                                  momentum=ci.momentum, **common)
+            saved = out.saved or Saved(np.zeros(ci.x.shape[1]), "invstd", np.ones(ci.x.shape[1]))
         else:
-            out = a.forward_infer(ci["x"], ci["gamma"], ci["beta"], ci["running_mean"], ci["running_var"], **common)
-            saved = Saved(ci["running_mean"], "var", ci["running_var"])
+            out = a.forward_infer(ci.x, ci.gamma, ci.beta, ci.running_mean, ci.running_var, **common)
+            saved = Saved(ci.running_mean, "var", ci.running_var)
         np.testing.assert_array_equal(out.y.astype(np.float64), expected(root, want, "y"), err_msg=ref.name)
-        if "save_mean" in want["expected"] and ci["training"]:
+        if "save_mean" in want["expected"] and ci.training:
             np.testing.assert_array_equal(out.saved.mean.astype(np.float64), expected(root, want, "save_mean"))
             np.testing.assert_array_equal(out.saved.value.astype(np.float64), expected(root, want, "save_invstd"))
-        bw = a.backward(ci["dy"], ci["x"], ci["gamma"], saved, training=ci["training"], **common)
+        bw = a.backward(ci.dy, ci.x, ci.gamma, saved, training=ci.training, **common)
         for ours, theirs in (("dx", "dx"), ("dgamma", "dweight"), ("dbeta", "dbias")):
             np.testing.assert_array_equal(getattr(bw, ours).astype(np.float64), expected(root, want, theirs),
                                           err_msg=f"{ref.name} {ours}")
         with pytest.raises(BNProbeError, match="eps"):  # never the outputs of another call
-            a.backward(ci["dy"], ci["x"], ci["gamma"], saved, training=ci["training"],
-                       **{**common, "eps": ci["eps"] * 2})
+            a.backward(ci.dy, ci.x, ci.gamma, saved, training=ci.training,
+                       **{**common, "eps": ci.eps * 2})
 
 
 @pytest.mark.parametrize("name", ["mix-fp32", "mix-fp16"])

@@ -8,13 +8,13 @@ from itertools import product
 import numpy as np
 import pytest
 
-from bnprobe.adapters.dump import open_dump
-from bnprobe.adapters.msprobe import find_dump_jsons, msprobe_calls
 from bnprobe.errors import BNProbeError
+from bnprobe.recordings import open_dump
+from bnprobe.recordings.msprobe import find_dump_jsons, msprobe_calls
 
 STEPS, WORLD = 2, 2
 RECORDED = (("x", "x"), ("gamma", "weight"), ("beta", "bias"), ("running_mean", "running_mean"),
-            ("running_var", "running_var"), ("dy", "dy"))  # call_inputs() key -> expected field
+            ("running_var", "running_var"), ("dy", "dy"))  # call() key -> expected field
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_every_call_of_every_step_and_rank_in_forward_order(ranks, name):
         assert got.module is None  # level L1 writes no construct.json entries
     # the lower-level reader agrees, and each call points at its own step's and rank's dump.json
     ms, notes = msprobe_calls(dump_path(root, manifest, name))
-    assert [c.name for c in ms] == want and notes == list(found.notes)
+    assert [c.ref.name for c in ms] == want and notes == list(found.notes)
     for c, rec in zip(ms, manifest["records"]):
         assert c.api == rec["api_name"]
         assert c.dump_json == dump_path(root, manifest, name) / rec["folder"] / "dump.json"
@@ -94,13 +94,13 @@ def test_each_call_holds_torchs_values_bit_for_bit(ranks, step, rank):
         call = manifest["calls"][rec["index"]]
         r = ref.load()
         where = ref.name
-        ci = r.call_inputs()
-        assert (ci["eps"], ci["momentum"], ci["training"]) == (call["eps"], call["momentum"], call["training"]), where
-        assert (ci["dtype"], ci["params"], ci["layout"]) == ("fp32", "same", "channels_first"), where
+        ci = r.call()
+        assert (ci.eps, ci.momentum, ci.training) == (call["eps"], call["momentum"], call["training"]), where
+        assert (ci.dtype, ci.params, ci.layout) == ("fp32", "same", "channels_first"), where
         assert r.meta["call"] == rec["api_name"] and r.meta["task"] == "tensor" and r.meta["level"] == "L1"
         assert r.modes == ("train", "backward"), where
         for ours, theirs in RECORDED:
-            assert bits_equal(ci[ours], expected(root, rec, theirs)), f"{where} {ours}"
+            assert bits_equal(getattr(ci, ours), expected(root, rec, theirs)), f"{where} {ours}"
         outs = r.tensors["train"]["outputs"]
         assert set(outs) == {"y"}  # F.batch_norm returns y only: no saved statistics in the dump
         assert bits_equal(outs["y"], expected(root, rec, "y")), f"{where} y"
@@ -120,13 +120,13 @@ def test_each_rank_reads_its_own_data_and_what_ddp_broadcast(ranks):
     calls = {c.name: c for c in open_dump(dump_path(root, manifest)).calls}
 
     def load(step, rank, i):
-        return calls[f"step{step}/rank{rank}/{manifest['calls'][i]['api_name']}"].load().call_inputs()
+        return calls[f"step{step}/rank{rank}/{manifest['calls'][i]['api_name']}"].load().call()
 
     assert [manifest["ranks"][r]["batch"] for r in range(WORLD)] == [4, 3]
     big = next(r for r in manifest["ranks"] if r["input_offset"])
     for step in range(STEPS):
         for r in range(WORLD):
-            x = load(step, r, 0)["x"]
+            x = load(step, r, 0).x
             assert x.shape[0] == manifest["ranks"][r]["batch"]
             channel_means = np.abs(x.mean(axis=(0, 2, 3)))
             # rank 1's input channel is shifted by a large offset: bn1's channels have large means there only
@@ -136,11 +136,11 @@ def test_each_rank_reads_its_own_data_and_what_ddp_broadcast(ranks):
         rank0_after = records(manifest, 0, 0)[i]
         own_after = records(manifest, 0, 1)[i]
         for key in ("running_mean", "running_var"):
-            assert bits_equal(got[1][key], expected(root, rank0_after, f"{key}_after"))
-            assert np.array_equal(got[0][key], got[1][key])
-            assert not np.array_equal(got[1][key], expected(root, own_after, f"{key}_after"))
+            assert bits_equal(getattr(got[1], key), expected(root, rank0_after, f"{key}_after"))
+            assert np.array_equal(getattr(got[0], key), getattr(got[1], key))
+            assert not np.array_equal(getattr(got[1], key), expected(root, own_after, f"{key}_after"))
         # parameters are all-reduced: every rank starts step 1 with the same weight and bias
-        assert np.array_equal(got[0]["gamma"], got[1]["gamma"]) and np.array_equal(got[0]["beta"], got[1]["beta"])
+        assert np.array_equal(got[0].gamma, got[1].gamma) and np.array_equal(got[0].beta, got[1].beta)
 
 
 def test_statistics_dump_summarises_the_same_tensors(ranks):

@@ -9,7 +9,7 @@ records ``Functional.batch_norm.N`` (what ``nn.BatchNorm1d/2d/3d`` call), ``Torc
 ``parameters_grad`` records are checked against the kernel's dγ and dβ.
 
 A ``statistics`` dump holds max/min/mean/norm per tensor and no tensors: its calls carry summaries
-only (see :attr:`MsprobeCall.task`).
+only (see :attr:`~bnprobe.recordings.types.CallRef.task`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import re
 import warnings
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +31,10 @@ from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.inputs import npy_header
 from bnprobe.numerics.rounding import is_representable
+from bnprobe.recordings.types import CallRef, Recording, check_eps_momentum, message_line, read_json
 
-__all__ = ["MSPROBE_BN_APIS", "MsprobeCall", "find_dump_jsons", "msprobe_calls", "read_call", "SUMMARY_KEYS",
-           "check_eps_momentum", "read_json"]
+__all__ = ["MSPROBE_BN_APIS", "MsprobeCall", "find_dump_jsons", "msprobe_calls", "read_call", "read_summaries",
+           "SUMMARY_KEYS"]
 
 MSPROBE_BN_APIS = ("batch_norm", "native_batch_norm", "cudnn_batch_norm", "_native_batch_norm_legit",
                    "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional")
@@ -67,32 +68,14 @@ def find_dump_jsons(path: str | Path) -> list[Path]:
 
 @dataclass(frozen=True)
 class MsprobeCall:
-    """One BatchNorm kernel call of an msprobe dump (nothing loaded yet)."""
+    """One BatchNorm kernel call of an msprobe dump, nothing loaded: ``ref`` describes it as the calls of every
+    dump are described (named by its API record, prefixed with its step/rank folder when a dump has several; its
+    module the enclosing ``Module.1.BatchNorm2d.forward.0`` record at the mix level; ``load()`` gives its
+    Recording, or its summaries in a statistics dump), ``api`` and ``dump_json`` where msprobe recorded it."""
 
-    name: str  # e.g. Functional.batch_norm.0, prefixed with step/rank when a dump has several
-    api: str  # Functional.batch_norm.0
-    dump_json: Path
-    module: str | None  # Module.1.BatchNorm2d.forward.0 (mix level)
-    task: str  # tensor or statistics
-    shape: tuple[int, ...]
-    dtype: str
-    training: bool
-    has_backward: bool
-    load: Callable[[], Any] = field(compare=False, repr=False)  # -> Recording (or summaries for statistics)
-
-
-def read_json(path: Path) -> Any:
-    """The JSON document of a dump's metadata file; a file that cannot be read or parsed (bad bytes, bad JSON,
-    arrays or objects nested deeper than the parser's recursion limit, too large to hold) is a one-line error
-    naming it."""
-    try:
-        return json.loads(path.read_text())
-    except RecursionError:
-        raise BNProbeError(f"{path}: not readable JSON (nested too deeply to parse)") from None
-    except MemoryError:
-        raise BNProbeError(f"{path}: not readable JSON (too large to parse in the memory available)") from None
-    except (OSError, ValueError) as exc:
-        raise BNProbeError(f"{path}: not readable JSON ({type(exc).__name__}: {_first(exc)})") from None
+    ref: CallRef
+    api: str  # the API record, e.g. Functional.batch_norm.0
+    dump_json: Path  # the dump.json holding it
 
 
 def _read_json(dj: Path) -> dict[str, Any]:
@@ -224,11 +207,10 @@ def msprobe_calls(path: str | Path) -> tuple[list[MsprobeCall], list[str]]:
             args = _args(call, *api, fwd, where)
             x = args["input"]
             training = _training(args, api[1], call, where)
-            calls.append(MsprobeCall(
-                name=prefix + call, api=call, dump_json=dj, module=construct.get(key), task=task,
-                shape=_shape(x, where), dtype=_fmt(x, where), training=training,
-                has_backward=f"{call}.backward" in data,
-                load=_loader(dj, call, task, construct.get(key))))
+            calls.append(MsprobeCall(CallRef(
+                name=prefix + call, module=construct.get(key), shape=_shape(x, where), dtype=_fmt(x, where),
+                training=training, has_backward=f"{call}.backward" in data, task=task,
+                load=_loader(dj, call, task, construct.get(key))), api=call, dump_json=dj))
             found += 1
         modules = [k for k in data if k.startswith("Module.") and ".BatchNorm" in k and ".forward." in k]
         if not found and modules:
@@ -251,7 +233,7 @@ def _construct(folder: Path) -> dict[str, str]:
         if not p.read_bytes().strip():
             return {}
     except OSError as exc:
-        raise BNProbeError(f"{p}: not readable ({type(exc).__name__}: {_first(exc)})") from None
+        raise BNProbeError(f"{p}: not readable ({type(exc).__name__}: {message_line(exc)})") from None
     doc = read_json(p)
     return {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(doc, dict) else {}
 
@@ -262,10 +244,6 @@ def _loader(dj: Path, call: str, task: str, module: str | None = None) -> Callab
         return read_call(dj, doc, call, module) if task == "tensor" else read_summaries(dj, doc, call)
 
     return load
-
-
-def _first(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
 
 
 def _tensor_path(folder: Path, name: str, where: str) -> Path:
@@ -337,7 +315,7 @@ def _load_tensor(folder: Path, entry: dict[str, Any], where: str) -> tuple[np.nd
     except BNProbeError:
         raise
     except Exception as exc:  # noqa: BLE001 - any reader failure is a corrupt file to the user
-        raise BNProbeError(f"{path}: corrupt or unreadable ({type(exc).__name__}: {_first(exc)})") from None
+        raise BNProbeError(f"{path}: corrupt or unreadable ({type(exc).__name__}: {message_line(exc)})") from None
     if list(a.shape) != list(shape):
         raise BNProbeError(f"{path}: shape {list(a.shape)} disagrees with dump.json's {list(shape)}")
     if stored != fmt and not (path.suffix == ".npy" and fmt == "bf16" and stored == "fp32"):
@@ -351,8 +329,6 @@ def read_call(dj: Path, doc: dict[str, Any], call: str, module: str | None = Non
     """One BatchNorm call of an msprobe tensor dump as a Recording (forward, and backward when dumped).
     ``module``: the enclosing module's forward record (mix level), whose ``parameters_grad`` record is
     checked against the call's dγ and dβ."""
-    from bnprobe.adapters.dump import Recording
-
     data = doc["data"]
     api_type, api = _api_of(call) or ("", "")
     where = str(dj)
@@ -442,19 +418,6 @@ def _training(args: dict[str, Any], api: str, call: str, where: str) -> bool:
     if not isinstance(t, bool):
         raise BNProbeError(f"{where}: {call} records training = {t!r}, not true or false")
     return t
-
-
-def check_eps_momentum(eps: Any, momentum: Any, params: str, where: str) -> tuple[float, float | None]:
-    """A recording's eps (a number > 0 within the range of its parameter format ``params``) and momentum (null
-    or a number in [0, 1]), as floats."""
-    fmt = get_format(params)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps <= fmt.max:
-        raise BNProbeError(f"{where} records eps = {eps!r}, not a number > 0 within the range of {fmt.name} "
-                           f"(the parameter format, max {fmt.max:.4g})")
-    if momentum is not None and (isinstance(momentum, bool) or not isinstance(momentum, (int, float))
-                                 or not 0 <= momentum <= 1):
-        raise BNProbeError(f"{where} records momentum = {momentum!r}, not a number in [0, 1] or null")
-    return float(eps), None if momentum is None else float(momentum)
 
 
 def _read_backward(rec: Any, base: Path, where: str, call: str, bwd: Any, tensors: dict[str, np.ndarray],

@@ -5,7 +5,7 @@
 clean exit, writes one bnprobe dump per call plus an index::
 
     OUT/bnprobe-calls.json           the calls in forward order (name, dir, module, type, index, ...)
-    OUT/<dir>/bnprobe-dump.json      one bnprobe dump per call (bnprobe.adapters.dump.write_dump)
+    OUT/<dir>/bnprobe-dump.json      one bnprobe dump per call (bnprobe.recordings.write_dump)
     OUT/<dir>/tensors.npz
 
 What each call records: the inputs as they were before the call (x, γ, β, running statistics), eps and
@@ -28,9 +28,10 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
-from bnprobe.adapters.dump import CALLS_NAME, CALLS_TAG, META_NAME, TENSORS_NAME, Recording, read_calls, write_dump
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
+from bnprobe.recordings.bnprobe_dump import read_calls, write_dump
+from bnprobe.recordings.types import CALLS_NAME, CALLS_TAG, META_NAME, TENSORS_NAME, Recording
 from bnprobe._files import atomic_write_text, dumps_json
 
 if TYPE_CHECKING:  # pragma: no cover

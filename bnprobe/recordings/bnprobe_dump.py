@@ -1,0 +1,267 @@
+"""bnprobe's own dump format: recording an adapter's calls, writing them, and reading them back.
+
+A bnprobe dump is a folder with ``bnprobe-dump.json`` (metadata: adapter, dtype, params format, layout, eps,
+momentum, seed, and for each recorded mode its tensors with shape and format) and ``tensors.npz`` (every
+tensor; 16-bit formats stored exactly as float32).  Written through temporary files and renamed into place,
+tensors first and metadata last, so a folder with metadata is complete.  A model dump
+(:func:`bnprobe.capture`) is one bnprobe dump per call and an index, ``bnprobe-calls.json``
+(:func:`read_calls`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bnprobe.adapters.base import MODES, KernelAdapter, Saved, SAVED_KINDS, params_format
+from bnprobe.errors import BNProbeError
+from bnprobe.formats import get_format
+from bnprobe.inputs import npy_header
+from bnprobe.kernels.layout import LAYOUTS
+from bnprobe.numerics.rounding import is_representable
+from bnprobe.recordings.types import (
+    CALLS_NAME,
+    CALLS_TAG,
+    META_NAME,
+    TENSORS_NAME,
+    Recording,
+    check_eps_momentum,
+    read_json,
+)
+from bnprobe._files import atomic_write_bytes, atomic_write_text, check_targets
+
+__all__ = ["write_dump", "read_meta", "read_dump", "read_calls", "record", "FORMAT_TAG"]
+
+FORMAT_TAG = "bnprobe-dump"
+
+# the tensors a recorded mode cannot lack (a backward may lack a gradient the kernel did not compute)
+REQUIRED = {"train": ({"x"}, {"y"}), "infer": ({"x", "running_mean", "running_var"}, {"y"}),
+            "backward": ({"dy", "x"}, set())}
+
+
+def _storage(a: np.ndarray, fmt: str) -> np.ndarray:
+    return np.asarray(a, dtype=np.float64 if fmt == "fp64" else np.float32)
+
+
+def write_dump(rec: Recording, out: str | Path, *, force: bool = False) -> list[Path]:
+    """Write a Recording as a bnprobe dump folder; returns the files written."""
+    out = Path(out)
+    meta_path, tensor_path = out / META_NAME, out / TENSORS_NAME
+    check_targets([meta_path, tensor_path], force=force)
+    arrays: dict[str, np.ndarray] = {}
+    entries: dict[str, Any] = {}
+    for mode, ios in rec.tensors.items():
+        entries[mode] = {}
+        for io, named in ios.items():
+            entries[mode][io] = {}
+            for name, a in named.items():
+                key = f"{mode}.{io}.{name}"
+                fmt = rec.formats[key]
+                arrays[key] = _storage(a, fmt)
+                entries[mode][io][name] = {"key": key, "shape": list(np.shape(a)), "format": fmt}
+    import io as _io
+
+    buf = _io.BytesIO()
+    np.savez_compressed(buf, **arrays)
+    atomic_write_bytes(tensor_path, buf.getvalue())
+    meta = {"format": FORMAT_TAG, "version": 1, "adapter": rec.adapter, "dtype": rec.dtype, "params": rec.params,
+            "layout": rec.layout, "eps": rec.eps, "momentum": rec.momentum, "saved_kind": rec.saved_kind,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "meta": rec.meta, "records": entries}
+    atomic_write_text(meta_path, json.dumps(meta, indent=2, default=str))
+    return [tensor_path, meta_path]
+
+
+def read_meta(meta_path: Path) -> dict[str, Any]:
+    """A bnprobe dump's metadata, its keys and their JSON types checked."""
+    meta = read_json(meta_path)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_TAG:
+        raise BNProbeError(f"{meta_path}: not a bnprobe dump (no \"format\": \"{FORMAT_TAG}\")")
+    for key in ("adapter", "dtype", "params", "layout", "eps", "records"):
+        if key not in meta:
+            raise BNProbeError(f"{meta_path}: metadata lacks {key!r}")
+    for key in ("adapter", "dtype", "params", "layout"):
+        if not isinstance(meta[key], str):
+            raise BNProbeError(f"{meta_path}: {key} is {meta[key]!r}, not a string")
+    if meta["layout"] not in LAYOUTS:
+        raise BNProbeError(f"{meta_path}: layout is {meta['layout']!r}, not one of {', '.join(LAYOUTS)}")
+    recs = meta["records"]
+    if not isinstance(recs, dict) or not recs or any(m not in MODES for m in recs):
+        raise BNProbeError(f"{meta_path}: \"records\" must map some of {', '.join(MODES)} to their tensors")
+    for mode, ios in recs.items():
+        if not isinstance(ios, dict) or not all(isinstance(v, dict) for v in ios.values()):
+            raise BNProbeError(f"{meta_path}: records of {mode} are not objects of tensors")
+        if not isinstance(ios.get("inputs"), dict) or not isinstance(ios.get("outputs"), dict):
+            raise BNProbeError(f"{meta_path}: records of {mode} lack their inputs or outputs")
+        for io, named in ios.items():
+            for name, entry in named.items():
+                if not isinstance(entry, dict) or not isinstance(entry.get("key"), str) or \
+                        not isinstance(entry.get("shape"), list) or not isinstance(entry.get("format"), str):
+                    raise BNProbeError(f"{meta_path}: tensor {mode}.{io}.{name} lacks its key, shape or format")
+                if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in entry["shape"]):
+                    raise BNProbeError(f"{meta_path}: tensor {mode}.{io}.{name} has shape {entry['shape']!r}, not a "
+                                       "list of integers >= 0")
+                try:
+                    get_format(entry["format"])
+                except BNProbeError as exc:
+                    raise BNProbeError(f"{meta_path}: tensor {mode}.{io}.{name}: {exc}") from None
+        for io, need in zip(("inputs", "outputs"), REQUIRED[mode]):
+            if need - set(ios[io]):
+                raise BNProbeError(f"{meta_path}: records of {mode} lack the {io} "
+                                   f"{', '.join(sorted(need - set(ios[io])))}")
+    try:
+        get_format(meta["dtype"])
+        params = get_format(meta["params"]).name
+    except BNProbeError as exc:
+        raise BNProbeError(f"{meta_path}: {exc}") from None
+    check_eps_momentum(meta["eps"], meta.get("momentum"), params, str(meta_path))
+    if meta.get("saved_kind") not in (None, "none", *SAVED_KINDS):
+        raise BNProbeError(f"{meta_path}: saved_kind is {meta['saved_kind']!r}, not one of {', '.join(SAVED_KINDS)}, "
+                           "none or null")
+    inner = meta.get("meta")
+    if inner is not None and not isinstance(inner, dict) or \
+            isinstance(inner, dict) and not isinstance(inner.get("training", False), bool):
+        raise BNProbeError(f"{meta_path}: \"meta\" must be an object whose training, when given, is true or false")
+    return meta
+
+
+def _read_tensors(tensor_path: Path, shapes: dict[str, list[int]]) -> dict[str, np.ndarray]:
+    """The arrays ``shapes`` names from a dump's tensors.npz, each member's header checked against its shape in
+    the metadata (and its float32/float64 storage) before its data is read."""
+    out: dict[str, np.ndarray] = {}
+    try:
+        with zipfile.ZipFile(tensor_path) as zf:
+            members = {i.filename.removesuffix(".npy"): i for i in zf.infolist()}
+            for key, shape in shapes.items():
+                info = members.get(key)
+                if info is None:
+                    raise BNProbeError(f"{tensor_path}: tensor {key!r} named in {META_NAME} is missing")
+                with zf.open(info) as fh:
+                    found, dtype = npy_header(fh, f"{tensor_path}: tensor {key!r}", info.file_size)
+                if list(found) != list(shape):
+                    raise BNProbeError(f"{tensor_path}: tensor {key!r} has shape {list(found)} but {META_NAME} "
+                                       f"says {shape}")
+                if dtype not in (np.float32, np.float64):
+                    raise BNProbeError(f"{tensor_path}: tensor {key!r} is stored as {dtype}, not float32 or float64 "
+                                       "as bnprobe writes it")
+                with zf.open(info) as fh:
+                    out[key] = np.lib.format.read_array(fh, allow_pickle=False)
+    except BNProbeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - zip, zlib and numpy errors alike: a damaged file
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise BNProbeError(f"{tensor_path}: corrupt ({first})") from None
+    return out
+
+
+def read_dump(meta_path: Path) -> Recording:
+    """The bnprobe dump of ``meta_path`` (its ``bnprobe-dump.json``), every tensor checked against the metadata
+    (:func:`bnprobe.recordings.load_dump` reads any dump)."""
+    folder = meta_path.parent
+    meta = read_meta(meta_path)
+    tensor_path = folder / TENSORS_NAME
+    if not tensor_path.is_file():
+        raise BNProbeError(f"{tensor_path}: missing (the dump is incomplete)")
+    stored = _read_tensors(tensor_path, {e["key"]: e["shape"] for ios in meta["records"].values()
+                                         for named in ios.values() for e in named.values()})
+    inner = meta.get("meta") if isinstance(meta.get("meta"), dict) else {}
+    mom = meta.get("momentum")
+    rec = Recording(str(meta["adapter"]), get_format(str(meta["dtype"])).name, get_format(str(meta["params"])).name,
+                    str(meta["layout"]), float(meta["eps"]), None if mom is None else float(mom),
+                    meta.get("saved_kind") if meta.get("saved_kind") in SAVED_KINDS else None, meta=inner,
+                    source=str(folder))
+    for mode, ios in meta["records"].items():
+        for io, named in ios.items():
+            for name, entry in named.items():
+                key = entry["key"]
+                a = stored[key].astype(np.float64)
+                if list(a.shape) != list(entry["shape"]):
+                    raise BNProbeError(f"{tensor_path}: tensor {key!r} has shape {list(a.shape)} but {META_NAME} "
+                                       f"says {entry['shape']} for {mode}.{io}.{name}")
+                if not is_representable(a, entry["format"]).all():
+                    raise BNProbeError(f"{tensor_path}: tensor {key!r} holds values that are not {entry['format']}")
+                rec.tensors.setdefault(mode, {}).setdefault(io, {})[name] = a
+                rec.formats[key] = entry["format"]
+    return rec
+
+
+def read_calls(folder: str | Path) -> dict[str, Any]:
+    """The index of a model dump (``bnprobe-calls.json``), checked for its format tag and call list."""
+    index = Path(folder) / CALLS_NAME
+    doc = read_json(index)
+    if not isinstance(doc, dict) or doc.get("format") != CALLS_TAG or not isinstance(doc.get("calls"), list):
+        raise BNProbeError(f"{index}: not a bnprobe model dump (no \"format\": \"{CALLS_TAG}\" with a calls list)")
+    for i, c in enumerate(doc["calls"]):
+        if not isinstance(c, dict) or not all(isinstance(c.get(k), str) for k in ("name", "dir", "module")):
+            raise BNProbeError(f"{index}: call {i} lacks its name, dir or module")
+    return doc
+
+
+# ---- recording an adapter -------------------------------------------------------------------------
+
+def record(adapter: KernelAdapter, *, x: np.ndarray, gamma: np.ndarray | None, beta: np.ndarray | None,
+           running_mean: np.ndarray, running_var: np.ndarray, dy: np.ndarray, dtype: str, eps: float = 1e-5,
+           momentum: float | None = 0.1, layout: str = "channels_first", params: str = "fp32",
+           modes: tuple[str, ...] = ("train", "infer", "backward"), meta: dict[str, Any] | None = None) -> Recording:
+    """Run ``adapter`` in each mode on these inputs and keep every input and output."""
+    from bnprobe.numerics.rounding import round_to
+
+    fmt = get_format(dtype).name
+    pf = params_format(fmt, params)
+    caps = adapter.capabilities()
+    c = np.shape(x)[1] if layout == "channels_first" or np.ndim(x) == 2 else np.shape(x)[-1]
+    g = round_to(np.ones(c) if gamma is None else np.asarray(gamma, dtype=np.float64), pf)
+    b = round_to(np.zeros(c) if beta is None else np.asarray(beta, dtype=np.float64), pf)
+    rm = round_to(np.asarray(running_mean, dtype=np.float64), pf)
+    rv = round_to(np.asarray(running_var, dtype=np.float64), pf)
+    xs, dys = round_to(np.asarray(x, dtype=np.float64), fmt), round_to(np.asarray(dy, dtype=np.float64), fmt)
+    rec = Recording(adapter.name, fmt, pf, layout, eps, momentum, caps.saved,
+                    meta={**(meta or {}), "training": "train" in modes or "backward" in modes})
+
+    def put(mode: str, io: str, name: str, a: np.ndarray, f: str) -> None:
+        # an output is stored in the format the kernel returned it in (the reference returns float64)
+        dt = np.asarray(a).dtype
+        if io == "outputs" and dt != np.float64:
+            f = get_format(dt).name
+        elif io == "outputs":
+            f = "fp64"
+        rec.tensors.setdefault(mode, {}).setdefault(io, {})[name] = np.asarray(a, dtype=np.float64)
+        rec.formats[f"{mode}.{io}.{name}"] = f
+
+    common = dict(dtype=fmt, eps=eps, layout=layout, params=params)
+    saved: Saved | None = None
+    if "train" in modes or "backward" in modes:
+        out = adapter.forward_train(xs, g, b, rm, rv, momentum=momentum, **common)
+        saved = out.saved
+        if "train" in modes:
+            for name, a, f in (("x", xs, fmt), ("gamma", g, pf), ("beta", b, pf), ("running_mean", rm, pf),
+                               ("running_var", rv, pf)):
+                put("train", "inputs", name, a, f)
+            put("train", "outputs", "y", out.y, fmt)
+            if saved is not None:
+                sf = get_format(np.asarray(saved.value).dtype).name
+                put("train", "outputs", "saved_mean", saved.mean, sf)
+                put("train", "outputs", "saved_value", saved.value, sf)
+            if out.running_mean is not None and out.running_var is not None:
+                put("train", "outputs", "running_mean_out", out.running_mean, pf)
+                put("train", "outputs", "running_var_out", out.running_var, pf)
+    if "infer" in modes:
+        out = adapter.forward_infer(xs, g, b, rm, rv, **common)
+        for name, a, f in (("x", xs, fmt), ("gamma", g, pf), ("beta", b, pf), ("running_mean", rm, pf),
+                           ("running_var", rv, pf)):
+            put("infer", "inputs", name, a, f)
+        put("infer", "outputs", "y", out.y, fmt)
+    if "backward" in modes and saved is not None:
+        bw = adapter.backward(dys, xs, g, saved, **common)
+        sf = rec.formats.get("train.outputs.saved_value", "fp64")
+        for name, a, f in (("dy", dys, fmt), ("x", xs, fmt), ("gamma", g, pf), ("saved_mean", saved.mean, sf),
+                           ("saved_value", saved.value, sf)):
+            put("backward", "inputs", name, a, f)
+        put("backward", "outputs", "dx", bw.dx, fmt)
+        put("backward", "outputs", "dgamma", bw.dgamma, pf)
+        put("backward", "outputs", "dbeta", bw.dbeta, pf)
+    return rec
