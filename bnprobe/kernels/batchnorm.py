@@ -89,7 +89,7 @@ def carrier_for(policy: Policy, keep_arrays: bool, overrides: dict[str, np.ndarr
 class _Run:
     """The arithmetic contexts of one block of channels of a kernel call, and its trace."""
 
-    def __init__(self, policy: Policy, channels: int, keep_arrays: bool, rng: np.random.Generator,
+    def __init__(self, policy: Policy, channels: int, keep_arrays: bool, rng: np.random.Generator, *,
                  overrides: dict[str, np.ndarray] | None = None, carrier: type = np.float64,
                  sources: dict[str, np.dtype] | None = None, dest: Source | None = None,
                  compiled: bool = False) -> None:
@@ -325,8 +325,8 @@ class _Blocks:
             # overrides are channel-first, (C,) or (C, R): take this block's channels
             sub = {k: np.asarray(v)[sl] for k, v in self.overrides.items()}
             dest = self._dest.block(sl) if self._dest is not None else None
-            run = _Run(self.policy, sl.stop - sl.start, self.keep, self.rng, sub, self.carrier, self.sources,
-                       dest, self.compiled)
+            run = _Run(self.policy, sl.stop - sl.start, self.keep, self.rng, overrides=sub, carrier=self.carrier,
+                       sources=self.sources, dest=dest, compiled=self.compiled)
             yield sl, run
             self.traces.append(run.trace)
 
