@@ -1,4 +1,13 @@
-"""The one table of default tolerances, keyed by format.
+"""bnprobe's default tolerances and standards, all in this one module: its tables (keyed by format where they
+depend on it) and constants.
+
+- ``GRAD_TOLERANCES`` and ``FINITE_DIFFERENCE``: gradcheck (below);
+- ``DOCTOR_TOLERANCES``: the doctor's outputs; ``KERNEL_AGREEMENT``: how far two correct kernels may differ;
+- ``RANK_TOLERANCES``: check_ranks' statistics;
+- ``ACCUMULATION_FORMAT`` (the format a correct kernel accumulates in) and ``SMALL_VALUE_ULPS``: compare-precision's
+  benchmark rule;
+- msprobe 26.2.0's own: ``MSPROBE_STANDARDS``, ``MSPROBE_CHECKER``, ``MSPROBE_BENCHMARK_LIMITS``,
+  ``MSPROBE_BENCHMARK_APIS``, ``MSPROBE_COMPARE_LIMITS`` and ``MSPROBE_CSV_DECIMALS``.
 
 Gradients (gradcheck): |actual - golden| <= atol + rtol·|golden|, elementwise, for inputs of unit
 scale (the checks generate x, dy ~ N(0, 1) and gamma ~ U(0.5, 1.5)).  The 16-bit rows allow about
