@@ -1,4 +1,5 @@
-"""One BatchNorm call: its inputs, scalars and formats, as one typed value.
+"""One BatchNorm call: its inputs, scalars and formats, as one typed value (importing it loads nothing: the CLI
+reads its defaults at start-up).
 
 Every check runs a kernel and the FP64 golden on a :class:`BNCall` — a recorded call's (a dump's), a generated
 one's, a probe's — and the defaults of BatchNorm's scalars are defined here once.
@@ -7,9 +8,10 @@ one's, a probe's — and the defaults of BatchNorm's scalars are defined here on
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
 
 __all__ = ["BNCall", "EPS", "MOMENTUM"]
 

@@ -13,6 +13,7 @@ from typing import Optional
 import typer
 
 from bnprobe import __version__
+from bnprobe.call import EPS, MOMENTUM
 from bnprobe.errors import BNProbeError
 from bnprobe.reports import dumps_json
 
@@ -222,7 +223,7 @@ def trace(
     else:
         if calls is not None:
             raise BNProbeError("--calls selects recorded calls: give a dump as --input DIR")
-        eps_v, mom_v = 1e-5 if eps is None else eps, 0.1 if momentum is None else momentum
+        eps_v, mom_v = EPS if eps is None else eps, MOMENTUM if momentum is None else momentum
         m, s, sd, d = 0.0 if mean is None else mean, 1.0 if std is None else std, seed or 0, dist or "normal"
         x = input_tensor("trace", input, shape or "8,16,14,14", d, m, s, sd)
         source = str(input) if input is not None else f"{d}(mean={m:g}, std={s:g}), seed {sd}"
@@ -421,7 +422,7 @@ def gradcheck_cmd(
                      as_json)
     shp = parse_shape(shape or "4,3,5,5")
     require_run("gradcheck", shp)
-    e, s = 1e-5 if eps is None else eps, seed or 0
+    e, s = EPS if eps is None else eps, seed or 0
     if formula is not None:
         if params is not None:
             raise BNProbeError("--formula checks a formula in FP64: --params does not apply; drop it")
@@ -551,7 +552,7 @@ def overflow_cmd(
     x = input_tensor("overflow", input, shape or "8,16,14,14", dist or "normal", 0.0 if mean is None else mean,
                      1.0 if std is None else std, seed or 0)
     rep = scan(adapter, x, dtype=dtype or "fp16", accumulate=accumulate, mode=mode or "train",
-               eps=1e-5 if eps is None else eps, seed=seed or 0, params=params)
+               eps=EPS if eps is None else eps, seed=seed or 0, params=params)
     return _show(overflow_report(rep, params), sink, as_json)
 
 

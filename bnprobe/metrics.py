@@ -1,5 +1,5 @@
-"""Comparison metrics with MindStudio Probe's (msprobe 26.2.0) definitions and values, so figures line up
-with what Ascend users know (shared/reference/msprobe-metrics.md), plus the smallest tolerance that passes.
+"""Comparison metrics with MindStudio Probe's (msprobe 26.2.0, PyPI ``mindstudio-probe``) definitions and values,
+so figures line up with what Ascend users know from it, plus the smallest tolerance that passes.
 
 msprobe defines its metrics in two tools, not always alike; both are mirrored, under distinct names:
 

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from bnprobe.call import EPS
+
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
 
@@ -186,7 +188,7 @@ def plot_divergence(df: pd.DataFrame, base: str = "fp32") -> Figure:
     return fig
 
 
-def plot_distributions(df: pd.DataFrame, eps: float = 1e-5) -> Figure:
+def plot_distributions(df: pd.DataFrame, eps: float = EPS) -> Figure:
     """Per-channel mean²/var (cancellation risk of single-pass variance) and var/eps (eps dominance) at the last
     step."""
     from matplotlib.figure import Figure

@@ -1,4 +1,13 @@
-"""The one table of default tolerances, keyed by format.
+"""bnprobe's default tolerances and standards, all in this one module: its tables (keyed by format where they
+depend on it) and constants.
+
+- ``GRAD_TOLERANCES`` and ``FINITE_DIFFERENCE``: gradcheck (below);
+- ``DOCTOR_TOLERANCES``: the doctor's outputs; ``KERNEL_AGREEMENT``: how far two correct kernels may differ;
+- ``RANK_TOLERANCES``: check_ranks' statistics;
+- ``ACCUMULATION_FORMAT`` (the format a correct kernel accumulates in) and ``SMALL_VALUE_ULPS``: compare-precision's
+  benchmark rule;
+- msprobe 26.2.0's own: ``MSPROBE_STANDARDS``, ``MSPROBE_CHECKER``, ``MSPROBE_BENCHMARK_LIMITS``,
+  ``MSPROBE_BENCHMARK_APIS``, ``MSPROBE_COMPARE_LIMITS`` and ``MSPROBE_CSV_DECIMALS``.
 
 Gradients (gradcheck): |actual - golden| <= atol + rtol·|golden|, elementwise, for inputs of unit
 scale (the checks generate x, dy ~ N(0, 1) and gamma ~ U(0.5, 1.5)).  The 16-bit rows allow about
@@ -32,12 +41,8 @@ GRAD_TOLERANCES: dict[str, tuple[float, float]] = {  # (rtol, atol)
 # doctor: an output passes when, per channel, max |actual - expected| <= rtol · max(max |expected|, the
 # channel's natural scale: what the output is formed from); four times the gradient rtol of the format the
 # output is returned in (a few ULPs of the largest value: the output's rounding plus the accumulated error)
-DOCTOR_TOLERANCES: dict[str, float] = {
-    "fp64": 4e-7,
-    "fp32": 4e-5,
-    "fp16": 8e-3,  # 4 * 2e-3: about 8 ULPs of fp16 (2^-10) relative to the largest value
-    "bf16": 6.4e-2,  # 4 * 1.6e-2: about 8 ULPs of bf16 (2^-7) relative to the largest value
-}
+DOCTOR_GRAD_FACTOR = 4.0  # the doctor's rtol, in units of the gradient rtol of the same format
+DOCTOR_TOLERANCES: dict[str, float] = {f: DOCTOR_GRAD_FACTOR * rtol for f, (rtol, _) in GRAD_TOLERANCES.items()}
 # torch.autograd.gradcheck: central differences with eps = 1e-6, atol = 1e-5, rtol = 1e-3
 #: How far two correct kernels' outputs may lie apart on unit-scale inputs (the largest absolute difference of y; dx
 #: twice that): different reduction orders, rsqrt methods and output rounding, a few ULPs at |y| of a few units.

@@ -1,4 +1,6 @@
-"""An emulator of how Ascend NPU kernels compute BatchNorm (see shared/reference/ascend-bn-numerics.md).
+"""An emulator of how Ascend NPU kernels compute BatchNorm, from their public operator sources: CANN's TBE
+operators (``bn_training_reduce.py``, ``bn_training_update.py``, ``bn_training_reduce_grad.py``,
+``bn_training_update_grad.py``) and BatchNormV3 in hicann/ops-nn (``norm/batch_norm_v3``, ``arch35`` for 950).
 
 Presets
 -------
@@ -19,9 +21,9 @@ Presets
 Inference is BNInfer: y = A·x + B from the running statistics.
 
 Options: ``ascend-tbe:chip=910`` (910, 910b, 910_93, 310p, 310, 950), ``cores=N``, ``seed=S``.
-What is marked "inferred" in the reference (the reciprocal estimate's precision, modelled as a
+What those sources do not show, and is inferred (the reciprocal estimate's precision, modelled as a
 12-bit table; the in-core reduction order, modelled as 64 lanes; the A2 BatchNormV3 backward,
-modelled as the TBE BNTrainingReduceGrad form) is a modelling choice and says so here.
+modelled as the TBE BNTrainingReduceGrad form), is a modelling choice and says so here.
 """
 
 from __future__ import annotations

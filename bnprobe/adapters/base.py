@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from bnprobe.call import EPS, MOMENTUM
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.kernels.layout import Layout, as_channel_vector, check_eps, check_momentum, layout_of
@@ -125,15 +126,15 @@ class KernelAdapter(Protocol):
 
     def forward_train(self, x: np.ndarray, gamma: np.ndarray | None, beta: np.ndarray | None,
                       running_mean: np.ndarray | None, running_var: np.ndarray | None, *, dtype: str,
-                      momentum: float | None = 0.1, eps: float = 1e-5, layout: str = "channels_first",
+                      momentum: float | None = MOMENTUM, eps: float = EPS, layout: str = "channels_first",
                       params: str = "fp32") -> ForwardOutput: ...
 
     def forward_infer(self, x: np.ndarray, gamma: np.ndarray | None, beta: np.ndarray | None,
-                      running_mean: np.ndarray, running_var: np.ndarray, *, dtype: str, eps: float = 1e-5,
+                      running_mean: np.ndarray, running_var: np.ndarray, *, dtype: str, eps: float = EPS,
                       layout: str = "channels_first", params: str = "fp32") -> ForwardOutput: ...
 
     def backward(self, dy: np.ndarray, x: np.ndarray, gamma: np.ndarray | None, saved: Saved, *, dtype: str,
-                 eps: float = 1e-5, training: bool = True, layout: str = "channels_first",
+                 eps: float = EPS, training: bool = True, layout: str = "channels_first",
                  params: str = "fp32") -> BackwardOutput: ...
 
 
@@ -199,7 +200,7 @@ class BaseAdapter:
     # ---- the public, checked entry points -----------------------------------------------------
     def forward_train(self, x: np.ndarray, gamma: np.ndarray | None = None, beta: np.ndarray | None = None,
                       running_mean: np.ndarray | None = None, running_var: np.ndarray | None = None, *,
-                      dtype: str, momentum: float | None = 0.1, eps: float = 1e-5,
+                      dtype: str, momentum: float | None = MOMENTUM, eps: float = EPS,
                       layout: str = "channels_first", params: str = "fp32") -> ForwardOutput:
         if (running_mean is None) != (running_var is None):
             raise BNProbeError("give both running_mean and running_var, or neither")
@@ -215,7 +216,7 @@ class BaseAdapter:
         return out
 
     def forward_infer(self, x: np.ndarray, gamma: np.ndarray | None, beta: np.ndarray | None,
-                      running_mean: np.ndarray, running_var: np.ndarray, *, dtype: str, eps: float = 1e-5,
+                      running_mean: np.ndarray, running_var: np.ndarray, *, dtype: str, eps: float = EPS,
                       layout: str = "channels_first", params: str = "fp32") -> ForwardOutput:
         p = self._prepare("infer", x, dtype, layout, params, {
             "gamma": (gamma, 1.0, False), "beta": (beta, 0.0, False),
@@ -226,7 +227,7 @@ class BaseAdapter:
         return out
 
     def backward(self, dy: np.ndarray, x: np.ndarray, gamma: np.ndarray | None, saved: Saved, *, dtype: str,
-                 eps: float = 1e-5, training: bool = True, layout: str = "channels_first",
+                 eps: float = EPS, training: bool = True, layout: str = "channels_first",
                  params: str = "fp32") -> BackwardOutput:
         if np.shape(dy) != np.shape(x):
             raise BNProbeError(f"dy has shape {np.shape(dy)} but x has shape {np.shape(x)}")

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from bnprobe.call import EPS, MOMENTUM
 from bnprobe.adapters.base import (
     BackwardOutput,
     BaseAdapter,
@@ -340,7 +341,7 @@ def _running(comp: Arith, rm: np.ndarray, rv: np.ndarray, st: _Merged, momentum:
 def rank_recordings(adapter: SyncBNAdapter | str, x: np.ndarray, gamma: np.ndarray | None = None,
                     beta: np.ndarray | None = None, running_mean: np.ndarray | None = None,
                     running_var: np.ndarray | None = None, dy: np.ndarray | None = None, *, dtype: str,
-                    eps: float = 1e-5, momentum: float | None = 0.1, layout: str = "channels_first",
+                    eps: float = EPS, momentum: float | None = MOMENTUM, layout: str = "channels_first",
                     params: str = "fp32", grads: str = "local", call: str = "SyncBatchNorm.0") -> dict[int, Recording]:
     """Rank → the :class:`Recording` that rank would dump of one SyncBatchNorm call on the batch ``x`` split
     by ``adapter`` (a :class:`SyncBNAdapter` or its spec, ``syncbn:ranks=3+8+5,...``): its slice of x, the

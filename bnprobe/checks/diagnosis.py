@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from bnprobe.call import MOMENTUM
 from bnprobe.adapters import KernelAdapter, get_adapter
 from bnprobe.adapters.base import counters_only, params_format, stored_inputs
 from bnprobe.call import BNCall
@@ -601,7 +602,7 @@ def _doctor_call(recorded: Recorded, run: CallRun) -> DoctorReport:
     if "running_mean" in got and mom is None:
         notes.append("momentum None (cumulative average): the running statistics' update is not checked")
         got.pop("running_mean"), got.pop("running_var")
-    args = (x, g, b, rm, rv, np.zeros_like(x) if dy is None else dy, 0.1 if mom is None else mom, eps)
+    args = (x, g, b, rm, rv, np.zeros_like(x) if dy is None else dy, MOMENTUM if mom is None else mom, eps)
     checks = _judge(run.label, got, gold, formats, _natural(run, x),
                     models=lambda bug: model(*args, bug=bug, training=rec.training),
                     skip=() if have_running else (TRAIN_RUNNING,), stored=_stored(args, got, rec.training))

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from bnprobe.call import EPS
 from bnprobe._loading import first_line
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
@@ -57,7 +58,7 @@ class Layer:
     beta: np.ndarray
     running_mean: np.ndarray
     running_var: np.ndarray
-    eps: float = 1e-5
+    eps: float = EPS
     groups: int = 1
     padding: int = 0
     x: np.ndarray | None = None  # an input to run it on

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from bnprobe.call import EPS
 from bnprobe._loading import first_line, kind_of, load_callable, raised
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
 from bnprobe.adapters.base import counters_only, params_format, stored_inputs
@@ -373,7 +374,7 @@ def _golden_fd_rows(shape: tuple[int, ...], seed: int, eps: float) -> tuple[Grad
                          "differences") for r in fd_rows)
 
 
-def check_formula(spec: str, shape: tuple[int, ...] = (4, 3, 5, 5), *, seed: int = 0, eps: float = 1e-5,
+def check_formula(spec: str, shape: tuple[int, ...] = (4, 3, 5, 5), *, seed: int = 0, eps: float = EPS,
                   rtol: float | None = None, atol: float | None = None) -> GradcheckResult:
     """Check a backward formula ``f(dy, x, gamma, mean, var, eps) -> dx`` (or (dx, dgamma, dbeta)) in FP64
     against the analytic gradient (itself checked by finite differences).  For ``seed``, also try the
@@ -472,7 +473,7 @@ def gradcheck(
     params = params or "fp32"
     shape = (4, 3, 5, 5) if shape is None else tuple(shape)
     mode = mode or "train"
-    eps = 1e-5 if eps is None else eps
+    eps = EPS if eps is None else eps
     caps = a.capabilities()
     if fmt not in caps.formats:
         raise BNProbeError(f"adapter {a.name} does not run {fmt} (it runs {', '.join(caps.formats)})")

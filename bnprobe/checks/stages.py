@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from bnprobe.call import EPS, MOMENTUM
 from bnprobe.adapters.base import MODES, params_format
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
@@ -98,8 +99,8 @@ def trace_run(
     running_mean: np.ndarray | None = None,
     running_var: np.ndarray | None = None,
     dy: np.ndarray | None = None,
-    eps: float = 1e-5,
-    momentum: float | None = 0.1,
+    eps: float = EPS,
+    momentum: float | None = MOMENTUM,
     layout: str = "channels_first",
     params: str | None = None,
 ) -> TraceComparison:

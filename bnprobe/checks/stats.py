@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from bnprobe.call import EPS, MOMENTUM
 from bnprobe._loading import first_line
 from bnprobe.errors import BNProbeError
 from bnprobe.kernels import backward, forward_train, get_policy
@@ -79,7 +80,7 @@ def _data(seed: int, n: int, dim: int = 16, classes: int = 4) -> tuple[np.ndarra
 
 
 def simulate(policies: tuple[str, ...] = ("fp32", "fp16", "bf16"), *, steps: int = 200, batch: int = 64,
-             seed: int = 0, lr: float = 0.05, momentum: float = 0.1, eps: float = 1e-5) -> pd.DataFrame:
+             seed: int = 0, lr: float = 0.05, momentum: float = MOMENTUM, eps: float = EPS) -> pd.DataFrame:
     """Train the same MLP (16 → BN(32) → ReLU → 32 → BN(32) → ReLU → 4) under each policy, from the same
     initial weights and batches, recording every BN layer's statistics per step."""
     import pandas as pd
@@ -287,10 +288,10 @@ class Thresholds:
     var_ratio: float = 4.0  # running_var vs recent batch var, either way
     collapse: float = 10.0  # var / eps below this: eps dominates the normalisation
     window: int = 10  # recent steps the running estimates are compared with
-    momentum: float = 0.1
+    momentum: float = MOMENTUM
 
 
-def find(df: pd.DataFrame, *, eps: float = 1e-5, thresholds: Thresholds | None = None) -> list[StatsFinding]:
+def find(df: pd.DataFrame, *, eps: float = EPS, thresholds: Thresholds | None = None) -> list[StatsFinding]:
     """Running statistics diverging from the batch's, variance collapsing toward eps, non-finite
     statistics, negative variances (data to report: a one-pass variance cancelling gives them), and a
     momentum that behaves like the wrong convention."""

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from bnprobe.call import EPS, MOMENTUM
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.kernels.fused import COMPILED_CHUNK_ELEMENTS, Fused, Source, compiled_route
@@ -89,7 +90,7 @@ def carrier_for(policy: Policy, keep_arrays: bool, overrides: dict[str, np.ndarr
 class _Run:
     """The arithmetic contexts of one block of channels of a kernel call, and its trace."""
 
-    def __init__(self, policy: Policy, channels: int, keep_arrays: bool, rng: np.random.Generator,
+    def __init__(self, policy: Policy, channels: int, keep_arrays: bool, rng: np.random.Generator, *,
                  overrides: dict[str, np.ndarray] | None = None, carrier: type = np.float64,
                  sources: dict[str, np.dtype] | None = None, dest: Source | None = None,
                  compiled: bool = False) -> None:
@@ -325,8 +326,8 @@ class _Blocks:
             # overrides are channel-first, (C,) or (C, R): take this block's channels
             sub = {k: np.asarray(v)[sl] for k, v in self.overrides.items()}
             dest = self._dest.block(sl) if self._dest is not None else None
-            run = _Run(self.policy, sl.stop - sl.start, self.keep, self.rng, sub, self.carrier, self.sources,
-                       dest, self.compiled)
+            run = _Run(self.policy, sl.stop - sl.start, self.keep, self.rng, overrides=sub, carrier=self.carrier,
+                       sources=self.sources, dest=dest, compiled=self.compiled)
             yield sl, run
             self.traces.append(run.trace)
 
@@ -373,8 +374,8 @@ def forward_train(
     running_mean: np.ndarray | None = None,
     running_var: np.ndarray | None = None,
     *,
-    momentum: float | None = 0.1,
-    eps: float = 1e-5,
+    momentum: float | None = MOMENTUM,
+    eps: float = EPS,
     policy: str | Policy = "fp32",
     layout: str = "channels_first",
     num_batches_tracked: int = 0,
@@ -473,7 +474,7 @@ def forward_infer(
     running_mean: np.ndarray,
     running_var: np.ndarray,
     *,
-    eps: float = 1e-5,
+    eps: float = EPS,
     policy: str | Policy = "fp32",
     layout: str = "channels_first",
     keep_arrays: bool = True,
@@ -515,7 +516,7 @@ def backward(
     training: bool = True,
     layout: str = "channels_first",
     saved_var: np.ndarray | None = None,
-    eps: float = 1e-5,
+    eps: float = EPS,
     keep_arrays: bool = True,
     chunk_elements: int | None = DEFAULT_CHUNK_ELEMENTS,
     overrides: dict[str, np.ndarray] | None = None,

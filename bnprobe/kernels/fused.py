@@ -36,7 +36,8 @@ _FORMATS = frozenset(("fp64", "fp32", "fp16", "bf16"))
 # 62 ms in blocks of 2^21 and 55 ms in blocks of 2^22; then 50-61 ms in blocks of 2^22 and 43-55 ms in one
 # block of 2^23 (three rounds alternating in one process)
 COMPILED_CHUNK_ELEMENTS = 1 << 23
-# the fast kernels count a row of a tensor (N, C, S) in int32 (compiled._count): longer rows take the general kernels
+# the fast kernels count a row of a tensor (N, C, S) in int32 (compiled_fast._count): longer rows take the general
+# kernels
 ROW_MAX = 2**31 - 1
 # numba's default threading layer (workqueue) aborts when two threads run parallel kernels at once (a dask
 # worker's threads can): kernel calls take turns
@@ -60,7 +61,7 @@ def compiled_route(policy: Any, keep_arrays: bool, overrides: dict[str, np.ndarr
 def kernels() -> ModuleType:
     """The numba kernels, imported (and compiled, or loaded from numba's cache) on first use.
 
-    Compiled kernels are cached (``cache=True``) beside the module, or where the package directory is not
+    Compiled kernels are cached (``cache=True``) beside their modules, or where the package directory is not
     writable in numba's user-wide cache directory (``$NUMBA_CACHE_DIR``, else the platform's user cache)."""
     from bnprobe.kernels import compiled
 
@@ -203,7 +204,7 @@ class Fused:
         self.dest = dest  # where y or dx is written
         self._specs: dict[int, tuple[float, ...]] = {}
         # binary32 kernels apply: every operation fp32 with the default rounding (float32 carriers), the
-        # stored tensors rounded to nearest-even (see compiled.py's fast kernels)
+        # stored tensors rounded to nearest-even (see compiled_fast.py)
         self.fast = run.carrier is np.float32 and run.out.spec == RoundingSpec()
 
     def _stores(self, ar: Arith) -> bool:

@@ -303,8 +303,8 @@ def rsqrt(x: np.ndarray, fmt: str | Format | Arith, *, method: str = "exact", ne
 
 
 def rsqrt_ascend950(v: np.ndarray, fmt: str | Format | Arith, *, tally: Tally | None = None) -> np.ndarray:
-    """rstd as Ascend 950's BatchNorm computes it (from the public arch35 sources, see
-    shared/reference): r = 1/v; y = sqrt(r); y <- y*(1.5 - 0.5*v*y*y); then an FMA-compensated
+    """rstd as Ascend 950's BatchNorm computes it (from the public arch35 sources of BatchNormV3, hicann/ops-nn
+    ``norm/batch_norm_v3/op_kernel/arch35``): r = 1/v; y = sqrt(r); y <- y*(1.5 - 0.5*v*y*y); then an FMA-compensated
     residual s = 1 - v*y*y (one rounding) and y <- y + 0.5*y*s.  v = 0 -> +inf; v >= FLT_MAX -> 0."""
     ar, _ = _arith(fmt, None)
     v = np.asarray(v, dtype=np.float64)

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from bnprobe.call import EPS, MOMENTUM
 from bnprobe.adapters.base import MODES, KernelAdapter, Saved, SAVED_KINDS, params_format
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
@@ -204,8 +205,8 @@ def read_calls(folder: str | Path) -> dict[str, Any]:
 # ---- recording an adapter -------------------------------------------------------------------------
 
 def record(adapter: KernelAdapter, *, x: np.ndarray, gamma: np.ndarray | None, beta: np.ndarray | None,
-           running_mean: np.ndarray, running_var: np.ndarray, dy: np.ndarray, dtype: str, eps: float = 1e-5,
-           momentum: float | None = 0.1, layout: str = "channels_first", params: str = "fp32",
+           running_mean: np.ndarray, running_var: np.ndarray, dy: np.ndarray, dtype: str, eps: float = EPS,
+           momentum: float | None = MOMENTUM, layout: str = "channels_first", params: str = "fp32",
            modes: tuple[str, ...] = ("train", "infer", "backward"), meta: dict[str, Any] | None = None) -> Recording:
     """Run ``adapter`` in each mode on these inputs and keep every input and output."""
     from bnprobe.numerics.rounding import round_to

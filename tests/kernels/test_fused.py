@@ -1,7 +1,8 @@
-"""The compiled route (bnprobe.kernels.compiled / fused) beyond the equality matrix of test_carriers.py:
-its roundings against numpy's and ml_dtypes' casts and round_detail, bit for bit; the fast binary32 kernels
-taken where they apply and left for the general ones where something rare happened; results that do not
-depend on the thread count, the layout or concurrent callers; and the switches that choose the route."""
+"""The compiled route (bnprobe.kernels.fused; the kernels of compiled_general and compiled_fast) beyond the
+equality matrix of test_carriers.py: its roundings against numpy's and ml_dtypes' casts and round_detail, bit
+for bit; the fast binary32 kernels taken where they apply and left for the general ones where something rare
+happened; results that do not depend on the thread count, the layout or concurrent callers; and the switches
+that choose the route."""
 
 import importlib.util
 import io
@@ -19,6 +20,9 @@ from numba import njit
 
 from bnprobe.kernels import backward, forward_infer, forward_train
 from bnprobe.kernels import compiled as K
+from bnprobe.kernels import compiled_codes as C
+from bnprobe.kernels import compiled_fast as F
+from bnprobe.kernels import compiled_general as G
 from bnprobe.kernels import fused
 from bnprobe.numerics.arith import Arith
 from bnprobe.numerics.reduce import reduce_sum
@@ -35,7 +39,7 @@ def _rnd_all(v, s):
     r = np.empty_like(v)
     ev = np.empty(v.shape, dtype=np.int64)
     for i in range(v.size):
-        r[i], ev[i] = K._rnd(v[i], s)
+        r[i], ev[i] = G._rnd(v[i], s)
     return r, ev
 
 
@@ -44,11 +48,11 @@ def _bits_all(a, which):
     out = np.empty(a.shape, dtype=np.uint16)
     for i in range(a.size):
         if which == "bf16":
-            out[i] = K._bf16_rne_bits(a[i])
+            out[i] = F._bf16_rne_bits(a[i])
         elif which == "fp16 bits":
-            out[i] = K._f16_rne_bits(a[i])
+            out[i] = F._f16_rne_bits(a[i])
         else:  # the conversion the kernels use on this CPU (its hardware's where it has one)
-            out[i] = K._f16_bits(a[i])
+            out[i] = F._f16_bits(a[i])
     return out
 
 
@@ -82,8 +86,8 @@ def test_compiled_rounding_equals_round_detail_with_its_events(fmt, rounding, ov
         under = (v != 0) & np.isfinite(v) & (want == 0)
     assert np.array_equal(r, want, equal_nan=True)
     assert np.array_equal(np.signbit(r[~np.isnan(r)]), np.signbit(want[~np.isnan(want)]))
-    for bit, mask in ((K.EV_OVERFLOW, over), (K.EV_SATURATED, sat), (K.EV_UNDERFLOW, under),
-                      (K.EV_FLUSHED, flushed)):
+    for bit, mask in ((C.EV_OVERFLOW, over), (C.EV_SATURATED, sat), (C.EV_UNDERFLOW, under),
+                      (C.EV_FLUSHED, flushed)):
         assert np.array_equal((ev & bit) != 0, mask), (bit, np.flatnonzero(((ev & bit) != 0) != mask)[:5])
     assert over.any() and under.any()  # the boundaries were reached
 
@@ -110,7 +114,7 @@ def test_binary32_to_16_bit_roundings_equal_numpy_and_ml_dtypes(which):
 def _source_values(h, lut):
     out = np.empty(h.shape, dtype=np.float64)
     for i in range(h.size):
-        out[i] = K._value(h[i], lut)
+        out[i] = F._value(h[i], lut)
     return out
 
 
@@ -309,10 +313,10 @@ def test_a_generic_cpu_target_rounds_fp16_by_bit_arithmetic():
     does not link (the process aborted): the kernels use the bit arithmetic, whatever this CPU has."""
     code = ("import numpy as np\n"
             "from numba import njit\n"
-            "from bnprobe.kernels import compiled as K\n"
-            "f = njit(lambda a: K._f16_bits(a))\n"
+            "from bnprobe.kernels import compiled_fast as F\n"
+            "f = njit(lambda a: F._f16_bits(a))\n"
             "a = np.float32(1 + 2.0 ** -11)\n"  # a tie: to even, 1.0
-            "print(K.HALF_NATIVE, hex(f(a)), hex(f(np.float32(65520.0))), hex(f(np.float32(-2.0 ** -25))))\n")
+            "print(F.HALF_NATIVE, hex(f(a)), hex(f(np.float32(65520.0))), hex(f(np.float32(-2.0 ** -25))))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "NUMBA_CPU_NAME": "generic", "NUMBA_CPU_FEATURES": ""})
     assert out.returncode == 0, out.stderr[-2000:]
