@@ -790,7 +790,7 @@ def _run(args: list[str]) -> int:
     except typer.Abort:
         typer.echo("bnprobe: aborted", err=True)
         return 130
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - the last resort: a crash is one line and exit 3, never 0 or 1
         if no_args is not None and isinstance(exc, no_args):
             ctx = getattr(exc, "ctx", None)
             typer.echo(ctx.get_help() if ctx is not None else str(exc))
@@ -822,8 +822,26 @@ def _run(args: list[str]) -> int:
             typer.echo(f"bnprobe: error: ran out of memory (the {format_size(limit)} {source}); give a smaller "
                        "input or fewer calls", err=True)
             return 2
-        raise
+        return _internal_error(exc)
     return int(rv) if isinstance(rv, int) else 0
+
+
+INTERNAL_ERROR = 3  # exit status of a crash: never 0 (pass) or 1 (a verdict FAIL), nor 2 (bad input)
+
+
+def _internal_error(exc: Exception) -> int:
+    """A bug of bnprobe's own: one line saying so and where (``BNPROBE_TRACEBACK=1`` prints the traceback), exit 3."""
+    import os
+    import traceback
+
+    frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ is not None else None
+    where = f" at {Path(frame.filename).name}:{frame.lineno}" if frame is not None else ""
+    first = (str(exc).strip().splitlines() or [""])[0][:200]
+    typer.echo(f"bnprobe: internal error (a bug in bnprobe, not a verdict on your kernel): {type(exc).__name__}"
+               f"{': ' + first if first else ''}{where}; BNPROBE_TRACEBACK=1 prints the traceback", err=True)
+    if os.environ.get("BNPROBE_TRACEBACK"):
+        traceback.print_exception(exc)
+    return INTERNAL_ERROR
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -482,14 +482,22 @@ def per_call(result: CompareResult) -> list[dict[str, Any]]:
         return out
     order = {c["name"]: i for i, c in enumerate(result.meta["cases"])}
     for (adapter, case), sub in rows.groupby(["adapter", "case"], sort=False):
-        ratio = sub["score"] / sub["bound"]
-        worst = sub.loc[ratio.idxmax()]
+        ratio, worst = _worst(sub, "score", "bound")
         bad = sub[sub["verdict"] == "FAIL"]
         out.append({"order": order.get(case, -1), "call": case, "adapter": adapter, "dtype": sub["dtype"].iloc[0],
-                    "outputs": int(len(sub)), "failed": int(len(bad)),
-                    "failing": ", ".join(bad["tensor"]), "worst": worst["tensor"], "worst_ratio": float(ratio.max())})
+                    "outputs": int(len(sub)), "failed": int(len(bad)), "failing": ", ".join(bad["tensor"]),
+                    "worst": "" if worst is None else worst["tensor"], "worst_ratio": ratio})
     out.sort(key=lambda r: (r["order"], r["adapter"]))
     return out
+
+
+def _worst(rows: Any, score: str, bound: str) -> tuple[float, Any]:
+    """(the largest score/bound, its row) over ``rows``; (NaN, None) when no row has a measure (msprobe's
+    benchmark skips float64 outputs: nothing is measured, so nothing is the worst)."""
+    ratio = rows[score] / rows[bound] if len(rows) else rows[score]
+    if not ratio.notna().any():
+        return float("nan"), None
+    return float(ratio.max()), rows.loc[ratio.idxmax()]
 
 
 def first_failing_call(result: CompareResult) -> dict[str, Any] | None:
@@ -505,16 +513,16 @@ def summarize(result: CompareResult) -> list[dict[str, Any]]:
     if not len(rows):
         return out
     for (adapter, dtype), sub in rows.groupby(["adapter", "dtype"], sort=False):
-        ratio = sub["score"] / sub["bound"]
-        worst = sub.loc[ratio.idxmax()]
+        ratio, worst = _worst(sub, "score", "bound")
         warn = sub[sub["format_check"] == "WARN"]
-        fworst = (warn["format_score"] / warn["format_bound"]).idxmax() if len(warn) else None
+        _, fworst = _worst(warn, "format_score", "format_bound")
         item = {"adapter": adapter, "dtype": dtype, "checked": int(len(sub)),
                 "failed": int((sub["verdict"] == "FAIL").sum()),
                 "format_warnings": int(len(warn)),
-                "format_worst": "" if fworst is None else f"{sub.loc[fworst, 'tensor']} on {sub.loc[fworst, 'case']}",
-                "worst": f"{worst['tensor']} on {worst['case']}", "worst_ratio": float(ratio.max()),
-                "worst_why": worst["why"], "budget_top": "", "budget_share": float("nan")}
+                "format_worst": "" if fworst is None else f"{fworst['tensor']} on {fworst['case']}",
+                "worst": "" if worst is None else f"{worst['tensor']} on {worst['case']}", "worst_ratio": ratio,
+                "worst_why": sub["why"].iloc[0] if worst is None else worst["why"], "budget_top": "",
+                "budget_share": float("nan")}
         if len(budget):
             b = budget[(budget["adapter"] == adapter) & (budget["dtype"] == dtype)]
             if len(b):

@@ -156,7 +156,7 @@ def absolute(actual: np.ndarray, golden: np.ndarray, fmt: str, rule: str = "scal
     f = get_format(fmt)
     std = (standards or MSPROBE_STANDARDS).get(f.name)
     if std is None:
-        return Verdict(True, "no standard for this format", 0.0, math.inf)
+        return Verdict(True, f"not judged: msprobe has no standard for {f.name} outputs", math.nan, math.inf)
     a = np.asarray(actual, dtype=np.float64).reshape(-1)
     g = np.asarray(golden, dtype=np.float64).reshape(-1)
     bad = nonfinite_mismatch(a, g, f.name)

@@ -139,6 +139,14 @@ def write_report(result: CompareResult, out: Any, formats: tuple[str, ...] = REP
     return sink.commit()
 
 
+def _unjudged(result: CompareResult) -> str:
+    """How many outputs no rule measured (msprobe's benchmark skips float64 outputs), said in the headline: such an
+    output passes without having been judged."""
+    rows = result.rows
+    n = int(rows["score"].isna().sum()) if len(rows) else 0
+    return f"; {n} output(s) not judged (msprobe's rules skip float64 outputs)" if n else ""
+
+
 def compare_lines(result: CompareResult, what: str, recorded_notes: tuple[str, ...] | list[str] = (),
                   recorded: bool = False) -> list[str]:
     """The terminal text: one line of verdicts, the table per adapter and format, per recorded call (forward
@@ -153,7 +161,7 @@ def compare_lines(result: CompareResult, what: str, recorded_notes: tuple[str, .
               else f"absolute rule {result.meta['rule']}")
     lines = [f"compare-precision: {what}, {len(result.rows)} outputs vs the FP64 golden ({judged}), "
              f"{result.meta['seconds']} s: " + ("all pass" if result.passed else f"{n_fail} fail")
-             + f"; {n_warn} format warning(s)",
+             + f"; {n_warn} format warning(s)" + _unjudged(result),
              render_table(rows, ["adapter", "dtype", "checked", "failed", "worst", "worst / bound", "format_warnings",
                                  "format_worst", "budget"],
                           headers=["adapter", "format", "outputs", "failed", "worst output", "worst/bound",

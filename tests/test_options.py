@@ -1,0 +1,60 @@
+"""Every value the options of every command accept runs: it answers (exit 0 or 1) or refuses in one line (exit 2);
+a crash is never read as a verdict (exit 3, one line, no traceback)."""
+
+import pytest
+
+from bnprobe.adapters.base import MODES, PARAM_PRECISIONS
+from bnprobe.checks.rules import RULES
+from bnprobe.cli import INTERNAL_ERROR, main
+from bnprobe.formats import FORMATS
+
+SMALL = ["--shape", "2,3,4,4"]
+FMTS = sorted(FORMATS)
+# each command with the options that take one of a declared set of values, and those values
+MATRIX = [
+    *[(["compare-precision", *SMALL, "--no-budget", "--dtypes", f], f) for f in FMTS],
+    *[(["compare-precision", *SMALL, "--no-budget", "--dtypes", "fp16", "--mode", m], m) for m in (*MODES, "all")],
+    *[(["compare-precision", *SMALL, "--no-budget", "--dtypes", "fp16", "--rule", r], r) for r in RULES],
+    *[(["compare-precision", *SMALL, "--no-budget", "--dtypes", "bf16", "--params", p], p) for p in PARAM_PRECISIONS],
+    *[(["doctor", "--adapter", "emulated", "--dtype", f, "--no-stability"], f) for f in FMTS],
+    *[(["gradcheck", *SMALL, "--dtype", f], f) for f in FMTS],
+    *[(["gradcheck", *SMALL, "--dtype", "fp32", "--mode", m], m) for m in ("train", "infer")],
+    *[(["overflow", *SMALL, "--dtype", f], f) for f in FMTS],
+    *[(["overflow", *SMALL, "--dtype", "fp16", "--mode", m], m) for m in MODES],
+    *[(["trace", *SMALL, "--policy", f], f) for f in FMTS],
+    *[(["trace", *SMALL, "--policy", "fp16", "--mode", m], m) for m in MODES],
+    *[(["fold", "--dtype", f], f) for f in FMTS],
+    *[(["rsqrt", "--format", f, "--samples", "2000"], f) for f in FMTS],
+]
+
+
+@pytest.mark.parametrize("args", [a for a, _ in MATRIX], ids=[f"{a[0]}-{v}" for a, v in MATRIX])
+def test_every_declared_value_runs_or_is_refused_in_one_line(args, capsys):
+    code = main(args)
+    out, err = capsys.readouterr()
+    assert code in (0, 1, 2), (code, err[-2000:])
+    assert "Traceback" not in out + err and "internal error" not in err
+    if code == 2:
+        assert len(err.strip().splitlines()) == 1 and err.startswith("bnprobe"), err
+
+
+def test_a_crash_exits_3_in_one_line(monkeypatch, capsys):
+    """An exception bnprobe did not expect is a bug of bnprobe's: one line naming it and where, exit 3 — not 1, the
+    exit status of a verdict that fails, nor 0."""
+    import bnprobe.reports.compare as report
+
+    def boom(*a, **k):
+        raise ValueError("Encountered all NA values")
+
+    monkeypatch.setattr(report, "summarize", boom)
+    code = main(["compare-precision", *SMALL, "--no-budget", "--no-stress", "--dtypes", "fp16"])
+    err = capsys.readouterr().err
+    assert code == INTERNAL_ERROR == 3
+    assert "internal error" in err and "ValueError: Encountered all NA values" in err and "Traceback" not in err
+
+
+def test_fp64_outputs_are_said_to_be_unjudged(capsys):
+    """msprobe's benchmark skips float64 outputs: the run does not crash and says that nothing was judged."""
+    code = main(["compare-precision", *SMALL, "--no-budget", "--no-stress", "--dtypes", "fp64"])
+    out = capsys.readouterr().out
+    assert code == 0 and "9 output(s) not judged" in out
