@@ -279,7 +279,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bnprobe.adapters.dump import write_dump
+try:  # the dump writer's module: bnprobe.recordings since the engine redesign, bnprobe.adapters.dump before it
+    from bnprobe.recordings import write_dump
+except ImportError:
+    from bnprobe.adapters.dump import write_dump
 from bnprobe.adapters.syncbn import SyncBNAdapter, rank_recordings
 
 root, merge = Path(sys.argv[1]), sys.argv[2]
