@@ -4,20 +4,11 @@ differs from the recording in any scalar or tensor is refused, naming what diffe
 import numpy as np
 import pytest
 
-from bnprobe.adapters import Saved, get_adapter
+from bnprobe.adapters import Saved
 from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.errors import BNProbeError
-from bnprobe.recordings import load_dump, record, write_dump
-
-
-def recorded(tmp_path, adapter="emulated", dtype="fp16"):
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((4, 3, 5, 5))
-    rec = record(get_adapter(adapter), x=x, gamma=rng.uniform(0.5, 1.5, 3), beta=rng.normal(0, 0.1, 3),
-                 running_mean=np.zeros(3), running_var=np.ones(3), dy=rng.standard_normal(x.shape), dtype=dtype,
-                 meta={"seed": 0})
-    write_dump(rec, tmp_path)
-    return rec
+from bnprobe.recordings import load_dump
+from tests.recordings.test_dumps import recorded  # one recording helper for both test files
 
 
 @pytest.mark.parametrize("change,match", [
