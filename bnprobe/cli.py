@@ -225,7 +225,7 @@ def trace(
             raise BNProbeError("--calls selects recorded calls: give a dump as --input DIR")
         eps_v, mom_v = EPS if eps is None else eps, MOMENTUM if momentum is None else momentum
         m, s, sd, d = 0.0 if mean is None else mean, 1.0 if std is None else std, seed or 0, dist or "normal"
-        x = input_tensor("trace", input, shape or "8,16,14,14", d, m, s, sd)
+        x = input_tensor("trace", input, ("8,16,14,14" if shape is None else shape), d, m, s, sd)
         source = str(input) if input is not None else f"{d}(mean={m:g}, std={s:g}), seed {sd}"
         lay = layout_of(x, layout or "channels_first")
         prm = make_params(lay.channels, sd)
@@ -420,7 +420,7 @@ def gradcheck_cmd(
         check_options(recorded, given=given(shape=shape, eps=eps, seed=seed), dtype=dtype, params=params)
         return _show(gradcheck_recorded_report(gradcheck_recorded(recorded, mode=mode, rtol=rtol, atol=atol)), sink,
                      as_json)
-    shp = parse_shape(shape or "4,3,5,5")
+    shp = parse_shape(("4,3,5,5" if shape is None else shape))
     require_run("gradcheck", shp)
     e, s = EPS if eps is None else eps, seed or 0
     if formula is not None:
@@ -549,7 +549,8 @@ def overflow_cmd(
         check_options(recorded, given=given(shape=shape, dist=dist, mean=mean, std=std, seed=seed, eps=eps,
                                             accumulate=accumulate), dtype=dtype, mode=mode, params=params)
         return _show(overflow_recorded_report(scan_recorded(recorded, mode=mode)), sink, as_json)
-    x = input_tensor("overflow", input, shape or "8,16,14,14", dist or "normal", 0.0 if mean is None else mean,
+    x = input_tensor("overflow", input, "8,16,14,14" if shape is None else shape, dist or "normal",
+                     0.0 if mean is None else mean,
                      1.0 if std is None else std, seed or 0)
     rep = scan(adapter, x, dtype=dtype or "fp16", accumulate=accumulate, mode=mode or "train",
                eps=EPS if eps is None else eps, seed=seed or 0, params=params)
@@ -673,7 +674,8 @@ def shrink_cmd(
                                                                    seed=seed), dtype=dtype, mode=mode, params=params)
         params = kept.params
     else:
-        x = input_tensor("shrink", input, shape or "16,64,28,28", dist or "normal", 0.0 if mean is None else mean,
+        x = input_tensor("shrink", input, "16,64,28,28" if shape is None else shape, dist or "normal",
+                         0.0 if mean is None else mean,
                          1.0 if std is None else std, seed or 0)
         dtype, mode, params = dtype or "fp16", mode or "train", params or "fp32"
     fails = predicate_for(predicate, a, dtype=dtype, mode=mode, recorded=kept, params=params)

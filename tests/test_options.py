@@ -58,3 +58,16 @@ def test_fp64_outputs_are_said_to_be_unjudged(capsys):
     code = main(["compare-precision", *SMALL, "--no-budget", "--no-stress", "--dtypes", "fp64"])
     out = capsys.readouterr().out
     assert code == 0 and "9 output(s) not judged" in out
+
+
+@pytest.mark.parametrize("command", ["trace", "overflow", "gradcheck", "compare-precision"])
+def test_an_empty_shape_is_refused_not_replaced_by_the_default(command, capsys):
+    assert main([command, "--shape", ""]) == 2
+    assert capsys.readouterr().err.strip() == "bnprobe: error: shape '' must have 2 to 5 dimensions (N,C[,L|H,W|D,H,W])"
+
+
+def test_an_accumulator_the_kernel_cannot_use_is_named_as_the_option(capsys):
+    code = main(["overflow", "--adapter", "ascend-tbe", "--accumulate", "fp16", *SMALL])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("bnprobe: error: --accumulate fp16: ascend-tbe cannot run") and \
+        len(err.strip().splitlines()) == 1

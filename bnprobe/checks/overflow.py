@@ -118,7 +118,14 @@ def scan(
     pf = pol.params_format
     g, b, rm, rv = (round_to(v, pf) for v in (given.gamma, given.beta, given.running_mean, given.running_var))
     rounded = replace(given, x=xs, gamma=g, beta=b, running_mean=rm, running_var=rv, dy=round_to(given.dy, fmt))
-    return scan_traced(a.name, fmt, pol, mode, rounded, lay, x_cr, cancel_digits=cancel_digits, remedies=remedies)
+    try:
+        return scan_traced(a.name, fmt, pol, mode, rounded, lay, x_cr, cancel_digits=cancel_digits, remedies=remedies)
+    except BNProbeError as exc:
+        if accumulate is None:
+            raise
+        # the policy is the user's: say which option made it one the kernel cannot run
+        raise BNProbeError(f"--accumulate {get_format(accumulate).name}: {a.name} cannot run with its accumulator and "
+                           f"compute format there: {exc}") from None
 
 
 def _scan_dump_call(a: DumpAdapter, inputs: dict[str, Any], *, dtype: str | None, mode: str | None,
@@ -140,7 +147,11 @@ def _traced_policy(a: PolicyAdapter, xs: np.ndarray, fmt: str, mode: str, layout
     pol = a.policy_for(xs, dtype=fmt, mode=mode, layout=layout, params=params)
     if accumulate is None:
         return pol
-    return pol.with_options(accumulate=get_format(accumulate).name, compute=get_format(accumulate).name)
+    acc = get_format(accumulate).name
+    try:
+        return pol.with_options(accumulate=acc, compute=acc)
+    except BNProbeError as exc:
+        raise BNProbeError(f"--accumulate {acc}: {pol.name} cannot accumulate and compute in {acc} ({exc})") from None
 
 
 def _run_inputs(x: np.ndarray, x_cr: np.ndarray, channels: int, seed: int, *, gamma: np.ndarray | None,
