@@ -187,10 +187,7 @@ class _CaseCall:
     @property
     def gold_train(self) -> Any:
         """The golden's training forward, for a training call run in train or backward mode (else None)."""
-        c = self.golden.call
-        if c.training and self.golden.reduce_size > 1 and ("train" in self.modes or "backward" in self.modes):
-            return self.golden.train()
-        return None
+        return self.golden.train_for(self.modes)
 
 
 def _generated(case: Case, x: np.ndarray, fmt: str, params: str, eps: float, momentum: float | None,

@@ -145,6 +145,13 @@ class Golden:
                                                           momentum=c.momentum, **c.kernel_options)
         return self._cache["train"]
 
+    def train_for(self, modes: tuple[str, ...]) -> ForwardOutput | None:
+        """The golden's training step when ``modes`` need it (a training call run in train or backward mode) and
+        it is defined (N*H*W > 1); else None."""
+        if self.call.training and self.reduce_size > 1 and ("train" in modes or "backward" in modes):
+            return self.train()
+        return None
+
     def infer(self, ins: dict[str, Any]) -> np.ndarray:
         """The golden's inference y on the recorded inference inputs ``ins``."""
         if "infer" not in self._cache:
@@ -195,15 +202,12 @@ def _wanted_modes(rec: Recording, modes: tuple[str, ...] | None, skip_missing: b
 def _train_golden(s: _Setting, run: CallRun, quiet: bool) -> ForwardOutput | None:
     """The golden's training step on the call's inputs, for a training call run in train or backward mode (None
     otherwise).  With one value per channel (N*H*W = 1) it is undefined: only inference is left to check."""
-    if not (s.call.training and ("train" in run.modes or "backward" in run.modes)):
-        return None
-    if s.golden.reduce_size < 2:
+    gold_t = s.golden.train_for(run.modes)
+    if gold_t is None and s.call.training and ("train" in run.modes or "backward" in run.modes):
         if not quiet:
             run.notes.append("N*H*W = 1: the training golden is undefined; training outputs not checked")
         run.modes = tuple(m for m in run.modes if m == "infer")
-        return None
-    gold_t = s.golden.train()
-    run.gold_saved = gold_t.saved
+    run.gold_saved = None if gold_t is None else gold_t.saved
     return gold_t
 
 
