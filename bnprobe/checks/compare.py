@@ -15,7 +15,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,6 +25,7 @@ from bnprobe.adapters.base import MODES, counters_only
 from bnprobe.call import EPS, MOMENTUM, BNCall
 from bnprobe.checks.budget import budget_cause, error_budget
 from bnprobe.checks.cases import Case, recorded_cases, resnet50_cases, stress_cases
+from bnprobe.checks.recipes import RECIPES, recipe_fits
 from bnprobe.checks.rules import (
     RULES,
     BenchOutput,
@@ -32,6 +33,7 @@ from bnprobe.checks.rules import (
     benchmark_of,
     greatest_error,
     nonfinite_mismatch,
+    versus_bench,
     within_accumulation,
     within_rounding,
 )
@@ -47,7 +49,8 @@ from bnprobe.tolerances import MSPROBE_STANDARDS, Standard
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-__all__ = ["CompareResult", "compare_precision", "summarize", "per_call", "first_failing_call", "COMPARE_MODES"]
+__all__ = ["CompareResult", "compare_precision", "judge_call", "summarize", "per_call", "first_failing_call",
+           "worse_rows", "COMPARE_MODES"]
 
 ELEMENTWISE = ("y", "y_infer", "dx")
 
@@ -112,6 +115,10 @@ def _row(j: _Judging, adapter: str, dtype: str, case: Case, tensor: str, actual:
         extra = {f"bench_{k}": v for k, v in b.ratios.items()}
     else:
         ok, why, score, bound = ok_abs, why_abs, score_abs, bound_abs
+    if isinstance(bench, BenchOutput) and actual is not bench.value and \
+            (vs := versus_bench(actual, bench.value, golden, fmt)) is not None:
+        extra.update(rmse_vs_bench=vs.rmse_ratio, max_vs_bench=vs.max_ratio,
+                     worse=vs.worse(bench_name, f"it passes: {why}" if ok else "it fails"))
     std = (standards or MSPROBE_STANDARDS).get(get_format(fmt).name)
     ulp = ulp_error(np.asarray(actual, dtype=np.float64), np.asarray(golden, dtype=np.float64), fmt)
     ulp = ulp[np.isfinite(ulp)]
@@ -183,6 +190,8 @@ class _CaseCall:
     rec: Recording
     modes: tuple[str, ...]
     golden: Golden
+    recipes: dict[str, dict[str, Any]] = field(default_factory=dict)  # each recipe's outputs, run when first asked
+    replay: Recording | None = None  # what a dump adapter replays on this call, when it is not a case's
 
     @property
     def gold_train(self) -> Any:
@@ -247,8 +256,10 @@ def _replaying(a: KernelAdapter, cc: _CaseCall) -> Recording | None:
     """For a dump adapter, the recording it replays on this case: the case's own call when it is one of the
     dump's, else the dump's call of the same name (None for a runnable kernel)."""
     case = cc.case
-    if not a.capabilities().recorded or case.call is None:
+    if not a.capabilities().recorded:
         return None
+    if cc.replay is not None or case.call is None:
+        return cc.replay
     calls = a.calls.calls  # type: ignore[attr-defined]
     if any(c is case.call for c in calls):
         return cc.rec
@@ -341,6 +352,8 @@ def _compare_adapter(a: KernelAdapter, cc: _CaseCall, j: _Judging, tables: _Tabl
                  bench=bench_out.get(t), explain=explain, natural=natural)
         if t == "dx" and call.training and run.saved is not None:
             r["stored_stats_share"] = _stored_share(ref, run, run.gold["dx"])
+        if r["verdict"] == "FAIL" and t in bench_out:
+            _name_recipe(r, cc, run, t, bench_out[t].value)
         tables.rows.append(r)
     if "y" in run.got and run.saved is not None:
         eps = call.eps
@@ -351,6 +364,22 @@ def _compare_adapter(a: KernelAdapter, cc: _CaseCall, j: _Judging, tables: _Tabl
             call.gamma is not None and call.beta is not None:
         for r in error_budget(a, call.x, call.gamma, call.beta, dtype=fmt, eps=call.eps, params=call.params):
             tables.budgets.append({"case": case.name, **r})
+
+
+def _name_recipe(r: dict[str, Any], cc: _CaseCall, run: CallRun, t: str, bench: Any) -> None:
+    """Name, in the row of a failing output ``t``, the recipe (:data:`~bnprobe.checks.recipes.RECIPES`) whose
+    kernel reproduces it on this case call (each recipe run once per case call)."""
+    call = cc.golden.call
+    for rp in RECIPES:
+        if t not in rp.outputs or not rp.applies(call):
+            continue
+        if rp.id not in cc.recipes:
+            cc.recipes[rp.id] = _run(rp.kernel(), cc).got
+        out = cc.recipes[rp.id].get(t)
+        if out is not None and recipe_fits(run.got[t], out, bench, run.gold[t], run.formats[t]):
+            r["cause"] = rp.id
+            r["why"] += f"; it matches a kernel that {rp.words(call)}"
+            return
 
 
 def _policy(a: KernelAdapter, rec: Recording) -> Any:
@@ -470,6 +499,22 @@ def compare_precision(
     return CompareResult(pd.DataFrame(tables.rows), pd.DataFrame(tables.chans), pd.DataFrame(tables.budgets), meta)
 
 
+def judge_call(a: KernelAdapter, rec: Recording, modes: tuple[str, ...], *, label: str | None = None,
+               bench: str | KernelAdapter = "careful") -> list[dict[str, Any]]:
+    """compare-precision's rows for one call (the FP64 golden, msprobe's benchmark method against ``bench``, with
+    its exemptions and recipes): the verdict every command that judges an output of a call reads, so that they
+    agree on it.  A dump adapter replays ``rec`` (one of its recorded calls)."""
+    ref = counters_only(get_adapter("reference"))
+    bench_a = counters_only(get_adapter(bench) if isinstance(bench, str) else bench)
+    call = rec.call()
+    case = Case(label or rec.meta.get("call") or rec.source, tuple(np.shape(call.x)))
+    cc = _CaseCall(case, rec, modes, Golden(ref, rec), replay=rec if a.capabilities().recorded else None)
+    tables = _Tables([], [], [])
+    _compare_adapter(counters_only(a), cc, _Judging(None, "benchmark", bench_a.name), tables, budget=False,
+                     top_channels=0, ref=ref, bench=_bench(bench_a, cc))
+    return tables.rows
+
+
 def _agree(name: str, rec: Recording, eps: float | None, momentum: float | None, params: str | None) -> None:
     """Options given for a recorded call must be the recorded ones."""
     if eps is not None and eps != rec.eps:
@@ -512,6 +557,13 @@ def first_failing_call(result: CompareResult) -> dict[str, Any] | None:
     return next((r for r in per_call(result) if r["failed"]), None)
 
 
+def worse_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows of outputs materially worse than the bench (:meth:`~bnprobe.checks.rules.VersusBench.worse`)."""
+    if "worse" not in rows or not len(rows):
+        return rows.iloc[0:0]
+    return rows[rows["worse"].fillna("").astype(str) != ""]
+
+
 def summarize(result: CompareResult) -> list[dict[str, Any]]:
     """Per adapter and format: how many tensors were checked, how many failed, the worst one, and
     the stage whose exact value removes most of the output's error."""
@@ -523,8 +575,12 @@ def summarize(result: CompareResult) -> list[dict[str, Any]]:
         ratio, worst = _worst(sub, "score", "bound")
         warn = sub[sub["format_check"] == "WARN"]
         _, fworst = _worst(warn, "format_score", "format_bound")
+        worse = worse_rows(sub)
+        top = worse.loc[worse["rmse_vs_bench"].fillna(float("inf")).idxmax()] if len(worse) else None
         item = {"adapter": adapter, "dtype": dtype, "checked": int(len(sub)),
                 "failed": int((sub["verdict"] == "FAIL").sum()),
+                "worse": int(len(worse)),
+                "worse_worst": "" if top is None else f"{top['tensor']} on {top['case']} ({top['rmse_vs_bench']:.3g}x)",
                 "format_warnings": int(len(warn)),
                 "format_worst": "" if fworst is None else f"{fworst['tensor']} on {fworst['case']}",
                 "worst": "" if worst is None else f"{worst['tensor']} on {worst['case']}", "worst_ratio": ratio,

@@ -39,7 +39,8 @@ from bnprobe.tolerances import (
 
 __all__ = ["Verdict", "STANDARD_RULES", "RULES", "SUMS", "beyond_rounding", "excess", "nonfinite_mismatch",
            "mismatch", "greatest_error", "absolute", "within_accumulation", "within_rounding", "BenchOutput",
-           "benchmark_of", "channel_rule", "beyond_format"]
+           "benchmark_of", "channel_rule", "beyond_format", "VersusBench", "versus_bench", "WORSE_THAN_BENCH",
+           "WORSE_ULPS"]
 
 STANDARD_RULES = ("scaled", "accumulated", "threshold")
 RULES = ("benchmark", *STANDARD_RULES)
@@ -228,6 +229,77 @@ def benchmark_of(actual: Any, bench: Any, golden: Any, fmt: str) -> Any:
     if dev is None or bench.metrics is None:
         return benchmark(actual, bench.value, golden, fmt)
     return benchmark_verdict(dev, bench.metrics, fmt)
+
+
+#: an output whose error (RMSE or largest, against the golden) is more than this many times the bench's, and beyond
+#: the format's rounding, is named "worse than the bench" whatever the verdict: msprobe's benchmark method floors the
+#: bench's metrics (fp32's RMSE at 2^-14 of the output), and the exemptions forgive what a correct kernel's
+#: accumulation may reach in the worst case, so neither can see a kernel many times worse than a careful one.  An
+#: order of magnitude (msprobe's own limit on the largest error): correct kernels with other summation orders stay
+#: below it (torch's CPU kernel against the careful bench: at most 9.2x on bnprobe's default and stress sets, fp16,
+#: bf16 and fp32, except where its sums are not exact on exactly representable data)
+WORSE_THAN_BENCH = 10.0
+#: ... and only when the kernel's error exceeds this many units in the last place of the output (at the golden,
+#: RMS): below it both kernels are at the format's own rounding, and their ratio is noise
+WORSE_ULPS = 2.0
+
+
+@dataclass(frozen=True)
+class VersusBench:
+    """A kernel's error against a bench's on one output, both against the golden, unfloored: RMSE and largest
+    error of each (finite elements of both), their ratios (inf when the bench is exact and the kernel is not, 1 when
+    both are), and the output's RMS ulp at the golden."""
+
+    rmse: float
+    bench_rmse: float
+    max_err: float
+    bench_max_err: float
+    ulp: float
+
+    @staticmethod
+    def _ratio(a: float, b: float) -> float:
+        if b > 0:
+            return a / b
+        return 1.0 if a == 0 else (math.inf if a > 0 else math.nan)
+
+    @property
+    def rmse_ratio(self) -> float:
+        return self._ratio(self.rmse, self.bench_rmse)
+
+    @property
+    def max_ratio(self) -> float:
+        return self._ratio(self.max_err, self.bench_max_err)
+
+    def worse(self, bench_name: str, verdict: str) -> str:
+        """"" when the kernel is not materially worse than the bench, else a sentence: how much worse, the
+        threshold and why it was chosen, and what the verdict let it pass by (``verdict``)."""
+        r, m = self.rmse_ratio, self.max_ratio
+        if not (max(r, m) > WORSE_THAN_BENCH and self.rmse > WORSE_ULPS * self.ulp):
+            return ""
+        return (f"worse than {bench_name}: RMSE {_times(r)} ({self.rmse:.3g} vs {self.bench_rmse:.3g}), largest "
+                f"error {_times(m)} ({self.max_err:.3g} vs {self.bench_max_err:.3g}); named above "
+                f"{WORSE_THAN_BENCH:g}x the bench's error (an order of magnitude, msprobe's limit on the largest "
+                f"error, without its floor on the bench's) and {WORSE_ULPS:g} ulps RMS of the output; {verdict}")
+
+
+def _times(r: float) -> str:
+    return "inf x" if math.isinf(r) else f"{r:.3g}x"
+
+
+def versus_bench(actual: Any, bench: Any, golden: Any, fmt: str) -> VersusBench | None:
+    """The kernel's and the bench's errors on one output (:class:`VersusBench`); None when they cannot be set side
+    by side (shapes, no finite element)."""
+    a, b, g = (np.asarray(v, dtype=np.float64).reshape(-1) for v in (actual, bench, golden))
+    if not (a.shape == b.shape == g.shape) or not g.size:
+        return None
+    with np.errstate(all="ignore"):
+        keep = np.isfinite(a) & np.isfinite(b) & np.isfinite(g)
+        if not keep.any():
+            return None
+        ea, eb = np.abs(a[keep] - g[keep]), np.abs(b[keep] - g[keep])
+        ulp = get_format(fmt).ulp(g[keep])
+        return VersusBench(float(np.sqrt(np.mean(ea * ea))), float(np.sqrt(np.mean(eb * eb))), float(ea.max()),
+                           float(eb.max()), float(np.sqrt(np.mean(ulp * ulp))))
 
 
 def within_accumulation(tensor: str, actual: Any, golden: Any, fmt: str, scale: np.ndarray | None,

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from bnprobe._table import render_table
-from bnprobe.checks.compare import CompareResult, first_failing_call, per_call, summarize
+from bnprobe.checks.compare import CompareResult, first_failing_call, per_call, summarize, worse_rows
 from bnprobe.errors import BNProbeError
 from bnprobe.reports import OutputDir, dumps_json, html_report, output_dir
 
@@ -39,6 +39,9 @@ def markdown_summary(result: CompareResult) -> str:
         lines += ["## Outputs that fail", "",
                   markdown_table(fails[["adapter", "dtype", "case", "tensor", "why", "max_abs", "max_rel",
                                         "cosine"]]), ""]
+    worse = worse_rows(result.rows)
+    if len(worse):
+        lines += [f"## {WORSE_TITLE}", "", markdown_table(worse[WORSE_COLUMNS]), ""]
     warns = result.rows[result.rows["format_check"] == "WARN"] if len(result.rows) else result.rows
     if len(warns):
         lines += ["## Format warnings: error over msprobe's absolute standard (the format, not the kernel)", "",
@@ -56,6 +59,9 @@ def markdown_summary(result: CompareResult) -> str:
 
 
 REPORT_FORMATS = ("csv", "json", "md", "html")
+WORSE_TITLE = ("Worse than the bench: error materially above the careful kernel's (named whatever the verdict; "
+               "the ratios are unfloored)")
+WORSE_COLUMNS = ["adapter", "dtype", "case", "tensor", "verdict", "rmse_vs_bench", "max_vs_bench", "worse"]
 
 
 def report_title(result: CompareResult) -> str:
@@ -118,6 +124,9 @@ def write_report(result: CompareResult, out: Any, formats: tuple[str, ...] = REP
         if len(fails):
             sections.append(("Outputs that fail", fails[["adapter", "dtype", "case", "tensor", "why",
                                                          "max_abs", "max_rel", "cosine", "ulp_max"]]))
+        worse = worse_rows(result.rows)
+        if len(worse):
+            sections.append((WORSE_TITLE, worse[WORSE_COLUMNS]))
         warns = result.rows[result.rows["format_check"] == "WARN"] if len(result.rows) else result.rows
         if len(warns):
             sections.append(("Format warnings: error over msprobe's absolute standard (the format, not the kernel)",
@@ -157,15 +166,18 @@ def compare_lines(result: CompareResult, what: str, recorded_notes: tuple[str, .
         r["worst / bound"] = r["worst_ratio"]
     n_fail = int((result.rows["verdict"] == "FAIL").sum()) if len(result.rows) else 0
     n_warn = int((result.rows["format_check"] == "WARN").sum()) if len(result.rows) else 0
+    n_worse = len(worse_rows(result.rows))
     judged = (f"benchmark vs {result.meta['bench']}" if result.meta["rule"] == "benchmark"
               else f"absolute rule {result.meta['rule']}")
     lines = [f"compare-precision: {what}, {len(result.rows)} outputs vs the FP64 golden ({judged}), "
              f"{result.meta['seconds']} s: " + ("all pass" if result.passed else f"{n_fail} fail")
+             + (f"; {n_worse} worse than {result.meta['bench']}" if n_worse else "")
              + f"; {n_warn} format warning(s)" + _unjudged(result),
-             render_table(rows, ["adapter", "dtype", "checked", "failed", "worst", "worst / bound", "format_warnings",
-                                 "format_worst", "budget"],
+             render_table(rows, ["adapter", "dtype", "checked", "failed", "worst", "worst / bound", "worse",
+                                 "worse_worst", "format_warnings", "format_worst", "budget"],
                           headers=["adapter", "format", "outputs", "failed", "worst output", "worst/bound",
-                                   "format warnings", "worst format warning", "error-budget cause (share)"])]
+                                   "worse than bench", "most worse (RMSE ratio)", "format warnings",
+                                   "worst format warning", "error-budget cause (share)"])]
     if recorded:
         first = first_failing_call(result)
         lines += ["", render_table(per_call(result), ["order", "call", "adapter", "dtype", "outputs", "failed",

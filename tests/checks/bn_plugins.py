@@ -307,3 +307,20 @@ class NaiveVariance(NumpyBN):
         rm = _cast((1 - m) * v["running_mean"] + m * mean, p.params)
         rv = _cast((1 - m) * v["running_var"] + m * var * r / (r - 1), p.params)
         return ForwardOutput(_cast(y, p.dtype), Saved(_cast(mean, p.params), "invstd", _cast(rstd, p.params)), rm, rv)
+
+
+class RoundedStats(NumpyBN):
+    """Normalises with the batch mean and 1/sqrt(var + eps) cast to the parameters' format first, as PyTorch's CPU
+    kernel does with same-format parameters (pytorch/pytorch#140112); everything else as NumpyBN."""
+
+    def __init__(self):
+        super().__init__()
+        self.name = "rounded-stats"
+
+    def _forward_train_impl(self, p, *, momentum, eps):
+        out = super()._forward_train_impl(p, momentum=momentum, eps=eps)
+        x, ax, v = p.x, self._ax(p.x), p.vectors
+        mean = _cast(x.mean(axis=ax), p.params).astype(np.float64)
+        rstd = _cast(1 / np.sqrt(x.var(axis=ax) + eps), p.params).astype(np.float64)
+        y = (x - self._col(mean, x)) * self._col(rstd, x) * self._col(v["gamma"], x) + self._col(v["beta"], x)
+        return ForwardOutput(_cast(y, p.dtype), out.saved, out.running_mean, out.running_var)

@@ -134,13 +134,20 @@ def test_subnormal_gradients_of_a_correct_kernel_pass():
 @pytest.mark.parametrize("fmt", OUTPUT_FORMATS)
 @pytest.mark.parametrize("params", ["fp32", "same"])
 def test_torch_passes_the_benchmark_where_the_absolute_standard_warns(fmt, params):
-    """A correct kernel passes in every format and parameter format, also on the stress inputs that no kernel
-    of the format computes within msprobe's absolute standard: those are format warnings, with a reason."""
+    """torch's CPU kernel passes in every format and parameter format, also on the stress inputs that no kernel
+    of the format computes within msprobe's absolute standard: those are format warnings, with a reason — except
+    its y with 16-bit parameters, which it normalises with the statistics rounded to them (pytorch/pytorch#140112):
+    that fails, named, on the large mean and on most other inputs."""
     pytest.importorskip("torch")
     cases = [c for c in stress_cases(0) if c.name in ("stress/mean/std=1000", "stress/var-near-eps", "stress/R=2",
                                                       "stress/near-fp16-max", "stress/normal")]
     r = compare_precision(["torch"], (fmt,), cases, params=params, budget=False)
-    assert r.passed, r.rows[r.rows.verdict == "FAIL"][["case", "tensor", "why"]].to_string()
+    fails = r.rows[r.rows.verdict == "FAIL"]
+    if params == "same" and fmt != "fp32":
+        assert set(fails.tensor) == {"y"} and "stress/mean/std=1000" in set(fails.case) and len(fails) >= 4
+        assert (fails.cause == "stats-rounded-to-params").all()
+    else:
+        assert r.passed, fails[["case", "tensor", "why"]].to_string()
     warned = r.rows[r.rows.format_check == "WARN"]
     assert (warned.format_why.str.contains("mean²/var")).all()
 
@@ -252,3 +259,77 @@ def test_a_kernel_with_dx_errors_beyond_rounding_still_fails():
     r = compare_precision(["emulated:fp16-acc16"], ("fp16",), [Case("mean=5", (8, 16, 14, 14), mean=5.0, seed=4)],
                           mode="backward", budget=False)
     assert r.rows.set_index("tensor").loc["dx", "verdict"] == "FAIL"
+
+
+def test_the_bench_keeps_its_statistics_in_the_compute_format():
+    """pytorch/pytorch#140112's input [1.3047, 0.8789] in bf16 with bf16 γ = 1, β = 0: CUDA gives [1, -1], torch's
+    CPU kernel [0.9883, -1.0078] (figures from the issue thread). The bench gives CUDA's; the recipe that rounds the
+    statistics to bf16 first gives the CPU kernel's."""
+    from ml_dtypes import bfloat16
+
+    from bnprobe.adapters.emulated import CarefulAdapter
+
+    x = np.array([1.3047, 0.8789]).reshape(2, 1)
+    one, zero = np.ones(1), np.zeros(1)
+    ys = [np.asarray(k.forward_train(x, one, zero, None, None, dtype="bf16", params="same").y,
+                     dtype=np.float64).reshape(-1) for k in (CarefulAdapter(), CarefulAdapter(rounded_stats=True))]
+    assert ys[0].tolist() == [1.0, -1.0]
+    assert ys[1].tolist() == [float(bfloat16(0.9883)), float(bfloat16(-1.0078))]
+
+
+ROUNDING_CASES = [Case("mean=10", (8, 16, 8, 8), mean=10.0, seed=1), Case("normal", (8, 16, 8, 8), seed=2)]
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_normalising_with_rounded_statistics_fails_and_is_named(fmt):
+    """A kernel (written in numpy here) that normalises with the statistics rounded to its same-format parameters
+    fails y against the bench, and the failure names the recipe; the same kernel without that rounding passes."""
+    from tests.checks.bn_plugins import RoundedStats
+
+    bad = compare_precision([RoundedStats()], (fmt,), ROUNDING_CASES, params="same", mode="train", budget=False)
+    fails = bad.rows[bad.rows.verdict == "FAIL"]
+    assert set(fails.tensor) == {"y"} and set(fails.case) == {"mean=10", "normal"}, fails[["case", "tensor", "why"]]
+    assert (fails.cause == "stats-rounded-to-params").all()
+    assert fails.why.str.contains("pytorch/pytorch#140112").all()
+    good = compare_precision([NumpyBN()], (fmt,), ROUNDING_CASES, params="same", mode="train", budget=False)
+    assert good.passed, good.rows[good.rows.verdict == "FAIL"][["case", "tensor", "why"]]
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_torchs_cpu_kernel_with_same_format_parameters_fails_y_and_is_named(fmt):
+    """torch's CPU kernel with fp16/bf16 parameters rounds the statistics before normalising: y fails on a large
+    mean and is named; its other outputs on those inputs pass."""
+    pytest.importorskip("torch")
+    cases = [c for c in stress_cases(0) if c.name in ("stress/mean/std=100", "stress/normal")]
+    r = compare_precision(["torch"], (fmt,), cases, params="same", budget=False)
+    fails = r.rows[r.rows.verdict == "FAIL"]
+    assert set(fails.tensor) == {"y"} and "stress/mean/std=100" in set(fails.case)
+    assert (fails.cause == "stats-rounded-to-params").all(), fails[["case", "why"]]
+
+
+def test_worse_than_the_bench_is_named_where_the_verdict_passes(tmp_path, capsys, monkeypatch):
+    """Issue 38's kernel: a one-pass variance in fp32 at mean/σ = 10 passes msprobe's benchmark (its denominators
+    are floored) but is many times worse than the careful bench on y and the saved statistics: named in the rows,
+    the terminal, summary.md and compare.json; a careful kernel written in numpy is not."""
+    import json
+
+    from tests.checks.bn_plugins import NaiveVariance
+
+    case = [Case("mean=10", (16, 8, 14, 14), mean=10.0, seed=0)]
+    r = compare_precision([NaiveVariance(), NumpyBN()], ("fp32",), case, mode="train", budget=False)
+    rows = r.rows.set_index(["adapter", "tensor"])
+    for t in ("y", "saved_invstd"):
+        row = rows.loc[("naive-variance", t)]
+        assert row.verdict == "PASS" and row.rmse_vs_bench > 10 and row.worse.startswith("worse than careful: RMSE ")
+        assert "it passes: within msprobe's benchmark" in row.worse
+    assert (r.rows[r.rows.adapter == "numpy-bn"].worse == "").all()
+    assert (r.rows[r.rows.adapter == "numpy-bn"].rmse_vs_bench < 10).all()
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parents[2]))
+    code = main(["compare-precision", "--adapters", "tests.checks.bn_plugins:NaiveVariance", "--dtypes", "fp32",
+                 "--shape", "16,8,14,14", "--mean", "10", "--mode", "train", "--no-stress", "--no-budget",
+                 "--format", "md,json", "--out", str(tmp_path / "r")])
+    out = capsys.readouterr().out
+    assert code == 0 and "all pass; 3 worse than careful" in out.splitlines()[0]
+    assert "## Worse than the bench" in (tmp_path / "r" / "summary.md").read_text()
+    rows = json.loads((tmp_path / "r" / "compare.json").read_text())["rows"]
+    assert {x["tensor"] for x in rows if x.get("worse")} == {"y", "saved_invstd", "running_var"}

@@ -1,5 +1,6 @@
 """The judge's rules (bnprobe.checks.rules): each at its edge, by hand and against the correctly rounded golden."""
 
+import math
 import numpy as np
 import pytest
 
@@ -187,3 +188,39 @@ def test_the_accumulation_exemption_at_its_edge(fmt):
     assert within_accumulation("dbeta", golden + 0.99 * edge, golden, fmt, mag, terms) is not None
     assert within_accumulation("dbeta", golden + 1.01 * edge, golden, fmt, mag, terms) is None
     assert within_accumulation("dx", golden + 0.5 * edge, golden, fmt, mag, terms) is None  # not a sum
+
+
+@pytest.mark.parametrize("fmt", OUTPUT_FORMATS)
+def test_worse_than_the_bench_at_its_edges(fmt):
+    """Named above 10x the bench's RMSE (or largest error) and 2 ulps RMS of the output, not below either; the ratios
+    by hand (numpy on the errors), unfloored."""
+    from bnprobe.checks.rules import WORSE_THAN_BENCH, WORSE_ULPS, versus_bench
+    from bnprobe.formats import get_format
+
+    assert (WORSE_THAN_BENCH, WORSE_ULPS) == (10.0, 2.0)
+    golden = np.linspace(1.0, 1.9, 64)  # one binade: the ulp is the same everywhere
+    ulp = float(get_format(fmt).ulp(np.array([1.0]))[0])
+    bench = golden + 3.0 * ulp  # the bench errs by 3 ulps everywhere
+    for times, named in ((10.0 * 0.99, False), (10.0 * 1.01, True)):
+        vs = versus_bench(golden + times * 3.0 * ulp, bench, golden, fmt)
+        assert vs.rmse_ratio == pytest.approx(times) and vs.max_ratio == pytest.approx(times)
+        assert vs.rmse == pytest.approx(np.sqrt(np.mean((times * 3.0 * ulp) ** 2)))
+        assert bool(vs.worse("careful", "it passes")) is named, (fmt, times)
+    exact = golden.copy()  # an exact bench: the ratio is inf, named only beyond 2 ulps RMS
+    for ulps, named in ((1.98, False), (2.02, True)):
+        vs = versus_bench(golden + ulps * ulp, exact, golden, fmt)
+        assert math.isinf(vs.rmse_ratio) and bool(vs.worse("careful", "it passes")) is named, (fmt, ulps)
+    msg = versus_bench(golden + 60 * ulp, bench, golden, fmt).worse("careful", "it passes: within x")
+    assert msg.startswith("worse than careful: RMSE 20x (") and msg.endswith("; it passes: within x")
+    assert "named above 10x the bench's error" in msg
+
+
+def test_versus_bench_where_it_has_no_say():
+    from bnprobe.checks.rules import versus_bench
+
+    g = np.array([1.0, 2.0])
+    assert versus_bench(g, g, g, "fp32").rmse_ratio == 1.0  # both exact: as good as the bench
+    assert versus_bench(g[:1], g, g, "fp32") is None  # shapes differ
+    assert versus_bench(np.array([np.nan, np.inf]), g, g, "fp32") is None  # no finite element
+    vs = versus_bench(np.array([np.nan, 2.5]), g, g, "fp32")  # the NaN is left to the non-finite rule
+    assert vs.max_err == 0.5 and math.isinf(vs.max_ratio)
