@@ -505,18 +505,60 @@ def gradcheck(
     got = a.backward(dys, xs, g, saved, dtype=fmt, eps=eps, training=train, params=params)
     gold = ref.backward(dys, xs, g, gsaved, dtype=fmt, eps=eps, training=train, params=params)
     rt, at = grad_tolerance(fmt, rtol, atol)
-    where_x, where_c = _where(shape), _where((shape[1],))
-    out_fmt = caps.output or fmt
-    for name, actual, golden, where in (("dx", got.dx, gold.dx, where_x), ("dgamma", got.dgamma, gold.dgamma, where_c),
-                                        ("dbeta", got.dbeta, gold.dbeta, where_c)):
-        rows.append(_row("vs-fp64", name, actual, golden, rt, at, fmt=out_fmt if name == "dx" else pf,
-                         where_of=where, detail=f"{a.name} in {fmt} vs FP64 on the same rounded inputs"))
+    judged = _judged(a, inp, fmt, params, eps) if train and rtol is None and atol is None else {}
+    rows += _vs_fp64(a.name, got, gold, judged, fmt=fmt, pf=pf, out_fmt=caps.output or fmt, rt=rt, at=at)
     # 3. identities of the adapter's own gradients (training)
     if train:
         mean, var = gsaved.mean.astype(np.float64), gsaved.var(eps)
         rows += _identities(got.dx, got.dgamma, got.dbeta, inp, xs=xs, dys=dys, g=g, mean=mean, var=var, eps=eps,
                             tol=rt)
     return GradcheckResult(a.name, fmt, mode, tuple(shape), seed, rows, notes)
+
+
+def _vs_fp64(name: str, got: Any, gold: Any, judged: dict[str, dict[str, Any]], *, fmt: str, pf: str, out_fmt: str,
+             rt: float, at: float) -> list[GradRow]:
+    """The adapter's dx, dγ, dβ against the golden's: by compare-precision's verdict where ``judged`` holds it
+    (:func:`_judged`), else by rtol/atol; the measures (max errors, the tolerance each would need) either way."""
+    where_x, where_c = _where(np.shape(gold.dx)), _where((np.size(gold.dgamma),))
+    rows = []
+    for t, actual, golden, where in (("dx", got.dx, gold.dx, where_x), ("dgamma", got.dgamma, gold.dgamma, where_c),
+                                     ("dbeta", got.dbeta, gold.dbeta, where_c)):
+        r = _row("vs-fp64", t, actual, golden, rt, at, fmt=out_fmt if t == "dx" else pf,
+                 where_of=where, detail=f"{name} in {fmt} vs FP64 on the same rounded inputs")
+        rows.append(_by_compare(r, judged.get(t)))
+    return rows
+
+
+def _by_compare(r: GradRow, v: dict[str, Any] | None) -> GradRow:
+    """``r`` with the verdict compare-precision gives the same output of the same call (``v``, its row), if any."""
+    if v is None or not np.isfinite(float(v["score"])):  # not judged there (msprobe's rules skip float64)
+        return r
+    return replace(r, passed=v["verdict"] == "PASS", used=float(v["score"]) / float(v["bound"]),
+                   detail=f"{r.detail}; by compare-precision's rule: {v['why']}")
+
+
+def _judged_recorded(recorded: Recorded, run: CallRun) -> dict[str, dict[str, Any]]:
+    """compare-precision's rows for dx, dγ, dβ of a recorded training call (the kernel on its inputs, or the dump's
+    recorded backward), by tensor; none where compare-precision does not take the call (channels_last)."""
+    from bnprobe.checks.compare import judge_call
+
+    if run.recording.layout != "channels_first":
+        return {}
+    rows = judge_call(recorded.kernel, run.recording, ("backward",), label=run.label)
+    return {r["tensor"]: r for r in rows if r["tensor"] in ("dx", "dgamma", "dbeta")}
+
+
+def _judged(a: KernelAdapter, inp: Any, fmt: str, params: str, eps: float) -> dict[str, dict[str, Any]]:
+    """compare-precision's rows for dx, dγ and dβ of this training call (the one judge: msprobe's benchmark method
+    against the careful bench, with its exemptions), by tensor."""
+    from bnprobe.call import BNCall
+    from bnprobe.checks.compare import judge_call
+    from bnprobe.checks.run import generated_call
+
+    call = BNCall(inp.x, inp.gamma, inp.beta, inp.running_mean, inp.running_var, inp.dy, eps, None, dtype=fmt,
+                  params=params)
+    rows = judge_call(a, generated_call(call, modes=("backward",), label="gradcheck"), ("backward",))
+    return {r["tensor"]: r for r in rows if r["tensor"] in ("dx", "dgamma", "dbeta")}
 
 
 # ---- recorded calls ---------------------------------------------------------------------------------
@@ -591,6 +633,7 @@ def _gradcheck_call(recorded: Recorded, run: CallRun, rtol: float | None, atol: 
     # a replay answers only the gradients the call recorded (its kernel computed): affine=False records no dγ, dβ
     recorded_out = rec.tensors.get("backward", {}).get("outputs", {}) if recorded.replay else run.got
     got = {k: v for k, v in run.got.items() if k in recorded_out}
+    judged = _judged_recorded(recorded, run) if training and rtol is None and atol is None else {}
     for name in ("dx", "dgamma", "dbeta"):
         if name not in got:
             continue
@@ -599,10 +642,11 @@ def _gradcheck_call(recorded: Recorded, run: CallRun, rtol: float | None, atol: 
         if name == "dx":
             actual, golden = to_channels_first(actual, layout), to_channels_first(golden, layout)
             scale = None if scale is None else _per_element(scale, x.shape)
-        rows.append(_row("vs-fp64", name, actual, golden, rt, at, fmt=run.formats[name],
-                         where_of=where_x if name == "dx" else where_c, scale=scale, equal_nan=True,
-                         detail=f"{what} in {fmt} vs FP64 on the recorded inputs; atol relative to the "
-                                "gradient's natural scale"))
+        r = _row("vs-fp64", name, actual, golden, rt, at, fmt=run.formats[name],
+                 where_of=where_x if name == "dx" else where_c, scale=scale, equal_nan=True,
+                 detail=f"{what} in {fmt} vs FP64 on the recorded inputs; atol relative to the gradient's natural "
+                        "scale")
+        rows.append(_by_compare(r, judged.get(name)))
     if "dgamma" not in got:
         notes.append("affine=False: no dgamma, dbeta recorded")
     # 3. identities of the kernel's gradients (training)

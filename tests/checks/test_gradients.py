@@ -157,17 +157,17 @@ class OneElementOff(ReferenceAdapter):
 
 @pytest.mark.parametrize("fmt", ["fp64", "fp32", "fp16", "bf16"])
 def test_one_small_element_breaks_its_own_tolerance_while_the_largest_would_pass(fmt):
-    """Elementwise |a - e| <= atol + rtol·|e|: the smallest element of dx moved by 1.5x its own allowance fails,
-    though the move is within what the tensor's largest element is allowed (a max-based rule would pass it);
-    moved by 0.9x its allowance it passes."""
+    """With --rtol/--atol, elementwise |a - e| <= atol + rtol·|e|: the smallest element of dx moved by 1.5x its own
+    allowance fails, though the move is within what the tensor's largest element is allowed (a max-based rule would
+    pass it); moved by 0.9x its allowance it passes."""
     rtol, atol = grad_tolerance(fmt)
     off = OneElementOff(1.5, fmt)
-    r = gradcheck(off, fmt, (4, 2, 3, 3))
+    r = gradcheck(off, fmt, (4, 2, 3, 3), rtol=rtol, atol=atol)
     assert off.move < atol + rtol * off.largest  # the largest element's allowance would forgive it
     bad = [row for row in r.failed() if row.check == "vs-fp64"]
     assert [row.tensor for row in bad] == ["dx"] and 1.4 < bad[0].used < 1.6
     assert bad[0].where == f"index {tuple(int(v) for v in off.where)} (channel {int(off.where[1])})"
-    assert next(row for row in gradcheck(OneElementOff(0.9, fmt), fmt, (4, 2, 3, 3)).rows
+    assert next(row for row in gradcheck(OneElementOff(0.9, fmt), fmt, (4, 2, 3, 3), rtol=rtol, atol=atol).rows
                 if row.check == "vs-fp64" and row.tensor == "dx").passed
 
 
