@@ -446,6 +446,15 @@ def _wrong_folds():
             return _w_times(lay, a), lay.bias * a + b
         return f
 
+    def all_in(fmt):
+        def f(lay):  # every operation in the format: numpy's float16 / ml_dtypes' bfloat16 arithmetic
+            dt = FORMATS[fmt]
+            g, be, m, v, w, bi = (t.astype(dt) for t in (lay.gamma, lay.beta, lay.running_mean, lay.running_var,
+                                                         lay.weight, lay.bias))
+            a = g / np.sqrt(v + dt(lay.eps))
+            return (w * a[:, None, None, None]).astype(np.float64), (bi * a + (be - a * m)).astype(np.float64)
+        return f
+
     return [
         ("bias-unscaled", {}, unscaled, "fp16", "bias not scaled by A"),
         ("eps-ignored", {}, eps0, "fp32", "ε ignored (0)"),
@@ -454,6 +463,8 @@ def _wrong_folds():
         ("unbiased-var", {}, unbiased, "fp32", "running variance x R/(R-1) (made unbiased, R = 288"),
         ("ab-fp16", {}, rounded_ab("fp16"), "fp16", "A and B rounded to fp16 before"),
         ("ab-bf16", {}, rounded_ab("bf16"), "bf16", "A and B rounded to bf16 before"),
+        ("all-fp16", {}, all_in("fp16"), "fp16", "the whole fold computed in fp16 arithmetic"),
+        ("all-bf16", {}, all_in("bf16"), "bf16", "the whole fold computed in bf16 arithmetic"),
     ]
 
 
