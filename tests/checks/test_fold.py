@@ -350,7 +350,6 @@ def _layer_file(tmp_path, lay, **change):
 
 
 def _run_folded(tmp_path, capsys, w, b, lay=CONV, *, extra=(), **folded_extra):
-    from bnprobe._files import dumps_json  # noqa: F401 - the --json document must be valid JSON
     import json
 
     lp = _layer_file(tmp_path, lay)
@@ -576,3 +575,19 @@ def test_folded_without_what_it_needs_is_a_one_line_error(tmp_path, capsys, argv
     assert main(["fold", *(s.format(**names) for s in argv)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("bnprobe: error: ") and err.count("\n") == 1 and re.search(match, err), err
+
+
+@pytest.mark.parametrize("lay", [CONV, LINEAR], ids=["conv2d", "linear"])
+def test_torchs_fp32_fusion_passes(tmp_path, capsys, lay):
+    """torch.nn.utils.fusion's fp32 fold (an independent implementation) passes, using less than half the tolerance."""
+    torch = pytest.importorskip("torch")
+    from torch.nn.utils.fusion import fuse_conv_bn_weights, fuse_linear_bn_weights
+
+    def t(v):
+        return torch.from_numpy(np.asarray(v, dtype=np.float32))
+
+    fuse = fuse_conv_bn_weights if lay.kind == "conv2d" else fuse_linear_bn_weights
+    w, b = fuse(t(lay.weight), t(lay.bias), t(lay.running_mean), t(lay.running_var), lay.eps, t(lay.gamma),
+                t(lay.beta))
+    code, doc = _run_folded(tmp_path, capsys, w.detach().numpy(), b.detach().numpy(), lay)
+    assert code == 0 and max(r["needs_x_tolerance"] for r in doc["channels"]) < 0.5
