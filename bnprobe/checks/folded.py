@@ -308,7 +308,8 @@ def check_folded(layer: Layer, folded: Folded, *, eps: float | None = None) -> F
     fmt = folded.weight_format if folded.weight_format == folded.bias_format else \
         f"{folded.weight_format} (bias {folded.bias_format})"
     info = {"file": folded.source, "weight_format": folded.weight_format, "bias_format": folded.bias_format,
-            "eps": eps, "eps_in_file": folded.eps, "x": "generated (seed 0)" if layer.x_generated else "the layer's",
+            "eps": eps, "eps_in_file": folded.eps,
+            "x": "generated, seed 0: the weights file has none" if layer.x_generated else "the weights file's",
             "likely_causes": likely}
     import pandas as pd
 
