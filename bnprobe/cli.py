@@ -562,7 +562,11 @@ def fold_cmd(
     layer: str = typer.Option("conv2d", help="Built-in layer before the BatchNorm: conv2d or linear."),
     weights: Optional[Path] = typer.Option(None, help=".npz with weight, gamma, beta, running_mean, running_var "
                                                       "(optional bias, eps, groups, padding, x)."),
-    dtype: str = typer.Option("fp16", help="Format: fp16, bf16, fp32, fp64."),
+    folded: Optional[Path] = typer.Option(None, "--folded", help="Your folded layer, an .npz with weight (W'), bias "
+                                                                 "(b') and optional eps: judged against the FP64 fold "
+                                                                 "of --weights (needs --weights)."),
+    dtype: Optional[str] = typer.Option(None, help="Format: fp16, bf16, fp32, fp64 (default fp16; with --folded, "
+                                                   "the file's)."),
     accumulate: Optional[str] = typer.Option(None, help="Accumulator of the layer's dot products (default fp32)."),
     eps: Optional[float] = typer.Option(None, help="BatchNorm epsilon (default: the layer's, 1e-5)."),
     groups: int = typer.Option(1, help="Groups of the built-in conv2d (its 16 input channels must divide)."),
@@ -571,17 +575,30 @@ def fold_cmd(
     force: bool = _FORCE,
     as_json: bool = _JSON,
 ) -> int:
-    """Check BatchNorm folding into a Conv2D/Linear (and fused forms) per output channel in a format.
-    Exit 1 when a channel's folded result breaks the standard."""
+    """Check BatchNorm folding into a Conv2D/Linear (and fused forms) per output channel in a format, or with
+    --folded your own folded weights. Exit 1 when a channel's folded result breaks the standard."""
     from bnprobe.checks.fold import check_fold, load_layer, make_layer
     from bnprobe.reports.checks import fold_report
 
     if groups < 1 or 16 % groups:
         raise BNProbeError(f"--groups must divide the built-in conv2d's 16 input channels, got {groups}")
+    if folded is not None:
+        from bnprobe.checks.folded import check_folded, load_folded
+
+        if weights is None:
+            raise BNProbeError("--folded FILE needs --weights LAYER.npz: the layer (weight, gamma, beta, running_mean, "
+                               "running_var) it was folded from")
+        for name, given in (("--dtype", dtype), ("--accumulate", accumulate)):
+            if given is not None:
+                raise BNProbeError(f"--folded judges the file as stored (its format is its own, the golden is FP64): "
+                                   f"drop {name}")
+        sink = _output(out, force)
+        lay = load_layer(weights)
+        return _show(fold_report(check_folded(lay, load_folded(folded, lay), eps=eps)), sink, as_json)
     sink = _output(out, force)
     lay = load_layer(weights) if weights is not None else make_layer(layer, seed=seed, groups=groups)
-    return _show(fold_report(check_fold(lay, dtype, accumulate=accumulate, eps=eps, against_torch=True)), sink,
-                 as_json)
+    return _show(fold_report(check_fold(lay, dtype or "fp16", accumulate=accumulate, eps=eps, against_torch=True)),
+                 sink, as_json)
 
 
 @app.command("doctor")

@@ -6,6 +6,7 @@ depend on it) and constants.
 - ``RANK_TOLERANCES``: check_ranks' statistics;
 - ``ACCUMULATION_FORMAT`` (the format a correct kernel accumulates in) and ``SMALL_VALUE_ULPS``: compare-precision's
   benchmark rule;
+- ``FOLD_COMPUTE_ULPS`` and ``folded_tolerance``: a user's folded layer (``fold --folded``);
 - msprobe 26.2.0's own: ``MSPROBE_STANDARDS``, ``MSPROBE_CHECKER``, ``MSPROBE_BENCHMARK_LIMITS``,
   ``MSPROBE_BENCHMARK_APIS``, ``MSPROBE_COMPARE_LIMITS`` and ``MSPROBE_CSV_DECIMALS``.
 
@@ -30,7 +31,7 @@ __all__ = ["GRAD_TOLERANCES", "FINITE_DIFFERENCE", "MSPROBE_STANDARDS", "Standar
            "check_rtol_atol", "CheckerStandard", "MSPROBE_CHECKER", "MSPROBE_BENCHMARK_LIMITS",
            "MSPROBE_BENCHMARK_APIS", "MSPROBE_CSV_DECIMALS", "MSPROBE_COMPARE_LIMITS", "DOCTOR_TOLERANCES",
            "doctor_tolerance", "KERNEL_AGREEMENT", "RANK_TOLERANCES", "ACCUMULATION_FORMAT", "accumulation_format",
-           "accumulation_bound", "SMALL_VALUE_ULPS"]
+           "accumulation_bound", "SMALL_VALUE_ULPS", "FOLD_COMPUTE_ULPS", "folded_tolerance"]
 
 GRAD_TOLERANCES: dict[str, tuple[float, float]] = {  # (rtol, atol)
     "fp64": (1e-7, 1e-7),
@@ -189,3 +190,22 @@ def accumulation_bound(fmt: str, terms: int) -> float:
     error against the sum of the terms' magnitudes, in any order)."""
     u = get_format(accumulation_format(fmt)).unit_roundoff
     return terms * u / (1 - terms * u) if terms * u < 1 else float("inf")
+
+
+#: fold --folded: a user's folded W' = W·A or b' = b·A + B is right when it lies within half an ulp of its storage
+#: format of the FP64 golden (the one rounding into the file) plus this many units of roundoff of the format the fold
+#: is computed in (the accumulation format: fp32 for 16-bit and fp32 files, fp64 for fp64 ones) times the size of what
+#: it is formed from -- |W'| for a weight; |b·A| + |β| + |μ·A| for a bias, since B = β − μ·A can cancel.  A correct
+#: fold in fp32 rounds about six times on the way (σ²+ε, √, ÷, ·γ or ·W; μ·A, β − μ·A, b·A, +), fewer than eight.
+FOLD_COMPUTE_ULPS = 8.0
+
+
+def folded_tolerance(expected: np.ndarray, storage: str, magnitude: np.ndarray | None = None) -> np.ndarray:
+    """Elementwise, the largest |actual - expected| of a correct fold stored in ``storage`` (:data:`FOLD_COMPUTE_ULPS`);
+    ``magnitude``: the size of the terms each value is formed from (default |expected|)."""
+    fmt = get_format(storage)
+    u = get_format(accumulation_format(fmt.name)).unit_roundoff
+    e = np.abs(np.asarray(expected, dtype=np.float64))
+    m = e if magnitude is None else np.abs(np.asarray(magnitude, dtype=np.float64))
+    with np.errstate(all="ignore"):
+        return 0.5 * fmt.ulp(np.where(np.isfinite(e), e, fmt.max)) + FOLD_COMPUTE_ULPS * u * m

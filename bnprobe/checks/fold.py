@@ -65,6 +65,7 @@ class Layer:
     batch_mean: np.ndarray | None = None  # statistics of the last training batch (for the wrong-stats check)
     batch_var: np.ndarray | None = None
     source: str = "built-in"
+    x_generated: bool = False  # x made up by load_layer (the file has none): no batch statistics to speak of
 
     @property
     def channels(self) -> int:
@@ -190,7 +191,7 @@ def load_layer(path: str | Path) -> Layer:
     layer = Layer(kind, w, arrays.get("bias"), arrays["gamma"], arrays["beta"], arrays["running_mean"],
                   arrays["running_var"], _scalar(p, "eps", d["eps"], float) if "eps" in d else 1e-5, groups,
                   _scalar(p, "padding", d["padding"], int) if "padding" in d else (1 if kind == "conv2d" else 0), x,
-                  source=str(p))
+                  source=str(p), x_generated="x" not in d)
     try:
         check_layer(layer)
     except BNProbeError as exc:
@@ -355,6 +356,8 @@ class FoldReport:
     wrong_stats: pd.DataFrame
     torch: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    folded: dict[str, Any] | None = None  # fold --folded: the user's file, its formats and the likely cause
+    causes: pd.DataFrame | None = None  # fold --folded: each candidate wrong fold against the user's numbers
 
     @property
     def passed(self) -> bool:
@@ -364,10 +367,14 @@ class FoldReport:
         return self.passed
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layer": self.layer, "dtype": self.dtype, "accumulate": self.accumulate, "passed": self.passed,
-                "channels": self.channels.to_dict(orient="records"), "forms": self.forms.to_dict(orient="records"),
-                "eps_rule": self.eps_rule, "wrong_stats": self.wrong_stats.to_dict(orient="records"),
-                "torch": self.torch, "notes": self.notes}
+        doc = {"layer": self.layer, "dtype": self.dtype, "accumulate": self.accumulate, "passed": self.passed,
+               "channels": self.channels.to_dict(orient="records"), "forms": self.forms.to_dict(orient="records"),
+               "eps_rule": self.eps_rule, "wrong_stats": self.wrong_stats.to_dict(orient="records"),
+               "torch": self.torch, "notes": self.notes}
+        if self.folded is not None:
+            doc["folded"] = self.folded
+            doc["causes"] = None if self.causes is None else self.causes.to_dict(orient="records")
+        return doc
 
 
 @dataclass

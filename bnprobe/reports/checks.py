@@ -11,7 +11,7 @@ from bnprobe._table import render_table
 from bnprobe.reports import Report, file_stem
 
 __all__ = ["gradcheck_report", "gradcheck_recorded_report", "overflow_report", "overflow_recorded_report",
-           "doctor_report", "doctor_recorded_report", "fold_report", "trace_lines"]
+           "doctor_report", "doctor_recorded_report", "fold_report", "folded_report", "trace_lines"]
 
 
 def _markdown(title: str, table: str, notes: list[str] | tuple[str, ...], *sections: tuple[str, str]) -> str:
@@ -187,7 +187,9 @@ def doctor_recorded_report(run: Any) -> Report:
 
 def fold_report(rep: Any) -> Report:
     """Folding per output channel (largest A and failing channels first), the fused forms, the eps rule, the
-    wrong statistics and torch's fusion."""
+    wrong statistics and torch's fusion; with ``rep.folded``, the user's fold (:func:`folded_report`)."""
+    if rep.folded is not None:
+        return folded_report(rep)
     ch = rep.channels
     shown = ch.sort_values(["verdict", "A"], ascending=[True, False]).head(10)
     table = render_table(shown.to_dict(orient="records"),
@@ -213,6 +215,35 @@ def fold_report(rep: Any) -> Report:
     md = f"# bnprobe fold: {rep.layer} + BN in {rep.dtype}\n\n```\n{table}\n```\n"
     return Report(title, blocks, list(rep.notes), rep.passed, rep.to_dict(), file_stem("fold", rep.layer, rep.dtype),
                   ch, md)
+
+
+def folded_report(rep: Any) -> Report:
+    """A user's folded layer per output channel (failing and worst channels first), then each candidate cause."""
+    ch, f = rep.channels, rep.folded
+    shown = ch.sort_values(["verdict", "needs_x_tolerance"], ascending=[True, False]).head(10)
+    table = render_table(shown.to_dict(orient="records"),
+                         ["channel", "A", "w_err", "w_allowed", "b_err", "b_allowed", "needs_x_tolerance", "y_err",
+                          "y_allowed", "verdict"],
+                         headers=["channel", "A", "|dW'| worst", "allowed", "|db'|", "allowed", "needs x tol",
+                                  "|dy| worst", "allowed", "verdict"])
+    n_fail = int((ch.verdict == "FAIL").sum())
+    title = (f"fold --folded {f['file']}: {rep.layer} + BatchNorm stored in {rep.dtype}, {len(ch)} output channels "
+             f"against the FP64 fold (eps {f['eps']:g}): "
+             + ("all pass" if rep.passed else f"{n_fail} fail") + " (failing / worst channels first)")
+    causes = render_table(rep.causes.to_dict(orient="records"),
+                          ["cause", "channels_reproduced", "channels", "needs_x_tolerance", "fits"],
+                          headers=["candidate fold", "channels reproduced", "of", "needs x tol", "fits"])
+    from bnprobe.tolerances import FOLD_COMPUTE_ULPS
+
+    blocks = [table, f"\ntolerance: half an ulp of the storage format + {FOLD_COMPUTE_ULPS:g} units of fp32 (fp64 for "
+                     "an fp64 file) of what each value is formed from; the output's: that carried through the layer "
+                     f"on x ({f['x']})", "\neach candidate fold against your numbers:", causes]
+    if not rep.passed:
+        blocks.append("likely cause: " + ("; ".join(f["likely_causes"]) if f["likely_causes"] else
+                                          "no known cause matches (see the notes)"))
+    md = _markdown(title, table, rep.notes, ("Candidate folds", causes))
+    return Report(title, blocks, list(rep.notes), rep.passed, rep.to_dict(),
+                  file_stem("fold", "folded", rep.layer, f["weight_format"]), ch, md)
 
 
 # ---- trace ------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 import re
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -315,3 +316,278 @@ def test_the_fold_estimate_bounds_the_measured_peak(tmp_path):
     peak = int(out.stdout.strip()) * 1024
     est = fold_bytes("conv2d", x.shape, w.shape, pad=1)
     assert peak <= est <= 2 * peak, (peak, est)
+
+
+# ---- fold --folded: a user's folded layer ------------------------------------------------------------------------
+# Every wrong fold below is written here in plain float64 numpy (never bnprobe's fold), then stored in a format.
+
+def _golden(lay, eps=None, mean=None, var=None):
+    """A = gamma / sqrt(var + eps), B = beta - mean * A, per output channel (float64)."""
+    eps = lay.eps if eps is None else eps
+    mean = lay.running_mean if mean is None else mean
+    var = lay.running_var if var is None else var
+    a = lay.gamma / np.sqrt(var + eps)
+    return a, lay.beta - mean * a
+
+
+def _w_times(lay, a):
+    return lay.weight * a.reshape((-1,) + (1,) * (lay.weight.ndim - 1))
+
+
+def _save_folded(tmp_path, w, b, name="folded", **extra):
+    p = tmp_path / f"{name}.npz"
+    np.savez(p, weight=w, bias=b, **extra)
+    return p
+
+
+def _layer_file(tmp_path, lay, **change):
+    arrays = dict(weight=lay.weight, gamma=lay.gamma, beta=lay.beta, running_mean=lay.running_mean,
+                  running_var=lay.running_var, bias=lay.bias, x=lay.x, eps=np.array(lay.eps))
+    arrays.update(change)
+    p = tmp_path / "layer.npz"
+    np.savez(p, **{k: v for k, v in arrays.items() if v is not None})
+    return p
+
+
+def _run_folded(tmp_path, capsys, w, b, lay=CONV, *, extra=(), **folded_extra):
+    import json
+
+    lp = _layer_file(tmp_path, lay)
+    fp = _save_folded(tmp_path, w, b, **folded_extra)
+    capsys.readouterr()
+    code = main(["fold", "--weights", str(lp), "--folded", str(fp), "--json", *extra])
+    doc = json.loads(capsys.readouterr().out)
+    return code, doc
+
+
+FORMATS = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("lay", [CONV, LINEAR], ids=["conv2d", "linear"])
+def test_a_correct_fold_in_its_storage_format_passes(tmp_path, capsys, fmt, lay):
+    """The FP64 fold rounded once to the storage format (bf16: np.savez writes ml_dtypes' bfloat16 as |V2) passes,
+    and in 16 bits it uses most of its tolerance: the edge is half an ulp, no looser (in fp32 the allowance for an
+    fp32 computation, 8 units, is most of it: half an ulp is 1/9 of the tolerance)."""
+    a, b = _golden(lay)
+    dt = FORMATS[fmt]
+    code, doc = _run_folded(tmp_path, capsys, _w_times(lay, a).astype(dt), (lay.bias * a + b).astype(dt), lay)
+    assert code == 0 and doc["passed"] and doc["folded"]["weight_format"] == fmt
+    assert doc["folded"]["likely_causes"] == []
+    used = max(r["needs_x_tolerance"] for r in doc["channels"])
+    assert {"fp32": 0.1, "fp16": 0.99, "bf16": 0.99}[fmt] < used <= 1.0  # the rounding really reaches the half ulp
+
+
+def test_a_correct_fold_computed_in_float32_and_bf16_values_saved_as_float32_pass(tmp_path, capsys):
+    """torch-like: the fold computed in float32 arithmetic and stored in float32; and a bf16 fold saved via
+    .float() (every value a bf16 value: judged as bf16, and said so)."""
+    f32 = np.float32
+    g, v, m = (CONV.gamma.astype(f32), CONV.running_var.astype(f32), CONV.running_mean.astype(f32))
+    a32 = g / np.sqrt(v + f32(CONV.eps))
+    w32 = CONV.weight.astype(f32) * a32[:, None, None, None]
+    b32 = CONV.bias.astype(f32) * a32 + (CONV.beta.astype(f32) - m * a32)
+    code, doc = _run_folded(tmp_path, capsys, w32, b32)
+    assert code == 0 and doc["folded"]["weight_format"] == "fp32"
+    a, b = _golden(CONV)
+    wb = _w_times(CONV, a).astype(ml_dtypes.bfloat16).astype(np.float32)
+    bb = (CONV.bias * a + b).astype(ml_dtypes.bfloat16).astype(np.float32)
+    code, doc = _run_folded(tmp_path, capsys, wb, bb)
+    assert code == 0 and doc["folded"]["weight_format"] == "bf16"
+    assert any("stored as float32 but every value is a bf16 value" in n for n in doc["notes"])
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_one_ulp_off_in_one_value_fails_that_channel(tmp_path, capsys, fmt):
+    """Just outside the edge: the correct fold with one weight moved to the next value of its format fails."""
+    a, b = _golden(CONV)
+    dt = FORMATS[fmt]
+    w = _w_times(CONV, a).astype(dt)
+    v = float(w[7, 3, 1, 1])
+    mantissa = {"fp16": 10, "bf16": 7}[fmt]  # stored fraction bits: the spacing in v's binade is 2^(e - mantissa)
+    w[7, 3, 1, 1] = dt(v + np.sign(v) * 2.0 ** (np.floor(np.log2(abs(v))) - mantissa))
+    assert float(w[7, 3, 1, 1]) != v
+    code, doc = _run_folded(tmp_path, capsys, w, (CONV.bias * a + b).astype(dt))
+    failed = [r["channel"] for r in doc["channels"] if r["verdict"] == "FAIL"]
+    assert code == 1 and failed == [7]
+    assert doc["folded"]["likely_causes"] == []
+    assert any(n.startswith("no known cause matches: worst channel 7: W'[7] element") for n in doc["notes"])
+
+
+def _wrong_folds():
+    """(id, layer change for the weights file, function lay -> (W', b') in float64, the cause named)."""
+    r = 2 * 12 * 12  # CONV's x: N * H * W per channel
+
+    def unscaled(lay):
+        a, b = _golden(lay)
+        return _w_times(lay, a), lay.bias + b
+
+    def eps0(lay):
+        a, b = _golden(lay, eps=0.0)
+        return _w_times(lay, a), lay.bias * a + b
+
+    def eps_ascend(lay):  # the layer's eps 1e-12, folded with 1e-5
+        a, b = _golden(lay, eps=1e-5)
+        return _w_times(lay, a), lay.bias * a + b
+
+    def batch(lay):
+        z = np.einsum("nhwk,ok->nohw", _cols(lay.x), lay.weight.reshape(32, -1)) + lay.bias[None, :, None, None]
+        a, b = _golden(lay, mean=z.mean(axis=(0, 2, 3)), var=z.var(axis=(0, 2, 3)))
+        return _w_times(lay, a), lay.bias * a + b
+
+    def unbiased(lay):
+        a, b = _golden(lay, var=lay.running_var * r / (r - 1))
+        return _w_times(lay, a), lay.bias * a + b
+
+    def rounded_ab(fmt):
+        def f(lay):
+            a, b = _golden(lay)
+            a, b = (v.astype(FORMATS[fmt]).astype(np.float64) for v in (a, b))
+            return _w_times(lay, a), lay.bias * a + b
+        return f
+
+    def all_in(fmt):
+        def f(lay):  # every operation in the format: numpy's float16 / ml_dtypes' bfloat16 arithmetic
+            dt = FORMATS[fmt]
+            g, be, m, v, w, bi = (t.astype(dt) for t in (lay.gamma, lay.beta, lay.running_mean, lay.running_var,
+                                                         lay.weight, lay.bias))
+            a = g / np.sqrt(v + dt(lay.eps))
+            return (w * a[:, None, None, None]).astype(np.float64), (bi * a + (be - a * m)).astype(np.float64)
+        return f
+
+    return [
+        ("bias-unscaled", {}, unscaled, "fp16", "bias not scaled by A"),
+        ("eps-ignored", {}, eps0, "fp32", "ε ignored (0)"),
+        ("eps-ascend", {"eps": np.array(1e-12)}, eps_ascend, "fp32", "ε 1e-12 replaced by 1e-05 (Ascend's"),
+        ("batch-stats", {}, batch, "fp16", "batch statistics of x instead of the running ones"),
+        ("unbiased-var", {}, unbiased, "fp32", "running variance x R/(R-1) (made unbiased, R = 288"),
+        ("ab-fp16", {}, rounded_ab("fp16"), "fp16", "A and B rounded to fp16 before"),
+        ("ab-bf16", {}, rounded_ab("bf16"), "bf16", "A and B rounded to bf16 before"),
+        ("all-fp16", {}, all_in("fp16"), "fp16", "the whole fold computed in fp16 arithmetic"),
+        ("all-bf16", {}, all_in("bf16"), "bf16", "the whole fold computed in bf16 arithmetic"),
+    ]
+
+
+def _cols(x):
+    """im2col of a 3x3, padding 1 convolution, by plain slicing (n, h, w, c*9)."""
+    n, c, h, w = x.shape
+    xp = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    taps = [xp[:, :, dy:dy + h, dx:dx + w] for dy in range(3) for dx in range(3)]  # each n, c, h, w
+    return np.stack(taps, axis=-1).transpose(0, 2, 3, 1, 4).reshape(n, h, w, c * 9)
+
+
+@pytest.mark.parametrize("case", _wrong_folds(), ids=lambda c: c[0])
+def test_each_wrong_fold_fails_and_its_cause_is_named(tmp_path, capsys, case):
+    _, change, build, fmt, cause = case
+    lay = load_layer(_layer_file(tmp_path, CONV, **change))
+    w, b = build(lay)
+    dt = FORMATS[fmt]
+    lp = _layer_file(tmp_path, CONV, **change)
+    fp = _save_folded(tmp_path, w.astype(dt), b.astype(dt))
+    capsys.readouterr()
+    assert main(["fold", "--weights", str(lp), "--folded", str(fp)]) == 1
+    out = capsys.readouterr().out
+    likely = [line for line in out.splitlines() if line.startswith("likely cause: ")]
+    assert len(likely) == 1 and cause in likely[0] and ";" not in likely[0], out  # that cause, and only it
+    # and the correct fold of the same layer in the same format passes: the cause is the difference
+    a, bb = _golden(lay)
+    fp = _save_folded(tmp_path, _w_times(lay, a).astype(dt), (lay.bias * a + bb).astype(dt), name="right")
+    assert main(["fold", "--weights", str(lp), "--folded", str(fp)]) == 0
+
+
+def test_the_folded_files_own_eps_is_tried(tmp_path, capsys):
+    a, b = _golden(CONV, eps=1e-4)
+    code, doc = _run_folded(tmp_path, capsys, _w_times(CONV, a).astype(np.float32),
+                            (CONV.bias * a + b).astype(np.float32), eps=np.array(1e-4))
+    assert code == 1 and doc["folded"]["likely_causes"] == ["ε 0.0001 (the folded file's) instead of the layer's 1e-05"]
+
+
+def test_without_x_no_statistics_cause_is_tried(tmp_path, capsys):
+    lp = _layer_file(tmp_path, CONV, x=None)
+    a, b = _golden(CONV, var=CONV.running_var * 288 / 287)
+    fp = _save_folded(tmp_path, _w_times(CONV, a).astype(np.float32), (CONV.bias * a + b).astype(np.float32))
+    capsys.readouterr()
+    assert main(["fold", "--weights", str(lp), "--folded", str(fp)]) == 1
+    out = capsys.readouterr().out
+    assert "likely cause: no known cause matches" in out and "batch statistics and biased/unbiased" in out
+
+
+def test_nan_in_the_folded_file_is_a_finding(tmp_path, capsys):
+    a, b = _golden(CONV)
+    w = _w_times(CONV, a).astype(np.float16)
+    w[3, 0, 0, 0] = np.nan
+    code, doc = _run_folded(tmp_path, capsys, w, (CONV.bias * a + b).astype(np.float16))
+    assert code == 1 and [r["channel"] for r in doc["channels"] if r["verdict"] == "FAIL"] == [3]
+    assert "NaN or inf in the folded file: weight at channel(s) [3]" in doc["notes"]
+    assert doc["folded"]["likely_causes"] == []
+
+
+def test_folded_report_files(tmp_path, capsys):
+    a, b = _golden(LINEAR)
+    lp = _layer_file(tmp_path, LINEAR)
+    fp = _save_folded(tmp_path, _w_times(LINEAR, a).astype(np.float16), (LINEAR.bias * a + b).astype(np.float16))
+    assert main(["fold", "--weights", str(lp), "--folded", str(fp), "--out", str(tmp_path / "o")]) == 0
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["fold-folded-linear-fp16.csv",
+                                                                 "fold-folded-linear-fp16.json",
+                                                                 "fold-folded-linear-fp16.md"]
+    assert "all pass" in capsys.readouterr().out
+
+
+def _bad_folded_cases():
+    a, b = _golden(CONV)
+    w, bb = _w_times(CONV, a), CONV.bias * a + b
+    return [
+        ("weight-shape", dict(weight=w[:, :8], bias=bb),
+         r"weight has shape \(32, 8, 3, 3\) but the layer's weight has \(32, 16, 3, 3\)"),
+        ("bias-length", dict(weight=w, bias=bb[:5]), r"bias has shape \(5,\) but the layer has 32 output channels"),
+        ("missing-bias", dict(weight=w), r"missing array\(s\) bias"),
+        ("eps-zero", dict(weight=w, bias=bb, eps=np.array(0.0)), "eps is 0.0, not a positive number"),
+        ("eps-negative", dict(weight=w, bias=bb, eps=np.array(-1e-5)), "eps is -1e-05, not a positive number"),
+        ("eps-nan", dict(weight=w, bias=bb, eps=np.array(np.nan)), "eps is nan, not a positive number"),
+        ("eps-vector", dict(weight=w, bias=bb, eps=np.ones(2)), r"eps has shape \(2,\), not a single value"),
+        ("int8-weight", dict(weight=w.astype(np.int8), bias=bb), "weight holds int8 values"),
+    ]
+
+
+@pytest.mark.parametrize("case", _bad_folded_cases(), ids=lambda c: c[0])
+def test_a_folded_file_that_does_not_fit_is_a_one_line_error(tmp_path, capsys, case):
+    _, arrays, match = case
+    lp = _layer_file(tmp_path, CONV)
+    fp = tmp_path / "bad.npz"
+    np.savez(fp, **arrays)
+    capsys.readouterr()
+    assert main(["fold", "--weights", str(lp), "--folded", str(fp), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bnprobe: error: ") and err.count("\n") == 1 and re.search(match, err), err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--folded", "{f}"], "--folded FILE needs --weights LAYER.npz"),
+    (["--folded", "{f}", "--weights", "{w}", "--dtype", "fp16"], "drop --dtype"),
+    (["--folded", "{f}", "--weights", "{w}", "--accumulate", "fp32"], "drop --accumulate"),
+    (["--folded", "{d}/none.npz", "--weights", "{w}"], "folded file '.*none.npz' does not exist"),
+])
+def test_folded_without_what_it_needs_is_a_one_line_error(tmp_path, capsys, argv, match):
+    a, b = _golden(CONV)
+    names = {"f": str(_save_folded(tmp_path, _w_times(CONV, a), CONV.bias * a + b)),
+             "w": str(_layer_file(tmp_path, CONV)), "d": str(tmp_path)}
+    capsys.readouterr()
+    assert main(["fold", *(s.format(**names) for s in argv)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bnprobe: error: ") and err.count("\n") == 1 and re.search(match, err), err
+
+
+@pytest.mark.parametrize("lay", [CONV, LINEAR], ids=["conv2d", "linear"])
+def test_torchs_fp32_fusion_passes(tmp_path, capsys, lay):
+    """torch.nn.utils.fusion's fp32 fold (an independent implementation) passes, using less than half the tolerance."""
+    torch = pytest.importorskip("torch")
+    from torch.nn.utils.fusion import fuse_conv_bn_weights, fuse_linear_bn_weights
+
+    def t(v):
+        return torch.from_numpy(np.asarray(v, dtype=np.float32))
+
+    fuse = fuse_conv_bn_weights if lay.kind == "conv2d" else fuse_linear_bn_weights
+    w, b = fuse(t(lay.weight), t(lay.bias), t(lay.running_mean), t(lay.running_var), lay.eps, t(lay.gamma),
+                t(lay.beta))
+    code, doc = _run_folded(tmp_path, capsys, w.detach().numpy(), b.detach().numpy(), lay)
+    assert code == 0 and max(r["needs_x_tolerance"] for r in doc["channels"]) < 0.5
