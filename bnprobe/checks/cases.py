@@ -39,6 +39,7 @@ class Case:
     seed: int = 0
     x: np.ndarray | None = field(default=None, compare=False, repr=False)
     call: CallRef | None = field(default=None, compare=False, repr=False)  # a recorded call: all inputs from it
+    dy: str = "normal"  # the upstream gradient: normal N(0, 1), shifted (a mean per channel), heavy (Student t)
 
     def make(self) -> np.ndarray:
         if self.x is not None:
@@ -46,6 +47,23 @@ class Case:
         if self.call is not None:
             return self.call.load().call().x
         return make_input(self.shape, dist=self.dist, mean=self.mean, std=self.std, seed=self.seed)
+
+
+DY_KINDS = ("normal", "shifted", "heavy")
+
+
+def make_dy(case: Case, shape: tuple[int, ...]) -> np.ndarray:
+    """The case's upstream gradient: N(0, 1); ``shifted``: N(0, 1) plus a mean per channel between 0.5 and 2 (real
+    losses give dy a non-zero mean per channel, so Σdy grows with R); ``heavy``: Student t with 2 degrees of
+    freedom plus the same means (rare large gradients)."""
+    if case.dy not in DY_KINDS:
+        raise BNProbeError(f"unknown dy kind {case.dy!r}; valid: {', '.join(DY_KINDS)}")
+    rng = np.random.default_rng([case.seed, 3])
+    if case.dy == "normal":
+        return rng.standard_normal(shape)
+    base = rng.standard_normal(shape) if case.dy == "shifted" else rng.standard_t(2.0, shape)
+    means = np.linspace(0.5, 2.0, shape[1]) if len(shape) > 1 else np.array([1.0])
+    return base + means.reshape((1, -1) + (1,) * (len(shape) - 2))
 
 
 def recorded_cases(calls: RecordedCalls) -> list[Case]:
@@ -72,6 +90,10 @@ def stress_cases(seed: int = 0) -> list[Case]:
         Case("stress/constant", s, "constant", mean=1.5, std=0.0, seed=seed),
         Case("stress/R=2", (2, 16), seed=seed),
         Case("stress/R=3", (3, 16), seed=seed),
+        Case("stress/dy-shifted", s, seed=seed, dy="shifted"),
+        Case("stress/dy-heavy-tails", s, seed=seed, dy="heavy"),
+        # R = 65536: past fp16's 65504, so Σdy of a shifted dy and a Bessel factor n/(n-1) built in fp16 leave it
+        Case("stress/R=65536", (1024, 2, 8, 8), seed=seed, dy="shifted"),
     ]
 
 

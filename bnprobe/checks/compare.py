@@ -24,7 +24,7 @@ from bnprobe.adapters import KernelAdapter, Saved, get_adapter
 from bnprobe.adapters.base import MODES, counters_only
 from bnprobe.call import EPS, MOMENTUM, BNCall
 from bnprobe.checks.budget import budget_cause, error_budget
-from bnprobe.checks.cases import Case, recorded_cases, resnet50_cases, stress_cases
+from bnprobe.checks.cases import Case, make_dy, recorded_cases, resnet50_cases, stress_cases
 from bnprobe.checks.recipes import RECIPES, recipe_fits
 from bnprobe.checks.rules import (
     RULES,
@@ -130,6 +130,9 @@ def _row(j: _Judging, adapter: str, dtype: str, case: Case, tensor: str, actual:
         sub = float(np.mean((gg > 0) & (gg < 2.0 ** f.emin))) if gg.size and f.name != "fp64" else 0.0
         ovf = float(np.mean(gg > f.max)) if gg.size and np.isfinite(f.max) else 0.0
     why_fmt = ""
+    if f_ok and ovf:  # ±inf where the golden rounds to it passes every rule: said, never silent
+        f_ok, f_why, f_score = False, (f"the golden exceeds {f.name}'s largest value ({f.max:g}) in {100 * ovf:.3g}% "
+                                       f"of elements: the format cannot hold this output (±inf there)"), math.inf
     if not f_ok:
         notes = [n for n in (f"{100 * sub:.3g}% of the golden in {f.name}'s subnormal range" if sub else "",
                              f"{100 * ovf:.3g}% beyond {f.name}'s largest value" if ovf else "", explain) if n]
@@ -202,11 +205,11 @@ class _CaseCall:
 def _generated(case: Case, x: np.ndarray, fmt: str, params: str, eps: float, momentum: float | None,
                modes: tuple[str, ...]) -> tuple[Recording, tuple[str, ...]]:
     """A generated case in one format: γ, β from the case's seed, running statistics at the case's mean and
-    variance, dy ~ N(0, 1); training modes only where N*H*W > 1."""
+    variance, dy of the case's kind (:func:`~bnprobe.checks.cases.make_dy`); training modes only where N*H*W > 1."""
     lay = layout_of(x)
     c = lay.channels
     prm = make_params(c, case.seed)
-    dy = np.random.default_rng([case.seed, 3]).standard_normal(x.shape)
+    dy = make_dy(case, x.shape)
     kept = tuple(m for m in modes if m == "infer" or lay.reduce_size > 1)
     call = BNCall(x, prm["gamma"], prm["beta"], np.full(c, case.mean), np.full(c, max(case.std, 1e-3) ** 2), dy,
                   eps, momentum, dtype=fmt, params=params)

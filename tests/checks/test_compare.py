@@ -333,3 +333,31 @@ def test_worse_than_the_bench_is_named_where_the_verdict_passes(tmp_path, capsys
     assert "## Worse than the bench" in (tmp_path / "r" / "summary.md").read_text()
     rows = json.loads((tmp_path / "r" / "compare.json").read_text())["rows"]
     assert {x["tensor"] for x in rows if x.get("worse")} == {"y", "saved_invstd", "running_var"}
+
+
+def test_the_stress_set_has_real_gradients_and_large_r():
+    """dy with a mean per channel (0.5 to 2, as real losses give) and heavy tails, and R = 65536 (past fp16's
+    65504): each as it says, by hand."""
+    from bnprobe.checks.cases import make_dy
+
+    cases = {c.name: c for c in stress_cases(0)}
+    shifted = make_dy(cases["stress/dy-shifted"], (64, 4, 8, 8))
+    means = shifted.mean(axis=(0, 2, 3))
+    assert np.allclose(means, [0.5, 1.0, 1.5, 2.0], atol=0.05)
+    heavy = make_dy(cases["stress/dy-heavy-tails"], (64, 4, 8, 8))
+    assert np.abs(heavy - np.linspace(0.5, 2, 4).reshape(1, 4, 1, 1)).max() > 20  # t(2): rare large values
+    assert np.allclose(make_dy(cases["stress/normal"], (64, 4, 8, 8)).mean(axis=(0, 2, 3)), 0, atol=0.05)
+    big = cases["stress/R=65536"]
+    assert big.shape[0] * big.shape[2] * big.shape[3] == 65536 and big.dy == "shifted"
+    with pytest.raises(BNProbeError, match="unknown dy kind"):
+        make_dy(Case("bad", (2, 2), dy="zero"), (2, 2))
+
+
+def test_a_sum_the_format_cannot_hold_is_a_format_warning_not_a_silent_pass():
+    """Σdy over R = 65536 with dy's mean 0.5-2 exceeds fp16's 65504: with fp16 parameters dβ is ±inf in every
+    kernel and in the golden rounded to fp16. That passes the rules (the format, not the kernel) but is said."""
+    case = [c for c in stress_cases(0) if c.name == "stress/R=65536"]
+    r = compare_precision([NumpyBN()], ("fp16",), case, params="same", mode="backward", budget=False)
+    db = r.rows[r.rows.tensor == "dbeta"].iloc[0]
+    assert db.verdict == "PASS" and db.format_check == "WARN"
+    assert "exceeds fp16's largest value (65504)" in db.format_why and "cannot hold this output" in db.format_why
