@@ -14,8 +14,7 @@ largest error of a correct mean:
 - y per channel: its std against the golden's within |γ|·std(x̂)·(that relative bound) plus the elementwise
   rounding, its mean within |γ|·invstd·δμ plus the same;
 - dx per channel: Σdx and Σdx·x̂ (both 0 for the exact gradient) within the elementwise rounding summed over
-  the channel plus what the statistics' bounds move them by (|γ|·invstd·R·|mean(dy·x̂)| times δμ·invstd, and
-  times 2·(relative bound) + (δμ·invstd)²).
+  the channel plus what statistics within those bounds move them by (through mean(dy·x̂) and mean(dy)).
 
 A one-pass variance E[x²] − E[x]² errs by about u·E[x²]: far beyond these once mean²/σ² exceeds ~R.
 """
@@ -160,13 +159,16 @@ def _dx_findings(run: CallRun, b: CarefulBounds, x_cr: np.ndarray, xhat: np.ndar
     c, r = x_cr.shape
     g = np.abs(_per_channel(c, run.inputs.gamma, 1.0))
     with np.errstate(all="ignore"):
-        m2 = np.abs(np.mean(lay.to_cr(np.asarray(dy, dtype=np.float64)) * xhat, axis=1))
+        dy_cr = lay.to_cr(np.asarray(dy, dtype=np.float64))
+        m1, m2 = np.abs(dy_cr.mean(axis=1)), np.abs(np.mean(dy_cr * xhat, axis=1))
         elem = 0.5 * get_format(fmt).ulp(dxg) + SMALL_VALUE_ULPS * b.u * run.scales["dx"][:, None]
-        moved = g * b.invstd * r * m2
         ok = np.all(np.isfinite(dx), axis=1) & np.all(np.isfinite(dxg), axis=1)
-        rel = b.scale_rel
-        checks = (("Σdx", np.ones_like(xhat), moved * b.shift * (1 + rel)),
-                  ("Σdx·x̂", xhat, moved * ((1 + rel) ** 2 * (1 + b.shift**2) - 1)))
+        # statistics off by δμ (shift t = δμ·invstd) and a scale s = invstd'/invstd within 1 ± rel make
+        # Σdx = |γ|·invstd'·R·t·mean(dy·x̂') and Σdx·x̂ = |γ|·invstd'·R·(mean(dy·x̂)·(1 − s²) + s·t·mean(dy))
+        rel, t = b.scale_rel, b.shift
+        moved = g * b.invstd * (1 + rel) * r
+        checks = (("Σdx", np.ones_like(xhat), moved * t * ((1 + rel) * m2 + t * m1)),
+                  ("Σdx·x̂", xhat, moved * (m2 * ((1 + rel) ** 2 - 1) + (1 + rel) * t * m1)))
     out = []
     for what, w, stats in checks:
         with np.errstate(all="ignore"):
