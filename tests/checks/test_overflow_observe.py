@@ -5,11 +5,14 @@ alike.  A one-pass variance (E[x²] − E[x]²) at a large mean against the spre
 
 import math
 
+import numpy as np
 import pytest
 
-from bnprobe.checks.overflow import scan
+from bnprobe.checks.overflow import scan, scan_recorded
+from bnprobe.checks.recorded import recording_of
 from bnprobe.cli import main
 from bnprobe.inputs import make_input
+from bnprobe.recordings import record, write_dump
 
 from .bn_plugins import NaiveVariance, NumpyBN, ScaledInvstd
 
@@ -113,3 +116,20 @@ def test_a_saved_invstd_off_by_a_share_of_the_bound(share, found):
     rep = scan(ScaledInvstd(share * rel), x, dtype="fp32")
     assert (("variance_error", "variance (saved)") in new_findings(rep)) is found, [f.detail for f in rep.findings]
     assert math.isfinite(rel) and rel < 1e-3
+
+
+# ---- recorded dumps: the same judgement of their recorded outputs ------------------------------------------
+
+@pytest.mark.parametrize("kernel,found", [(NaiveVariance, True), (NumpyBN, False)], ids=["one-pass", "numpy"])
+def test_a_recorded_one_pass_variance_is_found_and_a_correct_recording_is_clean(tmp_path, kernel, found):
+    x = make_input((8, 16, 7, 7), mean=1000.0)
+    rng = np.random.default_rng(0)
+    rec = record(kernel(), x=x, gamma=None, beta=None, running_mean=np.full(16, 1000.0), running_var=np.ones(16),
+                 dy=rng.standard_normal(x.shape), dtype="fp32", modes=("train", "backward"))
+    write_dump(rec, tmp_path)
+    reports = scan_recorded(recording_of(f"dump:{tmp_path}")).results
+    stages = {(f.anomaly, f.stage) for r in reports for f in r.findings}
+    if found:
+        assert {("variance_error", "variance (saved)"), ("dx_identity", "dx: Σdx·x̂ identity")} <= stages
+    else:
+        assert not stages, stages
