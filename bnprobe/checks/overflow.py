@@ -45,7 +45,8 @@ from bnprobe.checks.overflow_report import (
 )
 from bnprobe.checks.overflow_trace import scan_traced
 from bnprobe.checks.recorded import PerCall, Recorded, check_options, check_params
-from bnprobe.checks.run import runs
+from bnprobe.checks.overflow_observe import observed_findings
+from bnprobe.checks.run import generated_call, run_call, runs
 from bnprobe.call import BNCall
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
@@ -119,13 +120,28 @@ def scan(
     g, b, rm, rv = (round_to(v, pf) for v in (given.gamma, given.beta, given.running_mean, given.running_var))
     rounded = replace(given, x=xs, gamma=g, beta=b, running_mean=rm, running_var=rv, dy=round_to(given.dy, fmt))
     try:
-        return scan_traced(a.name, fmt, pol, mode, rounded, lay, x_cr, cancel_digits=cancel_digits, remedies=remedies)
+        rep = scan_traced(a.name, fmt, pol, mode, rounded, lay, x_cr, cancel_digits=cancel_digits, remedies=remedies)
     except BNProbeError as exc:
         if accumulate is None:
             raise
         # the policy is the user's: say which option made it one the kernel cannot run
         raise BNProbeError(f"--accumulate {get_format(accumulate).name}: {a.name} cannot run with its accumulator and "
                            f"compute format there: {exc}") from None
+    rep.findings += _observed(a, pol, mode, given.with_(dtype=fmt, params=params))
+    return rep
+
+
+def _observed(a: PolicyAdapter, pol: Policy, mode: str, call: BNCall) -> list[OverflowFinding]:
+    """A traced kernel's observable results (saved statistics, y, dx) on ``call`` against the FP64 golden, through
+    the one engine (:func:`~bnprobe.checks.overflow_observe.observed_findings`), run with the policy ``pol`` the
+    trace was taken with."""
+    if mode == "infer":
+        return []
+    kernel = PolicyAdapter(a.name, lambda p, m: pol, a.capabilities())
+    modes = ("train", "backward") if mode == "backward" else ("train",)
+    run = run_call(kernel, generated_call(call, modes=modes), modes=(mode,), label=a.name, quiet=True)
+    name = "cancellation in the variance (E[x²] − E[x]²)" if pol.variance == "naive" else "variance off"
+    return observed_findings(run, name)
 
 
 def _scan_dump_call(a: DumpAdapter, inputs: dict[str, Any], *, dtype: str | None, mode: str | None,

@@ -20,6 +20,7 @@ from bnprobe.checks.overflow_report import (
     nanmax_abs,
     predict_headroom,
 )
+from bnprobe.checks.overflow_observe import observed_findings
 from bnprobe.checks.run import CallRun, generated_call, run_call
 from bnprobe.call import BNCall
 from bnprobe.errors import BNProbeError
@@ -156,6 +157,8 @@ def scan_call(run: CallRun, policy: str = "(recorded outputs vs the FP64 golden)
     got_, gold_, formats_ = run.invstd_view()
     for key, got in got_.items():
         findings += _output_findings(key, got, gold_[key], formats_[key], lay, x_cr, bool(bad_inputs))
+    if not bad_inputs:
+        findings += observed_findings(run)
     notes = list(run.notes)
     for key in ("running_mean", "running_var"):
         if key in run.gold and key not in run.got:

@@ -21,7 +21,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
 ANOMALIES = ("input_nonfinite", "nan", "inf", "overflow", "saturated", "underflow", "flushed", "subnormal",
-             "negative_var", "cancellation", "hidden_nonfinite", "zero_output", "constant_output")
+             "negative_var", "cancellation", "hidden_nonfinite", "zero_output", "constant_output",
+             "mean_error", "variance_error", "y_moments", "dx_identity")
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,8 @@ from bnprobe.tolerances import (
 
 __all__ = ["Verdict", "STANDARD_RULES", "RULES", "SUMS", "beyond_rounding", "excess", "nonfinite_mismatch",
            "mismatch", "greatest_error", "absolute", "within_accumulation", "within_rounding", "BenchOutput",
-           "benchmark_of", "channel_rule", "beyond_format", "VersusBench", "versus_bench", "WORSE_THAN_BENCH",
-           "WORSE_ULPS"]
+           "benchmark_of", "channel_rule", "beyond_format", "bound_used", "VersusBench", "versus_bench",
+           "WORSE_THAN_BENCH", "WORSE_ULPS"]
 
 STANDARD_RULES = ("scaled", "accumulated", "threshold")
 RULES = ("benchmark", *STANDARD_RULES)
@@ -311,11 +311,10 @@ def within_accumulation(tensor: str, actual: Any, golden: Any, fmt: str, scale: 
         return None
     g = np.asarray(golden, dtype=np.float64).reshape(-1)
     a = np.asarray(actual, dtype=np.float64).reshape(-1)
-    with np.errstate(all="ignore"):
-        bound = accumulation_bound(fmt, terms) * np.asarray(scale, dtype=np.float64).reshape(-1) \
-            + 0.5 * get_format(fmt).ulp(g)
-        used = np.abs(a - g) / bound
-    if a.shape != g.shape or not np.all(np.isfinite(used)) or not np.all(used <= 1.0):
+    if a.shape != g.shape:
+        return None
+    used = bound_used(a, g, accumulation_bound(fmt, terms) * np.asarray(scale, dtype=np.float64).reshape(-1), fmt)
+    if not np.all(np.isfinite(used)) or not np.all(used <= 1.0):
         return None
     worst = int(np.argmax(used))
     return float(used[worst]), (
@@ -323,6 +322,17 @@ def within_accumulation(tensor: str, actual: Any, golden: Any, fmt: str, scale: 
         f"{terms} terms: every error at most {100 * used[worst]:.3g}% of γ_{terms}·Σ|terms| + ½ ulp (channel "
         f"{worst}: {a[worst]:.6g} vs {g[worst]:.6g} expected, terms' magnitude {np.reshape(scale, -1)[worst]:.4g}: "
         "the sum cancels, so its relative error is rounding noise)")
+
+
+def bound_used(actual: Any, golden: Any, bound: Any, fmt: str) -> np.ndarray:
+    """|actual − golden| as a share of ``bound`` (what a correct kernel's arithmetic can err by, broadcast to the
+    golden) plus half an ulp of ``fmt`` at the golden: <= 1 where a correct kernel's value can be, 0 where it is
+    exact; NaN/inf where either value is not finite."""
+    a = np.asarray(actual, dtype=np.float64)
+    g = np.asarray(golden, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        d = np.abs(a - g)
+        return np.where(d == 0, 0.0, d / (np.asarray(bound, dtype=np.float64) + 0.5 * get_format(fmt).ulp(g)))
 
 
 def within_rounding(b: Any, actual: Any, golden: Any, fmt: str,
