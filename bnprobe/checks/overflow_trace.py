@@ -184,6 +184,14 @@ def scan_traced(adapter: str, fmt: str, pol: Policy, mode: str, inputs: BNCall, 
     if pol.overflow == "ieee" and any(f.anomaly in ("overflow", "inf") for f in findings):
         sat = [_overflow_mode_run(pol, overflow, mode, inputs, gold_y) for overflow in ("ieee", "saturate")]
     notes = [f"policy: {pol.describe()}", f"max |output - FP64 golden| = {base_err:.4g}"]
+    # x − mean of a two-pass (or Welford) kernel is exact: the digits it "loses" are the mean's own rounding, which
+    # every kernel holding the mean in this format pays; said, and a finding only where the results show more
+    # (the observable checks, against the careful bound)
+    for f in [f for f in findings if f.anomaly == "cancellation" and f.stage != "var"]:
+        findings.remove(f)
+        notes.append(f"cancellation at {f.stage} ({f.format}, channels {','.join(map(str, f.channels[:8]))}"
+                     f"{'...' if len(f.channels) > 8 else ''}): {f.detail}; a kernel holding the mean in {f.format} "
+                     "cannot keep them, and this one's results are judged against that bound")
     return OverflowReport(adapter, fmt, mode, pol.name, findings, head, sat, notes)
 
 
