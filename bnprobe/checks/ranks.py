@@ -36,6 +36,7 @@ from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.kernels.layout import layout_of
 from bnprobe.numerics.rounding import round_to
+from bnprobe.checks.rank_outputs import rank_outputs
 from bnprobe.recordings import Recording
 from bnprobe.tolerances import ACCUMULATION_FORMAT, RANK_TOLERANCES
 
@@ -568,6 +569,15 @@ def check_ranks(recordings: Mapping[int, Recording], *, expect: str | None = Non
         rows = [replace(r, passed=False) if r.used == wrong else r for r in rows]
     running = _running(ranks)
     fails, notes = _verdict(rows, running, expect, _same_saved(ranks))
+    if rows and all(r.used in ("global", "either") for r in rows):  # SyncBatchNorm: each rank's outputs, elementwise
+        tol = statistics_tolerance(mean, ctx.invstd, ctx.count, dtype, ranks[0].saved_format)
+        judged = rank_outputs(ranks, mean, ctx.invstd, finite, tol)
+        fails += [o.describe() for o in judged if not o.passed]
+        if judged:
+            worst = max(judged, key=lambda o: o.ratio)
+            notes.append(f"every rank's {' and '.join(dict.fromkeys(o.tensor for o in judged))} judged elementwise "
+                         f"against the concatenated batch's golden: worst {worst.ratio:.3g}x its bound (rank "
+                         f"{worst.rank}'s {worst.tensor})")
     if not finite.all():
         notes.append(f"channel(s) {', '.join(map(str, np.flatnonzero(~finite)))} hold NaN/inf in x: left out (their "
                      "golden statistics are not finite)")

@@ -260,3 +260,39 @@ def test_ranks_whose_own_statistics_are_the_global_ones_are_either_and_never_dis
     assert any("different running statistics after the step" in n for n in rep.notes)
     one = check_ranks({0: recs[0]})
     assert one and one.kind == "either" and any("one rank given" in n for n in one.notes)
+
+
+def _local_backward_dx(recs):
+    """Each rank's dx as a SyncBatchNorm backward that forgets to all-reduce Σdy and Σdy·x̂ (its own slice's means
+    with the global statistics), computed here in float64 and cast to dx's format."""
+    from bnprobe.numerics.rounding import round_to
+
+    x = np.concatenate([recs[r].get("train", "inputs", "x") for r in sorted(recs)])
+    mean, var = x.mean(axis=(0, 2, 3)), x.var(axis=(0, 2, 3))
+    inv = (1 / np.sqrt(var + EPS)).reshape(1, -1, 1, 1)
+    for rec in recs.values():
+        xr, dy = rec.get("train", "inputs", "x"), np.asarray(rec.tensors["backward"]["inputs"]["dy"], np.float64)
+        g = np.asarray(rec.get("train", "inputs", "gamma"), np.float64).reshape(1, -1, 1, 1)
+        xh = (xr - mean.reshape(1, -1, 1, 1)) * inv
+        dx = g * inv * (dy - dy.mean(axis=(0, 2, 3), keepdims=True)
+                        - xh * (dy * xh).mean(axis=(0, 2, 3), keepdims=True))
+        rec.tensors["backward"]["outputs"]["dx"] = round_to(dx, rec.formats["backward.outputs.dx"])
+    return recs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_ranks_y_and_dx_are_judged_against_the_concatenated_batch(dtype):
+    """SyncBatchNorm (issue 29 item 8): every rank's y and dx against the golden of the whole batch, elementwise. The
+    syncbn adapter passes; a backward without the all-reduce of Σdy, Σdy·x̂ (dx from the rank's own slice) fails, as
+    does one rank's y off by 1% on one element, though every rank's statistics are the global ones."""
+    rep = check_ranks(sync("syncbn:ranks=2+14", dtype))
+    assert rep.passed and rep.kind == "syncbn"
+    assert any("y and dx judged elementwise" in n for n in rep.notes), rep.notes
+    local = check_ranks(_local_backward_dx(sync("syncbn:ranks=2+14", dtype)))
+    assert not local.passed and any("rank 0's dx is off the concatenated batch's golden" in f for f in local.failures)
+    recs = sync("syncbn:ranks=2+14", dtype)
+    y = np.array(recs[1].tensors["train"]["outputs"]["y"], dtype=np.float64)
+    y[3, 2, 1, 1] *= 1.01
+    recs[1].tensors["train"]["outputs"]["y"] = y
+    off = check_ranks(recs)
+    assert not off.passed and any(f.startswith("rank 1's y is off") and "channel 2" in f for f in off.failures)
