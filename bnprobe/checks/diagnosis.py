@@ -107,6 +107,7 @@ class _Outputs:
     models: Callable[[str], dict[str, np.ndarray]] | None
     stored: Callable[[str | None], dict[str, np.ndarray]] | None = None  # backward from the kernel's statistics
     skip: tuple[str, ...] = ()
+    bounds: dict[str, tuple[np.ndarray, str]] = field(default_factory=dict)  # a correct accumulation's, per channel
     checks: dict[str, Check] = field(default_factory=dict)  # the groups judged on this input
     _cache: dict[tuple[str | None, bool], dict[str, np.ndarray]] = field(default_factory=dict)
 
@@ -123,7 +124,8 @@ class _Outputs:
         what is wrong."""
         worst, wrong = 0.0, []
         for k in keys:
-            r, why = channel_rule(k, (got or self.got)[k], want[k], self.natural.get(k), self.formats[k], describe)
+            r, why = channel_rule(k, (got or self.got)[k], want[k], self.natural.get(k), self.formats[k], describe,
+                                  self.bounds.get(k))
             worst = max(worst, r)
             if why:
                 wrong.append(why)
@@ -173,17 +175,19 @@ def _judge(name: str, got: dict[str, np.ndarray], gold: dict[str, np.ndarray], f
            natural: dict[str, np.ndarray], *, models: Callable[[str], dict[str, np.ndarray]] | None,
            skip: tuple[str, ...] = (),
            stored: Callable[[str | None], dict[str, np.ndarray]] | None = None, ranges: bool = True,
-           ) -> dict[str, Check]:
+           bounds: dict[str, tuple[np.ndarray, str]] | None = None) -> dict[str, Check]:
     """Every group of outputs present in ``got`` on one input against the golden; each group's bug models
     (``models(bug)``, all outputs channels-first) are compared with the kernel when asked (:meth:`Check.fit`);
     ``skip``: bugs this input cannot model.  ``stored(bug)``: the backward (correct for None) from the
     statistics the kernel saved; when they pass their own check, the gradients are judged against that golden
     as well and pass by the closer one (a correct backward cannot undo the rounding of what its forward
     stored).  ``ranges``: note the outputs whose exact values their formats cannot hold (the user's data; the
-    designed inputs stay inside the formats where it matters)."""
+    designed inputs stay inside the formats where it matters).  ``bounds``: per output, the error a correct
+    kernel's accumulation can make per channel where its sums cancel (:func:`~bnprobe.checks.run
+    .cancellation_bounds`), allowed where larger than the rtol."""
     o = _Outputs(name, got, gold, formats,
                  {k: np.nan_to_num(np.asarray(v, dtype=np.float64).reshape(-1)) for k, v in natural.items()},
-                 models, stored, skip)
+                 models, stored, skip, bounds or {})
     out: dict[str, Check] = {}
     for gr, keys in GROUPS.items():
         keys = tuple(k for k in keys if k in got)
@@ -389,7 +393,7 @@ def _probe_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
     got, gold, formats = run.invstd_view()
     got = {k: np.asarray(v, dtype=np.float64) for k, v in got.items()}
     return _judge(p.name, got, gold, formats, _natural(run, x), models=lambda bug: model(*args, bug=bug),
-                  stored=_stored(args, got), ranges=p.name == USER)
+                  stored=_stored(args, got), ranges=p.name == USER, bounds=run.bounds)
 
 
 def _stored(args: tuple[Any, ...], got: dict[str, np.ndarray], training: bool = True,
@@ -605,7 +609,8 @@ def _doctor_call(recorded: Recorded, run: CallRun) -> DoctorReport:
     args = (x, g, b, rm, rv, np.zeros_like(x) if dy is None else dy, MOMENTUM if mom is None else mom, eps)
     checks = _judge(run.label, got, gold, formats, _natural(run, x),
                     models=lambda bug: model(*args, bug=bug, training=rec.training),
-                    skip=() if have_running else (TRAIN_RUNNING,), stored=_stored(args, got, rec.training))
+                    skip=() if have_running else (TRAIN_RUNNING,), stored=_stored(args, got, rec.training),
+                    bounds=run.bounds)
     items, diagnosis, unseen = _items([checks], "on the recorded inputs", unseen=True)
     if rec.training and "train" in rec.tensors and "running_mean" not in run.got:
         notes.append("the updated running statistics are not in the recording: their momentum and unbiased "

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from bnprobe.adapters import BackwardOutput
 from bnprobe.checks import bugs as D
 from bnprobe.checks.bugs import BUGS, describe, model
 from bnprobe.checks.diagnosis import doctor, probes
@@ -265,3 +266,60 @@ def test_determinism_is_judged_by_what_the_kernel_declares(declared, status):
     rep = doctor(_Jittery(declared), "fp32", stability=False)
     item = next(i for i in rep.items if i.name == "determinism")
     assert item.status == status, item.evidence
+
+
+# ---- the backward's sums that cancel (issue 38 item 4) -----------------------------------------------------------
+
+CONSTANT = 7.1  # not exact in any format: a kernel's mean of the channel is off by an ulp, so its x̂ is not 0
+
+
+def _constant_channel_input():
+    x = np.random.default_rng(5).standard_normal((8, 3, 3, 3))
+    x[:, 1] = CONSTANT
+    return x
+
+
+def _gamma_r(r):
+    u = 2.0 ** -24  # fp32, the accumulation format of fp32, fp16 and bf16 data
+    return r * u / (1 - r * u)
+
+
+class DgammaOff(NumpyBN):
+    """Correct, except that on a constant channel dγ (exactly 0) is off by ``k`` times the bound a correct fp32
+    accumulation can reach there, γ_R·rstd·|x|·Σ|dy| (x̂ = 0: the mean's error γ_R·|x| times rstd, in every term)."""
+
+    def __init__(self, k):
+        super().__init__()
+        self.k = k
+        self.name = f"dgamma-off-{k:g}-bounds"
+
+    def _backward_impl(self, p, dy, saved, *, eps, training):
+        out = super()._backward_impl(p, dy, saved, eps=eps, training=training)
+        x = p.x
+        r = x.size // x.shape[1]
+        dg = np.asarray(out.dgamma, dtype=np.float64).copy()
+        for c in range(x.shape[1]):
+            xc = x[:, c]
+            if training and np.all(xc == xc.flat[0]):
+                dg[c] += self.k * _gamma_r(r) * abs(float(xc.flat[0])) / np.sqrt(eps) * np.abs(dy[:, c]).sum()
+        return BackwardOutput(out.dx, dg.astype(np.asarray(out.dgamma).dtype), out.dbeta)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("adapter", ["reference", "emulated", "careful", "torch"])
+def test_a_careful_backward_passes_on_a_constant_channel(adapter, fmt):
+    if adapter == "torch":
+        pytest.importorskip("torch")
+    rep = doctor(adapter, fmt, stability=False, x=_constant_channel_input())
+    assert rep.passed, failed(rep)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16"])
+def test_dgamma_of_a_constant_channel_is_judged_against_the_accumulation_bound_at_its_edge(fmt):
+    x = _constant_channel_input()
+    assert doctor(DgammaOff(0.9), fmt, stability=False, x=x).passed
+    rep = doctor(DgammaOff(1.1), fmt, stability=False, x=x)
+    item = failed(rep)["backward: dx, dgamma, dbeta"]
+    (why,) = [w for w in item.details if "dgamma" in w]
+    assert "at channel 1" in why and "vs 0 expected" in why and "γ_72·(2·Σ|dy·x̂| + rstd·mean|x|·Σ|dy|)" in why
+    assert "u = 2^-24 (fp32 accumulation, any order)" in why and "passes from 1.1 times that bound" in why
