@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from bnprobe.call import EPS
 from bnprobe.errors import BNProbeError
 from bnprobe.kernels.layout import channel_column, reduce_axes
 
@@ -14,6 +15,7 @@ __all__ = ["BUGS", "TEXT", "GROUPS", "CHECKS", "model", "describe"]
 
 EPS_ON_SIGMA = "eps-on-sigma"
 EPS_MISSING = "eps-missing"
+EPS_IGNORED = "eps-ignored"
 SQRT_MISSING = "no-sqrt"
 UNBIASED = "unbiased-normalise"
 TRAIN_RUNNING = "train-uses-running"
@@ -44,6 +46,7 @@ DG_DB_SWAPPED = "dgamma-dbeta-swapped"
 TEXT: dict[str, str] = {
     EPS_ON_SIGMA: "eps added to sigma instead of sigma^2",
     EPS_MISSING: "eps missing",
+    EPS_IGNORED: f"eps ignored (uses {EPS:g})",
     SQRT_MISSING: "square root missing: normalised by var + eps",
     UNBIASED: "unbiased variance used for normalisation",
     TRAIN_RUNNING: "training uses running statistics",
@@ -76,6 +79,7 @@ _NORMALISE = ("y_train", "saved", "y_infer", "backward", "y_eval")
 BUGS: dict[str, tuple[str, ...]] = {  # id: the groups it changes
     EPS_ON_SIGMA: _NORMALISE,
     EPS_MISSING: _NORMALISE,
+    EPS_IGNORED: _NORMALISE,
     SQRT_MISSING: _NORMALISE,
     UNBIASED: ("y_train", "saved", "backward"),
     TRAIN_RUNNING: ("y_train", "saved", "backward"),
@@ -112,6 +116,8 @@ def model(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, rm: np.ndarray, rv
     backward from these statistics, as a kernel's backward takes what its forward stored."""
     if bug is not None and bug not in BUGS:
         raise BNProbeError(f"unknown bug model {bug!r}")
+    if bug == EPS_IGNORED:
+        eps = EPS  # the layer's ε replaced by BatchNorm's default
     ax, n = reduce_axes(x), x.ndim
     r = x.size // x.shape[1]
     col = lambda v: channel_column(v, n)  # noqa: E731

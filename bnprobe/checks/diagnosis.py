@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.call import MOMENTUM
+from bnprobe.call import EPS, MOMENTUM
 from bnprobe.adapters import KernelAdapter, get_adapter
 from bnprobe.adapters.base import counters_only, params_format, stored_inputs
 from bnprobe.call import BNCall
@@ -207,11 +207,26 @@ def _judge(name: str, got: dict[str, np.ndarray], gold: dict[str, np.ndarray], f
     return out
 
 
+def _group_fits(checks: list[dict[str, Check]]) -> dict[str, tuple[str, ...]]:
+    """Per failing group, the bugs whose model fits the kernel on every input the group was checked on."""
+    out: dict[str, tuple[str, ...]] = {}
+    for gr in CHECKS:
+        cs = [c[gr] for c in checks if gr in c]
+        failing = [c for c in cs if not c.passed]
+        if failing:
+            order = failing + [c for c in cs if c.passed]  # the failing inputs reject most models first
+            out[gr] = tuple(bug for bug in BUGS if gr in BUGS[bug] and all(c.fit(bug) <= 1 for c in order))
+    return out
+
+
 def _items(checks: list[dict[str, Check]], on: str, unseen: bool = False) -> tuple[list[Item], list[str], list[str]]:
     """One item per group over every input it was checked on; the bugs whose model fits the kernel on all of
     them are its diagnosis.  (items, diagnosis, notes; with ``unseen`` a note naming the bugs no input shows)"""
     items: list[Item] = []
     diagnosis: list[str] = []
+    fits = _group_fits(checks)
+    # a bug is named only where no other failing group it changes refutes it (its model does not fit there)
+    refuted = {bug for gr, ms in fits.items() for bug in BUGS if gr in BUGS[bug] and bug not in ms}
     for gr, (name, what) in CHECKS.items():
         cs = [c[gr] for c in checks if gr in c]
         if not cs:
@@ -228,8 +243,7 @@ def _items(checks: list[dict[str, Check]], on: str, unseen: bool = False) -> tup
                                             + (f"; judged from the statistics as the kernel stored them (closer than "
                                                f"from the FP64 ones) on {', '.join(stored)}" if stored else "")))
             continue
-        order = failing + [c for c in cs if c.passed]  # the failing inputs reject most models first
-        matches = tuple(bug for bug in BUGS if gr in BUGS[bug] and all(c.fit(bug) <= 1 for c in order))
+        matches = tuple(bug for bug in fits[gr] if bug not in refuted)
         diagnosis.extend(describe(b) for b in matches if describe(b) not in diagnosis)
         names = [c.input for c in failing]
         items.append(Item(name, "FAIL", f"{what} wrong on {len(failing)} of {len(cs)} input(s) ({', '.join(names)})"
@@ -363,6 +377,7 @@ def probes(seed: int = 0, *, stress: bool = True) -> list[Probe]:
 
 
 USER = "input"
+GENERATED = "generated"  # the input made from the command line's --shape, --mean, --std, --dist
 
 
 def user_probe(x: np.ndarray, seed: int = 0, name: str = USER) -> Probe:
@@ -393,7 +408,7 @@ def _probe_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
     got, gold, formats = run.invstd_view()
     got = {k: np.asarray(v, dtype=np.float64) for k, v in got.items()}
     return _judge(p.name, got, gold, formats, _natural(run, x), models=lambda bug: model(*args, bug=bug),
-                  stored=_stored(args, got), ranges=p.name == USER, bounds=run.bounds)
+                  stored=_stored(args, got), ranges=p.name in (USER, GENERATED), bounds=run.bounds)
 
 
 def _stored(args: tuple[Any, ...], got: dict[str, np.ndarray], training: bool = True,
@@ -452,26 +467,33 @@ def _steps_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
 
 
 def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None, *, seed: int = 0,
-           stability: bool = True, params: str | None = None, x: np.ndarray | None = None) -> DoctorReport:
+           stability: bool = True, params: str | None = None, x: np.ndarray | None = None, eps: float = EPS,
+           momentum: float = MOMENTUM, generated: np.ndarray | None = None) -> DoctorReport:
     """Run the checklist on ``adapter`` in ``dtype`` (default: fp64 when it runs it, else its first format)
     with parameters (γ, β, running and saved statistics) in fp32 or the input's format (``params`` same), on
-    the diagnostic input, the stress inputs (``stability``) and ``x`` when given.  A dump adapter of one call
-    is diagnosed on its recorded inputs (:func:`doctor_recorded` does every call)."""
+    the diagnostic input, the stress inputs (``stability``), ``x`` (the user's tensor) and ``generated`` (an input
+    made from the command line's shape and distribution) when given, every one with BatchNorm's ``eps`` and
+    ``momentum``.  A dump adapter of one call is diagnosed on its recorded inputs (:func:`doctor_recorded` does
+    every call)."""
     a = get_adapter(adapter) if isinstance(adapter, str) else adapter
     check_params(params)
     if a.capabilities().recorded:
         if len(a.calls.calls) != 1:
             raise BNProbeError(f"{a.name} holds {len(a.calls.calls)} BatchNorm calls: doctor_recorded diagnoses each "
                                "(or select one with dump:DIR#NAME)")
-        if x is not None:
+        if x is not None or generated is not None:
             raise BNProbeError(f"--input and the dump adapter {a.name} both give the inputs: drop --input")
+        if eps != EPS or momentum != MOMENTUM:
+            raise BNProbeError(f"the dump adapter {a.name} holds its calls' eps and momentum: drop --eps/--momentum")
         return doctor_recorded(Recorded(a, a.calls), dtype=dtype, params=params).results[0]
     caps = a.capabilities()
     fmt = get_format(dtype).name if dtype else ("fp64" if "fp64" in caps.formats else caps.formats[0])
     if fmt not in caps.formats:
         raise BNProbeError(f"adapter {a.name} does not run {fmt} (it runs {', '.join(caps.formats)})")
     prm = params or "fp32"
-    todo = probes(seed, stress=stability) + ([user_probe(x, seed)] if x is not None else [])
+    todo = probes(seed, stress=stability) + ([user_probe(x, seed)] if x is not None else []) \
+        + ([user_probe(generated, seed, GENERATED)] if generated is not None else [])
+    todo = [Probe(p.name, p.call.with_(eps=eps, momentum=momentum), p.steps) for p in todo]
     ref = counters_only(get_adapter("reference"))
     a = counters_only(a)  # only outputs are compared: no intermediates kept (on a copy: the caller's is unchanged)
     checks: list[dict[str, Check]] = []

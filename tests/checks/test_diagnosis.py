@@ -24,7 +24,8 @@ PLUGINS = "tests.checks.bn_plugins"
 
 # each planted bug (bn_plugins) and the doctor's name for it
 DIAGNOSIS = {
-    "eps-on-sigma": D.EPS_ON_SIGMA, "eps-missing": D.EPS_MISSING, "no-sqrt": D.SQRT_MISSING,
+    "eps-on-sigma": D.EPS_ON_SIGMA, "eps-missing": D.EPS_MISSING, "eps-ignored": D.EPS_IGNORED,
+    "no-sqrt": D.SQRT_MISSING,
     "unbiased-normalise": D.UNBIASED, "train-uses-running": D.TRAIN_RUNNING, "mean-not-subtracted": D.NO_CENTER,
     "gamma-beta-swapped": D.SWAPPED, "biased-running-var": D.BIASED_RUNNING, "momentum-1-m": D.KERAS,
     "running-not-updated": D.NOT_UPDATED, "running-var-plus-eps": D.PLUS_EPS, "infer-uses-batch": D.INFER_BATCH,
@@ -35,6 +36,7 @@ DIAGNOSIS = {
     "dbeta-mean": D.DB_MEAN, "dgamma-dbeta-swapped": D.DG_DB_SWAPPED,
 }
 FORMATS = ("fp64", "fp32", "fp16", "bf16")
+LAYER_EPS = {"eps-ignored": 1e-3}  # the bugs only a layer's own ε shows (BatchNorm's default hides them)
 
 
 def failed(rep):
@@ -50,7 +52,7 @@ def test_every_bug_model_has_a_planted_kernel():
 def test_each_buggy_kernel_is_diagnosed_as_exactly_its_bug(bug, fmt, params):
     """Every output judged at the tolerance of the format the kernel returned it in (y, dx in fmt; statistics
     and dγ, dβ in fp32, or in fmt with params=same; for fp32 and fp64 inputs same is fp32)."""
-    rep = doctor(NumpyBN(bug), fmt, params=params)
+    rep = doctor(NumpyBN(bug), fmt, params=params, eps=LAYER_EPS.get(bug, 1e-5))
     assert not rep.passed
     assert rep.diagnosis == [describe(DIAGNOSIS[bug])], (rep.diagnosis, [i.evidence for i in failed(rep).values()])
     checklist = {name for name, _ in D.CHECKS.values()}
@@ -323,3 +325,18 @@ def test_dgamma_of_a_constant_channel_is_judged_against_the_accumulation_bound_a
     (why,) = [w for w in item.details if "dgamma" in w]
     assert "at channel 1" in why and "vs 0 expected" in why and "γ_72·(2·Σ|dy·x̂| + rstd·mean|x|·Σ|dy|)" in why
     assert "u = 2^-24 (fp32 accumulation, any order)" in why and "passes from 1.1 times that bound" in why
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+def test_a_kernel_that_ignores_the_layers_eps_is_healthy_only_at_the_default(fmt):
+    assert doctor(NumpyBN("eps-ignored"), fmt, stability=False).passed
+    rep = doctor(NumpyBN("eps-ignored"), fmt, stability=False, eps=1e-3)
+    assert rep.diagnosis == [describe(D.EPS_IGNORED)] == ["eps ignored (uses 1e-05)"]
+    assert doctor("reference", fmt, stability=False, eps=1e-3, momentum=0.3).passed
+
+
+def test_a_generated_input_is_one_more_input():
+    x = make_input((4, 2, 3, 3), mean=300.0, std=0.01, seed=2)
+    rep = doctor(NaiveVariance(), "fp32", stability=False, generated=x)
+    assert rep.inputs == ("diagnostic", "generated") and not rep.passed
+    assert any("generated" in i.evidence for i in failed(rep).values())
