@@ -53,6 +53,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 _PARAMS = typer.Option(None, help="Parameter format: fp32 (mixed precision, the default) or same (γ, β, running and "
                                   "saved statistics in the input's format); a recording's own.")
 _EPS = typer.Option(None, help="BatchNorm epsilon (> 0; default 1e-5; a recording's own).")
+_MOMENTUM = typer.Option(None, help="Running-stat momentum (PyTorch convention; default 0.1).")
 _SEED = typer.Option(None, min=0, help="Seed of the generated input and parameters (default 0).")
 _MEAN = typer.Option(None, help="Mean of the generated input (default 0).")
 _STD = typer.Option(None, help="Standard deviation of the generated input (default 1).")
@@ -192,7 +193,7 @@ def trace(
     dist: Optional[str] = _DIST,
     mode: Optional[str] = typer.Option(None, help="train (default; a recorded call's own), infer or backward."),
     eps: Optional[float] = _EPS,
-    momentum: Optional[float] = typer.Option(None, help="Running-stat momentum (PyTorch convention; default 0.1)."),
+    momentum: Optional[float] = _MOMENTUM,
     layout: Optional[str] = typer.Option(None, help="channels_first (default) or channels_last."),
     params: Optional[str] = _PARAMS,
     input: Optional[Path] = typer.Option(None, "--input", help="Use this .npy/.npz tensor as x instead, or a dump "
@@ -386,6 +387,7 @@ def gradcheck_cmd(
     shape: Optional[str] = typer.Option(None, help="Input shape N,C[,...] of generated inputs (default 4,3,5,5)."),
     mode: Optional[str] = typer.Option(None, help="train (default) or infer; a recording's own."),
     seed: Optional[int] = _SEED,
+    dist: Optional[str] = _DIST, mean: Optional[float] = _MEAN, std: Optional[float] = _STD,
     formula: Optional[str] = typer.Option(None, help="Check a backward formula instead: standard, seed, ascend "
                                                      "or module:function (f(dy, x, gamma, mean, var, eps) -> dx)."),
     rtol: Optional[float] = typer.Option(None, help="Relative tolerance (give with --atol)."),
@@ -405,7 +407,7 @@ def gradcheck_cmd(
     from bnprobe.checks.gradients import check_formula, gradcheck, gradcheck_recorded
     from bnprobe.checks.recorded import check_options, given, is_dump_path, recording_of
     from bnprobe.guard import require_run
-    from bnprobe.inputs import parse_shape
+    from bnprobe.inputs import make_input, parse_shape
     from bnprobe.reports.checks import gradcheck_recorded_report, gradcheck_report
 
     _check_common(eps=eps, params=params)
@@ -417,18 +419,23 @@ def gradcheck_cmd(
         if formula is not None:
             raise BNProbeError("--formula checks a formula on generated inputs: it contradicts the recording; drop "
                                "one of them")
-        check_options(recorded, given=given(shape=shape, eps=eps, seed=seed), dtype=dtype, params=params)
+        check_options(recorded, given=given(shape=shape, eps=eps, seed=seed, dist=dist, mean=mean, std=std),
+                      dtype=dtype, params=params)
         return _show(gradcheck_recorded_report(gradcheck_recorded(recorded, mode=mode, rtol=rtol, atol=atol)), sink,
                      as_json)
     shp = parse_shape(("4,3,5,5" if shape is None else shape))
     require_run("gradcheck", shp)
     e, s = EPS if eps is None else eps, seed or 0
     if formula is not None:
-        if params is not None:
-            raise BNProbeError("--formula checks a formula in FP64: --params does not apply; drop it")
+        if off := given(params=params, dist=dist, mean=mean, std=std):
+            raise BNProbeError(f"--formula checks a formula in FP64 on its own inputs: {', '.join(off)} "
+                               f"do{'es' if len(off) == 1 else ''} not apply; drop {'it' if len(off) == 1 else 'them'}")
         return _show(gradcheck_report(check_formula(formula, shp, seed=s, eps=e, rtol=rtol, atol=atol)), sink, as_json)
+    x = None if (dist, mean, std) == (None, None, None) else \
+        make_input(shp, dist=dist or "normal", mean=0.0 if mean is None else mean, std=1.0 if std is None else std,
+                   seed=s)
     result = gradcheck(adapter, dtype or "fp16", shp, mode=mode or "train", seed=s, eps=e, rtol=rtol, atol=atol,
-                       params=params)
+                       params=params, x=x)
     return _show(gradcheck_report(result, params), sink, as_json)
 
 
@@ -609,6 +616,11 @@ def doctor_cmd(
                                                    "recording's own)."),
     params: Optional[str] = _PARAMS,
     seed: Optional[int] = typer.Option(None, min=0, help="Seed of the diagnostic inputs (default 0)."),
+    eps: Optional[float] = _EPS, momentum: Optional[float] = _MOMENTUM,
+    shape: Optional[str] = typer.Option(None, help="Shape N,C[,...] of one more input, generated from --dist, --mean, "
+                                                   "--std and --seed and checked like --input (default 8,4,4,4 when "
+                                                   "only those are given); the designed inputs keep their shapes."),
+    dist: Optional[str] = _DIST, mean: Optional[float] = _MEAN, std: Optional[float] = _STD,
     stability: Optional[bool] = typer.Option(None, "--stability/--no-stability",
                                              help="Include the stress inputs (default on; a replayed dump cannot "
                                                   "run them)."),
@@ -624,29 +636,39 @@ def doctor_cmd(
 ) -> int:
     """The expert's checklist for a BatchNorm kernel on a diagnostic input, stress inputs and yours:
     PASS/WARN/FAIL with evidence, the known bug each failure matches, and what is wrong where none
-    does; on a dump, every recorded call's outputs on its own inputs. Exit 0 when healthy, 1 when
-    something failed."""
+    does; on a dump, every recorded call's outputs on its own inputs. --eps and --momentum are the
+    layer's, used on every input (a kernel that ignores them fails); --shape, --dist, --mean, --std
+    make one more input, "generated". Exit 0 when healthy, 1 when something failed."""
     from bnprobe.checks.diagnosis import doctor, doctor_recorded
     from bnprobe.checks.recorded import check_options, given, is_dump_path, recording_of
     from bnprobe.inputs import input_tensor
     from bnprobe.reports.checks import doctor_recorded_report, doctor_report
 
-    _check_common(params=params)
+    _check_common(eps=eps, params=params)
+    generating = given(shape=shape, dist=dist, mean=mean, std=std)
     if (found := _sweep_root(adapter, input, (sweep, workers, scheduler, resume))) is not None:
-        _check_sweep(as_json, given(dtype=dtype, params=params, seed=seed, stability=stability), str(found[0]))
+        _check_sweep(as_json, given(dtype=dtype, params=params, seed=seed, stability=stability, eps=eps,
+                                    momentum=momentum) + generating, str(found[0]))
         return _run_sweep("doctor", found, calls, out, force, workers, scheduler, resume)
     tensor = input if input is not None and not is_dump_path(input) else None
     sink = _output(out, force)
     recorded = recording_of(adapter, None if tensor is not None else input, calls, guard="doctor")
     if recorded is not None:
-        refused = dict(seed=seed, stability=None if stability is None or not recorded.replay else True)
-        check_options(recorded, given=given(**refused), dtype=dtype, params=params)
+        refused = dict(seed=seed, stability=None if stability is None or not recorded.replay else True, eps=eps,
+                       momentum=momentum)
+        check_options(recorded, given=given(**refused) + generating, dtype=dtype, params=params)
         run = doctor_recorded(recorded, dtype=dtype, params=params, stability=stability is not False)
         return _show(doctor_recorded_report(run), sink, as_json)
     if calls is not None:
         raise BNProbeError("--calls selects recorded calls: give a dump (--adapter dump:DIR or --input DIR)")
+    if tensor is not None and generating:
+        raise BNProbeError(f"{', '.join(generating)} make an input of their own: they do not apply to --input {input}; "
+                           "drop one")
+    made = input_tensor("doctor", None, "8,4,4,4" if shape is None else shape, dist or "normal",
+                        0.0 if mean is None else mean, 1.0 if std is None else std, seed or 0) if generating else None
     rep = doctor(adapter, dtype, seed=seed or 0, stability=stability is not False, params=params,
-                 x=None if tensor is None else input_tensor("doctor", tensor))
+                 x=None if tensor is None else input_tensor("doctor", tensor), eps=EPS if eps is None else eps,
+                 momentum=MOMENTUM if momentum is None else momentum, generated=made)
     return _show(doctor_report(rep), sink, as_json)
 
 

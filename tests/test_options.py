@@ -7,6 +7,7 @@ from bnprobe.adapters.base import MODES, PARAM_PRECISIONS
 from bnprobe.checks.rules import RULES
 from bnprobe.cli import INTERNAL_ERROR, main
 from bnprobe.formats import FORMATS
+from bnprobe.inputs import DISTRIBUTIONS
 
 SMALL = ["--shape", "2,3,4,4"]
 FMTS = sorted(FORMATS)
@@ -17,6 +18,9 @@ MATRIX = [
     *[(["compare-precision", *SMALL, "--no-budget", "--dtypes", "fp16", "--rule", r], r) for r in RULES],
     *[(["compare-precision", *SMALL, "--no-budget", "--dtypes", "bf16", "--params", p], p) for p in PARAM_PRECISIONS],
     *[(["doctor", "--adapter", "emulated", "--dtype", f, "--no-stability"], f) for f in FMTS],
+    *[(["doctor", "--adapter", "emulated", "--dtype", "fp16", "--no-stability", *SMALL, "--dist", d], d)
+      for d in DISTRIBUTIONS],
+    *[(["gradcheck", *SMALL, "--dtype", "fp32", "--dist", d, "--mean", "3", "--std", "0.5"], d) for d in DISTRIBUTIONS],
     *[(["gradcheck", *SMALL, "--dtype", f], f) for f in FMTS],
     *[(["gradcheck", *SMALL, "--dtype", "fp32", "--mode", m], m) for m in ("train", "infer")],
     *[(["overflow", *SMALL, "--dtype", f], f) for f in FMTS],
@@ -60,7 +64,7 @@ def test_fp64_outputs_are_said_to_be_unjudged(capsys):
     assert code == 0 and "9 output(s) not judged" in out
 
 
-@pytest.mark.parametrize("command", ["trace", "overflow", "gradcheck", "compare-precision"])
+@pytest.mark.parametrize("command", ["trace", "overflow", "gradcheck", "compare-precision", "doctor"])
 def test_an_empty_shape_is_refused_not_replaced_by_the_default(command, capsys):
     assert main([command, "--shape", ""]) == 2
     assert capsys.readouterr().err.strip() == "bnprobe: error: shape '' must have 2 to 5 dimensions (N,C[,L|H,W|D,H,W])"
@@ -71,3 +75,38 @@ def test_an_accumulator_the_kernel_cannot_use_is_named_as_the_option(capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("bnprobe: error: --accumulate fp16: ascend-tbe cannot run") and \
         len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("option", [["--eps", "1e-3"], ["--momentum", "0.3"], ["--shape", "2,3,4"], ["--mean", "5"],
+                                    ["--std", "2"], ["--dist", "uniform"]])
+def test_doctor_refuses_generated_input_options_on_a_dump(option, tmp_path, capsys):
+    assert main(["dump", "--adapter", "reference", "--out", str(tmp_path / "d"), *SMALL, "--dtype", "fp32"]) == 0
+    capsys.readouterr()
+    assert main(["doctor", "--adapter", f"dump:{tmp_path / 'd'}", *option]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"bnprobe: error: {option[0]} contradicts the recording") and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("option", [["--mean", "5"], ["--std", "2"], ["--dist", "uniform"]])
+def test_gradcheck_refuses_generated_input_options_on_a_dump(option, tmp_path, capsys):
+    assert main(["dump", "--adapter", "reference", "--out", str(tmp_path / "d"), *SMALL, "--dtype", "fp32"]) == 0
+    capsys.readouterr()
+    assert main(["gradcheck", "--adapter", f"dump:{tmp_path / 'd'}", *option]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"bnprobe: error: {option[0]} contradicts the recording") and len(err.splitlines()) == 1
+
+
+def test_doctor_with_the_layers_eps_fails_a_kernel_that_ignores_it(capsys):
+    plugin = "tests.checks.bn_plugins:EpsIgnored"
+    assert main(["doctor", "--adapter", plugin, "--dtype", "fp32", "--no-stability"]) == 0
+    capsys.readouterr()
+    assert main(["doctor", "--adapter", plugin, "--dtype", "fp32", "--no-stability", "--eps", "1e-3"]) == 1
+    out = capsys.readouterr().out
+    assert "eps ignored (uses 1e-05)" in out and "FAIL" in out
+
+
+def test_doctor_and_gradcheck_take_the_generated_input_options(capsys):
+    assert main(["doctor", "--adapter", "reference", "--no-stability", "--shape", "2,3,4", "--mean", "100",
+                 "--std", "0.5", "--json"]) == 0
+    assert '"generated"' in capsys.readouterr().out
+    assert main(["gradcheck", "--adapter", "reference", "--dtype", "fp32", *SMALL, "--mean", "100", "--std", "3"]) == 0

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from bnprobe.call import EPS
 from bnprobe.errors import BNProbeError
 from bnprobe.kernels.layout import channel_column, reduce_axes
 
-__all__ = ["BUGS", "TEXT", "GROUPS", "CHECKS", "model", "describe"]
+__all__ = ["BUGS", "TEXT", "GROUPS", "CHECKS", "RECIPES", "model", "describe"]
 
 EPS_ON_SIGMA = "eps-on-sigma"
 EPS_MISSING = "eps-missing"
+EPS_IGNORED = "eps-ignored"
 SQRT_MISSING = "no-sqrt"
 UNBIASED = "unbiased-normalise"
 TRAIN_RUNNING = "train-uses-running"
@@ -44,6 +46,7 @@ DG_DB_SWAPPED = "dgamma-dbeta-swapped"
 TEXT: dict[str, str] = {
     EPS_ON_SIGMA: "eps added to sigma instead of sigma^2",
     EPS_MISSING: "eps missing",
+    EPS_IGNORED: f"eps ignored (uses {EPS:g})",
     SQRT_MISSING: "square root missing: normalised by var + eps",
     UNBIASED: "unbiased variance used for normalisation",
     TRAIN_RUNNING: "training uses running statistics",
@@ -76,6 +79,7 @@ _NORMALISE = ("y_train", "saved", "y_infer", "backward", "y_eval")
 BUGS: dict[str, tuple[str, ...]] = {  # id: the groups it changes
     EPS_ON_SIGMA: _NORMALISE,
     EPS_MISSING: _NORMALISE,
+    EPS_IGNORED: _NORMALISE,
     SQRT_MISSING: _NORMALISE,
     UNBIASED: ("y_train", "saved", "backward"),
     TRAIN_RUNNING: ("y_train", "saved", "backward"),
@@ -102,20 +106,38 @@ CHECKS = {  # group: (checklist item, what its outputs are)
                "inference outputs y after the steps"),
 }
 ELEMENTWISE = ("y", "y_infer", "dx", "y_eval")
+ONE_PASS = "one-pass-variance"
+#: numerical recipes (not bugs: policy options a kernel may choose) that a bug may come on top of, in words
+RECIPES: dict[str, str] = {ONE_PASS: "one-pass variance"}
+
+
+def _recipe_stats(x: np.ndarray, recipe: str) -> tuple[np.ndarray, np.ndarray]:
+    """The batch mean and biased variance as ``recipe`` computes them: one-pass, E[x²] − E[x]² with fp32 sums
+    (numpy's pairwise order), floored at 0."""
+    if recipe != ONE_PASS:
+        raise BNProbeError(f"unknown recipe {recipe!r}")
+    ax, r = reduce_axes(x), x.size // x.shape[1]
+    x32 = x.astype(np.float32)
+    mean = x32.sum(axis=ax, dtype=np.float32) / np.float32(r)
+    var = np.maximum((x32 * x32).sum(axis=ax, dtype=np.float32) / np.float32(r) - mean * mean, np.float32(0))
+    return mean.astype(np.float64), var.astype(np.float64)
 
 
 def model(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, rm: np.ndarray, rv: np.ndarray, dy: np.ndarray,
           momentum: float, eps: float, *, bug: str | None = None, training: bool = True,
-          saved: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+          saved: tuple[np.ndarray, np.ndarray] | None = None, recipe: str | None = None) -> dict[str, np.ndarray]:
     """BatchNorm in FP64 (NC... layout), correct or with one bug from BUGS; ``training=False``: the backward
     is that of inference (normalised with the running statistics); ``saved`` (mean, invstd): the training
-    backward from these statistics, as a kernel's backward takes what its forward stored."""
+    backward from these statistics, as a kernel's backward takes what its forward stored; ``recipe`` (of
+    :data:`RECIPES`): the batch statistics computed that way (the bug on top of that recipe)."""
     if bug is not None and bug not in BUGS:
         raise BNProbeError(f"unknown bug model {bug!r}")
+    if bug == EPS_IGNORED:
+        eps = EPS  # the layer's ε replaced by BatchNorm's default
     ax, n = reduce_axes(x), x.ndim
     r = x.size // x.shape[1]
     col = lambda v: channel_column(v, n)  # noqa: E731
-    mean, var = x.mean(axis=ax), x.var(axis=ax)
+    mean, var = (x.mean(axis=ax), x.var(axis=ax)) if recipe is None else _recipe_stats(x, recipe)
     unbiased = var * r / (r - 1) if r > 1 else np.full_like(var, np.nan)
 
     def rstd_of(v: np.ndarray) -> np.ndarray:

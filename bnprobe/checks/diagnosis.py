@@ -29,11 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.call import MOMENTUM
+from bnprobe.call import EPS, MOMENTUM
 from bnprobe.adapters import KernelAdapter, get_adapter
 from bnprobe.adapters.base import counters_only, params_format, stored_inputs
 from bnprobe.call import BNCall
-from bnprobe.checks.bugs import BUGS, CHECKS, ELEMENTWISE, GROUPS, TRAIN_RUNNING, describe, model
+from bnprobe.checks.bugs import BUGS, CHECKS, ELEMENTWISE, GROUPS, RECIPES, TRAIN_RUNNING, describe, model
 from bnprobe.checks.recorded import PerCall, Recorded, check_options, check_params
 from bnprobe.checks.run import CallRun, generated_call, run_call, runs
 from bnprobe.checks.rules import beyond_format, channel_rule
@@ -104,17 +104,19 @@ class _Outputs:
     gold: dict[str, np.ndarray]
     formats: dict[str, str]
     natural: dict[str, np.ndarray]
-    models: Callable[[str], dict[str, np.ndarray]] | None
+    models: Callable[[str | None, str | None], dict[str, np.ndarray]] | None  # (bug, recipe): the model's outputs
     stored: Callable[[str | None], dict[str, np.ndarray]] | None = None  # backward from the kernel's statistics
     skip: tuple[str, ...] = ()
+    bounds: dict[str, tuple[np.ndarray, str]] = field(default_factory=dict)  # a correct accumulation's, per channel
     checks: dict[str, Check] = field(default_factory=dict)  # the groups judged on this input
-    _cache: dict[tuple[str | None, bool], dict[str, np.ndarray]] = field(default_factory=dict)
+    _cache: dict[tuple[str | None, bool, str | None], dict[str, np.ndarray]] = field(default_factory=dict)
 
-    def model(self, bug: str | None, stored: bool = False) -> dict[str, np.ndarray]:
-        key = (bug, stored)
+    def model(self, bug: str | None, stored: bool = False, recipe: str | None = None) -> dict[str, np.ndarray]:
+        key = (bug, stored, recipe)
         if key not in self._cache:
             with np.errstate(all="ignore"):
-                self._cache[key] = (self.stored if stored else self.models)(bug)  # type: ignore[misc, arg-type]
+                self._cache[key] = self.stored(bug) if stored else \
+                    self.models(bug, recipe)  # type: ignore[misc, arg-type]
         return self._cache[key]
 
     def distance(self, keys: tuple[str, ...], want: dict[str, np.ndarray], describe: bool = False,
@@ -123,7 +125,8 @@ class _Outputs:
         what is wrong."""
         worst, wrong = 0.0, []
         for k in keys:
-            r, why = channel_rule(k, (got or self.got)[k], want[k], self.natural.get(k), self.formats[k], describe)
+            r, why = channel_rule(k, (got or self.got)[k], want[k], self.natural.get(k), self.formats[k], describe,
+                                  self.bounds.get(k))
             worst = max(worst, r)
             if why:
                 wrong.append(why)
@@ -148,12 +151,15 @@ class Check:
     def passed(self) -> bool:
         return self.ratio <= 1
 
-    def fit(self, bug: str) -> float:
-        """The kernel's distance to the model of ``bug`` (<= 1: the model fits), inf when not modelled here."""
+    def fit(self, bug: str | None, recipe: str | None = None) -> float:
+        """The kernel's distance to the model of ``bug`` (<= 1: the model fits), inf when not modelled here;
+        ``recipe``: of the bug on top of that numerical recipe (``bug`` None: the recipe alone)."""
         o = self.outputs
-        if o is None or o.models is None or bug in o.skip or self.group not in BUGS[bug]:
+        if o is None or o.models is None or bug in o.skip or (bug is not None and self.group not in BUGS[bug]):
             return math.inf
-        fit = o.distance(self.keys, o.model(bug))[0]
+        fit = o.distance(self.keys, o.model(bug, recipe=recipe))[0]
+        if recipe is not None or bug is None:
+            return fit
         saved = o.checks.get("saved")
         if fit > 1 and self.group == "backward" and o.stored is not None and saved is not None and \
                 (saved.fit(bug) <= 1 if "saved" in BUGS[bug] else saved.passed):
@@ -168,22 +174,39 @@ class Check:
             return None
         return o.distance(self.keys, o.gold, got=o.model(bug))[0] <= 1
 
+    def composed(self, others: list[Check]) -> list[str]:
+        """Where no bug's model fits this group (on this input and ``others``, the same group on the other
+        inputs), in words: each numerical recipe (:data:`RECIPES`) whose model fits alone, else the pairs of a
+        recipe and a bug whose model on top of it fits (e.g. "one-pass variance + running_var updated with the
+        biased variance"); only the bugs that change this group are tried."""
+        cs = [self, *others]
+        out = []
+        for recipe, words in RECIPES.items():
+            if all(c.fit(None, recipe) <= 1 for c in cs):
+                out.append(words)  # the recipe alone explains the group: nothing composed
+                continue
+            out += [f"{words} + {describe(bug)}" for bug in BUGS
+                    if self.group in BUGS[bug] and all(c.fit(bug, recipe) <= 1 for c in cs)]
+        return out
+
 
 def _judge(name: str, got: dict[str, np.ndarray], gold: dict[str, np.ndarray], formats: dict[str, str],
            natural: dict[str, np.ndarray], *, models: Callable[[str], dict[str, np.ndarray]] | None,
            skip: tuple[str, ...] = (),
            stored: Callable[[str | None], dict[str, np.ndarray]] | None = None, ranges: bool = True,
-           ) -> dict[str, Check]:
+           bounds: dict[str, tuple[np.ndarray, str]] | None = None) -> dict[str, Check]:
     """Every group of outputs present in ``got`` on one input against the golden; each group's bug models
     (``models(bug)``, all outputs channels-first) are compared with the kernel when asked (:meth:`Check.fit`);
     ``skip``: bugs this input cannot model.  ``stored(bug)``: the backward (correct for None) from the
     statistics the kernel saved; when they pass their own check, the gradients are judged against that golden
     as well and pass by the closer one (a correct backward cannot undo the rounding of what its forward
     stored).  ``ranges``: note the outputs whose exact values their formats cannot hold (the user's data; the
-    designed inputs stay inside the formats where it matters)."""
+    designed inputs stay inside the formats where it matters).  ``bounds``: per output, the error a correct
+    kernel's accumulation can make per channel where its sums cancel (:func:`~bnprobe.checks.run
+    .cancellation_bounds`), allowed where larger than the rtol."""
     o = _Outputs(name, got, gold, formats,
                  {k: np.nan_to_num(np.asarray(v, dtype=np.float64).reshape(-1)) for k, v in natural.items()},
-                 models, stored, skip)
+                 models, stored, skip, bounds or {})
     out: dict[str, Check] = {}
     for gr, keys in GROUPS.items():
         keys = tuple(k for k in keys if k in got)
@@ -203,11 +226,26 @@ def _judge(name: str, got: dict[str, np.ndarray], gold: dict[str, np.ndarray], f
     return out
 
 
+def _group_fits(checks: list[dict[str, Check]]) -> dict[str, tuple[str, ...]]:
+    """Per failing group, the bugs whose model fits the kernel on every input the group was checked on."""
+    out: dict[str, tuple[str, ...]] = {}
+    for gr in CHECKS:
+        cs = [c[gr] for c in checks if gr in c]
+        failing = [c for c in cs if not c.passed]
+        if failing:
+            order = failing + [c for c in cs if c.passed]  # the failing inputs reject most models first
+            out[gr] = tuple(bug for bug in BUGS if gr in BUGS[bug] and all(c.fit(bug) <= 1 for c in order))
+    return out
+
+
 def _items(checks: list[dict[str, Check]], on: str, unseen: bool = False) -> tuple[list[Item], list[str], list[str]]:
     """One item per group over every input it was checked on; the bugs whose model fits the kernel on all of
     them are its diagnosis.  (items, diagnosis, notes; with ``unseen`` a note naming the bugs no input shows)"""
     items: list[Item] = []
     diagnosis: list[str] = []
+    fits = _group_fits(checks)
+    # a bug is named only where no other failing group it changes refutes it (its model does not fit there)
+    refuted = {bug for gr, ms in fits.items() for bug in BUGS if gr in BUGS[bug] and bug not in ms}
     for gr, (name, what) in CHECKS.items():
         cs = [c[gr] for c in checks if gr in c]
         if not cs:
@@ -224,13 +262,14 @@ def _items(checks: list[dict[str, Check]], on: str, unseen: bool = False) -> tup
                                             + (f"; judged from the statistics as the kernel stored them (closer than "
                                                f"from the FP64 ones) on {', '.join(stored)}" if stored else "")))
             continue
-        order = failing + [c for c in cs if c.passed]  # the failing inputs reject most models first
-        matches = tuple(bug for bug in BUGS if gr in BUGS[bug] and all(c.fit(bug) <= 1 for c in order))
-        diagnosis.extend(describe(b) for b in matches if describe(b) not in diagnosis)
+        matches = tuple(describe(bug) for bug in fits[gr] if bug not in refuted)
+        if not matches:  # a numerical recipe, or a bug on top of one, where no bug's model fits alone
+            matches = tuple(failing[0].composed(failing[1:] + [c for c in cs if c.passed]))
+        diagnosis.extend(b for b in matches if b not in diagnosis)
         names = [c.input for c in failing]
         items.append(Item(name, "FAIL", f"{what} wrong on {len(failing)} of {len(cs)} input(s) ({', '.join(names)})"
-                          + (f"; they match the model of: {'; '.join(map(describe, matches))}" if matches else
-                             "; no known bug model matches"), tuple(map(describe, matches)),
+                          + (f"; they match the model of: {'; '.join(matches)}" if matches else
+                             "; no known bug model matches"), matches,
                           tuple(f"on {c.input}: {w}" for c in failing for w in c.wrong)))
     beyond = [f"on {c.input}: {b}" for ch in checks for c in ch.values() for b in c.beyond]
     if beyond:
@@ -359,6 +398,7 @@ def probes(seed: int = 0, *, stress: bool = True) -> list[Probe]:
 
 
 USER = "input"
+GENERATED = "generated"  # the input made from the command line's --shape, --mean, --std, --dist
 
 
 def user_probe(x: np.ndarray, seed: int = 0, name: str = USER) -> Probe:
@@ -388,8 +428,9 @@ def _probe_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
     args = (x, vec["gamma"], vec["beta"], vec["running_mean"], vec["running_var"], dy, p.call.momentum, p.call.eps)
     got, gold, formats = run.invstd_view()
     got = {k: np.asarray(v, dtype=np.float64) for k, v in got.items()}
-    return _judge(p.name, got, gold, formats, _natural(run, x), models=lambda bug: model(*args, bug=bug),
-                  stored=_stored(args, got), ranges=p.name == USER)
+    return _judge(p.name, got, gold, formats, _natural(run, x),
+                  models=lambda bug, recipe=None: model(*args, bug=bug, recipe=recipe), stored=_stored(args, got),
+                  ranges=p.name in (USER, GENERATED), bounds=run.bounds)
 
 
 def _stored(args: tuple[Any, ...], got: dict[str, np.ndarray], training: bool = True,
@@ -425,12 +466,12 @@ def _steps_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
         y = a.forward_infer(x, g, b, k_rm, k_rv, **common).y
         gy = ref.forward_infer(x, g, b, g_rm, g_rv, **common).y
 
-        def models(bug: str) -> dict[str, np.ndarray]:
+        def models(bug: str | None, recipe: str | None = None) -> dict[str, np.ndarray]:
             rm, rv = rm0, rv0
             for xb in batches:
-                m = model(xb, g, b, rm, rv, np.zeros_like(xb), p.call.momentum, p.call.eps, bug=bug)
+                m = model(xb, g, b, rm, rv, np.zeros_like(xb), p.call.momentum, p.call.eps, bug=bug, recipe=recipe)
                 rm, rv = round_to(m["running_mean"], pf), round_to(m["running_var"], pf)
-            m = model(x, g, b, rm, rv, np.zeros_like(x), p.call.momentum, p.call.eps, bug=bug)
+            m = model(x, g, b, rm, rv, np.zeros_like(x), p.call.momentum, p.call.eps, bug=bug, recipe=recipe)
             return {"running_mean": rm, "running_var": rv, "y_eval": m["y_infer"]}
 
         out_fmt, vec_fmt = caps.output or fmt, "fp64" if caps.output == "fp64" else pf
@@ -448,26 +489,33 @@ def _steps_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
 
 
 def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None, *, seed: int = 0,
-           stability: bool = True, params: str | None = None, x: np.ndarray | None = None) -> DoctorReport:
+           stability: bool = True, params: str | None = None, x: np.ndarray | None = None, eps: float = EPS,
+           momentum: float = MOMENTUM, generated: np.ndarray | None = None) -> DoctorReport:
     """Run the checklist on ``adapter`` in ``dtype`` (default: fp64 when it runs it, else its first format)
     with parameters (γ, β, running and saved statistics) in fp32 or the input's format (``params`` same), on
-    the diagnostic input, the stress inputs (``stability``) and ``x`` when given.  A dump adapter of one call
-    is diagnosed on its recorded inputs (:func:`doctor_recorded` does every call)."""
+    the diagnostic input, the stress inputs (``stability``), ``x`` (the user's tensor) and ``generated`` (an input
+    made from the command line's shape and distribution) when given, every one with BatchNorm's ``eps`` and
+    ``momentum``.  A dump adapter of one call is diagnosed on its recorded inputs (:func:`doctor_recorded` does
+    every call)."""
     a = get_adapter(adapter) if isinstance(adapter, str) else adapter
     check_params(params)
     if a.capabilities().recorded:
         if len(a.calls.calls) != 1:
             raise BNProbeError(f"{a.name} holds {len(a.calls.calls)} BatchNorm calls: doctor_recorded diagnoses each "
                                "(or select one with dump:DIR#NAME)")
-        if x is not None:
+        if x is not None or generated is not None:
             raise BNProbeError(f"--input and the dump adapter {a.name} both give the inputs: drop --input")
+        if eps != EPS or momentum != MOMENTUM:
+            raise BNProbeError(f"the dump adapter {a.name} holds its calls' eps and momentum: drop --eps/--momentum")
         return doctor_recorded(Recorded(a, a.calls), dtype=dtype, params=params).results[0]
     caps = a.capabilities()
     fmt = get_format(dtype).name if dtype else ("fp64" if "fp64" in caps.formats else caps.formats[0])
     if fmt not in caps.formats:
         raise BNProbeError(f"adapter {a.name} does not run {fmt} (it runs {', '.join(caps.formats)})")
     prm = params or "fp32"
-    todo = probes(seed, stress=stability) + ([user_probe(x, seed)] if x is not None else [])
+    todo = probes(seed, stress=stability) + ([user_probe(x, seed)] if x is not None else []) \
+        + ([user_probe(generated, seed, GENERATED)] if generated is not None else [])
+    todo = [Probe(p.name, p.call.with_(eps=eps, momentum=momentum), p.steps) for p in todo]
     ref = counters_only(get_adapter("reference"))
     a = counters_only(a)  # only outputs are compared: no intermediates kept (on a copy: the caller's is unchanged)
     checks: list[dict[str, Check]] = []
@@ -604,8 +652,9 @@ def _doctor_call(recorded: Recorded, run: CallRun) -> DoctorReport:
         got.pop("running_mean"), got.pop("running_var")
     args = (x, g, b, rm, rv, np.zeros_like(x) if dy is None else dy, MOMENTUM if mom is None else mom, eps)
     checks = _judge(run.label, got, gold, formats, _natural(run, x),
-                    models=lambda bug: model(*args, bug=bug, training=rec.training),
-                    skip=() if have_running else (TRAIN_RUNNING,), stored=_stored(args, got, rec.training))
+                    models=lambda bug, recipe=None: model(*args, bug=bug, training=rec.training, recipe=recipe),
+                    skip=() if have_running else (TRAIN_RUNNING,), stored=_stored(args, got, rec.training),
+                    bounds=run.bounds)
     items, diagnosis, unseen = _items([checks], "on the recorded inputs", unseen=True)
     if rec.training and "train" in rec.tensors and "running_mean" not in run.got:
         notes.append("the updated running statistics are not in the recording: their momentum and unbiased "

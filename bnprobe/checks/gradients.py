@@ -157,8 +157,12 @@ class Inputs:
     running_var: np.ndarray
 
 
-def make_inputs(shape: tuple[int, ...], seed: int = 0) -> Inputs:
-    """Unit-scale inputs with distinct per-channel statistics (seeded)."""
+def make_inputs(shape: tuple[int, ...], seed: int = 0, x: np.ndarray | None = None) -> Inputs:
+    """Unit-scale inputs with distinct per-channel statistics (seeded); ``x`` (of ``shape``): that x instead."""
+    if x is not None:
+        if np.shape(x) != tuple(shape):
+            raise BNProbeError(f"x has shape {np.shape(x)}, not the shape {tuple(shape)} given")
+        return replace(make_inputs(shape, seed), x=np.asarray(x, dtype=np.float64))
     rng = np.random.default_rng([seed, 0x6AD])
     c = shape[1]
     col = (1, c) + (1,) * (len(shape) - 2)
@@ -442,17 +446,16 @@ def gradcheck(
     dtype: str | None = None,
     shape: tuple[int, ...] | None = None,
     *,
-    mode: str | None = None,
-    seed: int = 0,
-    eps: float | None = None,
-    rtol: float | None = None,
-    atol: float | None = None,
-    params: str | None = None,
+    mode: str | None = None, seed: int = 0, eps: float | None = None,
+    rtol: float | None = None, atol: float | None = None,
+    params: str | None = None, x: np.ndarray | None = None,
 ) -> GradcheckResult:
     """Finite differences in FP64, the adapter's backward in ``dtype`` (default fp16) vs the FP64 golden,
     and (training, the default ``mode``) the gradient identities, on generated inputs of ``shape``
     (default (4, 3, 5, 5)) with ``eps`` (default 1e-5) and parameters (γ, β, running and saved statistics)
-    in fp32 (default) or the input's format (``params`` same).  Truthy when every check passed.
+    in fp32 (default) or the input's format (``params`` same); ``x`` (of ``shape``): the input instead of the
+    default's per-channel shifted normal (e.g. drawn from the command line's --dist, --mean, --std).  Truthy when
+    every check passed.
 
     A dump adapter of one call runs on that call's recorded inputs (:func:`gradcheck_recorded` runs every
     call of a dump); ``shape`` and ``eps`` then contradict it, and ``dtype``, ``mode`` and ``params`` must
@@ -480,7 +483,7 @@ def gradcheck(
     layout_of(np.empty(shape))
     if mode == "train" and math.prod(shape) // shape[1] < 2:
         raise BNProbeError(f"training needs more than one value per channel; shape {shape} has N*H*W = 1")
-    inp = make_inputs(shape, seed)
+    inp = make_inputs(shape, seed, x)
     rng = np.random.default_rng([seed, 7])
     rows: list[GradRow] = []
     notes: list[str] = []

@@ -367,9 +367,11 @@ def within_rounding(b: Any, actual: Any, golden: Any, fmt: str,
 # ---- the doctor's per-channel rule ------------------------------------------------------------------------------
 
 def channel_rule(key: str, got: np.ndarray, want: np.ndarray, natural: np.ndarray | None, fmt: str,
-                 describe: bool = False) -> tuple[float, str]:
+                 describe: bool = False, bound: tuple[np.ndarray, str] | None = None) -> tuple[float, str]:
     """Per channel, the error beyond the format's rounding (:func:`excess`) over rtol · max(max |want|, natural),
-    the worst over the channels (<= 1 passes); with ``describe``, the failure in torch.testing's words."""
+    or over ``bound`` (per channel, and the formula in words) where that is larger: the error a correct kernel's
+    accumulation can make in a sum that cancels (:func:`~bnprobe.checks.run.cancellation_bounds`); the worst over
+    the channels (<= 1 passes); with ``describe``, the failure in torch.testing's words."""
     a, w = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
     rtol = doctor_tolerance(fmt)
     ch = 1 if a.ndim > 1 else 0
@@ -381,19 +383,30 @@ def channel_rule(key: str, got: np.ndarray, want: np.ndarray, natural: np.ndarra
         peak = wf.max(axis=tuple(i for i in range(a.ndim) if i != ch)) if a.ndim > 1 else wf
         scale = peak if natural is None else np.maximum(peak, natural)
         np.maximum(scale, 1e-300, out=scale)
+        per_channel = rtol * scale
+        by_bound = np.zeros(per_channel.shape, dtype=bool)
+        if bound is not None:
+            b = np.nan_to_num(np.asarray(bound[0], dtype=np.float64).reshape(-1))
+            by_bound = b > per_channel
+            per_channel = np.where(by_bound, b, per_channel)
         shape = [1] * a.ndim
         shape[ch] = -1
-        allowed = rtol * scale.reshape(shape)
+        allowed = per_channel.reshape(shape)
         used = d / allowed
     ratio = float(used.max()) if used.size else 0.0
     if not describe or ratio <= 1:
         return ratio, ""
     i = int(np.argmax(used))
     av, wv = float(a.flat[i]), float(w.flat[i])
+    c = int(np.unravel_index(i, a.shape)[ch]) if a.ndim > 1 else i
+    if bound is not None and by_bound[c]:
+        beyond = (f"half an ulp: the bound of a correct kernel's accumulation, {bound[1]}; it passes from "
+                  f"{ratio:.3g} times that bound")
+    else:
+        beyond = f"half an ulp: rtol {rtol:g} of the channel's scale; it passes from rtol {ratio * rtol:.3g}"
     return ratio, f"{key} ({fmt}): " + mismatch(
         int((used > 1).sum()), used.size, where=element_at(i, a.shape, ch), actual=av, expected=wv,
-        allowed=float(np.broadcast_to(allowed, a.shape).flat[i]), greatest=f"error {abs(av - wv):.3g}",
-        beyond=f"half an ulp: rtol {rtol:g} of the channel's scale; it passes from rtol {ratio * rtol:.3g}")
+        allowed=float(np.broadcast_to(allowed, a.shape).flat[i]), greatest=f"error {abs(av - wv):.3g}", beyond=beyond)
 
 
 def beyond_format(key: str, want: np.ndarray, fmt: str) -> str:

@@ -26,8 +26,10 @@ from bnprobe.call import BNCall
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.kernels.layout import layout_of
+from bnprobe.tolerances import accumulation_bound, accumulation_format
 
-__all__ = ["CallRun", "Golden", "OUTPUT_MODE", "generated_call", "run_call", "runs", "natural_scales"]
+__all__ = ["CallRun", "Golden", "OUTPUT_MODE", "generated_call", "run_call", "runs", "natural_scales",
+           "cancellation_bounds"]
 
 # each output a check can judge, and the mode whose call returns it
 OUTPUT_MODE = {"y": "train", "saved_mean": "train", "saved_invstd": "train", "saved_var": "train",
@@ -42,7 +44,9 @@ class CallRun:
     ``got`` and ``gold`` map the outputs (names of :data:`OUTPUT_MODE`) to arrays: the kernel's in the dtype it
     returned them in, the golden's in float64 (``gold`` may also hold the running statistics' update that a
     recording lacks).  ``formats``: the format each output was returned in.  ``scales``: per channel, the natural
-    magnitude of the outputs that can cancel to near zero (:func:`natural_scales`)."""
+    magnitude of the outputs that can cancel to near zero (:func:`natural_scales`); ``bounds``: per channel, the
+    error a correct kernel's accumulation can put into the gradients, with the formula in words
+    (:func:`cancellation_bounds`)."""
 
     index: int
     label: str
@@ -55,6 +59,7 @@ class CallRun:
     gold_saved: Saved | None = None  # the golden's statistics of a training call (its batch mean and variance)
     saved: Saved | None = None  # the statistics the kernel's training forward saved (what its backward used)
     scales: dict[str, np.ndarray] = field(default_factory=dict)
+    bounds: dict[str, tuple[np.ndarray, str]] = field(default_factory=dict)  # :func:`cancellation_bounds`
     notes: list[str] = field(default_factory=list)
     call: BNCall | None = None
 
@@ -327,6 +332,38 @@ def natural_scales(call: BNCall, stats: Saved | None, dy: np.ndarray | None) -> 
     return out
 
 
+def cancellation_bounds(call: BNCall, stats: Saved | None, scales: dict[str, np.ndarray],
+                        ) -> dict[str, tuple[np.ndarray, str]]:
+    """Per channel, the largest error a correct kernel's accumulation can put into the gradients' sums, whatever
+    their summation order, when the sums cancel (a constant channel's dγ is 0 exactly): with R terms per channel
+    and γ_R = R·u/(1 − R·u), u the unit roundoff of the accumulation format (:func:`~bnprobe.tolerances
+    .accumulation_bound`), dβ = Σdy errs by at most γ_R·Σ|dy|; dγ = Σdy·x̂ by γ_R·(2·Σ|dy·x̂| + rstd·mean|x|·Σ|dy|)
+    (its own sum and the rstd it uses give one γ_R of Σ|dy·x̂| each; the mean's error, γ_R·mean|x|, enters every
+    x̂ times rstd — also the bound of dγ formed as rstd·(Σdy·x − μ·Σdy), whose terms are that large);
+    dx = γ·rstd·(dy − Σdy/R − x̂·Σ(dy·x̂)/R) by |γ|·rstd·(dβ's bound + max|x̂|·dγ's bound)/R.
+    ``scales``: :func:`natural_scales` of the same call (Σ|dy|, Σ|dy·x̂|, mean|x|); {} without a backward."""
+    if stats is None or "dgamma" not in scales:
+        return {}
+    lay = layout_of(call.x, call.layout)
+    r = lay.reduce_size
+    acc = accumulation_format(call.dtype)
+    gr = accumulation_bound(call.dtype, r)
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        gm = np.asarray(stats.mean, dtype=np.float64)
+        rstd = 1 / np.sqrt(stats.var(call.eps) + call.eps)
+        xhat_max = np.nanmax(np.abs(lay.to_cr(call.x) - gm[:, None]), axis=1) * rstd
+        g = np.ones(lay.channels) if call.gamma is None else np.abs(np.asarray(call.gamma, dtype=np.float64))
+        b_beta = gr * scales["dbeta"]
+        b_gamma = gr * (2 * scales["dgamma"] + rstd * scales["saved_mean"] * scales["dbeta"])
+        b_dx = g * rstd * (b_beta + xhat_max * b_gamma) / r
+    u_exp = int(np.log2(get_format(acc).unit_roundoff))
+    how = f"γ_{r} = {r}·u/(1 − {r}·u), u = 2^{u_exp} ({acc} accumulation, any order)"
+    return {"dbeta": (b_beta, f"γ_{r}·Σ|dy|, {how}"),
+            "dgamma": (b_gamma, f"γ_{r}·(2·Σ|dy·x̂| + rstd·mean|x|·Σ|dy|), {how}"),
+            "dx": (b_dx, f"|γ|·rstd·(dβ's bound + max|x̂|·dγ's bound)/{r}, {how}")}
+
+
 def run_call(kernel: KernelAdapter, rec: Recording, *, modes: tuple[str, ...] | None = None, index: int = 0,
              label: str | None = None, ref: KernelAdapter | None = None, skip_missing: bool = False,
              after_step: bool = False, golden: Golden | None = None, quiet: bool = False,
@@ -353,6 +390,7 @@ def run_call(kernel: KernelAdapter, rec: Recording, *, modes: tuple[str, ...] | 
     stats = _run_backward(s, run, gold_t) if "backward" in run.modes else None
     bw_dy = rec.tensors.get("backward", {}).get("inputs", {}).get("dy") if stats is not None else None
     run.scales = natural_scales(call, stats, bw_dy)
+    run.bounds = cancellation_bounds(call, stats, run.scales)
     return run
 
 

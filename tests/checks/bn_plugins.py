@@ -18,6 +18,7 @@ BUGS = {
     # forward and saved statistics
     "eps-on-sigma": "rstd = 1/(sqrt(var) + eps)",
     "eps-missing": "rstd = 1/sqrt(var)",
+    "eps-ignored": "rstd = 1/sqrt(var + 1e-5) whatever the layer's eps",
     "no-sqrt": "rstd = 1/(var + eps)",
     "unbiased-normalise": "normalises with the unbiased variance",
     "train-uses-running": "training normalises with the running statistics",
@@ -84,6 +85,8 @@ class NumpyBN(BaseAdapter):
         return v * (1 + self.scale) if name == self.scaled else v
 
     def _rstd(self, var, eps):
+        if self.bug == "eps-ignored":
+            eps = 1e-5
         with np.errstate(divide="ignore", invalid="ignore"):
             if self.bug == "eps-on-sigma":
                 return 1 / (np.sqrt(var) + eps)
@@ -257,6 +260,10 @@ class InvstdFlushed(NumpyBN):
 def DropsTerm():  # noqa: N802 - a plugin factory, named like a class for the command line
     """dx without its last term, -x̂·mean(dy·x̂): the known gap of doctor --dtype bf16."""
     return NumpyBN("dx-drops-xhat-term")
+
+
+def EpsIgnored():  # noqa: N802
+    return NumpyBN("eps-ignored")
 
 
 def BiasedRunningVar():  # noqa: N802
