@@ -35,6 +35,7 @@ from bnprobe.checks.rules import (
     nonfinite_mismatch,
     versus_bench,
     within_accumulation,
+    within_bound,
     within_rounding,
 )
 from bnprobe.checks.run import CallRun, Golden, generated_call, run_call
@@ -78,7 +79,8 @@ class _Judging:
 
 def _row(j: _Judging, adapter: str, dtype: str, case: Case, tensor: str, actual: Any, golden: Any, fmt: str, *,
          scale: np.ndarray | None = None, bench: Any = None, explain: str = "",
-         natural: Callable[[], np.ndarray] | None = None) -> dict[str, Any]:
+         natural: Callable[[], np.ndarray] | None = None,
+         cancel: tuple[np.ndarray, str] | None = None) -> dict[str, Any]:
     """One output's row: msprobe's metrics; the kernel verdict (by default msprobe's benchmark method against
     the bench's output, else the absolute ``rule`` on the kernel's output); the format check — is the format
     adequate for this data: the bench's output (a careful kernel in the same formats) by the absolute scaled
@@ -110,7 +112,8 @@ def _row(j: _Judging, adapter: str, dtype: str, case: Case, tensor: str, actual:
         score, bound = (math.inf if broken else float(b.needed)), 1.0
         terms = math.prod(case.shape) // max(np.size(golden), 1)
         if not ok and not broken and ((within := within_accumulation(tensor, actual, golden, fmt, scale, terms))
-                                      or (within := within_rounding(b, actual, golden, fmt, natural))):
+                                      or (within := within_rounding(b, actual, golden, fmt, natural))
+                                      or (within := within_bound(actual, golden, fmt, cancel))):
             ok, score, why = True, within[0], f"{within[1]} (msprobe's benchmark alone would fail it: {ratios})"
         extra = {f"bench_{k}": v for k, v in b.ratios.items()}
     else:
@@ -286,6 +289,16 @@ def _natural(key: str, run: CallRun, call: Any, gold_t: Any) -> Callable[[], np.
     return None if scale is None else (lambda: scale)
 
 
+def _cancel_bound(run: CallRun, key: str) -> tuple[np.ndarray, str] | None:
+    """The bound of a correct kernel's accumulation on a gradient's sums (:func:`~bnprobe.checks.run
+    .cancellation_bounds`), shaped to broadcast against the output; None for other outputs."""
+    b = run.bounds.get(key)
+    if b is None or key != "dx":
+        return b
+    lay = layout_of(run.inputs.x)
+    return b[0].reshape([-1 if ax == lay.channel_axis else 1 for ax in range(len(lay.shape))]), b[1]
+
+
 def _scale(run: CallRun, key: str) -> np.ndarray | None:
     """The natural scale of output ``key`` (broadcastable to it), or None."""
     sc = run.scales.get(key)
@@ -352,7 +365,7 @@ def _compare_adapter(a: KernelAdapter, cc: _CaseCall, j: _Judging, tables: _Tabl
     for t, act in run.got.items():
         natural = _natural(t, run, call, gold_t)
         r = _row(j, a.name, fmt, case, t, act, run.gold[t], run.formats[t], scale=_scale(run, t),
-                 bench=bench_out.get(t), explain=explain, natural=natural)
+                 bench=bench_out.get(t), explain=explain, natural=natural, cancel=_cancel_bound(run, t))
         if t == "dx" and call.training and run.saved is not None:
             r["stored_stats_share"] = _stored_share(ref, run, run.gold["dx"])
         if r["verdict"] == "FAIL" and t in bench_out:

@@ -41,6 +41,7 @@ from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.kernels.layout import reduce_axes, to_channels_first
 from bnprobe.numerics.rounding import round_to
+from bnprobe.tolerances import MSPROBE_STANDARDS
 
 __all__ = ["Item", "DoctorReport", "Probe", "doctor", "doctor_recorded", "probes", "SKIPPED_ON_RECORDINGS"]
 
@@ -146,6 +147,8 @@ class Check:
     beyond: list[str] = field(default_factory=list)  # outputs whose exact value the format cannot hold
     outputs: _Outputs | None = field(default=None, repr=False)
     from_stored: bool = False  # judged against the backward of the statistics as stored (closer than the FP64 one)
+    causes: list[str] = field(default_factory=list)  # recipes compare-precision's verdict names for its failures
+    own_ratio: float = math.nan  # the doctor's own rule, where compare-precision's verdict replaced it
 
     @property
     def passed(self) -> bool:
@@ -262,15 +265,22 @@ def _items(checks: list[dict[str, Check]], on: str, unseen: bool = False) -> tup
                                             + (f"; judged from the statistics as the kernel stored them (closer than "
                                                f"from the FP64 ones) on {', '.join(stored)}" if stored else "")))
             continue
-        matches = tuple(describe(bug) for bug in fits[gr] if bug not in refuted)
-        if not matches:  # a numerical recipe, or a bug on top of one, where no bug's model fits alone
-            matches = tuple(failing[0].composed(failing[1:] + [c for c in cs if c.passed]))
-        diagnosis.extend(b for b in matches if b not in diagnosis)
         names = [c.input for c in failing]
-        items.append(Item(name, "FAIL", f"{what} wrong on {len(failing)} of {len(cs)} input(s) ({', '.join(names)})"
-                          + (f"; they match the model of: {'; '.join(matches)}" if matches else
-                             "; no known bug model matches"), matches,
-                          tuple(f"on {c.input}: {w}" for c in failing for w in c.wrong)))
+        if all(c.own_ratio <= 1 for c in failing):  # within the doctor's rule, less accurate than a careful kernel:
+            # a precision failure no logic bug explains; compare-precision's recipe, where it names one
+            matches = tuple(dict.fromkeys(f"it {w}" for c in failing for w in c.causes))
+            head = (f"{what} less accurate than a careful kernel on {len(failing)} of {len(cs)} input(s) "
+                    f"({', '.join(names)}), by compare-precision's rule"
+                    + (f"; {'; '.join(matches)}" if matches else "; no known recipe matches"))
+        else:
+            matches = tuple(describe(bug) for bug in fits[gr] if bug not in refuted)
+            if not matches:  # a numerical recipe, or a bug on top of one, where no bug's model fits alone
+                matches = tuple(failing[0].composed(failing[1:] + [c for c in cs if c.passed]))
+            head = (f"{what} wrong on {len(failing)} of {len(cs)} input(s) ({', '.join(names)})"
+                    + (f"; they match the model of: {'; '.join(matches)}" if matches else
+                       "; no known bug model matches"))
+        diagnosis.extend(b for b in matches if b not in diagnosis)
+        items.append(Item(name, "FAIL", head, matches, tuple(f"on {c.input}: {w}" for c in failing for w in c.wrong)))
     beyond = [f"on {c.input}: {b}" for ch in checks for c in ch.values() for b in c.beyond]
     if beyond:
         items.append(Item("the outputs' formats hold their values", "WARN", "some exact values are beyond the range "
@@ -428,9 +438,45 @@ def _probe_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
     args = (x, vec["gamma"], vec["beta"], vec["running_mean"], vec["running_var"], dy, p.call.momentum, p.call.eps)
     got, gold, formats = run.invstd_view()
     got = {k: np.asarray(v, dtype=np.float64) for k, v in got.items()}
-    return _judge(p.name, got, gold, formats, _natural(run, x),
-                  models=lambda bug, recipe=None: model(*args, bug=bug, recipe=recipe), stored=_stored(args, got),
-                  ranges=p.name in (USER, GENERATED), bounds=run.bounds)
+    checks = _judge(p.name, got, gold, formats, _natural(run, x),
+                    models=lambda bug, recipe=None: model(*args, bug=bug, recipe=recipe), stored=_stored(args, got),
+                    ranges=p.name in (USER, GENERATED), bounds=run.bounds)
+    return _as_compare(checks, a, rec, modes, p.name)
+
+
+#: the outputs compare-precision judges, by the doctor's names (its saved statistic under either of its names)
+_COMPARED = {"y": ("y",), "saved_mean": ("saved_mean",), "saved_invstd": ("saved_invstd", "saved_var"),
+             "running_mean": ("running_mean",), "running_var": ("running_var",), "y_infer": ("y_infer",),
+             "dx": ("dx",), "dgamma": ("dgamma",), "dbeta": ("dbeta",)}
+
+
+def _as_compare(checks: dict[str, Check], a: KernelAdapter, rec: Any, modes: tuple[str, ...],
+                label: str) -> dict[str, Check]:
+    """Each group's verdict joined with compare-precision's on the same call: a group fails where compare-precision
+    fails one of its outputs (with its reason, and the recipe it names), so every output compare-precision fails,
+    doctor fails; it fails too where the doctor's own rule does (its designed inputs show logic bugs that msprobe's
+    metrics can let through, e.g. running_var + eps in fp16 on the diagnostic input).  Groups compare-precision does
+    not judge (fp64 outputs: msprobe's rules skip them) keep the doctor's own rule; the bug models are fitted by it
+    either way."""
+    from bnprobe.checks.compare import judge_call
+
+    if get_format(rec.dtype).name not in MSPROBE_STANDARDS or rec.layout != "channels_first":
+        return checks
+    rows = {r["tensor"]: r for r in judge_call(a, rec, modes, label=label)}
+    for c in checks.values():
+        judged = [next((rows[t] for t in _COMPARED.get(k, ()) if t in rows), None) for k in c.keys]
+        if not c.keys or any(v is None or not math.isfinite(float(v["score"])) for v in judged):
+            continue
+        failing = [v for v in judged if v["verdict"] == "FAIL"]
+        c.own_ratio = c.ratio
+        if not failing:  # the doctor's designed inputs may still show a logic bug msprobe's metrics let through
+            continue
+        c.ratio = max(c.ratio, max(float(v["score"]) / float(v["bound"]) for v in failing), 1.0 + 1e-9)
+        if c.own_ratio <= 1:  # the doctor's rule passed it: compare-precision's reasons are the evidence
+            c.wrong = [f"{v['tensor']} ({v['format']}), by compare-precision's rule: {v['why']}" for v in failing]
+        c.causes = [str(v["why"]).split("; it matches a kernel that ", 1)[1] for v in failing
+                    if v.get("cause") and "; it matches a kernel that " in str(v["why"])]
+    return checks
 
 
 def _stored(args: tuple[Any, ...], got: dict[str, np.ndarray], training: bool = True,

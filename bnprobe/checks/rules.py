@@ -39,7 +39,7 @@ from bnprobe.tolerances import (
 
 __all__ = ["Verdict", "STANDARD_RULES", "RULES", "SUMS", "beyond_rounding", "excess", "nonfinite_mismatch",
            "mismatch", "greatest_error", "absolute", "within_accumulation", "within_rounding", "BenchOutput",
-           "benchmark_of", "channel_rule", "beyond_format", "bound_used", "VersusBench", "versus_bench",
+           "benchmark_of", "channel_rule", "beyond_format", "bound_used", "within_bound", "VersusBench", "versus_bench",
            "WORSE_THAN_BENCH", "WORSE_ULPS"]
 
 STANDARD_RULES = ("scaled", "accumulated", "threshold")
@@ -333,6 +333,26 @@ def bound_used(actual: Any, golden: Any, bound: Any, fmt: str) -> np.ndarray:
     with np.errstate(all="ignore"):
         d = np.abs(a - g)
         return np.where(d == 0, 0.0, d / (np.asarray(bound, dtype=np.float64) + 0.5 * get_format(fmt).ulp(g)))
+
+
+def within_bound(actual: Any, golden: Any, fmt: str, bound: tuple[np.ndarray, str] | None
+                 ) -> tuple[float, str] | None:
+    """When every element errs by at most ``bound`` (an array broadcastable to the output: the largest error a
+    correct kernel's accumulation can put there, :func:`~bnprobe.checks.run.cancellation_bounds`, with its formula)
+    plus half an ulp of the output: (the largest share of it used, why); else None."""
+    if bound is None:
+        return None
+    g = np.asarray(golden, dtype=np.float64)
+    a = np.asarray(actual, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        allowed = np.broadcast_to(np.asarray(bound[0], dtype=np.float64), g.shape) + 0.5 * get_format(fmt).ulp(g)
+        used = np.abs(a - g) / allowed
+    if a.shape != g.shape or not g.size or not np.all(np.isfinite(used)) or not np.all(used <= 1.0):
+        return None
+    w = int(np.argmax(used))
+    return float(used.flat[w]), (f"within a correct kernel's accumulation where the sums cancel: every element errs "
+                                 f"at most {100 * used.flat[w]:.3g}% of {bound[1]}, + ½ ulp (at "
+                                 f"{element_at(w, g.shape)}: {a.flat[w]:.6g} vs {g.flat[w]:.6g} expected)")
 
 
 def within_rounding(b: Any, actual: Any, golden: Any, fmt: str,
