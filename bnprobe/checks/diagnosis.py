@@ -444,6 +444,12 @@ def _probe_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
     return _as_compare(checks, a, rec, modes, p.name)
 
 
+def layout_of_ok(rec: Any) -> bool:
+    """Whether compare-precision takes this recorded call (channels_first, more than one value per channel)."""
+    x = rec.tensors.get("train", {}).get("inputs", {}).get("x")
+    return rec.layout == "channels_first" and x is not None and np.size(x) // max(np.shape(x)[1], 1) > 1
+
+
 #: the outputs compare-precision judges, by the doctor's names (its saved statistic under either of its names)
 _COMPARED = {"y": ("y",), "saved_mean": ("saved_mean",), "saved_invstd": ("saved_invstd", "saved_var"),
              "running_mean": ("running_mean",), "running_var": ("running_var",), "y_infer": ("y_infer",),
@@ -701,6 +707,9 @@ def _doctor_call(recorded: Recorded, run: CallRun) -> DoctorReport:
                     models=lambda bug, recipe=None: model(*args, bug=bug, training=rec.training, recipe=recipe),
                     skip=() if have_running else (TRAIN_RUNNING,), stored=_stored(args, got, rec.training),
                     bounds=run.bounds)
+    if rec.training and layout_of_ok(rec):
+        checks = _as_compare(checks, recorded.kernel, rec, tuple(m for m in ("train", "infer", "backward")
+                                                                 if m in rec.tensors), run.label)
     items, diagnosis, unseen = _items([checks], "on the recorded inputs", unseen=True)
     if rec.training and "train" in rec.tensors and "running_mean" not in run.got:
         notes.append("the updated running statistics are not in the recording: their momentum and unbiased "

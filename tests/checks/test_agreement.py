@@ -1,12 +1,14 @@
 """One verdict per call across commands: compare-precision and gradcheck judge the same output of the same recorded
-call by the same rule, so they agree wherever both judge it — on a matrix of kernels (correct, and wrong by a chosen
-amount either side of the bounds) × formats × inputs."""
+call by the same rule, so they agree wherever both judge it, and doctor fails every gradient compare-precision
+fails — on a matrix of kernels (correct, and wrong by a chosen amount either side of the bounds) × formats ×
+inputs."""
 
 import numpy as np
 import pytest
 
 from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.checks.compare import compare_precision
+from bnprobe.checks.diagnosis import doctor_recorded
 from bnprobe.checks.gradients import gradcheck_recorded
 from bnprobe.checks.recorded import Recorded
 from bnprobe.recordings import load_dump, record, write_dump
@@ -40,5 +42,10 @@ def test_compare_precision_and_gradcheck_agree_on_every_gradient(tmp_path, fmt, 
         grad = {r.tensor: r.passed for r in g.rows if r.check == "vs-fp64"}
         assert compare == grad, (name, compare, grad)
         verdicts[name] = all(compare.values())
+        # doctor fails the gradients wherever compare-precision fails one (it may fail more: its own rule)
+        doc = doctor_recorded(Recorded(dump, dump.calls)).results[0]
+        backward = next(i for i in doc.items if i.name.startswith("backward"))
+        assert verdicts[name] or backward.status == "FAIL", (name, compare, backward.evidence)
+        assert not (name == "correct" and backward.status == "FAIL"), backward.evidence
     # the matrix is not trivial: the correct kernel passes, the gross bugs fail, in every format and input
     assert verdicts["correct"] and not verdicts["dx-30%"] and not verdicts["dgamma-mean"], verdicts

