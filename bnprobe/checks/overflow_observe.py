@@ -21,7 +21,9 @@ A one-pass variance E[x²] − E[x]² errs by about u·E[x²]: far beyond these 
 
 from __future__ import annotations
 
+import functools
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -134,18 +136,25 @@ def _y_findings(run: CallRun, b: CarefulBounds, x_cr: np.ndarray, xhat: np.ndarr
             SMALL_VALUE_ULPS * b.u * (g * np.abs(xhat).max(axis=1) + beta)
         moments = (("std", y.std(axis=1), yg.std(axis=1), g * xhat.std(axis=1) * b.scale_rel + elem),
                    ("mean", y.mean(axis=1), yg.mean(axis=1), g * b.invstd * b.dmean * (1 + b.scale_rel) + elem))
-    out = []
-    for what, got, gold, bound in moments:
-        used = np.where(ok, bound_used(got, gold, bound, "fp64"), 0.0)
-        if np.all(used <= 1.0):
-            continue
+    def detail(what: str, got: np.ndarray, gold: np.ndarray, bound: np.ndarray, used: np.ndarray, k: int) -> str:
+        return (f"y's per-channel {what} {got[k]:.6g} vs {gold[k]:.6g} of the FP64 golden y (max |y| "
+                f"{np.abs(y[k]).max():.4g} vs {np.abs(yg[k]).max():.4g}): off by {abs(got[k] - gold[k]):.3g}, "
+                f"{used[k]:.3g}× the {bound[k]:.3g} allowed (the statistics' bounds carried into y, + u of "
+                f"{fmt}·max|y| + {SMALL_VALUE_ULPS:g}u·(|γ|·max|x̂| + |β|); {b.rule()})")
 
-        def detail(k: int, what=what, got=got, gold=gold, bound=bound, used=used) -> str:
-            return (f"y's per-channel {what} {got[k]:.6g} vs {gold[k]:.6g} of the FP64 golden y (max |y| "
-                    f"{np.abs(y[k]).max():.4g} vs {np.abs(yg[k]).max():.4g}): off by {abs(got[k] - gold[k]):.3g}, "
-                    f"{used[k]:.3g}× the {bound[k]:.3g} allowed (the statistics' bounds carried into y, + u of "
-                    f"{fmt}·max|y| + {SMALL_VALUE_ULPS:g}u·(|γ|·max|x̂| + |β|); {b.rule()})")
-        out.append(_finding("y_moments", f"y: per-channel {what}", fmt, used, x_cr, detail))
+    return _flagged("y_moments", "y: per-channel {}", moments, ok, fmt, x_cr, detail)
+
+
+def _flagged(anomaly: str, stage: str, checks: Any, ok: np.ndarray, fmt: str, x_cr: np.ndarray,
+             detail: Callable[..., str]) -> list[OverflowFinding]:
+    """A finding per check (what, observed, golden, bound per channel) whose observed value leaves its bound on
+    some channel ``ok`` to judge; ``detail(what, got, gold, bound, used, channel)`` says it."""
+    out = []
+    for what, got, gold, bound in checks:
+        used = np.where(ok, bound_used(got, gold, bound, "fp64"), 0.0)
+        if not np.all(used <= 1.0):
+            out.append(_finding(anomaly, stage.format(what), fmt, used, x_cr,
+                                functools.partial(detail, what, got, gold, bound, used)))
     return out
 
 
@@ -169,22 +178,17 @@ def _dx_findings(run: CallRun, b: CarefulBounds, x_cr: np.ndarray, xhat: np.ndar
         moved = g * b.invstd * (1 + rel) * r
         checks = (("Σdx", np.ones_like(xhat), moved * t * ((1 + rel) * m2 + t * m1)),
                   ("Σdx·x̂", xhat, moved * (m2 * ((1 + rel) ** 2 - 1) + (1 + rel) * t * m1)))
-    out = []
-    for what, w, stats in checks:
-        with np.errstate(all="ignore"):
-            got, gold = (dx * w).sum(axis=1), (dxg * w).sum(axis=1)
-            bound = (elem * np.abs(w)).sum(axis=1) + stats
-        used = np.where(ok, bound_used(got, gold, bound, "fp64"), 0.0)
-        if np.all(used <= 1.0):
-            continue
+    with np.errstate(all="ignore"):
+        sums = [(what, (dx * w).sum(axis=1), (dxg * w).sum(axis=1), (elem * np.abs(w)).sum(axis=1) + stats)
+                for what, w, stats in checks]
 
-        def detail(k: int, what=what, got=got, gold=gold, bound=bound, used=used) -> str:
-            return (f"{what} over the channel is {got[k]:.4g} (FP64 golden dx: {gold[k]:.3g}; exactly 0 for the "
-                    f"exact gradient), {used[k]:.3g}× the {bound[k]:.3g} allowed (½ ulp of {fmt} + "
-                    f"{SMALL_VALUE_ULPS:g}u of dx's natural magnitude per element, summed, + what the statistics' "
-                    f"bounds move it by); max |dx − golden| = {np.abs(dx[k] - dxg[k]).max():.3g}")
-        out.append(_finding("dx_identity", f"dx: {what} identity", fmt, used, x_cr, detail))
-    return out
+    def detail(what: str, got: np.ndarray, gold: np.ndarray, bound: np.ndarray, used: np.ndarray, k: int) -> str:
+        return (f"{what} over the channel is {got[k]:.4g} (FP64 golden dx: {gold[k]:.3g}; exactly 0 for the "
+                f"exact gradient), {used[k]:.3g}× the {bound[k]:.3g} allowed (½ ulp of {fmt} + "
+                f"{SMALL_VALUE_ULPS:g}u of dx's natural magnitude per element, summed, + what the statistics' "
+                f"bounds move it by); max |dx − golden| = {np.abs(dx[k] - dxg[k]).max():.3g}")
+
+    return _flagged("dx_identity", "dx: {} identity", sums, ok, fmt, x_cr, detail)
 
 
 def observed_findings(run: CallRun, variance_name: str = "variance off") -> list[OverflowFinding]:
