@@ -402,6 +402,11 @@ def probes(seed: int = 0, *, stress: bool = True) -> list[Probe]:
         _stress("stress/R=2", n(2, 4) * np.array([1.0, 3.0, 0.2, 10.0]), seed),
         _stress("stress/16-bit-sums", 4.0 + n(16, 2, 8, 8), seed),
     ]
+    # dy with a mean per channel, as real losses give: Σdy over R = 2048 reaches 4096 (fp16's ulp there is 4), so a
+    # backward that keeps it in a 16-bit format shows
+    shifted = _stress("stress/dy-shifted", n(32, 2, 8, 8), seed)
+    out.append(Probe(shifted.name, shifted.call.with_(dy=shifted.call.dy + np.array([1.0, 2.0]).reshape(1, 2, 1, 1)),
+                     ()))
     ev = _stress("stress/eval-after-steps", n(8, 3, 2, 2) + 0.5, seed)
     out.append(Probe(ev.name, ev.call.with_(running_mean=np.zeros(3), running_var=np.ones(3), dy=None), steps))
     return out

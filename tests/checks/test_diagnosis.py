@@ -437,3 +437,30 @@ def test_a_composition_is_named_only_within_the_tolerance_at_its_edge(fmt):
     assert near.matches == ("one-pass variance + running_var updated with the biased variance",)
     far = failed(doctor(OnePassBiased(off=0.4 * rtol), fmt))[RUNNING]
     assert far.matches == () and "no known bug model matches" in far.evidence
+
+
+class SumDyInFp16(NumpyBN):
+    """dβ = Σdy accumulated sequentially in fp16 (a naive port's backward); everything else as NumpyBN."""
+
+    def __init__(self):
+        super().__init__()
+        self.name = "sum-dy-fp16"
+
+    def _backward_impl(self, p, dy, saved, *, eps, training):
+        out = super()._backward_impl(p, dy, saved, eps=eps, training=training)
+        cr = np.moveaxis(np.asarray(dy, dtype=np.float64), 1, 0).reshape(dy.shape[1], -1).astype(np.float16)
+        acc = np.zeros(cr.shape[0], dtype=np.float16)
+        for j in range(cr.shape[1]):
+            acc = (acc + cr[:, j]).astype(np.float16)
+        return BackwardOutput(out.dx, out.dgamma, acc.astype(np.float64).astype(np.asarray(out.dbeta).dtype))
+
+
+def test_the_stress_set_has_a_dy_with_a_mean_per_channel():
+    """Issue 29 item 4: a probe whose dy has a mean per channel (1 and 2, as real losses give; Σdy near 2048 and
+    4096 over R = 2048); careful kernels pass it, a backward summing dy sequentially in fp16 fails it."""
+    (p,) = [p for p in probes() if p.name == "stress/dy-shifted"]
+    dy = np.asarray(p.call.dy)
+    assert dy.shape == (32, 2, 8, 8) and np.allclose(dy.mean(axis=(0, 2, 3)), [1.0, 2.0], atol=0.05)
+    assert doctor("careful", "fp16", params="same") and doctor("emulated", "bf16")
+    item = failed(doctor(SumDyInFp16(), "fp16", params="same"))["backward: dx, dgamma, dbeta"]
+    assert "stress/dy-shifted" in item.evidence, item.evidence
