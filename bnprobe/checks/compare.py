@@ -352,11 +352,15 @@ class _Tables:
 
 
 def _compare_adapter(a: KernelAdapter, cc: _CaseCall, j: _Judging, tables: _Tables, *, budget: bool,
-                     top_channels: int, ref: KernelAdapter, bench: tuple[dict[str, Any], CallRun, Any] | None) -> None:
-    """Every output of one adapter on one case call against the golden (and the bench's outputs)."""
+                     top_channels: int, ref: KernelAdapter, bench: tuple[dict[str, Any], CallRun, Any] | None,
+                     done: CallRun | None = None) -> None:
+    """Every output of one adapter on one case call against the golden (and the bench's outputs); ``done``: the
+    adapter's run on this call already made (by the caller, on the same golden)."""
     bench_out, bench_run, bench_pol = bench if bench is not None else ({}, None, None)
     fmt, case, call = cc.rec.dtype, cc.case, cc.golden.call
-    if bench_run is not None and bench_pol is not None and _policy(a, cc.rec) == bench_pol:
+    if done is not None:
+        run = done
+    elif bench_run is not None and bench_pol is not None and _policy(a, cc.rec) == bench_pol:
         run = bench_run  # the same kernel as the bench: its outputs, not a second run
     else:
         run = _run(a, cc)
@@ -516,18 +520,21 @@ def compare_precision(
 
 
 def judge_call(a: KernelAdapter, rec: Recording, modes: tuple[str, ...], *, label: str | None = None,
-               bench: str | KernelAdapter = "careful") -> list[dict[str, Any]]:
+               bench: str | KernelAdapter = "careful", run: CallRun | None = None,
+               golden: Golden | None = None) -> list[dict[str, Any]]:
     """compare-precision's rows for one call (the FP64 golden, msprobe's benchmark method against ``bench``, with
     its exemptions and recipes): the verdict every command that judges an output of a call reads, so that they
-    agree on it.  A dump adapter replays ``rec`` (one of its recorded calls)."""
+    agree on it.  A dump adapter replays ``rec`` (one of its recorded calls).  ``run`` (with the ``golden`` it was
+    run on): the adapter's run on this call, when the caller has made it (not run again)."""
     ref = counters_only(get_adapter("reference"))
     bench_a = counters_only(get_adapter(bench) if isinstance(bench, str) else bench)
     call = rec.call()
     case = Case(label or rec.meta.get("call") or rec.source, tuple(np.shape(call.x)))
-    cc = _CaseCall(case, rec, modes, Golden(ref, rec), replay=rec if a.capabilities().recorded else None)
+    cc = _CaseCall(case, rec, modes, golden if golden is not None else Golden(ref, rec),
+                   replay=rec if a.capabilities().recorded else None)
     tables = _Tables([], [], [])
     _compare_adapter(counters_only(a), cc, _Judging(None, "benchmark", bench_a.name), tables, budget=False,
-                     top_channels=0, ref=ref, bench=_bench(bench_a, cc))
+                     top_channels=0, ref=ref, bench=_bench(bench_a, cc), done=run)
     return tables.rows
 
 

@@ -35,7 +35,7 @@ from bnprobe.adapters.base import counters_only, params_format, stored_inputs
 from bnprobe.call import BNCall
 from bnprobe.checks.bugs import BUGS, CHECKS, ELEMENTWISE, GROUPS, RECIPES, TRAIN_RUNNING, describe, model
 from bnprobe.checks.recorded import PerCall, Recorded, check_options, check_params
-from bnprobe.checks.run import CallRun, generated_call, run_call, runs
+from bnprobe.checks.run import CallRun, Golden, generated_call, run_call, runs
 from bnprobe.checks.rules import beyond_format, channel_rule
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
@@ -435,7 +435,8 @@ def _probe_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
     modes = ("train", "infer", "backward") if r > 1 else ("infer",)
     modes = tuple(m for m in modes if m in caps.modes and (m != "backward" or caps.saved != "none"))
     rec = generated_call(p.call.with_(dtype=fmt, params=params), modes=modes, label=p.name)
-    run = run_call(a, rec, ref=ref, label=p.name)
+    golden = Golden(ref, rec)
+    run = run_call(a, rec, ref=ref, label=p.name, golden=golden)
     ci = run.inputs
     x = ci.x
     vec = {k: np.asarray(getattr(ci, k), dtype=np.float64) for k in ("gamma", "beta", "running_mean", "running_var")}
@@ -446,7 +447,7 @@ def _probe_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
     checks = _judge(p.name, got, gold, formats, _natural(run, x),
                     models=lambda bug, recipe=None: model(*args, bug=bug, recipe=recipe), stored=_stored(args, got),
                     ranges=p.name in (USER, GENERATED), bounds=run.bounds)
-    return _as_compare(checks, a, rec, modes, p.name)
+    return _as_compare(checks, a, rec, modes, p.name, run=run, golden=golden)
 
 
 def layout_of_ok(rec: Any) -> bool:
@@ -462,7 +463,7 @@ _COMPARED = {"y": ("y",), "saved_mean": ("saved_mean",), "saved_invstd": ("saved
 
 
 def _as_compare(checks: dict[str, Check], a: KernelAdapter, rec: Any, modes: tuple[str, ...],
-                label: str) -> dict[str, Check]:
+                label: str, run: CallRun | None = None, golden: Any = None) -> dict[str, Check]:
     """Each group's verdict joined with compare-precision's on the same call: a group fails where compare-precision
     fails one of its outputs (with its reason, and the recipe it names), so every output compare-precision fails,
     doctor fails; it fails too where the doctor's own rule does (its designed inputs show logic bugs that msprobe's
@@ -473,7 +474,7 @@ def _as_compare(checks: dict[str, Check], a: KernelAdapter, rec: Any, modes: tup
 
     if get_format(rec.dtype).name not in MSPROBE_STANDARDS or rec.layout != "channels_first":
         return checks
-    rows = {r["tensor"]: r for r in judge_call(a, rec, modes, label=label)}
+    rows = {r["tensor"]: r for r in judge_call(a, rec, modes, label=label, run=run, golden=golden)}
     for c in checks.values():
         judged = [next((rows[t] for t in _COMPARED.get(k, ()) if t in rows), None) for k in c.keys]
         if not c.keys or any(v is None or not math.isfinite(float(v["score"])) for v in judged):
@@ -714,7 +715,7 @@ def _doctor_call(recorded: Recorded, run: CallRun) -> DoctorReport:
                     bounds=run.bounds)
     if rec.training and layout_of_ok(rec):
         checks = _as_compare(checks, recorded.kernel, rec, tuple(m for m in ("train", "infer", "backward")
-                                                                 if m in rec.tensors), run.label)
+                                                                 if m in rec.tensors), run.label, run=run)
     items, diagnosis, unseen = _items([checks], "on the recorded inputs", unseen=True)
     if rec.training and "train" in rec.tensors and "running_mean" not in run.got:
         notes.append("the updated running statistics are not in the recording: their momentum and unbiased "
