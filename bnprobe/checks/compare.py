@@ -293,10 +293,13 @@ def _cancel_bound(run: CallRun, key: str) -> tuple[np.ndarray, str] | None:
     """The bound of a correct kernel's accumulation on a gradient's sums (:func:`~bnprobe.checks.run
     .cancellation_bounds`), shaped to broadcast against the output; None for other outputs."""
     b = run.bounds.get(key)
-    if b is None or key != "dx":
-        return b
+    return b if b is None or key != "dx" else (_per_element(run, b[0]), b[1])
+
+
+def _per_element(run: CallRun, v: np.ndarray) -> np.ndarray:
+    """A per-channel vector shaped to broadcast against the call's x (its layout's channel axis)."""
     lay = layout_of(run.inputs.x)
-    return b[0].reshape([-1 if ax == lay.channel_axis else 1 for ax in range(len(lay.shape))]), b[1]
+    return v.reshape([-1 if ax == lay.channel_axis else 1 for ax in range(len(lay.shape))])
 
 
 def _scale(run: CallRun, key: str) -> np.ndarray | None:
@@ -304,10 +307,7 @@ def _scale(run: CallRun, key: str) -> np.ndarray | None:
     sc = run.scales.get(key)
     if sc is None or key not in ("saved_mean", "running_mean", "dx", "dgamma", "dbeta"):
         return None
-    if key == "dx":
-        lay = layout_of(run.inputs.x)
-        return sc.reshape([-1 if ax == lay.channel_axis else 1 for ax in range(len(lay.shape))])
-    return sc
+    return _per_element(run, sc) if key == "dx" else sc
 
 
 def _stored_share(ref: KernelAdapter, run: CallRun, gold_dx: np.ndarray) -> float:

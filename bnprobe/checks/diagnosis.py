@@ -450,7 +450,7 @@ def _probe_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
     return _as_compare(checks, a, rec, modes, p.name, run=run, golden=golden)
 
 
-def layout_of_ok(rec: Any) -> bool:
+def _compared_training(rec: Any) -> bool:
     """Whether compare-precision takes this recorded call (channels_first, more than one value per channel)."""
     x = rec.tensors.get("train", {}).get("inputs", {}).get("x")
     return rec.layout == "channels_first" and x is not None and np.size(x) // max(np.shape(x)[1], 1) > 1
@@ -713,7 +713,7 @@ def _doctor_call(recorded: Recorded, run: CallRun) -> DoctorReport:
                     models=lambda bug, recipe=None: model(*args, bug=bug, training=rec.training, recipe=recipe),
                     skip=() if have_running else (TRAIN_RUNNING,), stored=_stored(args, got, rec.training),
                     bounds=run.bounds)
-    if rec.training and layout_of_ok(rec):
+    if rec.training and _compared_training(rec):
         checks = _as_compare(checks, recorded.kernel, rec, tuple(m for m in ("train", "infer", "backward")
                                                                  if m in rec.tensors), run.label, run=run)
     items, diagnosis, unseen = _items([checks], "on the recorded inputs", unseen=True)

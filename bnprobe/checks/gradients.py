@@ -557,7 +557,11 @@ def _judged_recorded(recorded: Recorded, run: CallRun) -> dict[str, dict[str, An
 
     if run.recording.layout != "channels_first":
         return {}
-    rows = judge_call(recorded.kernel, run.recording, ("backward",), label=run.label)
+    return _gradient_rows(judge_call(recorded.kernel, run.recording, ("backward",), label=run.label, run=run))
+
+
+def _gradient_rows(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """compare-precision's rows of dx, dγ and dβ, by tensor."""
     return {r["tensor"]: r for r in rows if r["tensor"] in ("dx", "dgamma", "dbeta")}
 
 
@@ -570,8 +574,7 @@ def _judged(a: KernelAdapter, inp: Any, fmt: str, params: str, eps: float) -> di
 
     call = BNCall(inp.x, inp.gamma, inp.beta, inp.running_mean, inp.running_var, inp.dy, eps, None, dtype=fmt,
                   params=params)
-    rows = judge_call(a, generated_call(call, modes=("backward",), label="gradcheck"), ("backward",))
-    return {r["tensor"]: r for r in rows if r["tensor"] in ("dx", "dgamma", "dbeta")}
+    return _gradient_rows(judge_call(a, generated_call(call, modes=("backward",), label="gradcheck"), ("backward",)))
 
 
 # ---- recorded calls ---------------------------------------------------------------------------------

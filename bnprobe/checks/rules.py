@@ -344,10 +344,10 @@ def within_bound(actual: Any, golden: Any, fmt: str, bound: tuple[np.ndarray, st
         return None
     g = np.asarray(golden, dtype=np.float64)
     a = np.asarray(actual, dtype=np.float64)
-    with np.errstate(all="ignore"):
-        allowed = np.broadcast_to(np.asarray(bound[0], dtype=np.float64), g.shape) + 0.5 * get_format(fmt).ulp(g)
-        used = np.abs(a - g) / allowed
-    if a.shape != g.shape or not g.size or not np.all(np.isfinite(used)) or not np.all(used <= 1.0):
+    if a.shape != g.shape or not g.size:
+        return None
+    used = bound_used(a, g, np.broadcast_to(np.asarray(bound[0], dtype=np.float64), g.shape), fmt)
+    if not np.all(np.isfinite(used)) or not np.all(used <= 1.0):
         return None
     w = int(np.argmax(used))
     return float(used.flat[w]), (f"within a correct kernel's accumulation where the sums cancel: every element errs "
@@ -371,9 +371,7 @@ def within_rounding(b: Any, actual: Any, golden: Any, fmt: str,
     if a.shape != g.shape or not g.size:
         return None
     u = get_format(accumulation_format(fmt)).unit_roundoff
-    with np.errstate(all="ignore"):
-        bound = SMALL_VALUE_ULPS * u * np.broadcast_to(natural(), g.shape) + 0.5 * get_format(fmt).ulp(g)
-        used = np.abs(a - g) / bound
+    used = bound_used(a, g, SMALL_VALUE_ULPS * u * np.broadcast_to(natural(), g.shape), fmt)
     if not np.all(np.isfinite(used)) or not np.all(used <= 1.0):
         return None
     w = int(np.argmax(used))
