@@ -19,7 +19,7 @@ from bnprobe.adapters.emulated import CarefulAdapter
 from bnprobe.call import BNCall
 from bnprobe.formats import get_format
 
-__all__ = ["Recipe", "RECIPES", "STATS_ROUNDED", "recipe_fits"]
+__all__ = ["Recipe", "RECIPES", "RECIPE", "STATS_ROUNDED", "recipe_fits"]
 
 STATS_ROUNDED = "stats-rounded-to-params"
 
@@ -48,6 +48,8 @@ RECIPES: tuple[Recipe, ...] = (
            lambda: CarefulAdapter(rounded_stats=True),
            lambda call: call.training and params_format(call.dtype, call.params) not in ("fp32", "fp64"), ("y",)),
 )
+
+RECIPE = {rp.id: rp for rp in RECIPES}  # by id (a compare-precision row's ``cause``)
 
 
 def _rmse(a: np.ndarray, b: np.ndarray) -> float:
