@@ -38,7 +38,7 @@ from bnprobe.checks.rules import (
     within_bound,
     within_rounding,
 )
-from bnprobe.checks.run import CallRun, Golden, generated_call, run_call
+from bnprobe.checks.run import CallRun, Golden, generated_call, run_call, running_stats, y_natural
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.inputs import make_params
@@ -54,18 +54,6 @@ __all__ = ["CompareResult", "compare_precision", "judge_call", "summarize", "per
            "worse_rows", "COMPARE_MODES"]
 
 ELEMENTWISE = ("y", "y_infer", "dx")
-
-
-def _y_natural(call: Any, stats: Saved) -> np.ndarray:
-    """Per element of y, the magnitude it is formed from: |x·rstd·γ| + |μ·rstd·γ| + |β| (golden statistics)."""
-    lay = layout_of(call.x)
-    shape = [-1 if ax == lay.channel_axis else 1 for ax in range(len(lay.shape))]
-    r = stats.invstd(call.eps).astype(np.float64)
-    g = np.ones(lay.channels) if call.gamma is None else np.asarray(call.gamma, dtype=np.float64)
-    b = np.zeros(lay.channels) if call.beta is None else np.asarray(call.beta, dtype=np.float64)
-    rg = np.abs(r * g)
-    mu = np.abs(stats.mean.astype(np.float64)) * rg + np.abs(b)
-    return np.abs(np.asarray(call.x, dtype=np.float64)) * rg.reshape(shape) + mu.reshape(shape)
 
 
 @dataclass(frozen=True)
@@ -282,9 +270,12 @@ def _run(a: KernelAdapter, cc: _CaseCall) -> CallRun:
 
 
 def _natural(key: str, run: CallRun, call: Any, gold_t: Any) -> Callable[[], np.ndarray] | None:
-    """For y and dx, the magnitude each element is formed from (when first asked for); None for other outputs."""
+    """For y, y_infer and dx, the magnitude each element is formed from (when first asked for; inference's from the
+    running statistics it normalises with); None for other outputs."""
     if key == "y" and gold_t is not None:
-        return lambda: _y_natural(call, gold_t.saved)
+        return lambda: y_natural(call, gold_t.saved)
+    if key == "y_infer" and (st := running_stats(call)) is not None:
+        return lambda: y_natural(call, st)
     scale = _scale(run, key) if key == "dx" else None
     return None if scale is None else (lambda: scale)
 
@@ -393,10 +384,11 @@ def _name_recipe(r: dict[str, Any], cc: _CaseCall, run: CallRun, t: str, bench: 
     for rp in RECIPES:
         if t not in rp.outputs or not rp.applies(call):
             continue
-        if rp.id not in cc.recipes:
+        if rp.kernel is not None and rp.id not in cc.recipes:
             cc.recipes[rp.id] = _run(rp.kernel(), cc).got
-        out = cc.recipes[rp.id].get(t)
-        if out is not None and recipe_fits(run.got[t], out, bench, run.gold[t], run.formats[t]):
+        derived = rp.derive(call, run.got, run.saved).get(t) if rp.derive else None
+        outs = [cc.recipes.get(rp.id, {}).get(t)] + (derived if isinstance(derived, list) else [derived])
+        if any(out is not None and recipe_fits(run.got[t], out, bench, run.gold[t], run.formats[t]) for out in outs):
             r["cause"] = rp.id
             r["why"] += f"; it matches a kernel that {rp.words(call)}"
             return

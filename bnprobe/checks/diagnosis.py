@@ -272,6 +272,10 @@ def _items(checks: list[dict[str, Check]], on: str, unseen: bool = False) -> tup
             head = (f"{what} less accurate than a careful kernel on {len(failing)} of {len(cs)} input(s) "
                     f"({', '.join(names)}), by compare-precision's rule"
                     + (f"; {'; '.join(matches)}" if matches else "; no known recipe matches"))
+        elif all(c.causes for c in failing):  # a recipe reproduces every failing output: it, not a bug's model
+            matches = tuple(dict.fromkeys(f"it {w}" for c in failing for w in c.causes))
+            head = (f"{what} wrong on {len(failing)} of {len(cs)} input(s) ({', '.join(names)}), as compare-precision "
+                    f"finds; {'; '.join(matches)}")
         else:
             matches = tuple(describe(bug) for bug in fits[gr] if bug not in refuted)
             if not matches:  # a numerical recipe, or a bug on top of one, where no bug's model fits alone
@@ -489,6 +493,14 @@ def _as_compare(checks: dict[str, Check], a: KernelAdapter, rec: Any, modes: tup
         if c.own_ratio <= 1:  # the doctor's rule passed it: compare-precision's reasons are the evidence
             c.wrong = [f"{v['tensor']} ({v['format']}), by compare-precision's rule: {v['why']}" for v in failing]
         c.causes = [RECIPE[v["cause"]].words(call) for v in failing if v.get("cause") in RECIPE]
+    saved, bw = checks.get("saved"), checks.get("backward")
+    if saved is not None and saved.causes and bw is not None and bw.own_ratio > 1 and bw.ratio > 1 \
+            and all(rows[t]["verdict"] == "PASS" for k in bw.keys for t in _COMPARED.get(k, ()) if t in rows):
+        # the backward is judged from the statistics the kernel stored, whose error a recipe names: compare-precision
+        # passes it from them, and the doctor's rule (from the FP64 statistics) sees only the stored ones' error
+        bw.ratio = max(float(rows[t]["score"]) / float(rows[t]["bound"]) for k in bw.keys
+                       for t in _COMPARED.get(k, ()) if t in rows)
+        bw.wrong, bw.from_stored = [], True
     return checks
 
 

@@ -29,7 +29,7 @@ from bnprobe.kernels.layout import layout_of
 from bnprobe.tolerances import accumulation_bound, accumulation_format
 
 __all__ = ["CallRun", "Golden", "OUTPUT_MODE", "generated_call", "run_call", "runs", "natural_scales",
-           "cancellation_bounds"]
+           "cancellation_bounds", "statistics_bounds", "forgiven", "running_stats", "y_natural"]
 
 # each output a check can judge, and the mode whose call returns it
 OUTPUT_MODE = {"y": "train", "saved_mean": "train", "saved_invstd": "train", "saved_var": "train",
@@ -300,6 +300,49 @@ def _run_backward(s: _Setting, run: CallRun, gold_t: ForwardOutput | None) -> Sa
     return gold_saved
 
 
+def y_natural(call: BNCall, stats: Saved) -> np.ndarray:
+    """Per element of y, the magnitude it is formed from: |x·rstd·γ| + |μ·rstd·γ| + |β| (golden statistics)."""
+    lay = layout_of(call.x)
+    shape = [-1 if ax == lay.channel_axis else 1 for ax in range(len(lay.shape))]
+    r = stats.invstd(call.eps).astype(np.float64)
+    g = np.ones(lay.channels) if call.gamma is None else np.asarray(call.gamma, dtype=np.float64)
+    b = np.zeros(lay.channels) if call.beta is None else np.asarray(call.beta, dtype=np.float64)
+    rg = np.abs(r * g)
+    mu = np.abs(stats.mean.astype(np.float64)) * rg + np.abs(b)
+    return np.abs(np.asarray(call.x, dtype=np.float64)) * rg.reshape(shape) + mu.reshape(shape)
+
+
+def running_stats(call: BNCall) -> Saved | None:
+    """The running statistics inference normalises with, as :class:`Saved` (mean and variance), or None."""
+    if call.running_mean is None or call.running_var is None:
+        return None
+    return Saved(np.asarray(call.running_mean, dtype=np.float64), "var", np.asarray(call.running_var, dtype=np.float64))
+
+
+def forgiven(run: CallRun, key: str) -> np.ndarray | None:
+    """Per element of elementwise output ``key`` (y, y_infer or dx, broadcastable to it in the call's layout), the
+    error a correct kernel's rounding and accumulation can put there, as compare-precision's rules forgive it where the
+    output cancels to near zero (SMALL_VALUE_ULPS of the accumulation format times the magnitude the element is
+    formed from; for dx also the accumulation bound of its sums); None when there is none to forgive."""
+    from bnprobe.tolerances import SMALL_VALUE_ULPS
+
+    if run.fmt not in ("fp16", "bf16", "fp32"):
+        return None
+    u = SMALL_VALUE_ULPS * get_format(accumulation_format(run.fmt)).unit_roundoff
+    call = run.inputs
+    lay = layout_of(call.x)
+    shape = [-1 if ax == lay.channel_axis else 1 for ax in range(len(lay.shape))]
+    if key == "y" and run.gold_saved is not None:
+        return u * y_natural(call, run.gold_saved)
+    if key == "y_infer" and (st := running_stats(call)) is not None:
+        return u * y_natural(call, st)
+    if key == "dx" and "dx" in run.scales:
+        b = run.bounds.get("dx")
+        per_channel = u * run.scales["dx"] if b is None else np.maximum(u * run.scales["dx"], np.nan_to_num(b[0]))
+        return per_channel.reshape(shape)
+    return None
+
+
 def natural_scales(call: BNCall, stats: Saved | None, dy: np.ndarray | None) -> dict[str, np.ndarray]:
     """Per channel, the magnitudes the outputs that can cancel to near zero are formed from: the saved mean's,
     mean |x|; the running mean's update, |running mean| or momentum · mean |x| when larger; with the statistics
@@ -364,6 +407,32 @@ def cancellation_bounds(call: BNCall, stats: Saved | None, scales: dict[str, np.
             "dx": (b_dx, f"|γ|·rstd·(dβ's bound + max|x̂|·dγ's bound)/{r}, {how}")}
 
 
+def statistics_bounds(call: BNCall, stats: Saved) -> dict[str, tuple[np.ndarray, str]]:
+    """Per channel, the largest error a correct kernel's saved invstd (and variance) can have, however it orders its
+    sums: with δμ = γ_R·mean|x| its mean's error, a two-pass variance about that mean errs by
+    (γ_R + 3u)·(σ² + δμ²) + δμ² (the bound :class:`~bnprobe.checks.overflow_observe.CarefulBounds` holds a
+    normalising scale to), and invstd = 1/sqrt(σ² + ε) by ½·that/(σ² + ε) of itself plus SMALL_VALUE_ULPS·u for
+    the rsqrt; u the unit roundoff of the accumulation format.  ``stats``: the golden's batch mean and variance."""
+    from bnprobe.tolerances import SMALL_VALUE_ULPS
+
+    lay = layout_of(call.x, call.layout)
+    r = lay.reduce_size
+    acc = accumulation_format(call.dtype)
+    u = get_format(acc).unit_roundoff
+    gam = accumulation_bound(call.dtype, r)
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        dmean = gam * np.nanmean(np.abs(lay.to_cr(call.x)), axis=1)
+        var = np.asarray(stats.var(call.eps), dtype=np.float64)
+        b_var = (gam + 3 * u) * (var + dmean**2) + dmean**2
+        invstd = 1.0 / np.sqrt(var + call.eps)
+        b_inv = invstd * (0.5 * b_var / (var + call.eps) + SMALL_VALUE_ULPS * u)
+    how = f"δμ = γ_{r}·mean|x|, γ_{r} = {r}·u/(1 − {r}·u), u = 2^{int(np.log2(u))} ({acc} accumulation, any order)"
+    return {"saved_var": (b_var, f"(γ_{r} + 3u)·(σ² + δμ²) + δμ², {how}"),
+            "saved_invstd": (b_inv, f"invstd·(½·the variance's bound/(σ² + ε) + {SMALL_VALUE_ULPS:g}u), the variance's "
+                                    f"bound (γ_{r} + 3u)·(σ² + δμ²) + δμ², {how}")}
+
+
 def run_call(kernel: KernelAdapter, rec: Recording, *, modes: tuple[str, ...] | None = None, index: int = 0,
              label: str | None = None, ref: KernelAdapter | None = None, skip_missing: bool = False,
              after_step: bool = False, golden: Golden | None = None, quiet: bool = False,
@@ -391,6 +460,8 @@ def run_call(kernel: KernelAdapter, rec: Recording, *, modes: tuple[str, ...] | 
     bw_dy = rec.tensors.get("backward", {}).get("inputs", {}).get("dy") if stats is not None else None
     run.scales = natural_scales(call, stats, bw_dy)
     run.bounds = cancellation_bounds(call, stats, run.scales)
+    if run.gold_saved is not None and layout_of(call.x, call.layout).reduce_size > 1:
+        run.bounds.update(statistics_bounds(call, run.gold_saved))
     return run
 
 

@@ -331,3 +331,25 @@ class RoundedStats(NumpyBN):
         rstd = _cast(1 / np.sqrt(x.var(axis=ax) + eps), p.params).astype(np.float64)
         y = (x - self._col(mean, x)) * self._col(rstd, x) * self._col(v["gamma"], x) + self._col(v["beta"], x)
         return ForwardOutput(_cast(y, p.dtype), out.saved, out.running_mean, out.running_var)
+
+
+class RunningInParams(NumpyBN):
+    """Updates the running statistics in the parameters' format's arithmetic — momentum and 1 − momentum cast to it,
+    each product and the sum cast to it — as PyTorch's CPU kernel does with same-format parameters; everything else
+    as NumpyBN."""
+
+    def __init__(self):
+        super().__init__()
+        self.name = "running-in-params"
+
+    def _forward_train_impl(self, p, *, momentum, eps):
+        out = super()._forward_train_impl(p, momentum=momentum, eps=eps)
+        if out.running_mean is None or momentum is None:
+            return out
+        x, ax, v = p.x, self._ax(p.x), p.vectors
+        r = x.size // x.shape[1]
+        c = lambda a: _cast(a, p.params).astype(np.float64)  # noqa: E731
+        km, kb = c(1 - momentum), c(momentum)
+        rm = c(c(c(v["running_mean"]) * km) + c(c(x.mean(axis=ax)) * kb))
+        rv = c(c(c(v["running_var"]) * km) + c(c(x.var(axis=ax) * r / (r - 1)) * kb))
+        return ForwardOutput(out.y, out.saved, _cast(rm, p.params), _cast(rv, p.params))

@@ -361,3 +361,38 @@ def test_a_sum_the_format_cannot_hold_is_a_format_warning_not_a_silent_pass():
     db = r.rows[r.rows.tensor == "dbeta"].iloc[0]
     assert db.verdict == "PASS" and db.format_check == "WARN"
     assert "exceeds fp16's largest value (65504)" in db.format_why and "cannot hold this output" in db.format_why
+
+
+CONSTANT = [Case("constant=1.5", (4, 3, 3, 3), dist="constant", mean=1.5), Case("mean=100", (8, 4, 6, 6), mean=100.0)]
+
+
+@pytest.mark.parametrize("fmt", ["bf16"])  # in fp16 these cases' products round back to the careful update
+def test_running_statistics_updated_in_the_parameter_format_fail_and_are_named(fmt):
+    """A kernel (numpy, here) that updates the running statistics in its same-format parameters' arithmetic fails
+    them against the bench — on a constant 1.5 in bf16, 0.8984·1.5 + 0.1001·1.5 gives 1.4922, not 1.5 — and the
+    failure names the recipe; NumpyBN, which updates in float64 and rounds once, passes the same cases."""
+    from tests.checks.bn_plugins import RunningInParams
+
+    bad = compare_precision([RunningInParams()], (fmt,), CONSTANT, params="same", mode="train", budget=False)
+    fails = bad.rows[bad.rows.verdict == "FAIL"]
+    assert set(fails.tensor) <= {"running_mean", "running_var"} and len(fails), fails[["case", "tensor", "why"]]
+    assert (fails.cause == "running-update-in-params").all(), fails[["case", "tensor", "why"]]
+    assert "constant=1.5" in set(fails[fails.tensor == "running_mean"].case)
+    good = compare_precision([NumpyBN()], (fmt,), CONSTANT, params="same", mode="train", budget=False)
+    assert good.passed, good.rows[good.rows.verdict == "FAIL"][["case", "tensor", "why"]]
+
+
+def test_torchs_bf16_running_update_and_its_y_from_its_own_statistics_are_named():
+    """torch CPU, bf16 with bf16 parameters: the running mean of a constant 1.5 becomes 1.4922 (named as updated in
+    the parameter format), and its y on a ResNet-50 shape, whose saved invstd differs from the correctly rounded one
+    by an ulp in some channels, is named by the y recomputed from its own stored statistics (pytorch/pytorch#140112)."""
+    pytest.importorskip("torch")
+    from bnprobe.checks.cases import resnet50_cases
+
+    cases = CONSTANT[:1] + [c for c in resnet50_cases(seed=0) if c.name == "resnet50/layer4.*.bn2"]
+    r = compare_precision(["torch"], ("bf16",), cases, params="same", mode="train", budget=False)
+    fails = r.rows[r.rows.verdict == "FAIL"]
+    got = {(f.case, f.tensor): f.cause for f in fails.itertuples()}
+    assert got.get(("constant=1.5", "running_mean")) == "running-update-in-params", got
+    assert got.get(("resnet50/layer4.*.bn2", "y")) == "stats-rounded-to-params", got
+    assert all(got.values()), got

@@ -12,6 +12,7 @@ from bnprobe.adapters import BackwardOutput, BaseAdapter, Capabilities, ForwardO
 from bnprobe.checks import bugs as D
 from bnprobe.checks.bugs import BUGS, describe, model
 from bnprobe.checks.diagnosis import doctor, probes
+from bnprobe.checks.recipes import RECIPES
 from bnprobe.checks.shrinking import compare_predicate, shrink
 from bnprobe.cli import main
 from bnprobe.errors import BNProbeError
@@ -67,14 +68,17 @@ def test_each_buggy_kernel_is_diagnosed_as_exactly_its_bug(bug, fmt, params):
 @pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16"])
 def test_torch_is_never_diagnosed_with_a_bug(fmt, params):
     """torch's CPU kernel has no logic bug; with 16-bit parameters it normalises with the statistics rounded to them
-    (pytorch/pytorch#140112): its training y fails by compare-precision's rule and doctor names that recipe."""
+    (pytorch/pytorch#140112) and (bf16) updates the running statistics in bf16: its training y fails by
+    compare-precision's rule and doctor names that recipe, and every diagnosis is a recipe of torch's CPU kernel."""
     pytest.importorskip("torch")
     rep = doctor("torch", fmt, params=params)
     assert len(rep.inputs) == len(probes()) and rep.params == params
     if params == "same" and fmt != "fp32":
         y = failed(rep)[D.CHECKS["y_train"][0]]
         assert "less accurate than a careful kernel" in y.evidence and "pytorch/pytorch#140112" in y.evidence
-        assert rep.diagnosis and all("pytorch/pytorch#140112" in d for d in rep.diagnosis), rep.diagnosis
+        assert rep.diagnosis and "pytorch/pytorch#140112" in rep.diagnosis[0], rep.diagnosis
+        notes = [rp.note for rp in RECIPES]
+        assert all(any(n in d for n in notes) for d in "; ".join(rep.diagnosis).split("; it ")), rep.diagnosis
         return
     assert rep.passed and not rep.diagnosis, [(i.name, i.evidence, i.details) for i in rep.items]
 
