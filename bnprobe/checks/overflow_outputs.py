@@ -124,7 +124,8 @@ def _output_findings(key: str, got: Any, gold: Any, fmt: str, lay: Any, x_cr: np
             spread = np.where(fin, gr, -np.inf).max(axis=1) - np.where(fin, gr, np.inf).min(axis=1)
             varied = np.where(np.isfinite(spread), spread, 0.0) > 4 * f.eps * fin_g.max(axis=1)
             if forgiven is not None:  # the golden varies by more than a correct kernel's error
-                varied &= np.where(np.isfinite(spread), spread, 0.0) > 2 * np.where(np.isfinite(forgiven), forgiven, 0.0).max(axis=1)
+                fg_max = np.where(np.isfinite(forgiven), forgiven, 0.0).max(axis=1)
+                varied &= np.where(np.isfinite(spread), spread, 0.0) > 2 * fg_max
             zero_ch, const_ch = zero_a & gold_nonzero, const_a & varied
         else:
             zero_ch = np.zeros(a.shape[0], dtype=bool)
