@@ -289,8 +289,7 @@ def _cancel_bound(run: CallRun, key: str) -> tuple[np.ndarray, str] | None:
 
 def _per_element(run: CallRun, v: np.ndarray) -> np.ndarray:
     """A per-channel vector shaped to broadcast against the call's x (its layout's channel axis)."""
-    lay = layout_of(run.inputs.x)
-    return v.reshape([-1 if ax == lay.channel_axis else 1 for ax in range(len(lay.shape))])
+    return layout_of(run.inputs.x).column(v)
 
 
 def _scale(run: CallRun, key: str) -> np.ndarray | None:

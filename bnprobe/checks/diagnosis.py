@@ -494,12 +494,13 @@ def _as_compare(checks: dict[str, Check], a: KernelAdapter, rec: Any, modes: tup
             c.wrong = [f"{v['tensor']} ({v['format']}), by compare-precision's rule: {v['why']}" for v in failing]
         c.causes = [RECIPE[v["cause"]].words(call) for v in failing if v.get("cause") in RECIPE]
     saved, bw = checks.get("saved"), checks.get("backward")
-    if saved is not None and saved.causes and bw is not None and bw.own_ratio > 1 and bw.ratio > 1 \
-            and all(rows[t]["verdict"] == "PASS" for k in bw.keys for t in _COMPARED.get(k, ()) if t in rows):
+    if saved is None or not saved.causes or bw is None or not (bw.own_ratio > 1 and bw.ratio > 1):
+        return checks
+    judged = [rows[t] for k in bw.keys for t in _COMPARED.get(k, ()) if t in rows]
+    if judged and all(v["verdict"] == "PASS" for v in judged):
         # the backward is judged from the statistics the kernel stored, whose error a recipe names: compare-precision
         # passes it from them, and the doctor's rule (from the FP64 statistics) sees only the stored ones' error
-        bw.ratio = max(float(rows[t]["score"]) / float(rows[t]["bound"]) for k in bw.keys
-                       for t in _COMPARED.get(k, ()) if t in rows)
+        bw.ratio = max(float(v["score"]) / float(v["bound"]) for v in judged)
         bw.wrong, bw.from_stored = [], True
     return checks
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from bnprobe.checks.overflow_report import OverflowFinding, input_at
 from bnprobe.checks.rules import bound_used
-from bnprobe.checks.run import CallRun
+from bnprobe.checks.run import CallRun, variance_bound
 from bnprobe.formats import get_format
 from bnprobe.kernels.layout import layout_of
 from bnprobe.tolerances import SMALL_VALUE_ULPS, accumulation_bound, accumulation_format
@@ -57,7 +57,7 @@ class CarefulBounds:
         self.dmean = gam * self.mean_abs + up * np.abs(mean)
         self.mean, self.var = mean, var
         self.invstd = 1.0 / np.sqrt(var + eps)
-        self.var_bound = (gam + 3 * self.u) * (var + self.dmean**2) + self.dmean**2
+        self.var_bound = variance_bound(gam, self.u, var, self.dmean)
         self.scale_rel = 0.5 * self.var_bound / (var + eps) + SMALL_VALUE_ULPS * self.u + up
         self.shift = self.dmean * self.invstd  # the largest shift of a correct x̂, in units of σ
 

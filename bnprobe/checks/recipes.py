@@ -47,29 +47,32 @@ class Recipe:
         return f"{self.text.format(params=params_format(call.dtype, call.params))} ({self.note})"
 
 
-def _narrow(call: BNCall) -> bool:
-    return params_format(call.dtype, call.params) not in ("fp32", "fp64")
+def _training_narrow(call: BNCall) -> bool:
+    """A training call whose parameters (and so its stored statistics) are in a 16-bit format."""
+    return call.training and params_format(call.dtype, call.params) not in ("fp32", "fp64")
 
 
-def _per_channel(call: BNCall) -> tuple[int, ...]:
-    """The shape a per-channel vector broadcasts against x in."""
-    from bnprobe.kernels.layout import layout_of
+def _var_about(x: np.ndarray, mean: Any) -> np.ndarray:
+    """Per channel, mean((x − mean)²) of channels-first ``x`` about the per-channel ``mean`` (biased)."""
+    from bnprobe.kernels.layout import layout_of, reduce_axes
 
-    lay = layout_of(call.x)
-    return tuple(-1 if ax == lay.channel_axis else 1 for ax in range(len(lay.shape)))
+    with np.errstate(all="ignore"):
+        d = x - layout_of(x).column(np.asarray(mean, dtype=np.float64))
+        return (d * d).mean(axis=reduce_axes(x))
 
 
 def _y_from(call: BNCall, mean: np.ndarray, invstd: np.ndarray, fmt: str) -> np.ndarray:
     """y normalised exactly with these statistics, rounded once to ``fmt``."""
+    from bnprobe.kernels.layout import layout_of
     from bnprobe.numerics.rounding import round_to
 
-    shape = _per_channel(call)
+    lay = layout_of(call.x)
     c = np.shape(mean)[0]
     g = np.ones(c) if call.gamma is None else np.asarray(call.gamma, dtype=np.float64)
     b = np.zeros(c) if call.beta is None else np.asarray(call.beta, dtype=np.float64)
     with np.errstate(all="ignore"):
-        y = ((np.asarray(call.x, dtype=np.float64) - np.asarray(mean, dtype=np.float64).reshape(shape))
-             * (np.asarray(invstd, dtype=np.float64) * g).reshape(shape) + b.reshape(shape))
+        y = ((np.asarray(call.x, dtype=np.float64) - lay.column(np.asarray(mean, dtype=np.float64)))
+             * lay.column(np.asarray(invstd, dtype=np.float64) * g) + lay.column(b))
     return round_to(y, fmt)
 
 
@@ -78,6 +81,7 @@ def _y_from_rounded(call: BNCall, got: dict[str, Any], saved: Any) -> dict[str, 
     invstd, however it computed them), and — for a kernel that saves none, as in a dump of torch's functional call
     — with the batch mean and variance each rounded to the parameter format, invstd from that variance rounded
     too (what PyTorch's CPU kernel stores)."""
+    from bnprobe.kernels.layout import reduce_axes
     from bnprobe.numerics.rounding import round_to
 
     if "y" not in got:
@@ -85,11 +89,11 @@ def _y_from_rounded(call: BNCall, got: dict[str, Any], saved: Any) -> dict[str, 
     fmt = get_format(np.asarray(got["y"]).dtype).name
     pf = params_format(call.dtype, call.params)
     out = [] if saved is None else [_y_from(call, saved.mean, saved.invstd(call.eps), fmt)]
-    axes = tuple(i for i, s in enumerate(_per_channel(call)) if s == 1)
     x = np.asarray(call.x, dtype=np.float64)
     with np.errstate(all="ignore"):
-        var = round_to(x.var(axis=axes), pf)
-        out.append(_y_from(call, round_to(x.mean(axis=axes), pf), round_to(1.0 / np.sqrt(var + call.eps), pf), fmt))
+        var = round_to(x.var(axis=reduce_axes(x)), pf)
+        out.append(_y_from(call, round_to(x.mean(axis=reduce_axes(x)), pf), round_to(1.0 / np.sqrt(var + call.eps), pf),
+                           fmt))
     return {"y": out}
 
 
@@ -101,11 +105,7 @@ def _var_about_stored_mean(call: BNCall, got: dict[str, Any], saved: Any) -> dic
 
     if saved is None:
         return {}
-    shape = _per_channel(call)
-    axes = tuple(i for i, s in enumerate(shape) if s == 1)
-    with np.errstate(all="ignore"):
-        d = np.asarray(call.x, dtype=np.float64) - np.asarray(saved.mean, dtype=np.float64).reshape(shape)
-        var = (d * d).mean(axis=axes)
+    var = _var_about(np.asarray(call.x, dtype=np.float64), saved.mean)
     out = {}
     for key, value in (("saved_invstd", 1.0 / np.sqrt(var + call.eps)), ("saved_var", var)):
         if key in got:
@@ -117,6 +117,7 @@ def _running_in_params(call: BNCall, got: dict[str, Any], saved: Any) -> dict[st
     """The running statistics updated in the parameter format's arithmetic: momentum m and 1 − m rounded to it,
     each product and the sum rounded to it; the batch's mean, and its unbiased variance as the golden has it or
     (a kernel that took it about its stored mean, :func:`_var_about_stored_mean`) about the saved mean."""
+    from bnprobe.kernels.layout import layout_of, reduce_axes
     from bnprobe.numerics.rounding import round_to
 
     m = call.momentum
@@ -124,17 +125,14 @@ def _running_in_params(call: BNCall, got: dict[str, Any], saved: Any) -> dict[st
         return {}
     pf = params_format(call.dtype, call.params)
     x = np.asarray(call.x, dtype=np.float64)
-    shape = _per_channel(call)
-    axes = tuple(i for i, s in enumerate(shape) if s == 1)
-    n = x.size // x.shape[shape.index(-1)]
+    n = layout_of(x).reduce_size
     if n < 2:
         return {}
     r = lambda v: round_to(np.asarray(v, dtype=np.float64), pf)  # noqa: E731
     km, kb = r(1.0 - m), r(m)
-    batch = {"running_mean": [x.mean(axis=axes)], "running_var": [x.var(axis=axes) * n / (n - 1)]}
+    batch = {"running_mean": [x.mean(axis=reduce_axes(x))], "running_var": [x.var(axis=reduce_axes(x)) * n / (n - 1)]}
     if saved is not None:
-        d = x - np.asarray(saved.mean, dtype=np.float64).reshape(shape)
-        batch["running_var"].append((d * d).mean(axis=axes) * n / (n - 1))
+        batch["running_var"].append(_var_about(x, saved.mean) * n / (n - 1))
     old = {"running_mean": call.running_mean, "running_var": call.running_var}
     return {k: [r(r(r(old[k]) * km) + r(r(b) * kb)) for b in batch[k]] for k in batch if k in got}
 
@@ -144,21 +142,21 @@ RECIPES: tuple[Recipe, ...] = (
                           "using them, where a careful kernel keeps them in its compute format and rounds only what it "
                           "stores",
            "PyTorch's CPU kernel does this with same-format parameters: pytorch/pytorch#140112",
-           lambda: CarefulAdapter(rounded_stats=True), lambda call: call.training and _narrow(call), ("y",),
+           lambda: CarefulAdapter(rounded_stats=True), _training_narrow, ("y",),
            derive=_y_from_rounded),
     Recipe(RUNNING_IN_PARAMS, "updates the running statistics in the parameter format's arithmetic ({params}): the "
                               "momentum and each product rounded to it, where a careful kernel updates them in its "
                               "compute format and rounds once",
            "PyTorch's CPU kernel does this with same-format parameters: the running mean of a constant 1.5 input "
            "drifts to 1.4922 in one bf16 step",
-           None, lambda call: call.training and _narrow(call), ("running_mean", "running_var"),
+           None, _training_narrow, ("running_mean", "running_var"),
            derive=_running_in_params),
     Recipe(VAR_ABOUT_STORED_MEAN, "takes the variance about the mean as rounded to the parameter format ({params}), "
                                   "not about the mean it computed: the variance grows by the mean's rounding error "
                                   "squared",
            "PyTorch's CPU kernel does this with same-format parameters: in bf16, x = [9984, 10048] gives invstd "
            "0.0221 (variance 2048, not 1024) and y = [0, 1.414]",
-           None, lambda call: call.training and _narrow(call), ("saved_invstd", "saved_var"),
+           None, _training_narrow, ("saved_invstd", "saved_var"),
            derive=_var_about_stored_mean),
 )
 

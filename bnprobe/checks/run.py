@@ -29,7 +29,7 @@ from bnprobe.kernels.layout import layout_of
 from bnprobe.tolerances import accumulation_bound, accumulation_format
 
 __all__ = ["CallRun", "Golden", "OUTPUT_MODE", "generated_call", "run_call", "runs", "natural_scales",
-           "cancellation_bounds", "statistics_bounds", "forgiven", "running_stats", "y_natural"]
+           "cancellation_bounds", "statistics_bounds", "variance_bound", "forgiven", "running_stats", "y_natural"]
 
 # each output a check can judge, and the mode whose call returns it
 OUTPUT_MODE = {"y": "train", "saved_mean": "train", "saved_invstd": "train", "saved_var": "train",
@@ -303,13 +303,12 @@ def _run_backward(s: _Setting, run: CallRun, gold_t: ForwardOutput | None) -> Sa
 def y_natural(call: BNCall, stats: Saved) -> np.ndarray:
     """Per element of y, the magnitude it is formed from: |x·rstd·γ| + |μ·rstd·γ| + |β| (golden statistics)."""
     lay = layout_of(call.x)
-    shape = [-1 if ax == lay.channel_axis else 1 for ax in range(len(lay.shape))]
     r = stats.invstd(call.eps).astype(np.float64)
     g = np.ones(lay.channels) if call.gamma is None else np.asarray(call.gamma, dtype=np.float64)
     b = np.zeros(lay.channels) if call.beta is None else np.asarray(call.beta, dtype=np.float64)
     rg = np.abs(r * g)
     mu = np.abs(stats.mean.astype(np.float64)) * rg + np.abs(b)
-    return np.abs(np.asarray(call.x, dtype=np.float64)) * rg.reshape(shape) + mu.reshape(shape)
+    return np.abs(np.asarray(call.x, dtype=np.float64)) * lay.column(rg) + lay.column(mu)
 
 
 def running_stats(call: BNCall) -> Saved | None:
@@ -330,8 +329,6 @@ def forgiven(run: CallRun, key: str) -> np.ndarray | None:
         return None
     u = SMALL_VALUE_ULPS * get_format(accumulation_format(run.fmt)).unit_roundoff
     call = run.inputs
-    lay = layout_of(call.x)
-    shape = [-1 if ax == lay.channel_axis else 1 for ax in range(len(lay.shape))]
     if key == "y" and run.gold_saved is not None:
         return u * y_natural(call, run.gold_saved)
     if key == "y_infer" and (st := running_stats(call)) is not None:
@@ -339,7 +336,7 @@ def forgiven(run: CallRun, key: str) -> np.ndarray | None:
     if key == "dx" and "dx" in run.scales:
         b = run.bounds.get("dx")
         per_channel = u * run.scales["dx"] if b is None else np.maximum(u * run.scales["dx"], np.nan_to_num(b[0]))
-        return per_channel.reshape(shape)
+        return layout_of(call.x).column(per_channel)
     return None
 
 
@@ -407,6 +404,12 @@ def cancellation_bounds(call: BNCall, stats: Saved | None, scales: dict[str, np.
             "dx": (b_dx, f"|γ|·rstd·(dβ's bound + max|x̂|·dγ's bound)/{r}, {how}")}
 
 
+def variance_bound(gamma_r: float, u: float, var: np.ndarray, dmean: np.ndarray) -> np.ndarray:
+    """How far a two-pass variance σ'² can be from σ² when it sums R squares in a format of unit roundoff ``u``
+    (γ_R = ``gamma_r``) about a mean off by ``dmean``: (γ_R + 3u)·(σ² + δμ²) + δμ²."""
+    return (gamma_r + 3 * u) * (var + dmean**2) + dmean**2
+
+
 def statistics_bounds(call: BNCall, stats: Saved) -> dict[str, tuple[np.ndarray, str]]:
     """Per channel, the largest error a correct kernel's saved invstd (and variance) can have, however it orders its
     sums: with δμ = γ_R·mean|x| its mean's error, a two-pass variance about that mean errs by
@@ -424,7 +427,7 @@ def statistics_bounds(call: BNCall, stats: Saved) -> dict[str, tuple[np.ndarray,
         warnings.simplefilter("ignore", RuntimeWarning)
         dmean = gam * np.nanmean(np.abs(lay.to_cr(call.x)), axis=1)
         var = np.asarray(stats.var(call.eps), dtype=np.float64)
-        b_var = (gam + 3 * u) * (var + dmean**2) + dmean**2
+        b_var = variance_bound(gam, u, var, dmean)
         invstd = 1.0 / np.sqrt(var + call.eps)
         b_inv = invstd * (0.5 * b_var / (var + call.eps) + SMALL_VALUE_ULPS * u)
     how = f"δμ = γ_{r}·mean|x|, γ_{r} = {r}·u/(1 − {r}·u), u = 2^{int(np.log2(u))} ({acc} accumulation, any order)"

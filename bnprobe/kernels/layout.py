@@ -37,6 +37,10 @@ class Layout:
         """R = N * (spatial sizes): the number of values each channel's statistics see."""
         return math.prod(self.shape) // max(self.channels, 1)
 
+    def column(self, v: object) -> np.ndarray:
+        """A per-channel vector shaped to broadcast against x along the channel axis."""
+        return np.asarray(v).reshape([-1 if ax == self.channel_axis else 1 for ax in range(len(self.shape))])
+
     def to_cr(self, a: np.ndarray, channels: slice = slice(None), carrier: type = np.float64) -> np.ndarray:
         """The given channels of ``a`` as a channel-first ``(k, R)`` copy: float64, or float32 when
         ``carrier`` is float32 and ``a`` holds values that float32 represents exactly (float32, float16,
