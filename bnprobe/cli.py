@@ -531,6 +531,9 @@ def overflow_cmd(
                                                   "each call recorded unless given."),
     eps: Optional[float] = _EPS,
     params: Optional[str] = _PARAMS,
+    dy: Optional[str] = typer.Option(None, "--dy", help="Upstream gradient of the generated backward: shifted "
+                                     "(default: N(0, 1) plus a mean per channel, as real losses give, so Σdy grows "
+                                     "with R), normal, heavy (Student t, 2 d.o.f., shifted)."),
     out: Optional[Path] = _OUT,
     force: bool = _FORCE,
     as_json: bool = _JSON,
@@ -540,27 +543,30 @@ def overflow_cmd(
     """Where, in which channel and why a BatchNorm goes non-finite or silently wrong; headroom predicted
     from the input; remedies verified; on a dump, every recorded call's outputs against the golden (an
     msprobe statistics dump: its summaries). Exit 0 when clean, 1 when anomalies are found."""
+    from bnprobe.checks.cases import DY_KINDS
     from bnprobe.checks.overflow import scan, scan_recorded
     from bnprobe.checks.recorded import check_options, given, recording_of
     from bnprobe.inputs import input_tensor
     from bnprobe.reports.checks import overflow_recorded_report, overflow_report
 
     _check_common(eps=eps, params=params, mode=mode)
+    if dy is not None and dy not in DY_KINDS:
+        raise BNProbeError(f"--dy {dy!r}: valid kinds are {', '.join(DY_KINDS)}")
     if (found := _sweep_root(adapter, input, (sweep, workers, scheduler, resume))) is not None:
         _check_sweep(as_json, given(dtype=dtype, accumulate=accumulate, shape=shape, dist=dist, mean=mean, std=std,
-                                   seed=seed, eps=eps, params=params), str(found[0]))
+                                   seed=seed, eps=eps, params=params, dy=dy), str(found[0]))
         return _run_sweep("overflow", found, calls, out, force, workers, scheduler, resume, mode=mode)
     sink = _output(out, force)
     recorded = recording_of(adapter, input, calls, guard="overflow")
     if recorded is not None:
         check_options(recorded, given=given(shape=shape, dist=dist, mean=mean, std=std, seed=seed, eps=eps,
-                                            accumulate=accumulate), dtype=dtype, mode=mode, params=params)
+                                            accumulate=accumulate, dy=dy), dtype=dtype, mode=mode, params=params)
         return _show(overflow_recorded_report(scan_recorded(recorded, mode=mode)), sink, as_json)
     x = input_tensor("overflow", input, "8,16,14,14" if shape is None else shape, dist or "normal",
                      0.0 if mean is None else mean,
                      1.0 if std is None else std, seed or 0)
     rep = scan(adapter, x, dtype=dtype or "fp16", accumulate=accumulate, mode=mode or "train",
-               eps=EPS if eps is None else eps, seed=seed or 0, params=params)
+               eps=EPS if eps is None else eps, seed=seed or 0, params=params, dy=dy)
     return _show(overflow_report(rep, params), sink, as_json)
 
 

@@ -16,7 +16,8 @@ from bnprobe.recordings import CallRef, RecordedCalls
 from bnprobe.errors import BNProbeError
 from bnprobe.inputs import make_input
 
-__all__ = ["Case", "RESNET50_BN", "recorded_cases", "resnet50_cases", "stress_cases", "select_cases"]
+__all__ = ["Case", "DY_KINDS", "RESNET50_BN", "dy_of_kind", "make_dy",
+           "recorded_cases", "resnet50_cases", "stress_cases", "select_cases"]
 
 # ResNet-50 (ImageNet, 224x224) BatchNorm layers: (name, C, H, W), one entry per distinct shape
 RESNET50_BN = [
@@ -53,15 +54,20 @@ DY_KINDS = ("normal", "shifted", "heavy")
 
 
 def make_dy(case: Case, shape: tuple[int, ...]) -> np.ndarray:
-    """The case's upstream gradient: N(0, 1); ``shifted``: N(0, 1) plus a mean per channel between 0.5 and 2 (real
-    losses give dy a non-zero mean per channel, so Σdy grows with R); ``heavy``: Student t with 2 degrees of
-    freedom plus the same means (rare large gradients)."""
-    if case.dy not in DY_KINDS:
-        raise BNProbeError(f"unknown dy kind {case.dy!r}; valid: {', '.join(DY_KINDS)}")
-    rng = np.random.default_rng([case.seed, 3])
-    if case.dy == "normal":
+    """The case's upstream gradient (:func:`dy_of_kind` of its ``dy`` kind and seed)."""
+    return dy_of_kind(case.dy, shape, case.seed)
+
+
+def dy_of_kind(kind: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    """An upstream gradient: ``normal``: N(0, 1); ``shifted``: N(0, 1) plus a mean per channel between 0.5 and 2 (real
+    losses give dy a non-zero mean per channel, so Σdy grows with R); ``heavy``: Student t with 2 degrees of freedom
+    plus the same means (rare large gradients)."""
+    if kind not in DY_KINDS:
+        raise BNProbeError(f"unknown dy kind {kind!r}; valid: {', '.join(DY_KINDS)}")
+    rng = np.random.default_rng([seed, 3])
+    if kind == "normal":
         return rng.standard_normal(shape)
-    base = rng.standard_normal(shape) if case.dy == "shifted" else rng.standard_t(2.0, shape)
+    base = rng.standard_normal(shape) if kind == "shifted" else rng.standard_t(2.0, shape)
     means = np.linspace(0.5, 2.0, shape[1]) if len(shape) > 1 else np.array([1.0])
     return base + means.reshape((1, -1) + (1,) * (len(shape) - 2))
 

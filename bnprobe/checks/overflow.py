@@ -79,7 +79,7 @@ def scan(
     remedies: bool = True,
     running_mean: np.ndarray | None = None,
     running_var: np.ndarray | None = None,
-    dy: np.ndarray | None = None,
+    dy: np.ndarray | str | None = None,
     momentum: float | None = MOMENTUM,
     params: str | None = None,
 ) -> OverflowReport:
@@ -87,7 +87,8 @@ def scan(
     with ``eps`` (default 1e-5).  ``accumulate`` (emulated adapters) sets the accumulator and compute
     format, e.g. fp16 for a naive port.  ``cancel_digits``: flag cancellation when this share of the
     accumulator's decimal digits is lost.  The running statistics (default: x's per-channel mean and
-    variance) and dy (default: seeded standard normal) can be given, as a recording has them; ``params``:
+    variance) and dy can be given, as a recording has them — dy as an array or as a kind of
+    :func:`~bnprobe.checks.cases.dy_of_kind` (default ``shifted``: a mean per channel, as real losses give); ``params``:
     γ, β and the running and saved statistics in fp32 (default) or the input's format (same).
 
     A dump adapter of one call is scanned on its recorded inputs, ``x`` None (:func:`scan_recorded`
@@ -172,10 +173,12 @@ def _traced_policy(a: PolicyAdapter, xs: np.ndarray, fmt: str, mode: str, layout
 
 def _run_inputs(x: np.ndarray, x_cr: np.ndarray, channels: int, seed: int, *, gamma: np.ndarray | None,
                 beta: np.ndarray | None, running_mean: np.ndarray | None, running_var: np.ndarray | None,
-                dy: np.ndarray | None, eps: float, layout: str, momentum: float | None) -> BNCall:
+                dy: np.ndarray | str | None, eps: float, layout: str, momentum: float | None) -> BNCall:
     """A run of x (``x_cr``: channel-first (C, R)) with γ, β, the running statistics and dy in float64: as given,
-    or the defaults (γ = 1, β = 0, x's per-channel mean and variance, dy seeded standard normal)."""
-    rng = np.random.default_rng([seed, 9])
+    or the defaults (γ = 1, β = 0, x's per-channel mean and variance, dy seeded of the kind given, default
+    ``shifted``)."""
+    from bnprobe.checks.cases import dy_of_kind
+
     g = np.ones(channels) if gamma is None else np.asarray(gamma, dtype=np.float64)
     b = np.zeros(channels) if beta is None else np.asarray(beta, dtype=np.float64)
     with np.errstate(all="ignore"):
@@ -183,7 +186,8 @@ def _run_inputs(x: np.ndarray, x_cr: np.ndarray, channels: int, seed: int, *, ga
             np.asarray(running_mean, dtype=np.float64)
         rv = np.nan_to_num(np.nanvar(x_cr, axis=1), nan=1.0) if running_var is None else \
             np.asarray(running_var, dtype=np.float64)
-    dy = rng.standard_normal(x.shape) if dy is None else np.asarray(dy, dtype=np.float64)
+    if dy is None or isinstance(dy, str):  # made channel-first (C, R), so the means are per channel in any layout
+        dy = layout_of(x, layout).from_cr(dy_of_kind(dy or "shifted", (1,) + x_cr.shape, seed)[0])
     return BNCall(x, g, b, rm, rv, dy, eps, momentum, layout=layout)
 
 

@@ -1,18 +1,22 @@
 """One verdict per call across commands: compare-precision and gradcheck judge the same output of the same recorded
 call by the same rule, so they agree wherever both judge it, and doctor fails every gradient compare-precision
 fails — on a matrix of kernels (correct, and wrong by a chosen amount either side of the bounds) × formats ×
-inputs."""
+inputs; overflow flags an output exactly where compare-precision fails it with a NaN, an inf or a channel of
+zeros (what overflow judges), and doctor and gradcheck fail what overflow flags. Each agreement is shown to be
+able to fail: one command's rule loosened, and the matrix catches it."""
 
 import numpy as np
 import pytest
 
 from bnprobe.adapters.dump import DumpAdapter
+from bnprobe.checks import overflow_outputs, rules
 from bnprobe.checks.compare import compare_precision
 from bnprobe.checks.diagnosis import doctor_recorded
 from bnprobe.checks.gradients import gradcheck_recorded
+from bnprobe.checks.overflow import scan_recorded
 from bnprobe.checks.recorded import Recorded
 from bnprobe.recordings import load_dump, record, write_dump
-from tests.checks.bn_plugins import NumpyBN
+from tests.checks.bn_plugins import NumpyBN, ZeroY
 
 KERNELS = {"correct": lambda: NumpyBN(), "dx+0.1%": lambda: NumpyBN(scaled="dx", scale=1e-3),
            "dx+1%": lambda: NumpyBN(scaled="dx", scale=1e-2), "dx-30%": lambda: NumpyBN(scaled="dx", scale=-0.3),
@@ -49,3 +53,71 @@ def test_compare_precision_and_gradcheck_agree_on_every_gradient(tmp_path, fmt, 
         assert not (name == "correct" and backward.status == "FAIL"), backward.evidence
     # the matrix is not trivial: the correct kernel passes, the gross bugs fail, in every format and input
     assert verdicts["correct"] and not verdicts["dx-30%"] and not verdicts["dgamma-mean"], verdicts
+
+
+# --- overflow: it flags an output where compare-precision fails it with NaN/inf or a channel of zeros -------------
+
+ANOMALOUS = {"correct": lambda: NumpyBN(), "nan-channel": lambda: NumpyBN("nan-channel"),
+             "zero-channel": lambda: NumpyBN("zero-channel"), "zero-y": ZeroY, "dx+1%": lambda: NumpyBN(scaled="dx",
+                                                                                                         scale=1e-2)}
+OVERFLOW_INPUTS = {"normal": (0.0, 1.0), "mean=100": (100.0, 1.0), "std=8000": (0.0, 8000.0)}
+
+
+def _in_overflows_scope(dump, tensor: str) -> bool:
+    """Whether the recorded output has what overflow judges: a NaN/inf, or a channel entirely zero."""
+    rec = dump.calls.calls[0].load()
+    kind = "backward" if tensor in ("dx", "dgamma", "dbeta") else "train"
+    a = np.asarray(rec.tensors[kind]["outputs"][tensor], dtype=np.float64)
+    per_channel = np.moveaxis(a, 1, 0).reshape(a.shape[1], -1) if a.ndim > 1 else a.reshape(-1, 1)
+    return bool((~np.isfinite(a)).any() or np.all(per_channel == 0, axis=1).any())
+
+
+def overflow_disagreements(tmp_path, fmt: str, inputs: str, kernels=ANOMALOUS) -> list[str]:
+    """Where overflow and the other commands disagree on a matrix of kernels on one input, in words ([] when none)."""
+    out = []
+    for name, make in kernels.items():
+        dump = _dump(tmp_path / name, make(), fmt, *OVERFLOW_INPUTS[inputs])
+        failed = {r.tensor for r in compare_precision([dump], budget=False).rows.itertuples() if r.verdict == "FAIL"}
+        res = scan_recorded(Recorded(dump, dump.calls)).results[0]
+        flagged = {f.stage for f in res.findings if not f.input_borne}
+        scope = {t for t in failed if _in_overflows_scope(dump, t)}
+        out += [f"{name}: overflow flags {t}, compare-precision passes it" for t in sorted(flagged - failed)]
+        out += [f"{name}: compare-precision fails {t} with NaN/inf or zeros, overflow is silent"
+                for t in sorted(scope - flagged)]
+        doc = doctor_recorded(Recorded(dump, dump.calls)).results[0]
+        forward = {i.status for i in doc.items if i.name.startswith("training forward")}
+        if flagged & {"y", "saved_mean", "saved_invstd"} and "FAIL" not in forward:
+            out.append(f"{name}: overflow flags the training forward, doctor passes it")
+        grad = {r.tensor for r in gradcheck_recorded(Recorded(dump, dump.calls)).results[0].rows if not r.passed}
+        out += [f"{name}: overflow flags {t}, gradcheck passes it" for t in sorted(flagged & {"dx", "dgamma", "dbeta"}
+                                                                                   - grad)]
+        if name == "correct" and (failed or flagged):
+            out.append(f"correct: compare-precision fails {sorted(failed)}, overflow flags {sorted(flagged)}")
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("inputs", list(OVERFLOW_INPUTS))
+def test_overflow_flags_what_compare_precision_fails_with_nonfinite_or_zero_values(tmp_path, fmt, inputs):
+    assert overflow_disagreements(tmp_path, fmt, inputs) == []
+
+
+ZERO = {"zero-channel": ANOMALOUS["zero-channel"]}
+
+
+def test_the_overflow_agreement_catches_a_loosened_overflow(tmp_path, monkeypatch):
+    """overflow without its zero-channel rule: compare-precision fails the channel of zeros, overflow says nothing."""
+    exact = overflow_outputs._output_findings
+    monkeypatch.setattr(overflow_outputs, "_output_findings", lambda *a, **k: [
+        f for f in exact(*a, **k) if f.anomaly != "zero_output"])
+    assert overflow_disagreements(tmp_path, "fp16", "normal", ZERO) == [
+        "zero-channel: compare-precision fails y with NaN/inf or zeros, overflow is silent"]
+
+
+def test_the_overflow_agreement_catches_a_loosened_compare_precision(tmp_path, monkeypatch):
+    """compare-precision forgiving a billion times its bound passes the channel of zeros overflow flags."""
+    exact = rules.bound_used
+    monkeypatch.setattr(rules, "bound_used", lambda a, g, bound, fmt: exact(a, g, 1e9 * np.asarray(
+        bound, dtype=np.float64), fmt))
+    assert overflow_disagreements(tmp_path, "fp16", "normal", ZERO) == [
+        "zero-channel: overflow flags y, compare-precision passes it"]

@@ -228,3 +228,19 @@ def test_a_careful_kernel_is_clean_at_large_means(fmt, mean):
         assert rep.clean, (adapter, [f.detail for f in rep.findings])
         assert any(n.startswith("cancellation at ") and "cannot keep them" in n for n in rep.notes)
     assert not scan(f"emulated:{fmt}:variance=naive", x, dtype=fmt).clean
+
+
+# ---- the generated upstream gradient: shifted by default, so Σdy grows with R as a real loss makes it -------------
+
+def test_a_shifted_dy_overflows_an_fp16_gradient_sum_that_a_zero_mean_dy_hides():
+    x = make_input((1024, 2, 8, 8), seed=0)
+    shifted = scan("emulated:fp16-acc16", x, mode="backward", remedies=False)
+    normal = scan("emulated:fp16-acc16", x, mode="backward", remedies=False, dy="normal")
+    assert {f.stage for f in shifted.findings if f.anomaly in ("inf", "overflow")} >= {"sum_dy"}
+    assert not [f for f in normal.findings if f.stage == "sum_dy"]
+
+
+def test_cli_dy_kind_is_validated_before_any_work(capsys):
+    assert main(["overflow", "--dy", "sideways"]) == 2
+    err = capsys.readouterr().err
+    assert "--dy 'sideways'" in err and "shifted" in err and "Traceback" not in err
