@@ -93,8 +93,9 @@ class _Run:
     def __init__(self, policy: Policy, channels: int, keep_arrays: bool, rng: np.random.Generator, *,
                  overrides: dict[str, np.ndarray] | None = None, carrier: type = np.float64,
                  sources: dict[str, np.dtype] | None = None, dest: Source | None = None,
-                 compiled: bool = False) -> None:
+                 compiled: bool = False, row: int | None = None) -> None:
         self.policy = policy
+        self.row = row  # the length of the layout's contiguous rows in a channel (H*W channels-first), for order=vec
         self.c = channels
         self.carrier = carrier
         self.sources = sources or {}  # dtypes of the caller's tensors, by stage name
@@ -119,7 +120,7 @@ class _Run:
         if times is not None:
             x = self.acc.mul(x, self.acc.round(times, tally), tally)
         return reduce_sum(x, self.acc, order=pol.order, lanes=pol.lanes, kahan=pol.kahan, tally=tally,
-                          parts=pol.core_parts, combine=pol.core_combine, rng=self.rng)
+                          parts=pol.core_parts, combine=pol.core_combine, rng=self.rng, unroll=pol.unroll, row=self.row)
 
     def tally(self) -> Tally:
         return Tally(self.c)
@@ -227,6 +228,10 @@ class _Run:
     def rstd(self, var_eps: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """rstd (and std when the method forms it) from var + eps, in the accumulator format."""
         acc, pol = self.acc, self.policy
+        if pol.rstd_format is not None:  # formed in a wider format, then rounded (PyTorch CPU: in double); the
+            # formulas then take γ·rstd, not γ/σ
+            wide_run = _Run(pol.with_options(accumulate=pol.rstd_format, rstd_format=None), self.c, False, self.rng)
+            return self.rec("rstd", acc, wide_run.rstd(var_eps)[0]), None
         with np.errstate(all="ignore"):
             ideal = 1.0 / np.sqrt(var_eps)
             if pol.rsqrt == "sqrt_div":
@@ -316,6 +321,7 @@ class _Blocks:
                      "layout": lay.layout, "channels": lay.channels, "reduce_size": lay.reduce_size,
                      "channel_blocks": len(self.slices), **meta}
         self.traces: list[Trace] = []
+        self.row = int(np.prod(lay.shape[2:], dtype=np.int64)) if lay.layout == "channels_first" else None
         self.carrier = carrier_for(policy, keep_arrays, overrides)
         self.meta["route"] = "compiled" if self.compiled else f"{np.dtype(self.carrier).name} carriers"
         self._views: dict[int, Source] = {}
@@ -327,7 +333,7 @@ class _Blocks:
             sub = {k: np.asarray(v)[sl] for k, v in self.overrides.items()}
             dest = self._dest.block(sl) if self._dest is not None else None
             run = _Run(self.policy, sl.stop - sl.start, self.keep, self.rng, overrides=sub, carrier=self.carrier,
-                       sources=self.sources, dest=dest, compiled=self.compiled)
+                       sources=self.sources, dest=dest, compiled=self.compiled, row=self.row)
             yield sl, run
             self.traces.append(run.trace)
 
@@ -438,33 +444,47 @@ def _train_block(run: _Run, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.
         m = moments(xa, acc, algorithm=pol.variance, order=pol.order, lanes=pol.lanes, tiles=pol.tiles,
                     kahan=pol.kahan, mean_by=pol.mean_by, clamp=pol.clamp_var, parts=pol.core_parts,
                     combine=pol.core_combine, rng=run.rng, overrides=run.overrides, wide_sums=run.trace.keep_arrays,
-                    sums=None if run.fused is None else run.fused.sums(r))
+                    sums=None if run.fused is None else run.fused.sums(r), unroll=pol.unroll, row=run.row)
         for sv in m.stages:
             run.trace.record(sv.name, sv.value, sv.arith.fmt, wide=sv.wide, tally=sv.tally,
                              check_negative=sv.check_negative)
         mean, var = m.mean, m.var
-        var_eps = run.rec("var_eps", acc, var + float(acc.round(eps)), negative=True)
+        ea = acc if pol.rstd_format is None else Arith(pol.rstd_format, pol.spec, run.rng)
+        var_eps = run.rec("var_eps", ea, var + float(ea.round(eps)), negative=True)
         rstd, std = run.rstd(var_eps)
         if pol.stored_stats:  # y from the statistics as stored (params format), not as computed
             out["y"] = run.normalise(xs, run.params.round(mean), run.params.round(rstd), None, gp, bp)
         else:
             out["y"] = run.normalise(xs, mean, rstd, std, gp, bp)
         if rm is not None and rv is not None:
-            f = momentum if momentum is not None else 1.0 / nbt
-            f_a, keep_a = acc.round(f), acc.round(1.0 - f)
-            if r > 1:
-                factor = acc.round(r / (r - 1))
+            # the update's arithmetic: in the accumulator format, or where the policy says (a narrow port)
+            ru = acc if pol.running_format is None else Arith(pol.running_format, pol.spec, run.rng)
+            if momentum is not None and pol.running_momentum == "old":  # m weighs the old value (flax, Keras)
+                f_a, keep_a = ru.round(1.0 - momentum), ru.round(momentum)
+            else:
+                f = momentum if momentum is not None else 1.0 / nbt
+                f_a, keep_a = ru.round(f), ru.round(1.0 - f)
+            if pol.running_var == "biased":
+                var_unbiased = var
+            elif r > 1 and pol.unbiased_by == "divide" and (q := _sum_sq_dev(m)) is not None:
+                var_unbiased = run.rec("var_unbiased", ru, ru.round(q) / (r - 1))  # Σ(x - mean)² / (R - 1)
+            elif r > 1:
+                var_unbiased = run.rec("var_unbiased", ru, ru.round(var) * ru.round(r / (r - 1)))
             else:  # R = 1: the policy says (TBE takes the factor as 0, BatchNormV3 gives NaN)
-                factor = 0.0 if pol.unbiased_r1 == "zero" else float("nan")
-            var_unbiased = run.rec("var_unbiased", acc, var * factor)
+                var_unbiased = run.rec("var_unbiased", ru, var * (0.0 if pol.unbiased_r1 == "zero" else float("nan")))
             for name, old, batch in (("running_mean", rm, mean), ("running_var", rv, var_unbiased)):
                 t = run.tally()
-                old_a = acc.round(run.param(old))
-                upd = acc.round(acc.mul(keep_a, old_a, t) + acc.mul(f_a, batch, t), t)
+                old_a = ru.round(run.param(old))
+                upd = ru.round(ru.mul(keep_a, old_a, t) + ru.mul(f_a, ru.round(batch), t), t)
                 out[name] = run.rec(name, run.params, upd, t)
         par = run.params
         out["mean"], out["invstd"], out["var"] = par.round(mean), par.round(rstd), par.round(var)
     return out
+
+
+def _sum_sq_dev(m: Any) -> np.ndarray | None:
+    """Σ(x - mean)² as the moments computed it (two-pass: its sum; Welford, Chan: M2), or None (one-pass)."""
+    return next((sv.value for sv in m.stages if sv.name in ("sum_sq_dev", "m2")), None)
 
 
 def forward_infer(
@@ -489,6 +509,12 @@ def forward_infer(
     b = as_channel_vector("beta", beta, lay, 0.0)
     rm = as_channel_vector("running_mean", running_mean, lay)
     rv = as_channel_vector("running_var", running_var, lay)
+    # a kernel whose inference has its own formula (a folded y = A·x + B, whatever its training does); one that forms
+    # the batch statistics' rstd in a wider format (rstd_format) forms the running ones' in its accumulator, and
+    # takes γ·rstd, not γ/σ (PyTorch's CPU kernel)
+    times_rstd = pol.rstd_format is not None
+    if pol.infer_y_formula is not None or times_rstd:
+        pol = pol.with_options(y_formula=pol.infer_y_formula or pol.y_formula, infer_y_formula=None, rstd_format=None)
     blocks = _Blocks(pol, lay, keep_arrays, chunk_elements, {"mode": "infer", "eps": eps}, overrides, {"x": x})
     y = blocks.tensor(pol.storage)
     for sl, run in blocks:
@@ -499,7 +525,8 @@ def forward_infer(
             var = acc.round(run.param(rv[sl]))
             var_eps = run.rec("var_eps", acc, var + float(acc.round(eps)), negative=True)
             rstd, std = run.rstd(var_eps)
-            blocks.place(y, run.normalise(xs, mean, rstd, std, run.param(g[sl]), run.param(b[sl])), sl)
+            blocks.place(y, run.normalise(xs, mean, rstd, None if times_rstd else std, run.param(g[sl]),
+                                          run.param(b[sl])), sl)
     trace = blocks.trace()
     trace.meta["eps_effective"] = float(round_to(eps, pol.accumulate))
     return InferResult(y=y, trace=trace)

@@ -15,7 +15,8 @@ from bnprobe.numerics.rsqrt import NEWTON_FORMS
 from bnprobe.numerics.variance import MEAN_BY, VARIANCES
 
 __all__ = ["Policy", "PRESETS", "get_policy", "Y_FORMULAS", "RSQRT_METHODS", "BACKWARD_FORMULAS", "SQRT_METHODS",
-           "DIVISIONS", "RECIP_METHODS"]
+           "DIVISIONS", "RECIP_METHODS",
+           "RUNNING_MOMENTA", "RUNNING_VARS", "UNBIASED_BY"]
 
 # How y is formed from the statistics:
 #   xhat   : xhat = (x - mean) * rstd; y = gamma * xhat + beta
@@ -39,6 +40,14 @@ RECIP_METHODS: tuple[str, ...] = ("exact", "magic", "table", "frecpe")
 # ascend   : dx = (dy + mult*x + addend) * gamma/sigma, mult = -(dgamma/R)/sigma,
 #            addend = (mean/sigma)(dgamma/R) - dbeta/R   (BNTrainingReduceGrad)
 BACKWARD_FORMULAS: tuple[str, ...] = ("standard", "ascend")
+# what the call's momentum m weighs in the running update: the batch's value (PyTorch, TensorFlow's fused kernel,
+# MindSpore's primitive: new = (1-m)·old + m·batch) or the old value's (flax, Keras, Paddle: new = m·old + (1-m)·batch)
+RUNNING_MOMENTA: tuple[str, ...] = ("new", "old")
+# the running variance's update takes the batch variance times R/(R-1) (PyTorch, TF's fused kernel, MindSpore) or
+# the biased batch variance itself (flax, Keras, Paddle)
+RUNNING_VARS: tuple[str, ...] = ("unbiased", "biased")
+# the unbiased variance as var · fl(R/(R-1)), or as Σ(x - mean)² / (R - 1) (PyTorch's CPU kernel)
+UNBIASED_BY: tuple[str, ...] = ("factor", "divide")
 
 
 @functools.cache
@@ -65,6 +74,7 @@ class Policy:
     variance: str = "two_pass"
     order: str = "pairwise"
     lanes: int = 64
+    unroll: int = 1  # order=vec: vectors of ``lanes`` per block (PyTorch CPU's 16-bit kernels load 2 x 8 floats)
     tiles: int = 8
     kahan: bool = False
     clamp_var: bool = False
@@ -81,6 +91,9 @@ class Policy:
     rsqrt_constant: int | None = None
     newton_form: str = "standard"
     sqrt: str = "exact"  # how sqrt(var + eps) is formed where a kernel needs sigma
+    # the batch statistics' var + eps, sqrt and rstd in this format, rstd then rounded to accumulate and γ·rstd taken
+    # where a formula needs γ/σ; inference forms the running statistics' in accumulate (PyTorch CPU: double, float)
+    rstd_format: str | None = None
     division: str = "exact"  # a / b: one rounding, or a * reciprocal(b) as units without a divider do
     recip: str = "table"  # the reciprocal estimate when division="reciprocal"
     recip_newton: int = 2
@@ -92,23 +105,30 @@ class Policy:
     core_parts: int = 1  # cores sharing one channel's reduction (N split across cores)
     core_combine: str = "ordered"  # their partial sums added in core order, or by atomic adds (random order)
     unbiased_r1: str = "error"
+    running_momentum: str = "new"  # RUNNING_MOMENTA
+    running_var: str = "unbiased"  # RUNNING_VARS
+    running_format: str | None = None  # the format the running update is computed in; None = accumulate
+    unbiased_by: str = "factor"  # UNBIASED_BY
+    infer_y_formula: str | None = None  # y's formula in inference when not y_formula (a folded y = A·x + B)
     seed: int = 0  # drives stochastic rounding
 
     def __post_init__(self) -> None:
         for attr in ("storage", "compute", "accumulate"):
             object.__setattr__(self, attr, get_format(getattr(self, attr)).name)
-        if self.params is not None:
-            object.__setattr__(self, "params", get_format(self.params).name)
+        for attr in ("params", "running_format", "rstd_format"):
+            if getattr(self, attr) is not None:
+                object.__setattr__(self, attr, get_format(getattr(self, attr)).name)
         choices = {
             "variance": VARIANCES, "order": ORDERS, "mean_by": MEAN_BY, "overflow": OVERFLOWS,
             "subnormals": SUBNORMALS, "y_formula": Y_FORMULAS, "rsqrt": RSQRT_METHODS,
             "backward_formula": BACKWARD_FORMULAS, "sqrt": SQRT_METHODS, "division": DIVISIONS,
             "recip": RECIP_METHODS, "newton_form": NEWTON_FORMS, "core_combine": COMBINES,
-            "unbiased_r1": UNBIASED_R1,
+            "unbiased_r1": UNBIASED_R1, "running_momentum": RUNNING_MOMENTA, "running_var": RUNNING_VARS,
+            "infer_y_formula": (None,) + Y_FORMULAS, "unbiased_by": UNBIASED_BY,
         }
         for attr, valid in choices.items():
             if getattr(self, attr) not in valid:
-                raise BNProbeError(f"policy {attr}={getattr(self, attr)!r} is not one of: {', '.join(valid)}")
+                raise BNProbeError(f"policy {attr}={getattr(self, attr)!r} is not one of: {', '.join(map(str, valid))}")
         object.__setattr__(self, "rounding", RoundingSpec(self.rounding, self.overflow, self.subnormals).rounding)
         if self.output_rounding is not None:
             object.__setattr__(self, "output_rounding", RoundingSpec(self.output_rounding).rounding)
@@ -127,7 +147,7 @@ class Policy:
                                f"rsqrt_bits={self.rsqrt_bits}, recip_bits={self.recip_bits}")
         # lanes, tiles and core parts are hardware widths: a few thousand at most (each lane holds one accumulator
         # per channel, so 10**9 lanes would be gigabytes of partial sums)
-        for name in ("core_parts", "lanes", "tiles"):
+        for name in ("core_parts", "lanes", "tiles", "unroll"):
             if not 1 <= getattr(self, name) <= 4096:
                 raise BNProbeError(f"policy {name} must be 1 to 4096, got {getattr(self, name)}")
         if self.kahan and self.order == "pairwise":
@@ -150,7 +170,8 @@ class Policy:
         return replace(self, name=f"{self.name}@fp64", storage="fp64", params="fp64", compute="fp64",
                        accumulate="fp64", rounding="nearest_even", output_rounding=None, overflow="ieee",
                        subnormals="keep", kahan=False, rsqrt="sqrt_div" if self.rsqrt == "sqrt_div" else "exact",
-                       sqrt="exact", division="exact", clamp_var=False, core_combine="ordered")
+                       sqrt="exact", division="exact", clamp_var=False, core_combine="ordered",
+                       running_format=None, rstd_format=None)
 
     def with_options(self, **changes: object) -> Policy:
         """A copy with some fields changed (unknown names are a BNProbeError)."""

@@ -14,7 +14,10 @@ from bnprobe.numerics.arith import Arith, Tally, as_carrier
 
 __all__ = ["ORDERS", "COMBINES", "reduce_sum", "tree_sum", "split_parts"]
 
-ORDERS: tuple[str, ...] = ("sequential", "pairwise", "lanes")
+# vec: at::vec-style (PyTorch CPU): per row of the layout's contiguous extent, full blocks of lanes x unroll values
+# go to ``lanes`` accumulators (value p to lane p mod lanes), the rest of the row to one scalar tail; both persist
+# across rows; then tail + (((l0 + l1) + l2) + ...), the lanes summed in order
+ORDERS: tuple[str, ...] = ("sequential", "pairwise", "lanes", "vec")
 # How per-core partial sums are combined: in core order, or by FP32 atomic adds whose
 # arrival order is random (seeded), as on Ascend A2/A3/910 when N or H is split across cores.
 COMBINES: tuple[str, ...] = ("ordered", "atomic")
@@ -137,6 +140,33 @@ def _lanes(x: np.ndarray, acc: Arith, tally: Tally | None, lanes: int, kahan: bo
     return tree_sum(per_lane, acc, tally)
 
 
+def _vec(x: np.ndarray, acc: Arith, tally: Tally | None, lanes: int, unroll: int, row: int | None,
+         kahan: bool) -> np.ndarray:
+    """The ``vec`` order (see :data:`ORDERS`): rows of ``row`` values (the whole axis when None or when it does not
+    divide it)."""
+    c, r = x.shape
+    row = r if not row or r % row else row
+    rows, block = r // row, lanes * unroll
+    full = (row // block) * block
+    xr = x.reshape(c, rows, row)
+    if full:
+        body = xr[:, :, :full].reshape(c, rows * full // lanes, lanes).transpose(0, 2, 1).reshape(c * lanes, -1)
+        lane_tally = Tally(c * lanes) if tally is not None else None
+        per_lane = _sequential(np.ascontiguousarray(body), acc, lane_tally, kahan).reshape(c, lanes)
+        if tally is not None and lane_tally is not None:
+            for k, v in lane_tally.counts.items():
+                tally.counts[k] += v.reshape(c, lanes).sum(axis=1)
+        total = per_lane[:, 0]
+        for j in range(1, lanes):
+            total = acc.add(total, per_lane[:, j], tally)
+    else:
+        total = np.zeros(c)
+    if full < row:
+        tail = _sequential(np.ascontiguousarray(xr[:, :, full:].reshape(c, -1)), acc, tally, kahan)
+        total = acc.add(tail, total, tally)
+    return total
+
+
 def split_parts(r: int, parts: int) -> list[slice]:
     """Contiguous, nearly equal parts of a length-r axis (at most r of them), as cores take N*H*W."""
     parts = max(1, min(parts, r))
@@ -155,6 +185,8 @@ def reduce_sum(
     parts: int = 1,
     combine: str = "ordered",
     rng: np.random.Generator | None = None,
+    unroll: int = 1,
+    row: int | None = None,
 ) -> np.ndarray:
     """Sum each row of a ``(C, R)`` array in ``acc``'s format; returns ``(C,)`` float64.
 
@@ -163,7 +195,8 @@ def reduce_sum(
     order: ``sequential`` (left to right, one rounding per addition),
     ``pairwise`` (halving tree, see :func:`tree_sum`), or ``lanes`` (``lanes``
     sequential accumulators over vector repeats, then a tree across lanes).
-    ``kahan`` adds compensated summation to ``sequential`` and to each lane.
+    ``kahan`` adds compensated summation to ``sequential`` and to each lane; ``vec`` (see :data:`ORDERS`) takes
+    ``lanes``, ``unroll`` and ``row``, the length of the layout's contiguous rows.
     The addends must already be values of the accumulator format.
     """
     # float32 carriers stay float32 (see arith.py) where the accumulator's values fit in them
@@ -174,19 +207,20 @@ def reduce_sum(
         raise BNProbeError("cannot reduce an empty axis (R = 0)")
     if parts > 1:
         total = _combine_parts(x, acc, order=order, lanes=lanes, kahan=kahan, tally=tally, parts=parts,
-                               combine=combine, rng=rng)
+                               combine=combine, rng=rng, unroll=unroll)
     else:
-        total = _reduce_one(x, acc, order=order, lanes=lanes, kahan=kahan, tally=tally)
+        total = _reduce_one(x, acc, order=order, lanes=lanes, kahan=kahan, tally=tally, unroll=unroll, row=row)
     return np.asarray(total, dtype=np.float64)
 
 
 def _combine_parts(x: np.ndarray, acc: Arith, *, order: str, lanes: int, kahan: bool, tally: Tally | None,
-                   parts: int, combine: str, rng: np.random.Generator | None) -> np.ndarray:
+                   parts: int, combine: str, rng: np.random.Generator | None, unroll: int = 1) -> np.ndarray:
     """Each simulated core reduces its contiguous part; the partials are then added one by one into
     an accumulator that starts at zero, in core order or (atomic) in a random order per channel."""
     if combine not in COMBINES:
         raise BNProbeError(f"unknown combine {combine!r}; valid: {', '.join(COMBINES)}")
-    partial = np.stack([_reduce_one(x[:, sl], acc, order=order, lanes=lanes, kahan=kahan, tally=tally)
+    partial = np.stack([_reduce_one(x[:, sl], acc, order=order, lanes=lanes, kahan=kahan, tally=tally,
+                                    unroll=unroll)
                         for sl in split_parts(x.shape[1], parts)], axis=1)
     if combine == "atomic":
         if rng is None:
@@ -200,7 +234,7 @@ def _combine_parts(x: np.ndarray, acc: Arith, *, order: str, lanes: int, kahan: 
 
 
 def _reduce_one(x: np.ndarray, acc: Arith, *, order: str, lanes: int, kahan: bool,
-                tally: Tally | None) -> np.ndarray:
+                tally: Tally | None, unroll: int = 1, row: int | None = None) -> np.ndarray:
     if order == "sequential":
         return _sequential(x, acc, tally, kahan)
     if order == "pairwise":
@@ -211,4 +245,6 @@ def _reduce_one(x: np.ndarray, acc: Arith, *, order: str, lanes: int, kahan: boo
         if lanes < 1:
             raise BNProbeError(f"lanes must be >= 1, got {lanes}")
         return _lanes(x, acc, tally, lanes, kahan)
+    if order == "vec":
+        return _vec(x, acc, tally, lanes, unroll, row, kahan)
     raise BNProbeError(f"unknown reduction order {order!r}; valid: {', '.join(ORDERS)}")

@@ -222,7 +222,7 @@ def _chan(x: np.ndarray, acc: Arith, stage: _Stages, tiles: int, red: dict, mean
     ntiles = max(1, min(tiles, r))
     pieces = np.array_split(np.arange(r), ntiles)
     counts, means, m2s = np.empty((c, ntiles)), np.empty((c, ntiles)), np.empty((c, ntiles))
-    tile_red = {k: red[k] for k in ("order", "lanes", "kahan")}
+    tile_red = {k: red[k] for k in ("order", "lanes", "kahan", "unroll")}
     for i, idx in enumerate(pieces):
         xt = x[:, idx[0]: idx[-1] + 1]
         st = reduce_sum(xt, acc, tally=t, **tile_red)
@@ -263,6 +263,8 @@ def moments(
     overrides: dict[str, np.ndarray] | None = None,
     wide_sums: bool = True,
     sums: Sums | None = None,
+    unroll: int = 1,
+    row: int | None = None,
 ) -> Moments:
     """Mean and biased variance of each row of a ``(C, R)`` array of ``acc``-format values.
 
@@ -270,7 +272,8 @@ def moments(
     ``two_pass`` (mean, then the sum of squared deviations), ``welford`` (one
     running update per lane of ``lanes``, lanes merged by Chan's formula),
     ``chan`` (``tiles`` contiguous tiles, as on simulated cores, each two-pass,
-    merged by Chan's formula).  ``clamp`` sets a negative variance to 0.
+    merged by Chan's formula).  ``clamp`` sets a negative variance to 0.  ``unroll`` and ``row`` shape the ``vec``
+    order (:func:`~bnprobe.numerics.reduce.reduce_sum`).
     ``wide_sums=False`` skips the float64 reference sums recorded as the stages'
     ``wide`` values (a trace that keeps no arrays does not need them).  ``sums`` forms the naive and
     two-pass sums instead of :class:`Sums` (the compiled route's, bnprobe.kernels.fused; the same values).
@@ -280,7 +283,7 @@ def moments(
         raise BNProbeError(f"unknown variance algorithm {algorithm!r}; valid: {', '.join(VARIANCES)}")
     if mean_by == "prescaled" and algorithm not in ("naive", "two_pass"):
         raise BNProbeError(f"mean_by=prescaled scales the sums of naive and two_pass, not {algorithm}")
-    red = dict(order=order, lanes=lanes, kahan=kahan, parts=parts, combine=combine, rng=rng)
+    red = dict(order=order, lanes=lanes, kahan=kahan, parts=parts, combine=combine, rng=rng, unroll=unroll, row=row)
     # prescaled: every addend is multiplied by 2^-k first (exact unless it underflows)
     pre = (lambda v: acc.round(v * 2.0 ** -prescale_exponent(r))) if mean_by == "prescaled" else (lambda v: v)
     stage = _Stages(acc, pre, wide_sums, overrides or {})
