@@ -23,13 +23,13 @@ _LAZY = {
                                       "TrainResult", "backward", "forward_infer", "forward_train", "get_policy")},
     "capture": "bnprobe.recordings.capture", "Capture": "bnprobe.recordings.capture",
     **{n: "bnprobe.checks" for n in ("compare_precision", "gradcheck", "check_formula", "doctor", "shrink",
-                                     "scan_overflow", "find_stats_problems", "check_fold", "trace_run")},
+                                     "scan_overflow", "find_stats_problems", "check_fold", "trace_run", "identify")},
 }
 
 __all__ = ["__version__", "BNProbeError", "FORMATS", "Format", "get_format", "round_to", "PRESETS", "BackwardResult",
            "InferResult", "Policy", "Stage", "Trace", "TrainResult", "backward", "forward_infer", "forward_train",
            "get_policy", "capture", "Capture", "compare_precision", "gradcheck", "check_formula", "doctor", "shrink",
-           "scan_overflow", "find_stats_problems", "check_fold", "trace_run"]
+           "scan_overflow", "find_stats_problems", "check_fold", "trace_run", "identify"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from bnprobe.recordings.capture import Capture, capture
@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
         doctor,
         find_stats_problems,
         gradcheck,
+        identify,
         scan_overflow,
         shrink,
         trace_run,

@@ -630,6 +630,9 @@ def doctor_cmd(
     stability: Optional[bool] = typer.Option(None, "--stability/--no-stability",
                                              help="Include the stress inputs (default on; a replayed dump cannot "
                                                   "run them)."),
+    recipe: bool = typer.Option(False, "--recipe", help="When something fails, also identify the kernel's recipe "
+                                                        "and name its choices known to lose accuracy (a few seconds "
+                                                        "more; up to a minute for a kernel outside the space)."),
     input: Optional[Path] = typer.Option(None, "--input", help="Your input too: a tensor .npy/.npz (x), or a dump "
                                                                "folder (the adapter on every recorded call's own "
                                                                "inputs)."),
@@ -652,6 +655,9 @@ def doctor_cmd(
 
     _check_common(eps=eps, params=params)
     generating = given(shape=shape, dist=dist, mean=mean, std=std)
+    if recipe and (input is not None and is_dump_path(input) or adapter.startswith("dump:")):
+        raise BNProbeError("--recipe identifies a kernel on designed probes: for a recording run "
+                           "`bnprobe identify --adapter dump:DIR` (each call on its own inputs)")
     if (found := _sweep_root(adapter, input, (sweep, workers, scheduler, resume))) is not None:
         _check_sweep(as_json, given(dtype=dtype, params=params, seed=seed, stability=stability, eps=eps,
                                     momentum=momentum) + generating, str(found[0]))
@@ -674,8 +680,69 @@ def doctor_cmd(
                         0.0 if mean is None else mean, 1.0 if std is None else std, seed or 0) if generating else None
     rep = doctor(adapter, dtype, seed=seed or 0, stability=stability is not False, params=params,
                  x=None if tensor is None else input_tensor("doctor", tensor), eps=EPS if eps is None else eps,
-                 momentum=MOMENTUM if momentum is None else momentum, generated=made)
+                 momentum=MOMENTUM if momentum is None else momentum, generated=made, recipe=recipe)
     return _show(doctor_report(rep), sink, as_json)
+
+
+@app.command("identify")
+def identify_cmd(
+    adapter: str = typer.Option("torch", help="The black-box kernel: an adapter (torch, ascend-bnv3, a plugin "
+                                              "pkg.mod:Name...) or dump:DIR[#NAME] (every recorded call, each on its "
+                                              "own inputs)."),
+    dtype: Optional[str] = typer.Option(None, help="Format: fp16 (default), bf16, fp32 or fp64; a recording's own."),
+    params: Optional[str] = _PARAMS,
+    input: Optional[Path] = typer.Option(None, "--input", help="Your input x (.npy/.npz), to confirm the recipe on "
+                                                               "too, or a dump folder (the adapter on every recorded "
+                                                               "call's own inputs)."),
+    shape: Optional[str] = typer.Option(None, help="Shape N,C[,...] of one more input to confirm the recipe on, "
+                                                   "generated from --dist, --mean, --std and --seed."),
+    dist: Optional[str] = _DIST, mean: Optional[float] = _MEAN, std: Optional[float] = _STD,
+    seed: Optional[int] = _SEED,
+    eps: Optional[float] = _EPS, momentum: Optional[float] = _MOMENTUM,
+    calls: Optional[str] = _calls("identify"),
+    out: Optional[Path] = _OUT,
+    force: bool = _FORCE,
+    as_json: bool = _JSON,
+) -> int:
+    """How a black-box kernel computes: the policy (emulated:<spec>) that reproduces its every output bit for bit,
+    searched stage by stage on designed probes and confirmed on fresh inputs; the fields the probes could not tell
+    apart, and where no policy reproduces it, the closest and the stage where it departs. Exit 0 when every output
+    it returns is reproduced bit for bit, 1 when not."""
+    from bnprobe._progress import Progress
+    from bnprobe.checks.identify import identify, identify_recorded
+    from bnprobe.checks.recorded import check_options, given, is_dump_path, recording_of
+    from bnprobe.inputs import input_tensor
+    from bnprobe.reports.identify import identify_recorded_report, identify_report
+
+    _check_common(eps=eps, params=params)
+    if momentum is not None:
+        from bnprobe.kernels.layout import check_momentum
+
+        check_momentum(momentum)
+    generating = given(shape=shape, dist=dist, mean=mean, std=std)
+    tensor = input if input is not None and not is_dump_path(input) else None
+    if tensor is not None and generating:
+        raise BNProbeError(f"{', '.join(generating)} make an input of their own: they do not apply to --input {input}; "
+                           "drop one")
+    if generating and shape is None:
+        raise BNProbeError(f"{', '.join(generating)} describe a generated input: give its --shape too")
+    sink = _output(out, force)
+    progress = Progress("identify")
+    recorded = recording_of(adapter, None if tensor is not None else input, calls, guard="identify")
+    if recorded is not None:
+        check_options(recorded, given=given(shape=shape, dist=dist, mean=mean, std=std, seed=seed, eps=eps,
+                                            momentum=momentum), dtype=dtype, params=params)
+        return _show(identify_recorded_report(identify_recorded(recorded, progress=progress)), sink, as_json)
+    if calls is not None:
+        raise BNProbeError("--calls selects recorded calls: give a dump (--adapter dump:DIR or --input DIR)")
+    x = None
+    if tensor is not None or shape is not None:
+        x = input_tensor("identify", tensor, shape or "", dist or "normal", 0.0 if mean is None else mean,
+                         1.0 if std is None else std, seed or 0)
+    res = identify(adapter, dtype or "fp16", params=params or "fp32", x=x, seed=seed or 0,
+                   eps=EPS if eps is None else eps, momentum=MOMENTUM if momentum is None else momentum,
+                   progress=progress)
+    return _show(identify_report(res), sink, as_json)
 
 
 @app.command("shrink")

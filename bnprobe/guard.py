@@ -39,6 +39,7 @@ PER_ELEMENT: dict[str, int] = {
     "compare-precision": 380,
     "shrink": 440,  # as dump: it records a dump of what it found, the whole input when time runs out first
     "doctor": 200,
+    "identify": 400,  # the confirmation on your input: the kernel's, the candidate's and the golden's outputs
     "gradcheck": 460,
     "dump": 440,
     "fold": 200,

@@ -11,6 +11,7 @@ The entry points, imported on first use (so ``import bnprobe.checks`` stays fast
     find_stats_problems divergence / collapse / wrong momentum in statistics    (checks.stats)
     check_fold          BatchNorm folded into a conv / linear layer             (checks.fold)
     trace_run           one run's every stage against the golden                (checks.stages)
+    identify            the policy that reproduces a black-box kernel bit for bit (checks.identify)
 
 and ``*_recorded`` forms of compare, gradcheck, doctor and overflow for a dump's calls.
 """
@@ -33,12 +34,15 @@ _LAZY = {
     "scan_overflow_recorded": ("bnprobe.checks.overflow", "scan_recorded"),
     "find_stats_problems": ("bnprobe.checks.stats", "find"),
     "check_fold": ("bnprobe.checks.fold", "check_fold"),
+    "identify": ("bnprobe.checks.identify", "identify"),
+    "identify_recorded": ("bnprobe.checks.identify", "identify_recorded"),
     **{n: ("bnprobe.checks.stages", n) for n in ("MODES", "StageError", "TraceComparison", "stage_errors",
                                                  "trace_run")},
 }
 
 __all__ = ["MODES", "StageError", "TraceComparison", "check_fold", "check_formula", "compare_precision", "doctor",
-           "doctor_recorded", "find_stats_problems", "gradcheck", "gradcheck_recorded", "scan_overflow",
+           "doctor_recorded", "find_stats_problems", "gradcheck", "gradcheck_recorded", "identify", "identify_recorded",
+           "scan_overflow",
            "scan_overflow_recorded", "shrink", "stage_errors", "trace_run"]
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -46,6 +50,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from bnprobe.checks.diagnosis import doctor, doctor_recorded
     from bnprobe.checks.fold import check_fold
     from bnprobe.checks.gradients import check_formula, gradcheck, gradcheck_recorded
+    from bnprobe.checks.identify import identify, identify_recorded
     from bnprobe.checks.overflow import scan as scan_overflow
     from bnprobe.checks.overflow import scan_recorded as scan_overflow_recorded
     from bnprobe.checks.shrinking import shrink

@@ -562,13 +562,15 @@ def _steps_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
 
 def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None, *, seed: int = 0,
            stability: bool = True, params: str | None = None, x: np.ndarray | None = None, eps: float = EPS,
-           momentum: float = MOMENTUM, generated: np.ndarray | None = None) -> DoctorReport:
+           momentum: float = MOMENTUM, generated: np.ndarray | None = None, recipe: bool = False) -> DoctorReport:
     """Run the checklist on ``adapter`` in ``dtype`` (default: fp64 when it runs it, else its first format)
     with parameters (γ, β, running and saved statistics) in fp32 or the input's format (``params`` same), on
     the diagnostic input, the stress inputs (``stability``), ``x`` (the user's tensor) and ``generated`` (an input
     made from the command line's shape and distribution) when given, every one with BatchNorm's ``eps`` and
     ``momentum``.  A dump adapter of one call is diagnosed on its recorded inputs (:func:`doctor_recorded` does
-    every call)."""
+    every call).  ``recipe``: when something fails, also identify the kernel's numerical recipe
+    (:func:`~bnprobe.checks.identify.identify`) and, where it is reproduced bit for bit, name its choices known to
+    lose accuracy in the diagnosis."""
     a = get_adapter(adapter) if isinstance(adapter, str) else adapter
     check_params(params)
     if a.capabilities().recorded:
@@ -609,7 +611,28 @@ def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None,
         bad = int(np.size(x) - np.isfinite(x).sum())
         notes.insert(0, f"your input holds {bad} NaN/inf value(s) of {np.size(x)}: outputs that depend on them are "
                         f"non-finite in the golden too, so the checks on '{USER}' cannot see a kernel fault there")
+    if recipe and any(it.status == "FAIL" for it in items) and fmt != "fp64":
+        diagnosis += _recipe_words(a, fmt, prm, seed, eps, momentum, notes)
     return DoctorReport(a.name, fmt, items, diagnosis, notes, params=prm, inputs=tuple(p.name for p in todo))
+
+
+def _recipe_words(a: KernelAdapter, fmt: str, params: str, seed: int, eps: float, momentum: float,
+                  notes: list[str]) -> list[str]:
+    """The diagnosis by recipe: identify's policy when it reproduces the kernel bit for bit, its lossy choices in
+    words; otherwise a note that no recipe of the space reproduces it (never the closest called a match)."""
+    from bnprobe.checks.identify import identify, lossy_choices
+
+    res = identify(a, fmt, params=params, seed=seed, eps=eps, momentum=momentum, passes=2)
+    if not res.reproduced:
+        notes.append(f"identify: no recipe of the policy space reproduces the kernel (it departs at the {res.departs} "
+                     "stage), so none is named")
+        return []
+    lossy = lossy_choices(res.policy)
+    if not lossy:
+        notes.append(f"identify: the kernel computes as emulated:{res.spec}, bit for bit, with no choice known to "
+                     "lose accuracy")
+        return []
+    return [f"its recipe (identify, bit for bit: emulated:{res.spec}): " + "; ".join(lossy)]
 
 
 def _momentum_none(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, params: str) -> Item:

@@ -53,7 +53,7 @@ from bnprobe.formats import get_format
 from bnprobe.kernels.policy import PRESETS, Policy
 
 __all__ = ["identify", "identify_recorded", "Identified", "IdentifiedCalls", "OutputMatch", "Undistinguished",
-           "STAGES", "policy_spec", "probes"]
+           "STAGES", "policy_spec", "probes", "lossy_choices", "LOSSY"]
 
 # the outputs each stage pins, in the order it prefers them (the first the kernel returned is used); a forward
 # stage whose statistics the kernel does not return is searched through y
@@ -101,6 +101,7 @@ FIELD_PROBES = {
     "running_format": "running statistics that need more bits than the parameter format keeps",
     "infer_y_formula": "inference with a large running mean and γ not a power of two",
     "backward_formula": "dy with a mean per channel, a large mean in x",
+    "backward_fma": "rows of H·W values with a tail (not a multiple of 2 x lanes)",
 }
 
 
@@ -325,7 +326,7 @@ _RSQRTS: tuple[dict[str, Any], ...] = (
     *({"rsqrt": "sqrt_div", "division": "reciprocal", "recip": r, "recip_newton": k}
       for r in ("table", "frecpe", "magic") for k in (1, 2)),
     *({"rsqrt": "magic", "rsqrt_newton": k} for k in (0, 1, 2, 3)),
-    *({"rsqrt": "table", "rsqrt_bits": b, "rsqrt_newton": k} for b in (8, 12) for k in (0, 1, 2)),
+    *({"rsqrt": "table", "rsqrt_bits": b, "rsqrt_newton": k} for b in (7, 8, 10, 12) for k in (0, 1, 2)),
     *({"rsqrt": "frsqrte", "rsqrt_newton": k} for k in (0, 1, 2)),
     {"rsqrt": "ascend950"},
     {"rsqrt": "sqrt_div", "rstd_format": "fp64"}, {"rsqrt": "exact", "rstd_format": "fp64"},
@@ -352,8 +353,9 @@ def _mean_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
 
 def _variance_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
     variances = ("two_pass", "naive") if cur.variance in ("naive", "two_pass") else (cur.variance,)
-    for v, clamp in itertools.product(variances, (False, True)):
-        yield {"variance": v, "clamp_var": clamp}
+    # (the variance's division by R too: a Welford or Chan mean does not show it)
+    for v, clamp, by in itertools.product(variances, (False, True), ("divide", "reciprocal")):
+        yield {"variance": v, "clamp_var": clamp, "mean_by": by if cur.mean_by != "prescaled" else "prescaled"}
 
 
 def _rsqrt_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
@@ -392,7 +394,9 @@ def _infer_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
 
 def _backward_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
     # (the sums' order and format are the forward's: the forward's outputs pinned them)
-    yield from ({"backward_formula": f} for f in ("standard", "ascend"))
+    for f in ("standard", "ascend", "torch"):
+        for fused in (("none", "body", "all") if cur.order == "vec" else ("none",)):
+            yield {"backward_formula": f, "backward_fma": fused}
 
 
 _SPACES: dict[str, Callable[[Policy, str], Iterator[dict[str, Any]]]] = {
@@ -496,6 +500,37 @@ class IdentifiedCalls:
         return {"source": self.source, "reproduced": self.reproduced, "calls": [r.to_dict() for r in self.results]}
 
 
+_NARROW = ("fp16", "bf16")
+_ESTIMATES = ("magic", "table", "frsqrte")
+# the choices known to lose accuracy against a careful kernel, in words (doctor names a kernel's recipe by them)
+LOSSY: tuple[tuple[Callable[[Policy], bool], Callable[[Policy], str]], ...] = (
+    (lambda p: p.variance == "naive",
+     lambda p: "a single-pass variance E[x²] − E[x]², which cancels at large means (variance=naive)"),
+    (lambda p: p.accumulate in _NARROW,
+     lambda p: f"sums and statistics accumulated in {p.accumulate} (accumulate={p.accumulate})"),
+    (lambda p: p.compute in _NARROW,
+     lambda p: f"the normalisation computed in {p.compute} (compute={p.compute})"),
+    (lambda p: p.stored_stats,
+     lambda p: f"the batch statistics rounded to {p.params_format} before use (stored_stats=true)"),
+    (lambda p: p.running_format in _NARROW,
+     lambda p: f"the running statistics updated in {p.running_format} (running_format={p.running_format})"),
+    (lambda p: p.rsqrt in _ESTIMATES and p.rsqrt_newton == 0,
+     lambda p: f"an rsqrt estimate without a Newton step (rsqrt={p.rsqrt}, rsqrt_newton=0)"),
+    (lambda p: p.rsqrt == "sqrt_div" and p.division == "reciprocal" and p.recip_newton == 0,
+     lambda p: f"division by a reciprocal estimate without a Newton step (recip={p.recip}, recip_newton=0)"),
+    (lambda p: p.y_formula == "affine",
+     lambda p: "y = x·A + B with B = β − μ·A, which cancels at large mean/σ (y_formula=affine)"),
+    (lambda p: p.subnormals == "flush", lambda p: "subnormals flushed to zero (subnormals=flush)"),
+    (lambda p: "toward_zero" in (p.rounding, p.output_rounding),
+     lambda p: "rounding toward zero (rounding/output_rounding=toward_zero)"),
+)
+
+
+def lossy_choices(policy: Policy) -> list[str]:
+    """The choices of ``policy`` known to lose accuracy against a careful kernel, in words with field and value."""
+    return [words(policy) for test, words in LOSSY if test(policy)]
+
+
 def policy_spec(policy: Policy) -> str:
     """The shortest ``preset:key=value,...`` spec that :func:`~bnprobe.kernels.policy.get_policy` turns back into
     ``policy`` (every field but the name)."""
@@ -521,6 +556,10 @@ def _base(fmt: str, params: str) -> Policy:
     return PRESETS[fmt].with_options(name="identified", params=pf)
 
 
+#: how many of an earlier stage's ties a later stage tries as alternatives
+TIES_TRIED = 12
+
+
 class _Search:
     """The coordinate search over the stages, on the observed probes."""
 
@@ -528,6 +567,12 @@ class _Search:
         self.observed, self.fmt, self.saved_kind, self.tick = observed, fmt, saved_kind, tick
         self.evaluations = 0
         self.runs = 0
+        self.kept: list[str] = []  # outputs the forward stages so far reproduced, which later stages must keep
+        self.ties: dict[str, list[dict[str, Any]]] = {}  # per stage, the changes tied with its choice
+        narrow = {"fp16", "bf16"}
+        self.narrow_stats = any(o.formats.get("saved_mean") in narrow and fmt in narrow and
+                                o.formats.get("saved_mean") != "fp32" for o in observed) and \
+            any(o.formats.get("saved_mean") in narrow for o in observed)
         self.cache: dict[tuple, dict[str, np.ndarray]] = {}
 
     def outputs_of(self, stage: str) -> tuple[str, ...]:
@@ -535,6 +580,8 @@ class _Search:
         pinned = tuple(k for k in STAGE_OUTPUTS[stage] if k in seen)
         if stage == "variance":
             pinned = pinned[:1]
+        if pinned and stage in ("mean", "variance", "rsqrt") and "y" in seen and self.narrow_stats:
+            return pinned + ("y",)  # statistics stored narrower than computed: y, formed from them, shows more
         if not pinned and stage in ("mean", "variance", "rsqrt") and "y" in seen:
             return ("y",)  # statistics the kernel does not return: searched through y
         return pinned
@@ -557,10 +604,12 @@ class _Search:
         return self.cache[key]
 
     def evaluate(self, policy: Policy, stage: str, outputs: tuple[str, ...],
-                 limit: int | None = None) -> dict[str, _Score]:
+                 limit: int | None = None, limit_on: tuple[str, ...] | None = None) -> dict[str, _Score]:
         """The candidate's scores on ``outputs`` over the stage's probes; with ``limit``, stop as soon as it has
-        more mismatching elements than that (a search that has a candidate with ``limit`` mismatches needs no more
-        of a worse one; its score is then a lower bound, marked by infinite ULPs)."""
+        more mismatching elements (in ``limit_on``, default all) than that (a search that has a candidate with
+        ``limit`` mismatches needs no more of a worse one; its score is then a lower bound, marked by infinite
+        ULPs)."""
+        limit_on = outputs if limit_on is None else limit_on
         self.evaluations += 1
         self.tick()
         scores = {k: _Score() for k in outputs}
@@ -570,46 +619,115 @@ class _Search:
                 scores[k].mismatches += s[k].mismatches
                 scores[k].elements += s[k].elements
                 scores[k].max_ulps = max(scores[k].max_ulps, s[k].max_ulps)
-            if limit is not None and sum(v.mismatches for v in scores.values()) > limit:
+            if limit is not None and sum(scores[k].mismatches for k in limit_on) > limit:
                 for k in outputs:
                     scores[k].max_ulps = float("inf")
                 return scores
         return scores
 
+    def break_ties(self, stage: str, outputs: tuple[str, ...], ties: list[tuple]) -> list[tuple]:
+        """Tied candidates of a stage told apart, where they can be, on the subnormal and huge probes (which only
+        the modes stage searches): a prescaled sum that does not overflow, a flush that shows."""
+        extra = [o for o in self.observed if o.probe.modes_only]
+        if len(ties) < 2 or stage == "modes" or not extra:
+            return ties
+        keyed = []
+        for t in ties:
+            n = sum(_score([o], [self.emulated(t[1], "modes", i, o)], outputs)[k].mismatches
+                    for i, o in enumerate(self.observed) if o.probe.modes_only for k in outputs)
+            keyed.append((n, t))
+        low = min(n for n, _ in keyed)
+        return [t for n, t in keyed if n == low]
+
     def stage(self, cur: Policy, stage: str) -> tuple[Policy, dict[str, Any], list[dict[str, Any]]]:
-        """The best candidate of ``stage`` from ``cur``; its summary; the changes of the candidates tied with it."""
-        outputs = self.outputs_of(stage)
-        if not outputs:
+        """The best candidate of ``stage`` from ``cur``; its summary; the changes of the candidates tied with it.
+        A forward stage is scored on what the forward stages before it reproduced too, so a later choice never
+        undoes an earlier match (the variance's division by R must keep the mean that pinned it)."""
+        own = self.outputs_of(stage)
+        if not own:
             return cur, {"pinned_by": [], "exact": None, "candidates": 0}, []
+        kept = tuple(k for k in self.kept if k not in own) if stage in _FORWARD and stage != "modes" else ()
+        outputs = own + kept
+
+        # y appended to a narrow statistic's stage breaks its ties (secondary); the rest must be reproduced first
+        secondary = ("y",) if stage not in ("y", "modes") and len(own) > 1 and own[-1] == "y" else ()
+        primary = tuple(k for k in outputs if k not in secondary)
 
         def total(s: dict[str, _Score]) -> _Score:
             return _Score(sum(v.mismatches for v in s.values()), sum(v.elements for v in s.values()),
                           max(v.max_ulps for v in s.values()))
 
+        def key(s: dict[str, _Score]) -> tuple[int, int, float]:
+            return (sum(s[k].mismatches for k in primary), sum(s[k].mismatches for k in secondary),
+                    max(v.max_ulps for v in s.values()))
+
         # the current policy competes too: a stage never makes the match worse
-        here = total(self.evaluate(cur, stage, outputs))
+        here_s = self.evaluate(cur, stage, outputs)
+        here, best_key = total(here_s), key(here_s)
         best = here
         scored = []
-        for changes in _SPACES[stage](cur, self.fmt):
+        space = list(_SPACES[stage](cur, self.fmt))
+        if stage == "y" and self.outputs_of("rsqrt") == ("y",):  # rsqrt seen only through y: searched with it
+            # (the rsqrt stage's own choice and its ties, and the exact forms: the joint space stays small)
+            joint = [{}] + self.ties.get("rsqrt", [])[:TIES_TRIED] + [r for r in _rsqrt_space(cur, self.fmt)
+                                                                      if r["rsqrt"] in ("exact", "sqrt_div")
+                                                                      and r["division"] == "exact"]
+            space = [{**r, **c} for r in joint for c in space]
+        if stage == "variance" or stage == "rsqrt" and own[0] != "y":  # the earlier statistics' ties (an order
+            # the mean could not tell apart shows in the sum of squares), kept exact by the scoring; (an rsqrt seen
+            # only through y is searched with y's formula instead)
+            earlier = ("mean",) if stage == "variance" else ("mean", "variance")
+            alts = [{}] + [t for st in earlier for t in self.ties.get(st, [])[:TIES_TRIED]]
+            space = [{**alt, **c} for alt in alts for c in space]
+        if stage in ("infer", "backward"):
+            # the earlier stages' ties reproduced the training forward (y in fp16 hides the compute format, an FMA, a
+            # division...); inference and the backward, which compute with them, may tell them apart
+            alts = [{}] + [t for st in ("rsqrt", "y") for t in self.ties.get(st, [])[:TIES_TRIED]]
+            if stage == "infer":  # (inference forms its own rstd: every rsqrt the training forward allows)
+                alts += [{**r, "rstd_format": cur.rstd_format} for r in _rsqrt_space(cur, self.fmt)]
+            space = [{**alt, **c} for alt in alts for c in space]
+        forward = tuple(dict.fromkeys(self.kept + ["y"])) if stage in ("infer", "backward") and \
+            "y" in self.outputs_of("y") else ()
+        own_fields = {k for c in _SPACES[stage](cur, self.fmt) for k in c}
+        for changes in space:
             try:
                 cand = cur.with_options(**changes)
             except BNProbeError:  # (a combination the space does not allow, e.g. Kahan on a pairwise tree)
                 continue
-            t = total(self.evaluate(cand, stage, outputs, limit=best.mismatches))
-            if (t.mismatches, t.max_ulps) < (best.mismatches, best.max_ulps):
-                best = t
-            scored.append(((t.mismatches, t.max_ulps), changes, cand, t))
-        best_key = (best.mismatches, best.max_ulps)
+            sc = self.evaluate(cand, stage, outputs, limit=best_key[0], limit_on=primary)
+            k, t = key(sc), total(sc)
+            if forward and k <= best_key and set(changes) - own_fields and \
+                    total(self.evaluate(cand, "y", forward, limit=0)).mismatches:
+                continue  # (an earlier stage's tie that the stages since have made wrong for the forward)
+            if k < best_key:
+                best, best_key = t, k
+            scored.append((k, changes, cand, t))
         ties = [(c, p, t) for k, c, p, t in scored if k == best_key]
-        chosen = cur if (here.mismatches, here.max_ulps) == best_key else ties[0][1]
-        summary = {"pinned_by": list(outputs), "exact": best.exact, "mismatches": best.mismatches,
+        if key(here_s) == best_key:
+            ties.insert(0, ({}, cur, here))
+        ties = self.break_ties(stage, outputs, ties)
+        # the current policy when it is among the best (a later pass keeps what a later stage chose among the ties),
+        # else the simplest of them (fewest fields away from the format's preset)
+        ties.sort(key=lambda t: (t[1] is not cur, _complexity(t[1])))
+        chosen, best = ties[0][1], ties[0][2]
+        ties = [t for t in ties if t[1] is not cur]
+        if stage in _FORWARD and stage != "modes" and best.exact:
+            self.kept.extend(k for k in own if k not in self.kept)
+        summary = {"pinned_by": list(own), "exact": best.exact, "mismatches": best.mismatches,
                    "elements": best.elements, "max_ulps": best.max_ulps, "candidates": len(scored),
                    "tied": len(ties)}
-        return chosen, summary, [c for c, _, _ in ties]
-
+        self.ties[stage] = [c for c, _, _ in ties]
+        return chosen, summary, self.ties[stage]
 
 def _text(v: Any) -> str:
     return "none" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _complexity(policy: Policy) -> int:
+    """How many fields a policy sets away from its format's preset (the simplest explanation is preferred)."""
+    base = PRESETS.get(policy.storage)
+    return 0 if base is None else sum(getattr(policy, f.name) != getattr(base, f.name) for f in fields(Policy)
+                                      if f.name not in ("name", "params"))
 
 
 def _undistinguished(stage: str, chosen: Policy, ties: list[dict[str, Any]]) -> Undistinguished | None:
@@ -617,6 +735,8 @@ def _undistinguished(stage: str, chosen: Policy, ties: list[dict[str, Any]]) -> 
     alts, names = [], []
     for t in ties:
         diff = {k: v for k, v in t.items() if v != getattr(chosen, k)}
+        if stage == "backward" and not {"backward_formula", "backward_fma"} & set(diff):
+            continue  # (a tie of the y stage's, listed there)
         if diff:
             alts.append(",".join(f"{k}={_text(v)}" for k, v in diff.items()))
             names.extend(k for k in diff if k not in names)
@@ -660,21 +780,57 @@ def _identify_observed(kernel: KernelAdapter, observed: list[_Observed], fresh: 
             break
     policy = cur
     spec = policy_spec(policy)
-    undist = [u for st in STAGES if (u := _undistinguished(st, policy, ties_of.get(st, (policy, []))[1]))]
-    nondet = _nondeterministic(kernel, observed[0])
-    # every observed output of the identified policy, on the search's probes and on the fresh inputs
     seen = [k for k in OUTPUT_STAGE if any(k in o.got for o in observed)]
-    found = {st: search.evaluate(policy, st, tuple(k for k in seen if OUTPUT_STAGE[k] == st)) for st in STAGES}
+    by_stage = {st: tuple(k for k in seen if OUTPUT_STAGE[k] == st) for st in STAGES}
+    mine = {st: search.evaluate(policy, st, outs) for st, outs in by_stage.items() if outs}
+
+    def equivalent(changes: dict[str, Any]) -> bool:
+        """Whether the policy with ``changes`` reproduces every output as well as the one chosen (a tie of one
+        stage that a later stage told apart is not an alternative)."""
+        try:
+            cand = policy.with_options(**changes)
+        except BNProbeError:
+            return False
+        return all(search.evaluate(cand, st, outs)[k].mismatches == mine[st][k].mismatches
+                   for st, outs in by_stage.items() if outs for k in outs)
+
+    undist = [u for st in STAGES
+              if (u := _undistinguished(st, policy, [t for t in ties_of.get(st, (policy, []))[1] if equivalent(t)]))]
+    nondet = _nondeterministic(kernel, observed[0])
+    fresh_scores, layouts = _confirm(policy, fresh, saved_kind, tuple(seen))
+    outputs = _matches(seen, {st: mine.get(st, {}) for st in STAGES}, fresh_scores)
+    departs = next((st for st in STAGES if any(o.stage == st and not (o.probes_exact and o.fresh_exact is not False)
+                                               for o in outputs)), None)
+    unobserved = [k for k in ("saved_mean", "saved_invstd", "running_mean", "running_var", "y_infer", "dx", "dgamma",
+                              "dbeta") if k not in seen and not (k == "saved_invstd" and "saved_var" in seen)]
+    notes = _notes(nondet, layouts, stages, seen)
+    if progress is not None:
+        progress(total_guess, total_guess)
+    return Identified(kernel.name, fmt, params, policy, spec, outputs, undist, departs, stages,
+                      [o.probe.name for o in observed], unobserved, search.evaluations, time.perf_counter() - t0,
+                      nondet, notes, label, layouts)
+
+
+def _confirm(policy: Policy, fresh: list[_Observed], saved_kind: str,
+             seen: tuple[str, ...]) -> tuple[dict[str, _Score], dict[str, list[str]]]:
+    """The identified policy on the fresh inputs: the channels-first ones' scores per output, and per other layout
+    the outputs it does not reproduce."""
     fresh_scores: dict[str, _Score] = {}
     layouts: dict[str, list[str]] = {}
     first = [o for o in fresh if o.rec.layout == "channels_first"]
     if first:
         cand = [_emulate(policy, o, ("train", "infer", "backward"), saved_kind) for o in first]
-        fresh_scores = _score(first, cand, tuple(seen))
+        fresh_scores = _score(first, cand, seen)
     for o in fresh:
         if o.rec.layout != "channels_first":
-            s = _score([o], [_emulate(policy, o, ("train", "infer", "backward"), saved_kind)], tuple(seen))
+            s = _score([o], [_emulate(policy, o, ("train", "infer", "backward"), saved_kind)], seen)
             layouts[o.rec.layout] = [k for k, v in s.items() if v.elements and not v.exact]
+    return fresh_scores, layouts
+
+
+def _matches(seen: list[str], found: dict[str, dict[str, _Score]],
+             fresh_scores: dict[str, _Score]) -> list[OutputMatch]:
+    """Every observed output of the identified policy, on the search's probes and on the fresh inputs."""
     outputs = []
     for k in seen:
         st = OUTPUT_STAGE[k]
@@ -683,10 +839,12 @@ def _identify_observed(kernel: KernelAdapter, observed: list[_Observed], fresh: 
         f_exact = None if f is None or f.elements == 0 else f.exact
         outputs.append(OutputMatch(k, st, s.exact, f_exact, s.mismatches + (f.mismatches if f else 0),
                                    s.elements + (f.elements if f else 0), max(s.max_ulps, f.max_ulps if f else 0.0)))
-    departs = next((st for st in STAGES if any(o.stage == st and not (o.probes_exact and o.fresh_exact is not False)
-                                               for o in outputs)), None)
-    unobserved = [k for k in ("saved_mean", "saved_invstd", "running_mean", "running_var", "y_infer", "dx", "dgamma",
-                              "dbeta") if k not in seen and not (k == "saved_invstd" and "saved_var" in seen)]
+    return outputs
+
+
+def _notes(nondet: list[str], layouts: dict[str, list[str]], stages: dict[str, dict[str, Any]],
+           seen: list[str]) -> list[str]:
+    """What the result's reader must know: nondeterminism, other layouts, stages seen only through y."""
     notes = []
     if nondet:
         notes.append(f"nondeterministic: the same probe run twice gave different {', '.join(nondet)} (a reduction "
@@ -697,20 +855,17 @@ def _identify_observed(kernel: KernelAdapter, observed: list[_Observed], fresh: 
                                    "(identify searches channels_first)" if off else "reproduced bit for bit too"))
     for st in ("mean", "variance", "rsqrt"):
         if stages.get(st, {}).get("pinned_by") == ["y"]:
-            notes.append(f"the kernel returns no saved statistics: the {st} stage was searched through y alone")
-    if progress is not None:
-        progress(total_guess, total_guess)
-    return Identified(kernel.name, fmt, params, policy, spec, outputs, undist, departs, stages,
-                      [o.probe.name for o in observed], unobserved, search.evaluations, time.perf_counter() - t0,
-                      nondet, notes, label, layouts)
+            what = "saves the variance, not invstd" if "saved_var" in seen else "returns no saved statistics"
+            notes.append(f"the kernel {what}: the {st} stage was searched through y alone")
+    return notes
 
 
 def identify(adapter: str | KernelAdapter, dtype: str = "fp16", *, params: str = "fp32", x: np.ndarray | None = None,
              seed: int = 0, eps: float = EPS, momentum: float | None = MOMENTUM, passes: int = 2,
              fresh: bool = True, progress: Callable[[int, int], None] | None = None) -> Identified:
     """The policy that reproduces ``adapter`` bit for bit in ``dtype`` with ``params`` parameters (fp32 or same),
-    searched stage by stage on designed probes (and on ``x``, the user's input, when given), then confirmed on fresh
-    inputs (``fresh``).  Its ``spec`` runs as ``emulated:<spec>``."""
+    searched stage by stage on designed probes, then confirmed on fresh inputs (``fresh``) and on ``x`` (the user's
+    input, channels-first, when given).  Its ``spec`` runs as ``emulated:<spec>``."""
     from bnprobe.checks.run import generated_call
 
     kernel = counters_only(get_adapter(adapter) if isinstance(adapter, str) else adapter)
@@ -725,15 +880,18 @@ def identify(adapter: str | KernelAdapter, dtype: str = "fp16", *, params: str =
     params_format(fmt, params)  # (validated)
     layouts = tuple(caps.layouts)
     designed = probes(fmt, params, seed=seed, eps=eps, momentum=momentum, layouts=layouts)
-    if x is not None:
-        c = np.shape(x)[1]
-        rng = np.random.default_rng([seed, 5])
-        designed.insert(0, Probe("input", BNCall(np.asarray(x, dtype=np.float64), dy=dy_of_kind("shifted", np.shape(x),
-                                                                                                 seed),
-                                                 eps=eps, momentum=momentum, dtype=fmt, params=params,
-                                                 **_vectors(rng, c)), "your input"))
     if caps.saved == "none":
         designed = [p for p in designed if p.name != "tiny-r"]
+    confirm = probes(fmt, params, seed=seed + 7919, eps=eps, momentum=momentum, layouts=layouts, fresh=True) \
+        if fresh else []
+    if x is not None:  # the user's input confirms the recipe (the search runs on the designed probes)
+        xa = np.asarray(x, dtype=np.float64)
+        if xa.ndim < 2:
+            raise BNProbeError(f"identify: x must be (N, C, ...), got shape {xa.shape}")
+        rng = np.random.default_rng([seed, 5])
+        confirm.insert(0, Probe("input", BNCall(xa, dy=dy_of_kind("shifted", xa.shape, seed), eps=eps,
+                                                momentum=momentum, dtype=fmt, params=params,
+                                                **_vectors(rng, xa.shape[1])), "your input"))
 
     def observe_all(ps: list[Probe]) -> list[_Observed]:
         out = []
@@ -746,28 +904,82 @@ def identify(adapter: str | KernelAdapter, dtype: str = "fp16", *, params: str =
                 raise BNProbeError(f"identify: {kernel.name} refused the probe {p.name}: {exc}") from None
         return out
 
-    observed = observe_all(designed)
-    confirm = observe_all(probes(fmt, params, seed=seed + 7919, eps=eps, momentum=momentum, layouts=layouts,
-                                 fresh=True)) if fresh else []
-    return _identify_observed(kernel, observed, confirm, fmt, params, passes=passes, progress=progress)
+    observed, confirmed = observe_all(designed), observe_all(confirm)
+    res = _identify_observed(kernel, observed, confirmed, fmt, params, passes=passes, progress=progress)
+    seen_only = [o for o in res.outputs if o.probes_exact and o.fresh_exact is False]
+    if fresh and seen_only and not res.nondeterministic:
+        # the search's probes could not tell apart what the fresh inputs did: they join the search, and another
+        # fresh set, never seen, confirms
+        again = observe_all(probes(fmt, params, seed=seed + 2 * 7919, eps=eps, momentum=momentum, layouts=layouts,
+                                   fresh=True))
+        first = res
+        res = _identify_observed(kernel, observed + [o for o in confirmed if o.rec.layout == "channels_first"],
+                                 again + [o for o in confirmed if o.rec.layout != "channels_first"], fmt, params,
+                                 passes=passes, progress=progress)
+        res.evaluations += first.evaluations
+        res.seconds += first.seconds
+        res.notes.append(f"the first search's probes did not tell apart what fresh inputs showed in "
+                         f"{', '.join(o.output for o in seen_only)}: those inputs joined the search and a second "
+                         "fresh set confirmed it")
+    return res
 
 
-def identify_recorded(recorded: Any, *, passes: int = 2,
+def _slice_channels(rec: Any, idx: np.ndarray) -> Any:
+    """The recorded call restricted to the channels ``idx`` (BatchNorm's channels are independent: every tensor
+    taken along the channel axis, every per-channel vector at those channels)."""
+    import dataclasses
+
+    call = rec.call()
+    axis = 1 if rec.layout == "channels_first" else np.ndim(call.x) - 1
+    c = np.shape(call.x)[axis]
+
+    def take(v: Any) -> Any:
+        if not isinstance(v, np.ndarray) or v.ndim == 0:
+            return v
+        if v.ndim == np.ndim(call.x) and v.shape[axis] == c:
+            return np.take(v, idx, axis=axis)
+        if v.ndim == 1 and v.shape[0] == c:
+            return v[idx]
+        return v
+
+    tensors = {m: {io: {k: take(v) for k, v in named.items()} for io, named in ios.items()}
+               for m, ios in rec.tensors.items()}
+    return dataclasses.replace(rec, tensors=tensors, meta={**rec.meta, "channels_of": [int(i) for i in idx]})
+
+
+#: the search on a recorded call runs on as many of its channels (spread over them, at least 6) as keep it within
+#: this many values; the whole call then confirms what it found
+SEARCH_VALUES = 1 << 16
+
+
+def identify_recorded(recorded: Any, *, passes: int = 3,
                       progress: Callable[[int, int], None] | None = None) -> IdentifiedCalls:
     """identify on every selected call of a recording (a :class:`~bnprobe.checks.recorded.Recorded`), each on its
-    own recorded inputs only (no fresh inputs: the recording has none), one call in memory at a time."""
+    own recorded inputs only, one call in memory at a time: the search runs on channels spread over the call
+    (:data:`SEARCH_VALUES`; channels are independent), and the identified policy is then confirmed on all of them."""
     recorded.calls.require_tensors("identify")
     kernel = counters_only(recorded.kernel)
+    replay = kernel.capabilities().recorded
     results = []
     for c in recorded.calls.calls:
         rec = c.load()
         call = rec.call()
-        probe = Probe(c.label, call, "the recorded call")
-        k = kernel.bind(rec) if kernel.capabilities().recorded else kernel
-        obs = [_observe(k, probe, rec)]
-        res = _identify_observed(k, obs, [], rec.dtype, rec.params_mode, passes=passes, progress=progress,
+        channels = np.shape(call.x)[1 if rec.layout == "channels_first" else -1]
+        per_channel = max(1, np.size(call.x) // max(channels, 1))
+        want = min(channels, max(6, SEARCH_VALUES // per_channel))
+        idx = np.unique(np.linspace(0, channels - 1, want).round().astype(int))
+        sub = _slice_channels(rec, idx)
+        k = kernel.bind(sub) if replay else kernel
+        obs = [_observe(k, Probe(c.label, sub.call(), f"the recorded call, channels {list(map(int, idx))}"), sub)]
+        whole = []
+        if len(idx) < channels:
+            kw = kernel.bind(rec) if replay else kernel
+            whole = [_observe(kw, Probe(c.label, call, "the recorded call, every channel"), rec)]
+        res = _identify_observed(k, obs, whole, rec.dtype, rec.params_mode, passes=passes, progress=progress,
                                  label=c.label)
-        res.notes.append("a recording holds only its own inputs: the fields they cannot tell apart are listed, and "
-                         "the policy is not confirmed on fresh inputs")
+        which = "every channel" if len(idx) == channels else \
+            f"channels {', '.join(map(str, idx))} of {channels}, confirmed on every channel"
+        res.notes.append(f"searched on the recorded inputs alone ({which}): a recording cannot be probed, so the "
+                         "fields its data cannot tell apart are listed")
         results.append(res)
     return IdentifiedCalls(recorded.calls.source, results)

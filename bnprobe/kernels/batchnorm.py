@@ -29,7 +29,7 @@ from bnprobe.kernels.layout import Layout, as_channel_vector, check_eps, check_m
 from bnprobe.kernels.policy import Policy, get_policy
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.arith import Arith, Tally, as_carrier, fits_float32, fma_wide
-from bnprobe.numerics.reduce import reduce_sum
+from bnprobe.numerics.reduce import reduce_sum, vec_dot
 from bnprobe.numerics.rounding import RoundingSpec, round_to
 from bnprobe.numerics.rsqrt import divide, rsqrt_ascend950
 from bnprobe.numerics.rsqrt import rsqrt as nrsqrt
@@ -586,6 +586,8 @@ def _backward_block(run: _Run, dy: np.ndarray | Source, x: np.ndarray | Source, 
                     r: int) -> dict[str, np.ndarray | None]:
     """Backward of one channel block (channel-first arrays; dx is None when the compiled route wrote it)."""
     pol, acc, comp = run.policy, run.acc, run.comp
+    if pol.backward_formula == "torch" and training:
+        return _backward_torch(run, dy, x, g, mu, inv, r)
     with np.errstate(all="ignore"):
         first = None if run.fused is None else run.fused.backward_first(dy, x, mu, inv)
         if first is not None:  # loads, centered, xhat and both sums in one compiled pass, nothing stored
@@ -632,6 +634,46 @@ def _backward_block(run: _Run, dy: np.ndarray | Source, x: np.ndarray | Source, 
             d = comp.add(dyc, comp.mul(xc, c[0], t), t)
             d = comp.add(d, c[1], t)
         dx_c = run.op("dx_compute", comp, np.multiply, d, c[-1], tally=t)
+        dx = run.output("dx", run.out, dx_c)
+    return {"dx": dx, "dgamma": dgamma, "dbeta": dbeta}
+
+
+def _backward_torch(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray, inv: np.ndarray,
+                    r: int) -> dict[str, np.ndarray | None]:
+    """PyTorch CPU's training backward (``backward_formula=torch``): Σdy and Σ(x − mean)·dy in the policy's order
+    (fused as ``backward_fma`` says), dγ = Σ(x − mean)dy·invstd, k = dγ·invstd / R, and
+    dx = (fma(−(x − mean), k, dy − Σdy/R)·invstd)·γ, every step rounded in the compute format."""
+    pol, acc, comp = run.policy, run.acc, run.comp
+    with np.errstate(all="ignore"):
+        dys = run.load("dy", dy, run.storage)
+        xs = run.load("x", x, run.storage)
+        ga = acc.round(run.param(g))
+        mean = acc.round(run.param(mu))
+        invstd = acc.round(run.param(inv))
+        xc = run.cast("x_compute", xs, pol.storage, comp)
+        dyc = run.cast("dy_compute", dys, pol.storage, comp)
+        centered = run.op("centered", comp, np.subtract, xc, run.col(comp, mean))
+        dya = run.cast("dy_acc", dys, pol.storage, acc)
+        t = run.tally()
+        sum_dy = run.rec("sum_dy", acc, run.reduce(dya, t), t)
+        t = run.tally()
+        if pol.backward_fma == "none":
+            dot = run.reduce(dya, t, times=centered)
+        else:
+            dot = vec_dot(np.asarray(centered, dtype=np.float64), np.asarray(dya, dtype=np.float64), acc,
+                          lanes=pol.lanes, unroll=pol.unroll, row=run.row, fused_tail=pol.backward_fma == "all",
+                          tally=t)
+        dot = run.rec("sum_dy_centered", acc, dot, t)
+        dg = acc.mul(dot, invstd)
+        dbeta = run.rec("dbeta", run.params, sum_dy)
+        dgamma = run.rec("dgamma", run.params, dg)
+        k = run.rec("k", acc, acc.div(acc.mul(dg, invstd), float(r)))
+        mean_dy = run.rec("mean_dy", acc, acc.div(sum_dy, float(r)))
+        t = run.tally()
+        d = comp.sub(dyc, run.col(comp, mean_dy), t)
+        d = comp.round(fma_wide(-np.asarray(centered, dtype=np.float64), run.col(comp, k), d), t)
+        d = comp.mul(d, run.col(comp, invstd), t)
+        dx_c = run.op("dx_compute", comp, np.multiply, d, run.col(comp, ga), tally=t)
         dx = run.output("dx", run.out, dx_c)
     return {"dx": dx, "dgamma": dgamma, "dbeta": dbeta}
 

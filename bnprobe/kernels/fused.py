@@ -48,7 +48,8 @@ def compiled_route(policy: Any, keep_arrays: bool, overrides: dict[str, np.ndarr
     """Whether a kernel call with this policy takes the compiled route (see the module notes)."""
     if keep_arrays or overrides or not jit_enabled():
         return False
-    if policy.order == "vec" or policy.rstd_format is not None:  # (orders and formats the kernels do not have)
+    if policy.order == "vec" or policy.rstd_format is not None or policy.backward_formula == "torch":
+        # (orders, formats and formulas the kernels do not have)
         return False
     formats = {policy.storage, policy.params_format, policy.compute, policy.accumulate}
     if not formats <= _FORMATS or "stochastic" in (policy.rounding, policy.output_spec.rounding):

@@ -16,7 +16,7 @@ from bnprobe.numerics.variance import MEAN_BY, VARIANCES
 
 __all__ = ["Policy", "PRESETS", "get_policy", "Y_FORMULAS", "RSQRT_METHODS", "BACKWARD_FORMULAS", "SQRT_METHODS",
            "DIVISIONS", "RECIP_METHODS",
-           "RUNNING_MOMENTA", "RUNNING_VARS", "UNBIASED_BY"]
+           "RUNNING_MOMENTA", "RUNNING_VARS", "UNBIASED_BY", "BACKWARD_FMAS"]
 
 # How y is formed from the statistics:
 #   xhat   : xhat = (x - mean) * rstd; y = gamma * xhat + beta
@@ -39,7 +39,11 @@ RECIP_METHODS: tuple[str, ...] = ("exact", "magic", "table", "frecpe")
 # standard : dx = gamma*rstd*(dy - mean(dy) - xhat*mean(dy*xhat))
 # ascend   : dx = (dy + mult*x + addend) * gamma/sigma, mult = -(dgamma/R)/sigma,
 #            addend = (mean/sigma)(dgamma/R) - dbeta/R   (BNTrainingReduceGrad)
-BACKWARD_FORMULAS: tuple[str, ...] = ("standard", "ascend")
+# torch    : dx = ((dy - mean(dy)) - (x - mean)·k)·invstd·gamma, k = Σ(x - mean)dy·invstd²/R, the first product
+#            fused (PyTorch CPU's 16-bit kernels), Σ(x - mean)·dy by fused multiply-adds as backward_fma says
+BACKWARD_FORMULAS: tuple[str, ...] = ("standard", "ascend", "torch")
+# backward_fma: which multiply-adds of the backward's Σ(x - mean)·dy are fused: none, the vector body (lanes) or all
+BACKWARD_FMAS: tuple[str, ...] = ("none", "body", "all")
 # what the call's momentum m weighs in the running update: the batch's value (PyTorch, TensorFlow's fused kernel,
 # MindSpore's primitive: new = (1-m)·old + m·batch) or the old value's (flax, Keras, Paddle: new = m·old + (1-m)·batch)
 RUNNING_MOMENTA: tuple[str, ...] = ("new", "old")
@@ -99,6 +103,7 @@ class Policy:
     recip_newton: int = 2
     recip_bits: int = 12
     backward_formula: str = "standard"
+    backward_fma: str = "none"  # BACKWARD_FMAS (order=vec)
     # normalise with the batch statistics rounded to the params format, as the interface stores them
     # (PyTorch's CPU kernel does this with same-format parameters: model.half(), model.bfloat16())
     stored_stats: bool = False
@@ -124,7 +129,7 @@ class Policy:
             "backward_formula": BACKWARD_FORMULAS, "sqrt": SQRT_METHODS, "division": DIVISIONS,
             "recip": RECIP_METHODS, "newton_form": NEWTON_FORMS, "core_combine": COMBINES,
             "unbiased_r1": UNBIASED_R1, "running_momentum": RUNNING_MOMENTA, "running_var": RUNNING_VARS,
-            "infer_y_formula": (None,) + Y_FORMULAS, "unbiased_by": UNBIASED_BY,
+            "infer_y_formula": (None,) + Y_FORMULAS, "unbiased_by": UNBIASED_BY, "backward_fma": BACKWARD_FMAS,
         }
         for attr, valid in choices.items():
             if getattr(self, attr) not in valid:
@@ -150,6 +155,8 @@ class Policy:
         for name in ("core_parts", "lanes", "tiles", "unroll"):
             if not 1 <= getattr(self, name) <= 4096:
                 raise BNProbeError(f"policy {name} must be 1 to 4096, got {getattr(self, name)}")
+        if self.backward_fma != "none" and self.order != "vec":
+            raise BNProbeError("policy backward_fma fuses the lanes of order=vec: give order=vec")
         if self.kahan and self.order == "pairwise":
             raise BNProbeError("policy kahan=True needs order=sequential or order=lanes")
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from bnprobe.errors import BNProbeError
-from bnprobe.numerics.arith import Arith, Tally, as_carrier
+from bnprobe.numerics.arith import Arith, Tally, as_carrier, fma_wide
 
-__all__ = ["ORDERS", "COMBINES", "reduce_sum", "tree_sum", "split_parts"]
+__all__ = ["ORDERS", "COMBINES", "reduce_sum", "tree_sum", "split_parts", "vec_dot"]
 
 # vec: at::vec-style (PyTorch CPU): per row of the layout's contiguous extent, full blocks of lanes x unroll values
 # go to ``lanes`` accumulators (value p to lane p mod lanes), the rest of the row to one scalar tail; both persist
@@ -163,6 +163,43 @@ def _vec(x: np.ndarray, acc: Arith, tally: Tally | None, lanes: int, unroll: int
         total = np.zeros(c)
     if full < row:
         tail = _sequential(np.ascontiguousarray(xr[:, :, full:].reshape(c, -1)), acc, tally, kahan)
+        total = acc.add(tail, total, tally)
+    return total
+
+
+def _fused_sequential(a: np.ndarray, b: np.ndarray, acc: Arith, fused: bool, tally: Tally | None) -> np.ndarray:
+    """Σ a·b along axis 1 in order: s = fma(a, b, s) (one rounding per step), or s + fl(a·b) (two)."""
+    s = np.zeros(a.shape[0])
+    for j in range(a.shape[1]):
+        if fused:
+            s = acc.round(fma_wide(a[:, j], b[:, j], s), tally)
+        else:
+            s = acc.add(s, acc.mul(a[:, j], b[:, j], tally), tally)
+    return s
+
+
+def vec_dot(a: np.ndarray, b: np.ndarray, acc: Arith, *, lanes: int, unroll: int = 1, row: int | None = None,
+            fused_body: bool = True, fused_tail: bool = True, tally: Tally | None = None) -> np.ndarray:
+    """Σ a·b of each row of two ``(C, R)`` arrays in the ``vec`` order (:data:`ORDERS`), each lane and the tail
+    accumulating by fused multiply-adds (``fused_body``, ``fused_tail``) or by rounded products: a vectorised dot
+    product such as PyTorch CPU's backward's Σ(x − mean)·dy."""
+    c, r = a.shape
+    row = r if not row or r % row else row
+    rows, block = r // row, lanes * unroll
+    full = (row // block) * block
+    ar, br = a.reshape(c, rows, row), b.reshape(c, rows, row)
+    total = np.zeros(c)
+    if full:
+        def body(v: np.ndarray) -> np.ndarray:
+            return v[:, :, :full].reshape(c, rows * full // lanes, lanes).transpose(0, 2, 1).reshape(c * lanes, -1)
+
+        per_lane = _fused_sequential(body(ar), body(br), acc, fused_body, tally).reshape(c, lanes)
+        total = per_lane[:, 0]
+        for j in range(1, lanes):
+            total = acc.add(total, per_lane[:, j], tally)
+    if full < row:
+        tail = _fused_sequential(ar[:, :, full:].reshape(c, -1), br[:, :, full:].reshape(c, -1), acc, fused_tail,
+                                 tally)
         total = acc.add(tail, total, tally)
     return total
 

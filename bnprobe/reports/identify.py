@@ -1,0 +1,80 @@
+"""The report of identify: the policy found, per output whether it is reproduced bit for bit, the stages, the
+fields the probes could not tell apart, and where the kernel departs from the policy space."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bnprobe._table import render_table
+from bnprobe.reports import Report, file_stem
+
+__all__ = ["identify_report", "identify_recorded_report"]
+
+
+def _ulps(v: float) -> Any:
+    return "-" if v == 0 else ("inf" if v == float("inf") else v)
+
+
+def _blocks(res: Any) -> list[str]:
+    """The outputs, stages and undistinguished fields of one identification."""
+    rows = [{"output": o.output, "stage": o.stage, "bit": "yes" if o.probes_exact and o.fresh_exact is not False
+             else "NO", "probes": "exact" if o.probes_exact else "differs",
+             "fresh": {True: "exact", False: "differs", None: "-"}[o.fresh_exact],
+             "mism": f"{o.mismatches}/{o.elements}", "ulps": _ulps(o.max_ulps)} for o in res.outputs]
+    out = [render_table(rows, ["output", "stage", "bit", "probes", "fresh", "mism", "ulps"],
+                        headers=["output", "stage", "bit for bit", "search probes", "fresh inputs",
+                                 "mismatching", "max ULPs off"])]
+    stages = [{"stage": st, "pinned": ", ".join(v.get("pinned_by", [])) or "(not observed)",
+               "cands": v.get("candidates", 0), "exact": {True: "yes", False: "NO", None: "-"}[v.get("exact")],
+               "tied": v.get("tied", "-")} for st, v in res.stages.items()]
+    out += ["", render_table(stages, ["stage", "pinned", "cands", "exact", "tied"],
+                             headers=["stage", "pinned by", "candidates", "reproduced", "tied"])]
+    if res.undistinguished:
+        out += ["", "not distinguished by these probes (each alternative reproduced the stage as well):"]
+        out += [f"  {u.stage}: {u.chosen} or {' | '.join(u.alternatives[:4])}"
+                + (f" (+{len(u.alternatives) - 4} more)" if len(u.alternatives) > 4 else "")
+                + f" — would tell: {u.probe}" for u in res.undistinguished]
+    if res.unobserved:
+        out.append(f"not returned by the kernel, so not identified: {', '.join(res.unobserved)}")
+    return out
+
+
+def _title(res: Any, what: str) -> str:
+    verdict = (f"reproduced bit for bit by emulated:{res.spec}" if res.reproduced else
+               f"departs from the policy space at the {res.departs} stage; closest: emulated:{res.spec}")
+    return f"identify {what}: {verdict}"
+
+
+def _markdown(title: str, blocks: list[str], notes: list[str]) -> str:
+    return f"# {title}\n\n```\n" + "\n".join(blocks) + "\n```\n\n" + "".join(f"- {n}\n" for n in notes)
+
+
+def identify_report(res: Any) -> Report:
+    """identify on one kernel (generated probes)."""
+    title = _title(res, f"{res.adapter} in {res.dtype}, params {res.params}")
+    blocks = _blocks(res) + [f"{len(res.probes)} probes ({', '.join(res.probes)}); {res.evaluations} candidate "
+                             f"evaluations, {res.seconds:.1f} s"]
+    return Report(title, blocks, list(res.notes), res.reproduced, res.to_dict(),
+                  file_stem("identify", res.adapter, res.dtype), res.to_frame(), _markdown(title, blocks, res.notes))
+
+
+def identify_recorded_report(run: Any) -> Report:
+    """identify on every recorded call: one row per call, then each call's outputs."""
+    import pandas as pd
+
+    rows = [{"#": i, "call": r.label, "format": r.dtype, "params": r.params,
+             "found": "bit for bit" if r.reproduced else f"departs at {r.departs}", "policy": r.spec}
+            for i, r in enumerate(run.results)]
+    table = render_table(rows, ["#", "call", "format", "params", "found", "policy"],
+                         headers=["#", "call (forward order)", "format", "params", "reproduced", "policy"])
+    kernel = run.results[0].adapter if run.results else "the dump"
+    title = (f"identify {kernel} on {len(run.results)} recorded call(s) of {run.source}: "
+             + ("every call reproduced bit for bit" if run.reproduced else
+                f"{sum(not r.reproduced for r in run.results)} call(s) depart from the policy space"))
+    blocks = [table]
+    for r in run.results:
+        blocks += ["", f"{r.label}: emulated:{r.spec}", *_blocks(r)]
+    notes = [f"{r.label}: {n}" for r in run.results for n in r.notes]
+    frame = pd.DataFrame([{"call": r.label, **o.to_dict()} for r in run.results for o in r.outputs])
+    return Report(title, blocks, notes, run.reproduced, run.to_dict(), file_stem("identify", kernel, "recorded"),
+                  frame, _markdown(title, blocks, notes))

@@ -1,0 +1,205 @@
+"""identify: the recipe of a black-box kernel, found in the policy space and checked bit for bit on inputs it never
+saw — by running the identified spec and the kernel side by side here, not by identify's own verdict."""
+
+import json
+
+import numpy as np
+import pytest
+
+from bnprobe.adapters.base import BackwardOutput, BaseAdapter, Capabilities, ForwardOutput, params_mode
+from bnprobe.adapters.emulated import EmulatedAdapter
+from bnprobe.call import BNCall
+from bnprobe.checks.identify import identify, identify_recorded, policy_spec
+from bnprobe.checks.recorded import recording_of
+from bnprobe.checks.run import generated_call, run_call
+from bnprobe.cli import main
+from bnprobe.kernels.policy import Policy, get_policy
+
+from .bn_plugins import NumpyBN
+
+OUTPUTS = ("y", "saved_mean", "saved_invstd", "running_mean", "running_var", "y_infer", "dx", "dgamma", "dbeta")
+
+
+class BlackBox(BaseAdapter):
+    """An emulated policy behind the plain adapter interface: outputs only, no trace, no name that tells."""
+
+    def __init__(self, policy: Policy) -> None:
+        self._k = EmulatedAdapter(policy_spec(policy))
+        self._k.keep_arrays = False
+        self._fmt = policy.storage
+        self.name = "black-box"
+
+    def capabilities(self):
+        return Capabilities(formats=(self._fmt,), saved="invstd")
+
+    def _opts(self, p):
+        return dict(dtype=p.dtype, layout=p.lay.layout, params=params_mode(p.dtype, p.params))
+
+    def _forward_train_impl(self, p, *, momentum, eps):
+        v = p.vectors
+        o = self._k.forward_train(p.x, v["gamma"], v["beta"], v["running_mean"], v["running_var"], momentum=momentum,
+                                  eps=eps, **self._opts(p))
+        return ForwardOutput(o.y, o.saved, o.running_mean, o.running_var)
+
+    def _forward_infer_impl(self, p, *, eps):
+        v = p.vectors
+        return ForwardOutput(self._k.forward_infer(p.x, v["gamma"], v["beta"], v["running_mean"], v["running_var"],
+                                                   eps=eps, **self._opts(p)).y)
+
+    def _backward_impl(self, p, dy, saved, *, eps, training):
+        o = self._k.backward(dy, p.x, p.vectors["gamma"], saved, eps=eps, training=training, **self._opts(p))
+        return BackwardOutput(o.dx, o.dgamma, o.dbeta)
+
+
+def draw(rng: np.random.Generator) -> Policy:
+    """A policy with random fields (the choices real kernels make), as a target to recover."""
+    fmt = str(rng.choice(["fp16", "bf16", "fp32"]))
+    params = fmt if fmt != "fp32" and rng.random() < 0.3 else "fp32"
+    acc = fmt if fmt != "fp32" and rng.random() < 0.3 else "fp32"
+    order = [dict(order="sequential"), dict(order="pairwise"), dict(order="lanes", lanes=int(rng.choice([8, 16, 32]))),
+             dict(order="vec", lanes=8, unroll=int(rng.choice([1, 2])))][rng.integers(4)]
+    rsqrt = [dict(rsqrt="exact"), dict(rsqrt="sqrt_div"), dict(rsqrt="table", rsqrt_newton=1, rsqrt_bits=7),
+             dict(rsqrt="magic", rsqrt_newton=2)][rng.integers(4)]
+    f = dict(storage=fmt, params=params, accumulate=acc, compute=acc, **order, **rsqrt,
+             mean_by=str(rng.choice(["divide", "reciprocal"])),
+             variance=str(rng.choice(["two_pass", "naive", "welford"])),
+             y_formula=str(rng.choice(["xhat", "scale", "affine"])), fma=bool(rng.random() < 0.5),
+             running_momentum=str(rng.choice(["new", "old"])), running_var=str(rng.choice(["unbiased", "biased"])),
+             backward_formula=str(rng.choice(["standard", "ascend"])),
+             infer_y_formula=[None, "affine"][rng.integers(2)])
+    if f["variance"] == "welford":
+        f.update(lanes=8, order="pairwise", unroll=1)
+    return Policy("target", **f)
+
+
+TARGETS = [draw(np.random.default_rng([2026, i])) for i in range(10)]
+
+
+def fresh_call(fmt: str, params: str, seed: int, layout: str = "channels_first") -> BNCall:
+    """Inputs identify never saw: another seed, shape and scale (large per-channel means and scales)."""
+    rng = np.random.default_rng([seed, 77])
+    c = 7
+    means = rng.choice([-2e3, -40.0, 0.0, 5.0, 300.0, 1e3], c) * (3.0 if fmt != "fp16" else 1.0)
+    x = means[None, :, None, None] + rng.uniform(0.02, 6.0, c)[None, :, None, None] * rng.standard_normal((5, c, 6, 19))
+    dy = rng.standard_normal(x.shape) + rng.normal(0, 2, c)[None, :, None, None]
+    if layout == "channels_last":
+        x, dy = np.moveaxis(x, 1, -1), np.moveaxis(dy, 1, -1)
+    return BNCall(np.ascontiguousarray(x), rng.uniform(0.2, 4, c), rng.normal(0, 2, c), means + rng.normal(0, 1, c),
+                  rng.uniform(0.1, 9, c), np.ascontiguousarray(dy), 1e-5, 0.1, True, fmt, params, layout)
+
+
+def side_by_side(kernel, spec: str, call: BNCall) -> dict[str, int]:
+    """Mismatching elements per output of the kernel and emulated:<spec> on the call (NaN equal to NaN)."""
+    rec = generated_call(call, label="fresh")
+    a = run_call(kernel, rec, quiet=True)
+    b = run_call(EmulatedAdapter(spec), rec, golden=None, quiet=True)
+    out = {}
+    for k in a.got:
+        x, y = np.asarray(a.got[k], dtype=np.float64), np.asarray(b.got[k], dtype=np.float64)
+        out[k] = int((~((x == y) | (np.isnan(x) & np.isnan(y)))).sum())
+    return out
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=[policy_spec(t) for t in TARGETS])
+def test_a_black_box_policy_is_recovered_bit_for_bit_on_inputs_it_never_saw(target):
+    params = params_mode(target.storage, target.params_format)
+    kernel = BlackBox(target)
+    res = identify(kernel, target.storage, params=params)
+    assert res.reproduced, (res.spec, res.departs)
+    off = side_by_side(kernel, res.spec, fresh_call(target.storage, params, seed=99))
+    assert set(off) >= set(OUTPUTS)
+    assert not any(off.values()), off
+    assert get_policy(res.spec).storage == target.storage
+
+
+def test_the_spec_round_trips():
+    for t in TARGETS:
+        back = get_policy(policy_spec(t))
+        assert {k: v for k, v in back.to_dict().items() if k != "name"} == \
+            {k: v for k, v in t.to_dict().items() if k != "name"}
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_torch_cpu_16_bit_is_reproduced_bit_for_bit_on_fresh_inputs(fmt):
+    pytest.importorskip("torch")
+    import torch
+
+    torch.set_num_threads(1)
+    res = identify("torch", fmt)
+    assert res.reproduced and res.departs is None, res.spec
+    for seed in (5, 6):
+        off = side_by_side(get_adapter_torch(), res.spec, fresh_call(fmt, "fp32", seed))
+        assert set(off) >= set(OUTPUTS) and not any(off.values()), off
+    # torch's channels_last kernel computes another way, and identify says so rather than claiming it
+    assert any(n.startswith("channels_last: ") and "not reproduced" in n for n in res.notes)
+
+
+def get_adapter_torch():
+    from bnprobe.adapters import get_adapter
+
+    return get_adapter("torch")
+
+
+def test_torch_cpu_fp32_departs_and_says_where():
+    pytest.importorskip("torch")
+    res = identify("torch", "fp32", passes=1)
+    assert not res.reproduced and res.departs is not None
+    off = [o for o in res.outputs if not (o.probes_exact and o.fresh_exact is not False)]
+    assert off and all(o.max_ulps > 0 for o in off)
+
+
+def test_a_kernel_outside_the_space_is_never_called_a_match():
+    res = identify(NumpyBN("eps-on-sigma"), "fp16", passes=1)  # 1/(σ + ε): no policy puts ε there
+    assert not res.reproduced
+    assert res.departs in ("rsqrt", "variance", "mean", "y")
+    assert any(o.max_ulps > 0 and not o.probes_exact for o in res.outputs)
+
+
+def test_a_nondeterministic_kernel_is_reported_as_such():
+    res = identify("ascend-tbe", "fp16", passes=1)
+    assert res.nondeterministic and not res.reproduced
+    assert any("nondeterministic" in n for n in res.notes)
+
+
+def test_cli_json_and_bad_input(capsys, tmp_path):
+    assert main(["identify", "--adapter", "emulated:fp16-acc16", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["reproduced"] and doc["policy"].startswith("fp16-acc16")
+    assert main(["identify", "--adapter", "emulated:fp16", "--dtype", "bf16"]) == 2
+    assert "does not run bf16" in capsys.readouterr().err
+    assert main(["identify", "--adapter", "emulated:fp16", "--mean", "3"]) == 2
+    assert "--shape" in capsys.readouterr().err
+    assert main(["identify", "--adapter", "emulated:fp16", "--calls", "x*"]) == 2
+    capsys.readouterr()
+
+
+def test_cli_on_a_dump_per_call(capsys, tmp_path):
+    d = tmp_path / "d"
+    assert main(["dump", "--adapter", "emulated:fp16:order=lanes,lanes=16,y_formula=affine", "--dtype", "fp16",
+                 "--shape", "4,8,6,6", "--mean", "20", "--out", str(d)]) in (0, None)
+    capsys.readouterr()
+    assert main(["identify", "--adapter", f"dump:{d}", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (call,) = doc["calls"]
+    assert call["reproduced"] and "order=lanes" in call["policy"] and "y_formula=affine" in call["policy"]
+
+
+def test_identify_recorded_names_every_call_and_searches_a_spread_of_channels(tmp_path):
+    d = tmp_path / "d"
+    assert main(["dump", "--adapter", "emulated:bf16", "--dtype", "bf16", "--shape", "2,40,40,40", "--out",
+                 str(d)]) in (0, None)
+    run = identify_recorded(recording_of(f"dump:{d}"))
+    (res,) = run.results
+    assert res.reproduced
+    assert any("confirmed on every channel" in n for n in res.notes)  # 64,000 values: the search took a spread
+
+
+def test_doctor_names_a_lossy_recipe_in_words_with_field_and_value(capsys):
+    from bnprobe.checks.diagnosis import doctor
+
+    rep = doctor("emulated:fp16:variance=naive", "fp16", recipe=True, stability=True)
+    assert not rep.passed
+    words = [d for d in rep.diagnosis if d.startswith("its recipe")]
+    assert words and "variance=naive" in words[0] and "single-pass" in words[0]
+    assert main(["doctor", "--adapter", "dump:/nonexistent", "--recipe"]) == 2
+    assert "bnprobe identify" in capsys.readouterr().err
