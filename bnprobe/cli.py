@@ -88,6 +88,21 @@ def _show(report, sink=None, as_json: bool = False) -> int:  # noqa: ANN001 - Re
     return 0 if report.passed else 1
 
 
+def split_adapters(text: str) -> list[str]:
+    """``--adapters``' list: comma-separated adapters, where a ``key=value`` after a comma continues the adapter
+    before it (``emulated:fp16:order=lanes,lanes=16,torch`` is two adapters: a policy spec identify printed, and
+    torch)."""
+    out: list[str] = []
+    for tok in (t.strip() for t in text.split(",")):
+        if not tok:
+            continue
+        if out and "=" in tok and ":" not in tok.partition("=")[0]:
+            out[-1] += "," + tok
+        else:
+            out.append(tok)
+    return out
+
+
 def _echo(lines: list[str]) -> None:
     for line in lines:
         typer.echo(line)
@@ -486,7 +501,7 @@ def compare_precision_cmd(
         fmts = report_formats(format)
     except BNProbeError as exc:
         raise BNProbeError(f"--format: {exc}") from None
-    names = [a.strip() for a in adapters.split(",") if a.strip()]
+    names = split_adapters(adapters)
     if not names:
         raise BNProbeError("--adapters is empty")
     if (found := _sweep_root(names[0], input, (sweep, workers, scheduler, resume))) is not None:

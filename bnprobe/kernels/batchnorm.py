@@ -596,13 +596,7 @@ def _backward_block(run: _Run, dy: np.ndarray | Source, x: np.ndarray | Source, 
             sum_dy = run.rec("sum_dy", acc, sums[:, 0], run.fused.tally(run.tally(), tallies[:, 0]))
             sum_dy_xhat = run.rec("sum_dy_xhat", acc, sums[:, 1], run.fused.tally(run.tally(), tallies[:, 1]))
         else:
-            dys = run.load("dy", dy, run.storage)
-            xs = run.load("x", x, run.storage)
-            ga = acc.round(run.param(g))
-            mean = acc.round(run.param(mu))
-            invstd = acc.round(run.param(inv))
-            xc = run.cast("x_compute", xs, pol.storage, comp)
-            dyc = run.cast("dy_compute", dys, pol.storage, comp)
+            dys, ga, mean, invstd, xc, dyc = _backward_loads(run, dy, x, g, mu, inv)
             if run.fused is not None:
                 xhat = run.fused.center_scale(xc, mean, invstd)
             else:
@@ -638,6 +632,21 @@ def _backward_block(run: _Run, dy: np.ndarray | Source, x: np.ndarray | Source, 
     return {"dx": dx, "dgamma": dgamma, "dbeta": dbeta}
 
 
+def _backward_loads(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray,
+                    inv: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The backward's inputs as its numpy route takes them: dy in storage; γ, the mean and invstd in the accumulator
+    (from the parameter format); x and dy in the compute format.  (dys, γ, mean, invstd, x_compute, dy_compute)"""
+    pol, acc, comp = run.policy, run.acc, run.comp
+    dys = run.load("dy", dy, run.storage)
+    xs = run.load("x", x, run.storage)
+    ga = acc.round(run.param(g))
+    mean = acc.round(run.param(mu))
+    invstd = acc.round(run.param(inv))
+    xc = run.cast("x_compute", xs, pol.storage, comp)
+    dyc = run.cast("dy_compute", dys, pol.storage, comp)
+    return dys, ga, mean, invstd, xc, dyc
+
+
 def _backward_torch(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray, inv: np.ndarray,
                     r: int) -> dict[str, np.ndarray | None]:
     """PyTorch CPU's training backward (``backward_formula=torch``): Σdy and Σ(x − mean)·dy in the policy's order
@@ -645,13 +654,7 @@ def _backward_torch(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu:
     dx = (fma(−(x − mean), k, dy − Σdy/R)·invstd)·γ, every step rounded in the compute format."""
     pol, acc, comp = run.policy, run.acc, run.comp
     with np.errstate(all="ignore"):
-        dys = run.load("dy", dy, run.storage)
-        xs = run.load("x", x, run.storage)
-        ga = acc.round(run.param(g))
-        mean = acc.round(run.param(mu))
-        invstd = acc.round(run.param(inv))
-        xc = run.cast("x_compute", xs, pol.storage, comp)
-        dyc = run.cast("dy_compute", dys, pol.storage, comp)
+        dys, ga, mean, invstd, xc, dyc = _backward_loads(run, dy, x, g, mu, inv)
         centered = run.op("centered", comp, np.subtract, xc, run.col(comp, mean))
         dya = run.cast("dy_acc", dys, pol.storage, acc)
         t = run.tally()

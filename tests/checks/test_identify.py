@@ -122,9 +122,6 @@ def test_the_spec_round_trips():
 @pytest.mark.parametrize("fmt", ["fp16", "bf16"])
 def test_torch_cpu_16_bit_is_reproduced_bit_for_bit_on_fresh_inputs(fmt):
     pytest.importorskip("torch")
-    import torch
-
-    torch.set_num_threads(1)
     res = identify("torch", fmt)
     assert res.reproduced and res.departs is None, res.spec
     for seed in (5, 6):
@@ -203,3 +200,12 @@ def test_doctor_names_a_lossy_recipe_in_words_with_field_and_value(capsys):
     assert words and "variance=naive" in words[0] and "single-pass" in words[0]
     assert main(["doctor", "--adapter", "dump:/nonexistent", "--recipe"]) == 2
     assert "bnprobe identify" in capsys.readouterr().err
+
+
+def test_an_identified_spec_runs_in_compare_precision_as_one_adapter():
+    from bnprobe.cli import split_adapters
+
+    spec = "emulated:fp16:variance=chan,tiles=32,y_formula=scale,fma=true"
+    assert split_adapters(f"{spec},torch, ascend-tbe:chip=910,cores=8") == \
+        [spec, "torch", "ascend-tbe:chip=910,cores=8"]
+    assert split_adapters("emulated,careful") == ["emulated", "careful"]

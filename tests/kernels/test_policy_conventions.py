@@ -81,7 +81,6 @@ def test_backward_fma_needs_the_vec_order():
 @pytest.mark.parametrize("fmt", ["fp16", "bf16"])
 def test_the_pytorch_cpu_recipe_is_torch_bit_for_bit(fmt):
     torch = pytest.importorskip("torch")
-    torch.set_num_threads(1)
     tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[fmt]
     pol = get_policy(f"{fmt}:{TORCH_CPU},backward_fma={TORCH_FMA[fmt]}")
     rng = np.random.default_rng(11)
