@@ -741,6 +741,9 @@ def identify_cmd(
                            "drop one")
     if generating and shape is None:
         raise BNProbeError(f"{', '.join(generating)} describe a generated input: give its --shape too")
+    if tensor is not None and adapter.startswith("dump:"):
+        raise BNProbeError(f"--input and the dump adapter {adapter} both give the inputs: a dump runs on its own "
+                           "recorded inputs; drop --input")
     sink = _output(out, force)
     progress = Progress("identify")
     recorded = recording_of(adapter, None if tensor is not None else input, calls, guard="identify")

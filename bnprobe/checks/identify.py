@@ -342,13 +342,17 @@ def _mean_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
     for acc in _accumulators(fmt):
         orders = _ORDERS if acc != "fp64" else ({"order": "pairwise"},)
         for o, by in itertools.product(orders, ("divide", "reciprocal", "prescaled")):
-            yield {"accumulate": acc, "variance": sum_based, "kahan": False, "unroll": 1, **o, "mean_by": by}
+            # (an order other than vec takes the backward's fused lanes away: backward_fma needs vec)
+            fused = cur.backward_fma if o.get("order") == "vec" else "none"
+            yield {"accumulate": acc, "variance": sum_based, "kahan": False, "unroll": 1, **o, "mean_by": by,
+                   "backward_fma": fused}
     for acc in _accumulators(fmt):
         for v, lanes, by in itertools.product(("welford", "welford_ascend"), (1, 8, 16, 64), ("divide", "reciprocal")):
             yield {"accumulate": acc, "variance": v, "lanes": lanes, "mean_by": by, "order": "pairwise",
-                   "kahan": False}
+                   "kahan": False, "backward_fma": "none"}
         for tiles, o in itertools.product((2, 4, 8, 16, 24, 32, 64), ({"order": "pairwise"}, {"order": "sequential"})):
-            yield {"accumulate": acc, "variance": "chan", "tiles": tiles, "mean_by": "divide", "kahan": False, **o}
+            yield {"accumulate": acc, "variance": "chan", "tiles": tiles, "mean_by": "divide", "kahan": False,
+                   "backward_fma": "none", **o}
 
 
 def _variance_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
@@ -797,8 +801,12 @@ def _identify_observed(kernel: KernelAdapter, observed: list[_Observed], fresh: 
     undist = [u for st in STAGES
               if (u := _undistinguished(st, policy, [t for t in ties_of.get(st, (policy, []))[1] if equivalent(t)]))]
     nondet = _nondeterministic(kernel, observed[0])
-    fresh_scores, layouts = _confirm(policy, fresh, saved_kind, tuple(seen))
+    fresh_scores, layouts = _confirm(policy, fresh, saved_kind, tuple(seen), observed[0].rec.layout)
     outputs = _matches(seen, {st: mine.get(st, {}) for st in STAGES}, fresh_scores)
+    if stages.get("modes", {}).get("exact") is False:  # (the subnormal and huge probes: no output of their own)
+        m = stages["modes"]
+        outputs.append(OutputMatch("modes (subnormal, huge input)", "modes", False, None, m.get("mismatches", 0),
+                                   m.get("elements", 0), m.get("max_ulps", 0.0)))
     departs = next((st for st in STAGES if any(o.stage == st and not (o.probes_exact and o.fresh_exact is not False)
                                                for o in outputs)), None)
     unobserved = [k for k in ("saved_mean", "saved_invstd", "running_mean", "running_var", "y_infer", "dx", "dgamma",
@@ -811,18 +819,18 @@ def _identify_observed(kernel: KernelAdapter, observed: list[_Observed], fresh: 
                       nondet, notes, label, layouts)
 
 
-def _confirm(policy: Policy, fresh: list[_Observed], saved_kind: str,
-             seen: tuple[str, ...]) -> tuple[dict[str, _Score], dict[str, list[str]]]:
-    """The identified policy on the fresh inputs: the channels-first ones' scores per output, and per other layout
-    the outputs it does not reproduce."""
+def _confirm(policy: Policy, fresh: list[_Observed], saved_kind: str, seen: tuple[str, ...],
+             layout: str = "channels_first") -> tuple[dict[str, _Score], dict[str, list[str]]]:
+    """The identified policy on the fresh inputs: the scores per output of those in the search's ``layout``, and per
+    other layout the outputs it does not reproduce."""
     fresh_scores: dict[str, _Score] = {}
     layouts: dict[str, list[str]] = {}
-    first = [o for o in fresh if o.rec.layout == "channels_first"]
+    first = [o for o in fresh if o.rec.layout == layout]
     if first:
         cand = [_emulate(policy, o, ("train", "infer", "backward"), saved_kind) for o in first]
         fresh_scores = _score(first, cand, seen)
     for o in fresh:
-        if o.rec.layout != "channels_first":
+        if o.rec.layout != layout:
             s = _score([o], [_emulate(policy, o, ("train", "infer", "backward"), saved_kind)], seen)
             layouts[o.rec.layout] = [k for k, v in s.items() if v.elements and not v.exact]
     return fresh_scores, layouts
@@ -852,7 +860,7 @@ def _notes(nondet: list[str], layouts: dict[str, list[str]], stages: dict[str, d
                      "bit, the closest is shown")
     for lay, off in layouts.items():
         notes.append(f"{lay}: " + (f"{', '.join(off)} not reproduced — the kernel computes this layout another way "
-                                   "(identify searches channels_first)" if off else "reproduced bit for bit too"))
+                                   "(the search ran on the other)" if off else "reproduced bit for bit too"))
     for st in ("mean", "variance", "rsqrt"):
         if stages.get(st, {}).get("pinned_by") == ["y"]:
             what = "saves the variance, not invstd" if "saved_var" in seen else "returns no saved statistics"

@@ -34,7 +34,7 @@ from bnprobe.numerics.rounding import RoundingSpec, round_to
 from bnprobe.numerics.rsqrt import divide, rsqrt_ascend950
 from bnprobe.numerics.rsqrt import rsqrt as nrsqrt
 from bnprobe.numerics.rsqrt import sqrt as nsqrt
-from bnprobe.numerics.variance import moments
+from bnprobe.numerics.variance import moments, prescale_exponent
 
 __all__ = ["TrainResult", "InferResult", "BackwardResult", "forward_train", "forward_infer", "backward"]
 
@@ -467,6 +467,8 @@ def _train_block(run: _Run, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.
             if pol.running_var == "biased":
                 var_unbiased = var
             elif r > 1 and pol.unbiased_by == "divide" and (q := _sum_sq_dev(m)) is not None:
+                if pol.mean_by == "prescaled":  # (the recorded sum is of the prescaled squares: Σ·2^-k)
+                    q = q * 2.0 ** prescale_exponent(r)
                 var_unbiased = run.rec("var_unbiased", ru, ru.round(q) / (r - 1))  # Σ(x - mean)² / (R - 1)
             elif r > 1:
                 var_unbiased = run.rec("var_unbiased", ru, ru.round(var) * ru.round(r / (r - 1)))
@@ -667,11 +669,14 @@ def _backward_torch(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu:
                           lanes=pol.lanes, unroll=pol.unroll, row=run.row, fused_tail=pol.backward_fma == "all",
                           tally=t)
         dot = run.rec("sum_dy_centered", acc, dot, t)
-        dg = acc.mul(dot, invstd)
+        t = run.tally()
+        dg = run.record("dgamma_acc", acc, acc.mul(dot, invstd, t), dot * invstd, t)
         dbeta = run.rec("dbeta", run.params, sum_dy)
         dgamma = run.rec("dgamma", run.params, dg)
-        k = run.rec("k", acc, acc.div(acc.mul(dg, invstd), float(r)))
-        mean_dy = run.rec("mean_dy", acc, acc.div(sum_dy, float(r)))
+        t = run.tally()
+        k = run.record("k", acc, acc.div(acc.mul(dg, invstd, t), float(r), t), dg * invstd / r, t)
+        t = run.tally()
+        mean_dy = run.record("mean_dy", acc, acc.div(sum_dy, float(r), t), sum_dy / r, t)
         t = run.tally()
         d = comp.sub(dyc, run.col(comp, mean_dy), t)
         d = comp.round(fma_wide(-np.asarray(centered, dtype=np.float64), run.col(comp, k), d), t)

@@ -14,7 +14,8 @@ from bnprobe.numerics.arith import Arith, Tally, as_carrier, fma_wide
 
 __all__ = ["ORDERS", "COMBINES", "reduce_sum", "tree_sum", "split_parts", "vec_dot"]
 
-# vec: at::vec-style (PyTorch CPU): per row of the layout's contiguous extent, full blocks of lanes x unroll values
+# vec: at::vec-style (PyTorch CPU): per row of H*W values (channels_first; channels_last and the parts of a core split
+# or of Chan's tiles take their whole axis as one row), full blocks of lanes x unroll values
 # go to ``lanes`` accumulators (value p to lane p mod lanes), the rest of the row to one scalar tail; both persist
 # across rows; then tail + (((l0 + l1) + l2) + ...), the lanes summed in order
 ORDERS: tuple[str, ...] = ("sequential", "pairwise", "lanes", "vec")
@@ -193,7 +194,11 @@ def vec_dot(a: np.ndarray, b: np.ndarray, acc: Arith, *, lanes: int, unroll: int
         def body(v: np.ndarray) -> np.ndarray:
             return v[:, :, :full].reshape(c, rows * full // lanes, lanes).transpose(0, 2, 1).reshape(c * lanes, -1)
 
-        per_lane = _fused_sequential(body(ar), body(br), acc, fused_body, tally).reshape(c, lanes)
+        lane_tally = Tally(c * lanes) if tally is not None else None
+        per_lane = _fused_sequential(body(ar), body(br), acc, fused_body, lane_tally).reshape(c, lanes)
+        if tally is not None and lane_tally is not None:
+            for k, v in lane_tally.counts.items():
+                tally.counts[k] += v.reshape(c, lanes).sum(axis=1)
         total = per_lane[:, 0]
         for j in range(1, lanes):
             total = acc.add(total, per_lane[:, j], tally)

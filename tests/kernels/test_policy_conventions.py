@@ -107,3 +107,18 @@ def test_the_pytorch_cpu_recipe_is_torch_bit_for_bit(fmt):
         for mine, theirs in ((r.y, y), (r.mean, sm), (r.invstd, si), (r.running_mean, rm), (r.running_var, rv),
                              (ri.y, yi), (rb.dx, dx), (rb.dgamma, dg), (rb.dbeta, db)):
             np.testing.assert_array_equal(np.asarray(mine, dtype=np.float64), f64(theirs))
+
+
+def test_unbiased_by_division_undoes_a_prescaled_sum():
+    x, g, b, rm, rv = call()
+    r = forward_train(x, g, b, rm, rv, momentum=1.0, policy=get_policy("fp32").with_options(
+        mean_by="prescaled", unbiased_by="divide"))
+    np.testing.assert_allclose(r.running_var, x.var(axis=(0, 2, 3), ddof=1), rtol=1e-5)
+
+
+def test_the_torch_backward_counts_its_events():
+    rng = np.random.default_rng(0)
+    pol = get_policy("fp16-acc16").with_options(order="vec", lanes=8, backward_formula="torch", backward_fma="body")
+    x = rng.standard_normal((2, 3, 4, 8)) * 200
+    r = backward(x * 1.5, x, None, np.zeros(3), np.full(3, 32.0), policy=pol)
+    assert sum(st.count("overflow") for st in r.trace) > 0
