@@ -7,6 +7,8 @@ repeats), never over individual elements.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from bnprobe.errors import BNProbeError
@@ -122,6 +124,17 @@ def _tree_sum_f32(x: np.ndarray) -> np.ndarray | None:
     return total if np.isfinite(total).all() else None
 
 
+def _per_lane(reduce: Callable[[Tally | None], np.ndarray], c: int, lanes: int, tally: Tally | None) -> np.ndarray:
+    """``reduce`` run over the ``c * lanes`` rows of per-lane sequences, its events counted per lane and summed back
+    into the channel's ``tally``; the lane sums as ``(c, lanes)``."""
+    lane_tally = Tally(c * lanes) if tally is not None else None
+    per_lane = reduce(lane_tally).reshape(c, lanes)
+    if tally is not None and lane_tally is not None:
+        for k, v in lane_tally.counts.items():
+            tally.counts[k] += v.reshape(c, lanes).sum(axis=1)
+    return per_lane
+
+
 def _lanes(x: np.ndarray, acc: Arith, tally: Tally | None, lanes: int, kahan: bool) -> np.ndarray:
     """L lanes accumulate vector repeats sequentially, then a pairwise tree across lanes.
 
@@ -133,11 +146,7 @@ def _lanes(x: np.ndarray, acc: Arith, tally: Tally | None, lanes: int, kahan: bo
     pad = reps * lanes - r
     xp = np.concatenate([x, np.zeros((c, pad), dtype=x.dtype)], axis=1) if pad else x
     rows = xp.reshape(c, reps, lanes).transpose(0, 2, 1).reshape(c * lanes, reps)
-    lane_tally = Tally(c * lanes) if tally is not None else None
-    per_lane = _sequential(rows, acc, lane_tally, kahan).reshape(c, lanes)
-    if tally is not None and lane_tally is not None:
-        for k, v in lane_tally.counts.items():
-            tally.counts[k] += v.reshape(c, lanes).sum(axis=1)
+    per_lane = _per_lane(lambda t: _sequential(rows, acc, t, kahan), c, lanes, tally)
     return tree_sum(per_lane, acc, tally)
 
 
@@ -152,11 +161,7 @@ def _vec(x: np.ndarray, acc: Arith, tally: Tally | None, lanes: int, unroll: int
     xr = x.reshape(c, rows, row)
     if full:
         body = xr[:, :, :full].reshape(c, rows * full // lanes, lanes).transpose(0, 2, 1).reshape(c * lanes, -1)
-        lane_tally = Tally(c * lanes) if tally is not None else None
-        per_lane = _sequential(np.ascontiguousarray(body), acc, lane_tally, kahan).reshape(c, lanes)
-        if tally is not None and lane_tally is not None:
-            for k, v in lane_tally.counts.items():
-                tally.counts[k] += v.reshape(c, lanes).sum(axis=1)
+        per_lane = _per_lane(lambda t: _sequential(np.ascontiguousarray(body), acc, t, kahan), c, lanes, tally)
         total = per_lane[:, 0]
         for j in range(1, lanes):
             total = acc.add(total, per_lane[:, j], tally)
@@ -194,11 +199,7 @@ def vec_dot(a: np.ndarray, b: np.ndarray, acc: Arith, *, lanes: int, unroll: int
         def body(v: np.ndarray) -> np.ndarray:
             return v[:, :, :full].reshape(c, rows * full // lanes, lanes).transpose(0, 2, 1).reshape(c * lanes, -1)
 
-        lane_tally = Tally(c * lanes) if tally is not None else None
-        per_lane = _fused_sequential(body(ar), body(br), acc, fused_body, lane_tally).reshape(c, lanes)
-        if tally is not None and lane_tally is not None:
-            for k, v in lane_tally.counts.items():
-                tally.counts[k] += v.reshape(c, lanes).sum(axis=1)
+        per_lane = _per_lane(lambda t: _fused_sequential(body(ar), body(br), acc, fused_body, t), c, lanes, tally)
         total = per_lane[:, 0]
         for j in range(1, lanes):
             total = acc.add(total, per_lane[:, j], tally)
