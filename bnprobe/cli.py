@@ -53,7 +53,11 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 _PARAMS = typer.Option(None, help="Parameter format: fp32 (mixed precision, the default) or same (γ, β, running and "
                                   "saved statistics in the input's format); a recording's own.")
 _EPS = typer.Option(None, help="BatchNorm epsilon (> 0; default 1e-5; a recording's own).")
-_MOMENTUM = typer.Option(None, help="Running-stat momentum (PyTorch convention; default 0.1).")
+_MOMENTUM = typer.Option(None, help="Running-stat momentum m, the batch's weight (PyTorch's spelling, in every "
+                                     "convention; default 0.1).")
+_CONVENTION = typer.Option(None, "--convention", help="The framework convention the kernels follow (a plugin's, a "
+                                                      "dump's): torch, tensorflow, keras, flax, paddle, mindspore; "
+                                                      "the golden's and the bench's running variance follow it.")
 _SEED = typer.Option(None, min=0, help="Seed of the generated input and parameters (default 0).")
 _MEAN = typer.Option(None, help="Mean of the generated input (default 0).")
 _STD = typer.Option(None, help="Standard deviation of the generated input (default 1).")
@@ -101,6 +105,18 @@ def split_adapters(text: str) -> list[str]:
         else:
             out.append(tok)
     return out
+
+
+def _in_convention(adapter: str, convention: Optional[str]):  # noqa: ANN202 - str | KernelAdapter
+    """``adapter`` judged in ``convention`` (as given when None)."""
+    if convention is None:
+        return adapter
+    from bnprobe.adapters import get_adapter
+    from bnprobe.adapters.convention import in_convention
+    from bnprobe.conventions import get_convention
+
+    conv = get_convention(convention)  # (an unknown name is refused before the adapter is loaded)
+    return in_convention(get_adapter(adapter), conv)
 
 
 def _echo(lines: list[str]) -> None:
@@ -412,6 +428,7 @@ def gradcheck_cmd(
     input: Optional[Path] = typer.Option(None, "--input", help="A dump folder (bnprobe or msprobe): run the adapter "
                                                                "on every recorded call's own inputs."),
     calls: Optional[str] = _calls("check"),
+    convention: Optional[str] = _CONVENTION,
     out: Optional[Path] = _OUT,
     force: bool = _FORCE,
     as_json: bool = _JSON,
@@ -429,7 +446,8 @@ def gradcheck_cmd(
     if input is not None and not is_dump_path(input):
         raise BNProbeError(f"--input {input}: gradcheck takes a dump folder (bnprobe or msprobe) as --input")
     sink = _output(out, force)
-    recorded = recording_of(adapter, input, calls, guard="gradcheck")
+    kernel = _in_convention(adapter, convention)
+    recorded = recording_of(kernel, input, calls, guard="gradcheck")
     if recorded is not None:
         if formula is not None:
             raise BNProbeError("--formula checks a formula on generated inputs: it contradicts the recording; drop "
@@ -449,7 +467,7 @@ def gradcheck_cmd(
     x = None if (dist, mean, std) == (None, None, None) else \
         make_input(shp, dist=dist or "normal", mean=0.0 if mean is None else mean, std=1.0 if std is None else std,
                    seed=s)
-    result = gradcheck(adapter, dtype or "fp16", shp, mode=mode or "train", seed=s, eps=e, rtol=rtol, atol=atol,
+    result = gradcheck(kernel, dtype or "fp16", shp, mode=mode or "train", seed=s, eps=e, rtol=rtol, atol=atol,
                        params=params, x=x)
     return _show(gradcheck_report(result, params), sink, as_json)
 
@@ -480,6 +498,7 @@ def compare_precision_cmd(
     budget: bool = typer.Option(True, "--budget/--no-budget", help="Per-stage error budget (emulated kernels)."),
     eps: Optional[float] = _EPS,
     params: Optional[str] = _PARAMS,
+    convention: Optional[str] = _CONVENTION,
     out: Optional[Path] = typer.Option(None, help="Report folder (default reports/compare-precision-<time>)."),
     format: str = typer.Option("csv,json,md,html", "--format", help="Report files to write."),
     force: bool = _FORCE,
@@ -511,7 +530,8 @@ def compare_precision_cmd(
                                   params=params), str(found[0]))
         return _run_sweep("compare-precision", found, calls, out, force, workers, scheduler, resume, mode=mode,
                           rule=rule, bench=bench, budget=budget)
-    resolved, cases, recorded = select_cases([get_adapter(a) for a in names], input=input, calls=calls, shape=shape,
+    kernels = [get_adapter(a) if convention is None else _in_convention(a, convention) for a in names]
+    resolved, cases, recorded = select_cases(kernels, input=input, calls=calls, shape=shape,
                                              shapes=shapes, batch=batch, dist=dist, mean=mean, std=std, seed=seed,
                                              mode=mode, stress=stress)
     dts = tuple(d.strip() for d in dtypes.split(",") if d.strip()) if dtypes is not None else None
@@ -652,6 +672,7 @@ def doctor_cmd(
                                                                "folder (the adapter on every recorded call's own "
                                                                "inputs)."),
     calls: Optional[str] = _calls("diagnose"),
+    convention: Optional[str] = _CONVENTION,
     out: Optional[Path] = _OUT,
     force: bool = _FORCE,
     as_json: bool = _JSON,
@@ -679,7 +700,8 @@ def doctor_cmd(
         return _run_sweep("doctor", found, calls, out, force, workers, scheduler, resume)
     tensor = input if input is not None and not is_dump_path(input) else None
     sink = _output(out, force)
-    recorded = recording_of(adapter, None if tensor is not None else input, calls, guard="doctor")
+    kernel = _in_convention(adapter, convention)
+    recorded = recording_of(kernel, None if tensor is not None else input, calls, guard="doctor")
     if recorded is not None:
         refused = dict(seed=seed, stability=None if stability is None or not recorded.replay else True, eps=eps,
                        momentum=momentum)
@@ -693,7 +715,7 @@ def doctor_cmd(
                            "drop one")
     made = input_tensor("doctor", None, "8,4,4,4" if shape is None else shape, dist or "normal",
                         0.0 if mean is None else mean, 1.0 if std is None else std, seed or 0) if generating else None
-    rep = doctor(adapter, dtype, seed=seed or 0, stability=stability is not False, params=params,
+    rep = doctor(kernel, dtype, seed=seed or 0, stability=stability is not False, params=params,
                  x=None if tensor is None else input_tensor("doctor", tensor), eps=EPS if eps is None else eps,
                  momentum=MOMENTUM if momentum is None else momentum, generated=made, recipe=recipe)
     return _show(doctor_report(rep), sink, as_json)

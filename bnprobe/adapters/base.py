@@ -30,6 +30,8 @@ MODES = ("train", "infer", "backward")
 # what a training forward saves for the backward: mean + 1/sqrt(var + eps) (PyTorch, cuDNN, Ascend 950)
 # or mean + the biased variance (Ascend TBE and A2 BatchNormV3); a recording may have neither ("none")
 SAVED_KINDS = ("invstd", "var")
+# Capabilities.saved: one of SAVED_KINDS, or "none" for a kernel whose backward recomputes its statistics (autodiff
+# through its forward: flax, Keras); its backward is handed the golden's statistics, which it may ignore
 # parameter (gamma, beta, running statistics) precision: as the input, or fp32 as under mixed precision
 PARAM_PRECISIONS = ("same", "fp32")
 
@@ -75,6 +77,9 @@ class Capabilities:
     training_r1: bool = False  # accepts N*H*W = 1 in training
     output: str | None = None  # format of y and dx when not the run's dtype (the reference returns fp64)
     recorded: bool = False  # replays a recording: answers only its own calls, bound to one with bind(recording)
+    # the framework convention it follows (bnprobe.conventions: running variance's bias, momentum's spelling, what
+    # is saved): the golden, the bench and the bug models follow it; the momentum it is given is always bnprobe's m
+    convention: str = "torch"
 
 
 @dataclass(frozen=True)

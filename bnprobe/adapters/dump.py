@@ -66,9 +66,11 @@ class DumpAdapter(BaseAdapter):
             modes = {m for c in cs for m in c.modes}
             return Capabilities(formats=tuple(dict.fromkeys(c.dtype for c in cs)),
                                 modes=tuple(m for m in MODES if m in modes), layouts=("channels_first",),
-                                saved="none", deterministic=True, training_r1=True, recorded=True)
+                                saved="none", deterministic=True, training_r1=True, recorded=True,
+                                convention=self.calls.convention)
         return Capabilities(formats=(self.rec.dtype,), modes=self.rec.modes, layouts=(self.rec.layout,),
-                            saved=self.rec.saved_kind or "none", deterministic=True, training_r1=True, recorded=True)
+                            saved=self.rec.saved_kind or "none", deterministic=True, training_r1=True, recorded=True,
+                            convention=self.calls.convention)
 
     def _differs(self, what: str, asked: Any, recorded: Any) -> BNProbeError:
         call = self.rec.meta.get("call") or "the recording"

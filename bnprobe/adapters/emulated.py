@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from bnprobe.adapters.base import BackwardOutput, BaseAdapter, Capabilities, ForwardOutput, Prepared, Saved
+from bnprobe.conventions import get_convention
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.kernels import backward, forward_infer, forward_train, get_policy
@@ -99,12 +100,15 @@ class PolicyAdapter(BaseAdapter):
 
 
 class ReferenceAdapter(PolicyAdapter):
-    """The FP64 golden: inputs rounded to the requested format, then everything computed in float64."""
+    """The FP64 golden: inputs rounded to the requested format, then everything computed in float64; its running
+    variance updated with the variance ``convention`` says (:mod:`bnprobe.conventions`: unbiased by default)."""
 
-    def __init__(self) -> None:
-        gold = get_policy("fp64").with_options(name="reference")
-        super().__init__("reference", lambda p, mode: gold,
-                         Capabilities(formats=ALL_FORMATS, traced=True, output="fp64"))
+    def __init__(self, convention: str = "torch") -> None:
+        conv = get_convention(convention)
+        gold = get_policy("fp64").with_options(name="reference", running_var=conv.running_var)
+        name = "reference" if conv.name == "torch" else f"reference ({conv.name} convention)"
+        super().__init__(name, lambda p, mode: gold,
+                         Capabilities(formats=ALL_FORMATS, traced=True, output="fp64", convention=conv.name))
 
 
 class EmulatedAdapter(PolicyAdapter):
@@ -138,14 +142,18 @@ class CarefulAdapter(PolicyAdapter):
     rounded to a narrow parameter format (PyTorch's CPU kernel with bf16/fp16 parameters,
     pytorch/pytorch#140112) is not the bench: it is judged against it."""
 
-    def __init__(self, *, rounded_stats: bool = False) -> None:
+    def __init__(self, *, rounded_stats: bool = False, convention: str = "torch") -> None:
         """``rounded_stats``: the careful kernel with one choice changed, as :mod:`bnprobe.checks.recipes` names
-        it — normalising with the statistics rounded to the parameter format (not the bench)."""
+        it — normalising with the statistics rounded to the parameter format (not the bench).  ``convention``: the
+        running variance's bias of that framework (:mod:`bnprobe.conventions`)."""
+        conv = get_convention(convention)
         name = "careful:rounded-stats" if rounded_stats else "careful"
+        name += "" if conv.name == "torch" else f" ({conv.name} convention)"
 
         def make(p: Prepared, mode: str) -> Policy:
             narrow = rounded_stats and p.params not in ("fp32", "fp64")
             return get_policy(p.dtype).with_options(name=f"{name}:{p.dtype}", params=p.params, stored_stats=narrow,
-                                                    y_formula="affine" if mode == "infer" else "xhat")
+                                                    y_formula="affine" if mode == "infer" else "xhat",
+                                                    running_var=conv.running_var)
 
-        super().__init__(name, make, Capabilities(formats=ALL_FORMATS, traced=True))
+        super().__init__(name, make, Capabilities(formats=ALL_FORMATS, traced=True, convention=conv.name))

@@ -102,6 +102,32 @@ def _dump(opts: str) -> KernelAdapter:
     return DumpAdapter(open_dump(opts))
 
 
+def _framework(name: str) -> tuple[Callable[[], str | None], Callable[[str], KernelAdapter]]:
+    def why() -> str | None:
+        from bnprobe.adapters.frameworks import why_unavailable
+
+        return why_unavailable(name)
+
+    def make(opts: str) -> KernelAdapter:
+        from bnprobe.adapters.frameworks import make as make_framework
+
+        return make_framework(name, opts)  # type: ignore[return-value]
+
+    return why, make
+
+
+# (name, description, options) of the other frameworks' adapters (bnprobe.adapters.frameworks imports none of them)
+_FRAMEWORKS = (
+    ("jax", "flax.linen.BatchNorm on JAX (flax's convention: biased running variance, k = 1 - m, autodiff)",
+     "fast_variance=true|false, force_float32=true|false"),
+    ("tensorflow", "tf.nn.fused_batch_norm, FusedBatchNormV3 and its gradient op (NHWC, statistics in fp32)", ""),
+    ("keras", "keras.layers.BatchNormalization under the float32 / mixed_float16 / mixed_bfloat16 / float16 / "
+     "bfloat16 policies", ""),
+    ("paddle", "paddle.nn.functional.batch_norm (biased running variance, k = 1 - m; fp32 and fp64 on the CPU)", ""),
+    ("mindspore", "mindspore.ops.BatchNorm in PyNative mode (unbiased running variance; fp32 and fp16 on the CPU)",
+     ""),
+)
+
 BUILTIN: dict[str, AdapterInfo] = {a.name: a for a in (
     AdapterInfo("reference", "FP64 golden: inputs rounded to the format, everything in float64", _always,
                 _reference),
@@ -123,6 +149,7 @@ BUILTIN: dict[str, AdapterInfo] = {a.name: a for a in (
     AdapterInfo("torch_npu", "PyTorch with torch_npu on an Ascend NPU", _torch("npu"), _torch_make("npu")),
     AdapterInfo("dump", "replay the BatchNorm calls of a bnprobe, capture or msprobe dump: dump:DIR[#CALL-GLOB]",
                 _always, _dump, "path"),
+    *(AdapterInfo(name, text, *_framework(name), opts) for name, text, opts in _FRAMEWORKS),
 )}
 
 

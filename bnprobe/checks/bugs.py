@@ -8,10 +8,11 @@ from __future__ import annotations
 import numpy as np
 
 from bnprobe.call import EPS
+from bnprobe.conventions import get_convention
 from bnprobe.errors import BNProbeError
 from bnprobe.kernels.layout import channel_column, reduce_axes
 
-__all__ = ["BUGS", "TEXT", "GROUPS", "CHECKS", "RECIPES", "model", "describe"]
+__all__ = ["BUGS", "TEXT", "GROUPS", "CHECKS", "RECIPES", "CONVENTION_HINTS", "model", "describe", "running_item"]
 
 EPS_ON_SIGMA = "eps-on-sigma"
 EPS_MISSING = "eps-missing"
@@ -125,11 +126,14 @@ def _recipe_stats(x: np.ndarray, recipe: str) -> tuple[np.ndarray, np.ndarray]:
 
 def model(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, rm: np.ndarray, rv: np.ndarray, dy: np.ndarray,
           momentum: float, eps: float, *, bug: str | None = None, training: bool = True,
-          saved: tuple[np.ndarray, np.ndarray] | None = None, recipe: str | None = None) -> dict[str, np.ndarray]:
+          saved: tuple[np.ndarray, np.ndarray] | None = None, recipe: str | None = None,
+          convention: str = "torch") -> dict[str, np.ndarray]:
     """BatchNorm in FP64 (NC... layout), correct or with one bug from BUGS; ``training=False``: the backward
     is that of inference (normalised with the running statistics); ``saved`` (mean, invstd): the training
     backward from these statistics, as a kernel's backward takes what its forward stored; ``recipe`` (of
-    :data:`RECIPES`): the batch statistics computed that way (the bug on top of that recipe)."""
+    :data:`RECIPES`): the batch statistics computed that way (the bug on top of that recipe).  ``convention``
+    (:mod:`bnprobe.conventions`): correct is that framework's running variance; the bug ``biased-running-var`` is
+    the other one (in a biased convention, the unbiased variance)."""
     if bug is not None and bug not in BUGS:
         raise BNProbeError(f"unknown bug model {bug!r}")
     if bug == EPS_IGNORED:
@@ -158,7 +162,8 @@ def model(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, rm: np.ndarray, rv
     m_t, v_t = (rm, rv) if bug == TRAIN_RUNNING else (mean, unbiased if bug == UNBIASED else var)
     rstd = rstd_of(v_t)
     xhat = (x - col(m_t)) * col(rstd)
-    batch_var = var if bug == BIASED_RUNNING else (unbiased + eps if bug == PLUS_EPS else unbiased)
+    biased = (get_convention(convention).running_var == "biased") != (bug == BIASED_RUNNING)
+    batch_var = (var if biased else unbiased) + (eps if bug == PLUS_EPS else 0.0)
     if bug == KERAS:
         new_rm, new_rv = momentum * rm + (1 - momentum) * mean, momentum * rv + (1 - momentum) * batch_var
     elif bug == NOT_UPDATED:
@@ -195,7 +200,27 @@ def model(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, rm: np.ndarray, rv
             "running_var": new_rv, "y_infer": y_of(mi, rstd_of(vi)), "dx": dx, "dgamma": dgamma, "dbeta": dbeta}
 
 
-def describe(bug: str) -> str:
-    """A bug's id in words."""
+def describe(bug: str, convention: str = "torch") -> str:
+    """A bug's id in words, relative to ``convention`` (whose running variance is correct)."""
+    conv = get_convention(convention)
+    if bug == BIASED_RUNNING and conv.running_var == "biased":
+        return f"running_var updated with the unbiased variance (× R/(R-1), torch's convention, not {conv.name}'s)"
     return TEXT[bug]
+
+
+#: what a bug may be instead: another framework's convention (said once, beside the finding)
+CONVENTION_HINTS: dict[str, str] = {
+    BIASED_RUNNING: "flax, Keras and Paddle update the running variance with the biased variance by convention: "
+                    "if the kernel follows one of them, --convention names it (then it is not a bug)",
+    KERAS: "flax, Keras, Paddle and MindSpore's nn.BatchNorm2d spell momentum as the old value's weight (k = 1 - m); "
+           "bnprobe hands every kernel m, the batch's weight, so an adapter of such a framework must pass it 1 - m",
+}
+
+
+def running_item(convention: str = "torch") -> str:
+    """The checklist item of the running statistics in ``convention``'s words."""
+    conv = get_convention(convention)
+    if conv.name == "torch":
+        return CHECKS["running"][0]
+    return f"running statistics: {conv.name}'s convention, {conv.running_var} running_var"
 

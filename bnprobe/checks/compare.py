@@ -22,7 +22,9 @@ import numpy as np
 
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
 from bnprobe.adapters.base import MODES, counters_only
+from bnprobe.adapters.convention import bench_for, reference_for
 from bnprobe.call import EPS, MOMENTUM, BNCall
+from bnprobe.conventions import convention_of
 from bnprobe.checks.budget import budget_cause, error_budget
 from bnprobe.checks.cases import Case, make_dy, recorded_cases, resnet50_cases, stress_cases
 from bnprobe.checks.recipes import RECIPES, recipe_fits
@@ -487,12 +489,17 @@ def compare_precision(
     runs = [counters_only(a) for a in resolved]
     j = _Judging(standards, rule, bench_a.name if bench_a is not None else "")
     opts = {"eps": eps, "momentum": momentum, "params": params}
+    # the bench in each kernel's convention (a framework's running variance is judged against a careful one's)
+    benches = {convention_of(a).name: counters_only(bench_for(bench_a, a)) for a in runs} if bench_a else {}
     for case in cases:
         for cc in _case_calls(case, fmts, modes, opts, ref, notes):
-            bench_out = _bench(bench_a, cc) if bench_a else None
+            bench_outs: dict[str, Any] = {}
             for a in runs:
+                conv = convention_of(a).name
+                if bench_a is not None and conv not in bench_outs:
+                    bench_outs[conv] = _bench(benches[conv], cc)
                 _compare_adapter(a, cc, j, tables, budget=budget, top_channels=top_channels, ref=ref,
-                                 bench=bench_out)
+                                 bench=bench_outs.get(conv))
                 done += 1
                 if progress:
                     progress(done, total)
@@ -517,8 +524,8 @@ def judge_call(a: KernelAdapter, rec: Recording, modes: tuple[str, ...], *, labe
     its exemptions and recipes): the verdict every command that judges an output of a call reads, so that they
     agree on it.  A dump adapter replays ``rec`` (one of its recorded calls).  ``run`` (with the ``golden`` it was
     run on): the adapter's run on this call, when the caller has made it (not run again)."""
-    ref = counters_only(get_adapter("reference"))
-    bench_a = counters_only(get_adapter(bench) if isinstance(bench, str) else bench)
+    ref = counters_only(reference_for(a))
+    bench_a = counters_only(bench_for(get_adapter(bench) if isinstance(bench, str) else bench, a))
     call = rec.call()
     case = Case(label or rec.meta.get("call") or rec.source, tuple(np.shape(call.x)))
     cc = _CaseCall(case, rec, modes, golden if golden is not None else Golden(ref, rec),

@@ -32,11 +32,16 @@ import numpy as np
 from bnprobe.call import EPS, MOMENTUM
 from bnprobe.adapters import KernelAdapter, get_adapter
 from bnprobe.adapters.base import counters_only, params_format, stored_inputs
+from bnprobe.adapters.convention import reference_for
 from bnprobe.call import BNCall
-from bnprobe.checks.bugs import BUGS, CHECKS, ELEMENTWISE, GROUPS, RECIPES, TRAIN_RUNNING, describe, model
+from bnprobe.checks.bugs import (
+    BIASED_RUNNING, BUGS, CHECKS, CONVENTION_HINTS, ELEMENTWISE, GROUPS, RECIPES, TRAIN_RUNNING, describe, model,
+    running_item,
+)
 from bnprobe.checks.recorded import PerCall, Recorded, check_options, check_params
 from bnprobe.checks.run import CallRun, Golden, generated_call, run_call, runs
 from bnprobe.checks.rules import beyond_format, channel_rule
+from bnprobe.conventions import convention_of
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.kernels.layout import reduce_axes, to_channels_first
@@ -110,6 +115,7 @@ class _Outputs:
     skip: tuple[str, ...] = ()
     bounds: dict[str, tuple[np.ndarray, str]] = field(default_factory=dict)  # a correct accumulation's, per channel
     checks: dict[str, Check] = field(default_factory=dict)  # the groups judged on this input
+    convention: str = "torch"  # the kernel's (bnprobe.conventions): the bug models' words are relative to it
     _cache: dict[tuple[str | None, bool, str | None], dict[str, np.ndarray]] = field(default_factory=dict)
 
     def model(self, bug: str | None, stored: bool = False, recipe: str | None = None) -> dict[str, np.ndarray]:
@@ -188,7 +194,8 @@ class Check:
             if all(c.fit(None, recipe) <= 1 for c in cs):
                 out.append(words)  # the recipe alone explains the group: nothing composed
                 continue
-            out += [f"{words} + {describe(bug)}" for bug in BUGS
+            conv = self.outputs.convention if self.outputs is not None else "torch"
+            out += [f"{words} + {describe(bug, conv)}" for bug in BUGS
                     if self.group in BUGS[bug] and all(c.fit(bug, recipe) <= 1 for c in cs)]
         return out
 
@@ -197,7 +204,7 @@ def _judge(name: str, got: dict[str, np.ndarray], gold: dict[str, np.ndarray], f
            natural: dict[str, np.ndarray], *, models: Callable[[str], dict[str, np.ndarray]] | None,
            skip: tuple[str, ...] = (),
            stored: Callable[[str | None], dict[str, np.ndarray]] | None = None, ranges: bool = True,
-           bounds: dict[str, tuple[np.ndarray, str]] | None = None) -> dict[str, Check]:
+           bounds: dict[str, tuple[np.ndarray, str]] | None = None, convention: str = "torch") -> dict[str, Check]:
     """Every group of outputs present in ``got`` on one input against the golden; each group's bug models
     (``models(bug)``, all outputs channels-first) are compared with the kernel when asked (:meth:`Check.fit`);
     ``skip``: bugs this input cannot model.  ``stored(bug)``: the backward (correct for None) from the
@@ -209,7 +216,7 @@ def _judge(name: str, got: dict[str, np.ndarray], gold: dict[str, np.ndarray], f
     .cancellation_bounds`), allowed where larger than the rtol."""
     o = _Outputs(name, got, gold, formats,
                  {k: np.nan_to_num(np.asarray(v, dtype=np.float64).reshape(-1)) for k, v in natural.items()},
-                 models, stored, skip, bounds or {})
+                 models, stored, skip, bounds or {}, convention=convention)
     out: dict[str, Check] = {}
     for gr, keys in GROUPS.items():
         keys = tuple(k for k in keys if k in got)
@@ -247,12 +254,15 @@ def _items(checks: list[dict[str, Check]], on: str, unseen: bool = False) -> tup
     items: list[Item] = []
     diagnosis: list[str] = []
     fits = _group_fits(checks)
+    conv = next((c.outputs.convention for ch in checks for c in ch.values() if c.outputs is not None), "torch")
+    say = lambda bug: describe(bug, conv)  # noqa: E731
     # a bug is named only where no other failing group it changes refutes it (its model does not fit there)
     refuted = {bug for gr, ms in fits.items() for bug in BUGS if gr in BUGS[bug] and bug not in ms}
     for gr, (name, what) in CHECKS.items():
         cs = [c[gr] for c in checks if gr in c]
         if not cs:
             continue
+        name = running_item(conv) if gr == "running" else name
         fmts = ", ".join(dict.fromkeys(f for c in cs for f in c.formats.split(", ")))
         failing = [c for c in cs if not c.passed]
         worst = max(cs, key=lambda c: c.ratio)
@@ -277,7 +287,7 @@ def _items(checks: list[dict[str, Check]], on: str, unseen: bool = False) -> tup
             head = (f"{what} wrong on {len(failing)} of {len(cs)} input(s) ({', '.join(names)}), as compare-precision "
                     f"finds; {'; '.join(matches)}")
         else:
-            matches = tuple(describe(bug) for bug in fits[gr] if bug not in refuted)
+            matches = tuple(say(bug) for bug in fits[gr] if bug not in refuted)
             if not matches:  # a numerical recipe, or a bug on top of one, where no bug's model fits alone
                 matches = tuple(failing[0].composed(failing[1:] + [c for c in cs if c.passed]))
             head = (f"{what} wrong on {len(failing)} of {len(cs)} input(s) ({', '.join(names)})"
@@ -285,18 +295,20 @@ def _items(checks: list[dict[str, Check]], on: str, unseen: bool = False) -> tup
                        "; no known bug model matches"))
         diagnosis.extend(b for b in matches if b not in diagnosis)
         items.append(Item(name, "FAIL", head, matches, tuple(f"on {c.input}: {w}" for c in failing for w in c.wrong)))
+    named = {bug for gr, ms in fits.items() for bug in ms if bug not in refuted}
+    hints = [f"{say(bug)}: {CONVENTION_HINTS[bug]}" for bug in CONVENTION_HINTS if bug in named and conv == "torch"]
     beyond = [f"on {c.input}: {b}" for ch in checks for c in ch.values() for b in c.beyond]
     if beyond:
         items.append(Item("the outputs' formats hold their values", "WARN", "some exact values are beyond the range "
                           "of the format the kernel returns them in: no kernel can return them (the format is the "
                           "cause; bnprobe overflow locates them)", (), tuple(beyond)))
-    notes = []
+    notes = hints
     if unseen:
         hid = {bug: [c[gr].hidden(bug) for c in checks for gr in c] for bug in BUGS}
         bugs = [bug for bug, hs in hid.items() if any(h is not None for h in hs) and all(h is not False for h in hs)]
         if bugs:
             notes.append("on this call's data these bugs look like correct BatchNorm (within tolerance) and cannot "
-                         "be seen: " + "; ".join(map(describe, bugs)))
+                         "be seen: " + "; ".join(map(say, bugs)))
     return items, diagnosis, notes
 
 
@@ -437,7 +449,8 @@ def _probe_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
     caps = a.capabilities()
     r = p.call.x.size // p.call.x.shape[1]
     modes = ("train", "infer", "backward") if r > 1 else ("infer",)
-    modes = tuple(m for m in modes if m in caps.modes and (m != "backward" or caps.saved != "none"))
+    modes = tuple(m for m in modes if m in caps.modes)  # (a kernel saving no statistics: from the golden's)
+    conv = caps.convention
     rec = generated_call(p.call.with_(dtype=fmt, params=params), modes=modes, label=p.name)
     golden = Golden(ref, rec)
     run = run_call(a, rec, ref=ref, label=p.name, golden=golden)
@@ -449,8 +462,9 @@ def _probe_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
     got, gold, formats = run.invstd_view()
     got = {k: np.asarray(v, dtype=np.float64) for k, v in got.items()}
     checks = _judge(p.name, got, gold, formats, _natural(run, x),
-                    models=lambda bug, recipe=None: model(*args, bug=bug, recipe=recipe), stored=_stored(args, got),
-                    ranges=p.name in (USER, GENERATED), bounds=run.bounds)
+                    models=lambda bug, recipe=None: model(*args, bug=bug, recipe=recipe, convention=conv),
+                    stored=_stored(args, got, convention=conv), ranges=p.name in (USER, GENERATED), bounds=run.bounds,
+                    convention=conv)
     return _as_compare(checks, a, rec, modes, p.name, run=run, golden=golden)
 
 
@@ -505,13 +519,13 @@ def _as_compare(checks: dict[str, Check], a: KernelAdapter, rec: Any, modes: tup
     return checks
 
 
-def _stored(args: tuple[Any, ...], got: dict[str, np.ndarray], training: bool = True,
+def _stored(args: tuple[Any, ...], got: dict[str, np.ndarray], training: bool = True, convention: str = "torch",
             ) -> Callable[[str | None], dict[str, np.ndarray]] | None:
     """The backward models from the statistics the kernel saved (see :func:`_judge`)."""
     if not training or "saved_mean" not in got or "saved_invstd" not in got:
         return None
     saved = (got["saved_mean"], got["saved_invstd"])
-    return lambda bug: model(*args, bug=bug, saved=saved)
+    return lambda bug: model(*args, bug=bug, saved=saved, convention=convention)
 
 
 def _steps_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, params: str) -> dict[str, Check]:
@@ -541,9 +555,11 @@ def _steps_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
         def models(bug: str | None, recipe: str | None = None) -> dict[str, np.ndarray]:
             rm, rv = rm0, rv0
             for xb in batches:
-                m = model(xb, g, b, rm, rv, np.zeros_like(xb), p.call.momentum, p.call.eps, bug=bug, recipe=recipe)
+                m = model(xb, g, b, rm, rv, np.zeros_like(xb), p.call.momentum, p.call.eps, bug=bug, recipe=recipe,
+                          convention=caps.convention)
                 rm, rv = round_to(m["running_mean"], pf), round_to(m["running_var"], pf)
-            m = model(x, g, b, rm, rv, np.zeros_like(x), p.call.momentum, p.call.eps, bug=bug, recipe=recipe)
+            m = model(x, g, b, rm, rv, np.zeros_like(x), p.call.momentum, p.call.eps, bug=bug, recipe=recipe,
+                      convention=caps.convention)
             return {"running_mean": rm, "running_var": rv, "y_eval": m["y_infer"]}
 
         out_fmt, vec_fmt = caps.output or fmt, "fp64" if caps.output == "fp64" else pf
@@ -557,7 +573,7 @@ def _steps_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
                    + np.abs(b)}
     got = {k: np.asarray(v, dtype=np.float64) for k, v in got.items()}
     return _judge(p.name, got, {k: np.asarray(v, dtype=np.float64) for k, v in gold.items()}, formats, natural,
-                  models=models)
+                  models=models, convention=caps.convention)
 
 
 def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None, *, seed: int = 0,
@@ -590,7 +606,7 @@ def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None,
     todo = probes(seed, stress=stability) + ([user_probe(x, seed)] if x is not None else []) \
         + ([user_probe(generated, seed, GENERATED)] if generated is not None else [])
     todo = [Probe(p.name, p.call.with_(eps=eps, momentum=momentum), p.steps) for p in todo]
-    ref = counters_only(get_adapter("reference"))
+    ref = counters_only(reference_for(a))  # the golden in the kernel's convention
     a = counters_only(a)  # only outputs are compared: no intermediates kept (on a copy: the caller's is unchanged)
     checks: list[dict[str, Check]] = []
     notes: list[str] = []
@@ -602,7 +618,11 @@ def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None,
     items, diagnosis, more = _items(checks, "")
     notes += more
     diag = todo[0]
-    items.append(_momentum_none(a, ref, diag, fmt, prm))
+    if convention_of(a).cumulative:
+        items.append(_momentum_none(a, ref, diag, fmt, prm))
+    else:
+        notes.append(f"momentum=None (torch's cumulative average) is not in the {convention_of(a).name} convention: "
+                     "not checked")
     items.append(_epsilon(a, diag.call.x, fmt, diag.call.eps, prm))
     items.append(_determinism(_forward_twice(a, diag, fmt, prm), caps.deterministic))
     notes.append("that inference leaves the running statistics unchanged cannot be observed through the adapter "
@@ -654,8 +674,20 @@ def _momentum_none(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, par
     if worst <= 1:
         return Item(name, "PASS", f"first batch with momentum=None: the running statistics are the batch's "
                                   f"(largest error {100 * worst:.3g}% of the {fmts} tolerance)")
+    if "running_var" in keys and channel_rule("running_var", run.got["running_var"], _first_batch_biased(run),
+                                              nat.get("running_var"), run.formats["running_var"])[0] <= 1:
+        # the running variance is the batch's biased one: the running statistics' item names it, once
+        return Item(name, "WARN", "first batch with momentum=None: the running variance is the batch's biased "
+                                  f"variance — the finding '{describe(BIASED_RUNNING)}' of the running statistics, "
+                                  "not a second one")
     return Item(name, "FAIL", "first batch with momentum=None: the running statistics are not the batch's", (),
                 tuple(f"on {p.name} with momentum=None: {why}" for _, why in res if why))
+
+
+def _first_batch_biased(run: CallRun) -> np.ndarray:
+    """The running variance a first batch with momentum=None leaves when updated with the biased variance."""
+    v = run.gold_saved.var(run.eps) if run.gold_saved is not None else np.full(1, np.nan)
+    return np.asarray(v, dtype=np.float64)
 
 
 def _epsilon(a: KernelAdapter, x: np.ndarray, fmt: str, eps: float, params: str) -> Item:
@@ -727,6 +759,7 @@ def doctor_recorded(recorded: Recorded, *, dtype: str | None = None, params: str
 
 def _doctor_call(recorded: Recorded, run: CallRun) -> DoctorReport:
     rec, ci, fmt, eps = run.recording, run.inputs, run.fmt, run.eps
+    conv = convention_of(recorded.kernel).name
     layout = rec.layout
     cf = lambda a: None if a is None else np.asarray(to_channels_first(np.asarray(a, dtype=np.float64), layout))  # noqa: E731
     x = cf(ci.x)
@@ -747,9 +780,10 @@ def _doctor_call(recorded: Recorded, run: CallRun) -> DoctorReport:
         got.pop("running_mean"), got.pop("running_var")
     args = (x, g, b, rm, rv, np.zeros_like(x) if dy is None else dy, MOMENTUM if mom is None else mom, eps)
     checks = _judge(run.label, got, gold, formats, _natural(run, x),
-                    models=lambda bug, recipe=None: model(*args, bug=bug, training=rec.training, recipe=recipe),
-                    skip=() if have_running else (TRAIN_RUNNING,), stored=_stored(args, got, rec.training),
-                    bounds=run.bounds)
+                    models=lambda bug, recipe=None: model(*args, bug=bug, training=rec.training, recipe=recipe,
+                                                          convention=conv),
+                    skip=() if have_running else (TRAIN_RUNNING,), stored=_stored(args, got, rec.training, conv),
+                    bounds=run.bounds, convention=conv)
     if rec.training and _compared_training(rec):
         checks = _as_compare(checks, recorded.kernel, rec, tuple(m for m in ("train", "infer", "backward")
                                                                  if m in rec.tensors), run.label, run=run)

@@ -19,8 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.adapters import BackwardOutput, ForwardOutput, KernelAdapter, Saved, get_adapter
+from bnprobe.adapters import BackwardOutput, ForwardOutput, KernelAdapter, Saved
 from bnprobe.adapters.base import counters_only, params_format
+from bnprobe.adapters.convention import reference_for
+from bnprobe.conventions import convention_of
 from bnprobe.recordings import Recording
 from bnprobe.call import BNCall
 from bnprobe.errors import BNProbeError
@@ -142,19 +144,24 @@ class Golden:
     def reduce_size(self) -> int:
         return layout_of(self.call.x, self.rec.layout).reduce_size
 
-    def train(self) -> ForwardOutput:
-        """The golden's training step on the call's inputs."""
-        if "train" not in self._cache:
+    def train(self, convention: str | None = None) -> ForwardOutput:
+        """The golden's training step on the call's inputs, its running variance updated as ``convention`` says
+        (:mod:`bnprobe.conventions`; default the golden's own, torch's unless it was made for another)."""
+        own = convention_of(self.ref).name
+        conv = own if convention is None else convention
+        key = "train" if conv == own else f"train:{conv}"
+        if key not in self._cache:
             c = self.call
-            self._cache["train"] = self.ref.forward_train(c.x, c.gamma, c.beta, c.running_mean, c.running_var,
-                                                          momentum=c.momentum, **c.kernel_options)
-        return self._cache["train"]
+            ref = self.ref if conv == own else counters_only(reference_for(conv))
+            self._cache[key] = ref.forward_train(c.x, c.gamma, c.beta, c.running_mean, c.running_var,
+                                                 momentum=c.momentum, **c.kernel_options)
+        return self._cache[key]
 
-    def train_for(self, modes: tuple[str, ...]) -> ForwardOutput | None:
+    def train_for(self, modes: tuple[str, ...], convention: str | None = None) -> ForwardOutput | None:
         """The golden's training step when ``modes`` need it (a training call run in train or backward mode) and
         it is defined (N*H*W > 1); else None."""
         if self.call.training and self.reduce_size > 1 and ("train" in modes or "backward" in modes):
-            return self.train()
+            return self.train(convention)
         return None
 
     def infer(self, ins: dict[str, Any]) -> np.ndarray:
@@ -207,7 +214,7 @@ def _wanted_modes(rec: Recording, modes: tuple[str, ...] | None, skip_missing: b
 def _train_golden(s: _Setting, run: CallRun, quiet: bool) -> ForwardOutput | None:
     """The golden's training step on the call's inputs, for a training call run in train or backward mode (None
     otherwise).  With one value per channel (N*H*W = 1) it is undefined: only inference is left to check."""
-    gold_t = s.golden.train_for(run.modes)
+    gold_t = s.golden.train_for(run.modes, convention_of(s.kernel).name)
     if gold_t is None and s.call.training and ("train" in run.modes or "backward" in run.modes):
         if not quiet:
             run.notes.append("N*H*W = 1: the training golden is undefined; training outputs not checked")
@@ -449,7 +456,7 @@ def run_call(kernel: KernelAdapter, rec: Recording, *, modes: tuple[str, ...] | 
     name = label or str(rec.meta.get("call") or rec.source or rec.adapter)
     caps = kernel.capabilities()
     k = kernel.bind(replay or rec) if caps.recorded else kernel
-    golden = golden or Golden(ref or get_adapter("reference"), rec)
+    golden = golden or Golden(ref or reference_for(kernel), rec)
     call = golden.call
     run = CallRun(index, name, k.name, rec, _wanted_modes(rec, modes, skip_missing, name), call=call)
     out_fmt = caps.output or rec.dtype
@@ -476,8 +483,8 @@ def runs(recorded: Any, modes: tuple[str, ...] | None = None,
     recorded.calls.require_tensors("running a recorded call")
     # only outputs are compared: the instrumented kernels keep counters, not every intermediate (on copies: the
     # caller's kernel is unchanged)
-    ref = counters_only(get_adapter("reference"))
     kernel = counters_only(recorded.kernel)
+    ref = counters_only(reference_for(kernel))
     for i, c in enumerate(recorded.calls.calls):
         rec = c.load()
         yield i, c, run_call(kernel, rec, modes=modes, index=i, label=c.label, ref=ref, skip_missing=skip_missing)

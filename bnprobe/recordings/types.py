@@ -116,6 +116,7 @@ class RecordedCalls:
     kind: str  # bnprobe, capture or msprobe
     calls: tuple[CallRef, ...]
     notes: tuple[str, ...] = ()
+    convention: str = "torch"  # the framework convention the recorded kernel follows (bnprobe.conventions)
 
     @property
     def task(self) -> str:

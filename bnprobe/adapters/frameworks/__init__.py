@@ -1,0 +1,135 @@
+"""Live adapters for other frameworks' own BatchNorm kernels (not re-implementations): each runs the framework's
+API on the CPU — training forward, running statistics, inference, and the backward through the framework's own
+autodiff (or its gradient op) with the given dy — and declares the framework's convention
+(:mod:`bnprobe.conventions`), so its running variance, momentum and saved statistics are judged as that
+framework defines them.
+
+The adapter interface speaks bnprobe's momentum m (the batch's weight) and channels-first tensors whatever the
+framework's own: each adapter passes the framework its own spelling (``1 − m`` where the framework's momentum is
+the old value's weight) and its own layout (NHWC where the framework's CPU kernel is).  Each framework is an
+optional extra, imported only when its adapter is made; a missing one is a one-line error naming the install.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import numpy as np
+
+from bnprobe.adapters.base import BaseAdapter, Capabilities, Prepared
+from bnprobe.conventions import get_convention
+from bnprobe.errors import BNProbeError
+from bnprobe.formats import get_format
+
+__all__ = ["FrameworkAdapter", "parse_options", "require", "FRAMEWORKS"]
+
+#: adapter name: (its module, its class, the extra that installs its framework); the registry describes them
+FRAMEWORKS: dict[str, tuple[str, str, str]] = {
+    "jax": ("bnprobe.adapters.frameworks.flax_bn", "FlaxAdapter", "jax"),
+    "tensorflow": ("bnprobe.adapters.frameworks.tf_bn", "TensorFlowAdapter", "tensorflow"),
+    "keras": ("bnprobe.adapters.frameworks.tf_bn", "KerasAdapter", "tensorflow"),
+    "paddle": ("bnprobe.adapters.frameworks.paddle_bn", "PaddleAdapter", "paddle"),
+    "mindspore": ("bnprobe.adapters.frameworks.mindspore_bn", "MindSporeAdapter", "mindspore"),
+}
+
+#: the module each framework is imported as, and its pip package
+_IMPORTS = {"jax": (("jax", "flax"), "jax jaxlib flax"), "tensorflow": (("tensorflow",), "tensorflow-cpu keras"),
+            "keras": (("tensorflow", "keras"), "tensorflow-cpu keras"), "paddle": (("paddle",), "paddlepaddle"),
+            "mindspore": (("mindspore",), "mindspore")}
+
+
+def why_unavailable(name: str) -> str | None:
+    """Why the framework of adapter ``name`` cannot be imported here (None when it can), without importing it."""
+    import importlib.util
+
+    mods, _ = _IMPORTS[name]
+    missing = [m for m in mods if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"{missing[0]} is not installed (pip install \"bnprobe[{FRAMEWORKS[name][2]}]\")"
+    return None
+
+
+def require(name: str) -> None:
+    """A one-line error naming the install when the framework of adapter ``name`` is missing."""
+    why = why_unavailable(name)
+    if why:
+        raise BNProbeError(f"adapter {name} is unavailable here: {why}")
+
+
+def parse_options(name: str, text: str, known: dict[str, tuple[str, ...]]) -> dict[str, str]:
+    """``key=value,...`` options of adapter ``name``, each checked against its allowed values."""
+    out: dict[str, str] = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        key, sep, value = part.partition("=")
+        key, value = key.strip(), value.strip().lower()
+        if not sep or key not in known:
+            raise BNProbeError(f"adapter {name}: unknown option {part!r}; it takes "
+                               + (", ".join(f"{k}={'|'.join(v)}" for k, v in known.items()) or "no options"))
+        if value not in known[key]:
+            raise BNProbeError(f"adapter {name}: {key} must be one of {', '.join(known[key])}, got {value!r}")
+        out[key] = value
+    return out
+
+
+def make(name: str, opts: str) -> BaseAdapter:
+    """The adapter ``name`` with options ``opts`` (its framework imported now)."""
+    require(name)
+    module, cls, _ = FRAMEWORKS[name]
+    return getattr(importlib.import_module(module), cls)(opts)
+
+
+class FrameworkAdapter(BaseAdapter):
+    """What the framework adapters share: their convention, formats and layout conversion."""
+
+    convention = "torch"
+    formats: tuple[str, ...] = ("fp32",)
+    native_layout = "channels_first"  # the layout the framework's kernel takes x in
+    same_params: tuple[str, ...] = ()  # formats the framework runs with γ, β and the statistics in x's format
+
+    def capabilities(self) -> Capabilities:
+        conv = get_convention(self.convention)
+        return Capabilities(formats=self.formats, layouts=("channels_first", "channels_last"), saved=conv.saved,
+                            convention=conv.name)
+
+    def _check_params(self, p: Prepared) -> None:
+        """Refuse a parameter format the framework's CPU kernel does not have, naming both."""
+        if p.params != get_format("fp32").name and p.params != "fp64" and p.dtype not in self.same_params:
+            raise BNProbeError(f"adapter {self.name}: {get_convention(self.convention).framework} keeps γ, β and "
+                               f"the statistics of {p.dtype} input in fp32 on the CPU: use params fp32")
+
+    def _momentum(self, momentum: float | None, p: Prepared) -> float:
+        """The framework's own momentum argument for bnprobe's m (no cumulative average outside torch; without
+        running statistics the momentum does nothing, and the framework's default is passed)."""
+        conv = get_convention(self.convention)
+        if momentum is None:
+            if p.vectors.get("running_mean") is None:
+                return conv.default_momentum
+            raise BNProbeError(f"adapter {self.name}: momentum=None (torch's cumulative average) has no "
+                               f"{conv.name} equivalent; give a momentum")
+        return conv.framework_momentum(momentum)
+
+    def to_native(self, a: np.ndarray, p: Prepared) -> np.ndarray:
+        """x or dy in the framework's layout (the values unchanged)."""
+        if p.lay.layout == self.native_layout:
+            return np.ascontiguousarray(a)
+        return np.ascontiguousarray(np.moveaxis(a, 1, -1) if self.native_layout == "channels_last"
+                                    else np.moveaxis(a, -1, 1))
+
+    def from_native(self, a: Any, p: Prepared) -> np.ndarray:
+        """A framework's x-shaped result back in the call's layout."""
+        a = np.asarray(a)
+        if p.lay.layout == self.native_layout:
+            return a
+        return np.moveaxis(a, -1, 1) if self.native_layout == "channels_last" else np.moveaxis(a, 1, -1)
+
+    @staticmethod
+    def np_dtype(fmt: str) -> Any:
+        return get_format(fmt).dtype
+
+    def stored(self, a: np.ndarray | None, fmt: str) -> np.ndarray | None:
+        """A bnprobe tensor (float64 holding ``fmt`` values) in ``fmt``'s own dtype (the conversion is exact)."""
+        if a is None:
+            return None
+        with np.errstate(invalid="ignore"):
+            return np.asarray(a, dtype=np.float64).astype(self.np_dtype(fmt))

@@ -1,0 +1,79 @@
+"""``mindspore``: mindspore.ops.BatchNorm (the primitive nn.BatchNorm2d calls) in PyNative mode on the CPU.
+
+MindSpore's convention: NCHW; the running variance is updated with the unbiased variance, in place on the mean /
+variance Parameters; the primitive's ``momentum`` is bnprobe's m (the batch's weight) while nn.BatchNorm2d's
+``momentum`` is the old value's (k = 1 − m, 0.9 by default, passed to the primitive as 1 − k); it saves the mean and
+the biased variance (reserve_space_1, reserve_space_2; on the CPU its batch_mean / batch_variance outputs are
+zeros).  x in fp32 or fp16 (no bf16 on the CPU), the parameters in fp32.  The backward is MindSpore's vjp through
+the primitive with the given dy (it recomputes the statistics from x; eval: normalised with the given ones).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from bnprobe.adapters.base import BackwardOutput, ForwardOutput, Prepared, Saved
+from bnprobe.adapters.frameworks import FrameworkAdapter, parse_options
+
+__all__ = ["MindSporeAdapter"]
+
+
+class MindSporeAdapter(FrameworkAdapter):
+    convention = "mindspore"
+    formats = ("fp32", "fp16")
+    native_layout = "channels_first"
+
+    def __init__(self, opts: str = "") -> None:
+        parse_options("mindspore", opts, {})
+        self.name = "mindspore"
+        os.environ.setdefault("GLOG_v", "3")  # its start-up warnings are not findings
+        import mindspore as ms
+
+        ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+        self._ms = ms
+
+    def _t(self, a: np.ndarray | None, default: float, p: Prepared) -> Any:
+        return self._ms.Tensor(self.stored(np.full(p.lay.channels, default) if a is None else a, "fp32"))
+
+    def _run(self, p: Prepared, x: np.ndarray, g: Any, b: Any, rm: np.ndarray | None, rv: np.ndarray | None, *,
+             training: bool, m: float, eps: float) -> tuple[Any, Any, Any, Any]:
+        ms = self._ms
+        bn = ms.ops.BatchNorm(is_training=training, epsilon=eps, momentum=m)
+        pm = ms.Parameter(self._t(rm, 0.0, p), name="moving_mean")
+        pv = ms.Parameter(self._t(rv, 1.0, p), name="moving_variance")
+        xt = ms.Tensor(self.stored(self.to_native(x, p), p.dtype))
+        return bn, xt, pm, pv
+
+    def _forward_train_impl(self, p: Prepared, *, momentum: float | None, eps: float) -> ForwardOutput:
+        self._check_params(p)
+        # the primitive's momentum is m itself (nn.BatchNorm2d passes it 1 - k)
+        m = 1.0 - self._momentum(momentum, p)
+        v = p.vectors
+        bn, xt, pm, pv = self._run(p, p.x, None, None, v["running_mean"], v["running_var"], training=True, m=m,
+                                   eps=eps)
+        out = bn(xt, self._t(v["gamma"], 1.0, p), self._t(v["beta"], 0.0, p), pm, pv)
+        have = v["running_mean"] is not None
+        return ForwardOutput(self.from_native(out[0].asnumpy(), p), Saved(out[3].asnumpy(), "var", out[4].asnumpy()),
+                             pm.asnumpy() if have else None, pv.asnumpy() if have else None)
+
+    def _forward_infer_impl(self, p: Prepared, *, eps: float) -> ForwardOutput:
+        self._check_params(p)
+        v = p.vectors
+        bn, xt, pm, pv = self._run(p, p.x, None, None, v["running_mean"], v["running_var"], training=False, m=0.1,
+                                   eps=eps)
+        y = bn(xt, self._t(v["gamma"], 1.0, p), self._t(v["beta"], 0.0, p), pm, pv)[0]
+        return ForwardOutput(self.from_native(y.asnumpy(), p))
+
+    def _backward_impl(self, p: Prepared, dy: np.ndarray, saved: Saved, *, eps: float,
+                       training: bool) -> BackwardOutput:
+        self._check_params(p)
+        ms = self._ms
+        rm, rv = (None, None) if training else (saved.mean, saved.var(eps))
+        bn, xt, pm, pv = self._run(p, p.x, None, None, rm, rv, training=training, m=0.1, eps=eps)
+        _, vjp = ms.vjp(lambda x, g, b: bn(x, g, b, pm, pv)[0], xt, self._t(p.vectors["gamma"], 1.0, p),
+                        self._t(None, 0.0, p))
+        dx, dg, db = vjp(ms.Tensor(self.stored(self.to_native(dy, p), p.dtype)))
+        return BackwardOutput(self.from_native(dx.asnumpy(), p), dg.asnumpy(), db.asnumpy())

@@ -1,0 +1,145 @@
+"""``tensorflow``: tf.nn.fused_batch_norm's kernel (FusedBatchNormV3, and FusedBatchNormGradV3 for the backward);
+``keras``: keras.layers.BatchNormalization on the TensorFlow backend.
+
+TensorFlow's fused kernel: NHWC on the CPU, x in fp32, fp16 or bf16 with scale, offset and the statistics always
+fp32; the running variance is updated with the unbiased variance, ``exponential_avg_factor`` is bnprobe's m (the
+batch's weight); it saves the mean and the biased variance (reserve_space_1, reserve_space_2), which its gradient op
+takes.  Keras: channels last, the biased variance, ``momentum`` the old value's weight (k = 1 − m), nothing saved
+(its backward is TensorFlow's autodiff); the run's format and parameter format choose the dtype policy — fp32:
+``float32``; fp16 / bf16 with fp32 parameters: ``mixed_float16`` / ``mixed_bfloat16``; with parameters in x's format:
+``float16`` / ``bfloat16``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from bnprobe.adapters.base import BackwardOutput, ForwardOutput, Prepared, Saved
+from bnprobe.adapters.frameworks import FrameworkAdapter, parse_options
+
+__all__ = ["TensorFlowAdapter", "KerasAdapter"]
+
+_TF = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def _tf() -> Any:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # TensorFlow's start-up chatter is not a finding
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    import tensorflow as tf
+
+    return tf
+
+
+class TensorFlowAdapter(FrameworkAdapter):
+    convention = "tensorflow"
+    formats = ("fp32", "fp16", "bf16")
+    native_layout = "channels_last"
+
+    def __init__(self, opts: str = "") -> None:
+        parse_options("tensorflow", opts, {})
+        self.name = "tensorflow"
+        self._tf = _tf()
+
+    def _x(self, a: np.ndarray, p: Prepared) -> Any:
+        return self._tf.constant(self.stored(self.to_native(a, p), p.dtype))
+
+    def _vec(self, a: np.ndarray | None, default: float, p: Prepared) -> np.ndarray:
+        return self.stored(np.full(p.lay.channels, default) if a is None else a, "fp32")  # type: ignore[return-value]
+
+    def _forward_train_impl(self, p: Prepared, *, momentum: float | None, eps: float) -> ForwardOutput:
+        self._check_params(p)
+        v = p.vectors
+        have = v["running_mean"] is not None
+        out = self._tf.raw_ops.FusedBatchNormV3(
+            x=self._x(p.x, p), scale=self._vec(v["gamma"], 1.0, p), offset=self._vec(v["beta"], 0.0, p),
+            mean=self._vec(v["running_mean"], 0.0, p), variance=self._vec(v["running_var"], 1.0, p), epsilon=eps,
+            exponential_avg_factor=self._momentum(momentum, p), data_format="NHWC", is_training=True)
+        y, rm, rv, mean, var = (np.asarray(t) for t in out[:5])
+        return ForwardOutput(self.from_native(y, p), Saved(mean, "var", var), rm if have else None,
+                             rv if have else None)
+
+    def _forward_infer_impl(self, p: Prepared, *, eps: float) -> ForwardOutput:
+        self._check_params(p)
+        v = p.vectors
+        out = self._tf.raw_ops.FusedBatchNormV3(
+            x=self._x(p.x, p), scale=self._vec(v["gamma"], 1.0, p), offset=self._vec(v["beta"], 0.0, p),
+            mean=self._vec(v["running_mean"], 0.0, p), variance=self._vec(v["running_var"], 1.0, p), epsilon=eps,
+            data_format="NHWC", is_training=False)
+        return ForwardOutput(self.from_native(np.asarray(out[0]), p))
+
+    def _backward_impl(self, p: Prepared, dy: np.ndarray, saved: Saved, *, eps: float,
+                       training: bool) -> BackwardOutput:
+        """FusedBatchNormGradV3 from the saved mean and biased variance (eval: the running statistics)."""
+        self._check_params(p)
+        var = saved.var(eps)
+        out = self._tf.raw_ops.FusedBatchNormGradV3(
+            y_backprop=self._x(dy, p), x=self._x(p.x, p), scale=self._vec(p.vectors["gamma"], 1.0, p),
+            reserve_space_1=self.stored(saved.mean, "fp32"), reserve_space_2=self.stored(var, "fp32"),
+            reserve_space_3=np.float32(0.0), epsilon=eps, data_format="NHWC", is_training=training)
+        dx, dg, db = (np.asarray(t) for t in out[:3])
+        return BackwardOutput(self.from_native(dx, p), dg, db)
+
+
+class KerasAdapter(FrameworkAdapter):
+    convention = "keras"
+    formats = ("fp32", "fp16", "bf16")
+    native_layout = "channels_last"
+    same_params = ("fp16", "bf16")
+
+    def __init__(self, opts: str = "") -> None:
+        parse_options("keras", opts, {})
+        self.name = "keras"
+        self._tf = _tf()
+        import keras
+
+        self._keras = keras
+
+    def _policy(self, p: Prepared) -> str:
+        if p.dtype == "fp32":
+            return "float32"
+        return f"mixed_{_TF[p.dtype]}" if p.params == "fp32" else _TF[p.dtype]
+
+    def _layer(self, p: Prepared, *, momentum: float, eps: float, rm: Any, rv: Any, g: Any, b: Any) -> Any:
+        c = p.lay.channels
+        layer = self._keras.layers.BatchNormalization(axis=-1, momentum=momentum, epsilon=eps, dtype=self._policy(p))
+        layer.build((None,) * (p.x.ndim - 1) + (c,))
+        vec = lambda a, d: self.stored(np.full(c, d) if a is None else a, p.params)  # noqa: E731
+        layer.set_weights([vec(g, 1.0), vec(b, 0.0), vec(rm, 0.0), vec(rv, 1.0)])
+        return layer
+
+    def _forward_train_impl(self, p: Prepared, *, momentum: float | None, eps: float) -> ForwardOutput:
+        self._check_params(p)
+        v = p.vectors
+        layer = self._layer(p, momentum=self._momentum(momentum, p), eps=eps, rm=v["running_mean"],
+                            rv=v["running_var"], g=v["gamma"], b=v["beta"])
+        y = layer(self.stored(self.to_native(p.x, p), p.dtype), training=True)
+        have = v["running_mean"] is not None
+        rm, rv = (np.asarray(w) for w in (layer.moving_mean.value, layer.moving_variance.value))
+        return ForwardOutput(self.from_native(np.asarray(y), p), None, rm if have else None, rv if have else None)
+
+    def _forward_infer_impl(self, p: Prepared, *, eps: float) -> ForwardOutput:
+        self._check_params(p)
+        v = p.vectors
+        layer = self._layer(p, momentum=0.99, eps=eps, rm=v["running_mean"], rv=v["running_var"], g=v["gamma"],
+                            b=v["beta"])
+        y = layer(self.stored(self.to_native(p.x, p), p.dtype), training=False)
+        return ForwardOutput(self.from_native(np.asarray(y), p))
+
+    def _backward_impl(self, p: Prepared, dy: np.ndarray, saved: Saved, *, eps: float,
+                       training: bool) -> BackwardOutput:
+        """TensorFlow's autodiff through the layer (training: its own batch statistics, ``saved`` unused; eval:
+        ``saved`` is the mean and variance it normalises with)."""
+        self._check_params(p)
+        tf = self._tf
+        rm, rv = (None, None) if training else (saved.mean, saved.var(eps))
+        layer = self._layer(p, momentum=0.99, eps=eps, rm=rm, rv=rv, g=p.vectors["gamma"], b=None)
+        x = tf.constant(self.stored(self.to_native(p.x, p), p.dtype))
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=training)
+        dx, dg, db = tape.gradient(y, [x, layer.gamma.value, layer.beta.value],
+                                   output_gradients=tf.constant(self.stored(self.to_native(dy, p), p.dtype)))
+        return BackwardOutput(self.from_native(np.asarray(dx), p), np.asarray(dg), np.asarray(db))
