@@ -79,8 +79,9 @@ def _model_calls(index: Path) -> RecordedCalls:
 def open_dump(spec: str | Path, calls: str | None = None) -> RecordedCalls:
     """Every BatchNorm call of a dump: ``DIR`` (a bnprobe dump, a bnprobe model dump or an msprobe dump in
     any of its layouts), the path of its ``dump.json`` / ``bnprobe-dump.json``, optionally ``#NAME``
-    (a call name, module name or glob) to select; ``calls`` selects by glob as well."""
-    text = str(spec)
+    (a call name, module name or glob) to select; ``calls`` selects by glob as well.  ``DIR,eps=E,momentum=M``:
+    the layer's ε and momentum where an msprobe dump does not record them (MindSpore's primitive)."""
+    text, assume = _dump_options(str(spec))
     path_text, _, name = text.partition("#")
     p = Path(path_text)
     if not p.exists():
@@ -95,12 +96,32 @@ def open_dump(spec: str | Path, calls: str | None = None) -> RecordedCalls:
         if p.is_dir() and not find_dump_jsons(p):
             raise BNProbeError(f"{p}: neither a bnprobe dump ({META_NAME}, {CALLS_NAME}) nor an msprobe dump "
                                "(dump.json, step*/proc*/, step*/rank*/, rank*/)")
-        ms, notes = msprobe_calls(p)
-        found = RecordedCalls(str(p), "msprobe", tuple(c.ref for c in ms), tuple(notes))
+        ms, notes = msprobe_calls(p, assume)
+        frameworks = {c.framework for c in ms}
+        found = RecordedCalls(str(p), "msprobe", tuple(c.ref for c in ms), tuple(notes),
+                              convention="mindspore" if frameworks == {"mindspore"} else "torch")
         if not found.calls:
             raise BNProbeError(f"{p}: no BatchNorm call in the msprobe dump (looked for "
-                               f"{', '.join(MSPROBE_BN_APIS)})")
+                               f"{', '.join(MSPROBE_BN_APIS)} and MindSpore's Primitive.bn_train.BatchNorm)")
     return found.select(name or None).select(calls)
+
+
+def _dump_options(text: str) -> tuple[str, dict[str, float]]:
+    """``DIR[#NAME][,eps=E][,momentum=M]``: the dump's spec and the scalars given for it."""
+    head, *opts = text.split(",")
+    if not opts or not all("=" in o for o in opts):
+        return text, {}
+    out: dict[str, float] = {}
+    for o in opts:
+        key, _, value = (t.strip() for t in o.partition("="))
+        if key not in ("eps", "momentum"):
+            raise BNProbeError(f"dump option {o.strip()!r}: a dump takes eps=E and momentum=M (where it does not "
+                               "record them)")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            raise BNProbeError(f"dump option {key}={value!r} is not a number") from None
+    return head, out
 
 
 def read_msprobe(folder: str | Path, call: str | None = None) -> Recording:

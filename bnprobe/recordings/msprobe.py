@@ -43,6 +43,11 @@ SUMMARY_KEYS = ("Max", "Min", "Mean", "Norm")
 _F_ORDER = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
 _ATEN_ORDER = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
 _NO_TRAINING_ORDER = ("input", "weight", "bias", "running_mean", "running_var", "momentum", "eps")
+# MindSpore's primitive (ops.BatchNorm: x, scale, bias, mean, variance; ε and momentum are its attributes, not
+# recorded: MindSpore's defaults are assumed and said); its outputs y, batch_mean, batch_variance (zeros on the
+# CPU), reserve_space_1 = the mean, reserve_space_2 = the biased variance
+MS_PRIMITIVE = "BatchNorm"
+_MS_ORDER = ("input", "weight", "bias", "running_mean", "running_var")
 # msprobe's kwarg names for cudnn's arguments
 _ALIASES = {"exponential_average_factor": "momentum", "epsilon": "eps"}
 
@@ -76,6 +81,7 @@ class MsprobeCall:
     ref: CallRef
     api: str  # the API record, e.g. Functional.batch_norm.0
     dump_json: Path  # the dump.json holding it
+    framework: str = "pytorch"  # as dump.json says (pytorch, mindspore)
 
 
 def _read_json(dj: Path) -> dict[str, Any]:
@@ -90,8 +96,10 @@ def _read_json(dj: Path) -> dict[str, Any]:
 def _api_of(call: str) -> tuple[str, str] | None:
     """(api_type, api) of a record name without its .forward/.backward, when it is a BatchNorm kernel."""
     parts = call.split(".")
-    if len(parts) < 3 or not parts[-1].isdigit() or parts[0] == "Module":
+    if len(parts) < 3 or not parts[-1].isdigit() or parts[0] in ("Module", "Cell"):
         return None
+    if parts[0] == "Primitive" and len(parts) == 4 and parts[2] == MS_PRIMITIVE and parts[1] in ("bn_train", "bn_infer"):
+        return "Primitive", MS_PRIMITIVE  # MindSpore's ops.BatchNorm (nn.BatchNorm2d's bn_train / bn_infer)
     api = parts[1]
     return (parts[0], api) if api in MSPROBE_BN_APIS else None
 
@@ -109,7 +117,7 @@ def _scalar(entry: Any, default: Any) -> Any:
 
 
 def _args(call: str, api_type: str, api: str, fwd: dict[str, Any], where: str) -> dict[str, Any]:
-    order = _NO_TRAINING_ORDER if api.endswith("no_training") else (
+    order = _MS_ORDER if api_type == "Primitive" else _NO_TRAINING_ORDER if api.endswith("no_training") else (
         _F_ORDER if api_type == "Functional" else _ATEN_ORDER)
     pos = fwd.get("input_args", [])
     kw = fwd.get("input_kwargs", {})
@@ -176,8 +184,10 @@ def _shape(entry: dict[str, Any], where: str) -> tuple[int, ...]:
     return tuple(s)
 
 
-def msprobe_calls(path: str | Path) -> tuple[list[MsprobeCall], list[str]]:
-    """Every BatchNorm call of an msprobe dump in forward order, and notes on what is not read."""
+def msprobe_calls(path: str | Path, assume: dict[str, float] | None = None) -> tuple[list[MsprobeCall], list[str]]:
+    """Every BatchNorm call of an msprobe dump in forward order, and notes on what is not read.  ``assume``: ε
+    and momentum (keys ``eps``, ``momentum``) for the calls whose dump does not record them (MindSpore's
+    primitive), in place of the framework's defaults."""
     jsons = find_dump_jsons(path)
     if not jsons:
         raise BNProbeError(f"{path}: no msprobe dump.json (looked for dump.json, step*/proc*/, step*/rank*/, "
@@ -210,13 +220,15 @@ def msprobe_calls(path: str | Path) -> tuple[list[MsprobeCall], list[str]]:
             calls.append(MsprobeCall(CallRef(
                 name=prefix + call, module=construct.get(key), shape=_shape(x, where), dtype=_fmt(x, where),
                 training=training, has_backward=f"{call}.backward" in data, task=task,
-                load=_loader(dj, call, task, construct.get(key))), api=call, dump_json=dj))
+                load=_loader(dj, call, task, construct.get(key), assume)), api=call, dump_json=dj,
+                framework=str(doc.get("framework") or "pytorch")))
             found += 1
-        modules = [k for k in data if k.startswith("Module.") and ".BatchNorm" in k and ".forward." in k]
+        modules = [k for k in data if k.startswith(("Module.", "Cell.")) and ".BatchNorm" in k and ".forward." in k]
         if not found and modules:
             raise BNProbeError(f"{dj}: only module-level (L0) BatchNorm records ({modules[0]}, ...): they hold x, y, "
-                               "weight and bias but not eps, momentum, the running statistics or the training flag; "
-                               "dump at level L1 or mix")
+                               "weight and bias (MindSpore's cells: the running statistics after the update) but not "
+                               "eps, momentum, the running statistics the call was given or the training flag; dump "
+                               "at level L1 or mix")
     if len(jsons) > 1:
         notes.append(f"{len(jsons)} dump.json files (steps/ranks) read; calls are named by their folder")
     return calls, notes
@@ -238,10 +250,11 @@ def _construct(folder: Path) -> dict[str, str]:
     return {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(doc, dict) else {}
 
 
-def _loader(dj: Path, call: str, task: str, module: str | None = None) -> Callable[[], Any]:
+def _loader(dj: Path, call: str, task: str, module: str | None = None,
+            assume: dict[str, float] | None = None) -> Callable[[], Any]:
     def load() -> Any:
         doc = _read_json(dj)
-        return read_call(dj, doc, call, module) if task == "tensor" else read_summaries(dj, doc, call)
+        return read_call(dj, doc, call, module, assume) if task == "tensor" else read_summaries(dj, doc, call)
 
     return load
 
@@ -325,10 +338,12 @@ def _load_tensor(folder: Path, entry: dict[str, Any], where: str) -> tuple[np.nd
     return a, fmt
 
 
-def read_call(dj: Path, doc: dict[str, Any], call: str, module: str | None = None) -> Any:
+def read_call(dj: Path, doc: dict[str, Any], call: str, module: str | None = None,
+              assume: dict[str, float] | None = None) -> Any:
     """One BatchNorm call of an msprobe tensor dump as a Recording (forward, and backward when dumped).
     ``module``: the enclosing module's forward record (mix level), whose ``parameters_grad`` record is
-    checked against the call's dγ and dβ."""
+    checked against the call's dγ and dβ.  ``assume``: ε and momentum where the dump records none (see
+    :func:`msprobe_calls`); one that contradicts a recorded value is an error."""
     data = doc["data"]
     api_type, api = _api_of(call) or ("", "")
     where = str(dj)
@@ -345,8 +360,24 @@ def read_call(dj: Path, doc: dict[str, Any], call: str, module: str | None = Non
         if _is_tensor(args.get(theirs)):
             tensors[ours], formats[ours] = _load_tensor(base, args[theirs], f"{call}.forward {theirs}")
     params = formats.get("gamma", formats.get("running_mean", dtype))
-    eps, momentum = check_eps_momentum(_present(args, "eps", 1e-5, call, where),
-                                       _present(args, "momentum", 0.1, call, where), params, f"{where}: {call}")
+    given = dict(assume or {})
+    for name in given:
+        if name in args and _present(args, name, None, call, where) != given[name]:
+            raise BNProbeError(f"{where}: {call} records {name} = {_present(args, name, None, call, where)!r}; "
+                               f"{name}={given[name]:g} contradicts it")
+    eps, momentum = check_eps_momentum(_present(args, "eps", given.get("eps", 1e-5), call, where),
+                                       _present(args, "momentum", given.get("momentum", 0.1), call, where), params,
+                                       f"{where}: {call}")
+    notes = []
+    if api == MS_PRIMITIVE:
+        said = [f"{k} {v:g} as given" for k, v in (("ε", given.get("eps")), ("momentum", given.get("momentum")))
+                if v is not None]
+        assumed = [f"{k} {v:g}" for k, v, n in (("ε", eps, "eps"), ("momentum", momentum, "momentum"))
+                   if n not in given]
+        notes.append("ε and momentum are attributes of MindSpore's BatchNorm primitive, not in the dump: "
+                     + "; ".join(said + ([f"MindSpore's default{'s' if len(assumed) > 1 else ''} assumed: "
+                                          f"{', '.join(assumed)} (nn.BatchNorm2d's momentum=0.9 is m = 0.1); give "
+                                          "the layer's as dump:DIR,eps=E,momentum=M"] if assumed else [])))
     outs = _entries(data[f"{call}.forward"], "output", f"{where}: {call}.forward")
     if not outs:
         raise BNProbeError(f"{where}: {call}.forward records no output tensor")
@@ -355,8 +386,12 @@ def read_call(dj: Path, doc: dict[str, Any], call: str, module: str | None = Non
     out_formats: dict[str, str] = {}
     outputs["y"], out_formats["y"] = _load_tensor(base, outs[0], f"{call}.forward output 0")
     saved_kind = None
-    saved = [o for o in outs[1:3] if _shape(o, where) == (c,)]
-    if training and len(saved) == 2:  # native variants: (y, save_mean, save_invstd[, new running stats])
+    saved = [o for o in (outs[3:5] if api == MS_PRIMITIVE else outs[1:3]) if _shape(o, where) == (c,)]
+    if training and len(saved) == 2 and api == MS_PRIMITIVE:  # reserve_space_1, _2: the mean, the biased variance
+        outputs["saved_mean"], out_formats["saved_mean"] = _load_tensor(base, saved[0], f"{call}.forward output 3")
+        outputs["saved_value"], out_formats["saved_value"] = _load_tensor(base, saved[1], f"{call}.forward output 4")
+        saved_kind = "var"
+    elif training and len(saved) == 2:  # native variants: (y, save_mean, save_invstd[, new running stats])
         outputs["saved_mean"], out_formats["saved_mean"] = _load_tensor(base, saved[0], f"{call}.forward output 1")
         outputs["saved_value"], out_formats["saved_value"] = _load_tensor(base, saved[1], f"{call}.forward output 2")
         saved_kind = "invstd"
@@ -367,7 +402,7 @@ def read_call(dj: Path, doc: dict[str, Any], call: str, module: str | None = Non
     rec = Recording(adapter=f"msprobe:{call}", dtype=dtype, params=params, layout="channels_first", eps=eps,
                     momentum=momentum, saved_kind=saved_kind,
                     meta={"framework": doc.get("framework"), "task": doc.get("task"), "level": doc.get("level"),
-                          "call": call, "training": training, "affine": "gamma" in tensors},
+                          "call": call, "training": training, "affine": "gamma" in tensors, "notes": notes},
                     source=str(dj))
     rec.tensors[mode] = {"inputs": dict(tensors), "outputs": outputs}
     rec.formats.update({f"{mode}.inputs.{k}": f for k, f in formats.items()})
@@ -388,7 +423,8 @@ def _check_parameters_grad(rec: Any, data: dict[str, Any], base: Path, module: s
     outs = rec.tensors["backward"]["outputs"]
     if not isinstance(pg, dict):
         return
-    for ours, theirs in (("dgamma", "weight"), ("dbeta", "bias")):
+    for ours, names in (("dgamma", ("weight", "gamma")), ("dbeta", ("bias", "beta"))):  # torch's, MindSpore's
+        theirs = next((n for n in names if n in pg), names[0])
         entries = pg.get(theirs)
         entries = [e for e in (entries if isinstance(entries, list) else [entries]) if _is_tensor(e)]
         if not entries or ours not in outs:
@@ -414,6 +450,8 @@ def _present(args: dict[str, Any], name: str, default: Any, call: str, where: st
 
 
 def _training(args: dict[str, Any], api: str, call: str, where: str) -> bool:
+    if api == MS_PRIMITIVE and "training" not in args:  # MindSpore: nn.BatchNorm2d names its training primitive
+        return ".bn_train." in f"{call}."
     t = _present(args, "training", not api.endswith("no_training"), call, where)
     if not isinstance(t, bool):
         raise BNProbeError(f"{where}: {call} records training = {t!r}, not true or false")
@@ -453,11 +491,26 @@ def _read_backward(rec: Any, base: Path, where: str, call: str, bwd: Any, tensor
     outs: dict[str, np.ndarray] = {"dx": dx}
     fouts = {"dx": fdx}
     if affine:
-        outs["dgamma"], fouts["dgamma"] = _load_tensor(base, vecs[0][0], f"{call}.backward output {vecs[0][1]}")
-        outs["dbeta"], fouts["dbeta"] = _load_tensor(base, vecs[1][0], f"{call}.backward output {vecs[1][1]}")
+        a, b = (_load_tensor(base, e, f"{call}.backward output {i}") for e, i in vecs[:2])
+        if rec.meta.get("framework") == "mindspore":  # msprobe 26.2 lists MindSpore's as dβ, dγ, dx
+            a, b = _by_sum_dy(a, b, dy, rec)
+        (outs["dgamma"], fouts["dgamma"]), (outs["dbeta"], fouts["dbeta"]) = a, b
     rec.tensors["backward"] = {"inputs": ins, "outputs": outs}
     rec.formats.update({f"backward.inputs.{k}": f for k, f in fins.items()})
     rec.formats.update({f"backward.outputs.{k}": f for k, f in fouts.items()})
+
+
+def _by_sum_dy(first: tuple[np.ndarray, str], second: tuple[np.ndarray, str], dy: np.ndarray,
+               rec: Any) -> tuple[tuple[np.ndarray, str], tuple[np.ndarray, str]]:
+    """(dγ, dβ) of two recorded channel gradients, told apart by content: dβ is Σdy (the one closer to it, in
+    float64; msprobe 26.2 records MindSpore's in the order dβ, dγ); a note when neither is close (not told)."""
+    sdy = np.nansum(dy, axis=tuple(i for i in range(dy.ndim) if i != 1))
+    off = [float(np.nanmax(np.abs(v[0] - sdy) / (np.abs(sdy) + 1e-30))) for v in (first, second)]
+    if min(off) > 1e-2:
+        rec.meta.setdefault("notes", []).append("neither recorded channel gradient is Σdy: taken as dβ, dγ, "
+                                                "msprobe's order for MindSpore")
+        return second, first
+    return (second, first) if off[0] <= off[1] else (first, second)
 
 
 def read_summaries(dj: Path, doc: dict[str, Any], call: str) -> dict[str, dict[str, Any]]:
