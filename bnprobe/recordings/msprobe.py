@@ -98,7 +98,8 @@ def _api_of(call: str) -> tuple[str, str] | None:
     parts = call.split(".")
     if len(parts) < 3 or not parts[-1].isdigit() or parts[0] in ("Module", "Cell"):
         return None
-    if parts[0] == "Primitive" and len(parts) == 4 and parts[2] == MS_PRIMITIVE and parts[1] in ("bn_train", "bn_infer"):
+    if parts[0] == "Primitive" and len(parts) == 4 and parts[2] == MS_PRIMITIVE and \
+            parts[1] in ("bn_train", "bn_infer"):
         return "Primitive", MS_PRIMITIVE  # MindSpore's ops.BatchNorm (nn.BatchNorm2d's bn_train / bn_infer)
     api = parts[1]
     return (parts[0], api) if api in MSPROBE_BN_APIS else None
