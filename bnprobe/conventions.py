@@ -9,9 +9,9 @@ no convention explains is a bug.
 
 bnprobe speaks one momentum throughout — ``m``, the weight of the batch (``new = (1 − m)·old + m·batch``, torch's)
 — on the command line, in the adapter interface and in reports; a framework whose argument is the weight of the old
-value (``k = 1 − m``) has it translated by its adapter (:meth:`Convention.framework_momentum`) and by the readers
-of its dumps (:meth:`Convention.from_framework`).  Every framework here adds ε to the variance inside the square
-root, so ε's placement is not a choice of convention (one that adds it to σ is the ``eps-on-sigma`` bug).
+value (``k = 1 − m``) has it translated by its adapter (:meth:`Convention.framework_momentum`).  Every framework
+here adds ε to the variance inside the square root, so ε's placement is not a choice of convention (one that adds
+it to σ is the ``eps-on-sigma`` bug).
 
 The facts (../shared/reference/framework-conventions.md) were established by running each framework's own
 BatchNorm on the CPU against a float64 one: jax 0.10 / flax 0.12, TensorFlow 2.21 / Keras 3.15, PaddlePaddle 3.3,
@@ -45,35 +45,6 @@ class Convention:
     def framework_momentum(self, m: float) -> float:
         """bnprobe's momentum ``m`` (the batch's weight) as this framework's ``momentum`` argument."""
         return m if self.momentum == "new" else 1.0 - m
-
-    def from_framework(self, value: float) -> float:
-        """The framework's ``momentum`` argument as bnprobe's m."""
-        return value if self.momentum == "new" else 1.0 - value
-
-    @property
-    def m_default(self) -> float:
-        """The framework's default momentum as bnprobe's m."""
-        return self.from_framework(self.default_momentum)
-
-    def momentum_words(self, m: float | None) -> str:
-        """bnprobe's momentum in this convention's words: ``momentum 0.1`` or ``momentum 0.1 (flax momentum=0.9,
-        the old value's weight)``."""
-        if m is None:
-            return "momentum None (cumulative average)"
-        if self.momentum == "new":
-            return f"momentum {m:g}"
-        k = self.framework_momentum(m)
-        return f"momentum {m:g} ({self.name} {self.momentum_arg}={k:g}, the old value's weight)"
-
-    def describe(self) -> str:
-        """The convention in one line."""
-        mom = ("new = (1 − m)·old + m·batch" if self.momentum == "new"
-               else f"new = k·old + (1 − k)·batch, k = {self.momentum_arg}")
-        saved = {"invstd": "mean and 1/√(var + ε)", "var": "mean and the biased variance",
-                 "none": "nothing (the backward is autodiff)"}[self.saved]
-        return (f"{self.name} ({self.framework}): {self.running_var} running variance, {mom} "
-                f"(default {self.momentum_arg}={self.default_momentum:g}), ε {self.default_eps:g} by default, "
-                f"saves {saved}, {self.layout}")
 
 
 CONVENTIONS: dict[str, Convention] = {c.name: c for c in (

@@ -387,15 +387,16 @@ def read_call(dj: Path, doc: dict[str, Any], call: str, module: str | None = Non
     out_formats: dict[str, str] = {}
     outputs["y"], out_formats["y"] = _load_tensor(base, outs[0], f"{call}.forward output 0")
     saved_kind = None
-    saved = [o for o in (outs[3:5] if api == MS_PRIMITIVE else outs[1:3]) if _shape(o, where) == (c,)]
-    if training and len(saved) == 2 and api == MS_PRIMITIVE:  # reserve_space_1, _2: the mean, the biased variance
-        outputs["saved_mean"], out_formats["saved_mean"] = _load_tensor(base, saved[0], f"{call}.forward output 3")
-        outputs["saved_value"], out_formats["saved_value"] = _load_tensor(base, saved[1], f"{call}.forward output 4")
-        saved_kind = "var"
-    elif training and len(saved) == 2:  # native variants: (y, save_mean, save_invstd[, new running stats])
-        outputs["saved_mean"], out_formats["saved_mean"] = _load_tensor(base, saved[0], f"{call}.forward output 1")
-        outputs["saved_value"], out_formats["saved_value"] = _load_tensor(base, saved[1], f"{call}.forward output 2")
-        saved_kind = "invstd"
+    # the saved statistics: native variants' outputs 1, 2 (save_mean, save_invstd[, new running stats]); MindSpore's
+    # outputs 3, 4 (reserve_space_1, _2: the mean and the biased variance)
+    first, kind = (3, "var") if api == MS_PRIMITIVE else (1, "invstd")
+    saved = [o for o in outs[first:first + 2] if _shape(o, where) == (c,)]
+    if training and len(saved) == 2:
+        outputs["saved_mean"], out_formats["saved_mean"] = _load_tensor(base, saved[0],
+                                                                        f"{call}.forward output {first}")
+        outputs["saved_value"], out_formats["saved_value"] = _load_tensor(base, saved[1],
+                                                                          f"{call}.forward output {first + 1}")
+        saved_kind = kind
     if api == "_native_batch_norm_legit_functional" and len(outs) >= 5:
         outputs["running_mean_out"], out_formats["running_mean_out"] = _load_tensor(base, outs[3], f"{call} output 3")
         outputs["running_var_out"], out_formats["running_var_out"] = _load_tensor(base, outs[4], f"{call} output 4")

@@ -33,18 +33,16 @@ FRAMEWORKS: dict[str, tuple[str, str, str]] = {
     "mindspore": ("bnprobe.adapters.frameworks.mindspore_bn", "MindSporeAdapter", "mindspore"),
 }
 
-#: the module each framework is imported as, and its pip package
-_IMPORTS = {"jax": (("jax", "flax"), "jax jaxlib flax"), "tensorflow": (("tensorflow",), "tensorflow-cpu keras"),
-            "keras": (("tensorflow", "keras"), "tensorflow-cpu keras"), "paddle": (("paddle",), "paddlepaddle"),
-            "mindspore": (("mindspore",), "mindspore")}
+#: the modules each adapter imports
+_MODULES = {"jax": ("jax", "flax"), "tensorflow": ("tensorflow",), "keras": ("tensorflow", "keras"),
+            "paddle": ("paddle",), "mindspore": ("mindspore",)}
 
 
 def why_unavailable(name: str) -> str | None:
     """Why the framework of adapter ``name`` cannot be imported here (None when it can), without importing it."""
     import importlib.util
 
-    mods, _ = _IMPORTS[name]
-    missing = [m for m in mods if importlib.util.find_spec(m) is None]
+    missing = [m for m in _MODULES[name] if importlib.util.find_spec(m) is None]
     if missing:
         return f"{missing[0]} is not installed (pip install \"bnprobe[{FRAMEWORKS[name][2]}]\")"
     return None
@@ -80,11 +78,11 @@ def make(name: str, opts: str) -> BaseAdapter:
 
 
 class FrameworkAdapter(BaseAdapter):
-    """What the framework adapters share: their convention, formats and layout conversion."""
+    """What the framework adapters share: their convention, formats and layout conversion (to and from the layout
+    the framework's kernel takes x in, its convention's)."""
 
     convention = "torch"
     formats: tuple[str, ...] = ("fp32",)
-    native_layout = "channels_first"  # the layout the framework's kernel takes x in
     same_params: tuple[str, ...] = ()  # formats the framework runs with γ, β and the statistics in x's format
 
     def capabilities(self) -> Capabilities:
@@ -94,7 +92,7 @@ class FrameworkAdapter(BaseAdapter):
 
     def _check_params(self, p: Prepared) -> None:
         """Refuse a parameter format the framework's CPU kernel does not have, naming both."""
-        if p.params != get_format("fp32").name and p.params != "fp64" and p.dtype not in self.same_params:
+        if p.params not in ("fp32", "fp64") and p.dtype not in self.same_params:
             raise BNProbeError(f"adapter {self.name}: {get_convention(self.convention).framework} keeps γ, β and "
                                f"the statistics of {p.dtype} input in fp32 on the CPU: use params fp32")
 
@@ -108,6 +106,10 @@ class FrameworkAdapter(BaseAdapter):
             raise BNProbeError(f"adapter {self.name}: momentum=None (torch's cumulative average) has no "
                                f"{conv.name} equivalent; give a momentum")
         return conv.framework_momentum(momentum)
+
+    @property
+    def native_layout(self) -> str:
+        return get_convention(self.convention).layout
 
     def to_native(self, a: np.ndarray, p: Prepared) -> np.ndarray:
         """x or dy in the framework's layout (the values unchanged)."""
@@ -123,13 +125,9 @@ class FrameworkAdapter(BaseAdapter):
             return a
         return np.moveaxis(a, -1, 1) if self.native_layout == "channels_last" else np.moveaxis(a, 1, -1)
 
-    @staticmethod
-    def np_dtype(fmt: str) -> Any:
-        return get_format(fmt).dtype
-
     def stored(self, a: np.ndarray | None, fmt: str) -> np.ndarray | None:
         """A bnprobe tensor (float64 holding ``fmt`` values) in ``fmt``'s own dtype (the conversion is exact)."""
         if a is None:
             return None
         with np.errstate(invalid="ignore"):
-            return np.asarray(a, dtype=np.float64).astype(self.np_dtype(fmt))
+            return np.asarray(a, dtype=np.float64).astype(get_format(fmt).dtype)

@@ -25,7 +25,6 @@ _JNP = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 class FlaxAdapter(FrameworkAdapter):
     convention = "flax"
     formats = ("fp32", "fp16", "bf16")
-    native_layout = "channels_last"
     same_params = ("fp16", "bf16")
 
     def __init__(self, opts: str = "") -> None:

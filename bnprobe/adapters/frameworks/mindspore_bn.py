@@ -24,7 +24,6 @@ __all__ = ["MindSporeAdapter"]
 class MindSporeAdapter(FrameworkAdapter):
     convention = "mindspore"
     formats = ("fp32", "fp16")
-    native_layout = "channels_first"
 
     def __init__(self, opts: str = "") -> None:
         parse_options("mindspore", opts, {})
@@ -38,13 +37,14 @@ class MindSporeAdapter(FrameworkAdapter):
     def _t(self, a: np.ndarray | None, default: float, p: Prepared) -> Any:
         return self._ms.Tensor(self.stored(np.full(p.lay.channels, default) if a is None else a, "fp32"))
 
-    def _run(self, p: Prepared, x: np.ndarray, g: Any, b: Any, rm: np.ndarray | None, rv: np.ndarray | None, *,
-             training: bool, m: float, eps: float) -> tuple[Any, Any, Any, Any]:
+    def _run(self, p: Prepared, rm: np.ndarray | None, rv: np.ndarray | None, *, training: bool, m: float,
+             eps: float) -> tuple[Any, Any, Any, Any]:
+        """The primitive, x as a Tensor and the running statistics as the Parameters it updates in place."""
         ms = self._ms
         bn = ms.ops.BatchNorm(is_training=training, epsilon=eps, momentum=m)
         pm = ms.Parameter(self._t(rm, 0.0, p), name="moving_mean")
         pv = ms.Parameter(self._t(rv, 1.0, p), name="moving_variance")
-        xt = ms.Tensor(self.stored(self.to_native(x, p), p.dtype))
+        xt = ms.Tensor(self.stored(self.to_native(p.x, p), p.dtype))
         return bn, xt, pm, pv
 
     def _forward_train_impl(self, p: Prepared, *, momentum: float | None, eps: float) -> ForwardOutput:
@@ -52,7 +52,7 @@ class MindSporeAdapter(FrameworkAdapter):
         # the primitive's momentum is m itself (nn.BatchNorm2d passes it 1 - k)
         m = 1.0 - self._momentum(momentum, p)
         v = p.vectors
-        bn, xt, pm, pv = self._run(p, p.x, None, None, v["running_mean"], v["running_var"], training=True, m=m,
+        bn, xt, pm, pv = self._run(p, v["running_mean"], v["running_var"], training=True, m=m,
                                    eps=eps)
         out = bn(xt, self._t(v["gamma"], 1.0, p), self._t(v["beta"], 0.0, p), pm, pv)
         have = v["running_mean"] is not None
@@ -62,7 +62,7 @@ class MindSporeAdapter(FrameworkAdapter):
     def _forward_infer_impl(self, p: Prepared, *, eps: float) -> ForwardOutput:
         self._check_params(p)
         v = p.vectors
-        bn, xt, pm, pv = self._run(p, p.x, None, None, v["running_mean"], v["running_var"], training=False, m=0.1,
+        bn, xt, pm, pv = self._run(p, v["running_mean"], v["running_var"], training=False, m=0.1,
                                    eps=eps)
         y = bn(xt, self._t(v["gamma"], 1.0, p), self._t(v["beta"], 0.0, p), pm, pv)[0]
         return ForwardOutput(self.from_native(y.asnumpy(), p))
@@ -72,7 +72,7 @@ class MindSporeAdapter(FrameworkAdapter):
         self._check_params(p)
         ms = self._ms
         rm, rv = (None, None) if training else (saved.mean, saved.var(eps))
-        bn, xt, pm, pv = self._run(p, p.x, None, None, rm, rv, training=training, m=0.1, eps=eps)
+        bn, xt, pm, pv = self._run(p, rm, rv, training=training, m=0.1, eps=eps)
         _, vjp = ms.vjp(lambda x, g, b: bn(x, g, b, pm, pv)[0], xt, self._t(p.vectors["gamma"], 1.0, p),
                         self._t(None, 0.0, p))
         dx, dg, db = vjp(ms.Tensor(self.stored(self.to_native(dy, p), p.dtype)))

@@ -27,7 +27,6 @@ __all__ = ["PaddleAdapter"]
 class PaddleAdapter(FrameworkAdapter):
     convention = "paddle"
     formats = ("fp64", "fp32")
-    native_layout = "channels_first"
 
     def __init__(self, opts: str = "") -> None:
         parse_options("paddle", opts, {})

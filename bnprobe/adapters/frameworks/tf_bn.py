@@ -36,7 +36,6 @@ def _tf() -> Any:
 class TensorFlowAdapter(FrameworkAdapter):
     convention = "tensorflow"
     formats = ("fp32", "fp16", "bf16")
-    native_layout = "channels_last"
 
     def __init__(self, opts: str = "") -> None:
         parse_options("tensorflow", opts, {})
@@ -86,7 +85,6 @@ class TensorFlowAdapter(FrameworkAdapter):
 class KerasAdapter(FrameworkAdapter):
     convention = "keras"
     formats = ("fp32", "fp16", "bf16")
-    native_layout = "channels_last"
     same_params = ("fp16", "bf16")
 
     def __init__(self, opts: str = "") -> None:
