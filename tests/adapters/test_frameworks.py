@@ -6,12 +6,11 @@ runs them in one virtual environment per framework (``.ci/frameworks``)."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 
 from bnprobe.adapters import get_adapter
+from bnprobe.adapters.frameworks import why_unavailable
 from bnprobe.adapters.convention import in_convention
 from bnprobe.checks.diagnosis import doctor
 from bnprobe.checks.gradients import gradcheck
@@ -31,8 +30,9 @@ NP = {"fp64": np.float64, "fp32": np.float32, "fp16": np.float16}
 
 
 def _adapter(name: str):  # noqa: ANN202
-    if importlib.util.find_spec(FRAMEWORKS[name][0]) is None:
-        pytest.skip(f"{FRAMEWORKS[name][0]} is not installed")
+    why = why_unavailable(name)
+    if why:
+        pytest.skip(why)
     return get_adapter(name)
 
 
@@ -182,3 +182,15 @@ def _saved(x: np.ndarray):  # noqa: ANN202 - the golden's statistics, for a kern
 
     ax = (0, 2, 3)
     return Saved(x.mean(axis=ax), "var", x.var(axis=ax))
+
+
+def test_a_stand_in_module_is_not_taken_for_the_framework(monkeypatch: pytest.MonkeyPatch) -> None:
+    # msprobe's import puts tensorboard's stub in sys.modules["tensorflow"]; find_spec would then answer with it
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "tensorflow", types.ModuleType("tensorboard.compat.tensorflow_stub"))
+    why = why_unavailable("tensorflow")
+    assert why is not None and "stand-in" in why and "tensorboard.compat.tensorflow_stub" in why
+    with pytest.raises(BNProbeError, match="adapter tensorflow is unavailable here: tensorflow in this process"):
+        get_adapter("tensorflow")

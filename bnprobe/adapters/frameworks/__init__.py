@@ -41,10 +41,16 @@ _MODULES = {"jax": ("jax", "flax"), "tensorflow": ("tensorflow",), "keras": ("te
 def why_unavailable(name: str) -> str | None:
     """Why the framework of adapter ``name`` cannot be imported here (None when it can), without importing it."""
     import importlib.util
+    import sys
 
-    missing = [m for m in _MODULES[name] if importlib.util.find_spec(m) is None]
-    if missing:
-        return f"{missing[0]} is not installed (pip install \"bnprobe[{FRAMEWORKS[name][2]}]\")"
+    for m in _MODULES[name]:
+        loaded = sys.modules.get(m)
+        if loaded is not None and getattr(loaded, "__name__", m) != m:
+            # msprobe's import puts tensorboard's stub in sys.modules["tensorflow"]: find_spec would answer with it
+            return (f"{m} in this process is a stand-in ({loaded.__name__}, put there by an earlier import such as "
+                    f"msprobe's); run the {name} adapter in a process that does not import it first")
+        if loaded is None and importlib.util.find_spec(m) is None:
+            return f"{m} is not installed (pip install \"bnprobe[{FRAMEWORKS[name][2]}]\")"
     return None
 
 
