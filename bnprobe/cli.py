@@ -119,6 +119,23 @@ def _in_convention(adapter: str, convention: Optional[str]):  # noqa: ANN202 - s
     return in_convention(get_adapter(adapter), conv)
 
 
+def _dump_scalars(adapters: list[str], input: Optional[Path], eps: Optional[float],
+                  momentum: Optional[float] = None) -> tuple[list[str], Optional[Path], Optional[float],
+                                                             Optional[float]]:
+    """``--eps`` / ``--momentum`` where the kernel or ``--input`` is a dump: the layer's ε and momentum, for a dump
+    that does not record them (msprobe's MindSpore dumps; one that records others refuses them when read), handed to
+    the reader as ``DIR,eps=E,momentum=M``; they are then no longer options of generated input (returned None)."""
+    from bnprobe.checks.recorded import is_dump_path
+
+    opts = ",".join(f"{k}={v!r}" for k, v in (("eps", eps), ("momentum", momentum)) if v is not None)
+    dumps = [i for i, a in enumerate(adapters) if a.startswith("dump:")]
+    to_input = input is not None and is_dump_path(input)
+    if not opts or not (dumps or to_input):
+        return adapters, input, eps, momentum
+    out = [f"{a},{opts}" if i in dumps else a for i, a in enumerate(adapters)]
+    return out, Path(f"{input},{opts}") if to_input else input, None, None
+
+
 def _echo(lines: list[str]) -> None:
     for line in lines:
         typer.echo(line)
@@ -244,6 +261,7 @@ def trace(
 
     _check_common(params=params)
     if input is not None and is_dump_path(input):
+        _, input, eps, momentum = _dump_scalars([], input, eps, momentum)
         call, rec = one_call(input, calls, "trace", guard="trace")
         refuse(given(shape=shape, seed=seed, mean=mean, std=std, dist=dist, eps=eps, momentum=momentum),
                str(input).partition("#")[0])
@@ -446,6 +464,7 @@ def gradcheck_cmd(
     if input is not None and not is_dump_path(input):
         raise BNProbeError(f"--input {input}: gradcheck takes a dump folder (bnprobe or msprobe) as --input")
     sink = _output(out, force)
+    (adapter,), input, eps, _ = _dump_scalars([adapter], input, eps)
     kernel = _in_convention(adapter, convention)
     recorded = recording_of(kernel, input, calls, guard="gradcheck")
     if recorded is not None:
@@ -497,6 +516,7 @@ def compare_precision_cmd(
                                               "formats (careful), or any runnable adapter, e.g. torch."),
     budget: bool = typer.Option(True, "--budget/--no-budget", help="Per-stage error budget (emulated kernels)."),
     eps: Optional[float] = _EPS,
+    momentum: Optional[float] = _MOMENTUM,
     params: Optional[str] = _PARAMS,
     convention: Optional[str] = _CONVENTION,
     out: Optional[Path] = typer.Option(None, help="Report folder (default reports/compare-precision-<time>)."),
@@ -527,9 +547,10 @@ def compare_precision_cmd(
         if len(names) > 1:
             raise BNProbeError("a sweep runs one adapter over the dump root (or its recorded outputs): give one")
         _check_sweep(False, given(dtypes=dtypes, shape=shape, batch=batch, dist=dist, mean=mean, std=std, eps=eps,
-                                  params=params), str(found[0]))
+                                  momentum=momentum, params=params), str(found[0]))
         return _run_sweep("compare-precision", found, calls, out, force, workers, scheduler, resume, mode=mode,
                           rule=rule, bench=bench, budget=budget)
+    names, input, eps, momentum = _dump_scalars(names, input, eps, momentum)
     kernels = [get_adapter(a) if convention is None else _in_convention(a, convention) for a in names]
     resolved, cases, recorded = select_cases(kernels, input=input, calls=calls, shape=shape,
                                              shapes=shapes, batch=batch, dist=dist, mean=mean, std=std, seed=seed,
@@ -539,8 +560,8 @@ def compare_precision_cmd(
         raise BNProbeError("--dtypes is empty")
     sink = _output(out, force, "compare-precision", *report_files(fmts)) if fmts else None
     with Progress("compare-precision") as bar:
-        result = compare_precision(resolved, dts, cases, mode=mode, eps=eps, params=params, seed=seed, rule=rule,
-                                   bench=bench, budget=budget, progress=bar)
+        result = compare_precision(resolved, dts, cases, mode=mode, eps=eps, momentum=momentum, params=params,
+                                   seed=seed, rule=rule, bench=bench, budget=budget, progress=bar)
     paths = write_report(result, sink, fmts) if sink is not None else []
     what = f"{len(cases)} recorded call(s) of {recorded.source}" if recorded is not None else f"{len(cases)} inputs"
     _echo(compare_lines(result, what, recorded.notes if recorded is not None else (), recorded is not None))
@@ -592,6 +613,7 @@ def overflow_cmd(
                                    seed=seed, eps=eps, params=params, dy=dy), str(found[0]))
         return _run_sweep("overflow", found, calls, out, force, workers, scheduler, resume, mode=mode)
     sink = _output(out, force)
+    (adapter,), input, eps, _ = _dump_scalars([adapter], input, eps)
     recorded = recording_of(adapter, input, calls, guard="overflow")
     if recorded is not None:
         check_options(recorded, given=given(shape=shape, dist=dist, mean=mean, std=std, seed=seed, eps=eps,
@@ -700,6 +722,7 @@ def doctor_cmd(
         return _run_sweep("doctor", found, calls, out, force, workers, scheduler, resume)
     tensor = input if input is not None and not is_dump_path(input) else None
     sink = _output(out, force)
+    (adapter,), input, eps, momentum = _dump_scalars([adapter], input, eps, momentum)
     kernel = _in_convention(adapter, convention)
     recorded = recording_of(kernel, None if tensor is not None else input, calls, guard="doctor")
     if recorded is not None:
@@ -767,6 +790,7 @@ def identify_cmd(
         raise BNProbeError(f"--input and the dump adapter {adapter} both give the inputs: a dump runs on its own "
                            "recorded inputs; drop --input")
     sink = _output(out, force)
+    (adapter,), input, eps, momentum = _dump_scalars([adapter], input, eps, momentum)
     progress = Progress("identify")
     recorded = recording_of(adapter, None if tensor is not None else input, calls, guard="identify")
     if recorded is not None:

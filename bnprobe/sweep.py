@@ -100,7 +100,9 @@ def _step_rank(rel: Path) -> tuple[int, str]:
 
 
 def _holds_dump(p: Path) -> bool:
-    return p.is_dir() and any((p / m).is_file() for m in _MARKERS)
+    from bnprobe.recordings.ms_graph import graph_folders
+
+    return p.is_dir() and (any((p / m).is_file() for m in _MARKERS) or bool(graph_folders(p)))
 
 
 def _where(root: Path, p: Path) -> tuple[int, tuple[int, int | str], str]:

@@ -80,11 +80,16 @@ def test_an_accumulator_the_kernel_cannot_use_is_named_as_the_option(capsys):
 @pytest.mark.parametrize("option", [["--eps", "1e-3"], ["--momentum", "0.3"], ["--shape", "2,3,4"], ["--mean", "5"],
                                     ["--std", "2"], ["--dist", "uniform"]])
 def test_doctor_refuses_generated_input_options_on_a_dump(option, tmp_path, capsys):
+    """Options of generated input contradict a dump; --eps / --momentum are the layer's scalars there (for a dump
+    that does not record them), refused when they differ from the recorded ones."""
     assert main(["dump", "--adapter", "reference", "--out", str(tmp_path / "d"), *SMALL, "--dtype", "fp32"]) == 0
     capsys.readouterr()
     assert main(["doctor", "--adapter", f"dump:{tmp_path / 'd'}", *option]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"bnprobe: error: {option[0]} contradicts the recording") and len(err.splitlines()) == 1
+    key = option[0][2:]
+    want = f"records {key} = {1e-5 if key == 'eps' else 0.1}; {key}={float(option[1]):g} contradicts it" \
+        if key in ("eps", "momentum") else f"bnprobe: error: {option[0]} contradicts the recording"
+    assert want in err and len(err.splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("option", [["--mean", "5"], ["--std", "2"], ["--dist", "uniform"]])

@@ -48,6 +48,7 @@ from bnprobe.adapters.base import Capabilities, counters_only, params_format
 from bnprobe.adapters.emulated import PolicyAdapter
 from bnprobe.call import EPS, MOMENTUM, BNCall
 from bnprobe.checks.cases import dy_of_kind
+from bnprobe.checks.run import recording_notes
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.kernels.policy import PRESETS, Policy
@@ -989,5 +990,6 @@ def identify_recorded(recorded: Any, *, passes: int = 3,
             f"channels {', '.join(map(str, idx))} of {channels}, confirmed on every channel"
         res.notes.append(f"searched on the recorded inputs alone ({which}): a recording cannot be probed, so the "
                          "fields its data cannot tell apart are listed")
+        res.notes[:0] = [f"{c.label}: {n}" for n in recording_notes(rec)]
         results.append(res)
     return IdentifiedCalls(recorded.calls.source, results)

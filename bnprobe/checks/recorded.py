@@ -21,7 +21,7 @@ from bnprobe.adapters import KernelAdapter, get_adapter
 from bnprobe.adapters.base import PARAM_PRECISIONS
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
-from bnprobe.recordings import CALLS_NAME, META_NAME, CallRef, RecordedCalls, Recording, open_dump
+from bnprobe.recordings import CALLS_NAME, META_NAME, CallRef, RecordedCalls, Recording, open_dump, split_dump_spec
 
 __all__ = ["Recorded", "PerCall", "recording_of", "is_dump_path", "check_options", "check_params", "given", "refuse",
            "one_call"]
@@ -42,7 +42,7 @@ class Recorded:
 
 def is_dump_path(path: str | Path) -> bool:
     """Whether ``--input`` names a dump (a folder, ``DIR#NAME``, or a dump's JSON) rather than a tensor file."""
-    head = Path(str(path).partition("#")[0])
+    head = Path(split_dump_spec(str(path))[0].partition("#")[0])
     return head.is_dir() or head.name in (META_NAME, CALLS_NAME, "dump.json")
 
 

@@ -487,4 +487,11 @@ def runs(recorded: Any, modes: tuple[str, ...] | None = None,
     ref = counters_only(reference_for(kernel))
     for i, c in enumerate(recorded.calls.calls):
         rec = c.load()
-        yield i, c, run_call(kernel, rec, modes=modes, index=i, label=c.label, ref=ref, skip_missing=skip_missing)
+        run = run_call(kernel, rec, modes=modes, index=i, label=c.label, ref=ref, skip_missing=skip_missing)
+        run.notes[:0] = recording_notes(rec)  # what the reader assumed (MindSpore's ε, ...), said by every command
+        yield i, c, run
+
+
+def recording_notes(rec: Recording) -> list[str]:
+    """What the dump's reader noted on this call (a scalar it assumed, a gradient it told apart), as notes."""
+    return [str(n) for n in rec.meta.get("notes", ()) if isinstance(n, str)]

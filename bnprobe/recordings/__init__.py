@@ -16,6 +16,7 @@ from bnprobe.adapters.base import MODES
 from bnprobe.errors import BNProbeError
 from bnprobe.recordings.bnprobe_dump import read_calls, read_dump, read_meta, record, write_dump
 from bnprobe.recordings.msprobe import MSPROBE_BN_APIS, find_dump_jsons, msprobe_calls
+from bnprobe.recordings.ms_graph import graph_calls, graph_folders
 from bnprobe.recordings.types import (
     CALLS_NAME,
     CALLS_TAG,
@@ -27,7 +28,8 @@ from bnprobe.recordings.types import (
 )
 
 __all__ = ["Recording", "write_dump", "load_dump", "open_dump", "read_msprobe", "record", "CallRef",
-           "RecordedCalls", "read_calls", "MSPROBE_BN_APIS", "META_NAME", "TENSORS_NAME", "CALLS_NAME", "CALLS_TAG"]
+           "RecordedCalls", "read_calls", "split_dump_spec", "MSPROBE_BN_APIS", "META_NAME", "TENSORS_NAME",
+           "CALLS_NAME", "CALLS_TAG"]
 
 
 def load_dump(path: str | Path) -> Recording:
@@ -43,9 +45,14 @@ def load_dump(path: str | Path) -> Recording:
     return read_dump(p if p.is_file() else p / META_NAME)
 
 
-def _bnprobe_call(folder: Path, name: str | None = None, module: str | None = None) -> CallRef:
+def _bnprobe_call(folder: Path, name: str | None = None, module: str | None = None,
+                  assume: dict[str, float] | None = None) -> CallRef:
     meta_path = folder / META_NAME
     meta = read_meta(meta_path)
+    for key, value in (assume or {}).items():  # a bnprobe dump records both: a given one must agree
+        if meta.get(key) != value:
+            raise BNProbeError(f"{meta_path}: the call records {key} = {meta.get(key)!r}; {key}={value:g} "
+                               "contradicts it")
     recs = meta["records"]
     mode = "train" if "train" in recs else ("infer" if "infer" in recs else next(iter(recs), None))
     x = recs.get(mode, {}).get("inputs", {}).get("x") if mode else None
@@ -58,7 +65,7 @@ def _bnprobe_call(folder: Path, name: str | None = None, module: str | None = No
                    tuple(m for m in MODES if m in recs))
 
 
-def _model_calls(index: Path) -> RecordedCalls:
+def _model_calls(index: Path, assume: dict[str, float]) -> RecordedCalls:
     """A model dump written by :func:`bnprobe.capture`: an index and one bnprobe dump per call."""
     doc = read_calls(index.parent)
     if not doc["calls"]:
@@ -70,7 +77,7 @@ def _model_calls(index: Path) -> RecordedCalls:
             raise BNProbeError(f"{index}: call {e['name']!r} points outside the dump ({e['dir']!r})")
         if not (folder / META_NAME).is_file():
             raise BNProbeError(f"{folder}: missing (call {e['name']!r} named in {CALLS_NAME})")
-        calls.append(_bnprobe_call(folder, e["name"], e["module"]))
+        calls.append(_bnprobe_call(folder, e["name"], e["module"], assume))
     notes = tuple(str(n) for n in doc.get("notes", []) if isinstance(n, str)) if isinstance(doc.get("notes"), list) \
         else ()
     return RecordedCalls(str(index.parent), "capture", tuple(calls), notes)
@@ -78,10 +85,11 @@ def _model_calls(index: Path) -> RecordedCalls:
 
 def open_dump(spec: str | Path, calls: str | None = None) -> RecordedCalls:
     """Every BatchNorm call of a dump: ``DIR`` (a bnprobe dump, a bnprobe model dump or an msprobe dump in
-    any of its layouts), the path of its ``dump.json`` / ``bnprobe-dump.json``, optionally ``#NAME``
+    any of its layouts, or MindSpore's GRAPH_MODE kernel dump), the path of its ``dump.json`` / ``bnprobe-dump.json``,
+    optionally ``#NAME``
     (a call name, module name or glob) to select; ``calls`` selects by glob as well.  ``DIR,eps=E,momentum=M``:
     the layer's ε and momentum where an msprobe dump does not record them (MindSpore's primitive)."""
-    text, assume = _dump_options(str(spec))
+    text, assume = split_dump_spec(str(spec))
     path_text, _, name = text.partition("#")
     p = Path(path_text)
     if not p.exists():
@@ -89,13 +97,17 @@ def open_dump(spec: str | Path, calls: str | None = None) -> RecordedCalls:
     if p.is_file() and p.name in (META_NAME, CALLS_NAME):
         p = p.parent
     if p.is_dir() and (p / CALLS_NAME).is_file():
-        found = _model_calls(p / CALLS_NAME)
+        found = _model_calls(p / CALLS_NAME, assume)
     elif p.is_dir() and (p / META_NAME).is_file():
-        found = RecordedCalls(str(p), "bnprobe", (_bnprobe_call(p),))
+        found = RecordedCalls(str(p), "bnprobe", (_bnprobe_call(p, assume=assume),))
+    elif p.is_dir() and not find_dump_jsons(p) and graph_folders(p):  # MindSpore's GRAPH_MODE / jit (L2)
+        graph, notes = graph_calls(p, assume)
+        found = RecordedCalls(str(p), "msprobe", tuple(graph), tuple(notes), convention="mindspore")
     else:
         if p.is_dir() and not find_dump_jsons(p):
             raise BNProbeError(f"{p}: neither a bnprobe dump ({META_NAME}, {CALLS_NAME}) nor an msprobe dump "
-                               "(dump.json, step*/proc*/, step*/rank*/, rank*/)")
+                               "(dump.json, step*/proc*/, step*/rank*/, rank*/; a MindSpore graph dump's "
+                               "rank_*/NET/GRAPH/ITERATION/BatchNorm.*.npy)")
         ms, notes = msprobe_calls(p, assume)
         frameworks = {c.framework for c in ms}
         found = RecordedCalls(str(p), "msprobe", tuple(c.ref for c in ms), tuple(notes),
@@ -106,8 +118,8 @@ def open_dump(spec: str | Path, calls: str | None = None) -> RecordedCalls:
     return found.select(name or None).select(calls)
 
 
-def _dump_options(text: str) -> tuple[str, dict[str, float]]:
-    """``DIR[#NAME][,eps=E][,momentum=M]``: the dump's spec and the scalars given for it."""
+def split_dump_spec(text: str) -> tuple[str, dict[str, float]]:
+    """``DIR[#NAME][,eps=E][,momentum=M]``: the dump's spec and the scalars given for it (each once)."""
     head, *opts = text.split(",")
     if not opts or not all("=" in o for o in opts):
         return text, {}
@@ -117,6 +129,8 @@ def _dump_options(text: str) -> tuple[str, dict[str, float]]:
         if key not in ("eps", "momentum"):
             raise BNProbeError(f"dump option {o.strip()!r}: a dump takes eps=E and momentum=M (where it does not "
                                "record them)")
+        if key in out:
+            raise BNProbeError(f"dump option {key} given twice (as --{key} and in the dump's spec?): give it once")
         try:
             out[key] = float(value)
         except ValueError:

@@ -8,6 +8,11 @@ records ``Functional.batch_norm.N`` (what ``nn.BatchNorm1d/2d/3d`` call), ``Torc
 ``Module.<path>.BatchNorm*.forward.K`` records name them (through ``construct.json``) and its
 ``parameters_grad`` records are checked against the kernel's dγ and dβ.
 
+MindSpore's dumps (``"framework": "mindspore"``): the primitive ``Primitive.bn_train.BatchNorm.N`` at L1 and mix
+(ε and momentum, its attributes, are not recorded: MindSpore's defaults or the user's, said), and at L0 the cells
+``Cell.<name>.BatchNorm2d.forward.K`` (:func:`read_cell`).  MindSpore's GRAPH_MODE dumps (level L2) are read by
+:mod:`bnprobe.recordings.ms_graph`.
+
 A ``statistics`` dump holds max/min/mean/norm per tensor and no tensors: its calls carry summaries
 only (see :attr:`~bnprobe.recordings.types.CallRef.task`).
 """
@@ -33,8 +38,8 @@ from bnprobe.inputs import npy_header
 from bnprobe.numerics.rounding import is_representable
 from bnprobe.recordings.types import CallRef, Recording, check_eps_momentum, message_line, read_json
 
-__all__ = ["MSPROBE_BN_APIS", "MsprobeCall", "find_dump_jsons", "msprobe_calls", "read_call", "read_summaries",
-           "SUMMARY_KEYS"]
+__all__ = ["MSPROBE_BN_APIS", "MsprobeCall", "find_dump_jsons", "msprobe_calls", "read_call", "read_cell",
+           "read_summaries", "SUMMARY_KEYS"]
 
 MSPROBE_BN_APIS = ("batch_norm", "native_batch_norm", "cudnn_batch_norm", "_native_batch_norm_legit",
                    "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional")
@@ -225,11 +230,21 @@ def msprobe_calls(path: str | Path, assume: dict[str, float] | None = None) -> t
                 framework=str(doc.get("framework") or "pytorch")))
             found += 1
         modules = [k for k in data if k.startswith(("Module.", "Cell.")) and ".BatchNorm" in k and ".forward." in k]
-        if not found and modules:
-            raise BNProbeError(f"{dj}: only module-level (L0) BatchNorm records ({modules[0]}, ...): they hold x, y, "
-                               "weight and bias (MindSpore's cells: the running statistics after the update) but not "
-                               "eps, momentum, the running statistics the call was given or the training flag; dump "
-                               "at level L1 or mix")
+        if not found and modules and (modules[0].startswith("Module.") or task != "tensor"):
+            raise BNProbeError(f"{dj}: only module-level (L0) BatchNorm records ({modules[0]}, ...): "
+                               + ("a statistics dump's cell records hold no tensors to tell the training flag by"
+                                  if modules[0].startswith("Cell.") else
+                                  "they hold x, y, weight and bias but not eps, momentum, the running statistics or "
+                                  "the training flag") + "; dump at level L1 or mix")
+        if not found and modules:  # MindSpore's L0: the cells alone
+            for key in modules:
+                call = prefix + key.replace(".forward.", ".")
+                rec = read_cell(dj, doc, key, assume)
+                calls.append(MsprobeCall(CallRef(
+                    name=call, module=None, shape=tuple(rec.tensors[rec.modes[0]]["inputs"]["x"].shape),
+                    dtype=rec.dtype, training=rec.training, has_backward="backward" in rec.tensors, task=task,
+                    load=_cell_loader(dj, key, assume), recorded=rec.modes), api=key, dump_json=dj,
+                    framework=str(doc.get("framework") or "mindspore")))
     if len(jsons) > 1:
         notes.append(f"{len(jsons)} dump.json files (steps/ranks) read; calls are named by their folder")
     return calls, notes
@@ -417,6 +432,91 @@ def read_call(dj: Path, doc: dict[str, Any], call: str, module: str | None = Non
     return rec
 
 
+def _cell_loader(dj: Path, key: str, assume: dict[str, float] | None) -> Callable[[], Any]:
+    return lambda: read_cell(dj, _read_json(dj), key, assume)
+
+
+def read_cell(dj: Path, doc: dict[str, Any], key: str, assume: dict[str, float] | None = None) -> Any:
+    """One MindSpore cell record of an L0 dump (``Cell.<name>.BatchNorm2d.forward.K``) as a Recording: x, y, γ, β
+    and the moving statistics (recorded after the call's update), the backward's dy and dx, and dγ, dβ from the
+    cell's ``parameters_grad``.  The record holds no ε, momentum or training flag: ε and momentum are MindSpore's
+    defaults or ``assume``'s, and the mode is the one whose float64 y is nearer the recorded one (said in a note);
+    the running statistics it was given are not recorded, so a training call's are not checked."""
+    data, where, base = doc["data"], str(dj), dj.parent
+    fwd = data[key]
+    if not isinstance(fwd, dict):
+        raise BNProbeError(f"{where}: {key} is not a JSON object")
+    ins, outs = _entries(fwd, "input_args", f"{where}: {key}"), _entries(fwd, "output", f"{where}: {key}")
+    prm = fwd.get("parameters") if isinstance(fwd.get("parameters"), dict) else {}
+    if not ins or not outs:
+        raise BNProbeError(f"{where}: {key} records no input or output tensor")
+    x, dtype = _load_tensor(base, ins[0], f"{key} input 0")
+    if x.ndim < 2:
+        raise BNProbeError(f"{where}: {key} input has shape {list(x.shape)}; BatchNorm takes N, C[, ...]")
+    tensors, formats = {"x": x}, {"x": dtype}
+    for ours, theirs in (("gamma", "gamma"), ("beta", "beta"), ("running_mean", "moving_mean"),
+                         ("running_var", "moving_variance")):
+        if not _is_tensor(prm.get(theirs)):
+            raise BNProbeError(f"{where}: {key} records no {theirs} parameter")
+        tensors[ours], formats[ours] = _load_tensor(base, prm[theirs], f"{key} parameter {theirs}")
+    y, fy = _load_tensor(base, outs[0], f"{key} output 0")
+    if y.shape != x.shape:
+        raise BNProbeError(f"{where}: {key} output has shape {list(y.shape)}, its input {list(x.shape)}")
+    given = dict(assume or {})
+    eps, momentum = check_eps_momentum(given.get("eps", 1e-5), given.get("momentum", 0.1), formats["gamma"],
+                                       f"{where}: {key}")
+    training, why = _cell_mode(tensors, y, eps)
+    notes = ["ε and momentum are not in a MindSpore cell's record: " + "; ".join(
+        [f"{k} {given[n]:g} as given" for k, n in (("ε", "eps"), ("momentum", "momentum")) if n in given]
+        + ([f"MindSpore's default{'s' if len(given) == 0 else ''} assumed: " + ", ".join(
+            f"{k} {v:g}" for k, v, n in (("ε", eps, "eps"), ("momentum", momentum, "momentum")) if n not in given)
+            + " (nn.BatchNorm2d's momentum=0.9 is m = 0.1); give the layer's as --eps/--momentum"]
+           if len(given) < 2 else [])), why]
+    if training:
+        notes.append("a cell's record holds its moving statistics after the update, not the ones it was given: the "
+                     "running statistics are not checked")
+    mode = "train" if training else "infer"
+    rec = Recording(adapter=f"msprobe:{key}", dtype=dtype, params=formats["gamma"], layout="channels_first", eps=eps,
+                    momentum=momentum, saved_kind=None,
+                    meta={"framework": doc.get("framework"), "task": doc.get("task"), "level": doc.get("level"),
+                          "call": key, "training": training, "affine": True, "notes": notes}, source=where)
+    rec.tensors[mode] = {"inputs": dict(tensors), "outputs": {"y": y}}
+    rec.formats.update({f"{mode}.inputs.{k}": f for k, f in formats.items()})
+    rec.formats[f"{mode}.outputs.y"] = fy
+    bwd = data.get(key.replace(".forward.", ".backward."))
+    if bwd is not None:
+        pg = data.get(key.replace(".forward.", ".parameters_grad."))
+        pg = pg if isinstance(pg, dict) else {}
+        found = {ours: _entries(pg, theirs, f"{where}: {key} parameters_grad")
+                 for ours, theirs in (("dgamma", "gamma"), ("dbeta", "beta"))}
+        named = {ours: _load_tensor(base, e[0], f"{key} parameters_grad {ours[1:]}") for ours, e in found.items() if e}
+        _read_backward(rec, base, where, key, bwd, tensors, formats, {}, {}, named=named)
+    return rec
+
+
+def _cell_mode(t: dict[str, np.ndarray], y: np.ndarray, eps: float) -> tuple[bool, str]:
+    """Whether a cell ran in training mode: its y is nearer (in float64) to the batch's statistics' than to the
+    moving statistics', and the note that says so with both distances."""
+    ax = tuple(i for i in range(t["x"].ndim) if i != 1)
+    shape = [1] * t["x"].ndim
+    shape[1] = -1
+
+    def col(v: np.ndarray) -> np.ndarray:
+        return np.reshape(v, shape)
+
+    def bn(mean: np.ndarray, var: np.ndarray) -> np.ndarray:
+        return col(t["gamma"]) * (t["x"] - col(mean)) / np.sqrt(col(var) + eps) + col(t["beta"])
+
+    scale = float(np.nanmax(np.abs(y))) or 1.0
+    off = [float(np.nanmax(np.abs(bn(m, v) - y))) / scale
+           for m, v in ((t["x"].mean(axis=ax), t["x"].var(axis=ax)), (t["running_mean"], t["running_var"]))]
+    training = not off[1] < off[0]
+    near, far = (("batch", off[0]), ("moving", off[1])) if training else (("moving", off[1]), ("batch", off[0]))
+    return training, (f"the training flag is not in a cell's record: taken as {'training' if training else 'inference'}"
+                      f", its y being nearer the {near[0]} statistics' ({near[1]:.2g} of max|y|) than the {far[0]} "
+                      f"statistics' ({far[1]:.2g})")
+
+
 def _check_parameters_grad(rec: Any, data: dict[str, Any], base: Path, module: str) -> None:
     """The mix level's ``Module.<path>.<Class>.parameters_grad.K`` holds the module's weight and bias gradients:
     they equal the kernel's dγ and dβ unless the module ran more than once (they accumulate); say which."""
@@ -461,7 +561,10 @@ def _training(args: dict[str, Any], api: str, call: str, where: str) -> bool:
 
 
 def _read_backward(rec: Any, base: Path, where: str, call: str, bwd: Any, tensors: dict[str, np.ndarray],
-                   formats: dict[str, str], outputs: dict[str, np.ndarray], out_formats: dict[str, str]) -> None:
+                   formats: dict[str, str], outputs: dict[str, np.ndarray], out_formats: dict[str, str],
+                   named: dict[str, tuple[np.ndarray, str]] | None = None) -> None:
+    """The backward record of ``call``: dy in, dx and (unless ``named`` gives them, from a cell's parameters_grad)
+    dγ, dβ out."""
     if not isinstance(bwd, dict):
         raise BNProbeError(f"{where}: {call}.backward is not a JSON object")
     x = tensors["x"]
@@ -477,7 +580,7 @@ def _read_backward(rec: Any, base: Path, where: str, call: str, bwd: Any, tensor
     vecs = [(o, i) for s, o, i in loaded if s == (x.shape[1],)]
     if dx_e is None:
         raise BNProbeError(f"{where}: {call}.backward output holds no dx (no tensor of x's shape)")
-    affine = "gamma" in tensors and "beta" in tensors
+    affine = "gamma" in tensors and "beta" in tensors and named is None
     if affine and len(vecs) < 2:
         raise BNProbeError(f"{where}: {call}.backward output lacks the gradients of weight and bias")
     dx, fdx = _load_tensor(base, dx_e[0], f"{call}.backward output {dx_e[1]}")
@@ -497,6 +600,10 @@ def _read_backward(rec: Any, base: Path, where: str, call: str, bwd: Any, tensor
         if rec.meta.get("framework") == "mindspore":  # msprobe 26.2 lists MindSpore's as dβ, dγ, dx
             a, b = _by_sum_dy(a, b, dy, rec)
         (outs["dgamma"], fouts["dgamma"]), (outs["dbeta"], fouts["dbeta"]) = a, b
+    for k, (v, f) in (named or {}).items():
+        if v.shape != (c,):
+            raise BNProbeError(f"{where}: {call}: {k} has shape {list(v.shape)}, not ({c},)")
+        outs[k], fouts[k] = v, f
     rec.tensors["backward"] = {"inputs": ins, "outputs": outs}
     rec.formats.update({f"backward.inputs.{k}": f for k, f in fins.items()})
     rec.formats.update({f"backward.outputs.{k}": f for k, f in fouts.items()})

@@ -320,7 +320,7 @@ def one_call(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["gradcheck", "--shape", "4,3,5,5"], "--shape contradicts the recording"),
-    (["gradcheck", "--eps", "1e-3"], "--eps contradicts the recording"),
+    (["gradcheck", "--eps", "1e-4"], "records eps = 0.001; eps=0.0001 contradicts it"),
     (["gradcheck", "--seed", "1"], "--seed contradicts the recording"),
     (["gradcheck", "--dtype", "fp32"], "--dtype fp32 contradicts the recording: d was recorded in fp16"),
     (["gradcheck", "--mode", "infer"], "--mode infer contradicts the recording: d was recorded in training mode"),
@@ -347,7 +347,7 @@ def test_contradicting_options_are_one_line_exit_2(one_call, capsys, args, messa
 
 
 @pytest.mark.parametrize("args,message", [
-    (["trace", "--eps", "1e-3"], "--eps contradicts the recording"),
+    (["trace", "--eps", "1e-4"], "records eps = 0.001; eps=0.0001 contradicts it"),
     (["trace", "--shape", "2,2"], "--shape contradicts the recording"),
     (["trace", "--policy", "fp32"], "policy fp32 stores fp32, but d was recorded in fp16"),
     (["trace", "--mode", "infer"], "--mode infer contradicts the recording: d recorded no infer call"),

@@ -1,5 +1,6 @@
-"""Make the msprobe MindSpore dumps of this folder: ``python make_dumps.py LEVEL DTYPE OUT`` (L0, L1 or mix; fp32 or
-fp16) in an environment with mindspore and mindstudio-probe (see README.md)."""
+"""Make the msprobe MindSpore dumps of this folder: ``python make_dumps.py LEVEL DTYPE OUT`` (L0, L1 or mix in
+PyNative; ``graph``: GRAPH_MODE at msprobe's level L2, MindSpore's kernel-by-kernel dump; fp32 or fp16) in an
+environment with mindspore and mindstudio-probe (see README.md)."""
 
 import json
 import os
@@ -28,7 +29,47 @@ class Net(nn.Cell):
         return self.bn2(self.relu(self.bn1(self.conv(x))))
 
 
+class WithLoss(nn.Cell):
+    def __init__(self, net: nn.Cell) -> None:
+        super().__init__()
+        self.net = net
+        self.loss = nn.MSELoss()
+
+    def construct(self, a, b):  # noqa: ANN001, ANN201
+        return self.loss(self.net(a).astype(ms.float32), b)
+
+
+def graph(dtype: str, out: str) -> None:
+    """One training step in GRAPH_MODE under msprobe's L2 (the only level msprobe dumps there on the CPU); fp16: the
+    BatchNorm cells to_float(float16)."""
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    ms.set_seed(0)  # the conv's initial weights
+    from msprobe.mindspore import PrecisionDebugger
+
+    os.makedirs(out, exist_ok=True)
+    with open(f"{out}/config.json", "w") as f:
+        json.dump({"task": "tensor", "dump_path": os.path.abspath(out), "rank": [], "step": [], "level": "L2",
+                   "tensor": {"scope": [], "list": [], "data_mode": ["all"]}}, f)
+    net = Net()
+    net.set_train(True)
+    if dtype == "fp16":
+        net.bn1.to_float(ms.float16)
+        net.bn2.to_float(ms.float16)
+    rng = np.random.default_rng(0)
+    x = Tensor(rng.standard_normal((2, 3, 4, 4)).astype(np.float32))
+    t = Tensor(rng.standard_normal((2, 4, 4, 4)).astype(np.float32))
+    step = nn.TrainOneStepCell(WithLoss(net), nn.SGD(net.trainable_params(), 0.01))
+    step.set_train(True)
+    dbg = PrecisionDebugger(config_path=f"{out}/config.json")
+    dbg.start()
+    step(x, t)
+    dbg.stop()
+    dbg.step()
+
+
 def main(level: str, dtype: str, out: str) -> None:
+    if level == "graph":
+        return graph(dtype, out)
     ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
     mint.norm = _norm
     from msprobe.mindspore import PrecisionDebugger
