@@ -393,7 +393,8 @@ def read_call(dj: Path, doc: dict[str, Any], call: str, module: str | None = Non
         notes.append("ε and momentum are attributes of MindSpore's BatchNorm primitive, not in the dump: "
                      + "; ".join(said + ([f"MindSpore's default{'s' if len(assumed) > 1 else ''} assumed: "
                                           f"{', '.join(assumed)} (nn.BatchNorm2d's momentum=0.9 is m = 0.1); give "
-                                          "the layer's as dump:DIR,eps=E,momentum=M"] if assumed else [])))
+                                          "the layer's as --eps/--momentum (or dump:DIR,eps=E,momentum=M)"]
+                                         if assumed else [])))
     outs = _entries(data[f"{call}.forward"], "output", f"{where}: {call}.forward")
     if not outs:
         raise BNProbeError(f"{where}: {call}.forward records no output tensor")
