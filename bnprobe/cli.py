@@ -587,6 +587,7 @@ def overflow_cmd(
                                                   "each call recorded unless given."),
     eps: Optional[float] = _EPS,
     params: Optional[str] = _PARAMS,
+    convention: Optional[str] = _CONVENTION,
     dy: Optional[str] = typer.Option(None, "--dy", help="Upstream gradient of the generated backward: shifted "
                                      "(default: N(0, 1) plus a mean per channel, as real losses give, so Σdy grows "
                                      "with R), normal, heavy (Student t, 2 d.o.f., shifted)."),
@@ -614,7 +615,8 @@ def overflow_cmd(
         return _run_sweep("overflow", found, calls, out, force, workers, scheduler, resume, mode=mode)
     sink = _output(out, force)
     (adapter,), input, eps, _ = _dump_scalars([adapter], input, eps)
-    recorded = recording_of(adapter, input, calls, guard="overflow")
+    kernel = _in_convention(adapter, convention)
+    recorded = recording_of(kernel, input, calls, guard="overflow")
     if recorded is not None:
         check_options(recorded, given=given(shape=shape, dist=dist, mean=mean, std=std, seed=seed, eps=eps,
                                             accumulate=accumulate, dy=dy), dtype=dtype, mode=mode, params=params)
@@ -622,7 +624,7 @@ def overflow_cmd(
     x = input_tensor("overflow", input, "8,16,14,14" if shape is None else shape, dist or "normal",
                      0.0 if mean is None else mean,
                      1.0 if std is None else std, seed or 0)
-    rep = scan(adapter, x, dtype=dtype or "fp16", accumulate=accumulate, mode=mode or "train",
+    rep = scan(kernel, x, dtype=dtype or "fp16", accumulate=accumulate, mode=mode or "train",
                eps=EPS if eps is None else eps, seed=seed or 0, params=params, dy=dy)
     return _show(overflow_report(rep, params), sink, as_json)
 

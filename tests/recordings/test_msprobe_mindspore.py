@@ -281,3 +281,13 @@ def test_the_fp16_graph_dump_fails_where_its_y_holds_fp32_bytes_under_an_fp16_la
                                                  - xhat * col((dy * xhat).mean(axis=(0, 2, 3))))
     as32 = np.ascontiguousarray(bw["outputs"]["dx"].astype(np.float16)).view(np.float32).ravel()
     np.testing.assert_allclose(as32, dx.ravel()[: as32.size], rtol=0, atol=1e-7)
+
+
+def test_overflow_takes_the_convention_as_the_other_commands_do(capsys: pytest.CaptureFixture) -> None:
+    spec = f"dump:{DATA / 'L1-fp32'}#*BatchNorm.0"
+    assert main(["overflow", "--adapter", spec, "--convention", "flax"]) == 0
+    assert main(["overflow", "--adapter", spec]) == 0
+    capsys.readouterr()
+    assert main(["overflow", "--adapter", spec, "--convention", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown convention 'nope'" in err and len(err.strip().splitlines()) == 1
