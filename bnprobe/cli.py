@@ -549,7 +549,7 @@ def compare_precision_cmd(
         _check_sweep(False, given(dtypes=dtypes, shape=shape, batch=batch, dist=dist, mean=mean, std=std, eps=eps,
                                   momentum=momentum, params=params), str(found[0]))
         return _run_sweep("compare-precision", found, calls, out, force, workers, scheduler, resume, mode=mode,
-                          rule=rule, bench=bench, budget=budget)
+                          rule=rule, bench=bench, budget=budget, convention=convention)
     names, input, eps, momentum = _dump_scalars(names, input, eps, momentum)
     kernels = [get_adapter(a) if convention is None else _in_convention(a, convention) for a in names]
     resolved, cases, recorded = select_cases(kernels, input=input, calls=calls, shape=shape,
@@ -612,7 +612,8 @@ def overflow_cmd(
     if (found := _sweep_root(adapter, input, (sweep, workers, scheduler, resume))) is not None:
         _check_sweep(as_json, given(dtype=dtype, accumulate=accumulate, shape=shape, dist=dist, mean=mean, std=std,
                                    seed=seed, eps=eps, params=params, dy=dy), str(found[0]))
-        return _run_sweep("overflow", found, calls, out, force, workers, scheduler, resume, mode=mode)
+        return _run_sweep("overflow", found, calls, out, force, workers, scheduler, resume, mode=mode,
+                          convention=convention)
     sink = _output(out, force)
     (adapter,), input, eps, _ = _dump_scalars([adapter], input, eps)
     kernel = _in_convention(adapter, convention)
@@ -721,7 +722,7 @@ def doctor_cmd(
     if (found := _sweep_root(adapter, input, (sweep, workers, scheduler, resume))) is not None:
         _check_sweep(as_json, given(dtype=dtype, params=params, seed=seed, stability=stability, eps=eps,
                                     momentum=momentum) + generating, str(found[0]))
-        return _run_sweep("doctor", found, calls, out, force, workers, scheduler, resume)
+        return _run_sweep("doctor", found, calls, out, force, workers, scheduler, resume, convention=convention)
     tensor = input if input is not None and not is_dump_path(input) else None
     sink = _output(out, force)
     (adapter,), input, eps, momentum = _dump_scalars([adapter], input, eps, momentum)
@@ -828,6 +829,7 @@ def shrink_cmd(
     dist: Optional[str] = _DIST, mean: Optional[float] = _MEAN, std: Optional[float] = _STD,
     seed: Optional[int] = _SEED,
     seconds: float = typer.Option(120.0, help="Time budget in seconds (> 0)."),
+    convention: Optional[str] = _CONVENTION,
     out: Optional[Path] = typer.Option(None, help="Folder for x.npy, the dump and shrink.json "
                                                   "(default reports/shrink-<time>)."),
     force: bool = _FORCE,
@@ -844,7 +846,7 @@ def shrink_cmd(
     if not 0 < seconds <= 86400:
         raise BNProbeError(f"--seconds must be > 0 and at most 86400 (a day), got {seconds}")
     sink = _output(out, force, "shrink", "x.npy", "shrink.json")
-    a = runnable(adapter)
+    a = runnable(_in_convention(adapter, convention))
     recorded = recording_of(a, input, calls, guard="shrink")
     kept = None
     if recorded is not None:
@@ -860,7 +862,7 @@ def shrink_cmd(
     with Progress("shrink") as bar:
         res = shrink(x, fails, seconds=seconds, progress=bar.steps(20))
     files, cmd = write_shrink(res, sink, adapter=adapter, dtype=dtype, mode=mode, predicate=predicate,
-                              recorded=kept, params=params)
+                              recorded=kept, params=params, convention=convention)
     _echo(shrink_lines(res, files, cmd, dtype, kept))
     return 0
 

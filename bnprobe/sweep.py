@@ -82,11 +82,16 @@ class SweepSpec:
     rule: str = "benchmark"
     bench: str = "careful"
     budget: bool = False
+    convention: str | None = None  # the framework convention the kernel is judged in (None: its own)
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.command not in SWEEP_COMMANDS:
             raise BNProbeError(f"a sweep runs {', '.join(SWEEP_COMMANDS)}, not {self.command!r}")
+        if self.convention is not None:
+            from bnprobe.conventions import get_convention
+
+            get_convention(self.convention)  # an unknown name: one line, before any task
 
 
 def _step_rank(rel: Path) -> tuple[int, str]:
@@ -183,13 +188,22 @@ def _one_call(task: Task) -> Any:
     return replace(found, source=task.key, calls=picked)
 
 
-def _compare_row(one: Any, spec: SweepSpec) -> dict[str, Any]:
+def _kernel(one: Any, spec: SweepSpec) -> Any:
+    """What a task checks: the call's recorded outputs, or the runnable adapter; in ``spec.convention`` if given."""
     from bnprobe.adapters import get_adapter
+    from bnprobe.adapters.convention import in_convention
     from bnprobe.adapters.dump import DumpAdapter
+    from bnprobe.conventions import get_convention
+
+    kernel = DumpAdapter(one) if spec.adapter is None else get_adapter(spec.adapter)
+    return kernel if spec.convention is None else in_convention(kernel, get_convention(spec.convention))
+
+
+def _compare_row(one: Any, spec: SweepSpec) -> dict[str, Any]:
     from bnprobe.checks.cases import recorded_cases
     from bnprobe.checks.compare import compare_precision
 
-    adapter = DumpAdapter(one) if spec.adapter is None else get_adapter(spec.adapter)
+    adapter = _kernel(one, spec)
     r = compare_precision([adapter], None, recorded_cases(one), mode=spec.mode or "all", rule=spec.rule,
                           bench=spec.bench, budget=spec.budget)
     rows = r.rows
@@ -211,12 +225,10 @@ def _statistics(rows: Any) -> dict[str, float]:
 
 
 def _doctor_row(one: Any, spec: SweepSpec) -> dict[str, Any]:
-    from bnprobe.adapters import get_adapter
-    from bnprobe.adapters.dump import DumpAdapter
     from bnprobe.checks.diagnosis import doctor_recorded
     from bnprobe.checks.recorded import Recorded
 
-    kernel = DumpAdapter(one) if spec.adapter is None else get_adapter(spec.adapter)
+    kernel = _kernel(one, spec)
     rep = doctor_recorded(Recorded(kernel, one), stability=False).results[0]
     failed = [i.name for i in rep.items if i.status == "FAIL"]
     return {"verdict": "PASS" if rep.passed else "FAIL", "score": float(len(failed)), "outputs": len(rep.items),
@@ -224,12 +236,10 @@ def _doctor_row(one: Any, spec: SweepSpec) -> dict[str, Any]:
 
 
 def _overflow_row(one: Any, spec: SweepSpec) -> dict[str, Any]:
-    from bnprobe.adapters import get_adapter
-    from bnprobe.adapters.dump import DumpAdapter
     from bnprobe.checks.overflow import scan_recorded
     from bnprobe.checks.recorded import Recorded
 
-    kernel = DumpAdapter(one) if spec.adapter is None else get_adapter(spec.adapter)
+    kernel = _kernel(one, spec)
     run = scan_recorded(Recorded(kernel, one), mode=spec.mode)
     findings = [f for rep in run.results for f in rep.findings]
     return {"verdict": "PASS" if run.passed else "FAIL", "score": float(len(findings)), "outputs": len(run.results),

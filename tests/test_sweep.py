@@ -170,6 +170,21 @@ def test_commands_sweep_a_root_of_steps_and_ranks_and_write_one_report(tmp_path,
     assert list(table["rank"]) == [*RANKS, *RANKS] and table.loc[2, "verdict"] == "FAIL"
 
 
+def test_a_sweep_judges_in_the_convention_given(tmp_path, capsys):
+    """--convention reaches every task: under flax's (biased running variance) the one biased rank passes and the
+    unbiased ones fail; an unknown convention is refused before any task."""
+    root = make_root(tmp_path / "run", steps=1, bad={(0, "10"): NumpyBN("biased-running-var")})
+    code, text, err = cli(capsys, "doctor", "--adapter", f"dump:{root}", "--out", str(tmp_path / "d"),
+                          "--workers", "1", "--convention", "flax")
+    doc = json.loads((tmp_path / "d" / "sweep.json").read_text())
+    assert code == 1 and doc["errors"] == 0, err
+    verdicts = {r["rank"]: r["verdict"] for r in doc["rows"] if r.get("rank")}
+    assert verdicts["10"] == "PASS" and sum(v == "FAIL" for v in verdicts.values()) == len(verdicts) - 1
+    code, _, err = cli(capsys, "doctor", "--adapter", f"dump:{root}", "--out", str(tmp_path / "e"), "--workers", "1",
+                       "--convention", "nope")
+    assert code == 2 and "unknown convention 'nope'" in err and not (tmp_path / "e").exists()
+
+
 @pytest.mark.parametrize("args,message", [
     (("--json",), "drop --json"),
     (("--shape", "2,3"), "--shape contradicts"),

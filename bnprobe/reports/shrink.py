@@ -20,7 +20,7 @@ __all__ = ["write_shrink", "shrink_lines"]
 
 def write_shrink(result: ShrinkResult, out: str | Path | OutputDir, *, adapter: str, dtype: str, mode: str,
                  predicate: str = "compare", recorded: RecordedParams | None = None,
-                 params: str = "fp32") -> tuple[list[Path], str]:
+                 params: str = "fp32", convention: str | None = None) -> tuple[list[Path], str]:
     """x.npy, a bnprobe dump of the adapter on it, shrink.json, and the command that replays the failure
     (with ``recorded``: the dump carries the recorded call's parameters and scalars, and the replay runs the
     adapter on the dump's inputs; else parameters as ``params``).  ``out``: a folder, or the run's
@@ -53,16 +53,18 @@ def write_shrink(result: ShrinkResult, out: str | Path | OutputDir, *, adapter: 
     prm = "" if recorded is not None or params == "fp32" else f" --params {params}"
     q = lambda path: shlex.quote(str(path))  # noqa: E731 - a user's folder may hold spaces or ; $ `
     given = f"--input {q(folder / 'dump')}" if recorded is not None else f"--dtype {dtype}{prm} --input {q(xpath)}"
+    conv = f" --convention {shlex.quote(convention)}" if convention else ""
     if predicate == "overflow":
-        cmd = f"bnprobe overflow --adapter {shlex.quote(adapter)} --mode {mode} {given}"
+        cmd = f"bnprobe overflow --adapter {shlex.quote(adapter)} --mode {mode} {given}{conv}"
     else:
         given = (f"--input {q(folder / 'dump')}" if recorded is not None
                  else f"--dtypes {dtype}{prm} --input {q(xpath)}")
         cmd = (f"bnprobe compare-precision --adapters {shlex.quote(adapter)} --mode {mode} {given} --no-budget "
-               f"--out {q(folder / 'replay-report')}")
+               f"--out {q(folder / 'replay-report')}{conv}")
     files.append(sink.write_text("shrink.json", dumps_json({
         **result.to_dict(), "adapter": adapter, "dtype": dtype, "mode": mode,
-        "params": recorded.params if recorded is not None else params, "predicate": predicate, "replay": cmd})))
+        "params": recorded.params if recorded is not None else params, "predicate": predicate, "convention": convention,
+        "replay": cmd})))
     sink.commit()
     return files, cmd
 

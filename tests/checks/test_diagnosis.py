@@ -236,6 +236,21 @@ def test_shrink_cli_writes_a_replay_that_reproduces(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_shrink_in_a_convention_keeps_it_in_the_replay(tmp_path, capsys):
+    """torch's fp32 preset judged in flax's convention fails on its (unbiased) running variance: shrink keeps that
+    failure, and its replay carries --convention (without it the same input passes)."""
+    out = tmp_path / "s"
+    assert main(["shrink", "--adapter", "emulated:fp32", "--dtype", "fp32", "--shape", "4,3,5,5", "--mode", "train",
+                 "--convention", "flax", "--seconds", "30", "--out", str(out)]) == 0
+    doc = json.loads((out / "shrink.json").read_text())
+    assert doc["convention"] == "flax" and "--convention flax" in doc["replay"]
+    args = doc["replay"].split()[1:]
+    assert main(args) == 1
+    i = args.index("--convention")
+    assert main([*args[:i], *args[i + 2:], "--out", str(tmp_path / "r2")]) == 0
+    capsys.readouterr()
+
+
 def test_shrink_with_same_format_parameters_replays_with_them(tmp_path, capsys):
     out = tmp_path / "s"
     code = main(["shrink", "--adapter", "emulated:fp16-acc16:variance=naive", "--params", "same", "--mean", "100",
