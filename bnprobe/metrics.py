@@ -20,7 +20,7 @@ it computes nothing).  Comparing never raises.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -185,7 +185,8 @@ def _compare_figures(x: np.ndarray, y: np.ndarray, n: np.ndarray, b: np.ndarray
 
 # ---- msprobe's accuracy checker ----------------------------------------------------------------------
 
-def _checker(actual: np.ndarray, golden: np.ndarray, std: CheckerStandard, *, ulp: bool = True) -> dict[str, Any]:
+def _checker(actual: np.ndarray, golden: np.ndarray, std: CheckerStandard, *, ulp: bool = True,
+             keep: dict[str, Any] | None = None) -> dict[str, Any]:
     """BenchmarkCompare._compute_metrics and get_ulp_err on one output, as numpy scalars in msprobe's dtypes
     (they decide how its CSV writes them): the device output held as msprobe holds it, the golden one
     precision level up."""
@@ -195,7 +196,8 @@ def _checker(actual: np.ndarray, golden: np.ndarray, std: CheckerStandard, *, ul
         abs_bench = np.abs(bench)  # get_abs_bench_with_eps
         abs_bench_with_eps = abs_bench + std.rel_eps
         # get_finite_and_infinite_mask: the golden judged finite in the device's dtype
-        both_finite = np.logical_and(np.isfinite(device), np.isfinite(bench.astype(device.dtype)))
+        bench_as_device = bench.astype(device.dtype)  # (get_error_balance casts it the same way, below)
+        both_finite = np.logical_and(np.isfinite(device), np.isfinite(bench_as_device))
         inf_nan = np.logical_not(both_finite)
         abs_err = np.abs(device - bench)  # get_abs_err
         small = np.logical_and(np.less_equal(abs_bench, std.small_value), both_finite)  # get_small_value_mask
@@ -207,16 +209,20 @@ def _checker(actual: np.ndarray, golden: np.ndarray, std: CheckerStandard, *, ul
         mse = np.mean(np.square(np.where(left_out, 0, abs_err)))
         mse = mse * (abs_err.size / (abs_err.size - np.sum(left_out) + 0.0001) + 0.0001)
         rmse = np.sqrt(mse)
-        diff = device - bench.astype(device.dtype)  # get_error_balance: the golden cast to the output's dtype
+        diff = device - bench_as_device  # get_error_balance: the golden cast to the output's dtype
         larger, smaller = np.sum(np.greater(diff, 0)), np.sum(np.less(diff, 0))
         eb = abs(larger - smaller) / bench.size if bench.size > 0 else 0
         max_rel = np.max(rel_err) if np.max(rel_err) >= 0 else 0  # get_max_rel_err
         kept = rel_err[rel_err >= 0]  # get_mean_rel_err
         mean_rel = np.mean(kept) if kept.size > 0 else 0
         out = {"small_value": small_ratio, "rmse": rmse, "max_rel": max_rel, "mean_rel": mean_rel, "eb": eb}
+        if keep is not None:  # the caller keeps the benchmark's metrics (as ulp=False gives them) and the ULPs
+            keep["checker"] = dict(out)
         if ulp:  # the benchmark verdict does not read the ULP figures
             u = _ulp(device, bench, std)
             out.update(ulp_max=np.max(u), ulp_mean=np.mean(u))
+            if keep is not None:
+                keep["ulps"] = u.astype(np.float64).reshape(-1)
     return out
 
 
@@ -313,11 +319,24 @@ class Comparison:
     nonfinite_mismatch: bool = False
     problem: str = ""
     _printed: tuple[Any, ...] = field(default=(), repr=False, compare=False)
+    # computed on the way, kept so that the benchmark verdict and the ULP rule need not compute them again: the
+    # checker's metrics as benchmark_verdict takes them (None where checker_metrics gives none) and the ULP errors
+    _checker: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    _ulps: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("_printed")
+        d = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
         return d
+
+    @property
+    def checker_metrics(self) -> dict[str, Any] | None:
+        """What :func:`checker_metrics` gives for this pair (None when it gives none), computed once."""
+        return self._checker
+
+    @property
+    def ulps(self) -> np.ndarray | None:
+        """:func:`ulp_error` of this pair (float64, 1-D), computed once; None when the pair was not compared."""
+        return self._ulps
 
     def msprobe_row(self) -> dict[str, Any]:
         """The compare's row as msprobe writes it: its column names, figures printed with 12 decimals (EucDist
@@ -358,7 +377,10 @@ def compare(actual: Any, golden: Any, fmt: str | Format = "fp32", *, golden_fmt:
                          f"{tuple(g.shape)})", "Shape of NPU and bench tensor do not match. Skipped.")
     g = g.reshape(a.shape)
     std = MSPROBE_CHECKER[f.name]
-    checker = {k: float(v) for k, v in _checker(a, g, std).items()}
+    kept: dict[str, Any] = {}
+    checker = {k: float(v) for k, v in _checker(a, g, std, keep=kept).items()}
+    judged = not _judged(f, "L0")[1] and a_in.shape == g_in.shape  # as checker_metrics decides
+    kept = dict(_checker=kept["checker"] if judged else None, _ulps=kept["ulps"])
     # the compare's data, flat, as msprobe holds it: the output in its format; the golden in golden_fmt when
     # given, else like the output when it holds fmt's values (a dump pair), else float32 (float64 for fp64)
     n_dt = _HELD[f.name]
@@ -386,7 +408,7 @@ def compare(actual: Any, golden: Any, fmt: str | Format = "fp32", *, golden_fmt:
         msg = "The position of inf or nan in NPU and bench Tensor do not match."
         return Comparison(cosine=_NAN, euclidean=_NAN, max_abs=_NAN, max_rel=_NAN, ratio_1e3=_NAN, ratio_5e3=_NAN,
                           accuracy_reached="No", problem=msg, _printed=(*("N/A",) * len(_COLUMNS), "No", msg),
-                          **common)
+                          **common, **kept)
     if x.size > 1:
         bad = n_inf | n_nan
         x[bad] = 0.0
@@ -399,7 +421,7 @@ def compare(actual: Any, golden: Any, fmt: str | Format = "fp32", *, golden_fmt:
     accuracy = _check_accuracy(shown[0], shown[2])
     return Comparison(cosine=raw[0], euclidean=raw[1], max_abs=raw[2], max_rel=raw[3], ratio_1e3=raw[4],
                       ratio_5e3=raw[5], accuracy_reached=accuracy, problem=msg, _printed=(*shown, accuracy, msg),
-                      **common)
+                      **common, **kept)
 
 
 # ---- the benchmark verdict ---------------------------------------------------------------------------

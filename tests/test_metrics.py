@@ -129,3 +129,23 @@ def test_checker_table_agrees_with_the_tolerance_table():
         assert MSPROBE_CHECKER[fmt].small_value == std.small_threshold
         assert MSPROBE_CHECKER[fmt].error_floor == std.error_floor
     assert MSPROBE_CHECKER["fp16"].small_value_atol == 1e-16 != MSPROBE_STANDARDS["fp16"].small_atol
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp32", "fp64"])
+def test_a_comparison_keeps_the_checker_metrics_and_ulps_as_computed_alone(fmt):
+    """compare() keeps what the benchmark verdict and the ULP rule need: the same values checker_metrics and
+    ulp_error give (None where checker_metrics gives none: msprobe's benchmark skips float64)."""
+    from bnprobe.metrics import checker_metrics, compare, ulp_error
+    from bnprobe.numerics.rounding import round_to
+
+    rng = np.random.default_rng(3)
+    g = rng.standard_normal((3, 4, 5)) * 10.0 ** rng.integers(-3, 3, (3, 4, 5))
+    a = round_to(g * (1 + 1e-3 * rng.standard_normal(g.shape)), fmt)
+    m = compare(a, g, fmt)
+    alone = checker_metrics(a, g, fmt)
+    if alone is None:
+        assert m.checker_metrics is None
+    else:
+        assert m.checker_metrics.keys() == alone.keys()
+        assert all(np.array_equal(m.checker_metrics[k], alone[k]) for k in alone)
+    np.testing.assert_array_equal(m.ulps, ulp_error(a, g, fmt))

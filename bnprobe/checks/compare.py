@@ -90,7 +90,7 @@ def _row(j: _Judging, adapter: str, dtype: str, case: Case, tensor: str, actual:
         f_ok, f_why, f_score, f_bound = absolute(actual, golden, fmt, "scaled", standards, scale)
     extra: dict[str, Any] = {}
     if rule == "benchmark":
-        b = benchmark_of(actual, bench, golden, fmt)
+        b = benchmark_of(actual, bench, golden, fmt, dev=m.checker_metrics)
         # msprobe's metrics leave non-finite elements out: NaN/inf the golden has not is judged here
         broken = nonfinite_mismatch(actual, golden, fmt)
         ok = b.result != "error" and not broken
@@ -113,7 +113,8 @@ def _row(j: _Judging, adapter: str, dtype: str, case: Case, tensor: str, actual:
         extra.update(rmse_vs_bench=vs.rmse_ratio, max_vs_bench=vs.max_ratio,
                      worse=vs.worse(bench_name, f"it passes: {why}" if ok else "it fails"))
     std = (standards or MSPROBE_STANDARDS).get(get_format(fmt).name)
-    ulp = ulp_error(np.asarray(actual, dtype=np.float64), np.asarray(golden, dtype=np.float64), fmt)
+    ulp = m.ulps if m.ulps is not None else \
+        ulp_error(np.asarray(actual, dtype=np.float64), np.asarray(golden, dtype=np.float64), fmt)
     ulp = ulp[np.isfinite(ulp)]
     over = float(np.mean(ulp > std.ulp)) if std is not None and ulp.size else 0.0
     gg = np.abs(np.asarray(golden, dtype=np.float64).reshape(-1))
