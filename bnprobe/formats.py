@@ -7,9 +7,9 @@ ml_dtypes ``finfo`` in the tests, so a typo cannot silently shift a threshold.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from bnprobe.errors import BNProbeError
@@ -27,7 +27,7 @@ class Format:
     """
 
     name: str
-    dtype: np.dtype
+    dtype_of: Any  # the numpy dtype, or the name of ml_dtypes' type (imported on first use: it takes 0.7 s to load)
     mantissa_bits: int
     exponent_bits: int
     emin: int
@@ -36,6 +36,12 @@ class Format:
     tiny: float  # smallest positive normal
     smallest_subnormal: float
     has_inf: bool = True
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The numpy dtype holding this format's values (ml_dtypes' for bf16 and fp8, imported here)."""
+        d = self.dtype_of
+        return _ml_dtype(d) if isinstance(d, str) else d
 
     @property
     def precision(self) -> int:
@@ -94,6 +100,13 @@ class Format:
         return self.name
 
 
+@lru_cache(maxsize=None)
+def _ml_dtype(name: str) -> np.dtype:
+    import ml_dtypes
+
+    return np.dtype(getattr(ml_dtypes, name))
+
+
 FP64 = Format(
     "fp64", np.dtype(np.float64), 52, 11, -1022, 1023,
     max=float.fromhex("0x1.fffffffffffffp+1023"),  # 1.7976931348623157e308
@@ -113,7 +126,7 @@ FP16 = Format(
     smallest_subnormal=float.fromhex("0x1p-24"),  # 5.960464477539063e-08
 )
 BF16 = Format(
-    "bf16", np.dtype(ml_dtypes.bfloat16), 7, 8, -126, 127,
+    "bf16", "bfloat16", 7, 8, -126, 127,
     max=float.fromhex("0x1.fep+127"),  # 3.3895313892515355e38
     tiny=float.fromhex("0x1p-126"),
     smallest_subnormal=float.fromhex("0x1p-133"),  # 9.183549615799121e-41
@@ -122,14 +135,14 @@ BF16 = Format(
 # infinity: its largest finite value 448 is 0x1.cp+8 because the all-ones
 # pattern is NaN; overflow in "ieee" mode therefore gives NaN, as ml_dtypes casts do.
 FP8_E4M3FN = Format(
-    "fp8_e4m3fn", np.dtype(ml_dtypes.float8_e4m3fn), 3, 4, -6, 8,
+    "fp8_e4m3fn", "float8_e4m3fn", 3, 4, -6, 8,
     max=float.fromhex("0x1.cp+8"),  # 448
     tiny=float.fromhex("0x1p-6"),  # 0.015625
     smallest_subnormal=float.fromhex("0x1p-9"),  # 0.001953125
     has_inf=False,
 )
 FP8_E5M2 = Format(
-    "fp8_e5m2", np.dtype(ml_dtypes.float8_e5m2), 2, 5, -14, 15,
+    "fp8_e5m2", "float8_e5m2", 2, 5, -14, 15,
     max=float.fromhex("0x1.cp+15"),  # 57344
     tiny=float.fromhex("0x1p-14"),
     smallest_subnormal=float.fromhex("0x1p-16"),  # 1.52587890625e-05

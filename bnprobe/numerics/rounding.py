@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
 from bnprobe.errors import BNProbeError
@@ -98,7 +97,7 @@ def _cast_nearest_even(v: np.ndarray, fmt: Format) -> np.ndarray | None:
     if name == "bf16":
         # ml_dtypes' float64->bf16 cast double-rounds through float32; round to odd first.
         src = v if v.dtype == np.float32 else to_odd_fp32(v)
-        return src.astype(ml_dtypes.bfloat16)
+        return src.astype(get_format("bf16").dtype)
     return None
 
 
