@@ -73,6 +73,10 @@ def draw(rng: np.random.Generator) -> Policy:
 
 
 TARGETS = [draw(np.random.default_rng([2026, i])) for i in range(10)]
+# the default run searches five of them (each storage format, Welford's variance once: about 100 s of the suite's
+# CPU); the other five, 10 to 60 s each, are marked slow (pytest -m slow; .ci/run runs them too)
+DEFAULT_TARGETS = ("fp32:order=lanes", "fp16:params=fp16,order=vec", "fp16:order=sequential", "bf16-acc16:params=fp32",
+                   "fp16:params=fp16,variance=welford")
 
 
 def fresh_call(fmt: str, params: str, seed: int, layout: str = "channels_first") -> BNCall:
@@ -100,7 +104,8 @@ def side_by_side(kernel, spec: str, call: BNCall) -> dict[str, int]:
     return out
 
 
-@pytest.mark.parametrize("target", TARGETS, ids=[policy_spec(t) for t in TARGETS])
+@pytest.mark.parametrize("target", [pytest.param(t, id=policy_spec(t), marks=() if policy_spec(t).startswith(
+    DEFAULT_TARGETS) else pytest.mark.slow) for t in TARGETS])
 def test_a_black_box_policy_is_recovered_bit_for_bit_on_inputs_it_never_saw(target):
     params = params_mode(target.storage, target.params_format)
     kernel = BlackBox(target)
@@ -137,6 +142,7 @@ def get_adapter_torch():
     return get_adapter("torch")
 
 
+@pytest.mark.slow  # 37 s of the suite's CPU: run by -m slow (.ci/run)
 def test_torch_cpu_fp32_departs_and_says_where():
     pytest.importorskip("torch")
     res = identify("torch", "fp32", passes=1)
@@ -145,6 +151,7 @@ def test_torch_cpu_fp32_departs_and_says_where():
     assert off and all(o.max_ulps > 0 for o in off)
 
 
+@pytest.mark.slow  # 56 s of the suite's CPU: run by -m slow (.ci/run)
 def test_a_kernel_outside_the_space_is_never_called_a_match():
     res = identify(NumpyBN("eps-on-sigma"), "fp16", passes=1)  # 1/(σ + ε): no policy puts ε there
     assert not res.reproduced

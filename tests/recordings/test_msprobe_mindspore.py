@@ -247,13 +247,13 @@ def test_a_graph_mode_dump_is_read_kernel_by_kernel_against_numpy() -> None:
         assert any("running statistics are not checked" in n for n in rec.meta["notes"])
 
 
-@pytest.mark.parametrize("command", ["compare-precision", "doctor", "gradcheck", "overflow", "identify"])
+@pytest.mark.parametrize("command", ["compare-precision", "doctor", "gradcheck", "overflow"])
 def test_every_command_passes_the_graph_dump(command: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     opt = "--adapters" if command == "compare-precision" else "--adapter"
     extra = ["--no-budget", "--out", str(tmp_path / "r"), "--format", "json"] if command == "compare-precision" else []
     rc = main([command, opt, f"dump:{GRAPH}", *extra])
     out = capsys.readouterr().out
-    assert rc == (1 if command == "identify" and "depart" in out else 0), out
+    assert rc == 0, out
     assert main([command, opt, f"dump:{GRAPH}#*bn2*", "--eps", "1e-4", *extra]) == 2
     assert "records eps = 0.0010000000474974513; eps=0.0001 contradicts it" in capsys.readouterr().err
 
