@@ -17,7 +17,7 @@ import os
 import re
 from pathlib import Path
 
-from bnprobe._jit import jit_enabled
+from bnprobe._jit import jit_for
 from bnprobe.errors import BNProbeError
 
 __all__ = ["ENV", "BASE_BYTES", "COMPILED_BYTES", "PER_ELEMENT", "parse_size", "format_size", "available_memory",
@@ -146,7 +146,7 @@ def require(nbytes: float, what: str) -> None:
 def run_bytes(command: str, elements: int) -> int:
     """The estimated peak memory of ``command`` on an input of ``elements`` values (with the compiled route's
     numba where the command's kernels may take it)."""
-    jit = COMPILED_BYTES if command not in _NO_COMPILED_ROUTE and jit_enabled() else 0
+    jit = COMPILED_BYTES if command not in _NO_COMPILED_ROUTE and jit_for(int(elements)) else 0
     return BASE_BYTES + jit + PER_ELEMENT[command] * int(elements)
 
 

@@ -312,7 +312,7 @@ class _Blocks:
         self.policy, self.lay, self.keep = policy, lay, keep_arrays
         self.sources = {k: np.asarray(v).dtype for k, v in (sources or {}).items()}
         self.overrides = overrides or {}
-        self.compiled = compiled_route(policy, keep_arrays, overrides)
+        self.compiled = compiled_route(policy, keep_arrays, overrides, int(np.prod(lay.shape, dtype=np.int64)))
         if self.compiled and chunk_elements == DEFAULT_CHUNK_ELEMENTS:
             chunk_elements = COMPILED_CHUNK_ELEMENTS
         self.slices = lay.chunks(chunk_elements)

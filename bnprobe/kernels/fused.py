@@ -2,8 +2,9 @@
 
 A run takes the compiled route (``bnprobe.kernels.compiled``, numba) when its trace keeps no arrays,
 no stage is overridden, every format is fp64, fp32, fp16 or bf16, no rounding is stochastic (its random
-stream is drawn by numpy), and ``BNPROBE_JIT`` is not ``0``.  The elementwise passes (loading a tensor,
-casts, the normalisation and affine, dx) and the per-channel sums run compiled; the per-channel
+stream is drawn by numpy), and ``BNPROBE_JIT`` allows it for the call's size (:func:`bnprobe._jit.jit_for`).
+The elementwise passes (loading a tensor, casts, the normalisation and affine, dx) and the per-channel sums run
+compiled; the per-channel
 statistics between them (mean, variance, rstd, the coefficients) are the numpy code every route shares,
 and so are the variance algorithms without a compiled sum (welford, chan) and a reduction split
 across cores.  Results, saved and running statistics and every trace counter and range equal the
@@ -21,7 +22,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from bnprobe._jit import jit_enabled
+from bnprobe._jit import jit_for
 from bnprobe.numerics.arith import Arith, Tally
 from bnprobe.numerics.rounding import RoundingSpec
 from bnprobe.numerics.variance import prescale_exponent
@@ -44,9 +45,11 @@ ROW_MAX = 2**31 - 1
 _KERNEL_LOCK = threading.Lock()
 
 
-def compiled_route(policy: Any, keep_arrays: bool, overrides: dict[str, np.ndarray] | None) -> bool:
-    """Whether a kernel call with this policy takes the compiled route (see the module notes)."""
-    if keep_arrays or overrides or not jit_enabled():
+def compiled_route(policy: Any, keep_arrays: bool, overrides: dict[str, np.ndarray] | None,
+                   elements: int | None = None) -> bool:
+    """Whether a kernel call with this policy (on ``elements`` values) takes the compiled route (see the module
+    notes and :func:`bnprobe._jit.jit_for`)."""
+    if keep_arrays or overrides or not jit_for(elements):
         return False
     if policy.order == "vec" or policy.rstd_format is not None or policy.backward_formula == "torch":
         # (orders, formats and formulas the kernels do not have)

@@ -275,6 +275,7 @@ def test_channel_blocks_give_identical_results(preset, layout):
 def test_peak_memory_is_bounded_by_the_block_size(monkeypatch):
     import tracemalloc
 
+    monkeypatch.setenv("BNPROBE_JIT", "1")  # the compiled route at this size
     x = np.random.default_rng(0).standard_normal((16, 64, 32, 32)).astype(np.float32)  # 1M values, 4 MiB
     # the compiled route makes no temporary per operation: the whole tensor in one block costs its output,
     # one float32 copy of x and the per-channel sums' buffers (numba's, one channel per thread); measured

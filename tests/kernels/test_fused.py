@@ -300,12 +300,35 @@ def test_integer_tensors_are_read_by_value_not_as_16_bit_patterns(dtype, monkeyp
     x = rng.integers(0, 8, (3, 4, 5)).astype(dtype)  # as bit patterns: tiny subnormals, nothing flagged
     dy = rng.integers(0, 5, x.shape).astype(dtype)
     for policy in ("bf16", "fp16"):
+        monkeypatch.setenv("BNPROBE_JIT", "1")  # the compiled route at this small size
         got = _all(policy, x, dy, False)
         assert all(r.trace.meta["route"] == "compiled" for r in got)
         monkeypatch.setenv("BNPROBE_JIT", "0")
         want = _all(policy, x, dy, False)
-        monkeypatch.delenv("BNPROBE_JIT")
         _same_runs(want, got)
+
+
+def test_small_calls_take_the_numpy_route_unless_told(monkeypatch):
+    """BNPROBE_JIT unset (auto): a call below COMPILED_MIN_ELEMENTS values takes the numpy route, a call of that
+    many the compiled one, with the same values; BNPROBE_JIT=1 compiles every call, 0 none."""
+    from bnprobe._jit import COMPILED_MIN_ELEMENTS
+
+    rng = np.random.default_rng(8)
+    small = rng.standard_normal((2, 4, 8, 8)).astype(np.float32)
+    big = rng.standard_normal((2, 4, COMPILED_MIN_ELEMENTS // 8)).astype(np.float32)
+    monkeypatch.delenv("BNPROBE_JIT", raising=False)
+    route = lambda x: forward_train(x, policy="fp16", keep_arrays=False).trace.meta["route"]  # noqa: E731
+    assert route(small) == "float32 carriers" and route(big) == "compiled"
+    monkeypatch.setenv("BNPROBE_JIT", "auto")
+    assert route(small) == "float32 carriers"
+    monkeypatch.setenv("BNPROBE_JIT", "1")
+    compiled = forward_train(small, policy="fp16", keep_arrays=False)
+    assert compiled.trace.meta["route"] == "compiled"
+    monkeypatch.setenv("BNPROBE_JIT", "0")
+    assert route(big) == "float32 carriers"
+    monkeypatch.delenv("BNPROBE_JIT")
+    numpy_route = forward_train(small, policy="fp16", keep_arrays=False)
+    np.testing.assert_array_equal(numpy_route.y, compiled.y)
 
 
 def test_a_generic_cpu_target_rounds_fp16_by_bit_arithmetic():
