@@ -65,8 +65,8 @@ def resnet50(num_classes=1000):
     return m
 '''
 
-CAPTURE = MODEL + '''
-import sys, time, resource
+STEP = MODEL + '''
+import contextlib, sys, time, resource
 import bnprobe
 out, dtype, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
 torch.manual_seed(0)
@@ -75,11 +75,12 @@ m = {"fp32": m.float, "fp16": m.half, "bf16": m.bfloat16}[dtype]()
 m.train()
 x = torch.randn(batch, 3, 224, 224).to(next(m.parameters()).dtype)
 t0 = time.perf_counter()
-with bnprobe.capture(m, out):
+with (bnprobe.capture(m, out) if out != "-" else contextlib.nullcontext()):
     loss = (m(x).float() ** 2).mean()
     loss.backward()
 print(time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 '''
+CAPTURE = STEP  # (the plain step: out "-")
 
 
 def _run(args: list[str]) -> tuple[float, float, str]:
@@ -106,6 +107,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"))
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--adapters", default="dump,torch", help="compare-precision adapters; 'dump' is the capture")
+    ap.add_argument("--no-compare", action="store_true", help="the capture and the plain step only")
     args = ap.parse_args()
     tmp = None
     if args.out is None:
@@ -113,11 +115,17 @@ def main() -> int:
     root = args.out or tmp
     dump, report = root / f"resnet50-{args.dtype}-b{args.batch}", root / f"report-{args.dtype}-b{args.batch}"
     try:
+        p_wall, p_peak, _ = _run([sys.executable, "-c", STEP, "-", args.dtype, str(args.batch)])
+        print(f"plain training step of ResNet-50 at batch {args.batch} in {args.dtype}: {p_wall:.1f} s wall (with "
+              f"the process's start), peak {p_peak:.0f} MB")
         wall, peak, out = _run([sys.executable, "-c", CAPTURE, str(dump), args.dtype, str(args.batch)])
         index = json.loads((dump / "bnprobe-calls.json").read_text())
         size = sum(f.stat().st_size for f in dump.rglob("*") if f.is_file()) / 2**20
         print(f"capture: {len(index['calls'])} BatchNorm calls (forward + backward) of ResNet-50 at batch "
-              f"{args.batch} in {args.dtype}: {wall:.1f} s wall, peak {peak:.0f} MB, dump {size:.0f} MB")
+              f"{args.batch} in {args.dtype}: {wall:.1f} s wall, peak {peak:.0f} MB, dump {size:.0f} MB; "
+              f"{wall / p_wall:.2f}x the plain step's wall time, {peak / p_peak:.2f}x its peak")
+        if args.no_compare:
+            return 0
         adapters = ",".join(f"dump:{dump}" if a.strip() == "dump" else a.strip() for a in args.adapters.split(","))
         wall, peak, out = _run([sys.executable, "-m", "bnprobe.cli", "compare-precision", "--adapters", adapters,
                                 "--no-budget", "--out", str(report)])

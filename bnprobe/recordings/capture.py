@@ -1,8 +1,8 @@
 """Record every BatchNorm call of a live PyTorch model as bnprobe dumps (a "model dump").
 
 ``with capture(model, "out/"): ...`` hooks each BatchNorm module of ``model`` (every subclass of
-``torch.nn.modules.batchnorm._BatchNorm``: BatchNorm1d/2d/3d, SyncBatchNorm, LazyBatchNorm*) and, on a
-clean exit, writes one bnprobe dump per call plus an index::
+``torch.nn.modules.batchnorm._BatchNorm``: BatchNorm1d/2d/3d, SyncBatchNorm, LazyBatchNorm*) and writes one
+bnprobe dump per call, then, on a clean exit, an index::
 
     OUT/bnprobe-calls.json           the calls in forward order (name, dir, module, type, index, ...)
     OUT/<dir>/bnprobe-dump.json      one bnprobe dump per call (bnprobe.recordings.write_dump)
@@ -14,11 +14,18 @@ read from y's autograd node, and the running statistics after the call; and, whe
 the context, what that node received and produced (dy; dx, dγ, dβ).  Tensors are copied to CPU in their
 own dtype when the hook runs and widened to float64 (exactly) when written.
 
+Memory stays at about one call's tensors: a call whose backward is awaited is spilled to its folder at the
+forward (uncompressed, in its own dtypes) and its dump written when the backward arrives; a call with no
+backward to wait for is written at once; a call whose backward never came, at the exit.  The index is written
+last, so a folder of call dumps without it is an incomplete capture; if the body raises, or a refusal was
+caught inside it, every file the capture wrote is removed again.
+
 torch is imported only when a capture starts: bnprobe imports without it.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,7 +46,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["capture", "Capture", "DEFAULT_MAX_BYTES"]
 
-DEFAULT_MAX_BYTES = 2 * 1024**3  # 2 GiB of captured tensors held in memory until the context exits
+DEFAULT_MAX_BYTES = 2 * 1024**3  # 2 GiB of captured tensors held in memory at once (calls not yet on disk)
+_SPILL = "forward-spill.npz"  # a call's forward tensors, awaiting its backward
 
 # autograd nodes of the BatchNorm kernels: _saved_result1 is the saved mean, _saved_result2 the saved
 # 1/sqrt(var + eps) (cuDNN's and MIOpen's "save_var" hold the inverse standard deviation as well)
@@ -106,6 +114,33 @@ class _Call:
     grads_in: dict[str, np.ndarray] = field(default_factory=dict)  # dy
     grads_out: dict[str, np.ndarray] = field(default_factory=dict)  # dx, dgamma, dbeta
     backward_runs: int = 0
+    nbytes: int = 0  # what its tensors reserve of max_bytes while they are held
+    state: str = "held"  # held (in memory), spilled (forward on disk, backward awaited), written (its dump)
+    runs_written: int = 0  # backward_runs when its dump was written
+
+    def spill(self, folder: Path) -> None:
+        """Its forward tensors to ``folder``'s spill file (their own dtypes, uncompressed), released here."""
+        folder.mkdir(parents=True, exist_ok=True)
+        # each key names its format: numpy stores ml_dtypes' bfloat16 as 2-byte voids
+        arrays = {f"{io}.{k}.{get_format(v.dtype).name}": v
+                  for io, d in (("inputs", self.inputs), ("outputs", self.outputs)) for k, v in d.items()}
+        np.savez(folder / _SPILL, **arrays)
+        self.inputs, self.outputs, self.state = {}, {}, "spilled"
+
+    def unspill(self, folder: Path) -> None:
+        """Its forward tensors back from the spill file, which is removed."""
+        with np.load(folder / _SPILL, allow_pickle=False) as z:
+            for key in z.files:
+                io, name, fmt = key.split(".")
+                a = z[key]
+                (self.inputs if io == "inputs" else self.outputs)[name] = a.view(get_format(fmt).dtype) \
+                    if a.dtype.kind == "V" else a
+        (folder / _SPILL).unlink()
+        self.state = "held"
+
+    def release(self) -> None:
+        self.inputs, self.outputs, self.grads_in, self.grads_out = {}, {}, {}, {}
+        self.state, self.runs_written = "written", self.backward_runs
 
     @property
     def dir(self) -> str:
@@ -177,6 +212,9 @@ class Capture:
         self._error: BNProbeError | None = None
         self._entered = False
         self._torch: Any = None
+        self._opened = False  # the output folder prepared for the first call's files
+        self._created_out = False  # ... and made by this capture (removed again if it fails)
+        self._stale: list[Path] = []  # call folders of the capture force overwrites
 
     # ---- entering: checks, then hooks ------------------------------------------------------------
     def _check_out(self) -> None:
@@ -281,19 +319,63 @@ class Capture:
             "requires_grad": {"x": bool(x.requires_grad), "gamma": bool(affine and module.weight.requires_grad),
                               "beta": bool(affine and module.bias.requires_grad)}}
         return _Call(name, path, type(module).__name__, index, len(self._records), training, float(module.eps),
-                     None, meta, inputs)
+                     None, meta, inputs, nbytes=need)
 
     def _post_hook(self, path: str) -> Callable[..., None]:
         def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             call = self._pending.pop(id(module), None)
             if call is None:
                 return
-            self._finish(module, call, output)
+            hooked = self._finish(module, call, output)
             self._records.append(call)
             self.calls.append(call.name)
+            self._store(call, awaiting=hooked)
         return hook
 
-    def _finish(self, module: Any, call: _Call, y: Any) -> None:
+    # ---- writing as it goes: one call's tensors in memory at a time -----------------------------------
+    def _open(self) -> None:
+        """Before the first file: the output folder made, an overwritten capture's index removed (its folders are
+        cleaned up at the exit, those this capture does not reuse)."""
+        if self._opened:
+            return
+        out = self.out
+        index_path = out / CALLS_NAME
+        if self.force and index_path.is_file():
+            try:
+                self._stale = [out / c["dir"] for c in read_calls(out)["calls"]]
+            except BNProbeError:
+                self._stale = []
+            index_path.unlink()  # while the call folders change, the folder is not a complete dump
+        self._created_out = not out.exists()
+        out.mkdir(parents=True, exist_ok=True)
+        self._opened = True
+
+    def _store(self, call: _Call, *, awaiting: bool) -> None:
+        """A call just recorded: spilled when its backward is awaited, else written."""
+        if self._error is not None:
+            return
+        try:
+            self._open()
+            if awaiting:
+                call.spill(self.out / call.dir)
+                self.reserved_bytes -= call.nbytes
+            else:
+                self._write_call(call)
+        except OSError as exc:
+            self._refuse(f"{self.out / call.dir}: cannot write the call ({type(exc).__name__}: {exc})")
+
+    def _write_call(self, call: _Call) -> None:
+        """The call's dump, from its tensors (read back from its spill file if there), which are then let go."""
+        folder = self.out / call.dir
+        if call.state == "spilled":
+            call.unspill(folder)
+            self.reserved_bytes += call.nbytes
+        self.written += write_dump(call.recording(str(self._torch.__version__)), folder, force=self.force)
+        call.release()
+        self.reserved_bytes -= call.nbytes
+
+    def _finish(self, module: Any, call: _Call, y: Any) -> bool:
+        """The call's outputs recorded; True when a hook now awaits its backward."""
         torch = self._torch
         if not isinstance(y, torch.Tensor):
             self._refuse(f"{call.name}: the module returned {type(y).__name__}, not a tensor")
@@ -325,8 +407,10 @@ class Capture:
             call.meta["kernel_input_dtype"] = str(kernel_x.dtype).replace("torch.", "")
         if self.backward and is_bn_node:
             self._handles.append(node.register_hook(self._grad_hook(call)))
-        elif self.backward and node is not None:
+            return True
+        if self.backward and node is not None:
             call.meta["backward_note"] = f"not hooked: y comes from {node_name}, not a BatchNorm kernel's node"
+        return False
 
     def _grad_hook(self, call: _Call) -> Callable[..., None]:
         def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
@@ -350,6 +434,12 @@ class Capture:
                     missing[name] = "not computed by the kernel"
             if missing:
                 call.meta["backward_missing"] = missing
+            if call.state == "spilled" and self._error is None:
+                try:
+                    self._write_call(call)
+                except (OSError, BNProbeError) as exc:
+                    self._refuse(str(exc) if isinstance(exc, BNProbeError) else
+                                 f"{self.out / call.dir}: cannot write the call ({type(exc).__name__}: {exc})")
         return hook
 
     # ---- leaving: write ----------------------------------------------------------------------------
@@ -357,10 +447,32 @@ class Capture:
                  tb: TracebackType | None) -> None:
         self._remove_hooks()
         if exc_type is not None:
-            return  # the body failed: write nothing, let its exception through
+            self._discard()
+            return  # the body failed: nothing stays written, its exception goes through
         if self._error is not None:
+            self._discard()
             raise BNProbeError(f"{self._error} (caught inside the capture; nothing written)")
-        self.written = self._write()
+        try:
+            self._write()
+        except BaseException:
+            self._discard()
+            raise
+
+    def _discard(self) -> None:
+        """Every file this capture wrote removed again (and the folders it made, when left empty)."""
+        for call in self._records:
+            folder = self.out / call.dir
+            (folder / _SPILL).unlink(missing_ok=True)
+        for p in self.written:
+            p.unlink(missing_ok=True)
+        for call in self._records:
+            folder = self.out / call.dir
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+        if self._created_out and self.out.is_dir() and not any(self.out.iterdir()):
+            self.out.rmdir()
+        self.written = []
+        self._records.clear()
 
     def _index(self, version: str) -> dict[str, Any]:
         calls = [{"name": c.name, "dir": c.dir, "module": c.module, "type": c.type, "index": c.index,
@@ -370,33 +482,31 @@ class Capture:
         return {"format": CALLS_TAG, "version": 1, "source": "capture", "torch": version, "calls": calls,
                 "calls_per_module": self.calls_per_module, "skipped": dict(self.skipped), "notes": notes}
 
-    def _write(self) -> list[Path]:
+    def _write(self) -> None:
+        """At a clean exit: the calls whose backward never came written, the backward runs of those it came to
+        more than once updated, the overwritten capture's unused folders removed, then the index."""
         out = self.out
+        self._open()
         index_path = out / CALLS_NAME
-        stale: list[Path] = []
-        if self.force and index_path.is_file():
-            try:
-                stale = [out / c["dir"] for c in read_calls(out)["calls"]]
-            except BNProbeError:
-                stale = []
-            index_path.unlink()  # while the call folders change, the folder is not a complete dump
         version = str(self._torch.__version__)
-        written: list[Path] = []
         for call in self._records:
-            written += write_dump(call.recording(version), out / call.dir, force=self.force)
+            if call.state != "written":
+                self._write_call(call)
+            elif call.backward_runs != call.runs_written:  # retain_graph: the first backward kept, the runs counted
+                meta_path = out / call.dir / META_NAME
+                doc = json.loads(meta_path.read_text())
+                doc["meta"]["backward_runs"] = call.backward_runs
+                atomic_write_text(meta_path, json.dumps(doc, indent=2, default=str))
         keep = {out / c.dir for c in self._records}
-        for d in stale:  # folders of the overwritten capture that this one does not reuse
+        for d in self._stale:  # folders of the overwritten capture that this one does not reuse
             if d in keep or not d.is_dir() or out.resolve() not in d.resolve().parents:
                 continue
             for name in (META_NAME, TENSORS_NAME):
                 (d / name).unlink(missing_ok=True)
             if not any(d.iterdir()):
                 d.rmdir()
-        out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(index_path, dumps_json(self._index(version)))
-        written.append(index_path)
-        self._records.clear()  # the tensors are on disk now
-        return written
+        self.written.append(index_path)
 
 
 def capture(model: torch.nn.Module, out: str | Path, *, force: bool = False, backward: bool = True,
@@ -405,8 +515,10 @@ def capture(model: torch.nn.Module, out: str | Path, *, force: bool = False, bac
 
     ``out`` must not hold a dump yet unless ``force``.  ``backward``: also record the backward of each call
     that runs inside the context.  ``calls_per_module``: keep only each module's first N calls (the index
-    lists the rest as skipped).  ``max_bytes``: refuse (BNProbeError, nothing written) before the tensors
-    held in memory would exceed it.  Nothing is written if the body raises; the index is written last.
+    lists the rest as skipped).  ``max_bytes``: refuse (BNProbeError, nothing left written) before the tensors
+    held in memory (the calls not yet on disk: a training step's forwards are spilled as they run) would exceed
+    it.  Each call is written as soon as it is complete; if the body raises, every file the capture wrote is
+    removed again (with ``force``, the overwritten capture's index is gone by then); the index is written last.
     """
     return Capture(model, out, force=force, backward=backward, calls_per_module=calls_per_module,
                    max_bytes=max_bytes)

@@ -450,10 +450,15 @@ def test_hooks_removed_after_exit(tmp_path):
 
 def test_refuses_beyond_max_bytes_and_writes_nothing(tmp_path):
     model = _one_bn(nn.BatchNorm2d(3))
-    x = _x()  # 5*3*4*4 fp32 = 960 bytes; with a backward possible, 4 copies
-    with pytest.raises(BNProbeError, match=r"capture needs 8\.1 KiB to record 1#1 .* over max_bytes = 6\.0 KiB"):
-        with capture(model, tmp_path / "d", max_bytes=6 * 1024):
-            model(x)
+    x = _x()  # 5*3*4*4 fp32 = 960 bytes; with a backward possible, 4 copies: 4.0 KiB a call
+    # each call is spilled to disk as it is recorded: max_bytes bounds the tensors held at once, not their total
+    with capture(model, tmp_path / "ok", max_bytes=6 * 1024) as cap:
+        model(x)
+        model(x)
+        assert cap.reserved_bytes == 0  # both forwards on disk, their backward awaited
+    assert len(read_calls(tmp_path / "ok")["calls"]) == 2
+    with pytest.raises(BNProbeError, match=r"capture needs 4\.0 KiB to record 1#0 .* over max_bytes = 3\.0 KiB"):
+        with capture(model, tmp_path / "d", max_bytes=3 * 1024):
             model(x)
     assert not (tmp_path / "d").exists() and _hooks(model) == [0] * len(_hooks(model))
     # a refusal the body catches still writes nothing
@@ -505,3 +510,32 @@ def test_a_series_of_captured_steps_loads_as_statistics(tmp_path):
         for name in BN_ORDER:
             rm = df[(df.step == step) & (df.layer == name)].sort_values("channel")["running_mean"].to_numpy()
             assert np.array_equal(rm, expected[step][name])
+
+
+def test_each_call_goes_to_disk_as_it_completes_and_a_failure_removes_them(tmp_path):
+    """A training step: each forward is spilled at once (nothing held), each dump written when its backward
+    arrives (the spill file gone; test_train_step_and_eval_reproduce_torch_bit_for_bit checks the dumps against
+    torch, through this path). A body that raises after that leaves nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.BatchNorm2d(4))
+    x = torch.randn(2, 3, 6, 6)
+    out = tmp_path / "d"
+    with capture(model, out) as cap:
+        y = model(x)
+        assert cap.reserved_bytes == 0
+        spilled = sorted(p.parent.name for p in out.glob("*/forward-spill.npz"))
+        assert len(spilled) == 2 and not list(out.glob("*/bnprobe-dump.json"))
+        y.square().mean().backward()
+        assert not list(out.glob("*/forward-spill.npz")) and len(list(out.glob("*/bnprobe-dump.json"))) == 2
+        assert not (out / CALLS_NAME).exists()  # the index comes last
+    calls = read_calls(out)["calls"]
+    assert [c["backward"] for c in calls] == [True, True]
+    for c in calls:
+        rec = load_dump(out / c["dir"])
+        assert {"train", "backward"} <= set(rec.tensors) and "dx" in rec.tensors["backward"]["outputs"]
+    with pytest.raises(RuntimeError, match="after the backward"):
+        with capture(model, tmp_path / "e"):
+            model(x).sum().backward()
+            assert len(list((tmp_path / "e").glob("*/bnprobe-dump.json"))) == 2
+            raise RuntimeError("after the backward")
+    assert not (tmp_path / "e").exists()
