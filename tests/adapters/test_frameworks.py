@@ -194,3 +194,31 @@ def test_a_stand_in_module_is_not_taken_for_the_framework(monkeypatch: pytest.Mo
     assert why is not None and "stand-in" in why and "tensorboard.compat.tensorflow_stub" in why
     with pytest.raises(BNProbeError, match="adapter tensorflow is unavailable here: tensorflow in this process"):
         get_adapter("tensorflow")
+
+
+@pytest.mark.parametrize("level,fmt", [("L1", "fp32"), ("mix", "fp16"), ("L0", "fp32"), ("graph", "fp32")])
+def test_real_msprobe_mindspore_dumps_made_here_are_read_and_pass(level: str, fmt: str, tmp_path) -> None:
+    """tests/data/msprobe_mindspore/make_dumps.py run with the real MindSpore and mindstudio-probe (where both are
+    installed: .ci/frameworks' mindspore environment), each dump read by bnprobe and passed by doctor with the
+    second layer's scalars."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if why_unavailable("mindspore") or importlib.util.find_spec("msprobe") is None:
+        pytest.skip("needs mindspore and mindstudio-probe")
+    from bnprobe.cli import main
+    from bnprobe.recordings import open_dump
+
+    script = Path(__file__).resolve().parent.parent / "data" / "msprobe_mindspore" / "make_dumps.py"
+    out = tmp_path / "dump"
+    done = subprocess.run([sys.executable, str(script), level, fmt, str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = open_dump(out)
+    assert found.convention == "mindspore" and len(found.calls) == 2
+    assert all(c.has_backward for c in found.calls)
+    assert main(["doctor", "--adapter", f"dump:{out}#{found.calls[0].name}"]) == 0
+    second = ["--eps", "1e-3"] + (["--momentum", "0.2"] if level != "graph" else [])
+    assert main(["doctor", "--adapter", f"dump:{out}#{found.calls[1].name}", *second]) == 0
