@@ -42,7 +42,11 @@ class Recorded:
 
 def is_dump_path(path: str | Path) -> bool:
     """Whether ``--input`` names a dump (a folder, ``DIR#NAME``, or a dump's JSON) rather than a tensor file."""
-    head = Path(split_dump_spec(str(path))[0].partition("#")[0])
+    try:
+        text = split_dump_spec(str(path))[0]
+    except BNProbeError:  # a file whose name holds ",key=value" (not a dump's options): the name as it is
+        text = str(path)
+    head = Path(text.partition("#")[0])
     return head.is_dir() or head.name in (META_NAME, CALLS_NAME, "dump.json")
 
 

@@ -113,7 +113,7 @@ def graph_calls(path: Path, assume: dict[str, float] | None = None) -> tuple[lis
             if 0 not in io["output"]:
                 raise BNProbeError(f"{where}: output 0 (y) is not in the dump")
             training = bool(_scalar(io["input"][5], "is_training", where))
-            grad = _gradient_of(ks, io, grads, where) if training or grads else None
+            grad = _gradient_of(ks, io, grads, where) if grads else None
             shape = _header(io["input"][0])
             calls.append(CallRef(
                 name=f"{prefix}{k[0]}.{k[1]}", module=None, shape=shape, dtype=get_format(io["input"][0][1]).name,

@@ -239,12 +239,13 @@ def msprobe_calls(path: str | Path, assume: dict[str, float] | None = None) -> t
         if not found and modules:  # MindSpore's L0: the cells alone
             for key in modules:
                 call = prefix + key.replace(".forward.", ".")
-                rec = read_cell(dj, doc, key, assume)
+                rec = read_cell(dj, doc, key, assume, backward=False)  # the forward tells the training flag
+                backward = key.replace(".forward.", ".backward.") in data
                 calls.append(MsprobeCall(CallRef(
                     name=call, module=None, shape=tuple(rec.tensors[rec.modes[0]]["inputs"]["x"].shape),
-                    dtype=rec.dtype, training=rec.training, has_backward="backward" in rec.tensors, task=task,
-                    load=_cell_loader(dj, key, assume), recorded=rec.modes), api=key, dump_json=dj,
-                    framework=str(doc.get("framework") or "mindspore")))
+                    dtype=rec.dtype, training=rec.training, has_backward=backward, task=task,
+                    load=_cell_loader(dj, key, assume), recorded=(*rec.modes, *(("backward",) if backward else ()))),
+                    api=key, dump_json=dj, framework=str(doc.get("framework") or "mindspore")))
     if len(jsons) > 1:
         notes.append(f"{len(jsons)} dump.json files (steps/ranks) read; calls are named by their folder")
     return calls, notes
@@ -437,12 +438,14 @@ def _cell_loader(dj: Path, key: str, assume: dict[str, float] | None) -> Callabl
     return lambda: read_cell(dj, _read_json(dj), key, assume)
 
 
-def read_cell(dj: Path, doc: dict[str, Any], key: str, assume: dict[str, float] | None = None) -> Any:
+def read_cell(dj: Path, doc: dict[str, Any], key: str, assume: dict[str, float] | None = None, *,
+              backward: bool = True) -> Any:
     """One MindSpore cell record of an L0 dump (``Cell.<name>.BatchNorm2d.forward.K``) as a Recording: x, y, γ, β
     and the moving statistics (recorded after the call's update), the backward's dy and dx, and dγ, dβ from the
     cell's ``parameters_grad``.  The record holds no ε, momentum or training flag: ε and momentum are MindSpore's
     defaults or ``assume``'s, and the mode is the one whose float64 y is nearer the recorded one (said in a note);
-    the running statistics it was given are not recorded, so a training call's are not checked."""
+    the running statistics it was given are not recorded, so a training call's are not checked.  ``backward``
+    False: the forward alone (what opening the dump needs to tell the training flag)."""
     data, where, base = doc["data"], str(dj), dj.parent
     fwd = data[key]
     if not isinstance(fwd, dict):
@@ -484,7 +487,7 @@ def read_cell(dj: Path, doc: dict[str, Any], key: str, assume: dict[str, float] 
     rec.tensors[mode] = {"inputs": dict(tensors), "outputs": {"y": y}}
     rec.formats.update({f"{mode}.inputs.{k}": f for k, f in formats.items()})
     rec.formats[f"{mode}.outputs.y"] = fy
-    bwd = data.get(key.replace(".forward.", ".backward."))
+    bwd = data.get(key.replace(".forward.", ".backward.")) if backward else None
     if bwd is not None:
         pg = data.get(key.replace(".forward.", ".parameters_grad."))
         pg = pg if isinstance(pg, dict) else {}

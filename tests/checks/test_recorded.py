@@ -513,3 +513,12 @@ def test_a_nondeterministic_kernel_warns_on_the_recorded_inputs_with_by_how_much
     item = next(i for i in run.results[0].items if i.name == "determinism")
     assert item.status == "WARN" and item.evidence.startswith("two runs on the recorded inputs differ by up to ")
     assert float(item.evidence.split("up to ")[1].split()[0]) > 0
+
+
+def test_a_tensor_file_whose_name_looks_like_dump_options_is_not_a_dump(tmp_path):
+    from bnprobe.checks.recorded import is_dump_path
+
+    f = tmp_path / "x,b=c.npy"
+    np.save(f, np.zeros((2, 3)))
+    assert not is_dump_path(f)
+    assert is_dump_path(f"{tmp_path},eps=1e-3")
