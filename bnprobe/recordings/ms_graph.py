@@ -118,8 +118,8 @@ def graph_calls(path: Path, assume: dict[str, float] | None = None) -> tuple[lis
             calls.append(CallRef(
                 name=f"{prefix}{k[0]}.{k[1]}", module=None, shape=shape, dtype=get_format(io["input"][0][1]).name,
                 training=training, has_backward=grad is not None, task="tensor",
-                load=_loader(folder, k, grad, assume), recorded=("train" if training else "infer",)
-                + (("backward",) if grad is not None else ())))
+                load=_loader(folder, {n: ks[n] for n in (k, grad) if n is not None}, k, grad, assume),
+                recorded=("train" if training else "infer",) + (("backward",) if grad is not None else ())))
     notes = [f"{len(folders)} graph dump folders (ranks, graphs, iterations) read; calls are named by their folder"] \
         if len(folders) > 1 else []
     return calls, notes
@@ -145,15 +145,15 @@ def _gradient_of(ks: dict, io: dict, grads: list, where: str) -> tuple[str, str,
     return found[0] if found else None
 
 
-def _loader(folder: Path, k: tuple[str, str, str, str], grad: tuple[str, str, str, str] | None,
+def _loader(folder: Path, ks: dict, k: tuple[str, str, str, str], grad: tuple[str, str, str, str] | None,
             assume: dict[str, float] | None) -> Callable[[], Recording]:
-    return lambda: read_graph_call(folder, k, grad, assume)
+    return lambda: read_graph_call(folder, ks, k, grad, assume)
 
 
-def read_graph_call(folder: Path, k: tuple[str, str, str, str], grad: tuple[str, str, str, str] | None,
+def read_graph_call(folder: Path, ks: dict, k: tuple[str, str, str, str], grad: tuple[str, str, str, str] | None,
                     assume: dict[str, float] | None = None) -> Recording:
-    """One BatchNorm kernel of a graph dump (and its gradient) as a Recording, in MindSpore's convention."""
-    ks = _kernels(folder)
+    """One BatchNorm kernel of a graph dump (and its gradient) as a Recording, in MindSpore's convention; ``ks``:
+    the folder's kernels as :func:`graph_calls` listed them (their files; the folder is not listed again)."""
     io, where = ks[k], f"{folder}: {k[0]}.{k[1]}"
     x, dtype = _load(io["input"][0], "x")
     if x.ndim < 2:
