@@ -947,6 +947,9 @@ def main(argv: list[str] | None = None) -> int:
     """Console entry point: one-line errors and exit status 2 for bad input; warnings reported once, not leaked."""
     import warnings
 
+    from bnprobe.guard import tune_malloc
+
+    tune_malloc()
     args = _hoist_max_memory(list(sys.argv[1:] if argv is None else argv))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -156,8 +156,9 @@ def _compare_figures(x: np.ndarray, y: np.ndarray, n: np.ndarray, b: np.ndarray
         with np.errstate(all="ignore"):
             rel = _relative_err(n, b)
             count = rel.size
+            d = x - y
             figures = ["cos",  # _cosine, below
-                       np.linalg.norm(x - y, ord=2), np.max(np.abs(x - y)), np.max(np.abs(rel)),
+                       np.linalg.norm(d, ord=2), np.max(np.abs(d)), np.max(np.abs(rel)),
                        np.sum(rel < lim["thousandth"]) / count, np.sum(rel < lim["five_thousandths"]) / count]
     for col, v in zip(_COLUMNS, figures):
         if v is None:  # validate_numpy / calc_relative_err_ratio on a 0-d tensor
@@ -189,56 +190,119 @@ def _checker(actual: np.ndarray, golden: np.ndarray, std: CheckerStandard, *, ul
              keep: dict[str, Any] | None = None) -> dict[str, Any]:
     """BenchmarkCompare._compute_metrics and get_ulp_err on one output, as numpy scalars in msprobe's dtypes
     (they decide how its CSV writes them): the device output held as msprobe holds it, the golden one
-    precision level up."""
+    precision level up.  Every figure is msprobe's, bit for bit, by cheaper operations on the same values: a
+    float16 output held in float32 (exact; msprobe's float16 arithmetic promotes to float32, its comparisons
+    order the same values), signs counted by comparison rather than by the sign of a difference (a difference
+    of two values of one format is 0 only where they are equal), a product by the mask where msprobe zeroes
+    by ``np.where`` (the values masked are finite there)."""
     with np.errstate(all="ignore"):
         device = actual.astype(std.device)
-        bench = golden.astype(std.bench)
+        bench = golden.astype(std.bench, copy=False)
+        half = device.dtype == np.float16
+        dev = device.astype(np.float32) if half else device
         abs_bench = np.abs(bench)  # get_abs_bench_with_eps
-        abs_bench_with_eps = abs_bench + std.rel_eps
-        # get_finite_and_infinite_mask: the golden judged finite in the device's dtype
-        bench_as_device = bench.astype(device.dtype)  # (get_error_balance casts it the same way, below)
-        both_finite = np.logical_and(np.isfinite(device), np.isfinite(bench_as_device))
-        inf_nan = np.logical_not(both_finite)
-        abs_err = np.abs(device - bench)  # get_abs_err
-        small = np.logical_and(np.less_equal(abs_bench, std.small_value), both_finite)  # get_small_value_mask
-        rel_err = np.where(np.logical_or(small, inf_nan), -1, abs_err / abs_bench_with_eps)  # get_rel_err
-        greater = np.greater(abs_err, std.small_value_atol)
-        n_small = np.sum(small)  # get_small_value_err_ratio
-        small_ratio = 0 if n_small == 0 else np.sum(np.logical_and(small, greater)) / n_small
-        left_out = np.logical_or(inf_nan, small)  # get_rmse, with msprobe's correction for what it leaves out
-        mse = np.mean(np.square(np.where(left_out, 0, abs_err)))
-        mse = mse * (abs_err.size / (abs_err.size - np.sum(left_out) + 0.0001) + 0.0001)
+        # get_finite_and_infinite_mask: the golden judged finite in the device's dtype (get_error_balance casts
+        # it the same way, below)
+        bench_as_device = bench.astype(device.dtype)
+        if half:
+            bench_as_device = bench_as_device.astype(np.float32)
+        both_finite = np.isfinite(dev) & np.isfinite(bench_as_device)
+        any_bad = not both_finite.all()
+        abs_err = np.abs(dev - bench)  # get_abs_err
+        small = (abs_bench <= std.small_value) & both_finite  # get_small_value_mask
+        left_out = ~both_finite | small  # get_rel_err's -1; get_rmse's zeros
+        n_small = np.int64(np.count_nonzero(small))  # get_small_value_err_ratio
+        small_ratio = 0 if n_small == 0 else \
+            np.int64(np.count_nonzero(small & (abs_err > std.small_value_atol))) / n_small
+        # get_rmse, with msprobe's correction for what it leaves out
+        kept_mask = ~left_out
+        sq = np.where(left_out, 0, abs_err) if any_bad else abs_err * kept_mask
+        mse = np.mean(np.square(sq))
+        mse = mse * (abs_err.size / (abs_err.size - np.int64(np.count_nonzero(left_out)) + 0.0001) + 0.0001)
         rmse = np.sqrt(mse)
-        diff = device - bench_as_device  # get_error_balance: the golden cast to the output's dtype
-        larger, smaller = np.sum(np.greater(diff, 0)), np.sum(np.less(diff, 0))
+        # get_error_balance: the golden cast to the output's dtype
+        larger = np.int64(np.count_nonzero(dev > bench_as_device))
+        smaller = np.int64(np.count_nonzero(dev < bench_as_device))
         eb = abs(larger - smaller) / bench.size if bench.size > 0 else 0
-        max_rel = np.max(rel_err) if np.max(rel_err) >= 0 else 0  # get_max_rel_err
-        kept = rel_err[rel_err >= 0]  # get_mean_rel_err
-        mean_rel = np.mean(kept) if kept.size > 0 else 0
+        kept = (abs_err / (abs_bench + std.rel_eps))[kept_mask]  # get_rel_err where it is not -1
+        kept = kept[kept >= 0]
+        max_rel = np.max(kept) if kept.size > 0 else 0  # get_max_rel_err
+        mean_rel = np.mean(kept) if kept.size > 0 else 0  # get_mean_rel_err
         out = {"small_value": small_ratio, "rmse": rmse, "max_rel": max_rel, "mean_rel": mean_rel, "eb": eb}
         if keep is not None:  # the caller keeps the benchmark's metrics (as ulp=False gives them) and the ULPs
             keep["checker"] = dict(out)
         if ulp:  # the benchmark verdict does not read the ULP figures
-            u = _ulp(device, bench, std)
+            u = _ulp(device, bench, std, abs_err=abs_err)
             out.update(ulp_max=np.max(u), ulp_mean=np.mean(u))
             if keep is not None:
                 keep["ulps"] = u.astype(np.float64).reshape(-1)
     return out
 
 
-def _ulp(device: np.ndarray, bench: np.ndarray, std: CheckerStandard) -> np.ndarray:
+# the exponent field of each float format numpy holds a golden in: (int view, mantissa bits, bias, field mask)
+_BITS = {np.dtype(np.float32): (np.int32, 23, 127, 0xFF), np.dtype(np.float64): (np.int64, 52, 1023, 0x7FF)}
+_NEAR_POWER_BITS = 12  # a mantissa within 2^-12 of the next power of two: log2 may round up to it
+
+
+def _floor_log2(abs_bench: np.ndarray, min_exp: int) -> np.ndarray:
+    """``np.maximum(np.where(b == 0, 0, np.floor(np.log2(b))), min_exp)`` for |golden| ``b`` (float32 or float64),
+    equal element for element: the exponent field where that is floor(log2 b) beyond any rounding of log2 (a
+    mantissa at least 2^-12 below the next power of two puts log2 b that far below an integer); numpy's own
+    log2 for the rest (powers of two, mantissas near the next one, subnormals, 0, inf, NaN)."""
+    view, mant, bias, mask = _BITS[abs_bench.dtype]
+    bits = abs_bench.view(view)
+    field = (bits >> mant) & mask
+    frac = bits & ((1 << mant) - 1)
+    e = (field - bias).astype(abs_bench.dtype)
+    rest = (frac == 0) | (frac >= ((1 << mant) - (1 << (mant - _NEAR_POWER_BITS)))) | (field == 0) | (field == mask)
+    if rest.any():
+        b = abs_bench[rest]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            e[rest] = np.where(b == 0, 0, np.floor(np.log2(b)))
+    return np.maximum(e, min_exp)
+
+
+def _pow2(k: np.ndarray, dtype: Any) -> np.ndarray:
+    """``np.exp2(k).astype(dtype)`` for integer-valued ``k`` (float32/float64, finite), element for element: the
+    power of two built from its exponent field, inf above the format's range, numpy's exp2 below its normals."""
+    view, mant, bias, mask = _BITS[np.dtype(dtype)]
+    ki = k.astype(view)
+    out = ((np.clip(ki, 1 - bias, bias) + bias).astype(view) << mant).view(dtype)
+    over, under = ki > bias, ki < 1 - bias
+    if over.any():
+        out[over] = np.inf
+    if under.any():
+        with np.errstate(under="ignore"):
+            out[under] = np.exp2(k[under]).astype(dtype)
+    return out
+
+
+def _ulp(device: np.ndarray, bench: np.ndarray, std: CheckerStandard, *,
+         abs_err: np.ndarray | None = None) -> np.ndarray:
     """get_ulp_err: |device - golden| * 2^(mantissa - e) with e = floor(log2|golden|), 0 where the golden is 0,
     at least the minimum exponent; float32 arithmetic except for fp32 outputs (for bf16 the factor overflows
-    to inf when e < -120, as in msprobe).  Formats msprobe has no ULP for: the same in float64."""
+    to inf when e < -120, as in msprobe).  Formats msprobe has no ULP for: the same in float64.  ``abs_err``:
+    |device - golden| when the caller has it (in the ULP's dtype)."""
     with np.errstate(all="ignore"):
         abs_bench = np.abs(bench)
-        eb = np.where(abs_bench == 0, 0, np.floor(np.log2(abs_bench)))
-        eb = np.maximum(eb, std.ulp_min_exp)
         if not std.msprobe:  # 2^(mantissa - e) would overflow float64 for fp64 near 0: divide instead
+            eb = np.where(abs_bench == 0, 0, np.floor(np.log2(abs_bench)))
+            eb = np.maximum(eb, std.ulp_min_exp)
             e64 = eb.astype(np.int64) - std.ulp_mantissa
             return np.abs((device.astype(np.float64) - bench.astype(np.float64)) / np.ldexp(1.0, e64))
         dt = std.ulp_dtype
-        return np.abs((device.astype(dt) - bench).astype(dt) * np.exp2(-eb + std.ulp_mantissa).astype(dt))
+        if bench.dtype != dt or abs_bench.dtype not in _BITS:  # msprobe's operations as written
+            eb = np.maximum(np.where(abs_bench == 0, 0, np.floor(np.log2(abs_bench))), std.ulp_min_exp)
+            return np.abs((device.astype(dt) - bench).astype(dt) * np.exp2(-eb + std.ulp_mantissa).astype(dt))
+        eb = _floor_log2(abs_bench, std.ulp_min_exp)
+        finite = np.isfinite(eb)
+        k = np.where(finite, -eb + std.ulp_mantissa, 0) if not finite.all() else -eb + std.ulp_mantissa
+        factor = _pow2(k, dt)
+        if not finite.all():  # inf / NaN golden: exp2 of -inf / NaN, as msprobe computes it
+            factor[~finite] = np.exp2(-eb[~finite] + std.ulp_mantissa).astype(dt)
+        if abs_err is None:
+            abs_err = np.abs((device.astype(dt) - bench).astype(dt))
+        return abs_err * factor  # |d * f| = |d| * f: f is a power of two, inf, 0 or NaN
 
 
 def ulp_error(actual: Any, golden: Any, fmt: str | Format) -> np.ndarray:
@@ -350,6 +414,15 @@ def _unusable(size: int, word: str, accuracy: str, problem: str, printed_msg: st
     return Comparison(size, *(_NAN,) * 11, -1, False, accuracy, problem=problem, _printed=printed)
 
 
+def _holds(y: np.ndarray, dtype: Any) -> bool:
+    """Whether float64 ``y`` holds values of ``dtype`` only (NaN included): a prefix first, as a golden that
+    does not usually shows it in its first elements."""
+    for part in (y[:4096], y):
+        if not np.array_equal(part.astype(dtype).astype(np.float64), part, equal_nan=True):
+            return False
+    return True
+
+
 def compare(actual: Any, golden: Any, fmt: str | Format = "fp32", *, golden_fmt: str | Format | None = None
             ) -> Comparison:
     """msprobe's metrics of ``actual`` (values of ``fmt``; numpy, torch or a list) against ``golden``.
@@ -366,7 +439,7 @@ def compare(actual: Any, golden: Any, fmt: str | Format = "fp32", *, golden_fmt:
         f = get_format(fmt)
         gf = None if golden_fmt is None else get_format(golden_fmt)
         a_in, g_in = _array(actual), _array(golden)
-        a, g = a_in.astype(np.float64), g_in.astype(np.float64)
+        a, g = a_in.astype(np.float64, copy=False), g_in.astype(np.float64, copy=False)
     except (BNProbeError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
         return _unusable(0, "unsupported", "None", f"cannot compare: {exc}")
     if a.size == 0:  # ValidateTensor: empty, then shape (as read_pt_data squeezes it), 0-d, inf/nan, dtype
@@ -384,35 +457,36 @@ def compare(actual: Any, golden: Any, fmt: str | Format = "fp32", *, golden_fmt:
     # the compare's data, flat, as msprobe holds it: the output in its format; the golden in golden_fmt when
     # given, else like the output when it holds fmt's values (a dump pair), else float32 (float64 for fp64)
     n_dt = _HELD[f.name]
-    x, y = a.reshape(-1).copy(), g.reshape(-1).copy()
+    x, y = a.reshape(-1), g.reshape(-1)
     with np.errstate(all="ignore"):
         if gf is not None:
             b_dt = _HELD[gf.name]
             y = y.astype(b_dt).astype(np.float64)
         else:
-            exact = np.array_equal(y.astype(n_dt).astype(np.float64), y, equal_nan=True)
-            b_dt = n_dt if exact else (np.float64 if n_dt is np.float64 else np.float32)
+            b_dt = n_dt if _holds(y, n_dt) else (np.float64 if n_dt is np.float64 else np.float32)
     dtype_msg = "Dtype of NPU and bench tensor do not match." if b_dt != n_dt and gf is not None else ""
-    n_inf, b_inf, n_nan, b_nan = np.isinf(x), np.isinf(y), np.isnan(x), np.isnan(y)
-    fin = ~(n_inf | n_nan) & ~(b_inf | b_nan)
-    with np.errstate(invalid="ignore"):
-        same = fin | (n_nan & b_nan) | (n_inf & (x == y))
-    # handle_inf_nan: a match when the inf positions (either sign) and NaN positions agree
-    nan_mismatch = not (np.array_equal(n_inf, b_inf) and np.array_equal(n_nan, b_nan))
-    worst = int(np.argmax(np.abs(np.where(fin, x, 0.0) - np.where(fin, y, 0.0))))
+    if np.isfinite(x).all() and np.isfinite(y).all():
+        nan_mismatch, all_same, worst = False, True, int(np.argmax(np.abs(x - y)))
+    else:
+        n_inf, b_inf, n_nan, b_nan = np.isinf(x), np.isinf(y), np.isnan(x), np.isnan(y)
+        fin = ~(n_inf | n_nan) & ~(b_inf | b_nan)
+        with np.errstate(invalid="ignore"):
+            all_same = bool((fin | (n_nan & b_nan) | (n_inf & (x == y))).all())
+        # handle_inf_nan: a match when the inf positions (either sign) and NaN positions agree
+        nan_mismatch = not (np.array_equal(n_inf, b_inf) and np.array_equal(n_nan, b_nan))
+        worst = int(np.argmax(np.abs(np.where(fin, x, 0.0) - np.where(fin, y, 0.0))))
+        if x.size > 1 and not nan_mismatch:  # msprobe zeroes the non-finite elements (the same on both sides)
+            bad = n_inf | n_nan
+            x, y = np.where(bad, 0.0, x), np.where(bad, 0.0, y)
     common = dict(size=int(x.size), mean_rel=checker["mean_rel"], rmse=checker["rmse"], error_balance=checker["eb"],
                   ulp_max=checker["ulp_max"], ulp_mean=checker["ulp_mean"], worst_index=worst,
                   nan_mismatch=nan_mismatch, checker_max_rel=checker["max_rel"],
-                  small_value_err_ratio=checker["small_value"], nonfinite_mismatch=not bool(same.all()))
+                  small_value_err_ratio=checker["small_value"], nonfinite_mismatch=not all_same)
     if x.size > 1 and nan_mismatch:  # a 0-d tensor skips msprobe's inf/nan check
         msg = "The position of inf or nan in NPU and bench Tensor do not match."
         return Comparison(cosine=_NAN, euclidean=_NAN, max_abs=_NAN, max_rel=_NAN, ratio_1e3=_NAN, ratio_5e3=_NAN,
                           accuracy_reached="No", problem=msg, _printed=(*("N/A",) * len(_COLUMNS), "No", msg),
                           **common, **kept)
-    if x.size > 1:
-        bad = n_inf | n_nan
-        x[bad] = 0.0
-        y[bad] = 0.0
     with np.errstate(all="ignore"):
         n, b = x.astype(n_dt), y.astype(b_dt)
     raw, shown, msg = _compare_figures(x, y, n, b)

@@ -28,6 +28,7 @@ from typing import Any
 
 from bnprobe._loading import first_line
 from bnprobe.errors import BNProbeError
+from bnprobe.guard import tune_malloc
 
 __all__ = ["SWEEP_COMMANDS", "Task", "SweepSpec", "plan", "dump_leaves", "run_task", "run_sweep", "Journal",
            "scheduler_address", "SweepResult", "SCORES", "header", "error_row", "check_plan", "RankGroup",
@@ -261,36 +262,13 @@ def _ranks_row(group: RankGroup) -> dict[str, Any]:
             "failures": list(rep.failures), "notes": list(rep.notes)}
 
 
-_MALLOC_TUNED = False
-
-
-def _tune_malloc() -> None:
-    """glibc's malloc maps and unmaps large temporaries anew each time: below its mmap threshold (128 KiB fixed
-    when MALLOC_TRIM_THRESHOLD_ is set, as dask's nanny does for its workers: tasks 2.6x slower; up to 32 MiB
-    otherwise).  In a sweep's worker, temporaries up to 64 MiB come from the heap (a task was 1.35x faster
-    in-process, 3.6x on a dask worker); free heap above 128 MiB is still returned to the system.  Nothing is done
-    on another libc."""
-    global _MALLOC_TUNED
-    if _MALLOC_TUNED or not sys.platform.startswith("linux"):
-        return
-    _MALLOC_TUNED = True
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 64 << 20)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 128 << 20)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
 def run_task(task: Task | RankGroup, spec: SweepSpec) -> dict[str, Any]:
     """Run the sweep's check on one call (loading only its tensors), or the rank check of one layer and step;
     one row of plain values.  Raises on failure: the engine retries once and then records the error."""
     import socket
     import warnings
 
-    _tune_malloc()
+    tune_malloc()
     t0 = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -149,3 +149,56 @@ def test_a_comparison_keeps_the_checker_metrics_and_ulps_as_computed_alone(fmt):
         assert m.checker_metrics.keys() == alone.keys()
         assert all(np.array_equal(m.checker_metrics[k], alone[k]) for k in alone)
     np.testing.assert_array_equal(m.ulps, ulp_error(a, g, fmt))
+
+
+# ---- the ULP's exponent and factor, by cheaper operations than msprobe's, equal element for element -------------
+
+def _msprobe_eb(b: np.ndarray, min_exp: int) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        return np.maximum(np.where(b == 0, 0, np.floor(np.log2(b))), min_exp)
+
+
+def _edges(dtype) -> np.ndarray:
+    """Every power of two of ``dtype`` (subnormals included), the 2^13 values just below each and the 4 just above,
+    0, the smallest subnormal, inf and NaN: where floor(log2) can round differently from the exponent field."""
+    fi = np.finfo(dtype)
+    view = np.int32 if dtype == np.float32 else np.int64
+    powers = np.ldexp(np.ones(1, dtype), np.arange(fi.minexp - fi.nmant, fi.maxexp)).astype(dtype)
+    bits = powers.view(view)
+    around = (bits[:, None] + np.arange(-(1 << 13), 5, dtype=view)[None, :]).reshape(-1)
+    around = around[(around >= 0) & (around <= np.array([np.inf], dtype).view(view)[0])]
+    return np.concatenate([around.view(dtype), np.array([0, fi.smallest_subnormal, np.inf, np.nan], dtype)])
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp32"])
+def test_floor_log2_is_numpys_at_every_power_of_two(fmt):
+    from bnprobe.metrics import _floor_log2
+
+    std = MSPROBE_CHECKER[fmt]
+    b = _edges(std.bench)
+    rng = np.random.default_rng(5)
+    b = np.concatenate([b, np.abs(rng.standard_normal(10**5)).astype(std.bench) * 10.0 ** rng.integers(-30, 30)])
+    got, want = _floor_log2(b, std.ulp_min_exp), _msprobe_eb(b, std.ulp_min_exp)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow
+def test_floor_log2_is_numpys_on_every_float32():
+    """Exhaustive: every non-negative float32 bit pattern (2^31, in blocks)."""
+    from bnprobe.metrics import _floor_log2
+
+    for lo in range(0, 1 << 31, 1 << 24):
+        b = np.arange(lo, lo + (1 << 24), dtype=np.int64).astype(np.int32).view(np.float32)
+        np.testing.assert_array_equal(_floor_log2(b, -126), _msprobe_eb(b, -126))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_pow2_is_exp2_on_every_integer_exponent(dtype):
+    """Exhaustive over every integer exponent from below the subnormals to beyond overflow."""
+    from bnprobe.metrics import _pow2
+
+    fi = np.finfo(dtype)
+    k = np.arange(fi.minexp - fi.nmant - 3, fi.maxexp + 4).astype(dtype)
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(_pow2(k, dtype), np.exp2(k).astype(dtype))
