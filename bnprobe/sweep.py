@@ -253,10 +253,11 @@ _ROWS: dict[str, Callable[[Any, SweepSpec], dict[str, Any]]] = {
 
 
 def _ranks_row(group: RankGroup) -> dict[str, Any]:
-    """The rank check of one layer at one step: each rank's recording loaded (one call per rank)."""
+    """The rank check of one layer at one step: each rank's recording loaded when the check reads it and let go (one
+    call in memory, however many ranks)."""
     from bnprobe.checks.ranks import check_ranks
 
-    recs = {i: _one_call(t).calls[0].load() for i, t in enumerate(group.members)}
+    recs = {i: _one_call(t).calls[0].load for i, t in enumerate(group.members)}  # its index read, no tensors
     rep = check_ranks(recs, call=group.layer)
     return {"kind": rep.kind, "verdict": "PASS" if rep.passed else "FAIL", "summary": rep.summary,
             "failures": list(rep.failures), "notes": list(rep.notes)}

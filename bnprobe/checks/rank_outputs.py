@@ -14,6 +14,7 @@ its bound is the rank's ratio (<= 1 passes)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,69 +70,87 @@ def _judge(rank: int, tensor: str, got: np.ndarray, gold: np.ndarray, bound: np.
                       f"channel {ch}, element {int(i)}")
 
 
-def rank_outputs(ranks: list[Any], mean: np.ndarray, invstd: np.ndarray, finite: np.ndarray,
-                 tol: np.ndarray) -> list[RankOutput]:
+def _views(rec: Any, mu: np.ndarray, inv: np.ndarray) -> tuple[Any, Any, np.ndarray, np.ndarray, np.ndarray,
+                                                                 np.ndarray]:
+    """(layout, the training inputs and outputs, γ, β, x channel-first, x̂ under the global statistics)."""
+    ins, outs = rec.tensors["train"]["inputs"], rec.tensors["train"].get("outputs", {})
+    lay = layout_of(ins["x"], rec.layout)
+    x = lay.to_cr(ins["x"])
+    c = x.shape[0]
+    g = np.ones(c) if ins.get("gamma") is None else np.asarray(ins["gamma"], dtype=np.float64)
+    b = np.zeros(c) if ins.get("beta") is None else np.asarray(ins["beta"], dtype=np.float64)
+    with np.errstate(all="ignore"):
+        xhat = (x - mu) * inv
+    return lay, outs, g, b, x, xhat
+
+
+def rank_outputs(ranks: list[tuple[int, Callable[[], Any]]], mean: np.ndarray, invstd: np.ndarray,
+                 finite: np.ndarray, tol: np.ndarray) -> list[RankOutput]:
     """Every rank's recorded y (and dx, when every rank recorded its backward) against the concatenated batch's
-    golden; ``ranks``: check_ranks' ranks (x channel-first, the recording), ``mean``/``invstd`` the global golden
-    statistics, ``finite`` the channels to judge, ``tol`` the statistics' tolerance in x̂ units per channel."""
+    golden; ``ranks``: (rank, a function loading its recording) in rank order, each loaded when needed and let go
+    (y and the backward's sums in one pass, dx in a second), ``mean``/``invstd`` the global golden statistics,
+    ``finite`` the channels to judge, ``tol`` the statistics' tolerance in x̂ units per channel."""
     out: list[RankOutput] = []
-    dtype = ranks[0].rec.dtype
-    u = get_format(ACCUMULATION_FORMAT.get(get_format(dtype).name, "fp32")).unit_roundoff
-    k_el = RANK_TOLERANCES["elementwise_ulps"]
     mu, inv = _col(mean), _col(invstd)
-    views = []
-    for k in ranks:
-        rec = k.rec
-        ins, outs = rec.tensors["train"]["inputs"], rec.tensors["train"].get("outputs", {})
-        c = k.x.shape[0]
-        g = np.ones(c) if ins.get("gamma") is None else np.asarray(ins["gamma"], dtype=np.float64)
-        b = np.zeros(c) if ins.get("beta") is None else np.asarray(ins["beta"], dtype=np.float64)
-        lay = layout_of(ins["x"], rec.layout)
-        with np.errstate(all="ignore"):
-            xhat = (k.x - mu) * inv
-        views.append((k, lay, g, b, xhat))
-        if "y" not in outs:
-            continue
-        y = lay.to_cr(np.asarray(outs["y"], dtype=np.float64))
-        fmt = rec.formats.get("train.outputs.y", dtype)
-        with np.errstate(all="ignore"):
-            gold = _col(g) * xhat + _col(b)
-            bound = 0.5 * get_format(fmt).ulp(gold) + k_el * u * (np.abs(gold) + np.abs(_col(b))
-                                                                  + np.abs(k.x * _col(g) * inv)) \
-                + np.abs(_col(g)) * _col(tol) * (1.0 + np.abs(xhat))
-        judged = _judge(k.rank, "y", y, gold, bound, finite)
-        if judged is not None:
-            out.append(judged)
-    out += _dx(views, inv, finite, tol, u * k_el)
+    sums: list[np.ndarray] | None = [np.zeros(mean.shape), np.zeros(mean.shape), np.zeros(mean.shape),
+                                     np.zeros(mean.shape)]
+    n = 0
+    for rank, load in ranks:
+        rec = load()
+        dtype = rec.dtype
+        u = get_format(ACCUMULATION_FORMAT.get(get_format(dtype).name, "fp32")).unit_roundoff
+        k_el = RANK_TOLERANCES["elementwise_ulps"]
+        lay, outs, g, b, x, xhat = _views(rec, mu, inv)
+        if "y" in outs:
+            y = lay.to_cr(np.asarray(outs["y"], dtype=np.float64))
+            fmt = rec.formats.get("train.outputs.y", dtype)
+            with np.errstate(all="ignore"):
+                gold = _col(g) * xhat + _col(b)
+                bound = 0.5 * get_format(fmt).ulp(gold) + k_el * u * (np.abs(gold) + np.abs(_col(b))
+                                                                      + np.abs(x * _col(g) * inv)) \
+                    + np.abs(_col(g)) * _col(tol) * (1.0 + np.abs(xhat))
+            judged = _judge(rank, "y", y, gold, bound, finite)
+            if judged is not None:
+                out.append(judged)
+        bw = rec.tensors.get("backward", {})
+        dy, dx = bw.get("inputs", {}).get("dy"), bw.get("outputs", {}).get("dx")
+        if sums is not None and dy is not None and dx is not None:
+            dy = lay.to_cr(np.asarray(dy, dtype=np.float64))
+            with np.errstate(all="ignore"):
+                for acc, v in zip(sums, (dy, dy * xhat, np.abs(dy), np.abs(dy * xhat))):
+                    acc += v.sum(axis=1)
+            n += xhat.shape[1]
+        else:
+            sums = None  # some rank has no backward: dx is not judged
+        del rec, x, xhat
+    if sums is not None and ranks:
+        out += _dx(ranks, mu, inv, finite, tol, sums, n)
     return out
 
 
-def _dx(views: list[tuple[Any, ...]], inv: np.ndarray, finite: np.ndarray, tol: np.ndarray,
-        elem: float) -> list[RankOutput]:
-    """dx of every rank against SyncBatchNorm's backward of the concatenated batch, when every rank recorded it."""
-    parts = []
-    for k, lay, g, _, xhat in views:
-        bw = k.rec.tensors.get("backward", {})
-        dy, dx = bw.get("inputs", {}).get("dy"), bw.get("outputs", {}).get("dx")
-        if dy is None or dx is None:
-            return []
-        parts.append((k, g, xhat, lay.to_cr(np.asarray(dy, dtype=np.float64)),
-                      lay.to_cr(np.asarray(dx, dtype=np.float64)), k.rec.formats.get("backward.outputs.dx",
-                                                                                    k.rec.dtype)))
-    n = sum(p[2].shape[1] for p in parts)
-    with np.errstate(all="ignore"):
-        s_dy = sum(p[3].sum(axis=1) for p in parts)[:, None]
-        s_dyx = sum((p[3] * p[2]).sum(axis=1) for p in parts)[:, None]
-        a_dy = sum(np.abs(p[3]).sum(axis=1) for p in parts)[:, None] / n
-        a_dyx = sum(np.abs(p[3] * p[2]).sum(axis=1) for p in parts)[:, None] / n
+def _dx(ranks: list[tuple[int, Callable[[], Any]]], mu: np.ndarray, inv: np.ndarray, finite: np.ndarray,
+        tol: np.ndarray, sums: list[np.ndarray], n: int) -> list[RankOutput]:
+    """dx of every rank against SyncBatchNorm's backward of the concatenated batch (``sums``: Σdy, Σdy·x̂, Σ|dy| and
+    Σ|dy·x̂| over every rank, ``n`` values per channel), each rank loaded again."""
+    s_dy, s_dyx = sums[0][:, None], sums[1][:, None]
+    a_dy, a_dyx = sums[2][:, None] / n, sums[3][:, None] / n
     out = []
-    for k, g, xhat, dy, dx, fmt in parts:
+    for rank, load in ranks:
+        rec = load()
+        u = get_format(ACCUMULATION_FORMAT.get(get_format(rec.dtype).name, "fp32")).unit_roundoff
+        elem = u * RANK_TOLERANCES["elementwise_ulps"]
+        lay, _, g, _, _, xhat = _views(rec, mu, inv)
+        bw = rec.tensors["backward"]
+        dy = lay.to_cr(np.asarray(bw["inputs"]["dy"], dtype=np.float64))
+        dx = lay.to_cr(np.asarray(bw["outputs"]["dx"], dtype=np.float64))
+        fmt = rec.formats.get("backward.outputs.dx", rec.dtype)
         with np.errstate(all="ignore"):
             f = _col(g) * inv
             gold = f * (dy - s_dy / n - xhat * s_dyx / n)
             natural = np.abs(f) * (np.abs(dy) + a_dy + np.abs(xhat) * a_dyx)
             bound = 0.5 * get_format(fmt).ulp(gold) + (elem + 2.0 * _col(tol)) * natural * (1.0 + np.abs(xhat))
-        judged = _judge(k.rank, "dx", dx, gold, bound, finite)
+        judged = _judge(rank, "dx", dx, gold, bound, finite)
         if judged is not None:
             out.append(judged)
+        del rec, xhat, dy, dx, gold, natural, bound
     return out

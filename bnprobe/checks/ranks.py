@@ -25,7 +25,7 @@ and after it (bit-identical when they saved the same statistics; a difference be
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -127,15 +127,58 @@ class RankReport:
 
 @dataclass(frozen=True)
 class _Rank:
+    """One rank's call reduced to what the check needs (the first level: computed where the call is read, so
+    that a layer of many ranks never holds more than one call's tensors)."""
+
     rank: int
-    rec: Recording
-    x: np.ndarray  # (C, R_r) float64
     samples: int
+    count: int  # values per channel (N·spatial)
     mean: np.ndarray | None  # the statistics it used, float64 (NaN on channels a fit cannot recover)
     invstd: np.ndarray | None
     source: str
     uncertainty: np.ndarray | float  # of recovered statistics, in x̂ units (0 for saved ones)
     saved_format: str
+    moments: _Moments  # of its slice, float64
+    key: dict[str, Any]  # what must be alike across ranks of one layer
+    info: dict[str, Any]  # dtype, eps, params, formats, call and source of the recording
+    running: dict[str, dict[str, np.ndarray]]  # "inputs" / "outputs": the running statistics recorded
+    saved: tuple[Any, Any] | None  # (saved_mean, saved_value) as recorded
+
+
+@dataclass(frozen=True)
+class _Moments:
+    """Per channel, in float64, what every merge of one rank's slice is made of: its count, mean and biased
+    variance (as ``x.mean`` / ``((x - mean)²).mean`` give them), Σx and Σx²."""
+
+    count: int
+    mean: np.ndarray
+    var: np.ndarray
+    total: np.ndarray
+    squares: np.ndarray
+    low: np.ndarray  # the mean's rounding error, mean(x − mean): the exact mean is about mean + low
+
+
+def _moments_of(x: np.ndarray) -> _Moments:
+    with np.errstate(all="ignore"):
+        mean = x.mean(axis=1)
+        d = x - mean[:, None]
+        low = d.mean(axis=1)
+        var = ((d - low[:, None]) ** 2).mean(axis=1)
+        return _Moments(int(x.shape[1]), mean, var, x.sum(axis=1), (x * x).sum(axis=1), low)
+
+
+def _merged(parts: list[_Moments]) -> tuple[int, np.ndarray, np.ndarray]:
+    """(count, mean, biased variance) of the concatenated batch from its ranks' moments, in float64, by Chan's merge
+    of their M2 with each mean carried as mean + low (a two-term sum): the ranks' deviations from the global mean are
+    then exact to float64 even far off zero, where the float64 means alone lose mean·2⁻⁵³ and the merged variance
+    ulp(mean)·|deviation|/var of its digits."""
+    n = sum(p.count for p in parts)
+    with np.errstate(all="ignore"):
+        head = sum(p.total for p in parts) / n
+        dev = [(p.mean - head) + p.low for p in parts]  # p.mean − head is exact where the two are within 2x
+        tail = sum(p.count * d for p, d in zip(parts, dev)) / n
+        m2 = sum(p.count * (p.var + (d - tail) ** 2) for p, d in zip(parts, dev))
+        return n, head + tail, m2 / n
 
 
 def _accumulation(dtype: str) -> str:
@@ -169,7 +212,7 @@ def _from_y(x: np.ndarray, y: np.ndarray, gamma: np.ndarray, beta: np.ndarray, y
 
 
 def _rank(r: int, rec: Recording) -> _Rank:
-    """One rank's slice and the statistics it used (saved, else recovered from y, else none)."""
+    """One rank's statistics (saved, else recovered from y, else none) and its slice's moments."""
     if "train" not in rec.tensors:
         raise BNProbeError(f"rank {r}'s recording has no training forward: check_ranks compares the statistics of "
                            "a training step")
@@ -177,11 +220,19 @@ def _rank(r: int, rec: Recording) -> _Rank:
     lay = layout_of(ins["x"], rec.layout)
     x = lay.to_cr(ins["x"])
     c = lay.channels
+    shape = tuple(np.shape(ins["x"]))
+    common = dict(rank=r, samples=lay.shape[0], count=int(x.shape[1]), moments=_moments_of(x),
+                  key={"dtype": rec.dtype, "layout": rec.layout, "eps": rec.eps, "x shape (apart from N)": shape[1:]},
+                  info={"dtype": rec.dtype, "eps": rec.eps, "params": rec.params, "formats": dict(rec.formats),
+                        "call": rec.meta.get("call"), "source": rec.source},
+                  running={io: {n: np.asarray(v, dtype=np.float64) for n, v in rec.tensors["train"].get(io, {}).items()
+                                if n.startswith("running_")} for io in ("inputs", "outputs")},
+                  saved=(outs.get("saved_mean"), outs.get("saved_value")) if "saved_mean" in outs else None)
     if "saved_mean" in outs and "saved_value" in outs and rec.saved_kind:
         sv = Saved(outs["saved_mean"], rec.saved_kind, outs["saved_value"])
         fmt = rec.formats.get("train.outputs.saved_value", "fp64")
-        return _Rank(r, rec, x, lay.shape[0], np.asarray(sv.mean, dtype=np.float64), sv.invstd(rec.eps), "saved",
-                     0.0, fmt)
+        return _Rank(mean=np.asarray(sv.mean, dtype=np.float64), invstd=sv.invstd(rec.eps), source="saved",
+                     uncertainty=0.0, saved_format=fmt, **common)
     g = ins.get("gamma")
     b = ins.get("beta")
     g = np.ones(c) if g is None else np.asarray(g, dtype=np.float64)
@@ -190,8 +241,12 @@ def _rank(r: int, rec: Recording) -> _Rank:
         fmt = rec.formats.get("train.outputs.y", rec.dtype)
         mean, inv, unc = _from_y(x, lay.to_cr(outs["y"]), g, b, fmt, _accumulation(rec.dtype))
         if np.isfinite(mean).any():
-            return _Rank(r, rec, x, lay.shape[0], mean, inv, "y", unc, fmt)
-    return _Rank(r, rec, x, lay.shape[0], None, None, "none", 0.0, rec.dtype)
+            return _Rank(mean=mean, invstd=inv, source="y", uncertainty=unc, saved_format=fmt, **common)
+    return _Rank(mean=None, invstd=None, source="none", uncertainty=0.0, saved_format=rec.dtype, **common)
+
+
+def _recording(v: Recording | Callable[[], Recording]) -> Recording:
+    return v() if callable(v) else v
 
 
 def _load(recordings: Mapping[int, Recording]) -> list[_Rank]:
@@ -199,16 +254,11 @@ def _load(recordings: Mapping[int, Recording]) -> list[_Rank]:
     spatial size alike)."""
     if not recordings:
         raise BNProbeError("check_ranks needs the recordings of at least one rank")
-    ranks = [_rank(int(r), recordings[r]) for r in sorted(recordings, key=int)]
+    ranks = [_rank(int(r), _recording(recordings[r])) for r in sorted(recordings, key=int)]  # one call at a time
     first = ranks[0]
-
-    def key(k: _Rank) -> dict[str, Any]:
-        shape = tuple(np.shape(k.rec.tensors["train"]["inputs"]["x"]))
-        return {"dtype": k.rec.dtype, "layout": k.rec.layout, "eps": k.rec.eps, "x shape (apart from N)": shape[1:]}
-
     for k in ranks[1:]:
-        for what, mine in key(k).items():
-            theirs = key(first)[what]
+        for what, mine in k.key.items():
+            theirs = first.key[what]
             if mine != theirs:
                 raise BNProbeError(f"rank {k.rank}'s recording has {what} {mine} but rank {first.rank}'s has {theirs}: "
                                    "check_ranks compares one layer's call across ranks")
@@ -226,7 +276,7 @@ class _Context:
     count: int
     mean: np.ndarray
     invstd: np.ndarray
-    parts: list[np.ndarray]
+    parts: list[_Moments]
     samples: list[int]
     finite: np.ndarray  # channels whose x is finite on every rank (the others are left out)
     variants: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
@@ -235,8 +285,7 @@ class _Context:
         """A merge variant's statistics, computed once."""
         key = (merge, reduce)
         if key not in self.variants:
-            self.variants[key] = variant_statistics(self.parts, merge, reduce, eps=self.eps,
-                                                    compute=_accumulation(self.dtype))
+            self.variants[key] = _variant(self.parts, merge, reduce, eps=self.eps, compute=_accumulation(self.dtype))
         return self.variants[key]
 
 
@@ -308,6 +357,13 @@ def variant_statistics(parts: list[np.ndarray], merge: str, reduce: str, *, eps:
     ``reduce`` makes of the ranks' slices ``parts`` (each ``(C, R_r)``): every rank's partials in float64 rounded
     to ``compute`` (the accumulation format) then to ``reduce``, summed in ``reduce`` in rank order, and the final
     steps rounded in ``compute`` as the variant does them."""
+    return _variant([_moments_of(np.asarray(p, dtype=np.float64)) for p in parts], merge, reduce, eps=eps,
+                    compute=compute)
+
+
+def _variant(parts: list[_Moments], merge: str, reduce: str, *, eps: float,
+             compute: str) -> tuple[np.ndarray, np.ndarray]:
+    """variant_statistics from the ranks' moments."""
     rc = lambda v: round_to(v, compute)  # noqa: E731 - one rounding to the compute format
     rr = lambda v: round_to(v, reduce)  # noqa: E731 - one rounding to the all-reduce format
 
@@ -317,24 +373,24 @@ def variant_statistics(parts: list[np.ndarray], merge: str, reduce: str, *, eps:
             total = rr(total + rr(rc(v)))
         return total
 
-    c = parts[0].shape[0]
+    c = parts[0].mean.shape[0]
     with np.errstate(all="ignore"):
         if merge == "sums":
-            s = all_reduce([p.sum(axis=1) for p in parts])
-            q = all_reduce([(p * p).sum(axis=1) for p in parts])
-            n = all_reduce([np.full(c, float(p.shape[1])) for p in parts])
+            s = all_reduce([p.total for p in parts])
+            q = all_reduce([p.squares for p in parts])
+            n = all_reduce([np.full(c, float(p.count)) for p in parts])
             mean = rc(s / n)
             var = rc(rc(q / n) - rc(mean * mean))
         elif merge == "unweighted":
-            stats = [_moments(p) for p in parts]
+            stats = [(p.mean, p.var) for p in parts]
             mean = rc(all_reduce([m for m, _ in stats]) / len(parts))
             var = rc(all_reduce([v for _, v in stats]) / len(parts))
         elif merge == "chan":
             n = np.zeros(c)
             mean, m2 = np.zeros(c), np.zeros(c)
             for p in parts:
-                m_r, v_r = _moments(p)
-                cnt, m = rr(np.full(c, float(p.shape[1]))), rr(rc(m_r))
+                m_r, v_r = p.mean, p.var
+                cnt, m = rr(np.full(c, float(p.count))), rr(rc(m_r))
                 inv_r = rr(rc(1.0 / rc(np.sqrt(rc(v_r + eps)))))
                 tot = n + cnt
                 d = m - mean
@@ -396,7 +452,7 @@ def _variants(k: _Rank, ctx: _Context, known: np.ndarray, unc: np.ndarray | floa
 def _rank_row(k: _Rank, ctx: _Context) -> RankRow:
     """One rank's row: the statistics it used against the global and its own golden, and for neither, the merge
     variants."""
-    base = dict(rank=k.rank, samples=k.samples, count=int(k.x.shape[1]), source=k.source)
+    base = dict(rank=k.rank, samples=k.samples, count=k.count, source=k.source)
     if k.mean is None or k.invstd is None:
         return RankRow(**base, used="unknown", passed=True,
                        detail="no saved statistics, and y does not determine them (constant x or γ = 0 on every "
@@ -408,7 +464,7 @@ def _rank_row(k: _Rank, ctx: _Context) -> RankRow:
     unc = k.uncertainty
     tol_g = statistics_tolerance(ctx.mean, ctx.invstd, ctx.count, ctx.dtype, k.saved_format) + unc
     g = _ratio(k.mean, k.invstd, ctx.mean, ctx.invstd, tol_g)
-    lm, lv = _moments(k.x)
+    lm, lv = k.moments.mean, k.moments.var
     li = _invstd(lv, ctx.eps)
     loc = _ratio(k.mean, k.invstd, lm, li, statistics_tolerance(lm, li, ctx.count, ctx.dtype, k.saved_format) + unc)
     gw, lw = _worst(g, known), _worst(loc, known)
@@ -456,14 +512,14 @@ def _running(ranks: list[_Rank]) -> dict[str, Any]:
     whether the after-step difference exceeds RANK_TOLERANCES["running_ulps"] ulps of the parameter format."""
     out: dict[str, Any] = {}
     for when, io, suffix in (("before", "inputs", ""), ("after", "outputs", "_out")):
-        have = [k.rec.tensors["train"].get(io, {}) for k in ranks]
+        have = [k.running[io] for k in ranks]
         names = [n for n in ("running_mean", "running_var") if all(f"{n}{suffix}" in h for h in have)]
         entry: dict[str, Any] = {"recorded": bool(names), "identical": True, "beyond_tolerance": False}
         for n in names:
             vals = [np.asarray(h[f"{n}{suffix}"], dtype=np.float64) for h in have]
             diff, ch = _spread(vals)
             same = all(np.array_equal(v, vals[0], equal_nan=True) for v in vals)
-            pf = ranks[0].rec.formats.get(f"train.{io}.{n}{suffix}", ranks[0].rec.params)
+            pf = ranks[0].info["formats"].get(f"train.{io}.{n}{suffix}", ranks[0].info["params"])
             allowed = RANK_TOLERANCES["running_ulps"] * float(get_format(pf).ulp(np.max(np.abs(vals), axis=0))[ch])
             entry[n] = {"max_difference": diff, "channel": ch, "allowed": allowed}
             entry["identical"] = entry["identical"] and same
@@ -542,27 +598,28 @@ def _running_verdict(running: dict[str, Any], *, same_stats: bool) -> tuple[list
 def _same_saved(ranks: list[_Rank]) -> bool:
     """Whether every rank saved statistics, bit-identical across ranks (then one update gives the same running
     statistics on every rank)."""
-    saved = [(k.rec.get("train", "outputs", "saved_mean"), k.rec.get("train", "outputs", "saved_value"))
-             for k in ranks if k.source == "saved"]
+    saved = [k.saved for k in ranks if k.source == "saved" and k.saved is not None]
     return len(saved) == len(ranks) and all(np.array_equal(m, saved[0][0], equal_nan=True) and
                                             np.array_equal(v, saved[0][1], equal_nan=True) for m, v in saved)
 
 
-def check_ranks(recordings: Mapping[int, Recording], *, expect: str | None = None,
+def check_ranks(recordings: Mapping[int, Recording | Callable[[], Recording]], *, expect: str | None = None,
                 call: str | None = None) -> RankReport:
     """Which statistics each rank of one training step normalised with (``recordings``: rank -> that rank's
-    recording of one layer at one step).  ``expect``: None (judge what is found), ``"sync"`` (a rank using its own
-    statistics fails) or ``"local"`` (a rank using the global ones fails).  Returns a :class:`RankReport`."""
+    recording of one layer at one step, or a function loading it: each is then loaded when needed and let go, so
+    that memory holds one call whatever the number of ranks).  ``expect``: None (judge what is found), ``"sync"``
+    (a rank using its own statistics fails) or ``"local"`` (a rank using the global ones fails).  Two levels: each
+    rank's call is reduced to its statistics and its slice's moments where it is read, and those are merged into
+    the concatenated batch's golden statistics; when every rank used the global statistics, each rank's y and dx
+    are judged against them, one rank loaded at a time.  Returns a :class:`RankReport`."""
     if expect is not None and expect not in EXPECT:
         raise BNProbeError(f"expect must be one of {', '.join(EXPECT)} or None, got {expect!r}")
     ranks = _load(recordings)
-    parts = [k.x for k in ranks]
-    allx = np.concatenate(parts, axis=1)
-    mean, var = _moments(allx)
-    dtype, eps = ranks[0].rec.dtype, ranks[0].rec.eps
+    parts = [k.moments for k in ranks]
+    count, mean, var = _merged(parts)
+    dtype, eps = ranks[0].info["dtype"], ranks[0].info["eps"]
     finite = np.isfinite(mean) & np.isfinite(var)
-    ctx = _Context(dtype, eps, int(allx.shape[1]), mean, _invstd(var, eps), parts, [k.samples for k in ranks],
-                   finite)
+    ctx = _Context(dtype, eps, count, mean, _invstd(var, eps), parts, [k.samples for k in ranks], finite)
     rows = [_rank_row(k, ctx) for k in ranks]
     if expect is not None:  # a rank that did what the expected BatchNorm does not is a failing row
         wrong = "local" if expect == "sync" else "global"
@@ -571,7 +628,8 @@ def check_ranks(recordings: Mapping[int, Recording], *, expect: str | None = Non
     fails, notes = _verdict(rows, running, expect, _same_saved(ranks))
     if rows and all(r.used in ("global", "either") for r in rows):  # SyncBatchNorm: each rank's outputs, elementwise
         tol = statistics_tolerance(mean, ctx.invstd, ctx.count, dtype, ranks[0].saved_format)
-        judged = rank_outputs(ranks, mean, ctx.invstd, finite, tol)
+        loaders = [(k.rank, lambda r=k.rank: _recording(recordings[_key(recordings, r)])) for k in ranks]
+        judged = rank_outputs(loaders, mean, ctx.invstd, finite, tol)
         fails += [o.describe() for o in judged if not o.passed]
         if judged:
             worst = max(judged, key=lambda o: o.ratio)
@@ -584,6 +642,11 @@ def check_ranks(recordings: Mapping[int, Recording], *, expect: str | None = Non
     if len(ranks) == 1:
         notes.append("one rank given: its own statistics are the global ones (a rank whose statistics came from ranks "
                      "not given used neither)")
-    name = call or str(ranks[0].rec.meta.get("call") or ranks[0].rec.source or "call")
+    name = call or str(ranks[0].info["call"] or ranks[0].info["source"] or "call")
     golden = {"count": ctx.count, "mean": mean.tolist(), "var": var.tolist()}
     return RankReport(name, dtype, _kind(rows), rows, golden, running, fails, notes)
+
+
+def _key(recordings: Mapping[Any, Any], rank: int) -> Any:
+    """The key of ``recordings`` that names rank ``rank`` (keys may be ints or their strings)."""
+    return next(r for r in recordings if int(r) == rank)
