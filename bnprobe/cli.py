@@ -644,15 +644,29 @@ def fold_cmd(
     eps: Optional[float] = typer.Option(None, help="BatchNorm epsilon (default: the layer's, 1e-5)."),
     groups: int = typer.Option(1, help="Groups of the built-in conv2d (its 16 input channels must divide)."),
     seed: int = typer.Option(0, min=0, help="Seed of the built-in layer."),
+    onnx: Optional[Path] = typer.Option(None, "--onnx", help="An ONNX model: every Conv/ConvTranspose/Gemm/MatMul -> "
+                                                             "BatchNormalization pair folded in --dtype (a list: "
+                                                             "fp16,bf16) and judged (needs bnprobe[onnx])."),
+    fused: Optional[Path] = typer.Option(None, "--fused", help="With --onnx: the fused model a runtime or converter "
+                                                               "made of it, each fused layer judged against the FP64 "
+                                                               "fold, and in fp16."),
+    fuse: Optional[str] = typer.Option(None, "--fuse", help="With --onnx: fuse it with onnxruntime's graph optimizer "
+                                                            "(ort: extended level; ort-basic, ort-all), judge that."),
     out: Optional[Path] = _OUT,
     force: bool = _FORCE,
     as_json: bool = _JSON,
 ) -> int:
-    """Check BatchNorm folding into a Conv2D/Linear (and fused forms) per output channel in a format, or with
-    --folded your own folded weights. Exit 1 when a channel's folded result breaks the standard."""
+    """Check BatchNorm folding into a Conv2D/Linear (and fused forms) per output channel in a format, with
+    --folded your own folded weights, or with --onnx every pair of an ONNX model (and --fused / --fuse ort its
+    fused model). Exit 1 when a channel's folded result breaks the standard."""
     from bnprobe.checks.fold import check_fold, load_layer, make_layer
     from bnprobe.reports.checks import fold_report
 
+    if onnx is not None or fused is not None or fuse is not None:
+        given = {"--weights": weights is not None, "--folded": folded is not None, "--eps": eps is not None,
+                 "--groups": groups != 1, "--seed": seed != 0, "--layer": layer != "conv2d"}
+        return _fold_onnx(onnx, fused, fuse, dtype, accumulate, [k for k, v in given.items() if v], out, force,
+                          as_json)
     if groups < 1 or 16 % groups:
         raise BNProbeError(f"--groups must divide the built-in conv2d's 16 input channels, got {groups}")
     if folded is not None:
@@ -672,6 +686,28 @@ def fold_cmd(
     lay = load_layer(weights) if weights is not None else make_layer(layer, seed=seed, groups=groups)
     return _show(fold_report(check_fold(lay, dtype or "fp16", accumulate=accumulate, eps=eps, against_torch=True)),
                  sink, as_json)
+
+
+def _fold_onnx(onnx: Optional[Path], fused: Optional[Path], fuse: Optional[str], dtype: Optional[str],
+               accumulate: Optional[str], conflicting: list[str], out: Optional[Path], force: bool,
+               as_json: bool) -> int:
+    """fold --onnx: the checks of bnprobe.checks.fold_onnx, its report, and the report as HTML beside the others."""
+    if onnx is None:
+        raise BNProbeError(f"{'--fused' if fused is not None else '--fuse'} checks the fused model of an ONNX model: "
+                           "give that model with --onnx MODEL.onnx")
+    if conflicting:
+        raise BNProbeError(f"--onnx reads every layer, its parameters and each BatchNormalization's ε from the model: "
+                           f"drop {', '.join(conflicting)}")
+    from bnprobe.checks.fold_onnx import check_onnx
+    from bnprobe.reports.checks import fold_onnx_html, fold_onnx_report
+
+    dtypes = [d.strip() for d in (dtype or "fp16").split(",")]
+    sink = _output(out, force)
+    rep = check_onnx(onnx, dtypes, fused=fused, fuse=fuse, accumulate=accumulate)
+    report = fold_onnx_report(rep)
+    if sink is not None:
+        sink.write_text(f"{report.stem}.html", fold_onnx_html(rep, report))
+    return _show(report, sink, as_json)
 
 
 @app.command("doctor")

@@ -467,7 +467,7 @@ def _channel_table(f: _Fold) -> Any:
                      "w_headroom_binades": head,
                      "w_overflows": bool(head < 0) or not np.all(np.isfinite(f.w2s.reshape(cout, -1)[c])),
                      "w_rel_rounding": float(w_rel[c]), "err_folded": float(err_f[c]), "err_unfused": float(err_u[c]),
-                     "error_added_by_folding": float(err_f[c] - err_u[c]), "verdict": "PASS" if ok else "FAIL",
+                     "error_added_by_folding": float(err_f[c]) - float(err_u[c]), "verdict": "PASS" if ok else "FAIL",
                      "why": why})
     return pd.DataFrame(rows)
 

@@ -149,7 +149,7 @@ def _candidates(layer: Layer, eps: float, folded: Folded) -> list[_Model]:
         others.append((folded.eps, f"ε {folded.eps:g} (the folded file's) instead of the layer's {eps:g}"))
     others += [(e, f"ε {e:g} ({why}) instead of the layer's {eps:g}") for e, why in FRAMEWORK_EPS.items()]
     for e, cause in others:
-        if e not in tried:
+        if not any(abs(e - t) <= 1e-6 * t for t in tried):  # ε as float32 (ONNX's) is the same ε
             tried.add(e)
             out.append(_model(layer, cause, m, v, e))
     if not layer.x_generated:
@@ -168,6 +168,65 @@ def _candidates(layer: Layer, eps: float, folded: Folded) -> list[_Model]:
         out += [_model(layer, f"A and B rounded to {fmt} before W·A and b·A + B", m, v, eps, storage=fmt),
                 _model(layer, f"the whole fold computed in {fmt} arithmetic", m, v, eps, storage=fmt, op_by_op=True)]
     return out
+
+
+def _variance_factor(layer: Layer, eps: float, folded: Folded) -> float | None:
+    """The k with A' = γ/√(k·σ² + ε) that the folded weights show, one for every channel (their median), from each
+    channel's largest weight; None when the weights show no such k."""
+    cout = layer.channels
+    w, wf = layer.weight.reshape(cout, -1), folded.weight.reshape(cout, -1)
+    k = np.argmax(np.abs(w), axis=1)
+    rows = np.arange(cout)
+    with np.errstate(all="ignore"):
+        a_f = wf[rows, k] / w[rows, k]
+        ks = ((layer.gamma / a_f) ** 2 - eps) / layer.running_var
+    ks = ks[np.isfinite(ks) & (layer.running_var > 10 * eps) & (w[rows, k] != 0)]
+    if not ks.size:
+        return None
+    factor = float(np.median(ks))
+    return factor if math.isfinite(factor) and factor > 0 and abs(factor - 1) > 1e-4 else None
+
+
+def _fitted_candidates(layer: Layer, eps: float, folded: Folded, gold: _Model) -> list[_Model]:
+    """Wrong folds whose one free number is read from the user's numbers, then judged on every channel: the
+    variance made (un)biased with the batch size R the weights show (when x does not give R), and the output
+    channels permuted (each folded channel matched to the golden one nearest in weights)."""
+    out = []
+    factor = _variance_factor(layer, eps, folded) if layer.x_generated else None
+    if factor is not None:
+        r = round(factor / (factor - 1)) if factor > 1 else round(1 / (1 - factor))
+        if r >= 2:
+            exact = r / (r - 1) if factor > 1 else (r - 1) / r
+            kind = "made unbiased" if factor > 1 else "made biased"
+            out.append(_model(layer, f"running variance x {'R/(R-1)' if factor > 1 else '(R-1)/R'} ({kind}; R = {r}, "
+                                     "read from the folded weights)", layer.running_mean, layer.running_var * exact,
+                              eps))
+    perm = _permutation(folded, gold)
+    if perm is not None:
+        moved = np.flatnonzero(perm != np.arange(perm.size)).tolist()
+        out.append(_Model(f"output channels permuted ({', '.join(f'{c} holds {perm[c]}' for c in moved[:6])}"
+                          f"{', ...' if len(moved) > 6 else ''})", gold.a[perm], gold.weight[perm], gold.bias[perm],
+                          gold.magnitude[perm]))
+    return out
+
+
+def _permutation(folded: Folded, gold: _Model) -> np.ndarray | None:
+    """perm with folded channel c ≈ golden channel perm[c], matched on a random projection of the weights (16
+    numbers per channel, seed 0); None when that is no permutation or the identity."""
+    cout = gold.bias.shape[0]
+    if cout < 2:
+        return None
+    wf, wg = folded.weight.reshape(cout, -1), gold.weight.reshape(cout, -1)
+    proj = np.random.default_rng([0, 0x9E7]).standard_normal((wg.shape[1], 16))
+    with np.errstate(all="ignore"):
+        sf, sg = np.nan_to_num(wf @ proj), wg @ proj
+        dist = np.zeros((cout, cout))
+        for lo in range(0, cout, 256):  # (256, Cout, 16) at a time
+            dist[lo:lo + 256] = np.abs(sf[lo:lo + 256, None, :] - sg[None, :, :]).max(axis=2)
+    perm = np.argmin(dist, axis=1)
+    if np.unique(perm).size != cout or np.array_equal(perm, np.arange(cout)):
+        return None
+    return perm
 
 
 def _ratios(actual: np.ndarray, expected: np.ndarray, tol: np.ndarray) -> np.ndarray:
@@ -282,7 +341,8 @@ def _verdict_notes(layer: Layer, folded: Folded, ch: Any, causes: Any) -> tuple[
         notes.append(f"no known cause matches: worst channel {int(w.channel)}: {w.why}, "
                      f"x{w.needs_x_tolerance:.3g} the tolerance")
     if layer.x_generated:
-        notes.append("the weights file has no x: batch statistics and biased/unbiased variance were not tried")
+        notes.append("the weights file has no x: batch statistics were not tried, and a variance made (un)biased only "
+                     "with the batch size R the folded weights show")
     return likely, notes
 
 
@@ -302,6 +362,8 @@ def check_folded(layer: Layer, folded: Folded, *, eps: float | None = None) -> F
             f"fold --folded of a {layer.kind} layer (weight {tuple(np.shape(layer.weight))}) on x of shape "
             f"{tuple(np.shape(layer.x))}")
     judged = [_judge(folded, m) for m in _candidates(layer, eps, folded)]
+    if (judged[0].channel_ratio > 1).any():
+        judged += [_judge(folded, m) for m in _fitted_candidates(layer, eps, folded, judged[0].model)]
     ch = _channels(layer, folded, judged[0])
     causes = _causes(judged)
     likely, notes = _verdict_notes(layer, folded, ch, causes)

@@ -5,13 +5,15 @@ Each function takes a check's result and returns a :class:`~bnprobe.reports.Repo
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from bnprobe._table import render_table
 from bnprobe.reports import Report, file_stem
 
 __all__ = ["gradcheck_report", "gradcheck_recorded_report", "overflow_report", "overflow_recorded_report",
-           "doctor_report", "doctor_recorded_report", "fold_report", "folded_report", "trace_lines"]
+           "doctor_report", "doctor_recorded_report", "fold_report", "folded_report", "fold_onnx_report",
+           "fold_onnx_html", "trace_lines"]
 
 
 def _markdown(title: str, table: str, notes: list[str] | tuple[str, ...], *sections: tuple[str, str]) -> str:
@@ -244,6 +246,66 @@ def folded_report(rep: Any) -> Report:
     md = _markdown(title, table, rep.notes, ("Candidate folds", causes))
     return Report(title, blocks, list(rep.notes), rep.passed, rep.to_dict(),
                   file_stem("fold", "folded", rep.layer, f["weight_format"]), ch, md)
+
+
+_ONNX_COLUMNS = ["layer", "op", "check", "channels", "eps", "A_max", "near_dead", "overflow", "min_headroom_binades",
+                 "failed", "cause", "verdict"]
+_ONNX_HEADERS = ["layer", "op", "check", "ch", "eps", "max |A|", "near-dead ch", "overflow ch", "W' headroom",
+                 "failed ch", "likely cause / why", "verdict"]
+
+
+def _onnx_details(rep: Any) -> list[str]:
+    """Per failing check: its worst channels, and for a fused layer each candidate cause."""
+    out: list[str] = []
+    for (name, d), r in rep.analysis.items():
+        if not r.passed:
+            bad = r.channels[r.channels.verdict == "FAIL"].head(5)
+            out += [f"\n{name}, fold in {d}:", *(f"  channel {int(c.channel)}: {c.why}" for c in bad.itertuples())]
+    for label, reps in (("fused", rep.fused), ("fused in fp16", rep.fp16)):
+        for name, r in reps.items():
+            if isinstance(r, str) or r.passed:
+                continue
+            bad = r.channels[r.channels.verdict == "FAIL"].sort_values("needs_x_tolerance", ascending=False)
+            out += [f"\n{name}, {label} ({r.folded['file']}): {len(bad)} of {len(r.channels)} channels fail; "
+                    "likely cause: " + ("; ".join(r.folded["likely_causes"]) or "no known cause matches"),
+                    *(f"  channel {int(c.channel)}: {c.why}" for c in bad.head(5).itertuples())]
+    return out
+
+
+def fold_onnx_report(rep: Any) -> Report:
+    """``fold --onnx``: one row per layer and check (the fold per format, the fused layer, its fp16 view), then the
+    failures with their causes; the CSV holds every channel of every check."""
+    rows = rep.summary()
+    table = render_table(rows, _ONNX_COLUMNS, headers=_ONNX_HEADERS) if rows else "no layer to fold"
+    n_fail = sum(r["verdict"] == "FAIL" for r in rows)
+    fused = f", fused: {rep.fused_source}" if rep.fused_source else ""
+    title = (f"fold --onnx {rep.model}: {len(rep.layers)} layer(s) + BatchNorm in {', '.join(rep.dtypes)}{fused}: "
+             + ("all pass" if rep.passed else f"{n_fail} check(s) fail"))
+    blocks = [table, *_onnx_details(rep)]
+    notes = [f"{ly.name}: {n}" for ly in rep.layers for n in ly.notes] + [f"skipped {s}" for s in rep.skipped]
+    notes += [f"{name} ({label}): {n}" for label, reps in (("fused", rep.fused), ("fp16", rep.fp16))
+              for name, r in reps.items() if not isinstance(r, str) for n in r.notes if not n.startswith("read ")]
+    notes += list(rep.notes)
+    details = "\n".join(blocks[1:]).strip()
+    md = _markdown(title, table, notes, *([("Failures", details)] if details else []))
+    return Report(title, blocks, notes, rep.passed, rep.to_dict(), file_stem("fold", "onnx", Path(rep.model).stem),
+                  rep.to_frame(), md)
+
+
+def fold_onnx_html(rep: Any, report: Report) -> str:
+    """The same report as one HTML page: the summary, then every check's channel table."""
+    import pandas as pd
+
+    from bnprobe.reports import html_report
+
+    sections: list[tuple[str, Any]] = [("Layers and checks", pd.DataFrame(rep.summary()))]
+    sections += [(f"{n}: fold in {d}", r.channels) for (n, d), r in rep.analysis.items()]
+    for label, reps in (("fused", rep.fused), ("fused in fp16", rep.fp16)):
+        sections += [(f"{n}: {label}", r if isinstance(r, str) else r.channels) for n, r in reps.items()]
+        sections += [(f"{n}: {label}, candidate causes", r.causes) for n, r in reps.items()
+                     if not isinstance(r, str) and r.causes is not None and not r.passed]
+    sections.append(("Notes", "; ".join(report.notes)))
+    return html_report(report.title, f"bnprobe fold --onnx {rep.model}", sections)
 
 
 # ---- trace ------------------------------------------------------------------------------------------

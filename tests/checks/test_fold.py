@@ -501,14 +501,21 @@ def test_the_folded_files_own_eps_is_tried(tmp_path, capsys):
     assert code == 1 and doc["folded"]["likely_causes"] == ["ε 0.0001 (the folded file's) instead of the layer's 1e-05"]
 
 
-def test_without_x_no_statistics_cause_is_tried(tmp_path, capsys):
+def test_without_x_the_batch_size_is_read_from_the_folded_weights(tmp_path, capsys):
     lp = _layer_file(tmp_path, CONV, x=None)
     a, b = _golden(CONV, var=CONV.running_var * 288 / 287)
     fp = _save_folded(tmp_path, _w_times(CONV, a).astype(np.float32), (CONV.bias * a + b).astype(np.float32))
     capsys.readouterr()
     assert main(["fold", "--weights", str(lp), "--folded", str(fp)]) == 1
     out = capsys.readouterr().out
-    assert "likely cause: no known cause matches" in out and "batch statistics and biased/unbiased" in out
+    assert "likely cause: running variance x R/(R-1) (made unbiased; R = 288, read from the folded weights)" in out
+    assert "batch statistics were not tried" in out
+    # a factor that is no R/(R-1) (x 1.37: R = 3.7) is no such cause: nothing known matches
+    a, b = _golden(CONV, var=CONV.running_var * 1.37)
+    fp = _save_folded(tmp_path, _w_times(CONV, a).astype(np.float32), (CONV.bias * a + b).astype(np.float32))
+    capsys.readouterr()
+    assert main(["fold", "--weights", str(lp), "--folded", str(fp)]) == 1
+    assert "likely cause: no known cause matches" in capsys.readouterr().out
 
 
 def test_nan_in_the_folded_file_is_a_finding(tmp_path, capsys):
