@@ -13,7 +13,10 @@ EXPECT = {
     "capture_cnn.py": (["{tmp}/fp32", "{tmp}/fp16"],
                        ["captured 3 BatchNorm calls (bn1#0, bn2#0, bn3#0)", "3 recorded call(s) of {tmp}/fp32",
                         "first call that fails:", "3 recorded call(s) of {tmp}/fp16"]),
+    "make_onnx_model.py": (["{tmp}"], ["wrote {tmp}/model.onnx (conv1, dw, fc, each followed by a BatchNormalization)",
+                                       "{tmp}/fused_bias_not_scaled.onnx (folded, conv1's bias not scaled by A)"]),
 }
+NEEDS = {"capture_cnn.py": "torch", "make_onnx_model.py": "onnx"}  # optional extras an example imports
 
 
 def test_every_example_has_expectations():
@@ -22,8 +25,8 @@ def test_every_example_has_expectations():
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
 def test_example_runs(script, tmp_path):
-    if script.name == "capture_cnn.py":
-        pytest.importorskip("torch")
+    if script.name in NEEDS:
+        pytest.importorskip(NEEDS[script.name])
     args, wanted = EXPECT[script.name]
     out = subprocess.run([sys.executable, str(script), *(a.format(tmp=tmp_path) for a in args)],
                          capture_output=True, text=True, timeout=180)

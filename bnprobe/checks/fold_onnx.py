@@ -33,6 +33,7 @@ from bnprobe.checks.onnx_graph import (
     Skipped,
     bn_eps,
     bn_params,
+    check_between,
     import_onnx,
     layer_params,
     load_model,
@@ -40,13 +41,15 @@ from bnprobe.checks.onnx_graph import (
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 
-__all__ = ["OnnxLayer", "OnnxFoldReport", "check_onnx", "ort_fused", "FUSE_LEVELS", "NEAR_DEAD_VAR_OVER_EPS",
+__all__ = ["OnnxLayer", "OnnxFoldReport", "check_onnx", "ort_fused", "FUSE_LEVELS", "NEAR_DEAD_SHARE",
            "X_SPATIAL", "X_BUDGET"]
 
 #: onnxruntime's optimisation levels ``--fuse`` takes (CPU provider); ``all`` adds layout changes (NCHWc) that
 #: may reorder a conv's weights, so ``ort`` is the extended level, where Conv+BN and MatMul+BN are fused
 FUSE_LEVELS = {"ort": "ORT_ENABLE_EXTENDED", "ort-basic": "ORT_ENABLE_BASIC", "ort-all": "ORT_ENABLE_ALL"}
-NEAR_DEAD_VAR_OVER_EPS = 1.0  # a channel whose running variance is below its ε: A ≈ γ/√ε, set by ε, not the data
+#: a near-dead channel: running variance below ε or below this share of the layer's median running variance (its
+#: output is almost constant, A = γ/√(σ² + ε) is set by ε rather than by the data, and W·A is large)
+NEAR_DEAD_SHARE = 1e-4
 X_SPATIAL = 12  # the generated input's plane, as fold --weights makes one (smaller when the layer is large)
 X_BUDGET = 512 * 2**20  # the largest fold estimate a generated input is shrunk to (the guard still has the last say)
 _CONV_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul", "FusedConv", "FusedGemm")  # onnxruntime's fused activations
@@ -98,10 +101,11 @@ class OnnxFoldReport:
                 ch = rep.channels
                 rows.append({"layer": ly.name, "op": ly.op, "bn": ly.bn, "check": f"fold in {d}",
                              "channels": lay.channels, "eps": lay.eps, "A_max": float(ch.A.abs().max()),
-                             "near_dead": _channels(ch.var_over_eps < NEAR_DEAD_VAR_OVER_EPS, ch),
+                             "near_dead": _channels(_near_dead(lay), ch),
                              "overflow": _channels(ch.w_overflows, ch),
                              "min_headroom_binades": float(ch.w_headroom_binades.min()),
-                             "failed": _channels(ch.verdict == "FAIL", ch), "cause": "",
+                             "failed": _channels(ch.verdict == "FAIL", ch),
+                             "cause": "; ".join(dict.fromkeys(ch.why[ch.verdict == "FAIL"])),
                              "verdict": "PASS" if rep.passed else "FAIL"})
             for label, rep in (("fused", self.fused.get(ly.name)), ("fused in fp16", self.fp16.get(ly.name))):
                 if rep is None:
@@ -147,6 +151,13 @@ class OnnxFoldReport:
                 "skipped": self.skipped, "notes": self.notes}
 
 
+def _near_dead(lay: Layer) -> Any:
+    import pandas as pd
+
+    var = np.asarray(lay.running_var, dtype=np.float64)
+    return pd.Series((var < lay.eps) | (var < NEAR_DEAD_SHARE * np.median(var)))
+
+
 def _channels(mask: Any, ch: Any) -> str:
     picked = ch.channel[mask.to_numpy(dtype=bool)].tolist()
     return (", ".join(str(c) for c in picked[:8]) + (f" (+{len(picked) - 8})" if len(picked) > 8 else "")) \
@@ -176,6 +187,7 @@ def _input_for(kind: str, weight: np.ndarray, groups: int, pad: int) -> np.ndarr
 def _layer(m: Model, pair: Pair) -> OnnxLayer:
     """The pair as a fold layer (Skipped: a pair bnprobe does not analyse, and why)."""
     p = layer_params(m, pair.layer, pair.add)
+    check_between(m, pair, p.weight.shape[0])
     g, b, mean, var = bn_params(m, pair, p.weight.shape[0])
     x = _input_for(p.kind, p.weight, p.groups, p.padding)
     lay = Layer(p.kind, p.weight, p.bias, g, b, mean, var, bn_eps(pair), p.groups, p.padding, x,
@@ -213,7 +225,7 @@ def _fused_node(fm: Model, pair: Pair) -> tuple[Any | None, str]:
     return node, ""
 
 
-def _folded_of(fm: Model, node: Any, layer: Layer, label: str) -> Folded:
+def _folded_of(fm: Model, node: Any, layer: Layer, label: str, source: str) -> Folded:
     """The fused node's W' and b' (zeros when it has none) in the fold's layout, as the fused model stores them."""
     add = None
     if node.op_type == "MatMul":
@@ -235,7 +247,7 @@ def _folded_of(fm: Model, node: Any, layer: Layer, label: str) -> Folded:
             next(i for i in add.input if i not in node.output)
         _, bf, b_how = _stored(fm.path, f"{label} bias", fm.raw(bias_name))
         b = p.bias
-    return Folded(p.weight, b, wf, bf, None, f"{fm.path}#{label}", (w_how, b_how))
+    return Folded(p.weight, b, wf, bf, None, f"{source}#{label}", (w_how, b_how))
 
 
 def _fp16_view(layer: Layer, f: Folded) -> FoldReport:
@@ -258,6 +270,9 @@ def _fp16_view(layer: Layer, f: Folded) -> FoldReport:
     ch["w_subnormal"] = ((w2 != 0) & (np.abs(w2) < tiny)).sum(axis=1)
     ch["w_max_rel_change"] = np.nan_to_num(np.nanmax(np.where(np.isnan(rel), -1, rel), axis=1), nan=0.0).clip(0)
     ch["b_overflow"] = np.isfinite(f.bias) & ~np.isfinite(b16)
+    failed = ch.verdict == "FAIL"
+    if failed.any() and ((ch.w_overflow > 0) | ch.b_overflow)[failed].all():
+        rep.folded["likely_causes"] = ["W' or b' beyond fp16's 65504: inf once the model is converted to fp16"]
     lost = ch[(ch.w_overflow > 0) | (ch.w_flushed_to_zero > 0) | ch.b_overflow]
     for r in lost.itertuples():
         rep.notes.append(f"fp16 channel {r.channel}: {r.w_overflow} weight(s) overflow to inf, "
@@ -312,7 +327,8 @@ def _check_fused(rep: OnnxFoldReport, fm: Model, source: str) -> None:
         if node is None:
             rep.fused[ly.name] = why
             continue
-        f = _folded_of(fm, node, ly.layer, node.name or node.output[0])
+        f = _folded_of(fm, node, ly.layer, node.name or node.output[0], "onnxruntime's fused model"
+                       if source.startswith("onnxruntime") else source)
         rep.fused[ly.name] = check_folded(ly.layer, f)
         rep.fp16[ly.name] = _fp16_view(ly.layer, f)
 

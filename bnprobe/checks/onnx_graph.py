@@ -24,7 +24,7 @@ from bnprobe._loading import first_line
 from bnprobe.errors import BNProbeError
 
 __all__ = ["ONNX_EXTRA", "Model", "Pair", "LayerParams", "Skipped", "import_onnx", "load_model", "find_pairs",
-           "layer_params", "bn_params", "bn_eps", "MAX_INITIALIZER_DIMS", "MAX_NODES"]
+           "layer_params", "check_between", "bn_params", "bn_eps", "MAX_INITIALIZER_DIMS", "MAX_NODES"]
 
 ONNX_EXTRA = 'pip install "bnprobe[onnx]"'
 MAX_INITIALIZER_DIMS = 8  # no ONNX operator bnprobe reads takes more
@@ -291,6 +291,7 @@ class Pair:
     add: Any | None
     bn: Any
     between: tuple[str, ...]
+    nodes_between: tuple[Any, ...] = ()
 
     @property
     def name(self) -> str:
@@ -310,7 +311,7 @@ def _keeps_channels(m: Model, node: Any) -> bool:
     return shape is not None and shape.ndim == 1 and 2 <= shape.size <= 4 and bool(np.all(shape[2:] == 1))
 
 
-def _walk_back(m: Model, bn: Any, outputs: set[str]) -> tuple[Any, Any, list[str]] | None:
+def _walk_back(m: Model, bn: Any, outputs: set[str]) -> tuple[Any, Any, list[Any]] | None:
     """From a BatchNormalization's input back to a layer node: (layer, its Add or None, the nodes between)."""
     tensor, between, add = bn.input[0], [], None
     while True:
@@ -318,10 +319,10 @@ def _walk_back(m: Model, bn: Any, outputs: set[str]) -> tuple[Any, Any, list[str
         if node is None or _only_reader(m, tensor, outputs) is None:
             return None
         if node.op_type in _PASS_THROUGH and _keeps_channels(m, node) and add is None:
-            between.append(node.op_type)
+            between.append(node)
             tensor = node.input[0]
             continue
-        if node.op_type == "Add" and add is None and not between:
+        if node.op_type == "Add" and add is None:
             src = [m.producer.get(i) for i in node.input]
             mm = [s for s in src if s is not None and s.op_type == "MatMul"]
             if len(mm) == 1 and any(i in m.inits for i in node.input):
@@ -348,8 +349,20 @@ def find_pairs(m: Model) -> tuple[list[Pair], list[str]]:
         if found is None:
             skipped.append(f"{label}: no Conv/ConvTranspose/Gemm/MatMul before it whose output only it reads")
             continue
-        pairs.append(Pair(found[0], found[1], bn, tuple(found[2])))
+        pairs.append(Pair(found[0], found[1], bn, tuple(n.op_type for n in found[2]), tuple(found[2])))
     return pairs, skipped
+
+
+def check_between(m: Model, pair: Pair, cout: int) -> None:
+    """Skipped unless every Reshape between the layer and its BatchNormalization keeps the ``cout`` channels on
+    axis 1 (its shape's axis 1 is ``cout`` or 0, "copy"; -1 only on axis 0)."""
+    for node in pair.nodes_between:
+        if node.op_type != "Reshape":
+            continue
+        shape = m.array(node.input[1])
+        if shape is None or shape[1] not in (0, cout) or np.any(shape[1:] == -1):
+            raise Skipped(f"the Reshape {node.name!r} before its BatchNormalization does not keep the {cout} "
+                          "channels on axis 1")
 
 
 def bn_params(m: Model, pair: Pair, cout: int) -> tuple[np.ndarray, ...] | None:

@@ -284,7 +284,8 @@ def fold_onnx_report(rep: Any) -> Report:
     blocks = [table, *_onnx_details(rep)]
     notes = [f"{ly.name}: {n}" for ly in rep.layers for n in ly.notes] + [f"skipped {s}" for s in rep.skipped]
     notes += [f"{name} ({label}): {n}" for label, reps in (("fused", rep.fused), ("fp16", rep.fp16))
-              for name, r in reps.items() if not isinstance(r, str) for n in r.notes if not n.startswith("read ")]
+              for name, r in reps.items() if not isinstance(r, str) for n in r.notes
+              if not n.startswith(("read ", "the weights file has no x", "no known cause matches"))]
     notes += list(rep.notes)
     details = "\n".join(blocks[1:]).strip()
     md = _markdown(title, table, notes, *([("Failures", details)] if details else []))

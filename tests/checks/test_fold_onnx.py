@@ -172,6 +172,63 @@ def test_a_channel_whose_folded_weights_overflow_fp16_is_found(tmp_path, params)
     assert bf["overflow"] == "" and bf["near_dead"] == "2, 4"  # bf16 has fp32's range
 
 
+def _single(path: Path, nodes: list, inits: list, x_shape: list, y: str, y_shape: list) -> Path:
+    graph = helper.make_graph(nodes, "one", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+                              [helper.make_tensor_value_info(y, TensorProto.FLOAT, y_shape)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_a_conv_transpose_is_analysed_as_the_convolution_onnxruntime_computes(tmp_path, group):
+    """The ConvTranspose, as the fold analyses it (an equivalent convolution), against onnxruntime's own
+    ConvTranspose on the same input; its A against the numpy fold."""
+    from bnprobe.checks.fold import _ref_forward
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((4, 6 // group, 3, 3)).astype(np.float32)  # (Cin, Cout/group, kh, kw): Cout 6
+    d = {k: v.astype(np.float32) for k, v in _bn(rng, 6).items()}
+    inits: list = []
+    _init(inits, "w", w)
+    conv = helper.make_node("ConvTranspose", ["x", "w"], ["c"], name="up", pads=[1, 1, 1, 1], group=group)
+    bn = helper.make_node("BatchNormalization", ["c", *(_init(inits, k, d[k]) for k in ("gamma", "beta", "mean",
+                                                                                        "var"))], ["y"], name="bn")
+    rep = check_onnx(_single(tmp_path / "up.onnx", [conv, bn], inits, [1, 4, 5, 5], "y", [1, 6, 5, 5]), ["fp32"])
+    (ly,) = rep.layers
+    assert (ly.op, ly.layer.groups) == ("ConvTranspose", group)
+    np.testing.assert_allclose(rep.analysis[("up", "fp32")].channels.A, d["gamma"] / np.sqrt(d["var"] + 1e-5),
+                               rtol=1e-6)
+    only = _single(tmp_path / "only.onnx", [conv], inits[:1], [1, 4, 5, 5], "c", [1, 6, 5, 5])
+    x = rng.standard_normal((1, 4, 5, 5)).astype(np.float32)
+    expected = ort.InferenceSession(str(only), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    actual = _ref_forward("conv2d", x.astype(np.float64), ly.layer.weight, None, group, ly.layer.padding)
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape,found", [([0, 5, 1, 1], True), ([-1, 5, 1, 1], True), ([1, 10, 1, 1], False)])
+def test_a_reshape_between_gemm_and_batchnorm_is_followed_only_when_it_keeps_the_channels(tmp_path, shape, found):
+    rng = np.random.default_rng(4)
+    inits: list = []
+    d = _bn(rng, 5)
+    gemm = helper.make_node("Gemm", ["x", _init(inits, "w", rng.standard_normal((5, 8))),
+                                     _init(inits, "b", rng.standard_normal(5))], ["g"], name="fc", transB=1)
+    reshape = helper.make_node("Reshape", ["g", _init(inits, "shape", shape, np.int64)], ["r"], name="to4d")
+    bn = helper.make_node("BatchNormalization", ["r", *(_init(inits, k, d[k]) for k in ("gamma", "beta", "mean",
+                                                                                        "var"))], ["y"], name="bn")
+    out_shape = [2, 5, 1, 1] if found else [1, 10, 1, 1]
+    if not found:  # 10 channels: the BatchNorm's own parameters must have as many
+        inits = inits[:3] + [numpy_helper.from_array(np.ones(10, np.float32), k) for k in ("gamma", "beta", "mean",
+                                                                                           "var")]
+    rep = check_onnx(_single(tmp_path / "m.onnx", [gemm, reshape, bn], inits, [2, 8], "y", out_shape), ["fp32"])
+    if found:
+        assert [(ly.name, ly.between) for ly in rep.layers] == [("fc", ("Reshape",))] and rep.passed
+    else:
+        assert not rep.layers and "does not keep the 5 channels" in rep.skipped[0]
+
+
 # ---- fused models --------------------------------------------------------------------------------------------
 
 def test_onnxruntimes_fusion_passes_and_matches_the_numpy_fold(model, params):
@@ -391,3 +448,28 @@ def test_hostile_models_are_refused_in_one_line(tmp_path, capsys, model, case, f
 def test_a_hostile_fused_model_is_refused_too(tmp_path, capsys, model):
     code, _, err = run(capsys, "fold", "--onnx", model, "--fused", _absurd_dims(model, tmp_path))
     assert code == 2 and len(err.splitlines()) == 1 and "absurd.onnx" in err
+
+
+def test_the_readme_example_model(tmp_path, capsys):
+    """examples/make_onnx_model.py, as the README runs it: onnxruntime's fusion passes; the near-dead channel 5 of
+    dw overflows fp16 (folded in fp16 and in the fp16 view), not bf16; the buggy fused copy fails conv1 only, named."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_onnx_model", Path(__file__).parents[2] / "examples"
+                                                  / "make_onnx_model.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.main(tmp_path)
+    capsys.readouterr()
+    code, out, _ = run(capsys, "fold", "--onnx", tmp_path / "model.onnx", "--fuse", "ort", "--dtype", "fp16,bf16",
+                       "--json")
+    doc = json.loads(out)
+    failed = {(r["layer"], r["check"]): r["failed"] for r in doc["summary"] if r["verdict"] == "FAIL"}
+    assert code == 1 and failed == {("dw", "fold in fp16"): "5", ("dw", "fused in fp16 (fp16)"): "5"}
+    a = example.fold(example.parameters()["dw"])[0]
+    assert np.abs(a[5]).max() > 65504 > np.abs(np.delete(a, 5, axis=0)).max()  # the example's premise
+    code, out, _ = run(capsys, "fold", "--onnx", tmp_path / "model.onnx", "--fused",
+                       tmp_path / "fused_bias_not_scaled.onnx", "--dtype", "bf16", "--json")
+    doc = json.loads(out)
+    assert code == 1 and {n for n, r in doc["fused"].items() if not r["passed"]} == {"conv1"}
+    assert doc["fused"]["conv1"]["folded"]["likely_causes"] == ["bias not scaled by A: b' = b + B instead of b·A + B"]
