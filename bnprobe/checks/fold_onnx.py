@@ -8,8 +8,8 @@ named by its node, run on a generated post-ReLU input (seed 0; an ONNX model car
   and headroom, folded vs unfused against the FP64 golden, the risks;
 - with a fused model (``--fused``, or onnxruntime's own graph optimizer), the fused layer's W' and b' judged by
   :func:`~bnprobe.checks.folded.check_folded` (the same judge as ``fold --folded``), with the likely cause;
-- the fp16 deployment view: the fused W' and b' rounded to fp16 (numpy, round to nearest even, beyond 65504 to
-  inf: the conversion of onnx's float16 helpers without clipping) and judged the same way, with what each channel
+- the fp16 deployment view: the fused W' and b' rounded to fp16 by numpy (round to nearest even, beyond 65504 to
+  inf; not onnxconverter-common, whose converter clips by default) and judged the same way, with what each channel
   loses (values overflowed, flushed to zero, made subnormal, the largest relative change).
 """
 
@@ -358,7 +358,7 @@ def check_onnx(path: str | Path, dtypes: list[str] | tuple[str, ...] = ("fp16",)
         rep.notes.append("no Conv/ConvTranspose/Gemm/MatMul -> BatchNormalization pair to fold in this model")
     if rep.fp16:
         rep.notes.append("fp16 view: each fused weight and bias rounded to fp16 by numpy (round to nearest even; "
-                         "beyond 65504 to inf), as onnx's float16 helpers do without clipping")
+                         "beyond 65504 to inf, no clipping)")
     rep.notes.append("each layer runs on a generated post-ReLU input (seed 0): an ONNX model carries no activations; "
                      "batch statistics cannot be tried as a cause")
     return rep
