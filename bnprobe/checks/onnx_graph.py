@@ -58,7 +58,13 @@ class Model:
     consumers: dict[str, list[Any]]  # tensor name -> the nodes reading it
 
     def raw(self, name: str) -> np.ndarray | None:
-        """The initializer ``name`` in its stored dtype (None: not an initializer)."""
+        """The initializer ``name`` in its stored dtype (None: not an initializer), through the Identity nodes and
+        Constant nodes exporters put before parameters."""
+        for _ in range(len(self.producer) + 1):
+            node = self.producer.get(name)
+            if name in self.inits or node is None or node.op_type != "Identity":
+                break
+            name = node.input[0]
         t = self.inits.get(name)
         if t is None:
             return None
@@ -182,8 +188,13 @@ def load_model(path: str | Path) -> Model:
             raise BNProbeError(f"{p}: initializer {t.name!r} is there twice")
         total += _check_initializer(p, t)
         inits[t.name] = t
+    for node in proto.graph.node:  # a Constant's tensor is an initializer under the name of its output
+        value = next((a.t for a in node.attribute if a.name == "value" and a.HasField("t")), None)
+        if node.op_type == "Constant" and value is not None and len(node.output) == 1:
+            total += _check_initializer(p, value)
+            inits.setdefault(node.output[0], value)
     require(BASE_BYTES + 2 * total, f"the initializers of {p} ({format_size(total)} as float64)")
-    known = set(inits) | {i.name for i in proto.graph.input}
+    known = {t.name for t in proto.graph.initializer} | {i.name for i in proto.graph.input}
     producer, consumers = _graph_maps(p, proto.graph, known)
     return Model(p, proto, inits, producer, consumers)
 

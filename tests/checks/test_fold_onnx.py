@@ -473,3 +473,51 @@ def test_the_readme_example_model(tmp_path, capsys):
     doc = json.loads(out)
     assert code == 1 and {n for n, r in doc["fused"].items() if not r["passed"]} == {"conv1"}
     assert doc["fused"]["conv1"]["folded"]["likely_causes"] == ["bias not scaled by A: b' = b + B instead of b·A + B"]
+
+
+def _torch_export(path: Path, module, x, *, fold: bool) -> Path:
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():  # torch 2.9+ says the TorchScript exporter (the one that runs offline) is legacy
+        warnings.filterwarnings("ignore", message="You are using the legacy TorchScript-based ONNX export",
+                                category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.onnx\.")  # its own internals
+        torch.onnx.export(module, (x,), str(path), dynamo=False, do_constant_folding=fold,
+                          training=torch.onnx.TrainingMode.EVAL)
+    return path
+
+
+def test_a_torch_export_and_torchs_own_fold(tmp_path):
+    """torch.onnx.export's model (parameters behind Identity nodes) is read pair by pair, A against torch's own
+    BatchNorm parameters; the export with constant folding (torch folds Conv + BN itself) passes as --fused."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4, eps=1e-3),
+                              torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(64, 5), torch.nn.BatchNorm1d(5))
+    with torch.no_grad():
+        for bn in (net[1], net[5]):
+            for t, lo, hi in ((bn.weight, 0.5, 1.5), (bn.bias, -0.2, 0.2), (bn.running_mean, -0.3, 0.3),
+                              (bn.running_var, 0.3, 2.0)):
+                t.uniform_(lo, hi)
+    net.eval()
+    x = torch.randn(2, 3, 4, 4)
+    plain = _torch_export(tmp_path / "plain.onnx", net, x, fold=False)
+    folded = _torch_export(tmp_path / "folded.onnx", net, x, fold=True)
+    rep = check_onnx(plain, ["fp32"], fused=folded)
+    assert [(ly.name, ly.op) for ly in rep.layers] == [("/0/Conv", "Conv"), ("/4/Gemm", "Gemm")]
+    for ly, bn in zip(rep.layers, (net[1], net[5])):
+        a = (bn.weight.double() / torch.sqrt(bn.running_var.double() + float(np.float32(bn.eps)))).detach().numpy()
+        np.testing.assert_allclose(rep.analysis[(ly.name, "fp32")].channels.A, a, rtol=1e-12)
+    assert rep.fused["/0/Conv"].passed, rep.summary()  # torch folded Conv + BN in fp32 correctly
+    assert rep.passed
+
+
+def test_a_model_too_large_for_the_memory_limit_is_refused_before_it_is_parsed(tmp_path, capsys, params):
+    p = {**params, "fc": {**params["fc"], "w": np.ones((5, 60000))}}  # 300,000 float32 values: a 1.2 MB file
+    model = write_model(tmp_path / "big.onnx", p)
+    code, _, err = run(capsys, "--max-memory", "257M", "fold", "--onnx", model)
+    assert code == 2 and len(err.splitlines()) == 1 and "reading" in err and "needs about" in err, err
+    code, out, _ = run(capsys, "--max-memory", "300M", "fold", "--onnx", write_model(tmp_path / "m.onnx", params))
+    assert code == 0, out  # the guard: the small model fits the same kind of limit
