@@ -22,17 +22,20 @@ _LAZY = {
     **{n: "bnprobe.kernels" for n in ("PRESETS", "BackwardResult", "InferResult", "Policy", "Stage", "Trace",
                                       "TrainResult", "backward", "forward_infer", "forward_train", "get_policy")},
     "capture": "bnprobe.recordings.capture", "Capture": "bnprobe.recordings.capture",
+    "monitor": "bnprobe.recordings.monitor", "Monitor": "bnprobe.recordings.monitor",
     **{n: "bnprobe.checks" for n in ("compare_precision", "gradcheck", "check_formula", "doctor", "shrink",
                                      "scan_overflow", "find_stats_problems", "check_fold", "trace_run", "identify")},
 }
 
 __all__ = ["__version__", "BNProbeError", "FORMATS", "Format", "get_format", "round_to", "PRESETS", "BackwardResult",
            "InferResult", "Policy", "Stage", "Trace", "TrainResult", "backward", "forward_infer", "forward_train",
-           "get_policy", "capture", "Capture", "compare_precision", "gradcheck", "check_formula", "doctor", "shrink",
+           "get_policy", "capture", "Capture", "monitor", "Monitor", "compare_precision", "gradcheck", "check_formula",
+           "doctor", "shrink",
            "scan_overflow", "find_stats_problems", "check_fold", "trace_run", "identify"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from bnprobe.recordings.capture import Capture, capture
+    from bnprobe.recordings.monitor import Monitor, monitor
     from bnprobe.checks import (
         check_fold,
         check_formula,

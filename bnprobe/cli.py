@@ -913,6 +913,8 @@ def plot_stats_cmd(
     log: Optional[Path] = typer.Option(None, "--log", help="CSV/Parquet log: step, layer, channel, mean, var "
                                                            "[, running_mean, running_var]."),
     dumps: Optional[Path] = typer.Option(None, "--dumps", help="Folder of dumps, one sub-folder per step."),
+    monitor: Optional[Path] = typer.Option(None, "--monitor", help="Folder a bnprobe.monitor writes (every "
+                                                                   "rank's; re-read as the run grows)."),
     channels: int = typer.Option(6, help="Channels per figure (the most drifting first)."),
     eps: float = typer.Option(1e-5, help="BatchNorm epsilon (for var/eps)."),
     out: Optional[Path] = typer.Option(None, help="Output folder (default reports/plot-stats-<time>)."),
@@ -921,18 +923,21 @@ def plot_stats_cmd(
 ) -> int:
     """Plot μ and σ² and the running statistics over training, per channel and per format, and flag
     divergence, collapse toward eps, non-finite statistics and a wrong momentum. Exit 1 when flagged."""
-    from bnprobe.checks.stats import find, load_dump_series, load_log, simulate as run_simulation
+    from bnprobe.checks.stats import find, load_dump_series, load_log, load_monitor, simulate as run_simulation
     from bnprobe.reports.stats import STATS_FILES, stats_lines, write_stats
 
     _check_common(eps=eps)
     if format not in ("png", "svg"):
         raise BNProbeError(f"--format takes png or svg, got {format!r}")
-    if sum(v is not None for v in (log, dumps)) + bool(simulate) > 1:
-        raise BNProbeError("give one source: --simulate, --log or --dumps")
+    if sum(v is not None for v in (log, dumps, monitor)) + bool(simulate) > 1:
+        raise BNProbeError("give one source: --simulate, --log, --dumps or --monitor")
     if channels < 1:
         raise BNProbeError(f"--channels must be >= 1, got {channels}")
     sink = _output(out, force, "plot-stats", *STATS_FILES)
-    if log is not None:
+    found: list = []
+    if monitor is not None:
+        (df, found), source = load_monitor(monitor), f"monitor {monitor}"
+    elif log is not None:
         df, source = load_log(log), str(log)
     elif dumps is not None:
         df, source = load_dump_series(dumps), str(dumps)
@@ -941,7 +946,7 @@ def plot_stats_cmd(
         if not pols:
             raise BNProbeError("--policies is empty")
         df, source = run_simulation(pols, steps=steps, seed=seed, eps=eps), f"simulated run, seed {seed}"
-    findings = find(df, eps=eps)
+    findings = found + find(df, eps=eps)
     write_stats(df, findings, source, sink, eps=eps, channels=channels, ext=format)
     _echo(stats_lines(df, findings, source, sink))
     return 1 if findings else 0

@@ -188,6 +188,41 @@ def plot_divergence(df: pd.DataFrame, base: str = "fp32") -> Figure:
     return fig
 
 
+def plot_monitor_layer(df: pd.DataFrame, policy: str, layer: str, anomalies: list[int]) -> Figure:
+    """A monitored layer over steps: invstd's range across channels, and the headroom in binades of the run's
+    format left by the largest |x|, |y| and |dx| (log2(format max / largest magnitude)); anomalous steps marked."""
+    from matplotlib.figure import Figure
+
+    from bnprobe.formats import get_format
+
+    g = df[(df["policy"] == policy) & (df["layer"] == layer)]
+    fig = Figure(figsize=(10, 6), layout="constrained")
+    ax_i, ax_h = fig.subplots(2, 1, sharex=True)
+    by = g.groupby("step")
+    inv = by["invstd"].agg(["min", "max"])
+    ax_i.fill_between(inv.index, inv["min"], inv["max"], alpha=0.3, color="C0", label="min–max over channels")
+    ax_i.plot(inv.index, by["invstd"].median(), color="C0", linewidth=1, label="median")
+    ax_i.set_yscale("log")
+    ax_i.set_ylabel("invstd = 1/√(σ² + ε)")
+    fmax = get_format(str(g["dtype"].iloc[0])).max
+    with np.errstate(all="ignore"):
+        for i, t in enumerate(("x", "y", "dx")):
+            if f"{t}_max" not in g or g[f"{t}_max"].isna().all():
+                continue
+            big = np.maximum(g[f"{t}_max"].abs(), g[f"{t}_min"].abs()).groupby(g["step"]).max()
+            ax_h.plot(big.index, np.log2(fmax / big), color=f"C{i + 1}", linewidth=1, label=f"|{t}|")
+    ax_h.axhline(0, color="k", linewidth=0.8)
+    ax_h.set_ylabel(f"headroom, binades ({_text(g['dtype'].iloc[0])})")
+    ax_h.set_xlabel("training step")
+    for ax in (ax_i, ax_h):
+        for k, step in enumerate(sorted(set(anomalies))):
+            ax.axvline(step, color="red", linewidth=1, alpha=0.6, label="anomaly" if k == 0 and ax is ax_i else None)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="upper right")
+    fig.suptitle(f"{_text(layer)} ({_text(policy)}): invstd and headroom over steps")
+    return fig
+
+
 def plot_distributions(df: pd.DataFrame, eps: float = EPS) -> Figure:
     """Per-channel mean²/var (cancellation risk of single-pass variance) and var/eps (eps dominance) at the last
     step."""

@@ -25,8 +25,8 @@ from bnprobe.numerics.rounding import round_to
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-__all__ = ["StatsRecorder", "simulate", "load_log", "load_dump_series", "StatsFinding", "find", "REQUIRED_COLUMNS",
-           "MAX_ROWS", "MAX_LAYERS"]
+__all__ = ["StatsRecorder", "simulate", "load_log", "load_dump_series", "load_monitor", "StatsFinding", "find",
+           "REQUIRED_COLUMNS", "MAX_ROWS", "MAX_LAYERS"]
 
 REQUIRED_COLUMNS = ("step", "layer", "channel", "mean", "var")
 OPTIONAL_COLUMNS = ("running_mean", "running_var")
@@ -263,6 +263,75 @@ def _dump_statistics(r: Any, *, model_dump: bool) -> dict[str, np.ndarray | None
     if rm is None or rv is None:
         rm = rv = None
     return {"mean": mean, "var": var, "running_mean": rm, "running_var": rv}
+
+
+def _monitor_folders(root: Path) -> list[Path]:
+    """The folders a monitor wrote into: ``root`` itself, or each rank's ``root/rank<r>``."""
+    from bnprobe.recordings.monitor import PARQUET_NAME
+
+    found = [root] if (root / PARQUET_NAME).is_dir() else []
+    found += sorted((d for d in root.glob("rank*") if (d / PARQUET_NAME).is_dir()),
+                    key=lambda d: int(d.name[4:]) if d.name[4:].isdigit() else -1)
+    if not found:
+        raise BNProbeError(f"{root}: no {PARQUET_NAME} folder here or in rank*/ (the output of bnprobe.monitor)")
+    return found
+
+
+def load_monitor(folder: str | Path) -> tuple[pd.DataFrame, list[StatsFinding]]:
+    """The statistics a :func:`bnprobe.monitor` wrote (every rank's; the files present now, so a growing run
+    reads again) as a log (policy: the dtype, or ``rank <r> <dtype>`` for several ranks; layer: the module path,
+    ``#k`` for its k-th call in a step after the first; mean/var the batch's, the monitor's other columns kept),
+    and its anomalies as findings."""
+    import pandas as pd
+
+    from bnprobe.recordings.monitor import ANOMALIES_NAME, PARQUET_NAME
+
+    root = Path(folder)
+    if not root.is_dir():
+        raise BNProbeError(f"monitor folder {str(root)!r} is not a folder")
+    frames, findings = [], []
+    folders = _monitor_folders(root)
+    for d in folders:
+        for f in sorted((d / PARQUET_NAME).glob("step-*.parquet")):
+            try:
+                frames.append(pd.read_parquet(f))
+            except ImportError:
+                raise BNProbeError(f"{f}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+            except Exception as exc:  # noqa: BLE001 - a damaged part is named, not a traceback
+                raise BNProbeError(f"{f}: not a readable Parquet file ({first_line(exc)})") from None
+        findings += _monitor_anomalies(d / ANOMALIES_NAME, len(folders) > 1)
+    if not frames:
+        raise BNProbeError(f"{root}: the monitor has written no step yet")
+    df = pd.concat(frames, ignore_index=True)
+    if len(df) > MAX_ROWS:
+        raise BNProbeError(f"{root}: {len(df)} rows, more than the {MAX_ROWS} plot-stats reads (monitor every k-th "
+                           "step: monitor(..., every=k))")
+    many = df["rank"].nunique() > 1 or len(folders) > 1
+    df["policy"] = [f"rank {r} {t}" if many else str(t) for r, t in zip(df["rank"], df["dtype"])]
+    df["layer"] = [str(name) if int(k) == 0 else f"{name}#{int(k)}" for name, k in zip(df["layer"], df["call"])]
+    df = df.rename(columns={"batch_mean": "mean", "batch_var": "var"})
+    return df, findings
+
+
+def _monitor_anomalies(path: Path, many: bool) -> list[StatsFinding]:
+    """anomalies.csv of one rank as findings (kind "anomaly", the reasons and where the call was dumped)."""
+    import csv
+
+    if not path.is_file():
+        return []
+    out = []
+    with open(path, encoding="utf-8", newline="") as fh:
+        for row in csv.DictReader(fh):
+            try:
+                step, call = int(row["step"]), int(row["call"])
+                chans = tuple(int(c) for c in (row.get("channels") or "").split())
+            except (KeyError, TypeError, ValueError):
+                raise BNProbeError(f"{path}: a row without its step, call or channels ({dict(row)!r:.120})") from None
+            policy = f"rank {row.get('rank', 0)} {row.get('dtype', '')}" if many else str(row.get("dtype", ""))
+            layer = str(row.get("layer", "")) + (f"#{call}" if call else "")
+            out.append(StatsFinding("anomaly", policy, layer, step, chans,
+                                    f"{row.get('phase', '')}: {row.get('reasons', '')} (dump: {row.get('dump', '')})"))
+    return out
 
 
 # ---- findings -------------------------------------------------------------------------------------

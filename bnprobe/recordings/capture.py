@@ -184,6 +184,99 @@ class _Call:
         return rec
 
 
+def start_call(module: Any, path: str, index: int, order: int, x: torch.Tensor, *,
+               running: tuple[Any, Any] | None = None) -> _Call:
+    """A call of BatchNorm ``module`` (module path ``path``, its ``index``-th call, ``order``-th recorded) on ``x``,
+    its inputs copied as the module passes them to F.batch_norm; ``running``: the running statistics as they were
+    before the call, when the module's own have been updated since (a monitor copies them before the forward)."""
+    # what torch.nn.modules.batchnorm passes to F.batch_norm
+    channels = x.shape[1] if x.dim() > 1 else 0
+    training = bool(module.training or (module.running_mean is None and module.running_var is None))
+    pass_stats = not module.training or module.track_running_stats
+    rm = module.running_mean if pass_stats else None
+    rv = module.running_var if pass_stats else None
+    if running is not None and rm is not None:
+        rm, rv = running
+    affine = module.weight is not None
+    inputs = {"x": _to_numpy(x)}
+    if affine:
+        inputs["gamma"], inputs["beta"] = _to_numpy(module.weight), _to_numpy(module.bias)
+    else:  # the kernel's parameter dtype: the running statistics', else the input's
+        pdt = get_format(str(rm.dtype)).dtype if rm is not None else inputs["x"].dtype
+        inputs["gamma"], inputs["beta"] = np.ones(channels, dtype=pdt), np.zeros(channels, dtype=pdt)
+    if rm is not None and rv is not None:
+        inputs["running_mean"], inputs["running_var"] = _to_numpy(rm), _to_numpy(rv)
+    meta: dict[str, Any] = {
+        "affine": affine, "track_running_stats": bool(module.track_running_stats),
+        "momentum_none": module.momentum is None, "memory_format": _memory_format(x), "device": str(x.device),
+        "requires_grad": {"x": bool(x.requires_grad), "gamma": bool(affine and module.weight.requires_grad),
+                          "beta": bool(affine and module.bias.requires_grad)}}
+    return _Call(f"{path}#{index}", path, type(module).__name__, index, order, training, float(module.eps), None,
+                 meta, inputs)
+
+
+def finish_call(module: Any, call: _Call, y: torch.Tensor, *, keep_y: bool = True) -> tuple[Any, bool]:
+    """``call``'s outputs recorded from the module after its forward and its output ``y``: the momentum factor
+    torch applied, y (unless ``keep_y`` is false), the statistics the kernel saved, the running statistics after
+    the update; (y's autograd node, whether it is a BatchNorm kernel's)."""
+    import torch
+
+    # the factor torch used (torch.nn.modules.batchnorm): momentum=None is the cumulative average
+    nbt = module.num_batches_tracked
+    if module.training and module.track_running_stats and nbt is not None:
+        call.momentum = 1.0 / float(nbt) if module.momentum is None else float(module.momentum)
+    else:
+        call.momentum = 0.0 if module.momentum is None else float(module.momentum)
+    if keep_y:
+        call.outputs["y"] = _to_numpy(y)
+    node = y.grad_fn
+    node_name = type(node).__name__ if node is not None else None
+    call.meta["grad_fn"] = node_name
+    is_bn_node = node_name in _BN_NODES
+    if call.training:
+        if is_bn_node:
+            mean, invstd = node._saved_result1, node._saved_result2
+            call.outputs["saved_mean"], call.outputs["saved_value"] = _to_numpy(mean), _to_numpy(invstd)
+        else:
+            call.meta["saved"] = ("not recorded: the forward built no autograd graph (torch.no_grad, or "
+                                  "nothing requires grad)" if node is None else
+                                  f"not recorded: y comes from {node_name}, not a BatchNorm kernel's node")
+        if "running_mean" in call.inputs:
+            call.outputs["running_mean_out"] = _to_numpy(module.running_mean)
+            call.outputs["running_var_out"] = _to_numpy(module.running_var)
+    kernel_x = getattr(node, "_saved_input", None) if is_bn_node else None
+    if isinstance(kernel_x, torch.Tensor) and get_format(str(kernel_x.dtype)).dtype != call.inputs["x"].dtype:
+        # an autocast that casts BatchNorm's input: the recorded x is the module's, not the kernel's
+        call.meta["kernel_input_dtype"] = str(kernel_x.dtype).replace("torch.", "")
+    return node, is_bn_node
+
+
+def record_grads(call: _Call, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> bool:
+    """The backward of ``call`` recorded from its BatchNorm node's hook (dy; dx, dγ, dβ, and why one is missing);
+    False when it is not the first backward (retain_graph: the first is kept, the runs counted)."""
+    call.backward_runs += 1
+    if call.backward_runs > 1:
+        return False
+    if grad_outputs and grad_outputs[0] is not None:
+        call.grads_in["dy"] = _to_numpy(grad_outputs[0])
+        call.meta["dy_memory_format"] = _memory_format(grad_outputs[0])
+    missing = {}
+    req = call.meta["requires_grad"]
+    for i, (name, why) in enumerate((("dx", "x"), ("dgamma", "gamma"), ("dbeta", "beta"))):
+        g = grad_inputs[i] if i < len(grad_inputs) else None
+        if g is not None:
+            call.grads_out[name] = _to_numpy(g)
+        elif not call.meta["affine"] and name != "dx":
+            missing[name] = "not computed: affine=False"
+        elif not req[why]:
+            missing[name] = f"not computed: {why} does not require grad"
+        else:
+            missing[name] = "not computed by the kernel"
+    if missing:
+        call.meta["backward_missing"] = missing
+    return True
+
+
 class Capture:
     """The context manager :func:`capture` returns; see there.  After a clean exit ``calls`` holds the
     recorded call names in forward order, ``skipped`` the calls not recorded per module, ``written`` the
@@ -299,27 +392,9 @@ class Capture:
                          f"it), over max_bytes = {_format_bytes(self.max_bytes)}: record fewer calls "
                          "(calls_per_module), a smaller batch, or raise max_bytes")
         self.reserved_bytes += need
-        # what torch.nn.modules.batchnorm passes to F.batch_norm
-        training = bool(module.training or (module.running_mean is None and module.running_var is None))
-        pass_stats = not module.training or module.track_running_stats
-        rm = module.running_mean if pass_stats else None
-        rv = module.running_var if pass_stats else None
-        affine = module.weight is not None
-        inputs = {"x": _to_numpy(x)}
-        if affine:
-            inputs["gamma"], inputs["beta"] = _to_numpy(module.weight), _to_numpy(module.bias)
-        else:  # the kernel's parameter dtype: the running statistics', else the input's
-            pdt = get_format(str(rm.dtype)).dtype if rm is not None else inputs["x"].dtype
-            inputs["gamma"], inputs["beta"] = np.ones(channels, dtype=pdt), np.zeros(channels, dtype=pdt)
-        if rm is not None and rv is not None:
-            inputs["running_mean"], inputs["running_var"] = _to_numpy(rm), _to_numpy(rv)
-        meta: dict[str, Any] = {
-            "affine": affine, "track_running_stats": bool(module.track_running_stats),
-            "momentum_none": module.momentum is None, "memory_format": _memory_format(x), "device": str(x.device),
-            "requires_grad": {"x": bool(x.requires_grad), "gamma": bool(affine and module.weight.requires_grad),
-                              "beta": bool(affine and module.bias.requires_grad)}}
-        return _Call(name, path, type(module).__name__, index, len(self._records), training, float(module.eps),
-                     None, meta, inputs, nbytes=need)
+        call = start_call(module, path, index, len(self._records), x)
+        call.nbytes = need
+        return call
 
     def _post_hook(self, path: str) -> Callable[..., None]:
         def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
@@ -376,64 +451,21 @@ class Capture:
 
     def _finish(self, module: Any, call: _Call, y: Any) -> bool:
         """The call's outputs recorded; True when a hook now awaits its backward."""
-        torch = self._torch
-        if not isinstance(y, torch.Tensor):
+        if not isinstance(y, self._torch.Tensor):
             self._refuse(f"{call.name}: the module returned {type(y).__name__}, not a tensor")
-        # the factor torch used (torch.nn.modules.batchnorm): momentum=None is the cumulative average
-        nbt = module.num_batches_tracked
-        if module.training and module.track_running_stats and nbt is not None:
-            call.momentum = 1.0 / float(nbt) if module.momentum is None else float(module.momentum)
-        else:
-            call.momentum = 0.0 if module.momentum is None else float(module.momentum)
-        call.outputs["y"] = _to_numpy(y)
-        node = y.grad_fn
-        node_name = type(node).__name__ if node is not None else None
-        call.meta["grad_fn"] = node_name
-        is_bn_node = node_name in _BN_NODES
-        if call.training:
-            if is_bn_node:
-                mean, invstd = node._saved_result1, node._saved_result2
-                call.outputs["saved_mean"], call.outputs["saved_value"] = _to_numpy(mean), _to_numpy(invstd)
-            else:
-                call.meta["saved"] = ("not recorded: the forward built no autograd graph (torch.no_grad, or "
-                                      "nothing requires grad)" if node is None else
-                                      f"not recorded: y comes from {node_name}, not a BatchNorm kernel's node")
-            if "running_mean" in call.inputs:
-                call.outputs["running_mean_out"] = _to_numpy(module.running_mean)
-                call.outputs["running_var_out"] = _to_numpy(module.running_var)
-        kernel_x = getattr(node, "_saved_input", None) if is_bn_node else None
-        if isinstance(kernel_x, torch.Tensor) and get_format(str(kernel_x.dtype)).dtype != call.inputs["x"].dtype:
-            # an autocast that casts BatchNorm's input: the recorded x is the module's, not the kernel's
-            call.meta["kernel_input_dtype"] = str(kernel_x.dtype).replace("torch.", "")
+        node, is_bn_node = finish_call(module, call, y)
         if self.backward and is_bn_node:
             self._handles.append(node.register_hook(self._grad_hook(call)))
             return True
         if self.backward and node is not None:
-            call.meta["backward_note"] = f"not hooked: y comes from {node_name}, not a BatchNorm kernel's node"
+            call.meta["backward_note"] = (f"not hooked: y comes from {type(node).__name__}, not a BatchNorm kernel's "
+                                          "node")
         return False
 
     def _grad_hook(self, call: _Call) -> Callable[..., None]:
         def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
-            call.backward_runs += 1
-            if call.backward_runs > 1:  # retain_graph: keep the first backward
+            if not record_grads(call, grad_inputs, grad_outputs):
                 return
-            if grad_outputs and grad_outputs[0] is not None:
-                call.grads_in["dy"] = _to_numpy(grad_outputs[0])
-                call.meta["dy_memory_format"] = _memory_format(grad_outputs[0])
-            missing = {}
-            req = call.meta["requires_grad"]
-            for i, (name, why) in enumerate((("dx", "x"), ("dgamma", "gamma"), ("dbeta", "beta"))):
-                g = grad_inputs[i] if i < len(grad_inputs) else None
-                if g is not None:
-                    call.grads_out[name] = _to_numpy(g)
-                elif not call.meta["affine"] and name != "dx":
-                    missing[name] = "not computed: affine=False"
-                elif not req[why]:
-                    missing[name] = f"not computed: {why} does not require grad"
-                else:
-                    missing[name] = "not computed by the kernel"
-            if missing:
-                call.meta["backward_missing"] = missing
             if call.state == "spilled" and self._error is None:
                 try:
                     self._write_call(call)

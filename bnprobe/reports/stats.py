@@ -23,16 +23,24 @@ def _file_name(stem: str, ext: str, taken: list[tuple[str, str]]) -> str:
     return name
 
 
-def _figures(df: Any, eps: float, channels: int, ext: str, sink: OutputDir) -> list[tuple[str, str]]:
+def _figures(df: Any, eps: float, channels: int, ext: str, sink: OutputDir,
+             findings: list[Any]) -> list[tuple[str, str]]:
     """Every figure saved into ``sink``: (file name, what it shows)."""
-    from bnprobe.plots import plot_channel_stats, plot_distributions, plot_divergence, plot_layer_summary
+    from bnprobe.plots import (plot_channel_stats, plot_distributions, plot_divergence, plot_layer_summary,
+                               plot_monitor_layer)
 
     files: list[tuple[str, str]] = []
+    monitored = "invstd" in df.columns and "x_max" in df.columns
     for pol in df["policy"].unique():
         for layer in df[df["policy"] == pol]["layer"].unique():
             name = _file_name(f"stats-{pol}-{layer}", ext, files)
             sink.save_figure(name, plot_channel_stats(df, pol, layer, channels), dpi=110)
             files.append((name, f"μ and σ² over steps: {layer}, {pol}"))
+            if monitored:
+                marks = [f.step for f in findings if f.kind == "anomaly" and f.policy == pol and f.layer == layer]
+                name = _file_name(f"monitor-{pol}-{layer}", ext, files)
+                sink.save_figure(name, plot_monitor_layer(df, pol, layer, marks), dpi=110)
+                files.append((name, f"invstd and headroom over steps: {layer}, {pol}"))
         name = _file_name(f"summary-{pol}", ext, files)
         sink.save_figure(name, plot_layer_summary(df, pol), dpi=110)
         files.append((name, f"layer x step drift of the running mean: {pol}"))
@@ -47,7 +55,7 @@ def _figures(df: Any, eps: float, channels: int, ext: str, sink: OutputDir) -> l
 def write_stats(df: Any, findings: list[Any], source: str, sink: OutputDir, *, eps: float, channels: int,
                 ext: str) -> None:
     """The figures, the statistics, the findings and an index (Markdown and HTML) into ``sink``, all or nothing."""
-    files = _figures(df, eps, channels, ext, sink)
+    files = _figures(df, eps, channels, ext, sink, findings)
     sink.write_text("stats.csv", df.to_csv(index=False))
     sink.write_text("findings.json", dumps_json([f.to_dict() for f in findings]))
     lines = [f"# bnprobe plot-stats: {source}", "", f"{len(findings)} finding(s)", ""]

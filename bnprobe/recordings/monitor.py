@@ -1,0 +1,587 @@
+"""Watch a whole training run: per step, layer and channel statistics of every BatchNorm call, and the anomalous
+call dumped when it happens.
+
+``with monitor(model, "runs/mon") as mon: ... mon.step()`` hooks every BatchNorm module of ``model`` (the set
+:func:`bnprobe.capture` hooks: BatchNorm1d/2d/3d, SyncBatchNorm, LazyBatchNorm*).  Per call it computes, on the
+tensor's device and in its own dtype (the batch statistics from the ones the kernel saved), a few numbers per
+channel: the batch mean and variance, invstd, the running statistics after the update, the minimum and maximum of
+x and y, the counts of NaN, ±inf, values at the format's largest finite magnitude, subnormals and zeros in x, y and
+(when the backward runs) dx, NaN and ±inf in dy, and the gradient's Σdy and Σdy·x̂.  Each ``mon.step()`` appends
+the step's rows as one Parquet file of the folder ``OUT/monitor.parquet/`` (written whole, then renamed: a crash
+loses at most the step in progress; ``pandas.read_parquet`` reads the folder as one table)::
+
+    OUT/monitor.parquet/step-<k>.parquet   one file per step: step, rank, layer, call, channel, dtype, ...
+    OUT/anomalies.csv                      one row per anomalous call: step, layer, reasons, its dump
+    OUT/anomalies/step-<k>/                the anomalous calls of step k as a model dump (bnprobe-calls.json)
+
+An anomaly: non-finite values in x, y, dy or dx; values at the format's maximum (saturation) or y overflowing
+where x is finite; a training call's batch variance at or below ``var_floor``·ε, or negative; invstd beyond
+1/√ε or not positive; running statistics that are not the update of the batch's by the momentum (past a few
+units of the parameter format's rounding); a user ``predicate``.  The call's inputs, outputs and its backward in
+the same step are written as a bnprobe model dump that every command replays (``dump:OUT/anomalies/step-<k>``);
+one call's tensors are held at a time (a call awaiting its backward is spilled to its folder), ``max_dumps``
+bounds how many calls are dumped in the run.  Under torch.distributed with more than one rank, each rank writes
+the same layout under ``OUT/rank<r>/``.
+
+torch and pyarrow (through pandas) are imported only when a monitor starts.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from bnprobe._files import atomic_write_bytes, atomic_write_text, dumps_json
+from bnprobe.errors import BNProbeError
+from bnprobe.recordings.bnprobe_dump import write_dump
+from bnprobe.recordings.capture import _BN_NODES, _Call, finish_call, record_grads, start_call
+from bnprobe.recordings.types import CALLS_NAME, CALLS_TAG
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["monitor", "Monitor", "PARQUET_NAME", "ANOMALIES_NAME", "COUNTS", "TENSORS"]
+
+PARQUET_NAME = "monitor.parquet"
+ANOMALIES_NAME = "anomalies.csv"
+ANOMALY_COLUMNS = ("step", "rank", "layer", "call", "dtype", "phase", "reasons", "channels", "dump")
+COUNTS = ("nan", "inf", "at_max", "subnormal", "zero")  # per tensor and channel
+TENSORS = ("x", "y", "dx")
+_SPILL = "forward-spill.npz"
+RUNNING_ULPS = 4  # of the parameter format, and of fp32 for the update's own arithmetic
+RUNNING_VAR_SLACK = 1e-4  # relative, of var + ε: the kernel's variance against the one its fp32 invstd gives
+# (beyond it, one unit of the format the kernel saved its statistics in: the batch's are read back from them)
+
+
+@dataclass
+class _Pending:
+    """A call between its forward and its backward: its per-channel row and what a late dump needs."""
+
+    layer: str
+    index: int
+    module: Any
+    row: dict[str, Any]
+    reasons: list[str]
+    channels: set[int]
+    x: Any = None  # the input tensor (autograd keeps it for the backward anyway)
+    x_version: int = 0
+    running_in: tuple[Any, Any] | None = None
+    running_out: tuple[Any, Any] | None = None
+    node: Any = None
+    dump: _Call | None = None  # its dump being written (forward anomaly): spilled until the backward
+    folder: Path | None = None
+    done: bool = False
+    phase: str = ""  # where its first anomaly showed: forward or backward
+
+
+@dataclass
+class _Step:
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    pending: list[_Pending] = field(default_factory=list)
+    dumped: list[_Call] = field(default_factory=list)
+
+
+def _dims(t: torch.Tensor) -> tuple[int, ...]:
+    return (0, *range(2, t.dim()))
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    import torch
+
+    return t.detach().to("cpu", dtype=torch.float64).numpy()
+
+
+def _profile(t: torch.Tensor, prefix: str) -> dict[str, np.ndarray]:
+    """Per channel of ``t`` (channels on dim 1), reduced on its device in its dtype: min, max and the counts."""
+    import torch
+
+    dims, c = _dims(t), t.shape[1]
+    fi = torch.finfo(t.dtype)
+    with torch.no_grad():
+        if t.numel() == 0:
+            nanv = np.full(c, np.nan)
+            return {f"{prefix}_min": nanv, f"{prefix}_max": nanv, **{f"{prefix}_{k}": np.zeros(c) for k in COUNTS}}
+        lo, hi = torch.amin(t, dim=dims), torch.amax(t, dim=dims)  # NaN propagates
+        out = {f"{prefix}_min": _np(lo), f"{prefix}_max": _np(hi)}
+        zeros = np.zeros(c)
+        if np.isfinite(out[f"{prefix}_min"]).all() and np.isfinite(out[f"{prefix}_max"]).all():
+            out[f"{prefix}_nan"], out[f"{prefix}_inf"] = zeros, zeros
+        else:
+            out[f"{prefix}_nan"] = _np(torch.isnan(t).sum(dim=dims))
+            out[f"{prefix}_inf"] = _np(torch.isinf(t).sum(dim=dims))
+        a = t.abs()
+        big = np.nanmax(np.abs(np.concatenate([out[f"{prefix}_min"], out[f"{prefix}_max"]])), initial=0.0)
+        out[f"{prefix}_at_max"] = _np((a == fi.max).sum(dim=dims)) if big >= fi.max else zeros
+        zero = (t == 0).sum(dim=dims)
+        out[f"{prefix}_zero"] = _np(zero)
+        out[f"{prefix}_subnormal"] = _np((a < fi.tiny).sum(dim=dims) - zero)
+    return out
+
+
+def _column(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return v.reshape(1, -1, *([1] * (like.dim() - 2)))
+
+
+def _ulp(v: np.ndarray, dtype: Any) -> np.ndarray:
+    """The spacing of the torch dtype's values at |v| (float64)."""
+    import torch
+
+    fi = torch.finfo(dtype)
+    with np.errstate(all="ignore"):
+        e = np.floor(np.log2(np.maximum(np.abs(v), fi.tiny)))
+    return np.exp2(e) * fi.eps
+
+
+class Monitor:
+    """The context manager :func:`monitor` returns; see there.  ``anomalies`` lists the anomalies found (dicts
+    of :data:`ANOMALY_COLUMNS`), ``dumps`` the dump folders written, ``steps`` the steps written."""
+
+    def __init__(self, model: Any, out: str | Path, *, every: int = 1, capture_on: str = "anomaly",
+                 max_dumps: int = 10, predicate: Callable[[dict[str, Any]], str | None] | None = None,
+                 var_floor: float = 1.0, force: bool = False) -> None:
+        if not isinstance(every, int) or every < 1:
+            raise BNProbeError(f"every must be a positive integer, got {every!r}")
+        if capture_on not in ("anomaly", "never"):
+            raise BNProbeError(f"capture_on must be 'anomaly' or 'never', got {capture_on!r}")
+        if not isinstance(max_dumps, int) or max_dumps < 0:
+            raise BNProbeError(f"max_dumps must be a non-negative integer, got {max_dumps!r}")
+        if predicate is not None and not callable(predicate):
+            raise BNProbeError("predicate must be a function of one call's statistics returning a reason or None")
+        if not (isinstance(var_floor, (int, float)) and math.isfinite(var_floor) and var_floor >= 0):
+            raise BNProbeError(f"var_floor must be a finite number >= 0, got {var_floor!r}")
+        self.model, self.root, self.every, self.capture_on = model, Path(out), every, capture_on
+        self.max_dumps, self.predicate, self.var_floor, self.force = max_dumps, predicate, float(var_floor), force
+        self.out = self.root
+        self.rank, self.world = 0, 1
+        self.anomalies: list[dict[str, Any]] = []
+        self.dumps: list[Path] = []
+        self.steps: list[int] = []
+        self._step_no = 0
+        self._step = _Step()
+        self._handles: list[Any] = []
+        self._before: dict[int, list[tuple[Any, int, Any]]] = {}
+        self._counts: dict[str, int] = {}
+        self._torch: Any = None
+        self._entered = False
+        self._dumps_made = 0
+
+    # ---- entering ----------------------------------------------------------------------------------
+    def __enter__(self) -> Monitor:
+        try:
+            import torch
+            from torch.nn.modules.batchnorm import _BatchNorm
+        except ImportError:
+            raise BNProbeError("monitor needs torch (pip install 'bnprobe[torch]')") from None
+        try:
+            import pyarrow  # noqa: F401 - pandas writes Parquet with it
+        except ImportError:
+            raise BNProbeError("monitor writes Parquet and needs pyarrow (pip install pyarrow)") from None
+        if self._entered:
+            raise BNProbeError("a monitor context is entered once; make a new monitor(...) for another run")
+        if not isinstance(self.model, torch.nn.Module):
+            raise BNProbeError(f"monitor needs a torch.nn.Module, got {type(self.model).__name__}")
+        modules = [(path, m) for path, m in self.model.named_modules() if isinstance(m, _BatchNorm)]
+        if not modules:
+            raise BNProbeError(f"{type(self.model).__name__} has no BatchNorm module (a subclass of "
+                               "torch.nn.modules.batchnorm._BatchNorm) to monitor")
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+            self.out = self.root / f"rank{self.rank}"
+        self._check_out()
+        self._torch, self._entered = torch, True
+        try:
+            for path, m in modules:
+                self._handles.append(m.register_forward_pre_hook(self._pre_hook(path)))
+                self._handles.append(m.register_forward_hook(self._post_hook(path)))
+        except BaseException:
+            self._remove_hooks()
+            raise
+        (self.out / PARQUET_NAME).mkdir(parents=True, exist_ok=True)
+        return self
+
+    def _check_out(self) -> None:
+        out = self.out
+        if out.exists() and not out.is_dir():
+            raise BNProbeError(f"{out} is a file; monitor writes a folder")
+        taken = [p for p in (out / PARQUET_NAME, out / ANOMALIES_NAME, out / "anomalies") if p.exists()]
+        if taken and not self.force:
+            raise BNProbeError(f"{taken[0]} exists; refusing to overwrite a monitor's output (pass force=True, or "
+                               "choose another out)")
+        for p in taken:  # force: the earlier run's files, and only those
+            if p.is_dir():
+                for f in sorted(p.rglob("*"), key=lambda q: -len(q.parts)):
+                    f.unlink() if f.is_file() else f.rmdir()
+                p.rmdir()
+            else:
+                p.unlink()
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # ---- hooks -------------------------------------------------------------------------------------
+    def _measure(self) -> bool:
+        return self._step_no % self.every == 0
+
+    def _pre_hook(self, path: str) -> Callable[..., None]:
+        def hook(module: Any, args: tuple[Any, ...]) -> None:
+            x = args[0] if args else None
+            rm, rv = module.running_mean, module.running_var
+            running = None if rm is None or rv is None else (rm.detach().clone(), rv.detach().clone())
+            self._before.setdefault(id(module), []).append((x, getattr(x, "_version", 0), running))
+        return hook
+
+    def _post_hook(self, path: str) -> Callable[..., None]:
+        def hook(module: Any, args: tuple[Any, ...], output: Any) -> None:
+            stack = self._before.get(id(module))
+            if not stack:
+                return
+            x, version, running = stack.pop()
+            torch = self._torch
+            if not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor) or x.dim() < 2 \
+                    or not x.is_floating_point():
+                return
+            index = self._counts.get(path, 0)
+            self._counts[path] = index + 1
+            self._forward(module, path, index, x, version, running, output)
+        return hook
+
+    def _forward(self, module: Any, path: str, index: int, x: Any, version: int, running: Any, y: Any) -> None:
+        torch = self._torch
+        measure = self._measure()
+        if not measure:  # a step between measured ones: one finiteness check of x and y
+            with torch.no_grad():  # (the backward of such a step is not watched)
+                if bool(torch.isfinite(x).all()) and bool(torch.isfinite(y).all()):
+                    return
+        node = y.grad_fn
+        is_bn = node is not None and type(node).__name__ in _BN_NODES
+        row = self._forward_row(module, path, index, x, y, node if is_bn else None, running)
+        p = _Pending(path, index, module, row, [], set(), x, version, running,
+                     (module.running_mean.detach().clone(), module.running_var.detach().clone())
+                     if running is not None and module.training else None, node if is_bn else None)
+        self._judge_forward(p, module)
+        p.phase = "forward" if p.reasons else ""
+        self._step.pending.append(p)
+        if p.reasons:
+            self._dump_forward(p, y)
+        if is_bn and torch.is_grad_enabled():
+            self._handles.append(node.register_hook(self._grad_hook(p)))
+        else:
+            self._close(p)
+
+    def _forward_row(self, module: Any, path: str, index: int, x: Any, y: Any, node: Any,
+                     running: Any) -> dict[str, Any]:
+        torch = self._torch
+        c, eps = x.shape[1], float(module.eps)
+        with torch.no_grad():
+            if node is not None and module.training:
+                mean, invstd = _np(node._saved_result1), _np(node._saved_result2)
+                with np.errstate(all="ignore"):
+                    var = 1.0 / (invstd * invstd) - eps
+                norm = (mean, invstd)
+            else:
+                v, m = torch.var_mean(x.float(), dim=_dims(x), unbiased=False)
+                mean, var = _np(m), _np(v)
+                use_running = running is not None and not module.training
+                with np.errstate(all="ignore"):
+                    invstd = 1.0 / np.sqrt((_np(running[1]) if use_running else var) + eps)
+                norm = (_np(running[0]) if use_running else mean, invstd)  # what the kernel normalised with
+        params = module.running_mean.dtype if module.running_mean is not None else (
+            module.weight.dtype if module.weight is not None else x.dtype)
+        row: dict[str, Any] = {
+            "step": self._step_no, "rank": self.rank, "layer": path, "call": index, "channel": np.arange(c),
+            "dtype": str(x.dtype).replace("torch.", ""), "params": str(params).replace("torch.", ""),
+            "training": bool(module.training), "batch_mean": mean, "batch_var": var, "invstd": invstd, "_norm": norm}
+        rm = module.running_mean
+        row["running_mean"] = _np(rm) if rm is not None else np.full(c, np.nan)
+        row["running_var"] = _np(module.running_var) if rm is not None else np.full(c, np.nan)
+        row.update(_profile(x, "x"))
+        row.update(_profile(y, "y"))
+        for k in ("dx_min", "dx_max", *(f"dx_{n}" for n in COUNTS), "dy_nan", "dy_inf", "sum_dy", "sum_dy_xhat"):
+            row[k] = np.full(c, np.nan)
+        return row
+
+    # ---- anomalies ---------------------------------------------------------------------------------
+    def _flag(self, p: _Pending, what: str, bad: np.ndarray) -> None:
+        ch = np.flatnonzero(bad)
+        if ch.size:
+            p.reasons.append(f"{what} (channel{'s' if ch.size > 1 else ''} {', '.join(map(str, ch[:8]))}"
+                             f"{', ...' if ch.size > 8 else ''})")
+            p.channels.update(int(c) for c in ch)
+
+    def _counts_flags(self, p: _Pending, names: tuple[str, ...], dtype: str) -> None:
+        """NaN, ±inf and saturation in each tensor of ``names``; in y (dx) only where x (and dy) are finite, since
+        NaN/inf there follow from the input's, which is flagged itself."""
+        r = p.row
+        x_ok = (r["x_nan"] == 0) & (r["x_inf"] == 0)
+        for t in names:
+            ok, where = {"x": (True, ""), "y": (x_ok, " where x is finite"),
+                         "dx": (x_ok & (r["dy_nan"] == 0) & (r["dy_inf"] == 0), " where x and dy are finite")}[t]
+            self._flag(p, f"NaN in {t}{where}", (r[f"{t}_nan"] > 0) & ok)
+            self._flag(p, f"±inf in {t}{where}" + (f" (overflow in {dtype})" if t != "x" else ""),
+                       (r[f"{t}_inf"] > 0) & ok)
+            self._flag(p, f"{t} at the {dtype} maximum (saturated)", r[f"{t}_at_max"] > 0)
+
+    def _judge_forward(self, p: _Pending, module: Any) -> None:
+        r, eps = p.row, float(module.eps)
+        self._counts_flags(p, ("x", "y"), r["dtype"])
+        if module.training:
+            x_ok = (r["x_nan"] == 0) & (r["x_inf"] == 0)  # statistics of non-finite x follow from it
+            with np.errstate(all="ignore"):
+                self._flag(p, f"batch variance at or below {self.var_floor:g}·ε or negative",
+                           (r["batch_var"] <= self.var_floor * eps) & x_ok)
+                self._flag(p, "invstd beyond 1/√ε or not positive",
+                           (~(r["invstd"] > 0) | (r["invstd"] > (1 + 1e-3) / math.sqrt(eps))) & x_ok)
+            self._running_flags(p, module)
+        self._ask(p, "forward")
+
+    def _running_flags(self, p: _Pending, module: Any) -> None:
+        """The running statistics after the call against the update of the ones before by the batch's."""
+        if p.running_in is None or p.node is None or p.running_out is None:
+            return
+        r, eps, torch = p.row, float(module.eps), self._torch
+        nbt = module.num_batches_tracked
+        if not module.track_running_stats or nbt is None:
+            return
+        m = 1.0 / float(nbt) if module.momentum is None else float(module.momentum)
+        n = p.x.numel() // p.x.shape[1]
+        rm0, rv0 = _np(p.running_in[0]), _np(p.running_in[1])
+        rm1, rv1 = _np(p.running_out[0]), _np(p.running_out[1])
+        u32 = float(torch.finfo(torch.float32).eps)
+        saved = p.node._saved_result2.dtype  # the statistics read back are rounded to it (bf16/fp16 on some CPUs)
+        bessel = n / max(n - 1, 1)
+        with np.errstate(all="ignore"):
+            em = (1 - m) * rm0 + m * r["batch_mean"]
+            ev = (1 - m) * rv0 + m * (r["batch_var"] * bessel)
+            tm = RUNNING_ULPS * (_ulp(np.maximum(np.abs(em), np.abs(rm1)), p.running_out[0].dtype)
+                                 + u32 * (np.abs((1 - m) * rm0) + np.abs(m * r["batch_mean"]))) \
+                + m * _ulp(r["batch_mean"], saved)
+            tv = RUNNING_ULPS * (_ulp(np.maximum(np.abs(ev), np.abs(rv1)), p.running_out[1].dtype)
+                                 + u32 * (np.abs((1 - m) * rv0) + np.abs(m * r["batch_var"]) * bessel)) \
+                + m * bessel * (RUNNING_VAR_SLACK + 2 * _ulp(r["invstd"], saved) / r["invstd"]) \
+                * (np.abs(r["batch_var"]) + eps)
+            ok_in = np.isfinite(rm0) & np.isfinite(rv0) & np.isfinite(r["batch_mean"]) & np.isfinite(r["batch_var"])
+            fin = np.isfinite(rm1) & np.isfinite(rv1)
+            self._flag(p, "non-finite running statistics after the update", ok_in & ~fin)
+            self._flag(p, f"running statistics are not the momentum-{m:g} update of the batch's",
+                       ok_in & fin & ((np.abs(rm1 - em) > tm) | (np.abs(rv1 - ev) > tv)))
+
+    def _ask(self, p: _Pending, phase: str) -> None:
+        if self.predicate is None:
+            return
+        try:
+            why = self.predicate({**p.row, "phase": phase})
+        except Exception as exc:  # noqa: BLE001 - the user's predicate: its failure is reported, not raised inside autograd
+            why = f"predicate raised {type(exc).__name__}: {exc}"
+        if why:
+            p.reasons.append(f"predicate: {why}")
+
+    # ---- the backward ------------------------------------------------------------------------------
+    def _grad_hook(self, p: _Pending) -> Callable[..., None]:
+        def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
+            if p.done:
+                return
+            before = len(p.reasons)
+            dy = grad_outputs[0] if grad_outputs else None
+            dx = grad_inputs[0] if grad_inputs else None
+            self._backward_row(p, dy, dx)
+            if len(p.reasons) > before and not p.phase:
+                p.phase = "backward"
+            if p.dump is not None:
+                record_grads(p.dump, grad_inputs, grad_outputs)
+                self._write_dump(p)
+            elif len(p.reasons) > before:
+                self._dump_late(p, grad_inputs, grad_outputs)
+            self._close(p)
+        return hook
+
+    def _backward_row(self, p: _Pending, dy: Any, dx: Any) -> None:
+        torch, r = self._torch, p.row
+        with torch.no_grad():
+            if isinstance(dx, torch.Tensor):
+                r.update(_profile(dx, "dx"))
+            if isinstance(dy, torch.Tensor):
+                if bool(torch.isfinite(dy).all()):
+                    r["dy_nan"], r["dy_inf"] = np.zeros(dy.shape[1]), np.zeros(dy.shape[1])
+                else:
+                    r["dy_nan"] = _np(torch.isnan(dy).sum(dim=_dims(dy)))
+                    r["dy_inf"] = _np(torch.isinf(dy).sum(dim=_dims(dy)))
+                self._flag(p, "NaN in dy", r["dy_nan"] > 0)
+                self._flag(p, "±inf in dy", r["dy_inf"] > 0)
+            if isinstance(dy, torch.Tensor) and p.node is not None and p.x is not None:
+                mean, inv = r["_norm"]
+                centre = torch.as_tensor(np.nan_to_num(mean), dtype=torch.float32, device=dy.device)
+                d = dy.float()
+                r["sum_dy"] = _np(d.sum(dim=_dims(d)))
+                with np.errstate(all="ignore"):
+                    r["sum_dy_xhat"] = _np((d * (p.x.float() - _column(centre, d))).sum(dim=_dims(d))) * inv
+        if isinstance(dx, torch.Tensor):
+            self._counts_flags(p, ("dx",), r["dtype"])
+        self._ask(p, "backward")
+
+    # ---- dumps -------------------------------------------------------------------------------------
+    def _can_dump(self) -> bool:
+        return self.capture_on == "anomaly" and self._dumps_made < self.max_dumps
+
+    def _folder(self) -> Path:
+        return self.out / "anomalies" / f"step-{self._step_no}"
+
+    def _new_dump(self, p: _Pending) -> _Call | None:
+        if not self._can_dump():
+            return None
+        if p.x is None or p.x._version != p.x_version:
+            p.row.setdefault("_note", "x changed in place after the call: not dumped")
+            return None
+        call = start_call(p.module, p.layer, p.index, len(self._step.dumped), p.x, running=p.running_in)
+        self._dumps_made += 1
+        self._step.dumped.append(call)
+        p.folder = self._folder() / call.dir
+        return call
+
+    def _dump_forward(self, p: _Pending, y: Any) -> None:
+        call = self._new_dump(p)
+        if call is None:
+            return
+        finish_call(p.module, call, y)
+        p.dump = call
+        if p.node is not None and self._torch.is_grad_enabled():
+            call.spill(p.folder)  # its backward comes later in the step: one call held at a time
+        else:
+            self._write_dump(p)
+
+    def _dump_late(self, p: _Pending, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
+        """An anomaly the backward showed: the call from what the forward left (no y: it was not kept)."""
+        call = self._new_dump(p)
+        if call is None:
+            return
+        node = p.node
+        nbt = p.module.num_batches_tracked
+        if p.module.training and p.module.track_running_stats and nbt is not None:
+            call.momentum = 1.0 / float(nbt) if p.module.momentum is None else float(p.module.momentum)
+        else:
+            call.momentum = 0.0 if p.module.momentum is None else float(p.module.momentum)
+        from bnprobe.recordings.capture import _to_numpy
+
+        call.meta["grad_fn"] = type(node).__name__
+        call.meta["y"] = "not kept: the anomaly showed in the backward, after y had gone on"
+        if call.training:
+            call.outputs["saved_mean"], call.outputs["saved_value"] = (_to_numpy(node._saved_result1),
+                                                                      _to_numpy(node._saved_result2))
+            if p.running_out is not None and "running_mean" in call.inputs:
+                call.outputs["running_mean_out"] = _to_numpy(p.running_out[0])
+                call.outputs["running_var_out"] = _to_numpy(p.running_out[1])
+        record_grads(call, grad_inputs, grad_outputs)
+        p.dump = call
+        self._write_dump(p)
+
+    def _write_dump(self, p: _Pending) -> None:
+        call, folder = p.dump, p.folder
+        assert call is not None and folder is not None
+        if call.state == "spilled":
+            call.unspill(folder)
+        call.meta["monitor"] = {"step": self._step_no, "rank": self.rank, "reasons": list(p.reasons)}
+        self.dumps += write_dump(call.recording(str(self._torch.__version__)), folder, force=True)
+        call.release()
+        self._write_index()
+
+    def _write_index(self) -> None:
+        calls = [{"name": c.name, "dir": c.dir, "module": c.module, "type": c.type, "index": c.index,
+                  "order": c.order, "training": c.training, "backward": c.backward_runs > 0}
+                 for c in self._step.dumped if c.state == "written"]
+        doc = {"format": CALLS_TAG, "version": 1, "source": "monitor", "torch": str(self._torch.__version__),
+               "calls": calls, "calls_per_module": None, "skipped": {}, "rank": self.rank, "step": self._step_no,
+               "notes": [f"anomalous calls of step {self._step_no} (rank {self.rank}) written by bnprobe.monitor"]}
+        atomic_write_text(self._folder() / CALLS_NAME, dumps_json(doc))
+
+    # ---- closing a call, a step, the run -------------------------------------------------------------
+    def _close(self, p: _Pending) -> None:
+        """The call's row kept (measured steps, or any step where it is anomalous) and its anomaly listed."""
+        if p.done:
+            return
+        p.done = True
+        if self._measure() or p.reasons:
+            self._step.rows.append(p.row)
+        if p.reasons:
+            where = str(p.folder.parent) if p.dump is not None and p.folder is not None else (
+                "not dumped: capture_on='never'" if self.capture_on == "never" else
+                p.row.get("_note", f"not dumped: max_dumps={self.max_dumps} reached"))
+            self.anomalies.append({"step": self._step_no, "rank": self.rank, "layer": p.layer, "call": p.index,
+                                   "dtype": p.row["dtype"], "phase": p.phase or "forward",
+                                   "reasons": "; ".join(p.reasons),
+                                   "channels": " ".join(map(str, sorted(p.channels)[:32])), "dump": where})
+        p.x = p.node = p.module = None
+
+    def step(self) -> None:
+        """The step is over: its rows appended to the Parquet folder, its anomalies to anomalies.csv."""
+        if not self._entered:
+            raise BNProbeError("mon.step() is called inside the monitor's with block")
+        self._flush()
+        self._step_no += 1
+        self._counts.clear()
+
+    def _flush(self) -> None:
+        st = self._step
+        for p in st.pending:
+            if not p.done:  # no backward came this step
+                if p.dump is not None:
+                    self._write_dump(p)
+                self._close(p)
+        if st.rows:
+            self._write_rows(st.rows)
+            self.steps.append(self._step_no)
+        new = [a for a in self.anomalies if a["step"] == self._step_no]
+        if new:
+            self._append_anomalies(new)
+        self._step = _Step()
+        self._before.clear()
+
+    def _write_rows(self, rows: list[dict[str, Any]]) -> None:
+        import pandas as pd
+
+        frames = []
+        for r in rows:
+            r = {k: v for k, v in r.items() if not k.startswith("_")}
+            frames.append(pd.DataFrame(r))
+        df = pd.concat(frames, ignore_index=True)
+        buf = io.BytesIO()
+        df.to_parquet(buf, index=False)
+        atomic_write_bytes(self.out / PARQUET_NAME / f"step-{self._step_no:09d}.parquet", buf.getvalue())
+
+    def _append_anomalies(self, new: list[dict[str, Any]]) -> None:
+        path = self.out / ANOMALIES_NAME
+        text = io.StringIO()
+        w = csv.DictWriter(text, fieldnames=ANOMALY_COLUMNS, lineterminator="\n")
+        if not path.exists():
+            w.writeheader()
+        w.writerows(new)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(text.getvalue())
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._remove_hooks()
+        self._flush()  # what the last (unfinished) step recorded; on an exception too: it is what happened
+
+
+def monitor(model: Any, out: str | Path, *, every: int = 1, capture_on: str = "anomaly", max_dumps: int = 10,
+            predicate: Callable[[dict[str, Any]], str | None] | None = None, var_floor: float = 1.0,
+            force: bool = False) -> Monitor:
+    """A context manager watching every BatchNorm call of ``model`` over a training run; call ``mon.step()`` after
+    each optimizer step.  ``every``: per-channel rows every k-th step (other steps check only that x and y are
+    finite; an anomalous call's row is always written).  ``capture_on``: "anomaly" (dump anomalous calls) or
+    "never".  ``max_dumps``: calls dumped in the whole run.  ``predicate(row)``: a reason (str) when a call is
+    anomalous to you, given its per-channel numbers (the Parquet columns, arrays per channel) and ``phase``
+    ("forward" or "backward").  ``var_floor``: a training call's batch variance at or below var_floor·ε is an
+    anomaly.  ``out`` must not hold a monitor's output unless ``force``.  See :mod:`bnprobe.recordings.monitor`."""
+    return Monitor(model, out, every=every, capture_on=capture_on, max_dumps=max_dumps, predicate=predicate,
+                   var_floor=var_floor, force=force)

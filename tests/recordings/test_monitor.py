@@ -1,0 +1,308 @@
+"""bnprobe.monitor over real training loops: a small conv network trained for tens of steps with one bad batch at
+a known step.  The oracle is torch and numpy, run here independently: this test's own hooks keep every call's
+x, y and dy, and the Parquet's numbers are checked against numpy float64 on those tensors; the anomalies must be
+exactly the bad step's calls, and the commands replaying the dump must find what the bad batch did."""
+
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from bnprobe.cli import main
+from bnprobe.errors import BNProbeError
+from bnprobe.recordings import CALLS_NAME, read_calls
+
+torch = pytest.importorskip("torch")
+pd = pytest.importorskip("pandas")
+pytest.importorskip("pyarrow")
+nn = torch.nn
+
+from bnprobe import monitor  # noqa: E402 - after the skips
+
+STEPS = 16
+CHANNELS = {"bn1": 6, "bn2": 8}
+
+
+class Net(nn.Module):
+    def __init__(self, bn=nn.BatchNorm2d) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 6, 3, padding=1)
+        self.bn1 = bn(6)
+        self.conv2 = nn.Conv2d(6, 8, 3, padding=1)
+        self.bn2 = bn(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.bn1(self.conv1(x)))
+        h = torch.relu(self.bn2(self.conv2(h)))
+        return self.head(h.mean((2, 3)))
+
+
+class Seen:
+    """The test's own record of every BatchNorm call: x, y and dy as float64 numpy arrays, per step."""
+
+    def __init__(self, model):
+        self.calls, self.step = {}, 0
+        for name, m in model.named_modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.register_forward_hook(self._hook(name))
+
+    def _hook(self, name):
+        def hook(module, args, y):
+            entry = {"x": args[0].detach().double().numpy().copy(), "y": y.detach().double().numpy().copy()}
+            self.calls[(self.step, name)] = entry
+            if y.requires_grad:
+                y.register_hook(lambda g: entry.__setitem__("dy", g.detach().double().numpy().copy()))
+        return hook
+
+
+def train(out, *, dtype=torch.float32, bad_step=None, bad="nan", steps=STEPS, seen=False, bn=nn.BatchNorm2d, **kw):
+    """Train Net for ``steps`` steps under a monitor; the optimizer skips a step whose loss is not finite (as a
+    GradScaler does), so one bad batch leaves the later steps clean."""
+    torch.manual_seed(0)
+    net = Net(bn).to(dtype)
+    rec = Seen(net) if seen else None
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(1)
+    with monitor(net, out, **kw) as mon:
+        for step in range(steps):
+            if rec is not None:
+                rec.step = step
+            x = torch.randn(4, 3, 8, 8, generator=gen).to(dtype)
+            if step == bad_step:
+                if bad == "nan":
+                    x[1, 2, 3, 4] = float("nan")
+                else:  # a scaled input: the first convolution overflows the format
+                    x = x * 3e4
+            loss = net(x).float().pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            if torch.isfinite(loss):
+                opt.step()
+            mon.step()
+    return mon, rec
+
+
+def table(out):
+    return pd.read_parquet(out / "monitor.parquet")
+
+
+def anomalies(out):
+    with open(out / "anomalies.csv", newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def run(capsys, *args):
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_nan_pixel_is_found_at_its_step_dumped_and_replayed(tmp_path, capsys):
+    out = tmp_path / "mon"
+    mon, seen = train(out, bad_step=7, seen=True)
+    df = table(out)
+    # every step x layer x channel, once
+    assert len(df) == STEPS * sum(CHANNELS.values())
+    assert not df.duplicated(["step", "layer", "call", "channel"]).any()
+    assert sorted(df.step.unique()) == list(range(STEPS))
+    # exactly the bad step's calls, both layers (conv1 spreads the NaN to every channel)
+    rows = anomalies(out)
+    assert {(int(r["step"]), r["layer"]) for r in rows} == {(7, "bn1"), (7, "bn2")}
+    assert all("NaN in x" in r["reasons"] and r["phase"] == "forward" for r in rows)
+    assert sorted(p.name for p in (out / "anomalies").iterdir()) == ["step-7"]
+    dump = out / "anomalies" / "step-7"
+    assert [c["module"] for c in read_calls(dump)["calls"]] == ["bn1", "bn2"]
+    # the dumped x is the x of that call, bit for bit, and its backward is there
+    from bnprobe.recordings import open_dump
+
+    calls = open_dump(str(dump)).calls
+    rec = calls[0].load()
+    np.testing.assert_array_equal(rec.tensors["train"]["inputs"]["x"], seen.calls[(7, "bn1")]["x"])
+    assert "dx" in rec.tensors["backward"]["outputs"]
+    # the commands on the dump say what happened
+    code, text, _ = run(capsys, "overflow", "--adapter", f"dump:{dump}")
+    assert "input_nonfinite" in text and "x" in text
+    code, text, _ = run(capsys, "compare-precision", "--adapters", f"dump:{dump}", "--no-budget", "--out",
+                        tmp_path / "cp")
+    assert code in (0, 1) and "NaN/inf value(s)" in text
+    # plot-stats draws it and lists the anomalies as findings
+    code, text, _ = run(capsys, "plot-stats", "--monitor", out, "--out", tmp_path / "ps")
+    assert code == 1 and text.count("anomaly:") == 2 and "step 7" in text
+    assert any(p.name.startswith("monitor-float32-bn1") for p in (tmp_path / "ps").iterdir())
+    findings = json.loads((tmp_path / "ps" / "findings.json").read_text())
+    assert {f["step"] for f in findings if f["kind"] == "anomaly"} == {7}
+
+
+def test_the_numbers_are_numpys_on_the_calls_tensors(tmp_path):
+    """Batch mean/var against numpy float64 on x; min/max and counts of x and y; Σdy and Σdy·x̂ from dy and x."""
+    out = tmp_path / "mon"
+    _, seen = train(out, steps=4, seen=True)
+    df = table(out)
+    for (step, layer), t in seen.calls.items():
+        g = df[(df.step == step) & (df.layer == layer)].sort_values("channel")
+        x, y, dy = t["x"], t["y"], t["dy"]
+        ax = (0, 2, 3)
+        mean, var = x.mean(axis=ax), x.var(axis=ax)
+        np.testing.assert_allclose(g.batch_mean, mean, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(g.batch_var, var, rtol=1e-4)
+        np.testing.assert_allclose(g.invstd, 1 / np.sqrt(var + 1e-5), rtol=1e-4)
+        np.testing.assert_array_equal(g.x_min, x.min(axis=ax))
+        np.testing.assert_array_equal(g.y_max, y.max(axis=ax))
+        np.testing.assert_array_equal(g.y_zero, (y == 0).sum(axis=ax))
+        assert (g.x_nan == 0).all() and (g.dx_inf == 0).all()
+        np.testing.assert_allclose(g.sum_dy, dy.sum(axis=ax), rtol=1e-4, atol=1e-9)
+        xhat = (x - mean[None, :, None, None]) / np.sqrt(var + 1e-5)[None, :, None, None]
+        np.testing.assert_allclose(g.sum_dy_xhat, (dy * xhat).sum(axis=ax), rtol=1e-3, atol=1e-7)
+    assert not (out / "anomalies.csv").exists()  # a clean run has no anomaly
+
+
+def test_fp16_overflow_from_a_scaled_input(tmp_path, capsys):
+    """model.half(): a batch scaled by 3e4 overflows the first convolution; bn1's x holds inf at that step only."""
+    out = tmp_path / "mon"
+    train(out, dtype=torch.float16, bad_step=5, bad="scale")
+    df = table(out)
+    assert set(df.dtype) == {"float16"} and len(df) == STEPS * sum(CHANNELS.values())
+    rows = anomalies(out)
+    assert {int(r["step"]) for r in rows} == {5}
+    first = next(r for r in rows if r["layer"] == "bn1")
+    assert "±inf in x" in first["reasons"] or "x at the float16 maximum" in first["reasons"]
+    assert df[(df.step == 5) & (df.layer == "bn1")].x_inf.sum() > 0
+    assert df[df.step != 5].filter(like="_inf").fillna(0).to_numpy().sum() == 0
+    code, text, _ = run(capsys, "overflow", "--adapter", f"dump:{out / 'anomalies' / 'step-5'}")
+    assert code == 1 and "input_nonfinite" in text
+
+
+class MomentumFlipped(nn.BatchNorm2d):
+    """A BatchNorm whose running update weights the new batch by 1 - momentum (Keras' convention in torch)."""
+
+    def forward(self, x):
+        if self.training:
+            self.num_batches_tracked += 1
+        return nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                                        self.training, 1 - self.momentum, self.eps)
+
+
+def test_running_statistics_that_are_not_the_momentum_update_are_anomalies(tmp_path):
+    out = tmp_path / "mon"
+    mon, _ = train(out, steps=3, bn=MomentumFlipped)
+    rows = anomalies(out)
+    assert {int(r["step"]) for r in rows} == {0, 1, 2}
+    assert all("not the momentum-0.1 update" in r["reasons"] for r in rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_correct_kernel_raises_no_anomaly(tmp_path, dtype):
+    """torch's own BatchNorm, in each format, over a clean run: no false alarm (running update, variance, invstd)."""
+    mon, _ = train(tmp_path / "mon", dtype=dtype, steps=12)
+    assert mon.anomalies == []
+
+
+def test_every_max_dumps_never_and_a_predicate(tmp_path):
+    # every=3: rows on steps 0, 3, 6, ...; an anomalous call on another step still gets its row
+    out = tmp_path / "a"
+    train(out, bad_step=7, every=3)
+    steps = set(table(out).step)
+    assert steps == {0, 3, 6, 7, 9, 12, 15}
+    # max_dumps bounds the calls dumped; the rest are listed as not dumped
+    out = tmp_path / "b"
+    train(out, bad_step=4, max_dumps=1)
+    rows = anomalies(out)
+    assert len(rows) == 2 and sum(r["dump"].startswith("not dumped: max_dumps=1") for r in rows) == 1
+    assert len(read_calls(out / "anomalies" / "step-4")["calls"]) == 1
+    out = tmp_path / "c"
+    train(out, bad_step=4, capture_on="never")
+    assert not (out / "anomalies").exists() and all("capture_on='never'" in r["dump"] for r in anomalies(out))
+    # a user's predicate: any channel of bn2 whose batch mean is above 0 at step 2
+    out = tmp_path / "d"
+    train(out, steps=3, predicate=lambda r: "bn2 at step 2" if r["layer"] == "bn2" and r["step"] == 2 and
+          r["phase"] == "forward" else None)
+    rows = anomalies(out)
+    assert [(r["step"], r["layer"], r["reasons"]) for r in rows] == [("2", "bn2", "predicate: bn2 at step 2")]
+    assert (out / "anomalies" / "step-2" / CALLS_NAME).is_file()
+
+
+def test_a_crash_keeps_every_finished_step(tmp_path):
+    out = tmp_path / "mon"
+    net = Net()
+    with pytest.raises(RuntimeError, match="boom"):
+        with monitor(net, out) as mon:
+            for step in range(5):
+                net(torch.randn(4, 3, 8, 8)).sum().backward()
+                if step == 3:
+                    raise RuntimeError("boom")
+                mon.step()
+    # steps 0-2 were written at their mon.step(); step 3's rows at the exit
+    assert sorted(table(out).step.unique()) == [0, 1, 2, 3]
+
+
+def test_bad_arguments_and_an_existing_output_are_refused(tmp_path):
+    net = Net()
+    for kw, msg in (({"every": 0}, "every"), ({"capture_on": "always"}, "capture_on"), ({"max_dumps": -1}, "max_dumps"),
+                    ({"var_floor": float("nan")}, "var_floor"), ({"predicate": 3}, "predicate")):
+        with pytest.raises(BNProbeError, match=msg):
+            monitor(net, tmp_path / "x", **kw)
+    with pytest.raises(BNProbeError, match="no BatchNorm"):
+        with monitor(nn.Linear(2, 2), tmp_path / "x"):
+            pass
+    train(tmp_path / "m", steps=1)
+    with pytest.raises(BNProbeError, match="refusing to overwrite"):
+        train(tmp_path / "m", steps=1)
+    train(tmp_path / "m", steps=2, force=True)
+    assert sorted(table(tmp_path / "m").step.unique()) == [0, 1]
+
+
+def test_plot_stats_monitor_refuses_a_folder_without_a_monitor(tmp_path, capsys):
+    code, _, err = run(capsys, "plot-stats", "--monitor", tmp_path)
+    assert code == 2 and "no monitor.parquet" in err and len(err.strip().splitlines()) == 1
+
+
+DDP = '''
+import os, sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[3])
+from test_monitor import Net
+from bnprobe import monitor
+
+def work(rank, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    net = torch.nn.parallel.DistributedDataParallel(Net())
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    with monitor(net, out) as mon:
+        for step in range(4):
+            x = torch.randn(4, 3, 8, 8)
+            if step == 2 and rank == 1:
+                x[0, 0, 0, 0] = float("inf")
+            loss = net(x).pow(2).mean()
+            opt.zero_grad(); loss.backward()
+            mon.step()
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    torch.multiprocessing.spawn(work, args=(sys.argv[1],), nprocs=2)
+'''
+
+
+def test_two_ranks_on_gloo_each_write_their_own_and_plot_stats_reads_both(tmp_path, capsys):
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP)
+    subprocess.run([sys.executable, str(script), str(tmp_path / "mon"), str(port), str(Path(__file__).parent)],
+                   check=True, timeout=300)
+    for r in (0, 1):
+        df = table(tmp_path / "mon" / f"rank{r}")
+        assert set(df["rank"]) == {r} and sorted(df.step.unique()) == [0, 1, 2, 3]
+    rows = anomalies(tmp_path / "mon" / "rank1")
+    assert {(r["rank"], r["step"]) for r in rows} == {("1", "2")}
+    assert not (tmp_path / "mon" / "rank0" / "anomalies.csv").exists()
+    code, text, _ = run(capsys, "plot-stats", "--monitor", tmp_path / "mon", "--out", tmp_path / "ps")
+    assert code == 1 and "2 run(s)" in text and "anomaly: rank 1 float32 module.bn1 step 2" in text
