@@ -755,6 +755,46 @@ def _fold(damage: str) -> Callable[[Ctx], dict]:
     return setup
 
 
+def onnx_model(ctx: Ctx, damage: str = "") -> Path:
+    """A Conv -> BatchNormalization model (fold --onnx), damaged as ``damage`` says."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(a.astype(np.float32), n) for n, a in (
+        ("w", rng.standard_normal((4, 3, 3, 3))), ("g", np.ones(4)), ("b", np.zeros(4)), ("m", np.zeros(4)),
+        ("v", np.ones(4)))]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c", "g", "b", "m", "v"], ["y"], name="bn")]
+    if damage == "cycle":
+        nodes[0].input[0] = "y"
+    if damage == "written-twice":
+        nodes[1].output[0] = "c"
+    if damage == "absurd-dims":
+        del inits[0].dims[:]
+        inits[0].dims.extend([100000, 100000, 3, 3])
+    if damage == "external-escape":
+        _write(ctx.root / "outside.bin", b"\0" * 432)
+        inits[0].ClearField("raw_data")
+        inits[0].data_location = TensorProto.EXTERNAL
+        inits[0].external_data.add(key="location", value="../outside.bin")
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])], inits)
+    data = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    return _write(ctx.inp / "model.onnx", data)
+
+
+ONNX_DAMAGE = ("truncated", "cycle", "written-twice", "absurd-dims", "external-escape")
+
+
+def _onnx(damage: str) -> Callable[[Ctx], dict]:
+    def setup(ctx: Ctx) -> dict:
+        return {"m": str(onnx_model(ctx, damage))}
+
+    return setup
+
+
 MEM_ENV = (("BNPROBE_MAX_MEMORY", MEMORY_LIMIT),)
 
 
@@ -855,6 +895,15 @@ def file_cases() -> list[Case]:
                         needs=("torch",) if kind in NEEDS_TORCH else ()))
     out.append(Case("files", "fold-ok", ("fold", "--weights", "{w}", "--dtype", "fp32"),
                     lambda c: {"w": str(fold_npz(c))}))
+    # fold --onnx (and --fuse ort, which must refuse the model before onnxruntime sees it)
+    for i, damage in enumerate(ONNX_DAMAGE):
+        fuse = ("--fuse", "ort") if i % 2 else ()
+        out.append(Case("files", f"fold-onnx-{damage}", ("fold", "--onnx", "{m}", *fuse, "--out", "{cwd}/r"),
+                        _onnx(damage), must_refuse=True, needs=("onnx", "onnxruntime")))
+    out.append(Case("files", "fold-onnx-not-a-model", ("fold", "--onnx", "{x}"), _one_file("raw-pickle"),
+                    must_refuse=True, needs=("onnx",)))
+    out.append(Case("files", "fold-onnx-ok", ("fold", "--onnx", "{m}", "--fuse", "ort", "--json"), _onnx(""),
+                    needs=("onnx", "onnxruntime")))
     # a malicious .pt and a pickle inside a dump
     readers = _dump_readers()
     for i, kind in enumerate(("pt-malicious", "pt-malicious-output", "npy-object-pickle", "npy-raw-pickle",
