@@ -112,7 +112,8 @@ class OnnxFoldReport:
                     continue
                 if isinstance(rep, str):
                     rows.append({"layer": ly.name, "op": ly.op, "bn": ly.bn, "check": label, "channels": lay.channels,
-                                 "eps": lay.eps, "cause": rep, "verdict": "not fused"})
+                                 "eps": lay.eps, "cause": rep,
+                                 "verdict": "not fused" if rep.startswith("not fused") else "not checked"})
                     continue
                 ch = rep.channels
                 rows.append({"layer": ly.name, "op": ly.op, "bn": ly.bn, "check": f"{label} ({rep.dtype})",
@@ -234,10 +235,11 @@ def _folded_of(fm: Model, node: Any, layer: Layer, label: str, source: str) -> F
     try:
         p = layer_params(fm, node, add)
     except Skipped as exc:
-        raise BNProbeError(f"{fm.path}: fused node {label!r}: {exc}") from None
+        raise Skipped(f"not comparable: the fused node {label!r}: {exc}") from None
     if p.weight.shape != layer.weight.shape:
-        raise BNProbeError(f"{fm.path}: fused node {label!r} has weight {p.weight.shape} (in the fold's layout) but "
-                           f"the unfused layer's is {layer.weight.shape}")
+        raise Skipped(f"not comparable: the fused node {label!r} holds a weight of shape {p.weight.shape} (in the "
+                      f"fold's layout) for the unfused {layer.weight.shape} (a layout change, e.g. onnxruntime's "
+                      "NCHWc blocks at ort-all)")
     raw_w = fm.raw(node.input[1])
     _, wf, w_how = _stored(fm.path, f"{label} weight", raw_w)
     if p.bias is None:
@@ -327,8 +329,12 @@ def _check_fused(rep: OnnxFoldReport, fm: Model, source: str) -> None:
         if node is None:
             rep.fused[ly.name] = why
             continue
-        f = _folded_of(fm, node, ly.layer, node.name or node.output[0], "onnxruntime's fused model"
-                       if source.startswith("onnxruntime") else source)
+        try:
+            f = _folded_of(fm, node, ly.layer, node.name or node.output[0], "onnxruntime's fused model"
+                           if source.startswith("onnxruntime") else source)
+        except Skipped as exc:
+            rep.fused[ly.name] = str(exc)
+            continue
         rep.fused[ly.name] = check_folded(ly.layer, f)
         rep.fp16[ly.name] = _fp16_view(ly.layer, f)
 
@@ -356,6 +362,8 @@ def check_onnx(path: str | Path, dtypes: list[str] | tuple[str, ...] = ("fp16",)
             _check_fused(rep, fm, f"onnxruntime {_ort_version()} graph optimizer ({FUSE_LEVELS[fuse]}, CPU)")
     if not rep.layers:
         rep.notes.append("no Conv/ConvTranspose/Gemm/MatMul -> BatchNormalization pair to fold in this model")
+    elif rep.fused_source is not None and not rep.fp16:
+        rep.notes.append(f"no fused layer of {rep.fused_source} could be compared with the golden fold")
     if rep.fp16:
         rep.notes.append("fp16 view: each fused weight and bias rounded to fp16 by numpy (round to nearest even; "
                          "beyond 65504 to inf, no clipping)")

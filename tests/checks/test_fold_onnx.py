@@ -514,10 +514,22 @@ def test_a_torch_export_and_torchs_own_fold(tmp_path):
     assert rep.passed
 
 
-def test_a_model_too_large_for_the_memory_limit_is_refused_before_it_is_parsed(tmp_path, capsys, params):
+def test_a_model_too_large_for_the_memory_limit_is_refused_before_it_is_parsed(tmp_path, capsys, params, monkeypatch):
+    monkeypatch.setattr("bnprobe.guard._override", None)  # --max-memory sets it for the process: restored after
     p = {**params, "fc": {**params["fc"], "w": np.ones((5, 60000))}}  # 300,000 float32 values: a 1.2 MB file
     model = write_model(tmp_path / "big.onnx", p)
     code, _, err = run(capsys, "--max-memory", "257M", "fold", "--onnx", model)
     assert code == 2 and len(err.splitlines()) == 1 and "reading" in err and "needs about" in err, err
     code, out, _ = run(capsys, "--max-memory", "300M", "fold", "--onnx", write_model(tmp_path / "m.onnx", params))
     assert code == 0, out  # the guard: the small model fits the same kind of limit
+
+
+def test_onnxruntimes_layout_changes_are_not_compared_and_say_so(model):
+    """ort-all blocks conv1's channels (NCHWc: 6 padded to 16): not a fold to judge, listed as not checked rather
+    than passed or refused; the layers it left in place are still judged."""
+    rep = check_onnx(model, ["fp32"], fuse="ort-all")
+    assert rep.fused["conv1"].startswith("not comparable") and "(16, 3, 3, 3)" in rep.fused["conv1"]
+    row = next(r for r in rep.summary() if r["layer"] == "conv1" and r["check"] == "fused")
+    assert row["verdict"] == "not checked"
+    assert rep.fused["dw"].passed and rep.passed
+    assert not any(n.startswith("no fused layer") for n in rep.notes)  # one was compared
