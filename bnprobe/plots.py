@@ -210,9 +210,13 @@ def plot_monitor_layer(df: pd.DataFrame, policy: str, layer: str, anomalies: lis
             if f"{t}_max" not in g or g[f"{t}_max"].isna().all():
                 continue
             big = np.maximum(g[f"{t}_max"].abs(), g[f"{t}_min"].abs()).groupby(g["step"]).max()
-            ax_h.plot(big.index, np.log2(fmax / big), color=f"C{i + 1}", linewidth=1, label=f"|{t}|")
+            room = np.log2(fmax / big)
+            ax_h.plot(big.index, room.where(np.isfinite(room), -1.0), color=f"C{i + 1}", linewidth=1, label=f"|{t}|")
+            gone = room.index[big.isna() | np.isinf(big)]
+            if len(gone):  # NaN or inf: no headroom left, drawn at −1
+                ax_h.plot(gone, np.full(len(gone), -1.0), "x", color=f"C{i + 1}", markersize=8)
     ax_h.axhline(0, color="k", linewidth=0.8)
-    ax_h.set_ylabel(f"headroom, binades ({_text(g['dtype'].iloc[0])})")
+    ax_h.set_ylabel(f"headroom, binades ({_text(g['dtype'].iloc[0])}; ×: NaN/inf)")
     ax_h.set_xlabel("training step")
     for ax in (ax_i, ax_h):
         for k, step in enumerate(sorted(set(anomalies))):

@@ -45,7 +45,7 @@ class Seen:
     def __init__(self, model):
         self.calls, self.step = {}, 0
         for name, m in model.named_modules():
-            if isinstance(m, nn.BatchNorm2d):
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
                 m.register_forward_hook(self._hook(name))
 
     def _hook(self, name):
@@ -135,10 +135,12 @@ def test_a_nan_pixel_is_found_at_its_step_dumped_and_replayed(tmp_path, capsys):
     assert {f["step"] for f in findings if f["kind"] == "anomaly"} == {7}
 
 
-def test_the_numbers_are_numpys_on_the_calls_tensors(tmp_path):
-    """Batch mean/var against numpy float64 on x; min/max and counts of x and y; Σdy and Σdy·x̂ from dy and x."""
+@pytest.mark.parametrize("affine", [True, False])
+def test_the_numbers_are_numpys_on_the_calls_tensors(tmp_path, affine):
+    """Batch mean/var against numpy float64 on x; min/max and counts of x and y; Σdy and Σdy·x̂ from dy and x (the
+    kernel's dβ, dγ with affine; reduced by the monitor without)."""
     out = tmp_path / "mon"
-    _, seen = train(out, steps=4, seen=True)
+    _, seen = train(out, steps=4, seen=True, bn=lambda c: nn.BatchNorm2d(c, affine=affine))
     df = table(out)
     for (step, layer), t in seen.calls.items():
         g = df[(df.step == step) & (df.layer == layer)].sort_values("channel")
