@@ -408,6 +408,8 @@ def dump_cmd(
                  meta={"seed": seed, "input": str(input) if input else f"{dist}(mean={mean}, std={std})"})
     files = write_dump(rec, out, force=force)
     typer.echo(f"recorded {a.name} ({', '.join(rec.modes)}) in {rec.dtype}: " + ", ".join(str(f) for f in files))
+    if "params_note" in rec.meta:
+        typer.echo(f"note: {rec.meta['params_note']}")
     typer.echo(f"replay it as an adapter: --adapter dump:{out}")
 
 

@@ -80,6 +80,9 @@ class Capabilities:
     # the framework convention it follows (bnprobe.conventions: running variance's bias, momentum's spelling, what
     # is saved): the golden, the bench and the bug models follow it; the momentum it is given is always bnprobe's m
     convention: str = "torch"
+    # the format it reads γ, β and the running statistics in whatever it is given (a fixed policy's, e.g.
+    # emulated:bf16-acc16's bf16), None when it takes the run's parameter format; a recording stores them so
+    params: str | None = None
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,8 @@ class EmulatedAdapter(PolicyAdapter):
                 return base
 
             super().__init__(f"emulated:{spec}", make, Capabilities(formats=(base.storage,), traced=True,
-                                                                    training_r1=base.unbiased_r1 != "error"))
+                                                                    training_r1=base.unbiased_r1 != "error",
+                                                                    params=base.params_format))
         else:
             def make(p: Prepared, mode: str) -> Policy:
                 return get_policy(p.dtype).with_options(name=f"emulated:{p.dtype}", params=p.params)

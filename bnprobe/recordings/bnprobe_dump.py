@@ -220,8 +220,11 @@ def record(adapter: KernelAdapter, *, x: np.ndarray, gamma: np.ndarray | None, b
     rm = round_to(np.asarray(running_mean, dtype=np.float64), pf)
     rv = round_to(np.asarray(running_var, dtype=np.float64), pf)
     xs, dys = round_to(np.asarray(x, dtype=np.float64), fmt), round_to(np.asarray(dy, dtype=np.float64), fmt)
+    extra = {} if caps.params in (None, pf) else {"kernel_params": caps.params, "params_note": (
+        f"{adapter.name} reads γ, β and the running statistics in {caps.params} (its policy's) whatever it is given: "
+        f"recorded as given ({pf}); the outputs it returns in {caps.params}")}
     rec = Recording(adapter.name, fmt, pf, layout, eps, momentum, caps.saved,
-                    meta={**(meta or {}), "training": "train" in modes or "backward" in modes})
+                    meta={**(meta or {}), **extra, "training": "train" in modes or "backward" in modes})
 
     def put(mode: str, io: str, name: str, a: np.ndarray, f: str) -> None:
         # an output is stored in the format the kernel returned it in (the reference returns float64)

@@ -569,3 +569,25 @@ def test_an_msprobe_tensor_argument_recorded_as_none_is_no_argument(tmp_path, no
     dj.write_text(json.dumps(doc))
     rec = read_msprobe(tmp_path, "Functional.batch_norm.1")
     assert "gamma" not in rec.tensors["infer"]["inputs"]
+
+
+@pytest.mark.parametrize("spec,dtype", [("bf16-acc16", "bf16"), ("fp16-acc16", "fp16")])
+def test_a_fixed_policys_recording_says_which_parameter_format_it_read(spec, dtype):
+    """emulated:<preset> reads γ, β and the running statistics in its own parameter format whatever it is given:
+    the recording keeps the call as given (fp32 parameters: the kernel's rounding of them is its error) and says
+    what the kernel read, as trace's policy line does; its running statistics come back in that format."""
+    from bnprobe.kernels import get_policy
+
+    rng = np.random.default_rng(0)
+    x, g = rng.normal(size=(4, 3, 5, 5)), rng.uniform(0.5, 1.5, 3) + 1e-3
+    rec = record(get_adapter(f"emulated:{spec}"), x=x, gamma=g, beta=rng.normal(size=3), running_mean=np.zeros(3),
+                 running_var=np.ones(3), dy=rng.normal(size=x.shape), dtype=dtype, params="fp32")
+    pf = get_policy(spec).params_format
+    assert pf == dtype and rec.params == "fp32" and rec.meta["kernel_params"] == pf
+    assert rec.formats["train.inputs.gamma"] == "fp32" and rec.formats["train.outputs.running_var_out"] == pf
+    assert f"reads γ, β and the running statistics in {pf}" in rec.meta["params_note"]
+    np.testing.assert_array_equal(rec.tensors["train"]["inputs"]["gamma"], g.astype(np.float32))
+    # an adapter that takes the run's parameter format says nothing
+    rec = record(get_adapter("emulated"), x=x, gamma=g, beta=None, running_mean=np.zeros(3), running_var=np.ones(3),
+                 dy=rng.normal(size=x.shape), dtype=dtype, params="fp32")
+    assert rec.params == "fp32" and "kernel_params" not in rec.meta
