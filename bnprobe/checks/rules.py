@@ -44,7 +44,9 @@ __all__ = ["Verdict", "STANDARD_RULES", "RULES", "SUMS", "beyond_rounding", "exc
 
 STANDARD_RULES = ("scaled", "accumulated", "threshold")
 RULES = ("benchmark", *STANDARD_RULES)
-SUMS = ("saved_mean", "dgamma", "dbeta")  # per-channel sums (or means) of R terms, scaled by Σ|terms| (mean |x|)
+# per-channel sums (or means) of R terms, scaled by Σ|terms| (mean |x|); the running mean is one of them updated by
+# the momentum, scaled by max(|running mean|, m·mean |x|) (its update's own rounding is a few ulps of that, under γ_R)
+SUMS = ("saved_mean", "running_mean", "dgamma", "dbeta")
 
 
 @dataclass(frozen=True)

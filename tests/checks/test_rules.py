@@ -175,8 +175,9 @@ def test_the_rounding_exemption_at_its_edge_in_every_format(fmt):
     assert within_rounding(only_small, golden + [0, 1.1 * edge], golden, fmt, lambda: natural) is None
 
 
+@pytest.mark.parametrize("tensor", ["dbeta", "running_mean"])
 @pytest.mark.parametrize("fmt", OUTPUT_FORMATS)
-def test_the_accumulation_exemption_at_its_edge(fmt):
+def test_the_accumulation_exemption_at_its_edge(fmt, tensor):
     """A per-channel sum within γ_R·Σ|terms| + half an ulp is forgiven, just beyond it is not; and only sums are."""
     from bnprobe.checks.rules import within_accumulation
     from bnprobe.formats import get_format
@@ -185,8 +186,8 @@ def test_the_accumulation_exemption_at_its_edge(fmt):
     golden = np.array([1e-3, -2e-3])
     gamma = terms * 2.0**-24 / (1 - terms * 2.0**-24)
     edge = gamma * mag + 0.5 * get_format(fmt).ulp(golden)
-    assert within_accumulation("dbeta", golden + 0.99 * edge, golden, fmt, mag, terms) is not None
-    assert within_accumulation("dbeta", golden + 1.01 * edge, golden, fmt, mag, terms) is None
+    assert within_accumulation(tensor, golden + 0.99 * edge, golden, fmt, mag, terms) is not None
+    assert within_accumulation(tensor, golden + 1.01 * edge, golden, fmt, mag, terms) is None
     assert within_accumulation("dx", golden + 0.5 * edge, golden, fmt, mag, terms) is None  # not a sum
 
 
