@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -91,6 +91,9 @@ def _show(report, sink=None, as_json: bool = False) -> int:  # noqa: ANN001 - Re
     _echo(report.lines(written) if not as_json else [dumps_json(report.doc)])
     return 0 if report.passed else 1
 
+
+# every command takes both spellings: --adapter / --adapters, --dtype / --dtypes (compare-precision lists several)
+_A, _D = ("--adapter", "--adapters"), ("--dtype", "--dtypes")
 
 def split_adapters(text: str) -> list[str]:
     """``--adapters``' list: comma-separated adapters, where a ``key=value`` after a comma continues the adapter
@@ -367,9 +370,9 @@ def adapters_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON.
 
 @app.command("dump")
 def dump_cmd(
-    adapter: str = typer.Option(..., "--adapter", help="Adapter to record, e.g. torch, ascend-tbe, emulated:fp16."),
+    adapter: str = typer.Option(..., *_A, help="Adapter to record, e.g. torch, ascend-tbe, emulated:fp16."),
     out: Path = typer.Option(..., "--out", help="Folder to write bnprobe-dump.json and tensors.npz into."),
-    dtype: str = typer.Option("fp16", help="Format to run in: fp64, fp32, fp16, bf16."),
+    dtype: str = typer.Option("fp16", *_D, help="Format to run in: fp64, fp32, fp16, bf16."),
     params: str = typer.Option("fp32", help="Parameter precision: fp32 (mixed precision) or same."),
     shape: str = typer.Option("8,16,14,14", help="Shape of generated input N,C[,...]."),
     seed: int = typer.Option(0, min=0, help="Seed of the generated input, parameters and dy."),
@@ -432,9 +435,10 @@ def _output(out: Optional[Path], force: bool, stem: str = "", *names: str):  # n
 
 @app.command("gradcheck")
 def gradcheck_cmd(
-    adapter: str = typer.Option("emulated", help="Adapter whose backward is checked, or dump:DIR[#NAME] (every "
+    adapter: str = typer.Option("emulated", *_A, help="Adapter whose backward is checked, or dump:DIR[#NAME] (every "
                                                  "recorded call, each on its own inputs)."),
-    dtype: Optional[str] = typer.Option(None, help="Format: fp16 (default), bf16, fp32 or fp64; a recording's own."),
+    dtype: Optional[str] = typer.Option(None, *_D,
+                                        help="Format: fp16 (default), bf16, fp32 or fp64; a recording's own."),
     shape: Optional[str] = typer.Option(None, help="Input shape N,C[,...] of generated inputs (default 4,3,5,5)."),
     mode: Optional[str] = typer.Option(None, help="train (default) or infer; a recording's own."),
     seed: Optional[int] = _SEED,
@@ -493,14 +497,59 @@ def gradcheck_cmd(
     return _show(gradcheck_report(result, params), sink, as_json)
 
 
+def _builtin(dtypes: tuple[str, ...] | None) -> list[str]:
+    """The built-in set (:data:`~bnprobe.adapters.registry.BUILTIN_SET`, torch where installed); with ``dtypes``
+    given, those of its kernels that run every one of them (a fixed policy runs its own format only)."""
+    from bnprobe.adapters import get_adapter
+    from bnprobe.adapters.registry import builtin_adapters
+    from bnprobe.formats import get_format
+
+    names = builtin_adapters()
+    if dtypes is None:
+        return names
+    want = [get_format(d).name for d in dtypes]
+    keep = [n for n in names if all(f in get_adapter(n).capabilities().formats for f in want)]
+    if not keep:
+        raise BNProbeError(f"no built-in kernel runs {', '.join(want)}: name the adapters (--adapters)")
+    return keep
+
+
+def _formats_and_dtypes(format: str, dtypes: Optional[str]) -> tuple[list, tuple[str, ...] | None]:
+    """compare-precision's report formats and its --dtypes (None: each adapter's defaults), checked."""
+    from bnprobe.reports.compare import report_formats
+
+    try:
+        fmts = report_formats(format)
+    except BNProbeError as exc:
+        raise BNProbeError(f"--format: {exc}") from None
+    dts = tuple(d.strip() for d in dtypes.split(",") if d.strip()) if dtypes is not None else None
+    if dts == ():
+        raise BNProbeError("--dtypes is empty")
+    return fmts, dts
+
+
+def _builtin_for(resolved: list, recorded: Any) -> list:
+    """Of the built-in set, the kernels that run every format of the recorded calls (and the dump itself)."""
+    fmts = {c.dtype for c in recorded.calls}
+    keep = [k for k in resolved if k.capabilities().recorded or fmts <= set(k.capabilities().formats)]
+    if not keep:
+        raise BNProbeError(f"no built-in kernel runs {', '.join(sorted(fmts))}: name the adapters (--adapters)")
+    return keep
+
+
 @app.command("compare-precision")
 def compare_precision_cmd(
-    adapters: str = typer.Option("emulated", help="Comma-separated adapters, e.g. emulated,ascend-tbe,torch, or "
-                                                  "dump:DIR (every BatchNorm call of a bnprobe/msprobe dump)."),
-    dtypes: Optional[str] = typer.Option(None, help="Comma-separated formats (default fp16,bf16,fp32; a recording's "
+    adapters: str = typer.Option("builtin", "--adapters", "--adapter",
+                                 help="Comma-separated adapters, e.g. emulated,ascend-tbe,torch, or dump:DIR (every "
+                                      "BatchNorm call of a bnprobe/msprobe dump); builtin: the Ascend emulators "
+                                      "(ascend-tbe, ascend-bnv3, ascend-950), the 16-bit-accumulator ports "
+                                      "(emulated:fp16-acc16, emulated:bf16-acc16) and torch where installed."),
+    dtypes: Optional[str] = typer.Option(None, "--dtypes", "--dtype",
+                                         help="Comma-separated formats (default fp16,bf16,fp32; a recording's "
                                                     "own format)."),
     shape: Optional[str] = typer.Option(None, help="One input shape N,C[,...] instead of the ResNet-50 set."),
-    shapes: str = typer.Option("resnet50", help="Shape set when --shape is not given: resnet50."),
+    shapes: str = typer.Option("sample", help="Shape set when --shape is not given: sample (two ResNet-50 shapes) "
+                                             "or resnet50 (every distinct one)."),
     batch: Optional[int] = typer.Option(None, min=1, max=65_536,
                                         help="Batch size of the ResNet-50 shapes (default 2)."),
     dist: Optional[str] = _DIST, mean: Optional[float] = _MEAN, std: Optional[float] = _STD,
@@ -535,14 +584,11 @@ def compare_precision_cmd(
     from bnprobe.checks.cases import select_cases
     from bnprobe.checks.compare import compare_precision
     from bnprobe.checks.recorded import given
-    from bnprobe.reports.compare import compare_lines, report_files, report_formats, write_report
+    from bnprobe.reports.compare import compare_lines, report_files, write_report
 
     _check_common(eps=eps, params=params)
-    try:
-        fmts = report_formats(format)
-    except BNProbeError as exc:
-        raise BNProbeError(f"--format: {exc}") from None
-    names = split_adapters(adapters)
+    fmts, dts = _formats_and_dtypes(format, dtypes)
+    names = [n for a in split_adapters(adapters) for n in (_builtin(dts) if a == "builtin" else [a])]
     if not names:
         raise BNProbeError("--adapters is empty")
     if (found := _sweep_root(names[0], input, (sweep, workers, scheduler, resume))) is not None:
@@ -557,9 +603,8 @@ def compare_precision_cmd(
     resolved, cases, recorded = select_cases(kernels, input=input, calls=calls, shape=shape,
                                              shapes=shapes, batch=batch, dist=dist, mean=mean, std=std, seed=seed,
                                              mode=mode, stress=stress)
-    dts = tuple(d.strip() for d in dtypes.split(",") if d.strip()) if dtypes is not None else None
-    if dts == ():
-        raise BNProbeError("--dtypes is empty")
+    if recorded is not None and "builtin" in split_adapters(adapters):
+        resolved = _builtin_for(resolved, recorded)
     sink = _output(out, force, "compare-precision", *report_files(fmts)) if fmts else None
     with Progress("compare-precision") as bar:
         result = compare_precision(resolved, dts, cases, mode=mode, eps=eps, momentum=momentum, params=params,
@@ -574,9 +619,9 @@ def compare_precision_cmd(
 
 @app.command("overflow")
 def overflow_cmd(
-    adapter: str = typer.Option("emulated", help="Adapter to scan (a traced one shows every stage), or "
+    adapter: str = typer.Option("emulated", *_A, help="Adapter to scan (a traced one shows every stage), or "
                                                  "dump:DIR[#NAME] (every recorded call's outputs vs the golden)."),
-    dtype: Optional[str] = typer.Option(None, help="Format: fp16 (default), bf16, fp32; a recording's own."),
+    dtype: Optional[str] = typer.Option(None, *_D, help="Format: fp16 (default), bf16, fp32; a recording's own."),
     accumulate: Optional[str] = typer.Option(None, help="Accumulator/compute format for emulated kernels, e.g. "
                                                         "fp16 for a naive port."),
     input: Optional[Path] = typer.Option(None, "--input", help="Input tensor .npy/.npz, or a dump folder (the adapter "
@@ -640,7 +685,7 @@ def fold_cmd(
     folded: Optional[Path] = typer.Option(None, "--folded", help="Your folded layer, an .npz with weight (W'), bias "
                                                                  "(b') and optional eps: judged against the FP64 fold "
                                                                  "of --weights (needs --weights)."),
-    dtype: Optional[str] = typer.Option(None, help="Format: fp16, bf16, fp32, fp64 (default fp16; with --folded, "
+    dtype: Optional[str] = typer.Option(None, *_D, help="Format: fp16, bf16, fp32, fp64 (default fp16; with --folded, "
                                                    "the file's)."),
     accumulate: Optional[str] = typer.Option(None, help="Accumulator of the layer's dot products (default fp32)."),
     eps: Optional[float] = typer.Option(None, help="BatchNorm epsilon (default: the layer's, 1e-5)."),
@@ -714,9 +759,11 @@ def _fold_onnx(onnx: Optional[Path], fused: Optional[Path], fuse: Optional[str],
 
 @app.command("doctor")
 def doctor_cmd(
-    adapter: str = typer.Option("reference", help="Adapter to diagnose, or dump:DIR[#NAME] (every recorded call on "
+    adapter: str = typer.Option("reference", *_A,
+                                help="Adapter to diagnose, or dump:DIR[#NAME] (every recorded call on "
                                                   "its own inputs)."),
-    dtype: Optional[str] = typer.Option(None, help="Format (default: fp64 if the adapter runs it, else its first; a "
+    dtype: Optional[str] = typer.Option(None, *_D,
+                                        help="Format (default: fp64 if the adapter runs it, else its first; a "
                                                    "recording's own)."),
     params: Optional[str] = _PARAMS,
     seed: Optional[int] = typer.Option(None, min=0, help="Seed of the diagnostic inputs (default 0)."),
@@ -787,10 +834,11 @@ def doctor_cmd(
 
 @app.command("identify")
 def identify_cmd(
-    adapter: str = typer.Option("torch", help="The black-box kernel: an adapter (torch, ascend-bnv3, a plugin "
+    adapter: str = typer.Option("torch", *_A, help="The black-box kernel: an adapter (torch, ascend-bnv3, a plugin "
                                               "pkg.mod:Name...) or dump:DIR[#NAME] (every recorded call, each on its "
                                               "own inputs)."),
-    dtype: Optional[str] = typer.Option(None, help="Format: fp16 (default), bf16, fp32 or fp64; a recording's own."),
+    dtype: Optional[str] = typer.Option(None, *_D,
+                                        help="Format: fp16 (default), bf16, fp32 or fp64; a recording's own."),
     params: Optional[str] = _PARAMS,
     input: Optional[Path] = typer.Option(None, "--input", help="Your input x (.npy/.npz), to confirm the recipe on "
                                                                "too, or a dump folder (the adapter on every recorded "
@@ -852,9 +900,9 @@ def identify_cmd(
 
 @app.command("shrink")
 def shrink_cmd(
-    adapter: str = typer.Option(..., "--adapter", help="Adapter whose comparison with the FP64 reference fails (a "
+    adapter: str = typer.Option(..., *_A, help="Adapter whose comparison with the FP64 reference fails (a "
                                                        "runnable one: a dump cannot be rerun on smaller inputs)."),
-    dtype: Optional[str] = typer.Option(None, help="Format (default fp16; a recording's own)."),
+    dtype: Optional[str] = typer.Option(None, *_D, help="Format (default fp16; a recording's own)."),
     params: Optional[str] = _PARAMS,
     mode: Optional[str] = typer.Option(None, help="train (default), infer or backward."),
     predicate: str = typer.Option("compare", help="compare (vs the reference), overflow, or module:function "

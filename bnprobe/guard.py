@@ -52,6 +52,10 @@ PER_ELEMENT: dict[str, int] = {
 COMPILED_BYTES = 288 * 2**20
 _NO_COMPILED_ROUTE = frozenset(("trace", "load"))  # trace keeps every stage's array: the float64 route
 
+#: torch, for runs with a torch adapter (compare-precision's default set has one where torch is installed):
+#: importing it and running its CPU kernel measured +199 MB resident (torch 2.13.0 CPU, x86_64), ×1.15.
+TORCH_BYTES = 224 * 2**20
+
 _override: int | None = None
 
 
@@ -144,19 +148,19 @@ def require(nbytes: float, what: str) -> None:
                            f"{source} (--max-memory SIZE sets the limit; a smaller shape or fewer calls need less)")
 
 
-def run_bytes(command: str, elements: int) -> int:
+def run_bytes(command: str, elements: int, *, torch: bool = False) -> int:
     """The estimated peak memory of ``command`` on an input of ``elements`` values (with the compiled route's
-    numba where the command's kernels may take it)."""
+    numba where the command's kernels may take it, and torch's when ``torch``: a torch adapter runs)."""
     jit = COMPILED_BYTES if command not in _NO_COMPILED_ROUTE and jit_for(int(elements)) else 0
-    return BASE_BYTES + jit + PER_ELEMENT[command] * int(elements)
+    return BASE_BYTES + jit + (TORCH_BYTES if torch else 0) + PER_ELEMENT[command] * int(elements)
 
 
-def require_run(command: str, shape: tuple[int, ...] | int, what: str | None = None) -> None:
+def require_run(command: str, shape: tuple[int, ...] | int, what: str | None = None, *, torch: bool = False) -> None:
     """Refuse ``command`` on an input of ``shape`` (or that many elements) when it would exceed the limit."""
     elements = shape if isinstance(shape, int) else math.prod(shape)
     label = what or (f"{command} on shape {tuple(shape)}" if not isinstance(shape, int)
                      else f"{command} on {elements:,} values")
-    require(run_bytes(command, elements), label)
+    require(run_bytes(command, elements, torch=torch), label)
 
 
 _MALLOC_TUNED = False

@@ -66,7 +66,11 @@ def plot_compare(rows: pd.DataFrame) -> Figure:
     from matplotlib.figure import Figure
 
     df = rows.copy()
-    df["ratio"] = (df["score"] / df["bound"]).clip(lower=1e-6)
+    with np.errstate(all="ignore"):
+        ratio = (df["score"] / df["bound"]).clip(lower=1e-6)
+    finite = ratio[np.isfinite(ratio)]
+    cap = max(1e3, 10.0 * float(finite.max())) if len(finite) else 1e3
+    df["ratio"] = ratio.where(np.isfinite(ratio) | ratio.isna(), cap)  # inf (NaN/overflow) drawn at the cap
     tensors = [t for t in ("y", "y_infer", "saved_mean", "saved_invstd", "saved_var", "running_mean", "running_var",
                            "dx", "dgamma", "dbeta") if t in set(df["tensor"])]
     groups = sorted({(a, d) for a, d in zip(df["adapter"], df["dtype"])})
@@ -77,12 +81,15 @@ def plot_compare(rows: pd.DataFrame) -> Figure:
         sub = df[(df["adapter"] == adapter) & (df["dtype"] == dtype)]
         worst = [float(sub[sub["tensor"] == t]["ratio"].max()) if (sub["tensor"] == t).any() else np.nan
                  for t in tensors]
-        ax.bar(np.arange(len(tensors)) + (k - (len(groups) - 1) / 2) * width, worst, width,
-               label=f"{adapter} {dtype}")
+        bars = ax.bar(np.arange(len(tensors)) + (k - (len(groups) - 1) / 2) * width, worst, width,
+                      label=f"{adapter} {dtype}")
+        for bar, w in zip(bars, worst):
+            if w == cap:  # an inf ratio: hatched, at the cap
+                bar.set_hatch("xx")
     ax.axhline(1.0, color="tab:red", linestyle="--", linewidth=1, label="standard's bound")
     ax.set_yscale("log")
     ax.set_xticks(np.arange(len(tensors)), tensors, rotation=20)
-    ax.set_ylabel("worst error / bound (over all inputs)")
+    ax.set_ylabel("worst error / bound (over all inputs; hatched: inf)")
     ax.set_title("BatchNorm outputs vs the FP64 golden: worst error as a multiple of msprobe's bound")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8, ncol=2)

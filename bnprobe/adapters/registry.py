@@ -12,9 +12,18 @@ from bnprobe._loading import binds, first_line, kind_of, raised, resolve
 from bnprobe.adapters.base import BaseAdapter, Capabilities, KernelAdapter
 from bnprobe.errors import BNProbeError
 
-__all__ = ["get_adapter", "list_adapters", "AdapterInfo", "ENTRY_POINT_GROUP"]
+__all__ = ["get_adapter", "list_adapters", "AdapterInfo", "ENTRY_POINT_GROUP", "BUILTIN_SET", "builtin_adapters"]
 
 ENTRY_POINT_GROUP = "bnprobe.adapters"
+# compare-precision's default: the built-in kernels side by side, each against the bench (the careful kernel).  The
+# Ascend emulators, the 16-bit-accumulator ports (each runs its own format), and torch's CPU kernel where installed;
+# not ``emulated`` (each format's preset is the bench's own policy: it would pass every output at half an ulp)
+BUILTIN_SET = ("ascend-tbe", "ascend-bnv3", "ascend-950", "emulated:fp16-acc16", "emulated:bf16-acc16")
+
+
+def builtin_adapters() -> list[str]:
+    """:data:`BUILTIN_SET`, and torch where it imports (its absence is said, not an error)."""
+    return [*BUILTIN_SET, *(["torch"] if _torch("cpu")() is None else [])]
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from bnprobe.recordings import CallRef, RecordedCalls
 from bnprobe.errors import BNProbeError
 from bnprobe.inputs import make_input
 
-__all__ = ["Case", "DY_KINDS", "RESNET50_BN", "dy_of_kind", "make_dy",
+__all__ = ["Case", "DY_KINDS", "RESNET50_BN", "SHAPE_SETS", "dy_of_kind", "make_dy",
            "recorded_cases", "resnet50_cases", "stress_cases", "select_cases"]
 
 # ResNet-50 (ImageNet, 224x224) BatchNorm layers: (name, C, H, W), one entry per distinct shape
@@ -78,10 +78,15 @@ def recorded_cases(calls: RecordedCalls) -> list[Case]:
     return [Case(c.label, c.shape, "recorded", seed=0, call=c) for c in calls.calls]
 
 
-def resnet50_cases(batch: int = 2, seed: int = 0, dist: str = "normal") -> list[Case]:
-    """ResNet-50's BatchNorm shapes with the batch reduced to ``batch``."""
+# the shape sets of --shapes: every distinct ResNet-50 shape, or two of them (the default run's, for its time)
+SHAPE_SETS = {"resnet50": tuple(name for name, *_ in RESNET50_BN), "sample": ("layer3.*.bn2", "layer4.*.bn3")}
+
+
+def resnet50_cases(batch: int = 2, seed: int = 0, dist: str = "normal", which: str = "resnet50") -> list[Case]:
+    """ResNet-50's BatchNorm shapes with the batch reduced to ``batch`` (``which``: a :data:`SHAPE_SETS` name)."""
+    keep = SHAPE_SETS[which]
     return [Case(f"resnet50/{name}", (batch, c, h, w), dist, seed=seed + i) for i, (name, c, h, w)
-            in enumerate(RESNET50_BN)]
+            in enumerate(RESNET50_BN) if name in keep]
 
 
 def stress_cases(seed: int = 0) -> list[Case]:
@@ -104,12 +109,13 @@ def stress_cases(seed: int = 0) -> list[Case]:
 
 
 def select_cases(adapters: list[KernelAdapter], *, input: str | Path | None = None, calls: str | None = None,
-                 shape: str | None = None, shapes: str = "resnet50", batch: int | None = None, dist: str | None = None,
+                 shape: str | None = None, shapes: str = "sample", batch: int | None = None, dist: str | None = None,
                  mean: float | None = None, std: float | None = None, seed: int = 0, mode: str = "all",
                  stress: bool = True) -> tuple[list[KernelAdapter], list[Case], RecordedCalls | None]:
     """What compare-precision runs on, checked before any run: a dump's calls (``input`` a dump folder, or a
     dump adapter among ``adapters``, selected by ``calls``), the tensor at ``input``, one generated ``shape``,
-    or ResNet-50's shapes at ``batch`` (2) plus the stress inputs (``stress``).  Options that contradict a
+    or ResNet-50's shapes (``shapes``: a :data:`SHAPE_SETS` name) at ``batch`` (2) plus the stress inputs
+    (``stress``).  Options that contradict a
     recording, and a run the memory limit cannot hold (its largest case), are refused.  Returns the adapters
     (a dump adapter replaced by one of the selected calls: the caller's is not changed), the cases and the
     recorded calls (or None)."""
@@ -146,12 +152,13 @@ def select_cases(adapters: list[KernelAdapter], *, input: str | Path | None = No
         d, m, s = dist or "normal", 0.0 if mean is None else mean, 1.0 if std is None else std
         cases = [Case(f"{d}(mean={m:g}, std={s:g})", parse_shape(shape), d, m, s, seed)]
     else:
-        if shapes != "resnet50":
-            raise BNProbeError(f"unknown shape set {shapes!r}; valid: resnet50 (or give --shape)")
+        if shapes not in SHAPE_SETS:
+            raise BNProbeError(f"unknown shape set {shapes!r}; valid: {', '.join(SHAPE_SETS)} (or give --shape)")
         if batch is not None and batch < 1:
             raise BNProbeError(f"--batch must be >= 1, got {batch}")
-        cases = resnet50_cases(2 if batch is None else batch, seed, dist or "normal")
+        cases = resnet50_cases(2 if batch is None else batch, seed, dist or "normal", shapes)
         cases += stress_cases(seed) if stress else []
     biggest = max(cases, key=lambda c: math.prod(c.shape))
-    require_run("compare-precision", biggest.shape, f"compare-precision on {biggest.name} (shape {biggest.shape})")
+    require_run("compare-precision", biggest.shape, f"compare-precision on {biggest.name} (shape {biggest.shape})",
+                torch=any(a.name.startswith("torch") for a in adapters))
     return adapters, cases, recorded

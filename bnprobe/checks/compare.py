@@ -25,7 +25,7 @@ from bnprobe.adapters.base import MODES, counters_only
 from bnprobe.adapters.convention import bench_for, reference_for
 from bnprobe.call import EPS, MOMENTUM, BNCall
 from bnprobe.conventions import convention_of
-from bnprobe.checks.budget import budget_cause, error_budget
+from bnprobe.checks.budget import BUDGET_CHANNELS, budget_cause, error_budget
 from bnprobe.checks.cases import Case, make_dy, recorded_cases, resnet50_cases, stress_cases
 from bnprobe.checks.recipes import RECIPES, recipe_fits
 from bnprobe.checks.rules import (
@@ -342,6 +342,7 @@ class _Tables:
     rows: list[dict[str, Any]]
     chans: list[dict[str, Any]]
     budgets: list[dict[str, Any]]
+    picks: dict[tuple[str, str], tuple[Any, ...]] = field(default_factory=dict)  # the budget's call per adapter/format
 
 
 def _compare_adapter(a: KernelAdapter, cc: _CaseCall, j: _Judging, tables: _Tables, *, budget: bool,
@@ -374,9 +375,28 @@ def _compare_adapter(a: KernelAdapter, cc: _CaseCall, j: _Judging, tables: _Tabl
                                       gvar=gold_t.saved.var(eps), gmean=gold_t.saved.mean.astype(np.float64), eps=eps,
                                       top=top_channels))
     if budget and callable(getattr(a, "policy_for", None)) and a.name != "reference" and gold_t is not None and \
-            call.gamma is not None and call.beta is not None:
-        for r in error_budget(a, call.x, call.gamma, call.beta, dtype=fmt, eps=call.eps, params=call.params):
-            tables.budgets.append({"case": case.name, **r})
+            call.gamma is not None and call.beta is not None and "y" in run.got:
+        _pick_for_budget(tables, a, fmt, case.name, call, next(r for r in reversed(tables.rows) if r["tensor"] == "y"))
+
+
+def _pick_for_budget(tables: _Tables, a: KernelAdapter, fmt: str, case: str, call: Any, y_row: dict[str, Any]) -> None:
+    """Keep, per adapter and format, the call whose y is worst against its bound (the error budget explains that
+    one: the first channels' inputs are copied, the rest let go; a y with no measure, NaN, comes last)."""
+    with np.errstate(all="ignore"):
+        ratio = float(np.nan_to_num(y_row["score"] / y_row["bound"], nan=-1.0)) if y_row["bound"] else 0.0
+    key = (a.name, fmt)
+    if key in tables.picks and tables.picks[key][0] >= ratio:
+        return
+    k = min(BUDGET_CHANNELS, np.shape(call.x)[1])
+    tables.picks[key] = (ratio, a, case, np.array(np.asarray(call.x)[:, :k]), np.asarray(call.gamma)[:k],
+                         np.asarray(call.beta)[:k], call.eps, call.params)
+
+
+def _budgets(tables: _Tables) -> None:
+    """The error budget of each adapter and format on its worst call for y (see :func:`_pick_for_budget`)."""
+    for (_, fmt), (_, a, case, x, g, b, eps, params) in tables.picks.items():
+        for r in error_budget(a, x, g, b, dtype=fmt, eps=eps, params=params):
+            tables.budgets.append({"case": case, **r})
 
 
 def _name_recipe(r: dict[str, Any], cc: _CaseCall, run: CallRun, t: str, bench: Any) -> None:
@@ -423,9 +443,13 @@ def _check_formats(resolved: list[KernelAdapter], bench_a: KernelAdapter | None,
         off = [f for f in recorded_fmts if f not in fmts]
         if off:
             raise BNProbeError(f"the recording holds {', '.join(off)} calls; dtypes {', '.join(fmts)} contradict it")
-    need = list(dict.fromkeys((fmts if any(c.call is None for c in cases) else []) + recorded_fmts))
+    generated = fmts if any(c.call is None for c in cases) else []
+    need = list(dict.fromkeys(generated + recorded_fmts))
     for a in resolved:
-        missing = [f for f in need if f not in a.capabilities().formats]
+        runs = a.capabilities().formats
+        missing = [f for f in (need if dtypes is not None else recorded_fmts) if f not in runs]
+        if dtypes is None and generated and not any(f in runs for f in generated):
+            missing = generated
         if missing:
             raise BNProbeError(f"adapter {a.name} does not run {', '.join(missing)} "
                                f"(it runs {', '.join(a.capabilities().formats)})")
@@ -482,7 +506,7 @@ def compare_precision(
     ref = get_adapter("reference")
     modes = ("train", "infer", "backward") if mode == "all" else (mode,)
     tables, notes = _Tables([], [], []), []  # the three tables' rows, and what the verdicts cannot show
-    total = sum(1 if c.call is not None else len(fmts) for c in cases) * len(resolved)
+    skip, total = _default_formats(resolved, cases, fmts, dtypes)
     done = 0
     t0 = time.monotonic()
     # traces are not needed here: counters only, not every intermediate (on copies: the caller's are unchanged)
@@ -496,6 +520,8 @@ def compare_precision(
         for cc in _case_calls(case, fmts, modes, opts, ref, notes):
             bench_outs: dict[str, Any] = {}
             for a in runs:
+                if skip(a, cc):
+                    continue
                 conv = convention_of(a).name
                 if bench_a is not None and conv not in bench_outs:
                     bench_outs[conv] = _bench(benches[conv], cc)
@@ -504,18 +530,38 @@ def compare_precision(
                 done += 1
                 if progress:
                     progress(done, total)
+    if budget:
+        _budgets(tables)
     meta = {"adapters": [a.name for a in resolved],
             "dtypes": list(dict.fromkeys(([] if all(c.call is not None for c in cases) else fmts) + recorded_fmts)),
             "mode": mode, "eps": eps, "momentum": momentum, "params": params, "seed": seed,
-            "cases": [{"name": c.name, "shape": list(c.shape), "dist": c.dist, "mean": c.mean, "std": c.std}
-                      for c in cases],
-            "recorded": any(c.call is not None for c in cases),
-            "seconds": round(time.monotonic() - t0, 3), "standards": "msprobe" if standards is None else "custom",
-            "rule": rule, "bench": bench_a.name if bench_a is not None else None, "notes": notes}
-    if dumps:
-        meta["dump"] = {"source": dumps[0].calls.source, "kind": dumps[0].calls.kind,
-                        "notes": list(dumps[0].calls.notes)}
+            **_run_meta(cases, dumps, notes), "seconds": round(time.monotonic() - t0, 3),
+            "standards": "msprobe" if standards is None else "custom", "rule": rule,
+            "bench": bench_a.name if bench_a is not None else None, "notes": notes}
     return CompareResult(pd.DataFrame(tables.rows), pd.DataFrame(tables.chans), pd.DataFrame(tables.budgets), meta)
+
+
+def _default_formats(resolved: list[KernelAdapter], cases: list[Case], fmts: list[str],
+                     dtypes: tuple[str, ...] | None) -> tuple[Callable[[KernelAdapter, Any], bool], int]:
+    """(whether an adapter skips a case call, the number of runs): with the default formats each adapter runs those
+    it can (a fixed policy, e.g. emulated:fp16-acc16, its own); formats asked for are run by every adapter."""
+    def skip(a: KernelAdapter, cc: Any) -> bool:
+        return dtypes is None and cc.case.call is None and cc.rec.dtype not in a.capabilities().formats
+
+    total = sum(1 if c.call is not None else sum(f in a.capabilities().formats or dtypes is not None for f in fmts)
+                for c in cases for a in resolved)
+    return skip, total
+
+
+def _run_meta(cases: list[Case], dumps: list[KernelAdapter], notes: list[str]) -> dict[str, Any]:
+    """The run's inputs, and the dump it replayed, for the result's meta."""
+    out: dict[str, Any] = {"cases": [{"name": c.name, "shape": list(c.shape), "dist": c.dist, "mean": c.mean,
+                                      "std": c.std} for c in cases],
+                           "recorded": any(c.call is not None for c in cases)}
+    if dumps:
+        calls = dumps[0].calls  # type: ignore[attr-defined]
+        out["dump"] = {"source": calls.source, "kind": calls.kind, "notes": list(calls.notes)}
+    return out
 
 
 def judge_call(a: KernelAdapter, rec: Recording, modes: tuple[str, ...], *, label: str | None = None,

@@ -53,7 +53,8 @@ def markdown_summary(result: CompareResult) -> str:
                   markdown_table(worst), ""]
     if len(result.budget):
         piv = result.budget.groupby(["adapter", "dtype", "stage"])["error_removed"].mean().unstack([0, 1])
-        lines += ["## Error budget (share of y's RMSE removed when the stage is exact, mean over inputs)", "",
+        lines += ["## Error budget (share of y's RMSE removed when the stage is exact, on each adapter and format's "
+                  "input with the worst y)", "",
                   markdown_table(piv, index=True), ""]
     return "\n".join(lines) + "\n"
 
@@ -136,7 +137,8 @@ def write_report(result: CompareResult, out: Any, formats: tuple[str, ...] = REP
                              result.channels.sort_values("y_max_abs_err", ascending=False).head(20)))
         if len(result.budget):
             piv = result.budget.groupby(["adapter", "dtype", "stage"])["error_removed"].mean().reset_index()
-            sections.append(("Error budget: share of y's RMSE removed when one stage is exact", piv))
+            sections.append(("Error budget: share of y's RMSE removed when one stage is exact (each adapter and "
+                             "format's input with the worst y)", piv))
         sections.append(("Every output", result.rows[["adapter", "dtype", "case", "tensor", "verdict", "why",
                                                        "format_check", "cosine", "max_abs", "max_rel", "mean_rel",
                                                        "rmse", "ratio_1e3", "ratio_5e3", "error_balance",
