@@ -381,9 +381,10 @@ def _compare_adapter(a: KernelAdapter, cc: _CaseCall, j: _Judging, tables: _Tabl
 
 def _pick_for_budget(tables: _Tables, a: KernelAdapter, fmt: str, case: str, call: Any, y_row: dict[str, Any]) -> None:
     """Keep, per adapter and format, the call whose y is worst against its bound (the error budget explains that
-    one: the first channels' inputs are copied, the rest let go; a y with no measure, NaN, comes last)."""
+    one: the first channels' inputs are copied, the rest let go; a y with NaN or inf in it comes last)."""
     with np.errstate(all="ignore"):
-        ratio = float(np.nan_to_num(y_row["score"] / y_row["bound"], nan=-1.0)) if y_row["bound"] else 0.0
+        ratio = float(y_row["score"] / y_row["bound"]) if y_row["bound"] else 0.0
+    ratio = ratio if math.isfinite(ratio) else -1.0  # NaN/inf in y: an RMSE to share out needs a finite one
     key = (a.name, fmt)
     if key in tables.picks and tables.picks[key][0] >= ratio:
         return

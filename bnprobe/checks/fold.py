@@ -542,8 +542,8 @@ def _fold_notes(layer: Layer, ch: Any) -> list[str]:
 def check_fold(layer: Layer, dtype: str = "fp16", *, accumulate: str | None = None, eps: float | None = None,
                relu: bool = True, against_torch: bool = False) -> FoldReport:
     """Folded vs unfused in ``dtype`` against the FP64 golden, per output channel, with the risks explained;
-    with ``against_torch``, the folded weights also against torch's fusion (fp32/fp64 ungrouped layers; a note
-    when torch is not installed)."""
+    with ``against_torch``, the folded weights also against torch's fusion (in fp16/bf16: both folded in fp32 and
+    cast, as a deployment does; a note when torch is not installed)."""
     from bnprobe.guard import require
 
     fmt = get_format(dtype)
@@ -569,8 +569,7 @@ def check_fold(layer: Layer, dtype: str = "fp16", *, accumulate: str | None = No
         except ImportError:
             rep.notes.append("torch not installed: no comparison with torch.nn.utils.fusion")
         else:
-            if groups == 1 and rep.dtype in ("fp32", "fp64"):
-                rep.torch = torch_fusion_check(layer, rep.dtype)
+            rep.torch = torch_fusion_check(layer, rep.dtype)
     return rep
 
 
@@ -580,7 +579,10 @@ def torch_fusion_check(layer: Layer, dtype: str = "fp32") -> dict[str, Any]:
     from torch.nn.utils import fusion
 
     fmt = get_format(dtype)
-    td = fmt.torch_dtype
+    # fp16/bf16: folded as deployments do it, in fp32 and then cast (torch's own fusion in a 16-bit dtype would be
+    # 16-bit arithmetic, which no exporter uses); bnprobe's fold alike, rounded once to the format
+    work = fmt if fmt.name in ("fp32", "fp64") else get_format("fp32")
+    td = work.torch_dtype
     if layer.kind == "conv2d":
         conv = torch.nn.Conv2d(layer.weight.shape[1] * layer.groups, layer.channels, layer.weight.shape[2:],
                                padding=layer.padding, groups=layer.groups, bias=layer.bias is not None)
@@ -598,11 +600,12 @@ def torch_fusion_check(layer: Layer, dtype: str = "fp32") -> dict[str, Any]:
         bn.running_var.copy_(torch.from_numpy(layer.running_var))
     conv, bn = conv.to(td).eval(), bn.to(td).eval()
     fused = fusion.fuse_conv_bn_eval(conv, bn) if layer.kind == "conv2d" else fusion.fuse_linear_bn_eval(conv, bn)
-    ws, bs = round_to(layer.weight, fmt), None if layer.bias is None else round_to(layer.bias, fmt)
-    pa = Arith(fmt)
-    _, _, w2, b2 = fold_params(layer.gamma, layer.beta, layer.running_mean, layer.running_var, layer.eps, ws, bs, pa)
-    tw = fused.weight.detach().to(torch.float64).numpy()
-    tb = fused.bias.detach().to(torch.float64).numpy()
+    ws, bs = round_to(layer.weight, work), None if layer.bias is None else round_to(layer.bias, work)
+    _, _, w2, b2 = fold_params(layer.gamma, layer.beta, layer.running_mean, layer.running_var, layer.eps, ws, bs,
+                               Arith(work))
+    w2, b2 = round_to(w2, fmt), round_to(b2, fmt)
+    tw = fused.weight.detach().to(fmt.torch_dtype).to(torch.float64).numpy()
+    tb = fused.bias.detach().to(fmt.torch_dtype).to(torch.float64).numpy()
     with np.errstate(all="ignore"):
         rel_w = float(np.max(np.abs(tw - w2) / np.maximum(np.abs(w2), 1e-30)))
         rel_b = float(np.max(np.abs(tb - b2) / np.maximum(np.abs(b2), 1e-30)))

@@ -31,15 +31,20 @@ def new_report_dir(root: str | Path, stem: str) -> Path:
     return output_dir(None, stem, root=root).path
 
 
+MAX_HTML_ROWS = 100  # rows of a table the page shows; the CSV beside it holds them all
+
 _HTML = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{title}</title>
 <style>
-body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
-table {{ border-collapse: collapse; font-size: 0.85em; margin: 0.5em 0 1.5em; }}
-th, td {{ border: 1px solid #ccc; padding: 0.25em 0.5em; text-align: right; }}
-th {{ background: #f2f2f2; }} td:first-child, th:first-child {{ text-align: left; }}
+body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1600px; }}
+.wide {{ overflow-x: auto; max-width: 100%; }}
+table {{ border-collapse: collapse; font-size: 0.8em; margin: 0.5em 0 1.5em; }}
+th, td {{ border: 1px solid #ccc; padding: 0.2em 0.4em; text-align: left; vertical-align: top; }}
+td {{ max-width: 40em; overflow-wrap: normal; }}
+th {{ background: #f2f2f2; }}
 .FAIL {{ color: #b00020; font-weight: bold; }} .PASS {{ color: #1b5e20; }}
-img {{ max-width: 100%; }}
+img {{ max-width: 100%; }} p.more {{ color: #555; font-size: 0.9em; }}
+@media print {{ .wide {{ overflow: visible; }} td {{ max-width: none; }} }}
 </style></head><body>
 <h1>{title}</h1>
 <p>{intro}</p>
@@ -64,10 +69,14 @@ def html_report(title: str, intro: str, sections: list[tuple[str, Any]], figure:
     for heading, content in sections:
         parts.append(f"<h2>{html.escape(heading)}</h2>")
         if hasattr(content, "to_html"):
-            text = content.to_html(index=False, float_format=lambda v: f"{v:.4g}", border=0)
+            shown = content.head(MAX_HTML_ROWS)
+            text = shown.to_html(index=False, float_format=lambda v: f"{v:.4g}", border=0)
             text = text.replace("<td>FAIL</td>", '<td class="FAIL">FAIL</td>').replace(
                 "<td>PASS</td>", '<td class="PASS">PASS</td>')
-            parts.append(text)
+            parts.append(f'<div class="wide">{text}</div>')
+            if len(content) > len(shown):
+                parts.append(f'<p class="more">the first {len(shown)} of {len(content)} rows; every row is in the '
+                             "CSV files beside this page</p>")
         else:
             parts.append(f"<p>{html.escape(str(content))}</p>")
     return _HTML.format(title=html.escape(title), intro=html.escape(intro), body="\n".join(parts) + "\n" + body)

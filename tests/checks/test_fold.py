@@ -101,6 +101,20 @@ def test_torch_fusion_agrees_in_fp32():
         assert t["max_rel_weight_diff"] < 1e-6 and t["max_rel_bias_diff"] < 1e-5
 
 
+@pytest.mark.parametrize("fmt,ulp", [("fp16", 2.0**-10), ("bf16", 2.0**-7)])
+def test_torch_fusion_agrees_in_16_bit_formats_and_every_default_run_prints_it(fmt, ulp, capsys):
+    """Folded in fp32 and cast, as a deployment does: within one unit of the format (fp32 rounding can put the two
+    on either side of a 16-bit tie); the default fold (fp16) prints the comparison."""
+    pytest.importorskip("torch")
+    for kind in ("conv2d", "linear"):
+        t = torch_fusion_check(make_layer(kind), fmt)
+        assert t["dtype"] == fmt and t["max_rel_weight_diff"] <= ulp and t["max_rel_bias_diff"] <= ulp
+    from bnprobe.cli import main
+
+    main(["fold"])
+    assert "torch.nn.utils.fusion (" in capsys.readouterr().out
+
+
 def test_layer_from_npz_and_its_errors(tmp_path):
     lay = make_layer("linear")
     p = tmp_path / "l.npz"
