@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -49,6 +50,16 @@ def binds(obj: Any, *args: Any, **kwargs: Any) -> bool:
     return True
 
 
+def _path_hint(module: str, exc: BaseException) -> str:
+    """What to do when a module in the current folder is not found: the ``bnprobe`` command does not search it."""
+    top = module.partition(".")[0]
+    if not isinstance(exc, ModuleNotFoundError) or exc.name not in (top, module):
+        return ""
+    if Path(top).is_dir() or Path(f"{top}.py").is_file():
+        return f" (./{top} is here, but the bnprobe command does not search this folder: run it with PYTHONPATH=.)"
+    return " (a module of your own must be importable: install it, or put its folder on PYTHONPATH)"
+
+
 def resolve(spec: str, what: str) -> tuple[ModuleType, Any]:
     """The module and the attribute named by ``spec`` (``package.module:name``), the module imported;
     ``what`` names it in errors."""
@@ -61,7 +72,8 @@ def resolve(spec: str, what: str) -> tuple[ModuleType, Any]:
     try:
         mod = importlib.import_module(module)
     except Exception as exc:  # noqa: BLE001 - ImportError, SyntaxError, or whatever the module raises as it runs
-        raise BNProbeError(f"cannot import {what} module {module!r}: {first_line(exc)}") from None
+        raise BNProbeError(f"cannot import {what} module {module!r}: {first_line(exc)}{_path_hint(module, exc)}") \
+            from None
     try:
         return mod, getattr(mod, attr)
     except AttributeError:

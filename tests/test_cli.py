@@ -266,3 +266,26 @@ def test_a_plugin_that_is_not_a_base_adapter_and_lacks_a_method(capsys, tmp_path
     monkeypatch.syspath_prepend(str(tmp_path))
     code, out, err = run(capsys, "gradcheck", "--adapter", "duckplug:Duck", "--dtype", "fp32")
     assert code == 2 and err.count("\n") == 1 and "does not implement" in err, err
+
+
+def test_a_module_in_the_current_folder_is_named_with_pythonpath(tmp_path):
+    """The bnprobe command does not search the current folder: a plugin or formula module there is named, with
+    PYTHONPATH=. (which then works); one found nowhere is told to be installed or put on PYTHONPATH."""
+    import os
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "bnprobe"
+    if not script.is_file():
+        pytest.skip("the bnprobe command is not installed beside this Python")
+    (tmp_path / "mymod.py").write_text("def f(dy, x, gamma, mean, invstd):\n    return dy\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([str(script), "gradcheck", "--formula", "mymod:f"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "./mymod is here" in r.stderr and "PYTHONPATH=." in r.stderr
+    assert r.stderr.count("\n") == 1
+    r = subprocess.run([str(script), "gradcheck", "--formula", "mymod:f"], cwd=tmp_path,
+                       env={**env, "PYTHONPATH": "."}, capture_output=True, text=True)
+    assert "cannot import" not in r.stderr
+    r = subprocess.run([str(script), "gradcheck", "--formula", "elsewhere:f"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "install it, or put its folder on PYTHONPATH" in r.stderr

@@ -1,0 +1,129 @@
+"""The README's transcripts are the program's output: each ``$ bnprobe ...`` (or ``$ python examples/...``) whose
+inputs ship with the repository is run here, in a fresh folder (commands of one code block in order, in one
+folder), and its output compared with the README's line for line, with what changes from run to run masked:
+timings, report folder names, free-memory figures; "..." in the README stands for what an excerpt leaves out."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+
+# the transcripts run here: a block's first command (the block's others follow it in the same folder), with what
+# its inputs need; the others need a device's dump, a time budget (shrink) or minutes of search (identify)
+RUN = {
+    "bnprobe compare-precision": None,
+    "bnprobe gradcheck --formula seed": None,
+    "bnprobe overflow --accumulate fp16 --mean 100 --shape 8,4,8,8": None,
+    "bnprobe overflow --adapter emulated:bf16-acc16:variance=naive --dtype bf16 --mean 7": None,
+    "PYTHONPATH=. bnprobe doctor --adapter tests.checks.test_diagnosis:OnePassBiased --dtype fp32": None,
+    "bnprobe trace --policy fp16-acc16:variance=naive --shape 8,4,8,8 --mean 100": None,
+    "bnprobe compare-precision --adapters dump:tests/data/msprobe_mindspore/L1-fp32 --no-budget": None,
+    "bnprobe dump --adapter emulated:fp16:variance=naive,accumulate=fp16 --mean 30 --out bad-kernel": None,
+    "python examples/make_onnx_model.py .": "onnx",
+    "bnprobe trace --shape 1,128,1024,1024": None,
+}
+def _bad_inputs(folder: Path) -> None:
+    """What the bad-input block names: a forged .npy (a header declaring 80 GB, 128 bytes in all), a file where a
+    folder is wanted, and a report folder that holds a report."""
+    header = "{'descr': '<f8', 'fortran_order': False, 'shape': (100000, 100000), }"
+    header += " " * (128 - 10 - len(header) - 1) + "\n"
+    (folder / "forged.npy").write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode())
+    (folder / "notes.txt").write_text("my notes\n")
+    (folder / "mine").mkdir()
+    (folder / "mine" / "compare.csv").write_text("an earlier run's\n")
+
+
+SETUP = {"bnprobe trace --shape 1,128,1024,1024": _bad_inputs}
+MASKS = [
+    (re.compile(r"\b\d+\.\d+ s\b"), "<seconds> s"),
+    (re.compile(r"reports/([A-Za-z0-9_.-]+)-\d{8}-\d{6}(-\d+)?"), r"reports/\1-<time>"),
+    (re.compile(r"\d+(\.\d+)? [KMGT]iB of (memory )?available"), "<free> available"),
+    (re.compile(r"the \d+(\.\d+)? [KMGT]iB (available|free)"), r"the <free> \2"),
+]
+
+
+def mask(text: str) -> list[str]:
+    out = []
+    for line in text.rstrip("\n").splitlines():
+        for rx, rep in MASKS:
+            line = rx.sub(rep, line)
+        out.append(line.rstrip())
+    return out
+
+
+def blocks() -> list[list[tuple[str, list[str]]]]:
+    """Each fenced block's transcripts: (command, its output lines)."""
+    found, block, inside = [], None, False
+    for line in README.read_text().splitlines():
+        if line.startswith("```"):
+            if inside and block:
+                found.append(block)
+            inside, block = not inside, []
+            continue
+        if not inside:
+            continue
+        if line.startswith("$ "):
+            block.append((line[2:], []))
+        elif block:
+            block[-1][1].append(line)
+    return found
+
+
+def chosen():
+    for b in blocks():
+        if b[0][0] in RUN:
+            yield pytest.param(b, id=b[0][0][:60])
+
+
+def run(command: str, cwd: Path) -> str:
+    """The command as a user types it, in ``cwd``: ``bnprobe`` is the installed command (which, unlike
+    ``python -m``, does not search the current folder), stdout then stderr."""
+    env = {k: v for k, v in os.environ.items() if k not in ("BNPROBE_MAX_MEMORY", "PYTHONPATH")}
+    env["COLUMNS"] = "250"
+    script = Path(sys.executable).parent / "bnprobe"
+    exe = str(script) if script.is_file() else f"{sys.executable} -m bnprobe"
+    cmd = re.sub(r"^((?:\w+=\S*\s+)*)bnprobe\b", lambda m: m.group(1) + exe, command)
+    cmd = cmd.replace("python examples/", f"{sys.executable} {ROOT}/examples/")
+    r = subprocess.run(["bash", "-c", cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return r.stdout + r.stderr
+
+
+def test_every_chosen_transcript_is_in_the_readme():
+    firsts = {b[0][0] for b in blocks()}
+    assert set(RUN) <= firsts, set(RUN) - firsts
+
+
+def matches(got: list[str], expected: list[str]) -> bool:
+    """``got`` against the README's lines, where a line "..." stands for any lines (an excerpt) and "..." inside a
+    line for any text."""
+    pats = [None if e.strip() == "..." else re.compile(".*?".join(re.escape(p) for p in e.split("...")) + r"\Z")
+            for e in expected]
+
+    def fit(i: int, j: int) -> bool:
+        if i == len(pats):
+            return j == len(got)
+        if pats[i] is None:
+            return any(fit(i + 1, k) for k in range(j, len(got) + 1))
+        return j < len(got) and pats[i].match(got[j]) is not None and fit(i + 1, j + 1)
+
+    return fit(0, 0)
+
+
+@pytest.mark.parametrize("block", list(chosen()))
+def test_readme_transcript(block, tmp_path):
+    need = RUN[block[0][0]]
+    if need:
+        pytest.importorskip(need)
+    for link in ("tests", "examples"):  # the repository's inputs, as the README's commands name them
+        (tmp_path / link).symlink_to(ROOT / link)
+    if block[0][0] in SETUP:
+        SETUP[block[0][0]](tmp_path)
+    for command, expected in block:
+        got = mask(run(command, tmp_path))
+        assert matches(got, mask("\n".join(expected))), f"$ {command}\n" + "\n".join(got)
