@@ -153,6 +153,7 @@ def test_rsqrt_writes_files_and_refuses_to_overwrite(tmp_path, capsys):
 @pytest.mark.parametrize("args,message", [
     (["rsqrt", "--method", "guess", "--samples", "10"], "unknown rsqrt method"),
     (["rsqrt", "--format", "fp64"], "supports fp32, fp16 and bf16"),
+    (["rsqrt", "--format", "fp8"], "supports fp32, fp16 and bf16 (or float32, float16, bfloat16), not 'fp8'"),
     (["rsqrt", "--constant", "zz"], "--constant must be an integer"),
     (["rsqrt", "--newton", "a"], "--newton must be a comma-separated list"),
     (["rsqrt", "--exhaustive", "--samples", "5"], "not both"),

@@ -296,10 +296,26 @@ def get_adapter(spec: str | KernelAdapter) -> KernelAdapter:
     if spec in eps:
         obj, module = _load_entry_point(spec, eps[spec])
         return _instantiate(obj, f"plugin {spec!r} ({getattr(eps[spec], 'value', '?')})", module)
-    if ":" in spec and spec.partition(":")[0] not in BUILTIN:
+    import difflib
+
+    names = list(BUILTIN) + list(eps)
+    head = spec.partition(":")[0]
+    near = difflib.get_close_matches(head, names, n=1, cutoff=0.75)
+    if ":" in spec and head not in BUILTIN and not (near and _missing_module(head)):
         return _plugin(spec)
-    known = ", ".join(list(BUILTIN) + list(eps))
-    raise BNProbeError(f"unknown adapter {spec!r}; known: {known}, or package.module:Name for a plugin")
+    if near:
+        raise BNProbeError(f"unknown adapter {spec!r}: did you mean {near[0]!r}? (bnprobe adapters lists them all)")
+    raise BNProbeError(f"unknown adapter {spec!r}; known: {', '.join(names)}, or package.module:Name for a plugin")
+
+
+def _missing_module(name: str) -> bool:
+    """Whether no module ``name`` can be imported (a misspelt adapter rather than a plugin's module)."""
+    import importlib.util
+
+    try:
+        return not name.replace(".", "").replace("_", "").isalnum() or importlib.util.find_spec(name) is None
+    except (ImportError, ValueError):
+        return True
 
 
 def list_adapters() -> list[dict[str, object]]:

@@ -76,9 +76,13 @@ class MathSpec:
     def __post_init__(self) -> None:
         if self.op not in OPS:
             raise BNProbeError(f"unknown op {self.op!r}; valid: {', '.join(OPS)}")
-        fmt = get_format(self.format)
-        if fmt.name not in ("fp32", "fp16", "bf16"):
-            raise BNProbeError(f"rsqrt analysis supports fp32, fp16 and bf16, not {fmt.name}")
+        try:
+            fmt = get_format(self.format)
+        except BNProbeError:  # the general message lists formats this analysis refuses
+            fmt = None
+        if fmt is None or fmt.name not in ("fp32", "fp16", "bf16"):
+            raise BNProbeError(f"rsqrt analysis supports fp32, fp16 and bf16 (or float32, float16, bfloat16), not "
+                               f"{self.format!r}")
         object.__setattr__(self, "format", fmt.name)
         if self.working is not None:
             object.__setattr__(self, "working", get_format(self.working).name)

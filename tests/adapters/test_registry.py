@@ -28,6 +28,13 @@ def test_unknown_name_lists_the_known_ones():
         get_adapter("nvidia")
 
 
+@pytest.mark.parametrize("typo,meant", [("emulatd", "emulated"), ("ascend-bnv2", "ascend-bnv3"),
+                                        ("refrence", "reference"), ("emulatd:fp16", "emulated")])
+def test_a_misspelt_name_is_told_the_nearest(typo, meant):
+    with pytest.raises(BNProbeError, match=rf"unknown adapter '{typo}': did you mean '{meant}'\?"):
+        get_adapter(typo)
+
+
 def test_unavailable_adapter_says_why():
     row = next(r for r in list_adapters() if r["name"] == "torch:cuda")
     if not row["available"]:
