@@ -25,6 +25,9 @@ RUN = {
     "bnprobe trace --policy fp16-acc16:variance=naive --shape 8,4,8,8 --mean 100": None,
     "bnprobe compare-precision --adapters dump:tests/data/msprobe_mindspore/L1-fp32 --no-budget": None,
     "bnprobe dump --adapter emulated:fp16:variance=naive,accumulate=fp16 --mean 30 --out bad-kernel": None,
+    "bnprobe compare-precision --adapters dump:npu-dump --out report": None,
+    "bnprobe doctor --adapter dump:npu-dump": None,
+    "bnprobe overflow --adapter dump:npu-dump": None,
     "python examples/make_onnx_model.py .": "onnx",
     "bnprobe trace --shape 1,128,1024,1024": None,
 }
@@ -120,8 +123,9 @@ def test_readme_transcript(block, tmp_path):
     need = RUN[block[0][0]]
     if need:
         pytest.importorskip(need)
-    for link in ("tests", "examples"):  # the repository's inputs, as the README's commands name them
-        (tmp_path / link).symlink_to(ROOT / link)
+    # the repository's inputs, as the README's commands name them (npu-dump: from examples/, as the README says)
+    for link, target in (("tests", "tests"), ("examples", "examples"), ("npu-dump", "examples/npu-dump")):
+        (tmp_path / link).symlink_to(ROOT / target)
     if block[0][0] in SETUP:
         SETUP[block[0][0]](tmp_path)
     for command, expected in block:
