@@ -45,7 +45,9 @@ def math_lines(result: Any) -> list[str]:
             parts = "  ".join(f"{k}: {100.0 * v / total:.3g}%" for k, v in st.histogram.items())
             lines.append(f"ulp histogram, {st.newton} step(s): {parts}")
     last = result.steps[-1]
-    if last.worst:
-        lines += [f"\nworst normal inputs after {last.newton} step(s):",
-                  render_table(last.worst[:5], ["x", "result", "exact", "ulp"])]
+    if last.worst:  # every digit of x and of the result: neighbouring inputs would print alike at 4 digits
+        rows = [{"x": f"{w['x']:.9g}", "result": f"{w['result']:.9g}", "exact": f"{w['exact']:.9g}", "ulp": w["ulp"]}
+                for w in last.worst[:5]]
+        lines += [f"\nworst normal inputs after {last.newton} step(s):", render_table(rows, ["x", "result", "exact",
+                                                                                           "ulp"])]
     return lines + [f"note: {note}" for note in result.notes]
