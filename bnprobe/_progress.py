@@ -16,6 +16,7 @@ class Progress:
         self.start = time.monotonic()
         self.last = 0.0
         self.drawn = False
+        self.first: tuple[float, int] | None = None  # (time, steps done) when the first step completed
 
     def __call__(self, done: int, total: int, suffix: str = "") -> None:
         if not self.enabled:
@@ -28,11 +29,24 @@ class Progress:
         width = 30
         bar = "#" * int(frac * width) + "." * (width - int(frac * width))
         elapsed = now - self.start
-        eta = elapsed / frac - elapsed if frac > 0 else float("nan")
-        self.stream.write(f"\r{self.label} [{bar}] {frac:6.1%}  {elapsed:6.1f}s  eta {eta:6.1f}s"
+        self.stream.write(f"\r{self.label} [{bar}] {frac:6.1%}  {elapsed:6.1f}s  {self._eta(now, done, total)}"
                           + (f"  {suffix}" if suffix else ""))
         self.stream.flush()
         self.drawn = True
+
+    def _eta(self, now: float, done: int, total: int) -> str:
+        """The time left, from the rate since the first step completed: the first carries start-up and any kernel
+        compiling (numba's first run of a kernel takes a minute), which would make an estimate from it far off."""
+        if done >= total:
+            return "eta    0.0s"
+        if self.first is None:
+            if done > 0:
+                self.first = (now, done)
+            return "eta: after the first step (it may compile kernels)"
+        t0, d0 = self.first
+        if done <= d0:
+            return "eta: after the first step (it may compile kernels)"
+        return f"eta {(now - t0) / (done - d0) * (total - done):6.1f}s"
 
     def steps(self, total: int) -> Callable[[Any], None]:
         """A callback drawing one step per call, up to ``total`` (for work whose length is not known ahead)."""
