@@ -218,12 +218,21 @@ def _run_sweep(command: str, found: tuple[Path, Optional[str]], calls: Optional[
     need = run_bytes(command, math.prod(biggest.shape)) * n  # each worker holds one task's tensors at a time
     require(need, f"{command} sweep on {n} worker(s), the largest task {biggest.key} (shape {biggest.shape}, "
                   f"{format_size(need // n)} each)")
+    if resume and out is not None and (out / SWEEP_FILES[0]).exists() and not force:
+        raise BNProbeError(f"the sweep in {out} has finished (every row is in {out / SWEEP_FILES[0]}): nothing to "
+                           "resume; --force runs it again")
     sink = _output(out, force, f"{command}-sweep", *SWEEP_FILES)
     journal = Journal(sink.path, header(root, sweep_spec, calls))
     t0 = time.monotonic()
-    with Progress(f"{command} sweep") as bar:
-        rows = run_sweep(items, sweep_spec, workers=n, scheduler=address, journal=journal, resume=resume, force=force,
-                         progress=lambda d, t, f: bar(d, t, f"{d}/{t} calls, {f} failed to run"))
+    try:
+        with Progress(f"{command} sweep") as bar:
+            rows = run_sweep(items, sweep_spec, workers=n, scheduler=address, journal=journal, resume=resume,
+                             force=force, progress=lambda d, t, f: bar(d, t, f"{d}/{t} calls, {f} failed to run"))
+    except KeyboardInterrupt:
+        kept = max(0, len(journal.path.read_text(encoding="utf-8").splitlines()) - 1) if journal.path.exists() else 0
+        typer.echo(f"bnprobe: interrupted: {kept} of {len(items)} task(s) finished and kept in {journal.path}; the "
+                   f"same command with --resume --out {sink.path} continues from there", err=True)
+        raise typer.Exit(130) from None
     result = SweepResult.of(command, str(root), rows, seconds=round(time.monotonic() - t0, 1),
                             engine=f"dask scheduler {address}" if address else f"{n} local worker(s)")
     write_sweep(result, sink)

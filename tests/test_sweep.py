@@ -323,3 +323,28 @@ def test_local_workers_are_spawned_once_a_compiled_kernel_has_run():
                          env={**os.environ, "BNPROBE_JIT": "1"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["fork", "compiled", "spawn"]
+
+
+def test_an_interrupted_sweep_says_what_finished_and_a_finished_one_is_not_resumed(tmp_path, capsys, monkeypatch):
+    """Ctrl-C: exit 130 with how many of the tasks (6 calls, 2 rank checks) finished, where they are kept and how to
+    continue; --resume then finishes it; --resume on a finished sweep says so in one line (exit 2)."""
+    import bnprobe.sweep as sweep
+
+    root, out = make_root(tmp_path / "run"), tmp_path / "out"
+    real = sweep.run_sweep
+
+    def interrupted(tasks, spec, *, journal=None, **kw):
+        journal.open([])
+        journal.add({**sweep.run_task(tasks[0], spec), "attempts": 1})  # one task finished, then Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep, "run_sweep", interrupted)
+    code, text, err = cli(capsys, "overflow", "--adapter", f"dump:{root}", "--out", str(out))
+    assert code == 130 and text == ""
+    assert err.strip() == (f"bnprobe: interrupted: 1 of 8 task(s) finished and kept in {out}/sweep-journal.jsonl; "
+                           f"the same command with --resume --out {out} continues from there")
+    monkeypatch.setattr(sweep, "run_sweep", real)
+    code, text, err = cli(capsys, "overflow", "--adapter", f"dump:{root}", "--out", str(out), "--resume")
+    assert code == 0 and "6 calls" in text
+    code, text, err = cli(capsys, "overflow", "--adapter", f"dump:{root}", "--out", str(out), "--resume")
+    assert code == 2 and "has finished" in err and "nothing to resume" in err and err.count("\n") == 1
