@@ -183,6 +183,11 @@ def _check_sweep(as_json: bool, options: tuple[str, ...], root: str) -> None:
     refuse(options, root)
 
 
+# the commands that write a report folder under reports/ without --out (the others write only where --out says, on
+# one call, a dump or a sweep alike)
+_WRITES_BY_DEFAULT = ("compare-precision",)
+
+
 def _run_sweep(command: str, found: tuple[Path, Optional[str]], calls: Optional[str], out: Optional[Path],
                force: bool, workers: Optional[int], scheduler: Optional[str], resume: bool, **spec) -> int:
     """A check over every (step, rank, call) of a dump root, one task each, then its report."""
@@ -221,6 +226,13 @@ def _run_sweep(command: str, found: tuple[Path, Optional[str]], calls: Optional[
     if resume and out is not None and (out / SWEEP_FILES[0]).exists() and not force:
         raise BNProbeError(f"the sweep in {out} has finished (every row is in {out / SWEEP_FILES[0]}): nothing to "
                            "resume; --force runs it again")
+    if out is None and command not in _WRITES_BY_DEFAULT:  # as the command on one dump: no --out, nothing written
+        import tempfile
+
+        scratch = tempfile.TemporaryDirectory(prefix="bnprobe-sweep-")
+        out, keep = Path(scratch.name), False
+    else:
+        scratch, keep = None, True
     sink = _output(out, force, f"{command}-sweep", *SWEEP_FILES)
     journal = Journal(sink.path, header(root, sweep_spec, calls))
     t0 = time.monotonic()
@@ -236,7 +248,11 @@ def _run_sweep(command: str, found: tuple[Path, Optional[str]], calls: Optional[
     result = SweepResult.of(command, str(root), rows, seconds=round(time.monotonic() - t0, 1),
                             engine=f"dask scheduler {address}" if address else f"{n} local worker(s)")
     write_sweep(result, sink)
-    _echo(sweep_lines(result, sink.path))
+    _echo(sweep_lines(result, sink.path if keep else None))
+    if scratch is not None:
+        scratch.cleanup()
+        typer.echo(f"nothing written: {command} writes files where --out says (--out DIR keeps the sweep's report "
+                   "and lets --resume continue an interrupted sweep)")
     return 0 if result.passed else 1
 
 

@@ -348,3 +348,15 @@ def test_an_interrupted_sweep_says_what_finished_and_a_finished_one_is_not_resum
     assert code == 0 and "6 calls" in text
     code, text, err = cli(capsys, "overflow", "--adapter", f"dump:{root}", "--out", str(out), "--resume")
     assert code == 2 and "has finished" in err and "nothing to resume" in err and err.count("\n") == 1
+
+
+def test_a_sweep_writes_where_its_command_writes(tmp_path, capsys, monkeypatch):
+    """One rule on one call, a dump or a sweep: overflow and doctor write only where --out says, compare-precision
+    its report folder under reports/ as on one call."""
+    root = make_root(tmp_path / "run", steps=1)
+    monkeypatch.chdir(tmp_path)
+    for command in ("overflow", "doctor"):
+        code, text, err = cli(capsys, command, "--adapter", f"dump:{root}")
+        assert code in (0, 1) and "nothing written: " in text and not (tmp_path / "reports").exists()
+    code, text, err = cli(capsys, "compare-precision", "--adapters", f"dump:{root}", "--no-budget")
+    assert "report: reports/compare-precision-sweep-" in text and (tmp_path / "reports").is_dir()
