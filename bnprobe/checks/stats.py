@@ -212,21 +212,48 @@ def load_dump_series(folder: str | Path) -> pd.DataFrame:
     ones come from the recorded outputs of a training call, or the inputs of an inference call."""
     from bnprobe.recordings import CALLS_NAME, load_dump
 
+    import pandas as pd
+
     root = Path(folder)
     if not root.is_dir():
         raise BNProbeError(f"dump series {str(root)!r} is not a folder")
-    subs = sorted(d for d in root.iterdir() if d.is_dir())
-    if not subs:
+    found = _series_folders(root)
+    if not found:
         raise BNProbeError(f"{root}: no step sub-folders")
-    rec = StatsRecorder("dumps")
-    for step, d in enumerate(subs):
+    recs: dict[str, StatsRecorder] = {}
+    for step, rank, d in found:
+        rec = recs.setdefault(rank, StatsRecorder(f"rank {rank}" if rank else "dumps"))
         if (d / CALLS_NAME).is_file():
             for layer, r in _model_dump_layers(d):
                 rec.record(step, layer, **_dump_statistics(r, model_dump=True))
             continue
         r = load_dump(d)
         rec.record(step, str(r.meta.get("call") or "bn"), **_dump_statistics(r, model_dump=False))
-    return rec.frame()
+    return pd.concat([r.frame() for r in recs.values()], ignore_index=True)
+
+
+def _series_folders(root: Path) -> list[tuple[int, str, Path]]:
+    """(step, rank, folder) of a dump series: one sub-folder per step (``step<k>`` gives k, else the sorted
+    position), each a dump or, as a sweep's root has them, ``rank<r>``/``proc<pid>`` folders of dumps."""
+    import re
+
+    def number(d: Path, pattern: str) -> int | None:
+        m = re.fullmatch(pattern, d.name)
+        return int(m.group(1)) if m else None
+
+    subs = sorted((d for d in root.iterdir() if d.is_dir()),
+                  key=lambda d: (number(d, r"step(\d+)") is None, number(d, r"step(\d+)") or 0, d.name))
+    out = []
+    for i, d in enumerate(subs):
+        k = number(d, r"step(\d+)")
+        step = i if k is None else k
+        ranks = sorted((r for r in d.iterdir() if r.is_dir() and re.fullmatch(r"(?:rank|proc)\d+", r.name)),
+                       key=lambda r: (number(r, r"rank(\d+)") is None, number(r, r"rank(\d+)") or 0, r.name))
+        if ranks and not any((d / m).is_file() for m in ("dump.json", "bnprobe-dump.json", "bnprobe-calls.json")):
+            out += [(step, r.name[4:] if r.name.startswith("rank") else "", r) for r in ranks]
+        else:
+            out.append((step, "", d))
+    return out
 
 
 def _model_dump_layers(folder: Path) -> list[tuple[str, Any]]:

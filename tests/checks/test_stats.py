@@ -345,3 +345,21 @@ def test_an_unreadable_log_is_one_line_whatever_the_reader_says(tmp_path, monkey
         load_log(p)
     assert type(info.value) is BNProbeError and "\n" not in str(info.value)
     assert re.search(match, str(info.value))
+
+
+def test_a_sweep_roots_step_and_rank_layout_is_a_series_per_rank(tmp_path, capsys):
+    """plot-stats --dumps reads the step<k>/rank<r>/ layout sweeps take: one run per rank, the steps by number
+    (step10 after step2), each statistic the recorded call's own (numpy on its x)."""
+    from bnprobe.recordings import load_dump
+    from tests.test_sweep import RANKS, make_root
+
+    root = make_root(tmp_path / "run", steps=3)
+    (root / "step2").rename(root / "step10")
+    df = load_dump_series(root)
+    assert sorted(df.policy.unique()) == sorted(f"rank {r}" for r in RANKS)
+    assert sorted(df.step.unique()) == [0, 1, 10]
+    x = load_dump(root / "step10" / f"rank{RANKS[1]}").tensors["train"]["inputs"]["x"]
+    got = df[(df.policy == f"rank {RANKS[1]}") & (df.step == 10)].sort_values("channel")
+    np.testing.assert_allclose(got["mean"], x.mean(axis=(0, 2, 3)), rtol=2e-3, atol=2e-3)  # the saved mean (fp16)
+    assert main(["plot-stats", "--dumps", str(root), "--out", str(tmp_path / "ps")]) in (0, 1)
+    assert f"{len(RANKS)} run(s)" in capsys.readouterr().out
