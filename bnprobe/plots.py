@@ -270,17 +270,22 @@ def plot_sweep_heatmap(table: pd.DataFrame, across: str, what: str) -> Figure:
 
     order = table.groupby("layer", sort=False)["order"].min().sort_values()
     piv = table.pivot_table(index="layer", columns=across, values="score", aggfunc="max").reindex(order.index)
-    fig = Figure(figsize=(max(6.0, 1.0 + 0.6 * piv.shape[1]), 1.4 + 0.32 * min(len(piv), MAX_LABELLED_ROWS)),
-                 layout="constrained")
+    piv = piv[sorted(piv.columns, key=lambda c: (0, int(c)) if str(c).isdigit() else (1, str(c)))]  # rank 2 < 10
+    # at most 16 in wide (every k-th column named beyond 40) and at least 3 in tall: the colour bar's label fits
+    fig = Figure(figsize=(min(16.0, max(6.0, 1.0 + 0.6 * piv.shape[1])),
+                          max(3.0, 1.4 + 0.32 * min(len(piv), MAX_LABELLED_ROWS))), layout="constrained")
     ax = fig.subplots()
     data = piv.to_numpy(dtype=float)
     im = ax.imshow(np.ma.masked_invalid(data), aspect="auto", cmap="magma_r", interpolation="nearest",
                    vmin=0.0, vmax=max(1.0, float(np.nanmax(data))) if np.isfinite(data).any() else 1.0)
     every = -(-len(piv) // MAX_LABELLED_ROWS) if len(piv) else 1
     ax.set_yticks(range(0, len(piv), every), [_text(n) for n in piv.index[::every]])
-    ax.set_xticks(range(piv.shape[1]), [_text(c) for c in piv.columns])
-    ax.set_xlabel(across)
+    step = -(-piv.shape[1] // 40) if piv.shape[1] else 1
+    ax.set_xticks(range(0, piv.shape[1], step), [_text(c) for c in piv.columns[::step]])
+    ax.set_xlabel(across if step == 1 else f"{across} (every {step}th named)")
     ax.set_ylabel("layer, forward order" if every == 1 else f"layer, forward order (every {every}th named)")
-    fig.colorbar(im, ax=ax, label=_text(what))
+    import textwrap
+
+    fig.colorbar(im, ax=ax, label=textwrap.fill(_text(what), 30))
     ax.set_title(f"{_text(what)}: the worst per layer and {across}")
     return fig

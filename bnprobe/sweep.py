@@ -17,6 +17,7 @@ without redoing finished tasks.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -259,8 +260,10 @@ def _ranks_row(group: RankGroup) -> dict[str, Any]:
 
     recs = {i: _one_call(t).calls[0].load for i, t in enumerate(group.members)}  # its index read, no tensors
     rep = check_ranks(recs, call=group.layer)
+    # per rank: its statistics' worst error against the concatenated batch's, over the tolerance (<= 1 passes)
+    scores = {str(group.members[r.rank].rank): r.global_ratio for r in rep.rows}
     return {"kind": rep.kind, "verdict": "PASS" if rep.passed else "FAIL", "summary": rep.summary,
-            "failures": list(rep.failures), "notes": list(rep.notes)}
+            "failures": list(rep.failures), "notes": list(rep.notes), "scores": scores}
 
 
 def run_task(task: Task | RankGroup, spec: SweepSpec) -> dict[str, Any]:
@@ -536,10 +539,13 @@ class SweepResult:
         sync = {(r["step"], r["layer"]): r for r in ranks if r.get("kind") == "syncbn"}
         for row in calls:
             if (g := sync.get((row["step"], row["layer"]))) is not None and row["status"] == "ok":
+                # its score too: the own-slice one (kept as own_slice_score) measures the wrong golden
                 row.update(verdict=g["verdict"], failing="" if g["verdict"] == "PASS" else "; ".join(g["failures"]),
-                           judged_by="ranks", notes=[*row.get("notes", []), "SyncBatchNorm: this rank normalised "
-                                                     "with the global statistics; judged by the rank check against "
-                                                     "the concatenated batch, not its own slice"])
+                           judged_by="ranks", own_slice_score=row.get("score"),
+                           score=(g.get("scores") or {}).get(str(row["rank"]), math.nan),
+                           notes=[*row.get("notes", []), "SyncBatchNorm: this rank normalised "
+                                  "with the global statistics; judged by the rank check against "
+                                  "the concatenated batch, not its own slice"])
         return cls(command, root, calls, ranks=ranks, **kw)
 
     @property

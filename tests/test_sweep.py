@@ -288,6 +288,14 @@ def test_the_statistics_each_rank_used_are_checked_against_the_concatenated_batc
     assert code == 1 and doc["ranks"][0]["verdict"] == "FAIL" and "unweighted" in doc["ranks"][0]["summary"]
     assert any(d["what"] == "statistics" for d in doc["disagreements"]) and "statistics" in out
     assert (tmp_path / "b" / "ranks.csv").is_file()
+    # each SyncBatchNorm rank's score (the heatmaps') is the rank check's against the concatenated batch: within 1
+    # where it passes, over 1 on the rank the unweighted merge put off; its own slice's is kept beside it
+    import pandas as pd
+
+    rows = pd.read_csv(tmp_path / "g" / "sweep.csv")
+    assert (rows.judged_by == "ranks").all() and (rows.score <= 1).all() and (rows.own_slice_score > 1).any()
+    rows = pd.read_csv(tmp_path / "b" / "sweep.csv")
+    assert (rows.score > 1).any()
 
 
 def test_a_scheduler_without_dask_says_which_extra_to_install(tmp_path, capsys, monkeypatch):
