@@ -121,3 +121,23 @@ def test_the_overflow_agreement_catches_a_loosened_compare_precision(tmp_path, m
         bound, dtype=np.float64), fmt))
     assert overflow_disagreements(tmp_path, "fp16", "normal", ZERO) == [
         "zero-channel: overflow flags y, compare-precision passes it"]
+
+
+@pytest.mark.parametrize("spec,fmt", [("emulated:bf16-acc16", "bf16"), ("emulated:fp16-acc16", "fp16")])
+def test_the_16_bit_accumulator_ports_get_one_verdict_from_every_command(tmp_path, spec, fmt):
+    """The kernels a user reported doctor calling healthy while compare-precision failed them (bf16-acc16 at mean 20,
+    σ 0.5): on a dump of each, compare-precision fails outputs, doctor fails every gradient and forward output
+    compare-precision fails, gradcheck agrees on each gradient, and doctor's summary is not healthy."""
+    from bnprobe.adapters import get_adapter
+
+    dump = _dump(tmp_path / "d", get_adapter(spec), fmt, 20.0, 0.5)
+    rows = compare_precision([dump], budget=False).rows
+    failed = {r.tensor for r in rows.itertuples() if r.verdict == "FAIL"}
+    assert failed, "the 16-bit accumulations must lose to the careful bench here"
+    g = gradcheck_recorded(Recorded(dump, dump.calls)).results[0]
+    grad = {r.tensor: r.passed for r in g.rows if r.check == "vs-fp64"}
+    assert grad == {t: t not in failed for t in grad}, (grad, failed)
+    doc = doctor_recorded(Recorded(dump, dump.calls)).results[0]
+    assert not doc.passed
+    backward = next(i for i in doc.items if i.name.startswith("backward"))
+    assert backward.status == "FAIL" or not failed & {"dx", "dgamma", "dbeta"}, backward.evidence
