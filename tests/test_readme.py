@@ -28,6 +28,7 @@ RUN = {
     "bnprobe compare-precision --adapters dump:npu-dump --out report": None,
     "bnprobe doctor --adapter dump:npu-dump": None,
     "bnprobe overflow --adapter dump:npu-dump": None,
+    "bnprobe compare-precision --adapters dump:capture-fp16 --no-budget --out report": None,
     "python examples/make_onnx_model.py .": "onnx",
     "bnprobe trace --shape 1,128,1024,1024": None,
 }
@@ -123,8 +124,9 @@ def test_readme_transcript(block, tmp_path):
     need = RUN[block[0][0]]
     if need:
         pytest.importorskip(need)
-    # the repository's inputs, as the README's commands name them (npu-dump: from examples/, as the README says)
-    for link, target in (("tests", "tests"), ("examples", "examples"), ("npu-dump", "examples/npu-dump")):
+    # the repository's inputs, as the README's commands name them (the dumps: from examples/, as the README says)
+    for link, target in (("tests", "tests"), ("examples", "examples"), ("npu-dump", "examples/npu-dump"),
+                         ("capture-fp16", "examples/capture-fp16")):
         (tmp_path / link).symlink_to(ROOT / target)
     if block[0][0] in SETUP:
         SETUP[block[0][0]](tmp_path)
