@@ -19,6 +19,8 @@ README = ROOT / "README.md"
 RUN = {
     "bnprobe compare-precision": None,
     "bnprobe gradcheck --formula seed": None,
+    "bnprobe identify --adapter torch --dtype fp16": "torch",
+    'bnprobe doctor --adapter torch --dtype bf16 --params same | grep -E "^doctor|^FAIL" | cut -c1-330': "torch",
     "bnprobe overflow --accumulate fp16 --mean 100 --shape 8,4,8,8": None,
     "bnprobe overflow --adapter emulated:bf16-acc16:variance=naive --dtype bf16 --mean 7": None,
     "PYTHONPATH=. bnprobe doctor --adapter tests.checks.test_diagnosis:OnePassBiased --dtype fp32": None,
