@@ -20,6 +20,8 @@ RUN = {
     "bnprobe compare-precision": None,
     "bnprobe gradcheck --formula seed": None,
     "bnprobe identify --adapter torch --dtype fp16": "torch",
+    "bnprobe identify --adapter ascend-bnv3 --dtype fp16": None,
+    "bnprobe dump --adapter ascend-950 --dtype fp16 --shape 8,32,14,14 --mean 3 --std 2 --out npu-call": None,
     'bnprobe doctor --adapter torch --dtype bf16 --params same | grep -E "^doctor|^FAIL" | cut -c1-330': "torch",
     "bnprobe overflow --accumulate fp16 --mean 100 --shape 8,4,8,8": None,
     "bnprobe overflow --adapter emulated:bf16-acc16:variance=naive --dtype bf16 --mean 7": None,
