@@ -16,6 +16,10 @@ README = ROOT / "README.md"
 
 # the transcripts run here: a block's first command (the block's others follow it in the same folder), with what
 # its inputs need; the others need a device's dump, a time budget (shrink) or minutes of search (identify)
+# the calibrated emulator beside the kernel it was identified from (a 32 x 64 x 56 x 56 input)
+CALIBRATED = ('bnprobe compare-precision --adapters "emulated:fp16:variance=chan,tiles=32,y_formula=scale,fma=true,'
+              'rsqrt=ascend950,backward_formula=ascend,ascend-950" --dtypes fp16 --shape 32,64,56,56 --mean 3 --std 2 '
+              '--no-stress --no-budget --format md --out calibrated')
 RUN = {
     "bnprobe compare-precision": None,
     "bnprobe gradcheck --formula seed": None,
@@ -28,6 +32,7 @@ RUN = {
     "PYTHONPATH=. bnprobe doctor --adapter tests.checks.test_diagnosis:OnePassBiased --dtype fp32": None,
     "bnprobe trace --policy fp16-acc16:variance=naive --shape 8,4,8,8 --mean 100": None,
     "bnprobe compare-precision --adapters dump:tests/data/msprobe_mindspore/L1-fp32 --no-budget": None,
+    CALIBRATED: None,
     "bnprobe dump --adapter emulated:fp16:variance=naive,accumulate=fp16 --mean 30 --out bad-kernel": None,
     "bnprobe compare-precision --adapters dump:npu-dump --out report": None,
     "bnprobe doctor --adapter dump:npu-dump": None,
