@@ -14,12 +14,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 
-# the transcripts run here: a block's first command (the block's others follow it in the same folder), with what
-# its inputs need; the others need a device's dump, a time budget (shrink) or minutes of search (identify)
 # the calibrated emulator beside the kernel it was identified from (a 32 x 64 x 56 x 56 input)
 CALIBRATED = ('bnprobe compare-precision --adapters "emulated:fp16:variance=chan,tiles=32,y_formula=scale,fma=true,'
               'rsqrt=ascend950,backward_formula=ascend,ascend-950" --dtypes fp16 --shape 32,64,56,56 --mean 3 --std 2 '
               '--no-stress --no-budget --format md --out calibrated')
+# the transcripts run here: a block's first command (the block's others follow it in the same folder), with what
+# its inputs need; the others need inputs that do not ship (a DDP run's dumps), a time budget (shrink), another
+# framework (jax), a 16 M-value input, or print what this machine has (adapters)
 RUN = {
     "bnprobe compare-precision": None,
     "bnprobe gradcheck --formula seed": None,
