@@ -112,17 +112,18 @@ def _profile(t: torch.Tensor, prefix: str) -> dict[str, np.ndarray]:
         if t.numel() == 0:
             nanv = np.full(c, np.nan)
             return {f"{prefix}_min": nanv, f"{prefix}_max": nanv, **{f"{prefix}_{k}": zeros for k in COUNTS}}
-        lo, hi = _np(torch.amin(t, dim=dims)), _np(torch.amax(t, dim=dims))  # NaN propagates
+        a = t.abs()
+        # min, max (NaN propagates) and min |t| per channel, brought to the host in one transfer
+        lo, hi, small = _np(torch.stack([torch.amin(t, dim=dims), torch.amax(t, dim=dims), torch.amin(a, dim=dims)]))
         out = {f"{prefix}_min": lo, f"{prefix}_max": hi, f"{prefix}_nan": zeros, f"{prefix}_inf": zeros,
                f"{prefix}_at_max": zeros, f"{prefix}_zero": zeros, f"{prefix}_subnormal": zeros}
         if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
             out[f"{prefix}_nan"] = _np(torch.isnan(t).sum(dim=dims))
             out[f"{prefix}_inf"] = _np(torch.isinf(t).sum(dim=dims))
-        a = t.abs()
         with np.errstate(invalid="ignore"):
             if (np.abs(lo) >= fi.max).any() or (np.abs(hi) >= fi.max).any():
                 out[f"{prefix}_at_max"] = _np((a == fi.max).sum(dim=dims))
-        if (_np(torch.amin(a, dim=dims)) < fi.tiny).any():
+        if (small < fi.tiny).any():
             zero = (t == 0).sum(dim=dims)
             out[f"{prefix}_zero"] = _np(zero)
             out[f"{prefix}_subnormal"] = _np((a < fi.tiny).sum(dim=dims) - zero)
