@@ -280,6 +280,7 @@ def work(rank, out):
             loss = net(x).pow(2).mean()
             opt.zero_grad(); loss.backward()
             mon.step()
+    dist.barrier()  # both ranks done (rank 1 writes its dumps) before the group goes: gloo aborts a rank left behind
     dist.destroy_process_group()
 
 if __name__ == "__main__":
@@ -298,8 +299,9 @@ def test_two_ranks_on_gloo_each_write_their_own_and_plot_stats_reads_both(tmp_pa
         port = s.getsockname()[1]
     script = tmp_path / "ddp.py"
     script.write_text(DDP)
-    subprocess.run([sys.executable, str(script), str(tmp_path / "mon"), str(port), str(Path(__file__).parent)],
-                   check=True, timeout=300)
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "mon"), str(port), str(Path(__file__).parent)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
     for r in (0, 1):
         df = table(tmp_path / "mon" / f"rank{r}")
         assert set(df["rank"]) == {r} and sorted(df.step.unique()) == [0, 1, 2, 3]
