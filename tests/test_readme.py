@@ -19,8 +19,8 @@ CALIBRATED = ('bnprobe compare-precision --adapters "emulated:fp16:variance=chan
               'rsqrt=ascend950,backward_formula=ascend,ascend-950" --dtypes fp16 --shape 32,64,56,56 --mean 3 --std 2 '
               '--no-stress --no-budget --format md --out calibrated')
 # the transcripts run here: a block's first command (the block's others follow it in the same folder), with what
-# its inputs need; the others need inputs that do not ship (a DDP run's dumps), a time budget (shrink), another
-# framework (jax), a 16 M-value input, or print what this machine has (adapters)
+# its inputs need; the others need inputs that do not ship (a DDP run's dumps), another framework (jax), a 16 M-value
+# input, or print what this machine has (adapters)
 RUN = {
     "bnprobe compare-precision": None,
     "bnprobe gradcheck --formula seed": None,
@@ -31,6 +31,7 @@ RUN = {
     "bnprobe overflow --accumulate fp16 --mean 100 --shape 8,4,8,8": None,
     "bnprobe overflow --adapter emulated:bf16-acc16:variance=naive --dtype bf16 --mean 7": None,
     "PYTHONPATH=. bnprobe doctor --adapter tests.checks.test_diagnosis:OnePassBiased --dtype fp32": None,
+    "bnprobe shrink --adapter ascend-tbe --mean 100 --out shrunk": None,  # within its time budget: deterministic
     "bnprobe trace --policy fp16-acc16:variance=naive --shape 8,4,8,8 --mean 100": None,
     "bnprobe compare-precision --adapters dump:tests/data/msprobe_mindspore/L1-fp32 --no-budget": None,
     CALIBRATED: None,
