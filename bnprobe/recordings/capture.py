@@ -215,21 +215,28 @@ def start_call(module: Any, path: str, index: int, order: int, x: torch.Tensor, 
                  meta, inputs)
 
 
-def finish_call(module: Any, call: _Call, y: torch.Tensor, *, keep_y: bool = True) -> tuple[Any, bool]:
-    """``call``'s outputs recorded from the module after its forward and its output ``y``: the momentum factor
-    torch applied, y (unless ``keep_y`` is false), the statistics the kernel saved, the running statistics after
-    the update; (y's autograd node, whether it is a BatchNorm kernel's)."""
-    import torch
-
-    # the factor torch used (torch.nn.modules.batchnorm): momentum=None is the cumulative average
+def momentum_factor(module: Any) -> float:
+    """The factor torch's BatchNorm ``module`` applies to the batch statistics in its running update now
+    (torch.nn.modules.batchnorm: momentum=None is the cumulative average, 1/num_batches_tracked; 0 when it does not
+    update, unless a momentum is set)."""
     nbt = module.num_batches_tracked
     if module.training and module.track_running_stats and nbt is not None:
-        call.momentum = 1.0 / float(nbt) if module.momentum is None else float(module.momentum)
-    else:
-        call.momentum = 0.0 if module.momentum is None else float(module.momentum)
-    if keep_y:
+        return 1.0 / float(nbt) if module.momentum is None else float(module.momentum)
+    return 0.0 if module.momentum is None else float(module.momentum)
+
+
+def finish_call(module: Any, call: _Call, y: torch.Tensor | None = None, *, node: Any = None,
+                running_out: tuple[Any, Any] | None = None) -> tuple[Any, bool]:
+    """``call``'s outputs recorded from the module after its forward and its output ``y``: the momentum factor
+    torch applied, y, the statistics the kernel saved, the running statistics after the update; (y's autograd
+    node, whether it is a BatchNorm kernel's).  Without ``y`` (a monitor that kept no copy of it), ``node`` is y's
+    autograd node and ``running_out`` the running statistics as the call left them."""
+    import torch
+
+    call.momentum = momentum_factor(module)
+    if y is not None:
         call.outputs["y"] = _to_numpy(y)
-    node = y.grad_fn
+        node = y.grad_fn
     node_name = type(node).__name__ if node is not None else None
     call.meta["grad_fn"] = node_name
     is_bn_node = node_name in _BN_NODES
@@ -242,8 +249,8 @@ def finish_call(module: Any, call: _Call, y: torch.Tensor, *, keep_y: bool = Tru
                                   "nothing requires grad)" if node is None else
                                   f"not recorded: y comes from {node_name}, not a BatchNorm kernel's node")
         if "running_mean" in call.inputs:
-            call.outputs["running_mean_out"] = _to_numpy(module.running_mean)
-            call.outputs["running_var_out"] = _to_numpy(module.running_var)
+            rm, rv = running_out if running_out is not None else (module.running_mean, module.running_var)
+            call.outputs["running_mean_out"], call.outputs["running_var_out"] = _to_numpy(rm), _to_numpy(rv)
     kernel_x = getattr(node, "_saved_input", None) if is_bn_node else None
     if isinstance(kernel_x, torch.Tensor) and get_format(str(kernel_x.dtype)).dtype != call.inputs["x"].dtype:
         # an autocast that casts BatchNorm's input: the recorded x is the module's, not the kernel's

@@ -41,8 +41,9 @@ import numpy as np
 
 from bnprobe._files import atomic_write_bytes, atomic_write_text, dumps_json
 from bnprobe.errors import BNProbeError
+from bnprobe.formats import get_format
 from bnprobe.recordings.bnprobe_dump import write_dump
-from bnprobe.recordings.capture import _BN_NODES, _Call, finish_call, record_grads, start_call
+from bnprobe.recordings.capture import _BN_NODES, _Call, finish_call, momentum_factor, record_grads, start_call
 from bnprobe.recordings.types import CALLS_NAME, CALLS_TAG
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -118,8 +119,7 @@ def _profile(t: torch.Tensor, prefix: str) -> dict[str, np.ndarray]:
         out = {f"{prefix}_min": lo, f"{prefix}_max": hi, f"{prefix}_nan": zeros, f"{prefix}_inf": zeros,
                f"{prefix}_at_max": zeros, f"{prefix}_zero": zeros, f"{prefix}_subnormal": zeros}
         if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
-            out[f"{prefix}_nan"] = _np(torch.isnan(t).sum(dim=dims))
-            out[f"{prefix}_inf"] = _np(torch.isinf(t).sum(dim=dims))
+            out[f"{prefix}_nan"], out[f"{prefix}_inf"] = _nan_inf(t)
         with np.errstate(invalid="ignore"):
             if (np.abs(lo) >= fi.max).any() or (np.abs(hi) >= fi.max).any():
                 out[f"{prefix}_at_max"] = _np((a == fi.max).sum(dim=dims))
@@ -128,6 +128,13 @@ def _profile(t: torch.Tensor, prefix: str) -> dict[str, np.ndarray]:
             out[f"{prefix}_zero"] = _np(zero)
             out[f"{prefix}_subnormal"] = _np((a < fi.tiny).sum(dim=dims) - zero)
     return out
+
+
+def _nan_inf(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The counts of NaN and of ±inf per channel of ``t``."""
+    import torch
+
+    return _np(torch.isnan(t).sum(dim=_dims(t))), _np(torch.isinf(t).sum(dim=_dims(t)))
 
 
 def _finite(t: torch.Tensor) -> bool:
@@ -146,12 +153,7 @@ def _column(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def _ulp(v: np.ndarray, dtype: Any) -> np.ndarray:
     """The spacing of the torch dtype's values at |v| (float64)."""
-    import torch
-
-    fi = torch.finfo(dtype)
-    with np.errstate(all="ignore"):
-        e = np.floor(np.log2(np.maximum(np.abs(v), fi.tiny)))
-    return np.exp2(e) * fi.eps
+    return get_format(str(dtype)).ulp(v)
 
 
 class Monitor:
@@ -174,7 +176,7 @@ class Monitor:
         self.model, self.root, self.every, self.capture_on = model, Path(out), every, capture_on
         self.max_dumps, self.predicate, self.var_floor, self.force = max_dumps, predicate, float(var_floor), force
         self.out = self.root
-        self.rank, self.world = 0, 1
+        self.rank = 0
         self.anomalies: list[dict[str, Any]] = []
         self.dumps: list[Path] = []
         self.steps: list[int] = []
@@ -208,7 +210,7 @@ class Monitor:
                                "torch.nn.modules.batchnorm._BatchNorm) to monitor")
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+            self.rank = dist.get_rank()
             self.out = self.root / f"rank{self.rank}"
         self._check_out()
         self._torch, self._entered = torch, True
@@ -364,10 +366,9 @@ class Monitor:
         if p.running_in is None or p.node is None or p.running_out is None:
             return
         r, eps, torch = p.row, float(module.eps), self._torch
-        nbt = module.num_batches_tracked
-        if not module.track_running_stats or nbt is None:
+        if not module.track_running_stats or module.num_batches_tracked is None:
             return
-        m = 1.0 / float(nbt) if module.momentum is None else float(module.momentum)
+        m = momentum_factor(module)
         n = p.x.numel() // p.x.shape[1]
         rm0, rv0 = _np(p.running_in[0]), _np(p.running_in[1])
         rm1, rv1 = _np(p.running_out[0]), _np(p.running_out[1])
@@ -427,11 +428,8 @@ class Monitor:
             if isinstance(dx, torch.Tensor):
                 r.update(_profile(dx, "dx"))
             if isinstance(dy, torch.Tensor):
-                if _finite(dy):
-                    r["dy_nan"], r["dy_inf"] = np.zeros(dy.shape[1]), np.zeros(dy.shape[1])
-                else:
-                    r["dy_nan"] = _np(torch.isnan(dy).sum(dim=_dims(dy)))
-                    r["dy_inf"] = _np(torch.isinf(dy).sum(dim=_dims(dy)))
+                zeros = np.zeros(dy.shape[1])
+                r["dy_nan"], r["dy_inf"] = (zeros, zeros) if _finite(dy) else _nan_inf(dy)
                 self._flag(p, "NaN in dy", r["dy_nan"] > 0)
                 self._flag(p, "±inf in dy", r["dy_inf"] > 0)
             dg, db = (tuple(sums) + (None, None))[:2]
@@ -483,22 +481,8 @@ class Monitor:
         call = self._new_dump(p)
         if call is None:
             return
-        node = p.node
-        nbt = p.module.num_batches_tracked
-        if p.module.training and p.module.track_running_stats and nbt is not None:
-            call.momentum = 1.0 / float(nbt) if p.module.momentum is None else float(p.module.momentum)
-        else:
-            call.momentum = 0.0 if p.module.momentum is None else float(p.module.momentum)
-        from bnprobe.recordings.capture import _to_numpy
-
-        call.meta["grad_fn"] = type(node).__name__
+        finish_call(p.module, call, node=p.node, running_out=p.running_out)
         call.meta["y"] = "not kept: the anomaly showed in the backward, after y had gone on"
-        if call.training:
-            call.outputs["saved_mean"], call.outputs["saved_value"] = (_to_numpy(node._saved_result1),
-                                                                      _to_numpy(node._saved_result2))
-            if p.running_out is not None and "running_mean" in call.inputs:
-                call.outputs["running_mean_out"] = _to_numpy(p.running_out[0])
-                call.outputs["running_var_out"] = _to_numpy(p.running_out[1])
         record_grads(call, grad_inputs, grad_outputs)
         p.dump = call
         self._write_dump(p)
