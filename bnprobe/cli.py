@@ -522,23 +522,6 @@ def gradcheck_cmd(
     return _show(gradcheck_report(result, params), sink, as_json)
 
 
-def _builtin(dtypes: tuple[str, ...] | None) -> list[str]:
-    """The built-in set (:data:`~bnprobe.adapters.registry.BUILTIN_SET`, torch where installed); with ``dtypes``
-    given, those of its kernels that run every one of them (a fixed policy runs its own format only)."""
-    from bnprobe.adapters import get_adapter
-    from bnprobe.adapters.registry import builtin_adapters
-    from bnprobe.formats import get_format
-
-    names = builtin_adapters()
-    if dtypes is None:
-        return names
-    want = [get_format(d).name for d in dtypes]
-    keep = [n for n in names if all(f in get_adapter(n).capabilities().formats for f in want)]
-    if not keep:
-        raise BNProbeError(f"no built-in kernel runs {', '.join(want)}: name the adapters (--adapters)")
-    return keep
-
-
 def _formats_and_dtypes(format: str, dtypes: Optional[str]) -> tuple[list, tuple[str, ...] | None]:
     """compare-precision's report formats and its --dtypes (None: each adapter's defaults), checked."""
     from bnprobe.reports.compare import report_formats
@@ -553,10 +536,27 @@ def _formats_and_dtypes(format: str, dtypes: Optional[str]) -> tuple[list, tuple
     return fmts, dts
 
 
-def _builtin_for(resolved: list, recorded: Any) -> list:
-    """Of the built-in set, the kernels that run every format of the recorded calls (and the dump itself)."""
-    fmts = {c.dtype for c in recorded.calls}
-    keep = [k for k in resolved if k.capabilities().recorded or fmts <= set(k.capabilities().formats)]
+def _listed(adapters: str) -> tuple[list[str], list[bool]]:
+    """--adapters' names, ``builtin`` expanded to the built-in set (torch where installed), and which of them it
+    brought."""
+    from bnprobe.adapters.registry import builtin_adapters
+
+    listed = [(n, a == "builtin") for a in split_adapters(adapters)
+              for n in (builtin_adapters() if a == "builtin" else [a])]
+    return [n for n, _ in listed], [b for _, b in listed]
+
+
+def _builtin_for(resolved: list, builtin: list[bool], dtypes: tuple[str, ...] | None, recorded: Any) -> list:
+    """The adapters to run: of those the built-in set brought (``builtin``, aligned with ``resolved``), the ones
+    that run every format asked for (``dtypes``, else the ``recorded`` calls' formats; neither: each runs its own);
+    the adapters named outright, all (one that cannot run a format is refused by compare-precision, not dropped)."""
+    from bnprobe.formats import get_format
+
+    fmts = {get_format(d).name for d in dtypes} if dtypes else \
+        {c.dtype for c in recorded.calls} if recorded is not None else None
+    if fmts is None or not any(builtin):
+        return resolved
+    keep = [k for k, b in zip(resolved, builtin) if not b or fmts <= set(k.capabilities().formats)]
     if not keep:
         raise BNProbeError(f"no built-in kernel runs {', '.join(sorted(fmts))}: name the adapters (--adapters)")
     return keep
@@ -613,7 +613,7 @@ def compare_precision_cmd(
 
     _check_common(eps=eps, params=params)
     fmts, dts = _formats_and_dtypes(format, dtypes)
-    names = [n for a in split_adapters(adapters) for n in (_builtin(dts) if a == "builtin" else [a])]
+    names, builtin = _listed(adapters)
     if not names:
         raise BNProbeError("--adapters is empty")
     if (found := _sweep_root(names[0], input, (sweep, workers, scheduler, resume))) is not None:
@@ -628,8 +628,7 @@ def compare_precision_cmd(
     resolved, cases, recorded = select_cases(kernels, input=input, calls=calls, shape=shape,
                                              shapes=shapes, batch=batch, dist=dist, mean=mean, std=std, seed=seed,
                                              mode=mode, stress=stress)
-    if recorded is not None and "builtin" in split_adapters(adapters):
-        resolved = _builtin_for(resolved, recorded)
+    resolved = _builtin_for(resolved, builtin, dts, recorded)
     sink = _output(out, force, "compare-precision", *report_files(fmts)) if fmts else None
     with Progress("compare-precision") as bar:
         result = compare_precision(resolved, dts, cases, mode=mode, eps=eps, momentum=momentum, params=params,

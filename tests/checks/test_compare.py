@@ -102,6 +102,9 @@ def test_default_run_writes_every_file_and_never_clobbers(tmp_path, monkeypatch,
 @pytest.mark.parametrize("args,message", [
     (["compare-precision", "--adapters", "nvidia"], "unknown adapter"),
     (["compare-precision", "--dtypes", "fp64", "--adapters", "ascend-tbe"], "does not run fp64"),
+    # the built-in set keeps its kernels that run the formats; an adapter named outright is not dropped
+    (["compare-precision", "--adapters", "builtin,emulated:bf16-acc16", "--dtypes", "fp16", "--shape", "4,3"],
+     "adapter emulated:bf16-acc16 does not run fp16"),
     (["compare-precision", "--rule", "vibes", "--shape", "4,3"], "unknown rule"),
     (["compare-precision", "--shapes", "vgg", "--no-stress"], "unknown shape set"),
     (["compare-precision", "--batch", "0"], "Invalid value for '--batch'"),
