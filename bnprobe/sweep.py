@@ -37,7 +37,6 @@ __all__ = ["SWEEP_COMMANDS", "Task", "SweepSpec", "plan", "dump_leaves", "run_ta
 
 SWEEP_COMMANDS = ("compare-precision", "doctor", "overflow")
 JOURNAL = "sweep-journal.jsonl"
-_MARKERS = ("dump.json", "bnprobe-dump.json", "bnprobe-calls.json")
 _LEVELS = ("", "step*", "rank*", "proc*", "step*/rank*", "step*/proc*")
 
 
@@ -109,7 +108,9 @@ def _step_rank(rel: Path) -> tuple[int, str]:
 def _holds_dump(p: Path) -> bool:
     from bnprobe.recordings.ms_graph import graph_folders
 
-    return p.is_dir() and (any((p / m).is_file() for m in _MARKERS) or bool(graph_folders(p)))
+    from bnprobe.recordings import DUMP_MARKERS
+
+    return p.is_dir() and (any((p / m).is_file() for m in DUMP_MARKERS) or bool(graph_folders(p)))
 
 
 def _where(root: Path, p: Path) -> tuple[int, tuple[int, int | str], str]:

@@ -313,7 +313,7 @@ def _missing_module(name: str) -> bool:
     import importlib.util
 
     try:
-        return not name.replace(".", "").replace("_", "").isalnum() or importlib.util.find_spec(name) is None
+        return importlib.util.find_spec(name) is None
     except (ImportError, ValueError):
         return True
 

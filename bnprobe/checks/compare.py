@@ -536,7 +536,7 @@ def compare_precision(
     meta = {"adapters": [a.name for a in resolved],
             "dtypes": list(dict.fromkeys(([] if all(c.call is not None for c in cases) else fmts) + recorded_fmts)),
             "mode": mode, "eps": eps, "momentum": momentum, "params": params, "seed": seed,
-            **_run_meta(cases, dumps, notes), "seconds": round(time.monotonic() - t0, 3),
+            **_run_meta(cases, dumps), "seconds": round(time.monotonic() - t0, 3),
             "standards": "msprobe" if standards is None else "custom", "rule": rule,
             "bench": bench_a.name if bench_a is not None else None, "notes": notes}
     return CompareResult(pd.DataFrame(tables.rows), pd.DataFrame(tables.chans), pd.DataFrame(tables.budgets), meta)
@@ -554,7 +554,7 @@ def _default_formats(resolved: list[KernelAdapter], cases: list[Case], fmts: lis
     return skip, total
 
 
-def _run_meta(cases: list[Case], dumps: list[KernelAdapter], notes: list[str]) -> dict[str, Any]:
+def _run_meta(cases: list[Case], dumps: list[KernelAdapter]) -> dict[str, Any]:
     """The run's inputs, and the dump it replayed, for the result's meta."""
     out: dict[str, Any] = {"cases": [{"name": c.name, "shape": list(c.shape), "dist": c.dist, "mean": c.mean,
                                       "std": c.std} for c in cases],

@@ -628,7 +628,8 @@ def check_ranks(recordings: Mapping[int, Recording | Callable[[], Recording]], *
     fails, notes = _verdict(rows, running, expect, _same_saved(ranks))
     if rows and all(r.used in ("global", "either") for r in rows):  # SyncBatchNorm: each rank's outputs, elementwise
         tol = statistics_tolerance(mean, ctx.invstd, ctx.count, dtype, ranks[0].saved_format)
-        loaders = [(k.rank, lambda r=k.rank: _recording(recordings[_key(recordings, r)])) for k in ranks]
+        key = {int(r): r for r in recordings}  # the given keys may be ints or their strings
+        loaders = [(k.rank, lambda r=k.rank: _recording(recordings[key[r]])) for k in ranks]
         judged = rank_outputs(loaders, mean, ctx.invstd, finite, tol)
         fails += [o.describe() for o in judged if not o.passed]
         if judged:
@@ -645,8 +646,3 @@ def check_ranks(recordings: Mapping[int, Recording | Callable[[], Recording]], *
     name = call or str(ranks[0].info["call"] or ranks[0].info["source"] or "call")
     golden = {"count": ctx.count, "mean": mean.tolist(), "var": var.tolist()}
     return RankReport(name, dtype, _kind(rows), rows, golden, running, fails, notes)
-
-
-def _key(recordings: Mapping[Any, Any], rank: int) -> Any:
-    """The key of ``recordings`` that names rank ``rank`` (keys may be ints or their strings)."""
-    return next(r for r in recordings if int(r) == rank)

@@ -237,19 +237,20 @@ def _series_folders(root: Path) -> list[tuple[int, str, Path]]:
     position), each a dump or, as a sweep's root has them, ``rank<r>``/``proc<pid>`` folders of dumps."""
     import re
 
-    def number(d: Path, pattern: str) -> int | None:
-        m = re.fullmatch(pattern, d.name)
-        return int(m.group(1)) if m else None
+    from bnprobe.recordings import DUMP_MARKERS
 
-    subs = sorted((d for d in root.iterdir() if d.is_dir()),
-                  key=lambda d: (number(d, r"step(\d+)") is None, number(d, r"step(\d+)") or 0, d.name))
+    def order(d: Path, prefix: str) -> tuple[int, int, str]:
+        """Numbered folders (``<prefix><n>``) first, by n; the others after, by name."""
+        m = re.fullmatch(prefix + r"(\d+)", d.name)
+        return (0, int(m.group(1)), "") if m else (1, 0, d.name)
+
     out = []
-    for i, d in enumerate(subs):
-        k = number(d, r"step(\d+)")
-        step = i if k is None else k
+    for i, d in enumerate(sorted((d for d in root.iterdir() if d.is_dir()), key=lambda d: order(d, "step"))):
+        first, k, _ = order(d, "step")
+        step = k if first == 0 else i
         ranks = sorted((r for r in d.iterdir() if r.is_dir() and re.fullmatch(r"(?:rank|proc)\d+", r.name)),
-                       key=lambda r: (number(r, r"rank(\d+)") is None, number(r, r"rank(\d+)") or 0, r.name))
-        if ranks and not any((d / m).is_file() for m in ("dump.json", "bnprobe-dump.json", "bnprobe-calls.json")):
+                       key=lambda r: order(r, "rank"))
+        if ranks and not any((d / m).is_file() for m in DUMP_MARKERS):
             out += [(step, r.name[4:] if r.name.startswith("rank") else "", r) for r in ranks]
         else:
             out.append((step, "", d))

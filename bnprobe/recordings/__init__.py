@@ -20,6 +20,7 @@ from bnprobe.recordings.ms_graph import graph_calls, graph_folders
 from bnprobe.recordings.types import (
     CALLS_NAME,
     CALLS_TAG,
+    DUMP_MARKERS,
     META_NAME,
     TENSORS_NAME,
     CallRef,
@@ -29,7 +30,7 @@ from bnprobe.recordings.types import (
 
 __all__ = ["Recording", "write_dump", "load_dump", "open_dump", "read_msprobe", "record", "CallRef",
            "RecordedCalls", "read_calls", "split_dump_spec", "MSPROBE_BN_APIS", "META_NAME", "TENSORS_NAME",
-           "CALLS_NAME", "CALLS_TAG"]
+           "CALLS_NAME", "CALLS_TAG", "DUMP_MARKERS"]
 
 
 def load_dump(path: str | Path) -> Recording:

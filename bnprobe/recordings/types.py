@@ -23,7 +23,7 @@ from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 
 __all__ = ["Recording", "CallRef", "RecordedCalls", "META_NAME", "TENSORS_NAME", "CALLS_NAME", "CALLS_TAG",
-           "read_json", "check_eps_momentum", "message_line"]
+           "DUMP_MARKERS", "read_json", "check_eps_momentum", "message_line"]
 
 # a bnprobe dump: its metadata and its tensors
 META_NAME = "bnprobe-dump.json"
@@ -31,6 +31,8 @@ TENSORS_NAME = "tensors.npz"
 # a model dump (bnprobe.capture): its index of calls, one bnprobe dump each
 CALLS_NAME = "bnprobe-calls.json"
 CALLS_TAG = "bnprobe-calls"
+# a folder holding one of these holds a dump: msprobe's, a bnprobe dump, a model dump
+DUMP_MARKERS = ("dump.json", META_NAME, CALLS_NAME)
 
 
 @dataclass
