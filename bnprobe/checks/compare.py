@@ -408,7 +408,7 @@ def _name_recipe(r: dict[str, Any], cc: _CaseCall, run: CallRun, t: str, bench: 
         if t not in rp.outputs or not rp.applies(call):
             continue
         if rp.kernel is not None and rp.id not in cc.recipes:
-            cc.recipes[rp.id] = _run(rp.kernel(), cc).got
+            cc.recipes[rp.id] = _run(counters_only(rp.kernel()), cc).got  # its outputs alone: no trace arrays
         derived = rp.derive(call, run.got, run.saved).get(t) if rp.derive else None
         outs = [cc.recipes.get(rp.id, {}).get(t)] + (derived if isinstance(derived, list) else [derived])
         if any(out is not None and recipe_fits(run.got[t], out, bench, run.gold[t], run.formats[t]) for out in outs):

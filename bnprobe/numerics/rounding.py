@@ -263,11 +263,21 @@ def _round_into(values: np.ndarray | float, fmt: Format, dtype: np.dtype, **mode
 
 
 def is_representable(values: np.ndarray, fmt: str | Format) -> np.ndarray:
-    """True where a float64 value is exactly a value of ``fmt`` (NaN and ±inf count when the format has them)."""
+    """True where a float64 (or float32) value is exactly a value of ``fmt`` (NaN and ±inf count when the format has
+    them)."""
     fmt = get_format(fmt)
-    v = np.asarray(values, dtype=np.float64)
+    v = np.asarray(values)
+    if v.dtype not in (np.float32, np.float64):
+        v = v.astype(np.float64)
     with np.errstate(all="ignore"):
-        r = round_to(v, fmt, rounding="toward_zero") if fmt is not FP64 else v
+        # a value is in the format exactly when a correct nearest-even cast leaves it unchanged (beyond the largest
+        # value the cast gives ±max or ±inf, not the value); other formats: rounding toward zero, any exponent
+        fast = _cast_nearest_even(v, fmt) if fmt.has_inf else None
+        if fast is not None:
+            r = fast
+        else:
+            v = v.astype(np.float64, copy=False)
+            r = round_to(v, fmt, rounding="toward_zero") if fmt is not FP64 else v
         same = (r == v) | (np.isnan(v) & np.isnan(r))
         if fmt.has_inf:
             same |= np.isinf(v)

@@ -56,14 +56,20 @@ def write_dump(rec: Recording, out: str | Path, *, force: bool = False) -> list[
     check_targets([meta_path, tensor_path], force=force)
     arrays: dict[str, np.ndarray] = {}
     entries: dict[str, Any] = {}
-    for mode, ios in rec.tensors.items():
+    stored: dict[tuple[int, str], str] = {}  # an array recorded twice (a training call's x, again for its backward)
+    for mode, ios in rec.tensors.items():  # is stored once, both entries naming its key
         entries[mode] = {}
         for io, named in ios.items():
             entries[mode][io] = {}
             for name, a in named.items():
                 key = f"{mode}.{io}.{name}"
                 fmt = rec.formats[key]
-                arrays[key] = _storage(a, fmt)
+                if isinstance(a, np.ndarray) and (id(a), fmt) in stored:
+                    key = stored[id(a), fmt]
+                else:
+                    arrays[key] = _storage(a, fmt)
+                    if isinstance(a, np.ndarray):
+                        stored[id(a), fmt] = key
                 entries[mode][io][name] = {"key": key, "shape": list(np.shape(a)), "format": fmt}
     import io as _io
 
@@ -175,18 +181,21 @@ def read_dump(meta_path: Path) -> Recording:
                     str(meta["layout"]), float(meta["eps"]), None if mom is None else float(mom),
                     meta.get("saved_kind") if meta.get("saved_kind") in SAVED_KINDS else None, meta=inner,
                     source=str(folder))
+    wide: dict[str, np.ndarray] = {}  # each stored array widened once, however many entries name it
     for mode, ios in meta["records"].items():
         for io, named in ios.items():
             for name, entry in named.items():
                 key = entry["key"]
-                a = stored[key].astype(np.float64)
+                a = stored[key]
                 if list(a.shape) != list(entry["shape"]):
                     raise BNProbeError(f"{tensor_path}: tensor {key!r} has shape {list(a.shape)} but {META_NAME} "
                                        f"says {entry['shape']} for {mode}.{io}.{name}")
-                if not is_representable(a, entry["format"]).all():
+                if not is_representable(a, entry["format"]).all():  # on the stored values (float32 or float64)
                     raise BNProbeError(f"{tensor_path}: tensor {key!r} holds values that are not {entry['format']}")
-                rec.tensors.setdefault(mode, {}).setdefault(io, {})[name] = a
-                rec.formats[key] = entry["format"]
+                if key not in wide:
+                    wide[key] = a.astype(np.float64)
+                rec.tensors.setdefault(mode, {}).setdefault(io, {})[name] = wide[key]
+                rec.formats[f"{mode}.{io}.{name}"] = entry["format"]
     return rec
 
 

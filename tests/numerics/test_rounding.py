@@ -237,3 +237,45 @@ def test_bad_modes_are_errors():
 def test_is_representable():
     x = np.array([1.0, 1 + 2.0**-10, 1 + 2.0**-11, 65504.0, 65536.0, np.inf, np.nan])
     np.testing.assert_array_equal(is_representable(x, "fp16"), [True, True, False, True, False, True, True])
+
+
+def _exactly_in(v: float, fmt) -> bool:
+    """Exact oracle: finite v is a value of fmt when |v| <= max and v * 2**(p - 1 - e) is an integer, with e the
+    exponent of v's leading bit held at emin (Python integers, no floating point)."""
+    import math
+
+    if math.isnan(v) or math.isinf(v):
+        return True
+    if v == 0:
+        return True
+    if abs(v) > fmt.max:
+        return False
+    num, den = abs(v).as_integer_ratio()
+    e = num.bit_length() - den.bit_length()  # floor(log2(num/den)) is e or e - 1
+    if (num if e >= 0 else num << -e) < (den << e if e >= 0 else den):
+        e -= 1
+    e = max(e, fmt.emin)
+    shift = fmt.mantissa_bits - e
+    return (num << shift) % den == 0 if shift >= 0 else num % (den << -shift) == 0
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2"])
+@pytest.mark.parametrize("carrier", [np.float64, np.float32])
+def test_is_representable_agrees_with_exact_arithmetic_at_every_edge(name, carrier):
+    from bnprobe.formats import get_format
+
+    fmt = get_format(name)
+    edges = [fmt.max, fmt.tiny, fmt.tiny * fmt.eps, 1.0, 1.5, 3.0]
+    vals = []
+    for e in edges:
+        for k in range(-3, 4):  # values a few float64 (float32) ulps and format half-ulps either side
+            vals += [e + k * e * 2.0**-53, e + k * e * fmt.eps / 2, e * (1 + k * 2.0**-24)]
+    rng = np.random.default_rng(5)
+    vals += list(rng.standard_normal(2000) * 10.0 ** rng.integers(-9, 6, 2000))
+    with np.errstate(over="ignore"):  # beyond float32's range a float32 carrier holds inf
+        vals += list(np.asarray(vals, np.float64).astype(np.float32).astype(np.float64))
+        v = np.array(vals + [-x for x in vals], dtype=np.float64).astype(carrier)
+    got = is_representable(v, fmt)
+    want = np.array([_exactly_in(float(x), fmt) for x in v])
+    np.testing.assert_array_equal(got, want)
+    assert got.sum() > 20 and ((~got).sum() > 20 or (name == "fp32" and carrier is np.float32))  # both outcomes

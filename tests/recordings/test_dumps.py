@@ -49,6 +49,24 @@ def test_round_trip_gives_identical_arrays(tmp_path, adapter, dtype):
     np.testing.assert_array_equal(out.y.astype(np.float64), rec.tensors["train"]["outputs"]["y"])
 
 
+def test_an_array_recorded_twice_is_stored_once_and_read_back_under_both_names(tmp_path):
+    rec = recorded(tmp_path / "a")
+    x = rec.tensors["train"]["inputs"]["x"]
+    rec.tensors["backward"]["inputs"]["x"] = x  # as a capture records it: the same array
+    rec.tensors["backward"]["inputs"]["dy"] = rec.tensors["backward"]["inputs"]["dy"].copy()
+    write_dump(rec, tmp_path / "b")
+    with zipfile.ZipFile(tmp_path / "b" / "tensors.npz") as zf:
+        names = sorted(zf.namelist())
+    assert "train.inputs.x.npy" in names and "backward.inputs.x.npy" not in names
+    assert "backward.inputs.dy.npy" in names  # an equal copy is its own array
+    back = load_dump(tmp_path / "b")
+    for mode, ios in rec.tensors.items():
+        for io, named in ios.items():
+            for name, a in named.items():
+                np.testing.assert_array_equal(back.tensors[mode][io][name], a)
+                assert back.formats[f"{mode}.{io}.{name}"] == rec.formats[f"{mode}.{io}.{name}"]
+
+
 def test_dump_refuses_to_overwrite(tmp_path):
     rec = recorded(tmp_path)
     with pytest.raises(BNProbeError, match="refusing to overwrite"):
