@@ -19,8 +19,8 @@ CALIBRATED = ('bnprobe compare-precision --adapters "emulated:fp16:variance=chan
               'rsqrt=ascend950,backward_formula=ascend,ascend-950" --dtypes fp16 --shape 32,64,56,56 --mean 3 --std 2 '
               '--no-stress --no-budget --format md --out calibrated')
 # the transcripts run here: a block's first command (the block's others follow it in the same folder), with what
-# its inputs need; the others need inputs that do not ship (a DDP run's dumps), another framework (jax), a 16 M-value
-# input, or print what this machine has (adapters)
+# its inputs need (a DDP run's msprobe dumps are made by a session fixture); the others need another framework (jax),
+# a 16 M-value input, or print what this machine has (adapters)
 RUN = {
     "bnprobe compare-precision": None,
     "bnprobe gradcheck --formula seed": None,
@@ -42,6 +42,8 @@ RUN = {
     "bnprobe compare-precision --adapters dump:capture-fp16 --no-budget --out report": None,
     "python examples/make_onnx_model.py .": "onnx",
     "bnprobe trace --shape 1,128,1024,1024": None,
+    "bnprobe compare-precision --adapters dump:ddp-dump --out reports/ddp-sweep": "msprobe",
+    "bnprobe doctor --adapter dump:syncbn-dump --out reports/syncbn-sweep": None,
 }
 def _bad_inputs(folder: Path) -> None:
     """What the bad-input block names: a forged .npy (a header declaring 80 GB, 128 bytes in all), a file where a
@@ -54,7 +56,19 @@ def _bad_inputs(folder: Path) -> None:
     (folder / "mine" / "compare.csv").write_text("an earlier run's\n")
 
 
-SETUP = {"bnprobe trace --shape 1,128,1024,1024": _bad_inputs}
+def _syncbn_dump(folder: Path) -> None:
+    """The SyncBN sweep's dumps: 2 steps of an emulated SyncBatchNorm whose merge ignores the ranks' counts, written
+    per rank as tests/test_sweep.py writes them."""
+    from test_sweep import _syncbn_root
+
+    _syncbn_root(folder / "syncbn-dump", "unweighted", steps=2)
+
+
+SETUP = {"bnprobe trace --shape 1,128,1024,1024": _bad_inputs,
+         "bnprobe doctor --adapter dump:syncbn-dump --out reports/syncbn-sweep": _syncbn_dump}
+# blocks whose input is a session fixture's: (the fixture, the folder of it the README names, the name it has there)
+FIXTURES = {"bnprobe compare-precision --adapters dump:ddp-dump --out reports/ddp-sweep":
+            ("msprobe_ranks", "tensor", "ddp-dump")}  # a real 2-rank, 2-step DDP run's msprobe dumps
 MASKS = [
     (re.compile(r"\b\d+\.\d+ s\b"), "<seconds> s"),
     (re.compile(r"reports/([A-Za-z0-9_.-]+)-\d{8}-\d{6}(-\d+)?"), r"reports/\1-<time>"),
@@ -131,10 +145,14 @@ def matches(got: list[str], expected: list[str]) -> bool:
 
 
 @pytest.mark.parametrize("block", list(chosen()))
-def test_readme_transcript(block, tmp_path):
+def test_readme_transcript(block, tmp_path, request):
     need = RUN[block[0][0]]
     if need:
         pytest.importorskip(need)
+    if block[0][0] in FIXTURES:
+        fixture, sub, name = FIXTURES[block[0][0]]
+        root = request.getfixturevalue(fixture)[0]
+        (tmp_path / name).symlink_to(root / sub)
     # the repository's inputs, as the README's commands name them (the dumps: from examples/, as the README says)
     for link, target in (("tests", "tests"), ("examples", "examples"), ("npu-dump", "examples/npu-dump"),
                          ("capture-fp16", "examples/capture-fp16")):
