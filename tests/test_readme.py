@@ -19,8 +19,8 @@ CALIBRATED = ('bnprobe compare-precision --adapters "emulated:fp16:variance=chan
               'rsqrt=ascend950,backward_formula=ascend,ascend-950" --dtypes fp16 --shape 32,64,56,56 --mean 3 --std 2 '
               '--no-stress --no-budget --format md --out calibrated')
 # the transcripts run here: a block's first command (the block's others follow it in the same folder), with what
-# its inputs need (a DDP run's msprobe dumps are made by a session fixture); the others need another framework (jax),
-# a 16 M-value input, or print what this machine has (adapters)
+# its inputs need (a DDP run's msprobe dumps are made by a session fixture; jax's runs in .ci/frameworks' jax
+# environment); the others need a 16 M-value input or print what this machine has (adapters)
 RUN = {
     "bnprobe compare-precision": None,
     "bnprobe gradcheck --formula seed": None,
@@ -44,6 +44,7 @@ RUN = {
     "bnprobe trace --shape 1,128,1024,1024": None,
     "bnprobe compare-precision --adapters dump:ddp-dump --out reports/ddp-sweep": "msprobe",
     "bnprobe doctor --adapter dump:syncbn-dump --out reports/syncbn-sweep": None,
+    "bnprobe doctor --adapter jax --dtype fp32 --no-stability --convention torch": "flax",  # run by .ci/frameworks
 }
 def _bad_inputs(folder: Path) -> None:
     """What the bad-input block names: a forged .npy (a header declaring 80 GB, 128 bytes in all), a file where a
