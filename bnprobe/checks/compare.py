@@ -11,6 +11,7 @@ The kernels run on the engine (:mod:`bnprobe.checks.run`); the inputs are :mod:`
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 import warnings
@@ -56,6 +57,7 @@ __all__ = ["CompareResult", "compare_precision", "judge_call", "summarize", "per
            "worse_rows", "COMPARE_MODES"]
 
 ELEMENTWISE = ("y", "y_infer", "dx")
+LARGE_CASE = 1 << 20  # values of x beyond which a case's arrays are collected before the next case is made
 
 
 @dataclass(frozen=True)
@@ -518,6 +520,8 @@ def compare_precision(
     # the bench in each kernel's convention (a framework's running variance is judged against a careful one's)
     benches = {convention_of(a).name: counters_only(bench_for(bench_a, a)) for a in runs} if bench_a else {}
     for case in cases:
+        if math.prod(case.shape) > LARGE_CASE:  # the last case's arrays caught in reference cycles go first
+            gc.collect()
         for cc in _case_calls(case, fmts, modes, opts, ref, notes):
             bench_outs: dict[str, Any] = {}
             for a in runs:

@@ -39,7 +39,7 @@ from bnprobe.checks.bugs import (
     running_item,
 )
 from bnprobe.checks.recorded import PerCall, Recorded, check_options, check_params
-from bnprobe.checks.run import CallRun, Golden, generated_call, run_call, runs
+from bnprobe.checks.run import CallRun, Golden, each_run, generated_call, run_call
 from bnprobe.checks.rules import beyond_format, channel_rule
 from bnprobe.conventions import convention_of
 from bnprobe.errors import BNProbeError
@@ -98,6 +98,9 @@ class DoctorReport:
                 "diagnosis": self.diagnosis, "items": [i.to_dict() for i in self.items], "notes": self.notes}
 
 
+MODEL_CACHE_BYTES = 256 * 2**20  # the bug models' outputs kept on one input (see _Outputs.model)
+
+
 # ---- comparing one group of outputs -------------------------------------------------------------------
 
 @dataclass
@@ -119,12 +122,20 @@ class _Outputs:
     _cache: dict[tuple[str | None, bool, str | None], dict[str, np.ndarray]] = field(default_factory=dict)
 
     def model(self, bug: str | None, stored: bool = False, recipe: str | None = None) -> dict[str, np.ndarray]:
+        """The outputs of the model of ``bug`` (on ``recipe``; ``stored``: the backward from the kernel's stored
+        statistics), kept for the next question while the models kept hold at most MODEL_CACHE_BYTES (on a
+        9.4 M-value call each model is 0.3 GB: keeping all of them took doctor to 7.5 GB)."""
         key = (bug, stored, recipe)
-        if key not in self._cache:
-            with np.errstate(all="ignore"):
-                self._cache[key] = self.stored(bug) if stored else \
-                    self.models(bug, recipe)  # type: ignore[misc, arg-type]
-        return self._cache[key]
+        if key in self._cache:
+            self._cache[key] = self._cache.pop(key)  # most recently used last
+            return self._cache[key]
+        with np.errstate(all="ignore"):
+            out = self.stored(bug) if stored else self.models(bug, recipe)  # type: ignore[misc, arg-type]
+        self._cache[key] = out
+        while len(self._cache) > 1 and sum(np.asarray(a).nbytes for m in self._cache.values()
+                                           for a in m.values()) > MODEL_CACHE_BYTES:
+            del self._cache[next(iter(self._cache))]
+        return out
 
     def distance(self, keys: tuple[str, ...], want: dict[str, np.ndarray], describe: bool = False,
                  got: dict[str, np.ndarray] | None = None) -> tuple[float, list[str]]:
@@ -743,10 +754,13 @@ def doctor_recorded(recorded: Recorded, *, dtype: str | None = None, params: str
     report of its own; the items a replay cannot run are in the notes."""
     recorded.calls.require_tensors("doctor")
     check_options(recorded, dtype=dtype, params=params)
-    reports, kinds = [], {}
-    for _, _, run in runs(recorded):
-        reports.append(_doctor_call(recorded, run))
+    kinds: dict[tuple[str, str], None] = {}
+
+    def judge(_: int, run: CallRun) -> DoctorReport:
         kinds[(run.fmt, run.inputs.params)] = None
+        return _doctor_call(recorded, run)
+
+    reports = each_run(recorded, judge)
     notes = [f"skipped on a recording: {s}" for s in SKIPPED_ON_RECORDINGS] if recorded.replay else []
     if not recorded.replay:
         for fmt, prm in kinds:

@@ -27,7 +27,7 @@ from bnprobe._loading import first_line, kind_of, load_callable, raised
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
 from bnprobe.adapters.base import counters_only, params_format, stored_inputs
 from bnprobe.checks.recorded import PerCall, Recorded, check_options
-from bnprobe.checks.run import CallRun, runs
+from bnprobe.checks.run import CallRun, each_run
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.kernels.layout import channel_column, element_at, layout_of, reduce_axes, to_channels_first
@@ -606,9 +606,9 @@ def gradcheck_recorded(recorded: Recorded, *, mode: str | None = None, rtol: flo
             raise BNProbeError(f"--mode {mode} contradicts the recording: {off[0].label} was recorded in "
                                f"{'training' if off[0].training else 'eval'} mode")
     check_options(recorded, params=params)
-    results = []
-    for i, _, run in runs(recorded, modes=("backward",), skip_missing=True):
-        results.append(_gradcheck_call(recorded, run, rtol, atol, np.random.default_rng([seed, 7, i])))
+    results = each_run(recorded, lambda i, run: _gradcheck_call(recorded, run, rtol, atol,
+                                                                 np.random.default_rng([seed, 7, i])),
+                       modes=("backward",), skip_missing=True)
     notes = list(recorded.calls.notes)
     return PerCall("gradcheck", recorded.kernel.name, recorded.calls.source, recorded.calls.kind, results, notes)
 

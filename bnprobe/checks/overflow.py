@@ -46,7 +46,7 @@ from bnprobe.checks.overflow_report import (
 from bnprobe.checks.overflow_trace import scan_traced
 from bnprobe.checks.recorded import PerCall, Recorded, check_options, check_params
 from bnprobe.checks.overflow_observe import observed_findings
-from bnprobe.checks.run import generated_call, run_call, runs
+from bnprobe.checks.run import each_run, generated_call, run_call
 from bnprobe.call import BNCall
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
@@ -216,7 +216,7 @@ def scan_recorded(recorded: Recorded, *, mode: str | None = None, params: str | 
             for m in (mode,) if mode else rec.modes:
                 reports.append(_scan_runnable(recorded.kernel, rec, m, f"{c.label} [{m}]"))
         return PerCall("overflow", recorded.kernel.name, calls.source, calls.kind, reports, list(calls.notes))
-    reports = [scan_call(run) for _, _, run in runs(recorded, modes=(mode,) if mode else None)]
+    reports = each_run(recorded, lambda _, run: scan_call(run), modes=(mode,) if mode else None)
     notes = ["a recording has no trace and cannot be rerun: findings come from its outputs against the FP64 golden "
              "on the same inputs; no remedies are tried"]
     return PerCall("overflow", recorded.kernel.name, calls.source, calls.kind, reports, notes + list(calls.notes))
