@@ -25,8 +25,8 @@ from typing import Any, BinaryIO
 
 from bnprobe.errors import BNProbeError
 
-__all__ = ["atomic_write_text", "atomic_write_bytes", "check_targets", "output_dir", "OutputDir", "file_mode",
-           "save_figure", "to_jsonable", "dumps_json"]
+__all__ = ["atomic_write_text", "atomic_write_bytes", "atomic_write_with", "check_targets", "output_dir", "OutputDir",
+           "file_mode", "save_figure", "to_jsonable", "dumps_json"]
 
 _UMASK: int | None = None
 
@@ -98,6 +98,12 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file and a rename."""
     _atomic(Path(path), lambda fh: fh.write(data))
+
+
+def atomic_write_with(path: str | Path, write: Callable[[BinaryIO], Any]) -> None:
+    """``write(fh)`` streams into a temporary file beside ``path``, renamed to it when done (nothing is left
+    when it raises): for files too large to build in memory first."""
+    _atomic(Path(path), write)
 
 
 def save_figure(fig: Any, path: str | Path, **kwargs: Any) -> None:
