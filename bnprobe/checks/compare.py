@@ -406,17 +406,27 @@ def _name_recipe(r: dict[str, Any], cc: _CaseCall, run: CallRun, t: str, bench: 
     """Name, in the row of a failing output ``t``, the recipe (:data:`~bnprobe.checks.recipes.RECIPES`) whose
     kernel reproduces it on this case call (each recipe run once per case call)."""
     call = cc.golden.call
+
+    def fits(out: Any) -> bool:
+        return out is not None and recipe_fits(run.got[t], out, bench, run.gold[t], run.formats[t])
+
     for rp in RECIPES:
         if t not in rp.outputs or not rp.applies(call):
             continue
-        if rp.kernel is not None and rp.id not in cc.recipes:
-            cc.recipes[rp.id] = _run(counters_only(rp.kernel()), cc).got  # its outputs alone: no trace arrays
         derived = rp.derive(call, run.got, run.saved).get(t) if rp.derive else None
-        outs = [cc.recipes.get(rp.id, {}).get(t)] + (derived if isinstance(derived, list) else [derived])
-        if any(out is not None and recipe_fits(run.got[t], out, bench, run.gold[t], run.formats[t]) for out in outs):
+        # the outputs derived from the call (cheap) first; the recipe's kernel is run only when they do not fit
+        if any(fits(out) for out in (derived if isinstance(derived, list) else [derived])) or \
+                rp.kernel is not None and fits(_recipe_outputs(rp, cc).get(t)):
             r["cause"] = rp.id
             r["why"] += f"; it matches a kernel that {rp.words(call)}"
             return
+
+
+def _recipe_outputs(rp: Any, cc: _CaseCall) -> dict[str, Any]:
+    """The outputs of recipe ``rp``'s kernel on this case call, run once (its outputs alone: no trace arrays)."""
+    if rp.id not in cc.recipes:
+        cc.recipes[rp.id] = _run(counters_only(rp.kernel()), cc).got
+    return cc.recipes[rp.id]
 
 
 def _policy(a: KernelAdapter, rec: Recording) -> Any:

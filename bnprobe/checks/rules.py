@@ -302,8 +302,10 @@ def versus_bench(actual: Any, bench: Any, golden: Any, fmt: str) -> VersusBench 
         keep = np.isfinite(a) & np.isfinite(b) & np.isfinite(g)
         if not keep.any():
             return None
-        ea, eb = np.abs(a[keep] - g[keep]), np.abs(b[keep] - g[keep])
-        ulp = get_format(fmt).ulp(g[keep])
+        if not keep.all():  # (every element finite, the usual case: no copies)
+            a, b, g = a[keep], b[keep], g[keep]
+        ea, eb = np.abs(a - g), np.abs(b - g)
+        ulp = get_format(fmt).ulp(g)
         return VersusBench(float(np.sqrt(np.mean(ea * ea))), float(np.sqrt(np.mean(eb * eb))), float(ea.max()),
                            float(eb.max()), float(np.sqrt(np.mean(ulp * ulp))))
 
