@@ -1058,20 +1058,67 @@ def _report_warnings(caught: list) -> None:
         typer.echo(f"bnprobe: note: a library warned: {text[:300]}" + (f" ({n} times)" if n > 1 else ""), err=True)
 
 
+class _PipeSafe:
+    """A text stream whose writes to a reader that has gone (``| head -1``) are dropped: the command still ends
+    with its verdict's exit status (click turned the broken pipe into exit 1, a pass reported as a failure)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream, self._gone = stream, False
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._gone = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._gone = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point: one-line errors and exit status 2 for bad input; warnings reported once, not leaked."""
+    """Console entry point: one-line errors and exit status 2 for bad input; warnings reported once, not leaked;
+    the exit status is the verdict's even when stdout's reader stops reading."""
     import warnings
 
     from bnprobe.guard import tune_malloc
 
     tune_malloc()
     args = _hoist_max_memory(list(sys.argv[1:] if argv is None else argv))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        code = _run(args)
-    if code in (0, 1):
-        _report_warnings(caught)
+    stdout, sys.stdout = sys.stdout, _PipeSafe(sys.stdout)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            code = _run(args)
+        if code in (0, 1):
+            _report_warnings(caught)
+        sys.stdout.flush()
+    finally:
+        sys.stdout = stdout
+    if not getattr(stdout, "closed", False):
+        try:
+            stdout.flush()
+        except BrokenPipeError:  # the reader went after our last write: nothing more will be written
+            _silence_stdout()
     return code
+
+
+def _silence_stdout() -> None:
+    """stdout pointed at /dev/null, so the interpreter's flush at exit cannot fail on a pipe that is gone."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # not a real file (a test's capture): nothing to silence
+        pass
 
 
 def _run(args: list[str]) -> int:
@@ -1104,8 +1151,8 @@ def _run(args: list[str]) -> int:
             msg = exc.format_message() if isinstance(exc, click_exception) else str(exc)
             typer.echo(f"bnprobe: error: {msg}", err=True)
             return 2
-        if isinstance(exc, BrokenPipeError):  # pragma: no cover - e.g. piped into head
-            return 0
+        if isinstance(exc, BrokenPipeError):  # pragma: no cover - stderr's reader gone (stdout's is handled in main)
+            return 1  # the run's report did not reach its reader: not a pass
         if isinstance(exc, NotImplementedError):  # a plugin adapter without a method this command needs
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else "a method this command needs"
             typer.echo(f"bnprobe: error: an adapter does not implement {first[:200]}", err=True)

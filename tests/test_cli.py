@@ -290,3 +290,16 @@ def test_a_module_in_the_current_folder_is_named_with_pythonpath(tmp_path):
     r = subprocess.run([str(script), "gradcheck", "--formula", "elsewhere:f"], cwd=tmp_path, env=env,
                        capture_output=True, text=True)
     assert r.returncode == 2 and "install it, or put its folder on PYTHONPATH" in r.stderr
+
+
+@pytest.mark.parametrize("args,verdict", [(["fold"], 0), (["overflow", "--accumulate", "fp16", "--mean", "100",
+                                                             "--shape", "8,4,8,8"], 1)])
+def test_the_exit_status_is_the_verdict_when_stdouts_reader_has_gone(args, verdict):
+    """``bnprobe ... | head -1``: the reader closes the pipe before the report is written; the exit status is still
+    the verdict's (click made a broken pipe exit 1: a pass read as a failure) and nothing is said on stderr."""
+    p = subprocess.Popen([sys.executable, "-m", "bnprobe", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # the reader is gone before the first line
+    with p.stderr:
+        err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == verdict, err
+    assert err == ""

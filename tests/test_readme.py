@@ -20,7 +20,8 @@ CALIBRATED = ('bnprobe compare-precision --adapters "emulated:fp16:variance=chan
               '--no-stress --no-budget --format md --out calibrated')
 # the transcripts run here: a block's first command (the block's others follow it in the same folder), with what
 # its inputs need (a DDP run's msprobe dumps are made by a session fixture; jax's runs in .ci/frameworks' jax
-# environment); the others need a 16 M-value input or print what this machine has (adapters)
+# environment; the 16 M-value inputs and rsqrt's fp32 sweep are marked slow); the one left out prints what this
+# machine has installed (adapters)
 RUN = {
     "bnprobe compare-precision": None,
     "bnprobe gradcheck --formula seed": None,
@@ -45,7 +46,15 @@ RUN = {
     "bnprobe compare-precision --adapters dump:ddp-dump --out reports/ddp-sweep": "msprobe",
     "bnprobe doctor --adapter dump:syncbn-dump --out reports/syncbn-sweep": None,
     "bnprobe doctor --adapter jax --dtype fp32 --no-stability --convention torch": "flax",  # run by .ci/frameworks
+    'bnprobe fold --weights layer.npz --folded exported.npz; echo "exit $?"': None,
+    "python examples/monitor_cnn.py": "pyarrow",
+    "bnprobe rsqrt --format fp32 --method magic --newton 0,1,2 --working fp64": None,
+    "bnprobe compare-precision --adapters torch --dtypes fp16 --shape 4096,1,64,64 --no-stress --no-budget --format md "
+    "--out big-torch": "torch",
 }
+SLOW = {"bnprobe rsqrt --format fp32 --method magic --newton 0,1,2 --working fp64",  # 26 s
+        "bnprobe compare-precision --adapters torch --dtypes fp16 --shape 4096,1,64,64 --no-stress --no-budget "
+        "--format md --out big-torch"}  # 16 M values, torch's and the identified recipe's: 55 s
 def _bad_inputs(folder: Path) -> None:
     """What the bad-input block names: a forged .npy (a header declaring 80 GB, 128 bytes in all), a file where a
     folder is wanted, and a report folder that holds a report."""
@@ -65,7 +74,26 @@ def _syncbn_dump(folder: Path) -> None:
     _syncbn_root(folder / "syncbn-dump", "unweighted", steps=2)
 
 
+def _fold_files(folder: Path) -> None:
+    """fold's block: the built-in linear layer (seed 0) with its x, its fold stored in fp16 with the bias not
+    scaled by A (b + B, the classic exporter bug), and the correct fold in fp16."""
+    import numpy as np
+
+    from bnprobe.checks.fold import make_layer
+
+    lay = make_layer("linear", seed=0)
+    layer = dict(weight=lay.weight, gamma=lay.gamma, beta=lay.beta, running_mean=lay.running_mean,
+                 running_var=lay.running_var, bias=lay.bias, x=lay.x, eps=np.array(lay.eps))
+    np.savez(folder / "layer.npz", **layer)
+    a = lay.gamma / np.sqrt(lay.running_var + lay.eps)
+    shift = lay.beta - lay.running_mean * a
+    w = (lay.weight * a[:, None]).astype(np.float16)
+    np.savez(folder / "exported.npz", weight=w, bias=(lay.bias + shift).astype(np.float16))
+    np.savez(folder / "fixed.npz", weight=w, bias=(lay.bias * a + shift).astype(np.float16))
+
+
 SETUP = {"bnprobe trace --shape 1,128,1024,1024": _bad_inputs,
+         'bnprobe fold --weights layer.npz --folded exported.npz; echo "exit $?"': _fold_files,
          "bnprobe doctor --adapter dump:syncbn-dump --out reports/syncbn-sweep": _syncbn_dump}
 # blocks whose input is a session fixture's: (the fixture, the folder of it the README names, the name it has there)
 FIXTURES = {"bnprobe compare-precision --adapters dump:ddp-dump --out reports/ddp-sweep":
@@ -108,7 +136,7 @@ def blocks() -> list[list[tuple[str, list[str]]]]:
 def chosen():
     for b in blocks():
         if b[0][0] in RUN:
-            yield pytest.param(b, id=b[0][0][:60])
+            yield pytest.param(b, id=b[0][0][:60], marks=[pytest.mark.slow] if b[0][0] in SLOW else [])
 
 
 def run(command: str, cwd: Path) -> str:
