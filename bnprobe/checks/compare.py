@@ -41,7 +41,7 @@ from bnprobe.checks.rules import (
     within_bound,
     within_rounding,
 )
-from bnprobe.checks.run import CallRun, Golden, generated_call, run_call, running_stats, y_natural
+from bnprobe.checks.run import LARGE_CALL, CallRun, Golden, generated_call, run_call, running_stats, y_natural
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.inputs import make_params
@@ -57,7 +57,6 @@ __all__ = ["CompareResult", "compare_precision", "judge_call", "summarize", "per
            "worse_rows", "COMPARE_MODES"]
 
 ELEMENTWISE = ("y", "y_infer", "dx")
-LARGE_CASE = 1 << 20  # values of x beyond which a case's arrays are collected before the next case is made
 
 
 @dataclass(frozen=True)
@@ -530,7 +529,7 @@ def compare_precision(
     # the bench in each kernel's convention (a framework's running variance is judged against a careful one's)
     benches = {convention_of(a).name: counters_only(bench_for(bench_a, a)) for a in runs} if bench_a else {}
     for case in cases:
-        if math.prod(case.shape) > LARGE_CASE:  # the last case's arrays caught in reference cycles go first
+        if math.prod(case.shape) > LARGE_CALL:  # the last case's arrays caught in reference cycles go first
             gc.collect()
         for cc in _case_calls(case, fmts, modes, opts, ref, notes):
             bench_outs: dict[str, Any] = {}

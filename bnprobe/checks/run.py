@@ -13,6 +13,7 @@ from).  The golden of a call is computed once however many kernels run on it (:c
 from __future__ import annotations
 
 import gc
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from bnprobe.kernels.layout import layout_of
 from bnprobe.tolerances import accumulation_bound, accumulation_format
 
 T = TypeVar("T")
+LARGE_CALL = 1 << 20  # values of x beyond which a call's arrays are collected before the next is read
 
 __all__ = ["CallRun", "Golden", "OUTPUT_MODE", "generated_call", "run_call", "each_run", "natural_scales",
            "cancellation_bounds", "statistics_bounds", "variance_bound", "forgiven", "running_stats", "y_natural"]
@@ -495,8 +497,9 @@ def each_run(recorded: Any, judge: Callable[[int, CallRun], T], modes: tuple[str
         run.notes[:0] = recording_notes(run.recording)  # what the reader assumed (MindSpore's ε, ...), said by
         out.append(judge(i, run))  # every command
         del run
-        gc.collect()  # the call's arrays caught in reference cycles (a traceback's frames, closures) go now, not
-    return out  # when the collector next happens to run: doctor on 2.4 M-value calls held 1.7 GB more per call
+        if math.prod(c.shape) > LARGE_CALL:  # its arrays caught in reference cycles (closures, a traceback's
+            gc.collect()  # frames) go now, not when the collector next runs: doctor on 2.4 M-value calls held
+    return out  # 1.7 GB more per call (a collection costs about 50 ms with torch loaded: large calls only)
 
 
 def recording_notes(rec: Recording) -> list[str]:
