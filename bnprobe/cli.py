@@ -1059,26 +1059,38 @@ def _report_warnings(caught: list) -> None:
 
 
 class _PipeSafe:
-    """A text stream whose writes to a reader that has gone (``| head -1``) are dropped: the command still ends
-    with its verdict's exit status (click turned the broken pipe into exit 1, a pass reported as a failure)."""
+    """A stream whose writes to a reader that has gone (``| head -1``) are dropped: the command still ends with its
+    verdict's exit status (click turned the broken pipe into exit 1, a pass reported as a failure).  Its binary
+    ``buffer`` (click writes there when the text stream's encoding does not suit it) is guarded the same way."""
 
     def __init__(self, stream: Any) -> None:
         self._stream, self._gone = stream, False
+        self._buffer: _PipeSafe | None = None
 
-    def write(self, text: str) -> int:
+    def _guard(self, call: Any, *args: Any) -> Any:
         if not self._gone:
             try:
-                return self._stream.write(text)
+                return call(*args)
             except BrokenPipeError:
                 self._gone = True
-        return len(text)
+        return None
+
+    def write(self, data: Any) -> int:
+        n = self._guard(self._stream.write, data)
+        return len(data) if n is None else n
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
 
     def flush(self) -> None:
-        if not self._gone:
-            try:
-                self._stream.flush()
-            except BrokenPipeError:
-                self._gone = True
+        self._guard(self._stream.flush)
+
+    @property
+    def buffer(self) -> Any:
+        if self._buffer is None:
+            self._buffer = _PipeSafe(self._stream.buffer)
+        return self._buffer
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
@@ -1093,17 +1105,20 @@ def main(argv: list[str] | None = None) -> int:
 
     tune_malloc()
     args = _hoist_max_memory(list(sys.argv[1:] if argv is None else argv))
-    stdout, sys.stdout = sys.stdout, _PipeSafe(sys.stdout)
+    stdout = sys.stdout  # None when the process was started with stdout closed: nothing to guard
+    if stdout is not None:
+        sys.stdout = _PipeSafe(stdout)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             code = _run(args)
         if code in (0, 1):
             _report_warnings(caught)
-        sys.stdout.flush()
+        if sys.stdout is not None:
+            sys.stdout.flush()
     finally:
         sys.stdout = stdout
-    if not getattr(stdout, "closed", False):
+    if stdout is not None and not getattr(stdout, "closed", False):
         try:
             stdout.flush()
         except BrokenPipeError:  # the reader went after our last write: nothing more will be written
@@ -1116,9 +1131,27 @@ def _silence_stdout() -> None:
     import os
 
     try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, sys.stdout.fileno())
+        finally:
+            os.close(null)
     except (OSError, ValueError, AttributeError):  # not a real file (a test's capture): nothing to silence
         pass
+
+
+def _stderr_gone() -> bool:
+    """Whether stderr's reader has gone (a write to it fails on a broken pipe)."""
+    try:
+        if sys.stderr is None:
+            return True
+        sys.stderr.write("")
+        sys.stderr.flush()
+    except BrokenPipeError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return False
 
 
 def _run(args: list[str]) -> int:
@@ -1151,8 +1184,8 @@ def _run(args: list[str]) -> int:
             msg = exc.format_message() if isinstance(exc, click_exception) else str(exc)
             typer.echo(f"bnprobe: error: {msg}", err=True)
             return 2
-        if isinstance(exc, BrokenPipeError):  # pragma: no cover - stderr's reader gone (stdout's is handled in main)
-            return 1  # the run's report did not reach its reader: not a pass
+        if isinstance(exc, BrokenPipeError) and _stderr_gone():  # stdout's reader gone is handled in main
+            return 1  # the run's report did not reach its reader: not a pass (other broken pipes: an OSError below)
         if isinstance(exc, NotImplementedError):  # a plugin adapter without a method this command needs
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else "a method this command needs"
             typer.echo(f"bnprobe: error: an adapter does not implement {first[:200]}", err=True)

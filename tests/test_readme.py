@@ -3,7 +3,7 @@ inputs ship with the repository is run here, in a fresh folder (commands of one 
 folder), and its output compared with the README's line for line, with what changes from run to run masked:
 timings, report folder names, free-memory figures; "..." in the README stands for what an excerpt leaves out."""
 
-import importlib.util
+import importlib.metadata
 import os
 import re
 import subprocess
@@ -55,8 +55,8 @@ RUN = {
     "--out big-torch": "torch",
 }
 # the listing says what this machine has installed: the README's is of the test command's environment (torch, no
-# other framework)
-NOT_WITH = {"bnprobe adapters": ("jax", "flax", "tensorflow", "keras", "paddle", "mindspore")}
+# other framework's distribution)
+NOT_WITH = {"bnprobe adapters": ("jax", "flax", "tensorflow", "tensorflow-cpu", "keras", "paddlepaddle", "mindspore")}
 SLOW = {"bnprobe rsqrt --format fp32 --method magic --newton 0,1,2 --working fp64",  # 26 s
         "bnprobe compare-precision --adapters torch --dtypes fp16 --shape 4096,1,64,64 --no-stress --no-budget "
         "--format md --out big-torch"}  # 16 M values, torch's and the identified recipe's: 55 s
@@ -74,7 +74,7 @@ def _bad_inputs(folder: Path) -> None:
 def _syncbn_dump(folder: Path) -> None:
     """The SyncBN sweep's dumps: 2 steps of an emulated SyncBatchNorm whose merge ignores the ranks' counts, written
     per rank as tests/test_sweep.py writes them."""
-    from test_sweep import _syncbn_root
+    from tests.test_sweep import _syncbn_root
 
     _syncbn_root(folder / "syncbn-dump", "unweighted", steps=2)
 
@@ -109,6 +109,16 @@ MASKS = [
     (re.compile(r"\d+(\.\d+)? [KMGT]iB of (memory )?available"), "<free> available"),
     (re.compile(r"the \d+(\.\d+)? [KMGT]iB (available|free)"), r"the <free> \2"),
 ]
+
+
+def _installed(distribution: str) -> bool:
+    """Whether a distribution is installed (by its metadata: msprobe's import puts tensorboard's stub in
+    sys.modules["tensorflow"], which a module lookup would take for tensorflow)."""
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def mask(text: str) -> list[str]:
@@ -183,7 +193,7 @@ def test_readme_transcript(block, tmp_path, request):
     need = RUN[block[0][0]]
     if need:
         pytest.importorskip(need)
-    present = [m for m in NOT_WITH.get(block[0][0], ()) if importlib.util.find_spec(m) is not None]
+    present = [m for m in NOT_WITH.get(block[0][0], ()) if _installed(m)]
     if present:
         pytest.skip(f"{present[0]} is installed: the README lists the adapters of an environment without it")
     if block[0][0] in FIXTURES:

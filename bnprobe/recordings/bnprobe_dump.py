@@ -39,6 +39,7 @@ from bnprobe._files import atomic_write_text, atomic_write_with, check_targets
 __all__ = ["write_dump", "read_meta", "read_dump", "read_calls", "record", "FORMAT_TAG"]
 
 FORMAT_TAG = "bnprobe-dump"
+DUMP_VERSION = 2  # 2: entries may share one stored array (a call's x, recorded for its backward too); 1 read as well
 
 # the tensors a recorded mode cannot lack (a backward may lack a gradient the kernel did not compute)
 REQUIRED = {"train": ({"x"}, {"y"}), "infer": ({"x", "running_mean", "running_var"}, {"y"}),
@@ -80,8 +81,9 @@ def write_dump(rec: Recording, out: str | Path, *, force: bool = False) -> list[
                     np.lib.format.write_array(member, _storage(a, fmt), allow_pickle=False)
 
     atomic_write_with(tensor_path, write)
-    meta = {"format": FORMAT_TAG, "version": 1, "adapter": rec.adapter, "dtype": rec.dtype, "params": rec.params,
-            "layout": rec.layout, "eps": rec.eps, "momentum": rec.momentum, "saved_kind": rec.saved_kind,
+    meta = {"format": FORMAT_TAG, "version": DUMP_VERSION, "adapter": rec.adapter, "dtype": rec.dtype,
+            "params": rec.params, "layout": rec.layout, "eps": rec.eps, "momentum": rec.momentum,
+            "saved_kind": rec.saved_kind,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "meta": rec.meta, "records": entries}
     atomic_write_text(meta_path, json.dumps(meta, indent=2, default=str))
     return [tensor_path, meta_path]
@@ -92,6 +94,10 @@ def read_meta(meta_path: Path) -> dict[str, Any]:
     meta = read_json(meta_path)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_TAG:
         raise BNProbeError(f"{meta_path}: not a bnprobe dump (no \"format\": \"{FORMAT_TAG}\")")
+    version = meta.get("version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= DUMP_VERSION:
+        raise BNProbeError(f"{meta_path}: a bnprobe dump of version {version!r}; this bnprobe reads versions 1 to "
+                           f"{DUMP_VERSION} (a newer bnprobe wrote it?)")
     for key in ("adapter", "dtype", "params", "layout", "eps", "records"):
         if key not in meta:
             raise BNProbeError(f"{meta_path}: metadata lacks {key!r}")
@@ -186,6 +192,7 @@ def read_dump(meta_path: Path) -> Recording:
                     meta.get("saved_kind") if meta.get("saved_kind") in SAVED_KINDS else None, meta=inner,
                     source=str(folder))
     wide: dict[str, np.ndarray] = {}  # each stored array widened once, however many entries name it
+    checked: set[tuple[str, str]] = set()
     for mode, ios in meta["records"].items():
         for io, named in ios.items():
             for name, entry in named.items():
@@ -194,10 +201,14 @@ def read_dump(meta_path: Path) -> Recording:
                 if list(a.shape) != list(entry["shape"]):
                     raise BNProbeError(f"{tensor_path}: tensor {key!r} has shape {list(a.shape)} but {META_NAME} "
                                        f"says {entry['shape']} for {mode}.{io}.{name}")
-                if not is_representable(a, entry["format"]).all():  # on the stored values (float32 or float64)
-                    raise BNProbeError(f"{tensor_path}: tensor {key!r} holds values that are not {entry['format']}")
+                if (key, entry["format"]) not in checked:  # on the stored values (float32 or float64), once
+                    if not is_representable(a, entry["format"]).all():
+                        raise BNProbeError(f"{tensor_path}: tensor {key!r} holds values that are not "
+                                           f"{entry['format']}")
+                    checked.add((key, entry["format"]))
                 if key not in wide:
-                    wide[key] = a.astype(np.float64)
+                    wide[key] = a.astype(np.float64)  # one array under several names (the checks copy what
+                    # they change; left writable: torch.from_numpy warns on a read-only array)
                 rec.tensors.setdefault(mode, {}).setdefault(io, {})[name] = wide[key]
                 rec.formats[f"{mode}.{io}.{name}"] = entry["format"]
     return rec
