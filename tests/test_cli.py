@@ -303,3 +303,10 @@ def test_the_exit_status_is_the_verdict_when_stdouts_reader_has_gone(args, verdi
         err = p.stderr.read().decode()
     assert p.wait(timeout=120) == verdict, err
     assert err == ""
+
+
+def test_a_command_started_with_stdout_closed_ends_with_its_verdict():
+    """``bnprobe fold >&-``: Python starts with no sys.stdout; nothing to write to, no crash, the verdict's status."""
+    r = subprocess.run(f"{sys.executable} -m bnprobe fold >&-", shell=True, capture_output=False,
+                       stderr=subprocess.PIPE, text=True, timeout=120)
+    assert r.returncode == 0 and r.stderr == "", r.stderr

@@ -49,6 +49,16 @@ def test_round_trip_gives_identical_arrays(tmp_path, adapter, dtype):
     np.testing.assert_array_equal(out.y.astype(np.float64), rec.tensors["train"]["outputs"]["y"])
 
 
+def test_a_version_1_dump_is_still_read(tmp_path):
+    rec = recorded(tmp_path)
+    meta = json.loads((tmp_path / "bnprobe-dump.json").read_text())
+    assert meta["version"] == 2
+    meta["version"] = 1
+    (tmp_path / "bnprobe-dump.json").write_text(json.dumps(meta))
+    x = rec.tensors["train"]["inputs"]["x"]
+    np.testing.assert_array_equal(load_dump(tmp_path).tensors["train"]["inputs"]["x"], x)
+
+
 def test_an_array_recorded_twice_is_stored_once_and_read_back_under_both_names(tmp_path):
     rec = recorded(tmp_path / "a")
     x = rec.tensors["train"]["inputs"]["x"]
@@ -353,6 +363,8 @@ X = ["records", "train", "inputs", "x"]
     (_set(["dtype"], 3), "dtype is 3, not a string"), (_set(["adapter"], [1]), "adapter is"),
     (_set(["saved_kind"], "mean"), "saved_kind is 'mean'"),
     (_set(["meta"], [1]), '"meta" must be an object'), (_set(["meta", "training"], "no"), "training, when given"),
+    (_set(["version"], 3), r"a bnprobe dump of version 3; this bnprobe reads versions 1 to 2 \(a newer bnprobe"),
+    (_set(["version"], "2"), "a bnprobe dump of version '2'"), (_set(["version"], True), "version True"),
 ])
 def test_hostile_bnprobe_metadata_is_one_line(tmp_path, change, match):
     recorded(tmp_path)
