@@ -8,7 +8,7 @@ numpy dtype of their format.
 
 When the trace keeps no arrays and every operation is an fp32 one with the
 default rounding (the fp32, fp16 and bf16 presets: 16-bit tensors, fp32
-arithmetic), the tensors are float32 carriers instead: the same values, half the
+arithmetic, parameters in fp32, fp16 or bf16), the tensors are float32 carriers instead: the same values, half the
 memory traffic, and fp32 arithmetic done by the CPU's own binary32 operations
 (see numerics/arith.py for why that is exact).  Outputs, statistics and trace
 counters are identical either way; tests/kernels/test_carriers.py checks it.
@@ -79,8 +79,11 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 18
 
 
 def carrier_for(policy: Policy, keep_arrays: bool, overrides: dict[str, np.ndarray] | None) -> type:
-    """float32 when a run can use float32 carriers (see the module notes), else float64."""
-    fp32 = all(get_format(f).name == "fp32" for f in (policy.params_format, policy.compute, policy.accumulate))
+    """float32 when a run can use float32 carriers (see the module notes), else float64.  The parameters may be
+    fp16 or bf16 (a model.half() layer's): they are per-channel values, rounded by their own Arith, and float32
+    holds them."""
+    fp32 = all(get_format(f).name == "fp32" for f in (policy.compute, policy.accumulate)) and \
+        get_format(policy.params_format).name in ("fp32", "fp16", "bf16")
     if (keep_arrays or overrides or not fp32 or not fits_float32(get_format(policy.storage))
             or policy.spec != RoundingSpec()):
         return np.float64

@@ -25,6 +25,9 @@ POLICIES = [
     "fp16:rsqrt=sqrt_div,division=reciprocal", "fp16:backward_formula=ascend", "fp16:mean_by=reciprocal",
     "fp16:mean_by=prescaled", "bf16:output_rounding=nearest_away", "fp16:core_parts=3,core_combine=atomic",
     "fp16:clamp_var=true,variance=naive", "fp16:rsqrt=ascend950",
+    # 16-bit parameters (model.half()): per-channel values in their own format, the arithmetic still fp32
+    "fp16:params=fp16", "bf16:params=bf16", "fp16:params=fp16,stored_stats=true", "bf16:params=bf16,y_formula=affine",
+    "fp16:params=bf16,variance=welford,lanes=4", "fp32:params=fp16",
 ]
 
 
