@@ -167,8 +167,9 @@ def absolute(actual: np.ndarray, golden: np.ndarray, fmt: str, rule: str = "scal
         return Verdict(False, bad, math.inf, 0.0)
     fa = np.isfinite(a)
     sc = None if scale is None else \
-        np.broadcast_to(np.asarray(scale, dtype=np.float64), np.shape(golden)).reshape(-1)[fa]
-    a, g = a[fa], g[fa]
+        np.broadcast_to(np.asarray(scale, dtype=np.float64), np.shape(golden)).reshape(-1)
+    if not fa.all():  # (every element finite, the usual case: no copies)
+        a, g, sc = a[fa], g[fa], None if sc is None else sc[fa]
     with np.errstate(all="ignore"):
         d = beyond_rounding(a, g, f.name)
         if rule == "threshold":
