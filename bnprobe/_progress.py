@@ -39,13 +39,11 @@ class Progress:
         compiling (numba's first run of a kernel takes a minute), which would make an estimate from it far off."""
         if done >= total:
             return "eta    0.0s"
-        if self.first is None:
-            if done > 0:
-                self.first = (now, done)
+        if self.first is None and done > 0:
+            self.first = (now, done)
+        if self.first is None or done <= self.first[1]:
             return "eta: after the first step (it may compile kernels)"
         t0, d0 = self.first
-        if done <= d0:
-            return "eta: after the first step (it may compile kernels)"
         return f"eta {(now - t0) / (done - d0) * (total - done):6.1f}s"
 
     def steps(self, total: int) -> Callable[[Any], None]:

@@ -1087,6 +1087,11 @@ class _PipeSafe:
         self._guard(self._stream.flush)
 
     @property
+    def gone(self) -> bool:
+        """Whether the reader went: a write or flush here or through ``buffer`` met a broken pipe."""
+        return self._gone or (self._buffer is not None and self._buffer.gone)
+
+    @property
     def buffer(self) -> Any:
         if self._buffer is None:
             self._buffer = _PipeSafe(self._stream.buffer)
@@ -1106,23 +1111,21 @@ def main(argv: list[str] | None = None) -> int:
     tune_malloc()
     args = _hoist_max_memory(list(sys.argv[1:] if argv is None else argv))
     stdout = sys.stdout  # None when the process was started with stdout closed: nothing to guard
-    if stdout is not None:
-        sys.stdout = _PipeSafe(stdout)
+    guarded = None if stdout is None else _PipeSafe(stdout)
+    if guarded is not None:
+        sys.stdout = guarded
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             code = _run(args)
         if code in (0, 1):
             _report_warnings(caught)
-        if sys.stdout is not None:
-            sys.stdout.flush()
+        if guarded is not None:
+            guarded.flush()
     finally:
         sys.stdout = stdout
-    if stdout is not None and not getattr(stdout, "closed", False):
-        try:
-            stdout.flush()
-        except BrokenPipeError:  # the reader went after our last write: nothing more will be written
-            _silence_stdout()
+    if guarded is not None and guarded.gone:  # what stayed in its buffer would fail the interpreter's flush at exit
+        _silence_stdout()
     return code
 
 

@@ -494,12 +494,16 @@ def each_run(recorded: Any, judge: Callable[[int, CallRun], T], modes: tuple[str
     out: list[T] = []
     for i, c in enumerate(recorded.calls.calls):
         run = run_call(kernel, c.load(), modes=modes, index=i, label=c.label, ref=ref, skip_missing=skip_missing)
-        run.notes[:0] = recording_notes(run.recording)  # what the reader assumed (MindSpore's ε, ...), said by
-        out.append(judge(i, run))  # every command
+        # what the reader assumed (MindSpore's ε, ...), said by every command
+        run.notes[:0] = recording_notes(run.recording)
+        out.append(judge(i, run))
         del run
-        if math.prod(c.shape) > LARGE_CALL:  # its arrays caught in reference cycles (closures, a traceback's
-            gc.collect()  # frames) go now, not when the collector next runs: doctor on 2.4 M-value calls held
-    return out  # 1.7 GB more per call (a collection costs about 50 ms with torch loaded: large calls only)
+        # a large call's arrays caught in reference cycles (closures, a traceback's frames) go now, not when the
+        # collector next runs: doctor on 2.4 M-value calls held 1.7 GB more per call (a collection costs about
+        # 50 ms with torch loaded: large calls only)
+        if math.prod(c.shape) > LARGE_CALL:
+            gc.collect()
+    return out
 
 
 def recording_notes(rec: Recording) -> list[str]:

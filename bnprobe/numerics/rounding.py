@@ -272,12 +272,9 @@ def is_representable(values: np.ndarray, fmt: str | Format) -> np.ndarray:
     with np.errstate(all="ignore"):
         # a value is in the format exactly when a correct nearest-even cast leaves it unchanged (beyond the largest
         # value the cast gives ±max or ±inf, not the value); other formats: rounding toward zero, any exponent
-        fast = None if fmt is FP64 or not fmt.has_inf else _cast_nearest_even(v, fmt)
         if fmt is FP64:
-            r = v.astype(np.float64, copy=False)
-        elif fast is not None:
-            r = fast
-        else:
+            r = v
+        elif not fmt.has_inf or (r := _cast_nearest_even(v, fmt)) is None:
             v = v.astype(np.float64, copy=False)
             r = round_to(v, fmt, rounding="toward_zero")
         same = (r == v) | (np.isnan(v) & np.isnan(r))

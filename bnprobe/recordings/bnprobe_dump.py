@@ -57,26 +57,26 @@ def write_dump(rec: Recording, out: str | Path, *, force: bool = False) -> list[
     out = Path(out)
     meta_path, tensor_path = out / META_NAME, out / TENSORS_NAME
     check_targets([meta_path, tensor_path], force=force)
+    # each array once, under the key of its first entry: an array recorded twice (a training call's x, again for
+    # its backward) is stored once, both entries naming that key (``arrays`` holds every array, so no id is reused)
     arrays: dict[str, tuple[np.ndarray, str]] = {}
+    keys: dict[tuple[int, str], str] = {}
     entries: dict[str, Any] = {}
-    stored: dict[tuple[int, str], str] = {}  # an array recorded twice (a training call's x, again for its backward)
-    for mode, ios in rec.tensors.items():  # is stored once, both entries naming its key
+    for mode, ios in rec.tensors.items():
         entries[mode] = {}
         for io, named in ios.items():
             entries[mode][io] = {}
             for name, a in named.items():
-                key = f"{mode}.{io}.{name}"
-                fmt = rec.formats[key]
-                if isinstance(a, np.ndarray) and (id(a), fmt) in stored:
-                    key = stored[id(a), fmt]
-                else:
-                    arrays[key] = (np.asarray(a), fmt)
-                    if isinstance(a, np.ndarray):
-                        stored[id(a), fmt] = key
-                entries[mode][io][name] = {"key": key, "shape": list(np.shape(a)), "format": fmt}
-    def write(fh: Any) -> None:  # uncompressed (float data deflates by about 7%, at 20x the time), one member at
-        with zipfile.ZipFile(fh, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:  # a time,
-            for key, (a, fmt) in arrays.items():  # each widened to its storage type as it is written
+                a, fmt = np.asarray(a), rec.formats[f"{mode}.{io}.{name}"]
+                key = keys.setdefault((id(a), fmt), f"{mode}.{io}.{name}")
+                arrays.setdefault(key, (a, fmt))
+                entries[mode][io][name] = {"key": key, "shape": list(a.shape), "format": fmt}
+
+    def write(fh: Any) -> None:
+        """Uncompressed (float data deflates by about 7%, at 20x the time), one member at a time, each widened to
+        its storage type as it is written."""
+        with zipfile.ZipFile(fh, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+            for key, (a, fmt) in arrays.items():
                 with zf.open(f"{key}.npy", "w", force_zip64=True) as member:
                     np.lib.format.write_array(member, _storage(a, fmt), allow_pickle=False)
 
@@ -206,9 +206,8 @@ def read_dump(meta_path: Path) -> Recording:
                         raise BNProbeError(f"{tensor_path}: tensor {key!r} holds values that are not "
                                            f"{entry['format']}")
                     checked.add((key, entry["format"]))
-                if key not in wide:
-                    wide[key] = a.astype(np.float64)  # one array under several names (the checks copy what
-                    # they change; left writable: torch.from_numpy warns on a read-only array)
+                if key not in wide:  # one array under several names (the checks copy what they change; it is
+                    wide[key] = a.astype(np.float64)  # left writable: torch.from_numpy warns on read-only ones)
                 rec.tensors.setdefault(mode, {}).setdefault(io, {})[name] = wide[key]
                 rec.formats[f"{mode}.{io}.{name}"] = entry["format"]
     return rec
