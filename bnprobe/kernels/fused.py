@@ -86,10 +86,15 @@ class _Locked:
             return attr
 
         def call(*args: Any) -> Any:
-            with _KERNEL_LOCK:
-                announce_compiling(attr)
-                return attr(*args)
+            return call_compiled(attr, *args)
         return call
+
+
+def call_compiled(kernel: Any, *args: Any) -> Any:
+    """``kernel(*args)`` for a numba kernel, under the kernels' lock, said once on a terminal when it compiles."""
+    with _KERNEL_LOCK:
+        announce_compiling(kernel)
+        return kernel(*args)
 
 
 # a first run compiles the kernels for a minute or more (65 s for the presets' on 2 cores): said once per process,

@@ -39,10 +39,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from bnprobe._jit import jit_mode
 from bnprobe._files import atomic_write_bytes, atomic_write_text, dumps_json
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.recordings.bnprobe_dump import write_dump
+from bnprobe.recordings.monitor_profile import one_pass, profile_tensor
 from bnprobe.recordings.capture import _BN_NODES, _Call, finish_call, momentum_factor, record_grads, start_call
 from bnprobe.recordings.types import CALLS_NAME, CALLS_TAG
 
@@ -57,6 +59,8 @@ ANOMALY_COLUMNS = ("step", "rank", "layer", "call", "dtype", "phase", "reasons",
 COUNTS = ("nan", "inf", "at_max", "subnormal", "zero")  # per tensor and channel
 TENSORS = ("x", "y", "dx")
 _SPILL = "forward-spill.npz"
+# a row's columns the backward fills
+_LATE = ("dx_min", "dx_max", *(f"dx_{n}" for n in COUNTS), "dy_nan", "dy_inf", "sum_dy", "sum_dy_xhat")
 RUNNING_ULPS = 4  # of the parameter format, and of fp32 for the update's own arithmetic
 RUNNING_VAR_SLACK = 1e-4  # relative, of var + ε: the kernel's variance against the one its fp32 invstd gives
 # (beyond it, one unit of the format the kernel saved its statistics in: the batch's are read back from them)
@@ -100,12 +104,16 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().to("cpu", dtype=torch.float64).numpy()
 
 
-def _profile(t: torch.Tensor, prefix: str) -> dict[str, np.ndarray]:
+def _profile(t: torch.Tensor, prefix: str, jit: str) -> dict[str, np.ndarray]:
     """Per channel of ``t`` (channels on dim 1), reduced on its device in its dtype: min, max and the counts.  The
     counts are whole-tensor passes only where a channel has them (a non-finite or format-maximum extreme, a
-    magnitude below the smallest normal): min, max and min |t| per channel decide, each a fast reduction."""
+    magnitude below the smallest normal): min, max and min |t| per channel decide, each a fast reduction.  A large
+    contiguous CPU tensor is profiled in one compiled pass instead where ``jit`` (:func:`bnprobe._jit.jit_mode`)
+    allows (:mod:`bnprobe.recordings.monitor_profile`)."""
     import torch
 
+    if t.numel() and one_pass(t, jit):
+        return {f"{prefix}_{k}": v for k, v in profile_tensor(t).items()}
     dims, c = _dims(t), t.shape[1]
     fi = torch.finfo(t.dtype)
     zeros = np.zeros(c)
@@ -214,6 +222,7 @@ class Monitor:
             self.out = self.root / f"rank{self.rank}"
         self._check_out()
         self._torch, self._entered = torch, True
+        self._jit = jit_mode()  # whether large CPU tensors are profiled in one compiled pass
         try:
             for path, m in modules:
                 self._handles.append(m.register_forward_pre_hook(self._pre_hook(path)))
@@ -321,14 +330,15 @@ class Monitor:
         rm = module.running_mean
         row["running_mean"] = _np(rm) if rm is not None else np.full(c, np.nan)
         row["running_var"] = _np(module.running_var) if rm is not None else np.full(c, np.nan)
-        row.update(_profile(x, "x"))
-        row.update(_profile(y, "y"))
-        for k in ("dx_min", "dx_max", *(f"dx_{n}" for n in COUNTS), "dy_nan", "dy_inf", "sum_dy", "sum_dy_xhat"):
-            row[k] = np.full(c, np.nan)
+        row.update(_profile(x, "x", self._jit))
+        row.update(_profile(y, "y", self._jit))
+        row.update(zip(_LATE, np.full((len(_LATE), c), np.nan)))  # the backward's, NaN until it comes
         return row
 
     # ---- anomalies ---------------------------------------------------------------------------------
     def _flag(self, p: _Pending, what: str, bad: np.ndarray) -> None:
+        if not bad.any():
+            return
         ch = np.flatnonzero(bad)
         if ch.size:
             p.reasons.append(f"{what} (channel{'s' if ch.size > 1 else ''} {', '.join(map(str, ch[:8]))}"
@@ -341,6 +351,8 @@ class Monitor:
         r = p.row
         x_ok = (r["x_nan"] == 0) & (r["x_inf"] == 0)
         for t in names:
+            if not (r[f"{t}_nan"].any() or r[f"{t}_inf"].any() or r[f"{t}_at_max"].any()):
+                continue  # nothing to flag (the usual case: the checks below find nothing either)
             ok, where = {"x": (True, ""), "y": (x_ok, " where x is finite"),
                          "dx": (x_ok & (r["dy_nan"] == 0) & (r["dy_inf"] == 0), " where x and dy are finite")}[t]
             self._flag(p, f"NaN in {t}{where}", (r[f"{t}_nan"] > 0) & ok)
@@ -378,18 +390,23 @@ class Monitor:
         with np.errstate(all="ignore"):
             em = (1 - m) * rm0 + m * r["batch_mean"]
             ev = (1 - m) * rv0 + m * (r["batch_var"] * bessel)
-            tm = RUNNING_ULPS * (_ulp(np.maximum(np.abs(em), np.abs(rm1)), p.running_out[0].dtype)
-                                 + u32 * (np.abs((1 - m) * rm0) + np.abs(m * r["batch_mean"]))) \
+            dm, dv = np.abs(rm1 - em), np.abs(rv1 - ev)
+            am = u32 * (np.abs((1 - m) * rm0) + np.abs(m * r["batch_mean"]))  # the update's own arithmetic
+            av = u32 * (np.abs((1 - m) * rv0) + np.abs(m * r["batch_var"]) * bessel)
+            # every tolerance below is at least RUNNING_ULPS times these (invstd > 0): within that, every channel
+            # passes (a NaN compares False, and the whole check runs)
+            if (r["invstd"] > 0).all() and (dm <= RUNNING_ULPS * am).all() and (dv <= RUNNING_ULPS * av).all():
+                return
+            tm = RUNNING_ULPS * (_ulp(np.maximum(np.abs(em), np.abs(rm1)), p.running_out[0].dtype) + am) \
                 + m * _ulp(r["batch_mean"], saved)
-            tv = RUNNING_ULPS * (_ulp(np.maximum(np.abs(ev), np.abs(rv1)), p.running_out[1].dtype)
-                                 + u32 * (np.abs((1 - m) * rv0) + np.abs(m * r["batch_var"]) * bessel)) \
+            tv = RUNNING_ULPS * (_ulp(np.maximum(np.abs(ev), np.abs(rv1)), p.running_out[1].dtype) + av) \
                 + m * bessel * (RUNNING_VAR_SLACK + 2 * _ulp(r["invstd"], saved) / r["invstd"]) \
                 * (np.abs(r["batch_var"]) + eps)
             ok_in = np.isfinite(rm0) & np.isfinite(rv0) & np.isfinite(r["batch_mean"]) & np.isfinite(r["batch_var"])
             fin = np.isfinite(rm1) & np.isfinite(rv1)
             self._flag(p, "non-finite running statistics after the update", ok_in & ~fin)
             self._flag(p, f"running statistics are not the momentum-{m:g} update of the batch's",
-                       ok_in & fin & ((np.abs(rm1 - em) > tm) | (np.abs(rv1 - ev) > tv)))
+                       ok_in & fin & ((dm > tm) | (dv > tv)))
 
     def _ask(self, p: _Pending, phase: str) -> None:
         if self.predicate is None:
@@ -426,10 +443,14 @@ class Monitor:
         torch, r = self._torch, p.row
         with torch.no_grad():
             if isinstance(dx, torch.Tensor):
-                r.update(_profile(dx, "dx"))
+                r.update(_profile(dx, "dx", self._jit))
             if isinstance(dy, torch.Tensor):
-                zeros = np.zeros(dy.shape[1])
-                r["dy_nan"], r["dy_inf"] = (zeros, zeros) if _finite(dy) else _nan_inf(dy)
+                if one_pass(dy, self._jit):
+                    prof = profile_tensor(dy)
+                    r["dy_nan"], r["dy_inf"] = prof["nan"], prof["inf"]
+                else:
+                    zeros = np.zeros(dy.shape[1])
+                    r["dy_nan"], r["dy_inf"] = (zeros, zeros) if _finite(dy) else _nan_inf(dy)
                 self._flag(p, "NaN in dy", r["dy_nan"] > 0)
                 self._flag(p, "±inf in dy", r["dy_inf"] > 0)
             dg, db = (tuple(sums) + (None, None))[:2]
@@ -560,13 +581,17 @@ class Monitor:
             if k.startswith("_"):
                 continue
             if isinstance(rows[0][k], np.ndarray):
-                cols[k] = np.concatenate([np.asarray(r[k], dtype=np.float64 if k != "channel" else np.int64)
-                                          for r in rows])
+                cols[k] = np.concatenate([r[k] for r in rows], dtype=np.float64 if k != "channel" else np.int64)
+            elif isinstance(rows[0][k], str):  # each call's name to its rows, through a dictionary (numpy's
+                names, codes = np.unique([r[k] for r in rows], return_inverse=True)  # strings convert 25x slower)
+                cols[k] = pa.DictionaryArray.from_arrays(np.repeat(codes.astype(np.int32), n),
+                                                         pa.array(names)).cast(pa.string())
             else:
                 cols[k] = np.repeat(np.array([r[k] for r in rows]), n)
         buf = io.BytesIO()
-        text = [k for k, v in cols.items() if v.dtype.kind in "OU"]  # dictionaries for names only: 7x faster
-        pq.write_table(pa.table(cols), buf, compression="lz4", use_dictionary=text)
+        text = [k for k, v in cols.items() if isinstance(v, pa.Array)]  # dictionaries for names only: 7x faster
+        # no column statistics: a step's file is read whole (they cost 40% of the write on ResNet-50)
+        pq.write_table(pa.table(cols), buf, compression="lz4", use_dictionary=text, write_statistics=False)
         atomic_write_bytes(self.out / PARQUET_NAME / f"step-{self._step_no:09d}.parquet", buf.getvalue())
 
     def _append_anomalies(self, new: list[dict[str, Any]]) -> None:

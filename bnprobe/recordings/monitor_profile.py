@@ -1,0 +1,79 @@
+"""The monitor's per-channel profile of a tensor in one pass: min, max and the counts of NaN, ±inf, values at the
+format's largest finite magnitude, zeros and subnormals, read from the values' bit patterns.
+
+torch has no fused reduction for these: the monitor's torch route takes |t| and four reductions per tensor (five
+passes over it, one of them a write).  On a contiguous CPU tensor of float64, float32, float16 or bfloat16 this
+module reads each value once, as the integer of its bits: |t|'s bits are the bits with the sign cleared (their
+integer order is the magnitudes' order, NaN above inf), and the bits with the lower ones flipped where the sign
+is set are an integer whose order is the values' order (-0 just below +0).  Integer compares and sums are exact
+and vectorise, so the counts are exact and min/max are the tensor's own values: NaN where a channel has one, as
+torch's ``amin``/``amax`` give.
+
+numba is imported when the first profile is taken this way (``BNPROBE_JIT`` off, as read when the monitor
+starts, or numba missing: the torch route); tensors of fewer than :data:`MIN_ELEMENTS` values take the torch
+route, where the passes are cheap.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["MIN_ELEMENTS", "FIELDS", "one_pass", "profile_bits", "profile_tensor"]
+
+#: below this many values the torch route's five small passes cost less than a call into the compiled one
+MIN_ELEMENTS = 1 << 15
+#: what a profile holds per channel, in order
+FIELDS = ("min", "max", "nan", "inf", "at_max", "zero", "subnormal")
+
+# a float format's bits: (its code for the kernel, the integer dtype of its width, the mask clearing the sign, inf's
+# bits, the largest finite value's bits, the smallest normal's bits)
+_BITS: dict[str, tuple[int, Any, int, int, int, int]] = {
+    "float64": (0, np.int64, 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000, 0x7FEF_FFFF_FFFF_FFFF,
+                0x0010_0000_0000_0000),
+    "float32": (1, np.int32, 0x7FFF_FFFF, 0x7F80_0000, 0x7F7F_FFFF, 0x0080_0000),
+    "float16": (2, np.int16, 0x7FFF, 0x7C00, 0x7BFF, 0x0400),
+    "bfloat16": (3, np.int16, 0x7FFF, 0x7F80, 0x7F7F, 0x0080),
+}
+
+
+def one_pass(t: torch.Tensor, mode: str) -> bool:
+    """Whether ``t``'s profile is taken in one pass here: a contiguous CPU tensor of a known format, large enough,
+    the compiled route allowed (``mode``: :func:`bnprobe._jit.jit_mode`'s, read when the monitor started)."""
+    return (t.dtype in _torch_bits() and t.device.type == "cpu" and t.dim() >= 2 and t.is_contiguous()
+            and mode != "off" and (mode == "on" or t.numel() >= MIN_ELEMENTS))
+
+
+def profile_bits(bits: np.ndarray, dtype: str) -> dict[str, np.ndarray]:
+    """The profile of a tensor given as its bit patterns ``bits`` (shape (N, C, S), the integer dtype of ``dtype``'s
+    width), per channel: :data:`FIELDS` as float64 arrays of C values."""
+    from bnprobe.kernels.compiled_profile import profile
+    from bnprobe.kernels.fused import call_compiled
+
+    kind, width, mask, inf, big, tiny = _BITS[dtype]
+    if bits.dtype != np.dtype(width) or bits.ndim != 3:
+        raise ValueError(f"profile_bits takes (N, C, S) {np.dtype(width).name} bits of {dtype}, not "
+                         f"{bits.ndim}-d {bits.dtype.name}")
+    out = np.empty((7, bits.shape[1]))
+    call_compiled(profile, np.ascontiguousarray(bits), kind, mask, inf, big, tiny, out)
+    return dict(zip(FIELDS, out))
+
+
+def profile_tensor(t: torch.Tensor) -> dict[str, np.ndarray]:
+    """:func:`profile_bits` of a tensor :func:`one_pass` accepts (channels on dim 1)."""
+    width, name = _torch_bits()[t.dtype]
+    return profile_bits(t.detach().view(width).numpy().reshape(t.shape[0], t.shape[1], -1), name)
+
+
+@functools.cache
+def _torch_bits() -> dict[Any, tuple[Any, str]]:
+    """torch's float dtypes profiled here: (the integer dtype of their width, their name)."""
+    import torch
+
+    return {torch.float64: (torch.int64, "float64"), torch.float32: (torch.int32, "float32"),
+            torch.float16: (torch.int16, "float16"), torch.bfloat16: (torch.int16, "bfloat16")}
