@@ -188,6 +188,11 @@ def matches(got: list[str], expected: list[str]) -> bool:
     return fit(0, 0)
 
 
+def test_every_image_the_readme_shows_is_in_the_repository():
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", README.read_text())
+    assert images and all((ROOT / path).is_file() for path in images), images
+
+
 @pytest.mark.parametrize("block", list(chosen()))
 def test_readme_transcript(block, tmp_path, request):
     need = RUN[block[0][0]]
