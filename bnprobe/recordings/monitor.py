@@ -130,10 +130,10 @@ def _profile(t: torch.Tensor, prefix: str, jit: str) -> dict[str, np.ndarray]:
                f"{prefix}_at_max": zeros, f"{prefix}_zero": zeros, f"{prefix}_subnormal": zeros}
         if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
             out[f"{prefix}_nan"], out[f"{prefix}_inf"] = _nan_inf(t)
-        with np.errstate(invalid="ignore"):
-            if (np.abs(lo) >= fi.max).any() or (np.abs(hi) >= fi.max).any():
+        with np.errstate(invalid="ignore"):  # a NaN extreme hides the others: counted too
+            if not ((np.abs(lo) < fi.max).all() and (np.abs(hi) < fi.max).all()):
                 out[f"{prefix}_at_max"] = _np((a == fi.max).sum(dim=dims))
-        if (small < fi.tiny).any():
+        if not (small >= fi.tiny).all():
             zero = (t == 0).sum(dim=dims)
             out[f"{prefix}_zero"] = _np(zero)
             out[f"{prefix}_subnormal"] = _np((a < fi.tiny).sum(dim=dims) - zero)
@@ -441,8 +441,8 @@ class Monitor:
 
     def _backward_row(self, p: _Pending, dy: Any, dx: Any, sums: tuple[Any, ...]) -> None:
         """dx's profile, Σdy, Σdy·x̂ (the kernel's own dβ and dγ where it computed them: they are those sums, else
-        reduced here in float32), and NaN/inf in dy: counted only in the channels whose Σdy is not finite (a float
-        sum with a NaN or ±inf addend never is)."""
+        reduced here in float32), and NaN/inf in dy: counted only when a channel's Σdy is not finite (a float sum
+        with a NaN or ±inf addend never is)."""
         torch, r = self._torch, p.row
         with torch.no_grad():
             if isinstance(dx, torch.Tensor):

@@ -17,6 +17,7 @@ route, where the passes are cheap.
 from __future__ import annotations
 
 import functools
+import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,10 +25,13 @@ import numpy as np
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["MIN_ELEMENTS", "FIELDS", "one_pass", "profile_bits", "profile_tensor"]
+__all__ = ["MIN_ELEMENTS", "MIN_ROW", "FIELDS", "one_pass", "profile_bits", "profile_tensor"]
 
 #: below this many values the torch route's five small passes cost less than a call into the compiled one
 MIN_ELEMENTS = 1 << 15
+#: under ``auto``, a row (the values of one sample and channel) shorter than this takes the torch route: a
+#: channel's values then lie far apart (a (N, C) input: one value per row), where the kernel is slower than torch
+MIN_ROW = 32
 #: what a profile holds per channel, in order
 FIELDS = ("min", "max", "nan", "inf", "at_max", "zero", "subnormal")
 
@@ -44,9 +48,12 @@ _BITS: dict[str, tuple[int, Any, int, int, int, int]] = {
 
 def one_pass(t: torch.Tensor, mode: str) -> bool:
     """Whether ``t``'s profile is taken in one pass here: a contiguous CPU tensor of a known format, large enough,
-    the compiled route allowed (``mode``: :func:`bnprobe._jit.jit_mode`'s, read when the monitor started)."""
+    with rows of at least :data:`MIN_ROW` values (channels run in parallel, each reading its rows), the compiled
+    route allowed (``mode``: :func:`bnprobe._jit.jit_mode`'s, read when the monitor started), and not in a
+    process forked after this one ran here (GNU OpenMP's threads, numba's default layer, do not survive a fork)."""
     return (t.dtype in _torch_bits() and t.device.type == "cpu" and t.dim() >= 2 and t.is_contiguous()
-            and mode != "off" and (mode == "on" or t.numel() >= MIN_ELEMENTS))
+            and not t.is_neg() and mode != "off" and not _STATE["forked"]
+            and (mode == "on" or (t.numel() >= MIN_ELEMENTS and t.numel() >= MIN_ROW * t.shape[0] * t.shape[1])))
 
 
 def profile_bits(bits: np.ndarray, dtype: str) -> dict[str, np.ndarray]:
@@ -60,6 +67,7 @@ def profile_bits(bits: np.ndarray, dtype: str) -> dict[str, np.ndarray]:
         raise ValueError(f"profile_bits takes (N, C, S) {np.dtype(width).name} bits of {dtype}, not "
                          f"{bits.ndim}-d {bits.dtype.name}")
     out = np.empty((7, bits.shape[1]))
+    _STATE["ran"] = True
     call_compiled(profile, np.ascontiguousarray(bits), kind, mask, inf, big, tiny, out)
     return dict(zip(FIELDS, out))
 
@@ -68,6 +76,12 @@ def profile_tensor(t: torch.Tensor) -> dict[str, np.ndarray]:
     """:func:`profile_bits` of a tensor :func:`one_pass` accepts (channels on dim 1)."""
     width, name = _torch_bits()[t.dtype]
     return profile_bits(t.detach().view(width).numpy().reshape(t.shape[0], t.shape[1], -1), name)
+
+
+# whether the kernel ran in this process, and whether this is a child forked after it did (plain flags: a lock
+# held by another thread at the fork would stay held in the child)
+_STATE = {"ran": False, "forked": False}
+os.register_at_fork(after_in_child=lambda: _STATE.update(forked=_STATE["ran"]))
 
 
 @functools.cache

@@ -76,21 +76,38 @@ def test_random_bit_patterns(dtype):
         assert_profile(profile_tensor(t), oracle(t))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_the_one_pass_route_equals_torchs_reductions(dtype):
-    """The monitor's two routes on one tensor: torch's amin/amax/|t| passes and the compiled pass give the same
-    numbers, NaN channels and counts included."""
-    from bnprobe.recordings.monitor import _profile
-
+def _spread(dtype):
+    """Each special value in a channel of its own."""
     t = torch.randn(4, 6, 8, 8).to(dtype)
     t[0, 1, 2, 3], t[1, 2, 0, 0], t[2, 3, 1, 1] = float("nan"), float("-inf"), 0.0
     t[3, 4, 2, 2] = torch.finfo(dtype).max
     t[0, 5, 0, 1] = torch.finfo(dtype).tiny / 2
+    return t
+
+
+def _together(dtype):
+    """NaN, the maximum, zero and a subnormal all in channel 1, the other channels plain (a NaN minimum and
+    maximum must not hide the other counts)."""
+    t = torch.randn(4, 3, 8, 8).to(dtype) + 3
+    t[0, 1, 0, 0], t[1, 1, 0, 0], t[2, 1, 0, 0] = float("nan"), torch.finfo(dtype).max, 0.0
+    t[3, 1, 0, 0] = torch.finfo(dtype).tiny / 2
+    return t
+
+
+@pytest.mark.parametrize("make", [_spread, _together])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_one_pass_route_equals_torchs_reductions(dtype, make):
+    """The monitor's two routes on one tensor: torch's amin/amax/|t| passes and the compiled pass give the same
+    numbers, NaN channels and counts included, and numpy's."""
+    from bnprobe.recordings.monitor import _profile
+
+    t = make(dtype)
     assert one_pass(t, "on") and not one_pass(t, "off")
     a, b = _profile(t, "x", "off"), _profile(t, "x", "on")
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    assert_profile({k: a[f"x_{k}"] for k in FIELDS}, oracle(t))
 
 
 def test_which_tensors_take_the_one_pass():
@@ -98,9 +115,37 @@ def test_which_tensors_take_the_one_pass():
     assert big.numel() >= MIN_ELEMENTS and one_pass(big, "auto")
     assert not one_pass(torch.zeros(2, 4, 8, 8), "auto")  # small: torch's passes are cheap
     assert one_pass(torch.zeros(2, 4, 8, 8), "on")
+    flat = torch.zeros(4096, 256)  # (N, C): a channel's values far apart, one per row
+    assert flat.numel() >= MIN_ELEMENTS and not one_pass(flat, "auto") and one_pass(flat, "on")
     assert not one_pass(big.to(memory_format=torch.channels_last), "on")  # not contiguous
     assert not one_pass(big.to(torch.int32), "on")
+    assert not one_pass(torch._neg_view(big), "on")  # a negated view: its bits are not its values
     assert not one_pass(big, "off")
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork here")
+def test_a_child_forked_after_the_kernel_ran_takes_torchs_route():
+    """GNU OpenMP (numba's default threading layer) aborts a forked child that starts its threads again: a child
+    forked after the kernel ran profiles with torch's reductions, and gets the same numbers."""
+    import os
+
+    t = _spread(torch.float32)
+    want = profile_tensor(t)  # the kernel ran in this process
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        try:
+            from bnprobe.recordings.monitor import _profile
+
+            got = _profile(t, "x", "on")
+            same = all(np.array_equal(got[f"x_{k}"], want[k], equal_nan=True) for k in FIELDS)
+            os.write(write, b"%d%d" % (one_pass(t, "on"), same))
+        finally:
+            os._exit(0)
+    os.close(write)
+    answer = os.read(read, 8)
+    os.waitpid(pid, 0)
+    assert answer == b"01"  # not the one pass, the same numbers
 
 
 def test_bits_of_the_wrong_width_are_refused():
