@@ -8,8 +8,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import threading
 
-__all__ = ["JIT_ENV", "COMPILED_MIN_ELEMENTS", "jit_mode", "jit_enabled", "jit_for"]
+__all__ = ["JIT_ENV", "COMPILED_MIN_ELEMENTS", "KERNEL_LOCK", "jit_mode", "jit_enabled", "jit_for"]
 
 JIT_ENV = "BNPROBE_JIT"
 #: under ``auto``, a call of fewer values takes the numpy route: both routes give the same values bit for bit, and
@@ -17,6 +18,10 @@ JIT_ENV = "BNPROBE_JIT"
 #: at most 1.6 million values a call) took 20.6 s compiled and 21.2 s on numpy (2 cores), while importing numba's
 #: kernels costs 1.7 s and about 250 MB, and compiling them on a fresh install 65 s
 COMPILED_MIN_ELEMENTS = 1 << 21
+
+# numba's default threading layer (workqueue) aborts when two threads run parallel kernels at once (a dask
+# worker's threads can): every compiled kernel is called under this lock
+KERNEL_LOCK = threading.Lock()
 
 _OFF = ("0", "false", "no", "off")
 _ON = ("1", "true", "yes", "on", "always")

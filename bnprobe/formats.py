@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from bnprobe._jit import jit_for
 from bnprobe.errors import BNProbeError
 
 __all__ = ["Format", "FORMATS", "get_format", "format_names", "FP64", "FP32", "FP16", "BF16"]
@@ -88,6 +89,10 @@ class Format:
     def ulp(self, values: np.ndarray) -> np.ndarray:
         """Spacing of the format at each |value| (the ulp of the binade; subnormal spacing below tiny)."""
         v = np.asarray(values, dtype=np.float64)
+        if jit_for(v.size):  # the same, in one compiled pass (a large array)
+            from bnprobe._jit_bits import ulp
+
+            return ulp(v, self.emin, self.mantissa_bits)
         # the binade's exponent from the float64 bits (float64 subnormals fall below every emin here)
         e = ((v.view(np.uint64) >> np.uint64(52)) & np.uint64(0x7FF)).astype(np.int64) - 1023
         e = np.maximum(e, self.emin) - self.mantissa_bits

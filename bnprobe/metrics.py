@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from bnprobe._jit import jit_for
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import Format, get_format
 from bnprobe.tolerances import (  # msprobe 26.2.0's constants, with every other threshold (re-exported here)
@@ -287,11 +288,12 @@ def _pow2(k: np.ndarray, dtype: Any) -> np.ndarray:
 
 
 def _ulp(device: np.ndarray, bench: np.ndarray, std: CheckerStandard, *,
-         abs_err: np.ndarray | None = None) -> np.ndarray:
+         abs_err: np.ndarray | None = None, compiled: bool = True) -> np.ndarray:
     """get_ulp_err: |device - golden| * 2^(mantissa - e) with e = floor(log2|golden|), 0 where the golden is 0,
     at least the minimum exponent; float32 arithmetic except for fp32 outputs (for bf16 the factor overflows
     to inf when e < -120, as in msprobe).  Formats msprobe has no ULP for: the same in float64.  ``abs_err``:
-    |device - golden| when the caller has it (in the ULP's dtype)."""
+    |device - golden| when the caller has it (in the ULP's dtype); with it, a large array takes one compiled pass
+    (:func:`_ulp_compiled`) unless ``compiled`` is False."""
     with np.errstate(all="ignore"):
         abs_bench = np.abs(bench)
         if not std.msprobe:  # 2^(mantissa - e) would overflow float64 for fp64 near 0: divide instead
@@ -300,6 +302,8 @@ def _ulp(device: np.ndarray, bench: np.ndarray, std: CheckerStandard, *,
             e64 = eb.astype(np.int64) - std.ulp_mantissa
             return np.abs((device.astype(np.float64) - bench.astype(np.float64)) / np.ldexp(1.0, e64))
         dt = std.ulp_dtype
+        if compiled and abs_err is not None and abs_err.dtype == dt and _compiled(abs_bench, dt):
+            return _ulp_compiled(device, bench, std, abs_bench, abs_err)
         if bench.dtype != dt or abs_bench.dtype not in _BITS:  # msprobe's operations as written
             eb = np.maximum(np.where(abs_bench == 0, 0, np.floor(np.log2(abs_bench))), std.ulp_min_exp)
             return np.abs((device.astype(dt) - bench).astype(dt) * np.exp2(-eb + std.ulp_mantissa).astype(dt))
@@ -312,6 +316,30 @@ def _ulp(device: np.ndarray, bench: np.ndarray, std: CheckerStandard, *,
         if abs_err is None:
             abs_err = np.abs((device.astype(dt) - bench).astype(dt))
         return abs_err * factor  # |d * f| = |d| * f: f is a power of two, inf, 0 or NaN
+
+
+def _compiled(abs_bench: np.ndarray, dt: Any) -> bool:
+    """Whether msprobe's ULP of this golden takes the compiled pass (a large array held in the ULP's dtype)."""
+    return abs_bench.dtype == dt and abs_bench.dtype in _BITS and jit_for(abs_bench.size) \
+        and abs_bench.flags.c_contiguous
+
+
+def _ulp_compiled(device: np.ndarray, bench: np.ndarray, std: CheckerStandard, abs_bench: np.ndarray,
+                  abs_err: np.ndarray) -> np.ndarray:
+    """:func:`_ulp` in one compiled pass where floor(log2 |golden|) is its exponent field beyond doubt (see
+    :func:`_floor_log2`); the rest (powers of two, mantissas near the next one, subnormals, 0, inf, NaN) as
+    :func:`_ulp` computes them, element for element."""
+    from bnprobe._jit_bits import ulp_scaled
+
+    layout = _BITS[abs_bench.dtype]
+    mant = layout[1]
+    lo, table = _exp2_table(abs_bench.dtype)
+    err = np.ascontiguousarray(abs_err).reshape(-1)
+    u, rest = ulp_scaled(abs_bench.reshape(-1), err, table, lo, layout,
+                         (1 << mant) - (1 << (mant - _NEAR_POWER_BITS)), std.ulp_min_exp, std.ulp_mantissa)
+    if rest.any():
+        u[rest] = _ulp(device.reshape(-1)[rest], bench.reshape(-1)[rest], std, abs_err=err[rest], compiled=False)
+    return u.reshape(abs_err.shape)
 
 
 def ulp_error(actual: Any, golden: Any, fmt: str | Format) -> np.ndarray:

@@ -81,3 +81,39 @@ def test_the_package_imports_its_public_names_on_first_use():
             "assert 'torch' not in sys.modules\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def _ulp_oracle(v, f):
+    """2^(max(e, emin) - mantissa) from math.frexp (e of a float64 subnormal or zero below every emin; inf and NaN
+    at float64's exponent field 2047, as the bits say)."""
+    import math
+
+    out = []
+    for x in np.abs(v).tolist():
+        if not math.isfinite(x):
+            e = 1024
+        elif x == 0 or x < 2.0 ** -1022:
+            e = -1023
+        else:
+            e = math.frexp(x)[1] - 1
+        out.append(math.ldexp(1.0, max(e, f.emin) - f.mantissa_bits))
+    return np.array(out)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("jit", ["0", "1"])
+def test_ulp_on_both_routes_against_frexp(name, jit, monkeypatch):
+    """Format.ulp on numpy's route and on the compiled one (BNPROBE_JIT=1: every array) against math.frexp, on
+    random float64 bit patterns (every binade, subnormals, inf and NaN payloads) and each format's edges."""
+    if jit == "1":
+        pytest.importorskip("numba")
+    monkeypatch.setenv("BNPROBE_JIT", jit)
+    f = get_format(name)
+    rng = np.random.default_rng(3)
+    v = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, 20_000, dtype=np.int64).view(np.float64)
+    edges = [0.0, -0.0, f.tiny, f.smallest_subnormal, f.max, 1.0, 1 + f.eps, np.inf, -np.inf, np.nan, 5e-324,
+             2.0 ** -1022, np.nextafter(2.0 ** -1022, 0), 1.7976931348623157e308]
+    v = np.concatenate([v, edges, -np.array(edges)]).reshape(2, -1)  # any shape
+    got = f.ulp(v)
+    assert got.shape == v.shape
+    np.testing.assert_array_equal(got.reshape(-1), _ulp_oracle(v.reshape(-1), f))

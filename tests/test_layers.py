@@ -7,8 +7,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "bnprobe"
 # bottom to top; a module may import its own layer and those below it
-LAYERS = (("errors", "_files", "_table", "_progress", "_loading", "_jit", "tolerances", "formats", "guard", "call",
-           "conventions"),
+LAYERS = (("errors", "_files", "_table", "_progress", "_loading", "_jit", "_jit_bits", "tolerances", "formats", "guard",
+           "call", "conventions"),
           ("numerics", "inputs"), ("kernels",), ("metrics",), ("adapters", "recordings"), ("checks",), ("sweep",),
           ("plots",),
           ("reports",), ("cli", "__main__", "__init__"))

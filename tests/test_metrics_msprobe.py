@@ -254,6 +254,17 @@ def _cases() -> list[Case]:
         a.flat[np.flatnonzero(g == 0)[::2]] = rnd(1e-3, fmt)
         for held in ("fp32", "fp64"):
             out.append(Case(f"{fmt}-fp64-golden-held-{held}", fmt, a, g, held))
+    # goldens where floor(log2 |g|) is not the exponent field beyond doubt: powers of two, mantissas just below
+    # the next power, subnormals of the golden's dtype, zeros (the compiled ULP leaves these to numpy's log2)
+    for k, fmt in enumerate(FORMATS):
+        rng = np.random.default_rng([20262, k])
+        dt = np.float32 if fmt != "fp32" else np.float64
+        p2 = 2.0 ** rng.integers(-12, 13, 64)
+        below = np.nextafter(p2.astype(dt), dt(0)).astype(np.float64)  # the largest mantissa under each power
+        sub = np.array([np.finfo(dt).smallest_subnormal * m for m in (1, 3, 1000)], dtype=np.float64)
+        g = np.concatenate([p2, -below, below * (1 - 2.0 ** -13), sub, [0.0, -0.0], rng.standard_normal(64)])
+        g = rnd(g, _UP[fmt])
+        out.append(Case(f"{fmt}-ulp-edges", fmt, _noisy(g, fmt, rng, 2.0), g, _UP[fmt]))
     # bf16's ULP factor 2^(7 - e) overflows float32 when e < -120 (msprobe's arithmetic)
     g = rnd([1e-37, 1.0, 2.0, 0.5], "bf16")
     out.append(Case("bf16-tiny-golden-ulp", "bf16", np.array([above(g[0], "bf16"), 1.0, 2.0, 0.5]), g, "bf16"))
@@ -343,8 +354,11 @@ def test_compare_is_msprobes_compare(oracle, name):
         assert m.max_rel == want["max_rel"] or (np.isnan(m.max_rel) and np.isnan(want["max_rel"]))
 
 
+@pytest.mark.parametrize("jit", ["0", "1"])
 @pytest.mark.parametrize("name", [c.name for c in CASES if c.fmt in MSPROBE_CHECKER])
-def test_checker_figures_are_msprobes(oracle, name):
+def test_checker_figures_are_msprobes(oracle, name, jit, monkeypatch):
+    """On numpy's route and on the compiled one (BNPROBE_JIT=1: msprobe's ULP in one pass, any size)."""
+    monkeypatch.setenv("BNPROBE_JIT", jit)
     case, want = BY_NAME[name], oracle[name]["checker"]
     m = _ours(case)
     got = {"small_value_err_ratio": m.small_value_err_ratio, "max_rel_error": m.checker_max_rel,

@@ -22,7 +22,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from bnprobe._jit import jit_for
+from bnprobe._jit import KERNEL_LOCK, jit_for
 from bnprobe.numerics.arith import Arith, Tally
 from bnprobe.numerics.rounding import RoundingSpec
 from bnprobe.numerics.variance import prescale_exponent
@@ -40,9 +40,6 @@ COMPILED_CHUNK_ELEMENTS = 1 << 23
 # the fast kernels count a row of a tensor (N, C, S) in int32 (compiled_fast._count): longer rows take the general
 # kernels
 ROW_MAX = 2**31 - 1
-# numba's default threading layer (workqueue) aborts when two threads run parallel kernels at once (a dask
-# worker's threads can): kernel calls take turns
-_KERNEL_LOCK = threading.Lock()
 
 
 def compiled_route(policy: Any, keep_arrays: bool, overrides: dict[str, np.ndarray] | None,
@@ -75,7 +72,7 @@ def kernels() -> ModuleType:
 
 
 class _Locked:
-    """The kernels module with every kernel call taken under one lock (see _KERNEL_LOCK)."""
+    """The kernels module with every kernel call taken under one lock (see KERNEL_LOCK)."""
 
     def __init__(self, module: ModuleType) -> None:
         self._module = module
@@ -92,7 +89,7 @@ class _Locked:
 
 def call_compiled(kernel: Any, *args: Any) -> Any:
     """``kernel(*args)`` for a numba kernel, under the kernels' lock, said once on a terminal when it compiles."""
-    with _KERNEL_LOCK:
+    with KERNEL_LOCK:
         announce_compiling(kernel)
         return kernel(*args)
 

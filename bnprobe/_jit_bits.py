@@ -1,0 +1,72 @@
+"""Bit-level array helpers compiled with numba, for arrays large enough to take the compiled route
+(:func:`bnprobe._jit.jit_for`): one pass over the values' bits where numpy takes several, the same values bit for
+bit (integer arithmetic on the exponent field only).  Imported only when such an array comes, so that
+``import bnprobe`` never loads numba.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from bnprobe._jit import KERNEL_LOCK
+
+__all__ = ["ulp", "ulp_scaled"]
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _ulp(bits, emin, mant, out):  # pragma: no cover - compiled
+    """``out[i]``: the bits of 2^(max(e_i, emin) - mant), e_i the binade exponent of the float64 whose bits are
+    ``bits[i]`` (the exponent field less the bias: float64 subnormals and zero at -1023, inf/NaN at 1024); a
+    float64 subnormal where that power is below 2^-1022, 0 below 2^-1074."""
+    for i in prange(bits.size):
+        e = max(((bits[i] >> 52) & 0x7FF) - 1023, emin) - mant
+        if e >= -1022:
+            out[i] = (e + 1023) << 52
+        elif e >= -1074:
+            out[i] = np.int64(1) << (e + 1074)
+        else:
+            out[i] = 0
+
+
+def ulp(values: np.ndarray, emin: int, mant: int) -> np.ndarray:
+    """The spacing 2^(max(e, emin) - mant) at each |value| of float64 ``values`` (any shape), e its binade's
+    exponent: :meth:`bnprobe.formats.Format.ulp` in one pass."""
+    v = np.ascontiguousarray(values, dtype=np.float64)
+    out = np.empty(v.shape, dtype=np.float64)
+    with KERNEL_LOCK:
+        _ulp(v.reshape(-1).view(np.int64), emin, mant, out.reshape(-1).view(np.int64))
+    return out
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _scaled(bits, err, table, lo, mant, bias, mask, near, min_exp, shift, out, rest):  # pragma: no cover - compiled
+    """``out[i] = err[i] * table[clip(shift - max(e_i, min_exp)) - lo]``, e_i the exponent field of ``bits[i]`` less
+    ``bias``, where that is floor(log2) of the value beyond any rounding of log2: a mantissa field neither 0 nor
+    at least ``near``, a field neither 0 nor all ones.  Elsewhere ``rest[i]`` is set and ``out[i]`` left 0."""
+    top = lo + table.size - 1
+    for i in prange(bits.size):
+        b = np.int64(bits[i])
+        field = (b >> mant) & mask
+        frac = b & ((np.int64(1) << mant) - 1)
+        if frac == 0 or frac >= near or field == 0 or field == mask:
+            rest[i] = True
+            out[i] = 0
+        else:
+            rest[i] = False
+            out[i] = err[i] * table[min(max(shift - max(field - bias, min_exp), lo), top) - lo]
+
+
+def ulp_scaled(abs_bench: np.ndarray, err: np.ndarray, table: np.ndarray, lo: int, layout: tuple[int, int, int, int],
+               near: int, min_exp: int, shift: int) -> tuple[np.ndarray, np.ndarray]:
+    """``err * 2^(shift - max(floor(log2 abs_bench), min_exp))`` (1-D arrays of one float dtype, the power of two
+    looked up in ``table``, whose first entry is 2^``lo``) where floor(log2) is the exponent field beyond doubt;
+    ``layout``: the dtype's (int view, mantissa bits, bias, field mask).  Returns (out, rest): the elements of
+    ``rest`` are left 0 for the caller (powers of two, mantissas within ``near`` of the next one, subnormals,
+    zeros, inf and NaN: numpy's log2 decides those)."""
+    view, mant, bias, mask = layout
+    out = np.empty_like(err)
+    rest = np.empty(err.shape, dtype=np.bool_)
+    with KERNEL_LOCK:
+        _scaled(abs_bench.view(view), err, table, lo, mant, bias, mask, near, min_exp, shift, out, rest)
+    return out, rest
