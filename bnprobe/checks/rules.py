@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from bnprobe._jit import jit_for
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
 from bnprobe.kernels.layout import element_at
@@ -171,21 +172,28 @@ def absolute(actual: np.ndarray, golden: np.ndarray, fmt: str, rule: str = "scal
     if not fa.all():  # (every element finite, the usual case: no copies)
         a, g, sc = a[fa], g[fa], None if sc is None else sc[fa]
     with np.errstate(all="ignore"):
-        d = beyond_rounding(a, g, f.name)
         if rule == "threshold":
-            return _threshold(a, g, d, std, lambda w: element_at(int(np.flatnonzero(fa)[w]), np.shape(golden)))
-        if rule == "scaled":
-            mag = sc if sc is not None else np.full(g.shape, float(np.abs(g).max()) if g.size else 1.0)
-            floor = std.error_floor * np.where(mag > 0, mag, 1.0)
+            return _threshold(a, g, beyond_rounding(a, g, f.name), std,
+                              lambda w: element_at(int(np.flatnonzero(fa)[w]), np.shape(golden)))
+        per = rule == "scaled" and sc is not None  # a floor per element: error_floor times its natural scale
+        if rule == "scaled" and sc is None:  # the tensor's largest golden magnitude for every element
+            gmax = float(np.abs(g).max()) if g.size else 1.0
+            floor = std.error_floor * (gmax if gmax > 0 else 1.0)
         else:
             floor = std.error_floor
-        ratio = d / np.maximum(np.abs(g), floor)
-        worst = float(ratio.max()) if ratio.size else 0.0
+        if g.size and jit_for(g.size):  # the same figures in one compiled pass
+            from bnprobe.checks.rules_compiled import worst_ratio
+
+            worst, w, over = worst_ratio(a, g, sc if per else None, floor, f.emin, f.mantissa_bits, std.accumulated)
+        else:
+            ratio = beyond_rounding(a, g, f.name) / np.maximum(np.abs(g), floor * np.where(sc > 0, sc, 1.0)
+                                                               if per else floor)
+            worst = float(ratio.max()) if ratio.size else 0.0
+            w, over = (int(np.argmax(ratio)), int(np.sum(ratio > std.accumulated))) if ratio.size else (0, 0)
         if worst > std.accumulated:
-            w = int(np.argmax(ratio))
-            allowed = std.accumulated * max(abs(g[w]), float(np.asarray(floor).reshape(-1)[w])
-                                            if np.ndim(floor) else float(floor))
-            why = mismatch(int(np.sum(ratio > std.accumulated)), ratio.size,
+            at = floor * (float(sc[w]) if per and sc[w] > 0 else 1.0)
+            allowed = std.accumulated * max(abs(g[w]), at)
+            why = mismatch(over, g.size,
                            where=element_at(int(np.flatnonzero(fa)[w]), np.shape(golden)), actual=a[w],
                            expected=g[w], allowed=allowed, greatest=f"accumulated error {worst:.3g}",
                            beyond=f"rounding: {std.accumulated:.3g} of the reference")
