@@ -11,7 +11,7 @@ from numba import njit, prange
 
 from bnprobe._jit import KERNEL_LOCK
 
-__all__ = ["ulp", "ulp_scaled"]
+__all__ = ["ulp", "ulp_scaled", "half"]
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -70,3 +70,32 @@ def ulp_scaled(abs_bench: np.ndarray, err: np.ndarray, table: np.ndarray, lo: in
     with KERNEL_LOCK:
         _scaled(abs_bench.view(view), err, table, lo, mant, bias, mask, near, min_exp, shift, out, rest)
     return out, rest
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _half(x, out):  # pragma: no cover - compiled
+    """``out[i]``: ``x[i]`` (float64 or float32) rounded to the nearest binary16, ties to even, ±inf from
+    65520 (max + half its ulp) up, NaN kept: numpy's ``x.astype(float16)``, held in ``out``'s dtype."""
+    for i in prange(x.size):
+        v = np.float64(x[i])
+        a = abs(v)
+        if a != a:
+            out[i] = v
+        elif a >= 65520.0:
+            out[i] = -np.inf if v < 0 else np.inf
+        else:
+            e = max(((np.float64(a).view(np.int64) >> 52) & 0x7FF) - 1023, -14) - 10  # the quantum's exponent
+            q = np.int64(e + 1023) << 52
+            inv = np.int64(1023 - e) << 52
+            r = np.rint(a * np.int64(inv).view(np.float64)) * np.int64(q).view(np.float64)
+            out[i] = -r if (np.float64(v).view(np.int64) < 0) else r
+
+
+def half(x: np.ndarray, dtype: type) -> np.ndarray:
+    """``x.astype(np.float16).astype(dtype)`` (x float64 or float32, any shape; dtype float32 or float64) in one
+    pass: numpy's correctly rounded cast, without the float16 array between."""
+    src = np.ascontiguousarray(x)
+    out = np.empty(src.shape, dtype=dtype)
+    with KERNEL_LOCK:
+        _half(src.reshape(-1), out.reshape(-1))
+    return out

@@ -197,16 +197,16 @@ def _checker(actual: np.ndarray, golden: np.ndarray, std: CheckerStandard, *, ul
     of two values of one format is 0 only where they are equal), a product by the mask where msprobe zeroes
     by ``np.where`` (the values masked are finite there)."""
     with np.errstate(all="ignore"):
-        device = actual.astype(std.device)
         bench = golden.astype(std.bench, copy=False)
-        half = device.dtype == np.float16
-        dev = device.astype(np.float32) if half else device
+        half = np.dtype(std.device) == np.float16
+        # a float16 output held in float32 (exact; see the docstring): its values stand for the float16 array
+        # wherever it is read below, in msprobe's ULP too (whose arithmetic is float32)
+        dev = _as_half(actual, np.float32) if half else actual.astype(std.device)
+        device = dev
         abs_bench = np.abs(bench)  # get_abs_bench_with_eps
         # get_finite_and_infinite_mask: the golden judged finite in the device's dtype (get_error_balance casts
         # it the same way, below)
-        bench_as_device = bench.astype(device.dtype)
-        if half:
-            bench_as_device = bench_as_device.astype(np.float32)
+        bench_as_device = _as_half(bench, np.float32) if half else bench.astype(std.device)
         both_finite = np.isfinite(dev) & np.isfinite(bench_as_device)
         any_bad = not both_finite.all()
         abs_err = np.abs(dev - bench)  # get_abs_err
@@ -451,11 +451,21 @@ def _unusable(size: int, word: str, accuracy: str, problem: str, printed_msg: st
     return Comparison(size, *(_NAN,) * 11, -1, False, accuracy, problem=problem, _printed=printed)
 
 
+def _as_half(x: np.ndarray, dtype: Any) -> np.ndarray:
+    """``x.astype(np.float16).astype(dtype)``: in one compiled pass for a large float64 or float32 array."""
+    if x.dtype in (np.float64, np.float32) and jit_for(x.size):
+        from bnprobe._jit_bits import half
+
+        return half(x, dtype)
+    return x.astype(np.float16).astype(dtype)
+
+
 def _holds(y: np.ndarray, dtype: Any) -> bool:
     """Whether float64 ``y`` holds values of ``dtype`` only (NaN included): a prefix first, as a golden that
     does not usually shows it in its first elements."""
     for part in (y[:4096], y):
-        if not np.array_equal(part.astype(dtype).astype(np.float64), part, equal_nan=True):
+        back = _as_half(part, np.float64) if dtype is np.float16 else part.astype(dtype).astype(np.float64)
+        if not np.array_equal(back, part, equal_nan=True):
             return False
     return True
 
@@ -524,8 +534,9 @@ def compare(actual: Any, golden: Any, fmt: str | Format = "fp32", *, golden_fmt:
         return Comparison(cosine=_NAN, euclidean=_NAN, max_abs=_NAN, max_rel=_NAN, ratio_1e3=_NAN, ratio_5e3=_NAN,
                           accuracy_reached="No", problem=msg, _printed=(*("N/A",) * len(_COLUMNS), "No", msg),
                           **common, **kept)
-    with np.errstate(all="ignore"):
-        n, b = x.astype(n_dt), y.astype(b_dt)
+    with np.errstate(all="ignore"):  # (float16 data held in float32 where it is only read as float32: the relative
+        n, b = (_as_half(v, np.float32) if dt is np.float16 and v.size > 1 else v.astype(dt)  # errors' dtype is
+                for v, dt in ((x, n_dt), (y, b_dt)))  # result_type(n, b, float32) either way)
     raw, shown, msg = _compare_figures(x, y, n, b)
     if x.size > 1:  # ValidateTensor stops at the 0-d check, before the dtype one
         msg = dtype_msg + msg
