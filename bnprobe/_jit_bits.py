@@ -32,11 +32,11 @@ def _ulp(bits, emin, mant, out):  # pragma: no cover - compiled
 def ulp(values: np.ndarray, emin: int, mant: int) -> np.ndarray:
     """The spacing 2^(max(e, emin) - mant) at each |value| of float64 ``values`` (any shape), e its binade's
     exponent: :meth:`bnprobe.formats.Format.ulp` in one pass."""
-    v = np.ascontiguousarray(values, dtype=np.float64)
+    v = np.asarray(values, dtype=np.float64)
     out = np.empty(v.shape, dtype=np.float64)
     with KERNEL_LOCK:
-        _ulp(v.reshape(-1).view(np.int64), emin, mant, out.reshape(-1).view(np.int64))
-    return out
+        _ulp(np.ascontiguousarray(v).reshape(-1).view(np.int64), emin, mant, out.reshape(-1).view(np.int64))
+    return out[()] if out.ndim == 0 else out  # a scalar for a scalar, as numpy's ufuncs give
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -94,8 +94,8 @@ def _half(x, out):  # pragma: no cover - compiled
 def half(x: np.ndarray, dtype: type) -> np.ndarray:
     """``x.astype(np.float16).astype(dtype)`` (x float64 or float32, any shape; dtype float32 or float64) in one
     pass: numpy's correctly rounded cast, without the float16 array between."""
-    src = np.ascontiguousarray(x)
+    src = np.asarray(x)
     out = np.empty(src.shape, dtype=dtype)
     with KERNEL_LOCK:
-        _half(src.reshape(-1), out.reshape(-1))
+        _half(np.ascontiguousarray(src).reshape(-1), out.reshape(-1))
     return out

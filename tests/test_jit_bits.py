@@ -45,3 +45,17 @@ def test_half_is_numpys_float16_cast(src, dtype):
     _same(half(x, dtype), want)
     _same(half(x.reshape(2, -1) if x.size % 2 == 0 else x[1:].reshape(2, -1), dtype),
           (want if x.size % 2 == 0 else want[1:]).reshape(2, -1))  # any shape
+
+
+def test_shapes_are_kept_zero_d_included():
+    from bnprobe.formats import get_format
+
+    x = np.array(70000.0)
+    assert half(x, np.float64).shape == () and half(x, np.float64) == np.inf
+    assert half(np.ones((2, 0, 3)), np.float32).shape == (2, 0, 3)
+    f = get_format("fp16")
+    import bnprobe._jit_bits as jb
+
+    got = jb.ulp(np.float64(f.max), f.emin, f.mantissa_bits)
+    assert np.ndim(got) == 0 and got == 32.0  # a scalar for a scalar, as numpy's route gives
+    assert jb.ulp(np.full((2, 3), 1.0), f.emin, f.mantissa_bits).shape == (2, 3)
