@@ -8,9 +8,11 @@ rounding explicit and lets callers see the value before and after rounding.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from bnprobe._jit import jit_for
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import FP64, Format, get_format
 
@@ -101,10 +103,20 @@ def _cast_nearest_even(v: np.ndarray, fmt: Format) -> np.ndarray | None:
     return None
 
 
+def _nearest_even_as(v: np.ndarray, fmt: Format, dtype: Any) -> np.ndarray | None:
+    """:func:`_cast_nearest_even` held in ``dtype`` (float32 or float64, wide enough for fmt's values): a large
+    array to fp16 in one compiled pass (numpy's cast, without the float16 array between)."""
+    if fmt.name == "fp16" and v.dtype in (np.float32, np.float64) and jit_for(v.size):
+        from bnprobe._jit_bits import half
+
+        return half(v, dtype)
+    r = _cast_nearest_even(v, fmt)
+    return None if r is None else r.astype(dtype, copy=False)
+
+
 def _fast_nearest_even(v: np.ndarray, fmt: Format) -> np.ndarray | None:
     """Correct nearest-even rounding as float64 carriers, or None if no correct cast applies."""
-    r = _cast_nearest_even(v, fmt)
-    return None if r is None else r.astype(np.float64, copy=False)
+    return _nearest_even_as(v, fmt, np.float64)
 
 
 def _round_generic(a: np.ndarray, fmt: Format, rounding: str, negative: np.ndarray,
@@ -274,7 +286,7 @@ def is_representable(values: np.ndarray, fmt: str | Format) -> np.ndarray:
         # value the cast gives ±max or ±inf, not the value); other formats: rounding toward zero, any exponent
         if fmt is FP64:
             r = v
-        elif not fmt.has_inf or (r := _cast_nearest_even(v, fmt)) is None:
+        elif not fmt.has_inf or (r := _nearest_even_as(v, fmt, v.dtype)) is None:
             v = v.astype(np.float64, copy=False)
             r = round_to(v, fmt, rounding="toward_zero")
         same = (r == v) | (np.isnan(v) & np.isnan(r))
