@@ -352,6 +352,13 @@ def forgiven(run: CallRun, key: str) -> np.ndarray | None:
     return None
 
 
+def _reductions(a: np.ndarray) -> tuple[Callable[..., Any], ...]:
+    """(mean, sum, max) leaving NaN out: numpy's plain ones where ``a`` holds no NaN (the nan* ones then sum,
+    count and compare the same values in the same order, NaN replaced by 0 in a copy: the same figures bit for
+    bit, without the copies), else the nan* ones."""
+    return (np.mean, np.sum, np.max) if not np.isnan(a).any() else (np.nanmean, np.nansum, np.nanmax)
+
+
 def natural_scales(call: BNCall, stats: Saved | None, dy: np.ndarray | None) -> dict[str, np.ndarray]:
     """Per channel, the magnitudes the outputs that can cancel to near zero are formed from: the saved mean's,
     mean |x|; the running mean's update, |running mean| or momentum · mean |x| when larger; with the statistics
@@ -363,7 +370,7 @@ def natural_scales(call: BNCall, stats: Saved | None, dy: np.ndarray | None) -> 
     # a channel whose values are all NaN has a NaN scale (numpy warns of the empty slice: not a finding)
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        mean_abs = np.nanmean(np.abs(xcr), axis=1)
+        mean_abs = _reductions(xcr)[0](np.abs(xcr), axis=1)
         out["saved_mean"] = mean_abs
         m = 0.0 if call.momentum is None else call.momentum
         rm = call.running_mean
@@ -377,10 +384,12 @@ def natural_scales(call: BNCall, stats: Saved | None, dy: np.ndarray | None) -> 
         dycr = lay.to_cr(dy)
         g = np.ones(lay.channels) if call.gamma is None else np.asarray(call.gamma, dtype=np.float64)
         prod = dycr * xhat
-        out["dbeta"], out["dgamma"] = np.nansum(np.abs(dycr), axis=1), np.nansum(np.abs(prod), axis=1)
+        dmean, dsum, dmax = _reductions(dycr)
+        pmean, psum, pmax = _reductions(prod)  # (a NaN in x̂ is one in dy·x̂)
+        out["dbeta"], out["dgamma"] = dsum(np.abs(dycr), axis=1), psum(np.abs(prod), axis=1)
         gr = np.abs(g) / np.sqrt(gv + eps)
-        m1, m2 = np.abs(np.nanmean(dycr, axis=1)), np.abs(np.nanmean(prod, axis=1))
-        out["dx"] = gr * (np.nanmax(np.abs(dycr), axis=1) + m1 + np.nanmax(np.abs(xhat), axis=1) * m2)
+        m1, m2 = np.abs(dmean(dycr, axis=1)), np.abs(pmean(prod, axis=1))
+        out["dx"] = gr * (dmax(np.abs(dycr), axis=1) + m1 + pmax(np.abs(xhat), axis=1) * m2)
     return out
 
 

@@ -1,6 +1,8 @@
 """The run engine (bnprobe.checks.run): one vocabulary of outputs, one golden per call, and the behaviour chosen
 where compare-precision's former engine and the recorded-call engine had drifted apart."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -131,3 +133,39 @@ def test_a_kernel_that_saves_nothing_is_backpropagated_from_the_golden_statistic
         run = run_call(k, generated_call(_call(), modes=modes, label="c"), modes=("backward",))
         assert run.saved is None and "dx" in run.got
         np.testing.assert_allclose(run.got["dx"], run.gold["dx"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("where", ["none", "x", "dy", "inf"])
+def test_natural_scales_are_numpys_nan_reductions_bit_for_bit(where):
+    """natural_scales takes numpy's plain reductions where no NaN is there to leave out: the same figures, bit for
+    bit, as the nan* reductions written out here; with a NaN in x or dy, or an inf in x (0·inf in dy·x̂ is NaN),
+    the nan* ones."""
+    from bnprobe.adapters import Saved
+    from bnprobe.checks.run import natural_scales
+
+    call = _call(shape=(6, 4, 7, 7), seed=3)
+    x, dy = call.x.copy(), call.dy.copy()
+    if where == "x":
+        x[1, 2, 3, 3] = np.nan
+    elif where == "dy":
+        dy[0, 1, 0, 0] = np.nan
+    elif where == "inf":
+        x[2, 0, 1, 1], dy[2, 0, 1, 1] = np.inf, 0.0
+    call = call.with_(x=x, dy=dy)
+    with np.errstate(all="ignore"):
+        mean, var = np.nanmean(x, axis=(0, 2, 3)), np.nanvar(x, axis=(0, 2, 3))
+    stats = Saved(mean, "var", var)
+    got = natural_scales(call, stats, dy)
+    xcr = np.moveaxis(x, 1, 0).reshape(4, -1)
+    dycr = np.moveaxis(dy, 1, 0).reshape(4, -1)
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows: NaN scales
+        xhat = (xcr - mean[:, None]) / np.sqrt(stats.var(call.eps)[:, None] + call.eps)
+        prod = dycr * xhat
+        want = {"saved_mean": np.nanmean(np.abs(xcr), axis=1), "dbeta": np.nansum(np.abs(dycr), axis=1),
+                "dgamma": np.nansum(np.abs(prod), axis=1)}
+        gr = np.abs(call.gamma) / np.sqrt(stats.var(call.eps) + call.eps)
+        want["dx"] = gr * (np.nanmax(np.abs(dycr), axis=1) + np.abs(np.nanmean(dycr, axis=1))
+                           + np.nanmax(np.abs(xhat), axis=1) * np.abs(np.nanmean(prod, axis=1)))
+    for k, v in want.items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)
