@@ -11,22 +11,27 @@ from numba import njit, prange
 
 from bnprobe._jit import KERNEL_LOCK
 
-__all__ = ["ulp", "ulp_scaled", "half"]
+__all__ = ["ulp", "ulp_bits", "ulp_scaled", "half"]
+
+
+@njit(cache=True, nogil=True)
+def ulp_bits(bits, emin, mant):  # pragma: no cover - compiled
+    """The bits of 2^(max(e, emin) - mant), e the binade exponent of the float64 whose bits are ``bits`` (the
+    exponent field less the bias: float64 subnormals and zero at -1023, inf/NaN at 1024); a float64 subnormal
+    where that power is below 2^-1022, 0 below 2^-1074."""
+    e = max(((bits >> 52) & 0x7FF) - 1023, emin) - mant
+    if e >= -1022:
+        return np.int64(e + 1023) << 52
+    if e >= -1074:
+        return np.int64(1) << (e + 1074)
+    return np.int64(0)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _ulp(bits, emin, mant, out):  # pragma: no cover - compiled
-    """``out[i]``: the bits of 2^(max(e_i, emin) - mant), e_i the binade exponent of the float64 whose bits are
-    ``bits[i]`` (the exponent field less the bias: float64 subnormals and zero at -1023, inf/NaN at 1024); a
-    float64 subnormal where that power is below 2^-1022, 0 below 2^-1074."""
+    """``out[i]``: :func:`ulp_bits` of ``bits[i]``."""
     for i in prange(bits.size):
-        e = max(((bits[i] >> 52) & 0x7FF) - 1023, emin) - mant
-        if e >= -1022:
-            out[i] = (e + 1023) << 52
-        elif e >= -1074:
-            out[i] = np.int64(1) << (e + 1074)
-        else:
-            out[i] = 0
+        out[i] = ulp_bits(bits[i], emin, mant)
 
 
 def ulp(values: np.ndarray, emin: int, mant: int) -> np.ndarray:

@@ -12,22 +12,16 @@ import numpy as np
 from numba import njit
 
 from bnprobe._jit import KERNEL_LOCK
+from bnprobe._jit_bits import ulp_bits
 
 __all__ = ["worst_ratio"]
 
 
 @njit(cache=True, nogil=True)
 def _half_ulp(g, emin, mant):  # pragma: no cover - compiled
-    """Half of Format.ulp(g): 2^(max(e, emin) - mant - 1), e the binade exponent of float64 ``g``, as float64
-    arithmetic gives 0.5 * ulp (a power of two; half the smallest subnormal rounds to 0)."""
-    e = max(((np.int64(np.float64(g).view(np.int64)) >> 52) & 0x7FF) - 1023, emin) - mant
-    if e >= -1022:
-        u = np.int64(e + 1023) << 52
-    elif e >= -1074:
-        u = np.int64(1) << (e + 1074)
-    else:
-        u = np.int64(0)
-    return 0.5 * np.int64(u).view(np.float64)
+    """Half of Format.ulp(g), as float64 arithmetic gives 0.5 * ulp (a power of two; half the smallest subnormal
+    rounds to 0)."""
+    return 0.5 * np.int64(ulp_bits(np.float64(g).view(np.int64), emin, mant)).view(np.float64)
 
 
 @njit(cache=True, nogil=True)
