@@ -5,6 +5,9 @@ The ids are stable names for programs (``eps-on-sigma``...); reports print the w
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
 from bnprobe.call import EPS
@@ -124,16 +127,25 @@ def _recipe_stats(x: np.ndarray, recipe: str) -> tuple[np.ndarray, np.ndarray]:
     return mean.astype(np.float64), var.astype(np.float64)
 
 
+def _once(memo: dict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
+    """``memo[key]``, made by ``make()`` the first time."""
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
 def model(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, rm: np.ndarray, rv: np.ndarray, dy: np.ndarray,
           momentum: float, eps: float, *, bug: str | None = None, training: bool = True,
           saved: tuple[np.ndarray, np.ndarray] | None = None, recipe: str | None = None,
-          convention: str = "torch") -> dict[str, np.ndarray]:
+          convention: str = "torch", shared: dict[Any, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """BatchNorm in FP64 (NC... layout), correct or with one bug from BUGS; ``training=False``: the backward
     is that of inference (normalised with the running statistics); ``saved`` (mean, invstd): the training
     backward from these statistics, as a kernel's backward takes what its forward stored; ``recipe`` (of
     :data:`RECIPES`): the batch statistics computed that way (the bug on top of that recipe).  ``convention``
     (:mod:`bnprobe.conventions`): correct is that framework's running variance; the bug ``biased-running-var`` is
-    the other one (in a biased convention, the unbiased variance)."""
+    the other one (in a biased convention, the unbiased variance).  ``shared``: a dict the caller keeps for one
+    call's inputs, across bugs, holding what no bug changes (the batch statistics of each recipe, Σdy): computed
+    once, the same values."""
     if bug is not None and bug not in BUGS:
         raise BNProbeError(f"unknown bug model {bug!r}")
     if bug == EPS_IGNORED:
@@ -141,7 +153,9 @@ def model(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, rm: np.ndarray, rv
     ax, n = reduce_axes(x), x.ndim
     r = x.size // x.shape[1]
     col = lambda v: channel_column(v, n)  # noqa: E731
-    mean, var = (x.mean(axis=ax), x.var(axis=ax)) if recipe is None else _recipe_stats(x, recipe)
+    memo = {} if shared is None else shared
+    mean, var = (v.copy() for v in _once(memo, ("stats", recipe), lambda: (x.mean(axis=ax), x.var(axis=ax))
+                                         if recipe is None else _recipe_stats(x, recipe)))  # (per channel: copies)
     unbiased = var * r / (r - 1) if r > 1 else np.full_like(var, np.nan)
 
     def rstd_of(v: np.ndarray) -> np.ndarray:
@@ -181,7 +195,8 @@ def model(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, rm: np.ndarray, rv
         m_b, v_b = rm, rv
         rs_b = rstd_of(rv)
         xh_b = (x - col(rm)) * col(rs_b)
-    dbeta = dy.sum(axis=ax)
+    sum_dy = _once(memo, "sum_dy", lambda: dy.sum(axis=ax, keepdims=True))
+    dbeta = sum_dy.reshape(-1).copy()
     dgamma = {DG_NO_RSTD: lambda: (dy * (x - col(m_b))).sum(axis=ax), DG_X: lambda: (dy * x).sum(axis=ax),
               DG_MEAN: lambda: (dy * xh_b).mean(axis=ax)}.get(bug, lambda: (dy * xh_b).sum(axis=ax))()
     if bug == DB_MEAN:
@@ -191,7 +206,7 @@ def model(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, rm: np.ndarray, rv
     factor = {DX_NO_SQRT: gamma / (v_b + eps), SEED: gamma / (v_b + eps), DX_NO_GAMMA: rs_b}.get(bug, gamma * rs_b)
     if training:
         z = {DX_X: x, SEED: x, DX_CENTERED: x - col(m_b)}.get(bug, xh_b)
-        t1 = 0.0 if bug == DROP_MEAN else dy.sum(axis=ax, keepdims=True) / (1 if bug == SUM_DY else r)
+        t1 = 0.0 if bug == DROP_MEAN else sum_dy / (1 if bug == SUM_DY else r)
         t2 = 0.0 if bug == DROP_XHAT else (dy * z).sum(axis=ax, keepdims=True) / (1 if bug == SUM_DY_XHAT else r)
         dx = col(factor) * (dy - t1 + (1.0 if bug == PLUS_XHAT else -1.0) * z * t2)
     else:

@@ -472,8 +472,10 @@ def _probe_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
     args = (x, vec["gamma"], vec["beta"], vec["running_mean"], vec["running_var"], dy, p.call.momentum, p.call.eps)
     got, gold, formats = run.invstd_view()
     got = {k: np.asarray(v, dtype=np.float64) for k, v in got.items()}
+    shared: dict[Any, np.ndarray] = {}  # what no bug model changes, computed once for this input
     checks = _judge(p.name, got, gold, formats, _natural(run, x),
-                    models=lambda bug, recipe=None: model(*args, bug=bug, recipe=recipe, convention=conv),
+                    models=lambda bug, recipe=None: model(*args, bug=bug, recipe=recipe, convention=conv,
+                                                          shared=shared),
                     stored=_stored(args, got, convention=conv), ranges=p.name in (USER, GENERATED), bounds=run.bounds,
                     convention=conv)
     return _as_compare(checks, a, rec, modes, p.name, run=run, golden=golden)
@@ -535,8 +537,8 @@ def _stored(args: tuple[Any, ...], got: dict[str, np.ndarray], training: bool = 
     """The backward models from the statistics the kernel saved (see :func:`_judge`)."""
     if not training or "saved_mean" not in got or "saved_invstd" not in got:
         return None
-    saved = (got["saved_mean"], got["saved_invstd"])
-    return lambda bug: model(*args, bug=bug, saved=saved, convention=convention)
+    saved, shared = (got["saved_mean"], got["saved_invstd"]), {}
+    return lambda bug: model(*args, bug=bug, saved=saved, convention=convention, shared=shared)
 
 
 def _steps_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, params: str) -> dict[str, Check]:
@@ -793,9 +795,10 @@ def _doctor_call(recorded: Recorded, run: CallRun) -> DoctorReport:
         notes.append("momentum None (cumulative average): the running statistics' update is not checked")
         got.pop("running_mean"), got.pop("running_var")
     args = (x, g, b, rm, rv, np.zeros_like(x) if dy is None else dy, MOMENTUM if mom is None else mom, eps)
+    shared: dict[Any, np.ndarray] = {}  # what no bug model changes, computed once for this call
     checks = _judge(run.label, got, gold, formats, _natural(run, x),
                     models=lambda bug, recipe=None: model(*args, bug=bug, training=rec.training, recipe=recipe,
-                                                          convention=conv),
+                                                          convention=conv, shared=shared),
                     skip=() if have_running else (TRAIN_RUNNING,), stored=_stored(args, got, rec.training, conv),
                     bounds=run.bounds, convention=conv)
     if rec.training and _compared_training(rec):

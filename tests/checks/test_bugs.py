@@ -1,0 +1,42 @@
+"""The bug models with a memo shared across bugs (what no bug changes, computed once per call: doctor's cost on a
+large call) give every output bit for bit as each model computed alone, whatever order the bugs come in, and a
+caller changing one model's outputs in place does not change another's."""
+
+import numpy as np
+import pytest
+
+from bnprobe.checks.bugs import BUGS, RECIPES, model
+
+
+def _args(seed=0, shape=(6, 4, 5, 5)):
+    rng = np.random.default_rng(seed)
+    c = shape[1]
+    return (rng.standard_normal(shape) * 3 + 1, rng.uniform(0.5, 1.5, c), rng.normal(0, 0.3, c),
+            rng.normal(0, 1, c), rng.uniform(0.5, 2, c), rng.standard_normal(shape), 0.1, 1e-5)
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("saved", [False, True])
+def test_a_shared_memo_changes_no_output(training, saved):
+    args = _args()
+    kw = {"saved": (args[3] + 0.01, 1 / np.sqrt(args[4] + 1e-5))} if saved and training else {}
+    shared: dict = {}
+    bugs = [None, *BUGS]
+    for recipe in (None, *RECIPES):
+        for bug in bugs[::-1] if recipe else bugs:  # another order for the recipe
+            args = _args()  # the same values afresh (a model may hand an input back as an output)
+            alone = model(*args, bug=bug, training=training, recipe=recipe, **kw)
+            memo = model(*args, bug=bug, training=training, recipe=recipe, shared=shared, **kw)
+            assert alone.keys() == memo.keys()
+            for k in alone:
+                np.testing.assert_array_equal(memo[k], alone[k], err_msg=f"{bug} {recipe} {k}")
+            for v in memo.values():  # a caller writing into the outputs
+                np.asarray(v)[...] = np.nan
+    assert shared  # the memo was used
+
+
+def test_the_memo_is_per_recipe():
+    args, shared = _args(1), {}
+    plain = model(*args, shared=shared)
+    one_pass = model(*args, recipe=next(iter(RECIPES)), shared=shared)
+    assert not np.array_equal(plain["saved_invstd"], one_pass["saved_invstd"])
