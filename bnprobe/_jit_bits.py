@@ -35,12 +35,15 @@ def _ulp(bits, emin, mant, out):  # pragma: no cover - compiled
 
 
 def ulp(values: np.ndarray, emin: int, mant: int) -> np.ndarray:
-    """The spacing 2^(max(e, emin) - mant) at each |value| of float64 ``values`` (any shape), e its binade's
-    exponent: :meth:`bnprobe.formats.Format.ulp` in one pass."""
+    """The spacing 2^(max(e, emin) - mant) at each |value| of float64 ``values`` (C-contiguous, any shape), e its
+    binade's exponent: :meth:`bnprobe.formats.Format.ulp` in one pass.  (Only C-contiguous arrays come here: numpy
+    lays out an elementwise result in its input's memory order, and a later float32 sum adds in that order.)"""
     v = np.asarray(values, dtype=np.float64)
+    if not v.flags.c_contiguous:
+        raise ValueError("ulp takes a C-contiguous array")
     out = np.empty(v.shape, dtype=np.float64)
     with KERNEL_LOCK:
-        _ulp(np.ascontiguousarray(v).reshape(-1).view(np.int64), emin, mant, out.reshape(-1).view(np.int64))
+        _ulp(v.reshape(-1).view(np.int64), emin, mant, out.reshape(-1).view(np.int64))
     return out[()] if out.ndim == 0 else out  # a scalar for a scalar, as numpy's ufuncs give
 
 
@@ -80,12 +83,15 @@ def ulp_scaled(abs_bench: np.ndarray, err: np.ndarray, table: np.ndarray, lo: in
 @njit(parallel=True, cache=True, nogil=True)
 def _half(x, out):  # pragma: no cover - compiled
     """``out[i]``: ``x[i]`` (float64 or float32) rounded to the nearest binary16, ties to even, ±inf from
-    65520 (max + half its ulp) up, NaN kept: numpy's ``x.astype(float16)``, held in ``out``'s dtype."""
+    65520 (max + half its ulp) up: numpy's ``x.astype(float16)``, held in ``out``'s dtype; NaN left as it is
+    (the caller gives it numpy's payload).  Returns how many NaN it met."""
+    nan = 0
     for i in prange(x.size):
         v = np.float64(x[i])
         a = abs(v)
         if a != a:
             out[i] = v
+            nan += 1
         elif a >= 65520.0:
             out[i] = -np.inf if v < 0 else np.inf
         else:
@@ -94,13 +100,21 @@ def _half(x, out):  # pragma: no cover - compiled
             inv = np.int64(1023 - e) << 52
             r = np.rint(a * np.int64(inv).view(np.float64)) * np.int64(q).view(np.float64)
             out[i] = -r if (np.float64(v).view(np.int64) < 0) else r
+    return nan
 
 
 def half(x: np.ndarray, dtype: type) -> np.ndarray:
     """``x.astype(np.float16).astype(dtype)`` (x float64 or float32, any shape; dtype float32 or float64) in one
-    pass: numpy's correctly rounded cast, without the float16 array between."""
+    pass: numpy's correctly rounded cast, without the float16 array between (a C-contiguous array; another is
+    cast by numpy, whose result keeps its memory order)."""
     src = np.asarray(x)
+    if not src.flags.c_contiguous:  # numpy's own cast keeps the input's memory order (see ulp)
+        return src.astype(np.float16).astype(dtype)
     out = np.empty(src.shape, dtype=dtype)
+    flat, inp = out.reshape(-1), src.reshape(-1)
     with KERNEL_LOCK:
-        _half(np.ascontiguousarray(src).reshape(-1), out.reshape(-1))
+        nan = _half(inp, flat)
+    if nan:  # numpy's cast keeps a NaN's top payload bits through float16: its own cast for those
+        at = np.isnan(flat)
+        flat[at] = inp[at].astype(np.float16).astype(dtype)
     return out

@@ -302,7 +302,8 @@ def _ulp(device: np.ndarray, bench: np.ndarray, std: CheckerStandard, *,
             e64 = eb.astype(np.int64) - std.ulp_mantissa
             return np.abs((device.astype(np.float64) - bench.astype(np.float64)) / np.ldexp(1.0, e64))
         dt = std.ulp_dtype
-        if compiled and abs_err is not None and abs_err.dtype == dt and _compiled(abs_bench, dt):
+        if compiled and abs_err is not None and abs_err.dtype == dt and _compiled(abs_bench, dt) \
+                and abs_err.flags.c_contiguous and device.flags.c_contiguous and bench.flags.c_contiguous:
             return _ulp_compiled(device, bench, std, abs_bench, abs_err)
         if bench.dtype != dt or abs_bench.dtype not in _BITS:  # msprobe's operations as written
             eb = np.maximum(np.where(abs_bench == 0, 0, np.floor(np.log2(abs_bench))), std.ulp_min_exp)
@@ -334,7 +335,7 @@ def _ulp_compiled(device: np.ndarray, bench: np.ndarray, std: CheckerStandard, a
     layout = _BITS[abs_bench.dtype]
     mant = layout[1]
     lo, table = _exp2_table(abs_bench.dtype)
-    err = np.ascontiguousarray(abs_err).reshape(-1)
+    err = abs_err.reshape(-1)  # (C-contiguous, as every array here: numpy's results are laid out the same)
     u, rest = ulp_scaled(abs_bench.reshape(-1), err, table, lo, layout,
                          (1 << mant) - (1 << (mant - _NEAR_POWER_BITS)), std.ulp_min_exp, std.ulp_mantissa)
     if rest.any():

@@ -59,3 +59,55 @@ def test_shapes_are_kept_zero_d_included():
     got = jb.ulp(np.float64(f.max), f.emin, f.mantissa_bits)
     assert np.ndim(got) == 0 and got == 32.0  # a scalar for a scalar, as numpy's route gives
     assert jb.ulp(np.full((2, 3), 1.0), f.emin, f.mantissa_bits).shape == (2, 3)
+
+
+# ---- the routes through their callers, as a review found them differ --------------------------------------------
+
+def _both(monkeypatch, f):
+    out = {}
+    for jit in ("0", "1"):
+        monkeypatch.setenv("BNPROBE_JIT", jit)
+        out[jit] = f()
+    return out["0"], out["1"]
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp32"])
+def test_compare_on_a_transposed_input_is_the_same_on_both_routes(monkeypatch, fmt):
+    """numpy lays out an elementwise result in its input's memory order and msprobe's float32 means add in that
+    order: a Fortran-ordered output keeps numpy's route, so rmse and ulp_mean stay numpy's to the last bit."""
+    from dataclasses import asdict
+
+    from bnprobe.metrics import compare
+
+    g = np.random.default_rng(11).standard_normal((8, 8)).T
+    a = g * 1.001
+    old, new = _both(monkeypatch, lambda: asdict(compare(a, g, fmt)))
+    for k in old:
+        np.testing.assert_array_equal(np.asarray(new[k], dtype=object if isinstance(old[k], tuple) else None),
+                                      np.asarray(old[k], dtype=object if isinstance(old[k], tuple) else None),
+                                      err_msg=k)
+
+
+def test_layout_and_nan_payload_are_numpys(monkeypatch):
+    from bnprobe.formats import get_format
+    from bnprobe.numerics.rounding import round_to
+
+    x = np.random.default_rng(2).standard_normal((30, 20)).T
+    old, new = _both(monkeypatch, lambda: get_format("fp16").ulp(x))
+    assert old.strides == new.strides and np.array_equal(old, new)
+    y = np.array([0.0, 1.0, 70000.0])
+    y.view(np.uint64)[0] = 0x7FF8000000000123  # a NaN with a payload
+    old, new = _both(monkeypatch, lambda: round_to(y, "fp16"))
+    assert np.array_equal(old.view(np.uint64), new.view(np.uint64))
+
+
+@pytest.mark.parametrize("a,g,scale", [
+    ([1e-320, 0.0], [1e-320, 0.0], None),  # the floor: error_floor times a subnormal largest golden, 0
+    ([1e-40, 1.0], [0.0, 1.0], [5e-324, 1.0]),  # error_floor times a subnormal scale: 0, and 1e-40/0
+    ([1.0, 0.0, 2.0], [1.0, 0.0, 2.5], None)])
+def test_absolute_where_the_floor_underflows_is_the_same_on_both_routes(monkeypatch, a, g, scale):
+    from bnprobe.checks.rules import absolute
+
+    sc = None if scale is None else np.array(scale)
+    old, new = _both(monkeypatch, lambda: tuple(absolute(np.array(a), np.array(g), "fp32", "scaled", scale=sc)))
+    assert old[:2] == new[:2] and np.array_equal(old[2:], new[2:], equal_nan=True)

@@ -24,21 +24,27 @@ def _half_ulp(g, emin, mant):  # pragma: no cover - compiled
     return 0.5 * np.int64(ulp_bits(np.float64(g).view(np.int64), emin, mant)).view(np.float64)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def _worst(a, g, mag, floor, emin, mant, limit):  # pragma: no cover - compiled
     """(worst ratio, its first index, how many ratios exceed ``limit``) of d / max(|g|, floor_i), d = max(|a - g|
     - ulp(g)/2, 0) and floor_i = ``floor`` * (mag_i if mag_i > 0 else 1) where ``mag`` has elements, else
-    ``floor``."""
-    worst, at, over = -np.inf, 0, 0
+    ``floor``: as numpy's max, argmax and sum give them, a NaN ratio (0/0 where the floor underflows to 0) the
+    worst, at its first place; a division by 0 IEEE's, as numpy's (``error_model``)."""
+    worst, at, over, nan_at = -np.inf, 0, 0, -1
     per = mag.size > 0
     for i in range(a.size):
         d = max(abs(a[i] - g[i]) - _half_ulp(g[i], emin, mant), 0.0)
         f = floor * (mag[i] if mag[i] > 0 else 1.0) if per else floor
         r = d / max(abs(g[i]), f)
-        if r > worst or (i == 0):
+        if r != r:
+            if nan_at < 0:
+                nan_at = i
+        elif r > worst or i == 0:
             worst, at = r, i
         if r > limit:
             over += 1
+    if nan_at >= 0:
+        return np.nan, nan_at, over
     return worst, at, over
 
 
