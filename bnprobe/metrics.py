@@ -28,6 +28,7 @@ import numpy as np
 from bnprobe._jit import jit_for
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import Format, get_format
+from bnprobe.numerics.rounding import fp16_as
 from bnprobe.tolerances import (  # msprobe 26.2.0's constants, with every other threshold (re-exported here)
     MSPROBE_BENCHMARK_APIS,
     MSPROBE_BENCHMARK_LIMITS,
@@ -201,12 +202,11 @@ def _checker(actual: np.ndarray, golden: np.ndarray, std: CheckerStandard, *, ul
         half = np.dtype(std.device) == np.float16
         # a float16 output held in float32 (exact; see the docstring): its values stand for the float16 array
         # wherever it is read below, in msprobe's ULP too (whose arithmetic is float32)
-        dev = _as_half(actual, np.float32) if half else actual.astype(std.device)
-        device = dev
+        dev = fp16_as(actual, np.float32) if half else actual.astype(std.device)
         abs_bench = np.abs(bench)  # get_abs_bench_with_eps
         # get_finite_and_infinite_mask: the golden judged finite in the device's dtype (get_error_balance casts
         # it the same way, below)
-        bench_as_device = _as_half(bench, np.float32) if half else bench.astype(std.device)
+        bench_as_device = fp16_as(bench, np.float32) if half else bench.astype(std.device)
         both_finite = np.isfinite(dev) & np.isfinite(bench_as_device)
         any_bad = not both_finite.all()
         abs_err = np.abs(dev - bench)  # get_abs_err
@@ -233,7 +233,7 @@ def _checker(actual: np.ndarray, golden: np.ndarray, std: CheckerStandard, *, ul
         if keep is not None:  # the caller keeps the benchmark's metrics (as ulp=False gives them) and the ULPs
             keep["checker"] = dict(out)
         if ulp:  # the benchmark verdict does not read the ULP figures
-            u = _ulp(device, bench, std, abs_err=abs_err)
+            u = _ulp(dev, bench, std, abs_err=abs_err)
             out.update(ulp_max=np.max(u), ulp_mean=np.mean(u))
             if keep is not None:
                 keep["ulps"] = u.astype(np.float64).reshape(-1)
@@ -302,8 +302,7 @@ def _ulp(device: np.ndarray, bench: np.ndarray, std: CheckerStandard, *,
             e64 = eb.astype(np.int64) - std.ulp_mantissa
             return np.abs((device.astype(np.float64) - bench.astype(np.float64)) / np.ldexp(1.0, e64))
         dt = std.ulp_dtype
-        if compiled and abs_err is not None and abs_err.dtype == dt and _compiled(abs_bench, dt) \
-                and abs_err.flags.c_contiguous and device.flags.c_contiguous and bench.flags.c_contiguous:
+        if compiled and abs_err is not None and _compiled(dt, abs_bench, abs_err, device, bench):
             return _ulp_compiled(device, bench, std, abs_bench, abs_err)
         if bench.dtype != dt or abs_bench.dtype not in _BITS:  # msprobe's operations as written
             eb = np.maximum(np.where(abs_bench == 0, 0, np.floor(np.log2(abs_bench))), std.ulp_min_exp)
@@ -319,10 +318,12 @@ def _ulp(device: np.ndarray, bench: np.ndarray, std: CheckerStandard, *,
         return abs_err * factor  # |d * f| = |d| * f: f is a power of two, inf, 0 or NaN
 
 
-def _compiled(abs_bench: np.ndarray, dt: Any) -> bool:
-    """Whether msprobe's ULP of this golden takes the compiled pass (a large array held in the ULP's dtype)."""
-    return abs_bench.dtype == dt and abs_bench.dtype in _BITS and jit_for(abs_bench.size) \
-        and abs_bench.flags.c_contiguous
+def _compiled(dt: Any, abs_bench: np.ndarray, abs_err: np.ndarray, *others: np.ndarray) -> bool:
+    """Whether msprobe's ULP takes the compiled pass: a large golden and error held in the ULP's dtype, every
+    array C-contiguous (numpy lays a result out in its inputs' memory order, and msprobe's float32 mean adds in
+    that order)."""
+    return abs_bench.dtype == dt == abs_err.dtype and abs_bench.dtype in _BITS and jit_for(abs_bench.size) \
+        and all(a.flags.c_contiguous for a in (abs_bench, abs_err, *others))
 
 
 def _ulp_compiled(device: np.ndarray, bench: np.ndarray, std: CheckerStandard, abs_bench: np.ndarray,
@@ -335,7 +336,7 @@ def _ulp_compiled(device: np.ndarray, bench: np.ndarray, std: CheckerStandard, a
     layout = _BITS[abs_bench.dtype]
     mant = layout[1]
     lo, table = _exp2_table(abs_bench.dtype)
-    err = abs_err.reshape(-1)  # (C-contiguous, as every array here: numpy's results are laid out the same)
+    err = abs_err.reshape(-1)  # (C-contiguous: see _compiled)
     u, rest = ulp_scaled(abs_bench.reshape(-1), err, table, lo, layout,
                          (1 << mant) - (1 << (mant - _NEAR_POWER_BITS)), std.ulp_min_exp, std.ulp_mantissa)
     if rest.any():
@@ -452,20 +453,11 @@ def _unusable(size: int, word: str, accuracy: str, problem: str, printed_msg: st
     return Comparison(size, *(_NAN,) * 11, -1, False, accuracy, problem=problem, _printed=printed)
 
 
-def _as_half(x: np.ndarray, dtype: Any) -> np.ndarray:
-    """``x.astype(np.float16).astype(dtype)``: in one compiled pass for a large float64 or float32 array."""
-    if x.dtype in (np.float64, np.float32) and jit_for(x.size):
-        from bnprobe._jit_bits import half
-
-        return half(x, dtype)
-    return x.astype(np.float16).astype(dtype)
-
-
 def _holds(y: np.ndarray, dtype: Any) -> bool:
     """Whether float64 ``y`` holds values of ``dtype`` only (NaN included): a prefix first, as a golden that
     does not usually shows it in its first elements."""
     for part in (y[:4096], y):
-        back = _as_half(part, np.float64) if dtype is np.float16 else part.astype(dtype).astype(np.float64)
+        back = fp16_as(part, np.float64) if dtype is np.float16 else part.astype(dtype).astype(np.float64)
         if not np.array_equal(back, part, equal_nan=True):
             return False
     return True
@@ -536,7 +528,7 @@ def compare(actual: Any, golden: Any, fmt: str | Format = "fp32", *, golden_fmt:
                           accuracy_reached="No", problem=msg, _printed=(*("N/A",) * len(_COLUMNS), "No", msg),
                           **common, **kept)
     with np.errstate(all="ignore"):  # (float16 data held in float32 where it is only read as float32: the relative
-        n, b = (_as_half(v, np.float32) if dt is np.float16 and v.size > 1 else v.astype(dt)  # errors' dtype is
+        n, b = (fp16_as(v, np.float32) if dt is np.float16 and v.size > 1 else v.astype(dt)  # errors' dtype is
                 for v, dt in ((x, n_dt), (y, b_dt)))  # result_type(n, b, float32) either way)
     raw, shown, msg = _compare_figures(x, y, n, b)
     if x.size > 1:  # ValidateTensor stops at the 0-d check, before the dtype one

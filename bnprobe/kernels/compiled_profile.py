@@ -61,9 +61,7 @@ def profile(bits, kind, mask, inf, big, tiny, out):  # pragma: no cover - compil
                 at_max += np.int64(a == big)
                 zero += np.int64(a == 0)
                 sub += np.int64((a != 0) & (a < tiny))
-        if n * s == 0:
-            out[0, ch] = out[1, ch] = np.nan
-        elif nan:
+        if n * s == 0 or nan:  # no value, or a NaN: min and max are NaN
             out[0, ch] = out[1, ch] = np.nan
         else:
             out[0, ch] = _value(kmin ^ ((kmin >> 63) & mask), kind)  # the key's involution gives the bits back

@@ -25,6 +25,7 @@ __all__ = [
     "round_detail",
     "to_odd_fp32",
     "is_representable",
+    "fp16_as",
 ]
 
 
@@ -103,13 +104,20 @@ def _cast_nearest_even(v: np.ndarray, fmt: Format) -> np.ndarray | None:
     return None
 
 
-def _nearest_even_as(v: np.ndarray, fmt: Format, dtype: Any) -> np.ndarray | None:
-    """:func:`_cast_nearest_even` held in ``dtype`` (float32 or float64, wide enough for fmt's values): a large
-    array to fp16 in one compiled pass (numpy's cast, without the float16 array between)."""
-    if fmt.name == "fp16" and v.dtype in (np.float32, np.float64) and jit_for(v.size):
+def fp16_as(x: np.ndarray, dtype: Any) -> np.ndarray:
+    """``x.astype(np.float16).astype(dtype)`` (numpy's correctly rounded cast, held in float32 or float64): a large
+    float64 or float32 array in one compiled pass, without the float16 array between."""
+    if x.dtype in (np.float32, np.float64) and jit_for(x.size):
         from bnprobe._jit_bits import half
 
-        return half(v, dtype)
+        return half(x, dtype)
+    return x.astype(np.float16).astype(dtype)
+
+
+def _nearest_even_as(v: np.ndarray, fmt: Format, dtype: Any) -> np.ndarray | None:
+    """:func:`_cast_nearest_even` held in ``dtype`` (float32 or float64, wide enough for fmt's values)."""
+    if fmt.name == "fp16" and v.dtype in (np.float32, np.float64):
+        return fp16_as(v, dtype)
     r = _cast_nearest_even(v, fmt)
     return None if r is None else r.astype(dtype, copy=False)
 

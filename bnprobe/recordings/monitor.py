@@ -342,10 +342,9 @@ class Monitor:
         if not bad.any():
             return
         ch = np.flatnonzero(bad)
-        if ch.size:
-            p.reasons.append(f"{what} (channel{'s' if ch.size > 1 else ''} {', '.join(map(str, ch[:8]))}"
-                             f"{', ...' if ch.size > 8 else ''})")
-            p.channels.update(int(c) for c in ch)
+        p.reasons.append(f"{what} (channel{'s' if ch.size > 1 else ''} {', '.join(map(str, ch[:8]))}"
+                         f"{', ...' if ch.size > 8 else ''})")
+        p.channels.update(int(c) for c in ch)
 
     def _counts_flags(self, p: _Pending, names: tuple[str, ...], dtype: str) -> None:
         """NaN, ±inf and saturation in each tensor of ``names``; in y (dx) only where x (and dy) are finite, since
