@@ -24,7 +24,7 @@ from bnprobe.numerics.rounding import round_to
 
 __all__ = ["Capabilities", "ForwardOutput", "BackwardOutput", "KernelAdapter", "BaseAdapter", "PARAM_PRECISIONS",
            "SAVED_KINDS", "Saved", "params_format", "params_mode", "stored_inputs", "MODES",
-           "counters_only"]
+           "counters_only", "outputs_only"]
 
 MODES = ("train", "infer", "backward")
 # what a training forward saves for the backward: mean + 1/sqrt(var + eps) (PyTorch, cuDNN, Ascend 950)
@@ -285,4 +285,16 @@ def counters_only(adapter: Any) -> Any:
         return adapter
     twin = copy.copy(adapter)
     twin.keep_arrays = False
+    return twin
+
+
+def outputs_only(adapter: Any) -> Any:
+    """``adapter``, or for one that traces its runs (``counters``) a copy keeping no trace at all: the same outputs
+    bit for bit, without counting every stage's events, for checks that read the outputs alone.  The caller's
+    adapter is not changed."""
+    if not getattr(adapter, "counters", False):
+        return counters_only(adapter)
+    twin = copy.copy(adapter)
+    twin.keep_arrays = False
+    twin.counters = False
     return twin

@@ -44,7 +44,7 @@ class _InConvention:
     def __setattr__(self, name: str, value: Any) -> None:
         if name in ("_inner", "_conv", "name"):
             object.__setattr__(self, name, value)
-        else:  # keep_arrays (counters_only): the inner adapter's, on this view's own copy of it
+        else:  # keep_arrays, counters (outputs_only): the inner adapter's, on this view's own copy of it
             setattr(self._inner, name, value)
 
     def __copy__(self) -> _InConvention:

@@ -28,6 +28,7 @@ class PolicyAdapter(BaseAdapter):
     def __init__(self, name: str, make_policy: Callable[[Prepared, str], Policy], caps: Capabilities) -> None:
         self.name = name
         self.keep_arrays = True  # keep every intermediate in the traces (False: counters and ranges only)
+        self.counters = True  # False: no trace at all, the outputs alone (the same bits, without counting events)
         self._make_policy = make_policy
         self._caps = caps
 
@@ -65,7 +66,8 @@ class PolicyAdapter(BaseAdapter):
         pol = self.policy(p, "train")
         v = p.vectors
         res = forward_train(self._tensor(p.x, p, pol), v["gamma"], v["beta"], v["running_mean"], v["running_var"],
-                            momentum=momentum, eps=eps, policy=pol, layout=p.lay.layout, keep_arrays=self.keep_arrays)
+                            momentum=momentum, eps=eps, policy=pol, layout=p.lay.layout, keep_arrays=self.keep_arrays,
+                            counters=self.counters)
         return ForwardOutput(res.y, self._saved(res), res.running_mean, res.running_var, res.trace,
                              {"policy": pol.describe()})
 
@@ -73,7 +75,8 @@ class PolicyAdapter(BaseAdapter):
         pol = self.policy(p, "infer")
         v = p.vectors
         res = forward_infer(self._tensor(p.x, p, pol), v["gamma"], v["beta"], v["running_mean"], v["running_var"],
-                            eps=eps, policy=pol, layout=p.lay.layout, keep_arrays=self.keep_arrays)
+                            eps=eps, policy=pol, layout=p.lay.layout, keep_arrays=self.keep_arrays,
+                            counters=self.counters)
         return ForwardOutput(res.y, None, None, None, res.trace, {"policy": pol.describe()})
 
     def _invstd_from_var(self, var: np.ndarray, eps: float, pol: Policy) -> np.ndarray:
@@ -95,7 +98,8 @@ class PolicyAdapter(BaseAdapter):
             invstd = self._invstd_from_var(var, eps, pol)
         res = backward(self._tensor(dy, p, pol), self._tensor(p.x, p, pol), p.vectors["gamma"], saved.mean, invstd,
                        policy=pol, training=training,
-                       layout=p.lay.layout, saved_var=var, eps=eps, keep_arrays=self.keep_arrays)
+                       layout=p.lay.layout, saved_var=var, eps=eps, keep_arrays=self.keep_arrays,
+                       counters=self.counters)
         return BackwardOutput(res.dx, res.dgamma, res.dbeta, res.trace, {"policy": pol.describe()})
 
 

@@ -96,7 +96,7 @@ class _Run:
     def __init__(self, policy: Policy, channels: int, keep_arrays: bool, rng: np.random.Generator, *,
                  overrides: dict[str, np.ndarray] | None = None, carrier: type = np.float64,
                  sources: dict[str, np.dtype] | None = None, dest: Source | None = None,
-                 compiled: bool = False, row: int | None = None) -> None:
+                 compiled: bool = False, row: int | None = None, counting: bool = True) -> None:
         self.policy = policy
         self.row = row  # the length of the layout's contiguous rows in a channel (H*W channels-first), for order=vec
         self.c = channels
@@ -104,13 +104,14 @@ class _Run:
         self.sources = sources or {}  # dtypes of the caller's tensors, by stage name
         self.overrides = overrides or {}
         spec = policy.spec
-        self.storage = Arith(policy.storage, spec, rng)
-        self.out = Arith(policy.storage, policy.output_spec, rng)
-        self.params = Arith(policy.params_format, spec, rng)
-        self.comp = Arith(policy.compute, spec, rng)
-        self.acc = Arith(policy.accumulate, spec, rng)
+        self.counting = counting  # False: no events counted, no stage recorded (outputs only)
+        self.storage = Arith(policy.storage, spec, rng, counting=counting)
+        self.out = Arith(policy.storage, policy.output_spec, rng, counting=counting)
+        self.params = Arith(policy.params_format, spec, rng, counting=counting)
+        self.comp = Arith(policy.compute, spec, rng, counting=counting)
+        self.acc = Arith(policy.accumulate, spec, rng, counting=counting)
         self.rng = rng
-        self.trace = Trace(channels, keep_arrays)
+        self.trace = Trace(channels, keep_arrays, counted=counting)
         # the compiled route's passes (tensors arrive as Sources, y / dx is written to dest), or None
         self.fused = Fused(self, dest) if compiled else None
 
@@ -233,7 +234,8 @@ class _Run:
         acc, pol = self.acc, self.policy
         if pol.rstd_format is not None:  # formed in a wider format, then rounded (PyTorch CPU: in double); the
             # formulas then take γ·rstd, not γ/σ
-            wide_run = _Run(pol.with_options(accumulate=pol.rstd_format, rstd_format=None), self.c, False, self.rng)
+            wide_run = _Run(pol.with_options(accumulate=pol.rstd_format, rstd_format=None), self.c, False, self.rng,
+                            counting=self.counting)
             return self.rec("rstd", acc, wide_run.rstd(var_eps)[0]), None
         with np.errstate(all="ignore"):
             ideal = 1.0 / np.sqrt(var_eps)
@@ -311,8 +313,9 @@ class _Blocks:
 
     def __init__(self, policy: Policy, lay: Layout, keep_arrays: bool, chunk_elements: int | None,
                  meta: dict[str, Any], overrides: dict[str, np.ndarray] | None = None,
-                 sources: dict[str, np.ndarray] | None = None) -> None:
-        self.policy, self.lay, self.keep = policy, lay, keep_arrays
+                 sources: dict[str, np.ndarray] | None = None, counters: bool = True) -> None:
+        keep_arrays = keep_arrays and counters  # (no trace: no arrays to keep either)
+        self.policy, self.lay, self.keep, self.counting = policy, lay, keep_arrays, counters
         self.sources = {k: np.asarray(v).dtype for k, v in (sources or {}).items()}
         self.overrides = overrides or {}
         self.compiled = compiled_route(policy, keep_arrays, overrides, int(np.prod(lay.shape, dtype=np.int64)))
@@ -336,7 +339,8 @@ class _Blocks:
             sub = {k: np.asarray(v)[sl] for k, v in self.overrides.items()}
             dest = self._dest.block(sl) if self._dest is not None else None
             run = _Run(self.policy, sl.stop - sl.start, self.keep, self.rng, overrides=sub, carrier=self.carrier,
-                       sources=self.sources, dest=dest, compiled=self.compiled, row=self.row)
+                       sources=self.sources, dest=dest, compiled=self.compiled, row=self.row,
+                       counting=self.counting)
             yield sl, run
             self.traces.append(run.trace)
 
@@ -391,12 +395,15 @@ def forward_train(
     keep_arrays: bool = True,
     chunk_elements: int | None = DEFAULT_CHUNK_ELEMENTS,
     overrides: dict[str, np.ndarray] | None = None,
+    counters: bool = True,
 ) -> TrainResult:
     """Training-mode BatchNorm: batch statistics, normalisation, running-stat update.
 
     Running statistics follow PyTorch: ``running = (1 - m)·running + m·batch`` with
     the unbiased variance (× R/(R−1)); ``momentum=None`` is the cumulative average
     with factor ``1/(num_batches_tracked + 1)``.  gamma/beta default to 1/0.
+    ``counters=False`` records no trace (its metadata only) and counts no events: the same
+    outputs bit for bit, for callers that read the outputs alone (as in forward_infer and backward).
     """
     pol = get_policy(policy)
     lay = layout_of(x, layout)
@@ -413,7 +420,7 @@ def forward_train(
     rv = as_channel_vector("running_var", running_var, lay, 1.0) if running_var is not None else None
 
     blocks = _Blocks(pol, lay, keep_arrays, chunk_elements, {"mode": "train", "eps": eps, "momentum": momentum},
-                     overrides, {"x": x})
+                     overrides, {"x": x}, counters)
     y = blocks.tensor(pol.storage)
     pf = pol.params_format
     saved = {k: blocks.vector(pf) for k in ("mean", "invstd", "var", "running_mean", "running_var")}
@@ -452,7 +459,7 @@ def _train_block(run: _Run, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.
             run.trace.record(sv.name, sv.value, sv.arith.fmt, wide=sv.wide, tally=sv.tally,
                              check_negative=sv.check_negative)
         mean, var = m.mean, m.var
-        ea = acc if pol.rstd_format is None else Arith(pol.rstd_format, pol.spec, run.rng)
+        ea = acc if pol.rstd_format is None else Arith(pol.rstd_format, pol.spec, run.rng, counting=run.counting)
         var_eps = run.rec("var_eps", ea, var + float(ea.round(eps)), negative=True)
         rstd, std = run.rstd(var_eps)
         if pol.stored_stats:  # y from the statistics as stored (params format), not as computed
@@ -461,7 +468,8 @@ def _train_block(run: _Run, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.
             out["y"] = run.normalise(xs, mean, rstd, std, gp, bp)
         if rm is not None and rv is not None:
             # the update's arithmetic: in the accumulator format, or where the policy says (a narrow port)
-            ru = acc if pol.running_format is None else Arith(pol.running_format, pol.spec, run.rng)
+            ru = acc if pol.running_format is None else Arith(pol.running_format, pol.spec, run.rng,
+                                                              counting=run.counting)
             if momentum is not None and pol.running_momentum == "old":  # m weighs the old value (flax, Keras)
                 f_a, keep_a = ru.round(1.0 - momentum), ru.round(momentum)
             else:
@@ -505,6 +513,7 @@ def forward_infer(
     keep_arrays: bool = True,
     chunk_elements: int | None = DEFAULT_CHUNK_ELEMENTS,
     overrides: dict[str, np.ndarray] | None = None,
+    counters: bool = True,
 ) -> InferResult:
     """Inference-mode BatchNorm: normalise with the running statistics."""
     pol = get_policy(policy)
@@ -520,7 +529,8 @@ def forward_infer(
     times_rstd = pol.rstd_format is not None
     if pol.infer_y_formula is not None or times_rstd:
         pol = pol.with_options(y_formula=pol.infer_y_formula or pol.y_formula, infer_y_formula=None, rstd_format=None)
-    blocks = _Blocks(pol, lay, keep_arrays, chunk_elements, {"mode": "infer", "eps": eps}, overrides, {"x": x})
+    blocks = _Blocks(pol, lay, keep_arrays, chunk_elements, {"mode": "infer", "eps": eps}, overrides, {"x": x},
+                     counters)
     y = blocks.tensor(pol.storage)
     for sl, run in blocks:
         acc = run.acc
@@ -552,6 +562,7 @@ def backward(
     keep_arrays: bool = True,
     chunk_elements: int | None = DEFAULT_CHUNK_ELEMENTS,
     overrides: dict[str, np.ndarray] | None = None,
+    counters: bool = True,
 ) -> BackwardResult:
     """Gradients dx, dgamma, dbeta of BatchNorm.
 
@@ -574,7 +585,7 @@ def backward(
     sv = as_channel_vector("saved_var", saved_var, lay) if saved_var is not None else None
     eps = check_eps(eps)
     blocks = _Blocks(pol, lay, keep_arrays, chunk_elements, {"mode": "backward", "training": training, "eps": eps},
-                     overrides, {"x": x, "dy": dy})
+                     overrides, {"x": x, "dy": dy}, counters)
     dx = blocks.tensor(pol.storage)
     dgamma, dbeta = blocks.vector(pol.params_format), blocks.vector(pol.params_format)
     for sl, run in blocks:

@@ -85,17 +85,21 @@ def _subnormals(flat: np.ndarray, tiny: float) -> np.ndarray:
 class Trace:
     """Stages in the order the kernel computed them, plus the run's metadata.
 
-    ``keep_arrays=False`` keeps only counters and ranges (for large tensors).
+    ``keep_arrays=False`` keeps only counters and ranges (for large tensors); ``counted=False`` records no
+    stage at all (a run whose outputs alone are read: the metadata stays).
     """
 
     channels: int
     keep_arrays: bool = True
     meta: dict[str, Any] = field(default_factory=dict)
     stages: list[Stage] = field(default_factory=list)
+    counted: bool = True
 
     def record(self, name: str, value: np.ndarray, fmt: str | Format, *, wide: np.ndarray | None = None,
                tally: Tally | None = None, check_negative: bool = False) -> None:
         """Add a stage; counters are computed here from the stored and wide values."""
+        if not self.counted:
+            return
         fmt = get_format(fmt)
         value = as_carrier(value)  # float32 carriers are read as they are (see numerics/arith.py)
         c = self.channels
@@ -131,6 +135,8 @@ class Trace:
         ``counts`` is ``(C, 8)`` in COUNTERS' order without ``negative``, ``ranges`` ``(C, 2)`` the least and
         greatest finite value of each channel (+inf / -inf where it has none).  ``at`` inserts it before
         the stage at that index instead of appending it."""
+        if not self.counted:
+            return
         if self.keep_arrays:
             raise AssertionError("a stage counted elsewhere has no arrays to keep")
         c = self.channels
@@ -151,7 +157,8 @@ class Trace:
                 parts[0].meta.update(meta)
             return parts[0]
         first = parts[0]
-        out = cls(sum(p.channels for p in parts), first.keep_arrays, {**first.meta, **(meta or {})})
+        out = cls(sum(p.channels for p in parts), first.keep_arrays, {**first.meta, **(meta or {})},
+                  counted=first.counted)
         for i, s in enumerate(first.stages):
             group = [p.stages[i] for p in parts]
             if any(g.name != s.name for g in group):

@@ -97,8 +97,10 @@ class Arith:
     """
 
     def __init__(self, fmt: str | Format, spec: RoundingSpec | None = None,
-                 rng: np.random.Generator | None = None) -> None:
+                 rng: np.random.Generator | None = None, *, counting: bool = True) -> None:
         self.fmt = get_format(fmt)
+        # False: tallies are ignored (a run nobody reads the trace of): the same values, without counting events
+        self.counting = counting
         self.spec = spec or RoundingSpec()
         if self.spec.rounding == "stochastic" and rng is None:
             rng = np.random.default_rng(0)
@@ -122,6 +124,8 @@ class Arith:
         float64 in, float64 out; a float32 array (a float32 carrier) comes back as
         float32 when this format fits in binary32.
         """
+        if not self.counting:
+            tally = None
         if self.fits32 and _is_f32(wide):
             return self.round_narrow(wide, tally)[0]  # type: ignore[arg-type]
         wide = np.asarray(wide, dtype=np.float64)
@@ -157,6 +161,8 @@ class Arith:
         The second array is the one a numpy cast made on the way (fp16, bf16), so a caller that stores the
         result in the format's dtype need not convert again.
         """
+        if not self.counting:
+            tally = None
         if self.binary32:
             return w, w  # binary32 values are fp32 values: nothing rounds
         if self._cast32:
@@ -183,6 +189,8 @@ class Arith:
 
     def _apply32(self, f: Callable[..., np.ndarray], args: tuple[np.ndarray, ...], tally: Tally | None) -> np.ndarray:
         """An operation on float32 carriers; the result is a float32 carrier (see the module notes)."""
+        if not self.counting:
+            tally = None
         if self.binary32:
             a32 = [_exact_f32(a) for a in args]
             if all(a is not None for a in a32):

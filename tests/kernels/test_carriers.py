@@ -15,6 +15,7 @@ from bnprobe.formats import get_format
 from bnprobe.kernels import backward, forward_infer, forward_train, get_policy
 from bnprobe.kernels.batchnorm import carrier_for
 from bnprobe.numerics.arith import Arith, Tally
+from bnprobe.numerics.rounding import RoundingSpec
 
 POLICIES = [
     "fp32", "fp16", "bf16",
@@ -231,3 +232,54 @@ def test_the_compiled_cases_hit_every_counter():
     if len(_MATRIX_RAN) < 6 * len(COMPILED_ONLY):
         pytest.skip("the compiled-only matrix did not all run in this process (selected alone, or split by xdist)")
     assert set(COUNTERS) <= _SEEN_COUNTERS, set(COUNTERS) - _SEEN_COUNTERS
+
+
+# counters=False (outputs only, no trace) must not change a bit: the roundings' random draws, the statistics, the
+# outputs; here on every policy above, the presets and the general ones (stochastic rounding, a wider rstd, a
+# narrow running update, torch's backward, flax's running statistics)
+NO_TRACE = POLICIES + COMPILED_ONLY + [
+    "fp64", "fp16:rounding=stochastic", "fp16-acc16:rounding=stochastic", "fp32:rstd_format=fp64",
+    "fp16:running_format=fp16", "fp32:backward_formula=torch", "bf16:running_var=biased,running_momentum=old"]
+
+
+@pytest.mark.parametrize("jit", ["0", "1"])
+@pytest.mark.parametrize("spec", NO_TRACE)
+def test_a_run_without_a_trace_gives_the_same_outputs_bit_for_bit(spec, jit, monkeypatch):
+    monkeypatch.setenv("BNPROBE_JIT", jit)
+    pol = get_policy(spec)
+    c = 6
+    g, b = GAMMA, BETA
+    for kind in ("normal", "offset", "special", "huge", "tiny", "relu"):
+        for dtype in (np.float32, np.float64):
+            x, dy = _inputs(kind, dtype)
+            runs = []
+            for counters in (True, False):
+                args = dict(policy=pol, chunk_elements=3 * 60, keep_arrays=False, counters=counters)
+                f = forward_train(x, g, b, np.zeros(c), np.ones(c), **args)
+                outs = [f.y, f.mean, f.invstd, f.var, f.running_mean, f.running_var]
+                for training in (True, False):
+                    d = backward(dy, x, g, f.mean, f.invstd, saved_var=f.var, training=training, **args)
+                    outs += [d.dx, d.dgamma, d.dbeta]
+                i = forward_infer(x, g, b, f.running_mean, f.running_var, **args)
+                runs.append((outs + [i.y], [f.trace, d.trace, i.trace]))
+            (traced, t_on), (plain, t_off) = runs
+            assert all(len(t.stages) > 0 for t in t_on), spec
+            assert all(t.stages == [] and t.meta["policy"] == pol.name for t in t_off), spec  # metadata only
+            for k, (u, v) in enumerate(zip(traced, plain)):
+                _same(u, v, f"{spec} {kind} {dtype.__name__} jit={jit}: output {k}")
+
+
+def test_arith_without_counting_rounds_the_same_and_leaves_the_tally_empty():
+    rng = np.random.default_rng(11)
+    a, b = _special_fp32(rng, (3, 4000)), _special_fp32(rng, (3, 4000))
+    for fmt in ("fp32", "fp16", "bf16", "fp8_e4m3fn"):
+        for spec in (None, RoundingSpec(overflow="saturate"), RoundingSpec(subnormals="flush")):
+            on, off = Arith(fmt, spec), Arith(fmt, spec, counting=False)
+            for args in ((a, b), (a.astype(np.float64), b.astype(np.float64))):
+                t_on, t_off = Tally(3), Tally(3)
+                _same(on.mul(*args, tally=t_on), off.mul(*args, tally=t_off), f"{fmt} {spec}")
+                with np.errstate(over="ignore"):
+                    wide = args[0] * 1e3
+                _same(on.round(wide, t_on), off.round(wide, t_off), f"{fmt} {spec} round")
+                assert any(v.any() for v in t_on.counts.values()), (fmt, spec)  # the inputs make events
+                assert not any(v.any() for v in t_off.counts.values()), (fmt, spec)
