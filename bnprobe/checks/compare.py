@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
-from bnprobe.adapters.base import MODES, counters_only
+from bnprobe.adapters.base import MODES, outputs_only
 from bnprobe.adapters.convention import bench_for, reference_for
 from bnprobe.call import EPS, MOMENTUM, BNCall
 from bnprobe.conventions import convention_of
@@ -424,7 +424,7 @@ def _name_recipe(r: dict[str, Any], cc: _CaseCall, run: CallRun, t: str, bench: 
 def _recipe_outputs(rp: Any, cc: _CaseCall) -> dict[str, Any]:
     """The outputs of recipe ``rp``'s kernel on this case call, run once (its outputs alone: no trace arrays)."""
     if rp.id not in cc.recipes:
-        cc.recipes[rp.id] = _run(counters_only(rp.kernel()), cc).got
+        cc.recipes[rp.id] = _run(outputs_only(rp.kernel()), cc).got
     return cc.recipes[rp.id]
 
 
@@ -521,13 +521,13 @@ def compare_precision(
     skip, total = _default_formats(resolved, cases, fmts, dtypes)
     done = 0
     t0 = time.monotonic()
-    # traces are not needed here: counters only, not every intermediate (on copies: the caller's are unchanged)
-    ref, bench_a = counters_only(ref), counters_only(bench_a)
-    runs = [counters_only(a) for a in resolved]
+    # traces are not read here: outputs only, no stage recorded or counted (on copies: the caller's are unchanged)
+    ref, bench_a = outputs_only(ref), outputs_only(bench_a)
+    runs = [outputs_only(a) for a in resolved]
     j = _Judging(standards, rule, bench_a.name if bench_a is not None else "")
     opts = {"eps": eps, "momentum": momentum, "params": params}
     # the bench in each kernel's convention (a framework's running variance is judged against a careful one's)
-    benches = {convention_of(a).name: counters_only(bench_for(bench_a, a)) for a in runs} if bench_a else {}
+    benches = {convention_of(a).name: outputs_only(bench_for(bench_a, a)) for a in runs} if bench_a else {}
     for case in cases:
         if math.prod(case.shape) > LARGE_CALL:  # the last case's arrays caught in reference cycles go first
             gc.collect()
@@ -585,14 +585,14 @@ def judge_call(a: KernelAdapter, rec: Recording, modes: tuple[str, ...], *, labe
     its exemptions and recipes): the verdict every command that judges an output of a call reads, so that they
     agree on it.  A dump adapter replays ``rec`` (one of its recorded calls).  ``run`` (with the ``golden`` it was
     run on): the adapter's run on this call, when the caller has made it (not run again)."""
-    ref = counters_only(reference_for(a))
-    bench_a = counters_only(bench_for(get_adapter(bench) if isinstance(bench, str) else bench, a))
+    ref = outputs_only(reference_for(a))
+    bench_a = outputs_only(bench_for(get_adapter(bench) if isinstance(bench, str) else bench, a))
     call = rec.call()
     case = Case(label or rec.meta.get("call") or rec.source, tuple(np.shape(call.x)))
     cc = _CaseCall(case, rec, modes, golden if golden is not None else Golden(ref, rec),
                    replay=rec if a.capabilities().recorded else None)
     tables = _Tables([], [], [])
-    _compare_adapter(counters_only(a), cc, _Judging(None, "benchmark", bench_a.name), tables, budget=False,
+    _compare_adapter(outputs_only(a), cc, _Judging(None, "benchmark", bench_a.name), tables, budget=False,
                      top_channels=0, ref=ref, bench=_bench(bench_a, cc), done=run)
     return tables.rows
 

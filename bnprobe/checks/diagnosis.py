@@ -31,7 +31,7 @@ import numpy as np
 
 from bnprobe.call import EPS, MOMENTUM
 from bnprobe.adapters import KernelAdapter, get_adapter
-from bnprobe.adapters.base import counters_only, params_format, stored_inputs
+from bnprobe.adapters.base import outputs_only, params_format, stored_inputs
 from bnprobe.adapters.convention import reference_for
 from bnprobe.call import BNCall
 from bnprobe.checks.bugs import (
@@ -619,8 +619,8 @@ def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None,
     todo = probes(seed, stress=stability) + ([user_probe(x, seed)] if x is not None else []) \
         + ([user_probe(generated, seed, GENERATED)] if generated is not None else [])
     todo = [Probe(p.name, p.call.with_(eps=eps, momentum=momentum), p.steps) for p in todo]
-    ref = counters_only(reference_for(a))  # the golden in the kernel's convention
-    a = counters_only(a)  # only outputs are compared: no intermediates kept (on a copy: the caller's is unchanged)
+    ref = outputs_only(reference_for(a))  # the golden in the kernel's convention
+    a = outputs_only(a)  # only outputs are compared: no intermediates kept (on a copy: the caller's is unchanged)
     checks: list[dict[str, Check]] = []
     notes: list[str] = []
     for p in todo:

@@ -25,7 +25,7 @@ import numpy as np
 from bnprobe.call import EPS, MOMENTUM
 from bnprobe._loading import first_line, kind_of, load_callable, raised
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
-from bnprobe.adapters.base import counters_only, params_format, stored_inputs
+from bnprobe.adapters.base import outputs_only, params_format, stored_inputs
 from bnprobe.checks.recorded import PerCall, Recorded, check_options
 from bnprobe.checks.run import CallRun, each_run
 from bnprobe.errors import BNProbeError
@@ -181,78 +181,109 @@ def _where(shape: tuple[int, ...]) -> Callable[[int], str]:
 
 # ---- finite differences -------------------------------------------------------------------------
 
-def _fd_check(adapter: KernelAdapter, inp: Inputs, mode: str, eps: float, rng: np.random.Generator,
-              full_max: int = FULL_JACOBIAN_MAX) -> tuple[list[GradRow], str]:
-    h, rtol, atol = FINITE_DIFFERENCE["eps"], FINITE_DIFFERENCE["rtol"], FINITE_DIFFERENCE["atol"]
-    x, g, b = inp.x, inp.gamma, inp.beta
-    c = g.size
-    shape = x.shape
-    train = mode == "train"
+class _Jacobian:
+    """y's Jacobian in theta = (x, gamma, beta) of one adapter's fp64 forward: columns by central differences,
+    rows (vector-Jacobian products) by its backward."""
 
-    def forward(xx: np.ndarray, gg: np.ndarray, bb: np.ndarray) -> np.ndarray:
-        if train:
-            return np.asarray(adapter.forward_train(xx, gg, bb, dtype="fp64", eps=eps).y, dtype=np.float64)
-        return np.asarray(adapter.forward_infer(xx, gg, bb, inp.running_mean, inp.running_var, dtype="fp64",
-                                                eps=eps).y, dtype=np.float64)
+    def __init__(self, adapter: KernelAdapter, inp: Inputs, mode: str, eps: float) -> None:
+        self.adapter = outputs_only(adapter)  # y, the saved statistics and the gradients are all it reads
+        self.inp, self.eps, self.train = inp, eps, mode == "train"
+        x, g, b = inp.x, inp.gamma, inp.beta
+        self.c, self.shape, self.h = g.size, x.shape, FINITE_DIFFERENCE["eps"]
+        self.saved = self.adapter.forward_train(x, g, b, dtype="fp64", eps=eps).saved if self.train else \
+            Saved(inp.running_mean, "var", inp.running_var)
+        self.theta = np.concatenate([x.reshape(-1), g, b])
+        self.m, self.p = x.size, self.theta.size
+        self.work = self.theta.copy()
+        m, c, p = self.m, self.c, self.p
+        self.blocks = {"dx": slice(0, m), "dgamma": slice(m, m + c), "dbeta": slice(m + c, p)}
 
-    saved = adapter.forward_train(x, g, b, dtype="fp64", eps=eps).saved if train else \
-        Saved(inp.running_mean, "var", inp.running_var)
+    def y_at(self, t: np.ndarray) -> np.ndarray:
+        a, inp, m, c = self.adapter, self.inp, self.m, self.c
+        xx, gg, bb = t[:m].reshape(self.shape), t[m:m + c], t[m + c:]
+        if self.train:
+            y = a.forward_train(xx, gg, bb, dtype="fp64", eps=self.eps).y
+        else:
+            y = a.forward_infer(xx, gg, bb, inp.running_mean, inp.running_var, dtype="fp64", eps=self.eps).y
+        return np.asarray(y, dtype=np.float64).reshape(-1)
 
-    def vjp(v: np.ndarray) -> np.ndarray:
-        out = adapter.backward(v, x, g, saved, dtype="fp64", eps=eps, training=train)
+    def column(self, i: int) -> np.ndarray:
+        """Column i by central differences: theta_i moved by +-h in place (a whole copy of theta per evaluation
+        cost as much as the fp64 forward itself on a large call)."""
+        work, theta, h = self.work, self.theta, self.h
+        work[i] = theta[i] + h
+        up = self.y_at(work)
+        work[i] = theta[i] - h
+        down = self.y_at(work)
+        work[i] = theta[i]
+        return (up - down) / (2 * h)
+
+    def vjp(self, v: np.ndarray) -> np.ndarray:
+        out = self.adapter.backward(v, self.inp.x, self.inp.gamma, self.saved, dtype="fp64", eps=self.eps,
+                                    training=self.train)
         return np.concatenate([np.asarray(out.dx, dtype=np.float64).reshape(-1),
                                np.asarray(out.dgamma, dtype=np.float64), np.asarray(out.dbeta, dtype=np.float64)])
 
-    theta = np.concatenate([x.reshape(-1), g, b])
-    m, p = x.size, theta.size
+    def row(self, j: int) -> np.ndarray:
+        return self.vjp(np.eye(1, self.m, j).reshape(self.shape))
 
-    def y_at(t: np.ndarray) -> np.ndarray:
-        return forward(t[:m].reshape(shape), t[m:m + c], t[m + c:]).reshape(-1)
 
-    blocks = {"dx": slice(0, m), "dgamma": slice(m, m + c), "dbeta": slice(m + c, p)}
-    rows = []
+def _fd_check(adapter: KernelAdapter, inp: Inputs, mode: str, eps: float, rng: np.random.Generator,
+              full_max: int = FULL_JACOBIAN_MAX) -> tuple[list[GradRow], str]:
+    jac = _Jacobian(adapter, inp, mode, eps)
+    m, p = jac.m, jac.p
     if m * p <= full_max:
-        num = np.empty((m, p))
-        for i in range(p):
-            e = np.zeros(p)
-            e[i] = h
-            num[:, i] = (y_at(theta + e) - y_at(theta - e)) / (2 * h)
-        ana = np.stack([vjp(np.eye(1, m, j).reshape(shape)) for j in range(m)])
-        for name, sl in blocks.items():
-            cols = sl.stop - sl.start
+        return _fd_full(jac), f"full Jacobian ({m} outputs x {p} inputs)"
+    return _fd_sampled(jac, rng), f"random projections and sampled entries ({m} outputs x {p} inputs)"
 
-            def where(k: int, sl: slice = sl, cols: int = cols, name: str = name) -> str:
-                j, i = divmod(k, cols)
-                return f"d y{tuple(int(v) for v in np.unravel_index(j, shape))} / d {name[1:]}[{i}]"
 
-            rows.append(_row("finite-differences", name, ana[:, sl], num[:, sl], rtol, atol, where_of=where,
-                             detail=f"full Jacobian {m}x{cols}"))
-        return rows, f"full Jacobian ({m} outputs x {p} inputs)"
-    # large: projections v^T J u on each block, and sampled entries J[j, i]
-    for name, sl in blocks.items():
+def _fd_full(jac: _Jacobian) -> list[GradRow]:
+    rtol, atol = FINITE_DIFFERENCE["rtol"], FINITE_DIFFERENCE["atol"]
+    m, p, shape = jac.m, jac.p, jac.shape
+    num = np.empty((m, p))
+    for i in range(p):
+        num[:, i] = jac.column(i)
+    ana = np.stack([jac.row(j) for j in range(m)])
+    rows = []
+    for name, sl in jac.blocks.items():
+        cols = sl.stop - sl.start
+
+        def where(k: int, cols: int = cols, name: str = name) -> str:
+            j, i = divmod(k, cols)
+            return f"d y{tuple(int(v) for v in np.unravel_index(j, shape))} / d {name[1:]}[{i}]"
+
+        rows.append(_row("finite-differences", name, ana[:, sl], num[:, sl], rtol, atol, where_of=where,
+                         detail=f"full Jacobian {m}x{cols}"))
+    return rows
+
+
+def _fd_sampled(jac: _Jacobian, rng: np.random.Generator) -> list[GradRow]:
+    """A large call: projections v^T J u on each block, and sampled entries J[j, i]."""
+    rtol, atol, h = FINITE_DIFFERENCE["rtol"], FINITE_DIFFERENCE["atol"], jac.h
+    m, p, theta = jac.m, jac.p, jac.theta
+    rows = []
+    for name, sl in jac.blocks.items():
         ana_p, num_p = [], []
         for _ in range(FD_PROJECTIONS):
             u = np.zeros(p)
             u[sl] = rng.standard_normal(sl.stop - sl.start)
             v = rng.standard_normal(m)
-            num_p.append(float(v @ (y_at(theta + h * u) - y_at(theta - h * u))) / (2 * h))
-            ana_p.append(float(vjp(v.reshape(shape)) @ u))
+            num_p.append(float(v @ (jac.y_at(theta + h * u) - jac.y_at(theta - h * u))) / (2 * h))
+            ana_p.append(float(jac.vjp(v.reshape(jac.shape)) @ u))
         rows.append(_row("finite-differences", f"{name} (v^T J u)", np.array(ana_p), np.array(num_p), rtol, atol,
                          detail=f"{FD_PROJECTIONS} random projections"))
     js = rng.choice(m, size=min(FD_SAMPLED_ROWS, m), replace=False)
-    ana_rows = {int(j): vjp(np.eye(1, m, int(j)).reshape(shape)) for j in js}
+    ana_rows = {int(j): jac.row(int(j)) for j in js}
     cols = np.concatenate([rng.choice(m, size=min(FD_SAMPLED_COLS, m), replace=False), np.arange(m, p)])
     a_e, n_e = [], []
     for i in cols:
-        e = np.zeros(p)
-        e[i] = h
-        col = (y_at(theta + e) - y_at(theta - e)) / (2 * h)
+        col = jac.column(int(i))
         for j in js:
             n_e.append(col[j])
             a_e.append(ana_rows[int(j)][i])
     rows.append(_row("finite-differences", "sampled entries", np.array(a_e), np.array(n_e), rtol, atol,
                      detail=f"{len(js)} rows x {len(cols)} columns of J"))
-    return rows, f"random projections and sampled entries ({m} outputs x {p} inputs)"
+    return rows
 
 
 # ---- identities -----------------------------------------------------------------------------------
@@ -622,7 +653,7 @@ def _gradcheck_call(recorded: Recorded, run: CallRun, rtol: float | None, atol: 
     c = x.shape[1]
     rows: list[GradRow] = []
     notes = list(run.notes)
-    ref = counters_only(get_adapter("reference"))  # finite differences need y only
+    ref = outputs_only(get_adapter("reference"))  # finite differences need y only
     kernel = recorded.kernel
     caps = kernel.capabilities()
     # 1. finite differences in FP64 at the recorded inputs, on the first channels

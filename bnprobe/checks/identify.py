@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
-from bnprobe.adapters.base import Capabilities, counters_only, params_format
+from bnprobe.adapters.base import Capabilities, outputs_only, params_format
 from bnprobe.adapters.emulated import PolicyAdapter
 from bnprobe.call import EPS, MOMENTUM, BNCall
 from bnprobe.checks.cases import dy_of_kind
@@ -877,7 +877,7 @@ def identify(adapter: str | KernelAdapter, dtype: str = "fp16", *, params: str =
     input, channels-first, when given).  Its ``spec`` runs as ``emulated:<spec>``."""
     from bnprobe.checks.run import generated_call
 
-    kernel = counters_only(get_adapter(adapter) if isinstance(adapter, str) else adapter)
+    kernel = outputs_only(get_adapter(adapter) if isinstance(adapter, str) else adapter)
     caps = kernel.capabilities()
     if caps.recorded:
         raise BNProbeError(f"{kernel.name} replays a recording: identify it with identify_recorded (the CLI does)")
@@ -967,7 +967,7 @@ def identify_recorded(recorded: Any, *, passes: int = 3,
     own recorded inputs only, one call in memory at a time: the search runs on channels spread over the call
     (:data:`SEARCH_VALUES`; channels are independent), and the identified policy is then confirmed on all of them."""
     recorded.calls.require_tensors("identify")
-    kernel = counters_only(recorded.kernel)
+    kernel = outputs_only(recorded.kernel)
     replay = kernel.capabilities().recorded
     results = []
     for c in recorded.calls.calls:

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from bnprobe.adapters import BackwardOutput, ForwardOutput, KernelAdapter, Saved
-from bnprobe.adapters.base import counters_only, params_format
+from bnprobe.adapters.base import outputs_only, params_format
 from bnprobe.adapters.convention import reference_for
 from bnprobe.conventions import convention_of
 from bnprobe.recordings import Recording
@@ -157,7 +157,7 @@ class Golden:
         key = "train" if conv == own else f"train:{conv}"
         if key not in self._cache:
             c = self.call
-            ref = self.ref if conv == own else counters_only(reference_for(conv))
+            ref = self.ref if conv == own else outputs_only(reference_for(conv))
             self._cache[key] = ref.forward_train(c.x, c.gamma, c.beta, c.running_mean, c.running_var,
                                                  momentum=c.momentum, **c.kernel_options)
         return self._cache[key]
@@ -496,10 +496,10 @@ def each_run(recorded: Any, judge: Callable[[int, CallRun], T], modes: tuple[str
     memory at a time (``modes``: the modes to run, None for every mode each call recorded; see
     :func:`run_call`).  ``judge`` returns what is kept of the call (a report: no tensors of it)."""
     recorded.calls.require_tensors("running a recorded call")
-    # only outputs are compared: the instrumented kernels keep counters, not every intermediate (on copies: the
-    # caller's kernel is unchanged)
-    kernel = counters_only(recorded.kernel)
-    ref = counters_only(reference_for(kernel))
+    # only outputs are compared: the instrumented kernels record no trace (on copies: the caller's kernel is
+    # unchanged)
+    kernel = outputs_only(recorded.kernel)
+    ref = outputs_only(reference_for(kernel))
     out: list[T] = []
     for i, c in enumerate(recorded.calls.calls):
         run = run_call(kernel, c.load(), modes=modes, index=i, label=c.label, ref=ref, skip_missing=skip_missing)
