@@ -5,7 +5,7 @@ The ids are stable names for programs (``eps-on-sigma``...); reports print the w
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -15,7 +15,8 @@ from bnprobe.conventions import get_convention
 from bnprobe.errors import BNProbeError
 from bnprobe.kernels.layout import channel_column, reduce_axes
 
-__all__ = ["BUGS", "TEXT", "GROUPS", "CHECKS", "RECIPES", "CONVENTION_HINTS", "model", "describe", "running_item"]
+__all__ = ["BUGS", "TEXT", "GROUPS", "CHECKS", "RECIPES", "CONVENTION_HINTS", "model", "Outputs", "describe",
+           "running_item"]
 
 EPS_ON_SIGMA = "eps-on-sigma"
 EPS_MISSING = "eps-missing"
@@ -134,10 +135,42 @@ def _once(memo: dict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
     return memo[key]
 
 
+class Outputs(Mapping[str, np.ndarray]):
+    """A model's outputs, each formed when first read and kept: a check reads one group's outputs, so the
+    elementwise others (y, y_infer, dx: a pass over the call each) are not formed for it.  Each is formed under
+    the floating-point error handling in force when the model was made, as if it had been formed then."""
+
+    def __init__(self, make: dict[str, Callable[[], np.ndarray]]) -> None:
+        self._make, self._done, self._err = make, {}, np.geterr()
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        if key not in self._done:
+            make = self._make[key]  # (KeyError for an output the model has not)
+            with np.errstate(**self._err):
+                self._done[key] = make()
+        return self._done[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._make)
+
+    def __len__(self) -> int:
+        return len(self._make)
+
+    def held_bytes(self) -> int:
+        """The bytes of the outputs formed so far."""
+        return sum(np.asarray(v).nbytes for v in self._done.values())
+
+
+def _cached(make: Callable[[], Any]) -> Callable[[], Any]:
+    """``make``, called once on first need."""
+    box: list[Any] = []
+    return lambda: box[0] if box else (box.append(make()) or box[0])
+
+
 def model(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, rm: np.ndarray, rv: np.ndarray, dy: np.ndarray,
           momentum: float, eps: float, *, bug: str | None = None, training: bool = True,
           saved: tuple[np.ndarray, np.ndarray] | None = None, recipe: str | None = None,
-          convention: str = "torch", shared: dict[Any, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+          convention: str = "torch", shared: dict[Any, np.ndarray] | None = None) -> Outputs:
     """BatchNorm in FP64 (NC... layout), correct or with one bug from BUGS; ``training=False``: the backward
     is that of inference (normalised with the running statistics); ``saved`` (mean, invstd): the training
     backward from these statistics, as a kernel's backward takes what its forward stored; ``recipe`` (of
@@ -145,7 +178,7 @@ def model(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, rm: np.ndarray, rv
     (:mod:`bnprobe.conventions`): correct is that framework's running variance; the bug ``biased-running-var`` is
     the other one (in a biased convention, the unbiased variance).  ``shared``: a dict the caller keeps for one
     call's inputs, across bugs, holding what no bug changes (the batch statistics of each recipe, Σdy): computed
-    once, the same values."""
+    once, the same values.  The outputs are formed when read (:class:`Outputs`)."""
     if bug is not None and bug not in BUGS:
         raise BNProbeError(f"unknown bug model {bug!r}")
     if bug == EPS_IGNORED:
@@ -175,7 +208,6 @@ def model(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, rm: np.ndarray, rv
 
     m_t, v_t = (rm, rv) if bug == TRAIN_RUNNING else (mean, unbiased if bug == UNBIASED else var)
     rstd = rstd_of(v_t)
-    xhat = (x - col(m_t)) * col(rstd)
     biased = (get_convention(convention).running_var == "biased") != (bug == BIASED_RUNNING)
     batch_var = (var if biased else unbiased) + (eps if bug == PLUS_EPS else 0.0)
     if bug == KERAS:
@@ -188,31 +220,48 @@ def model(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, rm: np.ndarray, rv
     if training and saved is not None:
         m_b, rs_b = np.asarray(saved[0], dtype=np.float64), np.asarray(saved[1], dtype=np.float64)
         v_b = 1 / (rs_b * rs_b) - eps
-        xh_b = (x - col(m_b)) * col(rs_b)
     elif training:
-        m_b, v_b, rs_b, xh_b = m_t, v_t, rstd, xhat
+        m_b, v_b, rs_b = m_t, v_t, rstd
     else:  # y = γ·(x - rm)·rstd(rv) + β: the statistics are constants
         m_b, v_b = rm, rv
         rs_b = rstd_of(rv)
-        xh_b = (x - col(rm)) * col(rs_b)
     sum_dy = _once(memo, "sum_dy", lambda: dy.sum(axis=ax, keepdims=True))
-    dbeta = sum_dy.reshape(-1).copy()
-    dgamma = {DG_NO_RSTD: lambda: (dy * (x - col(m_b))).sum(axis=ax), DG_X: lambda: (dy * x).sum(axis=ax),
-              DG_MEAN: lambda: (dy * xh_b).mean(axis=ax)}.get(bug, lambda: (dy * xh_b).sum(axis=ax))()
-    if bug == DB_MEAN:
-        dbeta = dy.mean(axis=ax)
-    if bug == DG_DB_SWAPPED:
-        dgamma, dbeta = dbeta, dgamma
-    factor = {DX_NO_SQRT: gamma / (v_b + eps), SEED: gamma / (v_b + eps), DX_NO_GAMMA: rs_b}.get(bug, gamma * rs_b)
-    if training:
-        z = {DX_X: x, SEED: x, DX_CENTERED: x - col(m_b)}.get(bug, xh_b)
+    # the per-channel outputs are copies: a caller writing into one changes no output formed after it
+    return Outputs({"y": lambda: y_of(m_t, rstd), "saved_mean": lambda: np.array(m_t),
+                    "saved_invstd": lambda: np.array(rstd), "running_mean": lambda: np.array(new_rm),
+                    "running_var": lambda: np.array(new_rv), "y_infer": lambda: y_of(mi, rstd_of(vi)),
+                    **_gradients(x, dy, gamma, bug=bug, training=training, eps=eps, m_b=m_b, v_b=v_b, rs_b=rs_b,
+                                 sum_dy=sum_dy)})
+
+
+def _gradients(x: np.ndarray, dy: np.ndarray, gamma: np.ndarray, *, bug: str | None, training: bool, eps: float,
+               m_b: np.ndarray, v_b: np.ndarray, rs_b: np.ndarray, sum_dy: np.ndarray,
+               ) -> dict[str, Callable[[], np.ndarray]]:
+    """dx, dgamma and dbeta of :func:`model`, each formed when asked, from the statistics the backward takes."""
+    ax, r = reduce_axes(x), x.size // x.shape[1]
+    col = lambda v: channel_column(v, x.ndim)  # noqa: E731
+    xh_b = _cached(lambda: (x - col(m_b)) * col(rs_b))
+
+    def parameters() -> tuple[np.ndarray, np.ndarray]:
+        dbeta = sum_dy.reshape(-1).copy()
+        dgamma = {DG_NO_RSTD: lambda: (dy * (x - col(m_b))).sum(axis=ax), DG_X: lambda: (dy * x).sum(axis=ax),
+                  DG_MEAN: lambda: (dy * xh_b()).mean(axis=ax)}.get(bug, lambda: (dy * xh_b()).sum(axis=ax))()
+        if bug == DB_MEAN:
+            dbeta = dy.mean(axis=ax)
+        return (dbeta, dgamma) if bug == DG_DB_SWAPPED else (dgamma, dbeta)
+
+    def dx() -> np.ndarray:
+        factor = {DX_NO_SQRT: gamma / (v_b + eps), SEED: gamma / (v_b + eps), DX_NO_GAMMA: rs_b}.get(bug,
+                                                                                                     gamma * rs_b)
+        if not training:
+            return col(factor) * dy
+        z = x if bug in (DX_X, SEED) else x - col(m_b) if bug == DX_CENTERED else xh_b()
         t1 = 0.0 if bug == DROP_MEAN else sum_dy / (1 if bug == SUM_DY else r)
         t2 = 0.0 if bug == DROP_XHAT else (dy * z).sum(axis=ax, keepdims=True) / (1 if bug == SUM_DY_XHAT else r)
-        dx = col(factor) * (dy - t1 + (1.0 if bug == PLUS_XHAT else -1.0) * z * t2)
-    else:
-        dx = col(factor) * dy
-    return {"y": y_of(m_t, rstd), "saved_mean": m_t, "saved_invstd": rstd, "running_mean": new_rm,
-            "running_var": new_rv, "y_infer": y_of(mi, rstd_of(vi)), "dx": dx, "dgamma": dgamma, "dbeta": dbeta}
+        return col(factor) * (dy - t1 + (1.0 if bug == PLUS_XHAT else -1.0) * z * t2)
+
+    params = _cached(parameters)
+    return {"dx": dx, "dgamma": lambda: np.array(params()[0]), "dbeta": lambda: np.array(params()[1])}
 
 
 def describe(bug: str, convention: str = "torch") -> str:

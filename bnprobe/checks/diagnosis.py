@@ -23,7 +23,7 @@ inputs.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -35,8 +35,8 @@ from bnprobe.adapters.base import outputs_only, params_format, stored_inputs
 from bnprobe.adapters.convention import reference_for
 from bnprobe.call import BNCall
 from bnprobe.checks.bugs import (
-    BIASED_RUNNING, BUGS, CHECKS, CONVENTION_HINTS, ELEMENTWISE, GROUPS, RECIPES, TRAIN_RUNNING, describe, model,
-    running_item,
+    BIASED_RUNNING, BUGS, CHECKS, CONVENTION_HINTS, ELEMENTWISE, GROUPS, RECIPES, TRAIN_RUNNING, Outputs, describe,
+    model, running_item,
 )
 from bnprobe.checks.recorded import PerCall, Recorded, check_options, check_params
 from bnprobe.checks.run import CallRun, Golden, each_run, generated_call, run_call
@@ -132,8 +132,7 @@ class _Outputs:
         with np.errstate(all="ignore"):
             out = self.stored(bug) if stored else self.models(bug, recipe)  # type: ignore[misc, arg-type]
         self._cache[key] = out
-        while len(self._cache) > 1 and sum(np.asarray(a).nbytes for m in self._cache.values()
-                                           for a in m.values()) > MODEL_CACHE_BYTES:
+        while len(self._cache) > 1 and sum(map(_held_bytes, self._cache.values())) > MODEL_CACHE_BYTES:
             del self._cache[next(iter(self._cache))]
         return out
 
@@ -149,6 +148,11 @@ class _Outputs:
             if why:
                 wrong.append(why)
         return worst, wrong
+
+
+def _held_bytes(m: Mapping[str, np.ndarray]) -> int:
+    """The bytes a model's outputs hold: those formed so far (:class:`~bnprobe.checks.bugs.Outputs`), or all."""
+    return m.held_bytes() if isinstance(m, Outputs) else sum(np.asarray(a).nbytes for a in m.values())
 
 
 @dataclass
