@@ -1,7 +1,9 @@
 """msprobe's scaled and accumulated absolute rules (:func:`bnprobe.checks.rules.absolute`) over a large output in
 one compiled pass: the error beyond the format's rounding, its ratio to the floored golden, the worst ratio, where
 it is, and how many elements exceed the limit; the same IEEE float64 operations, in the same order, as the numpy
-route, so the same figures bit for bit.
+route, so the same figures bit for bit.  The doctor's per-channel rule (:func:`bnprobe.checks.rules.channel_rule`)
+likewise, in two passes: each channel's largest finite |golden|, then the error beyond rounding over the channel's
+allowance.
 
 Imported by the rules only for arrays that take the compiled route (:func:`bnprobe._jit.jit_for`).
 """
@@ -9,12 +11,12 @@ Imported by the rules only for arrays that take the compiled route (:func:`bnpro
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from bnprobe._jit import KERNEL_LOCK
 from bnprobe._jit_bits import ulp_bits
 
-__all__ = ["worst_ratio"]
+__all__ = ["worst_ratio", "channel_peaks", "channel_worst"]
 
 
 @njit(cache=True, nogil=True)
@@ -56,3 +58,73 @@ def worst_ratio(a: np.ndarray, g: np.ndarray, mag: np.ndarray | None, floor: flo
     with KERNEL_LOCK:
         w, at, over = _worst(np.ascontiguousarray(a), np.ascontiguousarray(g), m, floor, emin, mant, limit)
     return float(w), int(at), int(over)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _peaks(w, batch, channels, inner, out):  # pragma: no cover - compiled
+    """``out[c]``: the largest |w| of channel c of (batch, channels, inner) ``w`` (flat) over its finite values,
+    0 where it has none: numpy's max of |w| with the non-finite values set to 0."""
+    for c in prange(channels):
+        m = 0.0
+        for n in range(batch):
+            base = (n * channels + c) * inner
+            for j in range(inner):
+                v = abs(w[base + j])
+                if v - v == 0.0 and v > m:  # (finite: inf - inf and NaN - NaN are NaN)
+                    m = v
+        out[c] = m
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _channel_worst(a, w, batch, inner, allowed, emin, mant, worst, at, over, bad):  # pragma: no cover - compiled
+    """Per channel c of (batch, channels, inner) ``a`` and ``w`` (flat): the worst of excess_i / allowed_c, its first
+    flat index and how many exceed 1, with excess_i = max(|a_i - w_i| - ulp(w_i)/2, 0) (numpy's max, argmax and
+    count of the same float64 operations); ``bad[c]`` where an excess is not finite (the caller then judges the
+    non-finite values numpy's way)."""
+    channels = allowed.size
+    for c in prange(channels):
+        top, where, n_over, stop = -np.inf, 0, 0, False
+        allow = allowed[c]
+        for n in range(batch):
+            base = (n * channels + c) * inner
+            for j in range(inner):
+                i = base + j
+                d = abs(a[i] - w[i]) - _half_ulp(w[i], emin, mant)
+                if not (d - d == 0.0):
+                    stop = True
+                    break
+                if d < 0.0:
+                    d = 0.0
+                u = d / allow
+                if u > top:
+                    top, where = u, i
+                if u > 1.0:
+                    n_over += 1
+            if stop:
+                break
+        worst[c], at[c], over[c], bad[c] = top, where, n_over, stop
+
+
+def channel_peaks(w: np.ndarray, channels: int) -> np.ndarray:
+    """Per channel of C-contiguous (N, C, ...) float64 ``w``, its largest finite |value| (0 where none)."""
+    out = np.empty(channels, dtype=np.float64)
+    with KERNEL_LOCK:
+        _peaks(w.reshape(-1), w.shape[0], channels, int(np.prod(w.shape[2:], dtype=np.int64)), out)
+    return out
+
+
+def channel_worst(a: np.ndarray, w: np.ndarray, allowed: np.ndarray, emin: int, mant: int
+                  ) -> tuple[float, int, int] | None:
+    """(worst ratio, its first flat index, how many ratios exceed 1) of the doctor's rule over C-contiguous (N, C,
+    ...) float64 ``a`` against ``w`` with each channel's ``allowed`` error; None where an excess is not finite."""
+    c = allowed.size
+    inner = int(np.prod(a.shape[2:], dtype=np.int64))
+    worst, at, over = np.empty(c), np.empty(c, dtype=np.int64), np.empty(c, dtype=np.int64)
+    bad = np.empty(c, dtype=np.bool_)
+    with KERNEL_LOCK:
+        _channel_worst(a.reshape(-1), w.reshape(-1), a.shape[0], inner, np.ascontiguousarray(allowed, dtype=np.float64),
+                       emin, mant, worst, at, over, bad)
+    if bad.any():
+        return None
+    top = worst.max()
+    return float(top), int(at[worst == top].min()), int(over.sum())  # the first place of the worst, as argmax's

@@ -65,3 +65,53 @@ def test_both_routes_give_the_same_verdict(fmt, rule, bad, with_scale, monkeypat
     assert verdicts["1"][0] == (worst <= MSPROBE_STANDARDS[get_format(fmt).name].accumulated)
     if bad:
         assert not verdicts["1"][0] and "element" in verdicts["1"][1]
+
+
+# ---- the doctor's per-channel rule ----------------------------------------------------------------------------
+
+def _channel_pair(fmt, kind, rng, shape=(3, 5, 6, 7)):
+    f = get_format(fmt)
+    w = rng.standard_normal(shape) * np.exp2(rng.integers(-10, 10, shape[1]))[:, None, None]
+    w[0, 0, :2, :2] = [[0.0, -0.0], [f.tiny / 4, 2.0 ** -14]]  # zero, subnormal, a power of two
+    w[:, 3] *= 1e-12  # a channel far smaller than the rest: its own allowance
+    a = w.astype(f.dtype).astype(np.float64)
+    big = np.abs(w).max(axis=(0, 2, 3))
+    if kind == "bad":
+        a[1, 2, 3, 4] += 0.5 * big[2]
+        a[2, 4, 0, 1] -= 0.25 * big[4]
+    if kind == "tie":  # two equal worst ratios in one channel: the first is reported
+        w[1, 2, 3, 4] = w[0, 2, 3, 4]
+        a[0, 2, 3, 4] = a[1, 2, 3, 4] = w[0, 2, 3, 4] + 0.5 * big[2]
+    if kind == "tie-across":  # equal worst ratios in two equal channels, the later channel's first in memory
+        w[0, 2, 3, 4] = w[1, 2, 3, 4]
+        w[:, 4] = w[:, 2]
+        a = w.astype(f.dtype).astype(np.float64)
+        a[1, 2, 3, 4] = a[0, 4, 3, 4] = w[1, 2, 3, 4] + 0.5 * big[2]
+    if kind == "nonfinite":  # judged by excess's rules: NaN with NaN, inf where the golden rounds to it
+        a[0, 1, 0, 0] = w[0, 1, 0, 0] = np.nan
+        w[1, 1, 1, 1], a[1, 1, 1, 1] = f.max * 1.5 if fmt != "fp64" else np.inf, np.inf
+        a[2, 2, 2, 2] = np.inf
+    return a, w
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp32", "fp64"])
+@pytest.mark.parametrize("kind", ["good", "bad", "tie", "tie-across", "nonfinite"])
+@pytest.mark.parametrize("extra", ["none", "natural", "bound"])
+def test_the_doctors_channel_rule_is_the_same_on_both_routes(fmt, kind, extra, monkeypatch):
+    from bnprobe.checks.rules import channel_rule
+
+    rng = np.random.default_rng([11, ["fp16", "bf16", "fp32", "fp64"].index(fmt), len(kind), len(extra)])
+    a, w = _channel_pair(fmt, kind, rng)
+    # a natural scale up to 3x the channel's largest golden: an allowance of its own, the corruptions still beyond it
+    finite = np.where(np.isfinite(w), np.abs(w), 0.0)  # (as the doctor hands natural scales: finite)
+    natural = finite.max(axis=(0, 2, 3)) * rng.uniform(0.5, 3, 5) if extra == "natural" else None
+    bound = (np.array([0.0, np.nan, 1e-3, np.inf, 1e-30]), "a bound") if extra == "bound" else None
+    got = {}
+    for jit in ("0", "1"):
+        monkeypatch.setenv("BNPROBE_JIT", jit)
+        got[jit] = [channel_rule("y", a, w, natural, fmt, describe, bound) for describe in (False, True)]
+    assert got["0"] == got["1"]
+    ratio, why = got["1"][1]
+    assert (ratio > 1) == bool(why) and (ratio > 1) == (kind != "good")
+    if kind.startswith("tie") and extra == "none":  # (a natural scale or bound per channel breaks the tie)
+        assert f"at index (0, {2 if kind == 'tie' else 4}, 3, 4)" in why
