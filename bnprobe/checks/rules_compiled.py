@@ -76,11 +76,13 @@ def _peaks(w, batch, channels, inner, out):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def _channel_worst(a, w, batch, inner, allowed, emin, mant, worst, at, over, bad):  # pragma: no cover - compiled
-    """Per channel c of (batch, channels, inner) ``a`` and ``w`` (flat): the worst of excess_i / allowed_c, its first
-    flat index and how many exceed 1, with excess_i = max(|a_i - w_i| - ulp(w_i)/2, 0) (numpy's max, argmax and
-    count of the same float64 operations); ``bad[c]`` where an excess is not finite (the caller then judges the
-    non-finite values numpy's way)."""
+def _channel_worst(a, w, dims, allowed, fmt, out):  # pragma: no cover - compiled
+    """Per channel c of (batch, channels, inner) ``a`` and ``w`` (flat; ``dims`` = (batch, inner)), in ``out[c]``:
+    the worst of excess_i / allowed_c, its first flat index, how many exceed 1, and 1 where an excess is not finite
+    (the caller then judges the non-finite values numpy's way), with excess_i = max(|a_i - w_i| - ulp(w_i)/2, 0)
+    for ``fmt`` = (emin, mantissa bits): numpy's max, argmax and count of the same float64 operations."""
+    batch, inner = dims
+    emin, mant = fmt
     channels = allowed.size
     for c in prange(channels):
         top, where, n_over, stop = -np.inf, 0, 0, False
@@ -102,7 +104,7 @@ def _channel_worst(a, w, batch, inner, allowed, emin, mant, worst, at, over, bad
                     n_over += 1
             if stop:
                 break
-        worst[c], at[c], over[c], bad[c] = top, where, n_over, stop
+        out[c, 0], out[c, 1], out[c, 2], out[c, 3] = top, where, n_over, 1.0 if stop else 0.0
 
 
 def channel_peaks(w: np.ndarray, channels: int) -> np.ndarray:
@@ -119,11 +121,11 @@ def channel_worst(a: np.ndarray, w: np.ndarray, allowed: np.ndarray, emin: int, 
     ...) float64 ``a`` against ``w`` with each channel's ``allowed`` error; None where an excess is not finite."""
     c = allowed.size
     inner = int(np.prod(a.shape[2:], dtype=np.int64))
-    worst, at, over = np.empty(c), np.empty(c, dtype=np.int64), np.empty(c, dtype=np.int64)
-    bad = np.empty(c, dtype=np.bool_)
+    out = np.empty((c, 4))  # worst, its first flat index, the count over 1, a non-finite excess (indices < 2^53)
     with KERNEL_LOCK:
-        _channel_worst(a.reshape(-1), w.reshape(-1), a.shape[0], inner, np.ascontiguousarray(allowed, dtype=np.float64),
-                       emin, mant, worst, at, over, bad)
+        _channel_worst(a.reshape(-1), w.reshape(-1), (a.shape[0], inner),
+                       np.ascontiguousarray(allowed, dtype=np.float64), (emin, mant), out)
+    worst, at, over, bad = out.T
     if bad.any():
         return None
     top = worst.max()
