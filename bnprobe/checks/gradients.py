@@ -26,6 +26,7 @@ from bnprobe.call import EPS, MOMENTUM
 from bnprobe._loading import first_line, kind_of, load_callable, raised
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
 from bnprobe.adapters.base import outputs_only, params_format, stored_inputs
+from bnprobe.adapters.emulated import ReferenceAdapter
 from bnprobe.checks.recorded import PerCall, Recorded, check_options
 from bnprobe.checks.run import CallRun, each_run
 from bnprobe.errors import BNProbeError
@@ -197,26 +198,64 @@ class _Jacobian:
         self.work = self.theta.copy()
         m, c, p = self.m, self.c, self.p
         self.blocks = {"dx": slice(0, m), "dgamma": slice(m, m + c), "dbeta": slice(m + c, p)}
+        # bnprobe's FP64 reference computes each channel alone (its channel blocks give the same bits as one pass):
+        # a column moves one channel's input, so only that channel is run again, the others' differences being
+        # those of the unmoved forward, y0 - y0 (0, or NaN where y0 is not finite)
+        self.by_channel = isinstance(self.adapter, ReferenceAdapter)
+        self._still: np.ndarray | None = None
 
-    def y_at(self, t: np.ndarray) -> np.ndarray:
+    def y_at(self, t: np.ndarray, k: int | None = None) -> np.ndarray:
+        """y (flat) at theta ``t``; ``k``: of channel k alone, from theta's channel k (t is then that channel's)."""
         a, inp, m, c = self.adapter, self.inp, self.m, self.c
-        xx, gg, bb = t[:m].reshape(self.shape), t[m:m + c], t[m + c:]
+        if k is None:
+            xx, gg, bb, rm, rv = t[:m].reshape(self.shape), t[m:m + c], t[m + c:], inp.running_mean, inp.running_var
+        else:
+            one = (self.shape[0], 1, *self.shape[2:])
+            xx, gg, bb = t[:-2].reshape(one), t[-2:-1], t[-1:]
+            rm, rv = inp.running_mean[k:k + 1], inp.running_var[k:k + 1]
         if self.train:
             y = a.forward_train(xx, gg, bb, dtype="fp64", eps=self.eps).y
         else:
-            y = a.forward_infer(xx, gg, bb, inp.running_mean, inp.running_var, dtype="fp64", eps=self.eps).y
+            y = a.forward_infer(xx, gg, bb, rm, rv, dtype="fp64", eps=self.eps).y
         return np.asarray(y, dtype=np.float64).reshape(-1)
 
     def column(self, i: int) -> np.ndarray:
         """Column i by central differences: theta_i moved by +-h in place (a whole copy of theta per evaluation
         cost as much as the fp64 forward itself on a large call)."""
+        if self.by_channel:
+            return self._channel_column(i)
         work, theta, h = self.work, self.theta, self.h
         work[i] = theta[i] + h
         up = self.y_at(work)
         work[i] = theta[i] - h
         down = self.y_at(work)
         work[i] = theta[i]
-        return (up - down) / (2 * h)
+        with np.errstate(invalid="ignore"):  # (inf - inf where y is not finite: NaN, no warning)
+            return (up - down) / (2 * h)
+
+    def _channel_column(self, i: int) -> np.ndarray:
+        """:meth:`column` running only the channel theta_i belongs to (the same values: see ``by_channel``)."""
+        m, c, h, theta = self.m, self.c, self.h, self.theta
+        if self._still is None:
+            y0 = self.y_at(theta)
+            with np.errstate(invalid="ignore"):
+                self._still = (y0 - y0) / (2 * h)
+        one = (self.shape[0], 1, *self.shape[2:])
+        if i < m:
+            idx = np.unravel_index(i, self.shape)
+            k, at = int(idx[1]), int(np.ravel_multi_index((idx[0], 0, *idx[2:]), one))
+        else:
+            k, at = (i - m) % c, -2 if i < m + c else -1
+        xk = theta[:m].reshape(self.shape)[:, k:k + 1]
+        work = np.concatenate([xk.reshape(-1), theta[m + k:m + k + 1], theta[m + c + k:m + c + k + 1]])
+        work[at] = theta[i] + h
+        up = self.y_at(work, k)
+        work[at] = theta[i] - h
+        down = self.y_at(work, k)
+        col = self._still.copy()
+        with np.errstate(invalid="ignore"):
+            col.reshape(self.shape)[:, k] = ((up - down) / (2 * h)).reshape(self.shape[0], *self.shape[2:])
+        return col
 
     def vjp(self, v: np.ndarray) -> np.ndarray:
         out = self.adapter.backward(v, self.inp.x, self.inp.gamma, self.saved, dtype="fp64", eps=self.eps,

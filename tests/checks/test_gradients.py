@@ -305,3 +305,22 @@ def test_a_large_mean_is_no_false_alarm_and_a_wrong_backward_still_fails(fmt):
     bad = gradcheck(NumpyBN("dx-drops-mean"), fmt, shape, x=x)
     assert {row.tensor for row in bad.failed() if row.check == "vs-fp64"} == {"dx"}
 
+
+
+@pytest.mark.parametrize("mode", ["train", "infer"])
+@pytest.mark.parametrize("shape", [(3, 4, 5, 2), (6, 3), (2, 5, 3, 3, 2)])
+def test_the_references_columns_by_channel_equal_the_whole_forwards(mode, shape):
+    """The reference's finite differences run only the channel a column moves: the same column, bit for bit, as
+    moving it in the whole forward (other channels' differences 0, or NaN where y is not finite)."""
+    from bnprobe.checks.gradients import _Jacobian
+
+    rng = np.random.default_rng(len(shape))
+    inp = make_inputs(shape, seed=3)
+    inp.x[0, 1] = np.inf  # y of channel 1 is not finite: its unmoved differences are NaN, not 0
+    by_channel = _Jacobian(ReferenceAdapter(), inp, mode, 1e-5)
+    whole = _Jacobian(ReferenceAdapter(), inp, mode, 1e-5)
+    whole.by_channel = False
+    assert by_channel.by_channel
+    for i in [*rng.choice(by_channel.m, 12, replace=False), *range(by_channel.m, by_channel.p)]:
+        np.testing.assert_array_equal(by_channel.column(int(i)), whole.column(int(i)), err_msg=f"column {i}")
+    assert np.isnan(whole.column(0)).any()  # (the case is what it says)
