@@ -11,7 +11,7 @@ from numba import njit, prange
 
 from bnprobe._jit import KERNEL_LOCK
 
-__all__ = ["ulp", "ulp_bits", "ulp_scaled", "half"]
+__all__ = ["ulp", "ulp_bits", "ulp_scaled", "half", "checker_sums"]
 
 
 @njit(cache=True, nogil=True)
@@ -118,3 +118,146 @@ def half(x: np.ndarray, dtype: type) -> np.ndarray:
         at = np.isnan(flat)
         flat[at] = inp[at].astype(np.float16).astype(dtype)
     return out
+
+
+# ---- msprobe's accuracy-checker metrics over one output, in two passes ------------------------------------------
+# ``arrs`` = (dev, bench, bdev), flat: the device output (float32), the golden held one level up (float32 or
+# float64) and the golden as the device holds it (float32); ``k`` = (small value, relative eps, small-value atol,
+# +0, -0): the checker's constants in numpy's types (the first two in bench's dtype, the rest in the error's).
+# Each element's figures are numpy's elementwise operations on the same types; the sums are numpy's pairwise sums
+# (blocks of 8 accumulators up to 128 values, halves split at a multiple of 8), so the means are numpy's to the
+# last bit.
+
+@njit(cache=True, nogil=True)
+def _block_sum(buf, n, neg0):  # pragma: no cover - compiled
+    """numpy's pairwise sum of ``buf[:n]``, n <= 128: one loop under 8 values, else 8 accumulators."""
+    if n < 8:
+        res = neg0
+        for i in range(n):
+            res += buf[i]
+        return res
+    r0, r1, r2, r3, r4, r5, r6, r7 = buf[0], buf[1], buf[2], buf[3], buf[4], buf[5], buf[6], buf[7]
+    i = 8
+    m = n - (n % 8)
+    while i < m:
+        r0 += buf[i]
+        r1 += buf[i + 1]
+        r2 += buf[i + 2]
+        r3 += buf[i + 3]
+        r4 += buf[i + 4]
+        r5 += buf[i + 5]
+        r6 += buf[i + 6]
+        r7 += buf[i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += buf[i]
+        i += 1
+    return res
+
+
+@njit(cache=True, nogil=True)
+def _squares_leaf(arrs, lo, n, k, counts, buf):  # pragma: no cover - compiled
+    """``buf[:n]``: q_i^2 over [lo, lo + n), q_i = |dev - bench| where element i is kept (finite, not a small
+    value), else 0 (get_rmse's); adds to the counts [small, small and erring, left out, dev > bdev, dev < bdev,
+    relative errors kept] and keeps the largest kept relative error in ``counts``' companion (returned)."""
+    dev, bench, bdev = arrs
+    sv, eps, atol, zero, _ = k
+    small_n = small_err = left = larger = smaller = kept = 0
+    top = zero
+    for t in range(n):
+        i = lo + t
+        d, b, bd = dev[i], bench[i], bdev[i]
+        finite = (d - d == 0.0) and (bd - bd == 0.0)
+        e = abs(d - b)
+        small = (abs(b) <= sv) and finite
+        if small:
+            small_n += 1
+            if e > atol:
+                small_err += 1
+        if d > bd:
+            larger += 1
+        elif d < bd:
+            smaller += 1
+        if not finite or small:
+            left += 1
+            buf[t] = zero
+            continue
+        r = e / (abs(b) + eps)
+        if r >= 0.0:
+            kept += 1
+            if r > top:  # (r >= 0: the +0 start is no kept value's rival)
+                top = r
+        buf[t] = e * e
+    counts[0] += small_n
+    counts[1] += small_err
+    counts[2] += left
+    counts[3] += larger
+    counts[4] += smaller
+    counts[5] += kept
+    return top
+
+
+@njit(cache=True, nogil=True)
+def _squares(arrs, lo, n, k, counts, buf, top):  # pragma: no cover - compiled
+    """numpy's pairwise sum of :func:`_squares_leaf`'s values over [lo, lo + n); ``top[0]``: the largest kept
+    relative error."""
+    if n <= 128:
+        t = _squares_leaf(arrs, lo, n, k, counts, buf)
+        if t > top[0]:
+            top[0] = t
+        return _block_sum(buf, n, k[4])
+    n2 = n // 2
+    n2 -= n2 % 8
+    left = _squares(arrs, lo, n2, k, counts, buf, top)
+    return left + _squares(arrs, lo + n2, n - n2, k, counts, buf, top)
+
+
+@njit(cache=True, nogil=True)
+def _rels_leaf(arrs, n, k, cursor, buf):  # pragma: no cover - compiled
+    """``buf[:n]``: the next ``n`` kept relative errors from ``cursor[0]`` on (get_rel_err where it is not -1, and
+    >= 0)."""
+    dev, bench, bdev = arrs
+    sv, eps = k[0], k[1]
+    i = cursor[0]
+    t = 0
+    while t < n:
+        d, b, bd = dev[i], bench[i], bdev[i]
+        i += 1
+        if not ((d - d == 0.0) and (bd - bd == 0.0)) or abs(b) <= sv:
+            continue
+        r = abs(d - b) / (abs(b) + eps)
+        if r >= 0.0:
+            buf[t] = r
+            t += 1
+    cursor[0] = i
+
+
+@njit(cache=True, nogil=True)
+def _rels(arrs, n, k, cursor, buf):  # pragma: no cover - compiled
+    """numpy's pairwise sum of the next ``n`` kept relative errors (the compacted array get_mean_rel_err means)."""
+    if n <= 128:
+        _rels_leaf(arrs, n, k, cursor, buf)
+        return _block_sum(buf, n, k[4])
+    n2 = n // 2
+    n2 -= n2 % 8
+    left = _rels(arrs, n2, k, cursor, buf)
+    return left + _rels(arrs, n - n2, k, cursor, buf)
+
+
+def checker_sums(dev: np.ndarray, bench: np.ndarray, bdev: np.ndarray, small_value: float, rel_eps: float,
+                 atol: float) -> dict:
+    """What msprobe's checker metrics need of one output (1-D C-contiguous arrays, see above), in two passes: the
+    counts, the pairwise sum of the kept squared errors, the largest kept relative error and the pairwise sum of the
+    kept relative errors, in the error's type (float32, or float64 where the golden is held in float64)."""
+    err = np.result_type(dev.dtype, bench.dtype)
+    k = (bench.dtype.type(small_value), bench.dtype.type(rel_eps), err.type(atol), err.type(0.0), err.type(-0.0))
+    counts = np.zeros(6, dtype=np.int64)
+    top, buf = np.zeros(1, dtype=err), np.empty(128, dtype=err)
+    arrs = (dev, bench, bdev)
+    with KERNEL_LOCK:
+        sq = _squares(arrs, 0, dev.size, k, counts, buf, top)
+        kept = int(counts[5])
+        rel = _rels(arrs, kept, k, np.zeros(1, dtype=np.int64), buf) if kept else k[4]
+    return {"small": int(counts[0]), "small_err": int(counts[1]), "left_out": int(counts[2]), "larger": int(counts[3]),
+            "smaller": int(counts[4]), "kept": kept, "squares": err.type(sq), "max_rel": top[0], "rels": err.type(rel)}

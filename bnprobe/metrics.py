@@ -203,41 +203,74 @@ def _checker(actual: np.ndarray, golden: np.ndarray, std: CheckerStandard, *, ul
         # a float16 output held in float32 (exact; see the docstring): its values stand for the float16 array
         # wherever it is read below, in msprobe's ULP too (whose arithmetic is float32)
         dev = fp16_as(actual, np.float32) if half else actual.astype(std.device)
-        abs_bench = np.abs(bench)  # get_abs_bench_with_eps
         # get_finite_and_infinite_mask: the golden judged finite in the device's dtype (get_error_balance casts
         # it the same way, below)
         bench_as_device = fp16_as(bench, np.float32) if half else bench.astype(std.device)
-        both_finite = np.isfinite(dev) & np.isfinite(bench_as_device)
-        any_bad = not both_finite.all()
-        abs_err = np.abs(dev - bench)  # get_abs_err
-        small = (abs_bench <= std.small_value) & both_finite  # get_small_value_mask
-        left_out = ~both_finite | small  # get_rel_err's -1; get_rmse's zeros
-        n_small = np.int64(np.count_nonzero(small))  # get_small_value_err_ratio
-        small_ratio = 0 if n_small == 0 else \
-            np.int64(np.count_nonzero(small & (abs_err > std.small_value_atol))) / n_small
-        # get_rmse, with msprobe's correction for what it leaves out
-        kept_mask = ~left_out
-        sq = np.where(left_out, 0, abs_err) if any_bad else abs_err * kept_mask
-        mse = np.mean(np.square(sq))
-        mse = mse * (abs_err.size / (abs_err.size - np.int64(np.count_nonzero(left_out)) + 0.0001) + 0.0001)
-        rmse = np.sqrt(mse)
-        # get_error_balance: the golden cast to the output's dtype
-        larger = np.int64(np.count_nonzero(dev > bench_as_device))
-        smaller = np.int64(np.count_nonzero(dev < bench_as_device))
-        eb = abs(larger - smaller) / bench.size if bench.size > 0 else 0
-        kept = (abs_err / (abs_bench + std.rel_eps))[kept_mask]  # get_rel_err where it is not -1
-        kept = kept[kept >= 0]
-        max_rel = np.max(kept) if kept.size > 0 else 0  # get_max_rel_err
-        mean_rel = np.mean(kept) if kept.size > 0 else 0  # get_mean_rel_err
-        out = {"small_value": small_ratio, "rmse": rmse, "max_rel": max_rel, "mean_rel": mean_rel, "eb": eb}
+        if std.msprobe and dev.dtype == bench_as_device.dtype == np.float32 and jit_for(dev.size) \
+                and all(a.flags.c_contiguous for a in (dev, bench, bench_as_device)):
+            out, abs_err = _checker_compiled(dev, bench, bench_as_device, std), None
+        else:
+            out, abs_err = _checker_figures(dev, bench, bench_as_device, std)
         if keep is not None:  # the caller keeps the benchmark's metrics (as ulp=False gives them) and the ULPs
             keep["checker"] = dict(out)
         if ulp:  # the benchmark verdict does not read the ULP figures
-            u = _ulp(dev, bench, std, abs_err=abs_err)
+            u = _ulp(dev, bench, std, abs_err=np.abs(dev - bench) if abs_err is None else abs_err)
             out.update(ulp_max=np.max(u), ulp_mean=np.mean(u))
             if keep is not None:
                 keep["ulps"] = u.astype(np.float64).reshape(-1)
     return out
+
+
+def _checker_figures(dev: np.ndarray, bench: np.ndarray, bench_as_device: np.ndarray, std: CheckerStandard
+                     ) -> tuple[dict[str, Any], np.ndarray]:
+    """:func:`_checker`'s figures as msprobe computes them, and |device - golden|."""
+    abs_bench = np.abs(bench)  # get_abs_bench_with_eps
+    both_finite = np.isfinite(dev) & np.isfinite(bench_as_device)
+    any_bad = not both_finite.all()
+    abs_err = np.abs(dev - bench)  # get_abs_err
+    small = (abs_bench <= std.small_value) & both_finite  # get_small_value_mask
+    left_out = ~both_finite | small  # get_rel_err's -1; get_rmse's zeros
+    n_small = np.int64(np.count_nonzero(small))  # get_small_value_err_ratio
+    small_ratio = 0 if n_small == 0 else \
+        np.int64(np.count_nonzero(small & (abs_err > std.small_value_atol))) / n_small
+    # get_rmse, with msprobe's correction for what it leaves out
+    kept_mask = ~left_out
+    sq = np.where(left_out, 0, abs_err) if any_bad else abs_err * kept_mask
+    mse = np.mean(np.square(sq))
+    mse = mse * (abs_err.size / (abs_err.size - np.int64(np.count_nonzero(left_out)) + 0.0001) + 0.0001)
+    rmse = np.sqrt(mse)
+    # get_error_balance: the golden cast to the output's dtype
+    larger = np.int64(np.count_nonzero(dev > bench_as_device))
+    smaller = np.int64(np.count_nonzero(dev < bench_as_device))
+    eb = abs(larger - smaller) / bench.size if bench.size > 0 else 0
+    kept = (abs_err / (abs_bench + std.rel_eps))[kept_mask]  # get_rel_err where it is not -1
+    kept = kept[kept >= 0]
+    max_rel = np.max(kept) if kept.size > 0 else 0  # get_max_rel_err
+    mean_rel = np.mean(kept) if kept.size > 0 else 0  # get_mean_rel_err
+    return {"small_value": small_ratio, "rmse": rmse, "max_rel": max_rel, "mean_rel": mean_rel, "eb": eb}, abs_err
+
+
+def _checker_compiled(dev: np.ndarray, bench: np.ndarray, bench_as_device: np.ndarray, std: CheckerStandard
+                      ) -> dict[str, Any]:
+    """:func:`_checker_figures` of a large output in two compiled passes (:func:`bnprobe._jit_bits.checker_sums`):
+    the same counts, numpy's pairwise sums of the same values, and the same scalar arithmetic on them below, so
+    the same figures in the same types, bit for bit."""
+    from bnprobe._jit_bits import checker_sums
+
+    s = checker_sums(dev.reshape(-1), bench.reshape(-1), bench_as_device.reshape(-1), std.small_value, std.rel_eps,
+                     std.small_value_atol)
+    size = dev.size
+    n_small = np.int64(s["small"])
+    small_ratio = 0 if n_small == 0 else np.int64(s["small_err"]) / n_small
+    squares = s["squares"]
+    mse = squares.dtype.type(squares / np.intp(size))  # numpy's mean: its sum over the count
+    mse = mse * (size / (size - np.int64(s["left_out"]) + 0.0001) + 0.0001)
+    larger, smaller = np.int64(s["larger"]), np.int64(s["smaller"])
+    eb = abs(larger - smaller) / size if size > 0 else 0
+    kept, rels = s["kept"], s["rels"]
+    max_rel = s["max_rel"] if kept > 0 else 0
+    mean_rel = rels.dtype.type(rels / np.intp(kept)) if kept > 0 else 0
+    return {"small_value": small_ratio, "rmse": np.sqrt(mse), "max_rel": max_rel, "mean_rel": mean_rel, "eb": eb}
 
 
 # the exponent field of each float format numpy holds a golden in: (int view, mantissa bits, bias, field mask)

@@ -8,6 +8,7 @@ import pytest
 pytest.importorskip("numba")
 
 from bnprobe._jit_bits import half  # noqa: E402 - after the skip
+from bnprobe.formats import get_format  # noqa: E402
 
 
 def _inputs():
@@ -111,3 +112,42 @@ def test_absolute_where_the_floor_underflows_is_the_same_on_both_routes(monkeypa
     sc = None if scale is None else np.array(scale)
     old, new = _both(monkeypatch, lambda: tuple(absolute(np.array(a), np.array(g), "fp32", "scaled", scale=sc)))
     assert old[:2] == new[:2] and np.array_equal(old[2:], new[2:], equal_nan=True)
+
+
+def _checker_case(fmt, n, kind, rng):
+    f = get_format(fmt)
+    g = rng.standard_normal(n) * np.exp2(rng.integers(-30, 12, n))
+    a = g.astype(f.dtype if fmt != "fp32" else np.float32).astype(np.float64)
+    if kind == "noisy":  # errors beyond the format's rounding
+        a = a * (1 + rng.standard_normal(n) * 1e-3)
+    if kind == "special":  # NaN, inf of either sign, small values at the threshold and below the atol, zeros
+        k = max(1, n // 50)
+        idx = rng.choice(n, k * 6)
+        g[idx[:k]], a[idx[k:2 * k]], g[idx[2 * k:3 * k]] = np.nan, np.inf, 2.0 ** -10
+        a[idx[3 * k:4 * k]], g[idx[4 * k:5 * k]], a[idx[5 * k:]] = 0.0, 1e-17, -np.inf
+        g[:4] = [0.0, -0.0, 7e4, 1e-45][:min(4, n)]
+    if kind == "huge":  # beyond fp16's range: left out as non-finite where the device holds them so
+        g, a = g * 1e30, a * 1e30
+    return a, g
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("kind", ["plain", "noisy", "special", "huge"])
+def test_the_checkers_metrics_in_two_compiled_passes_are_numpys(fmt, kind, monkeypatch):
+    """msprobe's checker figures (small-value ratio, RMSE, largest and mean relative error, error balance) on the
+    compiled route equal numpy's route bit for bit and in type, at sizes on both sides of numpy's pairwise blocks
+    (8, 128) and of its splits: the means are numpy's pairwise sums, the compacted relative errors' included."""
+    from bnprobe import metrics as M
+    from bnprobe.tolerances import MSPROBE_CHECKER
+
+    rng = np.random.default_rng([5, len(fmt), len(kind)])
+    for n in (1, 7, 8, 9, 128, 129, 1000, 70001):
+        a, g = _checker_case(fmt, n, kind, rng)
+        got = {}
+        for jit in ("0", "1"):
+            monkeypatch.setenv("BNPROBE_JIT", jit)
+            got[jit] = M._checker(a, g, MSPROBE_CHECKER[fmt])
+        for key, want in got["0"].items():
+            have = got["1"][key]
+            assert type(have) is type(want), (n, key)
+            assert have == want or (np.isnan(want) and np.isnan(have)), (n, key, want, have)
