@@ -14,9 +14,9 @@ import numpy as np
 from numba import njit, prange
 
 from bnprobe._jit import KERNEL_LOCK
-from bnprobe._jit_bits import ulp_bits
+from bnprobe._jit_bits import _block_sum, ulp_bits
 
-__all__ = ["worst_ratio", "channel_peaks", "channel_worst"]
+__all__ = ["worst_ratio", "channel_peaks", "channel_worst", "versus_sums"]
 
 
 @njit(cache=True, nogil=True)
@@ -130,3 +130,55 @@ def channel_worst(a: np.ndarray, w: np.ndarray, allowed: np.ndarray, emin: int, 
         return None
     top = worst.max()
     return float(top), int(at[worst == top].min()), int(over.sum())  # the first place of the worst, as argmax's
+
+
+@njit(cache=True, nogil=True)
+def _versus_leaf(arrs, lo, n, fmt, bufs, tops):  # pragma: no cover - compiled
+    """``bufs[:, :n]``: (|a - g|^2, |b - g|^2, ulp(g)^2) over [lo, lo + n), the largest |a - g|, |b - g| kept in
+    ``tops``; False where a value is not finite (the caller then takes numpy's route)."""
+    a, b, g = arrs
+    emin, mant = fmt
+    for t in range(n):
+        i = lo + t
+        ea, eb = abs(a[i] - g[i]), abs(b[i] - g[i])
+        if not (ea - ea == 0.0 and eb - eb == 0.0 and g[i] - g[i] == 0.0):
+            return False
+        u = np.int64(ulp_bits(np.float64(g[i]).view(np.int64), emin, mant)).view(np.float64)
+        bufs[0, t], bufs[1, t], bufs[2, t] = ea * ea, eb * eb, u * u
+        if ea > tops[0]:
+            tops[0] = ea
+        if eb > tops[1]:
+            tops[1] = eb
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _versus_sums(arrs, lo, n, fmt, bufs, tops, sums):  # pragma: no cover - compiled
+    """numpy's pairwise sums of :func:`_versus_leaf`'s three values over [lo, lo + n), added into ``sums``; False
+    where a value is not finite."""
+    if n <= 128:
+        if not _versus_leaf(arrs, lo, n, fmt, bufs, tops):
+            return False
+        for j in range(3):
+            sums[j] = _block_sum(bufs[j], n, -0.0)
+        return True
+    n2 = n // 2
+    n2 -= n2 % 8
+    left = np.zeros(3)
+    if not _versus_sums(arrs, lo, n2, fmt, bufs, tops, left):
+        return False
+    if not _versus_sums(arrs, lo + n2, n - n2, fmt, bufs, tops, sums):
+        return False
+    for j in range(3):
+        sums[j] = left[j] + sums[j]
+    return True
+
+
+def versus_sums(a: np.ndarray, b: np.ndarray, g: np.ndarray, emin: int, mant: int
+                ) -> tuple[np.ndarray, np.ndarray] | None:
+    """For 1-D C-contiguous float64 ``a``, ``b`` against ``g``: numpy's sums of |a - g|^2, |b - g|^2 and ulp(g)^2
+    and the largest |a - g|, |b - g|; None where a value is not finite (numpy's route leaves those out)."""
+    bufs, tops, sums = np.empty((3, 128)), np.zeros(2), np.zeros(3)
+    with KERNEL_LOCK:
+        done = _versus_sums((a, b, g), 0, a.size, (emin, mant), bufs, tops, sums)
+    return (sums, tops) if done else None

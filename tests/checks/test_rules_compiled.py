@@ -115,3 +115,27 @@ def test_the_doctors_channel_rule_is_the_same_on_both_routes(fmt, kind, extra, m
     assert (ratio > 1) == bool(why) and (ratio > 1) == (kind != "good")
     if kind.startswith("tie") and extra == "none":  # (a natural scale or bound per channel breaks the tie)
         assert f"at index (0, {2 if kind == 'tie' else 4}, 3, 4)" in why
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp32", "fp64"])
+@pytest.mark.parametrize("kind", ["plain", "nan", "equal", "wide"])
+def test_the_kernel_against_the_bench_is_the_same_on_both_routes(fmt, kind, monkeypatch):
+    """versus_bench's RMSEs, largest errors and RMS ulp: numpy's pairwise means reproduced on the compiled route, at
+    sizes around numpy's blocks (8, 128) and its splits; a NaN sends the pair to numpy's route, which leaves it out."""
+    from bnprobe.checks.rules import versus_bench
+
+    rng = np.random.default_rng([13, len(fmt), len(kind)])
+    for n in (1, 8, 9, 128, 129, 4097, 70001):
+        g = rng.standard_normal(n) * np.exp2(rng.integers(-20, 20, n))
+        a, b = g * (1 + rng.standard_normal(n) * 1e-3), g * (1 + rng.standard_normal(n) * 1e-4)
+        if kind == "nan":
+            a[n // 2], g[0] = np.nan, 0.0
+        if kind == "equal":
+            a, b = g.copy(), g.copy()
+        if kind == "wide":  # subnormal goldens: their ulp is the format's smallest spacing
+            g[: n // 3] *= 1e-300
+        got = {}
+        for jit in ("0", "1"):
+            monkeypatch.setenv("BNPROBE_JIT", jit)
+            got[jit] = versus_bench(a, b, g, fmt)
+        assert got["0"] == got["1"], (n, got)
