@@ -237,7 +237,8 @@ def benchmark_of(actual: Any, bench: Any, golden: Any, fmt: str, *, dev: Any = N
         return benchmark(actual, bench, golden, fmt)
     if bench.metrics is None:  # the kernel's, when it returned the bench's very values (its metrics are the same)
         same = dev is not None and np.shape(actual) == np.shape(bench.value) and \
-            np.array_equal(actual, bench.value, equal_nan=True)
+            np.array_equal(np.ravel(actual)[:4096], np.ravel(bench.value)[:4096], equal_nan=True) and \
+            np.array_equal(actual, bench.value, equal_nan=True)  # (a prefix first: most kernels differ early)
         bench.metrics = dev if same else checker_metrics(bench.value, golden, fmt)
     if dev is None:
         dev = bench.metrics if actual is bench.value else checker_metrics(actual, golden, fmt)

@@ -63,3 +63,17 @@ def test_a_replay_refuses_what_the_recording_lacks_and_other_saved_statistics(tm
         rep.backward(b["dy"], b["x"], b["gamma"], Saved(b["saved_mean"] + 1, "invstd", b["saved_value"]), dtype="fp16")
     with pytest.raises(BNProbeError, match="saved statistics of kind"):
         rep.backward(b["dy"], b["x"], b["gamma"], Saved(b["saved_mean"], "var", b["saved_value"]), dtype="fp16")
+
+
+def test_the_replayed_inputs_compare_as_numpy_compares_them():
+    """A recording answers its own inputs: the same bits, or the same values by numpy's comparison (-0 for 0, a NaN
+    of another payload), and nothing else."""
+    from bnprobe.adapters.dump import _same_values
+
+    a = np.array([1.0, -0.0, np.nan, 2.5])
+    b = np.array([1.0, 0.0, -np.nan, 2.5])
+    assert _same_values(a, a.copy()) and _same_values(a, b)
+    assert not _same_values(a, np.array([1.0, 0.0, np.nan, 2.5000000000000004]))
+    assert _same_values(a, a.astype(np.float32).astype(np.float64))
+    assert _same_values(np.array([1.0, 2.0, 3.0]), np.array([1.0, 2.0, 3.0], dtype=np.float32))  # (numpy's compare)
+    assert not _same_values(np.array([1.0, 2.0, 3.0]), np.array([1.0, 2.0, 3.5], dtype=np.float32))
