@@ -391,9 +391,10 @@ def scheduler_address(given: str | None) -> str | None:
 
 
 def _start_method() -> str:
-    """fork is quick and needs no importable __main__; a process that loaded torch or ran a compiled kernel
-    (their OpenMP threads do not survive a fork: the child aborts) starts its workers fresh."""
-    threaded = "torch" in sys.modules or "bnprobe.kernels.compiled" in sys.modules
+    """fork is quick and needs no importable __main__; a process that loaded torch or numba (their OpenMP threads
+    do not survive a fork: a child that runs a parallel loop again aborts) starts its workers fresh.  numba is
+    loaded only for a compiled route: the BatchNorm kernels, and the compiled casts, metrics and rules alike."""
+    threaded = "torch" in sys.modules or "numba" in sys.modules
     return "spawn" if threaded or not hasattr(os, "fork") else "fork"
 
 

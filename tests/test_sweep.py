@@ -333,6 +333,23 @@ def test_local_workers_are_spawned_once_a_compiled_kernel_has_run():
     assert out.stdout.split() == ["fork", "compiled", "spawn"]
 
 
+@pytest.mark.parametrize("run", ["from bnprobe.numerics.rounding import fp16_as; fp16_as(np.ones(9), np.float32)",
+                                 "from bnprobe.checks.rules import channel_rule; "
+                                 "channel_rule('y', np.ones((2, 3, 4)), np.ones((2, 3, 4)), None, 'fp16')"])
+def test_local_workers_are_spawned_once_any_compiled_helper_has_run(run):
+    """Not only the BatchNorm kernels: the compiled casts and rules (parallel numba loops too) make the process one
+    whose fork would abort."""
+    code = ("import numpy as np\n"
+            "from bnprobe import sweep\n"
+            "before = sweep._start_method()\n"
+            f"{run}\n"
+            "print(before, sweep._start_method())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "BNPROBE_JIT": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["fork", "spawn"]
+
+
 def test_an_interrupted_sweep_says_what_finished_and_a_finished_one_is_not_resumed(tmp_path, capsys, monkeypatch):
     """Ctrl-C: exit 130 with how many of the tasks (6 calls, 2 rank checks) finished, where they are kept and how to
     continue; --resume then finishes it; --resume on a finished sweep says so in one line (exit 2)."""
