@@ -178,7 +178,8 @@ def model(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, rm: np.ndarray, rv
     (:mod:`bnprobe.conventions`): correct is that framework's running variance; the bug ``biased-running-var`` is
     the other one (in a biased convention, the unbiased variance).  ``shared``: a dict the caller keeps for one
     call's inputs, across bugs, holding what no bug changes (the batch statistics of each recipe, Σdy): computed
-    once, the same values.  The outputs are formed when read (:class:`Outputs`)."""
+    once, the same values.  The outputs are formed when read (:class:`Outputs`), from the inputs as they are then:
+    a caller changing ``x`` or ``dy`` in place must read what it needs first (none does)."""
     if bug is not None and bug not in BUGS:
         raise BNProbeError(f"unknown bug model {bug!r}")
     if bug == EPS_IGNORED:

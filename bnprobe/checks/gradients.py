@@ -201,7 +201,7 @@ class _Jacobian:
         # bnprobe's FP64 reference computes each channel alone (its channel blocks give the same bits as one pass):
         # a column moves one channel's input, so only that channel is run again, the others' differences being
         # those of the unmoved forward, y0 - y0 (0, or NaN where y0 is not finite)
-        self.by_channel = isinstance(self.adapter, ReferenceAdapter)
+        self.by_channel = type(self.adapter) is ReferenceAdapter  # (not a subclass: its forward may mix channels)
         self._still: np.ndarray | None = None
 
     def y_at(self, t: np.ndarray, k: int | None = None) -> np.ndarray:

@@ -432,7 +432,8 @@ def channel_rule(key: str, got: np.ndarray, want: np.ndarray, natural: np.ndarra
     rtol = doctor_tolerance(fmt)
     ch = 1 if a.ndim > 1 else 0
     # a large (N, C, ...) pair: the same figures in two compiled passes (rules_compiled), where every excess is finite
-    fast = a.ndim > 1 and a.shape == w.shape and jit_for(a.size) and a.flags.c_contiguous and w.flags.c_contiguous
+    fast = a.ndim > 1 and a.size > 0 and a.shape == w.shape and jit_for(a.size) and a.flags.c_contiguous \
+        and w.flags.c_contiguous
     with np.errstate(all="ignore"):
         if fast:
             from bnprobe.checks.rules_compiled import channel_peaks
@@ -454,7 +455,8 @@ def channel_rule(key: str, got: np.ndarray, want: np.ndarray, natural: np.ndarra
     shape = [1] * a.ndim
     shape[ch] = -1
     allowed = per_channel.reshape(shape)
-    worst = _channel_worst(a, w, fmt, per_channel) if fast else None
+    # (a NaN allowance, from a NaN natural scale or bound, makes numpy's worst NaN: its route says so)
+    worst = _channel_worst(a, w, fmt, per_channel) if fast and not np.isnan(per_channel).any() else None
     if worst is None:
         with np.errstate(all="ignore"):
             used = excess(a, w, fmt) / allowed

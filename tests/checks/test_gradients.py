@@ -324,3 +324,24 @@ def test_the_references_columns_by_channel_equal_the_whole_forwards(mode, shape)
     for i in [*rng.choice(by_channel.m, 12, replace=False), *range(by_channel.m, by_channel.p)]:
         np.testing.assert_array_equal(by_channel.column(int(i)), whole.column(int(i)), err_msg=f"column {i}")
     assert np.isnan(whole.column(0)).any()  # (the case is what it says)
+
+
+def test_a_subclass_of_the_reference_is_differenced_whole():
+    """Only bnprobe's own reference runs a column by channel: a subclass's forward may mix channels (here it scales
+    channel k by k + 1), and its finite differences must see that."""
+    from bnprobe.adapters import ForwardOutput
+    from bnprobe.checks.gradients import _Jacobian
+
+    class Scaled(ReferenceAdapter):
+        def _forward_train_impl(self, p, **kw):
+            out = super()._forward_train_impl(p, **kw)
+            k = np.arange(1, p.lay.channels + 1).reshape(1, -1, *([1] * (np.ndim(out.y) - 2)))
+            return ForwardOutput(out.y * k, out.saved, out.running_mean, out.running_var, out.trace, out.meta)
+
+    inp = make_inputs((3, 4, 2, 2), seed=1)
+    jac = _Jacobian(Scaled(), inp, "train", 1e-5)
+    assert not jac.by_channel
+    plain = _Jacobian(ReferenceAdapter(), inp, "train", 1e-5)
+    i = 2 * 4 + 2  # an element of channel 2
+    col = jac.column(i).reshape(inp.x.shape)
+    np.testing.assert_allclose(col[:, 2], 3 * plain.column(i).reshape(inp.x.shape)[:, 2], rtol=1e-6)

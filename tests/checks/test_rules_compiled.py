@@ -139,3 +139,20 @@ def test_the_kernel_against_the_bench_is_the_same_on_both_routes(fmt, kind, monk
             monkeypatch.setenv("BNPROBE_JIT", jit)
             got[jit] = versus_bench(a, b, g, fmt)
         assert got["0"] == got["1"], (n, got)
+
+
+def test_the_channel_rule_s_edges_are_numpys_on_both_routes(monkeypatch):
+    """A NaN allowance (a NaN natural scale) makes numpy's worst NaN, and an empty output has no worst: the
+    compiled route leaves both to numpy's."""
+    from bnprobe.checks.rules import channel_rule
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((2, 3, 2, 2))
+    a = w * (1 + 1e-3 * rng.standard_normal(w.shape))
+    cases = [(a, w, np.array([np.nan, 0.0, 0.0])), (np.zeros((2, 0, 2, 2)), np.zeros((2, 0, 2, 2)), None)]
+    for got, want, natural in cases:
+        out = {}
+        for jit in ("0", "1"):
+            monkeypatch.setenv("BNPROBE_JIT", jit)
+            out[jit] = [channel_rule("y", got, want, natural, "fp32", describe) for describe in (False, True)]
+        assert str(out["0"]) == str(out["1"])  # (NaN == NaN as text)
