@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from bnprobe._jit import jit_for
 from bnprobe.call import EPS
 from bnprobe.conventions import get_convention
 from bnprobe.errors import BNProbeError
@@ -259,10 +260,22 @@ def _gradients(x: np.ndarray, dy: np.ndarray, gamma: np.ndarray, *, bug: str | N
         z = x if bug in (DX_X, SEED) else x - col(m_b) if bug == DX_CENTERED else xh_b()
         t1 = 0.0 if bug == DROP_MEAN else sum_dy / (1 if bug == SUM_DY else r)
         t2 = 0.0 if bug == DROP_XHAT else (dy * z).sum(axis=ax, keepdims=True) / (1 if bug == SUM_DY_XHAT else r)
-        return col(factor) * (dy - t1 + (1.0 if bug == PLUS_XHAT else -1.0) * z * t2)
+        sign = 1.0 if bug == PLUS_XHAT else -1.0
+        if _compiled_dx(dy, z):  # the same operations in one compiled pass
+            from bnprobe.checks.rules_compiled import affine_dx
+
+            return affine_dx(dy, z, factor, t1, t2, sign)
+        return col(factor) * (dy - t1 + sign * z * t2)
 
     params = _cached(parameters)
     return {"dx": dx, "dgamma": lambda: np.array(params()[0]), "dbeta": lambda: np.array(params()[1])}
+
+
+def _compiled_dx(dy: np.ndarray, z: np.ndarray) -> bool:
+    """Whether dx's last expression takes one compiled pass: large C-contiguous float64 (N, C, ...) arrays, and no
+    floating-point error to raise or warn of (the pass signals none; the doctor's models ignore them)."""
+    return dy.ndim > 1 and dy.shape == z.shape and dy.dtype == z.dtype == np.float64 and jit_for(dy.size) \
+        and dy.flags.c_contiguous and z.flags.c_contiguous and set(np.geterr().values()) == {"ignore"}
 
 
 def describe(bug: str, convention: str = "torch") -> str:

@@ -16,7 +16,7 @@ from numba import njit, prange
 from bnprobe._jit import KERNEL_LOCK
 from bnprobe._jit_bits import _block_sum, ulp_bits
 
-__all__ = ["worst_ratio", "channel_peaks", "channel_worst", "versus_sums"]
+__all__ = ["worst_ratio", "channel_peaks", "channel_worst", "versus_sums", "affine_dx"]
 
 
 @njit(cache=True, nogil=True)
@@ -182,3 +182,34 @@ def versus_sums(a: np.ndarray, b: np.ndarray, g: np.ndarray, emin: int, mant: in
     with KERNEL_LOCK:
         done = _versus_sums((a, b, g), 0, a.size, (emin, mant), bufs, tops, sums)
     return (sums, tops) if done else None
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _affine_dx(dy, z, coef, dims, out):  # pragma: no cover - compiled
+    """``out_i = f_c * ((dy_i - t1_c) + ((s * z_i) * t2_c))`` over (batch, channels, inner) arrays (flat; ``dims`` =
+    (batch, inner)), ``coef[c]`` = (f, t1, t2, s): numpy's ``f * (dy - t1 + s * z * t2)`` operation by operation."""
+    batch, inner = dims
+    channels = coef.shape[0]
+    for c in prange(channels):
+        f, t1, t2, s = coef[c, 0], coef[c, 1], coef[c, 2], coef[c, 3]
+        for n in range(batch):
+            base = (n * channels + c) * inner
+            for j in range(inner):
+                i = base + j
+                out[i] = f * ((dy[i] - t1) + ((s * z[i]) * t2))
+
+
+def affine_dx(dy: np.ndarray, z: np.ndarray, f: np.ndarray, t1: np.ndarray, t2: np.ndarray, sign: float) -> np.ndarray:
+    """``f * (dy - t1 + sign * z * t2)`` for C-contiguous (N, C, ...) float64 ``dy`` and ``z`` and per-channel ``f``,
+    ``t1``, ``t2`` (each broadcast over its channel), in one compiled pass: the same float64 operations in the same
+    order as numpy's expression."""
+    c = dy.shape[1]
+    coef = np.empty((c, 4))
+    for k, v in enumerate((f, t1, t2)):
+        coef[:, k] = np.broadcast_to(np.asarray(v, dtype=np.float64).reshape(-1), (c,))
+    coef[:, 3] = sign
+    out = np.empty_like(dy)
+    with KERNEL_LOCK:
+        _affine_dx(dy.reshape(-1), z.reshape(-1), coef, (dy.shape[0], int(np.prod(dy.shape[2:], dtype=np.int64))),
+                   out.reshape(-1))
+    return out

@@ -74,3 +74,31 @@ def test_an_output_is_formed_under_the_error_handling_of_its_model():
         quiet = model(*args, bug="mean-not-subtracted")
     with np.errstate(all="raise"):
         assert np.isinf(quiet["y"]).all()
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_dx_is_the_same_on_both_routes(training, monkeypatch):
+    """dx's last expression in one compiled pass (a large call, its errors ignored as the doctor ignores them) is
+    numpy's f * (dy - t1 + s * z * t2) bit for bit, for every bug and recipe, with a non-finite x and dy."""
+    args = _args(4, (4, 3, 5, 6))
+    args[0][0, 0, 0, 0], args[5][1, 1, 1, 1] = np.inf, np.nan
+    saved = (args[3] + 0.01, 1 / np.sqrt(args[4] + 1e-5)) if training else None
+    for recipe in (None, *RECIPES):
+        for bug in (None, *BUGS):
+            got = {}
+            for jit in ("0", "1"):
+                monkeypatch.setenv("BNPROBE_JIT", jit)
+                with np.errstate(all="ignore"):
+                    got[jit] = model(*args, bug=bug, training=training, saved=saved, recipe=recipe)["dx"]
+            np.testing.assert_array_equal(got["1"], got["0"], err_msg=f"{bug} {recipe}")
+            assert np.array_equal(np.signbit(got["1"]), np.signbit(got["0"]))
+
+
+def test_dx_under_raised_errors_takes_numpys_route(monkeypatch):
+    monkeypatch.setenv("BNPROBE_JIT", "1")
+    x = np.ones((2, 2, 3, 3)) * np.arange(9).reshape(3, 3)
+    dy = np.arange(x.size, dtype=np.float64).reshape(x.shape)  # gamma * rstd * dy overflows in the last product only
+    with np.errstate(all="raise"):
+        m = model(x, np.full(2, 1e308), np.zeros(2), np.zeros(2), np.ones(2), dy, 0.1, 1e-5)
+        with pytest.raises(FloatingPointError):
+            m["dx"]
