@@ -157,6 +157,15 @@ def _block_sum(buf, n, neg0):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
+def _left_out(d, b, bd, sv):  # pragma: no cover - compiled
+    """(finite, small) of one element: the device's value and the golden as the device holds it both finite
+    (get_finite_and_infinite_mask), and the golden a small value among those (get_small_value_mask); an element
+    either is not or is left out of the relative errors and the RMSE."""
+    finite = (d - d == 0.0) and (bd - bd == 0.0)
+    return finite, (abs(b) <= sv) and finite
+
+
+@njit(cache=True, nogil=True)
 def _squares_leaf(arrs, lo, n, k, counts, buf):  # pragma: no cover - compiled
     """``buf[:n]``: q_i^2 over [lo, lo + n), q_i = |dev - bench| where element i is kept (finite, not a small
     value), else 0 (get_rmse's); adds to the counts [small, small and erring, left out, dev > bdev, dev < bdev,
@@ -168,9 +177,8 @@ def _squares_leaf(arrs, lo, n, k, counts, buf):  # pragma: no cover - compiled
     for t in range(n):
         i = lo + t
         d, b, bd = dev[i], bench[i], bdev[i]
-        finite = (d - d == 0.0) and (bd - bd == 0.0)
+        finite, small = _left_out(d, b, bd, sv)
         e = abs(d - b)
-        small = (abs(b) <= sv) and finite
         if small:
             small_n += 1
             if e > atol:
@@ -224,7 +232,8 @@ def _rels_leaf(arrs, n, k, cursor, buf):  # pragma: no cover - compiled
     while t < n:
         d, b, bd = dev[i], bench[i], bdev[i]
         i += 1
-        if not ((d - d == 0.0) and (bd - bd == 0.0)) or abs(b) <= sv:
+        finite, small = _left_out(d, b, bd, sv)
+        if not finite or small:
             continue
         r = abs(d - b) / (abs(b) + eps)
         if r >= 0.0:

@@ -334,10 +334,8 @@ def _versus_compiled(a: np.ndarray, b: np.ndarray, g: np.ndarray, fmt: str) -> V
     if got is None:
         return None
     (sa, sb, su), (ma, mb) = got
-    n = np.intp(g.size)
-    mean = lambda s: np.float64(s).dtype.type(np.float64(s) / n)  # noqa: E731 - numpy's mean of a float64 sum
-    return VersusBench(float(np.sqrt(mean(sa))), float(np.sqrt(mean(sb))), float(ma), float(mb),
-                       float(np.sqrt(mean(su))))
+    n = np.intp(g.size)  # numpy's mean of a float64 sum: the sum over the count, in float64
+    return VersusBench(float(np.sqrt(sa / n)), float(np.sqrt(sb / n)), float(ma), float(mb), float(np.sqrt(su / n)))
 
 
 def within_accumulation(tensor: str, actual: Any, golden: Any, fmt: str, scale: np.ndarray | None,
@@ -461,9 +459,8 @@ def channel_rule(key: str, got: np.ndarray, want: np.ndarray, natural: np.ndarra
         with np.errstate(all="ignore"):
             used = excess(a, w, fmt) / allowed
         ratio = float(used.max()) if used.size else 0.0
-        if not describe or ratio <= 1:
-            return ratio, ""
-        i, n_over, n = int(np.argmax(used)), int((used > 1).sum()), used.size
+        if describe and not ratio <= 1:  # where the failure is, only for its message (a NaN ratio fails too)
+            i, n_over, n = int(np.argmax(used)), int((used > 1).sum()), used.size
     else:
         (ratio, i, n_over), n = worst, a.size
     if not describe or ratio <= 1:

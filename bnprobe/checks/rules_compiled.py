@@ -3,7 +3,8 @@ one compiled pass: the error beyond the format's rounding, its ratio to the floo
 it is, and how many elements exceed the limit; the same IEEE float64 operations, in the same order, as the numpy
 route, so the same figures bit for bit.  The doctor's per-channel rule (:func:`bnprobe.checks.rules.channel_rule`)
 likewise, in two passes: each channel's largest finite |golden|, then the error beyond rounding over the channel's
-allowance.
+allowance.  The kernel against the bench (:func:`bnprobe.checks.rules.versus_bench`: numpy's pairwise sums of its
+squares, reproduced) and the last expression of a bug model's dx (:mod:`bnprobe.checks.bugs`), each in one pass.
 
 Imported by the rules only for arrays that take the compiled route (:func:`bnprobe._jit.jit_for`).
 """
