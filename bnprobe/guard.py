@@ -7,7 +7,8 @@ interpreter, numpy, pandas, matplotlib; numba's compiler where the kernels may t
 bytes per element of the largest input the run holds at once (the kernels work one call and one channel block
 at a time, the recorded calls are loaded one at a time).  The
 per-element figures are the measured growth of each command's peak resident memory between a 0.5 M and a 4.2 M
-element input (``/usr/bin/time -f %M``), times 1.3; ``tests/test_guard.py`` re-measures them.
+element input (``/usr/bin/time -f %M``), times 1.3; a recorded call (a dump's, in its one format) has its own,
+measured between 2.1 M and 8.4 M values; ``tests/test_guard.py`` re-measures them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from pathlib import Path
 from bnprobe._jit import jit_for
 from bnprobe.errors import BNProbeError
 
-__all__ = ["ENV", "BASE_BYTES", "COMPILED_BYTES", "PER_ELEMENT", "parse_size", "format_size", "available_memory",
+__all__ = ["ENV", "BASE_BYTES", "COMPILED_BYTES", "PER_ELEMENT", "PER_RECORDED_ELEMENT", "MODEL_CACHE_BYTES",
+           "parse_size", "format_size", "available_memory",
            "memory_limit", "set_memory_limit", "require", "require_run", "run_bytes", "tune_malloc"]
 
 ENV = "BNPROBE_MAX_MEMORY"
@@ -39,13 +41,26 @@ PER_ELEMENT: dict[str, int] = {
     "overflow": 580,  # its observable checks hold the golden's outputs besides (backward: 447 B measured)
     "compare-precision": 380,
     "shrink": 440,  # as dump: it records a dump of what it found, the whole input when time runs out first
-    "doctor": 260,  # 198 B measured on a 9.4 M-value dump call (its bug models kept within 256 MiB)
+    "doctor": 220,  # 170 B measured (a kernel with a bug: emulated:fp16-acc16), besides its bug models (below)
     "identify": 400,  # the confirmation on your input: the kernel's, the candidate's and the golden's outputs
     "gradcheck": 460,
     "dump": 440,
     "fold": 200,
     "load": 16,
 }
+
+#: Peak bytes per element of a recorded call (loaded one at a time; one format, the call's own), measured slope
+#: × 1.3 on emulated fp16 dumps of train, infer and backward calls of 2.1 M and 8.4 M values (2026-12-05:
+#: compare-precision 214 B, overflow 191 B, gradcheck 218 B, doctor 188 B besides its bug models).  A model's
+#: capture (6 calls of a model.half() network, the largest 9.4 M values) measured less: 1.26 GB for
+#: compare-precision, where this estimates 3.0 GiB.  Commands not named here take PER_ELEMENT's figure.
+PER_RECORDED_ELEMENT: dict[str, int] = {"compare-precision": 280, "overflow": 250, "gradcheck": 285, "doctor": 245}
+
+#: doctor keeps the bug models' outputs on one call within this, and the newest model besides
+#: (bnprobe.checks.diagnosis).  On a dump they measured 322 B per element up to 1 M values, then 240-320 MiB; the
+#: estimate adds 420 B per element, up to 1.5 × this.
+MODEL_CACHE_BYTES = 256 * 2**20
+_MODEL_CACHE_PER_ELEMENT = 420
 
 #: numba and its compiler, for commands whose kernels may take the compiled route (bnprobe.kernels.fused):
 #: measured +131 MB to run cached kernels and +257 MB peak for a first run that compiles them (2 cores, x86_64).
@@ -148,19 +163,25 @@ def require(nbytes: float, what: str) -> None:
                            f"{source} (--max-memory SIZE sets the limit; a smaller shape or fewer calls need less)")
 
 
-def run_bytes(command: str, elements: int, *, torch: bool = False) -> int:
-    """The estimated peak memory of ``command`` on an input of ``elements`` values (with the compiled route's
-    numba where the command's kernels may take it, and torch's when ``torch``: a torch adapter runs)."""
-    jit = COMPILED_BYTES if command not in _NO_COMPILED_ROUTE and jit_for(int(elements)) else 0
-    return BASE_BYTES + jit + (TORCH_BYTES if torch else 0) + PER_ELEMENT[command] * int(elements)
+def run_bytes(command: str, elements: int, *, torch: bool = False, recorded: bool = False) -> int:
+    """The estimated peak memory of ``command`` on an input of ``elements`` values (``recorded``: a dump's call),
+    with the compiled route's numba where the command's kernels may take it, and torch's when ``torch`` (a torch
+    adapter runs)."""
+    n = int(elements)
+    jit = COMPILED_BYTES if command not in _NO_COMPILED_ROUTE and jit_for(n) else 0
+    per = PER_RECORDED_ELEMENT.get(command, PER_ELEMENT[command]) if recorded else PER_ELEMENT[command]
+    models = min(_MODEL_CACHE_PER_ELEMENT * n, MODEL_CACHE_BYTES * 3 // 2) if command == "doctor" else 0
+    return BASE_BYTES + jit + (TORCH_BYTES if torch else 0) + per * n + models
 
 
-def require_run(command: str, shape: tuple[int, ...] | int, what: str | None = None, *, torch: bool = False) -> None:
-    """Refuse ``command`` on an input of ``shape`` (or that many elements) when it would exceed the limit."""
+def require_run(command: str, shape: tuple[int, ...] | int, what: str | None = None, *, torch: bool = False,
+                recorded: bool = False) -> None:
+    """Refuse ``command`` on an input of ``shape`` (or that many elements; ``recorded``: a dump's call) when it
+    would exceed the limit."""
     elements = shape if isinstance(shape, int) else math.prod(shape)
     label = what or (f"{command} on shape {tuple(shape)}" if not isinstance(shape, int)
                      else f"{command} on {elements:,} values")
-    require(run_bytes(command, elements, torch=torch), label)
+    require(run_bytes(command, elements, torch=torch, recorded=recorded), label)
 
 
 _MALLOC_TUNED = False

@@ -163,6 +163,26 @@ def test_estimate_bounds_the_measured_peak(tmp_path, command, extra):
     assert slope <= run_bytes(command, 1) - run_bytes(command, 0) <= 2.5 * slope + 64, (command, slope)
 
 
+@pytest.mark.parametrize("command", ["compare-precision", "overflow", "gradcheck", "doctor"])
+def test_estimate_bounds_a_recorded_calls_measured_peak(tmp_path, command):
+    """A dump's call (one format, loaded alone) has its own figure: above the measured peak at two sizes, and
+    growing with the call as the peak does, within 2.5x (doctor's bug models grow with it until they reach their
+    cap)."""
+    peaks = {}
+    for shape in ((4, 64, 32, 32), (16, 64, 32, 32)):
+        n, d = math.prod(shape), tmp_path / f"d{math.prod(shape)}"
+        subprocess.run([sys.executable, "-m", "bnprobe", "dump", "--adapter", "emulated", "--dtype", "fp16",
+                        "--shape", ",".join(map(str, shape)), "--out", str(d)], check=True, capture_output=True)
+        opt = "--adapters" if command == "compare-precision" else "--adapter"
+        out = ["--out", str(tmp_path / f"o{n}")] if command in ("compare-precision", "doctor") else []
+        peak = _peak_rss([command, opt, f"dump:{d}", *out])
+        assert peak <= run_bytes(command, n, recorded=True), (command, shape, format_size(peak))
+        peaks[n] = peak
+    (n0, p0), (n1, p1) = sorted(peaks.items())
+    slope, est = (p1 - p0) / (n1 - n0), (run_bytes(command, n1, recorded=True) - run_bytes(command, n0, recorded=True))
+    assert slope <= est / (n1 - n0) <= 2.5 * slope + 64, (command, slope, est / (n1 - n0))
+
+
 def test_an_address_space_limit_is_the_limit():
     """Under ``ulimit -v`` the guard refuses what the allocator would refuse, instead of a MemoryError."""
     code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, resource.RLIM_INFINITY)); "

@@ -44,6 +44,7 @@ from bnprobe.checks.rules import beyond_format, channel_rule
 from bnprobe.conventions import convention_of
 from bnprobe.errors import BNProbeError
 from bnprobe.formats import get_format
+from bnprobe.guard import MODEL_CACHE_BYTES  # the bug models' outputs kept on one input (_Outputs.model)
 from bnprobe.kernels.layout import reduce_axes, to_channels_first
 from bnprobe.numerics.rounding import round_to
 from bnprobe.tolerances import MSPROBE_STANDARDS
@@ -98,7 +99,6 @@ class DoctorReport:
                 "diagnosis": self.diagnosis, "items": [i.to_dict() for i in self.items], "notes": self.notes}
 
 
-MODEL_CACHE_BYTES = 256 * 2**20  # the bug models' outputs kept on one input (see _Outputs.model)
 
 
 # ---- comparing one group of outputs -------------------------------------------------------------------

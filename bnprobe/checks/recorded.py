@@ -57,7 +57,8 @@ def require_calls(command: str, calls: list[CallRef]) -> None:
 
     biggest = max(calls, key=lambda c: math.prod(c.shape), default=None)
     if biggest is not None:
-        require_run(command, tuple(biggest.shape), f"{command} on {biggest.label} (shape {tuple(biggest.shape)})")
+        require_run(command, tuple(biggest.shape), f"{command} on {biggest.label} (shape {tuple(biggest.shape)})",
+                    recorded=True)
 
 
 def recording_of(adapter: str | KernelAdapter, input: str | Path | None = None,
