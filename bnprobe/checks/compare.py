@@ -36,6 +36,7 @@ from bnprobe.checks.rules import (
     benchmark_of,
     greatest_error,
     nonfinite_mismatch,
+    output_shares,
     versus_bench,
     within_accumulation,
     within_bound,
@@ -116,14 +117,8 @@ def _row(j: _Judging, adapter: str, dtype: str, case: Case, tensor: str, actual:
     std = (standards or MSPROBE_STANDARDS).get(get_format(fmt).name)
     ulp = m.ulps if m.ulps is not None else \
         ulp_error(np.asarray(actual, dtype=np.float64), np.asarray(golden, dtype=np.float64), fmt)
-    ulp = ulp[np.isfinite(ulp)]
-    over = float(np.mean(ulp > std.ulp)) if std is not None and ulp.size else 0.0
-    gg = np.abs(np.asarray(golden, dtype=np.float64).reshape(-1))
-    small = float(np.mean(gg <= std.small_threshold)) if std is not None and gg.size else 0.0
+    over, small, sub, ovf = output_shares(ulp, golden, fmt, std)
     f = get_format(fmt)
-    with np.errstate(all="ignore"):
-        sub = float(np.mean((gg > 0) & (gg < 2.0 ** f.emin))) if gg.size and f.name != "fp64" else 0.0
-        ovf = float(np.mean(gg > f.max)) if gg.size and np.isfinite(f.max) else 0.0
     why_fmt = ""
     if f_ok and ovf:  # ±inf where the golden rounds to it passes every rule: said, never silent
         f_ok, f_why, f_score = False, (f"the golden exceeds {f.name}'s largest value ({f.max:g}) in {100 * ovf:.3g}% "

@@ -41,7 +41,7 @@ from bnprobe.tolerances import (
 __all__ = ["Verdict", "STANDARD_RULES", "RULES", "SUMS", "beyond_rounding", "excess", "nonfinite_mismatch",
            "mismatch", "greatest_error", "absolute", "within_accumulation", "within_rounding", "BenchOutput",
            "benchmark_of", "channel_rule", "beyond_format", "bound_used", "within_bound", "VersusBench", "versus_bench",
-           "WORSE_THAN_BENCH", "WORSE_ULPS"]
+           "output_shares", "WORSE_THAN_BENCH", "WORSE_ULPS"]
 
 STANDARD_RULES = ("scaled", "accumulated", "threshold")
 RULES = ("benchmark", *STANDARD_RULES)
@@ -336,6 +336,32 @@ def _versus_compiled(a: np.ndarray, b: np.ndarray, g: np.ndarray, fmt: str) -> V
     (sa, sb, su), (ma, mb) = got
     n = np.intp(g.size)  # numpy's mean of a float64 sum: the sum over the count, in float64
     return VersusBench(float(np.sqrt(sa / n)), float(np.sqrt(sb / n)), float(ma), float(mb), float(np.sqrt(su / n)))
+
+
+def output_shares(ulps: np.ndarray, golden: Any, fmt: str, std: Standard | None) -> tuple[float, float, float, float]:
+    """What a compare row reports beside its verdict, each a share: of the finite ULP errors (``ulps``, 1-D
+    float64) over the standard's ULP limit; of the golden at most its small-value threshold, in ``fmt``'s
+    subnormal range, beyond ``fmt``'s largest value (0.0 where there is no standard, no element, or for fp64 no
+    subnormal range).  Numpy's means of the comparisons; over a large output, the same counts in one compiled pass
+    (a mean of booleans is its count over the size, in float64)."""
+    f = get_format(fmt)
+    g = np.asarray(golden, dtype=np.float64).reshape(-1)
+    nan = float("nan")
+    limits = (nan if std is None else float(std.ulp), nan if std is None else float(std.small_threshold),
+              2.0 ** f.emin if f.name != "fp64" else nan, float(f.max) if np.isfinite(f.max) else nan)
+    if jit_for(max(ulps.size, g.size)):
+        from bnprobe.checks.rules_compiled import share_counts
+
+        fin, over, small, sub, big = share_counts(ulps.reshape(-1).astype(np.float64, copy=False), g, *limits)
+        n = np.float64(g.size)
+        return (float(over / np.float64(fin)) if fin else 0.0,
+                *(float(k / n) if g.size else 0.0 for k in (small, sub, big)))
+    u = ulps[np.isfinite(ulps)]
+    gg = np.abs(g)
+    with np.errstate(all="ignore"):
+        return (float(np.mean(u > limits[0])) if u.size else 0.0,
+                *(float(np.mean(m)) if gg.size else 0.0 for m in (gg <= limits[1], (gg > 0) & (gg < limits[2]),
+                                                                  gg > limits[3])))
 
 
 def within_accumulation(tensor: str, actual: Any, golden: Any, fmt: str, scale: np.ndarray | None,

@@ -4,7 +4,8 @@ it is, and how many elements exceed the limit; the same IEEE float64 operations,
 route, so the same figures bit for bit.  The doctor's per-channel rule (:func:`bnprobe.checks.rules.channel_rule`)
 likewise, in two passes: each channel's largest finite |golden|, then the error beyond rounding over the channel's
 allowance.  The kernel against the bench (:func:`bnprobe.checks.rules.versus_bench`: numpy's pairwise sums of its
-squares, reproduced) and the last expression of a bug model's dx (:mod:`bnprobe.checks.bugs`), each in one pass.
+squares, reproduced) and the last expression of a bug model's dx (:mod:`bnprobe.checks.bugs`), each in one pass; the
+shares a compare row reports beside its verdict (:func:`bnprobe.checks.rules.output_shares`) as counts, in one.
 
 Imported by the rules only for arrays that take the compiled route (:func:`bnprobe._jit.jit_for`).
 """
@@ -17,7 +18,7 @@ from numba import njit, prange
 from bnprobe._jit import KERNEL_LOCK
 from bnprobe._jit_bits import _block_sum, ulp_bits
 
-__all__ = ["worst_ratio", "channel_peaks", "channel_worst", "versus_sums", "affine_dx"]
+__all__ = ["worst_ratio", "channel_peaks", "channel_worst", "versus_sums", "affine_dx", "share_counts"]
 
 
 @njit(cache=True, nogil=True)
@@ -214,3 +215,37 @@ def affine_dx(dy: np.ndarray, z: np.ndarray, f: np.ndarray, t1: np.ndarray, t2: 
         _affine_dx(dy.reshape(-1), z.reshape(-1), coef, (dy.shape[0], int(np.prod(dy.shape[2:], dtype=np.int64))),
                    out.reshape(-1))
     return out
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _share_counts(ulps, g, limits, out):  # pragma: no cover - compiled
+    """``out``: how many ``ulps`` are finite, how many of those exceed limits[0]; how many |g| are at most
+    limits[1], in (0, limits[2]), above limits[3] (a NaN limit counts none: every comparison with it is false)."""
+    fin, over = 0, 0
+    for i in prange(ulps.size):
+        u = ulps[i]
+        if u - u == 0.0:
+            fin += 1
+            if u > limits[0]:
+                over += 1
+    small, sub, big = 0, 0, 0
+    for i in prange(g.size):
+        v = abs(g[i])
+        if v <= limits[1]:
+            small += 1
+        if v > 0.0 and v < limits[2]:
+            sub += 1
+        if v > limits[3]:
+            big += 1
+    out[0], out[1], out[2], out[3], out[4] = fin, over, small, sub, big
+
+
+def share_counts(ulps: np.ndarray, g: np.ndarray, ulp_limit: float, small: float, tiny: float, largest: float
+                 ) -> tuple[int, int, int, int, int]:
+    """For 1-D float64 ``ulps`` and ``g``: (finite ULP errors, those over ``ulp_limit``, |g| <= ``small``,
+    0 < |g| < ``tiny``, |g| > ``largest``); a NaN limit counts nothing."""
+    out = np.zeros(5, dtype=np.int64)
+    with KERNEL_LOCK:
+        _share_counts(np.ascontiguousarray(ulps), np.ascontiguousarray(g),
+                      np.array([ulp_limit, small, tiny, largest], dtype=np.float64), out)
+    return int(out[0]), int(out[1]), int(out[2]), int(out[3]), int(out[4])

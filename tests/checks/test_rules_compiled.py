@@ -156,3 +156,42 @@ def test_the_channel_rule_s_edges_are_numpys_on_both_routes(monkeypatch):
             monkeypatch.setenv("BNPROBE_JIT", jit)
             out[jit] = [channel_rule("y", got, want, natural, "fp32", describe) for describe in (False, True)]
         assert str(out["0"]) == str(out["1"])  # (NaN == NaN as text)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp32", "fp64"])
+@pytest.mark.parametrize("with_std", [True, False])
+def test_a_rows_shares_are_the_same_on_both_routes(fmt, with_std, monkeypatch):
+    """The shares a compare row reports (ULP errors over the limit, small, subnormal and beyond-range goldens) on
+    both routes, against plain Python counting their definitions: values at each threshold exactly, NaN, inf,
+    signed zeros, non-finite ULP errors; no standard; no element."""
+    from bnprobe.checks.rules import output_shares
+
+    f = get_format(fmt)
+    std = MSPROBE_STANDARDS.get(f.name) if with_std else None
+    rng = np.random.default_rng([17, len(fmt), with_std])
+    with np.errstate(over="ignore"):  # (fp64's next value is inf)
+        edges = [0.0, -0.0, np.nan, np.inf, -np.inf, 2.0 ** f.emin, -(2.0 ** f.emin) / 2, f.max, -f.max,
+                 np.nextafter(f.max, np.inf), 1e-3, 2.0 ** -10, 2.0 ** -16]
+    for n in (0, 1, 13, 5000):
+        g = rng.standard_normal(n) * np.exp2(rng.integers(-140, 130, n) if fmt in ("fp32", "bf16", "fp64")
+                                              else rng.integers(-26, 18, n))
+        g[: min(n, len(edges))] = edges[: min(n, len(edges))]
+        if std is not None and n > 20:
+            g[14] = std.small_threshold
+        u = np.abs(rng.standard_normal(n)) * 4
+        u[: min(n, 4)] = [np.nan, np.inf, 1.0, 0.0][: min(n, 4)]
+        lim = None if std is None else std.ulp
+        fin = [v for v in u.tolist() if math.isfinite(v)]
+        want = (sum(v > lim for v in fin) / len(fin) if fin and lim is not None else 0.0,
+                *(sum(map(test, g.tolist())) / n if n else 0.0 for test in (
+                    lambda v: std is not None and abs(v) <= std.small_threshold,
+                    lambda v: f.name != "fp64" and 0 < abs(v) < 2.0 ** f.emin,
+                    lambda v: abs(v) > f.max)))
+        for jit in ("0", "1"):
+            monkeypatch.setenv("BNPROBE_JIT", jit)
+            got = output_shares(u, g, fmt, std)
+            assert got == pytest.approx(want, rel=1e-15, abs=0) and all(type(v) is float for v in got), (jit, n, got)
+        monkeypatch.setenv("BNPROBE_JIT", "0")
+        numpy_route = output_shares(u, g, fmt, std)
+        monkeypatch.setenv("BNPROBE_JIT", "1")
+        assert output_shares(u, g, fmt, std) == numpy_route
