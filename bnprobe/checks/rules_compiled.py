@@ -5,7 +5,9 @@ route, so the same figures bit for bit.  The doctor's per-channel rule (:func:`b
 likewise, in two passes: each channel's largest finite |golden|, then the error beyond rounding over the channel's
 allowance.  The kernel against the bench (:func:`bnprobe.checks.rules.versus_bench`: numpy's pairwise sums of its
 squares, reproduced) and the last expression of a bug model's dx (:mod:`bnprobe.checks.bugs`), each in one pass; the
-shares a compare row reports beside its verdict (:func:`bnprobe.checks.rules.output_shares`) as counts, in one.
+shares a compare row reports beside its verdict (:func:`bnprobe.checks.rules.output_shares`) as counts, in one; the
+per-channel sums and largest values the natural scales are formed from (:func:`bnprobe.checks.run.natural_scales`:
+numpy's pairwise sums of each channel's row, reproduced), in one, and each channel's largest |x - mean|.
 
 Imported by the rules only for arrays that take the compiled route (:func:`bnprobe._jit.jit_for`).
 """
@@ -18,7 +20,8 @@ from numba import njit, prange
 from bnprobe._jit import KERNEL_LOCK
 from bnprobe._jit_bits import _block_sum, ulp_bits
 
-__all__ = ["worst_ratio", "channel_peaks", "channel_worst", "versus_sums", "affine_dx", "share_counts"]
+__all__ = ["worst_ratio", "channel_peaks", "channel_worst", "versus_sums", "affine_dx", "share_counts",
+           "scale_sums", "deviation_peaks"]
 
 
 @njit(cache=True, nogil=True)
@@ -249,3 +252,116 @@ def share_counts(ulps: np.ndarray, g: np.ndarray, ulp_limit: float, small: float
         _share_counts(np.ascontiguousarray(ulps), np.ascontiguousarray(g),
                       np.array([ulp_limit, small, tiny, largest], dtype=np.float64), out)
     return int(out[0]), int(out[1]), int(out[2]), int(out[3]), int(out[4])
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _scale_leaf(x3, dy3, c, lo, n, k, bufs, tops):  # pragma: no cover - compiled
+    """``bufs[:, :n]``: |x|, |dy|, dy, dy·x̂ and |dy·x̂| at positions [lo, lo + n) of channel c's row (x̂ = (x -
+    k[0]) / k[1]; only |x| where k[2] is 0); ``tops``: the largest |dy| and |x̂|, and 1 in tops[2] at a NaN in x or
+    dy·x̂."""
+    inner = x3.shape[2]
+    b, j = lo // inner, lo % inner
+    for t in range(n):
+        v = x3[b, c, j]
+        bufs[0, t] = abs(v)
+        if v != v:
+            tops[2] = 1.0
+        if k[2] != 0.0:
+            d = dy3[b, c, j]
+            z = (v - k[0]) / k[1]
+            p = d * z
+            bufs[1, t], bufs[2, t], bufs[3, t], bufs[4, t] = abs(d), d, p, abs(p)
+            if abs(d) > tops[0]:
+                tops[0] = abs(d)
+            if abs(z) > tops[1]:
+                tops[1] = abs(z)
+            if p != p:
+                tops[2] = 1.0
+        j += 1
+        if j == inner:
+            j, b = 0, b + 1
+
+
+@njit(cache=True, nogil=True)
+def _scale_row(x3, dy3, c, k, bufs, tops, sums):  # pragma: no cover - compiled
+    """``sums``: numpy's pairwise sums over channel c's row of each of :func:`_scale_leaf`'s five values: its
+    recursion (a block sum at 128 values or fewer, else the halves split at a multiple of 8, left + right) unrolled
+    over an explicit stack (numba's cache crashes loading a recursive function called from another)."""
+    nq = 5 if k[2] != 0.0 else 1
+    los, ns, st = np.zeros(64, np.int64), np.zeros(64, np.int64), np.zeros(64, np.int64)
+    part, val = np.empty((64, 5)), np.empty(5)
+    d = 0
+    ns[0] = x3.shape[0] * x3.shape[2]
+    while True:
+        n = ns[d]
+        if n > 128:  # descend into the left half
+            h = n // 2
+            h -= h % 8
+            st[d] = 1
+            los[d + 1], ns[d + 1] = los[d], h
+            d += 1
+            continue
+        _scale_leaf(x3, dy3, c, los[d], n, k, bufs, tops)
+        for q in range(nq):
+            val[q] = _block_sum(bufs[q], n, -0.0)
+        while d > 0:  # hand the value up: a left half waits for its right, a right half is added to its left
+            p = d - 1
+            if st[p] == 1:
+                part[p, :nq] = val[:nq]
+                st[p] = 2
+                h = ns[p] // 2
+                h -= h % 8
+                los[d], ns[d] = los[p] + h, ns[p] - h
+                break
+            for q in range(nq):
+                val[q] = part[p, q] + val[q]
+            d = p
+        if d == 0:
+            sums[:nq] = val[:nq]
+            return
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _scale_sums(x3, dy3, mean, scale, backward, out):  # pragma: no cover - compiled
+    """``out[c]``: channel c's pairwise sums of |x|, |dy|, dy, dy·x̂, |dy·x̂|, its largest |dy| and |x̂|, and 1 at a
+    NaN (see :func:`_scale_leaf`)."""
+    for c in prange(x3.shape[1]):
+        bufs, tops, sums = np.empty((5, 128)), np.zeros(3), np.zeros(5)
+        _scale_row(x3, dy3, c, (mean[c], scale[c], backward), bufs, tops, sums)
+        out[c, :5] = sums
+        out[c, 5:] = tops
+
+
+def scale_sums(x3: np.ndarray, dy3: np.ndarray | None, mean: np.ndarray, scale: np.ndarray) -> np.ndarray | None:
+    """For float64 ``x3`` (and ``dy3``) viewed as (N, C, S) (row c of the channel-first data is [:, c, :] in order;
+    N * S >= 1) and per-channel ``mean`` and ``scale`` (x̂ = (x - mean) / scale): per channel (C, 7), numpy's
+    pairwise sums of each row of |x|, |dy|, dy, dy·x̂ and |dy·x̂| and the largest |dy| and |x̂| (without ``dy3``
+    only the first); None where x or dy·x̂ holds a NaN (numpy's route leaves those out)."""
+    out = np.zeros((x3.shape[1], 8))
+    back = dy3 is not None
+    with KERNEL_LOCK:
+        _scale_sums(x3, dy3 if back else x3, np.ascontiguousarray(mean, dtype=np.float64),
+                    np.ascontiguousarray(scale, dtype=np.float64), 1.0 if back else 0.0, out)
+    return None if out[:, 7].any() else out[:, :7]
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _deviation_peaks(x3, mean, out):  # pragma: no cover - compiled
+    """``out[c]``: the largest |x - mean[c]| of channel c of (N, C, S) ``x3``, NaN left out (NaN when all are)."""
+    for c in prange(x3.shape[1]):
+        top = -1.0
+        for b in range(x3.shape[0]):
+            for j in range(x3.shape[2]):
+                a = abs(x3[b, c, j] - mean[c])
+                if a > top:
+                    top = a
+        out[c] = top if top >= 0.0 else np.nan
+
+
+def deviation_peaks(x3: np.ndarray, mean: np.ndarray) -> np.ndarray:
+    """numpy's ``nanmax(|x - mean|)`` of each channel of float64 ``x3`` viewed as (N, C, S) (a maximum: the same in
+    any order)."""
+    out = np.empty(x3.shape[1])
+    with KERNEL_LOCK:
+        _deviation_peaks(x3, np.ascontiguousarray(mean, dtype=np.float64), out)
+    return out

@@ -365,6 +365,9 @@ def natural_scales(call: BNCall, stats: Saved | None, dy: np.ndarray | None) -> 
     ``stats`` the backward used and ``dy``: dβ = Σdy against Σ|dy|, dγ = Σdy·x̂ against Σ|dy·x̂|, dx against
     |γ|·rstd·(max|dy| + |mean dy| + max|x̂|·|mean(dy·x̂)|).  NaN values are left out."""
     lay = layout_of(call.x, call.layout)
+    fast = _scales_compiled(call, stats, dy)
+    if fast is not None:
+        return fast
     xcr = lay.to_cr(call.x)
     out: dict[str, np.ndarray] = {}
     # a channel whose values are all NaN has a NaN scale (numpy warns of the empty slice: not a finding)
@@ -393,6 +396,47 @@ def natural_scales(call: BNCall, stats: Saved | None, dy: np.ndarray | None) -> 
     return out
 
 
+def _scales_compiled(call: BNCall, stats: Saved | None, dy: np.ndarray | None) -> dict[str, np.ndarray] | None:
+    """:func:`natural_scales` of a large call in one compiled pass: each channel's sums are numpy's pairwise sums of
+    its row, reproduced, and its means those sums over R, so the same figures bit for bit; None where the call
+    takes numpy's route.  Only for C-contiguous float64 (N, C, ...) x and dy without NaN: numpy reduces a row
+    pairwise where :meth:`~bnprobe.kernels.layout.Layout.to_cr` gives contiguous rows, which it does for these;
+    channels-last and (N, C) data it hands over with the channels innermost, and adds each row in order."""
+    from bnprobe._jit import jit_for
+
+    x = call.x
+    back = stats is not None and dy is not None
+
+    def plain(a: Any) -> bool:
+        return isinstance(a, np.ndarray) and a.dtype == np.float64 and a.flags.c_contiguous and a.shape == x.shape
+
+    if not (plain(x) and x.ndim >= 3 and layout_of(x, call.layout).channel_axis == 1 and x.size and jit_for(x.size)) \
+            or (back and not plain(dy)):
+        return None
+    from bnprobe.checks.rules_compiled import scale_sums
+
+    lay = layout_of(x, call.layout)
+    r = lay.reduce_size
+    with np.errstate(all="ignore"):
+        gm = np.asarray(stats.mean, dtype=np.float64) if back else np.zeros(lay.channels)
+        gv = stats.var(call.eps) if back else np.zeros(lay.channels)
+        sums = scale_sums(lay.view3(x), lay.view3(dy) if back else None, gm, np.sqrt(gv + call.eps))
+        if sums is None:
+            return None
+        mean_abs = sums[:, 0] / np.intp(r)
+        m = 0.0 if call.momentum is None else call.momentum
+        rm = call.running_mean
+        out = {"saved_mean": mean_abs, "running_mean": np.maximum(np.abs(rm) if rm is not None else 0.0, m * mean_abs)}
+        if not back:
+            return out
+        g = np.ones(lay.channels) if call.gamma is None else np.asarray(call.gamma, dtype=np.float64)
+        out["dbeta"], out["dgamma"] = sums[:, 1].copy(), sums[:, 4].copy()
+        gr = np.abs(g) / np.sqrt(gv + call.eps)
+        m1, m2 = np.abs(sums[:, 2] / np.intp(r)), np.abs(sums[:, 3] / np.intp(r))
+        out["dx"] = gr * (sums[:, 5] + m1 + sums[:, 6] * m2)
+    return out
+
+
 def cancellation_bounds(call: BNCall, stats: Saved | None, scales: dict[str, np.ndarray],
                         ) -> dict[str, tuple[np.ndarray, str]]:
     """Per channel, the largest error a correct kernel's accumulation can put into the gradients' sums, whatever
@@ -413,7 +457,7 @@ def cancellation_bounds(call: BNCall, stats: Saved | None, scales: dict[str, np.
         warnings.simplefilter("ignore", RuntimeWarning)
         gm = np.asarray(stats.mean, dtype=np.float64)
         rstd = 1 / np.sqrt(stats.var(call.eps) + call.eps)
-        xhat_max = np.nanmax(np.abs(lay.to_cr(call.x) - gm[:, None]), axis=1) * rstd
+        xhat_max = _deviation_peaks(call, lay, gm) * rstd
         g = np.ones(lay.channels) if call.gamma is None else np.abs(np.asarray(call.gamma, dtype=np.float64))
         b_beta = gr * scales["dbeta"]
         b_gamma = gr * (2 * scales["dgamma"] + rstd * scales["saved_mean"] * scales["dbeta"])
@@ -425,18 +469,32 @@ def cancellation_bounds(call: BNCall, stats: Saved | None, scales: dict[str, np.
             "dx": (b_dx, f"|γ|·rstd·(dβ's bound + max|x̂|·dγ's bound)/{r}, {how}")}
 
 
+def _deviation_peaks(call: BNCall, lay: Any, gm: np.ndarray) -> np.ndarray:
+    """Per channel, the largest |x - gm| (NaN left out): in one compiled pass over a large float64 x."""
+    from bnprobe._jit import jit_for
+
+    x = call.x
+    if isinstance(x, np.ndarray) and x.dtype == np.float64 and x.size and jit_for(x.size):
+        from bnprobe.checks.rules_compiled import deviation_peaks
+
+        return deviation_peaks(lay.view3(x), gm)
+    return np.nanmax(np.abs(lay.to_cr(x) - gm[:, None]), axis=1)
+
+
 def variance_bound(gamma_r: float, u: float, var: np.ndarray, dmean: np.ndarray) -> np.ndarray:
     """How far a two-pass variance σ'² can be from σ² when it sums R squares in a format of unit roundoff ``u``
     (γ_R = ``gamma_r``) about a mean off by ``dmean``: (γ_R + 3u)·(σ² + δμ²) + δμ²."""
     return (gamma_r + 3 * u) * (var + dmean**2) + dmean**2
 
 
-def statistics_bounds(call: BNCall, stats: Saved) -> dict[str, tuple[np.ndarray, str]]:
+def statistics_bounds(call: BNCall, stats: Saved, mean_abs: np.ndarray | None = None
+                      ) -> dict[str, tuple[np.ndarray, str]]:
     """Per channel, the largest error a correct kernel's saved invstd (and variance) can have, however it orders its
     sums: with δμ = γ_R·mean|x| its mean's error, a two-pass variance about that mean errs by
     (γ_R + 3u)·(σ² + δμ²) + δμ² (the bound :class:`~bnprobe.checks.overflow_observe.CarefulBounds` holds a
     normalising scale to), and invstd = 1/sqrt(σ² + ε) by ½·that/(σ² + ε) of itself plus SMALL_VALUE_ULPS·u for
-    the rsqrt; u the unit roundoff of the accumulation format.  ``stats``: the golden's batch mean and variance."""
+    the rsqrt; u the unit roundoff of the accumulation format.  ``stats``: the golden's batch mean and variance;
+    ``mean_abs``: each channel's mean |x| (NaN left out) when known (:func:`natural_scales`' saved_mean)."""
     from bnprobe.tolerances import SMALL_VALUE_ULPS
 
     lay = layout_of(call.x, call.layout)
@@ -446,7 +504,7 @@ def statistics_bounds(call: BNCall, stats: Saved) -> dict[str, tuple[np.ndarray,
     gam = accumulation_bound(call.dtype, r)
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        dmean = gam * np.nanmean(np.abs(lay.to_cr(call.x)), axis=1)
+        dmean = gam * (np.nanmean(np.abs(lay.to_cr(call.x)), axis=1) if mean_abs is None else mean_abs)
         var = np.asarray(stats.var(call.eps), dtype=np.float64)
         b_var = variance_bound(gam, u, var, dmean)
         invstd = 1.0 / np.sqrt(var + call.eps)
@@ -485,7 +543,7 @@ def run_call(kernel: KernelAdapter, rec: Recording, *, modes: tuple[str, ...] | 
     run.scales = natural_scales(call, stats, bw_dy)
     run.bounds = cancellation_bounds(call, stats, run.scales)
     if run.gold_saved is not None and layout_of(call.x, call.layout).reduce_size > 1:
-        run.bounds.update(statistics_bounds(call, run.gold_saved))
+        run.bounds.update(statistics_bounds(call, run.gold_saved, run.scales.get("saved_mean")))
     return run
 
 

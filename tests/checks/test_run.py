@@ -135,13 +135,16 @@ def test_a_kernel_that_saves_nothing_is_backpropagated_from_the_golden_statistic
         np.testing.assert_allclose(run.got["dx"], run.gold["dx"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("jit", ["0", "1"])
 @pytest.mark.parametrize("where", ["none", "x", "dy", "inf"])
-def test_natural_scales_are_numpys_nan_reductions_bit_for_bit(where):
+def test_natural_scales_are_numpys_nan_reductions_bit_for_bit(where, jit, monkeypatch):
     """natural_scales takes numpy's plain reductions where no NaN is there to leave out: the same figures, bit for
     bit, as the nan* reductions written out here; with a NaN in x or dy, or an inf in x (0·inf in dy·x̂ is NaN),
-    the nan* ones."""
+    the nan* ones.  On both routes (the compiled one reproduces numpy's pairwise sums of each channel's row)."""
     from bnprobe.adapters import Saved
     from bnprobe.checks.run import natural_scales
+
+    monkeypatch.setenv("BNPROBE_JIT", jit)
 
     call = _call(shape=(6, 4, 7, 7), seed=3)
     x, dy = call.x.copy(), call.dy.copy()
@@ -169,3 +172,44 @@ def test_natural_scales_are_numpys_nan_reductions_bit_for_bit(where):
                            + np.nanmax(np.abs(xhat), axis=1) * np.abs(np.nanmean(prod, axis=1)))
     for k, v in want.items():
         np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
+@pytest.mark.parametrize("shape, layout", [((3, 4, 5), "channels_first"), ((2, 3, 8, 1), "channels_first"),
+                                           ((1, 2, 16, 8), "channels_first"), ((4, 2, 129), "channels_first"),
+                                           ((5, 3, 41, 37), "channels_first"), ((2, 1, 3, 4, 700), "channels_first"),
+                                           ((64, 2, 4100), "channels_first"), ((3, 5, 6, 4), "channels_last"),
+                                           ((50, 6), "channels_first")])
+def test_scales_and_bounds_are_the_same_on_both_routes(shape, layout, monkeypatch):
+    """The natural scales and the accumulation bounds built on them, bit for bit on both routes, with rows of
+    fewer than 8, exactly 128, 129 and many values (numpy's pairwise blocks and splits), a channel of zero variance
+    with ε = 0 (x̂ = 0/0: numpy's nan* reductions), -0.0 in dy, and the layouts the compiled route leaves to numpy
+    (channels-last, (N, C): numpy adds those rows in order)."""
+    from bnprobe.adapters import Saved
+    from bnprobe.checks.run import cancellation_bounds, natural_scales, statistics_bounds
+
+    rng = np.random.default_rng([29, *shape])
+    ax = 1 if layout == "channels_first" or len(shape) == 2 else len(shape) - 1
+    axes = tuple(i for i in range(len(shape)) if i != ax)
+    c = shape[ax]
+    for eps, edit in ((1e-5, None), (0.0, "constant"), (1e-5, "negzero")):
+        x = rng.standard_normal(shape) * np.exp2(rng.integers(-3, 9)) + rng.standard_normal()
+        dy = rng.standard_normal(shape)
+        if edit == "constant":
+            np.moveaxis(x, ax, 0)[0] = 1.5
+        if edit == "negzero":
+            dy[...] = -0.0
+        call = BNCall(x, gamma=rng.standard_normal(c), running_mean=rng.standard_normal(c), running_var=np.ones(c),
+                      eps=eps, layout=layout)
+        stats = Saved(x.mean(axis=axes), "var", x.var(axis=axes))
+        got = {}
+        for jit in ("0", "1"):
+            monkeypatch.setenv("BNPROBE_JIT", jit)
+            sc = natural_scales(call, stats, dy)
+            with np.errstate(all="ignore"):
+                got[jit] = (sc, natural_scales(call, None, None), cancellation_bounds(call, stats, sc),
+                            statistics_bounds(call, stats, sc["saved_mean"]), statistics_bounds(call, stats))
+        for part0, part1 in zip(got["0"], got["1"]):
+            assert part0.keys() == part1.keys()
+            for k in part0:
+                v0, v1 = (part0[k][0], part1[k][0]) if isinstance(part0[k], tuple) else (part0[k], part1[k])
+                np.testing.assert_array_equal(v0, v1, err_msg=f"{k} {edit}")
