@@ -188,22 +188,50 @@ _MALLOC_TUNED = False
 
 
 def tune_malloc() -> None:
-    """glibc's malloc maps and unmaps large temporaries anew each time: above its mmap threshold (128 KiB fixed
-    when MALLOC_TRIM_THRESHOLD_ is set, as dask's nanny does for its workers: tasks 2.6x slower; rising to at most
+    """Large temporaries reuse memory instead of faulting in fresh pages each time.
+
+    glibc's malloc maps and unmaps large temporaries anew each time: above its mmap threshold (128 KiB fixed when
+    MALLOC_TRIM_THRESHOLD_ is set, as dask's nanny does for its workers: tasks 2.6x slower; rising to at most
     32 MiB otherwise), every array of a check's pass over an output is fresh pages, faulted in and zeroed.  In a
-    command's process and a sweep's worker, temporaries up to 64 MiB come from the heap (msprobe's metrics on a
-    1.6 M-value output 2.8x faster; the main job 1.13x; a sweep's task 1.35x in-process, 3.6x on a dask worker);
-    free heap above 128 MiB is still returned to the system.  Called by the CLI and the sweep's tasks, never on
-    import (a user's own process keeps its settings); nothing is done on another libc."""
+    command's process and a sweep's worker, temporaries up to 512 MiB (a 64 M-value float64 array) come from the
+    heap (msprobe's metrics on a 1.6 M-value output 2.8x faster; the main job 1.13x; a sweep's task 1.35x
+    in-process, 3.6x on a dask worker; with 512 MiB instead of 64, compare-precision on a dump whose largest call
+    is 9.4 M values 1.11x, its peak 3% higher); free heap above 128 MiB is still returned to the system.
+
+    numpy asks for transparent huge pages for every array of 4 MiB or more (``NUMPY_MADVISE_HUGEPAGE``); on a
+    virtual machine whose host backs them lazily the first touch of each stalls (measured: a fresh 75 MB array
+    13 ms for the first two, then 220-470 ms each, against 24 ms each without), so commands do not ask for them:
+    the same dump's compare-precision 1.28x faster; where huge pages are cheap the cost is the fresh pages'
+    faults, which the heap's reuse above makes rare.  A ``NUMPY_MADVISE_HUGEPAGE`` the user set is kept.
+
+    Called by the CLI and the sweep's tasks, never on import (a user's own process keeps its settings); nothing is
+    done to malloc on another libc."""
     global _MALLOC_TUNED
     if _MALLOC_TUNED or not sys.platform.startswith("linux"):
         return
     _MALLOC_TUNED = True
+    _no_huge_pages()
     try:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 64 << 20)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 128 << 20)  # M_TRIM_THRESHOLD
+        # a threshold glibc refuses leaves its own (and then the trim threshold, which fixes it, is left too)
+        if libc.mallopt(-3, 512 << 20) or libc.mallopt(-3, 32 << 20):  # M_MMAP_THRESHOLD
+            libc.mallopt(-1, 128 << 20)  # M_TRIM_THRESHOLD
     except (OSError, AttributeError):  # not glibc
         pass
+
+
+def _no_huge_pages() -> None:
+    """numpy's arrays without MADV_HUGEPAGE (see :func:`tune_malloc`), unless ``NUMPY_MADVISE_HUGEPAGE`` is set."""
+    if "NUMPY_MADVISE_HUGEPAGE" in os.environ:
+        return
+    np = sys.modules.get("numpy")
+    if np is None:  # read when numpy is imported
+        os.environ["NUMPY_MADVISE_HUGEPAGE"] = "0"
+        return
+    for where in ("_core", "core"):  # numpy 2, numpy 1.x
+        setter = getattr(getattr(getattr(np, where, None), "multiarray", None), "_set_madvise_hugepage", None)
+        if setter is not None:
+            setter(False)
+            return

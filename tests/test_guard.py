@@ -3,6 +3,7 @@ kernel measures for a real run (``getrusage``), not against bnprobe's own figure
 
 import importlib.util
 import math
+import os
 import subprocess
 import sys
 import time
@@ -202,3 +203,18 @@ def test_recorded_calls_are_guarded_before_loading(capsys, tmp_path, monkeypatch
     code, _, err = run(capsys, "--max-memory", "200M", *[a.replace("{d}", "d") for a in argv])
     assert code == 2 and "needs about" in err and "(shape (2, 3, 4, 4))" in err and err.count("\n") == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+
+
+@pytest.mark.parametrize("env, imported_first, want", [(None, True, False), (None, False, False), ("1", True, True),
+                                                       ("1", False, True)])
+def test_commands_do_not_ask_numpy_for_huge_pages_unless_the_user_does(env, imported_first, want):
+    """tune_malloc turns off numpy's MADV_HUGEPAGE (numpy imported before it or after), and keeps a
+    NUMPY_MADVISE_HUGEPAGE the user set."""
+    code = ("import sys\nif sys.argv[1] == 'y': import numpy\nfrom bnprobe.guard import tune_malloc\ntune_malloc()\n"
+            "import numpy\nprint(numpy._core.multiarray._get_madvise_hugepage())")
+    child_env = {k: v for k, v in os.environ.items() if k != "NUMPY_MADVISE_HUGEPAGE"}
+    if env is not None:
+        child_env["NUMPY_MADVISE_HUGEPAGE"] = env
+    out = subprocess.run([sys.executable, "-c", code, "y" if imported_first else "n"], capture_output=True, text=True,
+                         env=child_env, check=True)
+    assert out.stdout.strip() == str(want)
