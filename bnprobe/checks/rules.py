@@ -98,11 +98,12 @@ def excess(actual: np.ndarray, expected: np.ndarray, fmt: str) -> np.ndarray:
 def nonfinite_mismatch(actual: np.ndarray, golden: np.ndarray, fmt: str) -> str:
     """Where NaN/±inf in ``actual`` differ from the golden rounded to ``fmt`` (a golden beyond the format's
     range rounds to ±inf), a sentence saying how many and where; "" when they agree."""
-    a = np.asarray(actual, dtype=np.float64).reshape(-1)
     g = np.asarray(golden, dtype=np.float64).reshape(-1)
     f = get_format(fmt)
-    if a.size and np.isfinite(a).all() and np.isfinite(g).all() and float(np.abs(g).max()) <= f.max:
-        return ""  # all finite, and no golden value can round to ±inf
+    if np.size(actual) and _all_finite(actual) and g.size and np.isfinite(f.max) and \
+            g.max() <= f.max and g.min() >= -f.max:
+        return ""  # all finite, and no golden value can round to ±inf (a NaN fails both comparisons)
+    a = np.asarray(actual, dtype=np.float64).reshape(-1)
     with np.errstate(all="ignore"):
         gr = round_to(g, f.name)
     fa, fg = np.isfinite(a), np.isfinite(gr)
@@ -113,6 +114,19 @@ def nonfinite_mismatch(actual: np.ndarray, golden: np.ndarray, fmt: str) -> str:
     i = int(np.argmax(wrong))
     return (f"NaN/inf where the golden rounded to the format has none (or the reverse): {k} / {a.size} elements, "
             f"first at index {i} ({a[i]:.6g} vs {gr[i]:.6g})")
+
+
+_EXPONENTS = {np.dtype(np.float16): (np.uint16, 0x7C00), np.dtype(np.float32): (np.uint32, 0x7F800000),
+              np.dtype(np.float64): (np.uint64, 0x7FF0000000000000)}
+
+
+def _all_finite(a: Any) -> bool:
+    """Whether every value of ``a`` is finite: for a contiguous IEEE float16/32/64 array by its exponent bits (a
+    value is inf or NaN exactly when they are all ones), without widening it to float64 first."""
+    if isinstance(a, np.ndarray) and a.dtype in _EXPONENTS and a.flags.c_contiguous:
+        uint, mask = _EXPONENTS[a.dtype]
+        return not ((a.view(uint) & uint(mask)) == uint(mask)).any()
+    return bool(np.isfinite(np.asarray(a, dtype=np.float64)).all())
 
 
 # ---- the words of a failure -------------------------------------------------------------------------------

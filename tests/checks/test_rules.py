@@ -225,3 +225,42 @@ def test_versus_bench_where_it_has_no_say():
     assert versus_bench(np.array([np.nan, np.inf]), g, g, "fp32") is None  # no finite element
     vs = versus_bench(np.array([np.nan, 2.5]), g, g, "fp32")  # the NaN is left to the non-finite rule
     assert vs.max_err == 0.5 and math.isinf(vs.max_ratio)
+
+
+@pytest.mark.parametrize("store", ["float16", "bfloat16", "float32", "float64", "list", "strided"])
+@pytest.mark.parametrize("at", [0, 517, 1023])
+def test_nonfinite_mismatch_in_every_storage(store, at):
+    """NaN/inf where the golden rounded to the format has none (or the reverse), found whatever the output is
+    stored in (its exponent bits are read for contiguous IEEE arrays, not its float64 copy), at the first, a
+    middle and the last element; counted and placed as plain Python counts them."""
+    import math
+
+    import ml_dtypes
+
+    from bnprobe.checks.rules import nonfinite_mismatch
+
+    fmt = {"float16": "fp16", "bfloat16": "bf16"}.get(store, "fp32")
+    dt = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16, "fp32": np.float32}[fmt]
+    rng = np.random.default_rng(at)
+    g = rng.standard_normal(1024)
+    a = g.astype(dt).astype(np.float64)
+    assert nonfinite_mismatch(a, g, fmt) == ""
+    for bad_a, bad_g in ((np.nan, None), (-np.inf, None), (None, 1e39), (np.inf, 1e39), (None, np.nan)):
+        aa, gg = a.copy(), g.copy()
+        if bad_a is not None:
+            aa[at] = bad_a
+        if bad_g is not None:
+            gg[at] = bad_g
+        held = {"float16": aa.astype(np.float16), "bfloat16": aa.astype(ml_dtypes.bfloat16),
+                "float32": aa.astype(np.float32), "float64": aa, "list": aa.tolist(),
+                "strided": np.repeat(aa, 2)[::2]}[store]
+        with np.errstate(over="ignore"):
+            rounded = [float(v) for v in gg.astype(dt).astype(np.float64)]
+        want = [i for i, (x, y) in enumerate(zip(aa.tolist(), rounded))
+                if math.isfinite(x) != math.isfinite(y) or (not math.isfinite(x) and x != y
+                                                            and not (math.isnan(x) and math.isnan(y)))]
+        got = nonfinite_mismatch(held, gg, fmt)
+        if not want:
+            assert got == "", (bad_a, bad_g, got)
+        else:
+            assert f"{len(want)} / 1024 elements, first at index {want[0]}" in got, (bad_a, bad_g, got)
