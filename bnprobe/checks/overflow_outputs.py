@@ -21,7 +21,7 @@ from bnprobe.checks.overflow_report import (
     predict_headroom,
 )
 from bnprobe.checks.overflow_observe import observed_findings
-from bnprobe.checks.rules import bound_used
+from bnprobe.checks.rules import all_finite, bound_used
 from bnprobe.checks.run import CallRun, forgiven, generated_call, run_call
 from bnprobe.call import BNCall
 from bnprobe.errors import BNProbeError
@@ -63,6 +63,30 @@ def _finding(anomaly: str, stage: str, fmt: str, mask: np.ndarray, *, elementwis
     first = int(np.flatnonzero(mask.reshape(-1))[0])
     return OverflowFinding(anomaly, stage, fmt, tuple(chans.tolist()), int(per_ch.sum()),
                    index_str(first, lay, elementwise), input_at(first, x_cr, elementwise), detail, input_borne)
+
+
+def _nothing_to_find(key: str, got: Any, gold: Any, fmt: str, lay: Any) -> bool:
+    """Whether :func:`_output_findings` can find nothing, told by a few reductions of the output as it is stored:
+    every value of it finite and below the format's largest, the golden within the format's range (so it rounds
+    to a finite value), no zero or subnormal value where the output is positive, and no channel of one value
+    (elementwise outputs; an all-zero one otherwise).  False where any might fail, or the output is not a
+    float16/32/64 array: the whole check then runs."""
+    a, g, f = got, np.asarray(gold, dtype=np.float64), get_format(fmt)
+    if not (isinstance(a, np.ndarray) and a.dtype in (np.float16, np.float32, np.float64) and a.size
+            and a.shape == g.shape and all_finite(a)):
+        return False
+    with np.errstate(all="ignore"):
+        # (Python floats: a format's limits may not exist in the storage's dtype, fp32's largest in float16)
+        if not (g.max() <= f.max and g.min() >= -f.max and float(a.max()) < f.max and float(a.min()) > -f.max):
+            return False
+        if key in POSITIVE_OUTPUTS and not (np.abs(a.astype(np.float64)) >= f.tiny).all():
+            return False
+        if key not in ELEMENTWISE_OUTPUTS:
+            return not (a == 0).all()
+        if a.shape != tuple(lay.shape):
+            return False
+        v = lay.view3(a)
+        return not (v.max(axis=(0, 2)) == v.min(axis=(0, 2))).any()
 
 
 def _output_findings(key: str, got: Any, gold: Any, fmt: str, lay: Any, x_cr: np.ndarray,
@@ -165,6 +189,8 @@ def scan_call(run: CallRun, policy: str = "(recorded outputs vs the FP64 golden)
                                      input_borne=True))
     got_, gold_, formats_ = run.invstd_view()
     for key, got in got_.items():
+        if _nothing_to_find(key, got, gold_[key], formats_[key], lay):
+            continue
         fg = forgiven(run, key)
         fg = None if fg is None else lay.to_cr(np.broadcast_to(fg, np.shape(ci.x)))
         findings += _output_findings(key, got, gold_[key], formats_[key], lay, x_cr, bool(bad_inputs), fg)

@@ -41,7 +41,7 @@ from bnprobe.tolerances import (
 __all__ = ["Verdict", "STANDARD_RULES", "RULES", "SUMS", "beyond_rounding", "excess", "nonfinite_mismatch",
            "mismatch", "greatest_error", "absolute", "within_accumulation", "within_rounding", "BenchOutput",
            "benchmark_of", "channel_rule", "beyond_format", "bound_used", "within_bound", "VersusBench", "versus_bench",
-           "output_shares", "WORSE_THAN_BENCH", "WORSE_ULPS"]
+           "output_shares", "all_finite", "WORSE_THAN_BENCH", "WORSE_ULPS"]
 
 STANDARD_RULES = ("scaled", "accumulated", "threshold")
 RULES = ("benchmark", *STANDARD_RULES)
@@ -100,7 +100,7 @@ def nonfinite_mismatch(actual: np.ndarray, golden: np.ndarray, fmt: str) -> str:
     range rounds to ±inf), a sentence saying how many and where; "" when they agree."""
     g = np.asarray(golden, dtype=np.float64).reshape(-1)
     f = get_format(fmt)
-    if np.size(actual) and _all_finite(actual) and g.size and np.isfinite(f.max) and \
+    if np.size(actual) and all_finite(actual) and g.size and np.isfinite(f.max) and \
             g.max() <= f.max and g.min() >= -f.max:
         return ""  # all finite, and no golden value can round to ±inf (a NaN fails both comparisons)
     a = np.asarray(actual, dtype=np.float64).reshape(-1)
@@ -120,7 +120,7 @@ _EXPONENTS = {np.dtype(np.float16): (np.uint16, 0x7C00), np.dtype(np.float32): (
               np.dtype(np.float64): (np.uint64, 0x7FF0000000000000)}
 
 
-def _all_finite(a: Any) -> bool:
+def all_finite(a: Any) -> bool:
     """Whether every value of ``a`` is finite: for a contiguous IEEE float16/32/64 array by its exponent bits (a
     value is inf or NaN exactly when they are all ones), without widening it to float64 first."""
     if isinstance(a, np.ndarray) and a.dtype in _EXPONENTS and a.flags.c_contiguous:

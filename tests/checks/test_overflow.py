@@ -244,3 +244,60 @@ def test_cli_dy_kind_is_validated_before_any_work(capsys):
     assert main(["overflow", "--dy", "sideways"]) == 2
     err = capsys.readouterr().err
     assert "--dy 'sideways'" in err and "shifted" in err and "Traceback" not in err
+
+
+def test_an_output_passed_over_unread_has_nothing_to_find():
+    """scan_call skips an output whose few reductions show nothing to find: whenever it does, the full check
+    finds nothing either — outputs with NaN, inf, the format's largest value, zeros and subnormals where the output
+    is positive, a constant or all-zero channel, a golden beyond the format or NaN, in float16, bfloat16, float32
+    and float64 storage, each judged both ways; clean outputs do take the short way."""
+    import ml_dtypes
+
+    from bnprobe.checks.overflow_outputs import _nothing_to_find, _output_findings
+    from bnprobe.formats import get_format
+    from bnprobe.kernels.layout import layout_of
+
+    rng = np.random.default_rng(41)
+    skipped = found = 0
+    for trial in range(600):
+        key = ("y", "dx", "saved_invstd", "running_var", "saved_mean")[trial % 5]
+        fmt = ("fp16", "fp32", "bf16")[trial % 3]
+        f = get_format(fmt)
+        x = rng.standard_normal((3, 4, 5))
+        lay = layout_of(x)
+        shape = x.shape if key in ("y", "dx") else (4,)
+        g = rng.standard_normal(shape) * (10.0 ** rng.integers(-2, 3))
+        if key in ("saved_invstd", "running_var"):
+            g = np.abs(g) + 0.5
+        dt = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16, "fp32": np.float32}[fmt]
+        a = g.astype(dt).astype(np.float64)
+        kind = trial // 15 % 10
+        flat = a.reshape(-1)
+        i = int(rng.integers(flat.size))
+        if kind == 1:
+            flat[i] = np.nan
+        elif kind == 2:
+            flat[i] = -np.inf
+        elif kind == 3:
+            flat[i] = f.max
+        elif kind == 4:
+            flat[i] = 0.0
+        elif kind == 5:
+            flat[i] = f.tiny / 4
+        elif kind == 6 and a.ndim == 3:
+            a[:, 1, :] = a[0, 1, 0]
+        elif kind == 7:
+            a[...] = 0.0
+        elif kind == 8:
+            g.reshape(-1)[i] = f.max * 4
+        elif kind == 9:
+            g.reshape(-1)[i] = np.nan
+        store = (np.float64, np.float32, np.float16, ml_dtypes.bfloat16)[trial % 4]
+        with np.errstate(all="ignore"):
+            held = a.astype(store)
+        full = _output_findings(key, held, g, fmt, lay, lay.to_cr(x), False)
+        fast = _nothing_to_find(key, held, g, fmt, lay)
+        assert not (fast and full), (trial, key, fmt, kind, store, [o.anomaly for o in full])
+        skipped += fast
+        found += bool(full)
+    assert skipped > 100 and found > 100, (skipped, found)
