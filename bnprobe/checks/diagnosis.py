@@ -319,12 +319,25 @@ def _items(checks: list[dict[str, Check]], on: str, unseen: bool = False) -> tup
                           "cause; bnprobe overflow locates them)", (), tuple(beyond)))
     notes = hints
     if unseen:
-        hid = {bug: [c[gr].hidden(bug) for c in checks for gr in c] for bug in BUGS}
-        bugs = [bug for bug, hs in hid.items() if any(h is not None for h in hs) and all(h is not False for h in hs)]
+        bugs = [bug for bug in BUGS if _unseen(bug, checks)]
         if bugs:
             notes.append("on this call's data these bugs look like correct BatchNorm (within tolerance) and cannot "
                          "be seen: " + "; ".join(map(say, bugs)))
     return items, diagnosis, notes
+
+
+def _unseen(bug: str, checks: list[dict[str, Check]]) -> bool:
+    """Whether some group can model ``bug`` and on every such group its model is within tolerance of the golden
+    (:meth:`Check.hidden`): the groups asked in turn, stopping at the first that shows the bug (each question
+    forms the bug's model of that group)."""
+    judged = False
+    for c in checks:
+        for gr in c:
+            h = c[gr].hidden(bug)
+            if h is False:
+                return False
+            judged = judged or h is not None
+    return judged
 
 
 def _returned(a: Any, fallback: str) -> str:
