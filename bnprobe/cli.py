@@ -220,7 +220,7 @@ def _run_sweep(command: str, found: tuple[Path, Optional[str]], calls: Optional[
     items = [*tasks, *rank_groups(tasks)]  # each call, then each layer and step several ranks recorded
     n = 1 if address else min(workers or os.cpu_count() or 1, len(items))
     biggest = max(items, key=lambda t: math.prod(t.shape))
-    need = run_bytes(command, math.prod(biggest.shape), recorded=True) * n  # each worker holds one task at a time
+    need = run_bytes(command, math.prod(biggest.shape), recorded=runnable is None) * n  # one task per worker at a time
     require(need, f"{command} sweep on {n} worker(s), the largest task {biggest.key} (shape {biggest.shape}, "
                   f"{format_size(need // n)} each)")
     if resume and out is not None and (out / SWEEP_FILES[0]).exists() and not force:

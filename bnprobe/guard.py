@@ -49,7 +49,8 @@ PER_ELEMENT: dict[str, int] = {
     "load": 16,
 }
 
-#: Peak bytes per element of a recorded call (loaded one at a time; one format, the call's own), measured slope
+#: Peak bytes per element of a recorded call replayed (the dump's own outputs judged, loaded one call at a time;
+#: one format, the call's own; where a kernel runs on a dump's inputs, PER_ELEMENT applies), measured slope
 #: × 1.3 on emulated fp16 dumps of train, infer and backward calls of 2.1 M and 8.4 M values (2026-12-05:
 #: compare-precision 214 B, overflow 191 B, gradcheck 218 B, doctor 188 B besides its bug models).  A model's
 #: capture (6 calls of a model.half() network, the largest 9.4 M values) measured less: 1.26 GB for
@@ -215,7 +216,8 @@ def tune_malloc() -> None:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
-        # a threshold glibc refuses leaves its own (and then the trim threshold, which fixes it, is left too)
+        # a threshold glibc refuses, 32 MiB then (its documented limit); where it refuses both, its own dynamic
+        # threshold is kept, and the trim threshold (which would fix it) is left alone too
         if libc.mallopt(-3, 512 << 20) or libc.mallopt(-3, 32 << 20):  # M_MMAP_THRESHOLD
             libc.mallopt(-1, 128 << 20)  # M_TRIM_THRESHOLD
     except (OSError, AttributeError):  # not glibc

@@ -218,3 +218,20 @@ def test_commands_do_not_ask_numpy_for_huge_pages_unless_the_user_does(env, impo
     out = subprocess.run([sys.executable, "-c", code, "y" if imported_first else "n"], capture_output=True, text=True,
                          env=child_env, check=True)
     assert out.stdout.strip() == str(want)
+
+
+def test_a_kernel_run_on_a_dumps_inputs_is_guarded_as_a_generated_input(capsys, tmp_path, monkeypatch):
+    """A dump replayed takes the recorded call's figures; a runnable kernel on the same dump's inputs runs the
+    kernel, and takes those of a generated input (a reviewer measured overflow --adapter emulated --input DIR at
+    1.9 GB where the recorded figure estimated 1.5 GB)."""
+    from bnprobe.guard import format_size
+
+    monkeypatch.chdir(tmp_path)
+    assert run(capsys, "dump", "--adapter", "emulated", "--shape", "16,64,32,32", "--out", "d")[0] == 0
+    n = 16 * 64 * 32 * 32
+    replay, kernel = run_bytes("overflow", n, recorded=True), run_bytes("overflow", n)
+    assert replay < kernel
+    limit = format_size((replay + kernel) // 2).replace(" ", "").replace("iB", "")
+    code, _, err = run(capsys, "--max-memory", limit, "overflow", "--adapter", "emulated", "--input", "d")
+    assert code == 2 and "needs about" in err, err
+    assert run(capsys, "--max-memory", limit, "overflow", "--adapter", "dump:d")[0] in (0, 1)

@@ -160,5 +160,6 @@ def select_cases(adapters: list[KernelAdapter], *, input: str | Path | None = No
         cases += stress_cases(seed) if stress else []
     biggest = max(cases, key=lambda c: math.prod(c.shape))
     require_run("compare-precision", biggest.shape, f"compare-precision on {biggest.name} (shape {biggest.shape})",
-                torch=any(a.name.startswith("torch") for a in adapters), recorded=recorded is not None)
+                torch=any(a.name.startswith("torch") for a in adapters),
+                recorded=recorded is not None and all(a.capabilities().recorded for a in adapters))
     return adapters, cases, recorded

@@ -50,15 +50,16 @@ def is_dump_path(path: str | Path) -> bool:
     return head.is_dir() or head.name in (META_NAME, CALLS_NAME, "dump.json")
 
 
-def require_calls(command: str, calls: list[CallRef]) -> None:
+def require_calls(command: str, calls: list[CallRef], replayed: bool = True) -> None:
     """Refuse ``command`` over recorded ``calls`` when its largest call (they are loaded one at a time) would not
-    fit in memory (:mod:`bnprobe.guard`); nothing is loaded."""
+    fit in memory (:mod:`bnprobe.guard`); nothing is loaded.  ``replayed``: the dump's own outputs are judged (the
+    guard's figures for a recorded call); else a kernel runs on its inputs (the figures of a generated input)."""
     from bnprobe.guard import require_run
 
     biggest = max(calls, key=lambda c: math.prod(c.shape), default=None)
     if biggest is not None:
         require_run(command, tuple(biggest.shape), f"{command} on {biggest.label} (shape {tuple(biggest.shape)})",
-                    recorded=True)
+                    recorded=replayed)
 
 
 def recording_of(adapter: str | KernelAdapter, input: str | Path | None = None,
@@ -80,7 +81,7 @@ def recording_of(adapter: str | KernelAdapter, input: str | Path | None = None,
     else:
         return None
     if guard is not None:
-        require_calls(guard, found.calls.calls)
+        require_calls(guard, found.calls.calls, replayed=a.capabilities().recorded)
     return found
 
 
@@ -101,7 +102,7 @@ def one_call(spec: str | Path, calls: str | None = None, what: str = "this comma
                            "select it with DIR#NAME or --calls")
     c = found.calls[0]
     if guard is not None:
-        require_calls(guard, [c])
+        require_calls(guard, [c], replayed=False)
     return c, c.load()
 
 

@@ -355,9 +355,9 @@ def _versus_compiled(a: np.ndarray, b: np.ndarray, g: np.ndarray, fmt: str) -> V
 def output_shares(ulps: np.ndarray, golden: Any, fmt: str, std: Standard | None) -> tuple[float, float, float, float]:
     """What a compare row reports beside its verdict, each a share: of the finite ULP errors (``ulps``, 1-D
     float64) over the standard's ULP limit; of the golden at most its small-value threshold, in ``fmt``'s
-    subnormal range, beyond ``fmt``'s largest value (0.0 where there is no standard, no element, or for fp64 no
-    subnormal range).  Numpy's means of the comparisons; over a large output, the same counts in one compiled pass
-    (a mean of booleans is its count over the size, in float64)."""
+    subnormal range, beyond ``fmt``'s largest value.  0.0 for the first two without a standard, for fp64's
+    subnormal share, and for any without elements.  Numpy's means of the comparisons; over a large output, the
+    same counts in one compiled pass (a mean of booleans is its count over the size, in float64)."""
     f = get_format(fmt)
     g = np.asarray(golden, dtype=np.float64).reshape(-1)
     nan = float("nan")

@@ -286,7 +286,7 @@ def _scale_leaf(x3, dy3, c, lo, n, k, bufs, tops):  # pragma: no cover - compile
 def _scale_row(x3, dy3, c, k, bufs, tops, sums):  # pragma: no cover - compiled
     """``sums``: numpy's pairwise sums over channel c's row of each of :func:`_scale_leaf`'s five values: its
     recursion (a block sum at 128 values or fewer, else the halves split at a multiple of 8, left + right) unrolled
-    over an explicit stack (numba's cache crashes loading a recursive function called from another)."""
+    over an explicit stack (numba's cache crashed loading a parallel loop that called a recursive function)."""
     nq = 5 if k[2] != 0.0 else 1
     los, ns, st = np.zeros(64, np.int64), np.zeros(64, np.int64), np.zeros(64, np.int64)
     part, val = np.empty((64, 5)), np.empty(5)

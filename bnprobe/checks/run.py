@@ -399,9 +399,11 @@ def natural_scales(call: BNCall, stats: Saved | None, dy: np.ndarray | None) -> 
 def _scales_compiled(call: BNCall, stats: Saved | None, dy: np.ndarray | None) -> dict[str, np.ndarray] | None:
     """:func:`natural_scales` of a large call in one compiled pass: each channel's sums are numpy's pairwise sums of
     its row, reproduced, and its means those sums over R, so the same figures bit for bit; None where the call
-    takes numpy's route.  Only for C-contiguous float64 (N, C, ...) x and dy without NaN: numpy reduces a row
-    pairwise where :meth:`~bnprobe.kernels.layout.Layout.to_cr` gives contiguous rows, which it does for these;
-    channels-last and (N, C) data it hands over with the channels innermost, and adds each row in order."""
+    takes numpy's route.  Only for C-contiguous float64 (N, C, S...) x and dy without NaN, with S > 1: numpy
+    reduces a row pairwise where :meth:`~bnprobe.kernels.layout.Layout.to_cr` gives contiguous rows, which it does
+    for these (a copy, or a view when N or C is 1); channels-last data, (N, C) and (N, C, 1, ...) it hands over as
+    a view with the channels innermost, and adds each row in order.  Statistics of another length than C (numpy
+    would broadcast them) take numpy's route too."""
     from bnprobe._jit import jit_for
 
     x = call.x
@@ -410,8 +412,8 @@ def _scales_compiled(call: BNCall, stats: Saved | None, dy: np.ndarray | None) -
     def plain(a: Any) -> bool:
         return isinstance(a, np.ndarray) and a.dtype == np.float64 and a.flags.c_contiguous and a.shape == x.shape
 
-    if not (plain(x) and x.ndim >= 3 and layout_of(x, call.layout).channel_axis == 1 and x.size and jit_for(x.size)) \
-            or (back and not plain(dy)):
+    if not (plain(x) and x.ndim >= 3 and layout_of(x, call.layout).channel_axis == 1 and math.prod(x.shape[2:]) > 1
+            and jit_for(x.size)) or (back and not plain(dy)):
         return None
     from bnprobe.checks.rules_compiled import scale_sums
 
@@ -419,7 +421,9 @@ def _scales_compiled(call: BNCall, stats: Saved | None, dy: np.ndarray | None) -
     r = lay.reduce_size
     with np.errstate(all="ignore"):
         gm = np.asarray(stats.mean, dtype=np.float64) if back else np.zeros(lay.channels)
-        gv = stats.var(call.eps) if back else np.zeros(lay.channels)
+        gv = np.asarray(stats.var(call.eps), dtype=np.float64) if back else np.zeros(lay.channels)
+        if gm.shape != (lay.channels,) or gv.shape != (lay.channels,):
+            return None
         sums = scale_sums(lay.view3(x), lay.view3(dy) if back else None, gm, np.sqrt(gv + call.eps))
         if sums is None:
             return None
@@ -474,7 +478,8 @@ def _deviation_peaks(call: BNCall, lay: Any, gm: np.ndarray) -> np.ndarray:
     from bnprobe._jit import jit_for
 
     x = call.x
-    if isinstance(x, np.ndarray) and x.dtype == np.float64 and x.size and jit_for(x.size):
+    if isinstance(x, np.ndarray) and x.dtype == np.float64 and x.size and jit_for(x.size) and \
+            gm.shape == (lay.channels,):
         from bnprobe.checks.rules_compiled import deviation_peaks
 
         return deviation_peaks(lay.view3(x), gm)

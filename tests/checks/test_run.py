@@ -178,12 +178,13 @@ def test_natural_scales_are_numpys_nan_reductions_bit_for_bit(where, jit, monkey
                                            ((1, 2, 16, 8), "channels_first"), ((4, 2, 129), "channels_first"),
                                            ((5, 3, 41, 37), "channels_first"), ((2, 1, 3, 4, 700), "channels_first"),
                                            ((64, 2, 4100), "channels_first"), ((3, 5, 6, 4), "channels_last"),
-                                           ((50, 6), "channels_first")])
+                                           ((50, 6), "channels_first"), ((64, 4, 1), "channels_first"),
+                                           ((33, 3, 1, 1), "channels_first"), ((1, 3, 1, 200), "channels_first")])
 def test_scales_and_bounds_are_the_same_on_both_routes(shape, layout, monkeypatch):
     """The natural scales and the accumulation bounds built on them, bit for bit on both routes, with rows of
     fewer than 8, exactly 128, 129 and many values (numpy's pairwise blocks and splits), a channel of zero variance
     with ε = 0 (x̂ = 0/0: numpy's nan* reductions), -0.0 in dy, and the layouts the compiled route leaves to numpy
-    (channels-last, (N, C): numpy adds those rows in order)."""
+    (channels-last, (N, C) and (N, C, 1, ...): numpy adds those rows in order)."""
     from bnprobe.adapters import Saved
     from bnprobe.checks.run import cancellation_bounds, natural_scales, statistics_bounds
 
@@ -213,3 +214,24 @@ def test_scales_and_bounds_are_the_same_on_both_routes(shape, layout, monkeypatc
             for k in part0:
                 v0, v1 = (part0[k][0], part1[k][0]) if isinstance(part0[k], tuple) else (part0[k], part1[k])
                 np.testing.assert_array_equal(v0, v1, err_msg=f"{k} {edit}")
+
+
+def test_statistics_shorter_than_the_channels_broadcast_on_both_routes(monkeypatch):
+    """Statistics of one value for three channels broadcast as numpy broadcasts them: the compiled route leaves
+    them to numpy's instead of reading past their end."""
+    from bnprobe.adapters import Saved
+    from bnprobe.checks.run import cancellation_bounds, natural_scales
+
+    rng = np.random.default_rng(5)
+    x, dy = rng.standard_normal((4, 3, 10, 10)), rng.standard_normal((4, 3, 10, 10))
+    call, stats = BNCall(x, gamma=np.ones(3)), Saved(np.array([0.1]), "var", np.array([1.2]))
+    got = {}
+    for jit in ("0", "1"):
+        monkeypatch.setenv("BNPROBE_JIT", jit)
+        sc = natural_scales(call, stats, dy)
+        got[jit] = (sc, cancellation_bounds(call, stats, sc))
+    for k in got["0"][0]:
+        np.testing.assert_array_equal(got["0"][0][k], got["1"][0][k], err_msg=k)
+        assert np.isfinite(got["1"][0][k]).all(), k
+    for k in got["0"][1]:
+        np.testing.assert_array_equal(got["0"][1][k][0], got["1"][1][k][0], err_msg=k)
