@@ -203,10 +203,15 @@ def model(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, rm: np.ndarray, rv
         return 1 / np.sqrt(v + eps)
 
     def y_of(m: np.ndarray, rs: np.ndarray) -> np.ndarray:
+        p, q = (beta, gamma) if bug == SWAPPED else (gamma, beta)
+        if _compiled(x):  # the same operations in one compiled pass
+            from bnprobe.checks.rules_compiled import affine_y
+
+            return affine_y(x, None, None, gamma * rs, beta) if bug == NO_CENTER else affine_y(x, m, rs, p, q)
         if bug == NO_CENTER:
             return col(gamma * rs) * x + col(beta)
         xh = (x - col(m)) * col(rs)
-        return col(beta) * xh + col(gamma) if bug == SWAPPED else col(gamma) * xh + col(beta)
+        return col(p) * xh + col(q)
 
     m_t, v_t = (rm, rv) if bug == TRAIN_RUNNING else (mean, unbiased if bug == UNBIASED else var)
     rstd = rstd_of(v_t)
@@ -242,7 +247,7 @@ def _gradients(x: np.ndarray, dy: np.ndarray, gamma: np.ndarray, *, bug: str | N
     """dx, dgamma and dbeta of :func:`model`, each formed when asked, from the statistics the backward takes."""
     ax, r = reduce_axes(x), x.size // x.shape[1]
     col = lambda v: channel_column(v, x.ndim)  # noqa: E731
-    xh_b = _cached(lambda: (x - col(m_b)) * col(rs_b))
+    xh_b = _cached(lambda: _xhat(x, m_b, rs_b))
 
     def parameters() -> tuple[np.ndarray, np.ndarray]:
         dbeta = sum_dy.reshape(-1).copy()
@@ -271,11 +276,29 @@ def _gradients(x: np.ndarray, dy: np.ndarray, gamma: np.ndarray, *, bug: str | N
     return {"dx": dx, "dgamma": lambda: np.array(params()[0]), "dbeta": lambda: np.array(params()[1])}
 
 
+def _compiled(*arrays: np.ndarray) -> bool:
+    """Whether an elementwise expression of a model takes one compiled pass: large C-contiguous float64 (N, C, ...)
+    arrays of one shape, and no floating-point error to raise or warn of (the pass signals none; the doctor's models
+    ignore them)."""
+    a = arrays[0]
+    return a.ndim > 1 and jit_for(a.size) and set(np.geterr().values()) == {"ignore"} and \
+        all(isinstance(b, np.ndarray) and b.shape == a.shape and b.dtype == np.float64 and b.flags.c_contiguous
+            for b in arrays)
+
+
 def _compiled_dx(dy: np.ndarray, z: np.ndarray) -> bool:
-    """Whether dx's last expression takes one compiled pass: large C-contiguous float64 (N, C, ...) arrays, and no
-    floating-point error to raise or warn of (the pass signals none; the doctor's models ignore them)."""
-    return dy.ndim > 1 and dy.shape == z.shape and dy.dtype == z.dtype == np.float64 and jit_for(dy.size) \
-        and dy.flags.c_contiguous and z.flags.c_contiguous and set(np.geterr().values()) == {"ignore"}
+    """Whether dx's last expression takes one compiled pass (:func:`_compiled`)."""
+    return _compiled(dy, z)
+
+
+def _xhat(x: np.ndarray, m: np.ndarray, rs: np.ndarray) -> np.ndarray:
+    """x̂ = (x - m) * rs per channel: numpy's expression, or the same operations in one compiled pass (a large
+    call: :func:`_compiled`)."""
+    if _compiled(x):
+        from bnprobe.checks.rules_compiled import affine_y
+
+        return affine_y(x, m, rs, 1.0, -0.0)
+    return (x - channel_column(m, x.ndim)) * channel_column(rs, x.ndim)
 
 
 def describe(bug: str, convention: str = "torch") -> str:

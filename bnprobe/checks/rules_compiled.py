@@ -4,10 +4,11 @@ it is, and how many elements exceed the limit; the same IEEE float64 operations,
 route, so the same figures bit for bit.  The doctor's per-channel rule (:func:`bnprobe.checks.rules.channel_rule`)
 likewise, in two passes: each channel's largest finite |golden|, then the error beyond rounding over the channel's
 allowance.  The kernel against the bench (:func:`bnprobe.checks.rules.versus_bench`: numpy's pairwise sums of its
-squares, reproduced) and the last expression of a bug model's dx (:mod:`bnprobe.checks.bugs`), each in one pass; the
-shares a compare row reports beside its verdict (:func:`bnprobe.checks.rules.output_shares`) as counts, in one; the
-per-channel sums and largest values the natural scales are formed from (:func:`bnprobe.checks.run.natural_scales`:
-numpy's pairwise sums of each channel's row, reproduced), in one, and each channel's largest |x - mean|.
+squares, reproduced) and a bug model's y, x̂ and last expression of dx (:mod:`bnprobe.checks.bugs`), each in one
+pass; the shares a compare row reports beside its verdict (:func:`bnprobe.checks.rules.output_shares`) as counts,
+in one; the per-channel sums and largest values the natural scales are formed from
+(:func:`bnprobe.checks.run.natural_scales`: numpy's pairwise sums of each channel's row, reproduced), in one, and
+each channel's largest |x - mean|.
 
 Imported by the rules only for arrays that take the compiled route (:func:`bnprobe._jit.jit_for`).
 """
@@ -21,7 +22,7 @@ from bnprobe._jit import KERNEL_LOCK
 from bnprobe._jit_bits import _block_sum, ulp_bits
 
 __all__ = ["worst_ratio", "channel_peaks", "channel_worst", "versus_sums", "affine_dx", "share_counts",
-           "scale_sums", "deviation_peaks"]
+           "scale_sums", "deviation_peaks", "affine_y"]
 
 
 @njit(cache=True, nogil=True)
@@ -364,4 +365,47 @@ def deviation_peaks(x3: np.ndarray, mean: np.ndarray) -> np.ndarray:
     out = np.empty(x3.shape[1])
     with KERNEL_LOCK:
         _deviation_peaks(x3, np.ascontiguousarray(mean, dtype=np.float64), out)
+    return out
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _centred(x, coef, dims, out):  # pragma: no cover - compiled
+    """``out_i = p_c * ((x_i - m_c) * s_c) + q_c`` over (batch, channels, inner) ``x`` (flat; ``dims`` = (batch,
+    inner)), ``coef[c]`` = (m, s, p, q): numpy's ``p * ((x - m) * s) + q`` operation by operation."""
+    batch, inner = dims
+    channels = coef.shape[0]
+    for c in prange(channels):
+        m, s, p, q = coef[c, 0], coef[c, 1], coef[c, 2], coef[c, 3]
+        for n in range(batch):
+            base = (n * channels + c) * inner
+            for j in range(inner):
+                out[base + j] = p * ((x[base + j] - m) * s) + q
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _scaled(x, coef, dims, out):  # pragma: no cover - compiled
+    """``out_i = p_c * x_i + q_c`` (``coef[c]`` = (p, q)), as :func:`_centred`."""
+    batch, inner = dims
+    channels = coef.shape[0]
+    for c in prange(channels):
+        p, q = coef[c, 0], coef[c, 1]
+        for n in range(batch):
+            base = (n * channels + c) * inner
+            for j in range(inner):
+                out[base + j] = p * x[base + j] + q
+
+
+def affine_y(x: np.ndarray, m: np.ndarray | None, s: np.ndarray | None, p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """``p * ((x - m) * s) + q`` (``m`` None: ``p * x + q``) for C-contiguous (N, C, ...) float64 ``x`` and
+    per-channel ``m``, ``s``, ``p``, ``q`` (each broadcast over its channel), in one compiled pass: the same float64
+    operations in the same order as numpy's expression (x̂ alone: p = 1 and q = -0.0, which change no value)."""
+    c = x.shape[1]
+    vecs = (p, q) if m is None else (m, s, p, q)
+    coef = np.empty((c, len(vecs)))
+    for k, v in enumerate(vecs):
+        coef[:, k] = np.broadcast_to(np.asarray(v, dtype=np.float64).reshape(-1), (c,))
+    out = np.empty_like(x)
+    dims = (x.shape[0], int(np.prod(x.shape[2:], dtype=np.int64)))
+    with KERNEL_LOCK:
+        (_scaled if m is None else _centred)(x.reshape(-1), coef, dims, out.reshape(-1))
     return out

@@ -94,6 +94,27 @@ def test_dx_is_the_same_on_both_routes(training, monkeypatch):
             assert np.array_equal(np.signbit(got["1"]), np.signbit(got["0"]))
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_every_output_is_the_same_on_both_routes(training, monkeypatch):
+    """y and y_infer (one compiled pass for γ·((x - μ)·rstd) + β, and its swapped and uncentred bugs) and the
+    gradients built on x̂ (one pass for (x - μ)·rstd) are numpy's bit for bit, sign of zero and NaN included, for
+    every bug and recipe, with a non-finite x and dy, a zero γ and a -0.0 in x."""
+    args = _args(6, (4, 3, 5, 6))
+    args[0][0, 0, 0, 0], args[5][1, 1, 1, 1], args[0][2, 2, 2, 2], args[1][1] = np.inf, np.nan, -0.0, 0.0
+    saved = (args[3] + 0.01, 1 / np.sqrt(args[4] + 1e-5)) if training else None
+    for recipe in (None, *RECIPES):
+        for bug in (None, *BUGS):
+            got = {}
+            for jit in ("0", "1"):
+                monkeypatch.setenv("BNPROBE_JIT", jit)
+                with np.errstate(all="ignore"):
+                    m = model(*args, bug=bug, training=training, saved=saved, recipe=recipe)
+                    got[jit] = {k: np.array(m[k]) for k in m}
+            for k in got["0"]:
+                np.testing.assert_array_equal(got["1"][k], got["0"][k], err_msg=f"{k} {bug} {recipe}")
+                assert np.array_equal(np.signbit(got["1"][k]), np.signbit(got["0"][k])), (k, bug, recipe)
+
+
 def test_dx_under_raised_errors_takes_numpys_route(monkeypatch):
     monkeypatch.setenv("BNPROBE_JIT", "1")
     x = np.ones((2, 2, 3, 3)) * np.arange(9).reshape(3, 3)
@@ -102,3 +123,21 @@ def test_dx_under_raised_errors_takes_numpys_route(monkeypatch):
         m = model(x, np.full(2, 1e308), np.zeros(2), np.zeros(2), np.ones(2), dy, 0.1, 1e-5)
         with pytest.raises(FloatingPointError):
             m["dx"]
+
+
+def test_xhat_keeps_the_sign_of_zero_on_both_routes(monkeypatch):
+    """x̂ = (x - μ)·rstd in one compiled pass adds -0.0 after multiplying by 1: -0.0 stays -0.0 (x = -0.0 at
+    μ = 0), as numpy's expression gives it, and so do NaN, inf and subnormal results."""
+    from bnprobe.checks.bugs import _xhat
+
+    x = np.random.default_rng(3).standard_normal((3, 2, 4, 4))
+    x[0, 0, 0, :4] = [-0.0, 0.0, np.inf, np.nan]
+    x[1, 1, 0, 0] = 1e-310
+    m, rs = np.array([0.0, 0.0]), np.array([1.0, 0.5])
+    got = {}
+    for jit in ("0", "1"):
+        monkeypatch.setenv("BNPROBE_JIT", jit)
+        with np.errstate(all="ignore"):
+            got[jit] = _xhat(x, m, rs)
+    np.testing.assert_array_equal(got["1"], got["0"])
+    assert np.array_equal(np.signbit(got["1"]), np.signbit(got["0"])) and np.signbit(got["1"][0, 0, 0, 0])
