@@ -77,10 +77,9 @@ def plot_compare(rows: pd.DataFrame) -> Figure:
     fig = Figure(figsize=(max(8, 1.1 * len(tensors) + 3), 4.8), layout="constrained")
     ax = fig.subplots()
     width = 0.8 / max(len(groups), 1)
+    peaks = df.groupby(["adapter", "dtype", "tensor"])["ratio"].max()  # (NaN left out, as Series.max leaves it)
     for k, (adapter, dtype) in enumerate(groups):
-        sub = df[(df["adapter"] == adapter) & (df["dtype"] == dtype)]
-        worst = [float(sub[sub["tensor"] == t]["ratio"].max()) if (sub["tensor"] == t).any() else np.nan
-                 for t in tensors]
+        worst = [float(peaks.get((adapter, dtype, t), np.nan)) for t in tensors]
         bars = ax.bar(np.arange(len(tensors)) + (k - (len(groups) - 1) / 2) * width, worst, width,
                       label=f"{adapter} {dtype}")
         for bar, w in zip(bars, worst):
