@@ -11,7 +11,7 @@ from numba import njit, prange
 
 from bnprobe._jit import KERNEL_LOCK
 
-__all__ = ["ulp", "ulp_bits", "ulp_scaled", "half", "checker_sums"]
+__all__ = ["ulp", "ulp_bits", "ulp_scaled", "half", "checker_sums", "held_by"]
 
 
 @njit(cache=True, nogil=True)
@@ -270,3 +270,36 @@ def checker_sums(dev: np.ndarray, bench: np.ndarray, bdev: np.ndarray, small_val
         rel = _rels(arrs, kept, k, np.zeros(1, dtype=np.int64), buf) if kept else k[4]
     return {"small": int(counts[0]), "small_err": int(counts[1]), "left_out": int(counts[2]), "larger": int(counts[3]),
             "smaller": int(counts[4]), "kept": kept, "squares": err.type(sq), "max_rel": top[0], "rels": err.type(rel)}
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _held_by(bits, narrow, out):  # pragma: no cover - compiled
+    """``out[i]``: whether the float32 whose bits are ``bits[i]`` is exactly a value of fp16 (``narrow`` 16) or bf16
+    (8), inf and NaN included: bf16 keeps a float32's exponent and its top 7 fraction bits; fp16 has 10 fraction
+    bits from 2^-14 up to 2^15, and below 2^-14 its subnormals end at 2^-24."""
+    for i in prange(bits.size):
+        b = bits[i]
+        exp = (b >> 23) & 0xFF
+        if exp == 255:
+            out[i] = True
+        elif narrow == 8:
+            out[i] = (b & 0xFFFF) == 0
+        elif exp == 0:
+            out[i] = (b & 0x7FFFFF) == 0  # zero; a float32 subnormal is below fp16's smallest
+        else:
+            e = exp - 127
+            if e > 15 or e < -24:
+                out[i] = False
+            elif e >= -14:
+                out[i] = (b & 0x1FFF) == 0
+            else:  # an fp16 subnormal: e + 24 fraction bits
+                out[i] = (b & ((np.uint32(1) << np.uint32(-1 - e)) - np.uint32(1))) == 0
+
+
+def held_by(values: np.ndarray, fmt: str) -> np.ndarray:
+    """Whether each value of C-contiguous float32 ``values`` is exactly a value of ``fmt`` (fp16 or bf16), in one pass
+    over its bits."""
+    out = np.empty(values.shape, dtype=np.bool_)
+    with KERNEL_LOCK:
+        _held_by(values.reshape(-1).view(np.uint32), 16 if fmt == "fp16" else 8, out.reshape(-1))
+    return out

@@ -289,6 +289,10 @@ def is_representable(values: np.ndarray, fmt: str | Format) -> np.ndarray:
     v = np.asarray(values)
     if v.dtype not in (np.float32, np.float64):
         v = v.astype(np.float64)
+    if v.dtype == np.float32 and fmt.name in ("fp16", "bf16") and v.flags.c_contiguous and jit_for(v.size):
+        from bnprobe._jit_bits import held_by
+
+        return held_by(v, fmt.name)  # the same answer from the bits, in one pass
     with np.errstate(all="ignore"):
         # a value is in the format exactly when a correct nearest-even cast leaves it unchanged (beyond the largest
         # value the cast gives ±max or ±inf, not the value); other formats: rounding toward zero, any exponent

@@ -279,3 +279,32 @@ def test_is_representable_agrees_with_exact_arithmetic_at_every_edge(name, carri
     want = np.array([_exactly_in(float(x), fmt) for x in v])
     np.testing.assert_array_equal(got, want)
     assert got.sum() > 20 and ((~got).sum() > 20 or (name == "fp32" and carrier is np.float32))  # both outcomes
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_float32_values_held_by_a_16_bit_format_are_the_same_on_both_routes(fmt, monkeypatch):
+    """Whether float32 values are fp16/bf16 values, read from their bits in one compiled pass, is numpy's cast-back
+    answer for every fp16 value and its float32 neighbours (±3 ulp), every float32 exponent with each single low
+    bit and each low run of bits set, either sign, and random bit patterns (NaN payloads included); every value of
+    the format itself is held, and no finite float32 next to one is."""
+    rng = np.random.default_rng(11)
+    own = (np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32) if fmt == "fp16"
+           else (np.arange(65536, dtype=np.uint32) << np.uint32(16)).view(np.float32))
+    wide = own.view(np.uint32).astype(np.int64)
+    parts = [((wide + d) % 2**32).astype(np.uint32) for d in (-3, -2, -1, 1, 2, 3)]
+    exps = np.arange(256, dtype=np.uint32) << np.uint32(23)
+    for k in range(24):
+        for extra in (np.uint32(1) << np.uint32(k), np.uint32((1 << 23) - (1 << k))):
+            parts += [exps | extra, exps | extra | np.uint32(1 << 31)]
+    parts.append(rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32))
+    v = np.concatenate([own.view(np.uint32), *parts]).view(np.float32)
+    got = {}
+    for jit in ("0", "1"):
+        monkeypatch.setenv("BNPROBE_JIT", jit)
+        got[jit] = is_representable(v, fmt)
+    np.testing.assert_array_equal(got["1"], got["0"])
+    assert got["1"][:65536].all()
+    neighbours = np.concatenate(parts[2:4]).view(np.float32)  # ±1 ulp of float32 from each value of the format
+    monkeypatch.setenv("BNPROBE_JIT", "1")
+    held = is_representable(neighbours, fmt)
+    assert not held[np.isfinite(neighbours)].any()
