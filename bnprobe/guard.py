@@ -7,8 +7,8 @@ interpreter, numpy, pandas, matplotlib; numba's compiler where the kernels may t
 bytes per element of the largest input the run holds at once (the kernels work one call and one channel block
 at a time, the recorded calls are loaded one at a time).  The
 per-element figures are the measured growth of each command's peak resident memory between a 0.5 M and a 4.2 M
-element input (``/usr/bin/time -f %M``), times 1.3; a recorded call (a dump's, in its one format) has its own,
-measured between 2.1 M and 8.4 M values; ``tests/test_guard.py`` re-measures them.
+element input (``/usr/bin/time -f %M``), times 1.3; a dump's call replayed (its own outputs judged, in its one
+format) has its own, measured between 2.1 M and 8.4 M values; ``tests/test_guard.py`` re-measures them.
 """
 
 from __future__ import annotations
