@@ -289,7 +289,7 @@ def is_representable(values: np.ndarray, fmt: str | Format) -> np.ndarray:
     v = np.asarray(values)
     if v.dtype not in (np.float32, np.float64):
         v = v.astype(np.float64)
-    if v.dtype == np.float32 and fmt.name in ("fp16", "bf16") and v.flags.c_contiguous and jit_for(v.size):
+    if v.dtype == np.float32 and fmt.name in ("fp16", "bf16") and v.ndim and v.flags.c_contiguous and jit_for(v.size):
         from bnprobe._jit_bits import held_by
 
         return held_by(v, fmt.name)  # the same answer from the bits, in one pass
