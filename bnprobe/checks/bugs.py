@@ -204,7 +204,7 @@ def model(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, rm: np.ndarray, rv
 
     def y_of(m: np.ndarray, rs: np.ndarray) -> np.ndarray:
         p, q = (beta, gamma) if bug == SWAPPED else (gamma, beta)
-        if _compiled(x) and _per_channel(x, m, rs, p, q):  # the same operations in one compiled pass
+        if _compiled(x, per_channel=(m, rs, p, q)):  # the same operations in one compiled pass
             from bnprobe.checks.rules_compiled import affine_y
 
             return affine_y(x, None, None, gamma * rs, beta) if bug == NO_CENTER else affine_y(x, m, rs, p, q)
@@ -266,7 +266,7 @@ def _gradients(x: np.ndarray, dy: np.ndarray, gamma: np.ndarray, *, bug: str | N
         t1 = 0.0 if bug == DROP_MEAN else sum_dy / (1 if bug == SUM_DY else r)
         t2 = 0.0 if bug == DROP_XHAT else (dy * z).sum(axis=ax, keepdims=True) / (1 if bug == SUM_DY_XHAT else r)
         sign = 1.0 if bug == PLUS_XHAT else -1.0
-        if _compiled_dx(dy, z) and _per_channel(dy, factor, t1, t2):  # the same operations in one compiled pass
+        if _compiled(dy, z, per_channel=(factor, t1, t2)):  # the same operations in one compiled pass
             from bnprobe.checks.rules_compiled import affine_dx
 
             return affine_dx(dy, z, factor, t1, t2, sign)
@@ -276,31 +276,21 @@ def _gradients(x: np.ndarray, dy: np.ndarray, gamma: np.ndarray, *, bug: str | N
     return {"dx": dx, "dgamma": lambda: np.array(params()[0]), "dbeta": lambda: np.array(params()[1])}
 
 
-def _compiled(*arrays: np.ndarray) -> bool:
+def _compiled(*arrays: np.ndarray, per_channel: tuple[Any, ...] = ()) -> bool:
     """Whether an elementwise expression of a model takes one compiled pass: large C-contiguous float64 (N, C, ...)
-    arrays of one shape, and no floating-point error to raise or warn of (the pass signals none; the doctor's models
-    ignore them)."""
+    arrays of one shape, each of the ``per_channel`` vectors one value per channel or one for all (numpy would
+    broadcast other lengths against a single channel), and no floating-point error to raise or warn of (the pass
+    signals none; the doctor's models ignore them)."""
     a = arrays[0]
     return a.ndim > 1 and jit_for(a.size) and set(np.geterr().values()) == {"ignore"} and \
         all(isinstance(b, np.ndarray) and b.shape == a.shape and b.dtype == np.float64 and b.flags.c_contiguous
-            for b in arrays)
-
-
-def _per_channel(x: np.ndarray, *vectors: Any) -> bool:
-    """Whether each of ``vectors`` has one value per channel of ``x`` or one for all (what the compiled passes take;
-    numpy would broadcast other lengths against a single channel, and takes those)."""
-    return all(np.size(v) in (1, x.shape[1]) for v in vectors)
-
-
-def _compiled_dx(dy: np.ndarray, z: np.ndarray) -> bool:
-    """Whether dx's last expression takes one compiled pass (:func:`_compiled`)."""
-    return _compiled(dy, z)
+            for b in arrays) and all(np.size(v) in (1, a.shape[1]) for v in per_channel)
 
 
 def _xhat(x: np.ndarray, m: np.ndarray, rs: np.ndarray) -> np.ndarray:
     """x̂ = (x - m) * rs per channel: numpy's expression, or the same operations in one compiled pass (a large
     call: :func:`_compiled`)."""
-    if _compiled(x) and _per_channel(x, m, rs):
+    if _compiled(x, per_channel=(m, rs)):
         from bnprobe.checks.rules_compiled import affine_y
 
         return affine_y(x, m, rs, 1.0, -0.0)

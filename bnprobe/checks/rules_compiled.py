@@ -117,7 +117,7 @@ def channel_peaks(w: np.ndarray, channels: int) -> np.ndarray:
     """Per channel of C-contiguous (N, C, ...) float64 ``w``, its largest finite |value| (0 where none)."""
     out = np.empty(channels, dtype=np.float64)
     with KERNEL_LOCK:
-        _peaks(w.reshape(-1), w.shape[0], channels, int(np.prod(w.shape[2:], dtype=np.int64)), out)
+        _peaks(w.reshape(-1), w.shape[0], channels, _batch_inner(w)[1], out)
     return out
 
 
@@ -125,12 +125,11 @@ def channel_worst(a: np.ndarray, w: np.ndarray, allowed: np.ndarray, emin: int, 
                   ) -> tuple[float, int, int] | None:
     """(worst ratio, its first flat index, how many ratios exceed 1) of the doctor's rule over C-contiguous (N, C,
     ...) float64 ``a`` against ``w`` with each channel's ``allowed`` error; None where an excess is not finite."""
-    c = allowed.size
-    inner = int(np.prod(a.shape[2:], dtype=np.int64))
-    out = np.empty((c, 4))  # worst, its first flat index, the count over 1, a non-finite excess (indices < 2^53)
+    # worst, its first flat index (held exactly: indices < 2^53), the count over 1, a non-finite excess
+    out = np.empty((allowed.size, 4))
     with KERNEL_LOCK:
-        _channel_worst(a.reshape(-1), w.reshape(-1), (a.shape[0], inner),
-                       np.ascontiguousarray(allowed, dtype=np.float64), (emin, mant), out)
+        _channel_worst(a.reshape(-1), w.reshape(-1), _batch_inner(a), np.ascontiguousarray(allowed, dtype=np.float64),
+                       (emin, mant), out)
     worst, at, over, bad = out.T
     if bad.any():
         return None
@@ -209,16 +208,26 @@ def affine_dx(dy: np.ndarray, z: np.ndarray, f: np.ndarray, t1: np.ndarray, t2: 
     """``f * (dy - t1 + sign * z * t2)`` for C-contiguous (N, C, ...) float64 ``dy`` and ``z`` and per-channel ``f``,
     ``t1``, ``t2`` (each broadcast over its channel), in one compiled pass: the same float64 operations in the same
     order as numpy's expression."""
-    c = dy.shape[1]
-    coef = np.empty((c, 4))
-    for k, v in enumerate((f, t1, t2)):
-        coef[:, k] = np.broadcast_to(np.asarray(v, dtype=np.float64).reshape(-1), (c,))
-    coef[:, 3] = sign
     out = np.empty_like(dy)
     with KERNEL_LOCK:
-        _affine_dx(dy.reshape(-1), z.reshape(-1), coef, (dy.shape[0], int(np.prod(dy.shape[2:], dtype=np.int64))),
+        _affine_dx(dy.reshape(-1), z.reshape(-1), _coefficients(dy, f, t1, t2, sign), _batch_inner(dy),
                    out.reshape(-1))
     return out
+
+
+def _coefficients(x: np.ndarray, *vectors: object) -> np.ndarray:
+    """A (C, k) table for a per-channel kernel over (N, C, ...) ``x``: column k holds ``vectors[k]``, each one value
+    per channel or one for all, as float64."""
+    c = x.shape[1]
+    coef = np.empty((c, len(vectors)))
+    for k, v in enumerate(vectors):
+        coef[:, k] = np.broadcast_to(np.asarray(v, dtype=np.float64).reshape(-1), (c,))
+    return coef
+
+
+def _batch_inner(x: np.ndarray) -> tuple[int, int]:
+    """(N, the product of the axes after the channels) of (N, C, ...) ``x``: how the per-channel kernels walk it."""
+    return x.shape[0], int(np.prod(x.shape[2:], dtype=np.int64))
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -399,13 +408,8 @@ def affine_y(x: np.ndarray, m: np.ndarray | None, s: np.ndarray | None, p: np.nd
     """``p * ((x - m) * s) + q`` (``m`` None: ``p * x + q``) for C-contiguous (N, C, ...) float64 ``x`` and
     per-channel ``m``, ``s``, ``p``, ``q`` (each broadcast over its channel), in one compiled pass: the same float64
     operations in the same order as numpy's expression (x̂ alone: p = 1 and q = -0.0, which change no value)."""
-    c = x.shape[1]
-    vecs = (p, q) if m is None else (m, s, p, q)
-    coef = np.empty((c, len(vecs)))
-    for k, v in enumerate(vecs):
-        coef[:, k] = np.broadcast_to(np.asarray(v, dtype=np.float64).reshape(-1), (c,))
+    coef = _coefficients(x, p, q) if m is None else _coefficients(x, m, s, p, q)
     out = np.empty_like(x)
-    dims = (x.shape[0], int(np.prod(x.shape[2:], dtype=np.int64)))
     with KERNEL_LOCK:
-        (_scaled if m is None else _centred)(x.reshape(-1), coef, dims, out.reshape(-1))
+        (_scaled if m is None else _centred)(x.reshape(-1), coef, _batch_inner(x), out.reshape(-1))
     return out
