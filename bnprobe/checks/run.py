@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from bnprobe._jit import jit_for
 from bnprobe.adapters import BackwardOutput, ForwardOutput, KernelAdapter, Saved
 from bnprobe.adapters.base import outputs_only, params_format
 from bnprobe.adapters.convention import reference_for
@@ -365,80 +366,77 @@ def natural_scales(call: BNCall, stats: Saved | None, dy: np.ndarray | None) -> 
     ``stats`` the backward used and ``dy``: dβ = Σdy against Σ|dy|, dγ = Σdy·x̂ against Σ|dy·x̂|, dx against
     |γ|·rstd·(max|dy| + |mean dy| + max|x̂|·|mean(dy·x̂)|).  NaN values are left out."""
     lay = layout_of(call.x, call.layout)
-    fast = _scales_compiled(call, stats, dy)
-    if fast is not None:
-        return fast
-    xcr = lay.to_cr(call.x)
-    out: dict[str, np.ndarray] = {}
+    back = stats is not None and dy is not None
+    gv = stats.var(call.eps) if back else None  # type: ignore[union-attr]
     # a channel whose values are all NaN has a NaN scale (numpy warns of the empty slice: not a finding)
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        mean_abs = _reductions(xcr)[0](np.abs(xcr), axis=1)
-        out["saved_mean"] = mean_abs
+        mean_abs, grads = _figures_compiled(call, lay, stats, gv, dy) or _figures(call, lay, stats, gv, dy)
         m = 0.0 if call.momentum is None else call.momentum
         rm = call.running_mean
-        out["running_mean"] = np.maximum(np.abs(rm) if rm is not None else 0.0, m * mean_abs)
-        if stats is None or dy is None:
+        out = {"saved_mean": mean_abs, "running_mean": np.maximum(np.abs(rm) if rm is not None else 0.0, m * mean_abs)}
+        if grads is None:
             return out
-        eps = call.eps
-        gm, gv = np.asarray(stats.mean, dtype=np.float64), stats.var(eps)
-        xhat = (xcr - gm[:, None]) / np.sqrt(gv[:, None] + eps)
-        del xcr
-        dycr = lay.to_cr(dy)
+        dsum_abs, psum_abs, dmean, pmean, dmax_abs, xhat_max = grads
         g = np.ones(lay.channels) if call.gamma is None else np.asarray(call.gamma, dtype=np.float64)
-        prod = dycr * xhat
-        dmean, dsum, dmax = _reductions(dycr)
-        pmean, psum, pmax = _reductions(prod)  # (a NaN in x̂ is one in dy·x̂)
-        out["dbeta"], out["dgamma"] = dsum(np.abs(dycr), axis=1), psum(np.abs(prod), axis=1)
-        gr = np.abs(g) / np.sqrt(gv + eps)
-        m1, m2 = np.abs(dmean(dycr, axis=1)), np.abs(pmean(prod, axis=1))
-        out["dx"] = gr * (dmax(np.abs(dycr), axis=1) + m1 + pmax(np.abs(xhat), axis=1) * m2)
+        out["dbeta"], out["dgamma"] = dsum_abs, psum_abs
+        gr = np.abs(g) / np.sqrt(gv + call.eps)
+        out["dx"] = gr * (dmax_abs + np.abs(dmean) + xhat_max * np.abs(pmean))
     return out
 
 
-def _scales_compiled(call: BNCall, stats: Saved | None, dy: np.ndarray | None) -> dict[str, np.ndarray] | None:
-    """:func:`natural_scales` of a large call in one compiled pass: each channel's sums are numpy's pairwise sums of
-    its row, reproduced, and its means those sums over R, so the same figures bit for bit; None where the call
-    takes numpy's route.  Only for C-contiguous float64 (N, C, S...) x and dy without NaN, with S > 1: numpy
-    reduces a row pairwise where :meth:`~bnprobe.kernels.layout.Layout.to_cr` gives contiguous rows, which it does
-    for these (a copy, or a view when N or C is 1); channels-last data, (N, C) and (N, C, 1, ...) it hands over as
-    a view with the channels innermost, and adds each row in order.  Statistics of another length than C (numpy
-    would broadcast them) take numpy's route too."""
-    from bnprobe._jit import jit_for
+#: what the natural scales are formed from: per channel mean |x|, and with a backward Σ|dy|, Σ|dy·x̂|, mean dy,
+#: mean dy·x̂, max |dy| and max |x̂| (None without one)
+_Figures = tuple[np.ndarray, "tuple[np.ndarray, ...] | None"]
 
+
+def _figures(call: BNCall, lay: Any, stats: Saved | None, gv: np.ndarray | None, dy: np.ndarray | None) -> _Figures:
+    """:func:`natural_scales`' per-channel figures by numpy's reductions of the channel-first data, NaN left out."""
+    xcr = lay.to_cr(call.x)
+    mean_abs = _reductions(xcr)[0](np.abs(xcr), axis=1)
+    if stats is None or dy is None:
+        return mean_abs, None
+    gm = np.asarray(stats.mean, dtype=np.float64)
+    xhat = (xcr - gm[:, None]) / np.sqrt(gv[:, None] + call.eps)  # type: ignore[index]
+    del xcr
+    dycr = lay.to_cr(dy)
+    prod = dycr * xhat
+    dmean, dsum, dmax = _reductions(dycr)
+    pmean, psum, pmax = _reductions(prod)  # (a NaN in x̂ is one in dy·x̂)
+    return mean_abs, (dsum(np.abs(dycr), axis=1), psum(np.abs(prod), axis=1), dmean(dycr, axis=1),
+                      pmean(prod, axis=1), dmax(np.abs(dycr), axis=1), pmax(np.abs(xhat), axis=1))
+
+
+def _figures_compiled(call: BNCall, lay: Any, stats: Saved | None, gv: np.ndarray | None,
+                      dy: np.ndarray | None) -> _Figures | None:
+    """:func:`_figures` of a large call in one compiled pass: each channel's sums are numpy's pairwise sums of its
+    row, reproduced, and its means those sums over R, so the same figures bit for bit; None where the call takes
+    numpy's route.  Only for C-contiguous float64 (N, C, S...) x and dy without NaN, with S > 1: numpy reduces a
+    row pairwise where :meth:`~bnprobe.kernels.layout.Layout.to_cr` gives contiguous rows, which it does for these
+    (a copy, or a view when N or C is 1); channels-last data, (N, C) and (N, C, 1, ...) it hands over as a view
+    with the channels innermost, and adds each row in order.  Statistics of another length than C (numpy would
+    broadcast them) take numpy's route too."""
     x = call.x
     back = stats is not None and dy is not None
 
     def plain(a: Any) -> bool:
         return isinstance(a, np.ndarray) and a.dtype == np.float64 and a.flags.c_contiguous and a.shape == x.shape
 
-    if not (plain(x) and x.ndim >= 3 and layout_of(x, call.layout).channel_axis == 1 and math.prod(x.shape[2:]) > 1
-            and jit_for(x.size)) or (back and not plain(dy)):
+    if not (plain(x) and x.ndim >= 3 and lay.channel_axis == 1 and math.prod(x.shape[2:]) > 1 and jit_for(x.size)) \
+            or (back and not plain(dy)):
+        return None
+    gm = np.asarray(stats.mean, dtype=np.float64) if back else np.zeros(lay.channels)  # type: ignore[union-attr]
+    if back and (gm.shape != (lay.channels,) or np.shape(gv) != (lay.channels,)):
         return None
     from bnprobe.checks.rules_compiled import scale_sums
 
-    lay = layout_of(x, call.layout)
-    r = lay.reduce_size
-    with np.errstate(all="ignore"):
-        gm = np.asarray(stats.mean, dtype=np.float64) if back else np.zeros(lay.channels)
-        gv = np.asarray(stats.var(call.eps), dtype=np.float64) if back else np.zeros(lay.channels)
-        if gm.shape != (lay.channels,) or gv.shape != (lay.channels,):
-            return None
-        sums = scale_sums(lay.view3(x), lay.view3(dy) if back else None, gm, np.sqrt(gv + call.eps))
-        if sums is None:
-            return None
-        mean_abs = sums[:, 0] / np.intp(r)
-        m = 0.0 if call.momentum is None else call.momentum
-        rm = call.running_mean
-        out = {"saved_mean": mean_abs, "running_mean": np.maximum(np.abs(rm) if rm is not None else 0.0, m * mean_abs)}
-        if not back:
-            return out
-        g = np.ones(lay.channels) if call.gamma is None else np.asarray(call.gamma, dtype=np.float64)
-        out["dbeta"], out["dgamma"] = sums[:, 1].copy(), sums[:, 4].copy()
-        gr = np.abs(g) / np.sqrt(gv + call.eps)
-        m1, m2 = np.abs(sums[:, 2] / np.intp(r)), np.abs(sums[:, 3] / np.intp(r))
-        out["dx"] = gr * (sums[:, 5] + m1 + sums[:, 6] * m2)
-    return out
+    sums = scale_sums(lay.view3(x), lay.view3(dy) if back else None, gm,
+                      np.sqrt(gv + call.eps) if back else np.zeros(lay.channels))  # type: ignore[operator]
+    if sums is None:
+        return None
+    r = np.intp(lay.reduce_size)
+    grads = (sums[:, 1].copy(), sums[:, 4].copy(), sums[:, 2] / r, sums[:, 3] / r, sums[:, 5], sums[:, 6])
+    return sums[:, 0] / r, grads if back else None
 
 
 def cancellation_bounds(call: BNCall, stats: Saved | None, scales: dict[str, np.ndarray],
@@ -475,8 +473,6 @@ def cancellation_bounds(call: BNCall, stats: Saved | None, scales: dict[str, np.
 
 def _deviation_peaks(call: BNCall, lay: Any, gm: np.ndarray) -> np.ndarray:
     """Per channel, the largest |x - gm| (NaN left out): in one compiled pass over a large float64 x."""
-    from bnprobe._jit import jit_for
-
     x = call.x
     if isinstance(x, np.ndarray) and x.dtype == np.float64 and x.size and jit_for(x.size) and \
             gm.shape == (lay.channels,):
