@@ -1106,9 +1106,9 @@ def main(argv: list[str] | None = None) -> int:
     the exit status is the verdict's even when stdout's reader stops reading."""
     import warnings
 
-    from bnprobe.guard import tune_malloc
+    from bnprobe.guard import tune_process
 
-    tune_malloc()
+    tune_process()
     args = _hoist_max_memory(list(sys.argv[1:] if argv is None else argv))
     stdout = sys.stdout  # None when the process was started with stdout closed: nothing to guard
     guarded = None if stdout is None else _PipeSafe(stdout)

@@ -24,7 +24,7 @@ from bnprobe.errors import BNProbeError
 
 __all__ = ["ENV", "BASE_BYTES", "COMPILED_BYTES", "PER_ELEMENT", "PER_RECORDED_ELEMENT", "MODEL_CACHE_BYTES",
            "parse_size", "format_size", "available_memory",
-           "memory_limit", "set_memory_limit", "require", "require_run", "run_bytes", "tune_malloc"]
+           "memory_limit", "set_memory_limit", "require", "require_run", "run_bytes", "tune_process"]
 
 ENV = "BNPROBE_MAX_MEMORY"
 
@@ -186,11 +186,11 @@ def require_run(command: str, shape: tuple[int, ...] | int, what: str | None = N
     require(run_bytes(command, elements, torch=torch, recorded=recorded), label)
 
 
-_MALLOC_TUNED = False
+_PROCESS_TUNED = False
 
 
-def tune_malloc() -> None:
-    """Large temporaries reuse memory instead of faulting in fresh pages each time.
+def tune_process() -> None:
+    """Large temporaries reuse memory instead of faulting in fresh pages each time, and idle compiled threads sleep.
 
     glibc's malloc maps and unmaps large temporaries anew each time: above its mmap threshold (128 KiB fixed when
     MALLOC_TRIM_THRESHOLD_ is set, as dask's nanny does for its workers: tasks 2.6x slower; rising to at most
@@ -206,12 +206,22 @@ def tune_malloc() -> None:
     the same dump's compare-precision 1.28x faster; where huge pages are cheap the cost is the fresh pages'
     faults, which the heap's reuse above makes rare.  A ``NUMPY_MADVISE_HUGEPAGE`` the user set is kept.
 
+    The compiled kernels' threads (numba's OpenMP layer) wait for work asleep, not spinning (``OMP_WAIT_POLICY``
+    passive, read when the layer loads, unless the user set it): spinning threads of two processes on the same cores
+    (a sweep's workers, two commands at once, the test suite's two workers) hold each other off at every parallel
+    loop's barrier; measured on 2 cores, the compiled-route test matrix took 164 s in two processes at once and 25 s
+    with passive waiting, and one command alone is as fast either way (the main job 11.2-12.2 s against 11.7-12.7 s,
+    compare-precision on a dump 16.7-18.0 s against 17.1-17.9 s).
+
     Called by the CLI and the sweep's tasks, never on import (a user's own process keeps its settings); nothing is
     done to malloc on another libc."""
-    global _MALLOC_TUNED
-    if _MALLOC_TUNED or not sys.platform.startswith("linux"):
+    global _PROCESS_TUNED
+    if _PROCESS_TUNED:
         return
-    _MALLOC_TUNED = True
+    _PROCESS_TUNED = True
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if not sys.platform.startswith("linux"):
+        return
     _no_huge_pages()
     try:
         import ctypes
@@ -226,7 +236,7 @@ def tune_malloc() -> None:
 
 
 def _no_huge_pages() -> None:
-    """numpy's arrays without MADV_HUGEPAGE (see :func:`tune_malloc`), unless ``NUMPY_MADVISE_HUGEPAGE`` is set."""
+    """numpy's arrays without MADV_HUGEPAGE (see :func:`tune_process`), unless ``NUMPY_MADVISE_HUGEPAGE`` is set."""
     if "NUMPY_MADVISE_HUGEPAGE" in os.environ:
         return
     np = sys.modules.get("numpy")

@@ -29,7 +29,7 @@ from typing import Any
 
 from bnprobe._loading import first_line
 from bnprobe.errors import BNProbeError
-from bnprobe.guard import tune_malloc
+from bnprobe.guard import tune_process
 
 __all__ = ["SWEEP_COMMANDS", "Task", "SweepSpec", "plan", "dump_leaves", "run_task", "run_sweep", "Journal",
            "scheduler_address", "SweepResult", "SCORES", "header", "error_row", "check_plan", "RankGroup",
@@ -273,7 +273,7 @@ def run_task(task: Task | RankGroup, spec: SweepSpec) -> dict[str, Any]:
     import socket
     import warnings
 
-    tune_malloc()
+    tune_process()
     t0 = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -220,9 +220,9 @@ def test_recorded_calls_are_guarded_before_loading(capsys, tmp_path, monkeypatch
 @pytest.mark.parametrize("env, imported_first, want", [(None, True, False), (None, False, False), ("1", True, True),
                                                        ("1", False, True)])
 def test_commands_do_not_ask_numpy_for_huge_pages_unless_the_user_does(env, imported_first, want):
-    """tune_malloc turns off numpy's MADV_HUGEPAGE (numpy imported before it or after), and keeps a
+    """tune_process turns off numpy's MADV_HUGEPAGE (numpy imported before it or after), and keeps a
     NUMPY_MADVISE_HUGEPAGE the user set."""
-    code = ("import sys\nif sys.argv[1] == 'y': import numpy\nfrom bnprobe.guard import tune_malloc\ntune_malloc()\n"
+    code = ("import sys\nif sys.argv[1] == 'y': import numpy\nfrom bnprobe.guard import tune_process\ntune_process()\n"
             "import numpy\nprint(numpy._core.multiarray._get_madvise_hugepage())")
     child_env = {k: v for k, v in os.environ.items() if k != "NUMPY_MADVISE_HUGEPAGE"}
     if env is not None:
@@ -230,6 +230,18 @@ def test_commands_do_not_ask_numpy_for_huge_pages_unless_the_user_does(env, impo
     out = subprocess.run([sys.executable, "-c", code, "y" if imported_first else "n"], capture_output=True, text=True,
                          env=child_env, check=True)
     assert out.stdout.strip() == str(want)
+
+
+@pytest.mark.parametrize("env, want", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_commands_let_compiled_threads_sleep_unless_the_user_says(env, want):
+    """tune_process sets OpenMP's wait policy before the compiled kernels' threads start (two processes' spinning
+    threads on the same cores hold each other off at every barrier), and keeps an OMP_WAIT_POLICY the user set."""
+    code = ("import os\nfrom bnprobe.guard import tune_process\ntune_process()\nprint(os.environ['OMP_WAIT_POLICY'])")
+    child_env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if env is not None:
+        child_env["OMP_WAIT_POLICY"] = env
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env, check=True)
+    assert out.stdout.strip() == want
 
 
 def test_a_kernel_run_on_a_dumps_inputs_is_guarded_as_a_generated_input(capsys, tmp_path, monkeypatch):
