@@ -209,9 +209,10 @@ def tune_process() -> None:
     The compiled kernels' threads (numba's OpenMP layer) wait for work asleep, not spinning (``OMP_WAIT_POLICY``
     passive, read when the layer loads, unless the user set it): spinning threads of two processes on the same cores
     (a sweep's workers, two commands at once, the test suite's two workers) hold each other off at every parallel
-    loop's barrier; measured on 2 cores, the compiled-route test matrix took 164 s in two processes at once and 25 s
-    with passive waiting, and one command alone is as fast either way (the main job 11.2-12.2 s against 11.7-12.7 s,
-    compare-precision on a dump 16.7-18.0 s against 17.1-17.9 s).
+    loop's barrier.  Measured on 2 cores: two compare-precision runs at once on a dump 19.9 s passive, 22.0 s with
+    libgomp's default (it spins a while), 34-35 s spinning (``ACTIVE``); the compiled-route test matrix (many small
+    parallel loops) in two processes 25 s passive, 164 s by default; one command alone as fast either way (the main
+    job 11.2-12.2 s against 11.7-12.7 s, compare-precision on a dump 16.7-18.0 s against 17.1-17.9 s).
 
     Called by the CLI and the sweep's tasks, never on import (a user's own process keeps its settings); nothing is
     done to malloc on another libc."""
