@@ -212,7 +212,8 @@ def tune_process() -> None:
     loop's barrier.  Measured on 2 cores: two compare-precision runs at once on a dump 19.9 s passive, 22.0 s with
     libgomp's default (it spins a while), 34-35 s spinning (``ACTIVE``); the compiled-route test matrix (many small
     parallel loops) in two processes 25 s passive, 164 s by default; one command alone as fast either way (the main
-    job 11.2-12.2 s against 11.7-12.7 s, compare-precision on a dump 16.7-18.0 s against 17.1-17.9 s).
+    job 11.2-12.2 s against 11.7-12.7 s, compare-precision on a dump 16.7-18.0 s against 17.1-17.9 s, torch's
+    kernel on 4 M values, whose threads read it too, 6.2-6.9 s against 6.2-7.2 s).
 
     Called by the CLI and the sweep's tasks, never on import (a user's own process keeps its settings); nothing is
     done to malloc on another libc."""
