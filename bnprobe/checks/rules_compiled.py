@@ -391,25 +391,13 @@ def _centred(x, coef, dims, out):  # pragma: no cover - compiled
                 out[base + j] = p * ((x[base + j] - m) * s) + q
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _scaled(x, coef, dims, out):  # pragma: no cover - compiled
-    """``out_i = p_c * x_i + q_c`` (``coef[c]`` = (p, q)), as :func:`_centred`."""
-    batch, inner = dims
-    channels = coef.shape[0]
-    for c in prange(channels):
-        p, q = coef[c, 0], coef[c, 1]
-        for n in range(batch):
-            base = (n * channels + c) * inner
-            for j in range(inner):
-                out[base + j] = p * x[base + j] + q
-
-
 def affine_y(x: np.ndarray, m: np.ndarray | None, s: np.ndarray | None, p: np.ndarray, q: np.ndarray) -> np.ndarray:
     """``p * ((x - m) * s) + q`` (``m`` None: ``p * x + q``) for C-contiguous (N, C, ...) float64 ``x`` and
     per-channel ``m``, ``s``, ``p``, ``q`` (each broadcast over its channel), in one compiled pass: the same float64
-    operations in the same order as numpy's expression (x̂ alone: p = 1 and q = -0.0, which change no value)."""
-    coef = _coefficients(x, p, q) if m is None else _coefficients(x, m, s, p, q)
+    operations in the same order as numpy's expression (x̂ alone: p = 1 and q = -0.0; ``p * x + q``: m = +0.0 and
+    s = 1; none of these changes a value, -0.0 and NaN included)."""
+    coef = _coefficients(x, 0.0, 1.0, p, q) if m is None else _coefficients(x, m, s, p, q)
     out = np.empty_like(x)
     with KERNEL_LOCK:
-        (_scaled if m is None else _centred)(x.reshape(-1), coef, _batch_inner(x), out.reshape(-1))
+        _centred(x.reshape(-1), coef, _batch_inner(x), out.reshape(-1))
     return out
