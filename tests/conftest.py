@@ -2,11 +2,15 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-# the suite's processes run compiled kernels in-process, two workers on two cores: their OpenMP threads wait asleep,
-# as a command's do (bnprobe.guard.tune_process; spinning, the compiled-route matrices took 6x as long)
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
+
+from bnprobe.guard import tune_process
+
+# the suite's processes run compiled kernels in-process, two workers on two cores: tuned as a command's process is
+# (with spinning OpenMP threads the compiled-route matrices took 6x as long), from the start rather than from the
+# first in-process command on
+tune_process()
 
 
 @pytest.fixture(scope="session")
