@@ -37,10 +37,10 @@ def _stage_fields(res) -> tuple[str, str, str, str]:  # noqa: ANN001 - Identifie
 
 def row(name: str, fmt: str, shape: str) -> str:
     from bnprobe.adapters import get_adapter
-    from bnprobe.checks.cases import select_cases
-    from bnprobe.checks.compare import compare_precision, worse_rows
-    from bnprobe.checks.identify import identify
-    from bnprobe.conventions import get_convention
+    from bnprobe.engine.cases import select_cases
+    from bnprobe.checks.compare.precision import compare_precision, worse_rows
+    from bnprobe.checks.identify.search import identify
+    from bnprobe.core.conventions import get_convention
 
     a = get_adapter(name)
     conv = get_convention(a.capabilities().convention)

@@ -40,7 +40,7 @@ def main() -> None:
 
     from bnprobe.adapters import get_adapter
     from bnprobe.adapters.base import counters_only
-    from bnprobe.checks.identify import identify
+    from bnprobe.checks.identify.search import identify
     from bnprobe.inputs import make_input, parse_shape
 
     shape = parse_shape(args.shape)

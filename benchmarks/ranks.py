@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHILD = '''
 import json, resource, sys, time
 from bnprobe import sweep
-from bnprobe.checks.ranks import check_ranks
+from bnprobe.checks.ranks.check import check_ranks
 root, how = sys.argv[1], sys.argv[2]
 tasks = sweep.plan(root)
 (group,) = sweep.rank_groups(tasks)

@@ -70,15 +70,15 @@ def work():
 CASES: dict[str, str] = {
     # ---- rsqrt analysis (issue: exhaustive fp16/bf16 < 1 s; fp32 reduced+sampled < 2 min, < 2 GB)
     "rsqrt fp16 exhaustive (magic, 0-2 steps)": """
-from bnprobe.checks.mathfn import MathSpec, analyze
+from bnprobe.checks.rsqrt.mathfn import MathSpec, analyze
 def work(): analyze(MathSpec("rsqrt", "fp16", "magic"), (0, 1, 2))
 """,
     "rsqrt bf16 exhaustive (magic, 0-2 steps)": """
-from bnprobe.checks.mathfn import MathSpec, analyze
+from bnprobe.checks.rsqrt.mathfn import MathSpec, analyze
 def work(): analyze(MathSpec("rsqrt", "bf16", "magic"), (0, 1, 2))
 """,
     "rsqrt fp32 reduced + 2^20 samples (magic, 0-2 steps)": """
-from bnprobe.checks.mathfn import MathSpec, analyze
+from bnprobe.checks.rsqrt.mathfn import MathSpec, analyze
 def work(): analyze(MathSpec("rsqrt", "fp32", "magic"), (0, 1, 2))
 """,
     # ---- kernels: emulated forward + backward vs torch CPU FP32 forward + backward, 32x64x56x56

@@ -11,20 +11,25 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 
 __version__ = "0.1.0"
 
-# public name -> the module that defines it
+# public name -> the module that defines it, or (module, its name there)
 _LAZY = {
-    "FORMATS": "bnprobe.formats", "Format": "bnprobe.formats", "get_format": "bnprobe.formats",
+    "FORMATS": "bnprobe.core.formats", "Format": "bnprobe.core.formats", "get_format": "bnprobe.core.formats",
     "round_to": "bnprobe.numerics.rounding",
     **{n: "bnprobe.kernels" for n in ("PRESETS", "BackwardResult", "InferResult", "Policy", "Stage", "Trace",
                                       "TrainResult", "backward", "forward_infer", "forward_train", "get_policy")},
     "capture": "bnprobe.recordings.capture", "Capture": "bnprobe.recordings.capture",
     "monitor": "bnprobe.recordings.monitor", "Monitor": "bnprobe.recordings.monitor",
-    **{n: "bnprobe.checks" for n in ("compare_precision", "gradcheck", "check_formula", "doctor", "shrink",
-                                     "scan_overflow", "find_stats_problems", "check_fold", "trace_run", "identify")},
+    "compare_precision": "bnprobe.checks.compare.precision",
+    "gradcheck": "bnprobe.checks.gradcheck.gradients", "check_formula": "bnprobe.checks.gradcheck.gradients",
+    "doctor": "bnprobe.checks.doctor.diagnosis", "shrink": "bnprobe.checks.shrink.shrinking",
+    "scan_overflow": ("bnprobe.checks.overflow.scan", "scan"),
+    "find_stats_problems": ("bnprobe.checks.plot_stats.stats", "find"),
+    "check_fold": "bnprobe.checks.fold.layer", "trace_run": "bnprobe.checks.trace.stages",
+    "identify": "bnprobe.checks.identify.search",
 }
 
 __all__ = ["__version__", "BNProbeError", "FORMATS", "Format", "get_format", "round_to", "PRESETS", "BackwardResult",
@@ -36,19 +41,16 @@ __all__ = ["__version__", "BNProbeError", "FORMATS", "Format", "get_format", "ro
 if TYPE_CHECKING:  # pragma: no cover
     from bnprobe.recordings.capture import Capture, capture
     from bnprobe.recordings.monitor import Monitor, monitor
-    from bnprobe.checks import (
-        check_fold,
-        check_formula,
-        compare_precision,
-        doctor,
-        find_stats_problems,
-        gradcheck,
-        identify,
-        scan_overflow,
-        shrink,
-        trace_run,
-    )
-    from bnprobe.formats import FORMATS, Format, get_format
+    from bnprobe.checks.compare.precision import compare_precision
+    from bnprobe.checks.doctor.diagnosis import doctor
+    from bnprobe.checks.fold.layer import check_fold
+    from bnprobe.checks.gradcheck.gradients import check_formula, gradcheck
+    from bnprobe.checks.identify.search import identify
+    from bnprobe.checks.overflow.scan import scan as scan_overflow
+    from bnprobe.checks.plot_stats.stats import find as find_stats_problems
+    from bnprobe.checks.shrink.shrinking import shrink
+    from bnprobe.checks.trace.stages import trace_run
+    from bnprobe.core.formats import FORMATS, Format, get_format
     from bnprobe.kernels import (
         PRESETS,
         BackwardResult,
@@ -67,7 +69,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def __getattr__(name: str) -> object:
     if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+        module, attr = _LAZY[name] if isinstance(_LAZY[name], tuple) else (_LAZY[name], name)
+        value = getattr(importlib.import_module(module), attr)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'bnprobe' has no attribute {name!r}")

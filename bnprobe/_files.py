@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 
-__all__ = ["atomic_write_text", "atomic_write_bytes", "atomic_write_with", "check_targets", "output_dir", "OutputDir",
+__all__ = ["append_text", "atomic_write_text", "atomic_write_bytes", "atomic_write_with", "check_targets", "output_dir",
+           "OutputDir",
            "file_mode", "save_figure", "to_jsonable", "dumps_json"]
 
 _UMASK: int | None = None
@@ -98,6 +99,14 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file and a rename."""
     _atomic(Path(path), lambda fh: fh.write(data))
+
+
+def append_text(path: str | Path, text: str) -> None:
+    """Append ``text`` to ``path`` (created when missing) and flush it: a journal's lines, each complete on disk
+    when this returns, so a run interrupted later keeps every line before it."""
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
 
 
 def atomic_write_with(path: str | Path, write: Callable[[BinaryIO], Any]) -> None:

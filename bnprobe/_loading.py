@@ -13,7 +13,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 
 __all__ = ["load_callable", "resolve", "binds", "kind_of", "raised", "first_line"]
 

@@ -13,8 +13,8 @@ from typing import Any, Optional
 import typer
 
 from bnprobe import __version__
-from bnprobe.call import EPS, MOMENTUM
-from bnprobe.errors import BNProbeError
+from bnprobe.core.call import EPS, MOMENTUM
+from bnprobe.core.errors import BNProbeError
 from bnprobe.reports import dumps_json
 
 app = typer.Typer(
@@ -116,7 +116,7 @@ def _in_convention(adapter: str, convention: Optional[str]):  # noqa: ANN202 - s
         return adapter
     from bnprobe.adapters import get_adapter
     from bnprobe.adapters.convention import in_convention
-    from bnprobe.conventions import get_convention
+    from bnprobe.core.conventions import get_convention
 
     conv = get_convention(convention)  # (an unknown name is refused before the adapter is loaded)
     return in_convention(get_adapter(adapter), conv)
@@ -128,7 +128,7 @@ def _dump_scalars(adapters: list[str], input: Optional[Path], eps: Optional[floa
     """``--eps`` / ``--momentum`` where the kernel or ``--input`` is a dump: the layer's ε and momentum, for a dump
     that does not record them (msprobe's MindSpore dumps; one that records others refuses them when read), handed to
     the reader as ``DIR,eps=E,momentum=M``; they are then no longer options of generated input (returned None)."""
-    from bnprobe.checks.recorded import is_dump_path
+    from bnprobe.engine.recorded import is_dump_path
 
     opts = ",".join(f"{k}={v!r}" for k, v in (("eps", eps), ("momentum", momentum)) if v is not None)
     dumps = [i for i, a in enumerate(adapters) if a.startswith("dump:")]
@@ -146,7 +146,7 @@ def _echo(lines: list[str]) -> None:
 
 def _check_common(eps: Optional[float] = None, params: Optional[str] = None, mode: Optional[str] = None) -> None:
     """The options most commands share, checked before any work."""
-    from bnprobe.checks.recorded import check_params
+    from bnprobe.engine.recorded import check_params
     from bnprobe.kernels.layout import check_eps
 
     if eps is not None:
@@ -176,7 +176,7 @@ def _sweep_root(adapter: str, input: Optional[Path], flags: tuple) -> Optional[t
 
 def _check_sweep(as_json: bool, options: tuple[str, ...], root: str) -> None:
     """Options a sweep does not take: --json (its report is a folder) and those its recordings give."""
-    from bnprobe.checks.recorded import refuse
+    from bnprobe.engine.recorded import refuse
 
     if as_json:
         raise BNProbeError("a sweep writes its report to a folder (--out; sweep.json in it): drop --json")
@@ -281,8 +281,8 @@ def trace(
     """Run one BatchNorm layer and show every stage: range, error vs the FP64 golden, anomalies."""
     import numpy as np
 
-    from bnprobe.checks.recorded import given, is_dump_path, one_call, refuse
-    from bnprobe.checks.stages import trace_recorded, trace_run
+    from bnprobe.engine.recorded import given, is_dump_path, one_call, refuse
+    from bnprobe.checks.trace.stages import trace_recorded, trace_run
     from bnprobe.inputs import input_tensor, make_params
     from bnprobe.kernels.layout import Layout, layout_of
     from bnprobe.reports.checks import trace_lines
@@ -351,7 +351,7 @@ def rsqrt_cmd(
     subnormals and the extreme binades) confirmed by random samples over the whole range.
     """
     from bnprobe._progress import Progress
-    from bnprobe.checks.mathfn import MathSpec, analyze
+    from bnprobe.checks.rsqrt.mathfn import MathSpec, analyze
     from bnprobe.reports.rsqrt import math_files, math_lines, write_math
 
     try:
@@ -485,8 +485,8 @@ def gradcheck_cmd(
     """Numerical vs analytic gradients (FP64 finite differences), the adapter's backward vs the FP64
     golden, the gradient identities, or a candidate backward formula; on a dump, every recorded call on
     its own inputs. Exit 1 when a check fails."""
-    from bnprobe.checks.gradients import check_formula, gradcheck, gradcheck_recorded
-    from bnprobe.checks.recorded import check_options, given, is_dump_path, recording_of
+    from bnprobe.checks.gradcheck.gradients import check_formula, gradcheck, gradcheck_recorded
+    from bnprobe.engine.recorded import check_options, given, is_dump_path, recording_of
     from bnprobe.guard import require_run
     from bnprobe.inputs import make_input, parse_shape
     from bnprobe.reports.checks import gradcheck_recorded_report, gradcheck_report
@@ -550,7 +550,7 @@ def _builtin_for(resolved: list, builtin: list[bool], dtypes: tuple[str, ...] | 
     """The adapters to run: of those the built-in set brought (``builtin``, aligned with ``resolved``), the ones
     that run every format asked for (``dtypes``, else the ``recorded`` calls' formats; neither: each runs its own);
     the adapters named outright, all (one that cannot run a format is refused by compare-precision, not dropped)."""
-    from bnprobe.formats import get_format
+    from bnprobe.core.formats import get_format
 
     fmts = {get_format(d).name for d in dtypes} if dtypes else \
         {c.dtype for c in recorded.calls} if recorded is not None else None
@@ -606,9 +606,9 @@ def compare_precision_cmd(
     some are not."""
     from bnprobe._progress import Progress
     from bnprobe.adapters import get_adapter
-    from bnprobe.checks.cases import select_cases
-    from bnprobe.checks.compare import compare_precision
-    from bnprobe.checks.recorded import given
+    from bnprobe.engine.cases import select_cases
+    from bnprobe.checks.compare.precision import compare_precision
+    from bnprobe.engine.recorded import given
     from bnprobe.reports.compare import compare_lines, report_files, write_report
 
     _check_common(eps=eps, params=params)
@@ -671,9 +671,9 @@ def overflow_cmd(
     """Where, in which channel and why a BatchNorm goes non-finite or silently wrong; headroom predicted
     from the input; remedies verified; on a dump, every recorded call's outputs against the golden (an
     msprobe statistics dump: its summaries). Exit 0 when clean, 1 when anomalies are found."""
-    from bnprobe.checks.cases import DY_KINDS
-    from bnprobe.checks.overflow import scan, scan_recorded
-    from bnprobe.checks.recorded import check_options, given, recording_of
+    from bnprobe.engine.cases import DY_KINDS
+    from bnprobe.checks.overflow.scan import scan, scan_recorded
+    from bnprobe.engine.recorded import check_options, given, recording_of
     from bnprobe.inputs import input_tensor
     from bnprobe.reports.checks import overflow_recorded_report, overflow_report
 
@@ -730,7 +730,7 @@ def fold_cmd(
     """Check BatchNorm folding into a Conv2D/Linear (and fused forms) per output channel in a format, with
     --folded your own folded weights, or with --onnx every pair of an ONNX model (and --fused / --fuse ort its
     fused model). Exit 1 when a channel's folded result breaks the standard."""
-    from bnprobe.checks.fold import check_fold, load_layer, make_layer
+    from bnprobe.checks.fold.layer import check_fold, load_layer, make_layer
     from bnprobe.reports.checks import fold_report
 
     if onnx is not None or fused is not None or fuse is not None:
@@ -741,7 +741,7 @@ def fold_cmd(
     if groups < 1 or 16 % groups:
         raise BNProbeError(f"--groups must divide the built-in conv2d's 16 input channels, got {groups}")
     if folded is not None:
-        from bnprobe.checks.folded import check_folded, load_folded
+        from bnprobe.checks.fold.folded import check_folded, load_folded
 
         if weights is None:
             raise BNProbeError("--folded FILE needs --weights LAYER.npz: the layer (weight, gamma, beta, running_mean, "
@@ -762,14 +762,15 @@ def fold_cmd(
 def _fold_onnx(onnx: Optional[Path], fused: Optional[Path], fuse: Optional[str], dtype: Optional[str],
                accumulate: Optional[str], conflicting: list[str], out: Optional[Path], force: bool,
                as_json: bool) -> int:
-    """fold --onnx: the checks of bnprobe.checks.fold_onnx, its report, and the report as HTML beside the others."""
+    """fold --onnx: the checks of bnprobe.checks.fold.onnx_model, its report, and the report as HTML beside the
+    others."""
     if onnx is None:
         raise BNProbeError(f"{'--fused' if fused is not None else '--fuse'} checks the fused model of an ONNX model: "
                            "give that model with --onnx MODEL.onnx")
     if conflicting:
         raise BNProbeError(f"--onnx reads every layer, its parameters and each BatchNormalization's ε from the model: "
                            f"drop {', '.join(conflicting)}")
-    from bnprobe.checks.fold_onnx import check_onnx
+    from bnprobe.checks.fold.onnx_model import check_onnx
     from bnprobe.reports.checks import fold_onnx_html, fold_onnx_report
 
     dtypes = [d.strip() for d in (dtype or "fp16").split(",")]
@@ -777,7 +778,7 @@ def _fold_onnx(onnx: Optional[Path], fused: Optional[Path], fuse: Optional[str],
     rep = check_onnx(onnx, dtypes, fused=fused, fuse=fuse, accumulate=accumulate)
     report = fold_onnx_report(rep)
     if sink is not None:
-        sink.write_text(f"{report.stem}.html", fold_onnx_html(rep, report))
+        report.pages[f"{report.stem}.html"] = fold_onnx_html(rep, report)
     return _show(report, sink, as_json)
 
 
@@ -818,8 +819,8 @@ def doctor_cmd(
     does; on a dump, every recorded call's outputs on its own inputs. --eps and --momentum are the
     layer's, used on every input (a kernel that ignores them fails); --shape, --dist, --mean, --std
     make one more input, "generated". Exit 0 when healthy, 1 when something failed."""
-    from bnprobe.checks.diagnosis import doctor, doctor_recorded
-    from bnprobe.checks.recorded import check_options, given, is_dump_path, recording_of
+    from bnprobe.checks.doctor.diagnosis import doctor, doctor_recorded
+    from bnprobe.engine.recorded import check_options, given, is_dump_path, recording_of
     from bnprobe.inputs import input_tensor
     from bnprobe.reports.checks import doctor_recorded_report, doctor_report
 
@@ -882,8 +883,8 @@ def identify_cmd(
     apart, and where no policy reproduces it, the closest and the stage where it departs. Exit 0 when every output
     it returns is reproduced bit for bit, 1 when not."""
     from bnprobe._progress import Progress
-    from bnprobe.checks.identify import identify, identify_recorded
-    from bnprobe.checks.recorded import check_options, given, is_dump_path, recording_of
+    from bnprobe.checks.identify.search import identify, identify_recorded
+    from bnprobe.engine.recorded import check_options, given, is_dump_path, recording_of
     from bnprobe.inputs import input_tensor
     from bnprobe.reports.identify import identify_recorded_report, identify_report
 
@@ -947,8 +948,8 @@ def shrink_cmd(
     """Reduce a failing case (channels, batch, spatial size, then values) to a minimal one that still
     fails; write it as a dump plus the exact command that replays it."""
     from bnprobe._progress import Progress
-    from bnprobe.checks.recorded import given, recording_of
-    from bnprobe.checks.shrinking import predicate_for, recorded_case, runnable, shrink
+    from bnprobe.engine.recorded import given, recording_of
+    from bnprobe.checks.shrink.shrinking import predicate_for, recorded_case, runnable, shrink
     from bnprobe.inputs import input_tensor
     from bnprobe.reports.shrink import shrink_lines, write_shrink
 
@@ -997,7 +998,8 @@ def plot_stats_cmd(
 ) -> int:
     """Plot μ and σ² and the running statistics over training, per channel and per format, and flag
     divergence, collapse toward eps, non-finite statistics and a wrong momentum. Exit 1 when flagged."""
-    from bnprobe.checks.stats import find, load_dump_series, load_log, load_monitor, simulate as run_simulation
+    from bnprobe.checks.plot_stats.stats import find, load_dump_series, load_log, load_monitor
+    from bnprobe.checks.plot_stats.stats import simulate as run_simulation
     from bnprobe.reports.stats import STATS_FILES, stats_lines, write_stats
 
     _check_common(eps=eps)

@@ -19,8 +19,8 @@ import re
 import sys
 from pathlib import Path
 
-from bnprobe._jit import jit_for
-from bnprobe.errors import BNProbeError
+from bnprobe.compiled.jit import jit_for
+from bnprobe.core.errors import BNProbeError
 
 __all__ = ["ENV", "BASE_BYTES", "COMPILED_BYTES", "PER_ELEMENT", "PER_RECORDED_ELEMENT", "MODEL_CACHE_BYTES",
            "parse_size", "format_size", "available_memory",
@@ -59,7 +59,7 @@ PER_ELEMENT: dict[str, int] = {
 PER_RECORDED_ELEMENT: dict[str, int] = {"compare-precision": 280, "overflow": 250, "gradcheck": 285, "doctor": 245}
 
 #: doctor keeps the bug models' outputs on one call within this, and the newest model besides
-#: (bnprobe.checks.diagnosis).  On a dump they measured 322 B per element up to 1 M values, then 240-320 MiB; the
+#: (bnprobe.checks.doctor.diagnosis).  On a dump they measured 322 B per element up to 1 M values, then 240-320 MiB; the
 #: estimate adds 420 B per element, up to 1.5 × this.
 MODEL_CACHE_BYTES = 256 * 2**20
 _MODEL_CACHE_PER_ELEMENT = 420

@@ -9,7 +9,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 
 __all__ = ["DISTRIBUTIONS", "make_input", "make_params", "parse_shape", "load_array", "array_header", "npy_header"]
 

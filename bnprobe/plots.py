@@ -7,14 +7,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from bnprobe.call import EPS
+from bnprobe.core.call import EPS
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
 
     import pandas as pd
 
-    from bnprobe.checks.mathfn import MathAnalysis
+    from bnprobe.checks.rsqrt.mathfn import MathAnalysis
 
 __all__ = ["plot_math_error", "plot_compare", "plot_channel_stats", "plot_layer_summary", "plot_divergence",
            "plot_distributions", "plot_sweep_heatmap"]
@@ -199,7 +199,7 @@ def plot_monitor_layer(df: pd.DataFrame, policy: str, layer: str, anomalies: lis
     format left by the largest |x|, |y| and |dx| (log2(format max / largest magnitude)); anomalous steps marked."""
     from matplotlib.figure import Figure
 
-    from bnprobe.formats import get_format
+    from bnprobe.core.formats import get_format
 
     g = df[(df["policy"] == policy) & (df["layer"] == layer)]
     fig = Figure(figsize=(10, 6), layout="constrained")

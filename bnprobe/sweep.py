@@ -27,8 +27,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bnprobe._files import append_text, atomic_write_text
 from bnprobe._loading import first_line
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 from bnprobe.guard import tune_process
 
 __all__ = ["SWEEP_COMMANDS", "Task", "SweepSpec", "plan", "dump_leaves", "run_task", "run_sweep", "Journal",
@@ -59,7 +60,7 @@ class Task:
 @dataclass(frozen=True)
 class RankGroup:
     """One layer at one step across its ranks: the statistics each rank used, checked against the golden of the
-    concatenated batch (:func:`bnprobe.checks.ranks.check_ranks`)."""
+    concatenated batch (:func:`bnprobe.checks.ranks.check.check_ranks`)."""
 
     key: str  # ranks:step/layer
     step: int
@@ -90,7 +91,7 @@ class SweepSpec:
         if self.command not in SWEEP_COMMANDS:
             raise BNProbeError(f"a sweep runs {', '.join(SWEEP_COMMANDS)}, not {self.command!r}")
         if self.convention is not None:
-            from bnprobe.conventions import get_convention
+            from bnprobe.core.conventions import get_convention
 
             get_convention(self.convention)  # an unknown name: one line, before any task
 
@@ -196,15 +197,15 @@ def _kernel(one: Any, spec: SweepSpec) -> Any:
     from bnprobe.adapters import get_adapter
     from bnprobe.adapters.convention import in_convention
     from bnprobe.adapters.dump import DumpAdapter
-    from bnprobe.conventions import get_convention
+    from bnprobe.core.conventions import get_convention
 
     kernel = DumpAdapter(one) if spec.adapter is None else get_adapter(spec.adapter)
     return kernel if spec.convention is None else in_convention(kernel, get_convention(spec.convention))
 
 
 def _compare_row(one: Any, spec: SweepSpec) -> dict[str, Any]:
-    from bnprobe.checks.cases import recorded_cases
-    from bnprobe.checks.compare import compare_precision
+    from bnprobe.engine.cases import recorded_cases
+    from bnprobe.checks.compare.precision import compare_precision
 
     adapter = _kernel(one, spec)
     r = compare_precision([adapter], None, recorded_cases(one), mode=spec.mode or "all", rule=spec.rule,
@@ -228,8 +229,8 @@ def _statistics(rows: Any) -> dict[str, float]:
 
 
 def _doctor_row(one: Any, spec: SweepSpec) -> dict[str, Any]:
-    from bnprobe.checks.diagnosis import doctor_recorded
-    from bnprobe.checks.recorded import Recorded
+    from bnprobe.checks.doctor.diagnosis import doctor_recorded
+    from bnprobe.engine.recorded import Recorded
 
     kernel = _kernel(one, spec)
     rep = doctor_recorded(Recorded(kernel, one), stability=False).results[0]
@@ -239,8 +240,8 @@ def _doctor_row(one: Any, spec: SweepSpec) -> dict[str, Any]:
 
 
 def _overflow_row(one: Any, spec: SweepSpec) -> dict[str, Any]:
-    from bnprobe.checks.overflow import scan_recorded
-    from bnprobe.checks.recorded import Recorded
+    from bnprobe.checks.overflow.scan import scan_recorded
+    from bnprobe.engine.recorded import Recorded
 
     kernel = _kernel(one, spec)
     run = scan_recorded(Recorded(kernel, one), mode=spec.mode)
@@ -257,7 +258,7 @@ _ROWS: dict[str, Callable[[Any, SweepSpec], dict[str, Any]]] = {
 def _ranks_row(group: RankGroup) -> dict[str, Any]:
     """The rank check of one layer at one step: each rank's recording loaded when the check reads it and let go (one
     call in memory, however many ranks)."""
-    from bnprobe.checks.ranks import check_ranks
+    from bnprobe.checks.ranks.check import check_ranks
 
     recs = {i: _one_call(t).calls[0].load for i, t in enumerate(group.members)}  # its index read, no tensors
     rep = check_ranks(recs, call=group.layer)
@@ -362,15 +363,10 @@ class Journal:
 
     def open(self, rows: Iterable[dict[str, Any]]) -> None:
         """Start the journal afresh with the header and the rows kept from a resumed run."""
-        with open(self.path, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(self.header) + "\n")
-            for row in rows:
-                fh.write(json.dumps(row, default=str) + "\n")
+        atomic_write_text(self.path, "".join(json.dumps(r, default=str) + "\n" for r in (self.header, *rows)))
 
     def add(self, row: dict[str, Any]) -> None:
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(row, default=str) + "\n")
-            fh.flush()
+        append_text(self.path, json.dumps(row, default=str) + "\n")
 
 
 # ---- engines -----------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from bnprobe import capture
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 from bnprobe.reports import new_report_dir
 
 

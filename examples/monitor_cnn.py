@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 
 from bnprobe import monitor
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 
 BAD_STEP, STEPS = 25, 40
 

@@ -10,7 +10,7 @@ import pytest
 
 from bnprobe._files import atomic_write_text, file_mode, output_dir
 from bnprobe.cli import main
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 
 
 def run(capsys, *args):

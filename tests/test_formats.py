@@ -2,8 +2,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from bnprobe.errors import BNProbeError
-from bnprobe.formats import FORMATS, format_names, get_format
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import FORMATS, format_names, get_format
 
 FINFO = {
     "fp64": np.finfo(np.float64), "fp32": np.finfo(np.float32), "fp16": np.finfo(np.float16),
@@ -58,7 +58,7 @@ def test_ulp(name):
 
 
 def test_holds_is_exact_inclusion_of_the_value_sets():
-    from bnprobe.formats import FORMATS
+    from bnprobe.core.formats import FORMATS
 
     for big in FORMATS.values():
         for small in FORMATS.values():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from bnprobe.cli import main
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 from bnprobe.guard import (
     ENV,
     available_memory,

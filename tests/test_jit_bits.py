@@ -1,4 +1,4 @@
-"""bnprobe._jit_bits.half against numpy's own float16 cast (correctly rounded, ties to even, overflow to ±inf from
+"""bnprobe.compiled.bits.half against numpy's own float16 cast (correctly rounded, ties to even, overflow to ±inf from
 65520): every float16 value, every midpoint between neighbours and the float64 values either side of it, both
 signs, random float64 and float32 bit patterns (NaN payloads, subnormals, huge values), and the edges."""
 
@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("numba")
 
-from bnprobe._jit_bits import half  # noqa: E402 - after the skip
-from bnprobe.formats import get_format  # noqa: E402
+from bnprobe.compiled.bits import half  # noqa: E402 - after the skip
+from bnprobe.core.formats import get_format  # noqa: E402
 
 
 def _inputs():
@@ -49,13 +49,13 @@ def test_half_is_numpys_float16_cast(src, dtype):
 
 
 def test_shapes_are_kept_zero_d_included():
-    from bnprobe.formats import get_format
+    from bnprobe.core.formats import get_format
 
     x = np.array(70000.0)
     assert half(x, np.float64).shape == () and half(x, np.float64) == np.inf
     assert half(np.ones((2, 0, 3)), np.float32).shape == (2, 0, 3)
     f = get_format("fp16")
-    import bnprobe._jit_bits as jb
+    import bnprobe.compiled.bits as jb
 
     got = jb.ulp(np.float64(f.max), f.emin, f.mantissa_bits)
     assert np.ndim(got) == 0 and got == 32.0  # a scalar for a scalar, as numpy's route gives
@@ -78,7 +78,7 @@ def test_compare_on_a_transposed_input_is_the_same_on_both_routes(monkeypatch, f
     order: a Fortran-ordered output keeps numpy's route, so rmse and ulp_mean stay numpy's to the last bit."""
     from dataclasses import asdict
 
-    from bnprobe.metrics import compare
+    from bnprobe.engine.metrics import compare
 
     g = np.random.default_rng(11).standard_normal((8, 8)).T
     a = g * 1.001
@@ -90,7 +90,7 @@ def test_compare_on_a_transposed_input_is_the_same_on_both_routes(monkeypatch, f
 
 
 def test_layout_and_nan_payload_are_numpys(monkeypatch):
-    from bnprobe.formats import get_format
+    from bnprobe.core.formats import get_format
     from bnprobe.numerics.rounding import round_to
 
     x = np.random.default_rng(2).standard_normal((30, 20)).T
@@ -107,7 +107,7 @@ def test_layout_and_nan_payload_are_numpys(monkeypatch):
     ([1e-40, 1.0], [0.0, 1.0], [5e-324, 1.0]),  # error_floor times a subnormal scale: 0, and 1e-40/0
     ([1.0, 0.0, 2.0], [1.0, 0.0, 2.5], None)])
 def test_absolute_where_the_floor_underflows_is_the_same_on_both_routes(monkeypatch, a, g, scale):
-    from bnprobe.checks.rules import absolute
+    from bnprobe.engine.rules import absolute
 
     sc = None if scale is None else np.array(scale)
     old, new = _both(monkeypatch, lambda: tuple(absolute(np.array(a), np.array(g), "fp32", "scaled", scale=sc)))
@@ -137,8 +137,8 @@ def test_the_checkers_metrics_in_two_compiled_passes_are_numpys(fmt, kind, monke
     """msprobe's checker figures (small-value ratio, RMSE, largest and mean relative error, error balance) on the
     compiled route equal numpy's route bit for bit and in type, at sizes on both sides of numpy's pairwise blocks
     (8, 128) and of its splits: the means are numpy's pairwise sums, the compacted relative errors' included."""
-    from bnprobe import metrics as M
-    from bnprobe.tolerances import MSPROBE_CHECKER
+    from bnprobe.engine import metrics as M
+    from bnprobe.core.tolerances import MSPROBE_CHECKER
 
     rng = np.random.default_rng([5, len(fmt), len(kind)])
     for n in (1, 7, 8, 9, 128, 129, 1000, 70001):

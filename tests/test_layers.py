@@ -7,10 +7,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "bnprobe"
 # bottom to top; a module may import its own layer and those below it
-LAYERS = (("errors", "_files", "_table", "_progress", "_loading", "_jit", "_jit_bits", "tolerances", "formats", "guard",
-           "call", "conventions"),
-          ("numerics", "inputs"), ("kernels",), ("metrics",), ("adapters", "recordings"), ("checks",), ("sweep",),
-          ("plots",),
+LAYERS = (("compiled", "_progress", "_table"), ("core",), ("_files", "_loading", "guard"), ("numerics", "inputs"),
+          ("kernels",), ("recordings",), ("adapters",), ("engine",), ("checks",), ("sweep",), ("plots",),
           ("reports",), ("cli", "__main__", "__init__"))
 
 
@@ -53,7 +51,7 @@ def test_an_upward_import_would_be_seen(tmp_path, monkeypatch):
     (pkg / "kernels").mkdir(parents=True)
     (pkg / "kernels" / "bad.py").write_text("def f():\n    from bnprobe.reports import dumps_json\n")
     monkeypatch.setattr(__import__(__name__, fromlist=["x"]), "PACKAGE", pkg)
-    assert arrows() == (1, ["bnprobe.kernels.bad (layer 2) imports bnprobe.reports (layer 8), line 2"])
+    assert arrows() == (1, ["bnprobe.kernels.bad (layer 4) imports bnprobe.reports (layer 11), line 2"])
 
 
 if __name__ == "__main__":
@@ -134,10 +132,131 @@ def _functions():
 
 
 def test_functions_stay_short_and_take_few_positional_parameters():
-    """No function over 80 lines; outside the CLI (typer's options are parameters) and the numba kernels (which
-    take arrays, not objects), at most 3 functions take more than 8 positional parameters."""
+    """No function over 80 lines; outside the CLI (typer's options are parameters) and the compiled route (numba
+    kernels, which take arrays, not objects), at most 3 functions take more than 8 positional parameters."""
     long = [f"{p}:{n.lineno} {n.name}" for p, n, _ in _functions() if n.end_lineno - n.lineno + 1 > 80]
     many = [f"{p}:{n.lineno} {n.name} ({k})" for p, n, k in _functions() if k > 8
-            and p.name != "cli.py" and not p.name.startswith("compiled_")]
+            and p.name != "cli.py" and p.parent.name != "compiled"]
     assert not long, long
     assert len(many) <= 3, many
+
+
+def _private_crossings(package: Path) -> list[str]:
+    """Private names (one leading underscore) one bnprobe module takes from another: imported by name, or read as an
+    attribute of a bnprobe module imported under a name."""
+    files = {".".join(p.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in package.rglob("*.py")}
+    out = []
+    for module, path in sorted(files.items()):
+        tree = ast.parse(path.read_text())
+        modules: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                    and node.module.split(".")[0] == "bnprobe" and node.module != module:
+                for a in node.names:
+                    if f"{node.module}.{a.name}" in files:
+                        modules[a.asname or a.name] = f"{node.module}.{a.name}"
+                    elif a.name.startswith("_") and not a.name.startswith("__"):
+                        out.append(f"{path.relative_to(package.parent)}:{node.lineno} imports {node.module}.{a.name}")
+            elif isinstance(node, ast.Import):
+                modules.update({a.asname: a.name for a in node.names if a.asname and a.name.startswith("bnprobe.")})
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules \
+                    and node.attr.startswith("_") and not node.attr.startswith("__"):
+                out.append(f"{path.relative_to(package.parent)}:{node.lineno} reads "
+                           f"{modules[node.value.id]}.{node.attr}")
+    return out
+
+
+def test_no_private_name_crosses_a_module():
+    assert _private_crossings(PACKAGE) == []
+
+
+def test_a_private_name_crossing_would_be_seen(tmp_path):
+    pkg = tmp_path / "bnprobe"
+    (pkg / "checks").mkdir(parents=True)
+    (pkg / "checks" / "a.py").write_text("def _helper():\n    return 1\n")
+    (pkg / "checks" / "b.py").write_text("from bnprobe.checks.a import _helper\n")
+    (pkg / "checks" / "c.py").write_text("from bnprobe.checks import a as m\n\nm._helper()\n")
+    assert _private_crossings(pkg) == ["bnprobe/checks/b.py:1 imports bnprobe.checks.a._helper",
+                                       "bnprobe/checks/c.py:3 reads bnprobe.checks.a._helper"]
+
+
+# the calls that write a file given a path; where their first argument is an open file (a name: fh, buf) they write
+# into a file the I/O module staged, or into memory
+_WRITERS = {"save", "savez", "savez_compressed", "to_csv", "to_parquet", "savefig", "dump", "write_table"}
+# what writes files through bnprobe._files (an OutputDir's methods and its functions): the CLI calls none of them
+_FILE_API = {"write_text", "write_bytes", "write_with", "save_figure", "commit", "atomic_write_text",
+             "atomic_write_bytes", "atomic_write_with", "append_text"}
+
+
+def _raw_writes(package: Path) -> list[str]:
+    """Files written outside the I/O module (bnprobe/_files.py): the builtin open() in a writing mode, a Path's
+    write_text/write_bytes (one argument: an OutputDir's take a name and the data), a writer such as np.save or
+    DataFrame.to_csv handed a path rather than an open file; and any file written by the CLI itself, which only
+    renders (the reports write)."""
+    out = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package.parent)
+        if rel.as_posix() == "bnprobe/_files.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            mode = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "mode"),
+                                                                 None)
+            if isinstance(f, ast.Name) and name == "open" and isinstance(mode, ast.Constant) \
+                    and set(str(mode.value)) & set("wax+"):
+                out.append(f"{rel}:{node.lineno} open(..., {mode.value!r})")
+            elif isinstance(f, ast.Attribute) and name in ("write_text", "write_bytes") and len(node.args) == 1:
+                out.append(f"{rel}:{node.lineno} {name} on a path")
+            elif isinstance(f, ast.Attribute) and name in _WRITERS and node.args \
+                    and not isinstance(node.args[0], ast.Name):
+                out.append(f"{rel}:{node.lineno} {name} to a path")
+            elif rel.as_posix() == "bnprobe/cli.py" and name in _FILE_API:
+                out.append(f"{rel}:{node.lineno} the CLI writes ({name})")
+    return out
+
+
+def test_files_are_written_through_the_io_module():
+    assert _raw_writes(PACKAGE) == []
+
+
+def test_a_raw_write_would_be_seen(tmp_path):
+    pkg = tmp_path / "bnprobe"
+    pkg.mkdir()
+    (pkg / "_files.py").write_text("def w(p):\n    open(p, 'w')\n")  # the I/O module may
+    (pkg / "sweep.py").write_text("import numpy as np\n\n\ndef f(p, folder, fh, sink, a):\n"
+                                  "    open(p, 'a')\n    open(p)\n    p.write_text('x')\n"
+                                  "    sink.write_text('n', 'x')\n"
+                                  "    np.savez(folder / 'spill.npz', a=a)\n    np.save(fh, a)\n")
+    (pkg / "cli.py").write_text("def g(sink):\n    sink.write_text('a.html', 'x')\n")
+    assert _raw_writes(pkg) == ["bnprobe/cli.py:2 the CLI writes (write_text)",
+                                "bnprobe/sweep.py:5 open(..., 'a')", "bnprobe/sweep.py:7 write_text on a path",
+                                "bnprobe/sweep.py:9 savez to a path"]
+
+
+def _folder_shares(package: Path) -> dict[str, float]:
+    """Each folder's share of the package's lines, counting the modules directly in it (a command's package under
+    checks/ is a folder of its own)."""
+    lines: dict[str, int] = {}
+    for path in package.rglob("*.py"):
+        folder = path.parent.relative_to(package.parent).as_posix()
+        lines[folder] = lines.get(folder, 0) + len(path.read_text().splitlines())
+    total = sum(lines.values())
+    return {folder: n / total for folder, n in sorted(lines.items())}
+
+
+def test_no_folder_holds_more_than_a_quarter_of_the_package():
+    shares = _folder_shares(PACKAGE)
+    assert len(shares) >= 10 and max(shares.values()) <= 0.25, {k: round(v, 3) for k, v in shares.items()}
+
+
+def test_a_crowded_folder_would_be_seen(tmp_path):
+    pkg = tmp_path / "bnprobe"
+    (pkg / "checks").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("x = 1\n" * 10)
+    (pkg / "checks" / "big.py").write_text("x = 1\n" * 40)
+    assert _folder_shares(pkg) == {"bnprobe": 0.2, "bnprobe/checks": 0.8}

@@ -5,9 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from bnprobe.metrics import (BENCHMARK_METRICS, MSPROBE_CHECKER, benchmark, benchmark_level, benchmark_verdict,
+from bnprobe.engine.metrics import (BENCHMARK_METRICS, MSPROBE_CHECKER, benchmark, benchmark_level, benchmark_verdict,
                              compare, cosine, min_atol, min_rtol, ulp_error)
-from bnprobe.tolerances import MSPROBE_STANDARDS
+from bnprobe.core.tolerances import MSPROBE_STANDARDS
 
 
 def test_metrics_by_hand():
@@ -123,7 +123,7 @@ def test_benchmark_of_identical_outputs_passes_with_ratio_one_or_less():
 
 
 def test_checker_table_agrees_with_the_tolerance_table():
-    # the values both tables carry (bnprobe.tolerances.MSPROBE_STANDARDS came from the same msprobe source);
+    # the values both tables carry (bnprobe.core.tolerances.MSPROBE_STANDARDS came from the same msprobe source);
     # small-value atol differs on purpose for fp16: 2^-16 is msprobe's absolute-threshold atol, the benchmark's 1e-16
     for fmt, std in MSPROBE_STANDARDS.items():
         assert MSPROBE_CHECKER[fmt].small_value == std.small_threshold
@@ -135,7 +135,7 @@ def test_checker_table_agrees_with_the_tolerance_table():
 def test_a_comparison_keeps_the_checker_metrics_and_ulps_as_computed_alone(fmt):
     """compare() keeps what the benchmark verdict and the ULP rule need: the same values checker_metrics and
     ulp_error give (None where checker_metrics gives none: msprobe's benchmark skips float64)."""
-    from bnprobe.metrics import checker_metrics, compare, ulp_error
+    from bnprobe.engine.metrics import checker_metrics, compare, ulp_error
     from bnprobe.numerics.rounding import round_to
 
     rng = np.random.default_rng(3)
@@ -172,7 +172,7 @@ def _edges(dtype) -> np.ndarray:
 
 @pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp32"])
 def test_floor_log2_is_numpys_at_every_power_of_two(fmt):
-    from bnprobe.metrics import _floor_log2
+    from bnprobe.engine.metrics import _floor_log2
 
     std = MSPROBE_CHECKER[fmt]
     b = _edges(std.bench)
@@ -186,7 +186,7 @@ def test_floor_log2_is_numpys_at_every_power_of_two(fmt):
 @pytest.mark.slow
 def test_floor_log2_is_numpys_on_every_float32():
     """Exhaustive: every non-negative float32 bit pattern (2^31, in blocks)."""
-    from bnprobe.metrics import _floor_log2
+    from bnprobe.engine.metrics import _floor_log2
 
     for lo in range(0, 1 << 31, 1 << 24):
         b = np.arange(lo, lo + (1 << 24), dtype=np.int64).astype(np.int32).view(np.float32)
@@ -196,7 +196,7 @@ def test_floor_log2_is_numpys_on_every_float32():
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_pow2_is_exp2_on_every_integer_exponent(dtype):
     """Exhaustive over every integer exponent from below the subnormals to beyond overflow."""
-    from bnprobe.metrics import _pow2
+    from bnprobe.engine.metrics import _pow2
 
     fi = np.finfo(dtype)
     k = np.arange(fi.minexp - fi.nmant - 3, fi.maxexp + 4).astype(dtype)

@@ -1,4 +1,4 @@
-"""bnprobe.metrics against mindstudio-probe 26.2.0's own functions, value for value.
+"""bnprobe.engine.metrics against mindstudio-probe 26.2.0's own functions, value for value.
 
 msprobe runs in a child process: this file run as a script (``_oracle`` below, which imports nothing from
 bnprobe).  Importing msprobe's compare algorithms loads ~500 modules and puts a stub at
@@ -147,7 +147,7 @@ if importlib.util.find_spec("torch") is None:  # only the child process imports 
     pytest.skip("torch is not installed", allow_module_level=True)
 pytest.importorskip("msprobe")
 
-from bnprobe.metrics import (  # noqa: E402
+from bnprobe.engine.metrics import (  # noqa: E402
     BENCHMARK_METRICS, MSPROBE_BENCHMARK_LIMITS, MSPROBE_CHECKER, benchmark, benchmark_level, benchmark_verdict,
     compare, ulp_error)
 

@@ -4,9 +4,9 @@ a crash is never read as a verdict (exit 3, one line, no traceback)."""
 import pytest
 
 from bnprobe.adapters.base import MODES, PARAM_PRECISIONS
-from bnprobe.checks.rules import RULES
+from bnprobe.engine.rules import RULES
 from bnprobe.cli import INTERNAL_ERROR, main
-from bnprobe.formats import FORMATS
+from bnprobe.core.formats import FORMATS
 from bnprobe.inputs import DISTRIBUTIONS
 
 SMALL = ["--shape", "2,3,4,4"]

@@ -84,7 +84,7 @@ def _fold_files(folder: Path) -> None:
     scaled by A (b + B, the classic exporter bug), and the correct fold in fp16."""
     import numpy as np
 
-    from bnprobe.checks.fold import make_layer
+    from bnprobe.checks.fold.layer import make_layer
 
     lay = make_layer("linear", seed=0)
     layer = dict(weight=lay.weight, gamma=lay.gamma, beta=lay.beta, running_mean=lay.running_mean,

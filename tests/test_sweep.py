@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from bnprobe.cli import main
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 from bnprobe.recordings import record, write_dump
 from bnprobe.sweep import SweepResult, SweepSpec, Journal, dump_leaves, header, plan, run_sweep
 from tests.checks.bn_plugins import NumpyBN
@@ -334,7 +334,7 @@ def test_local_workers_are_spawned_once_a_compiled_kernel_has_run():
 
 
 @pytest.mark.parametrize("run", ["from bnprobe.numerics.rounding import fp16_as; fp16_as(np.ones(9), np.float32)",
-                                 "from bnprobe.checks.rules import channel_rule; "
+                                 "from bnprobe.engine.rules import channel_rule; "
                                  "channel_rule('y', np.ones((2, 3, 4)), np.ones((2, 3, 4)), None, 'fp16')"])
 def test_local_workers_are_spawned_once_any_compiled_helper_has_run(run):
     """Not only the BatchNorm kernels: the compiled casts and rules (parallel numba loops too) make the process one

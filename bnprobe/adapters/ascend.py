@@ -34,7 +34,7 @@ import numpy as np
 
 from bnprobe.adapters.base import Capabilities, Prepared
 from bnprobe.adapters.emulated import PolicyAdapter
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 from bnprobe.kernels.policy import Policy
 
 __all__ = ["CHIPS", "Chip", "AscendAdapter", "KERNELS", "C0"]

@@ -1,5 +1,5 @@
 """Adapters in a framework's convention: ``--convention`` for a plugin or a dump, and the golden and the bench a
-kernel is judged against in the convention it declares (:mod:`bnprobe.conventions`)."""
+kernel is judged against in the convention it declares (:mod:`bnprobe.core.conventions`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from bnprobe.adapters.base import Capabilities, KernelAdapter
-from bnprobe.conventions import Convention, convention_of, get_convention
+from bnprobe.core.conventions import Convention, convention_of, get_convention
 
 __all__ = ["in_convention", "reference_for", "bench_for"]
 

@@ -19,8 +19,8 @@ from bnprobe.adapters.base import (
     Prepared,
     Saved,
 )
-from bnprobe.errors import BNProbeError
-from bnprobe.formats import get_format
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import get_format
 from bnprobe.recordings import CallRef, RecordedCalls, Recording
 
 __all__ = ["DumpAdapter"]

@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 
 from bnprobe.adapters.base import BackwardOutput, BaseAdapter, Capabilities, ForwardOutput, Prepared, Saved
-from bnprobe.conventions import get_convention
-from bnprobe.errors import BNProbeError
-from bnprobe.formats import get_format
+from bnprobe.core.conventions import get_convention
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import get_format
 from bnprobe.kernels import backward, forward_infer, forward_train, get_policy
 from bnprobe.kernels.policy import Policy
 from bnprobe.numerics.arith import Arith
@@ -105,7 +105,7 @@ class PolicyAdapter(BaseAdapter):
 
 class ReferenceAdapter(PolicyAdapter):
     """The FP64 golden: inputs rounded to the requested format, then everything computed in float64; its running
-    variance updated with the variance ``convention`` says (:mod:`bnprobe.conventions`: unbiased by default)."""
+    variance updated with the variance ``convention`` says (:mod:`bnprobe.core.conventions`: unbiased by default)."""
 
     def __init__(self, convention: str = "torch") -> None:
         conv = get_convention(convention)
@@ -148,9 +148,9 @@ class CarefulAdapter(PolicyAdapter):
     pytorch/pytorch#140112) is not the bench: it is judged against it."""
 
     def __init__(self, *, rounded_stats: bool = False, convention: str = "torch") -> None:
-        """``rounded_stats``: the careful kernel with one choice changed, as :mod:`bnprobe.checks.recipes` names
+        """``rounded_stats``: the careful kernel with one choice changed, as :mod:`bnprobe.engine.recipes` names
         it — normalising with the statistics rounded to the parameter format (not the bench).  ``convention``: the
-        running variance's bias of that framework (:mod:`bnprobe.conventions`)."""
+        running variance's bias of that framework (:mod:`bnprobe.core.conventions`)."""
         conv = get_convention(convention)
         name = "careful:rounded-stats" if rounded_stats else "careful"
         name += "" if conv.name == "torch" else f" ({conv.name} convention)"

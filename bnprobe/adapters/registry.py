@@ -10,7 +10,7 @@ from importlib.metadata import entry_points
 
 from bnprobe._loading import binds, first_line, kind_of, raised, resolve
 from bnprobe.adapters.base import BaseAdapter, Capabilities, KernelAdapter
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 
 __all__ = ["get_adapter", "list_adapters", "AdapterInfo", "ENTRY_POINT_GROUP", "BUILTIN_SET", "builtin_adapters"]
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.call import EPS, MOMENTUM
+from bnprobe.core.call import EPS, MOMENTUM
 from bnprobe.adapters.base import (
     BackwardOutput,
     BaseAdapter,
@@ -51,9 +51,9 @@ from bnprobe.adapters.base import (
     params_format,
     stored_inputs,
 )
-from bnprobe.errors import BNProbeError
-from bnprobe.tolerances import accumulation_format
-from bnprobe.formats import get_format
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.tolerances import accumulation_format
+from bnprobe.core.formats import get_format
 from bnprobe.kernels.layout import layout_of
 from bnprobe.numerics.arith import Arith
 from bnprobe.numerics.reduce import reduce_sum
@@ -72,7 +72,7 @@ _OPTIONS = ("ranks", "world", "merge", "reduce")
 
 def compute_format(dtype: str) -> str:
     """The format SyncBatchNorm computes statistics in for inputs in ``dtype``: fp64 for fp64, else fp32 (the
-    accumulation format of :mod:`bnprobe.tolerances`)."""
+    accumulation format of :mod:`bnprobe.core.tolerances`)."""
     return accumulation_format(dtype)
 
 

@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 
 from bnprobe.adapters.base import BackwardOutput, BaseAdapter, Capabilities, ForwardOutput, Prepared, Saved
-from bnprobe.errors import BNProbeError
-from bnprobe.formats import get_format
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import get_format
 
 __all__ = ["TorchAdapter", "torch_unavailable"]
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.call import EPS, MOMENTUM
-from bnprobe.errors import BNProbeError
-from bnprobe.formats import get_format
+from bnprobe.core.call import EPS, MOMENTUM
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import get_format
 from bnprobe.kernels.fused import COMPILED_CHUNK_ELEMENTS, Fused, Source, compiled_route
 from bnprobe.kernels.layout import Layout, as_channel_vector, check_eps, check_momentum, layout_of
 from bnprobe.kernels.policy import Policy, get_policy

@@ -1,8 +1,8 @@
 """The compiled route's Python side: which runs take it, and the passes a kernel block makes with it.
 
-A run takes the compiled route (``bnprobe.kernels.compiled``, numba) when its trace keeps no arrays,
+A run takes the compiled route (``bnprobe.compiled.kernels``, numba) when its trace keeps no arrays,
 no stage is overridden, every format is fp64, fp32, fp16 or bf16, no rounding is stochastic (its random
-stream is drawn by numpy), and ``BNPROBE_JIT`` allows it for the call's size (:func:`bnprobe._jit.jit_for`).
+stream is drawn by numpy), and ``BNPROBE_JIT`` allows it for the call's size (:func:`bnprobe.compiled.jit.jit_for`).
 The elementwise passes (loading a tensor, casts, the normalisation and affine, dx) and the per-channel sums run
 compiled; the per-channel
 statistics between them (mean, variance, rstd, the coefficients) are the numpy code every route shares,
@@ -22,7 +22,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from bnprobe._jit import KERNEL_LOCK, jit_for
+from bnprobe.compiled.jit import KERNEL_LOCK, jit_for
 from bnprobe.numerics.arith import Arith, Tally
 from bnprobe.numerics.rounding import RoundingSpec
 from bnprobe.numerics.variance import prescale_exponent
@@ -45,7 +45,7 @@ ROW_MAX = 2**31 - 1
 def compiled_route(policy: Any, keep_arrays: bool, overrides: dict[str, np.ndarray] | None,
                    elements: int | None = None) -> bool:
     """Whether a kernel call with this policy (on ``elements`` values) takes the compiled route (see the module
-    notes and :func:`bnprobe._jit.jit_for`)."""
+    notes and :func:`bnprobe.compiled.jit.jit_for`)."""
     if keep_arrays or overrides or not jit_for(elements):
         return False
     if policy.order == "vec" or policy.rstd_format is not None or policy.backward_formula == "torch":
@@ -66,7 +66,7 @@ def kernels() -> ModuleType:
 
     Compiled kernels are cached (``cache=True``) beside their modules, or where the package directory is not
     writable in numba's user-wide cache directory (``$NUMBA_CACHE_DIR``, else the platform's user cache)."""
-    from bnprobe.kernels import compiled
+    from bnprobe.compiled import kernels as compiled
 
     return _Locked(compiled)
 

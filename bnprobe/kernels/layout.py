@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bnprobe.errors import BNProbeError
-from bnprobe.formats import get_format
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import get_format
 from bnprobe.numerics.arith import fits_float32
 
 __all__ = ["LAYOUTS", "Layout", "layout_of", "as_channel_vector", "check_eps", "check_momentum", "reduce_axes",

@@ -7,8 +7,8 @@ import functools
 import typing
 from dataclasses import dataclass, fields, replace
 
-from bnprobe.errors import BNProbeError
-from bnprobe.formats import get_format
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import get_format
 from bnprobe.numerics.reduce import COMBINES, ORDERS
 from bnprobe.numerics.rounding import OVERFLOWS, SUBNORMALS, RoundingSpec
 from bnprobe.numerics.rsqrt import NEWTON_FORMS

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from bnprobe.errors import BNProbeError
-from bnprobe.formats import Format, get_format
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import Format, get_format
 from bnprobe.numerics.arith import TALLY_FIELDS, Tally, as_carrier
 
 if TYPE_CHECKING:  # pragma: no cover

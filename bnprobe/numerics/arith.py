@@ -30,8 +30,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from bnprobe.errors import BNProbeError
-from bnprobe.formats import FP32, Format, get_format
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import FP32, Format, get_format
 from bnprobe.numerics.rounding import RoundingSpec, round_detail
 
 __all__ = ["Arith", "Tally", "TALLY_FIELDS", "add", "sub", "mul", "div", "sqrt", "fma", "fits_float32", "as_carrier"]

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 from bnprobe.numerics.arith import Arith, Tally, as_carrier, fma_wide
 
 __all__ = ["ORDERS", "COMBINES", "reduce_sum", "tree_sum", "split_parts", "vec_dot"]

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe._jit import jit_for
-from bnprobe.errors import BNProbeError
-from bnprobe.formats import FP64, Format, get_format
+from bnprobe.compiled.jit import jit_for
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import FP64, Format, get_format
 
 __all__ = [
     "ROUNDINGS",
@@ -108,7 +108,7 @@ def fp16_as(x: np.ndarray, dtype: Any) -> np.ndarray:
     """``x.astype(np.float16).astype(dtype)`` (numpy's correctly rounded cast, held in float32 or float64): a large
     float64 or float32 array in one compiled pass, without the float16 array between."""
     if x.dtype in (np.float32, np.float64) and jit_for(x.size):
-        from bnprobe._jit_bits import half
+        from bnprobe.compiled.bits import half
 
         return half(x, dtype)
     return x.astype(np.float16).astype(dtype)
@@ -290,7 +290,7 @@ def is_representable(values: np.ndarray, fmt: str | Format) -> np.ndarray:
     if v.dtype not in (np.float32, np.float64):
         v = v.astype(np.float64)
     if v.dtype == np.float32 and fmt.name in ("fp16", "bf16") and v.ndim and v.flags.c_contiguous and jit_for(v.size):
-        from bnprobe._jit_bits import held_by
+        from bnprobe.compiled.bits import held_by
 
         return held_by(v, fmt.name)  # the same answer from the bits, in one pass
     with np.errstate(all="ignore"):

@@ -18,8 +18,8 @@ from fractions import Fraction
 
 import numpy as np
 
-from bnprobe.errors import BNProbeError
-from bnprobe.formats import Format, get_format
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import Format, get_format
 from bnprobe.numerics.arith import Arith, Tally, fma_wide
 from bnprobe.numerics.rounding import round_to
 

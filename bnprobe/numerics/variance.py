@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 from bnprobe.numerics.arith import Arith, Tally
 from bnprobe.numerics.reduce import reduce_sum
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bnprobe.adapters.base import MODES
-from bnprobe.errors import BNProbeError
+from bnprobe.core.kernel import MODES
+from bnprobe.core.errors import BNProbeError
 from bnprobe.recordings.bnprobe_dump import read_calls, read_dump, read_meta, record, write_dump
 from bnprobe.recordings.msprobe import MSPROBE_BN_APIS, find_dump_jsons, msprobe_calls
 from bnprobe.recordings.ms_graph import graph_calls, graph_folders

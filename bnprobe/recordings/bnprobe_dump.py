@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.call import EPS, MOMENTUM
-from bnprobe.adapters.base import MODES, KernelAdapter, Saved, SAVED_KINDS, params_format
-from bnprobe.errors import BNProbeError
-from bnprobe.formats import get_format
+from bnprobe.core.call import EPS, MOMENTUM
+from bnprobe.core.kernel import MODES, SAVED_KINDS, Saved, params_format
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import get_format
 from bnprobe.inputs import npy_header
 from bnprobe.kernels.layout import LAYOUTS
 from bnprobe.numerics.rounding import is_representable
@@ -227,11 +227,12 @@ def read_calls(folder: str | Path) -> dict[str, Any]:
 
 # ---- recording an adapter -------------------------------------------------------------------------
 
-def record(adapter: KernelAdapter, *, x: np.ndarray, gamma: np.ndarray | None, beta: np.ndarray | None,
+def record(adapter: Any, *, x: np.ndarray, gamma: np.ndarray | None, beta: np.ndarray | None,
            running_mean: np.ndarray, running_var: np.ndarray, dy: np.ndarray, dtype: str, eps: float = EPS,
            momentum: float | None = MOMENTUM, layout: str = "channels_first", params: str = "fp32",
            modes: tuple[str, ...] = ("train", "infer", "backward"), meta: dict[str, Any] | None = None) -> Recording:
-    """Run ``adapter`` in each mode on these inputs and keep every input and output."""
+    """Run ``adapter`` (a :class:`bnprobe.adapters.KernelAdapter`) in each mode on these inputs and keep every input
+    and output."""
     from bnprobe.numerics.rounding import round_to
 
     fmt = get_format(dtype).name

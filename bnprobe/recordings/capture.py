@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
-from bnprobe.errors import BNProbeError
-from bnprobe.formats import get_format
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import get_format
 from bnprobe.recordings.bnprobe_dump import read_calls, write_dump
 from bnprobe.recordings.types import CALLS_NAME, CALLS_TAG, META_NAME, TENSORS_NAME, Recording
-from bnprobe._files import atomic_write_text, dumps_json
+from bnprobe._files import atomic_write_text, atomic_write_with, dumps_json
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -51,7 +51,7 @@ _SPILL = "forward-spill.npz"  # a call's forward tensors, awaiting its backward
 
 # autograd nodes of the BatchNorm kernels: _saved_result1 is the saved mean, _saved_result2 the saved
 # 1/sqrt(var + eps) (cuDNN's and MIOpen's "save_var" hold the inverse standard deviation as well)
-_BN_NODES = ("NativeBatchNormBackward0", "CudnnBatchNormBackward0", "MiopenBatchNormBackward0",
+BN_NODES = ("NativeBatchNormBackward0", "CudnnBatchNormBackward0", "MiopenBatchNormBackward0",
              "NativeBatchNormLegitBackward0", "NativeBatchNormLegitBackward1",
              "NativeBatchNormLegitNoTrainingBackward0", "BatchNormWithUpdateBackward0",
              "BatchNormNoUpdateBackward0")
@@ -97,7 +97,7 @@ def _dir_token(module: str) -> str:
 
 
 @dataclass
-class _Call:
+class CapturedCall:
     """One BatchNorm call while it is being recorded: arrays in their own dtypes."""
 
     name: str
@@ -124,7 +124,7 @@ class _Call:
         # each key names its format: numpy stores ml_dtypes' bfloat16 as 2-byte voids
         arrays = {f"{io}.{k}.{get_format(v.dtype).name}": v
                   for io, d in (("inputs", self.inputs), ("outputs", self.outputs)) for k, v in d.items()}
-        np.savez(folder / _SPILL, **arrays)
+        atomic_write_with(folder / _SPILL, lambda fh: np.savez(fh, **arrays))
         self.inputs, self.outputs, self.state = {}, {}, "spilled"
 
     def unspill(self, folder: Path) -> None:
@@ -187,7 +187,7 @@ class _Call:
 
 
 def start_call(module: Any, path: str, index: int, order: int, x: torch.Tensor, *,
-               running: tuple[Any, Any] | None = None) -> _Call:
+               running: tuple[Any, Any] | None = None) -> CapturedCall:
     """A call of BatchNorm ``module`` (module path ``path``, its ``index``-th call, ``order``-th recorded) on ``x``,
     its inputs copied as the module passes them to F.batch_norm; ``running``: the running statistics as they were
     before the call, when the module's own have been updated since (a monitor copies them before the forward)."""
@@ -213,7 +213,7 @@ def start_call(module: Any, path: str, index: int, order: int, x: torch.Tensor, 
         "momentum_none": module.momentum is None, "memory_format": _memory_format(x), "device": str(x.device),
         "requires_grad": {"x": bool(x.requires_grad), "gamma": bool(affine and module.weight.requires_grad),
                           "beta": bool(affine and module.bias.requires_grad)}}
-    return _Call(f"{path}#{index}", path, type(module).__name__, index, order, training, float(module.eps), None,
+    return CapturedCall(f"{path}#{index}", path, type(module).__name__, index, order, training, float(module.eps), None,
                  meta, inputs)
 
 
@@ -227,7 +227,7 @@ def momentum_factor(module: Any) -> float:
     return 0.0 if module.momentum is None else float(module.momentum)
 
 
-def finish_call(module: Any, call: _Call, y: torch.Tensor | None = None, *, node: Any = None,
+def finish_call(module: Any, call: CapturedCall, y: torch.Tensor | None = None, *, node: Any = None,
                 running_out: tuple[Any, Any] | None = None) -> tuple[Any, bool]:
     """``call``'s outputs recorded from the module after its forward and its output ``y``: the momentum factor
     torch applied, y, the statistics the kernel saved, the running statistics after the update; (y's autograd
@@ -241,7 +241,7 @@ def finish_call(module: Any, call: _Call, y: torch.Tensor | None = None, *, node
         node = y.grad_fn
     node_name = type(node).__name__ if node is not None else None
     call.meta["grad_fn"] = node_name
-    is_bn_node = node_name in _BN_NODES
+    is_bn_node = node_name in BN_NODES
     if call.training:
         if is_bn_node:
             mean, invstd = node._saved_result1, node._saved_result2
@@ -260,7 +260,7 @@ def finish_call(module: Any, call: _Call, y: torch.Tensor | None = None, *, node
     return node, is_bn_node
 
 
-def record_grads(call: _Call, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> bool:
+def record_grads(call: CapturedCall, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> bool:
     """The backward of ``call`` recorded from its BatchNorm node's hook (dy; dx, dγ, dβ, and why one is missing);
     False when it is not the first backward (retain_graph: the first is kept, the runs counted)."""
     call.backward_runs += 1
@@ -307,9 +307,9 @@ class Capture:
         self.skipped: dict[str, int] = {}
         self.written: list[Path] = []
         self.reserved_bytes = 0
-        self._records: list[_Call] = []
+        self._records: list[CapturedCall] = []
         self._counts: dict[str, int] = {}
-        self._pending: dict[int, _Call | None] = {}
+        self._pending: dict[int, CapturedCall | None] = {}
         self._handles: list[Any] = []
         self._error: BNProbeError | None = None
         self._entered = False
@@ -388,7 +388,7 @@ class Capture:
             self._pending[id(module)] = self._start(module, path, index, x)
         return hook
 
-    def _start(self, module: Any, path: str, index: int, x: torch.Tensor) -> _Call:
+    def _start(self, module: Any, path: str, index: int, x: torch.Tensor) -> CapturedCall:
         torch = self._torch
         name = f"{path}#{index}"
         channels = x.shape[1] if x.dim() > 1 else 0
@@ -434,7 +434,7 @@ class Capture:
         out.mkdir(parents=True, exist_ok=True)
         self._opened = True
 
-    def _store(self, call: _Call, *, awaiting: bool) -> None:
+    def _store(self, call: CapturedCall, *, awaiting: bool) -> None:
         """A call just recorded: spilled when its backward is awaited, else written."""
         if self._error is not None:
             return
@@ -448,7 +448,7 @@ class Capture:
         except OSError as exc:
             self._refuse(f"{self.out / call.dir}: cannot write the call ({type(exc).__name__}: {exc})")
 
-    def _write_call(self, call: _Call) -> None:
+    def _write_call(self, call: CapturedCall) -> None:
         """The call's dump, from its tensors (read back from its spill file if there), which are then let go."""
         folder = self.out / call.dir
         if call.state == "spilled":
@@ -458,7 +458,7 @@ class Capture:
         call.release()
         self.reserved_bytes -= call.nbytes
 
-    def _finish(self, module: Any, call: _Call, y: Any) -> bool:
+    def _finish(self, module: Any, call: CapturedCall, y: Any) -> bool:
         """The call's outputs recorded; True when a hook now awaits its backward."""
         if not isinstance(y, self._torch.Tensor):
             self._refuse(f"{call.name}: the module returned {type(y).__name__}, not a tensor")
@@ -471,7 +471,7 @@ class Capture:
                                           "node")
         return False
 
-    def _grad_hook(self, call: _Call) -> Callable[..., None]:
+    def _grad_hook(self, call: CapturedCall) -> Callable[..., None]:
         def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
             if not record_grads(call, grad_inputs, grad_outputs):
                 return

@@ -39,13 +39,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from bnprobe._jit import jit_mode
-from bnprobe._files import atomic_write_text, atomic_write_with, dumps_json
-from bnprobe.errors import BNProbeError
-from bnprobe.formats import get_format
+from bnprobe.compiled.jit import jit_mode
+from bnprobe._files import append_text, atomic_write_text, atomic_write_with, dumps_json
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import get_format
 from bnprobe.recordings.bnprobe_dump import write_dump
 from bnprobe.recordings.monitor_profile import one_pass, profile_tensor
-from bnprobe.recordings.capture import _BN_NODES, _Call, finish_call, momentum_factor, record_grads, start_call
+from bnprobe.recordings.capture import BN_NODES, CapturedCall, finish_call, momentum_factor, record_grads, start_call
 from bnprobe.recordings.types import CALLS_NAME, CALLS_TAG
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -83,7 +83,7 @@ class _Pending:
     running_in: tuple[Any, Any] | None = None
     running_out: tuple[Any, Any] | None = None
     node: Any = None
-    dump: _Call | None = None  # its dump being written (forward anomaly): spilled until the backward
+    dump: CapturedCall | None = None  # its dump being written (forward anomaly): spilled until the backward
     folder: Path | None = None
     done: bool = False
     phase: str = ""  # where its first anomaly showed: forward or backward
@@ -93,7 +93,7 @@ class _Pending:
 class _Step:
     rows: list[dict[str, Any]] = field(default_factory=list)
     pending: list[_Pending] = field(default_factory=list)
-    dumped: list[_Call] = field(default_factory=list)
+    dumped: list[CapturedCall] = field(default_factory=list)
 
 
 def _dims(t: torch.Tensor) -> tuple[int, ...]:
@@ -110,7 +110,7 @@ def _profile(t: torch.Tensor, prefix: str, jit: str) -> dict[str, np.ndarray]:
     """Per channel of ``t`` (channels on dim 1), reduced on its device in its dtype: min, max and the counts.  The
     counts are whole-tensor passes only where a channel has them (a non-finite or format-maximum extreme, a
     magnitude below the smallest normal): min, max and min |t| per channel decide, each a fast reduction.  A large
-    contiguous CPU tensor is profiled in one compiled pass instead where ``jit`` (:func:`bnprobe._jit.jit_mode`)
+    contiguous CPU tensor is profiled in one compiled pass instead where ``jit`` (:func:`bnprobe.compiled.jit.jit_mode`)
     allows (:mod:`bnprobe.recordings.monitor_profile`)."""
     import torch
 
@@ -291,7 +291,7 @@ class Monitor:
                 if _finite(x) and _finite(y):
                     return
         node = y.grad_fn
-        is_bn = node is not None and type(node).__name__ in _BN_NODES
+        is_bn = node is not None and type(node).__name__ in BN_NODES
         row = self._forward_row(module, path, index, x, y, node if is_bn else None, running)
         p = _Pending(path, index, module, row, [], set(), x, version, running,
                      (module.running_mean.detach().clone(), module.running_var.detach().clone())
@@ -477,7 +477,7 @@ class Monitor:
     def _folder(self) -> Path:
         return self.out / "anomalies" / f"step-{self._step_no}"
 
-    def _new_dump(self, p: _Pending) -> _Call | None:
+    def _new_dump(self, p: _Pending) -> CapturedCall | None:
         if not self._can_dump():
             return None
         if p.x is None or p.x._version != p.x_version:
@@ -607,8 +607,7 @@ class Monitor:
         if not path.exists():
             w.writeheader()
         w.writerows(new)
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(text.getvalue())
+        append_text(path, text.getvalue())
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

@@ -50,7 +50,7 @@ _BITS: dict[str, tuple[int, Any, int, int, int, int]] = {
 def one_pass(t: torch.Tensor, mode: str) -> bool:
     """Whether ``t``'s profile is taken in one pass here: a contiguous CPU tensor of a known format, large enough,
     with rows of at least :data:`MIN_ROW` values (channels run in parallel, each reading its rows), the compiled
-    route allowed (``mode``: :func:`bnprobe._jit.jit_mode`'s, read when the monitor started), and not in a
+    route allowed (``mode``: :func:`bnprobe.compiled.jit.jit_mode`'s, read when the monitor started), and not in a
     process forked after this one ran here (GNU OpenMP's threads, numba's default layer, do not survive a fork)."""
     return (t.dtype in _torch_bits() and t.device.type == "cpu" and t.dim() >= 2 and t.is_contiguous()
             and not t.is_neg() and mode != "off" and not _STATE["forked"]
@@ -60,7 +60,7 @@ def one_pass(t: torch.Tensor, mode: str) -> bool:
 def profile_bits(bits: np.ndarray, dtype: str) -> dict[str, np.ndarray]:
     """The profile of a tensor given as its bit patterns ``bits`` (shape (N, C, S), the integer dtype of ``dtype``'s
     width), per channel: :data:`FIELDS` as float64 arrays of C values."""
-    from bnprobe.kernels.compiled_profile import profile
+    from bnprobe.compiled.profile import profile
     from bnprobe.kernels.fused import call_compiled
 
     kind, width, mask, inf, big, tiny = _BITS[dtype]

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.errors import BNProbeError
-from bnprobe.formats import get_format
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import get_format
 from bnprobe.inputs import npy_header
 from bnprobe.numerics.rounding import is_representable
 from bnprobe.recordings.types import CallRef, Recording, check_eps_momentum

@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.adapters.base import MODES, params_mode
-from bnprobe.call import BNCall
-from bnprobe.errors import BNProbeError
-from bnprobe.formats import get_format
+from bnprobe.core.kernel import MODES, params_mode
+from bnprobe.core.call import BNCall
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import get_format
 
 __all__ = ["Recording", "CallRef", "RecordedCalls", "META_NAME", "TENSORS_NAME", "CALLS_NAME", "CALLS_TAG",
            "DUMP_MARKERS", "read_json", "check_eps_momentum", "message_line"]
@@ -118,7 +118,7 @@ class RecordedCalls:
     kind: str  # bnprobe, capture or msprobe
     calls: tuple[CallRef, ...]
     notes: tuple[str, ...] = ()
-    convention: str = "torch"  # the framework convention the recorded kernel follows (bnprobe.conventions)
+    convention: str = "torch"  # the framework convention the recorded kernel follows (bnprobe.core.conventions)
 
     @property
     def task(self) -> str:

@@ -7,7 +7,7 @@ trace), :mod:`.compare` (compare-precision's folder), :mod:`.rsqrt`, :mod:`.shri
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +86,7 @@ def html_report(title: str, intro: str, sections: list[tuple[str, Any]], figure:
 class Report:
     """What a command shows and writes for one result: on the terminal its ``title``, ``blocks`` of text
     (tables) and ``notes``; in files ``<stem>.csv`` (``frame``), ``<stem>.json`` (``doc``, also what ``--json``
-    prints) and ``<stem>.md`` (``markdown``)."""
+    prints), ``<stem>.md`` (``markdown``) and any ``pages`` (file name -> text, e.g. an HTML page)."""
 
     title: str
     blocks: list[str]
@@ -96,6 +96,7 @@ class Report:
     stem: str = ""
     frame: Any = None
     markdown: str = ""
+    pages: dict[str, str] = field(default_factory=dict)
 
     def lines(self, written: list[Path] | None = None) -> list[str]:
         """The terminal text: title, blocks, notes, and the files written (when any were)."""
@@ -110,7 +111,9 @@ def file_stem(*parts: str) -> str:
 
 def write_result(sink: OutputDir, report: Report) -> list[Path]:
     """The report's CSV, JSON and Markdown into the output folder, all or nothing, never over existing files
-    without ``--force``; returns the paths."""
+    without ``--force``, its pages first; returns the paths."""
+    for name, text in report.pages.items():
+        sink.write_text(name, text)
     sink.write_text(f"{report.stem}.csv", report.frame.to_csv(index=False))
     sink.write_text(f"{report.stem}.json", dumps_json(report.doc))
     sink.write_text(f"{report.stem}.md", report.markdown)

@@ -235,7 +235,7 @@ def folded_report(rep: Any) -> Report:
     causes = render_table(rep.causes.to_dict(orient="records"),
                           ["cause", "channels_reproduced", "channels", "needs_x_tolerance", "fits"],
                           headers=["candidate fold", "channels reproduced", "of", "needs x tol", "fits"])
-    from bnprobe.tolerances import FOLD_COMPUTE_ULPS
+    from bnprobe.core.tolerances import FOLD_COMPUTE_ULPS
 
     blocks = [table, f"\ntolerance: half an ulp of the storage format + {FOLD_COMPUTE_ULPS:g} units of fp32 (fp64 for "
                      "an fp64 file) of what each value is formed from; the output's: that carried through the layer "

@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from bnprobe._table import render_table
-from bnprobe.checks.compare import CompareResult, first_failing_call, per_call, summarize, worse_rows
-from bnprobe.errors import BNProbeError
+from bnprobe.checks.compare.precision import CompareResult, first_failing_call, per_call, summarize, worse_rows
+from bnprobe.core.errors import BNProbeError
 from bnprobe.reports import OutputDir, dumps_json, html_report, output_dir
 
 __all__ = ["REPORT_FORMATS", "report_formats", "report_files", "write_report", "markdown_summary", "compare_lines"]

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from bnprobe.adapters import get_adapter
-from bnprobe.checks.shrinking import RecordedParams, ShrinkResult
-from bnprobe.errors import BNProbeError
+from bnprobe.checks.shrink.shrinking import RecordedParams, ShrinkResult
+from bnprobe.core.errors import BNProbeError
 from bnprobe.recordings import record, write_dump
 from bnprobe.reports import OutputDir, dumps_json, output_dir
 

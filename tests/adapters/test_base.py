@@ -4,9 +4,9 @@ import numpy as np
 
 from bnprobe.adapters import get_adapter
 from bnprobe.adapters.base import counters_only, outputs_only
-from bnprobe.checks.cases import Case
-from bnprobe.checks.compare import compare_precision
-from bnprobe.checks.diagnosis import doctor
+from bnprobe.engine.cases import Case
+from bnprobe.checks.compare.precision import compare_precision
+from bnprobe.checks.doctor.diagnosis import doctor
 
 
 def test_counters_only_copies_a_traced_adapter_and_leaves_the_callers_unchanged():

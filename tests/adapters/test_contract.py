@@ -9,10 +9,10 @@ import pytest
 
 from bnprobe.adapters import Saved, get_adapter, list_adapters
 from bnprobe.adapters.dump import DumpAdapter
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 from bnprobe.recordings import record
-from bnprobe.formats import get_format
-from bnprobe.tolerances import KERNEL_AGREEMENT as TOL  # |y - reference| allowed per format
+from bnprobe.core.formats import get_format
+from bnprobe.core.tolerances import KERNEL_AGREEMENT as TOL  # |y - reference| allowed per format
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # examples/ as a package path for the plugin
 

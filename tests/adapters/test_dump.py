@@ -6,7 +6,7 @@ import pytest
 
 from bnprobe.adapters import Saved
 from bnprobe.adapters.dump import DumpAdapter
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 from bnprobe.recordings import load_dump
 from tests.recordings.test_dumps import recorded  # one recording helper for both test files
 

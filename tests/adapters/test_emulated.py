@@ -5,7 +5,8 @@ import pytest
 
 from bnprobe.adapters import get_adapter
 from bnprobe.adapters.base import counters_only
-from bnprobe.kernels import backward, compiled, forward_infer, forward_train
+from bnprobe.compiled import kernels as compiled
+from bnprobe.kernels import backward, forward_infer, forward_train
 from bnprobe.numerics.rounding import round_to
 
 

@@ -12,10 +12,10 @@ import pytest
 from bnprobe.adapters import get_adapter
 from bnprobe.adapters.frameworks import why_unavailable
 from bnprobe.adapters.convention import in_convention
-from bnprobe.checks.diagnosis import doctor
-from bnprobe.checks.gradients import gradcheck
-from bnprobe.conventions import get_convention
-from bnprobe.errors import BNProbeError
+from bnprobe.checks.doctor.diagnosis import doctor
+from bnprobe.checks.gradcheck.gradients import gradcheck
+from bnprobe.core.conventions import get_convention
+from bnprobe.core.errors import BNProbeError
 
 # adapter: (the module it needs, its formats, the formats it runs with parameters in x's format)
 FRAMEWORKS = {

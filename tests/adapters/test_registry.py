@@ -10,7 +10,7 @@ import pytest
 
 from bnprobe.adapters import BaseAdapter, Capabilities, ForwardOutput, Saved, get_adapter, list_adapters
 from bnprobe.adapters import registry
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 
 
 def test_list_has_every_builtin_with_availability():
@@ -237,7 +237,7 @@ def crashes(x):
     ("tests.adapters.test_registry:no_channels", r"sets takes_channels but has no channels= parameter"),
 ])
 def test_predicate_of_the_wrong_kind(spec, message):
-    from bnprobe.checks.shrinking import load_predicate
+    from bnprobe.checks.shrink.shrinking import load_predicate
 
     with pytest.raises(BNProbeError) as e:
         load_predicate(spec)
@@ -245,7 +245,7 @@ def test_predicate_of_the_wrong_kind(spec, message):
 
 
 def test_user_predicate_runs_and_what_it_raises_is_one_line():
-    from bnprobe.checks.shrinking import load_predicate, shrink
+    from bnprobe.checks.shrink.shrinking import load_predicate, shrink
 
     x = np.random.default_rng(0).standard_normal((4, 6, 2))
     assert shrink(x, load_predicate("tests.adapters.test_registry:halves"), seconds=5).x.shape[1] == 2
@@ -264,7 +264,7 @@ def test_user_predicate_runs_and_what_it_raises_is_one_line():
     ("tests.adapters.test_registry:np", r"is a module, not a Python function"),
 ])
 def test_formula_of_the_wrong_kind(spec, message):
-    from bnprobe.checks.gradients import check_formula
+    from bnprobe.checks.gradcheck.gradients import check_formula
 
     with pytest.raises(BNProbeError) as e:
         check_formula(spec)

@@ -9,9 +9,9 @@ import pytest
 
 from bnprobe.adapters import Saved, get_adapter
 from bnprobe.adapters.syncbn import SyncBNAdapter, rank_recordings, split_ranks
-from bnprobe.checks.cases import Case
-from bnprobe.checks.compare import compare_precision
-from bnprobe.errors import BNProbeError
+from bnprobe.engine.cases import Case
+from bnprobe.checks.compare.precision import compare_precision
+from bnprobe.core.errors import BNProbeError
 from bnprobe.recordings import load_dump, write_dump
 from oracle import round_fraction, round_sqrt
 

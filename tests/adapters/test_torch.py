@@ -6,7 +6,7 @@ from bnprobe.adapters import Saved, get_adapter
 pytest.importorskip("torch")
 
 # torch's result vs the FP64 reference on the same rounded inputs: a few ulps of |y| <= ~5
-from bnprobe.tolerances import KERNEL_AGREEMENT as TOL
+from bnprobe.core.tolerances import KERNEL_AGREEMENT as TOL
 
 
 @pytest.mark.parametrize("dtype", list(TOL))

@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 
 from bnprobe.adapters.dump import DumpAdapter
-from bnprobe.checks import overflow_outputs, rules
-from bnprobe.checks.compare import compare_precision
-from bnprobe.checks.diagnosis import doctor_recorded
-from bnprobe.checks.gradients import gradcheck_recorded
-from bnprobe.checks.overflow import scan_recorded
-from bnprobe.checks.recorded import Recorded
+from bnprobe.checks.overflow import outputs as overflow_outputs
+from bnprobe.engine import rules
+from bnprobe.checks.compare.precision import compare_precision
+from bnprobe.checks.doctor.diagnosis import doctor_recorded
+from bnprobe.checks.gradcheck.gradients import gradcheck_recorded
+from bnprobe.checks.overflow.scan import scan_recorded
+from bnprobe.engine.recorded import Recorded
 from bnprobe.recordings import load_dump, record, write_dump
 from tests.checks.bn_plugins import NumpyBN, ZeroY
 

@@ -5,7 +5,7 @@ caller changing one model's outputs in place does not change another's."""
 import numpy as np
 import pytest
 
-from bnprobe.checks.bugs import BUGS, RECIPES, model
+from bnprobe.checks.doctor.bugs import BUGS, RECIPES, model
 
 
 def _args(seed=0, shape=(6, 4, 5, 5)):
@@ -113,7 +113,7 @@ def test_dx_under_raised_errors_takes_numpys_route(monkeypatch):
 def test_xhat_keeps_the_sign_of_zero_on_both_routes(monkeypatch):
     """x̂ = (x - μ)·rstd in one compiled pass adds -0.0 after multiplying by 1: -0.0 stays -0.0 (x = -0.0 at
     μ = 0), as numpy's expression gives it, and so do NaN, inf and subnormal results."""
-    from bnprobe.checks.bugs import _xhat
+    from bnprobe.checks.doctor.bugs import _xhat
 
     x = np.random.default_rng(3).standard_normal((3, 2, 4, 4))
     x[0, 0, 0, :4] = [-0.0, 0.0, np.inf, np.nan]

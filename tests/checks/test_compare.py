@@ -4,11 +4,11 @@ import pytest
 
 from bnprobe.adapters import BackwardOutput, get_adapter
 from bnprobe.adapters.dump import DumpAdapter
-from bnprobe.checks.budget import error_budget
-from bnprobe.checks.cases import Case, recorded_cases, resnet50_cases, stress_cases
-from bnprobe.checks.compare import compare_precision
+from bnprobe.engine.budget import error_budget
+from bnprobe.engine.cases import Case, recorded_cases, resnet50_cases, stress_cases
+from bnprobe.checks.compare.precision import compare_precision
 from bnprobe.cli import main
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 from bnprobe.numerics.rounding import round_to
 from bnprobe.recordings import open_dump, record, write_dump
 from tests.checks.bn_plugins import NumpyBN
@@ -32,7 +32,7 @@ def test_single_pass_variance_fails_where_it_cancels():
 
 
 def cause(rows):
-    from bnprobe.checks.budget import budget_cause
+    from bnprobe.engine.budget import budget_cause
 
     df = pd.DataFrame(rows).sort_values("order")
     return budget_cause(list(zip(df.stage, df.error_removed)))
@@ -341,7 +341,7 @@ def test_worse_than_the_bench_is_named_where_the_verdict_passes(tmp_path, capsys
 def test_the_stress_set_has_real_gradients_and_large_r():
     """dy with a mean per channel (0.5 to 2, as real losses give) and heavy tails, and R = 65536 (past fp16's
     65504): each as it says, by hand."""
-    from bnprobe.checks.cases import make_dy
+    from bnprobe.engine.cases import make_dy
 
     cases = {c.name: c for c in stress_cases(0)}
     shifted = make_dy(cases["stress/dy-shifted"], (64, 4, 8, 8))
@@ -390,7 +390,7 @@ def test_torchs_bf16_running_update_and_its_y_from_its_own_statistics_are_named(
     the parameter format), and its y on a ResNet-50 shape, whose saved invstd differs from the correctly rounded one
     by an ulp in some channels, is named by the y recomputed from its own stored statistics (pytorch/pytorch#140112)."""
     pytest.importorskip("torch")
-    from bnprobe.checks.cases import resnet50_cases
+    from bnprobe.engine.cases import resnet50_cases
 
     cases = CONSTANT[:1] + [c for c in resnet50_cases(seed=0) if c.name == "resnet50/layer4.*.bn2"]
     r = compare_precision(["torch"], ("bf16",), cases, params="same", mode="train", budget=False)
@@ -405,7 +405,7 @@ def test_a_running_mean_within_its_accumulations_rounding_passes_and_a_wrong_mom
     """ascend-950 in bf16 on ResNet-50's layer4.*.bn3 (R = 98): its fp32 running mean differs from the careful
     bench's by a few fp32 ulps (4e-9 on 0.0095), which msprobe's small-value ratio magnifies; within the mean's
     accumulation bound, it passes.  A running mean updated with 1 - m is far beyond it and fails."""
-    from bnprobe.checks.cases import resnet50_cases
+    from bnprobe.engine.cases import resnet50_cases
 
     case = [c for c in resnet50_cases() if c.name == "resnet50/layer4.*.bn3"]
     r = compare_precision(["ascend-950"], ("bf16",), case, budget=False)

@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 
 from bnprobe.adapters import BackwardOutput, BaseAdapter, Capabilities, ForwardOutput, Saved
-from bnprobe.checks import bugs as D
-from bnprobe.checks.bugs import BUGS, describe, model
-from bnprobe.checks.diagnosis import doctor, probes
-from bnprobe.checks.recipes import RECIPES
-from bnprobe.checks.shrinking import compare_predicate, shrink
+from bnprobe.checks.doctor import bugs as D
+from bnprobe.checks.doctor.bugs import BUGS, describe, model
+from bnprobe.checks.doctor.diagnosis import doctor, probes
+from bnprobe.engine.recipes import RECIPES
+from bnprobe.checks.shrink.shrinking import compare_predicate, shrink
 from bnprobe.cli import main
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 from bnprobe.inputs import make_input
-from bnprobe.tolerances import DOCTOR_TOLERANCES
+from bnprobe.core.tolerances import DOCTOR_TOLERANCES
 
 from .bn_plugins import BUGS as PLANTED
 from .bn_plugins import Fp16RunningVar, InvstdFlushed, NaiveVariance, NumpyBN, ScaledInvstd, ZeroY

@@ -4,7 +4,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from bnprobe.checks.fold import (
+from bnprobe.checks.fold.layer import (
     check_fold,
     fold_params,
     layer_forward,
@@ -13,7 +13,7 @@ from bnprobe.checks.fold import (
     torch_fusion_check,
 )
 from bnprobe.cli import main
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 from bnprobe.kernels import forward_infer
 from bnprobe.numerics.rounding import round_to
 
@@ -289,7 +289,7 @@ def test_a_layer_too_large_for_the_memory_limit_is_refused_before_it_runs(tmp_pa
     about 10 GiB at fold's peak; refused at once under --max-memory."""
     import time
 
-    from bnprobe.checks.fold import fold_bytes
+    from bnprobe.checks.fold.layer import fold_bytes
     from bnprobe.guard import set_memory_limit
 
     rng = np.random.default_rng(0)
@@ -317,7 +317,7 @@ def test_the_fold_estimate_bounds_the_measured_peak(tmp_path):
     import subprocess
     import sys
 
-    from bnprobe.checks.fold import fold_bytes
+    from bnprobe.checks.fold.layer import fold_bytes
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((32, 16, 3, 3))

@@ -15,7 +15,7 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
-from bnprobe.checks.fold_onnx import check_onnx  # noqa: E402
+from bnprobe.checks.fold.onnx_model import check_onnx  # noqa: E402
 from bnprobe.cli import main  # noqa: E402
 
 C = 6  # output channels of every conv (a depthwise conv has as many groups)
@@ -186,7 +186,7 @@ def _single(path: Path, nodes: list, inits: list, x_shape: list, y: str, y_shape
 def test_a_conv_transpose_is_analysed_as_the_convolution_onnxruntime_computes(tmp_path, group):
     """The ConvTranspose, as the fold analyses it (an equivalent convolution), against onnxruntime's own
     ConvTranspose on the same input; its A against the numpy fold."""
-    from bnprobe.checks.fold import _ref_forward
+    from bnprobe.checks.fold.layer import ref_forward
 
     rng = np.random.default_rng(3)
     w = rng.standard_normal((4, 6 // group, 3, 3)).astype(np.float32)  # (Cin, Cout/group, kh, kw): Cout 6
@@ -204,7 +204,7 @@ def test_a_conv_transpose_is_analysed_as_the_convolution_onnxruntime_computes(tm
     only = _single(tmp_path / "only.onnx", [conv], inits[:1], [1, 4, 5, 5], "c", [1, 6, 5, 5])
     x = rng.standard_normal((1, 4, 5, 5)).astype(np.float32)
     expected = ort.InferenceSession(str(only), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-    actual = _ref_forward("conv2d", x.astype(np.float64), ly.layer.weight, None, group, ly.layer.padding)
+    actual = ref_forward("conv2d", x.astype(np.float64), ly.layer.weight, None, group, ly.layer.padding)
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
 
 

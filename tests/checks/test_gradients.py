@@ -7,10 +7,10 @@ import pytest
 
 from bnprobe.adapters import BackwardOutput
 from bnprobe.adapters.emulated import ReferenceAdapter
-from bnprobe.checks.gradients import check_formula, formula_ascend, formula_standard, gradcheck, make_inputs
-from bnprobe.errors import BNProbeError
-from bnprobe.metrics import cosine
-from bnprobe.tolerances import grad_tolerance
+from bnprobe.checks.gradcheck.gradients import check_formula, formula_ascend, formula_standard, gradcheck, make_inputs
+from bnprobe.core.errors import BNProbeError
+from bnprobe.engine.metrics import cosine
+from bnprobe.core.tolerances import grad_tolerance
 
 
 class Buggy(ReferenceAdapter):
@@ -233,8 +233,8 @@ def test_a_recorded_call_without_dgamma_dbeta_is_judged_on_dx_alone(tmp_path):
     """affine=False: the recording holds no dγ, dβ (the replay answers NaN for them); gradcheck leaves them out
     and says so, rather than failing them or crashing on their all-NaN identities."""
     from bnprobe.adapters import get_adapter
-    from bnprobe.checks.gradients import gradcheck_recorded
-    from bnprobe.checks.recorded import recording_of
+    from bnprobe.checks.gradcheck.gradients import gradcheck_recorded
+    from bnprobe.engine.recorded import recording_of
     from bnprobe.recordings import record, write_dump
 
     rng = np.random.default_rng(0)
@@ -312,7 +312,7 @@ def test_a_large_mean_is_no_false_alarm_and_a_wrong_backward_still_fails(fmt):
 def test_the_references_columns_by_channel_equal_the_whole_forwards(mode, shape):
     """The reference's finite differences run only the channel a column moves: the same column, bit for bit, as
     moving it in the whole forward (other channels' differences 0, or NaN where y is not finite)."""
-    from bnprobe.checks.gradients import _Jacobian
+    from bnprobe.checks.gradcheck.gradients import _Jacobian
 
     rng = np.random.default_rng(len(shape))
     inp = make_inputs(shape, seed=3)
@@ -330,7 +330,7 @@ def test_a_subclass_of_the_reference_is_differenced_whole():
     """Only bnprobe's own reference runs a column by channel: a subclass's forward may mix channels (here it scales
     channel k by k + 1), and its finite differences must see that."""
     from bnprobe.adapters import ForwardOutput
-    from bnprobe.checks.gradients import _Jacobian
+    from bnprobe.checks.gradcheck.gradients import _Jacobian
 
     class Scaled(ReferenceAdapter):
         def _forward_train_impl(self, p, **kw):

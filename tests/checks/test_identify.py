@@ -8,10 +8,11 @@ import pytest
 
 from bnprobe.adapters.base import BackwardOutput, BaseAdapter, Capabilities, ForwardOutput, params_mode
 from bnprobe.adapters.emulated import EmulatedAdapter
-from bnprobe.call import BNCall
-from bnprobe.checks.identify import identify, identify_recorded, policy_spec
-from bnprobe.checks.recorded import recording_of
-from bnprobe.checks.run import generated_call, run_call
+from bnprobe.core.call import BNCall
+from bnprobe.checks.identify.results import policy_spec
+from bnprobe.checks.identify.search import identify, identify_recorded
+from bnprobe.engine.recorded import recording_of
+from bnprobe.engine.run import generated_call, run_call
 from bnprobe.cli import main
 from bnprobe.kernels.policy import Policy, get_policy
 
@@ -199,7 +200,7 @@ def test_identify_recorded_names_every_call_and_searches_a_spread_of_channels(tm
 
 
 def test_doctor_names_a_lossy_recipe_in_words_with_field_and_value(capsys):
-    from bnprobe.checks.diagnosis import doctor
+    from bnprobe.checks.doctor.diagnosis import doctor
 
     rep = doctor("emulated:fp16:variance=naive", "fp16", recipe=True, stability=True)
     assert not rep.passed

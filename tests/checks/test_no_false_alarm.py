@@ -21,14 +21,14 @@ from hypothesis import strategies as st
 
 from bnprobe.adapters import get_adapter
 from bnprobe.adapters.dump import DumpAdapter
-from bnprobe.checks import rules
-from bnprobe.checks.cases import stress_cases
-from bnprobe.checks.compare import compare_precision
-from bnprobe.checks.diagnosis import doctor, doctor_recorded
-from bnprobe.checks.gradients import gradcheck_recorded
-from bnprobe.checks.overflow import scan_recorded
-from bnprobe.checks.recipes import RECIPE, RUNNING_IN_PARAMS, STATS_ROUNDED, VAR_ABOUT_STORED_MEAN
-from bnprobe.checks.recorded import Recorded
+from bnprobe.engine import rules
+from bnprobe.engine.cases import stress_cases
+from bnprobe.checks.compare.precision import compare_precision
+from bnprobe.checks.doctor.diagnosis import doctor, doctor_recorded
+from bnprobe.checks.gradcheck.gradients import gradcheck_recorded
+from bnprobe.checks.overflow.scan import scan_recorded
+from bnprobe.engine.recipes import RECIPE, RUNNING_IN_PARAMS, STATS_ROUNDED, VAR_ABOUT_STORED_MEAN
+from bnprobe.engine.recorded import Recorded
 from bnprobe.recordings import open_dump, record, write_dump
 from tests.checks.bn_plugins import NumpyBN
 
@@ -185,7 +185,7 @@ def test_no_command_fails_torch_on_any_real_msprobe_dump(msprobe_dumps):
 
 def _scaled_bounds(monkeypatch, factor):
     """Every 'share of a correct kernel's bound' rule with its bound times ``factor`` (0: only the output's ½ ulp)."""
-    from bnprobe.checks import overflow_observe
+    from bnprobe.checks.overflow import observe as overflow_observe
 
     exact = rules.bound_used
     scaled = lambda a, g, bound, fmt: exact(a, g, factor * np.asarray(bound, dtype=np.float64), fmt)  # noqa: E731

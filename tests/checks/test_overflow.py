@@ -3,9 +3,9 @@ import math
 import numpy as np
 import pytest
 
-from bnprobe.checks.overflow import predict_headroom, scan
+from bnprobe.checks.overflow.scan import predict_headroom, scan
 from bnprobe.cli import main
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 from bnprobe.inputs import make_input
 from bnprobe.kernels import get_policy
 
@@ -253,8 +253,8 @@ def test_an_output_passed_over_unread_has_nothing_to_find():
     and float64 storage, each judged both ways; clean outputs do take the short way."""
     import ml_dtypes
 
-    from bnprobe.checks.overflow_outputs import _nothing_to_find, _output_findings
-    from bnprobe.formats import get_format
+    from bnprobe.checks.overflow.outputs import _nothing_to_find, _output_findings
+    from bnprobe.core.formats import get_format
     from bnprobe.kernels.layout import layout_of
 
     rng = np.random.default_rng(41)

@@ -1,4 +1,4 @@
-"""overflow judges what a kernel's results show (bnprobe/checks/overflow_observe.py): the saved statistics, y's
+"""overflow judges what a kernel's results show (bnprobe/checks/overflow/observe.py): the saved statistics, y's
 per-channel moments and dx's identities against the FP64 golden, traced kernels and kernels without a trace
 alike.  A one-pass variance (E[x²] − E[x]²) at a large mean against the spread is found; a careful kernel
 (two-pass or Welford, the careful bench, the emulated presets, PyTorch, float64 numpy) never is."""
@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from bnprobe.checks.overflow import scan, scan_recorded
-from bnprobe.checks.recorded import recording_of
+from bnprobe.checks.overflow.scan import scan, scan_recorded
+from bnprobe.engine.recorded import recording_of
 from bnprobe.cli import main
 from bnprobe.inputs import make_input
 from bnprobe.recordings import record, write_dump

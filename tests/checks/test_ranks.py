@@ -9,8 +9,8 @@ import pytest
 
 from bnprobe.adapters import get_adapter
 from bnprobe.adapters.syncbn import rank_recordings
-from bnprobe.checks.ranks import check_ranks, statistics_tolerance
-from bnprobe.errors import BNProbeError
+from bnprobe.checks.ranks.check import check_ranks, statistics_tolerance
+from bnprobe.core.errors import BNProbeError
 from bnprobe.recordings import load_dump, record, write_dump
 
 DTYPES = ["fp32", "fp16", "bf16"]

@@ -13,13 +13,13 @@ import pytest
 
 from bnprobe.adapters import get_adapter
 from bnprobe.adapters.dump import DumpAdapter
-from bnprobe.checks.diagnosis import doctor, doctor_recorded
-from bnprobe.checks.gradients import gradcheck, gradcheck_recorded
-from bnprobe.checks.overflow import scan, scan_recorded
-from bnprobe.checks.recipes import RECIPES
-from bnprobe.checks.recorded import recording_of
+from bnprobe.checks.doctor.diagnosis import doctor, doctor_recorded
+from bnprobe.checks.gradcheck.gradients import gradcheck, gradcheck_recorded
+from bnprobe.checks.overflow.scan import scan, scan_recorded
+from bnprobe.engine.recipes import RECIPES
+from bnprobe.engine.recorded import recording_of
 from bnprobe.cli import main
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 from bnprobe.recordings import CALLS_NAME, CALLS_TAG, open_dump, record, write_dump
 from tests.checks.bn_plugins import NumpyBN
 
@@ -448,7 +448,7 @@ def test_dump_params_takes_same_or_fp32(tmp_path, capsys):
     ((), r"got shape \(\)"), ((1, 1, 1, 1, 1, 1), r"got shape \(1, 1, 1, 1, 1, 1\)"),
 ])
 def test_shrink_refuses_empty_and_shapeless_inputs(tmp_path, capsys, shape, message):
-    from bnprobe.checks.shrinking import compare_predicate, overflow_predicate, shrink
+    from bnprobe.checks.shrink.shrinking import compare_predicate, overflow_predicate, shrink
 
     calls = []
     with pytest.raises(BNProbeError, match=message) as info:
@@ -466,7 +466,7 @@ def test_shrink_refuses_empty_and_shapeless_inputs(tmp_path, capsys, shape, mess
 
 
 def test_shrink_takes_the_smallest_input_and_a_finite_time():
-    from bnprobe.checks.shrinking import shrink
+    from bnprobe.checks.shrink.shrinking import shrink
 
     assert shrink(np.ones((1, 1)), lambda x: True).x.shape == (1, 1)
     for seconds in (-1.0, math.inf, math.nan):
@@ -477,7 +477,7 @@ def test_shrink_takes_the_smallest_input_and_a_finite_time():
 def test_the_replay_command_quotes_a_users_folder(tmp_path):
     import shlex
 
-    from bnprobe.checks.shrinking import compare_predicate, shrink
+    from bnprobe.checks.shrink.shrinking import compare_predicate, shrink
     from bnprobe.reports.shrink import write_shrink
 
     x = np.random.default_rng(0).standard_normal((4, 2, 2, 2)) + 100.0
@@ -516,7 +516,7 @@ def test_a_nondeterministic_kernel_warns_on_the_recorded_inputs_with_by_how_much
 
 
 def test_a_tensor_file_whose_name_looks_like_dump_options_is_not_a_dump(tmp_path):
-    from bnprobe.checks.recorded import is_dump_path
+    from bnprobe.engine.recorded import is_dump_path
 
     f = tmp_path / "x,b=c.npy"
     np.save(f, np.zeros((2, 3)))

@@ -1,12 +1,12 @@
-"""The judge's rules (bnprobe.checks.rules): each at its edge, by hand and against the correctly rounded golden."""
+"""The judge's rules (bnprobe.engine.rules): each at its edge, by hand and against the correctly rounded golden."""
 
 import math
 import numpy as np
 import pytest
 
 from bnprobe.adapters import get_adapter
-from bnprobe.checks.cases import stress_cases
-from bnprobe.checks.rules import absolute
+from bnprobe.engine.cases import stress_cases
+from bnprobe.engine.rules import absolute
 from bnprobe.numerics.rounding import round_to
 
 OUTPUT_FORMATS = ("fp16", "bf16", "fp32")
@@ -57,8 +57,8 @@ def test_the_correctly_rounded_golden_always_passes(seed, fmt, rule):
 def test_the_rounding_floor_is_exactly_half_an_ulp(fmt):
     """Just inside and just outside each rule's bound once half an ulp of the format is taken off: the
     floor forgives the format's own rounding and nothing more."""
-    from bnprobe.formats import get_format
-    from bnprobe.tolerances import MSPROBE_STANDARDS
+    from bnprobe.core.formats import get_format
+    from bnprobe.core.tolerances import MSPROBE_STANDARDS
 
     std, f = MSPROBE_STANDARDS[fmt], get_format(fmt)
     g = np.array([0.75, 1.0, 1.5])  # |g| above the small-value threshold and the accumulated floor
@@ -95,8 +95,8 @@ def test_outputs_within_a_correct_kernels_rounding_do_not_fail_on_msprobes_relat
     and naming the metrics; one element at 1.5 times that fails, whichever metric failed."""
     from types import SimpleNamespace
 
-    from bnprobe.checks.rules import within_rounding
-    from bnprobe.tolerances import MSPROBE_STANDARDS, SMALL_VALUE_ULPS
+    from bnprobe.engine.rules import within_rounding
+    from bnprobe.core.tolerances import MSPROBE_STANDARDS, SMALL_VALUE_ULPS
 
     u = 2.0 ** -24
     natural = np.array([4.0, 4.0, 3.0])  # |x·rstd·γ| + |μ·rstd·γ| + |β| per output
@@ -121,7 +121,7 @@ def test_outputs_within_a_correct_kernels_rounding_do_not_fail_on_msprobes_relat
 def test_the_rules_constants_by_value():
     """The tolerances every rule reads, pinned by value (msprobe's by its own table: tests/test_metrics_msprobe.py
     checks them against msprobe's functions), so that loosening one fails here."""
-    from bnprobe.tolerances import (
+    from bnprobe.core.tolerances import (
         DOCTOR_TOLERANCES,
         GRAD_TOLERANCES,
         MSPROBE_STANDARDS,
@@ -143,8 +143,8 @@ def test_the_rules_constants_by_value():
 def test_the_doctors_rule_at_its_edge(fmt, rtol):
     """A wrong output just beyond the doctor's tolerance fails, just inside passes; the tolerance by value, so a
     looser table fails the first assertion."""
-    from bnprobe.checks.rules import channel_rule
-    from bnprobe.formats import get_format
+    from bnprobe.engine.rules import channel_rule
+    from bnprobe.core.formats import get_format
 
     want = np.array([[1.0, -0.5, 0.25], [2.0, 0.125, -1.0]]).T.reshape(3, 2)  # 3 elements per channel, 2 channels
     scale = np.abs(want).max(axis=0)
@@ -162,9 +162,9 @@ def test_the_rounding_exemption_at_its_edge_in_every_format(fmt):
     plus half an ulp, in every format it is used with, and not 1.1 times that."""
     from types import SimpleNamespace
 
-    from bnprobe.checks.rules import within_rounding
-    from bnprobe.formats import get_format
-    from bnprobe.tolerances import MSPROBE_STANDARDS
+    from bnprobe.engine.rules import within_rounding
+    from bnprobe.core.formats import get_format
+    from bnprobe.core.tolerances import MSPROBE_STANDARDS
 
     only_small = SimpleNamespace(status={"small_value": "error"})
     tiny = MSPROBE_STANDARDS[fmt].small_threshold / 4
@@ -179,8 +179,8 @@ def test_the_rounding_exemption_at_its_edge_in_every_format(fmt):
 @pytest.mark.parametrize("fmt", OUTPUT_FORMATS)
 def test_the_accumulation_exemption_at_its_edge(fmt, tensor):
     """A per-channel sum within γ_R·Σ|terms| + half an ulp is forgiven, just beyond it is not; and only sums are."""
-    from bnprobe.checks.rules import within_accumulation
-    from bnprobe.formats import get_format
+    from bnprobe.engine.rules import within_accumulation
+    from bnprobe.core.formats import get_format
 
     terms, mag = 1024, np.array([500.0, 800.0])
     golden = np.array([1e-3, -2e-3])
@@ -195,8 +195,8 @@ def test_the_accumulation_exemption_at_its_edge(fmt, tensor):
 def test_worse_than_the_bench_at_its_edges(fmt):
     """Named above 10x the bench's RMSE (or largest error) and 2 ulps RMS of the output, not below either; the ratios
     by hand (numpy on the errors), unfloored."""
-    from bnprobe.checks.rules import WORSE_THAN_BENCH, WORSE_ULPS, versus_bench
-    from bnprobe.formats import get_format
+    from bnprobe.engine.rules import WORSE_THAN_BENCH, WORSE_ULPS, versus_bench
+    from bnprobe.core.formats import get_format
 
     assert (WORSE_THAN_BENCH, WORSE_ULPS) == (10.0, 2.0)
     golden = np.linspace(1.0, 1.9, 64)  # one binade: the ulp is the same everywhere
@@ -217,7 +217,7 @@ def test_worse_than_the_bench_at_its_edges(fmt):
 
 
 def test_versus_bench_where_it_has_no_say():
-    from bnprobe.checks.rules import versus_bench
+    from bnprobe.engine.rules import versus_bench
 
     g = np.array([1.0, 2.0])
     assert versus_bench(g, g, g, "fp32").rmse_ratio == 1.0  # both exact: as good as the bench
@@ -237,7 +237,7 @@ def test_nonfinite_mismatch_in_every_storage(store, at):
 
     import ml_dtypes
 
-    from bnprobe.checks.rules import nonfinite_mismatch
+    from bnprobe.engine.rules import nonfinite_mismatch
 
     fmt = {"float16": "fp16", "bfloat16": "bf16"}.get(store, "fp32")
     dt = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16, "fp32": np.float32}[fmt]

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from bnprobe.checks.rules import MSPROBE_STANDARDS, absolute
-from bnprobe.formats import get_format
+from bnprobe.engine.rules import MSPROBE_STANDARDS, absolute
+from bnprobe.core.formats import get_format
 
 pytest.importorskip("numba")
 
@@ -98,7 +98,7 @@ def _channel_pair(fmt, kind, rng, shape=(3, 5, 6, 7)):
 @pytest.mark.parametrize("kind", ["good", "bad", "tie", "tie-across", "nonfinite"])
 @pytest.mark.parametrize("extra", ["none", "natural", "bound"])
 def test_the_doctors_channel_rule_is_the_same_on_both_routes(fmt, kind, extra, monkeypatch):
-    from bnprobe.checks.rules import channel_rule
+    from bnprobe.engine.rules import channel_rule
 
     rng = np.random.default_rng([11, ["fp16", "bf16", "fp32", "fp64"].index(fmt), len(kind), len(extra)])
     a, w = _channel_pair(fmt, kind, rng)
@@ -122,7 +122,7 @@ def test_the_doctors_channel_rule_is_the_same_on_both_routes(fmt, kind, extra, m
 def test_the_kernel_against_the_bench_is_the_same_on_both_routes(fmt, kind, monkeypatch):
     """versus_bench's RMSEs, largest errors and RMS ulp: numpy's pairwise means reproduced on the compiled route, at
     sizes around numpy's blocks (8, 128) and its splits; a NaN sends the pair to numpy's route, which leaves it out."""
-    from bnprobe.checks.rules import versus_bench
+    from bnprobe.engine.rules import versus_bench
 
     rng = np.random.default_rng([13, len(fmt), len(kind)])
     for n in (1, 8, 9, 128, 129, 4097, 70001):
@@ -144,7 +144,7 @@ def test_the_kernel_against_the_bench_is_the_same_on_both_routes(fmt, kind, monk
 def test_the_channel_rule_s_edges_are_numpys_on_both_routes(monkeypatch):
     """A NaN allowance (a NaN natural scale) makes numpy's worst NaN, and an empty output has no worst: the
     compiled route leaves both to numpy's."""
-    from bnprobe.checks.rules import channel_rule
+    from bnprobe.engine.rules import channel_rule
 
     rng = np.random.default_rng(3)
     w = rng.standard_normal((2, 3, 2, 2))
@@ -164,7 +164,7 @@ def test_a_rows_shares_are_the_same_on_both_routes(fmt, with_std, monkeypatch):
     """The shares a compare row reports (ULP errors over the limit, small, subnormal and beyond-range goldens) on
     both routes, against plain Python counting their definitions: values at each threshold exactly, NaN, inf,
     signed zeros, non-finite ULP errors; no standard; no element."""
-    from bnprobe.checks.rules import output_shares
+    from bnprobe.engine.rules import output_shares
 
     f = get_format(fmt)
     std = MSPROBE_STANDARDS.get(f.name) if with_std else None

@@ -1,4 +1,4 @@
-"""The run engine (bnprobe.checks.run): one vocabulary of outputs, one golden per call, and the behaviour chosen
+"""The run engine (bnprobe.engine.run): one vocabulary of outputs, one golden per call, and the behaviour chosen
 where compare-precision's former engine and the recorded-call engine had drifted apart."""
 
 import warnings
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from bnprobe.adapters import get_adapter
-from bnprobe.call import EPS, MOMENTUM, BNCall
-from bnprobe.checks.cases import Case
-from bnprobe.checks.compare import compare_precision
-from bnprobe.checks.run import OUTPUT_MODE, Golden, generated_call, run_call
+from bnprobe.core.call import EPS, MOMENTUM, BNCall
+from bnprobe.engine.cases import Case
+from bnprobe.checks.compare.precision import compare_precision
+from bnprobe.engine.run import OUTPUT_MODE, Golden, generated_call, run_call
 from tests.checks.bn_plugins import NumpyBN
 
 
@@ -76,11 +76,11 @@ def test_compare_and_the_engine_judge_the_same_arrays():
     arrays in the format the engine says each was returned in."""
     case = Case("c", (4, 3, 5, 5), mean=1.0, std=2.0, seed=3)
     r = compare_precision(["emulated:fp16-acc16"], ("fp16",), [case], budget=False).rows.set_index("tensor")
-    from bnprobe.checks.compare import _generated
+    from bnprobe.checks.compare.precision import _generated
 
     rec, modes = _generated(case, case.make(), "fp16", "fp32", EPS, MOMENTUM, ("train", "infer", "backward"))
     run = run_call(get_adapter("emulated:fp16-acc16"), rec, modes=modes)
-    from bnprobe.metrics import compare
+    from bnprobe.engine.metrics import compare
 
     assert list(r.index) == list(run.got)
     for key in run.got:
@@ -142,7 +142,7 @@ def test_natural_scales_are_numpys_nan_reductions_bit_for_bit(where, jit, monkey
     bit, as the nan* reductions written out here; with a NaN in x or dy, or an inf in x (0·inf in dy·x̂ is NaN),
     the nan* ones.  On both routes (the compiled one reproduces numpy's pairwise sums of each channel's row)."""
     from bnprobe.adapters import Saved
-    from bnprobe.checks.run import natural_scales
+    from bnprobe.engine.run import natural_scales
 
     monkeypatch.setenv("BNPROBE_JIT", jit)
 
@@ -186,7 +186,7 @@ def test_scales_and_bounds_are_the_same_on_both_routes(shape, layout, monkeypatc
     with ε = 0 (x̂ = 0/0: numpy's nan* reductions), -0.0 in dy, and the layouts the compiled route leaves to numpy
     (channels-last, (N, C) and (N, C, 1, ...): numpy adds those rows in order)."""
     from bnprobe.adapters import Saved
-    from bnprobe.checks.run import cancellation_bounds, natural_scales, statistics_bounds
+    from bnprobe.engine.run import cancellation_bounds, natural_scales, statistics_bounds
 
     rng = np.random.default_rng([29, *shape])
     ax = 1 if layout == "channels_first" or len(shape) == 2 else len(shape) - 1
@@ -220,7 +220,7 @@ def test_statistics_shorter_than_the_channels_broadcast_on_both_routes(monkeypat
     """Statistics of one value for three channels broadcast as numpy broadcasts them: the compiled route leaves
     them to numpy's instead of reading past their end."""
     from bnprobe.adapters import Saved
-    from bnprobe.checks.run import cancellation_bounds, natural_scales
+    from bnprobe.engine.run import cancellation_bounds, natural_scales
 
     rng = np.random.default_rng(5)
     x, dy = rng.standard_normal((4, 3, 10, 10)), rng.standard_normal((4, 3, 10, 10))

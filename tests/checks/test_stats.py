@@ -5,9 +5,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from bnprobe.checks.stats import StatsRecorder, find, load_dump_series, load_log, simulate
+from bnprobe.checks.plot_stats.stats import StatsRecorder, find, load_dump_series, load_log, simulate
 from bnprobe.cli import main
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 from bnprobe.kernels import forward_train
 from bnprobe.plots import plot_channel_stats, plot_distributions, plot_divergence, plot_layer_summary
 from bnprobe.recordings import Recording, write_dump
@@ -256,7 +256,7 @@ def test_malformed_logs_are_one_line_errors(tmp_path, text, match):
 
 
 def test_the_step_and_layer_bounds_at_their_edges(tmp_path, monkeypatch):
-    from bnprobe.checks import stats
+    from bnprobe.checks.plot_stats import stats
 
     p = tmp_path / "log.csv"
     p.write_text(f"step,layer,channel,mean,var\n{2**53},bn,0,1,1\n")

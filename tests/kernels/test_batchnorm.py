@@ -4,7 +4,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 from bnprobe.kernels import COUNTERS, backward, forward_infer, forward_train, get_policy
 from bnprobe.numerics.rounding import is_representable, round_to
 
@@ -61,7 +61,7 @@ def test_a_16_bit_accumulators_mean_error_stays_within_the_two_pass_bound():
 
 
 def pol_dtype(fmt):
-    from bnprobe.formats import get_format
+    from bnprobe.core.formats import get_format
 
     return get_format(fmt).dtype
 

@@ -22,7 +22,7 @@ from math import ceil, log2
 import numpy as np
 import pytest
 
-from bnprobe.formats import get_format
+from bnprobe.core.formats import get_format
 from bnprobe.kernels import backward, forward_train, get_policy
 from bnprobe.numerics.rounding import is_representable, round_to
 

@@ -11,7 +11,7 @@ import zlib
 import numpy as np
 import pytest
 
-from bnprobe.formats import get_format
+from bnprobe.core.formats import get_format
 from bnprobe.kernels import backward, forward_infer, forward_train, get_policy
 from bnprobe.kernels.batchnorm import carrier_for
 from bnprobe.numerics.arith import Arith, Tally

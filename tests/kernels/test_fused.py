@@ -19,10 +19,10 @@ import pytest
 from numba import njit
 
 from bnprobe.kernels import backward, forward_infer, forward_train
-from bnprobe.kernels import compiled as K
-from bnprobe.kernels import compiled_codes as C
-from bnprobe.kernels import compiled_fast as F
-from bnprobe.kernels import compiled_general as G
+from bnprobe.compiled import codes as C
+from bnprobe.compiled import fast as F
+from bnprobe.compiled import general as G
+from bnprobe.compiled import kernels as K
 from bnprobe.kernels import fused
 from bnprobe.numerics.arith import Arith
 from bnprobe.numerics.reduce import reduce_sum
@@ -311,7 +311,7 @@ def test_integer_tensors_are_read_by_value_not_as_16_bit_patterns(dtype, monkeyp
 def test_small_calls_take_the_numpy_route_unless_told(monkeypatch):
     """BNPROBE_JIT unset (auto): a call below COMPILED_MIN_ELEMENTS values takes the numpy route, a call of that
     many the compiled one, with the same values; BNPROBE_JIT=1 compiles every call, 0 none."""
-    from bnprobe._jit import COMPILED_MIN_ELEMENTS
+    from bnprobe.compiled.jit import COMPILED_MIN_ELEMENTS
 
     rng = np.random.default_rng(8)
     small = rng.standard_normal((2, 4, 8, 8)).astype(np.float32)
@@ -336,7 +336,7 @@ def test_a_generic_cpu_target_rounds_fp16_by_bit_arithmetic():
     does not link (the process aborted): the kernels use the bit arithmetic, whatever this CPU has."""
     code = ("import numpy as np\n"
             "from numba import njit\n"
-            "from bnprobe.kernels import compiled_fast as F\n"
+            "from bnprobe.compiled import fast as F\n"
             "f = njit(lambda a: F._f16_bits(a))\n"
             "a = np.float32(1 + 2.0 ** -11)\n"  # a tie: to even, 1.0
             "print(F.HALF_NATIVE, hex(f(a)), hex(f(np.float32(65520.0))), hex(f(np.float32(-2.0 ** -25))))\n")

@@ -5,7 +5,7 @@ backward — against formulas written here in float64 and numpy float32, and aga
 import numpy as np
 import pytest
 
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 from bnprobe.kernels import backward, forward_infer, forward_train, get_policy
 
 TORCH_CPU = ("order=vec,lanes=8,unroll=2,rstd_format=fp64,rsqrt=sqrt_div,y_formula=affine,fma=true,"

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from oracle import round_fraction, round_rsqrt, round_sqrt
 
-from bnprobe.errors import BNProbeError
-from bnprobe.formats import get_format
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import get_format
 from bnprobe.numerics import arith
 from bnprobe.numerics.arith import Arith, Tally
 from bnprobe.numerics.rounding import round_to

@@ -2,8 +2,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from bnprobe.errors import BNProbeError
-from bnprobe.formats import get_format
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import get_format
 from bnprobe.numerics.arith import Arith, Tally
 from bnprobe.numerics.reduce import reduce_sum
 from bnprobe.numerics.rounding import RoundingSpec, round_to

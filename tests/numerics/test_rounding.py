@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from oracle import SPECS, round_fraction
 
-from bnprobe.errors import BNProbeError
-from bnprobe.formats import get_format
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import get_format
 from bnprobe.numerics.rounding import is_representable, round_detail, round_to, to_odd_fp32
 
 NARROW = ["fp16", "bf16"]
@@ -262,7 +262,7 @@ def _exactly_in(v: float, fmt) -> bool:
 @pytest.mark.parametrize("name", ["fp32", "fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2"])
 @pytest.mark.parametrize("carrier", [np.float64, np.float32])
 def test_is_representable_agrees_with_exact_arithmetic_at_every_edge(name, carrier):
-    from bnprobe.formats import get_format
+    from bnprobe.core.formats import get_format
 
     fmt = get_format(name)
     edges = [fmt.max, fmt.tiny, fmt.tiny * fmt.eps, 1.0, 1.5, 3.0]

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from oracle import round_fraction, round_rsqrt, round_sqrt
 
-from bnprobe.checks.mathfn import MathSpec, analyze
-from bnprobe.errors import BNProbeError
+from bnprobe.checks.rsqrt.mathfn import MathSpec, analyze
+from bnprobe.core.errors import BNProbeError
 from bnprobe.numerics.rsqrt import (
     MAGIC_RECIP,
     MAGIC_RSQRT,
@@ -303,7 +303,7 @@ def test_divide_splits_the_formats_overflow_from_the_methods_defects():
 def test_divide_has_its_histogram_and_refuses_options_it_does_not_model():
     """The ULP histogram of a divide is filled like the others', and options the
     divide analysis does not model are refused instead of ignored."""
-    from bnprobe.checks.mathfn import MathSpec, analyze
+    from bnprobe.checks.rsqrt.mathfn import MathSpec, analyze
 
     res = analyze(MathSpec(op="divide", format="fp16", method="magic"), (0, 1), samples=4000, seed=3)
     for st in res.steps:

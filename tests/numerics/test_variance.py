@@ -6,7 +6,7 @@ from math import log2, sqrt
 import numpy as np
 import pytest
 
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 from bnprobe.numerics.arith import Arith
 from bnprobe.numerics.rounding import round_to
 from bnprobe.numerics.variance import moments

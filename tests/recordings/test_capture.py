@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from bnprobe import capture
-from bnprobe.checks.stats import load_dump_series
-from bnprobe.errors import BNProbeError
+from bnprobe.checks.plot_stats.stats import load_dump_series
+from bnprobe.core.errors import BNProbeError
 from bnprobe.recordings import CALLS_NAME, load_dump, read_calls
 
 torch = pytest.importorskip("torch")
@@ -478,8 +478,8 @@ def test_model_without_batchnorm_is_refused(tmp_path):
 
 def test_bnprobe_imports_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import bnprobe, bnprobe.checks.stats\n"
-            "from bnprobe.errors import BNProbeError\n"
+            "import bnprobe, bnprobe.checks.plot_stats.stats\n"
+            "from bnprobe.core.errors import BNProbeError\n"
             "try:\n"
             "    bnprobe.capture(object(), 'unused').__enter__()\n"
             "except BNProbeError as e:\n"

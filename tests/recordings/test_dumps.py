@@ -14,7 +14,7 @@ import pytest
 
 from bnprobe.adapters import get_adapter
 from bnprobe.adapters.dump import DumpAdapter
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 from bnprobe.recordings import load_dump, open_dump, read_msprobe, record, write_dump
 
 

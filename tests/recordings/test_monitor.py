@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bnprobe.cli import main
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 from bnprobe.recordings import CALLS_NAME, read_calls
 
 torch = pytest.importorskip("torch")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bnprobe.cli import main
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 from bnprobe.recordings import open_dump
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "msprobe_mindspore"

@@ -8,7 +8,7 @@ from itertools import product
 import numpy as np
 import pytest
 
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 from bnprobe.recordings import open_dump
 from bnprobe.recordings.msprobe import find_dump_jsons, msprobe_calls
 

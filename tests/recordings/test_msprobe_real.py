@@ -8,7 +8,7 @@ import pytest
 from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.adapters import Saved
 from bnprobe.cli import main
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 from bnprobe.recordings import open_dump
 
 TENSOR_DUMPS = ("L1-fp32", "L1-fp16", "L1-bf16", "mix-fp32", "mix-fp16", "eval-fp32")

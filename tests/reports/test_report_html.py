@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from bnprobe.checks.cases import stress_cases
-from bnprobe.checks.compare import compare_precision
+from bnprobe.engine.cases import stress_cases
+from bnprobe.checks.compare.precision import compare_precision
 from bnprobe.reports.compare import write_report
 
 BROWSER = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)

@@ -3,7 +3,7 @@
 import pandas as pd
 import pytest
 
-from bnprobe.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError
 from bnprobe.reports import Report, file_stem, html_report, output_dir, write_result
 from bnprobe.reports.compare import REPORT_FORMATS, report_files, report_formats
 

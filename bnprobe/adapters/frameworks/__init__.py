@@ -1,7 +1,7 @@
 """Live adapters for other frameworks' own BatchNorm kernels (not re-implementations): each runs the framework's
 API on the CPU — training forward, running statistics, inference, and the backward through the framework's own
 autodiff (or its gradient op) with the given dy — and declares the framework's convention
-(:mod:`bnprobe.conventions`), so its running variance, momentum and saved statistics are judged as that
+(:mod:`bnprobe.core.conventions`), so its running variance, momentum and saved statistics are judged as that
 framework defines them.
 
 The adapter interface speaks bnprobe's momentum m (the batch's weight) and channels-first tensors whatever the
@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 
 from bnprobe.adapters.base import BaseAdapter, Capabilities, Prepared
-from bnprobe.conventions import get_convention
-from bnprobe.errors import BNProbeError
-from bnprobe.formats import get_format
+from bnprobe.core.conventions import get_convention
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import get_format
 
 __all__ = ["FrameworkAdapter", "parse_options", "require", "FRAMEWORKS"]
 

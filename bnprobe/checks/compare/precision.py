@@ -1,0 +1,673 @@
+"""compare-precision: every output of BatchNorm in each format against the FP64 golden on the same
+rounded inputs, per tensor, per channel, and per stage (an error budget).
+
+Each output answers two questions (the rules are :mod:`bnprobe.engine.rules`'): is this kernel as accurate
+as a careful kernel in the same formats — the verdict, by default msprobe's *benchmark* method against a
+bench (``careful``) run on the same inputs — and is the format adequate for this data — a *format
+warning*: the bench's own output by msprobe's absolute ``scaled`` rule, with what explains it.  ``rule``
+(``scaled``, ``accumulated``, ``threshold``) makes the verdict one of msprobe's absolute rules instead.
+The kernels run on the engine (:mod:`bnprobe.engine.run`); the inputs are :mod:`bnprobe.engine.cases`'.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from bnprobe.adapters import KernelAdapter, Saved, get_adapter
+from bnprobe.adapters.base import MODES, outputs_only
+from bnprobe.adapters.convention import bench_for, reference_for
+from bnprobe.core.call import EPS, MOMENTUM, BNCall
+from bnprobe.core.conventions import convention_of
+from bnprobe.engine.budget import BUDGET_CHANNELS, budget_cause, error_budget
+from bnprobe.engine.cases import Case, make_dy, recorded_cases, resnet50_cases, stress_cases
+from bnprobe.engine.recipes import RECIPES, recipe_fits
+from bnprobe.engine.rules import (
+    RULES,
+    BenchOutput,
+    absolute,
+    benchmark_of,
+    greatest_error,
+    nonfinite_mismatch,
+    output_shares,
+    versus_bench,
+    within_accumulation,
+    within_bound,
+    within_rounding,
+)
+from bnprobe.engine.run import LARGE_CALL, CallRun, Golden, generated_call, run_call, running_stats, y_natural
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import get_format
+from bnprobe.inputs import make_params
+from bnprobe.kernels.layout import layout_of
+from bnprobe.engine.metrics import compare, ulp_error
+from bnprobe.recordings import Recording
+from bnprobe.core.tolerances import MSPROBE_STANDARDS, Standard
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+__all__ = ["CompareResult", "compare_precision", "judge_call", "summarize", "per_call", "first_failing_call",
+           "worse_rows", "COMPARE_MODES"]
+
+ELEMENTWISE = ("y", "y_infer", "dx")
+
+
+@dataclass(frozen=True)
+class _Judging:
+    """How every row of a run is judged: the standards, the rule, and the bench's name."""
+
+    standards: dict[str, Standard] | None
+    rule: str
+    bench_name: str = ""
+
+
+def _row(j: _Judging, adapter: str, dtype: str, case: Case, tensor: str, actual: Any, golden: Any, fmt: str, *,
+         scale: np.ndarray | None = None, bench: Any = None, explain: str = "",
+         natural: Callable[[], np.ndarray] | None = None,
+         cancel: tuple[np.ndarray, str] | None = None) -> dict[str, Any]:
+    """One output's row: msprobe's metrics; the kernel verdict (by default msprobe's benchmark method against
+    the bench's output, else the absolute ``rule`` on the kernel's output); the format check — is the format
+    adequate for this data: the bench's output (a careful kernel in the same formats) by the absolute scaled
+    rule, or the kernel's own output when there is no bench — with what explains a format that falls short."""
+    standards, rule, bench_name = j.standards, j.rule, j.bench_name
+    kind = "elementwise" if tensor in ELEMENTWISE else "reduction"
+    m = compare(actual, golden, fmt)
+    if rule != "benchmark":
+        ok_abs, why_abs, score_abs, bound_abs = absolute(actual, golden, fmt, rule, standards, scale)
+    if isinstance(bench, BenchOutput):
+        if bench.format_check is None:
+            bench.format_check = absolute(bench.value, golden, fmt, "scaled", standards, scale)
+        f_ok, f_why, f_score, f_bound = bench.format_check
+    elif rule == "scaled":  # no bench: the kernel's own output, already judged by this rule
+        f_ok, f_why, f_score, f_bound = ok_abs, why_abs, score_abs, bound_abs
+    else:
+        f_ok, f_why, f_score, f_bound = absolute(actual, golden, fmt, "scaled", standards, scale)
+    extra: dict[str, Any] = {}
+    if rule == "benchmark":
+        b = benchmark_of(actual, bench, golden, fmt, dev=m.checker_metrics)
+        # msprobe's metrics leave non-finite elements out: NaN/inf the golden has not is judged here
+        broken = nonfinite_mismatch(actual, golden, fmt)
+        ok = b.result != "error" and not broken
+        ratios = ", ".join(f"{k} {v:.3g}/{b.limits[k]:g}" for k, v in b.ratios.items() if k in b.limits)
+        why = broken or (f"{'within' if ok else 'over'} msprobe's benchmark vs {bench_name} (ratio/limit: {ratios})"
+                         + (f"; {b.problem}" if b.problem else "")
+                         + ("" if ok else greatest_error(actual, bench.value if isinstance(bench, BenchOutput)
+                                                        else bench, golden, bench_name)))
+        score, bound = (math.inf if broken else float(b.needed)), 1.0
+        terms = math.prod(case.shape) // max(np.size(golden), 1)
+        if not ok and not broken and ((within := within_accumulation(tensor, actual, golden, fmt, scale, terms))
+                                      or (within := within_rounding(b, actual, golden, fmt, natural))
+                                      or (within := within_bound(actual, golden, fmt, cancel))):
+            ok, score, why = True, within[0], f"{within[1]} (msprobe's benchmark alone would fail it: {ratios})"
+        extra = {f"bench_{k}": v for k, v in b.ratios.items()}
+    else:
+        ok, why, score, bound = ok_abs, why_abs, score_abs, bound_abs
+    if isinstance(bench, BenchOutput) and actual is not bench.value and \
+            (vs := versus_bench(actual, bench.value, golden, fmt)) is not None:
+        extra.update(rmse_vs_bench=vs.rmse_ratio, max_vs_bench=vs.max_ratio,
+                     worse=vs.worse(bench_name, f"it passes: {why}" if ok else "it fails"))
+    std = (standards or MSPROBE_STANDARDS).get(get_format(fmt).name)
+    ulp = m.ulps if m.ulps is not None else \
+        ulp_error(np.asarray(actual, dtype=np.float64), np.asarray(golden, dtype=np.float64), fmt)
+    over, small, sub, ovf = output_shares(ulp, golden, fmt, std)
+    f = get_format(fmt)
+    why_fmt = ""
+    if f_ok and ovf:  # ±inf where the golden rounds to it passes every rule: said, never silent
+        f_ok, f_why, f_score = False, (f"the golden exceeds {f.name}'s largest value ({f.max:g}) in {100 * ovf:.3g}% "
+                                       f"of elements: the format cannot hold this output (±inf there)"), math.inf
+    if not f_ok:
+        notes = [n for n in (f"{100 * sub:.3g}% of the golden in {f.name}'s subnormal range" if sub else "",
+                             f"{100 * ovf:.3g}% beyond {f.name}'s largest value" if ovf else "", explain) if n]
+        who = f"{bench_name} (the bench)" if isinstance(bench, BenchOutput) else "this kernel"
+        why_fmt = f"{who}: {f_why}" + (f" — {'; '.join(notes)}" if notes else "")
+    return {"adapter": adapter, "dtype": dtype, "case": case.name, "shape": "x".join(map(str, case.shape)),
+            "tensor": tensor, "format": fmt, "kind": kind, "verdict": "PASS" if ok else "FAIL", "why": why,
+            "score": score, "bound": bound, "format_check": "ok" if f_ok else "WARN", "format_why": why_fmt,
+            "format_score": f_score, "format_bound": f_bound, **extra,
+            **{k: v for k, v in m.to_dict().items() if k not in ("worst_index",)},
+            "ulp_over_threshold": over, "small_value_share": small, "subnormal_share": sub}
+
+
+def _channels(adapter: str, dtype: str, case: Case, y: np.ndarray, gy: np.ndarray, *, var: np.ndarray,
+              gvar: np.ndarray, gmean: np.ndarray, eps: float, top: int) -> list[dict[str, Any]]:
+    """The worst channels of y, with what explains them."""
+    a, g = layout_of(y).to_cr(y), layout_of(gy).to_cr(gy)
+    with np.errstate(all="ignore"):
+        d = np.abs(a - g)
+        err = np.where(np.isnan(d), -np.inf, d).max(axis=1)  # NaN for a channel whose error is all NaN
+        err = np.where(np.isneginf(err), np.nan, err)
+        var_rel = np.abs(np.asarray(var, dtype=np.float64) - gvar) / np.where(gvar > 0, gvar, np.nan)
+        m2v = gmean**2 / np.where(gvar > 0, gvar, np.nan)
+    r = a.shape[1]
+    order = np.argsort(-np.nan_to_num(err, nan=np.inf))[:top]
+    return [{"adapter": adapter, "dtype": dtype, "case": case.name, "channel": int(c), "y_max_abs_err": float(err[c]),
+             "var_rel_err": float(var_rel[c]), "mean2_over_var": float(m2v[c]), "var_over_eps": float(gvar[c] / eps),
+             "R": r} for c in order]
+
+
+@dataclass
+class CompareResult:
+    rows: pd.DataFrame
+    channels: pd.DataFrame
+    budget: pd.DataFrame
+    meta: dict[str, Any]
+
+    @property
+    def passed(self) -> bool:
+        return bool((self.rows["verdict"] == "PASS").all()) if len(self.rows) else True
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"meta": self.meta, "passed": self.passed, "rows": self.rows.to_dict(orient="records"),
+                "channels": self.channels.to_dict(orient="records"), "budget": self.budget.to_dict(orient="records")}
+
+
+COMPARE_MODES = (*MODES, "all")  # compare-precision also takes every mode at once
+
+
+@dataclass
+class _CaseCall:
+    """One case in one format: the call every adapter runs on, the modes asked of it, and its golden."""
+
+    case: Case
+    rec: Recording
+    modes: tuple[str, ...]
+    golden: Golden
+    recipes: dict[str, dict[str, Any]] = field(default_factory=dict)  # each recipe's outputs, run when first asked
+    replay: Recording | None = None  # what a dump adapter replays on this call, when it is not a case's
+
+    @property
+    def gold_train(self) -> Any:
+        """The golden's training forward, for a training call run in train or backward mode (else None)."""
+        return self.golden.train_for(self.modes)
+
+
+def _generated(case: Case, x: np.ndarray, fmt: str, params: str, eps: float, momentum: float | None,
+               modes: tuple[str, ...]) -> tuple[Recording, tuple[str, ...]]:
+    """A generated case in one format: γ, β from the case's seed, running statistics at the case's mean and
+    variance, dy of the case's kind (:func:`~bnprobe.engine.cases.make_dy`); training modes only where N*H*W > 1."""
+    lay = layout_of(x)
+    c = lay.channels
+    prm = make_params(c, case.seed)
+    dy = make_dy(case, x.shape)
+    kept = tuple(m for m in modes if m == "infer" or lay.reduce_size > 1)
+    call = BNCall(x, prm["gamma"], prm["beta"], np.full(c, case.mean), np.full(c, max(case.std, 1e-3) ** 2), dy,
+                  eps, momentum, dtype=fmt, params=params)
+    rec = generated_call(call, modes=kept, label=case.name)
+    return rec, kept
+
+
+def _recorded(rec: Recording, modes: tuple[str, ...]) -> tuple[Recording, tuple[str, ...]]:
+    """A recorded call's own inputs and scalars: the modes it recorded, in its formats."""
+    name = rec.meta.get("call") or rec.source
+    if rec.layout != "channels_first":
+        raise BNProbeError(f"{name} is recorded {rec.layout}: compare-precision takes channels_first recordings")
+    if rec.training and layout_of(rec.call().x).reduce_size < 2:
+        raise BNProbeError(f"{name}: a training call with one value per channel (N*H*W = 1) has no batch statistics "
+                           "to compare")
+    return rec, tuple(m for m in modes if m in rec.tensors and (m != "train" or rec.training))
+
+
+def _case_calls(case: Case, fmts: list[str], modes: tuple[str, ...], opts: dict[str, Any], ref: KernelAdapter,
+                notes: list[str]) -> list[_CaseCall]:
+    """A case's calls, one per format (a recorded call: its own, in its format), with what they hold that the
+    verdicts cannot see (NaN/inf: the golden is non-finite there too) said in ``notes``."""
+    eps, momentum, params = opts["eps"], opts["momentum"], opts["params"]
+    if case.call is not None:
+        rec = case.call.load()
+        _agree(case.name, rec, eps, momentum, params)
+        notes.extend(f"{case.name}: {n}" for n in rec.meta.get("notes", []))
+        per_fmt = [_recorded(rec, modes)]
+    else:
+        x = case.make()
+        per_fmt = [_generated(case, x, f, params or "fp32", EPS if eps is None else eps,
+                              MOMENTUM if momentum is None else momentum, modes) for f in fmts]
+    out = []
+    for rec, kept in per_fmt:
+        cc = _CaseCall(case, rec, kept, Golden(ref, rec))
+        call = cc.golden.call
+        for what, t in (("x", call.x), ("dy", call.dy)):
+            bad = 0 if t is None else int(np.size(t) - np.count_nonzero(np.isfinite(t)))
+            if bad:
+                notes.append(f"{case.name} ({rec.dtype}): {what} holds {bad} NaN/inf value(s) of {np.size(t)}; "
+                             "outputs that depend on them are non-finite in the golden too")
+        out.append(cc)
+    return out
+
+
+def _replaying(a: KernelAdapter, cc: _CaseCall) -> Recording | None:
+    """For a dump adapter, the recording it replays on this case: the case's own call when it is one of the
+    dump's, else the dump's call of the same name (None for a runnable kernel)."""
+    case = cc.case
+    if not a.capabilities().recorded:
+        return None
+    if cc.replay is not None or case.call is None:
+        return cc.replay
+    calls = a.calls.calls  # type: ignore[attr-defined]
+    if any(c is case.call for c in calls):
+        return cc.rec
+    match = [c for c in calls if c.label == case.call.label]
+    if not match:
+        raise BNProbeError(f"{a.name} has no call {case.call.label!r} to replay on this case")
+    return match[0].load()
+
+
+def _run(a: KernelAdapter, cc: _CaseCall) -> CallRun:
+    """``a`` on one case call, through the engine (its golden shared with every other kernel on the call)."""
+    return run_call(a, cc.rec, modes=cc.modes, label=cc.case.name, golden=cc.golden, quiet=True,
+                    replay=_replaying(a, cc))
+
+
+def _natural(key: str, run: CallRun, call: Any, gold_t: Any) -> Callable[[], np.ndarray] | None:
+    """For y, y_infer and dx, the magnitude each element is formed from (when first asked for; inference's from the
+    running statistics it normalises with); None for other outputs."""
+    if key == "y" and gold_t is not None:
+        return lambda: y_natural(call, gold_t.saved)
+    if key == "y_infer" and (st := running_stats(call)) is not None:
+        return lambda: y_natural(call, st)
+    scale = _scale(run, key) if key == "dx" else None
+    return None if scale is None else (lambda: scale)
+
+
+def _cancel_bound(run: CallRun, key: str) -> tuple[np.ndarray, str] | None:
+    """The bound of a correct kernel's accumulation on a gradient's sums (:func:`~bnprobe.engine.run
+    .cancellation_bounds`), shaped to broadcast against the output; None for other outputs."""
+    b = run.bounds.get(key)
+    return b if b is None or key != "dx" else (_per_element(run, b[0]), b[1])
+
+
+def _per_element(run: CallRun, v: np.ndarray) -> np.ndarray:
+    """A per-channel vector shaped to broadcast against the call's x (its layout's channel axis)."""
+    return layout_of(run.inputs.x).column(v)
+
+
+def _scale(run: CallRun, key: str) -> np.ndarray | None:
+    """The natural scale of output ``key`` (broadcastable to it), or None."""
+    sc = run.scales.get(key)
+    if sc is None or key not in ("saved_mean", "running_mean", "dx", "dgamma", "dbeta"):
+        return None
+    return _per_element(run, sc) if key == "dx" else sc
+
+
+def _stored_share(ref: KernelAdapter, run: CallRun, gold_dx: np.ndarray) -> float:
+    """The share of dx's error (RMSE against the golden) that the kernel's stored statistics explain: the
+    golden backward recomputed from the statistics exactly as stored removes that share."""
+    saved, call = run.saved, run.inputs
+    stored = Saved(np.asarray(saved.mean, dtype=np.float64), saved.kind,  # type: ignore[union-attr]
+                   np.asarray(saved.value, dtype=np.float64))  # type: ignore[union-attr]
+    gold2 = ref.backward(call.dy, call.x, call.gamma, stored, training=True, **call.kernel_options).dx
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN dx: no share (NaN), not a warning
+        d = np.asarray(run.got["dx"], dtype=np.float64)
+        e0 = float(np.sqrt(np.nanmean((d - gold_dx) ** 2)))
+        e1 = float(np.sqrt(np.nanmean((d - gold2) ** 2)))
+    return max(0.0, 1.0 - e1 / e0) if e0 > 0 else 0.0
+
+
+def _explain(call: Any, gold_t: Any, pf: str) -> str:
+    """What makes the data hard for a format: mean²/var (cancellation), var/eps (eps dominance), R."""
+    lay = layout_of(call.x)
+    parts = [f"R = {lay.reduce_size}"]
+    if gold_t is not None and gold_t.saved is not None:
+        m = np.asarray(gold_t.saved.mean, dtype=np.float64)
+        v = gold_t.saved.var(call.eps)
+        with np.errstate(all="ignore"):
+            r = m * m / np.where(v > 0, v, np.nan)
+            m2v = float(np.max(r[np.isfinite(r)])) if np.isfinite(r).any() else float("inf")
+            ve = float(np.min(v / call.eps)) if v.size else float("nan")
+        parts = [f"max mean²/var {m2v:.3g}", f"min var/eps {ve:.3g}", *parts]
+    if pf not in ("fp32", "fp64"):
+        parts.append(f"statistics and parameters in {pf}")
+    return ", ".join(parts)
+
+
+@dataclass
+class _Tables:
+    """The rows of the run's three tables, as they are made."""
+
+    rows: list[dict[str, Any]]
+    chans: list[dict[str, Any]]
+    budgets: list[dict[str, Any]]
+    picks: dict[tuple[str, str], tuple[Any, ...]] = field(default_factory=dict)  # the budget's call per adapter/format
+
+
+def _compare_adapter(a: KernelAdapter, cc: _CaseCall, j: _Judging, tables: _Tables, *, budget: bool,
+                     top_channels: int, ref: KernelAdapter, bench: tuple[dict[str, Any], CallRun, Any] | None,
+                     done: CallRun | None = None) -> None:
+    """Every output of one adapter on one case call against the golden (and the bench's outputs); ``done``: the
+    adapter's run on this call already made (by the caller, on the same golden)."""
+    bench_out, bench_run, bench_pol = bench if bench is not None else ({}, None, None)
+    fmt, case, call = cc.rec.dtype, cc.case, cc.golden.call
+    if done is not None:
+        run = done
+    elif bench_run is not None and bench_pol is not None and _policy(a, cc.rec) == bench_pol:
+        run = bench_run  # the same kernel as the bench: its outputs, not a second run
+    else:
+        run = _run(a, cc)
+    gold_t = cc.gold_train
+    explain = _explain(call, gold_t, cc.rec.params)
+    for t, act in run.got.items():
+        natural = _natural(t, run, call, gold_t)
+        r = _row(j, a.name, fmt, case, t, act, run.gold[t], run.formats[t], scale=_scale(run, t),
+                 bench=bench_out.get(t), explain=explain, natural=natural, cancel=_cancel_bound(run, t))
+        if t == "dx" and call.training and run.saved is not None:
+            r["stored_stats_share"] = _stored_share(ref, run, run.gold["dx"])
+        if r["verdict"] == "FAIL" and t in bench_out:
+            _name_recipe(r, cc, run, t, bench_out[t].value)
+        tables.rows.append(r)
+    if "y" in run.got and run.saved is not None:
+        eps = call.eps
+        tables.chans.extend(_channels(a.name, fmt, case, run.got["y"], gold_t.y, var=run.saved.var(eps),
+                                      gvar=gold_t.saved.var(eps), gmean=gold_t.saved.mean.astype(np.float64), eps=eps,
+                                      top=top_channels))
+    if budget and callable(getattr(a, "policy_for", None)) and a.name != "reference" and gold_t is not None and \
+            call.gamma is not None and call.beta is not None and "y" in run.got:
+        _pick_for_budget(tables, a, fmt, case.name, call, next(r for r in reversed(tables.rows) if r["tensor"] == "y"))
+
+
+def _pick_for_budget(tables: _Tables, a: KernelAdapter, fmt: str, case: str, call: Any, y_row: dict[str, Any]) -> None:
+    """Keep, per adapter and format, the call whose y is worst against its bound (the error budget explains that
+    one: the first channels' inputs are copied, the rest let go; a y with NaN or inf in it comes last)."""
+    with np.errstate(all="ignore"):
+        ratio = float(y_row["score"] / y_row["bound"]) if y_row["bound"] else 0.0
+    ratio = ratio if math.isfinite(ratio) else -1.0  # NaN/inf in y: an RMSE to share out needs a finite one
+    key = (a.name, fmt)
+    if key in tables.picks and tables.picks[key][0] >= ratio:
+        return
+    k = min(BUDGET_CHANNELS, np.shape(call.x)[1])
+    tables.picks[key] = (ratio, a, case, np.array(np.asarray(call.x)[:, :k]), np.asarray(call.gamma)[:k],
+                         np.asarray(call.beta)[:k], call.eps, call.params)
+
+
+def _budgets(tables: _Tables) -> None:
+    """The error budget of each adapter and format on its worst call for y (see :func:`_pick_for_budget`)."""
+    for (_, fmt), (_, a, case, x, g, b, eps, params) in tables.picks.items():
+        for r in error_budget(a, x, g, b, dtype=fmt, eps=eps, params=params):
+            tables.budgets.append({"case": case, **r})
+
+
+def _name_recipe(r: dict[str, Any], cc: _CaseCall, run: CallRun, t: str, bench: Any) -> None:
+    """Name, in the row of a failing output ``t``, the recipe (:data:`~bnprobe.engine.recipes.RECIPES`) whose
+    kernel reproduces it on this case call (each recipe run once per case call)."""
+    call = cc.golden.call
+
+    def fits(out: Any) -> bool:
+        return out is not None and recipe_fits(run.got[t], out, bench, run.gold[t], run.formats[t])
+
+    for rp in RECIPES:
+        if t not in rp.outputs or not rp.applies(call):
+            continue
+        derived = rp.derive(call, run.got, run.saved).get(t) if rp.derive else None
+        # the outputs derived from the call (cheap) first; the recipe's kernel is run only when they do not fit
+        if any(fits(out) for out in (derived if isinstance(derived, list) else [derived])) or \
+                rp.kernel is not None and fits(_recipe_outputs(rp, cc).get(t)):
+            r["cause"] = rp.id
+            r["why"] += f"; it matches a kernel that {rp.words(call)}"
+            return
+
+
+def _recipe_outputs(rp: Any, cc: _CaseCall) -> dict[str, Any]:
+    """The outputs of recipe ``rp``'s kernel on this case call, run once (its outputs alone: no trace arrays)."""
+    if rp.id not in cc.recipes:
+        cc.recipes[rp.id] = _run(outputs_only(rp.kernel()), cc).got
+    return cc.recipes[rp.id]
+
+
+def _policy(a: KernelAdapter, rec: Recording) -> Any:
+    """The policy an emulated adapter runs this call with (its name aside), or None for other kernels."""
+    if not callable(getattr(a, "policy_for", None)) or a.name == "reference":
+        return None
+    call = rec.call()
+    return replace(a.policy_for(call.x, dtype=rec.dtype, params=call.params), name="")
+
+
+def _bench(bench: KernelAdapter, cc: _CaseCall) -> tuple[dict[str, Any], CallRun, Any]:
+    """The bench on one case call: its outputs by tensor name (saved statistics under both names), the run itself
+    and its policy (an adapter running the same policy reuses the run)."""
+    run = _run(bench, cc)
+    got = {t: BenchOutput(act) for t, act in run.got.items()}
+    if run.saved is not None and "y" in run.got:
+        s, eps = run.saved, cc.golden.call.eps
+        for kind, value in (("invstd", s.invstd(eps)), ("var", s.var(eps))):
+            got.setdefault(f"saved_{kind}", BenchOutput(value))
+    return got, run, _policy(bench, cc.rec)
+
+
+def _check_formats(resolved: list[KernelAdapter], bench_a: KernelAdapter | None, cases: list[Case],
+                   fmts: list[str], recorded_fmts: list[str], dtypes: tuple[str, ...] | None) -> None:
+    """Refuse, before any work, formats that contradict a recording or that an adapter or the bench cannot run."""
+    if dtypes is not None:
+        off = [f for f in recorded_fmts if f not in fmts]
+        if off:
+            raise BNProbeError(f"the recording holds {', '.join(off)} calls; dtypes {', '.join(fmts)} contradict it")
+    generated = fmts if any(c.call is None for c in cases) else []
+    need = list(dict.fromkeys(generated + recorded_fmts))
+    for a in resolved:
+        runs = a.capabilities().formats
+        missing = [f for f in (need if dtypes is not None else recorded_fmts) if f not in runs]
+        if dtypes is None and generated and not any(f in runs for f in generated):
+            missing = generated
+        if missing:
+            raise BNProbeError(f"adapter {a.name} does not run {', '.join(missing)} "
+                               f"(it runs {', '.join(a.capabilities().formats)})")
+    if bench_a is not None:
+        if bench_a.capabilities().recorded:
+            raise BNProbeError("the bench must be a kernel bnprobe can run on every input (a dump replays only its "
+                               "own)")
+        missing = [f for f in need if f not in bench_a.capabilities().formats]
+        if missing:
+            raise BNProbeError(f"bench {bench_a.name} does not run {', '.join(missing)}")
+
+
+def compare_precision(
+    adapters: list[str | KernelAdapter] | None = None,
+    dtypes: tuple[str, ...] | None = None,
+    cases: list[Case] | None = None,
+    *,
+    mode: str = "all",
+    eps: float | None = None,
+    momentum: float | None = None,
+    params: str | None = None,
+    seed: int = 0,
+    standards: dict[str, Standard] | None = None,
+    rule: str = "benchmark",
+    bench: str | KernelAdapter | None = "careful",
+    budget: bool = True,
+    top_channels: int = 5,
+    progress: Callable[[int, int], None] | None = None,
+) -> CompareResult:
+    """Compare each adapter in each format with the FP64 golden on the same rounded inputs.
+
+    Default: the ``emulated`` adapter (each format's preset), fp16/bf16/fp32, ResNet-50's BatchNorm
+    shapes (batch 2) plus the stress suite, training forward, inference and backward.  When an adapter
+    is a dump (and no cases are given) the cases are its recorded calls, each run on its own recorded
+    inputs, scalars and formats, one call at a time; ``dtypes``, ``eps``, ``momentum`` and ``params``
+    then must agree with the recording (None: as recorded).
+    """
+    import pandas as pd
+
+    if mode not in COMPARE_MODES:
+        raise BNProbeError(f"unknown mode {mode!r}; valid: {', '.join(COMPARE_MODES)}")
+    if rule not in RULES:
+        raise BNProbeError(f"unknown rule {rule!r}; valid: {', '.join(RULES)}")
+    resolved = [get_adapter(a) if isinstance(a, str) else a for a in (adapters or ["emulated"])]
+    dumps = [a for a in resolved if a.capabilities().recorded]
+    if cases is None:
+        cases = recorded_cases(dumps[0].calls) if dumps else resnet50_cases(seed=seed) + stress_cases(seed)
+    fmts = [get_format(d).name for d in (dtypes or ("fp16", "bf16", "fp32"))]
+    recorded_fmts = list(dict.fromkeys(c.call.dtype for c in cases if c.call is not None))
+    bench_a = (get_adapter(bench) if isinstance(bench, str) else bench) if bench is not None else None
+    if bench_a is None and rule == "benchmark":
+        raise BNProbeError("the benchmark rule needs a bench (e.g. careful or torch)")
+    _check_formats(resolved, bench_a, cases, fmts, recorded_fmts, dtypes)
+    ref = get_adapter("reference")
+    modes = ("train", "infer", "backward") if mode == "all" else (mode,)
+    tables, notes = _Tables([], [], []), []  # the three tables' rows, and what the verdicts cannot show
+    skip, total = _default_formats(resolved, cases, fmts, dtypes)
+    done = 0
+    t0 = time.monotonic()
+    # traces are not read here: outputs only, no stage recorded or counted (on copies: the caller's are unchanged)
+    ref, bench_a = outputs_only(ref), outputs_only(bench_a)
+    runs = [outputs_only(a) for a in resolved]
+    j = _Judging(standards, rule, bench_a.name if bench_a is not None else "")
+    opts = {"eps": eps, "momentum": momentum, "params": params}
+    # the bench in each kernel's convention (a framework's running variance is judged against a careful one's)
+    benches = {convention_of(a).name: outputs_only(bench_for(bench_a, a)) for a in runs} if bench_a else {}
+    for case in cases:
+        if math.prod(case.shape) > LARGE_CALL:  # the last case's arrays caught in reference cycles go first
+            gc.collect()
+        for cc in _case_calls(case, fmts, modes, opts, ref, notes):
+            bench_outs: dict[str, Any] = {}
+            for a in runs:
+                if skip(a, cc):
+                    continue
+                conv = convention_of(a).name
+                if bench_a is not None and conv not in bench_outs:
+                    bench_outs[conv] = _bench(benches[conv], cc)
+                _compare_adapter(a, cc, j, tables, budget=budget, top_channels=top_channels, ref=ref,
+                                 bench=bench_outs.get(conv))
+                done += 1
+                if progress:
+                    progress(done, total)
+    if budget:
+        _budgets(tables)
+    meta = {"adapters": [a.name for a in resolved],
+            "dtypes": list(dict.fromkeys(([] if all(c.call is not None for c in cases) else fmts) + recorded_fmts)),
+            "mode": mode, "eps": eps, "momentum": momentum, "params": params, "seed": seed,
+            **_run_meta(cases, dumps), "seconds": round(time.monotonic() - t0, 3),
+            "standards": "msprobe" if standards is None else "custom", "rule": rule,
+            "bench": bench_a.name if bench_a is not None else None, "notes": notes}
+    return CompareResult(pd.DataFrame(tables.rows), pd.DataFrame(tables.chans), pd.DataFrame(tables.budgets), meta)
+
+
+def _default_formats(resolved: list[KernelAdapter], cases: list[Case], fmts: list[str],
+                     dtypes: tuple[str, ...] | None) -> tuple[Callable[[KernelAdapter, Any], bool], int]:
+    """(whether an adapter skips a case call, the number of runs): with the default formats each adapter runs those
+    it can (a fixed policy, e.g. emulated:fp16-acc16, its own); formats asked for are run by every adapter."""
+    def skip(a: KernelAdapter, cc: Any) -> bool:
+        return dtypes is None and cc.case.call is None and cc.rec.dtype not in a.capabilities().formats
+
+    total = sum(1 if c.call is not None else sum(f in a.capabilities().formats or dtypes is not None for f in fmts)
+                for c in cases for a in resolved)
+    return skip, total
+
+
+def _run_meta(cases: list[Case], dumps: list[KernelAdapter]) -> dict[str, Any]:
+    """The run's inputs, and the dump it replayed, for the result's meta."""
+    out: dict[str, Any] = {"cases": [{"name": c.name, "shape": list(c.shape), "dist": c.dist, "mean": c.mean,
+                                      "std": c.std} for c in cases],
+                           "recorded": any(c.call is not None for c in cases)}
+    if dumps:
+        calls = dumps[0].calls  # type: ignore[attr-defined]
+        out["dump"] = {"source": calls.source, "kind": calls.kind, "notes": list(calls.notes)}
+    return out
+
+
+def judge_call(a: KernelAdapter, rec: Recording, modes: tuple[str, ...], *, label: str | None = None,
+               bench: str | KernelAdapter = "careful", run: CallRun | None = None,
+               golden: Golden | None = None) -> list[dict[str, Any]]:
+    """compare-precision's rows for one call (the FP64 golden, msprobe's benchmark method against ``bench``, with
+    its exemptions and recipes): the verdict every command that judges an output of a call reads, so that they
+    agree on it.  A dump adapter replays ``rec`` (one of its recorded calls).  ``run`` (with the ``golden`` it was
+    run on): the adapter's run on this call, when the caller has made it (not run again)."""
+    ref = outputs_only(reference_for(a))
+    bench_a = outputs_only(bench_for(get_adapter(bench) if isinstance(bench, str) else bench, a))
+    call = rec.call()
+    case = Case(label or rec.meta.get("call") or rec.source, tuple(np.shape(call.x)))
+    cc = _CaseCall(case, rec, modes, golden if golden is not None else Golden(ref, rec),
+                   replay=rec if a.capabilities().recorded else None)
+    tables = _Tables([], [], [])
+    _compare_adapter(outputs_only(a), cc, _Judging(None, "benchmark", bench_a.name), tables, budget=False,
+                     top_channels=0, ref=ref, bench=_bench(bench_a, cc), done=run)
+    return tables.rows
+
+
+def _agree(name: str, rec: Recording, eps: float | None, momentum: float | None, params: str | None) -> None:
+    """Options given for a recorded call must be the recorded ones."""
+    if eps is not None and eps != rec.eps:
+        raise BNProbeError(f"{name} was recorded with eps {rec.eps:g}; eps {eps:g} contradicts it")
+    if momentum is not None and rec.momentum is not None and momentum != rec.momentum:
+        raise BNProbeError(f"{name} was recorded with momentum {rec.momentum:g}; momentum {momentum:g} contradicts it")
+    if params is not None and params != rec.params_mode:
+        raise BNProbeError(f"{name} was recorded with {rec.params} parameters ({rec.params_mode}); params {params} "
+                           "contradicts it")
+
+
+def per_call(result: CompareResult) -> list[dict[str, Any]]:
+    """Per case (a recorded call, in forward order) and adapter: outputs checked, failed, the worst."""
+    rows = result.rows
+    out: list[dict[str, Any]] = []
+    if not len(rows):
+        return out
+    order = {c["name"]: i for i, c in enumerate(result.meta["cases"])}
+    for (adapter, case), sub in rows.groupby(["adapter", "case"], sort=False):
+        ratio, worst = _worst(sub, "score", "bound")
+        bad = sub[sub["verdict"] == "FAIL"]
+        out.append({"order": order.get(case, -1), "call": case, "adapter": adapter, "dtype": sub["dtype"].iloc[0],
+                    "outputs": int(len(sub)), "failed": int(len(bad)), "failing": ", ".join(bad["tensor"]),
+                    "worst": "" if worst is None else worst["tensor"], "worst_ratio": ratio})
+    out.sort(key=lambda r: (r["order"], r["adapter"]))
+    return out
+
+
+def _worst(rows: Any, score: str, bound: str) -> tuple[float, Any]:
+    """(the largest score/bound, its row) over ``rows``; (NaN, None) when no row has a measure (msprobe's
+    benchmark skips float64 outputs: nothing is measured, so nothing is the worst)."""
+    ratio = rows[score] / rows[bound] if len(rows) else rows[score]
+    if not ratio.notna().any():
+        return float("nan"), None
+    return float(ratio.max()), rows.loc[ratio.idxmax()]
+
+
+def first_failing_call(result: CompareResult) -> dict[str, Any] | None:
+    """The first call (in forward order) with a failing output, or None."""
+    return next((r for r in per_call(result) if r["failed"]), None)
+
+
+def worse_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows of outputs materially worse than the bench (:meth:`~bnprobe.engine.rules.VersusBench.worse`)."""
+    if "worse" not in rows or not len(rows):
+        return rows.iloc[0:0]
+    return rows[rows["worse"].fillna("").astype(str) != ""]
+
+
+def summarize(result: CompareResult) -> list[dict[str, Any]]:
+    """Per adapter and format: how many tensors were checked, how many failed, the worst one, and
+    the stage whose exact value removes most of the output's error."""
+    out = []
+    rows, budget = result.rows, result.budget
+    if not len(rows):
+        return out
+    for (adapter, dtype), sub in rows.groupby(["adapter", "dtype"], sort=False):
+        ratio, worst = _worst(sub, "score", "bound")
+        warn = sub[sub["format_check"] == "WARN"]
+        _, fworst = _worst(warn, "format_score", "format_bound")
+        worse = worse_rows(sub)
+        top = worse.loc[worse["rmse_vs_bench"].fillna(float("inf")).idxmax()] if len(worse) else None
+        item = {"adapter": adapter, "dtype": dtype, "checked": int(len(sub)),
+                "failed": int((sub["verdict"] == "FAIL").sum()),
+                "worse": int(len(worse)),
+                "worse_worst": "" if top is None else f"{top['tensor']} on {top['case']} ({top['rmse_vs_bench']:.3g}x)",
+                "format_warnings": int(len(warn)),
+                "format_worst": "" if fworst is None else f"{fworst['tensor']} on {fworst['case']}",
+                "worst": "" if worst is None else f"{worst['tensor']} on {worst['case']}", "worst_ratio": ratio,
+                "worst_why": sub["why"].iloc[0] if worst is None else worst["why"], "budget_top": "",
+                "budget_share": float("nan")}
+        if len(budget):
+            b = budget[(budget["adapter"] == adapter) & (budget["dtype"] == dtype)]
+            if len(b):
+                mean = b.groupby("stage").agg(order=("order", "min"), removed=("error_removed", "mean"))
+                mean = mean.sort_values("order")
+                item["budget_top"], item["budget_share"] = budget_cause(list(zip(mean.index, mean["removed"])))
+        out.append(item)
+    return out

@@ -1,0 +1,2 @@
+"""doctor: the expert's checklist for a kernel (:mod:`.diagnosis`) and the bug models it names failures by
+(:mod:`.bugs`)."""

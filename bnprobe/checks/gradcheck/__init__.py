@@ -1,0 +1,1 @@
+"""gradcheck: a backward against finite differences and the golden, and candidate formulas (:mod:`.gradients`)."""

@@ -1,0 +1,163 @@
+"""What identify returns: the policy found, each output's match (:class:`OutputMatch`), the fields the probes
+could not tell apart (:class:`Undistinguished`), a dump's calls (:class:`IdentifiedCalls`), and the choices known
+to lose accuracy (:func:`lossy_choices`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from bnprobe.core.errors import BNProbeError
+from bnprobe.kernels.policy import PRESETS, Policy
+
+
+__all__ = ["Identified", "IdentifiedCalls", "OutputMatch", "Undistinguished", "LOSSY", "lossy_choices",
+           "policy_spec", "value_text"]
+
+
+# ---- results --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class OutputMatch:
+    """One output of the kernel against the identified policy: on the search's probes and on fresh inputs."""
+
+    output: str
+    stage: str
+    probes_exact: bool
+    fresh_exact: bool | None  # None: not observed on the fresh inputs
+    mismatches: int
+    elements: int
+    max_ulps: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"output": self.output, "stage": self.stage, "bit_for_bit": self.probes_exact and
+                self.fresh_exact is not False, "probes_exact": self.probes_exact, "fresh_exact": self.fresh_exact,
+                "mismatches": self.mismatches, "elements": self.elements, "max_ulps": self.max_ulps}
+
+
+@dataclass(frozen=True)
+class Undistinguished:
+    """Candidates of one stage that the probes could not tell apart: each alternative (the fields it changes, as
+    ``key=value``) reproduced what the stage pins as well as the chosen policy."""
+
+    stage: str
+    fields: tuple[str, ...]
+    chosen: str  # the chosen policy's values of those fields
+    alternatives: tuple[str, ...]
+    probe: str  # what would tell them apart
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage, "fields": list(self.fields), "chosen": self.chosen,
+                "alternatives": list(self.alternatives), "would_tell": self.probe}
+
+
+@dataclass
+class Identified:
+    """What identify found for one kernel (or one recorded call)."""
+
+    adapter: str
+    dtype: str
+    params: str
+    policy: Policy
+    spec: str
+    outputs: list[OutputMatch]
+    undistinguished: list[Undistinguished]
+    departs: str | None  # the first stage no candidate reproduced, None when every observed output is bit for bit
+    stages: dict[str, dict[str, Any]]
+    probes: list[str]
+    unobserved: list[str]
+    evaluations: int
+    seconds: float
+    nondeterministic: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    label: str = ""
+    layouts: dict[str, list[str]] = field(default_factory=dict)  # another layout: the outputs it does not reproduce
+
+    @property
+    def reproduced(self) -> bool:
+        """Every observed output bit for bit, on the probes and on the fresh inputs."""
+        return all(o.probes_exact and o.fresh_exact is not False for o in self.outputs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"adapter": self.adapter, "label": self.label, "dtype": self.dtype, "params": self.params,
+                "policy": self.spec, "policy_fields": {k: v for k, v in self.policy.to_dict().items() if k != "name"},
+                "reproduced": self.reproduced, "departs": self.departs,
+                "outputs": [o.to_dict() for o in self.outputs],
+                "undistinguished": [u.to_dict() for u in self.undistinguished], "stages": self.stages,
+                "probes": self.probes, "unobserved": self.unobserved, "nondeterministic": self.nondeterministic,
+                "layouts": {k: {"not_reproduced": v} for k, v in self.layouts.items()},
+                "evaluations": self.evaluations, "seconds": self.seconds, "notes": self.notes}
+
+    def to_frame(self) -> Any:
+        import pandas as pd
+
+        return pd.DataFrame([o.to_dict() for o in self.outputs])
+
+
+@dataclass
+class IdentifiedCalls:
+    """identify over the calls of a recording, in forward order."""
+
+    source: str
+    results: list[Identified]
+
+    @property
+    def reproduced(self) -> bool:
+        return all(r.reproduced for r in self.results)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "reproduced": self.reproduced, "calls": [r.to_dict() for r in self.results]}
+
+
+_NARROW = ("fp16", "bf16")
+_ESTIMATES = ("magic", "table", "frsqrte")
+# the choices known to lose accuracy against a careful kernel, in words (doctor names a kernel's recipe by them)
+LOSSY: tuple[tuple[Callable[[Policy], bool], Callable[[Policy], str]], ...] = (
+    (lambda p: p.variance == "naive",
+     lambda p: "a single-pass variance E[x²] − E[x]², which cancels at large means (variance=naive)"),
+    (lambda p: p.accumulate in _NARROW,
+     lambda p: f"sums and statistics accumulated in {p.accumulate} (accumulate={p.accumulate})"),
+    (lambda p: p.compute in _NARROW,
+     lambda p: f"the normalisation computed in {p.compute} (compute={p.compute})"),
+    (lambda p: p.stored_stats,
+     lambda p: f"the batch statistics rounded to {p.params_format} before use (stored_stats=true)"),
+    (lambda p: p.running_format in _NARROW,
+     lambda p: f"the running statistics updated in {p.running_format} (running_format={p.running_format})"),
+    (lambda p: p.rsqrt in _ESTIMATES and p.rsqrt_newton == 0,
+     lambda p: f"an rsqrt estimate without a Newton step (rsqrt={p.rsqrt}, rsqrt_newton=0)"),
+    (lambda p: p.rsqrt == "sqrt_div" and p.division == "reciprocal" and p.recip_newton == 0,
+     lambda p: f"division by a reciprocal estimate without a Newton step (recip={p.recip}, recip_newton=0)"),
+    (lambda p: p.y_formula == "affine",
+     lambda p: "y = x·A + B with B = β − μ·A, which cancels at large mean/σ (y_formula=affine)"),
+    (lambda p: p.subnormals == "flush", lambda p: "subnormals flushed to zero (subnormals=flush)"),
+    (lambda p: "toward_zero" in (p.rounding, p.output_rounding),
+     lambda p: "rounding toward zero (rounding/output_rounding=toward_zero)"),
+)
+
+
+def lossy_choices(policy: Policy) -> list[str]:
+    """The choices of ``policy`` known to lose accuracy against a careful kernel, in words with field and value."""
+    return [words(policy) for test, words in LOSSY if test(policy)]
+
+
+def policy_spec(policy: Policy) -> str:
+    """The shortest ``preset:key=value,...`` spec that :func:`~bnprobe.kernels.policy.get_policy` turns back into
+    ``policy`` (every field but the name)."""
+    best = None
+    for name, preset in PRESETS.items():
+        if preset.storage != policy.storage:
+            continue
+        diff = [f.name for f in fields(Policy) if f.name not in ("name",) and getattr(policy, f.name) !=
+                getattr(preset, f.name)]
+        if best is None or len(diff) < len(best[1]):
+            best = (name, diff)
+    if best is None:
+        raise BNProbeError(f"no preset stores {policy.storage}")
+    name, diff = best
+
+    return name + (":" + ",".join(f"{k}={value_text(getattr(policy, k))}" for k in diff) if diff else "")
+
+
+def value_text(v: Any) -> str:
+    return "none" if v is None else str(v).lower() if isinstance(v, bool) else str(v)

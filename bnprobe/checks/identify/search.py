@@ -1,0 +1,518 @@
+"""identify: how a black-box BatchNorm kernel computes, found by searching bnprobe's exact policy space.
+
+A kernel reaches bnprobe only as outputs.  :class:`~bnprobe.kernels.policy.Policy` describes every numerical
+choice a BatchNorm makes and its emulation is exact, so the question "what is the device doing?" becomes a search:
+the policy whose emulation reproduces the kernel's outputs **bit for bit**.  The search runs stage by stage, each
+stage with the ones before it fixed (``../shared/reference/identify-methods.md``):
+
+======== ========================================= ===================================================
+stage    fields searched                            pinned by
+======== ========================================= ===================================================
+mean     accumulator format, summation order and    the saved mean (else y)
+         lanes, Kahan, mean by division or
+         reciprocal, running (Welford) or tiled
+         (Chan) updates
+variance one-pass or two-pass, clamped at 0          the saved variance or invstd (else y)
+rsqrt    exact, sqrt then divide (reciprocal         the saved invstd (else y)
+         estimates), estimates + Newton steps
+y        formula, FMA, compute format, statistics   y
+         rounded before use, output rounding
+modes    overflow (IEEE or saturation), subnormals  every training output, on subnormal and huge input
+running  momentum's meaning, Bessel's factor, the   the running statistics
+         update's format
+infer    inference's formula                        inference y
+backward the dx formula, its sums' order            dx, dγ, dβ (from the kernel's own saved statistics)
+======== ========================================= ===================================================
+
+It drives the kernel on designed probes (values spread over many binades, so sums depend on their order; large
+means over small spreads; variances near ε; standard deviations across binades; both layouts; subnormal and huge
+input for the modes) — or, on a recording, only the recorded inputs — keeping at every stage the candidates that
+reproduce what the stage pins, ties kept as fields the probes could not distinguish.  Where no candidate
+reproduces a stage, the closest is kept and the stage named as the one where the kernel departs from the space,
+with its residual in ULPs: never a nearest guess called a match.  The identified policy is then confirmed on
+fresh inputs the search never saw (another seed, shape and scale).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
+
+import numpy as np
+
+from bnprobe.adapters import KernelAdapter, get_adapter
+from bnprobe.adapters.base import outputs_only, params_format
+from bnprobe.core.call import EPS, MOMENTUM, BNCall
+from bnprobe.engine.cases import dy_of_kind
+from bnprobe.engine.run import recording_notes
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import get_format
+from bnprobe.kernels.policy import PRESETS, Policy
+from bnprobe.checks.identify.probes import (
+    Observed,
+    Probe,
+    Score,
+    emulate,
+    observe,
+    probe_vectors,
+    probes,
+    score_outputs,
+)
+from bnprobe.checks.identify.results import (
+    Identified,
+    IdentifiedCalls,
+    OutputMatch,
+    Undistinguished,
+    policy_spec,
+    value_text,
+)
+from bnprobe.checks.identify.space import (
+    FIELD_PROBES,
+    FORWARD_STAGES,
+    MODES_OF,
+    OUTPUT_STAGE,
+    SPACES,
+    STAGE_OUTPUTS,
+    STAGES,
+    rsqrt_space,
+)
+
+__all__ = ["identify", "identify_recorded"]
+
+
+# ---- the search -----------------------------------------------------------------------------------------------
+
+def _base(fmt: str, params: str) -> Policy:
+    pf = params_format(fmt, params)
+    return PRESETS[fmt].with_options(name="identified", params=pf)
+
+
+#: how many of an earlier stage's ties a later stage tries as alternatives
+TIES_TRIED = 12
+
+
+class _Search:
+    """The coordinate search over the stages, on the observed probes."""
+
+    def __init__(self, observed: list[Observed], fmt: str, saved_kind: str, tick: Callable[[], None]) -> None:
+        self.observed, self.fmt, self.saved_kind, self.tick = observed, fmt, saved_kind, tick
+        self.evaluations = 0
+        self.runs = 0
+        self.kept: list[str] = []  # outputs the forward stages so far reproduced, which later stages must keep
+        self.ties: dict[str, list[dict[str, Any]]] = {}  # per stage, the changes tied with its choice
+        narrow = {"fp16", "bf16"}
+        self.narrow_stats = any(o.formats.get("saved_mean") in narrow and fmt in narrow and
+                                o.formats.get("saved_mean") != "fp32" for o in observed) and \
+            any(o.formats.get("saved_mean") in narrow for o in observed)
+        self.cache: dict[tuple, dict[str, np.ndarray]] = {}
+
+    def outputs_of(self, stage: str) -> tuple[str, ...]:
+        seen = set().union(*(o.got for o in self.observed))
+        pinned = tuple(k for k in STAGE_OUTPUTS[stage] if k in seen)
+        if stage == "variance":
+            pinned = pinned[:1]
+        if pinned and stage in ("mean", "variance", "rsqrt") and "y" in seen and self.narrow_stats:
+            return pinned + ("y",)  # statistics stored narrower than computed: y, formed from them, shows more
+        if not pinned and stage in ("mean", "variance", "rsqrt") and "y" in seen:
+            return ("y",)  # statistics the kernel does not return: searched through y
+        return pinned
+
+    def probes_of(self, stage: str) -> list[Observed]:
+        if stage == "modes":
+            return self.observed
+        return [o for o in self.observed if not o.probe.modes_only]
+
+    def emulated(self, policy: Policy, stage: str, i: int, obs: Observed) -> dict[str, np.ndarray]:
+        """The candidate's outputs on one probe (cached per policy, modes and probe)."""
+        modes = MODES_OF[stage]
+        key = (repr(sorted(policy.to_dict().items())), modes, obs.probe.name, i)
+        if key not in self.cache:
+            self.runs += 1
+            try:
+                self.cache[key] = emulate(policy, obs, modes, self.saved_kind)
+            except BNProbeError:
+                self.cache[key] = {}
+        return self.cache[key]
+
+    def evaluate(self, policy: Policy, stage: str, outputs: tuple[str, ...],
+                 limit: int | None = None, limit_on: tuple[str, ...] | None = None) -> dict[str, Score]:
+        """The candidate's scores on ``outputs`` over the stage's probes; with ``limit``, stop as soon as it has
+        more mismatching elements (in ``limit_on``, default all) than that (a search that has a candidate with
+        ``limit`` mismatches needs no more of a worse one; its score is then a lower bound, marked by infinite
+        ULPs)."""
+        limit_on = outputs if limit_on is None else limit_on
+        self.evaluations += 1
+        self.tick()
+        scores = {k: Score() for k in outputs}
+        for i, o in enumerate(self.probes_of(stage)):
+            s = score_outputs([o], [self.emulated(policy, stage, i, o)], outputs)
+            for k in outputs:
+                scores[k].mismatches += s[k].mismatches
+                scores[k].elements += s[k].elements
+                scores[k].max_ulps = max(scores[k].max_ulps, s[k].max_ulps)
+            if limit is not None and sum(scores[k].mismatches for k in limit_on) > limit:
+                for k in outputs:
+                    scores[k].max_ulps = float("inf")
+                return scores
+        return scores
+
+    def break_ties(self, stage: str, outputs: tuple[str, ...], ties: list[tuple]) -> list[tuple]:
+        """Tied candidates of a stage told apart, where they can be, on the subnormal and huge probes (which only
+        the modes stage searches): a prescaled sum that does not overflow, a flush that shows."""
+        extra = [o for o in self.observed if o.probe.modes_only]
+        if len(ties) < 2 or stage == "modes" or not extra:
+            return ties
+        keyed = []
+        for t in ties:
+            n = sum(score_outputs([o], [self.emulated(t[1], "modes", i, o)], outputs)[k].mismatches
+                    for i, o in enumerate(self.observed) if o.probe.modes_only for k in outputs)
+            keyed.append((n, t))
+        low = min(n for n, _ in keyed)
+        return [t for n, t in keyed if n == low]
+
+    def stage(self, cur: Policy, stage: str) -> tuple[Policy, dict[str, Any], list[dict[str, Any]]]:
+        """The best candidate of ``stage`` from ``cur``; its summary; the changes of the candidates tied with it.
+        A forward stage is scored on what the forward stages before it reproduced too, so a later choice never
+        undoes an earlier match (the variance's division by R must keep the mean that pinned it)."""
+        own = self.outputs_of(stage)
+        if not own:
+            return cur, {"pinned_by": [], "exact": None, "candidates": 0}, []
+        kept = tuple(k for k in self.kept if k not in own) if stage in FORWARD_STAGES and stage != "modes" else ()
+        outputs = own + kept
+
+        # y appended to a narrow statistic's stage breaks its ties (secondary); the rest must be reproduced first
+        secondary = ("y",) if stage not in ("y", "modes") and len(own) > 1 and own[-1] == "y" else ()
+        primary = tuple(k for k in outputs if k not in secondary)
+
+        def total(s: dict[str, Score]) -> Score:
+            return Score(sum(v.mismatches for v in s.values()), sum(v.elements for v in s.values()),
+                          max(v.max_ulps for v in s.values()))
+
+        def key(s: dict[str, Score]) -> tuple[int, int, float]:
+            return (sum(s[k].mismatches for k in primary), sum(s[k].mismatches for k in secondary),
+                    max(v.max_ulps for v in s.values()))
+
+        # the current policy competes too: a stage never makes the match worse
+        here_s = self.evaluate(cur, stage, outputs)
+        here, best_key = total(here_s), key(here_s)
+        best = here
+        scored = []
+        space = list(SPACES[stage](cur, self.fmt))
+        if stage == "y" and self.outputs_of("rsqrt") == ("y",):  # rsqrt seen only through y: searched with it
+            # (the rsqrt stage's own choice and its ties, and the exact forms: the joint space stays small)
+            joint = [{}] + self.ties.get("rsqrt", [])[:TIES_TRIED] + [r for r in rsqrt_space(cur, self.fmt)
+                                                                      if r["rsqrt"] in ("exact", "sqrt_div")
+                                                                      and r["division"] == "exact"]
+            space = [{**r, **c} for r in joint for c in space]
+        if stage == "variance" or stage == "rsqrt" and own[0] != "y":  # the earlier statistics' ties (an order
+            # the mean could not tell apart shows in the sum of squares), kept exact by the scoring; (an rsqrt seen
+            # only through y is searched with y's formula instead)
+            earlier = ("mean",) if stage == "variance" else ("mean", "variance")
+            alts = [{}] + [t for st in earlier for t in self.ties.get(st, [])[:TIES_TRIED]]
+            space = [{**alt, **c} for alt in alts for c in space]
+        if stage in ("infer", "backward"):
+            # the earlier stages' ties reproduced the training forward (y in fp16 hides the compute format, an FMA, a
+            # division...); inference and the backward, which compute with them, may tell them apart
+            alts = [{}] + [t for st in ("rsqrt", "y") for t in self.ties.get(st, [])[:TIES_TRIED]]
+            if stage == "infer":  # (inference forms its own rstd: every rsqrt the training forward allows)
+                alts += [{**r, "rstd_format": cur.rstd_format} for r in rsqrt_space(cur, self.fmt)]
+            space = [{**alt, **c} for alt in alts for c in space]
+        forward = tuple(dict.fromkeys(self.kept + ["y"])) if stage in ("infer", "backward") and \
+            "y" in self.outputs_of("y") else ()
+        own_fields = {k for c in SPACES[stage](cur, self.fmt) for k in c}
+        for changes in space:
+            try:
+                cand = cur.with_options(**changes)
+            except BNProbeError:  # (a combination the space does not allow, e.g. Kahan on a pairwise tree)
+                continue
+            sc = self.evaluate(cand, stage, outputs, limit=best_key[0], limit_on=primary)
+            k, t = key(sc), total(sc)
+            if forward and k <= best_key and set(changes) - own_fields and \
+                    total(self.evaluate(cand, "y", forward, limit=0)).mismatches:
+                continue  # (an earlier stage's tie that the stages since have made wrong for the forward)
+            if k < best_key:
+                best, best_key = t, k
+            scored.append((k, changes, cand, t))
+        ties = [(c, p, t) for k, c, p, t in scored if k == best_key]
+        if key(here_s) == best_key:
+            ties.insert(0, ({}, cur, here))
+        ties = self.break_ties(stage, outputs, ties)
+        # the current policy when it is among the best (a later pass keeps what a later stage chose among the ties),
+        # else the simplest of them (fewest fields away from the format's preset)
+        ties.sort(key=lambda t: (t[1] is not cur, _complexity(t[1])))
+        chosen, best = ties[0][1], ties[0][2]
+        ties = [t for t in ties if t[1] is not cur]
+        if stage in FORWARD_STAGES and stage != "modes" and best.exact:
+            self.kept.extend(k for k in own if k not in self.kept)
+        summary = {"pinned_by": list(own), "exact": best.exact, "mismatches": best.mismatches,
+                   "elements": best.elements, "max_ulps": best.max_ulps, "candidates": len(scored),
+                   "tied": len(ties)}
+        self.ties[stage] = [c for c, _, _ in ties]
+        return chosen, summary, self.ties[stage]
+
+def _complexity(policy: Policy) -> int:
+    """How many fields a policy sets away from its format's preset (the simplest explanation is preferred)."""
+    base = PRESETS.get(policy.storage)
+    return 0 if base is None else sum(getattr(policy, f.name) != getattr(base, f.name) for f in fields(Policy)
+                                      if f.name not in ("name", "params"))
+
+
+def _undistinguished(stage: str, chosen: Policy, ties: list[dict[str, Any]]) -> Undistinguished | None:
+    """The stage's tied candidates as alternatives to the chosen policy (None when there are none)."""
+    alts, names = [], []
+    for t in ties:
+        diff = {k: v for k, v in t.items() if v != getattr(chosen, k)}
+        if stage == "backward" and not {"backward_formula", "backward_fma"} & set(diff):
+            continue  # (a tie of the y stage's, listed there)
+        if diff:
+            alts.append(",".join(f"{k}={value_text(v)}" for k, v in diff.items()))
+            names.extend(k for k in diff if k not in names)
+    if not alts:
+        return None
+    hint = "; ".join(dict.fromkeys(FIELD_PROBES.get(n, "another probe") for n in names))
+    return Undistinguished(stage, tuple(names), ",".join(f"{n}={value_text(getattr(chosen, n))}" for n in names),
+                           tuple(dict.fromkeys(alts)), hint)
+
+
+def _nondeterministic(kernel: KernelAdapter, first: Observed) -> list[str]:
+    """The outputs that differ when the first probe is run again (a nondeterministic kernel: a finding)."""
+    again = observe(kernel, first.probe, first.rec)
+    return [k for k, v in first.got.items() if k in again.got and not
+            np.array_equal(v, again.got[k], equal_nan=True)]
+
+
+def _identify_observed(kernel: KernelAdapter, observed: list[Observed], fresh: list[Observed], fmt: str,
+                       params: str, *, passes: int, progress: Callable[[int, int], None] | None,
+                       label: str = "") -> Identified:
+    t0 = time.perf_counter()
+    saved_kind = next((o.saved.kind for o in observed if o.saved is not None), "invstd")
+    total_guess = 400
+    done = [0]
+
+    def tick() -> None:
+        done[0] += 1
+        if progress is not None:
+            progress(min(done[0], total_guess - 1), total_guess)
+
+    search = _Search(observed, fmt, saved_kind, tick)
+    cur = _base(fmt, params)
+    stages: dict[str, dict[str, Any]] = {}
+    ties_of: dict[str, tuple[Policy, list[dict[str, Any]]]] = {}
+    for _ in range(passes):
+        before = cur
+        for st in STAGES:
+            cur, stages[st], ties = search.stage(cur, st)
+            ties_of[st] = (cur, ties)
+        if cur == before or all(s.get("exact") in (True, None) for s in stages.values()):
+            break
+    policy = cur
+    spec = policy_spec(policy)
+    seen = [k for k in OUTPUT_STAGE if any(k in o.got for o in observed)]
+    by_stage = {st: tuple(k for k in seen if OUTPUT_STAGE[k] == st) for st in STAGES}
+    mine = {st: search.evaluate(policy, st, outs) for st, outs in by_stage.items() if outs}
+
+    def equivalent(changes: dict[str, Any]) -> bool:
+        """Whether the policy with ``changes`` reproduces every output as well as the one chosen (a tie of one
+        stage that a later stage told apart is not an alternative)."""
+        try:
+            cand = policy.with_options(**changes)
+        except BNProbeError:
+            return False
+        return all(search.evaluate(cand, st, outs)[k].mismatches == mine[st][k].mismatches
+                   for st, outs in by_stage.items() if outs for k in outs)
+
+    undist = [u for st in STAGES
+              if (u := _undistinguished(st, policy, [t for t in ties_of.get(st, (policy, []))[1] if equivalent(t)]))]
+    nondet = _nondeterministic(kernel, observed[0])
+    fresh_scores, layouts = _confirm(policy, fresh, saved_kind, tuple(seen), observed[0].rec.layout)
+    outputs = _matches(seen, {st: mine.get(st, {}) for st in STAGES}, fresh_scores)
+    if stages.get("modes", {}).get("exact") is False:  # (the subnormal and huge probes: no output of their own)
+        m = stages["modes"]
+        outputs.append(OutputMatch("modes (subnormal, huge input)", "modes", False, None, m.get("mismatches", 0),
+                                   m.get("elements", 0), m.get("max_ulps", 0.0)))
+    departs = next((st for st in STAGES if any(o.stage == st and not (o.probes_exact and o.fresh_exact is not False)
+                                               for o in outputs)), None)
+    unobserved = [k for k in ("saved_mean", "saved_invstd", "running_mean", "running_var", "y_infer", "dx", "dgamma",
+                              "dbeta") if k not in seen and not (k == "saved_invstd" and "saved_var" in seen)]
+    notes = _notes(nondet, layouts, stages, seen)
+    if progress is not None:
+        progress(total_guess, total_guess)
+    return Identified(kernel.name, fmt, params, policy, spec, outputs, undist, departs, stages,
+                      [o.probe.name for o in observed], unobserved, search.evaluations, time.perf_counter() - t0,
+                      nondet, notes, label, layouts)
+
+
+def _confirm(policy: Policy, fresh: list[Observed], saved_kind: str, seen: tuple[str, ...],
+             layout: str = "channels_first") -> tuple[dict[str, Score], dict[str, list[str]]]:
+    """The identified policy on the fresh inputs: the scores per output of those in the search's ``layout``, and per
+    other layout the outputs it does not reproduce."""
+    fresh_scores: dict[str, Score] = {}
+    layouts: dict[str, list[str]] = {}
+    first = [o for o in fresh if o.rec.layout == layout]
+    if first:
+        cand = [emulate(policy, o, ("train", "infer", "backward"), saved_kind) for o in first]
+        fresh_scores = score_outputs(first, cand, seen)
+    for o in fresh:
+        if o.rec.layout != layout:
+            s = score_outputs([o], [emulate(policy, o, ("train", "infer", "backward"), saved_kind)], seen)
+            layouts[o.rec.layout] = [k for k, v in s.items() if v.elements and not v.exact]
+    return fresh_scores, layouts
+
+
+def _matches(seen: list[str], found: dict[str, dict[str, Score]],
+             fresh_scores: dict[str, Score]) -> list[OutputMatch]:
+    """Every observed output of the identified policy, on the search's probes and on the fresh inputs."""
+    outputs = []
+    for k in seen:
+        st = OUTPUT_STAGE[k]
+        s = found[st][k]
+        f = fresh_scores.get(k)
+        f_exact = None if f is None or f.elements == 0 else f.exact
+        outputs.append(OutputMatch(k, st, s.exact, f_exact, s.mismatches + (f.mismatches if f else 0),
+                                   s.elements + (f.elements if f else 0), max(s.max_ulps, f.max_ulps if f else 0.0)))
+    return outputs
+
+
+def _notes(nondet: list[str], layouts: dict[str, list[str]], stages: dict[str, dict[str, Any]],
+           seen: list[str]) -> list[str]:
+    """What the result's reader must know: nondeterminism, other layouts, stages seen only through y."""
+    notes = []
+    if nondet:
+        notes.append(f"nondeterministic: the same probe run twice gave different {', '.join(nondet)} (a reduction "
+                     "whose order changes from call to call, such as atomic adds): no policy reproduces it bit for "
+                     "bit, the closest is shown")
+    for lay, off in layouts.items():
+        notes.append(f"{lay}: " + (f"{', '.join(off)} not reproduced — the kernel computes this layout another way "
+                                   "(the search ran on the other)" if off else "reproduced bit for bit too"))
+    for st in ("mean", "variance", "rsqrt"):
+        if stages.get(st, {}).get("pinned_by") == ["y"]:
+            what = "saves the variance, not invstd" if "saved_var" in seen else "returns no saved statistics"
+            notes.append(f"the kernel {what}: the {st} stage was searched through y alone")
+    return notes
+
+
+def identify(adapter: str | KernelAdapter, dtype: str = "fp16", *, params: str = "fp32", x: np.ndarray | None = None,
+             seed: int = 0, eps: float = EPS, momentum: float | None = MOMENTUM, passes: int = 2,
+             fresh: bool = True, progress: Callable[[int, int], None] | None = None) -> Identified:
+    """The policy that reproduces ``adapter`` bit for bit in ``dtype`` with ``params`` parameters (fp32 or same),
+    searched stage by stage on designed probes, then confirmed on fresh inputs (``fresh``) and on ``x`` (the user's
+    input, channels-first, when given).  Its ``spec`` runs as ``emulated:<spec>``."""
+    from bnprobe.engine.run import generated_call
+
+    kernel = outputs_only(get_adapter(adapter) if isinstance(adapter, str) else adapter)
+    caps = kernel.capabilities()
+    if caps.recorded:
+        raise BNProbeError(f"{kernel.name} replays a recording: identify it with identify_recorded (the CLI does)")
+    fmt = get_format(dtype).name
+    if fmt not in caps.formats:
+        raise BNProbeError(f"adapter {kernel.name} does not run {fmt} (it runs {', '.join(caps.formats)})")
+    if fmt not in PRESETS:
+        raise BNProbeError(f"identify searches fp64, fp32, fp16 and bf16 kernels, not {fmt}")
+    params_format(fmt, params)  # (validated)
+    layouts = tuple(caps.layouts)
+    designed = probes(fmt, params, seed=seed, eps=eps, momentum=momentum, layouts=layouts)
+    if caps.saved == "none":
+        designed = [p for p in designed if p.name != "tiny-r"]
+    confirm = probes(fmt, params, seed=seed + 7919, eps=eps, momentum=momentum, layouts=layouts, fresh=True) \
+        if fresh else []
+    if x is not None:  # the user's input confirms the recipe (the search runs on the designed probes)
+        xa = np.asarray(x, dtype=np.float64)
+        if xa.ndim < 2:
+            raise BNProbeError(f"identify: x must be (N, C, ...), got shape {xa.shape}")
+        rng = np.random.default_rng([seed, 5])
+        confirm.insert(0, Probe("input", BNCall(xa, dy=dy_of_kind("shifted", xa.shape, seed), eps=eps,
+                                                momentum=momentum, dtype=fmt, params=params,
+                                                **probe_vectors(rng, xa.shape[1])), "your input"))
+
+    def observe_all(ps: list[Probe]) -> list[Observed]:
+        out = []
+        for p in ps:
+            try:
+                out.append(observe(kernel, p, generated_call(p.call, label=p.name)))
+            except BNProbeError as exc:
+                if p.modes_only:  # (a kernel may refuse subnormal or huge input: the modes stay unidentified)
+                    continue
+                raise BNProbeError(f"identify: {kernel.name} refused the probe {p.name}: {exc}") from None
+        return out
+
+    observed, confirmed = observe_all(designed), observe_all(confirm)
+    res = _identify_observed(kernel, observed, confirmed, fmt, params, passes=passes, progress=progress)
+    seen_only = [o for o in res.outputs if o.probes_exact and o.fresh_exact is False]
+    if fresh and seen_only and not res.nondeterministic:
+        # the search's probes could not tell apart what the fresh inputs did: they join the search, and another
+        # fresh set, never seen, confirms
+        again = observe_all(probes(fmt, params, seed=seed + 2 * 7919, eps=eps, momentum=momentum, layouts=layouts,
+                                   fresh=True))
+        first = res
+        res = _identify_observed(kernel, observed + [o for o in confirmed if o.rec.layout == "channels_first"],
+                                 again + [o for o in confirmed if o.rec.layout != "channels_first"], fmt, params,
+                                 passes=passes, progress=progress)
+        res.evaluations += first.evaluations
+        res.seconds += first.seconds
+        res.notes.append(f"the first search's probes did not tell apart what fresh inputs showed in "
+                         f"{', '.join(o.output for o in seen_only)}: those inputs joined the search and a second "
+                         "fresh set confirmed it")
+    return res
+
+
+def _slice_channels(rec: Any, idx: np.ndarray) -> Any:
+    """The recorded call restricted to the channels ``idx`` (BatchNorm's channels are independent: every tensor
+    taken along the channel axis, every per-channel vector at those channels)."""
+    import dataclasses
+
+    call = rec.call()
+    axis = 1 if rec.layout == "channels_first" else np.ndim(call.x) - 1
+    c = np.shape(call.x)[axis]
+
+    def take(v: Any) -> Any:
+        if not isinstance(v, np.ndarray) or v.ndim == 0:
+            return v
+        if v.ndim == np.ndim(call.x) and v.shape[axis] == c:
+            return np.take(v, idx, axis=axis)
+        if v.ndim == 1 and v.shape[0] == c:
+            return v[idx]
+        return v
+
+    tensors = {m: {io: {k: take(v) for k, v in named.items()} for io, named in ios.items()}
+               for m, ios in rec.tensors.items()}
+    return dataclasses.replace(rec, tensors=tensors, meta={**rec.meta, "channels_of": [int(i) for i in idx]})
+
+
+#: the search on a recorded call runs on as many of its channels (spread over them, at least 6) as keep it within
+#: this many values; the whole call then confirms what it found
+SEARCH_VALUES = 1 << 16
+
+
+def identify_recorded(recorded: Any, *, passes: int = 3,
+                      progress: Callable[[int, int], None] | None = None) -> IdentifiedCalls:
+    """identify on every selected call of a recording (a :class:`~bnprobe.engine.recorded.Recorded`), each on its
+    own recorded inputs only, one call in memory at a time: the search runs on channels spread over the call
+    (:data:`SEARCH_VALUES`; channels are independent), and the identified policy is then confirmed on all of them."""
+    recorded.calls.require_tensors("identify")
+    kernel = outputs_only(recorded.kernel)
+    replay = kernel.capabilities().recorded
+    results = []
+    for c in recorded.calls.calls:
+        rec = c.load()
+        call = rec.call()
+        channels = np.shape(call.x)[1 if rec.layout == "channels_first" else -1]
+        per_channel = max(1, np.size(call.x) // max(channels, 1))
+        want = min(channels, max(6, SEARCH_VALUES // per_channel))
+        idx = np.unique(np.linspace(0, channels - 1, want).round().astype(int))
+        sub = _slice_channels(rec, idx)
+        k = kernel.bind(sub) if replay else kernel
+        obs = [observe(k, Probe(c.label, sub.call(), f"the recorded call, channels {list(map(int, idx))}"), sub)]
+        whole = []
+        if len(idx) < channels:
+            kw = kernel.bind(rec) if replay else kernel
+            whole = [observe(kw, Probe(c.label, call, "the recorded call, every channel"), rec)]
+        res = _identify_observed(k, obs, whole, rec.dtype, rec.params_mode, passes=passes, progress=progress,
+                                 label=c.label)
+        which = "every channel" if len(idx) == channels else \
+            f"channels {', '.join(map(str, idx))} of {channels}, confirmed on every channel"
+        res.notes.append(f"searched on the recorded inputs alone ({which}): a recording cannot be probed, so the "
+                         "fields its data cannot tell apart are listed")
+        res.notes[:0] = [f"{c.label}: {n}" for n in recording_notes(rec)]
+        results.append(res)
+    return IdentifiedCalls(recorded.calls.source, results)

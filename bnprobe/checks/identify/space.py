@@ -1,0 +1,163 @@
+"""identify's search space, stage by stage: the outputs each stage pins (:data:`STAGE_OUTPUTS`), the probes that
+tell each field apart (:data:`FIELD_PROBES`), and the candidates each stage tries given the ones before it fixed
+(:data:`SPACES`)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from bnprobe.kernels.policy import Policy
+
+
+__all__ = ["STAGES", "STAGE_OUTPUTS", "OUTPUT_STAGE", "FIELD_PROBES", "FORWARD_STAGES", "MODES_OF", "SPACES",
+           "rsqrt_space"]
+
+# the outputs each stage pins, in the order it prefers them (the first the kernel returned is used); a forward
+# stage whose statistics the kernel does not return is searched through y
+STAGE_OUTPUTS: dict[str, tuple[str, ...]] = {
+    "mean": ("saved_mean",),
+    "variance": ("saved_var", "saved_invstd"),
+    "rsqrt": ("saved_invstd",),
+    "y": ("y",),
+    "modes": ("y", "saved_mean", "saved_invstd", "saved_var"),
+    "running": ("running_mean", "running_var"),
+    "infer": ("y_infer",),
+    "backward": ("dx", "dgamma", "dbeta"),
+}
+STAGES = tuple(STAGE_OUTPUTS)
+FORWARD_STAGES = ("mean", "variance", "rsqrt", "y", "modes", "running")
+# the stage that reports an output as reproduced or not (the last stage pinning it)
+OUTPUT_STAGE = {"saved_mean": "mean", "saved_var": "variance", "saved_invstd": "rsqrt", "y": "y",
+                "running_mean": "running", "running_var": "running", "y_infer": "infer", "dx": "backward",
+                "dgamma": "backward", "dbeta": "backward"}
+
+# what would tell the candidates of a field apart, for the fields a run could not distinguish
+FIELD_PROBES = {
+    "accumulate": "sums whose exact value needs more bits than the narrower accumulator keeps (a large value plus "
+                  "many small ones)",
+    "order": "sums that depend on their order: values spread over many binades, R above the accumulator's precision",
+    "lanes": "an FPRev pair (+M, -M among ones) at lane distances 1 to 128",
+    "kahan": "a sum whose rounding errors accumulate: many small values after a large one",
+    "unroll": "rows of H·W values that are not a multiple of 2 x lanes", "rstd_format": "var + ε swept across binades",
+    "unbiased_by": "R where var·fl(R/(R-1)) and Σ/(R-1) round apart",
+    "mean_by": "counts R = 3, 7, 49 with sums where s/R and s·fl(1/R) round apart; sums that overflow unless "
+               "prescaled",
+    "variance": "a large mean over a small spread (mean 1e4, σ 1): one-pass cancels",
+    "clamp_var": "a constant channel whose one-pass variance rounds negative",
+    "tiles": "a variance merged from tiles of different means",
+    "rsqrt": "var + ε swept across binades (the error pattern of an estimate is its signature)",
+    "rsqrt_newton": "var + ε swept across binades", "rsqrt_bits": "var + ε swept across binades",
+    "sqrt": "var + ε swept across binades", "division": "γ/σ for many γ", "recip": "γ/σ for many γ",
+    "recip_newton": "γ/σ for many γ",
+    "y_formula": "a large mean with γ not a power of two", "fma": "a large mean with γ not a power of two",
+    "compute": "x·invstd products that need more than the storage format's bits",
+    "stored_stats": "statistics that need more bits than the parameter format keeps",
+    "output_rounding": "y values that fall exactly halfway between two values of the format (ties)",
+    "overflow": "values near the format's maximum", "subnormals": "a channel of subnormal values",
+    "running_momentum": "a momentum other than 0.5", "running_var": "R small enough that R/(R-1) shows",
+    "running_format": "running statistics that need more bits than the parameter format keeps",
+    "infer_y_formula": "inference with a large running mean and γ not a power of two",
+    "backward_formula": "dy with a mean per channel, a large mean in x",
+    "backward_fma": "rows of H·W values with a tail (not a multiple of 2 x lanes)",
+}
+
+
+
+# ---- the search space, stage by stage -------------------------------------------------------------------------
+
+_ORDERS: tuple[dict[str, Any], ...] = (
+    {"order": "pairwise"}, {"order": "sequential"}, {"order": "sequential", "kahan": True},
+    *({"order": "lanes", "lanes": n} for n in (2, 4, 8, 16, 32, 64, 128)),
+    *({"order": "lanes", "lanes": n, "kahan": True} for n in (8, 16)),
+    *({"order": "vec", "lanes": n, "unroll": u} for n in (4, 8, 16) for u in (1, 2)),
+)
+_RSQRTS: tuple[dict[str, Any], ...] = (
+    {"rsqrt": "exact"},
+    {"rsqrt": "sqrt_div", "sqrt": "exact", "division": "exact"},
+    *({"rsqrt": "sqrt_div", "division": "reciprocal", "recip": r, "recip_newton": k}
+      for r in ("table", "frecpe", "magic") for k in (1, 2)),
+    *({"rsqrt": "magic", "rsqrt_newton": k} for k in (0, 1, 2, 3)),
+    *({"rsqrt": "table", "rsqrt_bits": b, "rsqrt_newton": k} for b in (7, 8, 10, 12) for k in (0, 1, 2)),
+    *({"rsqrt": "frsqrte", "rsqrt_newton": k} for k in (0, 1, 2)),
+    {"rsqrt": "ascend950"},
+    {"rsqrt": "sqrt_div", "rstd_format": "fp64"}, {"rsqrt": "exact", "rstd_format": "fp64"},
+)
+
+
+def _accumulators(fmt: str) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(("fp32", fmt if fmt in ("fp16", "bf16") else "fp32", "fp64")))
+
+
+def _mean_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
+    sum_based = cur.variance if cur.variance in ("naive", "two_pass") else "two_pass"
+    for acc in _accumulators(fmt):
+        orders = _ORDERS if acc != "fp64" else ({"order": "pairwise"},)
+        for o, by in itertools.product(orders, ("divide", "reciprocal", "prescaled")):
+            # (an order other than vec takes the backward's fused lanes away: backward_fma needs vec)
+            fused = cur.backward_fma if o.get("order") == "vec" else "none"
+            yield {"accumulate": acc, "variance": sum_based, "kahan": False, "unroll": 1, **o, "mean_by": by,
+                   "backward_fma": fused}
+    for acc in _accumulators(fmt):
+        for v, lanes, by in itertools.product(("welford", "welford_ascend"), (1, 8, 16, 64), ("divide", "reciprocal")):
+            yield {"accumulate": acc, "variance": v, "lanes": lanes, "mean_by": by, "order": "pairwise",
+                   "kahan": False, "backward_fma": "none"}
+        for tiles, o in itertools.product((2, 4, 8, 16, 24, 32, 64), ({"order": "pairwise"}, {"order": "sequential"})):
+            yield {"accumulate": acc, "variance": "chan", "tiles": tiles, "mean_by": "divide", "kahan": False,
+                   "backward_fma": "none", **o}
+
+
+def _variance_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
+    variances = ("two_pass", "naive") if cur.variance in ("naive", "two_pass") else (cur.variance,)
+    # (the variance's division by R too: a Welford or Chan mean does not show it)
+    for v, clamp, by in itertools.product(variances, (False, True), ("divide", "reciprocal")):
+        yield {"variance": v, "clamp_var": clamp, "mean_by": by if cur.mean_by != "prescaled" else "prescaled"}
+
+
+def rsqrt_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
+    defaults = {"sqrt": "exact", "division": "exact", "recip": "table", "recip_newton": 2, "rsqrt_newton": 0,
+                "rsqrt_bits": 12, "rstd_format": None}
+    for r in _RSQRTS:
+        yield {**defaults, **r}
+
+
+def _y_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
+    computes = tuple(dict.fromkeys(("fp32" if fmt != "fp64" else "fp64", fmt)))
+    narrow = cur.params_format in ("fp16", "bf16")
+    for f, fma, comp, stored, rnd in itertools.product(("xhat", "scale", "affine"), (False, True), computes,
+                                                       (False, True) if narrow else (False,),
+                                                       (None, "nearest_away", "toward_zero")):
+        yield {"y_formula": f, "fma": fma, "compute": comp, "stored_stats": stored, "output_rounding": rnd}
+
+
+def _modes_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
+    for ov, sub in itertools.product(("ieee", "saturate"), ("keep", "flush")):
+        yield {"overflow": ov, "subnormals": sub}
+
+
+def _running_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
+    formats = tuple(dict.fromkeys(f for f in (None, cur.params_format, "fp64") if f != cur.accumulate))
+    for m, v, f, by in itertools.product(("new", "old"), ("unbiased", "biased"), formats, ("factor", "divide")):
+        if v == "unbiased" or by == "factor":
+            yield {"running_momentum": m, "running_var": v, "running_format": f, "unbiased_by": by}
+
+
+def _infer_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
+    for f in (None, "xhat", "scale", "affine"):
+        if f != cur.y_formula:
+            yield {"infer_y_formula": f}
+
+
+def _backward_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
+    # (the sums' order and format are the forward's: the forward's outputs pinned them)
+    for f in ("standard", "ascend", "torch"):
+        for fused in (("none", "body", "all") if cur.order == "vec" else ("none",)):
+            yield {"backward_formula": f, "backward_fma": fused}
+
+
+SPACES: dict[str, Callable[[Policy, str], Iterator[dict[str, Any]]]] = {
+    "mean": _mean_space, "variance": _variance_space, "rsqrt": rsqrt_space, "y": _y_space, "modes": _modes_space,
+    "running": _running_space, "infer": _infer_space, "backward": _backward_space,
+}
+MODES_OF = {**{s: ("train",) for s in FORWARD_STAGES}, "infer": ("infer",), "backward": ("backward",)}

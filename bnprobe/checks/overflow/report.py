@@ -1,0 +1,177 @@
+"""What the overflow check reports, and what its two scanners (``overflow_trace``, ``overflow_outputs``) share:
+the findings, the headroom and the report of a scan, a run's inputs, the headroom predicted from the input
+alone, and how a finding names its first element and the input there.  The check itself is
+``bnprobe.checks.overflow.scan``, which re-exports the public names.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from bnprobe.core.call import EPS
+from bnprobe.core.formats import get_format
+from bnprobe.kernels.layout import layout_of
+from bnprobe.kernels.policy import Policy
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+ANOMALIES = ("input_nonfinite", "nan", "inf", "overflow", "saturated", "underflow", "flushed", "subnormal",
+             "negative_var", "cancellation", "hidden_nonfinite", "zero_output", "constant_output",
+             "mean_error", "variance_error", "y_moments", "dx_identity")
+
+
+@dataclass(frozen=True)
+class Remedy:
+    name: str
+    change: str
+    fixed: bool
+    y_error: float  # max |y - golden| with the remedy
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class OverflowFinding:
+    anomaly: str
+    stage: str
+    format: str
+    channels: tuple[int, ...]
+    count: int
+    first_element: str
+    inputs: str
+    detail: str
+    input_borne: bool = False
+    remedies: tuple[Remedy, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["channels"] = list(self.channels)
+        d["remedies"] = [asdict(r) for r in self.remedies]
+        return d
+
+
+@dataclass(frozen=True)
+class Headroom:
+    stage: str
+    format: str
+    predicted_max: float
+    headroom_binades: float  # log2(format max / predicted magnitude); < 0 predicts overflow
+    overflows: bool
+    actual_max: float | None = None
+    actually_overflowed: bool | None = None
+
+
+@dataclass
+class OverflowReport:
+    adapter: str
+    dtype: str
+    mode: str
+    policy: str
+    findings: list[OverflowFinding]
+    headroom: list[Headroom]
+    saturation: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    call: str | None = None  # the recorded call scanned (its label), None for a given input
+
+    @property
+    def passed(self) -> bool:
+        """No finding (every result type answers with ``.passed`` and ``bool``)."""
+        return not self.findings
+
+    @property
+    def clean(self) -> bool:
+        """The same as :attr:`passed` (the name its JSON report keeps)."""
+        return self.passed
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def to_frame(self) -> pd.DataFrame:
+        import pandas as pd
+
+        rows = []
+        for f in self.findings:
+            d = f.to_dict()
+            d["channels"] = ",".join(map(str, f.channels[:8])) + ("..." if len(f.channels) > 8 else "")
+            d["remedies"] = "; ".join(f"{r.name}: {'fixes' if r.fixed else 'does not fix'}" for r in f.remedies)
+            rows.append(d)
+        frame = pd.DataFrame(rows, columns=["anomaly", "stage", "format", "channels", "count", "first_element",
+                                            "inputs", "detail", "input_borne", "remedies"])
+        if self.call is not None:
+            frame.insert(0, "call", self.call)
+        return frame
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**({} if self.call is None else {"call": self.call}), "adapter": self.adapter, "dtype": self.dtype,
+                "mode": self.mode, "policy": self.policy,
+                "clean": self.clean, "findings": [f.to_dict() for f in self.findings],
+                "headroom": [asdict(h) for h in self.headroom], "saturation": self.saturation, "notes": self.notes}
+
+
+# ---- prediction from the input alone ----------------------------------------------------------------
+
+def predict_headroom(x: np.ndarray, policy: Policy, gamma: np.ndarray | None = None, beta: np.ndarray | None = None,
+                     eps: float = EPS, layout: str = "channels_first") -> list[Headroom]:
+    """Predicted magnitude of each stage from per-channel statistics, and its headroom in binades."""
+    lay = layout_of(x, layout)
+    cr = lay.to_cr(x)
+    r = lay.reduce_size
+    with np.errstate(all="ignore"):
+        mu = np.nanmean(cr, axis=1)
+        var = np.nanvar(cr, axis=1)
+        ex2 = np.nanmean(cr * cr, axis=1)
+    acc, st = get_format(policy.accumulate), get_format(policy.storage)
+    g = np.ones(lay.channels) if gamma is None else np.abs(np.asarray(gamma, dtype=np.float64))
+    b = np.zeros(lay.channels) if beta is None else np.abs(np.asarray(beta, dtype=np.float64))
+    pre = 2.0 ** -int(r - 1).bit_length() if policy.mean_by == "prescaled" else 1.0
+    xmax = nanmax_abs(cr) if cr.size else 0.0
+    with np.errstate(all="ignore"):
+        dev = np.abs(cr - mu[:, None])
+        xhat_max = np.where(np.isnan(dev), -np.inf, dev).max(axis=1) / np.sqrt(var + eps)
+    stages = [("x", st, xmax), ("sum", acc, float(np.nanmax(np.abs(mu)) * r * pre))]
+    if policy.variance == "naive":
+        stages += [("sum_sq", acc, float(np.nanmax(ex2)) * r * pre), ("mean_sq", acc, float(np.nanmax(mu**2)))]
+    elif policy.variance == "two_pass":
+        stages.append(("sum_sq_dev", acc, float(np.nanmax(var)) * r * pre))
+    stages.append(("y", st, nanmax_abs(g * xhat_max + b)))
+    out = []
+    for name, fmt, mag in stages:
+        head = math.log2(fmt.max / mag) if mag > 0 and math.isfinite(mag) else math.inf
+        out.append(Headroom(name, fmt.name, mag, head, head < 0))
+    return out
+
+
+# ---- where a finding is, and the input there ---------------------------------------------------------------
+
+def index_str(flat_index: int, lay: Any, elementwise: bool) -> str:
+    """Element ``flat_index`` of a channel-first (C, R) array of layout ``lay`` as its index in the tensor (an
+    index of channel (C,) arrays, not ``elementwise``, as its channel)."""
+    if not elementwise:
+        return f"channel {flat_index}"
+    c, k = divmod(flat_index, lay.reduce_size)
+    rest = list(np.unravel_index(k, tuple(s for i, s in enumerate(lay.shape) if i != lay.channel_axis)))
+    rest.insert(lay.channel_axis, c)
+    return f"index {tuple(int(v) for v in rest)} (channel {c})"
+
+
+def input_at(flat_index: int, x_cr: np.ndarray, elementwise: bool) -> str:
+    """The input at element ``flat_index`` (as :func:`index_str` takes it): its channel's statistics in ``x_cr``
+    (x channel-first), and x there when ``elementwise``."""
+    c = flat_index // x_cr.shape[1] if elementwise else flat_index
+    row = x_cr[c]
+    with np.errstate(all="ignore"):
+        s = f"channel {c}: mean {np.nanmean(row):.4g}, std {np.nanstd(row):.4g}, max|x| {nanmax_abs(row):.4g}"
+    if elementwise:
+        s = f"x = {x_cr.reshape(-1)[flat_index]:.6g}; " + s
+    return s
+
+
+def nanmax_abs(a: np.ndarray) -> float:
+    """max |a| over the non-NaN values, NaN when there are none (without numpy's warning)."""
+    a = np.abs(np.asarray(a, dtype=np.float64))
+    ok = ~np.isnan(a)
+    return float(a[ok].max()) if ok.any() else math.nan

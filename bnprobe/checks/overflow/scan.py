@@ -1,0 +1,236 @@
+"""Where, in which channel and why a BatchNorm goes non-finite or silently wrong.
+
+From the Trace of an instrumented run (any policy-backed adapter) every anomaly class is located at
+the first stage where it appears, with channels, the first element and the input values there:
+NaN, ±inf, overflow past the format's max (also when saturation hid it), underflow to zero,
+subnormal results, flush-to-zero, negative variance, and catastrophic cancellation (decimal digits
+lost in E[x²] − E[x]² or in x − mean, estimated from the statistics).  NaN/inf already in the input
+is reported as input-borne.  Before running, the headroom of each stage is predicted from the
+input's per-channel statistics alone; after, each finding's remedies are verified by rerunning.
+Adapters without a trace (torch, plugins) are judged by their outputs against the FP64 golden on the
+same rounded inputs, exactly as a recording's are (below), and in training also by the inference the
+step's running statistics give (an inf running_var destroys it).
+
+A recording (:func:`scan_recorded`) has no trace and cannot be rerun: each call's recorded outputs are
+compared with the FP64 golden on the call's own inputs — NaN/inf where the golden is finite (and
+finite values where it is not), values beyond the format (overflow) or held at its maximum
+(saturation), outputs (channels) entirely zero or constant where the golden is not, the running
+statistics' update beyond its format, a saved invstd or running_var that underflows (to zero or to a
+subnormal), NaN/inf already in the inputs (input-borne) — with the headroom predicted from the recorded
+input.  An msprobe statistics-only dump is read from its summaries (max/min/mean/norm per tensor).
+
+This module is the check's entry points; its parts: ``overflow_trace`` scans a traced run, ``overflow_outputs``
+what has no trace (outputs on generated inputs, recorded calls, msprobe summaries), and ``overflow_report``
+holds the report types (re-exported here) and what both scanners share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from bnprobe.core.call import EPS, MOMENTUM
+from bnprobe.adapters import KernelAdapter, get_adapter
+from bnprobe.adapters.dump import DumpAdapter
+from bnprobe.adapters.emulated import PolicyAdapter
+from bnprobe.checks.overflow.outputs import scan_call, scan_outputs, scan_summaries
+from bnprobe.checks.overflow.report import (
+    ANOMALIES,
+    Headroom,
+    OverflowFinding,
+    OverflowReport,
+    predict_headroom,
+)
+from bnprobe.checks.overflow.trace import scan_traced
+from bnprobe.engine.recorded import PerCall, Recorded, check_options, check_params
+from bnprobe.checks.overflow.observe import observed_findings
+from bnprobe.engine.run import each_run, generated_call, run_call
+from bnprobe.core.call import BNCall
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import get_format
+from bnprobe.kernels.layout import layout_of
+from bnprobe.kernels.policy import Policy
+from bnprobe.numerics.rounding import round_to
+
+__all__ = ["OverflowFinding", "Headroom", "OverflowReport", "scan", "scan_recorded", "predict_headroom", "ANOMALIES"]
+
+
+def _check_mode(mode: str | None) -> None:
+    """``mode`` must be None (each call's own, or train) or one of train, infer and backward."""
+    if mode not in (None, "train", "infer", "backward"):
+        raise BNProbeError(f"unknown mode {mode!r}; valid: train, infer, backward")
+
+
+def scan(
+    adapter: str | KernelAdapter = "emulated",
+    x: np.ndarray | None = None,
+    *,
+    dtype: str | None = None,
+    accumulate: str | None = None,
+    mode: str | None = None,
+    gamma: np.ndarray | None = None,
+    beta: np.ndarray | None = None,
+    eps: float | None = None,
+    layout: str = "channels_first",
+    seed: int = 0,
+    cancel_digits: float = 0.75,
+    remedies: bool = True,
+    running_mean: np.ndarray | None = None,
+    running_var: np.ndarray | None = None,
+    dy: np.ndarray | str | None = None,
+    momentum: float | None = MOMENTUM,
+    params: str | None = None,
+) -> OverflowReport:
+    """Find anomalies of one BatchNorm run of ``x`` in ``dtype`` (default fp16), ``mode`` (default train),
+    with ``eps`` (default 1e-5).  ``accumulate`` (emulated adapters) sets the accumulator and compute
+    format, e.g. fp16 for a naive port.  ``cancel_digits``: flag cancellation when this share of the
+    accumulator's decimal digits is lost.  The running statistics (default: x's per-channel mean and
+    variance) and dy can be given, as a recording has them — dy as an array or as a kind of
+    :func:`~bnprobe.engine.cases.dy_of_kind` (default ``shifted``: a mean per channel, as real losses give); ``params``:
+    γ, β and the running and saved statistics in fp32 (default) or the input's format (same).
+
+    A dump adapter of one call is scanned on its recorded inputs, ``x`` None (:func:`scan_recorded`
+    scans every call of a dump)."""
+    _check_mode(mode)
+    a = get_adapter(adapter) if isinstance(adapter, str) else adapter
+    if a.capabilities().recorded:
+        inputs = dict(x=x, accumulate=accumulate, gamma=gamma, beta=beta, eps=eps, running_mean=running_mean,
+                      running_var=running_var, dy=dy)
+        return _scan_dump_call(a, inputs, dtype=dtype, mode=mode, params=params)
+    check_params(params)
+    params = params or "fp32"
+    if x is None:
+        raise BNProbeError("scan needs an input tensor x")
+    fmt = get_format(dtype or "fp16").name
+    mode = mode or "train"
+    eps = EPS if eps is None else eps
+    lay = layout_of(x, layout)
+    x_cr = lay.to_cr(x)
+    given = _run_inputs(x, x_cr, lay.channels, seed, gamma=gamma, beta=beta, running_mean=running_mean,
+                        running_var=running_var, dy=dy, eps=eps, layout=layout, momentum=momentum)
+    if not callable(getattr(a, "policy_for", None)):
+        if accumulate is not None:
+            raise BNProbeError(f"--accumulate sets the accumulator of an emulated kernel; {a.name} computes in its "
+                               "own: drop it")
+        return scan_outputs(a, fmt, mode, given, params=params)
+    xs = round_to(x, fmt)
+    pol = _traced_policy(a, xs, fmt, mode, layout, params, accumulate)
+    pf = pol.params_format
+    g, b, rm, rv = (round_to(v, pf) for v in (given.gamma, given.beta, given.running_mean, given.running_var))
+    rounded = replace(given, x=xs, gamma=g, beta=b, running_mean=rm, running_var=rv, dy=round_to(given.dy, fmt))
+    try:
+        rep = scan_traced(a.name, fmt, pol, mode, rounded, lay, x_cr, cancel_digits=cancel_digits, remedies=remedies)
+    except BNProbeError as exc:
+        if accumulate is None:
+            raise
+        # the policy is the user's: say which option made it one the kernel cannot run
+        raise BNProbeError(f"--accumulate {get_format(accumulate).name}: {a.name} cannot run with its accumulator and "
+                           f"compute format there: {exc}") from None
+    rep.findings += _observed(a, pol, mode, given.with_(dtype=fmt, params=params))
+    return rep
+
+
+def _observed(a: PolicyAdapter, pol: Policy, mode: str, call: BNCall) -> list[OverflowFinding]:
+    """A traced kernel's observable results (saved statistics, y, dx) on ``call`` against the FP64 golden, through
+    the one engine (:func:`~bnprobe.checks.overflow.observe.observed_findings`), run with the policy ``pol`` the
+    trace was taken with."""
+    if mode == "infer":
+        return []
+    kernel = PolicyAdapter(a.name, lambda p, m: pol, a.capabilities())
+    modes = ("train", "backward") if mode == "backward" else ("train",)
+    run = run_call(kernel, generated_call(call, modes=modes), modes=(mode,), label=a.name, quiet=True)
+    name = "cancellation in the variance (E[x²] − E[x]²)" if pol.variance == "naive" else "variance off"
+    return observed_findings(run, name)
+
+
+def _scan_dump_call(a: DumpAdapter, inputs: dict[str, Any], *, dtype: str | None, mode: str | None,
+                    params: str | None) -> OverflowReport:
+    """A dump adapter of one call scanned on its recorded inputs.  ``inputs`` (scan's input options by name) must
+    all be None: a recording brings its own; ``dtype``, ``mode`` and ``params`` must agree with it."""
+    given = tuple(n for n, v in inputs.items() if v is not None)
+    recorded = Recorded(a, a.calls)
+    check_options(recorded, given=given, dtype=dtype, mode=mode, params=params)
+    if len(a.calls.calls) != 1:
+        raise BNProbeError(f"{a.name} holds {len(a.calls.calls)} BatchNorm calls: scan_recorded scans each "
+                           "(or select one with dump:DIR#NAME)")
+    return scan_recorded(recorded, mode=mode).results[0]
+
+
+def _traced_policy(a: PolicyAdapter, xs: np.ndarray, fmt: str, mode: str, layout: str, params: str,
+                   accumulate: str | None) -> Policy:
+    """The policy ``a`` runs ``xs`` with, its accumulator and compute format set to ``accumulate`` when given."""
+    pol = a.policy_for(xs, dtype=fmt, mode=mode, layout=layout, params=params)
+    if accumulate is None:
+        return pol
+    acc = get_format(accumulate).name
+    try:
+        return pol.with_options(accumulate=acc, compute=acc)
+    except BNProbeError as exc:
+        raise BNProbeError(f"--accumulate {acc}: {pol.name} cannot accumulate and compute in {acc} ({exc})") from None
+
+
+def _run_inputs(x: np.ndarray, x_cr: np.ndarray, channels: int, seed: int, *, gamma: np.ndarray | None,
+                beta: np.ndarray | None, running_mean: np.ndarray | None, running_var: np.ndarray | None,
+                dy: np.ndarray | str | None, eps: float, layout: str, momentum: float | None) -> BNCall:
+    """A run of x (``x_cr``: channel-first (C, R)) with γ, β, the running statistics and dy in float64: as given,
+    or the defaults (γ = 1, β = 0, x's per-channel mean and variance, dy seeded of the kind given, default
+    ``shifted``)."""
+    from bnprobe.engine.cases import dy_of_kind
+
+    g = np.ones(channels) if gamma is None else np.asarray(gamma, dtype=np.float64)
+    b = np.zeros(channels) if beta is None else np.asarray(beta, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        rm = np.nan_to_num(np.nanmean(x_cr, axis=1)) if running_mean is None else \
+            np.asarray(running_mean, dtype=np.float64)
+        rv = np.nan_to_num(np.nanvar(x_cr, axis=1), nan=1.0) if running_var is None else \
+            np.asarray(running_var, dtype=np.float64)
+    if dy is None or isinstance(dy, str):  # made channel-first (C, R), so the means are per channel in any layout
+        dy = layout_of(x, layout).from_cr(dy_of_kind(dy or "shifted", (1,) + x_cr.shape, seed)[0])
+    return BNCall(x, g, b, rm, rv, dy, eps, momentum, layout=layout)
+
+
+def scan_recorded(recorded: Recorded, *, mode: str | None = None, params: str | None = None) -> PerCall:
+    """Every selected call of a recording, in forward order, one at a time: its outputs (the recorded ones,
+    for a dump) against the FP64 golden on its own recorded inputs, and its inputs; ``mode`` (train, infer
+    or backward) restricts the outputs to that call's; ``params`` (same or fp32), when given, must be every
+    call's parameter format.  An msprobe statistics-only dump is read from its
+    summaries.  A runnable adapter on the recorded inputs is scanned with :func:`scan` (its trace), one
+    report per call and mode.  One :class:`OverflowReport` per call (and mode)."""
+    _check_mode(mode)
+    calls = recorded.calls
+    check_options(recorded, mode=mode, params=params)
+    if calls.task == "statistics":
+        if not recorded.replay:
+            calls.require_tensors(f"running {recorded.kernel.name} on the recorded inputs")
+        reports = [scan_summaries(recorded.kernel.name, c, c.load(), mode) for c in calls.calls]
+        notes = ["a statistics-only dump (max/min/mean/norm per tensor): comparing the outputs with the FP64 golden, "
+                 "locating NaN/inf, constant channels, the running statistics' values and the headroom of the sums "
+                 "need a tensor dump (msprobe task \"tensor\")"]
+        return PerCall("overflow", recorded.kernel.name, calls.source, calls.kind, reports, notes + list(calls.notes))
+    if not recorded.replay:
+        reports = []
+        for c in calls.calls:
+            rec = c.load()
+            for m in (mode,) if mode else rec.modes:
+                reports.append(_scan_runnable(recorded.kernel, rec, m, f"{c.label} [{m}]"))
+        return PerCall("overflow", recorded.kernel.name, calls.source, calls.kind, reports, list(calls.notes))
+    reports = each_run(recorded, lambda _, run: scan_call(run), modes=(mode,) if mode else None)
+    notes = ["a recording has no trace and cannot be rerun: findings come from its outputs against the FP64 golden "
+             "on the same inputs; no remedies are tried"]
+    return PerCall("overflow", recorded.kernel.name, calls.source, calls.kind, reports, notes + list(calls.notes))
+
+
+def _scan_runnable(a: KernelAdapter, rec: Any, mode: str, label: str) -> OverflowReport:
+    """A runnable adapter scanned on one recorded call's inputs and scalars in one of its modes."""
+    ins = rec.tensors[mode]["inputs"]
+    ci = rec.call()
+    dy = rec.tensors.get("backward", {}).get("inputs", {}).get("dy")
+    rep = scan(a, ins["x"], dtype=rec.dtype, mode=mode, gamma=ins.get("gamma", ci.gamma),
+               beta=ins.get("beta", ci.beta), eps=rec.eps, layout=rec.layout,
+               running_mean=ins.get("running_mean", ci.running_mean),
+               running_var=ins.get("running_var", ci.running_var), dy=dy, momentum=rec.momentum,
+               params=ci.params)
+    rep.call = label
+    return rep

@@ -1,0 +1,1 @@
+"""shrink: a failing input reduced to a minimal one (:mod:`.shrinking`)."""

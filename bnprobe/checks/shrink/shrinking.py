@@ -1,0 +1,334 @@
+"""bnprobe shrink: reduce a failing BatchNorm case to a minimal one that still fails.
+
+Channels first (they are independent in BatchNorm, so bisection keeps a failing half), then the
+batch, then each spatial axis, then the values: the coarsest rounding (fewest significant bits)
+that still fails, then element by element toward the channel's mean.  Deterministic, bounded in
+time.  The result is written as ``x.npy``, a bnprobe dump of the adapter on it, and the exact
+command that replays the failure.
+
+A recorded call's x can be shrunk with its own γ, β, running statistics, eps, momentum and parameter
+format (:class:`RecordedParams`): the per-channel values follow the channels that are kept.  A dump
+itself cannot be shrunk (it answers only its own inputs); shrink reruns a runnable adapter.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from bnprobe._loading import binds, load_callable, raised
+from bnprobe.adapters import KernelAdapter, get_adapter
+from bnprobe.core.errors import BNProbeError
+
+__all__ = ["ShrinkResult", "shrink", "compare_predicate", "overflow_predicate", "load_predicate", "recorded_case",
+           "predicate_for",
+           "RecordedParams", "runnable", "check_x"]
+
+Predicate = Callable[..., bool]  # f(x) -> True when the case fails (built-in ones also take channels=)
+
+
+@dataclass(frozen=True)
+class RecordedParams:
+    """A recorded call's per-channel parameters and scalars, kept with its x while it shrinks."""
+
+    gamma: np.ndarray | None
+    beta: np.ndarray | None
+    running_mean: np.ndarray | None
+    running_var: np.ndarray | None
+    eps: float
+    momentum: float | None
+    params: str  # same or fp32
+    source: str = ""
+
+    @classmethod
+    def of(cls, rec: Any, source: str = "") -> RecordedParams:
+        """The parameters and scalars of a :class:`~bnprobe.recordings.Recording`."""
+        ci = rec.call()
+        return cls(ci.gamma, ci.beta, ci.running_mean, ci.running_var, rec.eps, rec.momentum,
+                   ci.params, source)
+
+    def channels(self, idx: np.ndarray | None) -> RecordedParams:
+        """The same parameters for the kept channels ``idx`` (all when None)."""
+        if idx is None:
+            return self
+        pick = lambda v: None if v is None else np.asarray(v, dtype=np.float64)[idx]  # noqa: E731
+        return RecordedParams(pick(self.gamma), pick(self.beta), pick(self.running_mean), pick(self.running_var),
+                              self.eps, self.momentum, self.params, self.source)
+
+    def inputs(self, x: np.ndarray) -> dict[str, np.ndarray | None]:
+        """x with these parameters, running statistics (0 and 1 where none were recorded) and dy (seeded by x's
+        shape: the same for the predicate, the dump written and its replay)."""
+        c = x.shape[1]
+        return {"x": x, "gamma": self.gamma, "beta": self.beta,
+                "running_mean": np.zeros(c) if self.running_mean is None else self.running_mean,
+                "running_var": np.ones(c) if self.running_var is None else self.running_var,
+                "dy": np.random.default_rng([0, 3]).standard_normal(x.shape)}
+
+    def recording(self, x: np.ndarray, dtype: str, modes: tuple[str, ...]) -> Any:
+        """The inputs of :meth:`inputs` as a Recording without outputs: what compare-precision runs an adapter
+        on (``--input DIR``), each tensor rounded to its format."""
+        from bnprobe.core.call import BNCall
+        from bnprobe.engine.run import generated_call
+
+        ins = self.inputs(x)
+        call = BNCall(x, self.gamma, self.beta, ins["running_mean"], ins["running_var"], ins["dy"], self.eps,
+                      self.momentum, dtype=dtype, params=self.params)
+        return generated_call(call, modes=modes, label=self.source or "shrink")
+
+    def record(self, adapter: KernelAdapter, x: np.ndarray, dtype: str, modes: tuple[str, ...]) -> Any:
+        """A recording of ``adapter`` on :meth:`inputs`."""
+        from bnprobe.recordings import record
+
+        ins = self.inputs(x)
+        return record(adapter, x=x, gamma=self.gamma, beta=self.beta, running_mean=ins["running_mean"],
+                      running_var=ins["running_var"], dy=ins["dy"], dtype=dtype, eps=self.eps,
+                      momentum=self.momentum, params=self.params, modes=modes,
+                      meta={"training": mode_training(modes), "shrunk_from": self.source})
+
+
+def mode_training(modes: tuple[str, ...]) -> bool:
+    """Whether a recording of ``modes`` is of a training call (an inference-only one is not)."""
+    return "train" in modes or "backward" in modes
+
+
+def runnable(adapter: str | KernelAdapter) -> KernelAdapter:
+    """The adapter to rerun on smaller inputs; a dump (it answers only its own inputs) is an error."""
+    a = get_adapter(adapter) if isinstance(adapter, str) else adapter
+    if a.capabilities().recorded:
+        raise BNProbeError(f"{a.name} cannot be rerun on smaller inputs: shrink needs a runnable adapter; give the "
+                           "recording as --input DIR[#CALL] with --adapter torch, emulated:fp16, ... to shrink its x")
+    return a
+
+
+def check_x(x: np.ndarray) -> None:
+    """Refuse an input shrink cannot run: not 2 to 5 dimensions, or an empty dimension (no channel, batch or
+    spatial extent)."""
+    shape = np.shape(x)
+    if not 2 <= len(shape) <= 5:
+        raise BNProbeError(f"x must have 2 to 5 dimensions (N, C[, ...]), got shape {shape}")
+    if 0 in shape:
+        raise BNProbeError(f"x has shape {shape}: shrink needs at least one value along every dimension")
+
+
+def _record_modes(mode: str) -> tuple[str, ...]:
+    return {"train": ("train",), "infer": ("infer",), "backward": ("train", "backward")}[mode]
+
+
+def _predicate(fails_on: Callable[[np.ndarray, np.ndarray | None], bool], mode: str) -> Predicate:
+    """A predicate on x (and the channels kept) from ``fails_on``: x checked first; a training batch of one
+    value per channel (no batch statistics) never fails."""
+
+    def fails(x: np.ndarray, channels: np.ndarray | None = None) -> bool:
+        check_x(x)
+        if mode != "infer" and x.size // x.shape[1] < 2:
+            return False
+        return fails_on(x, channels)
+
+    fails.takes_channels = True  # type: ignore[attr-defined]
+    return fails
+
+
+def compare_predicate(adapter: str | KernelAdapter, against: str = "reference", dtype: str = "fp16",
+                      mode: str = "train", *, recorded: RecordedParams | None = None,
+                      params: str = "fp32") -> Predicate:
+    """Fails when compare-precision finds an output of ``adapter`` over the standard on x (with a recorded
+    call's parameters and scalars when ``recorded`` is given, else parameters in fp32 or, ``params`` same,
+    in the input's format)."""
+    from bnprobe.recordings import CallRef, RecordedCalls
+    from bnprobe.engine.cases import Case, recorded_cases
+    from bnprobe.checks.compare.precision import compare_precision
+
+    if against != "reference":
+        raise BNProbeError("shrink compares against the FP64 reference (--against reference)")
+    a = runnable(adapter)
+
+    def fails(x: np.ndarray, channels: np.ndarray | None) -> bool:
+        if recorded is None:
+            r = compare_precision([a], (dtype,), [Case("shrink", tuple(x.shape), x=x)], mode=mode, budget=False,
+                                  params=params)
+        else:  # the adapter on the recorded call's parameters and scalars, as compare-precision --input DIR runs it
+            rec = recorded.channels(channels).recording(x, dtype, _record_modes(mode))
+            call = CallRef(str(rec.meta["call"]), None, tuple(x.shape), rec.dtype, rec.training,
+                           "backward" in rec.tensors, "tensor", lambda: rec)
+            r = compare_precision([a], None, recorded_cases(RecordedCalls("shrink", "bnprobe", (call,))), mode=mode,
+                                  budget=False)
+        return bool((r.rows["verdict"] == "FAIL").any())
+
+    return _predicate(fails, mode)
+
+
+def overflow_predicate(adapter: str | KernelAdapter, dtype: str = "fp16", mode: str = "train", *,
+                       recorded: RecordedParams | None = None, params: str = "fp32") -> Predicate:
+    """Fails when the overflow scan finds an anomaly (input-borne ones excluded); ``params`` as in
+    :func:`compare_predicate`."""
+    from bnprobe.checks.overflow.scan import scan
+
+    a = runnable(adapter)
+
+    def fails(x: np.ndarray, channels: np.ndarray | None) -> bool:
+        if recorded is None:
+            rep = scan(a, x, dtype=dtype, mode=mode, remedies=False, params=params)
+        else:  # as overflow --input DIR scans the dump written
+            p = recorded.channels(channels)
+            ins = p.inputs(x)
+            rep = scan(a, x, dtype=dtype, mode=mode, remedies=False, gamma=p.gamma, beta=p.beta, eps=p.eps,
+                       running_mean=ins["running_mean"], running_var=ins["running_var"], dy=ins["dy"],
+                       momentum=p.momentum, params=p.params)
+        return any(not f.input_borne for f in rep.findings)
+
+    return _predicate(fails, mode)
+
+
+def load_predicate(spec: str) -> Predicate:
+    """The user's predicate ``module:function``, f(x) -> True when the case fails (f(x, channels=...) when the
+    function sets ``takes_channels``), checked before it is called; what it raises is a one-line error."""
+    if ":" not in spec:
+        raise BNProbeError(f"--predicate takes compare, overflow or module:function, got {spec!r}")
+    fn = load_callable(spec, "predicate", ("x",))
+    takes = bool(getattr(fn, "takes_channels", False))
+    if takes and not binds(fn, None, channels=None):
+        raise BNProbeError(f"predicate {spec!r} sets takes_channels but has no channels= parameter")
+
+    def fails(x: np.ndarray, channels: np.ndarray | None = None) -> bool:
+        try:
+            return bool(fn(x, channels=channels) if takes else fn(x))
+        except Exception as exc:  # noqa: BLE001 - a user's predicate may fail in any way
+            raise BNProbeError(raised(f"predicate {spec!r}", exc)) from None
+
+    fails.takes_channels = takes  # type: ignore[attr-defined]
+    return fails
+
+
+@dataclass
+class ShrinkResult:
+    x: np.ndarray
+    original_shape: tuple[int, ...]
+    steps: list[str] = field(default_factory=list)
+    evaluations: int = 0
+    seconds: float = 0.0
+    timed_out: bool = False
+    channels: np.ndarray | None = None  # the original channels kept, in order
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"shape": list(self.x.shape), "elements": int(self.x.size), "original_shape": list(self.original_shape),
+                "channels": None if self.channels is None else self.channels.tolist(),
+                "steps": self.steps, "evaluations": self.evaluations, "seconds": round(self.seconds, 3),
+                "timed_out": self.timed_out, "x": self.x.tolist()}
+
+
+def shrink(x: np.ndarray, fails: Predicate, *, seconds: float = 120.0,
+           progress: Callable[[str], None] | None = None) -> ShrinkResult:
+    """The smallest input found that still fails ``fails`` (which must fail on ``x``)."""
+    x = np.asarray(x, dtype=np.float64)
+    check_x(x)
+    if not 0 <= seconds < math.inf:
+        raise BNProbeError(f"seconds must be a finite number >= 0, got {seconds}")
+    res = ShrinkResult(x, tuple(x.shape))
+    t0 = time.monotonic()
+    chans = np.arange(x.shape[1])
+    per_channel = bool(getattr(fails, "takes_channels", False))
+
+    def test(candidate: np.ndarray, kept: np.ndarray | None = None) -> bool:
+        res.evaluations += 1
+        if per_channel:
+            return bool(fails(np.ascontiguousarray(candidate), channels=chans if kept is None else kept))
+        return bool(fails(np.ascontiguousarray(candidate)))
+
+    if not test(x):
+        raise BNProbeError("the check passes on this input: nothing to shrink")
+
+    def out_of_time() -> bool:
+        res.timed_out = time.monotonic() - t0 > seconds
+        return res.timed_out
+
+    def bisect(axis: int, label: str) -> None:
+        nonlocal x, chans
+        while x.shape[axis] > 1 and not out_of_time():
+            h = x.shape[axis] // 2
+            lo, hi = np.take(x, range(h), axis=axis), np.take(x, range(h, x.shape[axis]), axis=axis)
+            c_lo, c_hi = (chans[:h], chans[h:]) if axis == 1 else (chans, chans)
+            if test(lo, c_lo):
+                x, chans = lo, c_lo
+            elif test(hi, c_hi):
+                x, chans = hi, c_hi
+            else:
+                break
+            res.steps.append(f"{label} -> {x.shape[axis]}: shape {x.shape}")
+            if progress:
+                progress(res.steps[-1])
+
+    bisect(1, "channels")
+    bisect(0, "batch")
+    for ax in range(2, x.ndim):
+        bisect(ax, f"axis {ax}")
+    # values: the coarsest rounding that still fails, then element by element toward the channel mean
+    for bits in range(1, 24):
+        if out_of_time():
+            break
+        cand = _round_bits(x, bits)
+        if not np.array_equal(cand, x) and test(cand):
+            x = cand
+            res.steps.append(f"values rounded to {bits} significant bit(s)")
+            break
+    flat_idx = list(np.ndindex(*x.shape))
+    if len(flat_idx) <= 256:
+        for idx in flat_idx:
+            if out_of_time():
+                break
+            channel = np.moveaxis(x, 1, 0)[idx[1]]
+            target = float(_round_bits(np.array([channel.mean()]), 4)[0])
+            for value in (0.0, target):
+                if x[idx] == value:
+                    continue
+                cand = x.copy()
+                cand[idx] = value
+                if test(cand):
+                    x = cand
+                    res.steps.append(f"x{idx} -> {value:g}")
+                    break
+    res.x = x
+    res.channels = chans
+    res.seconds = time.monotonic() - t0
+    return res
+
+
+def _round_bits(x: np.ndarray, bits: int) -> np.ndarray:
+    m, e = np.frexp(x)
+    return np.ldexp(np.round(m * 2.0**bits) / 2.0**bits, e)
+
+
+def recorded_case(recorded: Any, *, given: tuple[str, ...] = (), dtype: str | None = None, mode: str | None = None,
+                  params: str | None = None) -> tuple[np.ndarray, RecordedParams, str, str]:
+    """The one call a recording selects (a :class:`~bnprobe.engine.recorded.Recorded`), to shrink: its x
+    (channels first), its parameters and scalars, its format and the mode (``mode``, else the call's own).
+    Refused: a recording of several calls or without tensors, and options (``given``, ``dtype``, ``mode``,
+    ``params``) that contradict it."""
+    from bnprobe.engine.recorded import check_options
+
+    recorded.calls.require_tensors("shrink")
+    found = recorded.calls.calls
+    if len(found) != 1:
+        shown = ", ".join(c.label for c in found[:4]) + (", ..." if len(found) > 4 else "")
+        raise BNProbeError(f"{recorded.calls.source} holds {len(found)} BatchNorm calls ({shown}); shrink takes "
+                           "one: select it with DIR#NAME or --calls")
+    check_options(recorded, given=given, dtype=dtype, mode=mode, params=params)
+    rec = found[0].load()
+    x = rec.call().x
+    x = x if rec.layout == "channels_first" or x.ndim <= 2 else np.moveaxis(x, -1, 1)
+    return x, RecordedParams.of(rec, found[0].label), rec.dtype, mode or ("train" if rec.training else "infer")
+
+
+def predicate_for(name: str, adapter: KernelAdapter, *, dtype: str, mode: str, recorded: RecordedParams | None,
+                  params: str) -> Predicate:
+    """The failure to keep while shrinking: ``compare`` (vs the reference), ``overflow``, or a user's
+    ``module:function``."""
+    if name == "compare":
+        return compare_predicate(adapter, dtype=dtype, mode=mode, recorded=recorded, params=params)
+    if name == "overflow":
+        return overflow_predicate(adapter, dtype=dtype, mode=mode, recorded=recorded, params=params)
+    return load_predicate(name)

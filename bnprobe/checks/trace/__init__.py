@@ -1,0 +1,1 @@
+"""trace: one run's every stage against the golden (:mod:`.stages`)."""

@@ -1,0 +1,181 @@
+"""Stage-by-stage comparison of an emulated run against its FP64 golden on the same rounded inputs
+(generated ones, or a recorded call's own inputs and scalars: :func:`trace_recorded`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from bnprobe.core.call import EPS, MOMENTUM
+from bnprobe.adapters.base import MODES, params_format
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import get_format
+from bnprobe.kernels import backward, forward_infer, forward_train, get_policy
+from bnprobe.kernels.policy import Policy
+from bnprobe.kernels.trace import Trace
+from bnprobe.numerics.rounding import is_representable, round_to
+
+__all__ = ["StageError", "TraceComparison", "stage_errors", "trace_run", "trace_recorded", "MODES"]
+
+
+
+@dataclass(frozen=True)
+class StageError:
+    """Error of one stage against the golden's stage of the same name (NaN where not comparable)."""
+
+    stage: str
+    format: str
+    kind: str
+    size: int
+    vmin: float
+    vmax: float
+    max_abs_err: float
+    max_rel_err: float
+    max_ulp_err: float
+    mismatched_nonfinite: int
+    anomalies: dict[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["min"], d["max"] = d.pop("vmin"), d.pop("vmax")
+        return d
+
+
+@dataclass(frozen=True)
+class TraceComparison:
+    policy: Policy
+    mode: str
+    shape: tuple[int, ...]
+    meta: dict[str, Any]
+    rows: list[StageError] = field(default_factory=list)
+    trace: Trace | None = None
+    golden: Trace | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy.name, "policy_detail": self.policy.to_dict(), "mode": self.mode,
+                "shape": list(self.shape), "meta": self.meta, "stages": [r.to_dict() for r in self.rows]}
+
+
+def _errors(a: np.ndarray, g: np.ndarray, fmt: str) -> tuple[float, float, float, int]:
+    f = get_format(fmt)
+    with np.errstate(all="ignore"):
+        fa, fg = np.isfinite(a), np.isfinite(g)
+        mismatch = int(np.sum(fa != fg) + np.sum(~fa & ~fg & ~((a == g) | (np.isnan(a) & np.isnan(g)))))
+        both = fa & fg
+        if not both.any():
+            return float("nan"), float("nan"), float("nan"), mismatch
+        d = np.abs(a[both] - g[both])
+        gb = np.abs(g[both])
+        nz = gb > 0
+        rel = float(np.max(d[nz] / gb[nz])) if nz.any() else (0.0 if not d.any() else float("inf"))
+        ulp = float(np.max(d / f.ulp(g[both])))
+        return float(d.max()), rel, ulp, mismatch
+
+
+def stage_errors(trace: Trace, golden: Trace) -> list[StageError]:
+    """Per stage of ``trace``: range, anomalies, and the error against ``golden``'s stage of the same name."""
+    rows = []
+    for s in trace:
+        abs_e = rel_e = ulp_e = float("nan")
+        mism = 0
+        if s.name in golden and s.value is not None:
+            gs = golden[s.name]
+            if gs.value is not None and gs.value.shape == s.value.shape:
+                abs_e, rel_e, ulp_e, mism = _errors(s.value, gs.value, s.format)
+        rows.append(StageError(s.name, s.format, "element" if s.elementwise else "channel", s.size,
+                               s.vmin, s.vmax, abs_e, rel_e, ulp_e, mism, s.anomalies))
+    return rows
+
+
+def trace_run(
+    x: np.ndarray,
+    *,
+    policy: str | Policy,
+    mode: str = "train",
+    gamma: np.ndarray | None = None,
+    beta: np.ndarray | None = None,
+    running_mean: np.ndarray | None = None,
+    running_var: np.ndarray | None = None,
+    dy: np.ndarray | None = None,
+    eps: float = EPS,
+    momentum: float | None = MOMENTUM,
+    layout: str = "channels_first",
+    params: str | None = None,
+) -> TraceComparison:
+    """Run one BatchNorm layer under ``policy`` and under its FP64 golden on the same rounded inputs.
+
+    The inputs are first rounded to the policy's storage (x, dy) and params
+    formats; the golden (same algorithm, every format fp64) sees exactly those
+    values, so the errors reported are the kernel's own.  ``params`` (fp32 or
+    same) sets the params format of the policy (default: the policy's own).
+    """
+    pol = get_policy(policy)
+    if params is not None:
+        pol = pol.with_options(params=params_format(pol.storage, params))
+    if mode not in MODES:
+        raise BNProbeError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
+    gold = pol.golden()
+    with np.errstate(all="ignore"):
+        xs = round_to(x, pol.storage)
+        rp = lambda v: None if v is None else round_to(np.asarray(v, dtype=np.float64), pol.params_format)  # noqa: E731
+        g, b, rm, rv = rp(gamma), rp(beta), rp(running_mean), rp(running_var)
+    common = dict(eps=eps, layout=layout)
+    if mode == "train":
+        res = forward_train(xs, g, b, rm, rv, momentum=momentum, policy=pol, **common)
+        ref = forward_train(xs, g, b, rm, rv, momentum=momentum, policy=gold, **common)
+    elif mode == "infer":
+        res = forward_infer(xs, g, b, rm, rv, policy=pol, **common)
+        ref = forward_infer(xs, g, b, rm, rv, policy=gold, **common)
+    else:
+        fw = forward_train(xs, g, b, policy=pol, keep_arrays=False, **common)
+        mean = fw.mean.astype(np.float64)
+        invstd = fw.invstd.astype(np.float64)
+        var = fw.var.astype(np.float64)
+        dys = round_to(dy if dy is not None else np.zeros_like(xs), pol.storage)
+        res = backward(dys, xs, g, mean, invstd, policy=pol, saved_var=var, **common)
+        ref = backward(dys, xs, g, mean, invstd, policy=gold, saved_var=var, **common)
+    meta = dict(res.trace.meta)
+    meta.pop("policy_detail", None)
+    return TraceComparison(policy=pol, mode=mode, shape=tuple(np.shape(x)), meta=meta,
+                           rows=stage_errors(res.trace, ref.trace), trace=res.trace, golden=ref.trace)
+
+
+def trace_recorded(rec: Any, *, policy: str | Policy | None = None, mode: str | None = None,
+                   label: str = "", params: str | None = None) -> TraceComparison:
+    """One recorded call (a :class:`~bnprobe.recordings.Recording`) traced on its own inputs and scalars
+    (x, γ, β, running statistics, dy, eps, momentum, layout) under ``policy`` — default: the preset of the
+    recorded format with the recorded parameter format — in ``mode`` (default: the call's own).  A policy
+    that would round the recorded inputs, a mode the call did not record, or ``params`` (same or fp32)
+    other than the recorded parameter format, is an error."""
+    name = label or str(rec.meta.get("call") or rec.source or "the recorded call")
+    fmt = rec.dtype
+    if params is not None and params != rec.params_mode:
+        raise BNProbeError(f"--params {params} contradicts the recording: {name} was recorded with {rec.params} "
+                           f"parameters in {fmt} ({rec.params_mode})")
+    pol = get_policy(policy) if policy is not None else get_policy(fmt).with_options(params=rec.params)
+    if pol.storage != fmt:
+        raise BNProbeError(f"policy {pol.name} stores {pol.storage}, but {name} was recorded in {fmt}: its inputs "
+                           f"would be rounded; give a {fmt} policy (or leave --policy out)")
+    ci = rec.call()
+    for key in ("gamma", "beta", "running_mean", "running_var"):
+        v = getattr(ci, key)
+        if v is not None and not is_representable(np.asarray(v, dtype=np.float64), pol.params_format).all():
+            raise BNProbeError(f"policy {pol.name} keeps parameters in {pol.params_format}, but {name}'s {key} is "
+                               f"{rec.params}: it would be rounded; give a policy with params={rec.params}")
+    mode = mode or ("train" if rec.training else "infer")
+    if mode not in MODES:
+        raise BNProbeError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
+    if mode == "backward" and not ("backward" in rec.tensors and rec.training):
+        raise BNProbeError(f"--mode backward contradicts the recording: {name} has no training-mode backward "
+                           f"(it recorded {', '.join(rec.modes)})")
+    if mode != "backward" and mode not in rec.tensors:
+        raise BNProbeError(f"--mode {mode} contradicts the recording: {name} recorded no {mode} call (it recorded "
+                           f"{', '.join(rec.modes)})")
+    src = rec.tensors["infer" if mode == "infer" else ("train" if "train" in rec.tensors else "backward")]["inputs"]
+    dy = rec.tensors["backward"]["inputs"]["dy"] if mode == "backward" else None
+    return trace_run(src["x"], policy=pol, mode=mode, gamma=src.get("gamma", ci.gamma),
+                     beta=src.get("beta", ci.beta), running_mean=src.get("running_mean"),
+                     running_var=src.get("running_var"), dy=dy, eps=rec.eps, momentum=rec.momentum,
+                     layout=rec.layout)

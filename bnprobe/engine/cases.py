@@ -1,0 +1,165 @@
+"""compare-precision's inputs: the built-in case catalogue (ResNet-50's BatchNorm shapes, the stress suite), a
+recording's calls as cases, and the selection of what a run covers from the command's options."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from bnprobe.adapters import KernelAdapter
+from bnprobe.adapters.base import MODES
+from bnprobe.adapters.dump import DumpAdapter
+from bnprobe.recordings import CallRef, RecordedCalls
+from bnprobe.core.errors import BNProbeError
+from bnprobe.inputs import make_input
+
+__all__ = ["Case", "DY_KINDS", "RESNET50_BN", "SHAPE_SETS", "dy_of_kind", "make_dy",
+           "recorded_cases", "resnet50_cases", "stress_cases", "select_cases"]
+
+# ResNet-50 (ImageNet, 224x224) BatchNorm layers: (name, C, H, W), one entry per distinct shape
+RESNET50_BN = [
+    ("bn1", 64, 112, 112), ("layer1.*.bn1", 64, 56, 56), ("layer1.*.bn3", 256, 56, 56),
+    ("layer2.0.bn1", 128, 56, 56), ("layer2.*.bn2", 128, 28, 28), ("layer2.*.bn3", 512, 28, 28),
+    ("layer3.0.bn1", 256, 28, 28), ("layer3.*.bn2", 256, 14, 14), ("layer3.*.bn3", 1024, 14, 14),
+    ("layer4.0.bn1", 512, 14, 14), ("layer4.*.bn2", 512, 7, 7), ("layer4.*.bn3", 2048, 7, 7),
+]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One input: a name, a shape and how to make x (or x itself, for real activations)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dist: str = "normal"
+    mean: float = 0.0
+    std: float = 1.0
+    seed: int = 0
+    x: np.ndarray | None = field(default=None, compare=False, repr=False)
+    call: CallRef | None = field(default=None, compare=False, repr=False)  # a recorded call: all inputs from it
+    dy: str = "normal"  # the upstream gradient: normal N(0, 1), shifted (a mean per channel), heavy (Student t)
+
+    def make(self) -> np.ndarray:
+        if self.x is not None:
+            return self.x
+        if self.call is not None:
+            return self.call.load().call().x
+        return make_input(self.shape, dist=self.dist, mean=self.mean, std=self.std, seed=self.seed)
+
+
+DY_KINDS = ("normal", "shifted", "heavy")
+
+
+def make_dy(case: Case, shape: tuple[int, ...]) -> np.ndarray:
+    """The case's upstream gradient (:func:`dy_of_kind` of its ``dy`` kind and seed)."""
+    return dy_of_kind(case.dy, shape, case.seed)
+
+
+def dy_of_kind(kind: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    """An upstream gradient: ``normal``: N(0, 1); ``shifted``: N(0, 1) plus a mean per channel between 0.5 and 2 (real
+    losses give dy a non-zero mean per channel, so Σdy grows with R); ``heavy``: Student t with 2 degrees of freedom
+    plus the same means (rare large gradients)."""
+    if kind not in DY_KINDS:
+        raise BNProbeError(f"unknown dy kind {kind!r}; valid: {', '.join(DY_KINDS)}")
+    rng = np.random.default_rng([seed, 3])
+    if kind == "normal":
+        return rng.standard_normal(shape)
+    base = rng.standard_normal(shape) if kind == "shifted" else rng.standard_t(2.0, shape)
+    means = np.linspace(0.5, 2.0, shape[1]) if len(shape) > 1 else np.array([1.0])
+    return base + means.reshape((1, -1) + (1,) * (len(shape) - 2))
+
+
+def recorded_cases(calls: RecordedCalls) -> list[Case]:
+    """One case per recorded BatchNorm call, in forward order (tensors are loaded one call at a time)."""
+    calls.require_tensors("comparing a call's outputs with the golden")
+    return [Case(c.label, c.shape, "recorded", seed=0, call=c) for c in calls.calls]
+
+
+# the shape sets of --shapes: every distinct ResNet-50 shape, or two of them (the default run's, for its time)
+SHAPE_SETS = {"resnet50": tuple(name for name, *_ in RESNET50_BN), "sample": ("layer3.*.bn2", "layer4.*.bn3")}
+
+
+def resnet50_cases(batch: int = 2, seed: int = 0, dist: str = "normal", which: str = "resnet50") -> list[Case]:
+    """ResNet-50's BatchNorm shapes with the batch reduced to ``batch`` (``which``: a :data:`SHAPE_SETS` name)."""
+    keep = SHAPE_SETS[which]
+    return [Case(f"resnet50/{name}", (batch, c, h, w), dist, seed=seed + i) for i, (name, c, h, w)
+            in enumerate(RESNET50_BN) if name in keep]
+
+
+def stress_cases(seed: int = 0) -> list[Case]:
+    """Inputs that stress BatchNorm rather than uniform noise."""
+    s = (8, 16, 8, 8)
+    return [
+        Case("stress/normal", s, seed=seed),
+        *[Case(f"stress/mean/std={m:g}", s, mean=m, std=1.0, seed=seed) for m in (1e1, 1e2, 1e3, 1e4)],
+        Case("stress/heavy-tails", s, "student_t", seed=seed),
+        Case("stress/near-fp16-max", s, mean=0.0, std=8000.0, seed=seed),
+        Case("stress/var-near-eps", s, mean=0.5, std=math.sqrt(1e-5), seed=seed),
+        Case("stress/constant", s, "constant", mean=1.5, std=0.0, seed=seed),
+        Case("stress/R=2", (2, 16), seed=seed),
+        Case("stress/R=3", (3, 16), seed=seed),
+        Case("stress/dy-shifted", s, seed=seed, dy="shifted"),
+        Case("stress/dy-heavy-tails", s, seed=seed, dy="heavy"),
+        # R = 65536: past fp16's 65504, so Σdy of a shifted dy and a Bessel factor n/(n-1) built in fp16 leave it
+        Case("stress/R=65536", (1024, 2, 8, 8), seed=seed, dy="shifted"),
+    ]
+
+
+def select_cases(adapters: list[KernelAdapter], *, input: str | Path | None = None, calls: str | None = None,
+                 shape: str | None = None, shapes: str = "sample", batch: int | None = None, dist: str | None = None,
+                 mean: float | None = None, std: float | None = None, seed: int = 0, mode: str = "all",
+                 stress: bool = True) -> tuple[list[KernelAdapter], list[Case], RecordedCalls | None]:
+    """What compare-precision runs on, checked before any run: a dump's calls (``input`` a dump folder, or a
+    dump adapter among ``adapters``, selected by ``calls``), the tensor at ``input``, one generated ``shape``,
+    or ResNet-50's shapes (``shapes``: a :data:`SHAPE_SETS` name) at ``batch`` (2) plus the stress inputs
+    (``stress``).  Options that contradict a
+    recording, and a run the memory limit cannot hold (its largest case), are refused.  Returns the adapters
+    (a dump adapter replaced by one of the selected calls: the caller's is not changed), the cases and the
+    recorded calls (or None)."""
+    from bnprobe.recordings import open_dump
+    from bnprobe.guard import require_run
+    from bnprobe.inputs import input_tensor, parse_shape
+
+    dumps = [a for a in adapters if a.capabilities().recorded]
+    recorded = None
+    if input is not None and Path(input).is_dir():
+        if dumps:
+            raise BNProbeError("--input DIR and a dump adapter both give the recorded inputs; give one of them")
+        recorded = open_dump(input, calls)
+    elif dumps:
+        recorded = dumps[0].calls.select(calls)
+        adapters = [DumpAdapter(recorded) if a is dumps[0] else a for a in adapters]
+    elif calls is not None:
+        raise BNProbeError("--calls selects recorded calls: give a dump (--adapters dump:DIR or --input DIR)")
+    if recorded is not None:
+        given = [f"--{n}" for n, v in (("shape", shape), ("batch", batch), ("dist", dist), ("mean", mean),
+                                        ("std", std)) if v is not None]
+        if given:
+            raise BNProbeError(f"{', '.join(given)} contradict{'s' if len(given) == 1 else ''} the recording: its "
+                               "calls bring their own inputs")
+        cases = recorded_cases(recorded)
+        has = {m: any(m in c.modes for c in recorded.calls) for m in MODES}
+        if mode in has and not has[mode]:
+            raise BNProbeError(f"--mode {mode}: no call of {recorded.source} recorded it (it recorded "
+                               f"{', '.join(m for m, v in has.items() if v)})")
+    elif input is not None:
+        x = input_tensor("compare-precision", input, seed=seed)
+        cases = [Case(f"input/{Path(input).name}", tuple(x.shape), x=x, seed=seed)]
+    elif shape is not None:
+        d, m, s = dist or "normal", 0.0 if mean is None else mean, 1.0 if std is None else std
+        cases = [Case(f"{d}(mean={m:g}, std={s:g})", parse_shape(shape), d, m, s, seed)]
+    else:
+        if shapes not in SHAPE_SETS:
+            raise BNProbeError(f"unknown shape set {shapes!r}; valid: {', '.join(SHAPE_SETS)} (or give --shape)")
+        if batch is not None and batch < 1:
+            raise BNProbeError(f"--batch must be >= 1, got {batch}")
+        cases = resnet50_cases(2 if batch is None else batch, seed, dist or "normal", shapes)
+        cases += stress_cases(seed) if stress else []
+    biggest = max(cases, key=lambda c: math.prod(c.shape))
+    require_run("compare-precision", biggest.shape, f"compare-precision on {biggest.name} (shape {biggest.shape})",
+                torch=any(a.name.startswith("torch") for a in adapters),
+                recorded=recorded is not None and all(a.capabilities().recorded for a in adapters))
+    return adapters, cases, recorded

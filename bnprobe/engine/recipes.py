@@ -1,0 +1,182 @@
+"""The numerical recipes a kernel may follow where its interface leaves it free, each a careful kernel with one
+choice changed, to name what a failing output matches.
+
+compare-precision fails an output against the careful bench (the best a kernel can do under the interface); when
+a recipe reproduces the kernel's failing output — the kernel is no farther from the recipe than the bench is from
+the golden (or one ulp RMS of the output), and at most half as far as it is from the golden — the failure is
+named by that recipe.  A recipe's outputs come from a careful kernel with the choice changed, run on the call, or
+are derived from what the kernel itself returned (its y recomputed from the statistics it stored, whatever way it
+computed them): a kernel whose statistics differ from the careful ones by an ulp is still named by what it does
+with them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from bnprobe.adapters.base import params_format
+from bnprobe.adapters.emulated import CarefulAdapter
+from bnprobe.core.call import BNCall
+from bnprobe.core.formats import get_format
+
+__all__ = ["Recipe", "RECIPES", "RECIPE", "STATS_ROUNDED", "RUNNING_IN_PARAMS", "VAR_ABOUT_STORED_MEAN", "recipe_fits"]
+
+STATS_ROUNDED = "stats-rounded-to-params"
+RUNNING_IN_PARAMS = "running-update-in-params"
+VAR_ABOUT_STORED_MEAN = "variance-about-stored-mean"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One recipe: its id, what it does in words, a note (who is known to do it), the kernel that follows it (or
+    None), the calls it can differ on, the outputs it changes, and ``derive``: the outputs it gives computed from
+    the call and the kernel's own outputs (``got``, ``saved``: a :class:`~bnprobe.engine.run.CallRun`'s), or None."""
+
+    id: str
+    text: str
+    note: str
+    kernel: Callable[[], Any] | None
+    applies: Callable[[BNCall], bool]
+    outputs: tuple[str, ...]
+    derive: Callable[[BNCall, dict[str, Any], Any], dict[str, Any]] | None = None  # an array or a list of them
+
+    def words(self, call: BNCall) -> str:
+        return f"{self.text.format(params=params_format(call.dtype, call.params))} ({self.note})"
+
+
+def _training_narrow(call: BNCall) -> bool:
+    """A training call whose parameters (and so its stored statistics) are in a 16-bit format."""
+    return call.training and params_format(call.dtype, call.params) not in ("fp32", "fp64")
+
+
+def _var_about(x: np.ndarray, mean: Any) -> np.ndarray:
+    """Per channel, mean((x − mean)²) of channels-first ``x`` about the per-channel ``mean`` (biased)."""
+    from bnprobe.kernels.layout import layout_of, reduce_axes
+
+    with np.errstate(all="ignore"):
+        d = x - layout_of(x).column(np.asarray(mean, dtype=np.float64))
+        return (d * d).mean(axis=reduce_axes(x))
+
+
+def _y_from(call: BNCall, mean: np.ndarray, invstd: np.ndarray, fmt: str) -> np.ndarray:
+    """y normalised exactly with these statistics, rounded once to ``fmt``."""
+    from bnprobe.kernels.layout import layout_of
+    from bnprobe.numerics.rounding import round_to
+
+    lay = layout_of(call.x)
+    c = np.shape(mean)[0]
+    g = np.ones(c) if call.gamma is None else np.asarray(call.gamma, dtype=np.float64)
+    b = np.zeros(c) if call.beta is None else np.asarray(call.beta, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        y = ((np.asarray(call.x, dtype=np.float64) - lay.column(np.asarray(mean, dtype=np.float64)))
+             * lay.column(np.asarray(invstd, dtype=np.float64) * g) + lay.column(b))
+    return round_to(y, fmt)
+
+
+def _y_from_rounded(call: BNCall, got: dict[str, Any], saved: Any) -> dict[str, list[np.ndarray]]:
+    """y normalised with rounded statistics, two ways: with the statistics the kernel stored (its saved mean and
+    invstd, however it computed them), and — for a kernel that saves none, as in a dump of torch's functional call
+    — with the batch mean and variance each rounded to the parameter format, invstd from that variance rounded
+    too (what PyTorch's CPU kernel stores)."""
+    from bnprobe.kernels.layout import reduce_axes
+    from bnprobe.numerics.rounding import round_to
+
+    if "y" not in got:
+        return {}
+    fmt = get_format(np.asarray(got["y"]).dtype).name
+    pf = params_format(call.dtype, call.params)
+    out = [] if saved is None else [_y_from(call, saved.mean, saved.invstd(call.eps), fmt)]
+    x = np.asarray(call.x, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        var = round_to(x.var(axis=reduce_axes(x)), pf)
+        out.append(_y_from(call, round_to(x.mean(axis=reduce_axes(x)), pf), round_to(1.0 / np.sqrt(var + call.eps), pf),
+                           fmt))
+    return {"y": out}
+
+
+def _var_about_stored_mean(call: BNCall, got: dict[str, Any], saved: Any) -> dict[str, np.ndarray]:
+    """The saved invstd (or variance) of a variance taken about the mean as the kernel stored it (rounded to the
+    parameter format), not about the mean it computed: mean((x − stored mean)²), which exceeds the batch's variance
+    by (stored − exact mean)²."""
+    from bnprobe.numerics.rounding import round_to
+
+    if saved is None:
+        return {}
+    var = _var_about(np.asarray(call.x, dtype=np.float64), saved.mean)
+    out = {}
+    for key, value in (("saved_invstd", 1.0 / np.sqrt(var + call.eps)), ("saved_var", var)):
+        if key in got:
+            out[key] = round_to(value, get_format(np.asarray(got[key]).dtype).name)
+    return out
+
+
+def _running_in_params(call: BNCall, got: dict[str, Any], saved: Any) -> dict[str, list[np.ndarray]]:
+    """The running statistics updated in the parameter format's arithmetic: momentum m and 1 − m rounded to it,
+    each product and the sum rounded to it; the batch's mean, and its unbiased variance as the golden has it or
+    (a kernel that took it about its stored mean, :func:`_var_about_stored_mean`) about the saved mean."""
+    from bnprobe.kernels.layout import layout_of, reduce_axes
+    from bnprobe.numerics.rounding import round_to
+
+    m = call.momentum
+    if m is None or call.running_mean is None or call.running_var is None:
+        return {}
+    pf = params_format(call.dtype, call.params)
+    x = np.asarray(call.x, dtype=np.float64)
+    n = layout_of(x).reduce_size
+    if n < 2:
+        return {}
+    r = lambda v: round_to(np.asarray(v, dtype=np.float64), pf)  # noqa: E731
+    km, kb = r(1.0 - m), r(m)
+    batch = {"running_mean": [x.mean(axis=reduce_axes(x))], "running_var": [x.var(axis=reduce_axes(x)) * n / (n - 1)]}
+    if saved is not None:
+        batch["running_var"].append(_var_about(x, saved.mean) * n / (n - 1))
+    old = {"running_mean": call.running_mean, "running_var": call.running_var}
+    return {k: [r(r(r(old[k]) * km) + r(r(b) * kb)) for b in batch[k]] for k in batch if k in got}
+
+
+RECIPES: tuple[Recipe, ...] = (
+    Recipe(STATS_ROUNDED, "normalises with the batch statistics rounded to the parameter format ({params}) before "
+                          "using them, where a careful kernel keeps them in its compute format and rounds only what it "
+                          "stores",
+           "PyTorch's CPU kernel does this with same-format parameters: pytorch/pytorch#140112",
+           lambda: CarefulAdapter(rounded_stats=True), _training_narrow, ("y",),
+           derive=_y_from_rounded),
+    Recipe(RUNNING_IN_PARAMS, "updates the running statistics in the parameter format's arithmetic ({params}): the "
+                              "momentum and each product rounded to it, where a careful kernel updates them in its "
+                              "compute format and rounds once",
+           "PyTorch's CPU kernel does this with same-format parameters: the running mean of a constant 1.5 input "
+           "drifts to 1.4922 in one bf16 step",
+           None, _training_narrow, ("running_mean", "running_var"),
+           derive=_running_in_params),
+    Recipe(VAR_ABOUT_STORED_MEAN, "takes the variance about the mean as rounded to the parameter format ({params}), "
+                                  "not about the mean it computed: the variance grows by the mean's rounding error "
+                                  "squared",
+           "PyTorch's CPU kernel does this with same-format parameters: in bf16, x = [9984, 10048] gives invstd "
+           "0.0221 (variance 2048, not 1024) and y = [0, 1.414]",
+           None, _training_narrow, ("saved_invstd", "saved_var"),
+           derive=_var_about_stored_mean),
+)
+
+RECIPE = {rp.id: rp for rp in RECIPES}  # by id (a compare-precision row's ``cause``)
+
+
+def _rmse(a: np.ndarray, b: np.ndarray) -> float:
+    with np.errstate(all="ignore"):
+        d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
+        d = d[np.isfinite(d)]
+    return float(np.sqrt(np.mean(d * d))) if d.size else float("nan")
+
+
+def recipe_fits(got: Any, recipe_out: Any, bench: Any, golden: Any, fmt: str) -> bool:
+    """Whether a recipe's output reproduces a kernel's: within the bench's own error against the golden (or one
+    ulp RMS of the output, whichever is larger) and at most half the kernel's error against the golden."""
+    g = np.asarray(golden, dtype=np.float64)
+    if np.shape(got) != g.shape or np.shape(recipe_out) != g.shape:
+        return False
+    ulp = get_format(fmt).ulp(g[np.isfinite(g)])
+    floor = max(_rmse(bench, g), float(np.sqrt(np.mean(ulp * ulp))) if ulp.size else 0.0)
+    to_recipe, to_gold = _rmse(got, recipe_out), _rmse(got, g)
+    return bool(to_recipe <= floor and to_recipe <= 0.5 * to_gold)

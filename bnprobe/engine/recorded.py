@@ -1,0 +1,190 @@
+"""What a check over a recording runs on, and the options a recording refuses.
+
+A recording (the ``dump:DIR`` adapter, or ``--input DIR`` with a runnable adapter) holds calls made
+with their own x, γ, β, running statistics, eps, momentum, training flag, parameter format and dy.
+Each call is loaded, run by :mod:`bnprobe.engine.run` through the kernel under test (the recording
+replayed, or a runnable adapter on the recorded inputs) and the FP64 golden on exactly those inputs,
+checked and dropped: memory stays bounded by one call.  Options that describe generated input
+contradict a recording; :func:`check_options` rejects them before any work.
+"""
+
+from __future__ import annotations
+
+import math
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+from bnprobe.adapters import KernelAdapter, get_adapter
+from bnprobe.adapters.base import PARAM_PRECISIONS
+from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import get_format
+from bnprobe.recordings import CALLS_NAME, META_NAME, CallRef, RecordedCalls, Recording, open_dump, split_dump_spec
+
+__all__ = ["Recorded", "PerCall", "recording_of", "is_dump_path", "check_options", "check_params", "given", "refuse",
+           "one_call"]
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What a check runs over: the kernel under test and the recorded calls that give its inputs."""
+
+    kernel: KernelAdapter
+    calls: RecordedCalls
+
+    @property
+    def replay(self) -> bool:
+        """True when the kernel is the recording itself (its outputs are the recorded ones)."""
+        return self.kernel.capabilities().recorded
+
+
+def is_dump_path(path: str | Path) -> bool:
+    """Whether ``--input`` names a dump (a folder, ``DIR#NAME``, or a dump's JSON) rather than a tensor file."""
+    try:
+        text = split_dump_spec(str(path))[0]
+    except BNProbeError:  # a file whose name holds ",key=value" (not a dump's options): the name as it is
+        text = str(path)
+    head = Path(text.partition("#")[0])
+    return head.is_dir() or head.name in (META_NAME, CALLS_NAME, "dump.json")
+
+
+def require_calls(command: str, calls: list[CallRef], replayed: bool = True) -> None:
+    """Refuse ``command`` over recorded ``calls`` when its largest call (they are loaded one at a time) would not
+    fit in memory (:mod:`bnprobe.guard`); nothing is loaded.  ``replayed``: the dump's own outputs are judged (the
+    guard's figures for a recorded call); else a kernel runs on its inputs (the figures of a generated input)."""
+    from bnprobe.guard import require_run
+
+    biggest = max(calls, key=lambda c: math.prod(c.shape), default=None)
+    if biggest is not None:
+        require_run(command, tuple(biggest.shape), f"{command} on {biggest.label} (shape {tuple(biggest.shape)})",
+                    recorded=replayed)
+
+
+def recording_of(adapter: str | KernelAdapter, input: str | Path | None = None,
+                 calls: str | None = None, guard: str | None = None) -> Recorded | None:
+    """The recording a command runs over: ``adapter`` when it is a dump, or the dump ``input`` names (with
+    a runnable adapter); ``calls`` selects calls by glob.  None when neither is a recording.  With ``guard`` (a
+    command of :data:`bnprobe.guard.PER_ELEMENT`) refused when that command would not fit (:func:`require_calls`)."""
+    a = get_adapter(adapter) if isinstance(adapter, str) else adapter
+    dump_input = input is not None and is_dump_path(input)
+    if a.capabilities().recorded:
+        if input is not None:
+            raise BNProbeError(f"--input and the dump adapter {a.name} both give the inputs: a dump runs on its own "
+                               "recorded inputs; drop --input")
+        found = Recorded(a, a.calls.select(calls))
+    elif dump_input:
+        found = Recorded(a, open_dump(input, calls))  # type: ignore[arg-type]
+    elif calls is not None:
+        raise BNProbeError("--calls selects recorded calls: give a dump (--adapter dump:DIR or --input DIR)")
+    else:
+        return None
+    if guard is not None:
+        require_calls(guard, found.calls.calls, replayed=a.capabilities().recorded)
+    return found
+
+
+def given(**options: Any) -> tuple[str, ...]:
+    """The command-line names (``--shape``, ...) of the options that were given (not None)."""
+    return tuple(f"--{k.replace('_', '-')}" for k, v in options.items() if v is not None)
+
+
+def one_call(spec: str | Path, calls: str | None = None, what: str = "this command",
+             guard: str | None = None) -> tuple[CallRef, Recording]:
+    """The one recorded call a dump (``DIR``, ``DIR#NAME``; ``calls`` a glob) selects, loaded; with ``guard`` (a
+    command of :data:`bnprobe.guard.PER_ELEMENT`) refused before loading when that command would not fit."""
+    found = open_dump(spec, calls)
+    found.require_tensors(what)
+    if len(found.calls) != 1:
+        shown = ", ".join(c.label for c in found.calls[:4]) + (", ..." if len(found.calls) > 4 else "")
+        raise BNProbeError(f"{found.source} holds {len(found.calls)} BatchNorm calls ({shown}); {what} takes one: "
+                           "select it with DIR#NAME or --calls")
+    c = found.calls[0]
+    if guard is not None:
+        require_calls(guard, [c], replayed=False)
+    return c, c.load()
+
+
+def refuse(names: tuple[str, ...], source: str) -> None:
+    """Options of generated input (``names``, as given) contradict a recording: a one-line error naming them."""
+    if names:
+        raise BNProbeError(f"{', '.join(names)} contradict{'s' if len(names) == 1 else ''} the recording {source}: "
+                           "its calls bring their own inputs and scalars")
+
+
+def check_params(params: str | None) -> None:
+    """``params`` must be None (a recording's own, or fp32) or one of ``fp32`` and ``same``."""
+    if params is not None and params not in PARAM_PRECISIONS:
+        raise BNProbeError(f"--params takes {' or '.join(PARAM_PRECISIONS)}, got {params!r}")
+
+
+def check_options(recorded: Recorded, *, given: tuple[str, ...] = (), dtype: str | None = None,
+                  mode: str | None = None, params: str | None = None) -> None:
+    """Refuse, before any work, options that contradict the recording: ``given`` names options of generated
+    input that were set; ``dtype`` must be every selected call's format; ``mode`` one every call recorded;
+    ``params`` (same or fp32) every call's parameter format."""
+    refuse(given, recorded.calls.source)
+    check_params(params)
+    calls = recorded.calls.calls
+    if params is not None:
+        for c in calls:
+            rec = c.load()
+            if isinstance(rec, Recording) and rec.params_mode != params:
+                raise BNProbeError(f"--params {params} contradicts the recording: {c.label} was recorded with "
+                                   f"{rec.params} parameters in {rec.dtype} ({rec.params_mode})")
+    if dtype is not None:
+        fmt = get_format(dtype).name
+        off = [c for c in calls if c.dtype != fmt]
+        if off:
+            more = f" (and {len(off) - 1} more)" if len(off) > 1 else ""
+            raise BNProbeError(f"--dtype {fmt} contradicts the recording: {off[0].label} was recorded in "
+                               f"{off[0].dtype}{more}; select calls with --calls")
+    if not recorded.replay:
+        runs_ = recorded.kernel.capabilities().formats
+        off = [c for c in calls if c.dtype not in runs_]
+        if off:
+            raise BNProbeError(f"adapter {recorded.kernel.name} does not run {off[0].dtype} (it runs "
+                               f"{', '.join(runs_)}), the format of recorded call {off[0].label}")
+    if mode is not None:
+        for c in calls:
+            why = ("was recorded in eval mode" if mode == "train" and not c.training else
+                   "has no recorded backward" if mode == "backward" and not c.has_backward else "")
+            if mode == "infer" and c.training:  # a bnprobe dump may hold a training call's inference too
+                has_infer = recorded.calls.kind != "msprobe" and "infer" in getattr(c.load(), "tensors", {})
+                why = "" if has_infer else "was recorded in training mode (no inference call)"
+            if why:
+                raise BNProbeError(f"--mode {mode} contradicts the recording: {c.label} {why}; leave --mode out "
+                                   "to check what each call recorded, or select calls with --calls")
+
+
+@dataclass
+class PerCall:
+    """A check's results over the calls of a recording, in forward order: one result per call, each
+    truthy when its call passed; truthy when every call passed."""
+
+    check: str
+    kernel: str
+    source: str
+    kind: str
+    results: list[Any]
+    notes: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return all(bool(r) for r in self.results)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self)
+
+    def to_frame(self):  # -> pandas.DataFrame
+        """The results' frames (each with its call column) one after the other."""
+        import pandas as pd
+
+        frames = [r.to_frame() for r in self.results if hasattr(r, "to_frame")]
+        frames = [f for f in frames if len(f)]
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"check": self.check, "adapter": self.kernel, "source": self.source, "kind": self.kind,
+                "passed": bool(self), "notes": self.notes, "calls": [r.to_dict() for r in self.results]}
