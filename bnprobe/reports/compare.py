@@ -27,7 +27,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "dtype": ("format", "the format the call's x and dy are in (γ, β and the running statistics are in the "
                         "parameter format)"),
     "case": ("input", "the input the call ran on: resnet50/… a ResNet-50 BatchNorm shape with generated data, "
-                      "stress/… a stress input, else a recorded call"),
+                      "stress/… a stress input, else the input given or a recorded call"),
     "tensor": ("output", "the BatchNorm output: y (training forward), y_infer (inference), saved_mean / saved_invstd "
                          "/ saved_var (the batch statistics kept for the backward), running_mean / running_var "
                          "(the updated running statistics), dx / dgamma / dbeta (backward)"),
@@ -49,7 +49,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "budget_top": ("error-budget cause", f"the stage of the kernel where y's error arises: rerun on the first "
                                          f"{BUDGET_CHANNELS} channels of the input with the worst y with one stage "
                                          "at a time exact (FP64), the earliest stage, in computation order, that "
-                                         "removes at least 90% of the largest share removed (emulated kernels only)"),
+                                         "removes at least 90% of the largest share removed (blank for a kernel "
+                                         "bnprobe does not run stage by stage, e.g. torch)"),
     "budget_share": ("its share", "the share of y's RMSE that disappears when that stage is exact (1: all of it)"),
     "stage": ("stage", "the kernel's stage made exact (FP64) in the rerun; y (output cast): y left unrounded"),
     "error_removed": ("share removed", f"the share of y's RMSE against the golden that disappears when only this "
