@@ -6,11 +6,88 @@ from pathlib import Path
 from typing import Any
 
 from bnprobe._table import render_table
+from bnprobe.engine.budget import BUDGET_CHANNELS
 from bnprobe.checks.compare.precision import CompareResult, first_failing_call, per_call, summarize, worse_rows
+from bnprobe.engine.rules import WORSE_THAN_BENCH, WORSE_ULPS
 from bnprobe.core.errors import BNProbeError
-from bnprobe.reports import OutputDir, dumps_json, html_report, output_dir
+from bnprobe.reports import MAX_SORTABLE_ROWS, HtmlTable, OutputDir, dumps_json, html_report, output_dir
 
-__all__ = ["REPORT_FORMATS", "report_formats", "report_files", "write_report", "markdown_summary", "compare_lines"]
+__all__ = ["REPORT_FORMATS", "COLUMNS", "report_formats", "report_files", "write_report", "markdown_summary",
+           "compare_lines"]
+
+_RATIO = ("the verdict's score over its bound: above 1 fails. By msprobe's benchmark method the largest of its "
+          "metrics' ratios (the kernel's over the bench's, the bench's floored) each over its limit; an output an "
+          "exemption lets pass (a correct kernel's rounding or accumulation), the share of that bound its error "
+          "uses; by an absolute rule, its worst error measure over the rule's limit; inf: NaN/inf where the golden "
+          "has none")
+#: every column of the HTML page's tables: field -> (heading, what it holds), the heading's tooltip and the
+#: glossary under each table (the CSV, JSON and Markdown files keep the field names)
+COLUMNS: dict[str, tuple[str, str]] = {
+    "adapter": ("adapter", "the kernel judged (bnprobe's adapter name)"),
+    "dtype": ("format", "the format the call's x and dy are in (γ, β and the running statistics are in the "
+                        "parameter format)"),
+    "case": ("input", "the input the call ran on: resnet50/… a ResNet-50 BatchNorm shape with generated data, "
+                      "stress/… a stress input, else the input given or a recorded call"),
+    "tensor": ("output", "the BatchNorm output: y (training forward), y_infer (inference), saved_mean / saved_invstd "
+                         "/ saved_var (the batch statistics kept for the backward), running_mean / running_var "
+                         "(the updated running statistics), dx / dgamma / dbeta (backward)"),
+    "checked": ("outputs", "outputs compared against the FP64 golden: each output of each input"),
+    "failed": ("failed", "outputs whose verdict is FAIL"),
+    "worse": ("worse than bench", f"outputs whose error is materially above the bench's (a careful kernel in the same "
+                                  f"formats): RMSE or largest error over {WORSE_THAN_BENCH:g}x the bench's and RMSE "
+                                  f"over {WORSE_ULPS:g} ulps (RMS) of the output, whatever the verdict"),
+    "worse_worst": ("most worse (RMSE ratio)", "of those, the output with the largest RMSE over the bench's RMSE: "
+                                               "output on input (that ratio)"),
+    "format_warnings": ("format warnings", "outputs where the bench's own output is over msprobe's absolute scaled "
+                                           "standard (or the golden is beyond the format's largest value): the "
+                                           "format, not the kernel, falls short for this data"),
+    "format_worst": ("worst format warning", "of those, the output furthest over the standard's bound: output on "
+                                             "input"),
+    "worst": ("worst output", "the output with the largest error / bound, passing or not"),
+    "worst_ratio": ("worst / bound", "that output's error / bound: " + _RATIO),
+    "error_over_bound": ("error / bound", "this output's " + _RATIO),
+    "budget_top": ("error-budget cause", f"the stage of the kernel where y's error arises: rerun on the first "
+                                         f"{BUDGET_CHANNELS} channels of the input with the worst y with one stage "
+                                         "at a time exact (FP64), the earliest stage, in computation order, that "
+                                         "removes at least 90% of the largest share removed (blank for a kernel "
+                                         "bnprobe does not run stage by stage, e.g. torch)"),
+    "budget_share": ("its share", "the share of y's RMSE that disappears when that stage is exact (1: all of it)"),
+    "stage": ("stage", "the kernel's stage made exact (FP64) in the rerun; y (output cast): y left unrounded"),
+    "error_removed": ("share removed", f"the share of y's RMSE against the golden that disappears when only this "
+                                       f"stage is exact (the first {BUDGET_CHANNELS} channels of the input with the "
+                                       "worst y); the shares need not add up to 1"),
+    "order": ("#", "the call's place in forward order"),
+    "call": ("call", "the recorded call"),
+    "outputs": ("outputs", "outputs of this call compared against the FP64 golden"),
+    "failing": ("failing outputs", "the outputs of this call that fail"),
+    "verdict": ("verdict", "PASS or FAIL by the run's rule"),
+    "why": ("why", "the verdict in words: the rule's figures against their limits, where the error is greatest "
+                   "(and the bench's value there), and the known kernel mistake that reproduces it when one does"),
+    "max_abs": ("largest abs. error", "the largest |output − golden| (msprobe compare's MaxAbsErr; NaN where "
+                                      "NaN/inf sit in different places)"),
+    "max_rel": ("largest rel. error", "the largest |output − golden| / |golden| (msprobe compare's MaxRelativeErr, "
+                                      "in float32 for formats up to fp32; float32's eps added where the golden is 0)"),
+    "cosine": ("cosine", "cosine similarity of the output and the golden (msprobe compare's Cosine; 1: same "
+                         "direction)"),
+    "ulp_max": ("largest ULP error", "the largest |output − golden| in units in the last place of the format at the "
+                                     "golden (msprobe's accuracy checker)"),
+    "rmse_vs_bench": ("RMSE / bench's", "the output's RMSE against the golden over the bench's (finite elements, "
+                                        "unfloored; inf where the bench is exact and the kernel is not)"),
+    "max_vs_bench": ("largest error / bench's", "the output's largest |error| over the bench's (likewise)"),
+    "worse_why": ("how much worse", "both ratios with both kernels' figures, the threshold, and what the verdict "
+                                    "let it pass by"),
+    "format_why": ("why (format)", "what falls short: the bench's output by msprobe's absolute scaled rule, and what "
+                                   "makes the data hard (max mean²/var, min var/eps, R, subnormal or overflowing "
+                                   "golden values)"),
+    "channel": ("channel", "the channel"),
+    "y_max_abs_err": ("largest y error", "the channel's largest |y − golden y|"),
+    "var_rel_err": ("variance rel. error", "|the kernel's batch variance − the golden's| / the golden's, for the "
+                                           "channel"),
+    "mean2_over_var": ("mean² / var", "the golden's mean² over its variance: large, single-pass variance "
+                                      "(E[x²] − E[x]²) cancels"),
+    "var_over_eps": ("var / eps", "the golden's variance over eps: near 1 or below, eps dominates the variance"),
+    "R": ("values per channel", "R = N·H·W, the values each channel's statistics are taken over"),
+}
 
 
 def markdown_summary(result: CompareResult) -> str:
@@ -124,11 +201,10 @@ def write_report(result: CompareResult, out: Any, formats: tuple[str, ...] = REP
                              pd.DataFrame(per_call(result))))
         fails = result.rows[result.rows["verdict"] == "FAIL"] if len(result.rows) else result.rows
         if len(fails):
-            sections.append(("Outputs that fail", fails[["adapter", "dtype", "case", "tensor", "why",
-                                                         "max_abs", "max_rel", "cosine", "ulp_max"]]))
+            sections.append(("Outputs that fail, worst first", _failing(fails)))
         worse = worse_rows(result.rows)
         if len(worse):
-            sections.append((WORSE_TITLE, worse[WORSE_COLUMNS]))
+            sections.append((WORSE_TITLE, worse[WORSE_COLUMNS].rename(columns={"worse": "worse_why"})))
         warns = result.rows[result.rows["format_check"] == "WARN"] if len(result.rows) else result.rows
         if len(warns):
             sections.append(("Format warnings: error over msprobe's absolute standard (the format, not the kernel)",
@@ -144,10 +220,21 @@ def write_report(result: CompareResult, out: Any, formats: tuple[str, ...] = REP
                                          "compare.csv beside this page (channels.csv, budget.csv: the channel and "
                                          "stage tables in full)"))
         fig = plot_compare(result.rows) if len(result.rows) else None
-        files["report.html"] = html_report(report_title(result), report_intro(result), sections, fig)
+        files["report.html"] = html_report(report_title(result), report_intro(result), sections, fig,
+                                           columns=COLUMNS)
     for name, text in files.items():
         sink.write_text(name, text)
     return sink.commit()
+
+
+def _failing(fails: Any) -> HtmlTable:
+    """The failing outputs, worst first (error / bound, largest first; ties in the run's order), sortable by any
+    column and filterable by adapter, format and output."""
+    t = fails.assign(error_over_bound=fails["score"] / fails["bound"])
+    t = t.sort_values("error_over_bound", ascending=False, kind="stable", na_position="last")
+    return HtmlTable(t[["adapter", "dtype", "case", "tensor", "error_over_bound", "why", "max_abs", "max_rel",
+                        "cosine", "ulp_max"]], sortable=True, filters=("adapter", "dtype", "tensor"),
+                     max_rows=MAX_SORTABLE_ROWS, sorted_by="error_over_bound")
 
 
 def _unjudged(result: CompareResult) -> str:
