@@ -1,7 +1,9 @@
-"""The README's transcripts are the program's output: each ``$ bnprobe ...`` (or ``$ python examples/...``) whose
-inputs ship with the repository is run here, in a fresh folder (commands of one code block in order, in one
-folder), and its output compared with the README's line for line, with what changes from run to run masked:
-timings, report folder names, free-memory figures; "..." in the README stands for what an excerpt leaves out."""
+"""The transcripts of the README and of every documentation page (docs/**/*.md) are the program's output: each
+``$ bnprobe ...`` (or ``$ python examples/...``) block whose inputs ship with the repository is run here, in a fresh
+folder (commands of one code block in order, in one folder), and its output compared with the page's line for line,
+with what changes from run to run masked: timings, report folder names, free-memory figures; "..." on a page stands
+for what an excerpt leaves out. A block is known by its first command, found on exactly one page; every block is
+either run (RUN) or listed in NOT_RUN with the reason."""
 
 import importlib.metadata
 import os
@@ -14,6 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+# the pages whose transcripts are run: the README and every page of the documentation site
+PAGES = [README, *sorted((ROOT / "docs").glob("**/*.md"))]
 
 # the calibrated emulator beside the kernel it was identified from (a 32 x 64 x 56 x 56 input)
 CALIBRATED = ('bnprobe compare-precision --adapters "emulated:fp16:variance=chan,tiles=32,y_formula=scale,fma=true,'
@@ -23,6 +27,9 @@ CALIBRATED = ('bnprobe compare-precision --adapters "emulated:fp16:variance=chan
 # its inputs need (a DDP run's msprobe dumps are made by a session fixture; jax's runs in .ci/frameworks' jax
 # environment; the 16 M-value inputs and rsqrt's fp32 sweep are marked slow; the adapters' listing where no other
 # framework is installed)
+# the commands, each with its page docs/commands/<command>.md
+COMMANDS = ("compare-precision", "gradcheck", "plot-stats", "overflow", "rsqrt", "fold", "doctor", "shrink", "identify",
+            "trace", "dump", "adapters")
 RUN = {
     "bnprobe compare-precision": None,
     "bnprobe gradcheck --formula seed": None,
@@ -53,6 +60,13 @@ RUN = {
     "bnprobe rsqrt --format fp32 --method magic --newton 0,1,2 --working fp64": None,
     "bnprobe compare-precision --adapters torch --dtypes fp16 --shape 4096,1,64,64 --no-stress --no-budget --format md "
     "--out big-torch": "torch",
+    # the command pages' own examples
+    "bnprobe compare-precision --adapters ascend-950,emulated:fp16-acc16 --dtypes fp16 --format md --out report": None,
+    "bnprobe compare-precision --adapters torch --params same --no-budget --format md --out report": "torch",
+    "bnprobe dump --adapter ascend-tbe --mean 100 --out tbe-call": None,
+    "bnprobe plot-stats --steps 40 --out stats": None,
+    # each command page's options, as its --help prints them
+    **{f"bnprobe {command} --help": None for command in COMMANDS},
 }
 # the listing says what this machine has installed: the README's is of the test command's environment (torch, no
 # other framework's distribution)
@@ -60,6 +74,8 @@ NOT_WITH = {"bnprobe adapters": ("jax", "flax", "tensorflow", "tensorflow-cpu", 
 SLOW = {"bnprobe rsqrt --format fp32 --method magic --newton 0,1,2 --working fp64",  # 26 s
         "bnprobe compare-precision --adapters torch --dtypes fp16 --shape 4096,1,64,64 --no-stress --no-budget "
         "--format md --out big-torch"}  # 16 M values, torch's and the identified recipe's: 55 s
+# the blocks that are shown but not run, each with the reason
+NOT_RUN: dict[str, str] = {}
 def _bad_inputs(folder: Path) -> None:
     """What the bad-input block names: a forged .npy (a header declaring 80 GB, 128 bytes in all), a file where a
     folder is wanted, and a report folder that holds a report."""
@@ -130,17 +146,24 @@ def mask(text: str) -> list[str]:
     return out
 
 
-def blocks() -> list[list[tuple[str, list[str]]]]:
-    """Each fenced block's transcripts: (command, its output lines)."""
-    found, block, inside = [], None, False
-    for line in README.read_text().splitlines():
-        if line.startswith("```"):
+def _page(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def page_blocks(path: Path) -> list[list[tuple[str, list[str]]]]:
+    """Each fenced block's transcripts on one page: (command, its output lines). A fence may be indented (a block
+    inside a list item): its lines are read without that indentation."""
+    found, block, inside, indent = [], None, False, 0
+    for line in path.read_text().splitlines():
+        stripped = line.lstrip(" ")
+        if stripped.startswith("```"):
             if inside and block:
                 found.append(block)
-            inside, block = not inside, []
+            inside, block, indent = not inside, [], len(line) - len(stripped)
             continue
         if not inside:
             continue
+        line = line[indent:] if line[:indent].strip() == "" else line
         if line.startswith("$ "):
             block.append((line[2:], []))
         elif block:
@@ -148,10 +171,15 @@ def blocks() -> list[list[tuple[str, list[str]]]]:
     return found
 
 
+def blocks() -> list[tuple[str, list[tuple[str, list[str]]]]]:
+    """Every page's fenced blocks with transcripts: (the page, the block)."""
+    return [(_page(path), b) for path in PAGES for b in page_blocks(path)]
+
+
 def chosen():
-    for b in blocks():
+    for page, b in blocks():
         if b[0][0] in RUN:
-            yield pytest.param(b, id=b[0][0][:60], marks=[pytest.mark.slow] if b[0][0] in SLOW else [])
+            yield pytest.param(b, id=f"{page}:{b[0][0][:60]}", marks=[pytest.mark.slow] if b[0][0] in SLOW else [])
 
 
 def run(command: str, cwd: Path) -> str:
@@ -159,17 +187,35 @@ def run(command: str, cwd: Path) -> str:
     ``python -m``, does not search the current folder), stdout then stderr."""
     env = {k: v for k, v in os.environ.items() if k not in ("BNPROBE_MAX_MEMORY", "PYTHONPATH")}
     env["COLUMNS"] = "250"
+    # the bnprobe that runs is this checkout's, also where the environment's editable install is another checkout's
+    # (a worktree's tests run with its venv); a page's own PYTHONPATH=. keeps it behind the current folder
+    env["PYTHONPATH"] = str(ROOT)
     script = Path(sys.executable).parent / "bnprobe"
     exe = str(script) if script.is_file() else f"{sys.executable} -m bnprobe"
     cmd = re.sub(r"^((?:\w+=\S*\s+)*)bnprobe\b", lambda m: m.group(1) + exe, command)
+    cmd = re.sub(r"^PYTHONPATH=\.(\s)", lambda m: f"PYTHONPATH=.:{ROOT}{m.group(1)}", cmd)
     cmd = cmd.replace("python examples/", f"{sys.executable} {ROOT}/examples/")
     r = subprocess.run(["bash", "-c", cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     return r.stdout + r.stderr
 
 
-def test_every_chosen_transcript_is_in_the_readme():
-    firsts = {b[0][0] for b in blocks()}
-    assert set(RUN) <= firsts, set(RUN) - firsts
+def test_every_chosen_transcript_is_on_exactly_one_page():
+    firsts = [b[0][0] for _, b in blocks()]
+    missing = set(RUN) - set(firsts)
+    assert not missing, missing
+    twice = {c for c in RUN if firsts.count(c) > 1}
+    assert not twice, twice
+
+
+def test_every_transcript_is_run_or_says_why_not():
+    """Every fenced block of ``$ ...`` commands on any page runs here (RUN), or NOT_RUN gives the reason; neither
+    list names a block no page has."""
+    unlisted = [f"{page}: $ {b[0][0]}" for page, b in blocks() if b[0][0] not in RUN and b[0][0] not in NOT_RUN]
+    assert not unlisted, "\n".join(unlisted)
+    assert not set(RUN) & set(NOT_RUN)
+    firsts = {b[0][0] for _, b in blocks()}
+    assert set(NOT_RUN) <= firsts, set(NOT_RUN) - firsts
+    assert all(reason.strip() for reason in NOT_RUN.values())
 
 
 def matches(got: list[str], expected: list[str]) -> bool:
@@ -188,9 +234,10 @@ def matches(got: list[str], expected: list[str]) -> bool:
     return fit(0, 0)
 
 
-def test_every_image_the_readme_shows_is_in_the_repository():
-    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", README.read_text())
-    assert images and all((ROOT / path).is_file() for path in images), images
+def test_every_image_a_page_shows_is_in_the_repository():
+    shown = [(path.parent / image) for path in PAGES
+             for image in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", path.read_text())]
+    assert shown and all(image.is_file() for image in shown), shown
 
 
 @pytest.mark.parametrize("block", list(chosen()))
