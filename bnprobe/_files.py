@@ -1,4 +1,4 @@
-"""The files bnprobe writes, in one place (the bottom layer: adapters writing dumps may use it too).
+"""The files bnprobe writes, in one place (below the recordings and adapters that write dumps, which use it too).
 
 - An output folder is checked and created **before any work** (:func:`output_dir`): an existing file, a path under
   a file, a folder that cannot be written or a name too long is a one-line error, not a traceback after the run.

@@ -3,6 +3,7 @@
 Run ``python tests/test_layers.py`` to print the graph's summary and any upward arrow."""
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "bnprobe"
@@ -52,13 +53,6 @@ def test_an_upward_import_would_be_seen(tmp_path, monkeypatch):
     (pkg / "kernels" / "bad.py").write_text("def f():\n    from bnprobe.reports import dumps_json\n")
     monkeypatch.setattr(__import__(__name__, fromlist=["x"]), "PACKAGE", pkg)
     assert arrows() == (1, ["bnprobe.kernels.bad (layer 4) imports bnprobe.reports (layer 11), line 2"])
-
-
-if __name__ == "__main__":
-    n, upward = arrows()
-    print(f"{n} imports between bnprobe modules; layers, bottom to top: "
-          + " < ".join("{" + ", ".join(names) + "}" for names in LAYERS))
-    print(f"upward arrows: {len(upward)}", *upward, sep="\n")
 
 
 def _module_graph() -> dict[str, set[str]]:
@@ -260,3 +254,78 @@ def test_a_crowded_folder_would_be_seen(tmp_path):
     (pkg / "__init__.py").write_text("x = 1\n" * 10)
     (pkg / "checks" / "big.py").write_text("x = 1\n" * 40)
     assert _folder_shares(pkg) == {"bnprobe": 0.2, "bnprobe/checks": 0.8}
+
+
+def _summary(path: Path) -> str:
+    """The first sentence of a module's (or a package's __init__'s) docstring, on one line."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    text = " ".join(doc.split("\n\n")[0].split())
+    text = re.sub(r":\w+:`~?\.?([^`]+)`", r"`\1`", text).replace("``", "`")  # Sphinx roles and literals as Markdown
+    return text.split(". ")[0].rstrip(".").replace("|", "\\|")
+
+
+def layout_markdown(package: Path, layers: tuple[tuple[str, ...], ...]) -> str:
+    """The package's floors, top first, as a Markdown table: each room (a package or a module of the package's top
+    level), what its docstring says it is, and what it holds (a package's modules and packages).  The docs'
+    architecture page shows this table; a test keeps the two equal."""
+    rows = ["| floor | room | what it is | holds |", "| --- | --- | --- | --- |"]
+    for level in range(len(layers) - 1, -1, -1):
+        for name in layers[level]:
+            folder, module = package / name, package / f"{name}.py"
+            if folder.is_dir():
+                room, doc = f"`{name}/`", folder / "__init__.py"
+                holds = sorted(p.stem if p.is_file() else p.name + "/" for p in folder.iterdir()
+                               if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file())
+            elif module.is_file():
+                room, doc, holds = f"`{name}.py`", module, []
+            else:
+                continue
+            summary = _summary(doc) if doc.is_file() else ""
+            rows.append(f"| {level} | {room} | {summary} | {', '.join(holds)} |")
+    return "\n".join(rows) + "\n"
+
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+_BEGIN, _END = "<!-- layout: begin (python tests/test_layers.py --layout) -->", "<!-- layout: end -->"
+
+
+def test_the_architecture_page_shows_the_layout_of_this_test():
+    """The docs' architecture page holds the table :func:`layout_markdown` makes from LAYERS and the tree (re-make
+    it with ``python tests/test_layers.py --layout``)."""
+    page = ARCHITECTURE.read_text()
+    shown = page.split(_BEGIN, 1)[1].split(_END, 1)[0].strip("\n") + "\n"
+    assert shown == layout_markdown(PACKAGE, LAYERS), "re-make it: python tests/test_layers.py --layout"
+
+
+def test_a_room_is_listed_on_its_floor(tmp_path):
+    pkg = tmp_path / "bnprobe"
+    (pkg / "core").mkdir(parents=True)
+    (pkg / "core" / "__init__.py").write_text('"""The shared words. More."""\n')
+    (pkg / "core" / "call.py").write_text("")
+    (pkg / "cli.py").write_text('"""The command line."""\n')
+    assert layout_markdown(pkg, (("core",), ("cli", "absent"))).splitlines()[2:] == [
+        "| 1 | `cli.py` | The command line |  |", "| 0 | `core/` | The shared words | call |"]
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["--layout"]:
+        # the page's table made afresh; with a folder (another checkout's bnprobe/), that tree's, by its own LAYERS
+        root = Path(sys.argv[2]).resolve() if len(sys.argv) > 2 else PACKAGE
+        their = ast.parse((root.parent / "tests" / "test_layers.py").read_text())
+        layers = next(ast.literal_eval(n.value) for n in their.body if isinstance(n, ast.Assign)
+                      and getattr(n.targets[0], "id", "") == "LAYERS")
+        table = layout_markdown(root, layers)
+        if len(sys.argv) > 2:
+            print(table, end="")
+        else:
+            page = ARCHITECTURE.read_text()
+            head, rest = page.split(_BEGIN, 1)
+            ARCHITECTURE.write_text(head + _BEGIN + "\n\n" + table + "\n" + _END + rest.split(_END, 1)[1])
+            print(f"wrote the layout into {ARCHITECTURE}")
+    else:
+        n, upward = arrows()
+        print(f"{n} imports between bnprobe modules; layers, bottom to top: "
+              + " < ".join("{" + ", ".join(names) + "}" for names in LAYERS))
+        print(f"upward arrows: {len(upward)}", *upward, sep="\n")

@@ -267,7 +267,8 @@ def benchmark_of(actual: Any, bench: Any, golden: Any, fmt: str, *, dev: Any = N
 #: accumulation may reach in the worst case, so neither can see a kernel many times worse than a careful one.  An
 #: order of magnitude (msprobe's own limit on the largest error): correct kernels with other summation orders stay
 #: below it (torch's CPU kernel against the careful bench, fp32 parameters, default and stress sets: every output
-#: within 9.2x of the bench's RMSE but 9 of 702, each far worse than careful: README, "When bnprobe says FAIL")
+#: within 9.2x of the bench's RMSE but 9 of 702 when this limit was set, each far worse than careful: the docs'
+#: compare-precision page, "When bnprobe says FAIL")
 WORSE_THAN_BENCH = 10.0
 #: ... and only when the kernel's error exceeds this many units in the last place of the output (at the golden,
 #: RMS): below it both kernels are at the format's own rounding, and their ratio is noise
