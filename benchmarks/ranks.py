@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CHILD = '''
 import json, resource, sys, time
-from bnprobe import sweep
+from bnprobe.sweep import tasks as sweep
 from bnprobe.checks.ranks.check import check_ranks
 root, how = sys.argv[1], sys.argv[2]
 tasks = sweep.plan(root)

@@ -2,7 +2,7 @@
 ``bnprobe compare-precision`` one task per call, with 1 and 2 local workers and on a dask.distributed LocalCluster
 of 1 and 2 worker processes, side by side in one run.
 
-    python benchmarks/sweep.py [--root DIR] [--steps 2] [--ranks 2] [--batch 2]
+    python benchmarks/sweep/tasks.py [--root DIR] [--steps 2] [--ranks 2] [--batch 2]
 
 Prints, per engine: wall time and the time running the tasks, the scaling efficiency of 2 workers over 1
 (T1 / (2 T2)), the per-task scheduling overhead ((task-running time x workers - sum of the tasks' own times) /
@@ -96,7 +96,7 @@ def main() -> None:
     root = a.root or Path(tempfile.mkdtemp(prefix="bnprobe-sweep-bench-")) / "run"
     made = make_root(root, a.steps, a.ranks, a.batch)
     from bnprobe.guard import format_size, run_bytes
-    from bnprobe.sweep import plan
+    from bnprobe.sweep.tasks import plan
 
     tasks = plan(root)
     largest = max(tasks, key=lambda t: math.prod(t.shape))

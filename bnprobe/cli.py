@@ -159,19 +159,9 @@ def _check_common(eps: Optional[float] = None, params: Optional[str] = None, mod
 def _sweep_root(adapter: str, input: Optional[Path], flags: tuple) -> Optional[tuple[Path, Optional[str]]]:
     """(dump root, the runnable adapter or None for the recorded outputs) when this run is a sweep: asked for
     (``flags``: --sweep, --workers, --scheduler, --resume), or a dump root holding several step/rank dumps."""
-    from bnprobe.sweep import dump_leaves
+    from bnprobe.sweep.command import find_root
 
-    asked = any(f not in (None, False) for f in flags)
-    if adapter.startswith("dump:") and "#" not in adapter:
-        root, runnable = Path(adapter[len("dump:"):]), None
-    elif input is not None and input.is_dir():
-        root, runnable = input, adapter
-    elif asked:
-        raise BNProbeError("--sweep, --workers, --scheduler and --resume run over a dump root: give --input ROOT or "
-                           "an adapter dump:ROOT")
-    else:
-        return None
-    return (root, runnable) if asked or (root.is_dir() and len(dump_leaves(root)) > 1) else None
+    return find_root(adapter, input, any(f not in (None, False) for f in flags))
 
 
 def _check_sweep(as_json: bool, options: tuple[str, ...], root: str) -> None:
@@ -183,74 +173,26 @@ def _check_sweep(as_json: bool, options: tuple[str, ...], root: str) -> None:
     refuse(options, root)
 
 
-# the commands that write a report folder under reports/ without --out (the others write only where --out says, on
-# one call, a dump or a sweep alike)
-_WRITES_BY_DEFAULT = ("compare-precision",)
-
-
 def _run_sweep(command: str, found: tuple[Path, Optional[str]], calls: Optional[str], out: Optional[Path],
                force: bool, workers: Optional[int], scheduler: Optional[str], resume: bool, **spec) -> int:
-    """A check over every (step, rank, call) of a dump root, one task each, then its report."""
-    import math
-    import os
-    import time
-
+    """A check over every (step, rank, call) of a dump root, one task each (bnprobe.sweep.command), then its report."""
     from bnprobe._progress import Progress
-    from bnprobe.guard import format_size, require, run_bytes
-    from bnprobe.reports.sweep import SWEEP_FILES, sweep_lines, write_sweep
-    from bnprobe.sweep import (
-        Journal,
-        SweepResult,
-        SweepSpec,
-        check_plan,
-        header,
-        plan,
-        rank_groups,
-        run_sweep,
-        scheduler_address,
-    )
+    from bnprobe.reports.sweep import sweep_lines, write_sweep
+    from bnprobe.sweep.command import SWEEP_FILES, SweepInterrupted, SweepRequest, execute, prepare
 
-    root, runnable = found
-    address = scheduler_address(scheduler)
-    if resume and out is None:
-        raise BNProbeError("--resume continues the sweep in --out DIR: give that folder")
-    sweep_spec = SweepSpec(command, runnable, **spec)
-    tasks = plan(root, calls)
-    check_plan(tasks, sweep_spec)
-    items = [*tasks, *rank_groups(tasks)]  # each call, then each layer and step several ranks recorded
-    n = 1 if address else min(workers or os.cpu_count() or 1, len(items))
-    biggest = max(items, key=lambda t: math.prod(t.shape))
-    need = run_bytes(command, math.prod(biggest.shape), recorded=runnable is None) * n  # one task per worker at a time
-    require(need, f"{command} sweep on {n} worker(s), the largest task {biggest.key} (shape {biggest.shape}, "
-                  f"{format_size(need // n)} each)")
-    if resume and out is not None and (out / SWEEP_FILES[0]).exists() and not force:
-        raise BNProbeError(f"the sweep in {out} has finished (every row is in {out / SWEEP_FILES[0]}): nothing to "
-                           "resume; --force runs it again")
-    if out is None and command not in _WRITES_BY_DEFAULT:  # as the command on one dump: no --out, nothing written
-        import tempfile
-
-        scratch = tempfile.TemporaryDirectory(prefix="bnprobe-sweep-")
-        out, keep = Path(scratch.name), False
-    else:
-        scratch, keep = None, True
-    sink = _output(out, force, f"{command}-sweep", *SWEEP_FILES)
-    journal = Journal(sink.path, header(root, sweep_spec, calls))
-    t0 = time.monotonic()
+    plan = prepare(SweepRequest(command, *found, calls=calls, out=out, force=force, workers=workers,
+                                scheduler=scheduler, resume=resume, options=spec))
+    sink = _output(plan.out, force, f"{command}-sweep", *SWEEP_FILES)
     try:
         with Progress(f"{command} sweep") as bar:
-            rows = run_sweep(items, sweep_spec, workers=n, scheduler=address, journal=journal, resume=resume,
-                             force=force, progress=lambda d, t, f: bar(d, t, f"{d}/{t} calls, {f} failed to run"))
-    except KeyboardInterrupt:
-        kept = max(0, len(journal.path.read_text(encoding="utf-8").splitlines()) - 1) if journal.path.exists() else 0
-        typer.echo(f"bnprobe: interrupted: {kept} of {len(items)} task(s) finished and kept in {journal.path}; the "
-                   f"same command with --resume --out {sink.path} continues from there", err=True)
+            result = execute(plan, sink.path, progress=lambda d, t, f: bar(d, t, f"{d}/{t} calls, {f} failed to run"))
+    except SweepInterrupted as stop:
+        typer.echo(f"bnprobe: {stop}; the same command with --resume --out {stop.out} continues from there", err=True)
         raise typer.Exit(130) from None
-    result = SweepResult.of(command, str(root), rows, seconds=round(time.monotonic() - t0, 1),
-                            engine=f"dask scheduler {address}" if address else f"{n} local worker(s)")
     write_sweep(result, sink)
-    _echo(sweep_lines(result, sink.path if keep else None))
-    if scratch is not None:
-        scratch.cleanup()
+    _echo(sweep_lines(result, sink.path if plan.keep else None))
+    if not plan.keep:
+        plan.cleanup()
         typer.echo(f"nothing written: {command} writes files where --out says (--out DIR keeps the sweep's report "
                    "and lets --resume continue an interrupted sweep)")
     return 0 if result.passed else 1

@@ -13,7 +13,7 @@ import pytest
 from bnprobe.cli import main
 from bnprobe.core.errors import BNProbeError
 from bnprobe.recordings import record, write_dump
-from bnprobe.sweep import SweepResult, SweepSpec, Journal, dump_leaves, header, plan, run_sweep
+from bnprobe.sweep.tasks import SweepResult, SweepSpec, Journal, dump_leaves, header, plan, run_sweep
 from tests.checks.bn_plugins import NumpyBN
 
 RANKS = ("0", "1", "10")  # "10" sorts after "1" and "2" numerically, not as text
@@ -82,7 +82,7 @@ def test_a_task_that_keeps_failing_is_retried_once_reported_and_never_stops_the_
 
 
 def test_a_task_that_fails_once_succeeds_on_its_retry(tmp_path, monkeypatch):
-    import bnprobe.sweep as sweep
+    import bnprobe.sweep.tasks as sweep
 
     root = make_root(tmp_path / "run", steps=1)
     real, seen = sweep.run_task, []
@@ -122,7 +122,7 @@ def test_a_local_worker_that_dies_is_survived(tmp_path, monkeypatch):
 
 
 def test_a_sweep_resumes_without_redoing_finished_tasks(tmp_path, monkeypatch):
-    import bnprobe.sweep as sweep
+    import bnprobe.sweep.tasks as sweep
 
     root, out = make_root(tmp_path / "run"), tmp_path / "out"
     out.mkdir()
@@ -323,7 +323,7 @@ def test_local_workers_are_spawned_once_a_compiled_kernel_has_run():
     """numba's OpenMP threads do not survive a fork (the child aborts): after a compiled kernel, workers start
     fresh; before, they are forked (quicker)."""
     code = ("import sys, numpy as np\n"
-            "from bnprobe import sweep, forward_train\n"
+            "from bnprobe import forward_train\nfrom bnprobe.sweep import tasks as sweep\n"
             "before = sweep._start_method()\n"
             "r = forward_train(np.ones((2, 3, 4), np.float32) * np.arange(4), policy='fp16', keep_arrays=False)\n"
             "print(before, r.trace.meta['route'], sweep._start_method())\n")
@@ -340,7 +340,7 @@ def test_local_workers_are_spawned_once_any_compiled_helper_has_run(run):
     """Not only the BatchNorm kernels: the compiled casts and rules (parallel numba loops too) make the process one
     whose fork would abort."""
     code = ("import numpy as np\n"
-            "from bnprobe import sweep\n"
+            "from bnprobe.sweep import tasks as sweep\n"
             "before = sweep._start_method()\n"
             f"{run}\n"
             "print(before, sweep._start_method())\n")
@@ -353,22 +353,23 @@ def test_local_workers_are_spawned_once_any_compiled_helper_has_run(run):
 def test_an_interrupted_sweep_says_what_finished_and_a_finished_one_is_not_resumed(tmp_path, capsys, monkeypatch):
     """Ctrl-C: exit 130 with how many of the tasks (6 calls, 2 rank checks) finished, where they are kept and how to
     continue; --resume then finishes it; --resume on a finished sweep says so in one line (exit 2)."""
-    import bnprobe.sweep as sweep
+    import bnprobe.sweep.command as command
+    import bnprobe.sweep.tasks as sweep
 
     root, out = make_root(tmp_path / "run"), tmp_path / "out"
-    real = sweep.run_sweep
+    real = command.run_sweep
 
     def interrupted(tasks, spec, *, journal=None, **kw):
         journal.open([])
         journal.add({**sweep.run_task(tasks[0], spec), "attempts": 1})  # one task finished, then Ctrl-C
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(sweep, "run_sweep", interrupted)
+    monkeypatch.setattr(command, "run_sweep", interrupted)
     code, text, err = cli(capsys, "overflow", "--adapter", f"dump:{root}", "--out", str(out))
     assert code == 130 and text == ""
     assert err.strip() == (f"bnprobe: interrupted: 1 of 8 task(s) finished and kept in {out}/sweep-journal.jsonl; "
                            f"the same command with --resume --out {out} continues from there")
-    monkeypatch.setattr(sweep, "run_sweep", real)
+    monkeypatch.setattr(command, "run_sweep", real)
     code, text, err = cli(capsys, "overflow", "--adapter", f"dump:{root}", "--out", str(out), "--resume")
     assert code == 0 and "6 calls" in text
     code, text, err = cli(capsys, "overflow", "--adapter", f"dump:{root}", "--out", str(out), "--resume")

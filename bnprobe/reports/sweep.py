@@ -9,12 +9,11 @@ from typing import Any
 
 from bnprobe._table import markdown_table, render_table
 from bnprobe.reports import OutputDir, dumps_json
-from bnprobe.sweep import SCORES, SweepResult
+from bnprobe.sweep.command import SWEEP_FILES
+from bnprobe.sweep.tasks import SCORES, SweepResult
 
 __all__ = ["SWEEP_FILES", "write_sweep", "sweep_lines"]
 
-SWEEP_FILES = ("sweep.csv", "sweep.parquet", "sweep.json", "summary.md", "heatmap-layer-step.png",
-               "heatmap-layer-rank.png")
 _COLUMNS = ["step", "rank", "order", "layer", "call", "shape", "dtype", "verdict", "score", "failing", "worst",
             "attempts", "seconds", "error"]
 
