@@ -48,6 +48,13 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     set_memory_limit(parse_size(max_memory) if max_memory is not None else None)
 
 
+def _command(name: str):  # noqa: ANN202 - typer's decorator
+    """Register a command of the registry (bnprobe.core.commands) under its name."""
+    from bnprobe.core.commands import command
+
+    return app.command(command(name).name)
+
+
 # ---- options several commands share ------------------------------------------------------------------
 
 _PARAMS = typer.Option(None, help="Parameter format: fp32 (mixed precision, the default) or same (γ, β, running and "
@@ -200,7 +207,7 @@ def _run_sweep(command: str, found: tuple[Path, Optional[str]], calls: Optional[
 
 # ---- commands ---------------------------------------------------------------------------------------
 
-@app.command()
+@_command("trace")
 def trace(
     policy: Optional[str] = typer.Option(None, help="Preset (fp64, fp32, fp16, bf16, fp16-acc16, bf16-acc16) with "
                                                     "optional overrides, e.g. 'fp16:variance=naive,order=lanes' "
@@ -266,7 +273,7 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
     return values
 
 
-@app.command("rsqrt")
+@_command("rsqrt")
 def rsqrt_cmd(
     op: str = typer.Option("rsqrt", help="rsqrt, reciprocal, sqrt or divide."),
     format: str = typer.Option("fp32", "--format", help="fp32, fp16 or bf16."),
@@ -317,7 +324,7 @@ def rsqrt_cmd(
           math_lines(result) + (["wrote " + ", ".join(str(t) for t in written)] if written else []))
 
 
-@app.command("adapters")
+@_command("adapters")
 def adapters_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """List every kernel adapter, whether it is available here, and if not, why."""
     from bnprobe._table import render_table
@@ -335,7 +342,7 @@ def adapters_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON.
                "entry-point group")
 
 
-@app.command("dump")
+@_command("dump")
 def dump_cmd(
     adapter: str = typer.Option(..., *_A, help="Adapter to record, e.g. torch, ascend-tbe, emulated:fp16."),
     out: Path = typer.Option(..., "--out", help="Folder to write bnprobe-dump.json and tensors.npz into."),
@@ -400,7 +407,7 @@ def _output(out: Optional[Path], force: bool, stem: str = "", *names: str):  # n
     return sink
 
 
-@app.command("gradcheck")
+@_command("gradcheck")
 def gradcheck_cmd(
     adapter: str = typer.Option("emulated", *_A, help="Adapter whose backward is checked, or dump:DIR[#NAME] (every "
                                                  "recorded call, each on its own inputs)."),
@@ -504,7 +511,7 @@ def _builtin_for(resolved: list, builtin: list[bool], dtypes: tuple[str, ...] | 
     return keep
 
 
-@app.command("compare-precision")
+@_command("compare-precision")
 def compare_precision_cmd(
     adapters: str = typer.Option("builtin", "--adapters", "--adapter",
                                  help="Comma-separated adapters, e.g. emulated,ascend-tbe,torch, or dump:DIR (every "
@@ -583,7 +590,7 @@ def compare_precision_cmd(
     return 0 if result.passed else 1
 
 
-@app.command("overflow")
+@_command("overflow")
 def overflow_cmd(
     adapter: str = typer.Option("emulated", *_A, help="Adapter to scan (a traced one shows every stage), or "
                                                  "dump:DIR[#NAME] (every recorded call's outputs vs the golden)."),
@@ -643,7 +650,7 @@ def overflow_cmd(
     return _show(overflow_report(rep, params), sink, as_json)
 
 
-@app.command("fold")
+@_command("fold")
 def fold_cmd(
     layer: str = typer.Option("conv2d", help="Built-in layer before the BatchNorm: conv2d or linear."),
     weights: Optional[Path] = typer.Option(None, help=".npz with weight, gamma, beta, running_mean, running_var "
@@ -724,7 +731,7 @@ def _fold_onnx(onnx: Optional[Path], fused: Optional[Path], fuse: Optional[str],
     return _show(report, sink, as_json)
 
 
-@app.command("doctor")
+@_command("doctor")
 def doctor_cmd(
     adapter: str = typer.Option("reference", *_A,
                                 help="Adapter to diagnose, or dump:DIR[#NAME] (every recorded call on "
@@ -799,7 +806,7 @@ def doctor_cmd(
     return _show(doctor_report(rep), sink, as_json)
 
 
-@app.command("identify")
+@_command("identify")
 def identify_cmd(
     adapter: str = typer.Option("torch", *_A, help="The black-box kernel: an adapter (torch, ascend-bnv3, a plugin "
                                               "pkg.mod:Name...) or dump:DIR[#NAME] (every recorded call, each on its "
@@ -865,7 +872,7 @@ def identify_cmd(
     return _show(identify_report(res), sink, as_json)
 
 
-@app.command("shrink")
+@_command("shrink")
 def shrink_cmd(
     adapter: str = typer.Option(..., *_A, help="Adapter whose comparison with the FP64 reference fails (a "
                                                        "runnable one: a dump cannot be rerun on smaller inputs)."),
@@ -920,7 +927,7 @@ def shrink_cmd(
     return 0
 
 
-@app.command("plot-stats")
+@_command("plot-stats")
 def plot_stats_cmd(
     simulate: bool = typer.Option(False, "--simulate", help="Record a built-in training run (the default when no "
                                                            "--log or --dumps is given)."),

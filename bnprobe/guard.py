@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from bnprobe.compiled.jit import jit_for
+from bnprobe.core.commands import COMMANDS
 from bnprobe.core.errors import BNProbeError
 
 __all__ = ["ENV", "BASE_BYTES", "COMPILED_BYTES", "PER_ELEMENT", "PER_RECORDED_ELEMENT", "MODEL_CACHE_BYTES",
@@ -31,32 +32,13 @@ ENV = "BNPROBE_MAX_MEMORY"
 #: Resident memory of a command before its data: Python, numpy, pandas, matplotlib's first figure.
 BASE_BYTES = 256 * 2**20
 
-#: Peak bytes per element of the largest input a command holds at once (measured slope × 1.3).  trace keeps every
-#: stage's array (≈ 30 float64 copies); compare-precision holds the golden, each format's outputs, their metrics
-#: and the bench's; gradcheck the finite-difference probes besides; shrink's first checks need ~110 B, but the
-#: dump it writes at the end costs what ``dump`` does (on a 76 M-value input whose first check outlasted the time
-#: budget it recorded the whole input and needed over 13 GiB).
-PER_ELEMENT: dict[str, int] = {
-    "trace": 380,
-    "overflow": 580,  # its observable checks hold the golden's outputs besides (backward: 447 B measured)
-    "compare-precision": 380,
-    "shrink": 440,  # as dump: it records a dump of what it found, the whole input when time runs out first
-    "doctor": 325,  # 250 B measured running a kernel on a dump's inputs (--input DIR, 4.2 M -> 8.4 M values), 170 B
-    # on a generated input, besides its bug models (below)
-    "identify": 400,  # the confirmation on your input: the kernel's, the candidate's and the golden's outputs
-    "gradcheck": 460,
-    "dump": 440,
-    "fold": 200,
-    "load": 16,
-}
-
-#: Peak bytes per element of a recorded call replayed (the dump's own outputs judged, loaded one call at a time;
-#: one format, the call's own; where a kernel runs on a dump's inputs, PER_ELEMENT applies), measured slope
-#: × 1.3 on emulated fp16 dumps of train, infer and backward calls of 2.1 M and 8.4 M values (2026-12-05:
-#: compare-precision 214 B, overflow 191 B, gradcheck 218 B, doctor 188 B besides its bug models).  A model's
-#: capture (6 calls of a model.half() network, the largest 9.4 M values) measured less: 1.26 GB for
-#: compare-precision, where this estimates 3.0 GiB.  Commands not named here take PER_ELEMENT's figure.
-PER_RECORDED_ELEMENT: dict[str, int] = {"compare-precision": 280, "overflow": 250, "gradcheck": 285, "doctor": 245}
+#: Peak bytes per element of the largest input a command holds at once, and of a recorded call replayed: each
+#: command's figures in the registry (bnprobe.core.commands, where their measurements are told); ``load``: reading
+#: an input file (its values in float64 besides their stored bytes).
+PER_ELEMENT: dict[str, int] = {**{c.name: c.per_element for c in COMMANDS if c.per_element is not None}, "load": 16}
+#: Commands not named here take PER_ELEMENT's figure.
+PER_RECORDED_ELEMENT: dict[str, int] = {c.name: c.per_recorded_element for c in COMMANDS
+                                        if c.per_recorded_element is not None}
 
 #: doctor keeps the bug models' outputs on one call within this, and the newest model besides
 #: (bnprobe.checks.doctor.diagnosis).  On a dump they measured 322 B per element up to 1 M values, then 240-320 MiB; the
@@ -67,7 +49,7 @@ _MODEL_CACHE_PER_ELEMENT = 420
 #: numba and its compiler, for commands whose kernels may take the compiled route (bnprobe.kernels.fused):
 #: measured +131 MB to run cached kernels and +257 MB peak for a first run that compiles them (2 cores, x86_64).
 COMPILED_BYTES = 288 * 2**20
-_NO_COMPILED_ROUTE = frozenset(("trace", "load"))  # trace keeps every stage's array: the float64 route
+_NO_COMPILED_ROUTE = frozenset((*(c.name for c in COMMANDS if not c.compiled), "load"))
 
 #: torch, for runs with a torch adapter (compare-precision's default set has one where torch is installed):
 #: importing it and running its CPU kernel measured +199 MB resident (torch 2.13.0 CPU, x86_64), ×1.15.

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from bnprobe.core.commands import COMMANDS as REGISTRY
 from tests.test_readme import COMMANDS, PAGES, README, ROOT
 
 DOCS = ROOT / "docs"
@@ -73,3 +74,12 @@ def test_prose_is_wrapped(page):
     long = [f"{page.relative_to(ROOT)}:{n}: {len(line)} characters" for n, line in prose(page)
             if len(line) > 120 and not line.lstrip().startswith("|")]
     assert not long, "\n".join(long)
+
+
+def test_the_command_tables_are_the_registrys():
+    """README's table and the commands page list the registry's commands (bnprobe.core.commands), each with its
+    purpose, in its order."""
+    want = [(c.name, c.purpose) for c in REGISTRY]
+    assert re.findall(r"^\| `bnprobe ([a-z-]+)` \| (.+?) \| \[", README.read_text(), re.M) == want
+    index = (DOCS / "commands" / "index.md").read_text()
+    assert re.findall(r"^\| \[([a-z-]+)\]\([a-z-]+\.md\) \| (.+?) \|$", index, re.M) == want

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from bnprobe.core.commands import COMMANDS as REGISTRY
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 # the pages whose transcripts are run: the README and every page of the documentation site
@@ -28,8 +30,7 @@ CALIBRATED = ('bnprobe compare-precision --adapters "emulated:fp16:variance=chan
 # environment; the 16 M-value inputs and rsqrt's fp32 sweep are marked slow; the adapters' listing where no other
 # framework is installed)
 # the commands, each with its page docs/commands/<command>.md
-COMMANDS = ("compare-precision", "gradcheck", "plot-stats", "overflow", "rsqrt", "fold", "doctor", "shrink", "identify",
-            "trace", "dump", "adapters")
+COMMANDS = tuple(c.name for c in REGISTRY)
 RUN = {
     "bnprobe compare-precision": None,
     "bnprobe gradcheck --formula seed": None,

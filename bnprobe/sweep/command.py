@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bnprobe.core.commands import COMMANDS
 from bnprobe.core.errors import BNProbeError
 from bnprobe.guard import format_size, require, run_bytes
 from bnprobe.sweep.tasks import (
@@ -38,7 +39,7 @@ SWEEP_FILES = ("sweep.csv", "sweep.parquet", "sweep.json", "summary.md", "heatma
                "heatmap-layer-rank.png")
 # the commands that write a report folder under reports/ without --out (the others write only where --out says, on
 # one call, a dump or a sweep alike)
-WRITES_BY_DEFAULT = ("compare-precision",)
+WRITES_BY_DEFAULT = tuple(c.name for c in COMMANDS if c.writes_by_default)
 
 
 def find_root(adapter: str, input: Path | None, asked: bool) -> tuple[Path, str | None] | None:

@@ -29,6 +29,7 @@ from typing import Any
 
 from bnprobe._files import append_text, atomic_write_text
 from bnprobe._loading import first_line
+from bnprobe.core.commands import COMMANDS, SWEEP_COMMANDS
 from bnprobe.core.errors import BNProbeError
 from bnprobe.guard import tune_process
 
@@ -36,7 +37,6 @@ __all__ = ["SWEEP_COMMANDS", "Task", "SweepSpec", "plan", "dump_leaves", "run_ta
            "scheduler_address", "SweepResult", "SCORES", "header", "error_row", "check_plan", "RankGroup",
            "rank_groups"]
 
-SWEEP_COMMANDS = ("compare-precision", "doctor", "overflow")
 JOURNAL = "sweep-journal.jsonl"
 _LEVELS = ("", "step*", "rank*", "proc*", "step*/rank*", "step*/proc*")
 
@@ -510,8 +510,7 @@ def header(root: str | Path, spec: SweepSpec, calls: str | None) -> dict[str, An
 
 # ---- the sweep's result --------------------------------------------------------------------------------
 
-SCORES = {"compare-precision": "error / bound of the worst output", "doctor": "failed checklist items",
-          "overflow": "anomalies found"}
+SCORES = {c.name: c.sweep_score for c in COMMANDS if c.sweepable}  # what a sweep of each command scores
 
 
 @dataclass
