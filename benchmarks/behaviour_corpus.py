@@ -42,7 +42,8 @@ Masking (everything else is kept byte for byte; each rule is as narrow as the ou
   "seconds";
 - a sweep row's "worker" (host:pid) and "worker_peak_mb" (JSON keys, CSV and Markdown columns);
 - report folders named by the time (reports/compare-precision-20261130-091206[-k]/ -> ...-<TIME>/);
-- bnprobe-dump.json's "created" time; msprobe's proc<pid> folders;
+- bnprobe-dump.json's "created" time; msprobe's proc<pid> folders (and the padding of a terminal table that holds
+  one, whose width follows the pid's length);
 - the memory guard's figure of free memory ("more than the 21.3 GiB available memory"; its estimate is kept).
 
 No command had to be left out as non-deterministic: two runs of the same checkout give identical corpora.  Sweeps
@@ -406,7 +407,24 @@ class Masker:
             s = s.replace(p, r)
         for pat, rep in TEXT_RULES:
             s = pat.sub(rep, s)
-        return s
+        return unpad_pid_tables(s)
+
+
+def unpad_pid_tables(s: str) -> str:
+    """A terminal table with a proc<PID> cell is padded to the pid's length, which varies from run to run: in such a
+    table (its lines up to a blank line either side) each run of two or more spaces or dashes becomes two."""
+    lines = s.split("\n")
+    hit = [i for i, line in enumerate(lines) if "proc<PID>" in line and "  " in line]
+    for i in hit:
+        lo, hi = i, i
+        while lo > 0 and lines[lo - 1].strip():
+            lo -= 1
+        while hi + 1 < len(lines) and lines[hi + 1].strip():
+            hi += 1
+        for k in range(lo, hi + 1):
+            if not lines[k].lstrip().startswith(("|", "===")):  # Markdown tables and file headers are not padded
+                lines[k] = re.sub(r"-{2,}", "--", re.sub(r" {2,}", "  ", lines[k]))
+    return "\n".join(lines)
 
 
 def mask_csv(text: str) -> str:
@@ -670,8 +688,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
             differ += 1
             print(f"{name}: only in {a if pa.exists() else b}")
             continue
-        la = pa.read_text(encoding="utf-8").splitlines(keepends=True)
-        lb = pb.read_text(encoding="utf-8").splitlines(keepends=True)
+        # (a corpus recorded before its pid tables were unpadded is compared as if they were)
+        la = unpad_pid_tables(pa.read_text(encoding="utf-8")).splitlines(keepends=True)
+        lb = unpad_pid_tables(pb.read_text(encoding="utf-8")).splitlines(keepends=True)
         if la == lb:
             continue
         differ += 1
