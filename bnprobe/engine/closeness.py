@@ -209,7 +209,7 @@ def bench_ratio_rule(actual: np.ndarray, bench: np.ndarray, golden: np.ndarray, 
     each denominator floored at the format's error floor (fp16 2^-11, bf16 2^-8, fp32 2^-14) times the golden's
     RMS, within :data:`BENCH_RMSE_RATIO` and :data:`BENCH_MAX_RATIO` (msprobe's loosest level).  NaN values are left
     out of the errors; a non-finite ``actual`` fails.  A format msprobe has no standard for (fp64) passes when
-    finite.  Score: the share of the tighter limit used; bound 1."""
+    finite.  Score: the larger of the two ratios as a share of its limit (inf when not finite); bound 1."""
     std = MSPROBE_STANDARDS.get(get_format(fmt).name)
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         # an actual output that overflowed is all NaN/inf: reported as non-finite
