@@ -6,7 +6,7 @@ depend on it) and constants.
 - ``RANK_TOLERANCES``: check_ranks' statistics;
 - ``ACCUMULATION_FORMAT`` (the format a correct kernel accumulates in) and ``SMALL_VALUE_ULPS``: compare-precision's
   benchmark rule;
-- ``FOLD_COMPUTE_ULPS`` and ``folded_tolerance``: a user's folded layer (``fold --folded``);
+- ``FOLD_COMPUTE_ULPS``, ``FOLD_SUM_SLACK`` and ``folded_tolerance``: a user's folded layer (``fold --folded``);
 - msprobe 26.2.0's own: ``MSPROBE_STANDARDS``, ``MSPROBE_CHECKER``, ``MSPROBE_BENCHMARK_LIMITS``,
   ``MSPROBE_BENCHMARK_APIS``, ``MSPROBE_COMPARE_LIMITS`` and ``MSPROBE_CSV_DECIMALS``.
 
@@ -31,7 +31,7 @@ __all__ = ["GRAD_TOLERANCES", "FINITE_DIFFERENCE", "MSPROBE_STANDARDS", "Standar
            "check_rtol_atol", "CheckerStandard", "MSPROBE_CHECKER", "MSPROBE_BENCHMARK_LIMITS",
            "MSPROBE_BENCHMARK_APIS", "MSPROBE_CSV_DECIMALS", "MSPROBE_COMPARE_LIMITS", "DOCTOR_TOLERANCES",
            "doctor_tolerance", "KERNEL_AGREEMENT", "RANK_TOLERANCES", "ACCUMULATION_FORMAT", "accumulation_format",
-           "accumulation_bound", "SMALL_VALUE_ULPS", "FOLD_COMPUTE_ULPS", "folded_tolerance"]
+           "accumulation_bound", "SMALL_VALUE_ULPS", "FOLD_COMPUTE_ULPS", "FOLD_SUM_SLACK", "folded_tolerance"]
 
 GRAD_TOLERANCES: dict[str, tuple[float, float]] = {  # (rtol, atol)
     "fp64": (1e-7, 1e-7),
@@ -198,6 +198,10 @@ def accumulation_bound(fmt: str, terms: int) -> float:
 #: it is formed from -- |W'| for a weight; |b·A| + |β| + |μ·A| for a bias, since B = β − μ·A can cancel.  A correct
 #: fold in fp32 rounds about six times on the way (σ²+ε, √, ÷, ·γ or ·W; μ·A, β − μ·A, b·A, +), fewer than eight.
 FOLD_COMPUTE_ULPS = 8.0
+#: fold --folded: the layer's output error and what the tolerance allows there are each an FP64 sum (the layer run on
+#: W' − W'gold and on |x| with the tolerances); two FP64 sums of up to 1e6 terms each round by less than
+#: 1e6 · 2^-53 ~ 1e-10 relative, so the allowance is widened by this share
+FOLD_SUM_SLACK = 1e-9
 
 
 def folded_tolerance(expected: np.ndarray, storage: str, magnitude: np.ndarray | None = None) -> np.ndarray:

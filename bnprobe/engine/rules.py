@@ -131,14 +131,16 @@ def all_finite(a: Any) -> bool:
 
 # ---- the words of a failure -------------------------------------------------------------------------------
 
-def mismatch(k: int, n: int, *, where: str, actual: float, expected: float, allowed: float, beyond: str,
+def mismatch(k: int, n: int, *, where: str, actual: float, expected: float, allowed: float, beyond: str = "",
              breakdown: str = "", greatest: str = "") -> str:
     """A failure in torch.testing's words: "Mismatched elements: k / n (p%...); greatest ... at <where>: actual vs
-    expected expected (<allowed> allowed beyond <beyond>)".  ``breakdown`` follows the percentage inside its
-    parentheses, ``greatest`` names the measure (e.g. "error 0.01")."""
+    expected expected (<allowed> allowed beyond <beyond>)", or "(<allowed> allowed)" without ``beyond`` (a
+    tolerance that is the whole allowance).  ``breakdown`` follows the percentage inside its parentheses,
+    ``greatest`` names the measure (e.g. "error 0.01")."""
     g = f" {greatest}" if greatest else ""
+    b = f" beyond {beyond}" if beyond else ""
     return (f"Mismatched elements: {k} / {n} ({100.0 * k / n:.3g}%{breakdown}); greatest{g} at {where}: "
-            f"{actual:.6g} vs {expected:.6g} expected ({allowed:.3g} allowed beyond {beyond})")
+            f"{actual:.6g} vs {expected:.6g} expected ({allowed:.3g} allowed{b})")
 
 
 def greatest_error(actual: Any, bench: Any, golden: Any, bench_name: str) -> str:

@@ -3,7 +3,8 @@
 The golden: A = γ/√(σ²+ε), B = β − μ·A, W' = W·A per output channel and b' = b·A + B, in FP64 from the layer's
 own parameters.  Per output channel the user's W' and b' pass when each value lies within half an ulp of the format
 the file stores it in plus a few units of fp32 computation (:func:`bnprobe.core.tolerances.folded_tolerance`); the
-layer's output on x is judged with that tolerance carried through the layer, |Δy| ≤ |x| * tol(W') + tol(b').
+layer's output on x is judged with that tolerance carried through the layer, |Δy| ≤ |x| * tol(W') + tol(b').  The
+judge decides both (:func:`bnprobe.engine.closeness.bounded_rule` and :func:`~bnprobe.engine.closeness.error_within`).
 
 When the fold is wrong, each known way of getting it wrong is rebuilt from the layer in FP64 and judged against the
 user's numbers with the same tolerance: a cause is named only when it reproduces every channel and the correct fold
@@ -36,7 +37,8 @@ from bnprobe.core.formats import get_format
 from bnprobe.kernels.layout import layout_of
 from bnprobe.numerics.arith import Arith
 from bnprobe.numerics.rounding import is_representable, round_to
-from bnprobe.core.tolerances import folded_tolerance
+from bnprobe.core.tolerances import FOLD_SUM_SLACK, folded_tolerance
+from bnprobe.engine.closeness import bound_shares, bounded_rule, error_within, off_by
 
 __all__ = ["Folded", "load_folded", "check_folded", "FRAMEWORK_EPS"]
 
@@ -44,7 +46,6 @@ __all__ = ["Folded", "load_folded", "check_folded", "FRAMEWORK_EPS"]
 FRAMEWORK_EPS = {1e-5: "PyTorch's default", 1e-3: "Keras' default"}
 _STORED = {"float16": "fp16", "float32": "fp32", "float64": "fp64", "bfloat16": "bf16"}
 _NARROWER = ("bf16", "fp16", "fp32")  # lowest precision first: every bf16 value in fp16's range is an fp16 value too
-_SUM_SLACK = 1e-9  # two FP64 sums of up to 1e6 terms each round by less than 1e6 * 2^-53 ~ 1e-10 relative
 
 
 @dataclass(frozen=True)
@@ -229,13 +230,6 @@ def _permutation(folded: Folded, gold: _Model) -> np.ndarray | None:
     return perm
 
 
-def _ratios(actual: np.ndarray, expected: np.ndarray, tol: np.ndarray) -> np.ndarray:
-    """|actual - expected| / tol per value; inf where either is NaN or inf and they differ."""
-    with np.errstate(all="ignore"):
-        r = np.where(actual == expected, 0.0, np.abs(actual - expected) / tol)
-    return np.where(np.isfinite(r) & np.isfinite(tol), r, np.where(actual == expected, 0.0, np.inf))
-
-
 @dataclass(frozen=True)
 class _Judged:
     """A model against the user's numbers: per value the tolerance and the error as a share of it."""
@@ -257,7 +251,7 @@ def _judge(folded: Folded, m: _Model) -> _Judged:
     w, wm = folded.weight.reshape(cout, -1), m.weight.reshape(cout, -1)
     w_tol = folded_tolerance(wm, folded.weight_format)
     b_tol = folded_tolerance(m.bias, folded.bias_format, np.abs(m.bias) + m.magnitude)
-    return _Judged(m, w_tol, _ratios(w, wm, w_tol), b_tol, _ratios(folded.bias, m.bias, b_tol))
+    return _Judged(m, w_tol, bound_shares(w, wm, w_tol), b_tol, bound_shares(folded.bias, m.bias, b_tol))
 
 
 def _output(layer: Layer, folded: Folded, gold: _Judged) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -275,7 +269,7 @@ def _output(layer: Layer, folded: Folded, gold: _Judged) -> tuple[np.ndarray, np
     dy = np.where(np.isnan(dy), np.inf, dy)
     worst = np.argmax(dy, axis=1)
     rows = np.arange(dy.shape[0])
-    ok = (dy <= allowed * (1 + _SUM_SLACK)).all(axis=1)
+    ok = error_within(dy, allowed, slack=FOLD_SUM_SLACK, axis=1)
     return dy[rows, worst], allowed[rows, worst], ok
 
 
@@ -289,15 +283,16 @@ def _channels(layer: Layer, folded: Folded, gold: _Judged) -> Any:
     a = gold.model.a
     rows = []
     for c in range(cout):
-        k = int(np.argmax(gold.w_ratio[c]))
-        need = max(float(gold.w_ratio[c, k]), float(gold.b_ratio[c]))
+        wj = bounded_rule(w[c], wg[c], gold.w_tol[c])
+        bj = bounded_rule(folded.bias[c], gold.model.bias[c], gold.b_tol[c])
+        k = wj.worst
+        need = max(wj.used, bj.used)
         finite = bool(np.isfinite(w[c]).all() and np.isfinite(folded.bias[c]))
-        ok = finite and need <= 1 and bool(y_ok[c])
+        ok = finite and bool(wj) and bool(bj) and bool(y_ok[c])
         why = ("NaN or inf in the folded file" if not finite else
                "within tolerance" if ok else
-               f"W'[{c}] element {k} off by {abs(w[c, k] - wg[c, k]):.3g} (allowed {gold.w_tol[c, k]:.3g})"
-               if gold.w_ratio[c, k] >= gold.b_ratio[c] else
-               f"b'[{c}] off by {abs(folded.bias[c] - gold.model.bias[c]):.3g} (allowed {gold.b_tol[c]:.3g})")
+               off_by(f"W'[{c}] element {k}", w[c, k], wg[c, k], gold.w_tol[c, k]) if wj.used >= bj.used else
+               off_by(f"b'[{c}]", folded.bias[c], gold.model.bias[c], gold.b_tol[c]))
         rows.append({"channel": c, "A": float(a[c]) if np.isfinite(a[c]) else math.nan,
                      "w_err": float(np.abs(w[c, k] - wg[c, k])), "w_allowed": float(gold.w_tol[c, k]),
                      "b_err": float(abs(folded.bias[c] - gold.model.bias[c])), "b_allowed": float(gold.b_tol[c]),

@@ -6,7 +6,8 @@ in the format under test — inputs and weights stored in it, the layer's dot pr
 an explicit accumulator format — and compared with the FP64 unfused golden, per output channel.
 
 The verdict is msprobe's benchmark method (its rule for BatchNorm-level operators) with the unfused
-computation in the same format as the benchmark: a channel passes when folding's RMSE is at most 2x
+computation in the same format as the benchmark, decided by the judge
+(:func:`bnprobe.engine.closeness.bench_ratio_rule`): a channel passes when folding's RMSE is at most 2x
 and its largest error at most 10x the unfused path's, each denominator floored at the format's
 error floor times the channel's RMS (fp16 2^-11, bf16 2^-8, fp32 2^-14).  Running the layer in a
 format at all costs precision; folding must not add materially to it.
@@ -32,7 +33,7 @@ from bnprobe.kernels.layout import layout_of
 from bnprobe.numerics.arith import Arith
 from bnprobe.numerics.reduce import reduce_sum
 from bnprobe.numerics.rounding import round_to
-from bnprobe.core.tolerances import MSPROBE_STANDARDS
+from bnprobe.engine.closeness import bench_ratio_rule
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -43,8 +44,6 @@ __all__ = ["Layer", "FoldReport", "make_layer", "load_layer", "check_layer", "fo
 # Ascend's Conv+BN folding pass on the host replaces an eps below 1e-8 by 1e-5
 ASCEND_EPS_FLOOR = 1e-8
 ASCEND_EPS_REPLACEMENT = 1e-5
-BENCHMARK_RMSE_RATIO = 2.0  # msprobe's benchmark limits (its loosest level, where BN falls)
-BENCHMARK_MAX_RATIO = 10.0
 
 
 @dataclass
@@ -445,21 +444,9 @@ def _channel_table(f: _Fold) -> Any:
         wmax = np.nanmax(np.abs(f.w2.reshape(cout, -1)), axis=1)
         wnum = f.w2.reshape(cout, -1)
         w_rel = np.nanmax(np.abs(round_to(wnum, fmt) - wnum) / np.where(wnum != 0, np.abs(wnum), np.nan), axis=1)
-    std = MSPROBE_STANDARDS.get(fmt.name)
     rows = []
     for c in range(cout):
-        with warnings.catch_warnings(), np.errstate(all="ignore"):
-            warnings.filterwarnings("ignore", message="(All-NaN slice|Mean of empty slice)", category=RuntimeWarning)
-            rms = float(np.sqrt(np.nanmean(yg[c] ** 2)))
-            floor = (std.error_floor if std else 0.0) * rms
-            rmse_f, rmse_u = (float(np.sqrt(np.nanmean((v - yg[c]) ** 2))) for v in (yf[c], yu[c]))
-            r_rmse = rmse_f / max(rmse_u, floor) if rmse_f > 0 else 0.0
-            r_max = float(err_f[c]) / max(float(err_u[c]), floor) if err_f[c] > 0 else 0.0
-            finite = bool(np.isfinite(yf[c]).all())
-        ok = finite and (std is None or (r_rmse <= BENCHMARK_RMSE_RATIO and r_max <= BENCHMARK_MAX_RATIO))
-        why = ("non-finite folded output" if not finite else
-               f"folded/unfused error: RMSE x{r_rmse:.3g} (limit {BENCHMARK_RMSE_RATIO:g}), max x{r_max:.3g} "
-               f"(limit {BENCHMARK_MAX_RATIO:g})")
+        ok, why, _, _ = bench_ratio_rule(yf[c], yu[c], yg[c], fmt.name, what="folded", bench_name="unfused")
         with np.errstate(all="ignore"):
             head = math.log2(fmt.max / wmax[c]) if wmax[c] > 0 and np.isfinite(wmax[c]) else -math.inf
         rows.append({"channel": c, "A": float(f.a64[c]), "running_var": float(rv[c]),

@@ -32,7 +32,8 @@ from bnprobe.engine.run import CallRun, each_run
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
 from bnprobe.kernels.layout import channel_column, element_at, layout_of, reduce_axes, to_channels_first
-from bnprobe.engine.metrics import compare, min_atol, min_rtol
+from bnprobe.engine.closeness import allclose_rule, scaled_rule
+from bnprobe.engine.metrics import compare
 from bnprobe.core.tolerances import FINITE_DIFFERENCE, check_rtol_atol, grad_tolerance
 
 __all__ = ["GradRow", "GradcheckResult", "gradcheck", "gradcheck_recorded", "check_formula", "FORMULAS",
@@ -110,40 +111,14 @@ class GradcheckResult:
 def _row(check: str, tensor: str, actual: np.ndarray, expected: np.ndarray, rtol: float, atol: float, *,
          fmt: str = "fp64", where_of: Callable[[int], str] | None = None, detail: str = "",
          scale: np.ndarray | None = None, equal_nan: bool = False) -> GradRow:
-    """|a - e| <= atol·scale + rtol·|e| elementwise (scale 1 when None); ``equal_nan``: NaN/inf where the
-    expected value has the same one counts as equal (an input-borne NaN is not the kernel's error)."""
-    a = np.asarray(actual, dtype=np.float64).reshape(-1)
-    e = np.asarray(expected, dtype=np.float64).reshape(-1)
-    s = np.ones_like(e) if scale is None else np.broadcast_to(np.asarray(scale, dtype=np.float64),
-                                                               np.shape(expected)).reshape(-1)
-    with np.errstate(invalid="ignore"):
-        d = np.abs(a - e)
-        if equal_nan:
-            d = np.where((a == e) | (np.isnan(a) & np.isnan(e)), 0.0, d)
-        finite = np.isfinite(d)
-        allowed = atol * s + rtol * np.abs(e)
-        ok = bool(finite.all() and np.all(d <= allowed))
-        rel = d / np.where(e == 0, np.nan, np.abs(e))
-        used = np.where(d == 0, 0.0, d / allowed)
-    m = compare(a, e, fmt)
-    worst = int(np.nanargmax(np.where(finite, used, np.inf))) if d.size else 0
-    if not finite.all():
-        need_atol = need_rtol = math.inf
-    elif scale is None:
-        need_atol, need_rtol = min_atol(a, e, rtol), min_rtol(a, e, atol)
-    else:  # atol as a multiple of the scale
-        with np.errstate(all="ignore"):
-            excess = d - rtol * np.abs(e)
-            per = np.where(excess <= 0, 0.0, np.where(s > 0, excess / np.where(s > 0, s, 1.0), np.inf))
-            over = d - atol * s
-            ge = np.abs(e)
-            per_r = np.where(over <= 0, 0.0, np.where(ge > 0, over / np.where(ge > 0, ge, 1.0), np.inf))
-        need_atol = float(per.max()) if per.size else 0.0
-        need_rtol = float(per_r.max()) if per_r.size else 0.0
-    return GradRow(check, tensor, ok, float(np.nanmax(d)) if (~np.isnan(d)).any() else math.nan if d.size else 0.0,
-                   float(np.nanmax(rel)) if np.isfinite(rel).any() else 0.0, rtol, atol, need_atol, need_rtol,
-                   float(np.nanmax(np.where(finite, used, np.inf))) if d.size else 0.0,
-                   where_of(worst) if where_of else str(worst), detail, m.cosine, m.ratio_1e3, m.ratio_5e3, m.ulp_max)
+    """The judge's :func:`~bnprobe.engine.closeness.allclose_rule` (|a - e| <= atol·scale + rtol·|e| elementwise,
+    scale 1 when None; ``equal_nan``: NaN/inf where the expected value has the same one counts as equal, an
+    input-borne NaN not being the kernel's error) as a row, with msprobe's measures in ``fmt``."""
+    v = allclose_rule(actual, expected, rtol, atol, scale=scale, equal_nan=equal_nan, where=where_of)
+    m = compare(np.asarray(actual, dtype=np.float64).reshape(-1), np.asarray(expected, dtype=np.float64).reshape(-1),
+                fmt)
+    return GradRow(check, tensor, v.passed, v.max_abs, v.max_rel, rtol, atol, v.need_atol, v.need_rtol, v.used,
+                   v.where, detail, m.cosine, m.ratio_1e3, m.ratio_5e3, m.ulp_max)
 
 
 # ---- inputs -------------------------------------------------------------------------------------
@@ -361,19 +336,10 @@ def _identities(dx: np.ndarray, dg: np.ndarray | None, db: np.ndarray | None, in
         cond = 1.0 + np.abs(mean) * rstd
         cond = np.where(np.isfinite(cond), cond, 1.0)
     for name, got, want, scale in checks:
-        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            diff = np.abs(got - want)
-            resid = diff / np.where(scale > 0, scale, 1.0) / cond
-        # a NaN/inf residual (a NaN gradient, an overflowing sum) fails its channel: the worst, infinitely far off
-        bad = ~np.isfinite(resid)
-        worst = int(np.argmax(bad)) if bad.any() else int(np.argmax(resid)) if resid.size else 0
-        top = math.inf if bad.any() else float(resid.max()) if resid.size else 0.0
-        big = math.inf if not np.isfinite(diff).all() else float(diff.max()) if diff.size else 0.0
-        ok = top <= tol
-        rows.append(GradRow("identity", name, ok, big, top, tol, 0.0, top, top, top / tol if tol else math.inf,
-                            f"channel {worst}" + (" (NaN/inf)" if bad.any() else ""),
-                            "residual relative to the identity's own scale and the condition 1 + |mean|·rstd, per "
-                            "channel"))
+        v = scaled_rule(got, want, scale, tol, condition=cond, where=lambda i: f"channel {i}")
+        rows.append(GradRow("identity", name, v.passed, v.max_abs, v.max_rel, tol, 0.0, v.need_atol, v.need_rtol,
+                            v.used, v.where, "residual relative to the identity's own scale and the condition "
+                            "1 + |mean|·rstd, per channel"))
     return rows
 
 
