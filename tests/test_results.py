@@ -242,6 +242,8 @@ def test_a_column_of_verdicts_is_written_as_the_column_of_strings():
     assert new.to_csv(index=False) == old.to_csv(index=False)
     assert new.to_json(orient="records") == old.to_json(orient="records")
     assert dumps_json(new.to_dict(orient="records")) == dumps_json(old.to_dict(orient="records"))
+    kept = pd.DataFrame({"verdict": pd.Series(members, dtype=object)})  # the members kept in the frame
+    assert kept.to_csv(index=False) == old[["verdict"]].to_csv(index=False)
     records = [{"verdict": v} for v in members]  # rows as dicts (the sweep's), framed and written
     assert pd.DataFrame(records).to_csv(index=False) == old[["verdict"]].to_csv(index=False)
     buf = io.StringIO()
