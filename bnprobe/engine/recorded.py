@@ -21,6 +21,7 @@ from bnprobe.adapters import KernelAdapter, get_adapter
 from bnprobe.adapters.base import PARAM_PRECISIONS
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
+from bnprobe.engine.result import Verdict
 from bnprobe.recordings import CALLS_NAME, META_NAME, CallRef, RecordedCalls, Recording, open_dump, split_dump_spec
 
 __all__ = ["Recorded", "PerCall", "recording_of", "is_dump_path", "check_options", "check_params", "given", "refuse",
@@ -176,6 +177,15 @@ class PerCall:
     @property
     def passed(self) -> bool:
         return bool(self)
+
+    @property
+    def verdict(self) -> Verdict:
+        return Verdict.of(self.passed)
+
+    @property
+    def frame(self):  # -> pandas.DataFrame
+        """The calls' rows (:meth:`to_frame`)."""
+        return self.to_frame()
 
     def to_frame(self):  # -> pandas.DataFrame
         """The results' frames (each with its call column) one after the other."""

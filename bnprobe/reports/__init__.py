@@ -12,6 +12,7 @@ from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
 
+from bnprobe.engine.result import Verdict
 from bnprobe._files import (
     OutputDir,
     atomic_write_bytes,
@@ -163,7 +164,7 @@ def _table_html(tid: str, table: HtmlTable, columns: Mapping[str, tuple[str, str
         cells = []
         for v in rec:
             text, data = _cell(v)
-            cls = f' class="{text}"' if text in ("PASS", "FAIL") else (' class="num"' if data else "")
+            cls = f' class="{text}"' if text in (Verdict.PASS, Verdict.FAIL) else (' class="num"' if data else "")
             cells.append(f"<td{cls}{data}>{text}</td>")
         rows.append("<tr>" + "".join(cells) + "</tr>")
     sortable = ' class="sortable"' if table.sortable else ""

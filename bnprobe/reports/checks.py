@@ -6,10 +6,21 @@ Each function takes a check's result and returns a :class:`~bnprobe.reports.Repo
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bnprobe._table import render_table
+from bnprobe.engine.result import Verdict
 from bnprobe.reports import Report, file_stem
+
+if TYPE_CHECKING:  # pragma: no cover
+    from bnprobe.checks.doctor.diagnosis import DoctorReport
+    from bnprobe.checks.fold.layer import FoldReport
+    from bnprobe.checks.fold.onnx_model import OnnxFoldReport
+    from bnprobe.checks.gradcheck.gradients import GradcheckResult
+    from bnprobe.checks.overflow.report import OverflowReport
+    from bnprobe.checks.trace.stages import TraceComparison
+    from bnprobe.engine.recorded import PerCall
+    from bnprobe.kernels.layout import Layout
 
 __all__ = ["gradcheck_report", "gradcheck_recorded_report", "overflow_report", "overflow_recorded_report",
            "doctor_report", "doctor_recorded_report", "fold_report", "folded_report", "fold_onnx_report",
@@ -22,26 +33,22 @@ def _markdown(title: str, table: str, notes: list[str] | tuple[str, ...], *secti
     return md + "\n".join(f"- {n}" for n in notes) + "\n"
 
 
-def _verdict(passed: bool) -> str:
-    return "PASS" if passed else "FAIL"
-
-
 # ---- gradcheck --------------------------------------------------------------------------------------
 
-def gradcheck_report(result: Any, params: str | None = None) -> Report:
+def gradcheck_report(result: GradcheckResult, params: str | None = None) -> Report:
     """One gradcheck result (an adapter's backward or a formula, on generated inputs)."""
     rows = [{**r.to_dict(), "used %": 100.0 * r.used} for r in result.rows]
     table = render_table(rows, ["check", "tensor", "status", "max_abs", "max_rel", "used %", "min_rtol", "where"],
                          headers=["check", "tensor", "status", "max abs err", "max rel err", "tol used %",
                                   "needs rtol", "worst at"])
     title = (f"gradcheck {result.adapter} in {result.dtype}" + (f" (params {params})" if params is not None else "")
-             + f", {result.mode}, shape {tuple(result.shape)}, seed {result.seed}: {_verdict(result.passed)}")
+             + f", {result.mode}, shape {tuple(result.shape)}, seed {result.seed}: {result.verdict}")
     return Report(title, [table], list(result.notes), result.passed, result.to_dict(),
                   file_stem("gradcheck", result.adapter, result.dtype, result.mode), result.to_frame(),
                   _markdown(title, table, result.notes))
 
 
-def gradcheck_recorded_report(run: Any) -> Report:
+def gradcheck_recorded_report(run: PerCall) -> Report:
     """gradcheck on every recorded call: one row per call, then the failed checks."""
     summary, failed = [], []
     for i, res in enumerate(run.results):
@@ -56,7 +63,7 @@ def gradcheck_recorded_report(run: Any) -> Report:
                          headers=["#", "call (forward order)", "format", "mode", "checks", "failed", "failing",
                                   "finite diff.", "worst tol used %"])
     title = (f"gradcheck {run.kernel} on {len(run.results)} recorded call(s) of {run.source}: "
-             f"{_verdict(run.passed)}")
+             f"{run.verdict}")
     blocks = [table]
     if failed:
         blocks += ["\nfailed checks:",
@@ -75,7 +82,7 @@ def gradcheck_recorded_report(run: Any) -> Report:
 _HEADROOM_NOTE = "headroom of the sums is predicted"
 
 
-def overflow_report(rep: Any, params: str | None = None) -> Report:
+def overflow_report(rep: OverflowReport, params: str | None = None) -> Report:
     """The overflow scan of one run: findings, the remedies tried, headroom predicted vs actual, saturation."""
     frame = rep.to_frame()
     table = render_table(frame.to_dict(orient="records"), ["anomaly", "stage", "format", "channels", "count",
@@ -104,7 +111,7 @@ def overflow_report(rep: Any, params: str | None = None) -> Report:
                   file_stem("overflow", rep.adapter, rep.dtype, rep.mode), frame, md)
 
 
-def overflow_recorded_report(run: Any) -> Report:
+def overflow_recorded_report(run: PerCall) -> Report:
     """The overflow scan of every recorded call: one row per call, then every finding."""
     frame = run.to_frame()
     summary = []
@@ -141,7 +148,7 @@ def _details(failed: list[tuple[str, Any]]) -> list[str]:
     return out
 
 
-def doctor_report(rep: Any) -> Report:
+def doctor_report(rep: DoctorReport) -> Report:
     """The checklist on one kernel: PASS/WARN/FAIL per item with its evidence, the details of what is wrong and
     the known bugs that match."""
     import pandas as pd
@@ -159,7 +166,7 @@ def doctor_report(rep: Any) -> Report:
                   file_stem("doctor", rep.adapter, rep.dtype), pd.DataFrame(rows), md)
 
 
-def doctor_recorded_report(run: Any) -> Report:
+def doctor_recorded_report(run: PerCall) -> Report:
     """The checklist on every recorded call: one row per call, then the items that did not pass."""
     import pandas as pd
 
@@ -167,8 +174,9 @@ def doctor_recorded_report(run: Any) -> Report:
     for i, rep in enumerate(run.results):
         summary.append({"#": i, "call": rep.call, "format": rep.dtype, "params": rep.params,
                         "status": "healthy" if rep.passed else "FAIL", "items": len(rep.items),
-                        "failed": sum(it.status == "FAIL" for it in rep.items), "diagnosis": "; ".join(rep.diagnosis)})
-        items += [{"call": rep.call, **it.to_dict()} for it in rep.items if it.status != "PASS"]
+                        "failed": sum(it.status == Verdict.FAIL for it in rep.items),
+                        "diagnosis": "; ".join(rep.diagnosis)})
+        items += [{"call": rep.call, **it.to_dict()} for it in rep.items if it.status != Verdict.PASS]
     table = render_table(summary, ["#", "call", "format", "params", "status", "items", "failed", "diagnosis"],
                          headers=["#", "call (forward order)", "format", "params", "status", "items", "failed",
                                   "diagnosis"])
@@ -187,7 +195,7 @@ def doctor_recorded_report(run: Any) -> Report:
 
 # ---- fold -------------------------------------------------------------------------------------------
 
-def fold_report(rep: Any) -> Report:
+def fold_report(rep: FoldReport) -> Report:
     """Folding per output channel (largest A and failing channels first), the fused forms, the eps rule, the
     wrong statistics and torch's fusion; with ``rep.folded``, the user's fold (:func:`folded_report`)."""
     if rep.folded is not None:
@@ -199,7 +207,7 @@ def fold_report(rep: Any) -> Report:
                           "err_folded", "verdict"],
                          headers=["channel", "A", "var/eps", "max|W'|", "W' headroom", "err unfused", "err folded",
                                   "verdict"])
-    n_fail = int((ch.verdict == "FAIL").sum())
+    n_fail = int((ch.verdict == Verdict.FAIL).sum())
     title = (f"fold {rep.layer} + BatchNorm in {rep.dtype} (accumulate {rep.accumulate}), {len(ch)} output channels: "
              + ("all pass" if rep.passed else f"{n_fail} break the standard") + " (largest A / failing channels first)")
     e = rep.eps_rule
@@ -219,7 +227,7 @@ def fold_report(rep: Any) -> Report:
                   ch, md)
 
 
-def folded_report(rep: Any) -> Report:
+def folded_report(rep: FoldReport) -> Report:
     """A user's folded layer per output channel (failing and worst channels first), then each candidate cause."""
     ch, f = rep.channels, rep.folded
     shown = ch.sort_values(["verdict", "needs_x_tolerance"], ascending=[True, False]).head(10)
@@ -228,7 +236,7 @@ def folded_report(rep: Any) -> Report:
                           "y_allowed", "verdict"],
                          headers=["channel", "A", "|dW'| worst", "allowed", "|db'|", "allowed", "needs x tol",
                                   "|dy| worst", "allowed", "verdict"])
-    n_fail = int((ch.verdict == "FAIL").sum())
+    n_fail = int((ch.verdict == Verdict.FAIL).sum())
     title = (f"fold --folded {f['file']}: {rep.layer} + BatchNorm stored in {rep.dtype}, {len(ch)} output channels "
              f"against the FP64 fold (eps {f['eps']:g}): "
              + ("all pass" if rep.passed else f"{n_fail} fail") + " (failing / worst channels first)")
@@ -254,30 +262,30 @@ _ONNX_HEADERS = ["layer", "op", "check", "ch", "eps", "max |A|", "near-dead ch",
                  "failed ch", "likely cause / why", "verdict"]
 
 
-def _onnx_details(rep: Any) -> list[str]:
+def _onnx_details(rep: OnnxFoldReport) -> list[str]:
     """Per failing check: its worst channels, and for a fused layer each candidate cause."""
     out: list[str] = []
     for (name, d), r in rep.analysis.items():
         if not r.passed:
-            bad = r.channels[r.channels.verdict == "FAIL"].head(5)
+            bad = r.channels[r.channels.verdict == Verdict.FAIL].head(5)
             out += [f"\n{name}, fold in {d}:", *(f"  channel {int(c.channel)}: {c.why}" for c in bad.itertuples())]
     for label, reps in (("fused", rep.fused), ("fused in fp16", rep.fp16)):
         for name, r in reps.items():
             if isinstance(r, str) or r.passed:
                 continue
-            bad = r.channels[r.channels.verdict == "FAIL"].sort_values("needs_x_tolerance", ascending=False)
+            bad = r.channels[r.channels.verdict == Verdict.FAIL].sort_values("needs_x_tolerance", ascending=False)
             out += [f"\n{name}, {label} ({r.folded['file']}): {len(bad)} of {len(r.channels)} channels fail; "
                     "likely cause: " + ("; ".join(r.folded["likely_causes"]) or "no known cause matches"),
                     *(f"  channel {int(c.channel)}: {c.why}" for c in bad.head(5).itertuples())]
     return out
 
 
-def fold_onnx_report(rep: Any) -> Report:
+def fold_onnx_report(rep: OnnxFoldReport) -> Report:
     """``fold --onnx``: one row per layer and check (the fold per format, the fused layer, its fp16 view), then the
     failures with their causes; the CSV holds every channel of every check."""
     rows = rep.summary()
     table = render_table(rows, _ONNX_COLUMNS, headers=_ONNX_HEADERS) if rows else "no layer to fold"
-    n_fail = sum(r["verdict"] == "FAIL" for r in rows)
+    n_fail = sum(r["verdict"] == Verdict.FAIL for r in rows)
     fused = f", fused: {rep.fused_source}" if rep.fused_source else ""
     title = (f"fold --onnx {rep.model}: {len(rep.layers)} layer(s) + BatchNorm in {', '.join(rep.dtypes)}{fused}: "
              + ("all pass" if rep.passed else f"{n_fail} check(s) fail"))
@@ -293,7 +301,7 @@ def fold_onnx_report(rep: Any) -> Report:
                   rep.to_frame(), md)
 
 
-def fold_onnx_html(rep: Any, report: Report) -> str:
+def fold_onnx_html(rep: OnnxFoldReport, report: Report) -> str:
     """The same report as one HTML page: the summary, then every check's channel table."""
     import pandas as pd
 
@@ -311,7 +319,7 @@ def fold_onnx_html(rep: Any, report: Report) -> str:
 
 # ---- trace ------------------------------------------------------------------------------------------
 
-def trace_lines(cmp: Any, source: str, lay: Any, eps: float, momentum: float | None) -> list[str]:
+def trace_lines(cmp: TraceComparison, source: str, lay: Layout, eps: float, momentum: float | None) -> list[str]:
     """A traced run, stage by stage: range, error against the FP64 golden, anomalies."""
     meta = cmp.meta
     lines = [f"policy   {cmp.policy.describe()}",

@@ -7,6 +7,7 @@ from typing import Any
 
 from bnprobe._table import render_table
 from bnprobe.engine.budget import BUDGET_CHANNELS
+from bnprobe.engine.result import Verdict
 from bnprobe.checks.compare.precision import CompareResult, first_failing_call, per_call, summarize, worse_rows
 from bnprobe.engine.rules import WORSE_THAN_BENCH, WORSE_ULPS
 from bnprobe.core.errors import BNProbeError
@@ -99,7 +100,7 @@ def markdown_summary(result: CompareResult) -> str:
     s = summarize(result)
     lines = [f"# {report_title(result)}", "", report_intro(result) + f" {result.meta['seconds']} s.", "",
              "## Per format", "", markdown_table(pd.DataFrame(s)) if s else "(nothing compared)", ""]
-    for n in [] if result.meta.get("recorded") else result.meta.get("notes", []):
+    for n in [] if result.meta.get("recorded") else result.notes:
         lines += [f"Note: {n}", ""]
     if result.meta.get("recorded"):
         first = first_failing_call(result)
@@ -109,9 +110,9 @@ def markdown_summary(result: CompareResult) -> str:
                   "First call that fails: " + (f"#{first['order']} {first['call']} ({first['failing']}, "
                                                       f"{first['adapter']})" if first else "none") + ".", "",
                   markdown_table(pd.DataFrame(per_call(result))), ""]
-        for n in [*result.meta.get("dump", {}).get("notes", []), *result.meta.get("notes", [])]:
+        for n in [*result.meta.get("dump", {}).get("notes", []), *result.notes]:
             lines += [f"Note: {n}", ""]
-    fails = result.rows[result.rows["verdict"] == "FAIL"] if len(result.rows) else result.rows
+    fails = result.rows[result.rows["verdict"] == Verdict.FAIL] if len(result.rows) else result.rows
     if len(fails):
         lines += ["## Outputs that fail", "",
                   markdown_table(fails[["adapter", "dtype", "case", "tensor", "why", "max_abs", "max_rel",
@@ -119,7 +120,7 @@ def markdown_summary(result: CompareResult) -> str:
     worse = worse_rows(result.rows)
     if len(worse):
         lines += [f"## {WORSE_TITLE}", "", markdown_table(worse[WORSE_COLUMNS]), ""]
-    warns = result.rows[result.rows["format_check"] == "WARN"] if len(result.rows) else result.rows
+    warns = result.rows[result.rows["format_check"] == Verdict.WARN] if len(result.rows) else result.rows
     if len(warns):
         lines += ["## Format warnings: error over msprobe's absolute standard (the format, not the kernel)", "",
                   markdown_table(warns[["adapter", "dtype", "case", "tensor", "format_why"]]), ""]
@@ -199,13 +200,13 @@ def write_report(result: CompareResult, out: Any, formats: tuple[str, ...] = REP
             sections.append(("Recorded calls in forward order (first that fails: "
                              + (f"#{first['order']} {first['call']}" if first else "none") + ")",
                              pd.DataFrame(per_call(result))))
-        fails = result.rows[result.rows["verdict"] == "FAIL"] if len(result.rows) else result.rows
+        fails = result.rows[result.rows["verdict"] == Verdict.FAIL] if len(result.rows) else result.rows
         if len(fails):
             sections.append(("Outputs that fail, worst first", _failing(fails)))
         worse = worse_rows(result.rows)
         if len(worse):
             sections.append((WORSE_TITLE, worse[WORSE_COLUMNS].rename(columns={"worse": "worse_why"})))
-        warns = result.rows[result.rows["format_check"] == "WARN"] if len(result.rows) else result.rows
+        warns = result.rows[result.rows["format_check"] == Verdict.WARN] if len(result.rows) else result.rows
         if len(warns):
             sections.append(("Format warnings: error over msprobe's absolute standard (the format, not the kernel)",
                              warns[["adapter", "dtype", "case", "tensor", "format_why"]]))
@@ -253,8 +254,8 @@ def compare_lines(result: CompareResult, what: str, recorded_notes: tuple[str, .
     for r in rows:
         r["budget"] = f"{r['budget_top']} ({100 * r['budget_share']:.0f}%)" if r["budget_top"] else ""
         r["worst / bound"] = r["worst_ratio"]
-    n_fail = int((result.rows["verdict"] == "FAIL").sum()) if len(result.rows) else 0
-    n_warn = int((result.rows["format_check"] == "WARN").sum()) if len(result.rows) else 0
+    n_fail = int((result.rows["verdict"] == Verdict.FAIL).sum()) if len(result.rows) else 0
+    n_warn = int((result.rows["format_check"] == Verdict.WARN).sum()) if len(result.rows) else 0
     n_worse = len(worse_rows(result.rows))
     judged = (f"benchmark vs {result.meta['bench']}" if result.meta["rule"] == "benchmark"
               else f"absolute rule {result.meta['rule']}")
@@ -275,4 +276,4 @@ def compare_lines(result: CompareResult, what: str, recorded_notes: tuple[str, .
                                             "failing outputs"]),
                   "first call that fails: " + (f"#{first['order']} {first['call']} ({first['failing']}, "
                                                f"{first['adapter']})" if first else "none")]
-    return lines + [f"note: {n}" for n in [*recorded_notes, *result.meta["notes"]]]
+    return lines + [f"note: {n}" for n in [*recorded_notes, *result.notes]]

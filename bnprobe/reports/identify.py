@@ -3,10 +3,13 @@ fields the probes could not tell apart, and where the kernel departs from the po
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bnprobe._table import render_table
 from bnprobe.reports import Report, file_stem
+
+if TYPE_CHECKING:  # pragma: no cover
+    from bnprobe.checks.identify.results import Identified, IdentifiedCalls
 
 __all__ = ["identify_report", "identify_recorded_report"]
 
@@ -15,7 +18,7 @@ def _ulps(v: float) -> Any:
     return "-" if v == 0 else ("inf" if v == float("inf") else v)
 
 
-def _blocks(res: Any) -> list[str]:
+def _blocks(res: Identified) -> list[str]:
     """The outputs, stages and undistinguished fields of one identification."""
     rows = [{"output": o.output, "stage": o.stage, "bit": "yes" if o.probes_exact and o.fresh_exact is not False
              else "NO", "probes": "exact" if o.probes_exact else "differs",
@@ -39,7 +42,7 @@ def _blocks(res: Any) -> list[str]:
     return out
 
 
-def _title(res: Any, what: str) -> str:
+def _title(res: Identified, what: str) -> str:
     verdict = (f"reproduced bit for bit by emulated:{res.spec}" if res.reproduced else
                f"departs from the policy space at the {res.departs} stage; closest: emulated:{res.spec}")
     return f"identify {what}: {verdict}"
@@ -49,19 +52,17 @@ def _markdown(title: str, blocks: list[str], notes: list[str]) -> str:
     return f"# {title}\n\n```\n" + "\n".join(blocks) + "\n```\n\n" + "".join(f"- {n}\n" for n in notes)
 
 
-def identify_report(res: Any) -> Report:
+def identify_report(res: Identified) -> Report:
     """identify on one kernel (generated probes)."""
     title = _title(res, f"{res.adapter} in {res.dtype}, params {res.params}")
     blocks = _blocks(res) + [f"{len(res.probes)} probes ({', '.join(res.probes)}); {res.evaluations} candidate "
                              f"evaluations, {res.seconds:.1f} s"]
-    return Report(title, blocks, list(res.notes), res.reproduced, res.to_dict(),
-                  file_stem("identify", res.adapter, res.dtype), res.to_frame(), _markdown(title, blocks, res.notes))
+    return Report(title, blocks, list(res.notes), res.passed, res.to_dict(),
+                  file_stem("identify", res.adapter, res.dtype), res.frame, _markdown(title, blocks, res.notes))
 
 
-def identify_recorded_report(run: Any) -> Report:
+def identify_recorded_report(run: IdentifiedCalls) -> Report:
     """identify on every recorded call: one row per call, then each call's outputs."""
-    import pandas as pd
-
     rows = [{"#": i, "call": r.label, "format": r.dtype, "params": r.params,
              "found": "bit for bit" if r.reproduced else f"departs at {r.departs}", "policy": r.spec}
             for i, r in enumerate(run.results)]
@@ -74,7 +75,6 @@ def identify_recorded_report(run: Any) -> Report:
     blocks = [table]
     for r in run.results:
         blocks += ["", f"{r.label}: emulated:{r.spec}", *_blocks(r)]
-    notes = [f"{r.label}: {n}" for r in run.results for n in r.notes]
-    frame = pd.DataFrame([{"call": r.label, **o.to_dict()} for r in run.results for o in r.outputs])
-    return Report(title, blocks, notes, run.reproduced, run.to_dict(), file_stem("identify", kernel, "recorded"),
-                  frame, _markdown(title, blocks, notes))
+    notes = list(run.notes) + [f"{r.label}: {n}" for r in run.results for n in r.notes]
+    return Report(title, blocks, notes, run.passed, run.to_dict(), file_stem("identify", kernel, "recorded"),
+                  run.frame, _markdown(title, blocks, notes))

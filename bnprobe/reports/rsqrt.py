@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from bnprobe._table import render_table
 from bnprobe.reports import OutputDir, dumps_json
+
+if TYPE_CHECKING:  # pragma: no cover
+    from bnprobe.checks.rsqrt.mathfn import MathAnalysis
 
 __all__ = ["math_files", "write_math", "math_lines"]
 
@@ -16,19 +19,19 @@ def math_files(stem: str) -> tuple[str, str, str]:
     return f"{stem}.csv", f"{stem}.json", f"{stem}.png"
 
 
-def write_math(result: Any, sink: OutputDir, stem: str) -> list[Path]:
+def write_math(result: MathAnalysis, sink: OutputDir, stem: str) -> list[Path]:
     """CSV and JSON of the analysis and the plot of its error curve, all or nothing."""
     from bnprobe.plots import plot_math_error
 
     csv, js, png = math_files(stem)
-    sink.write_text(csv, result.to_frame().to_csv(index=False))
+    sink.write_text(csv, result.frame.to_csv(index=False))
     sink.write_text(js, dumps_json(result.to_dict()))
     if result.curve:
         sink.save_figure(png, plot_math_error(result), dpi=120)
     return sink.commit()
 
 
-def math_lines(result: Any) -> list[str]:
+def math_lines(result: MathAnalysis) -> list[str]:
     """Per Newton step count: ULP and relative error, correctly rounded share, non-finite results; the ULP
     histograms, the worst inputs and the notes."""
     spec = result.spec

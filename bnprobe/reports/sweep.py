@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from bnprobe._table import markdown_table, render_table
+from bnprobe.engine.result import Verdict
 from bnprobe.reports import OutputDir, dumps_json
 from bnprobe.sweep.command import SWEEP_FILES
 from bnprobe.sweep.tasks import SCORES, SweepResult
@@ -32,15 +33,15 @@ def _parquet(frame: Any) -> bytes | None:
 
 
 def _title(result: SweepResult) -> str:
-    failed = sum(r["verdict"] == "FAIL" for r in result.rows)
-    errors = sum(r["verdict"] == "ERROR" for r in result.rows)
+    failed = sum(r["verdict"] == Verdict.FAIL for r in result.rows)
+    errors = sum(r["verdict"] == Verdict.ERROR for r in result.rows)
     steps = len({r["step"] for r in result.rows})
     ranks = len({r["rank"] for r in result.rows})
     return (f"{result.command} sweep of {result.root}: {len(result.rows)} calls ({steps} step(s) x {ranks} rank(s)), "
             + ("all pass" if result.passed else f"{failed} fail" + (f", {errors} could not run" if errors else ""))
             + (f"; {len(result.ranks)} layer(s) x step checked across ranks ("
                + ", ".join(f"{k} {n}" for k, n in Counter(r["kind"] or "error" for r in result.ranks).items()) + ")"
-               + (f", {bad} not explained by the concatenated batch" if (bad := sum(r["verdict"] != "PASS"
+               + (f", {bad} not explained by the concatenated batch" if (bad := sum(r["verdict"] != Verdict.PASS
                                                                                    for r in result.ranks)) else "")
                if result.ranks else "")
             + f"; {result.seconds:.1f} s on {result.engine}")
@@ -50,7 +51,7 @@ def _markdown(result: SweepResult, frame: Any) -> str:
     import pandas as pd
 
     cols = [c for c in _COLUMNS if c in frame]
-    bad = frame[frame["verdict"] != "PASS"]
+    bad = frame[frame["verdict"] != Verdict.PASS]
     parts = [f"# {_title(result)}", "", f"Score: {SCORES[result.command]}.", "",
              "## First call that fails, per step and rank (forward order)", "",
              markdown_table(pd.DataFrame(result.first_failing())) if result.first_failing() else "none", "",
@@ -68,7 +69,7 @@ def write_sweep(result: SweepResult, sink: OutputDir) -> list[Path]:
     """Every file of the report into ``sink``, all or nothing (the journal stays beside them)."""
     from bnprobe.plots import plot_sweep_heatmap
 
-    frame = result.to_frame()
+    frame = result.frame
     sink.write_text("sweep.csv", frame.to_csv(index=False))
     data = _parquet(frame)
     if data is None:
@@ -80,7 +81,7 @@ def write_sweep(result: SweepResult, sink: OutputDir) -> list[Path]:
 
         sink.write_text("ranks.csv", pd.DataFrame(result.ranks).to_csv(index=False))
     sink.write_text("sweep.json", dumps_json(result.to_dict()))
-    ok = frame[frame["verdict"] != "ERROR"]
+    ok = frame[frame["verdict"] != Verdict.ERROR]
     if len(ok):
         for across in ("step", "rank"):
             sink.save_figure(f"heatmap-layer-{across}.png", plot_sweep_heatmap(ok, across, SCORES[result.command]),

@@ -31,6 +31,7 @@ from bnprobe._files import append_text, atomic_write_text
 from bnprobe._loading import first_line
 from bnprobe.core.commands import COMMANDS, SWEEP_COMMANDS
 from bnprobe.core.errors import BNProbeError
+from bnprobe.engine.result import Verdict
 from bnprobe.guard import tune_process
 
 __all__ = ["SWEEP_COMMANDS", "Task", "SweepSpec", "plan", "dump_leaves", "run_task", "run_sweep", "Journal",
@@ -212,13 +213,13 @@ def _compare_row(one: Any, spec: SweepSpec) -> dict[str, Any]:
                           bench=spec.bench, budget=spec.budget)
     rows = r.rows
     if not len(rows):
-        return {"verdict": "PASS", "score": 0.0, "outputs": 0, "failing": "", "worst": "", "notes": r.meta["notes"]}
+        return {"verdict": r.verdict, "score": 0.0, "outputs": 0, "failing": "", "worst": "", "notes": r.notes}
     ratio = rows["score"] / rows["bound"]
     worst = rows.loc[ratio.idxmax()]
-    bad = rows[rows["verdict"] == "FAIL"]
-    return {"verdict": "PASS" if r.passed else "FAIL", "score": float(ratio.max()), "outputs": int(len(rows)),
+    bad = rows[rows["verdict"] == Verdict.FAIL]
+    return {"verdict": r.verdict, "score": float(ratio.max()), "outputs": int(len(rows)),
             "failing": ", ".join(bad["tensor"]), "worst": str(worst["tensor"]),
-            "format_warnings": int((rows["format_check"] == "WARN").sum()), "notes": r.meta["notes"],
+            "format_warnings": int((rows["format_check"] == Verdict.WARN).sum()), "notes": r.notes,
             "statistics": _statistics(rows)}
 
 
@@ -234,8 +235,8 @@ def _doctor_row(one: Any, spec: SweepSpec) -> dict[str, Any]:
 
     kernel = _kernel(one, spec)
     rep = doctor_recorded(Recorded(kernel, one), stability=False).results[0]
-    failed = [i.name for i in rep.items if i.status == "FAIL"]
-    return {"verdict": "PASS" if rep.passed else "FAIL", "score": float(len(failed)), "outputs": len(rep.items),
+    failed = [i.name for i in rep.items if i.status == Verdict.FAIL]
+    return {"verdict": rep.verdict, "score": float(len(failed)), "outputs": len(rep.items),
             "failing": "; ".join(failed), "worst": "; ".join(rep.diagnosis), "notes": list(rep.notes)}
 
 
@@ -246,7 +247,7 @@ def _overflow_row(one: Any, spec: SweepSpec) -> dict[str, Any]:
     kernel = _kernel(one, spec)
     run = scan_recorded(Recorded(kernel, one), mode=spec.mode)
     findings = [f for rep in run.results for f in rep.findings]
-    return {"verdict": "PASS" if run.passed else "FAIL", "score": float(len(findings)), "outputs": len(run.results),
+    return {"verdict": run.verdict, "score": float(len(findings)), "outputs": len(run.results),
             "failing": ", ".join(dict.fromkeys(f"{f.anomaly}@{f.stage}" for f in findings)), "worst": "",
             "notes": [n for rep in run.results for n in rep.notes]}
 
@@ -264,7 +265,7 @@ def _ranks_row(group: RankGroup) -> dict[str, Any]:
     rep = check_ranks(recs, call=group.layer)
     # per rank: its statistics' worst error against the concatenated batch's, over the tolerance (<= 1 passes)
     scores = {str(group.members[r.rank].rank): r.global_ratio for r in rep.rows}
-    return {"kind": rep.kind, "verdict": "PASS" if rep.passed else "FAIL", "summary": rep.summary,
+    return {"kind": rep.kind, "verdict": rep.verdict, "summary": rep.summary,
             "failures": list(rep.failures), "notes": list(rep.notes), "scores": scores}
 
 
@@ -306,10 +307,10 @@ def _base(task: Task | RankGroup) -> dict[str, Any]:
 def error_row(task: Task | RankGroup, message: str, attempts: int) -> dict[str, Any]:
     """The row of a task that failed ``attempts`` times."""
     if isinstance(task, RankGroup):
-        return {**_base(task), "kind": "", "verdict": "ERROR", "summary": "", "failures": [], "notes": [],
+        return {**_base(task), "kind": "", "verdict": Verdict.ERROR, "summary": "", "failures": [], "notes": [],
                 "status": "error", "error": message, "attempts": attempts, "seconds": 0.0, "worker": "",
                 "worker_peak_mb": float("nan")}
-    return {**_base(task), "status": "error", "verdict": "ERROR", "score": float("nan"), "outputs": 0,
+    return {**_base(task), "status": "error", "verdict": Verdict.ERROR, "score": float("nan"), "outputs": 0,
             "failing": "", "worst": "", "notes": [], "error": message, "attempts": attempts, "seconds": 0.0,
             "worker": "", "worker_peak_mb": float("nan")}
 
@@ -537,7 +538,8 @@ class SweepResult:
         for row in calls:
             if (g := sync.get((row["step"], row["layer"]))) is not None and row["status"] == "ok":
                 # its score too: the own-slice one (kept as own_slice_score) measures the wrong golden
-                row.update(verdict=g["verdict"], failing="" if g["verdict"] == "PASS" else "; ".join(g["failures"]),
+                row.update(verdict=g["verdict"],
+                           failing="" if g["verdict"] == Verdict.PASS else "; ".join(g["failures"]),
                            judged_by="ranks", own_slice_score=row.get("score"),
                            score=(g.get("scores") or {}).get(str(row["rank"]), math.nan),
                            notes=[*row.get("notes", []), "SyncBatchNorm: this rank normalised "
@@ -547,10 +549,22 @@ class SweepResult:
 
     @property
     def passed(self) -> bool:
-        return all(r["verdict"] == "PASS" for r in (*self.rows, *self.ranks))
+        return all(r["verdict"] == Verdict.PASS for r in (*self.rows, *self.ranks))
 
     def __bool__(self) -> bool:
         return self.passed
+
+    @property
+    def verdict(self) -> Verdict:
+        """PASS; else FAIL when a call or a rank check failed; else ERROR (some could not run)."""
+        if self.passed:
+            return Verdict.PASS
+        return Verdict.FAIL if any(r["verdict"] == Verdict.FAIL for r in (*self.rows, *self.ranks)) else Verdict.ERROR
+
+    @property
+    def frame(self) -> Any:  # -> pandas.DataFrame
+        """One row per (step, rank, call) (:meth:`to_frame`)."""
+        return self.to_frame()
 
     def to_frame(self) -> Any:
         """One row per (step, rank, call): lists and mappings as text, so CSV and Parquet hold them."""
@@ -564,7 +578,7 @@ class SweepResult:
         """Per step and rank, the first call (forward order) that fails or errs."""
         first: dict[tuple[int, str], dict[str, Any]] = {}
         for r in sorted(self.rows, key=lambda r: r["order"]):
-            if r["verdict"] != "PASS":
+            if r["verdict"] != Verdict.PASS:
                 first.setdefault((r["step"], r["rank"]), r)
         return [{"step": s, "rank": k, "order": r["order"], "call": r["call"], "layer": r["layer"],
                  "verdict": r["verdict"], "failing": r["failing"] or r.get("error", "")}
@@ -583,15 +597,15 @@ class SweepResult:
                 out.append({"step": step, "layer": layer, "what": "verdicts differ",
                             "ranks": ", ".join(f"{r['rank'] or '-'}: {r['verdict']}"
                                                + (f" ({r['failing']})" if r["failing"] else "") for r in rs)})
-        out += [{"step": r["step"], "layer": r["layer"], "what": "statistics" if r["verdict"] == "FAIL" else
+        out += [{"step": r["step"], "layer": r["layer"], "what": "statistics" if r["verdict"] == Verdict.FAIL else
                  "rank check could not run", "ranks": r["summary"] or r.get("error", "")}
-                for r in self.ranks if r["verdict"] != "PASS"]
+                for r in self.ranks if r["verdict"] != Verdict.PASS]
         return out
 
     def to_dict(self) -> dict[str, Any]:
         return {"command": self.command, "root": self.root, "passed": self.passed, "tasks": len(self.rows),
-                "failed": sum(r["verdict"] == "FAIL" for r in self.rows),
-                "errors": sum(r["verdict"] == "ERROR" for r in self.rows), "seconds": self.seconds,
+                "failed": sum(r["verdict"] == Verdict.FAIL for r in self.rows),
+                "errors": sum(r["verdict"] == Verdict.ERROR for r in self.rows), "seconds": self.seconds,
                 "engine": self.engine, "score": SCORES[self.command], "first_failing": self.first_failing(),
                 "disagreements": self.disagreements(), "notes": self.notes, "rows": self.rows,
                 "ranks": self.ranks}

@@ -29,6 +29,7 @@ from bnprobe.core.conventions import convention_of
 from bnprobe.engine.budget import BUDGET_CHANNELS, budget_cause, error_budget
 from bnprobe.engine.cases import Case, make_dy, recorded_cases, resnet50_cases, stress_cases
 from bnprobe.engine.recipes import RECIPES, recipe_fits
+from bnprobe.engine.result import Verdict
 from bnprobe.engine.rules import (
     RULES,
     BenchOutput,
@@ -129,8 +130,8 @@ def _row(j: _Judging, adapter: str, dtype: str, case: Case, tensor: str, actual:
         who = f"{bench_name} (the bench)" if isinstance(bench, BenchOutput) else "this kernel"
         why_fmt = f"{who}: {f_why}" + (f" — {'; '.join(notes)}" if notes else "")
     return {"adapter": adapter, "dtype": dtype, "case": case.name, "shape": "x".join(map(str, case.shape)),
-            "tensor": tensor, "format": fmt, "kind": kind, "verdict": "PASS" if ok else "FAIL", "why": why,
-            "score": score, "bound": bound, "format_check": "ok" if f_ok else "WARN", "format_why": why_fmt,
+            "tensor": tensor, "format": fmt, "kind": kind, "verdict": Verdict.of(ok), "why": why,
+            "score": score, "bound": bound, "format_check": Verdict.OK if f_ok else Verdict.WARN, "format_why": why_fmt,
             "format_score": f_score, "format_bound": f_bound, **extra,
             **{k: v for k, v in m.to_dict().items() if k not in ("worst_index",)},
             "ulp_over_threshold": over, "small_value_share": small, "subnormal_share": sub}
@@ -155,6 +156,10 @@ def _channels(adapter: str, dtype: str, case: Case, y: np.ndarray, gy: np.ndarra
 
 @dataclass
 class CompareResult:
+    """compare-precision's result (a :class:`~bnprobe.engine.result.CheckResult`): one row per output judged
+    (``rows``, also its ``frame``), the worst channels, the error budget and what the run was (``meta``, whose
+    ``notes`` are its ``notes``)."""
+
     rows: pd.DataFrame
     channels: pd.DataFrame
     budget: pd.DataFrame
@@ -162,10 +167,24 @@ class CompareResult:
 
     @property
     def passed(self) -> bool:
-        return bool((self.rows["verdict"] == "PASS").all()) if len(self.rows) else True
+        return bool((self.rows["verdict"] == Verdict.PASS).all()) if len(self.rows) else True
 
     def __bool__(self) -> bool:
         return self.passed
+
+    @property
+    def verdict(self) -> Verdict:
+        return Verdict.of(self.passed)
+
+    @property
+    def notes(self) -> list[str]:
+        """What the verdicts cannot show: ``meta``'s notes (the same list)."""
+        return self.meta.get("notes", [])
+
+    @property
+    def frame(self) -> pd.DataFrame:
+        """The outputs' rows (``rows``)."""
+        return self.rows
 
     def to_dict(self) -> dict[str, Any]:
         return {"meta": self.meta, "passed": self.passed, "rows": self.rows.to_dict(orient="records"),
@@ -362,7 +381,7 @@ def _compare_adapter(a: KernelAdapter, cc: _CaseCall, j: _Judging, tables: _Tabl
                  bench=bench_out.get(t), explain=explain, natural=natural, cancel=_cancel_bound(run, t))
         if t == "dx" and call.training and run.saved is not None:
             r["stored_stats_share"] = _stored_share(ref, run, run.gold["dx"])
-        if r["verdict"] == "FAIL" and t in bench_out:
+        if r["verdict"] == Verdict.FAIL and t in bench_out:
             _name_recipe(r, cc, run, t, bench_out[t].value)
         tables.rows.append(r)
     if "y" in run.got and run.saved is not None:
@@ -612,7 +631,7 @@ def per_call(result: CompareResult) -> list[dict[str, Any]]:
     order = {c["name"]: i for i, c in enumerate(result.meta["cases"])}
     for (adapter, case), sub in rows.groupby(["adapter", "case"], sort=False):
         ratio, worst = _worst(sub, "score", "bound")
-        bad = sub[sub["verdict"] == "FAIL"]
+        bad = sub[sub["verdict"] == Verdict.FAIL]
         out.append({"order": order.get(case, -1), "call": case, "adapter": adapter, "dtype": sub["dtype"].iloc[0],
                     "outputs": int(len(sub)), "failed": int(len(bad)), "failing": ", ".join(bad["tensor"]),
                     "worst": "" if worst is None else worst["tensor"], "worst_ratio": ratio})
@@ -650,12 +669,12 @@ def summarize(result: CompareResult) -> list[dict[str, Any]]:
         return out
     for (adapter, dtype), sub in rows.groupby(["adapter", "dtype"], sort=False):
         ratio, worst = _worst(sub, "score", "bound")
-        warn = sub[sub["format_check"] == "WARN"]
+        warn = sub[sub["format_check"] == Verdict.WARN]
         _, fworst = _worst(warn, "format_score", "format_bound")
         worse = worse_rows(sub)
         top = worse.loc[worse["rmse_vs_bench"].fillna(float("inf")).idxmax()] if len(worse) else None
         item = {"adapter": adapter, "dtype": dtype, "checked": int(len(sub)),
-                "failed": int((sub["verdict"] == "FAIL").sum()),
+                "failed": int((sub["verdict"] == Verdict.FAIL).sum()),
                 "worse": int(len(worse)),
                 "worse_worst": "" if top is None else f"{top['tensor']} on {top['case']} ({top['rmse_vs_bench']:.3g}x)",
                 "format_warnings": int(len(warn)),

@@ -39,6 +39,7 @@ from bnprobe.checks.doctor.bugs import (
     model, running_item,
 )
 from bnprobe.engine.recorded import PerCall, Recorded, check_options, check_params
+from bnprobe.engine.result import Verdict
 from bnprobe.engine.run import CallRun, Golden, each_run, generated_call, run_call
 from bnprobe.engine.rules import beyond_format, channel_rule
 from bnprobe.core.conventions import convention_of
@@ -56,10 +57,13 @@ __all__ = ["Item", "DoctorReport", "Probe", "doctor", "doctor_recorded", "probes
 @dataclass(frozen=True)
 class Item:
     name: str
-    status: str  # PASS, WARN, FAIL
+    status: Verdict  # PASS, WARN or FAIL (given as the text or the member: kept as the member)
     evidence: str
     matches: tuple[str, ...] = ()
     details: tuple[str, ...] = ()  # what is wrong, per input and output (torch.testing style)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", Verdict(self.status))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -83,7 +87,7 @@ class DoctorReport:
     @property
     def passed(self) -> bool:
         """No checklist item failed (every result type answers with ``.passed`` and ``bool``)."""
-        return all(i.status != "FAIL" for i in self.items)
+        return all(i.status != Verdict.FAIL for i in self.items)
 
     @property
     def healthy(self) -> bool:
@@ -92,6 +96,17 @@ class DoctorReport:
 
     def __bool__(self) -> bool:
         return self.passed
+
+    @property
+    def verdict(self) -> Verdict:
+        return Verdict.of(self.passed)
+
+    @property
+    def frame(self) -> Any:  # -> pandas.DataFrame
+        """One row per checklist item (its CSV)."""
+        import pandas as pd
+
+        return pd.DataFrame([i.to_dict() for i in self.items])
 
     def to_dict(self) -> dict[str, Any]:
         return {**({} if self.call is None else {"call": self.call}), "adapter": self.adapter, "dtype": self.dtype,
@@ -529,7 +544,7 @@ def _as_compare(checks: dict[str, Check], a: KernelAdapter, rec: Any, modes: tup
         judged = [next((rows[t] for t in _COMPARED.get(k, ()) if t in rows), None) for k in c.keys]
         if not c.keys or any(v is None or not math.isfinite(float(v["score"])) for v in judged):
             continue
-        failing = [v for v in judged if v["verdict"] == "FAIL"]
+        failing = [v for v in judged if v["verdict"] == Verdict.FAIL]
         c.own_ratio = c.ratio
         if not failing:  # the doctor's designed inputs may still show a logic bug msprobe's metrics let through
             continue
@@ -541,7 +556,7 @@ def _as_compare(checks: dict[str, Check], a: KernelAdapter, rec: Any, modes: tup
     if saved is None or not saved.causes or bw is None or not (bw.own_ratio > 1 and bw.ratio > 1):
         return checks
     judged = [rows[t] for k in bw.keys for t in _COMPARED.get(k, ()) if t in rows]
-    if judged and all(v["verdict"] == "PASS" for v in judged):
+    if judged and all(v["verdict"] == Verdict.PASS for v in judged):
         # the backward is judged from the statistics the kernel stored, whose error a recipe names: compare-precision
         # passes it from them, and the doctor's rule (from the FP64 statistics) sees only the stored ones' error
         bw.ratio = max(float(v["score"]) / float(v["bound"]) for v in judged)
@@ -661,7 +676,7 @@ def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None,
         bad = int(np.size(x) - np.isfinite(x).sum())
         notes.insert(0, f"your input holds {bad} NaN/inf value(s) of {np.size(x)}: outputs that depend on them are "
                         f"non-finite in the golden too, so the checks on '{USER}' cannot see a kernel fault there")
-    if recipe and any(it.status == "FAIL" for it in items) and fmt != "fp64":
+    if recipe and any(it.status == Verdict.FAIL for it in items) and fmt != "fp64":
         diagnosis += _recipe_words(a, fmt, prm, seed, eps, momentum, notes)
     return DoctorReport(a.name, fmt, items, diagnosis, notes, params=prm, inputs=tuple(p.name for p in todo))
 

@@ -34,6 +34,7 @@ from bnprobe.checks.fold.layer import (
 )
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
+from bnprobe.engine.result import Verdict
 from bnprobe.kernels.layout import layout_of
 from bnprobe.numerics.arith import Arith
 from bnprobe.numerics.rounding import is_representable, round_to
@@ -297,7 +298,7 @@ def _channels(layer: Layer, folded: Folded, gold: _Judged) -> Any:
                      "w_err": float(np.abs(w[c, k] - wg[c, k])), "w_allowed": float(gold.w_tol[c, k]),
                      "b_err": float(abs(folded.bias[c] - gold.model.bias[c])), "b_allowed": float(gold.b_tol[c]),
                      "needs_x_tolerance": need, "y_err": float(y_err[c]), "y_allowed": float(y_allowed[c]),
-                     "verdict": "PASS" if ok else "FAIL", "why": why})
+                     "verdict": Verdict.of(ok), "why": why})
     return pd.DataFrame(rows)
 
 
@@ -328,7 +329,7 @@ def _verdict_notes(layer: Layer, folded: Folded, ch: Any, causes: Any) -> tuple[
     if over:
         notes.append(f"channel(s) {over}: the correct W' reaches {wmax[over].max():.4g}, beyond {fmt.name}'s largest "
                      f"{fmt.max:g}: this fold cannot be stored in {fmt.name}")
-    if (ch.verdict == "PASS").all():
+    if (ch.verdict == Verdict.PASS).all():
         return [], notes
     likely = causes[causes.fits & (causes.cause != "correct")].cause.tolist()
     if not likely:

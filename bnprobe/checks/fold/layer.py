@@ -28,6 +28,7 @@ from bnprobe.core.call import EPS
 from bnprobe._loading import first_line
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
+from bnprobe.engine.result import Verdict
 from bnprobe.kernels import forward_infer, get_policy
 from bnprobe.kernels.layout import layout_of
 from bnprobe.numerics.arith import Arith
@@ -360,10 +361,19 @@ class FoldReport:
 
     @property
     def passed(self) -> bool:
-        return bool((self.channels["verdict"] == "PASS").all())
+        return bool((self.channels["verdict"] == Verdict.PASS).all())
 
     def __bool__(self) -> bool:
         return self.passed
+
+    @property
+    def verdict(self) -> Verdict:
+        return Verdict.of(self.passed)
+
+    @property
+    def frame(self) -> pd.DataFrame:
+        """One row per output channel (``channels``)."""
+        return self.channels
 
     def to_dict(self) -> dict[str, Any]:
         doc = {"layer": self.layer, "dtype": self.dtype, "accumulate": self.accumulate, "passed": self.passed,
@@ -454,7 +464,7 @@ def _channel_table(f: _Fold) -> Any:
                      "w_headroom_binades": head,
                      "w_overflows": bool(head < 0) or not np.all(np.isfinite(f.w2s.reshape(cout, -1)[c])),
                      "w_rel_rounding": float(w_rel[c]), "err_folded": float(err_f[c]), "err_unfused": float(err_u[c]),
-                     "error_added_by_folding": float(err_f[c]) - float(err_u[c]), "verdict": "PASS" if ok else "FAIL",
+                     "error_added_by_folding": float(err_f[c]) - float(err_u[c]), "verdict": Verdict.of(ok),
                      "why": why})
     return pd.DataFrame(rows)
 
@@ -520,7 +530,7 @@ def _fold_notes(layer: Layer, ch: Any) -> list[str]:
     if bad_var.size:
         notes.append(f"running_var is negative at channel(s) {bad_var.tolist()}: not a variance; A = γ/√(σ²+ε) is "
                      "NaN where σ²+ε < 0")
-    risky = ch[ch.w_overflows | (ch.verdict == "FAIL")]
+    risky = ch[ch.w_overflows | (ch.verdict == Verdict.FAIL)]
     if len(risky):
         notes.append(f"channels at risk: {risky.channel.tolist()} (A up to {risky.A.abs().max():.3g})")
     return notes

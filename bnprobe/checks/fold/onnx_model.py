@@ -41,6 +41,7 @@ from bnprobe.checks.fold.onnx_graph import (
 )
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
+from bnprobe.engine.result import Verdict
 
 __all__ = ["OnnxLayer", "OnnxFoldReport", "check_onnx", "ort_fused", "FUSE_LEVELS", "NEAR_DEAD_SHARE",
            "X_SPATIAL", "X_BUDGET"]
@@ -92,6 +93,15 @@ class OnnxFoldReport:
     def __bool__(self) -> bool:
         return self.passed
 
+    @property
+    def verdict(self) -> Verdict:
+        return Verdict.of(self.passed)
+
+    @property
+    def frame(self) -> Any:  # -> pandas.DataFrame
+        """Every channel of every check (:meth:`to_frame`)."""
+        return self.to_frame()
+
     def summary(self) -> list[dict[str, Any]]:
         """One row per layer and check: channels, ε, the largest A, the risks, failures and the verdict."""
         rows = []
@@ -105,24 +115,24 @@ class OnnxFoldReport:
                              "near_dead": _channels(_near_dead(lay), ch),
                              "overflow": _channels(ch.w_overflows, ch),
                              "min_headroom_binades": float(ch.w_headroom_binades.min()),
-                             "failed": _channels(ch.verdict == "FAIL", ch),
-                             "cause": "; ".join(dict.fromkeys(ch.why[ch.verdict == "FAIL"])),
-                             "verdict": "PASS" if rep.passed else "FAIL"})
+                             "failed": _channels(ch.verdict == Verdict.FAIL, ch),
+                             "cause": "; ".join(dict.fromkeys(ch.why[ch.verdict == Verdict.FAIL])),
+                             "verdict": rep.verdict})
             for label, rep in (("fused", self.fused.get(ly.name)), ("fused in fp16", self.fp16.get(ly.name))):
                 if rep is None:
                     continue
                 if isinstance(rep, str):
                     rows.append({"layer": ly.name, "op": ly.op, "bn": ly.bn, "check": label, "channels": lay.channels,
                                  "eps": lay.eps, "cause": rep,
-                                 "verdict": "not fused" if rep.startswith("not fused") else "not checked"})
+                                 "verdict": Verdict.NOT_FUSED if rep.startswith("not fused") else Verdict.NOT_CHECKED})
                     continue
                 ch = rep.channels
                 rows.append({"layer": ly.name, "op": ly.op, "bn": ly.bn, "check": f"{label} ({rep.dtype})",
                              "channels": lay.channels, "eps": lay.eps, "A_max": float(ch.A.abs().max()),
                              "overflow": _channels(ch.get("w_overflow", ch.A * 0) > 0, ch),
-                             "failed": _channels(ch.verdict == "FAIL", ch),
+                             "failed": _channels(ch.verdict == Verdict.FAIL, ch),
                              "cause": "; ".join(rep.folded["likely_causes"]),
-                             "verdict": "PASS" if rep.passed else "FAIL"})
+                             "verdict": rep.verdict})
         return rows
 
     def to_frame(self) -> Any:
@@ -273,7 +283,7 @@ def _fp16_view(layer: Layer, f: Folded) -> FoldReport:
     ch["w_subnormal"] = ((w2 != 0) & (np.abs(w2) < tiny)).sum(axis=1)
     ch["w_max_rel_change"] = np.nan_to_num(np.nanmax(np.where(np.isnan(rel), -1, rel), axis=1), nan=0.0).clip(0)
     ch["b_overflow"] = np.isfinite(f.bias) & ~np.isfinite(b16)
-    failed = ch.verdict == "FAIL"
+    failed = ch.verdict == Verdict.FAIL
     if failed.any() and ((ch.w_overflow > 0) | ch.b_overflow)[failed].all():
         rep.folded["likely_causes"] = ["W' or b' beyond fp16's 65504: inf once the model is converted to fp16"]
     lost = ch[(ch.w_overflow > 0) | (ch.w_flushed_to_zero > 0) | ch.b_overflow]

@@ -28,6 +28,7 @@ from bnprobe.adapters import KernelAdapter, Saved, get_adapter
 from bnprobe.adapters.base import outputs_only, params_format, stored_inputs
 from bnprobe.adapters.emulated import ReferenceAdapter
 from bnprobe.engine.recorded import PerCall, Recorded, check_options
+from bnprobe.engine.result import Verdict
 from bnprobe.engine.run import CallRun, each_run
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
@@ -67,8 +68,8 @@ class GradRow:
     ulp_max: float | None = None
 
     @property
-    def status(self) -> str:
-        return "PASS" if self.passed else "FAIL"
+    def status(self) -> Verdict:
+        return Verdict.of(self.passed)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "status": self.status}
@@ -91,6 +92,15 @@ class GradcheckResult:
 
     def __bool__(self) -> bool:
         return self.passed
+
+    @property
+    def verdict(self) -> Verdict:
+        return Verdict.of(self.passed)
+
+    @property
+    def frame(self):  # -> pandas.DataFrame
+        """One row per check and tensor (:meth:`to_frame`; ``rows`` holds them as :class:`GradRow`)."""
+        return self.to_frame()
 
     def failed(self) -> list[GradRow]:
         return [r for r in self.rows if not r.passed]

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from bnprobe.core.errors import BNProbeError
+from bnprobe.engine.result import Verdict
 from bnprobe.kernels.policy import PRESETS, Policy
 
 
@@ -79,6 +80,23 @@ class Identified:
         """Every observed output bit for bit, on the probes and on the fresh inputs."""
         return all(o.probes_exact and o.fresh_exact is not False for o in self.outputs)
 
+    @property
+    def passed(self) -> bool:
+        """The same as :attr:`reproduced` (what identify's exit status says)."""
+        return self.reproduced
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    @property
+    def verdict(self) -> Verdict:
+        return Verdict.of(self.passed)
+
+    @property
+    def frame(self) -> Any:  # -> pandas.DataFrame
+        """One row per output (:meth:`to_frame`)."""
+        return self.to_frame()
+
     def to_dict(self) -> dict[str, Any]:
         return {"adapter": self.adapter, "label": self.label, "dtype": self.dtype, "params": self.params,
                 "policy": self.spec, "policy_fields": {k: v for k, v in self.policy.to_dict().items() if k != "name"},
@@ -97,14 +115,35 @@ class Identified:
 
 @dataclass
 class IdentifiedCalls:
-    """identify over the calls of a recording, in forward order."""
+    """identify over the calls of a recording, in forward order (``notes``: the run's own; each call's are its
+    result's)."""
 
     source: str
     results: list[Identified]
+    notes: list[str] = field(default_factory=list)
 
     @property
     def reproduced(self) -> bool:
         return all(r.reproduced for r in self.results)
+
+    @property
+    def passed(self) -> bool:
+        """The same as :attr:`reproduced` (what identify's exit status says)."""
+        return self.reproduced
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    @property
+    def verdict(self) -> Verdict:
+        return Verdict.of(self.passed)
+
+    @property
+    def frame(self) -> Any:  # -> pandas.DataFrame
+        """One row per output of each call, with its call."""
+        import pandas as pd
+
+        return pd.DataFrame([{"call": r.label, **o.to_dict()} for r in self.results for o in r.outputs])
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "reproduced": self.reproduced, "calls": [r.to_dict() for r in self.results]}

@@ -14,6 +14,7 @@ import numpy as np
 
 from bnprobe.core.call import EPS
 from bnprobe.core.formats import get_format
+from bnprobe.engine.result import Verdict
 from bnprobe.kernels.layout import layout_of
 from bnprobe.kernels.policy import Policy
 
@@ -89,6 +90,15 @@ class OverflowReport:
 
     def __bool__(self) -> bool:
         return self.passed
+
+    @property
+    def verdict(self) -> Verdict:
+        return Verdict.of(self.passed)
+
+    @property
+    def frame(self) -> pd.DataFrame:
+        """One row per finding (:meth:`to_frame`)."""
+        return self.to_frame()
 
     def to_frame(self) -> pd.DataFrame:
         import pandas as pd

@@ -34,6 +34,7 @@ import numpy as np
 from bnprobe.adapters.base import Saved
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
+from bnprobe.engine.result import Verdict
 from bnprobe.kernels.layout import layout_of
 from bnprobe.numerics.rounding import round_to
 from bnprobe.checks.ranks.outputs import rank_outputs
@@ -77,7 +78,7 @@ class RankRow:
     detail: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "status": "PASS" if self.passed else "FAIL"}
+        return {**asdict(self), "status": Verdict.of(self.passed)}
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,15 @@ class RankReport:
 
     def __bool__(self) -> bool:
         return self.passed
+
+    @property
+    def verdict(self) -> Verdict:
+        return Verdict.of(self.passed)
+
+    @property
+    def frame(self):  # -> pandas.DataFrame
+        """One row per rank (:meth:`to_frame`; ``rows`` holds them as :class:`RankRow`)."""
+        return self.to_frame()
 
     @property
     def summary(self) -> str:

@@ -29,6 +29,7 @@ import numpy as np
 
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import Format, get_format
+from bnprobe.engine.result import Verdict
 from bnprobe.numerics.arith import Arith
 from bnprobe.numerics.rsqrt import (
     MAGIC_RECIP,
@@ -236,11 +237,30 @@ class StepResult:
 
 @dataclass(frozen=True)
 class MathAnalysis:
+    """The rsqrt command's result: one :class:`StepResult` per Newton step count, the error curve and the notes.
+    An analysis, not a check: it has no verdict of its own (``Verdict.NONE``) and passes (rsqrt exits 0)."""
+
     spec: MathSpec
     domain: str
     steps: list[StepResult]
     curve: dict[str, np.ndarray]  # x over two binades and the signed relative error per step (envelope)
     notes: list[str]
+
+    @property
+    def passed(self) -> bool:
+        return True
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    @property
+    def verdict(self) -> Verdict:
+        return Verdict.NONE
+
+    @property
+    def frame(self):  # -> pandas.DataFrame
+        """One row per Newton step count (:meth:`to_frame`)."""
+        return self.to_frame()
 
     def rows(self) -> list[dict[str, Any]]:
         return [{"op": self.spec.op, "format": self.spec.format, "method": self.spec.method,

@@ -24,6 +24,7 @@ import numpy as np
 from bnprobe._loading import binds, load_callable, raised
 from bnprobe.adapters import KernelAdapter, get_adapter
 from bnprobe.core.errors import BNProbeError
+from bnprobe.engine.result import Verdict
 
 __all__ = ["ShrinkResult", "shrink", "compare_predicate", "overflow_predicate", "load_predicate", "recorded_case",
            "predicate_for",
@@ -206,6 +207,10 @@ def load_predicate(spec: str) -> Predicate:
 
 @dataclass
 class ShrinkResult:
+    """The smallest failing input shrink found (``x``), the steps that got there, and the effort.  A search, not a
+    check: it has no verdict of its own (``Verdict.NONE``) and passes (shrink exits 0); the check still fails on
+    ``x``."""
+
     x: np.ndarray
     original_shape: tuple[int, ...]
     steps: list[str] = field(default_factory=list)
@@ -213,6 +218,25 @@ class ShrinkResult:
     seconds: float = 0.0
     timed_out: bool = False
     channels: np.ndarray | None = None  # the original channels kept, in order
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return True
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    @property
+    def verdict(self) -> Verdict:
+        return Verdict.NONE
+
+    @property
+    def frame(self) -> Any:  # -> pandas.DataFrame
+        """One row per step taken."""
+        import pandas as pd
+
+        return pd.DataFrame({"step": self.steps})
 
     def to_dict(self) -> dict[str, Any]:
         return {"shape": list(self.x.shape), "elements": int(self.x.size), "original_shape": list(self.original_shape),
