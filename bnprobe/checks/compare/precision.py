@@ -305,7 +305,7 @@ def _stored_share(ref: KernelAdapter, run: CallRun, gold_dx: np.ndarray) -> floa
     saved, call = run.saved, run.inputs
     stored = Saved(np.asarray(saved.mean, dtype=np.float64), saved.kind,  # type: ignore[union-attr]
                    np.asarray(saved.value, dtype=np.float64))  # type: ignore[union-attr]
-    gold2 = ref.backward(call.dy, call.x, call.gamma, stored, training=True, **call.kernel_options).dx
+    gold2 = ref.backward_of(call.with_(training=True), stored).dx
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN dx: no share (NaN), not a warning
         d = np.asarray(run.got["dx"], dtype=np.float64)
