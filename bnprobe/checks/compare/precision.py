@@ -370,7 +370,8 @@ def _compare_adapter(a: KernelAdapter, cc: _CaseCall, j: _Judging, tables: _Tabl
         tables.chans.extend(_channels(a.name, fmt, case, run.got["y"], gold_t.y, var=run.saved.var(eps),
                                       gvar=gold_t.saved.var(eps), gmean=gold_t.saved.mean.astype(np.float64), eps=eps,
                                       top=top_channels))
-    if budget and callable(getattr(a, "policy_for", None)) and a.name != "reference" and gold_t is not None and \
+    caps = a.capabilities()
+    if budget and caps.staged and not caps.golden and gold_t is not None and \
             call.gamma is not None and call.beta is not None and "y" in run.got:
         _pick_for_budget(tables, a, fmt, case.name, call, next(r for r in reversed(tables.rows) if r["tensor"] == "y"))
 
@@ -424,8 +425,10 @@ def _recipe_outputs(rp: Any, cc: _CaseCall) -> dict[str, Any]:
 
 
 def _policy(a: KernelAdapter, rec: Recording) -> Any:
-    """The policy an emulated adapter runs this call with (its name aside), or None for other kernels."""
-    if not callable(getattr(a, "policy_for", None)) or a.name == "reference":
+    """The policy a staged adapter (an emulated kernel) runs this call with (its name aside), or None for other
+    kernels and for the golden."""
+    caps = a.capabilities()
+    if not caps.staged or caps.golden:
         return None
     call = rec.call()
     return replace(a.policy_for(call.x, dtype=rec.dtype, params=call.params), name="")

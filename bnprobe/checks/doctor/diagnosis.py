@@ -724,7 +724,7 @@ def _first_batch_biased(run: CallRun) -> np.ndarray:
 def _epsilon(a: KernelAdapter, x: np.ndarray, fmt: str, eps: float, params: str) -> Item:
     """eps sane for the format the statistics are computed in."""
     stat_fmt = get_format(a.policy_for(round_to(x, fmt), dtype=fmt, params=params).accumulate) \
-        if callable(getattr(a, "policy_for", None)) else get_format("fp64" if fmt == "fp64" else "fp32")
+        if a.capabilities().staged else get_format("fp64" if fmt == "fp64" else "fp32")
     name = "epsilon is resolvable in the statistics' format"
     if eps < stat_fmt.eps / 2:
         return Item(name, "WARN", f"eps {eps:g} is below half the {stat_fmt.name} spacing at 1 "

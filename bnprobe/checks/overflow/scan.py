@@ -110,7 +110,7 @@ def scan(
     x_cr = lay.to_cr(x)
     given = _run_inputs(x, x_cr, lay.channels, seed, gamma=gamma, beta=beta, running_mean=running_mean,
                         running_var=running_var, dy=dy, eps=eps, layout=layout, momentum=momentum)
-    if not callable(getattr(a, "policy_for", None)):
+    if not a.capabilities().staged:
         if accumulate is not None:
             raise BNProbeError(f"--accumulate sets the accumulator of an emulated kernel; {a.name} computes in its "
                                "own: drop it")
