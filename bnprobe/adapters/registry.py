@@ -7,13 +7,15 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
+from typing import Any
 
 from bnprobe._loading import binds, first_line, kind_of, raised, resolve
 from bnprobe.adapters.base import BaseAdapter, Capabilities, KernelAdapter
 from bnprobe.adapters.loose import CALL_METHODS, LOOSE_METHODS, LooseKernelAdapter, with_call_methods
 from bnprobe.core.errors import BNProbeError
 
-__all__ = ["get_adapter", "list_adapters", "AdapterInfo", "ENTRY_POINT_GROUP", "BUILTIN_SET", "builtin_adapters"]
+__all__ = ["get_adapter", "as_adapter", "list_adapters", "AdapterInfo", "ENTRY_POINT_GROUP", "BUILTIN_SET",
+           "builtin_adapters"]
 
 ENTRY_POINT_GROUP = "bnprobe.adapters"
 # compare-precision's default: the built-in kernels side by side, each against the bench (the careful kernel).  The
@@ -309,6 +311,12 @@ def get_adapter(spec: str | KernelAdapter) -> KernelAdapter:
     if near:
         raise BNProbeError(f"unknown adapter {spec!r}: did you mean {near[0]!r}? (bnprobe adapters lists them all)")
     raise BNProbeError(f"unknown adapter {spec!r}; known: {', '.join(names)}, or package.module:Name for a plugin")
+
+
+def as_adapter(adapter: str | Any) -> KernelAdapter:
+    """The adapter a library call is given: a spec resolved (:func:`get_adapter`), or the adapter object itself
+    (a loose-signature one of earlier releases in its shim, :func:`~bnprobe.adapters.loose.with_call_methods`)."""
+    return get_adapter(adapter) if isinstance(adapter, str) else with_call_methods(adapter)  # type: ignore[no-any-return]
 
 
 def _missing_module(name: str) -> bool:

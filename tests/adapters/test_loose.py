@@ -175,3 +175,17 @@ def test_a_base_adapter_is_never_shimmed():
         name = "plain"
 
     assert with_call_methods(Plain()).__class__ is Plain
+
+
+def test_a_loose_adapter_object_handed_to_a_check_runs_in_its_shim():
+    """A library call given the plugin's object (not its spec) runs it as the command line does."""
+    from bnprobe.checks.compare.precision import compare_precision
+    from bnprobe.engine.cases import Case
+
+    case = [Case("c", (8, 4, 6, 6), mean=1.0, std=2.0, seed=3)]
+    loose = Loose("dx-drops-xhat-term")
+    got = compare_precision([loose], ("bf16",), case, budget=False).rows
+    want = compare_precision([NumpyBN("dx-drops-xhat-term")], ("bf16",), case, budget=False).rows
+    assert loose.seen and "FAIL" in set(got.verdict)
+    cols = [c for c in want.columns if c not in ("seconds",)]
+    assert got[cols].equals(want[cols])

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
+from bnprobe.adapters.registry import as_adapter
 from bnprobe.adapters.base import MODES, outputs_only
 from bnprobe.adapters.convention import bench_for, reference_for
 from bnprobe.core.call import EPS, MOMENTUM, BNCall
@@ -503,13 +504,13 @@ def compare_precision(
         raise BNProbeError(f"unknown mode {mode!r}; valid: {', '.join(COMPARE_MODES)}")
     if rule not in RULES:
         raise BNProbeError(f"unknown rule {rule!r}; valid: {', '.join(RULES)}")
-    resolved = [get_adapter(a) if isinstance(a, str) else a for a in (adapters or ["emulated"])]
+    resolved = [as_adapter(a) for a in (adapters or ["emulated"])]
     dumps = [a for a in resolved if a.capabilities().recorded]
     if cases is None:
         cases = recorded_cases(dumps[0].calls) if dumps else resnet50_cases(seed=seed) + stress_cases(seed)
     fmts = [get_format(d).name for d in (dtypes or ("fp16", "bf16", "fp32"))]
     recorded_fmts = list(dict.fromkeys(c.call.dtype for c in cases if c.call is not None))
-    bench_a = (get_adapter(bench) if isinstance(bench, str) else bench) if bench is not None else None
+    bench_a = as_adapter(bench) if bench is not None else None
     if bench_a is None and rule == "benchmark":
         raise BNProbeError("the benchmark rule needs a bench (e.g. careful or torch)")
     _check_formats(resolved, bench_a, cases, fmts, recorded_fmts, dtypes)
@@ -584,7 +585,7 @@ def judge_call(a: KernelAdapter, rec: Recording, modes: tuple[str, ...], *, labe
     agree on it.  A dump adapter replays ``rec`` (one of its recorded calls).  ``run`` (with the ``golden`` it was
     run on): the adapter's run on this call, when the caller has made it (not run again)."""
     ref = outputs_only(reference_for(a))
-    bench_a = outputs_only(bench_for(get_adapter(bench) if isinstance(bench, str) else bench, a))
+    bench_a = outputs_only(bench_for(as_adapter(bench), a))
     call = rec.call()
     case = Case(label or rec.meta.get("call") or rec.source, tuple(np.shape(call.x)))
     cc = _CaseCall(case, rec, modes, golden if golden is not None else Golden(ref, rec),

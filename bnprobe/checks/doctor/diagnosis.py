@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from bnprobe.core.call import EPS, MOMENTUM
-from bnprobe.adapters import KernelAdapter, get_adapter
+from bnprobe.adapters import KernelAdapter
+from bnprobe.adapters.registry import as_adapter
 from bnprobe.adapters.base import outputs_only, params_format, stored_inputs
 from bnprobe.adapters.convention import reference_for
 from bnprobe.core.call import BNCall
@@ -617,7 +618,7 @@ def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None,
     every call).  ``recipe``: when something fails, also identify the kernel's numerical recipe
     (:func:`~bnprobe.checks.identify.search.identify`) and, where it is reproduced bit for bit, name its choices
     known to lose accuracy in the diagnosis."""
-    a = get_adapter(adapter) if isinstance(adapter, str) else adapter
+    a = as_adapter(adapter)
     check_params(params)
     if a.capabilities().recorded:
         if len(a.calls.calls) != 1:

@@ -25,6 +25,7 @@ import numpy as np
 from bnprobe.core.call import EPS, MOMENTUM, BNCall
 from bnprobe._loading import first_line, kind_of, load_callable, raised
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
+from bnprobe.adapters.registry import as_adapter
 from bnprobe.adapters.base import outputs_only, params_format, stored_inputs
 from bnprobe.adapters.emulated import ReferenceAdapter
 from bnprobe.engine.recorded import PerCall, Recorded, check_options
@@ -544,7 +545,7 @@ def gradcheck(
     if mode not in (None, "train", "infer"):
         raise BNProbeError(f"gradcheck mode must be train or infer, got {mode!r}")
     check_rtol_atol(rtol, atol)
-    a = get_adapter(adapter) if isinstance(adapter, str) else adapter
+    a = as_adapter(adapter)
     if a.capabilities().recorded:
         recorded = Recorded(a, a.calls)
         check_options(recorded, given=tuple(n for n, v in (("shape", shape), ("eps", eps)) if v is not None),
