@@ -22,11 +22,14 @@ def fwd_bwd(adapter, x, dtype: str) -> float:
     """Seconds of one training forward and its backward of ``adapter`` on x (γ = 1, β = 0, running statistics)."""
     import numpy as np
 
+    from bnprobe.adapters import BNCall
+
     c = x.shape[1]
     dy = np.random.default_rng(1).standard_normal(x.shape)
+    call = BNCall(x, np.ones(c), np.zeros(c), np.zeros(c), np.ones(c), dy, dtype=dtype)
     t = time.perf_counter()
-    out = adapter.forward_train(x, np.ones(c), np.zeros(c), np.zeros(c), np.ones(c), dtype=dtype)
-    adapter.backward(dy, x, np.ones(c), out.saved, dtype=dtype)
+    out = adapter.train(call)
+    adapter.backward_of(call, out.saved)
     return time.perf_counter() - t
 
 

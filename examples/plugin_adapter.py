@@ -5,17 +5,18 @@
 
 Subclass BaseAdapter, declare what you support in capabilities(), and fill in the three
 ``_*_impl`` methods; the base class validates shapes, channels, eps and dtype and rounds the
-inputs to the requested format before calling you.  Packages can also register adapters
-under the entry-point group ``bnprobe.adapters``.  (From the repository root the module is
-found through ``PYTHONPATH=.``: the ``bnprobe`` command, like every console script, does not put
-the current folder on Python's path, and bnprobe never adds it for you.)
+inputs to the requested format before calling you.  bnprobe hands an adapter the call whole:
+``train(call)``, ``infer(call)`` and ``backward_of(call, saved)``, with ``call`` a BNCall.
+Packages can also register adapters under the entry-point group ``bnprobe.adapters``.  (From the
+repository root the module is found through ``PYTHONPATH=.``: the ``bnprobe`` command, like every
+console script, does not put the current folder on Python's path, and bnprobe never adds it for you.)
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from bnprobe.adapters import BackwardOutput, BaseAdapter, Capabilities, ForwardOutput, Prepared, Saved
+from bnprobe.adapters import BackwardOutput, BaseAdapter, BNCall, Capabilities, ForwardOutput, Prepared, Saved
 
 
 class NumpyFP32BatchNorm(BaseAdapter):
@@ -83,7 +84,7 @@ if __name__ == "__main__":
     rng = np.random.default_rng(0)
     x = rng.standard_normal((8, 4, 6, 6)) * 2 + 1
     mine, ref = NumpyFP32BatchNorm(), get_adapter("reference")
-    a = mine.forward_train(x, None, None, np.zeros(4), np.ones(4), dtype="fp32")
-    b = ref.forward_train(x, None, None, np.zeros(4), np.ones(4), dtype="fp32")
+    call = BNCall(x, running_mean=np.zeros(4), running_var=np.ones(4), dtype="fp32")
+    a, b = mine.train(call), ref.train(call)
     print(f"{mine.name}: max |y - reference| = {np.abs(a.y - b.y).max():.3g}, "
           f"running_var max diff = {np.abs(a.running_var - b.running_var).max():.3g}")

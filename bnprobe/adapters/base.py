@@ -1,8 +1,13 @@
 """The kernel adapter interface: one small Protocol every BatchNorm implementation is run through.
 
-Subclasses of :class:`BaseAdapter` fill in ``_forward_train_impl``, ``_forward_infer_impl`` and
-``_backward_impl``; the base validates inputs (shapes, channels, eps, dtype, mode), converts the
-inputs to the requested formats once, and checks what the implementation returns.
+An adapter takes the call: ``train(call)``, ``infer(call)`` and ``backward_of(call, saved)`` are each handed one
+:class:`~bnprobe.core.call.BNCall` (its tensors, scalars and formats), never its fields one by one, so a field
+the call gains reaches every adapter without a change of their signatures.  Subclasses of :class:`BaseAdapter`
+fill in ``_forward_train_impl``, ``_forward_infer_impl`` and ``_backward_impl``; the base validates the call
+(shapes, channels, eps, dtype, mode), converts its inputs to the requested formats once, and checks what the
+implementation returns.  The loose signature of earlier releases (``forward_train(x, gamma, ..., dtype=...)``,
+``forward_infer``, ``backward``) is kept on :class:`BaseAdapter` for one release, each making the call; a plugin
+that implements only those is run through :mod:`bnprobe.adapters.loose`.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from bnprobe.core.call import EPS, MOMENTUM
+from bnprobe.core.call import EPS, MOMENTUM, BNCall
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
 from bnprobe.core.kernel import MODES, PARAM_PRECISIONS, SAVED_KINDS, Capabilities, Saved, params_format, params_mode
@@ -60,24 +65,21 @@ class BackwardOutput:
 
 @runtime_checkable
 class KernelAdapter(Protocol):
-    """What every BatchNorm implementation offers bnprobe's checks."""
+    """What every BatchNorm implementation offers bnprobe's checks: each method takes the call."""
 
     name: str
 
     def capabilities(self) -> Capabilities: ...
 
-    def forward_train(self, x: np.ndarray, gamma: np.ndarray | None, beta: np.ndarray | None,
-                      running_mean: np.ndarray | None, running_var: np.ndarray | None, *, dtype: str,
-                      momentum: float | None = MOMENTUM, eps: float = EPS, layout: str = "channels_first",
-                      params: str = "fp32") -> ForwardOutput: ...
+    def train(self, call: BNCall) -> ForwardOutput:
+        """The training forward of ``call``: its x, γ, β, running statistics, momentum, ε, dtype, params and
+        layout (y, the saved statistics and the updated running statistics)."""
 
-    def forward_infer(self, x: np.ndarray, gamma: np.ndarray | None, beta: np.ndarray | None,
-                      running_mean: np.ndarray, running_var: np.ndarray, *, dtype: str, eps: float = EPS,
-                      layout: str = "channels_first", params: str = "fp32") -> ForwardOutput: ...
+    def infer(self, call: BNCall) -> ForwardOutput:
+        """The inference forward of ``call`` (its running statistics normalise x)."""
 
-    def backward(self, dy: np.ndarray, x: np.ndarray, gamma: np.ndarray | None, saved: Saved, *, dtype: str,
-                 eps: float = EPS, training: bool = True, layout: str = "channels_first",
-                 params: str = "fp32") -> BackwardOutput: ...
+    def backward_of(self, call: BNCall, saved: Saved) -> BackwardOutput:
+        """The backward of ``call`` (its dy, x, γ and training flag) from the statistics ``saved``."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class Prepared:
     params: str
     x: np.ndarray
     vectors: dict[str, np.ndarray | None]
+    call: BNCall | None = None  # the call these were prepared from (None for a policy's lookup)
 
 
 @contextmanager
@@ -115,7 +118,8 @@ class BaseAdapter:
 
     # ---- checks ------------------------------------------------------------------------------
     def _prepare(self, mode: str, x: np.ndarray, dtype: str, layout: str, params: str,
-                 vectors: dict[str, tuple[Any, float | None, bool]], exact: tuple[str, ...] = ()) -> Prepared:
+                 vectors: dict[str, tuple[Any, float | None, bool]], exact: tuple[str, ...] = (),
+                 call: BNCall | None = None) -> Prepared:
         """Validate; round x to dtype and the per-channel vectors to the params format (those named
         in ``exact`` are kept as given: saved statistics are whatever the kernel saved)."""
         caps = self.capabilities()
@@ -137,57 +141,81 @@ class BaseAdapter:
             out[name] = v if name in exact else round_to(v, pf)
         with np.errstate(invalid="ignore"):
             xr = round_to(np.asarray(x, dtype=np.float64), fmt)
-        return Prepared(lay, fmt, pf, xr, out)
+        return Prepared(lay, fmt, pf, xr, out, call)
 
-    # ---- the public, checked entry points -----------------------------------------------------
-    def forward_train(self, x: np.ndarray, gamma: np.ndarray | None = None, beta: np.ndarray | None = None,
-                      running_mean: np.ndarray | None = None, running_var: np.ndarray | None = None, *,
-                      dtype: str, momentum: float | None = MOMENTUM, eps: float = EPS,
-                      layout: str = "channels_first", params: str = "fp32") -> ForwardOutput:
-        if (running_mean is None) != (running_var is None):
+    # ---- the public, checked entry points: each takes the call -------------------------------
+    def train(self, call: BNCall) -> ForwardOutput:
+        """The training forward of ``call`` (x, γ, β, running statistics, momentum, ε, dtype, params, layout)."""
+        c = call
+        if (c.running_mean is None) != (c.running_var is None):
             raise BNProbeError("give both running_mean and running_var, or neither")
-        p = self._prepare("train", x, dtype, layout, params, {
-            "gamma": (gamma, 1.0, False), "beta": (beta, 0.0, False),
-            "running_mean": (running_mean, None, False), "running_var": (running_var, None, False)})
+        p = self._prepare("train", c.x, c.dtype, c.layout, c.params, {
+            "gamma": (c.gamma, 1.0, False), "beta": (c.beta, 0.0, False),
+            "running_mean": (c.running_mean, None, False), "running_var": (c.running_var, None, False)}, call=c)
         if p.lay.reduce_size < 2 and not self.capabilities().training_r1:
             raise BNProbeError(
                 f"training needs more than one value per channel; x has shape {p.lay.shape}, so N*H*W = 1")
         with _implements(self, "training forward"):
-            out = self._forward_train_impl(p, momentum=check_momentum(momentum), eps=check_eps(eps))
+            out = self._forward_train_impl(p, momentum=check_momentum(c.momentum), eps=check_eps(c.eps))
         self._check_forward(out, p, training=True)
         return out
 
-    def forward_infer(self, x: np.ndarray, gamma: np.ndarray | None, beta: np.ndarray | None,
-                      running_mean: np.ndarray, running_var: np.ndarray, *, dtype: str, eps: float = EPS,
-                      layout: str = "channels_first", params: str = "fp32") -> ForwardOutput:
-        p = self._prepare("infer", x, dtype, layout, params, {
-            "gamma": (gamma, 1.0, False), "beta": (beta, 0.0, False),
-            "running_mean": (running_mean, None, True), "running_var": (running_var, None, True)})
+    def infer(self, call: BNCall) -> ForwardOutput:
+        """The inference forward of ``call`` (x, γ, β and the running statistics it normalises with; ε, dtype,
+        params, layout)."""
+        c = call
+        p = self._prepare("infer", c.x, c.dtype, c.layout, c.params, {
+            "gamma": (c.gamma, 1.0, False), "beta": (c.beta, 0.0, False),
+            "running_mean": (c.running_mean, None, True), "running_var": (c.running_var, None, True)}, call=c)
         with _implements(self, "inference forward"):
-            out = self._forward_infer_impl(p, eps=check_eps(eps))
+            out = self._forward_infer_impl(p, eps=check_eps(c.eps))
         self._check_forward(out, p, training=False)
         return out
 
-    def backward(self, dy: np.ndarray, x: np.ndarray, gamma: np.ndarray | None, saved: Saved, *, dtype: str,
-                 eps: float = EPS, training: bool = True, layout: str = "channels_first",
-                 params: str = "fp32") -> BackwardOutput:
-        if np.shape(dy) != np.shape(x):
-            raise BNProbeError(f"dy has shape {np.shape(dy)} but x has shape {np.shape(x)}")
+    def backward_of(self, call: BNCall, saved: Saved) -> BackwardOutput:
+        """The backward of ``call`` (dy, x, γ, the training flag; ε, dtype, params, layout) from the statistics
+        ``saved`` (a training forward's, or the running statistics as a variance for an inference call)."""
+        c = call
+        if np.shape(c.dy) != np.shape(c.x):
+            raise BNProbeError(f"dy has shape {np.shape(c.dy)} but x has shape {np.shape(c.x)}")
         if not isinstance(saved, Saved) or saved.kind not in SAVED_KINDS:
             raise BNProbeError("saved must be a Saved(mean, kind='invstd'|'var', value) from a training forward")
-        p = self._prepare("backward", x, dtype, layout, params, {
-            "gamma": (gamma, 1.0, False), "saved_mean": (saved.mean, None, True),
-            "saved_value": (saved.value, None, True)}, exact=("saved_mean", "saved_value"))
-        if training and p.lay.reduce_size < 2 and not self.capabilities().training_r1:
+        p = self._prepare("backward", c.x, c.dtype, c.layout, c.params, {
+            "gamma": (c.gamma, 1.0, False), "saved_mean": (saved.mean, None, True),
+            "saved_value": (saved.value, None, True)}, exact=("saved_mean", "saved_value"), call=c)
+        if c.training and p.lay.reduce_size < 2 and not self.capabilities().training_r1:
             raise BNProbeError("training-mode backward needs more than one value per channel")
-        dyr = round_to(np.asarray(dy, dtype=np.float64), p.dtype)
+        dyr = round_to(np.asarray(c.dy, dtype=np.float64), p.dtype)
         sv = Saved(p.vectors["saved_mean"], saved.kind, p.vectors["saved_value"])  # type: ignore[arg-type]
         with _implements(self, "backward"):
-            out = self._backward_impl(p, dyr, sv, eps=check_eps(eps), training=training)
+            out = self._backward_impl(p, dyr, sv, eps=check_eps(c.eps), training=c.training)
         if out.dx.shape != p.lay.shape or out.dgamma.shape != (p.lay.channels,) or \
                 out.dbeta.shape != (p.lay.channels,):
             raise BNProbeError(f"adapter {self.name} returned gradients of the wrong shape")
         return out
+
+    # ---- the loose signature of earlier releases, kept for one release: each makes the call ---------------
+    def forward_train(self, x: np.ndarray, gamma: np.ndarray | None = None, beta: np.ndarray | None = None,
+                      running_mean: np.ndarray | None = None, running_var: np.ndarray | None = None, *,
+                      dtype: str, momentum: float | None = MOMENTUM, eps: float = EPS,
+                      layout: str = "channels_first", params: str = "fp32") -> ForwardOutput:
+        """``train`` of the call these make (the loose signature: kept for one release)."""
+        return self.train(BNCall(x, gamma, beta, running_mean, running_var, eps=eps, momentum=momentum,
+                                 dtype=dtype, params=params, layout=layout))
+
+    def forward_infer(self, x: np.ndarray, gamma: np.ndarray | None, beta: np.ndarray | None,
+                      running_mean: np.ndarray, running_var: np.ndarray, *, dtype: str, eps: float = EPS,
+                      layout: str = "channels_first", params: str = "fp32") -> ForwardOutput:
+        """``infer`` of the call these make (the loose signature: kept for one release)."""
+        return self.infer(BNCall(x, gamma, beta, running_mean, running_var, eps=eps, training=False, dtype=dtype,
+                                 params=params, layout=layout))
+
+    def backward(self, dy: np.ndarray, x: np.ndarray, gamma: np.ndarray | None, saved: Saved, *, dtype: str,
+                 eps: float = EPS, training: bool = True, layout: str = "channels_first",
+                 params: str = "fp32") -> BackwardOutput:
+        """``backward_of`` the call these make (the loose signature: kept for one release)."""
+        return self.backward_of(BNCall(x, gamma, dy=dy, eps=eps, training=training, dtype=dtype, params=params,
+                                       layout=layout), saved)
 
     def _check_forward(self, out: ForwardOutput, p: Prepared, *, training: bool) -> None:
         """The base promises these shapes to every check; an adapter that breaks them is a bug."""

@@ -7,7 +7,8 @@ import copy
 from dataclasses import replace
 from typing import Any
 
-from bnprobe.adapters.base import Capabilities, KernelAdapter
+from bnprobe.adapters.base import BackwardOutput, Capabilities, ForwardOutput, KernelAdapter, Saved
+from bnprobe.core.call import BNCall
 from bnprobe.core.conventions import Convention, convention_of, get_convention
 
 __all__ = ["in_convention", "reference_for", "bench_for"]
@@ -24,14 +25,14 @@ class _InConvention:
     def capabilities(self) -> Capabilities:
         return replace(self._inner.capabilities(), convention=self._conv.name)
 
-    def forward_train(self, *args: Any, **kwargs: Any) -> Any:
-        return self._inner.forward_train(*args, **kwargs)
+    def train(self, call: BNCall) -> ForwardOutput:
+        return self._inner.train(call)  # type: ignore[no-any-return]
 
-    def forward_infer(self, *args: Any, **kwargs: Any) -> Any:
-        return self._inner.forward_infer(*args, **kwargs)
+    def infer(self, call: BNCall) -> ForwardOutput:
+        return self._inner.infer(call)  # type: ignore[no-any-return]
 
-    def backward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._inner.backward(*args, **kwargs)
+    def backward_of(self, call: BNCall, saved: Saved) -> BackwardOutput:
+        return self._inner.backward_of(call, saved)  # type: ignore[no-any-return]
 
     def bind(self, rec: Any) -> _InConvention:
         return _InConvention(self._inner.bind(rec), self._conv)

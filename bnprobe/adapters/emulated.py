@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -23,14 +24,15 @@ ALL_FORMATS = ("fp64", "fp32", "fp16", "bf16")
 
 
 class PolicyAdapter(BaseAdapter):
-    """Runs the instrumented kernels with a Policy chosen per call (by dtype, params format, shape, mode)."""
+    """Runs the instrumented kernels with a Policy chosen per call (by dtype, params format, shape, mode): its
+    capabilities say so (``staged``: bnprobe can rerun it stage by stage, :meth:`policy_for` naming the policy)."""
 
     def __init__(self, name: str, make_policy: Callable[[Prepared, str], Policy], caps: Capabilities) -> None:
         self.name = name
         self.keep_arrays = True  # keep every intermediate in the traces (False: counters and ranges only)
         self.counters = True  # False: no trace at all, the outputs alone (the same bits, without counting events)
         self._make_policy = make_policy
-        self._caps = caps
+        self._caps = replace(caps, staged=True)
 
     def capabilities(self) -> Capabilities:
         return self._caps
@@ -112,7 +114,8 @@ class ReferenceAdapter(PolicyAdapter):
         gold = get_policy("fp64").with_options(name="reference", running_var=conv.running_var)
         name = "reference" if conv.name == "torch" else f"reference ({conv.name} convention)"
         super().__init__(name, lambda p, mode: gold,
-                         Capabilities(formats=ALL_FORMATS, traced=True, output="fp64", convention=conv.name))
+                         Capabilities(formats=ALL_FORMATS, traced=True, output="fp64", convention=conv.name,
+                                      golden=True))
 
 
 class EmulatedAdapter(PolicyAdapter):

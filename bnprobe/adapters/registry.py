@@ -7,12 +7,15 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
+from typing import Any
 
 from bnprobe._loading import binds, first_line, kind_of, raised, resolve
 from bnprobe.adapters.base import BaseAdapter, Capabilities, KernelAdapter
+from bnprobe.adapters.loose import CALL_METHODS, LOOSE_METHODS, LooseKernelAdapter, with_call_methods
 from bnprobe.core.errors import BNProbeError
 
-__all__ = ["get_adapter", "list_adapters", "AdapterInfo", "ENTRY_POINT_GROUP", "BUILTIN_SET", "builtin_adapters"]
+__all__ = ["get_adapter", "as_adapter", "list_adapters", "AdapterInfo", "ENTRY_POINT_GROUP", "BUILTIN_SET",
+           "builtin_adapters"]
 
 ENTRY_POINT_GROUP = "bnprobe.adapters"
 # compare-precision's default: the built-in kernels side by side, each against the bench (the careful kernel).  The
@@ -169,17 +172,18 @@ def _entry_points() -> dict[str, object]:
         return {}
 
 
-_METHODS = ("capabilities", "forward_train", "forward_infer", "backward")
-_NOT_ADAPTER = "not a KernelAdapter (it needs name, capabilities, forward_train, forward_infer and backward)"
+# what an adapter has: the call-taking methods, or (kept for one release: bnprobe.adapters.loose) the loose ones
+_METHODS = (("capabilities", *CALL_METHODS), ("capabilities", *LOOSE_METHODS))
+_NOT_ADAPTER = ("not a KernelAdapter (it needs name, capabilities, train, infer and backward_of, or those of earlier "
+                "releases: forward_train, forward_infer and backward)")
 # what a BaseAdapter subclass implements to compute anything (the public methods, or their _impl hooks)
-_COMPUTES = ("_forward_train_impl", "_forward_infer_impl", "_backward_impl", "forward_train", "forward_infer",
-             "backward")
+_COMPUTES = ("_forward_train_impl", "_forward_infer_impl", "_backward_impl", *CALL_METHODS, *LOOSE_METHODS)
 
 
 def _class_problem(cls: type) -> str | None:
     """Why the class ``cls`` makes no usable adapter (not one, abstract, or BaseAdapter's unimplemented
     methods left as they are), judged without calling it; None when it does."""
-    if not (issubclass(cls, BaseAdapter) or all(callable(getattr(cls, m, None)) for m in _METHODS)):
+    if not (issubclass(cls, BaseAdapter) or any(all(callable(getattr(cls, m, None)) for m in ms) for ms in _METHODS)):
         return _NOT_ADAPTER
     if inspect.isabstract(cls):
         return f"an abstract class (it does not implement {', '.join(sorted(cls.__abstractmethods__))})"
@@ -187,8 +191,8 @@ def _class_problem(cls: type) -> str | None:
         if getattr(cls, "capabilities", None) is BaseAdapter.capabilities:
             return "an adapter base class that does not implement capabilities()"
         if all(getattr(cls, m, None) is getattr(BaseAdapter, m) for m in _COMPUTES):
-            return ("an adapter base class that implements none of forward_train, forward_infer and backward "
-                    "(nor their _impl methods)")
+            return ("an adapter base class that implements none of train, infer and backward_of (nor their _impl "
+                    "methods, nor forward_train, forward_infer and backward)")
     return None
 
 
@@ -202,7 +206,7 @@ def _check_kind(obj: object, where: str, module: str | None = None) -> str:
         if not binds(obj):
             raise BNProbeError(f"{where} cannot be called without arguments, as bnprobe makes an adapter")
         return "class"
-    if isinstance(obj, KernelAdapter):
+    if isinstance(obj, (KernelAdapter, LooseKernelAdapter)):
         # (an object that has the protocol's methods as its own attributes is judged by them alone)
         why = _class_problem(type(obj)) if isinstance(obj, BaseAdapter) else None
         if why:
@@ -229,15 +233,16 @@ def _instantiate(obj: object, where: str, module: str | None = None, *, plugin: 
     """The adapter ``obj`` is (an instance) or makes (a KernelAdapter class, or a Python function of
     ``module`` taking no arguments), its kind checked before it is called, and what it made checked; a
     ``plugin``'s capabilities() must answer a Capabilities (asked once, here, so that a plugin that does not
-    implement it is refused before any check runs)."""
+    implement it is refused before any check runs).  A loose-signature adapter (earlier releases') is returned in
+    the shim that gives it the call-taking methods (:func:`~bnprobe.adapters.loose.with_call_methods`)."""
     kind = _check_kind(obj, where, module)
     adapter = obj if kind == "instance" else _construct(obj, where)  # type: ignore[operator]
-    if isinstance(adapter, type) or not isinstance(adapter, KernelAdapter):
+    if isinstance(adapter, type) or not isinstance(adapter, (KernelAdapter, LooseKernelAdapter)):
         raise BNProbeError(f"{where} made {kind_of(adapter)}, {_NOT_ADAPTER}")
     if kind == "factory" and isinstance(adapter, BaseAdapter) and _class_problem(type(adapter)):
         raise BNProbeError(f"{where} made an instance of {type(adapter).__name__}, {_class_problem(type(adapter))}")
     if not plugin:
-        return adapter  # type: ignore[return-value]
+        return with_call_methods(adapter)  # type: ignore[no-any-return]
     try:
         caps = adapter.capabilities()
     except NotImplementedError:
@@ -249,7 +254,7 @@ def _instantiate(obj: object, where: str, module: str | None = None, *, plugin: 
         raise BNProbeError(raised(f"{where}: capabilities()", exc)) from None
     if not isinstance(caps, Capabilities):
         raise BNProbeError(f"{where}: capabilities() returned {kind_of(caps)}, not a Capabilities")
-    return adapter  # type: ignore[return-value]
+    return with_call_methods(adapter)  # type: ignore[no-any-return]
 
 
 def _plugin(spec: str) -> KernelAdapter:
@@ -306,6 +311,12 @@ def get_adapter(spec: str | KernelAdapter) -> KernelAdapter:
     if near:
         raise BNProbeError(f"unknown adapter {spec!r}: did you mean {near[0]!r}? (bnprobe adapters lists them all)")
     raise BNProbeError(f"unknown adapter {spec!r}; known: {', '.join(names)}, or package.module:Name for a plugin")
+
+
+def as_adapter(adapter: str | Any) -> KernelAdapter:
+    """The adapter a library call is given: a spec resolved (:func:`get_adapter`), or the adapter object itself
+    (a loose-signature one of earlier releases in its shim, :func:`~bnprobe.adapters.loose.with_call_methods`)."""
+    return get_adapter(adapter) if isinstance(adapter, str) else with_call_methods(adapter)  # type: ignore[no-any-return]
 
 
 def _missing_module(name: str) -> bool:

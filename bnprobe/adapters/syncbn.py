@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.core.call import EPS, MOMENTUM
+from bnprobe.core.call import EPS, MOMENTUM, BNCall
 from bnprobe.adapters.base import (
     BackwardOutput,
     BaseAdapter,
@@ -357,9 +357,9 @@ def rank_recordings(adapter: SyncBNAdapter | str, x: np.ndarray, gamma: np.ndarr
     c = layout_of(x, layout).channels
     xs, dys, g, b, rm, rv = stored_inputs(dtype, params, x, dy, np.ones(c) if gamma is None else gamma,
                                           np.zeros(c) if beta is None else beta, running_mean, running_var)
-    common = dict(dtype=fmt, eps=eps, layout=layout, params=params)
-    out = a.forward_train(xs, g, b, rm, rv, momentum=momentum, **common)
-    bw = None if dys is None else a.backward(dys, xs, g, out.saved, **common)  # type: ignore[arg-type]
+    step = BNCall(xs, g, b, rm, rv, dys, eps=eps, momentum=momentum, dtype=fmt, params=params, layout=layout)
+    out = a.train(step)
+    bw = None if dys is None else a.backward_of(step, out.saved)  # type: ignore[arg-type]
     sizes = a.sizes(np.shape(xs)[0])
     sf = compute_format(fmt)
     recs: dict[int, Recording] = {}

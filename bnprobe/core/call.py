@@ -8,22 +8,25 @@ one's, a probe's — and the defaults of BatchNorm's scalars are defined here on
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
 
-__all__ = ["BNCall", "EPS", "MOMENTUM"]
+__all__ = ["BNCall", "EPS", "MOMENTUM", "TENSORS"]
 
 EPS = 1e-5  # BatchNorm's epsilon where none is given (PyTorch's, and every framework's BatchNorm2d default)
 MOMENTUM = 0.1  # the running statistics' momentum where none is given (PyTorch's convention: new = (1-m)·old + m·batch)
+TENSORS = ("x", "gamma", "beta", "running_mean", "running_var", "dy")  # a call's tensors, by their fields' names
 
 
 @dataclass(frozen=True, eq=False)
 class BNCall:
     """What a BatchNorm kernel is called with: x (and dy for the backward) in ``dtype``; γ, β and the running
     statistics (None where the call has none) in the parameter format (``params``: ``same`` as x, or ``fp32``);
-    ε, momentum (None: a cumulative average), the training flag and the layout of x."""
+    ε, momentum (None: a cumulative average), the training flag and the layout of x.  An adapter is handed the
+    call whole (``train(call)``, ``infer(call)``, ``backward_of(call, saved)``)."""
 
     x: np.ndarray
     gamma: np.ndarray | None = None
@@ -39,11 +42,6 @@ class BNCall:
     layout: str = "channels_first"
 
     @property
-    def kernel_options(self) -> dict[str, Any]:
-        """The keywords every kernel call of this call takes (dtype, eps, layout, params)."""
-        return {"dtype": self.dtype, "eps": self.eps, "layout": self.layout, "params": self.params}
-
-    @property
     def has_running(self) -> bool:
         """Whether the call has both running statistics."""
         return self.running_mean is not None and self.running_var is not None
@@ -51,3 +49,9 @@ class BNCall:
     def with_(self, **changes: Any) -> BNCall:
         """A copy with ``changes`` (field=value)."""
         return replace(self, **changes)
+
+    def with_inputs(self, inputs: Mapping[str, Any]) -> BNCall:
+        """A copy holding the tensors of ``inputs`` (a recorded mode's inputs by name) in place of its own: x, and
+        γ, β, the running statistics and dy where ``inputs`` has them, None where it lacks them (other names, such
+        as a backward's saved statistics, are not the call's)."""
+        return replace(self, **{k: inputs.get(k) for k in TENSORS})

@@ -19,12 +19,12 @@ BUDGET_CHANNELS = 8  # the error budget reruns the kernel on the first channels 
 
 def error_budget(adapter: Any, x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, *, dtype: str,
                  eps: float = EPS, params: str = "fp32", channels: int = BUDGET_CHANNELS) -> list[dict[str, Any]]:
-    """Rerun the training forward of an emulated kernel (``adapter`` has ``policy_for``) with one stage at a
-    time replaced by its FP64 value (the same stage of the golden run on the same inputs); report how much of
-    the output's error (RMSE of y against the golden) disappears.  The output cast's share is y left
-    unrounded.  Every stage downstream of an error's source removes it too, so the *cause* is the earliest
-    stage, in computation order, that removes most of it (see :func:`budget_cause`).  Shares need not add
-    up to 100%."""
+    """Rerun the training forward of an emulated kernel (``adapter``'s capabilities say it is staged: its
+    ``policy_for`` names its policy) with one stage at a time replaced by its FP64 value (the same stage of the
+    golden run on the same inputs); report how much of the output's error (RMSE of y against the golden)
+    disappears.  The output cast's share is y left unrounded.  Every stage downstream of an error's source removes
+    it too, so the *cause* is the earliest stage, in computation order, that removes most of it (see
+    :func:`budget_cause`).  Shares need not add up to 100%."""
     k = min(channels, x.shape[1])
     xs = np.ascontiguousarray(x[:, :k])
     pf = params_format(dtype, params)

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 
-from bnprobe.adapters import KernelAdapter, get_adapter
+from bnprobe.adapters import KernelAdapter
+from bnprobe.adapters.registry import as_adapter
 from bnprobe.adapters.base import PARAM_PRECISIONS
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
@@ -68,7 +69,7 @@ def recording_of(adapter: str | KernelAdapter, input: str | Path | None = None,
     """The recording a command runs over: ``adapter`` when it is a dump, or the dump ``input`` names (with
     a runnable adapter); ``calls`` selects calls by glob.  None when neither is a recording.  With ``guard`` (a
     command of :data:`bnprobe.guard.PER_ELEMENT`) refused when that command would not fit (:func:`require_calls`)."""
-    a = get_adapter(adapter) if isinstance(adapter, str) else adapter
+    a = as_adapter(adapter)
     dump_input = input is not None and is_dump_path(input)
     if a.capabilities().recorded:
         if input is not None:

@@ -159,8 +159,7 @@ class Golden:
         if key not in self._cache:
             c = self.call
             ref = self.ref if conv == own else outputs_only(reference_for(conv))
-            self._cache[key] = ref.forward_train(c.x, c.gamma, c.beta, c.running_mean, c.running_var,
-                                                 momentum=c.momentum, **c.kernel_options)
+            self._cache[key] = ref.train(c)
         return self._cache[key]
 
     def train_for(self, modes: tuple[str, ...], convention: str | None = None) -> ForwardOutput | None:
@@ -173,16 +172,14 @@ class Golden:
     def infer(self, ins: dict[str, Any]) -> np.ndarray:
         """The golden's inference y on the recorded inference inputs ``ins``."""
         if "infer" not in self._cache:
-            self._cache["infer"] = self.ref.forward_infer(ins["x"], ins.get("gamma"), ins.get("beta"),
-                                                          ins.get("running_mean"), ins.get("running_var"),
-                                                          **self.call.kernel_options).y
+            self._cache["infer"] = self.ref.infer(self.call.with_inputs(ins)).y
         return self._cache["infer"]
 
-    def backward(self, dy: np.ndarray, x: np.ndarray, gamma: np.ndarray | None, saved: Saved) -> BackwardOutput:
-        """The golden's backward from ``saved`` (the golden's own statistics: the same for every kernel)."""
+    def backward_of(self, call: BNCall, saved: Saved) -> BackwardOutput:
+        """The golden's backward of ``call`` (the recorded backward's) from ``saved`` (the golden's own statistics:
+        the same for every kernel)."""
         if "backward" not in self._cache:
-            self._cache["backward"] = self.ref.backward(dy, x, gamma, saved, training=self.call.training,
-                                                        **self.call.kernel_options)
+            self._cache["backward"] = self.ref.backward_of(call, saved)
         return self._cache["backward"]
 
 
@@ -200,9 +197,7 @@ class _Setting:
 
     def kernel_train(self, ins: dict[str, Any]) -> ForwardOutput:
         """The kernel's training step on the inputs ``ins`` (x, and γ, β, running statistics where given)."""
-        return self.kernel.forward_train(ins["x"], ins.get("gamma"), ins.get("beta"), ins.get("running_mean"),
-                                         ins.get("running_var"), momentum=self.call.momentum,
-                                         **self.call.kernel_options)
+        return self.kernel.train(self.call.with_inputs(ins))
 
 
 def _wanted_modes(rec: Recording, modes: tuple[str, ...] | None, skip_missing: bool, name: str) -> tuple[str, ...]:
@@ -258,20 +253,18 @@ def _run_eval_after_step(s: _Setting, run: CallRun, ins: dict[str, Any], out: Fo
     """``y_eval``: the kernel's inference on the step's x with the running statistics its step left, against the
     golden's inference with the golden's update (not rounded to the parameter format: an update beyond the
     format shows where it is used)."""
-    opts = s.call.kernel_options
-    wide = dict(opts, params="fp32")  # holds every fp16/bf16 value and the update beyond them
-    y_eval = s.kernel.forward_infer(ins["x"], ins.get("gamma"), ins.get("beta"), out.running_mean, out.running_var,
-                                    **opts).y
-    g_eval = s.golden.ref.forward_infer(ins["x"], ins.get("gamma"), ins.get("beta"), gold_t.running_mean,
-                                        gold_t.running_var, **wide).y
+    step = s.call.with_inputs(ins)
+    y_eval = s.kernel.infer(step.with_(running_mean=out.running_mean, running_var=out.running_var)).y
+    # the golden's parameters in fp32: it holds every fp16/bf16 value and the update beyond them
+    g_eval = s.golden.ref.infer(step.with_(running_mean=gold_t.running_mean, running_var=gold_t.running_var,
+                                           params="fp32")).y
     run.put("y_eval", y_eval, g_eval, s.out_fmt)
 
 
 def _run_infer(s: _Setting, run: CallRun) -> None:
     """The kernel's inference on the recorded infer inputs against the golden's."""
     ins = s.rec.tensors["infer"]["inputs"]
-    y = s.kernel.forward_infer(ins["x"], ins.get("gamma"), ins.get("beta"), ins.get("running_mean"),
-                               ins.get("running_var"), **s.call.kernel_options).y
+    y = s.kernel.infer(s.call.with_inputs(ins)).y
     run.put("y_infer", y, s.golden.infer(ins), s.out_fmt)
 
 
@@ -301,10 +294,10 @@ def _run_backward(s: _Setting, run: CallRun, gold_t: ForwardOutput | None) -> Sa
     if bw_ins.get("dy") is None or (gold_t is None and s.call.training):
         run.notes.append("no backward recorded (no dy)")
         return None
-    x, g, dy = bw_ins["x"], bw_ins.get("gamma"), bw_ins["dy"]
+    bw = s.call.with_(dy=bw_ins["dy"], x=bw_ins["x"], gamma=bw_ins.get("gamma"))
     mine, gold_saved = _backward_stats(s, run, bw_ins, gold_t)
-    got = s.kernel.backward(dy, x, g, mine, training=s.call.training, **s.call.kernel_options)
-    gb = s.golden.backward(dy, x, g, gold_saved)
+    got = s.kernel.backward_of(bw, mine)
+    gb = s.golden.backward_of(bw, gold_saved)
     missing = got.meta.get("missing", ())  # gradients the recorded kernel did not compute (affine=False...)
     for name, mine_g, gold_g, fmt_g in (("dx", got.dx, gb.dx, s.out_fmt), ("dgamma", got.dgamma, gb.dgamma, s.vec_fmt),
                                         ("dbeta", got.dbeta, gb.dbeta, s.vec_fmt)):

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.core.call import EPS, MOMENTUM
+from bnprobe.core.call import EPS, MOMENTUM, BNCall
 from bnprobe.core.kernel import MODES, SAVED_KINDS, Saved, params_format
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
@@ -260,10 +260,10 @@ def record(adapter: Any, *, x: np.ndarray, gamma: np.ndarray | None, beta: np.nd
         rec.tensors.setdefault(mode, {}).setdefault(io, {})[name] = np.asarray(a, dtype=np.float64)
         rec.formats[f"{mode}.{io}.{name}"] = f
 
-    common = dict(dtype=fmt, eps=eps, layout=layout, params=params)
+    call = BNCall(xs, g, b, rm, rv, dys, eps=eps, momentum=momentum, dtype=fmt, params=params, layout=layout)
     saved: Saved | None = None
     if "train" in modes or "backward" in modes:
-        out = adapter.forward_train(xs, g, b, rm, rv, momentum=momentum, **common)
+        out = adapter.train(call)
         saved = out.saved
         if "train" in modes:
             for name, a, f in (("x", xs, fmt), ("gamma", g, pf), ("beta", b, pf), ("running_mean", rm, pf),
@@ -278,13 +278,13 @@ def record(adapter: Any, *, x: np.ndarray, gamma: np.ndarray | None, beta: np.nd
                 put("train", "outputs", "running_mean_out", out.running_mean, pf)
                 put("train", "outputs", "running_var_out", out.running_var, pf)
     if "infer" in modes:
-        out = adapter.forward_infer(xs, g, b, rm, rv, **common)
+        out = adapter.infer(call.with_(training=False))
         for name, a, f in (("x", xs, fmt), ("gamma", g, pf), ("beta", b, pf), ("running_mean", rm, pf),
                            ("running_var", rv, pf)):
             put("infer", "inputs", name, a, f)
         put("infer", "outputs", "y", out.y, fmt)
     if "backward" in modes and saved is not None:
-        bw = adapter.backward(dys, xs, g, saved, **common)
+        bw = adapter.backward_of(call, saved)
         sf = rec.formats.get("train.outputs.saved_value", "fp64")
         for name, a, f in (("dy", dys, fmt), ("x", xs, fmt), ("gamma", g, pf), ("saved_mean", saved.mean, sf),
                            ("saved_value", saved.value, sf)):

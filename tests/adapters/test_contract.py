@@ -141,3 +141,23 @@ def test_a_replayed_dump_passes_the_contract(tmp_path, reference):
         rep.forward_train(i["x"] + 1, i["gamma"], i["beta"], i["running_mean"], i["running_var"], dtype="bf16")
     with pytest.raises(BNProbeError, match="does not run fp16"):
         rep.forward_train(i["x"], dtype="fp16")
+
+
+@pytest.mark.parametrize("name, staged, golden", [
+    ("reference", True, True), ("emulated", True, False), ("emulated:bf16-acc16", True, False),
+    ("careful", True, False), ("ascend-tbe", True, False), ("ascend-bnv3", True, False), ("ascend-950", True, False),
+    ("syncbn", False, False), ("tests.checks.bn_plugins:NumpyBN", False, False),
+    ("examples.plugin_adapter:NumpyFP32BatchNorm", False, False),
+])
+def test_the_capabilities_say_what_bnprobe_can_run_stage_by_stage_and_which_is_the_golden(name, staged, golden):
+    """The checks ask the capabilities, never the adapter's class or name: staged (bnprobe runs it stage by stage,
+    its policy_for names the Policy) and golden (the FP64 reference), as declared and through a convention's view."""
+    from bnprobe.adapters.convention import in_convention, reference_for
+
+    a = get_adapter(name)
+    caps = a.capabilities()
+    assert (caps.staged, caps.golden) == (staged, golden)
+    assert caps.staged == callable(getattr(a, "policy_for", None))
+    view = in_convention(a, "flax").capabilities()
+    assert (view.staged, view.golden, view.convention) == (staged, golden, "flax")
+    assert reference_for("flax").capabilities().golden

@@ -313,7 +313,7 @@ class Abstract(BaseAdapter, abc.ABC):
                                           r"capabilities\(\)$"),
     ("tests.adapters.test_registry:Abstract", r"is the class Abstract, an abstract class \(it does not implement "
                                               r"capabilities\)$"),
-    ("tests.adapters.test_registry:OnlyCapabilities", r"implements none of forward_train, forward_infer and backward"),
+    ("tests.adapters.test_registry:OnlyCapabilities", r"implements none of train, infer and backward_of"),
     ("tests.adapters.test_registry:makes_base", r"made an instance of BaseAdapter, an adapter base class that does "
                                                 r"not implement capabilities\(\)$"),
     ("tests.adapters.test_registry:ProtocolStub", r"^plugin 'tests.adapters.test_registry:ProtocolStub': adapter "

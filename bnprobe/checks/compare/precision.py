@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
+from bnprobe.adapters.registry import as_adapter
 from bnprobe.adapters.base import MODES, outputs_only
 from bnprobe.adapters.convention import bench_for, reference_for
 from bnprobe.core.call import EPS, MOMENTUM, BNCall
@@ -324,7 +325,7 @@ def _stored_share(ref: KernelAdapter, run: CallRun, gold_dx: np.ndarray) -> floa
     saved, call = run.saved, run.inputs
     stored = Saved(np.asarray(saved.mean, dtype=np.float64), saved.kind,  # type: ignore[union-attr]
                    np.asarray(saved.value, dtype=np.float64))  # type: ignore[union-attr]
-    gold2 = ref.backward(call.dy, call.x, call.gamma, stored, training=True, **call.kernel_options).dx
+    gold2 = ref.backward_of(call.with_(training=True), stored).dx
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN dx: no share (NaN), not a warning
         d = np.asarray(run.got["dx"], dtype=np.float64)
@@ -389,7 +390,8 @@ def _compare_adapter(a: KernelAdapter, cc: _CaseCall, j: _Judging, tables: _Tabl
         tables.chans.extend(_channels(a.name, fmt, case, run.got["y"], gold_t.y, var=run.saved.var(eps),
                                       gvar=gold_t.saved.var(eps), gmean=gold_t.saved.mean.astype(np.float64), eps=eps,
                                       top=top_channels))
-    if budget and callable(getattr(a, "policy_for", None)) and a.name != "reference" and gold_t is not None and \
+    caps = a.capabilities()
+    if budget and caps.staged and not caps.golden and gold_t is not None and \
             call.gamma is not None and call.beta is not None and "y" in run.got:
         _pick_for_budget(tables, a, fmt, case.name, call, next(r for r in reversed(tables.rows) if r["tensor"] == "y"))
 
@@ -443,8 +445,10 @@ def _recipe_outputs(rp: Any, cc: _CaseCall) -> dict[str, Any]:
 
 
 def _policy(a: KernelAdapter, rec: Recording) -> Any:
-    """The policy an emulated adapter runs this call with (its name aside), or None for other kernels."""
-    if not callable(getattr(a, "policy_for", None)) or a.name == "reference":
+    """The policy a staged adapter (an emulated kernel) runs this call with (its name aside), or None for other
+    kernels and for the golden."""
+    caps = a.capabilities()
+    if not caps.staged or caps.golden:
         return None
     call = rec.call()
     return replace(a.policy_for(call.x, dtype=rec.dtype, params=call.params), name="")
@@ -519,13 +523,13 @@ def compare_precision(
         raise BNProbeError(f"unknown mode {mode!r}; valid: {', '.join(COMPARE_MODES)}")
     if rule not in RULES:
         raise BNProbeError(f"unknown rule {rule!r}; valid: {', '.join(RULES)}")
-    resolved = [get_adapter(a) if isinstance(a, str) else a for a in (adapters or ["emulated"])]
+    resolved = [as_adapter(a) for a in (adapters or ["emulated"])]
     dumps = [a for a in resolved if a.capabilities().recorded]
     if cases is None:
         cases = recorded_cases(dumps[0].calls) if dumps else resnet50_cases(seed=seed) + stress_cases(seed)
     fmts = [get_format(d).name for d in (dtypes or ("fp16", "bf16", "fp32"))]
     recorded_fmts = list(dict.fromkeys(c.call.dtype for c in cases if c.call is not None))
-    bench_a = (get_adapter(bench) if isinstance(bench, str) else bench) if bench is not None else None
+    bench_a = as_adapter(bench) if bench is not None else None
     if bench_a is None and rule == "benchmark":
         raise BNProbeError("the benchmark rule needs a bench (e.g. careful or torch)")
     _check_formats(resolved, bench_a, cases, fmts, recorded_fmts, dtypes)
@@ -600,7 +604,7 @@ def judge_call(a: KernelAdapter, rec: Recording, modes: tuple[str, ...], *, labe
     agree on it.  A dump adapter replays ``rec`` (one of its recorded calls).  ``run`` (with the ``golden`` it was
     run on): the adapter's run on this call, when the caller has made it (not run again)."""
     ref = outputs_only(reference_for(a))
-    bench_a = outputs_only(bench_for(get_adapter(bench) if isinstance(bench, str) else bench, a))
+    bench_a = outputs_only(bench_for(as_adapter(bench), a))
     call = rec.call()
     case = Case(label or rec.meta.get("call") or rec.source, tuple(np.shape(call.x)))
     cc = _CaseCall(case, rec, modes, golden if golden is not None else Golden(ref, rec),

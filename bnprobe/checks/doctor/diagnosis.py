@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from bnprobe.core.call import EPS, MOMENTUM
-from bnprobe.adapters import KernelAdapter, get_adapter
+from bnprobe.adapters import KernelAdapter
+from bnprobe.adapters.registry import as_adapter
 from bnprobe.adapters.base import outputs_only, params_format, stored_inputs
 from bnprobe.adapters.convention import reference_for
 from bnprobe.core.call import BNCall
@@ -581,21 +582,21 @@ def _steps_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
     if "train" not in caps.modes or "infer" not in caps.modes:
         return {}
     pf = params_format(fmt, params)
-    common = dict(dtype=fmt, eps=p.call.eps, params=params)
     batches = [round_to(s, fmt) for s in p.steps]
     c = p.call
     x, _, g, b, rm0, rv0 = stored_inputs(fmt, params, c.x, None, c.gamma, c.beta, c.running_mean, c.running_var)
     k_rm, k_rv, g_rm, g_rv = rm0, rv0, rm0, rv0
+    step = BNCall(x, g, b, eps=c.eps, momentum=c.momentum, dtype=fmt, params=params)
     with np.errstate(all="ignore"):
         for xb in batches:
-            out = a.forward_train(xb, g, b, k_rm, k_rv, momentum=p.call.momentum, **common)
+            out = a.train(step.with_(x=xb, running_mean=k_rm, running_var=k_rv))
             if out.running_mean is None or out.running_var is None:
                 return {}
             k_rm, k_rv = out.running_mean, out.running_var
-            gt = ref.forward_train(xb, g, b, g_rm, g_rv, momentum=p.call.momentum, **common)
+            gt = ref.train(step.with_(x=xb, running_mean=g_rm, running_var=g_rv))
             g_rm, g_rv = round_to(gt.running_mean, pf), round_to(gt.running_var, pf)
-        y = a.forward_infer(x, g, b, k_rm, k_rv, **common).y
-        gy = ref.forward_infer(x, g, b, g_rm, g_rv, **common).y
+        y = a.infer(step.with_(running_mean=k_rm, running_var=k_rv, training=False)).y
+        gy = ref.infer(step.with_(running_mean=g_rm, running_var=g_rv, training=False)).y
 
         def models(bug: str | None, recipe: str | None = None) -> dict[str, np.ndarray]:
             rm, rv = rm0, rv0
@@ -632,7 +633,7 @@ def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None,
     every call).  ``recipe``: when something fails, also identify the kernel's numerical recipe
     (:func:`~bnprobe.checks.identify.search.identify`) and, where it is reproduced bit for bit, name its choices
     known to lose accuracy in the diagnosis."""
-    a = get_adapter(adapter) if isinstance(adapter, str) else adapter
+    a = as_adapter(adapter)
     check_params(params)
     if a.capabilities().recorded:
         if len(a.calls.calls) != 1:
@@ -739,7 +740,7 @@ def _first_batch_biased(run: CallRun) -> np.ndarray:
 def _epsilon(a: KernelAdapter, x: np.ndarray, fmt: str, eps: float, params: str) -> Item:
     """eps sane for the format the statistics are computed in."""
     stat_fmt = get_format(a.policy_for(round_to(x, fmt), dtype=fmt, params=params).accumulate) \
-        if callable(getattr(a, "policy_for", None)) else get_format("fp64" if fmt == "fp64" else "fp32")
+        if a.capabilities().staged else get_format("fp64" if fmt == "fp64" else "fp32")
     name = "epsilon is resolvable in the statistics' format"
     if eps < stat_fmt.eps / 2:
         return Item(name, "WARN", f"eps {eps:g} is below half the {stat_fmt.name} spacing at 1 "
@@ -766,8 +767,9 @@ def _determinism(run: Callable[[], Any], declared: bool, inputs: str = "the same
 def _forward_twice(a: KernelAdapter, p: Probe, fmt: str, params: str) -> Callable[[], Any]:
     """The training forward of ``a`` on the probe's inputs, as stored in ``fmt`` and ``params``."""
     c = p.call
-    x, _, *prm = stored_inputs(fmt, params, c.x, None, c.gamma, c.beta, c.running_mean, c.running_var)
-    return lambda: a.forward_train(x, *prm, momentum=p.call.momentum, dtype=fmt, eps=p.call.eps, params=params).y
+    x, _, g, b, rm, rv = stored_inputs(fmt, params, c.x, None, c.gamma, c.beta, c.running_mean, c.running_var)
+    step = BNCall(x, g, b, rm, rv, eps=c.eps, momentum=c.momentum, dtype=fmt, params=params)
+    return lambda: a.train(step).y
 
 
 # ---- recorded calls ---------------------------------------------------------------------------------
@@ -846,9 +848,10 @@ def _doctor_call(recorded: Recorded, run: CallRun) -> DoctorReport:
     items.append(_epsilon(recorded.kernel, x, fmt, eps, ci.params))
     if not recorded.replay and "train" in rec.tensors:
         ins = rec.tensors["train"]["inputs"]
-        items.append(_determinism(lambda: recorded.kernel.forward_train(
-            ins["x"], ins.get("gamma"), ins.get("beta"), dtype=fmt, eps=eps, layout=layout, params=ci.params).y,
-            recorded.kernel.capabilities().deterministic, "the recorded inputs"))
+        first = BNCall(ins["x"], ins.get("gamma"), ins.get("beta"), eps=eps, dtype=fmt, params=ci.params,
+                       layout=layout)
+        items.append(_determinism(lambda: recorded.kernel.train(first).y,
+                                  recorded.kernel.capabilities().deterministic, "the recorded inputs"))
     notes += unseen
     return DoctorReport(run.kernel, fmt, items, diagnosis, notes, run.label, params=ci.params,
                         inputs=(run.label,))

@@ -22,9 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.core.call import EPS, MOMENTUM
+from bnprobe.core.call import EPS, MOMENTUM, BNCall
 from bnprobe._loading import first_line, kind_of, load_callable, raised
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
+from bnprobe.adapters.registry import as_adapter
 from bnprobe.adapters.base import outputs_only, params_format, stored_inputs
 from bnprobe.adapters.emulated import ReferenceAdapter
 from bnprobe.engine.recorded import PerCall, Recorded, check_options
@@ -176,7 +177,7 @@ class _Jacobian:
         self.inp, self.eps, self.train = inp, eps, mode == "train"
         x, g, b = inp.x, inp.gamma, inp.beta
         self.c, self.shape, self.h = g.size, x.shape, FINITE_DIFFERENCE["eps"]
-        self.saved = self.adapter.forward_train(x, g, b, dtype="fp64", eps=eps).saved if self.train else \
+        self.saved = self.adapter.train(BNCall(x, g, b, dtype="fp64", eps=eps)).saved if self.train else \
             Saved(inp.running_mean, "var", inp.running_var)
         self.theta = np.concatenate([x.reshape(-1), g, b])
         self.m, self.p = x.size, self.theta.size
@@ -199,9 +200,9 @@ class _Jacobian:
             xx, gg, bb = t[:-2].reshape(one), t[-2:-1], t[-1:]
             rm, rv = inp.running_mean[k:k + 1], inp.running_var[k:k + 1]
         if self.train:
-            y = a.forward_train(xx, gg, bb, dtype="fp64", eps=self.eps).y
+            y = a.train(BNCall(xx, gg, bb, dtype="fp64", eps=self.eps)).y
         else:
-            y = a.forward_infer(xx, gg, bb, rm, rv, dtype="fp64", eps=self.eps).y
+            y = a.infer(BNCall(xx, gg, bb, rm, rv, dtype="fp64", eps=self.eps, training=False)).y
         return np.asarray(y, dtype=np.float64).reshape(-1)
 
     def column(self, i: int) -> np.ndarray:
@@ -243,8 +244,8 @@ class _Jacobian:
         return col
 
     def vjp(self, v: np.ndarray) -> np.ndarray:
-        out = self.adapter.backward(v, self.inp.x, self.inp.gamma, self.saved, dtype="fp64", eps=self.eps,
-                                    training=self.train)
+        out = self.adapter.backward_of(BNCall(self.inp.x, self.inp.gamma, dy=v, dtype="fp64", eps=self.eps,
+                                              training=self.train), self.saved)
         return np.concatenate([np.asarray(out.dx, dtype=np.float64).reshape(-1),
                                np.asarray(out.dgamma, dtype=np.float64), np.asarray(out.dbeta, dtype=np.float64)])
 
@@ -445,8 +446,9 @@ def check_formula(spec: str, shape: tuple[int, ...] = (4, 3, 5, 5), *, seed: int
         else [(spec, _load_formula(spec))]
     inp = make_inputs(shape, seed)
     ref = get_adapter("reference")
-    f = ref.forward_train(inp.x, inp.gamma, inp.beta, dtype="fp64", eps=eps)
-    gold = ref.backward(inp.dy, inp.x, inp.gamma, f.saved, dtype="fp64", eps=eps)
+    call = BNCall(inp.x, inp.gamma, inp.beta, dy=inp.dy, dtype="fp64", eps=eps)
+    f = ref.train(call)
+    gold = ref.backward_of(call, f.saved)
     mean, var = f.saved.mean.astype(np.float64), f.saved.var(eps)
     rows = list(_golden_fd_rows(tuple(shape), seed, eps))
     notes: list[str] = []
@@ -519,7 +521,7 @@ def gradcheck(
     if mode not in (None, "train", "infer"):
         raise BNProbeError(f"gradcheck mode must be train or infer, got {mode!r}")
     check_rtol_atol(rtol, atol)
-    a = get_adapter(adapter) if isinstance(adapter, str) else adapter
+    a = as_adapter(adapter)
     if a.capabilities().recorded:
         recorded = Recorded(a, a.calls)
         check_options(recorded, given=tuple(n for n, v in (("shape", shape), ("eps", eps)) if v is not None),
@@ -554,17 +556,18 @@ def gradcheck(
     xs, dys, g, b, rm, rv = stored_inputs(fmt, params, inp.x, inp.dy, inp.gamma, inp.beta, inp.running_mean,
                                           inp.running_var)
     train = mode == "train"
+    call = BNCall(xs, g, b, dy=dys, eps=eps, training=train, dtype=fmt, params=params)
     if train:
-        saved = a.forward_train(xs, g, b, dtype=fmt, eps=eps, params=params).saved
-        gsaved = ref.forward_train(xs, g, b, dtype=fmt, eps=eps, params=params).saved
+        saved = a.train(call).saved
+        gsaved = ref.train(call).saved
         if saved is None:  # autodiff through the forward (flax, Keras): it recomputes them; handed the golden's
             saved = gsaved
             notes.append(f"{a.name} saves no statistics (its backward recomputes them): judged against the golden "
                          "of the batch's own statistics")
     else:
         saved = gsaved = Saved(rm, "var", rv)
-    got = a.backward(dys, xs, g, saved, dtype=fmt, eps=eps, training=train, params=params)
-    gold = ref.backward(dys, xs, g, gsaved, dtype=fmt, eps=eps, training=train, params=params)
+    got = a.backward_of(call, saved)
+    gold = ref.backward_of(call, gsaved)
     rt, at = grad_tolerance(fmt, rtol, atol)
     judged = _judged(a, inp, fmt, params, eps) if train and rtol is None and atol is None else {}
     rows += _vs_fp64(a.name, got, gold, judged, fmt=fmt, pf=pf, out_fmt=caps.output or fmt, rt=rt, at=at)

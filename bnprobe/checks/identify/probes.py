@@ -161,13 +161,11 @@ def emulate(policy: Policy, obs: Observed, modes: tuple[str, ...], saved_kind: s
     a = _fixed(policy, saved_kind)
     a.keep_arrays = False
     rec, call = obs.rec, obs.rec.call()
-    opts = call.kernel_options
     out: dict[str, np.ndarray] = {}
     own: Saved | None = None
     if "train" in modes and "train" in rec.tensors:
         ins = rec.tensors["train"]["inputs"]
-        f = a.forward_train(ins["x"], ins.get("gamma"), ins.get("beta"), ins.get("running_mean"),
-                            ins.get("running_var"), momentum=call.momentum, **opts)
+        f = a.train(call.with_inputs(ins))
         out["y"], own = _as64(f.y), f.saved
         if f.saved is not None:
             out["saved_mean"] = _as64(f.saved.mean)
@@ -176,18 +174,16 @@ def emulate(policy: Policy, obs: Observed, modes: tuple[str, ...], saved_kind: s
             out["running_mean"], out["running_var"] = _as64(f.running_mean), _as64(f.running_var)
     if "infer" in modes and "infer" in rec.tensors:
         ins = rec.tensors["infer"]["inputs"]
-        out["y_infer"] = _as64(a.forward_infer(ins["x"], ins.get("gamma"), ins.get("beta"), ins.get("running_mean"),
-                                               ins.get("running_var"), **opts).y)
+        out["y_infer"] = _as64(a.infer(call.with_inputs(ins)).y)
     bw = rec.tensors.get("backward", {}).get("inputs", {})
     if "backward" in modes and bw.get("dy") is not None:
         saved = obs.saved
         if saved is None or saved.kind not in ("invstd", "var"):
             if own is None:
                 ins = rec.tensors.get("train", {}).get("inputs", bw)
-                own = a.forward_train(ins["x"], ins.get("gamma"), ins.get("beta"), ins.get("running_mean"),
-                                      ins.get("running_var"), momentum=call.momentum, **opts).saved
+                own = a.train(call.with_inputs(ins)).saved
             saved = own
-        b = a.backward(bw["dy"], bw["x"], bw.get("gamma"), saved, training=call.training, **opts)
+        b = a.backward_of(call.with_(dy=bw["dy"], x=bw["x"], gamma=bw.get("gamma")), saved)
         out["dx"], out["dgamma"], out["dbeta"] = _as64(b.dx), _as64(b.dgamma), _as64(b.dbeta)
     return out
 

@@ -41,7 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.adapters import KernelAdapter, get_adapter
+from bnprobe.adapters import KernelAdapter
+from bnprobe.adapters.registry import as_adapter
 from bnprobe.adapters.base import outputs_only, params_format
 from bnprobe.core.call import EPS, MOMENTUM, BNCall
 from bnprobe.engine.cases import dy_of_kind
@@ -400,7 +401,7 @@ def identify(adapter: str | KernelAdapter, dtype: str = "fp16", *, params: str =
     input, channels-first, when given).  Its ``spec`` runs as ``emulated:<spec>``."""
     from bnprobe.engine.run import generated_call
 
-    kernel = outputs_only(get_adapter(adapter) if isinstance(adapter, str) else adapter)
+    kernel = outputs_only(as_adapter(adapter))
     caps = kernel.capabilities()
     if caps.recorded:
         raise BNProbeError(f"{kernel.name} replays a recording: identify it with identify_recorded (the CLI does)")

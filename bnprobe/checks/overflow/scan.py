@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 
 from bnprobe.core.call import EPS, MOMENTUM
-from bnprobe.adapters import KernelAdapter, get_adapter
+from bnprobe.adapters import KernelAdapter
+from bnprobe.adapters.registry import as_adapter
 from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.adapters.emulated import PolicyAdapter
 from bnprobe.checks.overflow.outputs import scan_call, scan_outputs, scan_summaries
@@ -94,7 +95,7 @@ def scan(
     A dump adapter of one call is scanned on its recorded inputs, ``x`` None (:func:`scan_recorded`
     scans every call of a dump)."""
     _check_mode(mode)
-    a = get_adapter(adapter) if isinstance(adapter, str) else adapter
+    a = as_adapter(adapter)
     if a.capabilities().recorded:
         inputs = dict(x=x, accumulate=accumulate, gamma=gamma, beta=beta, eps=eps, running_mean=running_mean,
                       running_var=running_var, dy=dy)
@@ -110,7 +111,7 @@ def scan(
     x_cr = lay.to_cr(x)
     given = _run_inputs(x, x_cr, lay.channels, seed, gamma=gamma, beta=beta, running_mean=running_mean,
                         running_var=running_var, dy=dy, eps=eps, layout=layout, momentum=momentum)
-    if not callable(getattr(a, "policy_for", None)):
+    if not a.capabilities().staged:
         if accumulate is not None:
             raise BNProbeError(f"--accumulate sets the accumulator of an emulated kernel; {a.name} computes in its "
                                "own: drop it")

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from bnprobe._loading import binds, load_callable, raised
-from bnprobe.adapters import KernelAdapter, get_adapter
+from bnprobe.adapters import KernelAdapter
+from bnprobe.adapters.registry import as_adapter
 from bnprobe.core.errors import BNProbeError
 from bnprobe.engine.result import Verdict
 
@@ -99,7 +100,7 @@ def mode_training(modes: tuple[str, ...]) -> bool:
 
 def runnable(adapter: str | KernelAdapter) -> KernelAdapter:
     """The adapter to rerun on smaller inputs; a dump (it answers only its own inputs) is an error."""
-    a = get_adapter(adapter) if isinstance(adapter, str) else adapter
+    a = as_adapter(adapter)
     if a.capabilities().recorded:
         raise BNProbeError(f"{a.name} cannot be rerun on smaller inputs: shrink needs a runnable adapter; give the "
                            "recording as --input DIR[#CALL] with --adapter torch, emulated:fp16, ... to shrink its x")
