@@ -23,16 +23,24 @@ __all__ = ["PolicyAdapter", "ReferenceAdapter", "EmulatedAdapter", "CarefulAdapt
 ALL_FORMATS = ("fp64", "fp32", "fp16", "bf16")
 
 
+# the methods that run a call: a subclass overriding any of them computes something other than its policy
+RUNNING = ("train", "infer", "backward_of", "forward_train", "forward_infer", "backward", "_forward_train_impl",
+           "_forward_infer_impl", "_backward_impl")
+
+
 class PolicyAdapter(BaseAdapter):
     """Runs the instrumented kernels with a Policy chosen per call (by dtype, params format, shape, mode): its
-    capabilities say so (``staged``: bnprobe can rerun it stage by stage, :meth:`policy_for` naming the policy)."""
+    capabilities say so (``staged``: bnprobe can rerun it stage by stage, :meth:`policy_for` naming the policy).
+    A subclass that overrides how a call runs (:data:`RUNNING`) is not staged: its outputs need not be its
+    policy's, so no check may stand the policy's run in for its own."""
 
     def __init__(self, name: str, make_policy: Callable[[Prepared, str], Policy], caps: Capabilities) -> None:
         self.name = name
         self.keep_arrays = True  # keep every intermediate in the traces (False: counters and ranges only)
         self.counters = True  # False: no trace at all, the outputs alone (the same bits, without counting events)
         self._make_policy = make_policy
-        self._caps = replace(caps, staged=True)
+        own = all(getattr(type(self), m) is getattr(PolicyAdapter, m) for m in RUNNING)
+        self._caps = replace(caps, staged=own)
 
     def capabilities(self) -> Capabilities:
         return self._caps

@@ -14,6 +14,7 @@ unpacks each call into those arguments.  This module is the only place bnprobe c
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
 from bnprobe.adapters.base import BackwardOutput, Capabilities, ForwardOutput, Saved
@@ -69,7 +70,8 @@ class LooseSignature:
         object.__setattr__(self, "_inner", inner)
 
     def capabilities(self) -> Capabilities:
-        return self._inner.capabilities()
+        # a loose plugin computes its outputs itself, even one built on a PolicyAdapter: never staged
+        return replace(self._inner.capabilities(), staged=False)
 
     def train(self, call: BNCall) -> ForwardOutput:
         c = call

@@ -68,10 +68,10 @@ def allclose_rule(actual: Any, expected: Any, rtol: float, atol: float, *, scale
                   equal_nan: bool = False, where: Callable[[int], str] | None = None) -> Closeness:
     """|actual − expected| <= atol·scale + rtol·|expected| elementwise (``scale`` 1 when None, else broadcast to
     ``expected``: atol in units of each value's natural scale); ``equal_nan``: an infinity, or a NaN, where the
-    expected value has the same one errs by nothing, so an infinity there passes (its allowance is inf) but a NaN
-    still fails (its allowance atol + rtol·|NaN| is NaN).  Any other non-finite difference fails.  ``where(i)`` names
-    flat element i; the worst element is the one using most of its allowance, the first non-finite difference
-    where there is one."""
+    expected value has the same one errs by nothing, so an infinity there passes when rtol > 0 (its allowance is
+    inf; with rtol 0 it is NaN and fails) but a NaN still fails (its allowance atol + rtol·|NaN| is NaN).  Any
+    other non-finite difference fails.  ``where(i)`` names flat element i; the worst element is the one using most
+    of its allowance, the first non-finite difference where there is one."""
     a = np.asarray(actual, dtype=np.float64).reshape(-1)
     e = np.asarray(expected, dtype=np.float64).reshape(-1)
     s = np.ones_like(e) if scale is None else np.broadcast_to(np.asarray(scale, dtype=np.float64),

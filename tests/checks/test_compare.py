@@ -1,9 +1,12 @@
+import dataclasses
+
 import numpy as np
 import pandas as pd
 import pytest
 
 from bnprobe.adapters import BackwardOutput, get_adapter
 from bnprobe.adapters.dump import DumpAdapter
+from bnprobe.adapters.emulated import EmulatedAdapter
 from bnprobe.engine.budget import error_budget
 from bnprobe.engine.cases import Case, recorded_cases, resnet50_cases, stress_cases
 from bnprobe.checks.compare.precision import compare_precision
@@ -414,3 +417,32 @@ def test_a_running_mean_within_its_accumulations_rounding_passes_and_a_wrong_mom
     r = compare_precision(["emulated:bf16:running_momentum=old"], ("bf16",), case, budget=False)
     row = r.rows[r.rows.tensor == "running_mean"].iloc[0]
     assert row.verdict == "FAIL"
+
+
+class _NoisyTrain(EmulatedAdapter):
+    """An emulated kernel's subclass whose training y is 5 % off: its policy is still the parent's."""
+
+    def train(self, call):  # noqa: ANN001, ANN201
+        out = super().train(call)
+        return dataclasses.replace(out, y=(out.y.astype(np.float64) * 1.05).astype(out.y.dtype))
+
+
+class _NoisyLoose(EmulatedAdapter):
+    """The same through the loose signature of earlier releases (run in the registry's shim)."""
+
+    def forward_train(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        out = super().forward_train(*args, **kwargs)
+        return dataclasses.replace(out, y=(out.y.astype(np.float64) * 1.05).astype(out.y.dtype))
+
+
+@pytest.mark.parametrize("kind", [_NoisyTrain, _NoisyLoose], ids=["train", "loose"])
+def test_a_subclass_that_changes_its_outputs_is_run_not_stood_in_for_by_its_policy(kind):
+    """compare-precision reuses the bench's run for a kernel running the bench's own policy: a subclass that
+    overrides how a call runs is not staged, so it is run and its wrong y fails (it passed when it was staged)."""
+    from bnprobe.adapters.registry import as_adapter
+
+    kernel = as_adapter(kind())
+    assert not kernel.capabilities().staged and as_adapter(EmulatedAdapter()).capabilities().staged
+    res = compare_precision([kernel], ("fp32",), [Case("small", (4, 3, 2, 2))], mode="train", bench="emulated")
+    assert not res.passed
+    assert set(res.rows.loc[res.rows["verdict"] == "FAIL", "tensor"]) == {"y"}

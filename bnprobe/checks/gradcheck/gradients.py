@@ -123,8 +123,9 @@ def _row(check: str, tensor: str, actual: np.ndarray, expected: np.ndarray, rtol
          fmt: str = "fp64", where_of: Callable[[int], str] | None = None, detail: str = "",
          scale: np.ndarray | None = None, equal_nan: bool = False) -> GradRow:
     """The judge's :func:`~bnprobe.engine.closeness.allclose_rule` (|a - e| <= atol·scale + rtol·|e| elementwise,
-    scale 1 when None; ``equal_nan``: NaN/inf where the expected value has the same one counts as equal, an
-    input-borne NaN not being the kernel's error) as a row, with msprobe's measures in ``fmt``."""
+    scale 1 when None; ``equal_nan``: as that rule says, an infinity where the expected value has the same one
+    passes when rtol > 0, and a NaN where it has NaN still fails, though the intent was that an input-borne NaN is
+    not the kernel's error) as a row, with msprobe's measures in ``fmt``."""
     v = allclose_rule(actual, expected, rtol, atol, scale=scale, equal_nan=equal_nan, where=where_of)
     m = compare(np.asarray(actual, dtype=np.float64).reshape(-1), np.asarray(expected, dtype=np.float64).reshape(-1),
                 fmt)
