@@ -58,8 +58,9 @@ class Capabilities:
     # the format it reads γ, β and the running statistics in whatever it is given (a fixed policy's, e.g.
     # emulated:bf16-acc16's bf16), None when it takes the run's parameter format; a recording stores them so
     params: str | None = None
-    # bnprobe runs it stage by stage: it runs a Policy (``policy_for`` names the one of a call), so a check can rerun
-    # it with one stage changed (the error budget, overflow's traced scan, the statistics' format)
+    # bnprobe runs it stage by stage: it runs a Policy (``policy_for`` names the one of a call) and nothing else, so a
+    # check can rerun it with one stage changed (the error budget, overflow's traced scan, the statistics' format) or
+    # stand another run of the same policy in for it (a subclass changing how a call runs is not staged)
     staged: bool = False
     # it is the FP64 golden itself (bnprobe's reference): every kernel is judged against its outputs, so nothing
     # of it is budgeted or explained
