@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-__all__ = ["Verdict", "CheckResult"]
+__all__ = ["Verdict", "CheckResult", "Judged"]
 
 
 class Verdict(str, enum.Enum):
@@ -71,3 +71,18 @@ class CheckResult(Protocol):
     def frame(self) -> pd.DataFrame: ...
 
     def __bool__(self) -> bool: ...
+
+
+class Judged:
+    """What a result derives from its ``passed``: truthy when it passed, and its verdict PASS or FAIL (a result
+    with other verdicts defines its own).  A base of the checks' result types, so the protocol's derived half is
+    written once."""
+
+    __slots__ = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.passed)  # type: ignore[attr-defined]
+
+    @property
+    def verdict(self) -> Verdict:
+        return Verdict.of(self.passed)  # type: ignore[attr-defined]

@@ -30,7 +30,7 @@ from bnprobe.core.conventions import convention_of
 from bnprobe.engine.budget import BUDGET_CHANNELS, budget_cause, error_budget
 from bnprobe.engine.cases import Case, make_dy, recorded_cases, resnet50_cases, stress_cases
 from bnprobe.engine.recipes import RECIPES, recipe_fits
-from bnprobe.engine.result import Verdict
+from bnprobe.engine.result import Judged, Verdict
 from bnprobe.engine.rules import (
     RULES,
     BenchOutput,
@@ -156,7 +156,7 @@ def _channels(adapter: str, dtype: str, case: Case, y: np.ndarray, gy: np.ndarra
 
 
 @dataclass
-class CompareResult:
+class CompareResult(Judged):
     """compare-precision's result (a :class:`~bnprobe.engine.result.CheckResult`): one row per output judged
     (``rows``, also its ``frame``), the worst channels, the error budget and what the run was (``meta``, whose
     ``notes`` are its ``notes``)."""
@@ -169,13 +169,6 @@ class CompareResult:
     @property
     def passed(self) -> bool:
         return bool((self.rows["verdict"] == Verdict.PASS).all()) if len(self.rows) else True
-
-    def __bool__(self) -> bool:
-        return self.passed
-
-    @property
-    def verdict(self) -> Verdict:
-        return Verdict.of(self.passed)
 
     @property
     def notes(self) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bnprobe.engine.result import Verdict
+from bnprobe.engine.result import Judged, Verdict
 
 __all__ = ["Item", "DoctorReport"]
 
@@ -32,7 +32,7 @@ class Item:
 
 
 @dataclass
-class DoctorReport:
+class DoctorReport(Judged):
     adapter: str
     dtype: str
     items: list[Item]
@@ -52,13 +52,6 @@ class DoctorReport:
     def healthy(self) -> bool:
         """The same as :attr:`passed` (the name its JSON report keeps)."""
         return self.passed
-
-    def __bool__(self) -> bool:
-        return self.passed
-
-    @property
-    def verdict(self) -> Verdict:
-        return Verdict.of(self.passed)
 
     @property
     def frame(self) -> Any:  # -> pandas.DataFrame

@@ -28,7 +28,7 @@ from bnprobe.core.call import EPS
 from bnprobe._loading import first_line
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
-from bnprobe.engine.result import Verdict
+from bnprobe.engine.result import Judged, Verdict
 from bnprobe.kernels import forward_infer, get_policy
 from bnprobe.kernels.layout import layout_of
 from bnprobe.numerics.arith import Arith
@@ -346,7 +346,7 @@ def layer_forward(kind: str, x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
 
 
 @dataclass
-class FoldReport:
+class FoldReport(Judged):
     layer: str
     dtype: str
     accumulate: str
@@ -362,13 +362,6 @@ class FoldReport:
     @property
     def passed(self) -> bool:
         return bool((self.channels["verdict"] == Verdict.PASS).all())
-
-    def __bool__(self) -> bool:
-        return self.passed
-
-    @property
-    def verdict(self) -> Verdict:
-        return Verdict.of(self.passed)
 
     @property
     def frame(self) -> pd.DataFrame:

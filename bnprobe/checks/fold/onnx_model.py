@@ -41,7 +41,7 @@ from bnprobe.checks.fold.onnx_graph import (
 )
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
-from bnprobe.engine.result import Verdict
+from bnprobe.engine.result import Judged, Verdict
 
 __all__ = ["OnnxLayer", "OnnxFoldReport", "check_onnx", "ort_fused", "FUSE_LEVELS", "NEAR_DEAD_SHARE",
            "X_SPATIAL", "X_BUDGET"]
@@ -70,7 +70,7 @@ class OnnxLayer:
 
 
 @dataclass
-class OnnxFoldReport:
+class OnnxFoldReport(Judged):
     """Every pair's fold analysis per format, its fused layer's verdict and its fp16 deployment view."""
 
     model: str
@@ -89,13 +89,6 @@ class OnnxFoldReport:
         reps = [*self.analysis.values(), *(r for r in self.fused.values() if not isinstance(r, str)),
                 *self.fp16.values()]
         return all(r.passed for r in reps)
-
-    def __bool__(self) -> bool:
-        return self.passed
-
-    @property
-    def verdict(self) -> Verdict:
-        return Verdict.of(self.passed)
 
     @property
     def frame(self) -> Any:  # -> pandas.DataFrame

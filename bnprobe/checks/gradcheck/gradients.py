@@ -29,7 +29,7 @@ from bnprobe.adapters.registry import as_adapter
 from bnprobe.adapters.base import outputs_only, params_format, stored_inputs
 from bnprobe.adapters.emulated import ReferenceAdapter
 from bnprobe.engine.recorded import PerCall, Recorded, check_options
-from bnprobe.engine.result import Verdict
+from bnprobe.engine.result import Judged, Verdict
 from bnprobe.engine.run import CallRun, each_run
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
@@ -77,7 +77,7 @@ class GradRow:
 
 
 @dataclass(frozen=True)
-class GradcheckResult:
+class GradcheckResult(Judged):
     adapter: str
     dtype: str
     mode: str
@@ -90,13 +90,6 @@ class GradcheckResult:
     @property
     def passed(self) -> bool:
         return all(r.passed for r in self.rows)
-
-    def __bool__(self) -> bool:
-        return self.passed
-
-    @property
-    def verdict(self) -> Verdict:
-        return Verdict.of(self.passed)
 
     @property
     def frame(self):  # -> pandas.DataFrame

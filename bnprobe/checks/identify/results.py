@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from bnprobe.core.errors import BNProbeError
-from bnprobe.engine.result import Verdict
+from bnprobe.engine.result import Judged
 from bnprobe.kernels.policy import PRESETS, Policy
 
 
@@ -54,7 +54,7 @@ class Undistinguished:
 
 
 @dataclass
-class Identified:
+class Identified(Judged):
     """What identify found for one kernel (or one recorded call)."""
 
     adapter: str
@@ -85,13 +85,6 @@ class Identified:
         """The same as :attr:`reproduced` (what identify's exit status says)."""
         return self.reproduced
 
-    def __bool__(self) -> bool:
-        return self.passed
-
-    @property
-    def verdict(self) -> Verdict:
-        return Verdict.of(self.passed)
-
     @property
     def frame(self) -> Any:  # -> pandas.DataFrame
         """One row per output (:meth:`to_frame`)."""
@@ -114,7 +107,7 @@ class Identified:
 
 
 @dataclass
-class IdentifiedCalls:
+class IdentifiedCalls(Judged):
     """identify over the calls of a recording, in forward order (``notes``: the run's own; each call's are its
     result's)."""
 
@@ -130,13 +123,6 @@ class IdentifiedCalls:
     def passed(self) -> bool:
         """The same as :attr:`reproduced` (what identify's exit status says)."""
         return self.reproduced
-
-    def __bool__(self) -> bool:
-        return self.passed
-
-    @property
-    def verdict(self) -> Verdict:
-        return Verdict.of(self.passed)
 
     @property
     def frame(self) -> Any:  # -> pandas.DataFrame

@@ -14,7 +14,7 @@ import numpy as np
 
 from bnprobe.core.call import EPS
 from bnprobe.core.formats import get_format
-from bnprobe.engine.result import Verdict
+from bnprobe.engine.result import Judged
 from bnprobe.kernels.layout import layout_of
 from bnprobe.kernels.policy import Policy
 
@@ -67,7 +67,7 @@ class Headroom:
 
 
 @dataclass
-class OverflowReport:
+class OverflowReport(Judged):
     adapter: str
     dtype: str
     mode: str
@@ -87,13 +87,6 @@ class OverflowReport:
     def clean(self) -> bool:
         """The same as :attr:`passed` (the name its JSON report keeps)."""
         return self.passed
-
-    def __bool__(self) -> bool:
-        return self.passed
-
-    @property
-    def verdict(self) -> Verdict:
-        return Verdict.of(self.passed)
 
     @property
     def frame(self) -> pd.DataFrame:

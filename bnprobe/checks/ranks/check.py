@@ -34,7 +34,7 @@ import numpy as np
 from bnprobe.adapters.base import Saved
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
-from bnprobe.engine.result import Verdict
+from bnprobe.engine.result import Judged, Verdict
 from bnprobe.kernels.layout import layout_of
 from bnprobe.numerics.rounding import round_to
 from bnprobe.checks.ranks.outputs import rank_outputs
@@ -82,7 +82,7 @@ class RankRow:
 
 
 @dataclass(frozen=True)
-class RankReport:
+class RankReport(Judged):
     """check_ranks' result: one row per rank, the golden global statistics, the running statistics'
     agreement across ranks, what failed and notes.  Truthy when it passed."""
 
@@ -98,13 +98,6 @@ class RankReport:
     @property
     def passed(self) -> bool:
         return not self.failures
-
-    def __bool__(self) -> bool:
-        return self.passed
-
-    @property
-    def verdict(self) -> Verdict:
-        return Verdict.of(self.passed)
 
     @property
     def frame(self):  # -> pandas.DataFrame
