@@ -27,7 +27,6 @@ from bnprobe._loading import first_line, kind_of, load_callable, raised
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
 from bnprobe.adapters.registry import as_adapter
 from bnprobe.adapters.base import outputs_only, params_format, stored_inputs
-from bnprobe.adapters.emulated import ReferenceAdapter
 from bnprobe.engine.recorded import PerCall, Recorded, check_options
 from bnprobe.engine.result import Judged, Verdict
 from bnprobe.engine.run import CallRun, each_run
@@ -181,7 +180,8 @@ class _Jacobian:
         # bnprobe's FP64 reference computes each channel alone (its channel blocks give the same bits as one pass):
         # a column moves one channel's input, so only that channel is run again, the others' differences being
         # those of the unmoved forward, y0 - y0 (0, or NaN where y0 is not finite)
-        self.by_channel = type(self.adapter) is ReferenceAdapter  # (not a subclass: its forward may mix channels)
+        caps = self.adapter.capabilities()
+        self.by_channel = caps.golden and caps.staged  # (a subclass changing how a call runs is not staged)
         self._still: np.ndarray | None = None
 
     def y_at(self, t: np.ndarray, k: int | None = None) -> np.ndarray:
