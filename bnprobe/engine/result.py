@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-__all__ = ["Verdict", "CheckResult", "Judged"]
+__all__ = ["Verdict", "CheckResult", "Judged", "Analysis"]
 
 
 class Verdict(str, enum.Enum):
@@ -86,3 +86,18 @@ class Judged:
     @property
     def verdict(self) -> Verdict:
         return Verdict.of(self.passed)  # type: ignore[attr-defined]
+
+
+class Analysis(Judged):
+    """The result of an analysis, not a check (rsqrt's, shrink's): it has no verdict of its own (``Verdict.NONE``)
+    and passes, as its command exits 0."""
+
+    __slots__ = ()
+
+    @property
+    def passed(self) -> bool:
+        return True
+
+    @property
+    def verdict(self) -> Verdict:
+        return Verdict.NONE

@@ -29,7 +29,7 @@ import numpy as np
 
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import Format, get_format
-from bnprobe.engine.result import Verdict
+from bnprobe.engine.result import Analysis
 from bnprobe.numerics.arith import Arith
 from bnprobe.numerics.rsqrt import (
     MAGIC_RECIP,
@@ -236,7 +236,7 @@ class StepResult:
 
 
 @dataclass(frozen=True)
-class MathAnalysis:
+class MathAnalysis(Analysis):
     """The rsqrt command's result: one :class:`StepResult` per Newton step count, the error curve and the notes.
     An analysis, not a check: it has no verdict of its own (``Verdict.NONE``) and passes (rsqrt exits 0)."""
 
@@ -245,17 +245,6 @@ class MathAnalysis:
     steps: list[StepResult]
     curve: dict[str, np.ndarray]  # x over two binades and the signed relative error per step (envelope)
     notes: list[str]
-
-    @property
-    def passed(self) -> bool:
-        return True
-
-    def __bool__(self) -> bool:
-        return self.passed
-
-    @property
-    def verdict(self) -> Verdict:
-        return Verdict.NONE
 
     @property
     def frame(self):  # -> pandas.DataFrame

@@ -25,7 +25,7 @@ from bnprobe._loading import binds, load_callable, raised
 from bnprobe.adapters import KernelAdapter
 from bnprobe.adapters.registry import as_adapter
 from bnprobe.core.errors import BNProbeError
-from bnprobe.engine.result import Verdict
+from bnprobe.engine.result import Analysis
 
 __all__ = ["ShrinkResult", "shrink", "compare_predicate", "overflow_predicate", "load_predicate", "recorded_case",
            "predicate_for",
@@ -207,7 +207,7 @@ def load_predicate(spec: str) -> Predicate:
 
 
 @dataclass
-class ShrinkResult:
+class ShrinkResult(Analysis):
     """The smallest failing input shrink found (``x``), the steps that got there, and the effort.  A search, not a
     check: it has no verdict of its own (``Verdict.NONE``) and passes (shrink exits 0); the check still fails on
     ``x``."""
@@ -220,17 +220,6 @@ class ShrinkResult:
     timed_out: bool = False
     channels: np.ndarray | None = None  # the original channels kept, in order
     notes: list[str] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        return True
-
-    def __bool__(self) -> bool:
-        return self.passed
-
-    @property
-    def verdict(self) -> Verdict:
-        return Verdict.NONE
 
     @property
     def frame(self) -> Any:  # -> pandas.DataFrame
