@@ -37,8 +37,9 @@ WARMUP = 3 if REPEAT > 1 else 1  # a process's first few calls took up to 2x the
 x = np.random.default_rng(0).standard_normal((32, 64, 56, 56)).astype({dtype})
 dy = np.random.default_rng(1).standard_normal(x.shape).astype({dtype})
 def work():
-    f = bnprobe.forward_train(x, None, None, np.zeros(64), np.ones(64), policy="{policy}", keep_arrays={keep})
-    bnprobe.backward(dy, x, None, f.mean, f.invstd, policy="{policy}", keep_arrays={keep})
+    f = bnprobe.forward_train(x, None, None, np.zeros(64), np.ones(64), policy="{policy}",
+                              execution=bnprobe.Execution(keep_arrays={keep}))
+    bnprobe.backward(dy, x, None, f.mean, f.invstd, policy="{policy}", execution=bnprobe.Execution(keep_arrays={keep}))
 """
 
 # the first call of the compiled kernels in a fresh process with an empty numba cache: what a first run pays
@@ -51,9 +52,10 @@ import bnprobe
 x = np.random.default_rng(0).standard_normal((4, 8, 5, 5)).astype(np.float32)
 def work():
     for policy in {policies}:
-        f = bnprobe.forward_train(x, None, None, np.zeros(8), np.ones(8), policy=policy, keep_arrays=False)
-        bnprobe.backward(x, x, None, f.mean, f.invstd, policy=policy, keep_arrays=False)
-        bnprobe.forward_infer(x, None, None, f.running_mean, f.running_var, policy=policy, keep_arrays=False)
+        ex = bnprobe.Execution(keep_arrays=False)
+        f = bnprobe.forward_train(x, None, None, np.zeros(8), np.ones(8), policy=policy, execution=ex)
+        bnprobe.backward(x, x, None, f.mean, f.invstd, policy=policy, execution=ex)
+        bnprobe.forward_infer(x, None, None, f.running_mean, f.running_var, policy=policy, execution=ex)
 """
 
 ROUND_CASE = """
@@ -162,7 +164,7 @@ import numpy as np
 import bnprobe
 x = np.random.default_rng(0).standard_normal((8, 64, 28, 28))
 def work():
-    bnprobe.forward_train(x, policy="fp16-acc16", keep_arrays=False)
+    bnprobe.forward_train(x, policy="fp16-acc16", execution=bnprobe.Execution(keep_arrays=False))
 """,
     # ---- start-up (target: bnprobe --help < 0.3 s more than python -c pass)
     "python -c pass (peer)": "SHELL:" + sys.executable + " -c pass",

@@ -19,8 +19,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "FORMATS": "bnprobe.core.formats", "Format": "bnprobe.core.formats", "get_format": "bnprobe.core.formats",
     "round_to": "bnprobe.numerics.rounding",
-    **{n: "bnprobe.kernels" for n in ("PRESETS", "BackwardResult", "InferResult", "Policy", "Stage", "Trace",
-                                      "TrainResult", "backward", "forward_infer", "forward_train", "get_policy")},
+    **{n: "bnprobe.kernels" for n in ("PRESETS", "BackwardResult", "Execution", "InferResult", "Policy", "Stage",
+                                      "Trace", "TrainResult", "backward", "forward_infer", "forward_train",
+                                      "get_policy")},
     "capture": "bnprobe.recordings.capture", "Capture": "bnprobe.recordings.capture",
     "monitor": "bnprobe.recordings.monitor", "Monitor": "bnprobe.recordings.monitor",
     "compare_precision": "bnprobe.checks.compare.precision",
@@ -33,10 +34,10 @@ _LAZY = {
 }
 
 __all__ = ["__version__", "BNProbeError", "FORMATS", "Format", "get_format", "round_to", "PRESETS", "BackwardResult",
-           "InferResult", "Policy", "Stage", "Trace", "TrainResult", "backward", "forward_infer", "forward_train",
-           "get_policy", "capture", "Capture", "monitor", "Monitor", "compare_precision", "gradcheck", "check_formula",
-           "doctor", "shrink",
-           "scan_overflow", "find_stats_problems", "check_fold", "trace_run", "identify"]
+           "Execution", "InferResult", "Policy", "Stage", "Trace", "TrainResult", "backward", "forward_infer",
+           "forward_train", "get_policy", "capture", "Capture", "monitor", "Monitor", "compare_precision", "gradcheck",
+           "check_formula", "doctor", "shrink", "scan_overflow", "find_stats_problems", "check_fold", "trace_run",
+           "identify"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from bnprobe.recordings.capture import Capture, capture
@@ -54,6 +55,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from bnprobe.kernels import (
         PRESETS,
         BackwardResult,
+        Execution,
         InferResult,
         Policy,
         Stage,

@@ -323,9 +323,10 @@ def test_local_workers_are_spawned_once_a_compiled_kernel_has_run():
     """numba's OpenMP threads do not survive a fork (the child aborts): after a compiled kernel, workers start
     fresh; before, they are forked (quicker)."""
     code = ("import sys, numpy as np\n"
-            "from bnprobe import forward_train\nfrom bnprobe.sweep import tasks as sweep\n"
+            "from bnprobe import Execution, forward_train\nfrom bnprobe.sweep import tasks as sweep\n"
             "before = sweep._start_method()\n"
-            "r = forward_train(np.ones((2, 3, 4), np.float32) * np.arange(4), policy='fp16', keep_arrays=False)\n"
+            "r = forward_train(np.ones((2, 3, 4), np.float32) * np.arange(4), policy='fp16',\n"
+            "                  execution=Execution(keep_arrays=False))\n"
             "print(before, r.trace.meta['route'], sweep._start_method())\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "BNPROBE_JIT": "1"})

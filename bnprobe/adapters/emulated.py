@@ -12,7 +12,7 @@ from bnprobe.adapters.base import BackwardOutput, BaseAdapter, Capabilities, For
 from bnprobe.core.conventions import get_convention
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
-from bnprobe.kernels import backward, forward_infer, forward_train, get_policy
+from bnprobe.kernels import Execution, backward, forward_infer, forward_train, get_policy
 from bnprobe.kernels.policy import Policy
 from bnprobe.numerics.arith import Arith
 from bnprobe.numerics.rsqrt import divide
@@ -54,6 +54,10 @@ class PolicyAdapter(BaseAdapter):
         p = self._prepare("infer" if mode == "infer" else "train", x, dtype, layout, params, {})
         return self.policy(p, mode)
 
+    def _execution(self, p: Prepared) -> Execution:
+        """How the kernels run a call: in its layout, keeping what this adapter's traces keep."""
+        return Execution(layout=p.lay.layout, keep_arrays=self.keep_arrays, counters=self.counters)
+
     def _saved(self, res: Any) -> Saved:
         if self._caps.saved == "var":
             return Saved(res.mean, "var", res.var)
@@ -76,8 +80,7 @@ class PolicyAdapter(BaseAdapter):
         pol = self.policy(p, "train")
         v = p.vectors
         res = forward_train(self._tensor(p.x, p, pol), v["gamma"], v["beta"], v["running_mean"], v["running_var"],
-                            momentum=momentum, eps=eps, policy=pol, layout=p.lay.layout, keep_arrays=self.keep_arrays,
-                            counters=self.counters)
+                            momentum=momentum, eps=eps, policy=pol, execution=self._execution(p))
         return ForwardOutput(res.y, self._saved(res), res.running_mean, res.running_var, res.trace,
                              {"policy": pol.describe()})
 
@@ -85,8 +88,7 @@ class PolicyAdapter(BaseAdapter):
         pol = self.policy(p, "infer")
         v = p.vectors
         res = forward_infer(self._tensor(p.x, p, pol), v["gamma"], v["beta"], v["running_mean"], v["running_var"],
-                            eps=eps, policy=pol, layout=p.lay.layout, keep_arrays=self.keep_arrays,
-                            counters=self.counters)
+                            eps=eps, policy=pol, execution=self._execution(p))
         return ForwardOutput(res.y, None, None, None, res.trace, {"policy": pol.describe()})
 
     def _invstd_from_var(self, var: np.ndarray, eps: float, pol: Policy) -> np.ndarray:
@@ -107,9 +109,7 @@ class PolicyAdapter(BaseAdapter):
             var = saved.value
             invstd = self._invstd_from_var(var, eps, pol)
         res = backward(self._tensor(dy, p, pol), self._tensor(p.x, p, pol), p.vectors["gamma"], saved.mean, invstd,
-                       policy=pol, training=training,
-                       layout=p.lay.layout, saved_var=var, eps=eps, keep_arrays=self.keep_arrays,
-                       counters=self.counters)
+                       policy=pol, training=training, saved_var=var, eps=eps, execution=self._execution(p))
         return BackwardOutput(res.dx, res.dgamma, res.dbeta, res.trace, {"policy": pol.describe()})
 
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from bnprobe.adapters.base import params_format
 from bnprobe.core.call import EPS
-from bnprobe.kernels import forward_train
+from bnprobe.kernels import Execution, forward_train
 from bnprobe.numerics.rounding import round_to
 
 __all__ = ["BUDGET_CHANNELS", "error_budget", "budget_cause"]
@@ -55,7 +55,7 @@ def error_budget(adapter: Any, x: np.ndarray, gamma: np.ndarray, beta: np.ndarra
             ov, label = {st.name: gold.trace[st.name].value}, st.name
         else:
             continue
-        e = rmse(forward_train(xs, g, b, eps=eps, policy=pol, overrides=ov))
+        e = rmse(forward_train(xs, g, b, eps=eps, policy=pol, execution=Execution(overrides=ov)))
         removed = (1.0 - e / e0) if e0 > 0 else 0.0
         rows.append({"adapter": adapter.name, "dtype": dtype, "order": len(rows), "stage": label,
                      "format": st.format, "rmse_with_stage_exact": e, "rmse": e0, "error_removed": removed})

@@ -2,6 +2,7 @@
 
 from bnprobe.kernels.batchnorm import (
     BackwardResult,
+    Execution,
     InferResult,
     TrainResult,
     backward,
@@ -13,6 +14,6 @@ from bnprobe.kernels.policy import PRESETS, Policy, get_policy
 from bnprobe.kernels.trace import COUNTERS, Stage, Trace
 
 __all__ = [
-    "forward_train", "forward_infer", "backward", "TrainResult", "InferResult", "BackwardResult",
+    "forward_train", "forward_infer", "backward", "Execution", "TrainResult", "InferResult", "BackwardResult",
     "Policy", "PRESETS", "get_policy", "Trace", "Stage", "COUNTERS", "LAYOUTS",
 ]

@@ -16,6 +16,7 @@ counters are identical either way; tests/kernels/test_carriers.py checks it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ from bnprobe.numerics.rsqrt import rsqrt as nrsqrt
 from bnprobe.numerics.rsqrt import sqrt as nsqrt
 from bnprobe.numerics.variance import moments, prescale_exponent
 
-__all__ = ["TrainResult", "InferResult", "BackwardResult", "forward_train", "forward_infer", "backward"]
+__all__ = ["Execution", "TrainResult", "InferResult", "BackwardResult", "forward_train", "forward_infer", "backward"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,22 @@ class BackwardResult:
 DEFAULT_CHUNK_ELEMENTS = 1 << 18
 
 
+@dataclass(frozen=True, eq=False)
+class Execution:
+    """How a kernel call reads its arrays and runs, apart from its arithmetic (the policy's): ``layout``, how x (and
+    dy) are laid out; ``keep_arrays``, whether the trace keeps every stage's array (False: its counters and ranges
+    only); ``counters=False`` records no trace (its metadata only) and counts no events, for callers that read the
+    outputs alone (the same outputs bit for bit); ``chunk_elements``, the most values a block of channels holds
+    (None: one block; the blocks give the results of one pass); ``overrides``, stage name to the values that replace
+    the stage's (channel-first, ``(C,)`` or ``(C, R)``), for what-if runs."""
+
+    layout: str = "channels_first"
+    keep_arrays: bool = True
+    chunk_elements: int | None = DEFAULT_CHUNK_ELEMENTS
+    overrides: Mapping[str, np.ndarray] | None = None
+    counters: bool = True
+
+
 def carrier_for(policy: Policy, keep_arrays: bool, overrides: dict[str, np.ndarray] | None) -> type:
     """float32 when a run can use float32 carriers (see the module notes), else float64.  The parameters may be
     fp16 or bf16 (a model.half() layer's): they are per-channel values, rounded by their own Arith, and float32
@@ -90,30 +107,43 @@ def carrier_for(policy: Policy, keep_arrays: bool, overrides: dict[str, np.ndarr
     return np.float32
 
 
+@dataclass(frozen=True)
+class _Setting:
+    """What every block of a kernel call runs with: whether its trace keeps arrays and counts (False: no events
+    counted, no stage recorded, outputs only), its carrier, the dtypes of the caller's tensors by stage name, whether
+    it takes the compiled route, and the length of the layout's contiguous rows in a channel (H*W channels-first;
+    for order=vec)."""
+
+    keep_arrays: bool = False
+    counting: bool = True
+    carrier: type = np.float64
+    sources: Mapping[str, np.dtype] | None = None
+    compiled: bool = False
+    row: int | None = None
+
+
 class _Run:
     """The arithmetic contexts of one block of channels of a kernel call, and its trace."""
 
-    def __init__(self, policy: Policy, channels: int, keep_arrays: bool, rng: np.random.Generator, *,
-                 overrides: dict[str, np.ndarray] | None = None, carrier: type = np.float64,
-                 sources: dict[str, np.dtype] | None = None, dest: Source | None = None,
-                 compiled: bool = False, row: int | None = None, counting: bool = True) -> None:
+    def __init__(self, policy: Policy, channels: int, rng: np.random.Generator, setting: _Setting, *,
+                 overrides: dict[str, np.ndarray] | None = None, dest: Source | None = None) -> None:
         self.policy = policy
-        self.row = row  # the length of the layout's contiguous rows in a channel (H*W channels-first), for order=vec
+        self.row = setting.row  # the length of the layout's contiguous rows in a channel, for order=vec
         self.c = channels
-        self.carrier = carrier
-        self.sources = sources or {}  # dtypes of the caller's tensors, by stage name
+        self.carrier = setting.carrier
+        self.sources = setting.sources or {}  # dtypes of the caller's tensors, by stage name
         self.overrides = overrides or {}
         spec = policy.spec
-        self.counting = counting  # False: no events counted, no stage recorded (outputs only)
+        counting = self.counting = setting.counting  # False: no events counted, no stage recorded (outputs only)
         self.storage = Arith(policy.storage, spec, rng, counting=counting)
         self.out = Arith(policy.storage, policy.output_spec, rng, counting=counting)
         self.params = Arith(policy.params_format, spec, rng, counting=counting)
         self.comp = Arith(policy.compute, spec, rng, counting=counting)
         self.acc = Arith(policy.accumulate, spec, rng, counting=counting)
         self.rng = rng
-        self.trace = Trace(channels, keep_arrays, counted=counting)
+        self.trace = Trace(channels, setting.keep_arrays, counted=counting)
         # the compiled route's passes (tensors arrive as Sources, y / dx is written to dest), or None
-        self.fused = Fused(self, dest) if compiled else None
+        self.fused = Fused(self, dest) if setting.compiled else None
 
     def reduce(self, x: np.ndarray, tally: Tally, times: np.ndarray | None = None) -> np.ndarray:
         """A per-channel sum in the accumulator format, by the policy's order and core split: of x, or of
@@ -234,8 +264,8 @@ class _Run:
         acc, pol = self.acc, self.policy
         if pol.rstd_format is not None:  # formed in a wider format, then rounded (PyTorch CPU: in double); the
             # formulas then take γ·rstd, not γ/σ
-            wide_run = _Run(pol.with_options(accumulate=pol.rstd_format, rstd_format=None), self.c, False, self.rng,
-                            counting=self.counting)
+            wide_run = _Run(pol.with_options(accumulate=pol.rstd_format, rstd_format=None), self.c, self.rng,
+                            _Setting(counting=self.counting))
             return self.rec("rstd", acc, wide_run.rstd(var_eps)[0]), None
         with np.errstate(all="ignore"):
             ideal = 1.0 / np.sqrt(var_eps)
@@ -311,14 +341,14 @@ class _Blocks:
     results to one pass (stochastic rounding draws from one seeded stream).
     """
 
-    def __init__(self, policy: Policy, lay: Layout, keep_arrays: bool, chunk_elements: int | None,
-                 meta: dict[str, Any], overrides: dict[str, np.ndarray] | None = None,
-                 sources: dict[str, np.ndarray] | None = None, counters: bool = True) -> None:
-        keep_arrays = keep_arrays and counters  # (no trace: no arrays to keep either)
-        self.policy, self.lay, self.keep, self.counting = policy, lay, keep_arrays, counters
-        self.sources = {k: np.asarray(v).dtype for k, v in (sources or {}).items()}
+    def __init__(self, policy: Policy, lay: Layout, execution: Execution, meta: dict[str, Any],
+                 sources: dict[str, np.ndarray] | None = None) -> None:
+        keep_arrays = execution.keep_arrays and execution.counters  # (no trace: no arrays to keep either)
+        overrides = execution.overrides
+        self.policy, self.lay = policy, lay
         self.overrides = overrides or {}
         self.compiled = compiled_route(policy, keep_arrays, overrides, int(np.prod(lay.shape, dtype=np.int64)))
+        chunk_elements = execution.chunk_elements
         if self.compiled and chunk_elements == DEFAULT_CHUNK_ELEMENTS:
             chunk_elements = COMPILED_CHUNK_ELEMENTS
         self.slices = lay.chunks(chunk_elements)
@@ -327,9 +357,11 @@ class _Blocks:
                      "layout": lay.layout, "channels": lay.channels, "reduce_size": lay.reduce_size,
                      "channel_blocks": len(self.slices), **meta}
         self.traces: list[Trace] = []
-        self.row = int(np.prod(lay.shape[2:], dtype=np.int64)) if lay.layout == "channels_first" else None
-        self.carrier = carrier_for(policy, keep_arrays, overrides)
-        self.meta["route"] = "compiled" if self.compiled else f"{np.dtype(self.carrier).name} carriers"
+        carrier = carrier_for(policy, keep_arrays, overrides)
+        self.setting = _Setting(keep_arrays, execution.counters, carrier,
+                                {k: np.asarray(v).dtype for k, v in (sources or {}).items()}, self.compiled,
+                                int(np.prod(lay.shape[2:], dtype=np.int64)) if lay.layout == "channels_first" else None)
+        self.meta["route"] = "compiled" if self.compiled else f"{np.dtype(carrier).name} carriers"
         self._views: dict[int, Source] = {}
         self._dest: Source | None = None
 
@@ -338,9 +370,7 @@ class _Blocks:
             # overrides are channel-first, (C,) or (C, R): take this block's channels
             sub = {k: np.asarray(v)[sl] for k, v in self.overrides.items()}
             dest = self._dest.block(sl) if self._dest is not None else None
-            run = _Run(self.policy, sl.stop - sl.start, self.keep, self.rng, overrides=sub, carrier=self.carrier,
-                       sources=self.sources, dest=dest, compiled=self.compiled, row=self.row,
-                       counting=self.counting)
+            run = _Run(self.policy, sl.stop - sl.start, self.rng, self.setting, overrides=sub, dest=dest)
             yield sl, run
             self.traces.append(run.trace)
 
@@ -390,23 +420,18 @@ def forward_train(
     momentum: float | None = MOMENTUM,
     eps: float = EPS,
     policy: str | Policy = "fp32",
-    layout: str = "channels_first",
     num_batches_tracked: int = 0,
-    keep_arrays: bool = True,
-    chunk_elements: int | None = DEFAULT_CHUNK_ELEMENTS,
-    overrides: dict[str, np.ndarray] | None = None,
-    counters: bool = True,
+    execution: Execution = Execution(),
 ) -> TrainResult:
     """Training-mode BatchNorm: batch statistics, normalisation, running-stat update.
 
     Running statistics follow PyTorch: ``running = (1 - m)·running + m·batch`` with
     the unbiased variance (× R/(R−1)); ``momentum=None`` is the cumulative average
-    with factor ``1/(num_batches_tracked + 1)``.  gamma/beta default to 1/0.
-    ``counters=False`` records no trace (its metadata only) and counts no events: the same
-    outputs bit for bit, for callers that read the outputs alone (as in forward_infer and backward).
+    with factor ``1/(num_batches_tracked + 1)``.  gamma/beta default to 1/0.  ``execution``: the layout of x, what
+    the trace keeps, the block size and stage overrides (:class:`Execution`).
     """
     pol = get_policy(policy)
-    lay = layout_of(x, layout)
+    lay = layout_of(x, execution.layout)
     _check_train_size(lay, pol)
     eps = check_eps(eps)
     momentum = check_momentum(momentum)
@@ -419,8 +444,7 @@ def forward_train(
     rm = as_channel_vector("running_mean", running_mean, lay, 0.0) if running_mean is not None else None
     rv = as_channel_vector("running_var", running_var, lay, 1.0) if running_var is not None else None
 
-    blocks = _Blocks(pol, lay, keep_arrays, chunk_elements, {"mode": "train", "eps": eps, "momentum": momentum},
-                     overrides, {"x": x}, counters)
+    blocks = _Blocks(pol, lay, execution, {"mode": "train", "eps": eps, "momentum": momentum}, {"x": x})
     y = blocks.tensor(pol.storage)
     pf = pol.params_format
     saved = {k: blocks.vector(pf) for k in ("mean", "invstd", "var", "running_mean", "running_var")}
@@ -509,15 +533,11 @@ def forward_infer(
     *,
     eps: float = EPS,
     policy: str | Policy = "fp32",
-    layout: str = "channels_first",
-    keep_arrays: bool = True,
-    chunk_elements: int | None = DEFAULT_CHUNK_ELEMENTS,
-    overrides: dict[str, np.ndarray] | None = None,
-    counters: bool = True,
+    execution: Execution = Execution(),
 ) -> InferResult:
-    """Inference-mode BatchNorm: normalise with the running statistics."""
+    """Inference-mode BatchNorm: normalise with the running statistics (``execution``: see :class:`Execution`)."""
     pol = get_policy(policy)
-    lay = layout_of(x, layout)
+    lay = layout_of(x, execution.layout)
     eps = check_eps(eps)
     g = as_channel_vector("gamma", gamma, lay, 1.0)
     b = as_channel_vector("beta", beta, lay, 0.0)
@@ -529,8 +549,7 @@ def forward_infer(
     times_rstd = pol.rstd_format is not None
     if pol.infer_y_formula is not None or times_rstd:
         pol = pol.with_options(y_formula=pol.infer_y_formula or pol.y_formula, infer_y_formula=None, rstd_format=None)
-    blocks = _Blocks(pol, lay, keep_arrays, chunk_elements, {"mode": "infer", "eps": eps}, overrides, {"x": x},
-                     counters)
+    blocks = _Blocks(pol, lay, execution, {"mode": "infer", "eps": eps}, {"x": x})
     y = blocks.tensor(pol.storage)
     for sl, run in blocks:
         acc = run.acc
@@ -556,13 +575,9 @@ def backward(
     *,
     policy: str | Policy = "fp32",
     training: bool = True,
-    layout: str = "channels_first",
     saved_var: np.ndarray | None = None,
     eps: float = EPS,
-    keep_arrays: bool = True,
-    chunk_elements: int | None = DEFAULT_CHUNK_ELEMENTS,
-    overrides: dict[str, np.ndarray] | None = None,
-    counters: bool = True,
+    execution: Execution = Execution(),
 ) -> BackwardResult:
     """Gradients dx, dgamma, dbeta of BatchNorm.
 
@@ -571,10 +586,10 @@ def backward(
     (pass the running mean and 1/sqrt(running_var + eps)).  The policy's
     ``backward_formula`` picks the standard form or Ascend's BNTrainingReduceGrad
     form; the latter recomputes sigma = sqrt(saved_var + eps) when ``saved_var``
-    is given (as the TBE kernels do), else uses sigma = 1/invstd.
+    is given (as the TBE kernels do), else uses sigma = 1/invstd.  ``execution``: see :class:`Execution`.
     """
     pol = get_policy(policy)
-    lay = layout_of(x, layout)
+    lay = layout_of(x, execution.layout)
     if np.shape(dy) != lay.shape:
         raise BNProbeError(f"dy has shape {np.shape(dy)} but x has shape {lay.shape}")
     if training:
@@ -584,8 +599,8 @@ def backward(
     inv = as_channel_vector("saved_invstd", saved_invstd, lay)
     sv = as_channel_vector("saved_var", saved_var, lay) if saved_var is not None else None
     eps = check_eps(eps)
-    blocks = _Blocks(pol, lay, keep_arrays, chunk_elements, {"mode": "backward", "training": training, "eps": eps},
-                     overrides, {"x": x, "dy": dy}, counters)
+    blocks = _Blocks(pol, lay, execution, {"mode": "backward", "training": training, "eps": eps},
+                     {"x": x, "dy": dy})
     dx = blocks.tensor(pol.storage)
     dgamma, dbeta = blocks.vector(pol.params_format), blocks.vector(pol.params_format)
     for sl, run in blocks:

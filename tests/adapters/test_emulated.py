@@ -6,7 +6,7 @@ import pytest
 from bnprobe.adapters import get_adapter
 from bnprobe.adapters.base import counters_only
 from bnprobe.compiled import kernels as compiled
-from bnprobe.kernels import backward, forward_infer, forward_train
+from bnprobe.kernels import Execution, backward, forward_infer, forward_train
 from bnprobe.numerics.rounding import round_to
 
 
@@ -37,7 +37,7 @@ def test_policy_adapters_hand_the_fast_kernels_tensors_in_their_formats_own_dtyp
 
     xr, dyr = round_to(x, dtype), round_to(dy, dtype)  # float64, as the base holds them
     assert xr.dtype == np.float64
-    kw = dict(keep_arrays=False)
+    kw = dict(execution=Execution(keep_arrays=False))
     want_f = forward_train(xr, None, None, rm, rv, policy=a.policy_for(x, dtype=dtype, mode="train"), **kw)
     want_b = backward(dyr, xr, None, want_f.mean, want_f.invstd, policy=a.policy_for(x, dtype=dtype, mode="backward"),
                       **kw)

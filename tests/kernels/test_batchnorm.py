@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from bnprobe.core.errors import BNProbeError
-from bnprobe.kernels import COUNTERS, backward, forward_infer, forward_train, get_policy
+from bnprobe.kernels import COUNTERS, Execution, backward, forward_infer, forward_train, get_policy
 from bnprobe.numerics.rounding import is_representable, round_to
 
 PRESETS = ["fp64", "fp32", "fp16", "bf16", "fp16-acc16", "bf16-acc16"]
@@ -116,7 +116,7 @@ X = np.random.default_rng(0).standard_normal((4, 3, 2, 2))
     (lambda: forward_train(np.ones((1, 3))), r"more than one value per channel.*N\*H\*W = 1"),
     (lambda: forward_train(np.ones((1, 3, 1, 1))), r"more than one value per channel"),
     (lambda: forward_train(np.ones((0, 3))), r"no elements"),
-    (lambda: forward_train(X, layout="nhwc"), r"unknown layout 'nhwc'"),
+    (lambda: forward_train(X, execution=Execution(layout="nhwc")), r"unknown layout 'nhwc'"),
     (lambda: forward_train(X, policy="fp12"), r"unknown policy 'fp12'"),
     (lambda: forward_train(X, policy="fp16:variance=magic"), r"variance='magic' is not one of"),
     (lambda: forward_train(X, policy="fp16:colour=red"), r"unknown policy option 'colour'"),
@@ -210,7 +210,7 @@ def test_trace_frames():
 
 
 def test_keep_arrays_false_keeps_counters_only():
-    res = forward_train(X, policy="fp16", keep_arrays=False)
+    res = forward_train(X, policy="fp16", execution=Execution(keep_arrays=False))
     assert res.trace["y"].value is None and res.trace["y"].size == X.size
 
 
@@ -266,8 +266,9 @@ def test_channel_blocks_give_identical_results(preset, layout):
     if layout == "channels_last":
         x = np.moveaxis(x, 1, -1).copy()
     g, b, rm, rv = rng.uniform(0.5, 2, 7), rng.standard_normal(7), np.zeros(7), np.ones(7)
-    one = forward_train(x, g, b, rm, rv, policy=preset, layout=layout, chunk_elements=None)
-    blk = forward_train(x, g, b, rm, rv, policy=preset, layout=layout, chunk_elements=250)  # 2 channels a block
+    one = forward_train(x, g, b, rm, rv, policy=preset, execution=Execution(layout=layout, chunk_elements=None))
+    # 2 channels a block
+    blk = forward_train(x, g, b, rm, rv, policy=preset, execution=Execution(layout=layout, chunk_elements=250))
     assert blk.trace.meta["channel_blocks"] == 4
     for name in ("y", "mean", "invstd", "var", "running_mean", "running_var"):
         np.testing.assert_array_equal(getattr(one, name), getattr(blk, name))
@@ -278,12 +279,13 @@ def test_channel_blocks_give_identical_results(preset, layout):
             np.testing.assert_array_equal(s1.counters[k], s2.counters[k])
         assert (s1.vmin, s1.vmax, s1.size) == (s2.vmin, s2.vmax, s2.size)
     dy = rng.standard_normal(x.shape)
-    b1 = backward(dy, x, g, one.mean, one.invstd, policy=preset, layout=layout, chunk_elements=None)
-    b2 = backward(dy, x, g, one.mean, one.invstd, policy=preset, layout=layout, chunk_elements=250)
+    b1 = backward(dy, x, g, one.mean, one.invstd, policy=preset,
+                  execution=Execution(layout=layout, chunk_elements=None))
+    b2 = backward(dy, x, g, one.mean, one.invstd, policy=preset, execution=Execution(layout=layout, chunk_elements=250))
     for name in ("dx", "dgamma", "dbeta"):
         np.testing.assert_array_equal(getattr(b1, name), getattr(b2, name))
-    i1 = forward_infer(x, g, b, rm, rv, policy=preset, layout=layout, chunk_elements=None)
-    i2 = forward_infer(x, g, b, rm, rv, policy=preset, layout=layout, chunk_elements=250)
+    i1 = forward_infer(x, g, b, rm, rv, policy=preset, execution=Execution(layout=layout, chunk_elements=None))
+    i2 = forward_infer(x, g, b, rm, rv, policy=preset, execution=Execution(layout=layout, chunk_elements=250))
     np.testing.assert_array_equal(i1.y, i2.y)
 
 
@@ -295,19 +297,19 @@ def test_peak_memory_is_bounded_by_the_block_size(monkeypatch):
     # the compiled route makes no temporary per operation: the whole tensor in one block costs its output,
     # one float32 copy of x and the per-channel sums' buffers (numba's, one channel per thread); measured
     # after a first call, whose compilation (numba's own Python objects) is not the run's
-    forward_train(x, policy="fp16", keep_arrays=False, chunk_elements=None)
+    forward_train(x, policy="fp16", execution=Execution(keep_arrays=False, chunk_elements=None))
     tracemalloc.start()
-    forward_train(x, policy="fp16", keep_arrays=False, chunk_elements=None)
+    forward_train(x, policy="fp16", execution=Execution(keep_arrays=False, chunk_elements=None))
     _, peak_compiled = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak_compiled < 2.5 * x.nbytes
     monkeypatch.setenv("BNPROBE_JIT", "0")  # the numpy route: a few temporaries per block
     tracemalloc.start()
-    forward_train(x, policy="fp16", keep_arrays=False, chunk_elements=1 << 16)
+    forward_train(x, policy="fp16", execution=Execution(keep_arrays=False, chunk_elements=1 << 16))
     _, peak_small = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     tracemalloc.start()
-    forward_train(x, policy="fp16", keep_arrays=False, chunk_elements=None)
+    forward_train(x, policy="fp16", execution=Execution(keep_arrays=False, chunk_elements=None))
     _, peak_whole = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     # the output (2 MiB fp16) plus a few float64 arrays of one block, vs several of the whole tensor

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from bnprobe.core.formats import get_format
-from bnprobe.kernels import backward, forward_infer, forward_train, get_policy
+from bnprobe.kernels import Execution, backward, forward_infer, forward_train, get_policy
 from bnprobe.kernels.batchnorm import carrier_for
 from bnprobe.numerics.arith import Arith, Tally
 from bnprobe.numerics.rounding import RoundingSpec
@@ -85,7 +85,7 @@ def _same_trace(t64, t32, what):
 def _runs(pol, x, dy, keep):
     """Forward, backward (through the statistics and with them constant) and inference, in two channel blocks."""
     c = x.shape[1]
-    args = dict(policy=pol, chunk_elements=3 * 60, keep_arrays=keep)
+    args = dict(policy=pol, execution=Execution(chunk_elements=3 * 60, keep_arrays=keep))
     # gamma of both signs and zero: y is increasing, decreasing or constant in x (the compiled route's
     # ranges are carried through monotone stages)
     g, b = GAMMA[:c].astype(x.dtype), BETA[:c].astype(x.dtype)
@@ -186,13 +186,14 @@ def test_tensors_already_in_the_storage_format_give_what_their_float64_values_gi
     wide_x, wide_dy = xs.astype(np.float64), dys.astype(np.float64)  # the same values, rounded by the kernel
     c = x.shape[1]
     for keep in (True, False):
-        a = forward_train(xs, None, None, np.zeros(c), np.ones(c), policy=pol, keep_arrays=keep)
-        b = forward_train(wide_x, None, None, np.zeros(c), np.ones(c), policy=pol, keep_arrays=keep)
+        a = forward_train(xs, None, None, np.zeros(c), np.ones(c), policy=pol, execution=Execution(keep_arrays=keep))
+        b = forward_train(wide_x, None, None, np.zeros(c), np.ones(c), policy=pol,
+                          execution=Execution(keep_arrays=keep))
         for name in ("y", "mean", "invstd", "var", "running_mean", "running_var"):
             _same(getattr(a, name), getattr(b, name), f"{spec} {kind} keep={keep}: {name}")
         _same_trace(a.trace, b.trace, f"{spec} {kind} keep={keep} forward")
-        ga = backward(dys, xs, None, a.mean, a.invstd, policy=pol, keep_arrays=keep)
-        gb = backward(wide_dy, wide_x, None, a.mean, a.invstd, policy=pol, keep_arrays=keep)
+        ga = backward(dys, xs, None, a.mean, a.invstd, policy=pol, execution=Execution(keep_arrays=keep))
+        gb = backward(wide_dy, wide_x, None, a.mean, a.invstd, policy=pol, execution=Execution(keep_arrays=keep))
         for name in ("dx", "dgamma", "dbeta"):
             _same(getattr(ga, name), getattr(gb, name), f"{spec} {kind} keep={keep}: {name}")
         _same_trace(ga.trace, gb.trace, f"{spec} {kind} keep={keep} backward")
@@ -258,7 +259,8 @@ def test_a_run_without_a_trace_gives_the_same_outputs_bit_for_bit(spec, jit, mon
             x, dy = _inputs(kind, dtype)
             runs = []
             for counters in (True, False):
-                args = dict(policy=pol, chunk_elements=3 * 60, keep_arrays=False, counters=counters)
+                args = dict(policy=pol,
+                            execution=Execution(chunk_elements=3 * 60, keep_arrays=False, counters=counters))
                 f = forward_train(x, g, b, np.zeros(c), np.ones(c), **args)
                 outs = [f.y, f.mean, f.invstd, f.var, f.running_mean, f.running_var]
                 for training in (True, False):

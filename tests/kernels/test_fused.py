@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from bnprobe.kernels import backward, forward_infer, forward_train
+from bnprobe.kernels import Execution, backward, forward_infer, forward_train
 from bnprobe.compiled import codes as C
 from bnprobe.compiled import fast as F
 from bnprobe.compiled import general as G
@@ -140,11 +140,12 @@ def _case(kind: str, shape=(6, 5, 7, 9), dtype=np.float32):
     return x.astype(dtype), rng.standard_normal(shape).astype(dtype)
 
 
-def _all(policy, x, dy, keep, **kw):
-    c = x.shape[1] if kw.get("layout", "channels_first") == "channels_first" else x.shape[-1]
-    f = forward_train(x, None, None, np.zeros(c), np.ones(c), policy=policy, keep_arrays=keep, **kw)
-    b = backward(dy, x, None, f.mean, f.invstd, policy=policy, keep_arrays=keep, **kw)
-    i = forward_infer(x, None, None, f.running_mean, f.running_var, policy=policy, keep_arrays=keep, **kw)
+def _all(policy, x, dy, keep, layout="channels_first"):
+    c = x.shape[1] if layout == "channels_first" else x.shape[-1]
+    ex = Execution(layout=layout, keep_arrays=keep)
+    f = forward_train(x, None, None, np.zeros(c), np.ones(c), policy=policy, execution=ex)
+    b = backward(dy, x, None, f.mean, f.invstd, policy=policy, execution=ex)
+    i = forward_infer(x, None, None, f.running_mean, f.running_var, policy=policy, execution=ex)
     return f, b, i
 
 
@@ -190,7 +191,7 @@ def _tiny_runs(x, dy, layout):
     lost to zero."""
     c = x.shape[1] if layout == "channels_first" else x.shape[-1]
     g, eps = np.full(c, 2.0 ** -23), 2.0 ** -60
-    kw = dict(policy="fp16", keep_arrays=False, layout=layout, eps=eps)
+    kw = dict(policy="fp16", execution=Execution(keep_arrays=False, layout=layout), eps=eps)
     f = forward_train(x, g, None, np.zeros(c), np.ones(c), **kw)
     b = backward(dy, x, g, f.mean, f.invstd, **kw)
     i = forward_infer(x, g, None, f.mean, f.var, **kw)
@@ -270,7 +271,8 @@ def test_results_do_not_depend_on_the_thread_count_or_on_concurrent_callers():
 
 def test_the_route_is_recorded_and_switched_off_by_the_environment(monkeypatch):
     x, _ = _case("normal")
-    route = lambda policy, keep=False: forward_train(x, policy=policy, keep_arrays=keep).trace.meta["route"]  # noqa: E731
+    route = lambda policy, keep=False: forward_train(  # noqa: E731
+        x, policy=policy, execution=Execution(keep_arrays=keep)).trace.meta["route"]
     assert route("fp16") == "compiled" and route("fp16-acc16") == "compiled"
     assert route("fp16", keep=True) == "float64 carriers"  # arrays kept: the float64 route
     assert route("fp64") == "float64 carriers"  # native float64 already
@@ -317,17 +319,17 @@ def test_small_calls_take_the_numpy_route_unless_told(monkeypatch):
     small = rng.standard_normal((2, 4, 8, 8)).astype(np.float32)
     big = rng.standard_normal((2, 4, COMPILED_MIN_ELEMENTS // 8)).astype(np.float32)
     monkeypatch.delenv("BNPROBE_JIT", raising=False)
-    route = lambda x: forward_train(x, policy="fp16", keep_arrays=False).trace.meta["route"]  # noqa: E731
+    route = lambda x: forward_train(x, policy="fp16", execution=Execution(keep_arrays=False)).trace.meta["route"]  # noqa: E731
     assert route(small) == "float32 carriers" and route(big) == "compiled"
     monkeypatch.setenv("BNPROBE_JIT", "auto")
     assert route(small) == "float32 carriers"
     monkeypatch.setenv("BNPROBE_JIT", "1")
-    compiled = forward_train(small, policy="fp16", keep_arrays=False)
+    compiled = forward_train(small, policy="fp16", execution=Execution(keep_arrays=False))
     assert compiled.trace.meta["route"] == "compiled"
     monkeypatch.setenv("BNPROBE_JIT", "0")
     assert route(big) == "float32 carriers"
     monkeypatch.delenv("BNPROBE_JIT")
-    numpy_route = forward_train(small, policy="fp16", keep_arrays=False)
+    numpy_route = forward_train(small, policy="fp16", execution=Execution(keep_arrays=False))
     np.testing.assert_array_equal(numpy_route.y, compiled.y)
 
 

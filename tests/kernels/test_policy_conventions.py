@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from bnprobe.core.errors import BNProbeError
-from bnprobe.kernels import backward, forward_infer, forward_train, get_policy
+from bnprobe.kernels import Execution, backward, forward_infer, forward_train, get_policy
 
 TORCH_CPU = ("order=vec,lanes=8,unroll=2,rstd_format=fp64,rsqrt=sqrt_div,y_formula=affine,fma=true,"
              "unbiased_by=divide,backward_formula=torch")
@@ -56,8 +56,10 @@ def test_unbiased_by_division_is_the_sum_of_squares_over_r_minus_1_in_fp32():
 
 def test_rstd_in_double_then_rounded():
     x, g, b, rm, rv = call()
-    r = forward_train(x.astype(np.float16), g, b, rm, rv, policy=get_policy("fp16").with_options(
-        rstd_format="fp64", rsqrt="sqrt_div"), keep_arrays=False)
+    r = forward_train(x.astype(np.float16), g, b, rm, rv,
+                      policy=get_policy("fp16").with_options(
+        rstd_format="fp64", rsqrt="sqrt_div"),
+                      execution=Execution(keep_arrays=False))
     want = (1.0 / np.sqrt(np.asarray(r.var, dtype=np.float32).astype(np.float64) + 1e-5)).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(r.invstd, dtype=np.float32), want)
 
@@ -101,9 +103,10 @@ def test_the_pytorch_cpu_recipe_is_torch_bit_for_bit(fmt):
             return t.float().numpy().astype(np.float64)
 
         xs, dys = f64(x), f64(dy)
-        r = forward_train(xs, g.numpy(), b.numpy(), rm0, rv0, momentum=0.1, policy=pol, keep_arrays=False)
-        ri = forward_infer(xs, g.numpy(), b.numpy(), rm0, rv0, policy=pol, keep_arrays=False)
-        rb = backward(dys, xs, g.numpy(), sm.numpy(), si.numpy(), policy=pol, keep_arrays=False)
+        r = forward_train(xs, g.numpy(), b.numpy(), rm0, rv0, momentum=0.1, policy=pol,
+                          execution=Execution(keep_arrays=False))
+        ri = forward_infer(xs, g.numpy(), b.numpy(), rm0, rv0, policy=pol, execution=Execution(keep_arrays=False))
+        rb = backward(dys, xs, g.numpy(), sm.numpy(), si.numpy(), policy=pol, execution=Execution(keep_arrays=False))
         for mine, theirs in ((r.y, y), (r.mean, sm), (r.invstd, si), (r.running_mean, rm), (r.running_var, rv),
                              (ri.y, yi), (rb.dx, dx), (rb.dgamma, dg), (rb.dbeta, db)):
             np.testing.assert_array_equal(np.asarray(mine, dtype=np.float64), f64(theirs))

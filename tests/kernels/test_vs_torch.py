@@ -5,7 +5,7 @@ import zlib
 import numpy as np
 import pytest
 
-from bnprobe.kernels import backward, forward_infer, forward_train, get_policy
+from bnprobe.kernels import Execution, backward, forward_infer, forward_train, get_policy
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -71,12 +71,13 @@ def test_channels_last_matches_channels_first(shape):
     x, g, b, rm, rv = make(shape, 0)
     xl = np.moveaxis(x, 1, -1).copy()
     a = forward_train(x, g, b, rm, rv, policy=GOLD)
-    c = forward_train(xl, g, b, rm, rv, policy=GOLD, layout="channels_last")
+    c = forward_train(xl, g, b, rm, rv, policy=GOLD, execution=Execution(layout="channels_last"))
     np.testing.assert_array_equal(np.moveaxis(c.y, -1, 1), a.y)
     np.testing.assert_array_equal(c.running_var, a.running_var)
     dy = np.random.default_rng(2).standard_normal(shape)
     bw1 = backward(dy, x, g, a.mean, a.invstd, policy=GOLD)
-    bw2 = backward(np.moveaxis(dy, 1, -1).copy(), xl, g, a.mean, a.invstd, policy=GOLD, layout="channels_last")
+    bw2 = backward(np.moveaxis(dy, 1, -1).copy(), xl, g, a.mean, a.invstd, policy=GOLD,
+                   execution=Execution(layout="channels_last"))
     np.testing.assert_array_equal(np.moveaxis(bw2.dx, -1, 1), bw1.dx)
 
 

@@ -24,7 +24,7 @@ from bnprobe.checks.overflow.report import (
 from bnprobe.core.call import BNCall
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
-from bnprobe.kernels import backward, forward_infer, forward_train
+from bnprobe.kernels import Execution, backward, forward_infer, forward_train
 from bnprobe.kernels.policy import Policy
 from bnprobe.kernels.trace import Trace
 
@@ -153,14 +153,15 @@ def _run(policy: Policy, mode: str, inputs: BNCall) -> tuple[np.ndarray, Trace]:
     x, g, b, rm, rv, dy = inputs.x, inputs.gamma, inputs.beta, inputs.running_mean, inputs.running_var, inputs.dy
     eps, layout, momentum = inputs.eps, inputs.layout, inputs.momentum
     if mode == "train":
-        r = forward_train(x, g, b, rm, rv, momentum=momentum, eps=eps, policy=policy, layout=layout)
+        r = forward_train(x, g, b, rm, rv, momentum=momentum, eps=eps, policy=policy,
+                          execution=Execution(layout=layout))
         return r.y, r.trace
     if mode == "infer":
-        r = forward_infer(x, g, b, rm, rv, eps=eps, policy=policy, layout=layout)
+        r = forward_infer(x, g, b, rm, rv, eps=eps, policy=policy, execution=Execution(layout=layout))
         return r.y, r.trace
-    f = forward_train(x, g, b, eps=eps, policy=policy, layout=layout, keep_arrays=False)
-    r = backward(dy, x, g, f.mean.astype(np.float64), f.invstd.astype(np.float64), policy=policy, layout=layout,
-                 saved_var=f.var.astype(np.float64), eps=eps)
+    f = forward_train(x, g, b, eps=eps, policy=policy, execution=Execution(layout=layout, keep_arrays=False))
+    r = backward(dy, x, g, f.mean.astype(np.float64), f.invstd.astype(np.float64), policy=policy,
+                 saved_var=f.var.astype(np.float64), eps=eps, execution=Execution(layout=layout))
     return r.dx, r.trace
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from bnprobe.core.call import EPS, MOMENTUM
 from bnprobe._loading import first_line
 from bnprobe.core.errors import BNProbeError
-from bnprobe.kernels import backward, forward_train, get_policy
+from bnprobe.kernels import Execution, backward, forward_train, get_policy
 from bnprobe.numerics.rounding import round_to
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -102,12 +102,12 @@ def simulate(policies: tuple[str, ...] = ("fp32", "fp16", "bf16"), *, steps: int
         for t in range(steps):
             xb, yb = x_all[t * batch:(t + 1) * batch], y_all[t * batch:(t + 1) * batch]
             h1 = round_to(xb @ p["w1"], st)
-            r1 = forward_train(h1, bn["bn1"]["g"], bn["bn1"]["b"], bn["bn1"]["rm"], bn["bn1"]["rv"],
-                               momentum=momentum, eps=eps, policy=pol, keep_arrays=False)
+            r1 = forward_train(h1, bn["bn1"]["g"], bn["bn1"]["b"], bn["bn1"]["rm"], bn["bn1"]["rv"], momentum=momentum,
+                               eps=eps, policy=pol, execution=Execution(keep_arrays=False))
             a1 = np.maximum(r1.y.astype(np.float64), 0)
             h2 = round_to(a1 @ p["w2"], st)
-            r2 = forward_train(h2, bn["bn2"]["g"], bn["bn2"]["b"], bn["bn2"]["rm"], bn["bn2"]["rv"],
-                               momentum=momentum, eps=eps, policy=pol, keep_arrays=False)
+            r2 = forward_train(h2, bn["bn2"]["g"], bn["bn2"]["b"], bn["bn2"]["rm"], bn["bn2"]["rv"], momentum=momentum,
+                               eps=eps, policy=pol, execution=Execution(keep_arrays=False))
             a2 = np.maximum(r2.y.astype(np.float64), 0)
             logits = a2 @ p["w3"]
             prob = np.exp(logits - logits.max(axis=1, keepdims=True))
@@ -116,11 +116,11 @@ def simulate(policies: tuple[str, ...] = ("fp32", "fp16", "bf16"), *, steps: int
             dlog[np.arange(batch), yb] -= 1
             dlog /= batch
             da2 = round_to((dlog @ p["w3"].T) * (a2 > 0), st)
-            b2 = backward(da2, h2, bn["bn2"]["g"], r2.mean.astype(np.float64), r2.invstd.astype(np.float64),
-                          policy=pol, keep_arrays=False)
+            b2 = backward(da2, h2, bn["bn2"]["g"], r2.mean.astype(np.float64), r2.invstd.astype(np.float64), policy=pol,
+                          execution=Execution(keep_arrays=False))
             da1 = round_to((b2.dx.astype(np.float64) @ p["w2"].T) * (a1 > 0), st)
-            b1 = backward(da1, h1, bn["bn1"]["g"], r1.mean.astype(np.float64), r1.invstd.astype(np.float64),
-                          policy=pol, keep_arrays=False)
+            b1 = backward(da1, h1, bn["bn1"]["g"], r1.mean.astype(np.float64), r1.invstd.astype(np.float64), policy=pol,
+                          execution=Execution(keep_arrays=False))
             loss = float(-np.mean(np.log(np.maximum(prob[np.arange(batch), yb], 1e-30))))
             for name, r, bw in (("bn1", r1, b1), ("bn2", r2, b2)):
                 y = r.y.astype(np.float64)

@@ -12,7 +12,7 @@ from bnprobe.core.call import EPS, MOMENTUM
 from bnprobe.adapters.base import MODES, params_format
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
-from bnprobe.kernels import backward, forward_infer, forward_train, get_policy
+from bnprobe.kernels import Execution, backward, forward_infer, forward_train, get_policy
 from bnprobe.kernels.policy import Policy
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.rounding import is_representable, round_to
@@ -121,7 +121,7 @@ def trace_run(
         xs = round_to(x, pol.storage)
         rp = lambda v: None if v is None else round_to(np.asarray(v, dtype=np.float64), pol.params_format)  # noqa: E731
         g, b, rm, rv = rp(gamma), rp(beta), rp(running_mean), rp(running_var)
-    common = dict(eps=eps, layout=layout)
+    common = dict(eps=eps, execution=Execution(layout=layout))
     if mode == "train":
         res = forward_train(xs, g, b, rm, rv, momentum=momentum, policy=pol, **common)
         ref = forward_train(xs, g, b, rm, rv, momentum=momentum, policy=gold, **common)
@@ -129,7 +129,7 @@ def trace_run(
         res = forward_infer(xs, g, b, rm, rv, policy=pol, **common)
         ref = forward_infer(xs, g, b, rm, rv, policy=gold, **common)
     else:
-        fw = forward_train(xs, g, b, policy=pol, keep_arrays=False, **common)
+        fw = forward_train(xs, g, b, policy=pol, eps=eps, execution=Execution(layout=layout, keep_arrays=False))
         mean = fw.mean.astype(np.float64)
         invstd = fw.invstd.astype(np.float64)
         var = fw.var.astype(np.float64)
