@@ -58,7 +58,7 @@ from bnprobe.kernels.layout import layout_of
 from bnprobe.numerics.arith import Arith
 from bnprobe.numerics.reduce import reduce_sum
 from bnprobe.numerics.rounding import round_to
-from bnprobe.numerics.variance import moments
+from bnprobe.numerics.variance import MomentsMethod, moments
 from bnprobe.recordings import Recording
 
 __all__ = ["MERGES", "REDUCE_FORMATS", "GRADS", "SyncBNAdapter", "split_ranks", "compute_format",
@@ -257,7 +257,7 @@ def _rank_moments(s: _Setup) -> list[tuple[np.ndarray, np.ndarray]]:
     """Each rank's (mean, biased variance): two-pass pairwise sums in the compute format."""
     out = []
     for c in s.cols:
-        m = moments(s.x[:, c], s.comp, algorithm="two_pass", order="pairwise", wide_sums=False)
+        m = moments(s.x[:, c], s.comp, MomentsMethod(algorithm="two_pass", order="pairwise"), wide_sums=False)
         out.append((np.asarray(m.mean, dtype=np.float64), np.asarray(m.var, dtype=np.float64)))
     return out
 

@@ -30,12 +30,12 @@ from bnprobe.kernels.layout import Layout, as_channel_vector, check_eps, check_m
 from bnprobe.kernels.policy import Policy, get_policy
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.arith import Arith, Tally, as_carrier, fits_float32, fma_wide
-from bnprobe.numerics.reduce import reduce_sum, vec_dot
+from bnprobe.numerics.reduce import Cores, reduce_sum, vec_dot
 from bnprobe.numerics.rounding import RoundingSpec, round_to
 from bnprobe.numerics.rsqrt import divide, rsqrt_ascend950
 from bnprobe.numerics.rsqrt import rsqrt as nrsqrt
 from bnprobe.numerics.rsqrt import sqrt as nsqrt
-from bnprobe.numerics.variance import moments, prescale_exponent
+from bnprobe.numerics.variance import MomentsMethod, moments, prescale_exponent
 
 __all__ = ["Execution", "TrainResult", "InferResult", "BackwardResult", "forward_train", "forward_infer", "backward"]
 
@@ -141,6 +141,7 @@ class _Run:
         self.comp = Arith(policy.compute, spec, rng, counting=counting)
         self.acc = Arith(policy.accumulate, spec, rng, counting=counting)
         self.rng = rng
+        self.cores = Cores(policy.core_parts, policy.core_combine)  # how the policy splits a sum across cores
         self.trace = Trace(channels, setting.keep_arrays, counted=counting)
         # the compiled route's passes (tensors arrive as Sources, y / dx is written to dest), or None
         self.fused = Fused(self, dest) if setting.compiled else None
@@ -154,7 +155,7 @@ class _Run:
         if times is not None:
             x = self.acc.mul(x, self.acc.round(times, tally), tally)
         return reduce_sum(x, self.acc, order=pol.order, lanes=pol.lanes, kahan=pol.kahan, tally=tally,
-                          parts=pol.core_parts, combine=pol.core_combine, rng=self.rng, unroll=pol.unroll, row=self.row)
+                          cores=self.cores, rng=self.rng, unroll=pol.unroll, row=self.row)
 
     def tally(self) -> Tally:
         return Tally(self.c)
@@ -475,10 +476,10 @@ def _train_block(run: _Run, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.
         xs = run.load("x", x, run.storage)
         gp, bp = run.param(g), run.param(b)
         xa = run.cast("x_acc", xs, pol.storage, acc)
-        m = moments(xa, acc, algorithm=pol.variance, order=pol.order, lanes=pol.lanes, tiles=pol.tiles,
-                    kahan=pol.kahan, mean_by=pol.mean_by, clamp=pol.clamp_var, parts=pol.core_parts,
-                    combine=pol.core_combine, rng=run.rng, overrides=run.overrides, wide_sums=run.trace.keep_arrays,
-                    sums=None if run.fused is None else run.fused.sums(r), unroll=pol.unroll, row=run.row)
+        method = MomentsMethod(pol.variance, pol.order, pol.lanes, pol.tiles, pol.kahan, pol.mean_by, pol.clamp_var,
+                               pol.unroll, run.cores)
+        m = moments(xa, acc, method, rng=run.rng, row=run.row, overrides=run.overrides,
+                    wide_sums=run.trace.keep_arrays, sums=None if run.fused is None else run.fused.sums(r))
         for sv in m.stages:
             run.trace.record(sv.name, sv.value, sv.arith.fmt, wide=sv.wide, tally=sv.tally,
                              check_negative=sv.check_negative)

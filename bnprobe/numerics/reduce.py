@@ -8,13 +8,14 @@ repeats), never over individual elements.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from bnprobe.core.errors import BNProbeError
 from bnprobe.numerics.arith import Arith, Tally, as_carrier, fma_wide
 
-__all__ = ["ORDERS", "COMBINES", "reduce_sum", "tree_sum", "split_parts", "vec_dot"]
+__all__ = ["ORDERS", "COMBINES", "Cores", "reduce_sum", "tree_sum", "split_parts", "vec_dot"]
 
 # vec: at::vec-style (PyTorch CPU): per row of H*W values (channels_first; channels_last and the parts of a core split
 # or of Chan's tiles take their whole axis as one row), full blocks of lanes x unroll values
@@ -24,6 +25,15 @@ ORDERS: tuple[str, ...] = ("sequential", "pairwise", "lanes", "vec")
 # How per-core partial sums are combined: in core order, or by FP32 atomic adds whose
 # arrival order is random (seeded), as on Ascend A2/A3/910 when N or H is split across cores.
 COMBINES: tuple[str, ...] = ("ordered", "atomic")
+
+
+@dataclass(frozen=True)
+class Cores:
+    """The simulated cores a sum is split across: ``parts`` contiguous parts of the reduced axis (1: no split), their
+    partial sums combined as ``combine`` says (:data:`COMBINES`; atomic draws its order from the caller's generator)."""
+
+    parts: int = 1
+    combine: str = "ordered"
 
 # numpy dtypes whose add.accumulate rounds every partial sum correctly to
 # nearest-even (fp16/bf16 ufuncs compute in float32 and round back, which is
@@ -225,8 +235,7 @@ def reduce_sum(
     lanes: int = 64,
     kahan: bool = False,
     tally: Tally | None = None,
-    parts: int = 1,
-    combine: str = "ordered",
+    cores: Cores = Cores(),
     rng: np.random.Generator | None = None,
     unroll: int = 1,
     row: int | None = None,
@@ -239,7 +248,8 @@ def reduce_sum(
     ``pairwise`` (halving tree, see :func:`tree_sum`), or ``lanes`` (``lanes``
     sequential accumulators over vector repeats, then a tree across lanes).
     ``kahan`` adds compensated summation to ``sequential`` and to each lane; ``vec`` (see :data:`ORDERS`) takes
-    ``lanes``, ``unroll`` and ``row``, the length of the layout's contiguous rows.
+    ``lanes``, ``unroll`` and ``row``, the length of the layout's contiguous rows.  ``cores`` splits the sum across
+    simulated cores (:class:`Cores`; ``rng`` orders an atomic combine).
     The addends must already be values of the accumulator format.
     """
     # float32 carriers stay float32 (see arith.py) where the accumulator's values fit in them
@@ -248,23 +258,24 @@ def reduce_sum(
         raise BNProbeError(f"reduce_sum expects a (C, R) array, got shape {x.shape}")
     if x.shape[1] == 0:
         raise BNProbeError("cannot reduce an empty axis (R = 0)")
-    if parts > 1:
-        total = _combine_parts(x, acc, order=order, lanes=lanes, kahan=kahan, tally=tally, parts=parts,
-                               combine=combine, rng=rng, unroll=unroll)
+    if cores.parts > 1:
+        total = _combine_parts(x, acc, order=order, lanes=lanes, kahan=kahan, tally=tally, cores=cores, rng=rng,
+                               unroll=unroll)
     else:
         total = _reduce_one(x, acc, order=order, lanes=lanes, kahan=kahan, tally=tally, unroll=unroll, row=row)
     return np.asarray(total, dtype=np.float64)
 
 
 def _combine_parts(x: np.ndarray, acc: Arith, *, order: str, lanes: int, kahan: bool, tally: Tally | None,
-                   parts: int, combine: str, rng: np.random.Generator | None, unroll: int = 1) -> np.ndarray:
+                   cores: Cores, rng: np.random.Generator | None, unroll: int = 1) -> np.ndarray:
     """Each simulated core reduces its contiguous part; the partials are then added one by one into
     an accumulator that starts at zero, in core order or (atomic) in a random order per channel."""
+    combine = cores.combine
     if combine not in COMBINES:
         raise BNProbeError(f"unknown combine {combine!r}; valid: {', '.join(COMBINES)}")
     partial = np.stack([_reduce_one(x[:, sl], acc, order=order, lanes=lanes, kahan=kahan, tally=tally,
                                     unroll=unroll)
-                        for sl in split_parts(x.shape[1], parts)], axis=1)
+                        for sl in split_parts(x.shape[1], cores.parts)], axis=1)
     if combine == "atomic":
         if rng is None:
             raise BNProbeError("atomic combine needs a seeded generator")

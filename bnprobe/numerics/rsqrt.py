@@ -14,6 +14,7 @@ RSQRTPS and flush-to-zero units do).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
@@ -25,8 +26,8 @@ from bnprobe.numerics.rounding import round_to
 
 __all__ = [
     "RSQRT_ESTIMATES", "RECIP_ESTIMATES", "SQRT_METHODS", "NEWTON_FORMS", "MAGIC_RSQRT", "MAGIC_RECIP",
-    "rsqrt_exact", "rsqrt", "rsqrt_ascend950", "reciprocal", "divide", "sqrt", "rsqrt_estimate", "recip_estimate",
-    "succ", "pred",
+    "Working", "rsqrt_exact", "rsqrt", "rsqrt_ascend950", "reciprocal", "divide", "sqrt", "rsqrt_estimate",
+    "recip_estimate", "succ", "pred",
 ]
 
 RSQRT_ESTIMATES: tuple[str, ...] = ("exact", "magic", "table", "frsqrte")
@@ -264,6 +265,16 @@ def _newton_recip(a: np.ndarray, r: np.ndarray, ar: Arith, form: str, t: Tally |
     raise BNProbeError(f"unknown Newton form {form!r}; valid: {', '.join(NEWTON_FORMS)}")
 
 
+@dataclass(frozen=True)
+class Working:
+    """Where an estimate's Newton steps are computed: in ``format`` (None: the result's format), their last iterate
+    rounded to the result's format, or with ``round_result=False`` returned in the working format (how the
+    literature measures seeds with float64 Newton steps)."""
+
+    format: str | Format | None = None
+    round_result: bool = True
+
+
 def _arith(fmt: str | Format | Arith, working: str | Format | None) -> tuple[Arith, Arith]:
     """(result arithmetic, working arithmetic) from a format or an Arith and an optional working format."""
     res = fmt if isinstance(fmt, Arith) else Arith(fmt)
@@ -273,15 +284,14 @@ def _arith(fmt: str | Format | Arith, working: str | Format | None) -> tuple[Ari
 
 def rsqrt(x: np.ndarray, fmt: str | Format | Arith, *, method: str = "exact", newton: int = 0,
           form: str = "standard", constant: int | None = None, bits: int = 12, subnormals: str = "keep",
-          working: str | Format | None = None, round_result: bool = True,
-          tally: Tally | None = None) -> np.ndarray:
-    """1/sqrt(x) in ``fmt``: an estimate refined by ``newton`` steps computed in ``working`` (default: fmt).
+          working: Working = Working(), tally: Tally | None = None) -> np.ndarray:
+    """1/sqrt(x) in ``fmt``: an estimate refined by ``newton`` steps computed as ``working`` says (default: in fmt).
 
     method ``exact`` is the correctly rounded value (Newton steps are not applied to it).
-    ``round_result=False`` returns the last Newton iterate in the working format
+    ``Working(round_result=False)`` returns the last Newton iterate in the working format
     (how the literature measures seeds with float64 Newton steps).
     """
-    res, work = _arith(fmt, working)
+    res, work = _arith(fmt, working.format)
     x = np.asarray(x, dtype=np.float64)
     with np.errstate(all="ignore"):
         if method == "exact":
@@ -294,7 +304,7 @@ def rsqrt(x: np.ndarray, fmt: str | Format | Arith, *, method: str = "exact", ne
             y = work.round(y)
             for _ in range(newton):
                 y = _newton_rsqrt(a, y, work, form, tally)
-            if round_result:
+            if working.round_result:
                 y = res.round(y, tally)
             y = np.where(zero, np.copysign(np.inf, x), y)
             y = np.where(np.isposinf(x), 0.0, y)
@@ -324,10 +334,10 @@ def rsqrt_ascend950(v: np.ndarray, fmt: str | Format | Arith, *, tally: Tally | 
 
 def reciprocal(x: np.ndarray, fmt: str | Format | Arith, *, method: str = "exact", newton: int = 0,
                form: str = "standard", constant: int | None = None, bits: int = 12, subnormals: str = "keep",
-               working: str | Format | None = None, round_result: bool = True,
-               tally: Tally | None = None) -> np.ndarray:
-    """1/x in ``fmt``: correctly rounded (``exact``) or an estimate refined by Newton steps."""
-    res, work = _arith(fmt, working)
+               working: Working = Working(), tally: Tally | None = None) -> np.ndarray:
+    """1/x in ``fmt``: correctly rounded (``exact``) or an estimate refined by Newton steps (computed as
+    ``working`` says, as in :func:`rsqrt`)."""
+    res, work = _arith(fmt, working.format)
     x = np.asarray(x, dtype=np.float64)
     with np.errstate(all="ignore"):
         if method == "exact":
@@ -338,7 +348,7 @@ def reciprocal(x: np.ndarray, fmt: str | Format | Arith, *, method: str = "exact
         r = work.round(recip_estimate(a, res.fmt, method, constant=constant, bits=bits))
         for _ in range(newton):
             r = _newton_recip(a, r, work, form, tally)
-        r = np.copysign(res.round(r, tally) if round_result else r, x)
+        r = np.copysign(res.round(r, tally) if working.round_result else r, x)
         r = np.where(zero, np.copysign(np.inf, x), r)
         r = np.where(np.isinf(x), np.copysign(0.0, x), r)
         r = np.where(np.isnan(x), np.nan, r)

@@ -14,9 +14,9 @@ import numpy as np
 
 from bnprobe.core.errors import BNProbeError
 from bnprobe.numerics.arith import Arith, Tally
-from bnprobe.numerics.reduce import reduce_sum
+from bnprobe.numerics.reduce import Cores, reduce_sum
 
-__all__ = ["VARIANCES", "MEAN_BY", "StageValue", "Moments", "Sums", "moments", "prescale_exponent"]
+__all__ = ["VARIANCES", "MEAN_BY", "StageValue", "Moments", "MomentsMethod", "Sums", "moments", "prescale_exponent"]
 
 VARIANCES: tuple[str, ...] = ("naive", "two_pass", "welford", "welford_ascend", "chan")
 # divide: s / R, one rounding.  reciprocal: s * fl(1/R) (Ascend TBE).  prescaled: the addends are
@@ -42,6 +42,24 @@ class Moments:
     mean: np.ndarray
     var: np.ndarray  # biased, after the optional clamp at 0
     stages: list[StageValue] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class MomentsMethod:
+    """How :func:`moments` computes: the variance ``algorithm`` (:data:`VARIANCES`) with its knobs (``tiles`` for
+    chan, ``mean_by`` of :data:`MEAN_BY`, ``clamp`` a negative variance at 0) and how its sums are taken
+    (:func:`~bnprobe.numerics.reduce.reduce_sum`'s ``order``, ``lanes``, ``kahan``, ``unroll`` and ``cores``; welford
+    runs ``lanes`` updates side by side)."""
+
+    algorithm: str = "two_pass"
+    order: str = "pairwise"
+    lanes: int = 64
+    tiles: int = 8
+    kahan: bool = False
+    mean_by: str = "divide"
+    clamp: bool = False
+    unroll: int = 1
+    cores: Cores = Cores()
 
 
 def prescale_exponent(count: int) -> int:
@@ -249,41 +267,35 @@ def _merged(x: np.ndarray, acc: Arith, stage: _Stages, merged: tuple[np.ndarray,
 def moments(
     x: np.ndarray,
     acc: Arith,
+    method: MomentsMethod = MomentsMethod(),
     *,
-    algorithm: str = "two_pass",
-    order: str = "pairwise",
-    lanes: int = 64,
-    tiles: int = 8,
-    kahan: bool = False,
-    mean_by: str = "divide",
-    clamp: bool = False,
-    parts: int = 1,
-    combine: str = "ordered",
     rng: np.random.Generator | None = None,
+    row: int | None = None,
     overrides: dict[str, np.ndarray] | None = None,
     wide_sums: bool = True,
     sums: Sums | None = None,
-    unroll: int = 1,
-    row: int | None = None,
 ) -> Moments:
-    """Mean and biased variance of each row of a ``(C, R)`` array of ``acc``-format values.
+    """Mean and biased variance of each row of a ``(C, R)`` array of ``acc``-format values, by ``method``.
 
     algorithm: ``naive`` (E[x²] − E[x]² from a sum and a sum of squares),
     ``two_pass`` (mean, then the sum of squared deviations), ``welford`` (one
     running update per lane of ``lanes``, lanes merged by Chan's formula),
     ``chan`` (``tiles`` contiguous tiles, as on simulated cores, each two-pass,
-    merged by Chan's formula).  ``clamp`` sets a negative variance to 0.  ``unroll`` and ``row`` shape the ``vec``
-    order (:func:`~bnprobe.numerics.reduce.reduce_sum`).
+    merged by Chan's formula).  ``clamp`` sets a negative variance to 0.  ``unroll`` and ``row`` (the length of the
+    layout's contiguous rows) shape the ``vec`` order (:func:`~bnprobe.numerics.reduce.reduce_sum`); ``rng`` orders
+    an atomic combine of the cores' sums.
     ``wide_sums=False`` skips the float64 reference sums recorded as the stages'
     ``wide`` values (a trace that keeps no arrays does not need them).  ``sums`` forms the naive and
     two-pass sums instead of :class:`Sums` (the compiled route's, bnprobe.kernels.fused; the same values).
     """
+    algorithm, mean_by = method.algorithm, method.mean_by
     r = x.shape[1]
     if algorithm not in VARIANCES:
         raise BNProbeError(f"unknown variance algorithm {algorithm!r}; valid: {', '.join(VARIANCES)}")
     if mean_by == "prescaled" and algorithm not in ("naive", "two_pass"):
         raise BNProbeError(f"mean_by=prescaled scales the sums of naive and two_pass, not {algorithm}")
-    red = dict(order=order, lanes=lanes, kahan=kahan, parts=parts, combine=combine, rng=rng, unroll=unroll, row=row)
+    red = dict(order=method.order, lanes=method.lanes, kahan=method.kahan, cores=method.cores, rng=rng,
+               unroll=method.unroll, row=row)
     # prescaled: every addend is multiplied by 2^-k first (exact unless it underflows)
     pre = (lambda v: acc.round(v * 2.0 ** -prescale_exponent(r))) if mean_by == "prescaled" else (lambda v: v)
     stage = _Stages(acc, pre, wide_sums, overrides or {})
@@ -293,10 +305,10 @@ def moments(
         elif algorithm == "two_pass":
             mean, var, wide, t = _two_pass(x, acc, stage, sums or Sums(acc, pre, red), mean_by)
         elif algorithm in ("welford", "welford_ascend"):
-            mean, var, wide, t = _welford(x, acc, stage, algorithm, lanes, mean_by)
+            mean, var, wide, t = _welford(x, acc, stage, algorithm, method.lanes, mean_by)
         else:  # chan
-            mean, var, wide, t = _chan(x, acc, stage, tiles, red, mean_by)
-        if clamp:
+            mean, var, wide, t = _chan(x, acc, stage, method.tiles, red, mean_by)
+        if method.clamp:
             var = np.where(var < 0, 0.0, var)
         var = stage("var", var, wide, t, negative=True)
     return Moments(mean=mean, var=var, stages=stage.stages)

@@ -12,6 +12,7 @@ from bnprobe.core.errors import BNProbeError
 from bnprobe.numerics.rsqrt import (
     MAGIC_RECIP,
     MAGIC_RSQRT,
+    Working,
     divide,
     reciprocal,
     rsqrt,
@@ -40,7 +41,8 @@ def max_rel(y, exact):
 def test_magic_seed_matches_the_literature(fp32_1_4, constant, figures):
     x, exact = fp32_1_4
     for steps, figure in enumerate(figures):
-        y = rsqrt(x, "fp32", method="magic", constant=constant, newton=steps, working="fp64", round_result=False)
+        y = rsqrt(x, "fp32", method="magic", constant=constant, newton=steps,
+                  working=Working("fp64", round_result=False))
         digits = len(f"{figure:.6e}".split("e")[0].rstrip("0").replace(".", "")) - 1
         assert abs(max_rel(y, exact) - figure) <= 0.5 * 10.0 ** (np.floor(np.log10(figure)) - digits + 1), steps
 

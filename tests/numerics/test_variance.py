@@ -9,7 +9,7 @@ import pytest
 from bnprobe.core.errors import BNProbeError
 from bnprobe.numerics.arith import Arith
 from bnprobe.numerics.rounding import round_to
-from bnprobe.numerics.variance import moments
+from bnprobe.numerics.variance import MomentsMethod, moments
 
 N = 10_000
 U = 2.0**-24  # fp32 unit roundoff
@@ -52,7 +52,8 @@ def bound(algorithm, order, k):
 def test_error_within_published_bound(cases, ratio, algorithm, order):
     x, exact = cases[ratio]
     # welford is per-lane; with lanes=1 it is the textbook sequential update
-    m = moments(x, Arith("fp32"), algorithm=algorithm, order=order, lanes=1 if order == "sequential" else 64)
+    m = moments(x, Arith("fp32"), MomentsMethod(algorithm=algorithm, order=order,
+                                               lanes=1 if order == "sequential" else 64))
     rel = np.abs(m.var - exact) / exact
     for i, row in enumerate(x):
         b = bound(algorithm if algorithm != "chan" else "two_pass", order, kappa(row))
@@ -61,7 +62,8 @@ def test_error_within_published_bound(cases, ratio, algorithm, order):
 
 def test_naive_cancels_where_two_pass_and_welford_do_not(cases):
     x, exact = cases[1e3]
-    rel = {a: np.abs(moments(x, Arith("fp32"), algorithm=a, order="sequential", lanes=1).var - exact) / exact
+    rel = {a: np.abs(moments(x, Arith("fp32"), MomentsMethod(algorithm=a, order="sequential", lanes=1)).var - exact)
+           / exact
            for a in ("naive", "two_pass", "welford")}
     assert rel["naive"].max() > 1e-2  # the facts file measured 5.9 at this ratio
     assert rel["two_pass"].max() < 1e-5 and rel["welford"].max() < 1e-4
@@ -71,12 +73,12 @@ def test_naive_goes_negative_and_clamp_fixes_it():
     # near-constant channels far from zero: E[x^2] - E[x]^2 is mostly rounding noise
     rng = np.random.default_rng(0)
     x = round_to(1000.0 + rng.standard_normal((512, 8)) * 1e-4, "fp32")
-    naive = moments(x, Arith("fp32"), algorithm="naive")
+    naive = moments(x, Arith("fp32"), MomentsMethod(algorithm="naive"))
     negative = naive.var < 0
     assert negative.sum() > 10
     assert naive.stages[-1].name == "var" and (naive.stages[-1].wide[negative] < 0).all()
-    assert (moments(x, Arith("fp32"), algorithm="naive", clamp=True).var[negative] == 0).all()
-    assert (moments(x, Arith("fp32"), algorithm="two_pass").var >= 0).all()
+    assert (moments(x, Arith("fp32"), MomentsMethod(algorithm="naive", clamp=True)).var[negative] == 0).all()
+    assert (moments(x, Arith("fp32"), MomentsMethod(algorithm="two_pass")).var >= 0).all()
 
 
 @pytest.mark.parametrize("algorithm", ["naive", "two_pass", "welford", "chan"])
@@ -84,7 +86,7 @@ def test_naive_goes_negative_and_clamp_fixes_it():
 def test_fp64_algorithms_agree_with_exact(algorithm, r):
     rng = np.random.default_rng(r)
     x = rng.standard_normal((3, r)) * 3 + 1
-    m = moments(x, Arith("fp64"), algorithm=algorithm, tiles=4)
+    m = moments(x, Arith("fp64"), MomentsMethod(algorithm=algorithm, tiles=4))
     np.testing.assert_allclose(m.var, [exact_var(row) for row in x], rtol=1e-12)
     np.testing.assert_allclose(m.mean, [float(sum(Fraction(float(v)) for v in row) / r) for row in x], rtol=1e-13)
 
@@ -93,8 +95,8 @@ def test_mean_by_reciprocal_can_differ_in_the_last_bit():
     # s * fl(1/3) vs s / 3 in fp32: the reciprocal is inexact, so some means move by one ulp, never more
     rng = np.random.default_rng(0)
     xs = round_to(rng.standard_normal((4096, 3)), "fp32")
-    a = moments(xs, Arith("fp32"), mean_by="divide").mean
-    b = moments(xs, Arith("fp32"), mean_by="reciprocal").mean
+    a = moments(xs, Arith("fp32"), MomentsMethod(mean_by="divide")).mean
+    b = moments(xs, Arith("fp32"), MomentsMethod(mean_by="reciprocal")).mean
     differ = a != b
     assert 0 < differ.sum() < differ.size
     one_ulp = np.spacing(np.abs(a[differ]).astype(np.float32)).astype(np.float64)
@@ -103,7 +105,7 @@ def test_mean_by_reciprocal_can_differ_in_the_last_bit():
 
 def test_unknown_algorithm():
     with pytest.raises(BNProbeError, match="unknown variance algorithm"):
-        moments(np.ones((1, 4)), Arith("fp32"), algorithm="fancy")
+        moments(np.ones((1, 4)), Arith("fp32"), MomentsMethod(algorithm="fancy"))
 
 
 def test_kappa_helper_sanity():

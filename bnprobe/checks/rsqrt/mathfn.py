@@ -37,6 +37,7 @@ from bnprobe.numerics.rsqrt import (
     NEWTON_FORMS,
     RECIP_ESTIMATES,
     RSQRT_ESTIMATES,
+    Working,
     divide,
     reciprocal,
     rsqrt,
@@ -124,12 +125,11 @@ class MathSpec:
         fmt = self.format
         if self.op == "rsqrt":
             return rsqrt(x, fmt, method=self.method, newton=newton, form=self.form, constant=self.constant,
-                         bits=self.bits, subnormals=self.subnormals, working=self.working,
-                         round_result=self.rounds_result)
+                         bits=self.bits, subnormals=self.subnormals, working=Working(self.working, self.rounds_result))
         if self.op == "reciprocal":
             return reciprocal(x, fmt, method=self.method, newton=newton, form=self.form, constant=self.constant,
-                              bits=self.bits, subnormals=self.subnormals, working=self.working,
-                              round_result=self.rounds_result)
+                              bits=self.bits, subnormals=self.subnormals,
+                              working=Working(self.working, self.rounds_result))
         if self.op == "sqrt":
             if self.method in ("exact", "exp_log"):
                 return sqrt(x, fmt, method=self.method, heron=newton if self.method == "exp_log" else 0)
