@@ -275,6 +275,7 @@ SETUP_FIXTURES = ("x.npy", "forged.npy", "notes.txt", "layer.npz", "stats-log.cs
 MSPROBE_DUMPS = ("L1-fp16", "L1-bf16", "mix-fp16", "stats-bf16", "eval-fp32")
 
 SYNCBN_ROOT = """
+import inspect
 import sys
 from pathlib import Path
 
@@ -285,14 +286,23 @@ try:  # the dump writer's module: bnprobe.recordings since the engine redesign, 
 except ImportError:
     from bnprobe.adapters.dump import write_dump
 from bnprobe.adapters.syncbn import SyncBNAdapter, rank_recordings
+from bnprobe.core.call import BNCall
+
+
+def ranks_of(adapter, *tensors, dtype):
+    # rank_recordings of one call: handed whole (a BNCall) since it takes one, its tensors one by one before
+    if "whole" in inspect.signature(rank_recordings).parameters:
+        return rank_recordings(adapter, BNCall(*tensors, dtype=dtype))
+    return rank_recordings(adapter, *tensors, dtype=dtype)
+
 
 root, merge = Path(sys.argv[1]), sys.argv[2]
 ranks = (2, 14)
 rng = np.random.default_rng(5)
 x = rng.standard_normal((sum(ranks), 3, 2, 2)) + np.repeat([0.0, 3.0], ranks)[:, None, None, None]
 for s in range(2):
-    recs = rank_recordings(SyncBNAdapter(ranks, merge=merge), x + s, np.ones(3), np.zeros(3), np.zeros(3), np.ones(3),
-                           rng.standard_normal(x.shape), dtype="fp32")
+    recs = ranks_of(SyncBNAdapter(ranks, merge=merge), x + s, np.ones(3), np.zeros(3), np.zeros(3), np.ones(3),
+                    rng.standard_normal(x.shape), dtype="fp32")
     for r, rec in recs.items():
         write_dump(rec, root / f"step{s}" / f"rank{r}")
 """

@@ -51,6 +51,7 @@ print(json.dumps({"seconds": dt, "peak_mb": peak / 1024, "import_mb": base / 102
 def make_root(root: Path, ranks: int, per_rank: tuple[int, ...], dtype: str) -> tuple[float, float]:
     """Write one SyncBatchNorm step of ``ranks`` ranks; (seconds, one rank's dump in MB)."""
     from bnprobe.adapters.syncbn import rank_recordings
+    from bnprobe.core.call import BNCall
     from bnprobe.recordings import write_dump
 
     t0 = time.perf_counter()
@@ -58,8 +59,8 @@ def make_root(root: Path, ranks: int, per_rank: tuple[int, ...], dtype: str) -> 
     rng = np.random.default_rng(0)
     x = rng.normal(0.5, 1.5, (n * ranks, *per_rank[1:]))
     dy = rng.normal(size=x.shape)
-    recs = rank_recordings(f"syncbn:world={ranks}", x, rng.uniform(0.5, 1.5, c), rng.normal(0, 0.1, c),
-                           np.zeros(c), np.ones(c), dy, dtype=dtype, call="layer1.bn")
+    recs = rank_recordings(f"syncbn:world={ranks}", BNCall(x, rng.uniform(0.5, 1.5, c), rng.normal(0, 0.1, c),
+                                                           np.zeros(c), np.ones(c), dy, dtype=dtype), call="layer1.bn")
     del x, dy
     for r, rec in recs.items():
         write_dump(rec, root / "step0" / f"rank{r}")

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import typer
 
 from bnprobe import __version__
-from bnprobe.core.call import EPS, MOMENTUM
+from bnprobe.core.call import BNCall, EPS, MOMENTUM
 from bnprobe.core.errors import BNProbeError
 from bnprobe.reports import dumps_json
 
@@ -379,9 +379,9 @@ def dump_cmd(
     c = layout_of(x, layout).channels
     prm = make_params(c, seed)
     dy = np.random.default_rng([seed, 2]).standard_normal(x.shape)
-    rec = record(a, x=x, gamma=prm["gamma"], beta=prm["beta"], running_mean=np.full(c, mean),
-                 running_var=np.full(c, std**2 if std > 0 else 1.0), dy=dy, dtype=dtype, eps=eps, momentum=momentum,
-                 layout=layout, params=params, modes=wanted,
+    rec = record(a, BNCall(x=x, gamma=prm["gamma"], beta=prm["beta"], running_mean=np.full(c, mean),
+                           running_var=np.full(c, std**2 if std > 0 else 1.0), dy=dy, dtype=dtype, eps=eps,
+                           momentum=momentum, layout=layout, params=params), modes=wanted,
                  meta={"seed": seed, "input": str(input) if input else f"{dist}(mean={mean}, std={std})"})
     files = write_dump(rec, out, force=force)
     typer.echo(f"recorded {a.name} ({', '.join(rec.modes)}) in {rec.dtype}: " + ", ".join(str(f) for f in files))

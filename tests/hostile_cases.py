@@ -263,11 +263,13 @@ def bnprobe_dump(folder: Path, *, meta: dict | None = None, dtype: str = "fp16")
     """A valid bnprobe dump of one small call (train, infer, backward), written by bnprobe's own writer."""
     from bnprobe.adapters import get_adapter
     from bnprobe.recordings import record, write_dump
+    from bnprobe.core.call import BNCall
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 3, 2, 2)) + 2.0
-    rec = record(get_adapter("reference"), x=x, gamma=rng.uniform(0.5, 1.5, 3), beta=rng.normal(0, 0.1, 3),
-                 running_mean=np.zeros(3), running_var=np.ones(3), dy=rng.standard_normal(x.shape), dtype=dtype,
+    rec = record(get_adapter("reference"), BNCall(x=x, gamma=rng.uniform(0.5, 1.5, 3), beta=rng.normal(0, 0.1, 3),
+                                                  running_mean=np.zeros(3), running_var=np.ones(3),
+                                                  dy=rng.standard_normal(x.shape), dtype=dtype),
                  meta=meta or {"seed": 0})
     write_dump(rec, folder)
     return folder

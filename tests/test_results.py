@@ -14,6 +14,7 @@ import pytest
 from bnprobe.engine.result import CheckResult, Verdict
 from bnprobe.reports import dumps_json
 from bnprobe.recordings import record, write_dump
+from bnprobe.core.call import BNCall
 from tests.checks.bn_plugins import NumpyBN
 
 SHAPE = (4, 3, 2, 2)
@@ -23,9 +24,9 @@ def _call(adapter, seed: int = 0):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(SHAPE) + 0.5
     c = SHAPE[1]
-    return record(adapter, x=x, gamma=rng.uniform(0.5, 1.5, c), beta=rng.normal(0, 0.3, c),
-                  running_mean=np.zeros(c), running_var=np.ones(c), dy=rng.standard_normal(SHAPE), dtype="fp16",
-                  modes=("train", "backward"))
+    return record(adapter, BNCall(x=x, gamma=rng.uniform(0.5, 1.5, c), beta=rng.normal(0, 0.3, c),
+                                  running_mean=np.zeros(c), running_var=np.ones(c), dy=rng.standard_normal(SHAPE),
+                                  dtype="fp16"), modes=("train", "backward"))
 
 
 @pytest.fixture(scope="module")
@@ -134,8 +135,8 @@ def _ranks(d: Path):
 
     rng = np.random.default_rng(0)
     x, c = rng.normal(0.5, 1.5, (8, 3, 3, 3)), 3
-    return check_ranks(rank_recordings("syncbn:ranks=4+4", x, np.ones(c), np.zeros(c), np.zeros(c), np.ones(c),
-                                       rng.normal(size=x.shape), dtype="fp32"))
+    return check_ranks(rank_recordings("syncbn:ranks=4+4", BNCall(x, np.ones(c), np.zeros(c), np.zeros(c), np.ones(c),
+                                                                  rng.normal(size=x.shape), dtype="fp32")))
 
 
 def _rsqrt(d: Path):

@@ -13,6 +13,7 @@ import pytest
 from bnprobe.cli import main
 from bnprobe.core.errors import BNProbeError
 from bnprobe.recordings import record, write_dump
+from bnprobe.core.call import BNCall
 from bnprobe.sweep.tasks import SweepResult, SweepSpec, Journal, dump_leaves, header, plan, run_sweep
 from tests.checks.bn_plugins import NumpyBN
 
@@ -24,9 +25,9 @@ def _call(adapter, seed, mean=0.5, shape=(4, 3, 2, 2)):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(shape) + mean
     c = shape[1]
-    return record(adapter, x=x, gamma=rng.uniform(0.5, 1.5, c), beta=rng.normal(0, 0.3, c),
-                  running_mean=np.zeros(c), running_var=np.ones(c), dy=rng.standard_normal(shape), dtype="fp16",
-                  modes=("train", "backward"))
+    return record(adapter, BNCall(x=x, gamma=rng.uniform(0.5, 1.5, c), beta=rng.normal(0, 0.3, c),
+                                  running_mean=np.zeros(c), running_var=np.ones(c), dy=rng.standard_normal(shape),
+                                  dtype="fp16"), modes=("train", "backward"))
 
 
 def make_root(root: Path, steps=2, ranks=RANKS, bad=None) -> Path:
@@ -269,8 +270,9 @@ def _syncbn_root(root, merge, ranks=(2, 14), steps=1):
     n = sum(ranks)
     x = rng.standard_normal((n, 3, 2, 2)) + np.repeat([0.0, 3.0], ranks)[:, None, None, None]
     for s in range(steps):
-        recs = rank_recordings(SyncBNAdapter(ranks, merge=merge), x + s, np.ones(3), np.zeros(3), np.zeros(3),
-                               np.ones(3), rng.standard_normal(x.shape), dtype="fp32")
+        recs = rank_recordings(SyncBNAdapter(ranks, merge=merge), BNCall(x + s, np.ones(3), np.zeros(3), np.zeros(3),
+                                                                         np.ones(3), rng.standard_normal(x.shape),
+                                                                         dtype="fp32"))
         for r, rec in recs.items():
             write_dump(rec, root / f"step{s}" / f"rank{r}")
     return root

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.core.call import EPS, MOMENTUM, BNCall
+from bnprobe.core.call import BNCall
 from bnprobe.adapters.base import (
     BackwardOutput,
     BaseAdapter,
@@ -338,25 +338,27 @@ def _running(comp: Arith, rm: np.ndarray, rv: np.ndarray, st: _Merged, momentum:
 
 # ---- per-rank recordings ------------------------------------------------------------------------------
 
-def rank_recordings(adapter: SyncBNAdapter | str, x: np.ndarray, gamma: np.ndarray | None = None,
-                    beta: np.ndarray | None = None, running_mean: np.ndarray | None = None,
-                    running_var: np.ndarray | None = None, dy: np.ndarray | None = None, *, dtype: str,
-                    eps: float = EPS, momentum: float | None = MOMENTUM, layout: str = "channels_first",
-                    params: str = "fp32", grads: str = "local", call: str = "SyncBatchNorm.0") -> dict[int, Recording]:
-    """Rank → the :class:`Recording` that rank would dump of one SyncBatchNorm call on the batch ``x`` split
-    by ``adapter`` (a :class:`SyncBNAdapter` or its spec, ``syncbn:ranks=3+8+5,...``): its slice of x, the
+def rank_recordings(adapter: SyncBNAdapter | str, whole: BNCall, *, grads: str = "local",
+                    call: str = "SyncBatchNorm.0") -> dict[int, Recording]:
+    """Rank → the :class:`Recording` that rank would dump of one SyncBatchNorm call, ``whole`` (its tensors as given,
+    rounded here to its dtype and parameter format; γ None: ones, β None: zeros) on the batch x split by
+    ``adapter`` (a :class:`SyncBNAdapter` or its spec, ``syncbn:ranks=3+8+5,...``): its slice of x, the
     shared γ, β and running statistics in; its slice of y, the saved (global) statistics and the updated running
-    statistics out; with ``dy``, a backward of its slices of dy and dx and dγ, dβ: its own partial sums
+    statistics out; with dy, a backward of its slices of dy and dx and dγ, dβ: its own partial sums
     (``grads="local"``, what SyncBatchNorm's backward returns and capture / msprobe record) or their sum over
-    the ranks (``"reduced"``, the parameters' gradient of the whole batch)."""
+    the ranks (``"reduced"``, the parameters' gradient of the whole batch).  ``call`` names the call in the
+    recordings."""
     if grads not in GRADS:
         raise BNProbeError(f"grads must be one of {', '.join(GRADS)}, got {grads!r}")
     a = adapter if isinstance(adapter, SyncBNAdapter) else \
         SyncBNAdapter.from_options(adapter.removeprefix("syncbn").removeprefix(":"))
+    dtype, params, layout, eps, momentum = whole.dtype, whole.params, whole.layout, whole.eps, whole.momentum
     fmt, pf = get_format(dtype).name, params_format(dtype, params)
-    c = layout_of(x, layout).channels
-    xs, dys, g, b, rm, rv = stored_inputs(dtype, params, x, dy, np.ones(c) if gamma is None else gamma,
-                                          np.zeros(c) if beta is None else beta, running_mean, running_var)
+    c = layout_of(whole.x, layout).channels
+    xs, dys, g, b, rm, rv = stored_inputs(dtype, params, whole.x, whole.dy,
+                                          np.ones(c) if whole.gamma is None else whole.gamma,
+                                          np.zeros(c) if whole.beta is None else whole.beta, whole.running_mean,
+                                          whole.running_var)
     step = BNCall(xs, g, b, rm, rv, dys, eps=eps, momentum=momentum, dtype=fmt, params=params, layout=layout)
     out = a.train(step)
     bw = None if dys is None else a.backward_of(step, out.saved)  # type: ignore[arg-type]

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.core.call import EPS, MOMENTUM, BNCall
+from bnprobe.core.call import BNCall
 from bnprobe.core.kernel import MODES, SAVED_KINDS, Saved, params_format
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
@@ -227,22 +227,25 @@ def read_calls(folder: str | Path) -> dict[str, Any]:
 
 # ---- recording an adapter -------------------------------------------------------------------------
 
-def record(adapter: Any, *, x: np.ndarray, gamma: np.ndarray | None, beta: np.ndarray | None,
-           running_mean: np.ndarray, running_var: np.ndarray, dy: np.ndarray, dtype: str, eps: float = EPS,
-           momentum: float | None = MOMENTUM, layout: str = "channels_first", params: str = "fp32",
-           modes: tuple[str, ...] = ("train", "infer", "backward"), meta: dict[str, Any] | None = None) -> Recording:
-    """Run ``adapter`` (a :class:`bnprobe.adapters.KernelAdapter`) in each mode on these inputs and keep every input
-    and output."""
+def record(adapter: Any, call: BNCall, *, modes: tuple[str, ...] = ("train", "infer", "backward"),
+           meta: dict[str, Any] | None = None) -> Recording:
+    """Run ``adapter`` (a :class:`bnprobe.adapters.KernelAdapter`) in each mode on ``call`` and keep every input and
+    output.  The call's tensors are taken as given and rounded here: x and dy to its ``dtype``; γ (None: ones), β
+    (None: zeros) and the running statistics, which it must have, as dy, to its parameter format."""
     from bnprobe.numerics.rounding import round_to
 
+    if call.running_mean is None or call.running_var is None or call.dy is None:
+        raise BNProbeError("record needs the call's running statistics and dy")
+    x, gamma, beta, dy = call.x, call.gamma, call.beta, call.dy
+    dtype, eps, momentum, layout, params = call.dtype, call.eps, call.momentum, call.layout, call.params
     fmt = get_format(dtype).name
     pf = params_format(fmt, params)
     caps = adapter.capabilities()
     c = np.shape(x)[1] if layout == "channels_first" or np.ndim(x) == 2 else np.shape(x)[-1]
     g = round_to(np.ones(c) if gamma is None else np.asarray(gamma, dtype=np.float64), pf)
     b = round_to(np.zeros(c) if beta is None else np.asarray(beta, dtype=np.float64), pf)
-    rm = round_to(np.asarray(running_mean, dtype=np.float64), pf)
-    rv = round_to(np.asarray(running_var, dtype=np.float64), pf)
+    rm = round_to(np.asarray(call.running_mean, dtype=np.float64), pf)
+    rv = round_to(np.asarray(call.running_var, dtype=np.float64), pf)
     xs, dys = round_to(np.asarray(x, dtype=np.float64), fmt), round_to(np.asarray(dy, dtype=np.float64), fmt)
     extra = {} if caps.params in (None, pf) else {"kernel_params": caps.params, "params_note": (
         f"{adapter.name} reads γ, β and the running statistics in {caps.params} (its policy's) whatever it is given: "
@@ -260,10 +263,10 @@ def record(adapter: Any, *, x: np.ndarray, gamma: np.ndarray | None, beta: np.nd
         rec.tensors.setdefault(mode, {}).setdefault(io, {})[name] = np.asarray(a, dtype=np.float64)
         rec.formats[f"{mode}.{io}.{name}"] = f
 
-    call = BNCall(xs, g, b, rm, rv, dys, eps=eps, momentum=momentum, dtype=fmt, params=params, layout=layout)
+    stored = BNCall(xs, g, b, rm, rv, dys, eps=eps, momentum=momentum, dtype=fmt, params=params, layout=layout)
     saved: Saved | None = None
     if "train" in modes or "backward" in modes:
-        out = adapter.train(call)
+        out = adapter.train(stored)
         saved = out.saved
         if "train" in modes:
             for name, a, f in (("x", xs, fmt), ("gamma", g, pf), ("beta", b, pf), ("running_mean", rm, pf),
@@ -278,13 +281,13 @@ def record(adapter: Any, *, x: np.ndarray, gamma: np.ndarray | None, beta: np.nd
                 put("train", "outputs", "running_mean_out", out.running_mean, pf)
                 put("train", "outputs", "running_var_out", out.running_var, pf)
     if "infer" in modes:
-        out = adapter.infer(call.with_(training=False))
+        out = adapter.infer(stored.with_(training=False))
         for name, a, f in (("x", xs, fmt), ("gamma", g, pf), ("beta", b, pf), ("running_mean", rm, pf),
                            ("running_var", rv, pf)):
             put("infer", "inputs", name, a, f)
         put("infer", "outputs", "y", out.y, fmt)
     if "backward" in modes and saved is not None:
-        bw = adapter.backward_of(call, saved)
+        bw = adapter.backward_of(stored, saved)
         sf = rec.formats.get("train.outputs.saved_value", "fp64")
         for name, a, f in (("dy", dys, fmt), ("x", xs, fmt), ("gamma", g, pf), ("saved_mean", saved.mean, sf),
                            ("saved_value", saved.value, sf)):

@@ -13,6 +13,7 @@ from bnprobe.adapters import get_adapter
 from bnprobe.checks.shrink.shrinking import RecordedParams, ShrinkResult
 from bnprobe.core.errors import BNProbeError
 from bnprobe.recordings import record, write_dump
+from bnprobe.core.call import BNCall
 from bnprobe.reports import OutputDir, dumps_json, output_dir
 
 __all__ = ["write_shrink", "shrink_lines"]
@@ -40,8 +41,9 @@ def write_shrink(result: ShrinkResult, out: str | Path | OutputDir, *, adapter: 
             rec = recorded.channels(result.channels).record(get_adapter(adapter), result.x, dtype, modes)
             rec.meta["shrunk_from"] = list(result.original_shape)
         else:
-            rec = record(get_adapter(adapter), x=result.x, gamma=None, beta=None, running_mean=np.zeros(c),
-                         running_var=np.ones(c), dy=np.ones_like(result.x), dtype=dtype, modes=modes, params=params,
+            rec = record(get_adapter(adapter), BNCall(x=result.x, gamma=None, beta=None, running_mean=np.zeros(c),
+                                                      running_var=np.ones(c), dy=np.ones_like(result.x), dtype=dtype,
+                                                      params=params), modes=modes,
                          meta={"shrunk_from": list(result.original_shape)})
         files += write_dump(rec, folder / "dump", force=sink.force)
     except BNProbeError as exc:  # the dump is a convenience; the replay command is what matters

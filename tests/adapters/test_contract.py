@@ -11,6 +11,7 @@ from bnprobe.adapters import Saved, get_adapter, list_adapters
 from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.core.errors import BNProbeError
 from bnprobe.recordings import record
+from bnprobe.core.call import BNCall
 from bnprobe.core.formats import get_format
 from bnprobe.core.tolerances import KERNEL_AGREEMENT as TOL  # |y - reference| allowed per format
 
@@ -126,7 +127,7 @@ def test_a_replayed_dump_passes_the_contract(tmp_path, reference):
     x, g, b, rm, rv = make((4, 4, 5, 6), seed=3)
     dy = np.random.default_rng(4).standard_normal(x.shape)
     src = get_adapter("ascend-bnv3")
-    write_dump(record(src, x=x, gamma=g, beta=b, running_mean=rm, running_var=rv, dy=dy, dtype="bf16"), tmp_path)
+    write_dump(record(src, BNCall(x, g, b, rm, rv, dy, dtype="bf16")), tmp_path)
     rep = DumpAdapter(load_dump(tmp_path))
     i = rep.inputs("train")
     out = rep.forward_train(i["x"], i["gamma"], i["beta"], i["running_mean"], i["running_var"], dtype="bf16")

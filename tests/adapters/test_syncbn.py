@@ -9,6 +9,7 @@ import pytest
 
 from bnprobe.adapters import Saved, get_adapter
 from bnprobe.adapters.syncbn import SyncBNAdapter, rank_recordings, split_ranks
+from bnprobe.core.call import BNCall
 from bnprobe.engine.cases import Case
 from bnprobe.checks.compare.precision import compare_precision
 from bnprobe.core.errors import BNProbeError
@@ -233,7 +234,7 @@ def test_ranks_that_do_not_add_up_name_both_numbers():
 def test_rank_recordings_hold_each_ranks_slice_and_round_trip_as_dumps(tmp_path):
     x, dy, g, b, rm, rv = inputs((7, 3, 2, 2), "fp16", seed=4)
     a = SyncBNAdapter((2, 5))
-    recs = rank_recordings(a, x, g, b, rm, rv, dy, dtype="fp16")
+    recs = rank_recordings(a, BNCall(x, g, b, rm, rv, dy, dtype="fp16"))
     whole = a.forward_train(x, g, b, rm, rv, dtype="fp16")
     bw = a.backward(dy, x, g, whole.saved, dtype="fp16")
     assert sorted(recs) == [0, 1]
@@ -246,7 +247,7 @@ def test_rank_recordings_hold_each_ranks_slice_and_round_trip_as_dumps(tmp_path)
         assert rec.meta["rank"] == r and rec.meta["ranks"] == [2, 5] and rec.formats["train.inputs.x"] == "fp16"
     local = sum(recs[r].get("backward", "outputs", "dgamma") for r in recs)
     np.testing.assert_allclose(local, bw.dgamma, rtol=1e-5)
-    reduced = rank_recordings(a, x, g, b, rm, rv, dy, dtype="fp16", grads="reduced")
+    reduced = rank_recordings(a, BNCall(x, g, b, rm, rv, dy, dtype="fp16"), grads="reduced")
     np.testing.assert_array_equal(reduced[1].get("backward", "outputs", "dbeta"), bw.dbeta)
     for r, rec in recs.items():
         write_dump(rec, tmp_path / "step0" / f"rank{r}")
@@ -256,7 +257,7 @@ def test_rank_recordings_hold_each_ranks_slice_and_round_trip_as_dumps(tmp_path)
         np.testing.assert_array_equal(back.get("backward", "outputs", "dgamma"),
                                       rec.get("backward", "outputs", "dgamma"))
     with pytest.raises(BNProbeError, match="grads must be one of local, reduced"):
-        rank_recordings(a, x, dtype="fp16", grads="all")
+        rank_recordings(a, BNCall(x, dtype="fp16"), grads="all")
 
 
 # ---- compare-precision ------------------------------------------------------------------------------------------

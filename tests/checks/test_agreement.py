@@ -17,6 +17,7 @@ from bnprobe.checks.gradcheck.gradients import gradcheck_recorded
 from bnprobe.checks.overflow.scan import scan_recorded
 from bnprobe.engine.recorded import Recorded
 from bnprobe.recordings import load_dump, record, write_dump
+from bnprobe.core.call import BNCall
 from tests.checks.bn_plugins import NumpyBN, ZeroY
 
 KERNELS = {"correct": lambda: NumpyBN(), "dx+0.1%": lambda: NumpyBN(scaled="dx", scale=1e-3),
@@ -29,8 +30,9 @@ def _dump(tmp_path, kernel, fmt, mean, std):
     rng = np.random.default_rng(5)
     x = mean + std * rng.standard_normal((8, 4, 6, 6))
     dy = rng.standard_normal(x.shape) + 0.5  # a non-zero mean per channel, as real losses give
-    rec = record(kernel, x=x, gamma=rng.uniform(0.5, 1.5, 4), beta=rng.normal(0, 0.1, 4), running_mean=np.zeros(4),
-                 running_var=np.ones(4), dy=dy, dtype=fmt, modes=("train", "backward"))
+    rec = record(kernel, BNCall(x=x, gamma=rng.uniform(0.5, 1.5, 4), beta=rng.normal(0, 0.1, 4),
+                                running_mean=np.zeros(4), running_var=np.ones(4), dy=dy, dtype=fmt),
+                 modes=("train", "backward"))
     write_dump(rec, tmp_path)
     return DumpAdapter(load_dump(tmp_path))
 

@@ -14,6 +14,7 @@ from bnprobe.cli import main
 from bnprobe.core.errors import BNProbeError
 from bnprobe.numerics.rounding import round_to
 from bnprobe.recordings import open_dump, record, write_dump
+from bnprobe.core.call import BNCall
 from tests.checks.bn_plugins import NumpyBN
 
 
@@ -222,8 +223,8 @@ def _dbeta_row(kernel, seed, folder):
     dy = rng.standard_normal(shape) * 30
     dy -= dy.mean(axis=(0, 2, 3), keepdims=True)  # channels 0-2: sums that cancel to rounding noise
     dy[:, 3] += 0.5  # channel 3: a sum that does not cancel
-    rec = record(kernel, x=x, gamma=np.ones(4), beta=np.zeros(4), running_mean=np.zeros(4),
-                 running_var=np.ones(4), dy=dy.astype(np.float32).astype(np.float64), dtype="fp32",
+    rec = record(kernel, BNCall(x=x, gamma=np.ones(4), beta=np.zeros(4), running_mean=np.zeros(4),
+                                running_var=np.ones(4), dy=dy.astype(np.float32).astype(np.float64), dtype="fp32"),
                  modes=("train", "backward"))
     write_dump(rec, folder)
     calls = open_dump(folder)

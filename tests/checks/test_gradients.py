@@ -236,11 +236,12 @@ def test_a_recorded_call_without_dgamma_dbeta_is_judged_on_dx_alone(tmp_path):
     from bnprobe.checks.gradcheck.gradients import gradcheck_recorded
     from bnprobe.engine.recorded import recording_of
     from bnprobe.recordings import record, write_dump
+    from bnprobe.core.call import BNCall
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((4, 3, 5, 5))
-    rec = record(get_adapter("reference"), x=x, gamma=None, beta=None, running_mean=np.zeros(3),
-                 running_var=np.ones(3), dy=rng.standard_normal(x.shape), dtype="fp32")
+    rec = record(get_adapter("reference"), BNCall(x, None, None, np.zeros(3), np.ones(3), rng.standard_normal(x.shape),
+                                                  dtype="fp32"))
     for name in ("dgamma", "dbeta"):
         del rec.tensors["backward"]["outputs"][name]
     write_dump(rec, tmp_path)

@@ -30,6 +30,7 @@ from bnprobe.checks.overflow.scan import scan_recorded
 from bnprobe.engine.recipes import RECIPE, RUNNING_IN_PARAMS, STATS_ROUNDED, VAR_ABOUT_STORED_MEAN
 from bnprobe.engine.recorded import Recorded
 from bnprobe.recordings import open_dump, record, write_dump
+from bnprobe.core.call import BNCall
 from tests.checks.bn_plugins import NumpyBN
 
 TORCH = importlib.util.find_spec("torch") is not None
@@ -110,8 +111,8 @@ def _inputs(rng, shape, mean, std, dist, dy):
 
 
 def _dump(tmp, kernel, fmt, params, x, dy, gamma, beta, rm, rv, eps):
-    rec = record(_kernel(kernel), x=x, gamma=gamma, beta=beta, running_mean=rm, running_var=rv, dy=dy, dtype=fmt,
-                 params=params, eps=eps)
+    rec = record(_kernel(kernel), BNCall(x=x, gamma=gamma, beta=beta, running_mean=rm, running_var=rv, dy=dy, dtype=fmt,
+                                         params=params, eps=eps))
     write_dump(rec, tmp)
     return _recorded(tmp)
 

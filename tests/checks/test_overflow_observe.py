@@ -13,6 +13,7 @@ from bnprobe.engine.recorded import recording_of
 from bnprobe.cli import main
 from bnprobe.inputs import make_input
 from bnprobe.recordings import record, write_dump
+from bnprobe.core.call import BNCall
 
 from .bn_plugins import NaiveVariance, NumpyBN, ScaledInvstd
 
@@ -124,8 +125,8 @@ def test_a_saved_invstd_off_by_a_share_of_the_bound(share, found):
 def test_a_recorded_one_pass_variance_is_found_and_a_correct_recording_is_clean(tmp_path, kernel, found):
     x = make_input((8, 16, 7, 7), mean=1000.0)
     rng = np.random.default_rng(0)
-    rec = record(kernel(), x=x, gamma=None, beta=None, running_mean=np.full(16, 1000.0), running_var=np.ones(16),
-                 dy=rng.standard_normal(x.shape), dtype="fp32", modes=("train", "backward"))
+    rec = record(kernel(), BNCall(x=x, gamma=None, beta=None, running_mean=np.full(16, 1000.0), running_var=np.ones(16),
+                                  dy=rng.standard_normal(x.shape), dtype="fp32"), modes=("train", "backward"))
     write_dump(rec, tmp_path)
     reports = scan_recorded(recording_of(f"dump:{tmp_path}")).results
     stages = {(f.anomaly, f.stage) for r in reports for f in r.findings}

@@ -12,6 +12,7 @@ from bnprobe.adapters.syncbn import rank_recordings
 from bnprobe.checks.ranks.check import check_ranks, statistics_tolerance
 from bnprobe.core.errors import BNProbeError
 from bnprobe.recordings import load_dump, record, write_dump
+from bnprobe.core.call import BNCall
 
 DTYPES = ["fp32", "fp16", "bf16"]
 EPS = 1e-5
@@ -30,7 +31,7 @@ def batch(shape=(16, C, 3, 3), mean=0.5, std=1.5, seed=0, shift=(2, 0.5)):
 
 def sync(spec, dtype, **kw):
     x, g, b, rm, rv, dy = batch(**kw)
-    return rank_recordings(spec, x, g, b, rm, rv, dy, dtype=dtype)
+    return rank_recordings(spec, BNCall(x, g, b, rm, rv, dy, dtype=dtype))
 
 
 def per_rank_torch(sizes, dtype, **kw):
@@ -38,8 +39,9 @@ def per_rank_torch(sizes, dtype, **kw):
     pytest.importorskip("torch")
     x, g, b, rm, rv, dy = batch(**kw)
     edges = np.cumsum((0, *sizes))
-    return {r: record(get_adapter("torch"), x=x[lo:hi], gamma=g, beta=b, running_mean=rm, running_var=rv,
-                      dy=dy[lo:hi], dtype=dtype, modes=("train",))
+    return {r: record(get_adapter("torch"),
+                      BNCall(x=x[lo:hi], gamma=g, beta=b, running_mean=rm, running_var=rv, dy=dy[lo:hi], dtype=dtype),
+                      modes=("train",))
             for r, (lo, hi) in enumerate(zip(edges[:-1], edges[1:]))}
 
 
@@ -116,10 +118,10 @@ def test_unweighted_with_equal_ranks_passes_only_when_the_rank_means_agree(dtype
     x, g, b, rm, rv, dy = batch(shift=(0, 0.0), seed=6)
     m = x[:8].mean(axis=(0, 2, 3), keepdims=True)
     x[8:] = m + 2 * (x[:8] - m)  # equal counts and rank means, rank 1 four times rank 0's variance
-    rep = check_ranks(rank_recordings("syncbn:ranks=8+8,merge=unweighted", x, g, b, rm, rv, dy, dtype=dtype))
+    rep = check_ranks(rank_recordings("syncbn:ranks=8+8,merge=unweighted", BNCall(x, g, b, rm, rv, dy, dtype=dtype)))
     assert rep and rep.kind == "syncbn" and all(r.used == "global" for r in rep.rows)
     x[8:] += 0.5  # now the rank means differ: the average of the rank variances misses their spread
-    rep = check_ranks(rank_recordings("syncbn:ranks=8+8,merge=unweighted", x, g, b, rm, rv, dy, dtype=dtype))
+    rep = check_ranks(rank_recordings("syncbn:ranks=8+8,merge=unweighted", BNCall(x, g, b, rm, rv, dy, dtype=dtype)))
     assert not rep and all(r.merge.startswith("unweighted/") for r in rep.rows)
     assert "misses the spread of the rank means" in rep.failures[0]
 
@@ -234,7 +236,7 @@ def test_bad_input_is_a_one_line_error():
 def test_nan_in_x_is_left_out_but_a_nan_statistic_fails():
     x, g, b, rm, rv, dy = batch(seed=7)
     x[1, 2, 0, 0] = np.nan  # input-borne: channel 2's golden is NaN too, nothing to judge there
-    rep = check_ranks(rank_recordings("syncbn:ranks=3+8+5", x, g, b, rm, rv, dy, dtype="fp16"))
+    rep = check_ranks(rank_recordings("syncbn:ranks=3+8+5", BNCall(x, g, b, rm, rv, dy, dtype="fp16")))
     assert rep and any("channel(s) 2 hold NaN/inf in x" in n for n in rep.notes)
     recs = sync("syncbn:ranks=3+8+5", "fp16")
     recs[1].tensors["train"]["outputs"]["saved_mean"][0] = np.nan  # a kernel's own NaN
@@ -250,8 +252,9 @@ def test_ranks_whose_own_statistics_are_the_global_ones_are_either_and_never_dis
     pytest.importorskip("torch")
     x, dy = np.concatenate([x, x]), np.concatenate([dy, dy])  # rank 0: all 8 samples; ranks 1 and 2: 2 and 6 of them
     edges = np.cumsum((0, 8, 2, 6))
-    recs = {r: record(get_adapter("torch"), x=x[lo:hi], gamma=g, beta=b, running_mean=rm, running_var=rv,
-                      dy=dy[lo:hi], dtype=dtype, modes=("train",))
+    recs = {r: record(get_adapter("torch"),
+                      BNCall(x=x[lo:hi], gamma=g, beta=b, running_mean=rm, running_var=rv, dy=dy[lo:hi], dtype=dtype),
+                      modes=("train",))
             for r, (lo, hi) in enumerate(zip(edges[:-1], edges[1:]))}
     rep = check_ranks(recs)
     assert [r.used for r in rep.rows] == ["either", "local", "local"]

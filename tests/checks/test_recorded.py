@@ -21,6 +21,7 @@ from bnprobe.engine.recorded import recording_of
 from bnprobe.cli import main
 from bnprobe.core.errors import BNProbeError
 from bnprobe.recordings import CALLS_NAME, CALLS_TAG, open_dump, record, write_dump
+from bnprobe.core.call import BNCall
 from tests.checks.bn_plugins import NumpyBN
 
 
@@ -40,10 +41,12 @@ def record_call(adapter, shape, dtype, *, eps=1e-5, momentum=0.1, params="fp32",
     rng = np.random.default_rng([seed, len(shape)])
     c = shape[1]
     x = rng.standard_normal(shape) * rng.uniform(0.5, 2.0, (1, c) + (1,) * (len(shape) - 2)) + mean
-    return record(adapter, x=x, gamma=rng.uniform(0.5, 1.5, c) if gamma is None else gamma,
-                  beta=rng.normal(0, 0.3, c) if beta is None else beta, running_mean=rng.normal(0, 0.5, c),
-                  running_var=rng.uniform(0.5, 2.0, c), dy=rng.standard_normal(shape), dtype=dtype, eps=eps,
-                  momentum=momentum, params=params, modes=modes, meta={"seed": seed})
+    return record(adapter, BNCall(x=x, gamma=rng.uniform(0.5, 1.5, c) if gamma is None else gamma,
+                                  beta=rng.normal(0, 0.3, c) if beta is None else beta,
+                                  running_mean=rng.normal(0, 0.5, c), running_var=rng.uniform(0.5, 2.0, c),
+                                  dy=rng.standard_normal(shape), dtype=dtype, eps=eps, momentum=momentum,
+                                  params=params),
+                  modes=modes, meta={"seed": seed})
 
 
 def model_dump(root, adapter, dtype, calls=CALLS):
@@ -197,8 +200,8 @@ def edge_call(tmp_path, kernel, beta):
     rng = np.random.default_rng(3)
     x = rng.standard_normal((4, 3, 2, 2))
     x[:, 1] = 2.0
-    rec = record(kernel, x=x, gamma=np.ones(3), beta=np.array([0.0, beta, 0.0]), running_mean=np.zeros(3),
-                 running_var=np.ones(3), dy=np.ones(x.shape), dtype="fp16", modes=("train",))
+    rec = record(kernel, BNCall(x=x, gamma=np.ones(3), beta=np.array([0.0, beta, 0.0]), running_mean=np.zeros(3),
+                                running_var=np.ones(3), dy=np.ones(x.shape), dtype="fp16"), modes=("train",))
     write_dump(rec, tmp_path)
     return scan(f"dump:{tmp_path}")
 
@@ -226,9 +229,9 @@ def test_a_running_variance_beyond_fp16(tmp_path, std, expect):
     x itself stays well inside fp16."""
     x = np.random.default_rng(5).standard_normal((8, 2, 4, 4))
     x[:, 1] *= std / x[:, 1].std(ddof=1)
-    write_dump(record(NumpyBN(), x=x, gamma=np.ones(2), beta=np.zeros(2), running_mean=np.zeros(2),
-                      running_var=np.ones(2), dy=np.ones(x.shape), dtype="fp16", momentum=1.0, params="same",
-                      modes=("train",)), tmp_path)
+    write_dump(record(NumpyBN(), BNCall(x=x, gamma=np.ones(2), beta=np.zeros(2), running_mean=np.zeros(2),
+                                        running_var=np.ones(2), dy=np.ones(x.shape), dtype="fp16", momentum=1.0,
+                                        params="same"), modes=("train",)), tmp_path)
     rep = scan(f"dump:{tmp_path}")
     assert [(f.anomaly, f.stage, f.channels) for f in rep.findings] == [(a, "running_var", (1,)) for a in expect]
 
@@ -237,8 +240,9 @@ def test_nan_in_the_recorded_input_is_input_borne(tmp_path):
     rng = np.random.default_rng(4)
     x = rng.standard_normal((4, 3, 2, 2))
     x[1, 2, 0, 1] = np.nan
-    write_dump(record(NumpyBN(), x=x, gamma=np.ones(3), beta=np.zeros(3), running_mean=np.zeros(3),
-                      running_var=np.ones(3), dy=np.ones(x.shape), dtype="fp32", modes=("train",)), tmp_path)
+    write_dump(record(NumpyBN(), BNCall(x=x, gamma=np.ones(3), beta=np.zeros(3), running_mean=np.zeros(3),
+                                        running_var=np.ones(3), dy=np.ones(x.shape), dtype="fp32"), modes=("train",)),
+               tmp_path)
     f = by(scan(f"dump:{tmp_path}"))
     assert f[("input_nonfinite", "x")].input_borne and f[("input_nonfinite", "x")].channels == (2,)
     assert f[("input_nonfinite", "x")].first_element == "index (1, 2, 0, 1) (channel 2)"

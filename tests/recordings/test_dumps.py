@@ -16,14 +16,15 @@ from bnprobe.adapters import get_adapter
 from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.core.errors import BNProbeError
 from bnprobe.recordings import load_dump, open_dump, read_msprobe, record, write_dump
+from bnprobe.core.call import BNCall
 
 
 def recorded(tmp_path, adapter="emulated", dtype="fp16"):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((4, 3, 5, 5))
-    rec = record(get_adapter(adapter), x=x, gamma=rng.uniform(0.5, 1.5, 3), beta=rng.normal(0, 0.1, 3),
-                 running_mean=np.zeros(3), running_var=np.ones(3), dy=rng.standard_normal(x.shape), dtype=dtype,
-                 meta={"seed": 0})
+    rec = record(get_adapter(adapter), BNCall(x=x, gamma=rng.uniform(0.5, 1.5, 3), beta=rng.normal(0, 0.1, 3),
+                                              running_mean=np.zeros(3), running_var=np.ones(3),
+                                              dy=rng.standard_normal(x.shape), dtype=dtype), meta={"seed": 0})
     write_dump(rec, tmp_path)
     return rec
 
@@ -306,8 +307,8 @@ def test_a_call_lists_the_modes_it_recorded_without_loading(tmp_path):
 def test_a_backward_only_recording_is_a_training_call(tmp_path):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((4, 3, 5, 5))
-    rec = record(get_adapter("reference"), x=x, gamma=None, beta=None, running_mean=np.zeros(3),
-                 running_var=np.ones(3), dy=rng.standard_normal(x.shape), dtype="fp32", modes=("backward",))
+    rec = record(get_adapter("reference"), BNCall(x, None, None, np.zeros(3), np.ones(3), rng.standard_normal(x.shape),
+                                                  dtype="fp32"), modes=("backward",))
     assert rec.training and rec.call().running_mean is None
 
 
@@ -610,14 +611,16 @@ def test_a_fixed_policys_recording_says_which_parameter_format_it_read(spec, dty
 
     rng = np.random.default_rng(0)
     x, g = rng.normal(size=(4, 3, 5, 5)), rng.uniform(0.5, 1.5, 3) + 1e-3
-    rec = record(get_adapter(f"emulated:{spec}"), x=x, gamma=g, beta=rng.normal(size=3), running_mean=np.zeros(3),
-                 running_var=np.ones(3), dy=rng.normal(size=x.shape), dtype=dtype, params="fp32")
+    rec = record(get_adapter(f"emulated:{spec}"), BNCall(x=x, gamma=g, beta=rng.normal(size=3),
+                                                         running_mean=np.zeros(3), running_var=np.ones(3),
+                                                         dy=rng.normal(size=x.shape), dtype=dtype, params="fp32"))
     pf = get_policy(spec).params_format
     assert pf == dtype and rec.params == "fp32" and rec.meta["kernel_params"] == pf
     assert rec.formats["train.inputs.gamma"] == "fp32" and rec.formats["train.outputs.running_var_out"] == pf
     assert f"reads γ, β and the running statistics in {pf}" in rec.meta["params_note"]
     np.testing.assert_array_equal(rec.tensors["train"]["inputs"]["gamma"], g.astype(np.float32))
     # an adapter that takes the run's parameter format says nothing
-    rec = record(get_adapter("emulated"), x=x, gamma=g, beta=None, running_mean=np.zeros(3), running_var=np.ones(3),
-                 dy=rng.normal(size=x.shape), dtype=dtype, params="fp32")
+    rec = record(get_adapter("emulated"), BNCall(x=x, gamma=g, beta=None, running_mean=np.zeros(3),
+                                                 running_var=np.ones(3), dy=rng.normal(size=x.shape), dtype=dtype,
+                                                 params="fp32"))
     assert rec.params == "fp32" and "kernel_params" not in rec.meta

@@ -85,11 +85,12 @@ class RecordedParams:
     def record(self, adapter: KernelAdapter, x: np.ndarray, dtype: str, modes: tuple[str, ...]) -> Any:
         """A recording of ``adapter`` on :meth:`inputs`."""
         from bnprobe.recordings import record
+        from bnprobe.core.call import BNCall
 
         ins = self.inputs(x)
-        return record(adapter, x=x, gamma=self.gamma, beta=self.beta, running_mean=ins["running_mean"],
-                      running_var=ins["running_var"], dy=ins["dy"], dtype=dtype, eps=self.eps,
-                      momentum=self.momentum, params=self.params, modes=modes,
+        return record(adapter, BNCall(x=x, gamma=self.gamma, beta=self.beta, running_mean=ins["running_mean"],
+                                      running_var=ins["running_var"], dy=ins["dy"], dtype=dtype, eps=self.eps,
+                                      momentum=self.momentum, params=self.params), modes=modes,
                       meta={"training": mode_training(modes), "shrunk_from": self.source})
 
 
