@@ -38,7 +38,7 @@ def _stage_fields(res) -> tuple[str, str, str, str]:  # noqa: ANN001 - Identifie
 def row(name: str, fmt: str, shape: str) -> str:
     from bnprobe.adapters import get_adapter
     from bnprobe.engine.cases import select_cases
-    from bnprobe.checks.compare.precision import compare_precision, worse_rows
+    from bnprobe.checks.compare.precision import CallOptions, Judging, compare_precision, worse_rows
     from bnprobe.checks.identify.search import identify
     from bnprobe.core.conventions import get_convention
 
@@ -49,7 +49,8 @@ def row(name: str, fmt: str, shape: str) -> str:
     found = "yes" if res.departs is None else f"no: departs at the {res.departs} stage"
     var, acc, yf, rs = _stage_fields(res)
     kernels, cases, _ = select_cases([a], shape=shape)
-    cmp = compare_precision(kernels, (fmt,), cases, params=params, bench="careful")
+    cmp = compare_precision(kernels, (fmt,), cases, options=CallOptions(params=params),
+                            judging=Judging(bench="careful"))
     rows = cmp.rows
     failing = sorted(set(rows.loc[rows["verdict"] != "PASS", "tensor"])) if len(rows) else []
     worse = worse_rows(rows)

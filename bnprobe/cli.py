@@ -555,8 +555,8 @@ def compare_precision_cmd(
     some are not."""
     from bnprobe._progress import Progress
     from bnprobe.adapters import get_adapter
-    from bnprobe.engine.cases import select_cases
-    from bnprobe.checks.compare.precision import compare_precision
+    from bnprobe.engine.cases import Distribution, select_cases
+    from bnprobe.checks.compare.precision import CallOptions, Judging, compare_precision
     from bnprobe.engine.recorded import given
     from bnprobe.reports.compare import compare_lines, report_files, write_report
 
@@ -575,13 +575,14 @@ def compare_precision_cmd(
     names, input, eps, momentum = _dump_scalars(names, input, eps, momentum)
     kernels = [get_adapter(a) if convention is None else _in_convention(a, convention) for a in names]
     resolved, cases, recorded = select_cases(kernels, input=input, calls=calls, shape=shape,
-                                             shapes=shapes, batch=batch, dist=dist, mean=mean, std=std, seed=seed,
-                                             mode=mode, stress=stress)
+                                             shapes=shapes, batch=batch, values=Distribution(dist, mean, std),
+                                             seed=seed, mode=mode, stress=stress)
     resolved = _builtin_for(resolved, builtin, dts, recorded)
     sink = _output(out, force, "compare-precision", *report_files(fmts)) if fmts else None
     with Progress("compare-precision") as bar:
-        result = compare_precision(resolved, dts, cases, mode=mode, eps=eps, momentum=momentum, params=params,
-                                   seed=seed, rule=rule, bench=bench, budget=budget, progress=bar)
+        result = compare_precision(resolved, dts, cases, mode=mode, seed=seed, budget=budget, progress=bar,
+                                   options=CallOptions(eps=eps, momentum=momentum, params=params),
+                                   judging=Judging(rule=rule, bench=bench))
     paths = write_report(result, sink, fmts) if sink is not None else []
     what = f"{len(cases)} recorded call(s) of {recorded.source}" if recorded is not None else f"{len(cases)} inputs"
     _echo(compare_lines(result, what, recorded.notes if recorded is not None else (), recorded is not None))

@@ -135,6 +135,70 @@ def test_functions_stay_short_and_take_few_positional_parameters():
     assert len(many) <= 3, many
 
 
+def _parameter_count(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Every parameter a function takes: positional-only, positional, keyword-only, ``*args`` and ``**kwargs`` (a
+    method's self or cls aside)."""
+    a = node.args
+    names = [p.arg for p in a.posonlyargs + a.args]
+    return len(names) + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg) - (names[:1] in (["self"], ["cls"]))
+
+
+def _decorated_by(node: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    """What a function's decorators are or call, by name: ``_command`` of ``@_command("trace")``, ``command`` of
+    ``@app.command()``, ``njit`` of ``@njit(parallel=True)``."""
+    out = set()
+    for d in node.decorator_list:
+        f = d.func if isinstance(d, ast.Call) else d
+        out.add(f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", ""))
+    return out
+
+
+# typer's commands declare each option as a parameter; numba's kernels take their scalars one by one (bundled into
+# tuples they would compile anew, and an inlined kernel's constant arguments might no longer fold)
+_MANY_PARAMETERS_BY = {"_command", "command", "njit", "jit"}
+# the functions the twins branch replaces (one entry point per check): left to it; empty this once it is merged
+_PENDING = {"bnprobe/checks/gradcheck/gradients.py:_row", "bnprobe/checks/gradcheck/gradients.py:_identities",
+            "bnprobe/checks/overflow/scan.py:scan", "bnprobe/checks/overflow/scan.py:_run_inputs",
+            "bnprobe/checks/trace/stages.py:trace_run"}
+MAX_PARAMETERS = 10
+
+
+def _many_parameters(package: Path) -> dict[str, int]:
+    """path:function -> its parameters, of the functions taking more than MAX_PARAMETERS of any kind (typer's commands
+    and numba's kernels aside, by their decorators)."""
+    out = {}
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _decorated_by(node) & \
+                    _MANY_PARAMETERS_BY and (k := _parameter_count(node)) > MAX_PARAMETERS:
+                out[f"{path.relative_to(package.parent).as_posix()}:{node.name}"] = k
+    return out
+
+
+def test_no_function_takes_more_than_ten_parameters():
+    """A function's options that belong together travel as one value (a frozen dataclass, the call's BNCall), not
+    as a keyword each."""
+    many = _many_parameters(PACKAGE)
+    assert {k: v for k, v in many.items() if k not in _PENDING} == {}
+    assert not _PENDING - set(many), f"no longer over the limit: take them out of _PENDING: {_PENDING - set(many)}"
+
+
+def test_a_function_with_many_parameters_would_be_seen(tmp_path):
+    pkg = tmp_path / "bnprobe"
+    (pkg / "compiled").mkdir(parents=True)
+    ten = ", ".join(f"a{i}" for i in range(10))
+    (pkg / "api.py").write_text(f"def wide(x, *, {ten}):\n    pass\n\n\n"  # 11: keyword-only ones count
+                                f"def star(a, b, c, d, e, f, g, h, i, *args, **kwargs):\n    pass\n\n\n"  # 11
+                                f"class K:\n    def method(self, {ten}):\n        pass\n\n\n"  # 10 and self
+                                f"def ten({ten}):\n    pass\n")
+    (pkg / "cli.py").write_text(f"@_command('x')\ndef cmd(x, {ten}):\n    pass\n\n\n"
+                                f"@app.command()\ndef other(x, {ten}):\n    pass\n\n\n"
+                                f"def helper(x, *, {ten}):\n    pass\n")
+    (pkg / "compiled" / "k.py").write_text(f"@njit(parallel=True)\ndef kernel(x, {ten}):\n    pass\n")
+    assert _many_parameters(pkg) == {"bnprobe/api.py:wide": 11, "bnprobe/api.py:star": 11,
+                                     "bnprobe/cli.py:helper": 11}
+
+
 def _private_crossings(package: Path) -> list[str]:
     """Private names (one leading underscore) one bnprobe module takes from another: imported by name, or read as an
     attribute of a bnprobe module imported under a name."""

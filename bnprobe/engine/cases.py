@@ -17,7 +17,7 @@ from bnprobe.core.errors import BNProbeError
 from bnprobe.inputs import make_input
 
 __all__ = ["Case", "DY_KINDS", "RESNET50_BN", "SHAPE_SETS", "dy_of_kind", "make_dy",
-           "recorded_cases", "resnet50_cases", "stress_cases", "select_cases"]
+           "recorded_cases", "resnet50_cases", "stress_cases", "Distribution", "select_cases"]
 
 # ResNet-50 (ImageNet, 224x224) BatchNorm layers: (name, C, H, W), one entry per distinct shape
 RESNET50_BN = [
@@ -108,14 +108,24 @@ def stress_cases(seed: int = 0) -> list[Case]:
     ]
 
 
+@dataclass(frozen=True)
+class Distribution:
+    """How generated inputs are drawn: ``dist`` (:func:`~bnprobe.inputs.make_input`'s; None: normal) with ``mean``
+    (None: 0) and ``std`` (None: 1)."""
+
+    dist: str | None = None
+    mean: float | None = None
+    std: float | None = None
+
+
 def select_cases(adapters: list[KernelAdapter], *, input: str | Path | None = None, calls: str | None = None,
-                 shape: str | None = None, shapes: str = "sample", batch: int | None = None, dist: str | None = None,
-                 mean: float | None = None, std: float | None = None, seed: int = 0, mode: str = "all",
+                 shape: str | None = None, shapes: str = "sample", batch: int | None = None,
+                 values: Distribution = Distribution(), seed: int = 0, mode: str = "all",
                  stress: bool = True) -> tuple[list[KernelAdapter], list[Case], RecordedCalls | None]:
     """What compare-precision runs on, checked before any run: a dump's calls (``input`` a dump folder, or a
     dump adapter among ``adapters``, selected by ``calls``), the tensor at ``input``, one generated ``shape``,
     or ResNet-50's shapes (``shapes``: a :data:`SHAPE_SETS` name) at ``batch`` (2) plus the stress inputs
-    (``stress``).  Options that contradict a
+    (``stress``), the generated ones drawn as ``values`` says (:class:`Distribution`).  Options that contradict a
     recording, and a run the memory limit cannot hold (its largest case), are refused.  Returns the adapters
     (a dump adapter replaced by one of the selected calls: the caller's is not changed), the cases and the
     recorded calls (or None)."""
@@ -123,6 +133,7 @@ def select_cases(adapters: list[KernelAdapter], *, input: str | Path | None = No
     from bnprobe.guard import require_run
     from bnprobe.inputs import input_tensor, parse_shape
 
+    dist, mean, std = values.dist, values.mean, values.std
     dumps = [a for a in adapters if a.capabilities().recorded]
     recorded = None
     if input is not None and Path(input).is_dir():

@@ -510,19 +510,19 @@ def statistics_bounds(call: BNCall, stats: Saved, mean_abs: np.ndarray | None = 
 
 
 def run_call(kernel: KernelAdapter, rec: Recording, *, modes: tuple[str, ...] | None = None, index: int = 0,
-             label: str | None = None, ref: KernelAdapter | None = None, skip_missing: bool = False,
+             label: str | None = None, skip_missing: bool = False,
              after_step: bool = False, golden: Golden | None = None, quiet: bool = False,
              replay: Recording | None = None) -> CallRun:
     """Run one call: the kernel (a dump is bound to this call and replays it) and the golden, each on the call's
     inputs, scalars and formats, in ``modes`` (default: every mode it recorded).  A mode the call did not record
     is an error, or with ``skip_missing`` left out.  ``after_step`` (a runnable kernel's training call that updates
     running statistics): also ``y_eval``.  ``golden``: the call's :class:`Golden`, shared between the kernels run
-    on it (default: a new one on ``ref``, the reference adapter).  ``quiet``: no note for what is not checked.
+    on it (default: a new one on the kernel's reference adapter).  ``quiet``: no note for what is not checked.
     ``replay``: the recording a dump adapter replays, when not ``rec`` itself (another dump's call of the name)."""
     name = label or str(rec.meta.get("call") or rec.source or rec.adapter)
     caps = kernel.capabilities()
     k = kernel.bind(replay or rec) if caps.recorded else kernel
-    golden = golden or Golden(ref or reference_for(kernel), rec)
+    golden = golden or Golden(reference_for(kernel), rec)
     call = golden.call
     run = CallRun(index, name, k.name, rec, _wanted_modes(rec, modes, skip_missing, name), call=call)
     out_fmt = caps.output or rec.dtype
@@ -554,11 +554,13 @@ def each_run(recorded: Any, judge: Callable[[int, CallRun], T], modes: tuple[str
     ref = outputs_only(reference_for(kernel))
     out: list[T] = []
     for i, c in enumerate(recorded.calls.calls):
-        run = run_call(kernel, c.load(), modes=modes, index=i, label=c.label, ref=ref, skip_missing=skip_missing)
+        rec = c.load()
+        run = run_call(kernel, rec, modes=modes, index=i, label=c.label, golden=Golden(ref, rec),
+                       skip_missing=skip_missing)
         # what the reader assumed (MindSpore's ε, ...), said by every command
         run.notes[:0] = recording_notes(run.recording)
         out.append(judge(i, run))
-        del run
+        del run, rec
         # a large call's arrays caught in reference cycles (closures, a traceback's frames) go now, not when the
         # collector next runs: doctor on 2.4 M-value calls held 1.7 GB more per call (a collection costs about
         # 50 ms with torch loaded: large calls only)

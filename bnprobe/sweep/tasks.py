@@ -206,11 +206,11 @@ def _kernel(one: Any, spec: SweepSpec) -> Any:
 
 def _compare_row(one: Any, spec: SweepSpec) -> dict[str, Any]:
     from bnprobe.engine.cases import recorded_cases
-    from bnprobe.checks.compare.precision import compare_precision
+    from bnprobe.checks.compare.precision import Judging, compare_precision
 
     adapter = _kernel(one, spec)
-    r = compare_precision([adapter], None, recorded_cases(one), mode=spec.mode or "all", rule=spec.rule,
-                          bench=spec.bench, budget=spec.budget)
+    r = compare_precision([adapter], None, recorded_cases(one), mode=spec.mode or "all", budget=spec.budget,
+                          judging=Judging(rule=spec.rule, bench=spec.bench))
     rows = r.rows
     if not len(rows):
         return {"verdict": r.verdict, "score": 0.0, "outputs": 0, "failing": "", "worst": "", "notes": r.notes}

@@ -6,27 +6,28 @@ import numpy as np
 import pytest
 
 from bnprobe.checks.doctor.bugs import BUGS, RECIPES, model
+from bnprobe.core.call import BNCall
 
 
-def _args(seed=0, shape=(6, 4, 5, 5)):
+def _call(seed=0, shape=(6, 4, 5, 5)):
     rng = np.random.default_rng(seed)
     c = shape[1]
-    return (rng.standard_normal(shape) * 3 + 1, rng.uniform(0.5, 1.5, c), rng.normal(0, 0.3, c),
-            rng.normal(0, 1, c), rng.uniform(0.5, 2, c), rng.standard_normal(shape), 0.1, 1e-5)
+    return BNCall(rng.standard_normal(shape) * 3 + 1, rng.uniform(0.5, 1.5, c), rng.normal(0, 0.3, c),
+                  rng.normal(0, 1, c), rng.uniform(0.5, 2, c), rng.standard_normal(shape), eps=1e-5, momentum=0.1)
 
 
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("saved", [False, True])
 def test_a_shared_memo_changes_no_output(training, saved):
-    args = _args()
-    kw = {"saved": (args[3] + 0.01, 1 / np.sqrt(args[4] + 1e-5))} if saved and training else {}
+    call = _call()
+    kw = {"saved": (call.running_mean + 0.01, 1 / np.sqrt(call.running_var + 1e-5))} if saved and training else {}
     shared: dict = {}
     bugs = [None, *BUGS]
     for recipe in (None, *RECIPES):
         for bug in bugs[::-1] if recipe else bugs:  # another order for the recipe
-            args = _args()  # the same values afresh (a model may hand an input back as an output)
-            alone = model(*args, bug=bug, training=training, recipe=recipe, **kw)
-            memo = model(*args, bug=bug, training=training, recipe=recipe, shared=shared, **kw)
+            call = _call()  # the same values afresh (a model may hand an input back as an output)
+            alone = model(call.with_(training=training), bug=bug, recipe=recipe, **kw)
+            memo = model(call.with_(training=training), bug=bug, recipe=recipe, shared=shared, **kw)
             assert alone.keys() == memo.keys()
             for k in alone:
                 np.testing.assert_array_equal(memo[k], alone[k], err_msg=f"{bug} {recipe} {k}")
@@ -36,9 +37,9 @@ def test_a_shared_memo_changes_no_output(training, saved):
 
 
 def test_the_memo_is_per_recipe():
-    args, shared = _args(1), {}
-    plain = model(*args, shared=shared)
-    one_pass = model(*args, recipe=next(iter(RECIPES)), shared=shared)
+    call, shared = _call(1), {}
+    plain = model(call, shared=shared)
+    one_pass = model(call, recipe=next(iter(RECIPES)), shared=shared)
     assert not np.array_equal(plain["saved_invstd"], one_pass["saved_invstd"])
 
 
@@ -46,15 +47,15 @@ def test_the_memo_is_per_recipe():
 def test_outputs_are_formed_when_read_and_do_not_depend_on_the_order_or_on_writes(training):
     """A check reads one group's outputs: the others are not formed (on a 9.4 M-value call, each elementwise
     output is a pass over the call); what is formed later is what it would have been first."""
-    saved = (_args()[3] + 0.01, 1 / np.sqrt(_args()[4] + 1e-5)) if training else None
+    saved = (_call().running_mean + 0.01, 1 / np.sqrt(_call().running_var + 1e-5)) if training else None
     for bug in (None, *BUGS):
-        first = model(*_args(), bug=bug, training=training, saved=saved)
+        first = model(_call().with_(training=training), bug=bug, saved=saved)
         assert first.held_bytes() == 0
         y = first["y"]
         assert first.held_bytes() == y.nbytes  # only y was formed
         keys = list(first)
         expect = {k: np.array(first[k]) for k in keys}
-        later = model(*_args(), bug=bug, training=training, saved=saved)
+        later = model(_call().with_(training=training), bug=bug, saved=saved)
         for k in reversed(keys):  # the other order, each output overwritten once read
             np.testing.assert_array_equal(later[k], expect[k], err_msg=f"{bug} {k}")
             np.asarray(later[k])[...] = np.nan
@@ -65,13 +66,13 @@ def test_outputs_are_formed_when_read_and_do_not_depend_on_the_order_or_on_write
 def test_an_output_is_formed_under_the_error_handling_of_its_model():
     rng = np.random.default_rng(0)
     x = 1e10 + rng.standard_normal((4, 2, 3, 3))  # with the mean not subtracted, gamma * rstd * x overflows
-    args = (x, np.full(2, 1e300), np.zeros(2), np.zeros(2), np.ones(2), np.ones_like(x), 0.1, 1e-5)
+    call = BNCall(x, np.full(2, 1e300), np.zeros(2), np.zeros(2), np.ones(2), np.ones_like(x), eps=1e-5, momentum=0.1)
     with np.errstate(all="raise"):
-        loud = model(*args, bug="mean-not-subtracted")
+        loud = model(call, bug="mean-not-subtracted")
     with np.errstate(all="ignore"), pytest.raises(FloatingPointError):
         loud["y"]
     with np.errstate(all="ignore"):
-        quiet = model(*args, bug="mean-not-subtracted")
+        quiet = model(call, bug="mean-not-subtracted")
     with np.errstate(all="raise"):
         assert np.isinf(quiet["y"]).all()
 
@@ -83,16 +84,16 @@ def test_every_output_is_the_same_on_both_routes(training, monkeypatch):
     large call with its errors ignored as the doctor ignores them) are numpy's bit for bit, sign of zero and NaN
     included (where two NaN operands meet, IEEE does not say which one's sign a product keeps), for every bug and
     recipe, with a non-finite x and dy, a zero γ and a -0.0 in x."""
-    args = _args(6, (4, 3, 5, 6))
-    args[0][0, 0, 0, 0], args[5][1, 1, 1, 1], args[0][2, 2, 2, 2], args[1][1] = np.inf, np.nan, -0.0, 0.0
-    saved = (args[3] + 0.01, 1 / np.sqrt(args[4] + 1e-5)) if training else None
+    call = _call(6, (4, 3, 5, 6))
+    call.x[0, 0, 0, 0], call.dy[1, 1, 1, 1], call.x[2, 2, 2, 2], call.gamma[1] = np.inf, np.nan, -0.0, 0.0
+    saved = (call.running_mean + 0.01, 1 / np.sqrt(call.running_var + 1e-5)) if training else None
     for recipe in (None, *RECIPES):
         for bug in (None, *BUGS):
             got = {}
             for jit in ("0", "1"):
                 monkeypatch.setenv("BNPROBE_JIT", jit)
                 with np.errstate(all="ignore"):
-                    m = model(*args, bug=bug, training=training, saved=saved, recipe=recipe)
+                    m = model(call.with_(training=training), bug=bug, saved=saved, recipe=recipe)
                     got[jit] = {k: np.array(m[k]) for k in m}
             for k in got["0"]:
                 np.testing.assert_array_equal(got["1"][k], got["0"][k], err_msg=f"{k} {bug} {recipe}")
@@ -105,7 +106,7 @@ def test_dx_under_raised_errors_takes_numpys_route(monkeypatch):
     x = np.ones((2, 2, 3, 3)) * np.arange(9).reshape(3, 3)
     dy = np.arange(x.size, dtype=np.float64).reshape(x.shape)  # gamma * rstd * dy overflows in the last product only
     with np.errstate(all="raise"):
-        m = model(x, np.full(2, 1e308), np.zeros(2), np.zeros(2), np.ones(2), dy, 0.1, 1e-5)
+        m = model(BNCall(x, np.full(2, 1e308), np.zeros(2), np.zeros(2), np.ones(2), dy, eps=1e-5, momentum=0.1))
         with pytest.raises(FloatingPointError):
             m["dx"]
 
@@ -136,7 +137,7 @@ def test_vectors_of_another_length_take_numpys_route(monkeypatch):
     for jit in ("0", "1"):
         monkeypatch.setenv("BNPROBE_JIT", jit)
         with np.errstate(all="ignore"):
-            m = model(x, np.ones(3), np.zeros(3), np.zeros(3), np.ones(3), x, 0.1, 1e-5)
+            m = model(BNCall(x, np.ones(3), np.zeros(3), np.zeros(3), np.ones(3), x, eps=1e-5, momentum=0.1))
             got[jit] = {k: np.array(m[k]) for k in ("y", "y_infer", "dx")}
     for k in got["0"]:
         np.testing.assert_array_equal(got["1"][k], got["0"][k], err_msg=k)

@@ -9,7 +9,7 @@ from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.adapters.emulated import EmulatedAdapter
 from bnprobe.engine.budget import error_budget
 from bnprobe.engine.cases import Case, recorded_cases, resnet50_cases, stress_cases
-from bnprobe.checks.compare.precision import compare_precision
+from bnprobe.checks.compare.precision import CallOptions, Judging, compare_precision
 from bnprobe.cli import main
 from bnprobe.core.errors import BNProbeError
 from bnprobe.numerics.rounding import round_to
@@ -74,7 +74,7 @@ def test_bad_arguments():
     with pytest.raises(BNProbeError, match="does not run fp64"):
         compare_precision(["ascend-tbe"], ("fp64",), [Case("c", (4, 3))])
     with pytest.raises(BNProbeError, match="unknown rule"):
-        compare_precision(["emulated"], ("fp16",), [Case("c", (4, 3))], rule="vibes")
+        compare_precision(["emulated"], ("fp16",), [Case("c", (4, 3))], judging=Judging(rule="vibes"))
     with pytest.raises(BNProbeError, match="unknown mode"):
         compare_precision(["emulated"], ("fp16",), [Case("c", (4, 3))], mode="sideways")
 
@@ -148,7 +148,7 @@ def test_torch_passes_the_benchmark_where_the_absolute_standard_warns(fmt, param
     pytest.importorskip("torch")
     cases = [c for c in stress_cases(0) if c.name in ("stress/mean/std=1000", "stress/var-near-eps", "stress/R=2",
                                                       "stress/near-fp16-max", "stress/normal")]
-    r = compare_precision(["torch"], (fmt,), cases, params=params, budget=False)
+    r = compare_precision(["torch"], (fmt,), cases, budget=False, options=CallOptions(params=params))
     fails = r.rows[r.rows.verdict == "FAIL"]
     if params == "same" and fmt != "fp32":
         assert set(fails.tensor) == {"y"} and "stress/mean/std=1000" in set(fails.case) and len(fails) >= 4
@@ -293,12 +293,14 @@ def test_normalising_with_rounded_statistics_fails_and_is_named(fmt):
     fails y against the bench, and the failure names the recipe; the same kernel without that rounding passes."""
     from tests.checks.bn_plugins import RoundedStats
 
-    bad = compare_precision([RoundedStats()], (fmt,), ROUNDING_CASES, params="same", mode="train", budget=False)
+    bad = compare_precision([RoundedStats()], (fmt,), ROUNDING_CASES, mode="train", budget=False,
+                            options=CallOptions(params="same"))
     fails = bad.rows[bad.rows.verdict == "FAIL"]
     assert set(fails.tensor) == {"y"} and set(fails.case) == {"mean=10", "normal"}, fails[["case", "tensor", "why"]]
     assert (fails.cause == "stats-rounded-to-params").all()
     assert fails.why.str.contains("pytorch/pytorch#140112").all()
-    good = compare_precision([NumpyBN()], (fmt,), ROUNDING_CASES, params="same", mode="train", budget=False)
+    good = compare_precision([NumpyBN()], (fmt,), ROUNDING_CASES, mode="train", budget=False,
+                             options=CallOptions(params="same"))
     assert good.passed, good.rows[good.rows.verdict == "FAIL"][["case", "tensor", "why"]]
 
 
@@ -308,7 +310,7 @@ def test_torchs_cpu_kernel_with_same_format_parameters_fails_y_and_is_named(fmt)
     mean and is named; its other outputs on those inputs pass."""
     pytest.importorskip("torch")
     cases = [c for c in stress_cases(0) if c.name in ("stress/mean/std=100", "stress/normal")]
-    r = compare_precision(["torch"], (fmt,), cases, params="same", budget=False)
+    r = compare_precision(["torch"], (fmt,), cases, budget=False, options=CallOptions(params="same"))
     fails = r.rows[r.rows.verdict == "FAIL"]
     assert set(fails.tensor) == {"y"} and "stress/mean/std=100" in set(fails.case)
     assert (fails.cause == "stats-rounded-to-params").all(), fails[["case", "why"]]
@@ -364,7 +366,8 @@ def test_a_sum_the_format_cannot_hold_is_a_format_warning_not_a_silent_pass():
     """Σdy over R = 65536 with dy's mean 0.5-2 exceeds fp16's 65504: with fp16 parameters dβ is ±inf in every
     kernel and in the golden rounded to fp16. That passes the rules (the format, not the kernel) but is said."""
     case = [c for c in stress_cases(0) if c.name == "stress/R=65536"]
-    r = compare_precision([NumpyBN()], ("fp16",), case, params="same", mode="backward", budget=False)
+    r = compare_precision([NumpyBN()], ("fp16",), case, mode="backward", budget=False,
+                          options=CallOptions(params="same"))
     db = r.rows[r.rows.tensor == "dbeta"].iloc[0]
     assert db.verdict == "PASS" and db.format_check == "WARN"
     assert "exceeds fp16's largest value (65504)" in db.format_why and "cannot hold this output" in db.format_why
@@ -380,12 +383,14 @@ def test_running_statistics_updated_in_the_parameter_format_fail_and_are_named(f
     failure names the recipe; NumpyBN, which updates in float64 and rounds once, passes the same cases."""
     from tests.checks.bn_plugins import RunningInParams
 
-    bad = compare_precision([RunningInParams()], (fmt,), CONSTANT, params="same", mode="train", budget=False)
+    bad = compare_precision([RunningInParams()], (fmt,), CONSTANT, mode="train", budget=False,
+                            options=CallOptions(params="same"))
     fails = bad.rows[bad.rows.verdict == "FAIL"]
     assert set(fails.tensor) <= {"running_mean", "running_var"} and len(fails), fails[["case", "tensor", "why"]]
     assert (fails.cause == "running-update-in-params").all(), fails[["case", "tensor", "why"]]
     assert "constant=1.5" in set(fails[fails.tensor == "running_mean"].case)
-    good = compare_precision([NumpyBN()], (fmt,), CONSTANT, params="same", mode="train", budget=False)
+    good = compare_precision([NumpyBN()], (fmt,), CONSTANT, mode="train", budget=False,
+                             options=CallOptions(params="same"))
     assert good.passed, good.rows[good.rows.verdict == "FAIL"][["case", "tensor", "why"]]
 
 
@@ -397,7 +402,7 @@ def test_torchs_bf16_running_update_and_its_y_from_its_own_statistics_are_named(
     from bnprobe.engine.cases import resnet50_cases
 
     cases = CONSTANT[:1] + [c for c in resnet50_cases(seed=0) if c.name == "resnet50/layer4.*.bn2"]
-    r = compare_precision(["torch"], ("bf16",), cases, params="same", mode="train", budget=False)
+    r = compare_precision(["torch"], ("bf16",), cases, mode="train", budget=False, options=CallOptions(params="same"))
     fails = r.rows[r.rows.verdict == "FAIL"]
     got = {(f.case, f.tensor): f.cause for f in fails.itertuples()}
     assert got.get(("constant=1.5", "running_mean")) == "running-update-in-params", got
@@ -444,6 +449,7 @@ def test_a_subclass_that_changes_its_outputs_is_run_not_stood_in_for_by_its_poli
 
     kernel = as_adapter(kind())
     assert not kernel.capabilities().staged and as_adapter(EmulatedAdapter()).capabilities().staged
-    res = compare_precision([kernel], ("fp32",), [Case("small", (4, 3, 2, 2))], mode="train", bench="emulated")
+    res = compare_precision([kernel], ("fp32",), [Case("small", (4, 3, 2, 2))], mode="train",
+                            judging=Judging(bench="emulated"))
     assert not res.passed
     assert set(res.rows.loc[res.rows["verdict"] == "FAIL", "tensor"]) == {"y"}

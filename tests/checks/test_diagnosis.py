@@ -11,6 +11,7 @@ import pytest
 from bnprobe.adapters import BackwardOutput, BaseAdapter, Capabilities, ForwardOutput, Saved
 from bnprobe.checks.doctor import bugs as D
 from bnprobe.checks.doctor.bugs import BUGS, describe, model
+from bnprobe.core.call import BNCall
 from bnprobe.checks.doctor.diagnosis import doctor, probes
 from bnprobe.engine.recipes import RECIPES
 from bnprobe.checks.shrink.shrinking import compare_predicate, shrink
@@ -163,7 +164,7 @@ def test_the_models_are_batchnorm():
     rng = np.random.default_rng(0)
     x, dy = rng.standard_normal((4, 2, 3)) * 2 + 1, rng.standard_normal((4, 2, 3))
     g, b, rm, rv = np.array([0.7, 1.3]), np.array([0.1, -0.2]), np.zeros(2), np.ones(2)
-    m = model(x, g, b, rm, rv, dy, 0.1, 1e-5)
+    m = model(BNCall(x, g, b, rm, rv, dy, eps=1e-5, momentum=0.1))
     mu, var = x.mean(axis=(0, 2), keepdims=True), x.var(axis=(0, 2), keepdims=True)
     xh = (x - mu) / np.sqrt(var + 1e-5)
     c = g.reshape(1, 2, 1)
@@ -171,7 +172,7 @@ def test_the_models_are_batchnorm():
     dx = c / np.sqrt(var + 1e-5) * (dy - dy.mean(axis=(0, 2), keepdims=True)
                                    - xh * (dy * xh).mean(axis=(0, 2), keepdims=True))
     np.testing.assert_allclose(m["dx"], dx, rtol=1e-12, atol=1e-12)
-    seed = model(x, g, b, rm, rv, dy, 0.1, 1e-5, bug=D.SEED)["dx"]
+    seed = model(BNCall(x, g, b, rm, rv, dy, eps=1e-5, momentum=0.1), bug=D.SEED)["dx"]
     printed = c / (var + 1e-5) * (dy - dy.mean(axis=(0, 2), keepdims=True) - x * (dy * x).mean(axis=(0, 2),
                                                                                                 keepdims=True))
     np.testing.assert_allclose(seed, printed, rtol=1e-13)

@@ -23,7 +23,7 @@ from bnprobe.adapters import get_adapter
 from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.engine import rules
 from bnprobe.engine.cases import stress_cases
-from bnprobe.checks.compare.precision import compare_precision
+from bnprobe.checks.compare.precision import CallOptions, compare_precision
 from bnprobe.checks.doctor.diagnosis import doctor, doctor_recorded
 from bnprobe.checks.gradcheck.gradients import gradcheck_recorded
 from bnprobe.checks.overflow.scan import scan_recorded
@@ -144,7 +144,8 @@ def test_no_command_fails_a_correct_kernel_on_drawn_inputs(tmp_path_factory, fmt
 @pytest.mark.parametrize("params", ["fp32", "same"])
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_compare_precision_passes_a_correct_kernel_on_the_stress_set(kernel, params):
-    rows = compare_precision([_kernel(kernel)], cases=stress_cases(0), params=params, budget=False).rows
+    rows = compare_precision([_kernel(kernel)], cases=stress_cases(0), budget=False,
+                             options=CallOptions(params=params)).rows
     allowed = [_allowed(kernel, params, r.dtype, r.tensor, getattr(r, "cause", None)) for r in rows.itertuples()]
     bad = rows[(rows.verdict == "FAIL") & ~np.array(allowed, dtype=bool)]
     assert bad.empty, bad[["case", "dtype", "tensor", "why"]].to_string()

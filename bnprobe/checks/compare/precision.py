@@ -56,10 +56,32 @@ from bnprobe.core.tolerances import MSPROBE_STANDARDS, Standard
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-__all__ = ["CompareResult", "compare_precision", "judge_call", "summarize", "per_call", "first_failing_call",
-           "worse_rows", "COMPARE_MODES"]
+__all__ = ["CallOptions", "Judging", "CompareResult", "compare_precision", "judge_call", "summarize", "per_call",
+           "first_failing_call", "worse_rows", "COMPARE_MODES"]
 
 ELEMENTWISE = ("y", "y_infer", "dx")
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """The scalars and parameter format compare-precision runs the generated calls with: ``eps``, ``momentum`` and
+    ``params`` (``same`` as x, or ``fp32``); None: each case's own.  A recorded call runs as recorded, and these,
+    where given, must agree with it."""
+
+    eps: float | None = None
+    momentum: float | None = None
+    params: str | None = None
+
+
+@dataclass(frozen=True)
+class Judging:
+    """How compare-precision judges each output: by ``rule`` (:data:`~bnprobe.engine.rules.RULES`; ``benchmark``:
+    msprobe's benchmark method against the outputs of ``bench``, a kernel bnprobe runs, e.g. careful or torch), with
+    ``standards`` per format (None: msprobe's)."""
+
+    rule: str = "benchmark"
+    bench: str | KernelAdapter | None = "careful"
+    standards: dict[str, Standard] | None = None
 
 
 @dataclass(frozen=True)
@@ -71,15 +93,25 @@ class _Judging:
     bench_name: str = ""
 
 
-def _row(j: _Judging, adapter: str, dtype: str, case: Case, tensor: str, actual: Any, golden: Any, fmt: str, *,
-         scale: np.ndarray | None = None, bench: Any = None, explain: str = "",
-         natural: Callable[[], np.ndarray] | None = None,
+@dataclass(frozen=True)
+class _Place:
+    """Where a row's output comes from: the adapter, the format, the case and the output's name."""
+
+    adapter: str
+    dtype: str
+    case: Case
+    tensor: str
+
+
+def _row(j: _Judging, at: _Place, actual: Any, golden: Any, fmt: str, *, scale: np.ndarray | None = None,
+         bench: Any = None, explain: str = "", natural: Callable[[], np.ndarray] | None = None,
          cancel: tuple[np.ndarray, str] | None = None) -> dict[str, Any]:
     """One output's row: msprobe's metrics; the kernel verdict (by default msprobe's benchmark method against
     the bench's output, else the absolute ``rule`` on the kernel's output); the format check — is the format
     adequate for this data: the bench's output (a careful kernel in the same formats) by the absolute scaled
     rule, or the kernel's own output when there is no bench — with what explains a format that falls short."""
     standards, rule, bench_name = j.standards, j.rule, j.bench_name
+    adapter, dtype, case, tensor = at.adapter, at.dtype, at.case, at.tensor
     kind = "elementwise" if tensor in ELEMENTWISE else "reduction"
     m = compare(actual, golden, fmt)
     if rule != "benchmark":
@@ -371,7 +403,7 @@ def _compare_adapter(a: KernelAdapter, cc: _CaseCall, j: _Judging, tables: _Tabl
     explain = _explain(call, gold_t, cc.rec.params)
     for t, act in run.got.items():
         natural = _natural(t, run, call, gold_t)
-        r = _row(j, a.name, fmt, case, t, act, run.gold[t], run.formats[t], scale=_scale(run, t),
+        r = _row(j, _Place(a.name, fmt, case, t), act, run.gold[t], run.formats[t], scale=_scale(run, t),
                  bench=bench_out.get(t), explain=explain, natural=natural, cancel=_cancel_bound(run, t))
         if t == "dx" and call.training and run.saved is not None:
             r["stored_stats_share"] = _stored_share(ref, run, run.gold["dx"])
@@ -491,27 +523,26 @@ def compare_precision(
     cases: list[Case] | None = None,
     *,
     mode: str = "all",
-    eps: float | None = None,
-    momentum: float | None = None,
-    params: str | None = None,
+    options: CallOptions = CallOptions(),
     seed: int = 0,
-    standards: dict[str, Standard] | None = None,
-    rule: str = "benchmark",
-    bench: str | KernelAdapter | None = "careful",
+    judging: Judging = Judging(),
     budget: bool = True,
     top_channels: int = 5,
     progress: Callable[[int, int], None] | None = None,
 ) -> CompareResult:
-    """Compare each adapter in each format with the FP64 golden on the same rounded inputs.
+    """Compare each adapter in each format with the FP64 golden on the same rounded inputs, judged as ``judging``
+    says (:class:`Judging`).
 
     Default: the ``emulated`` adapter (each format's preset), fp16/bf16/fp32, ResNet-50's BatchNorm
     shapes (batch 2) plus the stress suite, training forward, inference and backward.  When an adapter
     is a dump (and no cases are given) the cases are its recorded calls, each run on its own recorded
-    inputs, scalars and formats, one call at a time; ``dtypes``, ``eps``, ``momentum`` and ``params``
-    then must agree with the recording (None: as recorded).
+    inputs, scalars and formats, one call at a time; ``dtypes`` and the ``options`` (:class:`CallOptions`: eps,
+    momentum, params) then must agree with the recording (None: as recorded).
     """
     import pandas as pd
 
+    eps, momentum, params = options.eps, options.momentum, options.params
+    standards, rule, bench = judging.standards, judging.rule, judging.bench
     if mode not in COMPARE_MODES:
         raise BNProbeError(f"unknown mode {mode!r}; valid: {', '.join(COMPARE_MODES)}")
     if rule not in RULES:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from bnprobe.compiled.jit import jit_for
-from bnprobe.core.call import EPS
+from bnprobe.core.call import EPS, BNCall
 from bnprobe.core.conventions import get_convention
 from bnprobe.core.errors import BNProbeError
 from bnprobe.kernels.layout import channel_column, reduce_axes
@@ -168,11 +168,10 @@ def _cached(make: Callable[[], Any]) -> Callable[[], Any]:
     return lambda: box[0] if box else (box.append(make()) or box[0])
 
 
-def model(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, rm: np.ndarray, rv: np.ndarray, dy: np.ndarray,
-          momentum: float, eps: float, *, bug: str | None = None, training: bool = True,
-          saved: tuple[np.ndarray, np.ndarray] | None = None, recipe: str | None = None,
-          convention: str = "torch", shared: dict[Any, np.ndarray] | None = None) -> Outputs:
-    """BatchNorm in FP64 (NC... layout), correct or with one bug from BUGS; ``training=False``: the backward
+def model(call: BNCall, *, bug: str | None = None, saved: tuple[np.ndarray, np.ndarray] | None = None,
+          recipe: str | None = None, convention: str = "torch", shared: dict[Any, np.ndarray] | None = None) -> Outputs:
+    """BatchNorm in FP64 (NC... layout) of ``call`` (x, γ, β, the running statistics and dy float64 arrays, a
+    float momentum), correct or with one bug from BUGS; the call's ``training=False``: the backward
     is that of inference (normalised with the running statistics); ``saved`` (mean, invstd): the training
     backward from these statistics, as a kernel's backward takes what its forward stored; ``recipe`` (of
     :data:`RECIPES`): the batch statistics computed that way (the bug on top of that recipe).  ``convention``
@@ -183,6 +182,8 @@ def model(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, rm: np.ndarray, rv
     a caller changing ``x`` or ``dy`` in place must read what it needs first (none does)."""
     if bug is not None and bug not in BUGS:
         raise BNProbeError(f"unknown bug model {bug!r}")
+    x, gamma, beta, rm, rv, dy = call.x, call.gamma, call.beta, call.running_mean, call.running_var, call.dy
+    momentum, eps, training = call.momentum, call.eps, call.training
     if bug == EPS_IGNORED:
         eps = EPS  # the layer's ε replaced by BatchNorm's default
     ax, n = reduce_axes(x), x.ndim

@@ -49,7 +49,14 @@ from bnprobe.kernels.layout import reduce_axes, to_channels_first
 from bnprobe.numerics.rounding import round_to
 from bnprobe.core.tolerances import MSPROBE_STANDARDS
 from bnprobe.checks.doctor.inputs import GENERATED, Probe, USER, probes, user_probe
-from bnprobe.checks.doctor.items import Check, checklist_items, judge_group, output_scales, returned_format
+from bnprobe.checks.doctor.items import (
+    BugModels,
+    Check,
+    checklist_items,
+    judge_group,
+    output_scales,
+    returned_format,
+)
 from bnprobe.checks.doctor.report import DoctorReport, Item
 
 
@@ -67,20 +74,20 @@ def _probe_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
     conv = caps.convention
     rec = generated_call(p.call.with_(dtype=fmt, params=params), modes=modes, label=p.name)
     golden = Golden(ref, rec)
-    run = run_call(a, rec, ref=ref, label=p.name, golden=golden)
+    run = run_call(a, rec, label=p.name, golden=golden)
     ci = run.inputs
     x = ci.x
     vec = {k: np.asarray(getattr(ci, k), dtype=np.float64) for k in ("gamma", "beta", "running_mean", "running_var")}
     dy = ci.dy if ci.dy is not None else np.zeros_like(x)
-    args = (x, vec["gamma"], vec["beta"], vec["running_mean"], vec["running_var"], dy, p.call.momentum, p.call.eps)
+    bn = BNCall(x, vec["gamma"], vec["beta"], vec["running_mean"], vec["running_var"], dy, eps=p.call.eps,
+                momentum=p.call.momentum)
     got, gold, formats = run.invstd_view()
     got = {k: np.asarray(v, dtype=np.float64) for k, v in got.items()}
     shared: dict[Any, np.ndarray] = {}  # what no bug model changes, computed once for this input
-    checks = judge_group(p.name, got, gold, formats, output_scales(run, x),
-                    models=lambda bug, recipe=None: model(*args, bug=bug, recipe=recipe, convention=conv,
-                                                          shared=shared),
-                    stored=_stored(args, got, convention=conv), ranges=p.name in (USER, GENERATED), bounds=run.bounds,
-                    convention=conv)
+    models = BugModels(lambda bug, recipe=None: model(bn, bug=bug, recipe=recipe, convention=conv, shared=shared),
+                       stored=_stored(bn, got, convention=conv), convention=conv)
+    checks = judge_group(p.name, got, gold, formats, output_scales(run, x), models=models,
+                         ranges=p.name in (USER, GENERATED), bounds=run.bounds)
     return _as_compare(checks, a, rec, modes, p.name, run=run, golden=golden)
 
 
@@ -135,13 +142,13 @@ def _as_compare(checks: dict[str, Check], a: KernelAdapter, rec: Any, modes: tup
     return checks
 
 
-def _stored(args: tuple[Any, ...], got: dict[str, np.ndarray], training: bool = True, convention: str = "torch",
+def _stored(bn: BNCall, got: dict[str, np.ndarray], convention: str = "torch",
             ) -> Callable[[str | None], dict[str, np.ndarray]] | None:
-    """The backward models from the statistics the kernel saved (see :func:`judge_group`)."""
-    if not training or "saved_mean" not in got or "saved_invstd" not in got:
+    """The backward models from the statistics the kernel saved (see :func:`judge_group`), of a training call."""
+    if not bn.training or "saved_mean" not in got or "saved_invstd" not in got:
         return None
     saved, shared = (got["saved_mean"], got["saved_invstd"]), {}
-    return lambda bug: model(*args, bug=bug, saved=saved, convention=convention, shared=shared)
+    return lambda bug: model(bn, bug=bug, saved=saved, convention=convention, shared=shared)
 
 
 def _steps_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, params: str) -> dict[str, Check]:
@@ -171,11 +178,11 @@ def _steps_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
         def models(bug: str | None, recipe: str | None = None) -> dict[str, np.ndarray]:
             rm, rv = rm0, rv0
             for xb in batches:
-                m = model(xb, g, b, rm, rv, np.zeros_like(xb), p.call.momentum, p.call.eps, bug=bug, recipe=recipe,
-                          convention=caps.convention)
+                m = model(BNCall(xb, g, b, rm, rv, np.zeros_like(xb), eps=p.call.eps, momentum=p.call.momentum),
+                          bug=bug, recipe=recipe, convention=caps.convention)
                 rm, rv = round_to(m["running_mean"], pf), round_to(m["running_var"], pf)
-            m = model(x, g, b, rm, rv, np.zeros_like(x), p.call.momentum, p.call.eps, bug=bug, recipe=recipe,
-                      convention=caps.convention)
+            m = model(BNCall(x, g, b, rm, rv, np.zeros_like(x), eps=p.call.eps, momentum=p.call.momentum), bug=bug,
+                      recipe=recipe, convention=caps.convention)
             return {"running_mean": rm, "running_var": rv, "y_eval": m["y_infer"]}
 
         out_fmt, vec_fmt = caps.output or fmt, "fp64" if caps.output == "fp64" else pf
@@ -189,7 +196,7 @@ def _steps_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
                    + np.abs(b)}
     got = {k: np.asarray(v, dtype=np.float64) for k, v in got.items()}
     return judge_group(p.name, got, {k: np.asarray(v, dtype=np.float64) for k, v in gold.items()}, formats, natural,
-                  models=models, convention=caps.convention)
+                       models=BugModels(models, convention=caps.convention))
 
 
 def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None, *, seed: int = 0,
@@ -278,7 +285,7 @@ def _momentum_none(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, par
     try:
         rec = generated_call(p.call.with_(dy=None, dtype=fmt, params=params, momentum=None), modes=("train",),
                              label=p.name)
-        run = run_call(a, rec, ref=ref, label=p.name)
+        run = run_call(a, rec, label=p.name, golden=Golden(ref, rec))
     except BNProbeError as exc:
         return Item(name, "WARN", f"not supported: {exc}")
     keys = [k for k in GROUPS["running"] if k in run.got]
@@ -399,13 +406,12 @@ def _doctor_call(recorded: Recorded, run: CallRun) -> DoctorReport:
     if "running_mean" in got and mom is None:
         notes.append("momentum None (cumulative average): the running statistics' update is not checked")
         got.pop("running_mean"), got.pop("running_var")
-    args = (x, g, b, rm, rv, np.zeros_like(x) if dy is None else dy, MOMENTUM if mom is None else mom, eps)
+    bn = BNCall(x, g, b, rm, rv, np.zeros_like(x) if dy is None else dy, eps=eps,
+                momentum=MOMENTUM if mom is None else mom, training=rec.training)
     shared: dict[Any, np.ndarray] = {}  # what no bug model changes, computed once for this call
-    checks = judge_group(run.label, got, gold, formats, output_scales(run, x),
-                    models=lambda bug, recipe=None: model(*args, bug=bug, training=rec.training, recipe=recipe,
-                                                          convention=conv, shared=shared),
-                    skip=() if have_running else (TRAIN_RUNNING,), stored=_stored(args, got, rec.training, conv),
-                    bounds=run.bounds, convention=conv)
+    models = BugModels(lambda bug, recipe=None: model(bn, bug=bug, recipe=recipe, convention=conv, shared=shared),
+                       skip=() if have_running else (TRAIN_RUNNING,), stored=_stored(bn, got, conv), convention=conv)
+    checks = judge_group(run.label, got, gold, formats, output_scales(run, x), models=models, bounds=run.bounds)
     if rec.training and _compared_training(rec):
         checks = _as_compare(checks, recorded.kernel, rec, tuple(m for m in ("train", "infer", "backward")
                                                                  if m in rec.tensors), run.label, run=run)

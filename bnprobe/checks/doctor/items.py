@@ -22,7 +22,7 @@ from bnprobe.guard import MODEL_CACHE_BYTES  # the bug models' outputs kept on o
 from bnprobe.kernels.layout import reduce_axes
 from bnprobe.checks.doctor.report import Item
 
-__all__ = ["Check", "judge_group", "checklist_items", "returned_format", "output_scales"]
+__all__ = ["BugModels", "Check", "judge_group", "checklist_items", "returned_format", "output_scales"]
 
 
 # ---- comparing one group of outputs -------------------------------------------------------------------
@@ -139,23 +139,35 @@ class Check:
         return out
 
 
+@dataclass(frozen=True)
+class BugModels:
+    """The bug models of one input: ``of(bug, recipe)``, the outputs of a bug's model (all channels-first; bug None:
+    the correct one; recipe None: the FP64 statistics); ``skip``, the bugs this input cannot model; ``stored(bug)``,
+    the backward (correct for None) from the statistics the kernel saved; ``convention``, the kernel's
+    (:mod:`bnprobe.core.conventions`): the models' words are relative to it."""
+
+    of: Callable[..., dict[str, np.ndarray]]
+    skip: tuple[str, ...] = ()
+    stored: Callable[[str | None], dict[str, np.ndarray]] | None = None
+    convention: str = "torch"
+
+
 def judge_group(name: str, got: dict[str, np.ndarray], gold: dict[str, np.ndarray], formats: dict[str, str],
-           natural: dict[str, np.ndarray], *, models: Callable[[str], dict[str, np.ndarray]] | None,
-           skip: tuple[str, ...] = (),
-           stored: Callable[[str | None], dict[str, np.ndarray]] | None = None, ranges: bool = True,
-           bounds: dict[str, tuple[np.ndarray, str]] | None = None, convention: str = "torch") -> dict[str, Check]:
+                natural: dict[str, np.ndarray], *, models: BugModels | None, ranges: bool = True,
+                bounds: dict[str, tuple[np.ndarray, str]] | None = None) -> dict[str, Check]:
     """Every group of outputs present in ``got`` on one input against the golden; each group's bug models
-    (``models(bug)``, all outputs channels-first) are compared with the kernel when asked (:meth:`Check.fit`);
-    ``skip``: bugs this input cannot model.  ``stored(bug)``: the backward (correct for None) from the
-    statistics the kernel saved; when they pass their own check, the gradients are judged against that golden
-    as well and pass by the closer one (a correct backward cannot undo the rounding of what its forward
-    stored).  ``ranges``: note the outputs whose exact values their formats cannot hold (the user's data; the
-    designed inputs stay inside the formats where it matters).  ``bounds``: per output, the error a correct
-    kernel's accumulation can make per channel where its sums cancel (:func:`~bnprobe.engine.run
-    .cancellation_bounds`), allowed where larger than the rtol."""
+    (``models.of(bug)``) are compared with the kernel when asked (:meth:`Check.fit`), but for ``models.skip``.
+    ``models.stored(bug)``: the backward from the statistics the kernel saved; when they pass their own check, the
+    gradients are judged against that golden as well and pass by the closer one (a correct backward cannot undo
+    the rounding of what its forward stored).  ``ranges``: note the outputs whose exact values their formats cannot
+    hold (the user's data; the designed inputs stay inside the formats where it matters).  ``bounds``: per output,
+    the error a correct kernel's accumulation can make per channel where its sums cancel
+    (:func:`~bnprobe.engine.run.cancellation_bounds`), allowed where larger than the rtol."""
+    m = models if models is not None else BugModels(None)  # type: ignore[arg-type]
+    stored = m.stored
     o = _Outputs(name, got, gold, formats,
                  {k: np.nan_to_num(np.asarray(v, dtype=np.float64).reshape(-1)) for k, v in natural.items()},
-                 models, stored, skip, bounds or {}, convention=convention)
+                 m.of, stored, m.skip, bounds or {}, convention=m.convention)
     out: dict[str, Check] = {}
     for gr, keys in GROUPS.items():
         keys = tuple(k for k in keys if k in got)

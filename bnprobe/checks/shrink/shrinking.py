@@ -144,7 +144,7 @@ def compare_predicate(adapter: str | KernelAdapter, against: str = "reference", 
     in the input's format)."""
     from bnprobe.recordings import CallRef, RecordedCalls
     from bnprobe.engine.cases import Case, recorded_cases
-    from bnprobe.checks.compare.precision import compare_precision
+    from bnprobe.checks.compare.precision import CallOptions, compare_precision
 
     if against != "reference":
         raise BNProbeError("shrink compares against the FP64 reference (--against reference)")
@@ -153,7 +153,7 @@ def compare_predicate(adapter: str | KernelAdapter, against: str = "reference", 
     def fails(x: np.ndarray, channels: np.ndarray | None) -> bool:
         if recorded is None:
             r = compare_precision([a], (dtype,), [Case("shrink", tuple(x.shape), x=x)], mode=mode, budget=False,
-                                  params=params)
+                                  options=CallOptions(params=params))
         else:  # the adapter on the recorded call's parameters and scalars, as compare-precision --input DIR runs it
             rec = recorded.channels(channels).recording(x, dtype, _record_modes(mode))
             call = CallRef(str(rec.meta["call"]), None, tuple(x.shape), rec.dtype, rec.training,
