@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from bnprobe.core.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError, named
 
 __all__ = ["append_text", "atomic_write_text", "atomic_write_bytes", "atomic_write_with", "check_targets", "output_dir",
            "OutputDir",
@@ -128,7 +128,8 @@ def check_targets(paths: Iterable[Path], *, force: bool) -> None:
         if p.is_dir():
             raise BNProbeError(f"{p} is a folder; cannot write a file there")
         if p.exists() and not force:
-            raise BNProbeError(f"{p} exists; refusing to overwrite (pass --force, or choose another --out)")
+            raise BNProbeError(f"{p} exists; refusing to overwrite (pass {named('force')}, or choose another "
+                               f"{named('out')})")
 
 
 def _oserror(what: str, path: Path, exc: OSError) -> BNProbeError:
@@ -245,7 +246,7 @@ class OutputDir:
 
 
 def output_dir(out: str | Path | None, stem: str, *, force: bool = False, root: str | Path = "reports",
-               what: str = "--out") -> OutputDir:
+               what: str = named("out")) -> OutputDir:
     """The output folder of a run, created now: ``out`` when given, else a new ``<root>/<stem>-<time>`` that no other
     run can share.  Raises a one-line :class:`BNProbeError` when it cannot be created or written."""
     if out is not None:

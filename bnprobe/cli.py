@@ -48,6 +48,16 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     set_memory_limit(parse_size(max_memory) if max_memory is not None else None)
 
 
+# the library's parameters whose flag is not theirs spelled --name (underscores as dashes)
+_FLAGS = {"x": "--input", "dtypes": "--dtype"}
+
+
+def flag(field: str) -> str:
+    """The flag of a library parameter that an error names (:func:`bnprobe.core.errors.named`): ``eps`` is
+    ``--eps``, ``max_memory`` ``--max-memory``, ``x`` ``--input``."""
+    return _FLAGS.get(field, "--" + field.replace("_", "-"))
+
+
 def _command(name: str):  # noqa: ANN202 - typer's decorator
     """Register a command of the registry (bnprobe.core.commands) under its name."""
     from bnprobe.core.commands import command
@@ -192,7 +202,8 @@ def _run_sweep(command: str, found: tuple[Path, Optional[str]], calls: Optional[
     sink = _output(plan.out, force, f"{command}-sweep", *SWEEP_FILES)
     try:
         with Progress(f"{command} sweep") as bar:
-            result = execute(plan, sink.path, progress=lambda d, t, f: bar(d, t, f"{d}/{t} calls, {f} failed to run"))
+            result = execute(plan, sink.path, progress=lambda d, t, f: bar(d, t, f"{d}/{t} calls, {f} failed to run"),
+                             words=flag)
     except SweepInterrupted as stop:
         typer.echo(f"bnprobe: {stop}; the same command with --resume --out {stop.out} continues from there", err=True)
         raise typer.Exit(130) from None
@@ -1136,7 +1147,7 @@ def _run(args: list[str]) -> int:
             typer.echo(f"{cmd}: error: {exc.format_message()}", err=True)
             return 2
         if isinstance(exc, (click_exception, BNProbeError)):
-            msg = exc.format_message() if isinstance(exc, click_exception) else str(exc)
+            msg = exc.format_message() if isinstance(exc, click_exception) else exc.worded(flag)
             typer.echo(f"bnprobe: error: {msg}", err=True)
             return 2
         if isinstance(exc, BrokenPipeError) and _stderr_gone():  # stdout's reader gone is handled in main

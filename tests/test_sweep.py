@@ -137,7 +137,7 @@ def test_a_sweep_resumes_without_redoing_finished_tasks(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep, "run_task", lambda t, s: ran.append(t.key) or real(t, s))
     again = run_sweep(plan(root), spec, workers=1, journal=journal, resume=True)
     assert len(ran) == 4 and same(full, again)
-    with pytest.raises(BNProbeError, match="--resume to continue it, --force"):
+    with pytest.raises(BNProbeError, match="; resume to continue it, force"):
         run_sweep(plan(root), spec, journal=journal)
     with pytest.raises(BNProbeError, match="journal of another sweep"):
         run_sweep(plan(root), SweepSpec("doctor"), journal=Journal(out, header(root, SweepSpec("doctor"), None)),

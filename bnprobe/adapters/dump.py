@@ -19,7 +19,7 @@ from bnprobe.adapters.base import (
     Prepared,
     Saved,
 )
-from bnprobe.core.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import get_format
 from bnprobe.recordings import CallRef, RecordedCalls, Recording
 
@@ -58,7 +58,7 @@ class DumpAdapter(BaseAdapter):
         if self._rec is None:
             if len(self.calls.calls) != 1:
                 raise BNProbeError(f"{self.name} holds {len(self.calls.calls)} BatchNorm calls; select one with "
-                                   "dump:DIR#NAME or --calls, or let the command run them one at a time")
+                                   f"dump:DIR#NAME or {named('calls')}, or let the command run them one at a time")
             self.calls.require_tensors("replaying a call")
             self._rec = self.calls.calls[0].load()
         return self._rec

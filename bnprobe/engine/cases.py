@@ -13,7 +13,7 @@ from bnprobe.adapters import KernelAdapter
 from bnprobe.adapters.base import MODES
 from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.recordings import CallRef, RecordedCalls
-from bnprobe.core.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError, named
 from bnprobe.inputs import make_input
 
 __all__ = ["Case", "DY_KINDS", "RESNET50_BN", "SHAPE_SETS", "dy_of_kind", "make_dy",
@@ -138,15 +138,17 @@ def select_cases(adapters: list[KernelAdapter], *, input: str | Path | None = No
     recorded = None
     if input is not None and Path(input).is_dir():
         if dumps:
-            raise BNProbeError("--input DIR and a dump adapter both give the recorded inputs; give one of them")
+            raise BNProbeError(f"{named('input')} DIR and a dump adapter both give the recorded inputs; give one of "
+                               "them")
         recorded = open_dump(input, calls)
     elif dumps:
         recorded = dumps[0].calls.select(calls)
         adapters = [DumpAdapter(recorded) if a is dumps[0] else a for a in adapters]
     elif calls is not None:
-        raise BNProbeError("--calls selects recorded calls: give a dump (--adapters dump:DIR or --input DIR)")
+        raise BNProbeError(f"{named('calls')} selects recorded calls: give a dump ({named('adapters')} dump:DIR or "
+                           f"{named('input')} DIR)")
     if recorded is not None:
-        given = [f"--{n}" for n, v in (("shape", shape), ("batch", batch), ("dist", dist), ("mean", mean),
+        given = [named(n) for n, v in (("shape", shape), ("batch", batch), ("dist", dist), ("mean", mean),
                                         ("std", std)) if v is not None]
         if given:
             raise BNProbeError(f"{', '.join(given)} contradict{'s' if len(given) == 1 else ''} the recording: its "
@@ -154,7 +156,7 @@ def select_cases(adapters: list[KernelAdapter], *, input: str | Path | None = No
         cases = recorded_cases(recorded)
         has = {m: any(m in c.modes for c in recorded.calls) for m in MODES}
         if mode in has and not has[mode]:
-            raise BNProbeError(f"--mode {mode}: no call of {recorded.source} recorded it (it recorded "
+            raise BNProbeError(f"{named('mode')} {mode}: no call of {recorded.source} recorded it (it recorded "
                                f"{', '.join(m for m, v in has.items() if v)})")
     elif input is not None:
         x = input_tensor("compare-precision", input, seed=seed)
@@ -164,9 +166,10 @@ def select_cases(adapters: list[KernelAdapter], *, input: str | Path | None = No
         cases = [Case(f"{d}(mean={m:g}, std={s:g})", parse_shape(shape), d, m, s, seed)]
     else:
         if shapes not in SHAPE_SETS:
-            raise BNProbeError(f"unknown shape set {shapes!r}; valid: {', '.join(SHAPE_SETS)} (or give --shape)")
+            raise BNProbeError(f"unknown shape set {shapes!r}; valid: {', '.join(SHAPE_SETS)} (or give "
+                               f"{named('shape')})")
         if batch is not None and batch < 1:
-            raise BNProbeError(f"--batch must be >= 1, got {batch}")
+            raise BNProbeError(f"{named('batch')} must be >= 1, got {batch}")
         cases = resnet50_cases(2 if batch is None else batch, seed, dist or "normal", shapes)
         cases += stress_cases(seed) if stress else []
     biggest = max(cases, key=lambda c: math.prod(c.shape))

@@ -20,7 +20,7 @@ from typing import Any
 from bnprobe.adapters import KernelAdapter
 from bnprobe.adapters.registry import as_adapter
 from bnprobe.adapters.base import PARAM_PRECISIONS
-from bnprobe.core.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import get_format
 from bnprobe.engine.result import Verdict
 from bnprobe.recordings import CALLS_NAME, META_NAME, CallRef, RecordedCalls, Recording, open_dump, split_dump_spec
@@ -73,13 +73,14 @@ def recording_of(adapter: str | KernelAdapter, input: str | Path | None = None,
     dump_input = input is not None and is_dump_path(input)
     if a.capabilities().recorded:
         if input is not None:
-            raise BNProbeError(f"--input and the dump adapter {a.name} both give the inputs: a dump runs on its own "
-                               "recorded inputs; drop --input")
+            raise BNProbeError(f"{named('input')} and the dump adapter {a.name} both give the inputs: a dump runs on "
+                               f"its own recorded inputs; drop {named('input')}")
         found = Recorded(a, a.calls.select(calls))
     elif dump_input:
         found = Recorded(a, open_dump(input, calls))  # type: ignore[arg-type]
     elif calls is not None:
-        raise BNProbeError("--calls selects recorded calls: give a dump (--adapter dump:DIR or --input DIR)")
+        raise BNProbeError(f"{named('calls')} selects recorded calls: give a dump ({named('adapter')} dump:DIR or "
+                           f"{named('input')} DIR)")
     else:
         return None
     if guard is not None:
@@ -88,8 +89,9 @@ def recording_of(adapter: str | KernelAdapter, input: str | Path | None = None,
 
 
 def given(**options: Any) -> tuple[str, ...]:
-    """The command-line names (``--shape``, ...) of the options that were given (not None)."""
-    return tuple(f"--{k.replace('_', '-')}" for k, v in options.items() if v is not None)
+    """The names of the options that were given (not None), :func:`~bnprobe.core.errors.named` for an error
+    message (the command line words them as its flags)."""
+    return tuple(named(k) for k, v in options.items() if v is not None)
 
 
 def one_call(spec: str | Path, calls: str | None = None, what: str = "this command",
@@ -101,7 +103,7 @@ def one_call(spec: str | Path, calls: str | None = None, what: str = "this comma
     if len(found.calls) != 1:
         shown = ", ".join(c.label for c in found.calls[:4]) + (", ..." if len(found.calls) > 4 else "")
         raise BNProbeError(f"{found.source} holds {len(found.calls)} BatchNorm calls ({shown}); {what} takes one: "
-                           "select it with DIR#NAME or --calls")
+                           f"select it with DIR#NAME or {named('calls')}")
     c = found.calls[0]
     if guard is not None:
         require_calls(guard, [c], replayed=False)
@@ -118,7 +120,7 @@ def refuse(names: tuple[str, ...], source: str) -> None:
 def check_params(params: str | None) -> None:
     """``params`` must be None (a recording's own, or fp32) or one of ``fp32`` and ``same``."""
     if params is not None and params not in PARAM_PRECISIONS:
-        raise BNProbeError(f"--params takes {' or '.join(PARAM_PRECISIONS)}, got {params!r}")
+        raise BNProbeError(f"{named('params')} takes {' or '.join(PARAM_PRECISIONS)}, got {params!r}")
 
 
 def check_options(recorded: Recorded, *, given: tuple[str, ...] = (), dtype: str | None = None,
@@ -133,15 +135,15 @@ def check_options(recorded: Recorded, *, given: tuple[str, ...] = (), dtype: str
         for c in calls:
             rec = c.load()
             if isinstance(rec, Recording) and rec.params_mode != params:
-                raise BNProbeError(f"--params {params} contradicts the recording: {c.label} was recorded with "
-                                   f"{rec.params} parameters in {rec.dtype} ({rec.params_mode})")
+                raise BNProbeError(f"{named('params')} {params} contradicts the recording: {c.label} was recorded "
+                                   f"with {rec.params} parameters in {rec.dtype} ({rec.params_mode})")
     if dtype is not None:
         fmt = get_format(dtype).name
         off = [c for c in calls if c.dtype != fmt]
         if off:
             more = f" (and {len(off) - 1} more)" if len(off) > 1 else ""
-            raise BNProbeError(f"--dtype {fmt} contradicts the recording: {off[0].label} was recorded in "
-                               f"{off[0].dtype}{more}; select calls with --calls")
+            raise BNProbeError(f"{named('dtype')} {fmt} contradicts the recording: {off[0].label} was recorded in "
+                               f"{off[0].dtype}{more}; select calls with {named('calls')}")
     if not recorded.replay:
         runs_ = recorded.kernel.capabilities().formats
         off = [c for c in calls if c.dtype not in runs_]
@@ -156,8 +158,9 @@ def check_options(recorded: Recorded, *, given: tuple[str, ...] = (), dtype: str
                 has_infer = recorded.calls.kind != "msprobe" and "infer" in getattr(c.load(), "tensors", {})
                 why = "" if has_infer else "was recorded in training mode (no inference call)"
             if why:
-                raise BNProbeError(f"--mode {mode} contradicts the recording: {c.label} {why}; leave --mode out "
-                                   "to check what each call recorded, or select calls with --calls")
+                raise BNProbeError(f"{named('mode')} {mode} contradicts the recording: {c.label} {why}; leave "
+                                   f"{named('mode')} out to check what each call recorded, or select calls with "
+                                   f"{named('calls')}")
 
 
 @dataclass

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bnprobe.core.commands import COMMANDS
-from bnprobe.core.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError, named
 from bnprobe.guard import format_size, require, run_bytes
 from bnprobe.sweep.tasks import (
     Journal,
@@ -50,8 +50,8 @@ def find_root(adapter: str, input: Path | None, asked: bool) -> tuple[Path, str 
     elif input is not None and input.is_dir():
         root, runnable = input, adapter
     elif asked:
-        raise BNProbeError("--sweep, --workers, --scheduler and --resume run over a dump root: give --input ROOT or "
-                           "an adapter dump:ROOT")
+        raise BNProbeError(f"{named('sweep')}, {named('workers')}, {named('scheduler')} and {named('resume')} run over "
+                           f"a dump root: give {named('input')} ROOT or an adapter dump:ROOT")
     else:
         return None
     return (root, runnable) if asked or (root.is_dir() and len(dump_leaves(root)) > 1) else None
@@ -112,7 +112,7 @@ def prepare(request: SweepRequest) -> SweepPlan:
     r = request
     address = scheduler_address(r.scheduler)
     if r.resume and r.out is None:
-        raise BNProbeError("--resume continues the sweep in --out DIR: give that folder")
+        raise BNProbeError(f"{named('resume')} continues the sweep in {named('out')} DIR: give that folder")
     spec = SweepSpec(r.command, r.runnable, **r.options)
     tasks = plan(r.root, r.calls)
     check_plan(tasks, spec)
@@ -124,22 +124,24 @@ def prepare(request: SweepRequest) -> SweepPlan:
                   f"{format_size(need // n)} each)")
     if r.resume and r.out is not None and (r.out / SWEEP_FILES[0]).exists() and not r.force:
         raise BNProbeError(f"the sweep in {r.out} has finished (every row is in {r.out / SWEEP_FILES[0]}): nothing "
-                           "to resume; --force runs it again")
+                           f"to resume; {named('force')} runs it again")
     if r.out is None and r.command not in WRITES_BY_DEFAULT:  # as the command on one dump: no --out, nothing kept
         scratch = tempfile.TemporaryDirectory(prefix="bnprobe-sweep-")
         return SweepPlan(r, spec, items, n, address, Path(scratch.name), False, scratch)
     return SweepPlan(r, spec, items, n, address, r.out, True)
 
 
-def execute(p: SweepPlan, folder: Path, progress: Callable[[int, int, int], None] | None = None) -> SweepResult:
+def execute(p: SweepPlan, folder: Path, progress: Callable[[int, int, int], None] | None = None,
+            words: Callable[[str], str] = str) -> SweepResult:
     """Run the plan's tasks, each finished row appended to the journal in ``folder`` as it arrives; ``progress(done,
-    total, failed)`` after each.  Raises :class:`SweepInterrupted` when the user interrupts it."""
+    total, failed)`` after each; a task's error worded by ``words`` in its row (see :func:`run_sweep`).  Raises
+    :class:`SweepInterrupted` when the user interrupts it."""
     r = p.request
     journal = Journal(folder, header(r.root, p.spec, r.calls))
     t0 = time.monotonic()
     try:
         rows = run_sweep(p.items, p.spec, workers=p.workers, scheduler=p.address, journal=journal, resume=r.resume,
-                         force=r.force, progress=progress)
+                         force=r.force, progress=progress, words=words)
     except KeyboardInterrupt:
         kept = max(0, len(journal.path.read_text(encoding="utf-8").splitlines()) - 1) if journal.path.exists() else 0
         raise SweepInterrupted(kept, len(p.items), journal.path, folder) from None

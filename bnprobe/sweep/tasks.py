@@ -30,7 +30,7 @@ from typing import Any
 from bnprobe._files import append_text, atomic_write_text
 from bnprobe._loading import first_line
 from bnprobe.core.commands import COMMANDS, SWEEP_COMMANDS
-from bnprobe.core.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError, named
 from bnprobe.engine.result import Verdict
 from bnprobe.guard import tune_process
 
@@ -315,9 +315,10 @@ def error_row(task: Task | RankGroup, message: str, attempts: int) -> dict[str, 
             "worker": "", "worker_peak_mb": float("nan")}
 
 
-def _reason(exc: BaseException) -> str:
-    """A failed task's reason, one line: a BNProbeError's own message, else ``TypeName: first line``."""
-    text = str(exc).strip()
+def _reason(exc: BaseException, words: Callable[[str], str] = str) -> str:
+    """A failed task's reason, one line: a BNProbeError's own message (the parameters it names worded by
+    ``words``), else ``TypeName: first line``."""
+    text = (exc.worded(words) if isinstance(exc, BNProbeError) else str(exc)).strip()
     return (text.splitlines()[0] if isinstance(exc, BNProbeError) and text else first_line(exc))[:300]
 
 
@@ -336,12 +337,12 @@ class Journal:
         sweep's; without ``resume`` an existing journal is refused unless ``force``."""
         if not self.path.exists():
             if resume:
-                raise BNProbeError(f"--resume: no sweep journal in {self.path.parent}")
+                raise BNProbeError(f"{named('resume')}: no sweep journal in {self.path.parent}")
             return {}
         if not resume:
             if not force:
-                raise BNProbeError(f"{self.path} exists: a sweep ran there; --resume to continue it, --force to "
-                                   "start it again")
+                raise BNProbeError(f"{self.path} exists: a sweep ran there; {named('resume')} to continue it, "
+                                   f"{named('force')} to start it again")
             self.path.unlink()
             return {}
         lines = self.path.read_text(encoding="utf-8").splitlines()
@@ -350,8 +351,8 @@ class Journal:
         except ValueError:
             head = None
         if head != self.header:
-            raise BNProbeError(f"--resume: {self.path} is the journal of another sweep (a different root, command "
-                               "or options)")
+            raise BNProbeError(f"{named('resume')}: {self.path} is the journal of another sweep (a different root, "
+                               "command or options)")
         done: dict[str, dict[str, Any]] = {}
         for line in lines[1:]:
             try:
@@ -379,11 +380,12 @@ def scheduler_address(given: str | None) -> str | None:
     if address is None:
         return None
     if not re.fullmatch(r"(tcp|tls|inproc|ucx)://[^\s/]+(:\d+)?/?", address):
-        raise BNProbeError(f"--scheduler takes a dask scheduler address such as tcp://HOST:8786, got {address!r}")
+        raise BNProbeError(f"{named('scheduler')} takes a dask scheduler address such as tcp://HOST:8786, got "
+                           f"{address!r}")
     try:
         import distributed  # noqa: F401
     except ImportError:
-        raise BNProbeError("--scheduler needs dask.distributed: pip install 'bnprobe[dist]'") from None
+        raise BNProbeError(f"{named('scheduler')} needs dask.distributed: pip install 'bnprobe[dist]'") from None
     return address
 
 
@@ -445,7 +447,7 @@ def _dask(todo: list[Task], spec: SweepSpec, address: str, finish: Callable[[Tas
     try:
         from distributed import Client, as_completed
     except ImportError:
-        raise BNProbeError("--scheduler needs dask.distributed: pip install 'bnprobe[dist]'") from None
+        raise BNProbeError(f"{named('scheduler')} needs dask.distributed: pip install 'bnprobe[dist]'") from None
     try:
         client = Client(address, timeout=10, set_as_default=False)
     except (OSError, TimeoutError) as exc:
@@ -470,9 +472,11 @@ def _dask(todo: list[Task], spec: SweepSpec, address: str, finish: Callable[[Tas
 
 def run_sweep(tasks: list[Task], spec: SweepSpec, *, workers: int = 1, scheduler: str | None = None,
               journal: Journal | None = None, resume: bool = False, force: bool = False,
-              progress: Callable[[int, int, int], None] | None = None) -> list[dict[str, Any]]:
+              progress: Callable[[int, int, int], None] | None = None,
+              words: Callable[[str], str] = str) -> list[dict[str, Any]]:
     """Every task's row (finished ones of a resumed sweep reused), in step, rank and forward order.  Each
-    failure is retried once; ``progress(done, total, failed)`` after each row."""
+    failure is retried once, then its row holds the error, the parameters it names worded by ``words`` (the
+    command line passes its flags); ``progress(done, total, failed)`` after each row."""
     done = journal.finished(resume, force) if journal is not None else {}
     rows = {k: v for k, v in done.items() if any(t.key == k for t in tasks)}
     if journal is not None:
@@ -484,7 +488,7 @@ def run_sweep(tasks: list[Task], spec: SweepSpec, *, workers: int = 1, scheduler
         if isinstance(result, BaseException):
             if attempt < 2:
                 return True
-            row = error_row(task, _reason(result), attempt)
+            row = error_row(task, _reason(result, words), attempt)
             failed[0] += 1
         else:
             row = {**result, "attempts": attempt}

@@ -213,8 +213,9 @@ def test_torch_with_same_format_parameters_raises_no_false_alarm(dtype):
 def test_accumulate_is_refused_for_a_kernel_that_is_not_emulated():
     """--accumulate would be silently ignored by torch's kernel (it computes in its own accumulator)."""
     pytest.importorskip("torch")
-    with pytest.raises(BNProbeError, match="--accumulate sets the accumulator of an emulated kernel"):
+    with pytest.raises(BNProbeError, match="^accumulate sets the accumulator of an emulated kernel") as exc:
         scan("torch", np.ones((2, 3, 2, 2)), dtype="fp16", accumulate="fp16")
+    assert exc.value.field == "accumulate"  # the library names its parameter; the command line, --accumulate
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp32"])

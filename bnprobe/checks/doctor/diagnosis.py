@@ -43,7 +43,7 @@ from bnprobe.engine.result import Verdict
 from bnprobe.engine.run import CallRun, Golden, each_run, generated_call, run_call
 from bnprobe.engine.rules import channel_rule
 from bnprobe.core.conventions import convention_of
-from bnprobe.core.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import get_format
 from bnprobe.kernels.layout import reduce_axes, to_channels_first
 from bnprobe.numerics.rounding import round_to
@@ -217,9 +217,10 @@ def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None,
             raise BNProbeError(f"{a.name} holds {len(a.calls.calls)} BatchNorm calls: doctor_recorded diagnoses each "
                                "(or select one with dump:DIR#NAME)")
         if x is not None or generated is not None:
-            raise BNProbeError(f"--input and the dump adapter {a.name} both give the inputs: drop --input")
+            raise BNProbeError(f"{named('x')} and the dump adapter {a.name} both give the inputs: drop {named('x')}")
         if eps != EPS or momentum != MOMENTUM:
-            raise BNProbeError(f"the dump adapter {a.name} holds its calls' eps and momentum: drop --eps/--momentum")
+            raise BNProbeError(f"the dump adapter {a.name} holds its calls' eps and momentum: drop "
+                               f"{named('eps')}/{named('momentum')}")
         return doctor_recorded(Recorded(a, a.calls), dtype=dtype, params=params).results[0]
     caps = a.capabilities()
     fmt = get_format(dtype).name if dtype else ("fp64" if "fp64" in caps.formats else caps.formats[0])

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from bnprobe._loading import first_line
-from bnprobe.core.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError, named
 
 __all__ = ["ONNX_EXTRA", "Model", "Pair", "LayerParams", "Skipped", "import_onnx", "load_model", "find_pairs",
            "layer_params", "check_between", "bn_params", "bn_eps", "MAX_INITIALIZER_DIMS", "MAX_NODES"]
@@ -34,7 +34,7 @@ _PASS_THROUGH = ("Identity", "Reshape")
 _MODEL_READ_FACTOR = 4  # the file's bytes, the parsed message and its copies while reading (measured ~2.6x)
 
 
-def import_onnx(what: str = "--onnx", runtime: bool = False) -> Any:
+def import_onnx(what: str = named("onnx"), runtime: bool = False) -> Any:
     """The ``onnx`` module (and onnxruntime when ``runtime``), or one line naming the extra to install."""
     try:
         import onnx

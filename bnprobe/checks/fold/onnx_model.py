@@ -39,7 +39,7 @@ from bnprobe.checks.fold.onnx_graph import (
     layer_params,
     load_model,
 )
-from bnprobe.core.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import get_format
 from bnprobe.engine.result import Judged, Verdict
 
@@ -290,11 +290,11 @@ def _fp16_view(layer: Layer, f: Folded) -> FoldReport:
 def ort_fused(path: Path, level: str = "ort") -> Iterator[Model]:
     """The model as onnxruntime's graph optimizer (CPU provider, the ``level`` of FUSE_LEVELS) writes it, checked
     as any model; the file lives in a temporary folder for as long as the context."""
-    import_onnx("--fuse ort", runtime=True)
+    import_onnx(f"{named('fuse')} ort", runtime=True)
     import onnxruntime as ort
 
     if level not in FUSE_LEVELS:
-        raise BNProbeError(f"--fuse {level!r}: valid: {', '.join(FUSE_LEVELS)}")
+        raise BNProbeError(f"{named('fuse')} {level!r}: valid: {', '.join(FUSE_LEVELS)}")
     with tempfile.TemporaryDirectory(prefix="bnprobe-ort-") as tmp:
         out = Path(tmp) / "fused.onnx"
         so = ort.SessionOptions()
@@ -349,14 +349,14 @@ def check_onnx(path: str | Path, dtypes: list[str] | tuple[str, ...] = ("fp16",)
     (a fused model's path) or ``fuse`` (``ort``: onnxruntime's optimizer run on the model), each fused layer against
     the golden fold, and its fp16 deployment view."""
     if fused is not None and fuse is not None:
-        raise BNProbeError("--fused and --fuse both give the fused model: give one")
+        raise BNProbeError(f"{named('fused')} and {named('fuse')} both give the fused model: give one")
     if fuse is not None:
         if fuse not in FUSE_LEVELS:
-            raise BNProbeError(f"--fuse {fuse!r}: valid: {', '.join(FUSE_LEVELS)}")
-        import_onnx("--fuse ort", runtime=True)
+            raise BNProbeError(f"{named('fuse')} {fuse!r}: valid: {', '.join(FUSE_LEVELS)}")
+        import_onnx(f"{named('fuse')} ort", runtime=True)
     names = [get_format(d).name for d in dtypes]
     if len(set(names)) != len(names) or not names:
-        raise BNProbeError(f"--dtype {','.join(dtypes)}: give each format once")
+        raise BNProbeError(f"{named('dtypes')} {','.join(dtypes)}: give each format once")
     m = load_model(path)
     rep = _analyse(m, names, accumulate)
     if fused is not None:

@@ -30,7 +30,7 @@ from bnprobe.adapters.base import outputs_only, params_format, stored_inputs
 from bnprobe.engine.recorded import PerCall, Recorded, check_options
 from bnprobe.engine.result import Judged, Verdict
 from bnprobe.engine.run import CallRun, each_run
-from bnprobe.core.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import get_format
 from bnprobe.kernels.layout import channel_column, element_at, layout_of, reduce_axes, to_channels_first
 from bnprobe.engine.closeness import allclose_rule, scaled_rule
@@ -646,7 +646,7 @@ def gradcheck_recorded(recorded: Recorded, *, mode: str | None = None, rtol: flo
     if mode is not None:
         off = [c for c in recorded.calls.calls if c.training != (mode == "train")]
         if off:
-            raise BNProbeError(f"--mode {mode} contradicts the recording: {off[0].label} was recorded in "
+            raise BNProbeError(f"{named('mode')} {mode} contradicts the recording: {off[0].label} was recorded in "
                                f"{'training' if off[0].training else 'eval'} mode")
     check_options(recorded, params=params)
     results = each_run(recorded, lambda i, run: _gradcheck_call(recorded, run, rtol, atol,

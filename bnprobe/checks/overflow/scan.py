@@ -49,7 +49,7 @@ from bnprobe.engine.recorded import PerCall, Recorded, check_options, check_para
 from bnprobe.checks.overflow.observe import observed_findings
 from bnprobe.engine.run import each_run, generated_call, run_call
 from bnprobe.core.call import BNCall
-from bnprobe.core.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import get_format
 from bnprobe.kernels.layout import layout_of
 from bnprobe.kernels.policy import Policy
@@ -113,8 +113,8 @@ def scan(
                         running_var=running_var, dy=dy, eps=eps, layout=layout, momentum=momentum)
     if not a.capabilities().staged:
         if accumulate is not None:
-            raise BNProbeError(f"--accumulate sets the accumulator of an emulated kernel; {a.name} computes in its "
-                               "own: drop it")
+            raise BNProbeError(f"{named('accumulate')} sets the accumulator of an emulated kernel; {a.name} computes "
+                               "in its own: drop it")
         return scan_outputs(a, fmt, mode, given, params=params)
     xs = round_to(x, fmt)
     pol = _traced_policy(a, xs, fmt, mode, layout, params, accumulate)
@@ -127,8 +127,8 @@ def scan(
         if accumulate is None:
             raise
         # the policy is the user's: say which option made it one the kernel cannot run
-        raise BNProbeError(f"--accumulate {get_format(accumulate).name}: {a.name} cannot run with its accumulator and "
-                           f"compute format there: {exc}") from None
+        raise BNProbeError(f"{named('accumulate')} {get_format(accumulate).name}: {a.name} cannot run with its "
+                           f"accumulator and compute format there: {exc}") from None
     rep.findings += _observed(a, pol, mode, given.with_(dtype=fmt, params=params))
     return rep
 
@@ -169,7 +169,8 @@ def _traced_policy(a: PolicyAdapter, xs: np.ndarray, fmt: str, mode: str, layout
     try:
         return pol.with_options(accumulate=acc, compute=acc)
     except BNProbeError as exc:
-        raise BNProbeError(f"--accumulate {acc}: {pol.name} cannot accumulate and compute in {acc} ({exc})") from None
+        raise BNProbeError(f"{named('accumulate')} {acc}: {pol.name} cannot accumulate and compute in {acc} "
+                           f"({exc})") from None
 
 
 def _run_inputs(x: np.ndarray, x_cr: np.ndarray, channels: int, seed: int, *, gamma: np.ndarray | None,

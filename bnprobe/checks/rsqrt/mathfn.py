@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.core.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import Format, get_format
 from bnprobe.engine.result import Analysis
 from bnprobe.numerics.arith import Arith
@@ -431,8 +431,8 @@ def analyze(
     """
     fmt = get_format(spec.format)
     if spec.op == "divide" and (spec.subnormals != "keep" or spec.working is not None or domain == "exhaustive"):
-        raise BNProbeError("divide is analysed on random pairs in its own format: --subnormals zero, --working and "
-                           "--exhaustive do not apply; drop them")
+        raise BNProbeError(f"divide is analysed on random pairs in its own format: {named('subnormals')} zero, "
+                           f"{named('working')} and {named('exhaustive')} do not apply; drop them")
     domain, newton = _check_args(fmt, domain, newton, samples, seed)
     if spec.method == "exact":
         newton = (0,)

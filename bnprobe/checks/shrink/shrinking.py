@@ -24,7 +24,7 @@ import numpy as np
 from bnprobe._loading import binds, load_callable, raised
 from bnprobe.adapters import KernelAdapter
 from bnprobe.adapters.registry import as_adapter
-from bnprobe.core.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError, named
 from bnprobe.engine.result import Analysis
 
 __all__ = ["ShrinkResult", "shrink", "compare_predicate", "overflow_predicate", "load_predicate", "recorded_case",
@@ -104,7 +104,8 @@ def runnable(adapter: str | KernelAdapter) -> KernelAdapter:
     a = as_adapter(adapter)
     if a.capabilities().recorded:
         raise BNProbeError(f"{a.name} cannot be rerun on smaller inputs: shrink needs a runnable adapter; give the "
-                           "recording as --input DIR[#CALL] with --adapter torch, emulated:fp16, ... to shrink its x")
+                           f"recording as {named('input')} DIR[#CALL] with {named('adapter')} torch, emulated:fp16, "
+                           "... to shrink its x")
     return a
 
 
@@ -147,7 +148,7 @@ def compare_predicate(adapter: str | KernelAdapter, against: str = "reference", 
     from bnprobe.checks.compare.precision import CallOptions, compare_precision
 
     if against != "reference":
-        raise BNProbeError("shrink compares against the FP64 reference (--against reference)")
+        raise BNProbeError(f"shrink compares against the FP64 reference ({named('against')} reference)")
     a = runnable(adapter)
 
     def fails(x: np.ndarray, channels: np.ndarray | None) -> bool:
@@ -191,7 +192,7 @@ def load_predicate(spec: str) -> Predicate:
     """The user's predicate ``module:function``, f(x) -> True when the case fails (f(x, channels=...) when the
     function sets ``takes_channels``), checked before it is called; what it raises is a one-line error."""
     if ":" not in spec:
-        raise BNProbeError(f"--predicate takes compare, overflow or module:function, got {spec!r}")
+        raise BNProbeError(f"{named('predicate')} takes compare, overflow or module:function, got {spec!r}")
     fn = load_callable(spec, "predicate", ("x",))
     takes = bool(getattr(fn, "takes_channels", False))
     if takes and not binds(fn, None, channels=None):
@@ -330,7 +331,7 @@ def recorded_case(recorded: Any, *, given: tuple[str, ...] = (), dtype: str | No
     if len(found) != 1:
         shown = ", ".join(c.label for c in found[:4]) + (", ..." if len(found) > 4 else "")
         raise BNProbeError(f"{recorded.calls.source} holds {len(found)} BatchNorm calls ({shown}); shrink takes "
-                           "one: select it with DIR#NAME or --calls")
+                           f"one: select it with DIR#NAME or {named('calls')}")
     check_options(recorded, given=given, dtype=dtype, mode=mode, params=params)
     rec = found[0].load()
     x = rec.call().x

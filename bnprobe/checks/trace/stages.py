@@ -10,7 +10,7 @@ import numpy as np
 
 from bnprobe.core.call import EPS, MOMENTUM
 from bnprobe.adapters.base import MODES, params_format
-from bnprobe.core.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import get_format
 from bnprobe.kernels import Execution, backward, forward_infer, forward_train, get_policy
 from bnprobe.kernels.policy import Policy
@@ -152,12 +152,12 @@ def trace_recorded(rec: Any, *, policy: str | Policy | None = None, mode: str | 
     name = label or str(rec.meta.get("call") or rec.source or "the recorded call")
     fmt = rec.dtype
     if params is not None and params != rec.params_mode:
-        raise BNProbeError(f"--params {params} contradicts the recording: {name} was recorded with {rec.params} "
-                           f"parameters in {fmt} ({rec.params_mode})")
+        raise BNProbeError(f"{named('params')} {params} contradicts the recording: {name} was recorded with "
+                           f"{rec.params} parameters in {fmt} ({rec.params_mode})")
     pol = get_policy(policy) if policy is not None else get_policy(fmt).with_options(params=rec.params)
     if pol.storage != fmt:
         raise BNProbeError(f"policy {pol.name} stores {pol.storage}, but {name} was recorded in {fmt}: its inputs "
-                           f"would be rounded; give a {fmt} policy (or leave --policy out)")
+                           f"would be rounded; give a {fmt} policy (or leave {named('policy')} out)")
     ci = rec.call()
     for key in ("gamma", "beta", "running_mean", "running_var"):
         v = getattr(ci, key)
@@ -168,11 +168,11 @@ def trace_recorded(rec: Any, *, policy: str | Policy | None = None, mode: str | 
     if mode not in MODES:
         raise BNProbeError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
     if mode == "backward" and not ("backward" in rec.tensors and rec.training):
-        raise BNProbeError(f"--mode backward contradicts the recording: {name} has no training-mode backward "
+        raise BNProbeError(f"{named('mode')} backward contradicts the recording: {name} has no training-mode backward "
                            f"(it recorded {', '.join(rec.modes)})")
     if mode != "backward" and mode not in rec.tensors:
-        raise BNProbeError(f"--mode {mode} contradicts the recording: {name} recorded no {mode} call (it recorded "
-                           f"{', '.join(rec.modes)})")
+        raise BNProbeError(f"{named('mode')} {mode} contradicts the recording: {name} recorded no {mode} call (it "
+                           f"recorded {', '.join(rec.modes)})")
     src = rec.tensors["infer" if mode == "infer" else ("train" if "train" in rec.tensors else "backward")]["inputs"]
     dy = rec.tensors["backward"]["inputs"]["dy"] if mode == "backward" else None
     return trace_run(src["x"], policy=pol, mode=mode, gamma=src.get("gamma", ci.gamma),
