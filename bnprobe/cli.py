@@ -1,14 +1,18 @@
 """The ``bnprobe`` command line: parse, call the library once, render.
 
 The only module that prints.  Bad input of any kind is one line on stderr,
-``bnprobe: error: ...``, and exit status 2.
+``bnprobe: error: ...``, and exit status 2.  The options several commands share are declared once, in groups
+(:class:`Group`); a command names the groups it takes and is handed one instance of each, checked.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, get_type_hints
 
 import typer
 
@@ -49,54 +53,213 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 
 
 # the library's parameters whose flag is not theirs spelled --name (underscores as dashes)
-_FLAGS = {"x": "--input", "dtypes": "--dtype"}
+_FLAGS = {"x": "--input"}
 
 
-def flag(field: str) -> str:
-    """The flag of a library parameter that an error names (:func:`bnprobe.core.errors.named`): ``eps`` is
-    ``--eps``, ``max_memory`` ``--max-memory``, ``x`` ``--input``."""
-    return _FLAGS.get(field, "--" + field.replace("_", "-"))
+def flag(name: str) -> str:
+    """The flag of a library parameter an error names (:func:`bnprobe.core.errors.named`): ``eps`` is ``--eps``,
+    ``max_memory`` ``--max-memory``, ``x`` ``--input``."""
+    return _FLAGS.get(name, "--" + name.replace("_", "-"))
 
 
-def _command(name: str):  # noqa: ANN202 - typer's decorator
-    """Register a command of the registry (bnprobe.core.commands) under its name."""
+def _if_given(**options: Any) -> dict[str, Any]:
+    """The options given (not None), to pass on as keywords: the library's default applies to the others (where
+    None means something else there, as a momentum of None, a cumulative average)."""
+    return {k: v for k, v in options.items() if v is not None}
+
+
+# ---- options several commands share: each declared once, in its group -----------------------------------------
+
+_WORDING = ("help", "default", "flags", "shown", "check")  # what a command's wording of a group's option may set
+
+
+def option(*flags: str, help: str = "", default: Any = None, **typer_kw: Any) -> Any:
+    """One option of a group, declared once: its flags (none: ``--<field name>``), help, default, and what else typer
+    takes (metavar, min, max); a dataclass field, expanded into the signature of each command that takes it."""
+    return field(default=default, metadata={"option": {"flags": flags, "help": help, "default": default, **typer_kw}})
+
+
+class Group:
+    """Options several commands share: a frozen dataclass whose fields are :func:`option`\\ s.  A command takes a
+    group as a parameter whose default is :meth:`use`; :func:`_command` expands it into the group's options and
+    hands the command one instance, checked (:meth:`check`) before the command's body runs."""
+
+    @classmethod
+    def use(cls, *names: str, **wording: Any) -> Use:
+        """The group's options ``names`` (all when none is named), in that order, each as the group declares it
+        unless ``wording`` says otherwise: a str is its help; a dict sets any of its help, default, flags,
+        ``shown`` (a default the library resolves, stated in the help where click would state it), ``check``
+        (False: the command's library checks it in its own words), and the fields of the declared help."""
+        return Use(cls, names or tuple(f.name for f in fields(cls)), wording)  # type: ignore[arg-type]
+
+    def check(self, names: frozenset[str]) -> None:
+        """Refuse bad values of the options ``names`` before any work (nothing to check unless a group says)."""
+
+
+@dataclass(frozen=True)
+class Use:
+    """A command's use of a group: which of its options, and their wording (:meth:`Group.use`)."""
+
+    group: type[Group]
+    names: tuple[str, ...]
+    wording: dict[str, Any]
+
+    def parameters(self) -> list[inspect.Parameter]:
+        """The options as the command's typer parameters."""
+        declared = {f.name: f.metadata["option"] for f in fields(self.group)}  # type: ignore[arg-type]
+        hints = get_type_hints(self.group)
+        return [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=hints[n],
+                                  default=_declared(declared[n], self.wording.get(n))) for n in self.names]
+
+    def take(self, values: dict[str, Any]) -> Group:
+        """The group's instance made of its options' ``values`` (taken out of them), checked."""
+        group = self.group(**{n: values.pop(n) for n in self.names})
+        unchecked = {n for n, w in self.wording.items() if isinstance(w, dict) and w.get("check") is False}
+        group.check(frozenset(self.names) - unchecked)
+        return group
+
+
+def _declared(declared: dict[str, Any], wording: str | dict[str, Any] | None) -> Any:
+    """typer's declaration of a group's option, as the group declares it and a command words it."""
+    own = {"help": wording} if isinstance(wording, str) else dict(wording or {})
+    fill = {k: v for k, v in own.items() if k not in _WORDING}
+    text = own["help"] if "help" in own else declared["help"].format(**fill)
+    if "shown" in own:  # click states only a default it holds; this one the library resolves
+        text += f"  [default: {own['shown']}]"
+    rest = {k: v for k, v in declared.items() if k not in ("flags", "help", "default")}
+    return typer.Option(own.get("default", declared["default"]), *own.get("flags", declared["flags"]), help=text,
+                        **rest)
+
+
+def _command(name: str, order: str = ""):  # noqa: ANN202 - typer's decorator
+    """Register a command of the registry (bnprobe.core.commands) under its name: each of its parameters whose
+    default is a :class:`Use` becomes that group's options, where it stands (``order``: every option's name in
+    --help's order, where the groups' options and the command's own interleave), and the command is handed one
+    instance of the group, checked before its body runs."""
     from bnprobe.core.commands import command
 
-    return app.command(command(name).name)
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        hints, params, uses = get_type_hints(fn), [], {}
+        for p in inspect.signature(fn).parameters.values():
+            if isinstance(p.default, Use):
+                uses[p.name] = p.default
+                params += p.default.parameters()
+            else:
+                params.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=hints[p.name]))
+        if order:
+            if sorted(order.split()) != sorted(p.name for p in params):
+                raise TypeError(f"{name}: the order {order!r} does not name each of its options once")
+            params.sort(key=lambda p: order.split().index(p.name))
+
+        def run(**values: Any) -> Any:
+            groups = {g: use.take(values) for g, use in uses.items()}
+            return fn(**values, **groups)
+
+        run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        run.__annotations__ = {p.name: p.annotation for p in params}
+        run.__name__, run.__doc__ = fn.__name__, fn.__doc__
+        return app.command(command(name).name)(run)
+
+    return register
 
 
-# ---- options several commands share ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Kernel(Group):
+    """The kernel checked: its adapter (each command words it and has its own default), the format it runs in,
+    and an emulated kernel's accumulator."""
 
-_PARAMS = typer.Option(None, help="Parameter format: fp32 (mixed precision, the default) or same (γ, β, running and "
-                                  "saved statistics in the input's format); a recording's own.")
-_EPS = typer.Option(None, help="BatchNorm epsilon (> 0; default 1e-5; a recording's own).")
-_MOMENTUM = typer.Option(None, help="Running-stat momentum m, the batch's weight (PyTorch's spelling, in every "
-                                     "convention; default 0.1).")
-_CONVENTION = typer.Option(None, "--convention", help="The framework convention the kernels follow (a plugin's, a "
-                                                      "dump's): torch, tensorflow, keras, flax, paddle, mindspore; "
-                                                      "the golden's and the bench's running variance follow it.")
-_SEED = typer.Option(None, min=0, help="Seed of the generated input and parameters (default 0).")
-_MEAN = typer.Option(None, help="Mean of the generated input (default 0).")
-_STD = typer.Option(None, help="Standard deviation of the generated input (default 1).")
-_DIST = typer.Option(None, help="Distribution of the generated input: normal (default), uniform, student_t, constant.")
-_OUT = typer.Option(None, help="Write CSV, JSON and Markdown to this folder.")
-_FORCE = typer.Option(False, "--force", help="Overwrite existing files in --out.")
-_JSON = typer.Option(False, "--json", help="Print JSON instead of the table.")
+    adapter: Optional[str] = option("--adapter", "--adapters", help="The adapter.")
+    dtype: Optional[str] = option("--dtype", "--dtypes", help="Format (default fp16; a recording's own).")
+    accumulate: Optional[str] = option(help="Accumulator/compute format for emulated kernels, e.g. fp16 for a naive "
+                                            "port.")
 
 
-_SWEEP = typer.Option(False, "--sweep", help="Run every recorded call as one task of a sweep, in parallel (automatic "
-                                             "when the dump root holds several step*/rank* dumps).")
-_WORKERS = typer.Option(None, min=1, max=1024, help="Sweep: local worker processes (default: the cores).")
-_SCHEDULER = typer.Option(None, "--scheduler", metavar="ADDR",
-                          help="Sweep on a dask.distributed cluster, e.g. tcp://HOST:8786 (default $BNPROBE_SCHEDULER; "
-                               "needs bnprobe[dist]); its workers read the dump files themselves.")
-_RESUME = typer.Option(False, "--resume", help="Sweep: continue the interrupted sweep in --out, keeping its finished "
-                                               "calls.")
+@dataclass(frozen=True)
+class Generated(Group):
+    """The generated input: its shape (each command words its own default) and how it is drawn."""
+
+    shape: Optional[str] = option(help="Shape of generated input (default 8,16,14,14).")
+    seed: Optional[int] = option(min=0, help="Seed of the generated input and parameters (default 0).")
+    mean: Optional[float] = option(help="Mean of the generated input (default 0).")
+    std: Optional[float] = option(help="Standard deviation of the generated input (default 1).")
+    dist: Optional[str] = option(help="Distribution of the generated input: normal (default), uniform, student_t, "
+                                      "constant.")
 
 
-def _calls(what: str):  # noqa: ANN202 - typer's OptionInfo
-    return typer.Option(None, "--calls", help=f"Recorded calls to {what} (glob on the call or module name), e.g. "
-                                              "'*layer1*'.")
+@dataclass(frozen=True)
+class Call(Group):
+    """The BatchNorm call: its mode, scalars, layout, parameter format and framework convention."""
+
+    mode: Optional[str] = option(help="train (default), infer or backward.")
+    eps: Optional[float] = option(help="BatchNorm epsilon (> 0; default 1e-5; a recording's own).")
+    momentum: Optional[float] = option(help="Running-stat momentum m, the batch's weight (PyTorch's spelling, in "
+                                            "every convention; default 0.1).")
+    layout: Optional[str] = option(help="channels_first (default) or channels_last.")
+    params: Optional[str] = option(help="Parameter format: fp32 (mixed precision, the default) or same (γ, β, "
+                                        "running and saved statistics in the input's format); a recording's own.")
+    convention: Optional[str] = option("--convention", help="The framework convention the kernels follow (a "
+                                                             "plugin's, a dump's): torch, tensorflow, keras, flax, "
+                                                             "paddle, mindspore; the golden's and the bench's "
+                                                             "running variance follow it.")
+
+    def check(self, names: frozenset[str]) -> None:
+        """ε a number the library takes, the parameter format one it knows, the mode train, infer or backward."""
+        from bnprobe.engine.recorded import check_params
+        from bnprobe.kernels.layout import check_eps
+
+        if "eps" in names and self.eps is not None:
+            check_eps(self.eps)
+        if "params" in names:
+            check_params(self.params)
+        if "mode" in names and self.mode not in (None, "train", "infer", "backward"):
+            raise BNProbeError(f"unknown mode {self.mode!r}; valid: train, infer, backward")
+
+
+@dataclass(frozen=True)
+class Source(Group):
+    """Where the input comes from instead: a tensor file or a dump, and the recorded calls to take."""
+
+    input: Optional[Path] = option("--input", help="Input tensor .npy/.npz, or a dump folder.")
+    calls: Optional[str] = option("--calls", help="Recorded calls to {what} (glob on the call or module name), e.g. "
+                                                  "'*layer1*'.")
+
+
+@dataclass(frozen=True)
+class Output(Group):
+    """Where the report goes, whether it may overwrite, and JSON instead of the table."""
+
+    out: Optional[Path] = option(help="Write CSV, JSON and Markdown to this folder.")
+    force: bool = option("--force", default=False, help="Overwrite existing files in --out.")
+    as_json: bool = option("--json", default=False, help="Print JSON instead of the table.")
+
+    def sink(self, stem: str = "", *names: str):  # noqa: ANN201 - OutputDir | None
+        """The run's output folder, checked and created now (see :func:`_output`)."""
+        return _output(self.out, self.force, stem, *names)
+
+    def show(self, report, sink) -> int:  # noqa: ANN001 - Report, OutputDir | None
+        """The report written and printed (see :func:`_show`); the exit status."""
+        return _show(report, sink, self.as_json)
+
+
+@dataclass(frozen=True)
+class Sweep(Group):
+    """A sweep over a dump root: asked for, its local workers or its dask scheduler, resuming."""
+
+    sweep: bool = option("--sweep", default=False, help="Run every recorded call as one task of a sweep, in "
+                                                        "parallel (automatic when the dump root holds several "
+                                                        "step*/rank* dumps).")
+    workers: Optional[int] = option(min=1, max=1024, help="Sweep: local worker processes (default: the cores).")
+    scheduler: Optional[str] = option("--scheduler", metavar="ADDR",
+                                      help="Sweep on a dask.distributed cluster, e.g. tcp://HOST:8786 (default "
+                                           "$BNPROBE_SCHEDULER; needs bnprobe[dist]); its workers read the dump "
+                                           "files themselves.")
+    resume: bool = option("--resume", default=False, help="Sweep: continue the interrupted sweep in --out, keeping "
+                                                          "its finished calls.")
+
+    @property
+    def asked(self) -> bool:
+        """Whether one of the sweep's options was given."""
+        return self.sweep or self.resume or self.workers is not None or self.scheduler is not None
 
 
 def _show(report, sink=None, as_json: bool = False) -> int:  # noqa: ANN001 - Report, OutputDir | None
@@ -108,9 +271,6 @@ def _show(report, sink=None, as_json: bool = False) -> int:  # noqa: ANN001 - Re
     _echo(report.lines(written) if not as_json else [dumps_json(report.doc)])
     return 0 if report.passed else 1
 
-
-# every command takes both spellings: --adapter / --adapters, --dtype / --dtypes (compare-precision lists several)
-_A, _D = ("--adapter", "--adapters"), ("--dtype", "--dtypes")
 
 def split_adapters(text: str) -> list[str]:
     """``--adapters``' list: comma-separated adapters, where a ``key=value`` after a comma continues the adapter
@@ -161,24 +321,12 @@ def _echo(lines: list[str]) -> None:
         typer.echo(line)
 
 
-def _check_common(eps: Optional[float] = None, params: Optional[str] = None, mode: Optional[str] = None) -> None:
-    """The options most commands share, checked before any work."""
-    from bnprobe.engine.recorded import check_params
-    from bnprobe.kernels.layout import check_eps
-
-    if eps is not None:
-        check_eps(eps)
-    check_params(params)
-    if mode not in (None, "train", "infer", "backward"):
-        raise BNProbeError(f"unknown mode {mode!r}; valid: train, infer, backward")
-
-
-def _sweep_root(adapter: str, input: Optional[Path], flags: tuple) -> Optional[tuple[Path, Optional[str]]]:
-    """(dump root, the runnable adapter or None for the recorded outputs) when this run is a sweep: asked for
-    (``flags``: --sweep, --workers, --scheduler, --resume), or a dump root holding several step/rank dumps."""
+def _sweep_root(adapter: str, input: Optional[Path], sweep: Sweep) -> Optional[tuple[Path, Optional[str]]]:
+    """(dump root, the runnable adapter or None for the recorded outputs) when this run is a sweep: asked for (one
+    of the sweep's options given), or a dump root holding several step/rank dumps."""
     from bnprobe.sweep.command import find_root
 
-    return find_root(adapter, input, any(f not in (None, False) for f in flags))
+    return find_root(adapter, input, sweep.asked)
 
 
 def _check_sweep(as_json: bool, options: tuple[str, ...], root: str) -> None:
@@ -190,16 +338,16 @@ def _check_sweep(as_json: bool, options: tuple[str, ...], root: str) -> None:
     refuse(options, root)
 
 
-def _run_sweep(command: str, found: tuple[Path, Optional[str]], calls: Optional[str], out: Optional[Path],
-               force: bool, workers: Optional[int], scheduler: Optional[str], resume: bool, **spec) -> int:
+def _run_sweep(command: str, found: tuple[Path, Optional[str]], calls: Optional[str], report: Output, sweep: Sweep,
+               **spec) -> int:
     """A check over every (step, rank, call) of a dump root, one task each (bnprobe.sweep.command), then its report."""
     from bnprobe._progress import Progress
     from bnprobe.reports.sweep import sweep_lines, write_sweep
     from bnprobe.sweep.command import SWEEP_FILES, SweepInterrupted, SweepRequest, execute, prepare
 
-    plan = prepare(SweepRequest(command, *found, calls=calls, out=out, force=force, workers=workers,
-                                scheduler=scheduler, resume=resume, options=spec))
-    sink = _output(plan.out, force, f"{command}-sweep", *SWEEP_FILES)
+    plan = prepare(SweepRequest(command, *found, calls=calls, out=report.out, force=report.force,
+                                workers=sweep.workers, scheduler=sweep.scheduler, resume=sweep.resume, options=spec))
+    sink = _output(plan.out, report.force, f"{command}-sweep", *SWEEP_FILES)
     try:
         with Progress(f"{command} sweep") as bar:
             result = execute(plan, sink.path, progress=lambda d, t, f: bar(d, t, f"{d}/{t} calls, {f} failed to run"),
@@ -216,6 +364,23 @@ def _run_sweep(command: str, found: tuple[Path, Optional[str]], calls: Optional[
     return 0 if result.passed else 1
 
 
+_SINKS: list = []  # the output folders of the running command: discarded by main() when it fails
+
+
+def _output(out: Optional[Path], force: bool, stem: str = "", *names: str):  # noqa: ANN202 - OutputDir | None
+    """The run's output folder, checked and created now, before any work (``None`` without ``--out`` unless
+    ``stem`` names a default ``reports/<stem>-<time>``); the files ``names`` refused now if they exist. A run that
+    fails leaves neither the folder (when it created it) nor any file in it."""
+    if out is None and not stem:
+        return None
+    from bnprobe.reports import output_dir
+
+    sink = output_dir(out, stem, force=force)
+    _SINKS.append(sink)
+    sink.claim(*names)
+    return sink
+
+
 # ---- commands ---------------------------------------------------------------------------------------
 
 @_command("trace")
@@ -223,55 +388,49 @@ def trace(
     policy: Optional[str] = typer.Option(None, help="Preset (fp64, fp32, fp16, bf16, fp16-acc16, bf16-acc16) with "
                                                     "optional overrides, e.g. 'fp16:variance=naive,order=lanes' "
                                                     "(default fp16; for a recorded call, its format's preset)."),
-    shape: Optional[str] = typer.Option(None, help="Input shape N,C[,L|H,W|D,H,W] for generated input "
-                                                   "(default 8,16,14,14)."),
-    seed: Optional[int] = _SEED, mean: Optional[float] = _MEAN, std: Optional[float] = _STD,
-    dist: Optional[str] = _DIST,
-    mode: Optional[str] = typer.Option(None, help="train (default; a recorded call's own), infer or backward."),
-    eps: Optional[float] = _EPS,
-    momentum: Optional[float] = _MOMENTUM,
-    layout: Optional[str] = typer.Option(None, help="channels_first (default) or channels_last."),
-    params: Optional[str] = _PARAMS,
-    input: Optional[Path] = typer.Option(None, "--input", help="Use this .npy/.npz tensor as x instead, or a dump "
-                                                               "DIR[#NAME] of one call (all its inputs and scalars)."),
-    calls: Optional[str] = typer.Option(None, "--calls", help="The recorded call to trace (glob), when --input is a "
-                                                              "dump of several."),
-    as_json: bool = _JSON,
+    gen: Generated = Generated.use("shape", "seed", "mean", "std", "dist",
+                                   shape="Input shape N,C[,L|H,W|D,H,W] for generated input (default 8,16,14,14)."),
+    bn: Call = Call.use("mode", "eps", "momentum", "layout", "params",
+                        mode="train (default; a recorded call's own), infer or backward."),
+    src: Source = Source.use(input="Use this .npy/.npz tensor as x instead, or a dump DIR[#NAME] of one call (all "
+                                   "its inputs and scalars).",
+                             calls="The recorded call to trace (glob), when --input is a dump of several."),
+    report: Output = Output.use("as_json"),
 ) -> None:
     """Run one BatchNorm layer and show every stage: range, error vs the FP64 golden, anomalies."""
     import numpy as np
 
     from bnprobe.engine.recorded import given, is_dump_path, one_call, refuse
     from bnprobe.checks.trace.stages import trace_recorded, trace_run
-    from bnprobe.inputs import input_tensor, make_params
+    from bnprobe.inputs import Draw, input_tensor, make_params
     from bnprobe.kernels.layout import Layout, layout_of
     from bnprobe.reports.checks import trace_lines
 
-    _check_common(params=params)
+    input, mode, layout, params = src.input, bn.mode, bn.layout, bn.params
     if input is not None and is_dump_path(input):
-        _, input, eps, momentum = _dump_scalars([], input, eps, momentum)
-        call, rec = one_call(input, calls, "trace", guard="trace")
-        refuse(given(shape=shape, seed=seed, mean=mean, std=std, dist=dist, eps=eps, momentum=momentum),
-               str(input).partition("#")[0])
+        _, input, eps, momentum = _dump_scalars([], input, bn.eps, bn.momentum)
+        call, rec = one_call(input, src.calls, "trace", guard="trace")
+        refuse(given(shape=gen.shape, seed=gen.seed, mean=gen.mean, std=gen.std, dist=gen.dist, eps=eps,
+                     momentum=momentum), str(input).partition("#")[0])
         if layout is not None and layout != rec.layout:
             raise BNProbeError(f"--layout {layout} contradicts the recording: {call.label} is {rec.layout}")
         cmp = trace_recorded(rec, policy=policy, mode=mode, label=call.label, params=params)
         source = f"recorded call {call.label} of {str(input).partition('#')[0]} (its γ, β, running statistics, dy)"
-        eps_v, mom_v, lay = rec.eps, rec.momentum, Layout(tuple(cmp.shape), rec.layout)
+        lay = Layout(tuple(cmp.shape), rec.layout)
     else:
-        if calls is not None:
+        if src.calls is not None:
             raise BNProbeError("--calls selects recorded calls: give a dump as --input DIR")
-        eps_v, mom_v = EPS if eps is None else eps, MOMENTUM if momentum is None else momentum
-        m, s, sd, d = 0.0 if mean is None else mean, 1.0 if std is None else std, seed or 0, dist or "normal"
-        x = input_tensor("trace", input, ("8,16,14,14" if shape is None else shape), d, m, s, sd)
-        source = str(input) if input is not None else f"{d}(mean={m:g}, std={s:g}), seed {sd}"
-        lay = layout_of(x, layout or "channels_first")
-        prm = make_params(lay.channels, sd)
-        dy = np.random.default_rng([sd, 2]).standard_normal(x.shape) if mode == "backward" else None
-        cmp = trace_run(x, policy=policy or "fp16", mode=mode or "train", gamma=prm["gamma"], beta=prm["beta"],
-                        running_mean=np.full(lay.channels, m), running_var=np.full(lay.channels, max(s, 0.0) ** 2),
-                        dy=dy, eps=eps_v, momentum=mom_v, layout=lay.layout, params=params)
-    _echo([dumps_json({**cmp.to_dict(), "input": source})] if as_json else trace_lines(cmp, source, lay, eps_v, mom_v))
+        d = Draw.of(gen.dist, gen.mean, gen.std, gen.seed)
+        x = input_tensor("trace", input, gen.shape, d.dist, d.mean, d.std, d.seed)
+        source = str(input) if input is not None else f"{d.dist}(mean={d.mean:g}, std={d.std:g}), seed {d.seed}"
+        lay = layout_of(x, layout)
+        prm = make_params(lay.channels, d.seed)
+        dy = np.random.default_rng([d.seed, 2]).standard_normal(x.shape) if mode == "backward" else None
+        cmp = trace_run(x, policy=policy, mode=mode, gamma=prm["gamma"], beta=prm["beta"],
+                        running_mean=np.full(lay.channels, d.mean),
+                        running_var=np.full(lay.channels, max(d.std, 0.0) ** 2), dy=dy, eps=bn.eps,
+                        layout=lay.layout, params=params, **_if_given(momentum=bn.momentum))
+    _echo([dumps_json({**cmp.to_dict(), "input": source})] if report.as_json else trace_lines(cmp, source, lay))
 
 
 def _int_list(text: str, what: str) -> tuple[int, ...]:
@@ -300,10 +459,8 @@ def rsqrt_cmd(
     exhaustive: bool = typer.Option(False, "--exhaustive", help="Every positive finite input (fp32: all 2^31, "
                                                                 "minutes)."),
     samples: Optional[int] = typer.Option(None, help="Analyse N random inputs instead."),
-    seed: int = typer.Option(0, min=0, help="Seed of the random inputs."),
-    out: Optional[Path] = typer.Option(None, help="Write CSV, JSON and the error plot (PNG) to this folder."),
-    force: bool = _FORCE,
-    as_json: bool = _JSON,
+    gen: Generated = Generated.use("seed", seed=dict(default=0, help="Seed of the random inputs.")),
+    report: Output = Output.use(out="Write CSV, JSON and the error plot (PNG) to this folder."),
 ) -> None:
     """ULP and relative error of rsqrt / reciprocal / sqrt / divide methods as accelerators compute them.
 
@@ -326,23 +483,23 @@ def rsqrt_cmd(
         raise BNProbeError(f"--samples must be >= 1, got {samples}")
     steps = _int_list(newton, "--newton")
     stem = f"{op}-{spec.format}-{method}"
-    sink = _output(out, force, "", *math_files(stem))
+    sink = report.sink("", *math_files(stem))
     with Progress(spec.label()) as bar:
         result = analyze(spec, steps, domain="exhaustive" if exhaustive else "samples" if samples is not None
-                         else "auto", samples=samples or (1 << 20), seed=seed, progress=bar)
+                         else "auto", samples=samples or (1 << 20), seed=gen.seed, progress=bar)
     written = write_math(result, sink, stem) if sink is not None else []
-    _echo([dumps_json(result.to_dict())] if as_json else
+    _echo([dumps_json(result.to_dict())] if report.as_json else
           math_lines(result) + (["wrote " + ", ".join(str(t) for t in written)] if written else []))
 
 
 @_command("adapters")
-def adapters_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+def adapters_cmd(report: Output = Output.use("as_json", as_json="Print JSON.")) -> None:
     """List every kernel adapter, whether it is available here, and if not, why."""
     from bnprobe._table import render_table
     from bnprobe.adapters.registry import list_adapters
 
     rows = list_adapters()
-    if as_json:
+    if report.as_json:
         typer.echo(dumps_json(rows))
         return
     for r in rows:
@@ -353,131 +510,114 @@ def adapters_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON.
                "entry-point group")
 
 
-@_command("dump")
+@_command("dump", order="adapter out dtype params shape seed mean std dist input modes eps momentum layout force")
 def dump_cmd(
-    adapter: str = typer.Option(..., *_A, help="Adapter to record, e.g. torch, ascend-tbe, emulated:fp16."),
-    out: Path = typer.Option(..., "--out", help="Folder to write bnprobe-dump.json and tensors.npz into."),
-    dtype: str = typer.Option("fp16", *_D, help="Format to run in: fp64, fp32, fp16, bf16."),
-    params: str = typer.Option("fp32", help="Parameter precision: fp32 (mixed precision) or same."),
-    shape: str = typer.Option("8,16,14,14", help="Shape of generated input N,C[,...]."),
-    seed: int = typer.Option(0, min=0, help="Seed of the generated input, parameters and dy."),
-    mean: float = typer.Option(0.0, help="Mean of the generated input."),
-    std: float = typer.Option(1.0, help="Standard deviation of the generated input."),
-    dist: str = typer.Option("normal", help="normal, uniform, student_t, constant."),
-    input: Optional[Path] = typer.Option(None, "--input", help="Use this .npy/.npz tensor as x."),
+    target: Kernel = Kernel.use("adapter", "dtype",
+                                adapter=dict(default=..., help="Adapter to record, e.g. torch, ascend-tbe, "
+                                                               "emulated:fp16."),
+                                dtype=dict(help="Format to run in: fp64, fp32, fp16, bf16.", shown="fp16")),
+    report: Output = Output.use("out", "force", out=dict(default=..., help="Folder to write bnprobe-dump.json and "
+                                                                           "tensors.npz into."),
+                                force="Overwrite an existing dump."),
+    gen: Generated = Generated.use(shape=dict(help="Shape of generated input N,C[,...].", shown="8,16,14,14"),
+                                   seed=dict(default=0, help="Seed of the generated input, parameters and dy."),
+                                   mean=dict(help="Mean of the generated input.", shown=0.0),
+                                   std=dict(help="Standard deviation of the generated input.", shown=1.0),
+                                   dist=dict(help="normal, uniform, student_t, constant.", shown="normal")),
+    src: Source = Source.use("input", input="Use this .npy/.npz tensor as x."),
     modes: str = typer.Option("train,infer,backward", help="Which calls to record."),
-    eps: float = typer.Option(1e-5, help="BatchNorm epsilon."),
-    momentum: float = typer.Option(0.1, help="Running-stat momentum."),
-    layout: str = typer.Option("channels_first", help="channels_first or channels_last."),
-    force: bool = typer.Option(False, "--force", help="Overwrite an existing dump."),
+    bn: Call = Call.use("params", "eps", "momentum", "layout",
+                        params=dict(help="Parameter precision: fp32 (mixed precision) or same.", shown="fp32"),
+                        eps=dict(help="BatchNorm epsilon.", shown=EPS),
+                        momentum=dict(help="Running-stat momentum.", shown=MOMENTUM),
+                        layout=dict(help="channels_first or channels_last.", shown="channels_first")),
 ) -> None:
     """Record an adapter's inputs and outputs as a bnprobe dump, to replay and compare anywhere."""
     import numpy as np
 
     from bnprobe.adapters import get_adapter
     from bnprobe.recordings import record, write_dump
-    from bnprobe.inputs import input_tensor, make_params
+    from bnprobe.inputs import Draw, input_tensor, make_params
     from bnprobe.kernels.layout import layout_of
 
-    _check_common(params=params)
-    _output(out, force, "", "bnprobe-dump.json", "tensors.npz")
+    out, input = report.out, src.input
+    report.sink("", "bnprobe-dump.json", "tensors.npz")
     wanted = tuple(m.strip() for m in modes.split(",") if m.strip())
     bad = [m for m in wanted if m not in ("train", "infer", "backward")]
     if bad or not wanted:
         raise BNProbeError(f"--modes takes train, infer, backward; got {modes!r}")
-    a = get_adapter(adapter)
-    x = input_tensor("dump", input, shape, dist, mean, std, seed)
-    c = layout_of(x, layout).channels
-    prm = make_params(c, seed)
-    dy = np.random.default_rng([seed, 2]).standard_normal(x.shape)
-    rec = record(a, BNCall(x=x, gamma=prm["gamma"], beta=prm["beta"], running_mean=np.full(c, mean),
-                           running_var=np.full(c, std**2 if std > 0 else 1.0), dy=dy, dtype=dtype, eps=eps,
-                           momentum=momentum, layout=layout, params=params), modes=wanted,
-                 meta={"seed": seed, "input": str(input) if input else f"{dist}(mean={mean}, std={std})"})
-    files = write_dump(rec, out, force=force)
+    a = get_adapter(target.adapter)
+    d = Draw.of(gen.dist, gen.mean, gen.std, gen.seed)
+    x = input_tensor("dump", input, gen.shape, d.dist, d.mean, d.std, d.seed)
+    lay = layout_of(x, bn.layout)
+    prm = make_params(lay.channels, d.seed)
+    dy = np.random.default_rng([d.seed, 2]).standard_normal(x.shape)
+    # the call's format is dump's own default (fp16), not a BNCall's (fp32); its scalars not given are BNCall's
+    call = BNCall(x=x, gamma=prm["gamma"], beta=prm["beta"], running_mean=np.full(lay.channels, d.mean),
+                  running_var=np.full(lay.channels, d.std**2 if d.std > 0 else 1.0), dy=dy,
+                  dtype=target.dtype or "fp16", layout=lay.layout,
+                  **_if_given(eps=bn.eps, momentum=bn.momentum, params=bn.params))
+    rec = record(a, call, modes=wanted,
+                 meta={"seed": d.seed, "input": str(input) if input else f"{d.dist}(mean={d.mean}, std={d.std})"})
+    files = write_dump(rec, out, force=report.force)
     typer.echo(f"recorded {a.name} ({', '.join(rec.modes)}) in {rec.dtype}: " + ", ".join(str(f) for f in files))
     if "params_note" in rec.meta:
         typer.echo(f"note: {rec.meta['params_note']}")
     typer.echo(f"replay it as an adapter: --adapter dump:{out}")
 
 
-_SINKS: list = []  # the output folders of the running command: discarded by main() when it fails
-
-
-def _output(out: Optional[Path], force: bool, stem: str = "", *names: str):  # noqa: ANN202 - OutputDir | None
-    """The run's output folder, checked and created now, before any work (``None`` without ``--out`` unless
-    ``stem`` names a default ``reports/<stem>-<time>``); the files ``names`` refused now if they exist. A run that
-    fails leaves neither the folder (when it created it) nor any file in it."""
-    if out is None and not stem:
-        return None
-    from bnprobe.reports import output_dir
-
-    sink = output_dir(out, stem, force=force)
-    _SINKS.append(sink)
-    sink.claim(*names)
-    return sink
-
-
-@_command("gradcheck")
+@_command("gradcheck", order="adapter dtype shape mode seed dist mean std formula rtol atol eps params input calls "
+                             "convention out force as_json")
 def gradcheck_cmd(
-    adapter: str = typer.Option("emulated", *_A, help="Adapter whose backward is checked, or dump:DIR[#NAME] (every "
-                                                 "recorded call, each on its own inputs)."),
-    dtype: Optional[str] = typer.Option(None, *_D,
-                                        help="Format: fp16 (default), bf16, fp32 or fp64; a recording's own."),
-    shape: Optional[str] = typer.Option(None, help="Input shape N,C[,...] of generated inputs (default 4,3,5,5)."),
-    mode: Optional[str] = typer.Option(None, help="train (default) or infer; a recording's own."),
-    seed: Optional[int] = _SEED,
-    dist: Optional[str] = _DIST, mean: Optional[float] = _MEAN, std: Optional[float] = _STD,
+    target: Kernel = Kernel.use("adapter", "dtype",
+                                adapter=dict(default="emulated", help="Adapter whose backward is checked, or "
+                                                                      "dump:DIR[#NAME] (every recorded call, each on "
+                                                                      "its own inputs)."),
+                                dtype="Format: fp16 (default), bf16, fp32 or fp64; a recording's own."),
+    gen: Generated = Generated.use(shape="Input shape N,C[,...] of generated inputs (default 4,3,5,5)."),
+    bn: Call = Call.use("mode", "eps", "params", "convention",
+                        mode=dict(help="train (default) or infer; a recording's own.", check=False)),
     formula: Optional[str] = typer.Option(None, help="Check a backward formula instead: standard, seed, ascend "
                                                      "or module:function (f(dy, x, gamma, mean, var, eps) -> dx)."),
     rtol: Optional[float] = typer.Option(None, help="Relative tolerance (give with --atol)."),
     atol: Optional[float] = typer.Option(None, help="Absolute tolerance (give with --rtol)."),
-    eps: Optional[float] = _EPS,
-    params: Optional[str] = _PARAMS,
-    input: Optional[Path] = typer.Option(None, "--input", help="A dump folder (bnprobe or msprobe): run the adapter "
-                                                               "on every recorded call's own inputs."),
-    calls: Optional[str] = _calls("check"),
-    convention: Optional[str] = _CONVENTION,
-    out: Optional[Path] = _OUT,
-    force: bool = _FORCE,
-    as_json: bool = _JSON,
+    src: Source = Source.use(input="A dump folder (bnprobe or msprobe): run the adapter on every recorded call's "
+                                   "own inputs.", calls=dict(what="check")),
+    report: Output = Output.use(),
 ) -> int:
     """Numerical vs analytic gradients (FP64 finite differences), the adapter's backward vs the FP64
     golden, the gradient identities, or a candidate backward formula; on a dump, every recorded call on
     its own inputs. Exit 1 when a check fails."""
     from bnprobe.checks.gradcheck.gradients import check_formula, gradcheck, gradcheck_recorded
     from bnprobe.engine.recorded import check_options, given, is_dump_path, recording_of
-    from bnprobe.guard import require_run
-    from bnprobe.inputs import make_input, parse_shape
+    from bnprobe.inputs import input_shape, make_input
     from bnprobe.reports.checks import gradcheck_recorded_report, gradcheck_report
 
-    _check_common(eps=eps, params=params)
+    input, mode, params, as_json = src.input, bn.mode, bn.params, report.as_json
     if input is not None and not is_dump_path(input):
         raise BNProbeError(f"--input {input}: gradcheck takes a dump folder (bnprobe or msprobe) as --input")
-    sink = _output(out, force)
-    (adapter,), input, eps, _ = _dump_scalars([adapter], input, eps)
-    kernel = _in_convention(adapter, convention)
-    recorded = recording_of(kernel, input, calls, guard="gradcheck")
+    sink = report.sink()
+    (adapter,), input, eps, _ = _dump_scalars([target.adapter], input, bn.eps)
+    kernel = _in_convention(adapter, bn.convention)
+    recorded = recording_of(kernel, input, src.calls, guard="gradcheck")
     if recorded is not None:
         if formula is not None:
             raise BNProbeError("--formula checks a formula on generated inputs: it contradicts the recording; drop "
                                "one of them")
-        check_options(recorded, given=given(shape=shape, eps=eps, seed=seed, dist=dist, mean=mean, std=std),
-                      dtype=dtype, params=params)
+        check_options(recorded, given=given(shape=gen.shape, eps=eps, seed=gen.seed, dist=gen.dist, mean=gen.mean,
+                                            std=gen.std), dtype=target.dtype, params=params)
         return _show(gradcheck_recorded_report(gradcheck_recorded(recorded, mode=mode, rtol=rtol, atol=atol)), sink,
                      as_json)
-    shp = parse_shape(("4,3,5,5" if shape is None else shape))
-    require_run("gradcheck", shp)
-    e, s = EPS if eps is None else eps, seed or 0
+    shp = input_shape("gradcheck", gen.shape)
     if formula is not None:
-        if off := given(params=params, dist=dist, mean=mean, std=std):
+        if off := given(params=params, dist=gen.dist, mean=gen.mean, std=gen.std):
             raise BNProbeError(f"--formula checks a formula in FP64 on its own inputs: {', '.join(off)} "
                                f"do{'es' if len(off) == 1 else ''} not apply; drop {'it' if len(off) == 1 else 'them'}")
-        return _show(gradcheck_report(check_formula(formula, shp, seed=s, eps=e, rtol=rtol, atol=atol)), sink, as_json)
-    x = None if (dist, mean, std) == (None, None, None) else \
-        make_input(shp, dist=dist or "normal", mean=0.0 if mean is None else mean, std=1.0 if std is None else std,
-                   seed=s)
-    result = gradcheck(kernel, dtype or "fp16", shp, mode=mode or "train", seed=s, eps=e, rtol=rtol, atol=atol,
+        return _show(gradcheck_report(check_formula(formula, shp, seed=gen.seed, eps=eps, rtol=rtol, atol=atol)),
+                     sink, as_json)
+    x = None if (gen.dist, gen.mean, gen.std) == (None, None, None) else \
+        make_input(shp, dist=gen.dist, mean=gen.mean, std=gen.std, seed=gen.seed)
+    result = gradcheck(kernel, target.dtype, shp, mode=mode, seed=gen.seed, eps=eps, rtol=rtol, atol=atol,
                        params=params, x=x)
     return _show(gradcheck_report(result, params), sink, as_json)
 
@@ -522,44 +662,40 @@ def _builtin_for(resolved: list, builtin: list[bool], dtypes: tuple[str, ...] | 
     return keep
 
 
-@_command("compare-precision")
+@_command("compare-precision", order="adapter dtype shape shapes batch dist mean std input calls stress mode seed "
+                                     "rule bench budget eps momentum params convention out format force sweep "
+                                     "workers scheduler resume")
 def compare_precision_cmd(
-    adapters: str = typer.Option("builtin", "--adapters", "--adapter",
-                                 help="Comma-separated adapters, e.g. emulated,ascend-tbe,torch, or dump:DIR (every "
-                                      "BatchNorm call of a bnprobe/msprobe dump); builtin: the Ascend emulators "
-                                      "(ascend-tbe, ascend-bnv3, ascend-950), the 16-bit-accumulator ports "
-                                      "(emulated:fp16-acc16, emulated:bf16-acc16) and torch where installed."),
-    dtypes: Optional[str] = typer.Option(None, "--dtypes", "--dtype",
-                                         help="Comma-separated formats (default fp16,bf16,fp32; a recording's "
-                                                    "own format)."),
-    shape: Optional[str] = typer.Option(None, help="One input shape N,C[,...] instead of the ResNet-50 set."),
+    target: Kernel = Kernel.use(
+        "adapter", "dtype",
+        adapter=dict(default="builtin", flags=("--adapters", "--adapter"),
+                     help="Comma-separated adapters, e.g. emulated,ascend-tbe,torch, or dump:DIR (every BatchNorm "
+                          "call of a bnprobe/msprobe dump); builtin: the Ascend emulators (ascend-tbe, ascend-bnv3, "
+                          "ascend-950), the 16-bit-accumulator ports (emulated:fp16-acc16, emulated:bf16-acc16) and "
+                          "torch where installed."),
+        dtype=dict(flags=("--dtypes", "--dtype"), help="Comma-separated formats (default fp16,bf16,fp32; a "
+                                                       "recording's own format).")),
+    gen: Generated = Generated.use(shape="One input shape N,C[,...] instead of the ResNet-50 set.",
+                                   seed=dict(default=0, help="Seed of generated inputs.")),
     shapes: str = typer.Option("sample", help="Shape set when --shape is not given: sample (two ResNet-50 shapes) "
                                              "or resnet50 (every distinct one)."),
     batch: Optional[int] = typer.Option(None, min=1, max=65_536,
                                         help="Batch size of the ResNet-50 shapes (default 2)."),
-    dist: Optional[str] = _DIST, mean: Optional[float] = _MEAN, std: Optional[float] = _STD,
-    input: Optional[Path] = typer.Option(None, "--input", help="Real activations: .npy, .npz, or a dump folder "
-                                                               "(every recorded call's inputs)."),
-    calls: Optional[str] = _calls("run"),
+    src: Source = Source.use(input="Real activations: .npy, .npz, or a dump folder (every recorded call's inputs).",
+                             calls=dict(what="run")),
     stress: bool = typer.Option(True, "--stress/--no-stress", help="Add the stress inputs (large means, heavy "
                                                                    "tails, near FP16 max, var near eps, ...)."),
-    mode: str = typer.Option("all", help="train, infer, backward or all."),
-    seed: int = typer.Option(0, min=0, help="Seed of generated inputs."),
+    bn: Call = Call.use("mode", "eps", "momentum", "params", "convention",
+                        mode=dict(default="all", help="train, infer, backward or all.", check=False)),
     rule: str = typer.Option("benchmark", help="Kernel verdict: benchmark (msprobe's method: the kernel's error "
                                                "against the bench's, both against the FP64 golden), or an absolute "
                                                "rule: scaled, accumulated, threshold."),
     bench: str = typer.Option("careful", help="The bench of the benchmark rule: a careful kernel in the same "
                                               "formats (careful), or any runnable adapter, e.g. torch."),
     budget: bool = typer.Option(True, "--budget/--no-budget", help="Per-stage error budget (emulated kernels)."),
-    eps: Optional[float] = _EPS,
-    momentum: Optional[float] = _MOMENTUM,
-    params: Optional[str] = _PARAMS,
-    convention: Optional[str] = _CONVENTION,
-    out: Optional[Path] = typer.Option(None, help="Report folder (default reports/compare-precision-<time>)."),
+    report: Output = Output.use("out", "force", out="Report folder (default reports/compare-precision-<time>)."),
     format: str = typer.Option("csv,json,md,html", "--format", help="Report files to write."),
-    force: bool = _FORCE,
-    sweep: bool = _SWEEP, workers: Optional[int] = _WORKERS, scheduler: Optional[str] = _SCHEDULER,
-    resume: bool = _RESUME,
+    sweep: Sweep = Sweep.use(),
 ) -> int:
     """FP16/BF16/FP32 vs the FP64 golden for every BatchNorm output, per tensor, per channel and per
     stage; on a dump, every recorded call on its own inputs. Exit 0 when all are within standard, 1 when
@@ -571,28 +707,28 @@ def compare_precision_cmd(
     from bnprobe.engine.recorded import given
     from bnprobe.reports.compare import compare_lines, report_files, write_report
 
-    _check_common(eps=eps, params=params)
+    dtypes, mode, convention = target.dtype, bn.mode, bn.convention
     fmts, dts = _formats_and_dtypes(format, dtypes)
-    names, builtin = _listed(adapters)
+    names, builtin = _listed(target.adapter)
     if not names:
         raise BNProbeError("--adapters is empty")
-    if (found := _sweep_root(names[0], input, (sweep, workers, scheduler, resume))) is not None:
+    if (found := _sweep_root(names[0], src.input, sweep)) is not None:
         if len(names) > 1:
             raise BNProbeError("a sweep runs one adapter over the dump root (or its recorded outputs): give one")
-        _check_sweep(False, given(dtypes=dtypes, shape=shape, batch=batch, dist=dist, mean=mean, std=std, eps=eps,
-                                  momentum=momentum, params=params), str(found[0]))
-        return _run_sweep("compare-precision", found, calls, out, force, workers, scheduler, resume, mode=mode,
-                          rule=rule, bench=bench, budget=budget, convention=convention)
-    names, input, eps, momentum = _dump_scalars(names, input, eps, momentum)
+        _check_sweep(False, given(dtypes=dtypes, shape=gen.shape, batch=batch, dist=gen.dist, mean=gen.mean,
+                                  std=gen.std, eps=bn.eps, momentum=bn.momentum, params=bn.params), str(found[0]))
+        return _run_sweep("compare-precision", found, src.calls, report, sweep, mode=mode, rule=rule, bench=bench,
+                          budget=budget, convention=convention)
+    names, input, eps, momentum = _dump_scalars(names, src.input, bn.eps, bn.momentum)
     kernels = [get_adapter(a) if convention is None else _in_convention(a, convention) for a in names]
-    resolved, cases, recorded = select_cases(kernels, input=input, calls=calls, shape=shape,
-                                             shapes=shapes, batch=batch, values=Distribution(dist, mean, std),
-                                             seed=seed, mode=mode, stress=stress)
+    resolved, cases, recorded = select_cases(kernels, input=input, calls=src.calls, shape=gen.shape, shapes=shapes,
+                                             batch=batch, values=Distribution(gen.dist, gen.mean, gen.std),
+                                             seed=gen.seed, mode=mode, stress=stress)
     resolved = _builtin_for(resolved, builtin, dts, recorded)
-    sink = _output(out, force, "compare-precision", *report_files(fmts)) if fmts else None
+    sink = report.sink("compare-precision", *report_files(fmts)) if fmts else None
     with Progress("compare-precision") as bar:
-        result = compare_precision(resolved, dts, cases, mode=mode, seed=seed, budget=budget, progress=bar,
-                                   options=CallOptions(eps=eps, momentum=momentum, params=params),
+        result = compare_precision(resolved, dts, cases, mode=mode, seed=gen.seed, budget=budget, progress=bar,
+                                   options=CallOptions(eps=eps, momentum=momentum, params=bn.params),
                                    judging=Judging(rule=rule, bench=bench))
     paths = write_report(result, sink, fmts) if sink is not None else []
     what = f"{len(cases)} recorded call(s) of {recorded.source}" if recorded is not None else f"{len(cases)} inputs"
@@ -604,30 +740,21 @@ def compare_precision_cmd(
 
 @_command("overflow")
 def overflow_cmd(
-    adapter: str = typer.Option("emulated", *_A, help="Adapter to scan (a traced one shows every stage), or "
-                                                 "dump:DIR[#NAME] (every recorded call's outputs vs the golden)."),
-    dtype: Optional[str] = typer.Option(None, *_D, help="Format: fp16 (default), bf16, fp32; a recording's own."),
-    accumulate: Optional[str] = typer.Option(None, help="Accumulator/compute format for emulated kernels, e.g. "
-                                                        "fp16 for a naive port."),
-    input: Optional[Path] = typer.Option(None, "--input", help="Input tensor .npy/.npz, or a dump folder (the adapter "
-                                                               "on every recorded call's own inputs)."),
-    calls: Optional[str] = _calls("scan"),
-    shape: Optional[str] = typer.Option(None, help="Shape of generated input (default 8,16,14,14)."),
-    dist: Optional[str] = _DIST, mean: Optional[float] = _MEAN, std: Optional[float] = _STD,
-    seed: Optional[int] = _SEED,
-    mode: Optional[str] = typer.Option(None, help="train (default), infer or backward; on a recording: every mode "
-                                                  "each call recorded unless given."),
-    eps: Optional[float] = _EPS,
-    params: Optional[str] = _PARAMS,
-    convention: Optional[str] = _CONVENTION,
+    target: Kernel = Kernel.use(adapter=dict(default="emulated", help="Adapter to scan (a traced one shows every "
+                                                                      "stage), or dump:DIR[#NAME] (every recorded "
+                                                                      "call's outputs vs the golden)."),
+                                dtype="Format: fp16 (default), bf16, fp32; a recording's own."),
+    src: Source = Source.use(input="Input tensor .npy/.npz, or a dump folder (the adapter on every recorded call's "
+                                   "own inputs).", calls=dict(what="scan")),
+    gen: Generated = Generated.use("shape", "dist", "mean", "std", "seed"),
+    bn: Call = Call.use("mode", "eps", "params", "convention",
+                        mode="train (default), infer or backward; on a recording: every mode each call recorded "
+                             "unless given."),
     dy: Optional[str] = typer.Option(None, "--dy", help="Upstream gradient of the generated backward: shifted "
                                      "(default: N(0, 1) plus a mean per channel, as real losses give, so Σdy grows "
                                      "with R), normal, heavy (Student t, 2 d.o.f., shifted)."),
-    out: Optional[Path] = _OUT,
-    force: bool = _FORCE,
-    as_json: bool = _JSON,
-    sweep: bool = _SWEEP, workers: Optional[int] = _WORKERS, scheduler: Optional[str] = _SCHEDULER,
-    resume: bool = _RESUME,
+    report: Output = Output.use(),
+    sweep: Sweep = Sweep.use(),
 ) -> int:
     """Where, in which channel and why a BatchNorm goes non-finite or silently wrong; headroom predicted
     from the input; remedies verified; on a dump, every recorded call's outputs against the golden (an
@@ -638,31 +765,30 @@ def overflow_cmd(
     from bnprobe.inputs import input_tensor
     from bnprobe.reports.checks import overflow_recorded_report, overflow_report
 
-    _check_common(eps=eps, params=params, mode=mode)
+    input, mode, params, as_json = src.input, bn.mode, bn.params, report.as_json
     if dy is not None and dy not in DY_KINDS:
         raise BNProbeError(f"--dy {dy!r}: valid kinds are {', '.join(DY_KINDS)}")
-    if (found := _sweep_root(adapter, input, (sweep, workers, scheduler, resume))) is not None:
-        _check_sweep(as_json, given(dtype=dtype, accumulate=accumulate, shape=shape, dist=dist, mean=mean, std=std,
-                                   seed=seed, eps=eps, params=params, dy=dy), str(found[0]))
-        return _run_sweep("overflow", found, calls, out, force, workers, scheduler, resume, mode=mode,
-                          convention=convention)
-    sink = _output(out, force)
-    (adapter,), input, eps, _ = _dump_scalars([adapter], input, eps)
-    kernel = _in_convention(adapter, convention)
-    recorded = recording_of(kernel, input, calls, guard="overflow")
+    if (found := _sweep_root(target.adapter, input, sweep)) is not None:
+        _check_sweep(as_json, given(dtype=target.dtype, accumulate=target.accumulate, shape=gen.shape, dist=gen.dist,
+                                    mean=gen.mean, std=gen.std, seed=gen.seed, eps=bn.eps, params=params, dy=dy),
+                     str(found[0]))
+        return _run_sweep("overflow", found, src.calls, report, sweep, mode=mode, convention=bn.convention)
+    sink = report.sink()
+    (adapter,), input, eps, _ = _dump_scalars([target.adapter], input, bn.eps)
+    kernel = _in_convention(adapter, bn.convention)
+    recorded = recording_of(kernel, input, src.calls, guard="overflow")
     if recorded is not None:
-        check_options(recorded, given=given(shape=shape, dist=dist, mean=mean, std=std, seed=seed, eps=eps,
-                                            accumulate=accumulate, dy=dy), dtype=dtype, mode=mode, params=params)
+        check_options(recorded, given=given(shape=gen.shape, dist=gen.dist, mean=gen.mean, std=gen.std, seed=gen.seed,
+                                            eps=eps, accumulate=target.accumulate, dy=dy), dtype=target.dtype,
+                      mode=mode, params=params)
         return _show(overflow_recorded_report(scan_recorded(recorded, mode=mode)), sink, as_json)
-    x = input_tensor("overflow", input, "8,16,14,14" if shape is None else shape, dist or "normal",
-                     0.0 if mean is None else mean,
-                     1.0 if std is None else std, seed or 0)
-    rep = scan(kernel, x, dtype=dtype or "fp16", accumulate=accumulate, mode=mode or "train",
-               eps=EPS if eps is None else eps, seed=seed or 0, params=params, dy=dy)
+    x = input_tensor("overflow", input, gen.shape, gen.dist, gen.mean, gen.std, gen.seed)
+    rep = scan(kernel, x, dtype=target.dtype, accumulate=target.accumulate, mode=mode, eps=eps, seed=gen.seed,
+               params=params, dy=dy)
     return _show(overflow_report(rep, params), sink, as_json)
 
 
-@_command("fold")
+@_command("fold", order="layer weights folded dtype accumulate eps groups seed onnx fused fuse out force as_json")
 def fold_cmd(
     layer: str = typer.Option("conv2d", help="Built-in layer before the BatchNorm: conv2d or linear."),
     weights: Optional[Path] = typer.Option(None, help=".npz with weight, gamma, beta, running_mean, running_var "
@@ -670,12 +796,12 @@ def fold_cmd(
     folded: Optional[Path] = typer.Option(None, "--folded", help="Your folded layer, an .npz with weight (W'), bias "
                                                                  "(b') and optional eps: judged against the FP64 fold "
                                                                  "of --weights (needs --weights)."),
-    dtype: Optional[str] = typer.Option(None, *_D, help="Format: fp16, bf16, fp32, fp64 (default fp16; with --folded, "
-                                                   "the file's)."),
-    accumulate: Optional[str] = typer.Option(None, help="Accumulator of the layer's dot products (default fp32)."),
-    eps: Optional[float] = typer.Option(None, help="BatchNorm epsilon (default: the layer's, 1e-5)."),
+    target: Kernel = Kernel.use("dtype", "accumulate",
+                                dtype="Format: fp16, bf16, fp32, fp64 (default fp16; with --folded, the file's).",
+                                accumulate="Accumulator of the layer's dot products (default fp32)."),
+    bn: Call = Call.use("eps", eps=dict(help="BatchNorm epsilon (default: the layer's, 1e-5).", check=False)),
     groups: int = typer.Option(1, help="Groups of the built-in conv2d (its 16 input channels must divide)."),
-    seed: int = typer.Option(0, min=0, help="Seed of the built-in layer."),
+    gen: Generated = Generated.use("seed", seed=dict(default=0, help="Seed of the built-in layer.")),
     onnx: Optional[Path] = typer.Option(None, "--onnx", help="An ONNX model: every Conv/ConvTranspose/Gemm/MatMul -> "
                                                              "BatchNormalization pair folded in --dtype (a list: "
                                                              "fp16,bf16) and judged (needs bnprobe[onnx])."),
@@ -684,9 +810,7 @@ def fold_cmd(
                                                                "fold, and in fp16."),
     fuse: Optional[str] = typer.Option(None, "--fuse", help="With --onnx: fuse it with onnxruntime's graph optimizer "
                                                             "(ort: extended level; ort-basic, ort-all), judge that."),
-    out: Optional[Path] = _OUT,
-    force: bool = _FORCE,
-    as_json: bool = _JSON,
+    report: Output = Output.use(),
 ) -> int:
     """Check BatchNorm folding into a Conv2D/Linear (and fused forms) per output channel in a format, with
     --folded your own folded weights, or with --onnx every pair of an ONNX model (and --fused / --fuse ort its
@@ -694,11 +818,11 @@ def fold_cmd(
     from bnprobe.checks.fold.layer import check_fold, load_layer, make_layer
     from bnprobe.reports.checks import fold_report
 
+    dtype, accumulate, eps, seed = target.dtype, target.accumulate, bn.eps, gen.seed
     if onnx is not None or fused is not None or fuse is not None:
         given = {"--weights": weights is not None, "--folded": folded is not None, "--eps": eps is not None,
                  "--groups": groups != 1, "--seed": seed != 0, "--layer": layer != "conv2d"}
-        return _fold_onnx(onnx, fused, fuse, dtype, accumulate, [k for k, v in given.items() if v], out, force,
-                          as_json)
+        return _fold_onnx(onnx, fused, fuse, target, [k for k, v in given.items() if v], report)
     if groups < 1 or 16 % groups:
         raise BNProbeError(f"--groups must divide the built-in conv2d's 16 input channels, got {groups}")
     if folded is not None:
@@ -711,18 +835,16 @@ def fold_cmd(
             if given is not None:
                 raise BNProbeError(f"--folded judges the file as stored (its format is its own, the golden is FP64): "
                                    f"drop {name}")
-        sink = _output(out, force)
+        sink = report.sink()
         lay = load_layer(weights)
-        return _show(fold_report(check_folded(lay, load_folded(folded, lay), eps=eps)), sink, as_json)
-    sink = _output(out, force)
+        return report.show(fold_report(check_folded(lay, load_folded(folded, lay), eps=eps)), sink)
+    sink = report.sink()
     lay = load_layer(weights) if weights is not None else make_layer(layer, seed=seed, groups=groups)
-    return _show(fold_report(check_fold(lay, dtype or "fp16", accumulate=accumulate, eps=eps, against_torch=True)),
-                 sink, as_json)
+    return report.show(fold_report(check_fold(lay, dtype, accumulate=accumulate, eps=eps, against_torch=True)), sink)
 
 
-def _fold_onnx(onnx: Optional[Path], fused: Optional[Path], fuse: Optional[str], dtype: Optional[str],
-               accumulate: Optional[str], conflicting: list[str], out: Optional[Path], force: bool,
-               as_json: bool) -> int:
+def _fold_onnx(onnx: Optional[Path], fused: Optional[Path], fuse: Optional[str], target: Kernel,
+               conflicting: list[str], report: Output) -> int:
     """fold --onnx: the checks of bnprobe.checks.fold.onnx_model, its report, and the report as HTML beside the
     others."""
     if onnx is None:
@@ -734,46 +856,38 @@ def _fold_onnx(onnx: Optional[Path], fused: Optional[Path], fuse: Optional[str],
     from bnprobe.checks.fold.onnx_model import check_onnx
     from bnprobe.reports.checks import fold_onnx_html, fold_onnx_report
 
-    dtypes = [d.strip() for d in (dtype or "fp16").split(",")]
-    sink = _output(out, force)
-    rep = check_onnx(onnx, dtypes, fused=fused, fuse=fuse, accumulate=accumulate)
-    report = fold_onnx_report(rep)
+    dtypes = None if target.dtype is None else [d.strip() for d in target.dtype.split(",")]
+    sink = report.sink()
+    rep = check_onnx(onnx, dtypes, fused=fused, fuse=fuse, accumulate=target.accumulate)
+    out = fold_onnx_report(rep)
     if sink is not None:
-        report.pages[f"{report.stem}.html"] = fold_onnx_html(rep, report)
-    return _show(report, sink, as_json)
+        out.pages[f"{out.stem}.html"] = fold_onnx_html(rep, out)
+    return report.show(out, sink)
 
 
-@_command("doctor")
+@_command("doctor", order="adapter dtype params seed eps momentum shape dist mean std stability recipe input calls "
+                          "convention out force as_json sweep workers scheduler resume")
 def doctor_cmd(
-    adapter: str = typer.Option("reference", *_A,
-                                help="Adapter to diagnose, or dump:DIR[#NAME] (every recorded call on "
-                                                  "its own inputs)."),
-    dtype: Optional[str] = typer.Option(None, *_D,
-                                        help="Format (default: fp64 if the adapter runs it, else its first; a "
-                                                   "recording's own)."),
-    params: Optional[str] = _PARAMS,
-    seed: Optional[int] = typer.Option(None, min=0, help="Seed of the diagnostic inputs (default 0)."),
-    eps: Optional[float] = _EPS, momentum: Optional[float] = _MOMENTUM,
-    shape: Optional[str] = typer.Option(None, help="Shape N,C[,...] of one more input, generated from --dist, --mean, "
-                                                   "--std and --seed and checked like --input (default 8,4,4,4 when "
-                                                   "only those are given); the designed inputs keep their shapes."),
-    dist: Optional[str] = _DIST, mean: Optional[float] = _MEAN, std: Optional[float] = _STD,
+    target: Kernel = Kernel.use("adapter", "dtype",
+                                adapter=dict(default="reference", help="Adapter to diagnose, or dump:DIR[#NAME] "
+                                                                       "(every recorded call on its own inputs)."),
+                                dtype="Format (default: fp64 if the adapter runs it, else its first; a recording's "
+                                      "own)."),
+    bn: Call = Call.use("params", "eps", "momentum", "convention"),
+    gen: Generated = Generated.use(seed="Seed of the diagnostic inputs (default 0).",
+                                   shape="Shape N,C[,...] of one more input, generated from --dist, --mean, --std and "
+                                         "--seed and checked like --input (default 8,4,4,4 when only those are "
+                                         "given); the designed inputs keep their shapes."),
     stability: Optional[bool] = typer.Option(None, "--stability/--no-stability",
                                              help="Include the stress inputs (default on; a replayed dump cannot "
                                                   "run them)."),
     recipe: bool = typer.Option(False, "--recipe", help="When something fails, also identify the kernel's recipe "
                                                         "and name its choices known to lose accuracy (a few seconds "
                                                         "more; up to a minute for a kernel outside the space)."),
-    input: Optional[Path] = typer.Option(None, "--input", help="Your input too: a tensor .npy/.npz (x), or a dump "
-                                                               "folder (the adapter on every recorded call's own "
-                                                               "inputs)."),
-    calls: Optional[str] = _calls("diagnose"),
-    convention: Optional[str] = _CONVENTION,
-    out: Optional[Path] = _OUT,
-    force: bool = _FORCE,
-    as_json: bool = _JSON,
-    sweep: bool = _SWEEP, workers: Optional[int] = _WORKERS, scheduler: Optional[str] = _SCHEDULER,
-    resume: bool = _RESUME,
+    src: Source = Source.use(input="Your input too: a tensor .npy/.npz (x), or a dump folder (the adapter on every "
+                                   "recorded call's own inputs).", calls=dict(what="diagnose")),
+    report: Output = Output.use(),
+    sweep: Sweep = Sweep.use(),
 ) -> int:
     """The expert's checklist for a BatchNorm kernel on a diagnostic input, stress inputs and yours:
     PASS/WARN/FAIL with evidence, the known bug each failure matches, and what is wrong where none
@@ -785,22 +899,23 @@ def doctor_cmd(
     from bnprobe.inputs import input_tensor
     from bnprobe.reports.checks import doctor_recorded_report, doctor_report
 
-    _check_common(eps=eps, params=params)
-    generating = given(shape=shape, dist=dist, mean=mean, std=std)
+    adapter, input, calls, dtype, params, as_json = \
+        target.adapter, src.input, src.calls, target.dtype, bn.params, report.as_json
+    generating = given(shape=gen.shape, dist=gen.dist, mean=gen.mean, std=gen.std)
     if recipe and (input is not None and is_dump_path(input) or adapter.startswith("dump:")):
         raise BNProbeError("--recipe identifies a kernel on designed probes: for a recording run "
                            "`bnprobe identify --adapter dump:DIR` (each call on its own inputs)")
-    if (found := _sweep_root(adapter, input, (sweep, workers, scheduler, resume))) is not None:
-        _check_sweep(as_json, given(dtype=dtype, params=params, seed=seed, stability=stability, eps=eps,
-                                    momentum=momentum) + generating, str(found[0]))
-        return _run_sweep("doctor", found, calls, out, force, workers, scheduler, resume, convention=convention)
+    if (found := _sweep_root(adapter, input, sweep)) is not None:
+        _check_sweep(as_json, given(dtype=dtype, params=params, seed=gen.seed, stability=stability, eps=bn.eps,
+                                    momentum=bn.momentum) + generating, str(found[0]))
+        return _run_sweep("doctor", found, calls, report, sweep, convention=bn.convention)
     tensor = input if input is not None and not is_dump_path(input) else None
-    sink = _output(out, force)
-    (adapter,), input, eps, momentum = _dump_scalars([adapter], input, eps, momentum)
-    kernel = _in_convention(adapter, convention)
+    sink = report.sink()
+    (adapter,), input, eps, momentum = _dump_scalars([adapter], input, bn.eps, bn.momentum)
+    kernel = _in_convention(adapter, bn.convention)
     recorded = recording_of(kernel, None if tensor is not None else input, calls, guard="doctor")
     if recorded is not None:
-        refused = dict(seed=seed, stability=None if stability is None or not recorded.replay else True, eps=eps,
+        refused = dict(seed=gen.seed, stability=None if stability is None or not recorded.replay else True, eps=eps,
                        momentum=momentum)
         check_options(recorded, given=given(**refused) + generating, dtype=dtype, params=params)
         run = doctor_recorded(recorded, dtype=dtype, params=params, stability=stability is not False)
@@ -810,34 +925,28 @@ def doctor_cmd(
     if tensor is not None and generating:
         raise BNProbeError(f"{', '.join(generating)} make an input of their own: they do not apply to --input {input}; "
                            "drop one")
-    made = input_tensor("doctor", None, "8,4,4,4" if shape is None else shape, dist or "normal",
-                        0.0 if mean is None else mean, 1.0 if std is None else std, seed or 0) if generating else None
-    rep = doctor(kernel, dtype, seed=seed or 0, stability=stability is not False, params=params,
-                 x=None if tensor is None else input_tensor("doctor", tensor), eps=EPS if eps is None else eps,
-                 momentum=MOMENTUM if momentum is None else momentum, generated=made, recipe=recipe)
+    made = input_tensor("doctor", None, gen.shape, gen.dist, gen.mean, gen.std, gen.seed) if generating else None
+    rep = doctor(kernel, dtype, seed=gen.seed, stability=stability is not False, params=params,
+                 x=None if tensor is None else input_tensor("doctor", tensor), eps=eps, generated=made, recipe=recipe,
+                 **_if_given(momentum=momentum))
     return _show(doctor_report(rep), sink, as_json)
 
 
-@_command("identify")
+@_command("identify", order="adapter dtype params input shape dist mean std seed eps momentum calls out force "
+                            "as_json")
 def identify_cmd(
-    adapter: str = typer.Option("torch", *_A, help="The black-box kernel: an adapter (torch, ascend-bnv3, a plugin "
-                                              "pkg.mod:Name...) or dump:DIR[#NAME] (every recorded call, each on its "
-                                              "own inputs)."),
-    dtype: Optional[str] = typer.Option(None, *_D,
-                                        help="Format: fp16 (default), bf16, fp32 or fp64; a recording's own."),
-    params: Optional[str] = _PARAMS,
-    input: Optional[Path] = typer.Option(None, "--input", help="Your input x (.npy/.npz), to confirm the recipe on "
-                                                               "too, or a dump folder (the adapter on every recorded "
-                                                               "call's own inputs)."),
-    shape: Optional[str] = typer.Option(None, help="Shape N,C[,...] of one more input to confirm the recipe on, "
-                                                   "generated from --dist, --mean, --std and --seed."),
-    dist: Optional[str] = _DIST, mean: Optional[float] = _MEAN, std: Optional[float] = _STD,
-    seed: Optional[int] = _SEED,
-    eps: Optional[float] = _EPS, momentum: Optional[float] = _MOMENTUM,
-    calls: Optional[str] = _calls("identify"),
-    out: Optional[Path] = _OUT,
-    force: bool = _FORCE,
-    as_json: bool = _JSON,
+    target: Kernel = Kernel.use("adapter", "dtype",
+                                adapter=dict(default="torch", help="The black-box kernel: an adapter (torch, "
+                                                                   "ascend-bnv3, a plugin pkg.mod:Name...) or "
+                                                                   "dump:DIR[#NAME] (every recorded call, each on its "
+                                                                   "own inputs)."),
+                                dtype="Format: fp16 (default), bf16, fp32 or fp64; a recording's own."),
+    bn: Call = Call.use("params", "eps", "momentum"),
+    src: Source = Source.use(input="Your input x (.npy/.npz), to confirm the recipe on too, or a dump folder (the "
+                                   "adapter on every recorded call's own inputs).", calls=dict(what="identify")),
+    gen: Generated = Generated.use(shape="Shape N,C[,...] of one more input to confirm the recipe on, generated "
+                                         "from --dist, --mean, --std and --seed."),
+    report: Output = Output.use(),
 ) -> int:
     """How a black-box kernel computes: the policy (emulated:<spec>) that reproduces its every output bit for bit,
     searched stage by stage on designed probes and confirmed on fresh inputs; the fields the probes could not tell
@@ -849,12 +958,12 @@ def identify_cmd(
     from bnprobe.inputs import input_tensor
     from bnprobe.reports.identify import identify_recorded_report, identify_report
 
-    _check_common(eps=eps, params=params)
-    if momentum is not None:
+    adapter, input, calls, shape, as_json = target.adapter, src.input, src.calls, gen.shape, report.as_json
+    if bn.momentum is not None:
         from bnprobe.kernels.layout import check_momentum
 
-        check_momentum(momentum)
-    generating = given(shape=shape, dist=dist, mean=mean, std=std)
+        check_momentum(bn.momentum)
+    generating = given(shape=shape, dist=gen.dist, mean=gen.mean, std=gen.std)
     tensor = input if input is not None and not is_dump_path(input) else None
     if tensor is not None and generating:
         raise BNProbeError(f"{', '.join(generating)} make an input of their own: they do not apply to --input {input}; "
@@ -864,72 +973,67 @@ def identify_cmd(
     if tensor is not None and adapter.startswith("dump:"):
         raise BNProbeError(f"--input and the dump adapter {adapter} both give the inputs: a dump runs on its own "
                            "recorded inputs; drop --input")
-    sink = _output(out, force)
-    (adapter,), input, eps, momentum = _dump_scalars([adapter], input, eps, momentum)
+    sink = report.sink()
+    (adapter,), input, eps, momentum = _dump_scalars([adapter], input, bn.eps, bn.momentum)
     progress = Progress("identify")
     recorded = recording_of(adapter, None if tensor is not None else input, calls, guard="identify")
     if recorded is not None:
-        check_options(recorded, given=given(shape=shape, dist=dist, mean=mean, std=std, seed=seed, eps=eps,
-                                            momentum=momentum), dtype=dtype, params=params)
+        check_options(recorded, given=given(shape=shape, dist=gen.dist, mean=gen.mean, std=gen.std, seed=gen.seed,
+                                            eps=eps, momentum=momentum), dtype=target.dtype, params=bn.params)
         return _show(identify_recorded_report(identify_recorded(recorded, progress=progress)), sink, as_json)
     if calls is not None:
         raise BNProbeError("--calls selects recorded calls: give a dump (--adapter dump:DIR or --input DIR)")
     x = None
     if tensor is not None or shape is not None:
-        x = input_tensor("identify", tensor, shape or "", dist or "normal", 0.0 if mean is None else mean,
-                         1.0 if std is None else std, seed or 0)
-    res = identify(adapter, dtype or "fp16", params=params or "fp32", x=x, seed=seed or 0,
-                   eps=EPS if eps is None else eps, momentum=MOMENTUM if momentum is None else momentum,
-                   progress=progress)
+        x = input_tensor("identify", tensor, shape, gen.dist, gen.mean, gen.std, gen.seed)
+    res = identify(adapter, target.dtype, params=bn.params, x=x, seed=gen.seed, eps=eps, progress=progress,
+                   **_if_given(momentum=momentum))
     return _show(identify_report(res), sink, as_json)
 
 
-@_command("shrink")
+@_command("shrink", order="adapter dtype params mode predicate input calls shape dist mean std seed seconds "
+                          "convention out force")
 def shrink_cmd(
-    adapter: str = typer.Option(..., *_A, help="Adapter whose comparison with the FP64 reference fails (a "
-                                                       "runnable one: a dump cannot be rerun on smaller inputs)."),
-    dtype: Optional[str] = typer.Option(None, *_D, help="Format (default fp16; a recording's own)."),
-    params: Optional[str] = _PARAMS,
-    mode: Optional[str] = typer.Option(None, help="train (default), infer or backward."),
+    target: Kernel = Kernel.use("adapter", "dtype",
+                                adapter=dict(default=..., help="Adapter whose comparison with the FP64 reference "
+                                                               "fails (a runnable one: a dump cannot be rerun on "
+                                                               "smaller inputs)."),
+                                dtype="Format (default fp16; a recording's own)."),
+    bn: Call = Call.use("params", "mode", "convention"),
     predicate: str = typer.Option("compare", help="compare (vs the reference), overflow, or module:function "
                                                   "(f(x) -> True when the case fails)."),
-    input: Optional[Path] = typer.Option(None, "--input", help="The failing input .npy/.npz, or a dump folder "
-                                                               "DIR[#NAME] of one call (its x, γ, β, eps, ...)."),
-    calls: Optional[str] = typer.Option(None, "--calls", help="The recorded call to shrink (glob), when --input is "
-                                                              "a dump of several."),
-    shape: Optional[str] = typer.Option(None, help="Shape of generated input (default 16,64,28,28)."),
-    dist: Optional[str] = _DIST, mean: Optional[float] = _MEAN, std: Optional[float] = _STD,
-    seed: Optional[int] = _SEED,
+    src: Source = Source.use(input="The failing input .npy/.npz, or a dump folder DIR[#NAME] of one call (its x, γ, "
+                                   "β, eps, ...).",
+                             calls="The recorded call to shrink (glob), when --input is a dump of several."),
+    gen: Generated = Generated.use("shape", "dist", "mean", "std", "seed",
+                                   shape="Shape of generated input (default 16,64,28,28)."),
     seconds: float = typer.Option(120.0, help="Time budget in seconds (> 0)."),
-    convention: Optional[str] = _CONVENTION,
-    out: Optional[Path] = typer.Option(None, help="Folder for x.npy, the dump and shrink.json "
-                                                  "(default reports/shrink-<time>)."),
-    force: bool = _FORCE,
+    report: Output = Output.use("out", "force", out="Folder for x.npy, the dump and shrink.json (default "
+                                                    "reports/shrink-<time>)."),
 ) -> int:
     """Reduce a failing case (channels, batch, spatial size, then values) to a minimal one that still
     fails; write it as a dump plus the exact command that replays it."""
     from bnprobe._progress import Progress
     from bnprobe.engine.recorded import given, recording_of
-    from bnprobe.checks.shrink.shrinking import predicate_for, recorded_case, runnable, shrink
+    from bnprobe.checks.shrink.shrinking import generated_case, predicate_for, recorded_case, runnable, shrink
     from bnprobe.inputs import input_tensor
     from bnprobe.reports.shrink import shrink_lines, write_shrink
 
-    _check_common(params=params, mode=mode)
+    adapter, dtype, mode, params, convention = target.adapter, target.dtype, bn.mode, bn.params, bn.convention
     if not 0 < seconds <= 86400:
         raise BNProbeError(f"--seconds must be > 0 and at most 86400 (a day), got {seconds}")
-    sink = _output(out, force, "shrink", "x.npy", "shrink.json")
+    sink = report.sink("shrink", "x.npy", "shrink.json")
     a = runnable(_in_convention(adapter, convention))
-    recorded = recording_of(a, input, calls, guard="shrink")
+    recorded = recording_of(a, src.input, src.calls, guard="shrink")
     kept = None
     if recorded is not None:
-        x, kept, dtype, mode = recorded_case(recorded, given=given(shape=shape, dist=dist, mean=mean, std=std,
-                                                                   seed=seed), dtype=dtype, mode=mode, params=params)
+        x, kept, dtype, mode = recorded_case(recorded, given=given(shape=gen.shape, dist=gen.dist, mean=gen.mean,
+                                                                   std=gen.std, seed=gen.seed),
+                                             dtype=dtype, mode=mode, params=params)
         params = kept.params
     else:
-        x = input_tensor("shrink", input, "16,64,28,28" if shape is None else shape, dist or "normal",
-                         0.0 if mean is None else mean,
-                         1.0 if std is None else std, seed or 0)
-        dtype, mode, params = dtype or "fp16", mode or "train", params or "fp32"
+        x = input_tensor("shrink", src.input, gen.shape, gen.dist, gen.mean, gen.std, gen.seed)
+        dtype, mode, params = generated_case(dtype, mode, params)
     fails = predicate_for(predicate, a, dtype=dtype, mode=mode, recorded=kept, params=params)
     with Progress("shrink") as bar:
         res = shrink(x, fails, seconds=seconds, progress=bar.steps(20))
@@ -939,23 +1043,22 @@ def shrink_cmd(
     return 0
 
 
-@_command("plot-stats")
+@_command("plot-stats", order="simulate steps policies seed log dumps monitor channels eps out format force")
 def plot_stats_cmd(
     simulate: bool = typer.Option(False, "--simulate", help="Record a built-in training run (the default when no "
                                                            "--log or --dumps is given)."),
     steps: int = typer.Option(200, min=1, max=20_000, help="Steps of the simulated training run (1 to 20000)."),
     policies: str = typer.Option("fp32,fp16,bf16", help="Policies of the simulated run, side by side."),
-    seed: int = typer.Option(0, min=0, help="Seed of the simulated run."),
+    gen: Generated = Generated.use("seed", seed=dict(default=0, help="Seed of the simulated run.")),
     log: Optional[Path] = typer.Option(None, "--log", help="CSV/Parquet log: step, layer, channel, mean, var "
                                                            "[, running_mean, running_var]."),
     dumps: Optional[Path] = typer.Option(None, "--dumps", help="Folder of dumps, one sub-folder per step."),
     monitor: Optional[Path] = typer.Option(None, "--monitor", help="Folder a bnprobe.monitor writes (every "
                                                                    "rank's; re-read as the run grows)."),
     channels: int = typer.Option(6, help="Channels per figure (the most drifting first)."),
-    eps: float = typer.Option(1e-5, help="BatchNorm epsilon (for var/eps)."),
-    out: Optional[Path] = typer.Option(None, help="Output folder (default reports/plot-stats-<time>)."),
+    bn: Call = Call.use("eps", eps=dict(help="BatchNorm epsilon (for var/eps).", shown=EPS)),
+    report: Output = Output.use("out", "force", out="Output folder (default reports/plot-stats-<time>)."),
     format: str = typer.Option("png", "--format", help="png or svg."),
-    force: bool = _FORCE,
 ) -> int:
     """Plot μ and σ² and the running statistics over training, per channel and per format, and flag
     divergence, collapse toward eps, non-finite statistics and a wrong momentum. Exit 1 when flagged."""
@@ -963,14 +1066,14 @@ def plot_stats_cmd(
     from bnprobe.checks.plot_stats.stats import simulate as run_simulation
     from bnprobe.reports.stats import STATS_FILES, stats_lines, write_stats
 
-    _check_common(eps=eps)
+    eps, seed = bn.eps, gen.seed
     if format not in ("png", "svg"):
         raise BNProbeError(f"--format takes png or svg, got {format!r}")
     if sum(v is not None for v in (log, dumps, monitor)) + bool(simulate) > 1:
         raise BNProbeError("give one source: --simulate, --log, --dumps or --monitor")
     if channels < 1:
         raise BNProbeError(f"--channels must be >= 1, got {channels}")
-    sink = _output(out, force, "plot-stats", *STATS_FILES)
+    sink = report.sink("plot-stats", *STATS_FILES)
     found: list = []
     if monitor is not None:
         (df, found), source = load_monitor(monitor), f"monitor {monitor}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import zipfile
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -11,11 +12,30 @@ import numpy as np
 
 from bnprobe.core.errors import BNProbeError
 
-__all__ = ["DISTRIBUTIONS", "make_input", "make_params", "parse_shape", "load_array", "array_header", "npy_header"]
+__all__ = ["DISTRIBUTIONS", "SEED", "Draw", "make_input", "make_params", "parse_shape", "input_shape", "load_array",
+           "array_header", "npy_header"]
 
 # normal: N(mean, std²); uniform: same mean and std; student_t: heavy tails (3 degrees of
 # freedom, scaled to the same std); constant: every value equal to mean (var = 0, eps decides).
 DISTRIBUTIONS: tuple[str, ...] = ("normal", "uniform", "student_t", "constant")
+SEED = 0  # the seed of generated inputs (and parameters) where none is given
+
+
+@dataclass(frozen=True)
+class Draw:
+    """How a generated input is drawn: its distribution, mean, std and seed (by default N(0, 1), seed 0)."""
+
+    dist: str = "normal"
+    mean: float = 0.0
+    std: float = 1.0
+    seed: int = SEED
+
+    @classmethod
+    def of(cls, dist: str | None = None, mean: float | None = None, std: float | None = None,
+           seed: int | None = None) -> Draw:
+        """The draw given, the default for each value that is None."""
+        given = {"dist": dist, "mean": mean, "std": std, "seed": seed}
+        return cls(**{k: v for k, v in given.items() if v is not None})
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -33,9 +53,11 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def make_input(shape: tuple[int, ...], *, dist: str = "normal", mean: float = 0.0, std: float = 1.0,
-               seed: int = 0) -> np.ndarray:
-    """A float64 tensor of the given shape drawn from ``dist`` with the given mean and std."""
+def make_input(shape: tuple[int, ...], *, dist: str | None = None, mean: float | None = None,
+               std: float | None = None, seed: int | None = None) -> np.ndarray:
+    """A float64 tensor of the given shape drawn from ``dist`` with the given mean and std (None: the
+    :class:`Draw`'s default)."""
+    dist, mean, std, seed = astuple(Draw.of(dist, mean, std, seed))
     if dist not in DISTRIBUTIONS:
         raise BNProbeError(f"unknown distribution {dist!r}; valid: {', '.join(DISTRIBUTIONS)}")
     if not (math.isfinite(mean) and math.isfinite(std)) or std < 0:
@@ -52,9 +74,9 @@ def make_input(shape: tuple[int, ...], *, dist: str = "normal", mean: float = 0.
     return mean + std * z
 
 
-def make_params(channels: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """gamma ~ U(0.5, 1.5) and beta ~ N(0, 0.1²), seeded, as after some training."""
-    rng = np.random.default_rng([seed, 1])
+def make_params(channels: int, seed: int | None = None) -> dict[str, np.ndarray]:
+    """gamma ~ U(0.5, 1.5) and beta ~ N(0, 0.1²), seeded (None: :data:`SEED`), as after some training."""
+    rng = np.random.default_rng([SEED if seed is None else seed, 1])
     return {"gamma": rng.uniform(0.5, 1.5, channels), "beta": rng.normal(0.0, 0.1, channels)}
 
 
@@ -143,16 +165,26 @@ def load_array(path: str | Path, key: str = "x") -> np.ndarray:
         return a.astype(np.float64)
 
 
-def input_tensor(command: str, path: str | Path | None, shape: str = "", dist: str = "normal", mean: float = 0.0,
-                 std: float = 1.0, seed: int = 0) -> np.ndarray:
-    """The tensor at ``path`` (``.npy``/``.npz``), or one generated from ``shape``/``dist``/``mean``/``std``/``seed``;
-    refused before it is loaded or made when ``command`` on it would exceed the memory limit."""
+def input_shape(command: str, shape: str | None = None) -> tuple[int, ...]:
+    """The shape of ``command``'s generated input: ``shape`` parsed, else the command's own (its registry entry's);
+    refused when ``command`` on it would exceed the memory limit."""
+    from bnprobe.core.commands import command as entry
+    from bnprobe.guard import require_run
+
+    shp = parse_shape(shape if shape is not None else entry(command).shape or "")
+    require_run(command, shp)
+    return shp
+
+
+def input_tensor(command: str, path: str | Path | None, shape: str | None = None, dist: str | None = None,
+                 mean: float | None = None, std: float | None = None, seed: int | None = None) -> np.ndarray:
+    """The tensor at ``path`` (``.npy``/``.npz``), or one generated from ``shape``/``dist``/``mean``/``std``/``seed``
+    (None: the command's shape, the :class:`Draw`'s default); refused before it is loaded or made when ``command``
+    on it would exceed the memory limit."""
     from bnprobe.guard import require_run
 
     if path is not None:
         shp = array_header(Path(path))[0]
         require_run(command, shp, f"{command} on {path} (shape {shp})")
         return load_array(path)
-    shp = parse_shape(shape)
-    require_run(command, shp)
-    return make_input(shp, dist=dist, mean=mean, std=std, seed=seed)
+    return make_input(input_shape(command, shape), dist=dist, mean=mean, std=std, seed=seed)

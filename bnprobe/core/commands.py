@@ -22,7 +22,8 @@ class Command:
     ``per_element`` the peak bytes per value of the largest input it holds at once (None: it holds no input),
     ``per_recorded_element`` where it replays a dump's call (None: as ``per_element``), ``compiled`` whether its
     kernels may take the compiled route (numba's memory counts then); ``sweep_score`` what a sweep of it scores
-    (None: no sweep runs it), ``writes_by_default`` whether it writes a report folder without ``--out``."""
+    (None: no sweep runs it), ``writes_by_default`` whether it writes a report folder without ``--out``; ``shape``
+    the shape of its generated input where none is given (N,C[,...]; None: it has none)."""
 
     name: str
     purpose: str
@@ -33,6 +34,7 @@ class Command:
     compiled: bool = True
     sweep_score: str | None = None
     writes_by_default: bool = False
+    shape: str | None = None
 
     @property
     def sweepable(self) -> bool:
@@ -62,13 +64,13 @@ COMMANDS: tuple[Command, ...] = (
             writes_by_default=True),
     Command("gradcheck", "the backward against FP64 finite differences, the identities per channel, a formula's ∂L/∂X",
             "bnprobe.checks.gradcheck.gradients:gradcheck", "bnprobe.reports.checks:gradcheck_report",
-            per_element=460, per_recorded_element=285),
+            per_element=460, per_recorded_element=285, shape="4,3,5,5"),
     Command("plot-stats", "μ, σ² and the running statistics over training: simulated, a log, dumps or a monitored run",
             "bnprobe.checks.plot_stats.stats:find", "bnprobe.reports.stats:write_stats"),
     Command("overflow", "where a BatchNorm goes non-finite or silently wrong, in which stage and channel, and why",
             "bnprobe.checks.overflow.scan:scan", "bnprobe.reports.checks:overflow_report",
             # its observable checks hold the golden's outputs besides (backward: 447 B measured)
-            per_element=580, per_recorded_element=250, sweep_score="anomalies found"),
+            per_element=580, per_recorded_element=250, sweep_score="anomalies found", shape="8,16,14,14"),
     Command("rsqrt", "the ULP error of hardware rsqrt / reciprocal / sqrt estimates and their Newton steps",
             "bnprobe.checks.rsqrt.mathfn:analyze", "bnprobe.reports.rsqrt:write_math"),
     Command("fold", "BatchNorm folded into a Conv/Linear, your exported weights, an ONNX model and its fused graph",
@@ -77,18 +79,19 @@ COMMANDS: tuple[Command, ...] = (
             "bnprobe.checks.doctor.diagnosis:doctor", "bnprobe.reports.checks:doctor_report",
             # 250 B measured running a kernel on a dump's inputs (--input DIR, 4.2 M -> 8.4 M values), 170 B on a
             # generated input, besides its bug models (bnprobe.guard)
-            per_element=325, per_recorded_element=245, sweep_score="failed checklist items"),
+            per_element=325, per_recorded_element=245, sweep_score="failed checklist items", shape="8,4,4,4"),
     Command("shrink", "a failing case reduced to the smallest input that still fails, with the command replaying it",
             "bnprobe.checks.shrink.shrinking:shrink", "bnprobe.reports.shrink:write_shrink",
-            per_element=440),  # as dump: it records a dump of what it found, the whole input when time runs out
+            # as dump: it records a dump of what it found, the whole input when time runs out
+            per_element=440, shape="16,64,28,28"),
     Command("identify", "how a black-box kernel computes: the policy that reproduces it bit for bit",
             "bnprobe.checks.identify.search:identify", "bnprobe.reports.identify:identify_report",
             per_element=400),  # the confirmation on your input: the kernel's, the candidate's and the golden's
     Command("trace", "one BatchNorm layer, every stage: range, error against the FP64 golden, anomalies",
             "bnprobe.checks.trace.stages:trace_run", "bnprobe.reports.checks:trace_lines",
-            per_element=380, compiled=False),  # it keeps every stage's array: the float64 route
+            per_element=380, compiled=False, shape="8,16,14,14"),  # it keeps every stage's array: the float64 route
     Command("dump", "record an adapter's inputs and outputs as a dump, to replay and check anywhere",
-            "bnprobe.recordings:record", "bnprobe.recordings:write_dump", per_element=440),
+            "bnprobe.recordings:record", "bnprobe.recordings:write_dump", per_element=440, shape="8,16,14,14"),
     Command("adapters", "every kernel adapter, and whether it runs on this machine",
             "bnprobe.adapters.registry:list_adapters"),
 )

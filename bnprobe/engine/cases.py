@@ -131,7 +131,7 @@ def select_cases(adapters: list[KernelAdapter], *, input: str | Path | None = No
     recorded calls (or None)."""
     from bnprobe.recordings import open_dump
     from bnprobe.guard import require_run
-    from bnprobe.inputs import input_tensor, parse_shape
+    from bnprobe.inputs import Draw, input_tensor, parse_shape
 
     dist, mean, std = values.dist, values.mean, values.std
     dumps = [a for a in adapters if a.capabilities().recorded]
@@ -162,15 +162,15 @@ def select_cases(adapters: list[KernelAdapter], *, input: str | Path | None = No
         x = input_tensor("compare-precision", input, seed=seed)
         cases = [Case(f"input/{Path(input).name}", tuple(x.shape), x=x, seed=seed)]
     elif shape is not None:
-        d, m, s = dist or "normal", 0.0 if mean is None else mean, 1.0 if std is None else std
-        cases = [Case(f"{d}(mean={m:g}, std={s:g})", parse_shape(shape), d, m, s, seed)]
+        d = Draw.of(dist, mean, std)
+        cases = [Case(f"{d.dist}(mean={d.mean:g}, std={d.std:g})", parse_shape(shape), d.dist, d.mean, d.std, seed)]
     else:
         if shapes not in SHAPE_SETS:
             raise BNProbeError(f"unknown shape set {shapes!r}; valid: {', '.join(SHAPE_SETS)} (or give "
                                f"{named('shape')})")
         if batch is not None and batch < 1:
             raise BNProbeError(f"{named('batch')} must be >= 1, got {batch}")
-        cases = resnet50_cases(2 if batch is None else batch, seed, dist or "normal", shapes)
+        cases = resnet50_cases(2 if batch is None else batch, seed, Draw.of(dist).dist, shapes)
         cases += stress_cases(seed) if stress else []
     biggest = max(cases, key=lambda c: math.prod(c.shape))
     require_run("compare-precision", biggest.shape, f"compare-precision on {biggest.name} (shape {biggest.shape})",

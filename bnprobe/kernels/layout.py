@@ -97,8 +97,9 @@ def _exact_in_float32(dtype: np.dtype) -> bool:
         return False
 
 
-def layout_of(x: np.ndarray, layout: str = "channels_first") -> Layout:
-    """Validate x's rank and the layout name; return the Layout."""
+def layout_of(x: np.ndarray, layout: str | None = None) -> Layout:
+    """Validate x's rank and the layout name (None: channels_first); return the Layout."""
+    layout = "channels_first" if layout is None else layout
     if layout not in LAYOUTS:
         raise BNProbeError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
     shape = tuple(int(s) for s in np.shape(x))

@@ -319,9 +319,9 @@ def fold_onnx_html(rep: OnnxFoldReport, report: Report) -> str:
 
 # ---- trace ------------------------------------------------------------------------------------------
 
-def trace_lines(cmp: TraceComparison, source: str, lay: Layout, eps: float, momentum: float | None) -> list[str]:
+def trace_lines(cmp: TraceComparison, source: str, lay: Layout) -> list[str]:
     """A traced run, stage by stage: range, error against the FP64 golden, anomalies."""
-    meta = cmp.meta
+    meta, eps, momentum = cmp.meta, cmp.eps, cmp.momentum
     lines = [f"policy   {cmp.policy.describe()}",
              f"input    {source}, shape {tuple(lay.shape)} ({lay.layout}), C = {lay.channels}, R = N*spatial = "
              f"{lay.reduce_size}",

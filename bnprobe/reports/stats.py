@@ -7,6 +7,7 @@ import html
 import re
 from typing import Any
 
+from bnprobe.core.call import EPS
 from bnprobe.reports import OutputDir, dumps_json, html_report
 
 __all__ = ["STATS_FILES", "write_stats", "stats_lines"]
@@ -52,9 +53,11 @@ def _figures(df: Any, eps: float, channels: int, ext: str, sink: OutputDir,
     return files
 
 
-def write_stats(df: Any, findings: list[Any], source: str, sink: OutputDir, *, eps: float, channels: int,
+def write_stats(df: Any, findings: list[Any], source: str, sink: OutputDir, *, eps: float | None, channels: int,
                 ext: str) -> None:
-    """The figures, the statistics, the findings and an index (Markdown and HTML) into ``sink``, all or nothing."""
+    """The figures, the statistics, the findings and an index (Markdown and HTML) into ``sink``, all or nothing
+    (``eps``, for var/eps: default 1e-5)."""
+    eps = EPS if eps is None else eps
     files = _figures(df, eps, channels, ext, sink, findings)
     sink.write_text("stats.csv", df.to_csv(index=False))
     sink.write_text("findings.json", dumps_json([f.to_dict() for f in findings]))

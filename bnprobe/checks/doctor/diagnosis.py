@@ -45,6 +45,7 @@ from bnprobe.engine.rules import channel_rule
 from bnprobe.core.conventions import convention_of
 from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import get_format
+from bnprobe.inputs import SEED
 from bnprobe.kernels.layout import reduce_axes, to_channels_first
 from bnprobe.numerics.rounding import round_to
 from bnprobe.core.tolerances import MSPROBE_STANDARDS
@@ -199,19 +200,20 @@ def _steps_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, para
                        models=BugModels(models, convention=caps.convention))
 
 
-def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None, *, seed: int = 0,
-           stability: bool = True, params: str | None = None, x: np.ndarray | None = None, eps: float = EPS,
+def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None, *, seed: int | None = None,
+           stability: bool = True, params: str | None = None, x: np.ndarray | None = None, eps: float | None = None,
            momentum: float = MOMENTUM, generated: np.ndarray | None = None, recipe: bool = False) -> DoctorReport:
     """Run the checklist on ``adapter`` in ``dtype`` (default: fp64 when it runs it, else its first format)
     with parameters (γ, β, running and saved statistics) in fp32 or the input's format (``params`` same), on
     the diagnostic input, the stress inputs (``stability``), ``x`` (the user's tensor) and ``generated`` (an input
-    made from the command line's shape and distribution) when given, every one with BatchNorm's ``eps`` and
-    ``momentum``.  A dump adapter of one call is diagnosed on its recorded inputs (:func:`doctor_recorded` does
-    every call).  ``recipe``: when something fails, also identify the kernel's numerical recipe
-    (:func:`~bnprobe.checks.identify.search.identify`) and, where it is reproduced bit for bit, name its choices
-    known to lose accuracy in the diagnosis."""
+    made from the command line's shape and distribution) when given, every one with BatchNorm's ``eps`` (default
+    1e-5) and ``momentum``; ``seed`` (default 0) draws the designed inputs.  A dump adapter of one call is
+    diagnosed on its recorded inputs (:func:`doctor_recorded` does every call).  ``recipe``: when something fails,
+    also identify the kernel's numerical recipe (:func:`~bnprobe.checks.identify.search.identify`) and, where it is
+    reproduced bit for bit, name its choices known to lose accuracy in the diagnosis."""
     a = as_adapter(adapter)
     check_params(params)
+    seed, eps = SEED if seed is None else seed, EPS if eps is None else eps
     if a.capabilities().recorded:
         if len(a.calls.calls) != 1:
             raise BNProbeError(f"{a.name} holds {len(a.calls.calls)} BatchNorm calls: doctor_recorded diagnoses each "

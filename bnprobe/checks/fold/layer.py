@@ -529,14 +529,14 @@ def _fold_notes(layer: Layer, ch: Any) -> list[str]:
     return notes
 
 
-def check_fold(layer: Layer, dtype: str = "fp16", *, accumulate: str | None = None, eps: float | None = None,
+def check_fold(layer: Layer, dtype: str | None = None, *, accumulate: str | None = None, eps: float | None = None,
                relu: bool = True, against_torch: bool = False) -> FoldReport:
-    """Folded vs unfused in ``dtype`` against the FP64 golden, per output channel, with the risks explained;
-    with ``against_torch``, the folded weights also against torch's fusion (in fp16/bf16: both folded in fp32 and
-    cast, as a deployment does; a note when torch is not installed)."""
+    """Folded vs unfused in ``dtype`` (default fp16) against the FP64 golden, per output channel, with the risks
+    explained; with ``against_torch``, the folded weights also against torch's fusion (in fp16/bf16: both folded in
+    fp32 and cast, as a deployment does; a note when torch is not installed)."""
     from bnprobe.guard import require
 
-    fmt = get_format(dtype)
+    fmt = get_format(dtype or "fp16")
     acc = get_format(accumulate or ("fp64" if fmt.name == "fp64" else "fp32")).name
     eps = layer.eps if eps is None else eps
     if not eps > 0:

@@ -343,20 +343,22 @@ def _check_fused(rep: OnnxFoldReport, fm: Model, source: str) -> None:
         rep.fp16[ly.name] = _fp16_view(ly.layer, f)
 
 
-def check_onnx(path: str | Path, dtypes: list[str] | tuple[str, ...] = ("fp16",), *, fused: str | Path | None = None,
-               fuse: str | None = None, accumulate: str | None = None) -> OnnxFoldReport:
-    """Every layer -> BatchNormalization pair of the model at ``path`` folded in each of ``dtypes``; with ``fused``
-    (a fused model's path) or ``fuse`` (``ort``: onnxruntime's optimizer run on the model), each fused layer against
-    the golden fold, and its fp16 deployment view."""
+def check_onnx(path: str | Path, dtypes: list[str] | tuple[str, ...] | None = None, *,
+               fused: str | Path | None = None, fuse: str | None = None,
+               accumulate: str | None = None) -> OnnxFoldReport:
+    """Every layer -> BatchNormalization pair of the model at ``path`` folded in each of ``dtypes`` (default fp16);
+    with ``fused`` (a fused model's path) or ``fuse`` (``ort``: onnxruntime's optimizer run on the model), each fused
+    layer against the golden fold, and its fp16 deployment view."""
     if fused is not None and fuse is not None:
         raise BNProbeError(f"{named('fused')} and {named('fuse')} both give the fused model: give one")
     if fuse is not None:
         if fuse not in FUSE_LEVELS:
             raise BNProbeError(f"{named('fuse')} {fuse!r}: valid: {', '.join(FUSE_LEVELS)}")
         import_onnx(f"{named('fuse')} ort", runtime=True)
+    dtypes = ("fp16",) if dtypes is None else dtypes
     names = [get_format(d).name for d in dtypes]
     if len(set(names)) != len(names) or not names:
-        raise BNProbeError(f"{named('dtypes')} {','.join(dtypes)}: give each format once")
+        raise BNProbeError(f"{named('dtype')} {','.join(dtypes)}: give each format once")
     m = load_model(path)
     rep = _analyse(m, names, accumulate)
     if fused is not None:

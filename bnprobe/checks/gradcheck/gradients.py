@@ -27,7 +27,7 @@ from bnprobe._loading import first_line, kind_of, load_callable, raised
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
 from bnprobe.adapters.registry import as_adapter
 from bnprobe.adapters.base import outputs_only, params_format, stored_inputs
-from bnprobe.engine.recorded import PerCall, Recorded, check_options
+from bnprobe.engine.recorded import PerCall, Recorded, check_options, given
 from bnprobe.engine.result import Judged, Verdict
 from bnprobe.engine.run import CallRun, each_run
 from bnprobe.core.errors import BNProbeError, named
@@ -36,6 +36,7 @@ from bnprobe.kernels.layout import channel_column, element_at, layout_of, reduce
 from bnprobe.engine.closeness import allclose_rule, scaled_rule
 from bnprobe.engine.metrics import compare
 from bnprobe.core.tolerances import FINITE_DIFFERENCE, check_rtol_atol, grad_tolerance
+from bnprobe.inputs import SEED, input_shape
 
 __all__ = ["GradRow", "GradcheckResult", "gradcheck", "gradcheck_recorded", "check_formula", "FORMULAS",
            "FULL_JACOBIAN_MAX", "FD_CHANNELS"]
@@ -429,11 +430,14 @@ def _golden_fd_rows(shape: tuple[int, ...], seed: int, eps: float) -> tuple[Grad
                          "differences") for r in fd_rows)
 
 
-def check_formula(spec: str, shape: tuple[int, ...] = (4, 3, 5, 5), *, seed: int = 0, eps: float = EPS,
-                  rtol: float | None = None, atol: float | None = None) -> GradcheckResult:
+def check_formula(spec: str, shape: tuple[int, ...] | None = None, *, seed: int | None = None,
+                  eps: float | None = None, rtol: float | None = None, atol: float | None = None) -> GradcheckResult:
     """Check a backward formula ``f(dy, x, gamma, mean, var, eps) -> dx`` (or (dx, dgamma, dbeta)) in FP64
-    against the analytic gradient (itself checked by finite differences).  For ``seed``, also try the
+    against the analytic gradient (itself checked by finite differences), on generated inputs of ``shape``
+    (default (4, 3, 5, 5)), ``seed`` (default 0) and ``eps`` (default 1e-5).  For ``seed``, also try the
     candidate corrections alone and together and say which combination passes."""
+    shape = input_shape("gradcheck") if shape is None else tuple(shape)
+    seed, eps = SEED if seed is None else seed, EPS if eps is None else eps
     rt, at = grad_tolerance("fp64", rtol, atol)
     # the formula is loaded and checked before anything is computed
     candidates = [(f"seed {label}", seed_formula(s, xh)) for label, s, xh in SEED_CORRECTIONS] if spec == "seed" \
@@ -498,16 +502,16 @@ def gradcheck(
     dtype: str | None = None,
     shape: tuple[int, ...] | None = None,
     *,
-    mode: str | None = None, seed: int = 0, eps: float | None = None,
+    mode: str | None = None, seed: int | None = None, eps: float | None = None,
     rtol: float | None = None, atol: float | None = None,
     params: str | None = None, x: np.ndarray | None = None,
 ) -> GradcheckResult:
     """Finite differences in FP64, the adapter's backward in ``dtype`` (default fp16) vs the FP64 golden,
     and (training, the default ``mode``) the gradient identities, on generated inputs of ``shape``
-    (default (4, 3, 5, 5)) with ``eps`` (default 1e-5) and parameters (γ, β, running and saved statistics)
-    in fp32 (default) or the input's format (``params`` same); ``x`` (of ``shape``): the input instead of the
-    default's per-channel shifted normal (e.g. drawn from the command line's --dist, --mean, --std).  Truthy when
-    every check passed.
+    (default (4, 3, 5, 5)), ``seed`` (default 0), ``eps`` (default 1e-5) and parameters (γ, β, running and saved
+    statistics) in fp32 (default) or the input's format (``params`` same); ``x`` (of ``shape``): the input instead of
+    the default's per-channel shifted normal (e.g. drawn from the command line's --dist, --mean, --std).  Truthy
+    when every check passed.
 
     A dump adapter of one call runs on that call's recorded inputs (:func:`gradcheck_recorded` runs every
     call of a dump); ``shape`` and ``eps`` then contradict it, and ``dtype``, ``mode`` and ``params`` must
@@ -515,18 +519,18 @@ def gradcheck(
     if mode not in (None, "train", "infer"):
         raise BNProbeError(f"gradcheck mode must be train or infer, got {mode!r}")
     check_rtol_atol(rtol, atol)
+    seed = SEED if seed is None else seed
     a = as_adapter(adapter)
     if a.capabilities().recorded:
         recorded = Recorded(a, a.calls)
-        check_options(recorded, given=tuple(n for n, v in (("shape", shape), ("eps", eps)) if v is not None),
-                      dtype=dtype, params=params)
+        check_options(recorded, given=given(shape=shape, eps=eps), dtype=dtype, params=params)
         if len(a.calls.calls) != 1:
             raise BNProbeError(f"{a.name} holds {len(a.calls.calls)} BatchNorm calls: gradcheck_recorded checks each "
                                "(or select one with dump:DIR#NAME)")
         return gradcheck_recorded(recorded, mode=mode, rtol=rtol, atol=atol, seed=seed).results[0]
     fmt = get_format(dtype or "fp16").name
     params = params or "fp32"
-    shape = (4, 3, 5, 5) if shape is None else tuple(shape)
+    shape = input_shape("gradcheck") if shape is None else tuple(shape)
     mode = mode or "train"
     eps = EPS if eps is None else eps
     caps = a.capabilities()

@@ -48,6 +48,7 @@ from bnprobe.core.call import EPS, MOMENTUM, BNCall
 from bnprobe.engine.cases import dy_of_kind
 from bnprobe.engine.run import recording_notes
 from bnprobe.core.errors import BNProbeError
+from bnprobe.inputs import SEED
 from bnprobe.core.formats import get_format
 from bnprobe.kernels.policy import PRESETS, Policy
 from bnprobe.checks.identify.probes import (
@@ -393,13 +394,18 @@ def _notes(nondet: list[str], layouts: dict[str, list[str]], stages: dict[str, d
     return notes
 
 
-def identify(adapter: str | KernelAdapter, dtype: str = "fp16", *, params: str = "fp32", x: np.ndarray | None = None,
-             seed: int = 0, eps: float = EPS, momentum: float | None = MOMENTUM, passes: int = 2,
-             fresh: bool = True, progress: Callable[[int, int], None] | None = None) -> Identified:
-    """The policy that reproduces ``adapter`` bit for bit in ``dtype`` with ``params`` parameters (fp32 or same),
-    searched stage by stage on designed probes, then confirmed on fresh inputs (``fresh``) and on ``x`` (the user's
-    input, channels-first, when given).  Its ``spec`` runs as ``emulated:<spec>``."""
+def identify(adapter: str | KernelAdapter, dtype: str | None = None, *, params: str | None = None,
+             x: np.ndarray | None = None, seed: int | None = None, eps: float | None = None,
+             momentum: float | None = MOMENTUM, passes: int = 2, fresh: bool = True,
+             progress: Callable[[int, int], None] | None = None) -> Identified:
+    """The policy that reproduces ``adapter`` bit for bit in ``dtype`` (default fp16) with ``params`` parameters
+    (fp32, the default, or same), searched stage by stage on designed probes (``seed``, default 0; ``eps``, default
+    1e-5), then confirmed on fresh inputs (``fresh``) and on ``x`` (the user's input, channels-first, when given).
+    Its ``spec`` runs as ``emulated:<spec>``."""
     from bnprobe.engine.run import generated_call
+
+    dtype, params = dtype or "fp16", params or "fp32"
+    seed, eps = SEED if seed is None else seed, EPS if eps is None else eps
 
     kernel = outputs_only(as_adapter(adapter))
     caps = kernel.capabilities()

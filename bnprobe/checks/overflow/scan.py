@@ -51,6 +51,7 @@ from bnprobe.engine.run import each_run, generated_call, run_call
 from bnprobe.core.call import BNCall
 from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import get_format
+from bnprobe.inputs import SEED
 from bnprobe.kernels.layout import layout_of
 from bnprobe.kernels.policy import Policy
 from bnprobe.numerics.rounding import round_to
@@ -75,7 +76,7 @@ def scan(
     beta: np.ndarray | None = None,
     eps: float | None = None,
     layout: str = "channels_first",
-    seed: int = 0,
+    seed: int | None = None,
     cancel_digits: float = 0.75,
     remedies: bool = True,
     running_mean: np.ndarray | None = None,
@@ -85,10 +86,10 @@ def scan(
     params: str | None = None,
 ) -> OverflowReport:
     """Find anomalies of one BatchNorm run of ``x`` in ``dtype`` (default fp16), ``mode`` (default train),
-    with ``eps`` (default 1e-5).  ``accumulate`` (emulated adapters) sets the accumulator and compute
-    format, e.g. fp16 for a naive port.  ``cancel_digits``: flag cancellation when this share of the
-    accumulator's decimal digits is lost.  The running statistics (default: x's per-channel mean and
-    variance) and dy can be given, as a recording has them — dy as an array or as a kind of
+    with ``eps`` (default 1e-5), parameters and dy drawn from ``seed`` (default 0).  ``accumulate`` (emulated
+    adapters) sets the accumulator and compute format, e.g. fp16 for a naive port.  ``cancel_digits``: flag
+    cancellation when this share of the accumulator's decimal digits is lost.  The running statistics (default:
+    x's per-channel mean and variance) and dy can be given, as a recording has them — dy as an array or as a kind of
     :func:`~bnprobe.engine.cases.dy_of_kind` (default ``shifted``: a mean per channel, as real losses give); ``params``:
     γ, β and the running and saved statistics in fp32 (default) or the input's format (same).
 
@@ -106,7 +107,7 @@ def scan(
         raise BNProbeError("scan needs an input tensor x")
     fmt = get_format(dtype or "fp16").name
     mode = mode or "train"
-    eps = EPS if eps is None else eps
+    eps, seed = EPS if eps is None else eps, SEED if seed is None else seed
     lay = layout_of(x, layout)
     x_cr = lay.to_cr(x)
     given = _run_inputs(x, x_cr, lay.channels, seed, gamma=gamma, beta=beta, running_mean=running_mean,

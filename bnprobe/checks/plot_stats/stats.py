@@ -80,11 +80,12 @@ def _data(seed: int, n: int, dim: int = 16, classes: int = 4) -> tuple[np.ndarra
 
 
 def simulate(policies: tuple[str, ...] = ("fp32", "fp16", "bf16"), *, steps: int = 200, batch: int = 64,
-             seed: int = 0, lr: float = 0.05, momentum: float = MOMENTUM, eps: float = EPS) -> pd.DataFrame:
+             seed: int = 0, lr: float = 0.05, momentum: float = MOMENTUM, eps: float | None = None) -> pd.DataFrame:
     """Train the same MLP (16 → BN(32) → ReLU → 32 → BN(32) → ReLU → 4) under each policy, from the same
-    initial weights and batches, recording every BN layer's statistics per step."""
+    initial weights and batches, recording every BN layer's statistics per step (``eps`` default 1e-5)."""
     import pandas as pd
 
+    eps = EPS if eps is None else eps
     if steps < 1 or batch < 2:
         raise BNProbeError(f"steps must be >= 1 and batch >= 2, got steps={steps}, batch={batch}")
     pols = [get_policy(p) for p in policies]
@@ -388,10 +389,11 @@ class Thresholds:
     momentum: float = MOMENTUM
 
 
-def find(df: pd.DataFrame, *, eps: float = EPS, thresholds: Thresholds | None = None) -> list[StatsFinding]:
-    """Running statistics diverging from the batch's, variance collapsing toward eps, non-finite
+def find(df: pd.DataFrame, *, eps: float | None = None, thresholds: Thresholds | None = None) -> list[StatsFinding]:
+    """Running statistics diverging from the batch's, variance collapsing toward eps (default 1e-5), non-finite
     statistics, negative variances (data to report: a one-pass variance cancelling gives them), and a
     momentum that behaves like the wrong convention."""
+    eps = EPS if eps is None else eps
     th = thresholds or Thresholds()
     out: list[StatsFinding] = []
 

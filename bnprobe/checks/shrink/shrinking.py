@@ -28,7 +28,7 @@ from bnprobe.core.errors import BNProbeError, named
 from bnprobe.engine.result import Analysis
 
 __all__ = ["ShrinkResult", "shrink", "compare_predicate", "overflow_predicate", "load_predicate", "recorded_case",
-           "predicate_for",
+           "generated_case", "predicate_for",
            "RecordedParams", "runnable", "check_x"]
 
 Predicate = Callable[..., bool]  # f(x) -> True when the case fails (built-in ones also take channels=)
@@ -337,6 +337,13 @@ def recorded_case(recorded: Any, *, given: tuple[str, ...] = (), dtype: str | No
     x = rec.call().x
     x = x if rec.layout == "channels_first" or x.ndim <= 2 else np.moveaxis(x, -1, 1)
     return x, RecordedParams.of(rec, found[0].label), rec.dtype, mode or ("train" if rec.training else "infer")
+
+
+def generated_case(dtype: str | None = None, mode: str | None = None,
+                   params: str | None = None) -> tuple[str, str, str]:
+    """The format, mode and parameter format to shrink a generated or given x in: as given, else fp16, train and
+    fp32 (a recorded call's are its own: :func:`recorded_case`)."""
+    return dtype or "fp16", mode or "train", params or "fp32"
 
 
 def predicate_for(name: str, adapter: KernelAdapter, *, dtype: str, mode: str, recorded: RecordedParams | None,

@@ -52,6 +52,8 @@ class TraceComparison:
     rows: list[StageError] = field(default_factory=list)
     trace: Trace | None = None
     golden: Trace | None = None
+    eps: float = EPS  # the scalars the layer ran with (a report states them)
+    momentum: float | None = MOMENTUM
 
     def to_dict(self) -> dict[str, Any]:
         return {"policy": self.policy.name, "policy_detail": self.policy.to_dict(), "mode": self.mode,
@@ -92,16 +94,16 @@ def stage_errors(trace: Trace, golden: Trace) -> list[StageError]:
 def trace_run(
     x: np.ndarray,
     *,
-    policy: str | Policy,
-    mode: str = "train",
+    policy: str | Policy | None = None,
+    mode: str | None = None,
     gamma: np.ndarray | None = None,
     beta: np.ndarray | None = None,
     running_mean: np.ndarray | None = None,
     running_var: np.ndarray | None = None,
     dy: np.ndarray | None = None,
-    eps: float = EPS,
+    eps: float | None = None,
     momentum: float | None = MOMENTUM,
-    layout: str = "channels_first",
+    layout: str | None = None,
     params: str | None = None,
 ) -> TraceComparison:
     """Run one BatchNorm layer under ``policy`` and under its FP64 golden on the same rounded inputs.
@@ -109,9 +111,12 @@ def trace_run(
     The inputs are first rounded to the policy's storage (x, dy) and params
     formats; the golden (same algorithm, every format fp64) sees exactly those
     values, so the errors reported are the kernel's own.  ``params`` (fp32 or
-    same) sets the params format of the policy (default: the policy's own).
+    same) sets the params format of the policy (default: the policy's own).  Defaults: ``policy`` fp16, ``mode``
+    train, ``eps`` 1e-5, ``layout`` channels_first; ``momentum`` None is a cumulative average.
     """
-    pol = get_policy(policy)
+    pol = get_policy("fp16" if policy is None else policy)
+    mode, layout = mode or "train", layout or "channels_first"
+    eps = EPS if eps is None else eps
     if params is not None:
         pol = pol.with_options(params=params_format(pol.storage, params))
     if mode not in MODES:
@@ -139,7 +144,8 @@ def trace_run(
     meta = dict(res.trace.meta)
     meta.pop("policy_detail", None)
     return TraceComparison(policy=pol, mode=mode, shape=tuple(np.shape(x)), meta=meta,
-                           rows=stage_errors(res.trace, ref.trace), trace=res.trace, golden=ref.trace)
+                           rows=stage_errors(res.trace, ref.trace), trace=res.trace, golden=ref.trace, eps=eps,
+                           momentum=momentum)
 
 
 def trace_recorded(rec: Any, *, policy: str | Policy | None = None, mode: str | None = None,
