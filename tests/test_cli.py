@@ -310,3 +310,39 @@ def test_a_command_started_with_stdout_closed_ends_with_its_verdict():
     r = subprocess.run(f"{sys.executable} -m bnprobe fold >&-", shell=True, capture_output=False,
                        stderr=subprocess.PIPE, text=True, timeout=120)
     assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
+@pytest.mark.parametrize("call,args,field,says", [
+    (lambda: __import__("bnprobe").doctor("reference", params="half"), ["doctor", "--params", "half"], "params",
+     "params takes same or fp32, got 'half'"),
+    (lambda: __import__("bnprobe.checks.fold.onnx_model", fromlist=["x"]).check_onnx("m.onnx", fuse="zz"),
+     ["fold", "--onnx", "m.onnx", "--fuse", "zz"], "fuse", "fuse 'zz': valid: ort, ort-basic, ort-all"),
+    (lambda: __import__("bnprobe.engine.cases", fromlist=["x"]).select_cases([], calls="*layer1*"),
+     ["compare-precision", "--calls", "*layer1*"], "calls",
+     "calls selects recorded calls: give a dump (adapters dump:DIR or input DIR)"),
+])
+def test_a_library_error_names_the_parameter_and_the_command_line_its_flag(call, args, field, says, capsys):
+    """The library's error reads in its own words (the parameter's name) and carries the parameter as ``field``;
+    the same bad value given on the command line is worded with its flags."""
+    from bnprobe.core.errors import BNProbeError
+
+    with pytest.raises(BNProbeError) as exc:
+        call()
+    assert str(exc.value) == says and exc.value.field == field and "--" not in str(exc.value)
+    assert main(args) == 2
+    flagged = says.replace(f"{field} ", f"--{field} ", 1).replace("(adapters", "(--adapters").replace("or input",
+                                                                                                      "or --input")
+    assert capsys.readouterr().err == f"bnprobe: error: {flagged}\n"
+
+
+def test_an_error_keeps_the_parameters_it_names_across_processes():
+    """A sweep's worker raises, its error is pickled back, and the command line still words it as its flags."""
+    import pickle
+
+    from bnprobe.cli import flag
+    from bnprobe.core.errors import BNProbeError, named
+
+    exc = pickle.loads(pickle.dumps(BNProbeError(f"{named('max_memory')} 1K: drop {named('x')}")))
+    assert (str(exc), exc.field, exc.worded(flag)) == ("max_memory 1K: drop x", "max_memory",
+                                                       "--max-memory 1K: drop --input")
+    assert BNProbeError("no parameter named").field is None and BNProbeError("x", field="eps").field == "eps"

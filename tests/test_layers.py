@@ -296,6 +296,59 @@ def test_a_raw_write_would_be_seen(tmp_path):
                                 "bnprobe/sweep.py:9 savez to a path"]
 
 
+def _is_call(node: ast.AST | None, name: str) -> bool:
+    return isinstance(node, ast.Call) and name in (getattr(node.func, "id", None), getattr(node.func, "attr", None))
+
+
+def _declared_flags(source: str) -> dict[str, list[int]]:
+    """Each flag the command line declares and the lines that declare it: a command's own option (``typer.Option``
+    as a parameter's default: its flags after the default, else ``--<parameter>``) and a group's option
+    (``option(...)`` as a class's field: its flags, else ``--<field>``)."""
+    found: dict[str, list[int]] = {}
+
+    def add(call: ast.Call, name: str, flags: list[ast.expr]) -> None:
+        given = [a.value for a in flags if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+        for text in given or ["--" + name.replace("_", "-")]:
+            for one in text.split("/"):  # --stress/--no-stress
+                found.setdefault(one, []).append(call.lineno)
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef):
+            a = node.args
+            pairs = [*zip(a.args[len(a.args) - len(a.defaults):], a.defaults), *zip(a.kwonlyargs, a.kw_defaults)]
+            for arg, default in pairs:
+                if _is_call(default, "Option"):
+                    add(default, arg.arg, default.args[1:])
+        elif isinstance(node, ast.ClassDef):
+            for st in node.body:
+                if isinstance(st, ast.AnnAssign) and _is_call(st.value, "option"):
+                    add(st.value, st.target.id, st.value.args)
+    return found
+
+
+# flags that name unrelated options of different commands, declared by each
+HOMONYMS = {"--format": "rsqrt's number format, compare-precision's report files, plot-stats' image type"}
+
+
+def test_an_option_several_commands_share_is_declared_once():
+    """A shared option (its flags, metavar, range) is declared once, in its group of bnprobe/cli.py; a command
+    words its help there, it does not declare the option again."""
+    flags = _declared_flags((PACKAGE / "cli.py").read_text())
+    assert len(flags) > 60 and all(len(flags[f]) > 1 for f in HOMONYMS)
+    assert {f: lines for f, lines in flags.items() if len(lines) > 1 and f not in HOMONYMS} == {}
+
+
+def test_an_option_declared_twice_would_be_seen():
+    source = ("class Call(Group):\n"
+              "    eps: Optional[float] = option(help='epsilon')\n"
+              "    params: Optional[str] = option('--params')\n\n\n"
+              "def trace(eps: float = typer.Option(1e-5), shape: str = typer.Option(None, '--shape')):\n"
+              "    pass\n\n\n"
+              "def overflow(*, shape: str = typer.Option('8,16,14,14', help='x'), params=Call.use()):\n"
+              "    pass\n")
+    assert {f: n for f, n in _declared_flags(source).items() if len(n) > 1} == {"--eps": [2, 6], "--shape": [6, 10]}
+
+
 def _folder_shares(package: Path) -> dict[str, float]:
     """Each folder's share of the package's lines, counting the modules directly in it (a command's package under
     checks/ is a folder of its own)."""

@@ -82,6 +82,24 @@ def test_a_task_that_keeps_failing_is_retried_once_reported_and_never_stops_the_
         assert sum(r["status"] == "ok" for r in rows) == 5
 
 
+def test_a_failed_tasks_error_is_worded_as_the_caller_says(tmp_path, monkeypatch):
+    """A task's error in its row: in the library's words (the parameter it names), or, run from the command line,
+    with its flags (the rows are that command's report)."""
+    import bnprobe.sweep.tasks as sweep
+    from bnprobe.cli import flag
+    from bnprobe.core.errors import named
+
+    def refuse(task, spec):
+        raise BNProbeError(f"{named('mode')} backward contradicts the recording")
+
+    monkeypatch.setattr(sweep, "run_task", refuse)
+    root = make_root(tmp_path / "run")
+    assert {r["error"] for r in run_sweep(plan(root), SweepSpec("doctor"))} == {"mode backward contradicts the "
+                                                                                "recording"}
+    assert {r["error"] for r in run_sweep(plan(root), SweepSpec("doctor"), words=flag)} == {
+        "--mode backward contradicts the recording"}
+
+
 def test_a_task_that_fails_once_succeeds_on_its_retry(tmp_path, monkeypatch):
     import bnprobe.sweep.tasks as sweep
 
