@@ -111,7 +111,8 @@ def one_call(spec: str | Path, calls: str | None = None, what: str = "this comma
 
 
 def refuse(names: tuple[str, ...], source: str) -> None:
-    """Options of generated input (``names``, as given) contradict a recording: a one-line error naming them."""
+    """Options of generated input (``names``, as :func:`given` names them) contradict a recording: a one-line error
+    naming them."""
     if names:
         raise BNProbeError(f"{', '.join(names)} contradict{'s' if len(names) == 1 else ''} the recording {source}: "
                            "its calls bring their own inputs and scalars")
