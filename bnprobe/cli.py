@@ -80,9 +80,9 @@ def option(*flags: str, help: str = "", default: Any = None, **typer_kw: Any) ->
 
 
 class Group:
-    """Options several commands share: a frozen dataclass whose fields are :func:`option`\\ s.  A command takes a
-    group as a parameter whose default is :meth:`use`; :func:`_command` expands it into the group's options and
-    hands the command one instance, checked (:meth:`check`) before the command's body runs."""
+    """Options several commands share: a frozen dataclass whose fields are declared with :func:`option`.  A command
+    takes a group as a parameter whose default is :meth:`use`; :func:`_command` expands it into the group's options
+    and hands the command one instance, checked (:meth:`check`) before the command's body runs."""
 
     @classmethod
     def use(cls, *names: str, **wording: Any) -> Use:
