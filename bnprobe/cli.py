@@ -420,7 +420,7 @@ def trace(
     else:
         if src.calls is not None:
             raise BNProbeError("--calls selects recorded calls: give a dump as --input DIR")
-        d = Draw.of(gen.dist, gen.mean, gen.std, gen.seed)
+        d = Draw(gen.dist, gen.mean, gen.std, gen.seed).resolved()
         x = input_tensor("trace", input, gen.shape, d.dist, d.mean, d.std, d.seed)
         source = str(input) if input is not None else f"{d.dist}(mean={d.mean:g}, std={d.std:g}), seed {d.seed}"
         lay = layout_of(x, layout)
@@ -547,7 +547,7 @@ def dump_cmd(
     if bad or not wanted:
         raise BNProbeError(f"--modes takes train, infer, backward; got {modes!r}")
     a = get_adapter(target.adapter)
-    d = Draw.of(gen.dist, gen.mean, gen.std, gen.seed)
+    d = Draw(gen.dist, gen.mean, gen.std, gen.seed).resolved()
     x = input_tensor("dump", input, gen.shape, d.dist, d.mean, d.std, d.seed)
     lay = layout_of(x, bn.layout)
     prm = make_params(lay.channels, d.seed)
@@ -702,7 +702,8 @@ def compare_precision_cmd(
     some are not."""
     from bnprobe._progress import Progress
     from bnprobe.adapters import get_adapter
-    from bnprobe.engine.cases import Distribution, select_cases
+    from bnprobe.engine.cases import select_cases
+    from bnprobe.inputs import Draw
     from bnprobe.checks.compare.precision import CallOptions, Judging, compare_precision
     from bnprobe.engine.recorded import given
     from bnprobe.reports.compare import compare_lines, report_files, write_report
@@ -722,8 +723,8 @@ def compare_precision_cmd(
     names, input, eps, momentum = _dump_scalars(names, src.input, bn.eps, bn.momentum)
     kernels = [get_adapter(a) if convention is None else _in_convention(a, convention) for a in names]
     resolved, cases, recorded = select_cases(kernels, input=input, calls=src.calls, shape=gen.shape, shapes=shapes,
-                                             batch=batch, values=Distribution(gen.dist, gen.mean, gen.std),
-                                             seed=gen.seed, mode=mode, stress=stress)
+                                             batch=batch, values=Draw(gen.dist, gen.mean, gen.std, gen.seed),
+                                             mode=mode, stress=stress)
     resolved = _builtin_for(resolved, builtin, dts, recorded)
     sink = report.sink("compare-precision", *report_files(fmts)) if fmts else None
     with Progress("compare-precision") as bar:

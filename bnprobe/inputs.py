@@ -23,19 +23,19 @@ SEED = 0  # the seed of generated inputs (and parameters) where none is given
 
 @dataclass(frozen=True)
 class Draw:
-    """How a generated input is drawn: its distribution, mean, std and seed (by default N(0, 1), seed 0)."""
+    """How generated values are drawn: their distribution (one of :data:`DISTRIBUTIONS`), mean, std and seed, each
+    None where not given (a caller may refuse what was given: a recording brings its own values); :meth:`resolved`
+    gives those their defaults, N(0, 1) and seed :data:`SEED`."""
 
-    dist: str = "normal"
-    mean: float = 0.0
-    std: float = 1.0
-    seed: int = SEED
+    dist: str | None = None
+    mean: float | None = None
+    std: float | None = None
+    seed: int | None = None
 
-    @classmethod
-    def of(cls, dist: str | None = None, mean: float | None = None, std: float | None = None,
-           seed: int | None = None) -> Draw:
-        """The draw given, the default for each value that is None."""
-        given = {"dist": dist, "mean": mean, "std": std, "seed": seed}
-        return cls(**{k: v for k, v in given.items() if v is not None})
+    def resolved(self) -> Draw:
+        """This draw with each value not given (None) its default."""
+        return Draw("normal" if self.dist is None else self.dist, 0.0 if self.mean is None else self.mean,
+                    1.0 if self.std is None else self.std, SEED if self.seed is None else self.seed)
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -57,7 +57,7 @@ def make_input(shape: tuple[int, ...], *, dist: str | None = None, mean: float |
                std: float | None = None, seed: int | None = None) -> np.ndarray:
     """A float64 tensor of the given shape drawn from ``dist`` with the given mean and std (None: the
     :class:`Draw`'s default)."""
-    dist, mean, std, seed = astuple(Draw.of(dist, mean, std, seed))
+    dist, mean, std, seed = astuple(Draw(dist, mean, std, seed).resolved())
     if dist not in DISTRIBUTIONS:
         raise BNProbeError(f"unknown distribution {dist!r}; valid: {', '.join(DISTRIBUTIONS)}")
     if not (math.isfinite(mean) and math.isfinite(std)) or std < 0:

@@ -14,10 +14,10 @@ from bnprobe.adapters.base import MODES
 from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.recordings import CallRef, RecordedCalls
 from bnprobe.core.errors import BNProbeError, named
-from bnprobe.inputs import make_input
+from bnprobe.inputs import Draw, make_input
 
 __all__ = ["Case", "DY_KINDS", "RESNET50_BN", "SHAPE_SETS", "dy_of_kind", "make_dy",
-           "recorded_cases", "resnet50_cases", "stress_cases", "Distribution", "select_cases"]
+           "recorded_cases", "resnet50_cases", "stress_cases", "select_cases"]
 
 # ResNet-50 (ImageNet, 224x224) BatchNorm layers: (name, C, H, W), one entry per distinct shape
 RESNET50_BN = [
@@ -108,32 +108,23 @@ def stress_cases(seed: int = 0) -> list[Case]:
     ]
 
 
-@dataclass(frozen=True)
-class Distribution:
-    """How generated inputs are drawn: ``dist`` (:func:`~bnprobe.inputs.make_input`'s; None: normal) with ``mean``
-    (None: 0) and ``std`` (None: 1)."""
-
-    dist: str | None = None
-    mean: float | None = None
-    std: float | None = None
-
-
 def select_cases(adapters: list[KernelAdapter], *, input: str | Path | None = None, calls: str | None = None,
                  shape: str | None = None, shapes: str = "sample", batch: int | None = None,
-                 values: Distribution = Distribution(), seed: int = 0, mode: str = "all",
+                 values: Draw = Draw(), mode: str = "all",
                  stress: bool = True) -> tuple[list[KernelAdapter], list[Case], RecordedCalls | None]:
     """What compare-precision runs on, checked before any run: a dump's calls (``input`` a dump folder, or a
     dump adapter among ``adapters``, selected by ``calls``), the tensor at ``input``, one generated ``shape``,
     or ResNet-50's shapes (``shapes``: a :data:`SHAPE_SETS` name) at ``batch`` (2) plus the stress inputs
-    (``stress``), the generated ones drawn as ``values`` says (:class:`Distribution`).  Options that contradict a
-    recording, and a run the memory limit cannot hold (its largest case), are refused.  Returns the adapters
-    (a dump adapter replaced by one of the selected calls: the caller's is not changed), the cases and the
-    recorded calls (or None)."""
+    (``stress``), the generated ones drawn as ``values`` says (:class:`~bnprobe.inputs.Draw`; its seed is every
+    case's).  Options that contradict a recording, and a run the memory limit cannot hold (its largest case), are
+    refused.  Returns the adapters (a dump adapter replaced by one of the selected calls: the caller's is not
+    changed), the cases and the recorded calls (or None)."""
     from bnprobe.recordings import open_dump
     from bnprobe.guard import require_run
-    from bnprobe.inputs import Draw, input_tensor, parse_shape
+    from bnprobe.inputs import input_tensor, parse_shape
 
     dist, mean, std = values.dist, values.mean, values.std
+    d = values.resolved()
     dumps = [a for a in adapters if a.capabilities().recorded]
     recorded = None
     if input is not None and Path(input).is_dir():
@@ -159,19 +150,19 @@ def select_cases(adapters: list[KernelAdapter], *, input: str | Path | None = No
             raise BNProbeError(f"{named('mode')} {mode}: no call of {recorded.source} recorded it (it recorded "
                                f"{', '.join(m for m, v in has.items() if v)})")
     elif input is not None:
-        x = input_tensor("compare-precision", input, seed=seed)
-        cases = [Case(f"input/{Path(input).name}", tuple(x.shape), x=x, seed=seed)]
+        x = input_tensor("compare-precision", input, seed=d.seed)
+        cases = [Case(f"input/{Path(input).name}", tuple(x.shape), x=x, seed=d.seed)]
     elif shape is not None:
-        d = Draw.of(dist, mean, std)
-        cases = [Case(f"{d.dist}(mean={d.mean:g}, std={d.std:g})", parse_shape(shape), d.dist, d.mean, d.std, seed)]
+        cases = [Case(f"{d.dist}(mean={d.mean:g}, std={d.std:g})", parse_shape(shape), d.dist, d.mean, d.std,
+                      d.seed)]
     else:
         if shapes not in SHAPE_SETS:
             raise BNProbeError(f"unknown shape set {shapes!r}; valid: {', '.join(SHAPE_SETS)} (or give "
                                f"{named('shape')})")
         if batch is not None and batch < 1:
             raise BNProbeError(f"{named('batch')} must be >= 1, got {batch}")
-        cases = resnet50_cases(2 if batch is None else batch, seed, Draw.of(dist).dist, shapes)
-        cases += stress_cases(seed) if stress else []
+        cases = resnet50_cases(2 if batch is None else batch, d.seed, d.dist, shapes)
+        cases += stress_cases(d.seed) if stress else []
     biggest = max(cases, key=lambda c: math.prod(c.shape))
     require_run("compare-precision", biggest.shape, f"compare-precision on {biggest.name} (shape {biggest.shape})",
                 torch=any(a.name.startswith("torch") for a in adapters),

@@ -367,6 +367,20 @@ def test_input_dir_options_that_contradict_it(one_call, capsys, args, message):
     assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
 
 
+def test_compare_cases_refuse_the_values_given_on_a_recording_and_draw_the_others_by_default(one_call):
+    """select_cases takes the generated values as one inputs.Draw: on a recording, those given are refused by name;
+    otherwise those not given take the Draw's defaults, and its seed is the cases'."""
+    from bnprobe.engine.cases import select_cases
+    from bnprobe.inputs import Draw
+
+    with pytest.raises(BNProbeError, match="^dist, std contradict the recording"):
+        select_cases([], input=one_call, values=Draw(dist="uniform", std=2.0, seed=3))
+    _, cases, _ = select_cases([], shape="2,3,4,4", values=Draw(mean=2.0, seed=3))
+    assert [(c.name, c.dist, c.mean, c.std, c.seed) for c in cases] == [
+        ("normal(mean=2, std=1)", "normal", 2.0, 1.0, 3)]
+    assert Draw().resolved() == Draw("normal", 0.0, 1.0, 0)
+
+
 def test_commands_that_need_tensors_refuse_a_statistics_dump(tmp_path, capsys):
     msprobe_statistics(tmp_path, 3.0)
     for args in (["gradcheck", "--adapter", f"dump:{tmp_path}"], ["doctor", "--adapter", f"dump:{tmp_path}"],
