@@ -1,5 +1,6 @@
-"""compare-precision's inputs: the built-in case catalogue (ResNet-50's BatchNorm shapes, the stress suite), a
-recording's calls as cases, and the selection of what a run covers from the command's options."""
+"""The named inputs checks run on (:class:`Case`: compare-precision's cases, doctor's inputs, identify's probes), and
+compare-precision's: the built-in case catalogue (ResNet-50's BatchNorm shapes, the stress suite), a recording's
+calls as cases, and the selection of what a run covers from the command's options."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 from bnprobe.adapters import KernelAdapter
 from bnprobe.adapters.base import MODES
 from bnprobe.adapters.dump import DumpAdapter
+from bnprobe.core.call import BNCall
 from bnprobe.recordings import CallRef, RecordedCalls
 from bnprobe.core.errors import BNProbeError, named
 from bnprobe.inputs import Draw, make_input
@@ -30,23 +32,45 @@ RESNET50_BN = [
 
 @dataclass(frozen=True)
 class Case:
-    """One input: a name, a shape and how to make x (or x itself, for real activations)."""
+    """One named input a check runs on — compare-precision's cases, doctor's inputs and identify's probes alike: a
+    name, the call or what makes it, and what it is made to show.
+
+    The call is given whole (``call``: x and every other input and scalar, float64 before rounding to the run's
+    formats, as doctor and identify design theirs), recorded (``recorded``: a dump's call, loaded when run), or
+    made by the check from x (compare-precision's cases: x given, a user's tensor, or generated from ``shape``,
+    ``dist``, ``mean``, ``std`` and ``seed``, with an upstream gradient of the kind ``dy``).  ``shape`` is x's (taken
+    from the call, x or the recorded call when not given).  ``purpose``: what the input is made to show; ``steps``:
+    training batches run before it (doctor's inference after several steps); ``modes_only``: read only by
+    identify's modes stage (its subnormal and huge inputs)."""
 
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...] = ()
     dist: str = "normal"
     mean: float = 0.0
     std: float = 1.0
     seed: int = 0
     x: np.ndarray | None = field(default=None, compare=False, repr=False)
-    call: CallRef | None = field(default=None, compare=False, repr=False)  # a recorded call: all inputs from it
+    recorded: CallRef | None = field(default=None, compare=False, repr=False)  # a recorded call: all inputs from it
     dy: str = "normal"  # the upstream gradient: normal N(0, 1), shifted (a mean per channel), heavy (Student t)
+    call: BNCall | None = field(default=None, compare=False, repr=False)
+    purpose: str = ""
+    steps: tuple[np.ndarray, ...] = field(default=(), compare=False, repr=False)
+    modes_only: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.shape:
+            given = self.call.x if self.call is not None else self.x
+            shape = np.shape(given) if given is not None else self.recorded.shape if self.recorded is not None else ()
+            object.__setattr__(self, "shape", tuple(shape))
 
     def make(self) -> np.ndarray:
+        """x: as given (in the call, or alone), the recorded call's, or generated."""
+        if self.call is not None:
+            return self.call.x
         if self.x is not None:
             return self.x
-        if self.call is not None:
-            return self.call.load().call().x
+        if self.recorded is not None:
+            return self.recorded.load().call().x
         return make_input(self.shape, dist=self.dist, mean=self.mean, std=self.std, seed=self.seed)
 
 
@@ -75,7 +99,7 @@ def dy_of_kind(kind: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
 def recorded_cases(calls: RecordedCalls) -> list[Case]:
     """One case per recorded BatchNorm call, in forward order (tensors are loaded one call at a time)."""
     calls.require_tensors("comparing a call's outputs with the golden")
-    return [Case(c.label, c.shape, "recorded", seed=0, call=c) for c in calls.calls]
+    return [Case(c.label, c.shape, "recorded", seed=0, recorded=c) for c in calls.calls]
 
 
 # the shape sets of --shapes: every distinct ResNet-50 shape, or two of them (the default run's, for its time)

@@ -268,8 +268,8 @@ def _case_calls(case: Case, fmts: list[str], modes: tuple[str, ...], opts: dict[
     """A case's calls, one per format (a recorded call: its own, in its format), with what they hold that the
     verdicts cannot see (NaN/inf: the golden is non-finite there too) said in ``notes``."""
     eps, momentum, params = opts["eps"], opts["momentum"], opts["params"]
-    if case.call is not None:
-        rec = case.call.load()
+    if case.recorded is not None:
+        rec = case.recorded.load()
         _agree(case.name, rec, eps, momentum, params)
         notes.extend(f"{case.name}: {n}" for n in rec.meta.get("notes", []))
         per_fmt = [_recorded(rec, modes)]
@@ -296,14 +296,14 @@ def _replaying(a: KernelAdapter, cc: _CaseCall) -> Recording | None:
     case = cc.case
     if not a.capabilities().recorded:
         return None
-    if cc.replay is not None or case.call is None:
+    if cc.replay is not None or case.recorded is None:
         return cc.replay
     calls = a.calls.calls  # type: ignore[attr-defined]
-    if any(c is case.call for c in calls):
+    if any(c is case.recorded for c in calls):
         return cc.rec
-    match = [c for c in calls if c.label == case.call.label]
+    match = [c for c in calls if c.label == case.recorded.label]
     if not match:
-        raise BNProbeError(f"{a.name} has no call {case.call.label!r} to replay on this case")
+        raise BNProbeError(f"{a.name} has no call {case.recorded.label!r} to replay on this case")
     return match[0].load()
 
 
@@ -498,7 +498,7 @@ def _check_formats(resolved: list[KernelAdapter], bench_a: KernelAdapter | None,
         off = [f for f in recorded_fmts if f not in fmts]
         if off:
             raise BNProbeError(f"the recording holds {', '.join(off)} calls; dtypes {', '.join(fmts)} contradict it")
-    generated = fmts if any(c.call is None for c in cases) else []
+    generated = fmts if any(c.recorded is None for c in cases) else []
     need = list(dict.fromkeys(generated + recorded_fmts))
     for a in resolved:
         runs = a.capabilities().formats
@@ -552,7 +552,7 @@ def compare_precision(
     if cases is None:
         cases = recorded_cases(dumps[0].calls) if dumps else resnet50_cases(seed=seed) + stress_cases(seed)
     fmts = [get_format(d).name for d in (dtypes or ("fp16", "bf16", "fp32"))]
-    recorded_fmts = list(dict.fromkeys(c.call.dtype for c in cases if c.call is not None))
+    recorded_fmts = list(dict.fromkeys(c.recorded.dtype for c in cases if c.recorded is not None))
     bench_a = as_adapter(bench) if bench is not None else None
     if bench_a is None and rule == "benchmark":
         raise BNProbeError("the benchmark rule needs a bench (e.g. careful or torch)")
@@ -589,7 +589,7 @@ def compare_precision(
     if budget:
         _budgets(tables)
     meta = {"adapters": [a.name for a in resolved],
-            "dtypes": list(dict.fromkeys(([] if all(c.call is not None for c in cases) else fmts) + recorded_fmts)),
+            "dtypes": list(dict.fromkeys(([] if all(c.recorded is not None for c in cases) else fmts) + recorded_fmts)),
             "mode": mode, "eps": eps, "momentum": momentum, "params": params, "seed": seed,
             **_run_meta(cases, dumps), "seconds": round(time.monotonic() - t0, 3),
             "standards": "msprobe" if standards is None else "custom", "rule": rule,
@@ -602,9 +602,9 @@ def _default_formats(resolved: list[KernelAdapter], cases: list[Case], fmts: lis
     """(whether an adapter skips a case call, the number of runs): with the default formats each adapter runs those
     it can (a fixed policy, e.g. emulated:fp16-acc16, its own); formats asked for are run by every adapter."""
     def skip(a: KernelAdapter, cc: Any) -> bool:
-        return dtypes is None and cc.case.call is None and cc.rec.dtype not in a.capabilities().formats
+        return dtypes is None and cc.case.recorded is None and cc.rec.dtype not in a.capabilities().formats
 
-    total = sum(1 if c.call is not None else sum(f in a.capabilities().formats or dtypes is not None for f in fmts)
+    total = sum(1 if c.recorded is not None else sum(f in a.capabilities().formats or dtypes is not None for f in fmts)
                 for c in cases for a in resolved)
     return skip, total
 
@@ -613,7 +613,7 @@ def _run_meta(cases: list[Case], dumps: list[KernelAdapter]) -> dict[str, Any]:
     """The run's inputs, and the dump it replayed, for the result's meta."""
     out: dict[str, Any] = {"cases": [{"name": c.name, "shape": list(c.shape), "dist": c.dist, "mean": c.mean,
                                       "std": c.std} for c in cases],
-                           "recorded": any(c.call is not None for c in cases)}
+                           "recorded": any(c.recorded is not None for c in cases)}
     if dumps:
         calls = dumps[0].calls  # type: ignore[attr-defined]
         out["dump"] = {"source": calls.source, "kind": calls.kind, "notes": list(calls.notes)}

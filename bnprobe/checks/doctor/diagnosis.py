@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,7 @@ from bnprobe.checks.doctor.bugs import (
     BIASED_RUNNING, ELEMENTWISE, GROUPS, TRAIN_RUNNING, describe,
     model,
 )
+from bnprobe.engine.cases import Case
 from bnprobe.engine.recorded import PerCall, Recorded, check_options, check_params
 from bnprobe.engine.result import Verdict
 from bnprobe.engine.run import CallRun, Golden, each_run, generated_call, run_call
@@ -49,7 +51,7 @@ from bnprobe.inputs import SEED
 from bnprobe.kernels.layout import reduce_axes, to_channels_first
 from bnprobe.numerics.rounding import round_to
 from bnprobe.core.tolerances import MSPROBE_STANDARDS
-from bnprobe.checks.doctor.inputs import GENERATED, Probe, USER, probes, user_probe
+from bnprobe.checks.doctor.inputs import GENERATED, USER, probes, user_probe
 from bnprobe.checks.doctor.items import (
     BugModels,
     Check,
@@ -61,11 +63,11 @@ from bnprobe.checks.doctor.items import (
 from bnprobe.checks.doctor.report import DoctorReport, Item
 
 
-__all__ = ["Item", "DoctorReport", "Probe", "doctor", "doctor_recorded", "probes", "SKIPPED_ON_RECORDINGS"]
+__all__ = ["Item", "DoctorReport", "doctor", "doctor_recorded", "probes", "SKIPPED_ON_RECORDINGS"]
 
 # ---- running the kernel on one input ------------------------------------------------------------------
 
-def _probe_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, params: str) -> dict[str, Check]:
+def _probe_checks(a: KernelAdapter, ref: KernelAdapter, p: Case, fmt: str, params: str) -> dict[str, Check]:
     if p.steps:
         return _steps_checks(a, ref, p, fmt, params)
     caps = a.capabilities()
@@ -152,7 +154,7 @@ def _stored(bn: BNCall, got: dict[str, np.ndarray], convention: str = "torch",
     return lambda bug: model(bn, bug=bug, saved=saved, convention=convention, shared=shared)
 
 
-def _steps_checks(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, params: str) -> dict[str, Check]:
+def _steps_checks(a: KernelAdapter, ref: KernelAdapter, p: Case, fmt: str, params: str) -> dict[str, Check]:
     """Training steps on ``p.steps`` then inference on ``p.call.x``, with the running statistics the steps left: the
     kernel's chain against the golden's (the reference, its update kept in the parameters' format after each
     step as a kernel keeps it) and the bug models' chains."""
@@ -231,7 +233,7 @@ def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None,
     prm = params or "fp32"
     todo = probes(seed, stress=stability) + ([user_probe(x, seed)] if x is not None else []) \
         + ([user_probe(generated, seed, GENERATED)] if generated is not None else [])
-    todo = [Probe(p.name, p.call.with_(eps=eps, momentum=momentum), p.steps) for p in todo]
+    todo = [replace(p, call=p.call.with_(eps=eps, momentum=momentum)) for p in todo]
     ref = outputs_only(reference_for(a))  # the golden in the kernel's convention
     a = outputs_only(a)  # only outputs are compared: no intermediates kept (on a copy: the caller's is unchanged)
     checks: list[dict[str, Check]] = []
@@ -282,7 +284,7 @@ def _recipe_words(a: KernelAdapter, fmt: str, params: str, seed: int, eps: float
     return [f"its recipe (identify, bit for bit: emulated:{res.spec}): " + "; ".join(lossy)]
 
 
-def _momentum_none(a: KernelAdapter, ref: KernelAdapter, p: Probe, fmt: str, params: str) -> Item:
+def _momentum_none(a: KernelAdapter, ref: KernelAdapter, p: Case, fmt: str, params: str) -> Item:
     """momentum=None: PyTorch's cumulative average; for a first batch the running stats become the batch's."""
     name = "momentum=None is a cumulative average"
     try:
@@ -344,7 +346,7 @@ def _determinism(run: Callable[[], Any], declared: bool, inputs: str = "the same
                                        "(non-deterministic reduction order)")
 
 
-def _forward_twice(a: KernelAdapter, p: Probe, fmt: str, params: str) -> Callable[[], Any]:
+def _forward_twice(a: KernelAdapter, p: Case, fmt: str, params: str) -> Callable[[], Any]:
     """The training forward of ``a`` on the probe's inputs, as stored in ``fmt`` and ``params``."""
     c = p.call
     x, _, g, b, rm, rv = stored_inputs(fmt, params, c.x, None, c.gamma, c.beta, c.running_mean, c.running_var)

@@ -1,36 +1,29 @@
-"""doctor's inputs: the diagnostic input, the stress inputs and the user's own (:class:`Probe`, :func:`probes`,
-:func:`user_probe`)."""
+"""doctor's inputs: the diagnostic input, the stress inputs and the user's own (:func:`probes`, :func:`user_probe`),
+each a :class:`~bnprobe.engine.cases.Case` whose call is made whole (NC... layout, float64 before rounding to the
+run's formats; its dtype and params are set per run), and for the eval-after-steps input the training batches
+before it (its ``steps``)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import replace
 
 import numpy as np
 
 from bnprobe.core.call import BNCall
 from bnprobe.core.errors import BNProbeError
+from bnprobe.engine.cases import Case
 from bnprobe.kernels.layout import reduce_axes
 
-__all__ = ["Probe", "probes", "USER", "GENERATED", "user_probe"]
+__all__ = ["probes", "USER", "GENERATED", "user_probe"]
 
 
 # ---- the inputs ---------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Probe:
-    """One input of the checklist: a named call (NC... layout, float64 before rounding to the run's formats; its
-    dtype and params are set per run), and for the eval-after-steps input the training batches before it."""
-
-    name: str
-    call: BNCall
-    steps: tuple[np.ndarray, ...] = ()  # training batches before the inference on x (eval after several steps)
-
-
 def _probe(name: str, x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, running_mean: np.ndarray,
-           running_var: np.ndarray, dy: np.ndarray | None, steps: tuple[np.ndarray, ...] = ()) -> Probe:
-    """A probe with BatchNorm's default ε and momentum."""
-    return Probe(name, BNCall(x, gamma, beta, running_mean, running_var, dy), steps)
+           running_var: np.ndarray, dy: np.ndarray | None, steps: tuple[np.ndarray, ...] = ()) -> Case:
+    """An input of the checklist with BatchNorm's default ε and momentum."""
+    return Case(name, call=BNCall(x, gamma, beta, running_mean, running_var, dy), steps=steps)
 
 
 def _running(rng: np.random.Generator, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -43,7 +36,7 @@ def _running(rng: np.random.Generator, x: np.ndarray) -> tuple[np.ndarray, np.nd
     return mean + 1.5 * sign * np.maximum(std, 0.1), np.where(np.arange(c) % 2, 3.0, 0.3) * np.maximum(std, 0.1) ** 2
 
 
-def _diagnostic(seed: int) -> Probe:
+def _diagnostic(seed: int) -> Case:
     """Channels of variance 4, 1 and 0.25 (shifted), 1e-4, 4e-6 (< eps) and 1e-10 (std ≈ eps), R = 32; γ and
     β away from 1 and 0 and from each other; dy = a·x̂ + b + noise per channel, so that -mean(dy) dominates
     dx in one channel, -x̂·mean(dy·x̂) in another and the factor γ·rstd shows in the noise-led channels."""
@@ -66,14 +59,14 @@ def _diagnostic(seed: int) -> Probe:
                  np.array([0.3, -0.4, 0.2, -0.25, 0.5, -0.1]), rm, rv, dy)
 
 
-def _stress(name: str, x: np.ndarray, seed: int) -> Probe:
+def _stress(name: str, x: np.ndarray, seed: int) -> Case:
     rng = np.random.default_rng([seed, len(name)])
     c = x.shape[1]
     rm, rv = _running(rng, x)
     return _probe(name, x, rng.uniform(0.5, 1.5, c), rng.normal(0.0, 0.3, c), rm, rv, rng.standard_normal(x.shape))
 
 
-def probes(seed: int = 0, *, stress: bool = True) -> list[Probe]:
+def probes(seed: int = 0, *, stress: bool = True) -> list[Case]:
     """The checklist's inputs: the diagnostic input, then (``stress``) the stress inputs."""
     out = [_diagnostic(seed)]
     if not stress:
@@ -95,10 +88,9 @@ def probes(seed: int = 0, *, stress: bool = True) -> list[Probe]:
     # dy with a mean per channel, as real losses give: Σdy over R = 2048 reaches 4096 (fp16's ulp there is 4), so a
     # backward that keeps it in a 16-bit format shows
     shifted = _stress("stress/dy-shifted", n(32, 2, 8, 8), seed)
-    out.append(Probe(shifted.name, shifted.call.with_(dy=shifted.call.dy + np.array([1.0, 2.0]).reshape(1, 2, 1, 1)),
-                     ()))
+    out.append(replace(shifted, call=shifted.call.with_(dy=shifted.call.dy + np.array([1.0, 2.0]).reshape(1, 2, 1, 1))))
     ev = _stress("stress/eval-after-steps", n(8, 3, 2, 2) + 0.5, seed)
-    out.append(Probe(ev.name, ev.call.with_(running_mean=np.zeros(3), running_var=np.ones(3), dy=None), steps))
+    out.append(replace(ev, call=ev.call.with_(running_mean=np.zeros(3), running_var=np.ones(3), dy=None), steps=steps))
     return out
 
 
@@ -106,10 +98,10 @@ USER = "input"
 GENERATED = "generated"  # the input made from the command line's --shape, --mean, --std, --dist
 
 
-def user_probe(x: np.ndarray, seed: int = 0, name: str = USER) -> Probe:
+def user_probe(x: np.ndarray, seed: int = 0, name: str = USER) -> Case:
     """The user's tensor as an input of the checklist (γ, β and dy seeded, running statistics 0 and 1)."""
     x = np.asarray(x, dtype=np.float64)
     if x.ndim < 2:
         raise BNProbeError(f"x must have 2 to 5 dimensions, got shape {x.shape}")
     p = _stress(name, x, seed)
-    return Probe(name, p.call.with_(running_mean=np.zeros(x.shape[1]), running_var=np.ones(x.shape[1])))
+    return replace(p, call=p.call.with_(running_mean=np.zeros(x.shape[1]), running_var=np.ones(x.shape[1])))

@@ -1,6 +1,7 @@
-"""identify's probes: the designed inputs that tell a kernel's choices apart (:func:`probes`), what a kernel
-returns on each (:func:`observe`), what a candidate policy returns on the same (:func:`emulate`) and how far the two
-are apart, in ULPs, per output (:func:`score_outputs`)."""
+"""identify's probes: the designed inputs that tell a kernel's choices apart (:func:`probes`, each a
+:class:`~bnprobe.engine.cases.Case`: its call, what it is for, and whether only the modes stage reads it), what a
+kernel returns on each (:func:`observe`), what a candidate policy returns on the same (:func:`emulate`) and how far
+the two are apart, in ULPs, per output (:func:`score_outputs`)."""
 
 from __future__ import annotations
 
@@ -13,25 +14,15 @@ from bnprobe.adapters import KernelAdapter, Saved
 from bnprobe.adapters.base import Capabilities
 from bnprobe.adapters.emulated import PolicyAdapter
 from bnprobe.core.call import EPS, MOMENTUM, BNCall
-from bnprobe.engine.cases import dy_of_kind
+from bnprobe.engine.cases import Case, dy_of_kind
 from bnprobe.core.formats import get_format
 from bnprobe.kernels.policy import Policy
 
 
-__all__ = ["Probe", "Observed", "Score", "probes", "observe", "emulate", "score_outputs", "probe_vectors"]
+__all__ = ["Observed", "Score", "probes", "observe", "emulate", "score_outputs", "probe_vectors"]
 
 
 # ---- probes -------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Probe:
-    """A designed input: the call, what it is for, and the stages it serves (``modes``: only the modes stage)."""
-
-    name: str
-    call: BNCall
-    purpose: str
-    modes_only: bool = False
-
 
 def probe_vectors(rng: np.random.Generator, c: int) -> dict[str, np.ndarray]:
     """γ not a power of two, β, and running statistics that are not the batch's."""
@@ -54,18 +45,18 @@ def _call(x: np.ndarray, rng: np.random.Generator, fmt: str, params: str, eps: f
 
 
 def probes(dtype: str, params: str = "fp32", *, seed: int = 0, eps: float = EPS, momentum: float | None = MOMENTUM,
-           layouts: tuple[str, ...] = ("channels_first", "channels_last"), fresh: bool = False) -> list[Probe]:
+           layouts: tuple[str, ...] = ("channels_first", "channels_last"), fresh: bool = False) -> list[Case]:
     """The designed inputs identify drives a kernel with (``fresh``: the confirmation set, another seed, shape and
     scale, never seen by the search)."""
     fmt = get_format(dtype)
     rng = np.random.default_rng([seed, 31, 1 if fresh else 0])
     wide = {"fp16": 6, "bf16": 10}.get(fmt.name, 12)  # binades of spread: more than the accumulator resolves
-    out: list[Probe] = []
+    out: list[Case] = []
 
     def add(name: str, x: np.ndarray, purpose: str, layout: str = "channels_first", modes_only: bool = False,
             running: tuple[np.ndarray, np.ndarray] | None = None) -> None:
-        out.append(Probe(name, _call(x, rng, fmt.name, params, eps, momentum, seed + len(out), layout, running),
-                         purpose, modes_only))
+        out.append(Case(name, call=_call(x, rng, fmt.name, params, eps, momentum, seed + len(out), layout, running),
+                        purpose=purpose, modes_only=modes_only))
 
     def near(means: np.ndarray, stds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Running statistics near the batch's (inference on a large running mean: its formula shows)."""
@@ -136,14 +127,14 @@ def _as64(a: Any) -> np.ndarray:
 class Observed:
     """The kernel's outputs on one probe, and the recording they came from."""
 
-    probe: Probe
+    probe: Case
     rec: Any  # Recording
     got: dict[str, np.ndarray]
     formats: dict[str, str]
     saved: Saved | None
 
 
-def observe(kernel: KernelAdapter, probe: Probe, rec: Any) -> Observed:
+def observe(kernel: KernelAdapter, probe: Case, rec: Any) -> Observed:
     from bnprobe.engine.run import run_call
 
     run = run_call(kernel, rec, label=probe.name, quiet=True, skip_missing=True)

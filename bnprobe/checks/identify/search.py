@@ -45,7 +45,7 @@ from bnprobe.adapters import KernelAdapter
 from bnprobe.adapters.registry import as_adapter
 from bnprobe.adapters.base import outputs_only, params_format
 from bnprobe.core.call import EPS, MOMENTUM, BNCall
-from bnprobe.engine.cases import dy_of_kind
+from bnprobe.engine.cases import Case, dy_of_kind
 from bnprobe.engine.run import recording_notes
 from bnprobe.core.errors import BNProbeError
 from bnprobe.inputs import SEED
@@ -53,7 +53,6 @@ from bnprobe.core.formats import get_format
 from bnprobe.kernels.policy import PRESETS, Policy
 from bnprobe.checks.identify.probes import (
     Observed,
-    Probe,
     Score,
     emulate,
     observe,
@@ -428,11 +427,11 @@ def identify(adapter: str | KernelAdapter, dtype: str | None = None, *, params: 
         if xa.ndim < 2:
             raise BNProbeError(f"identify: x must be (N, C, ...), got shape {xa.shape}")
         rng = np.random.default_rng([seed, 5])
-        confirm.insert(0, Probe("input", BNCall(xa, dy=dy_of_kind("shifted", xa.shape, seed), eps=eps,
-                                                momentum=momentum, dtype=fmt, params=params,
-                                                **probe_vectors(rng, xa.shape[1])), "your input"))
+        confirm.insert(0, Case("input", call=BNCall(xa, dy=dy_of_kind("shifted", xa.shape, seed), eps=eps,
+                                                    momentum=momentum, dtype=fmt, params=params,
+                                                    **probe_vectors(rng, xa.shape[1])), purpose="your input"))
 
-    def observe_all(ps: list[Probe]) -> list[Observed]:
+    def observe_all(ps: list[Case]) -> list[Observed]:
         out = []
         for p in ps:
             try:
@@ -509,11 +508,12 @@ def identify_recorded(recorded: Any, *, passes: int = 3,
         idx = np.unique(np.linspace(0, channels - 1, want).round().astype(int))
         sub = _slice_channels(rec, idx)
         k = kernel.bind(sub) if replay else kernel
-        obs = [observe(k, Probe(c.label, sub.call(), f"the recorded call, channels {list(map(int, idx))}"), sub)]
+        obs = [observe(k, Case(c.label, call=sub.call(), purpose=f"the recorded call, channels {list(map(int, idx))}"),
+                       sub)]
         whole = []
         if len(idx) < channels:
             kw = kernel.bind(rec) if replay else kernel
-            whole = [observe(kw, Probe(c.label, call, "the recorded call, every channel"), rec)]
+            whole = [observe(kw, Case(c.label, call=call, purpose="the recorded call, every channel"), rec)]
         res = _identify_observed(k, obs, whole, rec.dtype, rec.params_mode, passes=passes, progress=progress,
                                  label=c.label)
         which = "every channel" if len(idx) == channels else \
