@@ -401,7 +401,7 @@ def trace(
     import numpy as np
 
     from bnprobe.engine.recorded import given, is_dump_path, one_call, refuse
-    from bnprobe.checks.trace.stages import trace_recorded, trace_run
+    from bnprobe.checks.trace.stages import trace_run
     from bnprobe.inputs import Draw, input_tensor, make_params
     from bnprobe.kernels.layout import Layout, layout_of
     from bnprobe.reports.checks import trace_lines
@@ -409,12 +409,13 @@ def trace(
     input, mode, layout, params = src.input, bn.mode, bn.layout, bn.params
     if input is not None and is_dump_path(input):
         _, input, eps, momentum = _dump_scalars([], input, bn.eps, bn.momentum)
-        call, rec = one_call(input, src.calls, "trace", guard="trace")
+        one = one_call(input, src.calls, "trace", guard="trace")
+        call, rec = one.calls.calls[0], one.calls.calls[0].load()
         refuse(given(shape=gen.shape, seed=gen.seed, mean=gen.mean, std=gen.std, dist=gen.dist, eps=eps,
                      momentum=momentum), str(input).partition("#")[0])
         if layout is not None and layout != rec.layout:
             raise BNProbeError(f"--layout {layout} contradicts the recording: {call.label} is {rec.layout}")
-        cmp = trace_recorded(rec, policy=policy, mode=mode, label=call.label, params=params)
+        cmp = trace_run(one, policy=policy, mode=mode, params=params)
         source = f"recorded call {call.label} of {str(input).partition('#')[0]} (its γ, β, running statistics, dy)"
         lay = Layout(tuple(cmp.shape), rec.layout)
     else:
@@ -588,10 +589,10 @@ def gradcheck_cmd(
     """Numerical vs analytic gradients (FP64 finite differences), the adapter's backward vs the FP64
     golden, the gradient identities, or a candidate backward formula; on a dump, every recorded call on
     its own inputs. Exit 1 when a check fails."""
-    from bnprobe.checks.gradcheck.gradients import check_formula, gradcheck, gradcheck_recorded
+    from bnprobe.checks.gradcheck.gradients import check_formula, gradcheck
     from bnprobe.engine.recorded import check_options, given, is_dump_path, recording_of
     from bnprobe.inputs import input_shape, make_input
-    from bnprobe.reports.checks import gradcheck_recorded_report, gradcheck_report
+    from bnprobe.reports.checks import gradcheck_report
 
     input, mode, params, as_json = src.input, bn.mode, bn.params, report.as_json
     if input is not None and not is_dump_path(input):
@@ -606,8 +607,7 @@ def gradcheck_cmd(
                                "one of them")
         check_options(recorded, given=given(shape=gen.shape, eps=eps, seed=gen.seed, dist=gen.dist, mean=gen.mean,
                                             std=gen.std), dtype=target.dtype, params=params)
-        return _show(gradcheck_recorded_report(gradcheck_recorded(recorded, mode=mode, rtol=rtol, atol=atol)), sink,
-                     as_json)
+        return _show(gradcheck_report(gradcheck(recorded, mode=mode, rtol=rtol, atol=atol)), sink, as_json)
     shp = input_shape("gradcheck", gen.shape)
     if formula is not None:
         if off := given(params=params, dist=gen.dist, mean=gen.mean, std=gen.std):
@@ -619,7 +619,7 @@ def gradcheck_cmd(
         make_input(shp, dist=gen.dist, mean=gen.mean, std=gen.std, seed=gen.seed)
     result = gradcheck(kernel, target.dtype, shp, mode=mode, seed=gen.seed, eps=eps, rtol=rtol, atol=atol,
                        params=params, x=x)
-    return _show(gradcheck_report(result, params), sink, as_json)
+    return _show(gradcheck_report(result), sink, as_json)
 
 
 def _formats_and_dtypes(format: str, dtypes: Optional[str]) -> tuple[list, tuple[str, ...] | None]:
@@ -761,10 +761,10 @@ def overflow_cmd(
     from the input; remedies verified; on a dump, every recorded call's outputs against the golden (an
     msprobe statistics dump: its summaries). Exit 0 when clean, 1 when anomalies are found."""
     from bnprobe.engine.cases import DY_KINDS
-    from bnprobe.checks.overflow.scan import scan, scan_recorded
+    from bnprobe.checks.overflow.scan import scan
     from bnprobe.engine.recorded import check_options, given, recording_of
     from bnprobe.inputs import input_tensor
-    from bnprobe.reports.checks import overflow_recorded_report, overflow_report
+    from bnprobe.reports.checks import overflow_report
 
     input, mode, params, as_json = src.input, bn.mode, bn.params, report.as_json
     if dy is not None and dy not in DY_KINDS:
@@ -782,11 +782,11 @@ def overflow_cmd(
         check_options(recorded, given=given(shape=gen.shape, dist=gen.dist, mean=gen.mean, std=gen.std, seed=gen.seed,
                                             eps=eps, accumulate=target.accumulate, dy=dy), dtype=target.dtype,
                       mode=mode, params=params)
-        return _show(overflow_recorded_report(scan_recorded(recorded, mode=mode)), sink, as_json)
+        return _show(overflow_report(scan(recorded, mode=mode)), sink, as_json)
     x = input_tensor("overflow", input, gen.shape, gen.dist, gen.mean, gen.std, gen.seed)
     rep = scan(kernel, x, dtype=target.dtype, accumulate=target.accumulate, mode=mode, eps=eps, seed=gen.seed,
                params=params, dy=dy)
-    return _show(overflow_report(rep, params), sink, as_json)
+    return _show(overflow_report(rep), sink, as_json)
 
 
 @_command("fold", order="layer weights folded dtype accumulate eps groups seed onnx fused fuse out force as_json")
@@ -895,10 +895,10 @@ def doctor_cmd(
     does; on a dump, every recorded call's outputs on its own inputs. --eps and --momentum are the
     layer's, used on every input (a kernel that ignores them fails); --shape, --dist, --mean, --std
     make one more input, "generated". Exit 0 when healthy, 1 when something failed."""
-    from bnprobe.checks.doctor.diagnosis import doctor, doctor_recorded
+    from bnprobe.checks.doctor.diagnosis import doctor
     from bnprobe.engine.recorded import check_options, given, is_dump_path, recording_of
     from bnprobe.inputs import input_tensor
-    from bnprobe.reports.checks import doctor_recorded_report, doctor_report
+    from bnprobe.reports.checks import doctor_report
 
     adapter, input, calls, dtype, params, as_json = \
         target.adapter, src.input, src.calls, target.dtype, bn.params, report.as_json
@@ -919,8 +919,8 @@ def doctor_cmd(
         refused = dict(seed=gen.seed, stability=None if stability is None or not recorded.replay else True, eps=eps,
                        momentum=momentum)
         check_options(recorded, given=given(**refused) + generating, dtype=dtype, params=params)
-        run = doctor_recorded(recorded, dtype=dtype, params=params, stability=stability is not False)
-        return _show(doctor_recorded_report(run), sink, as_json)
+        run = doctor(recorded, dtype, params=params, stability=stability is not False)
+        return _show(doctor_report(run), sink, as_json)
     if calls is not None:
         raise BNProbeError("--calls selects recorded calls: give a dump (--adapter dump:DIR or --input DIR)")
     if tensor is not None and generating:
@@ -954,10 +954,10 @@ def identify_cmd(
     apart, and where no policy reproduces it, the closest and the stage where it departs. Exit 0 when every output
     it returns is reproduced bit for bit, 1 when not."""
     from bnprobe._progress import Progress
-    from bnprobe.checks.identify.search import identify, identify_recorded
+    from bnprobe.checks.identify.search import identify
     from bnprobe.engine.recorded import check_options, given, is_dump_path, recording_of
     from bnprobe.inputs import input_tensor
-    from bnprobe.reports.identify import identify_recorded_report, identify_report
+    from bnprobe.reports.identify import identify_report
 
     adapter, input, calls, shape, as_json = target.adapter, src.input, src.calls, gen.shape, report.as_json
     if bn.momentum is not None:
@@ -981,7 +981,7 @@ def identify_cmd(
     if recorded is not None:
         check_options(recorded, given=given(shape=shape, dist=gen.dist, mean=gen.mean, std=gen.std, seed=gen.seed,
                                             eps=eps, momentum=momentum), dtype=target.dtype, params=bn.params)
-        return _show(identify_recorded_report(identify_recorded(recorded, progress=progress)), sink, as_json)
+        return _show(identify_report(identify(recorded, progress=progress)), sink, as_json)
     if calls is not None:
         raise BNProbeError("--calls selects recorded calls: give a dump (--adapter dump:DIR or --input DIR)")
     x = None

@@ -62,10 +62,10 @@ def _doctor(d: Path):
 
 
 def _doctor_recorded(d: Path):
-    from bnprobe.checks.doctor.diagnosis import doctor_recorded
+    from bnprobe.checks.doctor.diagnosis import doctor
     from bnprobe.engine.recorded import recording_of
 
-    return doctor_recorded(recording_of(f"dump:{d}"), stability=False)
+    return doctor(recording_of(f"dump:{d}"), stability=False)
 
 
 def _fold(d: Path):
@@ -90,10 +90,10 @@ def _gradcheck(d: Path):
 
 
 def _gradcheck_recorded(d: Path):
-    from bnprobe.checks.gradcheck.gradients import gradcheck_recorded
+    from bnprobe.checks.gradcheck.gradients import gradcheck
     from bnprobe.engine.recorded import recording_of
 
-    return gradcheck_recorded(recording_of(f"dump:{d}"))
+    return gradcheck(recording_of(f"dump:{d}"))
 
 
 def _overflow(d: Path):
@@ -104,10 +104,10 @@ def _overflow(d: Path):
 
 
 def _overflow_recorded(d: Path):
-    from bnprobe.checks.overflow.scan import scan_recorded
+    from bnprobe.checks.overflow.scan import scan
     from bnprobe.engine.recorded import recording_of
 
-    return scan_recorded(recording_of(f"dump:{d}"))
+    return scan(recording_of(f"dump:{d}"))
 
 
 def _identify(d: Path):
@@ -117,10 +117,10 @@ def _identify(d: Path):
 
 
 def _identify_recorded(d: Path):
-    from bnprobe.checks.identify.search import identify_recorded
+    from bnprobe.checks.identify.search import identify
     from bnprobe.engine.recorded import recording_of
 
-    return identify_recorded(recording_of(f"dump:{d}"), passes=1)
+    return identify(recording_of(f"dump:{d}"), passes=1)
 
 
 def _shrink(d: Path):

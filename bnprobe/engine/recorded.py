@@ -4,15 +4,17 @@ A recording (the ``dump:DIR`` adapter, or ``--input DIR`` with a runnable adapte
 with their own x, γ, β, running statistics, eps, momentum, training flag, parameter format and dy.
 Each call is loaded, run by :mod:`bnprobe.engine.run` through the kernel under test (the recording
 replayed, or a runnable adapter on the recorded inputs) and the FP64 golden on exactly those inputs,
-checked and dropped: memory stays bounded by one call.  Options that describe generated input
-contradict a recording; :func:`check_options` rejects them before any work.
+checked and dropped: memory stays bounded by one call.  Every check takes a :class:`Recorded` where it takes
+its kernel (:func:`given_to`; trace, where it takes x) and then runs over the recording's calls; its result over
+them is a :class:`PerCall`.  Options that describe generated input contradict a recording; :func:`check_options`
+rejects them before any work.
 """
 
 from __future__ import annotations
 
 import math
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ from bnprobe.engine.result import Verdict
 from bnprobe.recordings import CALLS_NAME, META_NAME, CallRef, RecordedCalls, Recording, open_dump, split_dump_spec
 
 __all__ = ["Recorded", "PerCall", "recording_of", "is_dump_path", "check_options", "check_params", "given", "refuse",
-           "one_call"]
+           "one_call", "require_one", "given_to", "only_call"]
 
 
 @dataclass(frozen=True)
@@ -94,20 +96,50 @@ def given(**options: Any) -> tuple[str, ...]:
     return tuple(named(k) for k, v in options.items() if v is not None)
 
 
+def require_one(calls: RecordedCalls, what: str = "this command") -> CallRef:
+    """The one call of a dump's selection ``calls``: ``what`` takes one, so several are an error naming them."""
+    if len(calls.calls) != 1:
+        shown = ", ".join(c.label for c in calls.calls[:4]) + (", ..." if len(calls.calls) > 4 else "")
+        raise BNProbeError(f"{calls.source} holds {len(calls.calls)} BatchNorm calls ({shown}); {what} takes one: "
+                           f"select it with DIR#NAME or {named('calls')}")
+    return calls.calls[0]
+
+
 def one_call(spec: str | Path, calls: str | None = None, what: str = "this command",
-             guard: str | None = None) -> tuple[CallRef, Recording]:
-    """The one recorded call a dump (``DIR``, ``DIR#NAME``; ``calls`` a glob) selects, loaded; with ``guard`` (a
-    command of :data:`bnprobe.guard.PER_ELEMENT`) refused before loading when that command would not fit."""
+             guard: str | None = None) -> Recorded:
+    """The recording of the one recorded call a dump (``DIR``, ``DIR#NAME``; ``calls`` a glob) selects, replayed
+    by the dump, its tensors read now: its call's ``load()`` answers with what was read here, so nothing is read
+    twice.  With ``guard`` (a command of :data:`bnprobe.guard.PER_ELEMENT`) refused before reading when that
+    command would not fit."""
+    from bnprobe.adapters.dump import DumpAdapter
+
     found = open_dump(spec, calls)
     found.require_tensors(what)
-    if len(found.calls) != 1:
-        shown = ", ".join(c.label for c in found.calls[:4]) + (", ..." if len(found.calls) > 4 else "")
-        raise BNProbeError(f"{found.source} holds {len(found.calls)} BatchNorm calls ({shown}); {what} takes one: "
-                           f"select it with DIR#NAME or {named('calls')}")
-    c = found.calls[0]
+    c = require_one(found, what)
     if guard is not None:
         require_calls(guard, [c], replayed=False)
-    return c, c.load()
+    rec = c.load()
+    one = replace(found, calls=(replace(c, load=lambda: rec),))
+    return Recorded(DumpAdapter(one), one)
+
+
+def given_to(adapter: str | KernelAdapter | Recorded) -> tuple[KernelAdapter, Recorded | None]:
+    """What a check was given to run: a :class:`Recorded` (its kernel, and itself: the check runs over every
+    selected call), a dump adapter (itself, and its calls, replayed: the check runs on its one call,
+    :func:`only_call`) or a kernel (itself, and None: the check runs it on generated inputs)."""
+    if isinstance(adapter, Recorded):
+        return adapter.kernel, adapter
+    a = as_adapter(adapter)
+    return a, (Recorded(a, a.calls) if a.capabilities().recorded else None)  # type: ignore[attr-defined]
+
+
+def only_call(recorded: Recorded, check: str) -> None:
+    """A dump adapter given to a check as its kernel stands for its one call: a dump of several is an error (the
+    check runs over them all given their :class:`Recorded`, :func:`recording_of`)."""
+    n = len(recorded.calls.calls)
+    if n != 1:
+        raise BNProbeError(f"{recorded.kernel.name} holds {n} BatchNorm calls: {check} runs on each given the "
+                           "recording (bnprobe.engine.recorded.recording_of), or select one with dump:DIR#NAME")
 
 
 def refuse(names: tuple[str, ...], source: str) -> None:
@@ -175,6 +207,13 @@ class PerCall:
     kind: str
     results: list[Any]
     notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, check: str, recorded: Recorded, results: list[Any], notes: list[str] | tuple[str, ...] = ()
+           ) -> PerCall:
+        """``check``'s ``results`` over the calls of ``recorded``: ``notes`` (the run's own), then the recording's."""
+        calls = recorded.calls
+        return cls(check, recorded.kernel.name, calls.source, calls.kind, results, [*notes, *calls.notes])
 
     def __bool__(self) -> bool:
         return all(bool(r) for r in self.results)

@@ -1,6 +1,7 @@
 """What every check's result answers, whatever its own shape: the :class:`Verdict` values the reports print, and
 the :class:`CheckResult` protocol — ``passed`` (and ``bool(result)``, the same), ``verdict``, ``notes`` and
-``frame``, the per-output rows as a DataFrame.
+``frame``, the per-output rows as a DataFrame — and :class:`OfCalls`, what a result over a recording's calls answers
+besides.
 
 Each check keeps its own result type (its fields are what its report reads); each satisfies the protocol, so a
 renderer or a sweep reads the verdict and the notes the same way for every check.  Importing this module loads
@@ -10,12 +11,12 @@ neither numpy nor pandas.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-__all__ = ["Verdict", "CheckResult", "Judged", "Analysis"]
+__all__ = ["Verdict", "CheckResult", "OfCalls", "Judged", "Analysis"]
 
 
 class Verdict(str, enum.Enum):
@@ -71,6 +72,16 @@ class CheckResult(Protocol):
     def frame(self) -> pd.DataFrame: ...
 
     def __bool__(self) -> bool: ...
+
+
+@runtime_checkable
+class OfCalls(Protocol):
+    """What a check's result over the calls of a recording answers besides the protocol: ``results``, each call's
+    own result in forward order (``isinstance(result, OfCalls)``: what a command's one renderer tells such a result
+    from the result of one run by)."""
+
+    @property
+    def results(self) -> list[Any]: ...
 
 
 class Judged:

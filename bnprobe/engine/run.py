@@ -36,7 +36,7 @@ from bnprobe.core.tolerances import accumulation_bound, accumulation_format
 T = TypeVar("T")
 LARGE_CALL = 1 << 20  # values of x beyond which a call's arrays are collected before the next is read
 
-__all__ = ["CallRun", "Golden", "OUTPUT_MODE", "generated_call", "run_call", "each_run", "natural_scales",
+__all__ = ["CallRun", "Golden", "OUTPUT_MODE", "generated_call", "run_call", "each_call", "each_run", "natural_scales",
            "cancellation_bounds", "statistics_bounds", "variance_bound", "forgiven", "running_stats", "y_natural"]
 
 # each output a check can judge, and the mode whose call returns it
@@ -541,32 +541,43 @@ def run_call(kernel: KernelAdapter, rec: Recording, *, modes: tuple[str, ...] | 
     return run
 
 
-def each_run(recorded: Any, judge: Callable[[int, CallRun], T], modes: tuple[str, ...] | None = None,
-             skip_missing: bool = False) -> list[T]:
-    """``judge(index, run)`` for every selected call of ``recorded`` (a :class:`~bnprobe.engine.recorded
-    .Recorded`) in forward order, each :class:`CallRun` let go before the next call is read, so one call is in
-    memory at a time (``modes``: the modes to run, None for every mode each call recorded; see
-    :func:`run_call`).  ``judge`` returns what is kept of the call (a report: no tensors of it)."""
-    recorded.calls.require_tensors("running a recorded call")
-    # only outputs are compared: the instrumented kernels record no trace (on copies: the caller's kernel is
-    # unchanged)
-    kernel = outputs_only(recorded.kernel)
-    ref = outputs_only(reference_for(kernel))
+def each_call(recorded: Any, judge: Callable[[int, Any, Any], T]) -> list[T]:
+    """``judge(index, call, loaded)`` for every selected call of ``recorded`` (a :class:`~bnprobe.engine.recorded
+    .Recorded`) in forward order: ``call`` its :class:`~bnprobe.recordings.CallRef`, ``loaded`` what it loads (a
+    :class:`Recording`, or an msprobe statistics dump's summaries), let go before the next call is read, so one
+    call is in memory at a time.  ``judge`` returns what is kept of the call (a report: no tensors of it).  The one
+    loop over a recording's calls every check runs (:func:`each_run` runs each through the kernel and the golden)."""
     out: list[T] = []
     for i, c in enumerate(recorded.calls.calls):
-        rec = c.load()
-        run = run_call(kernel, rec, modes=modes, index=i, label=c.label, golden=Golden(ref, rec),
-                       skip_missing=skip_missing)
-        # what the reader assumed (MindSpore's ε, ...), said by every command
-        run.notes[:0] = recording_notes(run.recording)
-        out.append(judge(i, run))
-        del run, rec
+        out.append(judge(i, c, c.load()))
         # a large call's arrays caught in reference cycles (closures, a traceback's frames) go now, not when the
         # collector next runs: doctor on 2.4 M-value calls held 1.7 GB more per call (a collection costs about
         # 50 ms with torch loaded: large calls only)
         if math.prod(c.shape) > LARGE_CALL:
             gc.collect()
     return out
+
+
+def each_run(recorded: Any, judge: Callable[[int, CallRun], T], modes: tuple[str, ...] | None = None,
+             skip_missing: bool = False) -> list[T]:
+    """``judge(index, run)`` for every selected call of ``recorded`` (a :class:`~bnprobe.engine.recorded
+    .Recorded`) in forward order, each call run through its kernel and the golden (:func:`run_call`) and let go
+    before the next call is read (:func:`each_call`; ``modes``: the modes to run, None for every mode each call
+    recorded).  ``judge`` returns what is kept of the call (a report: no tensors of it)."""
+    recorded.calls.require_tensors("running a recorded call")
+    # only outputs are compared: the instrumented kernels record no trace (on copies: the caller's kernel is
+    # unchanged)
+    kernel = outputs_only(recorded.kernel)
+    ref = outputs_only(reference_for(kernel))
+
+    def one(i: int, c: Any, rec: Recording) -> T:
+        run = run_call(kernel, rec, modes=modes, index=i, label=c.label, golden=Golden(ref, rec),
+                       skip_missing=skip_missing)
+        # what the reader assumed (MindSpore's ε, ...), said by every command
+        run.notes[:0] = recording_notes(run.recording)
+        return judge(i, run)
+
+    return each_call(recorded, one)
 
 
 def recording_notes(rec: Recording) -> list[str]:

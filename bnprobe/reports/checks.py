@@ -1,6 +1,8 @@
 """The reports of gradcheck, overflow, doctor, fold and trace: terminal text, CSV, JSON and Markdown.
 
-Each function takes a check's result and returns a :class:`~bnprobe.reports.Report`; nothing here prints.
+Each function takes a check's result and returns a :class:`~bnprobe.reports.Report`; nothing here prints.  A
+command's one renderer reads whichever result its check returned: a result over a recording's calls (one that
+answers :class:`~bnprobe.engine.result.OfCalls`) is shown as a table of its calls, any other as one run.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bnprobe._table import render_table
-from bnprobe.engine.result import Verdict
+from bnprobe.engine.result import OfCalls, Verdict
 from bnprobe.reports import Report, file_stem
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -22,8 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from bnprobe.engine.recorded import PerCall
     from bnprobe.kernels.layout import Layout
 
-__all__ = ["gradcheck_report", "gradcheck_recorded_report", "overflow_report", "overflow_recorded_report",
-           "doctor_report", "doctor_recorded_report", "fold_report", "folded_report", "fold_onnx_report",
+__all__ = ["gradcheck_report", "overflow_report", "doctor_report", "fold_report", "folded_report", "fold_onnx_report",
            "fold_onnx_html", "trace_lines"]
 
 
@@ -35,12 +36,16 @@ def _markdown(title: str, table: str, notes: list[str] | tuple[str, ...], *secti
 
 # ---- gradcheck --------------------------------------------------------------------------------------
 
-def gradcheck_report(result: GradcheckResult, params: str | None = None) -> Report:
-    """One gradcheck result (an adapter's backward or a formula, on generated inputs)."""
+def gradcheck_report(result: GradcheckResult | PerCall) -> Report:
+    """gradcheck's result: an adapter's backward or a formula on generated inputs, or every call of a recording (one
+    row per call, then the failed checks)."""
+    if isinstance(result, OfCalls):
+        return _gradcheck_calls(result)
     rows = [{**r.to_dict(), "used %": 100.0 * r.used} for r in result.rows]
     table = render_table(rows, ["check", "tensor", "status", "max_abs", "max_rel", "used %", "min_rtol", "where"],
                          headers=["check", "tensor", "status", "max abs err", "max rel err", "tol used %",
                                   "needs rtol", "worst at"])
+    params = result.params
     title = (f"gradcheck {result.adapter} in {result.dtype}" + (f" (params {params})" if params is not None else "")
              + f", {result.mode}, shape {tuple(result.shape)}, seed {result.seed}: {result.verdict}")
     return Report(title, [table], list(result.notes), result.passed, result.to_dict(),
@@ -48,7 +53,7 @@ def gradcheck_report(result: GradcheckResult, params: str | None = None) -> Repo
                   _markdown(title, table, result.notes))
 
 
-def gradcheck_recorded_report(run: PerCall) -> Report:
+def _gradcheck_calls(run: PerCall) -> Report:
     """gradcheck on every recorded call: one row per call, then the failed checks."""
     summary, failed = [], []
     for i, res in enumerate(run.results):
@@ -82,8 +87,12 @@ def gradcheck_recorded_report(run: PerCall) -> Report:
 _HEADROOM_NOTE = "headroom of the sums is predicted"
 
 
-def overflow_report(rep: OverflowReport, params: str | None = None) -> Report:
-    """The overflow scan of one run: findings, the remedies tried, headroom predicted vs actual, saturation."""
+def overflow_report(rep: OverflowReport | PerCall) -> Report:
+    """The overflow scan of one run (findings, the remedies tried, headroom predicted vs actual, saturation), or of
+    every call of a recording (one row per call, then every finding)."""
+    if isinstance(rep, OfCalls):
+        return _overflow_calls(rep)
+    params = rep.params
     frame = rep.to_frame()
     table = render_table(frame.to_dict(orient="records"), ["anomaly", "stage", "format", "channels", "count",
                                                           "first_element", "detail"]) if len(frame) else "no anomalies"
@@ -111,7 +120,7 @@ def overflow_report(rep: OverflowReport, params: str | None = None) -> Report:
                   file_stem("overflow", rep.adapter, rep.dtype, rep.mode), frame, md)
 
 
-def overflow_recorded_report(run: PerCall) -> Report:
+def _overflow_calls(run: PerCall) -> Report:
     """The overflow scan of every recorded call: one row per call, then every finding."""
     frame = run.to_frame()
     summary = []
@@ -148,10 +157,14 @@ def _details(failed: list[tuple[str, Any]]) -> list[str]:
     return out
 
 
-def doctor_report(rep: DoctorReport) -> Report:
+def doctor_report(rep: DoctorReport | PerCall) -> Report:
     """The checklist on one kernel: PASS/WARN/FAIL per item with its evidence, the details of what is wrong and
-    the known bugs that match."""
+    the known bugs that match; or on every call of a recording (one row per call, then the items that did not
+    pass)."""
     import pandas as pd
+
+    if isinstance(rep, OfCalls):
+        return _doctor_calls(rep)
 
     rows = [i.to_dict() for i in rep.items]
     table = render_table(rows, ["status", "name", "evidence"], headers=["status", "check", "evidence"])
@@ -166,7 +179,7 @@ def doctor_report(rep: DoctorReport) -> Report:
                   file_stem("doctor", rep.adapter, rep.dtype), pd.DataFrame(rows), md)
 
 
-def doctor_recorded_report(run: PerCall) -> Report:
+def _doctor_calls(run: PerCall) -> Report:
     """The checklist on every recorded call: one row per call, then the items that did not pass."""
     import pandas as pd
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from bnprobe._table import render_table
+from bnprobe.engine.result import OfCalls
 from bnprobe.reports import Report, file_stem
 
 if TYPE_CHECKING:  # pragma: no cover
     from bnprobe.checks.identify.results import Identified, IdentifiedCalls
 
-__all__ = ["identify_report", "identify_recorded_report"]
+__all__ = ["identify_report"]
 
 
 def _ulps(v: float) -> Any:
@@ -52,8 +53,11 @@ def _markdown(title: str, blocks: list[str], notes: list[str]) -> str:
     return f"# {title}\n\n```\n" + "\n".join(blocks) + "\n```\n\n" + "".join(f"- {n}\n" for n in notes)
 
 
-def identify_report(res: Identified) -> Report:
-    """identify on one kernel (generated probes)."""
+def identify_report(res: Identified | IdentifiedCalls) -> Report:
+    """identify on one kernel (generated probes), or on every call of a recording (one row per call, then each
+    call's outputs)."""
+    if isinstance(res, OfCalls):
+        return _identified_calls(res)
     title = _title(res, f"{res.adapter} in {res.dtype}, params {res.params}")
     blocks = _blocks(res) + [f"{len(res.probes)} probes ({', '.join(res.probes)}); {res.evaluations} candidate "
                              f"evaluations, {res.seconds:.1f} s"]
@@ -61,7 +65,7 @@ def identify_report(res: Identified) -> Report:
                   file_stem("identify", res.adapter, res.dtype), res.frame, _markdown(title, blocks, res.notes))
 
 
-def identify_recorded_report(run: IdentifiedCalls) -> Report:
+def _identified_calls(run: IdentifiedCalls) -> Report:
     """identify on every recorded call: one row per call, then each call's outputs."""
     rows = [{"#": i, "call": r.label, "format": r.dtype, "params": r.params,
              "found": "bit for bit" if r.reproduced else f"departs at {r.departs}", "policy": r.spec}

@@ -230,22 +230,22 @@ def _statistics(rows: Any) -> dict[str, float]:
 
 
 def _doctor_row(one: Any, spec: SweepSpec) -> dict[str, Any]:
-    from bnprobe.checks.doctor.diagnosis import doctor_recorded
+    from bnprobe.checks.doctor.diagnosis import doctor
     from bnprobe.engine.recorded import Recorded
 
     kernel = _kernel(one, spec)
-    rep = doctor_recorded(Recorded(kernel, one), stability=False).results[0]
+    rep = doctor(Recorded(kernel, one), stability=False).results[0]
     failed = [i.name for i in rep.items if i.status == Verdict.FAIL]
     return {"verdict": rep.verdict, "score": float(len(failed)), "outputs": len(rep.items),
             "failing": "; ".join(failed), "worst": "; ".join(rep.diagnosis), "notes": list(rep.notes)}
 
 
 def _overflow_row(one: Any, spec: SweepSpec) -> dict[str, Any]:
-    from bnprobe.checks.overflow.scan import scan_recorded
+    from bnprobe.checks.overflow.scan import scan
     from bnprobe.engine.recorded import Recorded
 
     kernel = _kernel(one, spec)
-    run = scan_recorded(Recorded(kernel, one), mode=spec.mode)
+    run = scan(Recorded(kernel, one), mode=spec.mode)
     findings = [f for rep in run.results for f in rep.findings]
     return {"verdict": run.verdict, "score": float(len(findings)), "outputs": len(run.results),
             "failing": ", ".join(dict.fromkeys(f"{f.anomaly}@{f.stage}" for f in findings)), "worst": "",

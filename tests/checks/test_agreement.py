@@ -12,9 +12,9 @@ from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.checks.overflow import outputs as overflow_outputs
 from bnprobe.engine import rules
 from bnprobe.checks.compare.precision import compare_precision
-from bnprobe.checks.doctor.diagnosis import doctor_recorded
-from bnprobe.checks.gradcheck.gradients import gradcheck_recorded
-from bnprobe.checks.overflow.scan import scan_recorded
+from bnprobe.checks.doctor.diagnosis import doctor
+from bnprobe.checks.gradcheck.gradients import gradcheck
+from bnprobe.checks.overflow.scan import scan
 from bnprobe.engine.recorded import Recorded
 from bnprobe.recordings import load_dump, record, write_dump
 from bnprobe.core.call import BNCall
@@ -45,12 +45,12 @@ def test_compare_precision_and_gradcheck_agree_on_every_gradient(tmp_path, fmt, 
         dump = _dump(tmp_path / name, make(), fmt, *INPUTS[inputs])
         rows = compare_precision([dump], budget=False).rows
         compare = {r.tensor: r.verdict == "PASS" for r in rows.itertuples() if r.tensor in ("dx", "dgamma", "dbeta")}
-        g = gradcheck_recorded(Recorded(dump, dump.calls)).results[0]
+        g = gradcheck(Recorded(dump, dump.calls)).results[0]
         grad = {r.tensor: r.passed for r in g.rows if r.check == "vs-fp64"}
         assert compare == grad, (name, compare, grad)
         verdicts[name] = all(compare.values())
         # doctor fails the gradients wherever compare-precision fails one (it may fail more: its own rule)
-        doc = doctor_recorded(Recorded(dump, dump.calls)).results[0]
+        doc = doctor(Recorded(dump, dump.calls)).results[0]
         backward = next(i for i in doc.items if i.name.startswith("backward"))
         assert verdicts[name] or backward.status == "FAIL", (name, compare, backward.evidence)
         assert not (name == "correct" and backward.status == "FAIL"), backward.evidence
@@ -81,17 +81,17 @@ def overflow_disagreements(tmp_path, fmt: str, inputs: str, kernels=ANOMALOUS) -
     for name, make in kernels.items():
         dump = _dump(tmp_path / name, make(), fmt, *OVERFLOW_INPUTS[inputs])
         failed = {r.tensor for r in compare_precision([dump], budget=False).rows.itertuples() if r.verdict == "FAIL"}
-        res = scan_recorded(Recorded(dump, dump.calls)).results[0]
+        res = scan(Recorded(dump, dump.calls)).results[0]
         flagged = {f.stage for f in res.findings if not f.input_borne}
         scope = {t for t in failed if _in_overflows_scope(dump, t)}
         out += [f"{name}: overflow flags {t}, compare-precision passes it" for t in sorted(flagged - failed)]
         out += [f"{name}: compare-precision fails {t} with NaN/inf or zeros, overflow is silent"
                 for t in sorted(scope - flagged)]
-        doc = doctor_recorded(Recorded(dump, dump.calls)).results[0]
+        doc = doctor(Recorded(dump, dump.calls)).results[0]
         forward = {i.status for i in doc.items if i.name.startswith("training forward")}
         if flagged & {"y", "saved_mean", "saved_invstd"} and "FAIL" not in forward:
             out.append(f"{name}: overflow flags the training forward, doctor passes it")
-        grad = {r.tensor for r in gradcheck_recorded(Recorded(dump, dump.calls)).results[0].rows if not r.passed}
+        grad = {r.tensor for r in gradcheck(Recorded(dump, dump.calls)).results[0].rows if not r.passed}
         out += [f"{name}: overflow flags {t}, gradcheck passes it" for t in sorted(flagged & {"dx", "dgamma", "dbeta"}
                                                                                    - grad)]
         if name == "correct" and (failed or flagged):
@@ -137,10 +137,10 @@ def test_the_16_bit_accumulator_ports_get_one_verdict_from_every_command(tmp_pat
     rows = compare_precision([dump], budget=False).rows
     failed = {r.tensor for r in rows.itertuples() if r.verdict == "FAIL"}
     assert failed, "the 16-bit accumulations must lose to the careful bench here"
-    g = gradcheck_recorded(Recorded(dump, dump.calls)).results[0]
+    g = gradcheck(Recorded(dump, dump.calls)).results[0]
     grad = {r.tensor: r.passed for r in g.rows if r.check == "vs-fp64"}
     assert grad == {t: t not in failed for t in grad}, (grad, failed)
-    doc = doctor_recorded(Recorded(dump, dump.calls)).results[0]
+    doc = doctor(Recorded(dump, dump.calls)).results[0]
     assert not doc.passed
     backward = next(i for i in doc.items if i.name.startswith("backward"))
     assert backward.status == "FAIL" or not failed & {"dx", "dgamma", "dbeta"}, backward.evidence

@@ -233,7 +233,6 @@ def test_a_recorded_call_without_dgamma_dbeta_is_judged_on_dx_alone(tmp_path):
     """affine=False: the recording holds no dγ, dβ (the replay answers NaN for them); gradcheck leaves them out
     and says so, rather than failing them or crashing on their all-NaN identities."""
     from bnprobe.adapters import get_adapter
-    from bnprobe.checks.gradcheck.gradients import gradcheck_recorded
     from bnprobe.engine.recorded import recording_of
     from bnprobe.recordings import record, write_dump
     from bnprobe.core.call import BNCall
@@ -245,7 +244,7 @@ def test_a_recorded_call_without_dgamma_dbeta_is_judged_on_dx_alone(tmp_path):
     for name in ("dgamma", "dbeta"):
         del rec.tensors["backward"]["outputs"][name]
     write_dump(rec, tmp_path)
-    (result,) = gradcheck_recorded(recording_of(f"dump:{tmp_path}")).results
+    (result,) = gradcheck(recording_of(f"dump:{tmp_path}")).results
     assert result, [row.to_dict() for row in result.failed()]
     assert {row.tensor for row in result.rows if row.check == "vs-fp64"} == {"dx"}
     assert not [row for row in result.rows if row.check != "finite-differences"  # (those are the golden's)

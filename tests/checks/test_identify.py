@@ -10,7 +10,7 @@ from bnprobe.adapters.base import BackwardOutput, BaseAdapter, Capabilities, For
 from bnprobe.adapters.emulated import EmulatedAdapter
 from bnprobe.core.call import BNCall
 from bnprobe.checks.identify.results import policy_spec
-from bnprobe.checks.identify.search import identify, identify_recorded
+from bnprobe.checks.identify.search import identify
 from bnprobe.engine.recorded import recording_of
 from bnprobe.engine.run import generated_call, run_call
 from bnprobe.cli import main
@@ -193,7 +193,7 @@ def test_identify_recorded_names_every_call_and_searches_a_spread_of_channels(tm
     d = tmp_path / "d"
     assert main(["dump", "--adapter", "emulated:bf16", "--dtype", "bf16", "--shape", "2,40,40,40", "--out",
                  str(d)]) in (0, None)
-    run = identify_recorded(recording_of(f"dump:{d}"))
+    run = identify(recording_of(f"dump:{d}"))
     (res,) = run.results
     assert res.reproduced
     assert any("confirmed on every channel" in n for n in res.notes)  # 64,000 values: the search took a spread

@@ -24,9 +24,9 @@ from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.engine import rules
 from bnprobe.engine.cases import stress_cases
 from bnprobe.checks.compare.precision import CallOptions, compare_precision
-from bnprobe.checks.doctor.diagnosis import doctor, doctor_recorded
-from bnprobe.checks.gradcheck.gradients import gradcheck_recorded
-from bnprobe.checks.overflow.scan import scan_recorded
+from bnprobe.checks.doctor.diagnosis import doctor
+from bnprobe.checks.gradcheck.gradients import gradcheck
+from bnprobe.checks.overflow.scan import scan
 from bnprobe.engine.recipes import RECIPE, RUNNING_IN_PARAMS, STATS_ROUNDED, VAR_ABOUT_STORED_MEAN
 from bnprobe.engine.recorded import Recorded
 from bnprobe.recordings import open_dump, record, write_dump
@@ -83,14 +83,14 @@ def failures(recorded: Recorded, kernel: str, params: str) -> list[str]:
             assert "over msprobe's benchmark" in r.why, r.why
         else:
             out.append(f"compare-precision {r.case} {r.dtype} {r.tensor}: {r.why}")
-    for res in gradcheck_recorded(recorded).results:
+    for res in gradcheck(recorded).results:
         out += [f"gradcheck {res.call} {g.check} {g.tensor}: {g.detail}" for g in res.rows if not g.passed]
-    for res in doctor_recorded(recorded).results:
+    for res in doctor(recorded).results:
         for item in res.items:
             if item.status == "FAIL" and not (named and (_named_in(item.evidence) or (
                     res.call in unsaved and "less accurate than a careful kernel" in item.evidence))):
                 out.append(f"doctor {res.call} {item.name}: {item.evidence}")
-    for res in scan_recorded(recorded).results:
+    for res in scan(recorded).results:
         out += [f"overflow {res.call} {f.stage}: {f.anomaly} {f.detail}" for f in res.findings if not f.input_borne]
     return out
 

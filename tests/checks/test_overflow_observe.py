@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from bnprobe.checks.overflow.scan import scan, scan_recorded
+from bnprobe.checks.overflow.scan import scan
 from bnprobe.engine.recorded import recording_of
 from bnprobe.cli import main
 from bnprobe.inputs import make_input
@@ -128,7 +128,7 @@ def test_a_recorded_one_pass_variance_is_found_and_a_correct_recording_is_clean(
     rec = record(kernel(), BNCall(x=x, gamma=None, beta=None, running_mean=np.full(16, 1000.0), running_var=np.ones(16),
                                   dy=rng.standard_normal(x.shape), dtype="fp32"), modes=("train", "backward"))
     write_dump(rec, tmp_path)
-    reports = scan_recorded(recording_of(f"dump:{tmp_path}")).results
+    reports = scan(recording_of(f"dump:{tmp_path}")).results
     stages = {(f.anomaly, f.stage) for r in reports for f in r.findings}
     if found:
         assert {("variance_error", "variance (saved)"), ("dx_identity", "dx: Σdx·x̂ identity")} <= stages

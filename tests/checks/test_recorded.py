@@ -13,9 +13,9 @@ import pytest
 
 from bnprobe.adapters import get_adapter
 from bnprobe.adapters.dump import DumpAdapter
-from bnprobe.checks.doctor.diagnosis import doctor, doctor_recorded
-from bnprobe.checks.gradcheck.gradients import gradcheck, gradcheck_recorded
-from bnprobe.checks.overflow.scan import scan, scan_recorded
+from bnprobe.checks.doctor.diagnosis import doctor
+from bnprobe.checks.gradcheck.gradients import gradcheck
+from bnprobe.checks.overflow.scan import scan
 from bnprobe.engine.recipes import RECIPES
 from bnprobe.engine.recorded import recording_of
 from bnprobe.cli import main
@@ -87,9 +87,9 @@ def test_each_command_runs_every_call_in_forward_order_on_its_own_inputs(correct
     monkeypatch.setattr(DumpAdapter, "_check_call", spy)
     rec = recording_of(f"dump:{correct_fp16}")
     labels = [f"{n} (net.{n})" for n, *_ in CALLS]
-    g = gradcheck_recorded(rec)
-    d = doctor_recorded(rec)
-    o = scan_recorded(rec)
+    g = gradcheck(rec)
+    d = doctor(rec)
+    o = scan(rec)
     for run in (g, d, o):
         assert [r.call for r in run.results] == labels and run, [r.to_dict() for r in run.results if not r]
     assert {(seed, eps) for seed, _, eps in asked} == {(i, c[2]) for i, c in enumerate(CALLS)}
@@ -102,7 +102,7 @@ def test_each_command_runs_every_call_in_forward_order_on_its_own_inputs(correct
 
 
 def test_calls_are_selected_by_glob_and_in_the_spec(correct_fp16):
-    run = gradcheck_recorded(recording_of(f"dump:{correct_fp16}", calls="net.bn[12]"))
+    run = gradcheck(recording_of(f"dump:{correct_fp16}", calls="net.bn[12]"))
     assert [r.call for r in run.results] == ["bn1 (net.bn1)", "bn2 (net.bn2)"]
     one = gradcheck(f"dump:{correct_fp16}#bn2")  # one call: the library's gradcheck runs it
     assert one and one.call == "bn2 (net.bn2)" and one.shape == (8, 5)
@@ -112,15 +112,39 @@ def test_calls_are_selected_by_glob_and_in_the_spec(correct_fp16):
         recording_of(f"dump:{correct_fp16}", calls="nothing*")
 
 
+def test_each_check_takes_a_recording_where_it_takes_its_kernel_and_one_renderer_shows_either(correct_fp16):
+    """One entry per check: a Recorded runs over its calls (one result per call, in ``results``), a dump adapter of
+    one call gives that call's result; the command's one renderer tells them apart by the result alone."""
+    from bnprobe.checks.identify.search import identify
+    from bnprobe.checks.trace.stages import trace_run
+    from bnprobe.engine.result import OfCalls
+    from bnprobe.reports.checks import doctor_report, gradcheck_report, overflow_report
+    from bnprobe.reports.identify import identify_report
+
+    two = recording_of(f"dump:{correct_fp16}", calls="net.bn[12]")
+    one = f"dump:{correct_fp16}#bn2"
+    for check, render in ((gradcheck, gradcheck_report), (doctor, doctor_report), (scan, overflow_report),
+                          (lambda k: identify(k, passes=1), identify_report)):
+        run, single = check(two), check(one)
+        assert isinstance(run, OfCalls) and len(run.results) == 2 and not isinstance(single, OfCalls)
+        assert "on 2 recorded call(s)" in render(run).title and "recorded call(s)" not in render(single).title
+    cmp = trace_run(recording_of(one))
+    assert cmp.shape == (8, 5) and cmp.policy.storage == "fp16" and cmp.mode == "train"
+    with pytest.raises(BNProbeError, match="holds 2 BatchNorm calls .*; trace takes one"):
+        trace_run(two)
+    with pytest.raises(BNProbeError, match="^eps contradicts the recording"):
+        trace_run(recording_of(one), eps=1e-3)
+
+
 def test_a_runnable_adapter_runs_on_the_recorded_inputs(correct_fp16):
     """--input DIR: the reference-precision emulation on every recorded call's inputs and scalars."""
     rec = recording_of("emulated", correct_fp16)
-    g = gradcheck_recorded(rec)
+    g = gradcheck(rec)
     assert g and g.kernel == "emulated" and len(g.results) == 4
-    d = doctor_recorded(rec)
+    d = doctor(rec)
     assert d and all(not r.diagnosis for r in d.results)
     assert any(i.name == "determinism" for i in d.results[0].items)  # a runnable kernel can be rerun
-    o = scan_recorded(rec)
+    o = scan(rec)
     assert o and [r.call for r in o.results][:2] == ["bn1 (net.bn1) [train]", "bn1 (net.bn1) [backward]"]
 
 
@@ -129,53 +153,53 @@ def test_a_runnable_adapter_runs_on_the_recorded_inputs(correct_fp16):
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 def test_a_correct_kernel_passes_everything_and_is_diagnosed_with_no_bug(tmp_path, dtype):
     rec = recording_of(f"dump:{model_dump(tmp_path, NumpyBN(), dtype)}")
-    assert gradcheck_recorded(rec)
-    d = doctor_recorded(rec)
+    assert gradcheck(rec)
+    d = doctor(rec)
     named = [b for r in d.results for b in r.diagnosis]
     # no logic bug; torch CPU's 16-bit recipes at most (#140112, the running statistics updated in bf16)
     assert all(any(rp.note in b for rp in RECIPES) for b in named), named
     # what fails is a precision failure (bf16 running statistics: torch's update loses more than a careful one)
     bad = [i for r in d.results for i in r.items if i.status == "FAIL"]
     assert all("less accurate than a careful kernel" in i.evidence for i in bad), [i.evidence for i in bad]
-    assert scan_recorded(rec)
+    assert scan(rec)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 def test_torch_is_not_diagnosed_with_a_bug(tmp_path, dtype):
     pytest.importorskip("torch")
     rec = recording_of(f"dump:{model_dump(tmp_path, get_adapter('torch'), dtype, CALLS[:3])}")
-    assert gradcheck_recorded(rec)
-    d = doctor_recorded(rec)
+    assert gradcheck(rec)
+    d = doctor(rec)
     named = [b for r in d.results for b in r.diagnosis]
     # no logic bug; torch CPU's 16-bit recipes at most (#140112, the running statistics updated in bf16)
     assert all(any(rp.note in b for rp in RECIPES) for b in named), named
     # what fails is a precision failure (bf16 running statistics: torch's update loses more than a careful one)
     bad = [i for r in d.results for i in r.items if i.status == "FAIL"]
     assert all("less accurate than a careful kernel" in i.evidence for i in bad), [i.evidence for i in bad]
-    assert scan_recorded(rec)
+    assert scan(rec)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_a_biased_running_variance_is_diagnosed(tmp_path, dtype):
     rec = recording_of(f"dump:{model_dump(tmp_path, NumpyBN('biased-running-var'), dtype, CALLS[:3])}")
-    d = doctor_recorded(rec)
+    d = doctor(rec)
     assert not d
     for r in d.results:  # every training call with its running statistics
         assert r.diagnosis == ["running_var updated with the biased variance"], r.to_dict()
         assert [i.name for i in r.items if i.status == "FAIL"] == [
             "running statistics: PyTorch momentum convention, unbiased running_var"]
-    assert gradcheck_recorded(rec)  # its gradients are right
+    assert gradcheck(rec)  # its gradients are right
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_a_dx_without_its_last_term_fails_gradcheck_and_doctor(tmp_path, dtype):
     rec = recording_of(f"dump:{model_dump(tmp_path, NumpyBN('dx-drops-xhat-term'), dtype, CALLS[:2])}")
-    g = gradcheck_recorded(rec)
+    g = gradcheck(rec)
     assert not g
     for r in g.results:
         assert {row.tensor for row in r.failed() if row.check == "vs-fp64"} == {"dx"}
         assert not [row for row in r.failed() if row.check == "finite-differences"]  # the golden is right
-    d = doctor_recorded(rec)
+    d = doctor(rec)
     assert [[i.name for i in r.items if i.status == "FAIL"] for r in d.results] == [["backward: dx, dgamma, dbeta"]] * 2
 
 
@@ -280,7 +304,7 @@ def msprobe_statistics(folder, y_max, y_min=None, x_max=3.0, norm=10.0, dtype="t
 def test_statistics_dump_summaries(tmp_path, y_max, y_min, x_max, norm, expect):
     f = lambda v: float(v) if isinstance(v, str) else v  # noqa: E731
     msprobe_statistics(tmp_path, f(y_max), None if y_min is None else f(y_min), x_max, f(norm))
-    run = scan_recorded(recording_of(f"dump:{tmp_path}"))
+    run = scan(recording_of(f"dump:{tmp_path}"))
     (rep,) = run.results
     assert [x.anomaly for x in rep.findings] == expect
     assert any("need a tensor dump" in n for n in run.notes)
@@ -290,7 +314,7 @@ def test_statistics_dump_summaries(tmp_path, y_max, y_min, x_max, norm, expect):
 
 def test_statistics_input_nan_makes_the_output_nan_input_borne(tmp_path):
     msprobe_statistics(tmp_path, math.nan, math.nan, math.nan, math.nan)
-    (rep,) = scan_recorded(recording_of(f"dump:{tmp_path}")).results
+    (rep,) = scan(recording_of(f"dump:{tmp_path}")).results
     kinds = {(x.anomaly, x.stage): x.input_borne for x in rep.findings}
     assert kinds == {("input_nonfinite", "x"): True, ("nan", "y"): True}
 
@@ -527,7 +551,7 @@ def test_a_nondeterministic_kernel_warns_on_the_recorded_inputs_with_by_how_much
     """ascend-tbe reduces its channels in an order that varies between runs: doctor on a recording reruns it on
     the recorded inputs and says by how much two runs differ, as it does on its own inputs."""
     write_dump(record_call(NumpyBN(), (8, 4, 16, 16), "fp32", mean=3.0), tmp_path)
-    run = doctor_recorded(recording_of("ascend-tbe", tmp_path), stability=False)
+    run = doctor(recording_of("ascend-tbe", tmp_path), stability=False)
     item = next(i for i in run.results[0].items if i.name == "determinism")
     assert item.status == "WARN" and item.evidence.startswith("two runs on the recorded inputs differ by up to ")
     assert float(item.evidence.split("up to ")[1].split()[0]) > 0

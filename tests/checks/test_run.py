@@ -235,3 +235,20 @@ def test_statistics_shorter_than_the_channels_broadcast_on_both_routes(monkeypat
         assert np.isfinite(got["1"][0][k]).all(), k
     for k in got["0"][1]:
         np.testing.assert_array_equal(got["0"][1][k][0], got["1"][1][k][0], err_msg=k)
+
+
+def test_a_case_is_a_named_call_given_whole_recorded_or_made():
+    """One named-input type: doctor's and identify's inputs give their call whole, compare-precision's a recorded
+    call or what makes x; each knows its shape and makes its x."""
+    from bnprobe.engine.cases import recorded_cases
+    from bnprobe.recordings import RecordedCalls
+    from bnprobe.recordings.types import CallRef
+
+    x = np.arange(24.0).reshape(2, 3, 4)
+    whole = Case("probe", call=BNCall(x), purpose="what it shows")
+    assert whole.shape == (2, 3, 4) and whole.make() is x and whole.recorded is None
+    rec = generated_call(BNCall(x, dtype="fp32"), modes=("train",))
+    ref = CallRef("bn", None, (2, 3, 4), "fp32", True, False, "tensor", lambda: rec)
+    (case,) = recorded_cases(RecordedCalls("d", "bnprobe", (ref,)))
+    assert case.recorded is ref and case.shape == (2, 3, 4) and np.array_equal(case.make(), x)
+    assert Case("made", (2, 3, 4), seed=1).make().shape == (2, 3, 4)

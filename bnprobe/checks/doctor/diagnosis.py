@@ -15,9 +15,9 @@ kernel.  A bug is diagnosed when the model of BatchNorm with that bug matches th
 (and the correct model does not on some); where no model matches, the item says which outputs are wrong
 on which input, and how (torch.testing style).
 
-On a recording (:func:`doctor_recorded`) each call's recorded outputs are judged the same way on its own
-inputs; a runnable kernel given a recording as input also gets the checklist on the diagnostic and stress
-inputs.
+Given a recording (a :class:`~bnprobe.engine.recorded.Recorded`) in place of the kernel, each call's recorded
+outputs are judged the same way on its own inputs; a runnable kernel given a recording as input also gets the
+checklist on the diagnostic and stress inputs.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import numpy as np
 
 from bnprobe.core.call import EPS, MOMENTUM
 from bnprobe.adapters import KernelAdapter
-from bnprobe.adapters.registry import as_adapter
 from bnprobe.adapters.base import outputs_only, params_format, stored_inputs
 from bnprobe.adapters.convention import reference_for
 from bnprobe.core.call import BNCall
@@ -40,7 +39,7 @@ from bnprobe.checks.doctor.bugs import (
     model,
 )
 from bnprobe.engine.cases import Case
-from bnprobe.engine.recorded import PerCall, Recorded, check_options, check_params
+from bnprobe.engine.recorded import PerCall, Recorded, check_options, check_params, given_to, only_call
 from bnprobe.engine.result import Verdict
 from bnprobe.engine.run import CallRun, Golden, each_run, generated_call, run_call
 from bnprobe.engine.rules import channel_rule
@@ -63,7 +62,7 @@ from bnprobe.checks.doctor.items import (
 from bnprobe.checks.doctor.report import DoctorReport, Item
 
 
-__all__ = ["Item", "DoctorReport", "doctor", "doctor_recorded", "probes", "SKIPPED_ON_RECORDINGS"]
+__all__ = ["Item", "DoctorReport", "doctor", "probes", "SKIPPED_ON_RECORDINGS"]
 
 # ---- running the kernel on one input ------------------------------------------------------------------
 
@@ -202,30 +201,33 @@ def _steps_checks(a: KernelAdapter, ref: KernelAdapter, p: Case, fmt: str, param
                        models=BugModels(models, convention=caps.convention))
 
 
-def doctor(adapter: str | KernelAdapter = "reference", dtype: str | None = None, *, seed: int | None = None,
-           stability: bool = True, params: str | None = None, x: np.ndarray | None = None, eps: float | None = None,
-           momentum: float = MOMENTUM, generated: np.ndarray | None = None, recipe: bool = False) -> DoctorReport:
+def doctor(adapter: str | KernelAdapter | Recorded = "reference", dtype: str | None = None, *,
+           seed: int | None = None, stability: bool = True, params: str | None = None, x: np.ndarray | None = None,
+           eps: float | None = None, momentum: float = MOMENTUM, generated: np.ndarray | None = None,
+           recipe: bool = False) -> DoctorReport | PerCall:
     """Run the checklist on ``adapter`` in ``dtype`` (default: fp64 when it runs it, else its first format)
     with parameters (γ, β, running and saved statistics) in fp32 or the input's format (``params`` same), on
     the diagnostic input, the stress inputs (``stability``), ``x`` (the user's tensor) and ``generated`` (an input
     made from the command line's shape and distribution) when given, every one with BatchNorm's ``eps`` (default
-    1e-5) and ``momentum``; ``seed`` (default 0) draws the designed inputs.  A dump adapter of one call is
-    diagnosed on its recorded inputs (:func:`doctor_recorded` does every call).  ``recipe``: when something fails,
-    also identify the kernel's numerical recipe (:func:`~bnprobe.checks.identify.search.identify`) and, where it is
-    reproduced bit for bit, name its choices known to lose accuracy in the diagnosis."""
-    a = as_adapter(adapter)
+    1e-5) and ``momentum``; ``seed`` (default 0) draws the designed inputs.  ``recipe``: when something fails, also
+    identify the kernel's numerical recipe (:func:`~bnprobe.checks.identify.search.identify`) and, where it is
+    reproduced bit for bit, name its choices known to lose accuracy in the diagnosis.
+
+    Given a recording (a :class:`~bnprobe.engine.recorded.Recorded`, e.g. from
+    :func:`~bnprobe.engine.recorded.recording_of`) in place of the kernel, the checklist runs on every selected call
+    of it, on the call's own recorded inputs and scalars: a :class:`~bnprobe.engine.recorded.PerCall` of one
+    :class:`DoctorReport` per call.  A dump adapter of one call is diagnosed on its recorded inputs (its one
+    report).  The options of generated input contradict a recording."""
+    a, recorded = given_to(adapter)
     check_params(params)
+    if recorded is not None:
+        if recorded is not adapter:
+            only_call(recorded, "doctor")
+        _takes_its_own(recorded, x is not None or generated is not None,
+                       eps is not None and eps != EPS or momentum != MOMENTUM, recipe)
+        run = _doctor_calls(recorded, dtype=dtype, params=params, stability=stability)
+        return run if recorded is adapter else run.results[0]
     seed, eps = SEED if seed is None else seed, EPS if eps is None else eps
-    if a.capabilities().recorded:
-        if len(a.calls.calls) != 1:
-            raise BNProbeError(f"{a.name} holds {len(a.calls.calls)} BatchNorm calls: doctor_recorded diagnoses each "
-                               "(or select one with dump:DIR#NAME)")
-        if x is not None or generated is not None:
-            raise BNProbeError(f"{named('x')} and the dump adapter {a.name} both give the inputs: drop {named('x')}")
-        if eps != EPS or momentum != MOMENTUM:
-            raise BNProbeError(f"the dump adapter {a.name} holds its calls' eps and momentum: drop "
-                               f"{named('eps')}/{named('momentum')}")
-        return doctor_recorded(Recorded(a, a.calls), dtype=dtype, params=params).results[0]
     caps = a.capabilities()
     fmt = get_format(dtype).name if dtype else ("fp64" if "fp64" in caps.formats else caps.formats[0])
     if fmt not in caps.formats:
@@ -363,8 +365,22 @@ SKIPPED_ON_RECORDINGS = (
 )
 
 
-def doctor_recorded(recorded: Recorded, *, dtype: str | None = None, params: str | None = None,
-                    stability: bool = True) -> PerCall:
+def _takes_its_own(recorded: Recorded, inputs: bool, scalars: bool, recipe: bool) -> None:
+    """A recording brings its calls' inputs (``inputs``: others were given too), eps and momentum (``scalars``:
+    others given), and is not probed (``recipe``: identify's search on designed probes was asked for)."""
+    source = recorded.calls.source
+    if inputs:
+        raise BNProbeError(f"{named('x')} and the recording {source} both give the inputs: drop {named('x')}")
+    if scalars:
+        raise BNProbeError(f"the recording {source} holds its calls' eps and momentum: drop "
+                           f"{named('eps')}/{named('momentum')}")
+    if recipe:
+        raise BNProbeError(f"{named('recipe')} identifies a kernel on designed probes: for a recording run identify "
+                           "on it (each call on its own inputs)")
+
+
+def _doctor_calls(recorded: Recorded, *, dtype: str | None = None, params: str | None = None,
+                  stability: bool = True) -> PerCall:
     """The checklist on every selected call of a recording, in forward order, one at a time, on its own
     recorded inputs and scalars: each output the call returned (for a dump: the recorded one) against the
     FP64 golden, at the tolerance of the format it was returned in, and against the bug models on the same
@@ -386,8 +402,7 @@ def doctor_recorded(recorded: Recorded, *, dtype: str | None = None, params: str
             rep = doctor(recorded.kernel, fmt, params=prm, stability=stability)
             rep.call = f"(diagnostic and stress inputs, {fmt}, params {prm})"
             reports.append(rep)
-    return PerCall("doctor", recorded.kernel.name, recorded.calls.source, recorded.calls.kind, reports,
-                   notes + list(recorded.calls.notes))
+    return PerCall.of("doctor", recorded, reports, notes)
 
 
 def _doctor_call(recorded: Recorded, run: CallRun) -> DoctorReport:

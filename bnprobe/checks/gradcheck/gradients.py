@@ -5,11 +5,11 @@ Numerical gradients are central differences in FP64 (torch.autograd.gradcheck's 
 the full Jacobian of y with respect to (x, gamma, beta) for small tensors, random projections
 v^T J u plus sampled Jacobian entries for large ones.  Comparisons use |a - n| <= atol + rtol·|n|.
 
-On a recording (:func:`gradcheck_recorded`) every call is checked on its own recorded inputs: the
-finite differences run on the golden at those inputs (its first channels: channels are independent),
-the kernel's backward (the recorded one, for a dump) is compared with the golden's on the same inputs,
-with atol relative to each gradient's natural scale (recorded data is not of unit scale), and the
-identities are checked on the kernel's gradients.
+On a recording (a :class:`~bnprobe.engine.recorded.Recorded`, given to :func:`gradcheck` in place of the kernel)
+every call is checked on its own recorded inputs: the finite differences run on the golden at those inputs (its
+first channels: channels are independent), the kernel's backward (the recorded one, for a dump) is compared with
+the golden's on the same inputs, with atol relative to each gradient's natural scale (recorded data is not of unit
+scale), and the identities are checked on the kernel's gradients.
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ import numpy as np
 from bnprobe.core.call import EPS, MOMENTUM, BNCall
 from bnprobe._loading import first_line, kind_of, load_callable, raised
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
-from bnprobe.adapters.registry import as_adapter
 from bnprobe.adapters.base import outputs_only, params_format, stored_inputs
-from bnprobe.engine.recorded import PerCall, Recorded, check_options, given
+from bnprobe.engine.recorded import PerCall, Recorded, check_options, given, given_to, only_call
 from bnprobe.engine.result import Judged, Verdict
 from bnprobe.engine.run import CallRun, each_run
 from bnprobe.core.errors import BNProbeError, named
@@ -38,7 +37,7 @@ from bnprobe.engine.metrics import compare
 from bnprobe.core.tolerances import FINITE_DIFFERENCE, check_rtol_atol, grad_tolerance
 from bnprobe.inputs import SEED, input_shape
 
-__all__ = ["GradRow", "GradcheckResult", "gradcheck", "gradcheck_recorded", "check_formula", "FORMULAS",
+__all__ = ["GradRow", "GradcheckResult", "gradcheck", "check_formula", "FORMULAS",
            "FULL_JACOBIAN_MAX", "FD_CHANNELS"]
 
 FULL_JACOBIAN_MAX = 250_000  # entries M*P up to which the full Jacobian is formed
@@ -86,6 +85,7 @@ class GradcheckResult(Judged):
     rows: list[GradRow]
     notes: list[str] = field(default_factory=list)
     call: str | None = None  # the recorded call checked (its label), None for generated inputs
+    params: str | None = None  # the parameters' format asked for (fp32, same), None when not asked (fp32)
 
     @property
     def passed(self) -> bool:
@@ -498,14 +498,14 @@ def check_formula(spec: str, shape: tuple[int, ...] | None = None, *, seed: int 
 # ---- the whole check ---------------------------------------------------------------------------------
 
 def gradcheck(
-    adapter: str | KernelAdapter = "emulated",
+    adapter: str | KernelAdapter | Recorded = "emulated",
     dtype: str | None = None,
     shape: tuple[int, ...] | None = None,
     *,
     mode: str | None = None, seed: int | None = None, eps: float | None = None,
     rtol: float | None = None, atol: float | None = None,
     params: str | None = None, x: np.ndarray | None = None,
-) -> GradcheckResult:
+) -> GradcheckResult | PerCall:
     """Finite differences in FP64, the adapter's backward in ``dtype`` (default fp16) vs the FP64 golden,
     and (training, the default ``mode``) the gradient identities, on generated inputs of ``shape``
     (default (4, 3, 5, 5)), ``seed`` (default 0), ``eps`` (default 1e-5) and parameters (γ, β, running and saved
@@ -513,21 +513,23 @@ def gradcheck(
     the default's per-channel shifted normal (e.g. drawn from the command line's --dist, --mean, --std).  Truthy
     when every check passed.
 
-    A dump adapter of one call runs on that call's recorded inputs (:func:`gradcheck_recorded` runs every
-    call of a dump); ``shape`` and ``eps`` then contradict it, and ``dtype``, ``mode`` and ``params`` must
-    agree."""
+    Given a recording (a :class:`~bnprobe.engine.recorded.Recorded`) in place of the kernel, every selected call of
+    it runs on its own recorded inputs, scalars and formats: a :class:`~bnprobe.engine.recorded.PerCall` of one
+    :class:`GradcheckResult` per call.  A dump adapter of one call runs on that call's recorded inputs (its one
+    result).  On a recording ``shape``, ``eps`` and ``x`` contradict it, and ``dtype``, ``mode`` and ``params``
+    must agree."""
     if mode not in (None, "train", "infer"):
         raise BNProbeError(f"gradcheck mode must be train or infer, got {mode!r}")
     check_rtol_atol(rtol, atol)
     seed = SEED if seed is None else seed
-    a = as_adapter(adapter)
-    if a.capabilities().recorded:
-        recorded = Recorded(a, a.calls)
-        check_options(recorded, given=given(shape=shape, eps=eps), dtype=dtype, params=params)
-        if len(a.calls.calls) != 1:
-            raise BNProbeError(f"{a.name} holds {len(a.calls.calls)} BatchNorm calls: gradcheck_recorded checks each "
-                               "(or select one with dump:DIR#NAME)")
-        return gradcheck_recorded(recorded, mode=mode, rtol=rtol, atol=atol, seed=seed).results[0]
+    a, recorded = given_to(adapter)
+    if recorded is not None:
+        check_options(recorded, given=given(shape=shape, eps=eps, x=x), dtype=dtype, params=params)
+        if recorded is not adapter:
+            only_call(recorded, "gradcheck")
+        run = _gradcheck_calls(recorded, mode=mode, rtol=rtol, atol=atol, seed=seed)
+        return run if recorded is adapter else run.results[0]
+    asked = params
     fmt = get_format(dtype or "fp16").name
     params = params or "fp32"
     shape = input_shape("gradcheck") if shape is None else tuple(shape)
@@ -574,7 +576,7 @@ def gradcheck(
         mean, var = gsaved.mean.astype(np.float64), gsaved.var(eps)
         rows += _identities(got.dx, got.dgamma, got.dbeta, inp, xs=xs, dys=dys, g=g, mean=mean, var=var, eps=eps,
                             tol=rt)
-    return GradcheckResult(a.name, fmt, mode, tuple(shape), seed, rows, notes)
+    return GradcheckResult(a.name, fmt, mode, tuple(shape), seed, rows, notes, params=asked)
 
 
 def _vs_fp64(name: str, got: Any, gold: Any, judged: dict[str, dict[str, Any]], *, fmt: str, pf: str, out_fmt: str,
@@ -635,29 +637,23 @@ def _per_element(scale: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return np.asarray(scale).reshape((1, -1) + (1,) * (len(shape) - 2)) if len(shape) > 1 else np.asarray(scale)
 
 
-def gradcheck_recorded(recorded: Recorded, *, mode: str | None = None, rtol: float | None = None,
-                       atol: float | None = None, seed: int = 0, params: str | None = None) -> PerCall:
+def _gradcheck_calls(recorded: Recorded, *, mode: str | None = None, rtol: float | None = None,
+                     atol: float | None = None, seed: int = 0) -> PerCall:
     """Every selected call of a recording, in forward order, one at a time, on its own recorded inputs,
     scalars and formats: finite differences in FP64 at those inputs (on the golden, or on a runnable
     adapter that runs fp64), the kernel's backward (a dump's: the recorded dx, dγ, dβ) vs the golden's,
     and (training calls) the gradient identities of the kernel's gradients.  ``mode`` (train or infer),
-    when given, must be the mode of every call, and ``params`` (same or fp32) every call's parameter format.
-    One :class:`GradcheckResult` per call."""
-    if mode not in (None, "train", "infer"):
-        raise BNProbeError(f"gradcheck mode must be train or infer, got {mode!r}")
-    check_rtol_atol(rtol, atol)
+    when given, must be the mode of every call.  One :class:`GradcheckResult` per call."""
     recorded.calls.require_tensors("gradcheck")
     if mode is not None:
         off = [c for c in recorded.calls.calls if c.training != (mode == "train")]
         if off:
             raise BNProbeError(f"{named('mode')} {mode} contradicts the recording: {off[0].label} was recorded in "
                                f"{'training' if off[0].training else 'eval'} mode")
-    check_options(recorded, params=params)
     results = each_run(recorded, lambda i, run: _gradcheck_call(recorded, run, rtol, atol,
                                                                  np.random.default_rng([seed, 7, i])),
                        modes=("backward",), skip_missing=True)
-    notes = list(recorded.calls.notes)
-    return PerCall("gradcheck", recorded.kernel.name, recorded.calls.source, recorded.calls.kind, results, notes)
+    return PerCall.of("gradcheck", recorded, results)
 
 
 def _gradcheck_call(recorded: Recorded, run: CallRun, rtol: float | None, atol: float | None,

@@ -26,11 +26,12 @@ backward the dx formula, its sums' order            dx, dγ, dβ (from the kerne
 
 It drives the kernel on designed probes (values spread over many binades, so sums depend on their order; large
 means over small spreads; variances near ε; standard deviations across binades; both layouts; subnormal and huge
-input for the modes) — or, on a recording, only the recorded inputs — keeping at every stage the candidates that
-reproduce what the stage pins, ties kept as fields the probes could not distinguish.  Where no candidate
-reproduces a stage, the closest is kept and the stage named as the one where the kernel departs from the space,
-with its residual in ULPs: never a nearest guess called a match.  The identified policy is then confirmed on
-fresh inputs the search never saw (another seed, shape and scale).
+input for the modes) — or, given a recording (a :class:`~bnprobe.engine.recorded.Recorded`) in place of the
+kernel, only each recorded call's inputs — keeping at every stage the candidates that reproduce what the stage
+pins, ties kept as fields the probes could not distinguish.  Where no candidate reproduces a stage, the closest
+is kept and the stage named as the one where the kernel departs from the space, with its residual in ULPs: never
+a nearest guess called a match.  The identified policy is then confirmed on fresh inputs the search never saw
+(another seed, shape and scale).
 """
 from __future__ import annotations
 
@@ -42,12 +43,12 @@ from typing import Any
 import numpy as np
 
 from bnprobe.adapters import KernelAdapter
-from bnprobe.adapters.registry import as_adapter
 from bnprobe.adapters.base import outputs_only, params_format
 from bnprobe.core.call import EPS, MOMENTUM, BNCall
 from bnprobe.engine.cases import Case, dy_of_kind
-from bnprobe.engine.run import recording_notes
-from bnprobe.core.errors import BNProbeError
+from bnprobe.engine.recorded import Recorded, check_options, given_to, only_call
+from bnprobe.engine.run import each_call, recording_notes
+from bnprobe.core.errors import BNProbeError, named
 from bnprobe.inputs import SEED
 from bnprobe.core.formats import get_format
 from bnprobe.kernels.policy import PRESETS, Policy
@@ -79,7 +80,7 @@ from bnprobe.checks.identify.space import (
     rsqrt_space,
 )
 
-__all__ = ["identify", "identify_recorded"]
+__all__ = ["identify"]
 
 
 # ---- the search -----------------------------------------------------------------------------------------------
@@ -393,28 +394,41 @@ def _notes(nondet: list[str], layouts: dict[str, list[str]], stages: dict[str, d
     return notes
 
 
-def identify(adapter: str | KernelAdapter, dtype: str | None = None, *, params: str | None = None,
+def identify(adapter: str | KernelAdapter | Recorded, dtype: str | None = None, *, params: str | None = None,
              x: np.ndarray | None = None, seed: int | None = None, eps: float | None = None,
-             momentum: float | None = MOMENTUM, passes: int = 2, fresh: bool = True,
-             progress: Callable[[int, int], None] | None = None) -> Identified:
+             momentum: float | None = MOMENTUM, passes: int | None = None, fresh: bool = True,
+             progress: Callable[[int, int], None] | None = None) -> Identified | IdentifiedCalls:
     """The policy that reproduces ``adapter`` bit for bit in ``dtype`` (default fp16) with ``params`` parameters
     (fp32, the default, or same), searched stage by stage on designed probes (``seed``, default 0; ``eps``, default
-    1e-5), then confirmed on fresh inputs (``fresh``) and on ``x`` (the user's input, channels-first, when given).
-    Its ``spec`` runs as ``emulated:<spec>``."""
+    1e-5; ``passes`` over the stages, default 2), then confirmed on fresh inputs (``fresh``) and on ``x`` (the user's
+    input, channels-first, when given).  Its ``spec`` runs as ``emulated:<spec>``.
+
+    Given a recording (a :class:`~bnprobe.engine.recorded.Recorded`) in place of the kernel, every selected call of
+    it is identified on its own recorded inputs alone (``passes`` default 3): an
+    :class:`~bnprobe.checks.identify.results.IdentifiedCalls` of one result per call.  A dump adapter of one call
+    is identified on its recorded inputs (its one result).  On a recording ``x``, ``seed``, ``eps`` and
+    ``momentum`` contradict it, and ``dtype`` and ``params`` must agree."""
     from bnprobe.engine.run import generated_call
 
-    dtype, params = dtype or "fp16", params or "fp32"
+    a, recorded = given_to(adapter)
+    if recorded is not None:
+        off = (("x", x is not None), ("seed", seed not in (None, SEED)), ("eps", eps not in (None, EPS)),
+               ("momentum", momentum != MOMENTUM))
+        check_options(recorded, given=tuple(named(n) for n, v in off if v), dtype=dtype, params=params)
+        if recorded is not adapter:
+            only_call(recorded, "identify")
+        run = _identify_calls(recorded, passes=3 if passes is None else passes, progress=progress)
+        return run if recorded is adapter else run.results[0]
     seed, eps = SEED if seed is None else seed, EPS if eps is None else eps
-
-    kernel = outputs_only(as_adapter(adapter))
+    kernel = outputs_only(a)
     caps = kernel.capabilities()
-    if caps.recorded:
-        raise BNProbeError(f"{kernel.name} replays a recording: identify it with identify_recorded (the CLI does)")
-    fmt = get_format(dtype).name
+    fmt = get_format(dtype or "fp16").name
     if fmt not in caps.formats:
         raise BNProbeError(f"adapter {kernel.name} does not run {fmt} (it runs {', '.join(caps.formats)})")
     if fmt not in PRESETS:
         raise BNProbeError(f"identify searches fp64, fp32, fp16 and bf16 kernels, not {fmt}")
+    params = params or "fp32"
+    passes = 2 if passes is None else passes
     params_format(fmt, params)  # (validated)
     layouts = tuple(caps.layouts)
     designed = probes(fmt, params, seed=seed, eps=eps, momentum=momentum, layouts=layouts)
@@ -490,36 +504,40 @@ def _slice_channels(rec: Any, idx: np.ndarray) -> Any:
 SEARCH_VALUES = 1 << 16
 
 
-def identify_recorded(recorded: Any, *, passes: int = 3,
-                      progress: Callable[[int, int], None] | None = None) -> IdentifiedCalls:
-    """identify on every selected call of a recording (a :class:`~bnprobe.engine.recorded.Recorded`), each on its
-    own recorded inputs only, one call in memory at a time: the search runs on channels spread over the call
-    (:data:`SEARCH_VALUES`; channels are independent), and the identified policy is then confirmed on all of them."""
+def _identify_calls(recorded: Recorded, *, passes: int, progress: Callable[[int, int], None] | None
+                    ) -> IdentifiedCalls:
+    """identify on every selected call of a recording, each on its own recorded inputs only, one call in memory at
+    a time (:func:`_identify_call`)."""
     recorded.calls.require_tensors("identify")
     kernel = outputs_only(recorded.kernel)
-    replay = kernel.capabilities().recorded
-    results = []
-    for c in recorded.calls.calls:
-        rec = c.load()
-        call = rec.call()
-        channels = np.shape(call.x)[1 if rec.layout == "channels_first" else -1]
-        per_channel = max(1, np.size(call.x) // max(channels, 1))
-        want = min(channels, max(6, SEARCH_VALUES // per_channel))
-        idx = np.unique(np.linspace(0, channels - 1, want).round().astype(int))
-        sub = _slice_channels(rec, idx)
-        k = kernel.bind(sub) if replay else kernel
-        obs = [observe(k, Case(c.label, call=sub.call(), purpose=f"the recorded call, channels {list(map(int, idx))}"),
-                       sub)]
-        whole = []
-        if len(idx) < channels:
-            kw = kernel.bind(rec) if replay else kernel
-            whole = [observe(kw, Case(c.label, call=call, purpose="the recorded call, every channel"), rec)]
-        res = _identify_observed(k, obs, whole, rec.dtype, rec.params_mode, passes=passes, progress=progress,
-                                 label=c.label)
-        which = "every channel" if len(idx) == channels else \
-            f"channels {', '.join(map(str, idx))} of {channels}, confirmed on every channel"
-        res.notes.append(f"searched on the recorded inputs alone ({which}): a recording cannot be probed, so the "
-                         "fields its data cannot tell apart are listed")
-        res.notes[:0] = [f"{c.label}: {n}" for n in recording_notes(rec)]
-        results.append(res)
+    results = each_call(recorded, lambda _, c, rec: _identify_call(kernel, c, rec, passes, progress))
     return IdentifiedCalls(recorded.calls.source, results)
+
+
+def _identify_call(kernel: KernelAdapter, c: Any, rec: Any, passes: int,
+                   progress: Callable[[int, int], None] | None) -> Identified:
+    """identify on one recorded call (``c``, read as ``rec``), on its own inputs only: the search runs on channels
+    spread over the call (:data:`SEARCH_VALUES`; channels are independent), and the identified policy is then
+    confirmed on all of them."""
+    replay = kernel.capabilities().recorded
+    call = rec.call()
+    channels = np.shape(call.x)[1 if rec.layout == "channels_first" else -1]
+    per_channel = max(1, np.size(call.x) // max(channels, 1))
+    want = min(channels, max(6, SEARCH_VALUES // per_channel))
+    idx = np.unique(np.linspace(0, channels - 1, want).round().astype(int))
+    sub = _slice_channels(rec, idx)
+    k = kernel.bind(sub) if replay else kernel
+    obs = [observe(k, Case(c.label, call=sub.call(), purpose=f"the recorded call, channels {list(map(int, idx))}"),
+                   sub)]
+    whole = []
+    if len(idx) < channels:
+        kw = kernel.bind(rec) if replay else kernel
+        whole = [observe(kw, Case(c.label, call=call, purpose="the recorded call, every channel"), rec)]
+    res = _identify_observed(k, obs, whole, rec.dtype, rec.params_mode, passes=passes, progress=progress,
+                             label=c.label)
+    which = "every channel" if len(idx) == channels else \
+        f"channels {', '.join(map(str, idx))} of {channels}, confirmed on every channel"
+    res.notes.append(f"searched on the recorded inputs alone ({which}): a recording cannot be probed, so the "
+                     "fields its data cannot tell apart are listed")
+    res.notes[:0] = [f"{c.label}: {n}" for n in recording_notes(rec)]
+    return res

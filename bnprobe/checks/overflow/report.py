@@ -77,6 +77,7 @@ class OverflowReport(Judged):
     saturation: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     call: str | None = None  # the recorded call scanned (its label), None for a given input
+    params: str | None = None  # the parameters' format asked for (fp32, same), None when not asked (fp32)
 
     @property
     def passed(self) -> bool:

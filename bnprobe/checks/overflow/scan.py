@@ -11,15 +11,15 @@ Adapters without a trace (torch, plugins) are judged by their outputs against th
 same rounded inputs, exactly as a recording's are (below), and in training also by the inference the
 step's running statistics give (an inf running_var destroys it).
 
-A recording (:func:`scan_recorded`) has no trace and cannot be rerun: each call's recorded outputs are
-compared with the FP64 golden on the call's own inputs — NaN/inf where the golden is finite (and
-finite values where it is not), values beyond the format (overflow) or held at its maximum
-(saturation), outputs (channels) entirely zero or constant where the golden is not, the running
-statistics' update beyond its format, a saved invstd or running_var that underflows (to zero or to a
-subnormal), NaN/inf already in the inputs (input-borne) — with the headroom predicted from the recorded
+A recording (a :class:`~bnprobe.engine.recorded.Recorded`, given to :func:`scan` in place of the kernel) has no
+trace and cannot be rerun: each call's recorded outputs are compared with the FP64 golden on the call's own
+inputs — NaN/inf where the golden is finite (and finite values where it is not), values beyond the format
+(overflow) or held at its maximum (saturation), outputs (channels) entirely zero or constant where the golden is
+not, the running statistics' update beyond its format, a saved invstd or running_var that underflows (to zero or
+to a subnormal), NaN/inf already in the inputs (input-borne) — with the headroom predicted from the recorded
 input.  An msprobe statistics-only dump is read from its summaries (max/min/mean/norm per tensor).
 
-This module is the check's entry points; its parts: ``overflow_trace`` scans a traced run, ``overflow_outputs``
+This module is the check's entry point; its parts: ``overflow_trace`` scans a traced run, ``overflow_outputs``
 what has no trace (outputs on generated inputs, recorded calls, msprobe summaries), and ``overflow_report``
 holds the report types (re-exported here) and what both scanners share.
 """
@@ -33,8 +33,6 @@ import numpy as np
 
 from bnprobe.core.call import EPS, MOMENTUM
 from bnprobe.adapters import KernelAdapter
-from bnprobe.adapters.registry import as_adapter
-from bnprobe.adapters.dump import DumpAdapter
 from bnprobe.adapters.emulated import PolicyAdapter
 from bnprobe.checks.overflow.outputs import scan_call, scan_outputs, scan_summaries
 from bnprobe.checks.overflow.report import (
@@ -45,9 +43,10 @@ from bnprobe.checks.overflow.report import (
     predict_headroom,
 )
 from bnprobe.checks.overflow.trace import scan_traced
-from bnprobe.engine.recorded import PerCall, Recorded, check_options, check_params
+from bnprobe.engine.recorded import PerCall, Recorded, check_options, check_params, given_to, only_call
+from bnprobe.engine.recorded import given as given_names  # (scan's own `given` is the call it runs)
 from bnprobe.checks.overflow.observe import observed_findings
-from bnprobe.engine.run import each_run, generated_call, run_call
+from bnprobe.engine.run import each_call, each_run, generated_call, run_call
 from bnprobe.core.call import BNCall
 from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import get_format
@@ -56,7 +55,7 @@ from bnprobe.kernels.layout import layout_of
 from bnprobe.kernels.policy import Policy
 from bnprobe.numerics.rounding import round_to
 
-__all__ = ["OverflowFinding", "Headroom", "OverflowReport", "scan", "scan_recorded", "predict_headroom", "ANOMALIES"]
+__all__ = ["OverflowFinding", "Headroom", "OverflowReport", "scan", "predict_headroom", "ANOMALIES"]
 
 
 def _check_mode(mode: str | None) -> None:
@@ -66,7 +65,7 @@ def _check_mode(mode: str | None) -> None:
 
 
 def scan(
-    adapter: str | KernelAdapter = "emulated",
+    adapter: str | KernelAdapter | Recorded = "emulated",
     x: np.ndarray | None = None,
     *,
     dtype: str | None = None,
@@ -84,7 +83,7 @@ def scan(
     dy: np.ndarray | str | None = None,
     momentum: float | None = MOMENTUM,
     params: str | None = None,
-) -> OverflowReport:
+) -> OverflowReport | PerCall:
     """Find anomalies of one BatchNorm run of ``x`` in ``dtype`` (default fp16), ``mode`` (default train),
     with ``eps`` (default 1e-5), parameters and dy drawn from ``seed`` (default 0).  ``accumulate`` (emulated
     adapters) sets the accumulator and compute format, e.g. fp16 for a naive port.  ``cancel_digits``: flag
@@ -93,16 +92,23 @@ def scan(
     :func:`~bnprobe.engine.cases.dy_of_kind` (default ``shifted``: a mean per channel, as real losses give); ``params``:
     γ, β and the running and saved statistics in fp32 (default) or the input's format (same).
 
-    A dump adapter of one call is scanned on its recorded inputs, ``x`` None (:func:`scan_recorded`
-    scans every call of a dump)."""
+    Given a recording (a :class:`~bnprobe.engine.recorded.Recorded`) in place of the kernel, every selected call of
+    it is scanned on its own recorded inputs: a :class:`~bnprobe.engine.recorded.PerCall` of one
+    :class:`OverflowReport` per call (and mode).  A dump adapter of one call is scanned on its recorded inputs (its
+    one report).  On a recording ``x`` and the other inputs contradict it (``x`` None), and ``dtype``, ``mode`` and
+    ``params`` must agree."""
     _check_mode(mode)
-    a = as_adapter(adapter)
-    if a.capabilities().recorded:
+    a, recorded = given_to(adapter)
+    if recorded is not None:
         inputs = dict(x=x, accumulate=accumulate, gamma=gamma, beta=beta, eps=eps, running_mean=running_mean,
                       running_var=running_var, dy=dy)
-        return _scan_dump_call(a, inputs, dtype=dtype, mode=mode, params=params)
+        check_options(recorded, given=given_names(**inputs), dtype=dtype, mode=mode, params=params)
+        if recorded is not adapter:
+            only_call(recorded, "scan")
+        run = _scan_calls(recorded, mode=mode)
+        return run if recorded is adapter else run.results[0]
     check_params(params)
-    params = params or "fp32"
+    asked, params = params, params or "fp32"
     if x is None:
         raise BNProbeError("scan needs an input tensor x")
     fmt = get_format(dtype or "fp16").name
@@ -116,7 +122,7 @@ def scan(
         if accumulate is not None:
             raise BNProbeError(f"{named('accumulate')} sets the accumulator of an emulated kernel; {a.name} computes "
                                "in its own: drop it")
-        return scan_outputs(a, fmt, mode, given, params=params)
+        return replace(scan_outputs(a, fmt, mode, given, params=params), params=asked)
     xs = round_to(x, fmt)
     pol = _traced_policy(a, xs, fmt, mode, layout, params, accumulate)
     pf = pol.params_format
@@ -131,7 +137,7 @@ def scan(
         raise BNProbeError(f"{named('accumulate')} {get_format(accumulate).name}: {a.name} cannot run with its "
                            f"accumulator and compute format there: {exc}") from None
     rep.findings += _observed(a, pol, mode, given.with_(dtype=fmt, params=params))
-    return rep
+    return replace(rep, params=asked)
 
 
 def _observed(a: PolicyAdapter, pol: Policy, mode: str, call: BNCall) -> list[OverflowFinding]:
@@ -145,19 +151,6 @@ def _observed(a: PolicyAdapter, pol: Policy, mode: str, call: BNCall) -> list[Ov
     run = run_call(kernel, generated_call(call, modes=modes), modes=(mode,), label=a.name, quiet=True)
     name = "cancellation in the variance (E[x²] − E[x]²)" if pol.variance == "naive" else "variance off"
     return observed_findings(run, name)
-
-
-def _scan_dump_call(a: DumpAdapter, inputs: dict[str, Any], *, dtype: str | None, mode: str | None,
-                    params: str | None) -> OverflowReport:
-    """A dump adapter of one call scanned on its recorded inputs.  ``inputs`` (scan's input options by name) must
-    all be None: a recording brings its own; ``dtype``, ``mode`` and ``params`` must agree with it."""
-    given = tuple(n for n, v in inputs.items() if v is not None)
-    recorded = Recorded(a, a.calls)
-    check_options(recorded, given=given, dtype=dtype, mode=mode, params=params)
-    if len(a.calls.calls) != 1:
-        raise BNProbeError(f"{a.name} holds {len(a.calls.calls)} BatchNorm calls: scan_recorded scans each "
-                           "(or select one with dump:DIR#NAME)")
-    return scan_recorded(recorded, mode=mode).results[0]
 
 
 def _traced_policy(a: PolicyAdapter, xs: np.ndarray, fmt: str, mode: str, layout: str, params: str,
@@ -194,35 +187,29 @@ def _run_inputs(x: np.ndarray, x_cr: np.ndarray, channels: int, seed: int, *, ga
     return BNCall(x, g, b, rm, rv, dy, eps, momentum, layout=layout)
 
 
-def scan_recorded(recorded: Recorded, *, mode: str | None = None, params: str | None = None) -> PerCall:
+def _scan_calls(recorded: Recorded, *, mode: str | None = None) -> PerCall:
     """Every selected call of a recording, in forward order, one at a time: its outputs (the recorded ones,
     for a dump) against the FP64 golden on its own recorded inputs, and its inputs; ``mode`` (train, infer
-    or backward) restricts the outputs to that call's; ``params`` (same or fp32), when given, must be every
-    call's parameter format.  An msprobe statistics-only dump is read from its
+    or backward) restricts the outputs to that call's.  An msprobe statistics-only dump is read from its
     summaries.  A runnable adapter on the recorded inputs is scanned with :func:`scan` (its trace), one
     report per call and mode.  One :class:`OverflowReport` per call (and mode)."""
-    _check_mode(mode)
     calls = recorded.calls
-    check_options(recorded, mode=mode, params=params)
     if calls.task == "statistics":
         if not recorded.replay:
             calls.require_tensors(f"running {recorded.kernel.name} on the recorded inputs")
-        reports = [scan_summaries(recorded.kernel.name, c, c.load(), mode) for c in calls.calls]
+        reports = each_call(recorded, lambda _, c, summaries: scan_summaries(recorded.kernel.name, c, summaries, mode))
         notes = ["a statistics-only dump (max/min/mean/norm per tensor): comparing the outputs with the FP64 golden, "
                  "locating NaN/inf, constant channels, the running statistics' values and the headroom of the sums "
                  "need a tensor dump (msprobe task \"tensor\")"]
-        return PerCall("overflow", recorded.kernel.name, calls.source, calls.kind, reports, notes + list(calls.notes))
+        return PerCall.of("overflow", recorded, reports, notes)
     if not recorded.replay:
-        reports = []
-        for c in calls.calls:
-            rec = c.load()
-            for m in (mode,) if mode else rec.modes:
-                reports.append(_scan_runnable(recorded.kernel, rec, m, f"{c.label} [{m}]"))
-        return PerCall("overflow", recorded.kernel.name, calls.source, calls.kind, reports, list(calls.notes))
+        per_call = each_call(recorded, lambda _, c, rec: [_scan_runnable(recorded.kernel, rec, m, f"{c.label} [{m}]")
+                                                          for m in ((mode,) if mode else rec.modes)])
+        return PerCall.of("overflow", recorded, [rep for reps in per_call for rep in reps])
     reports = each_run(recorded, lambda _, run: scan_call(run), modes=(mode,) if mode else None)
     notes = ["a recording has no trace and cannot be rerun: findings come from its outputs against the FP64 golden "
              "on the same inputs; no remedies are tried"]
-    return PerCall("overflow", recorded.kernel.name, calls.source, calls.kind, reports, notes + list(calls.notes))
+    return PerCall.of("overflow", recorded, reports, notes)
 
 
 def _scan_runnable(a: KernelAdapter, rec: Any, mode: str, label: str) -> OverflowReport:

@@ -1,5 +1,5 @@
 """Stage-by-stage comparison of an emulated run against its FP64 golden on the same rounded inputs
-(generated ones, or a recorded call's own inputs and scalars: :func:`trace_recorded`)."""
+(generated ones, or a recorded call's own inputs and scalars: :func:`trace_run` given a recording)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ import numpy as np
 from bnprobe.core.call import EPS, MOMENTUM
 from bnprobe.adapters.base import MODES, params_format
 from bnprobe.core.errors import BNProbeError, named
+from bnprobe.engine.recorded import Recorded, refuse, require_one
 from bnprobe.core.formats import get_format
 from bnprobe.kernels import Execution, backward, forward_infer, forward_train, get_policy
 from bnprobe.kernels.policy import Policy
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.rounding import is_representable, round_to
 
-__all__ = ["StageError", "TraceComparison", "stage_errors", "trace_run", "trace_recorded", "MODES"]
+__all__ = ["StageError", "TraceComparison", "stage_errors", "trace_run", "MODES"]
 
 
 
@@ -92,7 +93,7 @@ def stage_errors(trace: Trace, golden: Trace) -> list[StageError]:
 
 
 def trace_run(
-    x: np.ndarray,
+    x: np.ndarray | Recorded,
     *,
     policy: str | Policy | None = None,
     mode: str | None = None,
@@ -106,14 +107,29 @@ def trace_run(
     layout: str | None = None,
     params: str | None = None,
 ) -> TraceComparison:
-    """Run one BatchNorm layer under ``policy`` and under its FP64 golden on the same rounded inputs.
+    """Run one BatchNorm layer under ``policy`` (default fp16) and under its FP64 golden on the same rounded inputs,
+    in ``mode`` (default train), with ``eps`` (default 1e-5), ``momentum`` and ``layout`` (default
+    channels_first).
 
     The inputs are first rounded to the policy's storage (x, dy) and params
     formats; the golden (same algorithm, every format fp64) sees exactly those
     values, so the errors reported are the kernel's own.  ``params`` (fp32 or
-    same) sets the params format of the policy (default: the policy's own).  Defaults: ``policy`` fp16, ``mode``
-    train, ``eps`` 1e-5, ``layout`` channels_first; ``momentum`` None is a cumulative average.
-    """
+    same) sets the params format of the policy (default: the policy's own); ``momentum`` None is a cumulative
+    average.
+
+    Given a recording of one call (a :class:`~bnprobe.engine.recorded.Recorded`, e.g.
+    :func:`~bnprobe.engine.recorded.one_call`) in place of x, that call is traced on its own inputs and scalars
+    (x, γ, β, running statistics, dy, eps, momentum, layout; the recording's kernel is not run: a trace is of a
+    policy) under ``policy`` — default: the preset of the recorded format with the recorded parameter format — in
+    ``mode`` (default: the call's own).  The inputs and scalars given besides contradict it, as do a policy that
+    would round the recorded inputs, a mode the call did not record, or ``params`` (same or fp32) other than the
+    recorded parameter format."""
+    if isinstance(x, Recorded):
+        off = (("gamma", gamma is not None), ("beta", beta is not None), ("running_mean", running_mean is not None),
+               ("running_var", running_var is not None), ("dy", dy is not None), ("eps", eps is not None),
+               ("momentum", momentum != MOMENTUM), ("layout", layout is not None))
+        refuse(tuple(named(n) for n, v in off if v), x.calls.source)
+        return _trace_call(x, policy=policy, mode=mode, params=params)
     pol = get_policy("fp16" if policy is None else policy)
     mode, layout = mode or "train", layout or "channels_first"
     eps = EPS if eps is None else eps
@@ -148,14 +164,12 @@ def trace_run(
                            momentum=momentum)
 
 
-def trace_recorded(rec: Any, *, policy: str | Policy | None = None, mode: str | None = None,
-                   label: str = "", params: str | None = None) -> TraceComparison:
-    """One recorded call (a :class:`~bnprobe.recordings.Recording`) traced on its own inputs and scalars
-    (x, γ, β, running statistics, dy, eps, momentum, layout) under ``policy`` — default: the preset of the
-    recorded format with the recorded parameter format — in ``mode`` (default: the call's own).  A policy
-    that would round the recorded inputs, a mode the call did not record, or ``params`` (same or fp32)
-    other than the recorded parameter format, is an error."""
-    name = label or str(rec.meta.get("call") or rec.source or "the recorded call")
+def _trace_call(recorded: Recorded, *, policy: str | Policy | None, mode: str | None,
+                params: str | None) -> TraceComparison:
+    """The one call of ``recorded`` traced on its own inputs and scalars (see :func:`trace_run`)."""
+    c = require_one(recorded.calls, "trace")
+    rec = c.load()
+    name = c.label or str(rec.meta.get("call") or rec.source or "the recorded call")
     fmt = rec.dtype
     if params is not None and params != rec.params_mode:
         raise BNProbeError(f"{named('params')} {params} contradicts the recording: {name} was recorded with "
