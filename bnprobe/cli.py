@@ -427,10 +427,10 @@ def trace(
         lay = layout_of(x, layout)
         prm = make_params(lay.channels, d.seed)
         dy = np.random.default_rng([d.seed, 2]).standard_normal(x.shape) if mode == "backward" else None
-        cmp = trace_run(x, policy=policy, mode=mode, gamma=prm["gamma"], beta=prm["beta"],
-                        running_mean=np.full(lay.channels, d.mean),
-                        running_var=np.full(lay.channels, max(d.std, 0.0) ** 2), dy=dy, eps=bn.eps,
-                        layout=lay.layout, params=params, **_if_given(momentum=bn.momentum))
+        call = BNCall(x, prm["gamma"], prm["beta"], np.full(lay.channels, d.mean),
+                      np.full(lay.channels, max(d.std, 0.0) ** 2), dy, layout=lay.layout,
+                      **_if_given(eps=bn.eps, momentum=bn.momentum))
+        cmp = trace_run(call, policy=policy, mode=mode, params=params)
     _echo([dumps_json({**cmp.to_dict(), "input": source})] if report.as_json else trace_lines(cmp, source, lay))
 
 
@@ -784,8 +784,8 @@ def overflow_cmd(
                       mode=mode, params=params)
         return _show(overflow_report(scan(recorded, mode=mode)), sink, as_json)
     x = input_tensor("overflow", input, gen.shape, gen.dist, gen.mean, gen.std, gen.seed)
-    rep = scan(kernel, x, dtype=target.dtype, accumulate=target.accumulate, mode=mode, eps=eps, seed=gen.seed,
-               params=params, dy=dy)
+    rep = scan(kernel, BNCall(x, **_if_given(eps=eps)), dtype=target.dtype, accumulate=target.accumulate, mode=mode,
+               seed=gen.seed, params=params, dy=dy)
     return _show(overflow_report(rep), sink, as_json)
 
 

@@ -156,10 +156,6 @@ def _decorated_by(node: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
 # typer's commands declare each option as a parameter; numba's kernels take their scalars one by one (bundled into
 # tuples they would compile anew, and an inlined kernel's constant arguments might no longer fold)
 _MANY_PARAMETERS_BY = {"_command", "command", "njit", "jit"}
-# the functions the twins branch replaces (one entry point per check): left to it; empty this once it is merged
-_PENDING = {"bnprobe/checks/gradcheck/gradients.py:_row", "bnprobe/checks/gradcheck/gradients.py:_identities",
-            "bnprobe/checks/overflow/scan.py:scan", "bnprobe/checks/overflow/scan.py:_run_inputs",
-            "bnprobe/checks/trace/stages.py:trace_run"}
 MAX_PARAMETERS = 10
 
 
@@ -178,9 +174,7 @@ def _many_parameters(package: Path) -> dict[str, int]:
 def test_no_function_takes_more_than_ten_parameters():
     """A function's options that belong together travel as one value (a frozen dataclass, the call's BNCall), not
     as a keyword each."""
-    many = _many_parameters(PACKAGE)
-    assert {k: v for k, v in many.items() if k not in _PENDING} == {}
-    assert not _PENDING - set(many), f"no longer over the limit: take them out of _PENDING: {_PENDING - set(many)}"
+    assert _many_parameters(PACKAGE) == {}
 
 
 def test_a_function_with_many_parameters_would_be_seen(tmp_path):

@@ -5,6 +5,7 @@ import pytest
 
 from bnprobe.checks.overflow.scan import predict_headroom, scan
 from bnprobe.cli import main
+from bnprobe.core.call import BNCall
 from bnprobe.core.errors import BNProbeError
 from bnprobe.inputs import make_input
 from bnprobe.kernels import get_policy
@@ -41,7 +42,7 @@ def test_saturation_is_found_even_though_every_output_is_finite():
 
 def test_ieee_vs_saturation_side_by_side():
     x = make_input((8, 4, 8, 8), seed=0)
-    rep = scan("emulated:fp16", x, dtype="fp16", gamma=np.array([1.0, 1.0, 3e4, 1.0]))  # y beyond 65504
+    rep = scan("emulated:fp16", BNCall(x, np.array([1.0, 1.0, 3e4, 1.0])), dtype="fp16")  # y beyond 65504
     f = by(rep)
     assert f["overflow"].stage == "y" and f["overflow"].channels == (2,)
     modes = {s["overflow_mode"]: s for s in rep.saturation}
@@ -52,12 +53,12 @@ def test_ieee_vs_saturation_side_by_side():
 def test_underflow_subnormal_and_flush():
     x = make_input((8, 4, 8, 8), seed=0)
     g = np.array([1.0, 1e-6, 1.0, 1.0])  # channel 1's outputs are ~1e-6: fp16 subnormals
-    f = by(scan("emulated:fp16", x, dtype="fp16", gamma=g, beta=np.zeros(4)))
+    f = by(scan("emulated:fp16", BNCall(x, g, np.zeros(4)), dtype="fp16"))
     assert f["subnormal"].stage == "y" and f["subnormal"].channels == (1,)
     g2 = np.array([1.0, 1e-9, 1.0, 1.0])  # below half the smallest subnormal: zero
-    f2 = by(scan("emulated:fp16", x, dtype="fp16", gamma=g2, beta=np.zeros(4)))
+    f2 = by(scan("emulated:fp16", BNCall(x, g2, np.zeros(4)), dtype="fp16"))
     assert f2["underflow"].stage == "y" and f2["underflow"].channels == (1,)
-    f3 = by(scan("emulated:fp16:subnormals=flush", x, dtype="fp16", gamma=g, beta=np.zeros(4)))
+    f3 = by(scan("emulated:fp16:subnormals=flush", BNCall(x, g, np.zeros(4)), dtype="fp16"))
     assert f3["flushed"].stage == "y" and f3["flushed"].channels == (1,)
 
 
@@ -169,10 +170,10 @@ def test_a_running_variance_summed_in_fp16_overflows_and_destroys_inference(a, o
 
 def test_a_running_variance_beyond_the_parameters_format_is_found_for_a_correct_kernel():
     x = alternating(300.0)  # variance 9e4·32/31: beyond fp16 (65504), x itself well inside
-    rep = scan(NumpyBN(), x, dtype="fp16", params="same", running_var=np.ones(2), momentum=1.0)
+    rep = scan(NumpyBN(), BNCall(x, running_var=np.ones(2), momentum=1.0), dtype="fp16", params="same")
     assert {(f.anomaly, f.stage, f.channels) for f in rep.findings} == {("overflow", "running_var", (1,)),
                                                                         ("zero_output", "y_eval", (1,))}
-    assert scan(NumpyBN(), x, dtype="fp16", params="fp32", momentum=1.0)  # fp32 running statistics hold it
+    assert scan(NumpyBN(), BNCall(x, momentum=1.0), dtype="fp16", params="fp32")  # fp32 running statistics hold it
 
 
 @pytest.mark.parametrize("a,expect", [(16000.0, set()), (20000.0, {"subnormal"})])
@@ -180,8 +181,7 @@ def test_a_saved_invstd_that_underflows(a, expect):
     """params=same in fp16: invstd = 1/a is 6.25e-5 (normal) or 5e-5 (below fp16's smallest normal 6.1e-5,
     a subnormal); a kernel that flushes subnormals saves 0, and its dx and dγ for that channel are 0.
     (momentum 0 keeps the running variance, which fp16 could not hold, at 1.)"""
-    x = alternating(a)
-    kw = dict(dtype="fp16", params="same", running_var=np.ones(2), momentum=0.0)
+    x, kw = BNCall(alternating(a), running_var=np.ones(2), momentum=0.0), dict(dtype="fp16", params="same")
     rep = scan(NumpyBN(), x, **kw)
     assert {f.anomaly for f in rep.findings} == expect and all(f.stage == "saved_invstd" for f in rep.findings)
     flushed = scan(InvstdFlushed(), x, **kw)

@@ -132,8 +132,8 @@ def test_each_check_takes_a_recording_where_it_takes_its_kernel_and_one_renderer
     assert cmp.shape == (8, 5) and cmp.policy.storage == "fp16" and cmp.mode == "train"
     with pytest.raises(BNProbeError, match="holds 2 BatchNorm calls .*; trace takes one"):
         trace_run(two)
-    with pytest.raises(BNProbeError, match="^eps contradicts the recording"):
-        trace_run(recording_of(one), eps=1e-3)
+    with pytest.raises(BNProbeError, match="^x contradicts the recording"):
+        scan(recording_of(one), np.ones((2, 3)))
 
 
 def test_a_runnable_adapter_runs_on_the_recorded_inputs(correct_fp16):

@@ -112,13 +112,14 @@ class GradcheckResult(Judged):
                 "notes": self.notes, "rows": [r.to_dict() for r in self.rows]}
 
 
-def _row(check: str, tensor: str, actual: np.ndarray, expected: np.ndarray, rtol: float, atol: float, *,
+def _row(check: str, tensor: str, actual: np.ndarray, expected: np.ndarray, tol: tuple[float, float], *,
          fmt: str = "fp64", where_of: Callable[[int], str] | None = None, detail: str = "",
          scale: np.ndarray | None = None, equal_nan: bool = False) -> GradRow:
-    """The judge's :func:`~bnprobe.engine.closeness.allclose_rule` (|a - e| <= atol·scale + rtol·|e| elementwise,
-    scale 1 when None; ``equal_nan``: as that rule says, an infinity where the expected value has the same one
-    passes when rtol > 0, and a NaN where it has NaN still fails, though the intent was that an input-borne NaN is
-    not the kernel's error) as a row, with msprobe's measures in ``fmt``."""
+    """The judge's :func:`~bnprobe.engine.closeness.allclose_rule` at ``tol`` (rtol, atol: |a - e| <= atol·scale +
+    rtol·|e| elementwise, scale 1 when None; ``equal_nan``: as that rule says, an infinity where the expected value
+    has the same one passes when rtol > 0, and a NaN where it has NaN still fails, though the intent was that an
+    input-borne NaN is not the kernel's error) as a row, with msprobe's measures in ``fmt``."""
+    rtol, atol = tol
     v = allclose_rule(actual, expected, rtol, atol, scale=scale, equal_nan=equal_nan, where=where_of)
     m = compare(np.asarray(actual, dtype=np.float64).reshape(-1), np.asarray(expected, dtype=np.float64).reshape(-1),
                 fmt)
@@ -272,7 +273,7 @@ def _fd_full(jac: _Jacobian) -> list[GradRow]:
             j, i = divmod(k, cols)
             return f"d y{tuple(int(v) for v in np.unravel_index(j, shape))} / d {name[1:]}[{i}]"
 
-        rows.append(_row("finite-differences", name, ana[:, sl], num[:, sl], rtol, atol, where_of=where,
+        rows.append(_row("finite-differences", name, ana[:, sl], num[:, sl], (rtol, atol), where_of=where,
                          detail=f"full Jacobian {m}x{cols}"))
     return rows
 
@@ -290,7 +291,7 @@ def _fd_sampled(jac: _Jacobian, rng: np.random.Generator) -> list[GradRow]:
             v = rng.standard_normal(m)
             num_p.append(float(v @ (jac.y_at(theta + h * u) - jac.y_at(theta - h * u))) / (2 * h))
             ana_p.append(float(jac.vjp(v.reshape(jac.shape)) @ u))
-        rows.append(_row("finite-differences", f"{name} (v^T J u)", np.array(ana_p), np.array(num_p), rtol, atol,
+        rows.append(_row("finite-differences", f"{name} (v^T J u)", np.array(ana_p), np.array(num_p), (rtol, atol),
                          detail=f"{FD_PROJECTIONS} random projections"))
     js = rng.choice(m, size=min(FD_SAMPLED_ROWS, m), replace=False)
     ana_rows = {int(j): jac.row(int(j)) for j in js}
@@ -301,26 +302,29 @@ def _fd_sampled(jac: _Jacobian, rng: np.random.Generator) -> list[GradRow]:
         for j in js:
             n_e.append(col[j])
             a_e.append(ana_rows[int(j)][i])
-    rows.append(_row("finite-differences", "sampled entries", np.array(a_e), np.array(n_e), rtol, atol,
+    rows.append(_row("finite-differences", "sampled entries", np.array(a_e), np.array(n_e), (rtol, atol),
                      detail=f"{len(js)} rows x {len(cols)} columns of J"))
     return rows
 
 
 # ---- identities -----------------------------------------------------------------------------------
 
-def _identities(dx: np.ndarray, dg: np.ndarray | None, db: np.ndarray | None, inp: Inputs | None, *, xs: np.ndarray,
-                dys: np.ndarray, g: np.ndarray, mean: np.ndarray, var: np.ndarray, eps: float, tol: float,
-                dx_scale: np.ndarray | None = None, layout: str = "channels_first") -> list[GradRow]:
-    """Per channel, relative to each identity's own scale:
+def _identities(dx: np.ndarray, dg: np.ndarray | None, db: np.ndarray | None, call: BNCall, saved: Saved, *,
+                tol: float, dx_scale: np.ndarray | None = None) -> list[GradRow]:
+    """The gradient identities of the gradients ``dx``, ``dg`` and ``db`` (None: not returned) of ``call`` (its x, dy,
+    γ and ε, as the kernel was given them) from the golden's statistics ``saved``.  Per channel, relative to each
+    identity's own scale:
     Σ dx = 0;  Σ dx·x̂ = γ·rstd·Σ(dy·x̂)·(1 - mean(x̂²)) (= 0 only when eps = 0);  dβ = Σ dy;  dγ = Σ dy·x̂.
     ``dx_scale`` (per channel, the magnitude dx is formed from) keeps the dx identities' scales from
     vanishing where dx itself cancels (dy constant over a channel: dx is rounding noise around 0).
     x̂ here is the golden's; the kernel's own differs by its mean's rounding, u·|mean|·rstd of x̂'s scale, so
     the tolerance of a channel is ``tol``·(1 + |mean|·rstd), the condition of x − mean (a large mean against
     the spread: every correct kernel's identities are that much less exact)."""
-    lay = layout_of(xs, layout)
+    g, eps = call.gamma, call.eps
+    mean, var = np.asarray(saved.mean, dtype=np.float64), saved.var(eps)
+    lay = layout_of(call.x, call.layout)
     cr = lambda a: lay.to_cr(np.asarray(a, dtype=np.float64))  # noqa: E731
-    dxc, dyc, xc = cr(dx), cr(dys), cr(xs)
+    dxc, dyc, xc = cr(dx), cr(call.dy), cr(call.x)
     rstd = 1 / np.sqrt(var + eps)
     xhat = (xc - mean[:, None]) * rstd[:, None]
     s_dx, s_dxx = np.abs(dxc).sum(axis=1), np.abs(dxc * xhat).sum(axis=1)
@@ -475,7 +479,7 @@ def check_formula(spec: str, shape: tuple[int, ...] | None = None, *, seed: int 
                 rows.append(_failed_formula(f"{label}: {name}", rt, at, why))
                 ok = False
                 continue
-            r = _row("formula", f"{label}: {name}", got, want, rt, at,
+            r = _row("formula", f"{label}: {name}", got, want, (rt, at),
                      where_of=where if name == "dx" else _where((len(inp.gamma),)))
             rows.append(r)
             ok &= r.passed
@@ -573,9 +577,7 @@ def gradcheck(
     rows += _vs_fp64(a.name, got, gold, judged, fmt=fmt, pf=pf, out_fmt=caps.output or fmt, rt=rt, at=at)
     # 3. identities of the adapter's own gradients (training)
     if train:
-        mean, var = gsaved.mean.astype(np.float64), gsaved.var(eps)
-        rows += _identities(got.dx, got.dgamma, got.dbeta, inp, xs=xs, dys=dys, g=g, mean=mean, var=var, eps=eps,
-                            tol=rt)
+        rows += _identities(got.dx, got.dgamma, got.dbeta, call, gsaved, tol=rt)
     return GradcheckResult(a.name, fmt, mode, tuple(shape), seed, rows, notes, params=asked)
 
 
@@ -587,7 +589,7 @@ def _vs_fp64(name: str, got: Any, gold: Any, judged: dict[str, dict[str, Any]], 
     rows = []
     for t, actual, golden, where in (("dx", got.dx, gold.dx, where_x), ("dgamma", got.dgamma, gold.dgamma, where_c),
                                      ("dbeta", got.dbeta, gold.dbeta, where_c)):
-        r = _row("vs-fp64", t, actual, golden, rt, at, fmt=out_fmt if t == "dx" else pf,
+        r = _row("vs-fp64", t, actual, golden, (rt, at), fmt=out_fmt if t == "dx" else pf,
                  where_of=where, detail=f"{name} in {fmt} vs FP64 on the same rounded inputs")
         rows.append(_by_compare(r, judged.get(t)))
     return rows
@@ -705,7 +707,7 @@ def _gradcheck_call(recorded: Recorded, run: CallRun, rtol: float | None, atol: 
         if name == "dx":
             actual, golden = to_channels_first(actual, layout), to_channels_first(golden, layout)
             scale = None if scale is None else _per_element(scale, x.shape)
-        r = _row("vs-fp64", name, actual, golden, rt, at, fmt=run.formats[name],
+        r = _row("vs-fp64", name, actual, golden, (rt, at), fmt=run.formats[name],
                  where_of=where_x if name == "dx" else where_c, scale=scale, equal_nan=True,
                  detail=f"{what} in {fmt} vs FP64 on the recorded inputs; atol relative to the gradient's natural "
                         "scale")
@@ -716,7 +718,6 @@ def _gradcheck_call(recorded: Recorded, run: CallRun, rtol: float | None, atol: 
     if training and run.gold_saved is not None and "dx" in got:
         g = np.ones(c) if ci.gamma is None else np.asarray(ci.gamma, dtype=np.float64)
         dy = to_channels_first(rec.tensors["backward"]["inputs"]["dy"], layout)
-        mean, var = np.asarray(run.gold_saved.mean, dtype=np.float64), run.gold_saved.var(eps)
-        rows += _identities(to_channels_first(got["dx"], layout), got.get("dgamma"), got.get("dbeta"), None,
-                            xs=x, dys=dy, g=g, mean=mean, var=var, eps=eps, tol=rt, dx_scale=run.scales.get("dx"))
+        rows += _identities(to_channels_first(got["dx"], layout), got.get("dgamma"), got.get("dbeta"),
+                            BNCall(x, g, dy=dy, eps=eps), run.gold_saved, tol=rt, dx_scale=run.scales.get("dx"))
     return GradcheckResult(run.kernel, fmt, mode, tuple(np.shape(ci.x)), 0, rows, notes, run.label)

@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.core.call import EPS, MOMENTUM
 from bnprobe.adapters import KernelAdapter
 from bnprobe.adapters.emulated import PolicyAdapter
 from bnprobe.checks.overflow.outputs import scan_call, scan_outputs, scan_summaries
@@ -66,43 +65,38 @@ def _check_mode(mode: str | None) -> None:
 
 def scan(
     adapter: str | KernelAdapter | Recorded = "emulated",
-    x: np.ndarray | None = None,
+    x: np.ndarray | BNCall | None = None,
     *,
     dtype: str | None = None,
     accumulate: str | None = None,
     mode: str | None = None,
-    gamma: np.ndarray | None = None,
-    beta: np.ndarray | None = None,
-    eps: float | None = None,
-    layout: str = "channels_first",
     seed: int | None = None,
+    params: str | None = None,
+    dy: str | None = None,
     cancel_digits: float = 0.75,
     remedies: bool = True,
-    running_mean: np.ndarray | None = None,
-    running_var: np.ndarray | None = None,
-    dy: np.ndarray | str | None = None,
-    momentum: float | None = MOMENTUM,
-    params: str | None = None,
 ) -> OverflowReport | PerCall:
     """Find anomalies of one BatchNorm run of ``x`` in ``dtype`` (default fp16), ``mode`` (default train),
-    with ``eps`` (default 1e-5), parameters and dy drawn from ``seed`` (default 0).  ``accumulate`` (emulated
-    adapters) sets the accumulator and compute format, e.g. fp16 for a naive port.  ``cancel_digits``: flag
-    cancellation when this share of the accumulator's decimal digits is lost.  The running statistics (default:
-    x's per-channel mean and variance) and dy can be given, as a recording has them — dy as an array or as a kind of
-    :func:`~bnprobe.engine.cases.dy_of_kind` (default ``shifted``: a mean per channel, as real losses give); ``params``:
+    parameters and dy drawn from ``seed`` (default 0).  ``x`` is the input tensor, or the whole call (a
+    :class:`~bnprobe.core.call.BNCall`: x with the γ, β, running statistics and dy it has, ε, momentum and layout;
+    its dtype, params and training flag are not read: ``dtype``, ``params`` and ``mode`` say how it runs); ε 1e-5,
+    momentum 0.1 and channels_first for a tensor alone.  What the call lacks is made: γ = 1, β = 0, the running
+    statistics x's per-channel mean and variance, dy seeded of the kind ``dy`` (a kind of
+    :func:`~bnprobe.engine.cases.dy_of_kind`, default ``shifted``: a mean per channel, as real losses give).
+    ``accumulate`` (emulated adapters) sets the accumulator and compute format, e.g. fp16 for a naive port.
+    ``cancel_digits``: flag cancellation when this share of the accumulator's decimal digits is lost.  ``params``:
     γ, β and the running and saved statistics in fp32 (default) or the input's format (same).
 
     Given a recording (a :class:`~bnprobe.engine.recorded.Recorded`) in place of the kernel, every selected call of
     it is scanned on its own recorded inputs: a :class:`~bnprobe.engine.recorded.PerCall` of one
     :class:`OverflowReport` per call (and mode).  A dump adapter of one call is scanned on its recorded inputs (its
-    one report).  On a recording ``x`` and the other inputs contradict it (``x`` None), and ``dtype``, ``mode`` and
+    one report).  On a recording ``x`` (None), ``accumulate`` and ``dy`` contradict it, and ``dtype``, ``mode`` and
     ``params`` must agree."""
     _check_mode(mode)
     a, recorded = given_to(adapter)
     if recorded is not None:
-        inputs = dict(x=x, accumulate=accumulate, gamma=gamma, beta=beta, eps=eps, running_mean=running_mean,
-                      running_var=running_var, dy=dy)
-        check_options(recorded, given=given_names(**inputs), dtype=dtype, mode=mode, params=params)
+        check_options(recorded, given=given_names(x=x, accumulate=accumulate, dy=dy), dtype=dtype, mode=mode,
+                      params=params)
         if recorded is not adapter:
             only_call(recorded, "scan")
         run = _scan_calls(recorded, mode=mode)
@@ -113,17 +107,18 @@ def scan(
         raise BNProbeError("scan needs an input tensor x")
     fmt = get_format(dtype or "fp16").name
     mode = mode or "train"
-    eps, seed = EPS if eps is None else eps, SEED if seed is None else seed
-    lay = layout_of(x, layout)
-    x_cr = lay.to_cr(x)
-    given = _run_inputs(x, x_cr, lay.channels, seed, gamma=gamma, beta=beta, running_mean=running_mean,
-                        running_var=running_var, dy=dy, eps=eps, layout=layout, momentum=momentum)
+    seed = SEED if seed is None else seed
+    call = x if isinstance(x, BNCall) else BNCall(x)
+    layout = call.layout
+    lay = layout_of(call.x, layout)
+    x_cr = lay.to_cr(call.x)
+    given = _run_inputs(call, x_cr, seed, dy)
     if not a.capabilities().staged:
         if accumulate is not None:
             raise BNProbeError(f"{named('accumulate')} sets the accumulator of an emulated kernel; {a.name} computes "
                                "in its own: drop it")
         return replace(scan_outputs(a, fmt, mode, given, params=params), params=asked)
-    xs = round_to(x, fmt)
+    xs = round_to(call.x, fmt)
     pol = _traced_policy(a, xs, fmt, mode, layout, params, accumulate)
     pf = pol.params_format
     g, b, rm, rv = (round_to(v, pf) for v in (given.gamma, given.beta, given.running_mean, given.running_var))
@@ -167,24 +162,24 @@ def _traced_policy(a: PolicyAdapter, xs: np.ndarray, fmt: str, mode: str, layout
                            f"({exc})") from None
 
 
-def _run_inputs(x: np.ndarray, x_cr: np.ndarray, channels: int, seed: int, *, gamma: np.ndarray | None,
-                beta: np.ndarray | None, running_mean: np.ndarray | None, running_var: np.ndarray | None,
-                dy: np.ndarray | str | None, eps: float, layout: str, momentum: float | None) -> BNCall:
-    """A run of x (``x_cr``: channel-first (C, R)) with γ, β, the running statistics and dy in float64: as given,
-    or the defaults (γ = 1, β = 0, x's per-channel mean and variance, dy seeded of the kind given, default
+def _run_inputs(call: BNCall, x_cr: np.ndarray, seed: int, dy: str | None) -> BNCall:
+    """``call`` (x as ``x_cr``: channel-first (C, R)) with γ, β, the running statistics and dy in float64: its own,
+    or the defaults (γ = 1, β = 0, x's per-channel mean and variance, dy seeded of the kind ``dy``, default
     ``shifted``)."""
     from bnprobe.engine.cases import dy_of_kind
 
-    g = np.ones(channels) if gamma is None else np.asarray(gamma, dtype=np.float64)
-    b = np.zeros(channels) if beta is None else np.asarray(beta, dtype=np.float64)
+    channels = x_cr.shape[0]
+    g = np.ones(channels) if call.gamma is None else np.asarray(call.gamma, dtype=np.float64)
+    b = np.zeros(channels) if call.beta is None else np.asarray(call.beta, dtype=np.float64)
     with np.errstate(all="ignore"):
-        rm = np.nan_to_num(np.nanmean(x_cr, axis=1)) if running_mean is None else \
-            np.asarray(running_mean, dtype=np.float64)
-        rv = np.nan_to_num(np.nanvar(x_cr, axis=1), nan=1.0) if running_var is None else \
-            np.asarray(running_var, dtype=np.float64)
-    if dy is None or isinstance(dy, str):  # made channel-first (C, R), so the means are per channel in any layout
-        dy = layout_of(x, layout).from_cr(dy_of_kind(dy or "shifted", (1,) + x_cr.shape, seed)[0])
-    return BNCall(x, g, b, rm, rv, dy, eps, momentum, layout=layout)
+        rm = np.nan_to_num(np.nanmean(x_cr, axis=1)) if call.running_mean is None else \
+            np.asarray(call.running_mean, dtype=np.float64)
+        rv = np.nan_to_num(np.nanvar(x_cr, axis=1), nan=1.0) if call.running_var is None else \
+            np.asarray(call.running_var, dtype=np.float64)
+    d = call.dy
+    if d is None:  # made channel-first (C, R), so the means are per channel in any layout
+        d = layout_of(call.x, call.layout).from_cr(dy_of_kind(dy or "shifted", (1,) + x_cr.shape, seed)[0])
+    return BNCall(call.x, g, b, rm, rv, d, call.eps, call.momentum, layout=call.layout)
 
 
 def _scan_calls(recorded: Recorded, *, mode: str | None = None) -> PerCall:
@@ -217,10 +212,9 @@ def _scan_runnable(a: KernelAdapter, rec: Any, mode: str, label: str) -> Overflo
     ins = rec.tensors[mode]["inputs"]
     ci = rec.call()
     dy = rec.tensors.get("backward", {}).get("inputs", {}).get("dy")
-    rep = scan(a, ins["x"], dtype=rec.dtype, mode=mode, gamma=ins.get("gamma", ci.gamma),
-               beta=ins.get("beta", ci.beta), eps=rec.eps, layout=rec.layout,
-               running_mean=ins.get("running_mean", ci.running_mean),
-               running_var=ins.get("running_var", ci.running_var), dy=dy, momentum=rec.momentum,
-               params=ci.params)
+    call = BNCall(ins["x"], ins.get("gamma", ci.gamma), ins.get("beta", ci.beta),
+                  ins.get("running_mean", ci.running_mean), ins.get("running_var", ci.running_var), dy, rec.eps,
+                  rec.momentum, layout=rec.layout)
+    rep = scan(a, call, dtype=rec.dtype, mode=mode, params=ci.params)
     rep.call = label
     return rep

@@ -71,26 +71,27 @@ class RecordedParams:
                 "running_var": np.ones(c) if self.running_var is None else self.running_var,
                 "dy": np.random.default_rng([0, 3]).standard_normal(x.shape)}
 
+    def call(self, x: np.ndarray, dtype: str) -> Any:
+        """The call of x in ``dtype`` with the inputs of :meth:`inputs`, these scalars and parameter format (a
+        :class:`~bnprobe.core.call.BNCall`)."""
+        from bnprobe.core.call import BNCall
+
+        ins = self.inputs(x)
+        return BNCall(x, self.gamma, self.beta, ins["running_mean"], ins["running_var"], ins["dy"], self.eps,
+                      self.momentum, dtype=dtype, params=self.params)
+
     def recording(self, x: np.ndarray, dtype: str, modes: tuple[str, ...]) -> Any:
         """The inputs of :meth:`inputs` as a Recording without outputs: what compare-precision runs an adapter
         on (``--input DIR``), each tensor rounded to its format."""
-        from bnprobe.core.call import BNCall
         from bnprobe.engine.run import generated_call
 
-        ins = self.inputs(x)
-        call = BNCall(x, self.gamma, self.beta, ins["running_mean"], ins["running_var"], ins["dy"], self.eps,
-                      self.momentum, dtype=dtype, params=self.params)
-        return generated_call(call, modes=modes, label=self.source or "shrink")
+        return generated_call(self.call(x, dtype), modes=modes, label=self.source or "shrink")
 
     def record(self, adapter: KernelAdapter, x: np.ndarray, dtype: str, modes: tuple[str, ...]) -> Any:
         """A recording of ``adapter`` on :meth:`inputs`."""
         from bnprobe.recordings import record
-        from bnprobe.core.call import BNCall
 
-        ins = self.inputs(x)
-        return record(adapter, BNCall(x=x, gamma=self.gamma, beta=self.beta, running_mean=ins["running_mean"],
-                                      running_var=ins["running_var"], dy=ins["dy"], dtype=dtype, eps=self.eps,
-                                      momentum=self.momentum, params=self.params), modes=modes,
+        return record(adapter, self.call(x, dtype), modes=modes,
                       meta={"training": mode_training(modes), "shrunk_from": self.source})
 
 
@@ -179,10 +180,7 @@ def overflow_predicate(adapter: str | KernelAdapter, dtype: str = "fp16", mode: 
             rep = scan(a, x, dtype=dtype, mode=mode, remedies=False, params=params)
         else:  # as overflow --input DIR scans the dump written
             p = recorded.channels(channels)
-            ins = p.inputs(x)
-            rep = scan(a, x, dtype=dtype, mode=mode, remedies=False, gamma=p.gamma, beta=p.beta, eps=p.eps,
-                       running_mean=ins["running_mean"], running_var=ins["running_var"], dy=ins["dy"],
-                       momentum=p.momentum, params=p.params)
+            rep = scan(a, p.call(x, dtype), dtype=dtype, mode=mode, remedies=False, params=p.params)
         return any(not f.input_borne for f in rep.findings)
 
     return _predicate(fails, mode)

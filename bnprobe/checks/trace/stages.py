@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.core.call import EPS, MOMENTUM
+from bnprobe.core.call import EPS, MOMENTUM, BNCall
 from bnprobe.adapters.base import MODES, params_format
 from bnprobe.core.errors import BNProbeError, named
-from bnprobe.engine.recorded import Recorded, refuse, require_one
+from bnprobe.engine.recorded import Recorded, require_one
 from bnprobe.core.formats import get_format
 from bnprobe.kernels import Execution, backward, forward_infer, forward_train, get_policy
 from bnprobe.kernels.policy import Policy
@@ -92,56 +92,39 @@ def stage_errors(trace: Trace, golden: Trace) -> list[StageError]:
     return rows
 
 
-def trace_run(
-    x: np.ndarray | Recorded,
-    *,
-    policy: str | Policy | None = None,
-    mode: str | None = None,
-    gamma: np.ndarray | None = None,
-    beta: np.ndarray | None = None,
-    running_mean: np.ndarray | None = None,
-    running_var: np.ndarray | None = None,
-    dy: np.ndarray | None = None,
-    eps: float | None = None,
-    momentum: float | None = MOMENTUM,
-    layout: str | None = None,
-    params: str | None = None,
-) -> TraceComparison:
+def trace_run(x: np.ndarray | BNCall | Recorded, *, policy: str | Policy | None = None, mode: str | None = None,
+              params: str | None = None) -> TraceComparison:
     """Run one BatchNorm layer under ``policy`` (default fp16) and under its FP64 golden on the same rounded inputs,
-    in ``mode`` (default train), with ``eps`` (default 1e-5), ``momentum`` and ``layout`` (default
-    channels_first).
+    in ``mode`` (default train).  ``x`` is the input tensor (γ, β, the running statistics and dy none, ε 1e-5,
+    momentum 0.1, channels_first), or the whole call (a :class:`~bnprobe.core.call.BNCall`: x with its γ, β,
+    running statistics and dy, ε, momentum — None a cumulative average — and layout; its dtype, params and training
+    flag are not read: ``policy``, ``params`` and ``mode`` say how it runs).
 
     The inputs are first rounded to the policy's storage (x, dy) and params
     formats; the golden (same algorithm, every format fp64) sees exactly those
     values, so the errors reported are the kernel's own.  ``params`` (fp32 or
-    same) sets the params format of the policy (default: the policy's own); ``momentum`` None is a cumulative
-    average.
+    same) sets the params format of the policy (default: the policy's own).
 
     Given a recording of one call (a :class:`~bnprobe.engine.recorded.Recorded`, e.g.
     :func:`~bnprobe.engine.recorded.one_call`) in place of x, that call is traced on its own inputs and scalars
     (x, γ, β, running statistics, dy, eps, momentum, layout; the recording's kernel is not run: a trace is of a
     policy) under ``policy`` — default: the preset of the recorded format with the recorded parameter format — in
-    ``mode`` (default: the call's own).  The inputs and scalars given besides contradict it, as do a policy that
-    would round the recorded inputs, a mode the call did not record, or ``params`` (same or fp32) other than the
-    recorded parameter format."""
+    ``mode`` (default: the call's own).  A policy that would round the recorded inputs, a mode the call did not
+    record, or ``params`` (same or fp32) other than the recorded parameter format, contradict it."""
     if isinstance(x, Recorded):
-        off = (("gamma", gamma is not None), ("beta", beta is not None), ("running_mean", running_mean is not None),
-               ("running_var", running_var is not None), ("dy", dy is not None), ("eps", eps is not None),
-               ("momentum", momentum != MOMENTUM), ("layout", layout is not None))
-        refuse(tuple(named(n) for n, v in off if v), x.calls.source)
         return _trace_call(x, policy=policy, mode=mode, params=params)
+    call = x if isinstance(x, BNCall) else BNCall(x)
     pol = get_policy("fp16" if policy is None else policy)
-    mode, layout = mode or "train", layout or "channels_first"
-    eps = EPS if eps is None else eps
+    mode, eps, momentum, layout = mode or "train", call.eps, call.momentum, call.layout
     if params is not None:
         pol = pol.with_options(params=params_format(pol.storage, params))
     if mode not in MODES:
         raise BNProbeError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
     gold = pol.golden()
     with np.errstate(all="ignore"):
-        xs = round_to(x, pol.storage)
+        xs = round_to(call.x, pol.storage)
         rp = lambda v: None if v is None else round_to(np.asarray(v, dtype=np.float64), pol.params_format)  # noqa: E731
-        g, b, rm, rv = rp(gamma), rp(beta), rp(running_mean), rp(running_var)
+        g, b, rm, rv = rp(call.gamma), rp(call.beta), rp(call.running_mean), rp(call.running_var)
     common = dict(eps=eps, execution=Execution(layout=layout))
     if mode == "train":
         res = forward_train(xs, g, b, rm, rv, momentum=momentum, policy=pol, **common)
@@ -154,12 +137,12 @@ def trace_run(
         mean = fw.mean.astype(np.float64)
         invstd = fw.invstd.astype(np.float64)
         var = fw.var.astype(np.float64)
-        dys = round_to(dy if dy is not None else np.zeros_like(xs), pol.storage)
+        dys = round_to(call.dy if call.dy is not None else np.zeros_like(xs), pol.storage)
         res = backward(dys, xs, g, mean, invstd, policy=pol, saved_var=var, **common)
         ref = backward(dys, xs, g, mean, invstd, policy=gold, saved_var=var, **common)
     meta = dict(res.trace.meta)
     meta.pop("policy_detail", None)
-    return TraceComparison(policy=pol, mode=mode, shape=tuple(np.shape(x)), meta=meta,
+    return TraceComparison(policy=pol, mode=mode, shape=tuple(np.shape(call.x)), meta=meta,
                            rows=stage_errors(res.trace, ref.trace), trace=res.trace, golden=ref.trace, eps=eps,
                            momentum=momentum)
 
@@ -195,7 +178,6 @@ def _trace_call(recorded: Recorded, *, policy: str | Policy | None, mode: str | 
                            f"recorded {', '.join(rec.modes)})")
     src = rec.tensors["infer" if mode == "infer" else ("train" if "train" in rec.tensors else "backward")]["inputs"]
     dy = rec.tensors["backward"]["inputs"]["dy"] if mode == "backward" else None
-    return trace_run(src["x"], policy=pol, mode=mode, gamma=src.get("gamma", ci.gamma),
-                     beta=src.get("beta", ci.beta), running_mean=src.get("running_mean"),
-                     running_var=src.get("running_var"), dy=dy, eps=rec.eps, momentum=rec.momentum,
-                     layout=rec.layout)
+    return trace_run(BNCall(src["x"], src.get("gamma", ci.gamma), src.get("beta", ci.beta), src.get("running_mean"),
+                            src.get("running_var"), dy, eps=rec.eps, momentum=rec.momentum, layout=rec.layout),
+                     policy=pol, mode=mode)
