@@ -105,6 +105,24 @@ def _torch_make(device: str) -> Callable[[str], KernelAdapter]:
     return make
 
 
+def _torch_compile(opts: str) -> KernelAdapter:
+    from bnprobe.adapters.torch_compile import TorchCompileAdapter
+
+    return TorchCompileAdapter(opts)
+
+
+def _onnxruntime_why() -> str | None:
+    from bnprobe.adapters.onnxruntime_bn import onnxruntime_unavailable
+
+    return onnxruntime_unavailable()
+
+
+def _onnxruntime(opts: str) -> KernelAdapter:
+    from bnprobe.adapters.onnxruntime_bn import OnnxRuntimeAdapter
+
+    return OnnxRuntimeAdapter(opts)
+
+
 def _dump(opts: str) -> KernelAdapter:
     from bnprobe.adapters.dump import DumpAdapter
     from bnprobe.recordings import open_dump
@@ -157,6 +175,11 @@ BUILTIN: dict[str, AdapterInfo] = {a.name: a for a in (
                 "all-reduce", _always, _syncbn,
                 "ranks=3+8+5|world=K, merge=chan|sums|unweighted, reduce=fp32|fp16|bf16"),
     AdapterInfo("torch", "PyTorch aten native_batch_norm on CPU", _torch("cpu"), _torch_make("cpu"), "cuda"),
+    AdapterInfo("torch-compile", "PyTorch's BatchNorm compiled by torch.compile (TorchInductor's C++ on the CPU): "
+                "train, infer and backward", _torch("cpu"), _torch_compile,
+                "mode=default|reduce-overhead|max-autotune|max-autotune-no-cudagraphs, dynamic=false|true"),
+    AdapterInfo("onnxruntime", "an ONNX BatchNormalization node on onnxruntime's CPU provider (inference only; "
+                "parameters in x's type)", _onnxruntime_why, _onnxruntime),
     AdapterInfo("torch:cuda", "PyTorch on a CUDA GPU", _torch("cuda"), _torch_make("cuda")),
     AdapterInfo("torch_npu", "PyTorch with torch_npu on an Ascend NPU", _torch("npu"), _torch_make("npu")),
     AdapterInfo("dump", "replay the BatchNorm calls of a bnprobe, capture or msprobe dump: dump:DIR[#CALL-GLOB]",

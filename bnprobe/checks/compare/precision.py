@@ -446,9 +446,11 @@ def _name_recipe(r: dict[str, Any], cc: _CaseCall, run: CallRun, t: str, bench: 
     """Name, in the row of a failing output ``t``, the recipe (:data:`~bnprobe.engine.recipes.RECIPES`) whose
     kernel reproduces it on this case call (each recipe run once per case call)."""
     call = cc.golden.call
+    # (dγ and dβ are sums over each channel's values, in the kernel's own order)
+    terms = layout_of(call.x).reduce_size if t in ("dgamma", "dbeta") else 1
 
     def fits(out: Any) -> bool:
-        return out is not None and recipe_fits(run.got[t], out, bench, run.gold[t], run.formats[t])
+        return out is not None and recipe_fits(run.got[t], out, bench, run.gold[t], run.formats[t], terms)
 
     for rp in RECIPES:
         if t not in rp.outputs or not rp.applies(call):

@@ -1,0 +1,146 @@
+"""``torch-compile``: PyTorch's BatchNorm as ``torch.compile`` runs it on the CPU (TorchInductor's generated C++).
+
+Inductor does not call aten's BatchNorm kernel: it decomposes ``native_batch_norm`` and its backward into
+reductions and pointwise ops (``torch/_decomp/decompositions.py``) and generates a C++ kernel for them.  On the
+CPU the decomposition returns the saved mean and 1/√(var + ε) **in the input's format** (fp16 input: fp16 saved
+statistics, where eager keeps them in fp32) and the backward reads them so; the statistics are a two-pass sum
+at a static per-channel count up to ``use_two_step_variance_threshold`` (1024) and Welford above it.
+
+Each kind of call (training forward, inference, backward) is one compiled function, compiled with static shapes
+(``dynamic=False``, what a model of one input shape runs; ``dynamic=true`` for the symbolic-shape kernel a
+model meets after its input shape changed) and ``fullgraph=True``.  A new shape or format is a recompile; the
+recompile limit is raised for bnprobe's many probes and hitting it is an error, never dynamo's silent fall back to
+eager.  The backward is compiled from ``native_batch_norm_backward`` on the forward's own saved statistics: the
+same C++ as autograd through the compiled forward (a test holds the two equal bit for bit).  Time spent compiling
+is kept apart (:attr:`TorchCompileAdapter.compile_seconds`) from the time running.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from bnprobe.adapters.base import BackwardOutput, Capabilities, ForwardOutput, Prepared, Saved
+from bnprobe.adapters.torch_adapter import TorchAdapter
+from bnprobe.core.errors import BNProbeError
+
+__all__ = ["TorchCompileAdapter", "MODES", "RECOMPILE_LIMIT"]
+
+#: torch.compile's modes (on the CPU reduce-overhead's CUDA graphs do not apply; max-autotune may choose other
+#: kernels for matmuls, not for BatchNorm's reductions — each is offered because a user's model names one)
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+#: recompiles allowed per compiled function: identify's probes are a few dozen shapes and formats; dynamo's own
+#: default (8) would send the rest to eager without a word
+RECOMPILE_LIMIT = 512
+
+
+def _options(text: str) -> dict[str, str]:
+    known = {"mode": MODES, "dynamic": ("false", "true")}
+    out: dict[str, str] = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        key, sep, value = part.partition("=")
+        key, value = key.strip(), value.strip().lower()
+        if not sep or key not in known:
+            raise BNProbeError(f"adapter torch-compile: unknown option {part!r}; it takes "
+                               + ", ".join(f"{k}={'|'.join(v)}" for k, v in known.items()))
+        if value not in known[key]:
+            raise BNProbeError(f"adapter torch-compile: {key} must be one of {', '.join(known[key])}, got {value!r}")
+        out[key] = value
+    return out
+
+
+class TorchCompileAdapter(TorchAdapter):
+    """``torch-compile[:mode=...,dynamic=true]``: aten's BatchNorm ops compiled by TorchInductor on the CPU."""
+
+    def __init__(self, opts: str = "") -> None:
+        o = _options(opts)
+        super().__init__("cpu")
+        self.mode = o.get("mode", "default")
+        self.dynamic = o.get("dynamic", "false") == "true"
+        self.name = "torch-compile" + (f":{opts.strip()}" if opts.strip() else "")
+        self.compile_seconds = 0.0  # wall time of the calls that compiled
+        self.compiles = 0
+        self._compiled: dict[str, Callable[..., Any]] = {}
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(formats=("fp64", "fp32", "fp16", "bf16"), saved="invstd", deterministic=True)
+
+    # ---- compiling -------------------------------------------------------------------------------
+    def _fn(self, kind: str) -> Callable[..., Any]:
+        if kind not in self._compiled:
+            ops = self.torch.ops.aten
+            plain = {"train": lambda x, w, b, rm, rv, m, e: ops.native_batch_norm(x, w, b, rm, rv, True, m, e),
+                     "infer": lambda x, w, b, rm, rv, e: ops.native_batch_norm(x, w, b, rm, rv, False, 0.0, e)[0],
+                     "backward": lambda g, x, w, rm, rv, sm, si, t, e: ops.native_batch_norm_backward(
+                         g, x, w, rm, rv, sm, si, t, e, [True, True, True])}[kind]
+            self._compiled[kind] = self.torch.compile(plain, mode=self.mode, dynamic=self.dynamic, fullgraph=True)
+        return self._compiled[kind]
+
+    def _run(self, kind: str, *args: Any) -> Any:
+        """One call of the compiled ``kind``; a call that compiled has its time added to :attr:`compile_seconds`."""
+        from torch._dynamo import config
+        from torch._dynamo.utils import counters
+
+        before = sum(counters["stats"].values()) if "stats" in counters else 0
+        start = time.perf_counter()
+        try:
+            with config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT * 4,
+                              fail_on_recompile_limit_hit=True), self.torch.no_grad():
+                out = self._fn(kind)(*args)
+        except Exception as exc:  # noqa: BLE001 - a compile failure is the kernel's answer, said in one line
+            if "recompile" in str(exc).lower() and "limit" in str(exc).lower():
+                raise BNProbeError(f"adapter {self.name}: torch.compile hit its recompile limit "
+                                   f"({RECOMPILE_LIMIT}); bnprobe never lets it fall back to eager") from None
+            raise BNProbeError(f"adapter {self.name}: torch.compile failed: "
+                               f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                               ) from None
+        if (sum(counters["stats"].values()) if "stats" in counters else 0) != before:
+            self.compiles += 1
+            self.compile_seconds += time.perf_counter() - start
+        return out
+
+    def _meta(self) -> dict[str, Any]:
+        return {"torch": self.torch.__version__, "device": "cpu", "compiled": "inductor", "mode": self.mode,
+                "dynamic": self.dynamic}
+
+    def _format_of(self, t: Any) -> str:
+        """The bnprobe format of a tensor inductor returned (its saved statistics' format is its own choice)."""
+        return {self.torch.float64: "fp64", self.torch.float32: "fp32", self.torch.float16: "fp16",
+                self.torch.bfloat16: "bf16"}[t.dtype]
+
+    # ---- kernels ---------------------------------------------------------------------------------
+    def _forward_train_impl(self, p: Prepared, *, momentum: float | None, eps: float) -> ForwardOutput:
+        v = p.vectors
+        x = self._tensor(p.x, p.dtype, p)
+        w, b = self._tensor(v["gamma"], p.params), self._tensor(v["beta"], p.params)
+        rm, rv = self._tensor(v["running_mean"], p.params), self._tensor(v["running_var"], p.params)
+        y, smean, sinv = self._run("train", x, w, b, rm, rv, 1.0 if momentum is None else momentum, eps)
+        sf = self._format_of(smean)
+        return ForwardOutput(
+            self._array(y, p.dtype, p), Saved(self._array(smean, sf), "invstd", self._array(sinv, sf)),
+            None if rm is None else self._array(rm, p.params), None if rv is None else self._array(rv, p.params),
+            meta={**self._meta(), "saved_format": sf})
+
+    def _forward_infer_impl(self, p: Prepared, *, eps: float) -> ForwardOutput:
+        v = p.vectors
+        y = self._run("infer", self._tensor(p.x, p.dtype, p), self._tensor(v["gamma"], p.params),
+                      self._tensor(v["beta"], p.params), self._tensor(v["running_mean"], p.params),
+                      self._tensor(v["running_var"], p.params), eps)
+        return ForwardOutput(self._array(y, p.dtype, p), meta=self._meta())
+
+    def _backward_impl(self, p: Prepared, dy: np.ndarray, saved: Saved, *, eps: float,
+                       training: bool) -> BackwardOutput:
+        # the saved statistics in the format inductor's own forward saves them on the CPU: the input's
+        sf = p.dtype
+        x, g = self._tensor(p.x, p.dtype, p), self._tensor(dy, p.dtype, p)
+        w = self._tensor(p.vectors["gamma"], p.params)
+        if training:
+            args = (None, None, self._tensor(saved.mean, sf), self._tensor(saved.invstd(eps), sf))
+        else:
+            args = (self._tensor(saved.mean, p.params), self._tensor(saved.var(eps), p.params), None, None)
+        dx, dw, db = self._run("backward", g, x, w, *args, training, eps)
+        return BackwardOutput(self._array(dx, p.dtype, p), self._array(dw, p.params), self._array(db, p.params),
+                              meta=self._meta())
