@@ -18,6 +18,7 @@ is kept apart (:attr:`TorchCompileAdapter.compile_seconds`) from the time runnin
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -88,7 +89,10 @@ class TorchCompileAdapter(TorchAdapter):
         start = time.perf_counter()
         try:
             with config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT * 4,
-                              fail_on_recompile_limit_hit=True), self.torch.no_grad():
+                              fail_on_recompile_limit_hit=True), self.torch.no_grad(), warnings.catch_warnings():
+                # inductor's own imports warn of torch's deprecations (torch.jit.script_method): nothing the user
+                # can act on, and under an error filter they would fail the compile
+                warnings.simplefilter("ignore", DeprecationWarning)
                 out = self._fn(kind)(*args)
         except Exception as exc:  # noqa: BLE001 - a compile failure is the kernel's answer, said in one line
             if "recompile" in str(exc).lower() and "limit" in str(exc).lower():

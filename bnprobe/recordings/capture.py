@@ -47,6 +47,11 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["capture", "Capture", "DEFAULT_MAX_BYTES"]
 
 DEFAULT_MAX_BYTES = 2 * 1024**3  # 2 GiB of captured tensors held in memory at once (calls not yet on disk)
+#: said on every call recorded inside a torch.compile'd model, and by every command reading it
+COMPILED_NOTE = ("recorded under torch.compile: bnprobe's hooks break the graph around this BatchNorm, so it ran as a "
+                 "compiled graph of its own (inductor's kernel, not fused with its neighbours as without the hooks); "
+                 "its backward runs inside that graph's compiled autograd function, which does not expose dx, dγ, dβ: "
+                 "the backward is not recorded")
 _SPILL = "forward-spill.npz"  # a call's forward tensors, awaiting its backward
 
 # autograd nodes of the BatchNorm kernels: _saved_result1 is the saved mean, _saved_result2 the saved
@@ -351,10 +356,13 @@ class Capture:
                                "torch.nn.modules.batchnorm._BatchNorm) to capture")
         self._torch = torch
         self._entered = True
+        # under torch.compile the hooks must run, not be traced: dynamo would try to compile bnprobe's file writes;
+        # disabled, they break the graph around each BatchNorm, which then runs as a compiled graph of its own
+        outside = getattr(getattr(torch, "_dynamo", None), "disable", lambda f: f)
         try:
             for path, m in modules:
-                self._handles.append(m.register_forward_pre_hook(self._pre_hook(path), with_kwargs=True))
-                self._handles.append(m.register_forward_hook(self._post_hook(path), with_kwargs=True))
+                self._handles.append(m.register_forward_pre_hook(outside(self._pre_hook(path)), with_kwargs=True))
+                self._handles.append(m.register_forward_hook(outside(self._post_hook(path)), with_kwargs=True))
         except BaseException:
             self._remove_hooks()
             raise
@@ -466,6 +474,10 @@ class Capture:
         if self.backward and is_bn_node:
             self._handles.append(node.register_hook(self._grad_hook(call)))
             return True
+        if node is not None and type(node).__name__ == "CompiledFunctionBackward":
+            call.meta["notes"] = [*call.meta.get("notes", []), COMPILED_NOTE]
+            call.meta["compiled"] = "torch.compile"
+            return False
         if self.backward and node is not None:
             call.meta["backward_note"] = (f"not hooked: y comes from {type(node).__name__}, not a BatchNorm kernel's "
                                           "node")
@@ -520,6 +532,10 @@ class Capture:
                   "order": c.order, "training": c.training, "backward": c.backward_runs > 0} for c in self._records]
         notes = [f"{m}: {n} call(s) after the first {self.calls_per_module} not recorded (calls_per_module)"
                  for m, n in self.skipped.items()]
+        compiled = [c.name for c in self._records if c.meta.get("compiled")]
+        if compiled:
+            notes.append(f"{len(compiled)} of {len(calls)} call(s) recorded inside a torch.compile'd model: their "
+                         "forward only (each call's note says why)")
         return {"format": CALLS_TAG, "version": 1, "source": "capture", "torch": version, "calls": calls,
                 "calls_per_module": self.calls_per_module, "skipped": dict(self.skipped), "notes": notes}
 

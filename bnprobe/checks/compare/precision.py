@@ -263,6 +263,31 @@ def _recorded(rec: Recording, modes: tuple[str, ...]) -> tuple[Recording, tuple[
     return rec, tuple(m for m in modes if m in rec.tensors and (m != "train" or rec.training))
 
 
+def merged_notes(notes: list[str], names: list[str]) -> list[str]:
+    """``notes`` with the same note of several calls (``name: text``, ``names`` the calls') said once, naming the
+    calls: a capture of a compiled model notes every call alike."""
+    by_text: dict[str, list[str]] = {}
+    out: list[str | tuple[str]] = []
+    known = sorted(set(names), key=len, reverse=True)
+    for n in notes:
+        name = next((k for k in known if n.startswith(f"{k}: ")), None)
+        if name is None:
+            out.append(n)
+            continue
+        text = n[len(name) + 2:]
+        if text not in by_text:
+            by_text[text] = []
+            out.append((text,))
+        by_text[text].append(name)
+    def said(item: str | tuple[str]) -> str:
+        if isinstance(item, str):
+            return item
+        who = by_text[item[0]]
+        head = who[0] if len(who) == 1 else f"{len(who)} calls ({', '.join(who[:3])}{', ...' if len(who) > 3 else ''})"
+        return f"{head}: {item[0]}"
+    return [said(i) for i in out]
+
+
 def _case_calls(case: Case, fmts: list[str], modes: tuple[str, ...], opts: dict[str, Any], ref: KernelAdapter,
                 notes: list[str]) -> list[_CaseCall]:
     """A case's calls, one per format (a recorded call: its own, in its format), with what they hold that the
@@ -595,7 +620,8 @@ def compare_precision(
             "mode": mode, "eps": eps, "momentum": momentum, "params": params, "seed": seed,
             **_run_meta(cases, dumps), "seconds": round(time.monotonic() - t0, 3),
             "standards": "msprobe" if standards is None else "custom", "rule": rule,
-            "bench": bench_a.name if bench_a is not None else None, "notes": notes}
+            "bench": bench_a.name if bench_a is not None else None,
+            "notes": merged_notes(notes, [c.name for c in cases])}
     return CompareResult(pd.DataFrame(tables.rows), pd.DataFrame(tables.chans), pd.DataFrame(tables.budgets), meta)
 
 
