@@ -448,7 +448,8 @@ def forward_train(
     blocks = _Blocks(pol, lay, execution, {"mode": "train", "eps": eps, "momentum": momentum}, {"x": x})
     y = blocks.tensor(pol.storage)
     pf = pol.params_format
-    saved = {k: blocks.vector(pf) for k in ("mean", "invstd", "var", "running_mean", "running_var")}
+    saved = {k: blocks.vector(pol.saved_format or pf if k in ("mean", "invstd", "var") else pf)
+             for k in ("mean", "invstd", "var", "running_mean", "running_var")}
     nbt = int(num_batches_tracked) + 1
     for sl, run in blocks:
         out = _train_block(run, blocks.source(x, sl, run.carrier), g[sl], b[sl], None if rm is None else rm[sl],
@@ -477,7 +478,7 @@ def _train_block(run: _Run, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.
         gp, bp = run.param(g), run.param(b)
         xa = run.cast("x_acc", xs, pol.storage, acc)
         method = MomentsMethod(pol.variance, pol.order, pol.lanes, pol.tiles, pol.kahan, pol.mean_by, pol.clamp_var,
-                               pol.unroll, run.cores)
+                               pol.unroll, run.cores, pol.sum_format)
         m = moments(xa, acc, method, rng=run.rng, row=run.row, overrides=run.overrides,
                     wide_sums=run.trace.keep_arrays, sums=None if run.fused is None else run.fused.sums(r))
         for sv in m.stages:
@@ -515,7 +516,8 @@ def _train_block(run: _Run, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.
                 old_a = ru.round(run.param(old))
                 upd = ru.round(ru.mul(keep_a, old_a, t) + ru.mul(f_a, ru.round(batch), t), t)
                 out[name] = run.rec(name, run.params, upd, t)
-        par = run.params
+        par = run.params if pol.saved_format is None else Arith(pol.saved_format, pol.spec, run.rng,
+                                                                  counting=run.counting)
         out["mean"], out["invstd"], out["var"] = par.round(mean), par.round(rstd), par.round(var)
     return out
 

@@ -48,7 +48,8 @@ def compiled_route(policy: Any, keep_arrays: bool, overrides: dict[str, np.ndarr
     notes and :func:`bnprobe.compiled.jit.jit_for`)."""
     if keep_arrays or overrides or not jit_for(elements):
         return False
-    if policy.order == "vec" or policy.rstd_format is not None or policy.backward_formula == "torch":
+    if policy.order in ("vec", "rowlanes") or policy.backward_formula in ("torch", "inductor") or \
+            any(f is not None for f in (policy.rstd_format, policy.sum_format, policy.saved_format)):
         # (orders, formats and formulas the kernels do not have)
         return False
     formats = {policy.storage, policy.params_format, policy.compute, policy.accumulate}

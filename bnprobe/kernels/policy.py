@@ -114,13 +114,19 @@ class Policy:
     running_var: str = "unbiased"  # RUNNING_VARS
     running_format: str | None = None  # the format the running update is computed in; None = accumulate
     unbiased_by: str = "factor"  # UNBIASED_BY
+    # the format the statistics' sums are carried in when wider than accumulate (PyTorch's fp32 CPU kernel sums
+    # float terms in double), each term rounded in accumulate; None = accumulate
+    sum_format: str | None = None
+    # the format the saved mean and invstd (or variance) are returned in; None = the params format (inductor on the
+    # CPU returns them in the input's format, whatever the parameters')
+    saved_format: str | None = None
     infer_y_formula: str | None = None  # y's formula in inference when not y_formula (a folded y = A·x + B)
     seed: int = 0  # drives stochastic rounding
 
     def __post_init__(self) -> None:
         for attr in ("storage", "compute", "accumulate"):
             object.__setattr__(self, attr, get_format(getattr(self, attr)).name)
-        for attr in ("params", "running_format", "rstd_format"):
+        for attr in ("params", "running_format", "rstd_format", "sum_format", "saved_format"):
             if getattr(self, attr) is not None:
                 object.__setattr__(self, attr, get_format(getattr(self, attr)).name)
         choices = {
@@ -178,7 +184,7 @@ class Policy:
                        accumulate="fp64", rounding="nearest_even", output_rounding=None, overflow="ieee",
                        subnormals="keep", kahan=False, rsqrt="sqrt_div" if self.rsqrt == "sqrt_div" else "exact",
                        sqrt="exact", division="exact", clamp_var=False, core_combine="ordered",
-                       running_format=None, rstd_format=None)
+                       running_format=None, rstd_format=None, sum_format=None, saved_format=None)
 
     def with_options(self, **changes: object) -> Policy:
         """A copy with some fields changed (unknown names are a BNProbeError)."""

@@ -21,7 +21,11 @@ __all__ = ["ORDERS", "COMBINES", "Cores", "reduce_sum", "tree_sum", "split_parts
 # or of Chan's tiles take their whole axis as one row), full blocks of lanes x unroll values
 # go to ``lanes`` accumulators (value p to lane p mod lanes), the rest of the row to one scalar tail; both persist
 # across rows; then tail + (((l0 + l1) + l2) + ...), the lanes summed in order
-ORDERS: tuple[str, ...] = ("sequential", "pairwise", "lanes", "vec")
+# rowlanes: inductor-style (torch.compile's vectorised reductions on the CPU): in each row of H*W values
+# (channels_first; the whole axis otherwise), value p goes to lane p mod lanes — a row's last partial vector masked
+# into the first lanes — the lanes persist across rows; then the lanes summed pairwise, halves first
+# (at::vec::vec_reduce_all on AVX-512: 8, 4, 2, 1)
+ORDERS: tuple[str, ...] = ("sequential", "pairwise", "lanes", "vec", "rowlanes")
 # How per-core partial sums are combined: in core order, or by FP32 atomic adds whose
 # arrival order is random (seeded), as on Ascend A2/A3/910 when N or H is split across cores.
 COMBINES: tuple[str, ...] = ("ordered", "atomic")
@@ -183,6 +187,19 @@ def _vec(x: np.ndarray, acc: Arith, tally: Tally | None, lanes: int, unroll: int
     return total
 
 
+def _rowlanes(x: np.ndarray, acc: Arith, tally: Tally | None, lanes: int, row: int | None,
+              kahan: bool) -> np.ndarray:
+    """The ``rowlanes`` order (see :data:`ORDERS`): each row padded with zeros to whole vectors (a masked lane
+    adds nothing, as a zero changes no sum), the padded rows laid end to end in lanes, then a tree across lanes."""
+    c, r = x.shape
+    row = r if not row or r % row else row
+    width = -(-row // lanes) * lanes
+    if width != row:
+        xr = x.reshape(c, r // row, row)
+        x = np.concatenate([xr, np.zeros((c, r // row, width - row), dtype=x.dtype)], axis=2).reshape(c, -1)
+    return _lanes(x, acc, tally, lanes, kahan)
+
+
 def _fused_sequential(a: np.ndarray, b: np.ndarray, acc: Arith, fused: bool, tally: Tally | None) -> np.ndarray:
     """Σ a·b along axis 1 in order: s = fma(a, b, s) (one rounding per step), or s + fl(a·b) (two)."""
     s = np.zeros(a.shape[0])
@@ -301,4 +318,6 @@ def _reduce_one(x: np.ndarray, acc: Arith, *, order: str, lanes: int, kahan: boo
         return _lanes(x, acc, tally, lanes, kahan)
     if order == "vec":
         return _vec(x, acc, tally, lanes, unroll, row, kahan)
+    if order == "rowlanes":
+        return _rowlanes(x, acc, tally, lanes, row, kahan)
     raise BNProbeError(f"unknown reduction order {order!r}; valid: {', '.join(ORDERS)}")

@@ -49,7 +49,10 @@ class MomentsMethod:
     """How :func:`moments` computes: the variance ``algorithm`` (:data:`VARIANCES`) with its knobs (``tiles`` for
     chan, ``mean_by`` of :data:`MEAN_BY`, ``clamp`` a negative variance at 0) and how its sums are taken
     (:func:`~bnprobe.numerics.reduce.reduce_sum`'s ``order``, ``lanes``, ``kahan``, ``unroll`` and ``cores``; welford
-    runs ``lanes`` updates side by side)."""
+    runs ``lanes`` updates side by side).  ``sum_format``: the format the naive and two-pass sums are carried in when
+    wider than the accumulator (PyTorch's fp32 CPU kernel: double), each term rounded in the accumulator first; the
+    mean is divided from the wide sum and rounded once, the sum of squared deviations is stored in the accumulator
+    before its division (PyTorch's ``var_sum``, a float)."""
 
     algorithm: str = "two_pass"
     order: str = "pairwise"
@@ -60,6 +63,7 @@ class MomentsMethod:
     clamp: bool = False
     unroll: int = 1
     cores: Cores = Cores()
+    sum_format: str | None = None
 
 
 def prescale_exponent(count: int) -> int:
@@ -146,23 +150,29 @@ class _Stages:
 
 class Sums:
     """The per-channel sums the naive and two-pass algorithms need, each addend rounded in ``acc`` and
-    prescaled by ``pre``, summed by reduce_sum with the options ``red``."""
+    prescaled by ``pre``, summed by reduce_sum with the options ``red`` — in ``wide`` when given (a wider running
+    sum of terms rounded in ``acc``), else in ``acc``."""
 
-    def __init__(self, acc: Arith, pre: Callable[[np.ndarray], np.ndarray], red: dict) -> None:
+    def __init__(self, acc: Arith, pre: Callable[[np.ndarray], np.ndarray], red: dict,
+                 wide: Arith | None = None) -> None:
         self.acc, self.pre, self.red = acc, pre, red
+        self.wide = wide
+        self.into = acc if wide is None else wide
 
     def total(self, x: np.ndarray, t: Tally) -> np.ndarray:
         """The sum of x."""
-        return reduce_sum(self.pre(x), self.acc, tally=t, **self.red)
+        return reduce_sum(self.pre(x), self.into, tally=t, **self.red)
 
     def squares(self, x: np.ndarray, t: Tally) -> np.ndarray:
         """The sum of x*x."""
-        return reduce_sum(self.pre(self.acc.mul(x, x, t)), self.acc, tally=t, **self.red)
+        return reduce_sum(self.pre(self.acc.mul(x, x, t)), self.into, tally=t, **self.red)
 
     def deviations(self, x: np.ndarray, mean: np.ndarray, t: Tally) -> tuple[np.ndarray, np.ndarray | None]:
-        """The sum of (x - mean)² and the deviations x - mean (None where they were not kept)."""
+        """The sum of (x - mean)² (stored in ``acc``: a wide sum is rounded to it) and the deviations x - mean
+        (None where they were not kept)."""
         dev = self.acc.sub(x, mean[:, None], t)
-        return reduce_sum(self.pre(self.acc.mul(dev, dev, t)), self.acc, tally=t, **self.red), dev
+        q = reduce_sum(self.pre(self.acc.mul(dev, dev, t)), self.into, tally=t, **self.red)
+        return (q if self.wide is None else self.acc.round(q, t)), dev
 
 
 _Result = tuple[np.ndarray, np.ndarray, "np.ndarray | None", Tally]  # mean, variance, its float64 value, tally
@@ -294,6 +304,7 @@ def moments(
         raise BNProbeError(f"unknown variance algorithm {algorithm!r}; valid: {', '.join(VARIANCES)}")
     if mean_by == "prescaled" and algorithm not in ("naive", "two_pass"):
         raise BNProbeError(f"mean_by=prescaled scales the sums of naive and two_pass, not {algorithm}")
+    wide = None if method.sum_format in (None, acc.fmt.name) else Arith(method.sum_format, counting=acc.counting)
     red = dict(order=method.order, lanes=method.lanes, kahan=method.kahan, cores=method.cores, rng=rng,
                unroll=method.unroll, row=row)
     # prescaled: every addend is multiplied by 2^-k first (exact unless it underflows)
@@ -301,9 +312,9 @@ def moments(
     stage = _Stages(acc, pre, wide_sums, overrides or {})
     with np.errstate(all="ignore"):
         if algorithm == "naive":
-            mean, var, wide, t = _naive(x, acc, stage, sums or Sums(acc, pre, red), mean_by)
+            mean, var, wide, t = _naive(x, acc, stage, sums or Sums(acc, pre, red, wide), mean_by)
         elif algorithm == "two_pass":
-            mean, var, wide, t = _two_pass(x, acc, stage, sums or Sums(acc, pre, red), mean_by)
+            mean, var, wide, t = _two_pass(x, acc, stage, sums or Sums(acc, pre, red, wide), mean_by)
         elif algorithm in ("welford", "welford_ascend"):
             mean, var, wide, t = _welford(x, acc, stage, algorithm, method.lanes, mean_by)
         else:  # chan

@@ -299,6 +299,11 @@ def _identify_observed(kernel: KernelAdapter, observed: list[Observed], fresh: l
 
     search = _Search(observed, fmt, saved_kind, tick)
     cur = _base(fmt, params)
+    # the format the kernel returns its saved statistics in is read off its outputs, not searched (inductor on the
+    # CPU: the input's, whatever the parameters')
+    saved_fmt = next((o.formats["saved_mean"] for o in observed if o.formats.get("saved_mean")), None)
+    if saved_fmt is not None and saved_fmt != cur.params_format and saved_fmt in ("fp64", "fp32", "fp16", "bf16"):
+        cur = cur.with_options(saved_format=saved_fmt)
     stages: dict[str, dict[str, Any]] = {}
     ties_of: dict[str, tuple[Policy, list[dict[str, Any]]]] = {}
     for _ in range(passes):

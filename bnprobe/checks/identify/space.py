@@ -40,7 +40,9 @@ FIELD_PROBES = {
     "order": "sums that depend on their order: values spread over many binades, R above the accumulator's precision",
     "lanes": "an FPRev pair (+M, -M among ones) at lane distances 1 to 128",
     "kahan": "a sum whose rounding errors accumulate: many small values after a large one",
-    "unroll": "rows of H·W values that are not a multiple of 2 x lanes", "rstd_format": "var + ε swept across binades",
+    "unroll": "rows of H·W values that are not a multiple of 2 x lanes",
+    "sum_format": "sums whose exact value needs more bits than the accumulator keeps, over many terms",
+    "saved_format": "the saved statistics' own format (read off the kernel's outputs)", "rstd_format": "var + ε swept across binades",
     "unbiased_by": "R where var·fl(R/(R-1)) and Σ/(R-1) round apart",
     "mean_by": "counts R = 3, 7, 49 with sums where s/R and s·fl(1/R) round apart; sums that overflow unless "
                "prescaled",
@@ -98,14 +100,21 @@ def _mean_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
             # (an order other than vec takes the backward's fused lanes away: backward_fma needs vec)
             fused = cur.backward_fma if o.get("order") == "vec" else "none"
             yield {"accumulate": acc, "variance": sum_based, "kahan": False, "unroll": 1, **o, "mean_by": by,
-                   "backward_fma": fused}
+                   "backward_fma": fused, "sum_format": None}
+    if fmt in ("fp32", "fp16", "bf16"):
+        # float terms summed in double, in memory order (PyTorch's fp32 CPU kernel), or lanes by position in each
+        # row of H·W values (inductor's vectorised reductions)
+        for o, by in itertools.product(({"order": "sequential", "sum_format": "fp64"},
+                                        *({"order": "rowlanes", "lanes": n} for n in (8, 16))), ("divide",)):
+            yield {"accumulate": "fp32", "variance": sum_based, "kahan": False, "unroll": 1, "sum_format": None,
+                   **o, "mean_by": by, "backward_fma": "none"}
     for acc in _accumulators(fmt):
         for v, lanes, by in itertools.product(("welford", "welford_ascend"), (1, 8, 16, 64), ("divide", "reciprocal")):
             yield {"accumulate": acc, "variance": v, "lanes": lanes, "mean_by": by, "order": "pairwise",
-                   "kahan": False, "backward_fma": "none"}
+                   "kahan": False, "backward_fma": "none", "sum_format": None}
         for tiles, o in itertools.product((2, 4, 8, 16, 24, 32, 64), ({"order": "pairwise"}, {"order": "sequential"})):
             yield {"accumulate": acc, "variance": "chan", "tiles": tiles, "mean_by": "divide", "kahan": False,
-                   "backward_fma": "none", **o}
+                   "backward_fma": "none", "sum_format": None, **o}
 
 
 def _variance_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
