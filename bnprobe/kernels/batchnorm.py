@@ -514,7 +514,12 @@ def _train_block(run: _Run, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.
             for name, old, batch in (("running_mean", rm, mean), ("running_var", rv, var_unbiased)):
                 t = run.tally()
                 old_a = ru.round(run.param(old))
-                upd = ru.round(ru.mul(keep_a, old_a, t) + ru.mul(f_a, ru.round(batch), t), t)
+                if name == "running_var" and pol.running_var_sum is not None:
+                    wide = Arith(pol.running_var_sum, pol.spec, run.rng, counting=run.counting)
+                    term = wide.add(ru.mul(keep_a, old_a, t), wide.mul(f_a, ru.round(batch), t), t)
+                    upd = ru.round(term, t)
+                else:
+                    upd = ru.round(ru.mul(keep_a, old_a, t) + ru.mul(f_a, ru.round(batch), t), t)
                 out[name] = run.rec(name, run.params, upd, t)
         par = run.params if pol.saved_format is None else Arith(pol.saved_format, pol.spec, run.rng,
                                                                   counting=run.counting)

@@ -49,7 +49,8 @@ def compiled_route(policy: Any, keep_arrays: bool, overrides: dict[str, np.ndarr
     if keep_arrays or overrides or not jit_for(elements):
         return False
     if policy.order in ("vec", "rowlanes") or policy.backward_formula in ("torch", "inductor") or \
-            any(f is not None for f in (policy.rstd_format, policy.sum_format, policy.saved_format)):
+            any(f is not None for f in (policy.rstd_format, policy.sum_format, policy.saved_format,
+                                           policy.running_var_sum)):
         # (orders, formats and formulas the kernels do not have)
         return False
     formats = {policy.storage, policy.params_format, policy.compute, policy.accumulate}

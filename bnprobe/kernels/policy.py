@@ -120,13 +120,18 @@ class Policy:
     # the format the saved mean and invstd (or variance) are returned in; None = the params format (inductor on the
     # CPU returns them in the input's format, whatever the parameters')
     saved_format: str | None = None
+    # the format the running variance's update forms its batch term (momentum · unbiased variance) and adds the two
+    # terms in, the old term's product staying in the update's format (PyTorch's fp32 CPU kernel: double, its
+    # accumulator type); None = the update's format
+    running_var_sum: str | None = None
     infer_y_formula: str | None = None  # y's formula in inference when not y_formula (a folded y = A·x + B)
     seed: int = 0  # drives stochastic rounding
 
     def __post_init__(self) -> None:
         for attr in ("storage", "compute", "accumulate"):
             object.__setattr__(self, attr, get_format(getattr(self, attr)).name)
-        for attr in ("params", "running_format", "rstd_format", "sum_format", "saved_format"):
+        for attr in ("params", "running_format", "rstd_format", "sum_format", "saved_format",
+                     "running_var_sum"):
             if getattr(self, attr) is not None:
                 object.__setattr__(self, attr, get_format(getattr(self, attr)).name)
         choices = {
@@ -184,7 +189,7 @@ class Policy:
                        accumulate="fp64", rounding="nearest_even", output_rounding=None, overflow="ieee",
                        subnormals="keep", kahan=False, rsqrt="sqrt_div" if self.rsqrt == "sqrt_div" else "exact",
                        sqrt="exact", division="exact", clamp_var=False, core_combine="ordered",
-                       running_format=None, rstd_format=None, sum_format=None, saved_format=None)
+                       running_format=None, rstd_format=None, sum_format=None, saved_format=None, running_var_sum=None)
 
     def with_options(self, **changes: object) -> Policy:
         """A copy with some fields changed (unknown names are a BNProbeError)."""

@@ -42,7 +42,8 @@ FIELD_PROBES = {
     "kahan": "a sum whose rounding errors accumulate: many small values after a large one",
     "unroll": "rows of H·W values that are not a multiple of 2 x lanes",
     "sum_format": "sums whose exact value needs more bits than the accumulator keeps, over many terms",
-    "saved_format": "the saved statistics' own format (read off the kernel's outputs)", "rstd_format": "var + ε swept across binades",
+    "saved_format": "the saved statistics' own format (read off the kernel's outputs)",
+    "rstd_format": "var + ε swept across binades",
     "unbiased_by": "R where var·fl(R/(R-1)) and Σ/(R-1) round apart",
     "mean_by": "counts R = 3, 7, 49 with sums where s/R and s·fl(1/R) round apart; sums that overflow unless "
                "prescaled",
@@ -60,6 +61,7 @@ FIELD_PROBES = {
     "overflow": "values near the format's maximum", "subnormals": "a channel of subnormal values",
     "running_momentum": "a momentum other than 0.5", "running_var": "R small enough that R/(R-1) shows",
     "running_format": "running statistics that need more bits than the parameter format keeps",
+    "running_var_sum": "running variances whose update needs more bits than the parameter format keeps",
     "infer_y_formula": "inference with a large running mean and γ not a power of two",
     "backward_formula": "dy with a mean per channel, a large mean in x",
     "backward_fma": "rows of H·W values with a tail (not a multiple of 2 x lanes)",
@@ -147,9 +149,11 @@ def _modes_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
 
 def _running_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
     formats = tuple(dict.fromkeys(f for f in (None, cur.params_format, "fp64") if f != cur.accumulate))
-    for m, v, f, by in itertools.product(("new", "old"), ("unbiased", "biased"), formats, ("factor", "divide")):
-        if v == "unbiased" or by == "factor":
-            yield {"running_momentum": m, "running_var": v, "running_format": f, "unbiased_by": by}
+    for m, v, f, by, wide in itertools.product(("new", "old"), ("unbiased", "biased"), formats, ("factor", "divide"),
+                                               (None, "fp64")):
+        if (v == "unbiased" or by == "factor") and (wide is None or f in (None, "fp32") and cur.accumulate == "fp32"):
+            yield {"running_momentum": m, "running_var": v, "running_format": f, "unbiased_by": by,
+                   "running_var_sum": wide}
 
 
 def _infer_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
