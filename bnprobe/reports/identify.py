@@ -44,8 +44,15 @@ def _blocks(res: Identified) -> list[str]:
 
 
 def _title(res: Identified, what: str) -> str:
-    verdict = (f"reproduced bit for bit by emulated:{res.spec}" if res.reproduced else
-               f"departs from the policy space at the {res.departs} stage; closest: emulated:{res.spec}")
+    from bnprobe.checks.identify.results import CLOSE_SHARE, CLOSE_ULPS
+
+    if res.reproduced:
+        verdict = f"reproduced bit for bit by emulated:{res.spec}"
+    elif res.close:
+        verdict = (f"departs from the policy space at the {res.departs} stage; closest (all but "
+                   f"{CLOSE_SHARE:.0%} of its values within {CLOSE_ULPS:g} ULPs): emulated:{res.spec}")
+    else:
+        verdict = f"departs from the policy space at the {res.departs} stage: {res.departure()}"
     return f"identify {what}: {verdict}"
 
 
@@ -68,7 +75,8 @@ def identify_report(res: Identified | IdentifiedCalls) -> Report:
 def _identified_calls(run: IdentifiedCalls) -> Report:
     """identify on every recorded call: one row per call, then each call's outputs."""
     rows = [{"#": i, "call": r.label, "format": r.dtype, "params": r.params,
-             "found": "bit for bit" if r.reproduced else f"departs at {r.departs}", "policy": r.spec}
+             "found": "bit for bit" if r.reproduced else f"departs at {r.departs}",
+             "policy": r.spec if r.reproduced or r.close else "(no recipe close)"}
             for i, r in enumerate(run.results)]
     table = render_table(rows, ["#", "call", "format", "params", "found", "policy"],
                          headers=["#", "call (forward order)", "format", "params", "reproduced", "policy"])

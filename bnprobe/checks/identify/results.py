@@ -53,6 +53,13 @@ class Undistinguished:
                 "alternatives": list(self.alternatives), "would_tell": self.probe}
 
 
+#: a departing stage's best candidate is called close, and shown as the closest recipe, only when it reproduces
+#: that stage's outputs on all but this share of their values, each within CLOSE_ULPS: a candidate further off is
+#: no explanation, and naming it would be a guess
+CLOSE_SHARE = 0.1
+CLOSE_ULPS = 4.0
+
+
 @dataclass
 class Identified(Judged):
     """What identify found for one kernel (or one recorded call)."""
@@ -74,6 +81,40 @@ class Identified(Judged):
     notes: list[str] = field(default_factory=list)
     label: str = ""
     layouts: dict[str, list[str]] = field(default_factory=dict)  # another layout: the outputs it does not reproduce
+    departing_probes: list[str] = field(default_factory=list)  # the probes whose outputs show the departure
+
+    @property
+    def departing(self) -> list[OutputMatch]:
+        """The departing stage's outputs that the policy found does not reproduce."""
+        return [o for o in self.outputs if o.stage == self.departs and not (o.probes_exact and
+                                                                            o.fresh_exact is not False)]
+
+    @property
+    def close(self) -> bool:
+        """Whether the policy found is close to the kernel where it departs (:data:`CLOSE_SHARE`,
+        :data:`CLOSE_ULPS`): False when it reproduces everything too (it is then no departure)."""
+        off = self.departing
+        mism, elems = sum(o.mismatches for o in off), sum(o.elements for o in off)
+        return bool(off) and elems > 0 and mism <= CLOSE_SHARE * elems and max(o.max_ulps for o in off) <= CLOSE_ULPS
+
+    @property
+    def established(self) -> list[str]:
+        """The stages before the departing one whose outputs the policy reproduces bit for bit."""
+        if self.departs is None:
+            return []
+        before = list(self.stages)[:list(self.stages).index(self.departs)] if self.departs in self.stages else []
+        return [st for st in before if self.stages[st].get("exact") is True]
+
+    def departure(self) -> str:
+        """The departure in words: the outputs no recipe reproduces, by how much, where; what is established."""
+        off = self.departing
+        mism, elems = sum(o.mismatches for o in off), sum(o.elements for o in off)
+        ulps = max((o.max_ulps for o in off), default=0.0)
+        where = f", on the {', '.join(self.departing_probes)} probe(s)" if self.departing_probes else ""
+        known = (f"; established bit for bit: the {', '.join(self.established)} stage(s)" if self.established
+                 else "")
+        return (f"no recipe in the space reproduces {', '.join(o.output for o in off)} ({mism} of {elems} values "
+                f"differ, up to {ulps:.4g} ULPs{where}){known}")
 
     @property
     def reproduced(self) -> bool:
@@ -94,6 +135,8 @@ class Identified(Judged):
         return {"adapter": self.adapter, "label": self.label, "dtype": self.dtype, "params": self.params,
                 "policy": self.spec, "policy_fields": {k: v for k, v in self.policy.to_dict().items() if k != "name"},
                 "reproduced": self.reproduced, "departs": self.departs,
+                "closest": self.spec if self.departs is not None and self.close else None,
+                "departure": self.departure() if self.departs is not None else None,
                 "outputs": [o.to_dict() for o in self.outputs],
                 "undistinguished": [u.to_dict() for u in self.undistinguished], "stages": self.stages,
                 "probes": self.probes, "unobserved": self.unobserved, "nondeterministic": self.nondeterministic,

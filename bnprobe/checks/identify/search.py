@@ -343,11 +343,25 @@ def _identify_observed(kernel: KernelAdapter, observed: list[Observed], fresh: l
     unobserved = [k for k in ("saved_mean", "saved_invstd", "running_mean", "running_var", "y_infer", "dx", "dgamma",
                               "dbeta") if k not in seen and not (k == "saved_invstd" and "saved_var" in seen)]
     notes = _notes(nondet, layouts, stages, seen)
+    compiling = getattr(kernel, "compile_seconds", None)  # a compiling adapter's own account (torch-compile)
+    if compiling:
+        notes.append(f"of identify's {time.perf_counter() - t0:.1f} s, {compiling:.1f} s were the kernel's compiler "
+                     f"({getattr(kernel, 'compiles', '?')} compiles: one per probe shape and format)")
     if progress is not None:
         progress(total_guess, total_guess)
     return Identified(kernel.name, fmt, params, policy, spec, outputs, undist, departs, stages,
                       [o.probe.name for o in observed], unobserved, search.evaluations, time.perf_counter() - t0,
-                      nondet, notes, label, layouts)
+                      nondet, notes, label, layouts, _showing(search, policy, departs, by_stage))
+
+
+def _showing(search: _Search, policy: Policy, departs: str | None, by_stage: dict[str, tuple[str, ...]]) -> list[str]:
+    """The search's probes on which the policy found misses the departing stage's outputs."""
+    outs = by_stage.get(departs or "", ())
+    if not outs:
+        return []
+    return list(dict.fromkeys(o.probe.name for i, o in enumerate(search.probes_of(departs))
+                              if any(v.mismatches for v in score_outputs(
+                                  [o], [search.emulated(policy, departs, i, o)], outs).values())))
 
 
 def _confirm(policy: Policy, fresh: list[Observed], saved_kind: str, seen: tuple[str, ...],
