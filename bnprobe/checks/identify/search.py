@@ -77,6 +77,7 @@ from bnprobe.checks.identify.space import (
     SPACES,
     STAGE_OUTPUTS,
     STAGES,
+    infer_only_space,
     rsqrt_space,
 )
 
@@ -108,6 +109,7 @@ class _Search:
                                 o.formats.get("saved_mean") != "fp32" for o in observed) and \
             any(o.formats.get("saved_mean") in narrow for o in observed)
         self.cache: dict[tuple, dict[str, np.ndarray]] = {}
+        self.trains = any("y" in o.got for o in observed)  # the kernel ran training forwards (not inference-only)
 
     def outputs_of(self, stage: str) -> tuple[str, ...]:
         seen = set().union(*(o.got for o in self.observed))
@@ -201,6 +203,8 @@ class _Search:
         best = here
         scored = []
         space = list(SPACES[stage](cur, self.fmt))
+        if stage == "infer" and not self.trains:
+            space = list(infer_only_space(cur, self.fmt))  # (nothing earlier pinned the arithmetic it shares)
         if stage == "y" and self.outputs_of("rsqrt") == ("y",):  # rsqrt seen only through y: searched with it
             # (the rsqrt stage's own choice and its ties, and the exact forms: the joint space stays small)
             joint = [{}] + self.ties.get("rsqrt", [])[:TIES_TRIED] + [r for r in rsqrt_space(cur, self.fmt)
@@ -450,6 +454,11 @@ def identify(adapter: str | KernelAdapter | Recorded, dtype: str | None = None, 
     passes = 2 if passes is None else passes
     params_format(fmt, params)  # (validated)
     layouts = tuple(caps.layouts)
+    # the modes the kernel runs: an inference-only kernel (a deployment runtime) is searched on its inference alone
+    modes = tuple(m for m in ("train", "infer", "backward") if m in caps.modes and (m != "backward" or
+                                                                                   "train" in caps.modes))
+    if "infer" not in modes and "train" not in modes:
+        raise BNProbeError(f"identify: {kernel.name} runs neither a training nor an inference forward")
     designed = probes(fmt, params, seed=seed, eps=eps, momentum=momentum, layouts=layouts)
     if caps.saved == "none":
         designed = [p for p in designed if p.name != "tiny-r"]
@@ -468,7 +477,9 @@ def identify(adapter: str | KernelAdapter | Recorded, dtype: str | None = None, 
         out = []
         for p in ps:
             try:
-                out.append(observe(kernel, p, generated_call(p.call, label=p.name)))
+                if p.modes_only and "train" not in modes:
+                    continue  # (the modes stage reads training outputs)
+                out.append(observe(kernel, p, generated_call(p.call, modes=modes, label=p.name)))
             except BNProbeError as exc:
                 if p.modes_only:  # (a kernel may refuse subnormal or huge input: the modes stay unidentified)
                     continue

@@ -12,7 +12,7 @@ from bnprobe.kernels.policy import Policy
 
 
 __all__ = ["STAGES", "STAGE_OUTPUTS", "OUTPUT_STAGE", "FIELD_PROBES", "FORWARD_STAGES", "MODES_OF", "SPACES",
-           "rsqrt_space"]
+           "rsqrt_space", "infer_only_space"]
 
 # the outputs each stage pins, in the order it prefers them (the first the kernel returned is used); a forward
 # stage whose statistics the kernel does not return is searched through y
@@ -160,6 +160,23 @@ def _infer_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
     for f in (None, "xhat", "scale", "affine"):
         if f != cur.y_formula:
             yield {"infer_y_formula": f}
+
+
+def infer_only_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
+    """The inference of a kernel that runs nothing else (a deployment runtime): nothing earlier pinned its
+    arithmetic, so its format (the elementwise and the statistics' — upcast or the input's own), its formula (folded
+    or not, fused multiply-adds) and how it forms 1/√(var + ε) are searched together; the estimates an NPU uses are
+    the training search's (a CPU runtime divides and takes square roots)."""
+    computes = tuple(dict.fromkeys(("fp32" if fmt != "fp64" else "fp64", fmt)))
+    accs = tuple(dict.fromkeys(("fp32" if fmt != "fp64" else "fp64", fmt, "fp64")))
+    roots = ({"rsqrt": "exact", "sqrt": "exact", "division": "exact"},
+             {"rsqrt": "sqrt_div", "sqrt": "exact", "division": "exact"})
+    for f, fma, comp, acc, r, times in itertools.product(("xhat", "scale", "affine"), (False, True), computes, accs,
+                                                          roots, (False, True)):
+        # (times: 1/σ rounded, then γ·(1/σ), not γ/σ — in inference a set rstd_format says so, forming the rstd in
+        # the accumulator: its own format is named)
+        yield {"infer_y_formula": f, "y_formula": f, "fma": fma, "compute": comp, "accumulate": acc,
+               "rstd_format": acc if times else None, **r}
 
 
 def _backward_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
