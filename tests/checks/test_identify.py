@@ -144,12 +144,17 @@ def get_adapter_torch():
 
 
 @pytest.mark.slow  # 37 s of the suite's CPU: run by -m slow (.ci/run)
-def test_torch_cpu_fp32_departs_and_says_where():
+def test_torch_cpu_fp32_forward_is_reproduced_and_the_backward_departure_said():
+    """torch's fp32 CPU kernel: its forward (double sums of float terms, invstd in double, the running variance's
+    double update, y by a fused multiply-add) bit for bit; its backward (plane sums in float lanes, then double) is
+    outside the space, and said so with its size."""
     pytest.importorskip("torch")
-    res = identify("torch", "fp32", passes=1)
-    assert not res.reproduced and res.departs is not None
-    off = [o for o in res.outputs if not (o.probes_exact and o.fresh_exact is not False)]
-    assert off and all(o.max_ulps > 0 for o in off)
+    res = identify("torch", "fp32")
+    fwd = [o for o in res.outputs if o.stage != "backward"]
+    assert fwd and all(o.probes_exact and o.fresh_exact is not False for o in fwd)
+    assert res.policy.sum_format == "fp64" and res.policy.running_var_sum == "fp64"
+    assert not res.reproduced and res.departs == "backward"
+    assert res.departing and all(o.max_ulps > 0 for o in res.departing)
 
 
 @pytest.mark.slow  # 56 s of the suite's CPU: run by -m slow (.ci/run)
@@ -158,6 +163,56 @@ def test_a_kernel_outside_the_space_is_never_called_a_match():
     assert not res.reproduced
     assert res.departs in ("rsqrt", "variance", "mean", "y")
     assert any(o.max_ulps > 0 and not o.probes_exact for o in res.outputs)
+
+
+class _InferOnly(EmulatedAdapter):
+    """An emulated kernel that offers its inference alone, as a deployment runtime does."""
+
+    def capabilities(self):
+        caps = super().capabilities()
+        return Capabilities(formats=caps.formats, modes=("infer",), saved="none")
+
+
+@pytest.mark.parametrize("spec", ["fp32:y_formula=affine,fma=true,rsqrt=sqrt_div,rstd_format=fp32",
+                                  "fp16:params=fp16,compute=fp16,infer_y_formula=scale",
+                                  "fp32:infer_y_formula=xhat,accumulate=fp64"])
+def test_an_inference_only_kernel_is_identified_from_its_inference_alone(spec):
+    """A hidden policy behind an inference-only interface: the search runs the infer stage alone and reproduces
+    it on inputs it never saw."""
+    pol = get_policy(spec)
+    res = identify(_InferOnly(spec), pol.storage, params="same" if pol.params == pol.storage else "fp32", passes=1)
+    assert [o.output for o in res.outputs] == ["y_infer"]
+    assert res.reproduced, res.departure()
+    call = fresh_call(pol.storage, "same" if pol.params == pol.storage else "fp32", 11).with_(training=False)
+    got = _InferOnly(spec).infer(call).y
+    assert np.array_equal(got, EmulatedAdapter(res.spec).infer(call).y)
+
+
+def test_onnxruntime_inference_is_reproduced_bit_for_bit():
+    pytest.importorskip("onnxruntime")
+    for fmt in ("fp32", "fp16"):
+        res = identify("onnxruntime", fmt, params="same", passes=1)
+        assert res.reproduced, res.departure()
+
+
+def test_closest_is_said_only_when_close(capsys):
+    """A recipe off by a few ulps on a few values is the closest; one far off is not named at all."""
+    from bnprobe.checks.identify.results import CLOSE_SHARE, CLOSE_ULPS, Identified, OutputMatch
+    from bnprobe.reports.identify import identify_report
+
+    def result(mism, ulps):
+        out = [OutputMatch("saved_mean", "mean", False, True, mism, 100, ulps)]
+        return Identified("k", "fp16", "fp32", get_policy("fp16"), "fp16:order=lanes", out, [], "mean",
+                          {"mean": {"exact": False}}, ["pairs"], [], 1, 0.1, departing_probes=["pairs"])
+
+    near, far, wide = result(int(CLOSE_SHARE * 100), CLOSE_ULPS), result(50, 2.0), result(3, 1e4)
+    assert near.close and not far.close and not wide.close
+    assert "closest" in identify_report(near).lines()[0]
+    for r in (far, wide):
+        line = identify_report(r).lines()[0]
+        assert "closest" not in line and "fp16:order=lanes" not in line
+        assert "no recipe in the space reproduces saved_mean" in line and "pairs" in line
+        assert r.to_dict()["closest"] is None
 
 
 def test_a_nondeterministic_kernel_is_reported_as_such():
