@@ -50,7 +50,8 @@ def _title(res: Identified, what: str) -> str:
         verdict = f"reproduced bit for bit by emulated:{res.spec}"
     elif res.close:
         verdict = (f"departs from the policy space at the {res.departs} stage; closest (all but "
-                   f"{CLOSE_SHARE:.0%} of its values within {CLOSE_ULPS:g} ULPs): emulated:{res.spec}")
+                   f"{CLOSE_SHARE:.0%} of its values within {CLOSE_ULPS:g} ULPs): emulated:{res.spec} "
+                   f"({', '.join(o.output for o in res.departing)}: {res.departure_size()})")
     else:
         verdict = f"departs from the policy space at the {res.departs} stage: {res.departure()}"
     return f"identify {what}: {verdict}"

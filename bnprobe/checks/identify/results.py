@@ -105,16 +105,21 @@ class Identified(Judged):
         before = list(self.stages)[:list(self.stages).index(self.departs)] if self.departs in self.stages else []
         return [st for st in before if self.stages[st].get("exact") is True]
 
-    def departure(self) -> str:
-        """The departure in words: the outputs no recipe reproduces, by how much, where; what is established."""
+    def departure_size(self) -> str:
+        """How far the policy found is from the departing outputs: values that differ, the largest residual, and
+        the probes that show it."""
         off = self.departing
         mism, elems = sum(o.mismatches for o in off), sum(o.elements for o in off)
         ulps = max((o.max_ulps for o in off), default=0.0)
         where = f", on the {', '.join(self.departing_probes)} probe(s)" if self.departing_probes else ""
+        return f"{mism} of {elems} values differ, up to {ulps:.4g} ULPs{where}"
+
+    def departure(self) -> str:
+        """The departure in words: the outputs no recipe reproduces, by how much, where; what is established."""
         known = (f"; established bit for bit: the {', '.join(self.established)} stage(s)" if self.established
                  else "")
-        return (f"no recipe in the space reproduces {', '.join(o.output for o in off)} ({mism} of {elems} values "
-                f"differ, up to {ulps:.4g} ULPs{where}){known}")
+        return (f"no recipe in the space reproduces {', '.join(o.output for o in self.departing)} "
+                f"({self.departure_size()}){known}")
 
     @property
     def reproduced(self) -> bool:
@@ -137,6 +142,7 @@ class Identified(Judged):
                 "reproduced": self.reproduced, "departs": self.departs,
                 "closest": self.spec if self.departs is not None and self.close else None,
                 "departure": self.departure() if self.departs is not None else None,
+                "departure_size": self.departure_size() if self.departs is not None else None,
                 "outputs": [o.to_dict() for o in self.outputs],
                 "undistinguished": [u.to_dict() for u in self.undistinguished], "stages": self.stages,
                 "probes": self.probes, "unobserved": self.unobserved, "nondeterministic": self.nondeterministic,

@@ -1,0 +1,37 @@
+"""docs/kernels.md, "what each kernel computes", is what benchmarks/kernel_table.py makes of its data, and its data
+is what identify finds now (re-checked on the kernels that are quick to identify)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import kernel_table  # noqa: E402
+
+
+def test_the_page_is_the_script_s_rendering_of_its_data():
+    doc = json.loads(kernel_table.DATA.read_text())
+    assert kernel_table.PAGE.read_text() == kernel_table.render(doc), \
+        "re-make it: python benchmarks/kernel_table.py --write"
+    kinds = {(r["kernel"], r["format"]) for r in doc["rows"]}
+    assert kinds == {(k, f) for k, fmts, _ in kernel_table.KERNELS for f in fmts}  # every kernel listed, run or not
+    for r in doc["rows"]:
+        assert r["result"] in ("reproduced", "departs", "not run")
+        if r["result"] == "departs":  # a departure is said in words; a recipe beside it only when close
+            assert r["departure"].startswith("no recipe in the space reproduces") and r["departure_size"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel,fmt", [("onnxruntime", "fp32"), ("onnxruntime", "fp16"), ("torch", "fp16")])
+def test_the_table_s_rows_are_what_identify_finds_now(kernel, fmt):
+    pytest.importorskip("torch")
+    doc = json.loads(kernel_table.DATA.read_text())
+    (want,) = [r for r in doc["rows"] if (r["kernel"], r["format"]) == (kernel, fmt)]
+    if want["result"] == "not run":
+        pytest.skip(f"{kernel} was not run where the table was made")
+    got = kernel_table.row(kernel, fmt, want["params"])
+    assert (got["result"], got["recipe"]) == (want["result"], want["recipe"])
