@@ -175,6 +175,33 @@ class _Search:
         low = min(n for n, _ in keyed)
         return [t for n, t in keyed if n == low]
 
+    def space(self, cur: Policy, stage: str, own: tuple[str, ...]) -> list[dict[str, Any]]:
+        """The candidates of ``stage`` from ``cur`` (each a dict of changes), with the earlier stages' ties where
+        the stage can tell them apart."""
+        if stage == "infer" and not self.trains:  # (nothing earlier pinned the arithmetic it shares)
+            return list(infer_only_space(cur, self.fmt))
+        space = list(SPACES[stage](cur, self.fmt))
+        if stage == "y" and self.outputs_of("rsqrt") == ("y",):  # rsqrt seen only through y: searched with it
+            # (the rsqrt stage's own choice and its ties, and the exact forms: the joint space stays small)
+            joint = [{}] + self.ties.get("rsqrt", [])[:TIES_TRIED] + [r for r in rsqrt_space(cur, self.fmt)
+                                                                      if r["rsqrt"] in ("exact", "sqrt_div")
+                                                                      and r["division"] == "exact"]
+            space = [{**r, **c} for r in joint for c in space]
+        if stage == "variance" or stage == "rsqrt" and own[0] != "y":  # the earlier statistics' ties (an order
+            # the mean could not tell apart shows in the sum of squares), kept exact by the scoring; (an rsqrt seen
+            # only through y is searched with y's formula instead)
+            earlier = ("mean",) if stage == "variance" else ("mean", "variance")
+            alts = [{}] + [t for st in earlier for t in self.ties.get(st, [])[:TIES_TRIED]]
+            space = [{**alt, **c} for alt in alts for c in space]
+        if stage in ("infer", "backward"):
+            # the earlier stages' ties reproduced the training forward (y in fp16 hides the compute format, an FMA, a
+            # division...); inference and the backward, which compute with them, may tell them apart
+            alts = [{}] + [t for st in ("rsqrt", "y") for t in self.ties.get(st, [])[:TIES_TRIED]]
+            if stage == "infer":  # (inference forms its own rstd: every rsqrt the training forward allows)
+                alts += [{**r, "rstd_format": cur.rstd_format} for r in rsqrt_space(cur, self.fmt)]
+            space = [{**alt, **c} for alt in alts for c in space]
+        return space
+
     def stage(self, cur: Policy, stage: str) -> tuple[Policy, dict[str, Any], list[dict[str, Any]]]:
         """The best candidate of ``stage`` from ``cur``; its summary; the changes of the candidates tied with it.
         A forward stage is scored on what the forward stages before it reproduced too, so a later choice never
@@ -202,28 +229,7 @@ class _Search:
         here, best_key = total(here_s), key(here_s)
         best = here
         scored = []
-        space = list(SPACES[stage](cur, self.fmt))
-        if stage == "infer" and not self.trains:
-            space = list(infer_only_space(cur, self.fmt))  # (nothing earlier pinned the arithmetic it shares)
-        if stage == "y" and self.outputs_of("rsqrt") == ("y",):  # rsqrt seen only through y: searched with it
-            # (the rsqrt stage's own choice and its ties, and the exact forms: the joint space stays small)
-            joint = [{}] + self.ties.get("rsqrt", [])[:TIES_TRIED] + [r for r in rsqrt_space(cur, self.fmt)
-                                                                      if r["rsqrt"] in ("exact", "sqrt_div")
-                                                                      and r["division"] == "exact"]
-            space = [{**r, **c} for r in joint for c in space]
-        if stage == "variance" or stage == "rsqrt" and own[0] != "y":  # the earlier statistics' ties (an order
-            # the mean could not tell apart shows in the sum of squares), kept exact by the scoring; (an rsqrt seen
-            # only through y is searched with y's formula instead)
-            earlier = ("mean",) if stage == "variance" else ("mean", "variance")
-            alts = [{}] + [t for st in earlier for t in self.ties.get(st, [])[:TIES_TRIED]]
-            space = [{**alt, **c} for alt in alts for c in space]
-        if stage in ("infer", "backward"):
-            # the earlier stages' ties reproduced the training forward (y in fp16 hides the compute format, an FMA, a
-            # division...); inference and the backward, which compute with them, may tell them apart
-            alts = [{}] + [t for st in ("rsqrt", "y") for t in self.ties.get(st, [])[:TIES_TRIED]]
-            if stage == "infer":  # (inference forms its own rstd: every rsqrt the training forward allows)
-                alts += [{**r, "rstd_format": cur.rstd_format} for r in rsqrt_space(cur, self.fmt)]
-            space = [{**alt, **c} for alt in alts for c in space]
+        space = self.space(cur, stage, own)
         forward = tuple(dict.fromkeys(self.kept + ["y"])) if stage in ("infer", "backward") and \
             "y" in self.outputs_of("y") else ()
         own_fields = {k for c in SPACES[stage](cur, self.fmt) for k in c}
@@ -431,7 +437,6 @@ def identify(adapter: str | KernelAdapter | Recorded, dtype: str | None = None, 
     :class:`~bnprobe.checks.identify.results.IdentifiedCalls` of one result per call.  A dump adapter of one call
     is identified on its recorded inputs (its one result).  On a recording ``x``, ``seed``, ``eps`` and
     ``momentum`` contradict it, and ``dtype`` and ``params`` must agree."""
-    from bnprobe.engine.run import generated_call
 
     a, recorded = given_to(adapter)
     if recorded is not None:
@@ -454,11 +459,7 @@ def identify(adapter: str | KernelAdapter | Recorded, dtype: str | None = None, 
     passes = 2 if passes is None else passes
     params_format(fmt, params)  # (validated)
     layouts = tuple(caps.layouts)
-    # the modes the kernel runs: an inference-only kernel (a deployment runtime) is searched on its inference alone
-    modes = tuple(m for m in ("train", "infer", "backward") if m in caps.modes and (m != "backward" or
-                                                                                   "train" in caps.modes))
-    if "infer" not in modes and "train" not in modes:
-        raise BNProbeError(f"identify: {kernel.name} runs neither a training nor an inference forward")
+    observe_all = _observer(kernel, caps)
     designed = probes(fmt, params, seed=seed, eps=eps, momentum=momentum, layouts=layouts)
     if caps.saved == "none":
         designed = [p for p in designed if p.name != "tiny-r"]
@@ -472,19 +473,6 @@ def identify(adapter: str | KernelAdapter | Recorded, dtype: str | None = None, 
         confirm.insert(0, Case("input", call=BNCall(xa, dy=dy_of_kind("shifted", xa.shape, seed), eps=eps,
                                                     momentum=momentum, dtype=fmt, params=params,
                                                     **probe_vectors(rng, xa.shape[1])), purpose="your input"))
-
-    def observe_all(ps: list[Case]) -> list[Observed]:
-        out = []
-        for p in ps:
-            try:
-                if p.modes_only and "train" not in modes:
-                    continue  # (the modes stage reads training outputs)
-                out.append(observe(kernel, p, generated_call(p.call, modes=modes, label=p.name)))
-            except BNProbeError as exc:
-                if p.modes_only:  # (a kernel may refuse subnormal or huge input: the modes stay unidentified)
-                    continue
-                raise BNProbeError(f"identify: {kernel.name} refused the probe {p.name}: {exc}") from None
-        return out
 
     observed, confirmed = observe_all(designed), observe_all(confirm)
     res = _identify_observed(kernel, observed, confirmed, fmt, params, passes=passes, progress=progress)
@@ -504,6 +492,32 @@ def identify(adapter: str | KernelAdapter | Recorded, dtype: str | None = None, 
                          f"{', '.join(o.output for o in seen_only)}: those inputs joined the search and a second "
                          "fresh set confirmed it")
     return res
+
+
+def _observer(kernel: KernelAdapter, caps: Any) -> Callable[[list[Case]], list[Observed]]:
+    """What runs the probes on ``kernel``: each probe's call in the modes the kernel has (an inference-only kernel,
+    a deployment runtime, is searched on its inference alone)."""
+    from bnprobe.engine.run import generated_call
+
+    modes = tuple(m for m in ("train", "infer", "backward") if m in caps.modes and (m != "backward" or
+                                                                                   "train" in caps.modes))
+    if "infer" not in modes and "train" not in modes:
+        raise BNProbeError(f"identify: {kernel.name} runs neither a training nor an inference forward")
+
+    def observe_all(ps: list[Case]) -> list[Observed]:
+        out = []
+        for p in ps:
+            if p.modes_only and "train" not in modes:
+                continue  # (the modes stage reads training outputs)
+            try:
+                out.append(observe(kernel, p, generated_call(p.call, modes=modes, label=p.name)))
+            except BNProbeError as exc:
+                if p.modes_only:  # (a kernel may refuse subnormal or huge input: the modes stay unidentified)
+                    continue
+                raise BNProbeError(f"identify: {kernel.name} refused the probe {p.name}: {exc}") from None
+        return out
+
+    return observe_all
 
 
 def _slice_channels(rec: Any, idx: np.ndarray) -> Any:
