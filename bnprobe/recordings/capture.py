@@ -44,7 +44,7 @@ from bnprobe._files import atomic_write_text, atomic_write_with, dumps_json
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["capture", "Capture", "DEFAULT_MAX_BYTES"]
+__all__ = ["capture", "Capture", "DEFAULT_MAX_BYTES", "COMPILED_NOTE"]
 
 DEFAULT_MAX_BYTES = 2 * 1024**3  # 2 GiB of captured tensors held in memory at once (calls not yet on disk)
 #: said on every call recorded inside a torch.compile'd model, and by every command reading it

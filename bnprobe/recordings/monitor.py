@@ -45,7 +45,15 @@ from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
 from bnprobe.recordings.bnprobe_dump import write_dump
 from bnprobe.recordings.monitor_profile import one_pass, profile_tensor
-from bnprobe.recordings.capture import BN_NODES, CapturedCall, finish_call, momentum_factor, record_grads, start_call
+from bnprobe.recordings.capture import (
+    BN_NODES,
+    COMPILED_NOTE,
+    CapturedCall,
+    finish_call,
+    momentum_factor,
+    record_grads,
+    start_call,
+)
 from bnprobe.recordings.types import CALLS_NAME, CALLS_TAG
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -195,6 +203,7 @@ class Monitor:
         self._handles: list[Any] = []
         self._before: dict[int, list[tuple[Any, int, Any]]] = {}
         self._counts: dict[str, int] = {}
+        self.compiled: list[str] = []  # BatchNorm modules seen running inside a torch.compile'd model
         self._torch: Any = None
         self._entered = False
         self._dumps_made = 0
@@ -225,10 +234,13 @@ class Monitor:
         self._check_out()
         self._torch, self._entered = torch, True
         self._jit = jit_mode()  # whether large CPU tensors are profiled in one compiled pass
+        # under torch.compile the hooks run outside the graph (dynamo would try to trace the monitor's own work); each
+        # BatchNorm then runs as a compiled graph of its own, whose backward the monitor cannot see (COMPILED_NOTE)
+        outside = getattr(getattr(torch, "_dynamo", None), "disable", lambda f: f)
         try:
             for path, m in modules:
-                self._handles.append(m.register_forward_pre_hook(self._pre_hook(path)))
-                self._handles.append(m.register_forward_hook(self._post_hook(path)))
+                self._handles.append(m.register_forward_pre_hook(outside(self._pre_hook(path))))
+                self._handles.append(m.register_forward_hook(outside(self._post_hook(path))))
         except BaseException:
             self._remove_hooks()
             raise
@@ -292,6 +304,8 @@ class Monitor:
                     return
         node = y.grad_fn
         is_bn = node is not None and type(node).__name__ in BN_NODES
+        if node is not None and type(node).__name__ == "CompiledFunctionBackward" and path not in self.compiled:
+            self.compiled.append(path)  # (its forward is watched; its backward is inside the compiled graph)
         row = self._forward_row(module, path, index, x, y, node if is_bn else None, running)
         p = _Pending(path, index, module, row, [], set(), x, version, running,
                      (module.running_mean.detach().clone(), module.running_var.detach().clone())
@@ -494,6 +508,8 @@ class Monitor:
         if call is None:
             return
         finish_call(p.module, call, y)
+        if p.layer in self.compiled:
+            call.meta["notes"] = [*call.meta.get("notes", []), COMPILED_NOTE]
         p.dump = call
         if p.node is not None and self._torch.is_grad_enabled():
             call.spill(p.folder)  # its backward comes later in the step: one call held at a time
@@ -527,7 +543,10 @@ class Monitor:
                  for c in self._step.dumped if c.state == "written"]
         doc = {"format": CALLS_TAG, "version": 1, "source": "monitor", "torch": str(self._torch.__version__),
                "calls": calls, "calls_per_module": None, "skipped": {}, "rank": self.rank, "step": self._step_no,
-               "notes": [f"anomalous calls of step {self._step_no} (rank {self.rank}) written by bnprobe.monitor"]}
+               "notes": [f"anomalous calls of step {self._step_no} (rank {self.rank}) written by bnprobe.monitor",
+                         *([f"{len(self.compiled)} BatchNorm module(s) ran inside a torch.compile'd model: their "
+                            "forward watched, their backward not (each call's note says why)"]
+                           if self.compiled else [])]}
         atomic_write_text(self._folder() / CALLS_NAME, dumps_json(doc))
 
     # ---- closing a call, a step, the run -------------------------------------------------------------

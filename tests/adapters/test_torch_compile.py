@@ -162,3 +162,28 @@ def test_capture_of_a_compiled_model_says_what_it_recorded(tmp_path):
     assert COMPILED_NOTE in rec.meta["notes"] and not rec.meta["backward"]
     y = get_adapter("torch-compile").train(rec.call()).y
     assert np.array_equal(y, rec.get("train", "outputs", "y"))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")  # dynamo's own, tracing torch
+def test_monitor_of_a_compiled_model_says_what_it_watched(tmp_path):
+    """The monitor on a torch.compile'd model watches each BatchNorm's forward and says, in its dumps' index and
+    in each dumped call, that the backward is not watched."""
+    import json
+
+    import bnprobe
+    from bnprobe.recordings.capture import COMPILED_NOTE
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8))
+    cm = torch.compile(m)
+    with bnprobe.monitor(cm, tmp_path / "mon") as mon:
+        x = torch.randn(4, 3, 10, 10)
+        x[0, 0, 0, 0] = float("nan")  # an anomaly, so a call is dumped
+        cm(x).sum().backward()
+        mon.step()
+    assert mon.compiled == ["_orig_mod.1"]
+    (index,) = sorted((tmp_path / "mon").rglob("bnprobe-calls.json"))
+    assert any("torch.compile" in n for n in json.loads(index.read_text())["notes"])
+    (dump,) = sorted(index.parent.rglob("bnprobe-dump.json"))
+    assert COMPILED_NOTE in json.loads(dump.read_text())["meta"]["notes"]
