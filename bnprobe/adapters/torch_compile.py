@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from bnprobe.adapters.base import BackwardOutput, Capabilities, ForwardOutput, Prepared, Saved
+from bnprobe.adapters.frameworks import parse_options
 from bnprobe.adapters.torch_adapter import TorchAdapter
 from bnprobe.core.errors import BNProbeError
 
@@ -38,26 +39,11 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 RECOMPILE_LIMIT = 512
 
 
-def _options(text: str) -> dict[str, str]:
-    known = {"mode": MODES, "dynamic": ("false", "true")}
-    out: dict[str, str] = {}
-    for part in (p.strip() for p in text.split(",") if p.strip()):
-        key, sep, value = part.partition("=")
-        key, value = key.strip(), value.strip().lower()
-        if not sep or key not in known:
-            raise BNProbeError(f"adapter torch-compile: unknown option {part!r}; it takes "
-                               + ", ".join(f"{k}={'|'.join(v)}" for k, v in known.items()))
-        if value not in known[key]:
-            raise BNProbeError(f"adapter torch-compile: {key} must be one of {', '.join(known[key])}, got {value!r}")
-        out[key] = value
-    return out
-
-
 class TorchCompileAdapter(TorchAdapter):
     """``torch-compile[:mode=...,dynamic=true]``: aten's BatchNorm ops compiled by TorchInductor on the CPU."""
 
     def __init__(self, opts: str = "") -> None:
-        o = _options(opts)
+        o = parse_options("torch-compile", opts, {"mode": MODES, "dynamic": ("false", "true")})
         super().__init__("cpu")
         self.mode = o.get("mode", "default")
         self.dynamic = o.get("dynamic", "false") == "true"
