@@ -113,6 +113,16 @@ def test_onnxruntime_inference_is_close_to_float64(dtype):
     assert np.all(np.abs(y - exact) <= 4 * u * terms)
 
 
+def test_torch_compile_options_are_checked_before_any_compile():
+    a = get_adapter("torch-compile:mode=max-autotune,dynamic=true")
+    assert (a.mode, a.dynamic, a.compiles) == ("max-autotune", True, 0)
+    assert a.capabilities().saved == "invstd" and a.capabilities().modes == ("train", "infer", "backward")
+    with pytest.raises(BNProbeError, match="mode must be one of default"):
+        get_adapter("torch-compile:mode=fastest")
+    with pytest.raises(BNProbeError, match="unknown option 'fullgraph=0'"):
+        get_adapter("torch-compile:fullgraph=0")
+
+
 # ---- torch-compile (each compiles: slow) ----------------------------------------------------------------------
 
 @pytest.mark.slow
