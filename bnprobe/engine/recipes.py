@@ -172,6 +172,8 @@ def _backward_from_input_format(call: BNCall, got: dict[str, Any], saved: Any) -
             # statistics saved finer than the input's format, or not the batch's rounded to it (a kernel whose
             # statistics are wrong is named by what makes them wrong): not this recipe's backward
             return out
+        if all(np.array_equal(v, round_to(e, pf), equal_nan=True) for v, e in zip((mean, inv), exact)):
+            return out  # (saved as a careful kernel saves them, which the input's format happens to hold)
         dy = np.asarray(call.dy, dtype=np.float64)
         g = np.ones(lay.channels) if call.gamma is None else np.asarray(call.gamma, dtype=np.float64)
         xhat = (x - lay.column(mean)) * lay.column(inv)
@@ -204,11 +206,9 @@ RECIPES: tuple[Recipe, ...] = (
            "0.0221 (variance 2048, not 1024) and y = [0, 1.414]",
            None, _training_narrow, ("saved_invstd", "saved_var"),
            derive=_var_about_stored_mean),
-    Recipe(SAVED_IN_INPUT_FORMAT, "saves the batch mean and invstd in the input's format ({dtype}), not in the "
-                                  "parameters' ({params}), and its backward computes from them: dx and dγ carry the "
-                                  "statistics' rounding error, (x − mean) losing the mean's low bits",
-           "torch.compile (TorchInductor) on the CPU does this: its BatchNorm decomposition casts save_mean and "
-           "save_rstd to the input's dtype (torch/_decomp/decompositions.py, native_batch_norm_helper)",
+    Recipe(SAVED_IN_INPUT_FORMAT, "saves the batch mean and invstd in the input's format ({dtype}), not the "
+                                  "parameters' ({params}), and its backward computes from them",
+           "torch.compile on the CPU does this: its decomposition casts save_mean and save_rstd to the input's dtype",
            None, _mixed_narrow, ("saved_mean", "saved_invstd", "dx", "dgamma"),
            derive=_backward_from_input_format),
 )
