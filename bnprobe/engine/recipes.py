@@ -157,23 +157,24 @@ def _backward_from_input_format(call: BNCall, got: dict[str, Any], saved: Any) -
     x = np.asarray(call.x, dtype=np.float64)
     ax, lay = reduce_axes(x), layout_of(x)
     out: dict[str, np.ndarray] = {}
+    if saved is None:
+        return out
     with np.errstate(all="ignore"):
-        if "saved_mean" in got:
-            out["saved_mean"] = round_to(x.mean(axis=ax), fmt)
-        if "saved_invstd" in got:
-            out["saved_invstd"] = round_to(1.0 / np.sqrt(x.var(axis=ax) + call.eps), fmt)
-        if saved is None or call.dy is None:
-            return out
         mean, inv = (np.asarray(v, dtype=np.float64) for v in (saved.mean, saved.invstd(call.eps)))
         exact = (x.mean(axis=ax), 1.0 / np.sqrt(x.var(axis=ax) + call.eps))
         ulp = get_format(fmt).ulp
+        # only a kernel whose saved mean and invstd are both the batch's, rounded to the input's format (a kernel
+        # whose statistics are wrong, or computed coarsely, is named by what makes them so), and not what a careful
+        # kernel saves (which the input's format may happen to hold)
         if not all(np.array_equal(round_to(v, fmt), v, equal_nan=True) and np.all(np.abs(v - e) <= ulp(e))
-                   for v, e in zip((mean, inv), exact)):
-            # statistics saved finer than the input's format, or not the batch's rounded to it (a kernel whose
-            # statistics are wrong is named by what makes them wrong): not this recipe's backward
+                   for v, e in zip((mean, inv), exact)) or \
+                all(np.array_equal(v, round_to(e, pf), equal_nan=True) for v, e in zip((mean, inv), exact)):
             return out
-        if all(np.array_equal(v, round_to(e, pf), equal_nan=True) for v, e in zip((mean, inv), exact)):
-            return out  # (saved as a careful kernel saves them, which the input's format happens to hold)
+        for key, e in (("saved_mean", exact[0]), ("saved_invstd", exact[1])):
+            if key in got:
+                out[key] = round_to(e, fmt)
+        if call.dy is None:
+            return out
         dy = np.asarray(call.dy, dtype=np.float64)
         g = np.ones(lay.channels) if call.gamma is None else np.asarray(call.gamma, dtype=np.float64)
         xhat = (x - lay.column(mean)) * lay.column(inv)
