@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from bnprobe.adapters.base import BaseAdapter, Capabilities, ForwardOutput, Prepared
-from bnprobe.core.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import get_format
 
 __all__ = ["OnnxRuntimeAdapter", "onnxruntime_unavailable", "OPSET"]
@@ -77,7 +77,7 @@ class OnnxRuntimeAdapter(BaseAdapter):
     def _forward_infer_impl(self, p: Prepared, *, eps: float) -> ForwardOutput:
         if p.params != p.dtype:
             raise BNProbeError(f"adapter onnxruntime: a BatchNormalization node holds scale, B, mean and var in x's "
-                               f"type ({p.dtype}): use params same")
+                               f"type ({p.dtype}): use {named('params')} same")
         dt = get_format(p.dtype).dtype
         x = np.asarray(p.x, dtype=np.float64)
         if p.lay.layout == "channels_last" and x.ndim > 2:

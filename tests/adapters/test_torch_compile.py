@@ -95,6 +95,17 @@ def test_onnxruntime_is_inference_only_and_said_so():
         a.infer(_call("fp16").with_(training=False))
 
 
+def test_onnxruntime_refusals_name_the_flag_on_the_command_line(capsys):
+    pytest.importorskip("onnxruntime")
+    from bnprobe.cli import main
+
+    assert main(["identify", "--adapter", "onnxruntime", "--dtype", "fp16"]) == 2
+    assert capsys.readouterr().err.strip().endswith("in x's type (fp16): use --params same")
+    assert main(["compare-precision", "--adapters", "onnxruntime", "--dtypes", "fp32", "--shape", "2,3,4,4",
+                 "--no-stress"]) == 2
+    assert "does not support train (it supports infer)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_onnxruntime_inference_is_close_to_float64(dtype):
     """Its y against numpy float64's (x − μ)/√(v + ε)·γ + β: within a few ulps of the terms a folded x·s + b adds

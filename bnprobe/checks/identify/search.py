@@ -514,7 +514,7 @@ def _observer(kernel: KernelAdapter, caps: Any) -> Callable[[list[Case]], list[O
             except BNProbeError as exc:
                 if p.modes_only:  # (a kernel may refuse subnormal or huge input: the modes stay unidentified)
                     continue
-                raise BNProbeError(f"identify: {kernel.name} refused the probe {p.name}: {exc}") from None
+                raise BNProbeError(f"identify: {kernel.name} refused the probe {p.name}: {exc.template}") from None
         return out
 
     return observe_all
