@@ -44,7 +44,7 @@ from bnprobe._files import atomic_write_text, atomic_write_with, dumps_json
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["capture", "Capture", "DEFAULT_MAX_BYTES", "COMPILED_NOTE"]
+__all__ = ["capture", "Capture", "DEFAULT_MAX_BYTES", "COMPILED_NOTE", "COMPILED_NODE", "outside_graph"]
 
 DEFAULT_MAX_BYTES = 2 * 1024**3  # 2 GiB of captured tensors held in memory at once (calls not yet on disk)
 #: said on every call recorded inside a torch.compile'd model, and by every command reading it
@@ -52,6 +52,8 @@ COMPILED_NOTE = ("recorded under torch.compile: bnprobe's hooks break the graph 
                  "compiled graph of its own (inductor's kernel, not fused with its neighbours as without the hooks); "
                  "its backward runs inside that graph's compiled autograd function, which does not expose dx, dγ, dβ: "
                  "the backward is not recorded")
+#: y's autograd node when the BatchNorm ran inside a torch.compile'd graph (its backward is not observable)
+COMPILED_NODE = "CompiledFunctionBackward"
 _SPILL = "forward-spill.npz"  # a call's forward tensors, awaiting its backward
 
 # autograd nodes of the BatchNorm kernels: _saved_result1 is the saved mean, _saved_result2 the saved
@@ -232,6 +234,13 @@ def momentum_factor(module: Any) -> float:
     return 0.0 if module.momentum is None else float(module.momentum)
 
 
+def outside_graph(torch: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """What keeps a hook out of torch.compile's graph (``torch._dynamo.disable``; a torch without dynamo: nothing).
+    A hook run, not traced, breaks the graph around its module: dynamo would otherwise try to compile bnprobe's own
+    work (its file writes), and the module then runs as a compiled graph of its own."""
+    return getattr(getattr(torch, "_dynamo", None), "disable", lambda f: f)
+
+
 def finish_call(module: Any, call: CapturedCall, y: torch.Tensor | None = None, *, node: Any = None,
                 running_out: tuple[Any, Any] | None = None) -> tuple[Any, bool]:
     """``call``'s outputs recorded from the module after its forward and its output ``y``: the momentum factor
@@ -247,6 +256,9 @@ def finish_call(module: Any, call: CapturedCall, y: torch.Tensor | None = None, 
     node_name = type(node).__name__ if node is not None else None
     call.meta["grad_fn"] = node_name
     is_bn_node = node_name in BN_NODES
+    if node_name == COMPILED_NODE:
+        call.meta["notes"] = [*call.meta.get("notes", []), COMPILED_NOTE]
+        call.meta["compiled"] = "torch.compile"
     if call.training:
         if is_bn_node:
             mean, invstd = node._saved_result1, node._saved_result2
@@ -356,9 +368,7 @@ class Capture:
                                "torch.nn.modules.batchnorm._BatchNorm) to capture")
         self._torch = torch
         self._entered = True
-        # under torch.compile the hooks must run, not be traced: dynamo would try to compile bnprobe's file writes;
-        # disabled, they break the graph around each BatchNorm, which then runs as a compiled graph of its own
-        outside = getattr(getattr(torch, "_dynamo", None), "disable", lambda f: f)
+        outside = outside_graph(torch)
         try:
             for path, m in modules:
                 self._handles.append(m.register_forward_pre_hook(outside(self._pre_hook(path)), with_kwargs=True))
@@ -474,11 +484,7 @@ class Capture:
         if self.backward and is_bn_node:
             self._handles.append(node.register_hook(self._grad_hook(call)))
             return True
-        if node is not None and type(node).__name__ == "CompiledFunctionBackward":
-            call.meta["notes"] = [*call.meta.get("notes", []), COMPILED_NOTE]
-            call.meta["compiled"] = "torch.compile"
-            return False
-        if self.backward and node is not None:
+        if self.backward and node is not None and not call.meta.get("compiled"):
             call.meta["backward_note"] = (f"not hooked: y comes from {type(node).__name__}, not a BatchNorm kernel's "
                                           "node")
         return False

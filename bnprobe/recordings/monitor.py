@@ -47,10 +47,11 @@ from bnprobe.recordings.bnprobe_dump import write_dump
 from bnprobe.recordings.monitor_profile import one_pass, profile_tensor
 from bnprobe.recordings.capture import (
     BN_NODES,
-    COMPILED_NOTE,
+    COMPILED_NODE,
     CapturedCall,
     finish_call,
     momentum_factor,
+    outside_graph,
     record_grads,
     start_call,
 )
@@ -234,9 +235,7 @@ class Monitor:
         self._check_out()
         self._torch, self._entered = torch, True
         self._jit = jit_mode()  # whether large CPU tensors are profiled in one compiled pass
-        # under torch.compile the hooks run outside the graph (dynamo would try to trace the monitor's own work); each
-        # BatchNorm then runs as a compiled graph of its own, whose backward the monitor cannot see (COMPILED_NOTE)
-        outside = getattr(getattr(torch, "_dynamo", None), "disable", lambda f: f)
+        outside = outside_graph(torch)  # (a compiled model's BatchNorm: its forward watched, its backward not)
         try:
             for path, m in modules:
                 self._handles.append(m.register_forward_pre_hook(outside(self._pre_hook(path))))
@@ -304,7 +303,7 @@ class Monitor:
                     return
         node = y.grad_fn
         is_bn = node is not None and type(node).__name__ in BN_NODES
-        if node is not None and type(node).__name__ == "CompiledFunctionBackward" and path not in self.compiled:
+        if node is not None and type(node).__name__ == COMPILED_NODE and path not in self.compiled:
             self.compiled.append(path)  # (its forward is watched; its backward is inside the compiled graph)
         row = self._forward_row(module, path, index, x, y, node if is_bn else None, running)
         p = _Pending(path, index, module, row, [], set(), x, version, running,
@@ -507,9 +506,7 @@ class Monitor:
         call = self._new_dump(p)
         if call is None:
             return
-        finish_call(p.module, call, y)
-        if p.layer in self.compiled:
-            call.meta["notes"] = [*call.meta.get("notes", []), COMPILED_NOTE]
+        finish_call(p.module, call, y)  # (a compiled model's call: its note said there)
         p.dump = call
         if p.node is not None and self._torch.is_grad_enabled():
             call.spill(p.folder)  # its backward comes later in the step: one call held at a time
