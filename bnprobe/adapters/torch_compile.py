@@ -28,6 +28,7 @@ from bnprobe.adapters.base import BackwardOutput, Capabilities, ForwardOutput, P
 from bnprobe.adapters.frameworks import parse_options
 from bnprobe.adapters.torch_adapter import TorchAdapter
 from bnprobe.core.errors import BNProbeError
+from bnprobe.core.formats import get_format
 
 __all__ = ["TorchCompileAdapter", "MODES", "RECOMPILE_LIMIT"]
 
@@ -96,11 +97,6 @@ class TorchCompileAdapter(TorchAdapter):
         return {"torch": self.torch.__version__, "device": "cpu", "compiled": "inductor", "mode": self.mode,
                 "dynamic": self.dynamic}
 
-    def _format_of(self, t: Any) -> str:
-        """The bnprobe format of a tensor inductor returned (its saved statistics' format is its own choice)."""
-        return {self.torch.float64: "fp64", self.torch.float32: "fp32", self.torch.float16: "fp16",
-                self.torch.bfloat16: "bf16"}[t.dtype]
-
     # ---- kernels ---------------------------------------------------------------------------------
     def _forward_train_impl(self, p: Prepared, *, momentum: float | None, eps: float) -> ForwardOutput:
         v = p.vectors
@@ -108,7 +104,7 @@ class TorchCompileAdapter(TorchAdapter):
         w, b = self._tensor(v["gamma"], p.params), self._tensor(v["beta"], p.params)
         rm, rv = self._tensor(v["running_mean"], p.params), self._tensor(v["running_var"], p.params)
         y, smean, sinv = self._run("train", x, w, b, rm, rv, 1.0 if momentum is None else momentum, eps)
-        sf = self._format_of(smean)
+        sf = get_format(str(smean.dtype)).name  # (inductor's choice, read off what it returned)
         return ForwardOutput(
             self._array(y, p.dtype, p), Saved(self._array(smean, sf), "invstd", self._array(sinv, sf)),
             None if rm is None else self._array(rm, p.params), None if rv is None else self._array(rv, p.params),
