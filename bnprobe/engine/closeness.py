@@ -28,6 +28,7 @@ import numpy as np
 from bnprobe.core.formats import get_format
 from bnprobe.core.tolerances import MSPROBE_BENCHMARK_LIMITS, MSPROBE_STANDARDS
 from bnprobe.engine.metrics import min_atol, min_rtol
+from bnprobe.engine.result import Judged
 from bnprobe.engine.rules import Verdict, mismatch
 
 __all__ = ["Closeness", "allclose_rule", "scaled_rule", "Bounded", "bound_shares", "bounded_rule", "error_within",
@@ -40,7 +41,7 @@ BENCH_MAX_RATIO = MSPROBE_BENCHMARK_LIMITS["L0"]["max_rel"]
 
 
 @dataclass(frozen=True)
-class Closeness:
+class Closeness(Judged):
     """One tolerance rule's judgement of one tensor: whether it passed, the largest absolute and relative errors,
     the smallest atol and rtol that would have passed (``need_atol``, ``need_rtol``), the share of the tolerance
     used (> 1 fails), the worst element (its flat index and where it is) and, when it failed, why.  Truthy when it
@@ -55,9 +56,6 @@ class Closeness:
     worst: int
     where: str
     why: str
-
-    def __bool__(self) -> bool:
-        return self.passed
 
 
 def _at(where: Callable[[int], str] | None, i: int) -> str:
@@ -156,7 +154,7 @@ def bound_shares(actual: Any, expected: Any, bound: Any) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class Bounded:
+class Bounded(Judged):
     """:func:`bounded_rule`'s judgement: per value the share of its bound used (:func:`bound_shares`), whether every
     share is at most 1, the largest and where (flat index), and why it failed.  Truthy when it passed."""
 
@@ -165,9 +163,6 @@ class Bounded:
     used: float
     worst: int
     why: str
-
-    def __bool__(self) -> bool:
-        return self.passed
 
 
 def bounded_rule(actual: Any, expected: Any, bound: Any, *, where: Callable[[int], str] | None = None) -> Bounded:
