@@ -263,40 +263,40 @@ def _recorded(rec: Recording, modes: tuple[str, ...]) -> tuple[Recording, tuple[
     return rec, tuple(m for m in modes if m in rec.tensors and (m != "train" or rec.training))
 
 
-def merged_notes(notes: list[str], names: list[str]) -> list[str]:
-    """``notes`` with the same note of several calls (``name: text``, ``names`` the calls') said once, naming the
-    calls: a capture of a compiled model notes every call alike."""
-    by_text: dict[str, list[str]] = {}
-    out: list[str | tuple[str]] = []
-    known = sorted(set(names), key=len, reverse=True)
-    for n in notes:
-        name = next((k for k in known if n.startswith(f"{k}: ")), None)
-        if name is None:
-            out.append(n)
-            continue
-        text = n[len(name) + 2:]
-        if text not in by_text:
-            by_text[text] = []
-            out.append((text,))
-        by_text[text].append(name)
-    def said(item: str | tuple[str]) -> str:
-        if isinstance(item, str):
-            return item
-        who = by_text[item[0]]
+@dataclass
+class _CallNote:
+    """A recording's note, said once for every call that carries it (a capture of a compiled model notes every call
+    alike): ``calls``, the calls' names in the order they came."""
+
+    text: str
+    calls: list[str]
+
+    def __str__(self) -> str:
+        who = self.calls
         head = who[0] if len(who) == 1 else f"{len(who)} calls ({', '.join(who[:3])}{', ...' if len(who) > 3 else ''})"
-        return f"{head}: {item[0]}"
-    return [said(i) for i in out]
+        return f"{head}: {self.text}"
+
+
+def _note_of_call(notes: list[str | _CallNote], name: str, text: str) -> None:
+    """``text``, a note of the recorded call ``name``, in ``notes``: the call added to the note when another call
+    carried it already."""
+    same = next((n for n in notes if isinstance(n, _CallNote) and n.text == text), None)
+    if same is None:
+        notes.append(_CallNote(text, [name]))
+    else:
+        same.calls.append(name)
 
 
 def _case_calls(case: Case, fmts: list[str], modes: tuple[str, ...], opts: dict[str, Any], ref: KernelAdapter,
-                notes: list[str]) -> list[_CaseCall]:
+                notes: list[str | _CallNote]) -> list[_CaseCall]:
     """A case's calls, one per format (a recorded call: its own, in its format), with what they hold that the
     verdicts cannot see (NaN/inf: the golden is non-finite there too) said in ``notes``."""
     eps, momentum, params = opts["eps"], opts["momentum"], opts["params"]
     if case.recorded is not None:
         rec = case.recorded.load()
         _agree(case.name, rec, eps, momentum, params)
-        notes.extend(f"{case.name}: {n}" for n in rec.meta.get("notes", []))
+        for n in rec.meta.get("notes", []):
+            _note_of_call(notes, case.name, n)
         per_fmt = [_recorded(rec, modes)]
     else:
         x = case.make()
@@ -586,7 +586,8 @@ def compare_precision(
     _check_formats(resolved, bench_a, cases, fmts, recorded_fmts, dtypes)
     ref = get_adapter("reference")
     modes = ("train", "infer", "backward") if mode == "all" else (mode,)
-    tables, notes = _Tables([], [], []), []  # the three tables' rows, and what the verdicts cannot show
+    tables = _Tables([], [], [])  # the three tables' rows
+    notes: list[str | _CallNote] = []  # what the verdicts cannot show
     skip, total = _default_formats(resolved, cases, fmts, dtypes)
     done = 0
     t0 = time.monotonic()
@@ -621,7 +622,7 @@ def compare_precision(
             **_run_meta(cases, dumps), "seconds": round(time.monotonic() - t0, 3),
             "standards": "msprobe" if standards is None else "custom", "rule": rule,
             "bench": bench_a.name if bench_a is not None else None,
-            "notes": merged_notes(notes, [c.name for c in cases])}
+            "notes": [str(n) for n in notes]}
     return CompareResult(pd.DataFrame(tables.rows), pd.DataFrame(tables.chans), pd.DataFrame(tables.budgets), meta)
 
 
