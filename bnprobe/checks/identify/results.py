@@ -89,13 +89,18 @@ class Identified(Judged):
         return [o for o in self.outputs if o.stage == self.departs and not (o.probes_exact and
                                                                             o.fresh_exact is not False)]
 
+    def _departing_size(self) -> tuple[int, int, float]:
+        """(values that differ, values, the largest residual in ULPs) over the departing outputs."""
+        off = self.departing
+        return (sum(o.mismatches for o in off), sum(o.elements for o in off),
+                max((o.max_ulps for o in off), default=0.0))
+
     @property
     def close(self) -> bool:
         """Whether the policy found is close to the kernel where it departs (:data:`CLOSE_SHARE`,
         :data:`CLOSE_ULPS`): False when it reproduces everything too (it is then no departure)."""
-        off = self.departing
-        mism, elems = sum(o.mismatches for o in off), sum(o.elements for o in off)
-        return bool(off) and elems > 0 and mism <= CLOSE_SHARE * elems and max(o.max_ulps for o in off) <= CLOSE_ULPS
+        mism, elems, ulps = self._departing_size()
+        return elems > 0 and mism <= CLOSE_SHARE * elems and ulps <= CLOSE_ULPS
 
     @property
     def established(self) -> list[str]:
@@ -108,9 +113,7 @@ class Identified(Judged):
     def departure_size(self) -> str:
         """How far the policy found is from the departing outputs: values that differ, the largest residual, and
         the probes that show it."""
-        off = self.departing
-        mism, elems = sum(o.mismatches for o in off), sum(o.elements for o in off)
-        ulps = max((o.max_ulps for o in off), default=0.0)
+        mism, elems, ulps = self._departing_size()
         where = f", on the {', '.join(self.departing_probes)} probe(s)" if self.departing_probes else ""
         return f"{mism} of {elems} values differ, up to {ulps:.4g} ULPs{where}"
 

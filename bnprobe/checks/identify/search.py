@@ -28,10 +28,12 @@ It drives the kernel on designed probes (values spread over many binades, so sum
 means over small spreads; variances near ε; standard deviations across binades; both layouts; subnormal and huge
 input for the modes) — or, given a recording (a :class:`~bnprobe.engine.recorded.Recorded`) in place of the
 kernel, only each recorded call's inputs — keeping at every stage the candidates that reproduce what the stage
-pins, ties kept as fields the probes could not distinguish.  Where no candidate reproduces a stage, the closest
-is kept and the stage named as the one where the kernel departs from the space, with its residual in ULPs: never
-a nearest guess called a match.  The identified policy is then confirmed on fresh inputs the search never saw
-(another seed, shape and scale).
+pins, ties kept as fields the probes could not distinguish.  Where no candidate reproduces a stage, the stage is
+named as the one where the kernel departs from the space, with the best candidate's residual in ULPs and the
+probes that show it; that candidate is called the closest only when it is close (all but
+:data:`~bnprobe.checks.identify.results.CLOSE_SHARE` of the values within
+:data:`~bnprobe.checks.identify.results.CLOSE_ULPS`): never a nearest guess called a match.  The identified
+policy is then confirmed on fresh inputs the search never saw (another seed, shape and scale).
 """
 from __future__ import annotations
 
@@ -412,7 +414,7 @@ def _notes(nondet: list[str], layouts: dict[str, list[str]], stages: dict[str, d
     if nondet:
         notes.append(f"nondeterministic: the same probe run twice gave different {', '.join(nondet)} (a reduction "
                      "whose order changes from call to call, such as atomic adds): no policy reproduces it bit for "
-                     "bit, the closest is shown")
+                     "bit")
     for lay, off in layouts.items():
         notes.append(f"{lay}: " + (f"{', '.join(off)} not reproduced — the kernel computes this layout another way "
                                    "(the search ran on the other)" if off else "reproduced bit for bit too"))
