@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.adapters.base import params_format
-from bnprobe.adapters.emulated import CarefulAdapter
+from bnprobe.adapters.base import Saved, outputs_only, params_format
+from bnprobe.adapters.emulated import CarefulAdapter, ReferenceAdapter
 from bnprobe.core.call import BNCall
 from bnprobe.core.formats import get_format
 
@@ -147,15 +147,15 @@ def _mixed_narrow(call: BNCall) -> bool:
 
 
 def _backward_from_input_format(call: BNCall, got: dict[str, Any], saved: Any) -> dict[str, np.ndarray]:
-    """The saved statistics as the batch's rounded to the input's format, and the backward computed exactly from
+    """The saved statistics as the batch's rounded to the input's format, and the golden's backward computed from
     the statistics the kernel saved (dx rounded to the input's format, dγ and dβ to the parameters'): what a kernel
     that keeps its saved mean and invstd in the input's format returns."""
-    from bnprobe.kernels.layout import layout_of, reduce_axes
+    from bnprobe.kernels.layout import reduce_axes
     from bnprobe.numerics.rounding import round_to
 
     fmt, pf = get_format(call.dtype).name, params_format(call.dtype, call.params)
     x = np.asarray(call.x, dtype=np.float64)
-    ax, lay = reduce_axes(x), layout_of(x)
+    ax = reduce_axes(x)
     out: dict[str, np.ndarray] = {}
     if saved is None:
         return out
@@ -173,16 +173,12 @@ def _backward_from_input_format(call: BNCall, got: dict[str, Any], saved: Any) -
         for key, e in (("saved_mean", exact[0]), ("saved_invstd", exact[1])):
             if key in got:
                 out[key] = round_to(e, fmt)
-        if call.dy is None:
-            return out
-        dy = np.asarray(call.dy, dtype=np.float64)
-        g = np.ones(lay.channels) if call.gamma is None else np.asarray(call.gamma, dtype=np.float64)
-        xhat = (x - lay.column(mean)) * lay.column(inv)
-        n = lay.reduce_size
-        dbeta, dgamma = dy.sum(axis=ax), (dy * xhat).sum(axis=ax)
-        dx = lay.column(g * inv) * (dy - lay.column(dbeta / n) - xhat * lay.column(dgamma / n))
-    out.update({k: round_to(v, f) for k, v, f in (("dx", dx, fmt), ("dgamma", dgamma, pf), ("dbeta", dbeta, pf))
-                if k in got})
+    if call.dy is None:
+        return out
+    # the golden's backward, handed the statistics the kernel saved
+    b = outputs_only(ReferenceAdapter()).backward_of(call, Saved(mean, "invstd", inv))
+    out.update({k: round_to(v, f) for k, v, f in (("dx", b.dx, fmt), ("dgamma", b.dgamma, pf),
+                                                   ("dbeta", b.dbeta, pf)) if k in got})
     return out
 
 
