@@ -72,6 +72,22 @@ class TorchAdapter(BaseAdapter):
         """aten keeps the saved statistics in the parameters' dtype (fp32 under mixed precision)."""
         return p.params
 
+    def _op(self, kind: str, *args: Any) -> Any:
+        """aten's BatchNorm op of ``kind`` on ``args``: ``train`` and ``infer`` are native_batch_norm's (x, w, b,
+        running mean, running var, training, momentum, eps), ``backward`` native_batch_norm_backward's (dy, x, w,
+        running mean, running var, saved mean, saved invstd, training, eps).  A subclass runs them another way
+        (compiled)."""
+        ops = self.torch.ops.aten
+        with self.torch.no_grad():
+            if kind == "backward":
+                return ops.native_batch_norm_backward(*args, [True, True, True])
+            return ops.native_batch_norm(*args)
+
+    def _meta(self, train: Prepared | None = None) -> dict[str, Any]:
+        """What the adapter says of a call it ran (``train``: the training forward's call, whose meta also names the
+        device)."""
+        return {"torch": self.torch.__version__, **({"device": self.device} if train is not None else {})}
+
     # ---- kernels ---------------------------------------------------------------------------------
     def _forward_train_impl(self, p: Prepared, *, momentum: float | None, eps: float) -> ForwardOutput:
         v = p.vectors
@@ -79,23 +95,20 @@ class TorchAdapter(BaseAdapter):
         w, b = self._tensor(v["gamma"], p.params), self._tensor(v["beta"], p.params)
         rm, rv = self._tensor(v["running_mean"], p.params), self._tensor(v["running_var"], p.params)
         # momentum=None is PyTorch's cumulative average; for the first batch its factor is 1
-        with self.torch.no_grad():
-            y, smean, sinv = self.torch.ops.aten.native_batch_norm(
-                x, w, b, rm, rv, True, 1.0 if momentum is None else momentum, eps)
+        y, smean, sinv = self._op("train", x, w, b, rm, rv, True, 1.0 if momentum is None else momentum, eps)
         sf = self._stats_format(p)
         return ForwardOutput(
             self._array(y, p.dtype, p), Saved(self._array(smean, sf), "invstd", self._array(sinv, sf)),
             None if rm is None else self._array(rm, p.params), None if rv is None else self._array(rv, p.params),
-            meta={"torch": self.torch.__version__, "device": self.device})
+            meta=self._meta(train=p))
 
     def _forward_infer_impl(self, p: Prepared, *, eps: float) -> ForwardOutput:
         v = p.vectors
         x = self._tensor(p.x, p.dtype, p)
-        with self.torch.no_grad():
-            y, _, _ = self.torch.ops.aten.native_batch_norm(
-                x, self._tensor(v["gamma"], p.params), self._tensor(v["beta"], p.params),
-                self._tensor(v["running_mean"], p.params), self._tensor(v["running_var"], p.params), False, 0.0, eps)
-        return ForwardOutput(self._array(y, p.dtype, p), meta={"torch": self.torch.__version__})
+        y, _, _ = self._op("infer", x, self._tensor(v["gamma"], p.params), self._tensor(v["beta"], p.params),
+                           self._tensor(v["running_mean"], p.params), self._tensor(v["running_var"], p.params), False,
+                           0.0, eps)
+        return ForwardOutput(self._array(y, p.dtype, p), meta=self._meta())
 
     def _backward_impl(self, p: Prepared, dy: np.ndarray, saved: Saved, *, eps: float,
                        training: bool) -> BackwardOutput:
@@ -108,8 +121,6 @@ class TorchAdapter(BaseAdapter):
             args = (None, None, self._tensor(mean, sf), self._tensor(saved.invstd(eps), sf))
         else:  # inference: torch reads the running statistics
             args = (self._tensor(mean, p.params), self._tensor(saved.var(eps), p.params), None, None)
-        with self.torch.no_grad():
-            dx, dw, db = self.torch.ops.aten.native_batch_norm_backward(
-                g, x, w, *args, training, eps, [True, True, True])
+        dx, dw, db = self._op("backward", g, x, w, *args, training, eps)
         return BackwardOutput(self._array(dx, p.dtype, p), self._array(dw, p.params), self._array(db, p.params),
-                              meta={"torch": self.torch.__version__})
+                              meta=self._meta())

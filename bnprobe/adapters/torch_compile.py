@@ -22,13 +22,10 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
-from bnprobe.adapters.base import BackwardOutput, Capabilities, ForwardOutput, Prepared, Saved
+from bnprobe.adapters.base import Prepared
 from bnprobe.adapters.frameworks import parse_options
 from bnprobe.adapters.torch_adapter import TorchAdapter
 from bnprobe.core.errors import BNProbeError
-from bnprobe.core.formats import get_format
 
 __all__ = ["TorchCompileAdapter", "MODES", "RECOMPILE_LIMIT"]
 
@@ -53,22 +50,24 @@ class TorchCompileAdapter(TorchAdapter):
         self.compiles = 0
         self._compiled: dict[str, Callable[..., Any]] = {}
 
-    def capabilities(self) -> Capabilities:
-        return Capabilities(formats=("fp64", "fp32", "fp16", "bf16"), saved="invstd", deterministic=True)
+    def _stats_format(self, p: Prepared) -> str:
+        """Inductor's decomposition returns the saved mean and invstd in the input's dtype on the CPU, whatever the
+        parameters', and its backward reads them so."""
+        return p.dtype
 
     # ---- compiling -------------------------------------------------------------------------------
     def _fn(self, kind: str) -> Callable[..., Any]:
         if kind not in self._compiled:
             ops = self.torch.ops.aten
-            plain = {"train": lambda x, w, b, rm, rv, m, e: ops.native_batch_norm(x, w, b, rm, rv, True, m, e),
-                     "infer": lambda x, w, b, rm, rv, e: ops.native_batch_norm(x, w, b, rm, rv, False, 0.0, e)[0],
-                     "backward": lambda g, x, w, rm, rv, sm, si, t, e: ops.native_batch_norm_backward(
-                         g, x, w, rm, rv, sm, si, t, e, [True, True, True])}[kind]
+            # (one function each: dynamo's recompile limit counts per function)
+            plain = {"train": lambda *a: ops.native_batch_norm(*a), "infer": lambda *a: ops.native_batch_norm(*a),
+                     "backward": lambda *a: ops.native_batch_norm_backward(*a, [True, True, True])}[kind]
             self._compiled[kind] = self.torch.compile(plain, mode=self.mode, dynamic=self.dynamic, fullgraph=True)
         return self._compiled[kind]
 
-    def _run(self, kind: str, *args: Any) -> Any:
-        """One call of the compiled ``kind``; a call that compiled has its time added to :attr:`compile_seconds`."""
+    def _op(self, kind: str, *args: Any) -> Any:
+        """The compiled op of ``kind`` (see :meth:`TorchAdapter._op`); a call that compiled has its time added to
+        :attr:`compile_seconds`."""
         from torch._dynamo import config
         from torch._dynamo.utils import counters
 
@@ -93,40 +92,6 @@ class TorchCompileAdapter(TorchAdapter):
             self.compile_seconds += time.perf_counter() - start
         return out
 
-    def _meta(self) -> dict[str, Any]:
+    def _meta(self, train: Prepared | None = None) -> dict[str, Any]:
         return {"torch": self.torch.__version__, "device": "cpu", "compiled": "inductor", "mode": self.mode,
-                "dynamic": self.dynamic}
-
-    # ---- kernels ---------------------------------------------------------------------------------
-    def _forward_train_impl(self, p: Prepared, *, momentum: float | None, eps: float) -> ForwardOutput:
-        v = p.vectors
-        x = self._tensor(p.x, p.dtype, p)
-        w, b = self._tensor(v["gamma"], p.params), self._tensor(v["beta"], p.params)
-        rm, rv = self._tensor(v["running_mean"], p.params), self._tensor(v["running_var"], p.params)
-        y, smean, sinv = self._run("train", x, w, b, rm, rv, 1.0 if momentum is None else momentum, eps)
-        sf = get_format(str(smean.dtype)).name  # (inductor's choice, read off what it returned)
-        return ForwardOutput(
-            self._array(y, p.dtype, p), Saved(self._array(smean, sf), "invstd", self._array(sinv, sf)),
-            None if rm is None else self._array(rm, p.params), None if rv is None else self._array(rv, p.params),
-            meta={**self._meta(), "saved_format": sf})
-
-    def _forward_infer_impl(self, p: Prepared, *, eps: float) -> ForwardOutput:
-        v = p.vectors
-        y = self._run("infer", self._tensor(p.x, p.dtype, p), self._tensor(v["gamma"], p.params),
-                      self._tensor(v["beta"], p.params), self._tensor(v["running_mean"], p.params),
-                      self._tensor(v["running_var"], p.params), eps)
-        return ForwardOutput(self._array(y, p.dtype, p), meta=self._meta())
-
-    def _backward_impl(self, p: Prepared, dy: np.ndarray, saved: Saved, *, eps: float,
-                       training: bool) -> BackwardOutput:
-        # the saved statistics in the format inductor's own forward saves them on the CPU: the input's
-        sf = p.dtype
-        x, g = self._tensor(p.x, p.dtype, p), self._tensor(dy, p.dtype, p)
-        w = self._tensor(p.vectors["gamma"], p.params)
-        if training:
-            args = (None, None, self._tensor(saved.mean, sf), self._tensor(saved.invstd(eps), sf))
-        else:
-            args = (self._tensor(saved.mean, p.params), self._tensor(saved.var(eps), p.params), None, None)
-        dx, dw, db = self._run("backward", g, x, w, *args, training, eps)
-        return BackwardOutput(self._array(dx, p.dtype, p), self._array(dw, p.params), self._array(db, p.params),
-                              meta=self._meta())
+                "dynamic": self.dynamic, **({"saved_format": self._stats_format(train)} if train is not None else {})}

@@ -159,6 +159,10 @@ def test_torch_compile_backward_is_autograd_through_the_compiled_forward(dtype):
     assert np.array_equal(bwd.dgamma.astype(np.float64), w.grad.double().numpy())
     assert fwd.saved.mean.dtype == {"fp16": np.float16, "fp32": np.float32}.get(dtype, fwd.saved.mean.dtype)
     assert fwd.meta["saved_format"] == dtype
+    tdt_of = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+    nbn = torch.compile(lambda *args: torch.ops.aten.native_batch_norm(*args), dynamic=False, fullgraph=True)
+    raw = nbn(x.detach(), w.detach(), b.detach(), None, None, True, 0.1, call.eps)
+    assert raw[1].dtype == raw[2].dtype == tdt_of[dtype]  # inductor's own choice: the input's dtype
     assert a.compiles >= 1 and a.compile_seconds > 0
 
 
