@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from bnprobe.adapters.base import BaseAdapter, Capabilities, ForwardOutput, Prepared
+from bnprobe.adapters.frameworks import missing
 from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import get_format
 
@@ -27,12 +28,7 @@ OPSET = 15  # BatchNormalization-15: inference with scale/B and mean/var of thei
 
 def onnxruntime_unavailable() -> str | None:
     """Why onnxruntime cannot run here (None when it can), without importing it."""
-    import importlib.util
-
-    for m in ("onnx", "onnxruntime"):
-        if importlib.util.find_spec(m) is None:
-            return f"{m} is not installed (pip install \"bnprobe[onnx]\")"
-    return None
+    return missing("onnxruntime", ("onnx", "onnxruntime"), "onnx")
 
 
 class OnnxRuntimeAdapter(BaseAdapter):

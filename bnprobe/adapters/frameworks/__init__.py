@@ -22,7 +22,7 @@ from bnprobe.core.conventions import get_convention
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
 
-__all__ = ["FrameworkAdapter", "parse_options", "require", "FRAMEWORKS"]
+__all__ = ["FrameworkAdapter", "parse_options", "require", "missing", "FRAMEWORKS"]
 
 #: adapter name: (its module, its class, the extra that installs its framework); the registry describes them
 FRAMEWORKS: dict[str, tuple[str, str, str]] = {
@@ -40,17 +40,23 @@ _MODULES = {"jax": ("jax", "flax"), "tensorflow": ("tensorflow",), "keras": ("te
 
 def why_unavailable(name: str) -> str | None:
     """Why the framework of adapter ``name`` cannot be imported here (None when it can), without importing it."""
+    return missing(name, _MODULES[name], FRAMEWORKS[name][2])
+
+
+def missing(adapter: str, modules: tuple[str, ...], extra: str) -> str | None:
+    """Why ``modules``, which adapter ``adapter`` imports and bnprobe's ``extra`` installs, cannot be imported here
+    (None when they can), without importing them."""
     import importlib.util
     import sys
 
-    for m in _MODULES[name]:
+    for m in modules:
         loaded = sys.modules.get(m)
         if loaded is not None and getattr(loaded, "__name__", m) != m:
             # msprobe's import puts tensorboard's stub in sys.modules["tensorflow"]: find_spec would answer with it
             return (f"{m} in this process is a stand-in ({loaded.__name__}, put there by an earlier import such as "
-                    f"msprobe's); run the {name} adapter in a process that does not import it first")
+                    f"msprobe's); run the {adapter} adapter in a process that does not import it first")
         if loaded is None and importlib.util.find_spec(m) is None:
-            return f"{m} is not installed (pip install \"bnprobe[{FRAMEWORKS[name][2]}]\")"
+            return f"{m} is not installed (pip install \"bnprobe[{extra}]\")"
     return None
 
 
