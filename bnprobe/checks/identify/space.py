@@ -106,10 +106,9 @@ def _mean_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
     if fmt in ("fp32", "fp16", "bf16"):
         # float terms summed in double, in memory order (PyTorch's fp32 CPU kernel), or lanes by position in each
         # row of H·W values (inductor's vectorised reductions)
-        for o, by in itertools.product(({"order": "sequential", "sum_format": "fp64"},
-                                        *({"order": "rowlanes", "lanes": n} for n in (8, 16))), ("divide",)):
+        for o in ({"order": "sequential", "sum_format": "fp64"}, *({"order": "rowlanes", "lanes": n} for n in (8, 16))):
             yield {"accumulate": "fp32", "variance": sum_based, "kahan": False, "unroll": 1, "sum_format": None,
-                   **o, "mean_by": by, "backward_fma": "none"}
+                   **o, "mean_by": "divide", "backward_fma": "none"}
     for acc in _accumulators(fmt):
         for v, lanes, by in itertools.product(("welford", "welford_ascend"), (1, 8, 16, 64), ("divide", "reciprocal")):
             yield {"accumulate": acc, "variance": v, "lanes": lanes, "mean_by": by, "order": "pairwise",
