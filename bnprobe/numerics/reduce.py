@@ -15,7 +15,7 @@ import numpy as np
 from bnprobe.core.errors import BNProbeError
 from bnprobe.numerics.arith import Arith, Tally, as_carrier, fma_wide
 
-__all__ = ["ORDERS", "COMBINES", "Cores", "reduce_sum", "tree_sum", "split_parts", "vec_dot"]
+__all__ = ["ORDERS", "COMBINES", "Cores", "reduce_sum", "tree_sum", "split_parts", "vec_dot", "plane_reduce"]
 
 # vec: at::vec-style (PyTorch CPU): per row of H*W values (channels_first; channels_last and the parts of a core split
 # or of Chan's tiles take their whole axis as one row), full blocks of lanes x unroll values
@@ -235,6 +235,51 @@ def vec_dot(a: np.ndarray, b: np.ndarray, acc: Arith, *, lanes: int, unroll: int
                                  tally)
         total = acc.add(tail, total, tally)
     return total
+
+
+def plane_reduce(x: np.ndarray, acc: Arith, *, lanes: int, row: int | None = None, times: np.ndarray | None = None,
+                 fused: str = "none", into: Arith | None = None, tally: Tally | None = None) -> np.ndarray:
+    """Σ x (or Σ x·times) of each row of a ``(C, R)`` array as PyTorch's fp32 and fp64 CPU backward takes it
+    (at::vec::reduce_all and map2_reduce_all, one call per H·W plane of ``row`` values; the whole axis when ``row``
+    is None or does not divide it).  A plane of at least ``lanes`` values: its first vector is the accumulator, each
+    further full vector is added lane by lane, a last partial vector is added into the first lanes only (masked),
+    then the lanes are folded halves first (:func:`tree_sum`: 8, 4, 2, 1 for 16 lanes).  A shorter plane is folded
+    in sequence, lane 0 first.  Every step is rounded in ``acc``; the planes' results are added in order in ``into``
+    (PyTorch's fp32 kernel: a double accumulator; ``acc`` when None).  With ``times`` each term is the product
+    x·times, rounded, or (``fused``: ``body`` for the full vectors after the first, ``tail`` for the masked one,
+    ``all`` for both, ``none``) fused into the lane's add; a plane's first vector and a short plane are plain
+    products.  Returns ``(C,)`` float64."""
+    into = acc if into is None else into
+    x = np.asarray(x)
+    c, r = x.shape
+    row = r if not row or r % row else row
+    planes = r // row
+    xr = x.reshape(c, planes, row)
+    tr = None if times is None else np.asarray(times).reshape(c, planes, row)
+
+    def term(sl: slice) -> np.ndarray:
+        return xr[..., sl] if tr is None else acc.mul(xr[..., sl], tr[..., sl], tally)
+
+    def add(total: np.ndarray, sl: slice, fuse: bool) -> np.ndarray:
+        if tr is not None and fuse:
+            return acc.round(fma_wide(xr[..., sl], tr[..., sl], total), tally)
+        return acc.add(total, term(sl), tally)
+
+    if row < lanes:
+        total = term(slice(0, 1))[..., 0]
+        for j in range(1, row):
+            total = acc.add(total, term(slice(j, j + 1))[..., 0], tally)
+    else:
+        full = row // lanes
+        vec = term(slice(0, lanes))
+        for k in range(1, full):
+            vec = add(vec, slice(k * lanes, (k + 1) * lanes), fused in ("body", "all"))
+        if full * lanes < row:
+            tail = row - full * lanes
+            head = add(vec[..., :tail], slice(full * lanes, row), fused in ("tail", "all"))
+            vec = np.concatenate([head, vec[..., tail:]], axis=-1)
+        total = tree_sum(vec, acc, tally)
+    return np.asarray(_sequential(np.asarray(total), into, tally, kahan=False), dtype=np.float64)
 
 
 def split_parts(r: int, parts: int) -> list[slice]:
