@@ -30,7 +30,7 @@ from bnprobe.kernels.layout import Layout, as_channel_vector, check_eps, check_m
 from bnprobe.kernels.policy import Policy, get_policy
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.arith import Arith, Tally, as_carrier, fits_float32, fma_wide
-from bnprobe.numerics.reduce import Cores, reduce_sum, vec_dot
+from bnprobe.numerics.reduce import Cores, plane_reduce, reduce_sum, vec_dot
 from bnprobe.numerics.rounding import RoundingSpec, round_to
 from bnprobe.numerics.rsqrt import divide, rsqrt_ascend950
 from bnprobe.numerics.rsqrt import rsqrt as nrsqrt
@@ -689,31 +689,47 @@ def _backward_loads(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu:
 def _backward_torch(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray, inv: np.ndarray,
                     r: int) -> dict[str, np.ndarray | None]:
     """PyTorch CPU's training backward (``backward_formula=torch``): Σdy and Σ(x − mean)·dy in the policy's order
-    (fused as ``backward_fma`` says), dγ = Σ(x − mean)dy·invstd, k = dγ·invstd / R, and
-    dx = (fma(−(x − mean), k, dy − Σdy/R)·invstd)·γ, every step rounded in the compute format."""
+    (fused as ``backward_fma`` says), or plane by plane (``backward_sums=plane_reduce``, the planes added in
+    ``sum_format``); dγ = Σ(x − mean)dy·invstd (in the sums' format), k = fl(Σ(x − mean)dy)·invstd·invstd / R,
+    and dx = (fma(−(x − mean), k, dy − Σdy/R)·invstd)·γ, every step rounded in the compute format."""
     pol, acc, comp = run.policy, run.acc, run.comp
     with np.errstate(all="ignore"):
         dys, ga, mean, invstd, xc, dyc = _backward_loads(run, dy, x, g, mu, inv)
         centered = run.op("centered", comp, np.subtract, xc, run.col(comp, mean))
         dya = run.cast("dy_acc", dys, pol.storage, acc)
+        planes = pol.backward_sums == "plane_reduce"
+        # the sums' format: the planes' results are added in sum_format (PyTorch's fp32 kernel: double)
+        into = acc if not planes or pol.sum_format in (None, acc.fmt.name) else \
+            Arith(pol.sum_format, pol.spec, run.rng, counting=run.counting)
         t = run.tally()
-        sum_dy = run.rec("sum_dy", acc, run.reduce(dya, t), t)
+        if planes:
+            sum_dy = plane_reduce(dya, acc, lanes=pol.lanes, row=run.row, into=into, tally=t)
+        else:
+            sum_dy = run.reduce(dya, t)
+        sum_dy = run.rec("sum_dy", into, sum_dy, t)
         t = run.tally()
-        if pol.backward_fma == "none":
+        if planes:
+            dot = plane_reduce(acc.round(centered), acc, lanes=pol.lanes, row=run.row, times=dya,
+                               fused=pol.backward_fma, into=into, tally=t)
+        elif pol.backward_fma == "none":
             dot = run.reduce(dya, t, times=centered)
         else:
             dot = vec_dot(np.asarray(centered, dtype=np.float64), np.asarray(dya, dtype=np.float64), acc,
-                          lanes=pol.lanes, unroll=pol.unroll, row=run.row, fused_tail=pol.backward_fma == "all",
-                          tally=t)
-        dot = run.rec("sum_dy_centered", acc, dot, t)
+                          lanes=pol.lanes, unroll=pol.unroll, row=run.row,
+                          fused_body=pol.backward_fma in ("body", "all"),
+                          fused_tail=pol.backward_fma in ("tail", "all"), tally=t)
+        dot = run.rec("sum_dy_centered", into, dot, t)
         t = run.tally()
-        dg = run.record("dgamma_acc", acc, acc.mul(dot, invstd, t), dot * invstd, t)
+        dg = run.record("dgamma_acc", into, into.mul(dot, invstd, t), dot * invstd, t)
         dbeta = run.rec("dbeta", run.params, sum_dy)
         dgamma = run.rec("dgamma", run.params, dg)
         t = run.tally()
-        k = run.record("k", acc, acc.div(acc.mul(dg, invstd, t), float(r), t), dg * invstd / r, t)
+        # k from the sum rounded to the accumulator (PyTorch: (float) dotp * invstd * invstd / N)
+        dg_acc = dg if into is acc else acc.mul(acc.round(dot, t), invstd, t)
+        k = run.record("k", acc, acc.div(acc.mul(dg_acc, invstd, t), float(r), t), dg_acc * invstd / r, t)
         t = run.tally()
-        mean_dy = run.record("mean_dy", acc, acc.div(sum_dy, float(r), t), sum_dy / r, t)
+        mean_dy = acc.div(sum_dy, float(r), t) if into is acc else acc.round(into.div(sum_dy, float(r), t), t)
+        mean_dy = run.record("mean_dy", acc, mean_dy, sum_dy / r, t)
         t = run.tally()
         d = comp.sub(dyc, run.col(comp, mean_dy), t)
         d = comp.round(fma_wide(-np.asarray(centered, dtype=np.float64), run.col(comp, k), d), t)

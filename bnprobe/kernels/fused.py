@@ -49,6 +49,7 @@ def compiled_route(policy: Any, keep_arrays: bool, overrides: dict[str, np.ndarr
     if keep_arrays or overrides or not jit_for(elements):
         return False
     if policy.order in ("vec", "rowlanes") or policy.backward_formula == "torch" or \
+            policy.backward_sums != "forward" or \
             any(f is not None for f in (policy.rstd_format, policy.sum_format, policy.saved_format,
                                            policy.running_var_sum)):
         # (orders, formats and formulas the kernels do not have)

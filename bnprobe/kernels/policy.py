@@ -16,7 +16,7 @@ from bnprobe.numerics.variance import MEAN_BY, VARIANCES
 
 __all__ = ["Policy", "PRESETS", "get_policy", "Y_FORMULAS", "RSQRT_METHODS", "BACKWARD_FORMULAS", "SQRT_METHODS",
            "DIVISIONS", "RECIP_METHODS",
-           "RUNNING_MOMENTA", "RUNNING_VARS", "UNBIASED_BY", "BACKWARD_FMAS"]
+           "RUNNING_MOMENTA", "RUNNING_VARS", "UNBIASED_BY", "BACKWARD_FMAS", "BACKWARD_SUMS"]
 
 # How y is formed from the statistics:
 #   xhat   : xhat = (x - mean) * rstd; y = gamma * xhat + beta
@@ -42,8 +42,15 @@ RECIP_METHODS: tuple[str, ...] = ("exact", "magic", "table", "frecpe")
 # torch    : dx = ((dy - mean(dy)) - (x - mean)·k)·invstd·gamma, k = Σ(x - mean)dy·invstd²/R, the first product
 #            fused (PyTorch CPU's 16-bit kernels), Σ(x - mean)·dy by fused multiply-adds as backward_fma says
 BACKWARD_FORMULAS: tuple[str, ...] = ("standard", "ascend", "torch")
-# backward_fma: which multiply-adds of the backward's Σ(x - mean)·dy are fused: none, the vector body (lanes) or all
-BACKWARD_FMAS: tuple[str, ...] = ("none", "body", "all")
+# backward_fma: which multiply-adds of the backward's Σ(x - mean)·dy are fused: none, the vector body (lanes), the
+# tail (order=vec: the scalar tail; plane_reduce: the masked last vector of each plane) or all
+BACKWARD_FMAS: tuple[str, ...] = ("none", "body", "tail", "all")
+# how the backward takes Σdy and Σ(x - mean)·dy: as the forward's statistics (its order, lanes and accumulator), or
+# plane_reduce: PyTorch's fp32/fp64 CPU kernel (batch_norm_cpu_backward_contiguous_impl), each H·W plane reduced by
+# at::vec::reduce_all in `lanes` accumulator-format lanes (first vector as the accumulator, a masked partial vector,
+# the lanes folded halves first; a plane shorter than the lanes folded in sequence), the planes' results added in
+# order in sum_format (double there; the accumulator when None) — see numerics.reduce.plane_reduce
+BACKWARD_SUMS: tuple[str, ...] = ("forward", "plane_reduce")
 # what the call's momentum m weighs in the running update: the batch's value (PyTorch, TensorFlow's fused kernel,
 # MindSpore's primitive: new = (1-m)·old + m·batch) or the old value's (flax, Keras, Paddle: new = m·old + (1-m)·batch)
 RUNNING_MOMENTA: tuple[str, ...] = ("new", "old")
@@ -103,7 +110,8 @@ class Policy:
     recip_newton: int = 2
     recip_bits: int = 12
     backward_formula: str = "standard"
-    backward_fma: str = "none"  # BACKWARD_FMAS (order=vec)
+    backward_fma: str = "none"  # BACKWARD_FMAS (order=vec, or backward_sums=plane_reduce)
+    backward_sums: str = "forward"  # BACKWARD_SUMS (plane_reduce: with backward_formula=torch)
     # normalise with the batch statistics rounded to the params format, as the interface stores them
     # (PyTorch's CPU kernel does this with same-format parameters: model.half(), model.bfloat16())
     stored_stats: bool = False
@@ -115,7 +123,8 @@ class Policy:
     running_format: str | None = None  # the format the running update is computed in; None = accumulate
     unbiased_by: str = "factor"  # UNBIASED_BY
     # the format the statistics' sums are carried in when wider than accumulate (PyTorch's fp32 CPU kernel sums
-    # float terms in double), each term rounded in accumulate; None = accumulate
+    # float terms in double), each term rounded in accumulate — with backward_sums=plane_reduce also the backward's
+    # sums, each plane's result a term; None = accumulate
     sum_format: str | None = None
     # the format the saved mean and invstd (or variance) are returned in; None = the params format (inductor on the
     # CPU returns them in the input's format, whatever the parameters')
@@ -141,6 +150,7 @@ class Policy:
             "recip": RECIP_METHODS, "newton_form": NEWTON_FORMS, "core_combine": COMBINES,
             "unbiased_r1": UNBIASED_R1, "running_momentum": RUNNING_MOMENTA, "running_var": RUNNING_VARS,
             "infer_y_formula": (None,) + Y_FORMULAS, "unbiased_by": UNBIASED_BY, "backward_fma": BACKWARD_FMAS,
+            "backward_sums": BACKWARD_SUMS,
         }
         for attr, valid in choices.items():
             if getattr(self, attr) not in valid:
@@ -166,8 +176,12 @@ class Policy:
         for name in ("core_parts", "lanes", "tiles", "unroll"):
             if not 1 <= getattr(self, name) <= 4096:
                 raise BNProbeError(f"policy {name} must be 1 to 4096, got {getattr(self, name)}")
-        if self.backward_fma != "none" and self.order != "vec":
-            raise BNProbeError("policy backward_fma fuses the lanes of order=vec: give order=vec")
+        if self.backward_sums == "plane_reduce" and self.backward_formula != "torch":
+            raise BNProbeError("policy backward_sums=plane_reduce is the sums of PyTorch's CPU backward: give "
+                               "backward_formula=torch")
+        if self.backward_fma != "none" and self.order != "vec" and self.backward_sums != "plane_reduce":
+            raise BNProbeError("policy backward_fma fuses the lanes of order=vec or of backward_sums=plane_reduce: "
+                               "give order=vec or backward_sums=plane_reduce")
         if self.kahan and self.order == "pairwise":
             raise BNProbeError("policy kahan=True needs order=sequential or order=lanes")
 

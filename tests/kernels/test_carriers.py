@@ -240,7 +240,8 @@ def test_the_compiled_cases_hit_every_counter():
 # narrow running update, torch's backward, flax's running statistics)
 NO_TRACE = POLICIES + COMPILED_ONLY + [
     "fp64", "fp16:rounding=stochastic", "fp16-acc16:rounding=stochastic", "fp32:rstd_format=fp64",
-    "fp16:running_format=fp16", "fp32:backward_formula=torch", "bf16:running_var=biased,running_momentum=old"]
+    "fp16:running_format=fp16", "fp32:backward_formula=torch", "bf16:running_var=biased,running_momentum=old",
+    "fp32:backward_formula=torch,backward_sums=plane_reduce,lanes=8,backward_fma=tail,sum_format=fp64"]
 
 
 # the compiled route's kernels count in themselves whatever the flag (it only stops the recording): a few policies

@@ -80,6 +80,15 @@ def test_backward_fma_needs_the_vec_order():
         get_policy("fp16:backward_fma=all")
 
 
+def test_plane_sums_are_the_torch_backward_s_and_take_its_fused_tail():
+    """backward_sums=plane_reduce is PyTorch's backward's: with another formula it is an error; it takes
+    backward_fma whatever the forward's order."""
+    with pytest.raises(BNProbeError, match="backward_formula=torch"):
+        get_policy("fp32:backward_sums=plane_reduce")
+    pol = get_policy("fp32:order=sequential,backward_formula=torch,backward_sums=plane_reduce,backward_fma=tail")
+    assert (pol.order, pol.backward_fma) == ("sequential", "tail")
+
+
 @pytest.mark.parametrize("fmt", ["fp16", "bf16"])
 def test_the_pytorch_cpu_recipe_is_torch_bit_for_bit(fmt):
     torch = pytest.importorskip("torch")
