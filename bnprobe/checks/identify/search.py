@@ -105,6 +105,7 @@ class _Search:
         self.evaluations = 0
         self.runs = 0
         self.kept: list[str] = []  # outputs the forward stages so far reproduced, which later stages must keep
+        self.infer_kept = False  # whether the infer stage reproduced inference's y, which the backward must keep
         self.ties: dict[str, list[dict[str, Any]]] = {}  # per stage, the changes tied with its choice
         narrow = {"fp16", "bf16"}
         self.narrow_stats = any(o.formats.get("saved_mean") in narrow and fmt in narrow and
@@ -162,6 +163,12 @@ class _Search:
                     scores[k].max_ulps = float("inf")
                 return scores
         return scores
+
+    def misses(self, policy: Policy, stage: str, outputs: tuple[str, ...]) -> bool:
+        """Whether a candidate already evaluated misses any of ``outputs`` on the stage's probes (a re-check of
+        it in another stage's modes, not counted as a candidate evaluation)."""
+        return any(v.mismatches for i, o in enumerate(self.probes_of(stage))
+                   for v in score_outputs([o], [self.emulated(policy, stage, i, o)], outputs).values())
 
     def break_ties(self, stage: str, outputs: tuple[str, ...], ties: list[tuple]) -> list[tuple]:
         """Tied candidates of a stage told apart, where they can be, on the subnormal and huge probes (which only
@@ -253,12 +260,17 @@ class _Search:
             ties.insert(0, ({}, cur, here))
         ties = self.break_ties(stage, outputs, ties)
         # the current policy when it is among the best (a later pass keeps what a later stage chose among the ties),
-        # else the simplest of them (fewest fields away from the format's preset)
-        ties.sort(key=lambda t: (t[1] is not cur, _complexity(t[1])))
+        # else the simplest of them (fewest fields away from the format's preset); the backward's ties that keep the
+        # inference the infer stage reproduced first (an earlier stage's tie can change how inference forms its rstd)
+        keeps_infer = stage == "backward" and self.infer_kept and len(ties) > 1
+        ties.sort(key=lambda t: (t[1] is not cur, keeps_infer and self.misses(t[1], "infer", ("y_infer",)),
+                                 _complexity(t[1])))
         chosen, best = ties[0][1], ties[0][2]
         ties = [t for t in ties if t[1] is not cur]
         if stage in FORWARD_STAGES and stage != "modes" and best.exact:
             self.kept.extend(k for k in own if k not in self.kept)
+        if stage == "infer":
+            self.infer_kept = bool(best.exact)
         summary = {"pinned_by": list(own), "exact": best.exact, "mismatches": best.mismatches,
                    "elements": best.elements, "max_ulps": best.max_ulps, "candidates": len(scored),
                    "tied": len(ties)}
@@ -277,7 +289,7 @@ def _undistinguished(stage: str, chosen: Policy, ties: list[dict[str, Any]]) -> 
     alts, names = [], []
     for t in ties:
         diff = {k: v for k, v in t.items() if v != getattr(chosen, k)}
-        if stage == "backward" and not {"backward_formula", "backward_fma"} & set(diff):
+        if stage == "backward" and not {"backward_formula", "backward_fma", "backward_sums", "lanes"} & set(diff):
             continue  # (a tie of the y stage's, listed there)
         if diff:
             alts.append(",".join(f"{k}={value_text(v)}" for k, v in diff.items()))

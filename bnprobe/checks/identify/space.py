@@ -65,6 +65,7 @@ FIELD_PROBES = {
     "infer_y_formula": "inference with a large running mean and γ not a power of two",
     "backward_formula": "dy with a mean per channel, a large mean in x",
     "backward_fma": "rows of H·W values with a tail (not a multiple of 2 x lanes)",
+    "backward_sums": "H·W planes shorter and longer than the vector width, with a tail, over several samples",
 }
 
 
@@ -182,7 +183,14 @@ def _backward_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
     # (the sums' order and format are the forward's: the forward's outputs pinned them)
     for f in ("standard", "ascend", "torch"):
         for fused in (("none", "body", "all") if cur.order == "vec" else ("none",)):
-            yield {"backward_formula": f, "backward_fma": fused}
+            yield {"backward_formula": f, "backward_fma": fused, "backward_sums": "forward"}
+    if fmt in ("fp32", "fp64"):
+        # or plane by plane, each plane's lanes folded, the planes added in the forward's sum format (PyTorch's fp32
+        # and fp64 CPU backward: at::vec::reduce_all, 8 lanes in its AVX2 build, 16 in an AVX-512 one); the lanes
+        # are free to search where the forward's statistics do not use them
+        free = cur.order in ("sequential", "pairwise") and cur.variance in ("naive", "two_pass")
+        for lanes, fused in itertools.product((8, 16) if free else (cur.lanes,), ("none", "tail", "body", "all")):
+            yield {"backward_formula": "torch", "backward_sums": "plane_reduce", "lanes": lanes, "backward_fma": fused}
 
 
 SPACES: dict[str, Callable[[Policy, str], Iterator[dict[str, Any]]]] = {
