@@ -333,8 +333,10 @@ def _replaying(a: KernelAdapter, cc: _CaseCall) -> Recording | None:
 
 
 def _run(a: KernelAdapter, cc: _CaseCall) -> CallRun:
-    """``a`` on one case call, through the engine (its golden shared with every other kernel on the call)."""
-    return run_call(a, cc.rec, modes=cc.modes, label=cc.case.name, golden=cc.golden, quiet=True,
+    """``a`` on one case call, in the asked modes it runs (an inference-only kernel: inference; said in the run's
+    notes), through the engine (its golden shared with every other kernel on the call)."""
+    runs = a.capabilities().modes
+    return run_call(a, cc.rec, modes=tuple(m for m in cc.modes if m in runs), label=cc.case.name, golden=cc.golden, quiet=True,
                     replay=_replaying(a, cc))
 
 
@@ -587,7 +589,7 @@ def compare_precision(
     ref = get_adapter("reference")
     modes = ("train", "infer", "backward") if mode == "all" else (mode,)
     tables = _Tables([], [], [])  # the three tables' rows
-    notes: list[str | _CallNote] = []  # what the verdicts cannot show
+    notes: list[str | _CallNote] = _modes_left_out(resolved, modes)  # what the verdicts cannot show
     skip, total = _default_formats(resolved, cases, fmts, dtypes)
     done = 0
     t0 = time.monotonic()
@@ -624,6 +626,31 @@ def compare_precision(
             "bench": bench_a.name if bench_a is not None else None,
             "notes": [str(n) for n in notes]}
     return CompareResult(pd.DataFrame(tables.rows), pd.DataFrame(tables.chans), pd.DataFrame(tables.budgets), meta)
+
+
+def _modes_left_out(adapters: list[KernelAdapter], modes: tuple[str, ...]) -> list[str | _CallNote]:
+    """Notes naming the asked modes a kernel does not run (an inference-only kernel, a deployment runtime's, runs
+    inference alone: its training and backward are not judged, and the run says so); a kernel that runs none of
+    the asked modes is refused, naming the ones it runs."""
+    notes: list[str | _CallNote] = []
+    for a in adapters:
+        runs = a.capabilities().modes
+        if a.capabilities().recorded:
+            continue  # (a dump's calls say what they recorded, per call)
+        if not any(m in runs for m in modes):
+            raise BNProbeError(f"adapter {a.name} does not run {' or '.join(modes)} (it runs {', '.join(runs)})",
+                               field="mode")
+        left = [m for m in modes if m not in runs]
+        if left:
+            words = [_MODE_WORDS[m] for m in left]
+            notes.append(f"{a.name} runs {', '.join(m for m in modes if m in runs)} only: its "
+                         f"{' and '.join(words)} {'is' if len(words) == 1 else 'are'} not judged")
+    return notes
+
+
+#: a mode's outputs in words
+_MODE_WORDS = {"train": "training forward (y, saved and running statistics)", "infer": "inference",
+               "backward": "backward (dx, dgamma, dbeta)"}
 
 
 def _default_formats(resolved: list[KernelAdapter], cases: list[Case], fmts: list[str],
