@@ -1,19 +1,27 @@
-"""What each kernel computes: identify run on every BatchNorm kernel users run that this machine has, each format,
-the table written as a docs page (docs/kernels.md) and its data (docs/kernels.json), so the page stays what the
-search finds — re-run it after a change to the policy space or a new framework version.
+"""What each kernel computes: identify run on every BatchNorm kernel users run, each format, and what it loses
+against the careful bench; the table written as a docs page (docs/kernels.md) and its data (docs/kernels.json), so
+the page stays what the search finds — re-run it after a change to the policy space or a new framework version.
 
-    python benchmarks/kernel_table.py [--kernels torch,torch-compile,onnxruntime] [--write]
+    python benchmarks/kernel_table.py [--kernels torch,torch-compile,onnxruntime] [--python jax=VENV/bin/python]
+                                      [--shape 8,16,14,14] [--write]
 
-Without --write the table is printed.  A kernel whose framework is not installed here is listed as not run, with
-the install that would run it; nothing is guessed for it.
+Each framework's kernels run in the interpreter that has the framework: here when it is importable, otherwise in
+the one given by ``--python NAME=PYTHON`` (repeatable; NAME an adapter or a framework extra: jax, tensorflow,
+paddle, mindspore), which runs this script there for those rows — the frameworks pin conflicting packages, so
+.ci/frameworks gives each a virtual environment of its own.  A kernel run nowhere is listed as not run, with the
+install that would run it; nothing is guessed for it.  Without --write the table is printed; each row is printed
+to stderr as soon as it is measured (identify takes up to a minute per kernel and format on 2 cores).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -36,9 +44,31 @@ KERNELS = (
     ("mindspore", ("fp32", "fp16"), "fp32"),
 )
 
+#: the packages whose releases the table records (a kernel's bits change with its framework's release)
+PACKAGES = ("bnprobe", "torch", "onnxruntime", "jax", "flax", "tensorflow", "keras", "paddlepaddle", "mindspore")
 
-def row(adapter: str, fmt: str, params: str) -> dict:
-    """identify on one kernel and format: its recipe or its departure, per layout, and the time it took."""
+
+def versus_careful(kernel, fmt: str, params: str, shape: str) -> dict:  # noqa: ANN001 - a kernel adapter
+    """compare-precision of ``kernel`` in ``fmt`` on ``shape`` with the stress inputs, by msprobe's benchmark rule
+    against the careful bench: the outputs that fail, and the output most worse than the careful kernel (its RMSE
+    ratio and the input it shows on), or None where none is materially worse."""
+    from bnprobe.checks.compare.precision import CallOptions, Judging, compare_precision, worse_rows
+    from bnprobe.engine.cases import select_cases
+
+    kernels, cases, _ = select_cases([kernel], shape=shape)
+    rows = compare_precision(kernels, (fmt,), cases, options=CallOptions(params=params),
+                             judging=Judging(bench="careful")).rows
+    failing = sorted(set(rows.loc[rows["verdict"] != "PASS", "tensor"])) if len(rows) else []
+    worse = worse_rows(rows)
+    top = worse.loc[worse["rmse_vs_bench"].fillna(float("inf")).idxmax()] if len(worse) else None
+    return {"shape": shape, "failing": failing,
+            "worst": None if top is None else {"output": str(top["tensor"]), "input": str(top["case"]),
+                                               "rmse_ratio": round(float(top["rmse_vs_bench"]), 3)}}
+
+
+def row(adapter: str, fmt: str, params: str, shape: str | None = None) -> dict:
+    """identify on one kernel and format: its recipe or its departure, per layout, and the time it took; with
+    ``shape``, also its convention and what it loses against the careful bench (:func:`versus_careful`)."""
     from bnprobe.adapters.registry import BUILTIN
     from bnprobe.core.errors import BNProbeError
 
@@ -49,6 +79,7 @@ def row(adapter: str, fmt: str, params: str) -> dict:
         return {**base, "result": "not run", "why": why}
     from bnprobe.adapters import get_adapter
     from bnprobe.checks.identify.search import identify
+    from bnprobe.core.conventions import get_convention
 
     kernel = get_adapter(adapter)
     t = time.perf_counter()
@@ -57,17 +88,31 @@ def row(adapter: str, fmt: str, params: str) -> dict:
     except BNProbeError as exc:
         return {**base, "result": "not run", "why": str(exc)}
     seconds = time.perf_counter() - t
+    conv = get_convention(kernel.capabilities().convention)
     layouts = {lay: ("reproduced" if not off else f"not reproduced: {', '.join(off)}")
                for lay, off in res.layouts.items()}
-    return {**base, "result": "reproduced" if res.reproduced else "departs",
-            "recipe": res.spec if res.reproduced or res.close else None,
-            # (where only the backward departs, the spec is the forward's recipe: every forward stage reproduced)
-            "forward_recipe": res.spec if res.departs == "backward" else None,
-            "departs": res.departs, "departure": None if res.reproduced else res.departure(),
-            "departing": [o.output for o in res.departing],
-            "departure_size": None if res.reproduced else res.departure_size(),
-            "outputs": [o.output for o in res.outputs], "other_layouts": layouts,
-            "seconds": round(seconds, 1), "compile_seconds": round(getattr(kernel, "compile_seconds", 0.0), 1)}
+    out = {**base, "result": "reproduced" if res.reproduced else "departs",
+           "recipe": res.spec if res.reproduced or res.close else None,
+           # (where only the backward departs, the spec is the forward's recipe: every forward stage reproduced)
+           "forward_recipe": res.spec if res.departs == "backward" else None,
+           "departs": res.departs, "departure": None if res.reproduced else res.departure(),
+           "departing": [o.output for o in res.departing],
+           "departure_size": None if res.reproduced else res.departure_size(),
+           "outputs": [o.output for o in res.outputs], "other_layouts": layouts,
+           "seconds": round(seconds, 1), "compile_seconds": round(getattr(kernel, "compile_seconds", 0.0), 1),
+           "running_var": conv.running_var, "saved": conv.saved}
+    if shape:
+        out["vs_careful"] = versus_careful(kernel, fmt, params, shape)
+    return out
+
+
+def _vs_careful_cell(r: dict) -> str:
+    vs = r.get("vs_careful")
+    if not vs:
+        return ""
+    fails = f"{len(vs['failing'])} fail" + (f" ({', '.join(vs['failing'])})" if vs["failing"] else "")
+    w = vs["worst"]
+    return fails + (f"; most worse: {w['output']} on {w['input']}, {w['rmse_ratio']:g}x" if w else "; none worse")
 
 
 def render(doc: dict) -> str:
@@ -78,6 +123,11 @@ def render(doc: dict) -> str:
              "anywhere. A **departure** says which stage no recipe in the space reproduces, by how much and where; "
              "a closest recipe is shown only when it is close. Generated by `python benchmarks/kernel_table.py "
              "--write` — not edited by hand; its data is `kernels.json` beside this page.")
+    losses = ("What each kernel loses against the careful bench (the best a kernel can do under the interface): "
+              f"compare-precision on {doc.get('shape', '?')} with the stress inputs, msprobe's benchmark rule; the "
+              "outputs that fail, and the output most worse than the careful kernel with its RMSE ratio. The "
+              "convention is the framework's own (running variance; the statistics it saves), by which its running "
+              "statistics are judged ([frameworks](frameworks.md)).")
     lines = ["# What each kernel computes", "", *textwrap.wrap(intro, 116), "",
              *textwrap.wrap(f"Machine: {doc['machine']}; {doc['versions']}.", 116), "",
              "| kernel | format | params | found | recipe or departure | other layout | identify s (compiling) |",
@@ -94,46 +144,100 @@ def render(doc: dict) -> str:
         timing = f"{r['seconds']:g}" + (f" ({r['compile_seconds']:g})" if r["compile_seconds"] else "")
         lines.append(f"| {r['kernel']} | {r['format']} | {r['params']} | {r['result']} | {what} | {other} | "
                      f"{timing} |")
+    ran = [r for r in doc["rows"] if r.get("vs_careful")]
+    if ran:
+        lines += ["", "## Against the careful bench", "", *textwrap.wrap(losses, 116), "",
+                  "| kernel | format | running var | saved | vs careful bench |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['kernel']} | {r['format']} | {r['running_var']} | {r['saved']} | {_vs_careful_cell(r)} |"
+                  for r in ran]
     return "\n".join(lines) + "\n"
 
 
-def versions() -> str:
+def versions() -> list[str]:
+    """``package release`` of each of :data:`PACKAGES` installed in this interpreter."""
     from importlib.metadata import PackageNotFoundError, version
 
     out = []
-    for pkg in ("bnprobe", "torch", "onnxruntime", "jax", "flax", "tensorflow", "paddlepaddle", "mindspore"):
+    for pkg in PACKAGES:
         try:
             out.append(f"{pkg} {version(pkg)}")
         except PackageNotFoundError:
             continue
-    return ", ".join(out)
+    return out
+
+
+def _elsewhere(python: str, kernels: list[str], shape: str) -> dict:
+    """This script's rows of ``kernels`` measured by the interpreter ``python`` (with this checkout first on its
+    path), and that interpreter's package releases."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    with tempfile.TemporaryDirectory() as tmp:  # (a file, not stdout: frameworks print to stdout as they load)
+        answer = Path(tmp) / "rows.json"
+        proc = subprocess.run([python, str(Path(__file__).resolve()), "--kernels", ",".join(kernels), "--shape",
+                               shape, "--rows-to", str(answer)], cwd=ROOT, env=env, check=False)
+        if proc.returncode or not answer.is_file():
+            sys.exit(f"kernel_table: {python} failed on {', '.join(kernels)} (exit {proc.returncode})")
+        return json.loads(answer.read_text())
+
+
+def _parse_pythons(given: list[str]) -> dict[str, str]:
+    """``--python NAME=PYTHON`` values as {adapter: python}; NAME an adapter of the table or a framework extra."""
+    from bnprobe.adapters.frameworks import FRAMEWORKS
+
+    known = {k for k, _, _ in KERNELS}
+    out = {}
+    for item in given:
+        name, sep, python = item.partition("=")
+        if not sep or not python:
+            sys.exit(f"kernel_table: --python takes NAME=PYTHON, not {item!r}")
+        names = [name] if name in known else [a for a, (_, _, extra) in FRAMEWORKS.items() if extra == name]
+        if not names:
+            sys.exit(f"kernel_table: --python {name}: not a kernel of the table nor a framework extra")
+        if not Path(python).is_file():
+            sys.exit(f"kernel_table: --python {name}: {python} is not a file")
+        out.update(dict.fromkeys(names, python))
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", default=",".join(k for k, _, _ in KERNELS))
+    ap.add_argument("--python", action="append", default=[], metavar="NAME=PYTHON",
+                    help="run NAME's rows (an adapter, or a framework extra) in that interpreter")
+    ap.add_argument("--shape", default="8,16,14,14", help="compare-precision's input shape against the careful bench")
     ap.add_argument("--write", action="store_true", help="write docs/kernels.md and docs/kernels.json")
+    ap.add_argument("--rows-to", help=argparse.SUPPRESS)  # (how a --python run answers: its rows as JSON there)
     args = ap.parse_args()
     wanted = [k.strip() for k in args.kernels.split(",") if k.strip()]
     unknown = sorted(set(wanted) - {k for k, _, _ in KERNELS})
     if unknown:
         sys.exit(f"kernel_table: unknown kernel(s) {', '.join(unknown)}; known: "
                  + ", ".join(k for k, _, _ in KERNELS))
-    import torch
+    from bnprobe.adapters.registry import BUILTIN
 
-    cpu = torch.backends.cpu.get_cpu_capability()
-    rows = []
+    pythons = _parse_pythons(args.python)
+    rows, found = [], versions()
     for adapter, fmts, params in KERNELS:
         if adapter not in wanted:
             continue
+        if adapter in pythons and BUILTIN[adapter].why_unavailable():
+            there = _elsewhere(pythons[adapter], [adapter], args.shape)
+            rows += there["rows"]
+            found += [v for v in there["versions"] if v not in found]
+            continue
         for fmt in fmts:
-            rows.append(row(adapter, fmt, params))
+            rows.append(row(adapter, fmt, params, args.shape))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    doc = {"machine": f"{platform.machine()} ({cpu}), {torch.get_num_threads()} threads", "versions": versions(),
-           "rows": rows}
-    if args.write:
-        from bnprobe._files import atomic_write_text as write_text
+    from bnprobe._files import atomic_write_text as write_text
 
+    if args.rows_to:
+        write_text(Path(args.rows_to), json.dumps({"rows": rows, "versions": found}))
+        return
+    import torch
+
+    cpu = torch.backends.cpu.get_cpu_capability()
+    doc = {"machine": f"{platform.machine()} ({cpu}), {torch.get_num_threads()} threads",
+           "versions": ", ".join(found), "shape": args.shape, "rows": rows}
+    if args.write:
         write_text(DATA, json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
         write_text(PAGE, render(doc))
         print(f"wrote {PAGE} and {DATA}")
