@@ -100,7 +100,9 @@ def row(adapter: str, fmt: str, params: str, shape: str | None = None) -> dict:
            "departure_size": None if res.reproduced else res.departure_size(),
            "outputs": [o.output for o in res.outputs], "other_layouts": layouts,
            "seconds": round(seconds, 1), "compile_seconds": round(getattr(kernel, "compile_seconds", 0.0), 1),
-           "running_var": conv.running_var, "saved": conv.saved}
+           # (a kernel that does not train keeps no running statistics and saves none: its convention is moot)
+           **({"running_var": conv.running_var, "saved": conv.saved} if "train" in kernel.capabilities().modes
+              else {"running_var": "-", "saved": "- (inference only)"})}
     if shape:
         out["vs_careful"] = versus_careful(kernel, fmt, params, shape)
     return out
