@@ -3,14 +3,16 @@ statistics and their kinds, the parameters' precision and an adapter's declared 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
-from bnprobe.core.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import get_format
 
-__all__ = ["MODES", "SAVED_KINDS", "PARAM_PRECISIONS", "Capabilities", "Saved", "params_format", "params_mode"]
+__all__ = ["MODES", "SAVED_KINDS", "PARAM_PRECISIONS", "Capabilities", "Saved", "params_format", "params_mode",
+           "MODE_OUTPUTS", "runs_only", "modes_left_out", "needs_modes", "one_mode"]
 
 MODES = ("train", "infer", "backward")
 # what a training forward saves for the backward: mean + 1/sqrt(var + eps) (PyTorch, cuDNN, Ascend 950)
@@ -85,3 +87,67 @@ class Saved:
         v = np.asarray(self.value, dtype=np.float64)
         with np.errstate(all="ignore"):
             return v if self.kind == "var" else 1.0 / (v * v) - eps
+
+
+# ---- what a kernel that runs some modes only leaves out, in one set of words every command uses -------------------
+
+#: what a kernel runs in each mode, as "<kernel> runs ... only" says it
+_RUNS = {"train": "the training forward", "infer": "inference", "backward": "the backward"}
+#: each mode as what a check needs of a kernel ("gradcheck needs the kernel's backward")
+_NEEDS = {"train": "training forward", "infer": "inference", "backward": "backward"}
+#: each mode's outputs in words: what is not judged of a kernel that does not run it
+MODE_OUTPUTS = {"train": "training forward (y, saved and running statistics)", "infer": "inference (y)",
+                "backward": "backward (dx, dgamma, dbeta)"}
+
+
+def _listed(words: Iterable[str]) -> str:
+    ws = list(words)
+    return ws[0] if len(ws) == 1 else ", ".join(ws[:-1]) + " and " + ws[-1]
+
+
+def runs_only(name: str, runs: Iterable[str]) -> str:
+    """``"onnxruntime runs inference only"``: the kernel ``name`` and the modes it runs (``runs``), in words."""
+    runs = tuple(runs)
+    return f"{name} runs {_listed(_RUNS[m] for m in MODES if m in runs)} only"
+
+
+def modes_left_out(name: str, runs: Iterable[str], asked: Iterable[str] = MODES, verb: str = "judged") -> str | None:
+    """The note a check gives when the kernel ``name`` does not run some of the modes ``asked`` (an inference-only
+    kernel, a deployment runtime's; a forward-only one, a plugin without a backward): ``"onnxruntime runs inference
+    only: its training forward (y, saved and running statistics) and backward (dx, dgamma, dbeta) are not
+    judged"`` (``verb``: what the check does to outputs: judged, recorded, identified).  None when it runs them
+    all."""
+    runs = tuple(runs)
+    left = [m for m in MODES if m in tuple(asked) and m not in runs]
+    if not left:
+        return None
+    return (f"{runs_only(name, runs)}: its {_listed(MODE_OUTPUTS[m] for m in left)} "
+            f"{'is' if len(left) == 1 else 'are'} not {verb}")
+
+
+def needs_modes(what: str, need: Iterable[str], name: str, runs: Iterable[str]) -> str:
+    """The one line refusing a kernel a check cannot judge: ``"gradcheck needs the kernel's backward; onnxruntime
+    runs inference only"`` (``what``: the check, or the option that asks for the mode; ``need``: the modes it
+    needs, those the kernel ``name`` does not run named)."""
+    runs = tuple(runs)
+    missing = [m for m in MODES if m in tuple(need) and m not in runs]
+    return f"{what} needs the kernel's {_listed(_NEEDS[m] for m in missing)}; {runs_only(name, runs)}"
+
+
+def one_mode(name: str, runs: Iterable[str], mode: str | None, default: str = "train") -> tuple[str, str | None]:
+    """The mode a check of one mode runs the kernel ``name`` in, and the note of what it leaves out: ``mode`` when
+    asked (refused in one line when the kernel does not run it, or for the backward, the training forward its
+    statistics come from); else ``default``, or where the kernel does not run that, the first mode it runs, every
+    mode it does not run named as not judged (:func:`modes_left_out`)."""
+    runs = tuple(runs)
+    if mode is not None:
+        need = ("train", "backward") if mode == "backward" else (mode,)
+        if any(m not in runs for m in need):
+            raise BNProbeError(needs_modes(f"{named('mode')} {mode}", need, name, runs), field="mode")
+        return mode, None
+    if default in runs:
+        return default, None
+    first = next((m for m in MODES if m in runs), None)
+    if first is None:
+        raise BNProbeError(f"{name} declares no mode it runs (its capabilities' modes are empty)")
+    return first, modes_left_out(name, runs)

@@ -103,7 +103,8 @@ def test_onnxruntime_refusals_name_the_flag_on_the_command_line(capsys):
     assert capsys.readouterr().err.strip().endswith("in x's type (fp16): use --params same")
     assert main(["compare-precision", "--adapters", "onnxruntime", "--dtypes", "fp32", "--shape", "2,3,4,4",
                  "--no-stress", "--mode", "train"]) == 2
-    assert capsys.readouterr().err.strip() == "bnprobe: error: adapter onnxruntime does not run train (it runs infer)"
+    assert capsys.readouterr().err.strip() == ("bnprobe: error: --mode train needs the kernel's training forward; "
+                                               "onnxruntime runs inference only")
 
 
 def test_compare_precision_judges_an_inference_only_kernel_on_inference_and_says_what_it_left_out(tmp_path):
@@ -113,12 +114,12 @@ def test_compare_precision_judges_an_inference_only_kernel_on_inference_and_says
     from bnprobe.checks.compare.precision import compare_precision
     from bnprobe.engine.cases import select_cases
 
-    kernels, cases, _ = select_cases(["onnxruntime", "emulated"], shape="2,3,4,4")
+    kernels, cases, _ = select_cases([get_adapter("onnxruntime"), get_adapter("emulated")], shape="2,3,4,4")
     res = compare_precision(kernels, ("fp32",), cases)
     by = res.rows.groupby("adapter")["tensor"].agg(set)
     assert by["onnxruntime"] == {"y_infer"}
     assert {"y", "dx", "y_infer"} <= by["emulated"]
-    assert ("onnxruntime runs infer only: its training forward (y, saved and running statistics) and backward "
+    assert ("onnxruntime runs inference only: its training forward (y, saved and running statistics) and backward "
             "(dx, dgamma, dbeta) are not judged") in res.meta["notes"]
 
 

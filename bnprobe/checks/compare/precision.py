@@ -45,8 +45,9 @@ from bnprobe.engine.rules import (
     within_rounding,
 )
 from bnprobe.engine.run import LARGE_CALL, CallRun, Golden, generated_call, run_call, running_stats, y_natural
-from bnprobe.core.errors import BNProbeError
+from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import get_format
+from bnprobe.core.kernel import modes_left_out, needs_modes
 from bnprobe.inputs import make_params
 from bnprobe.kernels.layout import layout_of
 from bnprobe.engine.metrics import compare, ulp_error
@@ -336,8 +337,8 @@ def _run(a: KernelAdapter, cc: _CaseCall) -> CallRun:
     """``a`` on one case call, in the asked modes it runs (an inference-only kernel: inference; said in the run's
     notes), through the engine (its golden shared with every other kernel on the call)."""
     runs = a.capabilities().modes
-    return run_call(a, cc.rec, modes=tuple(m for m in cc.modes if m in runs), label=cc.case.name, golden=cc.golden, quiet=True,
-                    replay=_replaying(a, cc))
+    return run_call(a, cc.rec, modes=tuple(m for m in cc.modes if m in runs), label=cc.case.name, golden=cc.golden,
+                    quiet=True, replay=_replaying(a, cc))
 
 
 def _natural(key: str, run: CallRun, call: Any, gold_t: Any) -> Callable[[], np.ndarray] | None:
@@ -589,7 +590,7 @@ def compare_precision(
     ref = get_adapter("reference")
     modes = ("train", "infer", "backward") if mode == "all" else (mode,)
     tables = _Tables([], [], [])  # the three tables' rows
-    notes: list[str | _CallNote] = _modes_left_out(resolved, modes)  # what the verdicts cannot show
+    notes: list[str | _CallNote] = _modes_left_out(resolved, mode, modes)  # what the verdicts cannot show
     skip, total = _default_formats(resolved, cases, fmts, dtypes)
     done = 0
     t0 = time.monotonic()
@@ -628,29 +629,21 @@ def compare_precision(
     return CompareResult(pd.DataFrame(tables.rows), pd.DataFrame(tables.chans), pd.DataFrame(tables.budgets), meta)
 
 
-def _modes_left_out(adapters: list[KernelAdapter], modes: tuple[str, ...]) -> list[str | _CallNote]:
-    """Notes naming the asked modes a kernel does not run (an inference-only kernel, a deployment runtime's, runs
-    inference alone: its training and backward are not judged, and the run says so); a kernel that runs none of
-    the asked modes is refused, naming the ones it runs."""
+def _modes_left_out(adapters: list[KernelAdapter], mode: str, modes: tuple[str, ...]) -> list[str | _CallNote]:
+    """Notes naming the asked modes (``mode``: ``modes``) a kernel does not run (an inference-only kernel, a
+    deployment runtime's, runs inference alone: its training and backward are not judged, and the run says so,
+    :func:`~bnprobe.core.kernel.modes_left_out`); a kernel that runs none of the asked modes is refused in one line
+    naming what it runs."""
     notes: list[str | _CallNote] = []
     for a in adapters:
         runs = a.capabilities().modes
         if a.capabilities().recorded:
             continue  # (a dump's calls say what they recorded, per call)
         if not any(m in runs for m in modes):
-            raise BNProbeError(f"adapter {a.name} does not run {' or '.join(modes)} (it runs {', '.join(runs)})",
-                               field="mode")
-        left = [m for m in modes if m not in runs]
-        if left:
-            words = [_MODE_WORDS[m] for m in left]
-            notes.append(f"{a.name} runs {', '.join(m for m in modes if m in runs)} only: its "
-                         f"{' and '.join(words)} {'is' if len(words) == 1 else 'are'} not judged")
+            raise BNProbeError(needs_modes(f"{named('mode')} {mode}", modes, a.name, runs), field="mode")
+        if (note := modes_left_out(a.name, runs, modes)) is not None:
+            notes.append(note)
     return notes
-
-
-#: a mode's outputs in words
-_MODE_WORDS = {"train": "training forward (y, saved and running statistics)", "infer": "inference",
-               "backward": "backward (dx, dgamma, dbeta)"}
 
 
 def _default_formats(resolved: list[KernelAdapter], cases: list[Case], fmts: list[str],
