@@ -30,6 +30,7 @@ from bnprobe.recordings import Recording
 from bnprobe.core.call import BNCall
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
+from bnprobe.core.kernel import modes_left_out, needs_modes
 from bnprobe.kernels.layout import layout_of
 from bnprobe.core.tolerances import accumulation_bound, accumulation_format
 
@@ -524,7 +525,16 @@ def run_call(kernel: KernelAdapter, rec: Recording, *, modes: tuple[str, ...] | 
     k = kernel.bind(replay or rec) if caps.recorded else kernel
     golden = golden or Golden(reference_for(kernel), rec)
     call = golden.call
-    run = CallRun(index, name, k.name, rec, _wanted_modes(rec, modes, skip_missing, name), call=call)
+    wanted = _wanted_modes(rec, modes, skip_missing, name)
+    left_out = None
+    if modes is None and not caps.recorded:  # every mode recorded: those the kernel runs, the others said
+        left_out = modes_left_out(k.name, caps.modes, wanted)
+        if left_out is not None and not any(m in caps.modes for m in wanted):
+            raise BNProbeError(needs_modes(f"the recorded call {name}", wanted, k.name, caps.modes))
+        wanted = tuple(m for m in wanted if m in caps.modes)
+    run = CallRun(index, name, k.name, rec, wanted, call=call)
+    if left_out is not None and not quiet:
+        run.notes.append(left_out)
     out_fmt = caps.output or rec.dtype
     s = _Setting(k, golden, rec, call, out_fmt, "fp64" if caps.output == "fp64" else rec.params)
     gold_t = _train_golden(s, run, quiet)
