@@ -46,6 +46,7 @@ from bnprobe.engine.rules import channel_rule
 from bnprobe.core.conventions import convention_of
 from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import get_format
+from bnprobe.core.kernel import modes_left_out
 from bnprobe.inputs import SEED
 from bnprobe.kernels.layout import reduce_axes, to_channels_first
 from bnprobe.numerics.rounding import round_to
@@ -72,7 +73,9 @@ def _probe_checks(a: KernelAdapter, ref: KernelAdapter, p: Case, fmt: str, param
     caps = a.capabilities()
     r = p.call.x.size // p.call.x.shape[1]
     modes = ("train", "infer", "backward") if r > 1 else ("infer",)
-    modes = tuple(m for m in modes if m in caps.modes)  # (a kernel saving no statistics: from the golden's)
+    modes = tuple(m for m in modes if m in caps.modes)  # those it runs (the others are named in the report's notes)
+    if not modes:
+        return {}
     conv = caps.convention
     rec = generated_call(p.call.with_(dtype=fmt, params=params), modes=modes, label=p.name)
     golden = Golden(ref, rec)
@@ -235,11 +238,13 @@ def doctor(adapter: str | KernelAdapter | Recorded = "reference", dtype: str | N
     prm = params or "fp32"
     todo = probes(seed, stress=stability) + ([user_probe(x, seed)] if x is not None else []) \
         + ([user_probe(generated, seed, GENERATED)] if generated is not None else [])
-    todo = [replace(p, call=p.call.with_(eps=eps, momentum=momentum)) for p in todo]
+    todo = [replace(p, call=p.call.with_(eps=eps, momentum=momentum)) for p in todo
+            if not p.steps or {"train", "infer"} <= set(caps.modes)]  # (steps need both: else not an input here)
     ref = outputs_only(reference_for(a))  # the golden in the kernel's convention
     a = outputs_only(a)  # only outputs are compared: no intermediates kept (on a copy: the caller's is unchanged)
     checks: list[dict[str, Check]] = []
-    notes: list[str] = []
+    left_out = modes_left_out(a.name, caps.modes)  # an inference-only kernel's training and backward, by name
+    notes: list[str] = [] if left_out is None else [left_out]
     for p in todo:
         try:
             checks.append(_probe_checks(a, ref, p, fmt, prm))
@@ -248,7 +253,9 @@ def doctor(adapter: str | KernelAdapter | Recorded = "reference", dtype: str | N
     items, diagnosis, more = checklist_items(checks, "")
     notes += more
     diag = todo[0]
-    if convention_of(a).cumulative:
+    if "train" not in caps.modes:
+        pass  # (no training forward: no running statistics to update; the notes say it is not judged)
+    elif convention_of(a).cumulative:
         items.append(_momentum_none(a, ref, diag, fmt, prm))
     else:
         notes.append(f"momentum=None (torch's cumulative average) is not in the {convention_of(a).name} convention: "
@@ -349,10 +356,13 @@ def _determinism(run: Callable[[], Any], declared: bool, inputs: str = "the same
 
 
 def _forward_twice(a: KernelAdapter, p: Case, fmt: str, params: str) -> Callable[[], Any]:
-    """The training forward of ``a`` on the probe's inputs, as stored in ``fmt`` and ``params``."""
+    """The training forward of ``a`` on the probe's inputs, as stored in ``fmt`` and ``params`` (the inference
+    forward of a kernel that runs inference only)."""
     c = p.call
     x, _, g, b, rm, rv = stored_inputs(fmt, params, c.x, None, c.gamma, c.beta, c.running_mean, c.running_var)
     step = BNCall(x, g, b, rm, rv, eps=c.eps, momentum=c.momentum, dtype=fmt, params=params)
+    if "train" not in a.capabilities().modes:
+        return lambda: a.infer(step.with_(training=False)).y
     return lambda: a.train(step).y
 
 
@@ -433,16 +443,15 @@ def _doctor_call(recorded: Recorded, run: CallRun) -> DoctorReport:
                        skip=() if have_running else (TRAIN_RUNNING,), stored=_stored(bn, got, conv), convention=conv)
     checks = judge_group(run.label, got, gold, formats, output_scales(run, x), models=models, bounds=run.bounds)
     if rec.training and _compared_training(rec):
-        checks = _as_compare(checks, recorded.kernel, rec, tuple(m for m in ("train", "infer", "backward")
-                                                                 if m in rec.tensors), run.label, run=run)
+        checks = _as_compare(checks, recorded.kernel, rec, run.modes, run.label, run=run)
     items, diagnosis, unseen = checklist_items([checks], "on the recorded inputs", unseen=True)
-    if rec.training and "train" in rec.tensors and "running_mean" not in run.got:
+    if rec.training and "train" in run.modes and "running_mean" not in run.got:
         notes.append("the updated running statistics are not in the recording: their momentum and unbiased "
                      "variance are not checked")
     if "backward" not in rec.tensors:
         notes.append("no backward recorded: the gradients are not checked")
     items.append(_epsilon(recorded.kernel, x, fmt, eps, ci.params))
-    if not recorded.replay and "train" in rec.tensors:
+    if not recorded.replay and "train" in run.modes:
         ins = rec.tensors["train"]["inputs"]
         first = BNCall(ins["x"], ins.get("gamma"), ins.get("beta"), eps=eps, dtype=fmt, params=ci.params,
                        layout=layout)
