@@ -49,6 +49,7 @@ from bnprobe.engine.run import each_call, each_run, generated_call, run_call
 from bnprobe.core.call import BNCall
 from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import get_format
+from bnprobe.core.kernel import modes_left_out, one_mode
 from bnprobe.inputs import SEED
 from bnprobe.kernels.layout import layout_of
 from bnprobe.kernels.policy import Policy
@@ -106,7 +107,7 @@ def scan(
     if x is None:
         raise BNProbeError("scan needs an input tensor x")
     fmt = get_format(dtype or "fp16").name
-    mode = mode or "train"
+    mode, left_out = one_mode(a.name, a.capabilities().modes, mode)  # an inference-only kernel: inference
     seed = SEED if seed is None else seed
     call = x if isinstance(x, BNCall) else BNCall(x)
     layout = call.layout
@@ -117,7 +118,9 @@ def scan(
         if accumulate is not None:
             raise BNProbeError(f"{named('accumulate')} sets the accumulator of an emulated kernel; {a.name} computes "
                                "in its own: drop it")
-        return replace(scan_outputs(a, fmt, mode, given, params=params), params=asked)
+        rep = scan_outputs(a, fmt, mode, given, params=params)
+        rep.notes[:0] = [] if left_out is None else [left_out]
+        return replace(rep, params=asked)
     xs = round_to(call.x, fmt)
     pol = _traced_policy(a, xs, fmt, mode, layout, params, accumulate)
     pf = pol.params_format
@@ -132,6 +135,7 @@ def scan(
         raise BNProbeError(f"{named('accumulate')} {get_format(accumulate).name}: {a.name} cannot run with its "
                            f"accumulator and compute format there: {exc}") from None
     rep.findings += _observed(a, pol, mode, given.with_(dtype=fmt, params=params))
+    rep.notes[:0] = [] if left_out is None else [left_out]
     return replace(rep, params=asked)
 
 
@@ -198,9 +202,21 @@ def _scan_calls(recorded: Recorded, *, mode: str | None = None) -> PerCall:
                  "need a tensor dump (msprobe task \"tensor\")"]
         return PerCall.of("overflow", recorded, reports, notes)
     if not recorded.replay:
+        name, runs = recorded.kernel.name, recorded.kernel.capabilities().modes
+        if mode is not None:
+            one_mode(name, runs, mode)  # (a mode the kernel does not run is refused, in one line)
+        left: dict[str, None] = {}  # the notes of the modes recorded that the kernel does not run
+
+        def modes_of(rec: Any) -> tuple[str, ...]:
+            if mode is not None:
+                return (mode,)
+            if (note := modes_left_out(name, runs, rec.modes)) is not None:
+                left[note] = None
+            return tuple(m for m in rec.modes if m in runs)
+
         per_call = each_call(recorded, lambda _, c, rec: [_scan_runnable(recorded.kernel, rec, m, f"{c.label} [{m}]")
-                                                          for m in ((mode,) if mode else rec.modes)])
-        return PerCall.of("overflow", recorded, [rep for reps in per_call for rep in reps])
+                                                          for m in modes_of(rec)])
+        return PerCall.of("overflow", recorded, [rep for reps in per_call for rep in reps], list(left))
     reports = each_run(recorded, lambda _, run: scan_call(run), modes=(mode,) if mode else None)
     notes = ["a recording has no trace and cannot be rerun: findings come from its outputs against the FP64 golden "
              "on the same inputs; no remedies are tried"]
