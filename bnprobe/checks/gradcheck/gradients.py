@@ -31,6 +31,7 @@ from bnprobe.engine.result import Judged, Verdict
 from bnprobe.engine.run import CallRun, each_run
 from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import get_format
+from bnprobe.core.kernel import needs_modes
 from bnprobe.kernels.layout import channel_column, element_at, layout_of, reduce_axes, to_channels_first
 from bnprobe.engine.closeness import allclose_rule, scaled_rule
 from bnprobe.engine.metrics import compare
@@ -540,6 +541,7 @@ def gradcheck(
     mode = mode or "train"
     eps = EPS if eps is None else eps
     caps = a.capabilities()
+    _needs_backward(a.name, caps.modes, mode)
     if fmt not in caps.formats:
         raise BNProbeError(f"adapter {a.name} does not run {fmt} (it runs {', '.join(caps.formats)})")
     layout_of(np.empty(shape))
@@ -579,6 +581,15 @@ def gradcheck(
     if train:
         rows += _identities(got.dx, got.dgamma, got.dbeta, call, gsaved, tol=rt)
     return GradcheckResult(a.name, fmt, mode, tuple(shape), seed, rows, notes, params=asked)
+
+
+def _needs_backward(name: str, runs: tuple[str, ...], mode: str) -> None:
+    """Refuse in one line a kernel gradcheck cannot check: one without a backward (an inference-only kernel, a
+    forward-only one), or in training one without the training forward its backward's statistics come from."""
+    if "backward" not in runs:
+        raise BNProbeError(needs_modes("gradcheck", ("backward",), name, runs), field="adapter")
+    if mode == "train" and "train" not in runs:
+        raise BNProbeError(needs_modes(f"gradcheck in {named('mode')} train", ("train",), name, runs), field="mode")
 
 
 def _vs_fp64(name: str, got: Any, gold: Any, judged: dict[str, dict[str, Any]], *, fmt: str, pf: str, out_fmt: str,
@@ -646,6 +657,8 @@ def _gradcheck_calls(recorded: Recorded, *, mode: str | None = None, rtol: float
     adapter that runs fp64), the kernel's backward (a dump's: the recorded dx, dγ, dβ) vs the golden's,
     and (training calls) the gradient identities of the kernel's gradients.  ``mode`` (train or infer),
     when given, must be the mode of every call.  One :class:`GradcheckResult` per call."""
+    if not recorded.replay:  # a kernel run on the recorded inputs: its backward is what is checked
+        _needs_backward(recorded.kernel.name, recorded.kernel.capabilities().modes, None)
     recorded.calls.require_tensors("gradcheck")
     if mode is not None:
         off = [c for c in recorded.calls.calls if c.training != (mode == "train")]
