@@ -562,8 +562,8 @@ def dump_cmd(
                  meta={"seed": d.seed, "input": str(input) if input else f"{d.dist}(mean={d.mean}, std={d.std})"})
     files = write_dump(rec, out, force=report.force)
     typer.echo(f"recorded {a.name} ({', '.join(rec.modes)}) in {rec.dtype}: " + ", ".join(str(f) for f in files))
-    if "params_note" in rec.meta:
-        typer.echo(f"note: {rec.meta['params_note']}")
+    for note in [*rec.meta.get("notes", []), *([rec.meta["params_note"]] if "params_note" in rec.meta else [])]:
+        typer.echo(f"note: {note}")
     typer.echo(f"replay it as an adapter: --adapter dump:{out}")
 
 

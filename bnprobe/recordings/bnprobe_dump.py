@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 
 from bnprobe.core.call import BNCall
-from bnprobe.core.kernel import MODES, SAVED_KINDS, Saved, params_format
+from bnprobe.core.kernel import MODES, SAVED_KINDS, Saved, modes_left_out, needs_modes, params_format
 from bnprobe.core.errors import BNProbeError
+from bnprobe.core.errors import named as param_named  # (`named` is a loop's variable below)
 from bnprobe.core.formats import get_format
 from bnprobe.inputs import npy_header
 from bnprobe.kernels.layout import LAYOUTS
@@ -231,11 +232,19 @@ def record(adapter: Any, call: BNCall, *, modes: tuple[str, ...] = ("train", "in
            meta: dict[str, Any] | None = None) -> Recording:
     """Run ``adapter`` (a :class:`bnprobe.adapters.KernelAdapter`) in each mode on ``call`` and keep every input and
     output.  The call's tensors are taken as given and rounded here: x and dy to its ``dtype``; γ (None: ones), β
-    (None: zeros) and the running statistics, which it must have, as dy, to its parameter format."""
+    (None: zeros) and the running statistics, which it must have, as dy, to its parameter format.  Of ``modes``,
+    those the adapter runs (an inference-only kernel: inference), the others named in the recording's notes (which
+    every command run on it prints); none of them is an error."""
     from bnprobe.numerics.rounding import round_to
 
     if call.running_mean is None or call.running_var is None or call.dy is None:
         raise BNProbeError("record needs the call's running statistics and dy")
+    runs = adapter.capabilities().modes
+    if not any(m in runs for m in modes):
+        raise BNProbeError(needs_modes(f"{param_named('modes')} {','.join(modes)}", modes, adapter.name, runs),
+                           field="modes")
+    left_out = modes_left_out(adapter.name, runs, modes, verb="recorded")
+    modes = tuple(m for m in modes if m in runs)
     x, gamma, beta, dy = call.x, call.gamma, call.beta, call.dy
     dtype, eps, momentum, layout, params = call.dtype, call.eps, call.momentum, call.layout, call.params
     fmt = get_format(dtype).name
@@ -252,6 +261,8 @@ def record(adapter: Any, call: BNCall, *, modes: tuple[str, ...] = ("train", "in
         f"recorded as given ({pf}); the outputs it returns in {caps.params}")}
     rec = Recording(adapter.name, fmt, pf, layout, eps, momentum, caps.saved,
                     meta={**(meta or {}), **extra, "training": "train" in modes or "backward" in modes})
+    if left_out is not None:
+        rec.meta["notes"] = [*rec.meta.get("notes", []), left_out]
 
     def put(mode: str, io: str, name: str, a: np.ndarray, f: str) -> None:
         # an output is stored in the format the kernel returned it in (the reference returns float64)
