@@ -1028,16 +1028,17 @@ def shrink_cmd(
     recorded = recording_of(a, src.input, src.calls, guard="shrink")
     kept = None
     if recorded is not None:
-        x, kept, dtype, mode = recorded_case(recorded, given=given(shape=gen.shape, dist=gen.dist, mean=gen.mean,
-                                                                   std=gen.std, seed=gen.seed),
-                                             dtype=dtype, mode=mode, params=params)
+        x, kept, dtype, mode, notes = recorded_case(recorded, given=given(shape=gen.shape, dist=gen.dist,
+                                                                          mean=gen.mean, std=gen.std, seed=gen.seed),
+                                                    dtype=dtype, mode=mode, params=params)
         params = kept.params
     else:
         x = input_tensor("shrink", src.input, gen.shape, gen.dist, gen.mean, gen.std, gen.seed)
-        dtype, mode, params = generated_case(dtype, mode, params)
+        dtype, mode, params, notes = generated_case(dtype, mode, params, kernel=a)
     fails = predicate_for(predicate, a, dtype=dtype, mode=mode, recorded=kept, params=params)
     with Progress("shrink") as bar:
         res = shrink(x, fails, seconds=seconds, progress=bar.steps(20))
+    res.notes[:0] = notes
     files, cmd = write_shrink(res, sink, adapter=adapter, dtype=dtype, mode=mode, predicate=predicate,
                               recorded=kept, params=params, convention=convention)
     _echo(shrink_lines(res, files, cmd, dtype, kept))

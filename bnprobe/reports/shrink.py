@@ -82,4 +82,4 @@ def shrink_lines(res: ShrinkResult, files: list[Path], cmd: str, dtype: str, kep
                      f"momentum, {dtype}, params {kept.params}); channels kept: "
                      f"{res.channels.tolist() if res.channels is not None else 'all'}")
     return lines + [f"x = {np.array2string(res.x.reshape(-1), precision=6, threshold=20)}",
-                    "wrote " + ", ".join(str(f) for f in files), f"replay: {cmd}"]
+                    "wrote " + ", ".join(str(f) for f in files), f"replay: {cmd}"] + [f"note: {n}" for n in res.notes]

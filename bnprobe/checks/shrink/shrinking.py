@@ -25,6 +25,7 @@ from bnprobe._loading import binds, load_callable, raised
 from bnprobe.adapters import KernelAdapter
 from bnprobe.adapters.registry import as_adapter
 from bnprobe.core.errors import BNProbeError, named
+from bnprobe.core.kernel import one_mode
 from bnprobe.engine.result import Analysis
 
 __all__ = ["ShrinkResult", "shrink", "compare_predicate", "overflow_predicate", "load_predicate", "recorded_case",
@@ -232,7 +233,7 @@ class ShrinkResult(Analysis):
         return {"shape": list(self.x.shape), "elements": int(self.x.size), "original_shape": list(self.original_shape),
                 "channels": None if self.channels is None else self.channels.tolist(),
                 "steps": self.steps, "evaluations": self.evaluations, "seconds": round(self.seconds, 3),
-                "timed_out": self.timed_out, "x": self.x.tolist()}
+                "timed_out": self.timed_out, "x": self.x.tolist(), "notes": self.notes}
 
 
 def shrink(x: np.ndarray, fails: Predicate, *, seconds: float = 120.0,
@@ -317,11 +318,12 @@ def _round_bits(x: np.ndarray, bits: int) -> np.ndarray:
 
 
 def recorded_case(recorded: Any, *, given: tuple[str, ...] = (), dtype: str | None = None, mode: str | None = None,
-                  params: str | None = None) -> tuple[np.ndarray, RecordedParams, str, str]:
+                  params: str | None = None) -> tuple[np.ndarray, RecordedParams, str, str, list[str]]:
     """The one call a recording selects (a :class:`~bnprobe.engine.recorded.Recorded`), to shrink: its x
-    (channels first), its parameters and scalars, its format and the mode (``mode``, else the call's own).
-    Refused: a recording of several calls or without tensors, and options (``given``, ``dtype``, ``mode``,
-    ``params``) that contradict it."""
+    (channels first), its parameters and scalars, its format, the mode (``mode``, else the call's own, or where the
+    kernel does not run that the first it runs: :func:`~bnprobe.core.kernel.one_mode`) and the notes of what that
+    leaves out.  Refused: a recording of several calls or without tensors, options (``given``, ``dtype``,
+    ``mode``, ``params``) that contradict it, and a mode the kernel does not run."""
     from bnprobe.engine.recorded import check_options
 
     recorded.calls.require_tensors("shrink")
@@ -334,14 +336,20 @@ def recorded_case(recorded: Any, *, given: tuple[str, ...] = (), dtype: str | No
     rec = found[0].load()
     x = rec.call().x
     x = x if rec.layout == "channels_first" or x.ndim <= 2 else np.moveaxis(x, -1, 1)
-    return x, RecordedParams.of(rec, found[0].label), rec.dtype, mode or ("train" if rec.training else "infer")
+    k = recorded.kernel
+    mode, left_out = one_mode(k.name, k.capabilities().modes, mode, "train" if rec.training else "infer")
+    return x, RecordedParams.of(rec, found[0].label), rec.dtype, mode, [] if left_out is None else [left_out]
 
 
-def generated_case(dtype: str | None = None, mode: str | None = None,
-                   params: str | None = None) -> tuple[str, str, str]:
-    """The format, mode and parameter format to shrink a generated or given x in: as given, else fp16, train and
-    fp32 (a recorded call's are its own: :func:`recorded_case`)."""
-    return dtype or "fp16", mode or "train", params or "fp32"
+def generated_case(dtype: str | None = None, mode: str | None = None, params: str | None = None, *,
+                   kernel: KernelAdapter | None = None) -> tuple[str, str, str, list[str]]:
+    """The format, mode and parameter format to shrink a generated or given x in: as given, else fp16, train (or
+    where ``kernel`` does not run it the first mode it runs: :func:`~bnprobe.core.kernel.one_mode`) and fp32 (a
+    recorded call's are its own: :func:`recorded_case`); and the notes of what the mode leaves out."""
+    left_out = None
+    if kernel is not None:
+        mode, left_out = one_mode(kernel.name, kernel.capabilities().modes, mode)
+    return dtype or "fp16", mode or "train", params or "fp32", [] if left_out is None else [left_out]
 
 
 def predicate_for(name: str, adapter: KernelAdapter, *, dtype: str, mode: str, recorded: RecordedParams | None,
