@@ -53,6 +53,7 @@ from bnprobe.engine.run import each_call, recording_notes
 from bnprobe.core.errors import BNProbeError, named
 from bnprobe.inputs import SEED
 from bnprobe.core.formats import get_format
+from bnprobe.core.kernel import modes_left_out
 from bnprobe.kernels.policy import PRESETS, Policy
 from bnprobe.checks.identify.probes import (
     Observed,
@@ -505,6 +506,8 @@ def identify(adapter: str | KernelAdapter | Recorded, dtype: str | None = None, 
         res.notes.append(f"the first search's probes did not tell apart what fresh inputs showed in "
                          f"{', '.join(o.output for o in seen_only)}: those inputs joined the search and a second "
                          "fresh set confirmed it")
+    if (left_out := modes_left_out(kernel.name, caps.modes, verb="identified")) is not None:
+        res.notes.insert(0, left_out)  # (an inference-only kernel: its training and backward, by name)
     return res
 
 
@@ -597,5 +600,8 @@ def _identify_call(kernel: KernelAdapter, c: Any, rec: Any, passes: int,
         f"channels {', '.join(map(str, idx))} of {channels}, confirmed on every channel"
     res.notes.append(f"searched on the recorded inputs alone ({which}): a recording cannot be probed, so the "
                      "fields its data cannot tell apart are listed")
-    res.notes[:0] = [f"{c.label}: {n}" for n in recording_notes(rec)]
+    res.notes[:0] = recording_notes(rec)  # (the report names the call)
+    if not replay and (left_out := modes_left_out(kernel.name, kernel.capabilities().modes, rec.modes,
+                                                  verb="identified")) is not None:
+        res.notes.insert(0, left_out)
     return res
