@@ -353,3 +353,53 @@ class RunningInParams(NumpyBN):
         rm = c(c(c(v["running_mean"]) * km) + c(c(x.mean(axis=ax)) * kb))
         rv = c(c(c(v["running_var"]) * km) + c(c(x.var(axis=ax) * r / (r - 1)) * kb))
         return ForwardOutput(out.y, out.saved, _cast(rm, p.params), _cast(rv, p.params))
+
+
+# ---- kernels that run some modes only: an inference-only one (a deployment runtime) and a forward-only one --------
+
+class Restricted(BaseAdapter):
+    """``inner`` declaring the modes ``modes`` only (its formats, layouts and the rest as it declares them, but not
+    staged: no check may rerun its policy in its place): a call of another mode is refused by the base, as an
+    inference-only runtime or a plugin without a backward refuses it."""
+
+    def __init__(self, inner, modes, name=None):
+        self.inner, self.modes = inner, tuple(modes)
+        self.name = name or f"{inner.name}[{'+'.join(self.modes)}]"
+
+    def capabilities(self):
+        from dataclasses import replace
+
+        return replace(self.inner.capabilities(), modes=self.modes, staged=False, traced=False, golden=False)
+
+    def _forward_train_impl(self, p, *, momentum, eps):
+        return self.inner.train(p.call)
+
+    def _forward_infer_impl(self, p, *, eps):
+        return self.inner.infer(p.call)
+
+    def _backward_impl(self, p, dy, saved, *, eps, training):
+        return self.inner.backward_of(p.call, saved)
+
+
+def InferOnly():  # noqa: N802 - a plugin factory, named like a class for the command line
+    """bnprobe's emulated kernel (each format's preset) running inference only."""
+    from bnprobe.adapters import get_adapter
+
+    return Restricted(get_adapter("emulated"), ("infer",), "emulated-infer-only")
+
+
+def ForwardOnly():  # noqa: N802
+    """bnprobe's emulated kernel running its training and inference forwards, without a backward."""
+    from bnprobe.adapters import get_adapter
+
+    return Restricted(get_adapter("emulated"), ("train", "infer"), "emulated-forward-only")
+
+
+def InferOnlyEpsMissing():  # noqa: N802
+    """An inference-only kernel normalising with 1/sqrt(running_var), ε left out."""
+    return Restricted(NumpyBN("eps-missing"), ("infer",), "infer-only:eps-missing")
+
+
+def InferOnlyUsesBatch():  # noqa: N802
+    """An inference-only kernel normalising with the batch's statistics, not the running ones."""
+    return Restricted(NumpyBN("infer-uses-batch"), ("infer",), "infer-only:infer-uses-batch")
