@@ -66,6 +66,13 @@ RUN = {
     "bnprobe compare-precision --adapters torch --params same --no-budget --format md --out report": "torch",
     "bnprobe dump --adapter ascend-tbe --mean 100 --out tbe-call": None,
     "bnprobe plot-stats --steps 40 --out stats": None,
+    # a kernel that runs inference only, through each command that takes one
+    "bnprobe doctor --adapter onnxruntime --dtype fp16 --params same": "onnxruntime",
+    "bnprobe overflow --adapter onnxruntime --dtype fp16 --params same": "onnxruntime",
+    'bnprobe gradcheck --adapter onnxruntime --dtype fp16 --params same 2>&1; echo "exit $?"': "onnxruntime",
+    "bnprobe dump --adapter onnxruntime --dtype fp16 --params same --out ort-call": "onnxruntime",
+    "PYTHONPATH=. bnprobe shrink --adapter tests.checks.bn_plugins:InferOnlyUsesBatch --shape 4,8,4,4 --out "
+    "shrunk-infer": None,
     # each command page's options, as its --help prints them
     **{f"bnprobe {command} --help": None for command in COMMANDS},
 }
