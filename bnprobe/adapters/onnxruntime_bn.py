@@ -5,7 +5,8 @@ The model is built in memory for each format (opset 15, inference: x, scale, B, 
 the input's element type, as an exported fp16 or fp32 model holds them) and run with the graph optimiser off, so
 the node runs as a BatchNormalization, not folded into a neighbour.  onnxruntime is inference-only here: its
 training mode is not what a deployment runs and it saves no statistics, so the adapter declares the ``infer`` mode
-alone and every check that needs a training forward or a backward refuses it in one line.  fp16 runs whatever
+alone: every check judges its inference and names what it left out, and one that needs a training forward or a
+backward (gradcheck, a mode asked for) refuses it in one line.  fp16 runs whatever
 onnxruntime's CPU provider does with an fp16 node (its own fp16 kernel or float kernels behind inserted casts: the
 identify table says which arithmetic comes out).
 """
