@@ -102,7 +102,7 @@ MODE_OUTPUTS = {"train": "training forward (y, saved and running statistics)", "
 
 def _listed(words: Iterable[str]) -> str:
     ws = list(words)
-    return ws[0] if len(ws) == 1 else ", ".join(ws[:-1]) + " and " + ws[-1]
+    return "nothing" if not ws else ws[0] if len(ws) == 1 else ", ".join(ws[:-1]) + " and " + ws[-1]
 
 
 def runs_only(name: str, runs: Iterable[str]) -> str:
