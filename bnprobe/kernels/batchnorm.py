@@ -30,12 +30,12 @@ from bnprobe.kernels.layout import Layout, as_channel_vector, check_eps, check_m
 from bnprobe.kernels.policy import Policy, get_policy
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.arith import Arith, Tally, as_carrier, fits_float32, fma_wide
-from bnprobe.numerics.reduce import Cores, plane_reduce, reduce_sum, vec_dot
+from bnprobe.numerics.reduce import Cores, plane_reduce, reduce_sum, small_batch_threads, thread_sum, vec_dot
 from bnprobe.numerics.rounding import RoundingSpec, round_to
 from bnprobe.numerics.rsqrt import divide, rsqrt_ascend950
 from bnprobe.numerics.rsqrt import rsqrt as nrsqrt
 from bnprobe.numerics.rsqrt import sqrt as nsqrt
-from bnprobe.numerics.variance import MomentsMethod, moments, prescale_exponent
+from bnprobe.numerics.variance import MomentsMethod, ThreadSums, moments, prescale_exponent
 
 __all__ = ["Execution", "TrainResult", "InferResult", "BackwardResult", "forward_train", "forward_infer", "backward"]
 
@@ -111,8 +111,8 @@ def carrier_for(policy: Policy, keep_arrays: bool, overrides: dict[str, np.ndarr
 class _Setting:
     """What every block of a kernel call runs with: whether its trace keeps arrays and counts (False: no events
     counted, no stage recorded, outputs only), its carrier, the dtypes of the caller's tensors by stage name, whether
-    it takes the compiled route, and the length of the layout's contiguous rows in a channel (H*W channels-first;
-    for order=vec)."""
+    it takes the compiled route, the length of the layout's contiguous rows in a channel (H*W channels-first;
+    for order=vec) and the call's channel count (PyTorch's small-batch split across threads depends on it)."""
 
     keep_arrays: bool = False
     counting: bool = True
@@ -120,15 +120,18 @@ class _Setting:
     sources: Mapping[str, np.dtype] | None = None
     compiled: bool = False
     row: int | None = None
+    channels: int = 1
 
 
 class _Run:
     """The arithmetic contexts of one block of channels of a kernel call, and its trace."""
 
     def __init__(self, policy: Policy, channels: int, rng: np.random.Generator, setting: _Setting, *,
-                 overrides: dict[str, np.ndarray] | None = None, dest: Source | None = None) -> None:
+                 overrides: dict[str, np.ndarray] | None = None, dest: Source | None = None, first: int = 0) -> None:
         self.policy = policy
+        self.first = first  # the call's index of this block's first channel
         self.row = setting.row  # the length of the layout's contiguous rows in a channel, for order=vec
+        self.channels = setting.channels  # the call's, not this block's
         self.c = channels
         self.carrier = setting.carrier
         self.sources = setting.sources or {}  # dtypes of the caller's tensors, by stage name
@@ -146,10 +149,15 @@ class _Run:
         # the compiled route's passes (tensors arrive as Sources, y / dx is written to dest), or None
         self.fused = Fused(self, dest) if setting.compiled else None
 
-    def reduce(self, x: np.ndarray, tally: Tally, times: np.ndarray | None = None) -> np.ndarray:
-        """A per-channel sum in the accumulator format, by the policy's order and core split: of x, or of
-        x * round(times) with both roundings' events counted."""
+    def reduce(self, x: np.ndarray, tally: Tally, times: np.ndarray | None = None, fused: bool = False) -> np.ndarray:
+        """A per-channel sum in the accumulator format, by the policy's order and core split, or split across its
+        threads: of x, or of x * round(times) with both roundings' events counted (``fused``: x·times accumulated
+        by fused multiply-adds, across threads)."""
         pol = self.policy
+        if pol.threads is not None:
+            t = None if times is None else self.acc.round(times, tally)
+            return self.acc.round(thread_sum(x, self.acc, threads=pol.threads, wide=self.wide_sums(), times=t,
+                                             fused=fused, tally=tally), tally)
         if self.fused is not None and pol.core_parts == 1:
             return self.fused.reduce(x, tally, times)
         if times is not None:
@@ -159,6 +167,11 @@ class _Run:
 
     def tally(self) -> Tally:
         return Tally(self.c)
+
+    def wide_sums(self) -> Arith | None:
+        """The format the policy carries its sums in when wider than the accumulator (or None)."""
+        fmt = self.policy.sum_format
+        return None if fmt is None or fmt == self.acc.fmt.name else Arith(fmt, counting=self.counting)
 
     def rec(self, name: str, ar: Arith, wide: np.ndarray, tally: Tally | None = None,
             negative: bool = False) -> np.ndarray:
@@ -361,7 +374,8 @@ class _Blocks:
         carrier = carrier_for(policy, keep_arrays, overrides)
         self.setting = _Setting(keep_arrays, execution.counters, carrier,
                                 {k: np.asarray(v).dtype for k, v in (sources or {}).items()}, self.compiled,
-                                int(np.prod(lay.shape[2:], dtype=np.int64)) if lay.layout == "channels_first" else None)
+                                int(np.prod(lay.shape[2:], dtype=np.int64)) if lay.layout == "channels_first" else None,
+                                lay.channels)
         self.meta["route"] = "compiled" if self.compiled else f"{np.dtype(carrier).name} carriers"
         self._views: dict[int, Source] = {}
         self._dest: Source | None = None
@@ -371,7 +385,8 @@ class _Blocks:
             # overrides are channel-first, (C,) or (C, R): take this block's channels
             sub = {k: np.asarray(v)[sl] for k, v in self.overrides.items()}
             dest = self._dest.block(sl) if self._dest is not None else None
-            run = _Run(self.policy, sl.stop - sl.start, self.rng, self.setting, overrides=sub, dest=dest)
+            run = _Run(self.policy, sl.stop - sl.start, self.rng, self.setting, overrides=sub, dest=dest,
+                       first=sl.start)
             yield sl, run
             self.traces.append(run.trace)
 
@@ -479,8 +494,13 @@ def _train_block(run: _Run, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.
         xa = run.cast("x_acc", xs, pol.storage, acc)
         method = MomentsMethod(pol.variance, pol.order, pol.lanes, pol.tiles, pol.kahan, pol.mean_by, pol.clamp_var,
                                pol.unroll, run.cores, pol.sum_format)
+        sums = None if run.fused is None else run.fused.sums(r)
+        if pol.threads is not None:  # (split across threads; PyTorch's fp32 kernel has a branch of its own for R ≤ T)
+            wide = run.wide_sums()
+            sums = ThreadSums(acc, pol.threads if wide is None else small_batch_threads(pol.threads, r, run.channels),
+                              wide, pol.variance_fma)
         m = moments(xa, acc, method, rng=run.rng, row=run.row, overrides=run.overrides,
-                    wide_sums=run.trace.keep_arrays, sums=None if run.fused is None else run.fused.sums(r))
+                    wide_sums=run.trace.keep_arrays, sums=sums)
         for sv in m.stages:
             run.trace.record(sv.name, sv.value, sv.arith.fmt, wide=sv.wide, tally=sv.tally,
                              check_negative=sv.check_negative)
@@ -689,9 +709,10 @@ def _backward_loads(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu:
 def _backward_torch(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray, inv: np.ndarray,
                     r: int) -> dict[str, np.ndarray | None]:
     """PyTorch CPU's training backward (``backward_formula=torch``): Σdy and Σ(x − mean)·dy in the policy's order
-    (fused as ``backward_fma`` says), or plane by plane (``backward_sums=plane_reduce``, the planes added in
-    ``sum_format``); dγ = Σ(x − mean)dy·invstd (in the sums' format), k = fl(Σ(x − mean)dy)·invstd·invstd / R,
-    and dx = (fma(−(x − mean), k, dy − Σdy/R)·invstd)·γ, every step rounded in the compute format."""
+    (fused as ``backward_fma`` says), plane by plane (``backward_sums=plane_reduce``, the planes added in
+    ``sum_format``) or split across threads (``threads``); dγ = Σ(x − mean)dy·invstd (in the sums' format),
+    k = fl(Σ(x − mean)dy)·invstd·invstd / R, and dx = (((dy − Σdy/R) − (x − mean)·k)·invstd)·γ with the subtraction
+    of the product fused as ``dx_fma`` says, every step rounded in the compute format."""
     pol, acc, comp = run.policy, run.acc, run.comp
     with np.errstate(all="ignore"):
         dys, ga, mean, invstd, xc, dyc = _backward_loads(run, dy, x, g, mu, inv)
@@ -713,6 +734,8 @@ def _backward_torch(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu:
                                fused=pol.backward_fma, into=into, tally=t)
         elif pol.backward_fma == "none":
             dot = run.reduce(dya, t, times=centered)
+        elif pol.threads is not None:
+            dot = run.reduce(centered, t, times=dya, fused=True)
         else:
             dot = vec_dot(np.asarray(centered, dtype=np.float64), np.asarray(dya, dtype=np.float64), acc,
                           lanes=pol.lanes, unroll=pol.unroll, row=run.row,
@@ -732,11 +755,33 @@ def _backward_torch(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu:
         mean_dy = run.record("mean_dy", acc, mean_dy, sum_dy / r, t)
         t = run.tally()
         d = comp.sub(dyc, run.col(comp, mean_dy), t)
-        d = comp.round(fma_wide(-np.asarray(centered, dtype=np.float64), run.col(comp, k), d), t)
+        d = _dx_projection(run, d, centered, run.col(comp, k), t)
         d = comp.mul(d, run.col(comp, invstd), t)
         dx_c = run.op("dx_compute", comp, np.multiply, d, run.col(comp, ga), tally=t)
         dx = run.output("dx", run.out, dx_c)
     return {"dx": dx, "dgamma": dgamma, "dbeta": dbeta}
+
+
+def _dx_projection(run: _Run, d: np.ndarray, centered: np.ndarray, k: np.ndarray, tally: Tally) -> np.ndarray:
+    """d − (x − mean)·k in the compute format: one fused multiply-add, or a rounded product then a subtraction, per
+    channel as the policy's ``dx_fma`` says (body: the channels in full vectors of lanes x unroll across a
+    channels-last row; tail: the others)."""
+    comp, how = run.comp, run.policy.dx_fma
+    fused = plain = None
+    tf, tp = Tally(run.c), Tally(run.c)
+    if how != "none":
+        fused = comp.round(fma_wide(-np.asarray(centered, dtype=np.float64), k, d), tf)
+    if how != "all":
+        plain = comp.sub(d, comp.mul(centered, k, tp), tp)
+    if fused is None or plain is None:
+        tally.merge(tf if plain is None else tp)
+        return fused if plain is None else plain
+    block = run.policy.lanes * run.policy.unroll
+    body = np.arange(run.first, run.first + run.c) < run.channels - run.channels % block
+    use = body if how == "body" else ~body
+    for name in tally.counts:
+        tally.counts[name] += np.where(use, tf.counts[name], tp.counts[name])
+    return np.where(use[:, None], fused, plain)
 
 
 def _dx_coefficients(run: _Run, ga: np.ndarray, mean: np.ndarray, invstd: np.ndarray, sum_dy: np.ndarray,

@@ -49,9 +49,9 @@ def compiled_route(policy: Any, keep_arrays: bool, overrides: dict[str, np.ndarr
     if keep_arrays or overrides or not jit_for(elements):
         return False
     if policy.order in ("vec", "rowlanes") or policy.backward_formula == "torch" or \
-            policy.backward_sums != "forward" or \
+            policy.backward_sums != "forward" or policy.variance_fma or \
             any(f is not None for f in (policy.rstd_format, policy.sum_format, policy.saved_format,
-                                           policy.running_var_sum)):
+                                           policy.running_var_sum, policy.threads)):
         # (orders, formats and formulas the kernels do not have)
         return False
     formats = {policy.storage, policy.params_format, policy.compute, policy.accumulate}

@@ -16,7 +16,7 @@ from bnprobe.numerics.variance import MEAN_BY, VARIANCES
 
 __all__ = ["Policy", "PRESETS", "get_policy", "Y_FORMULAS", "RSQRT_METHODS", "BACKWARD_FORMULAS", "SQRT_METHODS",
            "DIVISIONS", "RECIP_METHODS",
-           "RUNNING_MOMENTA", "RUNNING_VARS", "UNBIASED_BY", "BACKWARD_FMAS", "BACKWARD_SUMS"]
+           "RUNNING_MOMENTA", "RUNNING_VARS", "UNBIASED_BY", "BACKWARD_FMAS", "BACKWARD_SUMS", "DX_FMAS"]
 
 # How y is formed from the statistics:
 #   xhat   : xhat = (x - mean) * rstd; y = gamma * xhat + beta
@@ -51,6 +51,11 @@ BACKWARD_FMAS: tuple[str, ...] = ("none", "body", "tail", "all")
 # the lanes folded halves first; a plane shorter than the lanes folded in sequence), the planes' results added in
 # order in sum_format (double there; the accumulator when None) — see numerics.reduce.plane_reduce
 BACKWARD_SUMS: tuple[str, ...] = ("forward", "plane_reduce")
+# dx_fma: which channels' dx (backward_formula=torch) fuse dy − Σdy/R − (x − mean)·k into one multiply-add: all,
+# none, or with threads (a channels-last row, vectorised across channels) the channels in full vectors of
+# lanes x unroll (body) or the remaining ones, done by scalar code (tail); PyTorch's CPU channels-last kernels
+# differ by format (measured)
+DX_FMAS: tuple[str, ...] = ("all", "body", "tail", "none")
 # what the call's momentum m weighs in the running update: the batch's value (PyTorch, TensorFlow's fused kernel,
 # MindSpore's primitive: new = (1-m)·old + m·batch) or the old value's (flax, Keras, Paddle: new = m·old + (1-m)·batch)
 RUNNING_MOMENTA: tuple[str, ...] = ("new", "old")
@@ -134,6 +139,16 @@ class Policy:
     # accumulator type); None = the update's format
     running_var_sum: str | None = None
     infer_y_formula: str | None = None  # y's formula in inference when not y_formula (a folded y = A·x + B)
+    # the rows (R = N·H·W) each channel's sums run over split across this many threads, as PyTorch CPU's channels-last
+    # kernels split them (taken by its NCHW kernels too when H·W = 1: BatchNorm1d on (N, C)): T' = min(T, R) threads
+    # take ⌈R/T'⌉ contiguous rows each, add them in order into a buffer in accumulate, and the T buffers are added in
+    # thread order in sum_format (None: accumulate); with a wider sum_format (its fp32 kernel) and R ≤ T, one row per
+    # thread when 16 < C ≤ 2048, else one thread.  The result depends on T, torch.get_num_threads().  None: no split
+    threads: int | None = None
+    # the threads' Σ(x − mean)² (and naive Σx²) accumulated by fused multiply-adds, s = fma(d, d, s) (GCC contracts
+    # PyTorch's `y + (x − mean)·(x − mean)`); needs threads
+    variance_fma: bool = False
+    dx_fma: str = "all"  # DX_FMAS (backward_formula=torch)
     seed: int = 0  # drives stochastic rounding
 
     def __post_init__(self) -> None:
@@ -150,7 +165,7 @@ class Policy:
             "recip": RECIP_METHODS, "newton_form": NEWTON_FORMS, "core_combine": COMBINES,
             "unbiased_r1": UNBIASED_R1, "running_momentum": RUNNING_MOMENTA, "running_var": RUNNING_VARS,
             "infer_y_formula": (None,) + Y_FORMULAS, "unbiased_by": UNBIASED_BY, "backward_fma": BACKWARD_FMAS,
-            "backward_sums": BACKWARD_SUMS,
+            "backward_sums": BACKWARD_SUMS, "dx_fma": DX_FMAS,
         }
         for attr, valid in choices.items():
             if getattr(self, attr) not in valid:
@@ -179,9 +194,24 @@ class Policy:
         if self.backward_sums == "plane_reduce" and self.backward_formula != "torch":
             raise BNProbeError("policy backward_sums=plane_reduce is the sums of PyTorch's CPU backward: give "
                                "backward_formula=torch")
-        if self.backward_fma != "none" and self.order != "vec" and self.backward_sums != "plane_reduce":
-            raise BNProbeError("policy backward_fma fuses the lanes of order=vec or of backward_sums=plane_reduce: "
-                               "give order=vec or backward_sums=plane_reduce")
+        if self.threads is not None:
+            if not 1 <= self.threads <= 4096:
+                raise BNProbeError(f"policy threads must be 1 to 4096 (or none), got {self.threads}")
+            if self.order != "sequential" or self.kahan or self.core_parts != 1 or \
+                    self.variance not in ("two_pass", "naive") or self.mean_by == "prescaled" or \
+                    self.backward_sums != "forward":
+                raise BNProbeError("policy threads splits plain sequential sums of the naive or two-pass variance: "
+                                   "give order=sequential (no kahan, core_parts=1, mean_by not prescaled, "
+                                   "backward_sums=forward), variance=two_pass or naive")
+        if self.dx_fma in ("body", "tail") and self.threads is None:
+            raise BNProbeError(f"policy dx_fma={self.dx_fma} names the channels of a row split across threads: give "
+                               "threads")
+        if self.variance_fma and self.threads is None:
+            raise BNProbeError("policy variance_fma fuses the threads' sums of squares: give threads")
+        if self.backward_fma != "none" and self.order != "vec" and self.backward_sums != "plane_reduce" and \
+                not (self.threads and self.backward_fma == "all"):
+            raise BNProbeError("policy backward_fma fuses the lanes of order=vec or of backward_sums=plane_reduce (or, "
+                               "=all, the threads' sums): give order=vec, backward_sums=plane_reduce or threads")
         if self.kahan and self.order == "pairwise":
             raise BNProbeError("policy kahan=True needs order=sequential or order=lanes")
 
@@ -203,7 +233,8 @@ class Policy:
                        accumulate="fp64", rounding="nearest_even", output_rounding=None, overflow="ieee",
                        subnormals="keep", kahan=False, rsqrt="sqrt_div" if self.rsqrt == "sqrt_div" else "exact",
                        sqrt="exact", division="exact", clamp_var=False, core_combine="ordered",
-                       running_format=None, rstd_format=None, sum_format=None, saved_format=None, running_var_sum=None)
+                       running_format=None, rstd_format=None, sum_format=None, saved_format=None, running_var_sum=None,
+                       variance_fma=False)
 
     def with_options(self, **changes: object) -> Policy:
         """A copy with some fields changed (unknown names are a BNProbeError)."""

@@ -15,7 +15,8 @@ import numpy as np
 from bnprobe.core.errors import BNProbeError
 from bnprobe.numerics.arith import Arith, Tally, as_carrier, fma_wide
 
-__all__ = ["ORDERS", "COMBINES", "Cores", "reduce_sum", "tree_sum", "split_parts", "vec_dot", "plane_reduce"]
+__all__ = ["ORDERS", "COMBINES", "Cores", "reduce_sum", "tree_sum", "split_parts", "vec_dot", "plane_reduce",
+           "thread_blocks", "thread_sum", "small_batch_threads"]
 
 # vec: at::vec-style (PyTorch CPU): per row of H*W values (channels_first; channels_last and the parts of a core split
 # or of Chan's tiles take their whole axis as one row), full blocks of lanes x unroll values
@@ -280,6 +281,54 @@ def plane_reduce(x: np.ndarray, acc: Arith, *, lanes: int, row: int | None = Non
             vec = np.concatenate([head, vec[..., tail:]], axis=-1)
         total = tree_sum(vec, acc, tally)
     return np.asarray(_sequential(np.asarray(total), into, tally, kahan=False), dtype=np.float64)
+
+
+def thread_blocks(r: int, threads: int) -> list[slice]:
+    """The rows of a length-r axis each of ``threads`` threads takes, as at::parallel_for(0, R, 1, ·) hands them out
+    on OpenMP (ATen/ParallelOpenMP.h): T' = min(T, R) threads get ⌈R/T'⌉ contiguous rows each in thread order, the
+    last what is left; a thread past the end gets none (its buffer stays 0).  One slice per thread, T in all."""
+    used = max(1, min(threads, r))
+    k = -(-r // used)
+    return [slice(min(t * k, r), min((t + 1) * k, r)) for t in range(threads)]
+
+
+def small_batch_threads(threads: int, r: int, channels: int) -> int:
+    """How many threads PyTorch CPU's fp32 channels-last statistics (partials combined in double) split R rows across
+    when R ≤ T, where the kernel leaves its per-thread buffers ("Method 1/2" in batch_norm_kernel.cpp): one row per
+    thread, combined in double (its per-channel double loop), when 16 < C ≤ 2048 and T > 1; one thread (its
+    vectorised float loop over tiles of 16 channels) otherwise.  T itself when R > T."""
+    if r > threads:
+        return threads
+    return r if threads > 1 and 16 < channels <= 2048 else 1
+
+
+def thread_sum(x: np.ndarray, acc: Arith, *, threads: int, wide: Arith | None = None, times: np.ndarray | None = None,
+               fused: bool = False, tally: Tally | None = None) -> np.ndarray:
+    """Σ of each row of a ``(C, R)`` array, or Σ x·times, as PyTorch CPU's channels-last kernels take it across
+    ``threads`` threads: thread t adds the rows of its block (:func:`thread_blocks`) one by one into a buffer of
+    ``acc``'s format that starts at 0 (with ``times``: s = fma(x, times, s) when ``fused``, else s + fl(x·times)),
+    then the T buffers are added in thread order into a sum that starts at 0, in ``wide``'s format (None: ``acc``'s).
+    The addends must be values of ``acc``'s format; returns (C,) float64 values of the combine's format."""
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim != 2 or x.shape[1] == 0:
+        raise BNProbeError(f"thread_sum expects a non-empty (C, R) array, got shape {x.shape}")
+    if threads < 1:
+        raise BNProbeError(f"threads must be >= 1, got {threads}")
+    c, r = x.shape
+    b = None if times is None else np.asarray(times, dtype=np.float64)
+    if b is not None and not fused:
+        x, b = acc.mul(x, b, tally), None  # (each product rounded, then summed as plain addends)
+    into = acc if wide is None else wide
+    total = np.zeros(c)
+    for sl in thread_blocks(r, threads):
+        if sl.stop == sl.start:
+            part = np.zeros(c)
+        elif b is not None:
+            part = _fused_sequential(x[:, sl], b[:, sl], acc, True, tally)
+        else:
+            part = _sequential(np.ascontiguousarray(x[:, sl]), acc, tally, False)
+        total = into.add(total, part, tally)
+    return total
 
 
 def split_parts(r: int, parts: int) -> list[slice]:

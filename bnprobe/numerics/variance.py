@@ -14,9 +14,10 @@ import numpy as np
 
 from bnprobe.core.errors import BNProbeError
 from bnprobe.numerics.arith import Arith, Tally
-from bnprobe.numerics.reduce import Cores, reduce_sum
+from bnprobe.numerics.reduce import Cores, reduce_sum, thread_sum
 
-__all__ = ["VARIANCES", "MEAN_BY", "StageValue", "Moments", "MomentsMethod", "Sums", "moments", "prescale_exponent"]
+__all__ = ["VARIANCES", "MEAN_BY", "StageValue", "Moments", "MomentsMethod", "Sums", "ThreadSums", "moments",
+           "prescale_exponent"]
 
 VARIANCES: tuple[str, ...] = ("naive", "two_pass", "welford", "welford_ascend", "chan")
 # divide: s / R, one rounding.  reciprocal: s * fl(1/R) (Ascend TBE).  prescaled: the addends are
@@ -172,6 +173,31 @@ class Sums:
         (None where they were not kept)."""
         dev = self.acc.sub(x, mean[:, None], t)
         q = reduce_sum(self.pre(self.acc.mul(dev, dev, t)), self.into, tally=t, **self.red)
+        return (q if self.wide is None else self.acc.round(q, t)), dev
+
+
+class ThreadSums(Sums):
+    """The naive and two-pass sums split across threads as PyTorch CPU's channels-last kernels split them
+    (:func:`~bnprobe.numerics.reduce.thread_sum`): each of ``threads`` threads sums its contiguous rows in ``acc``,
+    the threads' partials are added in thread order in ``wide`` (None: ``acc``); the squares and squared deviations
+    are accumulated by fused multiply-adds when ``fused`` (GCC contracts ``y + (x − mean)·(x − mean)``)."""
+
+    def __init__(self, acc: Arith, threads: int, wide: Arith | None = None, fused: bool = False) -> None:
+        super().__init__(acc, lambda v: v, {}, wide)
+        self.threads, self.fused = threads, fused
+
+    def _sum(self, x: np.ndarray, t: Tally, times: np.ndarray | None = None) -> np.ndarray:
+        return thread_sum(x, self.acc, threads=self.threads, wide=self.wide, times=times, fused=self.fused, tally=t)
+
+    def total(self, x: np.ndarray, t: Tally) -> np.ndarray:
+        return self._sum(x, t)
+
+    def squares(self, x: np.ndarray, t: Tally) -> np.ndarray:
+        return self._sum(x, t, times=x)
+
+    def deviations(self, x: np.ndarray, mean: np.ndarray, t: Tally) -> tuple[np.ndarray, np.ndarray | None]:
+        dev = self.acc.sub(x, mean[:, None], t)
+        q = self._sum(dev, t, times=dev)
         return (q if self.wide is None else self.acc.round(q, t)), dev
 
 
