@@ -45,9 +45,11 @@ class TorchAdapter(BaseAdapter):
         self.name = {"cpu": "torch", "cuda": "torch:cuda", "npu": "torch_npu"}[device]
 
     def capabilities(self) -> Capabilities:
-        # CUDA and NPU reductions use atomics in some configurations; CPU is deterministic
+        # CUDA and NPU reductions use atomics in some configurations; CPU is deterministic, its channels-last
+        # statistics split across the threads torch runs with
         return Capabilities(formats=("fp64", "fp32", "fp16", "bf16"), saved="invstd",
-                            deterministic=self.device == "cpu")
+                            deterministic=self.device == "cpu",
+                            threads=self.torch.get_num_threads() if self.device == "cpu" else None)
 
     # ---- conversions ---------------------------------------------------------------------------
     def _tensor(self, a: np.ndarray | None, fmt: str, p: Prepared | None = None) -> Any:
@@ -86,7 +88,9 @@ class TorchAdapter(BaseAdapter):
     def _meta(self, train: Prepared | None = None) -> dict[str, Any]:
         """What the adapter says of a call it ran (``train``: the training forward's call, whose meta also names the
         device)."""
-        return {"torch": self.torch.__version__, **({"device": self.device} if train is not None else {})}
+        # (on the CPU the channels-last kernels' results depend on the thread count)
+        threads = {"threads": self.torch.get_num_threads()} if self.device == "cpu" else {}
+        return {"torch": self.torch.__version__, **threads, **({"device": self.device} if train is not None else {})}
 
     # ---- kernels ---------------------------------------------------------------------------------
     def _forward_train_impl(self, p: Prepared, *, momentum: float | None, eps: float) -> ForwardOutput:

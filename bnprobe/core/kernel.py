@@ -67,6 +67,9 @@ class Capabilities:
     # it is the FP64 golden itself (bnprobe's reference): every kernel is judged against its outputs, so nothing
     # of it is budgeted or explained
     golden: bool = False
+    # the threads its reductions split across where that changes its results (PyTorch CPU's channels-last kernels:
+    # torch.get_num_threads() when asked), None when not known or when it does not: identify tries it first
+    threads: int | None = None
 
 
 @dataclass(frozen=True)
