@@ -89,8 +89,7 @@ def row(adapter: str, fmt: str, params: str, shape: str | None = None) -> dict:
         return {**base, "result": "not run", "why": str(exc)}
     seconds = time.perf_counter() - t
     conv = get_convention(kernel.capabilities().convention)
-    layouts = {lay: ("reproduced" if not off else f"not reproduced: {', '.join(off)}")
-               for lay, off in res.layouts.items()}
+    layouts = {lay: other.summary() for lay, other in res.layouts.items()}
     out = {**base, "result": "reproduced" if res.reproduced else "departs",
            "recipe": res.spec if res.reproduced or res.close else None,
            # (where only the backward departs, the spec is the forward's recipe: every forward stage reproduced)

@@ -44,17 +44,7 @@ def _blocks(res: Identified) -> list[str]:
 
 
 def _title(res: Identified, what: str) -> str:
-    from bnprobe.checks.identify.results import CLOSE_SHARE, CLOSE_ULPS
-
-    if res.reproduced:
-        verdict = f"reproduced bit for bit by emulated:{res.spec}"
-    elif res.close:
-        verdict = (f"departs from the policy space at the {res.departs} stage; closest (all but "
-                   f"{CLOSE_SHARE:.0%} of its values within {CLOSE_ULPS:g} ULPs): emulated:{res.spec} "
-                   f"({', '.join(o.output for o in res.departing)}: {res.departure_size()})")
-    else:
-        verdict = f"departs from the policy space at the {res.departs} stage: {res.departure()}"
-    return f"identify {what}: {verdict}"
+    return f"identify {what}: {res.verdict()}"
 
 
 def _markdown(title: str, blocks: list[str], notes: list[str]) -> str:
@@ -67,8 +57,12 @@ def identify_report(res: Identified | IdentifiedCalls) -> Report:
     if isinstance(res, OfCalls):
         return _identified_calls(res)
     title = _title(res, f"{res.adapter} in {res.dtype}, params {res.params}")
-    blocks = _blocks(res) + [f"{len(res.probes)} probes ({', '.join(res.probes)}); {res.evaluations} candidate "
-                             f"evaluations, {res.seconds:.1f} s"]
+    blocks = _blocks(res)
+    for lay, other in res.layouts.items():  # (a layout the kernel computes another way: its own search)
+        if other.own is not None:
+            blocks += ["", f"{lay}: {other.own.verdict()}", *_blocks(other.own)]
+    blocks.append(f"{len(res.probes)} probes ({', '.join(res.probes)}); {res.evaluations} candidate evaluations, "
+                  f"{res.seconds:.1f} s")
     return Report(title, blocks, list(res.notes), res.passed, res.to_dict(),
                   file_stem("identify", res.adapter, res.dtype), res.frame, _markdown(title, blocks, res.notes))
 

@@ -45,16 +45,24 @@ def _call(x: np.ndarray, rng: np.random.Generator, fmt: str, params: str, eps: f
 
 
 def probes(dtype: str, params: str = "fp32", *, seed: int = 0, eps: float = EPS, momentum: float | None = MOMENTUM,
-           layouts: tuple[str, ...] = ("channels_first", "channels_last"), fresh: bool = False) -> list[Case]:
+           layouts: tuple[str, ...] = ("channels_first", "channels_last"), fresh: bool = False,
+           layout: str = "channels_first") -> list[Case]:
     """The designed inputs identify drives a kernel with (``fresh``: the confirmation set, another seed, shape and
-    scale, never seen by the search)."""
+    scale, never seen by the search, with inputs in every layout of ``layouts``).  ``layout``: the layout of the
+    designed ones — channels_last gives the same values moved to (N, H, W, C), for the search of a kernel whose
+    channels-last branch computes another way, and leaves out the subnormal and huge inputs (the modes are the
+    channels-first search's)."""
     fmt = get_format(dtype)
     rng = np.random.default_rng([seed, 31, 1 if fresh else 0])
     wide = {"fp16": 6, "bf16": 10}.get(fmt.name, 12)  # binades of spread: more than the accumulator resolves
     out: list[Case] = []
 
-    def add(name: str, x: np.ndarray, purpose: str, layout: str = "channels_first", modes_only: bool = False,
+    def add(name: str, x: np.ndarray, purpose: str, layout: str = layout, modes_only: bool = False,
             running: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        if layout == "channels_last":
+            if modes_only:
+                return
+            x = np.moveaxis(x, 1, -1)
         out.append(Case(name, call=_call(x, rng, fmt.name, params, eps, momentum, seed + len(out), layout, running),
                         purpose=purpose, modes_only=modes_only))
 
@@ -67,11 +75,15 @@ def probes(dtype: str, params: str = "fp32", *, seed: int = 0, eps: float = EPS,
         means = np.array([3e2, -1e3, 50.0, 7e2, -20.0])[:c] * (4.0 if fmt.name != "fp16" else 1.0)
         stds = np.array([1.0, 4.0, 0.3, 2.0, 0.05])
         x = means[None, :, None, None] + stds[None, :, None, None] * rng.standard_normal((n, c, h, w))
-        add("fresh/large-means", x, "per-channel means to 1e3 and scales from 0.05 to 4", running=near(means, stds))
+        add("fresh/large-means", x, "per-channel means to 1e3 and scales from 0.05 to 4", "channels_first",
+            running=near(means, stds))
+        large = x
         x = rng.standard_normal((n, c, h, w)) * 2.0 ** rng.uniform(-wide, wide, (n, c, h, w))
-        add("fresh/spread", x, "values over many binades")
-        if "channels_last" in layouts:  # (searched in channels_first: a kernel may compute NHWC another way)
-            add("fresh/channels-last", np.moveaxis(x, 1, -1) * 0.5 + 3.0, "the NHWC layout", "channels_last")
+        add("fresh/spread", x, "values over many binades", "channels_first")
+        if "channels_last" in layouts:  # (a kernel may compute NHWC another way: its own search confirms on these)
+            add("fresh/channels-last", x * 0.5 + 3.0, "the NHWC layout", "channels_last")
+            add("fresh/channels-last-means", large[:, :, ::-1] * 1.5, "the NHWC layout, large means",
+                "channels_last", running=near(means * 1.5, stds * 1.5))
         return out
     # FPRev's probe (Xie et al., ATC 2025), one question per channel: small values and one pair +L, -L at a distance
     # that differs per channel; where the pair meets in the summation tree decides which small values are lost
@@ -113,6 +125,10 @@ def probes(dtype: str, params: str = "fp32", *, seed: int = 0, eps: float = EPS,
     huge = fmt.max * 0.25 * np.where(rng.random((2, 3, 4, 4)) < 0.5, -1.0, 1.0)
     add("huge", huge, "values near the format's maximum: the sum of squares overflows (IEEE inf or saturation)",
         modes_only=True)
+    if layout == "channels_last":  # (channels-first, a kernel may run (N, C, 1, 1) as channels-last: PyTorch does)
+        x = rng.standard_normal((2, 63, 1, 1)) * 3.0 + rng.normal(0.0, 20.0, 63)[None, :, None, None]
+        add("batch-of-two", x, "R = 2: dx cancels to its last bits, which show how each channel's is formed (C = 63: "
+            "vectors of 4, 8, 16 or 32 channels leave tails of 3, 7, 15 or 31)")
     return out
 
 

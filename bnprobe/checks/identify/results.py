@@ -13,8 +13,8 @@ from bnprobe.engine.result import Judged
 from bnprobe.kernels.policy import PRESETS, Policy
 
 
-__all__ = ["Identified", "IdentifiedCalls", "OutputMatch", "Undistinguished", "LOSSY", "lossy_choices",
-           "policy_spec", "value_text"]
+__all__ = ["Identified", "IdentifiedCalls", "LayoutResult", "OutputMatch", "Undistinguished", "LOSSY",
+           "lossy_choices", "policy_spec", "value_text"]
 
 
 # ---- results --------------------------------------------------------------------------------------------------
@@ -80,7 +80,7 @@ class Identified(Judged):
     nondeterministic: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     label: str = ""
-    layouts: dict[str, list[str]] = field(default_factory=dict)  # another layout: the outputs it does not reproduce
+    layouts: dict[str, LayoutResult] = field(default_factory=dict)  # each other layout probed: its result
     departing_probes: list[str] = field(default_factory=list)  # the probes whose outputs show the departure
 
     @property
@@ -131,13 +131,25 @@ class Identified(Judged):
 
     @property
     def passed(self) -> bool:
-        """The same as :attr:`reproduced` (what identify's exit status says)."""
-        return self.reproduced
+        """What identify's exit status says: :attr:`reproduced`, and every other layout probed reproduced too (by
+        this recipe or by its own, :attr:`layouts`)."""
+        return self.reproduced and all(v.reproduced for v in self.layouts.values())
 
     @property
     def frame(self) -> Any:  # -> pandas.DataFrame
         """One row per output (:meth:`to_frame`)."""
         return self.to_frame()
+
+    def verdict(self) -> str:
+        """The result in words: the recipe that reproduces it, the closest where it departs when close, or where
+        no recipe does."""
+        if self.reproduced:
+            return f"reproduced bit for bit by emulated:{self.spec}"
+        if self.close:
+            return (f"departs from the policy space at the {self.departs} stage; closest (all but {CLOSE_SHARE:.0%} of "
+                    f"its values within {CLOSE_ULPS:g} ULPs): emulated:{self.spec} "
+                    f"({', '.join(o.output for o in self.departing)}: {self.departure_size()})")
+        return f"departs from the policy space at the {self.departs} stage: {self.departure()}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"adapter": self.adapter, "label": self.label, "dtype": self.dtype, "params": self.params,
@@ -149,13 +161,49 @@ class Identified(Judged):
                 "outputs": [o.to_dict() for o in self.outputs],
                 "undistinguished": [u.to_dict() for u in self.undistinguished], "stages": self.stages,
                 "probes": self.probes, "unobserved": self.unobserved, "nondeterministic": self.nondeterministic,
-                "layouts": {k: {"not_reproduced": v} for k, v in self.layouts.items()},
+                "layouts": {k: v.to_dict() for k, v in self.layouts.items()},
                 "evaluations": self.evaluations, "seconds": self.seconds, "notes": self.notes}
 
     def to_frame(self) -> Any:
         import pandas as pd
 
         return pd.DataFrame([o.to_dict() for o in self.outputs])
+
+
+@dataclass
+class LayoutResult:
+    """identify in a layout other than the one it searched: the outputs the search's recipe does not reproduce there
+    (``off``; empty: it reproduces them all), and where it does not, that layout's own search from it (``own``: a
+    kernel's layout branch is another kernel — its recipe, or the stage where it departs and by how much)."""
+
+    layout: str
+    off: list[str]
+    own: Identified | None = None
+
+    @property
+    def reproduced(self) -> bool:
+        """Every output bit for bit in this layout: by the search's recipe, or by the layout's own."""
+        return not self.off or (self.own is not None and self.own.reproduced)
+
+    def summary(self) -> str:
+        """The layout's result in one line."""
+        if not self.off:
+            return "reproduced by the same recipe"
+        if self.own is None:
+            return f"not reproduced: {', '.join(self.off)}"
+        own = self.own
+        if own.reproduced:
+            return f"its own recipe `{own.spec}`"
+        return f"departs at {own.departs}: " + (f"closest `{own.spec}` ({own.departure_size()})" if own.close
+                                                 else own.departure())
+
+    def to_dict(self) -> dict[str, Any]:
+        own = self.own
+        return {"not_reproduced": self.off, "reproduced": self.reproduced,
+                "policy": None if own is None or not (own.reproduced or own.close) else own.spec,
+                "departs": None if own is None else own.departs,
+                "departure": None if own is None or own.departs is None else own.departure(),
+                "search": None if own is None else own.to_dict()}
 
 
 @dataclass

@@ -67,6 +67,7 @@ from bnprobe.checks.identify.probes import (
 from bnprobe.checks.identify.results import (
     Identified,
     IdentifiedCalls,
+    LayoutResult,
     OutputMatch,
     Undistinguished,
     policy_spec,
@@ -81,6 +82,7 @@ from bnprobe.checks.identify.space import (
     STAGE_OUTPUTS,
     STAGES,
     infer_only_space,
+    layout_spaces,
     rsqrt_space,
 )
 
@@ -101,8 +103,13 @@ TIES_TRIED = 12
 class _Search:
     """The coordinate search over the stages, on the observed probes."""
 
-    def __init__(self, observed: list[Observed], fmt: str, saved_kind: str, tick: Callable[[], None]) -> None:
+    def __init__(self, observed: list[Observed], fmt: str, saved_kind: str, tick: Callable[[], None],
+                 first: dict[str, Callable[[Policy, str], Any]] | None = None) -> None:
+        """``first``: a search in another layout from the recipe the first layout found — a stage the recipe already
+        reproduces is kept as it is, and one it does not tries these candidates (:func:`~.space.layout_spaces`)
+        before the stage's whole space."""
         self.observed, self.fmt, self.saved_kind, self.tick = observed, fmt, saved_kind, tick
+        self.first = first
         self.evaluations = 0
         self.runs = 0
         self.kept: list[str] = []  # outputs the forward stages so far reproduced, which later stages must keep
@@ -185,12 +192,20 @@ class _Search:
         low = min(n for n, _ in keyed)
         return [t for n, t in keyed if n == low]
 
-    def space(self, cur: Policy, stage: str, own: tuple[str, ...]) -> list[dict[str, Any]]:
-        """The candidates of ``stage`` from ``cur`` (each a dict of changes), with the earlier stages' ties where
-        the stage can tell them apart."""
+    def rounds(self, stage: str) -> list[Callable[[Policy, str], Any]]:
+        """The spaces a stage tries in turn until one reproduces it: its own, or in another layout's search the
+        layout's candidates first."""
+        if self.first is not None and stage in self.first:
+            return [self.first[stage], SPACES[stage]]
+        return [SPACES[stage]]
+
+    def space(self, cur: Policy, stage: str, own: tuple[str, ...],
+              stage_space: Callable[[Policy, str], Any] | None = None) -> list[dict[str, Any]]:
+        """The candidates of ``stage`` from ``cur`` (each a dict of changes; ``stage_space``: the stage's own, default
+        :data:`~.space.SPACES`'), with the earlier stages' ties where the stage can tell them apart."""
         if stage == "infer" and not self.trains:  # (nothing earlier pinned the arithmetic it shares)
             return list(infer_only_space(cur, self.fmt))
-        space = list(SPACES[stage](cur, self.fmt))
+        space = list((stage_space or SPACES[stage])(cur, self.fmt))
         if stage == "y" and self.outputs_of("rsqrt") == ("y",):  # rsqrt seen only through y: searched with it
             # (the rsqrt stage's own choice and its ties, and the exact forms: the joint space stays small)
             joint = [{}] + self.ties.get("rsqrt", [])[:TIES_TRIED] + [r for r in rsqrt_space(cur, self.fmt)
@@ -239,23 +254,37 @@ class _Search:
         here, best_key = total(here_s), key(here_s)
         best = here
         scored = []
-        space = self.space(cur, stage, own)
+        if self.first is not None and here.exact and stage not in self.first:
+            # (another layout: what the first's recipe reproduces stays, but for the layout's own fields: a sum that
+            # happens to be exact in the first's order may still be split across threads, as its variance shows)
+            self.kept.extend(k for k in own if k not in self.kept and stage in FORWARD_STAGES and stage != "modes")
+            self.ties[stage] = []
+            return cur, {"pinned_by": list(own), "exact": True, "mismatches": 0, "elements": here.elements,
+                         "max_ulps": 0.0, "candidates": 0, "tied": 0}, []
         forward = tuple(dict.fromkeys(self.kept + ["y"])) if stage in ("infer", "backward") and \
             "y" in self.outputs_of("y") else ()
-        own_fields = {k for c in SPACES[stage](cur, self.fmt) for k in c}
-        for changes in space:
-            try:
-                cand = cur.with_options(**changes)
-            except BNProbeError:  # (a combination the space does not allow, e.g. Kahan on a pairwise tree)
-                continue
-            sc = self.evaluate(cand, stage, outputs, limit=best_key[0], limit_on=primary)
-            k, t = key(sc), total(sc)
-            if forward and k <= best_key and set(changes) - own_fields and \
-                    total(self.evaluate(cand, "y", forward, limit=0)).mismatches:
-                continue  # (an earlier stage's tie that the stages since have made wrong for the forward)
-            if k < best_key:
-                best, best_key = t, k
-            scored.append((k, changes, cand, t))
+        tried: set[str] = set()  # (another layout: the candidates its first round tried)
+        for n, stage_space in enumerate(self.rounds(stage)):
+            if n and best.exact:  # (the layout's candidates reproduced it: no need for the rest)
+                break
+            own_fields = {k for c in stage_space(cur, self.fmt) for k in c}
+            for changes in self.space(cur, stage, own, stage_space):
+                try:
+                    cand = cur.with_options(**changes)
+                except BNProbeError:  # (a combination the space does not allow, e.g. Kahan on a pairwise tree)
+                    continue
+                if self.first is not None:
+                    if (mark := repr(sorted(cand.to_dict().items()))) in tried and n:
+                        continue
+                    tried.add(mark)
+                sc = self.evaluate(cand, stage, outputs, limit=best_key[0], limit_on=primary)
+                k, t = key(sc), total(sc)
+                if forward and k <= best_key and set(changes) - own_fields and \
+                        total(self.evaluate(cand, "y", forward, limit=0)).mismatches:
+                    continue  # (an earlier stage's tie that the stages since have made wrong for the forward)
+                if k < best_key:
+                    best, best_key = t, k
+                scored.append((k, changes, cand, t))
         ties = [(c, p, t) for k, c, p, t in scored if k == best_key]
         if key(here_s) == best_key:
             ties.insert(0, ({}, cur, here))
@@ -290,14 +319,17 @@ def _undistinguished(stage: str, chosen: Policy, ties: list[dict[str, Any]]) -> 
     alts, names = [], []
     for t in ties:
         diff = {k: v for k, v in t.items() if v != getattr(chosen, k)}
-        if stage == "backward" and not {"backward_formula", "backward_fma", "backward_sums", "lanes"} & set(diff):
+        if stage == "backward" and not {"backward_formula", "backward_fma", "backward_sums", "dx_fma", "lanes",
+                                        "unroll"} & set(diff):
             continue  # (a tie of the y stage's, listed there)
         if diff:
             alts.append(",".join(f"{k}={value_text(v)}" for k, v in diff.items()))
             names.extend(k for k in diff if k not in names)
     if not alts:
         return None
-    hint = "; ".join(dict.fromkeys(FIELD_PROBES.get(n, "another probe") for n in names))
+    # (lanes and unroll beside dx_fma are where a channels-last row's vector body ends, not a summation order)
+    told = [n for n in names if not ("dx_fma" in names and n in ("lanes", "unroll"))]
+    hint = "; ".join(dict.fromkeys(FIELD_PROBES.get(n, "another probe") for n in told))
     return Undistinguished(stage, tuple(names), ",".join(f"{n}={value_text(getattr(chosen, n))}" for n in names),
                            tuple(dict.fromkeys(alts)), hint)
 
@@ -311,7 +343,9 @@ def _nondeterministic(kernel: KernelAdapter, first: Observed) -> list[str]:
 
 def _identify_observed(kernel: KernelAdapter, observed: list[Observed], fresh: list[Observed], fmt: str,
                        params: str, *, passes: int, progress: Callable[[int, int], None] | None,
-                       label: str = "") -> Identified:
+                       label: str = "", start: Policy | None = None) -> Identified:
+    """The search on ``observed``, confirmed on ``fresh`` (``start``: the recipe another layout's search found, from
+    which a search in the observed layout starts: :func:`~.space.layout_spaces`)."""
     t0 = time.perf_counter()
     saved_kind = next((o.saved.kind for o in observed if o.saved is not None), "invstd")
     total_guess = 400
@@ -322,8 +356,9 @@ def _identify_observed(kernel: KernelAdapter, observed: list[Observed], fresh: l
         if progress is not None:
             progress(min(done[0], total_guess - 1), total_guess)
 
-    search = _Search(observed, fmt, saved_kind, tick)
-    cur = _base(fmt, params)
+    first = None if start is None else layout_spaces(kernel.capabilities().threads)
+    search = _Search(observed, fmt, saved_kind, tick, first)
+    cur = _base(fmt, params) if start is None else start
     # the format the kernel returns its saved statistics in is read off its outputs, not searched (inductor on the
     # CPU: the input's, whatever the parameters')
     saved_fmt = next((o.formats["saved_mean"] for o in observed if o.formats.get("saved_mean")), None)
@@ -367,7 +402,7 @@ def _identify_observed(kernel: KernelAdapter, observed: list[Observed], fresh: l
                                                for o in outputs)), None)
     unobserved = [k for k in ("saved_mean", "saved_invstd", "running_mean", "running_var", "y_infer", "dx", "dgamma",
                               "dbeta") if k not in seen and not (k == "saved_invstd" and "saved_var" in seen)]
-    notes = _notes(nondet, layouts, stages, seen)
+    notes = _notes(nondet, stages, seen)
     compiling = getattr(kernel, "compile_seconds", None)  # a compiling adapter's own account (torch-compile)
     if compiling:
         notes.append(f"of identify's {time.perf_counter() - t0:.1f} s, {compiling:.1f} s were the kernel's compiler "
@@ -376,7 +411,8 @@ def _identify_observed(kernel: KernelAdapter, observed: list[Observed], fresh: l
         progress(total_guess, total_guess)
     return Identified(kernel.name, fmt, params, policy, spec, outputs, undist, departs, stages,
                       [o.probe.name for o in observed], unobserved, search.evaluations, time.perf_counter() - t0,
-                      nondet, notes, label, layouts, _showing(search, policy, departs, by_stage))
+                      nondet, notes, label, {k: LayoutResult(k, v) for k, v in layouts.items()},
+                      _showing(search, policy, departs, by_stage))
 
 
 def _showing(search: _Search, policy: Policy, departs: str | None, by_stage: dict[str, tuple[str, ...]]) -> list[str]:
@@ -402,7 +438,8 @@ def _confirm(policy: Policy, fresh: list[Observed], saved_kind: str, seen: tuple
     for o in fresh:
         if o.rec.layout != layout:
             s = score_outputs([o], [emulate(policy, o, ("train", "infer", "backward"), saved_kind)], seen)
-            layouts[o.rec.layout] = [k for k, v in s.items() if v.elements and not v.exact]
+            off = layouts.setdefault(o.rec.layout, [])
+            off.extend(k for k, v in s.items() if v.elements and not v.exact and k not in off)
     return fresh_scores, layouts
 
 
@@ -420,17 +457,13 @@ def _matches(seen: list[str], found: dict[str, dict[str, Score]],
     return outputs
 
 
-def _notes(nondet: list[str], layouts: dict[str, list[str]], stages: dict[str, dict[str, Any]],
-           seen: list[str]) -> list[str]:
-    """What the result's reader must know: nondeterminism, other layouts, stages seen only through y."""
+def _notes(nondet: list[str], stages: dict[str, dict[str, Any]], seen: list[str]) -> list[str]:
+    """What the result's reader must know: nondeterminism, stages seen only through y."""
     notes = []
     if nondet:
         notes.append(f"nondeterministic: the same probe run twice gave different {', '.join(nondet)} (a reduction "
                      "whose order changes from call to call, such as atomic adds): no policy reproduces it bit for "
                      "bit")
-    for lay, off in layouts.items():
-        notes.append(f"{lay}: " + (f"{', '.join(off)} not reproduced — the kernel computes this layout another way "
-                                   "(the search ran on the other)" if off else "reproduced bit for bit too"))
     for st in ("mean", "variance", "rsqrt"):
         if stages.get(st, {}).get("pinned_by") == ["y"]:
             what = "saves the variance, not invstd" if "saved_var" in seen else "returns no saved statistics"
@@ -506,9 +539,38 @@ def identify(adapter: str | KernelAdapter | Recorded, dtype: str | None = None, 
         res.notes.append(f"the first search's probes did not tell apart what fresh inputs showed in "
                          f"{', '.join(o.output for o in seen_only)}: those inputs joined the search and a second "
                          "fresh set confirmed it")
+        confirmed = confirmed + again
+    for lay, other in res.layouts.items():
+        if other.off:  # (the kernel computes this layout another way: searched there on its own)
+            fresh_here = [o for o in confirmed if o.rec.layout == lay]
+            designed = [p for p in probes(fmt, params, seed=seed, eps=eps, momentum=momentum, layout=lay)
+                        if caps.saved != "none" or p.name != "tiny-r"]
+            other.own = _identify_observed(kernel, observe_all(designed), fresh_here, fmt, params, passes=passes,
+                                           progress=progress, start=res.policy)
+            res.evaluations += other.own.evaluations
+            res.seconds += other.own.seconds
+        res.notes.append(_layout_note(res, other))
     if (left_out := modes_left_out(kernel.name, caps.modes, verb="identified")) is not None:
         res.notes.insert(0, left_out)  # (an inference-only kernel: its training and backward, by name)
     return res
+
+
+def _layout_note(res: Identified, other: LayoutResult) -> str:
+    """What identify found in another layout than the one it searched, in words."""
+    if not other.off:
+        return f"{other.layout}: reproduced bit for bit too"
+    head = (f"{other.layout}: the kernel computes this layout another way ({', '.join(other.off)} not reproduced by "
+            "the recipe above)")
+    own = other.own
+    if own is None:
+        return head
+    changed = ", ".join(f"{f.name}={value_text(getattr(own.policy, f.name))}" for f in fields(Policy)
+                        if f.name != "name" and getattr(own.policy, f.name) != getattr(res.policy, f.name))
+    found = (f"its own search from that recipe, on the same probes in this layout and a batch of two "
+             f"({own.evaluations} evaluations, {own.seconds:.1f} s), ")
+    if own.reproduced:
+        return f"{head}; {found}found emulated:{own.spec} bit for bit, fresh inputs too (changed: {changed})"
+    return f"{head}; {found}{own.verdict()}"
 
 
 def _observer(kernel: KernelAdapter, caps: Any) -> Callable[[list[Case]], list[Observed]]:

@@ -12,7 +12,7 @@ from bnprobe.kernels.policy import Policy
 
 
 __all__ = ["STAGES", "STAGE_OUTPUTS", "OUTPUT_STAGE", "FIELD_PROBES", "FORWARD_STAGES", "MODES_OF", "SPACES",
-           "rsqrt_space", "infer_only_space"]
+           "rsqrt_space", "infer_only_space", "layout_spaces", "THREADS_TRIED"]
 
 # the outputs each stage pins, in the order it prefers them (the first the kernel returned is used); a forward
 # stage whose statistics the kernel does not return is searched through y
@@ -66,6 +66,9 @@ FIELD_PROBES = {
     "backward_formula": "dy with a mean per channel, a large mean in x",
     "backward_fma": "rows of H·W values with a tail (not a multiple of 2 x lanes)",
     "backward_sums": "H·W planes shorter and longer than the vector width, with a tail, over several samples",
+    "threads": "sums over rows spread across binades, R not a multiple of the thread count",
+    "variance_fma": "squared deviations whose products need more bits than the accumulator keeps",
+    "dx_fma": "a channel count that is not a multiple of the vector width, dx that cancels (R = 2)",
 }
 
 
@@ -191,6 +194,50 @@ def _backward_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
         free = cur.order in ("sequential", "pairwise") and cur.variance in ("naive", "two_pass")
         for lanes, fused in itertools.product((8, 16) if free else (cur.lanes,), ("none", "tail", "body", "all")):
             yield {"backward_formula": "torch", "backward_sums": "plane_reduce", "lanes": lanes, "backward_fma": fused}
+
+
+#: the thread counts a channels-last search tries (after the kernel's own, where it says): its sums split across T
+#: threads change with T
+THREADS_TRIED = (1, 2, 4, 8, 16, 32, 64)
+
+
+def layout_spaces(threads: int | None = None) -> dict[str, Callable[[Policy, str], Iterator[dict[str, Any]]]]:
+    """The candidates a search in another layout tries first, from the recipe found in the first (a kernel's
+    channels-last branch is another kernel, but mostly its arithmetic is the other branch's): the sums with lanes =
+    channels — each channel's rows in order, on one thread or split across T threads whose partials are added in thread
+    order in the sum format or the accumulator (PyTorch CPU; ``threads``, the kernel's own count, tried first) — the
+    fused multiply-adds of the threads' sums and of dx.  The stages they do not name keep the first layout's spaces."""
+    counts = tuple(dict.fromkeys(t for t in (threads, *THREADS_TRIED) if t))
+
+    def mean(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
+        base = {"order": "sequential", "kahan": False, "lanes": 64, "unroll": 1, "variance_fma": False,
+                "backward_fma": "none", "dx_fma": "all", "core_parts": 1,
+                "variance": cur.variance if cur.variance in ("naive", "two_pass") else "two_pass",
+                "mean_by": "divide" if cur.mean_by == "prescaled" else cur.mean_by}
+        wide = "fp64" if cur.accumulate == "fp32" else None
+        for combine in dict.fromkeys((cur.sum_format, None, wide)):
+            for t in (None, *counts):
+                yield {**base, "threads": t, "sum_format": combine}
+        yield {**base, "order": "pairwise", "threads": None, "sum_format": None}
+
+    def variance(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
+        # (fused sums of squares need threads: with the mean stage's ties, which may set them)
+        for fused in (False, True):
+            yield {"variance_fma": fused}
+
+    def backward(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
+        if cur.threads is None:
+            yield from _backward_space(cur, fmt)
+            return
+        # (the vector width over channels: where dx's body ends and its scalar tail begins)
+        widths = ((8, 1), (8, 2), (16, 1), (16, 2), (4, 1), (4, 2))
+        for fused in ("none", "all"):
+            for dx in ("all", "none"):
+                yield {"backward_fma": fused, "dx_fma": dx}
+            for dx, (lanes, unroll) in itertools.product(("body", "tail"), widths):
+                yield {"backward_fma": fused, "dx_fma": dx, "lanes": lanes, "unroll": unroll}
+
+    return {"mean": mean, "variance": variance, "backward": backward}
 
 
 SPACES: dict[str, Callable[[Policy, str], Iterator[dict[str, Any]]]] = {
