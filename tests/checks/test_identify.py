@@ -133,8 +133,76 @@ def test_torch_cpu_16_bit_is_reproduced_bit_for_bit_on_fresh_inputs(fmt):
     for seed in (5, 6):
         off = side_by_side(get_adapter_torch(), res.spec, fresh_call(fmt, "fp32", seed))
         assert set(off) >= set(OUTPUTS) and not any(off.values()), off
-    # torch's channels_last kernel computes another way, and identify says so rather than claiming it
-    assert any(n.startswith("channels_last: ") and "not reproduced" in n for n in res.notes)
+    # torch's channels_last kernel computes another way: identify says so, and finds that kernel's own recipe
+    assert_channels_last_is_its_own(res)
+    assert res.passed
+
+
+def assert_channels_last_is_its_own(res):
+    """The channels-last branch is not reproduced by the channels-first recipe, has a recipe of its own found by
+    identify (its sums split across torch's thread count), and that recipe is torch's bit for bit on inputs the
+    search never saw — run side by side here."""
+    import torch
+
+    cl = res.layouts["channels_last"]
+    assert cl.off and cl.own is not None and cl.own.reproduced, cl.summary()
+    assert cl.own.policy.threads == torch.get_num_threads()
+    assert any(n.startswith("channels_last: the kernel computes this layout another way") for n in res.notes)
+    assert res.to_dict()["layouts"]["channels_last"]["policy"] == cl.own.spec
+    for seed in (5, 6):
+        off = side_by_side(get_adapter_torch(), cl.own.spec, fresh_call(res.dtype, "fp32", seed, "channels_last"))
+        assert set(off) >= set(OUTPUTS) and not any(off.values()), off
+
+
+@pytest.mark.slow  # about 30 s each
+@pytest.mark.parametrize("fmt,threads", [("fp32", None), ("fp16", 1), ("fp32", 1)])
+def test_torch_cpu_channels_last_is_identified_at_the_thread_count_torch_runs(fmt, threads):
+    """torch's channels-last kernels, whose sums split across its threads: in fp32 too (whose channels-first
+    backward departs), and at one thread."""
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    try:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        assert_channels_last_is_its_own(identify("torch", fmt))
+    finally:
+        torch.set_num_threads(before)
+
+
+class TwoLayouts(BlackBox):
+    """A black box whose channels-last branch is another kernel — another policy — as PyTorch's CPU kernel's is."""
+
+    def __init__(self, first: Policy, last: Policy) -> None:
+        super().__init__(first)
+        self._last = BlackBox(last)
+
+    def _forward_train_impl(self, p, *, momentum, eps):
+        own = self._last if p.lay.layout == "channels_last" else super()
+        return own._forward_train_impl(p, momentum=momentum, eps=eps)
+
+    def _forward_infer_impl(self, p, *, eps):
+        own = self._last if p.lay.layout == "channels_last" else super()
+        return own._forward_infer_impl(p, eps=eps)
+
+    def _backward_impl(self, p, dy, saved, *, eps, training):
+        own = self._last if p.lay.layout == "channels_last" else super()
+        return own._backward_impl(p, dy, saved, eps=eps, training=training)
+
+
+def test_a_layout_computed_another_way_is_identified_on_its_own():
+    """A hidden channels-last recipe (its sums split across 3 threads, partials added in double, fused sums of
+    squares; a number of threads the kernel does not say) is found by the layout's own search and reproduces the
+    kernel bit for bit on inputs it never saw; the channels-first recipe is found as before."""
+    first = get_policy("fp32:order=pairwise,y_formula=affine")
+    last = get_policy("fp32:order=sequential,threads=3,sum_format=fp64,variance_fma=true,y_formula=affine")
+    kernel = TwoLayouts(first, last)
+    res = identify(kernel, "fp32")
+    assert res.reproduced and res.passed, res.spec
+    cl = res.layouts["channels_last"]
+    assert cl.off and cl.own is not None and cl.own.reproduced, cl.summary()
+    assert (cl.own.policy.threads, cl.own.policy.sum_format, cl.own.policy.variance_fma) == (3, "fp64", True)
+    off = side_by_side(kernel, cl.own.spec, fresh_call("fp32", "fp32", 99, "channels_last"))
+    assert set(off) >= set(OUTPUTS) and not any(off.values()), off
 
 
 def get_adapter_torch():

@@ -198,7 +198,7 @@ def _backward_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
 
 #: the thread counts a channels-last search tries (after the kernel's own, where it says): its sums split across T
 #: threads change with T
-THREADS_TRIED = (1, 2, 4, 8, 16, 32, 64)
+THREADS_TRIED = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def layout_spaces(threads: int | None = None) -> dict[str, Callable[[Policy, str], Iterator[dict[str, Any]]]]:
