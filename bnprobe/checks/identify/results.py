@@ -179,6 +179,7 @@ class LayoutResult:
     layout: str
     off: list[str]
     own: Identified | None = None
+    same: bool = False  # the kernel returned the same outputs in both layouts on those inputs: not searched
 
     @property
     def reproduced(self) -> bool:
@@ -189,6 +190,8 @@ class LayoutResult:
         """The layout's result in one line."""
         if not self.off:
             return "reproduced by the same recipe"
+        if self.same:
+            return f"computed as the other layout; the recipe misses {', '.join(self.off)} on its fresh inputs"
         if self.own is None:
             return f"not reproduced: {', '.join(self.off)}"
         own = self.own
@@ -199,7 +202,7 @@ class LayoutResult:
 
     def to_dict(self) -> dict[str, Any]:
         own = self.own
-        return {"not_reproduced": self.off, "reproduced": self.reproduced,
+        return {"not_reproduced": self.off, "reproduced": self.reproduced, "same_as_searched": self.same,
                 "policy": None if own is None or not (own.reproduced or own.close) else own.spec,
                 "departs": None if own is None else own.departs,
                 "departure": None if own is None or own.departs is None else own.departure(),

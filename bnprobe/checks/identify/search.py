@@ -541,8 +541,10 @@ def identify(adapter: str | KernelAdapter | Recorded, dtype: str | None = None, 
                          "fresh set confirmed it")
         confirmed = confirmed + again
     for lay, other in res.layouts.items():
-        if other.off:  # (the kernel computes this layout another way: searched there on its own)
-            fresh_here = [o for o in confirmed if o.rec.layout == lay]
+        fresh_here = [o for o in confirmed if o.rec.layout == lay]
+        if other.off and _layout_blind(observe_all, fresh_here, "channels_first"):
+            other.same = True  # (the recipe misses these inputs, whatever their layout: no search of the layout)
+        elif other.off and not res.nondeterministic:  # (computed another way: searched there on its own)
             designed = [p for p in probes(fmt, params, seed=seed, eps=eps, momentum=momentum, layout=lay)
                         if caps.saved != "none" or p.name != "tiny-r"]
             other.own = _identify_observed(kernel, observe_all(designed), fresh_here, fmt, params, passes=passes,
@@ -555,10 +557,41 @@ def identify(adapter: str | KernelAdapter | Recorded, dtype: str | None = None, 
     return res
 
 
+def _layout_blind(observe_all: Callable[[list[Case]], list[Observed]], there: list[Observed], layout: str) -> bool:
+    """Whether the kernel returns the same outputs, bit for bit, on the inputs ``there`` moved to ``layout`` (a
+    kernel whose layouts compute alike: a recipe that misses those inputs misses them in either)."""
+    if not there:
+        return False
+    moved = [Case(o.probe.name, call=_moved(o.probe.call, layout), purpose=o.probe.purpose) for o in there]
+    for o, m in zip(there, observe_all(moved)):
+        for k, v in o.got.items():
+            w = m.got.get(k)
+            if w is None or not np.array_equal(v, _moved_array(w, layout, o.rec.layout), equal_nan=True):
+                return False
+    return True
+
+
+def _moved(call: BNCall, layout: str) -> BNCall:
+    """The call with x and dy in ``layout`` (channels first: (N, C, ...), channels last: (N, ..., C))."""
+    return call.with_(x=_moved_array(call.x, call.layout, layout), dy=None if call.dy is None else
+                      _moved_array(call.dy, call.layout, layout), layout=layout)
+
+
+def _moved_array(a: np.ndarray, src: str, dst: str) -> np.ndarray:
+    a = np.asarray(a)
+    if src == dst or a.ndim <= 2:
+        return a
+    return np.ascontiguousarray(np.moveaxis(a, 1, -1) if dst == "channels_last" else np.moveaxis(a, -1, 1))
+
+
 def _layout_note(res: Identified, other: LayoutResult) -> str:
     """What identify found in another layout than the one it searched, in words."""
     if not other.off:
         return f"{other.layout}: reproduced bit for bit too"
+    if other.same:
+        return (f"{other.layout}: the kernel returns the same outputs in both layouts on its fresh inputs, and the "
+                f"recipe above does not reproduce {', '.join(other.off)} there — inputs the search's probes did not "
+                "tell apart, not a layout of its own")
     head = (f"{other.layout}: the kernel computes this layout another way ({', '.join(other.off)} not reproduced by "
             "the recipe above)")
     own = other.own
