@@ -3,14 +3,16 @@ against the careful bench; the table written as a docs page (docs/kernels.md) an
 the page stays what the search finds — re-run it after a change to the policy space or a new framework version.
 
     python benchmarks/kernel_table.py [--kernels torch,torch-compile,onnxruntime] [--python jax=VENV/bin/python]
-                                      [--shape 8,16,14,14] [--write]
+                                      [--shape 8,16,14,14] [--write] [--update]
 
 Each framework's kernels run in the interpreter that has the framework: here when it is importable, otherwise in
 the one given by ``--python NAME=PYTHON`` (repeatable; NAME an adapter or a framework extra: jax, tensorflow,
 paddle, mindspore), which runs this script there for those rows — the frameworks pin conflicting packages, so
 .ci/frameworks gives each a virtual environment of its own.  A kernel run nowhere is listed as not run, with the
 install that would run it; nothing is guessed for it.  Without --write the table is printed; each row is printed
-to stderr as soon as it is measured (identify takes up to a minute per kernel and format on 2 cores).
+to stderr as soon as it is measured (identify takes up to a minute per kernel and format on 2 cores).  With --update
+the kernels run replace their rows of the written data and the others' are kept (made on the same machine, versions
+and shape, or it refuses).
 """
 
 from __future__ import annotations
@@ -206,6 +208,7 @@ def main() -> None:
                     help="run NAME's rows (an adapter, or a framework extra) in that interpreter")
     ap.add_argument("--shape", default="8,16,14,14", help="compare-precision's input shape against the careful bench")
     ap.add_argument("--write", action="store_true", help="write docs/kernels.md and docs/kernels.json")
+    ap.add_argument("--update", action="store_true", help="with --write: replace only the rows of --kernels")
     ap.add_argument("--rows-to", help=argparse.SUPPRESS)  # (how a --python run answers: its rows as JSON there)
     args = ap.parse_args()
     wanted = [k.strip() for k in args.kernels.split(",") if k.strip()]
@@ -238,6 +241,13 @@ def main() -> None:
     cpu = torch.backends.cpu.get_cpu_capability()
     doc = {"machine": f"{platform.machine()} ({cpu}), {torch.get_num_threads()} threads",
            "versions": ", ".join(found), "shape": args.shape, "rows": rows}
+    if args.update:
+        old = json.loads(DATA.read_text())
+        if any(old.get(k) != doc[k] for k in ("machine", "versions", "shape")):
+            sys.exit(f"kernel_table: --update on another machine, versions or shape than the table's "
+                     f"({old['machine']}; {old['versions']}; {old.get('shape')}): re-make the whole table")
+        new = {(r["kernel"], r["format"]): r for r in rows}
+        doc["rows"] = [new.get((r["kernel"], r["format"]), r) for r in old["rows"]]
     if args.write:
         write_text(DATA, json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
         write_text(PAGE, render(doc))
