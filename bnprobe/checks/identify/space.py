@@ -211,7 +211,7 @@ def layout_spaces(threads: int | None = None) -> dict[str, Callable[[Policy, str
 
     def mean(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
         base = {"order": "sequential", "kahan": False, "lanes": 64, "unroll": 1, "variance_fma": False,
-                "backward_fma": "none", "dx_fma": "all", "core_parts": 1,
+                "backward_fma": "none", "backward_sums": "forward", "dx_fma": "all", "core_parts": 1,
                 "variance": cur.variance if cur.variance in ("naive", "two_pass") else "two_pass",
                 "mean_by": "divide" if cur.mean_by == "prescaled" else cur.mean_by}
         wide = "fp64" if cur.accumulate == "fp32" else None
