@@ -243,7 +243,7 @@ def main() -> None:
            "versions": ", ".join(found), "shape": args.shape, "rows": rows}
     if args.update:
         old = json.loads(DATA.read_text())
-        if any(old.get(k) != doc[k] for k in ("machine", "versions", "shape")):
+        if any(old.get(k) != doc[k] for k in ("machine", "versions")) or old.get("shape") not in (None, doc["shape"]):
             sys.exit(f"kernel_table: --update on another machine, versions or shape than the table's "
                      f"({old['machine']}; {old['versions']}; {old.get('shape')}): re-make the whole table")
         new = {(r["kernel"], r["format"]): r for r in rows}
