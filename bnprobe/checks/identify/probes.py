@@ -5,6 +5,7 @@ the two are apart, in ULPs, per output (:func:`score_outputs`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,19 +72,7 @@ def probes(dtype: str, params: str = "fp32", *, seed: int = 0, eps: float = EPS,
         return means * (1 + 0.01 * rng.standard_normal(means.shape)), stds ** 2 * rng.uniform(0.8, 1.25, stds.shape)
 
     if fresh:
-        n, c, h, w = 6, 5, 9, 13  # R = 702
-        means = np.array([3e2, -1e3, 50.0, 7e2, -20.0])[:c] * (4.0 if fmt.name != "fp16" else 1.0)
-        stds = np.array([1.0, 4.0, 0.3, 2.0, 0.05])
-        x = means[None, :, None, None] + stds[None, :, None, None] * rng.standard_normal((n, c, h, w))
-        add("fresh/large-means", x, "per-channel means to 1e3 and scales from 0.05 to 4", "channels_first",
-            running=near(means, stds))
-        large = x
-        x = rng.standard_normal((n, c, h, w)) * 2.0 ** rng.uniform(-wide, wide, (n, c, h, w))
-        add("fresh/spread", x, "values over many binades", "channels_first")
-        if "channels_last" in layouts:  # (a kernel may compute NHWC another way: its own search confirms on these)
-            add("fresh/channels-last", x * 0.5 + 3.0, "the NHWC layout", "channels_last")
-            add("fresh/channels-last-means", large[:, :, ::-1] * 1.5, "the NHWC layout, large means",
-                "channels_last", running=near(means * 1.5, stds * 1.5))
+        _fresh(add, near, rng, fmt.name, wide, layouts)
         return out
     # FPRev's probe (Xie et al., ATC 2025), one question per channel: small values and one pair +L, -L at a distance
     # that differs per channel; where the pair meets in the summation tree decides which small values are lost
@@ -130,6 +119,24 @@ def probes(dtype: str, params: str = "fp32", *, seed: int = 0, eps: float = EPS,
         add("batch-of-two", x, "R = 2: dx cancels to its last bits, which show how each channel's is formed (C = 63: "
             "vectors of 4, 8, 16 or 32 channels leave tails of 3, 7, 15 or 31)")
     return out
+
+
+def _fresh(add: Callable[..., None], near: Callable[..., Any], rng: np.random.Generator, fmt: str, wide: int,
+           layouts: tuple[str, ...]) -> None:
+    """The confirmation inputs (:func:`probes`' ``fresh``), each given to ``add`` with its layout."""
+    n, c, h, w = 6, 5, 9, 13  # R = 702
+    means = np.array([3e2, -1e3, 50.0, 7e2, -20.0])[:c] * (4.0 if fmt != "fp16" else 1.0)
+    stds = np.array([1.0, 4.0, 0.3, 2.0, 0.05])
+    x = means[None, :, None, None] + stds[None, :, None, None] * rng.standard_normal((n, c, h, w))
+    add("fresh/large-means", x, "per-channel means to 1e3 and scales from 0.05 to 4", "channels_first",
+        running=near(means, stds))
+    large = x
+    x = rng.standard_normal((n, c, h, w)) * 2.0 ** rng.uniform(-wide, wide, (n, c, h, w))
+    add("fresh/spread", x, "values over many binades", "channels_first")
+    if "channels_last" in layouts:  # (a kernel may compute NHWC another way: its own search confirms on these)
+        add("fresh/channels-last", x * 0.5 + 3.0, "the NHWC layout", "channels_last")
+        add("fresh/channels-last-means", large[:, :, ::-1] * 1.5, "the NHWC layout, large means", "channels_last",
+            running=near(means * 1.5, stds * 1.5))
 
 
 # ---- observing and emulating ----------------------------------------------------------------------------------

@@ -540,21 +540,33 @@ def identify(adapter: str | KernelAdapter | Recorded, dtype: str | None = None, 
                          f"{', '.join(o.output for o in seen_only)}: those inputs joined the search and a second "
                          "fresh set confirmed it")
         confirmed = confirmed + again
+
+    def designed_in(layout: str) -> list[Case]:
+        return [p for p in probes(fmt, params, seed=seed, eps=eps, momentum=momentum, layout=layout)
+                if caps.saved != "none" or p.name != "tiny-r"]
+
+    _other_layouts(kernel, res, confirmed, observe_all, designed_in, passes=passes, progress=progress)
+    if (left_out := modes_left_out(kernel.name, caps.modes, verb="identified")) is not None:
+        res.notes.insert(0, left_out)  # (an inference-only kernel: its training and backward, by name)
+    return res
+
+
+def _other_layouts(kernel: KernelAdapter, res: Identified, confirmed: list[Observed],
+                   observe_all: Callable[[list[Case]], list[Observed]], designed_in: Callable[[str], list[Case]], *,
+                   passes: int, progress: Callable[[int, int], None] | None) -> None:
+    """Each other layout the fresh inputs ``confirmed`` hold, where ``res``'s recipe misses them: the same misses in
+    the searched layout (the kernel's outputs are the same, moved), or a search of its own on the probes
+    ``designed_in`` it, from that recipe — said in ``res``'s layouts and notes."""
     for lay, other in res.layouts.items():
         fresh_here = [o for o in confirmed if o.rec.layout == lay]
         if other.off and _layout_blind(observe_all, fresh_here, "channels_first"):
             other.same = True  # (the recipe misses these inputs, whatever their layout: no search of the layout)
         elif other.off and not res.nondeterministic:  # (computed another way: searched there on its own)
-            designed = [p for p in probes(fmt, params, seed=seed, eps=eps, momentum=momentum, layout=lay)
-                        if caps.saved != "none" or p.name != "tiny-r"]
-            other.own = _identify_observed(kernel, observe_all(designed), fresh_here, fmt, params, passes=passes,
-                                           progress=progress, start=res.policy)
+            other.own = _identify_observed(kernel, observe_all(designed_in(lay)), fresh_here, res.dtype, res.params,
+                                           passes=passes, progress=progress, start=res.policy)
             res.evaluations += other.own.evaluations
             res.seconds += other.own.seconds
         res.notes.append(_layout_note(res, other))
-    if (left_out := modes_left_out(kernel.name, caps.modes, verb="identified")) is not None:
-        res.notes.insert(0, left_out)  # (an inference-only kernel: its training and backward, by name)
-    return res
 
 
 def _layout_blind(observe_all: Callable[[list[Case]], list[Observed]], there: list[Observed], layout: str) -> bool:
