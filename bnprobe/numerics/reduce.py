@@ -15,7 +15,7 @@ import numpy as np
 from bnprobe.core.errors import BNProbeError
 from bnprobe.numerics.arith import Arith, Tally, as_carrier, fma_wide
 
-__all__ = ["ORDERS", "COMBINES", "Cores", "reduce_sum", "tree_sum", "split_parts", "vec_dot", "plane_reduce",
+__all__ = ["ORDERS", "COMBINES", "Cores", "Rows", "reduce_sum", "tree_sum", "split_parts", "vec_dot", "plane_reduce",
            "thread_blocks", "thread_sum", "small_batch_threads"]
 
 # vec: at::vec-style (PyTorch CPU): per row of H*W values (channels_first; channels_last and the parts of a core split
@@ -26,7 +26,19 @@ __all__ = ["ORDERS", "COMBINES", "Cores", "reduce_sum", "tree_sum", "split_parts
 # (channels_first; the whole axis otherwise), value p goes to lane p mod lanes — a row's last partial vector masked
 # into the first lanes — the lanes persist across rows; then the lanes summed pairwise, halves first
 # (at::vec::vec_reduce_all on AVX-512: 8, 4, 2, 1)
-ORDERS: tuple[str, ...] = ("sequential", "pairwise", "lanes", "vec", "rowlanes")
+# eigen: Eigen's dense sum (``Redux.h``, LinearVectorizedTraversal; Paddle's and onnxruntime's CPU kernels, which sum
+# each (n, c) row of H*W values with it): in each row, from its first value at an address aligned to a whole packet of
+# ``lanes`` (only for a sum read straight from memory, :class:`Rows`; an expression's sum starts at the row's first
+# value), two packet accumulators take alternate packets, are added, take one more packet if one is left, and are
+# folded halves first (Eigen's predux on SSE and AVX packets); then the values before the aligned start and after
+# the last whole packet are added one by one; a row shorter than the head plus one packet is summed in order.  The
+# rows' sums are added in order into a sum that starts at zero.
+# omp_simd: GCC's lowering of ``#pragma omp simd reduction(+: s)`` over each row of H*W values (oneDNN's ncsp
+# BatchNorm): ``lanes`` private sums start at zero, value p of the row's whole vectors goes to lane p mod lanes and the
+# row's remaining values to lane 0; then s (zero before the first row, carried across rows) adds lane 0, 1, ... in
+# order.  lanes=1 (a loop GCC did not vectorise) sums each row from zero in order and adds it to s.  (MindSpore's oneDNN
+# runs on a threadpool, which splits BatchNorm over channels only, so the thread count changes no sum: FPRev on C = 1.)
+ORDERS: tuple[str, ...] = ("sequential", "pairwise", "lanes", "vec", "rowlanes", "eigen", "omp_simd")
 # How per-core partial sums are combined: in core order, or by FP32 atomic adds whose
 # arrival order is random (seeded), as on Ascend A2/A3/910 when N or H is split across cores.
 COMBINES: tuple[str, ...] = ("ordered", "atomic")
@@ -39,6 +51,18 @@ class Cores:
 
     parts: int = 1
     combine: str = "ordered"
+
+@dataclass(frozen=True)
+class Rows:
+    """The reduced axis as rows of ``length`` contiguous values (H·W, channel-first) and, for a sum read straight
+    from memory (``channels`` given), where they sit: a channel-first ``(N, channels, length)`` buffer whose first
+    value is aligned to a whole packet, the sum's first row belonging to channel ``first`` — for the ``eigen`` order,
+    whose vectorised part starts at an aligned address.  ``channels=None``: an expression's sum (no address)."""
+
+    length: int
+    channels: int | None = None
+    first: int = 0
+
 
 # numpy dtypes whose add.accumulate rounds every partial sum correctly to
 # nearest-even (fp16/bf16 ufuncs compute in float32 and round back, which is
@@ -201,6 +225,86 @@ def _rowlanes(x: np.ndarray, acc: Arith, tally: Tally | None, lanes: int, row: i
     return _lanes(x, acc, tally, lanes, kahan)
 
 
+def _rows(x: np.ndarray, row: int | None) -> tuple[np.ndarray, int]:
+    """x as ``(C, rows, row)`` (the whole axis one row when ``row`` is None or does not divide it), and the row."""
+    c, r = x.shape
+    row = r if not row or r % row else row
+    return x.reshape(c, r // row, row), row
+
+
+def _in_order(total: np.ndarray, values: np.ndarray, acc: Arith, tally: Tally | None) -> np.ndarray:
+    """total + v0 + v1 + ... for the columns of ``values``, one rounding per addition."""
+    for j in range(values.shape[1]):
+        total = acc.add(total, values[:, j], tally)
+    return total
+
+
+def _eigen_row(v: np.ndarray, start: int, lanes: int, acc: Arith, tally: Tally | None) -> np.ndarray:
+    """Eigen's LinearVectorizedTraversal sum of each row of ``v`` (k, n), its packets from ``start``."""
+    n = v.shape[1]
+    start = min(start, n)
+    whole = (n - start) // lanes * lanes
+    pairs = (n - start) // (2 * lanes) * (2 * lanes)
+    if not whole:
+        return _in_order(v[:, 0], v[:, 1:], acc, tally)
+    p0 = v[:, start:start + lanes]
+    if whole > lanes:
+        p1 = v[:, start + lanes:start + 2 * lanes]
+        for i in range(start + 2 * lanes, start + pairs, 2 * lanes):
+            p0 = acc.add(p0, v[:, i:i + lanes], tally)
+            p1 = acc.add(p1, v[:, i + lanes:i + 2 * lanes], tally)
+        p0 = acc.add(p0, p1, tally)
+        if whole > pairs:
+            p0 = acc.add(p0, v[:, start + pairs:start + pairs + lanes], tally)
+    res = tree_sum(np.ascontiguousarray(p0), acc, tally)
+    res = _in_order(res, v[:, :start], acc, tally)
+    return _in_order(res, v[:, start + whole:], acc, tally)
+
+
+def _eigen(x: np.ndarray, acc: Arith, tally: Tally | None, lanes: int, row: int | None,
+           place: Rows | None) -> np.ndarray:
+    """The ``eigen`` order (see :data:`ORDERS`)."""
+    if lanes & (lanes - 1):
+        raise BNProbeError(f"the eigen order folds a packet halves first: lanes must be a power of two, got {lanes}")
+    xr, row = _rows(x, row)
+    c, rows, _ = xr.shape
+    total = np.zeros(c)
+    for n in range(rows):
+        v = xr[:, n, :]
+        if place is None or place.channels is None:
+            starts = np.zeros(c, dtype=np.int64)
+        else:  # the first aligned value of each row: its offset in the buffer rounded up to a whole packet
+            offsets = (n * place.channels + place.first + np.arange(c, dtype=np.int64)) * row
+            starts = (-offsets) % lanes
+        sums = np.empty(c)
+        for s in np.unique(starts):
+            sel = starts == s
+            sub = Tally(int(sel.sum())) if tally is not None else None
+            sums[sel] = _eigen_row(v[sel], int(s), lanes, acc, sub)
+            if tally is not None and sub is not None:
+                for k, counted in sub.counts.items():
+                    tally.counts[k][sel] += counted
+        total = acc.add(total, sums, tally)
+    return total
+
+
+def _omp_simd(x: np.ndarray, acc: Arith, tally: Tally | None, lanes: int, row: int | None) -> np.ndarray:
+    """The ``omp_simd`` order (see :data:`ORDERS`)."""
+    xr, row = _rows(x, row)
+    c, rows, _ = xr.shape
+    whole = row // lanes * lanes
+    total = np.zeros(c)
+    for n in range(rows):
+        v = xr[:, n, :]
+        # each lane from zero (0 + v is v, but -0 becomes +0), value p of the whole vectors to lane p mod lanes
+        body = v[:, :whole].reshape(c, whole // lanes, lanes).transpose(0, 2, 1).reshape(c * lanes, -1)
+        body = np.concatenate([np.zeros((c * lanes, 1), dtype=v.dtype), body], axis=1)
+        lane = _per_lane(lambda t, rows=np.ascontiguousarray(body): _sequential(rows, acc, t, False), c, lanes, tally)
+        lane[:, 0] = _in_order(lane[:, 0], v[:, whole:], acc, tally)
+        total = _in_order(total, lane, acc, tally)
+    return total
+
+
 def _fused_sequential(a: np.ndarray, b: np.ndarray, acc: Arith, fused: bool, tally: Tally | None) -> np.ndarray:
     """Σ a·b along axis 1 in order: s = fma(a, b, s) (one rounding per step), or s + fl(a·b) (two)."""
     s = np.zeros(a.shape[0])
@@ -349,7 +453,7 @@ def reduce_sum(
     cores: Cores = Cores(),
     rng: np.random.Generator | None = None,
     unroll: int = 1,
-    row: int | None = None,
+    row: int | Rows | None = None,
 ) -> np.ndarray:
     """Sum each row of a ``(C, R)`` array in ``acc``'s format; returns ``(C,)`` float64.
 
@@ -359,8 +463,10 @@ def reduce_sum(
     ``pairwise`` (halving tree, see :func:`tree_sum`), or ``lanes`` (``lanes``
     sequential accumulators over vector repeats, then a tree across lanes).
     ``kahan`` adds compensated summation to ``sequential`` and to each lane; ``vec`` (see :data:`ORDERS`) takes
-    ``lanes``, ``unroll`` and ``row``, the length of the layout's contiguous rows.  ``cores`` splits the sum across
-    simulated cores (:class:`Cores`; ``rng`` orders an atomic combine).
+    ``lanes``, ``unroll`` and ``row``, the length of the layout's contiguous rows; ``eigen`` and ``omp_simd`` take
+    ``lanes`` and ``row``, and ``eigen`` where the rows sit in memory when ``row`` is a :class:`Rows` that says so
+    (else an expression's sum, its packets from each row's first value).  ``cores`` splits the sum across simulated
+    cores (:class:`Cores`; ``rng`` orders an atomic combine).
     The addends must already be values of the accumulator format.
     """
     # float32 carriers stay float32 (see arith.py) where the accumulator's values fit in them
@@ -399,7 +505,9 @@ def _combine_parts(x: np.ndarray, acc: Arith, *, order: str, lanes: int, kahan: 
 
 
 def _reduce_one(x: np.ndarray, acc: Arith, *, order: str, lanes: int, kahan: bool,
-                tally: Tally | None, unroll: int = 1, row: int | None = None) -> np.ndarray:
+                tally: Tally | None, unroll: int = 1, row: int | Rows | None = None) -> np.ndarray:
+    place = row if isinstance(row, Rows) else None
+    row = row.length if isinstance(row, Rows) else row
     if order == "sequential":
         return _sequential(x, acc, tally, kahan)
     if order == "pairwise":
@@ -414,4 +522,8 @@ def _reduce_one(x: np.ndarray, acc: Arith, *, order: str, lanes: int, kahan: boo
         return _vec(x, acc, tally, lanes, unroll, row, kahan)
     if order == "rowlanes":
         return _rowlanes(x, acc, tally, lanes, row, kahan)
+    if order in ("eigen", "omp_simd"):
+        if kahan:
+            raise BNProbeError(f"kahan compensation applies to the sequential and lanes orders, not {order}")
+        return _eigen(x, acc, tally, lanes, row, place) if order == "eigen" else _omp_simd(x, acc, tally, lanes, row)
     raise BNProbeError(f"unknown reduction order {order!r}; valid: {', '.join(ORDERS)}")

@@ -27,12 +27,15 @@ from bnprobe.numerics.rounding import round_to
 __all__ = [
     "RSQRT_ESTIMATES", "RECIP_ESTIMATES", "SQRT_METHODS", "NEWTON_FORMS", "MAGIC_RSQRT", "MAGIC_RECIP",
     "Working", "rsqrt_exact", "rsqrt", "rsqrt_ascend950", "reciprocal", "divide", "sqrt", "rsqrt_estimate",
-    "recip_estimate", "succ", "pred",
+    "recip_estimate", "succ", "pred", "sqrt_eigen_fast",
 ]
 
-RSQRT_ESTIMATES: tuple[str, ...] = ("exact", "magic", "table", "frsqrte")
+# rsqrtps: x86 RSQRTPS / VRSQRTPS as Intel's cores compute it (AMD's differ): 1/sqrt of the midpoint of the input's
+# interval of 2^-10 (its exponent's parity and the first 10 bits of its significand), rounded to 12 fraction bits;
+# a subnormal input is taken as zero.  Checked against the instruction on every such interval (tests).
+RSQRT_ESTIMATES: tuple[str, ...] = ("exact", "magic", "table", "frsqrte", "rsqrtps")
 RECIP_ESTIMATES: tuple[str, ...] = ("exact", "magic", "table", "frecpe")
-SQRT_METHODS: tuple[str, ...] = ("exact", "rsqrt", "exp_log")
+SQRT_METHODS: tuple[str, ...] = ("exact", "rsqrt", "exp_log", "eigen_fast")
 # standard: Quake order, h = x/2; y <- y*(1.5 - (h*y)*y), every product rounded
 #           (reciprocal: r <- r*(2 - a*r))
 # fma:      Ascend 950 style, residual with one rounding: s = fma(-x, y*y, 1); y <- fma(y/2, s, y)
@@ -186,6 +189,33 @@ def _frecpe(a: np.ndarray) -> np.ndarray:
     return (_ARM_RECIP[idx] / 256.0) * np.ldexp(1.0, -e)
 
 
+def _rsqrtps(a: np.ndarray) -> np.ndarray:
+    """Intel's RSQRTPS on positive normal values (see :data:`RSQRT_ESTIMATES`)."""
+    m, e = np.frexp(a)  # a = m 2^e, m in [0.5, 1): significand 2m in [1, 2), exponent e - 1
+    odd = (e - 1) % 2
+    j = np.floor((2 * m - 1) * 1024)  # the significand's first 10 fraction bits
+    mid = (1 + (j + 0.5) / 1024) * 2.0 ** odd  # the interval's midpoint, in [1, 4)
+    return _round_sig(1.0 / np.sqrt(mid), 12) * np.ldexp(1.0, -((e - 1 - odd) // 2))
+
+
+def sqrt_eigen_fast(x: np.ndarray, fmt: str | Format | Arith, *, tally: Tally | None = None) -> np.ndarray:
+    """sqrt(x) as Eigen 3.3's ``psqrt`` computes a packet of floats under ``EIGEN_FAST_MATH`` (its default) on SSE and
+    AVX: y = rsqrtps(x) (Intel's, :data:`RSQRT_ESTIMATES`), one Newton step y·(1.5 − (x/2)·(y·y)), then x·y, each
+    operation rounded in ``fmt``; inputs from 0 up to the smallest normal give 0.  (Eigen's scalar path, for
+    what does not fill a packet, is the exact sqrt.)"""
+    ar, _ = _arith(fmt, None)
+    x = np.asarray(x, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        tiny = (x >= 0) & (x < ar.fmt.tiny)
+        pos = np.where((x > 0) & np.isfinite(x), x, 1.0)
+        y = np.where(x > 0, ar.round(_rsqrtps(pos)), np.nan)  # (rsqrtps: +inf gives 0, a negative NaN)
+        y = np.where(np.isposinf(x), 0.0, y)
+        half = ar.mul(x, 0.5, tally)
+        y = ar.mul(y, ar.sub(1.5, ar.mul(half, ar.mul(y, y, tally), tally), tally), tally)
+        out = ar.mul(x, y, tally)
+        return np.where(tiny, 0.0, out)
+
+
 def _positive_normalish(x: np.ndarray, fmt: Format, subnormals: str) -> tuple[np.ndarray, np.ndarray]:
     """Magnitudes with zeros / non-finite replaced by 1 (patched later), and the 'treated as zero' mask."""
     a = np.abs(x)
@@ -221,6 +251,10 @@ def _estimate(op: str, x: np.ndarray, fmt: str | Format, method: str, constant: 
             return round_to(_table_rsqrt(a, bits) if rsq else _table_recip(a, bits), fmt)
         if method == ("frsqrte" if rsq else "frecpe"):
             return round_to(_frsqrte(a) if rsq else _frecpe(a), fmt)
+        if method == "rsqrtps" and rsq:
+            if fmt.name != "fp32":
+                raise BNProbeError(f"rsqrtps takes fp32 values, not {fmt.name}")
+            return np.where(a < fmt.tiny, np.inf, _rsqrtps(a))
     raise BNProbeError(f"unknown {'rsqrt' if rsq else 'reciprocal'} method {method!r}; valid: {', '.join(valid)}")
 
 
@@ -382,6 +416,8 @@ def sqrt(x: np.ndarray, fmt: str | Format | Arith, *, method: str = "exact", her
     with np.errstate(all="ignore"):
         if method == "exact":
             return res.sqrt(x, tally)
+        if method == "eigen_fast":
+            return sqrt_eigen_fast(x, res, tally=tally)
         if method == "rsqrt":
             r = rsqrt(x, res, method=rsqrt_method, newton=newton, form=form, constant=constant, bits=bits,
                       tally=tally)

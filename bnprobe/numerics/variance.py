@@ -14,7 +14,7 @@ import numpy as np
 
 from bnprobe.core.errors import BNProbeError
 from bnprobe.numerics.arith import Arith, Tally
-from bnprobe.numerics.reduce import Cores, reduce_sum, thread_sum
+from bnprobe.numerics.reduce import Cores, Rows, reduce_sum, thread_sum
 
 __all__ = ["VARIANCES", "MEAN_BY", "StageValue", "Moments", "MomentsMethod", "Sums", "ThreadSums", "moments",
            "prescale_exponent"]
@@ -152,7 +152,9 @@ class _Stages:
 class Sums:
     """The per-channel sums the naive and two-pass algorithms need, each addend rounded in ``acc`` and
     prescaled by ``pre``, summed by reduce_sum with the options ``red`` — in ``wide`` when given (a wider running
-    sum of terms rounded in ``acc``), else in ``acc``."""
+    sum of terms rounded in ``acc``), else in ``acc``.  The sum of x reads x from memory (``red``'s ``row`` may say
+    where its rows sit, :class:`~bnprobe.numerics.reduce.Rows`); the sums of squares and of squared deviations are of
+    expressions (their rows' length alone)."""
 
     def __init__(self, acc: Arith, pre: Callable[[np.ndarray], np.ndarray], red: dict,
                  wide: Arith | None = None) -> None:
@@ -160,19 +162,24 @@ class Sums:
         self.wide = wide
         self.into = acc if wide is None else wide
 
+    def expression(self) -> dict:
+        """``red`` for the sum of an expression: the rows' length, not where x sits."""
+        row = self.red.get("row")
+        return {**self.red, "row": row.length if isinstance(row, Rows) else row}
+
     def total(self, x: np.ndarray, t: Tally) -> np.ndarray:
         """The sum of x."""
         return reduce_sum(self.pre(x), self.into, tally=t, **self.red)
 
     def squares(self, x: np.ndarray, t: Tally) -> np.ndarray:
         """The sum of x*x."""
-        return reduce_sum(self.pre(self.acc.mul(x, x, t)), self.into, tally=t, **self.red)
+        return reduce_sum(self.pre(self.acc.mul(x, x, t)), self.into, tally=t, **self.expression())
 
     def deviations(self, x: np.ndarray, mean: np.ndarray, t: Tally) -> tuple[np.ndarray, np.ndarray | None]:
         """The sum of (x - mean)² (stored in ``acc``: a wide sum is rounded to it) and the deviations x - mean
         (None where they were not kept)."""
         dev = self.acc.sub(x, mean[:, None], t)
-        q = reduce_sum(self.pre(self.acc.mul(dev, dev, t)), self.into, tally=t, **self.red)
+        q = reduce_sum(self.pre(self.acc.mul(dev, dev, t)), self.into, tally=t, **self.expression())
         return (q if self.wide is None else self.acc.round(q, t)), dev
 
 
@@ -306,7 +313,7 @@ def moments(
     method: MomentsMethod = MomentsMethod(),
     *,
     rng: np.random.Generator | None = None,
-    row: int | None = None,
+    row: int | Rows | None = None,
     overrides: dict[str, np.ndarray] | None = None,
     wide_sums: bool = True,
     sums: Sums | None = None,
@@ -323,6 +330,8 @@ def moments(
     ``wide_sums=False`` skips the float64 reference sums recorded as the stages'
     ``wide`` values (a trace that keeps no arrays does not need them).  ``sums`` forms the naive and
     two-pass sums instead of :class:`Sums` (the compiled route's, bnprobe.kernels.fused; the same values).
+    ``row`` may be a :class:`~bnprobe.numerics.reduce.Rows` saying where x's rows sit in memory (the ``eigen``
+    order's aligned packets).
     """
     algorithm, mean_by = method.algorithm, method.mean_by
     r = x.shape[1]
