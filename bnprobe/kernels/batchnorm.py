@@ -30,9 +30,10 @@ from bnprobe.kernels.layout import Layout, as_channel_vector, check_eps, check_m
 from bnprobe.kernels.policy import Policy, get_policy
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.arith import Arith, Tally, as_carrier, fits_float32, fma_wide
-from bnprobe.numerics.reduce import Cores, plane_reduce, reduce_sum, small_batch_threads, thread_sum, vec_dot
+from bnprobe.numerics.reduce import (Cores, Rows, plane_reduce, reduce_sum, small_batch_threads, thread_sum,
+                                     vec_dot)
 from bnprobe.numerics.rounding import RoundingSpec, round_to
-from bnprobe.numerics.rsqrt import divide, rsqrt_ascend950
+from bnprobe.numerics.rsqrt import divide, rsqrt_ascend950, sqrt_eigen_fast
 from bnprobe.numerics.rsqrt import rsqrt as nrsqrt
 from bnprobe.numerics.rsqrt import sqrt as nsqrt
 from bnprobe.numerics.variance import MomentsMethod, ThreadSums, moments, prescale_exponent
@@ -151,8 +152,8 @@ class _Run:
 
     def reduce(self, x: np.ndarray, tally: Tally, times: np.ndarray | None = None, fused: bool = False) -> np.ndarray:
         """A per-channel sum in the accumulator format, by the policy's order and core split, or split across its
-        threads: of x, or of x * round(times) with both roundings' events counted (``fused``: x·times accumulated
-        by fused multiply-adds, across threads)."""
+        threads: of x (a tensor read from memory), or of x * round(times) (an expression) with both roundings' events
+        counted (``fused``: x·times accumulated by fused multiply-adds, across threads)."""
         pol = self.policy
         if pol.threads is not None:
             t = None if times is None else self.acc.round(times, tally)
@@ -163,7 +164,18 @@ class _Run:
         if times is not None:
             x = self.acc.mul(x, self.acc.round(times, tally), tally)
         return reduce_sum(x, self.acc, order=pol.order, lanes=pol.lanes, kahan=pol.kahan, tally=tally,
-                          cores=self.cores, rng=self.rng, unroll=pol.unroll, row=self.row)
+                          cores=self.cores, rng=self.rng, unroll=pol.unroll,
+                          row=self.rows() if times is None else self.row)
+
+    def rows(self) -> Rows | None:
+        """This block's channel-first rows and where they sit in the call's buffer (None: not channel-first)."""
+        return Rows(self.row, self.channels, self.first) if self.row is not None else None
+
+    def packets(self) -> np.ndarray:
+        """Which of this block's channels fill whole packets of ``lanes`` channels of the call (a vectorised
+        per-channel loop takes them; the rest go through its scalar tail)."""
+        lanes, channels = self.policy.lanes, max(self.channels, self.first + self.c)
+        return self.first + np.arange(self.c) < channels // lanes * lanes
 
     def tally(self) -> Tally:
         return Tally(self.c)
@@ -269,7 +281,10 @@ class _Run:
         """sqrt(v) in the accumulator format by the policy's sqrt method, recorded as ``name``."""
         opts = self._rsqrt_options()
         t = self.tally()
-        value = nsqrt(v, self.acc, method=self.policy.sqrt, rsqrt_method=opts.pop("method"), tally=t, **opts)
+        if self.policy.sqrt == "eigen_fast":  # the packet path on whole packets of channels, the scalar on the rest
+            value = np.where(self.packets(), sqrt_eigen_fast(v, self.acc, tally=t), self.acc.sqrt(v, t))
+        else:
+            value = nsqrt(v, self.acc, method=self.policy.sqrt, rsqrt_method=opts.pop("method"), tally=t, **opts)
         with np.errstate(all="ignore"):
             return self.record(name, self.acc, value, np.sqrt(v), t)
 
@@ -288,6 +303,10 @@ class _Run:
                 t = self.tally()
                 return self.record("rstd", acc, self.div(np.ones_like(std), std, t), ideal, t), std
             t = self.tally()
+            if pol.rsqrt == "sqrt_recip":  # sqrt(1/(var + eps))
+                t = self.tally()
+                recip = self.record("recip_var", acc, acc.div(np.ones_like(var_eps), var_eps, t), 1.0 / var_eps, t)
+                return self.sqrt("rstd", recip), None
             if pol.rsqrt == "ascend950":
                 return self.record("rstd", acc, rsqrt_ascend950(var_eps, acc, tally=t), ideal, t), None
             return self.record("rstd", acc, nrsqrt(var_eps, acc, tally=t, **self._rsqrt_options()), ideal, t), None
@@ -333,6 +352,12 @@ class _Run:
         ga, ba = acc.round(gamma), acc.round(beta)
         if pol.y_formula == "xhat":
             return mean, rstd, gamma, beta
+        if pol.y_formula == "affine_mr":  # (from rstd whatever formed it: Paddle's kernels have no σ)
+            t = self.tally()
+            w = self.rec("mult", acc, acc.mul(rstd, ga, t), t)
+            t = self.tally()
+            addend = self.rec("addend", acc, ba - acc.mul(acc.mul(mean, rstd, t), ga, t), t)
+            return w, addend
         if std is not None:
             t = self.tally()
             w = self.record("w" if pol.y_formula == "scale" else "mult", acc, self.div(ga, std, t), ga / std, t)
@@ -499,7 +524,7 @@ def _train_block(run: _Run, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.
             wide = run.wide_sums()
             sums = ThreadSums(acc, pol.threads if wide is None else small_batch_threads(pol.threads, r, run.channels),
                               wide, pol.variance_fma)
-        m = moments(xa, acc, method, rng=run.rng, row=run.row, overrides=run.overrides,
+        m = moments(xa, acc, method, rng=run.rng, row=run.rows(), overrides=run.overrides,
                     wide_sums=run.trace.keep_arrays, sums=sums)
         for sv in m.stages:
             run.trace.record(sv.name, sv.value, sv.arith.fmt, wide=sv.wide, tally=sv.tally,
@@ -518,6 +543,9 @@ def _train_block(run: _Run, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.
                                                               counting=run.counting)
             if momentum is not None and pol.running_momentum == "old":  # m weighs the old value (flax, Keras)
                 f_a, keep_a = ru.round(1.0 - momentum), ru.round(momentum)
+            elif momentum is not None and pol.running_momentum == "keep":  # k = 1 - m a float32 attribute (Paddle)
+                keep_a = ru.round(round_to(1.0 - momentum, "fp32"))
+                f_a = ru.round(1.0 - keep_a)
             else:
                 f = momentum if momentum is not None else 1.0 / nbt
                 f_a, keep_a = ru.round(f), ru.round(1.0 - f)
@@ -575,8 +603,9 @@ def forward_infer(
     # the batch statistics' rstd in a wider format (rstd_format) forms the running ones' in its accumulator, and
     # takes γ·rstd, not γ/σ (PyTorch's CPU kernel)
     times_rstd = pol.rstd_format is not None
-    if pol.infer_y_formula is not None or times_rstd:
-        pol = pol.with_options(y_formula=pol.infer_y_formula or pol.y_formula, infer_y_formula=None, rstd_format=None)
+    if pol.infer_y_formula is not None or times_rstd or pol.infer_rsqrt is not None:
+        pol = pol.with_options(y_formula=pol.infer_y_formula or pol.y_formula, infer_y_formula=None, rstd_format=None,
+                               rsqrt=pol.infer_rsqrt or pol.rsqrt, infer_rsqrt=None)
     blocks = _Blocks(pol, lay, execution, {"mode": "infer", "eps": eps}, {"x": x})
     y = blocks.tensor(pol.storage)
     for sl, run in blocks:
@@ -617,6 +646,8 @@ def backward(
     is given (as the TBE kernels do), else uses sigma = 1/invstd.  ``execution``: see :class:`Execution`.
     """
     pol = get_policy(policy)
+    if pol.backward_lanes is not None:  # the backward's sums in lanes of their own
+        pol = pol.with_options(lanes=pol.backward_lanes, backward_lanes=None)
     lay = layout_of(x, execution.layout)
     if np.shape(dy) != lay.shape:
         raise BNProbeError(f"dy has shape {np.shape(dy)} but x has shape {lay.shape}")
@@ -647,6 +678,8 @@ def _backward_block(run: _Run, dy: np.ndarray | Source, x: np.ndarray | Source, 
     pol, acc, comp = run.policy, run.acc, run.comp
     if pol.backward_formula == "torch" and training:
         return _backward_torch(run, dy, x, g, mu, inv, r)
+    if pol.backward_formula in ("paddle", "onednn") and training:
+        return _backward_framework(run, dy, x, g, mu, inv, r)
     with np.errstate(all="ignore"):
         first = None if run.fused is None else run.fused.backward_first(dy, x, mu, inv)
         if first is not None:  # loads, centered, xhat and both sums in one compiled pass, nothing stored
@@ -782,6 +815,45 @@ def _dx_projection(run: _Run, d: np.ndarray, centered: np.ndarray, k: np.ndarray
     for name in tally.counts:
         tally.counts[name] += np.where(use, tf.counts[name], tp.counts[name])
     return np.where(use[:, None], fused, plain)
+
+
+def _backward_framework(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray, inv: np.ndarray,
+                        r: int) -> dict[str, np.ndarray | None]:
+    """The training backward of Paddle's and oneDNN's CPU kernels (``backward_formula`` paddle, onednn; see
+    :data:`~bnprobe.kernels.policy.BACKWARD_FORMULAS`), every step rounded in the compute format (the per-channel
+    ones in the accumulator's); Σdy is read from memory, the dot product is an expression's sum."""
+    pol, acc, comp = run.policy, run.acc, run.comp
+    with np.errstate(all="ignore"):
+        dys, ga, mean, invstd, xc, dyc = _backward_loads(run, dy, x, g, mu, inv)
+        centered = run.op("centered", comp, np.subtract, xc, run.col(comp, mean))
+        dya = run.cast("dy_acc", dys, pol.storage, acc)
+        t = run.tally()
+        sum_dy = run.rec("sum_dy", acc, run.reduce(dya, t), t)
+        t = run.tally()
+        paddle = pol.backward_formula == "paddle"
+        # Paddle sums ((x - mean)·invstd)·dy and takes it as dγ; oneDNN sums (x - mean)·dy, then dγ = Σ·invstd
+        xhat = run.op("xhat", comp, np.multiply, centered, run.col(comp, invstd)) if paddle else centered
+        dot = run.rec("sum_dy_xhat" if paddle else "sum_dy_centered", acc, run.reduce(dya, t, times=xhat), t)
+        t = run.tally()
+        dg = dot if paddle else run.record("dgamma_acc", acc, acc.mul(dot, invstd, t), dot * invstd, t)
+        dbeta = run.rec("dbeta", run.params, sum_dy)
+        dgamma = run.rec("dgamma", run.params, dg)
+        t = run.tally()
+        rows = r // run.row if run.row else 1  # N (and H·W = R / N)
+        if paddle:  # s·((dy·N·HW − Σdy) − ((x − mean)·dγ)·invstd), s = (γ·invstd)/R
+            s = run.record("scale", acc, acc.div(acc.mul(ga, invstd, t), float(r), t), ga * invstd / r, t)
+            a = comp.mul(comp.mul(dyc, float(rows), t), float(r // rows), t)
+            a = comp.sub(a, run.col(comp, sum_dy), t)
+            b = comp.mul(comp.mul(centered, run.col(comp, dg), t), run.col(comp, invstd), t)
+            dx_c = run.op("dx_compute", comp, np.multiply, run.col(comp, s), comp.sub(a, b, t), tally=t)
+        else:  # (dy − (Σdy/R + (((x − mean)·dγ)·invstd)/R))·(γ·invstd)
+            mean_dy = run.record("mean_dy", acc, acc.div(sum_dy, float(r), t), sum_dy / r, t)
+            b = comp.div(comp.mul(comp.mul(centered, run.col(comp, dg), t), run.col(comp, invstd), t), float(r), t)
+            d = comp.sub(dyc, comp.add(run.col(comp, mean_dy), b, t), t)
+            scale = run.record("scale", acc, acc.mul(ga, invstd, t), ga * invstd, t)
+            dx_c = run.op("dx_compute", comp, np.multiply, d, run.col(comp, scale), tally=t)
+        dx = run.output("dx", run.out, dx_c)
+    return {"dx": dx, "dgamma": dgamma, "dbeta": dbeta}
 
 
 def _dx_coefficients(run: _Run, ga: np.ndarray, mean: np.ndarray, invstd: np.ndarray, sum_dy: np.ndarray,

@@ -48,10 +48,13 @@ def compiled_route(policy: Any, keep_arrays: bool, overrides: dict[str, np.ndarr
     notes and :func:`bnprobe.compiled.jit.jit_for`)."""
     if keep_arrays or overrides or not jit_for(elements):
         return False
-    if policy.order in ("vec", "rowlanes") or policy.backward_formula == "torch" or \
+    if policy.order in ("vec", "rowlanes", "eigen", "omp_simd") or \
+            policy.backward_formula in ("torch", "paddle", "onednn") or policy.y_formula == "affine_mr" or \
+            policy.sqrt == "eigen_fast" or policy.rsqrt in ("sqrt_recip", "rsqrtps") or \
             policy.backward_sums != "forward" or policy.variance_fma or \
             any(f is not None for f in (policy.rstd_format, policy.sum_format, policy.saved_format,
-                                           policy.running_var_sum, policy.threads)):
+                                           policy.running_var_sum, policy.threads, policy.infer_rsqrt,
+                                           policy.backward_lanes)):
         # (orders, formats and formulas the kernels do not have)
         return False
     formats = {policy.storage, policy.params_format, policy.compute, policy.accumulate}

@@ -23,17 +23,24 @@ __all__ = ["Policy", "PRESETS", "get_policy", "Y_FORMULAS", "RSQRT_METHODS", "BA
 #   scale  : w = gamma * rstd; y = (x - mean) * w + beta          (Ascend BatchNormV3)
 #   affine : mult = gamma * rstd; addend = beta - mult * mean; y = mult * x + addend
 #            (Ascend TBE BNTrainingUpdate, PyTorch CPU)
-Y_FORMULAS: tuple[str, ...] = ("xhat", "scale", "affine")
+#   affine_mr : mult = rstd * gamma; addend = beta - (mean * rstd) * gamma; y = x * mult + addend (Paddle's CPU kernel)
+Y_FORMULAS: tuple[str, ...] = ("xhat", "scale", "affine", "affine_mr")
 # exact    : rstd = 1/sqrt(var + eps) correctly rounded in one step
 # sqrt_div : std = sqrt(var + eps) by the `sqrt` method, then rstd = 1 / std (and gamma / std where a
 #            formula needs it) by the `division` method
 # magic, table, frsqrte : a hardware estimate refined by rsqrt_newton steps (bnprobe.numerics.rsqrt)
 # ascend950 : r = 1/v, sqrt, one Newton step, one FMA-residual correction (Ascend 950)
-RSQRT_METHODS: tuple[str, ...] = ("exact", "sqrt_div", "magic", "table", "frsqrte", "ascend950")
+# sqrt_recip : rstd = sqrt(1/(var + eps)): the reciprocal correctly rounded, then its square root by the `sqrt`
+#              method (Paddle's and onnxruntime's CPU training kernels)
+# rsqrtps : Intel's x86 estimate (bnprobe.numerics.rsqrt) refined by rsqrt_newton steps
+RSQRT_METHODS: tuple[str, ...] = ("exact", "sqrt_div", "magic", "table", "frsqrte", "ascend950", "sqrt_recip",
+                                  "rsqrtps")
 # the unbiased running variance needs R/(R-1); with R = 1 training is an error (PyTorch),
 # or the factor is taken as 0 (Ascend TBE) or the result is NaN (Ascend BatchNormV3)
 UNBIASED_R1: tuple[str, ...] = ("error", "zero", "nan")
-SQRT_METHODS: tuple[str, ...] = ("exact", "rsqrt", "exp_log")
+# eigen_fast: Eigen 3.3's packet sqrt under EIGEN_FAST_MATH (x·(rsqrtps refined by one Newton step)) on the channels
+# that fill whole packets of `lanes` channels, the exact sqrt on the rest (Paddle's CPU kernel)
+SQRT_METHODS: tuple[str, ...] = ("exact", "rsqrt", "exp_log", "eigen_fast")
 DIVISIONS: tuple[str, ...] = ("exact", "reciprocal")
 RECIP_METHODS: tuple[str, ...] = ("exact", "magic", "table", "frecpe")
 # standard : dx = gamma*rstd*(dy - mean(dy) - xhat*mean(dy*xhat))
@@ -41,7 +48,11 @@ RECIP_METHODS: tuple[str, ...] = ("exact", "magic", "table", "frecpe")
 #            addend = (mean/sigma)(dgamma/R) - dbeta/R   (BNTrainingReduceGrad)
 # torch    : dx = ((dy - mean(dy)) - (x - mean)·k)·invstd·gamma, k = Σ(x - mean)dy·invstd²/R, the first product
 #            fused (PyTorch CPU's 16-bit kernels), Σ(x - mean)·dy by fused multiply-adds as backward_fma says
-BACKWARD_FORMULAS: tuple[str, ...] = ("standard", "ascend", "torch")
+# paddle   : dx = s·((dy·N·HW − Σdy) − ((x − mean)·dγ)·invstd), s = (γ·invstd)/R, dγ = Σ((x − mean)·invstd)·dy,
+#            the integer factors each a rounded multiplication (Paddle's CPU kernel)
+# onednn   : dγ = Σ(x − mean)·dy·invstd; dx = (dy − (Σdy/R + (((x − mean)·dγ)·invstd)/R))·(γ·invstd), invstd =
+#            1/sqrt(var + eps) from the saved variance (oneDNN's ncsp kernel: MindSpore's CPU BatchNormGrad)
+BACKWARD_FORMULAS: tuple[str, ...] = ("standard", "ascend", "torch", "paddle", "onednn")
 # backward_fma: which multiply-adds of the backward's Σ(x - mean)·dy are fused: none, the vector body (lanes), the
 # tail (order=vec: the scalar tail; plane_reduce: the masked last vector of each plane) or all
 BACKWARD_FMAS: tuple[str, ...] = ("none", "body", "tail", "all")
@@ -58,7 +69,9 @@ BACKWARD_SUMS: tuple[str, ...] = ("forward", "plane_reduce")
 DX_FMAS: tuple[str, ...] = ("all", "body", "tail", "none")
 # what the call's momentum m weighs in the running update: the batch's value (PyTorch, TensorFlow's fused kernel,
 # MindSpore's primitive: new = (1-m)·old + m·batch) or the old value's (flax, Keras, Paddle: new = m·old + (1-m)·batch)
-RUNNING_MOMENTA: tuple[str, ...] = ("new", "old")
+# keep: the framework's momentum argument is the old value's weight k = 1 - m held as a float32 attribute, and the
+# batch's weight 1 - k is formed from it in the update's format (Paddle: new = fl32(k)·old + fl(1 - fl32(k))·batch)
+RUNNING_MOMENTA: tuple[str, ...] = ("new", "old", "keep")
 # the running variance's update takes the batch variance times R/(R-1) (PyTorch, TF's fused kernel, MindSpore) or
 # the biased batch variance itself (flax, Keras, Paddle)
 RUNNING_VARS: tuple[str, ...] = ("unbiased", "biased")
@@ -149,6 +162,11 @@ class Policy:
     # PyTorch's `y + (x − mean)·(x − mean)`); needs threads
     variance_fma: bool = False
     dx_fma: str = "all"  # DX_FMAS (backward_formula=torch)
+    # how inference forms 1/sqrt(var + eps) when not as training does (Paddle trains with sqrt(1/(var + eps)) and
+    # infers with 1/sqrt(var + eps))
+    infer_rsqrt: str | None = None
+    # the lanes of the backward's sums when not the forward's (oneDNN's ncsp backward loop is not vectorised: 1)
+    backward_lanes: int | None = None
     seed: int = 0  # drives stochastic rounding
 
     def __post_init__(self) -> None:
@@ -166,6 +184,7 @@ class Policy:
             "unbiased_r1": UNBIASED_R1, "running_momentum": RUNNING_MOMENTA, "running_var": RUNNING_VARS,
             "infer_y_formula": (None,) + Y_FORMULAS, "unbiased_by": UNBIASED_BY, "backward_fma": BACKWARD_FMAS,
             "backward_sums": BACKWARD_SUMS, "dx_fma": DX_FMAS,
+            "infer_rsqrt": (None,) + RSQRT_METHODS,
         }
         for attr, valid in choices.items():
             if getattr(self, attr) not in valid:
@@ -188,8 +207,8 @@ class Policy:
                                f"rsqrt_bits={self.rsqrt_bits}, recip_bits={self.recip_bits}")
         # lanes, tiles and core parts are hardware widths: a few thousand at most (each lane holds one accumulator
         # per channel, so 10**9 lanes would be gigabytes of partial sums)
-        for name in ("core_parts", "lanes", "tiles", "unroll"):
-            if not 1 <= getattr(self, name) <= 4096:
+        for name in ("core_parts", "lanes", "tiles", "unroll", "backward_lanes"):
+            if getattr(self, name) is not None and not 1 <= getattr(self, name) <= 4096:
                 raise BNProbeError(f"policy {name} must be 1 to 4096, got {getattr(self, name)}")
         if self.backward_sums == "plane_reduce" and self.backward_formula != "torch":
             raise BNProbeError("policy backward_sums=plane_reduce is the sums of PyTorch's CPU backward: give "
@@ -234,7 +253,7 @@ class Policy:
                        subnormals="keep", kahan=False, rsqrt="sqrt_div" if self.rsqrt == "sqrt_div" else "exact",
                        sqrt="exact", division="exact", clamp_var=False, core_combine="ordered",
                        running_format=None, rstd_format=None, sum_format=None, saved_format=None, running_var_sum=None,
-                       variance_fma=False)
+                       variance_fma=False, infer_rsqrt=None)
 
     def with_options(self, **changes: object) -> Policy:
         """A copy with some fields changed (unknown names are a BNProbeError)."""
