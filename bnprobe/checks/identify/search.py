@@ -222,6 +222,12 @@ class _Search:
             # the earlier stages' ties reproduced the training forward (y in fp16 hides the compute format, an FMA, a
             # division...); inference and the backward, which compute with them, may tell them apart
             alts = [{}] + [t for st in ("rsqrt", "y") for t in self.ties.get(st, [])[:TIES_TRIED]]
+            # (and one tie of each y formula past those: a 16-bit y may hide the formula inference then shows)
+            formulas = {t.get("y_formula") for t in alts}
+            for t in self.ties.get("y", [])[TIES_TRIED:]:
+                if t.get("y_formula") not in formulas:
+                    formulas.add(t.get("y_formula"))
+                    alts.append(t)
             if stage == "infer":  # (inference forms its own rstd: every rsqrt the training forward allows)
                 alts += [{**r, "rstd_format": cur.rstd_format} for r in rsqrt_space(cur, self.fmt)]
             space = [{**alt, **c} for alt in alts for c in space]
@@ -294,7 +300,7 @@ class _Search:
         # inference the infer stage reproduced first (an earlier stage's tie can change how inference forms its rstd)
         keeps_infer = stage == "backward" and self.infer_kept and len(ties) > 1
         ties.sort(key=lambda t: (t[1] is not cur, keeps_infer and self.misses(t[1], "infer", ("y_infer",)),
-                                 _complexity(t[1])))
+                                 _complexity(t[1]), _mode_specific(t[1])))
         chosen, best = ties[0][1], ties[0][2]
         ties = [t for t in ties if t[1] is not cur]
         if stage in FORWARD_STAGES and stage != "modes" and best.exact:
@@ -312,6 +318,12 @@ def _complexity(policy: Policy) -> int:
     base = PRESETS.get(policy.storage)
     return 0 if base is None else sum(getattr(policy, f.name) != getattr(base, f.name) for f in fields(Policy)
                                       if f.name not in ("name", "params"))
+
+
+def _mode_specific(policy: Policy) -> int:
+    """How many of inference's own choices a policy sets (among equally simple ties, a kernel that computes both
+    modes alike is preferred: a 16-bit y may hide the training formula that inference then shows)."""
+    return sum(getattr(policy, f) is not None for f in ("infer_y_formula", "infer_rsqrt"))
 
 
 def _undistinguished(stage: str, chosen: Policy, ties: list[dict[str, Any]]) -> Undistinguished | None:

@@ -69,6 +69,8 @@ FIELD_PROBES = {
     "threads": "sums over rows spread across binades, R not a multiple of the thread count",
     "variance_fma": "squared deviations whose products need more bits than the accumulator keeps",
     "dx_fma": "a channel count that is not a multiple of the vector width, dx that cancels (R = 2)",
+    "backward_lanes": "FPRev pairs in dy (the backward's sums)",
+    "infer_rsqrt": "inference with running variances across binades",
 }
 
 
@@ -91,6 +93,9 @@ _RSQRTS: tuple[dict[str, Any], ...] = (
     *({"rsqrt": "frsqrte", "rsqrt_newton": k} for k in (0, 1, 2)),
     {"rsqrt": "ascend950"},
     {"rsqrt": "sqrt_div", "rstd_format": "fp64"}, {"rsqrt": "exact", "rstd_format": "fp64"},
+    # sqrt(1/(var + eps)) (Paddle, onnxruntime training), and Eigen's fast packet sqrt (Paddle)
+    {"rsqrt": "sqrt_recip", "sqrt": "exact"}, {"rsqrt": "sqrt_recip", "sqrt": "eigen_fast"},
+    {"rsqrt": "sqrt_div", "sqrt": "eigen_fast", "division": "exact"},
 )
 
 
@@ -111,6 +116,12 @@ def _mean_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
         # float terms summed in double, in memory order (PyTorch's fp32 CPU kernel), or lanes by position in each
         # row of H·W values (inductor's vectorised reductions)
         for o in ({"order": "sequential", "sum_format": "fp64"}, *({"order": "rowlanes", "lanes": n} for n in (8, 16))):
+            yield {"accumulate": "fp32", "variance": sum_based, "kahan": False, "unroll": 1, "sum_format": None,
+                   **o, "mean_by": "divide", "backward_fma": "none"}
+        # Eigen's dense sums of each row (Paddle), GCC's omp-simd reductions of each row (oneDNN: MindSpore), in
+        # the SSE and AVX widths
+        for o in (*({"order": "eigen", "lanes": n} for n in (4, 8)),
+                  *({"order": "omp_simd", "lanes": n} for n in (1, 4, 8))):
             yield {"accumulate": "fp32", "variance": sum_based, "kahan": False, "unroll": 1, "sum_format": None,
                    **o, "mean_by": "divide", "backward_fma": "none"}
     for acc in _accumulators(fmt):
@@ -139,7 +150,8 @@ def rsqrt_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
 def _y_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
     computes = tuple(dict.fromkeys(("fp32" if fmt != "fp64" else "fp64", fmt)))
     narrow = cur.params_format in ("fp16", "bf16")
-    for f, fma, comp, stored, rnd in itertools.product(("xhat", "scale", "affine"), (False, True), computes,
+    formulas = ("xhat", "scale", "affine", "affine_mr")
+    for f, fma, comp, stored, rnd in itertools.product(formulas, (False, True), computes,
                                                        (False, True) if narrow else (False,),
                                                        (None, "nearest_away", "toward_zero")):
         yield {"y_formula": f, "fma": fma, "compute": comp, "stored_stats": stored, "output_rounding": rnd}
@@ -152,7 +164,8 @@ def _modes_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
 
 def _running_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
     formats = tuple(dict.fromkeys(f for f in (None, cur.params_format, "fp64") if f != cur.accumulate))
-    for m, v, f, by, wide in itertools.product(("new", "old"), ("unbiased", "biased"), formats, ("factor", "divide"),
+    for m, v, f, by, wide in itertools.product(("new", "old", "keep"), ("unbiased", "biased"), formats,
+                                               ("factor", "divide"),
                                                (None, "fp64")):
         if (v == "unbiased" or by == "factor") and (wide is None or f in (None, "fp32") and cur.accumulate == "fp32"):
             yield {"running_momentum": m, "running_var": v, "running_format": f, "unbiased_by": by,
@@ -160,9 +173,11 @@ def _running_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
 
 
 def _infer_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
-    for f in (None, "xhat", "scale", "affine"):
+    # (a kernel that trains with sqrt(1/(var + eps)) may infer with 1/sqrt(var + eps): Paddle)
+    roots = (None, "sqrt_div", "exact") if cur.rsqrt == "sqrt_recip" else (None,)
+    for f, r in itertools.product((None, "xhat", "scale", "affine", "affine_mr"), roots):
         if f != cur.y_formula:
-            yield {"infer_y_formula": f}
+            yield {"infer_y_formula": f, "infer_rsqrt": r}
 
 
 def infer_only_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
@@ -184,9 +199,12 @@ def infer_only_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
 
 def _backward_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
     # (the sums' order and format are the forward's: the forward's outputs pinned them)
-    for f in ("standard", "ascend", "torch"):
+    for f in ("standard", "ascend", "torch", "paddle", "onednn"):
         for fused in (("none", "body", "all") if cur.order == "vec" else ("none",)):
-            yield {"backward_formula": f, "backward_fma": fused, "backward_sums": "forward"}
+            yield {"backward_formula": f, "backward_fma": fused, "backward_sums": "forward", "backward_lanes": None}
+    if cur.order == "omp_simd" and cur.lanes != 1:  # (a backward loop the compiler did not vectorise: oneDNN's)
+        for f in ("standard", "onednn"):
+            yield {"backward_formula": f, "backward_fma": "none", "backward_sums": "forward", "backward_lanes": 1}
     if fmt in ("fp32", "fp64"):
         # or plane by plane, each plane's lanes folded, the planes added in the forward's sum format (PyTorch's fp32
         # and fp64 CPU backward: at::vec::reduce_all, 8 lanes in its AVX2 build, 16 in an AVX-512 one); the lanes
