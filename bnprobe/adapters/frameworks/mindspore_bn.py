@@ -6,6 +6,13 @@ variance Parameters; the primitive's ``momentum`` is bnprobe's m (the batch's we
 the biased variance (reserve_space_1, reserve_space_2; on the CPU its batch_mean / batch_variance outputs are
 zeros).  x in fp32 or fp16 (no bf16 on the CPU), the parameters in fp32.  The backward is MindSpore's vjp through
 the primitive with the given dy (it recomputes the statistics from x; eval: normalised with the given ones).
+
+What its CPU kernel computes (oneDNN v3.10's ncsp batch_normalization, its C++ loops as GCC vectorised them for SSE;
+an fp16 x is converted to fp32 and y back), as identify finds it bit for bit
+(tests/adapters/test_frameworks_identified.py): each row of H·W values summed in 4 lanes with the row's remainder in
+lane 0, the lanes added in order into a sum carried across rows (``order=omp_simd, lanes=4``); the biased variance the
+same way; y = (γ/√(var + ε))·(x − mean) + β; the backward's sums not vectorised (``backward_lanes=1``) and oneDNN's dx
+formula (``backward_formula=onednn``).
 """
 
 from __future__ import annotations

@@ -8,6 +8,13 @@ it keeps its ε and momentum attributes as float32 (ε = 1e-3 acts as float32(1e
 fp64 outputs differ from the exact ones by about that much: a fact of the framework, within fp64's tolerances.
 The backward is Paddle's autograd through the op with the given dy (it recomputes the statistics the forward
 saved: the same op on the same inputs; eval: normalised with the given mean and variance).
+
+What its fp32 kernel computes (phi's CPU batch_norm on Eigen 3.3, built for AVX; no oneDNN unless FLAGS_use_mkldnn),
+as identify finds it bit for bit (tests/adapters/test_frameworks_identified.py): each (n, c) row summed by Eigen's
+dense redux (``order=eigen, lanes=8``: packets from 32-byte aligned addresses), the rows added in order; the biased
+variance the same way from (x − mean)²; rstd = √(1/(var + ε)) with Eigen's fast packet sqrt on whole packets of 8
+channels (``rsqrt=sqrt_recip, sqrt=eigen_fast``: Intel's rsqrtps and one Newton step); y = x·(rstd·γ) +
+(β − (mean·rstd)·γ); its own backward; inference 1/√(var + ε).  The adapter hands it NCHW whatever the call's layout.
 """
 
 from __future__ import annotations
