@@ -3,9 +3,10 @@ oneDNN omp-simd sums and backward; tests/kernels/test_framework_recipes.py repla
 plain adapter interface: each recovered and then checked bit for bit on inputs the search never saw, by running the
 identified spec and the black box side by side.  The live frameworks: tests/adapters/test_frameworks_identified.py."""
 
+import numpy as np
 import pytest
 
-from bnprobe.adapters.base import params_mode
+from bnprobe.adapters.base import BackwardOutput, ForwardOutput, params_mode
 from bnprobe.checks.identify.search import identify
 from bnprobe.kernels.policy import get_policy
 
@@ -29,3 +30,43 @@ def test_a_framework_recipe_is_recovered_bit_for_bit_on_inputs_it_never_saw(spec
     off = side_by_side(kernel, res.spec, fresh_call(target.storage, params, seed=5))
     assert set(off) >= set(OUTPUTS)
     assert not any(off.values()), off
+
+
+class AsChannelsFirst(BlackBox):
+    """A kernel that computes a channels-last call as channels-first, as the framework adapters hand Paddle and
+    MindSpore NCHW whatever the call's layout: the same outputs, moved, in both layouts."""
+
+    def _cf(self, a, p):
+        return np.ascontiguousarray(np.moveaxis(a, -1, 1)) if p.lay.layout == "channels_last" else a
+
+    def _back(self, a, p):
+        return np.moveaxis(a, 1, -1) if p.lay.layout == "channels_last" else a
+
+    def _opts(self, p):
+        return {**super()._opts(p), "layout": "channels_first"}
+
+    def _forward_train_impl(self, p, *, momentum, eps):
+        v = p.vectors
+        o = self._k.forward_train(self._cf(p.x, p), v["gamma"], v["beta"], v["running_mean"], v["running_var"],
+                                  momentum=momentum, eps=eps, **self._opts(p))
+        return ForwardOutput(self._back(o.y, p), o.saved, o.running_mean, o.running_var)
+
+    def _forward_infer_impl(self, p, *, eps):
+        v = p.vectors
+        return ForwardOutput(self._back(self._k.forward_infer(self._cf(p.x, p), v["gamma"], v["beta"],
+                                                              v["running_mean"], v["running_var"], eps=eps,
+                                                              **self._opts(p)).y, p))
+
+    def _backward_impl(self, p, dy, saved, *, eps, training):
+        o = self._k.backward(self._cf(dy, p), self._cf(p.x, p), p.vectors["gamma"], saved, eps=eps,
+                             training=training, **self._opts(p))
+        return BackwardOutput(self._back(o.dx, p), o.dgamma, o.dbeta)
+
+
+def test_a_kernel_that_computes_channels_last_as_channels_first_is_reproduced_there_as_such() -> None:
+    res = identify(AsChannelsFirst(get_policy(PADDLE)), "fp32", params="fp32")
+    assert res.reproduced, (res.spec, res.departs)
+    lay = res.layouts["channels_last"]
+    # (the guard: bnprobe's own channels-last run of the recipe sums otherwise, so it misses there)
+    assert lay.off and lay.same and lay.as_searched and lay.reproduced
+    assert any("computes this one as channels_first" in n for n in res.notes)

@@ -180,16 +180,23 @@ class LayoutResult:
     off: list[str]
     own: Identified | None = None
     same: bool = False  # the kernel returned the same outputs in both layouts on those inputs: not searched
+    # (same) the search's recipe reproduces them bit for bit on the inputs in the searched layout: the kernel computes
+    # this layout as that one (its adapter hands the framework the searched layout), which bnprobe's own run of the
+    # recipe in this layout does not
+    as_searched: bool = False
 
     @property
     def reproduced(self) -> bool:
-        """Every output bit for bit in this layout: by the search's recipe, or by the layout's own."""
-        return not self.off or (self.own is not None and self.own.reproduced)
+        """Every output bit for bit in this layout: by the search's recipe (in this layout, or in the searched one
+        where the kernel computes both alike), or by the layout's own."""
+        return not self.off or self.as_searched or (self.own is not None and self.own.reproduced)
 
     def summary(self) -> str:
         """The layout's result in one line."""
         if not self.off:
             return "reproduced by the same recipe"
+        if self.same and self.as_searched:
+            return "computed as the other layout: reproduced by the same recipe on the inputs in that layout"
         if self.same:
             return f"computed as the other layout; the recipe misses {', '.join(self.off)} on its fresh inputs"
         if self.own is None:
@@ -203,6 +210,7 @@ class LayoutResult:
     def to_dict(self) -> dict[str, Any]:
         own = self.own
         return {"not_reproduced": self.off, "reproduced": self.reproduced, "same_as_searched": self.same,
+                "reproduced_as_searched": self.as_searched,
                 "policy": None if own is None or not (own.reproduced or own.close) else own.spec,
                 "departs": None if own is None else own.departs,
                 "departure": None if own is None or own.departs is None else own.departure(),

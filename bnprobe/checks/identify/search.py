@@ -571,8 +571,10 @@ def _other_layouts(kernel: KernelAdapter, res: Identified, confirmed: list[Obser
     ``designed_in`` it, from that recipe — said in ``res``'s layouts and notes."""
     for lay, other in res.layouts.items():
         fresh_here = [o for o in confirmed if o.rec.layout == lay]
-        if other.off and _layout_blind(observe_all, fresh_here, "channels_first"):
-            other.same = True  # (the recipe misses these inputs, whatever their layout: no search of the layout)
+        moved = _layout_blind(observe_all, fresh_here, "channels_first") if other.off else None
+        if moved is not None:
+            other.same = True  # (the kernel computes the layout as the searched one: no search of the layout)
+            other.as_searched = _reproduces(res, moved)
         elif other.off and not res.nondeterministic:  # (computed another way: searched there on its own)
             other.own = _identify_observed(kernel, observe_all(designed_in(lay)), fresh_here, res.dtype, res.params,
                                            passes=passes, progress=progress, start=res.policy)
@@ -581,18 +583,28 @@ def _other_layouts(kernel: KernelAdapter, res: Identified, confirmed: list[Obser
         res.notes.append(_layout_note(res, other))
 
 
-def _layout_blind(observe_all: Callable[[list[Case]], list[Observed]], there: list[Observed], layout: str) -> bool:
-    """Whether the kernel returns the same outputs, bit for bit, on the inputs ``there`` moved to ``layout`` (a
-    kernel whose layouts compute alike: a recipe that misses those inputs misses them in either)."""
+def _layout_blind(observe_all: Callable[[list[Case]], list[Observed]], there: list[Observed],
+                  layout: str) -> list[Observed] | None:
+    """The kernel on the inputs ``there`` moved to ``layout`` when it returns the same outputs there, bit for bit (a
+    kernel whose layouts compute alike), else None."""
     if not there:
-        return False
-    moved = [Case(o.probe.name, call=_moved(o.probe.call, layout), purpose=o.probe.purpose) for o in there]
-    for o, m in zip(there, observe_all(moved)):
+        return None
+    moved = observe_all([Case(o.probe.name, call=_moved(o.probe.call, layout), purpose=o.probe.purpose)
+                         for o in there])
+    for o, m in zip(there, moved):
         for k, v in o.got.items():
             w = m.got.get(k)
             if w is None or not np.array_equal(v, _moved_array(w, layout, o.rec.layout), equal_nan=True):
-                return False
-    return True
+                return None
+    return moved
+
+
+def _reproduces(res: Identified, observed: list[Observed]) -> bool:
+    """Whether ``res``'s recipe reproduces every output of ``observed`` (inputs in the searched layout) bit for bit."""
+    kind = next((o.saved.kind for o in observed if o.saved is not None), "invstd")
+    cand = [emulate(res.policy, o, ("train", "infer", "backward"), kind) for o in observed]
+    seen = tuple(dict.fromkeys(k for o in observed for k in o.got))
+    return all(s.exact for s in score_outputs(observed, cand, seen).values() if s.elements)
 
 
 def _moved(call: BNCall, layout: str) -> BNCall:
@@ -612,6 +624,11 @@ def _layout_note(res: Identified, other: LayoutResult) -> str:
     """What identify found in another layout than the one it searched, in words."""
     if not other.off:
         return f"{other.layout}: reproduced bit for bit too"
+    if other.same and other.as_searched:
+        return (f"{other.layout}: the kernel returns the same outputs in both layouts (it computes this one as "
+                "channels_first), and the recipe above reproduces them bit for bit on the inputs in channels_first; "
+                f"bnprobe's own {other.layout} run of the recipe sums in that layout's order, which this kernel does "
+                "not use")
     if other.same:
         return (f"{other.layout}: the kernel returns the same outputs in both layouts on its fresh inputs, and the "
                 f"recipe above does not reproduce {', '.join(other.off)} there — inputs the search's probes did not "
