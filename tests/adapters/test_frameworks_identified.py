@@ -54,6 +54,8 @@ def test_identify_reproduces_the_kernel_bit_for_bit(found) -> None:  # noqa: ANN
                                                 "dgamma", "dbeta"}
     for field in EXPECTED[(name, fmt)]:
         assert field in res.spec, (field, res.spec)
+    # (its adapter hands the framework NCHW: channels-last is computed, and reproduced, as channels-first)
+    assert res.layouts and all(lay.reproduced for lay in res.layouts.values()), res.notes
 
 
 def _call(shape: tuple[int, ...], fmt: str, seed: int) -> BNCall:
