@@ -30,6 +30,7 @@ from bnprobe.kernels.layout import Layout, as_channel_vector, check_eps, check_m
 from bnprobe.kernels.policy import Policy, get_policy
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.arith import Arith, Tally, as_carrier, fits_float32, fma_wide
+from bnprobe.numerics.inductor import splits_channels
 from bnprobe.numerics.reduce import (Cores, Rows, plane_reduce, reduce_sum, small_batch_threads, thread_sum,
                                      vec_dot)
 from bnprobe.numerics.rounding import RoundingSpec, round_to
@@ -150,12 +151,13 @@ class _Run:
         # the compiled route's passes (tensors arrive as Sources, y / dx is written to dest), or None
         self.fused = Fused(self, dest) if setting.compiled else None
 
-    def reduce(self, x: np.ndarray, tally: Tally, times: np.ndarray | None = None, fused: bool = False) -> np.ndarray:
-        """A per-channel sum in the accumulator format, by the policy's order and core split, or split across its
-        threads: of x (a tensor read from memory), or of x * round(times) (an expression) with both roundings' events
-        counted (``fused``: x·times accumulated by fused multiply-adds, across threads)."""
+    def reduce(self, x: np.ndarray, tally: Tally, times: np.ndarray | None = None, fused: bool = False,
+               cores: Cores | None = None) -> np.ndarray:
+        """A per-channel sum in the accumulator format, by the policy's order and core split (or ``cores``), or split
+        across its threads: of x (a tensor read from memory), or of x * round(times) (an expression) with both
+        roundings' events counted (``fused``: x·times accumulated by fused multiply-adds, across threads)."""
         pol = self.policy
-        if pol.threads is not None:
+        if pol.threads is not None and pol.order != "inductor":  # (inductor's split: cores, inductor_cores)
             t = None if times is None else self.acc.round(times, tally)
             return self.acc.round(thread_sum(x, self.acc, threads=pol.threads, wide=self.wide_sums(), times=t,
                                              fused=fused, tally=tally), tally)
@@ -164,7 +166,7 @@ class _Run:
         if times is not None:
             x = self.acc.mul(x, self.acc.round(times, tally), tally)
         return reduce_sum(x, self.acc, order=pol.order, lanes=pol.lanes, kahan=pol.kahan, tally=tally,
-                          cores=self.cores, rng=self.rng, unroll=pol.unroll,
+                          cores=cores or self.cores, rng=self.rng, unroll=pol.unroll,
                           row=self.rows() if times is None else self.row)
 
     def rows(self) -> Rows | None:
@@ -176,6 +178,15 @@ class _Run:
         per-channel loop takes them; the rest go through its scalar tail)."""
         lanes, channels = self.policy.lanes, max(self.channels, self.first + self.c)
         return self.first + np.arange(self.c) < channels // lanes * lanes
+
+    def inductor_cores(self, r: int, scalar_below: int) -> Cores:
+        """The core split of the policy, or for order=inductor the threads its kernel splits a channel's reduction
+        across (:func:`~bnprobe.numerics.inductor.splits_channels`; none in a layout with rows)."""
+        pol = self.policy
+        if pol.order == "inductor" and pol.threads is not None and (self.row is None or self.row == 1) and \
+                splits_channels(self.channels or self.c, r, pol.threads, scalar_below):
+            return Cores(pol.threads, "ordered", "openmp")
+        return self.cores
 
     def tally(self) -> Tally:
         return Tally(self.c)
@@ -517,15 +528,18 @@ def _train_block(run: _Run, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.
         xs = run.load("x", x, run.storage)
         gp, bp = run.param(g), run.param(b)
         xa = run.cast("x_acc", xs, pol.storage, acc)
+        # (inductor's forward statistics: their per-channel work has ops enough to be vectorised for any count of
+        # channels, so only the ratio of the loops' ranges keeps them apart: no scalar threshold)
         method = MomentsMethod(pol.variance, pol.order, pol.lanes, pol.tiles, pol.kahan, pol.mean_by, pol.clamp_var,
-                               pol.unroll, run.cores, pol.sum_format)
+                               pol.unroll, run.inductor_cores(r, 0), pol.sum_format)
         sums = None if run.fused is None else run.fused.sums(r)
-        if pol.threads is not None:  # (split across threads; PyTorch's fp32 kernel has a branch of its own for R ≤ T)
+        if pol.threads is not None and pol.order != "inductor":
+            # (split across threads; PyTorch's fp32 kernel has a branch of its own for R ≤ T)
             wide = run.wide_sums()
             sums = ThreadSums(acc, pol.threads if wide is None else small_batch_threads(pol.threads, r, run.channels),
                               wide, pol.variance_fma)
         m = moments(xa, acc, method, rng=run.rng, row=run.rows(), overrides=run.overrides,
-                    wide_sums=run.trace.keep_arrays, sums=sums)
+                    wide_sums=run.trace.keep_arrays, sums=sums, channels=run.channels)
         for sv in m.stages:
             run.trace.record(sv.name, sv.value, sv.arith.fmt, wide=sv.wide, tally=sv.tally,
                              check_negative=sv.check_negative)
@@ -680,6 +694,8 @@ def _backward_block(run: _Run, dy: np.ndarray | Source, x: np.ndarray | Source, 
         return _backward_torch(run, dy, x, g, mu, inv, r)
     if pol.backward_formula in ("paddle", "onednn") and training:
         return _backward_framework(run, dy, x, g, mu, inv, r)
+    if pol.backward_formula == "inductor":
+        return _backward_inductor(run, dy, x, g, mu, inv, r, training)
     with np.errstate(all="ignore"):
         first = None if run.fused is None else run.fused.backward_first(dy, x, mu, inv)
         if first is not None:  # loads, centered, xhat and both sums in one compiled pass, nothing stored
@@ -815,6 +831,44 @@ def _dx_projection(run: _Run, d: np.ndarray, centered: np.ndarray, k: np.ndarray
     for name in tally.counts:
         tally.counts[name] += np.where(use, tf.counts[name], tp.counts[name])
     return np.where(use[:, None], fused, plain)
+def _backward_inductor(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray, inv: np.ndarray,
+                       r: int, training: bool) -> dict[str, np.ndarray | None]:
+    """torch.compile's backward (``backward_formula=inductor``, see :data:`~bnprobe.kernels.policy.BACKWARD_FORMULAS`):
+    Σdy and Σ(x − mean)·dy (the products rounded) in the policy's order, every other step rounded in the
+    accumulator format, 1/R the double rounded once."""
+    pol, acc = run.policy, run.acc
+    with np.errstate(all="ignore"):
+        dys, ga, mean, invstd, xc, dyc = _backward_loads(run, dy, x, g, mu, inv)
+        xa = run.cast("x_acc", xc, pol.compute, acc)
+        dya = run.cast("dy_acc", dys, pol.storage, acc)
+        centered = run.op("centered", acc, np.subtract, xa, run.col(acc, mean))
+        # (its per-channel work loads the saved statistics: a vector of 32 16-bit values, a quarter of it 8)
+        cores = run.inductor_cores(r, 8 if (pol.saved_format or pol.params_format) in ("fp16", "bf16") else 4)
+        t = run.tally()
+        sum_dy = run.rec("sum_dy", acc, run.reduce(dya, t, cores=cores), t)
+        t = run.tally()
+        dot = run.rec("sum_dy_centered", acc, run.reduce(dya, t, times=centered, cores=cores), t)
+        t = run.tally()
+        dg = run.record("dgamma_acc", acc, acc.mul(dot, invstd, t), dot * invstd, t)
+        dbeta = run.rec("dbeta", run.params, sum_dy)
+        dgamma = run.rec("dgamma", run.params, dg)
+        t = run.tally()
+        scale = run.record("scale", acc, acc.mul(invstd, ga, t), invstd * ga, t)
+        if training:
+            norm = acc.round(1.0 / r)
+            t = run.tally()
+            proj = run.record("proj_scale", acc, acc.mul(acc.mul(dot, norm, t), acc.mul(invstd, invstd, t), t),
+                              dot * invstd * invstd / r, t)
+            t = run.tally()
+            mean_dy = run.record("mean_dy", acc, acc.mul(sum_dy, norm, t), sum_dy / r, t)
+            t = run.tally()
+            d = acc.sub(dya, acc.mul(centered, run.col(acc, proj), t), t)
+            d = acc.sub(d, run.col(acc, mean_dy), t)
+        else:
+            d = dya
+        dx_c = run.op("dx_compute", acc, np.multiply, d, run.col(acc, scale))
+        dx = run.output("dx", run.out, dx_c)
+    return {"dx": dx, "dgamma": dgamma, "dbeta": dbeta}
 
 
 def _backward_framework(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray, inv: np.ndarray,

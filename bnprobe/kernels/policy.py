@@ -52,7 +52,10 @@ RECIP_METHODS: tuple[str, ...] = ("exact", "magic", "table", "frecpe")
 #            the integer factors each a rounded multiplication (Paddle's CPU kernel)
 # onednn   : dγ = Σ(x − mean)·dy·invstd; dx = (dy − (Σdy/R + (((x − mean)·dγ)·invstd)/R))·(γ·invstd), invstd =
 #            1/sqrt(var + eps) from the saved variance (oneDNN's ncsp kernel: MindSpore's CPU BatchNormGrad)
-BACKWARD_FORMULAS: tuple[str, ...] = ("standard", "ascend", "torch", "paddle", "onednn")
+# inductor : torch.compile's decomposition (torch/_decomp native_batch_norm_backward), in the accumulator format:
+#            p = Σ(x - mean)·dy, n = fl(1/R); dγ = p·invstd; dx = ((dy - (x - mean)·((p·n)·(invstd·invstd))) - Σdy·n)
+#            ·(invstd·γ) (statistics taken as constants: dx = dy·(invstd·γ))
+BACKWARD_FORMULAS: tuple[str, ...] = ("standard", "ascend", "torch", "paddle", "onednn", "inductor")
 # backward_fma: which multiply-adds of the backward's Σ(x - mean)·dy are fused: none, the vector body (lanes), the
 # tail (order=vec: the scalar tail; plane_reduce: the masked last vector of each plane) or all
 BACKWARD_FMAS: tuple[str, ...] = ("none", "body", "tail", "all")
@@ -156,7 +159,10 @@ class Policy:
     # kernels split them (taken by its NCHW kernels too when H·W = 1: BatchNorm1d on (N, C)): T' = min(T, R) threads
     # take ⌈R/T'⌉ contiguous rows each, add them in order into a buffer in accumulate, and the T buffers are added in
     # thread order in sum_format (None: accumulate); with a wider sum_format (its fp32 kernel) and R ≤ T, one row per
-    # thread when 16 < C ≤ 2048, else one thread.  The result depends on T, torch.get_num_threads().  None: no split
+    # thread when 16 < C ≤ 2048, else one thread.  The result depends on T, torch.get_num_threads().  None: no split.
+    # With order=inductor: the threads torch.compile's kernels were generated for, where inductor splits a channel's
+    # reduction across them (a layout without rows and few channels: bnprobe.numerics.inductor.splits_channels), each
+    # thread a contiguous part of the rows (OpenMP's static schedule), the parts merged in thread order
     threads: int | None = None
     # the threads' Σ(x − mean)² (and naive Σx²) accumulated by fused multiply-adds, s = fma(d, d, s) (GCC contracts
     # PyTorch's `y + (x − mean)·(x − mean)`); needs threads
@@ -216,7 +222,9 @@ class Policy:
         if self.threads is not None:
             if not 1 <= self.threads <= 4096:
                 raise BNProbeError(f"policy threads must be 1 to 4096 (or none), got {self.threads}")
-            if self.order != "sequential" or self.kahan or self.core_parts != 1 or \
+            if self.order == "inductor":
+                pass  # (inductor's own split: see the field's note)
+            elif self.order != "sequential" or self.kahan or self.core_parts != 1 or \
                     self.variance not in ("two_pass", "naive") or self.mean_by == "prescaled" or \
                     self.backward_sums != "forward":
                 raise BNProbeError("policy threads splits plain sequential sums of the naive or two-pass variance: "
@@ -231,6 +239,9 @@ class Policy:
                 not (self.threads and self.backward_fma == "all"):
             raise BNProbeError("policy backward_fma fuses the lanes of order=vec or of backward_sums=plane_reduce (or, "
                                "=all, the threads' sums): give order=vec, backward_sums=plane_reduce or threads")
+        if self.variance == "inductor" and self.order != "inductor":
+            raise BNProbeError("policy variance=inductor is torch.compile's var_mean, whose sums are order=inductor: "
+                               "give order=inductor")
         if self.kahan and self.order == "pairwise":
             raise BNProbeError("policy kahan=True needs order=sequential or order=lanes")
 

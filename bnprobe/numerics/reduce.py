@@ -15,8 +15,8 @@ import numpy as np
 from bnprobe.core.errors import BNProbeError
 from bnprobe.numerics.arith import Arith, Tally, as_carrier, fma_wide
 
-__all__ = ["ORDERS", "COMBINES", "Cores", "Rows", "reduce_sum", "tree_sum", "split_parts", "vec_dot", "plane_reduce",
-           "thread_blocks", "thread_sum", "small_batch_threads"]
+__all__ = ["ORDERS", "COMBINES", "SCHEDULES", "Cores", "Rows", "reduce_sum", "tree_sum", "split_parts", "vec_dot",
+           "plane_reduce", "thread_blocks", "thread_sum", "small_batch_threads", "INDUCTOR_UNROLL_BELOW"]
 
 # vec: at::vec-style (PyTorch CPU): per row of H*W values (channels_first; channels_last and the parts of a core split
 # or of Chan's tiles take their whole axis as one row), full blocks of lanes x unroll values
@@ -38,19 +38,32 @@ __all__ = ["ORDERS", "COMBINES", "Cores", "Rows", "reduce_sum", "tree_sum", "spl
 # row's remaining values to lane 0; then s (zero before the first row, carried across rows) adds lane 0, 1, ... in
 # order.  lanes=1 (a loop GCC did not vectorise) sums each row from zero in order and adds it to s.  (MindSpore's oneDNN
 # runs on a threadpool, which splits BatchNorm over channels only, so the thread count changes no sum: FPRev on C = 1.)
-ORDERS: tuple[str, ...] = ("sequential", "pairwise", "lanes", "vec", "rowlanes", "eigen", "omp_simd")
+# inductor: torch.compile's CPU sums as TorchInductor generates them (torch/_inductor/codegen/cpp.py): a count below
+# INDUCTOR_UNROLL_BELOW is unrolled into one scalar sum in memory order (ir.py, unroll_reductions_threshold); a layout
+# without rows (channels_last: a vector holds channels) sums each channel in memory order; otherwise rowlanes with
+# lanes x unroll positions (16-bit input: at::vec::VectorizedN<float, 2>, two vectors of lanes, folded v0 + v1 first)
+ORDERS: tuple[str, ...] = ("sequential", "pairwise", "lanes", "vec", "rowlanes", "eigen", "omp_simd", "inductor")
+#: inductor's config.unroll_reductions_threshold: reductions of fewer values become one unrolled scalar expression
+INDUCTOR_UNROLL_BELOW = 8
 # How per-core partial sums are combined: in core order, or by FP32 atomic adds whose
 # arrival order is random (seeded), as on Ascend A2/A3/910 when N or H is split across cores.
 COMBINES: tuple[str, ...] = ("ordered", "atomic")
 
 
+# How the reduced axis is cut into the cores' parts: nearly equal parts with rounded bounds, or OpenMP's static
+# schedule (libgomp: ⌊R/T⌋ values each, the first R mod T parts one more), as a compiled kernel's threads take it
+SCHEDULES: tuple[str, ...] = ("even", "openmp")
+
+
 @dataclass(frozen=True)
 class Cores:
-    """The simulated cores a sum is split across: ``parts`` contiguous parts of the reduced axis (1: no split), their
-    partial sums combined as ``combine`` says (:data:`COMBINES`; atomic draws its order from the caller's generator)."""
+    """The simulated cores a sum is split across: ``parts`` contiguous parts of the reduced axis (1: no split) cut
+    as ``schedule`` says (:data:`SCHEDULES`), their partial sums combined as ``combine`` says (:data:`COMBINES`;
+    atomic draws its order from the caller's generator)."""
 
     parts: int = 1
     combine: str = "ordered"
+    schedule: str = "even"
 
 @dataclass(frozen=True)
 class Rows:
@@ -435,10 +448,17 @@ def thread_sum(x: np.ndarray, acc: Arith, *, threads: int, wide: Arith | None = 
     return total
 
 
-def split_parts(r: int, parts: int) -> list[slice]:
-    """Contiguous, nearly equal parts of a length-r axis (at most r of them), as cores take N*H*W."""
+def split_parts(r: int, parts: int, schedule: str = "even") -> list[slice]:
+    """Contiguous, nearly equal parts of a length-r axis (at most r of them), as cores take N*H*W, cut as
+    ``schedule`` says (:data:`SCHEDULES`)."""
     parts = max(1, min(parts, r))
-    bounds = np.linspace(0, r, parts + 1).round().astype(int)
+    if schedule == "openmp":
+        q, extra = divmod(r, parts)
+        bounds = np.array([i * q + min(i, extra) for i in range(parts + 1)])
+    elif schedule == "even":
+        bounds = np.linspace(0, r, parts + 1).round().astype(int)
+    else:
+        raise BNProbeError(f"unknown schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
     return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
@@ -492,7 +512,7 @@ def _combine_parts(x: np.ndarray, acc: Arith, *, order: str, lanes: int, kahan: 
         raise BNProbeError(f"unknown combine {combine!r}; valid: {', '.join(COMBINES)}")
     partial = np.stack([_reduce_one(x[:, sl], acc, order=order, lanes=lanes, kahan=kahan, tally=tally,
                                     unroll=unroll)
-                        for sl in split_parts(x.shape[1], cores.parts)], axis=1)
+                        for sl in split_parts(x.shape[1], cores.parts, cores.schedule)], axis=1)
     if combine == "atomic":
         if rng is None:
             raise BNProbeError("atomic combine needs a seeded generator")
@@ -526,4 +546,8 @@ def _reduce_one(x: np.ndarray, acc: Arith, *, order: str, lanes: int, kahan: boo
         if kahan:
             raise BNProbeError(f"kahan compensation applies to the sequential and lanes orders, not {order}")
         return _eigen(x, acc, tally, lanes, row, place) if order == "eigen" else _omp_simd(x, acc, tally, lanes, row)
+    if order == "inductor":
+        if x.shape[1] < INDUCTOR_UNROLL_BELOW or row is None:
+            return _sequential(x, acc, tally, kahan)
+        return _rowlanes(x, acc, tally, lanes * unroll, row, kahan)
     raise BNProbeError(f"unknown reduction order {order!r}; valid: {', '.join(ORDERS)}")

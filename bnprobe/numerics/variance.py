@@ -13,13 +13,19 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bnprobe.core.errors import BNProbeError
+from bnprobe.numerics import inductor
 from bnprobe.numerics.arith import Arith, Tally
 from bnprobe.numerics.reduce import Cores, Rows, reduce_sum, thread_sum
 
 __all__ = ["VARIANCES", "MEAN_BY", "StageValue", "Moments", "MomentsMethod", "Sums", "ThreadSums", "moments",
-           "prescale_exponent"]
+           "prescale_exponent", "INDUCTOR_TWO_PASS_MAX"]
 
-VARIANCES: tuple[str, ...] = ("naive", "two_pass", "welford", "welford_ascend", "chan")
+# inductor: torch.compile's CPU var_mean (torch/_inductor/lowering.py, use_two_step_variance): two_pass when the count
+# is at most INDUCTOR_TWO_PASS_MAX and there is more than one channel, else inductor's chunked Welford
+# (bnprobe.numerics.inductor)
+VARIANCES: tuple[str, ...] = ("naive", "two_pass", "welford", "welford_ascend", "chan", "inductor")
+#: inductor's config.cpp.use_two_step_variance_threshold
+INDUCTOR_TWO_PASS_MAX = 1024
 # divide: s / R, one rounding.  reciprocal: s * fl(1/R) (Ascend TBE).  prescaled: the addends are
 # scaled by 2^-k (2^k the next power of two >= R, exact) before summing, then the sum is
 # multiplied by fl(2^k / R) (Ascend BatchNormV3), which keeps large sums from overflowing.
@@ -276,6 +282,19 @@ def _welford(x: np.ndarray, acc: Arith, stage: _Stages, algorithm: str, lanes: i
     return _merged(x, acc, stage, _tree((counts, mean, m2), _chan_merge(acc, t)), t, mean_by)
 
 
+def _welford_inductor(x: np.ndarray, acc: Arith, stage: _Stages, method: MomentsMethod,
+                      row: int | Rows | None) -> _Result:
+    """inductor's chunked Welford (:func:`bnprobe.numerics.inductor.welford`; its threads the method's cores, when
+    they take OpenMP's schedule), the variance M2 / count."""
+    c, r = x.shape
+    t = Tally(c)
+    row = row.length if isinstance(row, Rows) else row
+    threads = method.cores.parts if method.cores.schedule == "openmp" else 1
+    mean, m2 = inductor.welford(x, acc, lanes=method.lanes, unroll=method.unroll, row=row, threads=threads, tally=t)
+    mean_by = method.mean_by
+    return _merged(x, acc, stage, (np.full(c, float(r)), mean, m2), t, mean_by)
+
+
 def _chan(x: np.ndarray, acc: Arith, stage: _Stages, tiles: int, red: dict, mean_by: str) -> _Result:
     """``tiles`` contiguous tiles, as on simulated cores, each two-pass, merged by Chan's formula."""
     c, r = x.shape
@@ -317,6 +336,7 @@ def moments(
     overrides: dict[str, np.ndarray] | None = None,
     wide_sums: bool = True,
     sums: Sums | None = None,
+    channels: int | None = None,
 ) -> Moments:
     """Mean and biased variance of each row of a ``(C, R)`` array of ``acc``-format values, by ``method``.
 
@@ -332,6 +352,8 @@ def moments(
     two-pass sums instead of :class:`Sums` (the compiled route's, bnprobe.kernels.fused; the same values).
     ``row`` may be a :class:`~bnprobe.numerics.reduce.Rows` saying where x's rows sit in memory (the ``eigen``
     order's aligned packets).
+    ``inductor`` is torch.compile's choice between two_pass and its own Welford (:data:`VARIANCES`), which reads the
+    call's ``channels`` (default: the rows of x).
     """
     algorithm, mean_by = method.algorithm, method.mean_by
     r = x.shape[1]
@@ -349,6 +371,10 @@ def moments(
         if algorithm == "naive":
             mean, var, wide, t = _naive(x, acc, stage, sums or Sums(acc, pre, red, wide), mean_by)
         elif algorithm == "two_pass":
+            mean, var, wide, t = _two_pass(x, acc, stage, sums or Sums(acc, pre, red, wide), mean_by)
+        elif algorithm == "inductor" and (r > INDUCTOR_TWO_PASS_MAX or (channels or x.shape[0]) == 1):
+            mean, var, wide, t = _welford_inductor(x, acc, stage, method, row)
+        elif algorithm == "inductor":
             mean, var, wide, t = _two_pass(x, acc, stage, sums or Sums(acc, pre, red, wide), mean_by)
         elif algorithm in ("welford", "welford_ascend"):
             mean, var, wide, t = _welford(x, acc, stage, algorithm, method.lanes, mean_by)

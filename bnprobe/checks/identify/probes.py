@@ -114,6 +114,11 @@ def probes(dtype: str, params: str = "fp32", *, seed: int = 0, eps: float = EPS,
     huge = fmt.max * 0.25 * np.where(rng.random((2, 3, 4, 4)) < 0.5, -1.0, 1.0)
     add("huge", huge, "values near the format's maximum: the sum of squares overflows (IEEE inf or saturation)",
         modes_only=True)
+    # (after the others: they keep their random streams)
+    means, stds = np.array([100.0, -30.0, 0.5]), np.array([1.0, 3.0, 0.01])
+    x = means[None, :, None, None] + stds[None, :, None, None] * rng.standard_normal((2, 3, 25, 23))
+    add("over-1024", x, "R = 1150, above 1024 (torch.compile's switch from a two-pass variance to Welford's), rows "
+        "of 575 values with a tail in every vector width")
     if layout == "channels_last":  # (channels-first, a kernel may run (N, C, 1, 1) as channels-last: PyTorch does)
         x = rng.standard_normal((2, 63, 1, 1)) * 3.0 + rng.normal(0.0, 20.0, 63)[None, :, None, None]
         add("batch-of-two", x, "R = 2: dx cancels to its last bits, which show how each channel's is formed (C = 63: "

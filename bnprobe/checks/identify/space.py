@@ -124,6 +124,11 @@ def _mean_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
                   *({"order": "omp_simd", "lanes": n} for n in (1, 4, 8))):
             yield {"accumulate": "fp32", "variance": sum_based, "kahan": False, "unroll": 1, "sum_format": None,
                    **o, "mean_by": "divide", "backward_fma": "none"}
+        # torch.compile's CPU reductions: AVX2 or AVX-512 vectors, one of them (fp32) or two (16-bit input widened),
+        # with its two-pass variance throughout or its switch to Welford above 1024 values
+        for lanes, unroll, v in itertools.product((16, 8), (1, 2), ("inductor", "two_pass")):
+            yield {"accumulate": "fp32", "variance": v, "kahan": False, "unroll": unroll, "sum_format": None,
+                   "order": "inductor", "lanes": lanes, "mean_by": "divide", "backward_fma": "none"}
     for acc in _accumulators(fmt):
         for v, lanes, by in itertools.product(("welford", "welford_ascend"), (1, 8, 16, 64), ("divide", "reciprocal")):
             yield {"accumulate": acc, "variance": v, "lanes": lanes, "mean_by": by, "order": "pairwise",
@@ -199,7 +204,7 @@ def infer_only_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
 
 def _backward_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
     # (the sums' order and format are the forward's: the forward's outputs pinned them)
-    for f in ("standard", "ascend", "torch", "paddle", "onednn"):
+    for f in ("standard", "ascend", "torch", "paddle", "onednn", "inductor"):
         for fused in (("none", "body", "all") if cur.order == "vec" else ("none",)):
             yield {"backward_formula": f, "backward_fma": fused, "backward_sums": "forward", "backward_lanes": None}
     if cur.order == "omp_simd" and cur.lanes != 1:  # (a backward loop the compiler did not vectorise: oneDNN's)
