@@ -16,7 +16,8 @@ from bnprobe.core.errors import BNProbeError
 from bnprobe.numerics.arith import Arith, Tally, as_carrier, fma_wide
 
 __all__ = ["ORDERS", "COMBINES", "SCHEDULES", "Cores", "Rows", "reduce_sum", "tree_sum", "split_parts", "vec_dot",
-           "plane_reduce", "thread_blocks", "thread_sum", "small_batch_threads", "INDUCTOR_UNROLL_BELOW"]
+           "plane_reduce", "thread_blocks", "thread_sum", "small_batch_threads", "INDUCTOR_UNROLL_BELOW",
+           "INDUCTOR_CASCADE_ABOVE"]
 
 # vec: at::vec-style (PyTorch CPU): per row of H*W values (channels_first; channels_last and the parts of a core split
 # or of Chan's tiles take their whole axis as one row), full blocks of lanes x unroll values
@@ -40,11 +41,17 @@ __all__ = ["ORDERS", "COMBINES", "SCHEDULES", "Cores", "Rows", "reduce_sum", "tr
 # runs on a threadpool, which splits BatchNorm over channels only, so the thread count changes no sum: FPRev on C = 1.)
 # inductor: torch.compile's CPU sums as TorchInductor generates them (torch/_inductor/codegen/cpp.py): a count below
 # INDUCTOR_UNROLL_BELOW is unrolled into one scalar sum in memory order (ir.py, unroll_reductions_threshold); a layout
-# without rows (channels_last: a vector holds channels) sums each channel in memory order; otherwise rowlanes with
-# lanes x unroll positions (16-bit input: at::vec::VectorizedN<float, 2>, two vectors of lanes, folded v0 + v1 first)
+# without rows (channels_last, or rows of one value: a vector holds channels) sums each channel in memory order;
+# otherwise rowlanes with lanes x unroll positions (16-bit input: at::vec::VectorizedN<float, 2>, two vectors of
+# lanes, folded v0 + v1 first).  Above INDUCTOR_CASCADE_ABOVE values (cpp_prefix.h cascade_sum_combine) each
+# accumulator is a cascade: chunks of that many updates, a stack of partial sums merged as a binary counter carries
+# (depth ⌈log2 ⌈updates / chunk⌉⌉, the stack's levels added in order at the end), and the rows' last partial vectors
+# go to an accumulator of their own, added lane by lane to the full vectors' before the lanes are folded
 ORDERS: tuple[str, ...] = ("sequential", "pairwise", "lanes", "vec", "rowlanes", "eigen", "omp_simd", "inductor")
 #: inductor's config.unroll_reductions_threshold: reductions of fewer values become one unrolled scalar expression
 INDUCTOR_UNROLL_BELOW = 8
+#: inductor's float sums of more values than this use a CascadeSumHelper of chunks of this many updates
+INDUCTOR_CASCADE_ABOVE = 4096
 # How per-core partial sums are combined: in core order, or by FP32 atomic adds whose
 # arrival order is random (seeded), as on Ascend A2/A3/910 when N or H is split across cores.
 COMBINES: tuple[str, ...] = ("ordered", "atomic")
@@ -318,6 +325,54 @@ def _omp_simd(x: np.ndarray, acc: Arith, tally: Tally | None, lanes: int, row: i
     return total
 
 
+def _cascade(x: np.ndarray, acc: Arith, tally: Tally | None) -> np.ndarray:
+    """Sums along axis 1 by inductor's CascadeSumHelper (see :data:`ORDERS`): stack level 0 takes every update;
+    after every chunk the levels carry as a binary counter; the levels are added in order at the end."""
+    k = x.shape[1]
+    m = -(-k // INDUCTOR_CASCADE_ABOVE)
+    depth = int(m - 1).bit_length() if m > 1 else 0
+    stack = [np.zeros(x.shape[0], dtype=x.dtype) for _ in range(max(depth, 1))]
+    for n, start in enumerate(range(0, k, INDUCTOR_CASCADE_ABOVE), start=1):
+        chunk = x[:, start: start + INDUCTOR_CASCADE_ABOVE]
+        stack[0] = _sequential(np.concatenate([stack[0][:, None], chunk], axis=1), acc, tally, False).astype(x.dtype)
+        if start + chunk.shape[1] == k and chunk.shape[1] < INDUCTOR_CASCADE_ABOVE:
+            break  # (a partial last chunk carries nothing)
+        j, mask = 1, n
+        while j < depth and mask & 1 == 0:
+            stack[j] = acc.add(stack[j], stack[j - 1], tally).astype(x.dtype)
+            stack[j - 1] = np.zeros_like(stack[j - 1])
+            mask >>= 1
+            j += 1
+    total = stack[0]
+    for level in stack[1:depth]:
+        total = acc.add(total, level, tally)
+    return np.asarray(total)
+
+
+def _inductor(x: np.ndarray, acc: Arith, tally: Tally | None, width: int, row: int | None) -> np.ndarray:
+    """The ``inductor`` order (see :data:`ORDERS`) with vectors of ``width`` values."""
+    c, r = x.shape
+    if r < INDUCTOR_UNROLL_BELOW:
+        return _sequential(x, acc, tally, False)
+    if row is None or row <= 1 or r % row:
+        return _cascade(x, acc, tally) if r > INDUCTOR_CASCADE_ABOVE else _sequential(x, acc, tally, False)
+    if r <= INDUCTOR_CASCADE_ABOVE:
+        return _rowlanes(x, acc, tally, width, row, False)
+    rows, full = r // row, (row // width) * width
+    xr = x.reshape(c, rows, row)
+    # per lane: the full vectors' values in order (one cascade each), and the rows' tails (another)
+    body = xr[:, :, :full].reshape(c, rows * full // width, width).transpose(0, 2, 1).reshape(c * width, -1)
+    lanes = _per_lane(lambda t: _cascade(np.ascontiguousarray(body), acc, t), c, width, tally) if full else \
+        np.zeros((c, width), dtype=x.dtype)
+    if full < row:
+        tails = np.zeros((c, rows, width), dtype=x.dtype)
+        tails[:, :, : row - full] = xr[:, :, full:]
+        rest = _per_lane(lambda t: _cascade(np.ascontiguousarray(tails.transpose(0, 2, 1).reshape(c * width, -1)),
+                                            acc, t), c, width, tally)
+        lanes = acc.add(lanes, rest, tally)
+    return tree_sum(lanes, acc, tally)
+
+
 def _fused_sequential(a: np.ndarray, b: np.ndarray, acc: Arith, fused: bool, tally: Tally | None) -> np.ndarray:
     """Σ a·b along axis 1 in order: s = fma(a, b, s) (one rounding per step), or s + fl(a·b) (two)."""
     s = np.zeros(a.shape[0])
@@ -547,7 +602,5 @@ def _reduce_one(x: np.ndarray, acc: Arith, *, order: str, lanes: int, kahan: boo
             raise BNProbeError(f"kahan compensation applies to the sequential and lanes orders, not {order}")
         return _eigen(x, acc, tally, lanes, row, place) if order == "eigen" else _omp_simd(x, acc, tally, lanes, row)
     if order == "inductor":
-        if x.shape[1] < INDUCTOR_UNROLL_BELOW or row is None:
-            return _sequential(x, acc, tally, kahan)
-        return _rowlanes(x, acc, tally, lanes * unroll, row, kahan)
+        return _inductor(x, acc, tally, lanes * unroll, row)
     raise BNProbeError(f"unknown reduction order {order!r}; valid: {', '.join(ORDERS)}")
