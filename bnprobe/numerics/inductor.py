@@ -4,7 +4,8 @@ above its two-pass threshold (``torch/csrc/inductor/cpp_prefix.h``: ``Welford``,
 C++ code generator writes for a per-channel ``var_mean``).
 
 Per channel, in the channels-first layout, each row of H·W values is cut into vectors of ``lanes × unroll`` values
-(``unroll`` = 2: ``at::vec::VectorizedN<float, 2>``, 16-bit input widened to two float vectors): a full vector
+(``unroll`` = 2: ``at::vec::VectorizedN<float, 2>``, 16-bit input widened to two float vectors, in rows of at
+least that many values; one vector in shorter rows): a full vector
 updates one accumulator lane by lane, the row's last partial vector updates a second, masked accumulator in its
 first lanes only; both persist across rows.  An update is ``δ = x − mean; mean += δ · r[k]; M2 += δ · (x − mean)``
 with ``r[k] = fl(1/(k+1))`` from a table of :data:`CHUNK` reciprocals; after every :data:`CHUNK` updates an
@@ -216,6 +217,8 @@ def welford(x: np.ndarray, acc: Arith, *, lanes: int, unroll: int = 1, row: int 
     if row is None or row <= 1 or r % row:
         s = _per_channel(x, acc, tally, threads)
         return s.mean[:, 0].astype(np.float64), s.m2[:, 0].astype(np.float64)
+    if row < lanes * unroll:  # (short rows of 16-bit input: one vector, inductor's tiling_factor // 2)
+        unroll = 1
     width = lanes * unroll
     rows = r // row
     full = (row // width) * width

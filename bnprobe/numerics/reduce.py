@@ -43,7 +43,7 @@ __all__ = ["ORDERS", "COMBINES", "SCHEDULES", "Cores", "Rows", "reduce_sum", "tr
 # INDUCTOR_UNROLL_BELOW is unrolled into one scalar sum in memory order (ir.py, unroll_reductions_threshold); a layout
 # without rows (channels_last, or rows of one value: a vector holds channels) sums each channel in memory order;
 # otherwise rowlanes with lanes x unroll positions (16-bit input: at::vec::VectorizedN<float, 2>, two vectors of
-# lanes, folded v0 + v1 first).  Above INDUCTOR_CASCADE_ABOVE values (cpp_prefix.h cascade_sum_combine) each
+# lanes, folded v0 + v1 first; rows shorter than that take one vector).  Above INDUCTOR_CASCADE_ABOVE values (cpp_prefix.h cascade_sum_combine) each
 # accumulator is a cascade: chunks of that many updates, a stack of partial sums merged as a binary counter carries
 # (depth ⌈log2 ⌈updates / chunk⌉⌉, the stack's levels added in order at the end), and the rows' last partial vectors
 # go to an accumulator of their own, added lane by lane to the full vectors' before the lanes are folded
@@ -602,5 +602,6 @@ def _reduce_one(x: np.ndarray, acc: Arith, *, order: str, lanes: int, kahan: boo
             raise BNProbeError(f"kahan compensation applies to the sequential and lanes orders, not {order}")
         return _eigen(x, acc, tally, lanes, row, place) if order == "eigen" else _omp_simd(x, acc, tally, lanes, row)
     if order == "inductor":
-        return _inductor(x, acc, tally, lanes * unroll, row)
+        # (rows shorter than lanes x unroll: one vector, inductor's tiling_factor // 2 for short 16-bit rows)
+        return _inductor(x, acc, tally, lanes * (unroll if row is None or row >= lanes * unroll else 1), row)
     raise BNProbeError(f"unknown reduction order {order!r}; valid: {', '.join(ORDERS)}")

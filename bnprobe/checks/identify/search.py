@@ -141,7 +141,7 @@ class _Search:
     def emulated(self, policy: Policy, stage: str, i: int, obs: Observed) -> dict[str, np.ndarray]:
         """The candidate's outputs on one probe (cached per policy, modes and probe)."""
         modes = MODES_OF[stage]
-        key = (repr(sorted(policy.to_dict().items())), modes, obs.probe.name, i)
+        key = (policy, modes, obs.probe.name, i)  # (a frozen Policy hashes by its fields)
         if key not in self.cache:
             self.runs += 1
             try:
@@ -217,6 +217,12 @@ class _Search:
             # only through y is searched with y's formula instead)
             earlier = ("mean",) if stage == "variance" else ("mean", "variance")
             alts = [{}] + [t for st in earlier for t in self.ties.get(st, [])[:TIES_TRIED]]
+            space = [{**alt, **c} for alt in alts for c in space]
+        if stage == "running" and self.narrow_stats:
+            # (the running statistics read the batch statistics unrounded: the mean stage's ties, which statistics
+            # saved in a 16-bit format could not tell apart, are told apart here — inductor's Welford above 1024
+            # values from a two-pass variance, in bf16)
+            alts = [{}] + self.ties.get("mean", [])[:TIES_TRIED]
             space = [{**alt, **c} for alt in alts for c in space]
         if stage in ("infer", "backward"):
             # the earlier stages' ties reproduced the training forward (y in fp16 hides the compute format, an FMA, a
@@ -417,7 +423,7 @@ def _identify_observed(kernel: KernelAdapter, observed: list[Observed], fresh: l
     notes = _notes(nondet, stages, seen)
     compiling = getattr(kernel, "compile_seconds", None)  # a compiling adapter's own account (torch-compile)
     if compiling:
-        notes.append(f"of identify's {time.perf_counter() - t0:.1f} s, {compiling:.1f} s were the kernel's compiler "
+        notes.append(f"besides identify's {time.perf_counter() - t0:.1f} s, the kernel's compiler took {compiling:.1f} s "
                      f"({getattr(kernel, 'compiles', '?')} compiles: one per probe shape and format)")
     if progress is not None:
         progress(total_guess, total_guess)

@@ -125,10 +125,12 @@ def _mean_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
             yield {"accumulate": "fp32", "variance": sum_based, "kahan": False, "unroll": 1, "sum_format": None,
                    **o, "mean_by": "divide", "backward_fma": "none"}
         # torch.compile's CPU reductions: AVX2 or AVX-512 vectors, one of them (fp32) or two (16-bit input widened),
-        # with its two-pass variance throughout or its switch to Welford above 1024 values
-        for lanes, unroll, v in itertools.product((16, 8), (1, 2), ("inductor", "two_pass")):
+        # with its two-pass variance throughout or its switch to Welford above 1024 values, and the threads it
+        # splits a channel across where a vector holds channels (the n-by-c probe tells 1 to 5 apart)
+        for lanes, unroll, v, threads in itertools.product((16, 8), (1, 2), ("inductor", "two_pass"), (1, 2, 4)):
             yield {"accumulate": "fp32", "variance": v, "kahan": False, "unroll": unroll, "sum_format": None,
-                   "order": "inductor", "lanes": lanes, "mean_by": "divide", "backward_fma": "none"}
+                   "order": "inductor", "lanes": lanes, "mean_by": "divide", "backward_fma": "none",
+                   "threads": threads}
     for acc in _accumulators(fmt):
         for v, lanes, by in itertools.product(("welford", "welford_ascend"), (1, 8, 16, 64), ("divide", "reciprocal")):
             yield {"accumulate": acc, "variance": v, "lanes": lanes, "mean_by": by, "order": "pairwise",
