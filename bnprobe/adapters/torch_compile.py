@@ -17,12 +17,13 @@ is kept apart (:attr:`TorchCompileAdapter.compile_seconds`) from the time runnin
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Callable
 from typing import Any
 
-from bnprobe.adapters.base import Prepared
+from bnprobe.adapters.base import Capabilities, Prepared
 from bnprobe.adapters.frameworks import parse_options
 from bnprobe.adapters.torch_adapter import TorchAdapter
 from bnprobe.core.errors import BNProbeError
@@ -49,6 +50,16 @@ class TorchCompileAdapter(TorchAdapter):
         self.compile_seconds = 0.0  # wall time of the calls that compiled
         self.compiles = 0
         self._compiled: dict[str, Callable[..., Any]] = {}
+
+    def capabilities(self) -> Capabilities:
+        """torch's, with the threads inductor generates its kernels for (``config.cpp.threads``, else torch's own
+        thread count): where a vector holds channels and they are few, its kernels split each channel across them."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # (inductor's imports: see _op)
+            from torch._inductor.utils import parallel_num_threads
+
+            threads = parallel_num_threads()
+        return dataclasses.replace(super().capabilities(), threads=threads)
 
     def _stats_format(self, p: Prepared) -> str:
         """Inductor's decomposition returns the saved mean and invstd in the input's dtype on the CPU, whatever the

@@ -30,7 +30,7 @@ from bnprobe.kernels.layout import Layout, as_channel_vector, check_eps, check_m
 from bnprobe.kernels.policy import Policy, get_policy
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.arith import Arith, Tally, as_carrier, fits_float32, fma_wide
-from bnprobe.numerics.inductor import splits_channels
+from bnprobe.numerics.inductor import splits_channels, splits_rows
 from bnprobe.numerics.reduce import (Cores, Rows, plane_reduce, reduce_sum, small_batch_threads, thread_sum,
                                      vec_dot)
 from bnprobe.numerics.rounding import RoundingSpec, round_to
@@ -183,9 +183,16 @@ class _Run:
         """The core split of the policy, or for order=inductor the threads its kernel splits a channel's reduction
         across (:func:`~bnprobe.numerics.inductor.splits_channels`; none in a layout with rows)."""
         pol = self.policy
-        if pol.order == "inductor" and pol.threads is not None and (self.row is None or self.row == 1) and \
-                splits_channels(self.channels or self.c, r, pol.threads, scalar_below):
+        if pol.order != "inductor" or pol.threads is None:
+            return self.cores
+        channels = self.channels or self.c
+        if (self.row is None or self.row == 1) and splits_channels(channels, r, pol.threads, scalar_below):
             return Cores(pol.threads, "ordered", "openmp")
+        width = pol.lanes * (pol.unroll if self.row is not None and self.row >= pol.lanes * pol.unroll else 1)
+        if self.row is not None and self.row > 1 and splits_rows(channels, r, self.row, width, pol.threads):
+            raise BNProbeError(f"order=inductor with threads={pol.threads}: torch.compile splits each channel's rows "
+                               f"across its threads at {channels} channel(s) of {r} values in rows of {self.row}, "
+                               "which bnprobe does not emulate (without threads: the one-thread kernel)")
         return self.cores
 
     def tally(self) -> Tally:

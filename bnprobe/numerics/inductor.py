@@ -26,7 +26,7 @@ import numpy as np
 from bnprobe.numerics.arith import Arith, Tally
 from bnprobe.numerics.reduce import split_parts
 
-__all__ = ["CHUNK", "welford", "splits_channels"]
+__all__ = ["CHUNK", "welford", "splits_channels", "splits_rows"]
 
 #: WelfordHelper<T, 4096>: updates per chunk, and the length of the reciprocal table
 CHUNK = 4096
@@ -187,6 +187,17 @@ def _reduce_lanes(s: _State, acc: Arith, t: Tally | None, lanes: int, unroll: in
         n *= 2
     weight = s.weight[:, :1]
     return _State(s.mean[:, :1], s.m2[:, :1], weight, int(weight[0, 0]) if c else 0)
+
+
+def splits_rows(channels: int, count: int, row: int, width: int, threads: int) -> bool:
+    """Whether inductor splits each channel's reduction across ``threads`` threads in the channels-first layout (rows
+    of ``row`` values, vectors of ``width``): where its first reduction loop — over the batch, or over a single row's
+    vectors — has more than 300 times as many steps as there are channels, and every thread 512 values at least (a
+    batch of one with few channels and large images; a batch 300 times the channels).  Not emulated: the caller
+    refuses it."""
+    rows = count // row
+    steps = rows if rows > 1 else row // width
+    return threads > 1 and channels * OUTER_RATIO < steps and channels * count // threads >= MIN_CHUNK
 
 
 def _per_channel(x: np.ndarray, acc: Arith, tally: Tally | None, threads: int) -> _State:

@@ -43,10 +43,11 @@ __all__ = ["ORDERS", "COMBINES", "SCHEDULES", "Cores", "Rows", "reduce_sum", "tr
 # INDUCTOR_UNROLL_BELOW is unrolled into one scalar sum in memory order (ir.py, unroll_reductions_threshold); a layout
 # without rows (channels_last, or rows of one value: a vector holds channels) sums each channel in memory order;
 # otherwise rowlanes with lanes x unroll positions (16-bit input: at::vec::VectorizedN<float, 2>, two vectors of
-# lanes, folded v0 + v1 first; rows shorter than that take one vector).  Above INDUCTOR_CASCADE_ABOVE values (cpp_prefix.h cascade_sum_combine) each
-# accumulator is a cascade: chunks of that many updates, a stack of partial sums merged as a binary counter carries
-# (depth ⌈log2 ⌈updates / chunk⌉⌉, the stack's levels added in order at the end), and the rows' last partial vectors
-# go to an accumulator of their own, added lane by lane to the full vectors' before the lanes are folded
+# lanes, folded v0 + v1 first; rows shorter than that take one vector).  Above INDUCTOR_CASCADE_ABOVE values
+# (cpp_prefix.h cascade_sum_combine) each accumulator is a cascade: chunks of that many updates, a stack of partial
+# sums merged as a binary counter carries (depth ⌈log2 ⌈updates / chunk⌉⌉, the stack's levels added in order at the
+# end), and the rows' last partial vectors go to an accumulator of their own, added lane by lane to the full vectors'
+# before the lanes are folded
 ORDERS: tuple[str, ...] = ("sequential", "pairwise", "lanes", "vec", "rowlanes", "eigen", "omp_simd", "inductor")
 #: inductor's config.unroll_reductions_threshold: reductions of fewer values become one unrolled scalar expression
 INDUCTOR_UNROLL_BELOW = 8

@@ -1,9 +1,10 @@
 """The policy fields that describe the CPU kernels users run — PyTorch eager's fp32 statistics (float terms summed
 in double, ``sum_format``; the running variance's double update, ``running_var_sum``), its fp32 backward's sums
-plane by plane (``backward_sums=plane_reduce``), inductor's vectorised reductions (``rowlanes``) and its saved
-statistics in the input's format (``saved_format``) — each against an independent oracle: a scalar float64/float32
-replay of the source's loops, written here without bnprobe, and the real kernels themselves (torch's eager kernel in
-the default suite; torch.compile's in the slow tests)."""
+plane by plane (``backward_sums=plane_reduce``), inductor's vectorised reductions (``rowlanes``; ``order=inductor``,
+``variance=inductor``, ``backward_formula=inductor``, ``threads``) and its saved statistics in the input's format
+(``saved_format``) — each against an independent oracle: a scalar float64/float32 replay of the source's loops,
+written here without bnprobe (tests/kernels/inductor_replay.py for torch.compile's generated C++), and the real
+kernels themselves (torch's eager kernel in the default suite; torch.compile's in the slow tests)."""
 
 from fractions import Fraction
 
@@ -24,7 +25,9 @@ TORCH_FP32 = ("fp32:sum_format=fp64,order=sequential,rsqrt=exact,rstd_format=fp6
 # an AVX-512 machine runs its AVX2 build — each plane's masked last vector by fused multiply-adds (GCC contracts it,
 # not the full vectors': measured), the planes added in double
 TORCH_FP32_BACKWARD = TORCH_FP32 + ",backward_formula=torch,backward_sums=plane_reduce,lanes=8,backward_fma=tail"
-INDUCTOR = "{fmt}:order=rowlanes,lanes=16,rsqrt=sqrt_div"
+# torch.compile on an AVX-512 machine (the slow tests ask torch for its threads)
+INDUCTOR = ("{fmt}:order=inductor,lanes=16,unroll={unroll},variance=inductor,rsqrt=sqrt_div,backward_formula=inductor,"
+            "threads={threads}")
 
 
 def _replay_torch_fp32_stats(x: np.ndarray, eps: float, momentum: float, rv: float):
@@ -227,6 +230,158 @@ def test_plane_reduce_backward_replays_torch_s_fp32_loops(shape):
             assert np.array_equal(np.asarray(mine, dtype=np.float64), theirs.astype(np.float64))
 
 
+# ---- torch.compile (inductor): the emulation against scalar replays of its generated C++ ----------------------
+
+def _channels(r: int, seed: int, c: int = 3) -> np.ndarray:
+    """(C, R) fp32 values over several binades, with an offset: sums and variances that depend on their order."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((c, r)) * 2.0 ** rng.integers(-6, 7, (c, r)) + rng.normal(0, 50, (c, 1))
+    return x.astype(f32).astype(np.float64)
+
+
+# (count, row or None for a vector of channels, lanes x unroll as the policy gives them, threads)
+SUM_CASES = [(6, 3, 16, 1, 1), (5 * 37, 37, 16, 1, 1), (4 * 45, 45, 16, 2, 1), (4 * 28, 28, 16, 2, 1),
+             (600, None, 16, 1, 1), (1000, None, 16, 1, 2), (9000, None, 16, 1, 1), (2 * 4700, 4700, 16, 1, 1),
+             (16 * 8400, 16 * 8400, 16, 1, 1)]
+
+
+@pytest.mark.parametrize("r,row,lanes,unroll,threads", SUM_CASES)
+def test_inductor_sums_replay_the_generated_loops(r, row, lanes, unroll, threads):
+    """order=inductor: unrolled below 8 values, rows in vectors with masked tails (two vectors for 16-bit input, one
+    in rows shorter than both), a vector of channels in order (split across threads), and cascades above 4096."""
+    from bnprobe.numerics.reduce import Cores
+    from tests.kernels import inductor_replay as rp
+
+    x = _channels(r, r + threads)
+    cores = Cores(threads, "ordered", "openmp")
+    got = reduce_sum(x, Arith("fp32"), order="inductor", lanes=lanes, unroll=unroll, row=row, cores=cores)
+    width = lanes * unroll if row is None or row >= lanes * unroll else lanes
+    assert [f32(g) for g in got] == [rp.channel_sum(x[c], row, width, threads) for c in range(3)]
+
+
+# (count, row or None, lanes, unroll, threads): tails, two vectors, short rows, one chunk pushed (depth 1), a chunk
+# stack that carries (depth 2), a vector of channels split across threads
+WELFORD_CASES = [(3 * 37, 37, 16, 1, 1), (2 * 45, 45, 16, 2, 1), (2 * 28, 28, 16, 2, 1),
+                 (16 * 4200 + 3, None, 16, 1, 1), (16 * 4200 + 5, 16 * 4200 + 5, 16, 1, 1), (1500, None, 16, 1, 2)]
+
+
+@pytest.mark.parametrize("r,row,lanes,unroll,threads", WELFORD_CASES)
+def test_inductor_welford_replays_cpp_prefix(r, row, lanes, unroll, threads):
+    """variance=inductor's Welford (bnprobe.numerics.inductor) against a scalar replay of cpp_prefix.h: the
+    reciprocal table, the masked tail accumulator, the chunk stack, the lane merges by AVX-512 shuffles."""
+    from bnprobe.numerics.inductor import welford
+    from tests.kernels import inductor_replay as rp
+
+    x = _channels(r, r)
+    mean, m2 = welford(x, Arith("fp32"), lanes=lanes, unroll=unroll, row=row, threads=threads)
+    width = lanes * unroll if row is None or row >= lanes * unroll else lanes
+    want = [rp.channel_welford(x[c], row, width, threads) for c in range(3)]
+    assert [(f32(a), f32(b)) for a, b in zip(mean, m2)] == want
+
+
+def test_inductor_welford_chunk_stack_carries():
+    """More than 2 x 4096 updates per lane (a stack of depth 2 that carries): the emulation against the replay, and
+    the replay's stack really carried (a plain running update differs)."""
+    from bnprobe.numerics.inductor import welford
+    from tests.kernels import inductor_replay as rp
+
+    x = _channels(8300, 1, c=2)
+    mean, m2 = welford(x, Arith("fp32"), lanes=16, row=None)
+    want = [rp.channel_welford(x[c], None, 16) for c in range(2)]
+    assert [(f32(a), f32(b)) for a, b in zip(mean, m2)] == want
+    assert rp.Helper(8300, 1).depth == 2
+
+
+def test_inductor_replays_tell_their_branches_apart():
+    """The replays' branches are not one sum in disguise: a cascade with separate tails, a thread split, Welford's
+    mean and the two-pass mean each differ from the plain form on these values (else the tests above could not
+    fail)."""
+    from tests.kernels import inductor_replay as rp
+
+    x = _channels(2 * 4700, 3)[0]
+    x[4688: 4700] *= 2.0 ** 14  # (large tails: where they join their lanes shows)
+    acc = [f32(0)] * 16  # the two rows' tails masked into the same lanes, no cascade
+    for i in range(2):
+        for p in range(4700):
+            acc[p % 16] = f32(acc[p % 16] + f32(x[i * 4700 + p]))
+    assert rp.channel_sum(x, 4700, 16) != rp.fold(acc)
+    y = _channels(1000, 4)[1]
+    assert rp.channel_sum(y, None, 16, threads=2) != rp.channel_sum(y, None, 16, threads=1)
+    z = _channels(3 * 37, 5)[2]
+    two_pass = f32(rp.channel_sum(z, 37, 16) / f32(z.size))
+    assert rp.channel_welford(z, 37, 16)[0] != two_pass
+
+
+@pytest.mark.parametrize("r,channels,variance", [(1024, 3, "two_pass"), (1025, 3, "welford"), (600, 1, "welford"),
+                                                 (6, 3, "two_pass")])
+def test_inductor_takes_two_pass_up_to_1024_values_and_welford_above_or_for_one_channel(r, channels, variance):
+    """variance=inductor: the two-pass mean fl(Σ / R) at most 1024 values a channel over several channels, Welford's
+    above or for a single channel (inductor's use_two_step_variance)."""
+    from tests.kernels import inductor_replay as rp
+
+    x = _channels(r, r, c=channels)
+    out = forward_train(x.T.reshape(r, channels), policy="fp32:order=inductor,lanes=16,variance=inductor")
+    for c in range(channels):
+        want = rp.channel_welford(x[c], None, 16)[0] if variance == "welford" else \
+            f32(rp.channel_sum(x[c], None, 16) / f32(r))
+        assert out.mean[c] == want
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16"])
+def test_inductor_backward_replays_the_decomposition(fmt):
+    """backward_formula=inductor against native_batch_norm_backward's decomposition replayed per element in
+    float32: p = Σ(x − mean)dy, n = fl(1/R); dγ = p·invstd; dx = ((dy − (x − mean)·((p·n)·invstd²)) − Σdy·n)·
+    (invstd·γ), rounded to the input's format."""
+    from bnprobe.kernels.batchnorm import backward
+    from bnprobe.numerics.rounding import round_to
+    from tests.kernels import inductor_replay as rp
+
+    rng = np.random.default_rng(7)
+    shape = (3, 2, 5, 9)
+    x = round_to(rng.standard_normal(shape) * 3 + 20, fmt)
+    dy = round_to(rng.standard_normal(shape) + 0.5, fmt)
+    g = round_to(rng.uniform(0.5, 1.5, 2), "fp32")
+    mean, inv = round_to(x.mean(axis=(0, 2, 3)), fmt), round_to(1 / x.std(axis=(0, 2, 3)), fmt)
+    spec = f"{fmt}:order=inductor,lanes=16,unroll={1 if fmt == 'fp32' else 2},backward_formula=inductor"
+    out = backward(dy, x, g, mean, inv, policy=spec)
+    r, width = 3 * 45, 16 if fmt == "fp32" else 32
+    norm = f32(1.0 / r)
+    for c in range(2):
+        xc, dc = x[:, c].ravel(), dy[:, c].ravel()
+        m, i, gc = f32(mean[c]), f32(inv[c]), f32(g[c])
+        cen = [f32(f32(v) - m) for v in xc]
+        p = rp.channel_sum(np.array([f32(f32(d) * e) for d, e in zip(dc, cen)]), 45, width)
+        s = rp.channel_sum(dc, 45, width)
+        proj, mdy, scale = f32(f32(p * norm) * f32(i * i)), f32(s * norm), f32(i * gc)
+        dx = [f32(f32(f32(f32(d) - f32(e * proj)) - mdy) * scale) for d, e in zip(dc, cen)]
+        assert out.dgamma[c] == f32(p * i) and out.dbeta[c] == s
+        assert np.array_equal(np.asarray(out.dx[:, c], dtype=np.float64).ravel(),
+                              round_to(np.array(dx, dtype=np.float64), fmt))
+
+
+# measured on torch 2.13 with 2 threads (whether the generated kernel holds per-thread accumulators, "_arr[tid]"):
+# (R, C, format) -> (forward split, backward split), for (N, C) and channels-last input alike
+MEASURED_SPLITS = {
+    (1000, 3, "fp32"): (True, True), (2178, 3, "fp32"): (True, True), (1000, 4, "fp32"): (False, False),
+    (2178, 4, "fp32"): (True, True), (1000, 5, "fp32"): (False, False), (2178, 5, "fp32"): (True, True),
+    (1000, 8, "fp32"): (False, False), (2178, 8, "fp32"): (False, False), (2178, 9, "fp32"): (False, False),
+    (400, 3, "fp32"): (False, True), (1100, 4, "fp32"): (False, False), (1000, 3, "fp16"): (True, True),
+    (1000, 4, "fp16"): (False, True), (2178, 4, "fp16"): (True, True), (1000, 5, "fp16"): (False, True),
+    (2178, 5, "fp16"): (True, True), (1000, 8, "fp16"): (False, False), (2178, 9, "fp16"): (False, False),
+    (702, 5, "fp16"): (False, True), (300, 20, "fp16"): (False, False)}
+
+
+@pytest.mark.parametrize("case", sorted(MEASURED_SPLITS))
+def test_inductor_thread_split_rule_matches_what_torch_compile_generated(case):
+    """splits_channels (with the scalar thresholds batchnorm.py gives it: none for the forward statistics, 4 floats
+    or 8 16-bit values for the backward) against the kernels torch.compile generated for these shapes."""
+    from bnprobe.numerics.inductor import splits_channels
+
+    r, c, fmt = case
+    got = (splits_channels(c, r, 2, 0), splits_channels(c, r, 2, 8 if fmt != "fp32" else 4))
+    assert got == MEASURED_SPLITS[case]
+
+
 torch = pytest.importorskip("torch")
 
 
@@ -247,31 +402,49 @@ def test_torch_fp32_is_reproduced_bit_for_bit(seed, momentum):
         assert np.array_equal(mine, theirs.numpy())
 
 
+# shapes (channels-first NCHW, or channels-last NHWC) that take each branch of inductor's code: rows with tails and
+# the two-pass variance; a count below 8 (unrolled); rows shorter than a 16-bit pair of vectors; Welford above 1024
+# values; backward sums above 4096 (cascade); (N, C) input and channels-last whose few channels are split across
+# threads (forward sums at R > 300·C, the backward's whenever its per-channel loop is scalar)
+COMPILED_CASES = [((3, 5, 7, 23), "channels_first"), ((2, 3, 1, 3), "channels_first"), ((5, 4, 4, 7), "channels_first"),
+                  ((2, 3, 25, 23), "channels_first"), ((1, 2, 70, 70), "channels_first"), ((1000, 3), "channels_first"),
+                  ((6, 9, 13, 5), "channels_last"), ((2, 33, 33, 3), "channels_last")]
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16"])
-def test_inductor_forward_at_small_counts_is_reproduced_bit_for_bit(fmt):
-    """torch.compile's CPU BatchNorm at per-channel counts up to 1024 (two-pass): mean, invstd and y bit for bit
-    by rowlanes (16 lanes: an AVX-512 machine's; skipped elsewhere) and, for 16-bit input, statistics saved in the
-    input's format."""
+@pytest.mark.parametrize("shape,layout", COMPILED_CASES, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple)
+                         else v)
+def test_inductor_is_reproduced_bit_for_bit(fmt, shape, layout):
+    """torch.compile's CPU BatchNorm (AVX-512; skipped elsewhere): saved statistics, y, running statistics, inference
+    y and the backward's dx, dγ, dβ bit for bit, with the threads torch runs."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
         pytest.skip(f"inductor's vector width here is not 16 lanes ({torch.backends.cpu.get_cpu_capability()})")
+    from bnprobe.adapters.emulated import EmulatedAdapter
     from bnprobe.adapters.registry import get_adapter
     from bnprobe.core.call import BNCall
     from bnprobe.numerics.rounding import round_to
 
-    a = get_adapter("torch-compile")
-    rng = np.random.default_rng(4)
-    # (16-bit input: y = fma(x, γ·rstd, β − mean·γ·rstd), as measured; fp32: ((x − mean)·rstd)·γ + β)
-    pol = INDUCTOR.format(fmt=fmt) + ("" if fmt == "fp32" else f",saved_format={fmt},y_formula=affine,fma=true")
-    for _ in range(3):
-        shape = (int(rng.integers(2, 5)), 3, int(rng.integers(3, 9)), int(rng.integers(3, 9)))
-        x = round_to(rng.standard_normal(shape) * 5 + 100, fmt)
-        g, b = round_to(rng.uniform(0.5, 1.5, 3), "fp32"), round_to(rng.uniform(-1, 1, 3), "fp32")
-        out = a.train(BNCall(x, g, b, dtype=fmt, params="fp32"))
-        r = forward_train(x, g, b, policy=pol)
-        assert np.array_equal(r.mean, out.saved.mean) and np.array_equal(r.invstd, out.saved.value)
-        assert np.array_equal(r.y, out.y)
+    rng = np.random.default_rng(sum(shape))
+    c = shape[1] if layout == "channels_first" else shape[-1]
+    x = round_to(rng.standard_normal(shape) * 2.0 + 30.0, fmt)
+    vec = [round_to(v, "fp32") for v in (rng.uniform(0.5, 1.5, c), rng.uniform(-1, 1, c), rng.uniform(-1, 1, c),
+                                         rng.uniform(0.5, 2, c))]
+    call = BNCall(x, *vec[:2], running_mean=vec[2], running_var=vec[3], dy=round_to(rng.standard_normal(shape), fmt),
+                  dtype=fmt, params="fp32", layout=layout)
+    spec = INDUCTOR.format(fmt=fmt, unroll=1 if fmt == "fp32" else 2, threads=torch.get_num_threads())
+    spec += "" if fmt == "fp32" else f",saved_format={fmt}"
+    mine, theirs = EmulatedAdapter(spec), get_adapter("torch-compile")
+    got, want = mine.train(call), theirs.train(call)
+    pairs = [(got.y, want.y), (got.saved.mean, want.saved.mean), (got.saved.value, want.saved.value),
+             (got.running_mean, want.running_mean), (got.running_var, want.running_var),
+             (mine.infer(call).y, theirs.infer(call).y)]
+    b, bt = mine.backward_of(call, want.saved), theirs.backward_of(call, want.saved)
+    pairs += [(b.dx, bt.dx), (b.dgamma, bt.dgamma), (b.dbeta, bt.dbeta)]
+    names = ("y", "saved mean", "saved invstd", "running mean", "running var", "inference y", "dx", "dγ", "dβ")
+    for name, (a, w) in zip(names, pairs):
+        assert np.array_equal(np.asarray(a, dtype=np.float64), np.asarray(w, dtype=np.float64)), name
 
 
 def _torch_fp32_backward_case(shape, seed):

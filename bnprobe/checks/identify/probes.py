@@ -32,10 +32,11 @@ def probe_vectors(rng: np.random.Generator, c: int) -> dict[str, np.ndarray]:
 
 
 def _call(x: np.ndarray, rng: np.random.Generator, fmt: str, params: str, eps: float, momentum: float | None,
-          seed: int, layout: str = "channels_first", running: tuple[np.ndarray, np.ndarray] | None = None) -> BNCall:
+          seed: int, layout: str = "channels_first", running: tuple[np.ndarray, np.ndarray] | None = None,
+          dy: np.ndarray | None = None) -> BNCall:
     c = x.shape[1] if layout == "channels_first" else x.shape[-1]
     shape_cf = x.shape if layout == "channels_first" else (x.shape[0], x.shape[-1], *x.shape[1:-1])
-    dy = dy_of_kind("shifted", shape_cf, seed)
+    dy = dy_of_kind("shifted", shape_cf, seed) if dy is None else dy
     if layout == "channels_last":
         dy = np.moveaxis(dy, 1, -1)
         x = np.ascontiguousarray(x)
@@ -59,12 +60,13 @@ def probes(dtype: str, params: str = "fp32", *, seed: int = 0, eps: float = EPS,
     out: list[Case] = []
 
     def add(name: str, x: np.ndarray, purpose: str, layout: str = layout, modes_only: bool = False,
-            running: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+            running: tuple[np.ndarray, np.ndarray] | None = None, dy: np.ndarray | None = None) -> None:
         if layout == "channels_last":
             if modes_only:
                 return
-            x = np.moveaxis(x, 1, -1)
-        out.append(Case(name, call=_call(x, rng, fmt.name, params, eps, momentum, seed + len(out), layout, running),
+            x = np.moveaxis(x, 1, -1)  # (dy stays channels-first: _call moves it)
+        out.append(Case(name, call=_call(x, rng, fmt.name, params, eps, momentum, seed + len(out), layout, running,
+                                         dy),
                         purpose=purpose, modes_only=modes_only))
 
     def near(means: np.ndarray, stds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -119,6 +121,10 @@ def probes(dtype: str, params: str = "fp32", *, seed: int = 0, eps: float = EPS,
     x = means[None, :, None, None] + stds[None, :, None, None] * rng.standard_normal((2, 3, 25, 23))
     add("over-1024", x, "R = 1150, above 1024 (torch.compile's switch from a two-pass variance to Welford's), rows "
         "of 575 values with a tail in every vector width")
+    x = rng.standard_normal((2, 4, 6, 7)) * 3.0 + 1.0
+    flat = np.broadcast_to(np.array([0.75, -1.5, 2.0, 0.375])[None, :, None, None], x.shape).copy()
+    add("flat-dy", x, "dy constant in each channel (values of every format): dy − mean(dy) cancels, so the backward's "
+        "grouping shows even in 16-bit dx; R = 84", dy=flat)
     if layout == "channels_last":  # (channels-first, a kernel may run (N, C, 1, 1) as channels-last: PyTorch does)
         x = rng.standard_normal((2, 63, 1, 1)) * 3.0 + rng.normal(0.0, 20.0, 63)[None, :, None, None]
         add("batch-of-two", x, "R = 2: dx cancels to its last bits, which show how each channel's is formed (C = 63: "

@@ -423,8 +423,8 @@ def _identify_observed(kernel: KernelAdapter, observed: list[Observed], fresh: l
     notes = _notes(nondet, stages, seen)
     compiling = getattr(kernel, "compile_seconds", None)  # a compiling adapter's own account (torch-compile)
     if compiling:
-        notes.append(f"besides identify's {time.perf_counter() - t0:.1f} s, the kernel's compiler took {compiling:.1f} s "
-                     f"({getattr(kernel, 'compiles', '?')} compiles: one per probe shape and format)")
+        notes.append(f"besides identify's {time.perf_counter() - t0:.1f} s, the kernel's compiler took "
+                     f"{compiling:.1f} s ({getattr(kernel, 'compiles', '?')} compiles: one per probe shape and format)")
     if progress is not None:
         progress(total_guess, total_guess)
     return Identified(kernel.name, fmt, params, policy, spec, outputs, undist, departs, stages,

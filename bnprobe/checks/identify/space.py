@@ -66,7 +66,8 @@ FIELD_PROBES = {
     "backward_formula": "dy with a mean per channel, a large mean in x",
     "backward_fma": "rows of H·W values with a tail (not a multiple of 2 x lanes)",
     "backward_sums": "H·W planes shorter and longer than the vector width, with a tail, over several samples",
-    "threads": "sums over rows spread across binades, R not a multiple of the thread count",
+    "threads": "sums over rows spread across binades, R not a multiple of the thread count (torch.compile: "
+               "channels-last input with few channels)",
     "variance_fma": "squared deviations whose products need more bits than the accumulator keeps",
     "dx_fma": "a channel count that is not a multiple of the vector width, dx that cancels (R = 2)",
     "backward_lanes": "FPRev pairs in dy (the backward's sums)",
@@ -125,12 +126,11 @@ def _mean_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
             yield {"accumulate": "fp32", "variance": sum_based, "kahan": False, "unroll": 1, "sum_format": None,
                    **o, "mean_by": "divide", "backward_fma": "none"}
         # torch.compile's CPU reductions: AVX2 or AVX-512 vectors, one of them (fp32) or two (16-bit input widened),
-        # with its two-pass variance throughout or its switch to Welford above 1024 values, and the threads it
-        # splits a channel across where a vector holds channels (the n-by-c probe tells 1 to 5 apart)
-        for lanes, unroll, v, threads in itertools.product((16, 8), (1, 2), ("inductor", "two_pass"), (1, 2, 4)):
+        # with its two-pass variance throughout or its switch to Welford above 1024 values (the threads it splits a
+        # channel across, where it does, are the adapter's to declare: Capabilities.threads)
+        for lanes, unroll, v in itertools.product((16, 8), (1, 2), ("inductor", "two_pass")):
             yield {"accumulate": "fp32", "variance": v, "kahan": False, "unroll": unroll, "sum_format": None,
-                   "order": "inductor", "lanes": lanes, "mean_by": "divide", "backward_fma": "none",
-                   "threads": threads}
+                   "order": "inductor", "lanes": lanes, "mean_by": "divide", "backward_fma": "none"}
     for acc in _accumulators(fmt):
         for v, lanes, by in itertools.product(("welford", "welford_ascend"), (1, 8, 16, 64), ("divide", "reciprocal")):
             yield {"accumulate": acc, "variance": v, "lanes": lanes, "mean_by": by, "order": "pairwise",
@@ -231,10 +231,14 @@ def layout_spaces(threads: int | None = None) -> dict[str, Callable[[Policy, str
     channels-last branch is another kernel, but mostly its arithmetic is the other branch's): the sums with lanes =
     channels — each channel's rows in order, on one thread or split across T threads whose partials are added in thread
     order in the sum format or the accumulator (PyTorch CPU; ``threads``, the kernel's own count, tried first) — the
-    fused multiply-adds of the threads' sums and of dx.  The stages they do not name keep the first layout's spaces."""
+    fused multiply-adds of the threads' sums and of dx; a torch.compile recipe (order=inductor) keeps its own sums,
+    with the threads it splits few channels across.  The stages they do not name keep the first layout's spaces."""
     counts = tuple(dict.fromkeys(t for t in (threads, *THREADS_TRIED) if t))
 
     def mean(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
+        if cur.order == "inductor":  # (torch.compile: its own sums, split across its threads where it splits them)
+            for t in counts:
+                yield {"threads": t}
         base = {"order": "sequential", "kahan": False, "lanes": 64, "unroll": 1, "variance_fma": False,
                 "backward_fma": "none", "backward_sums": "forward", "dx_fma": "all", "core_parts": 1,
                 "variance": cur.variance if cur.variance in ("naive", "two_pass") else "two_pass",
