@@ -32,7 +32,7 @@ def probe_vectors(rng: np.random.Generator, c: int) -> dict[str, np.ndarray]:
 
 
 def _call(x: np.ndarray, rng: np.random.Generator, fmt: str, params: str, eps: float, momentum: float | None,
-          seed: int, layout: str = "channels_first", running: tuple[np.ndarray, np.ndarray] | None = None,
+          seed: int, layout: str = "channels_first", running: tuple[np.ndarray, np.ndarray] | None = None, *,
           dy: np.ndarray | None = None) -> BNCall:
     c = x.shape[1] if layout == "channels_first" else x.shape[-1]
     shape_cf = x.shape if layout == "channels_first" else (x.shape[0], x.shape[-1], *x.shape[1:-1])
@@ -60,13 +60,13 @@ def probes(dtype: str, params: str = "fp32", *, seed: int = 0, eps: float = EPS,
     out: list[Case] = []
 
     def add(name: str, x: np.ndarray, purpose: str, layout: str = layout, modes_only: bool = False,
-            running: tuple[np.ndarray, np.ndarray] | None = None, dy: np.ndarray | None = None) -> None:
+            running: tuple[np.ndarray, np.ndarray] | None = None, *, dy: np.ndarray | None = None) -> None:
         if layout == "channels_last":
             if modes_only:
                 return
             x = np.moveaxis(x, 1, -1)  # (dy stays channels-first: _call moves it)
         out.append(Case(name, call=_call(x, rng, fmt.name, params, eps, momentum, seed + len(out), layout, running,
-                                         dy),
+                                         dy=dy),
                         purpose=purpose, modes_only=modes_only))
 
     def near(means: np.ndarray, stds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -116,7 +116,16 @@ def probes(dtype: str, params: str = "fp32", *, seed: int = 0, eps: float = EPS,
     huge = fmt.max * 0.25 * np.where(rng.random((2, 3, 4, 4)) < 0.5, -1.0, 1.0)
     add("huge", huge, "values near the format's maximum: the sum of squares overflows (IEEE inf or saturation)",
         modes_only=True)
-    # (after the others: they keep their random streams)
+    _later(add, rng)  # (after the others: they keep their random streams)
+    if layout == "channels_last":  # (channels-first, a kernel may run (N, C, 1, 1) as channels-last: PyTorch does)
+        x = rng.standard_normal((2, 63, 1, 1)) * 3.0 + rng.normal(0.0, 20.0, 63)[None, :, None, None]
+        add("batch-of-two", x, "R = 2: dx cancels to its last bits, which show how each channel's is formed (C = 63: "
+            "vectors of 4, 8, 16 or 32 channels leave tails of 3, 7, 15 or 31)")
+    return out
+
+
+def _later(add: Callable[..., None], rng: np.random.Generator) -> None:
+    """The designed inputs added after the first ten, each given to ``add``: a count above 1024 and a flat dy."""
     means, stds = np.array([100.0, -30.0, 0.5]), np.array([1.0, 3.0, 0.01])
     x = means[None, :, None, None] + stds[None, :, None, None] * rng.standard_normal((2, 3, 25, 23))
     add("over-1024", x, "R = 1150, above 1024 (torch.compile's switch from a two-pass variance to Welford's), rows "
@@ -125,11 +134,6 @@ def probes(dtype: str, params: str = "fp32", *, seed: int = 0, eps: float = EPS,
     flat = np.broadcast_to(np.array([0.75, -1.5, 2.0, 0.375])[None, :, None, None], x.shape).copy()
     add("flat-dy", x, "dy constant in each channel (values of every format): dy − mean(dy) cancels, so the backward's "
         "grouping shows even in 16-bit dx; R = 84", dy=flat)
-    if layout == "channels_last":  # (channels-first, a kernel may run (N, C, 1, 1) as channels-last: PyTorch does)
-        x = rng.standard_normal((2, 63, 1, 1)) * 3.0 + rng.normal(0.0, 20.0, 63)[None, :, None, None]
-        add("batch-of-two", x, "R = 2: dx cancels to its last bits, which show how each channel's is formed (C = 63: "
-            "vectors of 4, 8, 16 or 32 channels leave tails of 3, 7, 15 or 31)")
-    return out
 
 
 def _fresh(add: Callable[..., None], near: Callable[..., Any], rng: np.random.Generator, fmt: str, wide: int,
