@@ -44,7 +44,7 @@ def _blocks(res: Identified) -> list[str]:
 
 
 def _title(res: Identified, what: str) -> str:
-    return f"identify {what}: {res.verdict()}"
+    return f"identify {what}: {res.found()}"
 
 
 def _markdown(title: str, blocks: list[str], notes: list[str]) -> str:
@@ -60,7 +60,7 @@ def identify_report(res: Identified | IdentifiedCalls) -> Report:
     blocks = _blocks(res)
     for lay, other in res.layouts.items():  # (a layout the kernel computes another way: its own search)
         if other.own is not None:
-            blocks += ["", f"{lay}: {other.own.verdict()}", *_blocks(other.own)]
+            blocks += ["", f"{lay}: {other.own.found()}", *_blocks(other.own)]
     blocks.append(f"{len(res.probes)} probes ({', '.join(res.probes)}); {res.evaluations} candidate evaluations, "
                   f"{res.seconds:.1f} s")
     return Report(title, blocks, list(res.notes), res.passed, res.to_dict(),

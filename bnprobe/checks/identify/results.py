@@ -140,8 +140,8 @@ class Identified(Judged):
         """One row per output (:meth:`to_frame`)."""
         return self.to_frame()
 
-    def verdict(self) -> str:
-        """The result in words: the recipe that reproduces it, the closest where it departs when close, or where
+    def found(self) -> str:
+        """What identify found, in words (not :attr:`verdict`, the result protocol's PASS/FAIL): the recipe that reproduces it, the closest where it departs when close, or where
         no recipe does."""
         if self.reproduced:
             return f"reproduced bit for bit by emulated:{self.spec}"

@@ -650,7 +650,7 @@ def _layout_note(res: Identified, other: LayoutResult) -> str:
              f"({own.evaluations} evaluations, {own.seconds:.1f} s), ")
     if own.reproduced:
         return f"{head}; {found}found emulated:{own.spec} bit for bit, fresh inputs too (changed: {changed})"
-    return f"{head}; {found}{own.verdict()}"
+    return f"{head}; {found}{own.found()}"
 
 
 def _observer(kernel: KernelAdapter, caps: Any) -> Callable[[list[Case]], list[Observed]]:
