@@ -41,7 +41,10 @@ SQRT_METHODS: tuple[str, ...] = ("exact", "rsqrt", "exp_log", "eigen_fast")
 # fma:      Ascend 950 style, residual with one rounding: s = fma(-x, y*y, 1); y <- fma(y/2, s, y)
 #           (reciprocal: e = fma(-a, r, 1); r <- fma(r, e, r))
 # arm:      FRSQRTS: t = x*y; s = (3 - t*y)/2 fused; y <- y*s  (FRECPS: s = 2 - a*r fused; r <- r*s)
-NEWTON_FORMS: tuple[str, ...] = ("standard", "fma", "arm")
+# eigen:    Eigen's generic_rsqrt_newton_step without FMA (x86 builds for AVX, as TensorFlow's wheels are):
+#           r2 = x*y; h = r2*y - 1; y <- (y*(-1/2))*h + y, every step rounded; a NaN result keeps the estimate
+#           (rsqrt only)
+NEWTON_FORMS: tuple[str, ...] = ("standard", "fma", "arm", "eigen")
 
 # Bit-trick constants i = C - (i >> 1) (rsqrt) and i = C - i (reciprocal).  fp32 rsqrt is
 # the classic 0x5f3759df.  The others were chosen by exhaustive search over every input
@@ -284,6 +287,10 @@ def _newton_rsqrt(x: np.ndarray, y: np.ndarray, ar: Arith, form: str, t: Tally |
         p = ar.mul(x, y, t)
         s = ar.round(fma_wide(-p, y, np.full_like(y, 3.0), native=ar.native) * 0.5, t)  # (3 - p*y)/2, one rounding
         return ar.mul(y, s, t)
+    if form == "eigen":
+        h = ar.sub(ar.mul(ar.mul(x, y, t), y, t), 1.0, t)
+        out = ar.add(ar.mul(ar.mul(y, -0.5, t), h, t), y, t)
+        return np.where(np.isnan(out), y, out)
     raise BNProbeError(f"unknown Newton form {form!r}; valid: {', '.join(NEWTON_FORMS)}")
 
 
@@ -296,6 +303,8 @@ def _newton_recip(a: np.ndarray, r: np.ndarray, ar: Arith, form: str, t: Tally |
     if form == "arm":
         s = ar.fma(-a, r, np.full_like(r, 2.0), t)  # FRECPS: 2 - a*r fused
         return ar.mul(r, s, t)
+    if form == "eigen":
+        raise BNProbeError("the eigen Newton form refines a reciprocal square root, not a reciprocal")
     raise BNProbeError(f"unknown Newton form {form!r}; valid: {', '.join(NEWTON_FORMS)}")
 
 
