@@ -15,9 +15,10 @@ import numpy as np
 from bnprobe.core.errors import BNProbeError
 from bnprobe.numerics.arith import Arith, Tally, as_carrier, fma_wide
 
-__all__ = ["ORDERS", "COMBINES", "SCHEDULES", "Cores", "Rows", "reduce_sum", "tree_sum", "split_parts", "vec_dot",
-           "plane_reduce", "thread_blocks", "thread_sum", "small_batch_threads", "INDUCTOR_UNROLL_BELOW",
-           "INDUCTOR_CASCADE_ABOVE"]
+__all__ = ["ORDERS", "COMBINES", "SCHEDULES", "THREAD_SPLITS", "Cores", "Rows", "reduce_sum", "tree_sum",
+           "split_parts", "vec_dot", "plane_reduce", "thread_blocks", "thread_sum", "small_batch_threads",
+           "INDUCTOR_UNROLL_BELOW", "INDUCTOR_CASCADE_ABOVE", "balance211", "outer_dims_sum", "eigen_parallel_blocks",
+           "packet_split_sum"]
 
 # vec: at::vec-style (PyTorch CPU): per row of H*W values (channels_first; channels_last and the parts of a core split
 # or of Chan's tiles take their whole axis as one row), full blocks of lanes x unroll values
@@ -48,7 +49,12 @@ __all__ = ["ORDERS", "COMBINES", "SCHEDULES", "Cores", "Rows", "reduce_sum", "tr
 # sums merged as a binary counter carries (depth ⌈log2 ⌈updates / chunk⌉⌉, the stack's levels added in order at the
 # end), and the rows' last partial vectors go to an accumulator of their own, added lane by lane to the full vectors'
 # before the lanes are folded
-ORDERS: tuple[str, ...] = ("sequential", "pairwise", "lanes", "vec", "rowlanes", "eigen", "omp_simd", "inductor")
+# interleave4: Eigen's reduction over rows that keeps the channel axis (TensorReduction's InnerMostDimPreserver:
+# TensorFlow's reduce_sum and reduce_mean over the N·H·W rows of an NHWC tensor, one packet of channels at a time):
+# from 16 values on, four accumulators take value j mod 4 of the first 4⌊R/4⌋, combined ((a0 + a1) + a2) + a3, then
+# the remaining values added in order; fewer than 16: in order
+ORDERS: tuple[str, ...] = ("sequential", "pairwise", "lanes", "vec", "rowlanes", "eigen", "omp_simd", "inductor",
+                           "interleave4")
 #: inductor's config.unroll_reductions_threshold: reductions of fewer values become one unrolled scalar expression
 INDUCTOR_UNROLL_BELOW = 8
 #: inductor's float sums of more values than this use a CascadeSumHelper of chunks of this many updates
@@ -56,6 +62,14 @@ INDUCTOR_CASCADE_ABOVE = 4096
 # How per-core partial sums are combined: in core order, or by FP32 atomic adds whose
 # arrival order is random (seeded), as on Ascend A2/A3/910 when N or H is split across cores.
 COMBINES: tuple[str, ...] = ("ordered", "atomic")
+# How the rows R = N·S (N samples of S positions, sample-major) are dealt to threads (thread_blocks):
+#   rows            : T' = min(T, R) threads take ⌈R/T'⌉ contiguous rows each (PyTorch CPU: at::parallel_for on OpenMP)
+#   samples         : whole samples, N dealt over the T threads by balance211 (the first N mod T take one more; a
+#                     thread beyond N stays idle): oneDNN's C++ batch normalisation
+#   samples_spatial : the samples dealt over min(N, T) threads by balance211 and, when T // N >= 2, each sample's S
+#                     positions dealt again over T // N threads: oneDNN's JIT batch normalisation (thread order:
+#                     sample part, then position part)
+THREAD_SPLITS: tuple[str, ...] = ("rows", "samples", "samples_spatial")
 
 
 # How the reduced axis is cut into the cores' parts: nearly equal parts with rounded bounds, or OpenMP's static
@@ -72,6 +86,7 @@ class Cores:
     parts: int = 1
     combine: str = "ordered"
     schedule: str = "even"
+
 
 @dataclass(frozen=True)
 class Rows:
@@ -98,12 +113,16 @@ def _accumulate_exact(x: np.ndarray, acc: Arith, tally: Tally | None) -> np.ndar
     actually happened) needs the general loop.
     """
     spec = acc.spec
-    if acc.fmt.name not in _ACCUMULATE_DTYPES or spec.rounding != "nearest_even" or spec.subnormals != "keep":
+    if acc.fmt.name not in _ACCUMULATE_DTYPES or spec.rounding != "nearest_even":
         return None
     with np.errstate(all="ignore"):
         partial = np.add.accumulate(x.astype(acc.fmt.dtype), axis=1)
         finite_in = np.isfinite(x)
         bad = ~np.isfinite(partial) & np.logical_and.accumulate(finite_in, axis=1)
+        # flushing subnormal results changes nothing when no partial sum is one (the addends are the format's
+        # values, flushed already where the caller flushes)
+        if spec.subnormals != "keep" and ((partial != 0) & (np.abs(partial) < acc.fmt.tiny)).any():
+            return None
     if spec.overflow == "saturate" and bad.any():
         return None
     if tally is not None and bad.any():
@@ -374,6 +393,24 @@ def _inductor(x: np.ndarray, acc: Arith, tally: Tally | None, width: int, row: i
     return tree_sum(lanes, acc, tally)
 
 
+
+
+def _interleave4(x: np.ndarray, acc: Arith, tally: Tally | None, kahan: bool) -> np.ndarray:
+    """The ``interleave4`` order (see :data:`ORDERS`)."""
+    c, r = x.shape
+    if r < 16:
+        return _sequential(x, acc, tally, kahan)
+    body = (r // 4) * 4
+    rows = np.ascontiguousarray(x[:, :body].reshape(c, body // 4, 4).transpose(0, 2, 1).reshape(c * 4, body // 4))
+    per_lane = _per_lane(lambda t: _sequential(rows, acc, t, kahan), c, 4, tally)
+    total = per_lane[:, 0]
+    for j in range(1, 4):
+        total = acc.add(total, per_lane[:, j], tally)
+    for j in range(body, r):
+        total = acc.add(total, x[:, j], tally)
+    return total
+
+
 def _fused_sequential(a: np.ndarray, b: np.ndarray, acc: Arith, fused: bool, tally: Tally | None) -> np.ndarray:
     """Σ a·b along axis 1 in order: s = fma(a, b, s) (one rounding per step), or s + fl(a·b) (two)."""
     s = np.zeros(a.shape[0])
@@ -456,13 +493,31 @@ def plane_reduce(x: np.ndarray, acc: Arith, *, lanes: int, row: int | None = Non
     return np.asarray(_sequential(np.asarray(total), into, tally, kahan=False), dtype=np.float64)
 
 
-def thread_blocks(r: int, threads: int) -> list[slice]:
-    """The rows of a length-r axis each of ``threads`` threads takes, as at::parallel_for(0, R, 1, ·) hands them out
-    on OpenMP (ATen/ParallelOpenMP.h): T' = min(T, R) threads get ⌈R/T'⌉ contiguous rows each in thread order, the
-    last what is left; a thread past the end gets none (its buffer stays 0).  One slice per thread, T in all."""
-    used = max(1, min(threads, r))
-    k = -(-r // used)
-    return [slice(min(t * k, r), min((t + 1) * k, r)) for t in range(threads)]
+def thread_blocks(r: int, threads: int, split: str = "rows", samples: int | None = None) -> list[slice]:
+    """The rows of a length-r axis each of ``threads`` threads takes, dealt as ``split`` says (:data:`THREAD_SPLITS`;
+    ``samples``: the N the rows hold samples of, for the splits by sample).  rows: as at::parallel_for(0, R, 1, ·)
+    hands them out on OpenMP (ATen/ParallelOpenMP.h), T' = min(T, R) threads get ⌈R/T'⌉ contiguous rows each in
+    thread order, the last what is left; samples and samples_spatial: as oneDNN's batch normalisation deals them
+    (:func:`balance211`).  A thread past the end gets none (its buffer stays 0).  One slice per thread, in the
+    order the partials are combined, T in all."""
+    if split == "rows":
+        used = max(1, min(threads, r))
+        k = -(-r // used)
+        return [slice(min(t * k, r), min((t + 1) * k, r)) for t in range(threads)]
+    if split not in THREAD_SPLITS:
+        raise BNProbeError(f"unknown thread split {split!r}; valid: {', '.join(THREAD_SPLITS)}")
+    n = samples
+    if not n or r % n:
+        raise BNProbeError(f"a split by sample needs the sample count N dividing R = {r}, got N = {n}")
+    s, t = r // n, max(1, threads)
+    groups, spatial = (t, 1) if split == "samples" else (min(n, t), max(1, min(s, t // min(n, t))))
+    out = []
+    for i in range(groups * spatial):
+        n0, n1 = balance211(n, groups, i // spatial % groups)
+        s0, s1 = balance211(s, spatial, i % spatial)
+        # (a spatial split leaves one sample per thread: the rows stay contiguous)
+        out.append(slice(n0 * s + s0, (n1 - 1) * s + s1) if n1 > n0 and s1 > s0 else slice(r, r))
+    return out + [slice(r, r)] * (t - len(out))
 
 
 def small_batch_threads(threads: int, r: int, channels: int) -> int:
@@ -476,11 +531,13 @@ def small_batch_threads(threads: int, r: int, channels: int) -> int:
 
 
 def thread_sum(x: np.ndarray, acc: Arith, *, threads: int, wide: Arith | None = None, times: np.ndarray | None = None,
-               fused: bool = False, tally: Tally | None = None) -> np.ndarray:
+               fused: bool = False, tally: Tally | None = None, split: str = "rows",
+               samples: int | None = None) -> np.ndarray:
     """Σ of each row of a ``(C, R)`` array, or Σ x·times, as PyTorch CPU's channels-last kernels take it across
     ``threads`` threads: thread t adds the rows of its block (:func:`thread_blocks`) one by one into a buffer of
     ``acc``'s format that starts at 0 (with ``times``: s = fma(x, times, s) when ``fused``, else s + fl(x·times)),
-    then the T buffers are added in thread order into a sum that starts at 0, in ``wide``'s format (None: ``acc``'s).
+    then the T buffers are added in thread order into a sum that starts at 0, in ``wide``'s format (None: ``acc``'s);
+    the rows dealt as ``split`` says (``samples``: N; see :func:`thread_blocks`: oneDNN's kernels deal samples).
     The addends must be values of ``acc``'s format; returns (C,) float64 values of the combine's format."""
     x = np.asarray(x, dtype=np.float64)
     if x.ndim != 2 or x.shape[1] == 0:
@@ -493,7 +550,7 @@ def thread_sum(x: np.ndarray, acc: Arith, *, threads: int, wide: Arith | None = 
         x, b = acc.mul(x, b, tally), None  # (each product rounded, then summed as plain addends)
     into = acc if wide is None else wide
     total = np.zeros(c)
-    for sl in thread_blocks(r, threads):
+    for sl in thread_blocks(r, threads, split, samples):
         if sl.stop == sl.start:
             part = np.zeros(c)
         elif b is not None:
@@ -516,6 +573,18 @@ def split_parts(r: int, parts: int, schedule: str = "even") -> list[slice]:
     else:
         raise BNProbeError(f"unknown schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
     return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def balance211(n: int, team: int, tid: int) -> tuple[int, int]:
+    """The range [start, end) of ``n`` items that member ``tid`` of a team of ``team`` takes when the items are dealt
+    as evenly as possible, the first ``n mod team`` members taking one more (oneDNN's ``balance211``)."""
+    if team <= 1 or n == 0:
+        return 0, n
+    n1 = -(-n // team)
+    n2 = n1 - 1
+    t1 = n - n2 * team
+    start = tid * n1 if tid <= t1 else t1 * n1 + (tid - t1) * n2
+    return start, start + (n1 if tid < t1 else n2)
 
 
 def reduce_sum(
@@ -559,6 +628,26 @@ def reduce_sum(
     return np.asarray(total, dtype=np.float64)
 
 
+def packet_split_sum(x: np.ndarray, acc: Arith, vector_rows: int | None, vector_sum: Callable[..., np.ndarray],
+                     tally: Tally | None = None) -> np.ndarray:
+    """Σ of each row of a ``(C, R)`` array as a kernel vectorised across channels takes it: the first
+    ``vector_rows`` rows (channels in whole packets) by ``vector_sum(rows, tally)``, the rest (the channels left over)
+    in order, as its scalar path sums them (None: every row by ``vector_sum``).  Returns ``(C,)`` float64."""
+    c = x.shape[0]
+    if vector_rows is None or not 0 <= vector_rows < c:
+        return vector_sum(x, tally)
+    total = np.empty(c)
+    for sl, run in ((slice(0, vector_rows), vector_sum),
+                    (slice(vector_rows, c), lambda v, t: reduce_sum(v, acc, order="sequential", tally=t))):
+        if sl.stop > sl.start:
+            t = Tally(sl.stop - sl.start) if tally is not None else None
+            total[sl] = run(x[sl], t)
+            if tally is not None and t is not None:
+                for k, v in t.counts.items():
+                    tally.counts[k][sl] += v
+    return total
+
+
 def _combine_parts(x: np.ndarray, acc: Arith, *, order: str, lanes: int, kahan: bool, tally: Tally | None,
                    cores: Cores, rng: np.random.Generator | None, unroll: int = 1) -> np.ndarray:
     """Each simulated core reduces its contiguous part; the partials are then added one by one into
@@ -577,6 +666,53 @@ def _combine_parts(x: np.ndarray, acc: Arith, *, order: str, lanes: int, kahan: 
     total = np.zeros(x.shape[0])
     for j in range(partial.shape[1]):
         total = acc.add(total, partial[:, j], tally)
+    return total
+
+
+def eigen_parallel_blocks(n: int, cost: float, threads: int) -> list[tuple[int, int]]:
+    """How Eigen's ThreadPoolDevice::parallelFor(n, cost, f) cuts [0, n) into the ranges it calls f on: one range
+    when its cost model (TensorCostModel: 100000 cycles to start, 100000 per thread, tasks of 40000) finds one thread
+    enough, else blocks sized by CalculateParallelForBlock (at most 4 per thread, grown while the threads stay as
+    busy).  ``cost``: the cycles of one unit of work (TensorOpCost::total_cost with loads at 11/64 a byte)."""
+    if n <= 1 or threads <= 1 or min(threads, max(1, int((n * cost - 1e5) / 1e5 + 0.9))) == 1:
+        return [(0, max(n, 0))]
+    size = min(n, max(-(-n // (4 * threads)), int(40000.0 / cost)))
+    largest = min(n, 2 * size)
+    count = -(-n // size)
+
+    def efficiency(k: int) -> float:
+        return k / (-(-k // threads) * threads)
+
+    best, prev = efficiency(count), count
+    while best < 1.0 and prev > 1:
+        coarser = -(-n // (prev - 1))
+        if coarser > largest:
+            break
+        prev = -(-n // coarser)
+        if efficiency(prev) + 0.01 >= best:
+            size, count, best = coarser, prev, max(best, efficiency(prev))
+    return [(k * size, min(n, (k + 1) * size)) for k in range(count)]
+
+
+def outer_dims_sum(x: np.ndarray, acc: Arith, *, channels: int, threads: int, item_bytes: int,
+                   tally: Tally | None = None) -> np.ndarray:
+    """TensorFlow's ReduceOuterDimensions (redux_functor.h) of a ``(C, R)`` array: each channel's R rows summed in
+    order, on ``threads`` threads.  With more than 16 channels a thread (``channels``: the call's C), threads split
+    the channels: plain sums in order.  Otherwise the rows are cut into B = min(T, ⌈R·C / ⌈2000/C⌉⌉, R) blocks of
+    ⌈R/B⌉, which Eigen's parallelFor (:func:`eigen_parallel_blocks`, costing a block's ⌈R/B⌉·C values at
+    ``item_bytes`` each) runs as one or more ranges; each range sums its rows in order from zero, and the ranges'
+    sums are added in order.  Returns ``(C,)`` float64."""
+    c, r = x.shape
+    if channels > 16 * threads:
+        return reduce_sum(x, acc, order="sequential", tally=tally)
+    blocks = min(threads, -(-(r * channels) // -(-2000 // channels)), r)
+    rows = -(-r // blocks)
+    cost = rows * channels * (item_bytes * 11.0 / 64.0 + 1.0)
+    total = np.zeros(c)
+    for start, stop in eigen_parallel_blocks(blocks, cost, threads):
+        sl = slice(start * rows, min(r, stop * rows))
+        if sl.stop > sl.start:
+            total = acc.add(total, reduce_sum(x[:, sl], acc, order="sequential", tally=tally), tally)
     return total
 
 
@@ -605,4 +741,6 @@ def _reduce_one(x: np.ndarray, acc: Arith, *, order: str, lanes: int, kahan: boo
     if order == "inductor":
         # (rows shorter than lanes x unroll: one vector, inductor's tiling_factor // 2 for short 16-bit rows)
         return _inductor(x, acc, tally, lanes * (unroll if row is None or row >= lanes * unroll else 1), row)
+    if order == "interleave4":
+        return _interleave4(x, acc, tally, kahan)
     raise BNProbeError(f"unknown reduction order {order!r}; valid: {', '.join(ORDERS)}")

@@ -15,7 +15,7 @@ import numpy as np
 from bnprobe.core.errors import BNProbeError
 from bnprobe.numerics import inductor
 from bnprobe.numerics.arith import Arith, Tally
-from bnprobe.numerics.reduce import Cores, Rows, reduce_sum, thread_sum
+from bnprobe.numerics.reduce import Cores, Rows, packet_split_sum, reduce_sum, thread_sum
 
 __all__ = ["VARIANCES", "MEAN_BY", "StageValue", "Moments", "MomentsMethod", "Sums", "ThreadSums", "moments",
            "prescale_exponent", "INDUCTOR_TWO_PASS_MAX"]
@@ -164,7 +164,9 @@ class Sums:
 
     def __init__(self, acc: Arith, pre: Callable[[np.ndarray], np.ndarray], red: dict,
                  wide: Arith | None = None) -> None:
-        self.acc, self.pre, self.red = acc, pre, red
+        self.acc, self.pre = acc, pre
+        self.red = {k: v for k, v in red.items() if k != "vector_rows"}
+        self.vector_rows = red.get("vector_rows")  # (the rows past it summed in order: a kernel's scalar path)
         self.wide = wide
         self.into = acc if wide is None else wide
 
@@ -173,19 +175,24 @@ class Sums:
         row = self.red.get("row")
         return {**self.red, "row": row.length if isinstance(row, Rows) else row}
 
+    def _reduce(self, v: np.ndarray, t: Tally, red: dict) -> np.ndarray:
+        """reduce_sum with ``red``, the rows past ``vector_rows`` in order (a kernel's scalar path)."""
+        return packet_split_sum(v, self.into, self.vector_rows,
+                                lambda rows, tt: reduce_sum(rows, self.into, tally=tt, **red), t)
+
     def total(self, x: np.ndarray, t: Tally) -> np.ndarray:
         """The sum of x."""
-        return reduce_sum(self.pre(x), self.into, tally=t, **self.red)
+        return self._reduce(self.pre(x), t, self.red)
 
     def squares(self, x: np.ndarray, t: Tally) -> np.ndarray:
         """The sum of x*x."""
-        return reduce_sum(self.pre(self.acc.mul(x, x, t)), self.into, tally=t, **self.expression())
+        return self._reduce(self.pre(self.acc.mul(x, x, t)), t, self.expression())
 
     def deviations(self, x: np.ndarray, mean: np.ndarray, t: Tally) -> tuple[np.ndarray, np.ndarray | None]:
         """The sum of (x - mean)² (stored in ``acc``: a wide sum is rounded to it) and the deviations x - mean
         (None where they were not kept)."""
         dev = self.acc.sub(x, mean[:, None], t)
-        q = reduce_sum(self.pre(self.acc.mul(dev, dev, t)), self.into, tally=t, **self.expression())
+        q = self._reduce(self.pre(self.acc.mul(dev, dev, t)), t, self.expression())
         return (q if self.wide is None else self.acc.round(q, t)), dev
 
 
@@ -193,14 +200,17 @@ class ThreadSums(Sums):
     """The naive and two-pass sums split across threads as PyTorch CPU's channels-last kernels split them
     (:func:`~bnprobe.numerics.reduce.thread_sum`): each of ``threads`` threads sums its contiguous rows in ``acc``,
     the threads' partials are added in thread order in ``wide`` (None: ``acc``); the squares and squared deviations
-    are accumulated by fused multiply-adds when ``fused`` (GCC contracts ``y + (x − mean)·(x − mean)``)."""
+    are accumulated by fused multiply-adds when ``fused`` (GCC contracts ``y + (x − mean)·(x − mean)``).  ``split``
+    and ``samples`` deal the rows another way (oneDNN's kernels deal samples: ``thread_blocks``)."""
 
-    def __init__(self, acc: Arith, threads: int, wide: Arith | None = None, fused: bool = False) -> None:
+    def __init__(self, acc: Arith, threads: int, wide: Arith | None = None, fused: bool = False, split: str = "rows",
+                 samples: int | None = None) -> None:
         super().__init__(acc, lambda v: v, {}, wide)
-        self.threads, self.fused = threads, fused
+        self.threads, self.fused, self.split, self.samples = threads, fused, split, samples
 
     def _sum(self, x: np.ndarray, t: Tally, times: np.ndarray | None = None) -> np.ndarray:
-        return thread_sum(x, self.acc, threads=self.threads, wide=self.wide, times=times, fused=self.fused, tally=t)
+        return thread_sum(x, self.acc, threads=self.threads, wide=self.wide, times=times, fused=self.fused, tally=t,
+                          split=self.split, samples=self.samples)
 
     def total(self, x: np.ndarray, t: Tally) -> np.ndarray:
         return self._sum(x, t)
@@ -333,6 +343,7 @@ def moments(
     *,
     rng: np.random.Generator | None = None,
     row: int | Rows | None = None,
+    vector_rows: int | None = None,
     overrides: dict[str, np.ndarray] | None = None,
     wide_sums: bool = True,
     sums: Sums | None = None,
@@ -346,7 +357,8 @@ def moments(
     ``chan`` (``tiles`` contiguous tiles, as on simulated cores, each two-pass,
     merged by Chan's formula).  ``clamp`` sets a negative variance to 0.  ``unroll`` and ``row`` (the length of the
     layout's contiguous rows) shape the ``vec`` order (:func:`~bnprobe.numerics.reduce.reduce_sum`); ``rng`` orders
-    an atomic combine of the cores' sums.
+    an atomic combine of the cores' sums; ``vector_rows``: the naive and two-pass sums of the rows past it are
+    sequential (a kernel's scalar path, :func:`~bnprobe.numerics.reduce.reduce_sum`).
     ``wide_sums=False`` skips the float64 reference sums recorded as the stages'
     ``wide`` values (a trace that keeps no arrays does not need them).  ``sums`` forms the naive and
     two-pass sums instead of :class:`Sums` (the compiled route's, bnprobe.kernels.fused; the same values).
@@ -363,7 +375,7 @@ def moments(
         raise BNProbeError(f"mean_by=prescaled scales the sums of naive and two_pass, not {algorithm}")
     wide = None if method.sum_format in (None, acc.fmt.name) else Arith(method.sum_format, counting=acc.counting)
     red = dict(order=method.order, lanes=method.lanes, kahan=method.kahan, cores=method.cores, rng=rng,
-               unroll=method.unroll, row=row)
+               unroll=method.unroll, row=row, vector_rows=vector_rows)
     # prescaled: every addend is multiplied by 2^-k first (exact unless it underflows)
     pre = (lambda v: acc.round(v * 2.0 ** -prescale_exponent(r))) if mean_by == "prescaled" else (lambda v: v)
     stage = _Stages(acc, pre, wide_sums, overrides or {})
