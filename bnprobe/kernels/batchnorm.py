@@ -31,8 +31,8 @@ from bnprobe.kernels.policy import Policy, get_policy
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.arith import Arith, Tally, as_carrier, fits_float32, fma_wide
 from bnprobe.numerics.inductor import splits_channels, splits_rows
-from bnprobe.numerics.reduce import (Cores, Rows, plane_reduce, reduce_sum, small_batch_threads, thread_sum,
-                                     vec_dot)
+from bnprobe.numerics.reduce import (Cores, Rows, outer_dims_sum, packet_split_sum, plane_reduce, reduce_sum,
+                                     small_batch_threads, thread_blocks, thread_sum, vec_dot)
 from bnprobe.numerics.rounding import RoundingSpec, round_to
 from bnprobe.numerics.rsqrt import divide, rsqrt_ascend950, sqrt_eigen_fast
 from bnprobe.numerics.rsqrt import rsqrt as nrsqrt
@@ -114,7 +114,8 @@ class _Setting:
     """What every block of a kernel call runs with: whether its trace keeps arrays and counts (False: no events
     counted, no stage recorded, outputs only), its carrier, the dtypes of the caller's tensors by stage name, whether
     it takes the compiled route, the length of the layout's contiguous rows in a channel (H*W channels-first;
-    for order=vec) and the call's channel count (PyTorch's small-batch split across threads depends on it)."""
+    for order=vec), the call's channel count (PyTorch's small-batch split across threads and packet_lanes depend on
+    it) and its number of samples N (for threads dealt by sample)."""
 
     keep_arrays: bool = False
     counting: bool = True
@@ -123,6 +124,7 @@ class _Setting:
     compiled: bool = False
     row: int | None = None
     channels: int = 1
+    samples: int | None = None
 
 
 class _Run:
@@ -135,6 +137,11 @@ class _Run:
         self.row = setting.row  # the length of the layout's contiguous rows in a channel, for order=vec
         self.channels = setting.channels  # the call's, not this block's
         self.c = channels
+        self.samples = setting.samples  # the call's N
+        # how many of this block's channels (from the call's channel ``first`` on) are in whole packets (None: all)
+        lanes = policy.packet_lanes
+        self.vector_rows = None if not lanes else \
+            min(channels, max(0, self.channels // lanes * lanes - first))
         self.carrier = setting.carrier
         self.sources = setting.sources or {}  # dtypes of the caller's tensors, by stage name
         self.overrides = overrides or {}
@@ -160,14 +167,15 @@ class _Run:
         if pol.threads is not None and pol.order != "inductor":  # (inductor's split: cores, inductor_cores)
             t = None if times is None else self.acc.round(times, tally)
             return self.acc.round(thread_sum(x, self.acc, threads=pol.threads, wide=self.wide_sums(), times=t,
-                                             fused=fused, tally=tally), tally)
+                                             fused=fused, tally=tally, split=pol.thread_split, samples=self.samples),
+                                  tally)
         if self.fused is not None and pol.core_parts == 1:
             return self.fused.reduce(x, tally, times)
         if times is not None:
             x = self.acc.mul(x, self.acc.round(times, tally), tally)
-        return reduce_sum(x, self.acc, order=pol.order, lanes=pol.lanes, kahan=pol.kahan, tally=tally,
-                          cores=cores or self.cores, rng=self.rng, unroll=pol.unroll,
-                          row=self.rows() if times is None else self.row)
+        return packet_split_sum(x, self.acc, self.vector_rows, lambda rows, t: reduce_sum(
+            rows, self.acc, order=pol.order, lanes=pol.lanes, kahan=pol.kahan, tally=t, cores=cores or self.cores,
+            rng=self.rng, unroll=pol.unroll, row=self.rows() if times is None else self.row), tally)
 
     def rows(self) -> Rows | None:
         """This block's channel-first rows and where they sit in the call's buffer (None: not channel-first)."""
@@ -327,7 +335,12 @@ class _Run:
                 return self.sqrt("rstd", recip), None
             if pol.rsqrt == "ascend950":
                 return self.record("rstd", acc, rsqrt_ascend950(var_eps, acc, tally=t), ideal, t), None
-            return self.record("rstd", acc, nrsqrt(var_eps, acc, tally=t, **self._rsqrt_options()), ideal, t), None
+            value = nrsqrt(var_eps, acc, tally=t, **self._rsqrt_options())
+            if self.vector_rows is not None and self.vector_rows < self.c:  # the scalar path: sqrt, then divide
+                v = self.vector_rows
+                scalar = acc.div(np.ones(self.c), acc.sqrt(var_eps))  # (its events are not the kernel's: uncounted)
+                value = np.concatenate([value[:v], scalar[v:]])
+            return self.record("rstd", acc, value, ideal, t), None
 
     def normalise(self, xs: np.ndarray, mean: np.ndarray, rstd: np.ndarray, std: np.ndarray | None,
                   gamma: np.ndarray, beta: np.ndarray) -> np.ndarray | None:
@@ -418,7 +431,7 @@ class _Blocks:
         self.setting = _Setting(keep_arrays, execution.counters, carrier,
                                 {k: np.asarray(v).dtype for k, v in (sources or {}).items()}, self.compiled,
                                 int(np.prod(lay.shape[2:], dtype=np.int64)) if lay.layout == "channels_first" else None,
-                                lay.channels)
+                                lay.channels, int(lay.shape[0]))
         self.meta["route"] = "compiled" if self.compiled else f"{np.dtype(carrier).name} carriers"
         self._views: dict[int, Source] = {}
         self._dest: Source | None = None
@@ -489,8 +502,8 @@ def forward_train(
     with factor ``1/(num_batches_tracked + 1)``.  gamma/beta default to 1/0.  ``execution``: the layout of x, what
     the trace keeps, the block size and stage overrides (:class:`Execution`).
     """
-    pol = get_policy(policy)
     lay = layout_of(x, execution.layout)
+    pol = get_policy(policy).for_channels(lay.channels)
     _check_train_size(lay, pol)
     eps = check_eps(eps)
     momentum = check_momentum(momentum)
@@ -544,9 +557,9 @@ def _train_block(run: _Run, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.
             # (split across threads; PyTorch's fp32 kernel has a branch of its own for R ≤ T)
             wide = run.wide_sums()
             sums = ThreadSums(acc, pol.threads if wide is None else small_batch_threads(pol.threads, r, run.channels),
-                              wide, pol.variance_fma)
-        m = moments(xa, acc, method, rng=run.rng, row=run.rows(), overrides=run.overrides,
-                    wide_sums=run.trace.keep_arrays, sums=sums, channels=run.channels)
+                              wide, pol.variance_fma, pol.thread_split, run.samples)
+        m = moments(xa, acc, method, rng=run.rng, row=run.rows(), vector_rows=run.vector_rows,
+                    overrides=run.overrides, wide_sums=run.trace.keep_arrays, sums=sums, channels=run.channels)
         for sv in m.stages:
             run.trace.record(sv.name, sv.value, sv.arith.fmt, wide=sv.wide, tally=sv.tally,
                              check_negative=sv.check_negative)
@@ -572,6 +585,8 @@ def _train_block(run: _Run, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.
                 f_a, keep_a = ru.round(f), ru.round(1.0 - f)
             if pol.running_var == "biased":
                 var_unbiased = var
+            elif r > 1 and pol.unbiased_by == "momentum_factor":
+                var_unbiased = None  # (not formed: the batch term is (m·fl(R/(R-1)))·var, below)
             elif r > 1 and pol.unbiased_by == "divide" and (q := _sum_sq_dev(m)) is not None:
                 if pol.mean_by == "prescaled":  # (the recorded sum is of the prescaled squares: Σ·2^-k)
                     q = q * 2.0 ** prescale_exponent(r)
@@ -583,7 +598,10 @@ def _train_block(run: _Run, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.
             for name, old, batch in (("running_mean", rm, mean), ("running_var", rv, var_unbiased)):
                 t = run.tally()
                 old_a = ru.round(run.param(old))
-                if name == "running_var" and pol.running_var_sum is not None:
+                if batch is None:  # momentum_factor: (m · fl(R/(R-1))) · var, R and R - 1 converted exactly
+                    term_b = ru.mul(ru.mul(f_a, ru.div(float(r), float(r - 1), t), t), ru.round(var), t)
+                    upd = ru.round(ru.mul(keep_a, old_a, t) + term_b, t)
+                elif name == "running_var" and pol.running_var_sum is not None:
                     wide = Arith(pol.running_var_sum, pol.spec, run.rng, counting=run.counting)
                     term = wide.add(ru.mul(keep_a, old_a, t), wide.mul(f_a, ru.round(batch), t), t)
                     upd = ru.round(term, t)
@@ -613,8 +631,8 @@ def forward_infer(
     execution: Execution = Execution(),
 ) -> InferResult:
     """Inference-mode BatchNorm: normalise with the running statistics (``execution``: see :class:`Execution`)."""
-    pol = get_policy(policy)
     lay = layout_of(x, execution.layout)
+    pol = get_policy(policy).for_channels(lay.channels)
     eps = check_eps(eps)
     g = as_channel_vector("gamma", gamma, lay, 1.0)
     b = as_channel_vector("beta", beta, lay, 0.0)
@@ -666,10 +684,10 @@ def backward(
     form; the latter recomputes sigma = sqrt(saved_var + eps) when ``saved_var``
     is given (as the TBE kernels do), else uses sigma = 1/invstd.  ``execution``: see :class:`Execution`.
     """
-    pol = get_policy(policy)
+    lay = layout_of(x, execution.layout)
+    pol = get_policy(policy).for_channels(lay.channels)
     if pol.backward_lanes is not None:  # the backward's sums in lanes of their own
         pol = pol.with_options(lanes=pol.backward_lanes, backward_lanes=None)
-    lay = layout_of(x, execution.layout)
     if np.shape(dy) != lay.shape:
         raise BNProbeError(f"dy has shape {np.shape(dy)} but x has shape {lay.shape}")
     if training:
@@ -703,6 +721,12 @@ def _backward_block(run: _Run, dy: np.ndarray | Source, x: np.ndarray | Source, 
         return _backward_framework(run, dy, x, g, mu, inv, r)
     if pol.backward_formula == "inductor":
         return _backward_inductor(run, dy, x, g, mu, inv, r, training)
+    if pol.backward_formula == "onednn_jit":
+        return _backward_onednn_jit(run, dy, x, g, mu, inv, r, training)
+    if pol.backward_formula == "tf_eigen":
+        return _backward_tf_eigen(run, dy, x, g, mu, sv, r, training, eps)
+    if pol.backward_formula == "keras_tf":
+        return _backward_keras_tf(run, dy, x, g, mu, inv, r, training)
     with np.errstate(all="ignore"):
         first = None if run.fused is None else run.fused.backward_first(dy, x, mu, inv)
         if first is not None:  # loads, centered, xhat and both sums in one compiled pass, nothing stored
@@ -914,6 +938,133 @@ def _backward_framework(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray,
             scale = run.record("scale", acc, acc.mul(ga, invstd, t), ga * invstd, t)
             dx_c = run.op("dx_compute", comp, np.multiply, d, run.col(comp, scale), tally=t)
         dx = run.output("dx", run.out, dx_c)
+    return {"dx": dx, "dgamma": dgamma, "dbeta": dbeta}
+
+
+def _backward_onednn_jit(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray, inv: np.ndarray,
+                         r: int, training: bool) -> dict[str, np.ndarray | None]:
+    """oneDNN's JIT batch normalisation backward (``backward_formula=onednn_jit``, see
+    :data:`~bnprobe.kernels.policy.BACKWARD_FORMULAS`): each of the policy's threads (``threads``, dealt as
+    ``thread_split`` says) sums dy and, by fused multiply-adds, (x − mean)·dy over each of its samples from zero, adds
+    the sample's sum and its dot times rstd to its own; the threads' partials are added in order.  Every step rounded
+    in the accumulator format; with the statistics taken as constants (``training=False``) dx = (dy·γ)·rstd."""
+    pol, acc = run.policy, run.acc
+    with np.errstate(all="ignore"):
+        dys, ga, mean, invstd, xc, dyc = _backward_loads(run, dy, x, g, mu, inv)
+        centered = run.op("centered", acc, np.subtract, xc, run.col(acc, mean))
+        dya = run.cast("dy_acc", dys, pol.storage, acc)
+        cen, dyw = np.asarray(centered, dtype=np.float64), np.asarray(dya, dtype=np.float64)
+        t = run.tally()
+        s_len = r // (run.samples or 1)
+        dot, sum_dy = np.zeros(run.c), np.zeros(run.c)
+        for part in thread_blocks(r, pol.threads or 1, pol.thread_split, run.samples):
+            p_dot, p_sum = np.zeros(run.c), np.zeros(run.c)
+            start = part.start
+            while start < part.stop:
+                stop = min(part.stop, (start // s_len + 1) * s_len)  # (the rest of this sample)
+                sl = slice(start, stop)
+                p_sum = acc.add(p_sum, reduce_sum(dyw[:, sl], acc, order="sequential", tally=t), t)
+                one = thread_sum(cen[:, sl], acc, threads=1, times=dyw[:, sl], fused=True, tally=t)
+                p_dot = acc.add(p_dot, acc.mul(one, invstd, t), t)
+                start = stop
+            dot, sum_dy = acc.add(dot, p_dot, t), acc.add(sum_dy, p_sum, t)
+        dg = run.record("dgamma_acc", acc, dot, dot, t)
+        sum_dy = run.record("sum_dy", acc, sum_dy, sum_dy, t)
+        dbeta = run.rec("dbeta", run.params, sum_dy)
+        dgamma = run.rec("dgamma", run.params, dg)
+        t = run.tally()
+        d = dyc
+        if training:
+            rf = float(r)
+            k = acc.div(acc.mul(dg, invstd, t), rf, t)
+            d = acc.sub(acc.sub(d, run.col(acc, acc.div(sum_dy, rf, t)), t), acc.mul(centered, run.col(acc, k), t), t)
+        d = acc.mul(d, run.col(acc, ga), t)
+        dx_c = run.op("dx_compute", acc, np.multiply, d, run.col(acc, invstd), tally=t)
+        dx = run.output("dx", run.out, dx_c)
+    return {"dx": dx, "dgamma": dgamma, "dbeta": dbeta}
+
+
+def _backward_tf_eigen(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray,
+                       sv: np.ndarray | None, r: int, training: bool, eps: float) -> dict[str, np.ndarray | None]:
+    """TensorFlow's Eigen FusedBatchNormGrad (``backward_formula=tf_eigen``, see
+    :data:`~bnprobe.kernels.policy.BACKWARD_FORMULAS`) and, with the statistics taken as constants, its
+    FusedBatchNormFreezeGrad; every step rounded in the accumulator format, the sums TensorFlow's ReduceOuterDimensions
+    on the policy's ``threads`` (:func:`~bnprobe.numerics.reduce.outer_dims_sum`)."""
+    pol, acc = run.policy, run.acc
+    if sv is None:
+        raise BNProbeError("backward_formula=tf_eigen recomputes rsqrt from the saved variance: give saved_var")
+    with np.errstate(all="ignore"):
+        dys, ga, mean, _, xc, dyc = _backward_loads(run, dy, x, g, mu, np.ones_like(mu))
+        var_eps = acc.add(acc.round(run.param(sv)), acc.round(eps))
+        c0 = nrsqrt(var_eps, acc, method="rsqrtps", newton=1, form="eigen")
+        if run.vector_rows is not None and run.vector_rows < run.c:  # the scalar path: sqrt, then divide
+            v = run.vector_rows
+            c0 = np.concatenate([c0[:v], acc.div(np.ones(run.c - v), acc.sqrt(var_eps[v:]))])
+        c0 = run.record("rstd", acc, c0, 1.0 / np.sqrt(var_eps), run.tally())
+        dya = run.cast("dy_acc", dys, pol.storage, acc)
+        centered = run.op("centered", acc, np.subtract, xc, run.col(acc, mean))
+        t = run.tally()
+
+        def total(v: np.ndarray, item_bytes: int = 4) -> np.ndarray:
+            return outer_dims_sum(np.asarray(v, dtype=np.float64), acc, channels=run.channels,
+                                  threads=pol.threads or 1, item_bytes=item_bytes, tally=t)
+
+        sum_dy = run.record("sum_dy", acc, total(dya, get_format(pol.storage).itemsize), None, t)
+        dot = total(acc.mul(dya, centered, t))
+        if training:
+            dg = total(acc.mul(dya, acc.mul(centered, run.col(acc, c0), t), t))
+        else:
+            dg = acc.mul(dot, c0, t)
+        dg = run.record("dgamma_acc", acc, dg, None, t)
+        dbeta = run.rec("dbeta", run.params, sum_dy)
+        dgamma = run.rec("dgamma", run.params, dg)
+        t = run.tally()
+        if training:
+            ybar = acc.mul(sum_dy, acc.div(1.0, float(r), t), t)
+            coef2 = acc.mul(acc.mul(c0, c0, t), acc.div(dot, float(r), t), t)
+            d = acc.sub(acc.sub(dyc, run.col(acc, ybar), t), acc.mul(centered, run.col(acc, coef2), t), t)
+            dx_c = run.op("dx_compute", acc, np.multiply, run.col(acc, acc.mul(ga, c0, t)), d, tally=t)
+        else:
+            dx_c = run.op("dx_compute", acc, np.multiply, dyc, run.col(acc, acc.mul(c0, ga, t)), tally=t)
+        dx = run.output("dx", run.out, dx_c)
+    return {"dx": dx, "dgamma": dgamma, "dbeta": dbeta}
+
+
+def _backward_keras_tf(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray, inv: np.ndarray,
+                       r: int, training: bool) -> dict[str, np.ndarray | None]:
+    """TensorFlow's autodiff through Keras 3's BatchNormalization (``backward_formula=keras_tf``, see
+    :data:`~bnprobe.kernels.policy.BACKWARD_FORMULAS`): every op of the gradient graph rounded in the accumulator
+    format, its sums by the policy's order (the Sum ops' Eigen reductions); with the statistics taken as constants
+    (the moving ones) only dy·inv reaches dx."""
+    pol, acc = run.policy, run.acc
+    with np.errstate(all="ignore"):
+        dys, ga, mean, rstd, xc, dyc = _backward_loads(run, dy, x, g, mu, inv)
+        dya = run.cast("dy_acc", dys, pol.storage, acc)
+        t = run.tally()
+        sum_dy = run.rec("sum_dy", acc, run.reduce(dya, t), t)
+        t = run.tally()
+        dot = run.rec("sum_dy_x", acc, run.reduce(acc.mul(xc, dyc, t), t), t)
+        t = run.tally()
+        scale = acc.mul(rstd, ga, t)  # inv·γ, the forward's
+        neg = -sum_dy
+        grad_inv = acc.add(dot, acc.mul(mean, neg, t), t)
+        dg = acc.mul(rstd, grad_inv, t)
+        dbeta = run.rec("dbeta", run.params, sum_dy)
+        dgamma = run.rec("dgamma", run.params, dg)
+        dx_c = acc.mul(dyc, run.col(acc, scale), t)
+        if training:
+            rf = float(r)
+            g_r = acc.mul(grad_inv, ga, t)
+            packet = acc.mul(acc.mul(-0.5, acc.mul(rstd, rstd, t), t), acc.mul(rstd, g_r, t), t)
+            scalar = acc.mul(acc.mul(-0.5, acc.mul(g_r, rstd, t), t), acc.mul(rstd, rstd, t), t)
+            v = run.c if run.vector_rows is None else run.vector_rows
+            grad_var = np.concatenate([packet[:v], scalar[v:]])
+            grad_var = np.where(g_r == 0, 0.0, grad_var)  # (RsqrtGrad: a zero gradient gives zero)
+            centered = run.op("centered", acc, np.subtract, xc, run.col(acc, mean))
+            d_var = acc.mul(run.col(acc, acc.mul(2.0, acc.div(grad_var, rf, t), t)), centered, t)
+            d_mean = run.col(acc, acc.div(acc.mul(neg, scale, t), rf, t))
+            dx_c = acc.add(acc.add(dx_c, d_mean, t), d_var, t)
+        dx = run.output("dx", run.out, run.carried(acc.round(dx_c, t), acc))
     return {"dx": dx, "dgamma": dgamma, "dbeta": dbeta}
 
 

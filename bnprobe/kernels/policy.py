@@ -9,14 +9,14 @@ from dataclasses import dataclass, fields, replace
 
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
-from bnprobe.numerics.reduce import COMBINES, ORDERS
+from bnprobe.numerics.reduce import COMBINES, ORDERS, THREAD_SPLITS
 from bnprobe.numerics.rounding import OVERFLOWS, SUBNORMALS, RoundingSpec
 from bnprobe.numerics.rsqrt import NEWTON_FORMS
 from bnprobe.numerics.variance import MEAN_BY, VARIANCES
 
 __all__ = ["Policy", "PRESETS", "get_policy", "Y_FORMULAS", "RSQRT_METHODS", "BACKWARD_FORMULAS", "SQRT_METHODS",
            "DIVISIONS", "RECIP_METHODS",
-           "RUNNING_MOMENTA", "RUNNING_VARS", "UNBIASED_BY", "BACKWARD_FMAS", "BACKWARD_SUMS", "DX_FMAS"]
+           "RUNNING_MOMENTA", "RUNNING_VARS", "UNBIASED_BY", "BACKWARD_FMAS", "BACKWARD_SUMS", "DX_FMAS", "PATHS"]
 
 # How y is formed from the statistics:
 #   xhat   : xhat = (x - mean) * rstd; y = gamma * xhat + beta
@@ -51,11 +51,26 @@ RECIP_METHODS: tuple[str, ...] = ("exact", "magic", "table", "frecpe")
 # paddle   : dx = s·((dy·N·HW − Σdy) − ((x − mean)·dγ)·invstd), s = (γ·invstd)/R, dγ = Σ((x − mean)·invstd)·dy,
 #            the integer factors each a rounded multiplication (Paddle's CPU kernel)
 # onednn   : dγ = Σ(x − mean)·dy·invstd; dx = (dy − (Σdy/R + (((x − mean)·dγ)·invstd)/R))·(γ·invstd), invstd =
-#            1/sqrt(var + eps) from the saved variance (oneDNN's ncsp kernel: MindSpore's CPU BatchNormGrad)
+#            1/sqrt(var + eps) from the saved variance (oneDNN's ncsp kernel: MindSpore's CPU BatchNormGrad; its
+#            nspc C++ loop behind TensorFlow's fused kernel, with the sums split across threads by sample)
+# onednn_jit : oneDNN's JIT batch normalisation: in each thread, per sample, Σdy and Σ(x - mean)·dy by fused
+#            multiply-adds, the sample's dot times rstd added to the thread's; the threads' partials added in order;
+#            dx = (((dy - Σdy/R) - (x - mean)·((dγ·rstd)/R))·γ)·rstd
+# tf_eigen : TensorFlow's Eigen FusedBatchNormGrad (its CPU kernel without oneDNN, and with oneDNN for fp16):
+#            c0 = rsqrt(var + ε) recomputed from the saved variance, by Eigen's packet rsqrt (rsqrtps, one eigen
+#            Newton step) on the channels of whole packets (packet_lanes) and sqrt then divide on the rest; sums by
+#            TensorFlow's ReduceOuterDimensions on the policy's threads (row blocks as Eigen's cost model runs them);
+#            ȳ = Σdy·fl(1/R); dγ = Σ dy·((x - mean)·c0); m = Σ dy·(x - mean) / R;
+#            dx = (γ·c0)·((dy - ȳ) - (x - mean)·((c0·c0)·m)); statistics as constants: dx = dy·(c0·γ)
+# keras_tf : TensorFlow's autodiff through Keras 3's layer (tf.nn.moments, tf.nn.batch_normalization), op by op:
+#            inv = rstd·γ; gβ = Σdy; gm = -gβ·inv; dγ = rstd·(Σ x·dy + mean·(-gβ)); gv = RsqrtGrad(rstd, (...)·γ);
+#            dx = (dy·inv + gm/R) + (2·(gv/R))·(x - mean); sums in the policy's order, RsqrtGrad by packets
+#            (packet_lanes: (-1/2·(r·r))·(r·g)) and by scalars ((-1/2·(g·r))·(r·r))
 # inductor : torch.compile's decomposition (torch/_decomp native_batch_norm_backward), in the accumulator format:
 #            p = Σ(x - mean)·dy, n = fl(1/R); dγ = p·invstd; dx = ((dy - (x - mean)·((p·n)·(invstd·invstd))) - Σdy·n)
 #            ·(invstd·γ) (statistics taken as constants: dx = dy·(invstd·γ))
-BACKWARD_FORMULAS: tuple[str, ...] = ("standard", "ascend", "torch", "paddle", "onednn", "inductor")
+BACKWARD_FORMULAS: tuple[str, ...] = ("standard", "ascend", "torch", "paddle", "onednn", "inductor", "onednn_jit",
+                                      "tf_eigen", "keras_tf")
 # backward_fma: which multiply-adds of the backward's Σ(x - mean)·dy are fused: none, the vector body (lanes), the
 # tail (order=vec: the scalar tail; plane_reduce: the masked last vector of each plane) or all
 BACKWARD_FMAS: tuple[str, ...] = ("none", "body", "tail", "all")
@@ -78,8 +93,19 @@ RUNNING_MOMENTA: tuple[str, ...] = ("new", "old", "keep")
 # the running variance's update takes the batch variance times R/(R-1) (PyTorch, TF's fused kernel, MindSpore) or
 # the biased batch variance itself (flax, Keras, Paddle)
 RUNNING_VARS: tuple[str, ...] = ("unbiased", "biased")
-# the unbiased variance as var · fl(R/(R-1)), or as Σ(x - mean)² / (R - 1) (PyTorch's CPU kernel)
-UNBIASED_BY: tuple[str, ...] = ("factor", "divide")
+# the unbiased variance as var · fl(R/(R-1)), or as Σ(x - mean)² / (R - 1) (PyTorch's CPU kernel), or not formed:
+# the running update's batch term is (m · fl(R/(R-1))) · var (momentum_factor: TensorFlow's fused kernels, on
+# oneDNN and on Eigen)
+UNBIASED_BY: tuple[str, ...] = ("factor", "divide", "momentum_factor")
+# A kernel's second code path, taken when path_channels divides the channel count: the fields it changes.
+#   onednn_jit : oneDNN's JIT batch normalisation (its C++ loop runs the other channel counts): threads split the
+#                samples, then each sample's positions; Σ(x - mean)² by fused multiply-adds;
+#                y = fma((x - mean)·(1/√(var + ε)), γ, β); its own backward where the policy's is oneDNN's (onednn;
+#                another backward stays: TensorFlow's fp16 gradient is Eigen's on either path)
+PATHS: dict[str, dict[str, object]] = {
+    "onednn_jit": {"thread_split": "samples_spatial", "variance_fma": True, "y_formula": "xhat", "fma": True,
+                   "rsqrt": "sqrt_div", "sqrt": "exact", "division": "exact", "backward_formula": "onednn_jit"},
+}
 
 
 @functools.cache
@@ -138,6 +164,15 @@ class Policy:
     stored_stats: bool = False
     core_parts: int = 1  # cores sharing one channel's reduction (N split across cores)
     core_combine: str = "ordered"  # their partial sums added in core order, or by atomic adds (random order)
+    # a second code path for channel counts that path_channels divides (0: none), the policy with PATHS[channel_path]
+    # applied: oneDNN's JIT kernel for C a multiple of its vector width (fp32: 4 from SSE4.1 up; bf16, fp16: 16 on
+    # AVX-512), its C++ loop otherwise
+    path_channels: int = 0
+    channel_path: str = "onednn_jit"
+    # a kernel vectorised across channels in packets of this many (Eigen on TensorFlow's AVX builds: 8): the channels
+    # left over from the last whole packet take the scalar path, sequential sums and 1/√ as sqrt then divide, each
+    # rounded (0: every channel takes the policy's order and rsqrt)
+    packet_lanes: int = 0
     unbiased_r1: str = "error"
     running_momentum: str = "new"  # RUNNING_MOMENTA
     running_var: str = "unbiased"  # RUNNING_VARS
@@ -164,6 +199,9 @@ class Policy:
     # reduction across them (a layout without rows and few channels: bnprobe.numerics.inductor.splits_channels), each
     # thread a contiguous part of the rows (OpenMP's static schedule), the parts merged in thread order
     threads: int | None = None
+    # how the rows are dealt to the threads (reduce.THREAD_SPLITS): in ⌈R/T'⌉ contiguous blocks (rows, PyTorch), or
+    # by sample, as oneDNN's C++ loop (samples) and JIT kernel (samples_spatial) deal them
+    thread_split: str = "rows"
     # the threads' Σ(x − mean)² (and naive Σx²) accumulated by fused multiply-adds, s = fma(d, d, s) (GCC contracts
     # PyTorch's `y + (x − mean)·(x − mean)`); needs threads
     variance_fma: bool = False
@@ -189,8 +227,8 @@ class Policy:
             "recip": RECIP_METHODS, "newton_form": NEWTON_FORMS, "core_combine": COMBINES,
             "unbiased_r1": UNBIASED_R1, "running_momentum": RUNNING_MOMENTA, "running_var": RUNNING_VARS,
             "infer_y_formula": (None,) + Y_FORMULAS, "unbiased_by": UNBIASED_BY, "backward_fma": BACKWARD_FMAS,
-            "backward_sums": BACKWARD_SUMS, "dx_fma": DX_FMAS,
-            "infer_rsqrt": (None,) + RSQRT_METHODS,
+            "backward_sums": BACKWARD_SUMS, "dx_fma": DX_FMAS, "thread_split": THREAD_SPLITS,
+            "channel_path": tuple(PATHS), "infer_rsqrt": (None,) + RSQRT_METHODS,
         }
         for attr, valid in choices.items():
             if getattr(self, attr) not in valid:
@@ -244,6 +282,11 @@ class Policy:
                                "give order=inductor")
         if self.kahan and self.order == "pairwise":
             raise BNProbeError("policy kahan=True needs order=sequential or order=lanes")
+        if self.thread_split != "rows" and self.threads is None:
+            raise BNProbeError(f"policy thread_split={self.thread_split} deals rows to threads: give threads")
+        for name in ("path_channels", "packet_lanes"):
+            if not 0 <= getattr(self, name) <= 4096:
+                raise BNProbeError(f"policy {name} must be 0 to 4096, got {getattr(self, name)}")
 
     @property
     def params_format(self) -> str:
@@ -265,6 +308,16 @@ class Policy:
                        sqrt="exact", division="exact", clamp_var=False, core_combine="ordered",
                        running_format=None, rstd_format=None, sum_format=None, saved_format=None, running_var_sum=None,
                        variance_fma=False, infer_rsqrt=None)
+
+    def for_channels(self, channels: int) -> Policy:
+        """The policy a call with ``channels`` channels runs: this one, or, when ``path_channels`` divides the count,
+        this one with its second path's fields (:data:`PATHS`) applied."""
+        if self.path_channels and channels % self.path_channels == 0:
+            changes = dict(PATHS[self.channel_path])
+            if self.backward_formula != "onednn":
+                changes.pop("backward_formula", None)
+            return self.with_options(**changes, path_channels=0)
+        return self
 
     def with_options(self, **changes: object) -> Policy:
         """A copy with some fields changed (unknown names are a BNProbeError)."""
