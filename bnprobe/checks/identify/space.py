@@ -72,6 +72,12 @@ FIELD_PROBES = {
     "dx_fma": "a channel count that is not a multiple of the vector width, dx that cancels (R = 2)",
     "backward_lanes": "FPRev pairs in dy (the backward's sums)",
     "infer_rsqrt": "inference with running variances across binades",
+    "thread_split": "a batch of fewer samples than threads (a split that deals the samples' positions too shows)",
+    "path_channels": "channel counts that are multiples of 4, 8 and 16 and counts that are not (a kernel's vector "
+                     "path)",
+    "channel_path": "channel counts that are multiples of 4, 8 and 16 (a kernel's vector path)",
+    "packet_lanes": "channel counts with and without channels left over from whole packets of 8 and 16",
+    "newton_form": "var + ε swept across binades",
 }
 
 
@@ -87,6 +93,9 @@ _ORDERS: tuple[dict[str, Any], ...] = (
 _RSQRTS: tuple[dict[str, Any], ...] = (
     {"rsqrt": "exact"},
     {"rsqrt": "sqrt_div", "sqrt": "exact", "division": "exact"},
+    # x86's RSQRTPS refined as Eigen's packet rsqrt refines it (TensorFlow's rsqrt on whole packets), or alone; ahead
+    # of the other estimates so that a later stage tries it among the ties a 16-bit y leaves
+    *({"rsqrt": "rsqrtps", "rsqrt_newton": k, "newton_form": "eigen"} for k in (1, 0, 2)),
     *({"rsqrt": "sqrt_div", "division": "reciprocal", "recip": r, "recip_newton": k}
       for r in ("table", "frecpe", "magic") for k in (1, 2)),
     *({"rsqrt": "magic", "rsqrt_newton": k} for k in (0, 1, 2, 3)),
@@ -100,11 +109,30 @@ _RSQRTS: tuple[dict[str, Any], ...] = (
 )
 
 
+#: the thread counts a split by sample is tried with in the first layout's search (probes hold at most 6 samples: 8
+#: and 16 stand for every count above, which give each sample its own thread, and split positions too where the split
+#: allows it)
+THREADS = (2, 3, 4, 8, 16)
+#: the channel counts at which a kernel may take a second path (oneDNN: SSE4.1 and AVX2 / AVX-512 vector widths)
+PATH_CHANNELS = (0, 4, 8, 16)
+
+
 def _accumulators(fmt: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(("fp32", fmt if fmt in ("fp16", "bf16") else "fp32", "fp64")))
 
 
 def _mean_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
+    """The mean stage's candidates: every one not split across threads says so (a split found in an earlier pass
+    does not leak into them: nor does its fused sum of squares, which needs the threads)."""
+    for c in _mean_candidates(cur, fmt):
+        if "packet_lanes" not in c:
+            c = {**c, "packet_lanes": 0}
+        if "threads" not in c and cur.thread_split != "rows":  # (a split by sample found earlier: not theirs)
+            c = {**c, "threads": None, "thread_split": "rows", "variance_fma": False}
+        yield c
+
+
+def _mean_candidates(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
     sum_based = cur.variance if cur.variance in ("naive", "two_pass") else "two_pass"
     for acc in _accumulators(fmt):
         orders = _ORDERS if acc != "fp64" else ({"order": "pairwise"},)
@@ -131,6 +159,17 @@ def _mean_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
         for lanes, unroll, v in itertools.product((16, 8), (1, 2), ("inductor", "two_pass")):
             yield {"accumulate": "fp32", "variance": v, "kahan": False, "unroll": unroll, "sum_format": None,
                    "order": "inductor", "lanes": lanes, "mean_by": "divide", "backward_fma": "none"}
+    # Eigen's reduction over the rows of an NHWC tensor: four interleaved accumulators for the channels in whole
+    # packets, the channels left over summed in order (TensorFlow's reduce_mean: Keras on TensorFlow)
+    for lanes, by in itertools.product((0, 8, 16), ("divide", "reciprocal")):
+        yield {"accumulate": "fp32", "variance": sum_based, "kahan": False, "unroll": 1, "sum_format": None,
+               "order": "interleave4", "packet_lanes": lanes, "mean_by": by, "backward_fma": "none"}
+    # threads that each sum whole samples (or parts of one) in order, their partials added in thread order (oneDNN's
+    # batch normalisation on T threads: lanes = channels, each channel's sum sequential within a thread)
+    for threads, split in itertools.product(THREADS, ("samples", "samples_spatial")):
+        yield {"accumulate": "fp32", "variance": sum_based, "kahan": False, "unroll": 1, "sum_format": None,
+               "order": "sequential", "mean_by": "divide", "backward_fma": "none", "core_parts": 1,
+               "threads": threads, "thread_split": split, "variance_fma": cur.variance_fma and cur.threads is not None}
     for acc in _accumulators(fmt):
         for v, lanes, by in itertools.product(("welford", "welford_ascend"), (1, 8, 16, 64), ("divide", "reciprocal")):
             yield {"accumulate": acc, "variance": v, "lanes": lanes, "mean_by": by, "order": "pairwise",
@@ -142,14 +181,18 @@ def _mean_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
 
 def _variance_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
     variances = ("two_pass", "naive") if cur.variance in ("naive", "two_pass") else (cur.variance,)
-    # (the variance's division by R too: a Welford or Chan mean does not show it)
-    for v, clamp, by in itertools.product(variances, (False, True), ("divide", "reciprocal")):
-        yield {"variance": v, "clamp_var": clamp, "mean_by": by if cur.mean_by != "prescaled" else "prescaled"}
+    # (the variance's division by R too: a Welford or Chan mean does not show it; the threads' sums of squares by
+    # fused multiply-adds; a second code path for channel counts that a vector width divides, which fuses them)
+    fused = (False, True) if cur.threads is not None else (False,)
+    for v, clamp, by, fma, path in itertools.product(variances, (False, True), ("divide", "reciprocal"), fused,
+                                                     PATH_CHANNELS):
+        yield {"variance": v, "clamp_var": clamp, "mean_by": by if cur.mean_by != "prescaled" else "prescaled",
+               "variance_fma": fma, "path_channels": path}
 
 
 def rsqrt_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
     defaults = {"sqrt": "exact", "division": "exact", "recip": "table", "recip_newton": 2, "rsqrt_newton": 0,
-                "rsqrt_bits": 12, "rstd_format": None}
+                "rsqrt_bits": 12, "rstd_format": None, "newton_form": "standard"}
     for r in _RSQRTS:
         yield {**defaults, **r}
 
@@ -172,8 +215,9 @@ def _modes_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
 def _running_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
     formats = tuple(dict.fromkeys(f for f in (None, cur.params_format, "fp64") if f != cur.accumulate))
     for m, v, f, by, wide in itertools.product(("new", "old", "keep"), ("unbiased", "biased"), formats,
-                                               ("factor", "divide"),
-                                               (None, "fp64")):
+                                               ("factor", "divide", "momentum_factor"), (None, "fp64")):
+        if by == "momentum_factor" and (v != "unbiased" or wide is not None):
+            continue
         if (v == "unbiased" or by == "factor") and (wide is None or f in (None, "fp32") and cur.accumulate == "fp32"):
             yield {"running_momentum": m, "running_var": v, "running_format": f, "unbiased_by": by,
                    "running_var_sum": wide}
@@ -212,6 +256,13 @@ def _backward_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
     if cur.order == "omp_simd" and cur.lanes != 1:  # (a backward loop the compiler did not vectorise: oneDNN's)
         for f in ("standard", "onednn"):
             yield {"backward_formula": f, "backward_fma": "none", "backward_sums": "forward", "backward_lanes": 1}
+    for f in ("onednn_jit", "keras_tf"):
+        yield {"backward_formula": f, "backward_fma": "none", "backward_sums": "forward", "backward_lanes": None}
+    # TensorFlow's Eigen gradient recomputes rsqrt by packets: its packet width is the backward's to find when the
+    # forward (oneDNN's, say) did not show it
+    for lanes in dict.fromkeys((cur.packet_lanes, 8, 16)):
+        yield {"backward_formula": "tf_eigen", "backward_fma": "none", "backward_sums": "forward",
+               "backward_lanes": None, "packet_lanes": lanes}
     if fmt in ("fp32", "fp64"):
         # or plane by plane, each plane's lanes folded, the planes added in the forward's sum format (PyTorch's fp32
         # and fp64 CPU backward: at::vec::reduce_all, 8 lanes in its AVX2 build, 16 in an AVX-512 one); the lanes
