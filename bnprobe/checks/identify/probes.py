@@ -88,10 +88,12 @@ def probes(dtype: str, params: str = "fp32", *, seed: int = 0, eps: float = EPS,
     add("pairs", x, "FPRev pairs +L, -L among small values at distances 1 to 300: the summation tree and lanes "
         "(R = 483)")
     # values spread over many binades with random signs: every sum depends on its order and width
-    sign = np.where(rng.random((3, 6, 7, 11)) < 0.5, -1.0, 1.0)
-    x = sign * 2.0 ** rng.uniform(-wide, wide, (3, 6, 7, 11)) * (1.0 + rng.random((3, 6, 7, 11)))
+    # (8 channels: with 12 in binades and 16 in plain, a vector path for channel counts that 4, 8 or 16 divides shows
+    # which of them it is)
+    sign = np.where(rng.random((3, 8, 7, 11)) < 0.5, -1.0, 1.0)
+    x = sign * 2.0 ** rng.uniform(-wide, wide, (3, 8, 7, 11)) * (1.0 + rng.random((3, 8, 7, 11)))
     x[:, 1] += 2.0 ** (wide - 1)  # one channel with a large offset: a big value plus many small ones
-    add("spread", x, "sums that depend on order and width (R = 231, no lane width divides it)")
+    add("spread", x, "sums that depend on order and width (R = 231, no lane width divides it); 8 channels")
     means, stds = np.array([10.0, 100.0, 1000.0, -300.0, 50.0, 7.0]), np.array([1, 1, 1, 2, 0.25, 3])
     x = means[None, :, None, None] + rng.standard_normal((4, 6, 5, 9)) * stds[None, :, None, None]
     add("large-mean", x, "large means over small spreads (one-pass variance cancels; inference on a large running "
@@ -106,8 +108,9 @@ def probes(dtype: str, params: str = "fp32", *, seed: int = 0, eps: float = EPS,
     scales = 2.0 ** np.arange(-6, 6) * (1.0 + rng.random(12))
     x = rng.standard_normal((2, 12, 6, 6)) * scales[None, :, None, None]
     add("binades", x, "standard deviations across 12 binades (the rsqrt's signature); R = 72")
-    x = rng.standard_normal((5, 6, 4, 7)) + rng.normal(0.0, 3.0, 6)[None, :, None, None]
-    add("plain", x, "ordinary activations with γ, β and running statistics; R = 140")
+    # (16 channels: a kernel's vector path for channel counts that 4, 8 or 16 divide — oneDNN's JIT kernel — shows)
+    x = rng.standard_normal((5, 16, 4, 7)) + rng.normal(0.0, 3.0, 16)[None, :, None, None]
+    add("plain", x, "ordinary activations with γ, β and running statistics, 16 channels; R = 140")
     x = rng.standard_normal((2, 3, 4, 6)) + 1.0
     add("tiny-r", x[:, :, :1, :3], "R = 6: Bessel's factor and the divisions by R show")
     sub = fmt.smallest_subnormal * rng.integers(1, 64, (2, 4, 4, 4)).astype(np.float64)
