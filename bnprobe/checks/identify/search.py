@@ -218,11 +218,13 @@ class _Search:
             earlier = ("mean",) if stage == "variance" else ("mean", "variance")
             alts = [{}] + [t for st in earlier for t in self.ties.get(st, [])[:TIES_TRIED]]
             space = [{**alt, **c} for alt in alts for c in space]
-        if stage == "running" and self.narrow_stats:
+        if stage == "running" and (self.narrow_stats or self.outputs_of("mean") == ("y",)):
             # (the running statistics read the batch statistics unrounded: the mean stage's ties, which statistics
             # saved in a 16-bit format could not tell apart, are told apart here — inductor's Welford above 1024
-            # values from a two-pass variance, in bf16)
-            alts = [{}] + self.ties.get("mean", [])[:TIES_TRIED]
+            # values from a two-pass variance, in bf16; and for a kernel that returns no statistics, the variance
+            # stage's too, which y, formed from them and rounded, may hide — Keras in bf16)
+            earlier = ("mean",) if self.narrow_stats else ("mean", "variance")
+            alts = [{}] + [t for st in earlier for t in self.ties.get(st, [])[:TIES_TRIED]]
             space = [{**alt, **c} for alt in alts for c in space]
         if stage in ("infer", "backward"):
             # the earlier stages' ties reproduced the training forward (y in fp16 hides the compute format, an FMA, a
@@ -233,6 +235,13 @@ class _Search:
             for t in self.ties.get("y", [])[TIES_TRIED:]:
                 if t.get("y_formula") not in formulas:
                     formulas.add(t.get("y_formula"))
+                    alts.append(t)
+            # (and one tie of each rsqrt method past those: a 16-bit y may hide an estimate the backward then shows —
+            # Keras's rsqrtps, in bf16)
+            methods = {(t.get("rsqrt"), t.get("newton_form")) for t in alts}
+            for t in self.ties.get("rsqrt", [])[TIES_TRIED:]:
+                if (t.get("rsqrt"), t.get("newton_form")) not in methods:
+                    methods.add((t.get("rsqrt"), t.get("newton_form")))
                     alts.append(t)
             if stage == "infer":  # (inference forms its own rstd: every rsqrt the training forward allows)
                 alts += [{**r, "rstd_format": cur.rstd_format} for r in rsqrt_space(cur, self.fmt)]
@@ -319,6 +328,19 @@ class _Search:
         self.ties[stage] = [c for c, _, _ in ties]
         return chosen, summary, self.ties[stage]
 
+def _rescore(search: _Search, policy: Policy, stages: dict[str, dict[str, Any]]) -> None:
+    """A stage pinned by an output a later stage of the last pass settled (y, for a kernel that returns no
+    statistics: the mean and variance are searched before the rsqrt that y needs) scored again with the policy
+    found: its summary says exact when that policy reproduces what pins it."""
+    for st in FORWARD_STAGES:
+        summary = stages.get(st, {})
+        pinned = tuple(summary.get("pinned_by") or ())
+        if summary.get("exact") is False and pinned:
+            again = search.evaluate(policy, st, pinned)
+            if all(v.exact for v in again.values()):
+                summary.update(exact=True, mismatches=0, max_ulps=0.0)
+
+
 def _complexity(policy: Policy) -> int:
     """How many fields a policy sets away from its format's preset (the simplest explanation is preferred)."""
     base = PRESETS.get(policy.storage)
@@ -396,6 +418,7 @@ def _identify_observed(kernel: KernelAdapter, observed: list[Observed], fresh: l
     seen = [k for k in OUTPUT_STAGE if any(k in o.got for o in observed)]
     by_stage = {st: tuple(k for k in seen if OUTPUT_STAGE[k] == st) for st in STAGES}
     mine = {st: search.evaluate(policy, st, outs) for st, outs in by_stage.items() if outs}
+    _rescore(search, policy, stages)
 
     def equivalent(changes: dict[str, Any]) -> bool:
         """Whether the policy with ``changes`` reproduces every output as well as the one chosen (a tie of one
@@ -404,8 +427,12 @@ def _identify_observed(kernel: KernelAdapter, observed: list[Observed], fresh: l
             cand = policy.with_options(**changes)
         except BNProbeError:
             return False
-        return all(search.evaluate(cand, st, outs)[k].mismatches == mine[st][k].mismatches
-                   for st, outs in by_stage.items() if outs for k in outs)
+        for st, outs in by_stage.items():
+            if outs:  # (a candidate with more mismatches than the chosen one is not equivalent: stop there)
+                got = search.evaluate(cand, st, outs, limit=sum(mine[st][k].mismatches for k in outs))
+                if any(got[k].mismatches != mine[st][k].mismatches for k in outs):
+                    return False
+        return True
 
     undist = [u for st in STAGES
               if (u := _undistinguished(st, policy, [t for t in ties_of.get(st, (policy, []))[1] if equivalent(t)]))]
