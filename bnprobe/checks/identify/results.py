@@ -141,8 +141,8 @@ class Identified(Judged):
         return self.to_frame()
 
     def found(self) -> str:
-        """What identify found, in words (not :attr:`verdict`, the result protocol's PASS/FAIL): the recipe that reproduces it, the closest where it departs when close, or where
-        no recipe does."""
+        """What identify found, in words (not :attr:`verdict`, the result protocol's PASS/FAIL): the recipe that
+        reproduces it, the closest where it departs when close, or where no recipe does."""
         if self.reproduced:
             return f"reproduced bit for bit by emulated:{self.spec}"
         if self.close:
