@@ -31,7 +31,7 @@ from bnprobe.kernels.policy import Policy, get_policy
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.arith import Arith, Tally, as_carrier, fits_float32, fma_wide
 from bnprobe.numerics.inductor import splits_channels, splits_rows
-from bnprobe.numerics.reduce import (Cores, Rows, outer_dims_sum, packet_split_sum, plane_reduce, reduce_sum,
+from bnprobe.numerics.reduce import (CallShape, Cores, Rows, outer_dims_sum, packet_split_sum, plane_reduce, reduce_sum,
                                      small_batch_threads, thread_blocks, thread_sum, vec_dot)
 from bnprobe.numerics.rounding import RoundingSpec, round_to
 from bnprobe.numerics.rsqrt import divide, rsqrt_ascend950, sqrt_eigen_fast
@@ -115,7 +115,7 @@ class _Setting:
     counted, no stage recorded, outputs only), its carrier, the dtypes of the caller's tensors by stage name, whether
     it takes the compiled route, the length of the layout's contiguous rows in a channel (H*W channels-first;
     for order=vec), the call's channel count (PyTorch's small-batch split across threads and packet_lanes depend on
-    it) and its number of samples N (for threads dealt by sample)."""
+    it), its number of samples N (for threads dealt by sample) and its shape (order=xla reads it)."""
 
     keep_arrays: bool = False
     counting: bool = True
@@ -125,6 +125,12 @@ class _Setting:
     row: int | None = None
     channels: int = 1
     samples: int | None = None
+    shape: CallShape | None = None
+
+
+def _call_shape(lay: Layout) -> CallShape:
+    """The call's reduced axes (N and the spatial ones, outermost first) and channel count, for order=xla."""
+    return CallShape(tuple(d for i, d in enumerate(lay.shape) if i != lay.channel_axis), lay.channels)
 
 
 class _Run:
@@ -135,6 +141,7 @@ class _Run:
         self.policy = policy
         self.first = first  # the call's index of this block's first channel
         self.row = setting.row  # the length of the layout's contiguous rows in a channel, for order=vec
+        self.shape = setting.shape if policy.order == "xla" else None  # the call's shape, which order=xla reads
         self.channels = setting.channels  # the call's, not this block's
         self.c = channels
         self.samples = setting.samples  # the call's N
@@ -175,7 +182,11 @@ class _Run:
             x = self.acc.mul(x, self.acc.round(times, tally), tally)
         return packet_split_sum(x, self.acc, self.vector_rows, lambda rows, t: reduce_sum(
             rows, self.acc, order=pol.order, lanes=pol.lanes, kahan=pol.kahan, tally=t, cores=cores or self.cores,
-            rng=self.rng, unroll=pol.unroll, row=self.rows() if times is None else self.row), tally)
+            rng=self.rng, unroll=pol.unroll, row=self.order_rows() if times is None else self.shape or self.row), tally)
+
+    def order_rows(self) -> Rows | CallShape | None:
+        """What the policy's order reads of the layout: the call's shape (order=xla), or this block's rows."""
+        return self.shape if self.policy.order == "xla" else self.rows()
 
     def rows(self) -> Rows | None:
         """This block's channel-first rows and where they sit in the call's buffer (None: not channel-first)."""
@@ -431,7 +442,7 @@ class _Blocks:
         self.setting = _Setting(keep_arrays, execution.counters, carrier,
                                 {k: np.asarray(v).dtype for k, v in (sources or {}).items()}, self.compiled,
                                 int(np.prod(lay.shape[2:], dtype=np.int64)) if lay.layout == "channels_first" else None,
-                                lay.channels, int(lay.shape[0]))
+                                lay.channels, int(lay.shape[0]), _call_shape(lay))
         self.meta["route"] = "compiled" if self.compiled else f"{np.dtype(carrier).name} carriers"
         self._views: dict[int, Source] = {}
         self._dest: Source | None = None
@@ -558,7 +569,7 @@ def _train_block(run: _Run, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.
             wide = run.wide_sums()
             sums = ThreadSums(acc, pol.threads if wide is None else small_batch_threads(pol.threads, r, run.channels),
                               wide, pol.variance_fma, pol.thread_split, run.samples)
-        m = moments(xa, acc, method, rng=run.rng, row=run.rows(), vector_rows=run.vector_rows,
+        m = moments(xa, acc, method, rng=run.rng, row=run.order_rows(), vector_rows=run.vector_rows,
                     overrides=run.overrides, wide_sums=run.trace.keep_arrays, sums=sums, channels=run.channels)
         for sv in m.stages:
             run.trace.record(sv.name, sv.value, sv.arith.fmt, wide=sv.wide, tally=sv.tally,
@@ -727,6 +738,8 @@ def _backward_block(run: _Run, dy: np.ndarray | Source, x: np.ndarray | Source, 
         return _backward_tf_eigen(run, dy, x, g, mu, sv, r, training, eps)
     if pol.backward_formula == "keras_tf":
         return _backward_keras_tf(run, dy, x, g, mu, inv, r, training)
+    if pol.backward_formula == "jax":
+        return _backward_jax(run, dy, x, g, (mu, inv, sv), eps=eps, training=training, r=r)
     with np.errstate(all="ignore"):
         first = None if run.fused is None else run.fused.backward_first(dy, x, mu, inv)
         if first is not None:  # loads, centered, xhat and both sums in one compiled pass, nothing stored
@@ -1066,6 +1079,89 @@ def _backward_keras_tf(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, 
             dx_c = acc.add(acc.add(dx_c, d_mean, t), d_var, t)
         dx = run.output("dx", run.out, run.carried(acc.round(dx_c, t), acc))
     return {"dx": dx, "dgamma": dgamma, "dbeta": dbeta}
+
+
+def _jax_statistics(run: _Run, xs: np.ndarray, eps: float) -> tuple[np.ndarray, ...]:
+    """The batch statistics JAX's autodiff recomputes from x (flax saves none): the mean, var + ε, rstd by the
+    policy's forward, and the derivative of the variance's clamp max(0, v) — 1 above 0, ½ at 0 (JAX's derivative
+    of a tie), 0 below (1 everywhere without clamp_var)."""
+    pol, acc = run.policy, run.acc
+    xa = run.cast("x_acc", xs, pol.storage, acc)
+    method = MomentsMethod(pol.variance, pol.order, pol.lanes, pol.tiles, pol.kahan, pol.mean_by, False,
+                           pol.unroll, run.cores, pol.sum_format)
+    m = moments(xa, acc, method, rng=run.rng, row=run.order_rows(), wide_sums=False)
+    raw = m.var
+    var, slope = raw, np.ones_like(raw)
+    if pol.clamp_var:
+        var = np.where(raw < 0, 0.0, raw)
+        slope = np.where(raw > 0, 1.0, np.where(raw == 0, 0.5, 0.0))
+    var_eps = run.rec("var_eps", acc, var + float(acc.round(eps)), negative=True)
+    return m.mean, var_eps, run.rstd(var_eps)[0], slope
+
+
+def _backward_jax(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray,
+                  saved: tuple[np.ndarray, np.ndarray, np.ndarray | None], *, eps: float, training: bool,
+                  r: int) -> dict[str, np.ndarray | None]:
+    """``backward_formula=jax``: the vjp JAX runs through flax's BatchNorm (eager: one rounding per primitive,
+    per-channel values in the accumulator, elementwise ones in the compute format).  dβ = Σdy, dγ = rstd·Σ(x −
+    mean)dy; in evaluation dx = dy·w with w = rstd·γ (from the given mean and invstd, or var + ε when a variance
+    is given); in training, with the statistics recomputed (:func:`_jax_statistics`), u = dy·w,
+    k₂ = ((Σ(x − mean)dy·γ)·(−½·rstd/(var + ε))·clamp')/R, k₁ = (−Σu − k₂·2mean)/R (each /R as mean_by says)
+    and dx = (u + k₁) + k₂·2x — or, x stored narrower than computed, dx = fl(u) + fl(k₁ + k₂·2x), the sum in the
+    storage format (flax casts each cotangent to x's dtype before adding them)."""
+    pol, acc, comp = run.policy, run.acc, run.comp
+    mu, inv, sv = saved
+    with np.errstate(all="ignore"):
+        dys = run.load("dy", dy, run.storage)
+        xs = run.load("x", x, run.storage)
+        ga = acc.round(run.param(g))
+        slope = None
+        if training:
+            mean, var_eps, rstd, slope = _jax_statistics(run, xs, eps)
+        else:
+            mean = acc.round(run.param(mu))
+            var_eps = None if sv is None else run.rec("var_eps", acc, acc.round(run.param(sv)) + float(acc.round(eps)))
+            rstd = acc.round(run.param(inv)) if var_eps is None else run.rstd(var_eps)[0]
+        xc = run.cast("x_compute", xs, pol.storage, comp)
+        dyc = run.cast("dy_compute", dys, pol.storage, comp)
+        dya = run.cast("dy_acc", dys, pol.storage, acc)
+        w = run.rec("w", acc, ga * rstd)
+        centered = run.op("centered", comp, np.subtract, xc, run.col(comp, mean))
+        t = run.tally()
+        sum_dy = run.rec("sum_dy", acc, run.reduce(dya, t), t)
+        t = run.tally()
+        dot = run.rec("sum_dy_centered", acc, run.reduce(dya, t, times=centered), t)
+        dbeta = run.rec("dbeta", run.params, sum_dy)
+        dgamma = run.rec("dgamma", run.params, acc.mul(rstd, dot))
+        u = run.op("dy_w", comp, np.multiply, dyc, run.col(comp, w))
+        if not training:
+            return {"dx": run.output("dx", run.out, u), "dgamma": dgamma, "dbeta": dbeta}
+        t = run.tally()
+        neg_sum_u = -run.reduce(run.cast("dy_w_acc", u, pol.compute, acc), t)
+        half = acc.mul(-0.5, acc.div(rstd, var_eps))
+        lead = acc.mul(acc.mul(acc.mul(dot, ga), half), slope)  # dL/dE[x²]·R
+        k2 = run.rec("k2", acc, _per_count(lead, r, pol.mean_by, acc))
+        k1 = run.rec("k1", acc, _per_count(acc.add(neg_sum_u, acc.mul(-lead, acc.mul(2.0, mean))), r, pol.mean_by,
+                                           acc))
+        t = run.tally()
+        two_x = comp.mul(2.0, xc, t)
+        spread = comp.mul(run.col(comp, k2), two_x, t)
+        if get_format(pol.storage).name == get_format(pol.compute).name:
+            dx_c = run.op("dx_compute", comp, np.add, comp.add(u, run.col(comp, k1), t), spread, tally=t)
+            dx = run.output("dx", run.out, dx_c)
+        else:
+            parts = run.out.round(u, t), run.out.round(comp.add(run.col(comp, k1), spread, t), t)
+            dx = run.output("dx", run.out, run.out.add(*parts, t))
+    return {"dx": dx, "dgamma": dgamma, "dbeta": dbeta}
+
+
+def _per_count(v: np.ndarray, count: int, mean_by: str, acc: Arith) -> np.ndarray:
+    """v / count as the policy divides by R: one rounding (divide) or v·fl(1/R) (reciprocal)."""
+    if mean_by == "divide":
+        return acc.div(v, float(count))
+    if mean_by == "reciprocal":
+        return acc.mul(v, acc.round(1.0 / count))
+    raise BNProbeError(f"backward_formula=jax divides by R as mean_by=divide or reciprocal do, not {mean_by}")
 
 
 def _dx_coefficients(run: _Run, ga: np.ndarray, mean: np.ndarray, invstd: np.ndarray, sum_dy: np.ndarray,

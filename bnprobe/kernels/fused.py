@@ -48,10 +48,10 @@ def compiled_route(policy: Any, keep_arrays: bool, overrides: dict[str, np.ndarr
     notes and :func:`bnprobe.compiled.jit.jit_for`)."""
     if keep_arrays or overrides or not jit_for(elements):
         return False
-    if policy.order in ("vec", "rowlanes", "eigen", "omp_simd", "inductor", "interleave4") or \
+    if policy.order in ("vec", "rowlanes", "eigen", "omp_simd", "inductor", "interleave4", "xla") or \
             policy.variance == "inductor" or policy.y_formula == "affine_mr" or \
             policy.backward_formula in ("torch", "paddle", "onednn", "inductor", "onednn_jit", "tf_eigen",
-                                        "keras_tf") or \
+                                        "keras_tf", "jax") or \
             policy.sqrt == "eigen_fast" or policy.rsqrt in ("sqrt_recip", "rsqrtps") or \
             policy.backward_sums != "forward" or policy.variance_fma or policy.path_channels or policy.packet_lanes or \
             any(f is not None for f in (policy.rstd_format, policy.sum_format, policy.saved_format,

@@ -32,7 +32,8 @@ Y_FORMULAS: tuple[str, ...] = ("xhat", "scale", "affine", "affine_mr")
 # ascend950 : r = 1/v, sqrt, one Newton step, one FMA-residual correction (Ascend 950)
 # sqrt_recip : rstd = sqrt(1/(var + eps)): the reciprocal correctly rounded, then its square root by the `sqrt`
 #              method (Paddle's and onnxruntime's CPU training kernels)
-# rsqrtps : Intel's x86 estimate (bnprobe.numerics.rsqrt) refined by rsqrt_newton steps
+# rsqrtps : Intel's x86 estimate (bnprobe.numerics.rsqrt) refined by rsqrt_newton steps (XLA's CPU rsqrt: 2 steps
+#           of newton_form=xla)
 RSQRT_METHODS: tuple[str, ...] = ("exact", "sqrt_div", "magic", "table", "frsqrte", "ascend950", "sqrt_recip",
                                   "rsqrtps")
 # the unbiased running variance needs R/(R-1); with R = 1 training is an error (PyTorch),
@@ -70,7 +71,7 @@ RECIP_METHODS: tuple[str, ...] = ("exact", "magic", "table", "frecpe")
 #            p = Σ(x - mean)·dy, n = fl(1/R); dγ = p·invstd; dx = ((dy - (x - mean)·((p·n)·(invstd·invstd))) - Σdy·n)
 #            ·(invstd·γ) (statistics taken as constants: dx = dy·(invstd·γ))
 BACKWARD_FORMULAS: tuple[str, ...] = ("standard", "ascend", "torch", "paddle", "onednn", "inductor", "onednn_jit",
-                                      "tf_eigen", "keras_tf")
+                                      "tf_eigen", "keras_tf", "jax")
 # backward_fma: which multiply-adds of the backward's Σ(x - mean)·dy are fused: none, the vector body (lanes), the
 # tail (order=vec: the scalar tail; plane_reduce: the masked last vector of each plane) or all
 BACKWARD_FMAS: tuple[str, ...] = ("none", "body", "tail", "all")
@@ -254,6 +255,9 @@ class Policy:
         for name in ("core_parts", "lanes", "tiles", "unroll", "backward_lanes"):
             if getattr(self, name) is not None and not 1 <= getattr(self, name) <= 4096:
                 raise BNProbeError(f"policy {name} must be 1 to 4096, got {getattr(self, name)}")
+        if self.newton_form == "xla" and self.division == "reciprocal":
+            raise BNProbeError("policy newton_form=xla refines XLA's rsqrt; a reciprocal has no such form: give "
+                               "division=exact or another newton_form")
         if self.backward_sums == "plane_reduce" and self.backward_formula != "torch":
             raise BNProbeError("policy backward_sums=plane_reduce is the sums of PyTorch's CPU backward: give "
                                "backward_formula=torch")

@@ -7,6 +7,8 @@ repeats), never over individual elements.
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,7 +20,8 @@ from bnprobe.numerics.arith import Arith, Tally, as_carrier, fma_wide
 __all__ = ["ORDERS", "COMBINES", "SCHEDULES", "THREAD_SPLITS", "Cores", "Rows", "reduce_sum", "tree_sum",
            "split_parts", "vec_dot", "plane_reduce", "thread_blocks", "thread_sum", "small_batch_threads",
            "INDUCTOR_UNROLL_BELOW", "INDUCTOR_CASCADE_ABOVE", "balance211", "outer_dims_sum", "eigen_parallel_blocks",
-           "packet_split_sum"]
+           "packet_split_sum", "CallShape", "XLA_YNN_MIN_ELEMENTS",
+           "XLA_YNN_TILE_ELEMENTS", "XLA_WINDOW"]
 
 # vec: at::vec-style (PyTorch CPU): per row of H*W values (channels_first; channels_last and the parts of a core split
 # or of Chan's tiles take their whole axis as one row), full blocks of lanes x unroll values
@@ -53,8 +56,10 @@ __all__ = ["ORDERS", "COMBINES", "SCHEDULES", "THREAD_SPLITS", "Cores", "Rows", 
 # TensorFlow's reduce_sum and reduce_mean over the N·H·W rows of an NHWC tensor, one packet of channels at a time):
 # from 16 values on, four accumulators take value j mod 4 of the first 4⌊R/4⌋, combined ((a0 + a1) + a2) + a3, then
 # the remaining values added in order; fewer than 16: in order
+# xla: XLA's CPU backend (jaxlib 0.10.2) reducing a channels-last call over every axis but the channels, one reduce
+# per sum (JAX's eager dispatch); it needs the call's shape (:class:`CallShape`) and is detailed in :func:`_xla`
 ORDERS: tuple[str, ...] = ("sequential", "pairwise", "lanes", "vec", "rowlanes", "eigen", "omp_simd", "inductor",
-                           "interleave4")
+                           "interleave4", "xla")
 #: inductor's config.unroll_reductions_threshold: reductions of fewer values become one unrolled scalar expression
 INDUCTOR_UNROLL_BELOW = 8
 #: inductor's float sums of more values than this use a CascadeSumHelper of chunks of this many updates
@@ -99,6 +104,29 @@ class Rows:
     channels: int | None = None
     first: int = 0
 
+
+@dataclass(frozen=True)
+class CallShape:
+    """The shape of the call a ``(C, R)`` block of channels comes from, for an order that depends on the whole
+    call (``xla``): ``reduced``, the extents of the reduced axes outermost first (N, then the spatial axes: the
+    order of a row's R values), and ``channels``, the call's channel count (a block may hold fewer)."""
+
+    reduced: tuple[int, ...]
+    channels: int
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.reduced) * self.channels
+
+
+# XLA's CPU backend hands a reduce to YNNPACK when its operand has at least this many elements
+# (xla/backends/cpu/ynn_support.cc, IsInstructionPreferredByYnn: kMinElements = 4096)
+XLA_YNN_MIN_ELEMENTS = 4096
+# YNNPACK reduces up to this many elements in one kernel call; a larger reduce is tiled along N and its tiles'
+# partial sums reduced again (measured: 32768 elements reduce as one call, 36864 do not; see _xla_ynn)
+XLA_YNN_TILE_ELEMENTS = 32768
+# XLA's TreeReductionRewriter window (xla/hlo/transforms/simplifiers/tree_reduction_rewriter.h, reduce_window_size)
+XLA_WINDOW = 32
 
 # numpy dtypes whose add.accumulate rounds every partial sum correctly to
 # nearest-even (fp16/bf16 ufuncs compute in float32 and round back, which is
@@ -561,6 +589,126 @@ def thread_sum(x: np.ndarray, acc: Arith, *, threads: int, wide: Arith | None = 
     return total
 
 
+def _from_zero(total: np.ndarray) -> np.ndarray:
+    """A sum that starts from +0 (XLA's and YNNPACK's init value): the same as one that starts from its first
+    value, except that it is never -0 (+0 + -0 is +0, and no later sum of two values is -0 unless both are)."""
+    return np.where(total == 0, 0.0, total).astype(total.dtype)
+
+
+def _xla(x: np.ndarray, acc: Arith, tally: Tally | None, shape: CallShape | None) -> np.ndarray:
+    """The ``xla`` order: how XLA's CPU backend (jaxlib 0.10.2, its YNNPACK of May–August 2026) sums a
+    channels-last array over every axis but the channels, each row of ``x`` holding one channel's values in the
+    row-major order of ``shape.reduced``.
+
+    A reduce whose operand holds at least :data:`XLA_YNN_MIN_ELEMENTS` values goes to YNNPACK (:func:`_xla_ynn`).
+    A smaller one is XLA's own loop: the values in row-major order, from +0, one rounding per addition — after
+    XLA's TreeReductionRewriter has replaced a reduce with a reduced axis longer than :data:`XLA_WINDOW` by a
+    reduce-window of ``min(extent, 32)`` on every reduced axis (kSame padding: the padding split ⌊p/2⌋ low, the
+    rest high), each window summed in row-major order, repeated until no axis is longer.  XLA marks these loops'
+    additions ``reassoc``, and LLVM does reassociate some of them (measured: a reduced channel count of 1; an
+    innermost reduced extent of 2 with 3 or more channels; a 2×2 grid of windows): there this order is not the
+    kernel's, and identify says so."""
+    if not isinstance(shape, CallShape):
+        raise BNProbeError("order=xla needs the call's shape (a CallShape as the row argument)")
+    if math.prod(shape.reduced) != x.shape[1]:
+        raise BNProbeError(f"order=xla: a row of {x.shape[1]} values does not fit reduced axes {shape.reduced}")
+    if shape.elements >= XLA_YNN_MIN_ELEMENTS:
+        return _xla_ynn(x, acc, tally, shape)
+    dims = shape.reduced
+    while max(dims) > XLA_WINDOW:
+        x, dims = _xla_windows(x, acc, tally, dims)
+    return _from_zero(_sequential(x, acc, tally, False))
+
+
+def _xla_windows(x: np.ndarray, acc: Arith, tally: Tally | None,
+                 dims: tuple[int, ...]) -> tuple[np.ndarray, tuple[int, ...]]:
+    """One round of XLA's TreeReductionRewriter: every window's sum (row-major within the window; a padded
+    position adds +0, which changes no sum that started from +0) as ``(C, windows)``, and the windows' extents."""
+    c = x.shape[0]
+    win = [min(d, XLA_WINDOW) for d in dims]
+    outs = [-(-d // w) for d, w in zip(dims, win)]
+    pads = [(0, 0)] + [((o * w - d) // 2, o * w - d - (o * w - d) // 2) for d, w, o in zip(dims, win, outs)]
+    grid = np.pad(x.reshape(c, *dims), pads)
+    split = grid.reshape(c, *itertools.chain.from_iterable(zip(outs, win)))
+    order = [0] + [1 + 2 * i for i in range(len(dims))] + [2 + 2 * i for i in range(len(dims))]
+    rows = np.ascontiguousarray(split.transpose(order)).reshape(c * math.prod(outs), math.prod(win))
+    sums = _per_lane(lambda t: _from_zero(_sequential(rows, acc, t, False)), c, math.prod(outs), tally)
+    return sums, tuple(outs)
+
+
+def _xla_ynn(x: np.ndarray, acc: Arith, tally: Tally | None, shape: CallShape) -> np.ndarray:
+    """YNNPACK's sum (ynnpack/kernels/reduce/sum.h, ``sum_float_kn``; its subgraph tiles the reduce along N).
+
+    Up to :data:`XLA_YNN_TILE_ELEMENTS` values are one kernel call (:func:`_ynn_call`).  A larger reduce is cut
+    into tiles of whole n: ⌊32768 / (values per n)⌋ of them per tile, or one per tile and the tiles' sums added in
+    pairs when one n alone holds more; each tile is a kernel call, and the tiles' (or pairs') sums are reduced by
+    one more kernel call.  Measured on 2 cores against jax: tiles of 8, 2 and 1 n (4096, 15376 and 31552 values
+    per n, up to 64 n) and pairs of single n (40000 values per n, 4 to 20 n); with more than 32768 values per n and
+    fewer than 4 n YNNPACK tiles another way, which this order does not emulate."""
+    n = shape.reduced[0]
+    if shape.elements <= XLA_YNN_TILE_ELEMENTS:
+        return _from_zero(_ynn_call(x, acc, tally))
+    per_n = shape.elements // n
+    rows = x.shape[1] // n
+    tile, pair = (XLA_YNN_TILE_ELEMENTS // per_n, 1) if per_n <= XLA_YNN_TILE_ELEMENTS else (1, 2)
+    tiles = [_ynn_call(x[:, i * rows: (i + tile) * rows], acc, tally) for i in range(0, n, tile)]
+    partials = []
+    for i in range(0, len(tiles), pair):
+        total = np.zeros_like(tiles[0])
+        for t in tiles[i: i + pair]:
+            total = acc.add(total, t, tally)
+        partials.append(total)
+    return _from_zero(_ynn_call(np.stack(partials, axis=1), acc, tally))
+
+
+def _chains(a: np.ndarray, acc: Arith, tally: Tally | None) -> np.ndarray:
+    """Σ along the last axis from +0, left to right (YNNPACK's partial_sum_kn over up to 4 rows), for every
+    leading index at once."""
+    s = acc.add(np.zeros(a.shape[:-1], dtype=a.dtype), a[..., 0], tally)
+    for j in range(1, a.shape[-1]):
+        s = acc.add(s, a[..., j], tally)
+    return s
+
+
+def _kahan(a: np.ndarray, total: np.ndarray, err: np.ndarray, acc: Arith,
+           tally: Tally | None) -> tuple[np.ndarray, np.ndarray]:
+    """YNNPACK's kahan_sum(a, total, err): y = a − err; t = total + y; err = (t − total) − y, a non-finite err
+    taken as 0."""
+    y = acc.sub(a, err, tally)
+    t = acc.add(total, y, tally)
+    e = acc.sub(acc.sub(t, total, tally), y, tally)
+    return t, np.where(np.isfinite(e), e, 0.0).astype(e.dtype)
+
+
+def _ynn_call(x: np.ndarray, acc: Arith, tally: Tally | None) -> np.ndarray:
+    """One YNNPACK ``sum_float_kn`` call over the k values of each row (its result before it is added to the
+    output): k <= 4 values are one chain from +0; otherwise chains of 4 consecutive values (the last one shorter)
+    are added into a level-0 sum, flushed into a level-1 sum every 16 values, which is added into the level-2
+    total by Kahan summation every 256 values; at the end the level-0 sum goes into level 1 and level 1, by one
+    last Kahan step, into the total (the step that also applies the pending compensation)."""
+    c, k = x.shape
+    if k <= 4:
+        return _chains(x, acc, tally)
+    full = k // 4 * 4
+    chains = _chains(x[:, :full].reshape(c, -1, 4), acc, tally)  # (c, chunks)
+    groups, blocks = chains.shape[1] // 4, chains.shape[1] // 64
+    level1 = _chains(chains[:, : groups * 4].reshape(c, groups, 4), acc, tally) if groups else chains[:, :0]
+    total = np.zeros(c, dtype=chains.dtype)
+    err = np.zeros_like(total)
+    for b in range(blocks):
+        total, err = _kahan(_chains(level1[:, b * 16: b * 16 + 16], acc, tally), total, err, acc, tally)
+    level0 = np.zeros_like(total)
+    for j in range(groups * 4, chains.shape[1]):
+        level0 = acc.add(level0, chains[:, j], tally)
+    if full < k:
+        level0 = acc.add(level0, _chains(x[:, full:], acc, tally), tally)
+    rest = np.zeros_like(total)
+    for g in range(blocks * 16, groups):
+        rest = acc.add(rest, level1[:, g], tally)
+    total, _ = _kahan(acc.add(rest, level0, tally), total, err, acc, tally)
+    return total
+
+
 def split_parts(r: int, parts: int, schedule: str = "even") -> list[slice]:
     """Contiguous, nearly equal parts of a length-r axis (at most r of them), as cores take N*H*W, cut as
     ``schedule`` says (:data:`SCHEDULES`)."""
@@ -598,7 +746,7 @@ def reduce_sum(
     cores: Cores = Cores(),
     rng: np.random.Generator | None = None,
     unroll: int = 1,
-    row: int | Rows | None = None,
+    row: int | Rows | CallShape | None = None,
 ) -> np.ndarray:
     """Sum each row of a ``(C, R)`` array in ``acc``'s format; returns ``(C,)`` float64.
 
@@ -610,7 +758,8 @@ def reduce_sum(
     ``kahan`` adds compensated summation to ``sequential`` and to each lane; ``vec`` (see :data:`ORDERS`) takes
     ``lanes``, ``unroll`` and ``row``, the length of the layout's contiguous rows; ``eigen`` and ``omp_simd`` take
     ``lanes`` and ``row``, and ``eigen`` where the rows sit in memory when ``row`` is a :class:`Rows` that says so
-    (else an expression's sum, its packets from each row's first value).  ``cores`` splits the sum across simulated
+    (else an expression's sum, its packets from each row's first value); ``xla`` takes the call's
+    shape as ``row`` (:class:`CallShape`).  ``cores`` splits the sum across simulated
     cores (:class:`Cores`; ``rng`` orders an atomic combine).
     The addends must already be values of the accumulator format.
     """
@@ -717,9 +866,10 @@ def outer_dims_sum(x: np.ndarray, acc: Arith, *, channels: int, threads: int, it
 
 
 def _reduce_one(x: np.ndarray, acc: Arith, *, order: str, lanes: int, kahan: bool,
-                tally: Tally | None, unroll: int = 1, row: int | Rows | None = None) -> np.ndarray:
+                tally: Tally | None, unroll: int = 1, row: int | Rows | CallShape | None = None) -> np.ndarray:
     place = row if isinstance(row, Rows) else None
-    row = row.length if isinstance(row, Rows) else row
+    shape = row if isinstance(row, CallShape) else None
+    row = row.length if isinstance(row, Rows) else None if isinstance(row, CallShape) else row
     if order == "sequential":
         return _sequential(x, acc, tally, kahan)
     if order == "pairwise":
@@ -743,4 +893,8 @@ def _reduce_one(x: np.ndarray, acc: Arith, *, order: str, lanes: int, kahan: boo
         return _inductor(x, acc, tally, lanes * (unroll if row is None or row >= lanes * unroll else 1), row)
     if order == "interleave4":
         return _interleave4(x, acc, tally, kahan)
+    if order == "xla":
+        if kahan:
+            raise BNProbeError("kahan compensation is not an option of order=xla (YNNPACK's own Kahan step is)")
+        return _xla(x, acc, tally, shape)
     raise BNProbeError(f"unknown reduction order {order!r}; valid: {', '.join(ORDERS)}")

@@ -41,10 +41,9 @@ SQRT_METHODS: tuple[str, ...] = ("exact", "rsqrt", "exp_log", "eigen_fast")
 # fma:      Ascend 950 style, residual with one rounding: s = fma(-x, y*y, 1); y <- fma(y/2, s, y)
 #           (reciprocal: e = fma(-a, r, 1); r <- fma(r, e, r))
 # arm:      FRSQRTS: t = x*y; s = (3 - t*y)/2 fused; y <- y*s  (FRECPS: s = 2 - a*r fused; r <- r*s)
-# eigen:    Eigen's generic_rsqrt_newton_step without FMA (x86 builds for AVX, as TensorFlow's wheels are):
-#           r2 = x*y; h = r2*y - 1; y <- (y*(-1/2))*h + y, every step rounded; a NaN result keeps the estimate
-#           (rsqrt only)
-NEWTON_FORMS: tuple[str, ...] = ("standard", "fma", "arm", "eigen")
+# xla:      XLA's CPU rsqrt (its LLVM IR, with the fused multiply-adds LLVM forms on an FMA machine):
+#           a = x*y; h = -0.5*y; y <- fma(h, fma(a, y, -1), y)  (rsqrt only)
+NEWTON_FORMS: tuple[str, ...] = ("standard", "fma", "arm", "eigen", "xla")
 
 # Bit-trick constants i = C - (i >> 1) (rsqrt) and i = C - i (reciprocal).  fp32 rsqrt is
 # the classic 0x5f3759df.  The others were chosen by exhaustive search over every input
@@ -291,6 +290,9 @@ def _newton_rsqrt(x: np.ndarray, y: np.ndarray, ar: Arith, form: str, t: Tally |
         h = ar.sub(ar.mul(ar.mul(x, y, t), y, t), 1.0, t)
         out = ar.add(ar.mul(ar.mul(y, -0.5, t), h, t), y, t)
         return np.where(np.isnan(out), y, out)
+    if form == "xla":
+        e = ar.fma(ar.mul(x, y, t), y, np.full_like(y, -1.0), t)
+        return ar.fma(ar.mul(y, -0.5, t), e, y, t)
     raise BNProbeError(f"unknown Newton form {form!r}; valid: {', '.join(NEWTON_FORMS)}")
 
 
@@ -342,7 +344,8 @@ def rsqrt(x: np.ndarray, fmt: str | Format | Arith, *, method: str = "exact", ne
         else:
             if newton < 0:
                 raise BNProbeError(f"newton steps must be >= 0, got {newton}")
-            a, zero = _positive_normalish(x, res.fmt, subnormals)
+            # (RSQRTPS takes a subnormal input as 0 whatever the mode: XLA's rsqrt gives +inf for one)
+            a, zero = _positive_normalish(x, res.fmt, "zero" if method == "rsqrtps" else subnormals)
             y = rsqrt_estimate(a, res.fmt, method, constant=constant, bits=bits)
             y = work.round(y)
             for _ in range(newton):

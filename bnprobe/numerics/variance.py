@@ -15,7 +15,7 @@ import numpy as np
 from bnprobe.core.errors import BNProbeError
 from bnprobe.numerics import inductor
 from bnprobe.numerics.arith import Arith, Tally
-from bnprobe.numerics.reduce import Cores, Rows, packet_split_sum, reduce_sum, thread_sum
+from bnprobe.numerics.reduce import CallShape, Cores, Rows, packet_split_sum, reduce_sum, thread_sum
 
 __all__ = ["VARIANCES", "MEAN_BY", "StageValue", "Moments", "MomentsMethod", "Sums", "ThreadSums", "moments",
            "prescale_exponent", "INDUCTOR_TWO_PASS_MAX"]
@@ -342,7 +342,7 @@ def moments(
     method: MomentsMethod = MomentsMethod(),
     *,
     rng: np.random.Generator | None = None,
-    row: int | Rows | None = None,
+    row: int | Rows | CallShape | None = None,
     vector_rows: int | None = None,
     overrides: dict[str, np.ndarray] | None = None,
     wide_sums: bool = True,
