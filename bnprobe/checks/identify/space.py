@@ -64,6 +64,7 @@ FIELD_PROBES = {
     "running_var_sum": "running variances whose update needs more bits than the parameter format keeps",
     "infer_y_formula": "inference with a large running mean and γ not a power of two",
     "backward_formula": "dy with a mean per channel, a large mean in x",
+    "newton_form": "var + ε swept across binades",
     "backward_fma": "rows of H·W values with a tail (not a multiple of 2 x lanes)",
     "backward_sums": "H·W planes shorter and longer than the vector width, with a tail, over several samples",
     "threads": "sums over rows spread across binades, R not a multiple of the thread count (torch.compile: "
@@ -89,6 +90,7 @@ _ORDERS: tuple[dict[str, Any], ...] = (
     *({"order": "lanes", "lanes": n} for n in (2, 4, 8, 16, 32, 64, 128)),
     *({"order": "lanes", "lanes": n, "kahan": True} for n in (8, 16)),
     *({"order": "vec", "lanes": n, "unroll": u} for n in (4, 8, 16) for u in (1, 2)),
+    {"order": "xla"},
 )
 _RSQRTS: tuple[dict[str, Any], ...] = (
     {"rsqrt": "exact"},
@@ -101,6 +103,8 @@ _RSQRTS: tuple[dict[str, Any], ...] = (
     *({"rsqrt": "magic", "rsqrt_newton": k} for k in (0, 1, 2, 3)),
     *({"rsqrt": "table", "rsqrt_bits": b, "rsqrt_newton": k} for b in (7, 8, 10, 12) for k in (0, 1, 2)),
     *({"rsqrt": "frsqrte", "rsqrt_newton": k} for k in (0, 1, 2)),
+    # x86's RSQRTPS refined as XLA's CPU rsqrt refines it (2 steps), or as a hand-written kernel might (1)
+    *({"rsqrt": "rsqrtps", "rsqrt_newton": k, "newton_form": "xla"} for k in (1, 2)),
     {"rsqrt": "ascend950"},
     {"rsqrt": "sqrt_div", "rstd_format": "fp64"}, {"rsqrt": "exact", "rstd_format": "fp64"},
     # sqrt(1/(var + eps)) (Paddle, onnxruntime training), and Eigen's fast packet sqrt (Paddle)
@@ -140,6 +144,13 @@ def _mean_candidates(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
             # (an order other than vec takes the backward's fused lanes away: backward_fma needs vec)
             fused = cur.backward_fma if o.get("order") == "vec" else "none"
             yield {"accumulate": acc, "variance": sum_based, "kahan": False, "unroll": 1, **o, "mean_by": by,
+                   "backward_fma": fused, "sum_format": None}
+    if sum_based == "two_pass":
+        # one-pass fp32 statistics, E[x²] − E[x]² (flax, Keras): where the mean is seen only through y, their
+        # cancellation shows there more than any order does, so the order is searched with them too
+        for o, by in itertools.product(_ORDERS, ("divide", "reciprocal")):
+            fused = cur.backward_fma if o.get("order") == "vec" else "none"
+            yield {"accumulate": "fp32", "variance": "naive", "kahan": False, "unroll": 1, **o, "mean_by": by,
                    "backward_fma": fused, "sum_format": None}
     if fmt in ("fp32", "fp16", "bf16"):
         # float terms summed in double, in memory order (PyTorch's fp32 CPU kernel), or lanes by position in each
@@ -250,7 +261,7 @@ def infer_only_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
 
 def _backward_space(cur: Policy, fmt: str) -> Iterator[dict[str, Any]]:
     # (the sums' order and format are the forward's: the forward's outputs pinned them)
-    for f in ("standard", "ascend", "torch", "paddle", "onednn", "inductor"):
+    for f in ("standard", "ascend", "torch", "paddle", "onednn", "inductor", "jax"):
         for fused in (("none", "body", "all") if cur.order == "vec" else ("none",)):
             yield {"backward_formula": f, "backward_fma": fused, "backward_sums": "forward", "backward_lanes": None}
     if cur.order == "omp_simd" and cur.lanes != 1:  # (a backward loop the compiler did not vectorise: oneDNN's)
