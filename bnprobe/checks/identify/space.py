@@ -64,7 +64,6 @@ FIELD_PROBES = {
     "running_var_sum": "running variances whose update needs more bits than the parameter format keeps",
     "infer_y_formula": "inference with a large running mean and γ not a power of two",
     "backward_formula": "dy with a mean per channel, a large mean in x",
-    "newton_form": "var + ε swept across binades",
     "backward_fma": "rows of H·W values with a tail (not a multiple of 2 x lanes)",
     "backward_sums": "H·W planes shorter and longer than the vector width, with a tail, over several samples",
     "threads": "sums over rows spread across binades, R not a multiple of the thread count (torch.compile: "
@@ -104,7 +103,7 @@ _RSQRTS: tuple[dict[str, Any], ...] = (
     *({"rsqrt": "table", "rsqrt_bits": b, "rsqrt_newton": k} for b in (7, 8, 10, 12) for k in (0, 1, 2)),
     *({"rsqrt": "frsqrte", "rsqrt_newton": k} for k in (0, 1, 2)),
     # x86's RSQRTPS refined as XLA's CPU rsqrt refines it (2 steps), or as a hand-written kernel might (1)
-    *({"rsqrt": "rsqrtps", "rsqrt_newton": k, "newton_form": "xla"} for k in (1, 2)),
+    *({"rsqrt": "rsqrtps", "rsqrt_newton": k, "newton_form": "xla"} for k in (2, 1)),
     {"rsqrt": "ascend950"},
     {"rsqrt": "sqrt_div", "rstd_format": "fp64"}, {"rsqrt": "exact", "rstd_format": "fp64"},
     # sqrt(1/(var + eps)) (Paddle, onnxruntime training), and Eigen's fast packet sqrt (Paddle)
