@@ -6,11 +6,11 @@ identified spec and the black box side by side.  The live frameworks: tests/adap
 import numpy as np
 import pytest
 
-from bnprobe.adapters.base import BackwardOutput, ForwardOutput, params_mode
+from bnprobe.adapters.base import BackwardOutput, ForwardOutput
 from bnprobe.checks.identify.search import identify
 from bnprobe.kernels.policy import get_policy
 
-from .test_identify import OUTPUTS, BlackBox, fresh_call, side_by_side
+from .test_identify import BlackBox, assert_recovered
 
 PADDLE = ("fp32:order=eigen,lanes=8,y_formula=affine_mr,rsqrt=sqrt_recip,sqrt=eigen_fast,backward_formula=paddle,"
           "running_momentum=keep,running_var=biased,infer_rsqrt=sqrt_div")
@@ -22,14 +22,7 @@ MINDSPORE = "{fmt}:order=omp_simd,lanes=4,y_formula=scale,rsqrt=sqrt_div,backwar
     # (fp16's y hides the training formula; inference shows it: the slowest of the three, a second search)
     pytest.param(MINDSPORE.format(fmt="fp16"), marks=pytest.mark.slow)])
 def test_a_framework_recipe_is_recovered_bit_for_bit_on_inputs_it_never_saw(spec: str) -> None:
-    target = get_policy(spec)
-    params = params_mode(target.storage, target.params_format)
-    kernel = BlackBox(target)
-    res = identify(kernel, target.storage, params=params)
-    assert res.reproduced, (res.spec, res.departs)
-    off = side_by_side(kernel, res.spec, fresh_call(target.storage, params, seed=5))
-    assert set(off) >= set(OUTPUTS)
-    assert not any(off.values()), off
+    assert_recovered(get_policy(spec), seed=5)
 
 
 class AsChannelsFirst(BlackBox):
