@@ -230,19 +230,10 @@ class _Search:
             # the earlier stages' ties reproduced the training forward (y in fp16 hides the compute format, an FMA, a
             # division...); inference and the backward, which compute with them, may tell them apart
             alts = [{}] + [t for st in ("rsqrt", "y") for t in self.ties.get(st, [])[:TIES_TRIED]]
-            # (and one tie of each y formula past those: a 16-bit y may hide the formula inference then shows)
-            formulas = {t.get("y_formula") for t in alts}
-            for t in self.ties.get("y", [])[TIES_TRIED:]:
-                if t.get("y_formula") not in formulas:
-                    formulas.add(t.get("y_formula"))
-                    alts.append(t)
-            # (and one tie of each rsqrt method past those: a 16-bit y may hide an estimate the backward then shows —
-            # Keras's rsqrtps, in bf16)
-            methods = {(t.get("rsqrt"), t.get("newton_form")) for t in alts}
-            for t in self.ties.get("rsqrt", [])[TIES_TRIED:]:
-                if (t.get("rsqrt"), t.get("newton_form")) not in methods:
-                    methods.add((t.get("rsqrt"), t.get("newton_form")))
-                    alts.append(t)
+            # (and one tie of each y formula past those: a 16-bit y may hide the formula inference then shows; and of
+            # each rsqrt method: a 16-bit y may hide an estimate the backward then shows — Keras's rsqrtps, in bf16)
+            alts += _one_of_each(self.ties.get("y", [])[TIES_TRIED:], alts, ("y_formula",))
+            alts += _one_of_each(self.ties.get("rsqrt", [])[TIES_TRIED:], alts, ("rsqrt", "newton_form"))
             if stage == "infer":  # (inference forms its own rstd: every rsqrt the training forward allows)
                 alts += [{**r, "rstd_format": cur.rstd_format} for r in rsqrt_space(cur, self.fmt)]
             space = [{**alt, **c} for alt in alts for c in space]
@@ -284,7 +275,7 @@ class _Search:
                          "max_ulps": 0.0, "candidates": 0, "tied": 0}, []
         forward = tuple(dict.fromkeys(self.kept + ["y"])) if stage in ("infer", "backward") and \
             "y" in self.outputs_of("y") else ()
-        tried: set[str] = set()  # (another layout: the candidates its first round tried)
+        tried: set[Policy] = set()  # (another layout: the candidates its first round tried)
         for n, stage_space in enumerate(self.rounds(stage)):
             if n and best.exact:  # (the layout's candidates reproduced it: no need for the rest)
                 break
@@ -295,9 +286,9 @@ class _Search:
                 except BNProbeError:  # (a combination the space does not allow, e.g. Kahan on a pairwise tree)
                     continue
                 if self.first is not None:
-                    if (mark := repr(sorted(cand.to_dict().items()))) in tried and n:
+                    if cand in tried and n:
                         continue
-                    tried.add(mark)
+                    tried.add(cand)
                 sc = self.evaluate(cand, stage, outputs, limit=best_key[0], limit_on=primary)
                 k, t = key(sc), total(sc)
                 if forward and k <= best_key and set(changes) - own_fields and \
@@ -327,6 +318,19 @@ class _Search:
                    "tied": len(ties)}
         self.ties[stage] = [c for c, _, _ in ties]
         return chosen, summary, self.ties[stage]
+
+
+def _one_of_each(ties: list[dict[str, Any]], have: list[dict[str, Any]],
+                 fields: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Of ``ties``, the first of each value of ``fields`` that ``have`` (and the ones taken before it) do not hold."""
+    seen = {tuple(t.get(f) for f in fields) for t in have}
+    out = []
+    for t in ties:
+        if (v := tuple(t.get(f) for f in fields)) not in seen:
+            seen.add(v)
+            out.append(t)
+    return out
+
 
 def _rescore(search: _Search, policy: Policy, stages: dict[str, dict[str, Any]]) -> None:
     """A stage pinned by an output a later stage of the last pass settled (y, for a kernel that returns no
