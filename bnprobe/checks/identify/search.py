@@ -573,21 +573,21 @@ def identify(adapter: str | KernelAdapter | Recorded, dtype: str | None = None, 
 
     observed, confirmed = observe_all(designed), observe_all(confirm)
     res = _identify_observed(kernel, observed, confirmed, fmt, params, passes=passes, progress=progress)
-    seen_only = [o for o in res.outputs if o.probes_exact and o.fresh_exact is False]
-    if fresh and seen_only and not res.nondeterministic:
+    untold, shown = _untold(res, confirmed, observe_all) if fresh and not res.nondeterministic else ([], [])
+    if untold:
         # the search's probes could not tell apart what the fresh inputs did: they join the search, and another
         # fresh set, never seen, confirms
         again = observe_all(probes(fmt, params, seed=seed + 2 * 7919, eps=eps, momentum=momentum, layouts=layouts,
                                    fresh=True))
         first = res
-        res = _identify_observed(kernel, observed + [o for o in confirmed if o.rec.layout == "channels_first"],
+        res = _identify_observed(kernel, observed + untold,
                                  again + [o for o in confirmed if o.rec.layout != "channels_first"], fmt, params,
                                  passes=passes, progress=progress)
         res.evaluations += first.evaluations
         res.seconds += first.seconds
         res.notes.append(f"the first search's probes did not tell apart what fresh inputs showed in "
-                         f"{', '.join(o.output for o in seen_only)}: those inputs joined the search and a second "
-                         "fresh set confirmed it")
+                         f"{', '.join(shown)}: those inputs joined the search, and a second fresh set checked the "
+                         "recipe it found")
         confirmed = confirmed + again
 
     def designed_in(layout: str) -> list[Case]:
@@ -598,6 +598,23 @@ def identify(adapter: str | KernelAdapter | Recorded, dtype: str | None = None, 
     if (left_out := modes_left_out(kernel.name, caps.modes, verb="identified")) is not None:
         res.notes.insert(0, left_out)  # (an inference-only kernel: its training and backward, by name)
     return res
+
+
+def _untold(res: Identified, confirmed: list[Observed],
+            observe_all: Callable[[list[Case]], list[Observed]]) -> tuple[list[Observed], list[str]]:
+    """The fresh inputs ``confirmed`` that ``res``'s recipe misses where the search's probes did not tell its
+    candidates apart, in channels_first, and the outputs they showed: those in the searched layout, and those of
+    another layout that the kernel computes as the searched one (moved there, so they join the search as such)."""
+    shown = [o.output for o in res.outputs if o.probes_exact and o.fresh_exact is False]
+    untold = [o for o in confirmed if o.rec.layout == "channels_first"] if shown else []
+    for lay, other in res.layouts.items():
+        moved = _layout_blind(observe_all, [o for o in confirmed if o.rec.layout == lay], "channels_first") \
+            if other.off else None
+        missed = _missed(res, moved) if moved is not None else []
+        if missed:
+            untold += moved
+            shown += [k for k in missed if k not in shown]
+    return untold, shown
 
 
 def _other_layouts(kernel: KernelAdapter, res: Identified, confirmed: list[Observed],
@@ -611,7 +628,7 @@ def _other_layouts(kernel: KernelAdapter, res: Identified, confirmed: list[Obser
         moved = _layout_blind(observe_all, fresh_here, "channels_first") if other.off else None
         if moved is not None:
             other.same = True  # (the kernel computes the layout as the searched one: no search of the layout)
-            other.as_searched = _reproduces(res, moved)
+            other.as_searched = not _missed(res, moved)
         elif other.off and not res.nondeterministic:  # (computed another way: searched there on its own)
             other.own = _identify_observed(kernel, observe_all(designed_in(lay)), fresh_here, res.dtype, res.params,
                                            passes=passes, progress=progress, start=res.policy)
@@ -636,12 +653,13 @@ def _layout_blind(observe_all: Callable[[list[Case]], list[Observed]], there: li
     return moved
 
 
-def _reproduces(res: Identified, observed: list[Observed]) -> bool:
-    """Whether ``res``'s recipe reproduces every output of ``observed`` (inputs in the searched layout) bit for bit."""
+def _missed(res: Identified, observed: list[Observed]) -> list[str]:
+    """The outputs of ``observed`` (inputs in the searched layout) that ``res``'s recipe does not reproduce bit for
+    bit."""
     kind = next((o.saved.kind for o in observed if o.saved is not None), "invstd")
     cand = [emulate(res.policy, o, ("train", "infer", "backward"), kind) for o in observed]
     seen = tuple(dict.fromkeys(k for o in observed for k in o.got))
-    return all(s.exact for s in score_outputs(observed, cand, seen).values() if s.elements)
+    return [k for k, s in score_outputs(observed, cand, seen).items() if s.elements and not s.exact]
 
 
 def _moved(call: BNCall, layout: str) -> BNCall:
