@@ -1,5 +1,6 @@
-"""docs/kernels.md, "what each kernel computes", is what benchmarks/kernel_table.py makes of its data, and its data
-is what identify finds now (re-checked on the kernels that are quick to identify)."""
+"""docs/kernels.md, "what each kernel computes", is what benchmarks/kernel_table.py makes of its data — the package's
+table (bnprobe/checks/identify/kernels.json, which compare-precision and doctor read), its one copy — and its data is
+what identify finds now (re-checked on the kernels that are quick to identify)."""
 
 import json
 import sys
@@ -14,9 +15,13 @@ import kernel_table  # noqa: E402
 
 
 def test_the_page_is_the_script_s_rendering_of_its_data():
+    from bnprobe.checks.identify.kernels import DATA, table
+
     doc = json.loads(kernel_table.DATA.read_text())
+    assert kernel_table.DATA == DATA and table() == doc  # the script writes what the package reads
+    assert not (ROOT / "docs" / "kernels.json").exists()  # and no second copy beside the page
     assert kernel_table.PAGE.read_text() == kernel_table.render(doc), \
-        "re-make it: python benchmarks/kernel_table.py --write"
+        "re-make it: python benchmarks/kernel_table.py --render (or --write, re-running identify)"
     kinds = {(r["kernel"], r["format"]) for r in doc["rows"]}
     assert kinds == {(k, f) for k, fmts, _ in kernel_table.KERNELS for f in fmts}  # every kernel listed, run or not
     for r in doc["rows"]:
