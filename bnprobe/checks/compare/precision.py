@@ -30,6 +30,10 @@ from bnprobe.core.conventions import convention_of
 from bnprobe.engine.budget import BUDGET_CHANNELS, budget_cause, error_budget
 from bnprobe.engine.cases import Case, make_dy, recorded_cases, resnet50_cases, stress_cases
 from bnprobe.engine.recipes import RECIPES, recipe_fits
+from bnprobe.adapters.emulated import EmulatedAdapter, PolicyAdapter
+from bnprobe.checks.compare.identified import CAUSE, Choice, attribute, choices_differing, with_choices
+from bnprobe.checks.identify.kernels import Known, known
+from bnprobe.kernels.policy import Policy, get_policy
 from bnprobe.engine.result import Judged, Verdict
 from bnprobe.engine.rules import (
     RULES,
@@ -44,7 +48,16 @@ from bnprobe.engine.rules import (
     within_bound,
     within_rounding,
 )
-from bnprobe.engine.run import LARGE_CALL, CallRun, Golden, generated_call, run_call, running_stats, y_natural
+from bnprobe.engine.run import (
+    LARGE_CALL,
+    OUTPUT_MODE,
+    CallRun,
+    Golden,
+    generated_call,
+    run_call,
+    running_stats,
+    y_natural,
+)
 from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import get_format
 from bnprobe.core.kernel import modes_left_out, needs_modes
@@ -230,6 +243,9 @@ class _CaseCall:
     modes: tuple[str, ...]
     golden: Golden
     recipes: dict[str, dict[str, Any]] = field(default_factory=dict)  # each recipe's outputs, run when first asked
+    # identify's recipes and their variants on this call (:func:`_variant_outputs`): outputs and their formats, or
+    # why it could not run
+    variants: dict[str, tuple[dict[str, Any], dict[str, str]] | str] = field(default_factory=dict)
     replay: Recording | None = None  # what a dump adapter replays on this call, when it is not a case's
 
     @property
@@ -415,11 +431,11 @@ class _Tables:
 
 
 def _compare_adapter(a: KernelAdapter, cc: _CaseCall, j: _Judging, tables: _Tables, *, budget: bool,
-                     top_channels: int, ref: KernelAdapter, bench: tuple[dict[str, Any], CallRun, Any] | None,
+                     top_channels: int, ref: KernelAdapter, bench: tuple[dict[str, Any], CallRun, Any, Any] | None,
                      done: CallRun | None = None) -> None:
-    """Every output of one adapter on one case call against the golden (and the bench's outputs); ``done``: the
-    adapter's run on this call already made (by the caller, on the same golden)."""
-    bench_out, bench_run, bench_pol = bench if bench is not None else ({}, None, None)
+    """Every output of one adapter on one case call against the golden (and the bench's outputs, :func:`_bench`);
+    ``done``: the adapter's run on this call already made (by the caller, on the same golden)."""
+    bench_out, bench_run, bench_pol, bench_a = bench if bench is not None else ({}, None, None, None)
     fmt, case, call = cc.rec.dtype, cc.case, cc.golden.call
     if done is not None:
         run = done
@@ -435,8 +451,12 @@ def _compare_adapter(a: KernelAdapter, cc: _CaseCall, j: _Judging, tables: _Tabl
                  bench=bench_out.get(t), explain=explain, natural=natural, cancel=_cancel_bound(run, t))
         if t == "dx" and call.training and run.saved is not None:
             r["stored_stats_share"] = _stored_share(ref, run, run.gold["dx"])
-        if r["verdict"] == Verdict.FAIL and t in bench_out:
-            _name_recipe(r, cc, run, t, bench_out[t].value)
+        if r["verdict"] == Verdict.FAIL:
+            naming = _Naming(a, j, bench_out, bench_a)
+            if t in bench_out:  # the recipe models first (each says more than a recipe), then identify's recipe
+                _name_recipe(r, cc, run, t, bench_out[t].value)
+            if "cause" not in r and not _name_identified(r, cc, run, t, naming):
+                _unnamed(r, cc, run, t, naming)
         tables.rows.append(r)
     if "y" in run.got and run.saved is not None:
         eps = call.eps
@@ -487,7 +507,7 @@ def _name_recipe(r: dict[str, Any], cc: _CaseCall, run: CallRun, t: str, bench: 
         # the outputs derived from the call (cheap) first; the recipe's kernel is run only when they do not fit
         if any(fits(out) for out in (derived if isinstance(derived, list) else [derived])) or \
                 rp.kernel is not None and fits(_recipe_outputs(rp, cc).get(t)):
-            r["cause"] = rp.id
+            r["cause"], r["named"] = rp.id, rp.words(call)
             r["why"] += f"; it matches a kernel that {rp.words(call)}"
             return
 
@@ -509,16 +529,22 @@ def _policy(a: KernelAdapter, rec: Recording) -> Any:
     return replace(a.policy_for(call.x, dtype=rec.dtype, params=call.params), name="")
 
 
-def _bench(bench: KernelAdapter, cc: _CaseCall) -> tuple[dict[str, Any], CallRun, Any]:
-    """The bench on one case call: its outputs by tensor name (saved statistics under both names), the run itself
-    and its policy (an adapter running the same policy reuses the run)."""
+def _bench(bench: KernelAdapter, cc: _CaseCall) -> tuple[dict[str, Any], CallRun, Any, KernelAdapter]:
+    """The bench on one case call: its outputs by tensor name (saved statistics under both names), the run itself,
+    its policy (an adapter running the same policy reuses the run) and the bench."""
     run = _run(bench, cc)
-    got = {t: BenchOutput(act) for t, act in run.got.items()}
+    got = {t: BenchOutput(act) for t, act in _with_saved(run).items()}
+    return got, run, _policy(bench, cc.rec), bench
+
+
+def _with_saved(run: CallRun) -> dict[str, Any]:
+    """A run's outputs by name, its saved statistics under both names (invstd and variance)."""
+    got = dict(run.got)
     if run.saved is not None and "y" in run.got:
-        s, eps = run.saved, cc.golden.call.eps
+        s, eps = run.saved, run.eps
         for kind, value in (("invstd", s.invstd(eps)), ("var", s.var(eps))):
-            got.setdefault(f"saved_{kind}", BenchOutput(value))
-    return got, run, _policy(bench, cc.rec)
+            got.setdefault(f"saved_{kind}", value)
+    return got
 
 
 def _check_formats(resolved: list[KernelAdapter], bench_a: KernelAdapter | None, cases: list[Case],
@@ -767,3 +793,161 @@ def summarize(result: CompareResult) -> list[dict[str, Any]]:
                 item["budget_top"], item["budget_share"] = budget_cause(list(zip(mean.index, mean["removed"])))
         out.append(item)
     return out
+
+
+@dataclass(frozen=True)
+class _Naming:
+    """What naming a failing output needs beyond its row: the kernel, how rows are judged, the bench's outputs and
+    the bench itself (None without one)."""
+
+    kernel: KernelAdapter
+    judging: _Judging
+    bench_out: dict[str, Any]
+    bench: KernelAdapter | None
+
+
+def _known(a: KernelAdapter, cc: _CaseCall) -> Known | None:
+    """What identify's table knows of kernel ``a`` in this call's format, parameters and layout; None for an
+    emulated kernel (its policy is its own) and for a recording (whose kernel the table cannot tell)."""
+    caps = a.capabilities()
+    if caps.staged or caps.golden or caps.recorded:
+        return None
+    call = cc.golden.call
+    return known(a.name, cc.rec.dtype, call.params, call.layout)
+
+
+def _variant_outputs(cc: _CaseCall, key: str, make: Callable[[], KernelAdapter]) -> tuple[dict[str, Any],
+                                                                                         dict[str, str]] | str:
+    """The outputs (saved statistics under both names) and their formats of the kernel ``make()`` on this case call,
+    run once per ``key``; or why it cannot run."""
+    if key not in cc.variants:
+        try:
+            run = _run(outputs_only(make()), cc)
+            cc.variants[key] = (_with_saved(run), run.formats)
+        except BNProbeError as exc:
+            cc.variants[key] = str(exc)
+    return cc.variants[key]
+
+
+def _reproduces(run: CallRun, t: str, out: Any, bench: Any) -> str | None:
+    """How a recipe's output ``out`` reproduces the kernel's ``t`` on this call: bit for bit, within
+    :func:`~bnprobe.engine.recipes.recipe_fits`, or not (None)."""
+    got = run.got[t]
+    if out is None or np.shape(out) != np.shape(got):
+        return None
+    if np.array_equal(np.asarray(got, dtype=np.float64), np.asarray(out, dtype=np.float64), equal_nan=True):
+        return "bit for bit"
+    terms = layout_of(run.inputs.x).reduce_size if t in ("dgamma", "dbeta") else 1
+    if bench is not None and recipe_fits(got, out, bench, run.gold[t], run.formats[t], terms):
+        return "within the careful kernel's own error of it"
+    return None
+
+
+def _name_identified(r: dict[str, Any], cc: _CaseCall, run: CallRun, t: str, n: _Naming) -> bool:
+    """Name a failing output ``t`` by identify's recipe for its kernel (:mod:`bnprobe.checks.identify.kernels`) where
+    the recipe's emulation reproduces it on this call, and by the recipe's choice the failure comes from
+    (:mod:`bnprobe.checks.compare.identified`): the row's ``cause``, ``named`` and ``why``.  False where there is no
+    such recipe or it does not reproduce the output (the row's ``unnamed_recipe`` then says so)."""
+    kn = _known(n.kernel, cc)
+    rp = kn.recipe if kn is not None else None
+    call = cc.golden.call
+    if rp is None or not rp.covers(t, call.layout):
+        if rp is not None:
+            r["unnamed_recipe"] = f"{rp.words} covers {', '.join(rp.outputs[call.layout])} only, not {t}"
+        return False
+    done = _variant_outputs(cc, f"identified:{rp.spec}", lambda: EmulatedAdapter(rp.spec))
+    if isinstance(done, str):
+        r["unnamed_recipe"] = f"{rp.words} `{rp.spec}` cannot run on this call ({done})"
+        return False
+    out, bench = done[0].get(t), n.bench_out.get(t)
+    how = _reproduces(run, t, out, None if bench is None else bench.value)
+    if how is None:
+        r["unnamed_recipe"] = f"{rp.words} `{rp.spec}` does not reproduce it on this call" + _miss(run, t, out)
+        return False
+    cause, words = _attribution(cc, run, t, n, rp.spec)
+    r["cause"], r["named"] = cause, f"computes `{rp.spec}` ({rp.words}, reproduced {how} on this call); {words}"
+    r["why"] += f"; {t}: the kernel {r['named']}"
+    return True
+
+
+def _miss(run: CallRun, t: str, out: Any) -> str:
+    """How far a recipe's output is from the kernel's: ``" (k of n values differ, up to u ulps)"``."""
+    if out is None or np.shape(out) != np.shape(run.got[t]):
+        return f" (it gives no {t} of this shape)"
+    got, want = np.asarray(run.got[t], dtype=np.float64).reshape(-1), np.asarray(out, dtype=np.float64).reshape(-1)
+    off = ~((got == want) | (np.isnan(got) & np.isnan(want)))
+    ulps = ulp_error(got[off], want[off], run.formats[t]) if off.any() else np.zeros(1)
+    return f" ({int(off.sum())} of {got.size} values differ, up to {float(np.nanmax(ulps)):.3g} ulps)"
+
+
+def _attribution(cc: _CaseCall, run: CallRun, t: str, n: _Naming, spec: str) -> tuple[str, str]:
+    """(the row's cause, in words) of a failing output ``t`` that identify's recipe ``spec`` reproduces: the
+    recipe's choices that differ from the careful bench's, each reset to the bench's in turn (and, where no reset
+    alone makes ``t`` pass, each put alone into the bench's policy), ``t`` judged again by the run's rules."""
+    careful = n.bench
+    if careful is None or not careful.capabilities().staged or careful.capabilities().golden:
+        return CAUSE, (f"the bench ({n.judging.bench_name or 'none'}) is not a policy of bnprobe's, so no choice of "
+                       "the recipe is singled out")
+    call, fmt = cc.golden.call, cc.rec.dtype
+    recipe = get_policy(spec)
+    modes = ("train", "backward") if OUTPUT_MODE[t] == "backward" else (OUTPUT_MODE[t],)
+    pols = [careful.policy_for(call.x, dtype=fmt, mode=m, layout=call.layout, params=call.params) for m in modes]
+    caps = EmulatedAdapter(spec).capabilities()
+
+    def judged(key: str, into_careful: bool, choice: Choice) -> bool | str:
+        def mixed(mine: Policy) -> Policy:
+            return with_choices(mine, recipe, [choice], key) if into_careful else \
+                with_choices(recipe, mine, [choice], key)
+
+        def policy(p: Any, mode: str) -> Policy:
+            return mixed(careful.policy(p, mode))  # type: ignore[attr-defined]
+        try:  # (a choice that cannot be set alone is said, not run)
+            for mine in pols:
+                mixed(mine)
+        except BNProbeError as exc:
+            return str(exc)
+        done = _variant_outputs(cc, key, lambda: PolicyAdapter(key, policy, caps))
+        if isinstance(done, str):
+            return done
+        out, formats = done
+        if t not in out:
+            return f"it gives no {t}"
+        row = _row(n.judging, _Place(n.kernel.name, fmt, cc.case, t), out[t], run.gold[t],
+                   formats.get(t, run.formats[t]), scale=_scale(run, t), bench=n.bench_out.get(t),
+                   natural=_natural(t, run, call, cc.gold_train), cancel=_cancel_bound(run, t))
+        return row["verdict"] == Verdict.PASS
+
+    att = attribute(t, choices_differing(recipe, pols),
+                    lambda c: judged(f"identified:{spec}:careful {c.id}", False, c),
+                    lambda c: (lambda ok: ok if isinstance(ok, str) else not ok)(
+                        judged(f"identified:careful:{spec} {c.id}", True, c)))
+    return att.cause, att.words(recipe, pols[-1])
+
+
+def _unnamed(r: dict[str, Any], cc: _CaseCall, run: CallRun, t: str, n: _Naming) -> None:
+    """Say, in a failing output's row that nothing names (``unnamed``, also in ``why``), what is known of it: how
+    much worse than the bench it is, whether the kernel saved its statistics (the recipe models need them), and
+    what identify's table knows of the kernel (its recipe and why it does not name this output, or why there is
+    none)."""
+    bench = "the careful kernel's" if n.judging.bench_name.startswith("careful") else f"{n.judging.bench_name}'s"
+    ratio = r.get("rmse_vs_bench")
+    parts = []
+    if ratio is not None and math.isfinite(ratio):
+        parts.append(f"{t} {ratio:.3g}x {bench} error")
+    elif ratio is not None and n.bench is not None:
+        parts.append(f"{t} in error where {bench} is exact")
+    if cc.golden.call.training and "train" in run.modes and run.saved is None:
+        parts.append("statistics not saved")
+    parts.append("no recipe model fits")
+    caps = n.kernel.capabilities()
+    if caps.staged:
+        parts.append("an emulated kernel: its policy is its own (bnprobe trace shows its stages)")
+    elif caps.recorded:
+        parts.append("a recording: identify's table names kernels, not recordings (bnprobe identify runs on its "
+                     "calls)")
+    elif (said := r.pop("unnamed_recipe", None)) is not None:
+        parts.append(said)
+    elif (kn := _known(n.kernel, cc)) is not None:
+        parts.append(kn.text)
+    r["unnamed"] = "; ".join(parts)
+    r["why"] += f"; not named: {r['unnamed']}"

@@ -117,12 +117,10 @@ def _as_compare(checks: dict[str, Check], a: KernelAdapter, rec: Any, modes: tup
     not judge (fp64 outputs: msprobe's rules skip them) keep the doctor's own rule; the bug models are fitted by it
     either way."""
     from bnprobe.checks.compare.precision import judge_call
-    from bnprobe.engine.recipes import RECIPE
 
     if get_format(rec.dtype).name not in MSPROBE_STANDARDS or rec.layout != "channels_first":
         return checks
     rows = {r["tensor"]: r for r in judge_call(a, rec, modes, label=label, run=run, golden=golden)}
-    call = rec.call()
     for c in checks.values():
         judged = [next((rows[t] for t in _COMPARED.get(k, ()) if t in rows), None) for k in c.keys]
         if not c.keys or any(v is None or not math.isfinite(float(v["score"])) for v in judged):
@@ -134,7 +132,9 @@ def _as_compare(checks: dict[str, Check], a: KernelAdapter, rec: Any, modes: tup
         c.ratio = max(c.ratio, max(float(v["score"]) / float(v["bound"]) for v in failing), 1.0 + 1e-9)
         if c.own_ratio <= 1:  # the doctor's rule passed it: compare-precision's reasons are the evidence
             c.wrong = [f"{v['tensor']} ({v['format']}), by compare-precision's rule: {v['why']}" for v in failing]
-        c.causes = [RECIPE[v["cause"]].words(call) for v in failing if v.get("cause") in RECIPE]
+        # what names each failing output: a recipe model, or identify's recipe for the kernel (reproduced on the call)
+        c.causes = [v["named"] for v in failing if v.get("named")]
+        c.unnamed = [f"{v['tensor']} on {label}: {v['unnamed']}" for v in failing if v.get("unnamed")]
     saved, bw = checks.get("saved"), checks.get("backward")
     if saved is None or not saved.causes or bw is None or not (bw.own_ratio > 1 and bw.ratio > 1):
         return checks

@@ -93,6 +93,7 @@ class Check:
     outputs: _Outputs | None = field(default=None, repr=False)
     from_stored: bool = False  # judged against the backward of the statistics as stored (closer than the FP64 one)
     causes: list[str] = field(default_factory=list)  # recipes compare-precision's verdict names for its failures
+    unnamed: list[str] = field(default_factory=list)  # what compare-precision knows of the failures nothing names
     own_ratio: float = math.nan  # the doctor's own rule, where compare-precision's verdict replaced it
 
     @property
@@ -233,7 +234,7 @@ def checklist_items(checks: list[dict[str, Check]], on: str,
             matches = tuple(dict.fromkeys(f"it {w}" for c in failing for w in c.causes))
             head = (f"{what} less accurate than a careful kernel on {len(failing)} of {len(cs)} input(s) "
                     f"({', '.join(names)}), by compare-precision's rule"
-                    + (f"; {'; '.join(matches)}" if matches else "; no known recipe matches"))
+                    + (f"; {'; '.join(matches)}" if matches else _unnamed(failing, "; no known recipe matches")))
         elif all(c.causes for c in failing):  # a recipe reproduces every failing output: it, not a bug's model
             matches = tuple(dict.fromkeys(f"it {w}" for c in failing for w in c.causes))
             head = (f"{what} wrong on {len(failing)} of {len(cs)} input(s) ({', '.join(names)}), as compare-precision "
@@ -244,7 +245,7 @@ def checklist_items(checks: list[dict[str, Check]], on: str,
                 matches = tuple(failing[0].composed(failing[1:] + [c for c in cs if c.passed]))
             head = (f"{what} wrong on {len(failing)} of {len(cs)} input(s) ({', '.join(names)})"
                     + (f"; they match the model of: {'; '.join(matches)}" if matches else
-                       "; no known bug model matches"))
+                       _unnamed(failing, "; no known bug model matches")))
         diagnosis.extend(b for b in matches if b not in diagnosis)
         items.append(Item(name, "FAIL", head, matches, tuple(f"on {c.input}: {w}" for c in failing for w in c.wrong)))
     named = {bug for gr, ms in fits.items() for bug in ms if bug not in refuted}
@@ -261,6 +262,12 @@ def checklist_items(checks: list[dict[str, Check]], on: str,
             notes.append("on this call's data these bugs look like correct BatchNorm (within tolerance) and cannot "
                          "be seen: " + "; ".join(map(say, bugs)))
     return items, diagnosis, notes
+
+
+def _unnamed(failing: list[Check], none: str) -> str:
+    """What is known of failing checks nothing names (compare-precision's words for their outputs), or ``none``."""
+    known = tuple(dict.fromkeys(u for c in failing for u in c.unnamed))
+    return f"{none}; not named: {' | '.join(known)}" if known else none
 
 
 def _unseen(bug: str, checks: list[dict[str, Check]]) -> bool:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bnprobe.core.kernel import params_format
+
 __all__ = ["DATA", "KnownRecipe", "Known", "table", "known", "register_recipe"]
 
 DATA = Path(__file__).with_name("kernels.json")
@@ -122,9 +124,12 @@ def known(kernel: str, fmt: str, params: str, layout: str = "channels_first") ->
     doc = table()
     made_with = f"{doc.get('machine', '?')}; {doc.get('versions', '?')}"
     who = f"{kernel} {fmt}"
-    reg = _REGISTERED.get((kernel, fmt, params))
+    # (fp32 parameters of an fp32 kernel are its input's format: "fp32" and "same" are one parameter format there)
+    pf = params_format(fmt, params)
+    reg = next((v for (k, f, p), v in _REGISTERED.items() if (k, f) == (kernel, fmt) and params_format(f, p) == pf),
+               None)
     rows = [r for r in doc.get("rows", []) if (r.get("kernel"), r.get("format")) == (kernel, fmt)]
-    row = next((r for r in rows if r.get("params") == params), None)
+    row = next((r for r in rows if params_format(fmt, str(r.get("params"))) == pf), None)
     rec = reg or (_recipe_of(row, made_with) if row is not None else None)
     if rec is not None and rec.outputs.get(layout):
         return Known(rec, f"{rec.words}: `{rec.spec}`")
