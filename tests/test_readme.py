@@ -25,6 +25,9 @@ PAGES = [README, *sorted((ROOT / "docs").glob("**/*.md"))]
 CALIBRATED = ('bnprobe compare-precision --adapters "emulated:fp16:variance=chan,tiles=32,y_formula=scale,fma=true,'
               'rsqrt=ascend950,backward_formula=ascend,ascend-950" --dtypes fp16 --shape 32,64,56,56 --mean 3 --std 2 '
               '--no-stress --no-budget --format md --out calibrated')
+# torch's fp16 y on 4 M values per channel, named by identify's recipe for torch (its summation order)
+NAMED = ("bnprobe compare-precision --adapters torch --dtypes fp16 --shape 1024,1,64,64 --no-stress --mode train "
+         "--no-budget --format md --out named")
 # the transcripts run here: a block's first command (the block's others follow it in the same folder), with what
 # its inputs need (a DDP run's msprobe dumps are made by a session fixture; jax's runs in .ci/frameworks' jax
 # environment; the 16 M-value inputs and rsqrt's fp32 sweep are marked slow; the adapters' listing where no other
@@ -64,6 +67,7 @@ RUN = {
     # the command pages' own examples
     "bnprobe compare-precision --adapters ascend-950,emulated:fp16-acc16 --dtypes fp16 --format md --out report": None,
     "bnprobe compare-precision --adapters torch --params same --no-budget --format md --out report": "torch",
+    NAMED: "torch",
     "bnprobe dump --adapter ascend-tbe --mean 100 --out tbe-call": None,
     "bnprobe plot-stats --steps 40 --out stats": None,
     # a kernel that runs inference only, through each command that takes one
@@ -81,7 +85,8 @@ RUN = {
 NOT_WITH = {"bnprobe adapters": ("jax", "flax", "tensorflow", "tensorflow-cpu", "keras", "paddlepaddle", "mindspore")}
 SLOW = {"bnprobe rsqrt --format fp32 --method magic --newton 0,1,2 --working fp64",  # 26 s
         "bnprobe compare-precision --adapters torch --dtypes fp16 --shape 4096,1,64,64 --no-stress --no-budget "
-        "--format md --out big-torch"}  # 16 M values, torch's and the identified recipe's: 55 s
+        "--format md --out big-torch",  # 16 M values, torch's and the identified recipe's: 55 s
+        NAMED}  # 4 M values, torch's, the careful bench's, the identified recipe's and its variants': 20 s
 # the blocks that are shown but not run, each with the reason
 NOT_RUN: dict[str, str] = {}
 def _bad_inputs(folder: Path) -> None:

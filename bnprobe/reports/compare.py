@@ -115,8 +115,8 @@ def markdown_summary(result: CompareResult) -> str:
     fails = result.rows[result.rows["verdict"] == Verdict.FAIL] if len(result.rows) else result.rows
     if len(fails):
         lines += ["## Outputs that fail", "",
-                  markdown_table(fails[["adapter", "dtype", "case", "tensor", "why", "max_abs", "max_rel",
-                                        "cosine"]]), ""]
+                  markdown_table(fails[["adapter", "dtype", "case", "tensor", *_cause(fails), "why", "max_abs",
+                                        "max_rel", "cosine"]]), ""]
     worse = worse_rows(result.rows)
     if len(worse):
         lines += [f"## {WORSE_TITLE}", "", markdown_table(worse[WORSE_COLUMNS]), ""]
@@ -233,9 +233,14 @@ def _failing(fails: Any) -> HtmlTable:
     column and filterable by adapter, format and output."""
     t = fails.assign(error_over_bound=fails["score"] / fails["bound"])
     t = t.sort_values("error_over_bound", ascending=False, kind="stable", na_position="last")
-    return HtmlTable(t[["adapter", "dtype", "case", "tensor", "error_over_bound", "why", "max_abs", "max_rel",
-                        "cosine", "ulp_max"]], sortable=True, filters=("adapter", "dtype", "tensor"),
+    return HtmlTable(t[["adapter", "dtype", "case", "tensor", "error_over_bound", *_cause(t), "why", "max_abs",
+                        "max_rel", "cosine", "ulp_max"]], sortable=True, filters=("adapter", "dtype", "tensor"),
                      max_rows=MAX_SORTABLE_ROWS, sorted_by="error_over_bound")
+
+
+def _cause(rows: Any) -> list[str]:
+    """["cause"] where some row names its failure (what names it: a recipe model, identify's recipe and choice)."""
+    return ["cause"] if "cause" in rows and rows["cause"].notna().any() else []
 
 
 def _unjudged(result: CompareResult) -> str:
@@ -276,4 +281,16 @@ def compare_lines(result: CompareResult, what: str, recorded_notes: tuple[str, .
                                             "failing outputs"]),
                   "first call that fails: " + (f"#{first['order']} {first['call']} ({first['failing']}, "
                                                f"{first['adapter']})" if first else "none")]
-    return lines + [f"note: {n}" for n in [*recorded_notes, *result.notes]]
+    return lines + _named_line(result) + [f"note: {n}" for n in [*recorded_notes, *result.notes]]
+
+
+def _named_line(result: CompareResult) -> list[str]:
+    """The line saying how many failing outputs are named, and by what (each row's ``cause``); [] when none fail."""
+    rows = result.rows
+    fails = rows[rows["verdict"] == Verdict.FAIL] if len(rows) else rows
+    if not len(fails):
+        return []
+    causes = fails["cause"].dropna() if "cause" in fails else fails["tensor"].iloc[0:0]
+    by = ", ".join(f"{c} {n}" for c, n in causes.value_counts(sort=True).items())
+    return [f"failing outputs named: {len(causes)} of {len(fails)}" + (f" ({by})" if by else "")
+            + ("; each unnamed one says what is known of it (its row's why)" if len(causes) < len(fails) else "")]

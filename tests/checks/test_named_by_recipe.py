@@ -196,3 +196,36 @@ def test_torch_compile_fp16_failures_are_named_once_identify_reproduces_it():
     assert len(fails) and fails.cause.notna().all(), fails[["case", "tensor", "why"]].to_string()
     by_recipe = fails[fails.cause.str.startswith(CAUSE)]
     assert by_recipe.why.str.contains(f"computes `{k.recipe.spec}`").all()
+
+
+def _where_the_table_was_made(torch) -> None:
+    """Skip unless this machine runs the torch release and the CPU vector width identify's table was made with (the
+    recipe's lanes are the CPU's)."""
+    from bnprobe.checks.identify.kernels import table
+
+    doc, here = table(), f"torch {torch.__version__}"
+    cpu = torch.backends.cpu.get_cpu_capability()
+    if here not in doc["versions"] or f"({cpu})" not in doc["machine"]:
+        pytest.skip(f"the table was made on {doc['machine']} with {doc['versions']}; here {here} on {cpu}")
+
+
+@pytest.mark.slow
+def test_torch_fp16_y_on_four_million_values_per_channel_is_named_by_its_summation_order():
+    """torch's fp16 CPU kernel (fp32 parameters) on one channel of 1024·64·64 values: y fails against the careful bench
+    (its error is biased: msprobe's error balance 64.7 where 2 is allowed), and identify's recipe for it, reproduced
+    bit for bit on the call, names the cause: its summation order (8 float lanes, two vectors a step), where the
+    careful kernel sums pairwise.  On another path: the recipe with the careful order passes y, the careful kernel
+    with torch's order fails it."""
+    torch = pytest.importorskip("torch")
+    _where_the_table_was_made(torch)
+    case = [Case("R=4M", (1024, 1, 64, 64))]
+    fails = _failing(compare_precision(["torch"], ("fp16",), case, mode="train", budget=False))
+    assert list(fails.tensor) == ["y"] and list(fails.cause) == [f"{CAUSE}:summation-order"], fails
+    spec = known("torch", "fp16", "fp32").recipe.spec
+    assert f"computes `{spec}` (identify's recipe for torch fp16, reproduced bit for bit on this call); its error " \
+           "comes from the summation order (order=vec, lanes=8, unroll=2" in fails.why.iloc[0]
+    order = ("order", "lanes", "unroll", "backward_fma")
+    reset = ",".join(kv for kv in spec.split(":", 1)[1].split(",") if kv.split("=")[0] not in order)
+    assert _failing(compare_precision([f"emulated:fp16:{reset}"], ("fp16",), case, mode="train", budget=False)).empty
+    assert "y" in set(_failing(compare_precision(["emulated:fp16:order=vec,lanes=8,unroll=2"], ("fp16",), case,
+                                                 mode="train", budget=False)).tensor)

@@ -917,10 +917,14 @@ def _attribution(cc: _CaseCall, run: CallRun, t: str, n: _Naming, spec: str) -> 
                    natural=_natural(t, run, call, cc.gold_train), cancel=_cancel_bound(run, t))
         return row["verdict"] == Verdict.PASS
 
-    att = attribute(t, choices_differing(recipe, pols),
-                    lambda c: judged(f"identified:{spec}:careful {c.id}", False, c),
-                    lambda c: (lambda ok: ok if isinstance(ok, str) else not ok)(
-                        judged(f"identified:careful:{spec} {c.id}", True, c)))
+    def passes_without(c: Choice) -> bool | str:  # the recipe with the careful kernel's choice c
+        return judged(f"identified:{spec}:careful {c.id}", False, c)
+
+    def fails_with(c: Choice) -> bool | str:  # the careful kernel with the recipe's choice c
+        ok = judged(f"identified:careful:{spec} {c.id}", True, c)
+        return ok if isinstance(ok, str) else not ok
+
+    att = attribute(t, choices_differing(recipe, pols), passes_without, fails_with)
     return att.cause, att.words(recipe, pols[-1])
 
 
@@ -941,10 +945,11 @@ def _unnamed(r: dict[str, Any], cc: _CaseCall, run: CallRun, t: str, n: _Naming)
     parts.append("no recipe model fits")
     caps = n.kernel.capabilities()
     if caps.staged:
-        parts.append("an emulated kernel: its policy is its own (bnprobe trace shows its stages)")
+        parts.append("an emulated kernel: its policy is its own (its error budget and bnprobe trace locate the "
+                     "stage)")
     elif caps.recorded:
-        parts.append("a recording: identify's table names kernels, not recordings (bnprobe identify runs on its "
-                     "calls)")
+        parts.append("a recording, whose kernel identify's table cannot name (bnprobe identify searches each "
+                     "recorded call's recipe)")
     elif (said := r.pop("unnamed_recipe", None)) is not None:
         parts.append(said)
     elif (kn := _known(n.kernel, cc)) is not None:

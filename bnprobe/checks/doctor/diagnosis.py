@@ -134,7 +134,7 @@ def _as_compare(checks: dict[str, Check], a: KernelAdapter, rec: Any, modes: tup
             c.wrong = [f"{v['tensor']} ({v['format']}), by compare-precision's rule: {v['why']}" for v in failing]
         # what names each failing output: a recipe model, or identify's recipe for the kernel (reproduced on the call)
         c.causes = [v["named"] for v in failing if v.get("named")]
-        c.unnamed = [f"{v['tensor']} on {label}: {v['unnamed']}" for v in failing if v.get("unnamed")]
+        c.unnamed = [v["unnamed"] for v in failing if v.get("unnamed")]
     saved, bw = checks.get("saved"), checks.get("backward")
     if saved is None or not saved.causes or bw is None or not (bw.own_ratio > 1 and bw.ratio > 1):
         return checks

@@ -265,9 +265,12 @@ def checklist_items(checks: list[dict[str, Check]], on: str,
 
 
 def _unnamed(failing: list[Check], none: str) -> str:
-    """What is known of failing checks nothing names (compare-precision's words for their outputs), or ``none``."""
-    known = tuple(dict.fromkeys(u for c in failing for u in c.unnamed))
-    return f"{none}; not named: {' | '.join(known)}" if known else none
+    """What is known of failing checks nothing names (compare-precision's words for their outputs, each said once),
+    or ``none``."""
+    said = [u.split("; ") for c in failing for u in c.unnamed]
+    heads = dict.fromkeys(p[0] for p in said)  # (each output's own first: how much worse than the bench it is)
+    known = [*heads, *dict.fromkeys(q for p in said for q in p[1:] if q not in heads)]
+    return f"{none}; not named: {'; '.join(known)}" if known else none
 
 
 def _unseen(bug: str, checks: list[dict[str, Check]]) -> bool:
