@@ -50,7 +50,7 @@ def recipe_of():
     undo = []
 
     def register(kernel: str, fmt: str, spec: str) -> None:
-        undo.append(register_recipe(KnownRecipe(kernel, fmt, "fp32", spec, {"channels_first": ALL})))
+        undo.append(register_recipe(KnownRecipe(kernel, fmt, "fp32", spec, ALL)))
     yield register
     for u in reversed(undo):
         u()
@@ -129,24 +129,54 @@ def test_doctor_names_a_planted_kernel_by_its_recipe(recipe_of):
 
 
 def test_the_table_is_read_as_identify_left_it():
-    """The package's table, as the loader reads it: a reproduced recipe covers every output; a forward recipe (the
-    backward departs) the forward's only; a departure, another parameter format and an unknown kernel have none,
-    each said in words."""
-    t16 = known("torch", "fp16", "fp32")
-    assert t16.recipe is not None and t16.recipe.spec.startswith("fp16:order=vec,lanes=8") and t16.recipe.covers("dx")
+    """The package's table as the loader reads it, row by row against the raw data: a reproduced row's recipe covers
+    every output; a departure has none and says where identify departs; another layout has the searched layout's
+    recipe, or its own where the row names one; another parameter format and an unknown kernel have none, said."""
+    from bnprobe.checks.identify.kernels import table
+
+    rows = [r for r in table()["rows"] if r["result"] != "not run"]
+    assert {r["result"] for r in rows} == {"reproduced", "departs"}
+    for r in rows:
+        k = known(r["kernel"], r["format"], r["params"])
+        if r["result"] == "reproduced":
+            assert k.recipe.spec == r["recipe"] and all(k.recipe.covers(o) for o in r["outputs"]), r
+        elif not r.get("forward_recipe"):
+            assert k.recipe is None and f"identify departs at the {r['departs']} stage" in k.text, k.text
+        for lay, said in r["other_layouts"].items():
+            there = known(r["kernel"], r["format"], r["params"], lay).recipe
+            if said.startswith("its own recipe `"):
+                assert there.spec == said.split("`")[1] and there.layout == lay, (r, lay)
+            elif said == "reproduced by the same recipe":
+                assert there.spec == k.recipe.spec and there.outputs == k.recipe.outputs
     t32 = known("torch", "fp32", "fp32").recipe
-    assert t32 is not None and t32.covers("y") and t32.covers("saved_var") and not t32.covers("dx")
-    assert known("torch", "fp32", "same").recipe == t32  # fp32 parameters of an fp32 kernel: one format
-    assert known("torch-compile", "fp16", "fp32").text.startswith("no identified recipe for torch-compile fp16: "
-                                                                  "identify departs at the mean stage (saved_mean: ")
+    assert t32 is not None and known("torch", "fp32", "same").recipe == t32  # fp32 parameters of an fp32 kernel
     assert known("torch", "bf16", "same").text == ("no identified recipe for torch bf16 with same-format parameters "
                                                    "(the table has it with fp32 parameters)")
     assert known("ascend-tbe", "fp16", "fp32").text == "no identified recipe for ascend-tbe fp16"
 
 
+@pytest.mark.parametrize("off,same", [([], False), (["y", "dx"], False), (["dx"], True)])
+def test_another_layout_is_read_as_identify_says_it(off, same):
+    """A layout the searched recipe reproduces but for some outputs: the recipe covers the others there — read from
+    the words identify's LayoutResult gives it, so a change of them is seen here."""
+    from bnprobe.checks.identify.kernels import recipe_of_row
+    from bnprobe.checks.identify.results import LayoutResult
+
+    row = {"kernel": "k", "format": "fp16", "params": "fp32", "result": "reproduced", "recipe": "fp16:order=vec",
+           "outputs": ["y", "saved_mean", "dx"], "other_layouts": {"channels_last": LayoutResult("l", off, same=same)
+                                                                   .summary()}}
+    got = recipe_of_row(row, "channels_last")
+    assert got.spec == "fp16:order=vec" and set(got.outputs) == {"y", "saved_mean", "dx"} - set(off)
+    assert recipe_of_row(row).outputs == ("y", "saved_mean", "dx")
+    forward = {**row, "result": "departs", "recipe": None, "forward_recipe": "fp16:order=vec", "departs": "backward",
+               "departing": ["dx"], "other_layouts": {}}
+    assert recipe_of_row(forward).outputs == ("y", "saved_mean")  # a forward recipe: the forward's outputs
+    assert recipe_of_row(forward, "channels_last") is None  # a layout the row says nothing of
+
+
 def test_a_registered_recipe_stands_before_the_table_s_and_is_taken_back():
     before = known("torch", "fp16", "fp32").recipe
-    undo = register_recipe(KnownRecipe("torch", "fp16", "fp32", "fp16:variance=naive", {"channels_first": ("y",)}))
+    undo = register_recipe(KnownRecipe("torch", "fp16", "fp32", "fp16:variance=naive", ("y",)))
     assert known("torch", "fp16", "fp32").recipe.spec == "fp16:variance=naive"
     undo()
     assert known("torch", "fp16", "fp32").recipe == before

@@ -850,10 +850,9 @@ def _name_identified(r: dict[str, Any], cc: _CaseCall, run: CallRun, t: str, n: 
     such recipe or it does not reproduce the output (the row's ``unnamed_recipe`` then says so)."""
     kn = _known(n.kernel, cc)
     rp = kn.recipe if kn is not None else None
-    call = cc.golden.call
-    if rp is None or not rp.covers(t, call.layout):
+    if rp is None or not rp.covers(t):
         if rp is not None:
-            r["unnamed_recipe"] = f"{rp.words} covers {', '.join(rp.outputs[call.layout])} only, not {t}"
+            r["unnamed_recipe"] = f"{rp.words} covers {', '.join(rp.outputs)} only, not {t}"
         return False
     done = _variant_outputs(cc, f"identified:{rp.spec}", lambda: EmulatedAdapter(rp.spec))
     if isinstance(done, str):

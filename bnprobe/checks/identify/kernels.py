@@ -21,7 +21,7 @@ from typing import Any
 
 from bnprobe.core.kernel import params_format
 
-__all__ = ["DATA", "KnownRecipe", "Known", "table", "known", "register_recipe"]
+__all__ = ["DATA", "KnownRecipe", "Known", "table", "known", "recipe_of_row", "register_recipe"]
 
 DATA = Path(__file__).with_name("kernels.json")
 
@@ -31,8 +31,8 @@ FORWARD_OUTPUTS = ("saved_mean", "saved_invstd", "saved_var", "y", "running_mean
 
 @dataclass(frozen=True)
 class KnownRecipe:
-    """identify's recipe for ``kernel`` in ``format`` with ``params`` parameters (``fp32`` or ``same``): its policy
-    ``spec``, the ``outputs`` it reproduces in each of its ``layouts`` (every output the kernel returns, or the
+    """identify's recipe for ``kernel`` in ``format`` with ``params`` parameters (``fp32`` or ``same``) in ``layout``:
+    its policy ``spec``, the ``outputs`` identify found it reproduces there (every output the kernel returns, or the
     forward's where identify departs at the backward), and where it was found (``made_with``: the machine and the
     releases)."""
 
@@ -40,20 +40,22 @@ class KnownRecipe:
     format: str
     params: str
     spec: str
-    outputs: dict[str, tuple[str, ...]]  # layout -> the outputs identify found the recipe reproduces there
+    outputs: tuple[str, ...]
+    layout: str = "channels_first"
     made_with: str = ""
 
-    def covers(self, output: str, layout: str = "channels_first") -> bool:
-        """Whether identify found this recipe reproduces ``output`` in ``layout`` (a saved variance counts as the
-        saved invstd it is computed from)."""
-        have = self.outputs.get(layout, ())
-        return output in have or (output == "saved_var" and "saved_invstd" in have)
+    def covers(self, output: str) -> bool:
+        """Whether identify found this recipe reproduces ``output`` (a saved variance counts as the saved invstd it
+        is computed from)."""
+        return output in self.outputs or (output == "saved_var" and "saved_invstd" in self.outputs)
 
     @property
     def words(self) -> str:
-        """"identify's recipe for torch fp16", with the parameter format where it is the input's."""
+        """"identify's recipe for torch fp16", with the parameter format where it is the input's and the layout
+        where it is not channels_first."""
         return f"identify's recipe for {self.kernel} {self.format}" + \
-            (f" with {_params_words(self.params)}" if self.params == "same" else "")
+            (f" with {_params_words(self.params)}" if self.params == "same" else "") + \
+            (f" in {self.layout}" if self.layout != "channels_first" else "")
 
 
 @dataclass(frozen=True)
@@ -71,13 +73,13 @@ def table(path: str = str(DATA)) -> dict[str, Any]:
     return json.loads(Path(path).read_text())  # type: ignore[no-any-return]
 
 
-_REGISTERED: dict[tuple[str, str, str], KnownRecipe] = {}  # plugins' recipes (register_recipe), before the table's
+_REGISTERED: dict[tuple[str, str, str, str], KnownRecipe] = {}  # plugins' recipes (register_recipe), first
 
 
 def register_recipe(recipe: KnownRecipe) -> Callable[[], None]:
-    """Make ``recipe`` the known recipe of its kernel, format and parameter format (in place of the table's row, if
-    any); returns the function that takes it back."""
-    key = (recipe.kernel, recipe.format, recipe.params)
+    """Make ``recipe`` the known recipe of its kernel, format, parameter format and layout (in place of the table's
+    row, if any); returns the function that takes it back."""
+    key = (recipe.kernel, recipe.format, recipe.params, recipe.layout)
     before = _REGISTERED.get(key)
     _REGISTERED[key] = recipe
 
@@ -89,23 +91,34 @@ def register_recipe(recipe: KnownRecipe) -> Callable[[], None]:
     return undo
 
 
-def _covered(row: dict[str, Any], spec_outputs: list[str]) -> dict[str, tuple[str, ...]]:
-    """Per layout, the outputs of ``spec_outputs`` a row's recipe reproduces: all of them in the layout identify
-    searched (channels_first), and in another layout those it did not list there as not reproduced."""
-    out = {"channels_first": tuple(spec_outputs)}
-    for lay, said in (row.get("other_layouts") or {}).items():
-        said = str(said)
-        if said == "reproduced":
-            out[lay] = tuple(spec_outputs)
-        elif said.startswith("not reproduced: "):
-            off = {o.strip() for o in said.removeprefix("not reproduced: ").split(",")}
-            out[lay] = tuple(o for o in spec_outputs if o not in off)
-    return out
+#: how kernel_table.py's rows say another layout's result (:meth:`~bnprobe.checks.identify.results.LayoutResult
+#: .summary`): the searched layout's recipe reproduces every output there, or all but those listed, or the layout has
+#: a recipe of its own; anything else ("departs at ...") gives no recipe there
+_SAME = ("reproduced by the same recipe", "reproduced")
+_OFF = ("not reproduced: ", "computed as the other layout; the recipe misses ")
+_OWN = "its own recipe `"
 
 
-def _recipe_of(row: dict[str, Any], made_with: str) -> KnownRecipe | None:
-    """A row's recipe: reproduced (every output), or the forward's where only the backward departs; None for a
-    departure (a closest recipe is not one) and for a kernel not run."""
+def _in_layout(row: dict[str, Any], lay: str, spec: str, outputs: list[str]) -> tuple[str, list[str]] | None:
+    """(the recipe, the outputs it reproduces) in layout ``lay`` of a row whose searched layout's recipe is ``spec``
+    reproducing ``outputs``; None where identify found none there (or did not try)."""
+    said = str((row.get("other_layouts") or {}).get(lay, ""))
+    if said in _SAME:
+        return spec, outputs
+    if said.startswith(_OWN) and said.endswith("`"):
+        return said[len(_OWN):-1], list(row.get("outputs") or [])
+    for head in _OFF:
+        if said.startswith(head):
+            off = {o.strip() for o in said[len(head):].removesuffix(" on its fresh inputs").split(",")}
+            return spec, [o for o in outputs if o not in off]
+    return None
+
+
+def recipe_of_row(row: dict[str, Any], layout: str = "channels_first", made_with: str = "") -> KnownRecipe | None:
+    """A row's recipe (a row of the table as kernel_table.py writes it) in ``layout``: reproduced (every output), or
+    the forward's where only the backward departs; in another layout than the searched one (channels_first), as
+    the row says of it.  None for a departure (a closest recipe is not one), a kernel not run, and a layout without
+    one."""
     outputs = list(row.get("outputs") or [])
     if row.get("result") == "reproduced" and row.get("recipe"):
         spec = row["recipe"]
@@ -113,8 +126,13 @@ def _recipe_of(row: dict[str, Any], made_with: str) -> KnownRecipe | None:
         spec = row["forward_recipe"]
         outputs = [o for o in outputs if o in FORWARD_OUTPUTS and o not in (row.get("departing") or [])]
     else:
+        spec = ""
+    if layout != "channels_first":
+        found = _in_layout(row, layout, spec, outputs) if spec or row.get("other_layouts") else None
+        spec, outputs = found if found is not None and found[0] else ("", [])
+    if not spec or not outputs:
         return None
-    return KnownRecipe(row["kernel"], row["format"], row["params"], spec, _covered(row, outputs), made_with)
+    return KnownRecipe(row["kernel"], row["format"], row["params"], spec, tuple(outputs), layout, made_with)
 
 
 def known(kernel: str, fmt: str, params: str, layout: str = "channels_first") -> Known:
@@ -126,15 +144,17 @@ def known(kernel: str, fmt: str, params: str, layout: str = "channels_first") ->
     who = f"{kernel} {fmt}"
     # (fp32 parameters of an fp32 kernel are its input's format: "fp32" and "same" are one parameter format there)
     pf = params_format(fmt, params)
-    reg = next((v for (k, f, p), v in _REGISTERED.items() if (k, f) == (kernel, fmt) and params_format(f, p) == pf),
-               None)
+    reg = next((v for (k, f, p, lay), v in _REGISTERED.items()
+                if (k, f, lay) == (kernel, fmt, layout) and params_format(f, p) == pf), None)
     rows = [r for r in doc.get("rows", []) if (r.get("kernel"), r.get("format")) == (kernel, fmt)]
     row = next((r for r in rows if params_format(fmt, str(r.get("params"))) == pf), None)
-    rec = reg or (_recipe_of(row, made_with) if row is not None else None)
-    if rec is not None and rec.outputs.get(layout):
-        return Known(rec, f"{rec.words}: `{rec.spec}`")
+    rec = reg or (recipe_of_row(row, layout, made_with) if row is not None else None)
     if rec is not None:
-        return Known(None, f"{rec.words} was not confirmed in {layout}")
+        return Known(rec, f"{rec.words}: `{rec.spec}`")
+    if row is not None and row.get("result") != "not run" and layout != "channels_first":
+        said = (row.get("other_layouts") or {}).get(layout)
+        return Known(None, f"no identified recipe for {who} in {layout}" + (f" ({said})" if said else
+                                                                           ": identify did not run it there"))
     if row is None:
         other = " or ".join(_params_words(str(r.get("params"))) for r in rows)
         return Known(None, f"no identified recipe for {who}" + (f" with {_params_words(params)} (the table has it "
