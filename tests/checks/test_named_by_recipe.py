@@ -253,7 +253,8 @@ def test_torch_fp16_y_on_four_million_values_per_channel_is_named_by_its_summati
     assert list(fails.tensor) == ["y"] and list(fails.cause) == [f"{CAUSE}:summation-order"], fails
     spec = known("torch", "fp16", "fp32").recipe.spec
     assert f"computes `{spec}` (identify's recipe for torch fp16, reproduced bit for bit on this call); its error " \
-           "comes from the summation order (order=vec, lanes=8, unroll=2" in fails.why.iloc[0]
+           "comes from the summation order and its fused multiply-adds (order=vec, lanes=8, unroll=2" \
+           in fails.why.iloc[0]
     order = ("order", "lanes", "unroll", "backward_fma")
     reset = ",".join(kv for kv in spec.split(":", 1)[1].split(",") if kv.split("=")[0] not in order)
     assert _failing(compare_precision([f"emulated:fp16:{reset}"], ("fp16",), case, mode="train", budget=False)).empty

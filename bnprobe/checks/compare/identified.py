@@ -35,7 +35,7 @@ class Choice:
 #: the policy's choices, each a group of fields that belong together (reset together: a field of one may constrain
 #: another, e.g. backward_fma needs order=vec, variance_fma and dx_fma=body need threads)
 CHOICES: tuple[Choice, ...] = (
-    Choice("summation-order", "the summation order (and the fused multiply-adds of its sums)",
+    Choice("summation-order", "the summation order and its fused multiply-adds",
            ("order", "lanes", "unroll", "tiles", "kahan", "core_parts", "core_combine", "threads", "backward_sums",
             "backward_fma", "variance_fma", "dx_fma")),
     Choice("accumulation", "the format its sums are accumulated in", ("accumulate", "sum_format")),
