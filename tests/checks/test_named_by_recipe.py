@@ -172,6 +172,10 @@ def test_another_layout_is_read_as_identify_says_it(off, same):
                "departing": ["dx"], "other_layouts": {}}
     assert recipe_of_row(forward).outputs == ("y", "saved_mean")  # a forward recipe: the forward's outputs
     assert recipe_of_row(forward, "channels_last") is None  # a layout the row says nothing of
+    # a kernel that computes the layout as the searched one (its adapter hands it the other): bnprobe's run of the
+    # recipe in this layout is not the kernel's, so no recipe there
+    moved = LayoutResult("l", ["y"], same=True, as_searched=True).summary()
+    assert recipe_of_row({**row, "other_layouts": {"channels_last": moved}}, "channels_last") is None
 
 
 def test_a_registered_recipe_stands_before_the_table_s_and_is_taken_back():
