@@ -135,7 +135,7 @@ def test_the_table_is_read_as_identify_left_it():
     from bnprobe.checks.identify.kernels import table
 
     rows = [r for r in table()["rows"] if r["result"] != "not run"]
-    assert {r["result"] for r in rows} == {"reproduced", "departs"}
+    assert {r["result"] for r in rows} <= {"reproduced", "departs"} and any(r["result"] == "reproduced" for r in rows)
     for r in rows:
         k = known(r["kernel"], r["format"], r["params"])
         if r["result"] == "reproduced":
@@ -172,6 +172,16 @@ def test_another_layout_is_read_as_identify_says_it(off, same):
                "departing": ["dx"], "other_layouts": {}}
     assert recipe_of_row(forward).outputs == ("y", "saved_mean")  # a forward recipe: the forward's outputs
     assert recipe_of_row(forward, "channels_last") is None  # a layout the row says nothing of
+    # a departure and a kernel not run: no recipe, and why not in words
+    gone = {**row, "result": "departs", "recipe": "fp16:order=vec", "departs": "mean", "departing": ["saved_mean"],
+            "departure_size": "3 of 74 values differ, up to 2 ULPs"}
+    assert recipe_of_row(gone) is None  # (a closest recipe is not one)
+    doc = {"rows": [gone, {"kernel": "j", "format": "fp16", "params": "fp32", "result": "not run", "why": "no jax"}]}
+    assert known("k", "fp16", "fp32", doc=doc).text == ("no identified recipe for k fp16: identify departs at the mean "
+                                                        "stage (saved_mean: 3 of 74 values differ, up to 2 ULPs)")
+    assert known("j", "fp16", "fp32", doc=doc).text == ("no identified recipe for j fp16: not run where the table was "
+                                                        "made (no jax)")
+    assert known("k", "fp16", "same", doc=doc).text.endswith("(the table has it with fp32 parameters)")
     # a kernel that computes the layout as the searched one (its adapter hands it the other): bnprobe's run of the
     # recipe in this layout is not the kernel's, so no recipe there
     moved = LayoutResult("l", ["y"], same=True, as_searched=True).summary()
@@ -213,23 +223,42 @@ def test_which_choice_a_failure_comes_from(passes, fails, cause, words):
     assert asked == ([] if passes else [A, B, C])  # the careful kernel with one choice is run only where needed
 
 
+def test_a_choice_that_cannot_be_reset_alone_is_reset_with_the_one_it_needs():
+    """torch.compile's variance=inductor needs its order=inductor: the order is reset with the variance."""
+    from bnprobe.checks.compare.identified import resettable
+
+    got = resettable([A, B, C], lambda cs: A not in cs or B in cs)
+    assert [c.id for c in got] == ["a-with-b", "b", "c"] and got[0].fields == ("order", "variance")
+    assert [c.id for c in resettable([A, C], lambda cs: A not in cs)] == ["a", "c"]  # nothing helps: left to say
+
+
 def test_a_choice_that_cannot_be_reset_alone_is_said_not_tried():
     att = attribute("y", [A, B], lambda c: "needs b" if c is A else True, lambda c: False)
     assert att.cause == f"{CAUSE}:b" and "not tried alone: a (needs b)" in att.words(Policy(), Policy())
 
 
-def test_torch_compile_fp16_failures_are_named_once_identify_reproduces_it():
-    """torch.compile's fp16 BatchNorm fails its saved statistics and gradients on the stress inputs (issue 54): each
-    failure named, by the recipe model of statistics saved in the input's format or by identify's recipe for it."""
-    pytest.importorskip("torch")
+def test_torch_compile_fp16_failures_are_named_once_identify_reproduces_it(monkeypatch):
+    """torch.compile's 16-bit BatchNorm fails its gradients near eps (issue 54): each failure named — first by the
+    recipe model of statistics saved in the input's format; and with the recipe models taken away, by identify's
+    recipe for torch.compile, reproduced on the call, through the same choice: the format it saves its statistics
+    in (saved_format).  Two derivations, one written by hand from inductor's decomposition and one found by
+    identify's search, agree."""
+    torch = pytest.importorskip("torch")
+    import bnprobe.checks.compare.precision as precision
+
     k = known("torch-compile", "fp16", "fp32")
     if k.recipe is None:
         pytest.skip(f"identify does not reproduce torch-compile fp16 yet: {k.text}")
+    _where_the_table_was_made(torch)
     cases = [c for c in stress_cases(0) if c.name in ("stress/var-near-eps", "stress/mean/std=1000")]
     fails = _failing(compare_precision(["torch-compile"], ("fp16",), cases, budget=False))
-    assert len(fails) and fails.cause.notna().all(), fails[["case", "tensor", "why"]].to_string()
-    by_recipe = fails[fails.cause.str.startswith(CAUSE)]
-    assert by_recipe.why.str.contains(f"computes `{k.recipe.spec}`").all()
+    assert len(fails) and (fails.cause == "saved-stats-in-input-format").all(), fails[["case", "tensor", "why"]]
+    monkeypatch.setattr(precision, "RECIPES", ())
+    alone = _failing(compare_precision(["torch-compile"], ("fp16",), cases, budget=False))
+    assert len(alone) and (alone.cause == f"{CAUSE}:stored-statistics").all(), alone[["case", "tensor", "why"]]
+    assert alone.why.str.contains(f"computes `{k.recipe.spec}` (identify's recipe for torch-compile fp16, reproduced "
+                                  "bit for bit on this call); its error comes from the statistics it stores and "
+                                  "normalises with (saved_format=fp16", regex=False).all()
 
 
 def _where_the_table_was_made(torch) -> None:

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field, fields, replace
 
 from bnprobe.kernels.policy import Policy
 
-__all__ = ["Choice", "CHOICES", "CONVENTION_FIELDS", "choices_differing", "with_choices", "Attribution", "attribute",
-           "CAUSE"]
+__all__ = ["Choice", "CHOICES", "CONVENTION_FIELDS", "choices_differing", "resettable", "with_choices", "Attribution",
+           "attribute", "CAUSE"]
 
 CAUSE = "identified-recipe"  # a row's ``cause`` when identify's recipe names it (":<choice ids>" after it)
 
@@ -71,6 +71,21 @@ def choices_differing(recipe: Policy, careful: Iterable[Policy]) -> list[Choice]
     mode an output depends on)."""
     cs = list(careful)
     return [c for c in _choices() if any(getattr(recipe, f) != getattr(k, f) for k in cs for f in c.fields)]
+
+
+def resettable(choices: list[Choice], valid: Callable[[list[Choice]], bool]) -> list[Choice]:
+    """``choices`` as they can be reset: each one alone where ``valid([c])`` (resetting it gives valid policies),
+    else joined with the first other choice that makes it valid (e.g. torch.compile's variance=inductor needs its
+    order=inductor: the order is reset with the variance), else left as it is (it will be said not tried)."""
+    out: list[Choice] = []
+    for c in choices:
+        if valid([c]):
+            out.append(c)
+            continue
+        partner = next((d for d in choices if d is not c and valid([c, d])), None)
+        out.append(c if partner is None else Choice(f"{c.id}-with-{partner.id}", f"{c.words} with {partner.words}",
+                                                    c.fields + partner.fields))
+    return out
 
 
 def with_choices(base: Policy, source: Policy, choices: Iterable[Choice], name: str = "") -> Policy:

@@ -31,7 +31,14 @@ from bnprobe.engine.budget import BUDGET_CHANNELS, budget_cause, error_budget
 from bnprobe.engine.cases import Case, make_dy, recorded_cases, resnet50_cases, stress_cases
 from bnprobe.engine.recipes import RECIPES, recipe_fits
 from bnprobe.adapters.emulated import EmulatedAdapter, PolicyAdapter
-from bnprobe.checks.compare.identified import CAUSE, Choice, attribute, choices_differing, with_choices
+from bnprobe.checks.compare.identified import (
+    CAUSE,
+    Choice,
+    attribute,
+    choices_differing,
+    resettable,
+    with_choices,
+)
 from bnprobe.checks.identify.kernels import Known, known
 from bnprobe.kernels.policy import Policy, get_policy
 from bnprobe.engine.result import Judged, Verdict
@@ -893,6 +900,14 @@ def _attribution(cc: _CaseCall, run: CallRun, t: str, n: _Naming, spec: str) -> 
     pols = [careful.policy_for(call.x, dtype=fmt, mode=m, layout=call.layout, params=call.params) for m in modes]
     caps = EmulatedAdapter(spec).capabilities()
 
+    def valid(cs: list[Choice]) -> bool:  # each way round: the recipe with the careful choices, and the reverse
+        try:
+            for mine in pols:
+                with_choices(mine, recipe, cs), with_choices(recipe, mine, cs)
+        except BNProbeError:
+            return False
+        return True
+
     def judged(key: str, into_careful: bool, choice: Choice) -> bool | str:
         def mixed(mine: Policy) -> Policy:
             return with_choices(mine, recipe, [choice], key) if into_careful else \
@@ -900,7 +915,7 @@ def _attribution(cc: _CaseCall, run: CallRun, t: str, n: _Naming, spec: str) -> 
 
         def policy(p: Any, mode: str) -> Policy:
             return mixed(careful.policy(p, mode))  # type: ignore[attr-defined]
-        try:  # (a choice that cannot be set alone is said, not run)
+        try:  # (a choice that cannot be set alone, even joined with another, is said, not run)
             for mine in pols:
                 mixed(mine)
         except BNProbeError as exc:
@@ -923,7 +938,7 @@ def _attribution(cc: _CaseCall, run: CallRun, t: str, n: _Naming, spec: str) -> 
         ok = judged(f"identified:careful:{spec} {c.id}", True, c)
         return ok if isinstance(ok, str) else not ok
 
-    att = attribute(t, choices_differing(recipe, pols), passes_without, fails_with)
+    att = attribute(t, resettable(choices_differing(recipe, pols), valid), passes_without, fails_with)
     return att.cause, att.words(recipe, pols[-1])
 
 

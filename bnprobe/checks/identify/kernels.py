@@ -135,11 +135,12 @@ def recipe_of_row(row: dict[str, Any], layout: str = "channels_first", made_with
     return KnownRecipe(row["kernel"], row["format"], row["params"], spec, tuple(outputs), layout, made_with)
 
 
-def known(kernel: str, fmt: str, params: str, layout: str = "channels_first") -> Known:
+def known(kernel: str, fmt: str, params: str, layout: str = "channels_first", *,
+          doc: dict[str, Any] | None = None) -> Known:
     """What is known of ``kernel`` in ``fmt`` with ``params`` parameters (``fp32`` or ``same``) in ``layout``: its
     recipe where identify found one that covers this layout, else in words what the table says (a departure, a
-    kernel not run where the table was made, or no row)."""
-    doc = table()
+    kernel not run where the table was made, or no row).  ``doc``: the table to read (default: the package's)."""
+    doc = table() if doc is None else doc
     made_with = f"{doc.get('machine', '?')}; {doc.get('versions', '?')}"
     who = f"{kernel} {fmt}"
     # (fp32 parameters of an fp32 kernel are its input's format: "fp32" and "same" are one parameter format there)
