@@ -36,8 +36,10 @@ class Choice:
 #: another, e.g. backward_fma needs order=vec, variance_fma and dx_fma=body need threads)
 CHOICES: tuple[Choice, ...] = (
     Choice("summation-order", "the summation order and its fused multiply-adds",
-           ("order", "lanes", "unroll", "tiles", "kahan", "core_parts", "core_combine", "threads", "backward_sums",
-            "backward_lanes", "backward_fma", "variance_fma", "dx_fma")),
+           ("order", "lanes", "unroll", "tiles", "kahan", "core_parts", "core_combine", "threads", "thread_split",
+            "packet_lanes", "backward_sums", "backward_lanes", "backward_fma", "variance_fma", "dx_fma")),
+    Choice("code-path", "the second code path it takes where its vector width divides the channel count",
+           ("path_channels", "channel_path")),
     Choice("accumulation", "the format its sums are accumulated in", ("accumulate", "sum_format")),
     Choice("variance", "the variance algorithm", ("variance", "clamp_var", "mean_by")),
     Choice("rsqrt", "how 1/sqrt(var + eps) is formed",
