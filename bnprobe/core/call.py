@@ -1,8 +1,10 @@
-"""One BatchNorm call: its inputs, scalars and formats, as one typed value (importing it loads nothing: the CLI
-reads its defaults at start-up).
+"""One normalisation call: its inputs, scalars and formats, as one typed value (importing it loads nothing: the
+CLI reads its defaults at start-up).
 
 Every check runs a kernel and the FP64 golden on a :class:`BNCall` — a recorded call's (a dump's), a generated
-one's, a probe's — and the defaults of BatchNorm's scalars are defined here once.
+one's, a probe's — and the defaults of BatchNorm's scalars are defined here once.  The call names its layer
+(``norm``): BatchNorm, the default, or one of its siblings — LayerNorm, RMSNorm, GroupNorm, InstanceNorm — with
+what places their statistics (the normalised trailing shape, the groups) and the offset some models apply γ with.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
 
-__all__ = ["BNCall", "EPS", "MOMENTUM", "TENSORS"]
+__all__ = ["BNCall", "NormCall", "EPS", "MOMENTUM", "TENSORS", "NORMS"]
 
 EPS = 1e-5  # BatchNorm's epsilon where none is given (PyTorch's, and every framework's BatchNorm2d default)
 MOMENTUM = 0.1  # the running statistics' momentum where none is given (PyTorch's convention: new = (1-m)·old + m·batch)
 TENSORS = ("x", "gamma", "beta", "running_mean", "running_var", "dy")  # a call's tensors, by their fields' names
+# the layers a call can name, as users name them (--norm): BatchNorm, LayerNorm, RMSNorm, GroupNorm, InstanceNorm
+NORMS = ("batch", "layer", "rms", "group", "instance")
 
 
 @dataclass(frozen=True, eq=False)
@@ -26,7 +30,12 @@ class BNCall:
     """What a BatchNorm kernel is called with: x (and dy for the backward) in ``dtype``; γ, β and the running
     statistics (None where the call has none) in the parameter format (``params``: ``same`` as x, or ``fp32``);
     ε, momentum (None: a cumulative average), the training flag and the layout of x.  An adapter is handed the
-    call whole (``train(call)``, ``infer(call)``, ``backward_of(call, saved)``)."""
+    call whole (``train(call)``, ``infer(call)``, ``backward_of(call, saved)``).
+
+    ``norm`` names the layer (:data:`NORMS`; BatchNorm by default).  LayerNorm and RMSNorm normalise the trailing
+    dims ``normalized_shape`` (default: the last) of each leading index, γ and β shaped as those dims; GroupNorm the
+    ``groups`` groups of channels of each sample, InstanceNorm each channel of each sample, γ and β per channel;
+    ``weight_offset`` is added to γ where a model stores γ − offset (Gemma's RMSNorm: 1, y = x̂·(1 + w))."""
 
     x: np.ndarray
     gamma: np.ndarray | None = None
@@ -40,6 +49,10 @@ class BNCall:
     dtype: str = "fp32"
     params: str = "fp32"
     layout: str = "channels_first"
+    norm: str = "batch"
+    normalized_shape: tuple[int, ...] | None = None
+    groups: int | None = None
+    weight_offset: float = 0.0
 
     @property
     def has_running(self) -> bool:
@@ -55,3 +68,6 @@ class BNCall:
         γ, β, the running statistics and dy where ``inputs`` has them, None where it lacks them (other names, such
         as a backward's saved statistics, are not the call's)."""
         return replace(self, **{k: inputs.get(k) for k in TENSORS})
+
+
+NormCall = BNCall  # (the same value: a call of any layer of the family)

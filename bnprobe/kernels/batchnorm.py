@@ -17,7 +17,7 @@ counters are identical either way; tests/kernels/test_carriers.py checks it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -27,7 +27,7 @@ from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
 from bnprobe.kernels.fused import COMPILED_CHUNK_ELEMENTS, Fused, Source, compiled_route
 from bnprobe.kernels.layout import Layout, as_channel_vector, check_eps, check_momentum, layout_of
-from bnprobe.kernels.policy import Policy, get_policy
+from bnprobe.kernels.policy import FAMILY_ONLY, Policy, get_policy
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.arith import Arith, Tally, as_carrier, fits_float32, fma_wide
 from bnprobe.numerics.inductor import splits_channels, splits_rows
@@ -39,7 +39,8 @@ from bnprobe.numerics.rsqrt import rsqrt as nrsqrt
 from bnprobe.numerics.rsqrt import sqrt as nsqrt
 from bnprobe.numerics.variance import MomentsMethod, ThreadSums, moments, prescale_exponent
 
-__all__ = ["Execution", "TrainResult", "InferResult", "BackwardResult", "forward_train", "forward_infer", "backward"]
+__all__ = ["Execution", "TrainResult", "InferResult", "BackwardResult", "forward_train", "forward_infer", "backward",
+           "KernelRun", "RunSetting", "per_count", "batch_policy"]
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def carrier_for(policy: Policy, keep_arrays: bool, overrides: dict[str, np.ndarr
 
 
 @dataclass(frozen=True)
-class _Setting:
+class RunSetting:
     """What every block of a kernel call runs with: whether its trace keeps arrays and counts (False: no events
     counted, no stage recorded, outputs only), its carrier, the dtypes of the caller's tensors by stage name, whether
     it takes the compiled route, the length of the layout's contiguous rows in a channel (H*W channels-first;
@@ -133,10 +134,10 @@ def _call_shape(lay: Layout) -> CallShape:
     return CallShape(tuple(d for i, d in enumerate(lay.shape) if i != lay.channel_axis), lay.channels)
 
 
-class _Run:
+class KernelRun:
     """The arithmetic contexts of one block of channels of a kernel call, and its trace."""
 
-    def __init__(self, policy: Policy, channels: int, rng: np.random.Generator, setting: _Setting, *,
+    def __init__(self, policy: Policy, channels: int, rng: np.random.Generator, setting: RunSetting, *,
                  overrides: dict[str, np.ndarray] | None = None, dest: Source | None = None, first: int = 0) -> None:
         self.policy = policy
         self.first = first  # the call's index of this block's first channel
@@ -330,8 +331,8 @@ class _Run:
         acc, pol = self.acc, self.policy
         if pol.rstd_format is not None:  # formed in a wider format, then rounded (PyTorch CPU: in double); the
             # formulas then take γ·rstd, not γ/σ
-            wide_run = _Run(pol.with_options(accumulate=pol.rstd_format, rstd_format=None), self.c, self.rng,
-                            _Setting(counting=self.counting))
+            wide_run = KernelRun(pol.with_options(accumulate=pol.rstd_format, rstd_format=None), self.c, self.rng,
+                            RunSetting(counting=self.counting))
             return self.rec("rstd", acc, wide_run.rstd(var_eps)[0]), None
         with np.errstate(all="ignore"):
             ideal = 1.0 / np.sqrt(var_eps)
@@ -439,7 +440,7 @@ class _Blocks:
                      "channel_blocks": len(self.slices), **meta}
         self.traces: list[Trace] = []
         carrier = carrier_for(policy, keep_arrays, overrides)
-        self.setting = _Setting(keep_arrays, execution.counters, carrier,
+        self.setting = RunSetting(keep_arrays, execution.counters, carrier,
                                 {k: np.asarray(v).dtype for k, v in (sources or {}).items()}, self.compiled,
                                 int(np.prod(lay.shape[2:], dtype=np.int64)) if lay.layout == "channels_first" else None,
                                 lay.channels, int(lay.shape[0]), _call_shape(lay))
@@ -452,7 +453,7 @@ class _Blocks:
             # overrides are channel-first, (C,) or (C, R): take this block's channels
             sub = {k: np.asarray(v)[sl] for k, v in self.overrides.items()}
             dest = self._dest.block(sl) if self._dest is not None else None
-            run = _Run(self.policy, sl.stop - sl.start, self.rng, self.setting, overrides=sub, dest=dest,
+            run = KernelRun(self.policy, sl.stop - sl.start, self.rng, self.setting, overrides=sub, dest=dest,
                        first=sl.start)
             yield sl, run
             self.traces.append(run.trace)
@@ -486,6 +487,17 @@ class _Blocks:
         return np.empty(self.lay.channels, dtype=get_format(fmt).dtype)
 
 
+def batch_policy(pol: Policy) -> Policy:
+    """``pol`` when a BatchNorm kernel runs it; a one-line refusal naming a choice only the family layers read."""
+    defaults = {f.name: f.default for f in fields(Policy)}
+    for name in FAMILY_ONLY:
+        value = getattr(pol, name)
+        if value != defaults[name]:
+            raise BNProbeError(f"policy {name}={value} is a LayerNorm/RMSNorm/GroupNorm/InstanceNorm choice: a "
+                               "BatchNorm kernel is not run with it")
+    return pol
+
+
 def _check_train_size(lay: Layout, policy: Policy | None = None) -> None:
     if lay.reduce_size < 2 and (policy is None or policy.unbiased_r1 == "error"):
         raise BNProbeError(
@@ -514,7 +526,7 @@ def forward_train(
     the trace keeps, the block size and stage overrides (:class:`Execution`).
     """
     lay = layout_of(x, execution.layout)
-    pol = get_policy(policy).for_channels(lay.channels)
+    pol = batch_policy(get_policy(policy)).for_channels(lay.channels)
     _check_train_size(lay, pol)
     eps = check_eps(eps)
     momentum = check_momentum(momentum)
@@ -549,7 +561,7 @@ def forward_train(
         num_batches_tracked=nbt, trace=trace)
 
 
-def _train_block(run: _Run, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.ndarray | None,
+def _train_block(run: KernelRun, x: np.ndarray, g: np.ndarray, b: np.ndarray, rm: np.ndarray | None,
                  rv: np.ndarray | None, *, eps: float, momentum: float | None, nbt: int,
                  r: int) -> dict[str, np.ndarray]:
     """Training forward of one channel block (channel-first arrays); returns y and the statistics."""
@@ -643,7 +655,7 @@ def forward_infer(
 ) -> InferResult:
     """Inference-mode BatchNorm: normalise with the running statistics (``execution``: see :class:`Execution`)."""
     lay = layout_of(x, execution.layout)
-    pol = get_policy(policy).for_channels(lay.channels)
+    pol = batch_policy(get_policy(policy)).for_channels(lay.channels)
     eps = check_eps(eps)
     g = as_channel_vector("gamma", gamma, lay, 1.0)
     b = as_channel_vector("beta", beta, lay, 0.0)
@@ -696,7 +708,7 @@ def backward(
     is given (as the TBE kernels do), else uses sigma = 1/invstd.  ``execution``: see :class:`Execution`.
     """
     lay = layout_of(x, execution.layout)
-    pol = get_policy(policy).for_channels(lay.channels)
+    pol = batch_policy(get_policy(policy)).for_channels(lay.channels)
     if pol.backward_lanes is not None:  # the backward's sums in lanes of their own
         pol = pol.with_options(lanes=pol.backward_lanes, backward_lanes=None)
     if np.shape(dy) != lay.shape:
@@ -721,7 +733,7 @@ def backward(
     return BackwardResult(dx=dx, dgamma=dgamma, dbeta=dbeta, trace=blocks.trace())
 
 
-def _backward_block(run: _Run, dy: np.ndarray | Source, x: np.ndarray | Source, g: np.ndarray, mu: np.ndarray,
+def _backward_block(run: KernelRun, dy: np.ndarray | Source, x: np.ndarray | Source, g: np.ndarray, mu: np.ndarray,
                     inv: np.ndarray, sv: np.ndarray | None, *, eps: float, training: bool,
                     r: int) -> dict[str, np.ndarray | None]:
     """Backward of one channel block (channel-first arrays; dx is None when the compiled route wrote it)."""
@@ -784,7 +796,7 @@ def _backward_block(run: _Run, dy: np.ndarray | Source, x: np.ndarray | Source, 
     return {"dx": dx, "dgamma": dgamma, "dbeta": dbeta}
 
 
-def _backward_loads(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray,
+def _backward_loads(run: KernelRun, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray,
                     inv: np.ndarray) -> tuple[np.ndarray, ...]:
     """The backward's inputs as its numpy route takes them: dy in storage; γ, the mean and invstd in the accumulator
     (from the parameter format); x and dy in the compute format.  (dys, γ, mean, invstd, x_compute, dy_compute)"""
@@ -799,7 +811,7 @@ def _backward_loads(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu:
     return dys, ga, mean, invstd, xc, dyc
 
 
-def _backward_torch(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray, inv: np.ndarray,
+def _backward_torch(run: KernelRun, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray, inv: np.ndarray,
                     r: int) -> dict[str, np.ndarray | None]:
     """PyTorch CPU's training backward (``backward_formula=torch``): Σdy and Σ(x − mean)·dy in the policy's order
     (fused as ``backward_fma`` says), plane by plane (``backward_sums=plane_reduce``, the planes added in
@@ -855,7 +867,7 @@ def _backward_torch(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu:
     return {"dx": dx, "dgamma": dgamma, "dbeta": dbeta}
 
 
-def _dx_projection(run: _Run, d: np.ndarray, centered: np.ndarray, k: np.ndarray, tally: Tally) -> np.ndarray:
+def _dx_projection(run: KernelRun, d: np.ndarray, centered: np.ndarray, k: np.ndarray, tally: Tally) -> np.ndarray:
     """d − (x − mean)·k in the compute format: one fused multiply-add, or a rounded product then a subtraction, per
     channel as the policy's ``dx_fma`` says (body: the channels in full vectors of lanes x unroll across a
     channels-last row; tail: the others)."""
@@ -875,7 +887,7 @@ def _dx_projection(run: _Run, d: np.ndarray, centered: np.ndarray, k: np.ndarray
     for name in tally.counts:
         tally.counts[name] += np.where(use, tf.counts[name], tp.counts[name])
     return np.where(use[:, None], fused, plain)
-def _backward_inductor(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray, inv: np.ndarray,
+def _backward_inductor(run: KernelRun, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray, inv: np.ndarray,
                        r: int, training: bool) -> dict[str, np.ndarray | None]:
     """torch.compile's backward (``backward_formula=inductor``, see :data:`~bnprobe.kernels.policy.BACKWARD_FORMULAS`):
     Σdy and Σ(x − mean)·dy (the products rounded) in the policy's order, every other step rounded in the
@@ -915,7 +927,7 @@ def _backward_inductor(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, 
     return {"dx": dx, "dgamma": dgamma, "dbeta": dbeta}
 
 
-def _backward_framework(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray, inv: np.ndarray,
+def _backward_framework(run: KernelRun, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray, inv: np.ndarray,
                         r: int) -> dict[str, np.ndarray | None]:
     """The training backward of Paddle's and oneDNN's CPU kernels (``backward_formula`` paddle, onednn; see
     :data:`~bnprobe.kernels.policy.BACKWARD_FORMULAS`), every step rounded in the compute format (the per-channel
@@ -954,7 +966,7 @@ def _backward_framework(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray,
     return {"dx": dx, "dgamma": dgamma, "dbeta": dbeta}
 
 
-def _backward_onednn_jit(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray, inv: np.ndarray,
+def _backward_onednn_jit(run: KernelRun, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray, inv: np.ndarray,
                          r: int, training: bool) -> dict[str, np.ndarray | None]:
     """oneDNN's JIT batch normalisation backward (``backward_formula=onednn_jit``, see
     :data:`~bnprobe.kernels.policy.BACKWARD_FORMULAS`): each of the policy's threads (``threads``, dealt as
@@ -997,7 +1009,7 @@ def _backward_onednn_jit(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray
     return {"dx": dx, "dgamma": dgamma, "dbeta": dbeta}
 
 
-def _backward_tf_eigen(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray,
+def _backward_tf_eigen(run: KernelRun, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray,
                        sv: np.ndarray | None, r: int, training: bool, eps: float) -> dict[str, np.ndarray | None]:
     """TensorFlow's Eigen FusedBatchNormGrad (``backward_formula=tf_eigen``, see
     :data:`~bnprobe.kernels.policy.BACKWARD_FORMULAS`) and, with the statistics taken as constants, its
@@ -1043,7 +1055,7 @@ def _backward_tf_eigen(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, 
     return {"dx": dx, "dgamma": dgamma, "dbeta": dbeta}
 
 
-def _backward_keras_tf(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray, inv: np.ndarray,
+def _backward_keras_tf(run: KernelRun, dy: np.ndarray, x: np.ndarray, g: np.ndarray, mu: np.ndarray, inv: np.ndarray,
                        r: int, training: bool) -> dict[str, np.ndarray | None]:
     """TensorFlow's autodiff through Keras 3's BatchNormalization (``backward_formula=keras_tf``, see
     :data:`~bnprobe.kernels.policy.BACKWARD_FORMULAS`): every op of the gradient graph rounded in the accumulator
@@ -1081,7 +1093,7 @@ def _backward_keras_tf(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray, 
     return {"dx": dx, "dgamma": dgamma, "dbeta": dbeta}
 
 
-def _jax_statistics(run: _Run, xs: np.ndarray, eps: float) -> tuple[np.ndarray, ...]:
+def _jax_statistics(run: KernelRun, xs: np.ndarray, eps: float) -> tuple[np.ndarray, ...]:
     """The batch statistics JAX's autodiff recomputes from x (flax saves none): the mean, var + ε, rstd by the
     policy's forward, and the derivative of the variance's clamp max(0, v) — 1 above 0, ½ at 0 (JAX's derivative
     of a tie), 0 below (1 everywhere without clamp_var)."""
@@ -1099,7 +1111,7 @@ def _jax_statistics(run: _Run, xs: np.ndarray, eps: float) -> tuple[np.ndarray, 
     return m.mean, var_eps, run.rstd(var_eps)[0], slope
 
 
-def _backward_jax(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray,
+def _backward_jax(run: KernelRun, dy: np.ndarray, x: np.ndarray, g: np.ndarray,
                   saved: tuple[np.ndarray, np.ndarray, np.ndarray | None], *, eps: float, training: bool,
                   r: int) -> dict[str, np.ndarray | None]:
     """``backward_formula=jax``: the vjp JAX runs through flax's BatchNorm (eager: one rounding per primitive,
@@ -1140,8 +1152,8 @@ def _backward_jax(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray,
         neg_sum_u = -run.reduce(run.cast("dy_w_acc", u, pol.compute, acc), t)
         half = acc.mul(-0.5, acc.div(rstd, var_eps))
         lead = acc.mul(acc.mul(acc.mul(dot, ga), half), slope)  # dL/dE[x²]·R
-        k2 = run.rec("k2", acc, _per_count(lead, r, pol.mean_by, acc))
-        k1 = run.rec("k1", acc, _per_count(acc.add(neg_sum_u, acc.mul(-lead, acc.mul(2.0, mean))), r, pol.mean_by,
+        k2 = run.rec("k2", acc, per_count(lead, r, pol.mean_by, acc))
+        k1 = run.rec("k1", acc, per_count(acc.add(neg_sum_u, acc.mul(-lead, acc.mul(2.0, mean))), r, pol.mean_by,
                                            acc))
         t = run.tally()
         two_x = comp.mul(2.0, xc, t)
@@ -1155,7 +1167,7 @@ def _backward_jax(run: _Run, dy: np.ndarray, x: np.ndarray, g: np.ndarray,
     return {"dx": dx, "dgamma": dgamma, "dbeta": dbeta}
 
 
-def _per_count(v: np.ndarray, count: int, mean_by: str, acc: Arith) -> np.ndarray:
+def per_count(v: np.ndarray, count: int, mean_by: str, acc: Arith) -> np.ndarray:
     """v / count as the policy divides by R: one rounding (divide) or v·fl(1/R) (reciprocal)."""
     if mean_by == "divide":
         return acc.div(v, float(count))
@@ -1164,7 +1176,7 @@ def _per_count(v: np.ndarray, count: int, mean_by: str, acc: Arith) -> np.ndarra
     raise BNProbeError(f"backward_formula=jax divides by R as mean_by=divide or reciprocal do, not {mean_by}")
 
 
-def _dx_coefficients(run: _Run, ga: np.ndarray, mean: np.ndarray, invstd: np.ndarray, sum_dy: np.ndarray,
+def _dx_coefficients(run: KernelRun, ga: np.ndarray, mean: np.ndarray, invstd: np.ndarray, sum_dy: np.ndarray,
                      sum_dy_xhat: np.ndarray, sv: np.ndarray | None, *, eps: float, training: bool,
                      r: int) -> tuple[str, tuple[np.ndarray, ...]]:
     """The dx formula and its per-channel values, recording those it computes: constant (statistics taken as

@@ -16,7 +16,8 @@ from bnprobe.numerics.variance import MEAN_BY, VARIANCES
 
 __all__ = ["Policy", "PRESETS", "get_policy", "Y_FORMULAS", "RSQRT_METHODS", "BACKWARD_FORMULAS", "SQRT_METHODS",
            "DIVISIONS", "RECIP_METHODS",
-           "RUNNING_MOMENTA", "RUNNING_VARS", "UNBIASED_BY", "BACKWARD_FMAS", "BACKWARD_SUMS", "DX_FMAS", "PATHS"]
+           "RUNNING_MOMENTA", "RUNNING_VARS", "UNBIASED_BY", "BACKWARD_FMAS", "BACKWARD_SUMS", "DX_FMAS", "PATHS",
+           "CAST_POINTS", "FAMILY_ONLY"]
 
 # How y is formed from the statistics:
 #   xhat   : xhat = (x - mean) * rstd; y = gamma * xhat + beta
@@ -44,6 +45,11 @@ UNBIASED_R1: tuple[str, ...] = ("error", "zero", "nan")
 SQRT_METHODS: tuple[str, ...] = ("exact", "rsqrt", "exp_log", "eigen_fast")
 DIVISIONS: tuple[str, ...] = ("exact", "reciprocal")
 RECIP_METHODS: tuple[str, ...] = ("exact", "magic", "table", "frecpe")
+# where a family layer (LayerNorm, RMSNorm, GroupNorm, InstanceNorm) rounds y: once after γ and β, or x̂ to the storage
+# format first (bnprobe.kernels.norms)
+CAST_POINTS: tuple[str, ...] = ("after_gamma", "before_gamma")
+# the fields only a family layer reads: a BatchNorm kernel is not run with them set
+FAMILY_ONLY: tuple[str, ...] = ("cast_point", "offset_format")
 # standard : dx = gamma*rstd*(dy - mean(dy) - xhat*mean(dy*xhat))
 # ascend   : dx = (dy + mult*x + addend) * gamma/sigma, mult = -(dgamma/R)/sigma,
 #            addend = (mean/sigma)(dgamma/R) - dbeta/R   (BNTrainingReduceGrad)
@@ -212,13 +218,19 @@ class Policy:
     infer_rsqrt: str | None = None
     # the lanes of the backward's sums when not the forward's (oneDNN's ncsp backward loop is not vectorised: 1)
     backward_lanes: int | None = None
+    # where a family layer's y is rounded (CAST_POINTS): once, after γ and β are applied, or x̂ rounded to the storage
+    # format before γ multiplies it (HF Llama's RMSNorm); LayerNorm, RMSNorm, GroupNorm and InstanceNorm only
+    cast_point: str = "after_gamma"
+    # the format a family layer forms offset + w in, for a call with a weight offset (Gemma's RMSNorm: 1 + w);
+    # None = the compute format
+    offset_format: str | None = None
     seed: int = 0  # drives stochastic rounding
 
     def __post_init__(self) -> None:
         for attr in ("storage", "compute", "accumulate"):
             object.__setattr__(self, attr, get_format(getattr(self, attr)).name)
         for attr in ("params", "running_format", "rstd_format", "sum_format", "saved_format",
-                     "running_var_sum"):
+                     "running_var_sum", "offset_format"):
             if getattr(self, attr) is not None:
                 object.__setattr__(self, attr, get_format(getattr(self, attr)).name)
         choices = {
@@ -229,7 +241,7 @@ class Policy:
             "unbiased_r1": UNBIASED_R1, "running_momentum": RUNNING_MOMENTA, "running_var": RUNNING_VARS,
             "infer_y_formula": (None,) + Y_FORMULAS, "unbiased_by": UNBIASED_BY, "backward_fma": BACKWARD_FMAS,
             "backward_sums": BACKWARD_SUMS, "dx_fma": DX_FMAS, "thread_split": THREAD_SPLITS,
-            "channel_path": tuple(PATHS), "infer_rsqrt": (None,) + RSQRT_METHODS,
+            "channel_path": tuple(PATHS), "infer_rsqrt": (None,) + RSQRT_METHODS, "cast_point": CAST_POINTS,
         }
         for attr, valid in choices.items():
             if getattr(self, attr) not in valid:
