@@ -13,6 +13,7 @@ that implements only those is run through :mod:`bnprobe.adapters.loose`.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -20,17 +21,17 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from bnprobe.core.call import EPS, MOMENTUM, BNCall
+from bnprobe.core.call import EPS, MOMENTUM, NORM_NAMES, NORMS, BNCall
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
 from bnprobe.core.kernel import MODES, PARAM_PRECISIONS, SAVED_KINDS, Capabilities, Saved, params_format, params_mode
-from bnprobe.kernels.layout import Layout, as_channel_vector, check_eps, check_momentum, layout_of
+from bnprobe.kernels.layout import Layout, NormShape, as_channel_vector, check_eps, check_momentum, layout_of
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.rounding import round_to
 
 __all__ = ["Capabilities", "ForwardOutput", "BackwardOutput", "KernelAdapter", "BaseAdapter", "PARAM_PRECISIONS",
            "SAVED_KINDS", "Saved", "params_format", "params_mode", "stored_inputs", "MODES",
-           "counters_only", "outputs_only"]
+           "counters_only", "outputs_only", "FamilyPrepared"]
 
 
 def stored_inputs(dtype: str, params: str, x: Any, dy: Any = None, gamma: Any = None, beta: Any = None,
@@ -94,6 +95,21 @@ class Prepared:
     call: BNCall | None = None  # the call these were prepared from (None for a policy's lookup)
 
 
+@dataclass(frozen=True)
+class FamilyPrepared:
+    """A LayerNorm, RMSNorm, GroupNorm or InstanceNorm call's validated inputs: where its statistics sit
+    (``shape``), x rounded to ``dtype``, γ and β (flat; None where the call gives none) rounded to the parameter
+    format ``params``."""
+
+    shape: NormShape
+    dtype: str
+    params: str
+    x: np.ndarray
+    gamma: np.ndarray | None
+    beta: np.ndarray | None
+    call: BNCall
+
+
 @contextmanager
 def _implements(adapter: Any, what: str) -> Iterator[None]:
     """A NotImplementedError from an adapter's own method (a plugin's stub) is a one-line error naming it."""
@@ -147,6 +163,8 @@ class BaseAdapter:
     def train(self, call: BNCall) -> ForwardOutput:
         """The training forward of ``call`` (x, γ, β, running statistics, momentum, ε, dtype, params, layout)."""
         c = call
+        if c.norm != "batch":
+            return self._family_forward(c, training=True)
         if (c.running_mean is None) != (c.running_var is None):
             raise BNProbeError("give both running_mean and running_var, or neither")
         p = self._prepare("train", c.x, c.dtype, c.layout, c.params, {
@@ -164,6 +182,8 @@ class BaseAdapter:
         """The inference forward of ``call`` (x, γ, β and the running statistics it normalises with; ε, dtype,
         params, layout)."""
         c = call
+        if c.norm != "batch":
+            return self._family_forward(c, training=False)
         p = self._prepare("infer", c.x, c.dtype, c.layout, c.params, {
             "gamma": (c.gamma, 1.0, False), "beta": (c.beta, 0.0, False),
             "running_mean": (c.running_mean, None, True), "running_var": (c.running_var, None, True)}, call=c)
@@ -178,6 +198,8 @@ class BaseAdapter:
         c = call
         if np.shape(c.dy) != np.shape(c.x):
             raise BNProbeError(f"dy has shape {np.shape(c.dy)} but x has shape {np.shape(c.x)}")
+        if c.norm != "batch":
+            return self._family_backward(c, saved)
         if not isinstance(saved, Saved) or saved.kind not in SAVED_KINDS:
             raise BNProbeError("saved must be a Saved(mean, kind='invstd'|'var', value) from a training forward")
         p = self._prepare("backward", c.x, c.dtype, c.layout, c.params, {
@@ -191,6 +213,82 @@ class BaseAdapter:
             out = self._backward_impl(p, dyr, sv, eps=check_eps(c.eps), training=c.training)
         if out.dx.shape != p.lay.shape or out.dgamma.shape != (p.lay.channels,) or \
                 out.dbeta.shape != (p.lay.channels,):
+            raise BNProbeError(f"adapter {self.name} returned gradients of the wrong shape")
+        return out
+
+    # ---- the family layers: LayerNorm, RMSNorm, GroupNorm and InstanceNorm calls -------------------------------
+    def _family_prepare(self, mode: str, call: BNCall) -> FamilyPrepared:
+        """Validate a family call (the layer, its format, shape, parameters) and round its inputs, each problem in
+        one line."""
+        c, caps = call, self.capabilities()
+        if c.norm not in NORMS:
+            raise BNProbeError(f"norm must be one of {', '.join(NORMS)}, got {c.norm!r}")
+        if c.norm not in caps.norms:
+            runs = ", ".join(NORM_NAMES[n] for n in NORMS if n in caps.norms)
+            raise BNProbeError(f"adapter {self.name} runs {runs} only, not {NORM_NAMES[c.norm]}")
+        if mode not in caps.modes:
+            raise BNProbeError(f"adapter {self.name} does not support {mode} (it supports {', '.join(caps.modes)})")
+        fmt = get_format(c.dtype).name
+        if fmt not in caps.formats:
+            raise BNProbeError(f"adapter {self.name} does not run {fmt} (it runs {', '.join(caps.formats)})")
+        if c.layout != "channels_first":
+            raise BNProbeError(f"{NORM_NAMES[c.norm]} takes x as it is laid out (layout channels_first), not "
+                               f"{c.layout}")
+        if c.running_mean is not None or c.running_var is not None:
+            raise BNProbeError(f"{NORM_NAMES[c.norm]} is run without running statistics (InstanceNorm's "
+                               "track_running_stats is not run)")
+        if c.norm == "rms" and c.beta is not None:
+            raise BNProbeError("RMSNorm has no β (bias): give none")
+        shape = NormShape.of(c.norm, np.shape(c.x), c.normalized_shape, c.groups)
+        if not math.isfinite(c.weight_offset):
+            raise BNProbeError(f"weight_offset must be finite, got {c.weight_offset}")
+        pf = params_format(fmt, c.params)
+        vec: dict[str, np.ndarray | None] = {}
+        for name, v in (("gamma", c.gamma), ("beta", c.beta)):
+            if v is None:
+                vec[name] = None
+                continue
+            a = np.asarray(v, dtype=np.float64)
+            if a.shape != shape.param_shape and not (a.ndim == 1 and a.size == math.prod(shape.param_shape)):
+                raise BNProbeError(f"{name} must have shape {list(shape.param_shape)} for this "
+                                   f"{NORM_NAMES[c.norm]}, got {list(a.shape)}")
+            vec[name] = round_to(a.reshape(-1), pf)
+        with np.errstate(invalid="ignore"):
+            xr = round_to(np.asarray(c.x, dtype=np.float64), fmt)
+        return FamilyPrepared(shape, fmt, pf, xr, vec["gamma"], vec["beta"], c)
+
+    def _family_forward(self, call: BNCall, *, training: bool) -> ForwardOutput:
+        """A family call's forward: its statistics are the input's own in training and in inference alike (no
+        running statistics), so inference is the same forward without the saved statistics."""
+        p = self._family_prepare("train" if training else "infer", call)
+        with _implements(self, f"{NORM_NAMES[call.norm]}'s forward"):
+            out = self._family_forward_impl(p, eps=check_eps(call.eps))
+        if np.shape(out.y) != p.shape.shape:
+            raise BNProbeError(f"adapter {self.name} returned y of shape {np.shape(out.y)}, not {p.shape.shape}")
+        rows = p.shape.rows
+        if out.saved is None or np.size(out.saved.value) != rows or \
+                (out.saved.mean is None) != (call.norm == "rms") or \
+                (out.saved.mean is not None and np.size(out.saved.mean) != rows):
+            raise BNProbeError(f"adapter {self.name} must return {NORM_NAMES[call.norm]}'s statistics, one per row "
+                               f"({rows})")
+        return out if training else ForwardOutput(out.y, None, None, None, out.trace, out.meta)
+
+    def _family_backward(self, call: BNCall, saved: Saved) -> BackwardOutput:
+        """A family call's dx, dγ and dβ from the statistics its forward saved (per row: mean, None for RMSNorm, and
+        rstd)."""
+        p = self._family_prepare("backward", call)
+        rows = p.shape.rows
+        if not isinstance(saved, Saved) or saved.kind != "invstd" or np.size(saved.value) != rows or \
+                (saved.mean is None) != (call.norm == "rms") or \
+                (saved.mean is not None and np.size(saved.mean) != rows):
+            raise BNProbeError(f"saved must be {NORM_NAMES[call.norm]}'s forward statistics: Saved(mean, 'invstd', "
+                               f"rstd) with one value per row ({rows}){', mean None' if call.norm == 'rms' else ''}")
+        dyr = round_to(np.asarray(call.dy, dtype=np.float64), p.dtype)
+        with _implements(self, f"{NORM_NAMES[call.norm]}'s backward"):
+            out = self._family_backward_impl(p, dyr, saved, eps=check_eps(call.eps))
+        ps = p.shape.param_shape
+        if np.shape(out.dx) != p.shape.shape or np.shape(out.dgamma) != ps or \
+                (out.dbeta is not None and np.shape(out.dbeta) != ps):
             raise BNProbeError(f"adapter {self.name} returned gradients of the wrong shape")
         return out
 
@@ -238,6 +336,12 @@ class BaseAdapter:
     def _backward_impl(self, p: Prepared, dy: np.ndarray, saved: Saved, *, eps: float,
                        training: bool) -> BackwardOutput:
         raise BNProbeError(f"adapter {self.name} does not implement backward")
+
+    def _family_forward_impl(self, p: FamilyPrepared, *, eps: float) -> ForwardOutput:
+        raise BNProbeError(f"adapter {self.name} does not implement {NORM_NAMES[p.shape.norm]}")
+
+    def _family_backward_impl(self, p: FamilyPrepared, dy: np.ndarray, saved: Saved, *, eps: float) -> BackwardOutput:
+        raise BNProbeError(f"adapter {self.name} does not implement {NORM_NAMES[p.shape.norm]}'s backward")
 
 
 def counters_only(adapter: Any) -> Any:

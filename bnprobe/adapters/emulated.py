@@ -8,11 +8,14 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.adapters.base import BackwardOutput, BaseAdapter, Capabilities, ForwardOutput, Prepared, Saved
+from bnprobe.adapters.base import (BackwardOutput, BaseAdapter, Capabilities, FamilyPrepared, ForwardOutput, Prepared,
+                                   Saved)
+from bnprobe.core.call import NORMS
 from bnprobe.core.conventions import get_convention
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
 from bnprobe.kernels import Execution, backward, forward_infer, forward_train, get_policy
+from bnprobe.kernels import norms
 from bnprobe.kernels.policy import Policy
 from bnprobe.numerics.arith import Arith
 from bnprobe.numerics.rsqrt import divide
@@ -25,7 +28,7 @@ ALL_FORMATS = ("fp64", "fp32", "fp16", "bf16")
 
 # the methods that run a call: a subclass overriding any of them computes something other than its policy
 RUNNING = ("train", "infer", "backward_of", "forward_train", "forward_infer", "backward", "_forward_train_impl",
-           "_forward_infer_impl", "_backward_impl")
+           "_forward_infer_impl", "_backward_impl", "_family_forward_impl", "_family_backward_impl")
 
 
 class PolicyAdapter(BaseAdapter):
@@ -113,6 +116,24 @@ class PolicyAdapter(BaseAdapter):
         return BackwardOutput(res.dx, res.dgamma, res.dbeta, res.trace, {"policy": pol.describe()})
 
 
+    def _family_forward_impl(self, p: FamilyPrepared, *, eps: float) -> ForwardOutput:
+        pol = self.policy(p, "train")  # type: ignore[arg-type]
+        c = p.call
+        res = norms.forward(p.x, p.gamma, p.beta, shape=p.shape, eps=eps, policy=pol, weight_offset=c.weight_offset,
+                            keep_arrays=self.keep_arrays, counters=self.counters)
+        return ForwardOutput(res.y, Saved(res.mean, "invstd", res.rstd), None, None, res.trace,
+                             {"policy": pol.describe(), "param_trace": res.param_trace})
+
+    def _family_backward_impl(self, p: FamilyPrepared, dy: np.ndarray, saved: Saved, *, eps: float) -> BackwardOutput:
+        pol = self.policy(p, "backward")  # type: ignore[arg-type]
+        res = norms.backward(dy, p.x, p.gamma, saved.mean, saved.value, shape=p.shape, policy=pol,
+                             weight_offset=p.call.weight_offset, keep_arrays=self.keep_arrays, counters=self.counters)
+        meta = {"policy": pol.describe(), "param_trace": res.param_trace}
+        if res.dbeta is None:
+            meta["missing"] = ("dbeta",)  # (RMSNorm has no β)
+        return BackwardOutput(res.dx, res.dgamma, res.dbeta, res.trace, meta)  # type: ignore[arg-type]
+
+
 class ReferenceAdapter(PolicyAdapter):
     """The FP64 golden: inputs rounded to the requested format, then everything computed in float64; its running
     variance updated with the variance ``convention`` says (:mod:`bnprobe.core.conventions`: unbiased by default)."""
@@ -123,7 +144,7 @@ class ReferenceAdapter(PolicyAdapter):
         name = "reference" if conv.name == "torch" else f"reference ({conv.name} convention)"
         super().__init__(name, lambda p, mode: gold,
                          Capabilities(formats=ALL_FORMATS, traced=True, output="fp64", convention=conv.name,
-                                      golden=True))
+                                      golden=True, norms=NORMS))
 
 
 class EmulatedAdapter(PolicyAdapter):
@@ -140,12 +161,12 @@ class EmulatedAdapter(PolicyAdapter):
 
             super().__init__(f"emulated:{spec}", make, Capabilities(formats=(base.storage,), traced=True,
                                                                     training_r1=base.unbiased_r1 != "error",
-                                                                    params=base.params_format))
+                                                                    params=base.params_format, norms=NORMS))
         else:
             def make(p: Prepared, mode: str) -> Policy:
                 return get_policy(p.dtype).with_options(name=f"emulated:{p.dtype}", params=p.params)
 
-            super().__init__("emulated", make, Capabilities(formats=ALL_FORMATS, traced=True))
+            super().__init__("emulated", make, Capabilities(formats=ALL_FORMATS, traced=True, norms=NORMS))
 
 
 class CarefulAdapter(PolicyAdapter):
@@ -166,10 +187,13 @@ class CarefulAdapter(PolicyAdapter):
         name = "careful:rounded-stats" if rounded_stats else "careful"
         name += "" if conv.name == "torch" else f" ({conv.name} convention)"
 
-        def make(p: Prepared, mode: str) -> Policy:
+        def make(p: Prepared | FamilyPrepared, mode: str) -> Policy:
+            if isinstance(p, FamilyPrepared):  # a family layer's careful kernel: its statistics as computed, x̂·γ + β
+                return get_policy(p.dtype).with_options(name=f"{name}:{p.dtype}", params=p.params)
             narrow = rounded_stats and p.params not in ("fp32", "fp64")
             return get_policy(p.dtype).with_options(name=f"{name}:{p.dtype}", params=p.params, stored_stats=narrow,
                                                     y_formula="affine" if mode == "infer" else "xhat",
                                                     running_var=conv.running_var)
 
-        super().__init__(name, make, Capabilities(formats=ALL_FORMATS, traced=True, convention=conv.name))
+        super().__init__(name, make, Capabilities(formats=ALL_FORMATS, traced=True, convention=conv.name,
+                                                  norms=NORMS if not rounded_stats else ("batch",)))

@@ -44,6 +44,7 @@ class TorchCompileAdapter(TorchAdapter):
     def __init__(self, opts: str = "") -> None:
         o = parse_options("torch-compile", opts, {"mode": MODES, "dynamic": ("false", "true")})
         super().__init__("cpu")
+        self._family_ops = False  # (its compiled family layers are not run yet: BatchNorm only)
         self.mode = o.get("mode", "default")
         self.dynamic = o.get("dynamic", "false") == "true"
         self.name = "torch-compile" + (f":{opts.strip()}" if opts.strip() else "")

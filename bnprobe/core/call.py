@@ -16,13 +16,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
 
-__all__ = ["BNCall", "NormCall", "EPS", "MOMENTUM", "TENSORS", "NORMS"]
+__all__ = ["BNCall", "NormCall", "EPS", "MOMENTUM", "TENSORS", "NORMS", "NORM_NAMES"]
 
 EPS = 1e-5  # BatchNorm's epsilon where none is given (PyTorch's, and every framework's BatchNorm2d default)
 MOMENTUM = 0.1  # the running statistics' momentum where none is given (PyTorch's convention: new = (1-m)·old + m·batch)
 TENSORS = ("x", "gamma", "beta", "running_mean", "running_var", "dy")  # a call's tensors, by their fields' names
 # the layers a call can name, as users name them (--norm): BatchNorm, LayerNorm, RMSNorm, GroupNorm, InstanceNorm
 NORMS = ("batch", "layer", "rms", "group", "instance")
+NORM_NAMES = {"batch": "BatchNorm", "layer": "LayerNorm", "rms": "RMSNorm", "group": "GroupNorm",
+              "instance": "InstanceNorm"}
 
 
 @dataclass(frozen=True, eq=False)

@@ -70,13 +70,17 @@ class Capabilities:
     # the threads its reductions split across where that changes its results (PyTorch CPU's channels-last kernels:
     # torch.get_num_threads() when asked), None when not known or when it does not: identify tries it first
     threads: int | None = None
+    # the layers it runs (bnprobe.core.call.NORMS): BatchNorm, and where it says so LayerNorm, RMSNorm, GroupNorm and
+    # InstanceNorm calls (a call's ``norm``); a call of another layer is refused in one line
+    norms: tuple[str, ...] = ("batch",)
 
 
 @dataclass(frozen=True)
 class Saved:
-    """The statistics a training forward saved: mean plus invstd or the biased variance."""
+    """The statistics a training forward saved: mean plus invstd or the biased variance (a LayerNorm's, RMSNorm's,
+    GroupNorm's or InstanceNorm's per row of its statistics, RMSNorm's without a mean: None)."""
 
-    mean: np.ndarray
+    mean: np.ndarray | None
     kind: str  # "invstd" or "var"
     value: np.ndarray
 

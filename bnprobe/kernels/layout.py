@@ -1,20 +1,119 @@
-"""Tensor layouts and input validation for the BatchNorm kernels."""
+"""Tensor layouts and input validation for the kernels: BatchNorm's channels, and where the family layers
+(LayerNorm, RMSNorm, GroupNorm, InstanceNorm) take their statistics (:class:`NormShape`)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from bnprobe.core.call import NORM_NAMES, NORMS
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
 from bnprobe.numerics.arith import fits_float32
 
 __all__ = ["LAYOUTS", "Layout", "layout_of", "as_channel_vector", "check_eps", "check_momentum", "reduce_axes",
-           "channel_column", "to_channels_first", "element_at"]
+           "channel_column", "to_channels_first", "element_at", "FAMILY", "NormShape"]
 
 LAYOUTS: tuple[str, ...] = ("channels_first", "channels_last")
+
+
+FAMILY: tuple[str, ...] = tuple(n for n in NORMS if n != "batch")  # the layers this module runs
+
+
+@dataclass(frozen=True)
+class NormShape:
+    """Where a family layer's statistics and parameters sit in x of ``shape`` (channels first): ``rows`` groups of
+    ``r`` values each normalised by their own statistics, and γ, β of ``param_shape``."""
+
+    norm: str
+    shape: tuple[int, ...]
+    normalized: tuple[int, ...] = ()  # layer, rms: the normalised trailing dims
+    groups: int = 1  # group: the channel groups (instance: one per channel)
+
+    @classmethod
+    def of(cls, norm: str, shape: Iterable[int], normalized_shape: Iterable[int] | int | None = None,
+           groups: int | None = None) -> NormShape:
+        """The validated shape of a ``norm`` call on x of ``shape`` (each problem in one line)."""
+        shape = tuple(int(d) for d in shape)
+        if norm not in FAMILY:
+            raise BNProbeError(f"norm must be one of {', '.join(FAMILY)} here, got {norm!r}")
+        if any(d < 1 for d in shape):
+            raise BNProbeError(f"x has an empty dimension (shape {shape})")
+        if norm in ("layer", "rms"):
+            if groups is not None:
+                raise BNProbeError(f"groups apply to GroupNorm, not to {NORM_NAMES[norm]}")
+            if not shape:
+                raise BNProbeError("x must have at least one dimension")
+            ns = (shape[-1],) if normalized_shape is None else (
+                (int(normalized_shape),) if isinstance(normalized_shape, (int, np.integer))
+                else tuple(int(d) for d in normalized_shape))
+            if not ns or len(ns) > len(shape) or shape[len(shape) - len(ns):] != ns:
+                raise BNProbeError(f"normalized_shape {list(ns)} is not x's trailing dimensions (x has shape "
+                                   f"{list(shape)})")
+            return cls(norm, shape, ns)
+        if normalized_shape is not None:
+            raise BNProbeError(f"normalized_shape applies to LayerNorm and RMSNorm, not to {NORM_NAMES[norm]}")
+        if len(shape) < (2 if norm == "group" else 3):
+            raise BNProbeError(f"{NORM_NAMES[norm]} takes x as (N, C{', ...' if norm == 'group' else ', L, ...'}), got "
+                               f"shape {list(shape)}")
+        c = shape[1]
+        if norm == "instance":
+            if groups is not None:
+                raise BNProbeError("groups apply to GroupNorm, not to the instance norm")
+            return cls(norm, shape, (), c)
+        if groups is None:
+            raise BNProbeError("GroupNorm needs its number of groups (groups)")
+        if isinstance(groups, bool) or int(groups) != groups or not 1 <= groups <= c or c % groups:
+            raise BNProbeError(f"groups must divide the {c} channels, got {groups}")
+        return cls(norm, shape, (), int(groups))
+
+    @property
+    def rows(self) -> int:
+        """How many statistics: one per leading index (layer, rms), per (sample, group) or (sample, channel)."""
+        return math.prod(self.shape) // self.r
+
+    @property
+    def r(self) -> int:
+        """R: the values each statistic sees."""
+        if self.norm in ("layer", "rms"):
+            return math.prod(self.normalized)
+        return self.shape[1] // self.groups * math.prod(self.shape[2:])
+
+    @property
+    def param_shape(self) -> tuple[int, ...]:
+        """γ's and β's shape: the normalised dims (layer, rms) or (C,)."""
+        return self.normalized if self.norm in ("layer", "rms") else (self.shape[1],)
+
+    def to_rows(self, a: Any) -> np.ndarray:
+        """x-shaped ``a`` as its ``(rows, R)`` view (float64)."""
+        a = np.asarray(a, dtype=np.float64)
+        if a.shape != self.shape:
+            raise BNProbeError(f"expected shape {list(self.shape)}, got {list(a.shape)}")
+        return a.reshape(self.rows, self.r)
+
+    def from_rows(self, a: np.ndarray) -> np.ndarray:
+        return np.asarray(a).reshape(self.shape)
+
+    def expand(self, p: np.ndarray) -> np.ndarray:
+        """A parameter (flat, ``param_shape``'s size) as the ``(rows, R)`` array of the value each x meets."""
+        p = np.asarray(p, dtype=np.float64).reshape(-1)
+        if self.norm in ("layer", "rms"):
+            return np.broadcast_to(p[None, :], (self.rows, self.r))
+        n, c = self.shape[0], self.shape[1]
+        per_group = np.repeat(p.reshape(self.groups, c // self.groups), math.prod(self.shape[2:]), axis=1)
+        return np.tile(per_group, (n, 1))
+
+    def gather(self, a: np.ndarray) -> np.ndarray:
+        """A ``(rows, R)`` array as ``(P, K)``: per parameter (flat), the K values it touches, in x's order."""
+        if self.norm in ("layer", "rms"):
+            return np.ascontiguousarray(a.T)
+        n, c = self.shape[0], self.shape[1]
+        return np.ascontiguousarray(a.reshape(n, c, -1).transpose(1, 0, 2).reshape(c, -1))
+
 
 
 @dataclass(frozen=True)

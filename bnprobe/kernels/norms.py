@@ -34,17 +34,16 @@ statistics per row (``(rows,)``), the parameters' gradients in γ's shape.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 
-from bnprobe.core.call import EPS, NORMS
+from bnprobe.core.call import EPS
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
 from bnprobe.kernels.batchnorm import KernelRun, RunSetting, per_count
-from bnprobe.kernels.layout import check_eps
+from bnprobe.kernels.layout import FAMILY, NormShape, check_eps
 from bnprobe.kernels.policy import Policy, get_policy
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.arith import Arith, Tally, fma_wide
@@ -53,105 +52,12 @@ from bnprobe.numerics.variance import MomentsMethod, moments
 
 __all__ = ["FAMILY", "NormShape", "NormResult", "NormGradients", "forward", "backward", "check_family_policy"]
 
-FAMILY: tuple[str, ...] = tuple(n for n in NORMS if n != "batch")  # the layers this module runs
-
 # Policy fields whose choices are BatchNorm kernels' own (their backward formulas, thread splits, code paths,
 # inference forms): a family kernel is not run under a policy that sets one, rather than ignoring it
 _BATCHNORM_ONLY = ("backward_formula", "backward_fma", "backward_sums", "threads", "thread_split", "packet_lanes",
                    "path_channels", "stored_stats", "core_parts", "dx_fma", "variance_fma", "infer_y_formula",
                    "infer_rsqrt", "backward_lanes")
 _DEFAULTS = {f.name: f.default for f in fields(Policy)}
-
-
-@dataclass(frozen=True)
-class NormShape:
-    """Where a family layer's statistics and parameters sit in x of ``shape`` (channels first): ``rows`` groups of
-    ``r`` values each normalised by their own statistics, and γ, β of ``param_shape``."""
-
-    norm: str
-    shape: tuple[int, ...]
-    normalized: tuple[int, ...] = ()  # layer, rms: the normalised trailing dims
-    groups: int = 1  # group: the channel groups (instance: one per channel)
-
-    @classmethod
-    def of(cls, norm: str, shape: Iterable[int], normalized_shape: Iterable[int] | int | None = None,
-           groups: int | None = None) -> NormShape:
-        """The validated shape of a ``norm`` call on x of ``shape`` (each problem in one line)."""
-        shape = tuple(int(d) for d in shape)
-        if norm not in FAMILY:
-            raise BNProbeError(f"norm must be one of {', '.join(FAMILY)} here, got {norm!r}")
-        if any(d < 1 for d in shape):
-            raise BNProbeError(f"x has an empty dimension (shape {shape})")
-        if norm in ("layer", "rms"):
-            if groups is not None:
-                raise BNProbeError(f"groups apply to GroupNorm, not to the {norm} norm")
-            if not shape:
-                raise BNProbeError("x must have at least one dimension")
-            ns = (shape[-1],) if normalized_shape is None else (
-                (int(normalized_shape),) if isinstance(normalized_shape, (int, np.integer))
-                else tuple(int(d) for d in normalized_shape))
-            if not ns or len(ns) > len(shape) or shape[len(shape) - len(ns):] != ns:
-                raise BNProbeError(f"normalized_shape {list(ns)} is not x's trailing dimensions (x has shape "
-                                   f"{list(shape)})")
-            return cls(norm, shape, ns)
-        if normalized_shape is not None:
-            raise BNProbeError(f"normalized_shape applies to LayerNorm and RMSNorm, not to the {norm} norm")
-        if len(shape) < (2 if norm == "group" else 3):
-            raise BNProbeError(f"the {norm} norm takes x as (N, C{', ...' if norm == 'group' else ', L, ...'}), got "
-                               f"shape {list(shape)}")
-        c = shape[1]
-        if norm == "instance":
-            if groups is not None:
-                raise BNProbeError("groups apply to GroupNorm, not to the instance norm")
-            return cls(norm, shape, (), c)
-        if groups is None:
-            raise BNProbeError("GroupNorm needs its number of groups (groups)")
-        if isinstance(groups, bool) or int(groups) != groups or not 1 <= groups <= c or c % groups:
-            raise BNProbeError(f"groups must divide the {c} channels, got {groups}")
-        return cls(norm, shape, (), int(groups))
-
-    @property
-    def rows(self) -> int:
-        """How many statistics: one per leading index (layer, rms), per (sample, group) or (sample, channel)."""
-        return math.prod(self.shape) // self.r
-
-    @property
-    def r(self) -> int:
-        """R: the values each statistic sees."""
-        if self.norm in ("layer", "rms"):
-            return math.prod(self.normalized)
-        return self.shape[1] // self.groups * math.prod(self.shape[2:])
-
-    @property
-    def param_shape(self) -> tuple[int, ...]:
-        """γ's and β's shape: the normalised dims (layer, rms) or (C,)."""
-        return self.normalized if self.norm in ("layer", "rms") else (self.shape[1],)
-
-    def to_rows(self, a: Any) -> np.ndarray:
-        """x-shaped ``a`` as its ``(rows, R)`` view (float64)."""
-        a = np.asarray(a, dtype=np.float64)
-        if a.shape != self.shape:
-            raise BNProbeError(f"expected shape {list(self.shape)}, got {list(a.shape)}")
-        return a.reshape(self.rows, self.r)
-
-    def from_rows(self, a: np.ndarray) -> np.ndarray:
-        return np.asarray(a).reshape(self.shape)
-
-    def expand(self, p: np.ndarray) -> np.ndarray:
-        """A parameter (flat, ``param_shape``'s size) as the ``(rows, R)`` array of the value each x meets."""
-        p = np.asarray(p, dtype=np.float64).reshape(-1)
-        if self.norm in ("layer", "rms"):
-            return np.broadcast_to(p[None, :], (self.rows, self.r))
-        n, c = self.shape[0], self.shape[1]
-        per_group = np.repeat(p.reshape(self.groups, c // self.groups), math.prod(self.shape[2:]), axis=1)
-        return np.tile(per_group, (n, 1))
-
-    def gather(self, a: np.ndarray) -> np.ndarray:
-        """A ``(rows, R)`` array as ``(P, K)``: per parameter (flat), the K values it touches, in x's order."""
-        if self.norm in ("layer", "rms"):
-            return np.ascontiguousarray(a.T)
-        n, c = self.shape[0], self.shape[1]
-        return np.ascontiguousarray(a.reshape(n, c, -1).transpose(1, 0, 2).reshape(c, -1))
 
 
 def check_family_policy(pol: Policy) -> Policy:
