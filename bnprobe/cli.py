@@ -216,6 +216,46 @@ class Call(Group):
 
 
 @dataclass(frozen=True)
+class Norm(Group):
+    """The layer: BatchNorm (the default) or one of its siblings, with what places its statistics."""
+
+    norm: str = option("--norm", default="batch", help="The layer: batch (BatchNorm, the default), layer "
+                                                       "(LayerNorm), rms (RMSNorm), group (GroupNorm), instance "
+                                                       "(InstanceNorm).")
+    normalized_shape: Optional[str] = option("--normalized-shape", help="LayerNorm, RMSNorm: the normalised "
+                                                                        "trailing dims, e.g. 4096 or 16,64 (default: "
+                                                                        "the last dim).")
+    groups: Optional[int] = option("--groups", min=1, help="GroupNorm: the number of channel groups.")
+
+    def check(self, names: frozenset[str]) -> None:
+        """The layer one bnprobe knows; the normalised shape a list of sizes; each option only where it applies."""
+        from bnprobe.core.call import NORMS
+
+        if self.norm not in NORMS:
+            raise BNProbeError(f"unknown norm {self.norm!r}; valid: {', '.join(NORMS)}")
+        if self.normalized_shape is not None and self.norm not in ("layer", "rms"):
+            raise BNProbeError("--normalized-shape applies to --norm layer and rms")
+        if self.groups is not None and self.norm != "group":
+            raise BNProbeError("--groups applies to --norm group")
+        if self.norm == "group" and self.groups is None:
+            raise BNProbeError("--norm group needs --groups (the number of channel groups)")
+        self.dims()
+
+    def dims(self) -> tuple[int, ...] | None:
+        """--normalized-shape as sizes (None: the last dim)."""
+        if self.normalized_shape is None:
+            return None
+        try:
+            dims = tuple(int(p) for p in self.normalized_shape.split(",") if p.strip())
+        except ValueError:
+            raise BNProbeError(f"--normalized-shape {self.normalized_shape!r} is not a comma-separated list of "
+                               "integers, e.g. 4096") from None
+        if not dims or any(d < 1 for d in dims):
+            raise BNProbeError(f"--normalized-shape {self.normalized_shape!r} must be sizes >= 1")
+        return dims
+
+
+@dataclass(frozen=True)
 class Source(Group):
     """Where the input comes from instead: a tensor file or a dump, and the recorded calls to take."""
 
@@ -662,9 +702,9 @@ def _builtin_for(resolved: list, builtin: list[bool], dtypes: tuple[str, ...] | 
     return keep
 
 
-@_command("compare-precision", order="adapter dtype shape shapes batch dist mean std input calls stress mode seed "
-                                     "rule bench budget eps momentum params convention out format force sweep "
-                                     "workers scheduler resume")
+@_command("compare-precision", order="adapter dtype norm normalized_shape groups shape shapes batch dist mean std "
+                                     "input calls stress mode seed rule bench budget eps momentum params convention "
+                                     "out format force sweep workers scheduler resume")
 def compare_precision_cmd(
     target: Kernel = Kernel.use(
         "adapter", "dtype",
@@ -696,9 +736,11 @@ def compare_precision_cmd(
     report: Output = Output.use("out", "force", out="Report folder (default reports/compare-precision-<time>)."),
     format: str = typer.Option("csv,json,md,html", "--format", help="Report files to write."),
     sweep: Sweep = Sweep.use(),
+    layer: Norm = Norm.use(),
 ) -> int:
     """FP16/BF16/FP32 vs the FP64 golden for every BatchNorm output, per tensor, per channel and per
-    stage; on a dump, every recorded call on its own inputs. Exit 0 when all are within standard, 1 when
+    stage; on a dump, every recorded call on its own inputs. --norm layer, rms, group or instance: the same for
+    that layer, on transformer- or convolution-shaped inputs. Exit 0 when all are within standard, 1 when
     some are not."""
     from bnprobe._progress import Progress
     from bnprobe.adapters import get_adapter
@@ -722,14 +764,22 @@ def compare_precision_cmd(
                           budget=budget, convention=convention)
     names, input, eps, momentum = _dump_scalars(names, src.input, bn.eps, bn.momentum)
     kernels = [get_adapter(a) if convention is None else _in_convention(a, convention) for a in names]
+    if layer.norm != "batch":  # of the built-in set, the kernels that run the layer (torch, the 16-bit ports)
+        kernels = [k for k, b in zip(kernels, builtin) if not b or layer.norm in k.capabilities().norms]
+        builtin = [b for k, b in zip(kernels, builtin) if not b or layer.norm in k.capabilities().norms]
+        if not kernels:
+            raise BNProbeError(f"no built-in kernel runs --norm {layer.norm}: name the adapters (--adapters torch, "
+                               "emulated, ...)")
     resolved, cases, recorded = select_cases(kernels, input=input, calls=src.calls, shape=gen.shape, shapes=shapes,
                                              batch=batch, values=Draw(gen.dist, gen.mean, gen.std, gen.seed),
-                                             mode=mode, stress=stress)
+                                             mode=mode, stress=stress, norm=layer.norm)
     resolved = _builtin_for(resolved, builtin, dts, recorded)
     sink = report.sink("compare-precision", *report_files(fmts)) if fmts else None
     with Progress("compare-precision") as bar:
         result = compare_precision(resolved, dts, cases, mode=mode, seed=gen.seed, budget=budget, progress=bar,
-                                   options=CallOptions(eps=eps, momentum=momentum, params=bn.params),
+                                   options=CallOptions(eps=eps, momentum=momentum, params=bn.params,
+                                                       norm=layer.norm, normalized_shape=layer.dims(),
+                                                       groups=layer.groups),
                                    judging=Judging(rule=rule, bench=bench))
     paths = write_report(result, sink, fmts) if sink is not None else []
     what = f"{len(cases)} recorded call(s) of {recorded.source}" if recorded is not None else f"{len(cases)} inputs"

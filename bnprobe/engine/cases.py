@@ -19,7 +19,7 @@ from bnprobe.core.errors import BNProbeError, named
 from bnprobe.inputs import Draw, make_input
 
 __all__ = ["Case", "DY_KINDS", "RESNET50_BN", "SHAPE_SETS", "dy_of_kind", "make_dy",
-           "recorded_cases", "resnet50_cases", "stress_cases", "select_cases"]
+           "recorded_cases", "resnet50_cases", "stress_cases", "select_cases", "family_cases"]
 
 # ResNet-50 (ImageNet, 224x224) BatchNorm layers: (name, C, H, W), one entry per distinct shape
 RESNET50_BN = [
@@ -132,14 +132,47 @@ def stress_cases(seed: int = 0) -> list[Case]:
     ]
 
 
+def family_cases(norm: str, seed: int = 0) -> list[Case]:
+    """compare-precision's default inputs for a family layer, shaped as the models that run it: transformer hidden
+    states (batch, tokens, hidden) for LayerNorm and RMSNorm — hidden sizes 768 and 4096, rows with a large mean,
+    rows near fp16's range (their squares past 65504), rows whose mean square is near ε, and "massive activations"
+    (a few features 10³–10⁴× the rest, as LLM hidden states hold: Sun et al., arXiv 2402.17762) — and convolution
+    activations (N, C, H, W) for GroupNorm and InstanceNorm, with large means and a spread near ε."""
+    rng = np.random.default_rng([seed, 55])
+    if norm in ("layer", "rms"):
+        massive = rng.standard_normal((2, 64, 1024))
+        massive[:, :, [7, 700]] *= np.array([2e3, -8e3])  # two features, every token, as in LLaMA's hidden states
+        first = rng.standard_normal((2, 64, 1024))
+        first[:, 0, :16] *= 1e4  # the first token's few huge features
+        return [
+            Case("hidden/768", (4, 128, 768), seed=seed),
+            Case("hidden/4096", (1, 32, 4096), seed=seed),
+            Case("stress/mean=100", (2, 64, 1024), mean=100.0, std=1.0, seed=seed),
+            Case("stress/near-fp16-range", (2, 16, 4096), mean=0.0, std=200.0, seed=seed),
+            Case("stress/mean-square-near-eps", (2, 64, 1024), mean=0.0, std=3e-3, seed=seed),
+            Case("stress/massive-activations", massive.shape, x=massive, seed=seed),
+            Case("stress/first-token-outliers", first.shape, x=first, seed=seed),
+            Case("stress/dy-shifted", (2, 64, 1024), seed=seed, dy="shifted"),
+        ]
+    return [
+        Case("activations", (4, 64, 16, 16), seed=seed),
+        Case("stress/mean=100", (2, 64, 8, 8), mean=100.0, std=1.0, seed=seed),
+        Case("stress/var-near-eps", (2, 64, 8, 8), mean=0.5, std=math.sqrt(1e-5), seed=seed),
+        Case("stress/heavy-tails", (2, 64, 8, 8), "student_t", seed=seed),
+        Case("stress/dy-shifted", (2, 64, 8, 8), seed=seed, dy="shifted"),
+    ]
+
+
 def select_cases(adapters: list[KernelAdapter], *, input: str | Path | None = None, calls: str | None = None,
                  shape: str | None = None, shapes: str = "sample", batch: int | None = None,
                  values: Draw = Draw(), mode: str = "all",
-                 stress: bool = True) -> tuple[list[KernelAdapter], list[Case], RecordedCalls | None]:
+                 stress: bool = True,
+                 norm: str = "batch") -> tuple[list[KernelAdapter], list[Case], RecordedCalls | None]:
     """What compare-precision runs on, checked before any run: a dump's calls (``input`` a dump folder, or a
     dump adapter among ``adapters``, selected by ``calls``), the tensor at ``input``, one generated ``shape``,
     or ResNet-50's shapes (``shapes``: a :data:`SHAPE_SETS` name) at ``batch`` (2) plus the stress inputs
-    (``stress``), the generated ones drawn as ``values`` says (:class:`~bnprobe.inputs.Draw`; its seed is every
+    (``stress``) — a family layer's (``norm``) own shapes and stress inputs instead (:func:`family_cases`) —, the
+    generated ones drawn as ``values`` says (:class:`~bnprobe.inputs.Draw`; its seed is every
     case's).  Options that contradict a recording, and a run the memory limit cannot hold (its largest case), are
     refused.  Returns the adapters (a dump adapter replaced by one of the selected calls: the caller's is not
     changed), the cases and the recorded calls (or None)."""
@@ -185,8 +218,15 @@ def select_cases(adapters: list[KernelAdapter], *, input: str | Path | None = No
                                f"{named('shape')})")
         if batch is not None and batch < 1:
             raise BNProbeError(f"{named('batch')} must be >= 1, got {batch}")
-        cases = resnet50_cases(2 if batch is None else batch, d.seed, d.dist, shapes)
-        cases += stress_cases(d.seed) if stress else []
+        if norm != "batch":  # a family layer's: transformer- or convolution-shaped (batch and shapes are ResNet's)
+            if batch is not None:
+                raise BNProbeError(f"{named('batch')} sizes ResNet-50's BatchNorm shapes: give {named('shape')} for "
+                                   f"the {norm} norm")
+            cases = family_cases(norm, d.seed)
+            cases = cases if stress else [c for c in cases if not c.name.startswith("stress/")]
+        else:
+            cases = resnet50_cases(2 if batch is None else batch, d.seed, d.dist, shapes)
+            cases += stress_cases(d.seed) if stress else []
     biggest = max(cases, key=lambda c: math.prod(c.shape))
     require_run("compare-precision", biggest.shape, f"compare-precision on {biggest.name} (shape {biggest.shape})",
                 torch=any(a.name.startswith("torch") for a in adapters),

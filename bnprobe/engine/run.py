@@ -37,13 +37,14 @@ from bnprobe.core.tolerances import accumulation_bound, accumulation_format
 T = TypeVar("T")
 LARGE_CALL = 1 << 20  # values of x beyond which a call's arrays are collected before the next is read
 
-__all__ = ["CallRun", "Golden", "OUTPUT_MODE", "generated_call", "run_call", "each_call", "each_run", "natural_scales",
-           "cancellation_bounds", "statistics_bounds", "variance_bound", "forgiven", "running_stats", "y_natural"]
+__all__ = ["CallRun", "Golden", "OUTPUT_MODE", "generated_call", "family_meta", "run_call", "each_call", "each_run",
+           "natural_scales", "cancellation_bounds", "statistics_bounds", "variance_bound", "forgiven", "running_stats",
+           "y_natural"]
 
 # each output a check can judge, and the mode whose call returns it
 OUTPUT_MODE = {"y": "train", "saved_mean": "train", "saved_invstd": "train", "saved_var": "train",
-               "running_mean": "train", "running_var": "train", "y_infer": "infer", "dx": "backward",
-               "dgamma": "backward", "dbeta": "backward", "y_eval": "train"}
+               "saved_rstd": "train", "running_mean": "train", "running_var": "train", "y_infer": "infer",
+               "dx": "backward", "dgamma": "backward", "dbeta": "backward", "y_eval": "train"}
 
 
 @dataclass
@@ -116,27 +117,45 @@ def generated_call(call: BNCall, *, modes: tuple[str, ...] = ("train", "infer", 
 
     fmt = get_format(call.dtype).name
     pf = params_format(fmt, call.params)
-    c = layout_of(call.x, call.layout).channels
+    family = call.norm != "batch"
+    if family:  # γ and β of the layer's parameter shape (β none for RMSNorm); no running statistics
+        from bnprobe.engine.family import family_shape
+
+        shape = family_shape(call).param_shape
+        defaults = (("gamma", call.gamma, 1.0),) + ((("beta", call.beta, 0.0),) if call.norm != "rms" else ())
+    else:
+        shape = (layout_of(call.x, call.layout).channels,)
+        defaults = (("gamma", call.gamma, 1.0), ("beta", call.beta, 0.0),
+                    ("running_mean", call.running_mean, 0.0), ("running_var", call.running_var, 1.0))
     with np.errstate(all="ignore"):
-        vec = {k: round_to(np.full(c, d) if v is None else np.asarray(v, dtype=np.float64), pf)
-               for k, v, d in (("gamma", call.gamma, 1.0), ("beta", call.beta, 0.0),
-                               ("running_mean", call.running_mean, 0.0), ("running_var", call.running_var, 1.0))}
+        vec = {k: round_to(np.full(shape, d) if v is None else np.asarray(v, dtype=np.float64), pf)
+               for k, v, d in defaults}
         xs = round_to(np.asarray(call.x, dtype=np.float64), fmt)
     training = "train" in modes or "backward" in modes
     rec = Recording(label, fmt, pf, call.layout, call.eps, call.momentum, None,
-                    meta={**(meta or {}), "training": training, "call": label})
+                    meta={**(meta or {}), "training": training, "call": label, **family_meta(call)})
     for mode in modes:
         if mode == "backward":
             if call.dy is None:
                 raise BNProbeError("a backward call needs dy")
             named = {"dy": round_to(np.asarray(call.dy, dtype=np.float64), fmt), "x": xs, "gamma": vec["gamma"]}
             if "train" not in modes:  # the inputs of the training forward that saves the backward's statistics
-                named.update({k: vec[k] for k in ("beta", "running_mean", "running_var")})
+                named.update({k: vec[k] for k in ("beta", "running_mean", "running_var") if k in vec})
         else:
             named = {"x": xs, **vec}
         rec.tensors[mode] = {"inputs": named, "outputs": {}}
         rec.formats.update({f"{mode}.inputs.{k}": fmt if k in ("x", "dy") else pf for k in named})
     return rec
+
+
+def family_meta(call: BNCall) -> dict[str, Any]:
+    """What a recording keeps of a family call's layer (its norm, normalised shape, groups and γ's offset), so that
+    :meth:`~bnprobe.recordings.Recording.call` gives it back; {} for BatchNorm."""
+    if call.norm == "batch":
+        return {}
+    return {"norm": call.norm, "normalized_shape": None if call.normalized_shape is None else
+            [int(d) for d in np.atleast_1d(call.normalized_shape)], "groups": call.groups,
+            "weight_offset": call.weight_offset}
 
 
 class Golden:
@@ -149,6 +168,11 @@ class Golden:
 
     @property
     def reduce_size(self) -> int:
+        """R: the values each statistic sees (a channel's; a family layer's row's)."""
+        if self.call.norm != "batch":
+            from bnprobe.engine.family import family_shape
+
+            return family_shape(self.call).r
         return layout_of(self.call.x, self.rec.layout).reduce_size
 
     def train(self, convention: str | None = None) -> ForwardOutput:
@@ -233,7 +257,13 @@ def _run_train(s: _Setting, run: CallRun, gold_t: ForwardOutput, after_step: boo
     out = s.kernel_train(ins)
     run.put("y", out.y, gold_t.y, s.out_fmt)
     run.saved = out.saved
-    if out.saved is not None:
+    if out.saved is not None and s.call.norm != "batch":  # a family layer's statistics per row: mean (none for
+        # RMSNorm) and rstd
+        sf = get_format(np.asarray(out.saved.value).dtype).name
+        if out.saved.mean is not None:
+            run.put("saved_mean", out.saved.mean, gold_t.saved.mean, sf)
+        run.put("saved_rstd", out.saved.value, gold_t.saved.invstd(s.call.eps), sf)
+    elif out.saved is not None:
         kind, eps = out.saved.kind, s.call.eps
         sf = get_format(np.asarray(out.saved.value).dtype).name
         run.put("saved_mean", out.saved.mean, gold_t.saved.mean, sf)
@@ -309,6 +339,10 @@ def _run_backward(s: _Setting, run: CallRun, gold_t: ForwardOutput | None) -> Sa
 
 def y_natural(call: BNCall, stats: Saved) -> np.ndarray:
     """Per element of y, the magnitude it is formed from: |x·rstd·γ| + |μ·rstd·γ| + |β| (golden statistics)."""
+    if call.norm != "batch":
+        from bnprobe.engine.family import family_y_natural
+
+        return family_y_natural(call, stats)
     lay = layout_of(call.x)
     r = stats.invstd(call.eps).astype(np.float64)
     g = np.ones(lay.channels) if call.gamma is None else np.asarray(call.gamma, dtype=np.float64)
@@ -544,6 +578,11 @@ def run_call(kernel: KernelAdapter, rec: Recording, *, modes: tuple[str, ...] | 
         _run_infer(s, run)
     stats = _run_backward(s, run, gold_t) if "backward" in run.modes else None
     bw_dy = rec.tensors.get("backward", {}).get("inputs", {}).get("dy") if stats is not None else None
+    if call.norm != "batch":
+        from bnprobe.engine.family import family_bounds
+
+        run.scales, run.bounds = family_bounds(call, run.gold_saved, stats, bw_dy)
+        return run
     run.scales = natural_scales(call, stats, bw_dy)
     run.bounds = cancellation_bounds(call, stats, run.scales)
     if run.gold_saved is not None and layout_of(call.x, call.layout).reduce_size > 1:

@@ -71,14 +71,19 @@ class Recording:
     def call(self) -> BNCall:
         """Everything the kernel was called with: x, γ, β, the running statistics (None where not recorded; an
         eval-mode call's backward may record them as its statistics), dy (None without a backward), ε, momentum,
-        the training flag, the format, the parameter format (``same``/``fp32``) and the layout."""
+        the training flag, the format, the parameter format (``same``/``fp32``), the layout, and for a family layer
+        (its ``norm`` in the meta) what places its statistics."""
         mode = "train" if "train" in self.tensors else ("infer" if "infer" in self.tensors else "backward")
         ins = self.tensors[mode]["inputs"]
         bw = self.tensors.get("backward", {}).get("inputs", {})
+        m = self.meta
+        ns = m.get("normalized_shape")
         return BNCall(ins["x"], ins.get("gamma"), ins.get("beta"),
                       ins.get("running_mean", bw.get("saved_mean") if not self.training else None),
                       ins.get("running_var", bw.get("saved_value") if not self.training else None),
-                      bw.get("dy"), self.eps, self.momentum, self.training, self.dtype, self.params_mode, self.layout)
+                      bw.get("dy"), self.eps, self.momentum, self.training, self.dtype, self.params_mode, self.layout,
+                      norm=m.get("norm", "batch"), normalized_shape=None if ns is None else tuple(ns),
+                      groups=m.get("groups"), weight_offset=float(m.get("weight_offset", 0.0)))
 
 
 @dataclass(frozen=True)

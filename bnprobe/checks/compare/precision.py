@@ -25,10 +25,11 @@ from bnprobe.adapters import KernelAdapter, Saved, get_adapter
 from bnprobe.adapters.registry import as_adapter
 from bnprobe.adapters.base import MODES, outputs_only
 from bnprobe.adapters.convention import bench_for, reference_for
-from bnprobe.core.call import EPS, MOMENTUM, BNCall
+from bnprobe.core.call import EPS, MOMENTUM, NORM_NAMES, BNCall
 from bnprobe.core.conventions import convention_of
 from bnprobe.engine.budget import BUDGET_CHANNELS, budget_cause, error_budget
-from bnprobe.engine.cases import Case, make_dy, recorded_cases, resnet50_cases, stress_cases
+from bnprobe.engine.cases import Case, family_cases, make_dy, recorded_cases, resnet50_cases, stress_cases
+from bnprobe.engine.family import per_row_element
 from bnprobe.engine.recipes import RECIPES, recipe_fits
 from bnprobe.adapters.emulated import EmulatedAdapter, PolicyAdapter
 from bnprobe.checks.compare.identified import (
@@ -69,7 +70,7 @@ from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import get_format
 from bnprobe.core.kernel import modes_left_out, needs_modes
 from bnprobe.inputs import make_params
-from bnprobe.kernels.layout import layout_of
+from bnprobe.kernels.layout import NormShape, layout_of
 from bnprobe.engine.metrics import compare, ulp_error
 from bnprobe.recordings import Recording
 from bnprobe.core.tolerances import MSPROBE_STANDARDS, Standard
@@ -92,6 +93,11 @@ class CallOptions:
     eps: float | None = None
     momentum: float | None = None
     params: str | None = None
+    # the layer the generated calls are (BatchNorm, or LayerNorm, RMSNorm, GroupNorm, InstanceNorm with what places
+    # their statistics: normalized_shape, default the last dim; groups)
+    norm: str = "batch"
+    normalized_shape: tuple[int, ...] | None = None
+    groups: int | None = None
 
 
 @dataclass(frozen=True)
@@ -262,13 +268,24 @@ class _CaseCall:
 
 
 def _generated(case: Case, x: np.ndarray, fmt: str, params: str, eps: float, momentum: float | None,
-               modes: tuple[str, ...]) -> tuple[Recording, tuple[str, ...]]:
+               modes: tuple[str, ...], norm: CallOptions = CallOptions()) -> tuple[Recording, tuple[str, ...]]:
     """A generated case in one format: γ, β from the case's seed, running statistics at the case's mean and
-    variance, dy of the case's kind (:func:`~bnprobe.engine.cases.make_dy`); training modes only where N*H*W > 1."""
+    variance, dy of the case's kind (:func:`~bnprobe.engine.cases.make_dy`); training modes only where N*H*W > 1.
+    A family layer's (``norm``'s) call has γ and β of its parameter shape, no running statistics, and no inference
+    of its own (its inference is its training forward)."""
+    dy = make_dy(case, x.shape)
+    if norm.norm != "batch":  # a family layer: γ, β of its parameter shape, no running statistics
+        sh = NormShape.of(norm.norm, x.shape, norm.normalized_shape, norm.groups)
+        prm = make_params(math.prod(sh.param_shape), case.seed)
+        call = BNCall(x, prm["gamma"].reshape(sh.param_shape),
+                      None if norm.norm == "rms" else prm["beta"].reshape(sh.param_shape), dy=dy, eps=eps,
+                      momentum=momentum, dtype=fmt, params=params, norm=norm.norm,
+                      normalized_shape=norm.normalized_shape, groups=norm.groups)
+        kept = tuple(m for m in modes if sh.r > 1 and m != "infer")
+        return generated_call(call, modes=kept, label=case.name), kept
     lay = layout_of(x)
     c = lay.channels
     prm = make_params(c, case.seed)
-    dy = make_dy(case, x.shape)
     kept = tuple(m for m in modes if m == "infer" or lay.reduce_size > 1)
     call = BNCall(x, prm["gamma"], prm["beta"], np.full(c, case.mean), np.full(c, max(case.std, 1e-3) ** 2), dy,
                   eps, momentum, dtype=fmt, params=params)
@@ -325,7 +342,7 @@ def _case_calls(case: Case, fmts: list[str], modes: tuple[str, ...], opts: dict[
     else:
         x = case.make()
         per_fmt = [_generated(case, x, f, params or "fp32", EPS if eps is None else eps,
-                              MOMENTUM if momentum is None else momentum, modes) for f in fmts]
+                              MOMENTUM if momentum is None else momentum, modes, opts["norm"]) for f in fmts]
     out = []
     for rec, kept in per_fmt:
         cc = _CaseCall(case, rec, kept, Golden(ref, rec))
@@ -383,7 +400,10 @@ def _cancel_bound(run: CallRun, key: str) -> tuple[np.ndarray, str] | None:
 
 
 def _per_element(run: CallRun, v: np.ndarray) -> np.ndarray:
-    """A per-channel vector shaped to broadcast against the call's x (its layout's channel axis)."""
+    """A per-channel vector (a family layer's: per row) shaped to broadcast against the call's x (its layout's
+    channel axis)."""
+    if run.inputs.norm != "batch":
+        return per_row_element(run.inputs, v)
     return layout_of(run.inputs.x).column(v)
 
 
@@ -399,7 +419,8 @@ def _stored_share(ref: KernelAdapter, run: CallRun, gold_dx: np.ndarray) -> floa
     """The share of dx's error (RMSE against the golden) that the kernel's stored statistics explain: the
     golden backward recomputed from the statistics exactly as stored removes that share."""
     saved, call = run.saved, run.inputs
-    stored = Saved(np.asarray(saved.mean, dtype=np.float64), saved.kind,  # type: ignore[union-attr]
+    stored = Saved(None if saved.mean is None else np.asarray(saved.mean, dtype=np.float64),  # type: ignore[union-attr]
+                   saved.kind,  # type: ignore[union-attr]
                    np.asarray(saved.value, dtype=np.float64))  # type: ignore[union-attr]
     gold2 = ref.backward_of(call.with_(training=True), stored).dx
     with np.errstate(all="ignore"), warnings.catch_warnings():
@@ -412,9 +433,10 @@ def _stored_share(ref: KernelAdapter, run: CallRun, gold_dx: np.ndarray) -> floa
 
 def _explain(call: Any, gold_t: Any, pf: str) -> str:
     """What makes the data hard for a format: mean²/var (cancellation), var/eps (eps dominance), R."""
-    lay = layout_of(call.x)
-    parts = [f"R = {lay.reduce_size}"]
-    if gold_t is not None and gold_t.saved is not None:
+    r = NormShape.of(call.norm, call.x.shape, call.normalized_shape, call.groups).r if call.norm != "batch" else \
+        layout_of(call.x).reduce_size
+    parts = [f"R = {r}"]
+    if gold_t is not None and gold_t.saved is not None and gold_t.saved.mean is not None:
         m = np.asarray(gold_t.saved.mean, dtype=np.float64)
         v = gold_t.saved.var(call.eps)
         with np.errstate(all="ignore"):
@@ -458,13 +480,17 @@ def _compare_adapter(a: KernelAdapter, cc: _CaseCall, j: _Judging, tables: _Tabl
                  bench=bench_out.get(t), explain=explain, natural=natural, cancel=_cancel_bound(run, t))
         if t == "dx" and call.training and run.saved is not None:
             r["stored_stats_share"] = _stored_share(ref, run, run.gold["dx"])
-        if r["verdict"] == Verdict.FAIL:
+        if r["verdict"] == Verdict.FAIL and call.norm != "batch":
+            _unnamed_family(r, call.norm, j, act, run.gold[t], run.formats[t], call.dtype)
+        elif r["verdict"] == Verdict.FAIL:
             naming = _Naming(a, j, bench_out, bench_a)
             if t in bench_out:  # the recipe models first (each says more than a recipe), then identify's recipe
                 _name_recipe(r, cc, run, t, bench_out[t].value)
             if "cause" not in r and not _name_identified(r, cc, run, t, naming):
                 _unnamed(r, cc, run, t, naming)
         tables.rows.append(r)
+    if call.norm != "batch":  # (the per-channel table and the error budget are BatchNorm's)
+        return
     if "y" in run.got and run.saved is not None:
         eps = call.eps
         tables.chans.extend(_channels(a.name, fmt, case, run.got["y"], gold_t.y, var=run.saved.var(eps),
@@ -612,8 +638,22 @@ def compare_precision(
         raise BNProbeError(f"unknown rule {rule!r}; valid: {', '.join(RULES)}")
     resolved = [as_adapter(a) for a in (adapters or ["emulated"])]
     dumps = [a for a in resolved if a.capabilities().recorded]
+    family = options.norm != "batch"
+    if family:
+        if dumps:
+            raise BNProbeError(f"{NORM_NAMES.get(options.norm, options.norm)} from a dump is not read yet: compare "
+                               "a dump's BatchNorm calls, or generated inputs")
+        refused = [a.name for a in resolved if options.norm not in a.capabilities().norms]
+        if refused:
+            raise BNProbeError(f"{', '.join(refused)} run{'s' if len(refused) == 1 else ''} no "
+                               f"{NORM_NAMES.get(options.norm, options.norm)}: name adapters that do (reference, "
+                               "careful, emulated[:<policy>], torch)")
     if cases is None:
-        cases = recorded_cases(dumps[0].calls) if dumps else resnet50_cases(seed=seed) + stress_cases(seed)
+        cases = family_cases(options.norm, seed) if family else \
+            recorded_cases(dumps[0].calls) if dumps else resnet50_cases(seed=seed) + stress_cases(seed)
+    if family:  # every case fits the layer before any work (its normalised shape, its groups)
+        for c in cases:
+            NormShape.of(options.norm, c.shape, options.normalized_shape, options.groups)
     fmts = [get_format(d).name for d in (dtypes or ("fp16", "bf16", "fp32"))]
     recorded_fmts = list(dict.fromkeys(c.recorded.dtype for c in cases if c.recorded is not None))
     bench_a = as_adapter(bench) if bench is not None else None
@@ -624,6 +664,15 @@ def compare_precision(
     modes = ("train", "infer", "backward") if mode == "all" else (mode,)
     tables = _Tables([], [], [])  # the three tables' rows
     notes: list[str | _CallNote] = _modes_left_out(resolved, mode, modes)  # what the verdicts cannot show
+    if family:
+        layer = NORM_NAMES[options.norm]
+        if mode == "infer":
+            raise BNProbeError(f"{named('mode')} infer: {layer} keeps no running statistics, so its inference is its "
+                               "training forward: give train, backward or all")
+        modes = tuple(m for m in modes if m != "infer")
+        notes.append(f"{layer}: statistics per row of {', '.join(sorted({_rows_of(options, c) for c in cases}))} "
+                     "values; its inference is its training forward (no running statistics), judged once as y")
+        budget = False  # (the error budget reruns BatchNorm's stages)
     skip, total = _default_formats(resolved, cases, fmts, dtypes)
     done = 0
     t0 = time.monotonic()
@@ -631,7 +680,7 @@ def compare_precision(
     ref, bench_a = outputs_only(ref), outputs_only(bench_a)
     runs = [outputs_only(a) for a in resolved]
     j = _Judging(standards, rule, bench_a.name if bench_a is not None else "")
-    opts = {"eps": eps, "momentum": momentum, "params": params}
+    opts = {"eps": eps, "momentum": momentum, "params": params, "norm": options}
     # the bench in each kernel's convention (a framework's running variance is judged against a careful one's)
     benches = {convention_of(a).name: outputs_only(bench_for(bench_a, a)) for a in runs} if bench_a else {}
     for case in cases:
@@ -655,11 +704,18 @@ def compare_precision(
     meta = {"adapters": [a.name for a in resolved],
             "dtypes": list(dict.fromkeys(([] if all(c.recorded is not None for c in cases) else fmts) + recorded_fmts)),
             "mode": mode, "eps": eps, "momentum": momentum, "params": params, "seed": seed,
+            **({"norm": options.norm, "normalized_shape": options.normalized_shape, "groups": options.groups}
+               if family else {}),
             **_run_meta(cases, dumps), "seconds": round(time.monotonic() - t0, 3),
             "standards": "msprobe" if standards is None else "custom", "rule": rule,
             "bench": bench_a.name if bench_a is not None else None,
             "notes": [str(n) for n in notes]}
     return CompareResult(pd.DataFrame(tables.rows), pd.DataFrame(tables.chans), pd.DataFrame(tables.budgets), meta)
+
+
+def _rows_of(options: CallOptions, case: Case) -> str:
+    """R of a family call on ``case``'s shape, as a figure."""
+    return str(NormShape.of(options.norm, case.shape, options.normalized_shape, options.groups).r)
 
 
 def _modes_left_out(adapters: list[KernelAdapter], mode: str, modes: tuple[str, ...]) -> list[str | _CallNote]:
@@ -940,6 +996,30 @@ def _attribution(cc: _CaseCall, run: CallRun, t: str, n: _Naming, spec: str) -> 
 
     att = attribute(t, resettable(choices_differing(recipe, pols), valid), passes_without, fails_with)
     return att.cause, att.words(recipe, pols[-1])
+
+
+def _unnamed_family(r: dict[str, Any], norm: str, j: _Judging, actual: Any, golden: Any, fmt: str,
+                    dtype: str) -> None:
+    """Say, in a family layer's failing row, what is known of it: how much worse than the bench it is; where it is
+    returned in a wider format than x's but every value of it is one of x's format (and the golden's are not), that
+    it was summed or rounded in x's format; and that bnprobe holds no bug model or identified recipe of that layer
+    yet to name it by."""
+    bench = "the careful kernel's" if j.bench_name.startswith("careful") else f"{j.bench_name}'s"
+    ratio = r.get("rmse_vs_bench")
+    parts = [f"{r['tensor']} {ratio:.3g}x {bench} error"] if ratio is not None and math.isfinite(ratio) else []
+    narrow, wide = get_format(dtype), get_format(fmt)
+    if wide.holds(narrow) and wide.name != narrow.name:
+        a, g = (np.asarray(v, dtype=np.float64).reshape(-1) for v in (actual, golden))
+        with np.errstate(all="ignore"):
+            fin = np.isfinite(a) & np.isfinite(g) & (g != 0)
+            ulps = np.abs(a[fin] - g[fin]) / narrow.ulp(g[fin])
+        if ulps.size and float(np.median(ulps)) >= 0.5:
+            parts.append(f"returned in {wide.name}, its errors are of the size of {narrow.name}'s rounding (median "
+                         f"{float(np.median(ulps)):.3g} ulps of {narrow.name}, x's format): what a sum carried or "
+                         f"rounded in {narrow.name} gives")
+    parts.append(f"no bug model or identified recipe of {NORM_NAMES[norm]} is in bnprobe yet to name it by")
+    r["unnamed"] = "; ".join(parts)
+    r["why"] += f"; not named: {r['unnamed']}"
 
 
 def _unnamed(r: dict[str, Any], cc: _CaseCall, run: CallRun, t: str, n: _Naming) -> None:

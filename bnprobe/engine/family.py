@@ -1,0 +1,144 @@
+"""The family layers in the run engine — LayerNorm, RMSNorm, GroupNorm, InstanceNorm: per row of their statistics
+and per parameter, the magnitudes their outputs are formed from, and the error a correct kernel's accumulation can
+put into them whatever its summation order.  These are BatchNorm's bounds (:mod:`bnprobe.engine.run`) with a row
+of statistics in place of a channel, g = dy·γ in place of dy in dx, and the values each parameter touches (K of
+them: the rows for LayerNorm and RMSNorm, N·H·W for GroupNorm and InstanceNorm) in place of a channel's in dγ and
+dβ; RMSNorm has no mean, so no mean's error enters.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+
+from bnprobe.core.formats import get_format
+from bnprobe.core.kernel import Saved
+from bnprobe.core.tolerances import SMALL_VALUE_ULPS, accumulation_bound, accumulation_format
+from bnprobe.kernels.layout import NormShape
+
+__all__ = ["family_shape", "family_y_natural", "family_bounds", "per_row_element"]
+
+
+def family_shape(call: Any) -> NormShape:
+    """Where a family call's statistics and parameters sit."""
+    return NormShape.of(call.norm, np.shape(call.x), call.normalized_shape, call.groups)
+
+
+def _params(call: Any, sh: NormShape) -> tuple[np.ndarray, np.ndarray]:
+    """γ as applied (offset + w; 1 where none) and β (0 where none), each as the ``(rows, R)`` array x meets."""
+    p = np.prod(sh.param_shape, dtype=int)
+    g = np.ones(p) if call.gamma is None else np.asarray(call.gamma, dtype=np.float64).reshape(-1)
+    b = np.zeros(p) if call.beta is None else np.asarray(call.beta, dtype=np.float64).reshape(-1)
+    return sh.expand(g + call.weight_offset), sh.expand(b)
+
+
+def per_row_element(call: Any, v: np.ndarray) -> np.ndarray:
+    """A per-row value as an x-shaped array (each element its row's)."""
+    sh = family_shape(call)
+    return sh.from_rows(np.broadcast_to(np.asarray(v, dtype=np.float64).reshape(-1, 1), (sh.rows, sh.r)))
+
+
+def family_y_natural(call: Any, stats: Saved) -> np.ndarray:
+    """Per element of y, the magnitude it is formed from: |x·rstd·γ| + |μ·rstd·γ| + |β| (golden statistics)."""
+    sh = family_shape(call)
+    ge, be = _params(call, sh)
+    r = np.abs(np.asarray(stats.invstd(call.eps), dtype=np.float64))[:, None]
+    mu = 0.0 if stats.mean is None else np.abs(np.asarray(stats.mean, dtype=np.float64))[:, None]
+    with np.errstate(all="ignore"):
+        return sh.from_rows(np.abs(sh.to_rows(call.x)) * r * np.abs(ge) + mu * r * np.abs(ge) + np.abs(be))
+
+
+def _running_mean_term(xr: np.ndarray, stats: Saved, u: float, rms: bool) -> np.ndarray | float:
+    """2·SMALL_VALUE_ULPS·u·|μ|·mean|x − μ| per row: the first-order error of a variance whose deviations are taken
+    from a mean carried to within a few ulps as it goes (Welford's running mean, Chan's merges) — which two-pass's
+    exact cancellation of that term does not have; a one-pass E[x²] − E[x]², off by u·μ², stays beyond it wherever
+    |μ| is much larger than mean|x − μ|."""
+    if rms or stats.mean is None:
+        return 0.0
+    mu = np.asarray(stats.mean, dtype=np.float64)
+    return 2 * SMALL_VALUE_ULPS * u * np.abs(mu) * np.nanmean(np.abs(xr - mu[:, None]), axis=1)
+
+
+def family_bounds(call: Any, gold: Saved | None, stats: Saved | None, dy: np.ndarray | None,
+                  ) -> tuple[dict[str, np.ndarray], dict[str, tuple[np.ndarray, str]]]:
+    """The natural scales (per row: saved_mean, dx; per parameter: dγ, dβ) and the bounds of a correct kernel's
+    accumulation (saved_rstd from ``gold``, the golden's statistics; dβ, dγ and dx where the sums cancel, with
+    ``stats`` the statistics the backward used and ``dy``), each with its formula in words.
+
+    With R values per row, K per parameter and γ_n = n·u/(1 − n·u), u the unit roundoff of the accumulation
+    format: the mean errs by δμ = γ_R·mean|x| (none for RMSNorm); the variance (RMSNorm: the mean square) by
+    (γ_R + 3u)·(σ² + δμ²) + δμ² + 2·SMALL_VALUE_ULPS·u·|μ|·mean|x − μ| (the last for a running mean's deviations,
+    Welford's), so rstd by rstd·(½·that/(σ² + ε) + SMALL_VALUE_ULPS·u); dβ = Σdy by γ_K·Σ|dy|;
+    dγ = Σdy·x̂ by γ_K·2·Σ|dy·x̂| + Σ|dy|·(rstd·δμ + |x − μ|·δrstd); dx = rstd·(g − Σg/R − x̂·Σ(g·x̂)/R) by
+    rstd·(γ_R·Σ|g| + max|x̂|·γ_R·(2·Σ|g·x̂| + rstd·mean|x|·Σ|g|))/R (RMSNorm: the Σg terms left out)."""
+    sh = family_shape(call)
+    r, k = sh.r, sh.rows * sh.r // int(np.prod(sh.param_shape))
+    acc = accumulation_format(call.dtype)
+    u = get_format(acc).unit_roundoff
+    gr, gk = accumulation_bound(call.dtype, r), accumulation_bound(call.dtype, k)
+    u_exp = int(np.log2(u))
+    how = f"u = 2^{u_exp} ({acc} accumulation, any order)"
+    rms = sh.norm == "rms"
+    scales: dict[str, np.ndarray] = {}
+    bounds: dict[str, tuple[np.ndarray, str]] = {}
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        xr = sh.to_rows(call.x)
+        mean_abs = np.nanmean(np.abs(xr), axis=1)
+        scales["saved_mean"] = mean_abs
+        if gold is not None:
+            dmean = np.zeros(sh.rows) if rms else gr * mean_abs
+            var = np.asarray(gold.var(call.eps), dtype=np.float64)
+            b_var = (gr + 3 * u) * (var + dmean**2) + dmean**2 + _running_mean_term(xr, gold, u, rms)
+            inv = 1.0 / np.sqrt(var + call.eps)
+            what = "the mean square" if rms else "the variance"
+            bounds["saved_rstd"] = (inv * (0.5 * b_var / (var + call.eps) + SMALL_VALUE_ULPS * u),
+                                    f"rstd·(½·{what}'s bound/(σ² + ε) + {SMALL_VALUE_ULPS:g}u), {what}'s bound "
+                                    f"(γ_{r} + 3u)·(σ² + δμ²) + δμ²"
+                                    f"{'' if rms else f' + 2·{SMALL_VALUE_ULPS:g}u·|μ|·mean|x − μ|'}"
+                                    f"{'' if rms else f', δμ = γ_{r}·mean|x|'}, "
+                                    f"γ_{r} = {r}·u/(1 − {r}·u), {how}")
+            # y = (x − μ)·rstd·γ + β with the statistics off by their bounds, plus a correct kernel's rounding of it
+            ge, _ = _params(call, sh)
+            mu0 = np.zeros(sh.rows) if rms else np.asarray(gold.mean, dtype=np.float64)
+            b_inv = bounds["saved_rstd"][0]
+            nat = sh.to_rows(family_y_natural(call, gold))
+            b_y = np.abs(ge) * ((inv * dmean)[:, None] + np.abs(xr - mu0[:, None]) * b_inv[:, None]) + \
+                SMALL_VALUE_ULPS * u * nat
+            bounds["y"] = (sh.from_rows(b_y), f"|γ|·(rstd·δμ + |x − μ|·δrstd) + {SMALL_VALUE_ULPS:g}u·(the magnitude y "
+                                              f"is formed from), δrstd saved_rstd's bound"
+                                              f"{'' if rms else ', δμ = γ_R·mean|x|'}, γ_R = {r}·u/(1 − {r}·u), {how}")
+        if stats is None or dy is None:
+            return scales, bounds
+        rstd = np.asarray(stats.invstd(call.eps), dtype=np.float64)
+        mu = np.zeros(sh.rows) if stats.mean is None or rms else np.asarray(stats.mean, dtype=np.float64)
+        ge, _ = _params(call, sh)
+        dev = xr - mu[:, None]
+        xhat = dev * rstd[:, None]
+        dyr = sh.to_rows(dy)
+        g = dyr * ge
+        gx = g * xhat
+        scales["dbeta"] = np.nansum(sh.gather(np.abs(dyr)), axis=1)
+        scales["dgamma"] = np.nansum(sh.gather(np.abs(dyr * xhat)), axis=1)
+        xmax = np.nanmax(np.abs(xhat), axis=1)
+        gsum, gxsum = np.nansum(np.abs(g), axis=1), np.nansum(np.abs(gx), axis=1)
+        gmean = 0.0 if rms else np.abs(np.nanmean(g, axis=1))
+        scales["dx"] = rstd * (np.nanmax(np.abs(g), axis=1) + gmean + xmax * np.abs(np.nanmean(gx, axis=1)))
+        # the statistics' errors, per row, as they enter every x̂ of the row
+        dmean = np.zeros(sh.rows) if rms else gr * mean_abs
+        var = np.asarray(stats.var(call.eps), dtype=np.float64)
+        b_var = (gr + 3 * u) * (var + dmean**2) + dmean**2 + _running_mean_term(xr, stats, u, rms)
+        drstd = rstd * (0.5 * b_var / (var + call.eps) + SMALL_VALUE_ULPS * u)
+        stat_err = np.abs(dyr) * ((rstd * dmean)[:, None] + np.abs(dev) * drstd[:, None])
+        bounds["dbeta"] = (gk * scales["dbeta"], f"γ_{k}·Σ|dy|, γ_{k} = {k}·u/(1 − {k}·u), {how}")
+        bounds["dgamma"] = (2 * gk * scales["dgamma"] + np.nansum(sh.gather(stat_err), axis=1),
+                            f"2·γ_{k}·Σ|dy·x̂| + Σ|dy|·(rstd·δμ + |x − μ|·δrstd) with the statistics' bounds, "
+                            f"γ_{k} = {k}·u/(1 − {k}·u), {how}")
+        inner = 2 * gxsum if rms else 2 * gxsum + rstd * mean_abs * gsum
+        b_dx = rstd * ((0.0 if rms else gr * gsum) + xmax * gr * inner) / r
+        bounds["dx"] = (b_dx, f"rstd·({'' if rms else 'γ_R·Σ|g| + '}max|x̂|·γ_R·(2·Σ|g·x̂|"
+                              f"{'' if rms else ' + rstd·mean|x|·Σ|g|'}))/{r}, g = dy·γ, γ_R = {r}·u/(1 − {r}·u), "
+                              f"{how}")
+    return scales, bounds

@@ -1,0 +1,82 @@
+"""compare-precision on LayerNorm, RMSNorm, GroupNorm and InstanceNorm (--norm): a correct kernel — any summation
+order, variance algorithm or y formula bnprobe emulates, in fp32 arithmetic — passes every default input in every
+format; a naive 16-bit port fails; torch's CPU LayerNorm, whose 16-bit backward sums dγ and dβ in x's format,
+fails there and says so; inputs that do not fit are refused before any work."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bnprobe.checks.compare.precision import CallOptions, compare_precision
+from bnprobe.core.errors import BNProbeError
+from bnprobe.engine.cases import family_cases
+from bnprobe.numerics.rounding import round_to
+
+CORRECT = ["order=sequential", "variance=welford,lanes=8", "y_formula=affine,fma=true", "y_formula=scale",
+           "order=lanes,lanes=16,mean_by=reciprocal"]
+
+
+def _failing(res) -> list[str]:  # noqa: ANN001
+    rows = res.rows
+    return [f"{r.adapter} {r.dtype} {r.case} {r.tensor}: {r.why[:160]}" for r in rows.itertuples()
+            if str(r.verdict).endswith("FAIL")]
+
+
+@pytest.mark.parametrize("norm,groups", [("layer", None), ("rms", None), ("group", 16), ("instance", None)])
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp32"])
+def test_a_correct_kernel_never_fails(norm, groups, fmt) -> None:  # noqa: ANN001
+    adapters = [f"emulated:{fmt}:{c}" for c in CORRECT]
+    res = compare_precision(adapters, (fmt,), options=CallOptions(norm=norm, groups=groups))
+    assert len(res.rows) > 0
+    assert not _failing(res), _failing(res)
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_a_naive_16_bit_port_fails(norm) -> None:  # noqa: ANN001
+    res = compare_precision(["emulated:fp16-acc16"], ("fp16",), options=CallOptions(norm=norm))
+    failing = res.rows[res.rows.verdict.astype(str).str.endswith("FAIL")]
+    assert len(failing) and failing.unnamed.str.contains("no bug model or identified recipe of").all()
+
+
+def test_torch_layernorm_16_bit_backward_fails_and_says_it_summed_in_x_format() -> None:
+    pytest.importorskip("torch")
+    cases = [c for c in family_cases("layer") if c.name == "hidden/768"]
+    res = compare_precision(["torch"], ("fp16", "bf16"), cases, options=CallOptions(norm="layer"))
+    rows = res.rows.set_index(["dtype", "tensor"])
+    for fmt in ("fp16", "bf16"):
+        for t in ("dgamma", "dbeta"):
+            r = rows.loc[(fmt, t)]
+            assert str(r.verdict).endswith("FAIL")
+            assert f"its errors are of the size of {fmt}'s rounding" in r.why
+        assert str(rows.loc[(fmt, "y")].verdict).endswith("PASS")
+    # (independently: on one thread torch's own dγ, by autograd, holds only values of x's format: its buffer)
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randn(4, 128, 768, dtype=torch.float16, requires_grad=True)
+        w = torch.ones(768, requires_grad=True)
+        torch.nn.functional.layer_norm(x, (768,), w, None, 1e-5).backward(torch.randn(4, 128, 768,
+                                                                                     dtype=torch.float16))
+    finally:
+        torch.set_num_threads(threads)
+    g = w.grad.double().numpy()
+    assert np.array_equal(round_to(g, "fp16"), g)
+
+
+@pytest.mark.parametrize("adapters,options,says", [
+    (["ascend-tbe"], CallOptions(norm="layer"), "runs no LayerNorm"),
+    (["careful"], CallOptions(norm="layer", normalized_shape=(5,)), "not x's trailing dimensions"),
+    (["careful"], CallOptions(norm="group", groups=7), "groups must divide"),
+])
+def test_what_does_not_fit_is_refused_before_any_work(adapters, options, says) -> None:  # noqa: ANN001
+    with pytest.raises(BNProbeError, match=None) as e:
+        compare_precision(adapters, ("fp16",), options=options)
+    assert says in str(e.value)
+
+
+def test_inference_alone_is_refused_for_a_layer_without_running_statistics() -> None:
+    with pytest.raises(BNProbeError, match="keeps no running statistics"):
+        compare_precision(["careful"], ("fp16",), mode="infer", options=CallOptions(norm="rms"))
