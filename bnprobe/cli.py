@@ -225,7 +225,7 @@ class Norm(Group):
     normalized_shape: Optional[str] = option("--normalized-shape", help="LayerNorm, RMSNorm: the normalised "
                                                                         "trailing dims, e.g. 4096 or 16,64 (default: "
                                                                         "the last dim).")
-    groups: Optional[int] = option("--groups", min=1, help="GroupNorm: the number of channel groups.")
+    groups: Optional[int] = option("--num-groups", min=1, help="GroupNorm: the number of channel groups.")
 
     def check(self, names: frozenset[str]) -> None:
         """The layer one bnprobe knows; the normalised shape a list of sizes; each option only where it applies."""
@@ -236,9 +236,9 @@ class Norm(Group):
         if self.normalized_shape is not None and self.norm not in ("layer", "rms"):
             raise BNProbeError("--normalized-shape applies to --norm layer and rms")
         if self.groups is not None and self.norm != "group":
-            raise BNProbeError("--groups applies to --norm group")
+            raise BNProbeError("--num-groups applies to --norm group")
         if self.norm == "group" and self.groups is None:
-            raise BNProbeError("--norm group needs --groups (the number of channel groups)")
+            raise BNProbeError("--norm group needs --num-groups (the number of channel groups)")
         self.dims()
 
     def dims(self) -> tuple[int, ...] | None:
@@ -702,6 +702,19 @@ def _builtin_for(resolved: list, builtin: list[bool], dtypes: tuple[str, ...] | 
     return keep
 
 
+def _running_the_layer(norm: str, kernels: list, builtin: list[bool]) -> tuple[list, list[bool]]:
+    """Of the built-in set, the kernels that run the layer ``norm`` (torch, the 16-bit ports: the Ascend emulators
+    run BatchNorm only); the adapters named outright, all (one that cannot is refused by compare-precision)."""
+    if norm == "batch":
+        return kernels, builtin
+    keep = [not b or norm in k.capabilities().norms for k, b in zip(kernels, builtin)]
+    kernels = [k for k, ok in zip(kernels, keep) if ok]
+    if not kernels:
+        raise BNProbeError(f"no built-in kernel runs --norm {norm}: name the adapters (--adapters torch, emulated, "
+                           "...)")
+    return kernels, [b for b, ok in zip(builtin, keep) if ok]
+
+
 @_command("compare-precision", order="adapter dtype norm normalized_shape groups shape shapes batch dist mean std "
                                      "input calls stress mode seed rule bench budget eps momentum params convention "
                                      "out format force sweep workers scheduler resume")
@@ -764,12 +777,7 @@ def compare_precision_cmd(
                           budget=budget, convention=convention)
     names, input, eps, momentum = _dump_scalars(names, src.input, bn.eps, bn.momentum)
     kernels = [get_adapter(a) if convention is None else _in_convention(a, convention) for a in names]
-    if layer.norm != "batch":  # of the built-in set, the kernels that run the layer (torch, the 16-bit ports)
-        kernels = [k for k, b in zip(kernels, builtin) if not b or layer.norm in k.capabilities().norms]
-        builtin = [b for k, b in zip(kernels, builtin) if not b or layer.norm in k.capabilities().norms]
-        if not kernels:
-            raise BNProbeError(f"no built-in kernel runs --norm {layer.norm}: name the adapters (--adapters torch, "
-                               "emulated, ...)")
+    kernels, builtin = _running_the_layer(layer.norm, kernels, builtin)
     resolved, cases, recorded = select_cases(kernels, input=input, calls=src.calls, shape=gen.shape, shapes=shapes,
                                              batch=batch, values=Draw(gen.dist, gen.mean, gen.std, gen.seed),
                                              mode=mode, stress=stress, norm=layer.norm)

@@ -77,6 +77,11 @@ RUN = {
     "bnprobe dump --adapter onnxruntime --dtype fp16 --params same --out ort-call": "onnxruntime",
     "PYTHONPATH=. bnprobe shrink --adapter tests.checks.bn_plugins:InferOnlyUsesBatch --shape 4,8,4,4 --out "
     "shrunk-infer": None,
+    # the normalisation family's page: the built-in kernels that run LayerNorm, RMSNorm and GroupNorm
+    "bnprobe compare-precision --norm layer --format md --out report-layer": "torch",
+    "bnprobe compare-precision --norm rms --adapters torch,emulated:fp16-acc16 --dtypes fp16 --format md --out "
+    "report-rms": "torch",
+    "bnprobe compare-precision --norm group --num-groups 32 --adapters torch --format md --out report-group": "torch",
     # each command page's options, as its --help prints them
     **{f"bnprobe {command} --help": None for command in COMMANDS},
 }

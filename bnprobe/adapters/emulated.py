@@ -15,7 +15,8 @@ from bnprobe.core.conventions import get_convention
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
 from bnprobe.kernels import Execution, backward, forward_infer, forward_train, get_policy
-from bnprobe.kernels import norms
+from bnprobe.kernels.norms import backward as family_backward
+from bnprobe.kernels.norms import forward as family_forward
 from bnprobe.kernels.policy import Policy
 from bnprobe.numerics.arith import Arith
 from bnprobe.numerics.rsqrt import divide
@@ -119,15 +120,16 @@ class PolicyAdapter(BaseAdapter):
     def _family_forward_impl(self, p: FamilyPrepared, *, eps: float) -> ForwardOutput:
         pol = self.policy(p, "train")  # type: ignore[arg-type]
         c = p.call
-        res = norms.forward(p.x, p.gamma, p.beta, shape=p.shape, eps=eps, policy=pol, weight_offset=c.weight_offset,
-                            keep_arrays=self.keep_arrays, counters=self.counters)
+        res = family_forward(p.x, p.gamma, p.beta, shape=p.shape, eps=eps, policy=pol, weight_offset=c.weight_offset,
+                             keep_arrays=self.keep_arrays, counters=self.counters)
         return ForwardOutput(res.y, Saved(res.mean, "invstd", res.rstd), None, None, res.trace,
                              {"policy": pol.describe(), "param_trace": res.param_trace})
 
     def _family_backward_impl(self, p: FamilyPrepared, dy: np.ndarray, saved: Saved, *, eps: float) -> BackwardOutput:
         pol = self.policy(p, "backward")  # type: ignore[arg-type]
-        res = norms.backward(dy, p.x, p.gamma, saved.mean, saved.value, shape=p.shape, policy=pol,
-                             weight_offset=p.call.weight_offset, keep_arrays=self.keep_arrays, counters=self.counters)
+        res = family_backward(dy, p.x, p.gamma, saved.mean, saved.value, shape=p.shape, policy=pol,
+                              weight_offset=p.call.weight_offset, keep_arrays=self.keep_arrays,
+                              counters=self.counters)
         meta = {"policy": pol.describe(), "param_trace": res.param_trace}
         if res.dbeta is None:
             meta["missing"] = ("dbeta",)  # (RMSNorm has no β)

@@ -74,10 +74,10 @@ def family_bounds(call: Any, gold: Saved | None, stats: Saved | None, dy: np.nda
     dγ = Σdy·x̂ by γ_K·2·Σ|dy·x̂| + Σ|dy|·(rstd·δμ + |x − μ|·δrstd); dx = rstd·(g − Σg/R − x̂·Σ(g·x̂)/R) by
     rstd·(γ_R·Σ|g| + max|x̂|·γ_R·(2·Σ|g·x̂| + rstd·mean|x|·Σ|g|))/R (RMSNorm: the Σg terms left out)."""
     sh = family_shape(call)
-    r, k = sh.r, sh.rows * sh.r // int(np.prod(sh.param_shape))
+    r = sh.r
     acc = accumulation_format(call.dtype)
     u = get_format(acc).unit_roundoff
-    gr, gk = accumulation_bound(call.dtype, r), accumulation_bound(call.dtype, k)
+    gr = accumulation_bound(call.dtype, r)
     u_exp = int(np.log2(u))
     how = f"u = 2^{u_exp} ({acc} accumulation, any order)"
     rms = sh.norm == "rms"
@@ -110,8 +110,24 @@ def family_bounds(call: Any, gold: Saved | None, stats: Saved | None, dy: np.nda
             bounds["y"] = (sh.from_rows(b_y), f"|γ|·(rstd·δμ + |x − μ|·δrstd) + {SMALL_VALUE_ULPS:g}u·(the magnitude y "
                                               f"is formed from), δrstd saved_rstd's bound"
                                               f"{'' if rms else ', δμ = γ_R·mean|x|'}, γ_R = {r}·u/(1 − {r}·u), {how}")
-        if stats is None or dy is None:
-            return scales, bounds
+    if stats is not None and dy is not None:
+        _gradient_bounds(call, sh, stats, dy, scales, bounds)
+    return scales, bounds
+
+
+def _gradient_bounds(call: Any, sh: NormShape, stats: Saved, dy: np.ndarray, scales: dict[str, np.ndarray],
+                     bounds: dict[str, tuple[np.ndarray, str]]) -> None:
+    """dβ's, dγ's and dx's natural scales and bounds (:func:`family_bounds`), added to ``scales`` and ``bounds``."""
+    r, k = sh.r, sh.rows * sh.r // int(np.prod(sh.param_shape))
+    acc = accumulation_format(call.dtype)
+    u = get_format(acc).unit_roundoff
+    gr, gk = accumulation_bound(call.dtype, r), accumulation_bound(call.dtype, k)
+    how = f"u = 2^{int(np.log2(u))} ({acc} accumulation, any order)"
+    rms = sh.norm == "rms"
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        xr = sh.to_rows(call.x)
+        mean_abs = scales["saved_mean"]
         rstd = np.asarray(stats.invstd(call.eps), dtype=np.float64)
         mu = np.zeros(sh.rows) if stats.mean is None or rms else np.asarray(stats.mean, dtype=np.float64)
         ge, _ = _params(call, sh)
@@ -141,4 +157,3 @@ def family_bounds(call: Any, gold: Saved | None, stats: Saved | None, dy: np.nda
         bounds["dx"] = (b_dx, f"rstd·({'' if rms else 'γ_R·Σ|g| + '}max|x̂|·γ_R·(2·Σ|g·x̂|"
                               f"{'' if rms else ' + rstd·mean|x|·Σ|g|'}))/{r}, g = dy·γ, γ_R = {r}·u/(1 − {r}·u), "
                               f"{how}")
-    return scales, bounds

@@ -626,34 +626,18 @@ def compare_precision(
     shapes (batch 2) plus the stress suite, training forward, inference and backward.  When an adapter
     is a dump (and no cases are given) the cases are its recorded calls, each run on its own recorded
     inputs, scalars and formats, one call at a time; ``dtypes`` and the ``options`` (:class:`CallOptions`: eps,
-    momentum, params) then must agree with the recording (None: as recorded).
+    momentum, params) then must agree with the recording (None: as recorded).  ``options.norm`` names a family
+    layer (LayerNorm, RMSNorm, GroupNorm, InstanceNorm): its own default inputs, judged in training and backward.
     """
     import pandas as pd
 
     eps, momentum, params = options.eps, options.momentum, options.params
     standards, rule, bench = judging.standards, judging.rule, judging.bench
-    if mode not in COMPARE_MODES:
-        raise BNProbeError(f"unknown mode {mode!r}; valid: {', '.join(COMPARE_MODES)}")
-    if rule not in RULES:
-        raise BNProbeError(f"unknown rule {rule!r}; valid: {', '.join(RULES)}")
+    _check_mode_rule(mode, rule)
     resolved = [as_adapter(a) for a in (adapters or ["emulated"])]
     dumps = [a for a in resolved if a.capabilities().recorded]
     family = options.norm != "batch"
-    if family:
-        if dumps:
-            raise BNProbeError(f"{NORM_NAMES.get(options.norm, options.norm)} from a dump is not read yet: compare "
-                               "a dump's BatchNorm calls, or generated inputs")
-        refused = [a.name for a in resolved if options.norm not in a.capabilities().norms]
-        if refused:
-            raise BNProbeError(f"{', '.join(refused)} run{'s' if len(refused) == 1 else ''} no "
-                               f"{NORM_NAMES.get(options.norm, options.norm)}: name adapters that do (reference, "
-                               "careful, emulated[:<policy>], torch)")
-    if cases is None:
-        cases = family_cases(options.norm, seed) if family else \
-            recorded_cases(dumps[0].calls) if dumps else resnet50_cases(seed=seed) + stress_cases(seed)
-    if family:  # every case fits the layer before any work (its normalised shape, its groups)
-        for c in cases:
-            NormShape.of(options.norm, c.shape, options.normalized_shape, options.groups)
+    cases = _cases_of(options, resolved, dumps, cases, seed)
     fmts = [get_format(d).name for d in (dtypes or ("fp16", "bf16", "fp32"))]
     recorded_fmts = list(dict.fromkeys(c.recorded.dtype for c in cases if c.recorded is not None))
     bench_a = as_adapter(bench) if bench is not None else None
@@ -664,15 +648,7 @@ def compare_precision(
     modes = ("train", "infer", "backward") if mode == "all" else (mode,)
     tables = _Tables([], [], [])  # the three tables' rows
     notes: list[str | _CallNote] = _modes_left_out(resolved, mode, modes)  # what the verdicts cannot show
-    if family:
-        layer = NORM_NAMES[options.norm]
-        if mode == "infer":
-            raise BNProbeError(f"{named('mode')} infer: {layer} keeps no running statistics, so its inference is its "
-                               "training forward: give train, backward or all")
-        modes = tuple(m for m in modes if m != "infer")
-        notes.append(f"{layer}: statistics per row of {', '.join(sorted({_rows_of(options, c) for c in cases}))} "
-                     "values; its inference is its training forward (no running statistics), judged once as y")
-        budget = False  # (the error budget reruns BatchNorm's stages)
+    modes, budget = (_family_modes(options, cases, mode, modes, notes), False) if family else (modes, budget)
     skip, total = _default_formats(resolved, cases, fmts, dtypes)
     done = 0
     t0 = time.monotonic()
@@ -704,8 +680,7 @@ def compare_precision(
     meta = {"adapters": [a.name for a in resolved],
             "dtypes": list(dict.fromkeys(([] if all(c.recorded is not None for c in cases) else fmts) + recorded_fmts)),
             "mode": mode, "eps": eps, "momentum": momentum, "params": params, "seed": seed,
-            **({"norm": options.norm, "normalized_shape": options.normalized_shape, "groups": options.groups}
-               if family else {}),
+            **_norm_meta(options),
             **_run_meta(cases, dumps), "seconds": round(time.monotonic() - t0, 3),
             "standards": "msprobe" if standards is None else "custom", "rule": rule,
             "bench": bench_a.name if bench_a is not None else None,
@@ -713,9 +688,62 @@ def compare_precision(
     return CompareResult(pd.DataFrame(tables.rows), pd.DataFrame(tables.chans), pd.DataFrame(tables.budgets), meta)
 
 
-def _rows_of(options: CallOptions, case: Case) -> str:
-    """R of a family call on ``case``'s shape, as a figure."""
-    return str(NormShape.of(options.norm, case.shape, options.normalized_shape, options.groups).r)
+def _check_mode_rule(mode: str, rule: str) -> None:
+    """The mode and the rule compare-precision knows, each refused in one line."""
+    if mode not in COMPARE_MODES:
+        raise BNProbeError(f"unknown mode {mode!r}; valid: {', '.join(COMPARE_MODES)}")
+    if rule not in RULES:
+        raise BNProbeError(f"unknown rule {rule!r}; valid: {', '.join(RULES)}")
+
+
+def _cases_of(options: CallOptions, resolved: list[KernelAdapter], dumps: list[KernelAdapter],
+              cases: list[Case] | None, seed: int) -> list[Case]:
+    """The cases to run: those given, or a family layer's defaults, a dump's calls, or ResNet-50's shapes and the
+    stress inputs."""
+    if options.norm != "batch":
+        return _family_cases(options, resolved, dumps, cases, seed)
+    if cases is not None:
+        return cases
+    return recorded_cases(dumps[0].calls) if dumps else resnet50_cases(seed=seed) + stress_cases(seed)
+
+
+def _norm_meta(options: CallOptions) -> dict[str, Any]:
+    """The layer in a run's meta (nothing for BatchNorm)."""
+    if options.norm == "batch":
+        return {}
+    return {"norm": options.norm, "normalized_shape": options.normalized_shape, "groups": options.groups}
+
+
+def _family_cases(options: CallOptions, resolved: list[KernelAdapter], dumps: list[KernelAdapter],
+                  cases: list[Case] | None, seed: int) -> list[Case]:
+    """A family layer's cases (its defaults when none are given), each checked to fit the layer, and the adapters
+    checked to run it — before any work."""
+    layer = NORM_NAMES.get(options.norm, options.norm)
+    if dumps:
+        raise BNProbeError(f"{layer} from a dump is not read yet: compare a dump's BatchNorm calls, or generated "
+                           "inputs")
+    refused = [a.name for a in resolved if options.norm not in a.capabilities().norms]
+    if refused:
+        raise BNProbeError(f"{', '.join(refused)} run{'s' if len(refused) == 1 else ''} no {layer}: name adapters "
+                           "that do (reference, careful, emulated[:<policy>], torch)")
+    cases = family_cases(options.norm, seed) if cases is None else cases
+    for c in cases:  # (its normalised shape, its groups)
+        NormShape.of(options.norm, c.shape, options.normalized_shape, options.groups)
+    return cases
+
+
+def _family_modes(options: CallOptions, cases: list[Case], mode: str, modes: tuple[str, ...],
+                  notes: list[str | _CallNote]) -> tuple[str, ...]:
+    """The modes a family layer is judged in (no inference of its own: it keeps no running statistics), said in
+    ``notes`` with R of its cases.  (Its run has no error budget: that reruns BatchNorm's stages.)"""
+    layer = NORM_NAMES[options.norm]
+    if mode == "infer":
+        raise BNProbeError(f"{named('mode')} infer: {layer} keeps no running statistics, so its inference is its "
+                           "training forward: give train, backward or all")
+    rs = sorted({NormShape.of(options.norm, c.shape, options.normalized_shape, options.groups).r for c in cases})
+    notes.append(f"{layer}: statistics per row of {', '.join(map(str, rs))} values; its inference is its training "
+                 "forward (no running statistics), judged once as y")
+    return tuple(m for m in modes if m != "infer")
 
 
 def _modes_left_out(adapters: list[KernelAdapter], mode: str, modes: tuple[str, ...]) -> list[str | _CallNote]:
