@@ -14,11 +14,13 @@ from bnprobe.adapters.base import (
     BackwardOutput,
     BaseAdapter,
     Capabilities,
+    FamilyPrepared,
     ForwardOutput,
     MODES,
     Prepared,
     Saved,
 )
+from bnprobe.core.call import NORMS
 from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import get_format
 from bnprobe.recordings import CallRef, RecordedCalls, Recording
@@ -76,10 +78,10 @@ class DumpAdapter(BaseAdapter):
             return Capabilities(formats=tuple(dict.fromkeys(c.dtype for c in cs)),
                                 modes=tuple(m for m in MODES if m in modes), layouts=("channels_first",),
                                 saved="none", deterministic=True, training_r1=True, recorded=True,
-                                convention=self.calls.convention)
+                                convention=self.calls.convention, norms=NORMS)
         return Capabilities(formats=(self.rec.dtype,), modes=self.rec.modes, layouts=(self.rec.layout,),
                             saved=self.rec.saved_kind or "none", deterministic=True, training_r1=True, recorded=True,
-                            convention=self.calls.convention)
+                            convention=self.calls.convention, norms=NORMS)
 
     def _differs(self, what: str, asked: Any, recorded: Any) -> BNProbeError:
         call = self.rec.meta.get("call") or "the recording"
@@ -153,6 +155,48 @@ class DumpAdapter(BaseAdapter):
         missing = tuple(k for k, v in got.items() if v is None)
         fill = {"dx": p.lay.shape, "dgamma": (p.lay.channels,), "dbeta": (p.lay.channels,)}
         dx, dg, db = (np.full(fill[k], np.nan) if v is None else v for k, v in got.items())
+        return BackwardOutput(dx, dg, db, meta={"replayed": self.rec.source, "missing": missing})
+
+    # ---- a recorded family call (LayerNorm, RMSNorm, GroupNorm, InstanceNorm) ----------------------------------
+    def _check_family_call(self, mode: str, given: dict[str, np.ndarray | None], p: FamilyPrepared, *,
+                           eps: float) -> None:
+        """The family call asked is the recorded one: its layer, ε, parameter format and tensors."""
+        rec, c = self.rec, p.call
+        asked = (c.norm, c.normalized_shape, c.groups, c.weight_offset)
+        ns = rec.meta.get("normalized_shape")
+        recorded = (rec.meta.get("norm", "batch"), None if ns is None else tuple(ns), rec.meta.get("groups"),
+                    float(rec.meta.get("weight_offset", 0.0)))
+        if asked != recorded:
+            raise self._differs("the layer (norm, normalized_shape, groups, weight_offset)", asked, recorded)
+        if eps != rec.eps:
+            raise self._differs("eps", eps, rec.eps)
+        if p.params != rec.params:
+            raise self._differs("the parameter format", p.params, rec.params)
+        want = rec.tensors[mode]["inputs"]
+        for name, a in given.items():
+            b = want.get(name)
+            if a is None or b is None:
+                if (a is None) != (b is None) and not (name == "gamma" and b is None and np.all(a == 1.0)):
+                    raise BNProbeError(f"{self.name}: the {mode} call and the recording differ in whether {name!r} "
+                                       "is given; a dump replays only its own inputs")
+                continue
+            a = np.asarray(a, dtype=np.float64)
+            if a.size != b.size or not _same_values(a.reshape(b.shape), np.asarray(b, dtype=np.float64)):
+                raise BNProbeError(f"{self.name}: the {mode} input {name!r} differs from the recorded one; a dump "
+                                   "replays only its own inputs (take them from the recording)")
+
+    def _family_forward_impl(self, p: FamilyPrepared, *, eps: float) -> ForwardOutput:
+        self._check_family_call("train", {"x": p.x, "gamma": p.gamma, "beta": p.beta}, p, eps=eps)
+        sm, sv = self._out("train", "saved_mean"), self._out("train", "saved_value")
+        saved = Saved(sm, "invstd", sv) if sv is not None else None
+        return ForwardOutput(self._out("train", "y"), saved, meta={"replayed": self.rec.source})
+
+    def _family_backward_impl(self, p: FamilyPrepared, dy: np.ndarray, saved: Saved, *, eps: float) -> BackwardOutput:
+        self._check_family_call("backward", {"dy": dy, "x": p.x}, p, eps=eps)
+        got = {k: self._out("backward", k) for k in ("dx", "dgamma", "dbeta")}
+        missing = tuple(k for k, v in got.items() if v is None)
+        fill = {"dx": p.shape.shape, "dgamma": p.shape.param_shape, "dbeta": p.shape.param_shape}
+        dx, dg, db = (np.full(fill[k], np.nan) if v is None else v.reshape(fill[k]) for k, v in got.items())
         return BackwardOutput(dx, dg, db, meta={"replayed": self.rec.source, "missing": missing})
 
     def _check_forward(self, out: ForwardOutput, p: Prepared, *, training: bool) -> None:

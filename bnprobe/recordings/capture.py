@@ -1,8 +1,9 @@
 """Record every BatchNorm call of a live PyTorch model as bnprobe dumps (a "model dump").
 
 ``with capture(model, "out/"): ...`` hooks each BatchNorm module of ``model`` (every subclass of
-``torch.nn.modules.batchnorm._BatchNorm``: BatchNorm1d/2d/3d, SyncBatchNorm, LazyBatchNorm*) and writes one
-bnprobe dump per call, then, on a clean exit, an index::
+``torch.nn.modules.batchnorm._BatchNorm``: BatchNorm1d/2d/3d, SyncBatchNorm, LazyBatchNorm*) — and each module of the
+normalisation family (LayerNorm, RMSNorm, GroupNorm, InstanceNorm, Hugging Face-style RMSNorm:
+:mod:`bnprobe.recordings.family_modules`) — and writes one bnprobe dump per call, then, on a clean exit, an index::
 
     OUT/bnprobe-calls.json           the calls in forward order (name, dir, module, type, index, ...)
     OUT/<dir>/bnprobe-dump.json      one bnprobe dump per call (bnprobe.recordings.write_dump)
@@ -38,6 +39,8 @@ import numpy as np
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
 from bnprobe.recordings.bnprobe_dump import read_calls, write_dump
+from bnprobe.recordings.family_modules import (FamilyModule, family_module, kernel_node, ones_like_params,
+                                               record_family_grads, saved_statistics)
 from bnprobe.recordings.types import CALLS_NAME, CALLS_TAG, META_NAME, TENSORS_NAME, Recording
 from bnprobe._files import atomic_write_text, atomic_write_with, dumps_json
 
@@ -161,7 +164,7 @@ class CapturedCall:
             return get_format(a.dtype).name
 
         ins = self.inputs
-        has_saved = "saved_mean" in self.outputs and "saved_value" in self.outputs
+        has_saved = ("saved_mean" in self.outputs or self.meta.get("norm") == "rms") and "saved_value" in self.outputs
         has_backward = self.backward_runs > 0
         saved_kind = ("invstd" if has_saved else None) if self.training else ("var" if has_backward else None)
         meta = {"call": self.name, "module": self.module, "type": self.type, "index": self.index,
@@ -184,7 +187,9 @@ class CapturedCall:
         put(mode, "inputs", ins)
         put(mode, "outputs", self.outputs)
         if has_backward:
-            if self.training:
+            if "norm" in self.meta:  # a family call: its saved statistics where its kernel saved them
+                saved = {k: self.outputs[k] for k in ("saved_mean", "saved_value") if k in self.outputs}
+            elif self.training:
                 saved = {"saved_mean": self.outputs["saved_mean"], "saved_value": self.outputs["saved_value"]}
             else:
                 saved = {"saved_mean": ins["running_mean"], "saved_value": ins["running_var"]}
@@ -277,6 +282,64 @@ def finish_call(module: Any, call: CapturedCall, y: torch.Tensor | None = None, 
     return node, is_bn_node
 
 
+def start_family_call(module: Any, fm: FamilyModule, path: str, index: int, order: int, x: torch.Tensor
+                      ) -> CapturedCall:
+    """A call of the family module ``module`` (``fm`` says which layer) on ``x``: x, γ and β as the module holds
+    them (γ ones where it has none), ε, and the layer in the call's meta."""
+    inputs = {"x": _to_numpy(x)}
+    w, b = getattr(module, "weight", None), getattr(module, "bias", None)
+    inputs["gamma"] = _to_numpy(w) if w is not None else ones_like_params(fm, x, inputs["x"].dtype)
+    if b is not None and fm.norm != "rms":
+        inputs["beta"] = _to_numpy(b)
+    meta: dict[str, Any] = {
+        **fm.meta(x), "affine": fm.affine, "memory_format": _memory_format(x), "device": str(x.device),
+        "requires_grad": {"x": bool(x.requires_grad), "gamma": bool(w is not None and w.requires_grad),
+                          "beta": bool(b is not None and b.requires_grad)}}
+    return CapturedCall(f"{path}#{index}", path, type(module).__name__, index, order, bool(module.training),
+                        fm.eps_for(x), None, meta, inputs)
+
+
+def finish_family_call(call: CapturedCall, y: torch.Tensor) -> tuple[Any, str | None]:
+    """y and the statistics the family kernel saved; (the node whose hook gives the backward, its kind), the kind
+    None where no kernel node saved them (RMSNorm's composite, or no autograd: said in the meta)."""
+    call.outputs["y"] = _to_numpy(y)
+    node, kind = kernel_node(y)
+    call.meta["grad_fn"] = type(y.grad_fn).__name__ if y.grad_fn is not None else None
+    if kind is not None:
+        mean, rstd = saved_statistics(node)
+        call.outputs["saved_mean"] = _to_numpy(mean).reshape(-1)
+        call.outputs["saved_value"] = _to_numpy(rstd).reshape(-1)
+        if call.meta["norm"] == "instance":  # (the BatchNorm node saves invstd of the (1, N·C, ...) view)
+            call.meta["kernel"] = "batch_norm on the (1, N·C, ...) view"
+    else:
+        call.meta["saved"] = ("not recorded: the forward built no autograd graph (torch.no_grad, or nothing "
+                              "requires grad)" if y.grad_fn is None else
+                              f"not recorded: y comes from {call.meta['grad_fn']} (a composite of ops), no kernel's "
+                              "node saves the statistics")
+    return node, kind
+
+
+def record_family_node_grads(call: CapturedCall, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...],
+                             kind: str) -> bool:
+    """The backward of a family ``call`` from its kernel node's hook (dy; dx, dγ, dβ); False when it is not the first
+    backward."""
+    call.backward_runs += 1
+    if call.backward_runs > 1:
+        return False
+    got = record_family_grads(grad_inputs, int(call.meta["x_shape"][0]), kind)  # (x itself may be spilled by now)
+    if grad_outputs and grad_outputs[0] is not None:
+        call.grads_in["dy"] = _to_numpy(grad_outputs[0]).reshape(call.meta["x_shape"])
+    for name in ("dx", "dgamma", "dbeta"):
+        if name in got:
+            a = _to_numpy(got[name])
+            call.grads_out[name] = a.reshape(call.meta["x_shape"]) if name == "dx" else a
+    missing = {n: "not computed by the kernel" for n in ("dx", "dgamma", "dbeta")
+               if n not in call.grads_out and not (n == "dbeta" and call.meta["norm"] == "rms")}
+    if missing:
+        call.meta["backward_missing"] = missing
+    return True
+
+
 def record_grads(call: CapturedCall, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> bool:
     """The backward of ``call`` recorded from its BatchNorm node's hook (dy; dx, dγ, dβ, and why one is missing);
     False when it is not the first backward (retain_graph: the first is kept, the runs counted)."""
@@ -334,6 +397,8 @@ class Capture:
         self._opened = False  # the output folder prepared for the first call's files
         self._created_out = False  # ... and made by this capture (removed again if it fails)
         self._stale: list[Path] = []  # call folders of the capture force overwrites
+        self._family: dict[int, FamilyModule] = {}  # the family modules hooked, by id
+        self._awaiting: dict[int, list[CapturedCall]] = {}  # an RMSNorm module's calls awaiting their backward
 
     # ---- entering: checks, then hooks ------------------------------------------------------------
     def _check_out(self) -> None:
@@ -362,10 +427,14 @@ class Capture:
         if not isinstance(self.model, torch.nn.Module):
             raise BNProbeError(f"capture needs a torch.nn.Module, got {type(self.model).__name__}")
         self._check_out()
-        modules = [(path, m) for path, m in self.model.named_modules() if isinstance(m, _BatchNorm)]
+        self._family = {id(m): fm for _, m in self.model.named_modules()
+                        if not isinstance(m, _BatchNorm) and (fm := family_module(m)) is not None}
+        modules = [(path, m) for path, m in self.model.named_modules()
+                   if isinstance(m, _BatchNorm) or id(m) in self._family]
         if not modules:
             raise BNProbeError(f"{type(self.model).__name__} has no BatchNorm module (a subclass of "
-                               "torch.nn.modules.batchnorm._BatchNorm) to capture")
+                               "torch.nn.modules.batchnorm._BatchNorm) or LayerNorm, RMSNorm, GroupNorm, "
+                               "InstanceNorm module to capture")
         self._torch = torch
         self._entered = True
         outside = outside_graph(torch)
@@ -373,6 +442,11 @@ class Capture:
             for path, m in modules:
                 self._handles.append(m.register_forward_pre_hook(outside(self._pre_hook(path)), with_kwargs=True))
                 self._handles.append(m.register_forward_hook(outside(self._post_hook(path)), with_kwargs=True))
+                if self.backward and id(m) in self._family and self._family[id(m)].norm == "rms":
+                    # (RMSNorm's composite has no kernel node: dx and dy from the module, dγ from its weight)
+                    self._handles.append(m.register_full_backward_hook(self._module_grad_hook(m)))
+                    if getattr(m, "weight", None) is not None and m.weight.requires_grad:
+                        self._handles.append(m.weight.register_hook(self._weight_grad_hook(m)))
         except BaseException:
             self._remove_hooks()
             raise
@@ -410,8 +484,10 @@ class Capture:
         torch = self._torch
         name = f"{path}#{index}"
         channels = x.shape[1] if x.dim() > 1 else 0
+        params = [p for p in (getattr(module, "weight", None), getattr(module, "bias", None)) if p is not None]
+        channels = max([channels] + [p.numel() for p in params])
         grad_possible = self.backward and torch.is_grad_enabled() and (
-            x.requires_grad or any(p is not None and p.requires_grad for p in (module.weight, module.bias)))
+            x.requires_grad or any(p.requires_grad for p in params))
         need = x.numel() * x.element_size() * (4 if grad_possible else 2) + channels * 8 * _VECTORS_PER_CALL
         if self.reserved_bytes + need > self.max_bytes:
             self._refuse(f"capture needs {_format_bytes(self.reserved_bytes + need)} to record {name} (x "
@@ -419,7 +495,12 @@ class Capture:
                          f"it), over max_bytes = {_format_bytes(self.max_bytes)}: record fewer calls "
                          "(calls_per_module), a smaller batch, or raise max_bytes")
         self.reserved_bytes += need
-        call = start_call(module, path, index, len(self._records), x)
+        fm = self._family.get(id(module))
+        if fm is not None:
+            call = start_family_call(module, fm, path, index, len(self._records), x)
+            call.meta["x_shape"] = list(x.shape)
+        else:
+            call = start_call(module, path, index, len(self._records), x)
         call.nbytes = need
         return call
 
@@ -480,6 +561,8 @@ class Capture:
         """The call's outputs recorded; True when a hook now awaits its backward."""
         if not isinstance(y, self._torch.Tensor):
             self._refuse(f"{call.name}: the module returned {type(y).__name__}, not a tensor")
+        if "norm" in call.meta:
+            return self._finish_family(module, call, y)
         node, is_bn_node = finish_call(module, call, y)
         if self.backward and is_bn_node:
             self._handles.append(node.register_hook(self._grad_hook(call)))
@@ -488,6 +571,61 @@ class Capture:
             call.meta["backward_note"] = (f"not hooked: y comes from {type(node).__name__}, not a BatchNorm kernel's "
                                           "node")
         return False
+
+    def _finish_family(self, module: Any, call: CapturedCall, y: Any) -> bool:
+        """A family call's outputs recorded; True when a hook now awaits its backward (its kernel node's, or for
+        RMSNorm's composite the module's own)."""
+        node, kind = finish_family_call(call, y)
+        if not self.backward or y.grad_fn is None:
+            return False
+        if kind is not None:
+            self._handles.append(node.register_hook(self._family_node_hook(call, kind)))
+            return True
+        if call.meta["norm"] == "rms":
+            self._awaiting.setdefault(id(module), []).append(call)
+            return True
+        call.meta["backward_note"] = f"not hooked: y comes from {call.meta['grad_fn']}, not a kernel's node"
+        return False
+
+    def _family_node_hook(self, call: CapturedCall, kind: str) -> Callable[..., None]:
+        def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
+            if record_family_node_grads(call, grad_inputs, grad_outputs, kind) and call.state == "spilled" and \
+                    self._error is None:
+                try:
+                    self._write_call(call)
+                except (OSError, BNProbeError) as exc:
+                    self._refuse(str(exc) if isinstance(exc, BNProbeError) else
+                                 f"{self.out / call.dir}: cannot write the call ({type(exc).__name__}: {exc})")
+        return hook
+
+    def _module_grad_hook(self, module: Any) -> Callable[..., None]:
+        """RMSNorm's dy and dx, from the module's backward hook, to its latest call awaiting them (backward runs
+        the calls in reverse); written at the exit, when its weight's gradient has come too."""
+        def hook(mod: Any, grad_input: tuple[Any, ...], grad_output: tuple[Any, ...]) -> None:
+            calls = [c for c in self._awaiting.get(id(module), []) if c.backward_runs == 0]
+            if not calls:
+                return
+            call = calls[-1]
+            call.backward_runs += 1
+            if grad_output and grad_output[0] is not None:
+                call.grads_in["dy"] = _to_numpy(grad_output[0])
+            if grad_input and grad_input[0] is not None:
+                call.grads_out["dx"] = _to_numpy(grad_input[0])
+        return hook
+
+    def _weight_grad_hook(self, module: Any) -> Callable[..., None]:
+        """RMSNorm's dγ, from its weight's gradient: the call's own only when the module ran once in the step (else
+        it is the sum over its calls, and not recorded)."""
+        def hook(grad: Any) -> None:
+            calls = [c for c in self._awaiting.get(id(module), []) if not c.meta.get("dgamma_seen")]
+            if len(calls) == 1:
+                calls[0].grads_out["dgamma"] = _to_numpy(grad)
+            for c in calls:
+                c.meta["dgamma_seen"] = True
+                if len(calls) > 1:
+                    c.meta["backward_missing"] = {"dgamma": "not recorded: the module ran more than once before "
+                                                            "this backward, and its weight's gradient sums its calls"}
+        return hook
 
     def _grad_hook(self, call: CapturedCall) -> Callable[..., None]:
         def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:

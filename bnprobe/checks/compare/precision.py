@@ -720,8 +720,8 @@ def _family_cases(options: CallOptions, resolved: list[KernelAdapter], dumps: li
     checked to run it — before any work."""
     layer = NORM_NAMES.get(options.norm, options.norm)
     if dumps:
-        raise BNProbeError(f"{layer} from a dump is not read yet: compare a dump's BatchNorm calls, or generated "
-                           "inputs")
+        raise BNProbeError(f"{named('norm')} {options.norm} contradicts the dump: its calls bring their own layer "
+                           f"(compare-precision reads a recorded {layer} call as one)")
     refused = [a.name for a in resolved if options.norm not in a.capabilities().norms]
     if refused:
         raise BNProbeError(f"{', '.join(refused)} run{'s' if len(refused) == 1 else ''} no {layer}: name adapters "
