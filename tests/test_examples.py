@@ -14,13 +14,16 @@ EXPECT = {
     "capture_cnn.py": (["{tmp}/fp32", "{tmp}/fp16"],
                        ["captured 3 BatchNorm calls (bn1#0, bn2#0, bn3#0)", "3 recorded call(s) of {tmp}/fp32",
                         "first call that fails:", "3 recorded call(s) of {tmp}/fp16"]),
+    "capture_transformer.py": (["{tmp}/fp32", "{tmp}/fp16"],
+                               ["fp32: captured 2 norm calls (ln#0, norm#0)", "2 recorded call(s) of {tmp}/fp32",
+                                "2 recorded call(s) of {tmp}/fp16"]),
     "monitor_cnn.py": (["{tmp}/mon"], ["monitored 40 steps of 2 BatchNorm layers into {tmp}/mon/monitor.parquet/",
                                        "anomaly at step 25, 1 (forward): NaN in x", "-> {tmp}/mon/anomalies/step-25"]),
     "make_onnx_model.py": (["{tmp}"], ["wrote {tmp}/model.onnx (conv1, dw, fc, each followed by a BatchNormalization)",
                                        "{tmp}/fused_bias_not_scaled.onnx (folded, conv1's bias not scaled by A)"]),
 }
 # optional extras an example imports
-NEEDS = {"capture_cnn.py": "torch", "monitor_cnn.py": "torch", "make_onnx_model.py": "onnx"}
+NEEDS = {"capture_cnn.py": "torch", "capture_transformer.py": "torch", "monitor_cnn.py": "torch", "make_onnx_model.py": "onnx"}
 
 
 def test_every_example_has_expectations():

@@ -82,6 +82,7 @@ RUN = {
     "bnprobe compare-precision --norm rms --adapters torch,emulated:fp16-acc16 --dtypes fp16 --format md --out "
     "report-rms": "torch",
     "bnprobe compare-precision --norm group --num-groups 32 --adapters torch --format md --out report-group": "torch",
+    "python examples/capture_transformer.py block-fp32 block-fp16": "torch",
     # each command page's options, as its --help prints them
     **{f"bnprobe {command} --help": None for command in COMMANDS},
 }

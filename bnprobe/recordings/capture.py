@@ -333,7 +333,9 @@ def record_family_node_grads(call: CapturedCall, grad_inputs: tuple[Any, ...], g
         if name in got:
             a = _to_numpy(got[name])
             call.grads_out[name] = a.reshape(call.meta["x_shape"]) if name == "dx" else a
-    missing = {n: "not computed by the kernel" for n in ("dx", "dgamma", "dbeta")
+    req = call.meta["requires_grad"]
+    missing = {n: (f"not computed: {w} does not require grad" if not req[w] else "not computed by the kernel")
+               for n, w in (("dx", "x"), ("dgamma", "gamma"), ("dbeta", "beta"))
                if n not in call.grads_out and not (n == "dbeta" and call.meta["norm"] == "rms")}
     if missing:
         call.meta["backward_missing"] = missing
