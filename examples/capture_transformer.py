@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
     from bnprobe.cli import main as bnprobe
 
     for out in outs:
-        print(f"\n$ bnprobe compare-precision --adapters dump:{out},torch --no-budget --out {out}/report")
+        print(f"\njudged by: bnprobe compare-precision --adapters dump:{out},torch --no-budget --out {out}/report")
         rc = bnprobe(["compare-precision", "--adapters", f"dump:{out},torch", "--no-budget", "--out",
                       str(out / "report")])
         if rc not in (0, 1):

@@ -23,7 +23,8 @@ EXPECT = {
                                        "{tmp}/fused_bias_not_scaled.onnx (folded, conv1's bias not scaled by A)"]),
 }
 # optional extras an example imports
-NEEDS = {"capture_cnn.py": "torch", "capture_transformer.py": "torch", "monitor_cnn.py": "torch", "make_onnx_model.py": "onnx"}
+NEEDS = {"capture_cnn.py": "torch", "capture_transformer.py": "torch", "monitor_cnn.py": "torch",
+         "make_onnx_model.py": "onnx"}
 
 
 def test_every_example_has_expectations():
