@@ -23,6 +23,11 @@ rounds x̂ to the storage format before γ multiplies it (HF Llama's RMSNorm: a 
 ``weight_offset`` applies γ as offset + w (Gemma's RMSNorm: 1 + w), formed in ``offset_format`` (default: the
 compute format).
 
+The defects bnprobe doctor names by (:mod:`bnprobe.checks.doctor.family_bugs`) are policies too: ``eps_format``
+rounds ε before it is added, ``rstd_cast`` rounds rstd wherever it multiplies, ``grad_sum_format`` carries dγ's and
+dβ's sums in a narrow format and ``threads`` splits those sums across per-thread buffers (PyTorch CPU LayerNorm's
+backward); each row's statistics stay one thread's.
+
 The backward is the standard one of each: g = dy·γ; dx = rstd·(g − Σg/R − x̂·Σ(g·x̂)/R) per row (RMSNorm without
 Σg); dγ = Σ dy·x̂ and dβ = Σ dy over the values each parameter touches (the rows, for LayerNorm and RMSNorm; the
 samples and positions of its channel, for GroupNorm and InstanceNorm), in the accumulator format.
@@ -34,7 +39,7 @@ statistics per row (``(rows,)``), the parameters' gradients in γ's shape.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -47,14 +52,14 @@ from bnprobe.kernels.layout import FAMILY, NormShape, check_eps
 from bnprobe.kernels.policy import Policy, get_policy
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.arith import Arith, Tally, fma_wide
-from bnprobe.numerics.reduce import reduce_sum
+from bnprobe.numerics.reduce import buffered_sum, reduce_sum
 from bnprobe.numerics.variance import MomentsMethod, moments
 
 __all__ = ["FAMILY", "NormShape", "NormResult", "NormGradients", "forward", "backward", "check_family_policy"]
 
 # Policy fields whose choices are BatchNorm kernels' own (their backward formulas, thread splits, code paths,
 # inference forms): a family kernel is not run under a policy that sets one, rather than ignoring it
-_BATCHNORM_ONLY = ("backward_formula", "backward_fma", "backward_sums", "threads", "thread_split", "packet_lanes",
+_BATCHNORM_ONLY = ("backward_formula", "backward_fma", "backward_sums", "thread_split", "packet_lanes",
                    "path_channels", "stored_stats", "core_parts", "dx_fma", "variance_fma", "infer_y_formula",
                    "infer_rsqrt", "backward_lanes")
 _DEFAULTS = {f.name: f.default for f in fields(Policy)}
@@ -116,7 +121,8 @@ class _Kernel:
 
     def __init__(self, pol: Policy, shape: NormShape, keep_arrays: bool, counters: bool) -> None:
         self.pol, self.shape = pol, shape
-        self.run = KernelRun(pol, shape.rows, np.random.default_rng(pol.seed),
+        # (the policy's threads split dγ's and dβ's sums alone: each row's statistics are one thread's)
+        self.run = KernelRun(replace(pol, threads=None), shape.rows, np.random.default_rng(pol.seed),
                              RunSetting(keep_arrays=keep_arrays, counting=counters, row=shape.r, channels=shape.rows))
         self.params_n = math.prod(shape.param_shape)
         self.param_trace = Trace(self.params_n, keep_arrays, counted=counters)
@@ -139,11 +145,22 @@ class _Kernel:
 
     def param_sum(self, name: str, a: np.ndarray, out: Arith) -> np.ndarray:
         """The sum over the values each parameter touches of ``a`` (``(rows, R)``, accumulator values) in the
-        policy's order, rounded to ``out`` (the parameters' format) and recorded."""
+        policy's order — in ``grad_sum_format`` where the policy names one, across its ``threads`` where it has
+        them (per-thread buffers, :func:`~bnprobe.numerics.reduce.buffered_sum`) — rounded to ``out`` (the
+        parameters' format) and recorded."""
         pol, acc = self.pol, self.run.acc
         t = Tally(self.params_n)
-        s = reduce_sum(self.shape.gather(a), acc, order=pol.order, lanes=pol.lanes, kahan=pol.kahan,
-                       tally=t if self.run.counting else None, unroll=pol.unroll)
+        tally = t if self.run.counting else None
+        into = acc if pol.grad_sum_format is None else Arith(pol.grad_sum_format, pol.spec, self.run.rng,
+                                                             counting=self.run.counting)
+        terms = self.shape.gather(a)
+        if pol.threads is not None:
+            s = buffered_sum(terms, acc, into, threads=pol.threads, tally=tally)
+        else:
+            if into is not acc:  # the terms formed in the sums' format (Liger-Kernel#950: a bf16 product)
+                terms = into.round(terms, tally)
+            s = reduce_sum(terms, into, order=pol.order, lanes=pol.lanes, kahan=pol.kahan, tally=tally,
+                           unroll=pol.unroll)
         return self.record_param(name, out, s, t)
 
 
@@ -179,17 +196,30 @@ def forward(x: Any, gamma: Any = None, beta: Any = None, *, shape: NormShape, ep
                                  check_negative=sv.check_negative)
             mean, var = m.mean, m.var
         ea = acc if pol.rstd_format is None else Arith(pol.rstd_format, pol.spec, run.rng, counting=run.counting)
-        var_eps = run.rec("var_eps", ea, var + float(ea.round(eps)), negative=True)
+        # ε as the kernel adds it: rounded to eps_format first where the policy names one (x's 16-bit dtype before
+        # pytorch/pytorch#142848), then to the format of the addition
+        eps_added = float(ea.round(eps if pol.eps_format is None else
+                                   float(Arith(pol.eps_format, pol.spec, run.rng).round(eps))))
+        var_eps = run.rec("var_eps", ea, var + eps_added, negative=True)
         rstd, std = run.rstd(var_eps)
-        y = _normalise(k, xs, mean, rstd, k.gamma(g, weight_offset), None if b is None else run.param(b))
+        y = _normalise(k, xs, mean, _applied_rstd(k, rstd), k.gamma(g, weight_offset),
+                       None if b is None else run.param(b))
         par = run.params if pol.saved_format is None else Arith(pol.saved_format, pol.spec, run.rng,
                                                                   counting=run.counting)
         dt = par.fmt.dtype
         saved = (None if mean is None else par.round(mean).astype(dt), par.round(rstd).astype(dt),
                  par.round(var).astype(dt))
-    run.trace.meta.update(norm=shape.norm, mode="train", eps=eps, eps_effective=float(ea.round(eps)))
+    run.trace.meta.update(norm=shape.norm, mode="train", eps=eps, eps_effective=eps_added)
     out = shape.from_rows(np.asarray(y).astype(get_format(pol.storage).dtype))
     return NormResult(out, *saved, run.trace, k.param_trace)
+
+
+def _applied_rstd(k: _Kernel, rstd: np.ndarray) -> np.ndarray:
+    """rstd as the kernel multiplies by it: rounded to the policy's ``rstd_cast`` (recorded) where it names one."""
+    pol, run = k.pol, k.run
+    if pol.rstd_cast is None:
+        return rstd
+    return run.rec("rstd_cast", Arith(pol.rstd_cast, pol.spec, run.rng, counting=run.counting), rstd)
 
 
 def _normalise(k: _Kernel, xs: np.ndarray, mean: np.ndarray | None, rstd: np.ndarray, g: np.ndarray,
@@ -260,7 +290,7 @@ def backward(dy: Any, x: Any, gamma: Any, mean: Any, rstd: Any, *, shape: NormSh
         dys = run.load("dy", shape.to_rows(dy), run.storage)
         xs = run.load("x", shape.to_rows(x), run.storage)
         mu = None if mean is None else acc.round(run.param(np.asarray(mean, dtype=np.float64).reshape(-1)))
-        inv = acc.round(run.param(np.asarray(rstd, dtype=np.float64).reshape(-1)))
+        inv = _applied_rstd(k, acc.round(run.param(np.asarray(rstd, dtype=np.float64).reshape(-1))))
         xc = run.cast("x_compute", xs, pol.storage, comp)
         dyc = run.cast("dy_compute", dys, pol.storage, comp)
         centered = xc if mu is None else run.op("centered", comp, np.subtract, xc, run.col(comp, mu))

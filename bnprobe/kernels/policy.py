@@ -49,7 +49,7 @@ RECIP_METHODS: tuple[str, ...] = ("exact", "magic", "table", "frecpe")
 # format first (bnprobe.kernels.norms)
 CAST_POINTS: tuple[str, ...] = ("after_gamma", "before_gamma")
 # the fields only a family layer reads: a BatchNorm kernel is not run with them set
-FAMILY_ONLY: tuple[str, ...] = ("cast_point", "offset_format")
+FAMILY_ONLY: tuple[str, ...] = ("cast_point", "offset_format", "eps_format", "rstd_cast", "grad_sum_format")
 # standard : dx = gamma*rstd*(dy - mean(dy) - xhat*mean(dy*xhat))
 # ascend   : dx = (dy + mult*x + addend) * gamma/sigma, mult = -(dgamma/R)/sigma,
 #            addend = (mean/sigma)(dgamma/R) - dbeta/R   (BNTrainingReduceGrad)
@@ -204,7 +204,9 @@ class Policy:
     # thread when 16 < C ≤ 2048, else one thread.  The result depends on T, torch.get_num_threads().  None: no split.
     # With order=inductor: the threads torch.compile's kernels were generated for, where inductor splits a channel's
     # reduction across them (a layout without rows and few channels: bnprobe.numerics.inductor.splits_channels), each
-    # thread a contiguous part of the rows (OpenMP's static schedule), the parts merged in thread order
+    # thread a contiguous part of the rows (OpenMP's static schedule), the parts merged in thread order.  A family layer
+    # (LayerNorm, RMSNorm, GroupNorm, InstanceNorm) splits dγ's and dβ's sums alone so, each thread's buffer in
+    # grad_sum_format (PyTorch CPU LayerNorm's backward); each row's statistics are one thread's
     threads: int | None = None
     # how the rows are dealt to the threads (reduce.THREAD_SPLITS): in ⌈R/T'⌉ contiguous blocks (rows, PyTorch), or
     # by sample, as oneDNN's C++ loop (samples) and JIT kernel (samples_spatial) deal them
@@ -224,13 +226,24 @@ class Policy:
     # the format a family layer forms offset + w in, for a call with a weight offset (Gemma's RMSNorm: 1 + w);
     # None = the compute format
     offset_format: str | None = None
+    # the format a family layer rounds ε to before adding it to the variance (PyTorch's RMSNorm rounded a user's ε to
+    # x's 16-bit dtype until pytorch/pytorch#142848); None = the format of the addition
+    eps_format: str | None = None
+    # the format a family layer rounds rstd to wherever rstd multiplies (amd/IRON#139's RMSNorm cast inv_rms to bf16
+    # before its bf16 multiply); the statistics saved are the rstd computed.  None = rstd as computed
+    rstd_cast: str | None = None
+    # the format a family layer carries dγ's and dβ's sums in (Liger-Kernel#950's tl.sum over a bf16 tensor; PyTorch
+    # CPU LayerNorm's per-thread buffers of x's dtype): without threads the terms rounded to it and summed in it in
+    # the policy's order; with threads each thread's buffer, every addition formed in accumulate and rounded to it,
+    # the buffers then added in thread order in accumulate.  None = accumulate
+    grad_sum_format: str | None = None
     seed: int = 0  # drives stochastic rounding
 
     def __post_init__(self) -> None:
         for attr in ("storage", "compute", "accumulate"):
             object.__setattr__(self, attr, get_format(getattr(self, attr)).name)
         for attr in ("params", "running_format", "rstd_format", "sum_format", "saved_format",
-                     "running_var_sum", "offset_format"):
+                     "running_var_sum", "offset_format", "eps_format", "rstd_cast", "grad_sum_format"):
             if getattr(self, attr) is not None:
                 object.__setattr__(self, attr, get_format(getattr(self, attr)).name)
         choices = {

@@ -18,9 +18,9 @@ from bnprobe.core.errors import BNProbeError
 from bnprobe.numerics.arith import Arith, Tally, as_carrier, fma_wide
 
 __all__ = ["ORDERS", "COMBINES", "SCHEDULES", "THREAD_SPLITS", "Cores", "Rows", "reduce_sum", "tree_sum",
-           "split_parts", "vec_dot", "plane_reduce", "thread_blocks", "thread_sum", "small_batch_threads",
-           "INDUCTOR_UNROLL_BELOW", "INDUCTOR_CASCADE_ABOVE", "balance211", "outer_dims_sum", "eigen_parallel_blocks",
-           "packet_split_sum", "CallShape", "XLA_YNN_MIN_ELEMENTS",
+           "split_parts", "vec_dot", "plane_reduce", "thread_blocks", "thread_sum", "buffered_sum",
+           "small_batch_threads", "INDUCTOR_UNROLL_BELOW", "INDUCTOR_CASCADE_ABOVE", "balance211", "outer_dims_sum",
+           "eigen_parallel_blocks", "packet_split_sum", "CallShape", "XLA_YNN_MIN_ELEMENTS",
            "XLA_YNN_TILE_ELEMENTS", "XLA_WINDOW"]
 
 # vec: at::vec-style (PyTorch CPU): per row of H*W values (channels_first; channels_last and the parts of a core split
@@ -586,6 +586,27 @@ def thread_sum(x: np.ndarray, acc: Arith, *, threads: int, wide: Arith | None = 
         else:
             part = _sequential(np.ascontiguousarray(x[:, sl]), acc, tally, False)
         total = into.add(total, part, tally)
+    return total
+
+
+def buffered_sum(x: np.ndarray, acc: Arith, buffer: Arith, *, threads: int, tally: Tally | None = None) -> np.ndarray:
+    """Σ of each row of a ``(C, R)`` array as PyTorch CPU LayerNorm's backward takes dγ and dβ: thread t adds the
+    rows of its block (:func:`thread_blocks`, contiguous) one by one into a buffer of ``buffer``'s format that starts
+    at 0, each addition formed in ``acc``'s format and rounded to ``buffer``'s (a 16-bit buffer holds fl16(fl32(s + t)):
+    at::vec::map3 converts to float, adds, converts back); then the T buffers are added in thread order in ``acc``.
+    The addends must be values of ``acc``'s format; returns (C,) float64 values of ``acc``'s format."""
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim != 2 or x.shape[1] == 0:
+        raise BNProbeError(f"buffered_sum expects a non-empty (C, R) array, got shape {x.shape}")
+    if threads < 1:
+        raise BNProbeError(f"threads must be >= 1, got {threads}")
+    c, r = x.shape
+    total = np.zeros(c)
+    for sl in thread_blocks(r, threads):
+        part = np.zeros(c)
+        for j in range(sl.start, sl.stop):
+            part = buffer.round(acc.add(part, x[:, j], tally), tally)
+        total = acc.add(total, part, tally)
     return total
 
 
