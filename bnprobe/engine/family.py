@@ -152,6 +152,11 @@ def _gradient_bounds(call: Any, sh: NormShape, stats: Saved, dy: np.ndarray, sca
         bounds["dgamma"] = (2 * gk * scales["dgamma"] + np.nansum(sh.gather(stat_err), axis=1),
                             f"2·γ_{k}·Σ|dy·x̂| + Σ|dy|·(rstd·δμ + |x − μ|·δrstd) with the statistics' bounds, "
                             f"γ_{k} = {k}·u/(1 − {k}·u), {how}")
+        # (dγ and dβ are shaped as γ: a multi-dimensional normalised shape's scales and bounds too)
+        ps = sh.param_shape
+        scales["dbeta"], scales["dgamma"] = scales["dbeta"].reshape(ps), scales["dgamma"].reshape(ps)
+        bounds["dbeta"] = (bounds["dbeta"][0].reshape(ps), bounds["dbeta"][1])
+        bounds["dgamma"] = (bounds["dgamma"][0].reshape(ps), bounds["dgamma"][1])
         inner = 2 * gxsum if rms else 2 * gxsum + rstd * mean_abs * gsum
         b_dx = rstd * ((0.0 if rms else gr * gsum) + xmax * gr * inner) / r
         bounds["dx"] = (b_dx, f"rstd·({'' if rms else 'γ_R·Σ|g| + '}max|x̂|·γ_R·(2·Σ|g·x̂|"
