@@ -924,8 +924,8 @@ def _fold_onnx(onnx: Optional[Path], fused: Optional[Path], fuse: Optional[str],
     return report.show(out, sink)
 
 
-@_command("doctor", order="adapter dtype params seed eps momentum shape dist mean std stability recipe input calls "
-                          "convention out force as_json sweep workers scheduler resume")
+@_command("doctor", order="adapter dtype norm normalized_shape groups params seed eps momentum shape dist mean std "
+                          "stability recipe input calls convention out force as_json sweep workers scheduler resume")
 def doctor_cmd(
     target: Kernel = Kernel.use("adapter", "dtype",
                                 adapter=dict(default="reference", help="Adapter to diagnose, or dump:DIR[#NAME] "
@@ -947,17 +947,22 @@ def doctor_cmd(
                                    "recorded call's own inputs).", calls=dict(what="diagnose")),
     report: Output = Output.use(),
     sweep: Sweep = Sweep.use(),
+    layer: Norm = Norm.use(),
 ) -> int:
     """The expert's checklist for a BatchNorm kernel on a diagnostic input, stress inputs and yours:
     PASS/WARN/FAIL with evidence, the known bug each failure matches, and what is wrong where none
     does; on a dump, every recorded call's outputs on its own inputs. --eps and --momentum are the
     layer's, used on every input (a kernel that ignores them fails); --shape, --dist, --mean, --std
-    make one more input, "generated". Exit 0 when healthy, 1 when something failed."""
+    make one more input, "generated". --norm layer, rms, group or instance: the same for that layer,
+    each output judged by compare-precision's judge, each failure named by the public defect whose
+    emulation reproduces it. Exit 0 when healthy, 1 when something failed."""
     from bnprobe.checks.doctor.diagnosis import doctor
     from bnprobe.engine.recorded import check_options, given, is_dump_path, recording_of
     from bnprobe.inputs import input_tensor
     from bnprobe.reports.checks import doctor_report
 
+    if layer.norm != "batch":
+        return _doctor_layer(layer, target, bn, gen, src, report, stability, recipe or sweep.asked)
     adapter, input, calls, dtype, params, as_json = \
         target.adapter, src.input, src.calls, target.dtype, bn.params, report.as_json
     generating = given(shape=gen.shape, dist=gen.dist, mean=gen.mean, std=gen.std)
@@ -989,6 +994,40 @@ def doctor_cmd(
                  x=None if tensor is None else input_tensor("doctor", tensor), eps=eps, generated=made, recipe=recipe,
                  **_if_given(momentum=momentum))
     return _show(doctor_report(rep), sink, as_json)
+
+
+def _doctor_layer(layer: Norm, target: Kernel, bn: Call, gen: Generated, src: Source, report: Output,
+                  stability: Optional[bool], refused: bool) -> int:
+    """doctor --norm layer|rms|group|instance on the kernel (``refused``: --recipe or a sweep was asked for)."""
+    from bnprobe.checks.compare.precision import CallOptions
+    from bnprobe.checks.doctor.family import doctor_family
+    from bnprobe.engine.recorded import given, is_dump_path
+    from bnprobe.inputs import input_tensor
+    from bnprobe.reports.checks import doctor_report
+
+    from bnprobe.core.call import NORM_NAMES
+
+    name = NORM_NAMES[layer.norm]
+    running = given(momentum=bn.momentum, convention=bn.convention)
+    if running:
+        raise BNProbeError(f"{', '.join(running)} appl{'ies' if len(running) == 1 else 'y'} to BatchNorm's running "
+                           f"statistics: {name} keeps none")
+    if refused:
+        raise BNProbeError(f"--recipe and the sweep's options are BatchNorm's: doctor --norm {layer.norm} takes none")
+    if src.calls is not None or src.input is not None and is_dump_path(src.input) or target.adapter.startswith("dump:"):
+        raise BNProbeError(f"a dump's {name} calls are not read yet: doctor --norm {layer.norm} runs a kernel on its "
+                           "designed inputs (and on --input, a tensor .npy/.npz)")
+    generating = given(shape=gen.shape, dist=gen.dist, mean=gen.mean, std=gen.std)
+    if src.input is not None and generating:
+        raise BNProbeError(f"{', '.join(generating)} make an input of their own: they do not apply to --input "
+                           f"{src.input}; drop one")
+    sink = report.sink()
+    made = input_tensor("doctor", None, gen.shape, gen.dist, gen.mean, gen.std, gen.seed) if generating else None
+    rep = doctor_family(target.adapter, target.dtype, seed=gen.seed, stability=stability is not False,
+                        x=None if src.input is None else input_tensor("doctor", src.input), generated=made,
+                        options=CallOptions(eps=bn.eps, params=bn.params, norm=layer.norm,
+                                            normalized_shape=layer.dims(), groups=layer.groups))
+    return _show(doctor_report(rep), sink, report.as_json)
 
 
 @_command("identify", order="adapter dtype params input shape dist mean std seed eps momentum calls out force "

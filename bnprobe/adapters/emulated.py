@@ -22,7 +22,7 @@ from bnprobe.numerics.arith import Arith
 from bnprobe.numerics.rsqrt import divide
 from bnprobe.numerics.rsqrt import sqrt as nsqrt
 
-__all__ = ["PolicyAdapter", "ReferenceAdapter", "EmulatedAdapter", "CarefulAdapter"]
+__all__ = ["PolicyAdapter", "ReferenceAdapter", "EmulatedAdapter", "CarefulAdapter", "careful_family_policy"]
 
 ALL_FORMATS = ("fp64", "fp32", "fp16", "bf16")
 
@@ -171,6 +171,13 @@ class EmulatedAdapter(PolicyAdapter):
             super().__init__("emulated", make, Capabilities(formats=ALL_FORMATS, traced=True, norms=NORMS))
 
 
+def careful_family_policy(dtype: str, params: str, name: str = "careful") -> Policy:
+    """The careful kernel's policy for a LayerNorm, RMSNorm, GroupNorm or InstanceNorm call in ``dtype`` with
+    parameters in the format ``params`` (fp32 or the input's): the format's preset — fp32 sums, statistics and
+    arithmetic, two-pass variance, x̂·γ + β rounded once."""
+    return get_policy(dtype).with_options(name=f"{name}:{get_format(dtype).name}", params=params)
+
+
 class CarefulAdapter(PolicyAdapter):
     """``careful``: the bench compare-precision judges kernels against, in the role msprobe gives a GPU —
     the best a kernel can do under the interface: each format's preset (fp32 sums, statistics and
@@ -191,7 +198,7 @@ class CarefulAdapter(PolicyAdapter):
 
         def make(p: Prepared | FamilyPrepared, mode: str) -> Policy:
             if isinstance(p, FamilyPrepared):  # a family layer's careful kernel: its statistics as computed, x̂·γ + β
-                return get_policy(p.dtype).with_options(name=f"{name}:{p.dtype}", params=p.params)
+                return careful_family_policy(p.dtype, p.params, name)
             narrow = rounded_stats and p.params not in ("fp32", "fp64")
             return get_policy(p.dtype).with_options(name=f"{name}:{p.dtype}", params=p.params, stored_stats=narrow,
                                                     y_formula="affine" if mode == "infer" else "xhat",

@@ -168,7 +168,8 @@ def doctor_report(rep: DoctorReport | PerCall) -> Report:
 
     rows = [i.to_dict() for i in rep.items]
     table = render_table(rows, ["status", "name", "evidence"], headers=["status", "check", "evidence"])
-    title = f"doctor {rep.adapter} in {rep.dtype}, params {rep.params}: " + \
+    layer = "" if rep.layer is None else f" {rep.layer}"
+    title = f"doctor {rep.adapter}{layer} in {rep.dtype}, params {rep.params}: " + \
         ("healthy" if rep.passed else "something failed")
     blocks = [f"inputs: {', '.join(rep.inputs)}", table, *_details([(it.name, it.details) for it in rep.items])]
     if rep.diagnosis:

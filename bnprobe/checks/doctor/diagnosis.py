@@ -63,7 +63,7 @@ from bnprobe.checks.doctor.items import (
 from bnprobe.checks.doctor.report import DoctorReport, Item
 
 
-__all__ = ["Item", "DoctorReport", "doctor", "probes", "SKIPPED_ON_RECORDINGS"]
+__all__ = ["Item", "DoctorReport", "doctor", "probes", "SKIPPED_ON_RECORDINGS", "epsilon_item", "determinism_item"]
 
 # ---- running the kernel on one input ------------------------------------------------------------------
 
@@ -260,8 +260,8 @@ def doctor(adapter: str | KernelAdapter | Recorded = "reference", dtype: str | N
     else:
         notes.append(f"momentum=None (torch's cumulative average) is not in the {convention_of(a).name} convention: "
                      "not checked")
-    items.append(_epsilon(a, diag.call.x, fmt, diag.call.eps, prm))
-    items.append(_determinism(_forward_twice(a, diag, fmt, prm), caps.deterministic))
+    items.append(epsilon_item(a, diag.call.x, fmt, diag.call.eps, prm))
+    items.append(determinism_item(_forward_twice(a, diag, fmt, prm), caps.deterministic))
     notes.append("that inference leaves the running statistics unchanged cannot be observed through the adapter "
                  "interface (forward_infer returns none); bnprobe's own kernels guarantee it")
     if x is not None and not np.isfinite(x).all():
@@ -328,7 +328,7 @@ def _first_batch_biased(run: CallRun) -> np.ndarray:
     return np.asarray(v, dtype=np.float64)
 
 
-def _epsilon(a: KernelAdapter, x: np.ndarray, fmt: str, eps: float, params: str) -> Item:
+def epsilon_item(a: KernelAdapter, x: np.ndarray, fmt: str, eps: float, params: str) -> Item:
     """eps sane for the format the statistics are computed in."""
     stat_fmt = get_format(a.policy_for(round_to(x, fmt), dtype=fmt, params=params).accumulate) \
         if a.capabilities().staged else get_format("fp64" if fmt == "fp64" else "fp32")
@@ -340,7 +340,7 @@ def _epsilon(a: KernelAdapter, x: np.ndarray, fmt: str, eps: float, params: str)
     return Item(name, "PASS", f"eps {eps:g} vs {stat_fmt.name} spacing at 1 {stat_fmt.eps:.3g}")
 
 
-def _determinism(run: Callable[[], Any], declared: bool, inputs: str = "the same inputs") -> Item:
+def determinism_item(run: Callable[[], Any], declared: bool, inputs: str = "the same inputs") -> Item:
     """``run`` twice (a kernel's forward on ``inputs``): the same bits, or by how much two runs differ — a failure
     for a kernel that declares itself deterministic (``declared``, its capabilities), a warning otherwise."""
     ys = [np.asarray(run()) for _ in range(2)]
@@ -450,12 +450,12 @@ def _doctor_call(recorded: Recorded, run: CallRun) -> DoctorReport:
                      "variance are not checked")
     if "backward" not in rec.tensors:
         notes.append("no backward recorded: the gradients are not checked")
-    items.append(_epsilon(recorded.kernel, x, fmt, eps, ci.params))
+    items.append(epsilon_item(recorded.kernel, x, fmt, eps, ci.params))
     if not recorded.replay and "train" in run.modes:
         ins = rec.tensors["train"]["inputs"]
         first = BNCall(ins["x"], ins.get("gamma"), ins.get("beta"), eps=eps, dtype=fmt, params=ci.params,
                        layout=layout)
-        items.append(_determinism(lambda: recorded.kernel.train(first).y,
+        items.append(determinism_item(lambda: recorded.kernel.train(first).y,
                                   recorded.kernel.capabilities().deterministic, "the recorded inputs"))
     notes += unseen
     return DoctorReport(run.kernel, fmt, items, diagnosis, notes, run.label, params=ci.params,

@@ -42,6 +42,7 @@ class DoctorReport(Judged):
     call: str | None = None  # the recorded call diagnosed (its label), None for the diagnostic inputs
     params: str | None = None  # the parameters' format (fp32, same...), None when not known
     inputs: tuple[str, ...] = ()  # the inputs the checklist ran on
+    layer: str | None = None  # the layer diagnosed when not BatchNorm (LayerNorm, RMSNorm, GroupNorm, InstanceNorm)
 
     @property
     def passed(self) -> bool:
@@ -61,6 +62,7 @@ class DoctorReport(Judged):
         return pd.DataFrame([i.to_dict() for i in self.items])
 
     def to_dict(self) -> dict[str, Any]:
-        return {**({} if self.call is None else {"call": self.call}), "adapter": self.adapter, "dtype": self.dtype,
-                "params": self.params, "inputs": list(self.inputs), "healthy": self.healthy,
+        layer = {} if self.layer is None else {"layer": self.layer}
+        return {**({} if self.call is None else {"call": self.call}), **layer, "adapter": self.adapter,
+                "dtype": self.dtype, "params": self.params, "inputs": list(self.inputs), "healthy": self.healthy,
                 "diagnosis": self.diagnosis, "items": [i.to_dict() for i in self.items], "notes": self.notes}
