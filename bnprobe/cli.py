@@ -929,9 +929,11 @@ def _fold_onnx(onnx: Optional[Path], fused: Optional[Path], fuse: Optional[str],
 def doctor_cmd(
     target: Kernel = Kernel.use("adapter", "dtype",
                                 adapter=dict(default="reference", help="Adapter to diagnose, or dump:DIR[#NAME] "
-                                                                       "(every recorded call on its own inputs)."),
-                                dtype="Format (default: fp64 if the adapter runs it, else its first; a recording's "
-                                      "own)."),
+                                                                       "(every recorded call on its own inputs); "
+                                                                       "with --norm, a kernel that runs the layer "
+                                                                       "(e.g. torch)."),
+                                dtype="Format (default: fp64 if the adapter runs it, else its first; with --norm, "
+                                      "the first of fp16, bf16, fp32 it runs; a recording's own)."),
     bn: Call = Call.use("params", "eps", "momentum", "convention"),
     gen: Generated = Generated.use(seed="Seed of the diagnostic inputs (default 0).",
                                    shape="Shape N,C[,...] of one more input, generated from --dist, --mean, --std and "

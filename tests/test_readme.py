@@ -83,6 +83,10 @@ RUN = {
     "report-rms": "torch",
     "bnprobe compare-precision --norm group --num-groups 32 --adapters torch --format md --out report-group": "torch",
     "python examples/capture_transformer.py block-fp32 block-fp16": "torch",
+    # doctor's default run on each of them: the defect each failure reproduces, or none
+    "bnprobe doctor --norm layer --adapter torch": "torch",
+    "bnprobe doctor --norm rms --adapter torch": "torch",
+    "bnprobe doctor --norm group --num-groups 32 --adapter torch": "torch",
     # each command page's options, as its --help prints them
     **{f"bnprobe {command} --help": None for command in COMMANDS},
 }
