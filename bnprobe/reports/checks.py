@@ -46,7 +46,9 @@ def gradcheck_report(result: GradcheckResult | PerCall) -> Report:
                          headers=["check", "tensor", "status", "max abs err", "max rel err", "tol used %",
                                   "needs rtol", "worst at"])
     params = result.params
-    title = (f"gradcheck {result.adapter} in {result.dtype}" + (f" (params {params})" if params is not None else "")
+    layer = "" if result.layer is None else f" {result.layer}"
+    title = (f"gradcheck {result.adapter}{layer} in {result.dtype}" + (f" (params {params})" if params is not None
+                                                                       else "")
              + f", {result.mode}, shape {tuple(result.shape)}, seed {result.seed}: {result.verdict}")
     return Report(title, [table], list(result.notes), result.passed, result.to_dict(),
                   file_stem("gradcheck", result.adapter, result.dtype, result.mode), result.to_frame(),

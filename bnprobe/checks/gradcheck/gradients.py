@@ -18,7 +18,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -87,6 +87,7 @@ class GradcheckResult(Judged):
     notes: list[str] = field(default_factory=list)
     call: str | None = None  # the recorded call checked (its label), None for generated inputs
     params: str | None = None  # the parameters' format asked for (fp32, same), None when not asked (fp32)
+    layer: str | None = None  # a sibling of BatchNorm checked (e.g. "LayerNorm over (16,)"), None for BatchNorm
 
     @property
     def passed(self) -> bool:
@@ -104,16 +105,18 @@ class GradcheckResult(Judged):
         import pandas as pd
 
         call = {} if self.call is None else {"call": self.call}
-        return pd.DataFrame([{**call, "adapter": self.adapter, "dtype": self.dtype, "mode": self.mode, **r.to_dict()}
-                             for r in self.rows])
+        layer = {} if self.layer is None else {"layer": self.layer}
+        return pd.DataFrame([{**call, "adapter": self.adapter, **layer, "dtype": self.dtype, "mode": self.mode,
+                              **r.to_dict()} for r in self.rows])
 
     def to_dict(self) -> dict[str, Any]:
-        return {**({} if self.call is None else {"call": self.call}), "adapter": self.adapter, "dtype": self.dtype,
+        return {**({} if self.call is None else {"call": self.call}), "adapter": self.adapter,
+                **({} if self.layer is None else {"layer": self.layer}), "dtype": self.dtype,
                 "mode": self.mode, "shape": list(self.shape), "seed": self.seed, "passed": bool(self),
                 "notes": self.notes, "rows": [r.to_dict() for r in self.rows]}
 
 
-def _row(check: str, tensor: str, actual: np.ndarray, expected: np.ndarray, tol: tuple[float, float], *,
+def grad_row(check: str, tensor: str, actual: np.ndarray, expected: np.ndarray, tol: tuple[float, float], *,
          fmt: str = "fp64", where_of: Callable[[int], str] | None = None, detail: str = "",
          scale: np.ndarray | None = None, equal_nan: bool = False) -> GradRow:
     """The judge's :func:`~bnprobe.engine.closeness.allclose_rule` at ``tol`` (rtol, atol: |a - e| <= atol·scale +
@@ -252,14 +255,42 @@ class _Jacobian:
 
 def _fd_check(adapter: KernelAdapter, inp: Inputs, mode: str, eps: float, rng: np.random.Generator,
               full_max: int = FULL_JACOBIAN_MAX) -> tuple[list[GradRow], str]:
-    jac = _Jacobian(adapter, inp, mode, eps)
+    return jacobian_rows(_Jacobian(adapter, inp, mode, eps), rng, full_max)
+
+
+class Jacobian(Protocol):
+    """What the finite-difference check reads of a forward's Jacobian in theta (the inputs it differentiates, flat):
+    its m outputs and p inputs, the output's ``shape``, theta and the step ``h``, the gradients' ``blocks`` of
+    theta (name -> slice), a column by central differences, a row (the backward of a unit dy), a vector-Jacobian
+    product and the output at any theta."""
+
+    m: int
+    p: int
+    shape: tuple[int, ...]
+    theta: np.ndarray
+    h: float
+    blocks: dict[str, slice]
+
+    def column(self, i: int) -> np.ndarray: ...
+
+    def row(self, j: int) -> np.ndarray: ...
+
+    def vjp(self, v: np.ndarray) -> np.ndarray: ...
+
+    def y_at(self, t: np.ndarray) -> np.ndarray: ...
+
+
+def jacobian_rows(jac: Jacobian, rng: np.random.Generator, full_max: int = FULL_JACOBIAN_MAX
+                  ) -> tuple[list[GradRow], str]:
+    """The backward of ``jac`` against its central differences, a row per gradient: the full Jacobian when it has at
+    most ``full_max`` entries, else random projections and sampled entries (``rng``); and how, in words."""
     m, p = jac.m, jac.p
     if m * p <= full_max:
         return _fd_full(jac), f"full Jacobian ({m} outputs x {p} inputs)"
     return _fd_sampled(jac, rng), f"random projections and sampled entries ({m} outputs x {p} inputs)"
 
 
-def _fd_full(jac: _Jacobian) -> list[GradRow]:
+def _fd_full(jac: Jacobian) -> list[GradRow]:
     rtol, atol = FINITE_DIFFERENCE["rtol"], FINITE_DIFFERENCE["atol"]
     m, p, shape = jac.m, jac.p, jac.shape
     num = np.empty((m, p))
@@ -274,12 +305,12 @@ def _fd_full(jac: _Jacobian) -> list[GradRow]:
             j, i = divmod(k, cols)
             return f"d y{tuple(int(v) for v in np.unravel_index(j, shape))} / d {name[1:]}[{i}]"
 
-        rows.append(_row("finite-differences", name, ana[:, sl], num[:, sl], (rtol, atol), where_of=where,
+        rows.append(grad_row("finite-differences", name, ana[:, sl], num[:, sl], (rtol, atol), where_of=where,
                          detail=f"full Jacobian {m}x{cols}"))
     return rows
 
 
-def _fd_sampled(jac: _Jacobian, rng: np.random.Generator) -> list[GradRow]:
+def _fd_sampled(jac: Jacobian, rng: np.random.Generator) -> list[GradRow]:
     """A large call: projections v^T J u on each block, and sampled entries J[j, i]."""
     rtol, atol, h = FINITE_DIFFERENCE["rtol"], FINITE_DIFFERENCE["atol"], jac.h
     m, p, theta = jac.m, jac.p, jac.theta
@@ -292,7 +323,7 @@ def _fd_sampled(jac: _Jacobian, rng: np.random.Generator) -> list[GradRow]:
             v = rng.standard_normal(m)
             num_p.append(float(v @ (jac.y_at(theta + h * u) - jac.y_at(theta - h * u))) / (2 * h))
             ana_p.append(float(jac.vjp(v.reshape(jac.shape)) @ u))
-        rows.append(_row("finite-differences", f"{name} (v^T J u)", np.array(ana_p), np.array(num_p), (rtol, atol),
+        rows.append(grad_row("finite-differences", f"{name} (v^T J u)", np.array(ana_p), np.array(num_p), (rtol, atol),
                          detail=f"{FD_PROJECTIONS} random projections"))
     js = rng.choice(m, size=min(FD_SAMPLED_ROWS, m), replace=False)
     ana_rows = {int(j): jac.row(int(j)) for j in js}
@@ -303,7 +334,7 @@ def _fd_sampled(jac: _Jacobian, rng: np.random.Generator) -> list[GradRow]:
         for j in js:
             n_e.append(col[j])
             a_e.append(ana_rows[int(j)][i])
-    rows.append(_row("finite-differences", "sampled entries", np.array(a_e), np.array(n_e), (rtol, atol),
+    rows.append(grad_row("finite-differences", "sampled entries", np.array(a_e), np.array(n_e), (rtol, atol),
                      detail=f"{len(js)} rows x {len(cols)} columns of J"))
     return rows
 
@@ -480,7 +511,7 @@ def check_formula(spec: str, shape: tuple[int, ...] | None = None, *, seed: int 
                 rows.append(_failed_formula(f"{label}: {name}", rt, at, why))
                 ok = False
                 continue
-            r = _row("formula", f"{label}: {name}", got, want, (rt, at),
+            r = grad_row("formula", f"{label}: {name}", got, want, (rt, at),
                      where_of=where if name == "dx" else _where((len(inp.gamma),)))
             rows.append(r)
             ok &= r.passed
@@ -541,7 +572,7 @@ def gradcheck(
     mode = mode or "train"
     eps = EPS if eps is None else eps
     caps = a.capabilities()
-    _needs_backward(a.name, caps.modes, mode)
+    needs_backward(a.name, caps.modes, mode)
     if fmt not in caps.formats:
         raise BNProbeError(f"adapter {a.name} does not run {fmt} (it runs {', '.join(caps.formats)})")
     layout_of(np.empty(shape))
@@ -583,7 +614,7 @@ def gradcheck(
     return GradcheckResult(a.name, fmt, mode, tuple(shape), seed, rows, notes, params=asked)
 
 
-def _needs_backward(name: str, runs: tuple[str, ...], mode: str) -> None:
+def needs_backward(name: str, runs: tuple[str, ...], mode: str) -> None:
     """Refuse in one line a kernel gradcheck cannot check: one without a backward (an inference-only kernel, a
     forward-only one), or in training one without the training forward its backward's statistics come from."""
     if "backward" not in runs:
@@ -600,13 +631,13 @@ def _vs_fp64(name: str, got: Any, gold: Any, judged: dict[str, dict[str, Any]], 
     rows = []
     for t, actual, golden, where in (("dx", got.dx, gold.dx, where_x), ("dgamma", got.dgamma, gold.dgamma, where_c),
                                      ("dbeta", got.dbeta, gold.dbeta, where_c)):
-        r = _row("vs-fp64", t, actual, golden, (rt, at), fmt=out_fmt if t == "dx" else pf,
+        r = grad_row("vs-fp64", t, actual, golden, (rt, at), fmt=out_fmt if t == "dx" else pf,
                  where_of=where, detail=f"{name} in {fmt} vs FP64 on the same rounded inputs")
-        rows.append(_by_compare(r, judged.get(t)))
+        rows.append(by_compare(r, judged.get(t)))
     return rows
 
 
-def _by_compare(r: GradRow, v: dict[str, Any] | None) -> GradRow:
+def by_compare(r: GradRow, v: dict[str, Any] | None) -> GradRow:
     """``r`` with the verdict compare-precision gives the same output of the same call (``v``, its row), if any."""
     if v is None or not np.isfinite(float(v["score"])):  # not judged there (msprobe's rules skip float64)
         return r
@@ -621,10 +652,10 @@ def _judged_recorded(recorded: Recorded, run: CallRun) -> dict[str, dict[str, An
 
     if run.recording.layout != "channels_first":
         return {}
-    return _gradient_rows(judge_call(recorded.kernel, run.recording, ("backward",), label=run.label, run=run))
+    return gradient_rows(judge_call(recorded.kernel, run.recording, ("backward",), label=run.label, run=run))
 
 
-def _gradient_rows(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def gradient_rows(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """compare-precision's rows of dx, dγ and dβ, by tensor."""
     return {r["tensor"]: r for r in rows if r["tensor"] in ("dx", "dgamma", "dbeta")}
 
@@ -640,7 +671,7 @@ def _judged(a: KernelAdapter, inp: Any, fmt: str, params: str, eps: float) -> di
     # framework has, where torch's cumulative average would be refused by the others)
     call = BNCall(inp.x, inp.gamma, inp.beta, inp.running_mean, inp.running_var, inp.dy, eps, MOMENTUM, dtype=fmt,
                   params=params)
-    return _gradient_rows(judge_call(a, generated_call(call, modes=("backward",), label="gradcheck"), ("backward",)))
+    return gradient_rows(judge_call(a, generated_call(call, modes=("backward",), label="gradcheck"), ("backward",)))
 
 
 # ---- recorded calls ---------------------------------------------------------------------------------
@@ -658,7 +689,7 @@ def _gradcheck_calls(recorded: Recorded, *, mode: str | None = None, rtol: float
     and (training calls) the gradient identities of the kernel's gradients.  ``mode`` (train or infer),
     when given, must be the mode of every call.  One :class:`GradcheckResult` per call."""
     if not recorded.replay:  # a kernel run on the recorded inputs: its backward is what is checked
-        _needs_backward(recorded.kernel.name, recorded.kernel.capabilities().modes, None)
+        needs_backward(recorded.kernel.name, recorded.kernel.capabilities().modes, None)
     recorded.calls.require_tensors("gradcheck")
     if mode is not None:
         off = [c for c in recorded.calls.calls if c.training != (mode == "train")]
@@ -720,11 +751,11 @@ def _gradcheck_call(recorded: Recorded, run: CallRun, rtol: float | None, atol: 
         if name == "dx":
             actual, golden = to_channels_first(actual, layout), to_channels_first(golden, layout)
             scale = None if scale is None else _per_element(scale, x.shape)
-        r = _row("vs-fp64", name, actual, golden, (rt, at), fmt=run.formats[name],
+        r = grad_row("vs-fp64", name, actual, golden, (rt, at), fmt=run.formats[name],
                  where_of=where_x if name == "dx" else where_c, scale=scale, equal_nan=True,
                  detail=f"{what} in {fmt} vs FP64 on the recorded inputs; atol relative to the gradient's natural "
                         "scale")
-        rows.append(_by_compare(r, judged.get(name)))
+        rows.append(by_compare(r, judged.get(name)))
     if "dgamma" not in got:
         notes.append("affine=False: no dgamma, dbeta recorded")
     # 3. identities of the kernel's gradients (training)
