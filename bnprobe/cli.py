@@ -607,15 +607,16 @@ def dump_cmd(
     typer.echo(f"replay it as an adapter: --adapter dump:{out}")
 
 
-@_command("gradcheck", order="adapter dtype shape mode seed dist mean std formula rtol atol eps params input calls "
-                             "convention out force as_json")
+@_command("gradcheck", order="adapter dtype norm normalized_shape groups shape mode seed dist mean std formula rtol "
+                             "atol eps params input calls convention out force as_json")
 def gradcheck_cmd(
     target: Kernel = Kernel.use("adapter", "dtype",
                                 adapter=dict(default="emulated", help="Adapter whose backward is checked, or "
                                                                       "dump:DIR[#NAME] (every recorded call, each on "
                                                                       "its own inputs)."),
                                 dtype="Format: fp16 (default), bf16, fp32 or fp64; a recording's own."),
-    gen: Generated = Generated.use(shape="Input shape N,C[,...] of generated inputs (default 4,3,5,5)."),
+    gen: Generated = Generated.use(shape="Input shape N,C[,...] of generated inputs (default 4,3,5,5; --norm layer "
+                                         "or rms 4,6,16; group or instance 2,8,4,4)."),
     bn: Call = Call.use("mode", "eps", "params", "convention",
                         mode=dict(help="train (default) or infer; a recording's own.", check=False)),
     formula: Optional[str] = typer.Option(None, help="Check a backward formula instead: standard, seed, ascend "
@@ -625,15 +626,19 @@ def gradcheck_cmd(
     src: Source = Source.use(input="A dump folder (bnprobe or msprobe): run the adapter on every recorded call's "
                                    "own inputs.", calls=dict(what="check")),
     report: Output = Output.use(),
+    layer: Norm = Norm.use(),
 ) -> int:
     """Numerical vs analytic gradients (FP64 finite differences), the adapter's backward vs the FP64
     golden, the gradient identities, or a candidate backward formula; on a dump, every recorded call on
-    its own inputs. Exit 1 when a check fails."""
+    its own inputs. --norm layer, rms, group or instance: the same for that layer, on generated inputs. Exit 1
+    when a check fails."""
     from bnprobe.checks.gradcheck.gradients import check_formula, gradcheck
     from bnprobe.engine.recorded import check_options, given, is_dump_path, recording_of
     from bnprobe.inputs import input_shape, make_input
     from bnprobe.reports.checks import gradcheck_report
 
+    if layer.norm != "batch":
+        return _gradcheck_norm(target, gen, bn, layer, src, report, formula=formula, tol=(rtol, atol))
     input, mode, params, as_json = src.input, bn.mode, bn.params, report.as_json
     if input is not None and not is_dump_path(input):
         raise BNProbeError(f"--input {input}: gradcheck takes a dump folder (bnprobe or msprobe) as --input")
@@ -660,6 +665,35 @@ def gradcheck_cmd(
     result = gradcheck(kernel, target.dtype, shp, mode=mode, seed=gen.seed, eps=eps, rtol=rtol, atol=atol,
                        params=params, x=x)
     return _show(gradcheck_report(result), sink, as_json)
+
+
+def _gradcheck_norm(target: Kernel, gen: Generated, bn: Call, layer: Norm, src: Source, report: Output, *,
+                    formula: Optional[str], tol: tuple[Optional[float], Optional[float]]) -> int:
+    """gradcheck --norm layer, rms, group or instance: the layer on generated inputs (what applies to BatchNorm
+    alone — a formula, a dump, the inference mode — refused in one line)."""
+    from bnprobe.checks.gradcheck.family import FAMILY_SHAPES, Layer, gradcheck_norm
+    from bnprobe.core.call import NORM_NAMES
+    from bnprobe.inputs import input_shape, make_input
+    from bnprobe.reports.checks import gradcheck_report
+
+    name = NORM_NAMES[layer.norm]
+    if formula is not None:
+        raise BNProbeError(f"--formula checks a BatchNorm backward formula: drop it or --norm {layer.norm}")
+    if src.input is not None or src.calls is not None:
+        raise BNProbeError(f"--norm {layer.norm} checks generated inputs: {name} from a dump is not read yet; drop "
+                           f"{'--input' if src.input is not None else '--calls'}")
+    if bn.mode not in (None, "train"):
+        raise BNProbeError(f"--mode {bn.mode}: {name} keeps no running statistics, so its backward is its training "
+                           "forward's: drop --mode")
+    sink = report.sink()
+    shp = input_shape("gradcheck", gen.shape or ",".join(map(str, FAMILY_SHAPES[layer.norm])))
+    x = None if (gen.dist, gen.mean, gen.std) == (None, None, None) else \
+        make_input(shp, dist=gen.dist, mean=gen.mean, std=gen.std, seed=gen.seed)
+    result = gradcheck_norm(_in_convention(target.adapter, bn.convention), Layer(layer.norm, layer.dims(),
+                                                                                   layer.groups),
+                            target.dtype, shp, seed=gen.seed, eps=bn.eps, params=bn.params, rtol=tol[0], atol=tol[1],
+                            x=x)
+    return _show(gradcheck_report(result), sink, report.as_json)
 
 
 def _formats_and_dtypes(format: str, dtypes: Optional[str]) -> tuple[list, tuple[str, ...] | None]:
