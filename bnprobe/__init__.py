@@ -26,6 +26,7 @@ _LAZY = {
     "monitor": "bnprobe.recordings.monitor", "Monitor": "bnprobe.recordings.monitor",
     "compare_precision": "bnprobe.checks.compare.precision",
     "gradcheck": "bnprobe.checks.gradcheck.gradients", "check_formula": "bnprobe.checks.gradcheck.gradients",
+    "gradcheck_norm": "bnprobe.checks.gradcheck.family",
     "doctor": "bnprobe.checks.doctor.diagnosis", "shrink": "bnprobe.checks.shrink.shrinking",
     "scan_overflow": ("bnprobe.checks.overflow.scan", "scan"),
     "find_stats_problems": ("bnprobe.checks.plot_stats.stats", "find"),
@@ -36,8 +37,8 @@ _LAZY = {
 __all__ = ["__version__", "BNProbeError", "FORMATS", "Format", "get_format", "round_to", "PRESETS", "BackwardResult",
            "Execution", "InferResult", "Policy", "Stage", "Trace", "TrainResult", "backward", "forward_infer",
            "forward_train", "get_policy", "capture", "Capture", "monitor", "Monitor", "compare_precision", "gradcheck",
-           "check_formula", "doctor", "shrink", "scan_overflow", "find_stats_problems", "check_fold", "trace_run",
-           "identify"]
+           "check_formula", "gradcheck_norm", "doctor", "shrink", "scan_overflow", "find_stats_problems", "check_fold",
+           "trace_run", "identify"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from bnprobe.recordings.capture import Capture, capture
@@ -45,6 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from bnprobe.checks.compare.precision import compare_precision
     from bnprobe.checks.doctor.diagnosis import doctor
     from bnprobe.checks.fold.layer import check_fold
+    from bnprobe.checks.gradcheck.family import gradcheck_norm
     from bnprobe.checks.gradcheck.gradients import check_formula, gradcheck
     from bnprobe.checks.identify.search import identify
     from bnprobe.checks.overflow.scan import scan as scan_overflow
