@@ -618,7 +618,8 @@ def gradcheck_cmd(
     gen: Generated = Generated.use(shape="Input shape N,C[,...] of generated inputs (default 4,3,5,5; --norm layer "
                                          "or rms 4,6,16; group or instance 2,8,4,4)."),
     bn: Call = Call.use("mode", "eps", "params", "convention",
-                        mode=dict(help="train (default) or infer; a recording's own.", check=False)),
+                        mode=dict(help="train (default) or infer; a recording's own.", check=False),
+                        eps="The layer's epsilon (> 0; default 1e-5; a recording's own)."),
     formula: Optional[str] = typer.Option(None, help="Check a backward formula instead: standard, seed, ascend "
                                                      "or module:function (f(dy, x, gamma, mean, var, eps) -> dx)."),
     rtol: Optional[float] = typer.Option(None, help="Relative tolerance (give with --atol)."),

@@ -87,6 +87,10 @@ RUN = {
     "bnprobe doctor --norm layer --adapter torch": "torch",
     "bnprobe doctor --norm rms --adapter torch": "torch",
     "bnprobe doctor --norm group --num-groups 32 --adapter torch": "torch",
+    # gradcheck's page: the default run of torch's LayerNorm, RMSNorm and GroupNorm
+    "bnprobe gradcheck --norm layer --adapter torch": "torch",
+    "bnprobe gradcheck --norm rms --adapter torch": "torch",
+    "bnprobe gradcheck --norm group --num-groups 2 --adapter torch": "torch",
     # each command page's options, as its --help prints them
     **{f"bnprobe {command} --help": None for command in COMMANDS},
 }
