@@ -343,3 +343,14 @@ def test_the_command_runs_the_layer_and_says_which(capsys) -> None:  # noqa: ANN
     out, _ = capsys.readouterr()
     assert code == 0
     assert out.startswith("gradcheck careful GroupNorm of 4 groups in bf16, train, shape (2, 8, 3, 3), seed 0: PASS")
+
+
+@pytest.mark.parametrize("norm,shape,bug,part", [
+    ("layer", (2, 64, 256), "sum_g", "on rows 0-7 of 128"), ("rms", (2, 64, 256), "sum_gx", "on rows 0-7 of 128"),
+    ("group", (2, 16, 12, 12), "sum_g", "on sample 0 of 2")])
+def test_a_large_call_is_differenced_on_its_first_rows_and_still_sees_a_planted_mistake(norm, shape, bug,
+                                                                                       part) -> None:  # noqa: ANN001
+    good, bad = (gradcheck_norm(Written(b), LAYERS[norm], "fp32", shape) for b in (None, bug))
+    assert good and f"finite differences on written in fp64 {part}: random projections" in good.notes[0]
+    fd = [r.tensor for r in bad.rows if r.check == "finite-differences" and not r.passed]
+    assert "dx (v^T J u)" in fd and "sampled entries" in fd

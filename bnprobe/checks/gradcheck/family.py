@@ -35,6 +35,8 @@ from bnprobe.adapters.base import outputs_only
 from bnprobe.adapters.convention import reference_for
 from bnprobe.adapters.registry import as_adapter
 from bnprobe.checks.gradcheck.gradients import (
+    FD_SAMPLED_COLS,
+    FULL_JACOBIAN_MAX,
     GradcheckResult,
     GradRow,
     by_compare,
@@ -65,6 +67,7 @@ __all__ = ["Layer", "gradcheck_norm", "family_inputs", "FAMILY_SHAPES"]
 #: for GroupNorm and InstanceNorm — small enough that the full Jacobian is formed (about 160 000 and 70 000 entries)
 FAMILY_SHAPES: dict[str, tuple[int, ...]] = {"layer": (4, 6, 16), "rms": (4, 6, 16), "group": (2, 8, 4, 4),
                                              "instance": (2, 8, 4, 4)}
+FD_ROWS = 8  # a large call's finite differences look at its first rows (a sample's, for GroupNorm and InstanceNorm)
 _U64 = get_format("fp64").unit_roundoff  # float64's, in which the identities are evaluated
 _EVAL_ULPS = 8.0  # units of float64 roundoff per term of the identities' own float64 evaluation (sums, x̂, products)
 
@@ -217,8 +220,10 @@ def gradcheck_norm(
     call = family_inputs(lay, sh.shape, seed, x, check_eps(EPS if eps is None else eps))
     # 1. finite differences in FP64 on the adapter's own forward where it runs fp64, else on the reference
     fd_target = a if "fp64" in caps.formats else get_adapter("reference")
-    rows, how = jacobian_rows(_LayerJacobian(fd_target, call), np.random.default_rng([seed, 7]))
-    notes = [f"finite differences on {fd_target.name} in fp64: {how}"]
+    part, which = _fd_part(call, sh)
+    rows, how = jacobian_rows(_LayerJacobian(fd_target, part), np.random.default_rng([seed, 7]),
+                              param_columns=FD_SAMPLED_COLS)
+    notes = [f"finite differences on {fd_target.name} in fp64{which}: {how}"]
     # 2. the adapter's backward in its format vs the FP64 golden, through the engine, judged by compare-precision
     rec = generated_call(call.with_(dtype=fmt, params=params or "fp32"), modes=("backward",), label="gradcheck")
     golden = Golden(outputs_only(reference_for(a)), rec)
@@ -229,6 +234,20 @@ def gradcheck_norm(
     if run.saved is None:
         notes.append(f"{a.name} saves no statistics: the identities use the golden's")
     return GradcheckResult(a.name, fmt, "train", sh.shape, seed, rows, notes, params=params, layer=lay.describe(sh))
+
+
+def _fd_part(call: BNCall, sh: NormShape) -> tuple[BNCall, str]:
+    """The call the finite differences run on, and what of it in words: the whole call where its full Jacobian is
+    formed, else its first :data:`FD_ROWS` rows (LayerNorm, RMSNorm) or its first sample (GroupNorm, InstanceNorm) —
+    a call of the same layer and parameters, its rows' statistics their own."""
+    n = math.prod(sh.param_shape)
+    if sh.rows * sh.r * (sh.rows * sh.r + 2 * n) <= FULL_JACOBIAN_MAX:
+        return call, ""
+    if sh.norm in ("layer", "rms"):
+        keep = min(FD_ROWS, sh.rows)
+        cut = lambda a: np.reshape(a, (sh.rows, *sh.normalized))[:keep]  # noqa: E731
+        return call.with_(x=cut(call.x), dy=cut(call.dy)), f" on rows 0-{keep - 1} of {sh.rows}"
+    return call.with_(x=call.x[:1], dy=call.dy[:1]), f" on sample 0 of {sh.shape[0]}"
 
 
 def _vs_fp64(a: KernelAdapter, rec: Any, run: CallRun, golden: Golden, tol: tuple[float, float], *,

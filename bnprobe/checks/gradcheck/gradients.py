@@ -280,14 +280,15 @@ class Jacobian(Protocol):
     def y_at(self, t: np.ndarray) -> np.ndarray: ...
 
 
-def jacobian_rows(jac: Jacobian, rng: np.random.Generator, full_max: int = FULL_JACOBIAN_MAX
-                  ) -> tuple[list[GradRow], str]:
+def jacobian_rows(jac: Jacobian, rng: np.random.Generator, full_max: int = FULL_JACOBIAN_MAX,
+                  param_columns: int | None = None) -> tuple[list[GradRow], str]:
     """The backward of ``jac`` against its central differences, a row per gradient: the full Jacobian when it has at
-    most ``full_max`` entries, else random projections and sampled entries (``rng``); and how, in words."""
+    most ``full_max`` entries, else random projections and sampled entries (``rng``; of the parameters' columns,
+    beyond x's, all or ``param_columns`` of them drawn); and how, in words."""
     m, p = jac.m, jac.p
     if m * p <= full_max:
         return _fd_full(jac), f"full Jacobian ({m} outputs x {p} inputs)"
-    return _fd_sampled(jac, rng), f"random projections and sampled entries ({m} outputs x {p} inputs)"
+    return _fd_sampled(jac, rng, param_columns), f"random projections and sampled entries ({m} outputs x {p} inputs)"
 
 
 def _fd_full(jac: Jacobian) -> list[GradRow]:
@@ -310,8 +311,9 @@ def _fd_full(jac: Jacobian) -> list[GradRow]:
     return rows
 
 
-def _fd_sampled(jac: Jacobian, rng: np.random.Generator) -> list[GradRow]:
-    """A large call: projections v^T J u on each block, and sampled entries J[j, i]."""
+def _fd_sampled(jac: Jacobian, rng: np.random.Generator, param_columns: int | None = None) -> list[GradRow]:
+    """A large call: projections v^T J u on each block, and sampled entries J[j, i] (every parameter's column, or
+    ``param_columns`` of them drawn: a LayerNorm's parameters are as many as its normalised values)."""
     rtol, atol, h = FINITE_DIFFERENCE["rtol"], FINITE_DIFFERENCE["atol"], jac.h
     m, p, theta = jac.m, jac.p, jac.theta
     rows = []
@@ -327,7 +329,9 @@ def _fd_sampled(jac: Jacobian, rng: np.random.Generator) -> list[GradRow]:
                          detail=f"{FD_PROJECTIONS} random projections"))
     js = rng.choice(m, size=min(FD_SAMPLED_ROWS, m), replace=False)
     ana_rows = {int(j): jac.row(int(j)) for j in js}
-    cols = np.concatenate([rng.choice(m, size=min(FD_SAMPLED_COLS, m), replace=False), np.arange(m, p)])
+    params = np.arange(m, p) if param_columns is None or p - m <= param_columns else \
+        m + rng.choice(p - m, size=param_columns, replace=False)
+    cols = np.concatenate([rng.choice(m, size=min(FD_SAMPLED_COLS, m), replace=False), params])
     a_e, n_e = [], []
     for i in cols:
         col = jac.column(int(i))
