@@ -16,6 +16,7 @@ import numpy as np
 
 from bnprobe.core.errors import BNProbeError
 from bnprobe.numerics.arith import Arith, Tally, as_carrier, fma_wide
+from bnprobe.numerics.rowwise import aten_sum
 
 __all__ = ["ORDERS", "COMBINES", "SCHEDULES", "THREAD_SPLITS", "Cores", "Rows", "reduce_sum", "tree_sum",
            "split_parts", "vec_dot", "plane_reduce", "thread_blocks", "thread_sum", "buffered_sum",
@@ -58,8 +59,11 @@ __all__ = ["ORDERS", "COMBINES", "SCHEDULES", "THREAD_SPLITS", "Cores", "Rows", 
 # the remaining values added in order; fewer than 16: in order
 # xla: XLA's CPU backend (jaxlib 0.10.2) reducing a channels-last call over every axis but the channels, one reduce
 # per sum (JAX's eager dispatch); it needs the call's shape (:class:`CallShape`) and is detailed in :func:`_xla`
+# aten: ATen's CPU sum over a row's contiguous values (at::sum, cascade_sum's inner reduction: PyTorch's RMSNorm),
+# the row's vectors of ``lanes`` read as groups of four, each position of the group a cascade of blocks, then a scalar
+# takes the values after the last vector and the lanes in order (bnprobe.numerics.rowwise.aten_sum)
 ORDERS: tuple[str, ...] = ("sequential", "pairwise", "lanes", "vec", "rowlanes", "eigen", "omp_simd", "inductor",
-                           "interleave4", "xla")
+                           "interleave4", "xla", "aten")
 #: inductor's config.unroll_reductions_threshold: reductions of fewer values become one unrolled scalar expression
 INDUCTOR_UNROLL_BELOW = 8
 #: inductor's float sums of more values than this use a CascadeSumHelper of chunks of this many updates
@@ -918,4 +922,8 @@ def _reduce_one(x: np.ndarray, acc: Arith, *, order: str, lanes: int, kahan: boo
         if kahan:
             raise BNProbeError("kahan compensation is not an option of order=xla (YNNPACK's own Kahan step is)")
         return _xla(x, acc, tally, shape)
+    if order == "aten":
+        if kahan:
+            raise BNProbeError("kahan compensation is not an option of order=aten")
+        return aten_sum(x, acc, lanes=lanes, tally=tally)
     raise BNProbeError(f"unknown reduction order {order!r}; valid: {', '.join(ORDERS)}")

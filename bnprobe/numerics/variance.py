@@ -16,6 +16,7 @@ from bnprobe.core.errors import BNProbeError
 from bnprobe.numerics import inductor
 from bnprobe.numerics.arith import Arith, Tally
 from bnprobe.numerics.reduce import CallShape, Cores, Rows, packet_split_sum, reduce_sum, thread_sum
+from bnprobe.numerics.rowwise import rowwise_moments
 
 __all__ = ["VARIANCES", "MEAN_BY", "StageValue", "Moments", "MomentsMethod", "Sums", "ThreadSums", "moments",
            "prescale_exponent", "INDUCTOR_TWO_PASS_MAX"]
@@ -23,7 +24,8 @@ __all__ = ["VARIANCES", "MEAN_BY", "StageValue", "Moments", "MomentsMethod", "Su
 # inductor: torch.compile's CPU var_mean (torch/_inductor/lowering.py, use_two_step_variance): two_pass when the count
 # is at most INDUCTOR_TWO_PASS_MAX and there is more than one channel, else inductor's chunked Welford
 # (bnprobe.numerics.inductor)
-VARIANCES: tuple[str, ...] = ("naive", "two_pass", "welford", "welford_ascend", "chan", "inductor")
+# rowwise: PyTorch CPU's RowwiseMoments (its LayerNorm and GroupNorm; bnprobe.numerics.rowwise.rowwise_moments)
+VARIANCES: tuple[str, ...] = ("naive", "two_pass", "welford", "welford_ascend", "chan", "inductor", "rowwise")
 #: inductor's config.cpp.use_two_step_variance_threshold
 INDUCTOR_TWO_PASS_MAX = 1024
 # divide: s / R, one rounding.  reciprocal: s * fl(1/R) (Ascend TBE).  prescaled: the addends are
@@ -59,7 +61,9 @@ class MomentsMethod:
     runs ``lanes`` updates side by side).  ``sum_format``: the format the naive and two-pass sums are carried in when
     wider than the accumulator (PyTorch's fp32 CPU kernel: double), each term rounded in the accumulator first; the
     mean is divided from the wide sum and rounded once, the sum of squared deviations is stored in the accumulator
-    before its division (PyTorch's ``var_sum``, a float)."""
+    before its division (PyTorch's ``var_sum``, a float).  ``rowwise`` reads ``lanes``, ``pack`` (the accumulator
+    vectors one load of the input fills: 2 for a 16-bit input) and ``fused`` (its scalar tail's M2 update by a fused
+    multiply-add)."""
 
     algorithm: str = "two_pass"
     order: str = "pairwise"
@@ -71,6 +75,8 @@ class MomentsMethod:
     unroll: int = 1
     cores: Cores = Cores()
     sum_format: str | None = None
+    pack: int = 1
+    fused: bool = False
 
 
 def prescale_exponent(count: int) -> int:
@@ -305,6 +311,15 @@ def _welford_inductor(x: np.ndarray, acc: Arith, stage: _Stages, method: Moments
     return _merged(x, acc, stage, (np.full(c, float(r)), mean, m2), t, mean_by)
 
 
+def _rowwise(x: np.ndarray, acc: Arith, stage: _Stages, method: MomentsMethod) -> _Result:
+    """PyTorch CPU's RowwiseMoments (:func:`~bnprobe.numerics.rowwise.rowwise_moments`), the variance M2 / count."""
+    c, r = x.shape
+    t = Tally(c)
+    mean, m2 = rowwise_moments(x, acc, lanes=method.lanes, pack=method.pack, fused_tail=method.fused,
+                               tally=t if acc.counting else None)
+    return _merged(x, acc, stage, (np.full(c, float(r)), mean, m2), t, method.mean_by)
+
+
 def _chan(x: np.ndarray, acc: Arith, stage: _Stages, tiles: int, red: dict, mean_by: str) -> _Result:
     """``tiles`` contiguous tiles, as on simulated cores, each two-pass, merged by Chan's formula."""
     c, r = x.shape
@@ -365,7 +380,8 @@ def moments(
     ``row`` may be a :class:`~bnprobe.numerics.reduce.Rows` saying where x's rows sit in memory (the ``eigen``
     order's aligned packets).
     ``inductor`` is torch.compile's choice between two_pass and its own Welford (:data:`VARIANCES`), which reads the
-    call's ``channels`` (default: the rows of x).
+    call's ``channels`` (default: the rows of x).  ``rowwise`` is PyTorch CPU's RowwiseMoments, each row of x
+    one contiguous row of its input.
     """
     algorithm, mean_by = method.algorithm, method.mean_by
     r = x.shape[1]
@@ -388,6 +404,8 @@ def moments(
             mean, var, wide, t = _welford_inductor(x, acc, stage, method, row)
         elif algorithm == "inductor":
             mean, var, wide, t = _two_pass(x, acc, stage, sums or Sums(acc, pre, red, wide), mean_by)
+        elif algorithm == "rowwise":
+            mean, var, wide, t = _rowwise(x, acc, stage, method)
         elif algorithm in ("welford", "welford_ascend"):
             mean, var, wide, t = _welford(x, acc, stage, algorithm, method.lanes, mean_by)
         else:  # chan
