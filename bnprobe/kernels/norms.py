@@ -30,7 +30,12 @@ backward); each row's statistics stay one thread's.
 
 The backward is the standard one of each: g = dy·γ; dx = rstd·(g − Σg/R − x̂·Σ(g·x̂)/R) per row (RMSNorm without
 Σg); dγ = Σ dy·x̂ and dβ = Σ dy over the values each parameter touches (the rows, for LayerNorm and RMSNorm; the
-samples and positions of its channel, for GroupNorm and InstanceNorm), in the accumulator format.
+samples and positions of its channel, for GroupNorm and InstanceNorm), in the accumulator format.  Or
+(``backward_formula=torch``) each layer's PyTorch CPU kernel as compiled: LayerNorm's dx = a·dy·γ + b·x + c with its
+per-thread dγ/dβ buffers (``family_threads``, ``param_buffer``), GroupNorm's per-channel then per-group sums,
+RMSNorm's autograd through its composite ops with ATen's sums (:mod:`bnprobe.numerics.rowwise`).  Their forwards
+are policies of the same fields: RowwiseMoments is ``variance=rowwise`` (``lanes``; ``variance_fma`` its fp16 tail),
+ATen's sum ``order=aten``.
 
 Arrays are float64 carriers of their formats inside; outputs are returned in their formats' numpy dtypes, the
 statistics per row (``(rows,)``), the parameters' gradients in γ's shape.
@@ -49,19 +54,22 @@ from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
 from bnprobe.kernels.batchnorm import KernelRun, RunSetting, per_count
 from bnprobe.kernels.layout import FAMILY, NormShape, check_eps
-from bnprobe.kernels.policy import Policy, get_policy
+from bnprobe.kernels.policy import BACKWARD_FORMULAS, Policy, get_policy
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.arith import Arith, Tally, fma_wide
 from bnprobe.numerics.reduce import buffered_sum, reduce_sum
+from bnprobe.numerics.rowwise import aten_column_sum, aten_sum, half_reduce, lane_sums, vec_reduce
 from bnprobe.numerics.variance import MomentsMethod, moments
 
 __all__ = ["FAMILY", "NormShape", "NormResult", "NormGradients", "forward", "backward", "check_family_policy"]
 
 # Policy fields whose choices are BatchNorm kernels' own (their backward formulas, thread splits, code paths,
 # inference forms): a family kernel is not run under a policy that sets one, rather than ignoring it
-_BATCHNORM_ONLY = ("backward_formula", "backward_fma", "backward_sums", "thread_split", "packet_lanes",
-                   "path_channels", "stored_stats", "core_parts", "dx_fma", "variance_fma", "infer_y_formula",
+_BATCHNORM_ONLY = ("backward_fma", "backward_sums", "thread_split", "packet_lanes",
+                   "path_channels", "stored_stats", "core_parts", "dx_fma", "infer_y_formula",
                    "infer_rsqrt", "backward_lanes")
+#: the backward formulas a family kernel runs: the standard one, or each layer's PyTorch CPU kernel (torch)
+FAMILY_BACKWARDS = ("standard", "torch")
 _DEFAULTS = {f.name: f.default for f in fields(Policy)}
 
 
@@ -72,7 +80,8 @@ def check_family_policy(pol: Policy) -> Policy:
             raise BNProbeError(f"policy {name}={getattr(pol, name)!r} is a BatchNorm kernel's choice: LayerNorm, "
                                "RMSNorm, GroupNorm and InstanceNorm are not run with it")
     bad = {"y_formula": ("affine_mr",), "sqrt": ("eigen_fast",), "order": ("xla", "inductor"),
-           "variance": ("inductor",), "mean_by": ("prescaled",)}
+           "variance": ("inductor",), "mean_by": ("prescaled",),
+           "backward_formula": tuple(f for f in BACKWARD_FORMULAS if f not in FAMILY_BACKWARDS)}
     for name, values in bad.items():
         if getattr(pol, name) in values:
             raise BNProbeError(f"policy {name}={getattr(pol, name)} is a BatchNorm kernel's choice: LayerNorm, "
@@ -126,6 +135,21 @@ class _Kernel:
                              RunSetting(keep_arrays=keep_arrays, counting=counters, row=shape.r, channels=shape.rows))
         self.params_n = math.prod(shape.param_shape)
         self.param_trace = Trace(self.params_n, keep_arrays, counted=counters)
+
+    @property
+    def pack(self) -> int:
+        """The accumulator vectors one vector load of x fills: 2 for a 16-bit x summed in a 32-bit accumulator (PyTorch
+        CPU's Vectorized<T> of a 16-bit T holds twice Vectorized<float>'s lanes), else 1."""
+        return 2 if get_format(self.pol.storage).itemsize == 2 and self.run.acc.fmt.itemsize == 4 else 1
+
+    def row_sum(self, a: np.ndarray, tally: Tally) -> np.ndarray:
+        """Σ of each row of ``a`` (``(rows, R)``, accumulator values) in the policy's order; ATen's (order=aten) split
+        across the policy's family_threads where it splits one long row."""
+        pol = self.pol
+        if pol.order == "aten":
+            return aten_sum(a, self.run.acc, lanes=pol.lanes, threads=pol.family_threads or 1,
+                            tally=tally if self.run.counting else None)
+        return self.run.reduce(a, tally)
 
     def record_param(self, name: str, ar: Arith, wide: np.ndarray, tally: Tally | None = None) -> np.ndarray:
         """Round a γ-shaped value in ``ar``'s format and record it in the parameters' trace."""
@@ -183,12 +207,13 @@ def forward(x: Any, gamma: Any = None, beta: Any = None, *, shape: NormShape, ep
             t = run.tally()
             sq = run.op("squares", acc, np.multiply, xa, xa, tally=t)
             t = run.tally()
-            s = run.rec("sum_squares", acc, run.reduce(sq, t), t)
+            s = run.rec("sum_squares", acc, k.row_sum(sq, t), t)
             var = run.rec("mean_square", acc, per_count(s, r, pol.mean_by, acc))
             mean = None
         else:
             method = MomentsMethod(pol.variance, pol.order, pol.lanes, pol.tiles, pol.kahan, pol.mean_by,
-                                   pol.clamp_var, pol.unroll, run.cores, pol.sum_format)
+                                   pol.clamp_var, pol.unroll, run.cores, pol.sum_format, pack=k.pack,
+                                   fused=pol.variance_fma)
             m = moments(xa, acc, method, rng=run.rng, row=run.order_rows(), wide_sums=run.trace.keep_arrays,
                         channels=shape.rows)
             for sv in m.stages:
@@ -289,30 +314,250 @@ def backward(dy: Any, x: Any, gamma: Any, mean: Any, rstd: Any, *, shape: NormSh
     with np.errstate(all="ignore"):
         dys = run.load("dy", shape.to_rows(dy), run.storage)
         xs = run.load("x", shape.to_rows(x), run.storage)
-        mu = None if mean is None else acc.round(run.param(np.asarray(mean, dtype=np.float64).reshape(-1)))
-        inv = _applied_rstd(k, acc.round(run.param(np.asarray(rstd, dtype=np.float64).reshape(-1))))
-        xc = run.cast("x_compute", xs, pol.storage, comp)
-        dyc = run.cast("dy_compute", dys, pol.storage, comp)
-        centered = xc if mu is None else run.op("centered", comp, np.subtract, xc, run.col(comp, mu))
-        xhat = run.op("xhat", comp, np.multiply, centered, run.col(comp, inv))
-        gdy = run.op("dy_gamma", comp, np.multiply, dyc, shape.expand(k.gamma(g, weight_offset)))
-        ga = run.cast("dy_gamma_acc", gdy, pol.compute, acc)
-        t = run.tally()
-        sum_gx = run.rec("sum_g_xhat", acc, run.reduce(ga, t, times=xhat), t)
-        t = run.tally()
-        d = comp.sub(gdy, comp.mul(xhat, run.col(comp, per_count(sum_gx, r, pol.mean_by, acc)), t), t)
-        if mu is not None:
-            t2 = run.tally()
-            sum_g = run.rec("sum_g", acc, run.reduce(ga, t2), t2)
-            d = comp.sub(d, run.col(comp, per_count(sum_g, r, pol.mean_by, acc)), t)
-        dx_c = run.op("dx_compute", comp, np.multiply, d, run.col(comp, inv), tally=t)
-        dx = run.output("dx", run.out, dx_c)
-        dya = run.cast("dy_acc", dys, pol.storage, acc)
+        # the statistics as the kernel reads them: in the format they were saved in
+        stats = run.params if pol.saved_format is None else Arith(pol.saved_format, pol.spec, run.rng,
+                                                                    counting=run.counting)
+        mu = None if mean is None else acc.round(stats.round(np.asarray(mean, dtype=np.float64).reshape(-1)))
+        inv = acc.round(stats.round(np.asarray(rstd, dtype=np.float64).reshape(-1)))
         params = run.params
-        dgamma = k.param_sum("dgamma", acc.mul(dya, acc.round(xhat)), params)
-        dbeta = None if shape.norm == "rms" else k.param_sum("dbeta", dya, params)
+        if pol.backward_formula == "torch":
+            # (γ as the caller's module holds it: offset + w formed in the parameters' format)
+            gw = run.param(g) if not weight_offset else params.round(params.round(weight_offset) + run.param(g))
+            dx, dgamma, dbeta = _torch_backward(k, dys, xs, gw, mu, inv)
+        else:
+            inv = _applied_rstd(k, inv)
+            xc = run.cast("x_compute", xs, pol.storage, comp)
+            dyc = run.cast("dy_compute", dys, pol.storage, comp)
+            centered = xc if mu is None else run.op("centered", comp, np.subtract, xc, run.col(comp, mu))
+            xhat = run.op("xhat", comp, np.multiply, centered, run.col(comp, inv))
+            gdy = run.op("dy_gamma", comp, np.multiply, dyc, shape.expand(k.gamma(g, weight_offset)))
+            ga = run.cast("dy_gamma_acc", gdy, pol.compute, acc)
+            t = run.tally()
+            sum_gx = run.rec("sum_g_xhat", acc, run.reduce(ga, t, times=xhat), t)
+            t = run.tally()
+            d = comp.sub(gdy, comp.mul(xhat, run.col(comp, per_count(sum_gx, r, pol.mean_by, acc)), t), t)
+            if mu is not None:
+                t2 = run.tally()
+                sum_g = run.rec("sum_g", acc, run.reduce(ga, t2), t2)
+                d = comp.sub(d, run.col(comp, per_count(sum_g, r, pol.mean_by, acc)), t)
+            dx_c = run.op("dx_compute", comp, np.multiply, d, run.col(comp, inv), tally=t)
+            dx = run.output("dx", run.out, dx_c)
+            dya = run.cast("dy_acc", dys, pol.storage, acc)
+            dgamma = k.param_sum("dgamma", acc.mul(dya, acc.round(xhat)), params)
+            dbeta = None if shape.norm == "rms" else k.param_sum("dbeta", dya, params)
     run.trace.meta.update(norm=shape.norm, mode="backward")
     pshape, dt = shape.param_shape, params.fmt.dtype
     return NormGradients(shape.from_rows(np.asarray(dx).astype(get_format(pol.storage).dtype)),
                          dgamma.astype(dt).reshape(pshape), None if dbeta is None else dbeta.astype(dt).reshape(pshape),
                          run.trace, k.param_trace)
+
+
+def _torch_backward(k: _Kernel, dys: np.ndarray, xs: np.ndarray, g: np.ndarray, mu: np.ndarray | None,
+                    inv: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """dx (in the storage format), dγ and dβ (in the parameters' format) as the layer's PyTorch CPU kernel computes
+    them (backward_formula=torch), from x and dy as stored, γ in the parameters' format and the saved statistics."""
+    run, pol, shape = k.run, k.pol, k.shape
+    acc = run.acc
+    if shape.norm == "instance":
+        raise BNProbeError("InstanceNorm's PyTorch kernel is BatchNorm's, run on the (1, N·C, ...) view: run "
+                           "BatchNorm's torch recipe on that view (backward_formula=torch is LayerNorm's, RMSNorm's "
+                           "and GroupNorm's here)")
+    xa = run.cast("x_acc", xs, pol.storage, acc)
+    dya = run.cast("dy_acc", dys, pol.storage, acc)
+    ga = np.asarray(acc.round(g), dtype=xa.dtype)
+    if shape.norm == "layer":
+        return _torch_layer_backward(k, dya, xa, ga, mu, inv)
+    if shape.norm == "group":
+        return _torch_group_backward(k, dya, xa, ga, mu, inv)
+    return _torch_rms_backward(k, dya, xa, ga, inv)
+
+
+def _col(v: np.ndarray, like: np.ndarray) -> np.ndarray:
+    """A per-row value as a column in ``like``'s carrier."""
+    return np.asarray(v, dtype=like.dtype)[:, None]
+
+
+def _fused(acc: Arith, a: np.ndarray, b: np.ndarray, c: np.ndarray, tally: Tally | None,
+           like: np.ndarray) -> np.ndarray:
+    """fma(a, b, c) rounded once in ``acc``, in ``like``'s carrier."""
+    return np.asarray(acc.round(fma_wide(*np.broadcast_arrays(a, b, c), native=acc.native), tally), dtype=like.dtype)
+
+
+def _dx_coefficients(k: _Kernel, ds: np.ndarray, db: np.ndarray, mu: np.ndarray, inv: np.ndarray,
+                     count: int, c_fuses: str) -> tuple[np.ndarray, np.ndarray]:
+    """PyTorch's b = (db·μ − ds)·rstd³/R and c = −b·μ − db·rstd/R as compiled: fl(1/R) a float, db·μ − ds one fused
+    multiply-subtract, the products left to right; c fuses its first product (``c_fuses`` "first": fma(−b, μ,
+    −fl(fl(db·rstd)·fl(1/R))), GCC's choice in LayerNorm's kernel) or its second ("second": fma(−fl(db·rstd),
+    fl(1/R), fl(−b·μ)), in GroupNorm's)."""
+    run = k.run
+    acc = run.acc
+    t = run.tally()
+    scale = acc.round(1.0 / float(acc.round(float(count))))
+    first = acc.round(fma_wide(db, mu, -ds), t)
+    b = acc.mul(acc.mul(acc.mul(acc.mul(first, inv, t), inv, t), inv, t), scale, t)
+    b = run.rec("dx_b", acc, b, t)
+    t = run.tally()
+    if c_fuses == "first":
+        c = acc.round(fma_wide(-b, mu, -acc.mul(acc.mul(db, inv, t), scale, t)), t)
+    else:
+        c = acc.round(fma_wide(-acc.mul(db, inv, t), scale, -acc.mul(b, mu, t)), t)
+    return b, run.rec("dx_c", acc, c, t)
+
+
+def _torch_layer_backward(k: _Kernel, dya: np.ndarray, xa: np.ndarray, ga: np.ndarray, mu: np.ndarray,
+                          inv: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """PyTorch CPU's LayerNorm backward (layer_norm_kernel.cpp).  Per row ds = Σ dy·x·γ and db = Σ dy·γ: for a float
+    x by at::vec's map3/map2_reduce_all (the masked last vector's products fused), for a 16-bit x with float γ by
+    LayerNorm's own loops (every product after the first vector fused; a short row's halves folded), for a 16-bit x
+    with 16-bit γ by at::vec's reduced-float functions (a short row's lanes added one by one).  dx =
+    fl(fma(b, x, fl(fl(rstd·dy)·γ)) + c) (dx_fuses=dy: fl(fma(fl(rstd·dy), γ, fl(b·x)) + c)) with
+    :func:`_dx_coefficients`.  dγ and dβ are accumulated row by row into one buffer per thread (family_threads, each
+    thread a contiguous block of rows) held in the param_buffer format — buf = fma(dy, fma(rstd, x, fl(−rstd·μ)),
+    buf) and buf + dy, computed in the accumulator and stored — and the buffers added in thread order from zero."""
+    run, pol = k.run, k.pol
+    acc, lanes = run.acc, pol.lanes
+    rows, r = xa.shape
+    gr = np.broadcast_to(np.asarray(ga, dtype=xa.dtype).reshape(1, -1), xa.shape)
+    t = run.tally()
+    tt = t if run.counting else None
+    if k.pack == 1:
+        ds = vec_reduce(acc.mul(dya, xa, tt), acc, lanes=lanes, times=gr, tally=tt)
+        db = vec_reduce(dya, acc, lanes=lanes, times=gr, tally=tt)
+    elif run.params.fmt.itemsize > get_format(pol.storage).itemsize:  # float γ: LayerNorm's own 16-bit loops
+        dg = acc.mul(dya, gr, tt)
+        ds = half_reduce(xa, acc, lanes=lanes, times=dg, tally=tt)
+        db = half_reduce(dg, acc, lanes=lanes, tally=tt)
+    else:  # 16-bit γ: at::vec's reduced-float map3_reduce_all / map2_reduce_all
+        ds = half_reduce(acc.mul(dya, xa, tt), acc, lanes=lanes, times=gr, short_fold=False, tally=tt)
+        db = half_reduce(dya, acc, lanes=lanes, times=gr, short_fold=False, tally=tt)
+    ds = run.rec("sum_dy_x_gamma", acc, ds, t)
+    db = run.rec("sum_dy_gamma", acc, db, run.tally())
+    b, c = _dx_coefficients(k, ds, db, mu, inv, r, "first")
+    t = run.tally()
+    tt = t if run.counting else None
+    direct = acc.mul(acc.mul(_col(inv, xa), dya, tt), gr, tt)
+    if pol.dx_fuses == "dy":
+        first = _fused(acc, acc.mul(_col(inv, xa), dya, tt), gr, acc.mul(_col(b, xa), xa, tt), tt, xa)
+    else:
+        first = _fused(acc, _col(b, xa), xa, direct, tt, xa)
+    dx_c = acc.add(first, _col(c, xa), tt)
+    dx = run.output("dx", run.out, run.rec("dx_compute", acc, dx_c, t))
+    # dγ and dβ: one buffer per thread, each a contiguous block of rows (at::parallel_for), advancing together
+    threads = pol.family_threads or 1
+    buf = acc if pol.param_buffer is None else Arith(pol.param_buffer, pol.spec, run.rng, counting=run.counting)
+    used = min(threads, rows)
+    chunk = -(-rows // used)
+    shift = acc.mul(-inv, mu)
+    bg = np.zeros((threads, r), dtype=xa.dtype)
+    bb = np.zeros((threads, r), dtype=xa.dtype)
+    starts = np.arange(threads) * chunk
+    for j in range(chunk):
+        idx = starts + j
+        live = (idx < rows) & (np.arange(threads) < used)
+        if not live.any():
+            break
+        i = np.minimum(idx, rows - 1)
+        inner = _fused(acc, _col(inv[i], xa), xa[i], _col(shift[i], xa), None, xa)
+        ng = np.asarray(buf.round(_fused(acc, dya[i], inner, bg, None, xa)), dtype=xa.dtype)
+        nb = np.asarray(buf.round(acc.add(bb, dya[i])), dtype=xa.dtype)
+        bg = np.where(live[:, None], ng, bg)
+        bb = np.where(live[:, None], nb, bb)
+    dgamma = np.zeros(r, dtype=xa.dtype)
+    dbeta = np.zeros(r, dtype=xa.dtype)
+    for th in range(threads):
+        dgamma, dbeta = acc.add(dgamma, bg[th]), acc.add(dbeta, bb[th])
+    params = run.params
+    return dx, k.record_param("dgamma", params, dgamma), k.record_param("dbeta", params, dbeta)
+
+
+def _torch_group_backward(k: _Kernel, dya: np.ndarray, xa: np.ndarray, ga: np.ndarray, mu: np.ndarray,
+                          inv: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """PyTorch CPU's GroupNorm backward (group_norm_kernel.cpp, contiguous x).  Per channel of each sample ds = Σ dy·x
+    and db = Σ dy over its positions: for a float x by at::vec's map2_reduce_all and reduce_all (no product fused),
+    for a 16-bit x by an accumulator vector from zero taking each vector's two halves (products fused), its lanes
+    then added in order from zero, then the positions left over.  Per group ds_g = Σ ds·γ and db_g = Σ db·γ over its
+    channels the same way (vectors of γ's width, products fused; with a float γ on one thread, or for a single group,
+    the channels after the last whole vector first four at a time with rounded products).
+    dx = fl(fma(c2, x, fl(fl(rstd·γ)·dy)) + c3) — dx_fuses=dy: fl(fma(fl(rstd·γ), dy, fl(c2·x)) + c3) — with c2, c3
+    as LayerNorm's b, c (:func:`_dx_coefficients`, R the group's channels times positions, c3's second product
+    fused).  dγ = Σ_n fma(fma(−db, μ, ds), rstd, ·) and dβ = Σ_n db, in sample order from zero."""
+    run, pol, shape = k.run, k.pol, k.shape
+    acc, lanes = run.acc, pol.lanes
+    n, ch = shape.shape[0], shape.shape[1]
+    groups = shape.groups or ch
+    d = ch // groups
+    hw = shape.r // d
+    planes_dy, planes_x = dya.reshape(n * ch, hw), xa.reshape(n * ch, hw)
+    t = run.tally()
+    tt = t if run.counting else None
+    if k.pack == 1:
+        ds = vec_reduce(planes_dy, acc, lanes=lanes, times=planes_x, fused_tail=False, tally=tt)
+        db = vec_reduce(planes_dy, acc, lanes=lanes, tally=tt)
+    else:
+        ds = lane_sums(planes_dy, acc, lanes=lanes, per_vector=2, times=planes_x, tally=tt)
+        db = lane_sums(planes_dy, acc, lanes=lanes, per_vector=2, tally=tt)
+    ds = np.asarray(ds, dtype=xa.dtype).reshape(n * groups, d)
+    db = np.asarray(db, dtype=xa.dtype).reshape(n * groups, d)
+    gg = np.broadcast_to(np.asarray(ga, dtype=xa.dtype).reshape(1, groups, d), (n, groups, d)).reshape(n * groups, d)
+    per_vector = 2 if run.params.fmt.itemsize == 2 and acc.fmt.itemsize == 4 else 1
+    # at::parallel_for runs its lambda inline when it has one group or one thread: GCC's copy of it there computes
+    # the channels left after the last whole vector four products at a time, rounded (a float γ only)
+    serial = (pol.family_threads or 1) == 1 or n * groups == 1
+    left = d % (lanes * per_vector)
+    rounded = left // 4 * 4 if serial and per_vector == 1 else 0
+    ds_g = run.rec("sum_ds_gamma", acc, lane_sums(ds, acc, lanes=lanes, per_vector=per_vector, times=gg,
+                                                  rounded_tail=rounded, tally=tt), t)
+    db_g = run.rec("sum_db_gamma", acc, lane_sums(db, acc, lanes=lanes, per_vector=per_vector, times=gg,
+                                                  rounded_tail=rounded, tally=tt), run.tally())
+    c2, c3 = _dx_coefficients(k, ds_g, db_g, mu, inv, shape.r, "second")
+    t = run.tally()
+    tt = t if run.counting else None
+    c1 = acc.mul(_col(inv, xa), gg, tt)  # (n·G, D): rstd·γ per channel
+    c1 = np.repeat(c1.reshape(-1, 1), hw, axis=1).reshape(xa.shape)
+    if pol.dx_fuses == "dy":
+        first = _fused(acc, c1, dya, acc.mul(_col(c2, xa), xa, tt), tt, xa)
+    else:
+        first = _fused(acc, _col(c2, xa), xa, acc.mul(c1, dya, tt), tt, xa)
+    dx_c = acc.add(first, _col(c3, xa), tt)
+    dx = run.output("dx", run.out, run.rec("dx_compute", acc, dx_c, t))
+    dsn, dbn = ds.reshape(n, ch), db.reshape(n, ch)
+    mun = np.repeat(np.asarray(mu, dtype=xa.dtype).reshape(n, groups), d, axis=1)
+    invn = np.repeat(np.asarray(inv, dtype=xa.dtype).reshape(n, groups), d, axis=1)
+    dgamma = np.zeros(ch, dtype=xa.dtype)
+    dbeta = np.zeros(ch, dtype=xa.dtype)
+    for i in range(n):
+        dev = _fused(acc, -dbn[i], mun[i], dsn[i], None, xa)
+        dgamma = _fused(acc, dev, invn[i], dgamma, None, xa)
+        dbeta = acc.add(dbeta, dbn[i])
+    params = run.params
+    return dx, k.record_param("dgamma", params, dgamma), k.record_param("dbeta", params, dbeta)
+
+
+def _torch_rms_backward(k: _Kernel, dya: np.ndarray, xa: np.ndarray, ga: np.ndarray,
+                        inv: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+    """PyTorch's RMSNorm backward on the CPU: autograd through rms_norm_composite's ops, each an ATen kernel rounding
+    once in the accumulator (x upcast): gu = fl(dy·γ); dx = fl(fl(gu·rstd) + fl(fl(fl(fl(−½·Σ gu·x)·fl(fl(rstd·rstd)·
+    rstd)) / R)·2x)), the row's Σ by ATen's sum (order=aten, :func:`~bnprobe.numerics.rowwise.aten_sum`); dγ = Σ over
+    the rows of fl(dy·fl(x·rstd)) by ATen's sum over leading dims
+    (:func:`~bnprobe.numerics.rowwise.aten_column_sum`), rounded to γ's format."""
+    run, pol = k.run, k.pol
+    acc, lanes = run.acc, pol.lanes
+    rows, r = xa.shape
+    gr = np.broadcast_to(np.asarray(ga, dtype=xa.dtype).reshape(1, -1), xa.shape)
+    rc = _col(inv, xa)
+    t = run.tally()
+    tt = t if run.counting else None
+    gu = acc.mul(dya, gr, tt)
+    direct = acc.mul(gu, rc, tt)
+    grad_r = run.rec("sum_gu_x", acc, aten_sum(acc.mul(gu, xa, tt), acc, lanes=lanes,
+                                                threads=pol.family_threads or 1, tally=tt), t)
+    cube = acc.mul(acc.mul(inv, inv), inv)
+    grad_ms = acc.mul(acc.mul(np.asarray(-0.5, dtype=xa.dtype), grad_r), cube)
+    per_value = acc.div(grad_ms, acc.round(float(r)))
+    t = run.tally()
+    tt = t if run.counting else None
+    through_mean = acc.mul(_col(per_value, xa), acc.mul(np.asarray(2.0, dtype=xa.dtype), xa, tt), tt)
+    dx = run.output("dx", run.out, run.rec("dx_compute", acc, acc.add(direct, through_mean, tt), t))
+    xhat = acc.mul(xa, rc)
+    dgamma = aten_column_sum(acc.mul(dya, xhat), acc, lanes=lanes)
+    return dx, k.record_param("dgamma", run.params, dgamma), None

@@ -17,7 +17,7 @@ from bnprobe.numerics.variance import MEAN_BY, VARIANCES
 __all__ = ["Policy", "PRESETS", "get_policy", "Y_FORMULAS", "RSQRT_METHODS", "BACKWARD_FORMULAS", "SQRT_METHODS",
            "DIVISIONS", "RECIP_METHODS",
            "RUNNING_MOMENTA", "RUNNING_VARS", "UNBIASED_BY", "BACKWARD_FMAS", "BACKWARD_SUMS", "DX_FMAS", "PATHS",
-           "CAST_POINTS", "FAMILY_ONLY"]
+           "CAST_POINTS", "FAMILY_ONLY", "DX_FUSES"]
 
 # How y is formed from the statistics:
 #   xhat   : xhat = (x - mean) * rstd; y = gamma * xhat + beta
@@ -49,7 +49,10 @@ RECIP_METHODS: tuple[str, ...] = ("exact", "magic", "table", "frecpe")
 # format first (bnprobe.kernels.norms)
 CAST_POINTS: tuple[str, ...] = ("after_gamma", "before_gamma")
 # the fields only a family layer reads: a BatchNorm kernel is not run with them set
-FAMILY_ONLY: tuple[str, ...] = ("cast_point", "offset_format", "eps_format", "rstd_cast", "grad_sum_format")
+FAMILY_ONLY: tuple[str, ...] = ("cast_point", "offset_format", "eps_format", "rstd_cast", "grad_sum_format",
+                                "family_threads", "param_buffer", "dx_fuses")
+# which product of dx = c1·dy + c2·x + c3 a family layer's PyTorch CPU backward fuses into the first addition
+DX_FUSES: tuple[str, ...] = ("x", "dy")
 # standard : dx = gamma*rstd*(dy - mean(dy) - xhat*mean(dy*xhat))
 # ascend   : dx = (dy + mult*x + addend) * gamma/sigma, mult = -(dgamma/R)/sigma,
 #            addend = (mean/sigma)(dgamma/R) - dbeta/R   (BNTrainingReduceGrad)
@@ -212,7 +215,8 @@ class Policy:
     # by sample, as oneDNN's C++ loop (samples) and JIT kernel (samples_spatial) deal them
     thread_split: str = "rows"
     # the threads' Σ(x − mean)² (and naive Σx²) accumulated by fused multiply-adds, s = fma(d, d, s) (GCC contracts
-    # PyTorch's `y + (x − mean)·(x − mean)`); needs threads
+    # PyTorch's `y + (x − mean)·(x − mean)`); needs threads — or, with variance=rowwise, RowwiseMoments' scalar tail
+    # m2 += δ·(x − m1) by a fused multiply-add (GCC contracts it in PyTorch's fp16 kernel, not its fp32 and bf16 ones)
     variance_fma: bool = False
     dx_fma: str = "all"  # DX_FMAS (backward_formula=torch)
     # how inference forms 1/sqrt(var + eps) when not as training does (Paddle trains with sqrt(1/(var + eps)) and
@@ -237,13 +241,27 @@ class Policy:
     # the policy's order; with threads each thread's buffer, every addition formed in accumulate and rounded to it,
     # the buffers then added in thread order in accumulate.  None = accumulate
     grad_sum_format: str | None = None
+    # the threads a family layer's PyTorch CPU kernel runs on (torch.get_num_threads()), where its numbers depend on
+    # them: LayerNorm's backward (backward_formula=torch) accumulates dγ and dβ row by row in one buffer per thread
+    # (each thread a contiguous block of rows, at::parallel_for), the buffers then added in thread order; ATen's sum
+    # of one row of at least 32768 values (order=aten) is split across them; GroupNorm's backward runs another
+    # compiled copy of its per-group loop on one thread.  None = one thread
+    family_threads: int | None = None
+    # the format LayerNorm's per-thread dγ and dβ buffers hold (backward_formula=torch; PyTorch: x's format, so a 16-bit
+    # input rounds each row's update to 16 bits); None = the accumulator
+    param_buffer: str | None = None
+    # which product a family layer's PyTorch CPU backward (backward_formula=torch) fuses into dx's first addition,
+    # dx = c1·dy + c2·x + c3 (DX_FUSES): GCC fuses b·x in LayerNorm's kernel and in GroupNorm's fp16 one,
+    # (rstd·γ)·dy in GroupNorm's fp32 and bf16 ones
+    dx_fuses: str = "x"
     seed: int = 0  # drives stochastic rounding
 
     def __post_init__(self) -> None:
         for attr in ("storage", "compute", "accumulate"):
             object.__setattr__(self, attr, get_format(getattr(self, attr)).name)
         for attr in ("params", "running_format", "rstd_format", "sum_format", "saved_format",
-                     "running_var_sum", "offset_format", "eps_format", "rstd_cast", "grad_sum_format"):
+                     "running_var_sum", "offset_format", "eps_format", "rstd_cast", "grad_sum_format",
+                     "param_buffer"):
             if getattr(self, attr) is not None:
                 object.__setattr__(self, attr, get_format(getattr(self, attr)).name)
         choices = {
@@ -255,6 +273,7 @@ class Policy:
             "infer_y_formula": (None,) + Y_FORMULAS, "unbiased_by": UNBIASED_BY, "backward_fma": BACKWARD_FMAS,
             "backward_sums": BACKWARD_SUMS, "dx_fma": DX_FMAS, "thread_split": THREAD_SPLITS,
             "channel_path": tuple(PATHS), "infer_rsqrt": (None,) + RSQRT_METHODS, "cast_point": CAST_POINTS,
+            "dx_fuses": DX_FUSES,
         }
         for attr, valid in choices.items():
             if getattr(self, attr) not in valid:
@@ -300,8 +319,11 @@ class Policy:
         if self.dx_fma in ("body", "tail") and self.threads is None:
             raise BNProbeError(f"policy dx_fma={self.dx_fma} names the channels of a row split across threads: give "
                                "threads")
-        if self.variance_fma and self.threads is None:
-            raise BNProbeError("policy variance_fma fuses the threads' sums of squares: give threads")
+        if self.variance_fma and self.threads is None and self.variance != "rowwise":
+            raise BNProbeError("policy variance_fma fuses the threads' sums of squares (or, with variance=rowwise, "
+                               "RowwiseMoments' scalar tail): give threads or variance=rowwise")
+        if self.family_threads is not None and not 1 <= self.family_threads <= 4096:
+            raise BNProbeError(f"policy family_threads must be 1 to 4096 (or none), got {self.family_threads}")
         if self.backward_fma != "none" and self.order != "vec" and self.backward_sums != "plane_reduce" and \
                 not (self.threads and self.backward_fma == "all"):
             raise BNProbeError("policy backward_fma fuses the lanes of order=vec or of backward_sums=plane_reduce (or, "
@@ -336,7 +358,7 @@ class Policy:
                        subnormals="keep", kahan=False, rsqrt="sqrt_div" if self.rsqrt == "sqrt_div" else "exact",
                        sqrt="exact", division="exact", clamp_var=False, core_combine="ordered",
                        running_format=None, rstd_format=None, sum_format=None, saved_format=None, running_var_sum=None,
-                       variance_fma=False, infer_rsqrt=None)
+                       variance_fma=False, infer_rsqrt=None, param_buffer=None)
 
     def for_channels(self, channels: int) -> Policy:
         """The policy a call with ``channels`` channels runs: this one, or, when ``path_channels`` divides the count,

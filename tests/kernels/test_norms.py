@@ -243,8 +243,10 @@ def test_a_shape_that_does_not_fit_is_refused_in_one_line(norm, shape, kw, says)
 
 def test_a_policy_choice_of_the_other_kernel_is_refused() -> None:
     sh = NormShape.of("layer", (2, 8))
-    with pytest.raises(BNProbeError, match="backward_formula=.torch. is a BatchNorm kernel's choice"):
-        forward(np.ones((2, 8)), shape=sh, policy="fp16:backward_formula=torch")
+    with pytest.raises(BNProbeError, match="backward_formula=ascend is a BatchNorm kernel's choice"):
+        forward(np.ones((2, 8)), shape=sh, policy="fp16:backward_formula=ascend")
+    with pytest.raises(BNProbeError, match="thread_split='samples' is a BatchNorm kernel's choice"):
+        forward(np.ones((2, 8)), shape=sh, policy="fp16:threads=2,order=sequential,thread_split=samples")
     with pytest.raises(BNProbeError, match="cast_point=before_gamma is a LayerNorm/RMSNorm/GroupNorm/InstanceNorm"):
         forward_train(np.ones((2, 3, 4)), policy="fp16:cast_point=before_gamma")
 
