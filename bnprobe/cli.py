@@ -1067,8 +1067,8 @@ def _doctor_layer(layer: Norm, target: Kernel, bn: Call, gen: Generated, src: So
     return _show(doctor_report(rep), sink, report.as_json)
 
 
-@_command("identify", order="adapter dtype params input shape dist mean std seed eps momentum calls out force "
-                            "as_json")
+@_command("identify", order="adapter dtype norm groups params input shape normalized_shape dist mean std seed eps "
+                            "momentum calls out force as_json")
 def identify_cmd(
     target: Kernel = Kernel.use("adapter", "dtype",
                                 adapter=dict(default="torch", help="The black-box kernel: an adapter (torch, "
@@ -1082,11 +1082,13 @@ def identify_cmd(
     gen: Generated = Generated.use(shape="Shape N,C[,...] of one more input to confirm the recipe on, generated "
                                          "from --dist, --mean, --std and --seed."),
     report: Output = Output.use(),
+    layer: Norm = Norm.use(),
 ) -> int:
     """How a black-box kernel computes: the policy (emulated:<spec>) that reproduces its every output bit for bit,
     searched stage by stage on designed probes and confirmed on fresh inputs; the fields the probes could not tell
-    apart, and where no policy reproduces it, the closest and the stage where it departs. Exit 0 when every output
-    it returns is reproduced bit for bit, 1 when not."""
+    apart, and where no policy reproduces it, the closest and the stage where it departs. --norm layer, rms or
+    group: the same for that layer's kernel. Exit 0 when every output it returns is reproduced bit for bit, 1 when
+    not."""
     from bnprobe._progress import Progress
     from bnprobe.checks.identify.search import identify
     from bnprobe.engine.recorded import check_options, given, is_dump_path, recording_of
@@ -1109,6 +1111,10 @@ def identify_cmd(
         raise BNProbeError(f"--input and the dump adapter {adapter} both give the inputs: a dump runs on its own "
                            "recorded inputs; drop --input")
     sink = report.sink()
+    if layer.norm != "batch":
+        return _show(identify_report(_identify_layer(layer, target, bn, src, gen)), sink, as_json)
+    if layer.normalized_shape is not None:
+        raise BNProbeError("--normalized-shape applies to --norm layer and rms")
     (adapter,), input, eps, momentum = _dump_scalars([adapter], input, bn.eps, bn.momentum)
     progress = Progress("identify")
     recorded = recording_of(adapter, None if tensor is not None else input, calls, guard="identify")
@@ -1124,6 +1130,50 @@ def identify_cmd(
     res = identify(adapter, target.dtype, params=bn.params, x=x, seed=gen.seed, eps=eps, progress=progress,
                    **_if_given(momentum=momentum))
     return _show(identify_report(res), sink, as_json)
+
+
+def _identify_layer(layer: Norm, target: Kernel, bn: Call, src: Source, gen: Generated) -> Any:
+    """identify --norm layer|rms|group: the family's search on a runnable kernel (its own probes; --input or --shape
+    one more input to confirm on, normalised as --normalized-shape says)."""
+    import numpy as np
+
+    from bnprobe._progress import Progress
+    from bnprobe.checks.identify.family import identify_family
+    from bnprobe.core.call import NORM_NAMES, BNCall
+    from bnprobe.engine.recorded import given, is_dump_path
+    from bnprobe.inputs import input_tensor
+
+    name = NORM_NAMES[layer.norm]
+    if target.adapter.startswith("dump:") or (src.input is not None and is_dump_path(src.input)):
+        raise BNProbeError(f"identify --norm {layer.norm} searches a runnable kernel on its own probes: a dump's "
+                           f"{name} calls are not searched (give --adapter torch, a plugin...)")
+    if src.calls is not None:
+        raise BNProbeError("--calls selects recorded calls: give a dump (--adapter dump:DIR or --input DIR)")
+    if bn.momentum is not None:
+        raise BNProbeError(f"--momentum applies to BatchNorm's running statistics: {name} has none")
+    generating = given(shape=gen.shape, dist=gen.dist, mean=gen.mean, std=gen.std)
+    if src.input is not None and generating:
+        raise BNProbeError(f"{', '.join(generating)} make an input of their own: they do not apply to --input "
+                           f"{src.input}; drop one")
+    if generating and gen.shape is None:
+        raise BNProbeError(f"{', '.join(generating)} describe a generated input: give its --shape too")
+    extra = []
+    if src.input is not None or gen.shape is not None:
+        from bnprobe.kernels.layout import NormShape
+
+        x = input_tensor("identify", src.input, gen.shape, gen.dist, gen.mean, gen.std, gen.seed)
+        sh = NormShape.of(layer.norm, x.shape, layer.dims(), layer.groups)
+        rng = np.random.default_rng([gen.seed or 0, 5])
+        extra.append(BNCall(x, gamma=rng.uniform(0.3, 3.0, sh.param_shape),
+                            beta=None if layer.norm == "rms" else rng.normal(0.0, 1.0, sh.param_shape),
+                            dy=rng.standard_normal(x.shape), eps=bn.eps if bn.eps is not None else 1e-5,
+                            dtype=target.dtype or "fp16", params=bn.params or "fp32", norm=layer.norm,
+                            normalized_shape=layer.dims(), groups=layer.groups))
+    elif layer.normalized_shape is not None:
+        raise BNProbeError("--normalized-shape says how your input (--input or --shape) is normalised: give one "
+                           "(identify's own probes choose their rows)")
+    return identify_family(target.adapter, layer.norm, target.dtype, params=bn.params, seed=gen.seed or 0,
+                           eps=bn.eps, groups=layer.groups, extra=extra, progress=Progress("identify"))
 
 
 @_command("shrink", order="adapter dtype params mode predicate input calls shape dist mean std seed seconds "

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from bnprobe._table import render_table
+from bnprobe.core.call import NORM_NAMES
 from bnprobe.engine.result import OfCalls
 from bnprobe.reports import Report, file_stem
 
@@ -56,7 +57,8 @@ def identify_report(res: Identified | IdentifiedCalls) -> Report:
     call's outputs)."""
     if isinstance(res, OfCalls):
         return _identified_calls(res)
-    title = _title(res, f"{res.adapter} in {res.dtype}, params {res.params}")
+    layer = "" if res.norm == "batch" else f" {NORM_NAMES[res.norm]}"
+    title = _title(res, f"{res.adapter}{layer} in {res.dtype}, params {res.params}")
     blocks = _blocks(res)
     for lay, other in res.layouts.items():  # (a layout the kernel computes another way: its own search)
         if other.own is not None:

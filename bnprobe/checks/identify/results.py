@@ -82,6 +82,7 @@ class Identified(Judged):
     label: str = ""
     layouts: dict[str, LayoutResult] = field(default_factory=dict)  # each other layout probed: its result
     departing_probes: list[str] = field(default_factory=list)  # the probes whose outputs show the departure
+    norm: str = "batch"  # the layer identified (BatchNorm, or LayerNorm, RMSNorm, GroupNorm: identify --norm)
 
     @property
     def departing(self) -> list[OutputMatch]:
@@ -152,7 +153,8 @@ class Identified(Judged):
         return f"departs from the policy space at the {self.departs} stage: {self.departure()}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"adapter": self.adapter, "label": self.label, "dtype": self.dtype, "params": self.params,
+        layer = {} if self.norm == "batch" else {"norm": self.norm}  # (BatchNorm's result as it always was)
+        return {"adapter": self.adapter, **layer, "label": self.label, "dtype": self.dtype, "params": self.params,
                 "policy": self.spec, "policy_fields": {k: v for k, v in self.policy.to_dict().items() if k != "name"},
                 "reproduced": self.reproduced, "departs": self.departs,
                 "closest": self.spec if self.departs is not None and self.close else None,
