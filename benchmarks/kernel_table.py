@@ -4,7 +4,7 @@ and doctor read to name a real kernel's failures by its recipe) and as a docs pa
 both stay what the search finds — re-run it after a change to the policy space or a new framework version.
 
     python benchmarks/kernel_table.py [--kernels torch,torch-compile,onnxruntime] [--python jax=VENV/bin/python]
-                                      [--shape 8,16,14,14] [--write] [--update] [--render]
+                                      [--shape 8,16,14,14] [--write] [--update] [--render] [--family]
 
 Each framework's kernels run in the interpreter that has the framework: here when it is importable, otherwise in
 the one given by ``--python NAME=PYTHON`` (repeatable; NAME an adapter or a framework extra: jax, tensorflow,
@@ -13,7 +13,9 @@ paddle, mindspore), which runs this script there for those rows — the framewor
 install that would run it; nothing is guessed for it.  Without --write the table is printed; each row is printed
 to stderr as soon as it is measured (identify takes up to a minute per kernel and format on 2 cores).  With --update
 the kernels run replace their rows of the written data and the others' are kept (made on the same machine, versions
-and shape, or it refuses).
+and shape, or it refuses).  The table's second section is the normalisation family's (LayerNorm, RMSNorm, GroupNorm:
+identify --norm on :data:`FAMILY_KERNELS`); ``--family`` re-measures that section alone and keeps the BatchNorm rows
+(made on the same machine, or it refuses).
 """
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ KERNELS = (
     ("paddle", ("fp32",), "same"),
     ("mindspore", ("fp32", "fp16"), "fp32"),
 )
+
+#: (adapter, layers, formats, params): the normalisation family's kernels, in its section's order
+FAMILY_KERNELS = (
+    ("torch", ("layer", "rms", "group"), ("fp32", "fp16", "bf16"), "fp32"),
+)
+#: the groups of the GroupNorm probes the family section is measured on
+FAMILY_GROUPS = 2
 
 #: the packages whose releases the table records (a kernel's bits change with its framework's release)
 PACKAGES = ("bnprobe", "torch", "onnxruntime", "jax", "flax", "tensorflow", "keras", "paddlepaddle", "mindspore")
@@ -112,6 +121,70 @@ def row(adapter: str, fmt: str, params: str, shape: str | None = None) -> dict:
     return out
 
 
+def family_row(adapter: str, norm: str, fmt: str, params: str) -> dict:
+    """identify --norm ``norm`` on one kernel and format: its recipe or its departure, and the time it took."""
+    from bnprobe.adapters.registry import BUILTIN
+    from bnprobe.core.errors import BNProbeError
+
+    base = {"kernel": adapter, "norm": norm, "format": fmt, "params": params}
+    why = BUILTIN[adapter].why_unavailable()
+    if why:
+        return {**base, "result": "not run", "why": why}
+    from bnprobe.checks.identify.family import identify_family
+
+    t = time.perf_counter()
+    try:
+        res = identify_family(adapter, norm, fmt, params=params, groups=FAMILY_GROUPS if norm == "group" else None)
+    except BNProbeError as exc:
+        return {**base, "result": "not run", "why": str(exc)}
+    return {**base, "result": "reproduced" if res.reproduced else "departs",
+            "recipe": res.spec if res.reproduced or res.close else None,
+            "departs": res.departs, "departure": None if res.reproduced else res.departure(),
+            "departing": [o.output for o in res.departing],
+            "departure_size": None if res.reproduced else res.departure_size(),
+            "outputs": [o.output for o in res.outputs],
+            "undistinguished": [f"{u.stage}: {u.chosen} or {' | '.join(u.alternatives)}" for u in res.undistinguished],
+            "seconds": round(time.perf_counter() - t, 1)}
+
+
+def family_rows() -> list[dict]:
+    """The family section's rows (:data:`FAMILY_KERNELS`), each printed to stderr as it is measured."""
+    rows = []
+    for adapter, norms, fmts, params in FAMILY_KERNELS:
+        for norm in norms:
+            for fmt in fmts:
+                rows.append(family_row(adapter, norm, fmt, params))
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def _render_family(rows: list[dict]) -> list[str]:
+    """The family section of the page."""
+    from bnprobe.core.call import NORM_NAMES
+
+    intro = ("identify --norm on the LayerNorm, RMSNorm and GroupNorm kernels: the family's own search (its "
+             "statistics' algorithm and lanes, ε's format and the inverse root, the saved statistics' format, y's "
+             "formula, the backward's formula, threads and buffers; see [the normalisation family](norms.md)), on "
+             f"designed probes (GroupNorm's with {FAMILY_GROUPS} groups) and confirmed on fresh inputs. The fields "
+             "the probes could not tell apart are listed beside each recipe: each alternative reproduced every "
+             "output as well.")
+    lines = ["", "## LayerNorm, RMSNorm, GroupNorm", "", *textwrap.wrap(intro, 116), "",
+             "| kernel | layer | format | params | found | recipe or departure | not told apart | identify s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        layer = NORM_NAMES[r["norm"]]
+        if r["result"] == "not run":
+            lines.append(f"| {r['kernel']} | {layer} | {r['format']} | {r['params']} | not run | {r['why']} | | |")
+            continue
+        what = f"`{r['recipe']}`" if r["result"] == "reproduced" else (
+            f"departs at {r['departs']}: " + (f"closest `{r['recipe']}` ({', '.join(r['departing'])}: "
+                                              f"{r['departure_size']})" if r["recipe"] else r["departure"]))
+        ties = "; ".join(r["undistinguished"]) or "-"
+        lines.append(f"| {r['kernel']} | {layer} | {r['format']} | {r['params']} | {r['result']} | {what} | "
+                     f"{ties} | {r['seconds']:g} |")
+    return lines
+
+
 def _vs_careful_cell(r: dict) -> str:
     vs = r.get("vs_careful")
     if not vs:
@@ -158,6 +231,8 @@ def render(doc: dict) -> str:
                   "| kernel | format | running var | saved | vs careful bench |", "| --- | --- | --- | --- | --- |"]
         lines += [f"| {r['kernel']} | {r['format']} | {r['running_var']} | {r['saved']} | {_vs_careful_cell(r)} |"
                   for r in ran]
+    if doc.get("family_rows"):
+        lines += _render_family(doc["family_rows"])
     return "\n".join(lines) + "\n"
 
 
@@ -215,6 +290,7 @@ def main() -> None:
     ap.add_argument("--write", action="store_true", help="write the table's data and docs/kernels.md")
     ap.add_argument("--update", action="store_true", help="with --write: replace only the rows of --kernels")
     ap.add_argument("--render", action="store_true", help="only re-make docs/kernels.md from the table's data")
+    ap.add_argument("--family", action="store_true", help="re-measure only the normalisation family's section")
     ap.add_argument("--rows-to", help=argparse.SUPPRESS)  # (how a --python run answers: its rows as JSON there)
     args = ap.parse_args()
     from bnprobe._files import atomic_write_text as write_text
@@ -222,6 +298,9 @@ def main() -> None:
     if args.render:
         write_text(PAGE, render(json.loads(DATA.read_text())))
         print(f"wrote {PAGE} from {DATA}")
+        return
+    if args.family:
+        _family_only(args.write, write_text)
         return
     wanted = [k.strip() for k in args.kernels.split(",") if k.strip()]
     unknown = sorted(set(wanted) - {k for k, _, _ in KERNELS})
@@ -251,6 +330,8 @@ def main() -> None:
     cpu = torch.backends.cpu.get_cpu_capability()
     doc = {"machine": f"{platform.machine()} ({cpu}), {torch.get_num_threads()} threads",
            "versions": ", ".join(found), "shape": args.shape, "rows": rows}
+    if not args.update and "torch" in wanted:  # (a whole table re-measures the family's section too)
+        doc["family_rows"] = family_rows()
     if args.update:
         old = json.loads(DATA.read_text())
         # (a run of some kernels sees only their frameworks' versions: each must be one the table was made with)
@@ -261,7 +342,29 @@ def main() -> None:
         doc["versions"] = old["versions"]
         new = {(r["kernel"], r["format"]): r for r in rows}
         doc["rows"] = [new.get((r["kernel"], r["format"]), r) for r in old["rows"]]
+        if "family_rows" in old:
+            doc["family_rows"] = old["family_rows"]
     if args.write:
+        write_text(DATA, json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+        write_text(PAGE, render(doc))
+        print(f"wrote {PAGE} and {DATA}")
+    else:
+        print(render(doc))
+
+
+def _family_only(write: bool, write_text) -> None:  # noqa: ANN001 - bnprobe._files.atomic_write_text
+    """--family: the family's section measured again, the BatchNorm rows kept (the same machine, or it refuses)."""
+    import torch
+
+    doc = json.loads(DATA.read_text())
+    cpu = torch.backends.cpu.get_cpu_capability()
+    machine = f"{platform.machine()} ({cpu}), {torch.get_num_threads()} threads"
+    here = [v for v in versions() if v.split()[0] in ("bnprobe", "torch")]
+    if doc.get("machine") != machine or any(v not in doc.get("versions", "").split(", ") for v in here):
+        sys.exit(f"kernel_table: --family on another machine or versions than the table's ({doc.get('machine')}; "
+                 f"{doc.get('versions')}): re-make the whole table")
+    doc["family_rows"] = family_rows()
+    if write:
         write_text(DATA, json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
         write_text(PAGE, render(doc))
         print(f"wrote {PAGE} and {DATA}")

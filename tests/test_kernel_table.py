@@ -28,6 +28,38 @@ def test_the_page_is_the_script_s_rendering_of_its_data():
         assert r["result"] in ("reproduced", "departs", "not run")
         if r["result"] == "departs":  # a departure is said in words; a recipe beside it only when close
             assert r["departure"].startswith("no recipe in the space reproduces") and r["departure_size"]
+    family = {(r["kernel"], r["norm"], r["format"]) for r in doc["family_rows"]}
+    assert family == {(k, n, f) for k, norms, fmts, _ in kernel_table.FAMILY_KERNELS for n in norms for f in fmts}
+
+
+def test_the_family_s_recipes_reproduce_torch_on_inputs_identify_never_saw():
+    """Each recipe of the family's section, run as emulated:<recipe>, against torch on shapes neither identify's
+    probes nor its fresh inputs have (where the table was made with this torch)."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    from bnprobe.adapters import get_adapter
+    from bnprobe.core.call import BNCall
+    from bnprobe.engine.run import generated_call, run_call
+
+    doc = json.loads(kernel_table.DATA.read_text())
+    if f"torch {torch.__version__}" not in doc["versions"]:
+        pytest.skip(f"the table was made with other versions ({doc['versions']})")
+    rng = np.random.default_rng(77)
+    for r in doc["family_rows"]:
+        assert r["result"] == "reproduced", r
+        shape = (6, 3, 70) if r["norm"] != "group" else (3, 10, 21)
+        pshape = shape[-1:] if r["norm"] != "group" else shape[1:2]
+        call = BNCall(rng.standard_normal(shape) * 0.2 + 40.0, gamma=rng.uniform(0.5, 2, pshape),
+                      beta=None if r["norm"] == "rms" else rng.normal(0, 1, pshape), dy=rng.standard_normal(shape),
+                      dtype=r["format"], params=r["params"], norm=r["norm"],
+                      groups=kernel_table.FAMILY_GROUPS if r["norm"] == "group" else None)
+        rec = generated_call(call, modes=("train", "backward"), label="unseen")
+        want = run_call(get_adapter(r["kernel"]), rec, quiet=True, skip_missing=True).got
+        got = run_call(get_adapter(f"emulated:{r['recipe']}"), rec, quiet=True, skip_missing=True).got
+        for k in want:
+            assert np.array_equal(np.asarray(got[k], dtype=np.float64), np.asarray(want[k], dtype=np.float64)), \
+                (r["norm"], r["format"], k)
 
 
 @pytest.mark.slow

@@ -70,7 +70,8 @@ FAMILY_FIELD_PROBES = {
     "y_formula": "a large mean with γ not a power of two", "fma": "a large mean with γ not a power of two",
     "cast_point": "y whose rounding before γ shows",
     "backward_formula": "dy with a mean per row, a large mean in x",
-    "family_threads": "more rows than threads (LayerNorm's dγ/dβ buffers), a single group (GroupNorm)",
+    "family_threads": "more rows than threads (LayerNorm's dγ/dβ buffers), a single group (GroupNorm), a row of "
+                      "32768 values or more (RMSNorm's sums)",
     "param_buffer": "a 16-bit input over many rows (dγ/dβ buffers rounded per row)",
     "dx_fuses": "dx that cancels (a large mean over a tiny spread)",
 }
@@ -97,6 +98,8 @@ def family_probes(norm: str, fmt: str, params: str, *, seed: int = 0, eps: float
     if norm in ("layer", "rms"):
         shapes = [(9, 777), (12, 45), (5, 3)] if fresh else \
             [(24, 5), (16, 13), (12, 37), (9, 300), (2, 2067), (64, 11)]
+        if norm == "rms" and not fresh:  # (ATen splits the sum of one row of 32768 values or more across threads)
+            shapes.append((1, 40000))
     else:
         shapes = [(3, 7 * g, 50), (1, 11 * g, 9)] if fresh else \
             [(4, 3 * g, 37), (3, 10 * g, 13), (6, 6 * g, 20), (2, 20 * g, 3), (1, 4 * g, 60)]
@@ -221,8 +224,9 @@ def _spaces(norm: str, fmt: str, pf: str) -> dict[str, Callable[[Policy], Iterat
     def rsqrt(cur: Policy) -> Iterator[dict[str, Any]]:
         orders: tuple[dict[str, Any], ...] = ({},)
         if norm == "rms":
-            orders = ({"order": "aten", "lanes": 8}, {"order": "aten", "lanes": 16}, {"order": "pairwise"},
-                      {"order": "sequential"}, {"order": "vec", "lanes": 8})
+            orders = (*({"order": "aten", "lanes": lanes, "family_threads": t} for lanes in (8, 16)
+                        for t in THREADS_TRIED),
+                      {"order": "pairwise"}, {"order": "sequential"}, {"order": "vec", "lanes": 8})
         clamps = (False,) if norm == "rms" else (False, True)
         saved = (None, *(f for f in dict.fromkeys((fmt, "fp32")) if f != pf))
         for o, (r, wide), clamp, s in itertools.product(
@@ -237,10 +241,10 @@ def _spaces(norm: str, fmt: str, pf: str) -> dict[str, Callable[[Policy], Iterat
 
     def back(cur: Policy) -> Iterator[dict[str, Any]]:
         # (what each layer's torch backward reads: LayerNorm its dγ/dβ buffers' threads and format and dx's fusion;
-        # GroupNorm whether it runs on one thread and dx's fusion; RMSNorm its autograd, whose threads split only a
-        # row of 32768 values or more)
+        # GroupNorm whether it runs on one thread and dx's fusion; RMSNorm its autograd, whose threads, which split
+        # only a row of 32768 values or more, its forward's sum showed)
         yield {"backward_formula": "standard", "family_threads": None, "param_buffer": None, "dx_fuses": "x"}
-        threads = {"layer": THREADS_TRIED, "group": (1, 2), "rms": (None,)}[norm]
+        threads = {"layer": THREADS_TRIED, "group": (1, 2), "rms": (cur.family_threads,)}[norm]
         buffers = dict.fromkeys((fmt, None)) if norm == "layer" else (None,)
         for t, buffer, fuses in itertools.product(threads, buffers, ("x", "dy") if norm != "rms" else ("x",)):
             yield {"backward_formula": "torch", "family_threads": t, "param_buffer": buffer, "dx_fuses": fuses}
