@@ -38,6 +38,7 @@ RUN = {
     "bnprobe compare-precision": None,
     "bnprobe gradcheck --formula seed": None,
     "bnprobe identify --adapter torch --dtype fp16": "torch",
+    "bnprobe identify --adapter torch --norm layer --dtype fp16": "torch",
     "bnprobe identify --adapter ascend-bnv3 --dtype fp16": None,
     "bnprobe dump --adapter ascend-950 --dtype fp16 --shape 8,32,14,14 --mean 3 --std 2 --out npu-call": None,
     'bnprobe doctor --adapter torch --dtype bf16 --params same | grep -E "^doctor|^FAIL" | cut -c1-330': "torch",
