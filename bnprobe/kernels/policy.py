@@ -296,7 +296,7 @@ class Policy:
                                f"rsqrt_bits={self.rsqrt_bits}, recip_bits={self.recip_bits}")
         # lanes, tiles and core parts are hardware widths: a few thousand at most (each lane holds one accumulator
         # per channel, so 10**9 lanes would be gigabytes of partial sums)
-        for name in ("core_parts", "lanes", "tiles", "unroll", "backward_lanes"):
+        for name in ("core_parts", "lanes", "tiles", "unroll", "backward_lanes", "family_threads"):
             if getattr(self, name) is not None and not 1 <= getattr(self, name) <= 4096:
                 raise BNProbeError(f"policy {name} must be 1 to 4096, got {getattr(self, name)}")
         if self.newton_form == "xla" and self.division == "reciprocal":
@@ -322,8 +322,6 @@ class Policy:
         if self.variance_fma and self.threads is None and self.variance != "rowwise":
             raise BNProbeError("policy variance_fma fuses the threads' sums of squares (or, with variance=rowwise, "
                                "RowwiseMoments' scalar tail): give threads or variance=rowwise")
-        if self.family_threads is not None and not 1 <= self.family_threads <= 4096:
-            raise BNProbeError(f"policy family_threads must be 1 to 4096 (or none), got {self.family_threads}")
         if self.backward_fma != "none" and self.order != "vec" and self.backward_sums != "plane_reduce" and \
                 not (self.threads and self.backward_fma == "all"):
             raise BNProbeError("policy backward_fma fuses the lanes of order=vec or of backward_sums=plane_reduce (or, "
