@@ -32,7 +32,7 @@ The backward is the standard one of each: g = dy·γ; dx = rstd·(g − Σg/R �
 Σg); dγ = Σ dy·x̂ and dβ = Σ dy over the values each parameter touches (the rows, for LayerNorm and RMSNorm; the
 samples and positions of its channel, for GroupNorm and InstanceNorm), in the accumulator format.  Or
 (``backward_formula=torch``) each layer's PyTorch CPU kernel as compiled: LayerNorm's dx = a·dy·γ + b·x + c with its
-per-thread dγ/dβ buffers (``family_threads``, ``param_buffer``), GroupNorm's per-channel then per-group sums,
+per-thread dγ/dβ buffers (``threads``, ``grad_sum_format``), GroupNorm's per-channel then per-group sums,
 RMSNorm's autograd through its composite ops with ATen's sums (:mod:`bnprobe.numerics.rowwise`).  Their forwards
 are policies of the same fields: RowwiseMoments is ``variance=rowwise`` (``lanes``; ``variance_fma`` its fp16 tail),
 ATen's sum ``order=aten``.
@@ -144,10 +144,10 @@ class _Kernel:
 
     def row_sum(self, a: np.ndarray, tally: Tally) -> np.ndarray:
         """Σ of each row of ``a`` (``(rows, R)``, accumulator values) in the policy's order; ATen's (order=aten) split
-        across the policy's family_threads where it splits one long row."""
+        across the policy's threads where it splits one long row."""
         pol = self.pol
         if pol.order == "aten":
-            return aten_sum(a, self.run.acc, lanes=pol.lanes, threads=pol.family_threads or 1,
+            return aten_sum(a, self.run.acc, lanes=pol.lanes, threads=pol.threads or 1,
                             tally=tally if self.run.counting else None)
         return self.run.reduce(a, tally)
 
@@ -411,8 +411,8 @@ def _torch_layer_backward(k: _Kernel, dya: np.ndarray, xa: np.ndarray, ga: np.nd
     LayerNorm's own loops (every product after the first vector fused; a short row's halves folded), for a 16-bit x
     with 16-bit γ by at::vec's reduced-float functions (a short row's lanes added one by one).  dx =
     fl(fma(b, x, fl(fl(rstd·dy)·γ)) + c) (dx_fuses=dy: fl(fma(fl(rstd·dy), γ, fl(b·x)) + c)) with
-    :func:`_dx_coefficients`.  dγ and dβ are accumulated row by row into one buffer per thread (family_threads, each
-    thread a contiguous block of rows) held in the param_buffer format — buf = fma(dy, fma(rstd, x, fl(−rstd·μ)),
+    :func:`_dx_coefficients`.  dγ and dβ are accumulated row by row into one buffer per thread (threads, each
+    thread a contiguous block of rows) held in the grad_sum_format format — buf = fma(dy, fma(rstd, x, fl(−rstd·μ)),
     buf) and buf + dy, computed in the accumulator and stored — and the buffers added in thread order from zero."""
     run, pol = k.run, k.pol
     acc, lanes = run.acc, pol.lanes
@@ -443,8 +443,8 @@ def _torch_layer_backward(k: _Kernel, dya: np.ndarray, xa: np.ndarray, ga: np.nd
     dx_c = acc.add(first, _col(c, xa), tt)
     dx = run.output("dx", run.out, run.rec("dx_compute", acc, dx_c, t))
     # dγ and dβ: one buffer per thread, each a contiguous block of rows (at::parallel_for), advancing together
-    threads = pol.family_threads or 1
-    buf = acc if pol.param_buffer is None else Arith(pol.param_buffer, pol.spec, run.rng, counting=run.counting)
+    threads = pol.threads or 1
+    buf = acc if pol.grad_sum_format is None else Arith(pol.grad_sum_format, pol.spec, run.rng, counting=run.counting)
     used = min(threads, rows)
     chunk = -(-rows // used)
     shift = acc.mul(-inv, mu)
@@ -502,7 +502,7 @@ def _torch_group_backward(k: _Kernel, dya: np.ndarray, xa: np.ndarray, ga: np.nd
     per_vector = 2 if run.params.fmt.itemsize == 2 and acc.fmt.itemsize == 4 else 1
     # at::parallel_for runs its lambda inline when it has one group or one thread: GCC's copy of it there computes
     # the channels left after the last whole vector four products at a time, rounded (a float γ only)
-    serial = (pol.family_threads or 1) == 1 or n * groups == 1
+    serial = (pol.threads or 1) == 1 or n * groups == 1
     left = d % (lanes * per_vector)
     rounded = left // 4 * 4 if serial and per_vector == 1 else 0
     ds_g = run.rec("sum_ds_gamma", acc, lane_sums(ds, acc, lanes=lanes, per_vector=per_vector, times=gg,
@@ -550,7 +550,7 @@ def _torch_rms_backward(k: _Kernel, dya: np.ndarray, xa: np.ndarray, ga: np.ndar
     gu = acc.mul(dya, gr, tt)
     direct = acc.mul(gu, rc, tt)
     grad_r = run.rec("sum_gu_x", acc, aten_sum(acc.mul(gu, xa, tt), acc, lanes=lanes,
-                                                threads=pol.family_threads or 1, tally=tt), t)
+                                                threads=pol.threads or 1, tally=tt), t)
     cube = acc.mul(acc.mul(inv, inv), inv)
     grad_ms = acc.mul(acc.mul(np.asarray(-0.5, dtype=xa.dtype), grad_r), cube)
     per_value = acc.div(grad_ms, acc.round(float(r)))

@@ -49,8 +49,7 @@ RECIP_METHODS: tuple[str, ...] = ("exact", "magic", "table", "frecpe")
 # format first (bnprobe.kernels.norms)
 CAST_POINTS: tuple[str, ...] = ("after_gamma", "before_gamma")
 # the fields only a family layer reads: a BatchNorm kernel is not run with them set
-FAMILY_ONLY: tuple[str, ...] = ("cast_point", "offset_format", "eps_format", "rstd_cast", "grad_sum_format",
-                                "family_threads", "param_buffer", "dx_fuses")
+FAMILY_ONLY: tuple[str, ...] = ("cast_point", "offset_format", "eps_format", "rstd_cast", "grad_sum_format", "dx_fuses")
 # which product of dx = c1·dy + c2·x + c3 a family layer's PyTorch CPU backward fuses into the first addition
 DX_FUSES: tuple[str, ...] = ("x", "dy")
 # standard : dx = gamma*rstd*(dy - mean(dy) - xhat*mean(dy*xhat))
@@ -209,7 +208,11 @@ class Policy:
     # reduction across them (a layout without rows and few channels: bnprobe.numerics.inductor.splits_channels), each
     # thread a contiguous part of the rows (OpenMP's static schedule), the parts merged in thread order.  A family layer
     # (LayerNorm, RMSNorm, GroupNorm, InstanceNorm) splits dγ's and dβ's sums alone so, each thread's buffer in
-    # grad_sum_format (PyTorch CPU LayerNorm's backward); each row's statistics are one thread's
+    # grad_sum_format (PyTorch CPU LayerNorm's backward); each row's statistics are one thread's.  Under
+    # backward_formula=torch, the threads its PyTorch CPU kernel runs on: LayerNorm's dγ and dβ updated row by row,
+    # by fused multiply-adds, in one grad_sum_format buffer per thread; GroupNorm's backward runs another compiled copy
+    # of its per-group loop on one thread; and ATen's sum of one row of 32768 values or more (order=aten) is split
+    # across them
     threads: int | None = None
     # how the rows are dealt to the threads (reduce.THREAD_SPLITS): in ⌈R/T'⌉ contiguous blocks (rows, PyTorch), or
     # by sample, as oneDNN's C++ loop (samples) and JIT kernel (samples_spatial) deal them
@@ -241,15 +244,6 @@ class Policy:
     # the policy's order; with threads each thread's buffer, every addition formed in accumulate and rounded to it,
     # the buffers then added in thread order in accumulate.  None = accumulate
     grad_sum_format: str | None = None
-    # the threads a family layer's PyTorch CPU kernel runs on (torch.get_num_threads()), where its numbers depend on
-    # them: LayerNorm's backward (backward_formula=torch) accumulates dγ and dβ row by row in one buffer per thread
-    # (each thread a contiguous block of rows, at::parallel_for), the buffers then added in thread order; ATen's sum
-    # of one row of at least 32768 values (order=aten) is split across them; GroupNorm's backward runs another
-    # compiled copy of its per-group loop on one thread.  None = one thread
-    family_threads: int | None = None
-    # the format LayerNorm's per-thread dγ and dβ buffers hold (backward_formula=torch; PyTorch: x's format, so a 16-bit
-    # input rounds each row's update to 16 bits); None = the accumulator
-    param_buffer: str | None = None
     # which product a family layer's PyTorch CPU backward (backward_formula=torch) fuses into dx's first addition,
     # dx = c1·dy + c2·x + c3 (DX_FUSES): GCC fuses b·x in LayerNorm's kernel and in GroupNorm's fp16 one,
     # (rstd·γ)·dy in GroupNorm's fp32 and bf16 ones
@@ -260,8 +254,7 @@ class Policy:
         for attr in ("storage", "compute", "accumulate"):
             object.__setattr__(self, attr, get_format(getattr(self, attr)).name)
         for attr in ("params", "running_format", "rstd_format", "sum_format", "saved_format",
-                     "running_var_sum", "offset_format", "eps_format", "rstd_cast", "grad_sum_format",
-                     "param_buffer"):
+                     "running_var_sum", "offset_format", "eps_format", "rstd_cast", "grad_sum_format"):
             if getattr(self, attr) is not None:
                 object.__setattr__(self, attr, get_format(getattr(self, attr)).name)
         choices = {
@@ -296,7 +289,7 @@ class Policy:
                                f"rsqrt_bits={self.rsqrt_bits}, recip_bits={self.recip_bits}")
         # lanes, tiles and core parts are hardware widths: a few thousand at most (each lane holds one accumulator
         # per channel, so 10**9 lanes would be gigabytes of partial sums)
-        for name in ("core_parts", "lanes", "tiles", "unroll", "backward_lanes", "family_threads"):
+        for name in ("core_parts", "lanes", "tiles", "unroll", "backward_lanes"):
             if getattr(self, name) is not None and not 1 <= getattr(self, name) <= 4096:
                 raise BNProbeError(f"policy {name} must be 1 to 4096, got {getattr(self, name)}")
         if self.newton_form == "xla" and self.division == "reciprocal":
@@ -308,8 +301,8 @@ class Policy:
         if self.threads is not None:
             if not 1 <= self.threads <= 4096:
                 raise BNProbeError(f"policy threads must be 1 to 4096 (or none), got {self.threads}")
-            if self.order == "inductor":
-                pass  # (inductor's own split: see the field's note)
+            if self.order in ("inductor", "aten") or self.variance == "rowwise":
+                pass  # (inductor's own split, PyTorch's family kernels' threads: see the field's note)
             elif self.order != "sequential" or self.kahan or self.core_parts != 1 or \
                     self.variance not in ("two_pass", "naive") or self.mean_by == "prescaled" or \
                     self.backward_sums != "forward":
@@ -356,7 +349,7 @@ class Policy:
                        subnormals="keep", kahan=False, rsqrt="sqrt_div" if self.rsqrt == "sqrt_div" else "exact",
                        sqrt="exact", division="exact", clamp_var=False, core_combine="ordered",
                        running_format=None, rstd_format=None, sum_format=None, saved_format=None, running_var_sum=None,
-                       variance_fma=False, infer_rsqrt=None, param_buffer=None)
+                       variance_fma=False, infer_rsqrt=None)
 
     def for_channels(self, channels: int) -> Policy:
         """The policy a call with ``channels`` channels runs: this one, or, when ``path_channels`` divides the count,

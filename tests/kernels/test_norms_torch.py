@@ -30,15 +30,15 @@ def recipe(norm: str, fmt: str, params: str, threads: int) -> str:
     spec = [f"params={fmt}"] if params == "same" else []
     if norm == "layer":
         spec += ["variance=rowwise", "lanes=8", f"y_formula={'xhat' if fmt == 'fp32' else 'affine'}", "fma=true",
-                 "rsqrt=sqrt_div", "backward_formula=torch", f"family_threads={threads}", f"param_buffer={fmt}"]
+                 "rsqrt=sqrt_div", "backward_formula=torch", f"threads={threads}", f"grad_sum_format={fmt}"]
         spec += ["variance_fma=true"] if fmt == "fp16" else []
     elif norm == "group":
         spec += ["variance=rowwise", "lanes=8", "clamp_var=true", "y_formula=affine", "fma=true", "rsqrt=sqrt_div",
-                 "rstd_format=fp64", "backward_formula=torch", f"family_threads={threads}"]
+                 "rstd_format=fp64", "backward_formula=torch", f"threads={threads}"]
         spec += ["variance_fma=true"] if fmt == "fp16" else ["dx_fuses=dy"]
     else:
         spec += ["order=aten", "lanes=8", "rsqrt=sqrt_div", "saved_format=fp32", "backward_formula=torch",
-                 f"family_threads={threads}"]
+                 f"threads={threads}"]
     return f"{fmt}:" + ",".join(spec)
 
 
@@ -158,21 +158,21 @@ CHOICES = [
     ("layer", "fp32", "fp32", "lanes=16", (40, 300), {}),
     ("layer", "fp32", "fp32", "y_formula=affine", (40, 300), {}),
     ("layer", "fp32", "fp32", "fma=false", (40, 300), {}),
-    ("layer", "fp32", "fp32", "family_threads=1", (40, 300), {}),
+    ("layer", "fp32", "fp32", "threads=1", (40, 300), {}),
     ("layer", "fp32", "fp32", "dx_fuses=dy", (40, 300), {}),
-    ("layer", "bf16", "fp32", "param_buffer=fp32", (40, 300), {}),
+    ("layer", "bf16", "fp32", "grad_sum_format=fp32", (40, 300), {}),
     ("layer", "fp16", "fp32", "y_formula=xhat", (100, 1000), {}),
     ("layer", "fp16", "fp32", "variance_fma=false", (400, 13), {}),
     ("layer", "fp16", "same", "lanes=16", (300, 37), {}),
     ("rms", "fp32", "fp32", "order=sequential", (40, 300), {}),
-    ("rms", "fp32", "fp32", "order=vec", (40, 300), {}),
+    ("rms", "fp32", "fp32", "lanes=16", (40, 300), {}),
     ("rms", "bf16", "fp32", "saved_format=bf16", (40, 300), {}),
     ("group", "fp32", "fp32", "rstd_format=none", (60, 32, 7), {"groups": 4}),
     ("group", "fp32", "fp32", "dx_fuses=x", (30, 48, 37), {"groups": 2}),
     ("group", "fp16", "fp32", "dx_fuses=dy", (30, 48, 37), {"groups": 2}),
     ("group", "fp16", "fp32", "variance_fma=false", (300, 4, 3), {"groups": 1}),
     ("group", "fp32", "fp32", "y_formula=xhat", (30, 48, 37), {"groups": 2}),
-    ("group", "fp32", "fp32", "family_threads=1", (30, 18, 20), {"groups": 3}),
+    ("group", "fp32", "fp32", "threads=1", (30, 18, 20), {"groups": 3}),
 ]
 
 

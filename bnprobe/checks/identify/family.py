@@ -15,7 +15,7 @@ mean     variance (rowwise, two_pass, naive, welford),     the saved mean (Layer
 rsqrt    rsqrt, rstd_format, clamp_var, saved_format       the saved rstd
          (RMSNorm: and its sum's order, lanes)
 y        y_formula, fma, cast_point                        y
-backward backward_formula, family_threads, param_buffer,   dx, dγ, dβ (from the kernel's own
+backward backward_formula, threads, grad_sum_format,       dx, dγ, dβ (from the kernel's own
          dx_fuses                                          saved statistics)
 ======== ================================================ ===============================
 
@@ -70,9 +70,9 @@ FAMILY_FIELD_PROBES = {
     "y_formula": "a large mean with γ not a power of two", "fma": "a large mean with γ not a power of two",
     "cast_point": "y whose rounding before γ shows",
     "backward_formula": "dy with a mean per row, a large mean in x",
-    "family_threads": "more rows than threads (LayerNorm's dγ/dβ buffers), a single group (GroupNorm), a row of "
+    "threads": "more rows than threads (LayerNorm's dγ/dβ buffers), a single group (GroupNorm), a row of "
                       "32768 values or more (RMSNorm's sums)",
-    "param_buffer": "a 16-bit input over many rows (dγ/dβ buffers rounded per row)",
+    "grad_sum_format": "a 16-bit input over many rows (dγ/dβ buffers rounded per row)",
     "dx_fuses": "dx that cancels (a large mean over a tiny spread)",
 }
 
@@ -224,7 +224,7 @@ def _spaces(norm: str, fmt: str, pf: str) -> dict[str, Callable[[Policy], Iterat
     def rsqrt(cur: Policy) -> Iterator[dict[str, Any]]:
         orders: tuple[dict[str, Any], ...] = ({},)
         if norm == "rms":
-            orders = (*({"order": "aten", "lanes": lanes, "family_threads": t} for lanes in (8, 16)
+            orders = (*({"order": "aten", "lanes": lanes, "threads": t} for lanes in (8, 16)
                         for t in THREADS_TRIED),
                       {"order": "pairwise"}, {"order": "sequential"}, {"order": "vec", "lanes": 8})
         clamps = (False,) if norm == "rms" else (False, True)
@@ -243,11 +243,11 @@ def _spaces(norm: str, fmt: str, pf: str) -> dict[str, Callable[[Policy], Iterat
         # (what each layer's torch backward reads: LayerNorm its dγ/dβ buffers' threads and format and dx's fusion;
         # GroupNorm whether it runs on one thread and dx's fusion; RMSNorm its autograd, whose threads, which split
         # only a row of 32768 values or more, its forward's sum showed)
-        yield {"backward_formula": "standard", "family_threads": None, "param_buffer": None, "dx_fuses": "x"}
-        threads = {"layer": THREADS_TRIED, "group": (1, 2), "rms": (cur.family_threads,)}[norm]
+        yield {"backward_formula": "standard", "threads": None, "grad_sum_format": None, "dx_fuses": "x"}
+        threads = {"layer": THREADS_TRIED, "group": (1, 2), "rms": (cur.threads,)}[norm]
         buffers = dict.fromkeys((fmt, None)) if norm == "layer" else (None,)
         for t, buffer, fuses in itertools.product(threads, buffers, ("x", "dy") if norm != "rms" else ("x",)):
-            yield {"backward_formula": "torch", "family_threads": t, "param_buffer": buffer, "dx_fuses": fuses}
+            yield {"backward_formula": "torch", "threads": t, "grad_sum_format": buffer, "dx_fuses": fuses}
 
     spaces = {"mean": mean, "rsqrt": rsqrt, "y": y, "backward": back}
     if norm == "rms":
