@@ -19,12 +19,7 @@ only (see :attr:`~bnprobe.recordings.types.CallRef.task`).
 
 from __future__ import annotations
 
-import json
-import math
-import pickle
 import re
-import warnings
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,17 +28,28 @@ from typing import Any
 import numpy as np
 
 from bnprobe.core.errors import BNProbeError
-from bnprobe.core.formats import get_format
-from bnprobe.inputs import npy_header
-from bnprobe.numerics.rounding import is_representable
-from bnprobe.recordings.types import CallRef, Recording, check_eps_momentum, message_line, read_json
+from bnprobe.recordings.msprobe_records import (
+    SUMMARY_KEYS,
+    check_parameters_grad,
+    is_tensor,
+    json_kind,
+    load_tensor,
+    read_construct,
+    read_dump_json,
+    record_list,
+    scalar_of,
+    summary_value,
+    tensor_entries,
+    tensor_format,
+    tensor_shape,
+)
+from bnprobe.recordings.types import CallRef, Recording, check_eps_momentum
 
 __all__ = ["MSPROBE_BN_APIS", "MsprobeCall", "find_dump_jsons", "msprobe_calls", "read_call", "read_cell",
            "read_summaries", "SUMMARY_KEYS"]
 
 MSPROBE_BN_APIS = ("batch_norm", "native_batch_norm", "cudnn_batch_norm", "_native_batch_norm_legit",
                    "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional")
-SUMMARY_KEYS = ("Max", "Min", "Mean", "Norm")
 # positional order of each API's arguments
 _F_ORDER = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
 _ATEN_ORDER = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
@@ -89,15 +95,6 @@ class MsprobeCall:
     framework: str = "pytorch"  # as dump.json says (pytorch, mindspore)
 
 
-def _read_json(dj: Path) -> dict[str, Any]:
-    doc = read_json(dj)
-    if not isinstance(doc, dict) or not isinstance(doc.get("data"), dict):
-        raise BNProbeError(f"{dj}: not an msprobe dump.json (no \"data\" object)")
-    if doc.get("task") is not None and not isinstance(doc["task"], str):
-        raise BNProbeError(f"{dj}: \"task\" is {doc['task']!r}, not a string")
-    return doc
-
-
 def _api_of(call: str) -> tuple[str, str] | None:
     """(api_type, api) of a record name without its .forward/.backward, when it is a BatchNorm kernel."""
     parts = call.split(".")
@@ -110,18 +107,6 @@ def _api_of(call: str) -> tuple[str, str] | None:
     return (parts[0], api) if api in MSPROBE_BN_APIS else None
 
 
-def _is_tensor(entry: Any) -> bool:
-    return isinstance(entry, dict) and str(entry.get("type", "")).endswith("Tensor")
-
-
-def _scalar(entry: Any, default: Any) -> Any:
-    if isinstance(entry, dict) and not _is_tensor(entry):
-        entry = entry.get("value", default)
-    if isinstance(entry, str) and entry.lower() in ("true", "false"):  # a bool written as text
-        return entry.lower() == "true"
-    return default if entry is None else entry
-
-
 def _args(call: str, api_type: str, api: str, fwd: dict[str, Any], where: str) -> dict[str, Any]:
     order = _MS_ORDER if api_type == "Primitive" else _NO_TRAINING_ORDER if api.endswith("no_training") else (
         _F_ORDER if api_type == "Functional" else _ATEN_ORDER)
@@ -132,62 +117,20 @@ def _args(call: str, api_type: str, api: str, fwd: dict[str, Any], where: str) -
         raise BNProbeError(f"{where}: {call}.forward has input_args/input_kwargs of the wrong JSON type")
     args: dict[str, Any] = dict(zip(order, pos))
     args.update({_ALIASES.get(k, k): v for k, v in kw.items()})
-    if not _is_tensor(args.get("input")):
+    if not is_tensor(args.get("input")):
         raise BNProbeError(f"{where}: {call}.forward has no input tensor")
     keyword = {_ALIASES.get(k, k): k for k in kw}
     for name in _TENSOR_ARGS:
         v = args.get(name)
         # a tensor argument is a tensor record, or None (recorded as null or as a record whose value is null)
-        if v is not None and not _is_tensor(v) and not (isinstance(v, dict) and v.get("value") is None):
+        if v is not None and not is_tensor(v) and not (isinstance(v, dict) and v.get("value") is None):
             at = f"input_kwargs.{keyword[name]}" if name in keyword else f"input_args[{order.index(name)}]"
-            raise BNProbeError(f"{where}: {call}.forward {name} ({at}) is {_json_kind(v)}, not a tensor record or "
+            raise BNProbeError(f"{where}: {call}.forward {name} ({at}) is {json_kind(v)}, not a tensor record or "
                                "null")
     return args
 
 
 _TENSOR_ARGS = ("weight", "bias", "running_mean", "running_var")
-
-
-def _json_kind(v: Any) -> str:
-    """What a JSON value is, for an error message."""
-    if isinstance(v, dict):
-        return f"an object of type {str(v.get('type'))[:40]!r}" if "type" in v else "an object without a type"
-    if isinstance(v, list):
-        return f"a list of {len(v)} value{'s' if len(v) != 1 else ''}"
-    if isinstance(v, str):
-        return f"the string {v[:40]!r}"
-    return f"{'a boolean' if isinstance(v, bool) else 'the number'} {json.dumps(v)}"
-
-
-def _list(record: dict[str, Any], key: str, where: str) -> list[Any]:
-    """``record[key]`` as a list (one record is a list of one), [] when absent."""
-    v = record.get(key)
-    if v is None:
-        return []
-    if isinstance(v, dict):
-        return [v]
-    if not isinstance(v, list):
-        raise BNProbeError(f"{where} has {key} of the wrong JSON type ({type(v).__name__}, not a list)")
-    return v
-
-
-def _entries(record: dict[str, Any], key: str, where: str) -> list[Any]:
-    """The tensor records of ``record[key]``."""
-    return [e for e in _list(record, key, where) if _is_tensor(e)]
-
-
-def _fmt(entry: dict[str, Any], where: str) -> str:
-    try:
-        return get_format(str(entry.get("dtype", "")).replace("torch.", "")).name
-    except BNProbeError:
-        raise BNProbeError(f"{where}: dtype {entry.get('dtype')!r} is not a floating format bnprobe knows") from None
-
-
-def _shape(entry: dict[str, Any], where: str) -> tuple[int, ...]:
-    s = entry.get("shape")
-    if not isinstance(s, list) or not all(isinstance(v, int) and v >= 0 for v in s):
-        raise BNProbeError(f"{where}: tensor record has no valid shape")
-    return tuple(s)
 
 
 def msprobe_calls(path: str | Path, assume: dict[str, float] | None = None) -> tuple[list[MsprobeCall], list[str]]:
@@ -202,12 +145,12 @@ def msprobe_calls(path: str | Path, assume: dict[str, float] | None = None) -> t
     calls: list[MsprobeCall] = []
     notes: list[str] = []
     for dj in jsons:
-        doc = _read_json(dj)
+        doc = read_dump_json(dj)
         data = doc["data"]
         task = str(doc.get("task") or "tensor")
         if task not in ("tensor", "statistics"):
             raise BNProbeError(f"{dj}: task {task!r}; bnprobe reads msprobe's tensor and statistics dumps")
-        construct = _construct(dj.parent)
+        construct = read_construct(dj.parent)
         prefix = "" if len(jsons) == 1 else f"{dj.parent.relative_to(root).as_posix()}/"
         found = 0
         for key, fwd in data.items():
@@ -224,7 +167,8 @@ def msprobe_calls(path: str | Path, assume: dict[str, float] | None = None) -> t
             x = args["input"]
             training = _training(args, api[1], call, where)
             calls.append(MsprobeCall(CallRef(
-                name=prefix + call, module=construct.get(key), shape=_shape(x, where), dtype=_fmt(x, where),
+                name=prefix + call, module=construct.get(key), shape=tensor_shape(x, where),
+                dtype=tensor_format(x, where),
                 training=training, has_backward=f"{call}.backward" in data, task=task,
                 load=_loader(dj, call, task, construct.get(key), assume)), api=call, dump_json=dj,
                 framework=str(doc.get("framework") or "pytorch")))
@@ -251,108 +195,13 @@ def msprobe_calls(path: str | Path, assume: dict[str, float] | None = None) -> t
     return calls, notes
 
 
-def _construct(folder: Path) -> dict[str, str]:
-    """construct.json: API record -> enclosing module record (mix level); {} when absent or empty (msprobe writes
-    it empty below the mix level).  A construct.json that is there but does not parse is a one-line error naming
-    it, as for dump.json."""
-    p = folder / "construct.json"
-    if not p.is_file():
-        return {}
-    try:
-        if not p.read_bytes().strip():
-            return {}
-    except OSError as exc:
-        raise BNProbeError(f"{p}: not readable ({type(exc).__name__}: {message_line(exc)})") from None
-    doc = read_json(p)
-    return {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(doc, dict) else {}
-
-
 def _loader(dj: Path, call: str, task: str, module: str | None = None,
             assume: dict[str, float] | None = None) -> Callable[[], Any]:
     def load() -> Any:
-        doc = _read_json(dj)
+        doc = read_dump_json(dj)
         return read_call(dj, doc, call, module, assume) if task == "tensor" else read_summaries(dj, doc, call)
 
     return load
-
-
-def _tensor_path(folder: Path, name: str, where: str) -> Path:
-    """The file of ``data_name`` inside ``dump_tensor_data`` (with its .npy/.pt suffix when the name has none);
-    a name that leads outside that folder is refused."""
-    data_dir = folder / "dump_tensor_data"
-    inside = data_dir.resolve()
-    path = data_dir / name
-    alt = [path, path.with_suffix(".npy"), path.with_suffix(".pt")]
-    for p in alt:
-        if Path(name).is_absolute() or not p.resolve().is_relative_to(inside):
-            raise BNProbeError(f"{folder / 'dump.json'}: {where}: data_name {name!r} points outside the dump's "
-                               "dump_tensor_data folder; refused")
-    found = next((p for p in alt if p.is_file()), None)
-    if found is None:
-        raise BNProbeError(f"{path}: missing (named in {where})")
-    return found
-
-
-def _load_pt(path: Path, declared: Any) -> tuple[np.ndarray, str]:
-    try:
-        import torch
-    except ImportError:
-        raise BNProbeError(f"{path}: a .pt tensor needs torch (pip install 'bnprobe[torch]')") from None
-    if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as zf:
-            if any(i.compress_type != zipfile.ZIP_STORED for i in zf.infolist()):
-                raise BNProbeError(f"{path}: has compressed members, which torch.save never writes; refused")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch's notes on pickle protocols are no concern of the user's
-            t = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        # torch's message: its own advice (not passed on), then why its weights-only reader stopped
-        why = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and not
-               ln.startswith(("Weights only load failed", "Please file an issue", "Check the documentation"))]
-        raise BNProbeError(f"{path}: refused to unpickle, it is not a plain tensor file"
-                           f"{f' ({why[0]})' if why else ''}; bnprobe loads .pt files weights-only and runs no "
-                           "code from a file") from None
-    if not isinstance(t, torch.Tensor):
-        raise BNProbeError(f"{path}: holds {type(t).__name__}, not a tensor")
-    if not t.is_floating_point():
-        raise BNProbeError(f"{path}: holds {t.dtype} data but dump.json says {declared}")
-    return t.detach().to(torch.float64).numpy(), get_format(str(t.dtype).replace("torch.", "")).name
-
-
-def _load_npy(path: Path, shape: tuple[int, ...], declared: Any) -> tuple[np.ndarray, str]:
-    with open(path, "rb") as fh:
-        found, dtype = npy_header(fh, str(path), path.stat().st_size)
-    if found != shape:
-        raise BNProbeError(f"{path}: shape {list(found)} disagrees with dump.json's {list(shape)}")
-    if dtype.kind != "f":
-        raise BNProbeError(f"{path}: holds {dtype} data but dump.json says {declared}")
-    arr = np.load(path, allow_pickle=False)
-    return arr.astype(np.float64), get_format(arr.dtype).name
-
-
-def _load_tensor(folder: Path, entry: dict[str, Any], where: str) -> tuple[np.ndarray, str]:
-    """A recorded tensor as float64 (exact) and its format, checked against its dump.json record."""
-    name = entry.get("data_name")
-    if not isinstance(name, str) or not name:
-        raise BNProbeError(f"{where}: tensor record has no data_name (a statistics dump holds no tensors)")
-    path = _tensor_path(folder, name, where)
-    fmt = _fmt(entry, where)
-    shape = _shape(entry, where)
-    try:
-        a, stored = _load_pt(path, entry.get("dtype")) if path.suffix == ".pt" else \
-            _load_npy(path, shape, entry.get("dtype"))
-    except BNProbeError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any reader failure is a corrupt file to the user
-        raise BNProbeError(f"{path}: corrupt or unreadable ({type(exc).__name__}: {message_line(exc)})") from None
-    if list(a.shape) != list(shape):
-        raise BNProbeError(f"{path}: shape {list(a.shape)} disagrees with dump.json's {list(shape)}")
-    if stored != fmt and not (path.suffix == ".npy" and fmt == "bf16" and stored == "fp32"):
-        raise BNProbeError(f"{path}: holds {stored} data but dump.json says {entry.get('dtype')}")
-    if stored != fmt and not is_representable(a, fmt).all():
-        raise BNProbeError(f"{path}: holds values that are not {fmt}, as dump.json says")
-    return a, fmt
 
 
 def read_call(dj: Path, doc: dict[str, Any], call: str, module: str | None = None,
@@ -367,15 +216,15 @@ def read_call(dj: Path, doc: dict[str, Any], call: str, module: str | None = Non
     args = _args(call, api_type, api, data[f"{call}.forward"], where)
     base = dj.parent
     training = _training(args, api, call, where)
-    x, dtype = _load_tensor(base, args["input"], f"{call}.forward input")
+    x, dtype = load_tensor(base, args["input"], f"{call}.forward input")
     if x.ndim < 2:
         raise BNProbeError(f"{where}: {call}.forward input has shape {list(x.shape)}; BatchNorm takes N, C[, ...]")
     tensors: dict[str, np.ndarray] = {"x": x}
     formats = {"x": dtype}
     for ours, theirs in (("gamma", "weight"), ("beta", "bias"), ("running_mean", "running_mean"),
                          ("running_var", "running_var")):
-        if _is_tensor(args.get(theirs)):
-            tensors[ours], formats[ours] = _load_tensor(base, args[theirs], f"{call}.forward {theirs}")
+        if is_tensor(args.get(theirs)):
+            tensors[ours], formats[ours] = load_tensor(base, args[theirs], f"{call}.forward {theirs}")
     params = formats.get("gamma", formats.get("running_mean", dtype))
     given = dict(assume or {})
     for name in given:
@@ -396,27 +245,27 @@ def read_call(dj: Path, doc: dict[str, Any], call: str, module: str | None = Non
                                           f"{', '.join(assumed)} (nn.BatchNorm2d's momentum=0.9 is m = 0.1); give "
                                           "the layer's as --eps/--momentum (or dump:DIR,eps=E,momentum=M)"]
                                          if assumed else [])))
-    outs = _entries(data[f"{call}.forward"], "output", f"{where}: {call}.forward")
+    outs = tensor_entries(data[f"{call}.forward"], "output", f"{where}: {call}.forward")
     if not outs:
         raise BNProbeError(f"{where}: {call}.forward records no output tensor")
     c = x.shape[1] if x.ndim > 1 else 0
     outputs: dict[str, np.ndarray] = {}
     out_formats: dict[str, str] = {}
-    outputs["y"], out_formats["y"] = _load_tensor(base, outs[0], f"{call}.forward output 0")
+    outputs["y"], out_formats["y"] = load_tensor(base, outs[0], f"{call}.forward output 0")
     saved_kind = None
     # the saved statistics: native variants' outputs 1, 2 (save_mean, save_invstd[, new running stats]); MindSpore's
     # outputs 3, 4 (reserve_space_1, _2: the mean and the biased variance)
     first, kind = (3, "var") if api == MS_PRIMITIVE else (1, "invstd")
-    saved = [o for o in outs[first:first + 2] if _shape(o, where) == (c,)]
+    saved = [o for o in outs[first:first + 2] if tensor_shape(o, where) == (c,)]
     if training and len(saved) == 2:
-        outputs["saved_mean"], out_formats["saved_mean"] = _load_tensor(base, saved[0],
+        outputs["saved_mean"], out_formats["saved_mean"] = load_tensor(base, saved[0],
                                                                         f"{call}.forward output {first}")
-        outputs["saved_value"], out_formats["saved_value"] = _load_tensor(base, saved[1],
+        outputs["saved_value"], out_formats["saved_value"] = load_tensor(base, saved[1],
                                                                           f"{call}.forward output {first + 1}")
         saved_kind = kind
     if api == "_native_batch_norm_legit_functional" and len(outs) >= 5:
-        outputs["running_mean_out"], out_formats["running_mean_out"] = _load_tensor(base, outs[3], f"{call} output 3")
-        outputs["running_var_out"], out_formats["running_var_out"] = _load_tensor(base, outs[4], f"{call} output 4")
+        outputs["running_mean_out"], out_formats["running_mean_out"] = load_tensor(base, outs[3], f"{call} output 3")
+        outputs["running_var_out"], out_formats["running_var_out"] = load_tensor(base, outs[4], f"{call} output 4")
     mode = "train" if training else "infer"
     rec = Recording(adapter=f"msprobe:{call}", dtype=dtype, params=params, layout="channels_first", eps=eps,
                     momentum=momentum, saved_kind=saved_kind,
@@ -430,12 +279,12 @@ def read_call(dj: Path, doc: dict[str, Any], call: str, module: str | None = Non
     if bwd is not None:
         _read_backward(rec, base, where, call, bwd, tensors, formats, outputs, out_formats)
         if module:
-            _check_parameters_grad(rec, data, base, module)
+            check_parameters_grad(rec, data, base, module)
     return rec
 
 
 def _cell_loader(dj: Path, key: str, assume: dict[str, float] | None) -> Callable[[], Any]:
-    return lambda: read_cell(dj, _read_json(dj), key, assume)
+    return lambda: read_cell(dj, read_dump_json(dj), key, assume)
 
 
 def read_cell(dj: Path, doc: dict[str, Any], key: str, assume: dict[str, float] | None = None, *,
@@ -450,20 +299,20 @@ def read_cell(dj: Path, doc: dict[str, Any], key: str, assume: dict[str, float] 
     fwd = data[key]
     if not isinstance(fwd, dict):
         raise BNProbeError(f"{where}: {key} is not a JSON object")
-    ins, outs = _entries(fwd, "input_args", f"{where}: {key}"), _entries(fwd, "output", f"{where}: {key}")
+    ins, outs = tensor_entries(fwd, "input_args", f"{where}: {key}"), tensor_entries(fwd, "output", f"{where}: {key}")
     prm = fwd.get("parameters") if isinstance(fwd.get("parameters"), dict) else {}
     if not ins or not outs:
         raise BNProbeError(f"{where}: {key} records no input or output tensor")
-    x, dtype = _load_tensor(base, ins[0], f"{key} input 0")
+    x, dtype = load_tensor(base, ins[0], f"{key} input 0")
     if x.ndim < 2:
         raise BNProbeError(f"{where}: {key} input has shape {list(x.shape)}; BatchNorm takes N, C[, ...]")
     tensors, formats = {"x": x}, {"x": dtype}
     for ours, theirs in (("gamma", "gamma"), ("beta", "beta"), ("running_mean", "moving_mean"),
                          ("running_var", "moving_variance")):
-        if not _is_tensor(prm.get(theirs)):
+        if not is_tensor(prm.get(theirs)):
             raise BNProbeError(f"{where}: {key} records no {theirs} parameter")
-        tensors[ours], formats[ours] = _load_tensor(base, prm[theirs], f"{key} parameter {theirs}")
-    y, fy = _load_tensor(base, outs[0], f"{key} output 0")
+        tensors[ours], formats[ours] = load_tensor(base, prm[theirs], f"{key} parameter {theirs}")
+    y, fy = load_tensor(base, outs[0], f"{key} output 0")
     if y.shape != x.shape:
         raise BNProbeError(f"{where}: {key} output has shape {list(y.shape)}, its input {list(x.shape)}")
     given = dict(assume or {})
@@ -491,9 +340,9 @@ def read_cell(dj: Path, doc: dict[str, Any], key: str, assume: dict[str, float] 
     if bwd is not None:
         pg = data.get(key.replace(".forward.", ".parameters_grad."))
         pg = pg if isinstance(pg, dict) else {}
-        found = {ours: _entries(pg, theirs, f"{where}: {key} parameters_grad")
+        found = {ours: tensor_entries(pg, theirs, f"{where}: {key} parameters_grad")
                  for ours, theirs in (("dgamma", "gamma"), ("dbeta", "beta"))}
-        named = {ours: _load_tensor(base, e[0], f"{key} parameters_grad {ours[1:]}") for ours, e in found.items() if e}
+        named = {ours: load_tensor(base, e[0], f"{key} parameters_grad {ours[1:]}") for ours, e in found.items() if e}
         _read_backward(rec, base, where, key, bwd, tensors, formats, {}, {}, named=named)
     return rec
 
@@ -521,35 +370,12 @@ def _cell_mode(t: dict[str, np.ndarray], y: np.ndarray, eps: float) -> tuple[boo
                       f"statistics' ({far[1]:.2g})")
 
 
-def _check_parameters_grad(rec: Any, data: dict[str, Any], base: Path, module: str) -> None:
-    """The mix level's ``Module.<path>.<Class>.parameters_grad.K`` holds the module's weight and bias gradients:
-    they equal the kernel's dγ and dβ unless the module ran more than once (they accumulate); say which."""
-    key = module.replace(".forward.", ".parameters_grad.")
-    pg = data.get(key)
-    outs = rec.tensors["backward"]["outputs"]
-    if not isinstance(pg, dict):
-        return
-    for ours, names in (("dgamma", ("weight", "gamma")), ("dbeta", ("bias", "beta"))):  # torch's, MindSpore's
-        theirs = next((n for n in names if n in pg), names[0])
-        entries = pg.get(theirs)
-        entries = [e for e in (entries if isinstance(entries, list) else [entries]) if _is_tensor(e)]
-        if not entries or ours not in outs:
-            continue
-        a, _ = _load_tensor(base, entries[0], f"{key} {theirs}")
-        same = a.shape == outs[ours].shape and np.array_equal(a, outs[ours], equal_nan=True)
-        rec.meta.setdefault("checks", []).append(f"{key} {theirs} {'equals' if same else 'differs from'} {ours}")
-        if not same:
-            rec.meta.setdefault("notes", []).append(
-                f"{key}: the module's {theirs} gradient differs from the kernel's {ours} (the module ran more than "
-                "once, so its parameter gradients accumulate); the kernel's own output is judged")
-
-
 def _present(args: dict[str, Any], name: str, default: Any, call: str, where: str) -> Any:
     """The recorded value of argument ``name`` (``default`` when the call did not pass it); a value recorded as
     null is an error, not the default."""
     if name not in args:
         return default
-    v = _scalar(args[name], None)
+    v = scalar_of(args[name], None)
     if v is None:
         raise BNProbeError(f"{where}: {call} records {name} = null")
     return v
@@ -572,14 +398,14 @@ def _read_backward(rec: Any, base: Path, where: str, call: str, bwd: Any, tensor
     if not isinstance(bwd, dict):
         raise BNProbeError(f"{where}: {call}.backward is not a JSON object")
     x = tensors["x"]
-    grads_in = _entries(bwd, "input", f"{where}: {call}.backward")
-    grads_out = _entries(bwd, "output", f"{where}: {call}.backward")
+    grads_in = tensor_entries(bwd, "input", f"{where}: {call}.backward")
+    grads_out = tensor_entries(bwd, "output", f"{where}: {call}.backward")
     if not grads_in or not grads_out:
         raise BNProbeError(f"{where}: {call}.backward lacks its gradient tensors (dy in, dx out)")
-    dy, fdy = _load_tensor(base, grads_in[0], f"{call}.backward input 0")
+    dy, fdy = load_tensor(base, grads_in[0], f"{call}.backward input 0")
     if dy.shape != x.shape:
         raise BNProbeError(f"{where}: {call}.backward input 0 has shape {list(dy.shape)}, x has {list(x.shape)}")
-    loaded = [(_shape(o, where), o, i) for i, o in enumerate(grads_out)]
+    loaded = [(tensor_shape(o, where), o, i) for i, o in enumerate(grads_out)]
     dx_e = next(((o, i) for s, o, i in loaded if s == x.shape), None)
     vecs = [(o, i) for s, o, i in loaded if s == (x.shape[1],)]
     if dx_e is None:
@@ -587,7 +413,7 @@ def _read_backward(rec: Any, base: Path, where: str, call: str, bwd: Any, tensor
     affine = "gamma" in tensors and "beta" in tensors and named is None
     if affine and len(vecs) < 2:
         raise BNProbeError(f"{where}: {call}.backward output lacks the gradients of weight and bias")
-    dx, fdx = _load_tensor(base, dx_e[0], f"{call}.backward output {dx_e[1]}")
+    dx, fdx = load_tensor(base, dx_e[0], f"{call}.backward output {dx_e[1]}")
     c = x.shape[1]
     ins: dict[str, np.ndarray] = {"dy": dy, "x": x, "gamma": tensors.get("gamma", np.ones(c))}
     fins = {"dy": fdy, "x": formats["x"], "gamma": formats.get("gamma", rec.params)}
@@ -600,7 +426,7 @@ def _read_backward(rec: Any, base: Path, where: str, call: str, bwd: Any, tensor
     outs: dict[str, np.ndarray] = {"dx": dx}
     fouts = {"dx": fdx}
     if affine:
-        a, b = (_load_tensor(base, e, f"{call}.backward output {i}") for e, i in vecs[:2])
+        a, b = (load_tensor(base, e, f"{call}.backward output {i}") for e, i in vecs[:2])
         if rec.meta.get("framework") == "mindspore":  # msprobe 26.2 lists MindSpore's as dβ, dγ, dx
             a, b = _by_sum_dy(a, b, dy, rec)
         (outs["dgamma"], fouts["dgamma"]), (outs["dbeta"], fouts["dbeta"]) = a, b
@@ -637,34 +463,24 @@ def read_summaries(dj: Path, doc: dict[str, Any], call: str) -> dict[str, dict[s
     out: dict[str, dict[str, Any]] = {}
 
     def put(key: str, e: Any) -> None:
-        if _is_tensor(e):
-            out[key] = {"dtype": _fmt(e, where), "shape": list(_shape(e, where)),
-                        **{k: _stat(e.get(k)) for k in SUMMARY_KEYS}}
+        if is_tensor(e):
+            out[key] = {"dtype": tensor_format(e, where), "shape": list(tensor_shape(e, where)),
+                        **{k: summary_value(e.get(k)) for k in SUMMARY_KEYS}}
 
     for ours, theirs in (("x", "input"), ("gamma", "weight"), ("beta", "bias"), ("running_mean", "running_mean"),
                          ("running_var", "running_var")):
         put(f"forward.input.{ours}", args.get(theirs))
-    for i, e in enumerate(_list(fwd, "output", f"{where}: {call}.forward")):
+    for i, e in enumerate(record_list(fwd, "output", f"{where}: {call}.forward")):
         put(f"forward.output.{('y', 'saved_mean', 'saved_invstd', 'running_mean', 'running_var')[i] if i < 5 else i}",
             e)
     bwd = data.get(f"{call}.backward")
     if isinstance(bwd, dict):
-        for i, e in enumerate(_list(bwd, "input", f"{where}: {call}.backward")):
+        for i, e in enumerate(record_list(bwd, "input", f"{where}: {call}.backward")):
             put(f"backward.input.{'dy' if i == 0 else i}", e)
         names = iter(("dgamma", "dbeta"))
-        for i, e in enumerate(_list(bwd, "output", f"{where}: {call}.backward")):
-            if _is_tensor(e):
+        for i, e in enumerate(record_list(bwd, "output", f"{where}: {call}.backward")):
+            if is_tensor(e):
                 put(f"backward.output.{'dx' if i == 0 else next(names, i)}", e)
     return out
 
 
-def _stat(v: Any) -> float:
-    """A summary value as a float: msprobe writes inf/nan as strings or JSON Infinity/NaN."""
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return float(v)
-    if isinstance(v, str):
-        try:
-            return float(v)
-        except ValueError:
-            return math.nan
-    return math.nan
