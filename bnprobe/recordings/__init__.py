@@ -16,6 +16,7 @@ from bnprobe.core.kernel import MODES
 from bnprobe.core.errors import BNProbeError
 from bnprobe.recordings.bnprobe_dump import read_calls, read_dump, read_meta, record, write_dump
 from bnprobe.recordings.msprobe import MSPROBE_BN_APIS, find_dump_jsons, msprobe_calls
+from bnprobe.recordings.msprobe_family import FAMILY_APIS
 from bnprobe.recordings.ms_graph import graph_calls, graph_folders
 from bnprobe.recordings.types import (
     CALLS_NAME,
@@ -85,11 +86,11 @@ def _model_calls(index: Path, assume: dict[str, float]) -> RecordedCalls:
 
 
 def open_dump(spec: str | Path, calls: str | None = None) -> RecordedCalls:
-    """Every BatchNorm call of a dump: ``DIR`` (a bnprobe dump, a bnprobe model dump or an msprobe dump in
-    any of its layouts, or MindSpore's GRAPH_MODE kernel dump), the path of its ``dump.json`` / ``bnprobe-dump.json``,
-    optionally ``#NAME``
-    (a call name, module name or glob) to select; ``calls`` selects by glob as well.  ``DIR,eps=E,momentum=M``:
-    the layer's ε and momentum where an msprobe dump does not record them (MindSpore's primitive)."""
+    """Every BatchNorm call (and LayerNorm, RMSNorm, GroupNorm, InstanceNorm call) of a dump: ``DIR`` (a bnprobe
+    dump, a bnprobe model dump or an msprobe dump in any of its layouts, or MindSpore's GRAPH_MODE kernel dump), the
+    path of its ``dump.json`` / ``bnprobe-dump.json``, optionally ``#NAME`` (a call name, module name or glob) to
+    select; ``calls`` selects by glob as well.  ``DIR,eps=E,momentum=M``: the layer's ε and momentum where an msprobe
+    dump does not record them (MindSpore's primitive)."""
     text, assume = split_dump_spec(str(spec))
     path_text, _, name = text.partition("#")
     p = Path(path_text)
@@ -114,8 +115,9 @@ def open_dump(spec: str | Path, calls: str | None = None) -> RecordedCalls:
         found = RecordedCalls(str(p), "msprobe", tuple(c.ref for c in ms), tuple(notes),
                               convention="mindspore" if frameworks == {"mindspore"} else "torch")
         if not found.calls:
-            raise BNProbeError(f"{p}: no BatchNorm call in the msprobe dump (looked for "
-                               f"{', '.join(MSPROBE_BN_APIS)} and MindSpore's Primitive.bn_train.BatchNorm)")
+            raise BNProbeError(f"{p}: no BatchNorm call (nor a LayerNorm, RMSNorm, GroupNorm or InstanceNorm one) in "
+                               f"the msprobe dump (looked for {', '.join(MSPROBE_BN_APIS)}, MindSpore's "
+                               f"Primitive.bn_train.BatchNorm and {', '.join(sorted({a for _, a in FAMILY_APIS}))})")
     return found.select(name or None).select(calls)
 
 

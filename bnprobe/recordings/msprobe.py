@@ -13,6 +13,10 @@ MindSpore's dumps (``"framework": "mindspore"``): the primitive ``Primitive.bn_t
 ``Cell.<name>.BatchNorm2d.forward.K`` (:func:`read_cell`).  MindSpore's GRAPH_MODE dumps (level L2) are read by
 :mod:`bnprobe.recordings.ms_graph`.
 
+The normalisation family's records in a PyTorch dump (``Functional.layer_norm``, ``Functional.group_norm``,
+``Functional.instance_norm``, their ``Torch``/``Aten`` forms, ``NPU.npu_rms_norm``...) are read by
+:mod:`bnprobe.recordings.msprobe_family`; :func:`msprobe_calls` lists them among BatchNorm's, in forward order.
+
 A ``statistics`` dump holds max/min/mean/norm per tensor and no tensors: its calls carry summaries
 only (see :attr:`~bnprobe.recordings.types.CallRef.task`).
 """
@@ -28,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from bnprobe.core.errors import BNProbeError
+from bnprobe.recordings.msprobe_family import family_api, family_ref, read_family_call, read_family_summaries
 from bnprobe.recordings.msprobe_records import (
     SUMMARY_KEYS,
     check_parameters_grad,
@@ -134,7 +139,8 @@ _TENSOR_ARGS = ("weight", "bias", "running_mean", "running_var")
 
 
 def msprobe_calls(path: str | Path, assume: dict[str, float] | None = None) -> tuple[list[MsprobeCall], list[str]]:
-    """Every BatchNorm call of an msprobe dump in forward order, and notes on what is not read.  ``assume``: ε
+    """Every BatchNorm call (and normalisation-family call) of an msprobe dump in forward order, and notes on what
+    is not read.  ``assume``: ε
     and momentum (keys ``eps``, ``momentum``) for the calls whose dump does not record them (MindSpore's
     primitive), in place of the framework's defaults."""
     jsons = find_dump_jsons(path)
@@ -159,6 +165,11 @@ def msprobe_calls(path: str | Path, assume: dict[str, float] | None = None) -> t
             call = key[: -len(".forward")]
             api = _api_of(call)
             if api is None:
+                if family_api(call) is not None and str(doc.get("framework") or "pytorch") == "pytorch":
+                    module = construct.get(key)
+                    calls.append(MsprobeCall(family_ref(prefix + call, dj, doc, call, family_api(call), module,
+                                                        _family_loader(dj, call, task, module, assume)),
+                                             api=call, dump_json=dj))
                 continue
             where = str(dj)
             if not isinstance(fwd, dict):
@@ -200,6 +211,16 @@ def _loader(dj: Path, call: str, task: str, module: str | None = None,
     def load() -> Any:
         doc = read_dump_json(dj)
         return read_call(dj, doc, call, module, assume) if task == "tensor" else read_summaries(dj, doc, call)
+
+    return load
+
+
+def _family_loader(dj: Path, call: str, task: str, module: str | None,
+                   assume: dict[str, float] | None) -> Callable[[], Any]:
+    def load() -> Any:
+        doc = read_dump_json(dj)
+        return read_family_call(dj, doc, call, module, assume) if task == "tensor" else \
+            read_family_summaries(dj, doc, call)
 
     return load
 
