@@ -27,6 +27,21 @@ def msprobe_dumps(tmp_path_factory):
     return root, json.loads((root / MANIFEST).read_text())
 
 
+@pytest.fixture(scope="session")
+def msprobe_family_dumps(tmp_path_factory):
+    """(root, manifest): real msprobe dumps of the normalisation family's calls beside a BatchNorm, and torch's values
+    for every call (tests/msprobe_family_dumps.py)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("msprobe")  # the bare package only; msprobe.pytorch is imported in the generator subprocess
+    import json
+
+    from msprobe_family_dumps import MANIFEST, make_family_dumps
+
+    root = tmp_path_factory.mktemp("msprobe-family")
+    make_family_dumps(root)
+    return root, json.loads((root / MANIFEST).read_text())
+
+
 def generate_ranks(root, steps, world, statistics):
     """(root, manifest): real msprobe dumps of a DDP training run on ``world`` gloo processes over ``steps`` steps
     (tests/msprobe_ranks.py), with torch's values for every call."""

@@ -92,6 +92,7 @@ RUN = {
     "bnprobe gradcheck --norm layer --adapter torch": "torch",
     "bnprobe gradcheck --norm rms --adapter torch": "torch",
     "bnprobe gradcheck --norm group --num-groups 2 --adapter torch": "torch",
+    "bnprobe compare-precision --adapters dump:norm-dump --no-budget --out report": "msprobe",
     # each command page's options, as its --help prints them
     **{f"bnprobe {command} --help": None for command in COMMANDS},
 }
@@ -146,7 +147,10 @@ SETUP = {"bnprobe trace --shape 1,128,1024,1024": _bad_inputs,
          "bnprobe doctor --adapter dump:syncbn-dump --out reports/syncbn-sweep": _syncbn_dump}
 # blocks whose input is a session fixture's: (the fixture, the folder of it the README names, the name it has there)
 FIXTURES = {"bnprobe compare-precision --adapters dump:ddp-dump --out reports/ddp-sweep":
-            ("msprobe_ranks", "tensor", "ddp-dump")}  # a real 2-rank, 2-step DDP run's msprobe dumps
+            ("msprobe_ranks", "tensor", "ddp-dump"),  # a real 2-rank, 2-step DDP run's msprobe dumps
+            # a real mix-level msprobe dump of a model's BatchNorm and its siblings (fp32)
+            "bnprobe compare-precision --adapters dump:norm-dump --no-budget --out report":
+            ("msprobe_family_dumps", "mix-fp32", "norm-dump")}
 MASKS = [
     (re.compile(r"\b\d+\.\d+ s\b"), "<seconds> s"),
     (re.compile(r"reports/([A-Za-z0-9_.-]+)-\d{8}-\d{6}(-\d+)?"), r"reports/\1-<time>"),

@@ -349,8 +349,8 @@ def _outputs(base: Path, where: str, call: str, api: FamilyApi, outs: list[Any],
             continue
         a, f = load_tensor(base, outs[i], f"{call}.forward output {i}")
         if a.size != ns.rows:
-            raise BNProbeError(f"{where}: {call}.forward output {i} ({name[6:]}) has {a.size} values, the layer "
-                               f"{ns.rows} rows")
+            raise BNProbeError(f"{where}: {call}.forward output {i} ({name[6:]}) has {a.size} values; the layer has "
+                               f"{ns.rows} rows (a statistic each)")
         key = "saved_mean" if name == "saved_mean" else "saved_value"
         got[key], fmts[key] = a.reshape(-1), f
     if "saved_mean" in got and "saved_value" not in got:  # (a mean without its rstd is not a Saved)
