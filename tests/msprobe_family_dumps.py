@@ -7,7 +7,8 @@ reaches the calling (pytest) process.  The script
 
 1. builds, per dump, a fresh deterministic model (``Net`` below): ``nn.BatchNorm2d`` -> ``nn.GroupNorm(4, 8)`` ->
    ``nn.InstanceNorm2d(8, affine=True)`` on an image, and ``nn.LayerNorm(32)`` -> ``F.layer_norm`` over (4, 32)
-   (γ, β and ε passed as keywords) -> ``torch.native_layer_norm`` (ε 1e-4) on a sequence;
+   (γ, β and ε passed as keywords) -> ``torch.native_layer_norm`` (ε 1e-4) -> ``nn.RMSNorm(32)`` on a sequence
+   (msprobe hooks no rms_norm: the RMSNorm is a module record at the mix level only, not a call);
 2. computes torch's own values for every call *before msprobe is imported*: a plain forward + backward of a copy of
    the model gives each call's x and dy, then the functional call alone on clones of those inputs gives y (and the
    native call's mean and rstd), dx, dγ, dβ — checked bit for bit against the model's own pass — saved as float32
@@ -92,7 +93,8 @@ def _net_class():
 
     class Net(nn.Module):
         """conv -> BN2d -> GroupNorm(4, 8) -> InstanceNorm2d(8, affine) on an image; Linear -> LayerNorm(32) ->
-        F.layer_norm over (4, 32) (keywords, ε 1e-3) -> torch.native_layer_norm (ε 1e-4) on a sequence."""
+        F.layer_norm over (4, 32) (keywords, ε 1e-3) -> torch.native_layer_norm (ε 1e-4) -> RMSNorm(32) on a
+        sequence."""
 
         def __init__(self):
             super().__init__()
@@ -106,6 +108,7 @@ def _net_class():
             self.b2 = nn.Parameter(torch.zeros(4, 32))
             self.w3 = nn.Parameter(torch.ones(32))
             self.b3 = nn.Parameter(torch.zeros(32))
+            self.rms = nn.RMSNorm(32, eps=1e-6)
             self.tap = None  # reference pass only: sees the functional calls' inputs and outputs
 
         def forward(self, img, seq):
@@ -115,7 +118,7 @@ def _net_class():
             out = torch.native_layer_norm(f, [32], self.w3, self.b3, 1e-4)
             if self.tap is not None:
                 self.tap(h, f, out)
-            return a, out[0]
+            return a, self.rms(out[0])
 
     return Net
 
@@ -310,7 +313,8 @@ def generate(root: Path, names=None):
         jobs.append((spec, model, img, seq, weights))
         dumps[spec.name] = {"name": spec.name, "dump_path": spec.name, "expected_dir": f"{spec.name}-expected",
                             "level": spec.level, "task": spec.task, "dtype": spec.dtype,
-                            "torch_dtype": TORCH_DTYPE[spec.dtype], "calls": calls}
+                            "torch_dtype": TORCH_DTYPE[spec.dtype], "calls": calls,
+                            "rms_modules": ["Module.rms.RMSNorm.forward.0"] if spec.level == "mix" else []}
     print(f"references computed in {time.time() - t0:.1f} s", flush=True)
     _dump_all(root, jobs)
     import importlib.metadata as md

@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 
 from bnprobe.core.errors import BNProbeError
-from bnprobe.recordings.msprobe_family import family_api, family_ref, read_family_call, read_family_summaries
+from bnprobe.recordings.msprobe_family import (family_api, family_ref, read_family_call, read_family_summaries,
+                                               rms_modules)
 from bnprobe.recordings.msprobe_records import (
     SUMMARY_KEYS,
     check_parameters_grad,
@@ -150,6 +151,7 @@ def msprobe_calls(path: str | Path, assume: dict[str, float] | None = None) -> t
     root = Path(path) if Path(path).is_dir() else Path(path).parent
     calls: list[MsprobeCall] = []
     notes: list[str] = []
+    unread: list[str] = []  # the RMSNorm modules no API record of the family stands for
     for dj in jsons:
         doc = read_dump_json(dj)
         data = doc["data"]
@@ -201,8 +203,17 @@ def msprobe_calls(path: str | Path, assume: dict[str, float] | None = None) -> t
                     dtype=rec.dtype, training=rec.training, has_backward=backward, task=task,
                     load=_cell_loader(dj, key, assume), recorded=(*rec.modes, *(("backward",) if backward else ()))),
                     api=key, dump_json=dj, framework=str(doc.get("framework") or "mindspore")))
+        if str(doc.get("framework") or "pytorch") == "pytorch":
+            unread.extend(prefix + k for k in rms_modules(data, construct))
     if len(jsons) > 1:
         notes.append(f"{len(jsons)} dump.json files (steps/ranks) read; calls are named by their folder")
+    if unread:
+        note = (f"{len(unread)} RMSNorm module record{'s' if len(unread) > 1 else ''} ({unread[0]}"
+                f"{', ...' if len(unread) > 1 else ''}) not read: msprobe hooks no rms_norm API, and a module's record "
+                "holds x, y and γ but not ε")
+        if not calls:
+            raise BNProbeError(f"{path}: {note}")
+        notes.append(note)
     return calls, notes
 
 

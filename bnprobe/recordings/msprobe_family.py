@@ -49,7 +49,8 @@ from bnprobe.recordings.msprobe_records import (
 )
 from bnprobe.recordings.types import CallRef, Recording, check_eps_momentum
 
-__all__ = ["FamilyApi", "FAMILY_APIS", "family_api", "family_ref", "read_family_call", "read_family_summaries"]
+__all__ = ["FamilyApi", "FAMILY_APIS", "family_api", "family_ref", "read_family_call", "read_family_summaries",
+           "rms_modules"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,15 @@ def family_api(call: str) -> FamilyApi | None:
     if len(parts) != 3 or not parts[-1].isdigit():
         return None
     return FAMILY_APIS.get((parts[0], parts[1]))
+
+
+def rms_modules(data: dict[str, Any], construct: dict[str, str]) -> list[str]:
+    """The forward records of RMSNorm modules (``Module.<path>.<Class>.forward.K``, a class whose name ends in
+    RMSNorm: torch's, Llama's...) that no family API record of the dump stands for (msprobe hooks no ``rms_norm``:
+    ``nn.RMSNorm`` and Hugging Face's RMSNorm show only as modules, whose records hold no ε)."""
+    inside = {construct.get(k) for k in data if k.endswith(".forward") and family_api(k[: -len(".forward")])}
+    return [k for k in data if k.startswith("Module.") and ".forward." in k
+            and k.split(".forward.")[0].endswith("RMSNorm") and k not in inside]
 
 
 def _args(call: str, api: FamilyApi, fwd: dict[str, Any], where: str) -> dict[str, Any]:

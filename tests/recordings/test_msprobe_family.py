@@ -97,6 +97,30 @@ def test_each_call_holds_torchs_values_bit_for_bit(msprobe_family_dumps, name):
                 assert f == d["dtype"], (ref.name, k, f)
 
 
+@pytest.mark.parametrize("name", ["L1-fp32", "mix-fp32"])
+def test_an_rms_norm_module_is_no_call_and_the_dump_says_why(msprobe_family_dumps, name):
+    """msprobe hooks no rms_norm: the model's nn.RMSNorm leaves no API record, and at the mix level its module record
+    (no ε in it) is named in a note."""
+    root, manifest = msprobe_family_dumps
+    d = manifest["dumps"][name]
+    path = dump_of(root, manifest, name)
+    data = json.loads(next(path.glob("step0/proc*/dump.json")).read_text())["data"]
+    assert not [k for k in data if "rms_norm" in k.lower()]
+    assert [k for k in data if k.startswith("Module.") and "RMSNorm.forward" in k] == d["rms_modules"]
+    notes = open_dump(path).notes
+    assert notes == ((f"1 RMSNorm module record ({d['rms_modules'][0]}) not read: msprobe hooks no rms_norm API, and "
+                      "a module's record holds x, y and γ but not ε",) if d["rms_modules"] else ())
+
+
+def test_a_dump_of_rms_norm_modules_alone_is_refused_with_the_reason(msprobe_family_dumps, tmp_path):
+    root, manifest = msprobe_family_dumps
+    copy = _damaged(root, manifest, tmp_path, lambda data: [data.pop(k) for k in list(data)
+                                                            if not k.startswith("Module.rms.")], "mix-fp32")
+    with pytest.raises(BNProbeError, match=r"1 RMSNorm module record \(Module.rms.RMSNorm.forward.0\) not read: "
+                                           "msprobe hooks no rms_norm API"):
+        open_dump(copy)
+
+
 def test_instance_norm_at_L1_is_read_forward_only_and_says_why(msprobe_family_dumps):
     root, manifest = msprobe_family_dumps
     ref = open_dump(dump_of(root, manifest, "L1-fp32"), "Functional.instance_norm.*").calls[0]
@@ -182,10 +206,10 @@ def test_overflow_reads_the_statistics_dump(msprobe_family_dumps, capsys):
     assert rc == 0 and "6 recorded call(s)" in out and ": clean" in out, out
 
 
-def _damaged(root, manifest, tmp_path, change):
-    """A copy of the L1-fp32 dump whose dump.json ``change`` edits."""
+def _damaged(root, manifest, tmp_path, change, name="L1-fp32"):
+    """A copy of dump ``name`` whose dump.json ``change`` edits."""
     copy = tmp_path / "dump"
-    shutil.copytree(dump_of(root, manifest, "L1-fp32"), copy)
+    shutil.copytree(dump_of(root, manifest, name), copy)
     dj = next(copy.glob("step0/proc*/dump.json"))
     doc = json.loads(dj.read_text())
     change(doc["data"])
