@@ -4,7 +4,8 @@ recordings, each named by its layer as a family call is (``norm``, ``normalized_
 The records read (PyTorch dumps; what msprobe 26.x hooks, ``pytorch/dump/api_dump/support_wrap_ops.yaml``):
 
 - ``Functional.layer_norm`` (what ``nn.LayerNorm`` calls), ``Torch.layer_norm``, ``Torch.native_layer_norm`` and
-  ``Aten.native_layer_norm`` (msprobe's ACL-graph dumper names aten ops so);
+  ``Aten.native_layer_norm`` (msprobe's ACL-graph dumper names aten ops so; read with the native function's
+  arguments, the aten schema's — not seen in a real dump here: msprobe 26.2 hooks no aten op on the CPU);
 - ``Functional.group_norm`` (``nn.GroupNorm``), ``Torch.group_norm``, ``Torch.native_group_norm``,
   ``Aten.native_group_norm``;
 - ``Functional.instance_norm`` (``nn.InstanceNorm1d/2d/3d``) and ``Torch.instance_norm``;

@@ -258,3 +258,35 @@ def test_a_given_eps_that_contradicts_a_recorded_one_is_refused(msprobe_family_d
     ref = open_dump(f"{dump_of(root, manifest, 'L1-fp32')},eps=0.5", "Functional.group_norm.*").calls[0]
     with pytest.raises(BNProbeError, match=r"Functional.group_norm.0 records eps = 1e-05; eps=0.5 contradicts it"):
         ref.load()
+
+
+def test_an_instance_norm_module_run_twice_gives_dx_but_not_its_summed_parameter_gradients(msprobe_family_dumps,
+                                                                                           tmp_path):
+    """A module that ran twice has one parameters_grad, the sum of its calls' (msprobe 26.2 records it once): the
+    call's dγ and dβ are then not read from it."""
+    root, manifest = msprobe_family_dumps
+    key = "Module.inorm.InstanceNorm2d.forward."
+    copy = _damaged(root, manifest, tmp_path, lambda data: data.update({key + "1": data[key + "0"]}), "mix-fp32")
+    rec = open_dump(copy, "Functional.instance_norm.*").calls[0].load()
+    assert sorted(rec.tensors["backward"]["outputs"]) == ["dx"]
+    assert any("dγ, dβ not read: the module ran 2 times" in n for n in rec.meta["notes"])
+
+
+def test_aten_records_are_read_with_the_native_schema(msprobe_family_dumps, tmp_path):
+    """Aten.native_layer_norm (as msprobe's ACL-graph dumper names aten ops) takes torch.native_layer_norm's
+    arguments: the same record under that name is the same call."""
+    root, manifest = msprobe_family_dumps
+
+    def rename(data):
+        for k in [k for k in data if k.startswith("Torch.native_layer_norm.0.")]:
+            data["Aten" + k[len("Torch"):]] = data.pop(k)
+
+    copy = _damaged(root, manifest, tmp_path, rename)
+    aten = open_dump(copy, "Aten.*").calls[0].load()
+    torch_rec = open_dump(dump_of(root, manifest, "L1-fp32"), "Torch.native_layer_norm.*").calls[0].load()
+    assert aten.call().normalized_shape == (32,) and aten.eps == torch_rec.eps == 1e-4
+    for mode in ("train", "backward"):
+        for io in ("inputs", "outputs"):
+            assert sorted(aten.tensors[mode][io]) == sorted(torch_rec.tensors[mode][io])
+            for k, v in aten.tensors[mode][io].items():
+                assert np.array_equal(v, torch_rec.tensors[mode][io][k]), (mode, io, k)
