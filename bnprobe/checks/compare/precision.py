@@ -26,7 +26,7 @@ from bnprobe.adapters.registry import as_adapter
 from bnprobe.adapters.base import MODES, outputs_only
 from bnprobe.adapters.convention import bench_for, reference_for
 from bnprobe.core.call import EPS, MOMENTUM, NORM_NAMES, BNCall
-from bnprobe.core.conventions import convention_of
+from bnprobe.core.conventions import convention_of, get_convention
 from bnprobe.engine.budget import BUDGET_CHANNELS, budget_cause, error_budget
 from bnprobe.engine.cases import Case, family_cases, make_dy, recorded_cases, resnet50_cases, stress_cases
 from bnprobe.engine.family import per_row_element
@@ -944,6 +944,11 @@ def _name_identified(r: dict[str, Any], cc: _CaseCall, run: CallRun, t: str, n: 
     if rp is None or not rp.covers(t):
         if rp is not None:
             r["unnamed_recipe"] = f"{rp.words} covers {', '.join(rp.outputs)} only, not {t}"
+        return False
+    conv = get_convention(n.kernel.capabilities().convention)
+    if (rv := get_policy(rp.spec).running_var) != conv.running_var:  # (a kernel judged in another convention)
+        r["unnamed_recipe"] = (f"{rp.words} was identified in its own convention (running_var={rv}); judged in "
+                               f"{conv.name}'s, the convention differs (--convention names the kernel's)")
         return False
     done = _variant_outputs(cc, f"identified:{rp.spec}", lambda: EmulatedAdapter(rp.spec))
     if isinstance(done, str):
