@@ -22,7 +22,8 @@ from bnprobe.core.errors import BNProbeError
 from bnprobe.core.kernel import Capabilities
 from bnprobe.engine.run import Golden, generated_call, run_call
 
-FORMATS = ["fp16", "bf16", "fp32"]
+# (bf16 and fp32 run with the slow tests, .ci/run's second stage: the default suite keeps within its 10 minutes)
+FORMATS = ["fp16", pytest.param("bf16", marks=pytest.mark.slow), pytest.param("fp32", marks=pytest.mark.slow)]
 LAYERS = {"layer": Layer("layer"), "rms": Layer("rms"), "group": Layer("group", groups=2),
           "instance": Layer("instance")}
 _DTYPE = {"fp64": np.float64, "fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}

@@ -112,6 +112,7 @@ def test_what_only_fresh_inputs_show_is_not_called_reproduced() -> None:
     assert not res.reproduced and res.departs == "y"
 
 
+@pytest.mark.slow  # (10 s: the default suite keeps within its 10 minutes; the refusals are cheap, the search is not)
 def test_cli_identifies_a_layer_and_refuses_bad_input_in_one_line(capsys) -> None:  # noqa: ANN001
     assert main(["identify", "--adapter", "torch", "--norm", "rms", "--dtype", "bf16", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
