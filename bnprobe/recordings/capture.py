@@ -401,6 +401,7 @@ class Capture:
         self._stale: list[Path] = []  # call folders of the capture force overwrites
         self._family: dict[int, FamilyModule] = {}  # the family modules hooked, by id
         self._awaiting: dict[int, list[CapturedCall]] = {}  # an RMSNorm module's calls awaiting their backward
+        self._dgamma_seen: set[int] = set()  # the calls whose weight gradient has come (RMSNorm's)
 
     # ---- entering: checks, then hooks ------------------------------------------------------------
     def _check_out(self) -> None:
@@ -591,13 +592,8 @@ class Capture:
 
     def _family_node_hook(self, call: CapturedCall, kind: str) -> Callable[..., None]:
         def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
-            if record_family_node_grads(call, grad_inputs, grad_outputs, kind) and call.state == "spilled" and \
-                    self._error is None:
-                try:
-                    self._write_call(call)
-                except (OSError, BNProbeError) as exc:
-                    self._refuse(str(exc) if isinstance(exc, BNProbeError) else
-                                 f"{self.out / call.dir}: cannot write the call ({type(exc).__name__}: {exc})")
+            if record_family_node_grads(call, grad_inputs, grad_outputs, kind):
+                self._write_on_arrival(call)
         return hook
 
     def _module_grad_hook(self, module: Any) -> Callable[..., None]:
@@ -619,11 +615,11 @@ class Capture:
         """RMSNorm's dγ, from its weight's gradient: the call's own only when the module ran once in the step (else
         it is the sum over its calls, and not recorded)."""
         def hook(grad: Any) -> None:
-            calls = [c for c in self._awaiting.get(id(module), []) if not c.meta.get("dgamma_seen")]
+            calls = [c for c in self._awaiting.get(id(module), []) if id(c) not in self._dgamma_seen]
             if len(calls) == 1:
                 calls[0].grads_out["dgamma"] = _to_numpy(grad)
             for c in calls:
-                c.meta["dgamma_seen"] = True
+                self._dgamma_seen.add(id(c))
                 if len(calls) > 1:
                     c.meta["backward_missing"] = {"dgamma": "not recorded: the module ran more than once before "
                                                             "this backward, and its weight's gradient sums its calls"}
@@ -631,15 +627,18 @@ class Capture:
 
     def _grad_hook(self, call: CapturedCall) -> Callable[..., None]:
         def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
-            if not record_grads(call, grad_inputs, grad_outputs):
-                return
-            if call.state == "spilled" and self._error is None:
-                try:
-                    self._write_call(call)
-                except (OSError, BNProbeError) as exc:
-                    self._refuse(str(exc) if isinstance(exc, BNProbeError) else
-                                 f"{self.out / call.dir}: cannot write the call ({type(exc).__name__}: {exc})")
+            if record_grads(call, grad_inputs, grad_outputs):
+                self._write_on_arrival(call)
         return hook
+
+    def _write_on_arrival(self, call: CapturedCall) -> None:
+        """A call whose backward just came: its dump written now (its forward was spilled awaiting it)."""
+        if call.state == "spilled" and self._error is None:
+            try:
+                self._write_call(call)
+            except (OSError, BNProbeError) as exc:
+                self._refuse(str(exc) if isinstance(exc, BNProbeError) else
+                             f"{self.out / call.dir}: cannot write the call ({type(exc).__name__}: {exc})")
 
     # ---- leaving: write ----------------------------------------------------------------------------
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
