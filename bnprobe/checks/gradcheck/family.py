@@ -35,6 +35,7 @@ from bnprobe.adapters.base import outputs_only
 from bnprobe.adapters.convention import reference_for
 from bnprobe.adapters.registry import as_adapter
 from bnprobe.checks.gradcheck.gradients import (
+    central_difference,
     FD_SAMPLED_COLS,
     FULL_JACOBIAN_MAX,
     GradcheckResult,
@@ -158,14 +159,7 @@ class _LayerJacobian:
 
     def column(self, i: int) -> np.ndarray:
         """Column i by central differences (theta_i moved by ±h in place)."""
-        work, theta, h = self.work, self.theta, self.h
-        work[i] = theta[i] + h
-        up = self.y_at(work)
-        work[i] = theta[i] - h
-        down = self.y_at(work)
-        work[i] = theta[i]
-        with np.errstate(invalid="ignore"):  # (inf − inf where y is not finite: NaN, no warning)
-            return (up - down) / (2 * h)
+        return central_difference(self.y_at, self.work, self.theta, self.h, i)
 
     def vjp(self, v: np.ndarray) -> np.ndarray:
         out = self.adapter.backward_of(self.call.with_(dy=np.reshape(v, self.shape)), self.saved)

@@ -38,7 +38,7 @@ from bnprobe.engine.metrics import compare
 from bnprobe.core.tolerances import FINITE_DIFFERENCE, check_rtol_atol, grad_tolerance
 from bnprobe.inputs import SEED, input_shape
 
-__all__ = ["GradRow", "GradcheckResult", "gradcheck", "check_formula", "FORMULAS",
+__all__ = ["GradRow", "GradcheckResult", "gradcheck", "check_formula", "FORMULAS", "central_difference",
            "FULL_JACOBIAN_MAX", "FD_CHANNELS"]
 
 FULL_JACOBIAN_MAX = 250_000  # entries M*P up to which the full Jacobian is formed
@@ -167,6 +167,19 @@ def _where(shape: tuple[int, ...]) -> Callable[[int], str]:
 
 # ---- finite differences -------------------------------------------------------------------------
 
+def central_difference(y_at: Callable[[np.ndarray], np.ndarray], work: np.ndarray, theta: np.ndarray, h: float,
+                       i: int) -> np.ndarray:
+    """Column i of y's Jacobian by central differences: ``work`` (a copy of ``theta``) moved by ±h at i in place and
+    restored — a whole copy of theta per evaluation cost as much as the fp64 forward itself on a large call."""
+    work[i] = theta[i] + h
+    up = y_at(work)
+    work[i] = theta[i] - h
+    down = y_at(work)
+    work[i] = theta[i]
+    with np.errstate(invalid="ignore"):  # (inf - inf where y is not finite: NaN, no warning)
+        return (up - down) / (2 * h)
+
+
 class _Jacobian:
     """y's Jacobian in theta = (x, gamma, beta) of one adapter's fp64 forward: columns by central differences,
     rows (vector-Jacobian products) by its backward."""
@@ -210,14 +223,7 @@ class _Jacobian:
         cost as much as the fp64 forward itself on a large call)."""
         if self.by_channel:
             return self._channel_column(i)
-        work, theta, h = self.work, self.theta, self.h
-        work[i] = theta[i] + h
-        up = self.y_at(work)
-        work[i] = theta[i] - h
-        down = self.y_at(work)
-        work[i] = theta[i]
-        with np.errstate(invalid="ignore"):  # (inf - inf where y is not finite: NaN, no warning)
-            return (up - down) / (2 * h)
+        return central_difference(self.y_at, self.work, self.theta, self.h, i)
 
     def _channel_column(self, i: int) -> np.ndarray:
         """:meth:`column` running only the channel theta_i belongs to (the same values: see ``by_channel``)."""
