@@ -31,7 +31,8 @@ __all__ = ["GRAD_TOLERANCES", "FINITE_DIFFERENCE", "MSPROBE_STANDARDS", "Standar
            "check_rtol_atol", "CheckerStandard", "MSPROBE_CHECKER", "MSPROBE_BENCHMARK_LIMITS",
            "MSPROBE_BENCHMARK_APIS", "MSPROBE_CSV_DECIMALS", "MSPROBE_COMPARE_LIMITS", "DOCTOR_TOLERANCES",
            "doctor_tolerance", "KERNEL_AGREEMENT", "RANK_TOLERANCES", "ACCUMULATION_FORMAT", "accumulation_format",
-           "accumulation_bound", "SMALL_VALUE_ULPS", "FOLD_COMPUTE_ULPS", "FOLD_SUM_SLACK", "folded_tolerance"]
+           "accumulation_bound", "variance_bound", "SMALL_VALUE_ULPS", "FOLD_COMPUTE_ULPS", "FOLD_SUM_SLACK",
+           "folded_tolerance"]
 
 GRAD_TOLERANCES: dict[str, tuple[float, float]] = {  # (rtol, atol)
     "fp64": (1e-7, 1e-7),
@@ -202,6 +203,12 @@ FOLD_COMPUTE_ULPS = 8.0
 #: W' − W'gold and on |x| with the tolerances); two FP64 sums of up to 1e6 terms each round by less than
 #: 1e6 · 2^-53 ~ 1e-10 relative, so the allowance is widened by this share
 FOLD_SUM_SLACK = 1e-9
+
+
+def variance_bound(gamma_r: float, u: float, var: np.ndarray, dmean: np.ndarray) -> np.ndarray:
+    """How far a two-pass variance σ'² can be from σ² when it sums R squares in a format of unit roundoff ``u``
+    (γ_R = ``gamma_r``) about a mean off by ``dmean``: (γ_R + 3u)·(σ² + δμ²) + δμ²."""
+    return (gamma_r + 3 * u) * (var + dmean**2) + dmean**2
 
 
 def folded_tolerance(expected: np.ndarray, storage: str, magnitude: np.ndarray | None = None) -> np.ndarray:

@@ -15,7 +15,7 @@ import numpy as np
 
 from bnprobe.core.formats import get_format
 from bnprobe.core.kernel import Saved
-from bnprobe.core.tolerances import SMALL_VALUE_ULPS, accumulation_bound, accumulation_format
+from bnprobe.core.tolerances import SMALL_VALUE_ULPS, accumulation_bound, accumulation_format, variance_bound
 from bnprobe.kernels.layout import NormShape
 
 __all__ = ["family_shape", "family_y_natural", "family_bounds", "per_row_element"]
@@ -91,7 +91,7 @@ def family_bounds(call: Any, gold: Saved | None, stats: Saved | None, dy: np.nda
         if gold is not None:
             dmean = np.zeros(sh.rows) if rms else gr * mean_abs
             var = np.asarray(gold.var(call.eps), dtype=np.float64)
-            b_var = (gr + 3 * u) * (var + dmean**2) + dmean**2 + _running_mean_term(xr, gold, u, rms)
+            b_var = variance_bound(gr, u, var, dmean) + _running_mean_term(xr, gold, u, rms)
             inv = 1.0 / np.sqrt(var + call.eps)
             what = "the mean square" if rms else "the variance"
             bounds["saved_rstd"] = (inv * (0.5 * b_var / (var + call.eps) + SMALL_VALUE_ULPS * u),

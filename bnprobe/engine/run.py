@@ -32,13 +32,13 @@ from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
 from bnprobe.core.kernel import modes_left_out, needs_modes
 from bnprobe.kernels.layout import layout_of
-from bnprobe.core.tolerances import accumulation_bound, accumulation_format
+from bnprobe.core.tolerances import accumulation_bound, accumulation_format, variance_bound
 
 T = TypeVar("T")
 LARGE_CALL = 1 << 20  # values of x beyond which a call's arrays are collected before the next is read
 
 __all__ = ["CallRun", "Golden", "OUTPUT_MODE", "generated_call", "family_meta", "run_call", "each_call", "each_run",
-           "natural_scales", "cancellation_bounds", "statistics_bounds", "variance_bound", "forgiven", "running_stats",
+           "natural_scales", "cancellation_bounds", "statistics_bounds", "forgiven", "running_stats",
            "y_natural"]
 
 # each output a check can judge, and the mode whose call returns it
@@ -508,12 +508,6 @@ def _deviation_peaks(call: BNCall, lay: Any, gm: np.ndarray) -> np.ndarray:
 
         return deviation_peaks(lay.view3(x), gm)
     return np.nanmax(np.abs(lay.to_cr(x) - gm[:, None]), axis=1)
-
-
-def variance_bound(gamma_r: float, u: float, var: np.ndarray, dmean: np.ndarray) -> np.ndarray:
-    """How far a two-pass variance σ'² can be from σ² when it sums R squares in a format of unit roundoff ``u``
-    (γ_R = ``gamma_r``) about a mean off by ``dmean``: (γ_R + 3u)·(σ² + δμ²) + δμ²."""
-    return (gamma_r + 3 * u) * (var + dmean**2) + dmean**2
 
 
 def statistics_bounds(call: BNCall, stats: Saved, mean_abs: np.ndarray | None = None

@@ -37,7 +37,7 @@ import numpy as np
 
 from bnprobe.adapters import KernelAdapter
 from bnprobe.adapters.base import outputs_only, params_format
-from bnprobe.checks.identify.probes import Score
+from bnprobe.checks.identify.probes import Score, searched_format
 from bnprobe.checks.identify.results import Identified, OutputMatch, Undistinguished, policy_spec, value_text
 from bnprobe.core.call import EPS, NORM_NAMES, BNCall
 from bnprobe.core.errors import BNProbeError
@@ -286,12 +286,7 @@ def identify_family(adapter: str | KernelAdapter, norm: str, dtype: str | None =
     if "backward" not in caps.modes or "train" not in caps.modes:
         raise BNProbeError(f"identify --norm {norm} runs the kernel's forward and backward: {kernel.name} runs "
                            f"{', '.join(caps.modes)}")
-    fmt = get_format(dtype or "fp16").name
-    if fmt not in caps.formats:
-        raise BNProbeError(f"adapter {kernel.name} does not run {fmt} (it runs {', '.join(caps.formats)})")
-    if fmt not in PRESETS:
-        raise BNProbeError(f"identify searches fp64, fp32, fp16 and bf16 kernels, not {fmt}")
-    params = params or "fp32"
+    fmt, params = searched_format(kernel, dtype, params)
     pf = params_format(fmt, params)
     eps = EPS if eps is None else eps
     start = time.perf_counter()

@@ -12,15 +12,31 @@ from typing import Any
 import numpy as np
 
 from bnprobe.adapters import KernelAdapter, Saved
-from bnprobe.adapters.base import Capabilities
+from bnprobe.adapters.base import Capabilities, params_format
 from bnprobe.adapters.emulated import PolicyAdapter
 from bnprobe.core.call import EPS, MOMENTUM, BNCall
 from bnprobe.engine.cases import Case, dy_of_kind
+from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
-from bnprobe.kernels.policy import Policy
+from bnprobe.kernels.policy import PRESETS, Policy
 
 
-__all__ = ["Observed", "Score", "probes", "observe", "emulate", "score_outputs", "probe_vectors"]
+__all__ = ["Observed", "Score", "probes", "observe", "emulate", "score_outputs", "probe_vectors",
+           "searched_format"]
+
+
+def searched_format(kernel: KernelAdapter, dtype: str | None, params: str | None) -> tuple[str, str]:
+    """The format identify searches ``kernel`` in (``dtype``, fp16 if None) and the parameters' (``params``, fp32 if
+    None): one the kernel runs and a policy preset exists for, the pair valid — else one line naming the problem."""
+    caps = kernel.capabilities()
+    fmt = get_format(dtype or "fp16").name
+    if fmt not in caps.formats:
+        raise BNProbeError(f"adapter {kernel.name} does not run {fmt} (it runs {', '.join(caps.formats)})")
+    if fmt not in PRESETS:
+        raise BNProbeError(f"identify searches fp64, fp32, fp16 and bf16 kernels, not {fmt}")
+    params = params or "fp32"
+    params_format(fmt, params)  # (validated)
+    return fmt, params
 
 
 # ---- probes -------------------------------------------------------------------------------------------------

@@ -52,7 +52,6 @@ from bnprobe.engine.recorded import Recorded, check_options, given_to, only_call
 from bnprobe.engine.run import each_call, recording_notes
 from bnprobe.core.errors import BNProbeError, named
 from bnprobe.inputs import SEED
-from bnprobe.core.formats import get_format
 from bnprobe.core.kernel import modes_left_out
 from bnprobe.kernels.policy import PRESETS, Policy
 from bnprobe.checks.identify.probes import (
@@ -63,6 +62,7 @@ from bnprobe.checks.identify.probes import (
     probe_vectors,
     probes,
     score_outputs,
+    searched_format,
 )
 from bnprobe.checks.identify.results import (
     Identified,
@@ -547,14 +547,8 @@ def identify(adapter: str | KernelAdapter | Recorded, dtype: str | None = None, 
     seed, eps = SEED if seed is None else seed, EPS if eps is None else eps
     kernel = outputs_only(a)
     caps = kernel.capabilities()
-    fmt = get_format(dtype or "fp16").name
-    if fmt not in caps.formats:
-        raise BNProbeError(f"adapter {kernel.name} does not run {fmt} (it runs {', '.join(caps.formats)})")
-    if fmt not in PRESETS:
-        raise BNProbeError(f"identify searches fp64, fp32, fp16 and bf16 kernels, not {fmt}")
-    params = params or "fp32"
+    fmt, params = searched_format(kernel, dtype, params)
     passes = 2 if passes is None else passes
-    params_format(fmt, params)  # (validated)
     layouts = tuple(caps.layouts)
     observe_all = _observer(kernel, caps)
     designed = probes(fmt, params, seed=seed, eps=eps, momentum=momentum, layouts=layouts)

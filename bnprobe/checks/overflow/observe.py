@@ -30,10 +30,10 @@ import numpy as np
 
 from bnprobe.checks.overflow.report import OverflowFinding, input_at
 from bnprobe.engine.rules import bound_used
-from bnprobe.engine.run import CallRun, variance_bound
+from bnprobe.engine.run import CallRun
 from bnprobe.core.formats import get_format
 from bnprobe.kernels.layout import layout_of
-from bnprobe.core.tolerances import SMALL_VALUE_ULPS, accumulation_bound, accumulation_format
+from bnprobe.core.tolerances import SMALL_VALUE_ULPS, accumulation_bound, accumulation_format, variance_bound
 
 __all__ = ["observed_findings", "CarefulBounds"]
 
