@@ -335,15 +335,20 @@ def fold_onnx_html(rep: OnnxFoldReport, report: Report) -> str:
 
 # ---- trace ------------------------------------------------------------------------------------------
 
-def trace_lines(cmp: TraceComparison, source: str, lay: Layout) -> list[str]:
-    """A traced run, stage by stage: range, error against the FP64 golden, anomalies."""
+def trace_lines(cmp: TraceComparison, source: str, lay: Layout | None = None) -> list[str]:
+    """A traced run, stage by stage: range, error against the FP64 golden, anomalies.  ``lay``: a BatchNorm call's
+    layout (a family layer's call says where its statistics sit itself)."""
     meta, eps, momentum = cmp.meta, cmp.eps, cmp.momentum
-    lines = [f"policy   {cmp.policy.describe()}",
-             f"input    {source}, shape {tuple(lay.shape)} ({lay.layout}), C = {lay.channels}, R = N*spatial = "
-             f"{lay.reduce_size}",
-             f"mode     {cmp.mode}; eps {eps:g} (as used: {meta.get('eps_effective', eps):.6g})"
-             + ((f", momentum {momentum:g}" if momentum is not None else ", momentum None (cumulative average)")
-                if cmp.mode == "train" else ""),
+    if cmp.layer is not None:
+        head = _family_trace_head(cmp, source)
+    else:
+        assert lay is not None, "a BatchNorm trace is shown with its layout"
+        head = [f"input    {source}, shape {tuple(lay.shape)} ({lay.layout}), C = {lay.channels}, R = N*spatial = "
+                f"{lay.reduce_size}",
+                f"mode     {cmp.mode}; eps {eps:g} (as used: {meta.get('eps_effective', eps):.6g})"
+                + ((f", momentum {momentum:g}" if momentum is not None else ", momentum None (cumulative average)")
+                   if cmp.mode == "train" else "")]
+    lines = [f"policy   {cmp.policy.describe()}", *head,
              "errors   against the FP64 golden (same algorithm, same rounded inputs); ulp = in the stage's own format",
              ""]
     rows = []
@@ -361,3 +366,20 @@ def trace_lines(cmp: TraceComparison, source: str, lay: Layout) -> list[str]:
     if inp is not None and (inp.count("nan") or inp.count("posinf") or inp.count("neginf")):
         lines.append("\nnote: NaN/inf present in the input itself (input-borne, not a kernel fault)")
     return lines
+
+
+def _family_trace_head(cmp: TraceComparison, source: str) -> list[str]:
+    """A family layer's trace: its input, where its statistics and parameters sit, its mode and ε."""
+    from bnprobe.core.call import NORM_NAMES
+
+    sh = cmp.layer
+    assert sh is not None
+    where = {"layer": f" over {sh.normalized}", "rms": f" over {sh.normalized}", "instance": "",
+             "group": f" of {sh.groups} group{'s' if sh.groups > 1 else ''}"}[sh.norm]
+    params = "γ" if sh.norm == "rms" else "γ, β"
+    offset = f", γ applied as {cmp.weight_offset:g} + w" if cmp.weight_offset else ""
+    eps = cmp.eps
+    return [f"input    {source}, shape {tuple(sh.shape)}",
+            f"layer    {NORM_NAMES[sh.norm]}{where}: {sh.rows} rows of R = {sh.r} (kind row), {params} of shape "
+            f"{sh.param_shape} (kind param){offset}",
+            f"mode     {cmp.mode}; eps {eps:g} (as used: {cmp.meta.get('eps_effective', eps):.6g})"]
