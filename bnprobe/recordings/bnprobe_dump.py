@@ -18,13 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.core.call import BNCall
+from bnprobe.core.call import NORM_NAMES, BNCall
 from bnprobe.core.kernel import MODES, SAVED_KINDS, Saved, modes_left_out, needs_modes, params_format
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.errors import named as param_named  # (`named` is a loop's variable below)
 from bnprobe.core.formats import get_format
 from bnprobe.inputs import npy_header
-from bnprobe.kernels.layout import LAYOUTS
+from bnprobe.kernels.layout import LAYOUTS, NormShape
 from bnprobe.numerics.rounding import is_representable
 from bnprobe.recordings.types import (
     CALLS_NAME,
@@ -234,9 +234,15 @@ def record(adapter: Any, call: BNCall, *, modes: tuple[str, ...] = ("train", "in
     output.  The call's tensors are taken as given and rounded here: x and dy to its ``dtype``; γ (None: ones), β
     (None: zeros) and the running statistics, which it must have, as dy, to its parameter format.  Of ``modes``,
     those the adapter runs (an inference-only kernel: inference), the others named in the recording's notes (which
-    every command run on it prints); none of them is an error."""
+    every command run on it prints); none of them is an error.
+
+    A call of a family layer (``call.norm`` layer, rms, group or instance: :func:`_record_family`) is recorded with
+    its layer — norm, normalised shape, groups, γ's offset — in the dump's meta, which every reader gives back
+    (:meth:`~bnprobe.recordings.types.Recording.call`)."""
     from bnprobe.numerics.rounding import round_to
 
+    if call.norm != "batch":
+        return _record_family(adapter, call, modes, meta)
     if call.running_mean is None or call.running_var is None or call.dy is None:
         raise BNProbeError("record needs the call's running statistics and dy")
     runs = adapter.capabilities().modes
@@ -306,4 +312,93 @@ def record(adapter: Any, call: BNCall, *, modes: tuple[str, ...] = ("train", "in
         put("backward", "outputs", "dx", bw.dx, fmt)
         put("backward", "outputs", "dgamma", bw.dgamma, pf)
         put("backward", "outputs", "dbeta", bw.dbeta, pf)
+    return rec
+
+
+def _record_family(adapter: Any, call: BNCall, modes: tuple[str, ...], meta: dict[str, Any] | None) -> Recording:
+    """A LayerNorm, RMSNorm, GroupNorm or InstanceNorm call recorded as :func:`record` records BatchNorm's: x and dy
+    rounded to the call's format, γ (None: ones) and β (None: zeros; none for RMSNorm) of the layer's parameter shape
+    to its parameter format; the training forward's y and the statistics the kernel saved per row (saved_mean,
+    none for RMSNorm, and rstd as saved_value, kind invstd), the backward's dx, dγ and dβ from them.  The layer keeps
+    no running statistics: its inference is its training forward (``modes`` with infer is refused).  The meta holds the layer: norm, normalized_shape (LayerNorm's and RMSNorm's, as resolved), groups (GroupNorm's)
+    and weight_offset."""
+    from bnprobe.numerics.rounding import round_to
+
+    name = NORM_NAMES.get(call.norm, call.norm)
+    if call.running_mean is not None or call.running_var is not None:
+        raise BNProbeError(f"{name} keeps no running statistics: record it without them")
+    if call.layout != "channels_first":
+        raise BNProbeError(f"{name} takes x as it is laid out (layout channels_first), not {call.layout}",
+                           field="layout")
+    sh = NormShape.of(call.norm, np.shape(call.x), call.normalized_shape, call.groups)
+    if "infer" in modes:
+        raise BNProbeError(f"{param_named('modes')} {','.join(modes)}: {name} keeps no running statistics, so its "
+                           "inference is its training forward: give train, backward or both", field="modes")
+    wanted = modes
+    runs = adapter.capabilities().modes
+    if not any(m in runs for m in wanted):
+        raise BNProbeError(needs_modes(f"{param_named('modes')} {','.join(modes)}", wanted, adapter.name, runs),
+                           field="modes")
+    if "backward" in wanted and call.dy is None:
+        raise BNProbeError("recording a backward needs the call's dy")
+    notes = [n for n in (modes_left_out(adapter.name, runs, wanted, verb="recorded"),) if n is not None]
+    wanted = tuple(m for m in wanted if m in runs)
+    fmt = get_format(call.dtype).name
+    pf = params_format(fmt, call.params)
+    caps = adapter.capabilities()
+    with np.errstate(all="ignore"):
+        g = round_to(np.ones(sh.param_shape) if call.gamma is None else
+                     np.asarray(call.gamma, dtype=np.float64).reshape(sh.param_shape), pf)
+        b = None if call.norm == "rms" else round_to(np.zeros(sh.param_shape) if call.beta is None else
+                                                     np.asarray(call.beta, dtype=np.float64).reshape(sh.param_shape), pf)
+        xs = round_to(np.asarray(call.x, dtype=np.float64), fmt)
+        dys = None if call.dy is None else round_to(np.asarray(call.dy, dtype=np.float64), fmt)
+    layer = {"norm": call.norm, "normalized_shape": list(sh.normalized) if call.norm in ("layer", "rms") else None,
+             "groups": sh.groups if call.norm == "group" else None, "weight_offset": float(call.weight_offset)}
+    extra = {} if caps.params in (None, pf) else {"kernel_params": caps.params, "params_note": (
+        f"{adapter.name} reads γ and β in {caps.params} (its policy's) whatever it is given: recorded as given "
+        f"({pf}); the outputs it returns in {caps.params}")}
+    stored = BNCall(xs, g, b, None, None, dys, eps=call.eps, momentum=None, dtype=fmt, params=call.params,
+                    norm=call.norm, normalized_shape=tuple(sh.normalized) or None, groups=layer["groups"],
+                    weight_offset=layer["weight_offset"])
+    out = adapter.train(stored)
+    saved = out.saved
+    rec = Recording(adapter.name, fmt, pf, "channels_first", call.eps, None, None if saved is None else "invstd",
+                    meta={**(meta or {}), **extra, "training": True, **layer})
+    if notes:
+        rec.meta["notes"] = [*rec.meta.get("notes", []), *notes]
+
+    def put(mode: str, io: str, key: str, a: np.ndarray, f: str) -> None:
+        # an output is stored in the format the kernel returned it in (the reference returns float64)
+        if io == "outputs":
+            dt = np.asarray(a).dtype
+            f = "fp64" if dt == np.float64 else get_format(dt).name
+        rec.tensors.setdefault(mode, {}).setdefault(io, {})[key] = np.asarray(a, dtype=np.float64)
+        rec.formats[f"{mode}.{io}.{key}"] = f
+
+    params_in = (("gamma", g),) + ((("beta", b),) if b is not None else ())
+    stats: tuple[tuple[str, np.ndarray], ...] = ()
+    if saved is not None:
+        stats = ((("saved_mean", saved.mean),) if saved.mean is not None else ()) + (("saved_value", saved.value),)
+    if "train" in wanted:
+        for key, a in (("x", xs), *params_in):
+            put("train", "inputs", key, a, fmt if key == "x" else pf)
+        put("train", "outputs", "y", out.y, fmt)
+        for key, a in stats:
+            put("train", "outputs", key, np.reshape(a, -1), fmt)
+    if "backward" in wanted and saved is not None:
+        bw = adapter.backward_of(stored, saved)
+        sf = {key: get_format(np.asarray(a).dtype).name if np.asarray(a).dtype != np.float64 else "fp64"
+              for key, a in stats}
+        # (without a training forward recorded, β comes with the backward's inputs: the call keeps its every input)
+        beta_in = (("beta", b, pf),) if b is not None and "train" not in wanted else ()
+        for key, a, f in (("dy", dys, fmt), ("x", xs, fmt), ("gamma", g, pf), *beta_in,
+                          *((key, np.reshape(a, -1), sf[key]) for key, a in stats)):
+            put("backward", "inputs", key, a, f)
+        for key, a, f in (("dx", bw.dx, fmt), ("dgamma", bw.dgamma, pf), ("dbeta", bw.dbeta, pf)):
+            if a is not None:
+                put("backward", "outputs", key, a, f)
+    elif "backward" in wanted:
+        rec.meta["notes"] = [*rec.meta.get("notes", []), f"{adapter.name} saved no statistics: its backward is not "
+                             "recorded"]
     return rec
