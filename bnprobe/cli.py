@@ -428,8 +428,10 @@ def trace(
     policy: Optional[str] = typer.Option(None, help="Preset (fp64, fp32, fp16, bf16, fp16-acc16, bf16-acc16) with "
                                                     "optional overrides, e.g. 'fp16:variance=naive,order=lanes' "
                                                     "(default fp16; for a recorded call, its format's preset)."),
+    layer: Norm = Norm.use(),
     gen: Generated = Generated.use("shape", "seed", "mean", "std", "dist",
-                                   shape="Input shape N,C[,L|H,W|D,H,W] for generated input (default 8,16,14,14)."),
+                                   shape="Input shape N,C[,L|H,W|D,H,W] for generated input (default 8,16,14,14; "
+                                         "--norm layer or rms 4,128,768; group or instance 4,64,16,16)."),
     bn: Call = Call.use("mode", "eps", "momentum", "layout", "params",
                         mode="train (default; a recorded call's own), infer or backward."),
     src: Source = Source.use(input="Use this .npy/.npz tensor as x instead, or a dump DIR[#NAME] of one call (all "
@@ -437,7 +439,8 @@ def trace(
                              calls="The recorded call to trace (glob), when --input is a dump of several."),
     report: Output = Output.use("as_json"),
 ) -> None:
-    """Run one BatchNorm layer and show every stage: range, error vs the FP64 golden, anomalies."""
+    """Run one BatchNorm layer and show every stage: range, error vs the FP64 golden, anomalies. --norm layer, rms,
+    group or instance: that layer's stages (per element, per row of statistics, shaped as γ)."""
     import numpy as np
 
     from bnprobe.engine.recorded import given, is_dump_path, one_call, refuse
@@ -446,6 +449,8 @@ def trace(
     from bnprobe.kernels.layout import Layout, layout_of
     from bnprobe.reports.checks import trace_lines
 
+    if layer.norm != "batch":
+        return _trace_norm(policy, layer, gen, bn, src, report)
     input, mode, layout, params = src.input, bn.mode, bn.layout, bn.params
     if input is not None and is_dump_path(input):
         _, input, eps, momentum = _dump_scalars([], input, bn.eps, bn.momentum)
@@ -456,7 +461,8 @@ def trace(
         if layout is not None and layout != rec.layout:
             raise BNProbeError(f"--layout {layout} contradicts the recording: {call.label} is {rec.layout}")
         cmp = trace_run(one, policy=policy, mode=mode, params=params)
-        source = f"recorded call {call.label} of {str(input).partition('#')[0]} (its γ, β, running statistics, dy)"
+        source = f"recorded call {call.label} of {str(input).partition('#')[0]} " + \
+            ("(its γ, β, running statistics, dy)" if cmp.layer is None else "(its γ, β, dy)")
         lay = Layout(tuple(cmp.shape), rec.layout)
     else:
         if src.calls is not None:
@@ -472,6 +478,66 @@ def trace(
                       **_if_given(eps=bn.eps, momentum=bn.momentum))
         cmp = trace_run(call, policy=policy, mode=mode, params=params)
     _echo([dumps_json({**cmp.to_dict(), "input": source})] if report.as_json else trace_lines(cmp, source, lay))
+
+
+def _family_shape(norm: str) -> str:
+    """A family layer's generated input where no shape is given: compare-precision's first case of it (transformer
+    hidden states for LayerNorm and RMSNorm, convolution activations for GroupNorm and InstanceNorm)."""
+    from bnprobe.engine.cases import family_cases
+
+    return ",".join(map(str, family_cases(norm)[0].shape))
+
+
+def _family_call(command: str, layer: Norm, gen: Generated, input: Optional[Path], eps: Optional[float],
+                 backward: bool) -> tuple[BNCall, str]:
+    """A family layer's call on a generated input (the layer's own shape where none is given) or on --input: γ and β
+    of its parameter shape as BatchNorm's commands draw them per channel (β none for RMSNorm), dy where ``backward``;
+    and the input in words."""
+    import math
+
+    import numpy as np
+
+    from bnprobe.inputs import Draw, input_tensor, make_params
+    from bnprobe.kernels.layout import NormShape
+
+    d = Draw(gen.dist, gen.mean, gen.std, gen.seed).resolved()
+    x = input_tensor(command, input, None if input is not None else gen.shape or _family_shape(layer.norm), d.dist,
+                     d.mean, d.std, d.seed)
+    sh = NormShape.of(layer.norm, x.shape, layer.dims(), layer.groups)
+    prm = make_params(math.prod(sh.param_shape), d.seed)
+    dy = np.random.default_rng([d.seed, 2]).standard_normal(x.shape) if backward else None
+    call = BNCall(x, prm["gamma"].reshape(sh.param_shape),
+                  None if layer.norm == "rms" else prm["beta"].reshape(sh.param_shape), dy=dy, norm=layer.norm,
+                  normalized_shape=layer.dims(), groups=layer.groups, **_if_given(eps=eps))
+    return call, str(input) if input is not None else f"{d.dist}(mean={d.mean:g}, std={d.std:g}), seed {d.seed}"
+
+
+def _refuse_running(layer: Norm, bn: Call) -> None:
+    """BatchNorm's options of its running statistics and layout, refused for a family layer in one line."""
+    from bnprobe.core.call import NORM_NAMES
+
+    name = NORM_NAMES[layer.norm]
+    if bn.momentum is not None:
+        raise BNProbeError(f"--momentum applies to BatchNorm's running statistics: {name} keeps none")
+    if bn.layout not in (None, "channels_first"):
+        raise BNProbeError(f"--layout {bn.layout}: {name} takes x as it is laid out (channels_first); --layout is "
+                           "BatchNorm's")
+
+
+def _trace_norm(policy: Optional[str], layer: Norm, gen: Generated, bn: Call, src: Source, report: Output) -> None:
+    """trace --norm layer, rms, group or instance: the layer on a generated input or --input (a recorded call brings
+    its own layer: trace --input DIR reads it without --norm)."""
+    from bnprobe.checks.trace.stages import trace_run
+    from bnprobe.engine.recorded import is_dump_path
+    from bnprobe.reports.checks import trace_lines
+
+    _refuse_running(layer, bn)
+    if src.input is not None and is_dump_path(src.input) or src.calls is not None:
+        raise BNProbeError(f"--norm {layer.norm} contradicts the dump: its call brings its own layer (trace --input "
+                           "DIR traces it as recorded): drop --norm")
+    call, source = _family_call("trace", layer, gen, src.input, bn.eps, bn.mode == "backward")
+    cmp = trace_run(call, policy=policy, mode=bn.mode, params=bn.params)
+    _echo([dumps_json({**cmp.to_dict(), "input": source})] if report.as_json else trace_lines(cmp, source))
 
 
 def _int_list(text: str, what: str) -> tuple[int, ...]:
@@ -551,7 +617,8 @@ def adapters_cmd(report: Output = Output.use("as_json", as_json="Print JSON.")) 
                "entry-point group")
 
 
-@_command("dump", order="adapter out dtype params shape seed mean std dist input modes eps momentum layout force")
+@_command("dump", order="adapter out dtype norm normalized_shape groups params shape seed mean std dist input modes eps "
+                        "momentum layout force")
 def dump_cmd(
     target: Kernel = Kernel.use("adapter", "dtype",
                                 adapter=dict(default=..., help="Adapter to record, e.g. torch, ascend-tbe, "
@@ -560,20 +627,24 @@ def dump_cmd(
     report: Output = Output.use("out", "force", out=dict(default=..., help="Folder to write bnprobe-dump.json and "
                                                                            "tensors.npz into."),
                                 force="Overwrite an existing dump."),
-    gen: Generated = Generated.use(shape=dict(help="Shape of generated input N,C[,...].", shown="8,16,14,14"),
+    gen: Generated = Generated.use(shape=dict(help="Shape of generated input N,C[,...] (--norm layer or rms: "
+                                                   "4,128,768; group or instance: 4,64,16,16).", shown="8,16,14,14"),
                                    seed=dict(default=0, help="Seed of the generated input, parameters and dy."),
                                    mean=dict(help="Mean of the generated input.", shown=0.0),
                                    std=dict(help="Standard deviation of the generated input.", shown=1.0),
                                    dist=dict(help="normal, uniform, student_t, constant.", shown="normal")),
     src: Source = Source.use("input", input="Use this .npy/.npz tensor as x."),
-    modes: str = typer.Option("train,infer,backward", help="Which calls to record."),
+    modes: Optional[str] = typer.Option(None, help="Which calls to record.  [default: train,infer,backward; "
+                                                   "--norm: train,backward]"),
     bn: Call = Call.use("params", "eps", "momentum", "layout",
                         params=dict(help="Parameter precision: fp32 (mixed precision) or same.", shown="fp32"),
                         eps=dict(help="BatchNorm epsilon.", shown=EPS),
                         momentum=dict(help="Running-stat momentum.", shown=MOMENTUM),
                         layout=dict(help="channels_first or channels_last.", shown="channels_first")),
+    layer: Norm = Norm.use(),
 ) -> None:
-    """Record an adapter's inputs and outputs as a bnprobe dump, to replay and compare anywhere."""
+    """Record an adapter's inputs and outputs as a bnprobe dump, to replay and compare anywhere. --norm layer, rms,
+    group or instance: a call of that layer (its training forward and backward; it keeps no running statistics)."""
     import numpy as np
 
     from bnprobe.adapters import get_adapter
@@ -583,21 +654,28 @@ def dump_cmd(
 
     out, input = report.out, src.input
     report.sink("", "bnprobe-dump.json", "tensors.npz")
+    if modes is None:  # (a family layer keeps no running statistics: its inference is its training forward)
+        modes = "train,infer,backward" if layer.norm == "batch" else "train,backward"
     wanted = tuple(m.strip() for m in modes.split(",") if m.strip())
     bad = [m for m in wanted if m not in ("train", "infer", "backward")]
     if bad or not wanted:
         raise BNProbeError(f"--modes takes train, infer, backward; got {modes!r}")
     a = get_adapter(target.adapter)
     d = Draw(gen.dist, gen.mean, gen.std, gen.seed).resolved()
-    x = input_tensor("dump", input, gen.shape, d.dist, d.mean, d.std, d.seed)
-    lay = layout_of(x, bn.layout)
-    prm = make_params(lay.channels, d.seed)
-    dy = np.random.default_rng([d.seed, 2]).standard_normal(x.shape)
-    # the call's format is dump's own default (fp16), not a BNCall's (fp32); its scalars not given are BNCall's
-    call = BNCall(x=x, gamma=prm["gamma"], beta=prm["beta"], running_mean=np.full(lay.channels, d.mean),
-                  running_var=np.full(lay.channels, d.std**2 if d.std > 0 else 1.0), dy=dy,
-                  dtype=target.dtype or "fp16", layout=lay.layout,
-                  **_if_given(eps=bn.eps, momentum=bn.momentum, params=bn.params))
+    if layer.norm != "batch":
+        _refuse_running(layer, bn)
+        call, _ = _family_call("dump", layer, gen, input, bn.eps, backward=True)
+        call = call.with_(dtype=target.dtype or "fp16", **_if_given(params=bn.params))
+    else:
+        x = input_tensor("dump", input, gen.shape, d.dist, d.mean, d.std, d.seed)
+        lay = layout_of(x, bn.layout)
+        prm = make_params(lay.channels, d.seed)
+        dy = np.random.default_rng([d.seed, 2]).standard_normal(x.shape)
+        # the call's format is dump's own default (fp16), not a BNCall's (fp32); its scalars not given are BNCall's
+        call = BNCall(x=x, gamma=prm["gamma"], beta=prm["beta"], running_mean=np.full(lay.channels, d.mean),
+                      running_var=np.full(lay.channels, d.std**2 if d.std > 0 else 1.0), dy=dy,
+                      dtype=target.dtype or "fp16", layout=lay.layout,
+                      **_if_given(eps=bn.eps, momentum=bn.momentum, params=bn.params))
     rec = record(a, call, modes=wanted,
                  meta={"seed": d.seed, "input": str(input) if input else f"{d.dist}(mean={d.mean}, std={d.std})"})
     files = write_dump(rec, out, force=report.force)
