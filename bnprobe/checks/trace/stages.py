@@ -63,6 +63,8 @@ class TraceComparison:
     momentum: float | None = MOMENTUM
     layer: NormShape | None = None  # a family layer's: where its statistics and parameters sit (None: BatchNorm)
     weight_offset: float = 0.0  # a family layer's γ offset (γ applied as offset + w)
+    param_trace: Trace | None = None  # a family layer's stages shaped as γ (γ's offset, dγ, dβ), the run's
+    golden_params: Trace | None = None  # and the golden's
 
     def to_dict(self) -> dict[str, Any]:
         out = {"policy": self.policy.name, "policy_detail": self.policy.to_dict(), "mode": self.mode,
@@ -262,4 +264,5 @@ def _trace_family(call: BNCall, *, policy: str | Policy | None, mode: str | None
     rows = stage_errors(res.trace, ref.trace, ("element", "row")) + \
         stage_errors(res.param_trace, ref.param_trace, ("param", "param"))
     return TraceComparison(policy=pol, mode=mode, shape=sh.shape, meta=meta, rows=rows, trace=res.trace,
-                           golden=ref.trace, eps=call.eps, momentum=None, layer=sh, weight_offset=call.weight_offset)
+                           golden=ref.trace, eps=call.eps, momentum=None, layer=sh, weight_offset=call.weight_offset,
+                           param_trace=res.param_trace, golden_params=ref.param_trace)
