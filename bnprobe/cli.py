@@ -433,14 +433,15 @@ def trace(
                                    shape="Input shape N,C[,L|H,W|D,H,W] for generated input (default 8,16,14,14; "
                                          "--norm layer or rms 4,128,768; group or instance 4,64,16,16)."),
     bn: Call = Call.use("mode", "eps", "momentum", "layout", "params",
-                        mode="train (default; a recorded call's own), infer or backward."),
+                        mode="train (default; a recorded call's own), infer or backward.",
+                        eps="The layer's epsilon (> 0; default 1e-5; a recording's own)."),
     src: Source = Source.use(input="Use this .npy/.npz tensor as x instead, or a dump DIR[#NAME] of one call (all "
                                    "its inputs and scalars).",
                              calls="The recorded call to trace (glob), when --input is a dump of several."),
     report: Output = Output.use("as_json"),
 ) -> None:
-    """Run one BatchNorm layer and show every stage: range, error vs the FP64 golden, anomalies. --norm layer, rms,
-    group or instance: that layer's stages (per element, per row of statistics, shaped as γ)."""
+    """Run one BatchNorm layer (or with --norm a LayerNorm, RMSNorm, GroupNorm or InstanceNorm) and show every stage:
+    range, error vs the FP64 golden, anomalies."""
     import numpy as np
 
     from bnprobe.engine.recorded import given, is_dump_path, one_call, refuse
@@ -638,7 +639,7 @@ def dump_cmd(
                                                    "--norm: train,backward]"),
     bn: Call = Call.use("params", "eps", "momentum", "layout",
                         params=dict(help="Parameter precision: fp32 (mixed precision) or same.", shown="fp32"),
-                        eps=dict(help="BatchNorm epsilon.", shown=EPS),
+                        eps=dict(help="The layer's epsilon.", shown=EPS),
                         momentum=dict(help="Running-stat momentum.", shown=MOMENTUM),
                         layout=dict(help="channels_first or channels_last.", shown="channels_first")),
     layer: Norm = Norm.use(),

@@ -93,6 +93,9 @@ RUN = {
     "bnprobe gradcheck --norm rms --adapter torch": "torch",
     "bnprobe gradcheck --norm group --num-groups 2 --adapter torch": "torch",
     "bnprobe compare-precision --adapters dump:norm-dump --no-budget --out report": "msprobe",
+    # trace's and dump's pages: a family layer's stages, and its call recorded then judged from the dump
+    "bnprobe trace --norm rms --policy fp16-acc16 --mean 30 --shape 2,16,1024": None,
+    "bnprobe dump --norm layer --adapter torch --out ln-call": "torch",
     # each command page's options, as its --help prints them
     **{f"bnprobe {command} --help": None for command in COMMANDS},
 }
