@@ -618,8 +618,8 @@ def adapters_cmd(report: Output = Output.use("as_json", as_json="Print JSON.")) 
                "entry-point group")
 
 
-@_command("dump", order="adapter out dtype norm normalized_shape groups params shape seed mean std dist input modes eps "
-                        "momentum layout force")
+@_command("dump", order="adapter out dtype norm normalized_shape groups params shape seed mean std dist input modes "
+                        "eps momentum layout force")
 def dump_cmd(
     target: Kernel = Kernel.use("adapter", "dtype",
                                 adapter=dict(default=..., help="Adapter to record, e.g. torch, ascend-tbe, "

@@ -239,10 +239,15 @@ def record(adapter: Any, call: BNCall, *, modes: tuple[str, ...] = ("train", "in
     A call of a family layer (``call.norm`` layer, rms, group or instance: :func:`_record_family`) is recorded with
     its layer — norm, normalised shape, groups, γ's offset — in the dump's meta, which every reader gives back
     (:meth:`~bnprobe.recordings.types.Recording.call`)."""
-    from bnprobe.numerics.rounding import round_to
-
     if call.norm != "batch":
         return _record_family(adapter, call, modes, meta)
+    return _record_batchnorm(adapter, call, modes, meta)
+
+
+def _record_batchnorm(adapter: Any, call: BNCall, modes: tuple[str, ...], meta: dict[str, Any] | None) -> Recording:
+    """A BatchNorm call recorded (see :func:`record`)."""
+    from bnprobe.numerics.rounding import round_to
+
     if call.running_mean is None or call.running_var is None or call.dy is None:
         raise BNProbeError("record needs the call's running statistics and dy")
     runs = adapter.capabilities().modes
@@ -315,15 +320,9 @@ def record(adapter: Any, call: BNCall, *, modes: tuple[str, ...] = ("train", "in
     return rec
 
 
-def _record_family(adapter: Any, call: BNCall, modes: tuple[str, ...], meta: dict[str, Any] | None) -> Recording:
-    """A LayerNorm, RMSNorm, GroupNorm or InstanceNorm call recorded as :func:`record` records BatchNorm's: x and dy
-    rounded to the call's format, γ (None: ones) and β (None: zeros; none for RMSNorm) of the layer's parameter shape
-    to its parameter format; the training forward's y and the statistics the kernel saved per row (saved_mean,
-    none for RMSNorm, and rstd as saved_value, kind invstd), the backward's dx, dγ and dβ from them.  The layer keeps
-    no running statistics: its inference is its training forward (``modes`` with infer is refused).  The meta holds the layer: norm, normalized_shape (LayerNorm's and RMSNorm's, as resolved), groups (GroupNorm's)
-    and weight_offset."""
-    from bnprobe.numerics.rounding import round_to
-
+def _family_modes(adapter: Any, call: BNCall, modes: tuple[str, ...]) -> tuple[NormShape, tuple[str, ...], list[str]]:
+    """Where a family call's statistics sit, the modes of ``modes`` the adapter runs (those it records) and the notes
+    naming those it does not; what a family call is not recorded with refused in one line."""
     name = NORM_NAMES.get(call.norm, call.norm)
     if call.running_mean is not None or call.running_var is not None:
         raise BNProbeError(f"{name} keeps no running statistics: record it without them")
@@ -334,23 +333,35 @@ def _record_family(adapter: Any, call: BNCall, modes: tuple[str, ...], meta: dic
     if "infer" in modes:
         raise BNProbeError(f"{param_named('modes')} {','.join(modes)}: {name} keeps no running statistics, so its "
                            "inference is its training forward: give train, backward or both", field="modes")
-    wanted = modes
     runs = adapter.capabilities().modes
-    if not any(m in runs for m in wanted):
-        raise BNProbeError(needs_modes(f"{param_named('modes')} {','.join(modes)}", wanted, adapter.name, runs),
+    if not any(m in runs for m in modes):
+        raise BNProbeError(needs_modes(f"{param_named('modes')} {','.join(modes)}", modes, adapter.name, runs),
                            field="modes")
-    if "backward" in wanted and call.dy is None:
+    if "backward" in modes and call.dy is None:
         raise BNProbeError("recording a backward needs the call's dy")
-    notes = [n for n in (modes_left_out(adapter.name, runs, wanted, verb="recorded"),) if n is not None]
-    wanted = tuple(m for m in wanted if m in runs)
+    notes = [n for n in (modes_left_out(adapter.name, runs, modes, verb="recorded"),) if n is not None]
+    return sh, tuple(m for m in modes if m in runs), notes
+
+
+def _record_family(adapter: Any, call: BNCall, modes: tuple[str, ...], meta: dict[str, Any] | None) -> Recording:
+    """A LayerNorm, RMSNorm, GroupNorm or InstanceNorm call recorded as :func:`record` records BatchNorm's: x and dy
+    rounded to the call's format, γ (None: ones) and β (None: zeros; none for RMSNorm) of the layer's parameter shape
+    to its parameter format; the training forward's y and the statistics the kernel saved per row (saved_mean,
+    none for RMSNorm, and rstd as saved_value, kind invstd), the backward's dx, dγ and dβ from them.  The layer keeps
+    no running statistics: its inference is its training forward (``modes`` with infer is refused).  The meta holds
+    the layer: norm, normalized_shape (LayerNorm's and RMSNorm's, as resolved), groups (GroupNorm's), weight_offset."""
+    from bnprobe.numerics.rounding import round_to
+
+    sh, wanted, notes = _family_modes(adapter, call, modes)
     fmt = get_format(call.dtype).name
     pf = params_format(fmt, call.params)
     caps = adapter.capabilities()
     with np.errstate(all="ignore"):
         g = round_to(np.ones(sh.param_shape) if call.gamma is None else
                      np.asarray(call.gamma, dtype=np.float64).reshape(sh.param_shape), pf)
-        b = None if call.norm == "rms" else round_to(np.zeros(sh.param_shape) if call.beta is None else
-                                                     np.asarray(call.beta, dtype=np.float64).reshape(sh.param_shape), pf)
+        b = None if call.norm == "rms" else round_to(
+            np.zeros(sh.param_shape) if call.beta is None else
+            np.asarray(call.beta, dtype=np.float64).reshape(sh.param_shape), pf)
         xs = round_to(np.asarray(call.x, dtype=np.float64), fmt)
         dys = None if call.dy is None else round_to(np.asarray(call.dy, dtype=np.float64), fmt)
     layer = {"norm": call.norm, "normalized_shape": list(sh.normalized) if call.norm in ("layer", "rms") else None,
