@@ -87,7 +87,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("identify", "how a black-box kernel computes: the policy that reproduces it bit for bit",
             "bnprobe.checks.identify.search:identify", "bnprobe.reports.identify:identify_report",
             per_element=400),  # the confirmation on your input: the kernel's, the candidate's and the golden's
-    Command("trace", "one BatchNorm layer, every stage: range, error against the FP64 golden, anomalies",
+    Command("trace", "one normalisation layer, every stage: range, error against the FP64 golden, anomalies",
             "bnprobe.checks.trace.stages:trace_run", "bnprobe.reports.checks:trace_lines",
             per_element=380, compiled=False, shape="8,16,14,14"),  # it keeps every stage's array: the float64 route
     Command("dump", "record an adapter's inputs and outputs as a dump, to replay and check anywhere",

@@ -111,11 +111,12 @@ def stage_errors(trace: Trace, golden: Trace, kinds: tuple[str, str] = ("element
 
 def trace_run(x: np.ndarray | BNCall | Recorded, *, policy: str | Policy | None = None, mode: str | None = None,
               params: str | None = None) -> TraceComparison:
-    """Run one BatchNorm layer under ``policy`` (default fp16) and under its FP64 golden on the same rounded inputs,
-    in ``mode`` (default train).  ``x`` is the input tensor (γ, β, the running statistics and dy none, ε 1e-5,
-    momentum 0.1, channels_first), or the whole call (a :class:`~bnprobe.core.call.BNCall`: x with its γ, β,
-    running statistics and dy, ε, momentum — None a cumulative average — and layout; its dtype, params and training
-    flag are not read: ``policy``, ``params`` and ``mode`` say how it runs).
+    """Run one BatchNorm layer (or the call's LayerNorm, RMSNorm, GroupNorm or InstanceNorm: its ``norm``) under
+    ``policy`` (default fp16) and under its FP64 golden on the same rounded inputs, in ``mode`` (default train).
+    ``x`` is the input tensor (γ, β, the running statistics and dy none, ε 1e-5, momentum 0.1, channels_first), or
+    the whole call (a :class:`~bnprobe.core.call.BNCall`: x with its γ, β, running statistics and dy, ε, momentum —
+    None a cumulative average — and layout; its dtype, params and training flag are not read: ``policy``,
+    ``params`` and ``mode`` say how it runs).
 
     The inputs are first rounded to the policy's storage (x, dy) and params
     formats; the golden (same algorithm, every format fp64) sees exactly those
