@@ -68,8 +68,9 @@ __all__ = ["FAMILY", "NormShape", "NormResult", "NormGradients", "forward", "bac
 _BATCHNORM_ONLY = ("backward_fma", "backward_sums", "thread_split", "packet_lanes",
                    "path_channels", "stored_stats", "core_parts", "dx_fma", "infer_y_formula",
                    "infer_rsqrt", "backward_lanes")
-#: the backward formulas a family kernel runs: the standard one, or each layer's PyTorch CPU kernel (torch)
-FAMILY_BACKWARDS = ("standard", "torch")
+#: the backward formulas a family kernel runs: the standard one, each layer's PyTorch CPU kernel (torch), or
+#: torch.compile's (inductor: each layer's decomposition as TorchInductor generates it on the CPU)
+FAMILY_BACKWARDS = ("standard", "torch", "inductor")
 _DEFAULTS = {f.name: f.default for f in fields(Policy)}
 
 
@@ -79,8 +80,8 @@ def check_family_policy(pol: Policy) -> Policy:
         if getattr(pol, name) != _DEFAULTS[name]:
             raise BNProbeError(f"policy {name}={getattr(pol, name)!r} is a BatchNorm kernel's choice: LayerNorm, "
                                "RMSNorm, GroupNorm and InstanceNorm are not run with it")
-    bad = {"y_formula": ("affine_mr",), "sqrt": ("eigen_fast",), "order": ("xla", "inductor"),
-           "variance": ("inductor",), "mean_by": ("prescaled",),
+    bad = {"y_formula": ("affine_mr",), "sqrt": ("eigen_fast",), "order": ("xla",),
+           "mean_by": ("prescaled",),
            "backward_formula": tuple(f for f in BACKWARD_FORMULAS if f not in FAMILY_BACKWARDS)}
     for name, values in bad.items():
         if getattr(pol, name) in values:
@@ -320,10 +321,11 @@ def backward(dy: Any, x: Any, gamma: Any, mean: Any, rstd: Any, *, shape: NormSh
         mu = None if mean is None else acc.round(stats.round(np.asarray(mean, dtype=np.float64).reshape(-1)))
         inv = acc.round(stats.round(np.asarray(rstd, dtype=np.float64).reshape(-1)))
         params = run.params
-        if pol.backward_formula == "torch":
+        if pol.backward_formula in ("torch", "inductor"):
             # (γ as the caller's module holds it: offset + w formed in the parameters' format)
             gw = run.param(g) if not weight_offset else params.round(params.round(weight_offset) + run.param(g))
-            dx, dgamma, dbeta = _torch_backward(k, dys, xs, gw, mu, inv)
+            back = _torch_backward if pol.backward_formula == "torch" else _inductor_backward
+            dx, dgamma, dbeta = back(k, dys, xs, gw, mu, inv)
         else:
             inv = _applied_rstd(k, inv)
             xc = run.cast("x_compute", xs, pol.storage, comp)
@@ -350,6 +352,70 @@ def backward(dy: Any, x: Any, gamma: Any, mean: Any, rstd: Any, *, shape: NormSh
     return NormGradients(shape.from_rows(np.asarray(dx).astype(get_format(pol.storage).dtype)),
                          dgamma.astype(dt).reshape(pshape), None if dbeta is None else dbeta.astype(dt).reshape(pshape),
                          run.trace, k.param_trace)
+
+
+def _inductor_sum(k: _Kernel, a: np.ndarray, tally: Tally | None, *, columns: bool = False) -> np.ndarray:
+    """Σ of each row of ``a`` (``(rows, R)``, accumulator values) as inductor's CPU reduction takes it
+    (order=inductor: each row one contiguous row of the layout), or (``columns``) Σ over the rows of each column, a
+    reduction of values R apart: each column in memory order (vectors across the columns), a cascade above 4096
+    rows."""
+    pol, acc = k.pol, k.run.acc
+    if columns:
+        return reduce_sum(np.ascontiguousarray(np.asarray(a).T), acc, order="inductor", lanes=pol.lanes,
+                          unroll=pol.unroll, row=None, tally=tally)
+    return reduce_sum(a, acc, order="inductor", lanes=pol.lanes, unroll=pol.unroll, row=a.shape[1], tally=tally)
+
+
+def _inductor_backward(k: _Kernel, dys: np.ndarray, xs: np.ndarray, g: np.ndarray, mu: np.ndarray | None,
+                       inv: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """dx (storage), dγ and dβ (the parameters' format) as torch.compile's CPU kernel computes them
+    (backward_formula=inductor), every operation one rounding in the accumulator (x, dy and γ upcast; inductor
+    compiles without contraction) and its sums inductor's (:func:`_inductor_sum`).  LayerNorm
+    (native_layer_norm_backward's decomposition): g = dy·γ, x̂ = (x − μ)·rstd, dx = fl(rstd/R)·((g·R − Σg) −
+    x̂·Σ(g·x̂)), dγ = Σ_rows dy·x̂, dβ = Σ_rows dy.  RMSNorm (autograd through rms_norm's composite ops): PyTorch's
+    formula (:func:`_torch_rms_backward`) with inductor's sums.  GroupNorm (native_group_norm_backward's
+    decomposition): :func:`_inductor_group_backward`."""
+    run, pol, shape = k.run, k.pol, k.shape
+    acc = run.acc
+    if shape.norm == "instance":
+        raise BNProbeError("InstanceNorm under torch.compile is BatchNorm's decomposition on the (1, N·C, ...) view: "
+                           "run BatchNorm's recipe on that view (backward_formula=inductor is LayerNorm's, RMSNorm's "
+                           "and GroupNorm's here)")
+    xa = run.cast("x_acc", xs, pol.storage, acc)
+    dya = run.cast("dy_acc", dys, pol.storage, acc)
+    ga = np.asarray(acc.round(g), dtype=xa.dtype)
+    if shape.norm == "rms":
+        return _torch_rms_backward(k, dya, xa, ga, inv, sums=_inductor_sum)
+    if shape.norm == "group":
+        return _inductor_group_backward(k, dya, xa, ga, mu, inv)
+    rows, r = xa.shape
+    gr = np.broadcast_to(ga.reshape(1, -1), xa.shape)
+    t = run.tally()
+    tt = t if run.counting else None
+    gxh = acc.mul(dya, gr, tt)
+    xhat = run.rec("xhat", acc, acc.mul(acc.sub(xa, _col(mu, xa), tt), _col(inv, xa), tt), t)
+    t = run.tally()
+    tt = t if run.counting else None
+    sum_g = run.rec("sum_g", acc, _inductor_sum(k, gxh, tt), t)
+    t = run.tally()
+    tt = t if run.counting else None
+    sum_gx = run.rec("sum_g_xhat", acc, _inductor_sum(k, acc.mul(gxh, xhat, tt), tt), t)
+    t = run.tally()
+    tt = t if run.counting else None
+    count = np.asarray(acc.round(float(r)), dtype=xa.dtype)
+    inner = acc.sub(acc.sub(acc.mul(gxh, count, tt), _col(sum_g, xa), tt), acc.mul(xhat, _col(sum_gx, xa), tt), tt)
+    scale = acc.div(np.asarray(inv, dtype=xa.dtype), count, tt)
+    dx = run.output("dx", run.out, run.rec("dx_compute", acc, acc.mul(_col(scale, xa), inner, tt), t))
+    params = run.params
+    dgamma = _inductor_sum(k, acc.mul(dya, xhat), None, columns=True)
+    dbeta = _inductor_sum(k, dya, None, columns=True)
+    return dx, k.record_param("dgamma", params, dgamma), k.record_param("dbeta", params, dbeta)
+
+
+def _inductor_group_backward(k: _Kernel, dya: np.ndarray, xa: np.ndarray, ga: np.ndarray, mu: np.ndarray,
+                             inv: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GroupNorm's backward as torch.compile's CPU kernel computes it: see :func:`_inductor_backward`."""
+    raise BNProbeError("GroupNorm's backward_formula=inductor is not emulated yet")
 
 
 def _torch_backward(k: _Kernel, dys: np.ndarray, xs: np.ndarray, g: np.ndarray, mu: np.ndarray | None,
@@ -533,13 +599,14 @@ def _torch_group_backward(k: _Kernel, dya: np.ndarray, xa: np.ndarray, ga: np.nd
     return dx, k.record_param("dgamma", params, dgamma), k.record_param("dbeta", params, dbeta)
 
 
-def _torch_rms_backward(k: _Kernel, dya: np.ndarray, xa: np.ndarray, ga: np.ndarray,
-                        inv: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+def _torch_rms_backward(k: _Kernel, dya: np.ndarray, xa: np.ndarray, ga: np.ndarray, inv: np.ndarray,
+                        sums: Any = None) -> tuple[np.ndarray, np.ndarray, None]:
     """PyTorch's RMSNorm backward on the CPU: autograd through rms_norm_composite's ops, each an ATen kernel rounding
     once in the accumulator (x upcast): gu = fl(dy·γ); dx = fl(fl(gu·rstd) + fl(fl(fl(fl(−½·Σ gu·x)·fl(fl(rstd·rstd)·
     rstd)) / R)·2x)), the row's Σ by ATen's sum (order=aten, :func:`~bnprobe.numerics.rowwise.aten_sum`); dγ = Σ over
     the rows of fl(dy·fl(x·rstd)) by ATen's sum over leading dims
-    (:func:`~bnprobe.numerics.rowwise.aten_column_sum`), rounded to γ's format."""
+    (:func:`~bnprobe.numerics.rowwise.aten_column_sum`), rounded to γ's format.  ``sums`` (k, a, tally, columns=)
+    takes both sums another way (torch.compile's: :func:`_inductor_sum`)."""
     run, pol = k.run, k.pol
     acc, lanes = run.acc, pol.lanes
     rows, r = xa.shape
@@ -549,8 +616,9 @@ def _torch_rms_backward(k: _Kernel, dya: np.ndarray, xa: np.ndarray, ga: np.ndar
     tt = t if run.counting else None
     gu = acc.mul(dya, gr, tt)
     direct = acc.mul(gu, rc, tt)
-    grad_r = run.rec("sum_gu_x", acc, aten_sum(acc.mul(gu, xa, tt), acc, lanes=lanes,
-                                                threads=pol.threads or 1, tally=tt), t)
+    terms = acc.mul(gu, xa, tt)
+    grad_r = run.rec("sum_gu_x", acc, aten_sum(terms, acc, lanes=lanes, threads=pol.threads or 1, tally=tt)
+                     if sums is None else sums(k, terms, tt), t)
     cube = acc.mul(acc.mul(inv, inv), inv)
     grad_ms = acc.mul(acc.mul(np.asarray(-0.5, dtype=xa.dtype), grad_r), cube)
     per_value = acc.div(grad_ms, acc.round(float(r)))
@@ -559,5 +627,6 @@ def _torch_rms_backward(k: _Kernel, dya: np.ndarray, xa: np.ndarray, ga: np.ndar
     through_mean = acc.mul(_col(per_value, xa), acc.mul(np.asarray(2.0, dtype=xa.dtype), xa, tt), tt)
     dx = run.output("dx", run.out, run.rec("dx_compute", acc, acc.add(direct, through_mean, tt), t))
     xhat = acc.mul(xa, rc)
-    dgamma = aten_column_sum(acc.mul(dya, xhat), acc, lanes=lanes)
+    dgamma = aten_column_sum(acc.mul(dya, xhat), acc, lanes=lanes) if sums is None else \
+        sums(k, acc.mul(dya, xhat), None, columns=True)
     return dx, k.record_param("dgamma", run.params, dgamma), None
