@@ -57,9 +57,10 @@ from bnprobe.kernels.layout import FAMILY, NormShape, check_eps
 from bnprobe.kernels.policy import BACKWARD_FORMULAS, Policy, get_policy
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.arith import Arith, Tally, fma_wide
-from bnprobe.numerics.reduce import buffered_sum, reduce_sum
+from bnprobe.numerics.inductor import MIN_CHUNK, OUTER_RATIO, splits_rows
+from bnprobe.numerics.reduce import Cores, buffered_sum, inductor_split_rows, reduce_sum
 from bnprobe.numerics.rowwise import aten_column_sum, aten_sum, half_reduce, lane_sums, vec_reduce
-from bnprobe.numerics.variance import MomentsMethod, moments
+from bnprobe.numerics.variance import INDUCTOR_TWO_PASS_MAX, MomentsMethod, moments
 
 __all__ = ["FAMILY", "NormShape", "NormResult", "NormGradients", "forward", "backward", "check_family_policy"]
 
@@ -150,6 +151,8 @@ class _Kernel:
         if pol.order == "aten":
             return aten_sum(a, self.run.acc, lanes=pol.lanes, threads=pol.threads or 1,
                             tally=tally if self.run.counting else None)
+        if pol.order == "inductor":  # (split across the policy's threads where inductor splits a long row)
+            return _inductor_sum(self, a, tally if self.run.counting else None)
         return self.run.reduce(a, tally)
 
     def record_param(self, name: str, ar: Arith, wide: np.ndarray, tally: Tally | None = None) -> np.ndarray:
@@ -212,6 +215,11 @@ def forward(x: Any, gamma: Any = None, beta: Any = None, *, shape: NormShape, ep
             var = run.rec("mean_square", acc, per_count(s, r, pol.mean_by, acc))
             mean = None
         else:
+            if pol.variance == "inductor" and pol.threads and r > INDUCTOR_TWO_PASS_MAX and \
+                    splits_rows(shape.rows, r, r, _inductor_width(pol, r), pol.threads):
+                raise BNProbeError(f"variance=inductor with threads={pol.threads}: torch.compile splits each row's "
+                                   f"Welford reduction across its threads at {shape.rows} row(s) of {r} values, "
+                                   "which bnprobe does not emulate (without threads: the one-thread kernel)")
             method = MomentsMethod(pol.variance, pol.order, pol.lanes, pol.tiles, pol.kahan, pol.mean_by,
                                    pol.clamp_var, pol.unroll, run.cores, pol.sum_format, pack=k.pack,
                                    fused=pol.variance_fma)
@@ -358,12 +366,29 @@ def _inductor_sum(k: _Kernel, a: np.ndarray, tally: Tally | None, *, columns: bo
     """Σ of each row of ``a`` (``(rows, R)``, accumulator values) as inductor's CPU reduction takes it
     (order=inductor: each row one contiguous row of the layout), or (``columns``) Σ over the rows of each column, a
     reduction of values R apart: each column in memory order (vectors across the columns), a cascade above 4096
-    rows."""
+    rows, split across the policy's threads (OpenMP's static schedule, the parts added in thread order) where inductor
+    parallelises the reduction instead of the columns: fewer whole column vectors than a 300th of the rows
+    (codegen/cpp.py max_parallel_depth) and 512 values a thread at least (min_chunk_size)."""
     pol, acc = k.pol, k.run.acc
     if columns:
+        rows, r = np.shape(a)
+        width = _inductor_width(pol, r)
+        threads = pol.threads or 1
+        split = threads > 1 and (r // width) * OUTER_RATIO < rows and r * rows // threads >= MIN_CHUNK
         return reduce_sum(np.ascontiguousarray(np.asarray(a).T), acc, order="inductor", lanes=pol.lanes,
-                          unroll=pol.unroll, row=None, tally=tally)
-    return reduce_sum(a, acc, order="inductor", lanes=pol.lanes, unroll=pol.unroll, row=a.shape[1], tally=tally)
+                          unroll=pol.unroll, row=None, tally=tally,
+                          cores=Cores(threads, "ordered", "openmp") if split else Cores())
+    rows, r = np.shape(a)
+    width = _inductor_width(pol, r)
+    if pol.threads and splits_rows(rows, r, r, width, pol.threads):
+        return inductor_split_rows(a, acc, width=width, threads=pol.threads, tally=tally)
+    return reduce_sum(a, acc, order="inductor", lanes=pol.lanes, unroll=pol.unroll, row=r, tally=tally)
+
+
+def _inductor_width(pol: Policy, r: int) -> int:
+    """The values of one vector of inductor's loop over a row of ``r`` (two vectors for a 16-bit load, one in rows
+    shorter than that)."""
+    return pol.lanes * (pol.unroll if r >= pol.lanes * pol.unroll else 1)
 
 
 def _inductor_backward(k: _Kernel, dys: np.ndarray, xs: np.ndarray, g: np.ndarray, mu: np.ndarray | None,

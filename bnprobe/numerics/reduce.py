@@ -22,7 +22,7 @@ __all__ = ["ORDERS", "COMBINES", "SCHEDULES", "THREAD_SPLITS", "Cores", "Rows", 
            "split_parts", "vec_dot", "plane_reduce", "thread_blocks", "thread_sum", "buffered_sum",
            "small_batch_threads", "INDUCTOR_UNROLL_BELOW", "INDUCTOR_CASCADE_ABOVE", "balance211", "outer_dims_sum",
            "eigen_parallel_blocks", "packet_split_sum", "CallShape", "XLA_YNN_MIN_ELEMENTS",
-           "XLA_YNN_TILE_ELEMENTS", "XLA_WINDOW"]
+           "XLA_YNN_TILE_ELEMENTS", "XLA_WINDOW", "inductor_split_rows"]
 
 # vec: at::vec-style (PyTorch CPU): per row of H*W values (channels_first; channels_last and the parts of a core split
 # or of Chan's tiles take their whole axis as one row), full blocks of lanes x unroll values
@@ -425,6 +425,34 @@ def _inductor(x: np.ndarray, acc: Arith, tally: Tally | None, width: int, row: i
     return tree_sum(lanes, acc, tally)
 
 
+
+
+def inductor_split_rows(x: np.ndarray, acc: Arith, *, width: int, threads: int,
+                        tally: Tally | None = None) -> np.ndarray:
+    """Σ of each row of a ``(C, R)`` array, each row one contiguous row of the layout, as inductor's CPU kernel sums
+    it where it splits a row across ``threads`` threads (few rows, long ones: :func:`~bnprobe.numerics.inductor.
+    splits_rows`): the row's vector iterations (its whole vectors of ``width`` values, then one masked vector for the
+    rest) dealt by OpenMP's static schedule; each thread sums its whole vectors per lane from zero (a cascade above
+    :data:`INDUCTOR_CASCADE_ABOVE` updates), the thread holding the masked vector adds it into a masked accumulator
+    of its own; the threads' vectors are added in thread order into zeros, the masked ones likewise, the two vectors
+    added and their lanes folded halves first (``vec_reduce_all``).  Returns ``(C,)``."""
+    x = as_carrier(x) if acc.fits32 else np.asarray(x, dtype=np.float64)
+    c, r = x.shape
+    whole = r // width
+    iterations = whole + (1 if r % width else 0)
+    total = np.zeros((c, width), dtype=x.dtype)
+    masked = np.zeros((c, width), dtype=x.dtype)
+    for part in split_parts(iterations, threads, "openmp"):
+        stop = min(part.stop, whole)
+        if stop > part.start:
+            body = x[:, part.start * width: stop * width].reshape(c, stop - part.start, width)
+            rows = np.ascontiguousarray(body.transpose(0, 2, 1).reshape(c * width, -1))
+            total = acc.add(total, _per_lane(lambda t, rows=rows: _cascade(rows, acc, t), c, width, tally), tally)
+        if part.stop > whole >= part.start and r % width:
+            tail = np.zeros((c, width), dtype=x.dtype)
+            tail[:, : r - whole * width] = x[:, whole * width:]
+            masked = acc.add(masked, tail, tally)
+    return tree_sum(acc.add(total, masked, tally), acc, tally)
 
 
 def _interleave4(x: np.ndarray, acc: Arith, tally: Tally | None, kahan: bool) -> np.ndarray:
