@@ -58,7 +58,7 @@ from bnprobe.kernels.policy import BACKWARD_FORMULAS, Policy, get_policy
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.arith import Arith, Tally, fma_wide
 from bnprobe.numerics.inductor import MIN_CHUNK, OUTER_RATIO, splits_rows
-from bnprobe.numerics.reduce import Cores, buffered_sum, inductor_split_rows, reduce_sum
+from bnprobe.numerics.reduce import INDUCTOR_UNROLL_BELOW, Cores, buffered_sum, inductor_split_rows, reduce_sum
 from bnprobe.numerics.rowwise import aten_column_sum, aten_sum, half_reduce, lane_sums, vec_reduce
 from bnprobe.numerics.variance import INDUCTOR_TWO_PASS_MAX, MomentsMethod, moments
 
@@ -364,25 +364,33 @@ def backward(dy: Any, x: Any, gamma: Any, mean: Any, rstd: Any, *, shape: NormSh
 
 def _inductor_sum(k: _Kernel, a: np.ndarray, tally: Tally | None, *, columns: bool = False) -> np.ndarray:
     """Σ of each row of ``a`` (``(rows, R)``, accumulator values) as inductor's CPU reduction takes it
-    (order=inductor: each row one contiguous row of the layout), or (``columns``) Σ over the rows of each column, a
-    reduction of values R apart: each column in memory order (vectors across the columns), a cascade above 4096
-    rows, split across the policy's threads (OpenMP's static schedule, the parts added in thread order) where inductor
-    parallelises the reduction instead of the columns: fewer whole column vectors than a 300th of the rows
-    (codegen/cpp.py max_parallel_depth) and 512 values a thread at least (min_chunk_size)."""
+    (order=inductor: each row one contiguous row of the layout; a long row split across the policy's threads where
+    inductor splits it, :func:`~bnprobe.numerics.reduce.inductor_split_rows`), or (``columns``) Σ over the rows of
+    each column, a reduction of values R apart: each column in memory order (vectors across the columns), a cascade
+    above 4096 rows, split across the policy's threads (OpenMP's static schedule, the parts added in thread order)
+    where inductor parallelises the reduction instead of the columns: fewer whole column vectors than a 300th of the
+    rows (codegen/cpp.py max_parallel_depth) and 512 values a thread at least (min_chunk_size).  A reduction of 8
+    values or more starts its accumulators at +0 (fewer: one unrolled expression from the first value), so its sum
+    is never −0."""
     pol, acc = k.pol, k.run.acc
+    a = np.asarray(a)
+    rows, r = a.shape
     if columns:
-        rows, r = np.shape(a)
         width = _inductor_width(pol, r)
         threads = pol.threads or 1
         split = threads > 1 and (r // width) * OUTER_RATIO < rows and r * rows // threads >= MIN_CHUNK
-        return reduce_sum(np.ascontiguousarray(np.asarray(a).T), acc, order="inductor", lanes=pol.lanes,
-                          unroll=pol.unroll, row=None, tally=tally,
-                          cores=Cores(threads, "ordered", "openmp") if split else Cores())
-    rows, r = np.shape(a)
-    width = _inductor_width(pol, r)
-    if pol.threads and splits_rows(rows, r, r, width, pol.threads):
-        return inductor_split_rows(a, acc, width=width, threads=pol.threads, tally=tally)
-    return reduce_sum(a, acc, order="inductor", lanes=pol.lanes, unroll=pol.unroll, row=r, tally=tally)
+        s = reduce_sum(np.ascontiguousarray(a.T), acc, order="inductor", lanes=pol.lanes, unroll=pol.unroll,
+                       row=None, tally=tally, cores=Cores(threads, "ordered", "openmp") if split else Cores())
+        count = rows
+    else:
+        width = _inductor_width(pol, r)
+        if pol.threads and splits_rows(rows, r, r, width, pol.threads):
+            s = inductor_split_rows(a, acc, width=width, threads=pol.threads, tally=tally)
+        else:
+            s = reduce_sum(a, acc, order="inductor", lanes=pol.lanes, unroll=pol.unroll, row=r, tally=tally)
+        count = r
+    # (+0 + −0 is +0, and a sum from +0 is −0 nowhere in round-to-nearest)
+    return np.where(s == 0, 0.0, s) if count >= INDUCTOR_UNROLL_BELOW else s
 
 
 def _inductor_width(pol: Policy, r: int) -> int:

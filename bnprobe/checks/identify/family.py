@@ -3,15 +3,15 @@ kernel of the family bit for bit, searched stage by stage over the family's fiel
 on fresh inputs the search never saw.
 
 The space is smaller than BatchNorm's: the choices the family's kernels are known to make (the statistics'
-algorithm and its lanes — PyTorch CPU's RowwiseMoments, a two-pass or one-pass variance, Welford; ATen's sums for
+algorithm and its lanes — PyTorch CPU's RowwiseMoments, a two-pass or one-pass variance, Welford, torch.compile's var_mean; ATen's or inductor's sums for
 RMSNorm; the inverse root and the format ε is added in; the saved statistics' format; y's formula, fused or not,
 rounded before γ or after; the backward's formula, the threads and the buffers of its dγ/dβ, which product dx fuses):
 
 ======== ================================================ ===============================
 stage    fields searched                                   pinned by
 ======== ================================================ ===============================
-mean     variance (rowwise, two_pass, naive, welford),     the saved mean (LayerNorm,
-         order, lanes, variance_fma                        GroupNorm)
+mean     variance (rowwise, two_pass, naive, welford,      the saved mean (LayerNorm,
+         inductor), order, lanes, unroll, variance_fma     GroupNorm)
 rsqrt    rsqrt, rstd_format, clamp_var, saved_format       the saved rstd
          (RMSNorm: and its sum's order, lanes)
 y        y_formula, fma, cast_point                        y
@@ -220,13 +220,20 @@ def _spaces(norm: str, fmt: str, pf: str) -> dict[str, Callable[[Policy], Iterat
         yield {"variance": "two_pass", "order": "lanes", "lanes": 8, "variance_fma": False}
         yield {"variance": "welford", "lanes": 8, "variance_fma": False, "order": "pairwise"}
         yield {"variance": "naive", "order": "pairwise", "variance_fma": False}
+        # torch.compile's var_mean: two-pass up to 1024 values, its chunked Welford above; AVX-512 vectors, two of
+        # them for a 16-bit input widened
+        for unroll in (1, 2):
+            yield {"variance": "inductor", "order": "inductor", "lanes": 16, "unroll": unroll, "variance_fma": False}
 
     def rsqrt(cur: Policy) -> Iterator[dict[str, Any]]:
         orders: tuple[dict[str, Any], ...] = ({},)
         if norm == "rms":
             orders = (*({"order": "aten", "lanes": lanes, "threads": t} for lanes in (8, 16)
                         for t in THREADS_TRIED),
-                      {"order": "pairwise"}, {"order": "sequential"}, {"order": "vec", "lanes": 8})
+                      {"order": "pairwise"}, {"order": "sequential"}, {"order": "vec", "lanes": 8},
+                      # (torch.compile's sums: a long row split across its threads)
+                      *({"order": "inductor", "lanes": 16, "unroll": u, "threads": t} for u in (1, 2)
+                        for t in THREADS_TRIED))
         clamps = (False,) if norm == "rms" else (False, True)
         saved = (None, *(f for f in dict.fromkeys((fmt, "fp32")) if f != pf))
         for o, (r, wide), clamp, s in itertools.product(
@@ -244,6 +251,14 @@ def _spaces(norm: str, fmt: str, pf: str) -> dict[str, Callable[[Policy], Iterat
         # GroupNorm whether it runs on one thread and dx's fusion; RMSNorm its autograd, whose threads, which split
         # only a row of 32768 values or more, its forward's sum showed)
         yield {"backward_formula": "standard", "threads": None, "grad_sum_format": None, "dx_fuses": "x"}
+        # torch.compile's decomposition, with its forward's sums (which saved statistics of the input's 16-bit format
+        # may not have told apart): its own sums split across the threads it runs on
+        for unroll in (1, 2) if cur.order != "inductor" else (cur.unroll,):
+            stats = {"order": "inductor", "lanes": 16, "unroll": unroll, **({} if norm == "rms" else
+                                                                              {"variance": "inductor"})}
+            for t in THREADS_TRIED if norm != "rms" or cur.order != "inductor" else (cur.threads,):
+                yield {**stats, "backward_formula": "inductor", "threads": t, "grad_sum_format": None,
+                       "dx_fuses": "x"}
         threads = {"layer": THREADS_TRIED, "group": (1, 2), "rms": (cur.threads,)}[norm]
         buffers = dict.fromkeys((fmt, None)) if norm == "layer" else (None,)
         for t, buffer, fuses in itertools.product(threads, buffers, ("x", "dy") if norm != "rms" else ("x",)):
