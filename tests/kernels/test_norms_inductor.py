@@ -1,0 +1,126 @@
+"""torch.compile's LayerNorm and RMSNorm (TorchInductor's CPU C++) under bnprobe's family policies, against a
+plain numpy float32 replay written from the generated code (TORCH_LOGS=output_code, torch 2.13): AVX-512 vectors of
+16 floats (two for a 16-bit input widened), a row's last partial vector masked into the first lanes, the lanes
+folded halves first, every operation rounded once (no contraction), the statistics saved in the input's format.
+The replay imports nothing from bnprobe's numerics."""
+
+import numpy as np
+import pytest
+
+from bnprobe.core.errors import BNProbeError
+from bnprobe.kernels.layout import NormShape
+from bnprobe.kernels.norms import backward, forward
+from bnprobe.numerics.rounding import round_to
+
+F32 = np.float32
+EPS = 1e-5
+RECIPES = {"fp32": "fp32:variance=inductor,order=inductor,lanes=16,rsqrt=sqrt_div,backward_formula=inductor",
+           "fp16": "fp16:variance=inductor,order=inductor,lanes=16,unroll=2,rsqrt=sqrt_div,backward_formula=inductor,"
+                   "saved_format=fp16"}
+WIDTH = {"fp32": 16, "fp16": 32}
+
+
+def _vsum(v: np.ndarray, width: int) -> F32:
+    """tmp_acc0_vec += each whole vector; sum_masked_reduce adds the last partial one into the first lanes;
+    vec_reduce_all folds the halves; tmp_acc0 = 0 + that."""
+    acc = np.zeros(width, dtype=F32)
+    for k in range(0, v.size, width):
+        part = v[k:k + width]
+        acc[: part.size] = acc[: part.size] + part
+    while acc.size > 1:
+        acc = acc[: acc.size // 2] + acc[acc.size // 2:]
+    return F32(0) + acc[0]
+
+
+def _replay_layer(x, w, b, dy, fmt):
+    """y, mean, rstd (saved), dx, dγ, dβ of the generated LayerNorm kernels (rows of 8 values or more)."""
+    rows, r = x.shape
+    width = WIDTH[fmt]
+    xs, dys = x.astype(F32), dy.astype(F32)
+    mean = np.array([_vsum(row, width) / F32(r) for row in xs], dtype=F32)
+    sq = np.array([_vsum((row - m) * (row - m), width) for row, m in zip(xs, mean)], dtype=F32)
+    rstd = F32(1) / np.sqrt(sq / F32(r) + F32(EPS))
+    y = ((xs - mean[:, None]) * rstd[:, None]) * w + b
+    saved_mean, saved_rstd = round_to(mean, fmt).astype(F32), round_to(rstd, fmt).astype(F32)
+    # the backward reads the statistics as saved
+    gxh = dys * w
+    xhat = (xs - saved_mean[:, None]) * saved_rstd[:, None]
+    sg = np.array([_vsum(row, width) for row in gxh], dtype=F32)
+    sgx = np.array([_vsum(row, width) for row in gxh * xhat], dtype=F32)
+    inner = (gxh * F32(r) - sg[:, None]) - xhat * sgx[:, None]
+    dx = (saved_rstd / F32(r))[:, None] * inner
+    dg, db = np.zeros(r, dtype=F32), np.zeros(r, dtype=F32)
+    for i in range(rows):  # (the columns' vectors from zero, the rows in order)
+        dg, db = dg + dys[i] * xhat[i], db + dys[i]
+    return y, saved_mean, saved_rstd, dx, dg, db
+
+
+def _replay_rms(x, w, dy, fmt):
+    """y, rstd, dx, dγ of the generated RMSNorm kernels (the composite's ops, autograd's backward graph)."""
+    rows, r = x.shape
+    width = WIDTH[fmt]
+    xs, dys = x.astype(F32), dy.astype(F32)
+    ms = np.array([_vsum(row * row, width) for row in xs], dtype=F32)
+    rstd = F32(1) / np.sqrt(ms / F32(r) + F32(EPS))
+    y = (xs * rstd[:, None]) * w
+    gu = dys * w
+    s = np.array([_vsum(row, width) for row in gu * xs], dtype=F32)
+    per = ((s * F32(-0.5)) * ((rstd * rstd) * rstd)) / F32(r)
+    dx = gu * rstd[:, None] + per[:, None] * (xs * F32(2))
+    dg = np.zeros(r, dtype=F32)
+    for i in range(rows):
+        dg = dg + dys[i] * (xs[i] * rstd[i])
+    return y, rstd, dx, dg
+
+
+def _inputs(fmt, shape, seed=3, mean=50.0):
+    rng = np.random.default_rng(seed)
+    x = round_to(rng.standard_normal(shape) * 0.5 + mean, fmt)
+    dy = round_to(rng.standard_normal(shape) + 0.5, fmt)
+    w = rng.uniform(0.3, 3.0, shape[-1]).astype(F32)
+    b = rng.normal(0, 1, shape[-1]).astype(F32)
+    return x, w, b, dy
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16"])
+@pytest.mark.parametrize("shape", [(9, 40), (10, 77)], ids=["9x40", "10x77"])
+def test_layer_norm_recipe_is_the_replay_of_the_generated_code(fmt, shape):
+    x, w, b, dy = _inputs(fmt, shape)
+    sh = NormShape.of("layer", shape)
+    f = forward(x, w, b, shape=sh, eps=EPS, policy=RECIPES[fmt] + ",params=fp32")
+    g = backward(dy, x, w, f.mean, f.rstd, shape=sh, policy=RECIPES[fmt] + ",params=fp32")
+    y, mean, rstd, dx, dg, db = _replay_layer(x, w, b, dy, fmt)
+    assert np.array_equal(f.y, round_to(y, fmt)) and np.array_equal(f.mean, mean) and np.array_equal(f.rstd, rstd)
+    assert np.array_equal(g.dx, round_to(dx, fmt))
+    assert np.array_equal(g.dgamma, dg) and np.array_equal(g.dbeta, db)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16"])
+def test_rms_norm_recipe_is_the_replay_of_the_generated_code(fmt):
+    x, w, _, dy = _inputs(fmt, (9, 40), mean=0.5)
+    sh = NormShape.of("rms", x.shape)
+    pol = RECIPES[fmt].replace("variance=inductor,", "").replace(",saved_format=fp16", "") + ",params=fp32"
+    f = forward(x, w, shape=sh, eps=EPS, policy=pol)
+    g = backward(dy, x, w, None, f.rstd, shape=sh, policy=pol)
+    y, rstd, dx, dg = _replay_rms(x, w, dy, fmt)
+    assert np.array_equal(f.y, round_to(y, fmt)) and np.array_equal(f.rstd, rstd)
+    assert np.array_equal(g.dx, round_to(dx, fmt)) and np.array_equal(g.dgamma, dg)
+
+
+def test_the_replay_tells_the_recipe_from_a_neighbour():
+    """The case distinguishes: eight lanes (AVX2) or eager torch's backward do not reproduce the replay."""
+    x, w, b, dy = _inputs("fp32", (10, 77))
+    sh = NormShape.of("layer", x.shape)
+    _, _, _, dx, dg, _ = _replay_layer(x, w, b, dy, "fp32")
+    f = forward(x, w, b, shape=sh, eps=EPS, policy=RECIPES["fp32"] + ",params=fp32")
+    for other in (RECIPES["fp32"].replace("lanes=16", "lanes=8"),
+                  RECIPES["fp32"].replace("backward_formula=inductor", "backward_formula=torch")):
+        g = backward(dy, x, w, f.mean, f.rstd, shape=sh, policy=other + ",params=fp32")
+        assert not (np.array_equal(g.dx, dx) and np.array_equal(g.dgamma, dg))
+
+
+def test_a_split_welford_row_is_refused_not_guessed():
+    """A few long rows: inductor splits each row's Welford across its threads, which is not emulated."""
+    sh = NormShape.of("layer", (1, 5000))
+    with pytest.raises(BNProbeError, match="does not emulate"):
+        forward(np.ones((1, 5000)), shape=sh, policy=RECIPES["fp32"] + ",threads=2")
