@@ -90,7 +90,7 @@ def test_bnprobes_kernels_run_the_family(name) -> None:  # noqa: ANN001
         assert a.infer(c).saved is None
 
 
-@pytest.mark.parametrize("name", ["ascend-bnv3", "torch-compile"])
+@pytest.mark.parametrize("name", ["ascend-bnv3"])
 def test_a_batchnorm_only_adapter_refuses_a_family_call(name) -> None:  # noqa: ANN001
     try:
         a = get_adapter(name)
@@ -98,6 +98,18 @@ def test_a_batchnorm_only_adapter_refuses_a_family_call(name) -> None:  # noqa: 
         pytest.skip(str(e))
     with pytest.raises(BNProbeError, match=r"runs BatchNorm only, not LayerNorm"):
         a.train(_call("layer", (2, 8), {}, "fp16"))
+
+
+def test_torch_compile_refuses_the_instance_norm_it_does_not_compile() -> None:
+    """torch-compile runs BatchNorm, LayerNorm, RMSNorm and GroupNorm compiled; InstanceNorm it refuses in one line
+    (before compiling anything)."""
+    try:
+        a = get_adapter("torch-compile")
+    except BNProbeError as e:
+        pytest.skip(str(e))
+    with pytest.raises(BNProbeError, match=r"runs BatchNorm, LayerNorm, RMSNorm, GroupNorm only, not InstanceNorm"):
+        a.train(_call("instance", (2, 3, 8), {}, "fp16"))
+    assert a.compiles == 0
 
 
 @pytest.mark.parametrize("change,says", [

@@ -4,7 +4,8 @@ on fresh inputs the search never saw.
 
 The space is smaller than BatchNorm's: the choices the family's kernels are known to make (the statistics'
 algorithm and its lanes — PyTorch CPU's RowwiseMoments, a two-pass or one-pass variance, Welford, torch.compile's
-var_mean; ATen's or inductor's sums for RMSNorm; the inverse root and the format ε is added in; the saved statistics' format; y's formula, fused or not,
+var_mean; ATen's or inductor's sums for RMSNorm; the inverse root and the format ε is added in; the saved statistics'
+format; y's formula, fused or not,
 rounded before γ or after; the backward's formula, the threads and the buffers of its dγ/dβ, which product dx fuses):
 
 ======== ================================================ ===============================
