@@ -96,8 +96,11 @@ def overflow_report(rep: OverflowReport | PerCall) -> Report:
         return _overflow_calls(rep)
     params = rep.params
     frame = rep.to_frame()
-    table = render_table(frame.to_dict(orient="records"), ["anomaly", "stage", "format", "channels", "count",
-                                                          "first_element", "detail"]) if len(frame) else "no anomalies"
+    # (a family layer's findings are located by row of its statistics, BatchNorm's by channel)
+    cols = ["anomaly", "stage", "format", "channels", "count", "first_element", "detail"]
+    table = render_table(frame.to_dict(orient="records"), cols,
+                         headers=None if rep.layer is None else [("rows" if c == "channels" else c) for c in cols]) \
+        if len(frame) else "no anomalies"
     head = [{**h.__dict__} for h in rep.headroom]
     htable = render_table(head, ["stage", "format", "predicted_max", "headroom_binades", "overflows", "actual_max",
                                  "actually_overflowed"],
@@ -106,7 +109,7 @@ def overflow_report(rep: OverflowReport | PerCall) -> Report:
     title = (f"overflow scan of {rep.adapter} in {rep.dtype} ({rep.mode}"
              + (f", params {params}" if params is not None else "") + "): "
              + ("clean" if rep.passed else f"{len(rep.findings)} finding(s)"))
-    blocks = [table]
+    blocks = [table] if rep.layer is None else [f"layer: {rep.layer}", table]
     for f in rep.findings:
         if f.remedies:
             blocks.append(f"remedies for {f.anomaly} at {f.stage}: " + "; ".join(
@@ -134,9 +137,11 @@ def _overflow_calls(run: PerCall) -> Report:
     table = render_table(summary, ["#", "call", "format", "mode", "findings", "anomalies", "headroom"],
                          headers=["#", "call (forward order)", "format", "mode", "findings", "anomaly@output",
                                   "least headroom, binades (stage)"])
+    where = "channels" if all(r.layer is None for r in run.results) else \
+        "rows" if all(r.layer is not None for r in run.results) else "channels / rows"
     ftable = render_table(frame.to_dict(orient="records"), ["call", "anomaly", "stage", "format", "channels",
                                                            "count", "first_element", "detail"],
-                          headers=["call", "anomaly", "output", "format", "channels", "count", "first element",
+                          headers=["call", "anomaly", "output", "format", where, "count", "first element",
                                    "detail"]) if len(frame) else "no anomalies"
     title = (f"overflow scan of {run.kernel} on {len(run.results)} recorded call(s) of {run.source}: "
              + ("clean" if run.passed else f"{sum(len(r.findings) for r in run.results)} finding(s)"))

@@ -28,10 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.checks.overflow.report import OverflowFinding, input_at
+from bnprobe.checks.overflow.report import OverflowFinding, RowLayout, index_str, input_at
 from bnprobe.engine.rules import bound_used
 from bnprobe.engine.run import CallRun
 from bnprobe.core.formats import get_format
+from bnprobe.engine.family import family_shape
 from bnprobe.kernels.layout import layout_of
 from bnprobe.core.tolerances import SMALL_VALUE_ULPS, accumulation_bound, accumulation_format, variance_bound
 
@@ -199,6 +200,8 @@ def observed_findings(run: CallRun, variance_name: str = "variance off") -> list
     if run.gold_saved is None:
         return []
     ci = run.inputs
+    if ci.norm != "batch":
+        return family_findings(run, variance_name)
     lay = layout_of(ci.x, run.recording.layout)
     x_cr = lay.to_cr(np.asarray(ci.x, dtype=np.float64))
     if not np.isfinite(x_cr).all() or x_cr.shape[1] < 2:
@@ -209,3 +212,103 @@ def observed_findings(run: CallRun, variance_name: str = "variance off") -> list
     found = [_mean_finding(run, b, x_cr), _variance_finding(run, b, x_cr, variance_name)]
     return [f for f in found if f is not None] + _y_findings(run, b, x_cr, xhat, lay) + \
         _dx_findings(run, b, x_cr, xhat, lay)
+
+
+def family_findings(run: CallRun, variance_name: str = "variance off") -> list[OverflowFinding]:
+    """A LayerNorm, RMSNorm, GroupNorm or InstanceNorm training call's observable results against the FP64 golden,
+    row by row, each within what a correct kernel's accumulation can err by (the run's bounds,
+    :func:`~bnprobe.engine.family.family_bounds`, + ½ ulp of the format returned): the saved mean (γ_R·mean|x| +
+    u_params·|μ|), the saved rstd (``variance_name`` names its finding), y and dx, element by element.  Nothing
+    without a training golden, or with NaN/inf in x (the input findings say so)."""
+    ci = run.inputs
+    lay = RowLayout(family_shape(ci))
+    xr = lay.to_cr(np.asarray(ci.x, dtype=np.float64))
+    if run.gold_saved is None or not np.isfinite(xr).all() or xr.shape[1] < 2:
+        return []
+    r = xr.shape[1]
+    gam = accumulation_bound(run.fmt, r)
+    mean_abs = np.abs(xr).mean(axis=1)
+    pf = run.recording.params
+    up = get_format(pf).unit_roundoff
+    out: list[OverflowFinding] = []
+
+    def held(fmt: str) -> str:
+        """The coarser of ``fmt`` (a statistic's returned dtype) and the parameter format it is held in."""
+        return pf if get_format(pf).precision < get_format(fmt).precision else fmt
+
+    # a correct kernel may normalise with its statistics rounded to the parameter format (PyTorch's CPU kernels with
+    # 16-bit parameters): rstd off by u_params relative and μ by u_params·|μ|, carried into y and dx
+    sh = lay.norm_shape
+    gm0 = np.zeros(sh.rows) if sh.norm == "rms" else np.asarray(run.gold_saved.mean, dtype=np.float64).reshape(-1)
+    rstd0 = np.asarray(run.gold_saved.invstd(run.eps), dtype=np.float64).reshape(-1)
+    gamma = np.ones(int(np.prod(sh.param_shape))) if ci.gamma is None else \
+        np.asarray(ci.gamma, dtype=np.float64).reshape(-1)
+    ge = np.abs(sh.expand(gamma + ci.weight_offset))
+    with np.errstate(all="ignore"):
+        dev = np.abs(xr - gm0[:, None])
+        held_y = ge * rstd0[:, None] * up * (np.abs(gm0)[:, None] + dev)
+        dy_in = run.recording.tensors.get("backward", {}).get("inputs", {}).get("dy")
+        held_dx = np.zeros((sh.rows, 1))
+        if dy_in is not None and "dx" in run.scales:
+            gmax = np.nanmax(np.abs(lay.to_cr(np.asarray(dy_in, dtype=np.float64))) * ge, axis=1)
+            xmax = np.nanmax(dev, axis=1) * rstd0
+            held_dx = (up * (3 * np.asarray(run.scales["dx"], dtype=np.float64).reshape(-1) +
+                             2 * rstd0 * np.abs(gm0) * rstd0 * gmax * xmax))[:, None]
+
+    def flag(anomaly: str, stage: str, fmt: str, used: np.ndarray, detail: Callable[[int], str]) -> None:
+        used = np.where(np.isnan(used), np.inf, used)
+        if np.all(used <= 1.0):
+            return
+        rows = np.flatnonzero(used > 1.0)
+        k = int(rows[np.argmax(used[rows])])
+        out.append(OverflowFinding(anomaly, stage, fmt, tuple(rows.tolist()), int(rows.size), index_str(k, lay, False),
+                                   input_at(k, xr, False, lay), f"{detail(k)}; {rows.size} / {used.size} rows"))
+
+    def finite(*arrays: np.ndarray) -> np.ndarray:
+        # a NaN/inf in the output is the output findings' (nan, inf, zero_output): judged here are the finite ones
+        return np.all([np.isfinite(a).reshape(a.shape[0], -1).all(axis=1) for a in arrays], axis=0)
+
+    if "saved_mean" in run.got:
+        m, gm, fmt = (np.asarray(run.got["saved_mean"], dtype=np.float64).reshape(-1), run.gold["saved_mean"],
+                      held(run.formats["saved_mean"]))
+        dm = gam * mean_abs + get_format(run.recording.params).unit_roundoff * np.abs(gm)
+        used = np.where(finite(m[:, None]), bound_used(m, gm, dm, fmt), 0.0)
+        flag("mean_error", "mean (saved)", fmt, used, lambda k: (
+            f"the kernel's mean {m[k]:.8g} vs {gm[k]:.8g} FP64 golden: off by {abs(m[k] - gm[k]):.3g}, {used[k]:.3g}× "
+            f"the {dm[k]:.3g} allowed (γ_R·mean|x| + u_params·|μ|, γ_R = {gam:.3g}, R = {r})"))
+    if "saved_rstd" in run.got and "saved_rstd" in run.bounds:
+        v, gv, fmt = (np.asarray(run.got["saved_rstd"], dtype=np.float64).reshape(-1), run.gold["saved_rstd"],
+                      held(run.formats["saved_rstd"]))
+        bnd, how = run.bounds["saved_rstd"]
+        # + u_params·rstd: the variance may be held in the parameter format before its root (two roundings there)
+        bnd = bnd + up * np.abs(gv)
+        how += f"; + u_params·rstd, the variance held in {pf}"
+        used = np.where(finite(v[:, None]) & (v > 0), bound_used(v, gv, bnd, fmt), 0.0)
+        with np.errstate(all="ignore"):
+            ex2 = (xr * xr).mean(axis=1)
+            ratio = np.where(xr.var(axis=1) > 0, xr.mean(axis=1) ** 2 / xr.var(axis=1), np.inf)
+        flag("variance_error", "rstd (saved)", fmt, used, lambda k: (
+            f"{variance_name}: the kernel's rstd {v[k]:.6g} vs {gv[k]:.6g} FP64 golden (E[x²] = {ex2[k]:.6g}, "
+            f"mean²/var = {ratio[k]:.3g}): off by {abs(v[k] / gv[k] - 1):.3g} relative, {used[k]:.3g}× the "
+            f"{bnd[k]:.3g} allowed ({how})"))
+    for key in ("y", "dx"):
+        if key not in run.got or key not in run.bounds:
+            continue
+        a, g, fmt = lay.to_cr(np.asarray(run.got[key], dtype=np.float64)), lay.to_cr(run.gold[key]), run.formats[key]
+        bnd, how = run.bounds[key]
+        b = np.broadcast_to(np.asarray(bnd, dtype=np.float64).reshape(-1, 1), (lay.channels, 1)) if key == "dx" \
+            else lay.to_cr(np.broadcast_to(bnd, lay.shape))
+        if key == "dx":  # + a correct kernel's elementwise rounding of dx's natural magnitude (as compare-precision)
+            u = get_format(accumulation_format(run.fmt)).unit_roundoff
+            b = b + SMALL_VALUE_ULPS * u * np.asarray(run.scales["dx"], dtype=np.float64).reshape(-1, 1) + held_dx
+        else:
+            b = b + held_y
+        with np.errstate(all="ignore"):
+            per = np.where(finite(a, g)[:, None], bound_used(a, g, b, fmt), 0.0)
+        used = per.max(axis=1)
+        at = per.argmax(axis=1)
+        flag(f"{key}_error", key, fmt, used, lambda k, a=a, g=g, b=b, at=at, key=key, how=how: (
+            f"{key} = {a[k, at[k]]:.6g} vs {g[k, at[k]]:.6g} FP64 golden at {lay.element(k * r + int(at[k]))}: "
+            f"{used[k]:.3g}× the {np.broadcast_to(b, a.shape)[k, at[k]]:.3g} allowed ({how}; + the statistics held in "
+            f"{pf}, + ½ ulp of {fmt})"))
+    return out

@@ -15,12 +15,14 @@ from bnprobe.checks.overflow.report import (
     Headroom,
     OverflowFinding,
     OverflowReport,
+    RowLayout,
     index_str,
     input_at,
     nanmax_abs,
     predict_headroom,
 )
 from bnprobe.checks.overflow.observe import observed_findings
+from bnprobe.engine.family import family_shape
 from bnprobe.engine.rules import all_finite, bound_used
 from bnprobe.engine.run import CallRun, forgiven, generated_call, run_call
 from bnprobe.core.call import BNCall
@@ -33,7 +35,7 @@ from bnprobe.recordings import CallRef
 
 ELEMENTWISE_OUTPUTS = ("y", "y_infer", "dx", "y_eval")
 # per-channel outputs that are positive by nature: a zero is an underflow, a subnormal a loss of precision
-POSITIVE_OUTPUTS = ("saved_invstd", "running_var")
+POSITIVE_OUTPUTS = ("saved_invstd", "running_var", "saved_rstd")
 WHERE = {"y_eval": "inference with the running statistics the training step left: "}
 _INPUTS = ("x", "gamma", "beta", "running_mean", "running_var", "dy")
 
@@ -62,7 +64,7 @@ def _finding(anomaly: str, stage: str, fmt: str, mask: np.ndarray, *, elementwis
     chans = np.flatnonzero(per_ch)
     first = int(np.flatnonzero(mask.reshape(-1))[0])
     return OverflowFinding(anomaly, stage, fmt, tuple(chans.tolist()), int(per_ch.sum()),
-                   index_str(first, lay, elementwise), input_at(first, x_cr, elementwise), detail, input_borne)
+                   index_str(first, lay, elementwise), input_at(first, x_cr, elementwise, lay), detail, input_borne)
 
 
 def _nothing_to_find(key: str, got: Any, gold: Any, fmt: str, lay: Any) -> bool:
@@ -170,7 +172,8 @@ def scan_call(run: CallRun, policy: str = "(recorded outputs vs the FP64 golden)
     """One run call's outputs against the FP64 golden on its own inputs, and its inputs; the headroom predicted
     from its x (``policy`` is what the report names as the policy)."""
     rec, ci, fmt = run.recording, run.inputs, run.fmt
-    lay = layout_of(ci.x, rec.layout)
+    family = ci.norm != "batch"
+    lay = RowLayout(family_shape(ci)) if family else layout_of(ci.x, rec.layout)
     x_cr = lay.to_cr(ci.x)
     dy = rec.tensors.get("backward", {}).get("inputs", {}).get("dy")
     findings: list[OverflowFinding] = []
@@ -181,6 +184,15 @@ def scan_call(run: CallRun, policy: str = "(recorded outputs vs the FP64 golden)
             continue
         elementwise = name in ("x", "dy")
         m = ~np.isfinite(lay.to_cr(v) if elementwise else np.asarray(v, dtype=np.float64))
+        if family and not elementwise:  # γ, β of a family layer: per parameter, not per row
+            if m.any():
+                bad_inputs.append(name)
+                k = int(np.flatnonzero(m.reshape(-1))[0])
+                findings.append(OverflowFinding("input_nonfinite", name, rec.params, (), int(m.sum()),
+                                                f"{name} index {k}", f"{name} = {np.asarray(v).reshape(-1)[k]}",
+                                                "NaN/inf present in the input itself: input-borne, not a kernel fault",
+                                                True))
+            continue
         if m.any():
             bad_inputs.append(name)
             vf = rec.params if not elementwise else fmt
@@ -191,7 +203,10 @@ def scan_call(run: CallRun, policy: str = "(recorded outputs vs the FP64 golden)
     for key, got in got_.items():
         if _nothing_to_find(key, got, gold_[key], formats_[key], lay):
             continue
-        fg = forgiven(run, key)
+        if family and key in ("dgamma", "dbeta"):
+            findings += _parameter_findings(key, got, gold_[key], formats_[key], bool(bad_inputs))
+            continue
+        fg = _family_forgiven(run, key) if family else forgiven(run, key)
         fg = None if fg is None else lay.to_cr(np.broadcast_to(fg, np.shape(ci.x)))
         findings += _output_findings(key, got, gold_[key], formats_[key], lay, x_cr, bool(bad_inputs), fg)
     if not bad_inputs:
@@ -209,7 +224,18 @@ def scan_call(run: CallRun, policy: str = "(recorded outputs vs the FP64 golden)
                                          input_borne=bool(bad_inputs)))
     head: list[Headroom] = []
     y = run.got.get("y", run.got.get("y_infer"))
-    if y is not None:
+    if y is not None and family:
+        from bnprobe.checks.overflow.family import family_headroom
+
+        pol = get_policy(fmt).with_options(params=rec.params)
+        head = family_headroom(x_cr, pol, ci.norm, ci.gamma, ci.beta, run.eps)
+        actual = {"x": np.asarray(ci.x, dtype=np.float64), "y": np.asarray(y, dtype=np.float64)}
+        head = [replace(h, actual_max=nanmax_abs(np.where(np.isfinite(actual[h.stage]), actual[h.stage], np.nan)),
+                        actually_overflowed=bool(np.isinf(actual[h.stage]).any())) if h.stage in actual else h
+                for h in head]
+        notes.append(f"headroom of the sums is predicted for bnprobe's {fmt} preset ({pol.describe()}): the "
+                     "kernel's intermediates are not seen")
+    elif y is not None:
         g = None if ci.gamma is None else np.asarray(ci.gamma, dtype=np.float64)
         b = None if ci.beta is None else np.asarray(ci.beta, dtype=np.float64)
         pol = get_policy(fmt).with_options(params=rec.params)
@@ -224,8 +250,54 @@ def scan_call(run: CallRun, policy: str = "(recorded outputs vs the FP64 golden)
                                   actually_overflowed=bool(np.isinf(v).any()))
         notes.append(f"headroom of the sums is predicted for bnprobe's {fmt} preset ({pol.describe()}): the "
                      "kernel's intermediates are not seen")
+    layer = None
+    if family:
+        from bnprobe.checks.overflow.family import describe_rows
+
+        layer = describe_rows(lay.norm_shape)
     return OverflowReport(run.kernel, fmt, "+".join(run.modes), policy, findings,
-                          head, [], notes, run.label)
+                          head, [], notes, run.label, layer=layer)
+
+
+def _family_forgiven(run: CallRun, key: str) -> np.ndarray | None:
+    """:func:`~bnprobe.engine.run.forgiven` of a family call: y's as it is; dx's per row (its natural scale and
+    bound are a row's), as an x-shaped array."""
+    if key != "dx":
+        return forgiven(run, key)
+    if run.fmt not in ("fp16", "bf16", "fp32") or "dx" not in run.scales:
+        return None
+    from bnprobe.core.tolerances import SMALL_VALUE_ULPS, accumulation_format
+    from bnprobe.engine.family import per_row_element
+
+    u = SMALL_VALUE_ULPS * get_format(accumulation_format(run.fmt)).unit_roundoff
+    b = run.bounds.get("dx")
+    per_row = u * run.scales["dx"] if b is None else np.maximum(u * run.scales["dx"], np.nan_to_num(b[0]))
+    return per_row_element(run.inputs, per_row)
+
+
+def _parameter_findings(key: str, got: Any, gold: Any, fmt: str, input_bad: bool) -> list[OverflowFinding]:
+    """A family layer's dγ or dβ (per parameter): NaN/inf where the FP64 golden is finite, or the other way round,
+    and values beyond the format."""
+    a, g = np.asarray(got, dtype=np.float64).reshape(-1), np.asarray(gold, dtype=np.float64).reshape(-1)
+    f = get_format(fmt)
+    with np.errstate(all="ignore"):
+        gr = round_to(g, fmt)
+        checks = (("nan", np.isfinite(gr) & np.isnan(a), "NaN where the FP64 golden is finite", False),
+                  ("inf", np.isfinite(gr) & np.isinf(a), "±inf where the FP64 golden is finite", False),
+                  ("overflow", np.isfinite(g) & ~np.isfinite(gr) & ~np.isfinite(a),
+                   f"the exact value is beyond the {f.name} maximum {f.max:.6g}: the format cannot hold it", False),
+                  ("hidden_nonfinite", ~np.isfinite(g) & np.isfinite(a), "finite where the FP64 golden is NaN/inf",
+                   False),
+                  ("nan" if np.isnan(a[~np.isfinite(g)]).any() else "inf", ~np.isfinite(g) & ~np.isfinite(a),
+                   "NaN/inf as the FP64 golden has them" + (" (follows from NaN/inf in the input)" if input_bad else ""),
+                   input_bad))
+    out = []
+    for anomaly, mask, detail, borne in checks:
+        if mask.any():
+            k = int(np.flatnonzero(mask)[0])
+            out.append(OverflowFinding(anomaly, key, f.name, (), int(mask.sum()), f"{key} index {k}",
+                                       f"{key} = {a[k]:.6g}, golden {g[k]:.6g}", detail, borne))
+    return out
 
 
 def scan_summaries(adapter: str, call: CallRef, summaries: dict[str, dict[str, Any]],

@@ -15,7 +15,7 @@ import numpy as np
 from bnprobe.core.call import EPS
 from bnprobe.core.formats import get_format
 from bnprobe.engine.result import Judged
-from bnprobe.kernels.layout import layout_of
+from bnprobe.kernels.layout import NormShape, layout_of
 from bnprobe.kernels.policy import Policy
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 ANOMALIES = ("input_nonfinite", "nan", "inf", "overflow", "saturated", "underflow", "flushed", "subnormal",
              "negative_var", "cancellation", "hidden_nonfinite", "zero_output", "constant_output",
-             "mean_error", "variance_error", "y_moments", "dx_identity")
+             "mean_error", "variance_error", "y_moments", "dx_identity", "y_error", "dx_error", "eps_underflow")
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,7 @@ class OverflowReport(Judged):
     notes: list[str] = field(default_factory=list)
     call: str | None = None  # the recorded call scanned (its label), None for a given input
     params: str | None = None  # the parameters' format asked for (fp32, same), None when not asked (fp32)
+    layer: str | None = None  # a family layer's (rows, R) view in words; None for BatchNorm (its findings' channels)
 
     @property
     def passed(self) -> bool:
@@ -111,7 +112,7 @@ class OverflowReport(Judged):
 
     def to_dict(self) -> dict[str, Any]:
         return {**({} if self.call is None else {"call": self.call}), "adapter": self.adapter, "dtype": self.dtype,
-                "mode": self.mode, "policy": self.policy,
+                "mode": self.mode, "policy": self.policy, **({} if self.layer is None else {"layer": self.layer}),
                 "clean": self.clean, "findings": [f.to_dict() for f in self.findings],
                 "headroom": [asdict(h) for h in self.headroom], "saturation": self.saturation, "notes": self.notes}
 
@@ -151,9 +152,54 @@ def predict_headroom(x: np.ndarray, policy: Policy, gamma: np.ndarray | None = N
 
 # ---- where a finding is, and the input there ---------------------------------------------------------------
 
+class RowLayout:
+    """A family layer's (rows, R) view (:class:`~bnprobe.kernels.layout.NormShape`) in the part of the Layout
+    interface the overflow check reads — a row of statistics where BatchNorm has a channel — and each row named by
+    where it sits in x: a token (LayerNorm, RMSNorm), a sample's group (GroupNorm) or channel (InstanceNorm)."""
+
+    def __init__(self, shape: NormShape) -> None:
+        self.norm_shape = shape
+        self.shape = shape.shape
+        self.channels, self.reduce_size = shape.rows, shape.r
+        self.layout = "rows"
+
+    def to_cr(self, a: Any) -> np.ndarray:
+        """x-shaped ``a`` as its (rows, R) view (float64)."""
+        return self.norm_shape.to_rows(a)
+
+    def from_cr(self, a: np.ndarray) -> np.ndarray:
+        return self.norm_shape.from_rows(a)
+
+    def view3(self, a: np.ndarray) -> np.ndarray:
+        """``a`` as (1, rows, R): a row's values along the last axis, as :meth:`Layout.view3` a channel's."""
+        return self.to_cr(a)[None]
+
+    def row(self, i: int) -> str:
+        """Row ``i`` in words: its index, and the token, (sample, group) or (sample, channel) it is."""
+        sh = self.norm_shape
+        if sh.norm in ("layer", "rms"):
+            lead = sh.shape[:len(sh.shape) - len(sh.normalized)]
+            where = f"token {tuple(int(v) for v in np.unravel_index(i, lead))}" if lead else "the only row"
+        elif sh.norm == "group":
+            where = f"sample {i // sh.groups}, group {i % sh.groups}"
+        else:
+            where = f"sample {i // sh.shape[1]}, channel {i % sh.shape[1]}"
+        return f"row {i} ({where})"
+
+    def element(self, flat_index: int) -> str:
+        """Element ``flat_index`` of the (rows, R) view as its index in x, with its row."""
+        i, k = divmod(flat_index, self.reduce_size)
+        rows = self.to_cr(np.arange(int(np.prod(self.shape)), dtype=np.float64).reshape(self.shape))
+        idx = np.unravel_index(int(rows[i, k]), self.shape)
+        return f"index {tuple(int(v) for v in idx)} ({self.row(i)})"
+
+
 def index_str(flat_index: int, lay: Any, elementwise: bool) -> str:
     """Element ``flat_index`` of a channel-first (C, R) array of layout ``lay`` as its index in the tensor (an
-    index of channel (C,) arrays, not ``elementwise``, as its channel)."""
+    index of channel (C,) arrays, not ``elementwise``, as its channel); of a family layer's (rows, R) view
+    (:class:`RowLayout`) as its index and row."""
+    if isinstance(lay, RowLayout):
+        return lay.element(flat_index) if elementwise else lay.row(flat_index)
     if not elementwise:
         return f"channel {flat_index}"
     c, k = divmod(flat_index, lay.reduce_size)
@@ -162,13 +208,15 @@ def index_str(flat_index: int, lay: Any, elementwise: bool) -> str:
     return f"index {tuple(int(v) for v in rest)} (channel {c})"
 
 
-def input_at(flat_index: int, x_cr: np.ndarray, elementwise: bool) -> str:
+def input_at(flat_index: int, x_cr: np.ndarray, elementwise: bool, lay: Any = None) -> str:
     """The input at element ``flat_index`` (as :func:`index_str` takes it): its channel's statistics in ``x_cr``
-    (x channel-first), and x there when ``elementwise``."""
+    (x channel-first; a family layer's rows when ``lay`` is its :class:`RowLayout`), and x there when
+    ``elementwise``."""
     c = flat_index // x_cr.shape[1] if elementwise else flat_index
     row = x_cr[c]
+    unit = f"row {c}" if isinstance(lay, RowLayout) else f"channel {c}"
     with np.errstate(all="ignore"):
-        s = f"channel {c}: mean {np.nanmean(row):.4g}, std {np.nanstd(row):.4g}, max|x| {nanmax_abs(row):.4g}"
+        s = f"{unit}: mean {np.nanmean(row):.4g}, std {np.nanstd(row):.4g}, max|x| {nanmax_abs(row):.4g}"
     if elementwise:
         s = f"x = {x_cr.reshape(-1)[flat_index]:.6g}; " + s
     return s

@@ -33,6 +33,7 @@ import numpy as np
 
 from bnprobe.adapters import KernelAdapter
 from bnprobe.adapters.emulated import PolicyAdapter
+from bnprobe.checks.overflow.family import scan_family
 from bnprobe.checks.overflow.outputs import scan_call, scan_outputs, scan_summaries
 from bnprobe.checks.overflow.report import (
     ANOMALIES,
@@ -88,6 +89,9 @@ def scan(
     ``cancel_digits``: flag cancellation when this share of the accumulator's decimal digits is lost.  ``params``:
     γ, β and the running and saved statistics in fp32 (default) or the input's format (same).
 
+    A call of another layer (``x`` a BNCall whose ``norm`` is layer, rms, group or instance) is scanned row by row,
+    in train or backward mode (:func:`~bnprobe.checks.overflow.family.scan_family`).
+
     Given a recording (a :class:`~bnprobe.engine.recorded.Recorded`) in place of the kernel, every selected call of
     it is scanned on its own recorded inputs: a :class:`~bnprobe.engine.recorded.PerCall` of one
     :class:`OverflowReport` per call (and mode).  A dump adapter of one call is scanned on its recorded inputs (its
@@ -107,6 +111,10 @@ def scan(
     if x is None:
         raise BNProbeError("scan needs an input tensor x")
     fmt = get_format(dtype or "fp16").name
+    if isinstance(x, BNCall) and x.norm != "batch":  # a LayerNorm, RMSNorm, GroupNorm or InstanceNorm call
+        rep = scan_family(a, x.with_(dtype=fmt, params=params), mode=mode, seed=SEED if seed is None else seed,
+                          dy=dy, accumulate=accumulate, cancel_digits=cancel_digits, remedies=remedies)
+        return replace(rep, params=asked)
     mode, left_out = one_mode(a.name, a.capabilities().modes, mode)  # an inference-only kernel: inference
     seed = SEED if seed is None else seed
     call = x if isinstance(x, BNCall) else BNCall(x)
@@ -230,7 +238,8 @@ def _scan_runnable(a: KernelAdapter, rec: Any, mode: str, label: str) -> Overflo
     dy = rec.tensors.get("backward", {}).get("inputs", {}).get("dy")
     call = BNCall(ins["x"], ins.get("gamma", ci.gamma), ins.get("beta", ci.beta),
                   ins.get("running_mean", ci.running_mean), ins.get("running_var", ci.running_var), dy, rec.eps,
-                  rec.momentum, layout=rec.layout)
+                  rec.momentum, layout=rec.layout, norm=ci.norm, normalized_shape=ci.normalized_shape,
+                  groups=ci.groups, weight_offset=ci.weight_offset)
     rep = scan(a, call, dtype=rec.dtype, mode=mode, params=ci.params)
     rep.call = label
     return rep

@@ -64,7 +64,11 @@ COUNTER_OF = {"nan": ("nan",), "inf": ("posinf", "neginf"), "overflow": ("overfl
               "negative_var": ("negative",)}
 
 
-def _locate(trace: Trace, lay: Any, x_cr: np.ndarray, cancel_digits: float) -> list[OverflowFinding]:
+def locate(trace: Trace, lay: Any, x_cr: np.ndarray, cancel_digits: float) -> list[OverflowFinding]:
+    """Each anomaly of ``trace`` at the first stage where it appears, with its channels (a family layer's rows:
+    ``lay`` a :class:`~bnprobe.checks.overflow.report.RowLayout`, ``x_cr`` its rows), and the cancellation the
+    input's statistics predict where the kernel forms E[x²] − E[x]² or x − mean (``cancel_digits`` of the format's
+    decimal digits lost)."""
     findings: list[OverflowFinding] = []
     input_bad = np.zeros(lay.channels, dtype=bool)
     if "x" in trace:
@@ -76,7 +80,7 @@ def _locate(trace: Trace, lay: Any, x_cr: np.ndarray, cancel_digits: float) -> l
             first = int(np.flatnonzero(m.reshape(-1))[0]) if m is not None and m.any() else 0
             findings.append(OverflowFinding("input_nonfinite", "x", xs.format,
                                             tuple(np.flatnonzero(input_bad).tolist()),
-                                    int(bad.sum()), index_str(first, lay, True), input_at(first, x_cr, True),
+                                    int(bad.sum()), index_str(first, lay, True), input_at(first, x_cr, True, lay),
                                     "NaN/inf present in the input itself: input-borne, not a kernel fault", True))
     for anomaly, counters in COUNTER_OF.items():
         for st in trace:
@@ -104,7 +108,7 @@ def _locate(trace: Trace, lay: Any, x_cr: np.ndarray, cancel_digits: float) -> l
                 "negative_var": "the variance came out negative before any clamp (cancellation)",
             }[anomaly] + (" (follows from NaN/inf in the input)" if borne else "")
             findings.append(OverflowFinding(anomaly, st.name, st.format, tuple(chans.tolist()), int(per_ch.sum()),
-                                    index_str(first, lay, elementwise), input_at(first, x_cr, elementwise),
+                                    index_str(first, lay, elementwise), input_at(first, x_cr, elementwise, lay),
                                     detail, borne))
             break  # the first stage where this anomaly appears
     # cancellation: decimal digits lost, from the statistics of the golden-quality input
@@ -120,7 +124,7 @@ def _locate(trace: Trace, lay: Any, x_cr: np.ndarray, cancel_digits: float) -> l
             c = int(bad[np.argmax(lost[bad])])
             what = "E[x²] − E[x]²" if where == "var" else "x − mean"
             findings.append(OverflowFinding("cancellation", where, fmt.name, tuple(bad.tolist()), int(bad.size),
-                                    f"channel {c}", input_at(c, x_cr, False),
+                                    index_str(c, lay, False), input_at(c, x_cr, False, lay),
                                     f"{what} loses ~{lost[c]:.1f} of {digits:.1f} decimal digits "
                                     f"(mean²/var = {mu[c] ** 2 / var[c]:.3g})"))
     return findings
@@ -128,7 +132,7 @@ def _locate(trace: Trace, lay: Any, x_cr: np.ndarray, cancel_digits: float) -> l
 
 # ---- remedies ---------------------------------------------------------------------------------------------
 
-def _remedies_for(anomaly: str, stage: str, pol: Policy) -> list[tuple[str, dict[str, Any], float]]:
+def remedies_for(anomaly: str, stage: str, pol: Policy) -> list[tuple[str, dict[str, Any], float]]:
     """(name, policy changes, eps multiplier) worth trying for a finding."""
     out: list[tuple[str, dict[str, Any], float]] = []
     wide = "fp32" if get_format(pol.accumulate).precision < 24 else "fp64"
@@ -173,8 +177,8 @@ def scan_traced(adapter: str, fmt: str, pol: Policy, mode: str, inputs: BNCall, 
     against saturating overflow compared when it overflowed."""
     head = predict_headroom(inputs.x, pol, inputs.gamma, inputs.beta, inputs.eps, inputs.layout)
     y, trace = _run(pol, mode, inputs)
-    head = _measured(head, trace)
-    findings = _locate(trace, lay, x_cr, cancel_digits)
+    head = measured(head, trace)
+    findings = locate(trace, lay, x_cr, cancel_digits)
     gold_y, _ = _run(pol.golden(), mode, inputs)
     with np.errstate(all="ignore"):
         base_err = nanmax_abs(np.asarray(y, dtype=np.float64) - gold_y)
@@ -196,7 +200,7 @@ def scan_traced(adapter: str, fmt: str, pol: Policy, mode: str, inputs: BNCall, 
     return OverflowReport(adapter, fmt, mode, pol.name, findings, head, sat, notes)
 
 
-def _measured(head: list[Headroom], trace: Trace) -> list[Headroom]:
+def measured(head: list[Headroom], trace: Trace) -> list[Headroom]:
     """The predicted headroom with each traced stage's actual maximum and whether it overflowed."""
     for i, h in enumerate(head):
         if h.stage in trace:
@@ -220,19 +224,19 @@ def _overflow_mode_run(pol: Policy, overflow: str, mode: str, inputs: BNCall,
 
 def _with_remedies(f: OverflowFinding, pol: Policy, mode: str, inputs: BNCall, *, gold_y: np.ndarray, lay: Any,
                    x_cr: np.ndarray, cancel_digits: float) -> OverflowFinding:
-    """``f`` with its remedies (:func:`_remedies_for`) tried: each a rerun of ``inputs`` with the policy changed,
+    """``f`` with its remedies (:func:`remedies_for`) tried: each a rerun of ``inputs`` with the policy changed,
     judged by whether the anomaly is gone and by the output's error against ``gold_y``."""
     if f.input_borne or f.anomaly == "input_nonfinite":
         return f
     tried = []
-    for name, change, eps_mult in _remedies_for(f.anomaly, f.stage, pol):
+    for name, change, eps_mult in remedies_for(f.anomaly, f.stage, pol):
         try:
             p2 = pol.with_options(**change)
             y2, tr2 = _run(p2, mode, replace(inputs, eps=inputs.eps * eps_mult))
         except BNProbeError as exc:
             tried.append(Remedy(name, str(change), False, math.nan, f"not applicable: {exc}"))
             continue
-        after = _locate(tr2, lay, x_cr, cancel_digits)
+        after = locate(tr2, lay, x_cr, cancel_digits)
         still = [h for h in after if h.anomaly == f.anomaly]
         if f.anomaly == "cancellation" and change.get("variance") in ("two_pass", "welford"):
             still = []  # two-pass and Welford do not form E[x²] - E[x]²: that cancellation is gone
