@@ -928,10 +928,13 @@ def overflow_cmd(
                                      "with R), normal, heavy (Student t, 2 d.o.f., shifted)."),
     report: Output = Output.use(),
     sweep: Sweep = Sweep.use(),
+    layer: Norm = Norm.use(),
 ) -> int:
     """Where, in which channel and why a BatchNorm goes non-finite or silently wrong; headroom predicted
     from the input; remedies verified; on a dump, every recorded call's outputs against the golden (an
-    msprobe statistics dump: its summaries). Exit 0 when clean, 1 when anomalies are found."""
+    msprobe statistics dump: its summaries). --norm layer, rms, group or instance: the same for that layer, row
+    by row of its statistics (a token, a sample's group or channel). Exit 0 when clean, 1 when anomalies are
+    found."""
     from bnprobe.engine.cases import DY_KINDS
     from bnprobe.checks.overflow.scan import scan
     from bnprobe.engine.recorded import check_options, given, recording_of
@@ -941,6 +944,8 @@ def overflow_cmd(
     input, mode, params, as_json = src.input, bn.mode, bn.params, report.as_json
     if dy is not None and dy not in DY_KINDS:
         raise BNProbeError(f"--dy {dy!r}: valid kinds are {', '.join(DY_KINDS)}")
+    if layer.norm != "batch":
+        return _overflow_layer(layer, target, src, gen, bn, report, dy=dy, sweep=sweep.asked)
     if (found := _sweep_root(target.adapter, input, sweep)) is not None:
         _check_sweep(as_json, given(dtype=target.dtype, accumulate=target.accumulate, shape=gen.shape, dist=gen.dist,
                                     mean=gen.mean, std=gen.std, seed=gen.seed, eps=bn.eps, params=params, dy=dy),
@@ -959,6 +964,38 @@ def overflow_cmd(
     rep = scan(kernel, BNCall(x, **_if_given(eps=eps)), dtype=target.dtype, accumulate=target.accumulate, mode=mode,
                seed=gen.seed, params=params, dy=dy)
     return _show(overflow_report(rep), sink, as_json)
+
+
+#: the generated input of overflow --norm and shrink --norm when no --shape is given: transformer hidden states
+#: (batch, tokens, hidden) for LayerNorm and RMSNorm, convolution activations (N, C, H, W) for the others
+FAMILY_INPUT = {"layer": "2,16,1024", "rms": "2,16,1024", "group": "2,32,8,8", "instance": "2,32,8,8"}
+
+
+def _overflow_layer(layer: Norm, target: Kernel, src: Source, gen: Generated, bn: Call, report: Output, *,
+                    dy: Optional[str], sweep: bool) -> int:
+    """overflow --norm layer|rms|group|instance on a kernel and generated input or --input x (a dump's calls
+    bring their own layer: --norm does not apply to them)."""
+    from bnprobe.checks.overflow.scan import scan
+    from bnprobe.core.call import NORM_NAMES
+    from bnprobe.engine.recorded import is_dump_path
+    from bnprobe.inputs import input_tensor
+    from bnprobe.reports.checks import overflow_report
+
+    name = NORM_NAMES[layer.norm]
+    if sweep or src.calls is not None or target.adapter.startswith("dump:") or \
+            (src.input is not None and is_dump_path(src.input)):
+        raise BNProbeError(f"--norm {layer.norm} scans a kernel on generated input or --input x.npy: a dump's calls "
+                           f"bring their own layer ({name} among them); drop --norm")
+    if bn.convention is not None:
+        raise BNProbeError(f"--convention is BatchNorm's running variance: {name} keeps no running statistics; drop "
+                           "it")
+    sink = report.sink()
+    x = input_tensor("overflow", src.input, gen.shape or (None if src.input is not None else FAMILY_INPUT[layer.norm]),
+                     gen.dist, gen.mean, gen.std, gen.seed)
+    call = BNCall(x, **_if_given(eps=bn.eps), norm=layer.norm, normalized_shape=layer.dims(), groups=layer.groups)
+    rep = scan(target.adapter, call, dtype=target.dtype, accumulate=target.accumulate, mode=bn.mode, seed=gen.seed,
+               params=bn.params, dy=dy)
+    return _show(overflow_report(rep), sink, report.as_json)
 
 
 @_command("fold", order="layer weights folded dtype accumulate eps groups seed onnx fused fuse out force as_json")

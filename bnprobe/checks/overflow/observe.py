@@ -237,7 +237,8 @@ def family_findings(run: CallRun, variance_name: str = "variance off") -> list[O
         return pf if get_format(pf).precision < get_format(fmt).precision else fmt
 
     # a correct kernel may normalise with its statistics rounded to the parameter format (PyTorch's CPU kernels with
-    # 16-bit parameters): rstd off by u_params relative and μ by u_params·|μ|, carried into y and dx
+    # 16-bit parameters): rstd off by 2·u_params relative (the variance and rstd held there) and μ by
+    # u_params·|μ|, carried into y and dx
     sh = lay.norm_shape
     gm0 = np.zeros(sh.rows) if sh.norm == "rms" else np.asarray(run.gold_saved.mean, dtype=np.float64).reshape(-1)
     rstd0 = np.asarray(run.gold_saved.invstd(run.eps), dtype=np.float64).reshape(-1)
@@ -246,7 +247,7 @@ def family_findings(run: CallRun, variance_name: str = "variance off") -> list[O
     ge = np.abs(sh.expand(gamma + ci.weight_offset))
     with np.errstate(all="ignore"):
         dev = np.abs(xr - gm0[:, None])
-        held_y = ge * rstd0[:, None] * up * (np.abs(gm0)[:, None] + dev)
+        held_y = ge * rstd0[:, None] * up * (np.abs(gm0)[:, None] + 2 * dev)
         dy_in = run.recording.tensors.get("backward", {}).get("inputs", {}).get("dy")
         held_dx = np.zeros((sh.rows, 1))
         if dy_in is not None and "dx" in run.scales:
@@ -307,7 +308,7 @@ def family_findings(run: CallRun, variance_name: str = "variance off") -> list[O
             per = np.where(finite(a, g)[:, None], bound_used(a, g, b, fmt), 0.0)
         used = per.max(axis=1)
         at = per.argmax(axis=1)
-        flag(f"{key}_error", key, fmt, used, lambda k, a=a, g=g, b=b, at=at, key=key, how=how: (
+        flag(f"{key}_error", key, fmt, used, lambda k, a=a, g=g, b=b, at=at, key=key, how=how, used=used, fmt=fmt: (
             f"{key} = {a[k, at[k]]:.6g} vs {g[k, at[k]]:.6g} FP64 golden at {lay.element(k * r + int(at[k]))}: "
             f"{used[k]:.3g}× the {np.broadcast_to(b, a.shape)[k, at[k]]:.3g} allowed ({how}; + the statistics held in "
             f"{pf}, + ½ ulp of {fmt})"))

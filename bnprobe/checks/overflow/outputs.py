@@ -160,11 +160,13 @@ def _output_findings(key: str, got: Any, gold: Any, fmt: str, lay: Any, x_cr: np
             const_ch = np.zeros(a.shape[0], dtype=bool)
     if zero_ch.any():
         mask = np.broadcast_to(zero_ch[:, None], a.shape) if elementwise else zero_ch
+        unit = "row" if isinstance(lay, RowLayout) else "channel"
         add("zero_output", mask & True, "entirely zero where the FP64 golden is not" +
-            (" (per channel)" if elementwise else ""))
+            (f" (per {unit})" if elementwise else ""))
     if const_ch.any():
         add("constant_output", np.broadcast_to(const_ch[:, None], a.shape) & True,
-            "one value over the whole channel where the FP64 golden varies")
+            f"one value over the whole {'row' if isinstance(lay, RowLayout) else 'channel'} where the FP64 golden "
+            "varies")
     return out
 
 
@@ -289,8 +291,8 @@ def _parameter_findings(key: str, got: Any, gold: Any, fmt: str, input_bad: bool
                   ("hidden_nonfinite", ~np.isfinite(g) & np.isfinite(a), "finite where the FP64 golden is NaN/inf",
                    False),
                   ("nan" if np.isnan(a[~np.isfinite(g)]).any() else "inf", ~np.isfinite(g) & ~np.isfinite(a),
-                   "NaN/inf as the FP64 golden has them" + (" (follows from NaN/inf in the input)" if input_bad else ""),
-                   input_bad))
+                   "NaN/inf as the FP64 golden has them" + (" (follows from NaN/inf in the input)" if input_bad
+                                                            else ""), input_bad))
     out = []
     for anomaly, mask, detail, borne in checks:
         if mask.any():
