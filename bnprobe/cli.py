@@ -1292,8 +1292,8 @@ def _identify_layer(layer: Norm, target: Kernel, bn: Call, src: Source, gen: Gen
                            eps=bn.eps, groups=layer.groups, extra=extra, progress=Progress("identify"))
 
 
-@_command("shrink", order="adapter dtype params mode predicate input calls shape dist mean std seed seconds "
-                          "convention out force")
+@_command("shrink", order="adapter dtype norm normalized_shape groups params mode predicate input calls shape dist "
+                          "mean std seed seconds convention out force")
 def shrink_cmd(
     target: Kernel = Kernel.use("adapter", "dtype",
                                 adapter=dict(default=..., help="Adapter whose comparison with the FP64 reference "
@@ -1311,9 +1311,11 @@ def shrink_cmd(
     seconds: float = typer.Option(120.0, help="Time budget in seconds (> 0)."),
     report: Output = Output.use("out", "force", out="Folder for x.npy, the dump and shrink.json (default "
                                                     "reports/shrink-<time>)."),
+    layer: Norm = Norm.use(),
 ) -> int:
     """Reduce a failing case (channels, batch, spatial size, then values) to a minimal one that still
-    fails; write it as a dump plus the exact command that replays it."""
+    fails; write it as a dump plus the exact command that replays it. --norm layer, rms, group or instance: that
+    layer's input, in its (rows, R) view (fewer rows, a shorter R, then values)."""
     from bnprobe._progress import Progress
     from bnprobe.engine.recorded import given, recording_of
     from bnprobe.checks.shrink.shrinking import generated_case, predicate_for, recorded_case, runnable, shrink
@@ -1323,6 +1325,8 @@ def shrink_cmd(
     adapter, dtype, mode, params, convention = target.adapter, target.dtype, bn.mode, bn.params, bn.convention
     if not 0 < seconds <= 86400:
         raise BNProbeError(f"--seconds must be > 0 and at most 86400 (a day), got {seconds}")
+    if layer.norm != "batch":
+        return _shrink_layer(layer, target, bn, predicate, src, gen, seconds, report)
     sink = report.sink("shrink", "x.npy", "shrink.json")
     a = runnable(_in_convention(adapter, convention))
     recorded = recording_of(a, src.input, src.calls, guard="shrink")
@@ -1342,6 +1346,40 @@ def shrink_cmd(
     files, cmd = write_shrink(res, sink, adapter=adapter, dtype=dtype, mode=mode, predicate=predicate,
                               recorded=kept, params=params, convention=convention)
     _echo(shrink_lines(res, files, cmd, dtype, kept))
+    return 0
+
+
+def _shrink_layer(layer: Norm, target: Kernel, bn: Call, predicate: str, src: Source, gen: Generated,
+                  seconds: float, report: Output) -> int:
+    """shrink --norm layer|rms|group|instance: a failing input of that layer (--input x.npy or generated) shrunk in
+    its (rows, R) view; x.npy, shrink.json and the replay command written."""
+    from bnprobe._progress import Progress
+    from bnprobe.checks.shrink.shrinking import FamilyLayer, generated_case, predicate_for, runnable, shrink
+    from bnprobe.core.call import NORM_NAMES
+    from bnprobe.engine.recorded import is_dump_path
+    from bnprobe.inputs import input_tensor
+    from bnprobe.reports.shrink import shrink_lines, write_shrink
+
+    name = NORM_NAMES[layer.norm]
+    if src.calls is not None or (src.input is not None and is_dump_path(src.input)):
+        raise BNProbeError(f"--norm {layer.norm} shrinks an input tensor (--input x.npy, or generated): a dump's "
+                           f"calls bring their own layer; drop --norm")
+    if bn.convention is not None:
+        raise BNProbeError(f"--convention is BatchNorm's running variance: {name} keeps no running statistics; drop "
+                           "it")
+    a = runnable(target.adapter)
+    dtype, mode, params, notes = generated_case(target.dtype, bn.mode, bn.params, kernel=a)
+    x = input_tensor("shrink", src.input, gen.shape or (None if src.input is not None else FAMILY_INPUT[layer.norm]),
+                     gen.dist, gen.mean, gen.std, gen.seed)
+    fam = FamilyLayer.of(layer.norm, tuple(x.shape), layer.dims(), layer.groups)
+    fails = predicate_for(predicate, a, dtype=dtype, mode=mode, recorded=None, params=params, layer=fam)
+    sink = report.sink("shrink", "x.npy", "shrink.json")
+    with Progress("shrink") as bar:
+        res = shrink(x, fails, seconds=seconds, progress=bar.steps(20), layer=fam)
+    res.notes[:0] = notes
+    files, cmd = write_shrink(res, sink, adapter=target.adapter, dtype=dtype, mode=mode, predicate=predicate,
+                              params=params, layer=fam)
+    _echo(shrink_lines(res, files, cmd, dtype, None))
     return 0
 
 

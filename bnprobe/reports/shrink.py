@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from bnprobe.adapters import get_adapter
-from bnprobe.checks.shrink.shrinking import RecordedParams, ShrinkResult
+from bnprobe.checks.shrink.shrinking import FamilyLayer, RecordedParams, ShrinkResult
 from bnprobe.core.errors import BNProbeError
 from bnprobe.recordings import record, write_dump
 from bnprobe.core.call import BNCall
@@ -21,12 +21,17 @@ __all__ = ["write_shrink", "shrink_lines"]
 
 def write_shrink(result: ShrinkResult, out: str | Path | OutputDir, *, adapter: str, dtype: str, mode: str,
                  predicate: str = "compare", recorded: RecordedParams | None = None,
-                 params: str = "fp32", convention: str | None = None) -> tuple[list[Path], str]:
+                 params: str = "fp32", convention: str | None = None,
+                 layer: FamilyLayer | None = None) -> tuple[list[Path], str]:
     """x.npy, a bnprobe dump of the adapter on it, shrink.json, and the command that replays the failure
     (with ``recorded``: the dump carries the recorded call's parameters and scalars, and the replay runs the
     adapter on the dump's inputs; else parameters as ``params``).  ``out``: a folder, or the run's
     :class:`~bnprobe.reports.OutputDir` (whose ``force`` applies); x.npy and shrink.json are renamed into place
-    only when everything else succeeded."""
+    only when everything else succeeded.  ``layer``: x is that family layer's input (no dump: bnprobe records
+    BatchNorm calls; the replay names the layer)."""
+    if layer is not None:
+        return _write_family(result, out, adapter=adapter, dtype=dtype, mode=mode, predicate=predicate, params=params,
+                             layer=layer)
     sink = out if isinstance(out, OutputDir) else output_dir(out, "shrink")
     folder = sink.path
     sink.claim("x.npy", "shrink.json")
@@ -67,6 +72,31 @@ def write_shrink(result: ShrinkResult, out: str | Path | OutputDir, *, adapter: 
         **result.to_dict(), "adapter": adapter, "dtype": dtype, "mode": mode,
         "params": recorded.params if recorded is not None else params, "predicate": predicate, "convention": convention,
         "replay": cmd})))
+    sink.commit()
+    return files, cmd
+
+
+def _write_family(result: ShrinkResult, out: str | Path | OutputDir, *, adapter: str, dtype: str, mode: str,
+                  predicate: str, params: str, layer: FamilyLayer) -> tuple[list[Path], str]:
+    """x.npy, shrink.json and the replay command of a family layer's shrunk input."""
+    sink = out if isinstance(out, OutputDir) else output_dir(out, "shrink")
+    folder = sink.path
+    sink.claim("x.npy", "shrink.json")
+    buf = io.BytesIO()
+    np.save(buf, result.x)
+    xpath = sink.write_bytes("x.npy", buf.getvalue())
+    q = lambda path: shlex.quote(str(path))  # noqa: E731 - a user's folder may hold spaces or ; $ `
+    prm = "" if params == "fp32" else f" --params {params}"
+    lay = layer.flags(result.x.shape)
+    if predicate == "overflow":
+        cmd = f"bnprobe overflow --adapter {shlex.quote(adapter)} {lay} --mode {mode} --dtype {dtype}{prm} " \
+              f"--input {q(xpath)}"
+    else:
+        cmd = (f"bnprobe compare-precision --adapters {shlex.quote(adapter)} {lay} --mode {mode} --dtypes {dtype}{prm} "
+               f"--input {q(xpath)} --no-budget --out {q(folder / 'replay-report')}")
+    files = [xpath, sink.write_text("shrink.json", dumps_json({
+        **result.to_dict(), "adapter": adapter, "dtype": dtype, "mode": mode, "params": params,
+        "predicate": predicate, "norm": layer.norm, **layer.options(result.x.shape), "replay": cmd}))]
     sink.commit()
     return files, cmd
 

@@ -9,6 +9,11 @@ command that replays the failure.
 A recorded call's x can be shrunk with its own γ, β, running statistics, eps, momentum and parameter
 format (:class:`RecordedParams`): the per-channel values follow the channels that are kept.  A dump
 itself cannot be shrunk (it answers only its own inputs); shrink reruns a runnable adapter.
+
+A LayerNorm, RMSNorm, GroupNorm or InstanceNorm input (:class:`FamilyLayer`) is shrunk in the layer's (rows, R)
+view: fewer rows first (the leading dims of a LayerNorm or RMSNorm, the batch and whole groups of a GroupNorm, the
+batch and channels of an InstanceNorm), then a shorter R (the normalised trailing dims, which the layer's
+normalised shape follows; the spatial dims of the others), then the values, toward each row's mean.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from bnprobe.engine.result import Analysis
 
 __all__ = ["ShrinkResult", "shrink", "compare_predicate", "overflow_predicate", "load_predicate", "recorded_case",
            "generated_case", "predicate_for",
-           "RecordedParams", "runnable", "check_x"]
+           "RecordedParams", "runnable", "check_x", "FamilyLayer"]
 
 Predicate = Callable[..., bool]  # f(x) -> True when the case fails (built-in ones also take channels=)
 
@@ -96,6 +101,56 @@ class RecordedParams:
                       meta={"training": mode_training(modes), "shrunk_from": self.source})
 
 
+@dataclass(frozen=True)
+class FamilyLayer:
+    """A LayerNorm, RMSNorm, GroupNorm or InstanceNorm whose input is shrunk, described so that it follows x's shape
+    as x shrinks: LayerNorm and RMSNorm normalise x's last ``trailing`` dims, GroupNorm puts ``per_group`` channels
+    in each group."""
+
+    norm: str
+    trailing: int = 1
+    per_group: int = 1
+
+    @classmethod
+    def of(cls, norm: str, shape: tuple[int, ...], normalized_shape: tuple[int, ...] | None = None,
+           groups: int | None = None) -> FamilyLayer:
+        """The layer of a ``norm`` call on x of ``shape`` (checked: each problem in one line)."""
+        from bnprobe.kernels.layout import NormShape
+
+        sh = NormShape.of(norm, shape, normalized_shape, groups)
+        return cls(norm, len(sh.normalized) if norm in ("layer", "rms") else 1,
+                   shape[1] // sh.groups if norm == "group" else 1)
+
+    def shape(self, x_shape: tuple[int, ...]) -> Any:
+        """The layer's :class:`~bnprobe.kernels.layout.NormShape` on x of ``x_shape``."""
+        from bnprobe.kernels.layout import NormShape
+
+        return NormShape.of(self.norm, x_shape, **self.options(x_shape))
+
+    def options(self, x_shape: tuple[int, ...]) -> dict[str, Any]:
+        """normalized_shape and groups on x of ``x_shape``."""
+        if self.norm in ("layer", "rms"):
+            return {"normalized_shape": tuple(x_shape[len(x_shape) - self.trailing:]), "groups": None}
+        return {"normalized_shape": None, "groups": x_shape[1] // self.per_group if self.norm == "group" else None}
+
+    def flags(self, x_shape: tuple[int, ...]) -> str:
+        """The command-line options naming the layer on x of ``x_shape``."""
+        o = self.options(x_shape)
+        if self.norm in ("layer", "rms"):
+            return f"--norm {self.norm} --normalized-shape {','.join(map(str, o['normalized_shape']))}"
+        return f"--norm {self.norm}" + (f" --num-groups {o['groups']}" if self.norm == "group" else "")
+
+    def axes(self, ndim: int) -> list[tuple[int, int, str]]:
+        """(axis, step, what) to bisect in order: the rows' axes first, then R's (GroupNorm's channels in whole
+        groups)."""
+        if self.norm in ("layer", "rms"):
+            lead = ndim - self.trailing
+            return [(a, 1, f"rows (axis {a})") for a in range(lead)] + \
+                [(a, 1, f"R (axis {a})") for a in range(lead, ndim)]
+        second = (1, self.per_group, "rows (groups)") if self.norm == "group" else (1, 1, "rows (channels)")
+        return [(0, 1, "rows (batch)"), second] + [(a, 1, f"R (axis {a})") for a in range(2, ndim)]
+
+
 def mode_training(modes: tuple[str, ...]) -> bool:
     """Whether a recording of ``modes`` is of a training call (an inference-only one is not)."""
     return "train" in modes or "backward" in modes
@@ -139,12 +194,33 @@ def _predicate(fails_on: Callable[[np.ndarray, np.ndarray | None], bool], mode: 
     return fails
 
 
+def _family_predicate(fails_on: Callable[[np.ndarray], bool], layer: FamilyLayer, mode: str) -> Predicate:
+    """A predicate on a family layer's x from ``fails_on``: x checked first; a shape the layer does not take, or
+    rows of one value (no statistics to judge), never fails."""
+    if mode == "infer":
+        from bnprobe.core.call import NORM_NAMES
+
+        raise BNProbeError(f"{NORM_NAMES[layer.norm]} keeps no running statistics: its inference is its training "
+                           f"forward; shrink {named('mode')} train or backward")
+
+    def fails(x: np.ndarray) -> bool:
+        check_x(x)
+        try:
+            if layer.shape(x.shape).r < 2:
+                return False
+        except BNProbeError:
+            return False
+        return fails_on(x)
+
+    return fails
+
+
 def compare_predicate(adapter: str | KernelAdapter, against: str = "reference", dtype: str = "fp16",
                       mode: str = "train", *, recorded: RecordedParams | None = None,
-                      params: str = "fp32") -> Predicate:
+                      params: str = "fp32", layer: FamilyLayer | None = None) -> Predicate:
     """Fails when compare-precision finds an output of ``adapter`` over the standard on x (with a recorded
     call's parameters and scalars when ``recorded`` is given, else parameters in fp32 or, ``params`` same,
-    in the input's format)."""
+    in the input's format; ``layer``: x is that layer's input, its γ, β and dy seeded as compare-precision's)."""
     from bnprobe.recordings import CallRef, RecordedCalls
     from bnprobe.engine.cases import Case, recorded_cases
     from bnprobe.checks.compare.precision import CallOptions, compare_precision
@@ -152,6 +228,16 @@ def compare_predicate(adapter: str | KernelAdapter, against: str = "reference", 
     if against != "reference":
         raise BNProbeError(f"shrink compares against the FP64 reference ({named('against')} reference)")
     a = runnable(adapter)
+    if layer is not None:
+        if recorded is not None:
+            raise BNProbeError("a recorded call brings its own layer: shrink it without a family layer")
+
+        def family_fails(x: np.ndarray) -> bool:
+            r = compare_precision([a], (dtype,), [Case("shrink", tuple(x.shape), x=x)], mode=mode, budget=False,
+                                  options=CallOptions(params=params, norm=layer.norm, **layer.options(x.shape)))
+            return bool((r.rows["verdict"] == "FAIL").any())
+
+        return _family_predicate(family_fails, layer, mode)
 
     def fails(x: np.ndarray, channels: np.ndarray | None) -> bool:
         if recorded is None:
@@ -169,12 +255,24 @@ def compare_predicate(adapter: str | KernelAdapter, against: str = "reference", 
 
 
 def overflow_predicate(adapter: str | KernelAdapter, dtype: str = "fp16", mode: str = "train", *,
-                       recorded: RecordedParams | None = None, params: str = "fp32") -> Predicate:
-    """Fails when the overflow scan finds an anomaly (input-borne ones excluded); ``params`` as in
+                       recorded: RecordedParams | None = None, params: str = "fp32",
+                       layer: FamilyLayer | None = None) -> Predicate:
+    """Fails when the overflow scan finds an anomaly (input-borne ones excluded); ``params`` and ``layer`` as in
     :func:`compare_predicate`."""
     from bnprobe.checks.overflow.scan import scan
+    from bnprobe.core.call import BNCall
 
     a = runnable(adapter)
+    if layer is not None:
+        if recorded is not None:
+            raise BNProbeError("a recorded call brings its own layer: shrink it without a family layer")
+
+        def family_fails(x: np.ndarray) -> bool:
+            rep = scan(a, BNCall(x, norm=layer.norm, **layer.options(x.shape)), dtype=dtype, mode=mode,
+                       remedies=False, params=params)
+            return any(not f.input_borne for f in rep.findings)
+
+        return _family_predicate(family_fails, layer, mode)
 
     def fails(x: np.ndarray, channels: np.ndarray | None) -> bool:
         if recorded is None:
@@ -237,12 +335,15 @@ class ShrinkResult(Analysis):
 
 
 def shrink(x: np.ndarray, fails: Predicate, *, seconds: float = 120.0,
-           progress: Callable[[str], None] | None = None) -> ShrinkResult:
-    """The smallest input found that still fails ``fails`` (which must fail on ``x``)."""
+           progress: Callable[[str], None] | None = None, layer: FamilyLayer | None = None) -> ShrinkResult:
+    """The smallest input found that still fails ``fails`` (which must fail on ``x``); ``layer``: x is that family
+    layer's input, shrunk in its (rows, R) view (:func:`shrink_family`)."""
     x = np.asarray(x, dtype=np.float64)
     check_x(x)
     if not 0 <= seconds < math.inf:
         raise BNProbeError(f"seconds must be a finite number >= 0, got {seconds}")
+    if layer is not None:
+        return shrink_family(x, fails, layer, seconds=seconds, progress=progress)
     res = ShrinkResult(x, tuple(x.shape))
     t0 = time.monotonic()
     chans = np.arange(x.shape[1])
@@ -312,6 +413,77 @@ def shrink(x: np.ndarray, fails: Predicate, *, seconds: float = 120.0,
     return res
 
 
+def shrink_family(x: np.ndarray, fails: Predicate, layer: FamilyLayer, *, seconds: float = 120.0,
+                  progress: Callable[[str], None] | None = None) -> ShrinkResult:
+    """The smallest input of the family ``layer`` found that still fails ``fails`` (which must fail on ``x``): each
+    axis of its rows, then of R, bisected (a failing half kept; GroupNorm's channels in whole groups), then the
+    coarsest rounding of the values that still fails, then value by value toward 0 or its row's mean."""
+    x = np.asarray(x, dtype=np.float64)
+    layer.shape(x.shape)  # (x must be the layer's input: each problem in one line)
+    res = ShrinkResult(x, tuple(x.shape))
+    t0 = time.monotonic()
+
+    def test(candidate: np.ndarray) -> bool:
+        res.evaluations += 1
+        return bool(fails(np.ascontiguousarray(candidate)))
+
+    if not test(x):
+        raise BNProbeError("the check passes on this input: nothing to shrink")
+
+    def out_of_time() -> bool:
+        res.timed_out = time.monotonic() - t0 > seconds
+        return res.timed_out
+
+    def step(text: str) -> None:
+        res.steps.append(text)
+        if progress:
+            progress(text)
+
+    for axis, unit, label in layer.axes(x.ndim):
+        while x.shape[axis] >= 2 * unit and not out_of_time():
+            h = x.shape[axis] // unit // 2 * unit
+            halves = (np.take(x, range(h), axis=axis), np.take(x, range(h, x.shape[axis]), axis=axis))
+            kept = next((half for half in halves if test(half)), None)
+            if kept is None:
+                break
+            x = kept
+            step(f"{label} -> {x.shape[axis]}: shape {x.shape}")
+    for bits in range(1, 24):
+        if out_of_time():
+            break
+        cand = _round_bits(x, bits)
+        if not np.array_equal(cand, x) and test(cand):
+            x = cand
+            step(f"values rounded to {bits} significant bit(s)")
+            break
+    if x.size <= 256:
+        sh = layer.shape(x.shape)
+        for k in range(x.size):
+            if out_of_time():
+                break
+            i, j = divmod(k, sh.r)
+            target = float(_round_bits(np.array([sh.to_rows(x)[i].mean()]), 4)[0])
+            for value in (0.0, target):
+                rows = sh.to_rows(x).copy()  # (to_rows may be a view of x: a candidate is a copy)
+                if rows[i, j] == value:
+                    continue
+                rows[i, j] = value
+                cand = sh.from_rows(rows)
+                if test(cand):
+                    x = cand
+                    step(f"{_x_index(sh, i, j)} -> {value:g}")
+                    break
+    res.x = x
+    res.seconds = time.monotonic() - t0
+    return res
+
+
+def _x_index(sh: Any, i: int, j: int) -> str:
+    """Value ``j`` of row ``i`` of the (rows, R) view ``sh`` as x's index: ``x(n, t, d) (row i)``."""
+    flat = sh.to_rows(np.arange(int(np.prod(sh.shape)), dtype=np.float64).reshape(sh.shape))[i, j]
+    return f"x{tuple(int(v) for v in np.unravel_index(int(flat), sh.shape))} (row {i})"
+
+
 def _round_bits(x: np.ndarray, bits: int) -> np.ndarray:
     m, e = np.frexp(x)
     return np.ldexp(np.round(m * 2.0**bits) / 2.0**bits, e)
@@ -353,11 +525,11 @@ def generated_case(dtype: str | None = None, mode: str | None = None, params: st
 
 
 def predicate_for(name: str, adapter: KernelAdapter, *, dtype: str, mode: str, recorded: RecordedParams | None,
-                  params: str) -> Predicate:
+                  params: str, layer: FamilyLayer | None = None) -> Predicate:
     """The failure to keep while shrinking: ``compare`` (vs the reference), ``overflow``, or a user's
-    ``module:function``."""
+    ``module:function``; ``layer``: of that family layer's input."""
     if name == "compare":
-        return compare_predicate(adapter, dtype=dtype, mode=mode, recorded=recorded, params=params)
+        return compare_predicate(adapter, dtype=dtype, mode=mode, recorded=recorded, params=params, layer=layer)
     if name == "overflow":
-        return overflow_predicate(adapter, dtype=dtype, mode=mode, recorded=recorded, params=params)
+        return overflow_predicate(adapter, dtype=dtype, mode=mode, recorded=recorded, params=params, layer=layer)
     return load_predicate(name)
