@@ -96,6 +96,9 @@ RUN = {
     # trace's and dump's pages: a family layer's stages, and its call recorded then judged from the dump
     "bnprobe trace --norm rms --policy fp16-acc16 --mean 30 --shape 2,16,1024": None,
     "bnprobe dump --norm layer --adapter torch --out ln-call": "torch",
+    # overflow's and shrink's pages: a family layer scanned row by row, and its failing input shrunk and replayed
+    "bnprobe overflow --norm rms --adapter emulated:fp16-acc16 --shape 2,4,64 --std 40": None,
+    "bnprobe shrink --norm layer --adapter emulated:fp16-acc16 --shape 2,8,256 --mean 30 --out shrunk-layer": None,
     # each command page's options, as its --help prints them
     **{f"bnprobe {command} --help": None for command in COMMANDS},
 }
