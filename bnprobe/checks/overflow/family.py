@@ -25,11 +25,12 @@ from bnprobe.adapters.base import FamilyPrepared
 from bnprobe.adapters.emulated import PolicyAdapter
 from bnprobe.checks.overflow.outputs import scan_call
 from bnprobe.checks.overflow.report import (
-    Headroom,
     OverflowFinding,
     OverflowReport,
     Remedy,
     RowLayout,
+    describe_rows,
+    family_headroom,
     index_str,
     input_at,
     nanmax_abs,
@@ -47,7 +48,7 @@ from bnprobe.kernels.policy import Policy, get_policy
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.rounding import round_to
 
-__all__ = ["scan_family", "family_headroom", "describe_rows"]
+__all__ = ["scan_family"]
 
 # the anomalies the outputs check adds to a traced scan: what its trace does not show (y entirely zero where the
 # sums overflowed, a result off the golden beyond a correct kernel's bound); its NaN/inf the trace locates first
@@ -55,14 +56,6 @@ _FROM_OUTPUTS = ("zero_output", "constant_output", "hidden_nonfinite", "saturate
                  "y_error", "dx_error")
 # the stages of a row's sums: an overflow there is told with the row's exact sum
 _SUMS = {"squares": "x²", "sum_squares": "Σx²", "sum_sq": "Σx²", "sum": "Σx", "sum_sq_dev": "Σ(x − μ)²"}
-
-
-def describe_rows(sh: NormShape) -> str:
-    """The layer and its (rows, R) view in words, e.g. ``LayerNorm over (32,): 12 rows (tokens) of R = 32``."""
-    what = {"layer": "tokens", "rms": "tokens", "group": "sample × group", "instance": "sample × channel"}[sh.norm]
-    over = f" over {sh.normalized}" if sh.norm in ("layer", "rms") else \
-        f", {sh.groups} groups" if sh.norm == "group" else ""
-    return f"{NORM_NAMES[sh.norm]}{over}: {sh.rows} rows ({what}) of R = {sh.r}"
 
 
 def _inputs(call: BNCall, sh: NormShape, seed: int, dy: str | None) -> BNCall:
@@ -77,38 +70,6 @@ def _inputs(call: BNCall, sh: NormShape, seed: int, dy: str | None) -> BNCall:
     if d is None:  # made in the (rows, R) view, so that its means are per row
         d = sh.from_rows(dy_of_kind(dy or "shifted", (1, sh.rows, sh.r), seed)[0])
     return call.with_(gamma=g, beta=b, dy=np.asarray(d, dtype=np.float64))
-
-
-def family_headroom(rows: np.ndarray, pol: Policy, norm: str, gamma: np.ndarray | None, beta: np.ndarray | None,
-                    eps: float) -> list[Headroom]:
-    """Predicted magnitude of each stage of a family kernel from the rows' statistics (``rows``: x's (rows, R)
-    view), and its headroom in binades: x; RMSNorm's squares and Σx²; the others' Σx and, as the policy forms the
-    variance, Σx² (one pass) or Σ(x − μ)² (two passes); y."""
-    r = rows.shape[1]
-    with np.errstate(all="ignore"):
-        mu, var, ex2 = np.nanmean(rows, axis=1), np.nanvar(rows, axis=1), np.nanmean(rows * rows, axis=1)
-        centre = 0.0 if norm == "rms" else mu[:, None]
-        spread = ex2 if norm == "rms" else var
-        dev = np.abs(rows - centre)
-        xhat_max = float(np.nanmax(np.where(np.isnan(dev), -np.inf, dev).max(axis=1) / np.sqrt(spread + eps)))
-    acc, st = get_format(pol.accumulate), get_format(pol.storage)
-    g = 1.0 if gamma is None else nanmax_abs(gamma)
-    b = 0.0 if beta is None else nanmax_abs(beta)
-    stages = [("x", st, nanmax_abs(rows) if rows.size else 0.0)]
-    if norm == "rms":
-        stages += [("squares", acc, float(np.nanmax(rows * rows))), ("sum_squares", acc, float(np.nanmax(ex2)) * r)]
-    else:
-        stages.append(("sum", acc, float(np.nanmax(np.abs(mu))) * r))
-        if pol.variance == "naive":
-            stages += [("sum_sq", acc, float(np.nanmax(ex2)) * r), ("mean_sq", acc, float(np.nanmax(mu ** 2)))]
-        elif pol.variance == "two_pass":
-            stages.append(("sum_sq_dev", acc, float(np.nanmax(var)) * r))
-    stages.append(("y", st, g * xhat_max + b))
-    out = []
-    for name, fmt, mag in stages:
-        head = math.log2(fmt.max / mag) if mag > 0 and math.isfinite(mag) else math.inf
-        out.append(Headroom(name, fmt.name, mag, head, head < 0))
-    return out
 
 
 def _policy(a: KernelAdapter, call: BNCall, sh: NormShape, mode: str, accumulate: str | None) -> Policy:

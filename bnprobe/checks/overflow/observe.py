@@ -214,6 +214,44 @@ def observed_findings(run: CallRun, variance_name: str = "variance off") -> list
         _dx_findings(run, b, x_cr, xhat, lay)
 
 
+def _held(run: CallRun, lay: RowLayout, xr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What a correct kernel's statistics held in the parameter format can add to y's error per element and to dx's
+    per row (``xr``: x's rows)."""
+    ci = run.inputs
+    up = get_format(run.recording.params).unit_roundoff
+    # a correct kernel may normalise with its statistics rounded to the parameter format (PyTorch's CPU kernels with
+    # 16-bit parameters): rstd off by 2·u_params relative (the variance and rstd held there) and μ by
+    # u_params·|μ|, carried into y and dx
+    sh = lay.norm_shape
+    gm0 = np.zeros(sh.rows) if sh.norm == "rms" else np.asarray(run.gold_saved.mean, dtype=np.float64).reshape(-1)
+    rstd0 = np.asarray(run.gold_saved.invstd(run.eps), dtype=np.float64).reshape(-1)
+    gamma = np.ones(int(np.prod(sh.param_shape))) if ci.gamma is None else \
+        np.asarray(ci.gamma, dtype=np.float64).reshape(-1)
+    ge = np.abs(sh.expand(gamma + ci.weight_offset))
+    with np.errstate(all="ignore"):
+        dev = np.abs(xr - gm0[:, None])
+        held_y = ge * rstd0[:, None] * up * (np.abs(gm0)[:, None] + 2 * dev)
+        dy_in = run.recording.tensors.get("backward", {}).get("inputs", {}).get("dy")
+        held_dx = np.zeros((sh.rows, 1))
+        if dy_in is not None and "dx" in run.scales:
+            gmax = np.nanmax(np.abs(lay.to_cr(np.asarray(dy_in, dtype=np.float64))) * ge, axis=1)
+            xmax = np.nanmax(dev, axis=1) * rstd0
+            held_dx = (up * (3 * np.asarray(run.scales["dx"], dtype=np.float64).reshape(-1) +
+                             2 * rstd0 * np.abs(gm0) * rstd0 * gmax * xmax))[:, None]
+    return held_y, held_dx
+
+
+def _elementwise_bound(run: CallRun, lay: RowLayout, key: str, held: np.ndarray) -> tuple[np.ndarray, str]:
+    """y's bound per element, dx's per row (+ a correct kernel's elementwise rounding of dx's natural magnitude, as
+    compare-precision allows it), each + ``held`` (the statistics held in the parameter format), in the rows view."""
+    bnd, how = run.bounds[key]
+    if key == "y":
+        return lay.to_cr(np.broadcast_to(bnd, lay.shape)) + held, how
+    u = get_format(accumulation_format(run.fmt)).unit_roundoff
+    b = np.asarray(bnd, dtype=np.float64).reshape(-1, 1)
+    return b + SMALL_VALUE_ULPS * u * np.asarray(run.scales["dx"], dtype=np.float64).reshape(-1, 1) + held, how
+
+
 def family_findings(run: CallRun, variance_name: str = "variance off") -> list[OverflowFinding]:
     """A LayerNorm, RMSNorm, GroupNorm or InstanceNorm training call's observable results against the FP64 golden,
     row by row, each within what a correct kernel's accumulation can err by (the run's bounds,
@@ -236,25 +274,7 @@ def family_findings(run: CallRun, variance_name: str = "variance off") -> list[O
         """The coarser of ``fmt`` (a statistic's returned dtype) and the parameter format it is held in."""
         return pf if get_format(pf).precision < get_format(fmt).precision else fmt
 
-    # a correct kernel may normalise with its statistics rounded to the parameter format (PyTorch's CPU kernels with
-    # 16-bit parameters): rstd off by 2·u_params relative (the variance and rstd held there) and μ by
-    # u_params·|μ|, carried into y and dx
-    sh = lay.norm_shape
-    gm0 = np.zeros(sh.rows) if sh.norm == "rms" else np.asarray(run.gold_saved.mean, dtype=np.float64).reshape(-1)
-    rstd0 = np.asarray(run.gold_saved.invstd(run.eps), dtype=np.float64).reshape(-1)
-    gamma = np.ones(int(np.prod(sh.param_shape))) if ci.gamma is None else \
-        np.asarray(ci.gamma, dtype=np.float64).reshape(-1)
-    ge = np.abs(sh.expand(gamma + ci.weight_offset))
-    with np.errstate(all="ignore"):
-        dev = np.abs(xr - gm0[:, None])
-        held_y = ge * rstd0[:, None] * up * (np.abs(gm0)[:, None] + 2 * dev)
-        dy_in = run.recording.tensors.get("backward", {}).get("inputs", {}).get("dy")
-        held_dx = np.zeros((sh.rows, 1))
-        if dy_in is not None and "dx" in run.scales:
-            gmax = np.nanmax(np.abs(lay.to_cr(np.asarray(dy_in, dtype=np.float64))) * ge, axis=1)
-            xmax = np.nanmax(dev, axis=1) * rstd0
-            held_dx = (up * (3 * np.asarray(run.scales["dx"], dtype=np.float64).reshape(-1) +
-                             2 * rstd0 * np.abs(gm0) * rstd0 * gmax * xmax))[:, None]
+    held_y, held_dx = _held(run, lay, xr)
 
     def flag(anomaly: str, stage: str, fmt: str, used: np.ndarray, detail: Callable[[int], str]) -> None:
         used = np.where(np.isnan(used), np.inf, used)
@@ -296,14 +316,7 @@ def family_findings(run: CallRun, variance_name: str = "variance off") -> list[O
         if key not in run.got or key not in run.bounds:
             continue
         a, g, fmt = lay.to_cr(np.asarray(run.got[key], dtype=np.float64)), lay.to_cr(run.gold[key]), run.formats[key]
-        bnd, how = run.bounds[key]
-        b = np.broadcast_to(np.asarray(bnd, dtype=np.float64).reshape(-1, 1), (lay.channels, 1)) if key == "dx" \
-            else lay.to_cr(np.broadcast_to(bnd, lay.shape))
-        if key == "dx":  # + a correct kernel's elementwise rounding of dx's natural magnitude (as compare-precision)
-            u = get_format(accumulation_format(run.fmt)).unit_roundoff
-            b = b + SMALL_VALUE_ULPS * u * np.asarray(run.scales["dx"], dtype=np.float64).reshape(-1, 1) + held_dx
-        else:
-            b = b + held_y
+        b, how = _elementwise_bound(run, lay, key, held_y if key == "y" else held_dx)
         with np.errstate(all="ignore"):
             per = np.where(finite(a, g)[:, None], bound_used(a, g, b, fmt), 0.0)
         used = per.max(axis=1)

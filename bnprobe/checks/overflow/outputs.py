@@ -16,6 +16,8 @@ from bnprobe.checks.overflow.report import (
     OverflowFinding,
     OverflowReport,
     RowLayout,
+    describe_rows,
+    family_headroom,
     index_str,
     input_at,
     nanmax_abs,
@@ -170,6 +172,39 @@ def _output_findings(key: str, got: Any, gold: Any, fmt: str, lay: Any, x_cr: np
     return out
 
 
+def _headroom(run: CallRun, x_cr: np.ndarray, notes: list[str]) -> list[Headroom]:
+    """The headroom of a run call's stages predicted from its x (``x_cr``: channel-first, a family layer's rows) for
+    bnprobe's preset of its format, x's and y's measured; its note appended to ``notes``."""
+    rec, ci, fmt = run.recording, run.inputs, run.fmt
+    head: list[Headroom] = []
+    y = run.got.get("y", run.got.get("y_infer"))
+    if y is not None and ci.norm != "batch":
+        pol = get_policy(fmt).with_options(params=rec.params)
+        head = family_headroom(x_cr, pol, ci.norm, ci.gamma, ci.beta, run.eps)
+        actual = {"x": np.asarray(ci.x, dtype=np.float64), "y": np.asarray(y, dtype=np.float64)}
+        head = [replace(h, actual_max=nanmax_abs(np.where(np.isfinite(actual[h.stage]), actual[h.stage], np.nan)),
+                        actually_overflowed=bool(np.isinf(actual[h.stage]).any())) if h.stage in actual else h
+                for h in head]
+        notes.append(f"headroom of the sums is predicted for bnprobe's {fmt} preset ({pol.describe()}): the "
+                     "kernel's intermediates are not seen")
+    elif y is not None:
+        g = None if ci.gamma is None else np.asarray(ci.gamma, dtype=np.float64)
+        b = None if ci.beta is None else np.asarray(ci.beta, dtype=np.float64)
+        pol = get_policy(fmt).with_options(params=rec.params)
+        head = predict_headroom(np.asarray(ci.x, dtype=np.float64), pol, g, b, run.eps, rec.layout)
+        if "y" not in run.got:  # inference computes no statistics: only x and y apply
+            head = [h for h in head if h.stage in ("x", "y")]
+        actual = {"x": np.asarray(ci.x, dtype=np.float64), "y": np.asarray(y, dtype=np.float64)}
+        for i, h in enumerate(head):
+            if h.stage in actual:
+                v = actual[h.stage]
+                head[i] = replace(h, actual_max=nanmax_abs(np.where(np.isfinite(v), v, np.nan)),
+                                  actually_overflowed=bool(np.isinf(v).any()))
+        notes.append(f"headroom of the sums is predicted for bnprobe's {fmt} preset ({pol.describe()}): the "
+                     "kernel's intermediates are not seen")
+    return head
+
+
 def scan_call(run: CallRun, policy: str = "(recorded outputs vs the FP64 golden)") -> OverflowReport:
     """One run call's outputs against the FP64 golden on its own inputs, and its inputs; the headroom predicted
     from its x (``policy`` is what the report names as the policy)."""
@@ -224,38 +259,9 @@ def scan_call(run: CallRun, policy: str = "(recorded outputs vs the FP64 golden)
                                          detail=f"(not in the recording) the FP64 update is beyond the {rec.params} "
                                          "maximum: the kernel's running statistic cannot be finite",
                                          input_borne=bool(bad_inputs)))
-    head: list[Headroom] = []
-    y = run.got.get("y", run.got.get("y_infer"))
-    if y is not None and family:
-        from bnprobe.checks.overflow.family import family_headroom
-
-        pol = get_policy(fmt).with_options(params=rec.params)
-        head = family_headroom(x_cr, pol, ci.norm, ci.gamma, ci.beta, run.eps)
-        actual = {"x": np.asarray(ci.x, dtype=np.float64), "y": np.asarray(y, dtype=np.float64)}
-        head = [replace(h, actual_max=nanmax_abs(np.where(np.isfinite(actual[h.stage]), actual[h.stage], np.nan)),
-                        actually_overflowed=bool(np.isinf(actual[h.stage]).any())) if h.stage in actual else h
-                for h in head]
-        notes.append(f"headroom of the sums is predicted for bnprobe's {fmt} preset ({pol.describe()}): the "
-                     "kernel's intermediates are not seen")
-    elif y is not None:
-        g = None if ci.gamma is None else np.asarray(ci.gamma, dtype=np.float64)
-        b = None if ci.beta is None else np.asarray(ci.beta, dtype=np.float64)
-        pol = get_policy(fmt).with_options(params=rec.params)
-        head = predict_headroom(np.asarray(ci.x, dtype=np.float64), pol, g, b, run.eps, rec.layout)
-        if "y" not in run.got:  # inference computes no statistics: only x and y apply
-            head = [h for h in head if h.stage in ("x", "y")]
-        actual = {"x": np.asarray(ci.x, dtype=np.float64), "y": np.asarray(y, dtype=np.float64)}
-        for i, h in enumerate(head):
-            if h.stage in actual:
-                v = actual[h.stage]
-                head[i] = replace(h, actual_max=nanmax_abs(np.where(np.isfinite(v), v, np.nan)),
-                                  actually_overflowed=bool(np.isinf(v).any()))
-        notes.append(f"headroom of the sums is predicted for bnprobe's {fmt} preset ({pol.describe()}): the "
-                     "kernel's intermediates are not seen")
+    head = _headroom(run, x_cr, notes)
     layer = None
     if family:
-        from bnprobe.checks.overflow.family import describe_rows
-
         layer = describe_rows(lay.norm_shape)
     return OverflowReport(run.kernel, fmt, "+".join(run.modes), policy, findings,
                           head, [], notes, run.label, layer=layer)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from bnprobe.core.call import EPS
+from bnprobe.core.call import EPS, NORM_NAMES
 from bnprobe.core.formats import get_format
 from bnprobe.engine.result import Judged
 from bnprobe.kernels.layout import NormShape, layout_of
@@ -148,6 +148,46 @@ def predict_headroom(x: np.ndarray, policy: Policy, gamma: np.ndarray | None = N
         head = math.log2(fmt.max / mag) if mag > 0 and math.isfinite(mag) else math.inf
         out.append(Headroom(name, fmt.name, mag, head, head < 0))
     return out
+
+
+def family_headroom(rows: np.ndarray, pol: Policy, norm: str, gamma: np.ndarray | None, beta: np.ndarray | None,
+                    eps: float) -> list[Headroom]:
+    """Predicted magnitude of each stage of a family kernel from the rows' statistics (``rows``: x's (rows, R)
+    view), and its headroom in binades: x; RMSNorm's squares and Σx²; the others' Σx and, as the policy forms the
+    variance, Σx² (one pass) or Σ(x − μ)² (two passes); y."""
+    r = rows.shape[1]
+    with np.errstate(all="ignore"):
+        mu, var, ex2 = np.nanmean(rows, axis=1), np.nanvar(rows, axis=1), np.nanmean(rows * rows, axis=1)
+        centre = 0.0 if norm == "rms" else mu[:, None]
+        spread = ex2 if norm == "rms" else var
+        dev = np.abs(rows - centre)
+        xhat_max = float(np.nanmax(np.where(np.isnan(dev), -np.inf, dev).max(axis=1) / np.sqrt(spread + eps)))
+    acc, st = get_format(pol.accumulate), get_format(pol.storage)
+    g = 1.0 if gamma is None else nanmax_abs(gamma)
+    b = 0.0 if beta is None else nanmax_abs(beta)
+    stages = [("x", st, nanmax_abs(rows) if rows.size else 0.0)]
+    if norm == "rms":
+        stages += [("squares", acc, float(np.nanmax(rows * rows))), ("sum_squares", acc, float(np.nanmax(ex2)) * r)]
+    else:
+        stages.append(("sum", acc, float(np.nanmax(np.abs(mu))) * r))
+        if pol.variance == "naive":
+            stages += [("sum_sq", acc, float(np.nanmax(ex2)) * r), ("mean_sq", acc, float(np.nanmax(mu ** 2)))]
+        elif pol.variance == "two_pass":
+            stages.append(("sum_sq_dev", acc, float(np.nanmax(var)) * r))
+    stages.append(("y", st, g * xhat_max + b))
+    out = []
+    for name, fmt, mag in stages:
+        head = math.log2(fmt.max / mag) if mag > 0 and math.isfinite(mag) else math.inf
+        out.append(Headroom(name, fmt.name, mag, head, head < 0))
+    return out
+
+
+def describe_rows(sh: NormShape) -> str:
+    """The layer and its (rows, R) view in words, e.g. ``LayerNorm over (32,): 12 rows (tokens) of R = 32``."""
+    what = {"layer": "tokens", "rms": "tokens", "group": "sample × group", "instance": "sample × channel"}[sh.norm]
+    over = f" over {sh.normalized}" if sh.norm in ("layer", "rms") else \
+        f", {sh.groups} groups" if sh.norm == "group" else ""
+    return f"{NORM_NAMES[sh.norm]}{over}: {sh.rows} rows ({what}) of R = {sh.r}"
 
 
 # ---- where a finding is, and the input there ---------------------------------------------------------------
