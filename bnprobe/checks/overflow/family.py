@@ -35,7 +35,7 @@ from bnprobe.checks.overflow.report import (
     input_at,
     nanmax_abs,
 )
-from bnprobe.checks.overflow.trace import locate, measured, remedies_for
+from bnprobe.checks.overflow.trace import locate, measured, remedies_for, remedy_result
 from bnprobe.core.call import NORM_NAMES, BNCall
 from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import get_format
@@ -169,20 +169,10 @@ def _with_remedies(f: OverflowFinding, pol: Policy, mode: str, call: BNCall, sh:
         except BNProbeError as exc:
             tried.append(Remedy(name, str(change), False, math.nan, f"not applicable: {exc}"))
             continue
-        if f.anomaly == "eps_underflow":
-            still = [] if _eps_finding(c2.eps, added, p2, lay, rows) is None else [f]
-        else:
-            still = [h for h in locate(tr2, lay, rows, cancel_digits) if h.anomaly == f.anomaly]
-        if f.anomaly == "cancellation" and change.get("variance") in ("two_pass", "welford"):
-            still = []  # two-pass and Welford do not form E[x²] − E[x]²: that cancellation is gone
-        if change.get("clamp_var"):
-            still = [h for h in locate(tr2, lay, rows, cancel_digits) if h.anomaly in ("nan", "inf")
-                     and not h.input_borne]
-        with np.errstate(all="ignore"):
-            err = nanmax_abs(np.asarray(out, dtype=np.float64) - gold)
-        tried.append(Remedy(name, ", ".join(f"{k}={v}" for k, v in change.items()) or f"eps x{eps_mult:g}",
-                            not still and math.isfinite(err), err,
-                            "anomaly gone" if not still else f"still at {still[0].stage}"))
+        after = locate(tr2, lay, rows, cancel_digits)
+        still = ([] if _eps_finding(c2.eps, added, p2, lay, rows) is None else [f]) \
+            if f.anomaly == "eps_underflow" else None
+        tried.append(remedy_result(f, (name, change, eps_mult), after, out, gold, still=still))
     return replace(f, remedies=tuple(tried))
 
 

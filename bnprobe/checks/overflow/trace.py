@@ -236,17 +236,25 @@ def _with_remedies(f: OverflowFinding, pol: Policy, mode: str, inputs: BNCall, *
         except BNProbeError as exc:
             tried.append(Remedy(name, str(change), False, math.nan, f"not applicable: {exc}"))
             continue
-        after = locate(tr2, lay, x_cr, cancel_digits)
-        still = [h for h in after if h.anomaly == f.anomaly]
-        if f.anomaly == "cancellation" and change.get("variance") in ("two_pass", "welford"):
-            still = []  # two-pass and Welford do not form E[x²] - E[x]²: that cancellation is gone
-        if change.get("clamp_var"):
-            # the negative value is still formed (it is measured before the clamp); what the clamp
-            # fixes is what follows from it: NaN or inf downstream
-            still = [h for h in after if h.anomaly in ("nan", "inf") and not h.input_borne]
-        with np.errstate(all="ignore"):
-            err = nanmax_abs(np.asarray(y2, dtype=np.float64) - gold_y)
-        tried.append(Remedy(name, ", ".join(f"{k}={v}" for k, v in change.items()) or f"eps x{eps_mult:g}",
-                            not still and math.isfinite(err), err,
-                            "anomaly gone" if not still else f"still at {still[0].stage}"))
+        tried.append(remedy_result(f, (name, change, eps_mult), locate(tr2, lay, x_cr, cancel_digits), y2, gold_y))
     return replace(f, remedies=tuple(tried))
+
+
+def remedy_result(f: OverflowFinding, remedy: tuple[str, dict[str, Any], float], after: list[OverflowFinding],
+                  out: Any, gold: np.ndarray, *, still: list[OverflowFinding] | None = None) -> Remedy:
+    """How one remedy (its name, its policy change, its ε multiplier) fared against ``f``: the findings of its rerun
+    (``after``; ``still``: the ones that count, when the caller tells them otherwise) and its output's largest error
+    against ``gold``.  Fixed: the anomaly gone and the output finite."""
+    name, change, eps_mult = remedy
+    if still is None:
+        still = [h for h in after if h.anomaly == f.anomaly]
+    if f.anomaly == "cancellation" and change.get("variance") in ("two_pass", "welford"):
+        still = []  # two-pass and Welford do not form E[x²] - E[x]²: that cancellation is gone
+    if change.get("clamp_var"):
+        # the negative value is still formed (it is measured before the clamp); what the clamp
+        # fixes is what follows from it: NaN or inf downstream
+        still = [h for h in after if h.anomaly in ("nan", "inf") and not h.input_borne]
+    with np.errstate(all="ignore"):
+        err = nanmax_abs(np.asarray(out, dtype=np.float64) - gold)
+    return Remedy(name, ", ".join(f"{k}={v}" for k, v in change.items()) or f"eps x{eps_mult:g}",
+                  not still and math.isfinite(err), err, "anomaly gone" if not still else f"still at {still[0].stage}")
