@@ -5,9 +5,12 @@ fails there and says so; inputs that do not fit are refused before any work."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
+from bnprobe.core.call import NORM_NAMES
 from bnprobe.checks.compare.precision import CallOptions, compare_precision
 from bnprobe.core.errors import BNProbeError
 from bnprobe.engine.cases import family_cases
@@ -38,7 +41,43 @@ def test_a_correct_kernel_never_fails(norm, groups, fmt) -> None:  # noqa: ANN00
 def test_a_naive_16_bit_port_fails(norm) -> None:  # noqa: ANN001
     res = compare_precision(["emulated:fp16-acc16"], ("fp16",), options=CallOptions(norm=norm))
     failing = res.rows[res.rows.verdict.astype(str).str.endswith("FAIL")]
-    assert len(failing) and failing.unnamed.str.contains("no bug model or identified recipe of").all()
+    assert len(failing)
+    # named by the model of what the port does (fp16 sums; LayerNorm's preset takes E[x²] − E[x]²) where its
+    # emulation reproduces the output — the port also computes in fp16, which no model has: the rest say so
+    named = failing[failing.cause.notna()]
+    assert set(named.cause) <= {"statistics-accumulated-in-16-bit", "one-pass-variance"}
+    assert "statistics-accumulated-in-16-bit" in set(named.cause)
+    assert named.why.str.contains("it matches the model of: ").all()
+    unnamed = failing[failing.cause.isna()]
+    assert unnamed.unnamed.str.contains(f"no bug model of {NORM_NAMES[norm]} reproduces it").all()
+
+
+@pytest.mark.parametrize("norm,fmt,choice,model",
+                         [("rms", "fp16", "accumulate=fp16", "statistics-accumulated-in-16-bit"),
+                          ("layer", "bf16", "cast_point=before_gamma", "xhat-cast-before-gamma")])
+def test_compare_precision_names_a_planted_defect_as_doctor_does(norm, fmt, choice, model) -> None:  # noqa: ANN001
+    """compare-precision names each failing output of a planted defect by the doctor's model of it (one naming for
+    both commands: tests/checks/test_doctor_family.py plants the same kernels)."""
+    res = compare_precision([f"emulated:{fmt}:{choice}"], (fmt,), options=CallOptions(norm=norm))
+    failing = res.rows[res.rows.verdict.astype(str).str.endswith("FAIL")]
+    assert len(failing) and (failing.cause == model).all(), failing[["case", "tensor", "cause"]]
+    assert failing.why.str.contains("bit for bit").all()
+
+
+def test_what_no_model_reproduces_says_what_is_known() -> None:
+    """dγ, dβ summed in fp16 buffers on 3 threads (no thread count the per-thread model tries: the kernel declares
+    none, and 3 is neither this machine's count nor a power of two): unnamed, and the row says that its errors
+    are of the size of fp16's rounding — what a sum carried in fp16 gives."""
+    if os.cpu_count() == 3:
+        pytest.skip("3 is this machine's thread count: the per-thread model tries it")
+    cases = [c for c in family_cases("layer") if c.name == "hidden/768"]
+    res = compare_precision(["emulated:fp16:grad_sum_format=fp16,order=sequential,threads=3"], ("fp16",), cases,
+                            options=CallOptions(norm="layer"))
+    failing = res.rows[res.rows.verdict.astype(str).str.endswith("FAIL")]
+    assert sorted(failing.tensor) == ["dbeta", "dgamma"]
+    for why in failing.unnamed:
+        assert "its errors are of the size of fp16's rounding" in why
+        assert "no bug model of LayerNorm reproduces it" in why
 
 
 def test_torch_layernorm_16_bit_backward_fails_and_says_it_summed_in_x_format() -> None:
@@ -50,7 +89,8 @@ def test_torch_layernorm_16_bit_backward_fails_and_says_it_summed_in_x_format() 
         for t in ("dgamma", "dbeta"):
             r = rows.loc[(fmt, t)]
             assert str(r.verdict).endswith("FAIL")
-            assert f"its errors are of the size of {fmt}'s rounding" in r.why
+            # named by the doctor's model of torch's per-thread buffers of x's format, reproduced bit for bit
+            assert r.cause == "dgamma-per-thread-16-bit-buffers" and "bit for bit" in r.why
         assert str(rows.loc[(fmt, "y")].verdict).endswith("PASS")
     # (independently: on one thread torch's own dγ, by autograd, holds only values of x's format: its buffer)
     import torch

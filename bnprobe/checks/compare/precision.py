@@ -23,7 +23,7 @@ import numpy as np
 
 from bnprobe.adapters import KernelAdapter, Saved, get_adapter
 from bnprobe.adapters.registry import as_adapter
-from bnprobe.adapters.base import MODES, outputs_only
+from bnprobe.adapters.base import MODES, outputs_only, params_format
 from bnprobe.adapters.convention import bench_for, reference_for
 from bnprobe.core.call import EPS, MOMENTUM, NORM_NAMES, BNCall
 from bnprobe.core.conventions import convention_of, get_convention
@@ -31,7 +31,7 @@ from bnprobe.engine.budget import BUDGET_CHANNELS, budget_cause, error_budget
 from bnprobe.engine.cases import Case, family_cases, make_dy, recorded_cases, resnet50_cases, stress_cases
 from bnprobe.engine.family import per_row_element
 from bnprobe.engine.recipes import RECIPES, recipe_fits
-from bnprobe.adapters.emulated import EmulatedAdapter, PolicyAdapter
+from bnprobe.adapters.emulated import EmulatedAdapter, PolicyAdapter, careful_family_policy
 from bnprobe.checks.compare.identified import (
     CAUSE,
     Choice,
@@ -40,6 +40,7 @@ from bnprobe.checks.compare.identified import (
     resettable,
     with_choices,
 )
+from bnprobe.checks.doctor.family_bugs import model_outputs, models_of, reproduced_by
 from bnprobe.checks.identify.kernels import Known, known
 from bnprobe.kernels.policy import Policy, get_policy
 from bnprobe.engine.result import Judged, Verdict
@@ -481,7 +482,8 @@ def _compare_adapter(a: KernelAdapter, cc: _CaseCall, j: _Judging, tables: _Tabl
         if t == "dx" and call.training and run.saved is not None:
             r["stored_stats_share"] = _stored_share(ref, run, run.gold["dx"])
         if r["verdict"] == Verdict.FAIL and call.norm != "batch":
-            _unnamed_family(r, call.norm, j, act, run.gold[t], run.formats[t], call.dtype)
+            if not _name_family(r, cc, run, t, a):
+                _unnamed_family(r, call.norm, j, act, run.gold[t], run.formats[t], call.dtype)
         elif r["verdict"] == Verdict.FAIL:
             naming = _Naming(a, j, bench_out, bench_a)
             if t in bench_out:  # the recipe models first (each says more than a recipe), then identify's recipe
@@ -788,17 +790,18 @@ def _run_meta(cases: list[Case], dumps: list[KernelAdapter]) -> dict[str, Any]:
 
 def judge_call(a: KernelAdapter, rec: Recording, modes: tuple[str, ...], *, label: str | None = None,
                bench: str | KernelAdapter = "careful", run: CallRun | None = None,
-               golden: Golden | None = None) -> list[dict[str, Any]]:
+               golden: Golden | None = None, models: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """compare-precision's rows for one call (the FP64 golden, msprobe's benchmark method against ``bench``, with
     its exemptions and recipes): the verdict every command that judges an output of a call reads, so that they
     agree on it.  A dump adapter replays ``rec`` (one of its recorded calls).  ``run`` (with the ``golden`` it was
-    run on): the adapter's run on this call, when the caller has made it (not run again)."""
+    run on): the adapter's run on this call, when the caller has made it (not run again); ``models``: where the bug
+    models' outputs on this call are kept (the caller's, so that it runs none of them again)."""
     ref = outputs_only(reference_for(a))
     bench_a = outputs_only(bench_for(as_adapter(bench), a))
     call = rec.call()
     case = Case(label or rec.meta.get("call") or rec.source, tuple(np.shape(call.x)))
     cc = _CaseCall(case, rec, modes, golden if golden is not None else Golden(ref, rec),
-                   replay=rec if a.capabilities().recorded else None)
+                   recipes={} if models is None else models, replay=rec if a.capabilities().recorded else None)
     tables = _Tables([], [], [])
     _compare_adapter(outputs_only(a), cc, _Judging(None, "benchmark", bench_a.name), tables, budget=False,
                      top_channels=0, ref=ref, bench=_bench(bench_a, cc), done=run)
@@ -1031,12 +1034,41 @@ def _attribution(cc: _CaseCall, run: CallRun, t: str, n: _Naming, spec: str) -> 
     return att.cause, att.words(recipe, pols[-1])
 
 
+def _name_family(r: dict[str, Any], cc: _CaseCall, run: CallRun, t: str, a: KernelAdapter) -> bool:
+    """Name, in the row of a failing output ``t`` of a family layer, the first bug model (doctor's,
+    :data:`~bnprobe.checks.doctor.family_bugs.FAMILY_BUGS`) whose emulation reproduces it on this call — bit for
+    bit or within the judge's bound of it —, each model run once per case call; whether one did."""
+    call = cc.golden.call
+    fmt = call.dtype
+    careful = careful_family_policy(fmt, params_format(fmt, call.params))
+    bound = run.bounds.get(t)
+    if bound is not None and t == "dx":
+        bound = (per_row_element(call, bound[0]), bound[1])
+
+    def outputs(key: str, policy: Policy, part: str) -> dict[str, Any]:
+        if key not in cc.recipes:
+            cc.recipes[key] = model_outputs(policy, cc.rec, cc.modes, run.saved, part)
+        return cc.recipes[key]
+
+    for bug in models_of(t, call.norm, fmt):  # (the catalogue's order: doctor's first model)
+        found = reproduced_by(bug, t, run.got[t], run.gold[t], run.formats[t], bound, careful=careful,
+                              threads=a.capabilities().threads, outputs=outputs)
+        if found is not None:
+            how, threads = found
+            words = bug.words(fmt)
+            r["cause"], r["named"] = bug.id, words
+            r["why"] += f"; it matches the model of: {words}, {how}" + \
+                (f", {threads} thread(s)" if threads is not None else "")
+            return True
+    return False
+
+
 def _unnamed_family(r: dict[str, Any], norm: str, j: _Judging, actual: Any, golden: Any, fmt: str,
                     dtype: str) -> None:
     """Say, in a family layer's failing row, what is known of it: how much worse than the bench it is; where it is
     returned in a wider format than x's but every value of it is one of x's format (and the golden's are not), that
-    it was summed or rounded in x's format; and that bnprobe holds no bug model or identified recipe of that layer
-    yet to name it by."""
+    it was summed or rounded in x's format; and that no bug model of that layer reproduces it (an identified
+    recipe names BatchNorm's failures only)."""
     bench = "the careful kernel's" if j.bench_name.startswith("careful") else f"{j.bench_name}'s"
     ratio = r.get("rmse_vs_bench")
     parts = [f"{r['tensor']} {ratio:.3g}x {bench} error"] if ratio is not None and math.isfinite(ratio) else []
@@ -1050,7 +1082,8 @@ def _unnamed_family(r: dict[str, Any], norm: str, j: _Judging, actual: Any, gold
             parts.append(f"returned in {wide.name}, its errors are of the size of {narrow.name}'s rounding (median "
                          f"{float(np.median(ulps)):.3g} ulps of {narrow.name}, x's format): what a sum carried or "
                          f"rounded in {narrow.name} gives")
-    parts.append(f"no bug model or identified recipe of {NORM_NAMES[norm]} is in bnprobe yet to name it by")
+    parts.append(f"no bug model of {NORM_NAMES[norm]} reproduces it (an identified recipe names BatchNorm's "
+                 "failures only)")
     r["unnamed"] = "; ".join(parts)
     r["why"] += f"; not named: {r['unnamed']}"
 

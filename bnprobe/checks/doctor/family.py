@@ -13,19 +13,18 @@ wrong."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from bnprobe.adapters import KernelAdapter
-from bnprobe.adapters.base import Capabilities, Saved, outputs_only, params_format
+from bnprobe.adapters.base import Saved, outputs_only, params_format
 from bnprobe.adapters.convention import reference_for
-from bnprobe.adapters.emulated import PolicyAdapter, careful_family_policy
+from bnprobe.adapters.emulated import careful_family_policy
 from bnprobe.checks.compare.precision import CallOptions, judge_call
 from bnprobe.checks.doctor.diagnosis import determinism_item, epsilon_item
-from bnprobe.checks.doctor.family_bugs import FAMILY_BUGS, FamilyBug, model_policies, reproduces
+from bnprobe.checks.doctor.family_bugs import FamilyBug, model_outputs, models_of, reproduced_by
 from bnprobe.checks.doctor.family_inputs import family_probes, family_user_probe
 from bnprobe.checks.doctor.inputs import GENERATED, USER
 from bnprobe.checks.doctor.report import DoctorReport, Item
@@ -76,30 +75,12 @@ class _Input:
     def failing(self, tensor: str) -> bool:
         return tensor in self.rows and self.rows[tensor]["verdict"] == Verdict.FAIL
 
-    def model(self, key: str, adapter: Callable[[], KernelAdapter]) -> dict[str, Any]:
-        """A bug model's outputs on this input (run once, kept under ``key``): its forward's, and its backward from
-        the statistics the kernel saved, as the kernel's backward takes them (the forward's defect reaches the
-        backward through them)."""
+    def model(self, key: str, policy: Any, part: str) -> dict[str, Any]:
+        """A bug model's outputs of its forward or backward (``part``) on this input
+        (:func:`~.family_bugs.model_outputs`, run once, kept under ``key``)."""
         if key not in self.runs:
-            a, call = outputs_only(adapter()), self.rec.call()
-            with np.errstate(all="ignore"):
-                fwd = a.train(call.with_inputs(self.rec.tensors["train"]["inputs"]))
-                out = {"y": fwd.y}
-                if fwd.saved is not None:
-                    out.update({"saved_rstd": fwd.saved.value} if fwd.saved.mean is None else
-                               {"saved_mean": fwd.saved.mean, "saved_rstd": fwd.saved.value})
-                if "backward" in self.modes and self.saved is not None:
-                    ins = self.rec.tensors["backward"]["inputs"]
-                    g = a.backward_of(call.with_(dy=ins["dy"], x=ins["x"], gamma=ins.get("gamma")), self.saved)
-                    out.update({"dx": g.dx, "dgamma": g.dgamma, **({} if g.dbeta is None else {"dbeta": g.dbeta})})
-            self.runs[key] = out
+            self.runs[key] = model_outputs(policy, self.rec, self.modes, self.saved, part)
         return self.runs[key]
-
-
-def _model_adapter(policy: Any) -> Callable[[], KernelAdapter]:
-    """The emulated kernel of a bug model's policy (it runs the call's one format)."""
-    caps = Capabilities(formats=(policy.storage,), traced=True, norms=NORMS)
-    return lambda: PolicyAdapter(f"emulated:{policy.name}", lambda p, mode: policy, caps)
 
 
 @dataclass(frozen=True)
@@ -114,20 +95,14 @@ class _Naming:
 
     def bugs(self, tensor: str) -> list[FamilyBug]:
         """The models that change ``tensor`` and are defects of this layer in this format."""
-        return [b for b in FAMILY_BUGS if tensor in b.outputs and b.applies(self.norm, self.fmt)]
+        return models_of(tensor, self.norm, self.fmt)
 
 
 def _reproduced(bug: FamilyBug, run: _Input, tensor: str, n: _Naming) -> tuple[str, int | None] | None:
-    """How ``bug``'s model reproduces ``tensor`` on this input (:func:`~.family_bugs.reproduces`) and the thread
-    count it took, or None; a model that takes the kernel's thread count tries each candidate, the kernel's declared
-    one first."""
-    for pol in model_policies(bug, n.careful, n.threads):
-        out = run.model(f"{bug.id}/{pol.threads}", _model_adapter(pol)).get(tensor)
-        how = None if out is None else reproduces(run.got[tensor], out, golden=run.gold[tensor],
-                                                  fmt=run.rows[tensor]["format"], bound=run.bounds.get(tensor))
-        if how is not None:
-            return how, pol.threads if bug.threads else None
-    return None
+    """How ``bug``'s model reproduces ``tensor`` on this input (:func:`~.family_bugs.reproduced_by`) and the thread
+    count it took, or None."""
+    return reproduced_by(bug, tensor, run.got[tensor], run.gold[tensor], run.rows[tensor]["format"],
+                         run.bounds.get(tensor), careful=n.careful, threads=n.threads, outputs=run.model)
 
 
 @dataclass(frozen=True)
@@ -169,9 +144,9 @@ def _named(tensor: str, failing: list[_Input], n: _Naming) -> list[_Match]:
 
 
 def _why(row: dict[str, Any]) -> str:
-    """The judge's words on a failing output, without compare-precision's note that it names no family failure
-    (doctor names it, or says that nothing does)."""
-    return str(row["why"]).split("; not named: ")[0]
+    """The judge's words on a failing output, without compare-precision's naming of it (doctor names it with every
+    model that reproduces it on every input, or says that nothing does)."""
+    return str(row["why"]).split("; not named: ")[0].split("; it matches the model of: ")[0]
 
 
 def _naming_phrases(tensors: tuple[str, ...], runs: list[_Input], n: _Naming) -> tuple[list[str], list[str]]:
@@ -269,9 +244,11 @@ def _run_input(a: KernelAdapter, ref: KernelAdapter, case: Case, fmt: str, param
     rec = generated_call(call.with_(dtype=fmt, params=params), modes=modes, label=case.name)
     golden = Golden(ref, rec)
     run = run_call(a, rec, label=case.name, golden=golden, quiet=True)
-    rows = {r["tensor"]: r for r in judge_call(a, rec, modes, label=case.name, run=run, golden=golden)}
+    models: dict[str, dict[str, Any]] = {}  # (the bug models' outputs: compare-precision's naming runs them first)
+    rows = {r["tensor"]: r for r in judge_call(a, rec, modes, label=case.name, run=run, golden=golden,
+                                               models=models)}
     bounds = {k: (per_row_element(rec.call(), b) if k == "dx" else b, words) for k, (b, words) in run.bounds.items()}
-    return _Input(case, rec, golden, modes, dict(run.got), dict(run.gold), rows, bounds, run.saved)
+    return _Input(case, rec, golden, modes, dict(run.got), dict(run.gold), rows, bounds, run.saved, models)
 
 
 def doctor_family(adapter: str | KernelAdapter, dtype: str | None = None, *, options: CallOptions,

@@ -15,12 +15,15 @@ from typing import Any
 
 import numpy as np
 
+from bnprobe.adapters.base import Capabilities, Saved, outputs_only
+from bnprobe.adapters.emulated import PolicyAdapter
+from bnprobe.core.call import NORMS
 from bnprobe.core.formats import get_format
 from bnprobe.engine.rules import within_bound
 from bnprobe.kernels.policy import Policy
 
 __all__ = ["FamilyBug", "FAMILY_BUGS", "model_policies", "reproduces", "BIT_FOR_BIT", "WITHIN_BOUND",
-           "THREAD_CANDIDATES"]
+           "THREAD_CANDIDATES", "model_outputs", "reproduced_by", "models_of", "BACKWARD_OUTPUTS"]
 
 NARROW = ("fp16", "bf16")
 #: the thread counts the per-thread-buffer model tries when the kernel declares none (and the machine's cores)
@@ -103,6 +106,56 @@ def model_policies(bug: FamilyBug, careful: Policy, declared: int | None) -> lis
         return [base]
     counts = [t for t in (declared, os.cpu_count(), *THREAD_CANDIDATES) if t]
     return [base.with_options(threads=t) for t in dict.fromkeys(counts)]
+
+
+def models_of(tensor: str, norm: str, fmt: str) -> list[FamilyBug]:
+    """The models that change ``tensor`` and are defects of the layer ``norm`` in the format ``fmt``."""
+    return [b for b in FAMILY_BUGS if tensor in b.outputs and b.applies(norm, fmt)]
+
+
+#: the outputs of a family call's backward (the rest are its forward's)
+BACKWARD_OUTPUTS = ("dx", "dgamma", "dbeta")
+
+
+def model_outputs(policy: Policy, rec: Any, modes: tuple[str, ...], saved: Saved | None,
+                  part: str = "forward") -> dict[str, Any]:
+    """A bug model's outputs (its emulated kernel under ``policy``) on a recorded family call ``rec``: its forward's
+    (``part`` forward), or — where ``modes`` hold the backward and the kernel saved statistics (``saved``) — its
+    backward's from those statistics, as the kernel's backward takes them (a forward's defect reaches the backward
+    through them; ``part`` backward)."""
+    caps = Capabilities(formats=(policy.storage,), traced=True, norms=NORMS)
+    a = outputs_only(PolicyAdapter(f"emulated:{policy.name}", lambda p, mode: policy, caps))
+    call = rec.call()
+    out: dict[str, Any] = {}
+    with np.errstate(all="ignore"):
+        if part == "forward":
+            fwd = a.train(call.with_inputs(rec.tensors["train"]["inputs"]))
+            out["y"] = fwd.y
+            if fwd.saved is not None:
+                out.update({"saved_rstd": fwd.saved.value} if fwd.saved.mean is None else
+                           {"saved_mean": fwd.saved.mean, "saved_rstd": fwd.saved.value})
+        elif "backward" in modes and saved is not None:
+            ins = rec.tensors["backward"]["inputs"]
+            g = a.backward_of(call.with_(dy=ins["dy"], x=ins["x"], gamma=ins.get("gamma")), saved)
+            out.update({"dx": g.dx, "dgamma": g.dgamma, **({} if g.dbeta is None else {"dbeta": g.dbeta})})
+    return out
+
+
+def reproduced_by(bug: FamilyBug, tensor: str, got: Any, golden: Any, fmt: str,
+                  bound: tuple[np.ndarray, str] | None, *, careful: Policy, threads: int | None,
+                  outputs: Callable[[str, Policy], dict[str, Any]]) -> tuple[str, int | None] | None:
+    """How ``bug``'s model reproduces a kernel's output ``tensor`` (``got``, returned in ``fmt``; the golden's
+    ``golden``, the judge's ``bound``) — :func:`reproduces` — and the thread count it took, or None.  ``outputs(key,
+    policy, part)`` gives the model's outputs of its forward or its backward on the call (:func:`model_outputs`,
+    kept by the caller under ``key``); a model that takes the kernel's thread count tries each candidate, the
+    kernel's declared ``threads`` first."""
+    part = "backward" if tensor in BACKWARD_OUTPUTS else "forward"
+    for pol in model_policies(bug, careful, threads):
+        out = outputs(f"{bug.id}/{pol.threads}/{part}", pol, part).get(tensor)
+        how = None if out is None else reproduces(got, out, golden=golden, fmt=fmt, bound=bound)
+        if how is not None:
+            return how, pol.threads if bug.threads else None
+    return None
 
 
 def _rms(d: np.ndarray) -> float:
