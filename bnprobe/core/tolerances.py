@@ -21,6 +21,7 @@ Finite differences use torch.autograd.gradcheck's defaults.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -31,8 +32,8 @@ __all__ = ["GRAD_TOLERANCES", "FINITE_DIFFERENCE", "MSPROBE_STANDARDS", "Standar
            "check_rtol_atol", "CheckerStandard", "MSPROBE_CHECKER", "MSPROBE_BENCHMARK_LIMITS",
            "MSPROBE_BENCHMARK_APIS", "MSPROBE_CSV_DECIMALS", "MSPROBE_COMPARE_LIMITS", "DOCTOR_TOLERANCES",
            "doctor_tolerance", "KERNEL_AGREEMENT", "RANK_TOLERANCES", "ACCUMULATION_FORMAT", "accumulation_format",
-           "accumulation_bound", "variance_bound", "SMALL_VALUE_ULPS", "FOLD_COMPUTE_ULPS", "FOLD_SUM_SLACK",
-           "folded_tolerance"]
+           "accumulation_bound", "variance_bound", "family_statistics_bounds", "SMALL_VALUE_ULPS", "FOLD_COMPUTE_ULPS",
+           "FOLD_SUM_SLACK", "folded_tolerance"]
 
 GRAD_TOLERANCES: dict[str, tuple[float, float]] = {  # (rtol, atol)
     "fp64": (1e-7, 1e-7),
@@ -209,6 +210,31 @@ def variance_bound(gamma_r: float, u: float, var: np.ndarray, dmean: np.ndarray)
     """How far a two-pass variance σ'² can be from σ² when it sums R squares in a format of unit roundoff ``u``
     (γ_R = ``gamma_r``) about a mean off by ``dmean``: (γ_R + 3u)·(σ² + δμ²) + δμ²."""
     return (gamma_r + 3 * u) * (var + dmean**2) + dmean**2
+
+
+def family_statistics_bounds(fmt: str, r: int, mean: Any, var: Any, eps: float, mean_abs: Any,
+                             mean_abs_dev: Any, *, rms: bool, rstd: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """(δμ, δrstd) per row of a family call on ``fmt`` data with ``r`` values per row: the error a correct kernel's
+    accumulation (:func:`accumulation_format`, any order) can put into its mean and its rstd, given the row's exact
+    ``mean``, ``var`` (RMSNorm: the mean square), ``mean_abs`` = mean|x| and ``mean_abs_dev`` = mean|x − μ|.
+
+    With γ_R = R·u/(1 − R·u): δμ = γ_R·mean|x| (RMSNorm: none); the variance errs by :func:`variance_bound`
+    + 2·SMALL_VALUE_ULPS·u·|μ|·mean|x − μ| (the first-order error of deviations taken from a mean carried to within a
+    few ulps as it goes, Welford's running mean, Chan's merges, which two-pass's exact cancellation does not have; a
+    one-pass E[x²] − E[x]², off by u·μ², stays beyond it wherever |μ| is much larger than mean|x − μ|; not for RMSNorm,
+    nor where ``mean`` is None); rstd by rstd·(½·that/(σ² + ε) + SMALL_VALUE_ULPS·u), with ``rstd`` the one given
+    (the statistics a backward used), else 1/√(var + ε)."""
+    u = get_format(accumulation_format(fmt)).unit_roundoff
+    gr = accumulation_bound(fmt, r)
+    var = np.asarray(var, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        dmean = np.zeros_like(var) if rms else gr * np.asarray(mean_abs, dtype=np.float64)
+        b_var = variance_bound(gr, u, var, dmean)
+        if not rms and mean is not None:
+            b_var = b_var + 2 * SMALL_VALUE_ULPS * u * np.abs(np.asarray(mean, dtype=np.float64)) * \
+                np.asarray(mean_abs_dev, dtype=np.float64)
+        inv = 1.0 / np.sqrt(var + eps) if rstd is None else np.asarray(rstd, dtype=np.float64)
+        return dmean, inv * (0.5 * b_var / (var + eps) + SMALL_VALUE_ULPS * u)
 
 
 def folded_tolerance(expected: np.ndarray, storage: str, magnitude: np.ndarray | None = None) -> np.ndarray:

@@ -15,7 +15,7 @@ import numpy as np
 
 from bnprobe.core.formats import get_format
 from bnprobe.core.kernel import Saved
-from bnprobe.core.tolerances import SMALL_VALUE_ULPS, accumulation_bound, accumulation_format, variance_bound
+from bnprobe.core.tolerances import SMALL_VALUE_ULPS, accumulation_bound, accumulation_format, family_statistics_bounds
 from bnprobe.kernels.layout import NormShape
 
 __all__ = ["family_shape", "family_y_natural", "family_bounds", "per_row_element"]
@@ -50,15 +50,13 @@ def family_y_natural(call: Any, stats: Saved) -> np.ndarray:
         return sh.from_rows(np.abs(sh.to_rows(call.x)) * r * np.abs(ge) + mu * r * np.abs(ge) + np.abs(be))
 
 
-def _running_mean_term(xr: np.ndarray, stats: Saved, u: float, rms: bool) -> np.ndarray | float:
-    """2·SMALL_VALUE_ULPS·u·|μ|·mean|x − μ| per row: the first-order error of a variance whose deviations are taken
-    from a mean carried to within a few ulps as it goes (Welford's running mean, Chan's merges) — which two-pass's
-    exact cancellation of that term does not have; a one-pass E[x²] − E[x]², off by u·μ², stays beyond it wherever
-    |μ| is much larger than mean|x − μ|."""
+def _deviation(xr: np.ndarray, stats: Saved, rms: bool) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The row's mean and mean|x − μ| (None for RMSNorm, or statistics without a mean): what the variance's bound
+    charges a running mean's deviations with (:func:`~bnprobe.core.tolerances.family_statistics_bounds`)."""
     if rms or stats.mean is None:
-        return 0.0
+        return None, None
     mu = np.asarray(stats.mean, dtype=np.float64)
-    return 2 * SMALL_VALUE_ULPS * u * np.abs(mu) * np.nanmean(np.abs(xr - mu[:, None]), axis=1)
+    return mu, np.nanmean(np.abs(xr - mu[:, None]), axis=1)
 
 
 def family_bounds(call: Any, gold: Saved | None, stats: Saved | None, dy: np.ndarray | None,
@@ -77,7 +75,6 @@ def family_bounds(call: Any, gold: Saved | None, stats: Saved | None, dy: np.nda
     r = sh.r
     acc = accumulation_format(call.dtype)
     u = get_format(acc).unit_roundoff
-    gr = accumulation_bound(call.dtype, r)
     u_exp = int(np.log2(u))
     how = f"u = 2^{u_exp} ({acc} accumulation, any order)"
     rms = sh.norm == "rms"
@@ -89,12 +86,12 @@ def family_bounds(call: Any, gold: Saved | None, stats: Saved | None, dy: np.nda
         mean_abs = np.nanmean(np.abs(xr), axis=1)
         scales["saved_mean"] = mean_abs
         if gold is not None:
-            dmean = np.zeros(sh.rows) if rms else gr * mean_abs
             var = np.asarray(gold.var(call.eps), dtype=np.float64)
-            b_var = variance_bound(gr, u, var, dmean) + _running_mean_term(xr, gold, u, rms)
+            mu_g, dev = _deviation(xr, gold, rms)
+            dmean, b_rstd = family_statistics_bounds(call.dtype, r, mu_g, var, call.eps, mean_abs, dev, rms=rms)
             inv = 1.0 / np.sqrt(var + call.eps)
             what = "the mean square" if rms else "the variance"
-            bounds["saved_rstd"] = (inv * (0.5 * b_var / (var + call.eps) + SMALL_VALUE_ULPS * u),
+            bounds["saved_rstd"] = (b_rstd,
                                     f"rstd·(½·{what}'s bound/(σ² + ε) + {SMALL_VALUE_ULPS:g}u), {what}'s bound "
                                     f"(γ_{r} + 3u)·(σ² + δμ²) + δμ²"
                                     f"{'' if rms else f' + 2·{SMALL_VALUE_ULPS:g}u·|μ|·mean|x − μ|'}"
@@ -143,10 +140,9 @@ def _gradient_bounds(call: Any, sh: NormShape, stats: Saved, dy: np.ndarray, sca
         gmean = 0.0 if rms else np.abs(np.nanmean(g, axis=1))
         scales["dx"] = rstd * (np.nanmax(np.abs(g), axis=1) + gmean + xmax * np.abs(np.nanmean(gx, axis=1)))
         # the statistics' errors, per row, as they enter every x̂ of the row
-        dmean = np.zeros(sh.rows) if rms else gr * mean_abs
-        var = np.asarray(stats.var(call.eps), dtype=np.float64)
-        b_var = (gr + 3 * u) * (var + dmean**2) + dmean**2 + _running_mean_term(xr, stats, u, rms)
-        drstd = rstd * (0.5 * b_var / (var + call.eps) + SMALL_VALUE_ULPS * u)
+        mu_s, dev_s = _deviation(xr, stats, rms)
+        dmean, drstd = family_statistics_bounds(call.dtype, r, mu_s, stats.var(call.eps), call.eps, mean_abs, dev_s,
+                                                rms=rms, rstd=rstd)
         stat_err = np.abs(dyr) * ((rstd * dmean)[:, None] + np.abs(dev) * drstd[:, None])
         bounds["dbeta"] = (gk * scales["dbeta"], f"γ_{k}·Σ|dy|, γ_{k} = {k}·u/(1 − {k}·u), {how}")
         bounds["dgamma"] = (2 * gk * scales["dgamma"] + np.nansum(sh.gather(stat_err), axis=1),
