@@ -39,7 +39,7 @@ import numpy as np
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
 from bnprobe.recordings.bnprobe_dump import read_calls, write_dump
-from bnprobe.recordings.family_modules import (FamilyModule, family_module, kernel_node, ones_like_params,
+from bnprobe.recordings.family_modules import (FamilyModule, family_module, kernel_node_of, ones_like_params,
                                                record_family_grads, saved_statistics)
 from bnprobe.recordings.types import CALLS_NAME, CALLS_TAG, META_NAME, TENSORS_NAME, Recording
 from bnprobe._files import atomic_write_text, atomic_write_with, dumps_json
@@ -299,12 +299,17 @@ def start_family_call(module: Any, fm: FamilyModule, path: str, index: int, orde
                         fm.eps_for(x), None, meta, inputs)
 
 
-def finish_family_call(call: CapturedCall, y: torch.Tensor) -> tuple[Any, str | None]:
+def finish_family_call(call: CapturedCall, y: torch.Tensor | None, *, grad_fn: Any = None) -> tuple[Any, str | None]:
     """y and the statistics the family kernel saved; (the node whose hook gives the backward, its kind), the kind
-    None where no kernel node saved them (RMSNorm's composite, or no autograd: said in the meta)."""
-    call.outputs["y"] = _to_numpy(y)
-    node, kind = kernel_node(y)
-    call.meta["grad_fn"] = type(y.grad_fn).__name__ if y.grad_fn is not None else None
+    None where no kernel node saved them (RMSNorm's composite, or no autograd: said in the meta).  Without ``y`` (a
+    monitor that kept no copy of it), ``grad_fn`` is y's autograd node, and the meta says y was not kept."""
+    if y is not None:
+        call.outputs["y"] = _to_numpy(y)
+        grad_fn = y.grad_fn
+    else:
+        call.meta["y"] = "not kept: the anomaly showed in the backward, after y had gone on"
+    node, kind = kernel_node_of(grad_fn)
+    call.meta["grad_fn"] = type(grad_fn).__name__ if grad_fn is not None else None
     if kind is not None:
         mean, rstd = saved_statistics(node)
         call.outputs["saved_mean"] = _to_numpy(mean).reshape(-1)
@@ -313,7 +318,7 @@ def finish_family_call(call: CapturedCall, y: torch.Tensor) -> tuple[Any, str | 
             call.meta["kernel"] = "batch_norm on the (1, N·C, ...) view"
     else:
         call.meta["saved"] = ("not recorded: the forward built no autograd graph (torch.no_grad, or nothing "
-                              "requires grad)" if y.grad_fn is None else
+                              "requires grad)" if grad_fn is None else
                               f"not recorded: y comes from {call.meta['grad_fn']} (a composite of ops), no kernel's "
                               "node saves the statistics")
     return node, kind
@@ -340,6 +345,15 @@ def record_family_node_grads(call: CapturedCall, grad_inputs: tuple[Any, ...], g
     if missing:
         call.meta["backward_missing"] = missing
     return True
+
+
+def record_module_grads(call: CapturedCall, grad_input: tuple[Any, ...], grad_output: tuple[Any, ...]) -> None:
+    """dy and dx of a family ``call`` without a kernel node (RMSNorm's composite), from its module's backward hook."""
+    call.backward_runs += 1
+    if grad_output and grad_output[0] is not None:
+        call.grads_in["dy"] = _to_numpy(grad_output[0])
+    if grad_input and grad_input[0] is not None:
+        call.grads_out["dx"] = _to_numpy(grad_input[0])
 
 
 def record_grads(call: CapturedCall, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> bool:
@@ -603,12 +617,7 @@ class Capture:
             calls = [c for c in self._awaiting.get(id(module), []) if c.backward_runs == 0]
             if not calls:
                 return
-            call = calls[-1]
-            call.backward_runs += 1
-            if grad_output and grad_output[0] is not None:
-                call.grads_in["dy"] = _to_numpy(grad_output[0])
-            if grad_input and grad_input[0] is not None:
-                call.grads_out["dx"] = _to_numpy(grad_input[0])
+            record_module_grads(calls[-1], grad_input, grad_output)
         return hook
 
     def _weight_grad_hook(self, module: Any) -> Callable[..., None]:

@@ -19,7 +19,8 @@ import numpy as np
 
 from bnprobe.core.errors import BNProbeError
 
-__all__ = ["FamilyModule", "family_module", "FAMILY_NODES", "saved_statistics", "record_family_grads"]
+__all__ = ["FamilyModule", "family_module", "FAMILY_NODES", "saved_statistics", "record_family_grads",
+           "kernel_node", "kernel_node_of"]
 
 # the autograd nodes whose saved results are a family kernel's mean and rstd (_saved_result1, _saved_result2)
 FAMILY_NODES = ("NativeLayerNormBackward0", "NativeGroupNormBackward0")
@@ -84,7 +85,11 @@ def family_module(m: Any) -> FamilyModule | None:
 def kernel_node(y: Any) -> tuple[Any, str | None]:
     """y's autograd node that saved the family kernel's statistics (InstanceNorm's BatchNorm node under y's view),
     and its name; (y's node, None) when there is none (RMSNorm's composite, no autograd)."""
-    node = getattr(y, "grad_fn", None)
+    return kernel_node_of(getattr(y, "grad_fn", None))
+
+
+def kernel_node_of(node: Any) -> tuple[Any, str | None]:
+    """:func:`kernel_node` from y's autograd node ``node`` (a monitor keeps the node, not y)."""
     name = type(node).__name__ if node is not None else None
     if name in FAMILY_NODES:
         return node, name

@@ -50,19 +50,27 @@ from bnprobe.recordings.capture import (
     COMPILED_NODE,
     CapturedCall,
     finish_call,
+    finish_family_call,
     momentum_factor,
     outside_graph,
+    record_family_node_grads,
     record_grads,
+    record_module_grads,
     start_call,
+    start_family_call,
 )
+from bnprobe.recordings.family_modules import FamilyModule, family_module, kernel_node, saved_statistics
+from bnprobe.recordings.monitor_family import GOLDEN_COLUMNS, golden_rows
+from bnprobe.kernels.layout import NormShape
 from bnprobe.recordings.types import CALLS_NAME, CALLS_TAG
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["monitor", "Monitor", "PARQUET_NAME", "ANOMALIES_NAME", "COUNTS", "TENSORS"]
+__all__ = ["monitor", "Monitor", "PARQUET_NAME", "FAMILY_PARQUET_NAME", "ANOMALIES_NAME", "COUNTS", "TENSORS"]
 
 PARQUET_NAME = "monitor.parquet"
+FAMILY_PARQUET_NAME = "family.parquet"  # the family's rows: one per row of a call's (rows, R) view, not per channel
 ANOMALIES_NAME = "anomalies.csv"
 ANOMALY_COLUMNS = ("step", "rank", "layer", "call", "dtype", "phase", "reasons", "channels", "dump")
 COUNTS = ("nan", "inf", "at_max", "subnormal", "zero")  # per tensor and channel
@@ -72,6 +80,8 @@ _SPILL = "forward-spill.npz"
 _DENSE = ("batch_mean", "batch_var", "invstd", "running_mean", "running_var", "sum_dy", "sum_dy_xhat")
 # a row's columns the backward fills
 _LATE = ("dx_min", "dx_max", *(f"dx_{n}" for n in COUNTS), "dy_nan", "dy_inf", "sum_dy", "sum_dy_xhat")
+# a family row's columns the backward fills (no Σdy, Σdy·x̂ per row: those are dβ, dγ, per parameter)
+_FAMILY_LATE = ("dx_min", "dx_max", *(f"dx_{n}" for n in COUNTS), "dy_nan", "dy_inf")
 RUNNING_ULPS = 4  # of the parameter format, and of fp32 for the update's own arithmetic
 RUNNING_VAR_SLACK = 1e-4  # relative, of var + ε: the kernel's variance against the one its fp32 invstd gives
 # (beyond it, one unit of the format the kernel saved its statistics in: the batch's are read back from them)
@@ -96,6 +106,17 @@ class _Pending:
     folder: Path | None = None
     done: bool = False
     phase: str = ""  # where its first anomaly showed: forward or backward
+    unit = "channel"  # what an anomaly's indices count
+
+
+@dataclass
+class _FamilyPending(_Pending):
+    """A family call between its forward and its backward: its rows are those of its (rows, R) view."""
+
+    fm: FamilyModule | None = None
+    shape: NormShape | None = None
+    kind: str | None = None  # its kernel node's name (None: RMSNorm's composite, whose module hook gives dx)
+    unit = "row"
 
 
 @dataclass
@@ -103,6 +124,8 @@ class _Step:
     rows: list[dict[str, Any]] = field(default_factory=list)
     pending: list[_Pending] = field(default_factory=list)
     dumped: list[CapturedCall] = field(default_factory=list)
+    family_rows: list[dict[str, Any]] = field(default_factory=list)
+    family_pending: list[_FamilyPending] = field(default_factory=list)
 
 
 def _dims(t: torch.Tensor) -> tuple[int, ...]:
@@ -208,6 +231,9 @@ class Monitor:
         self._torch: Any = None
         self._entered = False
         self._dumps_made = 0
+        self._family_before: dict[int, list[tuple[Any, int]]] = {}
+        self._awaiting: dict[int, list[_FamilyPending]] = {}  # an RMSNorm module's calls awaiting its backward hook
+        self.family_modules = 0  # the family modules watched
 
     # ---- entering ----------------------------------------------------------------------------------
     def __enter__(self) -> Monitor:
@@ -225,9 +251,12 @@ class Monitor:
         if not isinstance(self.model, torch.nn.Module):
             raise BNProbeError(f"monitor needs a torch.nn.Module, got {type(self.model).__name__}")
         modules = [(path, m) for path, m in self.model.named_modules() if isinstance(m, _BatchNorm)]
-        if not modules:
+        family = [(path, m, fm) for path, m in self.model.named_modules()
+                  if not isinstance(m, _BatchNorm) and (fm := family_module(m)) is not None]
+        if not modules and not family:
             raise BNProbeError(f"{type(self.model).__name__} has no BatchNorm module (a subclass of "
-                               "torch.nn.modules.batchnorm._BatchNorm) to monitor")
+                               "torch.nn.modules.batchnorm._BatchNorm) or LayerNorm, RMSNorm, GroupNorm, InstanceNorm "
+                               "module to monitor")
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self.rank = dist.get_rank()
@@ -240,17 +269,28 @@ class Monitor:
             for path, m in modules:
                 self._handles.append(m.register_forward_pre_hook(outside(self._pre_hook(path))))
                 self._handles.append(m.register_forward_hook(outside(self._post_hook(path))))
+            for path, m, fm in family:
+                self._handles.append(m.register_forward_pre_hook(outside(self._family_pre_hook()), with_kwargs=True))
+                self._handles.append(m.register_forward_hook(outside(self._family_post_hook(path, fm)),
+                                                             with_kwargs=True))
+                if fm.norm == "rms":  # (RMSNorm's composite has no kernel node: dy and dx from the module's hook)
+                    self._handles.append(m.register_full_backward_hook(self._rms_grad_hook()))
         except BaseException:
             self._remove_hooks()
             raise
-        (self.out / PARQUET_NAME).mkdir(parents=True, exist_ok=True)
+        self.family_modules = len(family)
+        if modules:
+            (self.out / PARQUET_NAME).mkdir(parents=True, exist_ok=True)
+        if family:
+            (self.out / FAMILY_PARQUET_NAME).mkdir(parents=True, exist_ok=True)
         return self
 
     def _check_out(self) -> None:
         out = self.out
         if out.exists() and not out.is_dir():
             raise BNProbeError(f"{out} is a file; monitor writes a folder")
-        taken = [p for p in (out / PARQUET_NAME, out / ANOMALIES_NAME, out / "anomalies") if p.exists()]
+        taken = [p for p in (out / PARQUET_NAME, out / FAMILY_PARQUET_NAME, out / ANOMALIES_NAME, out / "anomalies")
+                 if p.exists()]
         if taken and not self.force:
             raise BNProbeError(f"{taken[0]} exists; refusing to overwrite a monitor's output (pass force=True, or "
                                "choose another out)")
@@ -350,12 +390,93 @@ class Monitor:
         row.update(zip(_LATE, np.full((len(_LATE), c), np.nan)))  # the backward's, NaN until it comes
         return row
 
+    # ---- the family's calls: LayerNorm, RMSNorm, GroupNorm, InstanceNorm ------------------------------------
+    def _family_pre_hook(self) -> Callable[..., None]:
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            x = args[0] if args else next(iter(kwargs.values()), None)
+            self._family_before.setdefault(id(module), []).append((x, getattr(x, "_version", 0)))
+        return hook
+
+    def _family_post_hook(self, path: str, fm: FamilyModule) -> Callable[..., None]:
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            stack = self._family_before.get(id(module))
+            if not stack:
+                return
+            x, version = stack.pop()
+            torch = self._torch
+            if not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor) or x.dim() < 1 \
+                    or not x.is_floating_point() or output.shape != x.shape or x.numel() == 0:
+                return
+            index = self._counts.get(path, 0)
+            self._counts[path] = index + 1
+            self._family_forward(module, fm, path, index, (x, version), output)
+        return hook
+
+    def _family_forward(self, module: Any, fm: FamilyModule, path: str, index: int, x_in: tuple[Any, int],
+                        y: Any) -> None:
+        torch = self._torch
+        x, version = x_in
+        if not self._measure():  # a step between measured ones: one finiteness check of x and y
+            with torch.no_grad():
+                if _finite(x) and _finite(y):
+                    return
+        sh = NormShape.of(fm.norm, tuple(x.shape), fm.normalized_shape, fm.groups)
+        node, kind = kernel_node(y)
+        row = self._family_row(module, fm, sh, (path, index), (x, y), node if kind is not None else None)
+        p = _FamilyPending(path, index, module, row, [], set(), x, version, None, None, y.grad_fn, fm=fm, shape=sh,
+                           kind=kind)
+        self._judge_family(p)
+        p.phase = "forward" if p.reasons else ""
+        self._step.family_pending.append(p)
+        if p.reasons:
+            self._dump_forward(p, y)
+        if y.grad_fn is not None and torch.is_grad_enabled() and kind is not None:
+            self._handles.append(node.register_hook(self._family_grad_hook(p)))
+        elif y.grad_fn is not None and torch.is_grad_enabled() and fm.norm == "rms":
+            self._awaiting.setdefault(id(module), []).append(p)
+        else:
+            self._close(p, self._step.family_rows)
+
+    def _family_row(self, module: Any, fm: FamilyModule, sh: NormShape, where: tuple[str, int], xy: tuple[Any, Any],
+                    node: Any) -> dict[str, Any]:
+        """The call's numbers per row of its (rows, R) view: the row's exact statistics, the kernel's saved rstd, the
+        golden check (:mod:`bnprobe.recordings.monitor_family`), and x's and y's profiles."""
+        torch = self._torch
+        x, y = xy
+        w, b = getattr(module, "weight", None), getattr(module, "bias", None)
+        w = w if isinstance(w, torch.Tensor) else None
+        b = b if isinstance(b, torch.Tensor) and fm.norm != "rms" else None
+        gold = golden_rows(x, y, sh, eps=fm.eps_for(x), gamma=w, beta=b, offset=fm.weight_offset,
+                           saved=saved_statistics(node) if node is not None else None)
+        rows = np.arange(sh.rows)
+        row: dict[str, Any] = {
+            "step": self._step_no, "rank": self.rank, "layer": where[0], "call": where[1], "norm": fm.norm,
+            "row": rows, "dtype": str(x.dtype).replace("torch.", ""),
+            "params": str((w if w is not None else x).dtype).replace("torch.", ""),
+            "training": bool(module.training), **gold}
+        with torch.no_grad():
+            row.update(_profile(x.detach().reshape(1, sh.rows, sh.r), "x", self._jit))
+            row.update(_profile(y.detach().reshape(1, sh.rows, sh.r), "y", self._jit))
+        row.update(zip(_FAMILY_LATE, np.full((len(_FAMILY_LATE), sh.rows), np.nan)))
+        return row
+
+    def _judge_family(self, p: _FamilyPending) -> None:
+        """NaN, ±inf and saturation as for BatchNorm, and the kernel's y and saved statistics against the FP64
+        golden on the rows where x and y are finite (a non-finite row is flagged by the counts)."""
+        r = p.row
+        self._counts_flags(p, ("x", "y"), r["dtype"])
+        y_ok = (r["y_nan"] == 0) & (r["y_inf"] == 0)  # (a non-finite y is flagged as such)
+        with np.errstate(invalid="ignore"):
+            self._flag(p, "y beyond a correct kernel's bound of the FP64 golden", (r["y_err"] > 1) & y_ok)
+            self._flag(p, "saved statistics beyond a correct kernel's bound of the FP64 golden", r["stats_err"] > 1)
+        self._ask(p, "forward")
+
     # ---- anomalies ---------------------------------------------------------------------------------
     def _flag(self, p: _Pending, what: str, bad: np.ndarray) -> None:
         if not bad.any():
             return
         ch = np.flatnonzero(bad)
-        p.reasons.append(f"{what} (channel{'s' if ch.size > 1 else ''} {', '.join(map(str, ch[:8]))}"
+        p.reasons.append(f"{what} ({p.unit}{'s' if ch.size > 1 else ''} {', '.join(map(str, ch[:8]))}"
                          f"{', ...' if ch.size > 8 else ''})")
         p.channels.update(int(c) for c in ch)
 
@@ -483,6 +604,67 @@ class Monitor:
             self._counts_flags(p, ("dx",), r["dtype"])
         self._ask(p, "backward")
 
+    # ---- the family's backward -----------------------------------------------------------------------
+    def _family_grad_hook(self, p: _FamilyPending) -> Callable[..., None]:
+        """The hook on a family kernel's node (LayerNorm's, GroupNorm's, InstanceNorm's BatchNorm under its view)."""
+        def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
+            if p.done:
+                return
+            dy = grad_outputs[0] if grad_outputs else None
+            dx = grad_inputs[0] if grad_inputs else None
+            self._family_backward(p, (dy, dx), lambda call: record_family_node_grads(call, grad_inputs, grad_outputs,
+                                                                                     str(p.kind)))
+        return hook
+
+    def _rms_grad_hook(self) -> Callable[..., None]:
+        """RMSNorm's dy and dx from its module's backward hook, to its latest call of the step awaiting them (the
+        backward runs the calls in reverse)."""
+        def hook(module: Any, grad_input: tuple[Any, ...], grad_output: tuple[Any, ...]) -> None:
+            waiting = [q for q in self._awaiting.get(id(module), []) if not q.done]
+            if not waiting:
+                return
+            dy = grad_output[0] if grad_output else None
+            dx = grad_input[0] if grad_input else None
+            self._family_backward(waiting[-1], (dy, dx),
+                                  lambda call: record_module_grads(call, grad_input, grad_output))
+        return hook
+
+    def _family_backward(self, p: _FamilyPending, dy_dx: tuple[Any, Any], record: Callable[[CapturedCall], Any]
+                         ) -> None:
+        """dx's profile and NaN/±inf in dy per row; the call dumped with its backward (``record`` puts the grads into
+        its dump) when its forward or this backward was anomalous."""
+        torch, r, sh = self._torch, p.row, p.shape
+        assert sh is not None
+        before = len(p.reasons)
+        dy, dx = dy_dx
+        with torch.no_grad():
+            if isinstance(dx, torch.Tensor) and dx.numel() == sh.rows * sh.r:
+                r.update(_profile(dx.detach().reshape(1, sh.rows, sh.r), "dx", self._jit))
+            if isinstance(dy, torch.Tensor) and dy.numel() == sh.rows * sh.r:
+                d = dy.detach().reshape(1, sh.rows, sh.r)
+                if _finite(d):
+                    r["dy_nan"] = r["dy_inf"] = np.zeros(sh.rows)
+                else:
+                    r["dy_nan"], r["dy_inf"] = _nan_inf(d)
+                self._flag(p, "NaN in dy", r["dy_nan"] > 0)
+                self._flag(p, "±inf in dy", r["dy_inf"] > 0)
+        if isinstance(dx, torch.Tensor):
+            self._counts_flags(p, ("dx",), r["dtype"])
+        self._ask(p, "backward")
+        if len(p.reasons) > before and not p.phase:
+            p.phase = "backward"
+        if p.dump is not None:
+            record(p.dump)
+            self._write_dump(p)
+        elif len(p.reasons) > before:
+            call = self._new_dump(p)
+            if call is not None:  # an anomaly the backward showed: the call from what the forward left (no y)
+                finish_family_call(call, None, grad_fn=p.node)
+                record(call)
+                p.dump = call
+                self._write_dump(p)
+        self._close(p, self._step.family_rows)
+
     # ---- dumps -------------------------------------------------------------------------------------
     def _can_dump(self) -> bool:
         return self.capture_on == "anomaly" and self._dumps_made < self.max_dumps
@@ -496,7 +678,15 @@ class Monitor:
         if p.x is None or p.x._version != p.x_version:
             p.row.setdefault("_note", "x changed in place after the call: not dumped")
             return None
-        call = start_call(p.module, p.layer, p.index, len(self._step.dumped), p.x, running=p.running_in)
+        if isinstance(p, _FamilyPending):
+            assert p.fm is not None
+            call = start_family_call(p.module, p.fm, p.layer, p.index, len(self._step.dumped), p.x)
+            call.meta["x_shape"] = list(p.x.shape)
+            if p.fm.norm == "rms":  # (its weight's gradient sums the module's calls of the step)
+                call.meta["backward_missing"] = {"dgamma": "not recorded by the monitor: RMSNorm's weight gradient "
+                                                           "comes from its weight, summed over the module's calls"}
+        else:
+            call = start_call(p.module, p.layer, p.index, len(self._step.dumped), p.x, running=p.running_in)
         self._dumps_made += 1
         self._step.dumped.append(call)
         p.folder = self._folder() / call.dir
@@ -506,9 +696,15 @@ class Monitor:
         call = self._new_dump(p)
         if call is None:
             return
-        finish_call(p.module, call, y)  # (a compiled model's call: its note said there)
+        if isinstance(p, _FamilyPending):
+            finish_family_call(call, y)
+            awaiting = p.node is not None and self._torch.is_grad_enabled() and (p.kind is not None or
+                                                                                p.shape.norm == "rms")
+        else:
+            finish_call(p.module, call, y)  # (a compiled model's call: its note said there)
+            awaiting = p.node is not None and self._torch.is_grad_enabled()
         p.dump = call
-        if p.node is not None and self._torch.is_grad_enabled():
+        if awaiting:
             call.spill(p.folder)  # its backward comes later in the step: one call held at a time
         else:
             self._write_dump(p)
@@ -547,13 +743,14 @@ class Monitor:
         atomic_write_text(self._folder() / CALLS_NAME, dumps_json(doc))
 
     # ---- closing a call, a step, the run -------------------------------------------------------------
-    def _close(self, p: _Pending) -> None:
-        """The call's row kept (measured steps, or any step where it is anomalous) and its anomaly listed."""
+    def _close(self, p: _Pending, rows: list[dict[str, Any]] | None = None) -> None:
+        """The call's row kept (measured steps, or any step where it is anomalous) and its anomaly listed; a family
+        call's rows go to ``rows``."""
         if p.done:
             return
         p.done = True
         if self._measure() or p.reasons:
-            self._step.rows.append(p.row)
+            (self._step.rows if rows is None else rows).append(p.row)
         if p.reasons:
             where = str(p.folder.parent) if p.dump is not None and p.folder is not None else (
                 "not dumped: capture_on='never'" if self.capture_on == "never" else
@@ -579,28 +776,41 @@ class Monitor:
                 if p.dump is not None:
                     self._write_dump(p)
                 self._close(p)
+        for p in st.family_pending:
+            if not p.done:
+                if p.dump is not None:
+                    self._write_dump(p)
+                self._close(p, st.family_rows)
         if st.rows:
             self._write_rows(st.rows)
             self.steps.append(self._step_no)
+        if st.family_rows:
+            self._write_rows(st.family_rows, FAMILY_PARQUET_NAME)
+            if not st.rows:
+                self.steps.append(self._step_no)
         new = [a for a in self.anomalies if a["step"] == self._step_no]
         if new:
             self._append_anomalies(new)
         self._step = _Step()
         self._before.clear()
+        self._family_before.clear()
+        self._awaiting.clear()
 
-    def _write_rows(self, rows: list[dict[str, Any]]) -> None:
-        """The step's rows as one Parquet file: each column the calls' per-channel arrays end to end (pyarrow
-        directly: a DataFrame per call cost a third of the monitor's time on ResNet-50)."""
+    def _write_rows(self, rows: list[dict[str, Any]], folder: str = PARQUET_NAME) -> None:
+        """The step's rows as one Parquet file of ``folder``: each column the calls' per-channel (the family's:
+        per-row) arrays end to end (pyarrow directly: a DataFrame per call cost a third of the monitor's time on
+        ResNet-50)."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        n = [len(r["channel"]) for r in rows]
+        n = [len(r["channel" if folder == PARQUET_NAME else "row"]) for r in rows]
         cols: dict[str, Any] = {}
         for k in rows[0]:
             if k.startswith("_"):
                 continue
             if isinstance(rows[0][k], np.ndarray):
-                cols[k] = np.concatenate([r[k] for r in rows], dtype=np.float64 if k != "channel" else np.int64)
+                cols[k] = np.concatenate([r[k] for r in rows], dtype=np.float64 if k not in ("channel", "row")
+                                         else np.int64)
             elif isinstance(rows[0][k], str):  # each call's name to its rows, through a dictionary (numpy's
                 names, codes = np.unique([r[k] for r in rows], return_inverse=True)  # strings convert 25x slower)
                 cols[k] = pa.DictionaryArray.from_arrays(np.repeat(codes.astype(np.int32), n),
@@ -610,9 +820,9 @@ class Monitor:
         text = [k for k, v in cols.items() if isinstance(v, pa.Array)]  # dictionaries for names only: 7x faster
         # no column statistics: a step's file is read whole (they cost 40% of the write on ResNet-50); no lz4 on
         # the statistics computed in float64 (little to find there: lz4 costs 28% of the write for 15% of the size)
-        codec = {k: "none" if k in _DENSE else "lz4" for k in cols}
+        codec = {k: "none" if k in _DENSE or k in GOLDEN_COLUMNS else "lz4" for k in cols}
         table = pa.table(cols)
-        atomic_write_with(self.out / PARQUET_NAME / f"step-{self._step_no:09d}.parquet",  # no copy in memory first
+        atomic_write_with(self.out / folder / f"step-{self._step_no:09d}.parquet",  # no copy in memory first
                           lambda fh: pq.write_table(table, fh, compression=codec, use_dictionary=text,
                                                     write_statistics=False))
 
