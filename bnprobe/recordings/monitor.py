@@ -13,6 +13,7 @@ loses at most the step in progress; ``pandas.read_parquet`` reads the folder as 
     OUT/monitor.parquet/step-<k>.parquet   one file per step: step, rank, layer, call, channel, dtype, ...
     OUT/anomalies.csv                      one row per anomalous call: step, layer, reasons, its dump
     OUT/anomalies/step-<k>/                the anomalous calls of step k as a model dump (bnprobe-calls.json)
+    OUT/family.parquet/step-<k>.parquet    the family's calls (below): step, rank, layer, call, norm, row, ...
 
 An anomaly: non-finite values in x, y, dy or dx; values at the format's maximum (saturation) or y overflowing
 where x is finite; a training call's batch variance at or below ``var_floor``·ε, or negative; invstd beyond
@@ -22,6 +23,20 @@ the same step are written as a bnprobe model dump that every command replays (``
 one call's tensors are held at a time (a call awaiting its backward is spilled to its folder), ``max_dumps``
 bounds how many calls are dumped in the run.  Under torch.distributed with more than one rank, each rank writes
 the same layout under ``OUT/rank<r>/``.
+
+The normalisation family's modules are watched too (the set :func:`bnprobe.capture` records: LayerNorm, RMSNorm,
+GroupNorm, InstanceNorm without running statistics, Hugging Face-style RMSNorm;
+:mod:`bnprobe.recordings.family_modules`), per row of the call's ``(rows, R)`` view — a token for LayerNorm and
+RMSNorm, a sample's group or channel for GroupNorm and InstanceNorm — in ``OUT/family.parquet/``: the row's exact mean
+and variance (RMSNorm: mean square), the rstd the kernel saved, x's and y's (and the backward's dx's) minimum, maximum
+and counts as above, NaN and ±inf in dy, and ``y_err`` and ``stats_err``: the largest |kernel − FP64 golden| over the
+row as a fraction of what a correct kernel can err by (:mod:`bnprobe.recordings.monitor_family`). An anomaly there:
+non-finite values or saturation as for BatchNorm, named by row; y or the saved statistics beyond a correct kernel's
+bound of the golden (above 1); a ``predicate`` (given the row's arrays and ``norm``). Its dump carries the call's
+layer (norm, normalized_shape, groups, weight_offset) and replays as that layer's call. BatchNorm's variance floor and
+running-statistics checks have no counterpart: a row of equal values is no error for LayerNorm (a zero padding
+embedding), the check against the golden says whether the kernel got its statistics right, and the family keeps no
+running statistics.
 
 torch and pyarrow (through pandas) are imported only when a monitor starts.
 """
@@ -200,7 +215,8 @@ def _ulp(v: np.ndarray, dtype: Any) -> np.ndarray:
 
 class Monitor:
     """The context manager :func:`monitor` returns; see there.  ``anomalies`` lists the anomalies found (dicts
-    of :data:`ANOMALY_COLUMNS`), ``dumps`` the dump folders written, ``steps`` the steps written."""
+    of :data:`ANOMALY_COLUMNS`; a family call's ``channels`` are its rows), ``dumps`` the dump folders written,
+    ``steps`` the steps written, ``family_modules`` how many family modules are watched."""
 
     def __init__(self, model: Any, out: str | Path, *, every: int = 1, capture_on: str = "anomaly",
                  max_dumps: int = 10, predicate: Callable[[dict[str, Any]], str | None] | None = None,
@@ -844,12 +860,13 @@ class Monitor:
 def monitor(model: Any, out: str | Path, *, every: int = 1, capture_on: str = "anomaly", max_dumps: int = 10,
             predicate: Callable[[dict[str, Any]], str | None] | None = None, var_floor: float = 1.0,
             force: bool = False) -> Monitor:
-    """A context manager watching every BatchNorm call of ``model`` over a training run; call ``mon.step()`` after
-    each optimizer step.  ``every``: per-channel rows every k-th step (other steps check only that x and y are
-    finite; an anomalous call's row is always written).  ``capture_on``: "anomaly" (dump anomalous calls) or
-    "never".  ``max_dumps``: calls dumped in the whole run.  ``predicate(row)``: a reason (str) when a call is
-    anomalous to you, given its per-channel numbers (the Parquet columns, arrays per channel) and ``phase``
-    ("forward" or "backward").  ``var_floor``: a training call's batch variance at or below var_floor·ε is an
-    anomaly.  ``out`` must not hold a monitor's output unless ``force``.  See :mod:`bnprobe.recordings.monitor`."""
+    """A context manager watching every BatchNorm call of ``model`` over a training run (and every LayerNorm, RMSNorm,
+    GroupNorm and InstanceNorm call, per row: see the module's doc); call ``mon.step()`` after each optimizer step.
+    ``every``: per-channel rows every k-th step (other steps check only that x and y are finite; an anomalous call's
+    row is always written). ``capture_on``: "anomaly" (dump anomalous calls) or "never". ``max_dumps``: calls dumped
+    in the whole run. ``predicate(row)``: a reason (str) when a call is anomalous to you, given its per-channel
+    numbers (the Parquet columns, arrays per channel; a family call's per row, and its ``norm``) and ``phase``
+    ("forward" or "backward"). ``var_floor``: a training call's batch variance at or below var_floor·ε is an
+    anomaly. ``out`` must not hold a monitor's output unless ``force``. See :mod:`bnprobe.recordings.monitor`."""
     return Monitor(model, out, every=every, capture_on=capture_on, max_dumps=max_dumps, predicate=predicate,
                    var_floor=var_floor, force=force)
