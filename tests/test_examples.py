@@ -19,11 +19,15 @@ EXPECT = {
                                 "2 recorded call(s) of {tmp}/fp16"]),
     "monitor_cnn.py": (["{tmp}/mon"], ["monitored 40 steps of 2 BatchNorm layers into {tmp}/mon/monitor.parquet/",
                                        "anomaly at step 25, 1 (forward): NaN in x", "-> {tmp}/mon/anomalies/step-25"]),
+    "monitor_transformer.py": (["{tmp}/mon"], ["monitored 20 steps of 2 norm layers into {tmp}/mon/family.parquet/",
+                                               "anomaly at step 12, ln (forward): NaN in x (row 37)",
+                                               "[row 37 = sample 2, token 5] -> {tmp}/mon/anomalies/step-12"]),
     "make_onnx_model.py": (["{tmp}"], ["wrote {tmp}/model.onnx (conv1, dw, fc, each followed by a BatchNormalization)",
                                        "{tmp}/fused_bias_not_scaled.onnx (folded, conv1's bias not scaled by A)"]),
 }
 # optional extras an example imports
 NEEDS = {"capture_cnn.py": "torch", "capture_transformer.py": "torch", "monitor_cnn.py": "torch",
+         "monitor_transformer.py": "torch",
          "make_onnx_model.py": "onnx"}
 
 
