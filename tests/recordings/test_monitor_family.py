@@ -330,3 +330,22 @@ def test_a_clean_bf16_transformer_raises_no_alarm(tmp_path) -> None:  # noqa: AN
     assert mon.anomalies == []
     df = pd.read_parquet(tmp_path / "mon" / "family.parquet")
     assert set(df.dtype) == {"bfloat16"} and 1e-2 < df.y_err.max() < 1
+
+
+def test_every_other_step_and_a_predicate_on_the_familys_rows(tmp_path) -> None:  # noqa: ANN001
+    """every=2: the family's rows on the even steps only; a predicate sees a family call's per-row arrays and its
+    layer, and the call it returned a reason for is listed and dumped."""
+    seen_norms = set()
+
+    def wide(row):  # noqa: ANN001, ANN202
+        seen_norms.add(row.get("norm", "batch"))
+        if row.get("norm") == "layer" and row["phase"] == "forward" and row["step"] == 4:
+            return "checked at step 4"
+        return None
+    mon, _ = train(tmp_path / "mon", Transformerish, every=2, predicate=wide)
+    df = pd.read_parquet(tmp_path / "mon" / "family.parquet")
+    assert sorted(df.step.unique()) == [0, 2, 4] and mon.steps == [0, 2, 4]
+    assert seen_norms == {"layer", "rms"}
+    assert [(a["step"], a["layer"], a["reasons"]) for a in mon.anomalies] == [(4, "ln", "predicate: checked at step 4")]
+    dump = tmp_path / "mon" / "anomalies" / "step-4"
+    assert [c["module"] for c in read_calls(dump)["calls"]] == ["ln"]
