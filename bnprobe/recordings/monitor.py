@@ -467,6 +467,10 @@ class Monitor:
         rows = np.arange(sh.rows)
         row: dict[str, Any] = {
             "step": self._step_no, "rank": self.rank, "layer": where[0], "call": where[1], "norm": fm.norm,
+            # the call's layer as its dump holds it (groups 0: not GroupNorm; normalized_shape "": not LayerNorm,
+            # RMSNorm)
+            "normalized_shape": ",".join(map(str, fm.normalized_shape or ())), "groups": int(fm.groups or 0),
+            "weight_offset": float(fm.weight_offset), "eps": fm.eps_for(x),
             "row": rows, "dtype": str(x.dtype).replace("torch.", ""),
             "params": str((w if w is not None else x).dtype).replace("torch.", ""),
             "training": bool(module.training), **gold}

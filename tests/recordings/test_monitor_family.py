@@ -164,6 +164,11 @@ def test_a_clean_run_is_watched_per_row_and_raises_no_alarm(tmp_path, cls) -> No
     assert not df.duplicated(["step", "layer", "call", "row"]).any()
     norms = {"ln": "layer", "rms": "rms", "hf": "rms", "gn": "group", "inorm": "instance"}
     assert dict(df.groupby("layer").norm.first()) == {n: norms[n] for n in names}
+    layer = {"ln": ("32", 0, 1e-5), "rms": ("32", 0, 1e-5), "hf": ("32", 0, 1e-6), "gn": ("", 4, 1e-5),
+             "inorm": ("", 0, 1e-5)}
+    for n in names:
+        got = df[df.layer == n][["normalized_shape", "groups", "eps", "weight_offset"]].drop_duplicates()
+        assert len(got) == 1 and tuple(got.iloc[0]) == (layer[n][0], layer[n][1], pytest.approx(layer[n][2]), 0.0)
     # every number against numpy float64 on the call's own tensors
     for (step, name), t in seen.calls.items():
         r = df[(df.step == step) & (df.layer == name)].sort_values("row")
