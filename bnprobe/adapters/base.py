@@ -266,7 +266,7 @@ class BaseAdapter:
         if np.shape(out.y) != p.shape.shape:
             raise BNProbeError(f"adapter {self.name} returned y of shape {np.shape(out.y)}, not {p.shape.shape}")
         rows = p.shape.rows
-        if out.saved is None and self.capabilities().saved == "none":  # (a recording of a composite: none saved)
+        if out.saved is None and self._family_unsaved(call.norm):  # (a recording of a composite: none saved)
             return out if training else ForwardOutput(out.y, None, None, None, out.trace, out.meta)
         if out.saved is None or np.size(out.saved.value) != rows or \
                 (out.saved.mean is None) != (call.norm == "rms") or \
@@ -275,14 +275,21 @@ class BaseAdapter:
                                f"({rows})")
         return out if training else ForwardOutput(out.y, None, None, None, out.trace, out.meta)
 
-    def _family_backward(self, call: BNCall, saved: Saved) -> BackwardOutput:
+    def _family_unsaved(self, norm: str) -> bool:
+        """Whether the adapter's forward of layer ``norm`` returns no statistics (it declares so)."""
+        caps = self.capabilities()
+        return caps.saved == "none" or norm in caps.unsaved_norms
+
+    def _family_backward(self, call: BNCall, saved: Saved | None) -> BackwardOutput:
         """A family call's dx, dγ and dβ from the statistics its forward saved (per row: mean, None for RMSNorm, and
-        rstd)."""
+        rstd; None where the adapter's forward of the layer saves none)."""
         p = self._family_prepare("backward", call)
         rows = p.shape.rows
-        if not isinstance(saved, Saved) or saved.kind != "invstd" or np.size(saved.value) != rows or \
-                (saved.mean is None) != (call.norm == "rms") or \
-                (saved.mean is not None and np.size(saved.mean) != rows):
+        # (saved None from a forward that saves none: its backward recomputes them)
+        unsaved = saved is None and self._family_unsaved(call.norm)
+        if not unsaved and (not isinstance(saved, Saved) or saved.kind != "invstd" or np.size(saved.value) != rows or
+                            (saved.mean is None) != (call.norm == "rms") or
+                            (saved.mean is not None and np.size(saved.mean) != rows)):
             raise BNProbeError(f"saved must be {NORM_NAMES[call.norm]}'s forward statistics: Saved(mean, 'invstd', "
                                f"rstd) with one value per row ({rows}){', mean None' if call.norm == 'rms' else ''}")
         dyr = round_to(np.asarray(call.dy, dtype=np.float64), p.dtype)
@@ -342,7 +349,8 @@ class BaseAdapter:
     def _family_forward_impl(self, p: FamilyPrepared, *, eps: float) -> ForwardOutput:
         raise BNProbeError(f"adapter {self.name} does not implement {NORM_NAMES[p.shape.norm]}")
 
-    def _family_backward_impl(self, p: FamilyPrepared, dy: np.ndarray, saved: Saved, *, eps: float) -> BackwardOutput:
+    def _family_backward_impl(self, p: FamilyPrepared, dy: np.ndarray, saved: Saved | None, *,
+                              eps: float) -> BackwardOutput:
         raise BNProbeError(f"adapter {self.name} does not implement {NORM_NAMES[p.shape.norm]}'s backward")
 
 

@@ -73,6 +73,10 @@ class Capabilities:
     # the layers it runs (bnprobe.core.call.NORMS): BatchNorm, and where it says so LayerNorm, RMSNorm, GroupNorm and
     # InstanceNorm calls (a call's ``norm``); a call of another layer is refused in one line
     norms: tuple[str, ...] = ("batch",)
+    # the family layers among ``norms`` whose forward returns no statistics although its BatchNorm does (Paddle's and
+    # MindSpore's LayerNorm save the variance, not the rstd the family's interface takes, and converting would not be
+    # exact): their backward takes saved=None (the framework's autodiff recomputes them); with saved "none", all of them
+    unsaved_norms: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

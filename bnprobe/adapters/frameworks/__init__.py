@@ -13,11 +13,12 @@ optional extra, imported only when its adapter is made; a missing one is a one-l
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Any
 
 import numpy as np
 
-from bnprobe.adapters.base import BaseAdapter, Capabilities, Prepared
+from bnprobe.adapters.base import BaseAdapter, Capabilities, FamilyPrepared, Prepared
 from bnprobe.core.conventions import get_convention
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
@@ -96,11 +97,19 @@ class FrameworkAdapter(BaseAdapter):
     convention = "torch"
     formats: tuple[str, ...] = ("fp32",)
     same_params: tuple[str, ...] = ()  # formats the framework runs with γ, β and the statistics in x's format
+    family: tuple[str, ...] = ()  # the family layers (bnprobe.core.call.NORMS) it runs besides BatchNorm
+    unsaved: tuple[str, ...] = ()  # those whose forward returns no mean and rstd (Capabilities.unsaved_norms)
 
     def capabilities(self) -> Capabilities:
         conv = get_convention(self.convention)
         return Capabilities(formats=self.formats, layouts=("channels_first", "channels_last"), saved=conv.saved,
-                            convention=conv.name)
+                            convention=conv.name, norms=("batch", *self.family), unsaved_norms=self.unsaved)
+
+    def family_gamma(self, p: FamilyPrepared) -> np.ndarray:
+        """A family call's γ, flat, in its parameter format's own dtype: ones where the call gives none (so that dγ
+        is returned; × 1 is exact)."""
+        g = np.ones(math.prod(p.shape.param_shape)) if p.gamma is None else p.gamma
+        return self.stored(g, p.params)  # type: ignore[return-value]
 
     def _check_params(self, p: Prepared) -> None:
         """Refuse a parameter format the framework's CPU kernel does not have, naming both."""

@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.adapters.base import BackwardOutput, ForwardOutput, Prepared, Saved
+from bnprobe.adapters.base import BackwardOutput, FamilyPrepared, ForwardOutput, Prepared, Saved
 from bnprobe.adapters.frameworks import FrameworkAdapter, parse_options
+from bnprobe.core.errors import BNProbeError
 
 __all__ = ["PaddleAdapter"]
 
@@ -34,6 +35,8 @@ __all__ = ["PaddleAdapter"]
 class PaddleAdapter(FrameworkAdapter):
     convention = "paddle"
     formats = ("fp64", "fp32")
+    family = ("layer", "rms", "group")
+    unsaved = family  # (it saves the mean and the variance, or none: not the rstd the family's interface takes)
 
     def __init__(self, opts: str = "") -> None:
         parse_options("paddle", opts, {})
@@ -42,9 +45,10 @@ class PaddleAdapter(FrameworkAdapter):
         with warnings.catch_warnings():  # its import warns of a missing ccache: nothing of bnprobe's
             warnings.simplefilter("ignore")
             import paddle
+            import paddle.incubate.nn.functional as incubate
             from paddle import _C_ops
         paddle.set_device("cpu")
-        self._paddle, self._ops = paddle, _C_ops
+        self._paddle, self._ops, self._incubate = paddle, _C_ops, incubate
 
     def _t(self, a: np.ndarray | None, default: float, p: Prepared, fmt: str, grad: bool = False) -> Any:
         v = np.full(p.lay.channels, default) if a is None else a
@@ -82,3 +86,52 @@ class PaddleAdapter(FrameworkAdapter):
         dyt = self._paddle.to_tensor(self.stored(self.to_native(dy, p), p.dtype))
         dx, dg, db = self._paddle.grad([y], [x, g, b], [dyt])
         return BackwardOutput(self.from_native(dx.numpy(), p), dg.numpy(), db.numpy())
+
+    # ---- the family layers ----------------------------------------------------------------------------
+    def _family_check(self, p: FamilyPrepared) -> None:
+        """Refuse, in one line, a call Paddle's CPU kernels do not run."""
+        sh = p.shape
+        if sh.norm in ("layer", "rms") and len(sh.normalized) == len(sh.shape):
+            raise BNProbeError(f"adapter paddle: Paddle's {'layer_norm' if sh.norm == 'layer' else 'fused_rms_norm'} "
+                               f"normalises after a leading dimension (begin_norm_axis > 0): normalized_shape "
+                               f"{list(sh.normalized)} is all of x's shape {list(sh.shape)}")
+        if sh.norm == "rms" and p.dtype != "fp32":
+            raise BNProbeError(f"adapter paddle: Paddle's RMSNorm on the CPU (paddle.incubate.nn.functional."
+                               f"fused_rms_norm; paddle.nn.functional.rms_norm has no CPU kernel) runs fp32 only, not "
+                               f"{p.dtype}")
+
+    def _family_run(self, p: FamilyPrepared, *, eps: float, grad: bool) -> tuple[Any, list[Any]]:
+        """y of Paddle's own function for the call's layer, and the leaves a backward differentiates (x, γ, and β
+        where the call gives one)."""
+        paddle, sh = self._paddle, p.shape
+        self._family_check(p)
+        x = paddle.to_tensor(self.stored(p.x, p.dtype), stop_gradient=not grad)
+        w = paddle.to_tensor(self.family_gamma(p), stop_gradient=not grad)
+        b = None if p.beta is None else paddle.to_tensor(self.stored(p.beta, p.params), stop_gradient=not grad)
+        leaves = [x, w] + ([] if b is None else [b])
+        if p.call.weight_offset:  # Gemma's 1 + w, formed by Paddle in γ's dtype (its gradient is w's)
+            w = w + p.call.weight_offset
+        if sh.norm == "layer":  # (γ and β flat: Paddle's LayerNorm holds them so)
+            y = paddle.nn.functional.layer_norm(x, list(sh.normalized), w, b, eps)
+        elif sh.norm == "rms":
+            y = self._incubate.fused_rms_norm(x, w, None, eps, len(sh.shape) - len(sh.normalized))[0]
+        else:  # (data_format NCHW stands for any channels-first rank: Paddle reads only whether it is channels-last)
+            y = paddle.nn.functional.group_norm(x, sh.groups, eps, w, b, "NCHW")
+        return y, leaves
+
+    def _family_forward_impl(self, p: FamilyPrepared, *, eps: float) -> ForwardOutput:
+        y, _ = self._family_run(p, eps=eps, grad=False)
+        return ForwardOutput(y.numpy(), None, meta={"paddle": self._paddle.__version__})
+
+    def _family_backward_impl(self, p: FamilyPrepared, dy: np.ndarray, saved: Saved | None, *,
+                              eps: float) -> BackwardOutput:
+        if p.shape.norm == "rms":
+            raise BNProbeError("adapter paddle: Paddle has no CPU backward for RMSNorm (fused_rms_norm's gradient "
+                               "kernel is not registered on the CPU): run its forward only (--mode train)")
+        y, leaves = self._family_run(p, eps=eps, grad=True)
+        grads = self._paddle.grad([y], leaves, [self._paddle.to_tensor(self.stored(dy, p.dtype))])
+        ps = p.shape.param_shape
+        return BackwardOutput(grads[0].numpy(), grads[1].numpy().reshape(ps),
+                              grads[2].numpy().reshape(ps) if len(grads) > 2 else None,
+                              meta={"paddle": self._paddle.__version__,
+                                    "note": "Paddle's autograd recomputes the statistics: none are saved or read"})
