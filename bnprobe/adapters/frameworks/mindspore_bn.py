@@ -22,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.adapters.base import BackwardOutput, ForwardOutput, Prepared, Saved
+from bnprobe.adapters.base import BackwardOutput, FamilyPrepared, ForwardOutput, Prepared, Saved
 from bnprobe.adapters.frameworks import FrameworkAdapter, parse_options
+from bnprobe.core.errors import BNProbeError
 
 __all__ = ["MindSporeAdapter"]
 
@@ -31,6 +32,8 @@ __all__ = ["MindSporeAdapter"]
 class MindSporeAdapter(FrameworkAdapter):
     convention = "mindspore"
     formats = ("fp32", "fp16")
+    family = ("layer", "group")  # (ops.rms_norm: "The kernel RmsNorm unregistered" on the CPU)
+    unsaved = ("layer",)  # (its LayerNorm saves the mean and the variance; its GroupNorm the mean and rstd)
 
     def __init__(self, opts: str = "") -> None:
         parse_options("mindspore", opts, {})
@@ -84,3 +87,50 @@ class MindSporeAdapter(FrameworkAdapter):
                         self._t(None, 0.0, p))
         dx, dg, db = vjp(ms.Tensor(self.stored(self.to_native(dy, p), p.dtype)))
         return BackwardOutput(self.from_native(dx.asnumpy(), p), dg.asnumpy(), db.asnumpy())
+
+    # ---- the family layers ----------------------------------------------------------------------------
+    def _family_run(self, p: FamilyPrepared, *, eps: float) -> tuple[Any, list[Any]]:
+        """The function of MindSpore's own op for the call's layer (of x, γ and β, where the call gives one; its
+        outputs y and the saved statistics) and those arguments as Tensors."""
+        ms, sh = self._ms, p.shape
+        if sh.norm == "group" and p.params != p.dtype:
+            raise BNProbeError(f"adapter mindspore: MindSpore's GroupNorm takes γ and β in x's format (nn.GroupNorm "
+                               f"casts them to it): use params same, not {p.params} parameters with {p.dtype} x")
+        args = [ms.Tensor(self.stored(p.x, p.dtype)), ms.Tensor(self.family_gamma(p).reshape(sh.param_shape))]
+        if p.beta is not None:
+            args.append(ms.Tensor(self.stored(p.beta.reshape(sh.param_shape), p.params)))
+        off = p.call.weight_offset
+        if sh.norm == "layer":  # ops.LayerNorm, nn.LayerNorm's primitive (ops.layer_norm's LayerNormExt fails here)
+            axis = len(sh.shape) - len(sh.normalized)
+            op = ms.ops.LayerNorm(begin_norm_axis=axis, begin_params_axis=axis, epsilon=eps)
+        else:  # GroupNorm's primitive, what ops.group_norm and nn.GroupNorm call (its y, mean and rstd)
+            from mindspore.ops.auto_generate.gen_ops_prim import group_norm_op
+
+            def op(x: Any, w: Any, b: Any) -> Any:
+                return group_norm_op(x, sh.groups, w, b, eps)
+
+        def run(x: Any, w: Any, b: Any = None) -> Any:
+            # (β zeros where the call gives none, as ops.group_norm and nn.LayerNorm's default do; Gemma's 1 + w
+            # formed by MindSpore in γ's dtype)
+            return op(x, w + off if off else w, ms.ops.zeros_like(w) if b is None else b)
+        return run, args
+
+    def _family_forward_impl(self, p: FamilyPrepared, *, eps: float) -> ForwardOutput:
+        run, args = self._family_run(p, eps=eps)
+        y, mean, stat = (t.asnumpy() for t in run(*args))
+        meta = {"mindspore": self._ms.__version__}
+        if p.shape.norm == "layer":  # its third output is the variance: not the rstd the interface takes
+            return ForwardOutput(y, None, meta=meta)
+        return ForwardOutput(y, Saved(mean.reshape(-1), "invstd", stat.reshape(-1)), meta=meta)
+
+    def _family_backward_impl(self, p: FamilyPrepared, dy: np.ndarray, saved: Saved | None, *,
+                              eps: float) -> BackwardOutput:
+        ms = self._ms
+        run, args = self._family_run(p, eps=eps)
+        _, vjp = ms.vjp(lambda *a: run(*a)[0], *args)
+        grads = vjp(ms.Tensor(self.stored(dy, p.dtype)))
+        ps = p.shape.param_shape
+        return BackwardOutput(grads[0].asnumpy(), grads[1].asnumpy().reshape(ps),
+                              grads[2].asnumpy().reshape(ps) if len(grads) > 2 else None,
+                              meta={"mindspore": ms.__version__,
+                                    "note": "MindSpore's vjp recomputes the statistics: the saved ones are not read"})
