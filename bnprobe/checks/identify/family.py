@@ -187,7 +187,7 @@ class _Emulator:
             if backward:  # from the kernel's own saved statistics
                 s = obs.saved
                 dy = round_to(np.asarray(c.dy, dtype=np.float64), self.fmt)
-                gr = family_backward(dy, x, g, None if s is None else s.mean, f.rstd if s is None else s.value,
+                gr = family_backward(dy, x, g, f.mean if s is None else s.mean, f.rstd if s is None else s.value,
                                      shape=sh, policy=policy, keep_arrays=False, counters=False)
                 out["dx"] = np.asarray(gr.dx, dtype=np.float64)
                 out["dgamma"] = np.asarray(gr.dgamma, dtype=np.float64).reshape(-1)
@@ -330,6 +330,10 @@ def identify_family(adapter: str | KernelAdapter, norm: str, dtype: str | None =
     departs = next((st for st in search.stages if not search.stages[st]["exact"]), None)
     if departs is None and any(o.fresh_exact is False for o in outputs):
         departs = next(o.stage for o in outputs if o.fresh_exact is False)
+    if departs is not None and all(o.stage != departs for o in outputs):
+        # a kernel that returns no statistics (Paddle's, MindSpore's LayerNorm): the mean and rsqrt stages were
+        # searched through y, so the departure is told by the first output it shows in
+        departs = next((o.stage for o in outputs if not (o.probes_exact and o.fresh_exact is not False)), departs)
     spec = policy_spec(policy)
     res = Identified(adapter=kernel.name, dtype=fmt, params=params, policy=policy.with_options(name=spec), spec=spec,
                      outputs=outputs, undistinguished=search.undistinguished, departs=departs, stages=search.stages,
