@@ -85,6 +85,14 @@ def _mindspore_direct(c: BNCall) -> dict[str, np.ndarray]:
     x = ms.Tensor(_np(c.x, fmt))
     g = np.asarray(c.gamma, dtype=np.float64)
     b = np.zeros_like(g) if c.beta is None else np.asarray(c.beta, dtype=np.float64)
+    if c.norm == "layer" and pf != fmt:  # (fp32 γ, β with fp16 x: the primitive itself; nn.LayerNorm casts them)
+        axis = x.ndim - len(c.normalized_shape)
+        args = [x, ms.Tensor(_np(g, pf)), ms.Tensor(_np(b, pf))]
+        prim = ms.ops.LayerNorm(axis, axis, c.eps)
+        y = prim(*args)[0].asnumpy()
+        _, vjp = ms.vjp(lambda *a: prim(*a)[0], *args)
+        dx, dg, db = (t.asnumpy() for t in vjp(ms.Tensor(_np(c.dy, fmt))))
+        return {"y": y, "dx": dx, "dgamma": dg, **({"dbeta": db} if c.beta is not None else {})}
     if c.norm == "layer":
         axis = x.ndim - len(c.normalized_shape)
         cell = ms.nn.LayerNorm(tuple(c.normalized_shape), begin_norm_axis=axis, begin_params_axis=axis,
@@ -107,11 +115,10 @@ def _mindspore_direct(c: BNCall) -> dict[str, np.ndarray]:
 
 
 def _ms_grads(ms, cell, x, dy):  # noqa: ANN001, ANN202
-    """dx, (dγ, dβ) of ``cell`` at x with the cotangent dy: MindSpore's gradient of Σ(cell(x)·dy), whose cotangent
-    of y is dy exactly."""
-    params = cell.trainable_params()
-    gf = ms.value_and_grad(lambda xx: (cell(xx) * ms.Tensor(dy)).sum(), grad_position=0, weights=params)
-    _, (dx, pg) = gf(x)
+    """dx, (dγ, dβ) of ``cell`` at x with the sensitivity dy (MindSpore's GradOperation over the cell's input and
+    parameters)."""
+    params = ms.ParameterTuple(cell.trainable_params())
+    (dx,), pg = ms.ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)(cell, params)(x, ms.Tensor(dy))
     return dx.asnumpy(), (pg[0].asnumpy(), pg[1].asnumpy())
 
 
@@ -142,7 +149,8 @@ def test_the_adapter_returns_the_frameworks_own_outputs(name: str, norm: str, fm
 def test_without_beta_and_with_gemmas_offset_the_adapter_still_is_the_framework(name: str, norm: str) -> None:
     a = _adapter(name)
     c = _call(norm, "fp32", "fp32", seed=1, beta=False, offset=1.0 if name == "paddle" else 0.0)
-    f, b = a.train(c), a.backward_of(c, None)
+    f = a.train(c)
+    b = a.backward_of(c, f.saved)
     want = _paddle_direct(c) if name == "paddle" else _mindspore_direct(c)
     assert np.array_equal(f.y, want["y"]) and np.array_equal(b.dx, want["dx"]) and b.dbeta is None
 
@@ -152,7 +160,8 @@ def _failing(res) -> list[tuple[str, str]]:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("name,norm,fmt,params", [(n, *r) for n, rs in RUNS.items() for r in rs
-                                                  if not (n == "paddle" and r[0] == "group")])
+                                                  if r not in (("group", "fp32", "fp32"), ("layer", "fp16", "same"))
+                                                  or n == "mindspore" and r[0] == "group"])
 def test_compare_precision_passes_the_kernel_against_the_fp64_golden(name: str, norm: str, fmt: str,
                                                                      params: str) -> None:
     a = _adapter(name)
@@ -225,3 +234,12 @@ def test_what_the_cpu_kernels_do_not_run_is_refused_in_one_line(name: str, call:
     with pytest.raises(BNProbeError, match=message) as e:
         a.train(BNCall(x, **call))
     assert "\n" not in str(e.value)
+
+
+def test_mindspore_layernorm_with_fp16_parameters_fails_on_y_where_fp32_ones_pass() -> None:
+    """nn.LayerNorm casts γ and β to an fp16 x's format: MindSpore 2.10's CPU LayerNorm then loses accuracy in y
+    (up to thousands of times the bound on a large mean), while the same primitive with fp32 γ and β passes (above)."""
+    a = _adapter("mindspore")
+    res = compare_precision([a], ("fp16",), options=CallOptions(norm="layer", params="same"))
+    failing = _failing(res)
+    assert ("stress/mean=100", "y") in failing and {t for _, t in failing} <= {"y", "dx"}, failing
