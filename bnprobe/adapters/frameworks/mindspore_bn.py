@@ -13,6 +13,11 @@ an fp16 x is converted to fp32 and y back), as identify finds it bit for bit
 lane 0, the lanes added in order into a sum carried across rows (``order=omp_simd, lanes=4``); the biased variance the
 same way; y = (γ/√(var + ε))·(x − mean) + β; the backward's sums not vectorised (``backward_lanes=1``) and oneDNN's dx
 formula (``backward_formula=onednn``).
+
+Its LayerNorm (ops.LayerNorm, nn.LayerNorm's primitive, ε 1e-7 there by default; fp32 γ, β or x's format, as
+nn.LayerNorm casts them; it saves the mean and the variance, so the adapter returns none) and GroupNorm (the primitive
+ops.group_norm and nn.GroupNorm call: γ, β in x's format; its mean and rstd, in x's format) with their backward by
+vjp.  ops.rms_norm has no CPU kernel; ops.layer_norm's LayerNormExt fails to build one here.
 """
 
 from __future__ import annotations

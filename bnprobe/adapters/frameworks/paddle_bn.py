@@ -15,6 +15,12 @@ dense redux (``order=eigen, lanes=8``: packets from 32-byte aligned addresses), 
 variance the same way from (x − mean)²; rstd = √(1/(var + ε)) with Eigen's fast packet sqrt on whole packets of 8
 channels (``rsqrt=sqrt_recip, sqrt=eigen_fast``: Intel's rsqrtps and one Newton step); y = x·(rstd·γ) +
 (β − (mean·rstd)·γ); its own backward; inference 1/√(var + ε).  The adapter hands it NCHW whatever the call's layout.
+
+Its LayerNorm, RMSNorm and GroupNorm (a call's ``norm``): paddle.nn.functional.layer_norm and group_norm (fp32, fp64,
+γ and β in x's format, ε 1e-5 by default) and paddle.incubate.nn.functional.fused_rms_norm (fp32 and forward only on
+the CPU; paddle.nn.functional.rms_norm has no CPU kernel), the backward by Paddle's autograd.  They save the mean and
+the variance, not the rstd the family's interface takes: the adapter returns no statistics for them
+(``Capabilities.unsaved_norms``).  Its GroupNorm's variance is one pass, max(E[x²] − E[x]², 0) in x's format.
 """
 
 from __future__ import annotations
