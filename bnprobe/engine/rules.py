@@ -414,18 +414,29 @@ def bound_used(actual: Any, golden: Any, bound: Any, fmt: str) -> np.ndarray:
         return np.where(d == 0, 0.0, d / (np.asarray(bound, dtype=np.float64) + 0.5 * get_format(fmt).ulp(g)))
 
 
+def _same_nonfinite_exempt(a: np.ndarray, g: np.ndarray, used: np.ndarray) -> np.ndarray:
+    """``used`` with 0 where the kernel's value is the golden's own NaN or infinity (an input's NaN carried through,
+    as the golden carries it: no error of the kernel's), so that a NaN row does not take the bound's exemption
+    away from every finite element beside it."""
+    with np.errstate(all="ignore"):
+        same = ~np.isfinite(g) & ((np.isnan(a) & np.isnan(g)) | (a == g))
+    return np.where(same, 0.0, used)
+
+
 def within_bound(actual: Any, golden: Any, fmt: str, bound: tuple[np.ndarray, str] | None
                  ) -> tuple[float, str] | None:
     """When every element errs by at most ``bound`` (an array broadcastable to the output: the largest error a
     correct kernel's accumulation can put there, :func:`~bnprobe.engine.run.cancellation_bounds`, with its formula)
-    plus half an ulp of the output: (the largest share of it used, why); else None."""
+    plus half an ulp of the output — an element that is the golden's own NaN or infinity errs by nothing —: (the
+    largest share of it used, why); else None."""
     if bound is None:
         return None
     g = np.asarray(golden, dtype=np.float64)
     a = np.asarray(actual, dtype=np.float64)
     if a.shape != g.shape or not g.size:
         return None
-    used = bound_used(a, g, np.broadcast_to(np.asarray(bound[0], dtype=np.float64), g.shape), fmt)
+    used = _same_nonfinite_exempt(a, g, bound_used(a, g, np.broadcast_to(np.asarray(bound[0], dtype=np.float64),
+                                                                       g.shape), fmt))
     if not np.all(np.isfinite(used)) or not np.all(used <= 1.0):
         return None
     w = int(np.argmax(used))
@@ -450,7 +461,8 @@ def within_rounding(b: Any, actual: Any, golden: Any, fmt: str,
     if a.shape != g.shape or not g.size:
         return None
     u = get_format(accumulation_format(fmt)).unit_roundoff
-    used = bound_used(a, g, SMALL_VALUE_ULPS * u * np.broadcast_to(natural(), g.shape), fmt)
+    used = _same_nonfinite_exempt(a, g, bound_used(a, g, SMALL_VALUE_ULPS * u * np.broadcast_to(natural(), g.shape),
+                                                   fmt))
     if not np.all(np.isfinite(used)) or not np.all(used <= 1.0):
         return None
     w = int(np.argmax(used))

@@ -122,3 +122,30 @@ def test_what_does_not_fit_is_refused_before_any_work(adapters, options, says) -
 def test_inference_alone_is_refused_for_a_layer_without_running_statistics() -> None:
     with pytest.raises(BNProbeError, match="keeps no running statistics"):
         compare_precision(["careful"], ("fp16",), mode="infer", options=CallOptions(norm="rms"))
+
+
+def test_a_nan_row_does_not_take_the_bound_from_the_finite_rows(tmp_path) -> None:  # noqa: ANN001
+    """InstanceNorm captured from torch with a NaN pixel in one sample, dy = 1 everywhere it is finite: dx is exactly
+    0 in every finite row (a constant dy normalises away), torch's is rounding noise there, within a correct kernel's
+    accumulation bound — the NaN rows (the golden's NaN too) must not make that bound unusable for the rest."""
+    torch = pytest.importorskip("torch")
+    from bnprobe import capture
+    from bnprobe.engine.rules import within_bound
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.InstanceNorm2d(8, affine=True))
+    x = torch.randn(4, 3, 16, 16)
+    x[1, :, 5, 5] = float("nan")
+    with capture(m, tmp_path / "cap"):
+        m(x).nan_to_num().sum().backward()
+    res = compare_precision([f"dump:{tmp_path / 'cap'}"], None)
+    dx = res.rows[res.rows.tensor == "dx"].iloc[0]
+    assert str(dx.verdict).endswith("PASS"), dx.why
+    # the exemption is for the golden's own NaN only: a NaN where the golden is finite, or a finite value where it
+    # is NaN, is not within any bound
+    g = np.array([0.0, np.nan, 1.0])
+    bound = (np.full(3, 1e-6), "test")
+    assert within_bound(np.array([1e-7, np.nan, 1.0]), g, "fp32", bound) is not None
+    assert within_bound(np.array([np.nan, np.nan, 1.0]), g, "fp32", bound) is None
+    assert within_bound(np.array([1e-7, 0.0, 1.0]), g, "fp32", bound) is None
+    assert within_bound(np.array([1e-7, np.inf, 1.0]), g, "fp32", bound) is None
