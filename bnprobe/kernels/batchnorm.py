@@ -495,6 +495,10 @@ def batch_policy(pol: Policy) -> Policy:
         if value != defaults[name]:
             raise BNProbeError(f"policy {name}={value} is a LayerNorm/RMSNorm/GroupNorm/InstanceNorm choice: a "
                                "BatchNorm kernel is not run with it")
+    if pol.y_formula == "xhat_div" or pol.order == "lanes_tail":
+        which = "y_formula=xhat_div" if pol.y_formula == "xhat_div" else "order=lanes_tail"
+        raise BNProbeError(f"policy {which} is a LayerNorm/RMSNorm/GroupNorm/InstanceNorm choice: a BatchNorm "
+                           "kernel is not run with it")
     return pol
 
 

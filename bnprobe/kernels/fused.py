@@ -48,7 +48,7 @@ def compiled_route(policy: Any, keep_arrays: bool, overrides: dict[str, np.ndarr
     notes and :func:`bnprobe.compiled.jit.jit_for`)."""
     if keep_arrays or overrides or not jit_for(elements):
         return False
-    if policy.order in ("vec", "rowlanes", "eigen", "omp_simd", "inductor", "interleave4", "xla") or \
+    if policy.order in ("vec", "rowlanes", "eigen", "omp_simd", "inductor", "interleave4", "xla", "lanes_tail") or \
             policy.variance == "inductor" or policy.y_formula == "affine_mr" or \
             policy.backward_formula in ("torch", "paddle", "onednn", "inductor", "onednn_jit", "tf_eigen",
                                         "keras_tf", "jax") or \

@@ -81,6 +81,9 @@ def check_family_policy(pol: Policy) -> Policy:
         if getattr(pol, name) != _DEFAULTS[name]:
             raise BNProbeError(f"policy {name}={getattr(pol, name)!r} is a BatchNorm kernel's choice: LayerNorm, "
                                "RMSNorm, GroupNorm and InstanceNorm are not run with it")
+    if pol.y_formula == "xhat_div" and (pol.rsqrt != "sqrt_div" or pol.rstd_format is not None):
+        raise BNProbeError("policy y_formula=xhat_div divides by σ: give rsqrt=sqrt_div (and no rstd_format), which "
+                           "forms it")
     bad = {"y_formula": ("affine_mr",), "sqrt": ("eigen_fast",), "order": ("xla",),
            "mean_by": ("prescaled",),
            "backward_formula": tuple(f for f in BACKWARD_FORMULAS if f not in FAMILY_BACKWARDS)}
@@ -133,8 +136,12 @@ class _Kernel:
     def __init__(self, pol: Policy, shape: NormShape, keep_arrays: bool, counters: bool) -> None:
         self.pol, self.shape = pol, shape
         # (the policy's threads split dγ's and dβ's sums alone: each row's statistics are one thread's)
+        # the contiguous rows the statistics' sums read: the row, or for order=lanes_tail each channel's positions
+        # (Paddle's GroupNorm restarts its lanes per channel of the group)
+        row = shape.r // (shape.shape[1] // shape.groups) if shape.norm == "group" and pol.order == "lanes_tail" \
+            else shape.r
         self.run = KernelRun(replace(pol, threads=None), shape.rows, np.random.default_rng(pol.seed),
-                             RunSetting(keep_arrays=keep_arrays, counting=counters, row=shape.r, channels=shape.rows))
+                             RunSetting(keep_arrays=keep_arrays, counting=counters, row=row, channels=shape.rows))
         self.params_n = math.prod(shape.param_shape)
         self.param_trace = Trace(self.params_n, keep_arrays, counted=counters)
 
@@ -237,7 +244,7 @@ def forward(x: Any, gamma: Any = None, beta: Any = None, *, shape: NormShape, ep
         var_eps = run.rec("var_eps", ea, var + eps_added, negative=True)
         rstd, std = run.rstd(var_eps)
         y = _normalise(k, xs, mean, _applied_rstd(k, rstd), k.gamma(g, weight_offset),
-                       None if b is None else run.param(b))
+                       None if b is None else run.param(b), std)
         par = run.params if pol.saved_format is None else Arith(pol.saved_format, pol.spec, run.rng,
                                                                   counting=run.counting)
         dt = par.fmt.dtype
@@ -257,8 +264,9 @@ def _applied_rstd(k: _Kernel, rstd: np.ndarray) -> np.ndarray:
 
 
 def _normalise(k: _Kernel, xs: np.ndarray, mean: np.ndarray | None, rstd: np.ndarray, g: np.ndarray,
-               b: np.ndarray | None) -> np.ndarray:
-    """y (rows view, storage values) from x, the rows' statistics and γ, β (flat, as the kernel applies them)."""
+               b: np.ndarray | None, std: np.ndarray | None = None) -> np.ndarray:
+    """y (rows view, storage values) from x, the rows' statistics (``std`` where the policy formed σ) and γ, β
+    (flat, as the kernel applies them)."""
     run, pol, shape = k.run, k.pol, k.shape
     comp, acc = run.comp, run.acc
     xc = run.cast("x_compute", xs, pol.storage, comp)
@@ -277,10 +285,13 @@ def _normalise(k: _Kernel, xs: np.ndarray, mean: np.ndarray | None, rstd: np.nda
 
     rcol = run.col(comp, rstd)
     centered = xc if mean is None else None
-    if pol.y_formula in ("xhat", "scale") and centered is None:
+    if pol.y_formula in ("xhat", "scale", "xhat_div") and centered is None:
         centered = run.op("centered", comp, np.subtract, xc, run.col(comp, mean))
-    if pol.y_formula == "xhat":
-        xhat = run.op("xhat", comp, np.multiply, centered, rcol)
+    if pol.y_formula in ("xhat", "xhat_div"):
+        if pol.y_formula == "xhat_div":  # (x − μ)/σ, σ rounded to the compute format (MindSpore's CPU LayerNorm)
+            xhat = run.op("xhat", comp, np.divide, centered, run.col(comp, std))
+        else:
+            xhat = run.op("xhat", comp, np.multiply, centered, rcol)
         if pol.cast_point == "before_gamma":  # x̂ stored in x's format before γ multiplies it
             xhat = run.rec("xhat_stored", run.storage, xhat)
         y = mac("affine", xhat, ge, be)

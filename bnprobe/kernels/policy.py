@@ -25,7 +25,9 @@ __all__ = ["Policy", "PRESETS", "get_policy", "Y_FORMULAS", "RSQRT_METHODS", "BA
 #   affine : mult = gamma * rstd; addend = beta - mult * mean; y = mult * x + addend
 #            (Ascend TBE BNTrainingUpdate, PyTorch CPU)
 #   affine_mr : mult = rstd * gamma; addend = beta - (mean * rstd) * gamma; y = x * mult + addend (Paddle's CPU kernel)
-Y_FORMULAS: tuple[str, ...] = ("xhat", "scale", "affine", "affine_mr")
+#   xhat_div : xhat = (x - mean) / std, divided rather than multiplied by rstd; y = xhat * gamma + beta, std from
+#              rsqrt=sqrt_div (a family layer's: MindSpore's CPU LayerNorm)
+Y_FORMULAS: tuple[str, ...] = ("xhat", "scale", "affine", "affine_mr", "xhat_div")
 # exact    : rstd = 1/sqrt(var + eps) correctly rounded in one step
 # sqrt_div : std = sqrt(var + eps) by the `sqrt` method, then rstd = 1 / std (and gamma / std where a
 #            formula needs it) by the `division` method

@@ -62,8 +62,12 @@ __all__ = ["ORDERS", "COMBINES", "SCHEDULES", "THREAD_SPLITS", "Cores", "Rows", 
 # aten: ATen's CPU sum over a row's contiguous values (at::sum, cascade_sum's inner reduction: PyTorch's RMSNorm),
 # the row's vectors of ``lanes`` read as groups of four, each position of the group a cascade of blocks, then a scalar
 # takes the values after the last vector and the lanes in order (bnprobe.numerics.rowwise.aten_sum)
+# lanes_tail: hand-unrolled lanes per row (Paddle's CPU GroupNorm, phi/kernels/cpu/group_norm_kernel.cc: eight
+# accumulators per channel, std::accumulate into the group's sum, then the channel's tail): in each row of H*W values
+# ``lanes`` sums from zero take value p of its whole vectors (lane p mod lanes); s (zero before the first row, carried
+# across rows) adds lane 0, 1, ... in order, then the row's remaining values one by one
 ORDERS: tuple[str, ...] = ("sequential", "pairwise", "lanes", "vec", "rowlanes", "eigen", "omp_simd", "inductor",
-                           "interleave4", "xla", "aten")
+                           "interleave4", "xla", "aten", "lanes_tail")
 #: inductor's config.unroll_reductions_threshold: reductions of fewer values become one unrolled scalar expression
 INDUCTOR_UNROLL_BELOW = 8
 #: inductor's float sums of more values than this use a CascadeSumHelper of chunks of this many updates
@@ -374,6 +378,21 @@ def _omp_simd(x: np.ndarray, acc: Arith, tally: Tally | None, lanes: int, row: i
         lane = _per_lane(lambda t, rows=np.ascontiguousarray(body): _sequential(rows, acc, t, False), c, lanes, tally)
         lane[:, 0] = _in_order(lane[:, 0], v[:, whole:], acc, tally)
         total = _in_order(total, lane, acc, tally)
+    return total
+
+
+def _lanes_tail(x: np.ndarray, acc: Arith, tally: Tally | None, lanes: int, row: int | None) -> np.ndarray:
+    """The ``lanes_tail`` order (see :data:`ORDERS`): omp_simd's lanes, the row's remainder added after them."""
+    xr, row = _rows(x, row)
+    c, rows, _ = xr.shape
+    whole = row // lanes * lanes
+    total = np.zeros(c)
+    for n in range(rows):
+        v = xr[:, n, :]
+        body = v[:, :whole].reshape(c, whole // lanes, lanes).transpose(0, 2, 1).reshape(c * lanes, -1)
+        body = np.concatenate([np.zeros((c * lanes, 1), dtype=v.dtype), body], axis=1)
+        lane = _per_lane(lambda t, rows=np.ascontiguousarray(body): _sequential(rows, acc, t, False), c, lanes, tally)
+        total = _in_order(_in_order(total, lane, acc, tally), v[:, whole:], acc, tally)
     return total
 
 
@@ -937,6 +956,10 @@ def _reduce_one(x: np.ndarray, acc: Arith, *, order: str, lanes: int, kahan: boo
         return _vec(x, acc, tally, lanes, unroll, row, kahan)
     if order == "rowlanes":
         return _rowlanes(x, acc, tally, lanes, row, kahan)
+    if order == "lanes_tail":
+        if kahan:
+            raise BNProbeError("kahan compensation applies to the sequential and lanes orders, not lanes_tail")
+        return _lanes_tail(x, acc, tally, lanes, row)
     if order in ("eigen", "omp_simd"):
         if kahan:
             raise BNProbeError(f"kahan compensation applies to the sequential and lanes orders, not {order}")
