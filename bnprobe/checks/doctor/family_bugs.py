@@ -79,6 +79,11 @@ FAMILY_BUGS: tuple[FamilyBug, ...] = (
                                         "a kernel meant to round once has one",
               "HF Llama's RMSNorm against TransformerEngine's, NVIDIA/TransformerEngine#1132", ("y",), _ALL, True,
               lambda fmt: {"cast_point": "before_gamma"}),
+    FamilyBug("normalised-in-16-bit", "y = (x − μ)/σ·γ + β with every step in x's format ({fmt}): μ and σ rounded "
+                                      "to it first — at a large mean the rounded μ is off by up to half its ulp "
+                                      "(1/32 at 100 in fp16)",
+              "MindSpore's CPU LayerNorm with 16-bit γ, β: layer_norm_cpu_kernel.cc, LaunchKernel<float16>",
+              ("y",), _CENTRED, True, lambda fmt: {"compute": fmt, "rsqrt": "sqrt_div", "y_formula": "xhat_div"}),
     FamilyBug("rstd-rounded-to-16-bit", "rstd rounded to x's format ({fmt}) before x is multiplied by it",
               "amd/IRON#139: inv_rms cast to bf16", ("y", "dx", "dgamma"), _ALL, True,
               lambda fmt: {"rstd_cast": fmt}),
