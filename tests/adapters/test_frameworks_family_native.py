@@ -243,6 +243,9 @@ def test_mindspore_layernorm_with_fp16_parameters_fails_on_y_where_fp32_ones_pas
     res = compare_precision([a], ("fp16",), options=CallOptions(norm="layer", params="same"))
     failing = _failing(res)
     assert ("stress/mean=100", "y") in failing and {t for _, t in failing} <= {"y", "dx"}, failing
+    # named by the model of what its source does (every step in fp16, dividing by σ): each failing y
+    rows = res.rows[res.rows.verdict.astype(str).str.endswith("FAIL")]
+    assert set(rows[rows.tensor == "y"].cause) == {"normalised-in-16-bit"}, rows[["case", "tensor", "cause"]]
 
 
 # ---- what each failing kernel computes, replayed from its source in plain numpy and checked bit for bit ----------
@@ -353,3 +356,21 @@ def test_mindspore_fp16_layernorm_is_its_source_replayed_bit_for_bit_and_its_bnp
                              * g) + b)
             assert np.abs(y - gold).max() > 4 * np.abs(exact_mean - gold).max()
     assert misses > 0
+
+
+@pytest.mark.parametrize("name,norm,fmt,kw,want", [
+    ("paddle", "group", "fp32", {"groups": 2},
+     {"variance": "naive", "clamp_var": True, "order": "lanes_tail", "lanes": 8, "rstd_format": "fp64"}),
+    ("mindspore", "layer", "fp16", {"params": "same"}, {"compute": "fp16", "y_formula": "xhat_div", "rsqrt": "sqrt_div"}),
+])
+def test_identify_reproduces_the_failing_forward_bit_for_bit_and_departs_at_its_backward(
+        name: str, norm: str, fmt: str, kw: dict, want: dict) -> None:
+    """What the replays established, found by identify's own search: Paddle's GroupNorm (one pass, clamped, eight
+    lanes per channel, rstd in double) and MindSpore's fp16 LayerNorm (every step in fp16, dividing by σ); their
+    backward kernels are outside the space."""
+    from bnprobe.checks.identify.family import identify_family
+
+    res = identify_family(_adapter(name), norm, fmt, **kw)
+    y = next(o for o in res.outputs if o.output == "y")
+    assert y.probes_exact and y.fresh_exact and res.departs == "backward", res.found()
+    assert {k: getattr(res.policy, k) for k in want} == want

@@ -221,6 +221,8 @@ def _spaces(norm: str, fmt: str, pf: str) -> dict[str, Callable[[Policy], Iterat
         yield {"variance": "two_pass", "order": "lanes", "lanes": 8, "variance_fma": False}
         yield {"variance": "welford", "lanes": 8, "variance_fma": False, "order": "pairwise"}
         yield {"variance": "naive", "order": "pairwise", "variance_fma": False}
+        # Paddle's CPU GroupNorm: one pass, clamped, eight hand-unrolled lanes per channel
+        yield {"variance": "naive", "clamp_var": True, "order": "lanes_tail", "lanes": 8, "variance_fma": False}
         # torch.compile's var_mean: two-pass up to 1024 values, its chunked Welford above; AVX-512 vectors, two of
         # them for a 16-bit input widened
         for unroll in (1, 2):
@@ -246,6 +248,9 @@ def _spaces(norm: str, fmt: str, pf: str) -> dict[str, Callable[[Policy], Iterat
         for formula, fma, cast in itertools.product(("xhat", "affine", "scale"), (False, True),
                                                     ("after_gamma", "before_gamma")):
             yield {"y_formula": formula, "fma": fma, "cast_point": cast}
+        if fmt in ("fp16", "bf16"):  # every step in x's format, dividing by σ (MindSpore's CPU LayerNorm)
+            yield {"y_formula": "xhat_div", "fma": False, "cast_point": "after_gamma", "compute": fmt,
+                   "rsqrt": "sqrt_div", "rstd_format": None}
 
     def back(cur: Policy) -> Iterator[dict[str, Any]]:
         # (what each layer's torch backward reads: LayerNorm its dγ/dβ buffers' threads and format and dx's fusion;
