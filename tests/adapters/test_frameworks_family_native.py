@@ -361,7 +361,8 @@ def test_mindspore_fp16_layernorm_is_its_source_replayed_bit_for_bit_and_its_bnp
 @pytest.mark.parametrize("name,norm,fmt,kw,want", [
     ("paddle", "group", "fp32", {"groups": 2},
      {"variance": "naive", "clamp_var": True, "order": "lanes_tail", "lanes": 8, "rstd_format": "fp64"}),
-    ("mindspore", "layer", "fp16", {"params": "same"}, {"compute": "fp16", "y_formula": "xhat_div", "rsqrt": "sqrt_div"}),
+    ("mindspore", "layer", "fp16", {"params": "same"},
+     {"compute": "fp16", "y_formula": "xhat_div", "rsqrt": "sqrt_div"}),
 ])
 def test_identify_reproduces_the_failing_forward_bit_for_bit_and_departs_at_its_backward(
         name: str, norm: str, fmt: str, kw: dict, want: dict) -> None:
