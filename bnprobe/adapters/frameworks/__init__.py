@@ -111,6 +111,12 @@ class FrameworkAdapter(BaseAdapter):
         g = np.ones(math.prod(p.shape.param_shape)) if p.gamma is None else p.gamma
         return self.stored(g, p.params)  # type: ignore[return-value]
 
+    def _refuse_offset(self, p: FamilyPrepared, layer: str) -> None:
+        """A one-line refusal of a weight offset (Gemma's 1 + w) for a framework ``layer`` that has none."""
+        if p.call.weight_offset:
+            raise BNProbeError(f"adapter {self.name}: {layer} has no weight offset (Gemma's 1 + w); give "
+                               "weight_offset 0")
+
     def _check_params(self, p: Prepared) -> None:
         """Refuse a parameter format the framework's CPU kernel does not have, naming both."""
         if p.params not in ("fp32", "fp64") and p.dtype not in self.same_params:

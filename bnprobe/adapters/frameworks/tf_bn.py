@@ -8,6 +8,13 @@ takes.  Keras: channels last, the biased variance, ``momentum`` the old value's 
 (its backward is TensorFlow's autodiff); the run's format and parameter format choose the dtype policy — fp32:
 ``float32``; fp16 / bf16 with fp32 parameters: ``mixed_float16`` / ``mixed_bfloat16``; with parameters in x's format:
 ``float16`` / ``bfloat16``.
+
+The family (Keras only: TensorFlow has no LayerNorm, RMSNorm or GroupNorm op of its own — its raw ops hold
+BatchNorm's alone — so the ``tensorflow`` adapter runs BatchNorm only): ``keras.layers.LayerNormalization`` and
+``RMSNormalization`` with ``axis`` the call's normalised trailing dims, ``GroupNormalization`` with ``axis=1`` (x as
+the call lays it out, channels first) and, for InstanceNorm, ``GroupNormalization(groups=-1)`` (Keras's instance
+normalisation).  ε defaults: 1e-3, RMSNormalization 1e-6.  The dtype policy as for BatchNorm; each layer computes in
+at least float32 and casts y to x's format.  None saves its statistics (the backward is TensorFlow's autodiff).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe.adapters.base import BackwardOutput, ForwardOutput, Prepared, Saved
+from bnprobe.adapters.base import BackwardOutput, FamilyPrepared, ForwardOutput, Prepared, Saved
 from bnprobe.adapters.frameworks import FrameworkAdapter, parse_options
 
 __all__ = ["TensorFlowAdapter", "KerasAdapter"]
@@ -86,6 +93,10 @@ class KerasAdapter(FrameworkAdapter):
     convention = "keras"
     formats = ("fp32", "fp16", "bf16")
     same_params = ("fp16", "bf16")
+    family = ("layer", "rms", "group", "instance")
+    #: Keras's layer of each family layer
+    family_class = {"layer": "LayerNormalization", "rms": "RMSNormalization", "group": "GroupNormalization",
+                    "instance": "GroupNormalization(groups=-1)"}
 
     def __init__(self, opts: str = "") -> None:
         parse_options("keras", opts, {})
@@ -95,7 +106,7 @@ class KerasAdapter(FrameworkAdapter):
 
         self._keras = keras
 
-    def _policy(self, p: Prepared) -> str:
+    def _policy(self, p: Prepared | FamilyPrepared) -> str:
         if p.dtype == "fp32":
             return "float32"
         return f"mixed_{_TF[p.dtype]}" if p.params == "fp32" else _TF[p.dtype]
@@ -141,3 +152,46 @@ class KerasAdapter(FrameworkAdapter):
         dx, dg, db = tape.gradient(y, [x, layer.gamma.value, layer.beta.value],
                                    output_gradients=tf.constant(self.stored(self.to_native(dy, p), p.dtype)))
         return BackwardOutput(self.from_native(np.asarray(dx), p), np.asarray(dg), np.asarray(db))
+
+    # ---- the family layers -------------------------------------------------------------------------------------
+    def _family_layer(self, p: FamilyPrepared, eps: float) -> Any:
+        """Keras's layer for the call, built on x's shape with the call's γ and β (γ 1 where the call gives none, so
+        that dγ is returned; no β where it gives none)."""
+        self._refuse_offset(p, f"keras.layers.{self.family_class[p.shape.norm]}")
+        sh, layers = p.shape, self._keras.layers
+        nd, policy, center = len(sh.shape), self._policy(p), p.beta is not None
+        if sh.norm in ("layer", "rms"):
+            axes = list(range(nd - len(sh.normalized), nd))
+            layer = layers.RMSNormalization(axis=axes, epsilon=eps, dtype=policy) if sh.norm == "rms" else \
+                layers.LayerNormalization(axis=axes, epsilon=eps, center=center, dtype=policy)
+        else:
+            layer = layers.GroupNormalization(groups=sh.groups if sh.norm == "group" else -1, axis=1, epsilon=eps,
+                                              center=center, dtype=policy)
+        layer.build(sh.shape)
+        ps = sh.param_shape
+        g = np.ones(ps) if p.gamma is None else p.gamma.reshape(ps)
+        layer.set_weights([self.stored(g, p.params)] + ([] if p.beta is None else
+                                                         [self.stored(p.beta.reshape(ps), p.params)]))
+        return layer
+
+    def _family_forward_impl(self, p: FamilyPrepared, *, eps: float) -> ForwardOutput:
+        layer = self._family_layer(p, eps)
+        y = layer(self._tf.constant(self.stored(p.x, p.dtype)))
+        return ForwardOutput(np.asarray(y), None, meta={"keras": self._keras.__version__})
+
+    def _family_backward_impl(self, p: FamilyPrepared, dy: np.ndarray, saved: Saved, *, eps: float) -> BackwardOutput:
+        """TensorFlow's autodiff through the layer (it recomputes the statistics: ``saved`` is not read)."""
+        tf = self._tf
+        layer = self._family_layer(p, eps)
+        x = tf.constant(self.stored(p.x, p.dtype))
+        weights = [w.value for w in layer.trainable_weights]  # γ (scale), then β where the layer has one
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x)
+        grads = tape.gradient(y, [x, *weights], output_gradients=tf.constant(self.stored(dy, p.dtype)))
+        meta: dict[str, Any] = {"keras": self._keras.__version__,
+                                "note": "TensorFlow's autodiff recomputes the statistics: the saved ones are not read"}
+        if len(weights) == 1:
+            meta["missing"] = ("dbeta",)
+        return BackwardOutput(np.asarray(grads[0]), np.asarray(grads[1]),
+                              np.asarray(grads[2]) if len(weights) > 1 else None, meta=meta)
