@@ -11,9 +11,9 @@ takes.  Keras: channels last, the biased variance, ``momentum`` the old value's 
 
 The family (Keras only: TensorFlow has no LayerNorm, RMSNorm or GroupNorm op of its own — its raw ops hold
 BatchNorm's alone — so the ``tensorflow`` adapter runs BatchNorm only): ``keras.layers.LayerNormalization`` and
-``RMSNormalization`` with ``axis`` the call's normalised trailing dims, ``GroupNormalization`` with ``axis=1`` (x as
-the call lays it out, channels first) and, for InstanceNorm, ``GroupNormalization(groups=-1)`` (Keras's instance
-normalisation).  ε defaults: 1e-3, RMSNormalization 1e-6.  The dtype policy as for BatchNorm; each layer computes in
+``RMSNormalization`` with ``axis`` the call's normalised trailing dims, ``GroupNormalization`` channels last, as Keras
+runs it by default (x moved there and back: with ``axis=1`` on channels-first x its dγ is summed in another order) and,
+for InstanceNorm, ``GroupNormalization(groups=-1)`` (Keras's instance normalisation).  ε defaults: 1e-3, RMSNormalization 1e-6.  The dtype policy as for BatchNorm; each layer computes in
 at least float32 and casts y to x's format.  None saves its statistics (the backward is TensorFlow's autodiff).
 """
 
@@ -165,33 +165,43 @@ class KerasAdapter(FrameworkAdapter):
             layer = layers.RMSNormalization(axis=axes, epsilon=eps, dtype=policy) if sh.norm == "rms" else \
                 layers.LayerNormalization(axis=axes, epsilon=eps, center=center, dtype=policy)
         else:
-            layer = layers.GroupNormalization(groups=sh.groups if sh.norm == "group" else -1, axis=1, epsilon=eps,
+            layer = layers.GroupNormalization(groups=sh.groups if sh.norm == "group" else -1, epsilon=eps,
                                               center=center, dtype=policy)
-        layer.build(sh.shape)
+        last = sh.norm in ("group", "instance")
+        layer.build((sh.shape[0], *sh.shape[2:], sh.shape[1]) if last else sh.shape)
         ps = sh.param_shape
         g = np.ones(ps) if p.gamma is None else p.gamma.reshape(ps)
         layer.set_weights([self.stored(g, p.params)] + ([] if p.beta is None else
                                                          [self.stored(p.beta.reshape(ps), p.params)]))
         return layer
 
+    def _family_native(self, a: np.ndarray, p: FamilyPrepared) -> np.ndarray:
+        """x or dy as Keras's layer takes it: channels last for GroupNormalization, as it is otherwise."""
+        return np.ascontiguousarray(np.moveaxis(a, 1, -1) if p.shape.norm in ("group", "instance") else a)
+
+    def _family_back(self, a: Any, p: FamilyPrepared) -> np.ndarray:
+        a = np.asarray(a)
+        return np.moveaxis(a, -1, 1) if p.shape.norm in ("group", "instance") else a
+
     def _family_forward_impl(self, p: FamilyPrepared, *, eps: float) -> ForwardOutput:
         layer = self._family_layer(p, eps)
-        y = layer(self._tf.constant(self.stored(p.x, p.dtype)))
-        return ForwardOutput(np.asarray(y), None, meta={"keras": self._keras.__version__})
+        y = layer(self._tf.constant(self.stored(self._family_native(p.x, p), p.dtype)))
+        return ForwardOutput(self._family_back(y, p), None, meta={"keras": self._keras.__version__})
 
     def _family_backward_impl(self, p: FamilyPrepared, dy: np.ndarray, saved: Saved, *, eps: float) -> BackwardOutput:
         """TensorFlow's autodiff through the layer (it recomputes the statistics: ``saved`` is not read)."""
         tf = self._tf
         layer = self._family_layer(p, eps)
-        x = tf.constant(self.stored(p.x, p.dtype))
+        x = tf.constant(self.stored(self._family_native(p.x, p), p.dtype))
         weights = [w.value for w in layer.trainable_weights]  # γ (scale), then β where the layer has one
         with tf.GradientTape() as tape:
             tape.watch(x)
             y = layer(x)
-        grads = tape.gradient(y, [x, *weights], output_gradients=tf.constant(self.stored(dy, p.dtype)))
+        grads = tape.gradient(y, [x, *weights], output_gradients=tf.constant(self.stored(self._family_native(dy, p),
+                                                                                           p.dtype)))
         meta: dict[str, Any] = {"keras": self._keras.__version__,
                                 "note": "TensorFlow's autodiff recomputes the statistics: the saved ones are not read"}
         if len(weights) == 1:
             meta["missing"] = ("dbeta",)
-        return BackwardOutput(np.asarray(grads[0]), np.asarray(grads[1]),
+        return BackwardOutput(self._family_back(grads[0], p), np.asarray(grads[1]),
                               np.asarray(grads[2]) if len(weights) > 1 else None, meta=meta)
