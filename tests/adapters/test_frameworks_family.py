@@ -1,8 +1,8 @@
-"""The frameworks' own LayerNorm, RMSNorm, GroupNorm and InstanceNorm layers through their adapters (``jax``: flax.linen;
-``keras``: keras.layers on TensorFlow): the adapter's outputs are the layer's, called directly the way a user calls
-it (channels last), bit for bit; and, judged independently against the FP64 golden by compare-precision, a layer
-that computes correctly passes in every format while each defect found fails where it shows, its cause checked by a
-plain replay:
+"""The frameworks' own LayerNorm, RMSNorm, GroupNorm and InstanceNorm layers through their adapters (``jax``:
+flax.linen; ``keras``: keras.layers on TensorFlow): the adapter's outputs are the layer's, called directly the way a
+user calls it (channels last), bit for bit; and, judged independently against the FP64 golden by
+compare-precision, a layer that computes correctly passes in every format while each defect found fails where it
+shows, its cause checked by a plain replay:
 
 - flax (fp16, bf16): JAX's vjp rounds x's two cotangents — dy·γ·rstd and the statistics' term — to x's format and
   adds them there, so dx carries up to three roundings (its dx fails where the two terms cancel);
@@ -154,3 +154,135 @@ def test_tensorflow_has_no_family_op_and_says_so() -> None:
     a = _adapter("tensorflow")
     with pytest.raises(BNProbeError, match="runs BatchNorm only, not LayerNorm"):
         a.train(BNCall(np.ones((2, 8)), norm="layer", dtype="fp32"))
+
+
+# ---- compare-precision against the FP64 golden: the independent check -----------------------------------------------
+def _cases(norm: str, names: tuple[str, ...] | None = None) -> list:
+    return [c for c in family_cases(norm) if names is None or c.name in names]
+
+
+def _judged(name: str, fmts: tuple[str, ...], norm: str, names: tuple[str, ...] | None = None, params: str = "fp32"):  # noqa: ANN202
+    groups = 32 if norm == "group" else None
+    return compare_precision([name], fmts, _cases(norm, names), options=CallOptions(norm=norm, groups=groups,
+                                                                                     params=params))
+
+
+@pytest.mark.parametrize("norm", ["layer", "group", "instance"])
+def test_keras_layernorm_and_groupnorm_pass_in_every_format(norm) -> None:  # noqa: ANN001
+    _adapter("keras")
+    res = _judged("keras", ("fp32", "fp16", "bf16"), norm)
+    assert len(res.rows) > 0 and not _failing(res), _failing(res)
+
+
+def test_keras_rmsnormalization_autocasts_its_scale_under_a_mixed_policy() -> None:
+    """fp32 passes, and 16-bit x with its parameters in x's format (policy float16 / bfloat16) too; under
+    mixed_float16 / mixed_bfloat16 the scale, an fp32 variable, is read in x's format: dγ fails in both formats (it
+    holds only x's format's values: checked without bnprobe below), and dx with it."""
+    _adapter("keras")
+    assert not _failing(_judged("keras", ("fp32",), "rms"))
+    assert not _failing(_judged("keras", ("fp16", "bf16"), "rms", params="same"))
+    res = _judged("keras", ("fp16", "bf16"), "rms", ("hidden/768", "stress/mean=100"))
+    failing = set(_failing(res))
+    assert {f"keras {f} stress/mean=100 dgamma" for f in ("fp16", "bf16")} <= failing
+    assert not [f for f in failing if f.endswith(" y")], failing  # (y, rounded to x's format anyway, passes)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_keras_rmsnormalization_applies_its_scale_in_xs_format(fmt) -> None:
+    """The cause, replayed in float64 numpy: Keras's dγ holds only values of x's format, and its dx is the exact
+    dx of γ rounded to x's format, rounded once — not the exact dx of the fp32 γ it was given."""
+    a = _adapter("keras")
+    x, dy, g = _replay_inputs(fmt)
+    got = a.backward_of(BNCall(x, gamma=g, dy=dy, eps=1e-5, dtype=fmt, norm="rms"), _no_saved(x, "rms"))
+    dg = np.asarray(got.dgamma, dtype=np.float64)
+    assert np.array_equal(_round(dg, fmt), dg)
+    as_given, rounded = _rms_dx(x, dy, g), _rms_dx(x, dy, _round(g, fmt))
+    dx = np.asarray(got.dx, dtype=np.float64)
+    assert np.mean(dx == _round(rounded, fmt)) > 0.999
+    assert np.mean(dx == _round(as_given, fmt)) < 0.9  # (the two are told apart on these inputs)
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_flax_passes_in_fp32(norm) -> None:  # noqa: ANN001
+    _adapter("jax")
+    res = _judged("jax", ("fp32",), norm, ("hidden/768", "stress/mean=100", "stress/mean-square-near-eps"))
+    assert len(res.rows) > 0 and not _failing(res), _failing(res)
+
+
+def test_flax_groupnorm_fast_variance_cancels_on_a_large_mean() -> None:
+    """flax's default one-pass variance fails y and dx in fp32 on the rows with a large mean over a small spread,
+    and only there; the two-pass variance (use_fast_variance=False) passes every input."""
+    _adapter("jax")
+    for norm in ("group", "instance"):
+        res = _judged("jax", ("fp32",), norm)
+        cases = {f.split()[2] for f in _failing(res)}
+        assert cases == {"stress/mean=100", "stress/var-near-eps"}, _failing(res)
+        assert {f.split()[3] for f in _failing(res)} <= {"y", "dx"}
+        assert not _failing(_judged("jax:fast_variance=false", ("fp32",), norm))
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms", "group"])
+def test_flax_16_bit_dx_fails_and_nothing_else(norm) -> None:  # noqa: ANN001
+    """In fp16 and bf16 (two-pass, so that the variance does not cancel) y, dγ and dβ pass and dx fails: JAX's
+    vjp adds x's two cotangents in x's format (its cause replayed below)."""
+    _adapter("jax")
+    res = _judged("jax:fast_variance=false", ("fp16", "bf16"), norm,
+                  ("hidden/768", "stress/dy-shifted", "activations"))
+    failing = _failing(res)
+    assert failing and {f.split()[3] for f in failing} == {"dx"}, failing
+    assert {f.split()[1] for f in failing} == {"fp16", "bf16"}
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_flax_16_bit_dx_is_two_cotangents_rounded_then_added(norm, fmt) -> None:  # noqa: ANN001
+    """The cause, replayed in float64 numpy: dx = fl(fl(dy·γ·rstd) + fl(rest)), each term of the exact dx rounded to
+    x's format and their sum rounded again, is flax's dx on nearly every element; the exact dx rounded once is not."""
+    a = _adapter("jax")
+    x, dy, g = _replay_inputs(fmt)
+    got = a.backward_of(BNCall(x, gamma=g, dy=dy, eps=1e-5, dtype=fmt, norm=norm), _no_saved(x, norm))
+    exact, direct = (_rms_dx if norm == "rms" else _layer_dx)(x, dy, g, both=True)
+    two = _round(_round(direct, fmt) + _round(exact - direct, fmt), fmt)
+    dx = np.asarray(got.dx, dtype=np.float64)
+    assert np.mean(dx == two) > 0.999
+    assert np.mean(dx == _round(exact, fmt)) < 0.9
+
+
+# ---- the plain replays (float64 numpy, ml_dtypes for the rounding) --------------------------------------------------
+def _round(a: np.ndarray, fmt: str) -> np.ndarray:
+    import ml_dtypes
+
+    dt = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16, "fp32": np.float32}[fmt]
+    return np.asarray(a, dtype=np.float64).astype(dt).astype(np.float64)
+
+
+def _replay_inputs(fmt: str) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(1)
+    shape = (4, 32, 768)
+    return (_round(rng.standard_normal(shape), fmt), _round(rng.standard_normal(shape), fmt),
+            _round(rng.uniform(0.5, 2, 768), "fp32"))
+
+
+def _no_saved(x: np.ndarray, norm: str):  # noqa: ANN202
+    """Statistics of the right shape for backward_of (these adapters recompute their own and read none)."""
+    from bnprobe.adapters.base import Saved
+
+    rows = x.size // x.shape[-1]
+    return Saved(None if norm == "rms" else np.zeros(rows), "invstd", np.ones(rows))
+
+
+def _layer_dx(x, dy, g, both: bool = False):  # noqa: ANN001, ANN202
+    """LayerNorm's exact dx over the last axis, ε 1e-5: rstd·(dy·γ − mean(dy·γ) − x̂·mean(dy·γ·x̂)) (and its first
+    term dy·γ·rstd)."""
+    rstd = 1 / np.sqrt(x.var(-1, keepdims=True) + 1e-5)
+    xh, gg = (x - x.mean(-1, keepdims=True)) * rstd, dy * g
+    dx = rstd * (gg - gg.mean(-1, keepdims=True) - xh * (gg * xh).mean(-1, keepdims=True))
+    return (dx, gg * rstd) if both else dx
+
+
+def _rms_dx(x, dy, g, both: bool = False):  # noqa: ANN001, ANN202
+    """RMSNorm's exact dx: rstd·(dy·γ − x̂·mean(dy·γ·x̂)), x̂ = x·rstd, rstd = 1/√(mean(x²) + ε)."""
+    rstd = 1 / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5)
+    xh, gg = x * rstd, dy * g
+    dx = rstd * (gg - xh * (gg * xh).mean(-1, keepdims=True))
+    return (dx, gg * rstd) if both else dx
