@@ -153,7 +153,8 @@ class FlaxAdapter(FrameworkAdapter):
         y = self._family_module(p, eps).apply({"params": params}, self._family_native(p.x, p))
         return ForwardOutput(self._family_back(y, p), None, meta={"jax": self._jax.__version__})
 
-    def _family_backward_impl(self, p: FamilyPrepared, dy: np.ndarray, saved: Saved, *, eps: float) -> BackwardOutput:
+    def _family_backward_impl(self, p: FamilyPrepared, dy: np.ndarray, saved: Saved | None, *,
+                              eps: float) -> BackwardOutput:
         """JAX's vjp through the layer (it recomputes the statistics: ``saved`` is not read)."""
         self._refuse_offset(p, f"flax.linen.{self.family_class[p.shape.norm]}")
         module = self._family_module(p, eps)

@@ -12,9 +12,11 @@ takes.  Keras: channels last, the biased variance, ``momentum`` the old value's 
 The family (Keras only: TensorFlow has no LayerNorm, RMSNorm or GroupNorm op of its own — its raw ops hold
 BatchNorm's alone — so the ``tensorflow`` adapter runs BatchNorm only): ``keras.layers.LayerNormalization`` and
 ``RMSNormalization`` with ``axis`` the call's normalised trailing dims, ``GroupNormalization`` channels last, as Keras
-runs it by default (x moved there and back: with ``axis=1`` on channels-first x its dγ is summed in another order) and,
-for InstanceNorm, ``GroupNormalization(groups=-1)`` (Keras's instance normalisation).  ε defaults: 1e-3, RMSNormalization 1e-6.  The dtype policy as for BatchNorm; each layer computes in
-at least float32 and casts y to x's format.  None saves its statistics (the backward is TensorFlow's autodiff).
+runs it by default (x moved there and back: with ``axis=1`` on channels-first x its dγ is summed in another order)
+and, for InstanceNorm, ``GroupNormalization(groups=-1)`` (Keras's instance normalisation).  ε defaults: 1e-3,
+RMSNormalization's 1e-6.  The dtype policy as for BatchNorm; each layer computes in at least float32 and casts y to
+x's format, RMSNormalization's scale read in the compute dtype (it is autocast).  None saves its statistics (the
+backward is TensorFlow's autodiff).
 """
 
 from __future__ import annotations
@@ -188,7 +190,8 @@ class KerasAdapter(FrameworkAdapter):
         y = layer(self._tf.constant(self.stored(self._family_native(p.x, p), p.dtype)))
         return ForwardOutput(self._family_back(y, p), None, meta={"keras": self._keras.__version__})
 
-    def _family_backward_impl(self, p: FamilyPrepared, dy: np.ndarray, saved: Saved, *, eps: float) -> BackwardOutput:
+    def _family_backward_impl(self, p: FamilyPrepared, dy: np.ndarray, saved: Saved | None, *,
+                              eps: float) -> BackwardOutput:
         """TensorFlow's autodiff through the layer (it recomputes the statistics: ``saved`` is not read)."""
         tf = self._tf
         layer = self._family_layer(p, eps)
