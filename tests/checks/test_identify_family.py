@@ -112,6 +112,36 @@ def test_what_only_fresh_inputs_show_is_not_called_reproduced() -> None:
     assert not res.reproduced and res.departs == "y"
 
 
+class SavesNone(type(get_adapter("careful"))):  # type: ignore[misc]
+    """The careful kernel as flax's and Keras's layers run: no statistics saved, its backward recomputing them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name = "saves-none"
+
+    def capabilities(self):  # noqa: ANN201
+        from dataclasses import replace
+
+        return replace(super().capabilities(), saved="none", staged=False)
+
+    def _family_forward_impl(self, p, *, eps):  # noqa: ANN001, ANN202
+        out = super()._family_forward_impl(p, eps=eps)
+        return ForwardOutput(out.y, None, meta=out.meta)
+
+    def _family_backward_impl(self, p, dy, saved, *, eps):  # noqa: ANN001, ANN202
+        assert saved is None  # (given none: it saves none)
+        return super()._family_backward_impl(p, dy, super()._family_forward_impl(p, eps=eps).saved, eps=eps)
+
+
+def test_a_kernel_that_saves_no_statistics_is_identified_through_y() -> None:
+    """The careful kernel stripped of its saved statistics: its backward takes none, and identify reproduces it
+    from y, dx, dγ and dβ alone (its candidates' backward from their own statistics)."""
+    res = identify_family(SavesNone(), "layer", "fp16")
+    assert res.reproduced, res.departure()
+    assert {o.output for o in res.outputs} == {"y", "dx", "dgamma", "dbeta"}
+    assert set(res.unobserved) == {"saved_mean", "saved_rstd"}
+
+
 @pytest.mark.slow  # (10 s: the default suite keeps within its 10 minutes; the refusals are cheap, the search is not)
 def test_cli_identifies_a_layer_and_refuses_bad_input_in_one_line(capsys) -> None:  # noqa: ANN001
     assert main(["identify", "--adapter", "torch", "--norm", "rms", "--dtype", "bf16", "--json"]) == 0

@@ -378,8 +378,13 @@ class _FamilySearch:
 
     def tiebreak(self, stage: str) -> tuple[str, ...]:
         """The outputs that order a stage's tied candidates: y where the statistics are saved narrower than
-        computed (y, formed from them, shows more), so that the ties carried on are y's likeliest first."""
-        return ("y",) if stage in ("mean", "rsqrt") and self.narrow_stats and "y" in self.seen else ()
+        computed (y, formed from them, shows more), so that the ties carried on are y's likeliest first; dx and dγ
+        where the kernel saves none (their backward, from the statistics unrounded, shows what y's rounding hid)."""
+        if stage not in ("mean", "rsqrt"):
+            return ()
+        if "saved_rstd" not in self.seen:
+            return tuple(k for k in ("dx", "dgamma") if k in self.seen)
+        return ("y",) if self.narrow_stats and "y" in self.seen else ()
 
     def run(self, start: Policy, passes: int) -> Policy:
         total = passes * sum(len(list(space(start))) for space in self.spaces.values())
@@ -431,7 +436,8 @@ class _FamilySearch:
                 if self.progress is not None:
                     self.progress(self.evaluations, total)
                 sc = self.emu.score(cand, outs + keep, backward=back)
-                tb = self.emu.score(cand, self.tiebreak(stage), backward=back)
+                tie = self.tiebreak(stage)
+                tb = self.emu.score(cand, tie, backward=back or any(k in FAMILY_STAGES["backward"] for k in tie))
                 scored.append((sum(v.mismatches for v in sc.values()), max(v.max_ulps for v in sc.values()), cand,
                                sum(v.mismatches for v in tb.values())))
         best = min(scored, key=lambda t: (t[0], t[1]))
