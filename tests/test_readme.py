@@ -100,6 +100,9 @@ RUN = {
     # overflow's and shrink's pages: a family layer scanned row by row, and its failing input shrunk and replayed
     "bnprobe overflow --norm rms --adapter emulated:fp16-acc16 --shape 2,4,64 --std 40": None,
     "bnprobe shrink --norm layer --adapter emulated:fp16-acc16 --shape 2,8,256 --mean 30 --out shrunk-layer": None,
+    # the frameworks' own family layers: flax's GroupNorm, one-pass and two-pass (run by .ci/frameworks' jax stage)
+    "bnprobe compare-precision --adapters jax,jax:fast_variance=false --norm group --num-groups 32 --dtypes fp32 "
+    "--format md --out report-jax-group": "flax",
     # each command page's options, as its --help prints them
     **{f"bnprobe {command} --help": None for command in COMMANDS},
 }
