@@ -148,11 +148,12 @@ def _framework(name: str) -> tuple[Callable[[], str | None], Callable[[str], Ker
 
 # (name, description, options) of the other frameworks' adapters (bnprobe.adapters.frameworks imports none of them)
 _FRAMEWORKS = (
-    ("jax", "flax.linen.BatchNorm on JAX (flax's convention: biased running variance, k = 1 - m, autodiff)",
+    ("jax", "flax.linen.BatchNorm on JAX (flax's convention: biased running variance, k = 1 - m, autodiff); "
+     "LayerNorm, RMSNorm, GroupNorm, InstanceNorm",
      "fast_variance=true|false, force_float32=true|false"),
     ("tensorflow", "tf.nn.fused_batch_norm, FusedBatchNormV3 and its gradient op (NHWC, statistics in fp32)", ""),
     ("keras", "keras.layers.BatchNormalization under the float32 / mixed_float16 / mixed_bfloat16 / float16 / "
-     "bfloat16 policies", ""),
+     "bfloat16 policies; LayerNormalization, RMSNormalization, GroupNormalization", ""),
     ("paddle", "paddle.nn.functional.batch_norm (biased running variance, k = 1 - m; fp32 and fp64 on the CPU)", ""),
     ("mindspore", "mindspore.ops.BatchNorm in PyNative mode (unbiased running variance; fp32 and fp16 on the CPU)",
      ""),
