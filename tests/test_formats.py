@@ -117,3 +117,24 @@ def test_ulp_on_both_routes_against_frexp(name, jit, monkeypatch):
     got = f.ulp(v)
     assert got.shape == v.shape
     np.testing.assert_array_equal(got.reshape(-1), _ulp_oracle(v.reshape(-1), f))
+
+
+def test_ulps_apart_counts_the_format_s_values_between() -> None:
+    """Against counting: stepping with nextafter in float32 and float16, and fp32's bit patterns read by struct;
+    0 to 0.01 is ~10⁹ fp32 values apart (never |Δ|/smallest subnormal ≈ 10⁴³), ±0 the same place, NaN infinite."""
+    import struct
+
+    from bnprobe.core.formats import get_format
+
+    for fmt, dt in (("fp32", np.float32), ("fp16", np.float16)):
+        f = get_format(fmt)
+        for start in (dt(0), dt(-3e-3), dt(1.5), dt(-2.0)):
+            v, n = start, 0
+            for _ in range(37):
+                v, n = np.nextafter(v, dt(np.inf)), n + 1
+            assert f.ulps_apart(np.array([start]), np.array([v]))[0] == n
+    f32 = get_format("fp32")
+    bits = struct.unpack("<I", struct.pack("<f", 0.01))[0]
+    assert f32.ulps_apart(np.array([0.0]), np.array([np.float32(0.01)]))[0] == bits
+    assert f32.ulps_apart(np.array([-0.0, np.nan, 1.0]), np.array([0.0, 1.0, np.inf])).tolist() == [0, np.inf, np.inf]
+    assert get_format("bf16").ulps_apart(np.array([1.0]), np.array([1.0078125]))[0] == 1

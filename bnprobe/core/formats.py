@@ -66,6 +66,26 @@ class Format:
     def itemsize(self) -> int:
         return self.dtype.itemsize
 
+    def ulps_apart(self, a: Any, b: Any) -> np.ndarray:
+        """How many of this format's values lie between ``a`` and ``b`` (values of this format, in any float
+        dtype), element by element: the distance of their places in the format's ordered bit patterns (±0 the
+        same place); inf where either is NaN or infinite.  Bounded by the format's count of values — unlike
+        |a − b|/ulp(a), which at a = 0 divides by the smallest subnormal."""
+        a64, b64 = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+        uint = np.dtype(f"u{self.itemsize}")
+
+        def place(v: np.ndarray) -> np.ndarray:
+            with np.errstate(all="ignore"):
+                bits = np.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0).astype(self.dtype).view(uint)
+            bits = bits.astype(np.uint64)
+            sign = np.uint64(1) << np.uint64(8 * self.itemsize - 1)
+            mag = (bits & ~sign).astype(np.float64)
+            return np.where(bits & sign, -mag, mag)
+
+        with np.errstate(all="ignore"):
+            d = np.abs(place(a64) - place(b64))
+        return np.where(np.isfinite(a64) & np.isfinite(b64), d, np.inf)
+
     @property
     def torch_dtype(self) -> Any:
         """The matching ``torch.dtype``; raises if torch is missing or has none."""

@@ -253,10 +253,8 @@ class Score:
             same = ((got == cand) & (np.signbit(got) == np.signbit(cand))) | (np.isnan(got) & np.isnan(cand))
             n = int((~same).sum())
             if n:
-                diff = np.abs(got - cand)[~same]
-                ulp = get_format(fmt).ulp(np.abs(got[~same]))
-                u = np.where(np.isfinite(diff), diff / ulp, np.inf)
-                self.max_ulps = max(self.max_ulps, float(np.nanmax(np.where(np.isnan(u), np.inf, u))))
+                u = get_format(fmt).ulps_apart(got[~same], cand[~same])
+                self.max_ulps = max(self.max_ulps, float(np.max(u)))
         self.mismatches += n
 
     @property
