@@ -642,3 +642,13 @@ def dx_fast(dyc, xhat, xc, cols, formula, dst, off, lut):
             _put_range(rg, c, 1, _store(v0, dst, lut)[0], _store(v1, dst, lut)[0])
         _stored(cnt, c, 1, sub, lost)
     return cnt, rg, flag
+
+
+# the per-value helpers the family's kernels (compiled.family) share with these, by public names
+decode = _value
+encode = _store
+format_tiny = _tiny
+order_key = _key
+from_key = _unkey
+count_if = _count
+mark_if = _mark

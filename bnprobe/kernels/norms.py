@@ -54,6 +54,7 @@ from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
 from bnprobe.kernels.batchnorm import KernelRun, RunSetting, per_count
 from bnprobe.kernels.layout import FAMILY, NormShape, check_eps
+from bnprobe.kernels.norms_compiled import backward_rows, forward_rows, takes_compiled
 from bnprobe.kernels.policy import BACKWARD_FORMULAS, Policy, get_policy
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.arith import Arith, Tally, fma_wide
@@ -201,15 +202,20 @@ class _Kernel:
 
 def forward(x: Any, gamma: Any = None, beta: Any = None, *, shape: NormShape, eps: float = EPS,
             policy: str | Policy = "fp32", weight_offset: float = 0.0, keep_arrays: bool = True,
-            counters: bool = True) -> NormResult:
+            counters: bool = True, compiled: bool = True) -> NormResult:
     """The forward of the family layer ``shape`` names on x (γ defaults to 1; β to 0, none for RMSNorm), by
     ``policy``; the statistics per row as saved.  ``keep_arrays=False`` keeps the trace's counters and ranges only,
-    ``counters=False`` records no trace (the same outputs)."""
+    ``counters=False`` records no trace (the same outputs).  ``compiled=False`` keeps the call on numpy where the
+    compiled route would take it (bnprobe.kernels.norms_compiled: the same outputs and trace)."""
     pol = check_family_policy(get_policy(policy))
     eps = check_eps(eps)
     g = _parameter("gamma", gamma, shape, 1.0)
     b = _parameter("beta", beta, shape, None if shape.norm == "rms" else 0.0)
     k = _Kernel(pol, shape, keep_arrays, counters)
+    if compiled and takes_compiled(pol, shape.norm, math.prod(shape.shape), keep_arrays):
+        res = _forward_compiled(k, x, g, b, eps, weight_offset)
+        if res is not None:
+            return res
     run, acc, r = k.run, k.run.acc, shape.r
     with np.errstate(all="ignore"):
         xs = run.load("x", shape.to_rows(x), run.storage)
@@ -253,6 +259,63 @@ def forward(x: Any, gamma: Any = None, beta: Any = None, *, shape: NormShape, ep
     run.trace.meta.update(norm=shape.norm, mode="train", eps=eps, eps_effective=eps_added)
     out = shape.from_rows(np.asarray(y).astype(get_format(pol.storage).dtype))
     return NormResult(out, *saved, run.trace, k.param_trace)
+
+
+def _sub_shape(shape: NormShape, rows: np.ndarray) -> NormShape:
+    """The shape of a LayerNorm or RMSNorm call on ``rows`` rows of ``shape``'s alone."""
+    return NormShape(shape.norm, (int(rows.size),) + shape.normalized, shape.normalized)
+
+
+def _rows_of(a: Any, shape: NormShape, rows: np.ndarray) -> np.ndarray:
+    """Rows ``rows`` of x-shaped ``a`` (as given), shaped for :func:`_sub_shape`."""
+    return np.asarray(a).reshape(shape.rows, shape.r)[rows].reshape((int(rows.size),) + shape.normalized)
+
+
+def _forward_compiled(k: _Kernel, x: Any, g: np.ndarray, b: np.ndarray | None, eps: float,
+                      weight_offset: float) -> NormResult | None:
+    """The forward by the compiled route (bnprobe.kernels.norms_compiled), or None where it does not take x."""
+    pol, shape, run = k.pol, k.shape, k.run
+
+    def numpy_rows(rows: np.ndarray) -> NormResult:
+        return forward(_rows_of(x, shape, rows), g, b, shape=_sub_shape(shape, rows), eps=eps, policy=pol,
+                       weight_offset=weight_offset, keep_arrays=False, counters=run.counting, compiled=False)
+    with np.errstate(all="ignore"):
+        ga = k.gamma(g, weight_offset)
+        res = forward_rows(k, x, ga, None if b is None else run.param(b), eps, numpy_rows)
+    if res is None:
+        return None
+    res.trace.meta.update(norm=shape.norm, mode="train", eps=eps, eps_effective=res.eps_added)
+    return NormResult(res.y, *res.saved, res.trace, k.param_trace)
+
+
+def _backward_compiled(k: _Kernel, dy: Any, x: Any, g: np.ndarray, mean: Any, rstd: Any,
+                       weight_offset: float) -> NormGradients | None:
+    """The standard backward by the compiled route (bnprobe.kernels.norms_compiled), or None where it does not take
+    dy and x."""
+    pol, shape, run = k.pol, k.shape, k.run
+    acc, params = run.acc, run.params
+    stats = params if pol.saved_format is None else Arith(pol.saved_format, pol.spec, run.rng)
+    with np.errstate(all="ignore"):
+        mu = None if mean is None else acc.round(stats.round(np.asarray(mean, dtype=np.float64).reshape(-1)))
+        inv = acc.round(stats.round(np.asarray(rstd, dtype=np.float64).reshape(-1)))
+
+    def numpy_rows(rows: np.ndarray) -> NormGradients:
+        sub = _sub_shape(shape, rows)
+        return backward(_rows_of(dy, shape, rows), _rows_of(x, shape, rows), g,
+                        None if mean is None else np.asarray(mean).reshape(-1)[rows],
+                        np.asarray(rstd).reshape(-1)[rows], shape=sub, policy=pol, weight_offset=weight_offset,
+                        keep_arrays=False, counters=run.counting, compiled=False)
+    with np.errstate(all="ignore"):
+        ga = k.gamma(g, weight_offset)
+        res = backward_rows(k, dy, x, ga, mu, inv, numpy_rows)
+        if res is None:
+            return None
+        dgamma = k.record_param("dgamma", params, res.dgamma[0], res.dgamma[1])
+        dbeta = None if res.dbeta is None else k.record_param("dbeta", params, res.dbeta[0], res.dbeta[1])
+    res.trace.meta.update(norm=shape.norm, mode="backward")
+    pshape, dt = shape.param_shape, params.fmt.dtype
+    return NormGradients(res.dx, dgamma.astype(dt).reshape(pshape),
+                         None if dbeta is None else dbeta.astype(dt).reshape(pshape), res.trace, k.param_trace)
 
 
 def _applied_rstd(k: _Kernel, rstd: np.ndarray) -> np.ndarray:
@@ -317,9 +380,10 @@ def _normalise(k: _Kernel, xs: np.ndarray, mean: np.ndarray | None, rstd: np.nda
 
 
 def backward(dy: Any, x: Any, gamma: Any, mean: Any, rstd: Any, *, shape: NormShape, policy: str | Policy = "fp32",
-             weight_offset: float = 0.0, keep_arrays: bool = True, counters: bool = True) -> NormGradients:
+             weight_offset: float = 0.0, keep_arrays: bool = True, counters: bool = True,
+             compiled: bool = True) -> NormGradients:
     """dx, dγ and dβ of the family layer ``shape`` names, from the statistics its forward saved (``mean`` per row,
-    None for RMSNorm; ``rstd`` per row), by ``policy``."""
+    None for RMSNorm; ``rstd`` per row), by ``policy``; ``compiled`` as :func:`forward`'s."""
     pol = check_family_policy(get_policy(policy))
     if np.shape(dy) != shape.shape:
         raise BNProbeError(f"dy has shape {list(np.shape(dy))} but x has shape {list(shape.shape)}")
@@ -330,6 +394,10 @@ def backward(dy: Any, x: Any, gamma: Any, mean: Any, rstd: Any, *, shape: NormSh
             raise BNProbeError(f"saved {name} must be {want}, got {'none' if v is None else np.size(v)}")
     g = _parameter("gamma", gamma, shape, 1.0)
     k = _Kernel(pol, shape, keep_arrays, counters)
+    if compiled and takes_compiled(pol, shape.norm, math.prod(shape.shape), keep_arrays):
+        res = _backward_compiled(k, dy, x, g, mean, rstd, weight_offset)
+        if res is not None:
+            return res
     run, acc, comp, r = k.run, k.run.acc, k.run.comp, shape.r
     with np.errstate(all="ignore"):
         dys = run.load("dy", shape.to_rows(dy), run.storage)
