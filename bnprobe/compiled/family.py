@@ -50,8 +50,11 @@ def _lost(p, a, b):
 
 
 @njit(**_opts)
-def _halve(buf, p):
-    """The pairwise tree's halving of buf[:p] (p a power of two): buf[0] is the sum."""
+def _tree(buf, n, p):
+    """The pairwise tree's sum of buf[:n] (p the largest power of two <= n): buf[i] + buf[i + p] for i < n - p, then
+    halves added until one is left (buf is overwritten)."""
+    for i in range(n - p):
+        buf[i] = buf[i] + buf[i + p]
     h = p
     while h > 1:
         h //= 2
@@ -85,7 +88,7 @@ def layer_sums(xv, lut, p):
     cnt, rg = _new(rows, 1)
     tiny = format_tiny(xv)
     for r in prange(rows):
-        buf = np.empty(p, dtype=np.float32)
+        buf = np.empty(n, dtype=np.float32)
         klo, khi, sub, bad = _KEY_LO, _KEY_HI, _I0, _I0
         for i in range(n):
             v = np.float32(decode(xv[r, i], lut))
@@ -93,11 +96,8 @@ def layer_sums(xv, lut, p):
             klo, khi = min(klo, k), max(khi, k)
             bad = mark_if(bad, abs(v) > _F32_MAX)
             sub = count_if(sub, (abs(v) < tiny) & (v != 0))
-            if i < p:
-                buf[i] = v
-            else:
-                buf[i - p] = buf[i - p] + v
-        s = _halve(buf, p)
+            buf[i] = v
+        s = _tree(buf, n, p)
         sums[r] = s
         flag[r] = bad | (abs(s) > _F32_MAX)
         cnt[r, 0, 0] = sub
@@ -113,18 +113,15 @@ def deviation_sums(xv, lut, p, mean):
     sums = np.empty(rows, dtype=np.float32)
     flag = np.zeros(rows, dtype=np.int64)
     for r in prange(rows):
-        buf = np.empty(p, dtype=np.float32)
+        buf = np.empty(n, dtype=np.float32)
         m = mean[r]
         bad = _I0
         for i in range(n):
             d = np.float32(decode(xv[r, i], lut)) - m
             q = d * d
             bad = mark_if(bad, _lost(q, d, d) | (abs(q) > _F32_MAX))
-            if i < p:
-                buf[i] = q
-            else:
-                buf[i - p] = buf[i - p] + q
-        s = _halve(buf, p)
+            buf[i] = q
+        s = _tree(buf, n, p)
         sums[r] = s
         flag[r] = bad | (abs(s) > _F32_MAX)
     return sums, flag
@@ -140,7 +137,7 @@ def rms_sums(xv, lut, p):
     cnt, rg = _new(rows, 2)
     tiny = format_tiny(xv)
     for r in prange(rows):
-        buf = np.empty(p, dtype=np.float32)
+        buf = np.empty(n, dtype=np.float32)
         klo, khi, qlo, qhi, sub, bad = _KEY_LO, _KEY_HI, _KEY_LO, _KEY_HI, _I0, _I0
         for i in range(n):
             v = np.float32(decode(xv[r, i], lut))
@@ -149,11 +146,8 @@ def rms_sums(xv, lut, p):
             klo, khi, qlo, qhi = min(klo, k), max(khi, k), min(qlo, kq), max(qhi, kq)
             bad = mark_if(bad, (abs(v) > _F32_MAX) | _lost(q, v, v) | (abs(q) > _F32_MAX))
             sub = count_if(sub, (abs(v) < tiny) & (v != 0))
-            if i < p:
-                buf[i] = q
-            else:
-                buf[i - p] = buf[i - p] + q
-        s = _halve(buf, p)
+            buf[i] = q
+        s = _tree(buf, n, p)
         sums[r] = s
         flag[r] = bad | (abs(s) > _F32_MAX)
         cnt[r, 0, 0] = sub
@@ -171,21 +165,21 @@ def normalise_rows(xv, lut, mean, centre, rstd, gamma, beta, add, yv):
     flag = np.zeros(rows, dtype=np.int64)
     cnt, rg = _new(rows, 4)
     tiny = format_tiny(yv)
+    zero = np.float32(0.0)
     for r in prange(rows):
-        m, s = mean[r], rstd[r]
+        m = mean[r] if centre else zero
+        s = rstd[r]
         k0lo, k0hi, k1lo, k1hi, k2lo, k2hi, k3lo, k3hi = (_KEY_LO, _KEY_HI, _KEY_LO, _KEY_HI, _KEY_LO, _KEY_HI,
                                                           _KEY_LO, _KEY_HI)
         sub, lost, bad = _I0, _I0, _I0
         for i in range(n):
             x = np.float32(decode(xv[r, i], lut))
-            c = x - m if centre else x
+            c = x - m  # (x − 0 is x: RMSNorm's x̂ = x·rstd)
             xh = c * s
             g = gamma[i]
-            a = xh * g
-            bad = mark_if(bad, ~_ok32(c) | ~_ok32(xh) | _lost(xh, c, s) | _lost(a, xh, g))
-            if add:
-                a = a + beta[i]
-            bad = mark_if(bad, ~_ok32(a))
+            p = xh * g
+            a = p + beta[i] if add else p
+            bad = mark_if(bad, ~_ok32(c) | ~_ok32(xh) | _lost(xh, c, s) | _lost(p, xh, g) | ~_ok32(a))
             yf, yb = encode(a, yv, lut)
             yv[r, i] = yb
             bad = mark_if(bad, abs(yf) > _F32_MAX)
@@ -214,139 +208,196 @@ def backward_sums(dyv, xv, lut, mean, centre, inv, gamma, p, with_g):
     flag = np.zeros(rows, dtype=np.int64)
     cnt, rg = _new(rows, 5)
     tiny = format_tiny(xv)
+    zero = np.float32(0.0)
     for r in prange(rows):
-        b1 = np.empty(p, dtype=np.float32)
-        b2 = np.empty(p, dtype=np.float32)
-        m, s = mean[r], inv[r]
-        lo = np.full(5, _KEY_LO, dtype=np.int32)
-        hi = np.full(5, _KEY_HI, dtype=np.int32)
+        b1 = np.empty(n, dtype=np.float32)
+        b2 = np.empty(n, dtype=np.float32)
+        m = mean[r] if centre else zero
+        s = inv[r]
+        l0, h0, l1, h1, l2, h2, l3, h3, l4, h4 = (_KEY_LO, _KEY_HI, _KEY_LO, _KEY_HI, _KEY_LO, _KEY_HI, _KEY_LO,
+                                                  _KEY_HI, _KEY_LO, _KEY_HI)
         sdy, sx, bad = _I0, _I0, _I0
         for i in range(n):
             dy = np.float32(decode(dyv[r, i], lut))
             x = np.float32(decode(xv[r, i], lut))
-            c = x - m if centre else x
+            c = x - m
             xh = c * s
-            g = dy * gamma[i]
+            gm = gamma[i]
+            g = dy * gm
             t = g * xh
             bad = mark_if(bad, (abs(dy) > _F32_MAX) | (abs(x) > _F32_MAX) | ~_ok32(c) | ~_ok32(xh) | ~_ok32(g)
-                          | ~_ok32(t) | _lost(xh, c, s) | _lost(g, dy, gamma[i]) | _lost(t, g, xh))
+                          | ~_ok32(t) | _lost(xh, c, s) | _lost(g, dy, gm) | _lost(t, g, xh))
             sdy = count_if(sdy, (abs(dy) < tiny) & (dy != 0))
             sx = count_if(sx, (abs(x) < tiny) & (x != 0))
             k0, k1, k2, k3, k4 = order_key(dy), order_key(x), order_key(c), order_key(xh), order_key(g)
-            lo[0], hi[0] = min(lo[0], k0), max(hi[0], k0)
-            lo[1], hi[1] = min(lo[1], k1), max(hi[1], k1)
-            lo[2], hi[2] = min(lo[2], k2), max(hi[2], k2)
-            lo[3], hi[3] = min(lo[3], k3), max(hi[3], k3)
-            lo[4], hi[4] = min(lo[4], k4), max(hi[4], k4)
-            if i < p:
-                b1[i] = t
-                b2[i] = g
-            else:
-                b1[i - p] = b1[i - p] + t
-                b2[i - p] = b2[i - p] + g
-        s1 = _halve(b1, p)
+            l0, h0, l1, h1 = min(l0, k0), max(h0, k0), min(l1, k1), max(h1, k1)
+            l2, h2, l3, h3 = min(l2, k2), max(h2, k2), min(l3, k3), max(h3, k3)
+            l4, h4 = min(l4, k4), max(h4, k4)
+            b1[i] = t
+            b2[i] = g
+        s1 = _tree(b1, n, p)
         sgx[r] = s1
         bad = mark_if(bad, abs(s1) > _F32_MAX)
         if with_g:
-            s2 = _halve(b2, p)
+            s2 = _tree(b2, n, p)
             sg[r] = s2
             bad = mark_if(bad, abs(s2) > _F32_MAX)
         flag[r] = bad
         cnt[r, 0, 0], cnt[r, 1, 0] = sdy, sx
-        for j in range(5):
-            _range(rg, r, j, lo[j], hi[j])
+        _range(rg, r, 0, l0, h0)
+        _range(rg, r, 1, l1, h1)
+        _range(rg, r, 2, l2, h2)
+        _range(rg, r, 3, l3, h3)
+        _range(rg, r, 4, l4, h4)
     return sgx, sg, cnt, rg, flag
 
 
+@njit(**_opts)
+def _dx_row(dyv, xv, lut, r, m, s, a2, a1, centre, gamma, dxv, tg, tb, cnt, rg, flag, tiny):
+    """dx of row r into dxv, its stages dx_compute and dx counted; the row's terms of dγ (dy·x̂) and dβ (dy) added
+    to tg and tb (from zero when tg is fresh: ``flag`` -1)."""
+    n = xv.shape[1]
+    klo, khi, dlo, dhi, sub, lost, bad = _KEY_LO, _KEY_HI, _KEY_LO, _KEY_HI, _I0, _I0, _I0
+    for i in range(n):
+        dy = np.float32(decode(dyv[r, i], lut))
+        x = np.float32(decode(xv[r, i], lut))
+        xh = (x - m) * s
+        g = dy * gamma[i]
+        t = xh * a2
+        d0 = g - t
+        d = d0 - a1 if centre else d0
+        dc = d * s
+        bad = mark_if(bad, ~_ok32(t) | ~_ok32(d) | ~_ok32(dc) | _lost(t, xh, a2) | _lost(dc, d, s))
+        df, db = encode(dc, dxv, lut)
+        dxv[r, i] = db
+        bad = mark_if(bad, abs(df) > _F32_MAX)
+        sub = count_if(sub, (abs(df) < tiny) & (df != 0))
+        lost = count_if(lost, (df == 0) & (dc != 0))
+        k1, k2 = order_key(dc), order_key(df)
+        klo, khi, dlo, dhi = min(klo, k1), max(khi, k1), min(dlo, k2), max(dhi, k2)
+        tg[i] = dy * xh
+        tb[i] = dy
+    flag[r] = bad
+    cnt[r, 1, 0], cnt[r, 1, 1] = sub, lost
+    _range(rg, r, 0, klo, khi)
+    _range(rg, r, 1, dlo, dhi)
+
+
+@njit(**_opts)
+def _bitrev(j, bits):
+    out = 0
+    for _ in range(bits):
+        out = (out << 1) | (j & 1)
+        j >>= 1
+    return out
+
+
 @njit(parallel=True, **_opts)
-def backward_dx(dyv, xv, lut, mean, centre, inv, gamma, m2, m1, dxv):
+def backward_dx(dyv, xv, lut, mean, centre, inv, gamma, m2, m1, dxv, parts):
     """dx of each row into dxv (bits of the storage format): x̂ and g = dy·γ formed again, d = g − x̂·m2 (− m1 where
     ``centre``), dx = d·rstd stored; the stages dx_compute and dx (counts of dx's subnormals and values lost to
-    zero): (cnt, rg, flag)."""
+    zero); and in the same pass dγ = Σ over the rows of dy·x̂ and dβ = Σ dy per column by the pairwise tree over
+    the rows (numerics.reduce.tree_sum): (cnt, rg, flag, dγ, dβ).
+
+    That tree adds row i to row i + P/2 first (P the largest power of two <= rows, after rows P.. were added onto
+    the first ones), so it is the tree of contiguous halves over the rows in bit-reversed order: the rows are taken
+    in that order, ``parts`` (a power of two) contiguous runs of it in parallel, each summed by a stack of partial
+    sums (a binary counter: each completed pair of halves added left + right), the parts' sums then added in
+    adjacent pairs.  No addition of finite binary32 values underflows and an overflow cannot be undone: a column
+    whose sum is finite had no event (the caller sums the others again, counting)."""
     rows, n = xv.shape
     flag = np.zeros(rows, dtype=np.int64)
     cnt, rg = _new(rows, 2)
     tiny = format_tiny(dxv)
-    for r in prange(rows):
-        m, s, a2, a1 = mean[r], inv[r], m2[r], m1[r]
-        klo, khi, dlo, dhi, sub, lost, bad = _KEY_LO, _KEY_HI, _KEY_LO, _KEY_HI, _I0, _I0, _I0
-        for i in range(n):
-            dy = np.float32(decode(dyv[r, i], lut))
-            x = np.float32(decode(xv[r, i], lut))
-            c = x - m if centre else x
-            xh = c * s
-            g = dy * gamma[i]
-            t = xh * a2
-            d = g - t
-            if centre:
-                d = d - a1
-            dc = d * s
-            bad = mark_if(bad, ~_ok32(t) | ~_ok32(d) | ~_ok32(dc) | _lost(t, xh, a2) | _lost(dc, d, s))
-            df, db = encode(dc, dxv, lut)
-            dxv[r, i] = db
-            bad = mark_if(bad, abs(df) > _F32_MAX)
-            sub = count_if(sub, (abs(df) < tiny) & (df != 0))
-            lost = count_if(lost, (df == 0) & (dc != 0))
-            k1, k2 = order_key(dc), order_key(df)
-            klo, khi, dlo, dhi = min(klo, k1), max(khi, k1), min(dlo, k2), max(dhi, k2)
-        flag[r] = bad
-        cnt[r, 1, 0], cnt[r, 1, 1] = sub, lost
-        _range(rg, r, 0, klo, khi)
-        _range(rg, r, 1, dlo, dhi)
-    return cnt, rg, flag
-
-
-@njit(**_opts)
-def _add_counted(a, b, over):
-    """a + b in binary32, with over + 1 where finite addends overflowed."""
-    s = a + b
-    if abs(s) > _F32_MAX and abs(a) <= _F32_MAX and abs(b) <= _F32_MAX:
-        over += 1
-    return s, over
+    zero = np.float32(0.0)
+    bits = 0
+    while (2 << bits) <= rows:
+        bits += 1
+    p = 1 << bits
+    per = p // parts
+    levels = 0
+    while (1 << levels) < per:
+        levels += 1
+    res_g = np.empty((parts, n), dtype=np.float32)
+    res_b = np.empty((parts, n), dtype=np.float32)
+    for part in prange(parts):
+        sg = np.empty((levels + 1, n), dtype=np.float32)
+        sb = np.empty((levels + 1, n), dtype=np.float32)
+        tg = np.empty(n, dtype=np.float32)
+        tb = np.empty(n, dtype=np.float32)
+        ug = np.empty(n, dtype=np.float32)
+        ub = np.empty(n, dtype=np.float32)
+        for jj in range(per):
+            i = _bitrev(part * per + jj, bits)
+            _dx_row(dyv, xv, lut, i, mean[i] if centre else zero, inv[i], m2[i], m1[i], centre, gamma, dxv, tg, tb,
+                    cnt, rg, flag, tiny)
+            if i + p < rows:  # the leaf is row i + row i + P
+                k = i + p
+                _dx_row(dyv, xv, lut, k, mean[k] if centre else zero, inv[k], m2[k], m1[k], centre, gamma, dxv,
+                        ug, ub, cnt, rg, flag, tiny)
+                for c in range(n):
+                    tg[c] = tg[c] + ug[c]
+                    tb[c] = tb[c] + ub[c]
+            level = 0
+            while (jj >> level) & 1:
+                for c in range(n):
+                    tg[c] = sg[level, c] + tg[c]
+                    tb[c] = sb[level, c] + tb[c]
+                level += 1
+            sg[level, :] = tg
+            sb[level, :] = tb
+        res_g[part, :] = sg[levels]
+        res_b[part, :] = sb[levels]
+    h = parts
+    while h > 1:
+        h //= 2
+        for k in range(h):
+            for c in range(n):
+                res_g[k, c] = res_g[2 * k, c] + res_g[2 * k + 1, c]
+                res_b[k, c] = res_b[2 * k, c] + res_b[2 * k + 1, c]
+    return cnt, rg, flag, res_g[0].copy(), res_b[0].copy()
 
 
 @njit(parallel=True, **_opts)
 def param_sums(dyv, xv, lut, mean, centre, inv, p, with_beta, width):
     """dγ = Σ over the rows of dy·x̂ (each product rounded to binary32) and dβ = Σ dy (``with_beta``) for each
-    column, by the pairwise tree over the rows, columns in blocks of ``width`` in parallel; with the overflows
-    of each column's additions: (dγ, dβ, overflows of dγ, of dβ)."""
+    column, by the pairwise tree over the rows, columns in blocks of ``width`` in parallel: (dγ, dβ).  No addition
+    of finite binary32 values underflows, and an overflow cannot be undone: a column whose sum is finite had no
+    event (the caller sums the others again, counting)."""
     rows, n = xv.shape
     dg = np.zeros(n, dtype=np.float32)
     dbt = np.zeros(n, dtype=np.float32)
-    og = np.zeros(n, dtype=np.int64)
-    ob = np.zeros(n, dtype=np.int64)
     blocks = -(-n // width)
+    zero = np.float32(0.0)
     for blk in prange(blocks):
         c0 = blk * width
         w = min(width, n - c0)
         bg = np.empty((p, w), dtype=np.float32)
         bb = np.empty((p, w), dtype=np.float32)
-        cg = np.zeros(w, dtype=np.int64)
-        cb = np.zeros(w, dtype=np.int64)
         for r in range(rows):
-            m, s = mean[r], inv[r]
+            m = mean[r] if centre else zero
+            s = inv[r]
             q = r if r < p else r - p
-            for j in range(w):
-                dy = np.float32(decode(dyv[r, c0 + j], lut))
-                x = np.float32(decode(xv[r, c0 + j], lut))
-                c = x - m if centre else x
-                t = dy * (c * s)
-                if r < p:
-                    bg[q, j] = t
+            if r < p:
+                for j in range(w):
+                    dy = np.float32(decode(dyv[r, c0 + j], lut))
+                    bg[q, j] = dy * ((np.float32(decode(xv[r, c0 + j], lut)) - m) * s)
                     bb[q, j] = dy
-                else:
-                    bg[q, j], cg[j] = _add_counted(bg[q, j], t, cg[j])
-                    if with_beta:
-                        bb[q, j], cb[j] = _add_counted(bb[q, j], dy, cb[j])
+            else:
+                for j in range(w):
+                    dy = np.float32(decode(dyv[r, c0 + j], lut))
+                    bg[q, j] = bg[q, j] + dy * ((np.float32(decode(xv[r, c0 + j], lut)) - m) * s)
+                    bb[q, j] = bb[q, j] + dy
         h = p
         while h > 1:
             h //= 2
             for i in range(h):
                 for j in range(w):
-                    bg[i, j], cg[j] = _add_counted(bg[i, j], bg[i + h, j], cg[j])
-                    if with_beta:
-                        bb[i, j], cb[j] = _add_counted(bb[i, j], bb[i + h, j], cb[j])
+                    bg[i, j] = bg[i, j] + bg[i + h, j]
+                if with_beta:
+                    for j in range(w):
+                        bb[i, j] = bb[i, j] + bb[i + h, j]
         for j in range(w):
-            dg[c0 + j], og[c0 + j] = bg[0, j], cg[j]
-            dbt[c0 + j], ob[c0 + j] = bb[0, j], cb[j]
-    return dg, dbt, og, ob
+            dg[c0 + j] = bg[0, j]
+            dbt[c0 + j] = bb[0, j]
+    return dg, dbt

@@ -43,8 +43,9 @@ _FIXED = dict(compute="fp32", accumulate="fp32", order="pairwise", mean_by="divi
               threads=None, grad_sum_format=None, offset_format=None)
 # the bits a 16-bit tensor is held in (compiled.fast's tags)
 _BITS = {"float16": np.uint16, "bfloat16": np.int16, "float32": np.float32}
-# the column blocks dγ's and dβ's sums take: each block holds two (P, width) float32 buffers
-_PARAM_WIDTH = 64
+# the runs of rows the backward's dγ and dβ sums take in parallel (compiled.family.backward_dx): a power of two,
+# several per thread so that the threads finish together
+_PARTS = 16
 _SUBNORMAL, _UNDERFLOW = COUNTERS.index("subnormal"), COUNTERS.index("underflow")
 
 
@@ -266,10 +267,9 @@ def backward_rows(k: Any, dy: Any, x: Any, gamma: np.ndarray, mu: np.ndarray | N
         m1 = acc.div(sum_g, float(r)) if layer else np.zeros(rows)
         dx = np.empty(shape.shape, dtype=get_format(pol.storage).dtype)
         dxv = dx.reshape(rows, r).view(_BITS[dx.dtype.name])
-        cnt2, rg2, flag2 = _call("backward_dx", dyv, xv, lut, m32, layer, i32, g32, m2.astype(np.float32),
-                                 m1.astype(np.float32), dxv)
-        rp = 1 << (rows.bit_length() - 1)
-        dg, db, og, ob = _call("param_sums", dyv, xv, lut, m32, layer, i32, rp, layer, _PARAM_WIDTH)
+        parts = min(_PARTS, 1 << (rows.bit_length() - 1))
+        cnt2, rg2, flag2, dg, db = _call("backward_dx", dyv, xv, lut, m32, layer, i32, g32, m2.astype(np.float32),
+                                         m1.astype(np.float32), dxv, parts)
     bad_rows = (flag | flag2).astype(bool) | _fp32_clean(sum_gx, m2, *((sum_g, m1) if layer else ()))
     ok, bad = np.flatnonzero(~bad_rows), np.flatnonzero(bad_rows)
     rec = _Recorder(ok, r, run.counting)
@@ -289,25 +289,23 @@ def backward_rows(k: Any, dy: Any, x: Any, gamma: np.ndarray, mu: np.ndarray | N
         dx.reshape(rows, r)[bad] = np.asarray(sub.dx).reshape(bad.size, r)
         trace = _merge(rows, ok, rec.trace, bad, sub.trace)
 
-    dgamma, dbeta = _sums(dg, og), _sums(db, ob)
-    nan = np.flatnonzero(np.isnan(dg) | (np.isnan(db) if layer else False))
-    if nan.size:
-        _nan_columns(k, xs[0], dys[0], mu, inv, nan, dgamma, dbeta if layer else None)
+    dgamma, dbeta = _sums(dg), _sums(db)
+    odd = np.flatnonzero(~np.isfinite(dg) | (~np.isfinite(db) if layer else False))
+    if odd.size:
+        _odd_columns(k, xs[0], dys[0], mu, inv, odd, dgamma, dbeta if layer else None)
     return CompiledBackward(dx, dgamma, dbeta if layer else None, trace)
 
 
-def _sums(values: np.ndarray, over: np.ndarray) -> tuple[np.ndarray, Tally]:
-    """A kernel's column sums as float64, with their additions' overflows as a tally."""
-    t = Tally(values.size)
-    t.counts["overflow"] += over
-    return values.astype(np.float64), t
+def _sums(values: np.ndarray) -> tuple[np.ndarray, Tally]:
+    """A kernel's finite column sums as float64, with their tally (no event: see compiled.family.param_sums)."""
+    return values.astype(np.float64), Tally(values.size)
 
 
-def _nan_columns(k: Any, xa: np.ndarray, dya: np.ndarray, mu: np.ndarray | None, inv: np.ndarray, cols: np.ndarray,
+def _odd_columns(k: Any, xa: np.ndarray, dya: np.ndarray, mu: np.ndarray | None, inv: np.ndarray, cols: np.ndarray,
                  dgamma: tuple[np.ndarray, Tally], dbeta: tuple[np.ndarray, Tally] | None) -> None:
-    """dγ's and dβ's sums of columns ``cols`` (where one is NaN) again by the numpy route's operations, in place:
-    which of two NaNs an addition keeps is the compiler's choice, so a NaN's bits are numpy's only when numpy forms
-    it."""
+    """dγ's and dβ's sums of columns ``cols`` (where one is not finite) again by the numpy route's operations, in
+    place, counting their overflows; which of two NaNs an addition keeps is the compiler's choice, so a NaN's bits
+    are numpy's only when numpy forms it."""
     run, pol = k.run, k.pol
     acc, comp = run.acc, run.comp
     with np.errstate(all="ignore"):
