@@ -71,7 +71,7 @@ def emulated_times(norm: str, policy: str, shape: tuple[int, ...], rounds: int) 
     g = rng.standard_normal(shape[-1])
     b = rng.standard_normal(shape[-1]) if norm == "layer" else None
     sh = NormShape.of(norm, shape)
-    route = "compiled" if takes_compiled(get_policy(policy), norm, x.size, False) else "numpy"
+    route = "compiled" if takes_compiled(get_policy(policy), norm, x.size, shape[-1], False) else "numpy"
     times = []
     for _ in range(rounds + 1):
         tf, f = _timed(lambda: forward(x, g, b, shape=sh, policy=policy, keep_arrays=False))

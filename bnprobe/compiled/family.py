@@ -25,7 +25,7 @@ from numba import njit, prange
 from bnprobe.compiled.codes import JIT_OPTIONS as _opts
 from bnprobe.compiled.fast import count_if, decode, encode, format_tiny, from_key, mark_if, order_key
 
-__all__ = ["layer_sums", "deviation_sums", "rms_sums", "normalise_rows", "backward_sums", "backward_dx",
+__all__ = ["layer_sums", "rms_sums", "normalise_rows", "backward_sums", "backward_dx",
            "param_sums", "ROW_STAGES"]
 
 _F32_TINY = np.float32(1.1754943508222875e-38)
@@ -80,13 +80,18 @@ def _new(rows, stages):
 
 @njit(parallel=True, **_opts)
 def layer_sums(xv, lut, p):
-    """Σx of each row of x (its bits, (rows, n)) by the pairwise tree; the stage x's counts and range:
-    (sums float32 (rows,), cnt, rg, flag)."""
+    """Σx and Σ(x − mean)² of each row of x (its bits, (rows, n)) by the pairwise tree, mean = Σx / n in binary32
+    (one correctly rounded division, as the numpy route's float64 division rounded to fp32: n < 2^24), each
+    difference and square rounded; the stage x's counts and range: (Σx, mean, Σ(x − mean)², cnt, rg, flag), the
+    sums and mean float32 (rows,).  The row is read twice while it is in cache."""
     rows, n = xv.shape
     sums = np.empty(rows, dtype=np.float32)
+    means = np.empty(rows, dtype=np.float32)
+    devs = np.empty(rows, dtype=np.float32)
     flag = np.zeros(rows, dtype=np.int64)
     cnt, rg = _new(rows, 1)
     tiny = format_tiny(xv)
+    count = np.float32(n)
     for r in prange(rows):
         buf = np.empty(n, dtype=np.float32)
         klo, khi, sub, bad = _KEY_LO, _KEY_HI, _I0, _I0
@@ -98,33 +103,18 @@ def layer_sums(xv, lut, p):
             sub = count_if(sub, (abs(v) < tiny) & (v != 0))
             buf[i] = v
         s = _tree(buf, n, p)
-        sums[r] = s
-        flag[r] = bad | (abs(s) > _F32_MAX)
-        cnt[r, 0, 0] = sub
-        _range(rg, r, 0, klo, khi)
-    return sums, cnt, rg, flag
-
-
-@njit(parallel=True, **_opts)
-def deviation_sums(xv, lut, p, mean):
-    """Σ(x − mean)² of each row, every difference and square rounded to binary32, by the pairwise tree:
-    (sums, flag)."""
-    rows, n = xv.shape
-    sums = np.empty(rows, dtype=np.float32)
-    flag = np.zeros(rows, dtype=np.int64)
-    for r in prange(rows):
-        buf = np.empty(n, dtype=np.float32)
-        m = mean[r]
-        bad = _I0
+        m = s / count
         for i in range(n):
             d = np.float32(decode(xv[r, i], lut)) - m
             q = d * d
             bad = mark_if(bad, _lost(q, d, d) | (abs(q) > _F32_MAX))
             buf[i] = q
-        s = _tree(buf, n, p)
-        sums[r] = s
-        flag[r] = bad | (abs(s) > _F32_MAX)
-    return sums, flag
+        sq = _tree(buf, n, p)
+        sums[r], means[r], devs[r] = s, m, sq
+        flag[r] = bad | (abs(s) > _F32_MAX) | (abs(sq) > _F32_MAX)
+        cnt[r, 0, 0] = sub
+        _range(rg, r, 0, klo, khi)
+    return sums, means, devs, cnt, rg, flag
 
 
 @njit(parallel=True, **_opts)

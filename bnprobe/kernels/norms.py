@@ -212,7 +212,7 @@ def forward(x: Any, gamma: Any = None, beta: Any = None, *, shape: NormShape, ep
     g = _parameter("gamma", gamma, shape, 1.0)
     b = _parameter("beta", beta, shape, None if shape.norm == "rms" else 0.0)
     k = _Kernel(pol, shape, keep_arrays, counters)
-    if compiled and takes_compiled(pol, shape.norm, math.prod(shape.shape), keep_arrays):
+    if compiled and takes_compiled(pol, shape.norm, math.prod(shape.shape), shape.r, keep_arrays):
         res = _forward_compiled(k, x, g, b, eps, weight_offset)
         if res is not None:
             return res
@@ -394,7 +394,7 @@ def backward(dy: Any, x: Any, gamma: Any, mean: Any, rstd: Any, *, shape: NormSh
             raise BNProbeError(f"saved {name} must be {want}, got {'none' if v is None else np.size(v)}")
     g = _parameter("gamma", gamma, shape, 1.0)
     k = _Kernel(pol, shape, keep_arrays, counters)
-    if compiled and takes_compiled(pol, shape.norm, math.prod(shape.shape), keep_arrays):
+    if compiled and takes_compiled(pol, shape.norm, math.prod(shape.shape), shape.r, keep_arrays):
         res = _backward_compiled(k, dy, x, g, mean, rstd, weight_offset)
         if res is not None:
             return res

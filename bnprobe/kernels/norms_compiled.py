@@ -49,9 +49,10 @@ _PARTS = 16
 _SUBNORMAL, _UNDERFLOW = COUNTERS.index("subnormal"), COUNTERS.index("underflow")
 
 
-def takes_compiled(pol: Any, norm: str, elements: int, keep_arrays: bool) -> bool:
-    """Whether a family call of ``elements`` values takes the compiled route (see the module notes)."""
-    if keep_arrays or norm not in ("layer", "rms") or not jit_for(elements):
+def takes_compiled(pol: Any, norm: str, elements: int, r: int, keep_arrays: bool) -> bool:
+    """Whether a family call of ``elements`` values in rows of ``r`` takes the compiled route (see the module notes;
+    R below 2^24, which binary32 holds exactly)."""
+    if keep_arrays or norm not in ("layer", "rms") or not jit_for(elements) or r >= 1 << 24:
         return False
     if any(getattr(pol, name) != value for name, value in _FIXED.items()):
         return False
@@ -188,12 +189,8 @@ def forward_rows(k: Any, x: Any, gamma: np.ndarray, beta: np.ndarray | None, eps
     layer = shape.norm == "layer"
     with np.errstate(all="ignore"):
         if layer:
-            s32, cnt_x, rg_x, flag = _call("layer_sums", xv, lut, p)
-            s = s32.astype(np.float64)
-            mean = acc.round(s / r)
-            q32, flag2 = _call("deviation_sums", xv, lut, p, mean.astype(np.float32))
-            flag |= flag2
-            q = q32.astype(np.float64)
+            s32, m32, q32, cnt_x, rg_x, flag = _call("layer_sums", xv, lut, p)
+            s, mean, q = s32.astype(np.float64), m32.astype(np.float64), q32.astype(np.float64)
             var = acc.round(q / r)
             per_row = [s, mean, q, var]
         else:
