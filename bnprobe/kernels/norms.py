@@ -216,6 +216,7 @@ def forward(x: Any, gamma: Any = None, beta: Any = None, *, shape: NormShape, ep
         res = _forward_compiled(k, x, g, b, eps, weight_offset)
         if res is not None:
             return res
+        k = _Kernel(pol, shape, keep_arrays, counters)  # (afresh: the attempt may have recorded γ's offset)
     run, acc, r = k.run, k.run.acc, shape.r
     with np.errstate(all="ignore"):
         xs = run.load("x", shape.to_rows(x), run.storage)
@@ -284,7 +285,7 @@ def _forward_compiled(k: _Kernel, x: Any, g: np.ndarray, b: np.ndarray | None, e
         res = forward_rows(k, x, ga, None if b is None else run.param(b), eps, numpy_rows)
     if res is None:
         return None
-    res.trace.meta.update(norm=shape.norm, mode="train", eps=eps, eps_effective=res.eps_added)
+    res.trace.meta.update(norm=shape.norm, mode="train", eps=eps, eps_effective=res.eps_added, route="compiled")
     return NormResult(res.y, *res.saved, res.trace, k.param_trace)
 
 
@@ -312,7 +313,7 @@ def _backward_compiled(k: _Kernel, dy: Any, x: Any, g: np.ndarray, mean: Any, rs
             return None
         dgamma = k.record_param("dgamma", params, res.dgamma[0], res.dgamma[1])
         dbeta = None if res.dbeta is None else k.record_param("dbeta", params, res.dbeta[0], res.dbeta[1])
-    res.trace.meta.update(norm=shape.norm, mode="backward")
+    res.trace.meta.update(norm=shape.norm, mode="backward", route="compiled")
     pshape, dt = shape.param_shape, params.fmt.dtype
     return NormGradients(res.dx, dgamma.astype(dt).reshape(pshape),
                          None if dbeta is None else dbeta.astype(dt).reshape(pshape), res.trace, k.param_trace)
@@ -398,6 +399,7 @@ def backward(dy: Any, x: Any, gamma: Any, mean: Any, rstd: Any, *, shape: NormSh
         res = _backward_compiled(k, dy, x, g, mean, rstd, weight_offset)
         if res is not None:
             return res
+        k = _Kernel(pol, shape, keep_arrays, counters)  # (afresh: the attempt may have recorded γ's offset)
     run, acc, comp, r = k.run, k.run.acc, k.run.comp, shape.r
     with np.errstate(all="ignore"):
         dys = run.load("dy", shape.to_rows(dy), run.storage)

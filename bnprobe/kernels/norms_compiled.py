@@ -177,8 +177,8 @@ class CompiledBackward:
 def forward_rows(k: Any, x: Any, gamma: np.ndarray, beta: np.ndarray | None, eps: float,
                  numpy_rows: Callable[[np.ndarray], Any]) -> CompiledForward | None:
     """The forward of family kernel ``k`` (bnprobe.kernels.norms: its policy, shape and run) on x with γ as applied
-    (flat, rounded) and β (flat, rounded, or None), or None where x holds values of another format (the numpy route
-    takes the call).  ``numpy_rows(idx)``: the numpy route's forward (a NormResult) of rows ``idx`` alone."""
+    (flat, rounded) and β (flat, rounded, or None), or None where x holds values of another format or every row is
+    flagged (the numpy route takes the call).  ``numpy_rows(idx)``: the numpy route's forward (a NormResult) of rows ``idx`` alone."""
     pol, shape, run = k.pol, k.shape, k.run
     rows, r = shape.rows, shape.r
     xs = _stored(x, pol.storage, rows, r)
@@ -215,6 +215,8 @@ def forward_rows(k: Any, x: Any, gamma: np.ndarray, beta: np.ndarray | None, eps
     saved = (None if mean is None else par.round(mean).astype(dt), par.round(rstd).astype(dt),
              par.round(var).astype(dt))
     ok, bad = np.flatnonzero(~bad_rows), np.flatnonzero(bad_rows)
+    if not ok.size:  # every row flagged: the numpy route takes the call
+        return None
     rec = _Recorder(ok, r, run.counting)
     if layer:
         rec.element("x", pol.storage, cnt_x[:, 0], rg_x[:, 0])
@@ -245,7 +247,8 @@ def forward_rows(k: Any, x: Any, gamma: np.ndarray, beta: np.ndarray | None, eps
 def backward_rows(k: Any, dy: Any, x: Any, gamma: np.ndarray, mu: np.ndarray | None, inv: np.ndarray,
                   numpy_rows: Callable[[np.ndarray], Any]) -> CompiledBackward | None:
     """The standard backward of family kernel ``k`` from dy, x, γ as applied (flat, rounded) and the statistics as
-    the kernel reads them (accumulator values per row), or None where dy or x holds values of another format.
+    the kernel reads them (accumulator values per row), or None where dy or x holds values of another format (or
+    every row is flagged).
     ``numpy_rows(idx)``: the numpy route's backward (a NormGradients) of rows ``idx`` alone."""
     pol, shape, run = k.pol, k.shape, k.run
     rows, r = shape.rows, shape.r
@@ -269,6 +272,8 @@ def backward_rows(k: Any, dy: Any, x: Any, gamma: np.ndarray, mu: np.ndarray | N
                                          m1.astype(np.float32), dxv, parts)
     bad_rows = (flag | flag2).astype(bool) | _fp32_clean(sum_gx, m2, *((sum_g, m1) if layer else ()))
     ok, bad = np.flatnonzero(~bad_rows), np.flatnonzero(bad_rows)
+    if not ok.size:  # every row flagged: the numpy route takes the call
+        return None
     rec = _Recorder(ok, r, run.counting)
     names = ("dy", "x", "centered", "xhat", "dy_gamma")
     fmts = (pol.storage, pol.storage, "fp32", "fp32", "fp32")
