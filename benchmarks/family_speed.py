@@ -47,7 +47,7 @@ def torch_times(norm: str, shape: tuple[int, ...], rounds: int) -> tuple[float, 
             tf, y = _timed(lambda: F.layer_norm(x, (shape[-1],), w, b))
         else:
             tf, y = _timed(lambda: F.rms_norm(x, (shape[-1],), w, eps=1e-5))
-        tb, _ = _timed(lambda: y.backward(dy))
+        tb, _ = _timed(lambda y=y: y.backward(dy))
         best = [min(best[0], tf), min(best[1], tb)]
     return best[0], best[1]
 
@@ -75,7 +75,7 @@ def emulated_times(norm: str, policy: str, shape: tuple[int, ...], rounds: int) 
     times = []
     for _ in range(rounds + 1):
         tf, f = _timed(lambda: forward(x, g, b, shape=sh, policy=policy, keep_arrays=False))
-        tb, _ = _timed(lambda: backward(dy, x, g, f.mean, f.rstd, shape=sh, policy=policy, keep_arrays=False))
+        tb, _ = _timed(lambda f=f: backward(dy, x, g, f.mean, f.rstd, shape=sh, policy=policy, keep_arrays=False))
         times.append((tf, tb))
     warm = times[1:] or times
     return times[0], (min(t[0] for t in warm), min(t[1] for t in warm)), route

@@ -120,14 +120,17 @@ class PolicyAdapter(BaseAdapter):
     def _family_forward_impl(self, p: FamilyPrepared, *, eps: float) -> ForwardOutput:
         pol = self.policy(p, "train")  # type: ignore[arg-type]
         c = p.call
-        res = family_forward(p.x, p.gamma, p.beta, shape=p.shape, eps=eps, policy=pol, weight_offset=c.weight_offset,
-                             keep_arrays=self.keep_arrays, counters=self.counters)
+        # (x in its format's dtype: the compiled route reads it so, bnprobe.kernels.norms_compiled)
+        res = family_forward(self._tensor(p.x, p, pol), p.gamma, p.beta, shape=p.shape,  # type: ignore[arg-type]
+                             eps=eps, policy=pol, weight_offset=c.weight_offset, keep_arrays=self.keep_arrays,
+                             counters=self.counters)
         return ForwardOutput(res.y, Saved(res.mean, "invstd", res.rstd), None, None, res.trace,
                              {"policy": pol.describe(), "param_trace": res.param_trace})
 
     def _family_backward_impl(self, p: FamilyPrepared, dy: np.ndarray, saved: Saved, *, eps: float) -> BackwardOutput:
         pol = self.policy(p, "backward")  # type: ignore[arg-type]
-        res = family_backward(dy, p.x, p.gamma, saved.mean, saved.value, shape=p.shape, policy=pol,
+        res = family_backward(self._tensor(dy, p, pol), self._tensor(p.x, p, pol),  # type: ignore[arg-type]
+                              p.gamma, saved.mean, saved.value, shape=p.shape, policy=pol,
                               weight_offset=p.call.weight_offset, keep_arrays=self.keep_arrays,
                               counters=self.counters)
         meta = {"policy": pol.describe(), "param_trace": res.param_trace}

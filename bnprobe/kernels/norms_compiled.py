@@ -178,7 +178,8 @@ def forward_rows(k: Any, x: Any, gamma: np.ndarray, beta: np.ndarray | None, eps
                  numpy_rows: Callable[[np.ndarray], Any]) -> CompiledForward | None:
     """The forward of family kernel ``k`` (bnprobe.kernels.norms: its policy, shape and run) on x with γ as applied
     (flat, rounded) and β (flat, rounded, or None), or None where x holds values of another format or every row is
-    flagged (the numpy route takes the call).  ``numpy_rows(idx)``: the numpy route's forward (a NormResult) of rows ``idx`` alone."""
+    flagged (the numpy route takes the call).  ``numpy_rows(idx)``: the numpy route's forward (a NormResult) of rows
+    ``idx`` alone."""
     pol, shape, run = k.pol, k.shape, k.run
     rows, r = shape.rows, shape.r
     xs = _stored(x, pol.storage, rows, r)
