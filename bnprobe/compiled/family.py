@@ -25,15 +25,12 @@ from numba import njit, prange
 from bnprobe.compiled.codes import JIT_OPTIONS as _opts
 from bnprobe.compiled.fast import count_if, decode, encode, format_tiny, from_key, mark_if, order_key
 
-__all__ = ["layer_sums", "rms_sums", "normalise_rows", "backward_sums", "backward_dx",
-           "param_sums", "ROW_STAGES"]
+__all__ = ["layer_sums", "rms_sums", "normalise_rows", "backward"]
 
 _F32_TINY = np.float32(1.1754943508222875e-38)
 _F32_MAX = np.float32(3.4028234663852886e38)
 _KEY_LO, _KEY_HI = np.int32(np.iinfo(np.int32).max), np.int32(np.iinfo(np.int32).min)  # an empty range
 _I0 = np.int32(0)
-#: the columns of a kernel's per-row counts: the stage's subnormals, its values lost to zero
-ROW_STAGES = 2
 
 
 @njit(**_opts)
@@ -187,71 +184,51 @@ def normalise_rows(xv, lut, mean, centre, rstd, gamma, beta, add, yv):
     return cnt, rg, flag
 
 
-@njit(parallel=True, **_opts)
-def backward_sums(dyv, xv, lut, mean, centre, inv, gamma, p, with_g):
-    """The backward's first pass over each row: dy and x loaded, centered = x − mean (``centre``), x̂ =
-    centered·rstd, g = dy·γ, and Σ g·x̂ (each product rounded) and (``with_g``) Σ g by the pairwise tree; the
-    stages dy, x, centered, xhat, dy_gamma: (Σ g·x̂, Σ g, cnt, rg, flag)."""
-    rows, n = xv.shape
-    sgx = np.empty(rows, dtype=np.float32)
-    sg = np.zeros(rows, dtype=np.float32)
-    flag = np.zeros(rows, dtype=np.int64)
-    cnt, rg = _new(rows, 5)
-    tiny = format_tiny(xv)
-    zero = np.float32(0.0)
-    for r in prange(rows):
-        b1 = np.empty(n, dtype=np.float32)
-        b2 = np.empty(n, dtype=np.float32)
-        m = mean[r] if centre else zero
-        s = inv[r]
-        l0, h0, l1, h1, l2, h2, l3, h3, l4, h4 = (_KEY_LO, _KEY_HI, _KEY_LO, _KEY_HI, _KEY_LO, _KEY_HI, _KEY_LO,
-                                                  _KEY_HI, _KEY_LO, _KEY_HI)
-        sdy, sx, bad = _I0, _I0, _I0
-        for i in range(n):
-            dy = np.float32(decode(dyv[r, i], lut))
-            x = np.float32(decode(xv[r, i], lut))
-            c = x - m
-            xh = c * s
-            gm = gamma[i]
-            g = dy * gm
-            t = g * xh
-            bad = mark_if(bad, (abs(dy) > _F32_MAX) | (abs(x) > _F32_MAX) | ~_ok32(c) | ~_ok32(xh) | ~_ok32(g)
-                          | ~_ok32(t) | _lost(xh, c, s) | _lost(g, dy, gm) | _lost(t, g, xh))
-            sdy = count_if(sdy, (abs(dy) < tiny) & (dy != 0))
-            sx = count_if(sx, (abs(x) < tiny) & (x != 0))
-            k0, k1, k2, k3, k4 = order_key(dy), order_key(x), order_key(c), order_key(xh), order_key(g)
-            l0, h0, l1, h1 = min(l0, k0), max(h0, k0), min(l1, k1), max(h1, k1)
-            l2, h2, l3, h3 = min(l2, k2), max(h2, k2), min(l3, k3), max(h3, k3)
-            l4, h4 = min(l4, k4), max(h4, k4)
-            b1[i] = t
-            b2[i] = g
-        s1 = _tree(b1, n, p)
-        sgx[r] = s1
-        bad = mark_if(bad, abs(s1) > _F32_MAX)
-        if with_g:
-            s2 = _tree(b2, n, p)
-            sg[r] = s2
-            bad = mark_if(bad, abs(s2) > _F32_MAX)
-        flag[r] = bad
-        cnt[r, 0, 0], cnt[r, 1, 0] = sdy, sx
-        _range(rg, r, 0, l0, h0)
-        _range(rg, r, 1, l1, h1)
-        _range(rg, r, 2, l2, h2)
-        _range(rg, r, 3, l3, h3)
-        _range(rg, r, 4, l4, h4)
-    return sgx, sg, cnt, rg, flag
+@njit(**_opts)
+def _ends(rg, r, j, a, b):
+    """Stage j's range from its values at the two ends of the range of the value it is monotone in (a correctly
+    rounded x − c, x·c and a rounding to a format never reverse the order of two values: a product by a negative c
+    turns it round, whence min and max)."""
+    rg[r, j, 0], rg[r, j, 1] = min(a, b), max(a, b)
 
 
 @njit(**_opts)
-def _dx_row(dyv, xv, lut, r, m, s, a2, a1, centre, gamma, dxv, tg, tb, cnt, rg, flag, tiny):
-    """dx of row r into dxv, its stages dx_compute and dx counted; the row's terms of dγ (dy·x̂) and dβ (dy) added
-    to tg and tb (from zero when tg is fresh: ``flag`` -1)."""
+def _back_row(dyv, xv, lut, r, m, s, centre, gamma, count, dxv, b1, b2, tg, tb, per_row, cnt, rg, flag, tiny):
+    """Row r of the backward: Σ g·x̂ and Σ g (g = dy·γ, x̂ = (x − mean)·rstd, RMSNorm x·rstd) by the pairwise tree,
+    m2 = Σ g·x̂ / R and m1 = Σ g / R (one correctly rounded binary32 division each: R < 2^24), then (the row in
+    cache) dx = ((g − x̂·m2) − m1)·rstd stored into dxv; per_row[r] gets (Σ g·x̂, Σ g, m2, m1), tg and tb the row's
+    terms of dγ (dy·x̂) and dβ (dy).  Stages dy, x, centered, xhat, dy_gamma, dx_compute, dx."""
     n = xv.shape[1]
-    klo, khi, dlo, dhi, sub, lost, bad = _KEY_LO, _KEY_HI, _KEY_LO, _KEY_HI, _I0, _I0, _I0
+    p = 1
+    while (p << 1) <= n:
+        p <<= 1
+    l0, h0, l1, h1, l4, h4 = _KEY_LO, _KEY_HI, _KEY_LO, _KEY_HI, _KEY_LO, _KEY_HI
+    sdy, sx, bad = _I0, _I0, _I0
     for i in range(n):
         dy = np.float32(decode(dyv[r, i], lut))
         x = np.float32(decode(xv[r, i], lut))
-        xh = (x - m) * s
+        c = x - m
+        xh = c * s
+        gm = gamma[i]
+        g = dy * gm
+        t = g * xh
+        bad = mark_if(bad, (abs(dy) > _F32_MAX) | (abs(x) > _F32_MAX) | ~_ok32(c) | ~_ok32(xh) | ~_ok32(g)
+                      | ~_ok32(t) | _lost(xh, c, s) | _lost(g, dy, gm) | _lost(t, g, xh))
+        sdy = count_if(sdy, (abs(dy) < tiny) & (dy != 0))
+        sx = count_if(sx, (abs(x) < tiny) & (x != 0))
+        k0, k1, k4 = order_key(dy), order_key(x), order_key(g)
+        l0, h0, l1, h1, l4, h4 = min(l0, k0), max(h0, k0), min(l1, k1), max(h1, k1), min(l4, k4), max(h4, k4)
+        b1[i] = t
+        b2[i] = g
+    s1 = _tree(b1, n, p)
+    s2 = _tree(b2, n, p) if centre else np.float32(0.0)
+    a2 = s1 / count
+    a1 = s2 / count
+    per_row[r, 0], per_row[r, 1], per_row[r, 2], per_row[r, 3] = s1, s2, a2, a1
+    klo, khi, sub, lost = _KEY_LO, _KEY_HI, _I0, _I0
+    for i in range(n):
+        dy = np.float32(decode(dyv[r, i], lut))
+        xh = (np.float32(decode(xv[r, i], lut)) - m) * s
         g = dy * gamma[i]
         t = xh * a2
         d0 = g - t
@@ -263,14 +240,20 @@ def _dx_row(dyv, xv, lut, r, m, s, a2, a1, centre, gamma, dxv, tg, tb, cnt, rg, 
         bad = mark_if(bad, abs(df) > _F32_MAX)
         sub = count_if(sub, (abs(df) < tiny) & (df != 0))
         lost = count_if(lost, (df == 0) & (dc != 0))
-        k1, k2 = order_key(dc), order_key(df)
-        klo, khi, dlo, dhi = min(klo, k1), max(khi, k1), min(dlo, k2), max(dhi, k2)
+        k1 = order_key(dc)
+        klo, khi = min(klo, k1), max(khi, k1)
         tg[i] = dy * xh
         tb[i] = dy
-    flag[r] = bad
-    cnt[r, 1, 0], cnt[r, 1, 1] = sub, lost
-    _range(rg, r, 0, klo, khi)
-    _range(rg, r, 1, dlo, dhi)
+    flag[r] = bad | (abs(s1) > _F32_MAX) | (abs(s2) > _F32_MAX)
+    cnt[r, 0, 0], cnt[r, 1, 0], cnt[r, 6, 0], cnt[r, 6, 1] = sdy, sx, sub, lost
+    _range(rg, r, 0, l0, h0)
+    _range(rg, r, 1, l1, h1)
+    x0, x1 = from_key(l1), from_key(h1)
+    _ends(rg, r, 2, x0 - m, x1 - m)
+    _ends(rg, r, 3, (x0 - m) * s, (x1 - m) * s)
+    _range(rg, r, 4, l4, h4)
+    _range(rg, r, 5, klo, khi)
+    _ends(rg, r, 6, encode(from_key(klo), dxv, lut)[0], encode(from_key(khi), dxv, lut)[0])
 
 
 @njit(**_opts)
@@ -283,11 +266,11 @@ def _bitrev(j, bits):
 
 
 @njit(parallel=True, **_opts)
-def backward_dx(dyv, xv, lut, mean, centre, inv, gamma, m2, m1, dxv, parts):
-    """dx of each row into dxv (bits of the storage format): x̂ and g = dy·γ formed again, d = g − x̂·m2 (− m1 where
-    ``centre``), dx = d·rstd stored; the stages dx_compute and dx (counts of dx's subnormals and values lost to
-    zero); and in the same pass dγ = Σ over the rows of dy·x̂ and dβ = Σ dy per column by the pairwise tree over
-    the rows (numerics.reduce.tree_sum): (cnt, rg, flag, dγ, dβ).
+def backward(dyv, xv, lut, mean, centre, inv, gamma, dxv, parts):
+    """The standard backward of each row in one pass over dy and x (:func:`_back_row`: its sums, then dx while the
+    row is in cache), dx written into dxv (bits of the storage format), and in the same pass dγ = Σ over the rows
+    of dy·x̂ and dβ = Σ dy per column by the pairwise tree over the rows (numerics.reduce.tree_sum): (per-row
+    (Σ g·x̂, Σ g, m2, m1) float32 (rows, 4), cnt, rg, flag, dγ, dβ).
 
     That tree adds row i to row i + P/2 first (P the largest power of two <= rows, after rows P.. were added onto
     the first ones), so it is the tree of contiguous halves over the rows in bit-reversed order: the rows are taken
@@ -297,9 +280,11 @@ def backward_dx(dyv, xv, lut, mean, centre, inv, gamma, m2, m1, dxv, parts):
     whose sum is finite had no event (the caller sums the others again, counting)."""
     rows, n = xv.shape
     flag = np.zeros(rows, dtype=np.int64)
-    cnt, rg = _new(rows, 2)
+    cnt, rg = _new(rows, 7)
+    per_row = np.zeros((rows, 4), dtype=np.float32)
     tiny = format_tiny(dxv)
     zero = np.float32(0.0)
+    count = np.float32(n)
     bits = 0
     while (2 << bits) <= rows:
         bits += 1
@@ -313,18 +298,20 @@ def backward_dx(dyv, xv, lut, mean, centre, inv, gamma, m2, m1, dxv, parts):
     for part in prange(parts):
         sg = np.empty((levels + 1, n), dtype=np.float32)
         sb = np.empty((levels + 1, n), dtype=np.float32)
+        b1 = np.empty(n, dtype=np.float32)
+        b2 = np.empty(n, dtype=np.float32)
         tg = np.empty(n, dtype=np.float32)
         tb = np.empty(n, dtype=np.float32)
         ug = np.empty(n, dtype=np.float32)
         ub = np.empty(n, dtype=np.float32)
         for jj in range(per):
             i = _bitrev(part * per + jj, bits)
-            _dx_row(dyv, xv, lut, i, mean[i] if centre else zero, inv[i], m2[i], m1[i], centre, gamma, dxv, tg, tb,
-                    cnt, rg, flag, tiny)
+            _back_row(dyv, xv, lut, i, mean[i] if centre else zero, inv[i], centre, gamma, count, dxv, b1, b2, tg,
+                      tb, per_row, cnt, rg, flag, tiny)
             if i + p < rows:  # the leaf is row i + row i + P
                 k = i + p
-                _dx_row(dyv, xv, lut, k, mean[k] if centre else zero, inv[k], m2[k], m1[k], centre, gamma, dxv,
-                        ug, ub, cnt, rg, flag, tiny)
+                _back_row(dyv, xv, lut, k, mean[k] if centre else zero, inv[k], centre, gamma, count, dxv, b1, b2,
+                          ug, ub, per_row, cnt, rg, flag, tiny)
                 for c in range(n):
                     tg[c] = tg[c] + ug[c]
                     tb[c] = tb[c] + ub[c]
@@ -345,49 +332,4 @@ def backward_dx(dyv, xv, lut, mean, centre, inv, gamma, m2, m1, dxv, parts):
             for c in range(n):
                 res_g[k, c] = res_g[2 * k, c] + res_g[2 * k + 1, c]
                 res_b[k, c] = res_b[2 * k, c] + res_b[2 * k + 1, c]
-    return cnt, rg, flag, res_g[0].copy(), res_b[0].copy()
-
-
-@njit(parallel=True, **_opts)
-def param_sums(dyv, xv, lut, mean, centre, inv, p, with_beta, width):
-    """dγ = Σ over the rows of dy·x̂ (each product rounded to binary32) and dβ = Σ dy (``with_beta``) for each
-    column, by the pairwise tree over the rows, columns in blocks of ``width`` in parallel: (dγ, dβ).  No addition
-    of finite binary32 values underflows, and an overflow cannot be undone: a column whose sum is finite had no
-    event (the caller sums the others again, counting)."""
-    rows, n = xv.shape
-    dg = np.zeros(n, dtype=np.float32)
-    dbt = np.zeros(n, dtype=np.float32)
-    blocks = -(-n // width)
-    zero = np.float32(0.0)
-    for blk in prange(blocks):
-        c0 = blk * width
-        w = min(width, n - c0)
-        bg = np.empty((p, w), dtype=np.float32)
-        bb = np.empty((p, w), dtype=np.float32)
-        for r in range(rows):
-            m = mean[r] if centre else zero
-            s = inv[r]
-            q = r if r < p else r - p
-            if r < p:
-                for j in range(w):
-                    dy = np.float32(decode(dyv[r, c0 + j], lut))
-                    bg[q, j] = dy * ((np.float32(decode(xv[r, c0 + j], lut)) - m) * s)
-                    bb[q, j] = dy
-            else:
-                for j in range(w):
-                    dy = np.float32(decode(dyv[r, c0 + j], lut))
-                    bg[q, j] = bg[q, j] + dy * ((np.float32(decode(xv[r, c0 + j], lut)) - m) * s)
-                    bb[q, j] = bb[q, j] + dy
-        h = p
-        while h > 1:
-            h //= 2
-            for i in range(h):
-                for j in range(w):
-                    bg[i, j] = bg[i, j] + bg[i + h, j]
-                if with_beta:
-                    for j in range(w):
-                        bb[i, j] = bb[i, j] + bb[i + h, j]
-        for j in range(w):
-            dg[c0 + j] = bg[0, j]
-            dbt[c0 + j] = bb[0, j]
-    return dg, dbt
+    return per_row, cnt, rg, flag, res_g[0].copy(), res_b[0].copy()

@@ -43,7 +43,7 @@ _FIXED = dict(compute="fp32", accumulate="fp32", order="pairwise", mean_by="divi
               threads=None, grad_sum_format=None, offset_format=None)
 # the bits a 16-bit tensor is held in (compiled.fast's tags)
 _BITS = {"float16": np.uint16, "bfloat16": np.int16, "float32": np.float32}
-# the runs of rows the backward's dγ and dβ sums take in parallel (compiled.family.backward_dx): a power of two,
+# the runs of rows the backward's dγ and dβ sums take in parallel (compiled.family.backward): a power of two,
 # several per thread so that the threads finish together
 _PARTS = 16
 _SUBNORMAL, _UNDERFLOW = COUNTERS.index("subnormal"), COUNTERS.index("underflow")
@@ -257,21 +257,17 @@ def backward_rows(k: Any, dy: Any, x: Any, gamma: np.ndarray, mu: np.ndarray | N
     if xs is None or dys is None:
         return None
     xv, dyv = xs[1], dys[1]
-    acc, lut, p = run.acc, _fp16_table(), 1 << (r.bit_length() - 1)
+    lut = _fp16_table()
     layer = shape.norm == "layer"
     m32 = np.zeros(rows, dtype=np.float32) if mu is None else np.asarray(mu, dtype=np.float32)
     i32, g32 = np.asarray(inv, dtype=np.float32), np.asarray(gamma, dtype=np.float32)
     with np.errstate(all="ignore"):
-        sgx32, sg32, cnt1, rg1, flag = _call("backward_sums", dyv, xv, lut, m32, layer, i32, g32, p, layer)
-        sum_gx, sum_g = sgx32.astype(np.float64), sg32.astype(np.float64)
-        m2 = acc.div(sum_gx, float(r))
-        m1 = acc.div(sum_g, float(r)) if layer else np.zeros(rows)
         dx = np.empty(shape.shape, dtype=get_format(pol.storage).dtype)
         dxv = dx.reshape(rows, r).view(_BITS[dx.dtype.name])
         parts = min(_PARTS, 1 << (rows.bit_length() - 1))
-        cnt2, rg2, flag2, dg, db = _call("backward_dx", dyv, xv, lut, m32, layer, i32, g32, m2.astype(np.float32),
-                                         m1.astype(np.float32), dxv, parts)
-    bad_rows = (flag | flag2).astype(bool) | _fp32_clean(sum_gx, m2, *((sum_g, m1) if layer else ()))
+        per_row, cnt, rg, flag, dg, db = _call("backward", dyv, xv, lut, m32, layer, i32, g32, dxv, parts)
+        sum_gx, sum_g, m2, m1 = per_row.astype(np.float64).T
+    bad_rows = flag.astype(bool) | _fp32_clean(sum_gx, m2, *((sum_g, m1) if layer else ()))
     ok, bad = np.flatnonzero(~bad_rows), np.flatnonzero(bad_rows)
     if not ok.size:  # every row flagged: the numpy route takes the call
         return None
@@ -280,12 +276,12 @@ def backward_rows(k: Any, dy: Any, x: Any, gamma: np.ndarray, mu: np.ndarray | N
     fmts = (pol.storage, pol.storage, "fp32", "fp32", "fp32")
     for j, (name, fmt) in enumerate(zip(names, fmts)):
         if name != "centered" or layer:
-            rec.element(name, fmt, cnt1[:, j], rg1[:, j])
+            rec.element(name, fmt, cnt[:, j], rg[:, j])
     rec.row("sum_g_xhat", sum_gx)
     if layer:
         rec.row("sum_g", sum_g)
-    rec.element("dx_compute", "fp32", cnt2[:, 0], rg2[:, 0])
-    rec.element("dx", pol.storage, cnt2[:, 1], rg2[:, 1])
+    rec.element("dx_compute", "fp32", cnt[:, 5], rg[:, 5])
+    rec.element("dx", pol.storage, cnt[:, 6], rg[:, 6])
     trace = rec.trace
     if bad.size:
         sub = numpy_rows(bad)
