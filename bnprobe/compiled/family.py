@@ -75,6 +75,14 @@ def _new(rows, stages):
     return cnt, rg
 
 
+@njit(**_opts)
+def _ends(rg, r, j, a, b):
+    """Stage j's range from its values at the two ends of the range of the value it is monotone in (a correctly
+    rounded x − c, x·c and a rounding to a format never reverse the order of two values: a product by a negative c
+    turns it round, whence min and max)."""
+    rg[r, j, 0], rg[r, j, 1] = min(a, b), max(a, b)
+
+
 @njit(parallel=True, **_opts)
 def layer_sums(xv, lut, p):
     """Σx and Σ(x − mean)² of each row of x (its bits, (rows, n)) by the pairwise tree, mean = Σx / n in binary32
@@ -143,11 +151,26 @@ def rms_sums(xv, lut, p):
     return sums, cnt, rg, flag
 
 
+@njit(**_opts)
+def _small(s, gmin):
+    """The |x − mean| below which a nonzero centered value of a row, its x̂ = centered·s or x̂·γ (γ's least nonzero
+    magnitude ``gmin``) may be a binary32 subnormal or zero (with margin): one test per value in place of one per
+    stage, as each is monotone in |centered| (s > 0: rstd)."""
+    t = _F32_TINY * np.float32(4.0)
+    sg = s * gmin
+    if not (s > 0 and sg > 0):  # (the row is flagged anyway; numba's division by zero raises)
+        return np.float32(np.inf)
+    return max(t, t / s, t / sg)
+
+
 @njit(parallel=True, **_opts)
-def normalise_rows(xv, lut, mean, centre, rstd, gamma, beta, add, yv):
+def normalise_rows(xv, lut, xr, mean, centre, rstd, gamma, gmin, beta, add, yv):
     """y of each row into yv (bits of the storage format): centered = x − mean (``centre``), x̂ = centered·rstd,
     affine = x̂·γ (+ β where ``add``), y = affine stored; the stages centered, xhat, affine, y (counts of y's
-    subnormals and values lost to zero): (cnt, rg, flag)."""
+    subnormals and values lost to zero), the ranges of centered and xhat from the row's range of x ``xr`` (rows, 2)
+    and y's from affine's (:func:`_ends`): (cnt, rg, flag).  A row is flagged where a centered value is nonzero but
+    small enough for a later stage to be subnormal or lost (:func:`_small`), where centered or x̂ is not finite (at
+    the ends of their ranges), and where affine is not finite, is subnormal, or y overflows."""
     rows, n = xv.shape
     flag = np.zeros(rows, dtype=np.int64)
     cnt, rg = _new(rows, 4)
@@ -156,40 +179,31 @@ def normalise_rows(xv, lut, mean, centre, rstd, gamma, beta, add, yv):
     for r in prange(rows):
         m = mean[r] if centre else zero
         s = rstd[r]
-        k0lo, k0hi, k1lo, k1hi, k2lo, k2hi, k3lo, k3hi = (_KEY_LO, _KEY_HI, _KEY_LO, _KEY_HI, _KEY_LO, _KEY_HI,
-                                                          _KEY_LO, _KEY_HI)
-        sub, lost, bad = _I0, _I0, _I0
+        small = _small(s, gmin)
+        klo, khi, sub, lost, bad = _KEY_LO, _KEY_HI, _I0, _I0, _I0
         for i in range(n):
             x = np.float32(decode(xv[r, i], lut))
             c = x - m  # (x − 0 is x: RMSNorm's x̂ = x·rstd)
-            xh = c * s
-            g = gamma[i]
-            p = xh * g
+            p = (c * s) * gamma[i]
             a = p + beta[i] if add else p
-            bad = mark_if(bad, ~_ok32(c) | ~_ok32(xh) | _lost(xh, c, s) | _lost(p, xh, g) | ~_ok32(a))
+            bad = mark_if(bad, ((abs(c) < small) & (c != 0)) | ~_ok32(a))
             yf, yb = encode(a, yv, lut)
             yv[r, i] = yb
             bad = mark_if(bad, abs(yf) > _F32_MAX)
             sub = count_if(sub, (abs(yf) < tiny) & (yf != 0))
             lost = count_if(lost, (yf == 0) & (a != 0))
-            kc, kx, ka, ky = order_key(c), order_key(xh), order_key(a), order_key(yf)
-            k0lo, k0hi, k1lo, k1hi = min(k0lo, kc), max(k0hi, kc), min(k1lo, kx), max(k1hi, kx)
-            k2lo, k2hi, k3lo, k3hi = min(k2lo, ka), max(k2hi, ka), min(k3lo, ky), max(k3hi, ky)
-        flag[r] = bad
+            ka = order_key(a)
+            klo, khi = min(klo, ka), max(khi, ka)
+        x0, x1 = xr[r, 0], xr[r, 1]
+        c0, c1 = x0 - m, x1 - m
+        h0, h1 = c0 * s, c1 * s
+        flag[r] = bad | ~(_ok32(c0) & _ok32(c1) & _ok32(h0) & _ok32(h1)) | ~(s > 0)
         cnt[r, 3, 0], cnt[r, 3, 1] = sub, lost
-        _range(rg, r, 0, k0lo, k0hi)
-        _range(rg, r, 1, k1lo, k1hi)
-        _range(rg, r, 2, k2lo, k2hi)
-        _range(rg, r, 3, k3lo, k3hi)
+        _ends(rg, r, 0, c0, c1)
+        _ends(rg, r, 1, h0, h1)
+        _range(rg, r, 2, klo, khi)
+        _ends(rg, r, 3, encode(from_key(klo), yv, lut)[0], encode(from_key(khi), yv, lut)[0])
     return cnt, rg, flag
-
-
-@njit(**_opts)
-def _ends(rg, r, j, a, b):
-    """Stage j's range from its values at the two ends of the range of the value it is monotone in (a correctly
-    rounded x − c, x·c and a rounding to a format never reverse the order of two values: a product by a negative c
-    turns it round, whence min and max)."""
-    rg[r, j, 0], rg[r, j, 1] = min(a, b), max(a, b)
 
 
 @njit(**_opts)
@@ -204,6 +218,7 @@ def _back_row(dyv, xv, lut, r, m, s, centre, gamma, count, dxv, b1, b2, tg, tb, 
         p <<= 1
     l0, h0, l1, h1, l4, h4 = _KEY_LO, _KEY_HI, _KEY_LO, _KEY_HI, _KEY_LO, _KEY_HI
     sdy, sx, bad = _I0, _I0, _I0
+    small = _small(s, np.float32(1.0))
     for i in range(n):
         dy = np.float32(decode(dyv[r, i], lut))
         x = np.float32(decode(xv[r, i], lut))
@@ -212,8 +227,10 @@ def _back_row(dyv, xv, lut, r, m, s, centre, gamma, count, dxv, b1, b2, tg, tb, 
         gm = gamma[i]
         g = dy * gm
         t = g * xh
-        bad = mark_if(bad, (abs(dy) > _F32_MAX) | (abs(x) > _F32_MAX) | ~_ok32(c) | ~_ok32(xh) | ~_ok32(g)
-                      | ~_ok32(t) | _lost(xh, c, s) | _lost(g, dy, gm) | _lost(t, g, xh))
+        # (a small centered value: x̂ may be subnormal or lost; g = dy·γ and g·x̂ subnormal or lost; the stages'
+        # non-finite values show at the ends of their ranges, the products' in the sums)
+        bad = mark_if(bad, ((abs(c) < small) & (c != 0)) | ((abs(g) < _F32_TINY) & (dy != 0) & (gm != 0))
+                      | ((abs(t) < _F32_TINY) & (g != 0) & (xh != 0)))
         sdy = count_if(sdy, (abs(dy) < tiny) & (dy != 0))
         sx = count_if(sx, (abs(x) < tiny) & (x != 0))
         k0, k1, k4 = order_key(dy), order_key(x), order_key(g)
@@ -234,7 +251,8 @@ def _back_row(dyv, xv, lut, r, m, s, centre, gamma, count, dxv, b1, b2, tg, tb, 
         d0 = g - t
         d = d0 - a1 if centre else d0
         dc = d * s
-        bad = mark_if(bad, ~_ok32(t) | ~_ok32(d) | ~_ok32(dc) | _lost(t, xh, a2) | _lost(dc, d, s))
+        # (x̂·m2 lost or subnormal; dx_compute subnormal or lost; its non-finite values show at its range's ends)
+        bad = mark_if(bad, ((abs(t) < _F32_TINY) & (xh != 0) & (a2 != 0)) | ((abs(dc) < _F32_TINY) & (d != 0)))
         df, db = encode(dc, dxv, lut)
         dxv[r, i] = db
         bad = mark_if(bad, abs(df) > _F32_MAX)
@@ -244,16 +262,21 @@ def _back_row(dyv, xv, lut, r, m, s, centre, gamma, count, dxv, b1, b2, tg, tb, 
         klo, khi = min(klo, k1), max(khi, k1)
         tg[i] = dy * xh
         tb[i] = dy
-    flag[r] = bad | (abs(s1) > _F32_MAX) | (abs(s2) > _F32_MAX)
+    x0, x1, d0, d1 = from_key(l1), from_key(h1), from_key(klo), from_key(khi)
+    c0, c1 = x0 - m, x1 - m
+    ends = (from_key(l0), from_key(h0), x0, x1, c0, c1, c0 * s, c1 * s, from_key(l4), from_key(h4), d0, d1)
+    ok = ~(s > 0)
+    for v in ends:
+        ok = ok | ~_ok32(v)
+    flag[r] = bad | ok | (abs(s1) > _F32_MAX) | (abs(s2) > _F32_MAX)
     cnt[r, 0, 0], cnt[r, 1, 0], cnt[r, 6, 0], cnt[r, 6, 1] = sdy, sx, sub, lost
     _range(rg, r, 0, l0, h0)
     _range(rg, r, 1, l1, h1)
-    x0, x1 = from_key(l1), from_key(h1)
-    _ends(rg, r, 2, x0 - m, x1 - m)
-    _ends(rg, r, 3, (x0 - m) * s, (x1 - m) * s)
+    _ends(rg, r, 2, c0, c1)
+    _ends(rg, r, 3, c0 * s, c1 * s)
     _range(rg, r, 4, l4, h4)
     _range(rg, r, 5, klo, khi)
-    _ends(rg, r, 6, encode(from_key(klo), dxv, lut)[0], encode(from_key(khi), dxv, lut)[0])
+    _ends(rg, r, 6, encode(d0, dxv, lut)[0], encode(d1, dxv, lut)[0])
 
 
 @njit(**_opts)

@@ -96,6 +96,12 @@ def _stored(a: Any, fmt: str, rows: int, r: int) -> tuple[np.ndarray, np.ndarray
     return a, a.view(_BITS[np.dtype(dt).name])
 
 
+def _least(g: np.ndarray) -> np.float32:
+    """γ's least nonzero finite magnitude (1 where it has none), for the kernels' bound on small values."""
+    a = np.abs(g[np.isfinite(g) & (g != 0)])
+    return np.float32(a.min() if a.size else 1.0)
+
+
 def _counts(cnt: np.ndarray) -> np.ndarray:
     """A kernel's per-row (subnormal, underflow) counts as the rows of Trace.record_counts' counters."""
     out = np.zeros((cnt.shape[0], len(COUNTERS) - 1), dtype=np.int64)
@@ -208,8 +214,10 @@ def forward_rows(k: Any, x: Any, gamma: np.ndarray, beta: np.ndarray | None, eps
         add = layer or beta is not None
         bvec = np.zeros(r, dtype=np.float32) if beta is None else np.asarray(beta, dtype=np.float32)
         m32 = np.zeros(rows, dtype=np.float32) if mean is None else mean.astype(np.float32)
-        cnt_n, rg_n, flag3 = _call("normalise_rows", xv, lut, m32, layer, rstd.astype(np.float32),
-                                   np.asarray(gamma, dtype=np.float32), bvec, add, yv)
+        xr = (rg_x if layer else rg_xq)[:, 0]
+        g32 = np.asarray(gamma, dtype=np.float32)
+        cnt_n, rg_n, flag3 = _call("normalise_rows", xv, lut, xr, m32, layer, rstd.astype(np.float32), g32,
+                                   _least(g32), bvec, add, yv)
     bad_rows = (flag | flag3).astype(bool) | _fp32_clean(*per_row, var_eps, rstd)
     par = run.params if pol.saved_format is None else type(run.params)(pol.saved_format, pol.spec)
     dt = par.fmt.dtype
