@@ -54,7 +54,7 @@ from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
 from bnprobe.kernels.batchnorm import KernelRun, RunSetting, per_count
 from bnprobe.kernels.layout import FAMILY, NormShape, check_eps
-from bnprobe.kernels.norms_compiled import backward_rows, forward_rows, takes_compiled
+from bnprobe.kernels.norms_compiled import backward_rows, forward_rows, numpy_route, takes_compiled
 from bnprobe.kernels.policy import BACKWARD_FORMULAS, Policy, get_policy
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.arith import Arith, Tally, fma_wide
@@ -202,17 +202,18 @@ class _Kernel:
 
 def forward(x: Any, gamma: Any = None, beta: Any = None, *, shape: NormShape, eps: float = EPS,
             policy: str | Policy = "fp32", weight_offset: float = 0.0, keep_arrays: bool = True,
-            counters: bool = True, compiled: bool = True) -> NormResult:
+            counters: bool = True) -> NormResult:
     """The forward of the family layer ``shape`` names on x (γ defaults to 1; β to 0, none for RMSNorm), by
     ``policy``; the statistics per row as saved.  ``keep_arrays=False`` keeps the trace's counters and ranges only,
-    ``counters=False`` records no trace (the same outputs).  ``compiled=False`` keeps the call on numpy where the
-    compiled route would take it (bnprobe.kernels.norms_compiled: the same outputs and trace)."""
+    ``counters=False`` records no trace (the same outputs).  A large call under the presets' policies takes the
+    compiled route (bnprobe.kernels.norms_compiled: the same outputs and trace; ``numpy_route()`` keeps calls off
+    it)."""
     pol = check_family_policy(get_policy(policy))
     eps = check_eps(eps)
     g = _parameter("gamma", gamma, shape, 1.0)
     b = _parameter("beta", beta, shape, None if shape.norm == "rms" else 0.0)
     k = _Kernel(pol, shape, keep_arrays, counters)
-    if compiled and takes_compiled(pol, shape.norm, math.prod(shape.shape), shape.r, keep_arrays):
+    if takes_compiled(pol, shape.norm, math.prod(shape.shape), shape.r, keep_arrays):
         res = _forward_compiled(k, x, g, b, eps, weight_offset)
         if res is not None:
             return res
@@ -278,8 +279,9 @@ def _forward_compiled(k: _Kernel, x: Any, g: np.ndarray, b: np.ndarray | None, e
     pol, shape, run = k.pol, k.shape, k.run
 
     def numpy_rows(rows: np.ndarray) -> NormResult:
-        return forward(_rows_of(x, shape, rows), g, b, shape=_sub_shape(shape, rows), eps=eps, policy=pol,
-                       weight_offset=weight_offset, keep_arrays=False, counters=run.counting, compiled=False)
+        with numpy_route():
+            return forward(_rows_of(x, shape, rows), g, b, shape=_sub_shape(shape, rows), eps=eps, policy=pol,
+                           weight_offset=weight_offset, keep_arrays=False, counters=run.counting)
     with np.errstate(all="ignore"):
         ga = k.gamma(g, weight_offset)
         res = forward_rows(k, x, ga, None if b is None else run.param(b), eps, numpy_rows)
@@ -301,11 +303,11 @@ def _backward_compiled(k: _Kernel, dy: Any, x: Any, g: np.ndarray, mean: Any, rs
         inv = acc.round(stats.round(np.asarray(rstd, dtype=np.float64).reshape(-1)))
 
     def numpy_rows(rows: np.ndarray) -> NormGradients:
-        sub = _sub_shape(shape, rows)
-        return backward(_rows_of(dy, shape, rows), _rows_of(x, shape, rows), g,
-                        None if mean is None else np.asarray(mean).reshape(-1)[rows],
-                        np.asarray(rstd).reshape(-1)[rows], shape=sub, policy=pol, weight_offset=weight_offset,
-                        keep_arrays=False, counters=run.counting, compiled=False)
+        with numpy_route():
+            return backward(_rows_of(dy, shape, rows), _rows_of(x, shape, rows), g,
+                            None if mean is None else np.asarray(mean).reshape(-1)[rows],
+                            np.asarray(rstd).reshape(-1)[rows], shape=_sub_shape(shape, rows), policy=pol,
+                            weight_offset=weight_offset, keep_arrays=False, counters=run.counting)
     with np.errstate(all="ignore"):
         ga = k.gamma(g, weight_offset)
         res = backward_rows(k, dy, x, ga, mu, inv, numpy_rows)
@@ -381,10 +383,9 @@ def _normalise(k: _Kernel, xs: np.ndarray, mean: np.ndarray | None, rstd: np.nda
 
 
 def backward(dy: Any, x: Any, gamma: Any, mean: Any, rstd: Any, *, shape: NormShape, policy: str | Policy = "fp32",
-             weight_offset: float = 0.0, keep_arrays: bool = True, counters: bool = True,
-             compiled: bool = True) -> NormGradients:
+             weight_offset: float = 0.0, keep_arrays: bool = True, counters: bool = True) -> NormGradients:
     """dx, dγ and dβ of the family layer ``shape`` names, from the statistics its forward saved (``mean`` per row,
-    None for RMSNorm; ``rstd`` per row), by ``policy``; ``compiled`` as :func:`forward`'s."""
+    None for RMSNorm; ``rstd`` per row), by ``policy``; its route as :func:`forward`'s."""
     pol = check_family_policy(get_policy(policy))
     if np.shape(dy) != shape.shape:
         raise BNProbeError(f"dy has shape {list(np.shape(dy))} but x has shape {list(shape.shape)}")
@@ -395,7 +396,7 @@ def backward(dy: Any, x: Any, gamma: Any, mean: Any, rstd: Any, *, shape: NormSh
             raise BNProbeError(f"saved {name} must be {want}, got {'none' if v is None else np.size(v)}")
     g = _parameter("gamma", gamma, shape, 1.0)
     k = _Kernel(pol, shape, keep_arrays, counters)
-    if compiled and takes_compiled(pol, shape.norm, math.prod(shape.shape), shape.r, keep_arrays):
+    if takes_compiled(pol, shape.norm, math.prod(shape.shape), shape.r, keep_arrays):
         res = _backward_compiled(k, dy, x, g, mean, rstd, weight_offset)
         if res is not None:
             return res

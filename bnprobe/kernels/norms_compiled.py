@@ -18,8 +18,10 @@ vectors.
 
 from __future__ import annotations
 
+import contextvars
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +35,7 @@ from bnprobe.numerics.reduce import reduce_sum
 from bnprobe.numerics.rounding import RoundingSpec
 from bnprobe.numerics.rsqrt import rsqrt
 
-__all__ = ["takes_compiled", "CompiledForward", "CompiledBackward", "forward_rows", "backward_rows"]
+__all__ = ["takes_compiled", "numpy_route", "CompiledForward", "CompiledBackward", "forward_rows", "backward_rows"]
 
 _FORMATS = ("fp32", "fp16", "bf16")
 # the policy fields the route computes with their one value each (the presets' and the careful kernel's)
@@ -49,10 +51,25 @@ _PARTS = 16
 _SUBNORMAL, _UNDERFLOW = COUNTERS.index("subnormal"), COUNTERS.index("underflow")
 
 
+# set within numpy_route(): the family's calls stay on numpy
+_NUMPY_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("bnprobe_family_numpy_only", default=False)
+
+
+@contextmanager
+def numpy_route() -> Iterator[None]:
+    """Within it, LayerNorm's and RMSNorm's calls take the numpy route whatever their size (the compiled route's own
+    flagged rows; tests comparing the two routes)."""
+    token = _NUMPY_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _NUMPY_ONLY.reset(token)
+
+
 def takes_compiled(pol: Any, norm: str, elements: int, r: int, keep_arrays: bool) -> bool:
     """Whether a family call of ``elements`` values in rows of ``r`` takes the compiled route (see the module notes;
-    R below 2^24, which binary32 holds exactly)."""
-    if keep_arrays or norm not in ("layer", "rms") or not jit_for(elements) or r >= 1 << 24:
+    R below 2^24, which binary32 holds exactly; never within :func:`numpy_route`)."""
+    if _NUMPY_ONLY.get() or keep_arrays or norm not in ("layer", "rms") or not jit_for(elements) or r >= 1 << 24:
         return False
     if any(getattr(pol, name) != value for name, value in _FIXED.items()):
         return False

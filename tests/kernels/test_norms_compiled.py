@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from bnprobe.kernels.norms import NormShape, backward, forward
-from bnprobe.kernels.norms_compiled import takes_compiled
+from bnprobe.kernels.norms_compiled import numpy_route, takes_compiled
 from bnprobe.kernels.policy import get_policy
 
 pytest.importorskip("numba")
@@ -93,14 +93,13 @@ def _check(norm: str, policy: str, shape: tuple[int, ...], kind: str, *, offset:
     b = b if beta else None
     sh = NormShape.of(norm, shape)
     assert takes_compiled(pol, norm, x.size, sh.r, False)
-    runs = []
-    for compiled in (True, False):
-        f = forward(x, g, b, shape=sh, policy=pol, weight_offset=offset, keep_arrays=False, counters=counters,
-                    compiled=compiled)
-        bw = backward(dy, x, g, f.mean, f.rstd, shape=sh, policy=pol, weight_offset=offset, keep_arrays=False,
-                      counters=counters, compiled=compiled)
-        runs.append((f, bw))
-    (f1, b1), (f2, b2) = runs
+    def run() -> tuple:
+        f = forward(x, g, b, shape=sh, policy=pol, weight_offset=offset, keep_arrays=False, counters=counters)
+        return f, backward(dy, x, g, f.mean, f.rstd, shape=sh, policy=pol, weight_offset=offset, keep_arrays=False,
+                           counters=counters)
+    f1, b1 = run()
+    with numpy_route():
+        f2, b2 = run()
     if kind == "normal" or sh.rows > 3:  # (rows left unflagged: the compiled route took the call)
         assert f1.trace.meta.get("route") == b1.trace.meta.get("route") == "compiled"
     assert "route" not in f2.trace.meta
@@ -141,7 +140,8 @@ def test_compiled_options(norm: str) -> None:
     x, dy, g, b = _inputs("normal", (3, 4, 6), "fp16", 1)
     sh = NormShape.of(norm, (3, 4, 6), (4, 6))
     f1 = forward(x, g.repeat(4)[:24], None, shape=sh, policy=pol, keep_arrays=False)
-    f2 = forward(x, g.repeat(4)[:24], None, shape=sh, policy=pol, keep_arrays=False, compiled=False)
+    with numpy_route():
+        f2 = forward(x, g.repeat(4)[:24], None, shape=sh, policy=pol, keep_arrays=False)
     assert f1.trace.meta["route"] == "compiled"
     _same_outputs(f1, f2, ("y", "mean", "rstd", "var"))
     _same_trace(f1.trace, f2.trace)
@@ -168,7 +168,8 @@ def test_the_route_refuses_what_it_does_not_compute(monkeypatch: pytest.MonkeyPa
     x = np.random.default_rng(2).standard_normal((4, 30))  # float64 values fp16 does not hold
     sh = NormShape.of("layer", x.shape)
     f = forward(x, shape=sh, policy=fp16, keep_arrays=False)
-    want = forward(x, shape=sh, policy=fp16, keep_arrays=False, compiled=False)
+    with numpy_route():
+        want = forward(x, shape=sh, policy=fp16, keep_arrays=False)
     assert "route" not in f.trace.meta
     _same_outputs(f, want, ("y", "mean", "rstd", "var"))
     held = x.astype(np.float16).astype(np.float64)  # float64 values fp16 holds: taken
