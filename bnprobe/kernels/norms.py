@@ -58,8 +58,9 @@ from bnprobe.kernels.norms_compiled import backward_rows, forward_rows, numpy_ro
 from bnprobe.kernels.policy import BACKWARD_FORMULAS, Policy, get_policy
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.arith import Arith, Tally, fma_wide
-from bnprobe.numerics.inductor import MIN_CHUNK, OUTER_RATIO, splits_rows
-from bnprobe.numerics.reduce import INDUCTOR_UNROLL_BELOW, Cores, buffered_sum, inductor_split_rows, reduce_sum
+from bnprobe.numerics.inductor import CHANNEL_TILE, MIN_CHUNK, OUTER_RATIO, splits_rows
+from bnprobe.numerics.reduce import (INDUCTOR_UNROLL_BELOW, Cores, buffered_sum, inductor_split_rows, reduce_sum,
+                                     split_parts)
 from bnprobe.numerics.rowwise import aten_column_sum, aten_sum, half_reduce, lane_sums, vec_reduce
 from bnprobe.numerics.variance import INDUCTOR_TWO_PASS_MAX, MomentsMethod, moments
 
@@ -230,8 +231,9 @@ def forward(x: Any, gamma: Any = None, beta: Any = None, *, shape: NormShape, ep
             var = run.rec("mean_square", acc, per_count(s, r, pol.mean_by, acc))
             mean = None
         else:
-            if pol.variance == "inductor" and pol.threads and r > INDUCTOR_TWO_PASS_MAX and \
-                    splits_rows(shape.rows, r, r, _inductor_width(pol, r), pol.threads):
+            # (inductor's Welford: past its two-pass threshold, or for a single row)
+            if pol.variance == "inductor" and (r > INDUCTOR_TWO_PASS_MAX or shape.rows == 1) and \
+                    _inductor_splits_row(pol, shape.rows, r):
                 raise BNProbeError(f"variance=inductor with threads={pol.threads}: torch.compile splits each row's "
                                    f"Welford reduction across its threads at {shape.rows} row(s) of {r} values, "
                                    "which bnprobe does not emulate (without threads: the one-thread kernel)")
@@ -444,7 +446,8 @@ def backward(dy: Any, x: Any, gamma: Any, mean: Any, rstd: Any, *, shape: NormSh
                          run.trace, k.param_trace)
 
 
-def _inductor_sum(k: _Kernel, a: np.ndarray, tally: Tally | None, *, columns: bool = False) -> np.ndarray:
+def _inductor_sum(k: _Kernel, a: np.ndarray, tally: Tally | None, *, columns: bool = False,
+                  unroll: int | None = None, step: int = 1) -> np.ndarray:
     """Σ of each row of ``a`` (``(rows, R)``, accumulator values) as inductor's CPU reduction takes it
     (order=inductor: each row one contiguous row of the layout; a long row split across the policy's threads where
     inductor splits it, :func:`~bnprobe.numerics.reduce.inductor_split_rows`), or (``columns``) Σ over the rows of
@@ -453,26 +456,54 @@ def _inductor_sum(k: _Kernel, a: np.ndarray, tally: Tally | None, *, columns: bo
     where inductor parallelises the reduction instead of the columns: fewer whole column vectors than a 300th of the
     rows (codegen/cpp.py max_parallel_depth) and 512 values a thread at least (min_chunk_size).  A reduction of 8
     values or more starts its accumulators at +0 (fewer: one unrolled expression from the first value), so its sum
-    is never −0."""
+    is never −0.  ``unroll`` replaces the policy's vectors per load (1: sums of float buffers, whatever x's format);
+    ``step`` is the rows of one iteration of a column sum's loop (a tiled kernel's: threads are dealt whole tiles)."""
     pol, acc = k.pol, k.run.acc
+    if unroll is not None:
+        pol = replace(pol, unroll=unroll)
     a = np.asarray(a)
     rows, r = a.shape
     if columns:
         width = _inductor_width(pol, r)
         threads = pol.threads or 1
         split = threads > 1 and (r // width) * OUTER_RATIO < rows and r * rows // threads >= MIN_CHUNK
-        s = reduce_sum(np.ascontiguousarray(a.T), acc, order="inductor", lanes=pol.lanes, unroll=pol.unroll,
-                       row=None, tally=tally, cores=Cores(threads, "ordered", "openmp") if split else Cores())
-        count = rows
+        if split and step > 1:  # the threads deal tiles of ``step`` rows: each thread's rows in order, from +0
+            s = np.zeros(r)
+            for part in split_parts(-(-rows // step), threads, "openmp"):
+                block = a[part.start * step: part.stop * step]
+                s = acc.add(s, reduce_sum(np.ascontiguousarray(block.T), acc, order="inductor", lanes=pol.lanes,
+                                          row=None, tally=tally), tally)
+        else:
+            s = reduce_sum(np.ascontiguousarray(a.T), acc, order="inductor", lanes=pol.lanes, unroll=pol.unroll,
+                           row=None, tally=tally, cores=Cores(threads, "ordered", "openmp") if split else Cores())
+        count, outputs = rows, r
     else:
+        if rows == 1 and r < INDUCTOR_UNROLL_BELOW:
+            # a reduction to one value is never unrolled (ir.py): one masked vector from +0, which the zeros
+            # padding the row to the unroll threshold leave as it is
+            a = np.concatenate([a, np.zeros((1, INDUCTOR_UNROLL_BELOW - r), dtype=a.dtype)], axis=1)
+            r = INDUCTOR_UNROLL_BELOW
         width = _inductor_width(pol, r)
-        if pol.threads and splits_rows(rows, r, r, width, pol.threads):
+        if _inductor_splits_row(pol, rows, r):
             s = inductor_split_rows(a, acc, width=width, threads=pol.threads, tally=tally)
         else:
             s = reduce_sum(a, acc, order="inductor", lanes=pol.lanes, unroll=pol.unroll, row=r, tally=tally)
-        count = r
+        count, outputs = r, rows
     # (+0 + −0 is +0, and a sum from +0 is −0 nowhere in round-to-nearest)
-    return np.where(s == 0, 0.0, s) if count >= INDUCTOR_UNROLL_BELOW else s
+    return np.where(s == 0, 0.0, s) if count >= INDUCTOR_UNROLL_BELOW or outputs == 1 else s
+
+
+def _inductor_splits_row(pol: Policy, rows: int, r: int) -> bool:
+    """Whether torch.compile's CPU kernel splits each of ``rows`` rows of ``r`` values across the policy's threads:
+    one row has no loop around its reduction, so the reduction's own loop is parallelised wherever each thread gets
+    512 values (config.cpp.min_chunk_size; codegen/cpp.py decide_parallel_depth); more rows by
+    :func:`~bnprobe.numerics.inductor.splits_rows`."""
+    threads = pol.threads or 1
+    if threads <= 1:
+        return False
+    if rows == 1:
+        return r // threads >= MIN_CHUNK
+    return splits_rows(rows, r, r, _inductor_width(pol, r), threads)
 
 
 def _inductor_width(pol: Policy, r: int) -> int:
@@ -529,8 +560,69 @@ def _inductor_backward(k: _Kernel, dys: np.ndarray, xs: np.ndarray, g: np.ndarra
 
 def _inductor_group_backward(k: _Kernel, dya: np.ndarray, xa: np.ndarray, ga: np.ndarray, mu: np.ndarray,
                              inv: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """GroupNorm's backward as torch.compile's CPU kernel computes it: see :func:`_inductor_backward`."""
-    raise BNProbeError("GroupNorm's backward_formula=inductor is not emulated yet")
+    """GroupNorm's backward as torch.compile's CPU kernel computes it (native_group_norm_backward's decomposition,
+    every operation one rounding in the accumulator, no product fused): per channel of each sample ds = Σ dy·x and
+    db = Σ dy over its positions (inductor's row sums, each (sample, channel) a row of H·W); per group ds_g = Σ ds·γ
+    and db_g = Σ db·γ over its channels (a row of D channels, the products rounded, one float vector); c1 =
+    rstd·γ, c2 = fl(fl(fl(fl(db_g·μ − ds_g)·rstd)·rstd)·rstd)·fl(1/R)), c3 = fl(−c2·μ) − fl(fl(db_g·rstd)·fl(1/R));
+    dx = fl(fl(dy·c1) + fl(x·c2)) + c3 (in the accumulator: a 16-bit x's dx is computed as a float and rounded once
+    to its format).  dγ = Σ_n fl(fl(ds − fl(db·μ))·rstd) and dβ = Σ_n db over the samples, each channel's column
+    summed in sample order (:func:`_inductor_sum`'s columns)."""
+    run, shape = k.run, k.shape
+    acc = run.acc
+    n, ch = shape.shape[0], shape.shape[1]
+    groups = shape.groups or ch
+    d = ch // groups
+    hw = shape.r // d
+    t = run.tally()
+    tt = t if run.counting else None
+    planes_dy, planes_x = dya.reshape(n * ch, hw), xa.reshape(n * ch, hw)
+    # (the planes' sums are counted nowhere: the trace's tallies are the (sample, group) rows')
+    ds = _inductor_sum(k, acc.mul(planes_dy, planes_x), None)
+    db = _inductor_sum(k, planes_dy, None)
+    ds = np.asarray(ds, dtype=xa.dtype).reshape(n * groups, d)
+    db = np.asarray(db, dtype=xa.dtype).reshape(n * groups, d)
+    gg = np.broadcast_to(np.asarray(ga, dtype=xa.dtype).reshape(1, groups, d), (n, groups, d)).reshape(n * groups, d)
+
+    def group_sum(v: np.ndarray, tally: Tally | None) -> np.ndarray:
+        """Σ over a group's channels of v·γ: ds and db are float buffers, summed by one float vector whatever x's
+        format.  With one sample and positions too few to loop over, inductor fuses the planes' unrolled sums into
+        this reduction's loop over the channels (unless it unrolls it too: fewer than 8 channels in more than one
+        group), which sums each group's channels in order from +0."""
+        terms = acc.mul(v, gg, tally)
+        if n == 1 and hw < INDUCTOR_UNROLL_BELOW and (d >= INDUCTOR_UNROLL_BELOW or groups == 1):
+            s = reduce_sum(terms, acc, order="inductor", lanes=k.pol.lanes, row=None, tally=tally)
+            return np.where(s == 0, 0.0, s)
+        return _inductor_sum(k, terms, tally, unroll=1)
+
+    ds_g = run.rec("sum_ds_gamma", acc, group_sum(ds, tt), t)
+    t = run.tally()
+    tt = t if run.counting else None
+    db_g = run.rec("sum_db_gamma", acc, group_sum(db, tt), t)
+    t = run.tally()
+    tt = t if run.counting else None
+    scale = acc.round(1.0 / float(acc.round(float(shape.r))))
+    c2 = acc.sub(acc.mul(db_g, mu, tt), ds_g, tt)
+    c2 = run.rec("dx_b", acc, acc.mul(acc.mul(acc.mul(acc.mul(c2, inv, tt), inv, tt), inv, tt), scale, tt), t)
+    t = run.tally()
+    tt = t if run.counting else None
+    c3 = run.rec("dx_c", acc, acc.sub(acc.mul(-c2, mu, tt), acc.mul(acc.mul(db_g, inv, tt), scale, tt), tt), t)
+    t = run.tally()
+    tt = t if run.counting else None
+    c1 = acc.mul(_col(inv, xa), gg, tt)  # (n·G, D): rstd·γ per channel
+    c1 = np.repeat(c1.reshape(-1, 1), hw, axis=1).reshape(xa.shape)
+    dx_c = acc.add(acc.add(acc.mul(dya, c1, tt), acc.mul(xa, _col(c2, xa), tt), tt), _col(c3, xa), tt)
+    dx = run.output("dx", run.out, run.rec("dx_compute", acc, dx_c, t))
+    dsn, dbn = ds.reshape(n, ch), db.reshape(n, ch)
+    mun = np.repeat(np.asarray(mu, dtype=xa.dtype).reshape(n, groups), d, axis=1)
+    invn = np.repeat(np.asarray(inv, dtype=xa.dtype).reshape(n, groups), d, axis=1)
+    terms = acc.mul(acc.sub(dsn, acc.mul(dbn, mun)), invn)
+    params = run.params
+    # (positions too few to loop over: the planes' sums are recomputed inside a kernel tiled 16 samples deep)
+    step = CHANNEL_TILE if hw < INDUCTOR_UNROLL_BELOW else 1
+    dgamma = _inductor_sum(k, terms, None, columns=True, step=step)
+    dbeta = _inductor_sum(k, dbn, None, columns=True, step=step)
+    return dx, k.record_param("dgamma", params, dgamma), k.record_param("dbeta", params, dbeta)
 
 
 def _torch_backward(k: _Kernel, dys: np.ndarray, xs: np.ndarray, g: np.ndarray, mu: np.ndarray | None,

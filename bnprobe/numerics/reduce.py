@@ -452,26 +452,34 @@ def inductor_split_rows(x: np.ndarray, acc: Arith, *, width: int, threads: int,
     it where it splits a row across ``threads`` threads (few rows, long ones: :func:`~bnprobe.numerics.inductor.
     splits_rows`): the row's vector iterations (its whole vectors of ``width`` values, then one masked vector for the
     rest) dealt by OpenMP's static schedule; each thread sums its whole vectors per lane from zero (a cascade above
-    :data:`INDUCTOR_CASCADE_ABOVE` updates), the thread holding the masked vector adds it into a masked accumulator
-    of its own; the threads' vectors are added in thread order into zeros, the masked ones likewise, the two vectors
-    added and their lanes folded halves first (``vec_reduce_all``).  Returns ``(C,)``."""
+    :data:`INDUCTOR_CASCADE_ABOVE` updates).  In a row of more than that many values the thread holding the masked
+    vector adds it into a masked accumulator of its own, the threads' vectors are added in thread order into zeros,
+    the masked ones likewise, and the two vectors added; in a shorter row (no cascade) it adds the masked vector into
+    its own accumulator after its whole vectors, and the threads' accumulators are added in thread order into zeros.
+    The lanes are then folded halves first (``vec_reduce_all``).  Returns ``(C,)``."""
     x = as_carrier(x) if acc.fits32 else np.asarray(x, dtype=np.float64)
     c, r = x.shape
     whole = r // width
     iterations = whole + (1 if r % width else 0)
     total = np.zeros((c, width), dtype=x.dtype)
     masked = np.zeros((c, width), dtype=x.dtype)
+    cascade = r > INDUCTOR_CASCADE_ABOVE
     for part in split_parts(iterations, threads, "openmp"):
         stop = min(part.stop, whole)
+        own = np.zeros((c, width), dtype=x.dtype)
         if stop > part.start:
             body = x[:, part.start * width: stop * width].reshape(c, stop - part.start, width)
             rows = np.ascontiguousarray(body.transpose(0, 2, 1).reshape(c * width, -1))
-            total = acc.add(total, _per_lane(lambda t, rows=rows: _cascade(rows, acc, t), c, width, tally), tally)
+            own = _per_lane(lambda t, rows=rows: _cascade(rows, acc, t), c, width, tally)
         if part.stop > whole >= part.start and r % width:
             tail = np.zeros((c, width), dtype=x.dtype)
             tail[:, : r - whole * width] = x[:, whole * width:]
-            masked = acc.add(masked, tail, tally)
-    return tree_sum(acc.add(total, masked, tally), acc, tally)
+            if cascade:
+                masked = acc.add(masked, tail, tally)
+            else:
+                own = acc.add(own, tail, tally)
+        total = acc.add(total, own, tally)
+    return tree_sum(acc.add(total, masked, tally) if cascade else total, acc, tally)
 
 
 def _interleave4(x: np.ndarray, acc: Arith, tally: Tally | None, kahan: bool) -> np.ndarray:
