@@ -75,6 +75,9 @@ _BATCHNORM_ONLY = ("backward_fma", "backward_sums", "thread_split", "packet_lane
 #: torch.compile's (inductor: each layer's decomposition as TorchInductor generates it on the CPU)
 FAMILY_BACKWARDS = ("standard", "torch", "inductor")
 _DEFAULTS = {f.name: f.default for f in fields(Policy)}
+#: inductor's config.realize_reads_threshold: a pointwise value reading more inputs than this is stored, not
+#: recomputed inside the kernels that read it
+_REALIZE_READS = 4
 
 
 def check_family_policy(pol: Policy) -> Policy:
@@ -583,14 +586,17 @@ def _inductor_group_backward(k: _Kernel, dya: np.ndarray, xa: np.ndarray, ga: np
     ds = np.asarray(ds, dtype=xa.dtype).reshape(n * groups, d)
     db = np.asarray(db, dtype=xa.dtype).reshape(n * groups, d)
     gg = np.broadcast_to(np.asarray(ga, dtype=xa.dtype).reshape(1, groups, d), (n, groups, d)).reshape(n * groups, d)
+    inlined = hw <= _REALIZE_READS or (n * groups == 1 and hw < INDUCTOR_UNROLL_BELOW)
 
     def group_sum(v: np.ndarray, tally: Tally | None) -> np.ndarray:
         """Σ over a group's channels of v·γ: ds and db are float buffers, summed by one float vector whatever x's
-        format.  With one sample and positions too few to loop over, inductor fuses the planes' unrolled sums into
-        this reduction's loop over the channels (unless it unrolls it too: fewer than 8 channels in more than one
-        group), which sums each group's channels in order from +0."""
+        format.  Where the positions are too few to loop over, the planes' sums are unrolled, and where inductor
+        then computes them inside this reduction's loop over the channels — a single (sample, group): the same
+        loop; or 4 positions at most: a sum of that few reads is inlined (config.realize_reads_threshold) — it reads x
+        and dy across channels, not vectorised along them: each group's channels in order from +0 (unless this sum
+        is unrolled too: fewer than 8 channels in more than one group)."""
         terms = acc.mul(v, gg, tally)
-        if n == 1 and hw < INDUCTOR_UNROLL_BELOW and (d >= INDUCTOR_UNROLL_BELOW or groups == 1):
+        if inlined and (d >= INDUCTOR_UNROLL_BELOW or n * groups == 1):
             s = reduce_sum(terms, acc, order="inductor", lanes=k.pol.lanes, row=None, tally=tally)
             return np.where(s == 0, 0.0, s)
         return _inductor_sum(k, terms, tally, unroll=1)
@@ -618,8 +624,8 @@ def _inductor_group_backward(k: _Kernel, dya: np.ndarray, xa: np.ndarray, ga: np
     invn = np.repeat(np.asarray(inv, dtype=xa.dtype).reshape(n, groups), d, axis=1)
     terms = acc.mul(acc.sub(dsn, acc.mul(dbn, mun)), invn)
     params = run.params
-    # (positions too few to loop over: the planes' sums are recomputed inside a kernel tiled 16 samples deep)
-    step = CHANNEL_TILE if hw < INDUCTOR_UNROLL_BELOW else 1
+    # (the planes' sums inlined: recomputed inside a kernel tiled 16 samples deep)
+    step = CHANNEL_TILE if hw <= _REALIZE_READS else 1
     dgamma = _inductor_sum(k, terms, None, columns=True, step=step)
     dbeta = _inductor_sum(k, dbn, None, columns=True, step=step)
     return dx, k.record_param("dgamma", params, dgamma), k.record_param("dbeta", params, dbeta)
