@@ -113,6 +113,9 @@ class TorchCompileAdapter(TorchAdapter):
                 # inductor's own imports warn of torch's deprecations (torch.jit.script_method): nothing the user
                 # can act on, and under an error filter they would fail the compile
                 warnings.simplefilter("ignore", DeprecationWarning)
+                # (rms_norm of a 16-bit x with a float γ says, while tracing, that it takes the composite path —
+                # the one compiled here)
+                warnings.filterwarnings("ignore", "Mismatch dtype between input and weight", UserWarning)
                 if kind == "rms_grad":  # autograd through the compiled forward: its compiled backward graph
                     x, n, w, eps, g = args
                     with self.torch.enable_grad():

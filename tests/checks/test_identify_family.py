@@ -48,14 +48,14 @@ SLOW_CASES = [("layer", "fp32", "fp32"), ("layer", "bf16", "fp32"), ("layer", "b
               ("group", "bf16", "fp32"), ("group", "bf16", "same")]
 
 
-def _check_found(norm: str, fmt: str, params: str) -> None:
-    res = identify_family("torch", norm, fmt, params=params, groups=2 if norm == "group" else None)
+def _check_found(norm: str, fmt: str, params: str, adapter: str = "torch") -> None:
+    res = identify_family(adapter, norm, fmt, params=params, groups=2 if norm == "group" else None)
     assert res.reproduced and res.passed and res.departs is None, res.found()
     assert {o.output for o in res.outputs} == ({"y", "saved_rstd", "dx", "dgamma"} if norm == "rms" else
                                               {"y", "saved_mean", "saved_rstd", "dx", "dgamma", "dbeta"})
     assert all(o.fresh_exact for o in res.outputs)
-    for call in unseen_calls(norm, fmt, params):  # the recipe, run here, against torch on inputs nobody saw
-        assert not any(mismatching("torch", f"emulated:{res.spec}", call).values()), res.spec
+    for call in unseen_calls(norm, fmt, params):  # the recipe, run here, against the kernel on inputs nobody saw
+        assert not any(mismatching(adapter, f"emulated:{res.spec}", call).values()), res.spec
 
 
 @pytest.mark.parametrize("norm,fmt,params", CASES, ids=lambda v: str(v))
@@ -67,6 +67,14 @@ def test_torch_s_family_kernels_are_found_bit_for_bit(norm: str, fmt: str, param
 @pytest.mark.parametrize("norm,fmt,params", SLOW_CASES, ids=lambda v: str(v))
 def test_torch_s_family_kernels_are_found_in_every_format(norm: str, fmt: str, params: str) -> None:
     _check_found(norm, fmt, params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("norm", ["layer", "rms", "group"])
+def test_torch_compile_s_family_kernels_are_found_in_every_format(norm: str, fmt: str) -> None:
+    """TorchInductor's generated kernels (each probe compiles): found, and the recipe matches them on unseen inputs."""
+    _check_found(norm, fmt, "fp32", "torch-compile")
 
 
 def test_a_planted_recipe_is_found_back() -> None:
