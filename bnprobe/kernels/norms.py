@@ -58,7 +58,7 @@ from bnprobe.kernels.norms_compiled import backward_rows, forward_rows, numpy_ro
 from bnprobe.kernels.policy import BACKWARD_FORMULAS, Policy, get_policy
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.arith import Arith, Tally, fma_wide
-from bnprobe.numerics.inductor import CHANNEL_TILE, MIN_CHUNK, OUTER_RATIO, splits_rows
+from bnprobe.numerics.inductor import CHANNEL_TILE, CHUNK, MIN_CHUNK, OUTER_RATIO, splits_rows
 from bnprobe.numerics.reduce import (INDUCTOR_UNROLL_BELOW, Cores, buffered_sum, inductor_split_rows, reduce_sum,
                                      split_parts)
 from bnprobe.numerics.rowwise import aten_column_sum, aten_sum, half_reduce, lane_sums, vec_reduce
@@ -234,15 +234,18 @@ def forward(x: Any, gamma: Any = None, beta: Any = None, *, shape: NormShape, ep
             var = run.rec("mean_square", acc, per_count(s, r, pol.mean_by, acc))
             mean = None
         else:
-            # (inductor's Welford: past its two-pass threshold, or for a single row)
-            if pol.variance == "inductor" and (r > INDUCTOR_TWO_PASS_MAX or shape.rows == 1) and \
-                    _inductor_splits_row(pol, shape.rows, r):
+            # (inductor's Welford — past its two-pass threshold, or for a single row — split across the threads
+            # where inductor splits the row)
+            split = pol.variance == "inductor" and (r > INDUCTOR_TWO_PASS_MAX or shape.rows == 1) and \
+                _inductor_splits_row(pol, shape.rows, r)
+            if split and -(-r // (_inductor_width(pol, r) * pol.threads)) > CHUNK:
                 raise BNProbeError(f"variance=inductor with threads={pol.threads}: torch.compile splits each row's "
                                    f"Welford reduction across its threads at {shape.rows} row(s) of {r} values, "
-                                   "which bnprobe does not emulate (without threads: the one-thread kernel)")
+                                   f"more than {CHUNK} vectors a thread, where its threads share one chunk stack "
+                                   "(a race), which bnprobe does not emulate")
             method = MomentsMethod(pol.variance, pol.order, pol.lanes, pol.tiles, pol.kahan, pol.mean_by,
                                    pol.clamp_var, pol.unroll, run.cores, pol.sum_format, pack=k.pack,
-                                   fused=pol.variance_fma)
+                                   fused=pol.variance_fma, row_threads=pol.threads if split else 1)
             m = moments(xa, acc, method, rng=run.rng, row=run.order_rows(), wide_sums=run.trace.keep_arrays,
                         channels=shape.rows)
             for sv in m.stages:

@@ -26,7 +26,7 @@ import numpy as np
 from bnprobe.numerics.arith import Arith, Tally
 from bnprobe.numerics.reduce import split_parts
 
-__all__ = ["CHUNK", "welford", "splits_channels", "splits_rows"]
+__all__ = ["CHUNK", "welford", "welford_split_rows", "splits_channels", "splits_rows"]
 
 #: WelfordHelper<T, 4096>: updates per chunk, and the length of the reciprocal table
 CHUNK = 4096
@@ -249,6 +249,45 @@ def welford(x: np.ndarray, acc: Arith, *, lanes: int, unroll: int = 1, row: int 
         for k in range(rows):
             masked = _update(masked, pad[:, k], acc, tally, helper, tail)
         masked = helper.finish(masked)
+    res = _combine(_reduce_lanes(masked, acc, tally, lanes, unroll), _reduce_lanes(main, acc, tally, lanes, unroll),
+                   acc, tally)
+    return res.mean[:, 0].astype(np.float64), res.m2[:, 0].astype(np.float64)
+
+
+def welford_split_rows(x: np.ndarray, acc: Arith, *, lanes: int, unroll: int = 1, threads: int,
+                       tally: Tally | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The mean and M2 of each row of a ``(C, R)`` array of ``acc`` values, each row one contiguous row of the layout,
+    where inductor splits a row's Welford reduction across ``threads`` threads (a single row, or a few long ones: the
+    row's vector loop is the parallel one).  The row's vector iterations — its whole vectors of ``lanes`` ×
+    ``unroll`` values, then one masked vector — are dealt by OpenMP's static schedule; each thread updates an
+    accumulator of its own from an empty one with its whole vectors, and the thread holding the masked vector a masked
+    accumulator of its own; the threads' accumulators are merged in thread order (welford_combine by their weights),
+    the masked ones likewise, and reduced across lanes as :func:`welford` does, the masked result first.  Every
+    thread takes at most :data:`CHUNK` updates: beyond that the generated code's chunk stack is one static
+    WelfordHelper its threads share (a race), which the caller refuses."""
+    c, r = x.shape
+    dtype = x.dtype if x.dtype == np.float32 else np.float64
+    x = np.asarray(x, dtype=dtype)
+    if r < lanes * unroll:
+        unroll = 1
+    width = lanes * unroll
+    whole = r // width
+    iterations = whole + (1 if r % width else 0)
+    if -(-iterations // max(threads, 1)) > CHUNK:
+        raise ValueError(f"more than {CHUNK} updates a thread: the generated code's threads share one chunk stack")
+    main = _empty(c, width, dtype)
+    masked = _empty(c, width, dtype)
+    no_stack = _Helper(0, acc, tally)
+    for part in split_parts(iterations, threads, "openmp"):
+        own = _empty(c, width, dtype)
+        for k in range(part.start, min(part.stop, whole)):
+            own = _update(own, x[:, k * width:(k + 1) * width], acc, tally, no_stack)
+        main = _combine(main, own, acc, tally)
+        if part.stop > whole >= part.start and r % width:
+            pad = np.zeros((c, width), dtype=dtype)
+            pad[:, : r - whole * width] = x[:, whole * width:]
+            masked = _combine(masked, _update(_empty(c, width, dtype), pad, acc, tally, no_stack, r - whole * width),
+                              acc, tally)
     res = _combine(_reduce_lanes(masked, acc, tally, lanes, unroll), _reduce_lanes(main, acc, tally, lanes, unroll),
                    acc, tally)
     return res.mean[:, 0].astype(np.float64), res.m2[:, 0].astype(np.float64)

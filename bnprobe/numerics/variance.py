@@ -77,6 +77,8 @@ class MomentsMethod:
     sum_format: str | None = None
     pack: int = 1
     fused: bool = False
+    #: inductor: the threads its Welford splits each contiguous row across (1: none; a single row or a few long ones)
+    row_threads: int = 1
 
 
 def prescale_exponent(count: int) -> int:
@@ -306,7 +308,12 @@ def _welford_inductor(x: np.ndarray, acc: Arith, stage: _Stages, method: Moments
     t = Tally(c)
     row = row.length if isinstance(row, Rows) else row
     threads = method.cores.parts if method.cores.schedule == "openmp" else 1
-    mean, m2 = inductor.welford(x, acc, lanes=method.lanes, unroll=method.unroll, row=row, threads=threads, tally=t)
+    if method.row_threads > 1:
+        mean, m2 = inductor.welford_split_rows(x, acc, lanes=method.lanes, unroll=method.unroll,
+                                               threads=method.row_threads, tally=t)
+    else:
+        mean, m2 = inductor.welford(x, acc, lanes=method.lanes, unroll=method.unroll, row=row, threads=threads,
+                                    tally=t)
     mean_by = method.mean_by
     return _merged(x, acc, stage, (np.full(c, float(r)), mean, m2), t, mean_by)
 
