@@ -54,6 +54,7 @@ KERNELS = (
 #: (adapter, layers, formats, params): the normalisation family's kernels, in its section's order
 FAMILY_KERNELS = (
     ("torch", ("layer", "rms", "group"), ("fp32", "fp16", "bf16"), "fp32"),
+    ("torch-compile", ("layer", "rms", "group"), ("fp32", "fp16", "bf16"), "fp32"),
 )
 #: the groups of the GroupNorm probes the family section is measured on
 FAMILY_GROUPS = 2
@@ -122,7 +123,8 @@ def row(adapter: str, fmt: str, params: str, shape: str | None = None) -> dict:
 
 
 def family_row(adapter: str, norm: str, fmt: str, params: str) -> dict:
-    """identify --norm ``norm`` on one kernel and format: its recipe or its departure, and the time it took."""
+    """identify --norm ``norm`` on one kernel and format: its recipe or its departure, and the time it took (the
+    part of it spent compiling apart, for a kernel that compiles)."""
     from bnprobe.adapters.registry import BUILTIN
     from bnprobe.core.errors import BNProbeError
 
@@ -130,11 +132,13 @@ def family_row(adapter: str, norm: str, fmt: str, params: str) -> dict:
     why = BUILTIN[adapter].why_unavailable()
     if why:
         return {**base, "result": "not run", "why": why}
+    from bnprobe.adapters import get_adapter
     from bnprobe.checks.identify.family import identify_family
 
+    kernel = get_adapter(adapter)
     t = time.perf_counter()
     try:
-        res = identify_family(adapter, norm, fmt, params=params, groups=FAMILY_GROUPS if norm == "group" else None)
+        res = identify_family(kernel, norm, fmt, params=params, groups=FAMILY_GROUPS if norm == "group" else None)
     except BNProbeError as exc:
         return {**base, "result": "not run", "why": str(exc)}
     return {**base, "result": "reproduced" if res.reproduced else "departs",
@@ -144,7 +148,8 @@ def family_row(adapter: str, norm: str, fmt: str, params: str) -> dict:
             "departure_size": None if res.reproduced else res.departure_size(),
             "outputs": [o.output for o in res.outputs],
             "undistinguished": [f"{u.stage}: {u.chosen} or {' | '.join(u.alternatives)}" for u in res.undistinguished],
-            "seconds": round(time.perf_counter() - t, 1)}
+            "seconds": round(time.perf_counter() - t, 1),
+            "compile_seconds": round(getattr(kernel, "compile_seconds", 0.0), 1)}
 
 
 def family_rows() -> list[dict]:
@@ -167,9 +172,11 @@ def _render_family(rows: list[dict]) -> list[str]:
              "formula, the backward's formula, threads and buffers; see [the normalisation family](norms.md)), on "
              f"designed probes (GroupNorm's with {FAMILY_GROUPS} groups) and confirmed on fresh inputs. The fields "
              "the probes could not tell apart are listed beside each recipe: each alternative reproduced every "
-             "output as well.")
+             "output as well. torch-compile's seconds include compiling each probe's kernels, given apart in "
+             "brackets.")
     lines = ["", "## LayerNorm, RMSNorm, GroupNorm", "", *textwrap.wrap(intro, 116), "",
-             "| kernel | layer | format | params | found | recipe or departure | not told apart | identify s |",
+             "| kernel | layer | format | params | found | recipe or departure | not told apart | identify s "
+             "(compiling) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         layer = NORM_NAMES[r["norm"]]
@@ -180,8 +187,9 @@ def _render_family(rows: list[dict]) -> list[str]:
             f"departs at {r['departs']}: " + (f"closest `{r['recipe']}` ({', '.join(r['departing'])}: "
                                               f"{r['departure_size']})" if r["recipe"] else r["departure"]))
         ties = "; ".join(r["undistinguished"]) or "-"
+        timing = f"{r['seconds']:g}" + (f" ({r['compile_seconds']:g})" if r.get("compile_seconds") else "")
         lines.append(f"| {r['kernel']} | {layer} | {r['format']} | {r['params']} | {r['result']} | {what} | "
-                     f"{ties} | {r['seconds']:g} |")
+                     f"{ties} | {timing} |")
     return lines
 
 

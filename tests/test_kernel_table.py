@@ -33,8 +33,18 @@ def test_the_page_is_the_script_s_rendering_of_its_data():
 
 
 def test_the_family_s_recipes_reproduce_torch_on_inputs_identify_never_saw():
-    """Each recipe of the family's section, run as emulated:<recipe>, against torch on shapes neither identify's
-    probes nor its fresh inputs have (where the table was made with this torch)."""
+    """Each recipe of the family's section for eager torch, run as emulated:<recipe>, against torch on shapes neither
+    identify's probes nor its fresh inputs have (where the table was made with this torch)."""
+    _check_family_rows("torch")
+
+
+@pytest.mark.slow  # (each row compiles its kernels)
+def test_the_family_s_torch_compile_recipes_reproduce_it_on_inputs_identify_never_saw():
+    """The same for torch.compile's rows: each recipe against the compiled kernels."""
+    _check_family_rows("torch-compile")
+
+
+def _check_family_rows(kernel: str) -> None:
     torch = pytest.importorskip("torch")
     import numpy as np
 
@@ -46,7 +56,9 @@ def test_the_family_s_recipes_reproduce_torch_on_inputs_identify_never_saw():
     if f"torch {torch.__version__}" not in doc["versions"]:
         pytest.skip(f"the table was made with other versions ({doc['versions']})")
     rng = np.random.default_rng(77)
-    for r in doc["family_rows"]:
+    rows = [r for r in doc["family_rows"] if r["kernel"] == kernel]
+    assert rows
+    for r in rows:
         assert r["result"] == "reproduced", r
         shape = (6, 3, 70) if r["norm"] != "group" else (3, 10, 21)
         pshape = shape[-1:] if r["norm"] != "group" else shape[1:2]
