@@ -39,6 +39,7 @@ RUN = {
     "bnprobe gradcheck --formula seed": None,
     "bnprobe identify --adapter torch --dtype fp16": "torch",
     "bnprobe identify --adapter torch --norm layer --dtype fp16": "torch",
+    "bnprobe identify --adapter torch-compile --norm layer --dtype fp16": "torch",
     "bnprobe identify --adapter ascend-bnv3 --dtype fp16": None,
     "bnprobe dump --adapter ascend-950 --dtype fp16 --shape 8,32,14,14 --mean 3 --std 2 --out npu-call": None,
     'bnprobe doctor --adapter torch --dtype bf16 --params same | grep -E "^doctor|^FAIL" | cut -c1-330': "torch",
@@ -112,7 +113,8 @@ NOT_WITH = {"bnprobe adapters": ("jax", "flax", "tensorflow", "tensorflow-cpu", 
 SLOW = {"bnprobe rsqrt --format fp32 --method magic --newton 0,1,2 --working fp64",  # 26 s
         "bnprobe compare-precision --adapters torch --dtypes fp16 --shape 4096,1,64,64 --no-stress --no-budget "
         "--format md --out big-torch",  # 16 M values, torch's and the identified recipe's: 55 s
-        NAMED}  # 4 M values, torch's, the careful bench's, the identified recipe's and its variants': 20 s
+        NAMED,  # 4 M values, torch's, the careful bench's, the identified recipe's and its variants': 20 s
+        "bnprobe identify --adapter torch-compile --norm layer --dtype fp16"}  # each probe compiles: 40 s
 # the blocks that are shown but not run, each with the reason
 NOT_RUN: dict[str, str] = {}
 def _bad_inputs(folder: Path) -> None:

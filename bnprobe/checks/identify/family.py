@@ -72,7 +72,7 @@ FAMILY_FIELD_PROBES = {
     "cast_point": "y whose rounding before γ shows",
     "backward_formula": "dy with a mean per row, a large mean in x",
     "threads": "more rows than threads (LayerNorm's dγ/dβ buffers), a single group (GroupNorm), a row of "
-                      "32768 values or more (RMSNorm's sums)",
+                      "32768 values or more (RMSNorm's sums), a single row of 1024 or more (torch.compile's)",
     "grad_sum_format": "a 16-bit input over many rows (dγ/dβ buffers rounded per row)",
     "dx_fuses": "dx that cancels (a large mean over a tiny spread)",
 }
