@@ -16,7 +16,9 @@ from bnprobe.core.errors import BNProbeError, named
 from bnprobe.engine.recorded import Recorded, require_one
 from bnprobe.core.formats import get_format
 from bnprobe.kernels import Execution, backward, forward_infer, forward_train, get_policy
-from bnprobe.kernels import norms
+from bnprobe.kernels.norms import backward as family_backward
+from bnprobe.kernels.norms import check_family_policy
+from bnprobe.kernels.norms import forward as family_forward
 from bnprobe.kernels.layout import NormShape
 from bnprobe.kernels.policy import Policy
 from bnprobe.kernels.trace import Trace
@@ -240,7 +242,7 @@ def _trace_family(call: BNCall, *, policy: str | Policy | None, mode: str | None
     if sh.r < 2 and mode == "backward":
         raise BNProbeError(f"{name}'s backward needs more than one value per row of statistics; x of shape "
                            f"{list(sh.shape)} has R = 1")
-    pol = norms.check_family_policy(get_policy("fp16" if policy is None else policy))
+    pol = check_family_policy(get_policy("fp16" if policy is None else policy))
     if params is not None:
         pol = pol.with_options(params=params_format(pol.storage, params))
     gold = pol.golden()
@@ -250,16 +252,16 @@ def _trace_family(call: BNCall, *, policy: str | Policy | None, mode: str | None
         g, b = rp(call.gamma), rp(call.beta)
     common = dict(shape=sh, eps=call.eps, weight_offset=call.weight_offset)
     # (the backward's statistics alone are read of its forward: no arrays kept)
-    fw = norms.forward(xs, g, b, policy=pol, keep_arrays=mode == "train", **common)
+    fw = family_forward(xs, g, b, policy=pol, keep_arrays=mode == "train", **common)
     if mode == "train":
-        res, ref = fw, norms.forward(xs, g, b, policy=gold, **common)
+        res, ref = fw, family_forward(xs, g, b, policy=gold, **common)
     else:
         # both backwards from the statistics the policy's forward saved, as a kernel's backward reads them
         dys = round_to(np.asarray(call.dy if call.dy is not None else np.zeros_like(xs), dtype=np.float64),
                        pol.storage)
         grads = dict(shape=sh, weight_offset=call.weight_offset)
-        res = norms.backward(dys, xs, g, fw.mean, fw.rstd, policy=pol, **grads)
-        ref = norms.backward(dys, xs, g, fw.mean, fw.rstd, policy=gold, **grads)
+        res = family_backward(dys, xs, g, fw.mean, fw.rstd, policy=pol, **grads)
+        ref = family_backward(dys, xs, g, fw.mean, fw.rstd, policy=gold, **grads)
     meta = {**res.trace.meta, "eps_effective": fw.trace.meta["eps_effective"]}  # (ε as the forward added it)
     meta.pop("policy_detail", None)
     rows = stage_errors(res.trace, ref.trace, ("element", "row")) + \
