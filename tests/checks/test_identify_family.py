@@ -42,8 +42,10 @@ def mismatching(kernel_a: str, kernel_b: str, call: BNCall) -> dict[str, int]:
     return {k: int(np.sum(np.asarray(a[k], dtype=np.float64) != np.asarray(b[k], dtype=np.float64))) for k in a}
 
 
-CASES = [("layer", "fp16", "fp32"), ("rms", "bf16", "fp32"), ("group", "fp32", "fp32")]
-SLOW_CASES = [("layer", "fp32", "fp32"), ("layer", "bf16", "fp32"), ("layer", "bf16", "same"),
+# (RMSNorm's search runs with the slow tests: its recipes are held to torch bit for bit in the default suite by
+# tests/kernels/test_norms_torch.py; the default suite keeps within its 10 minutes)
+CASES = [("layer", "fp16", "fp32"), ("group", "fp32", "fp32")]
+SLOW_CASES = [("rms", "bf16", "fp32"), ("layer", "fp32", "fp32"), ("layer", "bf16", "fp32"), ("layer", "bf16", "same"),
               ("rms", "fp32", "fp32"), ("rms", "fp16", "fp32"), ("group", "fp16", "fp32"),
               ("group", "bf16", "fp32"), ("group", "bf16", "same")]
 
@@ -141,6 +143,7 @@ class SavesNone(type(get_adapter("careful"))):  # type: ignore[misc]
         return super()._family_backward_impl(p, dy, super()._family_forward_impl(p, eps=eps).saved, eps=eps)
 
 
+@pytest.mark.slow  # (10 s of searching)
 def test_a_kernel_that_saves_no_statistics_is_identified_through_y() -> None:
     """The careful kernel stripped of its saved statistics: its backward takes none, and identify reproduces it
     from y, dx, dγ and dβ alone (its candidates' backward from their own statistics)."""
