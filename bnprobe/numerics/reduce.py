@@ -365,24 +365,20 @@ def _eigen(x: np.ndarray, acc: Arith, tally: Tally | None, lanes: int, row: int 
 
 
 def _omp_simd(x: np.ndarray, acc: Arith, tally: Tally | None, lanes: int, row: int | None) -> np.ndarray:
-    """The ``omp_simd`` order (see :data:`ORDERS`)."""
-    xr, row = _rows(x, row)
-    c, rows, _ = xr.shape
-    whole = row // lanes * lanes
-    total = np.zeros(c)
-    for n in range(rows):
-        v = xr[:, n, :]
-        # each lane from zero (0 + v is v, but -0 becomes +0), value p of the whole vectors to lane p mod lanes
-        body = v[:, :whole].reshape(c, whole // lanes, lanes).transpose(0, 2, 1).reshape(c * lanes, -1)
-        body = np.concatenate([np.zeros((c * lanes, 1), dtype=v.dtype), body], axis=1)
-        lane = _per_lane(lambda t, rows=np.ascontiguousarray(body): _sequential(rows, acc, t, False), c, lanes, tally)
-        lane[:, 0] = _in_order(lane[:, 0], v[:, whole:], acc, tally)
-        total = _in_order(total, lane, acc, tally)
-    return total
+    """The ``omp_simd`` order (see :data:`ORDERS`): the row's remainder added into lane 0, then the lanes."""
+    return _lane_rows(x, acc, tally, lanes, row, tail_in_lane=True)
 
 
 def _lanes_tail(x: np.ndarray, acc: Arith, tally: Tally | None, lanes: int, row: int | None) -> np.ndarray:
     """The ``lanes_tail`` order (see :data:`ORDERS`): omp_simd's lanes, the row's remainder added after them."""
+    return _lane_rows(x, acc, tally, lanes, row, tail_in_lane=False)
+
+
+def _lane_rows(x: np.ndarray, acc: Arith, tally: Tally | None, lanes: int, row: int | None, *,
+               tail_in_lane: bool) -> np.ndarray:
+    """Row by row, value p of the row's whole vectors into lane p mod ``lanes`` (each lane from zero: 0 + v is v,
+    but -0 becomes +0), the lanes added in order into the total; the row's remainder added in order into lane 0
+    before that (``tail_in_lane``: omp_simd) or into the total after it (lanes_tail)."""
     xr, row = _rows(x, row)
     c, rows, _ = xr.shape
     whole = row // lanes * lanes
@@ -392,7 +388,11 @@ def _lanes_tail(x: np.ndarray, acc: Arith, tally: Tally | None, lanes: int, row:
         body = v[:, :whole].reshape(c, whole // lanes, lanes).transpose(0, 2, 1).reshape(c * lanes, -1)
         body = np.concatenate([np.zeros((c * lanes, 1), dtype=v.dtype), body], axis=1)
         lane = _per_lane(lambda t, rows=np.ascontiguousarray(body): _sequential(rows, acc, t, False), c, lanes, tally)
-        total = _in_order(_in_order(total, lane, acc, tally), v[:, whole:], acc, tally)
+        if tail_in_lane:
+            lane[:, 0] = _in_order(lane[:, 0], v[:, whole:], acc, tally)
+            total = _in_order(total, lane, acc, tally)
+        else:
+            total = _in_order(_in_order(total, lane, acc, tally), v[:, whole:], acc, tally)
     return total
 
 
