@@ -527,15 +527,11 @@ def _inductor_backward(k: _Kernel, dys: np.ndarray, xs: np.ndarray, g: np.ndarra
     x̂·Σ(g·x̂)), dγ = Σ_rows dy·x̂, dβ = Σ_rows dy.  RMSNorm (autograd through rms_norm's composite ops): PyTorch's
     formula (:func:`_torch_rms_backward`) with inductor's sums.  GroupNorm (native_group_norm_backward's
     decomposition): :func:`_inductor_group_backward`."""
-    run, pol, shape = k.run, k.pol, k.shape
+    run, shape = k.run, k.shape
     acc = run.acc
-    if shape.norm == "instance":
-        raise BNProbeError("InstanceNorm under torch.compile is BatchNorm's decomposition on the (1, N·C, ...) view: "
-                           "run BatchNorm's recipe on that view (backward_formula=inductor is LayerNorm's, RMSNorm's "
-                           "and GroupNorm's here)")
-    xa = run.cast("x_acc", xs, pol.storage, acc)
-    dya = run.cast("dy_acc", dys, pol.storage, acc)
-    ga = np.asarray(acc.round(g), dtype=xa.dtype)
+    xa, dya, ga = _upcast_for_backward(k, xs, dys, g, "InstanceNorm under torch.compile is BatchNorm's decomposition "
+                                       "on the (1, N·C, ...) view: run BatchNorm's recipe on that view "
+                                       "(backward_formula=inductor is LayerNorm's, RMSNorm's and GroupNorm's here)")
     if shape.norm == "rms":
         return _torch_rms_backward(k, dya, xa, ga, inv, sums=_inductor_sum)
     if shape.norm == "group":
@@ -634,22 +630,28 @@ def _inductor_group_backward(k: _Kernel, dya: np.ndarray, xa: np.ndarray, ga: np
     return dx, k.record_param("dgamma", params, dgamma), k.record_param("dbeta", params, dbeta)
 
 
+def _upcast_for_backward(k: _Kernel, xs: np.ndarray, dys: np.ndarray, g: np.ndarray,
+                         instance: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x and dy as stored, and γ, in the accumulator (traced as x_acc, dy_acc), for a real kernel's backward recipe;
+    InstanceNorm refused with ``instance`` (those kernels run BatchNorm's on a view)."""
+    if k.shape.norm == "instance":
+        raise BNProbeError(instance)
+    run, acc = k.run, k.run.acc
+    xa = run.cast("x_acc", xs, k.pol.storage, acc)
+    dya = run.cast("dy_acc", dys, k.pol.storage, acc)
+    return xa, dya, np.asarray(acc.round(g), dtype=xa.dtype)
+
+
 def _torch_backward(k: _Kernel, dys: np.ndarray, xs: np.ndarray, g: np.ndarray, mu: np.ndarray | None,
                     inv: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """dx (in the storage format), dγ and dβ (in the parameters' format) as the layer's PyTorch CPU kernel computes
     them (backward_formula=torch), from x and dy as stored, γ in the parameters' format and the saved statistics."""
-    run, pol, shape = k.run, k.pol, k.shape
-    acc = run.acc
-    if shape.norm == "instance":
-        raise BNProbeError("InstanceNorm's PyTorch kernel is BatchNorm's, run on the (1, N·C, ...) view: run "
-                           "BatchNorm's torch recipe on that view (backward_formula=torch is LayerNorm's, RMSNorm's "
-                           "and GroupNorm's here)")
-    xa = run.cast("x_acc", xs, pol.storage, acc)
-    dya = run.cast("dy_acc", dys, pol.storage, acc)
-    ga = np.asarray(acc.round(g), dtype=xa.dtype)
-    if shape.norm == "layer":
+    xa, dya, ga = _upcast_for_backward(k, xs, dys, g, "InstanceNorm's PyTorch kernel is BatchNorm's, run on the "
+                                       "(1, N·C, ...) view: run BatchNorm's torch recipe on that view "
+                                       "(backward_formula=torch is LayerNorm's, RMSNorm's and GroupNorm's here)")
+    if k.shape.norm == "layer":
         return _torch_layer_backward(k, dya, xa, ga, mu, inv)
-    if shape.norm == "group":
+    if k.shape.norm == "group":
         return _torch_group_backward(k, dya, xa, ga, mu, inv)
     return _torch_rms_backward(k, dya, xa, ga, inv)
 
