@@ -190,18 +190,18 @@ def _build(spec: Spec):
     return model, x.to(dt), v.to(dt), [w.to(dt) for w in weights]
 
 
-def _np(t):
+def as_numpy(t):
     torch = _torch()
     t = t.detach()
     return (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t).numpy()
 
 
-def _check(ok, msg):
+def check(ok, msg):
     if not ok:
         raise RuntimeError(msg)
 
 
-def _same(a, b):
+def same_tensor(a, b):
     torch = _torch()
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
@@ -239,7 +239,7 @@ def _reference(spec: Spec, model, x, v, weights, root: Path):
     for i, ((api, path, cls, shape, eps, momentum), (xi, yi), (w0, b0, m0, v0), live) in enumerate(
             zip(CALLS, seen, before, _bn_parts(ref))):
         dy = yi.grad
-        _check(dy is not None and bool((dy != 0).any()), f"{spec.name} call {i}: no dy")
+        check(dy is not None and bool((dy != 0).any()), f"{spec.name} call {i}: no dy")
         xc = xi.clone().requires_grad_()
         wc, bc = w0.clone().requires_grad_(), b0.clone().requires_grad_()
         rm, rv = m0.clone(), v0.clone()
@@ -254,14 +254,15 @@ def _reference(spec: Spec, model, x, v, weights, root: Path):
         if training:
             arrays.update(running_mean_after=rm, running_var_after=rv)
         # the standalone call and the model's own pass must agree bit for bit (else this oracle is wrong)
-        _check(tuple(xi.shape) == shape, f"{spec.name} call {i}: x shape {tuple(xi.shape)}")
-        _check(_same(y.detach(), yi.detach()), f"{spec.name} call {i}: standalone y != model y")
-        _check(_same(wc.grad, live[0].grad) and _same(bc.grad, live[1].grad), f"{spec.name} call {i}: dweight")
-        _check(_same(rm, live[2]) and _same(rv, live[3]), f"{spec.name} call {i}: running stats after")
+        check(tuple(xi.shape) == shape, f"{spec.name} call {i}: x shape {tuple(xi.shape)}")
+        check(same_tensor(y.detach(), yi.detach()), f"{spec.name} call {i}: standalone y != model y")
+        check(same_tensor(wc.grad, live[0].grad) and same_tensor(bc.grad, live[1].grad),
+              f"{spec.name} call {i}: dweight")
+        check(same_tensor(rm, live[2]) and same_tensor(rv, live[3]), f"{spec.name} call {i}: running stats after")
         files = {}
         for field, t in arrays.items():
             f = outdir / f"{i}-{field}.npy"
-            _save(f, _np(t))
+            save_array(f, as_numpy(t))
             files[field] = f.relative_to(root).as_posix()
         n = fwd_index.get(api, 0)
         fwd_index[api] = n + 1
@@ -291,13 +292,13 @@ def _reference(spec: Spec, model, x, v, weights, root: Path):
     return calls, after, grads
 
 
-def _save(path: Path, a):
+def save_array(path: Path, a):
     import numpy as np
 
     np.save(path, np.ascontiguousarray(a))
 
 
-def _write_config(path: Path, spec: Spec, dump_path: Path):
+def write_config(path: Path, spec: Spec, dump_path: Path):
     task_cfg = {"scope": [], "list": [], "data_mode": ["all"]}
     if spec.task == "statistics":
         task_cfg["summary_mode"] = "statistics"
@@ -306,8 +307,10 @@ def _write_config(path: Path, spec: Spec, dump_path: Path):
     path.write_text(json.dumps(cfg, indent=1))
 
 
-def _dump_all(root: Path, jobs):
-    """Dump every (spec, model, x, v, weights) with one PrecisionDebugger, re-configured by hot reload."""
+def dump_all(root: Path, jobs, loss=None):
+    """Dump every (spec, model, x, v, weights) with one PrecisionDebugger, re-configured by hot reload; ``loss``
+    (default this file's) makes the scalar each model's outputs are differentiated through."""
+    loss = _loss if loss is None else loss
     t0 = time.time()
     from msprobe.pytorch import PrecisionDebugger
 
@@ -316,7 +319,7 @@ def _dump_all(root: Path, jobs):
     dbg = None
     for spec, model, x, v, weights in jobs:
         dump_path = root / spec.name
-        _write_config(cfg, spec, dump_path)
+        write_config(cfg, spec, dump_path)
         if dbg is None:
             dbg = PrecisionDebugger(config_path=str(cfg))
         else:
@@ -327,8 +330,7 @@ def _dump_all(root: Path, jobs):
         got = (dbg.config.task, dbg.config.level, Path(dbg.config.dump_path).resolve())
         if got != (spec.task, spec.level, dump_path.resolve()):
             raise RuntimeError(f"{spec.name}: msprobe did not take the new config (runs {got})")
-        loss = _loss(model(x, v), weights)
-        loss.backward()
+        loss(model(x, v), weights).backward()
         dbg.stop()
         dbg.step()
         print(f"{spec.name}: dumped ({time.time() - t0:.1f} s)", flush=True)
@@ -359,11 +361,12 @@ def generate(root: Path, names=None):
             "calls": calls,
         }
     print(f"references computed in {time.time() - t0:.1f} s", flush=True)
-    _dump_all(root, jobs)
+    dump_all(root, jobs)
     # msprobe ran the same step as the reference pass: the models must now hold the reference's state
     for spec, model, after, grads in checks:
         for i, (p, (rm, rv), (gw, gb)) in enumerate(zip(_bn_parts(model), after, grads)):
-            if not (_same(p[2], rm) and _same(p[3], rv) and _same(p[0].grad, gw) and _same(p[1].grad, gb)):
+            if not (same_tensor(p[2], rm) and same_tensor(p[3], rv) and same_tensor(p[0].grad, gw)
+                    and same_tensor(p[1].grad, gb)):
                 raise RuntimeError(f"{spec.name} call {i}: the dumped step differs from the reference pass")
     import importlib.metadata as md
 

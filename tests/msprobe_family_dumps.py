@@ -81,6 +81,20 @@ def make_family_dumps(root: Path) -> dict[str, Path]:
 # ---------------------------------------------------------------------------------------------------- generator ---
 # Everything below runs in the subprocess only.
 
+def _shared():
+    """tests/msprobe_dumps.py, whose generator pieces (saving, msprobe's config, the dump loop, the tensor checks)
+    this one shares: loaded by its path, as the subprocess keeps tests/ off sys.path."""
+    import importlib.util
+
+    if "bnprobe_msprobe_dumps" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("bnprobe_msprobe_dumps",
+                                                      Path(__file__).with_name("msprobe_dumps.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["bnprobe_msprobe_dumps"]
+
+
 def _torch():
     import torch
 
@@ -155,20 +169,10 @@ def _build(spec: Spec):
     return model, img.to(dt), seq.to(dt), [w.to(dt) for w in weights]
 
 
-def _np(t):
-    torch = _torch()
-    t = t.detach()
-    return (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t).numpy()
 
 
-def _check(ok, msg):
-    if not ok:
-        raise RuntimeError(msg)
 
 
-def _same(a, b):
-    torch = _torch()
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
 def _standalone(i, xc, w, b, before):
@@ -191,6 +195,7 @@ def _standalone(i, xc, w, b, before):
 
 def _reference(spec: Spec, model, img, seq, weights, root: Path):
     """Torch's own values for every call (msprobe not imported yet); returns the manifest's calls."""
+    ms = _shared()
     ref = copy.deepcopy(model)
     before = [(p[0].detach().clone(), p[1].detach().clone()) for p in _params(ref)]
     running = (ref.bn.running_mean.clone(), ref.bn.running_var.clone())
@@ -221,7 +226,7 @@ def _reference(spec: Spec, model, img, seq, weights, root: Path):
     for i, ((api, path, cls, layer, shape, ns, groups, eps), (xi, yi), (w0, b0), live) in enumerate(
             zip(CALLS, seen, before, _params(ref))):
         dy = yi.grad
-        _check(dy is not None and bool((dy != 0).any()), f"{spec.name} call {i}: no dy")
+        ms.check(dy is not None and bool((dy != 0).any()), f"{spec.name} call {i}: no dy")
         xc = xi.clone().requires_grad_()
         wc, bc = w0.clone().requires_grad_(), b0.clone().requires_grad_()
         y, extra = _standalone(i, xc, wc, bc, running)
@@ -231,13 +236,14 @@ def _reference(spec: Spec, model, img, seq, weights, root: Path):
         if layer == "batch":
             arrays.update(running_mean=running[0], running_var=running[1])
         # the standalone call and the model's own pass must agree bit for bit (else this oracle is wrong)
-        _check(tuple(xi.shape) == shape, f"{spec.name} call {i}: x shape {tuple(xi.shape)}")
-        _check(_same(y.detach(), yi.detach()), f"{spec.name} call {i}: standalone y != model y")
-        _check(_same(wc.grad, live[0].grad) and _same(bc.grad, live[1].grad), f"{spec.name} call {i}: dweight")
+        ms.check(tuple(xi.shape) == shape, f"{spec.name} call {i}: x shape {tuple(xi.shape)}")
+        ms.check(ms.same_tensor(y.detach(), yi.detach()), f"{spec.name} call {i}: standalone y != model y")
+        ms.check(ms.same_tensor(wc.grad, live[0].grad) and ms.same_tensor(bc.grad, live[1].grad),
+                 f"{spec.name} call {i}: dweight")
         files = {}
         for field, t in arrays.items():
             f = outdir / f"{i}-{field}.npy"
-            _save(f, _np(t))
+            ms.save_array(f, ms.as_numpy(t))
             files[field] = f.relative_to(root).as_posix()
         calls.append({
             "index": i,
@@ -258,46 +264,10 @@ def _reference(spec: Spec, model, img, seq, weights, root: Path):
     return calls
 
 
-def _save(path: Path, a):
-    import numpy as np
-
-    np.save(path, np.ascontiguousarray(a))
 
 
-def _write_config(path: Path, spec: Spec, dump_path: Path):
-    task_cfg = {"scope": [], "list": [], "data_mode": ["all"]}
-    if spec.task == "statistics":
-        task_cfg["summary_mode"] = "statistics"
-    cfg = {"task": spec.task, "dump_path": str(dump_path), "rank": [], "step": [], "level": spec.level,
-           "dump_enable": True, spec.task: task_cfg}
-    path.write_text(json.dumps(cfg, indent=1))
 
 
-def _dump_all(root: Path, jobs):
-    """Dump every (spec, model, img, seq, weights) with one PrecisionDebugger, re-configured by hot reload."""
-    t0 = time.time()
-    from msprobe.pytorch import PrecisionDebugger
-
-    print(f"msprobe imported in {time.time() - t0:.1f} s", flush=True)
-    cfg = root / CONFIG
-    dbg = None
-    for spec, model, img, seq, weights in jobs:
-        dump_path = root / spec.name
-        _write_config(cfg, spec, dump_path)
-        if dbg is None:
-            dbg = PrecisionDebugger(config_path=str(cfg))
-        else:
-            # the debugger re-reads a changed config file at start() once its check interval has passed
-            time.sleep(getattr(PrecisionDebugger, "_CONFIG_CHECK_INTERVAL_ENABLED_S", 0.5) + 0.1)
-        PrecisionDebugger.set_init_step(0)
-        dbg.start(model=model)
-        got = (dbg.config.task, dbg.config.level, Path(dbg.config.dump_path).resolve())
-        if got != (spec.task, spec.level, dump_path.resolve()):
-            raise RuntimeError(f"{spec.name}: msprobe did not take the new config (runs {got})")
-        _loss(model(img, seq), weights).backward()
-        dbg.stop()
-        dbg.step()
-        print(f"{spec.name}: dumped ({time.time() - t0:.1f} s)", flush=True)
 
 
 def generate(root: Path, names=None):
@@ -316,7 +286,7 @@ def generate(root: Path, names=None):
                             "torch_dtype": TORCH_DTYPE[spec.dtype], "calls": calls,
                             "rms_modules": ["Module.rms.RMSNorm.forward.0"] if spec.level == "mix" else []}
     print(f"references computed in {time.time() - t0:.1f} s", flush=True)
-    _dump_all(root, jobs)
+    _shared().dump_all(root, jobs, _loss)
     import importlib.metadata as md
 
     manifest = {"format": "bnprobe-msprobe-family-fixtures/1", "msprobe_version": md.version("mindstudio-probe"),
