@@ -23,24 +23,10 @@ pytest.importorskip("pyarrow")
 nn, F = torch.nn, torch.nn.functional
 
 from bnprobe import monitor  # noqa: E402 - after the skips
+from tests.recordings.test_capture_family import LlamaRMSNorm  # noqa: E402 - the one HF-style RMSNorm of the tests
 
 STEPS = 6
 B, T, D = 4, 6, 32  # the transformer's batch, tokens and hidden size
-
-
-class LlamaRMSNorm(nn.Module):
-    """Hugging Face's Llama RMSNorm, as transformers writes it."""
-
-    def __init__(self, d: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-        self.variance_epsilon = eps
-
-    def forward(self, h):  # noqa: ANN001, ANN201
-        t = h.dtype
-        h = h.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * h.to(t)
 
 
 class Transformerish(nn.Module):
