@@ -93,7 +93,9 @@ def family_probes(norm: str, fmt: str, params: str, *, seed: int = 0, eps: float
     shapes).  Rows of lengths that take every branch of a vectorised row kernel (shorter than a vector, tails in
     every width, several RowwiseMoments chunks), large means over small spreads (the variance, y's formula and dx's
     fusion show), values across binades (the sums' order), more rows than threads (dγ/dβ per thread).  GroupNorm's
-    take ``groups`` groups (default 2) of channel counts with and without vector tails, one single-group call."""
+    take ``groups`` groups (default 2) of channel counts with and without vector tails, one single-group call, and
+    groups of 64 channels (a 16-bit y shows the statistics' last fp32 bit only where it crosses a rounding boundary:
+    many channels of their own γ make that likely)."""
     rng = np.random.default_rng([seed, 59, 1 if fresh else 0])
     g = groups or 2
     if norm in ("layer", "rms"):
@@ -103,14 +105,19 @@ def family_probes(norm: str, fmt: str, params: str, *, seed: int = 0, eps: float
             shapes.append((1, 40000))
     else:
         shapes = [(3, 7 * g, 50), (1, 11 * g, 9)] if fresh else \
-            [(4, 3 * g, 37), (3, 10 * g, 13), (6, 6 * g, 20), (2, 20 * g, 3), (1, 4 * g, 60)]
+            [(4, 3 * g, 37), (3, 10 * g, 13), (6, 6 * g, 20), (2, 20 * g, 3), (1, 4 * g, 60), (2, 64 * g, 40)]
     wide = {"fp16": 5, "bf16": 8}.get(fmt, 10)
     out = []
     for i, shape in enumerate(shapes):
         kind = 0 if norm == "group" and i % 2 == 0 else (i % 3 if i < 5 else 0)
         if kind == 0:  # large means over small spreads: cancellation in x − μ, y's formula, dx
             mean = rng.choice([100.0, -300.0, 1000.0])
-            x = mean + rng.standard_normal(shape) * rng.choice([0.01, 0.3, 2.0] if norm != "group" else [0.01, 0.05])
+            z = rng.standard_normal(shape)
+            spread = rng.choice([0.01, 0.3, 2.0] if norm != "group" else [0.01, 0.05])
+            if norm == "group" and i > 0:  # (a spread under the mean's ulp rounds a 16-bit group to one value:
+                # the first probe keeps that — x − μ cancels in dx —, the others show the sums' order)
+                spread = max(spread, 6 * float(get_format(fmt).ulp(np.float64(mean))))
+            x = mean + z * spread
             purpose = "a large mean over a small spread (the variance, y's formula and dx's fusion show)"
         elif kind == 1:  # values across binades: every sum depends on its order and width
             x = np.where(rng.random(shape) < 0.5, -1.0, 1.0) * 2.0 ** rng.uniform(-wide, wide, shape) + 0.25
