@@ -23,8 +23,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-NET = '''
-import contextlib, resource, sys, time, torch
+# the network: six conv/BatchNorm/ReLU blocks (benchmarks/dump_compare.py dumps the same one with msprobe)
+SIX = '''
+import torch
 from torch import nn
 
 def six():
@@ -33,6 +34,10 @@ def six():
         layers += [nn.Conv2d(cin, cout, 3, s, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
         cin = cout
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 10))
+'''
+
+NET = SIX + '''
+import contextlib, resource, sys, time
 
 out, dtype, batch, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 torch.manual_seed(0)
