@@ -29,8 +29,10 @@ import os
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,6 +100,26 @@ print(time.perf_counter() - t1, t1 - t0, n, values)
 '''
 
 
+def _run(args: list[str]) -> tuple[float, float, float, str]:
+    """Wall time, CPU time (user + system, the child's and its own children's), peak RSS (MB) of the child, and
+    its output.  On a shared machine the CPU time moves less than the wall between runs."""
+    t0 = time.perf_counter()
+    p = subprocess.run(
+        [sys.executable, "-c", "import resource, subprocess, sys\n"
+                               "r = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+                               "print(r.stdout, end=''); print(r.stderr, end='', file=sys.stderr)\n"
+                               "u = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
+                               "print('PEAK', u.ru_maxrss / 1024, u.ru_utime + u.ru_stime)\n"
+                               "sys.exit(r.returncode)", *args],
+        capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    lines = p.stdout.strip().splitlines()
+    if p.returncode not in (0, 1) or not lines or not lines[-1].startswith("PEAK"):
+        raise SystemExit(f"{' '.join(args[:4])}... failed ({p.returncode}):\n{p.stderr[-2000:]}")
+    _, peak, cpu = lines[-1].split()
+    return wall, float(cpu), float(peak), "\n".join(lines[:-1])
+
+
 def _proc_dir(dump: Path) -> Path:
     """msprobe's folder of one process's step 0 (where its dump.json is)."""
     found = sorted(dump.glob("step0/*/dump.json"))
@@ -153,7 +175,6 @@ def main() -> int:
     a = ap.parse_args()
     batch = a.batch or (32 if a.model == "six" else 8)
     size = a.size or (48 if a.model == "six" else 112)
-    run = _bench("resnet50_dump")._run  # wall time, peak RSS (MB) of the child, and its output
     src = _bench("dump_scale").SIX if a.model == "six" else _bench("resnet50_dump").MODEL
     root = a.dumps or a.keep or Path(tempfile.mkdtemp(prefix="bnprobe-dump-compare-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -162,7 +183,7 @@ def main() -> int:
     skip = {s.strip() for s in a.skip.split(",") if s.strip()}
     try:
         if a.dumps is None:
-            wall, peak, out = run([sys.executable, "-c", src + MAKE, str(root), a.model, str(batch), str(size),
+            wall, _, peak, out = _run([sys.executable, "-c", src + MAKE, str(root), a.model, str(batch), str(size),
                                    str(SHARED)])
             print(f"dumped one {a.model} training step at batch {batch}, {size}x{size}, fp16 and fp32, with "
                   f"msprobe: {wall:.1f} s, peak {peak:.0f} MB")
@@ -183,36 +204,41 @@ def main() -> int:
         if a.baseline is not None:  # the same command from the other checkout (its folder first on the path)
             parts["baseline"] = [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv.pop(1)); "
                                  "from bnprobe.cli import main; sys.exit(main())", str(a.baseline.resolve()),
-                                 *parts["bnprobe"][3:-3], str(root / "baseline-out"), "--force"]
+                                 *parts["bnprobe"][3:-3], "--out", str(root / "baseline-out"), "--force"]
         parts = {k: v for k, v in parts.items() if k not in skip}
         for name in ("bnprobe", "baseline"):
             if name in parts:
-                run(parts[name])  # fills the numba cache: the runs timed are warm
-        got: dict[str, list[tuple[float, float, str]]] = {k: [] for k in parts}
+                _run(parts[name])  # fills the numba cache: the runs timed are warm
+        got: dict[str, list[tuple[float, float, float, str]]] = {k: [] for k in parts}
         loads = []
         for i in range(a.repeats):
             for name, cmd in parts.items():
                 shutil.rmtree(root / "msprobe-out", ignore_errors=True)
-                got[name].append(run(cmd))
+                got[name].append(_run(cmd))
                 if name == "msprobe" and not list((root / "msprobe-out").glob("compare_result_*.csv")):
-                    raise SystemExit(f"msprobe compare wrote no result:\n{got[name][-1][2][-2000:]}")
+                    raise SystemExit(f"msprobe compare wrote no result:\n{got[name][-1][3][-2000:]}")
             loads.append(_loadavg())
-            print(f"run {i + 1}: " + ", ".join(f"{k} {v[-1][0]:.2f} s" for k, v in got.items()) + f"; load {loads[-1]}")
-        med = {k: statistics.median(w for w, _, _ in v) for k, v in got.items()}
-        peak = {k: max(p for _, p, _ in v) for k, v in got.items()}
+            print(f"run {i + 1}: " + ", ".join(f"{k} {v[-1][0]:.2f} s (CPU {v[-1][1]:.2f} s)" for k, v in got.items())
+                  + f"; load {loads[-1]}", flush=True)
+        med = {k: statistics.median(w for w, _, _, _ in v) for k, v in got.items()}
+        cpu = {k: statistics.median(c for _, c, _, _ in v) for k, v in got.items()}
+        peak = {k: max(p for _, _, p, _ in v) for k, v in got.items()}
         lines = [f"# A model's msprobe dump compared: {a.model}, batch {batch}, {size}x{size}, fp16 (msprobe 26.2, L1)",
                  "", f"fp16 dump {size16 / 2**20:.0f} MB, {records} BatchNorm records ({bn_bytes / 2**20:.0f} MB); "
                  f"median of {a.repeats}, alternating; load averages {', '.join(loads)}", "",
-                 "| part | wall (median) | walls | peak | figure |", "| --- | --- | --- | --- | --- |"]
+                 "| part | wall (median) | walls | CPU (median) | peak | figure |",
+                 "| --- | --- | --- | --- | --- | --- |"]
 
         def row(name: str, label: str, figure: str) -> None:
-            walls = ", ".join(f"{w:.2f}" for w, _, _ in got[name])
-            lines.append(f"| {label} | {med[name]:.2f} s | {walls} | {peak[name]:.0f} MB | {figure} |")
-            print(f"{label}: {med[name]:.2f} s wall (runs {walls}), peak {peak[name]:.0f} MB; {figure}")
+            walls = ", ".join(f"{w:.2f}" for w, _, _, _ in got[name])
+            lines.append(f"| {label} | {med[name]:.2f} s | {walls} | {cpu[name]:.2f} s | {peak[name]:.0f} MB "
+                         f"| {figure} |")
+            print(f"{label}: {med[name]:.2f} s wall (runs {walls}), CPU {cpu[name]:.2f} s, peak {peak[name]:.0f} MB; "
+                  f"{figure}")
 
         gold = None
         if "golden" in got:
-            fields = [ln.split() for ln in (o for _, _, o in got["golden"])]
+            fields = [ln.split() for ln in (o for _, _, _, o in got["golden"])]
             gold = statistics.median(float(f[0]) for f in fields)
             imports = statistics.median(float(f[1]) for f in fields)
             ncalls, values = int(fields[0][2]), int(fields[0][3])
@@ -223,19 +249,22 @@ def main() -> int:
                 f"{size16 / med['msprobe'] / 1e9:.3f} GB/s of the target dump")
         if "bnprobe" in got:
             b = med["bnprobe"]
-            heads = [re.search(r", ([0-9.]+) s[:;,]", o.splitlines()[0] if o else "") for _, _, o in got["bnprobe"]]
+            heads = [re.search(r", ([0-9.]+) s[:;,]", o.splitlines()[0] if o else "") for _, _, _, o in got["bnprobe"]]
             own = [float(m.group(1)) for m in heads if m]
             headline = f"its headline {statistics.median(own):.2f} s; " if own else ""
             figure = (f"{headline}{bn_bytes / b / 1e9:.3f} GB/s of BatchNorm tensors read, {records / 2 / b:.1f} "
                       f"calls/s")
             if "msprobe" in got:
                 figure += f"; msprobe's / bnprobe's wall: {med['msprobe'] / b:.2f}x (target >= 3x)"
+            if "msprobe" in got:
+                figure += f" (CPU: {cpu['msprobe'] / cpu['bnprobe']:.2f}x)"
             if gold:
                 figure += f"; bnprobe's wall / the golden's: {b / gold:.1f}x (target <= 6x)"
             row("bnprobe", "bnprobe compare-precision --no-budget (warm)", figure)
         if "baseline" in got:
             row("baseline", f"the same from {a.baseline}", f"this checkout's / its wall: "
-                f"{med.get('bnprobe', float('nan')) / med['baseline']:.2f}x")
+                f"{med.get('bnprobe', float('nan')) / med['baseline']:.2f}x, CPU: "
+                f"{cpu.get('bnprobe', float('nan')) / cpu['baseline']:.2f}x")
         (ROOT / "reports").mkdir(exist_ok=True)
         out = ROOT / "reports" / f"benchmarks-dump-compare-{a.model}.md"
         out.write_text("\n".join(lines) + "\n")

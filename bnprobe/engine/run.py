@@ -37,9 +37,9 @@ from bnprobe.core.tolerances import accumulation_bound, accumulation_format, var
 T = TypeVar("T")
 LARGE_CALL = 1 << 20  # values of x beyond which a call's arrays are collected before the next is read
 
-__all__ = ["CallRun", "Golden", "OUTPUT_MODE", "generated_call", "family_meta", "run_call", "each_call", "each_run",
-           "natural_scales", "cancellation_bounds", "statistics_bounds", "forgiven", "running_stats",
-           "y_natural"]
+__all__ = ["CallCollector", "CallRun", "Golden", "OUTPUT_MODE", "generated_call", "family_meta", "run_call",
+           "each_call", "each_run", "natural_scales", "cancellation_bounds", "statistics_bounds", "forgiven",
+           "running_stats", "y_natural"]
 
 # each output a check can judge, and the mode whose call returns it
 OUTPUT_MODE = {"y": "train", "saved_mean": "train", "saved_invstd": "train", "saved_var": "train",
@@ -206,6 +206,29 @@ class Golden:
         if "backward" not in self._cache:
             self._cache["backward"] = self.ref.backward_of(call, saved)
         return self._cache["backward"]
+
+    def bounds(self, gold_saved: Saved | None, stats: Saved | None, dy: np.ndarray | None
+               ) -> tuple[dict[str, np.ndarray], dict[str, tuple[np.ndarray, str]]]:
+        """The call's natural scales and bounds (:func:`natural_scales`, :func:`cancellation_bounds`,
+        :func:`statistics_bounds`; a family layer's :func:`~bnprobe.engine.family.family_bounds`) from the golden's
+        training statistics ``gold_saved``, the statistics ``stats`` the golden's backward used and the backward's
+        ``dy``: computed once for every kernel run on the call with the same three (they depend on nothing else)."""
+        key = ("bounds", id(gold_saved), id(stats), id(dy))
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] is gold_saved and hit[1] is stats and hit[2] is dy:
+            return hit[3], hit[4]
+        call = self.call
+        if call.norm != "batch":
+            from bnprobe.engine.family import family_bounds
+
+            scales, bounds = family_bounds(call, gold_saved, stats, dy)
+        else:
+            scales = natural_scales(call, stats, dy)
+            bounds = cancellation_bounds(call, stats, scales)
+            if gold_saved is not None and layout_of(call.x, call.layout).reduce_size > 1:
+                bounds.update(statistics_bounds(call, gold_saved, scales.get("saved_mean")))
+        self._cache[key] = (gold_saved, stats, dy, scales, bounds)
+        return scales, bounds
 
 
 @dataclass(frozen=True)
@@ -572,16 +595,38 @@ def run_call(kernel: KernelAdapter, rec: Recording, *, modes: tuple[str, ...] | 
         _run_infer(s, run)
     stats = _run_backward(s, run, gold_t) if "backward" in run.modes else None
     bw_dy = rec.tensors.get("backward", {}).get("inputs", {}).get("dy") if stats is not None else None
-    if call.norm != "batch":
-        from bnprobe.engine.family import family_bounds
-
-        run.scales, run.bounds = family_bounds(call, run.gold_saved, stats, bw_dy)
-        return run
-    run.scales = natural_scales(call, stats, bw_dy)
-    run.bounds = cancellation_bounds(call, stats, run.scales)
-    if run.gold_saved is not None and layout_of(call.x, call.layout).reduce_size > 1:
-        run.bounds.update(statistics_bounds(call, run.gold_saved, run.scales.get("saved_mean")))
+    scales, bounds = golden.bounds(run.gold_saved, stats, bw_dy)
+    # (each run its own dicts: a caller may add to them; the arrays are shared, never written)
+    run.scales, run.bounds = dict(scales), dict(bounds)
     return run
+
+
+class CallCollector:
+    """The collections a loop over large calls runs between them (``with CallCollector() as c: ... c.collect()``),
+    each walking only the objects made since the last one: after a collection what is left is frozen (``gc.freeze``;
+    thawed when the loop ends), so the modules' objects (torch's, pandas', matplotlib's: about 1 M) are not walked
+    again at every call.  The caller holds none of the last call's objects when it collects (they would be frozen
+    with the rest, and a cycle among them kept until the loop ends).  A process that froze objects itself keeps its
+    own: its collections are plain ones."""
+
+    def __init__(self) -> None:
+        self._freeze = gc.get_freeze_count() == 0
+        self._frozen = False
+
+    def __enter__(self) -> CallCollector:
+        return self
+
+    def collect(self) -> None:
+        """The last call's arrays caught in reference cycles (closures, a traceback's frames) go now, not when the
+        collector next runs."""
+        gc.collect()
+        if self._freeze:
+            gc.freeze()
+            self._frozen = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self._frozen:
+            gc.unfreeze()
 
 
 def each_call(recorded: Any, judge: Callable[[int, Any, Any], T]) -> list[T]:

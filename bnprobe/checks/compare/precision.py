@@ -11,7 +11,6 @@ The kernels run on the engine (:mod:`bnprobe.engine.run`); the inputs are :mod:`
 
 from __future__ import annotations
 
-import gc
 import math
 import time
 import warnings
@@ -59,6 +58,7 @@ from bnprobe.engine.rules import (
 )
 from bnprobe.engine.run import (
     LARGE_CALL,
+    CallCollector,
     OUTPUT_MODE,
     CallRun,
     Golden,
@@ -374,12 +374,13 @@ def _replaying(a: KernelAdapter, cc: _CaseCall) -> Recording | None:
     return match[0].load()
 
 
-def _run(a: KernelAdapter, cc: _CaseCall) -> CallRun:
+def _run(a: KernelAdapter, cc: _CaseCall, only: str | None = None) -> CallRun:
     """``a`` on one case call, in the asked modes it runs (an inference-only kernel: inference; said in the run's
-    notes), through the engine (its golden shared with every other kernel on the call)."""
+    notes), or in mode ``only`` of them, through the engine (its golden shared with every other kernel on the
+    call)."""
     runs = a.capabilities().modes
-    return run_call(a, cc.rec, modes=tuple(m for m in cc.modes if m in runs), label=cc.case.name, golden=cc.golden,
-                    quiet=True, replay=_replaying(a, cc))
+    return run_call(a, cc.rec, modes=tuple(m for m in cc.modes if m in runs and only in (None, m)),
+                    label=cc.case.name, golden=cc.golden, quiet=True, replay=_replaying(a, cc))
 
 
 def _natural(key: str, run: CallRun, call: Any, gold_t: Any) -> Callable[[], np.ndarray] | None:
@@ -541,17 +542,19 @@ def _name_recipe(r: dict[str, Any], cc: _CaseCall, run: CallRun, t: str, bench: 
         derived = rp.derive(call, run.got, run.saved).get(t) if rp.derive else None
         # the outputs derived from the call (cheap) first; the recipe's kernel is run only when they do not fit
         if any(fits(out) for out in (derived if isinstance(derived, list) else [derived])) or \
-                rp.kernel is not None and fits(_recipe_outputs(rp, cc).get(t)):
+                rp.kernel is not None and fits(_recipe_outputs(rp, cc, t).get(t)):
             r["cause"], r["named"] = rp.id, rp.words(call)
             r["why"] += f"; it matches a kernel that {rp.words(call)}"
             return
 
 
-def _recipe_outputs(rp: Any, cc: _CaseCall) -> dict[str, Any]:
-    """The outputs of recipe ``rp``'s kernel on this case call, run once (its outputs alone: no trace arrays)."""
-    if rp.id not in cc.recipes:
-        cc.recipes[rp.id] = _run(outputs_only(rp.kernel()), cc).got
-    return cc.recipes[rp.id]
+def _recipe_outputs(rp: Any, cc: _CaseCall, t: str) -> dict[str, Any]:
+    """The outputs of recipe ``rp``'s kernel on this case call in the mode that returns output ``t`` (a failing y
+    needs no backward), each mode run once (its outputs alone: no trace arrays)."""
+    key = f"{rp.id}:{OUTPUT_MODE[t]}"
+    if key not in cc.recipes:
+        cc.recipes[key] = _run(outputs_only(rp.kernel()), cc, OUTPUT_MODE[t]).got
+    return cc.recipes[key]
 
 
 def _policy(a: KernelAdapter, rec: Recording) -> Any:
@@ -661,22 +664,24 @@ def compare_precision(
     opts = {"eps": eps, "momentum": momentum, "params": params, "norm": options}
     # the bench in each kernel's convention (a framework's running variance is judged against a careful one's)
     benches = {convention_of(a).name: outputs_only(bench_for(bench_a, a)) for a in runs} if bench_a else {}
-    for case in cases:
-        if math.prod(case.shape) > LARGE_CALL:  # the last case's arrays caught in reference cycles go first
-            gc.collect()
-        for cc in _case_calls(case, fmts, modes, opts, ref, notes):
-            bench_outs: dict[str, Any] = {}
-            for a in runs:
-                if skip(a, cc):
-                    continue
-                conv = convention_of(a).name
-                if bench_a is not None and conv not in bench_outs:
-                    bench_outs[conv] = _bench(benches[conv], cc)
-                _compare_adapter(a, cc, j, tables, budget=budget, top_channels=top_channels, ref=ref,
-                                 bench=bench_outs.get(conv))
-                done += 1
-                if progress:
-                    progress(done, total)
+    with CallCollector() as collector:
+        for case in cases:
+            if math.prod(case.shape) > LARGE_CALL:  # the last case's arrays caught in reference cycles go first
+                collector.collect()
+            for cc in _case_calls(case, fmts, modes, opts, ref, notes):
+                bench_outs: dict[str, Any] = {}
+                for a in runs:
+                    if skip(a, cc):
+                        continue
+                    conv = convention_of(a).name
+                    if bench_a is not None and conv not in bench_outs:
+                        bench_outs[conv] = _bench(benches[conv], cc)
+                    _compare_adapter(a, cc, j, tables, budget=budget, top_channels=top_channels, ref=ref,
+                                     bench=bench_outs.get(conv))
+                    done += 1
+                    if progress:
+                        progress(done, total)
+            cc = bench_outs = None  # type: ignore[assignment]  # (nothing of this case held at the next collection)
     if budget:
         _budgets(tables)
     meta = {"adapters": [a.name for a in resolved],
