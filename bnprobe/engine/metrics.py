@@ -189,20 +189,23 @@ def _compare_figures(x: np.ndarray, y: np.ndarray, n: np.ndarray, b: np.ndarray
 # ---- msprobe's accuracy checker ----------------------------------------------------------------------
 
 def _checker(actual: np.ndarray, golden: np.ndarray, std: CheckerStandard, *, ulp: bool = True,
-             keep: dict[str, Any] | None = None) -> dict[str, Any]:
+             keep: dict[str, Any] | None = None, given: np.ndarray | None = None) -> dict[str, Any]:
     """BenchmarkCompare._compute_metrics and get_ulp_err on one output, as numpy scalars in msprobe's dtypes
     (they decide how its CSV writes them): the device output held as msprobe holds it, the golden one
     precision level up.  Every figure is msprobe's, bit for bit, by cheaper operations on the same values: a
     float16 output held in float32 (exact; msprobe's float16 arithmetic promotes to float32, its comparisons
     order the same values), signs counted by comparison rather than by the sign of a difference (a difference
     of two values of one format is 0 only where they are equal), a product by the mask where msprobe zeroes
-    by ``np.where`` (the values masked are finite there)."""
+    by ``np.where`` (the values masked are finite there).  ``given``: ``actual`` as the caller had it, when it
+    was float16 (a cast of it is the float16 rounding of ``actual``: one pass less)."""
     with np.errstate(all="ignore"):
         bench = golden.astype(std.bench, copy=False)
         half = np.dtype(std.device) == np.float16
         # a float16 output held in float32 (exact; see the docstring): its values stand for the float16 array
         # wherever it is read below, in msprobe's ULP too (whose arithmetic is float32)
-        dev = fp16_as(actual, np.float32) if half else actual.astype(std.device)
+        # (``given``: the output as the caller had it before widening it to float64; a float16 one is cast as is)
+        dev = (given.astype(np.float32) if given is not None and given.dtype == np.float16 else
+               fp16_as(actual, np.float32)) if half else actual.astype(std.device)
         # get_finite_and_infinite_mask: the golden judged finite in the device's dtype (get_error_balance casts
         # it the same way, below)
         bench_as_device = fp16_as(bench, np.float32) if half else bench.astype(std.device)
@@ -524,7 +527,7 @@ def compare(actual: Any, golden: Any, fmt: str | Format = "fp32", *, golden_fmt:
     g = g.reshape(a.shape)
     std = MSPROBE_CHECKER[f.name]
     kept: dict[str, Any] = {}
-    checker = {k: float(v) for k, v in _checker(a, g, std, keep=kept).items()}
+    checker = {k: float(v) for k, v in _checker(a, g, std, keep=kept, given=a_in).items()}
     judged = not _judged(f, "L0")[1] and a_in.shape == g_in.shape  # as checker_metrics decides
     kept = dict(_checker=kept["checker"] if judged else None, _ulps=kept["ulps"])
     # the compare's data, flat, as msprobe holds it: the output in its format; the golden in golden_fmt when
@@ -675,12 +678,13 @@ def checker_metrics(actual: Any, golden: Any, fmt: str | Format = "fp16") -> dic
     if why:
         return None
     try:
-        a, g = (_array(v).astype(np.float64) for v in (actual, golden))
+        given, g = _array(actual), _array(golden).astype(np.float64)
+        a = given.astype(np.float64)
     except (TypeError, ValueError, AttributeError, RuntimeError):
         return None
     if g.size == 0 or a.shape != g.shape:
         return None
-    return _checker(a, g, MSPROBE_CHECKER[name], ulp=False)
+    return _checker(a, g, MSPROBE_CHECKER[name], ulp=False, given=given)
 
 
 def benchmark(actual: Any, bench: Any, golden: Any, fmt: str | Format = "fp16", *, level: str = "L0"

@@ -22,7 +22,7 @@ import numpy as np
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
 from bnprobe.inputs import npy_header
-from bnprobe.numerics.rounding import is_representable
+from bnprobe.numerics.rounding import held_exactly, is_representable
 from bnprobe.recordings.types import message_line, read_json
 
 __all__ = ["SUMMARY_KEYS", "read_dump_json", "is_tensor", "scalar_of", "json_kind", "record_list", "tensor_entries",
@@ -159,7 +159,8 @@ def load_pt(path: Path, declared: Any) -> tuple[np.ndarray, str]:
         raise BNProbeError(f"{path}: holds {type(t).__name__}, not a tensor")
     if not t.is_floating_point():
         raise BNProbeError(f"{path}: holds {t.dtype} data but dump.json says {declared}")
-    return t.detach().to(torch.float64).numpy(), get_format(str(t.dtype).replace("torch.", "")).name
+    fmt = get_format(str(t.dtype).replace("torch.", "")).name
+    return held_exactly(t.detach().to(torch.float64).numpy(), fmt), fmt
 
 
 def load_npy(path: Path, shape: tuple[int, ...], declared: Any) -> tuple[np.ndarray, str]:
@@ -171,7 +172,8 @@ def load_npy(path: Path, shape: tuple[int, ...], declared: Any) -> tuple[np.ndar
     if dtype.kind != "f":
         raise BNProbeError(f"{path}: holds {dtype} data but dump.json says {declared}")
     arr = np.load(path, allow_pickle=False)
-    return arr.astype(np.float64), get_format(arr.dtype).name
+    fmt = get_format(arr.dtype).name
+    return held_exactly(arr.astype(np.float64), fmt), fmt
 
 
 def load_tensor(folder: Path, entry: dict[str, Any], where: str) -> tuple[np.ndarray, str]:

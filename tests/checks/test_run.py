@@ -71,6 +71,46 @@ def test_the_golden_of_a_call_is_computed_once_for_every_kernel():
     assert ref.calls == 3  # one training forward, one inference, one backward
 
 
+def test_the_scales_and_bounds_of_a_call_are_computed_once_for_every_kernel():
+    """Kernels run on one golden share its natural scales and bounds (the same arrays), and they equal those of a
+    run on a golden of its own; a run's dicts are its own (adding to one leaves the others as they were)."""
+    rec = generated_call(_call(shape=(4, 3, 6, 5)), label="c")
+    golden = Golden(get_adapter("reference"), rec)
+    runs = [run_call(get_adapter(name), rec, golden=golden) for name in ("emulated", "careful")]
+    alone = run_call(get_adapter("careful"), rec)
+    assert set(runs[0].scales) >= {"dx", "dgamma", "dbeta"} and set(runs[0].bounds) >= {"dx", "saved_invstd"}
+    for key in runs[0].scales:
+        assert runs[1].scales[key] is runs[0].scales[key]
+        np.testing.assert_array_equal(alone.scales[key], runs[0].scales[key])
+    for key in runs[0].bounds:
+        assert runs[1].bounds[key] is runs[0].bounds[key]
+        np.testing.assert_array_equal(alone.bounds[key][0], runs[0].bounds[key][0])
+    runs[0].scales["extra"] = np.zeros(1)
+    assert "extra" not in runs[1].scales
+
+
+def test_the_collections_between_calls_thaw_what_they_froze():
+    """CallCollector freezes what survives a collection and thaws it when the loop ends; a process that froze
+    objects itself keeps its own freeze."""
+    import gc
+
+    from bnprobe.engine.run import CallCollector
+
+    assert gc.get_freeze_count() == 0
+    with CallCollector() as c:
+        c.collect()
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        mine = gc.get_freeze_count()
+        with CallCollector() as c:
+            c.collect()
+        assert gc.get_freeze_count() == mine
+    finally:
+        gc.unfreeze()
+
+
 def test_compare_and_the_engine_judge_the_same_arrays():
     """compare-precision's rows are the engine's outputs: each row's msprobe metrics are those of the engine's
     arrays in the format the engine says each was returned in."""

@@ -7,7 +7,7 @@ from oracle import SPECS, round_fraction
 
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
-from bnprobe.numerics.rounding import is_representable, round_detail, round_to, to_odd_fp32
+from bnprobe.numerics.rounding import held_exactly, is_representable, round_detail, round_to, to_odd_fp32
 
 NARROW = ["fp16", "bf16"]
 ALL = ["fp32", "fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2"]
@@ -308,3 +308,28 @@ def test_float32_values_held_by_a_16_bit_format_are_the_same_on_both_routes(fmt,
     monkeypatch.setenv("BNPROBE_JIT", "1")
     held = is_representable(neighbours, fmt)
     assert not held[np.isfinite(neighbours)].any()
+
+
+def test_an_array_held_exactly_is_its_own_rounding():
+    """A float64 array noted as holding fp16 values (a dump's tensor) is read-only and round_to fp16 or fp32 returns
+    it as it is — the values the correct cast gives —, while bf16 (which does not hold fp16) rounds a copy; a
+    writable array, or one with NaN, is not noted."""
+    rng = np.random.default_rng(5)
+    v = (rng.standard_normal(5000) * 1e3).astype(np.float16).astype(np.float64)
+    v[:3] = (np.inf, -0.0, 6.0e-8)  # inf, a signed zero and a subnormal stay what they are
+    a = held_exactly(v.copy(), "fp16")
+    assert not a.flags.writeable
+    for fmt in ("fp16", "fp32"):
+        r = round_to(a, fmt)
+        assert r is a
+        fresh = round_to(v.copy(), fmt)
+        assert fresh is not v and np.array_equal(np.signbit(fresh), np.signbit(a)) and np.array_equal(fresh, a)
+    b = round_to(a, "bf16")
+    assert b is not a and not np.array_equal(b, a)
+    np.testing.assert_array_equal(b, round_to(v.copy(), "bf16"))
+    with_nan = held_exactly(np.array([1.0, np.nan]), "fp16")
+    assert with_nan.flags.writeable and round_to(with_nan, "fp16") is not with_nan
+    w = v.copy()
+    held_exactly(w, "fp16")
+    w.flags.writeable = True  # (no longer read-only: not trusted)
+    assert round_to(w, "fp16") is not w
