@@ -246,7 +246,8 @@ def main() -> int:
                 f"{gold:.2f} s in the process ({values / 1e6:.1f} M input values; its imports {imports:.2f} s more)")
         if "msprobe" in got:
             row("msprobe", "msprobe compare (fp16 dump against fp32 dump)",
-                f"{size16 / med['msprobe'] / 1e9:.3f} GB/s of the target dump")
+                f"{(size16 + size32) / med['msprobe'] / 1e9:.3f} GB/s of the two dumps read, "
+                f"{records / 2 / med['msprobe']:.1f} BatchNorm calls/s (of {records // 2}; it compares every API)")
         if "bnprobe" in got:
             b = med["bnprobe"]
             heads = [re.search(r", ([0-9.]+) s[:;,]", o.splitlines()[0] if o else "") for _, _, _, o in got["bnprobe"]]

@@ -9,11 +9,13 @@ entries.  msprobe's construct.json maps an API record to the module record enclo
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import pickle
 import warnings
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -134,16 +136,98 @@ def tensor_path(folder: Path, name: str, where: str) -> Path:
     return found
 
 
+# the storages of a plain tensor file read without torch: torch's class name -> (numpy dtype, format)
+_STORAGES = {"HalfStorage": (np.float16, "fp16"), "FloatStorage": (np.float32, "fp32"),
+             "DoubleStorage": (np.float64, "fp64"), "BFloat16Storage": ("bfloat16", "bf16")}
+
+
+@dataclass(frozen=True)
+class _Storage:
+    kind: str  # a key of _STORAGES
+    key: str  # its file, data/<key>
+    numel: int
+
+
+@dataclass(frozen=True)
+class _Plain:
+    storage: _Storage
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, _grad: Any, hooks: Any, *meta: Any) -> _Plain:
+    """torch._utils._rebuild_tensor_v2's arguments, kept (a tensor with hooks or metadata is not a plain one)."""
+    if not isinstance(storage, _Storage) or hooks or any(meta) or not isinstance(offset, int):
+        raise pickle.UnpicklingError("not a plain tensor")
+    return _Plain(storage, offset, tuple(size), tuple(stride))
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Reads torch.save's data.pkl of one plain tensor and nothing else: three globals (the rebuild function, a float
+    storage class, OrderedDict for the empty hooks), storages as persistent ids; anything else stops it."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild
+        if module == "torch" and name in _STORAGES:
+            return name
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> _Storage:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and pid[1] in _STORAGES
+                and isinstance(pid[2], str) and pid[3] == "cpu" and isinstance(pid[4], int)):
+            raise pickle.UnpicklingError("not a CPU storage")
+        return _Storage(pid[1], pid[2], pid[4])
+
+
+def _plain_tensor(zf: zipfile.ZipFile) -> tuple[np.ndarray, str] | None:
+    """The tensor of a torch.save file holding one plain, C-contiguous float tensor in little-endian storage, read
+    without torch (as float64, and its format): the same values torch.load gives; None for any other file (torch
+    reads it then, and says what it holds)."""
+    names = zf.namelist()
+    pkl = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
+    if len(pkl) != 1:
+        return None
+    top = pkl[0][: -len("data.pkl")]
+    if top + "byteorder" in names and zf.read(top + "byteorder") != b"little":
+        return None
+    try:
+        t = _PlainUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
+    except (pickle.UnpicklingError, TypeError, ValueError, EOFError, AttributeError, IndexError):
+        return None
+    if not isinstance(t, _Plain) or not t.size or not all(isinstance(d, int) and d > 0 for d in t.size):
+        return None
+    contiguous = tuple(int(np.prod(t.size[i + 1:], dtype=np.int64)) for i in range(len(t.size)))
+    if t.stride != contiguous or (top + "data/" + t.storage.key) not in names:
+        return None
+    dtype, fmt = _STORAGES[t.storage.kind]
+    dt = np.dtype(get_format("bf16").dtype if dtype == "bfloat16" else dtype)
+    raw = zf.read(top + "data/" + t.storage.key)
+    count = int(np.prod(t.size, dtype=np.int64))
+    if len(raw) != t.storage.numel * dt.itemsize or t.offset < 0 or t.offset + count > t.storage.numel:
+        return None
+    a = np.frombuffer(raw, dtype=dt, count=count, offset=t.offset * dt.itemsize).reshape(t.size)
+    return a.astype(np.float64), fmt
+
+
 def load_pt(path: Path, declared: Any) -> tuple[np.ndarray, str]:
-    """A .pt tensor file (loaded weights-only) as float64 and its format."""
+    """A .pt tensor file (loaded weights-only) as float64 and its format: a plain float tensor read without torch
+    (:func:`_plain_tensor`; importing torch is most of reading a small dump), any other by torch."""
+    zipped = zipfile.is_zipfile(path)
+    if zipped:
+        with zipfile.ZipFile(path) as zf:
+            if any(i.compress_type != zipfile.ZIP_STORED for i in zf.infolist()):
+                raise BNProbeError(f"{path}: has compressed members, which torch.save never writes; refused")
+            plain = _plain_tensor(zf)
+        if plain is not None:
+            return held_exactly(plain[0], plain[1]), plain[1]
     try:
         import torch
     except ImportError:
         raise BNProbeError(f"{path}: a .pt tensor needs torch (pip install 'bnprobe[torch]')") from None
-    if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as zf:
-            if any(i.compress_type != zipfile.ZIP_STORED for i in zf.infolist()):
-                raise BNProbeError(f"{path}: has compressed members, which torch.save never writes; refused")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's notes on pickle protocols are no concern of the user's

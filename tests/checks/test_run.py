@@ -105,8 +105,10 @@ def test_the_collections_between_calls_thaw_what_they_froze():
     try:
         mine = gc.get_freeze_count()
         with CallCollector() as c:
+            made = [{"i": i} for i in range(10_000)]  # (alive at the collection: frozen, were it to freeze)
             c.collect()
-        assert gc.get_freeze_count() == mine
+            assert gc.get_freeze_count() <= mine  # (frozen objects that die leave the count)
+        assert gc.get_freeze_count() <= mine and made
     finally:
         gc.unfreeze()
 

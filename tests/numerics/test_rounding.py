@@ -316,7 +316,7 @@ def test_an_array_held_exactly_is_its_own_rounding():
     writable array, or one with NaN, is not noted."""
     rng = np.random.default_rng(5)
     v = (rng.standard_normal(5000) * 1e3).astype(np.float16).astype(np.float64)
-    v[:3] = (np.inf, -0.0, 6.0e-8)  # inf, a signed zero and a subnormal stay what they are
+    v[:3] = (np.inf, -0.0, 3 * 2.0**-24)  # inf, a signed zero and a subnormal stay what they are
     a = held_exactly(v.copy(), "fp16")
     assert not a.flags.writeable
     for fmt in ("fp16", "fp32"):

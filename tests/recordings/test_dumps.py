@@ -624,3 +624,26 @@ def test_a_fixed_policys_recording_says_which_parameter_format_it_read(spec, dty
                                                  running_var=np.ones(3), dy=rng.normal(size=x.shape), dtype=dtype,
                                                  params="fp32"))
     assert rec.params == "fp32" and "kernel_params" not in rec.meta
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_a_plain_pt_tensor_is_read_without_torch_bit_for_bit(tmp_path, monkeypatch, dtype):
+    """msprobe's .pt files of plain float tensors read without importing torch: the same float64 bits and format
+    torch.load gives (a subnormal, a signed zero and inf included); a tensor that is not plain (a view with an offset
+    and strides) is left to torch — with torch blocked, the one-line error that asks for it."""
+    torch = pytest.importorskip("torch")
+    from bnprobe.recordings.msprobe_records import load_pt
+
+    base = torch.randn(4, 3, 5, 6, generator=torch.Generator().manual_seed(1)).to(getattr(torch, dtype))
+    base.view(-1)[:3] = torch.tensor([float("inf"), -0.0, 2.0**-24]).to(base.dtype)
+    plain, view = tmp_path / "plain.pt", tmp_path / "view.pt"
+    torch.save(base, plain)
+    torch.save(base[1:, :, ::2], view)  # (torch.save keeps the view's storage, offset and strides)
+    want = base.to(torch.float64).numpy()
+    fmt = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}[dtype]
+    monkeypatch.setitem(__import__("sys").modules, "torch", None)  # any import of torch now fails
+    got, stored = load_pt(plain, f"torch.{dtype}")
+    assert stored == fmt and got.dtype == np.float64 and got.shape == want.shape
+    assert np.array_equal(got.view(np.int64), want.view(np.int64))
+    with pytest.raises(BNProbeError, match="needs torch"):
+        load_pt(view, f"torch.{dtype}")
