@@ -624,6 +624,11 @@ class CallCollector:
             gc.freeze()
             self._frozen = True
 
+    def before(self, shape: tuple[int, ...]) -> None:
+        """Before a call of ``shape``: :meth:`collect` when it is large (more than :data:`LARGE_CALL` values)."""
+        if math.prod(shape) > LARGE_CALL:
+            self.collect()
+
     def __exit__(self, *exc: object) -> None:
         if self._frozen:
             gc.unfreeze()

@@ -57,7 +57,6 @@ from bnprobe.engine.rules import (
     within_rounding,
 )
 from bnprobe.engine.run import (
-    LARGE_CALL,
     CallCollector,
     OUTPUT_MODE,
     CallRun,
@@ -666,8 +665,7 @@ def compare_precision(
     benches = {convention_of(a).name: outputs_only(bench_for(bench_a, a)) for a in runs} if bench_a else {}
     with CallCollector() as collector:
         for case in cases:
-            if math.prod(case.shape) > LARGE_CALL:  # the last case's arrays caught in reference cycles go first
-                collector.collect()
+            collector.before(case.shape)  # (a large one: the last case's arrays caught in reference cycles go first)
             for cc in _case_calls(case, fmts, modes, opts, ref, notes):
                 bench_outs: dict[str, Any] = {}
                 for a in runs:
@@ -686,8 +684,7 @@ def compare_precision(
         _budgets(tables)
     meta = {"adapters": [a.name for a in resolved],
             "dtypes": list(dict.fromkeys(([] if all(c.recorded is not None for c in cases) else fmts) + recorded_fmts)),
-            "mode": mode, "eps": eps, "momentum": momentum, "params": params, "seed": seed,
-            **_norm_meta(options),
+            "mode": mode, "eps": eps, "momentum": momentum, "params": params, "seed": seed, **_norm_meta(options),
             **_run_meta(cases, dumps), "seconds": round(time.monotonic() - t0, 3),
             "standards": "msprobe" if standards is None else "custom", "rule": rule,
             "bench": bench_a.name if bench_a is not None else None,
