@@ -1,4 +1,5 @@
 import os
+import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -13,6 +14,25 @@ from bnprobe.guard import tune_process
 tune_process()
 
 
+def made_once(tmp_path_factory, name, make):
+    """The folder ``name`` filled by ``make(folder)`` once in the whole run: pytest-xdist's workers share the parent
+    of their temporary folders, and the first worker to ask makes it under a file lock while another that asks
+    waits for it (each worker generated its own copy of every dump set before: the same subprocess run twice)."""
+    from filelock import FileLock  # (torch's requirement: these fixtures need torch)
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    with FileLock(f"{root}.lock"):
+        done = root.parent / f"{name}.done"
+        if not done.is_file():
+            if root.exists():  # a half-made folder (its maker failed): made anew
+                shutil.rmtree(root)
+            root.mkdir()
+            make(root)
+            done.touch()
+    return root
+
+
 @pytest.fixture(scope="session")
 def msprobe_dumps(tmp_path_factory):
     """(root, manifest): real msprobe dumps of BatchNorm calls and their ground truth (tests/msprobe_dumps.py)."""
@@ -22,8 +42,7 @@ def msprobe_dumps(tmp_path_factory):
 
     from msprobe_dumps import MANIFEST, make_dumps
 
-    root = tmp_path_factory.mktemp("msprobe")
-    make_dumps(root)
+    root = made_once(tmp_path_factory, "msprobe", make_dumps)
     return root, json.loads((root / MANIFEST).read_text())
 
 
@@ -37,14 +56,13 @@ def msprobe_family_dumps(tmp_path_factory):
 
     from msprobe_family_dumps import MANIFEST, make_family_dumps
 
-    root = tmp_path_factory.mktemp("msprobe-family")
-    make_family_dumps(root)
+    root = made_once(tmp_path_factory, "msprobe-family", make_family_dumps)
     return root, json.loads((root / MANIFEST).read_text())
 
 
-def generate_ranks(root, steps, world, statistics):
+def generate_ranks(tmp_path_factory, name, steps, world, statistics):
     """(root, manifest): real msprobe dumps of a DDP training run on ``world`` gloo processes over ``steps`` steps
-    (tests/msprobe_ranks.py), with torch's values for every call."""
+    (tests/msprobe_ranks.py), with torch's values for every call, in the run's folder ``name`` (made once)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("msprobe")  # the bare package only; msprobe.pytorch is imported in the worker processes
     import json
@@ -54,12 +72,12 @@ def generate_ranks(root, steps, world, statistics):
         pytest.skip("torch.distributed's gloo backend is unavailable in this torch build: no multi-rank dumps")
     from msprobe_ranks import MANIFEST, make_rank_dumps
 
-    make_rank_dumps(root, steps, world, statistics=statistics)
+    root = made_once(tmp_path_factory, name, lambda r: make_rank_dumps(r, steps, world, statistics=statistics))
     return root, json.loads((root / MANIFEST).read_text())
 
 
 @pytest.fixture(scope="session")
 def msprobe_ranks(tmp_path_factory):
     """(root, manifest): 2 ranks x 2 steps of real msprobe dumps, a tensor and a statistics dump of one run."""
-    return generate_ranks(tmp_path_factory.mktemp("msprobe-ranks"), 2, 2, True)
+    return generate_ranks(tmp_path_factory, "msprobe-ranks", 2, 2, True)
 
