@@ -43,9 +43,11 @@ def mismatching(kernel_a: str, kernel_b: str, call: BNCall) -> dict[str, int]:
 
 
 # (RMSNorm's search runs with the slow tests: its recipes are held to torch bit for bit in the default suite by
-# tests/kernels/test_norms_torch.py; the default suite keeps within its 10 minutes)
-CASES = [("layer", "fp16", "fp32"), ("group", "fp32", "fp32")]
-SLOW_CASES = [("rms", "bf16", "fp32"), ("layer", "fp32", "fp32"), ("layer", "bf16", "fp32"), ("layer", "bf16", "same"),
+# tests/kernels/test_norms_torch.py; the default suite keeps within its 10 minutes. So does LayerNorm's fp16 search:
+# the default suite runs it as docs/commands/identify.md's transcript (tests/test_readme.py), which pins the spec it
+# finds, and test_norms_torch.py holds that spec to torch bit for bit)
+CASES = [("group", "fp32", "fp32")]
+SLOW_CASES = [("layer", "fp16", "fp32"), ("rms", "bf16", "fp32"), ("layer", "fp32", "fp32"), ("layer", "bf16", "fp32"), ("layer", "bf16", "same"),
               ("rms", "fp32", "fp32"), ("rms", "fp16", "fp32"), ("group", "fp16", "fp32"),
               ("group", "bf16", "fp32"), ("group", "bf16", "same")]
 
