@@ -81,3 +81,15 @@ def msprobe_ranks(tmp_path_factory):
     """(root, manifest): 2 ranks x 2 steps of real msprobe dumps, a tensor and a statistics dump of one run."""
     return generate_ranks(tmp_path_factory, "msprobe-ranks", 2, 2, True)
 
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``-n 2`` (the README's command) schedules by work stealing: a worker that runs out of tests takes half of the
+    other's queue. xdist's default (load) keeps a queue of at least two tests per worker to the end, so one worker
+    could sit idle while the other still had two of the long transcript or identify tests queued."""
+    if config.getoption("dist") == "load":
+        from xdist.scheduler import WorkStealingScheduling
+
+        return WorkStealingScheduling(config, log)
+    return None
