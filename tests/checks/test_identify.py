@@ -74,10 +74,12 @@ def draw(rng: np.random.Generator) -> Policy:
 
 
 TARGETS = [draw(np.random.default_rng([2026, i])) for i in range(10)]
-# the default run searches five of them (each storage format, Welford's variance once: about 100 s of the suite's
-# CPU); the other five, 10 to 60 s each, are marked slow (pytest -m slow; .ci/run runs them too)
-DEFAULT_TARGETS = ("fp32:order=lanes", "fp16:params=fp16,order=vec", "fp16:order=sequential", "bf16-acc16:params=fp32",
-                   "fp16:params=fp16,variance=welford")
+# the default run searches three of them (each storage format, Welford's variance once); the other seven, 10 to 60 s
+# each, are marked slow (pytest -m slow; .ci/run runs them too). Of those, fp16:params=fp16,order=vec and
+# fp16:order=sequential were in the default run until the suite outgrew its 10 minutes: each field they recover is
+# recovered by a default search too — these three, torch's bf16 kernel (order=vec; order=sequential on channels-last,
+# test_torch_cpu_16_bit_is_reproduced_bit_for_bit_on_fresh_inputs) and docs/commands/identify.md's fp16 transcript
+DEFAULT_TARGETS = ("fp32:order=lanes", "bf16-acc16:params=fp32", "fp16:params=fp16,variance=welford")
 
 
 def fresh_call(fmt: str, params: str, seed: int, layout: str = "channels_first") -> BNCall:
