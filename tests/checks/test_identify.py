@@ -114,11 +114,12 @@ def test_a_black_box_policy_is_recovered_bit_for_bit_on_inputs_it_never_saw(targ
     assert get_policy(res.spec).storage == target.storage
 
 
-def assert_recovered(target, seed: int):
-    """identify on ``target`` behind the plain interface reproduces it, and the spec it finds runs side by side with
-    the black box bit for bit on a call the search never saw (made with ``seed``); the result."""
+def assert_recovered(target, seed: int, kernel=None):
+    """identify on ``target`` behind the plain interface (``kernel``, default a :class:`BlackBox` of it) reproduces
+    it, and the spec it finds runs side by side with the kernel bit for bit on a channels-first call the search never
+    saw (made with ``seed``); the result."""
     params = params_mode(target.storage, target.params_format)
-    kernel = BlackBox(target)
+    kernel = BlackBox(target) if kernel is None else kernel
     res = identify(kernel, target.storage, params=params)
     assert res.reproduced, (res.spec, res.departs)
     off = side_by_side(kernel, res.spec, fresh_call(target.storage, params, seed=seed))

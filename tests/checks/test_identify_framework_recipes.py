@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from bnprobe.adapters.base import BackwardOutput, ForwardOutput
-from bnprobe.checks.identify.search import identify
 from bnprobe.kernels.policy import get_policy
 
 from .test_identify import BlackBox, assert_recovered
@@ -17,8 +16,10 @@ PADDLE = ("fp32:order=eigen,lanes=8,y_formula=affine_mr,rsqrt=sqrt_recip,sqrt=ei
 MINDSPORE = "{fmt}:order=omp_simd,lanes=4,y_formula=scale,rsqrt=sqrt_div,backward_formula=onednn,backward_lanes=1"
 
 
+# (Paddle's recipe is recovered and checked on unseen inputs by the channels-last test below: on channels-first calls
+# its kernel is this black box, so a search of its own here would repeat that one)
 @pytest.mark.parametrize("spec", [
-    PADDLE, MINDSPORE.format(fmt="fp32"),
+    MINDSPORE.format(fmt="fp32"),
     # (fp16's y hides the training formula; inference shows it: the slowest of the three, a second search)
     pytest.param(MINDSPORE.format(fmt="fp16"), marks=pytest.mark.slow)])
 def test_a_framework_recipe_is_recovered_bit_for_bit_on_inputs_it_never_saw(spec: str) -> None:
@@ -57,8 +58,11 @@ class AsChannelsFirst(BlackBox):
 
 
 def test_a_kernel_that_computes_channels_last_as_channels_first_is_reproduced_there_as_such() -> None:
-    res = identify(AsChannelsFirst(get_policy(PADDLE)), "fp32", params="fp32")
-    assert res.reproduced, (res.spec, res.departs)
+    """Paddle's recipe behind a kernel that computes channels-last calls as channels-first: recovered, run side by
+    side with the kernel bit for bit on a channels-first call the search never saw, and its channels-last result
+    said to be the channels-first computation's."""
+    res = assert_recovered(get_policy(PADDLE), seed=5, kernel=AsChannelsFirst(get_policy(PADDLE)))
+    assert get_policy(res.spec).storage == "fp32"
     lay = res.layouts["channels_last"]
     # (the guard: bnprobe's own channels-last run of the recipe sums otherwise, so it misses there)
     assert lay.off and lay.same and lay.as_searched and lay.reproduced
