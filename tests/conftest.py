@@ -12,6 +12,9 @@ from bnprobe.guard import tune_process
 # (with spinning OpenMP threads the compiled-route matrices took 6x as long), from the start rather than from the
 # first in-process command on
 tune_process()
+# the suite's large calls compile in-process on first use, as numba does by itself: no background warm-up
+# processes (bnprobe.compiled.jit) outliving a test run; tests/compiled/test_warm_up.py tests that mode
+os.environ.setdefault("BNPROBE_WARM_UP", "foreground")
 
 
 def made_once(tmp_path_factory, name, make):
