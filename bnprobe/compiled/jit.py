@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 __all__ = ["JIT_ENV", "WARM_UP_ENV", "COMPILED_MIN_ELEMENTS", "KERNEL_LOCK", "jit_mode", "jit_enabled", "jit_for",
-           "compiled_ready", "warm_up_paths", "start_warm_up"]
+           "compiled_ready", "warm_up_paths", "start_warm_up",
+           "write_state", "python_of_this_package"]
 
 JIT_ENV = "BNPROBE_JIT"
 WARM_UP_ENV = "BNPROBE_WARM_UP"
@@ -128,31 +129,44 @@ def start_warm_up() -> bool:
     if _STARTED.is_set():
         return False
     _STARTED.set()
-    ready, lock, log = warm_up_paths()
+    _, lock, log = warm_up_paths()
     try:
         lock.parent.mkdir(parents=True, exist_ok=True)
         if lock.exists() and _stale(lock):
             lock.unlink(missing_ok=True)
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # one warm-up at a time: who creates it
     except OSError:  # another process's warm-up holds the lock, or the folder cannot be written: nothing to start
         return False
-    os.close(fd)
     env = {**os.environ, JIT_ENV: "1"}
     try:
-        with open(log, "wb") as out:
+        out = os.open(log, os.O_CREAT | os.O_WRONLY | os.O_TRUNC)
+        try:
             # its own session: the warm-up outlives this run (and a Ctrl-C of it) and is never waited for
-            pid = os.posix_spawn(sys.executable, [*python_of_this_package(), "bnprobe.compiled.warm_up"], env,
-                                 file_actions=[(os.POSIX_SPAWN_DUP2, out.fileno(), 1),
-                                               (os.POSIX_SPAWN_DUP2, out.fileno(), 2)], setsid=True)
+            pid = os.posix_spawn(sys.executable, [*python_of_this_package(), "bnprobe.compiled.warm_up", str(lock)],
+                                 env,
+                                 file_actions=[(os.POSIX_SPAWN_DUP2, out, 1), (os.POSIX_SPAWN_DUP2, out, 2)],
+                                 setsid=True)
+        finally:
+            os.close(out)
     except (OSError, AttributeError):  # no posix_spawn here (Windows): numba compiles on first use, as before
         lock.unlink(missing_ok=True)
         os.environ[WARM_UP_ENV] = "foreground"
         return False
-    lock.write_text(str(pid))
+    write_state(lock, str(pid))
     return True
 
 
 _STARTED = threading.Event()
+
+
+def write_state(path: Path, text: str) -> None:
+    """Write the warm-up's lock or ready mark: small state files in numba's cache folder, not a run's output
+    (bnprobe._files stages those, a layer above this one)."""
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
 
 
 def _stale(lock: Path) -> bool:

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bnprobe.compiled.jit import JIT_ENV, python_of_this_package, warm_up_paths
+from bnprobe.compiled.jit import JIT_ENV, python_of_this_package, warm_up_paths, write_state
 
 __all__ = ["WORKLOAD", "warm_up"]
 
@@ -68,10 +68,11 @@ def _workload(root: Path) -> list[list[str]]:
 WORKLOAD = _workload(Path("ROOT"))
 
 
-def warm_up(log: object = sys.stdout) -> bool:
+def warm_up(log: object = sys.stdout, ready: Path | None = None) -> bool:
     """Run the warm-up's commands (see the module notes); True when each ran (a check's failure, exit status 1,
-    included: the kernels ran), and then the ready mark is written."""
-    ready, _, _ = warm_up_paths()
+    included: the kernels ran), and then the ready mark (default :func:`bnprobe.compiled.jit.warm_up_paths`'s)
+    is written."""
+    ready = ready or warm_up_paths()[0]
     env = {**os.environ, JIT_ENV: "1"}
     ok = True
     with tempfile.TemporaryDirectory(prefix="bnprobe-warm-up-") as tmp:
@@ -86,18 +87,20 @@ def warm_up(log: object = sys.stdout) -> bool:
                 print(done.stderr[-2000:], file=log, flush=True)
     if ok:
         ready.parent.mkdir(parents=True, exist_ok=True)
-        ready.write_text(time.strftime("%Y-%m-%d %H:%M:%S\n"))
+        write_state(ready, time.strftime("%Y-%m-%d %H:%M:%S\n"))
     return ok
 
 
 def main() -> int:
-    _, lock, _ = warm_up_paths()
+    """``python -m bnprobe.compiled.warm_up [LOCK]``: the lock its starter took (default: these sources'), removed
+    at the end; the ready mark beside it."""
+    lock = Path(sys.argv[1]) if len(sys.argv) > 1 else warm_up_paths()[1]
     try:
         os.nice(19)  # the lowest priority: the run that started it comes first
     except (OSError, AttributeError):
         pass
     try:
-        return 0 if warm_up() else 1
+        return 0 if warm_up(ready=lock.with_suffix(".ready")) else 1
     finally:
         lock.unlink(missing_ok=True)
 
