@@ -50,6 +50,13 @@ def test_a_cold_large_call_takes_numpys_route_and_starts_the_warm_up_once(cold, 
     assert jit.jit_for(BIG) and not jit.jit_for(BIG - 1)
 
 
+def test_a_cheap_kernel_is_compiled_in_the_run_and_starts_the_warm_up(cold):
+    """bnprobe.compiled.bits' casts and ulps compile in about a second each: taken cold, the rest left to the
+    warm-up."""
+    assert jit.jit_for(BIG, cheap=True) and not jit.jit_for(BIG - 1, cheap=True)
+    assert len(cold) == 1 and not jit.jit_for(BIG)
+
+
 def test_a_lock_left_by_a_warm_up_that_is_gone_is_taken_over(cold):
     _, lock, _ = jit.warm_up_paths()
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)

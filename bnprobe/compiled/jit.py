@@ -54,16 +54,21 @@ def jit_enabled() -> bool:
     return jit_mode() != "off"
 
 
-def jit_for(elements: int | None) -> bool:
+def jit_for(elements: int | None, *, cheap: bool = False) -> bool:
     """Whether a call of ``elements`` values takes the compiled route (None: of unknown size, as a large one).
     Under ``auto`` a large call waits for no compiler: before the kernels are compiled here (:func:`compiled_ready`)
-    it takes the numpy route and starts the background warm-up (see the module notes)."""
+    it takes the numpy route and starts the background warm-up (see the module notes).  ``cheap``: a kernel that
+    compiles in about a second and repays it on one large array (bnprobe.compiled.bits' casts and ulps: numpy's
+    route takes 0.1-0.2 s more per 8 M values, and a dump's compare makes dozens of them), compiled in the run when
+    the warm-up has not done it yet."""
     mode = jit_mode()
     if mode != "auto":
         return mode == "on"
     if elements is not None and elements < COMPILED_MIN_ELEMENTS:
         return False
-    if _warm_up_mode() == "foreground" or compiled_ready():
+    if cheap or _warm_up_mode() == "foreground" or compiled_ready():
+        if cheap and not compiled_ready():
+            start_warm_up()
         return True
     start_warm_up()
     return False

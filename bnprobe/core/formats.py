@@ -109,7 +109,7 @@ class Format:
     def ulp(self, values: np.ndarray) -> np.ndarray:
         """Spacing of the format at each |value| (the ulp of the binade; subnormal spacing below tiny)."""
         v = np.asarray(values, dtype=np.float64)
-        if jit_for(v.size) and v.flags.c_contiguous:  # the same, in one compiled pass (a large array)
+        if jit_for(v.size, cheap=True) and v.flags.c_contiguous:  # the same, in one compiled pass (a large array)
             from bnprobe.compiled.bits import ulp
 
             return ulp(v, self.emin, self.mantissa_bits)

@@ -109,7 +109,7 @@ def _cast_nearest_even(v: np.ndarray, fmt: Format) -> np.ndarray | None:
 def fp16_as(x: np.ndarray, dtype: Any) -> np.ndarray:
     """``x.astype(np.float16).astype(dtype)`` (numpy's correctly rounded cast, held in float32 or float64): a large
     float64 or float32 array in one compiled pass, without the float16 array between."""
-    if x.dtype in (np.float32, np.float64) and jit_for(x.size):
+    if x.dtype in (np.float32, np.float64) and jit_for(x.size, cheap=True):
         from bnprobe.compiled.bits import half
 
         return half(x, dtype)
@@ -316,7 +316,8 @@ def is_representable(values: np.ndarray, fmt: str | Format) -> np.ndarray:
     v = np.asarray(values)
     if v.dtype not in (np.float32, np.float64):
         v = v.astype(np.float64)
-    if v.dtype == np.float32 and fmt.name in ("fp16", "bf16") and v.ndim and v.flags.c_contiguous and jit_for(v.size):
+    if v.dtype == np.float32 and fmt.name in ("fp16", "bf16") and v.ndim and v.flags.c_contiguous \
+            and jit_for(v.size, cheap=True):
         from bnprobe.compiled.bits import held_by
 
         return held_by(v, fmt.name)  # the same answer from the bits, in one pass
