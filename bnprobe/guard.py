@@ -19,7 +19,7 @@ import re
 import sys
 from pathlib import Path
 
-from bnprobe.compiled.jit import jit_for
+from bnprobe.compiled.jit import may_compile
 from bnprobe.core.commands import COMMANDS
 from bnprobe.core.errors import BNProbeError
 
@@ -152,7 +152,7 @@ def run_bytes(command: str, elements: int, *, torch: bool = False, recorded: boo
     with the compiled route's numba where the command's kernels may take it, and torch's when ``torch`` (a torch
     adapter runs)."""
     n = int(elements)
-    jit = COMPILED_BYTES if command not in _NO_COMPILED_ROUTE and jit_for(n) else 0
+    jit = COMPILED_BYTES if command not in _NO_COMPILED_ROUTE and may_compile(n) else 0
     per = PER_RECORDED_ELEMENT.get(command, PER_ELEMENT[command]) if recorded else PER_ELEMENT[command]
     models = min(_MODEL_CACHE_PER_ELEMENT * n, MODEL_CACHE_BYTES * 3 // 2) if command == "doctor" else 0
     return BASE_BYTES + jit + (TORCH_BYTES if torch else 0) + per * n + models

@@ -22,8 +22,7 @@ import time
 from pathlib import Path
 
 __all__ = ["JIT_ENV", "WARM_UP_ENV", "COMPILED_MIN_ELEMENTS", "KERNEL_LOCK", "jit_mode", "jit_enabled", "jit_for",
-           "compiled_ready", "warm_up_paths", "start_warm_up",
-           "write_state", "python_of_this_package"]
+           "may_compile", "compiled_ready", "warm_up_paths", "start_warm_up", "write_state", "python_of_this_package"]
 
 JIT_ENV = "BNPROBE_JIT"
 WARM_UP_ENV = "BNPROBE_WARM_UP"
@@ -72,6 +71,13 @@ def jit_for(elements: int | None, *, cheap: bool = False) -> bool:
         return True
     start_warm_up()
     return False
+
+
+def may_compile(elements: int | None) -> bool:
+    """Whether a call of ``elements`` values may take the compiled route in this process — now, or once a warm-up
+    ends during the run — without starting anything (what the resource guard counts numba's memory for)."""
+    mode = jit_mode()
+    return mode == "on" or (mode == "auto" and (elements is None or elements >= COMPILED_MIN_ELEMENTS))
 
 
 def _warm_up_mode() -> str:
