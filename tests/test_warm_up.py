@@ -24,6 +24,7 @@ def cold(monkeypatch, tmp_path):
     jit.warm_up_paths.cache_clear()
     monkeypatch.setattr(jit, "_STARTED", threading.Event())
     monkeypatch.setattr(jit, "_READY", threading.Event())
+    monkeypatch.setattr(jit, "_IN_USE", threading.Event())
     monkeypatch.setattr(jit, "_RECHECK_SECONDS", 0.0)
     spawned = []
 
@@ -47,6 +48,16 @@ def test_a_cold_large_call_takes_numpys_route_and_starts_the_warm_up_once(cold, 
     monkeypatch.setattr(jit, "_STARTED", threading.Event())  # another process, while this warm-up runs
     assert not jit.jit_for(BIG) and len(cold) == 1
     ready.write_text("done\n")
+    assert not jit.jit_for(BIG - 1)  # the kernels compiled, none loaded yet: a small call stays on numpy's route
+    assert jit.jit_for(BIG) and jit.jit_for(BIG - 1) and jit.jit_for(1)  # loaded by a large call: small ones too
+    assert len(cold) == 1
+
+
+def test_small_calls_take_the_compiled_route_only_after_a_large_call_on_warmed_kernels(cold, monkeypatch):
+    """In foreground mode (numba compiles on first use) a large call compiles its kernels, and a small call would
+    compile its own: small calls stay on numpy's route; so do they after a cheap kernel compiled in a cold run."""
+    assert jit.jit_for(BIG, cheap=True) and not jit.jit_for(BIG - 1)
+    monkeypatch.setenv("BNPROBE_WARM_UP", "foreground")
     assert jit.jit_for(BIG) and not jit.jit_for(BIG - 1)
 
 
