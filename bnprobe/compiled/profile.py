@@ -2,13 +2,15 @@
 per channel, its least and greatest values and the counts of NaN, ±inf, values at the largest finite magnitude,
 zeros and subnormals.  Integer arithmetic over the bits: exact, and vectorised by LLVM.
 
-Imported only when a monitor profiles a large CPU tensor with the compiled route allowed.
+Imported only when a monitor profiles a large CPU tensor with the compiled route allowed.  One thread, the caller's:
+the monitor runs inside a training process whose torch already keeps a thread per core, and a second pool of threads
+(numba's OpenMP layer, a libgomp of its own) spinning beside torch's after each call cost more than it saved.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from bnprobe.compiled.codes import JIT_OPTIONS
 
@@ -35,7 +37,7 @@ def _value(bits, kind):  # pragma: no cover - compiled
     return -v if (bits & 0x8000) else v
 
 
-@njit(parallel=True, **JIT_OPTIONS)
+@njit(**JIT_OPTIONS)
 def profile(bits, kind, mask, inf, big, tiny, out):  # pragma: no cover - compiled
     """``bits`` (N, C, S) integers of a float format's width, the format named by ``kind``; ``mask`` clears the sign,
     ``inf``, ``big`` and ``tiny`` are the bits of inf, the largest finite value and the smallest normal.  ``out``
@@ -43,13 +45,16 @@ def profile(bits, kind, mask, inf, big, tiny, out):  # pragma: no cover - compil
     torch's amin and amax), then the counts of NaN, ±inf, at the largest magnitude, zeros and subnormals.
 
     The order key of a value is its bits with the lower ones flipped where the sign is set: an integer ordered as
-    the values are (NaN aside, -0 just below +0).  Channels run in parallel."""
+    the values are (NaN aside, -0 just below +0)."""
     n, c, s = bits.shape
-    for ch in prange(c):
-        kmin, kmax = np.int64(0x7FFF_FFFF_FFFF_FFFF), np.int64(-0x7FFF_FFFF_FFFF_FFFF - 1)
-        nan = infs = at_max = zero = sub = np.int64(0)
-        for i in range(n):
+    acc = np.zeros((7, c), np.int64)  # per channel: least and greatest key, then the counts
+    acc[0, :] = 0x7FFF_FFFF_FFFF_FFFF
+    acc[1, :] = -0x7FFF_FFFF_FFFF_FFFF - 1
+    for i in range(n):  # the tensor in memory order: each row (sample, channel) reduced, then merged
+        for ch in range(c):
             row = bits[i, ch]
+            kmin, kmax = np.int64(0x7FFF_FFFF_FFFF_FFFF), np.int64(-0x7FFF_FFFF_FFFF_FFFF - 1)
+            nan = infs = at_max = zero = sub = np.int64(0)
             for j in range(s):
                 v = np.int64(row[j])
                 a = v & mask
@@ -61,9 +66,19 @@ def profile(bits, kind, mask, inf, big, tiny, out):  # pragma: no cover - compil
                 at_max += np.int64(a == big)
                 zero += np.int64(a == 0)
                 sub += np.int64((a != 0) & (a < tiny))
-        if n * s == 0 or nan:  # no value, or a NaN: min and max are NaN
+            acc[0, ch] = min(acc[0, ch], kmin)
+            acc[1, ch] = max(acc[1, ch], kmax)
+            acc[2, ch] += nan
+            acc[3, ch] += infs
+            acc[4, ch] += at_max
+            acc[5, ch] += zero
+            acc[6, ch] += sub
+    for ch in range(c):
+        kmin, kmax = acc[0, ch], acc[1, ch]
+        if n * s == 0 or acc[2, ch]:  # no value, or a NaN: min and max are NaN
             out[0, ch] = out[1, ch] = np.nan
         else:
             out[0, ch] = _value(kmin ^ ((kmin >> 63) & mask), kind)  # the key's involution gives the bits back
             out[1, ch] = _value(kmax ^ ((kmax >> 63) & mask), kind)
-        out[2, ch], out[3, ch], out[4, ch], out[5, ch], out[6, ch] = nan, infs, at_max, zero, sub
+        for q in range(2, 7):
+            out[q, ch] = acc[q, ch]

@@ -55,11 +55,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bnprobe.compiled.jit import jit_mode
-from bnprobe._files import append_text, atomic_write_text, atomic_write_with, dumps_json
+from bnprobe._files import append_text, atomic_write_text, dumps_json
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
 from bnprobe.recordings.bnprobe_dump import write_dump
-from bnprobe.recordings.monitor_profile import one_pass, profile_tensor
+from bnprobe.recordings.monitor_profile import FIELDS, dims, finish, nan_inf, one_pass, profile_tensor, reductions
 from bnprobe.recordings.capture import (
     BN_NODES,
     COMPILED_NODE,
@@ -76,6 +76,7 @@ from bnprobe.recordings.capture import (
 )
 from bnprobe.recordings.family_modules import FamilyModule, family_module, kernel_node, saved_statistics
 from bnprobe.recordings.monitor_family import GOLDEN_COLUMNS, golden_rows
+from bnprobe.recordings.monitor_writer import StepWriter
 from bnprobe.kernels.layout import NormShape
 from bnprobe.recordings.types import CALLS_NAME, CALLS_TAG
 
@@ -97,6 +98,7 @@ _DENSE = ("batch_mean", "batch_var", "invstd", "running_mean", "running_var", "s
 _LATE = ("dx_min", "dx_max", *(f"dx_{n}" for n in COUNTS), "dy_nan", "dy_inf", "sum_dy", "sum_dy_xhat")
 # a family row's columns the backward fills (no Σdy, Σdy·x̂ per row: those are dβ, dγ, per parameter)
 _FAMILY_LATE = ("dx_min", "dx_max", *(f"dx_{n}" for n in COUNTS), "dy_nan", "dy_inf")
+_UNCOMPRESSED = frozenset(_DENSE + GOLDEN_COLUMNS)  # the columns written without lz4
 RUNNING_ULPS = 4  # of the parameter format, and of fp32 for the update's own arithmetic
 RUNNING_VAR_SLACK = 1e-4  # relative, of var + ε: the kernel's variance against the one its fp32 invstd gives
 # (beyond it, one unit of the format the kernel saved its statistics in: the batch's are read back from them)
@@ -114,8 +116,8 @@ class _Pending:
     channels: set[int]
     x: Any = None  # the input tensor (autograd keeps it for the backward anyway)
     x_version: int = 0
-    running_in: tuple[Any, Any] | None = None
-    running_out: tuple[Any, Any] | None = None
+    running_in: tuple[Any, Any] | None = None  # the running statistics before the call (tensors)
+    running_out: tuple[np.ndarray, np.ndarray] | None = None  # and after it (float64, on the host)
     node: Any = None
     dump: CapturedCall | None = None  # its dump being written (forward anomaly): spilled until the backward
     folder: Path | None = None
@@ -143,55 +145,44 @@ class _Step:
     family_pending: list[_FamilyPending] = field(default_factory=list)
 
 
-def _dims(t: torch.Tensor) -> tuple[int, ...]:
-    return (0, *range(2, t.dim()))
-
-
 def _np(t: torch.Tensor) -> np.ndarray:
     import torch
 
     return t.detach().to("cpu", dtype=torch.float64).numpy()
 
 
+def _host(parts: list[torch.Tensor]) -> np.ndarray:
+    """Tensors of one length (a call's per-channel numbers, on its device) as the rows of one float64 array, in one
+    transfer (their common dtype holds each exactly: float32 for any two of fp16, bf16 and float32)."""
+    import torch
+
+    return torch.stack(parts).to("cpu", dtype=torch.float64).numpy()
+
+
+def _reduce(t: torch.Tensor, jit: str) -> list[torch.Tensor]:
+    """What :func:`_profiled` needs of ``t`` from its device: torch's reductions, or nothing where ``t`` is empty or
+    profiled in one pass on the host (:mod:`bnprobe.recordings.monitor_profile`)."""
+    return [] if t.numel() == 0 or one_pass(t, jit) else reductions(t)
+
+
+def _profiled(t: torch.Tensor, prefix: str, jit: str, host: np.ndarray) -> dict[str, np.ndarray]:
+    """``t``'s profile as row columns ``<prefix>_min`` ... from ``host``, the rows of :func:`_reduce`'s tensors."""
+    if t.numel() == 0:
+        nanv, zeros = np.full(t.shape[1], np.nan), np.zeros(t.shape[1])
+        return {f"{prefix}_min": nanv, f"{prefix}_max": nanv, **{f"{prefix}_{k}": zeros for k in COUNTS}}
+    prof = profile_tensor(t) if not len(host) else finish(t, *host)
+    return {f"{prefix}_{k}": prof[k] for k in FIELDS}
+
+
 def _profile(t: torch.Tensor, prefix: str, jit: str) -> dict[str, np.ndarray]:
-    """Per channel of ``t`` (channels on dim 1), reduced on its device in its dtype: min, max and the counts.  The
-    counts are whole-tensor passes only where a channel has them (a non-finite or format-maximum extreme, a
-    magnitude below the smallest normal): min, max and min |t| per channel decide, each a fast reduction.  A large
-    contiguous CPU tensor is profiled in one compiled pass instead where ``jit`` (:func:`bnprobe.compiled.jit.jit_mode`)
-    allows (:mod:`bnprobe.recordings.monitor_profile`)."""
+    """Per channel of ``t`` (channels on dim 1), reduced on its device in its dtype: min, max and the counts
+    (:func:`bnprobe.recordings.monitor_profile.finish`).  A large contiguous CPU tensor is profiled in one compiled
+    pass instead where ``jit`` (:func:`bnprobe.compiled.jit.jit_mode`) allows."""
     import torch
 
-    if t.numel() and one_pass(t, jit):
-        return {f"{prefix}_{k}": v for k, v in profile_tensor(t).items()}
-    dims, c = _dims(t), t.shape[1]
-    fi = torch.finfo(t.dtype)
-    zeros = np.zeros(c)
     with torch.no_grad():
-        if t.numel() == 0:
-            nanv = np.full(c, np.nan)
-            return {f"{prefix}_min": nanv, f"{prefix}_max": nanv, **{f"{prefix}_{k}": zeros for k in COUNTS}}
-        a = t.abs()
-        # min, max (NaN propagates) and min |t| per channel, brought to the host in one transfer
-        lo, hi, small = _np(torch.stack([torch.amin(t, dim=dims), torch.amax(t, dim=dims), torch.amin(a, dim=dims)]))
-        out = {f"{prefix}_min": lo, f"{prefix}_max": hi, f"{prefix}_nan": zeros, f"{prefix}_inf": zeros,
-               f"{prefix}_at_max": zeros, f"{prefix}_zero": zeros, f"{prefix}_subnormal": zeros}
-        if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
-            out[f"{prefix}_nan"], out[f"{prefix}_inf"] = _nan_inf(t)
-        with np.errstate(invalid="ignore"):  # a NaN extreme hides the others: counted too
-            if not ((np.abs(lo) < fi.max).all() and (np.abs(hi) < fi.max).all()):
-                out[f"{prefix}_at_max"] = _np((a == fi.max).sum(dim=dims))
-        if not (small >= fi.tiny).all():
-            zero = (t == 0).sum(dim=dims)
-            out[f"{prefix}_zero"] = _np(zero)
-            out[f"{prefix}_subnormal"] = _np((a < fi.tiny).sum(dim=dims) - zero)
-    return out
-
-
-def _nan_inf(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """The counts of NaN and of ±inf per channel of ``t``."""
-    import torch
-
-    return _np(torch.isnan(t).sum(dim=_dims(t))), _np(torch.isinf(t).sum(dim=_dims(t)))
+        parts = _reduce(t, jit)
+        return _profiled(t, prefix, jit, _host(parts) if parts else np.empty((0, 0)))
 
 
 def _finite(t: torch.Tensor) -> bool:
@@ -240,7 +231,9 @@ class Monitor:
         self.steps: list[int] = []
         self._step_no = 0
         self._step = _Step()
-        self._handles: list[Any] = []
+        self._handles: list[Any] = []  # the modules' hooks
+        self._node_hooks: list[Any] = []  # the hooks on this step's autograd nodes (they go with the graph)
+        self._writer = StepWriter()
         self._before: dict[int, list[tuple[Any, int, Any]]] = {}
         self._counts: dict[str, int] = {}
         self.compiled: list[str] = []  # BatchNorm modules seen running inside a torch.compile'd model
@@ -319,9 +312,10 @@ class Monitor:
                 p.unlink()
 
     def _remove_hooks(self) -> None:
-        for h in self._handles:
+        for h in self._handles + self._node_hooks:
             h.remove()
         self._handles.clear()
+        self._node_hooks.clear()
 
     # ---- hooks -------------------------------------------------------------------------------------
     def _measure(self) -> bool:
@@ -331,7 +325,13 @@ class Monitor:
         def hook(module: Any, args: tuple[Any, ...]) -> None:
             x = args[0] if args else None
             rm, rv = module.running_mean, module.running_var
-            running = None if rm is None or rv is None else (rm.detach().clone(), rv.detach().clone())
+            running = None
+            if rm is not None and rv is not None:  # as they were before the call (it updates them in place)
+                if rm.dtype == rv.dtype and rm.shape == rv.shape:
+                    both = self._torch.stack([rm.detach(), rv.detach()])  # (one copy for the two)
+                    running = (both[0], both[1])
+                else:
+                    running = (rm.detach().clone(), rv.detach().clone())
             self._before.setdefault(id(module), []).append((x, getattr(x, "_version", 0), running))
         return hook
 
@@ -363,46 +363,58 @@ class Monitor:
             self.compiled.append(path)  # (its forward is watched; its backward is inside the compiled graph)
         row = self._forward_row(module, path, index, x, y, node if is_bn else None, running)
         p = _Pending(path, index, module, row, [], set(), x, version, running,
-                     (module.running_mean.detach().clone(), module.running_var.detach().clone())
-                     if running is not None and module.training else None, node if is_bn else None)
+                     (row["running_mean"], row["running_var"]) if running is not None and module.training else None,
+                     node if is_bn else None)
         self._judge_forward(p, module)
         p.phase = "forward" if p.reasons else ""
         self._step.pending.append(p)
         if p.reasons:
             self._dump_forward(p, y)
         if is_bn and torch.is_grad_enabled():
-            self._handles.append(node.register_hook(self._grad_hook(p)))
+            self._node_hooks.append(node.register_hook(self._grad_hook(p)))
         else:
             self._close(p)
 
     def _forward_row(self, module: Any, path: str, index: int, x: Any, y: Any, node: Any,
                      running: Any) -> dict[str, Any]:
+        """The call's row: its per-channel numbers reduced on its device and brought to the host in one transfer
+        (the running statistics before the call under ``_running_in``, for the checks)."""
         torch = self._torch
         c, eps = x.shape[1], float(module.eps)
+        rm, rv = module.running_mean, module.running_var
+        train = node is not None and module.training
         with torch.no_grad():
-            if node is not None and module.training:
-                mean, invstd = _np(node._saved_result1), _np(node._saved_result2)
-                with np.errstate(all="ignore"):
-                    var = 1.0 / (invstd * invstd) - eps
-                norm = (mean, invstd)
-            else:
-                v, m = torch.var_mean(x.float(), dim=_dims(x), unbiased=False)
-                mean, var = _np(m), _np(v)
-                use_running = running is not None and not module.training
-                with np.errstate(all="ignore"):
-                    invstd = 1.0 / np.sqrt((_np(running[1]) if use_running else var) + eps)
-                norm = (_np(running[0]) if use_running else mean, invstd)  # what the kernel normalised with
-        params = module.running_mean.dtype if module.running_mean is not None else (
-            module.weight.dtype if module.weight is not None else x.dtype)
+            parts = [node._saved_result1, node._saved_result2] if train else \
+                list(torch.var_mean(x.float(), dim=dims(x), unbiased=False))[::-1]
+            if rm is not None:
+                parts += [rm, rv]
+            if running is not None:
+                parts += running
+            rx, ry = _reduce(x, self._jit), _reduce(y, self._jit)
+            host = _host([t.detach() for t in parts + rx + ry])
+        k = 4 if rm is not None else 2
+        running_in = tuple(host[k:k + 2]) if running is not None else None
+        k += 2 if running is not None else 0
+        if train:
+            mean, invstd = host[0], host[1]
+            with np.errstate(all="ignore"):
+                var = 1.0 / (invstd * invstd) - eps
+            norm = (mean, invstd)
+        else:
+            mean, var = host[0], host[1]
+            use_running = running_in is not None and not module.training
+            with np.errstate(all="ignore"):
+                invstd = 1.0 / np.sqrt((running_in[1] if use_running else var) + eps)
+            norm = (running_in[0] if use_running else mean, invstd)  # what the kernel normalised with
+        params = rm.dtype if rm is not None else (module.weight.dtype if module.weight is not None else x.dtype)
         row: dict[str, Any] = {
             "step": self._step_no, "rank": self.rank, "layer": path, "call": index, "channel": np.arange(c),
             "dtype": str(x.dtype).replace("torch.", ""), "params": str(params).replace("torch.", ""),
-            "training": bool(module.training), "batch_mean": mean, "batch_var": var, "invstd": invstd, "_norm": norm}
-        rm = module.running_mean
-        row["running_mean"] = _np(rm) if rm is not None else np.full(c, np.nan)
-        row["running_var"] = _np(module.running_var) if rm is not None else np.full(c, np.nan)
-        row.update(_profile(x, "x", self._jit))
-        row.update(_profile(y, "y", self._jit))
+            "training": bool(module.training), "batch_mean": mean, "batch_var": var, "invstd": invstd, "_norm": norm,
+            "running_mean": host[2] if rm is not None else np.full(c, np.nan),
+            "running_var": host[3] if rm is not None else np.full(c, np.nan), "_running_in": running_in}
+        row.update(_profiled(x, "x", self._jit, host[k:k + len(rx)]))
+        row.update(_profiled(y, "y", self._jit, host[k + len(rx):]))
         row.update(zip(_LATE, np.full((len(_LATE), c), np.nan)))  # the backward's, NaN until it comes
         return row
 
@@ -447,7 +459,7 @@ class Monitor:
         if p.reasons:
             self._dump_forward(p, y)
         if y.grad_fn is not None and torch.is_grad_enabled() and kind is not None:
-            self._handles.append(node.register_hook(self._family_grad_hook(p)))
+            self._node_hooks.append(node.register_hook(self._family_grad_hook(p)))
         elif y.grad_fn is not None and torch.is_grad_enabled() and fm.norm == "rms":
             self._awaiting.setdefault(id(module), []).append(p)
         else:
@@ -474,9 +486,12 @@ class Monitor:
             "row": rows, "dtype": str(x.dtype).replace("torch.", ""),
             "params": str((w if w is not None else x).dtype).replace("torch.", ""),
             "training": bool(module.training), **gold}
-        with torch.no_grad():
-            row.update(_profile(x.detach().reshape(1, sh.rows, sh.r), "x", self._jit))
-            row.update(_profile(y.detach().reshape(1, sh.rows, sh.r), "y", self._jit))
+        with torch.no_grad():  # (x's and y's reductions brought to the host in one transfer)
+            xv, yv = x.detach().reshape(1, sh.rows, sh.r), y.detach().reshape(1, sh.rows, sh.r)
+            rx, ry = _reduce(xv, self._jit), _reduce(yv, self._jit)
+            host = _host(rx + ry) if rx or ry else np.empty((0, 0))
+            row.update(_profiled(xv, "x", self._jit, host[:len(rx)]))
+            row.update(_profiled(yv, "y", self._jit, host[len(rx):]))
         row.update(zip(_FAMILY_LATE, np.full((len(_FAMILY_LATE), sh.rows), np.nan)))
         return row
 
@@ -537,8 +552,8 @@ class Monitor:
             return
         m = momentum_factor(module)
         n = p.x.numel() // p.x.shape[1]
-        rm0, rv0 = _np(p.running_in[0]), _np(p.running_in[1])
-        rm1, rv1 = _np(p.running_out[0]), _np(p.running_out[1])
+        rm0, rv0 = r["_running_in"]
+        rm1, rv1 = p.running_out
         u32 = float(torch.finfo(torch.float32).eps)
         saved = p.node._saved_result2.dtype  # the statistics read back are rounded to it (bf16/fp16 on some CPUs)
         bessel = n / max(n - 1, 1)
@@ -552,9 +567,9 @@ class Monitor:
             # passes (a NaN compares False, and the whole check runs)
             if (r["invstd"] > 0).all() and (dm <= RUNNING_ULPS * am).all() and (dv <= RUNNING_ULPS * av).all():
                 return
-            tm = RUNNING_ULPS * (_ulp(np.maximum(np.abs(em), np.abs(rm1)), p.running_out[0].dtype) + am) \
+            tm = RUNNING_ULPS * (_ulp(np.maximum(np.abs(em), np.abs(rm1)), p.running_in[0].dtype) + am) \
                 + m * _ulp(r["batch_mean"], saved)
-            tv = RUNNING_ULPS * (_ulp(np.maximum(np.abs(ev), np.abs(rv1)), p.running_out[1].dtype) + av) \
+            tv = RUNNING_ULPS * (_ulp(np.maximum(np.abs(ev), np.abs(rv1)), p.running_in[1].dtype) + av) \
                 + m * bessel * (RUNNING_VAR_SLACK + 2 * _ulp(r["invstd"], saved) / r["invstd"]) \
                 * (np.abs(r["batch_var"]) + eps)
             ok_in = np.isfinite(rm0) & np.isfinite(rv0) & np.isfinite(r["batch_mean"]) & np.isfinite(r["batch_var"])
@@ -597,19 +612,26 @@ class Monitor:
         reduced here in float32), and NaN/inf in dy: counted only when a channel's Σdy is not finite (a float sum
         with a NaN or ±inf addend never is)."""
         torch, r = self._torch, p.row
-        with torch.no_grad():
-            if isinstance(dx, torch.Tensor):
-                r.update(_profile(dx, "dx", self._jit))
+        with torch.no_grad():  # (dx's reductions and the two sums brought to the host in one transfer)
+            parts = _reduce(dx, self._jit) if isinstance(dx, torch.Tensor) else []
+            k = len(parts)
             dg, db = (tuple(sums) + (None, None))[:2]
+            inv = None
             if isinstance(dg, torch.Tensor) and isinstance(db, torch.Tensor):
-                r["sum_dy"], r["sum_dy_xhat"] = _np(db), _np(dg)
+                parts += [db.detach(), dg.detach()]
             elif isinstance(dy, torch.Tensor) and p.node is not None and p.x is not None:
                 mean, inv = r["_norm"]
                 centre = torch.as_tensor(np.nan_to_num(mean), dtype=torch.float32, device=dy.device)
                 d = dy.float()
-                r["sum_dy"] = _np(d.sum(dim=_dims(d)))
-                with np.errstate(all="ignore"):
-                    r["sum_dy_xhat"] = _np((d * (p.x.float() - _column(centre, d))).sum(dim=_dims(d))) * inv
+                parts += [d.sum(dim=dims(d)), (d * (p.x.float() - _column(centre, d))).sum(dim=dims(d))]
+            host = _host(parts) if parts else np.empty((0, 0))
+            if isinstance(dx, torch.Tensor):
+                r.update(_profiled(dx, "dx", self._jit, host[:k]))
+            if len(host) > k:
+                r["sum_dy"], r["sum_dy_xhat"] = host[k], host[k + 1]
+                if inv is not None:
+                    with np.errstate(all="ignore"):
+                        r["sum_dy_xhat"] = host[k + 1] * inv
             if isinstance(dy, torch.Tensor):
                 if np.isfinite(r["sum_dy"]).all():
                     r["dy_nan"] = r["dy_inf"] = np.zeros(dy.shape[1])
@@ -617,7 +639,7 @@ class Monitor:
                     prof = profile_tensor(dy)
                     r["dy_nan"], r["dy_inf"] = prof["nan"], prof["inf"]
                 else:
-                    r["dy_nan"], r["dy_inf"] = _nan_inf(dy)
+                    r["dy_nan"], r["dy_inf"] = nan_inf(dy)
                 self._flag(p, "NaN in dy", r["dy_nan"] > 0)
                 self._flag(p, "±inf in dy", r["dy_inf"] > 0)
         if isinstance(dx, torch.Tensor):
@@ -657,15 +679,24 @@ class Monitor:
         assert sh is not None
         before = len(p.reasons)
         dy, dx = dy_dx
-        with torch.no_grad():
-            if isinstance(dx, torch.Tensor) and dx.numel() == sh.rows * sh.r:
-                r.update(_profile(dx.detach().reshape(1, sh.rows, sh.r), "dx", self._jit))
-            if isinstance(dy, torch.Tensor) and dy.numel() == sh.rows * sh.r:
-                d = dy.detach().reshape(1, sh.rows, sh.r)
-                if _finite(d):
+        with torch.no_grad():  # (dx's reductions and dy's row sums brought to the host in one transfer)
+            dxv = dx.detach().reshape(1, sh.rows, sh.r) if isinstance(dx, torch.Tensor) and \
+                dx.numel() == sh.rows * sh.r else None
+            d = dy.detach().reshape(1, sh.rows, sh.r) if isinstance(dy, torch.Tensor) and \
+                dy.numel() == sh.rows * sh.r else None
+            parts = _reduce(dxv, self._jit) if dxv is not None else []
+            k = len(parts)
+            if d is not None:
+                parts.append(d.sum(dim=(0, 2)))
+            host = _host(parts) if parts else np.empty((0, 0))
+            if dxv is not None:
+                r.update(_profiled(dxv, "dx", self._jit, host[:k]))
+            if d is not None:
+                # a row's sum is finite only if every value is (NaN and ±inf are counted where one is not)
+                if np.isfinite(host[k]).all():
                     r["dy_nan"] = r["dy_inf"] = np.zeros(sh.rows)
                 else:
-                    r["dy_nan"], r["dy_inf"] = _nan_inf(d)
+                    r["dy_nan"], r["dy_inf"] = nan_inf(d)
                 self._flag(p, "NaN in dy", r["dy_nan"] > 0)
                 self._flag(p, "±inf in dy", r["dy_inf"] > 0)
         if isinstance(dx, torch.Tensor):
@@ -734,7 +765,9 @@ class Monitor:
         call = self._new_dump(p)
         if call is None:
             return
-        finish_call(p.module, call, node=p.node, running_out=p.running_out)
+        out = None if p.running_out is None or p.running_in is None else tuple(  # (the values, in their dtype)
+            self._torch.from_numpy(v).to(dtype=t.dtype) for v, t in zip(p.running_out, p.running_in))
+        finish_call(p.module, call, node=p.node, running_out=out)
         call.meta["y"] = "not kept: the anomaly showed in the backward, after y had gone on"
         record_grads(call, grad_inputs, grad_outputs)
         p.dump = call
@@ -812,39 +845,16 @@ class Monitor:
         if new:
             self._append_anomalies(new)
         self._step = _Step()
+        self._node_hooks.clear()  # (a flushed call's hook returns at once; the graph holds it while it lives)
         self._before.clear()
         self._family_before.clear()
         self._awaiting.clear()
 
     def _write_rows(self, rows: list[dict[str, Any]], folder: str = PARQUET_NAME) -> None:
-        """The step's rows as one Parquet file of ``folder``: each column the calls' per-channel (the family's:
-        per-row) arrays end to end (pyarrow directly: a DataFrame per call cost a third of the monitor's time on
-        ResNet-50)."""
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        n = [len(r["channel" if folder == PARQUET_NAME else "row"]) for r in rows]
-        cols: dict[str, Any] = {}
-        for k in rows[0]:
-            if k.startswith("_"):
-                continue
-            if isinstance(rows[0][k], np.ndarray):
-                cols[k] = np.concatenate([r[k] for r in rows], dtype=np.float64 if k not in ("channel", "row")
-                                         else np.int64)
-            elif isinstance(rows[0][k], str):  # each call's name to its rows, through a dictionary (numpy's
-                names, codes = np.unique([r[k] for r in rows], return_inverse=True)  # strings convert 25x slower)
-                cols[k] = pa.DictionaryArray.from_arrays(np.repeat(codes.astype(np.int32), n),
-                                                         pa.array(names)).cast(pa.string())
-            else:
-                cols[k] = np.repeat(np.array([r[k] for r in rows]), n)
-        text = [k for k, v in cols.items() if isinstance(v, pa.Array)]  # dictionaries for names only: 7x faster
-        # no column statistics: a step's file is read whole (they cost 40% of the write on ResNet-50); no lz4 on
-        # the statistics computed in float64 (little to find there: lz4 costs 28% of the write for 15% of the size)
-        codec = {k: "none" if k in _DENSE or k in GOLDEN_COLUMNS else "lz4" for k in cols}
-        table = pa.table(cols)
-        atomic_write_with(self.out / folder / f"step-{self._step_no:09d}.parquet",  # no copy in memory first
-                          lambda fh: pq.write_table(table, fh, compression=codec, use_dictionary=text,
-                                                    write_statistics=False))
+        """The step's rows as one Parquet file of ``folder``, written by the writer's thread
+        (:mod:`bnprobe.recordings.monitor_writer`)."""
+        self._writer.put(self.out / folder / f"step-{self._step_no:09d}.parquet", rows,
+                         "channel" if folder == PARQUET_NAME else "row", _UNCOMPRESSED)
 
     def _append_anomalies(self, new: list[dict[str, Any]]) -> None:
         path = self.out / ANOMALIES_NAME
@@ -858,7 +868,10 @@ class Monitor:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self._remove_hooks()
-        self._flush()  # what the last (unfinished) step recorded; on an exception too: it is what happened
+        try:
+            self._flush()  # what the last (unfinished) step recorded; on an exception too: it is what happened
+        finally:
+            self._writer.close()  # every step on disk when the block ends
 
 
 def monitor(model: Any, out: str | Path, *, every: int = 1, capture_on: str = "anomaly", max_dumps: int = 10,

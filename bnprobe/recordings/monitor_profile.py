@@ -1,8 +1,11 @@
-"""The monitor's per-channel profile of a tensor in one pass: min, max and the counts of NaN, ±inf, values at the
-format's largest finite magnitude, zeros and subnormals, read from the values' bit patterns.
+"""The monitor's per-channel profile of a tensor: min, max and the counts of NaN, ±inf, values at the format's
+largest finite magnitude, zeros and subnormals.
 
-torch has no fused reduction for these: the monitor's torch route takes |t| and four reductions per tensor (five
-passes over it, one of them a write).  On a contiguous CPU tensor of float64, float32, float16 or bfloat16 this
+On torch's route (:func:`reductions`, then :func:`finish`) the tensor's device reduces it to min, max and min |t| per
+channel, brought to the host with the call's other numbers in one transfer; the counts take passes of their own only
+where a channel has them (a non-finite or format-maximum extreme, a magnitude below the smallest normal).  torch has no
+fused reduction for all of them: that is |t| and three reductions (four passes over the tensor, one of them a write).
+In one pass instead, on a contiguous CPU tensor of float64, float32, float16 or bfloat16 this
 module reads each value once, as the integer of its bits: |t|'s bits are the bits with the sign cleared (their
 integer order is the magnitudes' order, NaN above inf), and the bits with the lower ones flipped where the sign
 is set are an integer whose order is the values' order (-0 just below +0).  Integer compares and sums are exact
@@ -11,13 +14,12 @@ torch's ``amin``/``amax`` give.
 
 numba is imported when the first profile is taken this way (``BNPROBE_JIT`` off, as read when the monitor
 starts, or numba missing: the torch route); tensors of fewer than :data:`MIN_ELEMENTS` values take the torch
-route, where the passes are cheap.
+route, where the passes are cheap.  The compiled pass runs on the calling thread (:mod:`bnprobe.compiled.profile`).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,7 +27,8 @@ import numpy as np
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["MIN_ELEMENTS", "MIN_ROW", "FIELDS", "one_pass", "profile_bits", "profile_tensor"]
+__all__ = ["MIN_ELEMENTS", "MIN_ROW", "FIELDS", "one_pass", "profile_bits", "profile_tensor", "reductions", "finish",
+           "nan_inf"]
 
 #: below this many values the torch route's five small passes cost less than a call into the compiled one
 MIN_ELEMENTS = 1 << 15
@@ -49,11 +52,10 @@ _BITS: dict[str, tuple[int, Any, int, int, int, int]] = {
 
 def one_pass(t: torch.Tensor, mode: str) -> bool:
     """Whether ``t``'s profile is taken in one pass here: a contiguous CPU tensor of a known format, large enough,
-    with rows of at least :data:`MIN_ROW` values (channels run in parallel, each reading its rows), the compiled
-    route allowed (``mode``: :func:`bnprobe.compiled.jit.jit_mode`'s, read when the monitor started), and not in a
-    process forked after this one ran here (GNU OpenMP's threads, numba's default layer, do not survive a fork)."""
+    with rows of at least :data:`MIN_ROW` values, the compiled route allowed (``mode``:
+    :func:`bnprobe.compiled.jit.jit_mode`'s, read when the monitor started)."""
     return (t.dtype in _torch_bits() and t.device.type == "cpu" and t.dim() >= 2 and t.is_contiguous()
-            and not t.is_neg() and mode != "off" and not _STATE["forked"]
+            and not t.is_neg() and mode != "off"
             and (mode == "on" or (t.numel() >= MIN_ELEMENTS and t.numel() >= MIN_ROW * t.shape[0] * t.shape[1])))
 
 
@@ -68,7 +70,6 @@ def profile_bits(bits: np.ndarray, dtype: str) -> dict[str, np.ndarray]:
         raise ValueError(f"profile_bits takes (N, C, S) {np.dtype(width).name} bits of {dtype}, not "
                          f"{bits.ndim}-d {bits.dtype.name}")
     out = np.empty((7, bits.shape[1]))
-    _STATE["ran"] = True
     call_compiled(profile, np.ascontiguousarray(bits), kind, mask, inf, big, tiny, out)
     return dict(zip(FIELDS, out))
 
@@ -79,10 +80,59 @@ def profile_tensor(t: torch.Tensor) -> dict[str, np.ndarray]:
     return profile_bits(t.detach().view(width).numpy().reshape(t.shape[0], t.shape[1], -1), name)
 
 
-# whether the kernel ran in this process, and whether this is a child forked after it did (plain flags: a lock
-# held by another thread at the fork would stay held in the child)
-_STATE = {"ran": False, "forked": False}
-os.register_at_fork(after_in_child=lambda: _STATE.update(forked=_STATE["ran"]))
+def dims(t: torch.Tensor) -> tuple[int, ...]:
+    """The dimensions a per-channel reduction of ``t`` (channels on dim 1) runs over."""
+    return (0, *range(2, t.dim()))
+
+
+def reductions(t: torch.Tensor) -> list[torch.Tensor]:
+    """torch's route, on ``t``'s device and in its dtype: min, max and min |t| per channel (NaN propagates), for
+    :func:`finish` once they are on the host (a non-empty tensor)."""
+    import torch
+
+    d = dims(t)
+    return [torch.amin(t, dim=d), torch.amax(t, dim=d), torch.amin(t.abs(), dim=d)]
+
+
+def finish(t: torch.Tensor, lo: np.ndarray, hi: np.ndarray, small: np.ndarray) -> dict[str, np.ndarray]:
+    """The profile of ``t`` (:data:`FIELDS`, float64 per channel) from :func:`reductions`' values on the host: the
+    counts are zero where min, max and min |t| show that no channel has any, else counted on the device."""
+    import torch
+
+    fi = torch.finfo(t.dtype)
+    zeros = np.zeros(t.shape[1])
+    out = {"min": lo, "max": hi, "nan": zeros, "inf": zeros, "at_max": zeros, "zero": zeros, "subnormal": zeros}
+    with np.errstate(invalid="ignore"):  # (a NaN extreme hides the others: counted too)
+        finite = np.isfinite(lo).all() and np.isfinite(hi).all()
+        below_max = (np.abs(lo) < fi.max).all() and (np.abs(hi) < fi.max).all()
+        normal = (small >= fi.tiny).all()
+    if finite and below_max and normal:
+        return out
+    d = dims(t)
+    with torch.no_grad():
+        if not finite:
+            out["nan"], out["inf"] = nan_inf(t)
+        if not below_max:
+            out["at_max"] = _host(((t.abs() == fi.max).sum(dim=d)))
+        if not normal:
+            zero = (t == 0).sum(dim=d)
+            out["zero"] = _host(zero)
+            out["subnormal"] = _host((t.abs() < fi.tiny).sum(dim=d) - zero)
+    return out
+
+
+def nan_inf(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The counts of NaN and of ±inf per channel of ``t``."""
+    import torch
+
+    d = dims(t)
+    return _host(torch.isnan(t).sum(dim=d)), _host(torch.isinf(t).sum(dim=d))
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    import torch
+
+    return t.to("cpu", dtype=torch.float64).numpy()
 
 
 @functools.cache
