@@ -25,7 +25,8 @@ from typing import Any, BinaryIO
 
 from bnprobe.core.errors import BNProbeError, named
 
-__all__ = ["append_text", "atomic_write_text", "atomic_write_bytes", "atomic_write_with", "check_targets", "output_dir",
+__all__ = ["append_text", "atomic_write_text", "atomic_write_bytes", "atomic_write_with", "atomic_write_path",
+           "check_targets", "output_dir",
            "OutputDir",
            "file_mode", "save_figure", "to_jsonable", "dumps_json"]
 
@@ -113,6 +114,22 @@ def atomic_write_with(path: str | Path, write: Callable[[BinaryIO], Any]) -> Non
     """``write(fh)`` streams into a temporary file beside ``path``, renamed to it when done (nothing is left
     when it raises): for files too large to build in memory first."""
     _atomic(Path(path), write)
+
+
+def atomic_write_path(path: str | Path, write: Callable[[Path], Any]) -> None:
+    """``write(tmp)`` writes the file at ``tmp``, a fresh temporary path beside ``path``, renamed to it when done
+    (nothing is left when it raises): for a library that opens the file itself (pyarrow's Parquet writer on a path
+    writes through its own file, with the GIL released)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_for(p)
+    try:
+        write(tmp)
+        os.chmod(tmp, file_mode())
+        os.replace(tmp, p)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def save_figure(fig: Any, path: str | Path, **kwargs: Any) -> None:

@@ -851,7 +851,7 @@ class Monitor:
         self._awaiting.clear()
 
     def _write_rows(self, rows: list[dict[str, Any]], folder: str = PARQUET_NAME) -> None:
-        """The step's rows as one Parquet file of ``folder``, written by the writer's thread
+        """The step's rows as one Parquet file of ``folder``: a table made here, written by the writer's thread
         (:mod:`bnprobe.recordings.monitor_writer`)."""
         self._writer.put(self.out / folder / f"step-{self._step_no:09d}.parquet", rows,
                          "channel" if folder == PARQUET_NAME else "row", _UNCOMPRESSED)

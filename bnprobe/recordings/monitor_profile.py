@@ -30,7 +30,10 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["MIN_ELEMENTS", "MIN_ROW", "FIELDS", "one_pass", "profile_bits", "profile_tensor", "reductions", "finish",
            "nan_inf"]
 
-#: below this many values the torch route's five small passes cost less than a call into the compiled one
+#: below this many values a tensor takes the torch route until the compiled pass is loaded for a larger one: the pass
+#: is faster at every size where rows hold two values or more (9 us against torch's 50 us on 256 values, 25 against
+#: 190 us on (16, 64, 4, 4)), but loading numba costs about 0.8 s and 130 MB, which a model whose tensors are all
+#: small does not pay
 MIN_ELEMENTS = 1 << 15
 #: under ``auto``, a row (the values of one sample and channel) shorter than this takes the torch route: a (N, C)
 #: input has one value per row, a channel's values lie far apart, and the kernel can be slower than torch there
@@ -51,12 +54,14 @@ _BITS: dict[str, tuple[int, Any, int, int, int, int]] = {
 
 
 def one_pass(t: torch.Tensor, mode: str) -> bool:
-    """Whether ``t``'s profile is taken in one pass here: a contiguous CPU tensor of a known format, large enough,
-    with rows of at least :data:`MIN_ROW` values, the compiled route allowed (``mode``:
-    :func:`bnprobe.compiled.jit.jit_mode`'s, read when the monitor started)."""
+    """Whether ``t``'s profile is taken in one pass here: a contiguous CPU tensor of a known format, large enough
+    (:data:`MIN_ELEMENTS`, or any size once the pass is loaded in this process), with rows of at least
+    :data:`MIN_ROW` values, the compiled route allowed (``mode``: :func:`bnprobe.compiled.jit.jit_mode`'s, read when
+    the monitor started)."""
     return (t.dtype in _torch_bits() and t.device.type == "cpu" and t.dim() >= 2 and t.is_contiguous()
             and not t.is_neg() and mode != "off"
-            and (mode == "on" or (t.numel() >= MIN_ELEMENTS and t.numel() >= MIN_ROW * t.shape[0] * t.shape[1])))
+            and (mode == "on" or ((_STATE["loaded"] or t.numel() >= MIN_ELEMENTS)
+                                  and t.numel() >= MIN_ROW * t.shape[0] * t.shape[1])))
 
 
 def profile_bits(bits: np.ndarray, dtype: str) -> dict[str, np.ndarray]:
@@ -70,6 +75,7 @@ def profile_bits(bits: np.ndarray, dtype: str) -> dict[str, np.ndarray]:
         raise ValueError(f"profile_bits takes (N, C, S) {np.dtype(width).name} bits of {dtype}, not "
                          f"{bits.ndim}-d {bits.dtype.name}")
     out = np.empty((7, bits.shape[1]))
+    _STATE["loaded"] = True
     call_compiled(profile, np.ascontiguousarray(bits), kind, mask, inf, big, tiny, out)
     return dict(zip(FIELDS, out))
 
@@ -78,6 +84,10 @@ def profile_tensor(t: torch.Tensor) -> dict[str, np.ndarray]:
     """:func:`profile_bits` of a tensor :func:`one_pass` accepts (channels on dim 1)."""
     width, name = _torch_bits()[t.dtype]
     return profile_bits(t.detach().view(width).numpy().reshape(t.shape[0], t.shape[1], -1), name)
+
+
+# whether the compiled pass has been loaded in this process (numba imported, the kernel read from its cache)
+_STATE = {"loaded": False}
 
 
 def dims(t: torch.Tensor) -> tuple[int, ...]:

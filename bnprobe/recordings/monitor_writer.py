@@ -1,6 +1,7 @@
-"""The monitor's Parquet files, written by a thread of their own: a step's rows are handed over at ``mon.step()``
-and the training thread goes on while they are converted and written (pyarrow's writer releases the GIL, the
-training's torch ops do too).
+"""The monitor's Parquet files, written by a thread of their own: at ``mon.step()`` the step's rows become one Arrow
+table (:func:`step_table`, on the training thread) and a thread writes it (:func:`write_table`) while the training
+goes on.  The thread's work is pyarrow's native writer on a path, which holds the GIL only briefly: work in Python on
+a second thread would make the training thread wait for the GIL after each of its torch ops.
 
 At most :data:`QUEUE_STEPS` steps wait for the writer: a training loop faster than its disk waits at ``mon.step()``
 instead of holding more steps in memory.  A write that fails is raised by the next ``mon.step()`` or at the monitor's
@@ -18,21 +19,19 @@ from typing import Any
 
 import numpy as np
 
-from bnprobe._files import atomic_write_with, file_mode
+from bnprobe._files import atomic_write_path, file_mode
 
-__all__ = ["QUEUE_STEPS", "StepWriter", "write_rows"]
+__all__ = ["QUEUE_STEPS", "StepWriter", "step_table", "write_table"]
 
 #: steps handed over and not yet written, at most (the training thread waits beyond)
 QUEUE_STEPS = 2
 
 
-def write_rows(path: Path, rows: list[dict[str, Any]], unit: str, dense: frozenset[str]) -> None:
+def step_table(rows: list[dict[str, Any]], unit: str) -> Any:
     """``rows`` (one dict per call: arrays of its channels or rows, the ``unit`` column among them, and scalars) as
-    one Parquet file ``path``: each column the calls' arrays end to end (pyarrow directly: a DataFrame per call cost
-    a third of the monitor's time on ResNet-50).  Keys starting with ``_`` are not written; the columns of ``dense``
-    are stored without compression."""
+    one pyarrow Table: each column the calls' arrays end to end (pyarrow directly: a DataFrame per call cost a third
+    of the monitor's time on ResNet-50).  Keys starting with ``_`` are left out."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     n = [len(r[unit]) for r in rows]
     cols: dict[str, Any] = {}
@@ -47,13 +46,21 @@ def write_rows(path: Path, rows: list[dict[str, Any]], unit: str, dense: frozens
                                                      pa.array(names)).cast(pa.string())
         else:
             cols[k] = np.repeat(np.array([r[k] for r in rows]), n)
-    text = [k for k, v in cols.items() if isinstance(v, pa.Array)]  # dictionaries for names only: 7x faster
+    return pa.table(cols)
+
+
+def write_table(path: Path, table: Any, dense: frozenset[str]) -> None:
+    """``table`` as the Parquet file ``path``, written whole and renamed into place; the columns of ``dense`` are
+    stored without compression."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    text = [f.name for f in table.schema if pa.types.is_string(f.type)]  # dictionaries for names only: 7x faster
     # no column statistics: a step's file is read whole (they cost 40% of the write on ResNet-50); no lz4 on
     # the statistics computed in float64 (little to find there: lz4 costs 28% of the write for 15% of the size)
-    codec = {k: "none" if k in dense else "lz4" for k in cols}
-    table = pa.table(cols)
-    atomic_write_with(path, lambda fh: pq.write_table(table, fh, compression=codec, use_dictionary=text,
-                                                      write_statistics=False))
+    codec = {k: "none" if k in dense else "lz4" for k in table.column_names}
+    atomic_write_path(path, lambda tmp: pq.write_table(table, str(tmp), compression=codec, use_dictionary=text,
+                                                       write_statistics=False))
 
 
 class StepWriter:
@@ -65,8 +72,8 @@ class StepWriter:
         self._error: BaseException | None = None
 
     def put(self, path: Path, rows: list[dict[str, Any]], unit: str, dense: frozenset[str]) -> None:
-        """Hand ``rows`` over to be written to ``path`` (the rows are not changed after this); a failed earlier write
-        is raised here."""
+        """Hand ``rows`` over to be written to ``path`` (:func:`step_table`, :func:`write_table`; the rows are not
+        changed after this); a failed earlier write is raised here."""
         self._raise()
         if self._thread is None:
             file_mode()  # (read once here: reading the umask sets it for a moment, not to be done beside a write)
@@ -90,7 +97,8 @@ class StepWriter:
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
             try:
-                write_rows(*job)
+                path, rows, unit, dense = job
+                write_table(path, step_table(rows, unit), dense)
             except BaseException as exc:  # noqa: BLE001 - raised on the training thread at its next step
                 if self._error is None:  # (the first failure is the one reported)
                     self._error = exc
