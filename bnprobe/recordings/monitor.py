@@ -519,10 +519,10 @@ class Monitor:
         """NaN, ±inf and saturation in each tensor of ``names``; in y (dx) only where x (and dy) are finite, since
         NaN/inf there follow from the input's, which is flagged itself."""
         r = p.row
-        x_ok = (r["x_nan"] == 0) & (r["x_inf"] == 0)
         for t in names:
             if not (r[f"{t}_nan"].any() or r[f"{t}_inf"].any() or r[f"{t}_at_max"].any()):
                 continue  # nothing to flag (the usual case: the checks below find nothing either)
+            x_ok = (r["x_nan"] == 0) & (r["x_inf"] == 0)
             ok, where = {"x": (True, ""), "y": (x_ok, " where x is finite"),
                          "dx": (x_ok & (r["dy_nan"] == 0) & (r["dy_inf"] == 0), " where x and dy are finite")}[t]
             self._flag(p, f"NaN in {t}{where}", (r[f"{t}_nan"] > 0) & ok)
@@ -534,12 +534,13 @@ class Monitor:
         r, eps = p.row, float(module.eps)
         self._counts_flags(p, ("x", "y"), r["dtype"])
         if module.training:
-            x_ok = (r["x_nan"] == 0) & (r["x_inf"] == 0)  # statistics of non-finite x follow from it
             with np.errstate(all="ignore"):
-                self._flag(p, f"batch variance at or below {self.var_floor:g}·ε or negative",
-                           (r["batch_var"] <= self.var_floor * eps) & x_ok)
-                self._flag(p, "invstd beyond 1/√ε or not positive",
-                           (~(r["invstd"] > 0) | (r["invstd"] > (1 + 1e-3) / math.sqrt(eps))) & x_ok)
+                low = r["batch_var"] <= self.var_floor * eps
+                beyond = ~(r["invstd"] > 0) | (r["invstd"] > (1 + 1e-3) / math.sqrt(eps))
+                if low.any() or beyond.any():  # (the usual case: neither)
+                    x_ok = (r["x_nan"] == 0) & (r["x_inf"] == 0)  # statistics of non-finite x follow from it
+                    self._flag(p, f"batch variance at or below {self.var_floor:g}·ε or negative", low & x_ok)
+                    self._flag(p, "invstd beyond 1/√ε or not positive", beyond & x_ok)
             self._running_flags(p, module)
         self._ask(p, "forward")
 

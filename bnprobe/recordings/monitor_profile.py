@@ -60,23 +60,27 @@ def one_pass(t: torch.Tensor, mode: str) -> bool:
     the monitor started)."""
     return (t.dtype in _torch_bits() and t.device.type == "cpu" and t.dim() >= 2 and t.is_contiguous()
             and not t.is_neg() and mode != "off"
-            and (mode == "on" or ((_STATE["loaded"] or t.numel() >= MIN_ELEMENTS)
+            and (mode == "on" or ((_STATE["kernel"] is not None or t.numel() >= MIN_ELEMENTS)
                                   and t.numel() >= MIN_ROW * t.shape[0] * t.shape[1])))
 
 
 def profile_bits(bits: np.ndarray, dtype: str) -> dict[str, np.ndarray]:
     """The profile of a tensor given as its bit patterns ``bits`` (shape (N, C, S), the integer dtype of ``dtype``'s
     width), per channel: :data:`FIELDS` as float64 arrays of C values."""
-    from bnprobe.compiled.profile import profile
-    from bnprobe.kernels.fused import call_compiled
-
     kind, width, mask, inf, big, tiny = _BITS[dtype]
-    if bits.dtype != np.dtype(width) or bits.ndim != 3:
+    if bits.dtype != width or bits.ndim != 3:
         raise ValueError(f"profile_bits takes (N, C, S) {np.dtype(width).name} bits of {dtype}, not "
                          f"{bits.ndim}-d {bits.dtype.name}")
     out = np.empty((7, bits.shape[1]))
-    _STATE["loaded"] = True
-    call_compiled(profile, np.ascontiguousarray(bits), kind, mask, inf, big, tiny, out)
+    kernel = _STATE["kernel"]
+    if kernel is None:  # the first call: numba imported, the kernel loaded (said on a terminal if it compiles)
+        from bnprobe.compiled.profile import profile
+        from bnprobe.kernels.fused import call_compiled
+
+        call_compiled(profile, np.ascontiguousarray(bits), kind, mask, inf, big, tiny, out)
+        _STATE["kernel"] = profile
+    else:  # (no lock: the kernel runs on its caller's thread, with no pool of threads to share)
+        kernel(np.ascontiguousarray(bits), kind, mask, inf, big, tiny, out)
     return dict(zip(FIELDS, out))
 
 
@@ -86,8 +90,8 @@ def profile_tensor(t: torch.Tensor) -> dict[str, np.ndarray]:
     return profile_bits(t.detach().view(width).numpy().reshape(t.shape[0], t.shape[1], -1), name)
 
 
-# whether the compiled pass has been loaded in this process (numba imported, the kernel read from its cache)
-_STATE = {"loaded": False}
+# the compiled pass once loaded in this process (numba imported, the kernel read from its cache or compiled)
+_STATE: dict[str, Any] = {"kernel": None}
 
 
 def dims(t: torch.Tensor) -> tuple[int, ...]:
