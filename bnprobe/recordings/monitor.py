@@ -6,9 +6,12 @@ call dumped when it happens.
 tensor's device and in its own dtype (the batch statistics from the ones the kernel saved), a few numbers per
 channel: the batch mean and variance, invstd, the running statistics after the update, the minimum and maximum of
 x and y, the counts of NaN, ±inf, values at the format's largest finite magnitude, subnormals and zeros in x, y and
-(when the backward runs) dx, NaN and ±inf in dy, and the gradient's Σdy and Σdy·x̂.  Each ``mon.step()`` appends
-the step's rows as one Parquet file of the folder ``OUT/monitor.parquet/`` (written whole, then renamed: a crash
-loses at most the step in progress; ``pandas.read_parquet`` reads the folder as one table)::
+(when the backward runs) dx, NaN and ±inf in dy, and the gradient's Σdy and Σdy·x̂; a call's numbers reach the host
+in one transfer per forward and one per backward (its checks read them there).  Each ``mon.step()`` appends
+the step's rows as one Parquet file of the folder ``OUT/monitor.parquet/`` (written by a thread of the monitor while
+the training goes on, whole, then renamed; an exception leaving the ``with`` block still writes every step, a process
+killed outright loses the step in progress and the few not yet written:
+:mod:`bnprobe.recordings.monitor_writer`; ``pandas.read_parquet`` reads the folder as one table)::
 
     OUT/monitor.parquet/step-<k>.parquet   one file per step: step, rank, layer, call, channel, dtype, ...
     OUT/anomalies.csv                      one row per anomalous call: step, layer, reasons, its dump

@@ -310,3 +310,29 @@ def test_two_ranks_on_gloo_each_write_their_own_and_plot_stats_reads_both(tmp_pa
     assert not (tmp_path / "mon" / "rank0" / "anomalies.csv").exists()
     code, text, _ = run(capsys, "plot-stats", "--monitor", tmp_path / "mon", "--out", tmp_path / "ps")
     assert code == 1 and "2 run(s)" in text and "anomaly: rank 1 float32 module.bn1 step 2" in text
+
+
+def test_a_failed_write_is_raised_on_the_training_thread(tmp_path, monkeypatch):
+    """The writer's thread writes each step's file: a write that fails is raised by a later mon.step() or at the exit,
+    as it was raised, and the steps written before it are there."""
+    from bnprobe.recordings import monitor_writer
+
+    real = monitor_writer.write_table
+    calls = []
+
+    def failing(path, table, dense):
+        calls.append(path.name)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        real(path, table, dense)
+
+    monkeypatch.setattr(monitor_writer, "write_table", failing)
+    out = tmp_path / "mon"
+    net = Net()
+    with pytest.raises(OSError, match="No space left"):
+        with monitor(net, out) as mon:
+            for _ in range(6):
+                net(torch.randn(4, 3, 8, 8)).sum().backward()
+                mon.step()
+    assert len(calls) >= 3
+    assert {0, 1} <= set(table(out).step.unique()) and 2 not in set(table(out).step.unique())
