@@ -68,10 +68,11 @@ def jit_for(elements: int | None, *, cheap: bool = False) -> bool:
         # too: what kept them on numpy (importing numba and loading its cache, 1.7 s) is paid (a six-layer model's
         # dump compared in 6.3 s of CPU against 7.4 s with its four smaller calls on numpy)
         return _IN_USE.is_set()
-    if cheap or _warm_up_mode() == "foreground" or compiled_ready():
+    foreground = _warm_up_mode() == "foreground"
+    if cheap or foreground or compiled_ready():
         if cheap and not compiled_ready():
             start_warm_up()
-        elif compiled_ready():
+        elif not foreground:
             _IN_USE.set()
         return True
     start_warm_up()
