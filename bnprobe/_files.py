@@ -33,10 +33,17 @@ __all__ = ["append_text", "atomic_write_text", "atomic_write_bytes", "atomic_wri
 _UMASK: int | None = None
 
 
+_PLAIN = (str, int, bool, type(None))  # what JSON writes as it is (bool and int subclasses included)
+
+
 def to_jsonable(o: Any) -> Any:
     """numpy scalars/arrays to Python, NaN/inf to strings, tuples to lists."""
     import numpy as np
 
+    if isinstance(o, _PLAIN):
+        return o
+    if isinstance(o, float):
+        return o if math.isfinite(o) else "nan" if math.isnan(o) else ("inf" if o > 0 else "-inf")
     if isinstance(o, dict):
         return {str(k): to_jsonable(v) for k, v in o.items()}
     if isinstance(o, (list, tuple)):
@@ -45,13 +52,38 @@ def to_jsonable(o: Any) -> Any:
         return to_jsonable(o.tolist())
     if isinstance(o, np.generic):
         return to_jsonable(o.item())
-    if isinstance(o, float) and not math.isfinite(o):
-        return "nan" if math.isnan(o) else ("inf" if o > 0 else "-inf")
     return o
 
 
 def dumps_json(o: Any) -> str:
-    return json.dumps(to_jsonable(o), indent=2, default=str)
+    """``json.dumps(to_jsonable(o), indent=2, default=str)``, the same text: json's indenting encoder is its pure
+    Python one (a report's 2,000 rows took 1.7 s), so each container of plain values is written by json's C encoder
+    with the indent's line breaks as its separators (a string's own line breaks are escaped by then)."""
+    return _indented(to_jsonable(o), 0)
+
+
+_ONE = json.JSONEncoder(default=str).encode  # a plain value (or a container, unindented)
+
+
+def _indented(o: Any, level: int) -> str:
+    """``o`` (made by :func:`to_jsonable`) as ``json.dumps(o, indent=2, default=str)`` writes it at depth ``level``."""
+    if isinstance(o, dict):
+        items = o.items()
+    elif isinstance(o, list):
+        items = None
+    else:
+        return _ONE(o)
+    if not o:
+        return "{}" if items is not None else "[]"
+    inner, outer = "\n" + "  " * (level + 1), "\n" + "  " * level
+    values = o.values() if items is not None else o
+    if not any(isinstance(v, (dict, list)) for v in values):  # one C encoder call, its separators the line breaks
+        flat = json.JSONEncoder(default=str, separators=("," + inner, ": ")).encode(o)
+        return flat[0] + inner + flat[1:-1] + outer + flat[-1]
+    if items is not None:
+        body = ("," + inner).join(f"{_ONE(k)}: {_indented(v, level + 1)}" for k, v in items)
+        return "{" + inner + body + outer + "}"
+    return "[" + inner + ("," + inner).join(_indented(v, level + 1) for v in o) + outer + "]"
 
 
 def file_mode() -> int:

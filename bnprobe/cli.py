@@ -875,7 +875,7 @@ def compare_precision_cmd(
     from bnprobe.inputs import Draw
     from bnprobe.checks.compare.precision import CallOptions, Judging, compare_precision
     from bnprobe.engine.recorded import given
-    from bnprobe.reports.compare import compare_lines, report_files, write_report
+    from bnprobe.reports.compare import report_files
 
     dtypes, mode, convention = target.dtype, bn.mode, bn.convention
     fmts, dts = _formats_and_dtypes(format, dtypes)
@@ -903,12 +903,24 @@ def compare_precision_cmd(
                                                        norm=layer.norm, normalized_shape=layer.dims(),
                                                        groups=layer.groups),
                                    judging=Judging(rule=rule, bench=bench))
-    paths = write_report(result, sink, fmts) if sink is not None else []
     what = f"{len(cases)} recorded call(s) of {recorded.source}" if recorded is not None else f"{len(cases)} inputs"
-    _echo(compare_lines(result, what, recorded.notes if recorded is not None else (), recorded is not None))
+    _compare_report(result, sink, fmts, what, recorded)
+    return 0 if result.passed else 1
+
+
+def _compare_report(result: Any, sink: Any, fmts: tuple[str, ...], what: str, recorded: Any) -> None:
+    """compare-precision's report files (into ``sink``, when given) and terminal text, from one summary."""
+    from bnprobe.checks.compare.precision import summarize
+    from bnprobe.guard import release_free_memory
+    from bnprobe.reports.compare import compare_lines, write_report
+
+    release_free_memory()  # (the run's freed arrays are not counted again in the report's peak)
+    summary = summarize(result)  # (the report's files and the terminal's table: made once)
+    paths = write_report(result, sink, fmts, summary=summary) if sink is not None else []
+    _echo(compare_lines(result, what, recorded.notes if recorded is not None else (), recorded is not None,
+                        summary=summary))
     if paths:
         typer.echo(f"report: {sink.path}/ ({', '.join(p.name for p in paths)})")
-    return 0 if result.passed else 1
 
 
 @_command("overflow")

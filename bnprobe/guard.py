@@ -25,7 +25,8 @@ from bnprobe.core.errors import BNProbeError
 
 __all__ = ["ENV", "BASE_BYTES", "COMPILED_BYTES", "PER_ELEMENT", "PER_RECORDED_ELEMENT", "MODEL_CACHE_BYTES",
            "parse_size", "format_size", "available_memory",
-           "memory_limit", "set_memory_limit", "require", "require_run", "run_bytes", "tune_process"]
+           "memory_limit", "set_memory_limit", "require", "require_run", "run_bytes", "tune_process",
+           "release_free_memory"]
 
 ENV = "BNPROBE_MAX_MEMORY"
 
@@ -215,6 +216,21 @@ def tune_process() -> None:
         # threshold is kept, and the trim threshold (which would fix it) is left alone too
         if libc.mallopt(-3, 512 << 20) or libc.mallopt(-3, 32 << 20):  # M_MMAP_THRESHOLD
             libc.mallopt(-1, 128 << 20)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def release_free_memory() -> None:
+    """Return the heap's free memory to the system now (glibc's ``malloc_trim``), in a process :func:`tune_process`
+    tuned (a command's: its heap keeps what it frees below the 128 MiB trim threshold, for speed): between a run's
+    cases and before its report, so that the memory a finished case freed is not counted again in the next phase's
+    peak (a few milliseconds; the next case's arrays fault their pages in again).  Nothing elsewhere."""
+    if not _PROCESS_TUNED or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
 

@@ -1,8 +1,11 @@
-"""Results -> matplotlib Figures.  Figures are built without pyplot, so no global backend is touched;
-the CLI saves them."""
+"""Results -> matplotlib Figures, and compare-precision's report chart as SVG text.
+
+Figures are built without pyplot, so no global backend is touched; the CLI saves them.  The report's chart
+(:func:`compare_svg`) is written as text: a report needs no matplotlib import for one bar chart."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -16,8 +19,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from bnprobe.checks.rsqrt.mathfn import MathAnalysis
 
-__all__ = ["plot_math_error", "plot_compare", "plot_channel_stats", "plot_layer_summary", "plot_divergence",
-           "plot_distributions", "plot_sweep_heatmap"]
+__all__ = ["plot_math_error", "plot_compare", "compare_bars", "compare_svg", "plot_channel_stats",
+           "plot_layer_summary", "plot_divergence", "plot_distributions", "plot_sweep_heatmap"]
 
 MAX_LABELLED_ROWS = 60  # heatmap rows that get a name each; beyond, every k-th
 MAX_LEGEND = 12  # lines named in a legend; the others are drawn unnamed
@@ -61,25 +64,37 @@ def plot_math_error(analysis: MathAnalysis) -> Figure:
     return fig
 
 
-def plot_compare(rows: pd.DataFrame) -> Figure:
-    """Worst error per tensor and format, as a multiple of the standard's bound (log scale; 1 = the limit)."""
-    from matplotlib.figure import Figure
+_TENSORS = ("y", "y_infer", "saved_mean", "saved_invstd", "saved_var", "running_mean", "running_var", "dx", "dgamma",
+            "dbeta")
+_TITLE = "BatchNorm outputs vs the FP64 golden: worst error as a multiple of msprobe's bound"
+_YLABEL = "worst error / bound (over all inputs; hatched: inf)"
 
+
+def compare_bars(rows: pd.DataFrame) -> tuple[list[str], list[tuple[str, str]], list[list[float]], float]:
+    """The compare chart's bars: (tensors, (adapter, format) groups sorted, each group's worst error / bound per
+    tensor over all inputs (NaN where it has none; ratios clipped at 1e-6), the cap an infinite ratio is drawn at:
+    ten times the largest finite one, at least 1e3)."""
     df = rows.copy()
     with np.errstate(all="ignore"):
         ratio = (df["score"] / df["bound"]).clip(lower=1e-6)
     finite = ratio[np.isfinite(ratio)]
     cap = max(1e3, 10.0 * float(finite.max())) if len(finite) else 1e3
     df["ratio"] = ratio.where(np.isfinite(ratio) | ratio.isna(), cap)  # inf (NaN/overflow) drawn at the cap
-    tensors = [t for t in ("y", "y_infer", "saved_mean", "saved_invstd", "saved_var", "running_mean", "running_var",
-                           "dx", "dgamma", "dbeta") if t in set(df["tensor"])]
+    tensors = [t for t in _TENSORS if t in set(df["tensor"])]
     groups = sorted({(a, d) for a, d in zip(df["adapter"], df["dtype"])})
+    peaks = df.groupby(["adapter", "dtype", "tensor"])["ratio"].max()  # (NaN left out, as Series.max leaves it)
+    return tensors, groups, [[float(peaks.get((a, d, t), np.nan)) for t in tensors] for a, d in groups], cap
+
+
+def plot_compare(rows: pd.DataFrame) -> Figure:
+    """Worst error per tensor and format, as a multiple of the standard's bound (log scale; 1 = the limit)."""
+    from matplotlib.figure import Figure
+
+    tensors, groups, peaks, cap = compare_bars(rows)
     fig = Figure(figsize=(max(8, 1.1 * len(tensors) + 3), 4.8), layout="constrained")
     ax = fig.subplots()
     width = 0.8 / max(len(groups), 1)
-    peaks = df.groupby(["adapter", "dtype", "tensor"])["ratio"].max()  # (NaN left out, as Series.max leaves it)
-    for k, (adapter, dtype) in enumerate(groups):
-        worst = [float(peaks.get((adapter, dtype, t), np.nan)) for t in tensors]
+    for k, ((adapter, dtype), worst) in enumerate(zip(groups, peaks)):
         bars = ax.bar(np.arange(len(tensors)) + (k - (len(groups) - 1) / 2) * width, worst, width,
                       label=f"{adapter} {dtype}")
         for bar, w in zip(bars, worst):
@@ -88,13 +103,86 @@ def plot_compare(rows: pd.DataFrame) -> Figure:
     ax.axhline(1.0, color="tab:red", linestyle="--", linewidth=1, label="standard's bound")
     ax.set_yscale("log")
     ax.set_xticks(np.arange(len(tensors)), tensors, rotation=20)
-    ax.set_ylabel("worst error / bound (over all inputs; hatched: inf)")
-    ax.set_title("BatchNorm outputs vs the FP64 golden: worst error as a multiple of msprobe's bound")
+    ax.set_ylabel(_YLABEL)
+    ax.set_title(_TITLE)
     ax.grid(True, axis="y", alpha=0.3)
     # beside the axes, right of the bars (constrained layout makes room for it): never over a bar
     ax.legend(fontsize=8, ncol=1 if len(groups) < 24 else 2, loc="upper left", bbox_to_anchor=(1.01, 1.0),
               borderaxespad=0.0)
     return fig
+
+
+# matplotlib's default colour cycle (tab10), so the SVG chart's groups look as plot_compare's do
+_CYCLE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+_LEGEND_COLUMN = 210  # px per legend column: the longest built-in name ("emulated:fp16-acc16 fp16") at 11 px
+
+
+def compare_svg(rows: pd.DataFrame) -> str:
+    """:func:`plot_compare`'s chart (the same bars: :func:`compare_bars`) as a standalone SVG document: log scale
+    over whole decades from the smallest bar (or 1) to the largest, the bound's dashed line at 1, an infinite ratio
+    hatched at the cap, the legend right of the axes."""
+    from html import escape
+
+    tensors, groups, peaks, cap = compare_bars(rows)
+    values = [v for worst in peaks for v in worst if v == v and v > 0]
+    lo = math.floor(math.log10(min([1.0, *values])))
+    hi = max(math.ceil(math.log10(max([1.0, *values]))), lo + 1)
+    cols = 1 if len(groups) < 24 else 2
+    left, top, bottom, plot_w, plot_h = 78, 40, 64, max(121 * len(tensors), 360), 400
+    legend_x = left + plot_w + 14
+    per_col = math.ceil((len(groups) + 1) / cols)  # the groups and the bound's line
+    width, height = legend_x + cols * _LEGEND_COLUMN, max(top + plot_h + bottom, top + 16 * per_col + 16)
+
+    def y_of(v: float) -> float:
+        return top + plot_h * (hi - math.log10(v)) / (hi - lo)
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+           'font-family="DejaVu Sans, Arial, sans-serif" font-size="12">',
+           '<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse">'
+           '<path d="M0,6 L6,0 M-1,1 L1,-1 M5,7 L7,5 M0,0 L6,6 M-1,5 L1,7 M5,-1 L7,1" stroke="#000" '
+           'stroke-width="0.8"/></pattern></defs>',
+           f'<rect width="{width}" height="{height}" fill="#fff"/>',
+           f'<text x="{left + plot_w / 2:.1f}" y="24" text-anchor="middle" font-size="14">{escape(_TITLE)}</text>']
+    for e in range(lo, hi + 1):  # a grid line and a label at each decade
+        y = y_of(10.0 ** e)
+        out.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#b0b0b0" '
+                   'stroke-opacity="0.5" stroke-width="0.8"/>')
+        out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">10<tspan dy="-6" font-size="9">{e}'
+                   '</tspan></text>')
+    slot = plot_w / max(len(tensors), 1)
+    bar_w = slot * 0.8 / max(len(groups), 1)
+    floor_y = top + plot_h
+    for k, worst in enumerate(peaks):
+        colour = _CYCLE[k % len(_CYCLE)]
+        for i, v in enumerate(worst):
+            if not v == v or v <= 0:  # no output of this tensor in the group
+                continue
+            x = left + slot * (i + 0.5) + (k - (len(groups) - 1) / 2) * bar_w - bar_w / 2
+            y = y_of(v)
+            out.append(f'<rect x="{x:.2f}" y="{y:.2f}" width="{bar_w:.2f}" height="{floor_y - y:.2f}" '
+                       f'fill="{colour}"/>')
+            if v == cap:  # an inf ratio: hatched, at the cap
+                out.append(f'<rect x="{x:.2f}" y="{y:.2f}" width="{bar_w:.2f}" height="{floor_y - y:.2f}" '
+                           'fill="url(#hatch)"/>')
+    bound = y_of(1.0)
+    out.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{bound:.1f}" y2="{bound:.1f}" stroke="#d62728" '
+               'stroke-width="1.2" stroke-dasharray="5,3"/>')
+    out.append(f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#000"/>')
+    for i, t in enumerate(tensors):  # the tensors' names under their bars, turned as plot_compare turns them
+        x = left + slot * (i + 0.5)
+        out.append(f'<text x="{x:.1f}" y="{floor_y + 16}" text-anchor="middle" '
+                   f'transform="rotate(-20 {x:.1f} {floor_y + 16})">{escape(t)}</text>')
+    out.append(f'<text x="16" y="{top + plot_h / 2:.1f}" text-anchor="middle" '
+               f'transform="rotate(-90 16 {top + plot_h / 2:.1f})">{escape(_YLABEL)}</text>')
+    names = [(f"{a} {d}", _CYCLE[k % len(_CYCLE)]) for k, (a, d) in enumerate(groups)] + [("standard's bound", "")]
+    for n, (name, colour) in enumerate(names):
+        x, y = legend_x + (n // per_col) * _LEGEND_COLUMN, top + 8 + 16 * (n % per_col)
+        mark = (f'<rect x="{x}" y="{y - 9}" width="18" height="10" fill="{colour}"/>' if colour else
+                f'<line x1="{x}" x2="{x + 18}" y1="{y - 4}" y2="{y - 4}" stroke="#d62728" stroke-width="1.2" '
+                'stroke-dasharray="5,3"/>')
+        out.append(f'{mark}<text x="{x + 24}" y="{y}" font-size="11">{escape(name)}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
 
 
 def _select_channels(g: pd.DataFrame, k: int) -> list[int]:

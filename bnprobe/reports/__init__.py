@@ -183,16 +183,19 @@ def _table_html(tid: str, table: HtmlTable, columns: Mapping[str, tuple[str, str
 
 def html_report(title: str, intro: str, sections: list[tuple[str, Any]], figure: Any | None = None,
                 body: str = "", columns: Mapping[str, tuple[str, str]] | None = None) -> str:
-    """One self-contained HTML page: an embedded PNG figure, tables (DataFrames, :class:`HtmlTable` or text), then
-    ``body`` (HTML the caller has escaped).  ``columns``: field -> (heading, explanation) for every table's
-    headings (the explanation as the heading's tooltip and in a glossary under the table); a sortable table brings
-    the page's one inline script (no file or network fetched)."""
+    """One self-contained HTML page: an embedded figure (a matplotlib Figure as PNG, or SVG text), tables
+    (DataFrames, :class:`HtmlTable` or text), then ``body`` (HTML the caller has escaped).  ``columns``: field ->
+    (heading, explanation) for every table's headings (the explanation as the heading's tooltip and in a glossary
+    under the table); a sortable table brings the page's one inline script (no file or network fetched)."""
     import base64
     import html
     import io
 
     parts = []
-    if figure is not None:
+    if isinstance(figure, str):  # an SVG document
+        parts.append(f'<img alt="error per format and tensor" src="data:image/svg+xml;base64,'
+                     f'{base64.b64encode(figure.encode()).decode()}">')
+    elif figure is not None:
         buf = io.BytesIO()
         figure.savefig(buf, format="png", dpi=110, bbox_inches="tight")
         parts.append(f'<img alt="error per format and tensor" src="data:image/png;base64,'

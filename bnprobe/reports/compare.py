@@ -91,13 +91,14 @@ COLUMNS: dict[str, tuple[str, str]] = {
 }
 
 
-def markdown_summary(result: CompareResult) -> str:
-    """The report's Markdown summary: verdicts per format, failures, worst channels, the error budget."""
+def markdown_summary(result: CompareResult, summary: list[dict[str, Any]] | None = None) -> str:
+    """The report's Markdown summary: verdicts per format, failures, worst channels, the error budget.  ``summary``:
+    :func:`~bnprobe.checks.compare.precision.summarize` of the result when the caller has it."""
     import pandas as pd
 
     from bnprobe._table import markdown_table
 
-    s = summarize(result)
+    s = summarize(result) if summary is None else summary
     lines = [f"# {report_title(result)}", "", report_intro(result) + f" {result.meta['seconds']} s.", "",
              "## Per format", "", markdown_table(pd.DataFrame(s)) if s else "(nothing compared)", ""]
     for n in [] if result.meta.get("recorded") else result.notes:
@@ -173,10 +174,12 @@ def report_formats(text: str) -> tuple[str, ...]:
     return fmts
 
 
-def write_report(result: CompareResult, out: Any, formats: tuple[str, ...] = REPORT_FORMATS) -> list[Path]:
+def write_report(result: CompareResult, out: Any, formats: tuple[str, ...] = REPORT_FORMATS, *,
+                 summary: list[dict[str, Any]] | None = None) -> list[Path]:
     """Write the result's files into ``out`` (a folder path, or an :class:`~bnprobe.reports.OutputDir`): all or
-    none, never over an existing file unless the OutputDir allows it; returns the paths."""
-    from bnprobe.plots import plot_compare
+    none, never over an existing file unless the OutputDir allows it; returns the paths.  ``summary``:
+    :func:`~bnprobe.checks.compare.precision.summarize` of the result when the caller has it (it is made once)."""
+    from bnprobe.plots import compare_svg
 
     sink = out if isinstance(out, OutputDir) else output_dir(out, "compare-precision")
     report_formats(",".join(formats))
@@ -187,13 +190,14 @@ def write_report(result: CompareResult, out: Any, formats: tuple[str, ...] = REP
                       "budget.csv": result.budget.to_csv(index=False)})
     if "json" in formats:
         files["compare.json"] = dumps_json(result.to_dict())
-    md = markdown_summary(result)
+    summary = summarize(result) if summary is None else summary
+    md = markdown_summary(result, summary)
     if "md" in formats:
         files["summary.md"] = md
     if "html" in formats:
         import pandas as pd
 
-        per = pd.DataFrame(summarize(result))  # the worst output's verdict text is in "Outputs that fail" below
+        per = pd.DataFrame(summary)  # the worst output's verdict text is in "Outputs that fail" below
         sections: list[tuple[str, Any]] = [("Per adapter and format", per.drop(columns=["worst_why"], errors="ignore"))]
         if result.meta.get("recorded"):
             first = first_failing_call(result)
@@ -220,7 +224,7 @@ def write_report(result: CompareResult, out: Any, formats: tuple[str, ...] = REP
         sections.append(("Every output", f"{len(result.rows)} outputs, each with every metric and its verdict: "
                                          "compare.csv beside this page (channels.csv, budget.csv: the channel and "
                                          "stage tables in full)"))
-        fig = plot_compare(result.rows) if len(result.rows) else None
+        fig = compare_svg(result.rows) if len(result.rows) else None  # (SVG: matplotlib is not imported)
         files["report.html"] = html_report(report_title(result), report_intro(result), sections, fig,
                                            columns=COLUMNS)
     for name, text in files.items():
@@ -252,10 +256,11 @@ def _unjudged(result: CompareResult) -> str:
 
 
 def compare_lines(result: CompareResult, what: str, recorded_notes: tuple[str, ...] | list[str] = (),
-                  recorded: bool = False) -> list[str]:
+                  recorded: bool = False, *, summary: list[dict[str, Any]] | None = None) -> list[str]:
     """The terminal text: one line of verdicts, the table per adapter and format, per recorded call (forward
-    order) the first that fails, and the notes."""
-    rows = summarize(result)
+    order) the first that fails, and the notes.  ``summary``: :func:`~bnprobe.checks.compare.precision.summarize`
+    of the result when the caller has it (its rows are copied, not changed)."""
+    rows = [dict(r) for r in (summarize(result) if summary is None else summary)]
     for r in rows:
         r["budget"] = f"{r['budget_top']} ({100 * r['budget_share']:.0f}%)" if r["budget_top"] else ""
         r["worst / bound"] = r["worst_ratio"]

@@ -69,6 +69,7 @@ from bnprobe.engine.run import (
 from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import get_format
 from bnprobe.core.kernel import modes_left_out, needs_modes
+from bnprobe.guard import release_free_memory
 from bnprobe.inputs import make_params
 from bnprobe.kernels.layout import NormShape, layout_of
 from bnprobe.engine.metrics import compare, ulp_error
@@ -665,7 +666,7 @@ def compare_precision(
     benches = {convention_of(a).name: outputs_only(bench_for(bench_a, a)) for a in runs} if bench_a else {}
     with CallCollector() as collector:
         for case in cases:
-            collector.before(case.shape)  # (a large one: the last case's arrays caught in reference cycles go first)
+            _between_cases(collector, case.shape)
             for cc in _case_calls(case, fmts, modes, opts, ref, notes):
                 bench_outs: dict[str, Any] = {}
                 for a in runs:
@@ -690,6 +691,14 @@ def compare_precision(
             "bench": bench_a.name if bench_a is not None else None,
             "notes": [str(n) for n in notes]}
     return CompareResult(pd.DataFrame(tables.rows), pd.DataFrame(tables.chans), pd.DataFrame(tables.budgets), meta)
+
+
+def _between_cases(collector: CallCollector, shape: tuple[int, ...]) -> None:
+    """Before the next case: the heap's free memory returned (what the last case freed is not counted again in
+    this one's peak), and a collection when the case is large (the last case's arrays caught in reference cycles
+    go first)."""
+    release_free_memory()
+    collector.before(shape)
 
 
 def _check_mode_rule(mode: str, rule: str) -> None:
