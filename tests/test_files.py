@@ -146,3 +146,25 @@ def test_shrink_refuses_up_front_and_forces(capsys, tmp_path):
     assert code == 0, err
     assert {"x.npy", "shrink.json", "dump", "dump/bnprobe-dump.json", "dump/tensors.npz"} == set(tree(tmp_path))
     assert stat.S_IMODE((tmp_path / "shrink.json").stat().st_mode) == file_mode()
+
+
+def test_report_json_is_the_text_of_jsons_own_indenting_encoder():
+    """dumps_json writes each container of plain values with json's C encoder: the text is what
+    ``json.dumps(indent=2, default=str)`` (json's pure-Python indenting encoder, the oracle) writes, for nested,
+    empty, non-ASCII and line-broken strings, numpy values, NaN/inf, tuples, integer keys and unknown objects."""
+    import json
+
+    import numpy as np
+
+    from bnprobe._files import dumps_json, to_jsonable
+
+    class Named:
+        def __str__(self):
+            return "named, 2\n"
+
+    docs = [{}, [], {"a": {}, "b": []}, [1, [2, [3, {}]], {"x": "a\nb\u00e9\",", "y": None, "z": True}],
+            {"k": np.float32(1.5), "n": float("nan"), "i": -float("inf"), "t": (1, 2.5), 3: "int key", "o": Named()},
+            {"rows": [{"a": 1, "b": "x,\n  y"}, {"a": np.int64(2), "b": np.array([1.0, np.nan])}], "s": "plain"},
+            "text", 1.0, None, [float("inf")], {"deep": {"deeper": [{"a": [[]]}, [], {}]}}]
+    for doc in docs:
+        assert dumps_json(doc) == json.dumps(to_jsonable(doc), indent=2, default=str), doc

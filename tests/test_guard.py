@@ -259,3 +259,22 @@ def test_a_kernel_run_on_a_dumps_inputs_is_guarded_as_a_generated_input(capsys, 
     code, _, err = run(capsys, "--max-memory", limit, "overflow", "--adapter", "emulated", "--input", "d")
     assert code == 2 and "needs about" in err, err
     assert run(capsys, "--max-memory", limit, "overflow", "--adapter", "dump:d")[0] in (0, 1)
+
+
+@pytest.mark.parametrize("tuned", [True, False])
+def test_free_heap_memory_goes_back_to_the_system_in_a_commands_process_only(tuned):
+    """release_free_memory returns what the heap keeps after arrays are freed (below tune_process's trim threshold a
+    command's heap keeps it, in the holes between arrays still in use): the resident size falls by most of the
+    100 MiB freed; in a process tune_process did not tune (a user's own) nothing is done to its allocator."""
+    code = ("import sys\nfrom pathlib import Path\nimport numpy as np\nfrom bnprobe.guard import release_free_memory, "
+            "tune_process\nif sys.argv[1] == 'y': tune_process()\n"
+            "rss = lambda: int(Path('/proc/self/statm').read_text().split()[1]) * 4096 >> 20\n"
+            "keep = [np.ones(1 << 17) for _ in range(200)]  # 1 MiB each: from the heap (tuned)\n"
+            "del keep[::2]  # holes between arrays in use: the heap's end cannot shrink\n"
+            "before = rss()\nrelease_free_memory()\nprint(before - rss())")
+    if not sys.platform.startswith("linux"):
+        pytest.skip("glibc's malloc_trim")
+    out = subprocess.run([sys.executable, "-c", code, "y" if tuned else "n"], capture_output=True, text=True,
+                         check=True)
+    freed = int(out.stdout.strip())
+    assert (freed > 80) if tuned else (freed < 10), freed
