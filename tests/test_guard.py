@@ -278,3 +278,34 @@ def test_free_heap_memory_goes_back_to_the_system_in_a_commands_process_only(tun
                          check=True)
     freed = int(out.stdout.strip())
     assert (freed > 80) if tuned else (freed < 10), freed
+
+
+@pytest.mark.parametrize("env, want", [(None, "4"), ("28", "28")])
+def test_commands_let_blas_threads_sleep_unless_the_user_says(env, want):
+    """tune_process makes OpenBLAS's threads sleep once a call is done (set before numpy loads), and keeps an
+    OPENBLAS_THREAD_TIMEOUT the user set."""
+    code = ("import os\nfrom bnprobe.guard import tune_process\ntune_process()\n"
+            "print(os.environ['OPENBLAS_THREAD_TIMEOUT'])")
+    child_env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    if env is not None:
+        child_env["OPENBLAS_THREAD_TIMEOUT"] = env
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env, check=True)
+    assert out.stdout.strip() == want
+
+
+def test_sleeping_blas_threads_give_the_same_dot_products():
+    """With OpenBLAS's threads sleeping after each call (tune_process) a dot product above OpenBLAS's threading
+    threshold has the same bits as with its default spinning (the threads, so the split and its sum, are the same),
+    and one thread gives other bits on the same data (the check could see a change of split)."""
+    code = ("import os, sys\nif sys.argv[1] == 't': from bnprobe.guard import tune_process; tune_process()\n"
+            "import numpy as np\nrng = np.random.default_rng(1)\n"
+            "print([float(np.dot(rng.standard_normal(n), rng.standard_normal(n))).hex() for n in (100_352, 200_704)])")
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "OPENBLAS_NUM_THREADS",
+                                                             "OMP_NUM_THREADS")}
+    tuned, default = (subprocess.run([sys.executable, "-c", code, w], capture_output=True, text=True, env=env,
+                                     check=True).stdout for w in ("t", "d"))
+    assert tuned == default
+    if (os.cpu_count() or 1) > 1:
+        one = subprocess.run([sys.executable, "-c", code, "d"], capture_output=True, text=True, check=True,
+                             env={**env, "OPENBLAS_NUM_THREADS": "1"}).stdout
+        assert one != default
