@@ -522,6 +522,7 @@ def _pick_for_budget(tables: _Tables, a: KernelAdapter, fmt: str, case: str, cal
 def _budgets(tables: _Tables) -> None:
     """The error budget of each adapter and format on its worst call for y (see :func:`_pick_for_budget`)."""
     for (_, fmt), (_, a, case, x, g, b, eps, params) in tables.picks.items():
+        release_free_memory()  # (what the last case or budget freed is not counted again in this one's peak)
         for r in error_budget(a, x, g, b, dtype=fmt, eps=eps, params=params):
             tables.budgets.append({"case": case, **r})
 
