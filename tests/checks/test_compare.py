@@ -90,7 +90,7 @@ def test_default_run_writes_every_file_and_never_clobbers(tmp_path, monkeypatch,
     names = sorted(p.name for p in first.iterdir())
     assert names == ["budget.csv", "channels.csv", "compare.csv", "compare.json", "report.html", "summary.md"]
     html = (first / "report.html").read_text()
-    assert "data:image/png;base64," in html and "<table" in html and "Error budget" in html
+    assert "data:image/svg+xml;base64," in html and "<table" in html and "Error budget" in html
     df = pd.read_csv(first / "compare.csv")
     assert {"fp16", "bf16", "fp32"} == set(df.dtype) and set(df.tensor) >= {"y", "dx", "dgamma", "running_var"}
     assert len(pd.read_csv(first / "budget.csv")) > 0 and len(pd.read_csv(first / "channels.csv")) > 0
