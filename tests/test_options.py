@@ -45,12 +45,12 @@ def test_every_declared_value_runs_or_is_refused_in_one_line(args, capsys):
 def test_a_crash_exits_3_in_one_line(monkeypatch, capsys):
     """An exception bnprobe did not expect is a bug of bnprobe's: one line naming it and where, exit 3 — not 1, the
     exit status of a verdict that fails, nor 0."""
-    import bnprobe.reports.compare as report
+    import bnprobe.checks.compare.precision as precision
 
     def boom(*a, **k):
         raise ValueError("Encountered all NA values")
 
-    monkeypatch.setattr(report, "summarize", boom)
+    monkeypatch.setattr(precision, "summarize", boom)  # (the CLI imports it when it reports)
     code = main(["compare-precision", *SMALL, "--no-budget", "--no-stress", "--dtypes", "fp16"])
     err = capsys.readouterr().err
     assert code == INTERNAL_ERROR == 3
