@@ -29,10 +29,8 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,23 +99,8 @@ print(time.perf_counter() - t1, t1 - t0, n, values)
 
 
 def _run(args: list[str]) -> tuple[float, float, float, str]:
-    """Wall time, CPU time (user + system, the child's and its own children's), peak RSS (MB) of the child, and
-    its output.  On a shared machine the CPU time moves less than the wall between runs."""
-    t0 = time.perf_counter()
-    p = subprocess.run(
-        [sys.executable, "-c", "import resource, subprocess, sys\n"
-                               "r = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
-                               "print(r.stdout, end=''); print(r.stderr, end='', file=sys.stderr)\n"
-                               "u = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
-                               "print('PEAK', u.ru_maxrss / 1024, u.ru_utime + u.ru_stime)\n"
-                               "sys.exit(r.returncode)", *args],
-        capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    lines = p.stdout.strip().splitlines()
-    if p.returncode not in (0, 1) or not lines or not lines[-1].startswith("PEAK"):
-        raise SystemExit(f"{' '.join(args[:4])}... failed ({p.returncode}):\n{p.stderr[-2000:]}")
-    _, peak, cpu = lines[-1].split()
-    return wall, float(cpu), float(peak), "\n".join(lines[:-1])
+    """Wall time, CPU time, peak RSS (MB) and output of a child (resnet50_dump.run_child)."""
+    return _bench("resnet50_dump").run_child(args)
 
 
 def _proc_dir(dump: Path) -> Path:

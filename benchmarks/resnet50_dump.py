@@ -83,22 +83,25 @@ print(time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxr
 CAPTURE = STEP  # (the plain step: out "-")
 
 
-def _run(args: list[str]) -> tuple[float, float, str]:
-    """Wall time, peak RSS (MB) of the child, and its output."""
+def run_child(args: list[str]) -> tuple[float, float, float, str]:
+    """Wall time, CPU time (user + system, the child's and its own children's), peak RSS (MB) of the child, and
+    its output (benchmarks/dump_compare.py times its parts by it too).  On a shared machine the CPU time moves less
+    than the wall between runs."""
     t0 = time.perf_counter()
     p = subprocess.run(
         [sys.executable, "-c", "import resource, subprocess, sys\n"
                                "r = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
                                "print(r.stdout, end=''); print(r.stderr, end='', file=sys.stderr)\n"
-                               "print('PEAK', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)\n"
+                               "u = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
+                               "print('PEAK', u.ru_maxrss / 1024, u.ru_utime + u.ru_stime)\n"
                                "sys.exit(r.returncode)", *args],
         capture_output=True, text=True)
     wall = time.perf_counter() - t0
     lines = p.stdout.strip().splitlines()
-    peak = float(lines[-1].split()[1]) if lines and lines[-1].startswith("PEAK") else float("nan")
-    if p.returncode not in (0, 1):
+    if p.returncode not in (0, 1) or not lines or not lines[-1].startswith("PEAK"):
         raise SystemExit(f"{' '.join(args[:4])}... failed ({p.returncode}):\n{p.stderr[-2000:]}")
-    return wall, peak, "\n".join(lines[:-1])
+    _, peak, cpu = lines[-1].split()
+    return wall, float(cpu), float(peak), "\n".join(lines[:-1])
 
 
 def main() -> int:
@@ -115,10 +118,10 @@ def main() -> int:
     root = args.out or tmp
     dump, report = root / f"resnet50-{args.dtype}-b{args.batch}", root / f"report-{args.dtype}-b{args.batch}"
     try:
-        p_wall, p_peak, _ = _run([sys.executable, "-c", STEP, "-", args.dtype, str(args.batch)])
+        p_wall, _, p_peak, _ = run_child([sys.executable, "-c", STEP, "-", args.dtype, str(args.batch)])
         print(f"plain training step of ResNet-50 at batch {args.batch} in {args.dtype}: {p_wall:.1f} s wall (with "
               f"the process's start), peak {p_peak:.0f} MB")
-        wall, peak, out = _run([sys.executable, "-c", CAPTURE, str(dump), args.dtype, str(args.batch)])
+        wall, _, peak, out = run_child([sys.executable, "-c", CAPTURE, str(dump), args.dtype, str(args.batch)])
         index = json.loads((dump / "bnprobe-calls.json").read_text())
         size = sum(f.stat().st_size for f in dump.rglob("*") if f.is_file()) / 2**20
         print(f"capture: {len(index['calls'])} BatchNorm calls (forward + backward) of ResNet-50 at batch "
@@ -127,8 +130,8 @@ def main() -> int:
         if args.no_compare:
             return 0
         adapters = ",".join(f"dump:{dump}" if a.strip() == "dump" else a.strip() for a in args.adapters.split(","))
-        wall, peak, out = _run([sys.executable, "-m", "bnprobe.cli", "compare-precision", "--adapters", adapters,
-                                "--no-budget", "--out", str(report)])
+        wall, _, peak, out = run_child([sys.executable, "-m", "bnprobe.cli", "compare-precision", "--adapters",
+                                        adapters, "--no-budget", "--out", str(report)])
         print(f"compare-precision --adapters {args.adapters}: {wall:.1f} s wall, peak {peak:.0f} MB")
         print(out.splitlines()[0])
         first = [ln for ln in out.splitlines() if ln.startswith("first call over")]
