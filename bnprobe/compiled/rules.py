@@ -317,7 +317,8 @@ def _scale_row(x3, dy3, c, k, bufs, tops, sums):  # pragma: no cover - compiled
         while d > 0:  # hand the value up: a left half waits for its right, a right half is added to its left
             p = d - 1
             if st[p] == 1:
-                part[p, :nq] = val[:nq]
+                for q in range(nq):  # (element by element: a slice assignment compiles numba's shape-error path)
+                    part[p, q] = val[q]
                 st[p] = 2
                 h = ns[p] // 2
                 h -= h % 8
@@ -327,7 +328,8 @@ def _scale_row(x3, dy3, c, k, bufs, tops, sums):  # pragma: no cover - compiled
                 val[q] = part[p, q] + val[q]
             d = p
         if d == 0:
-            sums[:nq] = val[:nq]
+            for q in range(nq):
+                sums[q] = val[q]
             return
 
 
@@ -338,8 +340,10 @@ def _scale_sums(x3, dy3, mean, scale, backward, out):  # pragma: no cover - comp
     for c in prange(x3.shape[1]):
         bufs, tops, sums = np.empty((5, 128)), np.zeros(3), np.zeros(5)
         _scale_row(x3, dy3, c, (mean[c], scale[c], backward), bufs, tops, sums)
-        out[c, :5] = sums
-        out[c, 5:] = tops
+        for q in range(5):  # (element by element: a slice assignment compiles numba's shape-error path, 7-11 s)
+            out[c, q] = sums[q]
+        for q in range(3):
+            out[c, 5 + q] = tops[q]
 
 
 def scale_sums(x3: np.ndarray, dy3: np.ndarray | None, mean: np.ndarray, scale: np.ndarray) -> np.ndarray | None:
