@@ -641,13 +641,14 @@ def each_call(recorded: Any, judge: Callable[[int, Any, Any], T]) -> list[T]:
     call is in memory at a time.  ``judge`` returns what is kept of the call (a report: no tensors of it).  The one
     loop over a recording's calls every check runs (:func:`each_run` runs each through the kernel and the golden)."""
     out: list[T] = []
-    for i, c in enumerate(recorded.calls.calls):
-        out.append(judge(i, c, c.load()))
-        # a large call's arrays caught in reference cycles (closures, a traceback's frames) go now, not when the
-        # collector next runs: doctor on 2.4 M-value calls held 1.7 GB more per call (a collection costs about
-        # 50 ms with torch loaded: large calls only)
-        if math.prod(c.shape) > LARGE_CALL:
-            gc.collect()
+    # a large call's arrays caught in reference cycles (closures, a traceback's frames) go after it, not when the
+    # collector next runs: doctor on 2.4 M-value calls held 1.7 GB more per call (each collection walking only what
+    # the last call made: :class:`CallCollector`)
+    with CallCollector() as collector:
+        for i, c in enumerate(recorded.calls.calls):
+            out.append(judge(i, c, c.load()))
+            if math.prod(c.shape) > LARGE_CALL:
+                collector.collect()
     return out
 
 
