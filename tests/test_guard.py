@@ -232,14 +232,18 @@ def test_commands_do_not_ask_numpy_for_huge_pages_unless_the_user_does(env, impo
     assert out.stdout.strip() == str(want)
 
 
-@pytest.mark.parametrize("env, want", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
-def test_commands_let_compiled_threads_sleep_unless_the_user_says(env, want):
+@pytest.mark.parametrize("var, env, want", [("OMP_WAIT_POLICY", None, "PASSIVE"),
+                                            ("OMP_WAIT_POLICY", "ACTIVE", "ACTIVE"),
+                                            ("OPENBLAS_THREAD_TIMEOUT", None, "4"),
+                                            ("OPENBLAS_THREAD_TIMEOUT", "28", "28")])
+def test_commands_let_idle_threads_sleep_unless_the_user_says(var, env, want):
     """tune_process sets OpenMP's wait policy before the compiled kernels' threads start (two processes' spinning
-    threads on the same cores hold each other off at every barrier), and keeps an OMP_WAIT_POLICY the user set."""
-    code = ("import os\nfrom bnprobe.guard import tune_process\ntune_process()\nprint(os.environ['OMP_WAIT_POLICY'])")
-    child_env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    threads on the same cores hold each other off at every barrier) and makes OpenBLAS's threads sleep once a call
+    is done (set before numpy loads), and keeps an OMP_WAIT_POLICY or OPENBLAS_THREAD_TIMEOUT the user set."""
+    code = f"import os\nfrom bnprobe.guard import tune_process\ntune_process()\nprint(os.environ['{var}'])"
+    child_env = {k: v for k, v in os.environ.items() if k != var}
     if env is not None:
-        child_env["OMP_WAIT_POLICY"] = env
+        child_env[var] = env
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env, check=True)
     assert out.stdout.strip() == want
 
@@ -278,19 +282,6 @@ def test_free_heap_memory_goes_back_to_the_system_in_a_commands_process_only(tun
                          check=True)
     freed = int(out.stdout.strip())
     assert (freed > 80) if tuned else (freed < 10), freed
-
-
-@pytest.mark.parametrize("env, want", [(None, "4"), ("28", "28")])
-def test_commands_let_blas_threads_sleep_unless_the_user_says(env, want):
-    """tune_process makes OpenBLAS's threads sleep once a call is done (set before numpy loads), and keeps an
-    OPENBLAS_THREAD_TIMEOUT the user set."""
-    code = ("import os\nfrom bnprobe.guard import tune_process\ntune_process()\n"
-            "print(os.environ['OPENBLAS_THREAD_TIMEOUT'])")
-    child_env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
-    if env is not None:
-        child_env["OPENBLAS_THREAD_TIMEOUT"] = env
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env, check=True)
-    assert out.stdout.strip() == want
 
 
 def test_sleeping_blas_threads_give_the_same_dot_products():
