@@ -1,12 +1,13 @@
-"""The monitor's Parquet files, written by a thread of their own: at ``mon.step()`` the step's rows become one Arrow
-table (:func:`step_table`, on the training thread) and a thread writes it (:func:`write_table`) while the training
-goes on.  The thread's work is pyarrow's native writer on a path, which holds the GIL only briefly: work in Python on
-a second thread would make the training thread wait for the GIL after each of its torch ops.
+"""The monitor's Parquet files, written by a thread of their own: at ``mon.step()`` the step's rows are handed over,
+and the thread makes them one Arrow table (:func:`step_table`: a few numpy concatenations per column) and writes it
+(:func:`write_table`) while the training goes on.  Most of the thread's work is pyarrow's native writer on a path,
+which holds the GIL only briefly: more work in Python on a second thread would make the training thread wait for the
+GIL after each of its torch ops.
 
 At most :data:`QUEUE_STEPS` steps wait for the writer: a training loop faster than its disk waits at ``mon.step()``
 instead of holding more steps in memory.  A write that fails is raised by the next ``mon.step()`` or at the monitor's
 exit, as it was raised; the exit waits until every step handed over is on disk.  Each file is still written whole and
-renamed into place (:func:`bnprobe._files.atomic_write_with`): a process killed outright loses the steps not yet
+renamed into place (:func:`bnprobe._files.atomic_write_path`): a process killed outright loses the steps not yet
 renamed (at most the step in progress and the :data:`QUEUE_STEPS` before it).
 """
 
@@ -64,7 +65,8 @@ def write_table(path: Path, table: Any, dense: frozenset[str]) -> None:
 
 
 class StepWriter:
-    """A thread writing each step's rows (:func:`write_rows`) in the order they are handed over."""
+    """A thread writing each step's rows (:func:`step_table`, :func:`write_table`) in the order they are handed
+    over."""
 
     def __init__(self) -> None:
         self._queue: queue.Queue[tuple[Any, ...] | None] = queue.Queue(maxsize=QUEUE_STEPS)
