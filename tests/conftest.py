@@ -13,7 +13,7 @@ from bnprobe.guard import tune_process
 # first in-process command on
 tune_process()
 # the suite's large calls compile in-process on first use, as numba does by itself: no background warm-up
-# processes (bnprobe.compiled.jit) outliving a test run; tests/compiled/test_warm_up.py tests that mode
+# processes (bnprobe.compiled.jit) outliving a test run; tests/test_warm_up.py tests that mode
 os.environ.setdefault("BNPROBE_WARM_UP", "foreground")
 
 
