@@ -168,7 +168,7 @@ def _reduce(t: torch.Tensor, jit: str) -> list[torch.Tensor]:
     return [] if t.numel() == 0 or one_pass(t, jit) else reductions(t)
 
 
-def _profiled(t: torch.Tensor, prefix: str, jit: str, host: np.ndarray) -> dict[str, np.ndarray]:
+def _profiled(t: torch.Tensor, prefix: str, host: np.ndarray) -> dict[str, np.ndarray]:
     """``t``'s profile as row columns ``<prefix>_min`` ... from ``host``, the rows of :func:`_reduce`'s tensors."""
     if t.numel() == 0:
         nanv, zeros = np.full(t.shape[1], np.nan), np.zeros(t.shape[1])
@@ -185,7 +185,7 @@ def _profile(t: torch.Tensor, prefix: str, jit: str) -> dict[str, np.ndarray]:
 
     with torch.no_grad():
         parts = _reduce(t, jit)
-        return _profiled(t, prefix, jit, _host(parts) if parts else np.empty((0, 0)))
+        return _profiled(t, prefix, _host(parts) if parts else np.empty((0, 0)))
 
 
 def _finite(t: torch.Tensor) -> bool:
@@ -416,8 +416,8 @@ class Monitor:
             "training": bool(module.training), "batch_mean": mean, "batch_var": var, "invstd": invstd, "_norm": norm,
             "running_mean": host[2] if rm is not None else np.full(c, np.nan),
             "running_var": host[3] if rm is not None else np.full(c, np.nan), "_running_in": running_in}
-        row.update(_profiled(x, "x", self._jit, host[k:k + len(rx)]))
-        row.update(_profiled(y, "y", self._jit, host[k + len(rx):]))
+        row.update(_profiled(x, "x", host[k:k + len(rx)]))
+        row.update(_profiled(y, "y", host[k + len(rx):]))
         row.update(zip(_LATE, np.full((len(_LATE), c), np.nan)))  # the backward's, NaN until it comes
         return row
 
@@ -493,8 +493,8 @@ class Monitor:
             xv, yv = x.detach().reshape(1, sh.rows, sh.r), y.detach().reshape(1, sh.rows, sh.r)
             rx, ry = _reduce(xv, self._jit), _reduce(yv, self._jit)
             host = _host(rx + ry) if rx or ry else np.empty((0, 0))
-            row.update(_profiled(xv, "x", self._jit, host[:len(rx)]))
-            row.update(_profiled(yv, "y", self._jit, host[len(rx):]))
+            row.update(_profiled(xv, "x", host[:len(rx)]))
+            row.update(_profiled(yv, "y", host[len(rx):]))
         row.update(zip(_FAMILY_LATE, np.full((len(_FAMILY_LATE), sh.rows), np.nan)))
         return row
 
@@ -630,7 +630,7 @@ class Monitor:
                 parts += [d.sum(dim=dims(d)), (d * (p.x.float() - _column(centre, d))).sum(dim=dims(d))]
             host = _host(parts) if parts else np.empty((0, 0))
             if isinstance(dx, torch.Tensor):
-                r.update(_profiled(dx, "dx", self._jit, host[:k]))
+                r.update(_profiled(dx, "dx", host[:k]))
             if len(host) > k:
                 r["sum_dy"], r["sum_dy_xhat"] = host[k], host[k + 1]
                 if inv is not None:
@@ -694,7 +694,7 @@ class Monitor:
                 parts.append(d.sum(dim=(0, 2)))
             host = _host(parts) if parts else np.empty((0, 0))
             if dxv is not None:
-                r.update(_profiled(dxv, "dx", self._jit, host[:k]))
+                r.update(_profiled(dxv, "dx", host[:k]))
             if d is not None:
                 # a row's sum is finite only if every value is (NaN and ±inf are counted where one is not)
                 if np.isfinite(host[k]).all():
