@@ -20,6 +20,7 @@ BUGS = {
     "eps-missing": "rstd = 1/sqrt(var)",
     "eps-ignored": "rstd = 1/sqrt(var + 1e-5) whatever the layer's eps",
     "no-sqrt": "rstd = 1/(var + eps)",
+    "eps-max": "rstd = 1/sqrt(max(var, eps)) (vacancy0x0/Synchronized-BatchNorm-PyTorch#38)",
     "unbiased-normalise": "normalises with the unbiased variance",
     "train-uses-running": "training normalises with the running statistics",
     "mean-not-subtracted": "y = gamma*x*rstd + beta",
@@ -94,6 +95,8 @@ class NumpyBN(BaseAdapter):
                 return 1 / np.sqrt(var)
             if self.bug == "no-sqrt":
                 return 1 / (var + eps)
+            if self.bug == "eps-max":
+                return 1 / np.sqrt(np.maximum(var, eps))
             return 1 / np.sqrt(var + eps)
 
     def _y(self, x, mean, rstd, g, b):

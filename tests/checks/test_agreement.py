@@ -22,8 +22,10 @@ from tests.checks.bn_plugins import NumpyBN, ZeroY
 
 KERNELS = {"correct": lambda: NumpyBN(), "dx+0.1%": lambda: NumpyBN(scaled="dx", scale=1e-3),
            "dx+1%": lambda: NumpyBN(scaled="dx", scale=1e-2), "dx-30%": lambda: NumpyBN(scaled="dx", scale=-0.3),
-           "dgamma-mean": lambda: NumpyBN("dgamma-mean"), "dx-drops-mean": lambda: NumpyBN("dx-drops-mean")}
-INPUTS = {"normal": (0.0, 1.0), "mean=100": (100.0, 1.0)}
+           "dgamma-mean": lambda: NumpyBN("dgamma-mean"), "dx-drops-mean": lambda: NumpyBN("dx-drops-mean"),
+           "eps-max": lambda: NumpyBN("eps-max")}
+# var=eps: a channel's variance at ε, where √(max(σ², ε)) is √2 off √(σ² + ε) (at unit scale: a few parts in 10⁶)
+INPUTS = {"normal": (0.0, 1.0), "mean=100": (100.0, 1.0), "var=eps": (1.0, 1e-5 ** 0.5)}
 
 
 def _dump(tmp_path, kernel, fmt, mean, std):
@@ -56,6 +58,48 @@ def test_compare_precision_and_gradcheck_agree_on_every_gradient(tmp_path, fmt, 
         assert not (name == "correct" and backward.status == "FAIL"), backward.evidence
     # the matrix is not trivial: the correct kernel passes, the gross bugs fail, in every format and input
     assert verdicts["correct"] and not verdicts["dx-30%"] and not verdicts["dgamma-mean"], verdicts
+    assert verdicts["eps-max"] == (inputs != "var=eps"), verdicts
+
+
+def _eps_max_disagreements(tmp_path) -> list[str]:
+    """Where gradcheck's verdict on the ``sqrt(max(var, eps))`` kernel's gradients differs from compare-precision's,
+    on dumps of it with a variance at ε."""
+    out = []
+    for fmt in ("fp16", "bf16", "fp32"):
+        dump = _dump(tmp_path / fmt, NumpyBN("eps-max"), fmt, *INPUTS["var=eps"])
+        compare = {r.tensor: r.verdict == "PASS" for r in compare_precision([dump], budget=False).rows.itertuples()
+                   if r.tensor in ("dx", "dgamma", "dbeta")}
+        grad = {r.tensor: r.passed for r in gradcheck(Recorded(dump, dump.calls)).results[0].rows
+                if r.check == "vs-fp64"}
+        out += [f"{fmt} {t}: compare-precision {'passes' if compare[t] else 'fails'} it, gradcheck "
+                f"{'passes' if grad[t] else 'fails'} it" for t in compare if compare[t] != grad.get(t)]
+    return out
+
+
+def test_the_gradient_agreement_catches_a_loosened_gradcheck(tmp_path, monkeypatch):
+    """gradcheck forgiving a thousand times compare-precision's bound (its own looser comparison with the golden)
+    passes gradients of the eps-max kernel that compare-precision fails."""
+    from bnprobe.checks.gradcheck import gradients
+
+    exact = gradients.by_compare
+    monkeypatch.setattr(gradients, "by_compare", lambda r, v: exact(r, None if v is None else {
+        **v, "verdict": "PASS" if float(v["score"]) <= 1000 * float(v["bound"]) else "FAIL"}))
+    found = _eps_max_disagreements(tmp_path)
+    assert found and all(f.endswith("compare-precision fails it, gradcheck passes it") for f in found), found
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp32"])
+def test_doctor_and_gradcheck_fail_the_eps_max_kernel_on_their_own_inputs(fmt):
+    """vacancy0x0/Synchronized-BatchNorm-PyTorch#38's kernel, normalising by sqrt(max(var, eps)): its forward and
+    backward agree with each other, its gradients are wrong only where a variance nears ε — doctor's diagnostic
+    input has such channels, and gradcheck's default input has one, so both fail it (each on its own input); the
+    correct kernel passes both."""
+    for kernel, wrong in ((NumpyBN("eps-max"), True), (NumpyBN(), False)):
+        g = gradcheck(kernel, dtype=fmt)
+        failed = {r.tensor for r in g.rows if r.check == "vs-fp64" and not r.passed}
+        assert (failed >= {"dx", "dgamma"}) if wrong else not failed, (kernel.name, failed)
+        backward = next(i for i in doctor(kernel, dtype=fmt).items if i.name.startswith("backward"))
+        assert (backward.status == "FAIL") == wrong, (kernel.name, backward.evidence)
 
 
 # --- overflow: it flags an output where compare-precision fails it with NaN/inf or a channel of zeros -------------

@@ -143,10 +143,14 @@ class Inputs:
     running_var: np.ndarray
 
 
-def make_inputs(shape: tuple[int, ...], seed: int = 0, x: np.ndarray | None = None) -> Inputs:
+def make_inputs(shape: tuple[int, ...], seed: int = 0, x: np.ndarray | None = None,
+                eps: float | None = None) -> Inputs:
     """Unit-scale inputs with distinct per-channel statistics (seeded), dy with a mean per channel between 0.5 and
     2 as real losses give (Σdy then grows with R: a backward that keeps it in a 16-bit format is seen);
-    ``x`` (of ``shape``): that x instead."""
+    ``x`` (of ``shape``): that x instead.  ``eps`` (given, and two channels or more): the last channel centred at 0
+    with a standard deviation of √ε, so that where ε enters the root shows in every gradient of that channel
+    (√(max(σ², ε)) or √σ² + ε against √(σ² + ε): a factor up to √2), as it does in real layers whose channel went
+    constant; at unit scale it is a few parts in 10⁶, within a correct fp32 kernel's error."""
     if x is not None:
         if np.shape(x) != tuple(shape):
             raise BNProbeError(f"x has shape {np.shape(x)}, not the shape {tuple(shape)} given")
@@ -154,7 +158,11 @@ def make_inputs(shape: tuple[int, ...], seed: int = 0, x: np.ndarray | None = No
     rng = np.random.default_rng([seed, 0x6AD])
     c = shape[1]
     col = (1, c) + (1,) * (len(shape) - 2)
-    x = rng.standard_normal(shape) * rng.uniform(0.5, 2.0, c).reshape(col) + rng.normal(0, 1, c).reshape(col)
+    z = rng.standard_normal(shape)
+    std, shift = rng.uniform(0.5, 2.0, c), rng.normal(0, 1, c)
+    if eps is not None and c >= 2:
+        std[-1], shift[-1] = math.sqrt(eps), 0.0
+    x = z * std.reshape(col) + shift.reshape(col)
     g, b, dy = rng.uniform(0.5, 1.5, c), rng.normal(0, 0.1, c), rng.standard_normal(shape)
     dy += np.random.default_rng([seed, 0x6AD, 1]).uniform(0.5, 2.0, c).reshape(col)
     return Inputs(x, g, b, dy, rng.normal(0, 0.5, c), rng.uniform(0.5, 2.0, c))
@@ -588,7 +596,7 @@ def gradcheck(
     layout_of(np.empty(shape))
     if mode == "train" and math.prod(shape) // shape[1] < 2:
         raise BNProbeError(f"training needs more than one value per channel; shape {shape} has N*H*W = 1")
-    inp = make_inputs(shape, seed, x)
+    inp = make_inputs(shape, seed, x, eps)
     rng = np.random.default_rng([seed, 7])
     rows: list[GradRow] = []
     notes: list[str] = []
