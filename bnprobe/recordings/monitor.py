@@ -14,18 +14,24 @@ killed outright loses the step in progress and the few not yet written:
 :mod:`bnprobe.recordings.monitor_writer`; ``pandas.read_parquet`` reads the folder as one table)::
 
     OUT/monitor.parquet/step-<k>.parquet   one file per step: step, rank, layer, call, channel, dtype, ...
-    OUT/anomalies.csv                      one row per anomalous call: step, layer, reasons, its dump
+    OUT/anomalies.csv                      one row per anomaly: first and last step, count, layer, reason, its dump
     OUT/anomalies/step-<k>/                the anomalous calls of step k as a model dump (bnprobe-calls.json)
     OUT/family.parquet/step-<k>.parquet    the family's calls (below): step, rank, layer, call, norm, row, ...
 
 An anomaly: non-finite values in x, y, dy or dx; values at the format's maximum (saturation) or y overflowing
 where x is finite; a training call's batch variance at or below ``var_floor``·ε, or negative; invstd beyond
 1/√ε or not positive; running statistics that are not the update of the batch's by the momentum (past a few
-units of the parameter format's rounding); a user ``predicate``.  The call's inputs, outputs and its backward in
-the same step are written as a bnprobe model dump that every command replays (``dump:OUT/anomalies/step-<k>``);
-one call's tensors are held at a time (a call awaiting its backward is spilled to its folder), ``max_dumps``
-bounds how many calls are dumped in the run.  Under torch.distributed with more than one rank, each rank writes
-the same layout under ``OUT/rank<r>/``.
+units of the parameter format's rounding); a user ``predicate``.  An anomaly is known by its layer, its call (the
+k-th of the layer in a step) and its reason without the channels (a predicate's: its text); it goes on while it is
+seen at each step (with ``every`` > 1: at each measured step, the steps between check x and y for NaN/inf only), and
+one that stops and comes back is a new one.  A persistent anomaly — NaN weights after one NaN batch — is listed once
+in anomalies.csv with its first and last step and the number of steps it was seen (the file is rewritten whole at
+each step that saw an anomaly, so a killed process leaves a complete one), and dumped once, at its first step: a call
+is dumped when one of its anomalies is new, so ``max_dumps`` stays for new anomalies (another layer, another reason).
+The call's inputs, outputs and its backward in the same step are written as a bnprobe model dump that every command
+replays (``dump:OUT/anomalies/step-<k>``); one call's tensors are held at a time (a call awaiting its backward is
+spilled to its folder), ``max_dumps`` bounds how many calls are dumped in the run.  Under torch.distributed with
+more than one rank, each rank writes the same layout under ``OUT/rank<r>/``.
 
 The normalisation family's modules are watched too (the set :func:`bnprobe.capture` records: LayerNorm, RMSNorm,
 GroupNorm, InstanceNorm without running statistics, Hugging Face-style RMSNorm;
@@ -58,7 +64,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bnprobe.compiled.jit import jit_mode
-from bnprobe._files import append_text, atomic_write_text, dumps_json
+from bnprobe._files import atomic_write_text, dumps_json
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
 from bnprobe.recordings.bnprobe_dump import write_dump
@@ -91,7 +97,8 @@ __all__ = ["monitor", "Monitor", "PARQUET_NAME", "FAMILY_PARQUET_NAME", "ANOMALI
 PARQUET_NAME = "monitor.parquet"
 FAMILY_PARQUET_NAME = "family.parquet"  # the family's rows: one per row of a call's (rows, R) view, not per channel
 ANOMALIES_NAME = "anomalies.csv"
-ANOMALY_COLUMNS = ("step", "rank", "layer", "call", "dtype", "phase", "reasons", "channels", "dump")
+ANOMALY_COLUMNS = ("first_step", "last_step", "count", "rank", "layer", "call", "dtype", "phase", "reason", "channels",
+                   "dump")
 COUNTS = ("nan", "inf", "at_max", "subnormal", "zero")  # per tensor and channel
 TENSORS = ("x", "y", "dx")
 _SPILL = "forward-spill.npz"
@@ -116,7 +123,7 @@ class _Pending:
     module: Any
     row: dict[str, Any]
     reasons: list[str]
-    channels: set[int]
+    flags: list[tuple[str, list[int]]]  # each reason's kind (its identity over steps) and its channels or rows
     x: Any = None  # the input tensor (autograd keeps it for the backward anyway)
     x_version: int = 0
     running_in: tuple[Any, Any] | None = None  # the running statistics before the call (tensors)
@@ -125,7 +132,7 @@ class _Pending:
     dump: CapturedCall | None = None  # its dump being written (forward anomaly): spilled until the backward
     folder: Path | None = None
     done: bool = False
-    phase: str = ""  # where its first anomaly showed: forward or backward
+    forward_reasons: int = 0  # how many of its reasons its forward showed (the rest, its backward)
     unit = "channel"  # what an anomaly's indices count
 
 
@@ -208,8 +215,10 @@ def _ulp(v: np.ndarray, dtype: Any) -> np.ndarray:
 
 
 class Monitor:
-    """The context manager :func:`monitor` returns; see there.  ``anomalies`` lists the anomalies found (dicts
-    of :data:`ANOMALY_COLUMNS`; a family call's ``channels`` are its rows), ``dumps`` the dump folders written,
+    """The context manager :func:`monitor` returns; see there.  ``anomalies`` lists the anomalies found, one per
+    anomaly in the order they first showed (dicts of :data:`ANOMALY_COLUMNS`, an ongoing one's ``last_step`` and
+    ``count`` moving on as the run goes; ``reason`` and ``channels`` as at its first step, a family call's
+    ``channels`` are its rows), ``dumps`` the dump files written,
     ``steps`` the steps written, ``family_modules`` how many family modules are watched."""
 
     def __init__(self, model: Any, out: str | Path, *, every: int = 1, capture_on: str = "anomaly",
@@ -245,6 +254,9 @@ class Monitor:
         self._dumps_made = 0
         self._family_before: dict[int, list[tuple[Any, int]]] = {}
         self._awaiting: dict[int, list[_FamilyPending]] = {}  # an RMSNorm module's calls awaiting its backward hook
+        self._open: dict[tuple[str, int, str], int] = {}  # (layer, call, kind) -> its ongoing anomaly in .anomalies
+        self._lines: list[str] = []  # each anomaly's line of anomalies.csv
+        self._changed: set[int] = set()  # the anomalies seen this step (their lines to render again)
         self.family_modules = 0  # the family modules watched
 
     # ---- entering ----------------------------------------------------------------------------------
@@ -365,13 +377,13 @@ class Monitor:
         if node is not None and type(node).__name__ == COMPILED_NODE and path not in self.compiled:
             self.compiled.append(path)  # (its forward is watched; its backward is inside the compiled graph)
         row = self._forward_row(module, path, index, x, y, node if is_bn else None, running)
-        p = _Pending(path, index, module, row, [], set(), x, version, running,
+        p = _Pending(path, index, module, row, [], [], x, version, running,
                      (row["running_mean"], row["running_var"]) if running is not None and module.training else None,
                      node if is_bn else None)
         self._judge_forward(p, module)
-        p.phase = "forward" if p.reasons else ""
+        p.forward_reasons = len(p.reasons)
         self._step.pending.append(p)
-        if p.reasons:
+        if self._is_new(p):
             self._dump_forward(p, y)
         if is_bn and torch.is_grad_enabled():
             self._node_hooks.append(node.register_hook(self._grad_hook(p)))
@@ -454,12 +466,12 @@ class Monitor:
         sh = NormShape.of(fm.norm, tuple(x.shape), fm.normalized_shape, fm.groups)
         node, kind = kernel_node(y)
         row = self._family_row(module, fm, sh, (path, index), (x, y), node if kind is not None else None)
-        p = _FamilyPending(path, index, module, row, [], set(), x, version, None, None, y.grad_fn, fm=fm, shape=sh,
+        p = _FamilyPending(path, index, module, row, [], [], x, version, None, None, y.grad_fn, fm=fm, shape=sh,
                            kind=kind)
         self._judge_family(p)
-        p.phase = "forward" if p.reasons else ""
+        p.forward_reasons = len(p.reasons)
         self._step.family_pending.append(p)
-        if p.reasons:
+        if self._is_new(p):
             self._dump_forward(p, y)
         if y.grad_fn is not None and torch.is_grad_enabled() and kind is not None:
             self._node_hooks.append(node.register_hook(self._family_grad_hook(p)))
@@ -510,13 +522,21 @@ class Monitor:
         self._ask(p, "forward")
 
     # ---- anomalies ---------------------------------------------------------------------------------
+    def _is_new(self, p: _Pending, start: int = 0) -> bool:
+        """Whether a reason of ``p`` from its ``start``-th on is a new anomaly: its kind neither ongoing on this layer
+        and call (seen at the step before; with ``every`` > 1, at the last measured one or after) nor among the
+        call's reasons before ``start``.  Only a call with a new anomaly is dumped: the steps after an anomaly's
+        first repeat what its dump holds, and would use up ``max_dumps``."""
+        earlier = {k for k, _ in p.flags[:start]}
+        return any((p.layer, p.index, k) not in self._open and k not in earlier for k, _ in p.flags[start:])
+
     def _flag(self, p: _Pending, what: str, bad: np.ndarray) -> None:
         if not bad.any():
             return
         ch = np.flatnonzero(bad)
         p.reasons.append(f"{what} ({p.unit}{'s' if ch.size > 1 else ''} {', '.join(map(str, ch[:8]))}"
                          f"{', ...' if ch.size > 8 else ''})")
-        p.channels.update(int(c) for c in ch)
+        p.flags.append((what, [int(c) for c in ch]))
 
     def _counts_flags(self, p: _Pending, names: tuple[str, ...], dtype: str) -> None:
         """NaN, ±inf and saturation in each tensor of ``names``; in y (dx) only where x (and dy) are finite, since
@@ -591,6 +611,7 @@ class Monitor:
             why = f"predicate raised {type(exc).__name__}: {exc}"
         if why:
             p.reasons.append(f"predicate: {why}")
+            p.flags.append((p.reasons[-1], []))  # (the predicate's text is its kind: the same text, the same anomaly)
 
     # ---- the backward ------------------------------------------------------------------------------
     def _grad_hook(self, p: _Pending) -> Callable[..., None]:
@@ -601,12 +622,10 @@ class Monitor:
             dy = grad_outputs[0] if grad_outputs else None
             dx = grad_inputs[0] if grad_inputs else None
             self._backward_row(p, dy, dx, grad_inputs[1:3])
-            if len(p.reasons) > before and not p.phase:
-                p.phase = "backward"
             if p.dump is not None:
                 record_grads(p.dump, grad_inputs, grad_outputs)
                 self._write_dump(p)
-            elif len(p.reasons) > before:
+            elif self._is_new(p, before):
                 self._dump_late(p, grad_inputs, grad_outputs)
             self._close(p)
         return hook
@@ -706,12 +725,10 @@ class Monitor:
         if isinstance(dx, torch.Tensor):
             self._counts_flags(p, ("dx",), r["dtype"])
         self._ask(p, "backward")
-        if len(p.reasons) > before and not p.phase:
-            p.phase = "backward"
         if p.dump is not None:
             record(p.dump)
             self._write_dump(p)
-        elif len(p.reasons) > before:
+        elif self._is_new(p, before):
             call = self._new_dump(p)
             if call is not None:  # an anomaly the backward showed: the call from what the forward left (no y)
                 finish_family_call(call, None, grad_fn=p.node)
@@ -809,14 +826,31 @@ class Monitor:
         if self._measure() or p.reasons:
             (self._step.rows if rows is None else rows).append(p.row)
         if p.reasons:
-            where = str(p.folder.parent) if p.dump is not None and p.folder is not None else (
-                "not dumped: capture_on='never'" if self.capture_on == "never" else
-                p.row.get("_note", f"not dumped: max_dumps={self.max_dumps} reached"))
-            self.anomalies.append({"step": self._step_no, "rank": self.rank, "layer": p.layer, "call": p.index,
-                                   "dtype": p.row["dtype"], "phase": p.phase or "forward",
-                                   "reasons": "; ".join(p.reasons),
-                                   "channels": " ".join(map(str, sorted(p.channels)[:32])), "dump": where})
+            self._list(p)
         p.x = p.node = p.module = None
+
+    def _list(self, p: _Pending) -> None:
+        """Each anomaly of the call: a new one listed (where it showed, its reason and channels, its dump), an
+        ongoing one's last step and count moved on."""
+        where = str(p.folder.parent) if p.dump is not None and p.folder is not None else (
+            "not dumped: capture_on='never'" if self.capture_on == "never" else
+            p.row.get("_note", f"not dumped: max_dumps={self.max_dumps} reached"))
+        step = self._step_no
+        for i, (kind, where_ch) in enumerate(p.flags):
+            key = (p.layer, p.index, kind)
+            k = self._open.get(key)
+            if k is None:
+                self._open[key] = k = len(self.anomalies)
+                self.anomalies.append({"first_step": step, "last_step": step, "count": 1, "rank": self.rank,
+                                       "layer": p.layer, "call": p.index, "dtype": p.row["dtype"],
+                                       "phase": "forward" if i < p.forward_reasons else "backward",
+                                       "reason": p.reasons[i], "channels": " ".join(map(str, where_ch[:32])),
+                                       "dump": where})
+                self._lines.append("")
+            elif self.anomalies[k]["last_step"] != step:  # (a predicate's reason can come in both phases)
+                self.anomalies[k]["last_step"] = step
+                self.anomalies[k]["count"] += 1
+            self._changed.add(k)
 
     def step(self) -> None:
         """The step is over: its rows appended to the Parquet folder, its anomalies to anomalies.csv."""
@@ -845,9 +879,10 @@ class Monitor:
             self._write_rows(st.family_rows, FAMILY_PARQUET_NAME)
             if not st.rows:
                 self.steps.append(self._step_no)
-        new = [a for a in self.anomalies if a["step"] == self._step_no]
-        if new:
-            self._append_anomalies(new)
+        if self._changed:
+            self._write_anomalies()
+        if self._measure():  # an anomaly not seen at a measured step has stopped: if it comes back, it is a new one
+            self._open = {key: k for key, k in self._open.items() if self.anomalies[k]["last_step"] == self._step_no}
         self._step = _Step()
         self._node_hooks.clear()  # (a flushed call's hook returns at once; the graph holds it while it lives)
         self._before.clear()
@@ -860,14 +895,17 @@ class Monitor:
         self._writer.put(self.out / folder / f"step-{self._step_no:09d}.parquet", rows,
                          "channel" if folder == PARQUET_NAME else "row", _UNCOMPRESSED)
 
-    def _append_anomalies(self, new: list[dict[str, Any]]) -> None:
-        path = self.out / ANOMALIES_NAME
-        text = io.StringIO()
-        w = csv.DictWriter(text, fieldnames=ANOMALY_COLUMNS, lineterminator="\n")
-        if not path.exists():
-            w.writeheader()
-        w.writerows(new)
-        append_text(path, text.getvalue())
+    def _write_anomalies(self) -> None:
+        """anomalies.csv, one line per anomaly, written whole and renamed into place: an ongoing anomaly's line
+        changes every step it is seen (last step, count), so the file is not a journal to append to; a process
+        killed mid-run leaves the file of the last step written, every line complete.  The lines of the anomalies
+        not seen this step are kept as text (a long run's rewrite joins them)."""
+        for k in sorted(self._changed):
+            text = io.StringIO()
+            csv.DictWriter(text, fieldnames=ANOMALY_COLUMNS, lineterminator="\n").writerow(self.anomalies[k])
+            self._lines[k] = text.getvalue()
+        self._changed.clear()
+        atomic_write_text(self.out / ANOMALIES_NAME, ",".join(ANOMALY_COLUMNS) + "\n" + "".join(self._lines))
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
@@ -884,10 +922,12 @@ def monitor(model: Any, out: str | Path, *, every: int = 1, capture_on: str = "a
     """A context manager watching every BatchNorm call of ``model`` over a training run (and every LayerNorm, RMSNorm,
     GroupNorm and InstanceNorm call, per row: see the module's doc); call ``mon.step()`` after each optimizer step.
     ``every``: per-channel rows every k-th step (other steps check only that x and y are finite; an anomalous call's
-    row is always written). ``capture_on``: "anomaly" (dump anomalous calls) or "never". ``max_dumps``: calls dumped
-    in the whole run. ``predicate(row)``: a reason (str) when a call is anomalous to you, given its per-channel
-    numbers (the Parquet columns, arrays per channel; a family call's per row, and its ``norm``) and ``phase``
-    ("forward" or "backward"). ``var_floor``: a training call's batch variance at or below var_floor·ε is an
-    anomaly. ``out`` must not hold a monitor's output unless ``force``. See :mod:`bnprobe.recordings.monitor`."""
+    row is always written). ``capture_on``: "anomaly" (dump a call at an anomaly's first step) or "never".
+    ``max_dumps``: calls dumped in the whole run (an anomaly that goes on over steps is dumped once).
+    ``predicate(row)``: a reason (str) when a call is anomalous to you, given its per-channel numbers (the Parquet
+    columns, arrays per channel; a family call's per row, and its ``norm``) and ``phase`` ("forward" or
+    "backward"); the same text on the next step is the same anomaly going on. ``var_floor``: a training call's
+    batch variance at or below var_floor·ε is an anomaly. ``out`` must not hold a monitor's output unless
+    ``force``. See :mod:`bnprobe.recordings.monitor`."""
     return Monitor(model, out, every=every, capture_on=capture_on, max_dumps=max_dumps, predicate=predicate,
                    var_floor=var_floor, force=force)

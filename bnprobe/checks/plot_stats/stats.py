@@ -343,7 +343,9 @@ def load_monitor(folder: str | Path) -> tuple[pd.DataFrame, list[StatsFinding]]:
 
 
 def _monitor_anomalies(path: Path, many: bool) -> list[StatsFinding]:
-    """anomalies.csv of one rank as findings (kind "anomaly", the reasons and where the call was dumped)."""
+    """anomalies.csv of one rank as findings (kind "anomaly", at its first step: the reason, the steps it went on to
+    and where the call was dumped).  A file of a monitor before anomalies were kept over steps (a ``step`` and a
+    ``reasons`` column, a line per anomalous call and step) reads as anomalies of one step each."""
     import csv
 
     if not path.is_file():
@@ -352,14 +354,17 @@ def _monitor_anomalies(path: Path, many: bool) -> list[StatsFinding]:
     with open(path, encoding="utf-8", newline="") as fh:
         for row in csv.DictReader(fh):
             try:
-                step, call = int(row["step"]), int(row["call"])
+                first, call = int(row.get("first_step") or row["step"]), int(row["call"])
+                last, count = int(row.get("last_step") or first), int(row.get("count") or 1)
                 chans = tuple(int(c) for c in (row.get("channels") or "").split())
             except (KeyError, TypeError, ValueError):
                 raise BNProbeError(f"{path}: a row without its step, call or channels ({dict(row)!r:.120})") from None
             policy = f"rank {row.get('rank', 0)} {row.get('dtype', '')}" if many else str(row.get("dtype", ""))
             layer = str(row.get("layer", "")) + (f"#{call}" if call else "")
-            out.append(StatsFinding("anomaly", policy, layer, step, chans,
-                                    f"{row.get('phase', '')}: {row.get('reasons', '')} (dump: {row.get('dump', '')})"))
+            steps = "" if count == 1 and last == first else f"; to step {last}, seen at {count} steps"
+            out.append(StatsFinding("anomaly", policy, layer, first, chans,
+                                    f"{row.get('phase', '')}: {row.get('reason', row.get('reasons', ''))}{steps} "
+                                    f"(dump: {row.get('dump', '')})"))
     return out
 
 
