@@ -5,6 +5,7 @@ exactly the bad step's calls, and the commands replaying the dump must find what
 
 import csv
 import json
+import re
 
 import numpy as np
 import pytest
@@ -57,9 +58,11 @@ class Seen:
         return hook
 
 
-def train(out, *, dtype=torch.float32, bad_step=None, bad="nan", steps=STEPS, seen=False, bn=nn.BatchNorm2d, **kw):
+def train(out, *, dtype=torch.float32, bad_step=None, bad="nan", steps=STEPS, seen=False, bn=nn.BatchNorm2d, skip=True,
+          **kw):
     """Train Net for ``steps`` steps under a monitor; the optimizer skips a step whose loss is not finite (as a
-    GradScaler does), so one bad batch leaves the later steps clean."""
+    GradScaler does), so one bad batch leaves the later steps clean; with ``skip`` False it steps on, and the NaN
+    goes into the weights."""
     torch.manual_seed(0)
     net = Net(bn).to(dtype)
     rec = Seen(net) if seen else None
@@ -78,10 +81,15 @@ def train(out, *, dtype=torch.float32, bad_step=None, bad="nan", steps=STEPS, se
             loss = net(x).float().pow(2).mean()
             opt.zero_grad()
             loss.backward()
-            if torch.isfinite(loss):
+            if torch.isfinite(loss) or not skip:
                 opt.step()
             mon.step()
-    return mon, rec
+    return mon, rec, net
+
+
+def kind(row):
+    """An anomalies.csv row's reason without the channels it names (what the monitor knows an anomaly by)."""
+    return re.sub(r" \((channels?|rows?) [0-9, .]+\)$", "", row["reason"])
 
 
 def table(out):
@@ -101,16 +109,18 @@ def run(capsys, *args):
 
 def test_a_nan_pixel_is_found_at_its_step_dumped_and_replayed(tmp_path, capsys):
     out = tmp_path / "mon"
-    mon, seen = train(out, bad_step=7, seen=True)
+    mon, seen, _ = train(out, bad_step=7, seen=True)
     df = table(out)
     # every step x layer x channel, once
     assert len(df) == STEPS * sum(CHANNELS.values())
     assert not df.duplicated(["step", "layer", "call", "channel"]).any()
     assert sorted(df.step.unique()) == list(range(STEPS))
-    # exactly the bad step's calls, both layers (conv1 spreads the NaN to every channel)
+    # exactly the bad step's calls, both layers (conv1 spreads the NaN to every channel), NaN in x and in dy
     rows = anomalies(out)
-    assert {(int(r["step"]), r["layer"]) for r in rows} == {(7, "bn1"), (7, "bn2")}
-    assert all("NaN in x" in r["reasons"] and r["phase"] == "forward" for r in rows)
+    assert {(r["layer"], kind(r), r["phase"]) for r in rows} == {
+        (layer, what, phase) for layer in ("bn1", "bn2") for what, phase in (("NaN in x", "forward"),
+                                                                              ("NaN in dy", "backward"))}
+    assert all((r["first_step"], r["last_step"], r["count"]) == ("7", "7", "1") for r in rows)
     assert sorted(p.name for p in (out / "anomalies").iterdir()) == ["step-7"]
     dump = out / "anomalies" / "step-7"
     assert [c["module"] for c in read_calls(dump)["calls"]] == ["bn1", "bn2"]
@@ -129,10 +139,107 @@ def test_a_nan_pixel_is_found_at_its_step_dumped_and_replayed(tmp_path, capsys):
     assert code in (0, 1) and "NaN/inf value(s)" in text
     # plot-stats draws it and lists the anomalies as findings
     code, text, _ = run(capsys, "plot-stats", "--monitor", out, "--out", tmp_path / "ps")
-    assert code == 1 and text.count("anomaly:") == 2 and "step 7" in text
+    assert code == 1 and text.count("anomaly:") == 4 and "step 7" in text and "seen at" not in text
     assert any(p.name.startswith("monitor-float32-bn1") for p in (tmp_path / "ps").iterdir())
     findings = json.loads((tmp_path / "ps" / "findings.json").read_text())
     assert {f["step"] for f in findings if f["kind"] == "anomaly"} == {7}
+
+
+PERSIST_STEPS, NAN_STEP, LATER = 30, 17, 24
+
+
+def test_a_persistent_nan_is_dumped_once_at_its_first_step_and_listed_with_its_steps(tmp_path, capsys):
+    """One NaN pixel at step 17 of 30 and the optimizer steps on: the weights are NaN from then on, and every later
+    call sees NaN.  Each such anomaly (a layer's NaN in x, its NaN in dy) is listed once, with the first and last step
+    and the number of steps at which the test's own record of the calls' x and dy holds a NaN, and dumped once, at
+    step 17; a different anomaly arising later (a predicate planted on bn2 at step 24) is still dumped: max_dumps=3
+    is not used up by the persistent ones (the monitor before this dumped steps 17 and 18 with it, then no more)."""
+    out = tmp_path / "mon"
+
+    def planted(r):
+        return "planted" if r["layer"] == "bn2" and r["step"] == LATER and r["phase"] == "forward" else None
+    mon, seen, net = train(out, bad_step=NAN_STEP, steps=PERSIST_STEPS, seen=True, skip=False, max_dumps=3,
+                           predicate=planted)
+    assert torch.isnan(net.conv1.weight).all()  # the case: the NaN batch went into the weights
+    rows = anomalies(out)
+    listed = {(r["layer"], kind(r)): r for r in rows}
+    assert len(listed) == len(rows) == 5
+    for layer in ("bn1", "bn2"):
+        for t in ("x", "dy"):
+            steps = [k for k in range(PERSIST_STEPS) if np.isnan(seen.calls[(k, layer)][t]).any()]
+            assert steps == list(range(NAN_STEP, PERSIST_STEPS))  # (NaN at every step from 17: one anomaly)
+            r = listed[(layer, f"NaN in {t}")]
+            assert (int(r["first_step"]), int(r["last_step"]), int(r["count"])) == (steps[0], steps[-1], len(steps))
+            assert r["dump"] == str(out / "anomalies" / f"step-{NAN_STEP}")
+    r = listed[("bn2", "predicate: planted")]
+    assert (r["first_step"], r["last_step"], r["count"], r["phase"]) == (str(LATER), str(LATER), "1", "forward")
+    assert r["dump"] == str(out / "anomalies" / f"step-{LATER}")
+    # the dumps: the persistent anomalies' calls at their first step, the planted one's call at its step
+    assert sorted(p.name for p in (out / "anomalies").iterdir()) == [f"step-{NAN_STEP}", f"step-{LATER}"]
+    assert [c["module"] for c in read_calls(out / "anomalies" / f"step-{NAN_STEP}")["calls"]] == ["bn1", "bn2"]
+    assert [c["module"] for c in read_calls(out / "anomalies" / f"step-{LATER}")["calls"]] == ["bn2"]
+    assert mon.anomalies == [{**a, "first_step": int(a["first_step"]), "last_step": int(a["last_step"]),
+                              "count": int(a["count"]), "rank": int(a["rank"]), "call": int(a["call"])} for a in rows]
+    # plot-stats lists each anomaly once, with the steps it went on to
+    code, text, _ = run(capsys, "plot-stats", "--monitor", out, "--out", tmp_path / "ps")
+    assert code == 1 and text.count("anomaly:") == 5
+    assert text.count(f"step {NAN_STEP}: ") >= 4 and \
+        text.count(f"; to step {PERSIST_STEPS - 1}, seen at {PERSIST_STEPS - NAN_STEP} steps (dump: ") == 4
+
+
+@pytest.mark.parametrize("every, marked, want", [
+    (1, {3, 4, 5, 9}, [(3, 5, 3), (9, 9, 1)]),  # stops after 5, comes back at 9: a new anomaly, dumped again
+    (2, {2, 3, 4, 6}, [(2, 6, 3)]),  # every=2: seen at each measured step (step 3 is not asked)
+    (2, {2, 6}, [(2, 2, 1), (6, 6, 1)]),  # not seen at step 4, a measured step: it stopped there
+], ids=["every-1-back", "every-2-on", "every-2-back"])
+def test_an_anomaly_that_stops_and_comes_back_is_a_new_one(tmp_path, every, marked, want):
+    out = tmp_path / "mon"
+    train(out, steps=12, every=every,
+          predicate=lambda r: "marked" if r["layer"] == "bn1" and r["step"] in marked and r["phase"] == "forward"
+          else None)
+    rows = anomalies(out)
+    assert [(int(r["first_step"]), int(r["last_step"]), int(r["count"])) for r in rows] == want
+    assert {r["reason"] for r in rows} == {"predicate: marked"}
+    assert sorted(p.name for p in (out / "anomalies").iterdir()) == sorted(f"step-{w[0]}" for w in want)
+
+
+KILLED = '''
+import os, signal, sys, torch
+sys.path.insert(0, sys.argv[2])
+from test_monitor import Net
+from bnprobe import monitor
+
+torch.manual_seed(0)
+net = Net()
+opt = torch.optim.SGD(net.parameters(), lr=0.05)
+gen = torch.Generator().manual_seed(1)
+with monitor(net, sys.argv[1]) as mon:
+    for step in range(30):
+        x = torch.randn(4, 3, 8, 8, generator=gen)
+        if step == 17:
+            x[1, 2, 3, 4] = float("nan")
+        loss = net(x).pow(2).mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+        if step == 22:  # killed in the middle of the run, step 22's anomalies seen and not yet listed
+            os.kill(os.getpid(), signal.SIGKILL)
+        mon.step()
+'''
+
+
+def test_a_killed_run_leaves_anomalies_csv_whole_as_of_its_last_step(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED)
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "mon"), str(Path(__file__).parent)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == -9, r.stderr[-3000:]
+    rows = anomalies(tmp_path / "mon")
+    assert [(r["layer"], kind(r), r["first_step"], r["last_step"], r["count"]) for r in rows] == [
+        (layer, what, "17", "21", "5") for layer in ("bn2", "bn1") for what in ("NaN in x", "NaN in dy")]
+    assert sorted(p.name for p in (tmp_path / "mon").iterdir()) == ["anomalies", "anomalies.csv", "monitor.parquet"]
 
 
 @pytest.mark.parametrize("affine", [True, False])
@@ -140,7 +247,7 @@ def test_the_numbers_are_numpys_on_the_calls_tensors(tmp_path, affine):
     """Batch mean/var against numpy float64 on x; min/max and counts of x and y; Σdy and Σdy·x̂ from dy and x (the
     kernel's dβ, dγ with affine; reduced by the monitor without)."""
     out = tmp_path / "mon"
-    _, seen = train(out, steps=4, seen=True, bn=lambda c: nn.BatchNorm2d(c, affine=affine))
+    _, seen, _ = train(out, steps=4, seen=True, bn=lambda c: nn.BatchNorm2d(c, affine=affine))
     df = table(out)
     for (step, layer), t in seen.calls.items():
         g = df[(df.step == step) & (df.layer == layer)].sort_values("channel")
@@ -167,9 +274,8 @@ def test_fp16_overflow_from_a_scaled_input(tmp_path, capsys):
     df = table(out)
     assert set(df.dtype) == {"float16"} and len(df) == STEPS * sum(CHANNELS.values())
     rows = anomalies(out)
-    assert {int(r["step"]) for r in rows} == {5}
-    first = next(r for r in rows if r["layer"] == "bn1")
-    assert "±inf in x" in first["reasons"] or "x at the float16 maximum" in first["reasons"]
+    assert {(int(r["first_step"]), int(r["last_step"])) for r in rows} == {(5, 5)}
+    assert {"±inf in x", "x at the float16 maximum (saturated)"} & {kind(r) for r in rows if r["layer"] == "bn1"}
     assert df[(df.step == 5) & (df.layer == "bn1")].x_inf.sum() > 0
     assert df[df.step != 5].filter(like="_inf").fillna(0).to_numpy().sum() == 0
     code, text, _ = run(capsys, "overflow", "--adapter", f"dump:{out / 'anomalies' / 'step-5'}")
@@ -187,17 +293,20 @@ class MomentumFlipped(nn.BatchNorm2d):
 
 
 def test_running_statistics_that_are_not_the_momentum_update_are_anomalies(tmp_path):
+    """Every step's update is wrong: one anomaly per layer, from step 0 to 2, dumped at step 0 only."""
     out = tmp_path / "mon"
-    mon, _ = train(out, steps=3, bn=MomentumFlipped)
+    mon, _, _ = train(out, steps=3, bn=MomentumFlipped)
     rows = anomalies(out)
-    assert {int(r["step"]) for r in rows} == {0, 1, 2}
-    assert all("not the momentum-0.1 update" in r["reasons"] for r in rows)
+    assert [(r["layer"], kind(r), r["first_step"], r["last_step"], r["count"]) for r in rows] == [
+        (layer, "running statistics are not the momentum-0.1 update of the batch's", "0", "2", "3")
+        for layer in ("bn2", "bn1")]  # (in the order the calls close: the backward's)
+    assert sorted(p.name for p in (out / "anomalies").iterdir()) == ["step-0"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_a_correct_kernel_raises_no_anomaly(tmp_path, dtype):
     """torch's own BatchNorm, in each format, over a clean run: no false alarm (running update, variance, invstd)."""
-    mon, _ = train(tmp_path / "mon", dtype=dtype, steps=12)
+    mon, _, _ = train(tmp_path / "mon", dtype=dtype, steps=12)
     assert mon.anomalies == []
 
 
@@ -210,8 +319,8 @@ def test_every_max_dumps_never_and_a_predicate(tmp_path):
     # max_dumps bounds the calls dumped; the rest are listed as not dumped
     out = tmp_path / "b"
     train(out, bad_step=4, max_dumps=1)
-    rows = anomalies(out)
-    assert len(rows) == 2 and sum(r["dump"].startswith("not dumped: max_dumps=1") for r in rows) == 1
+    rows = anomalies(out)  # (NaN in x and in dy of each of the two calls; the second call's not dumped)
+    assert len(rows) == 4 and sum(r["dump"].startswith("not dumped: max_dumps=1") for r in rows) == 2
     assert len(read_calls(out / "anomalies" / "step-4")["calls"]) == 1
     out = tmp_path / "c"
     train(out, bad_step=4, capture_on="never")
@@ -221,7 +330,7 @@ def test_every_max_dumps_never_and_a_predicate(tmp_path):
     train(out, steps=3, predicate=lambda r: "bn2 at step 2" if r["layer"] == "bn2" and r["step"] == 2 and
           r["phase"] == "forward" else None)
     rows = anomalies(out)
-    assert [(r["step"], r["layer"], r["reasons"]) for r in rows] == [("2", "bn2", "predicate: bn2 at step 2")]
+    assert [(r["first_step"], r["layer"], r["reason"]) for r in rows] == [("2", "bn2", "predicate: bn2 at step 2")]
     assert (out / "anomalies" / "step-2" / CALLS_NAME).is_file()
 
 
@@ -306,7 +415,7 @@ def test_two_ranks_on_gloo_each_write_their_own_and_plot_stats_reads_both(tmp_pa
         df = table(tmp_path / "mon" / f"rank{r}")
         assert set(df["rank"]) == {r} and sorted(df.step.unique()) == [0, 1, 2, 3]
     rows = anomalies(tmp_path / "mon" / "rank1")
-    assert {(r["rank"], r["step"]) for r in rows} == {("1", "2")}
+    assert {(r["rank"], r["first_step"]) for r in rows} == {("1", "2")}
     assert not (tmp_path / "mon" / "rank0" / "anomalies.csv").exists()
     code, text, _ = run(capsys, "plot-stats", "--monitor", tmp_path / "mon", "--out", tmp_path / "ps")
     assert code == 1 and "2 run(s)" in text and "anomaly: rank 1 float32 module.bn1 step 2" in text
