@@ -103,10 +103,10 @@ def _inject(model, at_step, where):  # noqa: ANN001, ANN202
     return state
 
 
-def train(out, cls, *, inject=None, **kw):  # noqa: ANN001, ANN201
+def train(out, cls, *, inject=None, skip=True, **kw):  # noqa: ANN001, ANN201
     """Train ``cls`` for STEPS steps under a monitor; the optimizer skips a step whose loss is not finite (as a
-    GradScaler does), so one bad input leaves the later steps clean.  ``inject``: (step, index) of a NaN put into
-    the LayerNorm's input."""
+    GradScaler does), so one bad input leaves the later steps clean (with ``skip`` False it steps on: the NaN goes into
+    the weights).  ``inject``: (step, index) of a NaN put into the LayerNorm's input."""
     torch.manual_seed(0)
     net = cls()
     state = _inject(net, *inject) if inject else None
@@ -123,10 +123,10 @@ def train(out, cls, *, inject=None, **kw):  # noqa: ANN001, ANN201
             loss = net(x).pow(2).mean()
             opt.zero_grad()
             loss.backward()
-            if torch.isfinite(loss):
+            if torch.isfinite(loss) or not skip:
                 opt.step()
             mon.step()
-    return mon, seen
+    return mon, seen, net
 
 
 def _rows(a: np.ndarray, name: str) -> np.ndarray:
@@ -141,7 +141,7 @@ def _rows(a: np.ndarray, name: str) -> np.ndarray:
 @pytest.mark.parametrize("cls", [Transformerish, ConvNet], ids=["transformer", "convnet"])
 def test_a_clean_run_is_watched_per_row_and_raises_no_alarm(tmp_path, cls) -> None:  # noqa: ANN001
     out = tmp_path / "mon"
-    mon, seen = train(out, cls)
+    mon, seen, _ = train(out, cls)
     assert mon.anomalies == [] and mon.dumps == []
     assert not (out / "anomalies").exists() and not (out / "anomalies.csv").exists()
     df = pd.read_parquet(out / "family.parquet")
@@ -183,15 +183,17 @@ def test_a_clean_run_is_watched_per_row_and_raises_no_alarm(tmp_path, cls) -> No
 
 def test_a_nan_in_one_token_is_found_at_its_step_and_row_dumped_and_replayed(tmp_path, capsys) -> None:  # noqa: ANN001
     out, bad_step, (b, t, f) = tmp_path / "mon", 3, (1, 4, 5)
-    mon, seen = train(out, Transformerish, inject=(bad_step, (b, t, f)))
+    mon, seen, _ = train(out, Transformerish, inject=(bad_step, (b, t, f)))
     row = b * T + t
     with open(out / "anomalies.csv", newline="") as fh:
         found = list(csv.DictReader(fh))
     # the NaN goes down its token's row only: LayerNorm's, then both RMSNorms', forward and backward
-    assert {(int(a["step"]), a["layer"]) for a in found} == {(bad_step, "ln"), (bad_step, "rms"), (bad_step, "hf")}
+    assert sorted((a["layer"], a["reason"], a["phase"]) for a in found) == sorted(
+        (layer, f"NaN in {t} (row {row})", phase) for layer in ("ln", "rms", "hf")
+        for t, phase in (("x", "forward"), ("dy", "backward")))
     for a in found:
-        assert a["reasons"] == f"NaN in x (row {row}); NaN in dy (row {row})" and a["channels"] == str(row)
-        assert a["phase"] == "forward" and a["dump"] == str(out / "anomalies" / f"step-{bad_step}")
+        assert (a["first_step"], a["last_step"], a["count"]) == (str(bad_step), str(bad_step), "1")
+        assert a["channels"] == str(row) and a["dump"] == str(out / "anomalies" / f"step-{bad_step}")
     assert sorted(p.name for p in (out / "anomalies").iterdir()) == [f"step-{bad_step}"]
     dump = out / "anomalies" / f"step-{bad_step}"
     index = read_calls(dump)
@@ -230,6 +232,33 @@ def test_a_nan_in_one_token_is_found_at_its_step_and_row_dumped_and_replayed(tmp
         assert np.isnan(got).any(axis=-1).sum() == 1  # the bad token's row only
 
 
+def test_a_persistent_nan_in_the_family_is_dumped_once_and_a_later_anomaly_still_is(tmp_path) -> None:  # noqa: ANN001
+    """The NaN token at step 2 with the optimizer stepping on: the weights go NaN and every later call of the three
+    norms sees NaN.  Each such anomaly is listed once with the steps at which the test's own record of the calls'
+    x and dy holds a NaN, and dumped once, at step 2; a predicate's reason on rms at step 4 is a new anomaly and is
+    dumped with the budget left (max_dumps=4: three calls at step 2, one at step 4)."""
+    out, bad_step, later = tmp_path / "mon", 2, 4
+
+    def planted(row):  # noqa: ANN001, ANN202
+        return "planted" if row["layer"] == "rms" and row["step"] == later and row["phase"] == "forward" else None
+    mon, seen, net = train(out, Transformerish, inject=(bad_step, (1, 4, 5)), skip=False, max_dumps=4,
+                           predicate=planted)
+    assert torch.isnan(net.l1.weight).all()  # the case: the NaN went into the weights
+    listed = {(a["layer"], _kind(a["reason"])): a for a in mon.anomalies}
+    assert len(listed) == len(mon.anomalies) == 7
+    for layer in ("ln", "rms", "hf"):
+        for t in ("x", "dy"):
+            steps = [k for k in range(STEPS) if np.isnan(seen.calls[(k, layer)][t]).any()]
+            assert steps == list(range(bad_step, STEPS))
+            a = listed[(layer, f"NaN in {t}")]
+            assert (a["first_step"], a["last_step"], a["count"]) == (steps[0], steps[-1], len(steps))
+            assert a["dump"] == str(out / "anomalies" / f"step-{bad_step}")
+    a = listed[("rms", "predicate: planted")]
+    assert (a["first_step"], a["last_step"], a["dump"]) == (later, later, str(out / "anomalies" / f"step-{later}"))
+    assert sorted(p.name for p in (out / "anomalies").iterdir()) == [f"step-{bad_step}", f"step-{later}"]
+    assert [c["module"] for c in read_calls(out / "anomalies" / f"step-{later}")["calls"]] == ["rms"]
+
+
 def test_a_nan_in_a_groupnorm_input_names_its_sample_and_group(tmp_path) -> None:  # noqa: ANN001
     torch.manual_seed(0)
     net = ConvNet()
@@ -243,17 +272,19 @@ def test_a_nan_in_a_groupnorm_input_names_its_sample_and_group(tmp_path) -> None
         net(torch.randn(4, 3, 6, 6)).pow(2).mean().backward()
         mon.step()
     gn = [a for a in mon.anomalies if a["layer"] == "gn"]
-    assert len(gn) == 1 and gn[0]["reasons"].startswith(f"NaN in x (row {2 * 4 + 2});")
+    # (dy: conv3's backward spreads inorm's NaN over sample 2's channels, so all four of its groups)
+    assert [a["reason"] for a in gn] == [f"NaN in x (row {2 * 4 + 2})", "NaN in dy (rows 8, 9, 10, 11)"]
     inorm = [a for a in mon.anomalies if a["layer"] == "inorm"]  # (conv3 spreads it over sample 2's channels)
-    assert inorm[0]["reasons"].startswith("NaN in x (rows 16, 17, 18, 19, 20, 21, 22, 23);")
+    assert inorm[0]["reason"] == "NaN in x (rows 16, 17, 18, 19, 20, 21, 22, 23)"
     # the BatchNorm before it sees the NaN only in its backward (dy, through conv2)
     bn = [a for a in mon.anomalies if a["layer"] == "bn"]
-    assert len(mon.anomalies) == 3 and bn[0]["phase"] == "backward" and bn[0]["reasons"].startswith("NaN in dy (")
+    assert len(bn) == 1 and bn[0]["phase"] == "backward" and bn[0]["reason"].startswith("NaN in dy (")
+    assert len(mon.anomalies) == 5
 
 
-def _kinds(reasons: str) -> list[str]:
-    """An anomaly's reasons without the rows each names."""
-    return [re.sub(r" \(rows? [0-9, .]+\)$", "", r) for r in reasons.split("; ")]
+def _kind(reason: str) -> str:
+    """An anomaly's reason without the rows it names."""
+    return re.sub(r" \(rows? [0-9, .]+\)$", "", reason)
 
 
 class OnePassLayerNorm(nn.LayerNorm):
@@ -281,8 +312,8 @@ def test_the_check_against_the_golden_fails_a_one_pass_variance_and_passes_torch
     with monitor(net, tmp_path / "mon") as mon:
         net(x.requires_grad_()).sum().backward()
         mon.step()
-    assert [(a["layer"], _kinds(a["reasons"])) for a in mon.anomalies] == \
-        [("bad", ["y beyond a correct kernel's bound of the FP64 golden"])]
+    assert [(a["layer"], _kind(a["reason"])) for a in mon.anomalies] == \
+        [("bad", "y beyond a correct kernel's bound of the FP64 golden")]
     df = pd.read_parquet(tmp_path / "mon" / "family.parquet")
     good, bad = df[df.layer == "good"], df[df.layer == "bad"]
     assert good.y_err.max() < 1 and good.stats_err.max() < 1 and bad.y_err.min() > 1
@@ -306,9 +337,9 @@ def test_torchs_channels_last_groupnorm_is_caught_where_its_one_pass_cancels(tmp
         with monitor(gn, tmp_path / name) as mon:
             gn(x.to(memory_format=layout).requires_grad_()).sum().backward()
             mon.step()
-        found[name] = [_kinds(a["reasons"]) for a in mon.anomalies]
+        found[name] = [_kind(a["reason"]) for a in mon.anomalies]
     assert found == {"contiguous": [],
-                     "channels_last": [["saved statistics beyond a correct kernel's bound of the FP64 golden"]]}
+                     "channels_last": ["saved statistics beyond a correct kernel's bound of the FP64 golden"]}
 
 
 def test_a_clean_bf16_transformer_raises_no_alarm(tmp_path) -> None:  # noqa: ANN001
@@ -333,10 +364,11 @@ def test_every_other_step_and_a_predicate_on_the_familys_rows(tmp_path) -> None:
         if row.get("norm") == "layer" and row["phase"] == "forward" and row["step"] == 4:
             return "checked at step 4"
         return None
-    mon, _ = train(tmp_path / "mon", Transformerish, every=2, predicate=wide)
+    mon, _, _ = train(tmp_path / "mon", Transformerish, every=2, predicate=wide)
     df = pd.read_parquet(tmp_path / "mon" / "family.parquet")
     assert sorted(df.step.unique()) == [0, 2, 4] and mon.steps == [0, 2, 4]
     assert seen_norms == {"layer", "rms"}
-    assert [(a["step"], a["layer"], a["reasons"]) for a in mon.anomalies] == [(4, "ln", "predicate: checked at step 4")]
+    assert [(a["first_step"], a["layer"], a["reason"]) for a in mon.anomalies] == \
+        [(4, "ln", "predicate: checked at step 4")]
     dump = tmp_path / "mon" / "anomalies" / "step-4"
     assert [c["module"] for c in read_calls(dump)["calls"]] == ["ln"]
