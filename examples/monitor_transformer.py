@@ -77,7 +77,8 @@ def main(out: str) -> int:
     for a in mon.anomalies:
         rows = [int(r) for r in a["channels"].split()]
         where = ", ".join(f"row {r} = sample {r // TOKENS}, token {r % TOKENS}" for r in rows)
-        print(f"anomaly at step {a['step']}, {a['layer']} ({a['phase']}): {a['reasons']} [{where}] -> {a['dump']}")
+        steps = f"{a['first_step']}" + (f" to {a['last_step']} ({a['count']} steps)" if a["count"] > 1 else "")
+        print(f"anomaly at step {steps}, {a['layer']} ({a['phase']}): {a['reason']} [{where}] -> {a['dump']}")
     return 0
 
 

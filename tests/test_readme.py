@@ -62,6 +62,7 @@ RUN = {
     "bnprobe doctor --adapter jax --dtype fp32 --no-stability --convention torch": "flax",  # run by .ci/frameworks
     'bnprobe fold --weights layer.npz --folded exported.npz; echo "exit $?"': None,
     "python examples/monitor_cnn.py": "pyarrow",
+    "python examples/monitor_cnn.py --step-on runs/monitor-cnn-on": "pyarrow",
     "python examples/monitor_transformer.py": "pyarrow",
     "bnprobe adapters": "torch",
     "bnprobe rsqrt --format fp32 --method magic --newton 0,1,2 --working fp64": None,
