@@ -364,6 +364,22 @@ def test_bad_arguments_and_an_existing_output_are_refused(tmp_path):
     assert sorted(table(tmp_path / "m").step.unique()) == [0, 1]
 
 
+def test_plot_stats_reads_the_anomalies_csv_of_a_monitor_before_anomalies_went_on_over_steps(tmp_path, capsys):
+    """A folder written before anomalies.csv had a line per anomaly (a ``step`` and a ``reasons`` column, a line per
+    anomalous call and step): each line is a finding of one step, as it was."""
+    out = tmp_path / "mon"
+    train(out, steps=3)
+    (out / "anomalies.csv").write_text(
+        "step,rank,layer,call,dtype,phase,reasons,channels,dump\n"
+        '1,0,bn1,0,float32,forward,"NaN in x (channel 2); NaN in dy (channel 2)",2,runs/x/anomalies/step-1\n'
+        '2,0,bn1,0,float32,forward,"NaN in x (channel 2); NaN in dy (channel 2)",2,not dumped: max_dumps=1 reached\n')
+    code, text, _ = run(capsys, "plot-stats", "--monitor", out, "--out", tmp_path / "ps")
+    assert code == 1
+    assert [line for line in text.splitlines() if "anomaly:" in line] == [
+        f"  anomaly: float32 bn1 step {k}: forward: NaN in x (channel 2); NaN in dy (channel 2) (dump: {d})"
+        for k, d in ((1, "runs/x/anomalies/step-1"), (2, "not dumped: max_dumps=1 reached"))]
+
+
 def test_plot_stats_monitor_refuses_a_folder_without_a_monitor(tmp_path, capsys):
     code, _, err = run(capsys, "plot-stats", "--monitor", tmp_path)
     assert code == 2 and "no monitor.parquet" in err and len(err.strip().splitlines()) == 1
