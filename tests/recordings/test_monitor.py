@@ -84,7 +84,7 @@ def train(out, *, dtype=torch.float32, bad_step=None, bad="nan", steps=STEPS, se
             if torch.isfinite(loss) or not skip:
                 opt.step()
             mon.step()
-    return mon, rec, net
+    return mon, rec
 
 
 def kind(row):
@@ -109,7 +109,7 @@ def run(capsys, *args):
 
 def test_a_nan_pixel_is_found_at_its_step_dumped_and_replayed(tmp_path, capsys):
     out = tmp_path / "mon"
-    mon, seen, _ = train(out, bad_step=7, seen=True)
+    mon, seen = train(out, bad_step=7, seen=True)
     df = table(out)
     # every step x layer x channel, once
     assert len(df) == STEPS * sum(CHANNELS.values())
@@ -158,9 +158,9 @@ def test_a_persistent_nan_is_dumped_once_at_its_first_step_and_listed_with_its_s
 
     def planted(r):
         return "planted" if r["layer"] == "bn2" and r["step"] == LATER and r["phase"] == "forward" else None
-    mon, seen, net = train(out, bad_step=NAN_STEP, steps=PERSIST_STEPS, seen=True, skip=False, max_dumps=3,
+    mon, seen = train(out, bad_step=NAN_STEP, steps=PERSIST_STEPS, seen=True, skip=False, max_dumps=3,
                            predicate=planted)
-    assert torch.isnan(net.conv1.weight).all()  # the case: the NaN batch went into the weights
+    assert torch.isnan(mon.model.conv1.weight).all()  # the case: the NaN batch went into the weights
     rows = anomalies(out)
     listed = {(r["layer"], kind(r)): r for r in rows}
     assert len(listed) == len(rows) == 5
@@ -247,7 +247,7 @@ def test_the_numbers_are_numpys_on_the_calls_tensors(tmp_path, affine):
     """Batch mean/var against numpy float64 on x; min/max and counts of x and y; Σdy and Σdy·x̂ from dy and x (the
     kernel's dβ, dγ with affine; reduced by the monitor without)."""
     out = tmp_path / "mon"
-    _, seen, _ = train(out, steps=4, seen=True, bn=lambda c: nn.BatchNorm2d(c, affine=affine))
+    _, seen = train(out, steps=4, seen=True, bn=lambda c: nn.BatchNorm2d(c, affine=affine))
     df = table(out)
     for (step, layer), t in seen.calls.items():
         g = df[(df.step == step) & (df.layer == layer)].sort_values("channel")
@@ -295,7 +295,7 @@ class MomentumFlipped(nn.BatchNorm2d):
 def test_running_statistics_that_are_not_the_momentum_update_are_anomalies(tmp_path):
     """Every step's update is wrong: one anomaly per layer, from step 0 to 2, dumped at step 0 only."""
     out = tmp_path / "mon"
-    mon, _, _ = train(out, steps=3, bn=MomentumFlipped)
+    mon, _ = train(out, steps=3, bn=MomentumFlipped)
     rows = anomalies(out)
     assert [(r["layer"], kind(r), r["first_step"], r["last_step"], r["count"]) for r in rows] == [
         (layer, "running statistics are not the momentum-0.1 update of the batch's", "0", "2", "3")
@@ -306,7 +306,7 @@ def test_running_statistics_that_are_not_the_momentum_update_are_anomalies(tmp_p
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_a_correct_kernel_raises_no_anomaly(tmp_path, dtype):
     """torch's own BatchNorm, in each format, over a clean run: no false alarm (running update, variance, invstd)."""
-    mon, _, _ = train(tmp_path / "mon", dtype=dtype, steps=12)
+    mon, _ = train(tmp_path / "mon", dtype=dtype, steps=12)
     assert mon.anomalies == []
 
 

@@ -126,7 +126,7 @@ def train(out, cls, *, inject=None, skip=True, **kw):  # noqa: ANN001, ANN201
             if torch.isfinite(loss) or not skip:
                 opt.step()
             mon.step()
-    return mon, seen, net
+    return mon, seen
 
 
 def _rows(a: np.ndarray, name: str) -> np.ndarray:
@@ -141,7 +141,7 @@ def _rows(a: np.ndarray, name: str) -> np.ndarray:
 @pytest.mark.parametrize("cls", [Transformerish, ConvNet], ids=["transformer", "convnet"])
 def test_a_clean_run_is_watched_per_row_and_raises_no_alarm(tmp_path, cls) -> None:  # noqa: ANN001
     out = tmp_path / "mon"
-    mon, seen, _ = train(out, cls)
+    mon, seen = train(out, cls)
     assert mon.anomalies == [] and mon.dumps == []
     assert not (out / "anomalies").exists() and not (out / "anomalies.csv").exists()
     df = pd.read_parquet(out / "family.parquet")
@@ -183,7 +183,7 @@ def test_a_clean_run_is_watched_per_row_and_raises_no_alarm(tmp_path, cls) -> No
 
 def test_a_nan_in_one_token_is_found_at_its_step_and_row_dumped_and_replayed(tmp_path, capsys) -> None:  # noqa: ANN001
     out, bad_step, (b, t, f) = tmp_path / "mon", 3, (1, 4, 5)
-    mon, seen, _ = train(out, Transformerish, inject=(bad_step, (b, t, f)))
+    mon, seen = train(out, Transformerish, inject=(bad_step, (b, t, f)))
     row = b * T + t
     with open(out / "anomalies.csv", newline="") as fh:
         found = list(csv.DictReader(fh))
@@ -241,9 +241,9 @@ def test_a_persistent_nan_in_the_family_is_dumped_once_and_a_later_anomaly_still
 
     def planted(row):  # noqa: ANN001, ANN202
         return "planted" if row["layer"] == "rms" and row["step"] == later and row["phase"] == "forward" else None
-    mon, seen, net = train(out, Transformerish, inject=(bad_step, (1, 4, 5)), skip=False, max_dumps=4,
+    mon, seen = train(out, Transformerish, inject=(bad_step, (1, 4, 5)), skip=False, max_dumps=4,
                            predicate=planted)
-    assert torch.isnan(net.l1.weight).all()  # the case: the NaN went into the weights
+    assert torch.isnan(mon.model.l1.weight).all()  # the case: the NaN went into the weights
     listed = {(a["layer"], _kind(a["reason"])): a for a in mon.anomalies}
     assert len(listed) == len(mon.anomalies) == 7
     for layer in ("ln", "rms", "hf"):
@@ -364,7 +364,7 @@ def test_every_other_step_and_a_predicate_on_the_familys_rows(tmp_path) -> None:
         if row.get("norm") == "layer" and row["phase"] == "forward" and row["step"] == 4:
             return "checked at step 4"
         return None
-    mon, _, _ = train(tmp_path / "mon", Transformerish, every=2, predicate=wide)
+    mon, _ = train(tmp_path / "mon", Transformerish, every=2, predicate=wide)
     df = pd.read_parquet(tmp_path / "mon" / "family.parquet")
     assert sorted(df.step.unique()) == [0, 2, 4] and mon.steps == [0, 2, 4]
     assert seen_norms == {"layer", "rms"}

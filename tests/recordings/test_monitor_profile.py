@@ -192,9 +192,9 @@ def test_a_monitored_run_is_the_same_on_both_routes(tmp_path, monkeypatch, dtype
         monkeypatch.setenv("BNPROBE_JIT", mode)
         mon, _ = train(tmp_path / mode, dtype=dtype, bad_step=3, bad=bad, steps=6)
         runs[mode] = (table(tmp_path / mode).sort_values(["step", "layer", "channel"]).reset_index(drop=True),
-                      [(a["step"], a["layer"], a["reasons"]) for a in mon.anomalies])
+                      [(a["first_step"], a["last_step"], a["layer"], a["reason"]) for a in mon.anomalies])
     (t1, a1), (t0, a0) = runs["1"], runs["0"]
-    assert a1 == a0 and any(step == 3 for step, _, _ in a1)
+    assert a1 == a0 and any(step == 3 for step, _, _, _ in a1)
     assert t1[{"nan": "x_nan", "scale": "x_inf"}[bad]].sum() > 0
     for col in t0.columns:
         if t0[col].dtype.kind == "f":
