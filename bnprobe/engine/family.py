@@ -15,7 +15,8 @@ import numpy as np
 
 from bnprobe.core.formats import get_format
 from bnprobe.core.kernel import Saved
-from bnprobe.core.tolerances import SMALL_VALUE_ULPS, accumulation_bound, accumulation_format, family_statistics_bounds
+from bnprobe.core.tolerances import (SMALL_VALUE_ULPS, accumulation_bound, accumulation_format, accumulation_words,
+                                     family_statistics_bounds)
 from bnprobe.kernels.layout import NormShape
 
 __all__ = ["family_shape", "family_y_natural", "family_bounds", "per_row_element"]
@@ -65,8 +66,10 @@ def family_bounds(call: Any, gold: Saved | None, stats: Saved | None, dy: np.nda
     accumulation (saved_rstd from ``gold``, the golden's statistics; dβ, dγ and dx where the sums cancel, with
     ``stats`` the statistics the backward used and ``dy``), each with its formula in words.
 
-    With R values per row, K per parameter and γ_n = n·u/(1 − n·u), u the unit roundoff of the accumulation
-    format: the mean errs by δμ = γ_R·mean|x| (none for RMSNorm); the variance (RMSNorm: the mean square) by
+    With R values per row, K per parameter and γ_n = n·u/(1 − n·u) (n of R or K terms; past
+    :data:`~bnprobe.core.tolerances.SEQUENTIAL_TERMS` a blocked sum's count,
+    :func:`~bnprobe.core.tolerances.accumulated_terms`), u the unit roundoff of the accumulation format: the mean
+    errs by δμ = γ_R·mean|x| (none for RMSNorm); the variance (RMSNorm: the mean square) by
     (γ_R + 3u)·(σ² + δμ²) + δμ² + 2·SMALL_VALUE_ULPS·u·|μ|·mean|x − μ| (the last for a running mean's deviations,
     Welford's), so rstd by rstd·(½·that/(σ² + ε) + SMALL_VALUE_ULPS·u); dβ = Σdy by γ_K·Σ|dy|;
     dγ = Σdy·x̂ by γ_K·2·Σ|dy·x̂| + Σ|dy|·(rstd·δμ + |x − μ|·δrstd); dx = rstd·(g − Σg/R − x̂·Σ(g·x̂)/R) by
@@ -77,6 +80,7 @@ def family_bounds(call: Any, gold: Saved | None, stats: Saved | None, dy: np.nda
     u = get_format(acc).unit_roundoff
     u_exp = int(np.log2(u))
     how = f"u = 2^{u_exp} ({acc} accumulation, any order)"
+    g_r, rhs_r = accumulation_words(r)
     rms = sh.norm == "rms"
     scales: dict[str, np.ndarray] = {}
     bounds: dict[str, tuple[np.ndarray, str]] = {}
@@ -93,10 +97,10 @@ def family_bounds(call: Any, gold: Saved | None, stats: Saved | None, dy: np.nda
             what = "the mean square" if rms else "the variance"
             bounds["saved_rstd"] = (b_rstd,
                                     f"rstd·(½·{what}'s bound/(σ² + ε) + {SMALL_VALUE_ULPS:g}u), {what}'s bound "
-                                    f"(γ_{r} + 3u)·(σ² + δμ²) + δμ²"
+                                    f"({g_r} + 3u)·(σ² + δμ²) + δμ²"
                                     f"{'' if rms else f' + 2·{SMALL_VALUE_ULPS:g}u·|μ|·mean|x − μ|'}"
-                                    f"{'' if rms else f', δμ = γ_{r}·mean|x|'}, "
-                                    f"γ_{r} = {r}·u/(1 − {r}·u), {how}")
+                                    f"{'' if rms else f', δμ = {g_r}·mean|x|'}, "
+                                    f"{g_r} = {rhs_r}, {how}")
             # y = (x − μ)·rstd·γ + β with the statistics off by their bounds, plus a correct kernel's rounding of it
             ge, _ = _params(call, sh)
             mu0 = np.zeros(sh.rows) if rms else np.asarray(gold.mean, dtype=np.float64)
@@ -106,7 +110,7 @@ def family_bounds(call: Any, gold: Saved | None, stats: Saved | None, dy: np.nda
                 SMALL_VALUE_ULPS * u * nat
             bounds["y"] = (sh.from_rows(b_y), f"|γ|·(rstd·δμ + |x − μ|·δrstd) + {SMALL_VALUE_ULPS:g}u·(the magnitude y "
                                               f"is formed from), δrstd saved_rstd's bound"
-                                              f"{'' if rms else ', δμ = γ_R·mean|x|'}, γ_R = {r}·u/(1 − {r}·u), {how}")
+                                              f"{'' if rms else ', δμ = γ_R·mean|x|'}, γ_R = {rhs_r}, {how}")
     if stats is not None and dy is not None:
         _gradient_bounds(call, sh, stats, dy, scales, bounds)
     return scales, bounds
@@ -120,6 +124,8 @@ def _gradient_bounds(call: Any, sh: NormShape, stats: Saved, dy: np.ndarray, sca
     u = get_format(acc).unit_roundoff
     gr, gk = accumulation_bound(call.dtype, r), accumulation_bound(call.dtype, k)
     how = f"u = 2^{int(np.log2(u))} ({acc} accumulation, any order)"
+    g_k, rhs_k = accumulation_words(k)
+    rhs_r = accumulation_words(r)[1]
     rms = sh.norm == "rms"
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -144,10 +150,10 @@ def _gradient_bounds(call: Any, sh: NormShape, stats: Saved, dy: np.ndarray, sca
         dmean, drstd = family_statistics_bounds(call.dtype, r, mu_s, stats.var(call.eps), call.eps, mean_abs, dev_s,
                                                 rms=rms, rstd=rstd)
         stat_err = np.abs(dyr) * ((rstd * dmean)[:, None] + np.abs(dev) * drstd[:, None])
-        bounds["dbeta"] = (gk * scales["dbeta"], f"γ_{k}·Σ|dy|, γ_{k} = {k}·u/(1 − {k}·u), {how}")
+        bounds["dbeta"] = (gk * scales["dbeta"], f"{g_k}·Σ|dy|, {g_k} = {rhs_k}, {how}")
         bounds["dgamma"] = (2 * gk * scales["dgamma"] + np.nansum(sh.gather(stat_err), axis=1),
-                            f"2·γ_{k}·Σ|dy·x̂| + Σ|dy|·(rstd·δμ + |x − μ|·δrstd) with the statistics' bounds, "
-                            f"γ_{k} = {k}·u/(1 − {k}·u), {how}")
+                            f"2·{g_k}·Σ|dy·x̂| + Σ|dy|·(rstd·δμ + |x − μ|·δrstd) with the statistics' bounds, "
+                            f"{g_k} = {rhs_k}, {how}")
         # (dγ and dβ are shaped as γ: a multi-dimensional normalised shape's scales and bounds too)
         ps = sh.param_shape
         scales["dbeta"], scales["dgamma"] = scales["dbeta"].reshape(ps), scales["dgamma"].reshape(ps)
@@ -156,5 +162,5 @@ def _gradient_bounds(call: Any, sh: NormShape, stats: Saved, dy: np.ndarray, sca
         inner = 2 * gxsum if rms else 2 * gxsum + rstd * mean_abs * gsum
         b_dx = rstd * ((0.0 if rms else gr * gsum) + xmax * gr * inner) / r
         bounds["dx"] = (b_dx, f"rstd·({'' if rms else 'γ_R·Σ|g| + '}max|x̂|·γ_R·(2·Σ|g·x̂|"
-                              f"{'' if rms else ' + rstd·mean|x|·Σ|g|'}))/{r}, g = dy·γ, γ_R = {r}·u/(1 − {r}·u), "
+                              f"{'' if rms else ' + rstd·mean|x|·Σ|g|'}))/{r}, g = dy·γ, γ_R = {rhs_r}, "
                               f"{how}")

@@ -35,6 +35,7 @@ from bnprobe.core.tolerances import (
     Standard,
     accumulation_bound,
     accumulation_format,
+    accumulation_words,
     doctor_tolerance,
 )
 
@@ -396,9 +397,11 @@ def within_accumulation(tensor: str, actual: Any, golden: Any, fmt: str, scale: 
     if not np.all(np.isfinite(used)) or not np.all(used <= 1.0):
         return None
     worst = int(np.argmax(used))
+    g_r, rhs = accumulation_words(terms)
+    blocked = "" if g_r == f"γ_{terms}" and rhs.startswith(f"{terms}·") and "(" not in rhs else f", {g_r} = {rhs}"
     return float(used[worst]), (
         f"within the rounding of a {accumulation_format(fmt)} accumulation of its "
-        f"{terms} terms: every error at most {100 * used[worst]:.3g}% of γ_{terms}·Σ|terms| + ½ ulp (channel "
+        f"{terms} terms: every error at most {100 * used[worst]:.3g}% of {g_r}·Σ|terms| + ½ ulp{blocked} (channel "
         f"{worst}: {a[worst]:.6g} vs {g[worst]:.6g} expected, terms' magnitude {np.reshape(scale, -1)[worst]:.4g}: "
         "the sum cancels, so its relative error is rounding noise)")
 

@@ -32,7 +32,7 @@ from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
 from bnprobe.core.kernel import modes_left_out, needs_modes
 from bnprobe.kernels.layout import layout_of
-from bnprobe.core.tolerances import accumulation_bound, accumulation_format, variance_bound
+from bnprobe.core.tolerances import accumulation_bound, accumulation_format, accumulation_words, variance_bound
 
 T = TypeVar("T")
 LARGE_CALL = 1 << 20  # values of x beyond which a call's arrays are collected before the next is read
@@ -516,9 +516,10 @@ def cancellation_bounds(call: BNCall, stats: Saved | None, scales: dict[str, np.
         b_gamma = gr * (2 * scales["dgamma"] + rstd * scales["saved_mean"] * scales["dbeta"])
         b_dx = g * rstd * (b_beta + xhat_max * b_gamma) / r
     u_exp = int(np.log2(get_format(acc).unit_roundoff))
-    how = f"γ_{r} = {r}·u/(1 − {r}·u), u = 2^{u_exp} ({acc} accumulation, any order)"
-    return {"dbeta": (b_beta, f"γ_{r}·Σ|dy|, {how}"),
-            "dgamma": (b_gamma, f"γ_{r}·(2·Σ|dy·x̂| + rstd·mean|x|·Σ|dy|), {how}"),
+    g_r, rhs = accumulation_words(r)
+    how = f"{g_r} = {rhs}, u = 2^{u_exp} ({acc} accumulation, any order)"
+    return {"dbeta": (b_beta, f"{g_r}·Σ|dy|, {how}"),
+            "dgamma": (b_gamma, f"{g_r}·(2·Σ|dy·x̂| + rstd·mean|x|·Σ|dy|), {how}"),
             "dx": (b_dx, f"|γ|·rstd·(dβ's bound + max|x̂|·dγ's bound)/{r}, {how}")}
 
 
@@ -555,10 +556,11 @@ def statistics_bounds(call: BNCall, stats: Saved, mean_abs: np.ndarray | None = 
         b_var = variance_bound(gam, u, var, dmean)
         invstd = 1.0 / np.sqrt(var + call.eps)
         b_inv = invstd * (0.5 * b_var / (var + call.eps) + SMALL_VALUE_ULPS * u)
-    how = f"δμ = γ_{r}·mean|x|, γ_{r} = {r}·u/(1 − {r}·u), u = 2^{int(np.log2(u))} ({acc} accumulation, any order)"
-    return {"saved_var": (b_var, f"(γ_{r} + 3u)·(σ² + δμ²) + δμ², {how}"),
+    g_r, rhs = accumulation_words(r)
+    how = f"δμ = {g_r}·mean|x|, {g_r} = {rhs}, u = 2^{int(np.log2(u))} ({acc} accumulation, any order)"
+    return {"saved_var": (b_var, f"({g_r} + 3u)·(σ² + δμ²) + δμ², {how}"),
             "saved_invstd": (b_inv, f"invstd·(½·the variance's bound/(σ² + ε) + {SMALL_VALUE_ULPS:g}u), the variance's "
-                                    f"bound (γ_{r} + 3u)·(σ² + δμ²) + δμ², {how}")}
+                                    f"bound ({g_r} + 3u)·(σ² + δμ²) + δμ², {how}")}
 
 
 def run_call(kernel: KernelAdapter, rec: Recording, *, modes: tuple[str, ...] | None = None, index: int = 0,
