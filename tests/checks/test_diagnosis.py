@@ -27,7 +27,7 @@ PLUGINS = "tests.checks.bn_plugins"
 
 # each planted bug (bn_plugins) and the doctor's name for it
 DIAGNOSIS = {
-    "eps-on-sigma": D.EPS_ON_SIGMA, "eps-missing": D.EPS_MISSING, "eps-ignored": D.EPS_IGNORED,
+    "eps-on-sigma": D.EPS_ON_SIGMA, "eps-missing": D.EPS_MISSING, "eps-max": D.EPS_MAX, "eps-ignored": D.EPS_IGNORED,
     "no-sqrt": D.SQRT_MISSING,
     "unbiased-normalise": D.UNBIASED, "train-uses-running": D.TRAIN_RUNNING, "mean-not-subtracted": D.NO_CENTER,
     "gamma-beta-swapped": D.SWAPPED, "biased-running-var": D.BIASED_RUNNING, "momentum-1-m": D.KERAS,

@@ -17,10 +17,11 @@ from bnprobe.core.errors import BNProbeError
 from bnprobe.kernels.layout import channel_column, reduce_axes
 
 __all__ = ["BUGS", "TEXT", "GROUPS", "CHECKS", "RECIPES", "CONVENTION_HINTS", "model", "Outputs", "describe",
-           "running_item"]
+           "running_item", "bugs_changing", "names_a_bug"]
 
 EPS_ON_SIGMA = "eps-on-sigma"
 EPS_MISSING = "eps-missing"
+EPS_MAX = "eps-max"
 EPS_IGNORED = "eps-ignored"
 SQRT_MISSING = "no-sqrt"
 UNBIASED = "unbiased-normalise"
@@ -52,6 +53,7 @@ DG_DB_SWAPPED = "dgamma-dbeta-swapped"
 TEXT: dict[str, str] = {
     EPS_ON_SIGMA: "eps added to sigma instead of sigma^2",
     EPS_MISSING: "eps missing",
+    EPS_MAX: "eps as a floor on the variance: 1/sqrt(max(var, eps)) (vacancy0x0/Synchronized-BatchNorm-PyTorch#38)",
     EPS_IGNORED: f"eps ignored (uses {EPS:g})",
     SQRT_MISSING: "square root missing: normalised by var + eps",
     UNBIASED: "unbiased variance used for normalisation",
@@ -85,6 +87,7 @@ _NORMALISE = ("y_train", "saved", "y_infer", "backward", "y_eval")
 BUGS: dict[str, tuple[str, ...]] = {  # id: the groups it changes
     EPS_ON_SIGMA: _NORMALISE,
     EPS_MISSING: _NORMALISE,
+    EPS_MAX: _NORMALISE,
     EPS_IGNORED: _NORMALISE,
     SQRT_MISSING: _NORMALISE,
     UNBIASED: ("y_train", "saved", "backward"),
@@ -112,6 +115,18 @@ CHECKS = {  # group: (checklist item, what its outputs are)
                "inference outputs y after the steps"),
 }
 ELEMENTWISE = ("y", "y_infer", "dx", "y_eval")
+
+
+def names_a_bug(cause: Any) -> bool:
+    """Whether a compare-precision row's ``cause`` is one of these bugs' models (several joined by ``|`` where the
+    call could not tell them apart), not a numerical recipe."""
+    return isinstance(cause, str) and bool(cause) and all(part in BUGS for part in cause.split("|"))
+
+
+def bugs_changing(output: str) -> tuple[str, ...]:
+    """The bugs of :data:`BUGS` that change ``output`` (y, saved_mean, saved_invstd, running_mean, running_var,
+    y_infer, dx, dgamma, dbeta), in the catalogue's order."""
+    return tuple(bug for bug, groups in BUGS.items() if any(output in GROUPS[g] for g in groups))
 ONE_PASS = "one-pass-variance"
 #: numerical recipes (not bugs: policy options a kernel may choose) that a bug may come on top of, in words
 RECIPES: dict[str, str] = {ONE_PASS: "one-pass variance"}
@@ -199,6 +214,8 @@ def model(call: BNCall, *, bug: str | None = None, saved: tuple[np.ndarray, np.n
             return 1 / (np.sqrt(v) + eps)
         if bug == EPS_MISSING:
             return 1 / np.sqrt(v)
+        if bug == EPS_MAX:
+            return 1 / np.sqrt(np.maximum(v, eps))
         if bug == SQRT_MISSING:
             return 1 / (v + eps)
         return 1 / np.sqrt(v + eps)
