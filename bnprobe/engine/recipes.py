@@ -222,15 +222,37 @@ def _rmse(a: np.ndarray, b: np.ndarray) -> float:
 
 def recipe_fits(got: Any, recipe_out: Any, bench: Any, golden: Any, fmt: str, terms: int = 1) -> bool:
     """Whether a recipe's output reproduces a kernel's: within the bench's own error against the golden (or one
-    ulp RMS of the output, whichever is larger) and at most half the kernel's error against the golden.  A
+    ulp RMS of the output, at the larger of the golden's and the recipe's magnitudes, whichever is larger) and at
+    most half the kernel's error against the golden; where the kernel gives NaN/inf and the golden does not, the
+    recipe gives the same there, and the finite rest is within that floor.  A
     per-channel output summed over ``terms`` values (dγ, dβ: the kernel's own sum, in its own order, against a
     recipe's exact one) is allowed √terms ulps RMS: a sum's rounding errors in an unknown order grow as a random
     walk of its terms."""
     g = np.asarray(golden, dtype=np.float64)
     if np.shape(got) != g.shape or np.shape(recipe_out) != g.shape:
         return False
-    ulp = get_format(fmt).ulp(g[np.isfinite(g)])
+    a, o = np.asarray(got, dtype=np.float64), np.asarray(recipe_out, dtype=np.float64)
+    new_nonfinite = ~np.isfinite(a) & np.isfinite(g)
+    if new_nonfinite.any():
+        # NaN/inf where the golden has none: the recipe must give the very same there (a value NaN/inf, its sign),
+        # which says more than any distance; what stays finite must then be within the floor below
+        if not np.array_equal(a[new_nonfinite], o[new_nonfinite], equal_nan=True):
+            return False
+        keep = np.isfinite(a) & np.isfinite(g)
+        a, o, g, bench = a[keep], o[keep], g[keep], np.asarray(bench, dtype=np.float64)[keep]
+        if not a.size:
+            return True
+        return bool(_rmse(a, o) <= _floor(bench, g, o, fmt, terms))
+    to_recipe, to_gold = _rmse(a, o), _rmse(a, g)
+    return bool(to_recipe <= _floor(bench, g, o, fmt, terms) and to_recipe <= 0.5 * to_gold)
+
+
+def _floor(bench: Any, g: np.ndarray, recipe_out: np.ndarray, fmt: str, terms: int) -> float:
+    """How far a kernel following a recipe may be from it: the bench's RMSE against the golden, or one ulp RMS
+    (√terms for a sum), whichever is larger."""
+    # (a kernel following the recipe rounds at the recipe's magnitude: one far from the golden is larger, or smaller)
+    with np.errstate(invalid="ignore"):
+        size = np.fmax(np.abs(g), np.abs(recipe_out))
+    ulp = get_format(fmt).ulp(size[np.isfinite(size)])
     ulps = float(np.sqrt(np.mean(ulp * ulp))) if ulp.size else 0.0
-    floor = max(_rmse(bench, g), ulps * max(1.0, float(np.sqrt(terms))))
-    to_recipe, to_gold = _rmse(got, recipe_out), _rmse(got, g)
-    return bool(to_recipe <= floor and to_recipe <= 0.5 * to_gold)
+    return max(_rmse(bench, g), ulps * max(1.0, float(np.sqrt(terms))))

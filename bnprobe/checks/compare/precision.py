@@ -39,6 +39,8 @@ from bnprobe.checks.compare.identified import (
     resettable,
     with_choices,
 )
+from bnprobe.checks.doctor.bugs import BUGS, bugs_changing, describe
+from bnprobe.checks.doctor.bugs import model as bug_model
 from bnprobe.checks.doctor.family_bugs import model_outputs, models_of, reproduced_by
 from bnprobe.checks.identify.kernels import Known, known
 from bnprobe.kernels.policy import Policy, get_policy
@@ -476,6 +478,7 @@ def _compare_adapter(a: KernelAdapter, cc: _CaseCall, j: _Judging, tables: _Tabl
         run = _run(a, cc)
     gold_t = cc.gold_train
     explain = _explain(call, gold_t, cc.rec.params)
+    stats_cause: tuple[str, str] | None = None  # what named the kernel's saved statistics (its gradients inherit it)
     for t, act in run.got.items():
         natural = _natural(t, run, call, gold_t)
         r = _row(j, _Place(a.name, fmt, case, t), act, run.gold[t], run.formats[t], scale=_scale(run, t),
@@ -489,8 +492,11 @@ def _compare_adapter(a: KernelAdapter, cc: _CaseCall, j: _Judging, tables: _Tabl
             naming = _Naming(a, j, bench_out, bench_a)
             if t in bench_out:  # the recipe models first (each says more than a recipe), then identify's recipe
                 _name_recipe(r, cc, run, t, bench_out[t].value)
-            if "cause" not in r and not _name_identified(r, cc, run, t, naming):
+            if "cause" not in r and not _name_identified(r, cc, run, t, naming) and \
+                    not _name_bug(r, cc, run, t, naming, stats_cause):
                 _unnamed(r, cc, run, t, naming)
+            if t in ("saved_mean", "saved_invstd") and r.get("named") and stats_cause is None:
+                stats_cause = (r["cause"], r["named"])
         tables.rows.append(r)
     if call.norm != "batch":  # (the per-channel table and the error budget are BatchNorm's)
         return
@@ -1075,6 +1081,88 @@ def _name_family(r: dict[str, Any], cc: _CaseCall, run: CallRun, t: str, a: Kern
     return False
 
 
+def _bug_tried(a: KernelAdapter, call: BNCall) -> bool:
+    """Whether doctor's BatchNorm bug models are tried on a failing output of kernel ``a`` on ``call``: a kernel not
+    of bnprobe's own (an emulated kernel's policy has no logic bug), on a channels-first call."""
+    caps = a.capabilities()
+    return not (caps.staged or caps.golden) and call.layout == "channels_first"
+
+
+def _name_bug(r: dict[str, Any], cc: _CaseCall, run: CallRun, t: str, n: _Naming,
+              stats_cause: tuple[str, str] | None = None) -> bool:
+    """Name a failing BatchNorm output ``t`` by doctor's bug models (:data:`~bnprobe.checks.doctor.bugs.BUGS`) whose
+    FP64 model on this call, rounded to the format ``t`` is returned in, reproduces it as a recipe must
+    (:func:`~bnprobe.engine.recipes.recipe_fits`: no farther from the kernel than the bench is from the golden, and
+    at most half the kernel's distance to the golden): the row's ``cause`` (the bug's id; the ids joined by ``|``
+    where several models reproduce it and this call cannot tell them apart, as ε missing and ε as a floor on the
+    variance where no variance is below ε), ``named`` and ``why``; whether one did.  A gradient that no model
+    reproduces but the golden backward from the statistics the kernel saved does is named by what named those
+    statistics (``stats_cause``: (cause, words) of its saved_mean or saved_invstd row).  Each model's outputs are
+    formed once per case call, when first read."""
+    from bnprobe.numerics.rounding import round_to
+
+    call = cc.golden.call
+    bench = n.bench_out.get(t)
+    if not _bug_tried(n.kernel, call) or bench is None or t not in run.got:
+        return False
+    if t in ("running_mean", "running_var") and (call.momentum is None or call.running_mean is None):
+        return False  # (a cumulative average, or no running statistics: the models update none)
+    if t in ("dx", "dgamma", "dbeta") and call.dy is None:
+        return False
+    conv = convention_of(n.kernel).name
+    c = np.shape(call.x)[1]
+    f64 = lambda v, fill: np.full(c, fill) if v is None else np.asarray(v, dtype=np.float64)  # noqa: E731
+    shared = cc.recipes.setdefault(f"bug-models:{conv}", {})
+    c64 = call.with_(x=np.asarray(call.x, dtype=np.float64), gamma=f64(call.gamma, 1.0), beta=f64(call.beta, 0.0),
+                     running_mean=f64(call.running_mean, 0.0), running_var=f64(call.running_var, 1.0),
+                     # (without a backward, a dy of one zero: the models form their gradients' common sum at once)
+                     dy=np.zeros((1,) * np.ndim(call.x)) if call.dy is None else np.asarray(call.dy, dtype=np.float64))
+    terms = layout_of(call.x).reduce_size if t in ("dgamma", "dbeta") else 1
+
+    def fits(key: str, make: Callable[[], Any]) -> bool:
+        if key not in cc.recipes:
+            with np.errstate(all="ignore"):
+                cc.recipes[key] = make()
+        with np.errstate(all="ignore"):
+            out = round_to(np.asarray(cc.recipes[key][t], dtype=np.float64), run.formats[t])
+        return recipe_fits(run.got[t], out, bench.value, run.gold[t], run.formats[t], terms)
+
+    saved = run.saved
+    stored = None if saved is None or saved.mean is None or not call.training else \
+        (np.asarray(saved.mean, dtype=np.float64), np.asarray(saved.invstd(call.eps), dtype=np.float64))
+    shared_stored: dict[Any, Any] = cc.recipes.setdefault(f"bug-models-from-saved:{conv}", {})
+
+    def made(bug: str) -> tuple[str, Callable[[], Any]]:
+        """A model's key and maker: a bug of the backward alone from the statistics the kernel saved (as its
+        backward takes them), any other from its own."""
+        if BUGS[bug] == ("backward",) and stored is not None:
+            return f"bug-model:{bug}:{conv}:from-saved", lambda: bug_model(c64, bug=bug, saved=stored, convention=conv,
+                                                                           shared=shared_stored)
+        return f"bug-model:{bug}:{conv}", lambda: bug_model(c64, bug=bug, convention=conv, shared=shared)
+
+    from_saved = (f"bug-model:from-saved:{conv}", lambda: bug_model(c64, saved=stored, convention=conv,
+                                                                     shared=shared_stored))
+    # a backward bug is not seen where the right backward from the same saved statistics gives the kernel's output too
+    # (statistics of NaN make every backward NaN): the statistics are then what names it, below
+    right_from_saved = stored is not None and t in ("dx", "dgamma", "dbeta") and fits(*from_saved)
+    found = [bug for bug in bugs_changing(t)
+             if not (right_from_saved and BUGS[bug] == ("backward",)) and fits(*made(bug))]
+    if found:
+        words = describe(found[0], conv)
+        if len(found) > 1:
+            words += " (not told apart on this call from: " + "; ".join(describe(b, conv) for b in found[1:]) + ")"
+        r["cause"], r["named"] = "|".join(found), words
+        r["why"] += f"; it matches doctor's model of the bug: {words}"
+        return True
+    if stats_cause is None or not right_from_saved:
+        return False
+    cause, said = stats_cause
+    r["cause"], r["named"] = cause, f"{said}, in the statistics it saved (its backward is right given them)"
+    r["why"] += f"; it matches the golden backward from the statistics the kernel saved, which doctor's model of " \
+                f"the bug names: {said}"
+    return True
+
+
 def _unnamed_family(r: dict[str, Any], norm: str, j: _Judging, actual: Any, golden: Any, fmt: str,
                     dtype: str) -> None:
     """Say, in a family layer's failing row, what is known of it: how much worse than the bench it is; where it is
@@ -1114,7 +1202,8 @@ def _unnamed(r: dict[str, Any], cc: _CaseCall, run: CallRun, t: str, n: _Naming)
         parts.append(f"{t} in error where {bench} is exact")
     if cc.golden.call.training and "train" in run.modes and run.saved is None:
         parts.append("statistics not saved")
-    parts.append("no recipe model fits")
+    parts.append("no recipe model fits" if not _bug_tried(n.kernel, cc.golden.call) else
+                 "no recipe model and no bug model of doctor's fits")
     caps = n.kernel.capabilities()
     if caps.staged:
         parts.append("an emulated kernel: its policy is its own (its error budget and bnprobe trace locate the "

@@ -36,7 +36,7 @@ from bnprobe.adapters.convention import reference_for
 from bnprobe.core.call import BNCall
 from bnprobe.checks.doctor.bugs import (
     BIASED_RUNNING, ELEMENTWISE, GROUPS, TRAIN_RUNNING, describe,
-    model,
+    model, names_a_bug,
 )
 from bnprobe.engine.cases import Case
 from bnprobe.engine.recorded import PerCall, Recorded, check_options, check_params, given_to, only_call
@@ -132,8 +132,9 @@ def _as_compare(checks: dict[str, Check], a: KernelAdapter, rec: Any, modes: tup
         c.ratio = max(c.ratio, max(float(v["score"]) / float(v["bound"]) for v in failing), 1.0 + 1e-9)
         if c.own_ratio <= 1:  # the doctor's rule passed it: compare-precision's reasons are the evidence
             c.wrong = [f"{v['tensor']} ({v['format']}), by compare-precision's rule: {v['why']}" for v in failing]
-        # what names each failing output: a recipe model, or identify's recipe for the kernel (reproduced on the call)
-        c.causes = [v["named"] for v in failing if v.get("named")]
+        # what names each failing output: a recipe model, or identify's recipe for the kernel (reproduced on the call);
+        # not a bug's model, which the doctor fits itself on every input
+        c.causes = [v["named"] for v in failing if v.get("named") and not names_a_bug(v.get("cause"))]
         c.unnamed = [v["unnamed"] for v in failing if v.get("unnamed")]
     saved, bw = checks.get("saved"), checks.get("backward")
     if saved is None or not saved.causes or bw is None or not (bw.own_ratio > 1 and bw.ratio > 1):
