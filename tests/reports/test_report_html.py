@@ -1,5 +1,5 @@
 """compare-precision's report.html as a person sees it, in a real browser (headless Chromium, where installed;
-.ci/run installs it): at 1400 px no table is clipped or wider than its box and the page is no wider than the
+.ci/run installs it and sets BNPROBE_REQUIRE_BROWSER=1, which turns a missing browser from a skip into a failure): at 1400 px no table is clipped or wider than its box and the page is no wider than the
 window, no cell grows into a tall narrow column, the long table stays in the CSV, and the page prints on few
 pages; its headings are words, each explained; the failing outputs come worst first, sort by a click on a heading
 and filter by adapter, format and output, in one self-contained file that shows every row without JavaScript."""
@@ -7,6 +7,7 @@ and filter by adapter, format and output, in one self-contained file that shows 
 import html
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -19,6 +20,8 @@ from bnprobe.checks.compare.precision import compare_precision
 from bnprobe.reports.compare import COLUMNS, write_report
 
 BROWSER = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+# CI must test the page in a real browser: there a missing one fails the browser tests instead of skipping them
+REQUIRED = os.environ.get("BNPROBE_REQUIRE_BROWSER", "") not in ("", "0")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 # after the page has laid out: its width, the window's, the tables wider than their box, the tallest cell
@@ -30,6 +33,15 @@ window.addEventListener('load', () => {
                                             Math.round(tall)].join(' '));
 });
 </script></body>"""
+
+
+def need_browser() -> None:
+    """Skip without a browser, or fail where BNPROBE_REQUIRE_BROWSER says one is required (CI)."""
+    if BROWSER is None:
+        why = "no Chromium on this machine (chromium, chromium-browser or google-chrome on PATH)"
+        if REQUIRED:
+            pytest.fail(f"{why}, and BNPROBE_REQUIRE_BROWSER is set: the report page must be tested in a browser")
+        pytest.skip(f"{why}; .ci/run installs it")
 
 
 def browser(tmp_path, *args):
@@ -56,8 +68,8 @@ def test_the_page_holds_the_summary_and_failures_and_leaves_every_row_to_the_csv
     assert html.count("<tr>") < len(r.rows)  # not every output as a row
 
 
-@pytest.mark.skipif(BROWSER is None, reason="no Chromium on this machine (.ci/run installs it)")
 def test_report_html_in_a_browser_at_1400px(report, tmp_path):
+    need_browser()
     out, _ = report
     page = tmp_path / "r.html"
     page.write_text((out / "report.html").read_text().replace("</body>", PROBE))
@@ -196,8 +208,7 @@ window.addEventListener('load', () => {
 def driven(report, tmp_path_factory):
     """What the page shows in Chromium once DRIVE has clicked and filtered (the failing outputs' largest absolute
     error, their output, the format with fewest failing outputs), and that format and its count."""
-    if BROWSER is None:
-        pytest.skip("no Chromium on this machine (.ci/run installs it)")
+    need_browser()
     out, r = report
     tmp = tmp_path_factory.mktemp("driven")
     per = r.rows[r.rows["verdict"] == "FAIL"].groupby("dtype").size()
