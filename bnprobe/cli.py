@@ -163,6 +163,17 @@ def _command(name: str, order: str = ""):  # noqa: ANN202 - typer's decorator
     return register
 
 
+def _not_empty(group: Group, names: frozenset[str], fields: tuple[str, ...]) -> None:
+    """The ``group``'s options ``fields`` that were given (of ``names``) as an empty string refused in one line: an
+    empty value names nothing, and taking the default instead would answer another question than the one asked."""
+    from bnprobe.core.errors import named
+
+    for f in fields:
+        value = getattr(group, f)
+        if f in names and isinstance(value, str) and not value.strip():
+            raise BNProbeError(f"{named(f)} is empty")
+
+
 @dataclass(frozen=True)
 class Kernel(Group):
     """The kernel checked: its adapter (each command words it and has its own default), the format it runs in,
@@ -172,6 +183,10 @@ class Kernel(Group):
     dtype: Optional[str] = option("--dtype", "--dtypes", help="Format (default fp16; a recording's own).")
     accumulate: Optional[str] = option(help="Accumulator/compute format for emulated kernels, e.g. fp16 for a naive "
                                             "port.")
+
+    def check(self, names: frozenset[str]) -> None:
+        """A format given empty refused (it would run the default format unasked)."""
+        _not_empty(self, names, ("dtype", "accumulate"))
 
 
 @dataclass(frozen=True)
@@ -213,6 +228,7 @@ class Call(Group):
             check_params(self.params)
         if "mode" in names and self.mode not in (None, "train", "infer", "backward"):
             raise BNProbeError(f"unknown mode {self.mode!r}; valid: train, infer, backward")
+        _not_empty(self, names, ("convention",))
 
 
 @dataclass(frozen=True)
@@ -505,6 +521,7 @@ def _family_call(command: str, layer: Norm, gen: Generated, input: Optional[Path
     x = input_tensor(command, input, None if input is not None else gen.shape or _family_shape(layer.norm), d.dist,
                      d.mean, d.std, d.seed)
     sh = NormShape.of(layer.norm, x.shape, layer.dims(), layer.groups)
+    _family_rows(layer, x.shape)
     prm = make_params(math.prod(sh.param_shape), d.seed)
     dy = np.random.default_rng([d.seed, 2]).standard_normal(x.shape) if backward else None
     call = BNCall(x, prm["gamma"].reshape(sh.param_shape),
@@ -523,6 +540,17 @@ def _refuse_running(layer: Norm, bn: Call) -> None:
     if bn.layout not in (None, "channels_first"):
         raise BNProbeError(f"--layout {bn.layout}: {name} takes x as it is laid out (channels_first); --layout is "
                            "BatchNorm's")
+
+
+def _family_rows(layer: Norm, shape: tuple[int, ...]) -> None:
+    """A family layer's input whose rows of statistics hold one value each, refused in one line before any work (its
+    statistics are of one value: no output a check could judge depends on x as the layer's does)."""
+    from bnprobe.core.call import NORM_NAMES
+    from bnprobe.core.kernel import one_value_per_row
+    from bnprobe.kernels.layout import NormShape
+
+    if NormShape.of(layer.norm, tuple(shape), layer.dims(), layer.groups).r < 2:
+        raise BNProbeError(one_value_per_row(NORM_NAMES[layer.norm], shape))
 
 
 def _trace_norm(policy: Optional[str], layer: Norm, gen: Generated, bn: Call, src: Source, report: Output) -> None:
@@ -670,6 +698,11 @@ def dump_cmd(
     else:
         x = input_tensor("dump", input, gen.shape, d.dist, d.mean, d.std, d.seed)
         lay = layout_of(x, bn.layout)
+        if lay.reduce_size < 2 and not a.capabilities().training_r1 and {"train", "backward"} & set(wanted):
+            from bnprobe.core.kernel import one_value_per_channel
+
+            raise BNProbeError(one_value_per_channel(x.shape, "recording training",
+                                                     "--modes infer records its inference"))
         prm = make_params(lay.channels, d.seed)
         dy = np.random.default_rng([d.seed, 2]).standard_normal(x.shape)
         # the call's format is dump's own default (fp16), not a BNCall's (fp32); its scalars not given are BNCall's
@@ -784,6 +817,8 @@ def _formats_and_dtypes(format: str, dtypes: Optional[str]) -> tuple[list, tuple
         fmts = report_formats(format)
     except BNProbeError as exc:
         raise BNProbeError(f"--format: {exc}") from None
+    if not fmts:
+        raise BNProbeError("--format is empty; valid: csv, json, md, html")
     dts = tuple(d.strip() for d in dtypes.split(",") if d.strip()) if dtypes is not None else None
     if dts == ():
         raise BNProbeError("--dtypes is empty")
@@ -840,8 +875,8 @@ def compare_precision_cmd(
                           "call of a bnprobe/msprobe dump); builtin: the Ascend emulators (ascend-tbe, ascend-bnv3, "
                           "ascend-950), the 16-bit-accumulator ports (emulated:fp16-acc16, emulated:bf16-acc16) and "
                           "torch where installed."),
-        dtype=dict(flags=("--dtypes", "--dtype"), help="Comma-separated formats (default fp16,bf16,fp32; a "
-                                                       "recording's own format).")),
+        dtype=dict(flags=("--dtypes", "--dtype"), check=False,  # (checked as a list: "--dtypes is empty")
+                   help="Comma-separated formats (default fp16,bf16,fp32; a recording's own format).")),
     gen: Generated = Generated.use(shape="One input shape N,C[,...] instead of the ResNet-50 set.",
                                    seed=dict(default=0, help="Seed of generated inputs.")),
     shapes: str = typer.Option("sample", help="Shape set when --shape is not given: sample (two ResNet-50 shapes) "
@@ -1004,6 +1039,7 @@ def _overflow_layer(layer: Norm, target: Kernel, src: Source, gen: Generated, bn
     sink = report.sink()
     x = input_tensor("overflow", src.input, gen.shape or (None if src.input is not None else FAMILY_INPUT[layer.norm]),
                      gen.dist, gen.mean, gen.std, gen.seed)
+    _family_rows(layer, x.shape)
     call = BNCall(x, **_if_given(eps=bn.eps), norm=layer.norm, normalized_shape=layer.dims(), groups=layer.groups)
     rep = scan(target.adapter, call, dtype=target.dtype, accumulate=target.accumulate, mode=bn.mode, seed=gen.seed,
                params=bn.params, dy=dy)
@@ -1122,6 +1158,8 @@ def doctor_cmd(
     each output judged by compare-precision's judge, each failure named by the public defect whose
     emulation reproduces it. Exit 0 when healthy, 1 when something failed."""
     from bnprobe.checks.doctor.diagnosis import doctor
+    from bnprobe.checks.doctor.inputs import GENERATED, USER
+    from bnprobe.core.kernel import inference_alone
     from bnprobe.engine.recorded import check_options, given, is_dump_path, recording_of
     from bnprobe.inputs import input_tensor
     from bnprobe.reports.checks import doctor_report
@@ -1155,10 +1193,15 @@ def doctor_cmd(
         raise BNProbeError(f"{', '.join(generating)} make an input of their own: they do not apply to --input {input}; "
                            "drop one")
     made = input_tensor("doctor", None, gen.shape, gen.dist, gen.mean, gen.std, gen.seed) if generating else None
-    rep = doctor(kernel, dtype, seed=gen.seed, stability=stability is not False, params=params,
-                 x=None if tensor is None else input_tensor("doctor", tensor), eps=eps, generated=made, recipe=recipe,
-                 **_if_given(momentum=momentum))
-    return _show(doctor_report(rep), sink, as_json)
+    x = None if tensor is None else input_tensor("doctor", tensor)
+    rep = doctor(kernel, dtype, seed=gen.seed, stability=stability is not False, params=params, x=x, eps=eps,
+                 generated=made, recipe=recipe, **_if_given(momentum=momentum))
+    # an input of one value per channel is judged in inference alone (training is undefined there): said
+    ones = [n for n, t in ((USER, x), (GENERATED, made)) if t is not None and t.ndim >= 2 and t.size // t.shape[1] < 2]
+    if ones:
+        rep.notes.append(inference_alone(ones))
+    left = f"training forward and backward not judged on {', '.join(ones)} (R = N·H·W = 1 value per channel)"
+    return _show(doctor_report(rep, left_out=left if ones else ""), sink, as_json)
 
 
 def _doctor_layer(layer: Norm, target: Kernel, bn: Call, gen: Generated, src: Source, report: Output,
@@ -1188,8 +1231,12 @@ def _doctor_layer(layer: Norm, target: Kernel, bn: Call, gen: Generated, src: So
                            f"{src.input}; drop one")
     sink = report.sink()
     made = input_tensor("doctor", None, gen.shape, gen.dist, gen.mean, gen.std, gen.seed) if generating else None
-    rep = doctor_family(target.adapter, target.dtype, seed=gen.seed, stability=stability is not False,
-                        x=None if src.input is None else input_tensor("doctor", src.input), generated=made,
+    x = None if src.input is None else input_tensor("doctor", src.input)
+    for t in (x, made):
+        if t is not None:
+            _family_rows(layer, t.shape)
+    rep = doctor_family(target.adapter, target.dtype, seed=gen.seed, stability=stability is not False, x=x,
+                        generated=made,
                         options=CallOptions(eps=bn.eps, params=bn.params, norm=layer.norm,
                                             normalized_shape=layer.dims(), groups=layer.groups))
     return _show(doctor_report(rep), sink, report.as_json)
@@ -1291,6 +1338,7 @@ def _identify_layer(layer: Norm, target: Kernel, bn: Call, src: Source, gen: Gen
 
         x = input_tensor("identify", src.input, gen.shape, gen.dist, gen.mean, gen.std, gen.seed)
         sh = NormShape.of(layer.norm, x.shape, layer.dims(), layer.groups)
+        _family_rows(layer, x.shape)
         rng = np.random.default_rng([gen.seed or 0, 5])
         extra.append(BNCall(x, gamma=rng.uniform(0.3, 3.0, sh.param_shape),
                             beta=None if layer.norm == "rms" else rng.normal(0.0, 1.0, sh.param_shape),
@@ -1351,6 +1399,11 @@ def shrink_cmd(
     else:
         x = input_tensor("shrink", src.input, gen.shape, gen.dist, gen.mean, gen.std, gen.seed)
         dtype, mode, params, notes = generated_case(dtype, mode, params, kernel=a)
+    if mode != "infer" and x.ndim >= 2 and x.size // x.shape[1] < 2:  # (its predicate never fails there)
+        from bnprobe.core.kernel import one_value_per_channel
+
+        raise BNProbeError(one_value_per_channel(x.shape, "shrinking a training failure",
+                                                 "--mode infer shrinks an inference failure"))
     fails = predicate_for(predicate, a, dtype=dtype, mode=mode, recorded=kept, params=params)
     with Progress("shrink") as bar:
         res = shrink(x, fails, seconds=seconds, progress=bar.steps(20))
@@ -1384,6 +1437,7 @@ def _shrink_layer(layer: Norm, target: Kernel, bn: Call, predicate: str, src: So
     x = input_tensor("shrink", src.input, gen.shape or (None if src.input is not None else FAMILY_INPUT[layer.norm]),
                      gen.dist, gen.mean, gen.std, gen.seed)
     fam = FamilyLayer.of(layer.norm, tuple(x.shape), layer.dims(), layer.groups)
+    _family_rows(layer, x.shape)
     fails = predicate_for(predicate, a, dtype=dtype, mode=mode, recorded=None, params=params, layer=fam)
     sink = report.sink("shrink", "x.npy", "shrink.json")
     with Progress("shrink") as bar:

@@ -24,7 +24,8 @@ import numpy as np
 from bnprobe.core.call import EPS, MOMENTUM, NORM_NAMES, NORMS, BNCall
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
-from bnprobe.core.kernel import MODES, PARAM_PRECISIONS, SAVED_KINDS, Capabilities, Saved, params_format, params_mode
+from bnprobe.core.kernel import MODES, PARAM_PRECISIONS, SAVED_KINDS, Capabilities, Saved, params_format, params_mode, \
+    one_value_per_channel
 from bnprobe.kernels.layout import Layout, NormShape, as_channel_vector, check_eps, check_momentum, layout_of
 from bnprobe.kernels.trace import Trace
 from bnprobe.numerics.rounding import round_to
@@ -171,8 +172,7 @@ class BaseAdapter:
             "gamma": (c.gamma, 1.0, False), "beta": (c.beta, 0.0, False),
             "running_mean": (c.running_mean, None, False), "running_var": (c.running_var, None, False)}, call=c)
         if p.lay.reduce_size < 2 and not self.capabilities().training_r1:
-            raise BNProbeError(
-                f"training needs more than one value per channel; x has shape {p.lay.shape}, so N*H*W = 1")
+            raise BNProbeError(one_value_per_channel(p.lay.shape))
         with _implements(self, "training forward"):
             out = self._forward_train_impl(p, momentum=check_momentum(c.momentum), eps=check_eps(c.eps))
         self._check_forward(out, p, training=True)

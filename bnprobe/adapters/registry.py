@@ -316,6 +316,9 @@ def get_adapter(spec: str | KernelAdapter) -> KernelAdapter:
     else:
         head, sep, opts = spec.partition(":")
         info = BUILTIN.get(head) if sep else None
+        if info is not None and not opts.strip():  # a ':' promises options: none given is a mistake
+            raise BNProbeError(f"adapter {spec!r} has nothing after ':'; give " + (
+                "dump:DIR" if head == "dump" else f"{head} alone, or {head}:<options>"))
     if info is not None:
         why = info.why_unavailable()
         if why and not (info.name == "torch" and opts):

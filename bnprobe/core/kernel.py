@@ -12,7 +12,8 @@ from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import get_format
 
 __all__ = ["MODES", "SAVED_KINDS", "PARAM_PRECISIONS", "Capabilities", "Saved", "params_format", "params_mode",
-           "MODE_OUTPUTS", "runs_only", "modes_left_out", "needs_modes", "one_mode"]
+           "MODE_OUTPUTS", "runs_only", "modes_left_out", "needs_modes", "one_mode", "one_value_per_channel",
+           "TRAINING_R1", "inference_alone", "one_value_per_row"]
 
 MODES = ("train", "infer", "backward")
 # what a training forward saves for the backward: mean + 1/sqrt(var + eps) (PyTorch, cuDNN, Ascend 950)
@@ -162,3 +163,30 @@ def one_mode(name: str, runs: Iterable[str], mode: str | None, default: str = "t
     if first is None:
         raise BNProbeError(f"{name} declares no mode it runs (its capabilities' modes are empty)")
     return first, modes_left_out(name, runs)
+
+
+#: why training (and its backward) is undefined on one value per channel, in the words every command uses
+TRAINING_R1 = "its unbiased running variance divides by R − 1 = 0"
+
+
+def one_value_per_channel(shape: Iterable[int], what: str = "training", hint: str = "") -> str:
+    """The one line refusing ``what`` (training, a training forward's backward) on an input of ``shape`` that holds
+    one value per channel: ``"training needs more than one value per channel: x of shape (1, 3) has R = N·H·W = 1
+    value per channel"``, then ``hint`` (what can be run instead, e.g. its inference) after a semicolon."""
+    return (f"{what} needs more than one value per channel: x of shape {tuple(int(n) for n in shape)} has "
+            f"R = N·H·W = 1 value per channel" + (f"; {hint}" if hint else ""))
+
+
+def inference_alone(names: Iterable[str], left: Iterable[str] = ("train", "backward")) -> str:
+    """The note of a check that judges inputs ``names``, each holding one value per channel, in inference alone:
+    the modes ``left`` out of them named with their outputs, and why."""
+    words = " and ".join(MODE_OUTPUTS[m] for m in MODES if m in tuple(left))
+    return (f"{', '.join(names)}: R = N·H·W = 1 value per channel, so its inference alone is judged: its {words} "
+            f"are not ({TRAINING_R1})")
+
+
+def one_value_per_row(layer: str, shape: Iterable[int], what: str = "") -> str:
+    """The one line refusing a family layer (``layer``: LayerNorm, RMSNorm, GroupNorm, InstanceNorm; ``what``: its
+    part, e.g. "'s backward") an input of ``shape`` whose rows of statistics hold one value each."""
+    return (f"{layer}{what} needs more than one value per row of its statistics: x of shape "
+            f"{tuple(int(n) for n in shape)} has R = 1 value per row")

@@ -25,6 +25,7 @@ import numpy as np
 from bnprobe.core.call import EPS, MOMENTUM
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
+from bnprobe.core.kernel import one_value_per_channel
 from bnprobe.kernels.fused import COMPILED_CHUNK_ELEMENTS, Fused, Source, compiled_route
 from bnprobe.kernels.layout import Layout, as_channel_vector, check_eps, check_momentum, layout_of
 from bnprobe.kernels.policy import FAMILY_ONLY, Policy, get_policy
@@ -504,9 +505,7 @@ def batch_policy(pol: Policy) -> Policy:
 
 def _check_train_size(lay: Layout, policy: Policy | None = None) -> None:
     if lay.reduce_size < 2 and (policy is None or policy.unbiased_r1 == "error"):
-        raise BNProbeError(
-            f"training needs more than one value per channel for batch statistics and the unbiased running "
-            f"variance; x has shape {lay.shape}, so N*H*W = {lay.reduce_size}")
+        raise BNProbeError(one_value_per_channel(lay.shape))
 
 
 def forward_train(

@@ -422,11 +422,14 @@ def get_policy(spec: str | Policy) -> Policy:
     """A preset by name, optionally with overrides: ``"fp16:variance=naive,order=sequential"``."""
     if isinstance(spec, Policy):
         return spec
-    base, _, rest = spec.strip().partition(":")
+    base, colon, rest = spec.strip().partition(":")
     if base not in PRESETS:
         raise BNProbeError(
             f"unknown policy {base!r}; presets: {', '.join(PRESETS)} (add overrides as name:key=value,...)")
     policy = PRESETS[base]
+    if colon and not rest.strip():  # a ':' promises overrides: none given is a mistake, not the preset
+        raise BNProbeError(f"policy {spec.strip()!r} has no override after ':'; give {base} alone, or "
+                           f"{base}:key=value,...")
     if not rest:
         return policy
     changes: dict[str, object] = {}

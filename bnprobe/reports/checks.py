@@ -164,10 +164,10 @@ def _details(failed: list[tuple[str, Any]]) -> list[str]:
     return out
 
 
-def doctor_report(rep: DoctorReport | PerCall) -> Report:
+def doctor_report(rep: DoctorReport | PerCall, left_out: str = "") -> Report:
     """The checklist on one kernel: PASS/WARN/FAIL per item with its evidence, the details of what is wrong and
     the known bugs that match; or on every call of a recording (one row per call, then the items that did not
-    pass)."""
+    pass).  ``left_out``: what the checklist did not judge, said in the title after the verdict."""
     import pandas as pd
 
     if isinstance(rep, OfCalls):
@@ -177,7 +177,7 @@ def doctor_report(rep: DoctorReport | PerCall) -> Report:
     table = render_table(rows, ["status", "name", "evidence"], headers=["status", "check", "evidence"])
     layer = "" if rep.layer is None else f" {rep.layer}"
     title = f"doctor {rep.adapter}{layer} in {rep.dtype}, params {rep.params}: " + \
-        ("healthy" if rep.passed else "something failed")
+        ("healthy" if rep.passed else "something failed") + (f"; {left_out}" if left_out else "")
     blocks = [f"inputs: {', '.join(rep.inputs)}", table, *_details([(it.name, it.details) for it in rep.items])]
     if rep.diagnosis:
         blocks.append("diagnosis: " + "; ".join(rep.diagnosis))

@@ -155,7 +155,9 @@ def report_intro(result: CompareResult) -> str:
     return (f"Adapters {', '.join(m['adapters'])}; formats {', '.join(m['dtypes'])}; {len(m['cases'])} inputs; "
             f"mode {m['mode']}; every output against the FP64 golden on the same rounded inputs, judged by "
             f"{judged}; format warnings by msprobe's absolute standard (rule 'scaled', beyond the format's own "
-            "rounding).")
+            "rounding)." + (f" Not judged: the {' and '.join(MODE_LEFT[m] for m in left['modes'])} of "
+                            f"{', '.join(left['cases'])} ({left['why']}: training is undefined there, its inference "
+                            "alone is judged)." if (left := m.get("left_out")) else ""))
 
 
 def report_files(formats: tuple[str, ...] = REPORT_FORMATS) -> list[str]:
@@ -247,6 +249,21 @@ def _cause(rows: Any) -> list[str]:
     return ["cause"] if "cause" in rows and rows["cause"].notna().any() else []
 
 
+def _left_out(result: CompareResult) -> str:
+    """The modes no output was judged in because an input holds one value per channel, said in the headline (the
+    notes say why): such a run passes on its inference alone."""
+    left = result.meta.get("left_out")
+    if not left:
+        return ""
+    n = len(left["cases"])
+    return (f"; {' and '.join(MODE_LEFT[m] for m in left['modes'])} not judged on {n} input{'s' if n > 1 else ''} "
+            f"({left['why']})")
+
+
+#: each mode as the headline names what it did not judge
+MODE_LEFT = {"train": "training forward", "backward": "backward"}
+
+
 def _unjudged(result: CompareResult) -> str:
     """How many outputs no rule measured (msprobe's benchmark skips float64 outputs), said in the headline: such an
     output passes without having been judged."""
@@ -272,7 +289,7 @@ def compare_lines(result: CompareResult, what: str, recorded_notes: tuple[str, .
     lines = [f"compare-precision: {what}, {len(result.rows)} outputs vs the FP64 golden ({judged}), "
              f"{result.meta['seconds']} s: " + ("all pass" if result.passed else f"{n_fail} fail")
              + (f"; {n_worse} worse than {result.meta['bench']}" if n_worse else "")
-             + f"; {n_warn} format warning(s)" + _unjudged(result),
+             + f"; {n_warn} format warning(s)" + _unjudged(result) + _left_out(result),
              render_table(rows, ["adapter", "dtype", "checked", "failed", "worst", "worst / bound", "worse",
                                  "worse_worst", "format_warnings", "format_worst", "budget"],
                           headers=["adapter", "format", "outputs", "failed", "worst output", "worst/bound",

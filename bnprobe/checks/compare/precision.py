@@ -70,7 +70,7 @@ from bnprobe.engine.run import (
 )
 from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import get_format
-from bnprobe.core.kernel import modes_left_out, needs_modes
+from bnprobe.core.kernel import inference_alone, modes_left_out, needs_modes, one_value_per_channel, one_value_per_row
 from bnprobe.guard import release_free_memory
 from bnprobe.inputs import make_params
 from bnprobe.kernels.layout import NormShape, layout_of
@@ -661,6 +661,7 @@ def compare_precision(
     tables = _Tables([], [], [])  # the three tables' rows
     notes: list[str | _CallNote] = _modes_left_out(resolved, mode, modes)  # what the verdicts cannot show
     modes, budget = (_family_modes(options, cases, mode, modes, notes), False) if family else (modes, budget)
+    one_value = [] if family else _one_value_cases(cases, mode, modes, notes)
     skip, total = _default_formats(resolved, cases, fmts, dtypes)
     done = 0
     t0 = time.monotonic()
@@ -697,6 +698,9 @@ def compare_precision(
             "standards": "msprobe" if standards is None else "custom", "rule": rule,
             "bench": bench_a.name if bench_a is not None else None,
             "notes": [str(n) for n in notes]}
+    if one_value:  # (said in the headline and the report's introduction too)
+        meta["left_out"] = {"cases": one_value, "modes": [m for m in modes if m != "infer"],
+                            "why": "R = N·H·W = 1 value per channel"}
     return CompareResult(pd.DataFrame(tables.rows), pd.DataFrame(tables.chans), pd.DataFrame(tables.budgets), meta)
 
 
@@ -747,8 +751,9 @@ def _family_cases(options: CallOptions, resolved: list[KernelAdapter], dumps: li
         raise BNProbeError(f"{', '.join(refused)} run{'s' if len(refused) == 1 else ''} no {layer}: name adapters "
                            "that do (reference, careful, emulated[:<policy>], torch)")
     cases = family_cases(options.norm, seed) if cases is None else cases
-    for c in cases:  # (its normalised shape, its groups)
-        NormShape.of(options.norm, c.shape, options.normalized_shape, options.groups)
+    for c in cases:  # (its normalised shape, its groups; statistics of more than one value, or nothing to judge)
+        if NormShape.of(options.norm, c.shape, options.normalized_shape, options.groups).r < 2:
+            raise BNProbeError(one_value_per_row(layer, c.shape))
     return cases
 
 
@@ -764,6 +769,21 @@ def _family_modes(options: CallOptions, cases: list[Case], mode: str, modes: tup
     notes.append(f"{layer}: statistics per row of {', '.join(map(str, rs))} values; its inference is its training "
                  "forward (no running statistics), judged once as y")
     return tuple(m for m in modes if m != "infer")
+
+
+def _one_value_cases(cases: list[Case], mode: str, modes: tuple[str, ...], notes: list[str | _CallNote]) -> list[str]:
+    """The generated cases with one value per channel (R = N·H·W = 1), where training and its backward are undefined
+    (:func:`~bnprobe.core.kernel.inference_alone` says why): refused in one line when ``mode`` asks for one of them by name, else
+    judged in inference only, said in ``notes``; their names."""
+    ones = [c for c in cases if c.recorded is None and len(c.shape) >= 2 and math.prod(c.shape) // c.shape[1] < 2]
+    left = [m for m in modes if m != "infer"]
+    if not ones or not left:
+        return []
+    if mode != "all":
+        raise BNProbeError(one_value_per_channel(ones[0].shape, f"{named('mode')} {mode}",
+                                                 f"{named('mode')} infer or all judges its inference"), field="mode")
+    notes.append(inference_alone([c.name for c in ones], left))
+    return [c.name for c in ones]
 
 
 def _modes_left_out(adapters: list[KernelAdapter], mode: str, modes: tuple[str, ...]) -> list[str | _CallNote]:

@@ -49,6 +49,7 @@ from bnprobe.checks.gradcheck.gradients import (
 from bnprobe.core.call import EPS, NORM_NAMES, BNCall
 from bnprobe.core.errors import BNProbeError
 from bnprobe.core.formats import get_format
+from bnprobe.core.kernel import one_value_per_row
 from bnprobe.core.tolerances import (
     FINITE_DIFFERENCE,
     SMALL_VALUE_ULPS,
@@ -208,8 +209,7 @@ def gradcheck_norm(
         raise BNProbeError(f"adapter {a.name} does not run {fmt} (it runs {', '.join(caps.formats)})")
     check_params(params)
     if sh.r < 2:
-        raise BNProbeError(f"{NORM_NAMES[sh.norm]} needs more than one value per row of statistics; shape {sh.shape} "
-                           "has R = 1")
+        raise BNProbeError(one_value_per_row(NORM_NAMES[sh.norm], sh.shape))
     seed = SEED if seed is None else seed
     call = family_inputs(lay, sh.shape, seed, x, check_eps(EPS if eps is None else eps))
     # 1. finite differences in FP64 on the adapter's own forward where it runs fp64, else on the reference

@@ -31,7 +31,7 @@ from bnprobe.engine.result import Judged, Verdict
 from bnprobe.engine.run import CallRun, each_run
 from bnprobe.core.errors import BNProbeError, named
 from bnprobe.core.formats import get_format
-from bnprobe.core.kernel import needs_modes
+from bnprobe.core.kernel import needs_modes, one_value_per_channel
 from bnprobe.kernels.layout import channel_column, element_at, layout_of, reduce_axes, to_channels_first
 from bnprobe.engine.closeness import allclose_rule, scaled_rule
 from bnprobe.engine.metrics import compare
@@ -595,7 +595,8 @@ def gradcheck(
         raise BNProbeError(f"adapter {a.name} does not run {fmt} (it runs {', '.join(caps.formats)})")
     layout_of(np.empty(shape))
     if mode == "train" and math.prod(shape) // shape[1] < 2:
-        raise BNProbeError(f"training needs more than one value per channel; shape {shape} has N*H*W = 1")
+        raise BNProbeError(one_value_per_channel(shape, hint=f"{named('mode')} infer checks its inference"),
+                           field="mode")
     inp = make_inputs(shape, seed, x, eps)
     rng = np.random.default_rng([seed, 7])
     rows: list[GradRow] = []

@@ -15,6 +15,7 @@ from bnprobe.adapters.base import MODES, params_format
 from bnprobe.core.errors import BNProbeError, named
 from bnprobe.engine.recorded import Recorded, require_one
 from bnprobe.core.formats import get_format
+from bnprobe.core.kernel import one_value_per_row
 from bnprobe.kernels import Execution, backward, forward_infer, forward_train, get_policy
 from bnprobe.kernels.norms import backward as family_backward
 from bnprobe.kernels.norms import check_family_policy
@@ -240,8 +241,7 @@ def _trace_family(call: BNCall, *, policy: str | Policy | None, mode: str | None
         raise BNProbeError("RMSNorm has no β (bias): give none")
     sh = NormShape.of(call.norm, np.shape(call.x), call.normalized_shape, call.groups)
     if sh.r < 2 and mode == "backward":
-        raise BNProbeError(f"{name}'s backward needs more than one value per row of statistics; x of shape "
-                           f"{list(sh.shape)} has R = 1")
+        raise BNProbeError(one_value_per_row(name, sh.shape, "'s backward"))
     pol = check_family_policy(get_policy("fp16" if policy is None else policy))
     if params is not None:
         pol = pol.with_options(params=params_format(pol.storage, params))
