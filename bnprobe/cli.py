@@ -279,6 +279,10 @@ class Source(Group):
     calls: Optional[str] = option("--calls", help="Recorded calls to {what} (glob on the call or module name), e.g. "
                                                   "'*layer1*'.")
 
+    def check(self, names: frozenset[str]) -> None:
+        """An empty glob refused (it selects no call: taking every call instead would answer another question)."""
+        _not_empty(self, names, ("calls",))
+
 
 @dataclass(frozen=True)
 class Output(Group):
