@@ -468,6 +468,7 @@ def trace(
     from bnprobe.checks.trace.stages import trace_run
     from bnprobe.inputs import Draw, input_tensor, make_params
     from bnprobe.kernels.layout import Layout, layout_of
+    from bnprobe.kernels.policy import get_policy
     from bnprobe.reports.checks import trace_lines
 
     if layer.norm != "batch":
@@ -492,6 +493,9 @@ def trace(
         x = input_tensor("trace", input, gen.shape, d.dist, d.mean, d.std, d.seed)
         source = str(input) if input is not None else f"{d.dist}(mean={d.mean:g}, std={d.std:g}), seed {d.seed}"
         lay = layout_of(x, layout)
+        _training_on_one_value(x.shape, lay.reduce_size, mode != "infer",
+                               get_policy(policy or "fp16").unbiased_r1 != "error", "training",
+                               "--mode infer traces its inference")
         prm = make_params(lay.channels, d.seed)
         dy = np.random.default_rng([d.seed, 2]).standard_normal(x.shape) if mode == "backward" else None
         call = BNCall(x, prm["gamma"], prm["beta"], np.full(lay.channels, d.mean),
@@ -544,6 +548,18 @@ def _refuse_running(layer: Norm, bn: Call) -> None:
     if bn.layout not in (None, "channels_first"):
         raise BNProbeError(f"--layout {bn.layout}: {name} takes x as it is laid out (channels_first); --layout is "
                            "BatchNorm's")
+
+
+def _training_on_one_value(shape: tuple[int, ...], reduce_size: int, training: bool, defined: bool, what: str,
+                           instead: str) -> None:
+    """Training (``training``: asked for, or the command's one mode) on one value per channel (``reduce_size``
+    R = N·H·W = 1) refused before any work, in one line naming the cause and the option that runs ``instead`` —
+    unless the kernel defines it there (``defined``: a policy whose unbiased running variance at R = 1 is 0 or NaN,
+    as TensorFlow's)."""
+    from bnprobe.core.kernel import one_value_per_channel
+
+    if training and reduce_size < 2 and not defined:
+        raise BNProbeError(one_value_per_channel(shape, what, instead))
 
 
 def _family_rows(layer: Norm, shape: tuple[int, ...]) -> None:
@@ -702,11 +718,8 @@ def dump_cmd(
     else:
         x = input_tensor("dump", input, gen.shape, d.dist, d.mean, d.std, d.seed)
         lay = layout_of(x, bn.layout)
-        if lay.reduce_size < 2 and not a.capabilities().training_r1 and {"train", "backward"} & set(wanted):
-            from bnprobe.core.kernel import one_value_per_channel
-
-            raise BNProbeError(one_value_per_channel(x.shape, "recording training",
-                                                     "--modes infer records its inference"))
+        _training_on_one_value(x.shape, lay.reduce_size, bool({"train", "backward"} & set(wanted)),
+                               a.capabilities().training_r1, "recording training", "--modes infer records its inference")
         prm = make_params(lay.channels, d.seed)
         dy = np.random.default_rng([d.seed, 2]).standard_normal(x.shape)
         # the call's format is dump's own default (fp16), not a BNCall's (fp32); its scalars not given are BNCall's
@@ -1012,6 +1025,12 @@ def overflow_cmd(
                       mode=mode, params=params)
         return _show(overflow_report(scan(recorded, mode=mode)), sink, as_json)
     x = input_tensor("overflow", input, gen.shape, gen.dist, gen.mean, gen.std, gen.seed)
+    if x.ndim >= 2:
+        from bnprobe.adapters.registry import as_adapter
+
+        kernel, caps = as_adapter(kernel), as_adapter(kernel).capabilities()
+        _training_on_one_value(x.shape, x.size // x.shape[1], mode in ("train", "backward") or mode is None and
+                               "train" in caps.modes, caps.training_r1, "training", "--mode infer scans its inference")
     rep = scan(kernel, BNCall(x, **_if_given(eps=eps)), dtype=target.dtype, accumulate=target.accumulate, mode=mode,
                seed=gen.seed, params=params, dy=dy)
     return _show(overflow_report(rep), sink, as_json)
@@ -1403,11 +1422,9 @@ def shrink_cmd(
     else:
         x = input_tensor("shrink", src.input, gen.shape, gen.dist, gen.mean, gen.std, gen.seed)
         dtype, mode, params, notes = generated_case(dtype, mode, params, kernel=a)
-    if mode != "infer" and x.ndim >= 2 and x.size // x.shape[1] < 2:  # (its predicate never fails there)
-        from bnprobe.core.kernel import one_value_per_channel
-
-        raise BNProbeError(one_value_per_channel(x.shape, "shrinking a training failure",
-                                                 "--mode infer shrinks an inference failure"))
+    if x.ndim >= 2:  # (a training case of one value per channel never fails its predicate: nothing to shrink)
+        _training_on_one_value(x.shape, x.size // x.shape[1], mode != "infer", False, "shrinking a training failure",
+                               "--mode infer shrinks an inference failure")
     fails = predicate_for(predicate, a, dtype=dtype, mode=mode, recorded=kept, params=params)
     with Progress("shrink") as bar:
         res = shrink(x, fails, seconds=seconds, progress=bar.steps(20))

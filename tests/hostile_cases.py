@@ -1019,6 +1019,7 @@ OPTION_VALUES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 # values that are invalid beyond doubt: accepting them can only be a silent wrong answer
 MUST_REFUSE = {("--eps", "0"), ("--eps", "nan"), ("--eps", "-1e-5"), ("--eps", "inf"), ("--mode", "bogus"),
+               ("--mode", ""), ("--layout", ""), ("--dtype", ""),  # (empty: names nothing; not the default)
                ("--layout", "bogus"), ("--shape", "a,b"), ("--shape", "0,3"), ("--shape", "2,-3"),
                ("--dtype", "bogus"), ("--params", "bogus"), ("--dist", "bogus"), ("--std", "-1"), ("--mean", "nan"),
                ("--accumulate", "bogus"), ("--seed", "abc"), ("--bogus-option", "1")}
@@ -1062,18 +1063,18 @@ def option_cases() -> list[Case]:
     log = _log(LOGS["ok"])
     specific = [
         ("compare-precision--dtypes=''", CP[:3] + ("--format", "json", "--shape", "2,3,4,4", "--dtypes", ""), None,
-         False),
+         True),
         ("compare-precision--dtypes=,", CP[:3] + ("--format", "json", "--shape", "2,3,4,4", "--dtypes", ","), None,
          False),
-        ("compare-precision--adapters=''", CP + ("--shape", "2,3,4,4", "--adapters", ""), None, False),
+        ("compare-precision--adapters=''", CP + ("--shape", "2,3,4,4", "--adapters", ""), None, True),
         ("compare-precision--adapters=,bogus", CP + ("--shape", "2,3,4,4", "--adapters", ",bogus"), None, True),
-        ("plot-stats--policies=''", ("plot-stats", "--steps", "3", "--policies", ""), None, False),
+        ("plot-stats--policies=''", ("plot-stats", "--steps", "3", "--policies", ""), None, True),
         ("plot-stats--policies=bogus", ("plot-stats", "--steps", "3", "--policies", "fp32,bogus"), None, True),
         ("compare-precision--format=bogus", CP[:5] + ("--shape", "2,3,4,4", "--format", "csv,bogus"), None, True),
         ("plot-stats--format=pdf", PLOT_LOG + ("--format", "pdf"), log, True),
         ("plot-stats--format=../png", PLOT_LOG + ("--format", "../png"), log, True),
         ("rsqrt--format=bogus", ("rsqrt", "--format", "bogus"), None, True),
-        ("rsqrt--format=''", ("rsqrt", "--format", ""), None, False),
+        ("rsqrt--format=''", ("rsqrt", "--format", ""), None, True),
         ("rsqrt--op=sin", ("rsqrt", "--format", "fp16", "--op", "sin"), None, True),
         ("rsqrt--method=bogus", ("rsqrt", "--format", "fp16", "--method", "bogus"), None, True),
         ("rsqrt--method=frecpe", ("rsqrt", "--format", "fp16", "--method", "frecpe"), None, False),
@@ -1090,7 +1091,7 @@ def option_cases() -> list[Case]:
                                              "0x7fffffff"), None, False),
         ("rsqrt--newton=99", ("rsqrt", "--format", "fp16", "--newton", "99"), None, False),
         ("rsqrt--newton=-1", ("rsqrt", "--format", "fp16", "--newton", "-1"), None, True),
-        ("rsqrt--newton=''", ("rsqrt", "--format", "fp16", "--newton", ""), None, False),
+        ("rsqrt--newton=''", ("rsqrt", "--format", "fp16", "--newton", ""), None, True),
         ("rsqrt--newton=a", ("rsqrt", "--format", "fp16", "--newton", "a"), None, True),
         ("rsqrt--samples=0", ("rsqrt", "--format", "fp32", "--samples", "0"), None, True),
         ("rsqrt--samples=-5", ("rsqrt", "--format", "fp32", "--samples", "-5"), None, True),
@@ -1137,6 +1138,39 @@ def option_cases() -> list[Case]:
         ("gradcheck--formula=bogus", BASE["gradcheck"] + ("--formula", "bogus"), None, True),
         ("gradcheck--formula=module:", BASE["gradcheck"] + ("--formula", "module:"), None, True),
         ("shrink--predicate=bogus", BASE["shrink"] + ("--predicate", "bogus"), None, True),
+        # a spec given empty names nothing (issue 57 item 8): refused, never the default in its place
+        ("trace--policy=''", BASE["trace"] + ("--policy", ""), None, True),
+        ("trace--policy=fp16:", BASE["trace"] + ("--policy", "fp16:"), None, True),
+        ("gradcheck--adapter=emulated:", BASE["gradcheck"] + ("--adapter", "emulated:"), None, True),
+        ("gradcheck--adapter=emulated:fp16:", BASE["gradcheck"] + ("--adapter", "emulated:fp16:"), None, True),
+        ("compare-precision--adapters=ascend-tbe:", CP + ("--shape", "2,3,4,4", "--adapters", "ascend-tbe:"), None,
+         True),
+        ("compare-precision--bench=careful:", CP + ("--shape", "2,3,4,4", "--bench", "careful:"), None, True),
+        ("compare-precision--format=''", CP[:5] + ("--shape", "2,3,4,4", "--format", ""), None, True),
+        ("overflow--convention=''", BASE["overflow"] + ("--convention", ""), None, True),
+        ("overflow--accumulate=''", BASE["overflow"] + ("--accumulate", ""), None, True),
+        ("doctor--adapter=dump:", BASE["doctor"] + ("--adapter", "dump:"), None, True),
+        ("gradcheck--calls=''", ("gradcheck", "--adapter", "dump:{dump}", "--calls", ""),
+         lambda c: {"dump": str(bnprobe_dump(c.inp / "d"))}, True),
+        # one value per channel (R = N·H·W = 1): training undefined, refused where it is asked for or is the
+        # command's one mode; compare-precision and doctor judge inference and say so (tests/test_one_value.py)
+        ("compare-precision--shape=1,3", CP + ("--shape", "1,3"), None, False),
+        ("compare-precision--shape=1,3--mode=train", CP + ("--shape", "1,3", "--mode", "train"), None, True),
+        ("compare-precision--shape=1,3,1,1--mode=backward", CP + ("--shape", "1,3,1,1", "--mode", "backward"), None,
+         True),
+        ("doctor--shape=1,3", BASE["doctor"] + ("--shape", "1,3"), None, False),
+        ("trace--shape=1,3", ("trace", "--shape", "1,3"), None, True),
+        ("gradcheck--shape=1,3,1,1", ("gradcheck", "--shape", "1,3,1,1"), None, True),
+        ("overflow--shape=1,3", ("overflow", "--shape", "1,3"), None, True),
+        ("dump--shape=1,3", ("dump", "--adapter", "emulated", "--out", "{cwd}/dumpout", "--shape", "1,3"), None,
+         True),
+        ("shrink--shape=1,3", ("shrink", "--adapter", "emulated:fp16-acc16", "--shape", "1,3", "--mean", "1000",
+                               "--seconds", "5"), None, True),
+        ("trace--norm=layer--shape=2,1", ("trace", "--norm", "layer", "--shape", "2,1"), None, True),
+        ("compare-precision--norm=rms--shape=2,1", CP + ("--norm", "rms", "--shape", "2,1"), None, True),
+        ("overflow--norm=instance--shape=2,3,1", ("overflow", "--norm", "instance", "--shape", "2,3,1"), None, True),
+        ("dump--norm=group--shape=2,4,1,1", ("dump", "--adapter", "emulated", "--out", "{cwd}/dumpout", "--norm",
+                                             "group", "--num-groups", "4", "--shape", "2,4,1,1"), None, True),
     ]
     for cid, argv, setup, refuse in specific:
         add(Case("options", cid, argv, setup, must_refuse=refuse))
