@@ -550,6 +550,12 @@ def _refuse_running(layer: Norm, bn: Call) -> None:
                            "BatchNorm's")
 
 
+def _one_value_per_channel(x: Any) -> bool:
+    """Whether the tensor ``x`` (channels_first) holds exactly one value per channel (R = N·H·W = 1); an empty or
+    shapeless x is not (the command refuses it in its own words)."""
+    return x.ndim >= 2 and x.size > 0 and x.size == x.shape[1]
+
+
 def _training_on_one_value(shape: tuple[int, ...], reduce_size: int, training: bool, defined: bool, what: str,
                            instead: str) -> None:
     """Training (``training``: asked for, or the command's one mode) on one value per channel (``reduce_size``
@@ -558,7 +564,7 @@ def _training_on_one_value(shape: tuple[int, ...], reduce_size: int, training: b
     as TensorFlow's)."""
     from bnprobe.core.kernel import one_value_per_channel
 
-    if training and reduce_size < 2 and not defined:
+    if training and reduce_size == 1 and not defined:
         raise BNProbeError(one_value_per_channel(shape, what, instead))
 
 
@@ -1025,11 +1031,11 @@ def overflow_cmd(
                       mode=mode, params=params)
         return _show(overflow_report(scan(recorded, mode=mode)), sink, as_json)
     x = input_tensor("overflow", input, gen.shape, gen.dist, gen.mean, gen.std, gen.seed)
-    if x.ndim >= 2:
+    if _one_value_per_channel(x):
         from bnprobe.adapters.registry import as_adapter
 
         kernel, caps = as_adapter(kernel), as_adapter(kernel).capabilities()
-        _training_on_one_value(x.shape, x.size // x.shape[1], mode in ("train", "backward") or mode is None and
+        _training_on_one_value(x.shape, 1, mode in ("train", "backward") or mode is None and
                                "train" in caps.modes, caps.training_r1, "training", "--mode infer scans its inference")
     rep = scan(kernel, BNCall(x, **_if_given(eps=eps)), dtype=target.dtype, accumulate=target.accumulate, mode=mode,
                seed=gen.seed, params=params, dy=dy)
@@ -1220,7 +1226,7 @@ def doctor_cmd(
     rep = doctor(kernel, dtype, seed=gen.seed, stability=stability is not False, params=params, x=x, eps=eps,
                  generated=made, recipe=recipe, **_if_given(momentum=momentum))
     # an input of one value per channel is judged in inference alone (training is undefined there): said
-    ones = [n for n, t in ((USER, x), (GENERATED, made)) if t is not None and t.ndim >= 2 and t.size // t.shape[1] < 2]
+    ones = [n for n, t in ((USER, x), (GENERATED, made)) if t is not None and _one_value_per_channel(t)]
     if ones:
         rep.notes.append(inference_alone(ones))
     left = f"training forward and backward not judged on {', '.join(ones)} (R = N·H·W = 1 value per channel)"
@@ -1422,8 +1428,8 @@ def shrink_cmd(
     else:
         x = input_tensor("shrink", src.input, gen.shape, gen.dist, gen.mean, gen.std, gen.seed)
         dtype, mode, params, notes = generated_case(dtype, mode, params, kernel=a)
-    if x.ndim >= 2:  # (a training case of one value per channel never fails its predicate: nothing to shrink)
-        _training_on_one_value(x.shape, x.size // x.shape[1], mode != "infer", False, "shrinking a training failure",
+    if _one_value_per_channel(x):  # (a training case of one value per channel never fails its predicate)
+        _training_on_one_value(x.shape, 1, mode != "infer", False, "shrinking a training failure",
                                "--mode infer shrinks an inference failure")
     fails = predicate_for(predicate, a, dtype=dtype, mode=mode, recorded=kept, params=params)
     with Progress("shrink") as bar:

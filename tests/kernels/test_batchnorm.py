@@ -113,7 +113,7 @@ X = np.random.default_rng(0).standard_normal((4, 3, 2, 2))
     (lambda: forward_train(X, eps=-1e-5), r"eps must be a finite number > 0"),
     (lambda: forward_train(X, eps=float("nan")), r"eps must be a finite number > 0"),
     (lambda: forward_train(X, momentum=1.5), r"momentum must be in \[0, 1\]"),
-    (lambda: forward_train(np.ones((1, 3))), r"more than one value per channel.*N\*H\*W = 1"),
+    (lambda: forward_train(np.ones((1, 3))), r"more than one value per channel.*R = N·H·W = 1"),
     (lambda: forward_train(np.ones((1, 3, 1, 1))), r"more than one value per channel"),
     (lambda: forward_train(np.ones((0, 3))), r"no elements"),
     (lambda: forward_train(X, execution=Execution(layout="nhwc")), r"unknown layout 'nhwc'"),
