@@ -725,7 +725,8 @@ def dump_cmd(
         x = input_tensor("dump", input, gen.shape, d.dist, d.mean, d.std, d.seed)
         lay = layout_of(x, bn.layout)
         _training_on_one_value(x.shape, lay.reduce_size, bool({"train", "backward"} & set(wanted)),
-                               a.capabilities().training_r1, "recording training", "--modes infer records its inference")
+                               a.capabilities().training_r1, "recording training",
+                               "--modes infer records its inference")
         prm = make_params(lay.channels, d.seed)
         dy = np.random.default_rng([d.seed, 2]).standard_normal(x.shape)
         # the call's format is dump's own default (fp16), not a BNCall's (fp32); its scalars not given are BNCall's

@@ -1,8 +1,9 @@
-"""compare-precision's report.html as a person sees it, in a real browser (headless Chromium, where installed;
-.ci/run installs it and sets BNPROBE_REQUIRE_BROWSER=1, which turns a missing browser from a skip into a failure): at 1400 px no table is clipped or wider than its box and the page is no wider than the
-window, no cell grows into a tall narrow column, the long table stays in the CSV, and the page prints on few
-pages; its headings are words, each explained; the failing outputs come worst first, sort by a click on a heading
-and filter by adapter, format and output, in one self-contained file that shows every row without JavaScript."""
+"""compare-precision's report.html as a person sees it, in a real browser (headless Chromium, where installed; .ci/run
+installs it and sets BNPROBE_REQUIRE_BROWSER=1, which turns a missing browser from a skip into a failure): at 1400 px
+no table is clipped or wider than its box and the page is no wider than the window, no cell grows into a tall narrow
+column, the long table stays in the CSV, and the page prints on few pages; its headings are words, each explained;
+the failing outputs come worst first, sort by a click on a heading and filter by adapter, format and output, in one
+self-contained file that shows every row without JavaScript."""
 
 import html
 import json

@@ -648,7 +648,6 @@ def compare_precision(
     _check_mode_rule(mode, rule)
     resolved = [as_adapter(a) for a in (adapters or ["emulated"])]
     dumps = [a for a in resolved if a.capabilities().recorded]
-    family = options.norm != "batch"
     cases = _cases_of(options, resolved, dumps, cases, seed)
     fmts = [get_format(d).name for d in (dtypes or ("fp16", "bf16", "fp32"))]
     recorded_fmts = list(dict.fromkeys(c.recorded.dtype for c in cases if c.recorded is not None))
@@ -660,8 +659,7 @@ def compare_precision(
     modes = ("train", "infer", "backward") if mode == "all" else (mode,)
     tables = _Tables([], [], [])  # the three tables' rows
     notes: list[str | _CallNote] = _modes_left_out(resolved, mode, modes)  # what the verdicts cannot show
-    modes, budget = (_family_modes(options, cases, mode, modes, notes), False) if family else (modes, budget)
-    one_value = [] if family else _one_value_cases(cases, mode, modes, notes)
+    modes, budget, left_out = _judged_modes(options, cases, mode, modes, notes, budget)
     skip, total = _default_formats(resolved, cases, fmts, dtypes)
     done = 0
     t0 = time.monotonic()
@@ -697,10 +695,7 @@ def compare_precision(
             **_run_meta(cases, dumps), "seconds": round(time.monotonic() - t0, 3),
             "standards": "msprobe" if standards is None else "custom", "rule": rule,
             "bench": bench_a.name if bench_a is not None else None,
-            "notes": [str(n) for n in notes]}
-    if one_value:  # (said in the headline and the report's introduction too)
-        meta["left_out"] = {"cases": one_value, "modes": [m for m in modes if m != "infer"],
-                            "why": "R = N·H·W = 1 value per channel"}
+            "notes": [str(n) for n in notes], **left_out}
     return CompareResult(pd.DataFrame(tables.rows), pd.DataFrame(tables.chans), pd.DataFrame(tables.budgets), meta)
 
 
@@ -771,19 +766,31 @@ def _family_modes(options: CallOptions, cases: list[Case], mode: str, modes: tup
     return tuple(m for m in modes if m != "infer")
 
 
-def _one_value_cases(cases: list[Case], mode: str, modes: tuple[str, ...], notes: list[str | _CallNote]) -> list[str]:
+def _judged_modes(options: CallOptions, cases: list[Case], mode: str, modes: tuple[str, ...],
+                  notes: list[str | _CallNote], budget: bool) -> tuple[tuple[str, ...], bool, dict[str, Any]]:
+    """The modes the cases are judged in, whether the error budget is run, and the run meta's ``left_out`` (modes
+    left out of inputs of one value per channel): a family layer's (:func:`_family_modes`; no budget) or
+    BatchNorm's (:func:`_one_value_cases`), what they leave out said in ``notes``."""
+    if options.norm != "batch":
+        return _family_modes(options, cases, mode, modes, notes), False, {}
+    return modes, budget, _one_value_cases(cases, mode, modes, notes)
+
+
+def _one_value_cases(cases: list[Case], mode: str, modes: tuple[str, ...],
+                     notes: list[str | _CallNote]) -> dict[str, Any]:
     """The generated cases with one value per channel (R = N·H·W = 1), where training and its backward are undefined
-    (:func:`~bnprobe.core.kernel.inference_alone` says why): refused in one line when ``mode`` asks for one of them by name, else
-    judged in inference only, said in ``notes``; their names."""
+    (:func:`~bnprobe.core.kernel.inference_alone` says why): refused in one line when ``mode`` asks for one of them
+    by name, else judged in inference only, said in ``notes``; the run meta's ``left_out`` (the cases, the modes left
+    out of them and why, said in the headline and the report's introduction too), or {} when none."""
     ones = [c for c in cases if c.recorded is None and len(c.shape) >= 2 and math.prod(c.shape) // c.shape[1] < 2]
     left = [m for m in modes if m != "infer"]
     if not ones or not left:
-        return []
+        return {}
     if mode != "all":
         raise BNProbeError(one_value_per_channel(ones[0].shape, f"{named('mode')} {mode}",
                                                  f"{named('mode')} infer or all judges its inference"), field="mode")
     notes.append(inference_alone([c.name for c in ones], left))
-    return [c.name for c in ones]
+    return {"left_out": {"cases": [c.name for c in ones], "modes": left, "why": "R = N·H·W = 1 value per channel"}}
 
 
 def _modes_left_out(adapters: list[KernelAdapter], mode: str, modes: tuple[str, ...]) -> list[str | _CallNote]:
