@@ -100,6 +100,33 @@ def _y_from_rounded(call: BNCall, got: dict[str, Any], saved: Any) -> dict[str, 
     return {"y": out}
 
 
+def _from_rounded(call: BNCall, got: dict[str, Any], saved: Any) -> dict[str, list[np.ndarray]]:
+    """:func:`_y_from_rounded`, and the golden's backward from the same rounded statistics (dx in the input's
+    format, dγ in the parameters'): a kernel that keeps only its rounded statistics computes its gradients from them
+    too, as PyTorch's CPU backward does from the save_mean and save_invstd it is handed."""
+    from bnprobe.kernels.layout import reduce_axes
+    from bnprobe.numerics.rounding import round_to
+
+    out: dict[str, list[np.ndarray]] = _y_from_rounded(call, got, saved)
+    wanted = [k for k in ("dx", "dgamma") if k in got]
+    if call.dy is None or not wanted:
+        return out
+    pf = params_format(call.dtype, call.params)
+    x = np.asarray(call.x, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        var = round_to(x.var(axis=reduce_axes(x)), pf)
+        stats = [] if saved is None else [(saved.mean, saved.invstd(call.eps))]
+        stats.append((round_to(x.mean(axis=reduce_axes(x)), pf), round_to(1.0 / np.sqrt(var + call.eps), pf)))
+        ref = outputs_only(ReferenceAdapter())
+        for mean, inv in stats:
+            b = ref.backward_of(call, Saved(np.asarray(mean, dtype=np.float64), "invstd",
+                                            np.asarray(inv, dtype=np.float64)))
+            for k, v in (("dx", b.dx), ("dgamma", b.dgamma)):
+                if k in wanted:
+                    out.setdefault(k, []).append(round_to(v, get_format(np.asarray(got[k]).dtype).name))
+    return out
+
+
 def _var_about_stored_mean(call: BNCall, got: dict[str, Any], saved: Any) -> dict[str, np.ndarray]:
     """The saved invstd (or variance) of a variance taken about the mean as the kernel stored it (rounded to the
     parameter format), not about the mean it computed: mean((x − stored mean)²), which exceeds the batch's variance
@@ -184,11 +211,11 @@ def _backward_from_input_format(call: BNCall, got: dict[str, Any], saved: Any) -
 
 RECIPES: tuple[Recipe, ...] = (
     Recipe(STATS_ROUNDED, "normalises with the batch statistics rounded to the parameter format ({params}) before "
-                          "using them, where a careful kernel keeps them in its compute format and rounds only what it "
-                          "stores",
+                          "using them (and computes its gradients from them), where a careful kernel keeps them in its "
+                          "compute format and rounds only what it stores",
            "PyTorch's CPU kernel does this with same-format parameters: pytorch/pytorch#140112",
-           lambda: CarefulAdapter(rounded_stats=True), _training_narrow, ("y",),
-           derive=_y_from_rounded),
+           lambda: CarefulAdapter(rounded_stats=True), _training_narrow, ("y", "dx", "dgamma"),
+           derive=_from_rounded),
     Recipe(RUNNING_IN_PARAMS, "updates the running statistics in the parameter format's arithmetic ({params}): the "
                               "momentum and each product rounded to it, where a careful kernel updates them in its "
                               "compute format and rounds once",

@@ -479,6 +479,7 @@ def _compare_adapter(a: KernelAdapter, cc: _CaseCall, j: _Judging, tables: _Tabl
     gold_t = cc.gold_train
     explain = _explain(call, gold_t, cc.rec.params)
     stats_cause: tuple[str, str] | None = None  # what named the kernel's saved statistics (its gradients inherit it)
+    stats_right: bool | None = None  # whether its saved statistics passed (None: not judged)
     for t, act in run.got.items():
         natural = _natural(t, run, call, gold_t)
         r = _row(j, _Place(a.name, fmt, case, t), act, run.gold[t], run.formats[t], scale=_scale(run, t),
@@ -493,10 +494,12 @@ def _compare_adapter(a: KernelAdapter, cc: _CaseCall, j: _Judging, tables: _Tabl
             if t in bench_out:  # the recipe models first (each says more than a recipe), then identify's recipe
                 _name_recipe(r, cc, run, t, bench_out[t].value)
             if "cause" not in r and not _name_identified(r, cc, run, t, naming) and \
-                    not _name_bug(r, cc, run, t, naming, stats_cause):
+                    not _name_bug(r, cc, run, t, naming, stats_cause, stats_right):
                 _unnamed(r, cc, run, t, naming)
             if t in ("saved_mean", "saved_invstd") and r.get("named") and stats_cause is None:
                 stats_cause = (r["cause"], r["named"])
+        if t in ("saved_mean", "saved_invstd"):
+            stats_right = stats_right is not False and r["verdict"] == Verdict.PASS
         tables.rows.append(r)
     if call.norm != "batch":  # (the per-channel table and the error budget are BatchNorm's)
         return
@@ -1116,7 +1119,7 @@ def _bug_tried(a: KernelAdapter, call: BNCall) -> bool:
 
 
 def _name_bug(r: dict[str, Any], cc: _CaseCall, run: CallRun, t: str, n: _Naming,
-              stats_cause: tuple[str, str] | None = None) -> bool:
+              stats_cause: tuple[str, str] | None = None, stats_right: bool | None = None) -> bool:
     """Name a failing BatchNorm output ``t`` by doctor's bug models (:data:`~bnprobe.checks.doctor.bugs.BUGS`) whose
     FP64 model on this call, rounded to the format ``t`` is returned in, reproduces it as a recipe must
     (:func:`~bnprobe.engine.recipes.recipe_fits`: no farther from the kernel than the bench is from the golden, and
@@ -1124,8 +1127,9 @@ def _name_bug(r: dict[str, Any], cc: _CaseCall, run: CallRun, t: str, n: _Naming
     where several models reproduce it and this call cannot tell them apart, as ε missing and ε as a floor on the
     variance where no variance is below ε), ``named`` and ``why``; whether one did.  A gradient that no model
     reproduces but the golden backward from the statistics the kernel saved does is named by what named those
-    statistics (``stats_cause``: (cause, words) of its saved_mean or saved_invstd row).  Each model's outputs are
-    formed once per case call, when first read."""
+    statistics (``stats_cause``: (cause, words) of its saved_mean or saved_invstd row).  A bug that changes the
+    saved statistics does not name a gradient of a kernel whose saved statistics passed (``stats_right``): they
+    refute it.  Each model's outputs are formed once per case call, when first read."""
     from bnprobe.numerics.rounding import round_to
 
     call = cc.golden.call
@@ -1172,8 +1176,10 @@ def _name_bug(r: dict[str, Any], cc: _CaseCall, run: CallRun, t: str, n: _Naming
     # a backward bug is not seen where the right backward from the same saved statistics gives the kernel's output too
     # (statistics of NaN make every backward NaN): the statistics are then what names it, below
     right_from_saved = stored is not None and t in ("dx", "dgamma", "dbeta") and fits(*from_saved)
+    refuted = stats_right and t in ("dx", "dgamma", "dbeta")
     found = [bug for bug in bugs_changing(t)
-             if not (right_from_saved and BUGS[bug] == ("backward",)) and fits(*made(bug))]
+             if not (right_from_saved and BUGS[bug] == ("backward",)) and not (refuted and "saved" in BUGS[bug])
+             and fits(*made(bug))]
     if found:
         words = describe(found[0], conv)
         if len(found) > 1:

@@ -369,7 +369,9 @@ def _identities(dx: np.ndarray, dg: np.ndarray | None, db: np.ndarray | None, ca
     vanishing where dx itself cancels (dy constant over a channel: dx is rounding noise around 0).
     x̂ here is the golden's; the kernel's own differs by its mean's rounding, u·|mean|·rstd of x̂'s scale, so
     the tolerance of a channel is ``tol``·(1 + |mean|·rstd), the condition of x − mean (a large mean against
-    the spread: every correct kernel's identities are that much less exact)."""
+    the spread: every correct kernel's identities are that much less exact), and the identities weighted by x̂ count
+    that shift of every x̂ in their scale: Σ|dy|·|mean|·rstd (Σ|dx|·|mean|·rstd), which is most of it where a
+    channel's spread is far below √ε (x̂ small, its shift not)."""
     g, eps = call.gamma, call.eps
     mean, var = np.asarray(saved.mean, dtype=np.float64), saved.var(eps)
     lay = layout_of(call.x, call.layout)
@@ -377,10 +379,12 @@ def _identities(dx: np.ndarray, dg: np.ndarray | None, db: np.ndarray | None, ca
     dxc, dyc, xc = cr(dx), cr(call.dy), cr(call.x)
     rstd = 1 / np.sqrt(var + eps)
     xhat = (xc - mean[:, None]) * rstd[:, None]
+    shift = np.abs(mean) * rstd  # (x̂'s shift per unit roundoff of the mean)
     s_dx, s_dxx = np.abs(dxc).sum(axis=1), np.abs(dxc * xhat).sum(axis=1)
     if dx_scale is not None:
         s_dx = np.maximum(s_dx, dx_scale * xc.shape[1])
         s_dxx = np.maximum(s_dxx, dx_scale * np.abs(xhat).sum(axis=1))
+    s_dxx = s_dxx + shift * s_dx
     checks = [
         ("sum(dx) = 0", dxc.sum(axis=1), np.zeros(len(g)), s_dx),
         ("sum(dx*xhat) = g*rstd*sum(dy*xhat)*(1-mean(xhat^2))", (dxc * xhat).sum(axis=1),
@@ -390,7 +394,7 @@ def _identities(dx: np.ndarray, dg: np.ndarray | None, db: np.ndarray | None, ca
         checks.append(("dbeta = sum(dy)", np.asarray(db, dtype=np.float64), dyc.sum(axis=1), np.abs(dyc).sum(axis=1)))
     if dg is not None:
         checks.append(("dgamma = sum(dy*xhat)", np.asarray(dg, dtype=np.float64), (dyc * xhat).sum(axis=1),
-                       np.abs(dyc * xhat).sum(axis=1)))
+                       np.abs(dyc * xhat).sum(axis=1) + shift * np.abs(dyc).sum(axis=1)))
     rows = []
     with np.errstate(all="ignore"):
         cond = 1.0 + np.abs(mean) * rstd

@@ -119,14 +119,24 @@ def locate(trace: Trace, lay: Any, x_cr: np.ndarray, cancel_digits: float) -> li
     if where in trace:
         fmt = get_format(trace[where].format)
         digits = fmt.precision * math.log10(2)
-        bad = np.flatnonzero(np.nan_to_num(lost) >= cancel_digits * digits)
+        need = cancel_digits * digits
+        shown = ""
+        if where == "var" and "y" in trace:
+            # E[x²] − E[x]² keeps digits − lost of the variance; y shows the loss once fewer remain than y's format
+            # holds, with a digit to spare (a tenfold error): at a mean/σ of 10 in fp32, not only at 1000 (x − mean
+            # of a two-pass kernel loses nothing the input's own rounding had not: that stays at cancel_digits)
+            y_digits = get_format(trace["y"].format).precision * math.log10(2)
+            if max(1.0, digits - y_digits) < need:
+                need, shown = max(1.0, digits - y_digits), f", fewer than y's {trace['y'].format} holds: the loss shows"
+        bad = np.flatnonzero(np.nan_to_num(lost) >= need)
         if bad.size:
             c = int(bad[np.argmax(lost[bad])])
             what = "E[x²] − E[x]²" if where == "var" else "x − mean"
+            left = f"; {digits - lost[c]:.1f} left{shown}" if shown else ""
             findings.append(OverflowFinding("cancellation", where, fmt.name, tuple(bad.tolist()), int(bad.size),
                                     index_str(c, lay, False), input_at(c, x_cr, False, lay),
                                     f"{what} loses ~{lost[c]:.1f} of {digits:.1f} decimal digits "
-                                    f"(mean²/var = {mu[c] ** 2 / var[c]:.3g})"))
+                                    f"(mean²/var = {mu[c] ** 2 / var[c]:.3g}){left}"))
     return findings
 
 
