@@ -115,8 +115,14 @@ def _from_rounded(call: BNCall, got: dict[str, Any], saved: Any) -> dict[str, li
     x = np.asarray(call.x, dtype=np.float64)
     with np.errstate(all="ignore"):
         var = round_to(x.var(axis=reduce_axes(x)), pf)
-        stats = [] if saved is None else [(saved.mean, saved.invstd(call.eps))]
-        stats.append((round_to(x.mean(axis=reduce_axes(x)), pf), round_to(1.0 / np.sqrt(var + call.eps), pf)))
+        exact = (x.mean(axis=reduce_axes(x)), 1.0 / np.sqrt(x.var(axis=reduce_axes(x)) + call.eps))
+        stats = [(round_to(exact[0], pf), round_to(1.0 / np.sqrt(var + call.eps), pf))]
+        # the saved statistics too, where they are the batch's rounded to the parameter format (within an ulp of
+        # it): statistics wrong otherwise (a bug's) make the golden backward from them reproduce any backward
+        ulp = get_format(pf).ulp
+        if saved is not None and all(np.all(np.abs(np.asarray(v, dtype=np.float64) - e) <= ulp(e))
+                                     for v, e in zip((saved.mean, saved.invstd(call.eps)), exact)):
+            stats.insert(0, (saved.mean, saved.invstd(call.eps)))
         ref = outputs_only(ReferenceAdapter())
         for mean, inv in stats:
             b = ref.backward_of(call, Saved(np.asarray(mean, dtype=np.float64), "invstd",
@@ -247,11 +253,15 @@ def _rmse(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.sqrt(np.mean(d * d))) if d.size else float("nan")
 
 
-def recipe_fits(got: Any, recipe_out: Any, bench: Any, golden: Any, fmt: str, terms: int = 1) -> bool:
+def recipe_fits(got: Any, recipe_out: Any, bench: Any, golden: Any, fmt: str, terms: int = 1, *,
+                at_recipe_scale: bool = False) -> bool:
     """Whether a recipe's output reproduces a kernel's: within the bench's own error against the golden (or one
-    ulp RMS of the output, at the larger of the golden's and the recipe's magnitudes, whichever is larger) and at
-    most half the kernel's error against the golden; where the kernel gives NaN/inf and the golden does not, the
-    recipe gives the same there, and the finite rest is within that floor.  A
+    ulp RMS of the output, whichever is larger) and at most half the kernel's error against the golden; where the
+    kernel gives NaN/inf and the golden does not, the recipe gives the same there, and the finite rest is within
+    that floor.  ``at_recipe_scale``: the ulps taken at the larger of the golden's and the recipe's magnitudes (a
+    logic bug's model can be far larger than the golden, and a kernel with that bug rounds at its size; a recipe's
+    stays near the golden, and its floor at the golden's ulps keeps a kernel whose statistics are wrong in a
+    larger way from being named by a recipe applied to them).  A
     per-channel output summed over ``terms`` values (dγ, dβ: the kernel's own sum, in its own order, against a
     recipe's exact one) is allowed √terms ulps RMS: a sum's rounding errors in an unknown order grow as a random
     walk of its terms."""
@@ -269,17 +279,16 @@ def recipe_fits(got: Any, recipe_out: Any, bench: Any, golden: Any, fmt: str, te
         a, o, g, bench = a[keep], o[keep], g[keep], np.asarray(bench, dtype=np.float64)[keep]
         if not a.size:
             return True
-        return bool(_rmse(a, o) <= _floor(bench, g, o, fmt, terms))
+        return bool(_rmse(a, o) <= _floor(bench, g, o if at_recipe_scale else g, fmt, terms))
     to_recipe, to_gold = _rmse(a, o), _rmse(a, g)
-    return bool(to_recipe <= _floor(bench, g, o, fmt, terms) and to_recipe <= 0.5 * to_gold)
+    return bool(to_recipe <= _floor(bench, g, o if at_recipe_scale else g, fmt, terms) and to_recipe <= 0.5 * to_gold)
 
 
-def _floor(bench: Any, g: np.ndarray, recipe_out: np.ndarray, fmt: str, terms: int) -> float:
+def _floor(bench: Any, g: np.ndarray, scale: np.ndarray, fmt: str, terms: int) -> float:
     """How far a kernel following a recipe may be from it: the bench's RMSE against the golden, or one ulp RMS
-    (√terms for a sum), whichever is larger."""
-    # (a kernel following the recipe rounds at the recipe's magnitude: one far from the golden is larger, or smaller)
+    (√terms for a sum) at the larger of the golden's and ``scale``'s magnitudes, whichever is larger."""
     with np.errstate(invalid="ignore"):
-        size = np.fmax(np.abs(g), np.abs(recipe_out))
+        size = np.fmax(np.abs(g), np.abs(scale))
     ulp = get_format(fmt).ulp(size[np.isfinite(size)])
     ulps = float(np.sqrt(np.mean(ulp * ulp))) if ulp.size else 0.0
     return max(_rmse(bench, g), ulps * max(1.0, float(np.sqrt(terms))))

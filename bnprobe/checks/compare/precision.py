@@ -1156,7 +1156,7 @@ def _name_bug(r: dict[str, Any], cc: _CaseCall, run: CallRun, t: str, n: _Naming
                 cc.recipes[key] = make()
         with np.errstate(all="ignore"):
             out = round_to(np.asarray(cc.recipes[key][t], dtype=np.float64), run.formats[t])
-        return recipe_fits(run.got[t], out, bench.value, run.gold[t], run.formats[t], terms)
+        return recipe_fits(run.got[t], out, bench.value, run.gold[t], run.formats[t], terms, at_recipe_scale=True)
 
     saved = run.saved
     stored = None if saved is None or saved.mean is None or not call.training else \
