@@ -217,8 +217,8 @@ def _backward_from_input_format(call: BNCall, got: dict[str, Any], saved: Any) -
 
 RECIPES: tuple[Recipe, ...] = (
     Recipe(STATS_ROUNDED, "normalises with the batch statistics rounded to the parameter format ({params}) before "
-                          "using them (and computes its gradients from them), where a careful kernel keeps them in its "
-                          "compute format and rounds only what it stores",
+                          "using them, where a careful kernel keeps them in its compute format and rounds only what it "
+                          "stores",
            "PyTorch's CPU kernel does this with same-format parameters: pytorch/pytorch#140112",
            lambda: CarefulAdapter(rounded_stats=True), _training_narrow, ("y", "dx", "dgamma"),
            derive=_from_rounded),
