@@ -191,6 +191,30 @@ def test_the_accumulation_exemption_at_its_edge(fmt, tensor):
     assert within_accumulation("dx", golden + 0.5 * edge, golden, fmt, mag, terms) is None  # not a sum
 
 
+@pytest.mark.parametrize("terms", [4097, 65536, 401408, 2**24, 2**30])
+def test_the_accumulation_exemption_past_4096_terms_is_a_blocked_sums(terms):
+    """Past 4096 terms a sum is forgiven a blocked sum's rounding: blocks of b = max(4096, ⌈√R⌉) added in any order,
+    then their ⌈R/b⌉ sums, γ_(b + ⌈R/b⌉) (written out here by hand, in exact rationals), finite where the any-order
+    γ_R is infinite (R·u ≥ 1 from 2²⁴ in fp32); at its edge as at 1024 terms; the reason names the blocks."""
+    from fractions import Fraction
+
+    from bnprobe.core.formats import get_format
+    from bnprobe.core.tolerances import accumulation_bound
+    from bnprobe.engine.rules import within_accumulation
+
+    b = max(4096, math.isqrt(terms - 1) + 1)
+    m = b + -(-terms // b)
+    u = Fraction(1, 2**24)
+    gamma = float(m * u / (1 - m * u))
+    assert accumulation_bound("fp16", terms) == pytest.approx(gamma, rel=1e-15) and math.isfinite(gamma)
+    assert (terms * u >= 1) == (terms >= 2**24)  # (where the any-order bound is infinite)
+    mag, golden = np.array([500.0, 800.0]), np.array([1e-3, -2e-3])
+    edge = gamma * mag + 0.5 * get_format("fp32").ulp(golden)
+    assert within_accumulation("dbeta", golden + 1.01 * edge, golden, "fp32", mag, terms) is None
+    ok = within_accumulation("dbeta", golden + 0.99 * edge, golden, "fp32", mag, terms)
+    assert ok is not None and f"blocks of {b}: {b} + {m - b} additions in a row" in ok[1], ok
+
+
 @pytest.mark.parametrize("fmt", OUTPUT_FORMATS)
 def test_worse_than_the_bench_at_its_edges(fmt):
     """Named above 10x the bench's RMSE (or largest error) and 2 ulps RMS of the output, not below either; the ratios
