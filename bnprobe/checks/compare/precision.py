@@ -1191,8 +1191,8 @@ def _name_bug(r: dict[str, Any], cc: _CaseCall, run: CallRun, t: str, n: _Naming
         return False
     cause, said = stats_cause
     r["cause"], r["named"] = cause, f"{said}, in the statistics it saved (its backward is right given them)"
-    r["why"] += f"; it matches the golden backward from the statistics the kernel saved, which doctor's model of " \
-                f"the bug names: {said}"
+    r["why"] += f"; it matches the golden backward from the statistics the kernel saved, whose failure is named: " \
+                f"{said}"
     return True
 
 
