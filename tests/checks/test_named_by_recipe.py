@@ -21,6 +21,8 @@ from bnprobe.checks.doctor.diagnosis import doctor
 from bnprobe.checks.identify.kernels import KnownRecipe, known, register_recipe
 from bnprobe.engine.cases import Case, stress_cases
 from bnprobe.kernels.policy import Policy
+from tests.checks.bn_plugins import BUGS as LOGIC_BUGS
+from tests.checks.bn_plugins import NumpyBN
 
 ALL = ("saved_mean", "saved_invstd", "y", "running_mean", "running_var", "y_infer", "dx", "dgamma", "dbeta")
 
@@ -294,3 +296,20 @@ def test_torch_fp16_y_on_four_million_values_per_channel_is_named_by_its_summati
     assert _failing(compare_precision([f"emulated:fp16:{reset}"], ("fp16",), case, mode="train", budget=False)).empty
     assert "y" in set(_failing(compare_precision(["emulated:fp16:order=vec,lanes=8,unroll=2"], ("fp16",), case,
                                                  mode="train", budget=False)).tensor)
+
+
+@pytest.mark.parametrize("bug", [b for b in LOGIC_BUGS if b != "running-var-plus-eps"])
+def test_compare_precision_names_each_planted_bug_by_doctors_model(bug):
+    """Each kernel of tests/checks/bn_plugins.py with one logic bug (written there in numpy, not with doctor's models),
+    on doctor's diagnostic input in fp16, bf16 and fp32: every output compare-precision fails is named, and by that
+    bug (alone, or among the bugs the call cannot tell from it).  (running_var + ε passes msprobe's benchmark on this
+    input: doctor's own rule finds it, tests/checks/test_diagnosis.py.)"""
+    from bnprobe.checks.compare.precision import CallOptions
+    from bnprobe.checks.doctor.inputs import probes
+
+    eps = 1e-3 if bug == "eps-ignored" else None  # (the bug that only a layer's own ε shows)
+    rows = compare_precision([NumpyBN(bug)], ("fp16", "bf16", "fp32"), probes(0, stress=False), budget=False,
+                             options=CallOptions(eps=eps)).rows
+    fails = rows[rows.verdict == "FAIL"]
+    assert len(fails), bug
+    assert all(isinstance(c, str) and bug in c.split("|") for c in fails.cause), fails[["dtype", "tensor", "why"]]
