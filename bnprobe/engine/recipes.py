@@ -114,9 +114,9 @@ def _from_rounded(call: BNCall, got: dict[str, Any], saved: Any) -> dict[str, li
     pf = params_format(call.dtype, call.params)
     x = np.asarray(call.x, dtype=np.float64)
     with np.errstate(all="ignore"):
-        var = round_to(x.var(axis=reduce_axes(x)), pf)
-        exact = (x.mean(axis=reduce_axes(x)), 1.0 / np.sqrt(x.var(axis=reduce_axes(x)) + call.eps))
-        stats = [(round_to(exact[0], pf), round_to(1.0 / np.sqrt(var + call.eps), pf))]
+        var = x.var(axis=reduce_axes(x))
+        exact = (x.mean(axis=reduce_axes(x)), 1.0 / np.sqrt(var + call.eps))
+        stats = [(round_to(exact[0], pf), round_to(1.0 / np.sqrt(round_to(var, pf) + call.eps), pf))]
         # the saved statistics too, where they are the batch's rounded to the parameter format (within an ulp of
         # it): statistics wrong otherwise (a bug's) make the golden backward from them reproduce any backward
         ulp = get_format(pf).ulp
