@@ -79,52 +79,46 @@ def _y_from(call: BNCall, mean: np.ndarray, invstd: np.ndarray, fmt: str) -> np.
     return round_to(y, fmt)
 
 
-def _y_from_rounded(call: BNCall, got: dict[str, Any], saved: Any) -> dict[str, list[np.ndarray]]:
-    """y normalised with rounded statistics, two ways: with the statistics the kernel stored (its saved mean and
-    invstd, however it computed them), and — for a kernel that saves none, as in a dump of torch's functional call
-    — with the batch mean and variance each rounded to the parameter format, invstd from that variance rounded
-    too (what PyTorch's CPU kernel stores)."""
+def _rounded_batch_stats(call: BNCall, pf: str) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """((mean, invstd) of the batch as PyTorch's CPU kernel stores them: the mean and the variance each rounded to
+    ``pf``, invstd from that variance rounded too; (mean, invstd) exact)."""
     from bnprobe.kernels.layout import reduce_axes
     from bnprobe.numerics.rounding import round_to
 
-    if "y" not in got:
-        return {}
-    fmt = get_format(np.asarray(got["y"]).dtype).name
-    pf = params_format(call.dtype, call.params)
-    out = [] if saved is None else [_y_from(call, saved.mean, saved.invstd(call.eps), fmt)]
     x = np.asarray(call.x, dtype=np.float64)
     with np.errstate(all="ignore"):
-        var = round_to(x.var(axis=reduce_axes(x)), pf)
-        out.append(_y_from(call, round_to(x.mean(axis=reduce_axes(x)), pf), round_to(1.0 / np.sqrt(var + call.eps), pf),
-                           fmt))
-    return {"y": out}
+        mean, var = x.mean(axis=reduce_axes(x)), x.var(axis=reduce_axes(x))
+        rounded = (round_to(mean, pf), round_to(1.0 / np.sqrt(round_to(var, pf) + call.eps), pf))
+        return rounded, (mean, 1.0 / np.sqrt(var + call.eps))
 
 
 def _from_rounded(call: BNCall, got: dict[str, Any], saved: Any) -> dict[str, list[np.ndarray]]:
-    """:func:`_y_from_rounded`, and the golden's backward from the same rounded statistics (dx in the input's
-    format, dγ in the parameters'): a kernel that keeps only its rounded statistics computes its gradients from them
-    too, as PyTorch's CPU backward does from the save_mean and save_invstd it is handed."""
-    from bnprobe.kernels.layout import reduce_axes
+    """The outputs of a kernel that normalises with rounded statistics: y two ways — with the statistics the kernel
+    stored (its saved mean and invstd, however it computed them), and, for a kernel that saves none, as in a dump of
+    torch's functional call, with the batch's as PyTorch's CPU kernel stores them (:func:`_rounded_batch_stats`) —
+    and the golden's backward from such statistics (dx in the input's format, dγ in the parameters'): a kernel that
+    keeps only its rounded statistics computes its gradients from them too, as PyTorch's CPU backward does from the
+    save_mean and save_invstd it is handed.  The backward takes the stored statistics only where they are the
+    batch's rounded (within an ulp): statistics wrong otherwise (a bug's) make the golden backward from them
+    reproduce any backward."""
     from bnprobe.numerics.rounding import round_to
 
-    out: dict[str, list[np.ndarray]] = _y_from_rounded(call, got, saved)
+    pf = params_format(call.dtype, call.params)
+    rounded, exact = _rounded_batch_stats(call, pf)
+    stored = None if saved is None else (saved.mean, saved.invstd(call.eps))
+    out: dict[str, list[np.ndarray]] = {}
+    if "y" in got:
+        fmt = get_format(np.asarray(got["y"]).dtype).name
+        out["y"] = [_y_from(call, *s, fmt) for s in ((stored,) if stored is not None else ()) + (rounded,)]
     wanted = [k for k in ("dx", "dgamma") if k in got]
     if call.dy is None or not wanted:
         return out
-    pf = params_format(call.dtype, call.params)
-    x = np.asarray(call.x, dtype=np.float64)
+    ulp = get_format(pf).ulp
     with np.errstate(all="ignore"):
-        var = x.var(axis=reduce_axes(x))
-        exact = (x.mean(axis=reduce_axes(x)), 1.0 / np.sqrt(var + call.eps))
-        stats = [(round_to(exact[0], pf), round_to(1.0 / np.sqrt(round_to(var, pf) + call.eps), pf))]
-        # the saved statistics too, where they are the batch's rounded to the parameter format (within an ulp of
-        # it): statistics wrong otherwise (a bug's) make the golden backward from them reproduce any backward
-        ulp = get_format(pf).ulp
-        if saved is not None and all(np.all(np.abs(np.asarray(v, dtype=np.float64) - e) <= ulp(e))
-                                     for v, e in zip((saved.mean, saved.invstd(call.eps)), exact)):
-            stats.insert(0, (saved.mean, saved.invstd(call.eps)))
+        near = stored is not None and all(np.all(np.abs(np.asarray(v, dtype=np.float64) - e) <= ulp(e))
+                                          for v, e in zip(stored, exact))
         ref = outputs_only(ReferenceAdapter())
-        for mean, inv in stats:
+        for mean, inv in ((stored, rounded) if near else (rounded,)):
             b = ref.backward_of(call, Saved(np.asarray(mean, dtype=np.float64), "invstd",
                                             np.asarray(inv, dtype=np.float64)))
             for k, v in (("dx", b.dx), ("dgamma", b.dgamma)):
