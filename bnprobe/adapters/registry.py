@@ -306,6 +306,15 @@ def _load_entry_point(name: str, ep: object) -> tuple[object, str]:
     return obj, module
 
 
+def refuse_empty_options(spec: str) -> None:
+    """A built-in adapter's ``spec`` with a ':' and nothing after it refused in one line: a ':' promises options (a
+    DIR for ``dump:``); none given is a mistake, not the adapter's defaults (nor, for ``dump:``, the current folder)."""
+    head, sep, opts = spec.strip().partition(":")
+    if sep and head in BUILTIN and not opts.strip():
+        raise BNProbeError(f"adapter {spec.strip()!r} has nothing after ':'; give " + (
+            "dump:DIR" if head == "dump" else f"{head} alone, or {head}:<options>"))
+
+
 def get_adapter(spec: str | KernelAdapter) -> KernelAdapter:
     """An adapter by name (``emulated:fp16``, ``ascend-tbe:chip=910``, ``dump:DIR``, ``pkg.mod:Name``...)."""
     if not isinstance(spec, str):
@@ -316,9 +325,7 @@ def get_adapter(spec: str | KernelAdapter) -> KernelAdapter:
     else:
         head, sep, opts = spec.partition(":")
         info = BUILTIN.get(head) if sep else None
-        if info is not None and not opts.strip():  # a ':' promises options: none given is a mistake
-            raise BNProbeError(f"adapter {spec!r} has nothing after ':'; give " + (
-                "dump:DIR" if head == "dump" else f"{head} alone, or {head}:<options>"))
+        refuse_empty_options(spec)
     if info is not None:
         why = info.why_unavailable()
         if why and not (info.name == "torch" and opts):

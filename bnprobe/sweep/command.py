@@ -45,8 +45,9 @@ WRITES_BY_DEFAULT = tuple(c.name for c in COMMANDS if c.writes_by_default)
 def find_root(adapter: str, input: Path | None, asked: bool) -> tuple[Path, str | None] | None:
     """(dump root, the runnable adapter or None for the recorded outputs) when this run is a sweep: ``asked`` for
     (a sweep's option given), or a dump root holding several step/rank dumps; None when it is not."""
-    if adapter.strip() == "dump:":  # (not the current folder: a ':' promises a DIR)
-        raise BNProbeError("adapter 'dump:' has nothing after ':'; give dump:DIR")
+    from bnprobe.adapters.registry import refuse_empty_options
+
+    refuse_empty_options(adapter)  # ("dump:" is not the current folder: a ':' promises a DIR)
     if adapter.startswith("dump:") and "#" not in adapter:
         root, runnable = Path(adapter[len("dump:"):]), None
     elif input is not None and input.is_dir():
