@@ -1035,7 +1035,8 @@ def overflow_cmd(
     if _one_value_per_channel(x):
         from bnprobe.adapters.registry import as_adapter
 
-        kernel, caps = as_adapter(kernel), as_adapter(kernel).capabilities()
+        kernel = as_adapter(kernel)
+        caps = kernel.capabilities()
         _training_on_one_value(x.shape, 1, mode in ("train", "backward") or mode is None and
                                "train" in caps.modes, caps.training_r1, "training", "--mode infer scans its inference")
     rep = scan(kernel, BNCall(x, **_if_given(eps=eps)), dtype=target.dtype, accumulate=target.accumulate, mode=mode,

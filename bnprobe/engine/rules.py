@@ -34,6 +34,7 @@ from bnprobe.core.tolerances import (
     SMALL_VALUE_ULPS,
     Standard,
     accumulation_bound,
+    accumulated_terms,
     accumulation_format,
     accumulation_words,
     doctor_tolerance,
@@ -398,7 +399,7 @@ def within_accumulation(tensor: str, actual: Any, golden: Any, fmt: str, scale: 
         return None
     worst = int(np.argmax(used))
     g_r, rhs = accumulation_words(terms)
-    blocked = "" if g_r == f"γ_{terms}" and rhs.startswith(f"{terms}·") and "(" not in rhs else f", {g_r} = {rhs}"
+    blocked = "" if accumulated_terms(terms)[1] == terms else f", {g_r} = {rhs}"  # (past 4096 terms: how m is made)
     return float(used[worst]), (
         f"within the rounding of a {accumulation_format(fmt)} accumulation of its "
         f"{terms} terms: every error at most {100 * used[worst]:.3g}% of {g_r}·Σ|terms| + ½ ulp{blocked} (channel "
